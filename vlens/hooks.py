@@ -1,0 +1,115 @@
+"""Hook names (TransformerLens style), their per-token shapes, and resolution of user specs.
+
+A spec is a name, a glob (`blocks.*.hook_resid_post`, `blocks.{3,7}.hook_attn_out`,
+`blocks.{0..5}.ln1.hook_normalized`) or a list of them. Resolution maps every requested name to the
+canonical tap that produces it: `hidden_states.{i}` are aliases with HF's index meaning.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable
+
+from vlens.config import ModelConfig
+
+# Per-layer taps in the order the forward reaches them.
+LAYER_HOOKS = (
+    "hook_resid_pre",
+    "ln1.hook_normalized",
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+    "attn.hook_z",
+    "hook_attn_out",
+    "hook_resid_mid",
+    "ln2.hook_normalized",
+    "mlp.hook_post",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
+FINAL_NORM = "ln_final.hook_normalized"
+LOGITS = "unembed.hook_out"
+
+
+class HookSpecError(ValueError):
+    """A hook spec that names nothing the loaded model has."""
+
+
+def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every hook name of the model, in forward order, with its per-token shape."""
+    d, heads, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_layer = {
+        "attn.hook_q": (heads, dh),
+        "attn.hook_k": (kv, dh),
+        "attn.hook_v": (kv, dh),
+        "attn.hook_z": (heads, dh),
+        "mlp.hook_post": (cfg.intermediate_size,),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"hook_embed": (d,)}
+    for layer in range(cfg.num_layers):
+        for hook in LAYER_HOOKS:
+            shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
+    shapes[FINAL_NORM] = (d,)
+    shapes[LOGITS] = (cfg.vocab_size,)
+    for i in range(cfg.num_layers + 1):
+        shapes[f"hidden_states.{i}"] = (d,)
+    return shapes
+
+
+def canonical(name: str, cfg: ModelConfig) -> str:
+    """The tap behind a (valid) name: aliases map to the tap with the same values."""
+    if not name.startswith("hidden_states."):
+        return name
+    i = int(name.split(".")[1])
+    return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
+
+
+def layers_needed(tap: str, cfg: ModelConfig) -> int:
+    """How many decoder layers must run before this tap has fired."""
+    if tap == "hook_embed":
+        return 0
+    if tap.startswith("blocks."):
+        layer, hook = tap[len("blocks.") :].split(".", 1)
+        return int(layer) + (hook != "hook_resid_pre")
+    return cfg.num_layers
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    body = match.group(1)
+    if re.fullmatch(r"\d+\.\.\d+", body):
+        lo, hi = map(int, body.split(".."))
+        options = [str(i) for i in range(lo, hi + 1)]
+    else:
+        options = [o.strip() for o in body.split(",")]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [expanded for option in options for expanded in _expand_braces(head + option + tail)]
+
+
+def resolve_hooks(spec: str | Iterable[str], cfg: ModelConfig) -> dict[str, str]:
+    """Requested name -> canonical tap, in forward order, for a name/glob or list of them.
+
+    Raises HookSpecError naming the closest valid names when a pattern matches nothing."""
+    patterns = [spec] if isinstance(spec, str) else list(spec)
+    if not patterns:
+        raise HookSpecError("hooks: empty spec; give at least one hook name or glob (see `vlens hooks`)")
+    valid = hook_shapes(cfg)
+    chosen: set[str] = set()
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise HookSpecError(f"hooks: expected hook names (str), got {type(pattern).__name__}: {pattern!r}")
+        found = [n for p in _expand_braces(pattern) for n in ([p] if p in valid else fnmatch.filter(valid, p))]
+        if not found:
+            close = difflib.get_close_matches(pattern, list(valid), n=5, cutoff=0.5)
+            hint = f"; closest valid names: {', '.join(close)}" if close else ""
+            raise HookSpecError(
+                f"hooks: {pattern!r} matches no hook of this model ({cfg.architecture}, "
+                f"{cfg.num_layers} layers, blocks.0..blocks.{cfg.num_layers - 1}){hint}; "
+                "`vlens hooks` lists them all"
+            )
+        chosen.update(found)
+    return {name: canonical(name, cfg) for name in valid if name in chosen}

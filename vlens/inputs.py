@@ -1,0 +1,40 @@
+"""Turning user prompts into token-id lists, with errors that name the offending field and item."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def to_token_lists(prompts: Any, tokenizer: Any, vocab_size: int, field: str = "prompts") -> list[list[int]]:
+    """str | list[str] | list[list[int]] -> list of token-id lists, tokenized with the tokenizer's
+    defaults (special tokens included, as HF does)."""
+    if isinstance(prompts, str) or _is_token_list(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"{field}: expected a string, a list of strings or a list of token-id lists, got {prompts!r}")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p:
+                raise ValueError(f"{field}[{i}]: empty text; give at least one character")
+            if tokenizer is None:
+                raise ValueError(f"{field}[{i}]: this checkpoint has no tokenizer files; pass token-id lists")
+            ids = tokenizer(p)["input_ids"]
+        elif _is_token_list(p):
+            ids = [int(t) for t in p]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{field}[{i}]: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        else:
+            raise ValueError(f"{field}[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
+        if not ids:
+            raise ValueError(f"{field}[{i}]: empty prompt (no tokens)")
+        out.append(list(ids))
+    return out
+
+
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
+        isinstance(t, int) or (hasattr(t, "__index__") and not isinstance(t, bool)) for t in x
+    )

