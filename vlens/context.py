@@ -15,13 +15,15 @@ Tap = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
-class ForwardContext:
-    positions: torch.Tensor  # [T] position of each packed token within its sequence
-    q_index: torch.Tensor | None  # [T] index of each token in the [B * max_q] query grid; None = identity
+class AttentionGroup:
+    """Sequences whose queries share one [B, max_q] grid for one SDPA call; their tokens are the
+    contiguous packed rows `rows`. Decodes (max_q = 1) and long prefills go in separate groups so
+    that no grid is mostly padding."""
+
+    rows: slice
     query_positions: torch.Tensor  # [B, max_q] position of each grid slot (0 in unused slots)
-    key_slots: torch.Tensor | None = None  # [B, Lk] cache slots of each sequence's keys; None = no cache
-    slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key/value is written to
-    taps: dict[str, Tap] = field(default_factory=dict)  # hook name -> what to do there; empty = nothing
+    q_index: torch.Tensor | None = None  # [rows] slot of each token in the flattened grid; None = identity
+    key_slots: torch.Tensor | None = None  # [B, Lk] cache slot of key j of each sequence; None = no cache
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @property
@@ -43,13 +45,21 @@ class ForwardContext:
                 self._masks[window] = None  # keys are the queries themselves, from position 0: is_causal
             else:
                 num_keys = self.max_q if self.key_slots is None else self.key_slots.shape[1]
-                key_pos = torch.arange(num_keys, device=self.positions.device)
+                key_pos = torch.arange(num_keys, device=self.query_positions.device)
                 q = self.query_positions[:, None, :, None]
                 allowed = key_pos <= q
                 if window is not None:
                     allowed &= key_pos > q - window
                 self._masks[window] = allowed
         return self._masks[window]
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor  # [T] position of each packed token within its sequence
+    groups: list[AttentionGroup]
+    slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key/value is written to
+    taps: dict[str, Tap] = field(default_factory=dict)  # hook name -> what to do there; empty = nothing
 
 
 _context: ForwardContext | None = None
@@ -65,19 +75,25 @@ def get_context() -> ForwardContext:
     return _context
 
 
+def grid_layout(starts: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Positions [T], grid positions [B, max_q] and grid index [T] (None when all lengths are equal)
+    for sequences whose new tokens start at positions `starts` and number `lens` (CPU tensors)."""
+    max_q = int(lens.max())
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
+    grid = torch.arange(max_q).expand(len(lens), max_q)
+    query_positions = torch.where(grid < lens[:, None], starts[:, None] + grid, 0)
+    q_index = None if int(lens.min()) == max_q else seq * max_q + offset
+    return starts[seq] + offset, query_positions, q_index
+
+
 def packed_context(seq_lens: list[int], device: torch.device, taps: dict[str, Tap] | None = None) -> ForwardContext:
     """Context for a cache-less forward of whole sequences packed back to back (trace, harvest)."""
     lens = torch.tensor(seq_lens, dtype=torch.long)
-    starts = torch.cumsum(lens, 0) - lens
-    max_q = int(lens.max())
-    token_seq = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
-    positions = torch.arange(int(lens.sum())) - starts[token_seq]
-    grid = torch.arange(max_q).expand(len(seq_lens), max_q)
-    query_positions = torch.where(grid < lens[:, None], grid, 0)
-    q_index = None if min(seq_lens) == max_q else token_seq * max_q + positions  # equal lengths: identity
-    return ForwardContext(
-        positions=positions.to(device),
-        q_index=None if q_index is None else q_index.to(device),
+    positions, query_positions, q_index = grid_layout(torch.zeros_like(lens), lens)
+    group = AttentionGroup(
+        rows=slice(0, len(positions)),
         query_positions=query_positions.to(device),
-        taps=taps or {},
+        q_index=None if q_index is None else q_index.to(device),
     )
+    return ForwardContext(positions=positions.to(device), groups=[group], taps=taps or {})

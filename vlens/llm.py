@@ -1,4 +1,8 @@
-"""`LLM`: the user-facing entry point (vLLM-shaped), for generation with capture and for traces."""
+"""`LLM`: the user-facing entry point, shaped like vLLM's so that porting code means changing an import.
+
+generate() and chat() go through the continuous-batching engine (built on first use, since it owns
+the KV cache); trace() runs one cache-less packed forward per batch of texts.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,15 @@ import os
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
+from vlens.engine.llm_engine import LLMEngine
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.hooks import hook_shapes, resolve_hooks
 from vlens.inputs import to_token_lists
 from vlens.loader import load_model
+from vlens.outputs import RequestOutput
+from vlens.sampling_params import SamplingParams
 
 
 class LLM:
@@ -26,19 +34,87 @@ class LLM:
         block_size: int = 16,
         enable_capture: bool = True,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
     ):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
         loaded = load_model(model, dtype=dtype, device=device)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
-        self.device = next(self.model.parameters()).device
-        self.dtype = next(self.model.parameters()).dtype
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {max_num_batched_tokens}")
+        self.device = loaded.model.lm_head.weight.device
+        self.dtype = loaded.model.lm_head.weight.dtype
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._engine_args = dict(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            enable_capture=enable_capture,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
+        self._engine: LLMEngine | None = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            self._engine = LLMEngine(self.model, self.tokenizer, **self._engine_args)
+        return self._engine
 
     def hook_names(self) -> dict[str, tuple[int, ...]]:
         """Every hook name this model has, in forward order, with its per-token shape."""
         return hook_shapes(self.config)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt in one continuous batch; outputs come back in prompt order.
+
+        Every request is validated before any runs, so a bad one fails the call without side effects."""
+        token_lists = to_token_lists(prompts, self.tokenizer, self.config.vocab_size)
+        texts = [prompts] if isinstance(prompts, str) else [p if isinstance(p, str) else None for p in prompts]
+        return self._run(token_lists, texts[: len(token_lists)], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template; use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("messages: expected a conversation (list of {'role', 'content'} dicts) or a list of them")
+        rendered = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False) for c in conversations
+        ]
+        token_lists = [self.tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+        return self._run(token_lists, rendered, sampling_params, use_tqdm)
+
+    def _run(self, token_lists, texts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(token_lists) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(token_lists):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(token_lists)} prompts; give one, or one per prompt")
+        seqs = [engine.make_sequence(ids, p, i, t) for i, (ids, p, t) in enumerate(zip(token_lists, params, texts))]
+        for seq in seqs:
+            engine.add(seq)
+        results: list[RequestOutput | None] = [None] * len(seqs)
+        with tqdm(total=len(seqs), desc="vlens generate", unit="req", disable=not use_tqdm) as bar:
+            while engine.has_work():
+                for seq in engine.step():
+                    results[seq.index] = engine.result(seq)
+                    bar.update(1)
+        return results
 
     @torch.inference_mode()
     def trace(
@@ -57,4 +133,3 @@ class LLM:
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]
-

@@ -1,9 +1,9 @@
 """The reference attention backend: causal attention of a packed batch, over a paged KV cache or none.
 
 Pure PyTorch, so it runs wherever torch does and is the yardstick for faster backends. Tokens arrive
-packed ([T, heads, d]); the backend lays them on a [B, max_q] grid only for the SDPA call (slots past
-a sequence's end are masked out and never read back). With a cache, new keys are written to their
-slots first and each sequence then attends over the keys its block table names.
+packed ([T, heads, d]); each attention group lays its sequences on a [B, max_q] grid for one SDPA
+call (slots past a sequence's end are masked and never read back). With a cache, new keys are
+written to their slots first and each sequence then attends over the keys its block table names.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.context import get_context
+from vlens.context import AttentionGroup, get_context
 
 
 class Attention(nn.Module):
@@ -29,13 +29,21 @@ class Attention(nn.Module):
         if ctx.slot_mapping is not None:
             self.k_cache.index_copy_(0, ctx.slot_mapping, k)
             self.v_cache.index_copy_(0, ctx.slot_mapping, v)
-        if ctx.key_slots is not None:
-            keys, values = self.k_cache[ctx.key_slots], self.v_cache[ctx.key_slots]
+        if len(ctx.groups) == 1:
+            return self._attend(q, k, v, ctx.groups[0])
+        out = torch.empty_like(q)
+        for g in ctx.groups:
+            out[g.rows] = self._attend(q[g.rows], k[g.rows], v[g.rows], g)
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        if g.key_slots is not None:
+            keys, values = self.k_cache[g.key_slots], self.v_cache[g.key_slots]
         else:
-            keys, values = _to_grid(k, ctx), _to_grid(v, ctx)
-        mask = ctx.mask(self.window)
+            keys, values = _to_grid(k, g), _to_grid(v, g)
+        mask = g.mask(self.window)
         out = F.scaled_dot_product_attention(
-            _to_grid(q, ctx).transpose(1, 2),
+            _to_grid(q, g).transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=mask,
@@ -44,13 +52,13 @@ class Attention(nn.Module):
             enable_gqa=self.num_kv_heads != self.num_heads,
         )
         out = out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-        return out if ctx.q_index is None else out.index_select(0, ctx.q_index)
+        return out if g.q_index is None else out.index_select(0, g.q_index)
 
 
-def _to_grid(x: torch.Tensor, ctx) -> torch.Tensor:
-    """[T, h, d] packed -> [B, max_q, h, d] grid (zeros in unused slots)."""
-    if ctx.q_index is None:
-        return x.view(ctx.batch, ctx.max_q, *x.shape[1:])
-    grid = x.new_zeros(ctx.batch * ctx.max_q, *x.shape[1:])
-    grid.index_copy_(0, ctx.q_index, x)
-    return grid.view(ctx.batch, ctx.max_q, *x.shape[1:])
+def _to_grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """[rows, h, d] packed -> [B, max_q, h, d] grid (zeros in unused slots)."""
+    if g.q_index is None:
+        return x.view(g.batch, g.max_q, *x.shape[1:])
+    grid = x.new_zeros(g.batch * g.max_q, *x.shape[1:])
+    grid.index_copy_(0, g.q_index, x)
+    return grid.view(g.batch, g.max_q, *x.shape[1:])

@@ -1,0 +1,112 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts and hash-chained prefix caching.
+
+A full block is identified by the hash of (previous block's hash, its tokens, the sequence's cache
+salt), so a block is reused only behind an identical prefix computed under identical conditions.
+Freed blocks keep their hash until handed out again, so a preempted or repeated prompt finds them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from vlens.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default=())
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.enable_prefix_caching = enable_prefix_caching
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1 - len(self.free) / len(self.blocks)
+
+    def _chain_hash(self, prev: int | None, tokens: tuple[int, ...], salt: object) -> int:
+        return hash((prev, tokens, salt))
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _fresh(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def admit(self, seq: Sequence) -> None:
+        """Attach cached blocks for the longest reusable prefix of a sequence that holds no blocks.
+
+        At most `seq.max_cached_tokens()` tokens are taken from the cache, and always one fewer than
+        the sequence has, so its last token is computed and yields logits."""
+        assert not seq.block_table
+        seq.num_computed = 0
+        if not self.enable_prefix_caching:
+            return
+        limit = min(seq.max_cached_tokens(), len(seq.token_ids) - 1) // self.block_size
+        prev = None
+        for i in range(limit):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = self._chain_hash(prev, tokens, seq.cache_salt)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            prev = h
+        seq.num_computed = len(seq.block_table) * self.block_size
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make the sequence's blocks cover `num_tokens` tokens; False (nothing taken) if too few are free."""
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._fresh())
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the blocks that became full and computed, so later sequences can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self._chain_hash(prev, tokens, seq.cache_salt)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self.cached.setdefault(h, block.id)
+            seq.block_hashes.append(h)
+
+    def release(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed = 0

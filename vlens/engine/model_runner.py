@@ -1,0 +1,172 @@
+"""One engine step on the device: lay out the scheduled chunks, run the model over the paged cache,
+gather captured rows, compute logits only where needed, and sample.
+
+Everything per step is built as a handful of host tensors (no per-token Python), moved once, and the
+only host sync is the copy of the sampled token ids back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlens.context import AttentionGroup, ForwardContext, grid_layout, set_context
+from vlens.engine.capture import CapturePlan, CaptureRequest
+from vlens.engine.sampler import SamplingBatch, sample, top_logprobs
+from vlens.engine.sequence import Sequence
+from vlens.hooks import LOGITS
+from vlens.models.llama import CausalLM
+
+
+@dataclass
+class StepOutput:
+    sampled: list[Sequence]  # sequences that got a new token this step, in order
+    tokens: list[int]
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # chosen [B], top ids [B, k], top values [B, k]
+    plan: CapturePlan | None  # owners are (sequence, stream index, positions)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+        self.model, self.cfg = model, model.cfg
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.block_size = block_size
+        shape = (self.cfg.num_layers, 2, num_blocks * block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    @staticmethod
+    def bytes_per_block(model: CausalLM, block_size: int) -> int:
+        cfg = model.cfg
+        itemsize = model.lm_head.weight.element_size()
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    def _group(self, chunk: list[tuple[Sequence, int]], first_row: int) -> tuple[AttentionGroup, torch.Tensor, torch.Tensor]:
+        starts = torch.tensor([s.num_computed for s, _ in chunk], dtype=torch.long)
+        lens = torch.tensor([n for _, n in chunk], dtype=torch.long)
+        positions, query_positions, q_index = grid_layout(starts, lens)
+        num_keys = int((starts + lens).max())
+        width = -(-num_keys // self.block_size)
+        tables = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, (seq, _) in enumerate(chunk):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table[:width], dtype=torch.long)
+        j = torch.arange(num_keys)
+        key_slots = tables[:, j // self.block_size] * self.block_size + j % self.block_size
+        seq_of_row = torch.repeat_interleave(torch.arange(len(chunk)), lens)
+        slots = key_slots[seq_of_row, positions]
+        group = AttentionGroup(
+            rows=slice(first_row, first_row + len(positions)),
+            query_positions=query_positions.to(self.device, non_blocking=True),
+            q_index=None if q_index is None else q_index.to(self.device, non_blocking=True),
+            key_slots=key_slots.to(self.device, non_blocking=True),
+        )
+        return group, positions, slots
+
+    def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], ForwardContext, torch.Tensor]:
+        """Order the batch as decodes first, then prefill chunks grouped so grids stay dense."""
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        prefills = sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
+        chunks: list[list[tuple[Sequence, int]]] = [decodes] if decodes else []
+        for c in prefills:  # longest first; a chunk joins a group while the grid stays at most half padding
+            group = chunks[-1] if chunks and chunks[-1] is not decodes else None
+            if group is not None and (len(group) + 1) * group[0][1] <= 2 * (sum(n for _, n in group) + c[1]):
+                group.append(c)
+            else:
+                chunks.append([c])
+        groups, positions, slots, row = [], [], [], 0
+        for chunk in chunks:
+            g, p, s = self._group(chunk, row)
+            groups.append(g)
+            positions.append(p)
+            slots.append(s)
+            row += len(p)
+        order = [c for chunk in chunks for c in chunk]
+        ids = torch.tensor([t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]])
+        ctx = ForwardContext(
+            positions=torch.cat(positions).to(self.device, non_blocking=True),
+            groups=groups,
+            slot_mapping=torch.cat(slots).to(self.device, non_blocking=True),
+        )
+        return order, ctx, ids
+
+    def _capture_requests(self, order: list[tuple[Sequence, int]]) -> tuple[list[CaptureRequest], torch.Tensor, torch.Tensor | None]:
+        """Rows each sequence's streams want from this step; the rows whose logits are computed; and
+        where the sampled rows sit among those (None: they are all of them)."""
+        requests: list[CaptureRequest] = []
+        sample_rows, logit_capture = [], []
+        row = 0
+        for seq, n in order:
+            start = seq.num_computed
+            if start + n == len(seq.token_ids):
+                sample_rows.append(row + n - 1)
+            for k, stream in enumerate(seq.streams):
+                positions = stream.select(seq.token_ids, start, start + n)
+                if not len(positions):
+                    continue
+                rows = positions - start + row
+                owner = (seq, k, positions)  # one object per stream and step: its taps' rows stay aligned
+                for tap in stream.taps:
+                    requests.append(CaptureRequest(owner, tap, rows, stream.dtype))
+                    if tap == LOGITS:
+                        logit_capture.append(rows)
+            row += n
+        sample_rows = torch.tensor(sample_rows, dtype=torch.long)
+        if not logit_capture:
+            return requests, sample_rows, None
+        # Logits are computed once for the sampled and the captured rows; captures index into them.
+        logit_rows = torch.unique(torch.cat([sample_rows, *logit_capture]))
+        for r in requests:
+            if r.tap == LOGITS:
+                r.rows = torch.searchsorted(logit_rows, r.rows)
+        return requests, logit_rows, torch.searchsorted(logit_rows, sample_rows)
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        p = [s.params for s in seqs]
+        dev = self.device
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        return SamplingBatch(
+            temperature=t([x.temperature for x in p], torch.float32),
+            top_k=t([x.top_k for x in p], torch.long),
+            top_p=t([x.top_p for x in p], torch.float32),
+            min_p=t([x.min_p for x in p], torch.float32),
+            seeds=t([s.seed for s in seqs], torch.long),
+            offsets=t([len(s.token_ids) for s in seqs], torch.long),
+            all_greedy=all(x.temperature == 0 for x in p),
+            any_top_k_or_p=any(x.temperature > 0 and (x.top_k > 0 or x.top_p < 1) for x in p),
+            any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
+        order, ctx, ids = self._layout(scheduled)
+        requests, logit_rows, sample_index = self._capture_requests(order)
+        plan = CapturePlan(requests, self.device) if requests else None
+        if plan is not None:
+            ctx.taps = plan.taps
+        sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids)]
+        set_context(ctx)
+        try:
+            hidden = self.model(ids.to(self.device, non_blocking=True))
+            if len(logit_rows):
+                logits = self.model.logits(hidden.index_select(0, logit_rows.to(self.device, non_blocking=True)))
+                if sample_index is not None:
+                    logits = logits.index_select(0, sample_index.to(self.device, non_blocking=True))
+        finally:
+            set_context(None)
+        if plan is not None:
+            plan.start_copy()
+        if not sampled:
+            return StepOutput([], [], None, plan)
+        tokens = sample(logits, self._sampling_batch(sampled))
+        logprobs = None
+        k = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
+        if k is not None:
+            logprobs = tuple(x.to("cpu", non_blocking=True) for x in top_logprobs(logits, tokens, k))
+        # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
+        return StepOutput(sampled, tokens.to("cpu").tolist(), logprobs, plan)
