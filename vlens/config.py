@@ -22,6 +22,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
 
+# model_type -> architecture, for configs that carry no `architectures` list.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -55,6 +63,8 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers config object (parsed by AutoConfig, never run)."""
         arch = (getattr(hf, "architectures", None) or [None])[0]
+        if arch is None:  # configs saved without a model (or by hand) may lack `architectures`
+            arch = MODEL_TYPES.get(getattr(hf, "model_type", None))
         if arch not in ARCHITECTURES:
             supported = ", ".join(sorted(ARCHITECTURES))
             raise UnsupportedModelError(

@@ -90,10 +90,25 @@ def _expand_braces(pattern: str) -> list[str]:
     return [expanded for option in options for expanded in _expand_braces(head + option + tail)]
 
 
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpecError:
+    close = difflib.get_close_matches(name, list(valid), n=5, cutoff=0.5)
+    hint = f"; closest valid names: {', '.join(close)}" if close else ""
+    where = f"{name!r}" if name == pattern else f"{name!r} (from {pattern!r})"
+    return HookSpecError(
+        f"hooks: {where} matches no hook of this model ({cfg.architecture}, "
+        f"{cfg.num_layers} layers, blocks.0..blocks.{cfg.num_layers - 1}){hint}; "
+        "`vlens hooks` lists them all"
+    )
+
+
 def resolve_hooks(spec: str | Iterable[str], cfg: ModelConfig) -> dict[str, str]:
     """Requested name -> canonical tap, in forward order, for a name/glob or list of them.
 
-    Raises HookSpecError naming the closest valid names when a pattern matches nothing."""
+    Raises HookSpecError naming the closest valid names when a pattern, or one of its brace
+    alternatives without wildcards, matches nothing."""
     patterns = [spec] if isinstance(spec, str) else list(spec)
     if not patterns:
         raise HookSpecError("hooks: empty spec; give at least one hook name or glob (see `vlens hooks`)")
@@ -102,14 +117,15 @@ def resolve_hooks(spec: str | Iterable[str], cfg: ModelConfig) -> dict[str, str]
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise HookSpecError(f"hooks: expected hook names (str), got {type(pattern).__name__}: {pattern!r}")
-        found = [n for p in _expand_braces(pattern) for n in ([p] if p in valid else fnmatch.filter(valid, p))]
+        found: list[str] = []
+        for expanded in _expand_braces(pattern):
+            matches = [expanded] if expanded in valid else fnmatch.filter(valid, expanded)
+            # A brace alternative spelled out in full (`blocks.{3,40}...`) names one hook: if the model
+            # lacks it, say so rather than silently return the others. Wildcards may match nothing.
+            if not matches and not _GLOB_CHARS.search(expanded):
+                raise _no_match(expanded, pattern, valid, cfg)
+            found += matches
         if not found:
-            close = difflib.get_close_matches(pattern, list(valid), n=5, cutoff=0.5)
-            hint = f"; closest valid names: {', '.join(close)}" if close else ""
-            raise HookSpecError(
-                f"hooks: {pattern!r} matches no hook of this model ({cfg.architecture}, "
-                f"{cfg.num_layers} layers, blocks.0..blocks.{cfg.num_layers - 1}){hint}; "
-                "`vlens hooks` lists them all"
-            )
+            raise _no_match(pattern, pattern, valid, cfg)
         chosen.update(found)
     return {name: canonical(name, cfg) for name in valid if name in chosen}

@@ -26,6 +26,8 @@ def to_token_lists(prompts: Any, tokenizer: Any, vocab_size: int, field: str = "
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{field}[{i}]: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        elif isinstance(p, Sequence) and len(p) == 0:
+            raise ValueError(f"{field}[{i}]: empty token-id list; give at least one token")
         else:
             raise ValueError(f"{field}[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
         if not ids:
@@ -35,6 +37,7 @@ def to_token_lists(prompts: Any, tokenizer: Any, vocab_size: int, field: str = "
 
 
 def _is_token_list(x: Any) -> bool:
+    # bool is an int subclass: [True, False] is a mistake, not tokens 1 and 0.
     return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
-        isinstance(t, int) or (hasattr(t, "__index__") and not isinstance(t, bool)) for t in x
+        hasattr(t, "__index__") and not isinstance(t, bool) for t in x
     )

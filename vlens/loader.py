@@ -43,6 +43,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"device: {device!r} is not one of auto, cpu, cuda (or cuda:N)")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        # Fail here, by name, rather than deep inside the first weight copy.
+        raise ValueError(f"device: {device!r} asked for, but this torch build sees no CUDA device; use cpu or auto")
     return torch.device(device)
 
 
@@ -96,12 +99,29 @@ def convert_gguf(path: Path) -> Path:
         hf.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
         os.replace(tmp, target)
-    except FileExistsError:  # another process converted it first
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Renaming onto a directory another process has just filled fails with ENOTEMPTY on Linux (not
+        # FileExistsError); that conversion is as good as ours.
+        if not (target / "config.json").exists():
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _hub_environment() -> tuple[str, bool]:
+    """The HF hub cache and offline flag as the environment says *now*, with huggingface_hub's precedence.
+
+    huggingface_hub reads HF_HOME and HF_HUB_OFFLINE once, when it is imported (here: by transformers,
+    long before a model is asked for), so settings made later in the process (a notebook cell, a test)
+    would be ignored: an offline process would go to the network and a cache moved aside still be used."""
+    env = os.environ
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    flag = env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or ""
+    return os.path.expandvars(os.path.expanduser(cache)), flag.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -109,8 +129,9 @@ def _hub_snapshot(repo_id: str) -> Path:
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+    cache, offline = _hub_environment()
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache, local_files_only=offline))
     except LocalEntryNotFoundError as e:
         raise ModelLoadError(
             f"model {repo_id!r} is not in the Hugging Face cache and the hub cannot be reached; fetch it "
@@ -157,8 +178,14 @@ def load_weights(model: CausalLM, path: Path) -> None:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key in params:
+                    tensor = f.get_tensor(key)
+                    if tensor.shape != params[key].shape:  # copy_ would broadcast some mismatches silently
+                        raise ModelLoadError(
+                            f"model: weight {key!r} in {str(file)!r} has shape {tuple(tensor.shape)}, but the "
+                            f"config implies {tuple(params[key].shape)}; config.json and weights disagree"
+                        )
                     with torch.no_grad():
-                        params[key].copy_(f.get_tensor(key))
+                        params[key].copy_(tensor)
                     loaded.add(key)
     if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

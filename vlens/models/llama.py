@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.config import ModelConfig
+from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.context import get_context
 from vlens.layers.attention import Attention
 from vlens.layers.norm import RMSNorm
@@ -58,6 +58,10 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        if cfg.hidden_act not in ACTIVATIONS:  # a KeyError from deep in model construction says nothing
+            raise UnsupportedModelError(
+                f"hidden_act {cfg.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            )
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
@@ -117,8 +121,9 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg, device)
 
     def forward(self, input_ids: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        """Packed [T] ids -> [T, d]: after the final norm when all layers run, else the raw residual
-        after `num_layers` layers (a forward nobody reads past a layer stops there)."""
+        """Packed [T] ids -> [T, d]: every layer then the final norm when `num_layers` is None, else the
+        raw residual after the first `num_layers` layers and no norm (a forward nobody reads past a layer
+        stops there; a trace of the last layer's resid_post does not pay for the final norm)."""
         ctx = get_context()
         taps = ctx.taps
         x = self.model.embed_tokens(input_ids)
@@ -127,7 +132,12 @@ class CausalLM(nn.Module):
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         for layer in layers:
             x = layer(x, cos, sin, taps)
-        if num_layers is not None and num_layers < self.cfg.num_layers:
+        if num_layers is not None:
+            if num_layers < self.cfg.num_layers:
+                # The input tap of the first layer not run lives in that layer's forward: fire it here,
+                # else a trace of blocks.{num_layers}.hook_resid_pre would capture nothing.
+                hook = self.model.layers[num_layers].hook_resid_pre
+                if hook in taps: x = taps[hook](x)  # fmt: skip
             return x
         x = self.model.norm(x)
         if "ln_final.hook_normalized" in taps: x = taps["ln_final.hook_normalized"](x)  # fmt: skip
