@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from vlens.config import ModelConfig
+from vlens.layers.linear import FusedLinear
 from vlens.models.llama import CausalLM
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -171,26 +172,44 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def checkpoint_layout(model: CausalLM) -> dict[str, tuple[torch.nn.Parameter, slice | None]]:
+    """Checkpoint tensor name -> (parameter, row range or None for all of it). Fused projections
+    (layers/linear.py) take their parts under the names HF checkpoints give them."""
+    layout: dict[str, tuple[torch.nn.Parameter, slice | None]] = {}
+    for module_name, module in model.named_modules():
+        prefix = module_name.rpartition(".")[0]
+        for leaf, param in module.named_parameters(recurse=False):
+            if isinstance(module, FusedLinear):
+                for part, rows in module.part_rows().items():
+                    layout[f"{prefix}.{part}.{leaf}"] = (param, rows)
+            else:
+                layout[f"{module_name}.{leaf}" if module_name else leaf] = (param, None)
+    return layout
+
+
 def load_weights(model: CausalLM, path: Path) -> None:
-    params = dict(model.named_parameters())
+    layout = checkpoint_layout(model)
+    if model.cfg.tie_word_embeddings:
+        del layout["lm_head.weight"]
     loaded: set[str] = set()
     for file in _weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key in params:
-                    tensor = f.get_tensor(key)
-                    if tensor.shape != params[key].shape:  # copy_ would broadcast some mismatches silently
-                        raise ModelLoadError(
-                            f"model: weight {key!r} in {str(file)!r} has shape {tuple(tensor.shape)}, but the "
-                            f"config implies {tuple(params[key].shape)}; config.json and weights disagree"
-                        )
-                    with torch.no_grad():
-                        params[key].copy_(tensor)
-                    loaded.add(key)
+                if key not in layout:
+                    continue
+                param, rows = layout[key]
+                target = param.data if rows is None else param.data[rows]
+                tensor = f.get_tensor(key)
+                if tensor.shape != target.shape:  # copy_ would broadcast some mismatches silently
+                    raise ModelLoadError(
+                        f"model: weight {key!r} in {str(file)!r} has shape {tuple(tensor.shape)}, but the "
+                        f"config implies {tuple(target.shape)}; config.json and weights disagree"
+                    )
+                target.copy_(tensor)
+                loaded.add(key)
     if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(layout) - loaded)
     if missing:
         raise ModelLoadError(f"model: checkpoint {str(path)!r} lacks weights {missing[:5]} ({len(missing)} in all)")
 

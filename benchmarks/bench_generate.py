@@ -1,0 +1,107 @@
+"""Generation throughput: vlens against Hugging Face `generate`, in one run, as ratios.
+
+    .venv/bin/python benchmarks/bench_generate.py [--prompts 64] [--tokens 64] [--repeats 1]
+
+SmolLM2-135M (the embedded default), float32, this machine's CPU. HF runs `generate` on the whole
+batch, left-padded; both sides generate exactly --tokens new tokens per prompt (vlens: ignore_eos,
+HF: min_new_tokens), greedy. Rows:
+  no capture            vlens vs HF, output tokens/s
+  capture 3 layers      vlens capturing blocks.{9,19,29}.hook_resid_post at generated positions vs HF
+                        with output_hidden_states=True (the same three layers gathered per step)
+  capture overhead      vlens with capture enabled but unused, and with one tap at the last position,
+                        against an engine built with enable_capture=False
+Timings are the best of --repeats runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from vlens import LLM, Capture, SamplingParams
+from vlens.loader import resolve_model_path
+
+SUBJECTS = [
+    "The history of the printing press", "Photosynthesis in desert plants", "How bridges carry weight",
+    "The rules of chess", "Why the sky is blue", "A recipe for bread", "The life of honey bees",
+    "Volcanoes and plate tectonics", "The first computers", "How vaccines train the immune system",
+    "Ocean currents and climate", "The Roman road network", "Learning a second language",
+    "How a jet engine works", "The water cycle", "Black holes",
+]
+STYLES = ["Explain briefly:", "Write a short story about", "Give three facts about", "Describe, for a child,"]
+LAYERS = (9, 19, 29)
+
+
+def prompts(n: int) -> list[str]:
+    return [f"{STYLES[i % len(STYLES)]} {SUBJECTS[i % len(SUBJECTS)].lower()}." for i in range(n)]
+
+
+def best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    texts = prompts(args.prompts)
+    new_tokens = args.prompts * args.tokens
+    path = resolve_model_path(None)
+
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    plain = LLM(model=str(path), dtype="float32", device="cpu", enable_capture=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    batch = tok(texts, return_tensors="pt", padding=True)
+
+    def sp(capture=None):
+        return SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, capture=capture)
+
+    def hf_generate(hidden: bool):
+        with torch.inference_mode():
+            out = hf.generate(
+                **batch, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+                pad_token_id=tok.pad_token_id, output_hidden_states=hidden, return_dict_in_generate=True,
+            )
+            if hidden:  # what a user keeps: the three layers, generated steps, on the CPU
+                [torch.cat([step[layer + 1] for step in out.hidden_states[1:]], dim=1) for layer in LAYERS]
+
+    three = Capture(hooks=[f"blocks.{layer}.hook_resid_post" for layer in LAYERS], positions="generated")
+    results = {
+        "hf": best(lambda: hf_generate(False), args.repeats),
+        "vlens": best(lambda: llm.generate(texts, sp(), use_tqdm=False), args.repeats),
+        "hf_hidden": best(lambda: hf_generate(True), args.repeats),
+        "vlens_capture": best(lambda: llm.generate(texts, sp(three), use_tqdm=False), args.repeats),
+        "plain": best(lambda: plain.generate(texts, sp(), use_tqdm=False), args.repeats),
+        "last": best(lambda: llm.generate(texts, sp(Capture(hooks="blocks.15.hook_resid_post", positions="last")), use_tqdm=False), args.repeats),
+    }
+    tps = {k: new_tokens / v for k, v in results.items()}
+    print(f"\nSmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.tokens} new tokens")
+    print(f"{'case':<44}{'tok/s':>10}{'ratio':>10}  target")
+    rows = [
+        ("HF generate, no capture", tps["hf"], None, ""),
+        ("vlens, no capture", tps["vlens"], tps["vlens"] / tps["hf"], ">= 3x HF"),
+        ("HF generate, output_hidden_states", tps["hf_hidden"], None, ""),
+        ("vlens, capture 3 resid_post (generated)", tps["vlens_capture"], tps["vlens_capture"] / tps["hf_hidden"], ">= 3x HF"),
+        ("vlens, enable_capture=False", tps["plain"], None, ""),
+        ("vlens, capture enabled, unused (time)", tps["vlens"], results["vlens"] / results["plain"], "<= 1.02x"),
+        ("vlens, one tap at last position (time)", tps["last"], results["last"] / results["plain"], "<= 1.05x"),
+    ]
+    for name, rate, ratio, target in rows:
+        print(f"{name:<44}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
+
+
+if __name__ == "__main__":
+    main()
