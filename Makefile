@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 # What `make demo` runs on the default model: the arguments of `vlens`.
-MAIN_JOB := trace "The capital of France is" --hooks blocks.10.hook_resid_post ln_final.hook_normalized
+MAIN_JOB := generate "The capital of France is" --max-tokens 16 --capture blocks.10.hook_resid_post ln_final.hook_normalized --positions generated
 
 .PHONY: demo test install
 

@@ -34,3 +34,4 @@ class RequestOutput:
     activations: dict[str, torch.Tensor] = field(default_factory=dict)  # hook -> CPU [rows, ...]
     activation_positions: torch.Tensor | None = None  # [rows] sequence position of each row
     hidden_states: torch.Tensor | None = None  # with return_hidden_states: ln_final.hook_normalized, all rows
+    logit_lens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # hook -> (ids, logprobs) [rows, k]

@@ -1,18 +1,19 @@
 """Capture plans: which rows of which tap belong to whom, gathered on the device, copied off once.
 
 A plan is built per forward from its owners' wishes. Each tap it installs does one `index_select`
-of the wanted rows (nothing else runs on the hot path); after the forward the gathered rows leave the
-device in one non-blocking copy per tap into pinned memory, and are split among owners only after
-the copy's event has completed.
+of the wanted rows (nothing else runs on the hot path). After the forward, owners' readouts (probe
+projections, logit lens, per-step sums) run on the device, and the results leave it in non-blocking
+copies into pinned memory; they are handed out only after the copy's event has completed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from vlens.hooks import LOGITS
+Readout = Callable[[torch.Tensor], "torch.Tensor | tuple[torch.Tensor, ...]"]
 
 
 @dataclass
@@ -23,6 +24,8 @@ class CaptureRequest:
     tap: str
     rows: torch.Tensor  # [n] long, CPU: indices into the packed batch (into logit rows for LOGITS)
     dtype: torch.dtype | None = None
+    readout: Readout | None = None  # runs on the device on the owner's rows
+    reduce: bool = False  # sum the (read-out) rows into one: the owner averages over steps
 
 
 @dataclass
@@ -31,21 +34,20 @@ class CapturePlan:
     device: torch.device
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
     _rows: dict[str, torch.Tensor] = field(default_factory=dict)
-    _pieces: dict[str, list[tuple[object, int, torch.dtype | None]]] = field(default_factory=dict)
+    _by_tap: dict[str, list[CaptureRequest]] = field(default_factory=dict)
+    _results: list[tuple[CaptureRequest, object]] = field(default_factory=list)
+    _bulk: list[tuple[list[CaptureRequest], torch.Tensor]] = field(default_factory=list)
     _event: torch.cuda.Event | None = None
 
     def __post_init__(self) -> None:
-        by_tap: dict[str, list[CaptureRequest]] = {}
         for r in self.requests:
             if len(r.rows):
-                by_tap.setdefault(r.tap, []).append(r)
-        for tap, reqs in by_tap.items():
-            rows = torch.cat([r.rows for r in reqs])
-            self._rows[tap] = rows.to(self.device, non_blocking=True)
-            self._pieces[tap] = [(r.owner, len(r.rows), r.dtype) for r in reqs]
+                self._by_tap.setdefault(r.tap, []).append(r)
+        for tap, reqs in self._by_tap.items():
+            self._rows[tap] = torch.cat([r.rows for r in reqs]).to(self.device, non_blocking=True)
 
     @property
-    def taps(self) -> dict:
+    def taps(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The tap functions to put in the forward context (empty when nothing is captured)."""
         return {tap: self._make_tap(tap) for tap in self._rows}
 
@@ -58,27 +60,38 @@ class CapturePlan:
 
         return gather
 
-    def needs_logits(self) -> bool:
-        return LOGITS in self._rows
+    def finish(self) -> None:
+        """Run readouts and queue the device-to-host copies; returns at once on CUDA."""
+        for tap, reqs in self._by_tap.items():
+            gathered = self.gathered[tap]
+            if all(r.readout is None and not r.reduce and r.dtype in (None, gathered.dtype) for r in reqs):
+                self._bulk.append((reqs, gathered))  # one copy for the whole tap, split on the host
+                continue
+            for r, chunk in zip(reqs, gathered.split([len(r.rows) for r in reqs])):
+                out = r.readout(chunk) if r.readout is not None else chunk
+                if r.reduce:
+                    out = out.sum(0, keepdim=True)
+                if r.dtype is not None and isinstance(out, torch.Tensor):
+                    out = out.to(r.dtype)
+                self._results.append((r, out))
+        if self.device.type == "cuda":
+            self._results = [(r, _to_host(out)) for r, out in self._results]
+            self._bulk = [(reqs, _to_host(buffer)) for reqs, buffer in self._bulk]
+            self._event = torch.cuda.Event()
+            self._event.record()
 
-    def start_copy(self) -> None:
-        """Queue device-to-host copies of everything gathered; returns at once on CUDA."""
-        if self.device.type != "cuda":
-            return
-        for tap, x in self.gathered.items():
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            self.gathered[tap] = host.copy_(x, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-
-    def pieces(self) -> list[tuple[object, str, torch.Tensor]]:
-        """(owner, tap, CPU rows) for every request, after the copy has landed. The rows may be views
-        of one per-tap buffer; owners concatenate them into tensors of their own."""
+    def pieces(self) -> list[tuple[object, str, torch.Tensor | tuple[torch.Tensor, ...]]]:
+        """(owner, tap, CPU result) for every request, after the copies have landed. Results may be
+        views of a shared buffer; owners concatenate them into tensors of their own."""
         if self._event is not None:
             self._event.synchronize()
-        out = []
-        for tap, parts in self._pieces.items():
-            chunks = torch.split(self.gathered[tap], [n for _, n, _ in parts])
-            for (owner, _, dtype), chunk in zip(parts, chunks):
-                out.append((owner, tap, chunk if dtype in (None, chunk.dtype) else chunk.to(dtype)))
+        out = [(r.owner, r.tap, result) for r, result in self._results]
+        for reqs, buffer in self._bulk:
+            out += [(r.owner, r.tap, rows) for r, rows in zip(reqs, buffer.split([len(r.rows) for r in reqs]))]
         return out
+
+
+def _to_host(x):
+    if isinstance(x, tuple):
+        return tuple(_to_host(t) for t in x)
+    return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import os
 import random
+from functools import partial
 from typing import Any
 
 import torch
 
 from vlens.engine.block_manager import BlockManager
 from vlens.engine.detokenizer import IncrementalDetokenizer
+from vlens.engine.intervene import bind
 from vlens.engine.model_runner import ModelRunner, StepOutput
 from vlens.engine.rows import RowSelector, RowStream
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence
-from vlens.hooks import FINAL_NORM, hook_shapes, resolve_hooks
+from vlens.hooks import FINAL_NORM, LOGITS, hook_shapes, resolve_hooks
+from vlens.interventions import fingerprint
 from vlens.models.llama import CausalLM
 from vlens.outputs import CompletionOutput, Logprob, RequestOutput
-from vlens.sampling_params import SamplingParams
+from vlens.sampling_params import Capture, SamplingParams
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -30,6 +33,16 @@ def _default_kv_bytes(device: torch.device) -> int:
         return int(free * 0.8)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(CPU_DEFAULT_KV_BYTES, available // 4)
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.flatten(1) @ w
+    return y if b is None else y + b
+
+
+def _logit_lens(x: torch.Tensor, model: CausalLM, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = model.lens(x).float().log_softmax(dim=-1).topk(k, dim=-1)
+    return ids, values
 
 
 class LLMEngine:
@@ -100,17 +113,44 @@ class LLMEngine:
                         f"max_tokens={params.max_tokens} has at most {max_rows} rows (positions 0..{max_rows - 1}, "
                         f"or -{max_rows}..-1 from the end)"
                     )
-            hooks = resolve_hooks(capture.hooks, self.cfg)
-            selector = RowSelector(capture.positions, len(prompt_ids))
-            streams.append(RowStream("capture", hooks, selector, self.shapes, capture.exclude_token_ids, capture.dtype))
+            streams.append(self._capture_stream(capture, len(prompt_ids)))
         if params.return_hidden_states:
             selector = RowSelector("all", len(prompt_ids))
             streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, selector, self.shapes))
+        device, dtype = self.runner.device, self.runner.dtype
+        bound = bind(params.interventions, self.cfg, self.shapes, len(prompt_ids), max_rows, device, dtype)
         seed = params.seed if params.seed is not None else self.rng.randrange(2**31)
         seq = Sequence(str(self._next_id), index, prompt_ids, params, seed, self.eos_ids, prompt)
         self._next_id += 1
-        seq.streams = streams
+        seq.streams, seq.interventions = streams, bound
+        seq.cache_salt = fingerprint(params.interventions)
         return seq
+
+    def _capture_stream(self, capture: Capture, prompt_len: int) -> RowStream:
+        """A Capture bound to the model: taps resolved, readouts built on the device."""
+        hooks = resolve_hooks(capture.hooks, self.cfg)
+        taps = set(hooks.values())
+        shapes = {t: self.shapes[t] for t in taps}
+        readout = None
+        if capture.project is not None:
+            weight, bias = capture.project
+            bad = {t: s for t, s in shapes.items() if (weight.shape[0],) != (torch.Size(s).numel(),)}
+            if bad:
+                raise ValueError(f"capture.project: W has {weight.shape[0]} rows; taps {bad} have rows of another size")
+            w = weight.to(self.runner.device, self.runner.dtype)
+            b = None if bias is None else bias.to(self.runner.device, self.runner.dtype)
+            readout = partial(_project, w=w, b=b)
+            shapes = {t: (weight.shape[1],) for t in taps}
+        if capture.logit_lens is not None:
+            bad = [t for t, s in shapes.items() if s != (self.cfg.hidden_size,) or t == LOGITS]
+            if bad:
+                raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {self.cfg.hidden_size}; not {bad}")
+            readout = partial(_logit_lens, model=self.model, k=capture.logit_lens)
+        selector = RowSelector(capture.positions, prompt_len)
+        return RowStream(
+            "capture", hooks, selector, shapes, capture.exclude_token_ids, capture.dtype, readout, capture.reduce,
+            capture.logit_lens,
+        )
 
     def add(self, seq: Sequence) -> None:
         if seq.params.stop_list:
@@ -214,5 +254,7 @@ class LLMEngine:
             if stream.kind == "hidden_states":
                 out.hidden_states = tensors[FINAL_NORM]
             else:
-                out.activations, out.activation_positions = tensors, positions
+                out.activation_positions = positions
+                target = out.logit_lens if stream.logit_lens else out.activations
+                target.update(tensors)
         return out

@@ -8,11 +8,13 @@ only host sync is the copy of the sampled token ids back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from vlens.context import AttentionGroup, ForwardContext, grid_layout, set_context
 from vlens.engine.capture import CapturePlan, CaptureRequest
+from vlens.engine.intervene import InterventionPlan
 from vlens.engine.sampler import SamplingBatch, sample, top_logprobs
 from vlens.engine.sequence import Sequence
 from vlens.hooks import LOGITS
@@ -35,8 +37,8 @@ class ModelRunner:
         self.block_size = block_size
         shape = (self.cfg.num_layers, 2, num_blocks * block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -109,7 +111,9 @@ class ModelRunner:
                 rows = positions - start + row
                 owner = (seq, k, positions)  # one object per stream and step: its taps' rows stay aligned
                 for tap in stream.taps:
-                    requests.append(CaptureRequest(owner, tap, rows, stream.dtype))
+                    requests.append(
+                        CaptureRequest(owner, tap, rows, stream.dtype, stream.readout, stream.sums_on_device)
+                    )
                     if tap == LOGITS:
                         logit_capture.append(rows)
             row += n
@@ -142,13 +146,26 @@ class ModelRunner:
             any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
         )
 
+    def _interventions(self, order: list[tuple[Sequence, int]]) -> InterventionPlan | None:
+        items, row = [], 0
+        for seq, n in order:
+            for k, iv in enumerate(seq.interventions):
+                positions = iv.selector.candidates(seq.num_computed, seq.num_computed + n)
+                if len(positions):
+                    items.append((k, iv, positions - seq.num_computed + row, positions))
+            row += n
+        return InterventionPlan(items, self.device) if items else None
+
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
         order, ctx, ids = self._layout(scheduled)
         requests, logit_rows, sample_index = self._capture_requests(order)
         plan = CapturePlan(requests, self.device) if requests else None
-        if plan is not None:
-            ctx.taps = plan.taps
+        interventions = self._interventions(order)
+        if interventions is not None:
+            ctx.taps = {tap: partial(interventions.apply, tap) for tap in interventions.ops}
+        if plan is not None:  # a capture sees the value after its tap's interventions
+            ctx.taps.update({tap: _then(ctx.taps.get(tap), gather) for tap, gather in plan.taps.items()})
         sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids)]
         set_context(ctx)
         try:
@@ -160,7 +177,7 @@ class ModelRunner:
         finally:
             set_context(None)
         if plan is not None:
-            plan.start_copy()
+            plan.finish()
         if not sampled:
             return StepOutput([], [], None, plan)
         tokens = sample(logits, self._sampling_batch(sampled))
@@ -170,3 +187,8 @@ class ModelRunner:
             logprobs = tuple(x.to("cpu", non_blocking=True) for x in top_logprobs(logits, tokens, k))
         # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
         return StepOutput(sampled, tokens.to("cpu").tolist(), logprobs, plan)
+
+
+def _then(first, second):
+    """Compose two tap functions (first may be None)."""
+    return second if first is None else lambda x: second(first(x))

@@ -59,5 +59,5 @@ def packed_forward(
             model.logits(hidden)
     finally:
         set_context(None)
-    plan.start_copy()
+    plan.finish()
     return plan

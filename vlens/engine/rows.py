@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlens.engine.capture import Readout
+
 
 @dataclass(frozen=True)
 class RowSelector:
@@ -46,6 +48,11 @@ class RowSelector:
             return span[hit & (span < s.stop)] if s.stop is not None else span[hit]
         fixed = torch.tensor([q for q in s if q >= 0] if isinstance(s, list) else [], dtype=torch.long)
         return span[torch.isin(span, fixed) | (span >= end - self.tail)]
+
+    @property
+    def exact(self) -> bool:
+        """Whether candidates() picks exactly the wanted rows, with nothing to drop at the end."""
+        return self.spec in ("all", "prompt", "generated") or (not self.tail and not self._online_all())
 
     def first_needed(self) -> int:
         """No row before this position can be wanted: KV up to it may come from the prefix cache."""
@@ -88,16 +95,24 @@ class RowStream:
     kind: str  # "capture" | "hidden_states"
     hooks: dict[str, str]  # requested name -> canonical tap
     selector: RowSelector
-    shapes: dict[str, tuple[int, ...]]  # canonical tap -> per-row shape (for empty results)
+    shapes: dict[str, tuple[int, ...]]  # canonical tap -> per-row shape of what is returned
     exclude: frozenset[int] = frozenset()
     dtype: torch.dtype | None = None
+    readout: Readout | None = None  # on-device transform of each step's rows (probe, logit lens)
+    reduce: str = "none"  # "mean": one row, the mean over the selected rows
+    logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
     captured_upto: int = 0  # rows below this position were offered to capture already
     positions: list[torch.Tensor] = field(default_factory=list)
-    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    rows: dict[str, list] = field(default_factory=dict)
 
     @property
     def taps(self) -> list[str]:
         return sorted(set(self.hooks.values()))
+
+    @property
+    def sums_on_device(self) -> bool:
+        """Mean readouts add up each step's rows on the device when no row can be dropped later."""
+        return self.reduce == "mean" and self.selector.exact
 
     def select(self, token_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Positions of a step's rows [start, end) to gather: wanted, new, and not excluded."""
@@ -107,7 +122,7 @@ class RowStream:
             pos = pos[~torch.isin(tokens, torch.tensor(sorted(self.exclude), dtype=torch.long))]
         return pos
 
-    def add(self, positions: torch.Tensor, tap_rows: dict[str, torch.Tensor]) -> None:
+    def add(self, positions: torch.Tensor, tap_rows: dict[str, object]) -> None:
         self.positions.append(positions)
         for tap, rows in tap_rows.items():
             self.rows.setdefault(tap, []).append(rows)
@@ -117,13 +132,25 @@ class RowStream:
             for pieces in self.rows.values():
                 pieces.pop(0)
 
-    def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(positions, {requested name: rows}) per the spec, once the sequence has `num_rows` rows."""
+    def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, object]]:
+        """(positions, {requested name: rows or (ids, logprobs)}) per the spec, once the sequence has
+        `num_rows` rows."""
         positions = torch.cat(self.positions) if self.positions else torch.empty(0, dtype=torch.long)
         keep = self.selector.keep(positions, num_rows)
-        out = {}
+        dtype = self.dtype or model_dtype
+        out: dict[str, object] = {}
         for tap in self.taps:
             pieces = self.rows.get(tap)
-            empty = torch.empty(0, *self.shapes[tap], dtype=self.dtype or model_dtype)
-            out[tap] = torch.cat(pieces)[keep] if pieces else empty
+            shape = self.shapes[tap]  # per-row shape of what is returned (after any projection)
+            if not pieces and self.logit_lens:
+                out[tap] = (torch.empty(0, self.logit_lens, dtype=torch.long), torch.empty(0, self.logit_lens))
+            elif not pieces:
+                out[tap] = torch.empty(0, *shape, dtype=dtype)
+            elif self.sums_on_device:
+                out[tap] = (sum(p.double() for p in pieces) / len(positions)).to(dtype)
+            elif isinstance(pieces[0], tuple):
+                out[tap] = tuple(torch.cat(parts)[keep] for parts in zip(*pieces))
+            else:
+                rows = torch.cat(pieces)[keep]
+                out[tap] = rows.mean(0, keepdim=True) if self.reduce == "mean" and len(rows) else rows
         return positions[keep], {name: out[tap] for name, tap in self.hooks.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from vlens.engine.intervene import ActiveIntervention
 from vlens.engine.rows import RowStream
 from vlens.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.cache_salt: object = None  # what else (besides tokens) the KV depends on
         self.streams: list[RowStream] = []  # what this request captures (set by the engine)
+        self.interventions: list[ActiveIntervention] = []  # what it changes, in order (set by the engine)
         self.logprobs: list[dict] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -1,0 +1,204 @@
+"""Steer / Ablate / Patch and on-device readouts, against HF with equivalent forward hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_err
+from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
+
+PROMPT = "The weather today is"
+D = 576
+
+
+def _direction(seed: int, norm: float = 4.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(D, generator=g)
+    return v / v.norm() * norm
+
+
+def _hf_generate_with_hook(hf, tok, prompt, module, hook, n=6):
+    handle = module.register_forward_hook(hook)
+    try:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            g = hf.generate(ids, max_new_tokens=n, do_sample=False)
+            logits = hf(g[:, :-1]).logits[0]
+        return g[0, ids.shape[1] :].tolist(), logits
+    finally:
+        handle.remove()
+
+
+def test_steer_matches_hf_forward_hook(smol, hf_smol):
+    v = _direction(0)
+    layer = hf_smol.model.layers[10]
+
+    def add(module, args, output):
+        return output + 3.0 * v
+
+    hf_tokens, hf_logits = _hf_generate_with_hook(hf_smol, smol.tokenizer, PROMPT, layer, add)
+    p = SamplingParams(
+        max_tokens=6, temperature=0, interventions=[Steer("blocks.10.hook_resid_post", v, scale=3.0)],
+        capture=Capture(hooks="unembed.hook_out"),
+    )
+    [out] = smol.generate(PROMPT, p, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_tokens
+    assert rel_err(out.activations["unembed.hook_out"], hf_logits) < 1e-4
+    [plain] = smol.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, capture=p.capture), use_tqdm=False)
+    assert rel_err(plain.activations["unembed.hook_out"][:5], hf_logits[:5]) > 1e-3  # steering did something
+
+
+def test_ablate_matches_hf_forward_hook(smol, hf_smol):
+    d = _direction(1, norm=1.0)
+    attn = hf_smol.model.layers[3].self_attn
+
+    def ablate(module, args, output):
+        a = output[0]
+        return (a - (a @ d)[..., None] * d, *output[1:])
+
+    hf_tokens, hf_logits = _hf_generate_with_hook(hf_smol, smol.tokenizer, PROMPT, attn, ablate)
+    p = SamplingParams(
+        max_tokens=6, temperature=0, interventions=[Ablate("blocks.3.hook_attn_out", d * 7)],
+        capture=Capture(hooks=["unembed.hook_out", "blocks.3.hook_attn_out"]),
+    )
+    [out] = smol.generate(PROMPT, p, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_tokens
+    assert rel_err(out.activations["unembed.hook_out"], hf_logits) < 1e-4
+    # The capture at the same tap sees the value after the ablation: nothing left along d.
+    assert (out.activations["blocks.3.hook_attn_out"] @ d).abs().max() < 1e-3
+
+
+def test_patch_equals_hf_patched_run(smol, hf_smol):
+    clean, corrupt = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
+    clean_ids = smol.tokenizer(clean)["input_ids"]
+    corrupt_ids = smol.tokenizer(corrupt)["input_ids"]
+    [c] = smol.generate(clean, SamplingParams(max_tokens=1, temperature=0, capture=Capture(hooks="blocks.6.hook_resid_pre", positions="prompt")), use_tqdm=False)
+    clean_rows = c.activations["blocks.6.hook_resid_pre"]
+    pos = [1, 2]  # patch the subject tokens
+    values = clean_rows[pos]
+
+    def patch(module, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        h = h.clone()
+        h[0, pos] = values
+        return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+
+    handle = hf_smol.model.layers[6].register_forward_pre_hook(patch, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            hf_logits = hf_smol(torch.tensor([corrupt_ids])).logits[0]
+    finally:
+        handle.remove()
+    p = SamplingParams(
+        max_tokens=1, temperature=0, interventions=[Patch("blocks.6.hook_resid_pre", values, positions=pos)],
+        capture=Capture(hooks="unembed.hook_out", positions="prompt"),
+    )
+    [out] = smol.generate(corrupt, p, use_tqdm=False)
+    assert rel_err(out.activations["unembed.hook_out"], hf_logits) < 1e-4
+    assert out.outputs[0].token_ids == [int(hf_logits[-1].argmax())]
+    # Reversed list order pairs values with positions the same way.
+    p2 = SamplingParams(max_tokens=1, temperature=0, interventions=[Patch("blocks.6.hook_resid_pre", values.flip(0), positions=pos[::-1])], capture=Capture(hooks="unembed.hook_out", positions="prompt"))
+    [out2] = smol.generate(corrupt, p2, use_tqdm=False)
+    assert rel_err(out2.activations["unembed.hook_out"], hf_logits) < 1e-4
+
+
+def _requests():
+    prompts = ["The weather today is", "My favourite food is", "In the year 2050,", "Dogs are", "Water is", "A good book"]
+    capture = Capture(hooks=["blocks.12.hook_resid_post", "unembed.hook_out"], positions="all")
+    ivs = [
+        [Steer("blocks.8.hook_resid_post", _direction(2), scale=2.0)],
+        [Ablate("blocks.{2,4}.hook_mlp_out", _direction(3))],
+        [Steer("blocks.5.hook_resid_mid", _direction(4), positions="generated"), Ablate("blocks.5.hook_resid_mid", _direction(4))],
+        [],
+        [Patch("blocks.1.hook_resid_post", _direction(5), positions=[0, 1])],
+        [Steer("blocks.*.hook_attn_out", _direction(6), scale=0.3, positions=slice(1, None, 2))],
+    ]
+    params = [SamplingParams(max_tokens=5, temperature=0, capture=capture, interventions=iv) for iv in ivs]
+    return prompts, params
+
+
+def _same(a, b):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for name in a.activations:
+        assert rel_err(a.activations[name], b.activations[name]) < 1e-4, name
+
+
+def test_mixed_batch_isolation_and_prefix_caching(smol, smol_path):
+    prompts, params = _requests()
+    together = smol.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, together):
+        [alone] = smol.generate(prompt, p, use_tqdm=False)
+        _same(out, alone)
+    no_cache = LLM(model=str(smol_path), dtype="float32", device="cpu", enable_prefix_caching=False)
+    for a, b in zip(together, no_cache.generate(prompts, params, use_tqdm=False)):
+        _same(a, b)
+    # Same prompt, plain then steered then plain: the cache never hands KV across intervention sets.
+    small = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=2)
+    plain = SamplingParams(max_tokens=4, temperature=0, capture=Capture(hooks="unembed.hook_out"))
+    steered = SamplingParams(max_tokens=4, temperature=0, capture=plain.capture, interventions=[Steer("blocks.2.hook_resid_post", _direction(7, 30.0), positions=[1])])
+    first = small.generate(PROMPT, plain, use_tqdm=False)[0]
+    s1 = small.generate(PROMPT, steered, use_tqdm=False)[0]
+    s2 = no_cache.generate(PROMPT, steered, use_tqdm=False)[0]
+    again = small.generate(PROMPT, plain, use_tqdm=False)[0]
+    _same(s1, s2)
+    _same(first, again)
+    assert rel_err(s1.activations["unembed.hook_out"], first.activations["unembed.hook_out"]) > 1e-3
+
+
+def test_readouts_on_device(smol, hf_smol):
+    g = torch.Generator().manual_seed(9)
+    W, b = torch.randn(D, 5, generator=g), torch.randn(5, generator=g)
+    base = SamplingParams(max_tokens=4, temperature=0, capture=Capture(hooks="blocks.7.hook_resid_post"))
+    [ref] = smol.generate(PROMPT, base, use_tqdm=False)
+    rows = ref.activations["blocks.7.hook_resid_post"]
+    cases = {
+        "mean": Capture(hooks="blocks.7.hook_resid_post", reduce="mean"),
+        "project": Capture(hooks="blocks.7.hook_resid_post", project=(W, b)),
+        "both": Capture(hooks="blocks.7.hook_resid_post", project=W, reduce="mean"),
+        "lens": Capture(hooks=["blocks.7.hook_resid_post", "blocks.29.hook_resid_post"], logit_lens=3),
+        "mean_last2": Capture(hooks="blocks.7.hook_resid_post", positions=[-2, -1], reduce="mean"),
+    }
+    outs = dict(zip(cases, smol.generate([PROMPT] * len(cases), [SamplingParams(max_tokens=4, temperature=0, capture=c) for c in cases.values()], use_tqdm=False)))
+    assert outs["mean"].activations["blocks.7.hook_resid_post"].shape == (1, D)
+    assert rel_err(outs["mean"].activations["blocks.7.hook_resid_post"], rows.mean(0, keepdim=True)) < 1e-5
+    assert outs["project"].activations["blocks.7.hook_resid_post"].shape == (len(rows), 5)
+    assert rel_err(outs["project"].activations["blocks.7.hook_resid_post"], rows @ W + b) < 1e-5
+    assert rel_err(outs["both"].activations["blocks.7.hook_resid_post"], (rows @ W).mean(0, keepdim=True)) < 1e-5
+    assert rel_err(outs["mean_last2"].activations["blocks.7.hook_resid_post"], rows[-2:].mean(0, keepdim=True)) < 1e-5
+    lens = outs["lens"]
+    assert "blocks.7.hook_resid_post" not in lens.activations
+    ids, logprobs = lens.logit_lens["blocks.7.hook_resid_post"]
+    assert ids.shape == logprobs.shape == (len(rows), 3) and ids.dtype == torch.long
+    with torch.inference_mode():
+        expected = hf_smol.lm_head(hf_smol.model.norm(rows)).log_softmax(-1).topk(3)
+    assert torch.equal(ids, expected.indices)
+    assert rel_err(logprobs, expected.values) < 1e-5
+    # Through the last layer the lens is the model's own head: from the last prompt row on, its top-1
+    # is each greedy token.
+    last_ids, _ = lens.logit_lens["blocks.29.hook_resid_post"]
+    assert last_ids[len(ref.prompt_token_ids) - 1 :, 0].tolist() == ref.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: SamplingParams(interventions=[Steer("blocks.1.hook_resid_post", [1.0] * 10)]), "does not fit"),
+        (lambda: Steer("blocks.1.hook_resid_post", [float("nan")] * D), "steer.vector"),
+        (lambda: SamplingParams(interventions=[Steer("blocks.77.hook_resid_post", [1.0] * D)]), "blocks.77"),
+        (lambda: SamplingParams(max_tokens=2, interventions=[Steer("blocks.1.hook_resid_post", [1.0] * D, positions=[500])]), "out of range"),
+        (lambda: Ablate("blocks.1.hook_resid_post", [1.0] * D, positions="last"), "ablate.positions"),
+        (lambda: Ablate("blocks.1.hook_resid_post", [0.0] * D), "zero vector"),
+        (lambda: SamplingParams(interventions=[Patch("blocks.1.hook_resid_post", torch.ones(3, D), positions="all")]), r"interventions\[0\]\.values"),
+        (lambda: SamplingParams(interventions=["steer!"]), "interventions\\[0\\]"),
+        (lambda: Capture(project=torch.ones(D)), "capture.project"),
+        (lambda: Capture(logit_lens=3, reduce="mean"), "capture.logit_lens"),
+        (lambda: SamplingParams(capture=Capture(hooks="blocks.1.attn.hook_q", logit_lens=2)), "capture.logit_lens"),
+    ],
+)
+def test_bad_interventions_are_clear_errors(smol, make, field):
+    with pytest.raises(ValueError, match=field):
+        params = make()
+        if isinstance(params, SamplingParams):
+            smol.generate(PROMPT, params, use_tqdm=False)
+    assert not smol.engine.has_work()
