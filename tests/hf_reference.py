@@ -1,18 +1,21 @@
 """The Hugging Face side of the parity tests: every vlens tap that has an HF counterpart, read off HF's own
-modules with forward hooks (the BRIEF §1 table), for one unpadded sequence.
+modules with forward hooks (the table of docs/architectures.md), for one unpadded sequence.
 
-Not a test module; imported by the parity tests. Kept apart so SmolLM2 and the tiny families are held to
-the very same definition of each tap.
+Not a test module; imported by the parity tests. Kept apart so every family is held to the very same
+definition of each tap. q and k are taken from the return value of HF's own `apply_rotary_pos_emb`
+(patched for the call), so they are after q/k norm and rotary exactly as HF computes them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-# Tap kinds that exist in every decoder layer and have an HF counterpart.
+# Tap kinds that exist in every dense decoder layer of the Llama family and have an HF counterpart.
 LAYER_KINDS = (
     "hook_resid_pre",
     "ln1.hook_normalized",
@@ -29,51 +32,176 @@ LAYER_KINDS = (
 )
 
 
+@dataclass(frozen=True)
+class Family:
+    """Where each tap lives in one family's HF modules (paths relative to a decoder layer)."""
+
+    layers: str  # path from the CausalLM to its list of layers
+    embed: str  # path from the CausalLM to the token embedding
+    attn: str  # the layer's attention module
+    outputs: dict[str, str]  # tap kind -> module whose output it is
+    inputs: dict[str, str]  # tap kind -> module whose first input it is
+    qkv: str  # module whose output holds the projections (v, and q/k for GPT-2)
+    extra: dict[str, str] = field(default_factory=dict)  # model-level taps: name -> module output
+
+
+LLAMA = Family(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    attn="self_attn",
+    outputs={
+        "ln1.hook_normalized": "input_layernorm",
+        "hook_attn_out": "self_attn",
+        "ln2.hook_normalized": "post_attention_layernorm",
+        "hook_mlp_out": "mlp",
+    },
+    inputs={
+        "hook_resid_mid": "post_attention_layernorm",
+        "attn.hook_z": "self_attn.o_proj",
+        "mlp.hook_post": "mlp.down_proj",
+    },
+    qkv="self_attn.v_proj",
+)
+FAMILIES = {
+    "llama": LLAMA,
+    "phi3": replace(LLAMA, qkv="self_attn.qkv_proj"),
+    "gemma": Family(
+        layers="model.layers",
+        embed="model.embed_tokens",
+        attn="self_attn",
+        outputs={
+            "ln1.hook_normalized": "input_layernorm",
+            "hook_attn_out": "post_attention_layernorm",
+            "ln2.hook_normalized": "pre_feedforward_layernorm",
+            "hook_mlp_out": "post_feedforward_layernorm",
+        },
+        inputs={
+            "hook_resid_mid": "pre_feedforward_layernorm",
+            "attn.hook_z": "self_attn.o_proj",
+            "mlp.hook_post": "mlp.down_proj",
+        },
+        qkv="self_attn.v_proj",
+    ),
+    "gpt2": Family(
+        layers="transformer.h",
+        embed="transformer.wte",
+        attn="attn",
+        outputs={
+            "ln1.hook_normalized": "ln_1",
+            "hook_attn_out": "attn",
+            "ln2.hook_normalized": "ln_2",
+            "hook_mlp_out": "mlp",
+        },
+        inputs={"hook_resid_mid": "ln_2", "attn.hook_z": "attn.c_proj", "mlp.hook_post": "mlp.c_proj"},
+        qkv="attn.c_attn",
+        extra={"hook_pos_embed": "transformer.wpe"},
+    ),
+    "gpt_neox": Family(
+        layers="gpt_neox.layers",
+        embed="gpt_neox.embed_in",
+        attn="attention",
+        outputs={
+            "ln1.hook_normalized": "input_layernorm",
+            "hook_attn_out": "attention",
+            "ln2.hook_normalized": "post_attention_layernorm",
+            "hook_mlp_out": "mlp",
+        },
+        inputs={
+            "hook_resid_mid": "post_attention_layernorm",
+            "attn.hook_z": "attention.dense",
+            "mlp.hook_post": "mlp.dense_4h_to_h",
+        },
+        qkv="attention.query_key_value",
+    ),
+}
+MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3"}
+
+
+def family_of(hf_model) -> tuple[str, Family]:
+    name = MODEL_TYPES.get(hf_model.config.model_type, "llama")
+    return name, FAMILIES[name]
+
+
 def _first(x):
     """Modules return a tensor or a tuple whose first item is the tensor; either way the tensor."""
     return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, ...] of a batch of one: most modules see [1, T, ...], MoE blocks flatten to [T, ...] first."""
+    return x[0] if x.dim() == 3 else x
+
+
+@contextlib.contextmanager
+def _recording_rotary(attn_module, store: list):
+    """Record what HF's apply_rotary_pos_emb returns, call by call (one call per layer, in order)."""
+    module = sys.modules[type(attn_module).__module__]
+    original = getattr(module, "apply_rotary_pos_emb", None)
+    if original is None:  # no rotary (GPT-2)
+        yield
+        return
+
+    def recording(*args, **kwargs):
+        q, k = original(*args, **kwargs)
+        store.append((q.clone(), k.clone()))
+        return q, k
+
+    module.apply_rotary_pos_emb = recording
+    try:
+        yield
+    finally:
+        module.apply_rotary_pos_emb = original
 
 
 @torch.no_grad()
 def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.Tensor]:
     """vlens hook name -> HF's value [T, ...] for the token ids `ids` (batch of one, no padding).
 
-    Covers hidden_states.{i}, ln_final, logits and, for each layer in `layers`, every kind in LAYER_KINDS."""
+    Covers hidden_states.{i}, hook_embed (and hook_pos_embed), ln_final, logits and, for each layer in
+    `layers`, every tap kind that layer has in HF (MoE layers: router logits and chosen experts)."""
     cfg = hf_model.config
+    name, fam = family_of(hf_model)
     n = cfg.num_hidden_layers
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    base = hf_model.model
+    blocks = hf_model.get_submodule(fam.layers)
+    layers = list(layers)
     got: dict[str, torch.Tensor] = {}
-    raw: dict[str, torch.Tensor] = {}  # q/k before rotary, cos/sin
+    raw: dict[str, object] = {}
     handles = []
 
-    def on_output(module, name, store=got):
-        handles.append(module.register_forward_hook(lambda m, a, o: store.__setitem__(name, _first(o)[0].clone())))
+    def on_output(module, key, store=got, pick=_first):
+        handles.append(module.register_forward_hook(lambda m, a, o: store.__setitem__(key, _rows(pick(o)).clone())))
 
-    def on_input(module, name):
-        handles.append(module.register_forward_hook(lambda m, a, o: got.__setitem__(name, a[0][0].clone())))
+    def on_input(module, key):
+        handles.append(module.register_forward_hook(lambda m, a, o: got.__setitem__(key, _rows(a[0]).clone())))
 
-    handles.append(
-        base.rotary_emb.register_forward_hook(lambda m, a, o: raw.update(cos=o[0].clone(), sin=o[1].clone()))
-    )
+    on_output(hf_model.get_submodule(fam.embed), "hook_embed")
+    for hook, path in fam.extra.items():
+        on_output(hf_model.get_submodule(path), hook)
     for layer in layers:
-        block, p = base.layers[layer], f"blocks.{layer}."
-        attn = block.self_attn
+        block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
-        on_output(block.input_layernorm, p + "ln1.hook_normalized")
-        on_output(attn, p + "hook_attn_out")
-        on_input(block.post_attention_layernorm, p + "hook_resid_mid")
-        on_output(block.post_attention_layernorm, p + "ln2.hook_normalized")
-        on_output(block.mlp, p + "hook_mlp_out")
-        on_input(block.mlp.down_proj, p + "mlp.hook_post")
-        on_input(attn.o_proj, p + "attn.hook_z")
-        # q/k after q/k norm where the model has one, else straight off the projection.
-        on_output(attn.q_norm if hasattr(attn, "q_norm") else attn.q_proj, p + "q", raw)
-        on_output(attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj, p + "k", raw)
-        on_output(attn.v_proj, p + "attn.hook_v")
+        on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
+        for kind, path in fam.outputs.items():
+            on_output(block.get_submodule(path), p + kind)
+        parallel = getattr(cfg, "use_parallel_residual", False)
+        for kind, path in fam.inputs.items():
+            if kind == "hook_resid_mid" and parallel:
+                continue  # under the parallel residual the norm reads resid_pre: no resid_mid in HF
+            if kind == "mlp.hook_post" and hasattr(block.mlp, "experts"):
+                continue
+            on_input(block.get_submodule(path), p + kind)
+        if hasattr(block.mlp, "experts"):
+            on_output(block.mlp.gate, p + "mlp.hook_router_logits", pick=lambda o: o[0])
+            on_output(block.mlp.gate, p + "mlp.hook_expert_ids", pick=lambda o: o[2])
+            if hasattr(block.mlp, "shared_expert"):
+                on_input(block.mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
+    rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
-        out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        with _recording_rotary(blocks[0].get_submodule(fam.attn), rotated):
+            out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -83,18 +211,21 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.
         got[f"hidden_states.{i}"] = h[0]
     got["ln_final.hook_normalized"] = out.hidden_states[n][0]
     got["unembed.hook_out"] = out.logits[0]
-    cos, sin = raw["cos"], raw["sin"]  # [1, T, head_dim]
     for layer in layers:
         p = f"blocks.{layer}."
         got[p + "hook_resid_pre"] = out.hidden_states[layer][0]
         got[p + "hook_resid_post"] = raw[p + "raw_resid_post"]
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, head_dim)
-        got[p + "attn.hook_v"] = got[p + "attn.hook_v"].view(t, kv_heads, head_dim)
-        q = raw[p + "q"].view(1, t, heads, head_dim).transpose(1, 2)
-        k = raw[p + "k"].view(1, t, kv_heads, head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        got[p + "attn.hook_q"] = q[0].transpose(0, 1)
-        got[p + "attn.hook_k"] = k[0].transpose(0, 1)
+        qkv = raw[p + "qkv"]
+        if name == "gpt2":
+            q, k, v = (x.view(t, heads, head_dim) for x in qkv.split(cfg.hidden_size, dim=-1))
+        else:
+            q, k = (x[0].transpose(0, 1) for x in rotated[layer])
+            if name == "gpt_neox":
+                v = qkv.view(t, heads, 3 * head_dim)[..., 2 * head_dim :]
+            else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj
+                v = qkv[:, -kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
+        got[p + "attn.hook_q"], got[p + "attn.hook_k"], got[p + "attn.hook_v"] = q, k, v
     return got
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import save_tiny
 from transformers import LlamaConfig
 
-import vlens.models.llama as llama
+import vlens.models.base as model_base
 from vlens import LLM
 from vlens.hooks import FINAL_NORM, LAYER_HOOKS, LOGITS, HookSpecError, hook_shapes, resolve_hooks
 
@@ -266,7 +266,7 @@ def test_forward_stops_after_the_deepest_hook(tiny, calls, hooks, ran):
 def test_only_requested_taps_are_installed_and_each_fires_once(tiny, monkeypatch):
     """The model's taps dict holds exactly the canonical taps asked for, so no capture code runs elsewhere."""
     seen: list[dict[str, int]] = []
-    real_get_context = llama.get_context
+    real_get_context = model_base.get_context
 
     def spying_get_context():
         ctx = real_get_context()
@@ -283,7 +283,7 @@ def test_only_requested_taps_are_installed_and_each_fires_once(tiny, monkeypatch
                 ctx.taps[name] = counted
         return ctx
 
-    monkeypatch.setattr(llama, "get_context", spying_get_context)
+    monkeypatch.setattr(model_base, "get_context", spying_get_context)
     out = tiny.trace(IDS, hooks=["hidden_states.1", "blocks.0.hook_resid_post", "blocks.1.attn.hook_v"])
     assert len(seen) == 1  # one packed forward for both sequences
     fired = {k: v for k, v in seen[0].items() if k != "_ctx"}

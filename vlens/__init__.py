@@ -1,5 +1,7 @@
 """vlens: a fast LLM inference engine that returns what happens inside the model."""
 
+from vlens.harvest import ActivationDataset, harvest  # the function shadows its subpackage
+from vlens.interventions import Ablate, Patch, Steer
 from vlens.llm import LLM
 from vlens.loader import load_model
 from vlens.outputs import CompletionOutput, Logprob, RequestOutput
@@ -10,9 +12,14 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "Capture",
+    "Steer",
+    "Ablate",
+    "Patch",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
     "load_model",
+    "harvest",
+    "ActivationDataset",
     "__version__",
 ]

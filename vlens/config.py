@@ -1,11 +1,13 @@
 """Model description: one flat dataclass of per-architecture flags, read from a Hugging Face config.
 
-Like litgpt, families differ by flags (biases, q/k norm, sliding windows), not by subclasses; the
+Like litgpt, architectures differ by flags (norm kind, biases, soft-capping, parallel residual,
+experts), not by subclasses of the config; `family` picks the model code (vlens.models), and the
 model code reads only this dataclass, never the HF config object.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +16,90 @@ class UnsupportedModelError(ValueError):
     """A checkpoint whose architecture vlens has no model code for."""
 
 
-# HF architecture name -> the flags that set it apart from plain Llama.
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},
-    "Qwen3ForCausalLM": {"qk_norm": True},
+def _gemma(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "use_bidirectional_attention", False):  # EmbeddingGemma: not a causal LM
+        raise UnsupportedModelError("use_bidirectional_attention=True is not supported; vlens runs causal LMs")
+    return dict(
+        hidden_act=hf.hidden_activation,
+        attn_scale=hf.query_pre_attn_scalar**-0.5,
+        final_softcap=hf.final_logit_softcapping,
+    )
+
+
+def _gemma2(hf: Any) -> dict[str, Any]:
+    return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
+
+
+def _gpt2(hf: Any) -> dict[str, Any]:
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    return dict(
+        intermediate_size=hf.n_inner or 4 * hf.hidden_size,
+        hidden_act=hf.activation_function,
+        norm_eps=hf.layer_norm_epsilon,
+        attn_scale=head_dim**-0.5 if hf.scale_attn_weights else 1.0,
+        attn_scale_inverse_layer=bool(hf.scale_attn_by_inverse_layer_idx),
+    )
+
+
+def _gpt_neox(hf: Any) -> dict[str, Any]:
+    return dict(
+        norm_eps=hf.layer_norm_eps,
+        parallel_residual=bool(hf.use_parallel_residual),
+        qkv_bias=bool(hf.attention_bias),
+        o_bias=bool(hf.attention_bias),
+    )
+
+
+def _mixtral(hf: Any) -> dict[str, Any]:
+    n = hf.num_hidden_layers
+    return dict(
+        num_experts=hf.num_local_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        moe_layers=(True,) * n,
+    )
+
+
+def _qwen2_moe(hf: Any) -> dict[str, Any]:
+    n, step, dense = hf.num_hidden_layers, hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
+    return dict(
+        qkv_bias=bool(hf.qkv_bias),
+        num_experts=hf.num_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+        moe_layers=tuple(i not in dense and hf.num_experts > 0 and (i + 1) % step == 0 for i in range(n)),
+    )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one HF architecture maps onto vlens: fixed flags, and a reader for flags its config holds."""
+
+    flags: dict[str, Any]
+    read: Callable[[Any], dict[str, Any]] | None = None
+
+
+GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True}
+LAYER_NORM = {"norm": "layer", "mlp_bias": True}
+
+# HF architecture name -> what sets it apart from plain Llama.
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture({}),
+    "MistralForCausalLM": Architecture({}),
+    "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
+    "Qwen3ForCausalLM": Architecture({"qk_norm": True}),
+    "Phi3ForCausalLM": Architecture({"stored_fused": True}),
+    "MixtralForCausalLM": Architecture({}, _mixtral),
+    "Qwen2MoeForCausalLM": Architecture({"o_bias": False}, _qwen2_moe),
+    "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
+    # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
+    "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": True}, _gemma),
+    "GPT2LMHeadModel": Architecture(
+        {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _gpt2
+    ),
+    "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -28,6 +108,13 @@ MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "gpt_neox": "GPTNeoXForCausalLM",
 }
 
 
@@ -46,11 +133,30 @@ class ModelConfig:
     rope_scaling: dict | None  # None for plain RoPE, else HF's rope_parameters with a rope_type
     max_position_embeddings: int
     tie_word_embeddings: bool
+    family: str = "llama"  # which model code runs it (vlens.models.MODEL_CLASSES)
     hidden_act: str = "silu"
+    norm: str = "rms"  # "rms", "rms_offset" (Gemma: scale 1 + w, in float32) or "layer" (LayerNorm with bias)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
+    rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi: a fraction); 0 = no rotary
+    sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
+    sliding_rope_scaling: dict | None = None
+    learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
+    attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask
+    final_softcap: float | None = None  # Gemma 2/3: the same on the logits
+    parallel_residual: bool = False  # NeoX: x + attn(ln1(x)) + mlp(ln2(x)); no resid_mid
+    num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE): routed experts per MoE layer
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -58,6 +164,9 @@ class ModelConfig:
     @property
     def d_model(self) -> int:
         return self.hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -71,42 +180,66 @@ class ModelConfig:
                 f"architecture {arch!r} (model_type {getattr(hf, 'model_type', None)!r}) is not supported by "
                 f"vlens; supported architectures: {supported}"
             )
-        flags = dict(ARCHITECTURES[arch])
+        spec = ARCHITECTURES[arch]
+        flags = dict(spec.flags)
         if "qkv_bias" not in flags:
             bias = bool(getattr(hf, "attention_bias", False))
-            flags.update(qkv_bias=bias, o_bias=bias)
+            flags.update(qkv_bias=bias, o_bias=flags.get("o_bias", bias))
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         rope = dict(getattr(hf, "rope_parameters", None) or {})
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", "default") != "default" else None
+        if "full_attention" in rope:  # Gemma 3: one rope per layer type
+            sliding_theta, sliding_scaling = _rope(rope.get("sliding_attention") or {}, hf)
+            flags.update(sliding_rope_theta=sliding_theta, sliding_rope_scaling=sliding_scaling)
+            rope = dict(rope["full_attention"] or {})
+        theta, scaling = _rope(rope, hf)
+        partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
         eos = hf.eos_token_id
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            intermediate_size=getattr(hf, "intermediate_size", None),
             num_layers=hf.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
+            norm_eps=getattr(hf, "rms_norm_eps", None),
+            rope_theta=theta,
             rope_scaling=scaling,
+            rotary_dim=0 if flags.get("learned_positions") else int(head_dim * partial),
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            hidden_act=hf.hidden_act,
+            hidden_act=getattr(hf, "hidden_act", None),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_windows=_sliding_windows(hf),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
-            **flags,
         )
+        fields |= flags
+        if spec.read is not None:
+            fields |= spec.read(hf)
+        return cls(**fields)
+
+
+def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:
+    """(base, scaling) from one HF rope_parameters dict; scaling is None for plain RoPE. LongRoPE gets the
+    lengths it needs filled in from the config, as HF does."""
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    scaling = dict(params)
+    if scaling["rope_type"] == "longrope":
+        original = scaling.get("original_max_position_embeddings") or hf.original_max_position_embeddings
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = hf.max_position_embeddings / original
+    return theta, scaling
 
 
 def _sliding_windows(hf: Any) -> tuple[int | None, ...]:
-    """Per-layer window, following HF: Mistral windows every layer, Qwen marks layers in `layer_types`."""
+    """Per-layer window, following HF: Mistral windows every layer, Qwen and Gemma mark layers in `layer_types`."""
     window = getattr(hf, "sliding_window", None)
     n = hf.num_hidden_layers
     layer_types = getattr(hf, "layer_types", None)

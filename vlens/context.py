@@ -61,6 +61,17 @@ class ForwardContext:
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key/value is written to
     taps: dict[str, Tap] = field(default_factory=dict)  # hook name -> what to do there; empty = nothing
 
+    def last_positions(self) -> torch.Tensor:
+        """[T] the last position, in this forward, of each token's sequence. LongRoPE picks its factors
+        by how far a forward reaches, so a sequence's tokens must not depend on its batch neighbours."""
+        out = torch.empty_like(self.positions)
+        for g in self.groups:
+            last = g.query_positions.max(dim=1).values  # unused grid slots hold 0, never the max
+            n = g.rows.stop - g.rows.start
+            grid_slot = torch.arange(n, device=last.device) if g.q_index is None else g.q_index
+            out[g.rows] = last[grid_slot // g.max_q]
+        return out
+
 
 _context: ForwardContext | None = None
 

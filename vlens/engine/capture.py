@@ -71,8 +71,8 @@ class CapturePlan:
                 out = r.readout(chunk) if r.readout is not None else chunk
                 if r.reduce:
                     out = out.sum(0, keepdim=True)
-                if r.dtype is not None and isinstance(out, torch.Tensor):
-                    out = out.to(r.dtype)
+                if r.dtype is not None and isinstance(out, torch.Tensor) and out.is_floating_point():
+                    out = out.to(r.dtype)  # integer taps (MoE expert ids) keep their dtype
                 self._results.append((r, out))
         if self.device.type == "cuda":
             self._results = [(r, _to_host(out)) for r, out in self._results]

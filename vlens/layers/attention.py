@@ -4,6 +4,9 @@ Pure PyTorch, so it runs wherever torch does and is the yardstick for faster bac
 packed ([T, heads, d]); each attention group lays its sequences on a [B, max_q] grid for one SDPA
 call (slots past a sequence's end are masked and never read back). With a cache, new keys are
 written to their slots first and each sequence then attends over the keys its block table names.
+
+SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
+what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ from vlens.context import AttentionGroup, get_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        window: int | None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
+        self.softcap = softcap
         # Bound by the engine to [num_slots, num_kv_heads, head_dim] views of its cache.
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -42,17 +54,33 @@ class Attention(nn.Module):
         else:
             keys, values = _to_grid(k, g), _to_grid(v, g)
         mask = g.mask(self.window)
-        out = F.scaled_dot_product_attention(
-            _to_grid(q, g).transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
+        else:
+            out = self._capped(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
         return out if g.q_index is None else out.index_select(0, g.q_index)
+
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, H, q, d] attention with soft-capped scores."""
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
 
 
 def _to_grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Rotary position embedding, computed from positions on the fly (no table to outgrow).
 
 The frequencies follow HF's rope types; cos/sin are computed in float32 and cast to the activation
-dtype exactly as HF does, so q and k match bit for bit in float32.
+dtype exactly as HF does, so q and k match bit for bit in float32. A model may have two ropes (Gemma
+3: one base for sliding-window layers, one for global ones), and may rotate only the leading
+`rotary_dim` dims of each head (NeoX, Phi).
 """
 
 from __future__ import annotations
@@ -11,16 +13,23 @@ import math
 import torch
 
 from vlens.config import ModelConfig, UnsupportedModelError
+from vlens.context import ForwardContext
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+FULL, SLIDING = "full", "sliding"
 
 
-def inverse_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    dim = cfg.head_dim
+def inverse_frequencies(
+    dim: int, theta: float, scaling: dict | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[dim / 2] inverse frequencies; for LongRoPE, [2, dim / 2]: the short factors, then the long ones."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (cfg.rope_theta**exponents)
-    scaling = cfg.rope_scaling or {}
+    scaling = scaling or {}
     kind = scaling.get("rope_type", "default")
+    if kind == "longrope":
+        factors = torch.tensor([scaling["short_factor"], scaling["long_factor"]], dtype=torch.float32, device=device)
+        return 1.0 / (factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -38,18 +47,62 @@ def inverse_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") ->
     raise UnsupportedModelError(f"rope_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-class Rotary:
-    def __init__(self, cfg: ModelConfig, device: torch.device | str):
-        self.inv_freq = inverse_frequencies(cfg, device)
+def _attention_factor(scaling: dict | None) -> float:
+    """LongRoPE scales cos and sin by this (HF's default when the config gives none)."""
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] cos and sin, broadcast over heads."""
-        freqs = positions[:, None].float() * self.inv_freq
+
+class RopeTable:
+    def __init__(self, dim: int, theta: float, scaling: dict | None, device: torch.device | str):
+        self.inv_freq = inverse_frequencies(dim, theta, scaling, device)
+        self.factor = _attention_factor(scaling)
+        # LongRoPE switches to its long factors once a forward reaches past the original context
+        # (HF decides per forward; vlens per sequence of the batch, which is the same for one sequence).
+        self.switch_at = (scaling or {}).get("original_max_position_embeddings") if self.inv_freq.dim() == 2 else None
+
+    def cos_sin(self, ctx: ForwardContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, dim] cos and sin, broadcast over heads."""
+        inv_freq = self.inv_freq
+        if self.switch_at is not None:
+            inv_freq = inv_freq[(ctx.last_positions() >= self.switch_at).long()]  # [T, dim / 2]
+        freqs = ctx.positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.factor != 1.0:
+            cos, sin = cos * self.factor, sin * self.factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+class Rotary:
+    """The model's rope tables by kind: FULL for every layer, plus SLIDING where sliding-window layers
+    have their own (Gemma 3). Empty when the model has no rotary (GPT-2)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str):
+        self.tables: dict[str, RopeTable] = {}
+        if cfg.rotary_dim:
+            self.tables[FULL] = RopeTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, device)
+            if cfg.sliding_rope_theta is not None:
+                table = RopeTable(cfg.rotary_dim, cfg.sliding_rope_theta, cfg.sliding_rope_scaling, device)
+                self.tables[SLIDING] = table
+
+    @staticmethod
+    def kind(cfg: ModelConfig, layer: int) -> str:
+        return SLIDING if cfg.sliding_rope_theta is not None and cfg.sliding_windows[layer] is not None else FULL
+
+    def cos_sin(self, ctx: ForwardContext, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {kind: table.cos_sin(ctx, dtype) for kind, table in self.tables.items()}
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    """Rotate the leading cos.shape[-1] dims of each head (all of them unless the rotary is partial)."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

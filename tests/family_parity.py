@@ -1,0 +1,120 @@
+"""Shared checks of the per-family parity tests (test_parity_<family>.py): a tiny random checkpoint saved
+and read back from disk, compared with HF tap by tap, packed against alone, and through the engine's
+greedy generation against HF generate.
+
+Not a test module. HF initialises norms to one (Gemma: zero) and biases to zero, which would let a model
+that ignores them pass; `build` re-saves the checkpoint with those weights perturbed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from conftest import rel_err, save_tiny
+from hf_reference import hf_taps
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from vlens import LLM, Capture, SamplingParams
+
+TOL = 1e-5  # forward, float32
+GEN_TOL = 1e-4  # through generation
+VOCAB = 300
+SEQ_LENS = (1, 23, 40)
+COMMON = dict(  # sizes every tiny config shares (GPT-2 spells them its own way)
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    initializer_range=0.1,  # larger than HF's 0.02 so attention is far from uniform
+)
+
+
+def perturb_norms_and_biases(path: Path, seed: int = 1) -> None:
+    """Rewrite the checkpoint with every 1-d weight (norm scales) and every bias moved off its init."""
+    file = path / "model.safetensors"
+    weights = load_file(file)
+    g = torch.Generator().manual_seed(seed)
+    for key, w in weights.items():
+        if (key.endswith(".weight") and w.dim() == 1) or key.endswith(".bias"):
+            weights[key] = w + 0.3 * torch.randn(w.shape, generator=g)
+    save_file(weights, file, metadata={"format": "pt"})
+
+
+def build(config, root: Path, name: str) -> str:
+    path = root / name
+    save_tiny(config, path)
+    perturb_norms_and_biases(path)
+    return str(path)
+
+
+def load_pair(path: str) -> tuple[LLM, torch.nn.Module]:
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return llm, hf
+
+
+def sequences(lengths=SEQ_LENS, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_every_tap(llm: LLM, hf, seqs: list[list[int]], tol: float = TOL) -> None:
+    """Every hook of the model that HF has a counterpart for, on every sequence of one packed trace."""
+    shapes = llm.hook_names()
+    outs = llm.trace(seqs, hooks=list(shapes))
+    failures, compared = [], set()
+    for ids, got in zip(seqs, outs):
+        ref = hf_taps(hf, ids, range(llm.config.num_layers))
+        for hook, value in got.items():
+            assert tuple(value.shape) == (len(ids), *shapes[hook]), hook
+            if hook not in ref:
+                continue
+            compared.add(hook)
+            assert value.shape == ref[hook].shape, hook
+            if hook.endswith("hook_expert_ids"):
+                ok = torch.equal(value, ref[hook])
+            else:
+                ok = rel_err(value, ref[hook]) <= tol
+            if not ok:
+                failures.append(f"len {len(ids)} {hook}: rel_err {rel_err(value.double(), ref[hook].double()):.3g}")
+    assert not failures, failures
+    # HF has a counterpart for every hook (vlens has none of its own) except where a test says otherwise.
+    assert compared == set(shapes), sorted(set(shapes) - compared)
+
+
+def check_packed_equals_alone(llm: LLM, seqs: list[list[int]]) -> None:
+    hooks = list(llm.hook_names())
+    packed = llm.trace(seqs, hooks=hooks)
+    for ids, together in zip(seqs, packed):
+        alone = llm.trace([ids], hooks=hooks)[0]
+        for hook in hooks:
+            assert rel_err(together[hook].double(), alone[hook].double()) <= TOL, (len(ids), hook)
+
+
+def check_generation(llm: LLM, hf, prompts: list[list[int]], max_tokens: int = 8, extra_hooks=()) -> list:
+    """Greedy generation through the engine (all prompts in one batch) against HF generate of each prompt
+    alone: same tokens, and every hidden state of every row within GEN_TOL. Returns the outputs."""
+    n = llm.config.num_layers
+    hooks = [f"hidden_states.{i}" for i in range(n + 1)] + list(extra_hooks)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            g = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_tokens,
+                eos_token_id=None,  # run on past EOS, as ignore_eos does (min_new_tokens would ban EOS instead)
+                do_sample=False,
+                output_hidden_states=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == g.sequences[0, len(prompt) :].tolist()
+        for i in range(n + 1):
+            ref = torch.cat([step[i][0] for step in g.hidden_states])
+            assert rel_err(out.activations[f"hidden_states.{i}"], ref) <= GEN_TOL, i
+    return outs

@@ -1,0 +1,85 @@
+"""Small corpora and shard readers shared by the harvest tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+WORDS = [
+    *[
+        "the",
+        "river",
+        "ran",
+        "past",
+        "an",
+        "old",
+        "mill",
+        "where",
+        "children",
+        "played",
+        "each",
+        "summer",
+        "while",
+        "their",
+        "parents",
+        "worked",
+    ],
+    *[
+        "in",
+        "fields",
+        "of",
+        "wheat",
+        "and",
+        "barley",
+        "under",
+        "a",
+        "wide",
+        "sky",
+        "that",
+        "turned",
+        "gold",
+        "before",
+        "storms",
+        "rolled",
+        "in",
+    ],
+]
+
+
+def documents(n: int = 40, seed: int = 0) -> list[str]:
+    """Plain English-like documents of varied length (a few words to a few sentences)."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        sentences = [
+            " ".join(rng.choices(WORDS, k=rng.randint(4, 14))).capitalize() + "." for _ in range(rng.randint(1, 4))
+        ]
+        docs.append(f"Note {i}: " + " ".join(sentences))
+    return docs
+
+
+def write_jsonl(path: Path, docs: list, field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def read_shards(out_dir: Path) -> dict[str, torch.Tensor]:
+    """Every shard the manifest lists, read with safetensors itself and concatenated."""
+    manifest = json.loads((Path(out_dir) / "manifest.json").read_text())
+    parts = [load_file(Path(out_dir) / s["file"]) for s in manifest["shards"]]
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+def window_rows(shards: dict[str, torch.Tensor], window: int) -> dict[str, torch.Tensor]:
+    """The rows of one window, in position order."""
+    index = (shards["window"] == window).nonzero().squeeze(1)
+    index = index[torch.argsort(shards["position"][index])]
+    return {key: value[index] for key, value in shards.items()}
+
+
+def dir_bytes(out_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(out_dir).iterdir())}

@@ -1,0 +1,134 @@
+"""The `vlens` command on the default model: what it prints, what it writes, how it fails."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from vlens.cli import main
+
+TEXTS = ["The capital of France is", "Hi"]
+HOOKS = ["blocks.10.hook_resid_post", "blocks.0.attn.hook_*", "hidden_states.0", "ln_final.hook_normalized"]
+
+
+def run_main(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        status = main(argv)
+    return status, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, smol):
+    """One `vlens trace ... --out` run (default model) beside LLM.trace of the same texts."""
+    path = tmp_path_factory.mktemp("cli") / "acts.safetensors"
+    status, stdout = run_main(["trace", *TEXTS, "--hooks", *HOOKS, "--dtype", "float32", "--out", str(path)])
+    assert status == 0
+    return stdout, path, smol.trace(TEXTS, HOOKS)
+
+
+def table(stdout: str) -> dict[int, dict[str, list[str]]]:
+    """text index -> hook -> [shape, dtype, mean row norm], read back from the printed tables."""
+    tables: dict[int, dict[str, list[str]]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("text "):
+            current = tables.setdefault(int(line.split()[1].rstrip(":")), {})
+        elif line.startswith("  ") and not line.split()[0] == "hook":
+            name, *cells = re.split(r"\s{2,}", line.strip())
+            current[name] = cells
+    return tables
+
+
+def test_trace_table_lists_every_hook_with_shape_dtype_and_norm(traced, smol):
+    stdout, _, expected = traced
+    tables = table(stdout)
+    assert sorted(tables) == [0, 1]
+    assert "text 0: 'The capital of France is' (5 tokens)" in stdout
+    assert "text 1: 'Hi' (1 token)" in stdout
+    for i, text in enumerate(TEXTS):
+        n = len(smol.tokenizer(text)["input_ids"])
+        rows = tables[i]
+        assert list(rows) == list(expected[i])  # forward order; the glob expanded to q, k, v, z
+        assert rows["blocks.10.hook_resid_post"][0] == f"({n}, 576)"
+        assert rows["blocks.0.attn.hook_q"][0] == f"({n}, 9, 64)"
+        assert rows["blocks.0.attn.hook_k"][0] == f"({n}, 3, 64)"
+        for name, t in expected[i].items():
+            assert rows[name][1] == "float32"
+            assert float(rows[name][2]) == pytest.approx(t.flatten(1).norm(dim=1).mean().item(), abs=1e-4)
+
+
+def test_trace_file_holds_the_same_tensors_as_llm_trace(traced, smol):
+    _, path, expected = traced
+    saved = load_file(path)
+    ids = [smol.tokenizer(text)["input_ids"] for text in TEXTS]
+    assert set(saved) == set(expected[0]) | {"token_ids", "sequence", "position"}
+    assert saved["token_ids"].tolist() == [t for seq in ids for t in seq]
+    assert saved["sequence"].tolist() == [i for i, seq in enumerate(ids) for _ in seq]
+    assert saved["position"].tolist() == [p for seq in ids for p in range(len(seq))]
+    for i in range(len(TEXTS)):
+        for name, t in expected[i].items():
+            assert torch.equal(saved[name][saved["sequence"] == i], t), (i, name)
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["texts"]) == TEXTS
+    assert meta["model"] == "SmolLM2-135M-Instruct"
+
+
+def test_hooks_lists_every_name_with_its_shape(smol):
+    status, stdout = run_main(["hooks"])
+    assert status == 0
+    listed = dict(line.split(None, 1) for line in stdout.splitlines())
+    assert listed["blocks.29.hook_resid_post"] == "(576,)"
+    assert listed["blocks.0.attn.hook_k"] == "(3, 64)"
+    assert listed["unembed.hook_out"] == f"({smol.config.vocab_size},)"
+    assert listed == {name: str(shape) for name, shape in smol.hook_names().items()}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trace", "x", "--hooks", "hook_embed", "--dtype", "int8"], "dtype: 'int8' is not one of auto, float32"),
+        (["trace", "x", "--hooks", "hook_embed", "--device", "tpu"], "device: 'tpu' is not one of auto, cpu, cuda"),
+        (["hooks", "--model", "{tmp}/missing"], "/missing' does not exist (expected a directory, .gguf file"),
+        (["hooks", "--model", "{tmp}"], "has no config.json; is it a HF checkpoint?"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys):
+    status = main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("vlens: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_bad_hook_exits_2_naming_the_closest_hooks():
+    """Through the installed entry point: status 2, one line on stderr, no traceback."""
+    vlens = Path(sys.executable).parent / "vlens"
+    done = subprocess.run(
+        [str(vlens), "trace", "Hello", "--hooks", "blocks.30.hook_resid_post"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("vlens: error: hooks: 'blocks.30.hook_resid_post' matches no hook of this model")
+    assert "closest valid names: blocks.3.hook_resid_post" in done.stderr
+
+
+def test_harvest_and_export_are_subcommands(capsys):
+    for command in ("harvest", "export"):
+        with pytest.raises(SystemExit) as done:
+            main([command, "--help"])
+        assert done.value.code == 0
+    shown = capsys.readouterr().out
+    assert "usage: vlens harvest" in shown and "--source" in shown
+    assert "usage: vlens export" in shown and "--format" in shown

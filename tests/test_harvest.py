@@ -1,0 +1,262 @@
+"""vlens.harvest: values equal trace, packing and BOS rules, exclusions, manifest, refusal of mismatched re-runs,
+bad input, and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err
+from harvest_helpers import dir_bytes, documents, read_shards, window_rows, write_jsonl
+
+from vlens import harvest
+from vlens.harvest.cli import add_parser
+from vlens.loader import LoadedModel
+
+HOOKS = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_q", "blocks.2.mlp.hook_post", "hidden_states.2"]
+CTX = 32
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents(40))
+
+
+@pytest.fixture(scope="module")
+def f32_run(smol, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("f32") / "out"
+    harvest(smol, corpus, HOOKS, out, context_size=CTX, dtype="float32", shard_bytes=200_000, batch_tokens=4 * CTX,
+            progress=False)  # fmt: skip
+    return out
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_values_equal_trace(smol, f32_run):
+    manifest = _manifest(f32_run)
+    shards = read_shards(f32_run)
+    assert len(manifest["shards"]) > 1 and manifest["complete"]
+    assert set(shards) == {*HOOKS, "token_ids", "window", "position"}
+    assert shards["token_ids"].dtype == torch.int32 and shards["window"].dtype == torch.int64
+    assert shards["position"].dtype == torch.int64
+    windows = manifest["totals"]["windows"]
+    for w in (0, windows // 2, windows - 1):
+        rows = window_rows(shards, w)
+        assert rows["position"].tolist() == list(range(CTX))  # SmolLM2 uses no BOS: nothing left out
+        traced = smol.trace([rows["token_ids"].tolist()], HOOKS)[0]
+        for hook in HOOKS:
+            assert rows[hook].shape == traced[hook].shape
+            assert rel_err(rows[hook], traced[hook]) < 1e-5, (hook, w)
+
+
+def test_manifest_describes_the_run(f32_run, corpus, smol_path):
+    manifest = _manifest(f32_run)
+    assert manifest["vlens_version"] and len(manifest["model"]["weights_sha256"]) == 64
+    assert manifest["model"]["dtype"] == "float32" and manifest["dtype"] == "float32"
+    assert manifest["hooks"]["blocks.1.attn.hook_q"] == {"tap": "blocks.1.attn.hook_q", "shape": [9, 64]}
+    assert manifest["hooks"]["hidden_states.2"]["tap"] == "blocks.2.hook_resid_pre"
+    assert manifest["tokenizer"]["vocab_size"] == 49152
+    assert manifest["source"]["kind"] == "jsonl" and manifest["source"]["field"] == "text"
+    assert manifest["packing"] == {"pack": True, "bos_token_id": None, "separator_token_id": 2}
+    assert manifest["context_size"] == CTX and manifest["exclusions"] == {"token_ids": []}
+    shards = read_shards(f32_run)
+    assert manifest["totals"]["rows"] == len(shards["token_ids"]) == sum(s["rows"] for s in manifest["shards"])
+    for hook in HOOKS:
+        x = shards[hook].reshape(len(shards[hook]), -1).double()
+        stats = manifest["stats"][hook]
+        assert stats["rows"] == len(x)
+        assert torch.allclose(torch.tensor(stats["mean"], dtype=torch.float64), x.mean(0), rtol=1e-9, atol=1e-9)
+        assert stats["max_norm"] == pytest.approx(x.norm(dim=1).max().item(), rel=1e-12)
+        assert stats["mean_norm"] == pytest.approx(x.norm(dim=1).mean().item(), rel=1e-9)
+
+
+def test_bfloat16_rows_are_the_rounded_float32_rows(smol, corpus, f32_run, tmp_path):
+    harvest(smol, corpus, HOOKS, tmp_path / "bf16", context_size=CTX, shard_bytes=200_000, batch_tokens=4 * CTX,
+            progress=False)  # fmt: skip
+    bf16, f32 = read_shards(tmp_path / "bf16"), read_shards(f32_run)
+    assert bf16[HOOKS[0]].dtype == torch.bfloat16
+    assert torch.equal(bf16["token_ids"], f32["token_ids"]) and torch.equal(bf16["window"], f32["window"])
+    for hook in HOOKS:
+        assert torch.equal(bf16[hook], f32[hook].to(torch.bfloat16)), hook
+
+
+def test_packing_follows_saelens(smol, corpus, f32_run):
+    """Documents end to end, EOS between two that share a window, none before one that opens a window."""
+    tok = smol.tokenizer
+    stream: list[int] = []
+    for doc in documents(40):
+        if len(stream) % CTX:
+            stream.append(tok.eos_token_id)
+        stream.extend(tok(doc, add_special_tokens=False)["input_ids"])
+    shards = read_shards(f32_run)
+    windows = _manifest(f32_run)["totals"]["windows"]
+    assert windows == len(stream) // CTX  # the partial last window is dropped
+    assert shards["token_ids"].tolist() == stream[: windows * CTX]
+
+
+def test_max_tokens_and_no_pack(smol, corpus, tmp_path):
+    harvest(smol, corpus, "hook_embed", tmp_path / "a", context_size=CTX, max_tokens=100, progress=False)
+    manifest = _manifest(tmp_path / "a")
+    assert manifest["totals"]["tokens"] == 96 and manifest["totals"]["windows"] == 3
+
+    harvest(smol, corpus, "hook_embed", tmp_path / "b", context_size=CTX, pack=False, progress=False)
+    rows = read_shards(tmp_path / "b")
+    docs = documents(40)
+    lengths = torch.bincount(rows["window"]).tolist()
+    assert lengths == [min(len(smol.tokenizer(d, add_special_tokens=False)["input_ids"]), CTX) for d in docs]
+    first = smol.tokenizer(docs[0], add_special_tokens=False)["input_ids"][:CTX]
+    assert window_rows(rows, 0)["token_ids"].tolist() == first
+
+
+def test_excluded_tokens_are_left_out(smol, corpus, tmp_path):
+    kwargs = {"context_size": CTX, "dtype": "float32", "batch_tokens": 4 * CTX, "progress": False}
+    harvest(smol, corpus, HOOKS[:2], tmp_path / "all", **kwargs)
+    harvest(smol, corpus, HOOKS[:2], tmp_path / "some", exclude_token_ids=[2, 13], **kwargs)
+    full, some = read_shards(tmp_path / "all"), read_shards(tmp_path / "some")
+    keep = ~torch.isin(full["token_ids"], torch.tensor([2, 13]))
+    assert 0 < int((~keep).sum()) and len(some["token_ids"]) == int(keep.sum())
+    for key in full:
+        assert torch.equal(some[key], full[key][keep]), key
+    manifest = _manifest(tmp_path / "some")
+    assert manifest["exclusions"] == {"token_ids": [2, 13]}
+    assert manifest["totals"]["rows_excluded"] == int((~keep).sum())
+
+
+class _BosTokenizer:
+    """SmolLM2's tokenizer made to put <|im_start|> (id 1) before every text, as Llama's does with its BOS."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __call__(self, text, add_special_tokens: bool = True, **kw):
+        out = self.inner(text, add_special_tokens=False, **kw)
+        if add_special_tokens:
+            ids = out["input_ids"]
+            out["input_ids"] = [1, *ids] if ids and isinstance(ids[0], int) else [[1, *i] for i in ids]
+        return out
+
+
+def test_bos_opens_windows_and_is_left_out(smol, corpus, tmp_path):
+    bos_model = LoadedModel(smol.model, smol.config, _BosTokenizer(smol.tokenizer), smol.model_path, "bos-smol")
+    kwargs = {"context_size": CTX, "dtype": "float32", "progress": False, "max_tokens": 8 * CTX}
+    harvest(bos_model, corpus, HOOKS[0], tmp_path / "bos", **kwargs)
+    harvest(bos_model, corpus, HOOKS[0], tmp_path / "kept", exclude_bos=False, **kwargs)
+    harvest(bos_model, corpus, HOOKS[0], tmp_path / "nobos", prepend_bos=False, **kwargs)
+    assert _manifest(tmp_path / "bos")["packing"] == {"pack": True, "bos_token_id": 1, "separator_token_id": 1}
+    assert _manifest(tmp_path / "bos")["exclusions"] == {"token_ids": [1]}
+    kept, dropped = read_shards(tmp_path / "kept"), read_shards(tmp_path / "bos")
+    assert (kept["token_ids"][kept["position"] == 0] == 1).all()
+    assert not (dropped["position"] == 0).any() and not (dropped["token_ids"] == 1).any()
+    assert torch.equal(dropped[HOOKS[0]], kept[HOOKS[0]][kept["token_ids"] != 1])
+    window = window_rows(kept, 3)
+    traced = smol.trace([window["token_ids"].tolist()], HOOKS[0])[0][HOOKS[0]]
+    assert rel_err(window[HOOKS[0]], traced) < 1e-5
+    nobos = read_shards(tmp_path / "nobos")
+    assert _manifest(tmp_path / "nobos")["packing"]["separator_token_id"] == 2
+    assert not (nobos["token_ids"] == 1).any()
+
+
+def test_seed_shuffles_rows_within_shards(smol, corpus, tmp_path):
+    kwargs = {"context_size": CTX, "max_tokens": 12 * CTX, "shard_bytes": 20_000, "progress": False}
+    harvest(smol, corpus, "hook_embed", tmp_path / "plain", **kwargs)
+    harvest(smol, corpus, "hook_embed", tmp_path / "s1", seed=1, **kwargs)
+    harvest(smol, corpus, "hook_embed", tmp_path / "s1b", seed=1, **kwargs)
+    assert dir_bytes(tmp_path / "s1") == dir_bytes(tmp_path / "s1b")
+    plain, shuffled = read_shards(tmp_path / "plain"), read_shards(tmp_path / "s1")
+    key = shuffled["window"] * CTX + shuffled["position"]
+    assert not torch.equal(key, plain["window"] * CTX + plain["position"])
+    order = torch.argsort(key)
+    for name in plain:
+        assert torch.equal(shuffled[name][order], plain[name]), name
+
+
+def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
+    out = tmp_path / "out"
+    kwargs = {"context_size": CTX, "max_tokens": 4 * CTX, "progress": False}
+    harvest(smol, corpus, "hook_embed", out, **kwargs)
+    before = dir_bytes(out)
+    again = harvest(smol, corpus, "hook_embed", out, **kwargs)  # same options: already complete
+    assert again.tokens_this_run == 0 and dir_bytes(out) == before
+    with pytest.raises(ValueError, match=r"context_size: 32 on disk, 16 now"):
+        harvest(smol, corpus, "hook_embed", out, **{**kwargs, "context_size": 16})
+    with pytest.raises(ValueError, match=r"hooks.*dtype|dtype.*hooks"):
+        harvest(smol, corpus, "blocks.0.hook_resid_post", out, dtype="float16", **kwargs)
+    other = write_jsonl(tmp_path / "other.jsonl", documents(40, seed=1))
+    with pytest.raises(ValueError, match=r"source\.hash"):
+        harvest(smol, other, "hook_embed", out, **kwargs)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"out_dir: .* not empty"):
+        harvest(smol, corpus, "hook_embed", tmp_path / "foreign", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("field", r"text_field: 'body' not found in .* \(fields: text, id\)"),
+        ("empty_txt", r"source: .*empty"),
+        ("empty_jsonl", r"source: .*empty"),
+        ("blank_txt", r"source: .* yields no window"),
+        ("hook", r"hooks: 'blocks\.3\.hook_resid_postt' matches no hook"),
+        ("context", r"context_size: must be an integer >= 2, got 1"),
+        ("dtype", r"dtype: 'float8' is not one of"),
+        ("suffix", r"source: .* unknown suffix '\.csv'"),
+        ("missing", r"source: .* does not exist"),
+    ],
+)
+def test_bad_input_is_a_clear_error(smol, corpus, tmp_path, case, message):
+    source, hooks, kwargs = corpus, "hook_embed", {}
+    if case == "field":
+        kwargs["text_field"] = "body"
+    elif case == "empty_txt":
+        source = tmp_path / "empty.txt"
+        source.write_text("")
+    elif case == "empty_jsonl":
+        source = tmp_path / "empty.jsonl"
+        source.write_text("\n\n")
+    elif case == "blank_txt":
+        source = tmp_path / "blank.txt"
+        source.write_text("  \n\t\n")
+    elif case == "hook":
+        hooks = "blocks.3.hook_resid_postt"
+    elif case == "context":
+        kwargs["context_size"] = 1
+    elif case == "dtype":
+        kwargs["dtype"] = "float8"
+    elif case == "suffix":
+        source = tmp_path / "data.csv"
+        source.write_text("a,b\n")
+    elif case == "missing":
+        source = tmp_path / "nowhere.jsonl"
+    with pytest.raises(ValueError, match=message):
+        harvest(smol, source, hooks, tmp_path / "out", progress=False, **kwargs)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_cli_harvest_then_export(smol_path, corpus, tmp_path):
+    parser = argparse.ArgumentParser(prog="vlens")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "out"
+    args = parser.parse_args(
+        ["harvest", "--model", str(smol_path), "--source", str(corpus), "--hooks", "blocks.1.hook_resid_post",
+         "hook_embed", "--out", str(out), "--context-size", "16", "--dtype", "float16", "--max-tokens", "64",
+         "--shard-bytes", "50000", "--no-bos", "--text-field", "text", "--quiet"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    manifest = _manifest(out)
+    assert manifest["dtype"] == "float16" and manifest["totals"]["tokens"] == 64 and len(manifest["shards"]) > 1
+    assert set(manifest["hooks"]) == {"hook_embed", "blocks.1.hook_resid_post"}
+    args = parser.parse_args(["export", str(out), "--format", "saelens", "--to", str(tmp_path / "sae")])
+    assert args.func(args) == 0
+    assert (tmp_path / "sae" / "dataset_info.json").exists()

@@ -1,0 +1,101 @@
+"""Reading a harvest: ActivationDataset (indexing, shuffled batches, DataLoader) and the SAELens export."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from harvest_helpers import documents, read_shards, window_rows, write_jsonl
+from torch.utils.data import DataLoader
+
+from vlens import ActivationDataset, harvest
+from vlens.harvest import export
+
+HOOKS = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_k"]
+CTX = 16
+
+
+@pytest.fixture(scope="module")
+def out(smol, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    source = write_jsonl(root / "docs.jsonl", documents(40, seed=3))
+    harvest(smol, source, HOOKS, root / "out", context_size=CTX, shard_bytes=60_000, progress=False)
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def rows(out):
+    return read_shards(out)
+
+
+def test_len_and_indexing_match_the_shards(out, rows):
+    ds = ActivationDataset(out, HOOKS[0])
+    full = rows[HOOKS[0]]
+    assert len(ds) == len(full) and ds.shape == (576,) and ds.dtype == torch.bfloat16
+    assert torch.equal(ds[0], full[0]) and torch.equal(ds[-1], full[-1]) and torch.equal(ds[np.int64(7)], full[7])
+    assert torch.equal(ds[5 : len(full) - 3], full[5:-3])  # spans shards
+    assert torch.equal(ds[::7], full[::7])
+    index = torch.tensor([len(full) - 1, 0, 3, 3, -2])
+    assert torch.equal(ds[index], full[index]) and torch.equal(ds[index.tolist()], full[index])
+    mask = torch.arange(len(full)) % 3 == 0
+    assert torch.equal(ds[mask], full[mask])
+    heads = ActivationDataset(out, HOOKS[1])
+    assert heads.shape == (3, 64) and torch.equal(heads[10:20], rows[HOOKS[1]][10:20])
+    assert torch.equal(ActivationDataset(out, "token_ids")[:], rows["token_ids"])
+    with pytest.raises(IndexError):
+        ds[len(full)]
+    with pytest.raises(ValueError, match=r"hook: 'blocks\.9\.hook_resid_post' is not in the harvest"):
+        ActivationDataset(out, "blocks.9.hook_resid_post")
+
+
+def _epoch(out, key, **kw):
+    return list(ActivationDataset(out, key, **kw))
+
+
+def test_batches_are_a_seeded_shuffle_of_every_row(out, rows):
+    kw = {"batch_size": 50, "seed": 4, "shuffle_buffer": 200}
+    acts, windows, positions = (_epoch(out, key, **kw) for key in (HOOKS[0], "window", "position"))
+    assert [len(b) for b in acts][:-1] == [50] * (len(acts) - 1)
+    key = torch.cat(windows) * CTX + torch.cat(positions)
+    assert torch.equal(torch.sort(key).values, rows["window"] * CTX + rows["position"])  # each row once
+    assert not torch.equal(key, rows["window"] * CTX + rows["position"])
+    stacked = torch.cat(acts)
+    position_of = {int(k): i for i, k in enumerate(rows["window"] * CTX + rows["position"])}
+    same_rows = torch.tensor([position_of[int(k)] for k in key])
+    assert torch.equal(stacked, rows[HOOKS[0]][same_rows])  # same seed: keys stay aligned with activations
+    again = torch.cat(_epoch(out, HOOKS[0], **kw))
+    other = torch.cat(_epoch(out, HOOKS[0], **{**kw, "seed": 5}))
+    assert torch.equal(again, stacked) and not torch.equal(other, stacked)
+    dropped = _epoch(out, HOOKS[0], drop_last=True, **kw)
+    assert all(len(b) == 50 for b in dropped) and len(dropped) == len(stacked) // 50
+
+
+def test_dataloader_workers_split_the_shards(out, rows):
+    ds = ActivationDataset(out, "window", batch_size=64, seed=1)
+    seen = torch.cat(list(DataLoader(ds, batch_size=None, num_workers=2)))
+    assert torch.equal(torch.sort(seen).values, torch.sort(rows["window"]).values)
+
+
+def test_saelens_export_round_trips(out, rows, tmp_path):
+    import datasets
+
+    target = export(out, tmp_path / "sae")
+    loaded = datasets.load_from_disk(str(target))
+    features = loaded.features
+    assert features[HOOKS[0]] == datasets.Array2D(shape=(CTX, 576), dtype="float32")
+    assert features[HOOKS[1]] == datasets.Array2D(shape=(CTX, 192), dtype="float32")
+    assert features["token_ids"] == datasets.List(datasets.Value("int32"), length=CTX)
+    assert len(loaded) == int(rows["window"].max()) + 1
+    loaded.set_format("torch")
+    for w in (0, len(loaded) - 1):
+        expect = window_rows(rows, w)
+        assert torch.equal(loaded[w]["token_ids"], expect["token_ids"])
+        for hook in HOOKS:
+            assert torch.equal(loaded[w][hook], expect[hook].float().reshape(CTX, -1)), hook
+
+
+def test_export_refuses_a_harvest_with_rows_left_out(smol, tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", documents(10))
+    harvest(smol, source, "hook_embed", tmp_path / "out", context_size=CTX, exclude_token_ids=[2], progress=False)
+    with pytest.raises(ValueError, match=r"left out \d+ rows .*--keep-bos"):
+        export(tmp_path / "out", tmp_path / "sae")

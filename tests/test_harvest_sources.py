@@ -1,0 +1,127 @@
+"""Every data source harvest reads gives the same windows for the same documents; hashes pin the content."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from harvest_helpers import documents, read_shards, write_jsonl
+
+from vlens import harvest
+
+CTX = 32
+DOCS = documents(30, seed=2)
+
+
+@pytest.fixture(scope="module")
+def token_docs(smol):
+    return [smol.tokenizer(d, add_special_tokens=False)["input_ids"] for d in DOCS]
+
+
+def _write(kind: str, tmp_path, token_docs):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "txt":
+        path = tmp_path / "docs.txt"
+        path.write_text("\n".join(DOCS) + "\n\n")  # a blank line is not a document
+        return path, {}
+    if kind == "jsonl":
+        return write_jsonl(tmp_path / "docs.jsonl", DOCS, field="body"), {"text_field": "body"}
+    if kind == "parquet":
+        path = tmp_path / "docs.parquet"
+        pq.write_table(pa.table({"text": DOCS}), path, row_group_size=7)
+        return path, {}
+    if kind == "datasets":
+        path = tmp_path / "ds"
+        datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))}).save_to_disk(str(path))
+        return path, {}
+    if kind == "datasets_dict":
+        path = tmp_path / "dd"
+        split = datasets.Dataset.from_dict({"text": DOCS})
+        datasets.DatasetDict({"train": split.select([0]), "validation": split}).save_to_disk(str(path))
+        return path, {"split": "validation"}
+    if kind == "tokens_jsonl":  # the default field falls back to a "tokens" column, as in SAELens
+        return write_jsonl(tmp_path / "tok.jsonl", token_docs, field="tokens"), {}
+    if kind == "tokens_parquet":
+        path = tmp_path / "tok.parquet"
+        pq.write_table(pa.table({"input_ids": pa.array(token_docs, pa.list_(pa.int32()))}), path)
+        return path, {"text_field": "input_ids"}
+    if kind == "tokens_datasets":
+        path = tmp_path / "tokds"
+        datasets.Dataset.from_dict({"input_ids": token_docs}).save_to_disk(str(path))
+        return path, {}
+    raise AssertionError(kind)
+
+
+KINDS = ["txt", "jsonl", "parquet", "datasets", "datasets_dict", "tokens_jsonl", "tokens_parquet", "tokens_datasets"]
+
+
+@pytest.fixture(scope="module")
+def reference(smol, tmp_path_factory, token_docs):
+    path, kwargs = _write("txt", tmp_path_factory.mktemp("ref"), token_docs)
+    out = path.parent / "out"
+    harvest(smol, path, "hook_embed", out, context_size=CTX, progress=False, **kwargs)
+    return read_shards(out)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_source_gives_the_same_windows(smol, tmp_path, token_docs, reference, kind):
+    path, kwargs = _write(kind, tmp_path, token_docs)
+    harvest(smol, path, "hook_embed", tmp_path / "out", context_size=CTX, progress=False, **kwargs)
+    rows = read_shards(tmp_path / "out")
+    for key in reference:
+        assert torch.equal(rows[key], reference[key]), key
+    source = json.loads((tmp_path / "out" / "manifest.json").read_text())["source"]
+    assert source["pretokenized"] == kind.startswith("tokens")
+    if path.is_file():
+        assert source["hash"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    else:
+        import datasets
+
+        loaded = datasets.load_from_disk(str(path))
+        loaded = loaded[kwargs["split"]] if "split" in kwargs else loaded
+        assert source["hash"] == loaded._fingerprint
+
+
+def test_whole_file_is_one_document(smol, tmp_path):
+    text = "\n".join(DOCS[:12])
+    path = tmp_path / "book.txt"
+    path.write_text(text)
+    harvest(smol, path, "hook_embed", tmp_path / "out", context_size=CTX, whole_file=True, progress=False)
+    ids = smol.tokenizer(text, add_special_tokens=False)["input_ids"]
+    rows = read_shards(tmp_path / "out")
+    assert rows["token_ids"].tolist() == ids[: len(ids) // CTX * CTX]  # no separators: one document
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(smol, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [[5, 6, 49152]], field="tokens")
+    with pytest.raises(ValueError, match=r"outside the vocabulary"):
+        harvest(smol, path, "hook_embed", tmp_path / "out", context_size=CTX, progress=False)
+
+
+def test_missing_field_in_a_later_row_names_the_line(smol, tmp_path):
+    path = tmp_path / "ragged.jsonl"
+    path.write_text(json.dumps({"text": DOCS[0] * 3}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"text_field: 'text' missing from .* line 2"):
+        harvest(smol, path, "hook_embed", tmp_path / "out", context_size=CTX, progress=False)
+
+
+def test_hub_dataset_offline_and_not_cached_is_a_clear_error(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1"}
+    code = (
+        "from vlens.harvest.sources import open_source\n"
+        "try:\n    open_source('someone/missing-corpus')\n"
+        "except ValueError as e:\n    print('ERR', e)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert "ERR source: hub dataset 'someone/missing-corpus' could not be opened" in run.stdout, run.stderr
+    assert "save_to_disk" in run.stdout

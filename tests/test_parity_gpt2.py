@@ -1,0 +1,59 @@
+"""GPT-2 against HF on tiny random checkpoints: learned positions (hook_pos_embed), LayerNorm with
+bias, Conv1D weights, and the attention-scale options; every tap, packed against alone, generation."""
+
+from __future__ import annotations
+
+import pytest
+from family_parity import (
+    VOCAB,
+    build,
+    check_every_tap,
+    check_generation,
+    check_packed_equals_alone,
+    load_pair,
+    sequences,
+)
+from transformers import GPT2Config
+
+GPT2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128, initializer_range=0.1)
+
+CONFIGS = {
+    "gpt2": lambda: GPT2Config(**GPT2),
+    "gpt2_untied_gelu_inner_scaled": lambda: GPT2Config(
+        **GPT2, tie_word_embeddings=False, activation_function="gelu", n_inner=80, scale_attn_by_inverse_layer_idx=True
+    ),
+    "gpt2_unscaled": lambda: GPT2Config(**(GPT2 | {"initializer_range": 0.05}), scale_attn_weights=False),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request, tmp_path_factory):
+    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp("gpt2"), request.param)
+    return request.param, path, *load_pair(path)
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, hf = family
+    cfg = llm.config
+    assert cfg.family == "gpt2" and cfg.norm == "layer" and cfg.learned_positions and cfg.rotary_dim == 0
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert (llm.model.lm_head.weight is llm.model.embed_tokens.weight) == cfg.tie_word_embeddings
+    assert "hook_pos_embed" in llm.hook_names()
+    if name == "gpt2_untied_gelu_inner_scaled":
+        assert (cfg.hidden_act, cfg.intermediate_size, cfg.attn_scale_inverse_layer) == ("gelu", 80, True)
+    else:
+        assert cfg.hidden_act == "gelu_new" and cfg.intermediate_size == 256
+
+
+def test_every_tap_matches_hf(family):
+    _, _, llm, hf = family
+    check_every_tap(llm, hf, sequences())
+
+
+def test_packed_equals_alone(family):
+    check_packed_equals_alone(family[2], sequences())
+
+
+def test_generation_matches_hf(family):
+    _, _, llm, hf = family
+    check_generation(llm, hf, sequences((20, 9, 3)), extra_hooks=["hook_pos_embed"])

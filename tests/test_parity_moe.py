@@ -1,0 +1,97 @@
+"""Mixtral and Qwen2-MoE against HF on tiny random checkpoints: the router's logits and chosen experts
+as taps (int64 ids, through trace and through generation), per-expert checkpoint tensors loaded into
+stacked weights, Qwen2-MoE's shared expert and dense (mlp_only) layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_parity import (
+    COMMON,
+    build,
+    check_every_tap,
+    check_generation,
+    check_packed_equals_alone,
+    load_pair,
+    sequences,
+)
+from transformers import MixtralConfig, Qwen2MoeConfig
+
+from vlens import Capture, SamplingParams
+
+CONFIGS = {
+    "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "mixtral_window_top1": lambda: MixtralConfig(
+        **COMMON, num_key_value_heads=1, num_local_experts=3, num_experts_per_tok=1, sliding_window=7
+    ),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    ),
+    "qwen2_moe_normed_no_shared": lambda: Qwen2MoeConfig(
+        **COMMON,
+        num_key_value_heads=4,
+        num_experts=5,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=0,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request, tmp_path_factory):
+    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp("moe"), request.param)
+    return request.param, path, *load_pair(path)
+
+
+def test_config_and_hooks(family):
+    name, _, llm, hf = family
+    cfg, shapes = llm.config, llm.hook_names()
+    k = hf.config.num_experts_per_tok
+    assert cfg.experts_per_token == k and shapes["blocks.0.mlp.hook_expert_ids"] == (k,)
+    assert shapes["blocks.0.mlp.hook_router_logits"] == (cfg.num_experts,)
+    assert "blocks.0.mlp.hook_post" not in shapes  # a routed layer has no single MLP activation
+    if name == "qwen2_moe":
+        assert cfg.moe_layers == (True, False, True) and cfg.norm_topk_prob is False
+        assert shapes["blocks.1.mlp.hook_post"] == (96,) and "blocks.1.mlp.hook_expert_ids" not in shapes
+        assert shapes["blocks.0.mlp.shared_expert.hook_post"] == (48,)
+    if name.startswith("mixtral"):
+        assert cfg.norm_topk_prob and cfg.moe_layers == (True,) * 3
+
+
+def test_every_tap_matches_hf(family):
+    _, _, llm, hf = family
+    check_every_tap(llm, hf, sequences())
+
+
+def test_packed_equals_alone(family):
+    check_packed_equals_alone(family[2], sequences())
+
+
+def test_generation_matches_hf_and_captures_expert_ids(family):
+    _, _, llm, hf = family
+    prompts = sequences((20, 9, 3))
+    outs = check_generation(llm, hf, prompts, extra_hooks=["blocks.*.mlp.hook_expert_ids"])
+    for prompt, out in zip(prompts, outs):
+        full = prompt + out.outputs[0].token_ids[:-1]
+        traced = llm.trace([full], hooks="blocks.*.mlp.hook_expert_ids")[0]
+        for hook, ids in traced.items():
+            got = out.activations[hook]
+            assert got.dtype == torch.int64 and torch.equal(got, ids), hook
+
+
+def test_integer_tap_keeps_its_dtype_under_a_capture_dtype(family):
+    _, _, llm, _ = family
+    capture = Capture(hooks=["blocks.0.mlp.hook_expert_ids", "blocks.0.hook_resid_post"], dtype="bfloat16")
+    params = SamplingParams(max_tokens=2, temperature=0, capture=capture)
+    [out] = llm.generate([sequences((9,))[0]], params, use_tqdm=False)
+    assert out.activations["blocks.0.mlp.hook_expert_ids"].dtype == torch.int64
+    assert out.activations["blocks.0.hook_resid_post"].dtype == torch.bfloat16

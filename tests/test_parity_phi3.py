@@ -1,0 +1,81 @@
+"""Phi-3 against HF on tiny random checkpoints: fused qkv_proj and gate_up_proj loaded as they are,
+partial rotary, LongRoPE (short factors, then long ones once a forward reaches past the original
+context) and a sliding window; every tap, packed against alone, generation.
+
+Generation that crosses the LongRoPE switch is not compared: there HF drops its cache and recomputes
+the whole sequence with the long factors, while vlens keeps the keys it cached (docs/architectures.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import (
+    COMMON,
+    build,
+    check_every_tap,
+    check_generation,
+    check_packed_equals_alone,
+    load_pair,
+    sequences,
+)
+from transformers import AutoModelForCausalLM, Phi3Config
+
+ROTARY_HALF = 4  # head_dim 16, partial_rotary_factor 0.5: 8 dims rotate, 4 frequencies
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "short_factor": [1.0, 1.5, 2.0, 3.0],
+    "long_factor": [2.0, 5.0, 11.0, 20.0],
+}
+PHI3 = dict(COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+CONFIGS = {
+    "phi3_longrope": lambda: Phi3Config(**PHI3, original_max_position_embeddings=16, rope_parameters=LONGROPE),
+    "phi3_window_gqa": lambda: Phi3Config(**PHI3, num_key_value_heads=2, sliding_window=7),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request, tmp_path_factory):
+    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp("phi3"), request.param)
+    return request.param, path, *load_pair(path)
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, _ = family
+    cfg = llm.config
+    assert cfg.family == "llama" and cfg.stored_fused
+    if name == "phi3_longrope":
+        assert cfg.rotary_dim == 2 * ROTARY_HALF and cfg.rope_scaling["rope_type"] == "longrope"
+        assert cfg.rope_scaling["original_max_position_embeddings"] == 16 and cfg.rope_scaling["factor"] == 8.0
+    else:
+        assert cfg.sliding_windows == (7, 7, 7) and cfg.num_kv_heads == 2
+
+
+def test_every_tap_matches_hf(family):
+    _, _, llm, hf = family
+    check_every_tap(llm, hf, sequences())  # lengths 1 and 23, 40 sit either side of the longrope switch
+
+
+def test_packed_equals_alone(family):
+    check_packed_equals_alone(family[2], sequences())
+
+
+def test_generation_matches_hf(family):
+    """With LongRoPE, the 20-token prompt runs on the long factors throughout, the others on the short ones."""
+    _, _, llm, hf = family
+    check_generation(llm, hf, sequences((20, 7, 3)))
+
+
+def test_long_factors_matter(tmp_path):
+    path = build(CONFIGS["phi3_longrope"](), tmp_path, "phi3")
+    llm, _ = load_pair(path)
+    short_only = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, rope_parameters=LONGROPE | {"long_factor": LONGROPE["short_factor"]}
+    ).eval()
+    ids = sequences()[-1]
+    got = llm.trace([ids], hooks="unembed.hook_out")[0]["unembed.hook_out"]
+    with torch.no_grad():
+        assert rel_err(got, short_only(torch.tensor([ids])).logits[0]) > 1e-3

@@ -1,0 +1,95 @@
+"""`vlens serve` as an operator runs it: a subprocess, the API key from VLENS_API_KEY, capture off."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from vlens.cli import main
+
+KEY = "env-key-9876543210"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smol_path):
+    port = _free_port()
+    args = [
+        "serve",
+        "--model",
+        str(smol_path),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        str(64 << 20),
+        "--max-model-len",
+        "256",
+    ]
+    command = [sys.executable, "-c", "import sys; from vlens.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+    proc = subprocess.Popen(
+        command, env={**os.environ, "VLENS_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "vlens serve did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    yield url, proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def test_capture_is_refused_unless_enabled(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    for extension in ({"capture": {"hooks": ["blocks.3.hook_resid_post"]}}, {"return_hidden_states": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"vlens": extension})
+        error = e.value.body
+        assert error["code"] == "capture_disabled" and "--enable-capture" in error["message"]
+    assert httpx.get(url + "/v1/hooks", headers=AUTH).json()["capture_enabled"] is False
+    plain = client.completions.create(
+        model=model, prompt="Hi", max_tokens=2, extra_body={"vlens": {"return_hidden_states": False}}
+    )
+    assert plain.usage.completion_tokens == 2 and "vlens" not in (plain.model_extra or {})
+
+
+def test_key_comes_from_the_environment(server):
+    url, _ = server
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+
+
+def test_interrupt_stops_the_server(server):
+    _, proc = server
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+
+
+def test_bad_server_options_fail_before_loading(capsys):
+    assert main(["serve", "--max-capture-bytes", "-1"]) == 2
+    assert "max_capture_bytes" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+"""The server's parts that need no server: the capture-size bound, the handle store, extension parsing,
+streamed text and error shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from vlens.config import ModelConfig
+from vlens.engine.detokenizer import IncrementalDetokenizer
+from vlens.hooks import hook_shapes
+from vlens.sampling_params import Capture, SamplingParams
+from vlens.server.activations import ActivationStore, capture_bound, owner_of
+from vlens.server.deltas import TextStream
+from vlens.server.extension import ExtensionContext, parse_extension
+from vlens.server.metrics import route_label
+from vlens.server.protocol import APIError, CompletionRequest, from_value_error, schema_error
+
+
+@pytest.fixture(scope="module")
+def cfg(smol_path):
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(smol_path))
+
+
+@pytest.mark.parametrize(
+    "positions,rows",
+    [
+        ("all", 8),
+        ("prompt", 5),
+        ("generated", 3),
+        ("last", 1),
+        ([0, 2, -1], 3),
+        (slice(-3, 2), 2),
+        (slice(1, None, 2), 4),
+    ],
+)
+def test_capture_bound_counts_rows_of_the_spec(cfg, positions, rows):
+    shapes = hook_shapes(cfg)
+    params = SamplingParams(
+        max_tokens=4, capture=Capture(hooks=["blocks.3.hook_resid_post", "blocks.1.attn.hook_z"], positions=positions)
+    )
+    row = (576 + 9 * 64) * 4 + 8  # two float32 hooks and the int64 position
+    assert capture_bound(params, 5, shapes, cfg, torch.float32) == rows * row + 9 * 8  # + token_ids
+    half = SamplingParams(
+        max_tokens=4, capture=Capture(hooks="blocks.3.hook_resid_post", positions=positions, dtype="bfloat16")
+    )
+    assert capture_bound(half, 5, shapes, cfg, torch.float32) == rows * (576 * 2 + 8) + 9 * 8
+
+
+def test_capture_bound_of_hidden_states_and_of_nothing(cfg):
+    shapes = hook_shapes(cfg)
+    assert capture_bound(SamplingParams(max_tokens=4), 5, shapes, cfg, torch.float32) == 0
+    hidden = SamplingParams(max_tokens=4, return_hidden_states=True)
+    assert capture_bound(hidden, 5, shapes, cfg, torch.bfloat16) == 8 * 576 * 2 + 9 * 8
+    with pytest.raises(ValueError, match="matches no hook"):
+        capture_bound(SamplingParams(capture=Capture(hooks="nope")), 5, shapes, cfg, torch.float32)
+
+
+def test_store_hands_out_once_to_the_right_key_until_expiry():
+    now = [1000.0]
+    store = ActivationStore(ttl_s=60, clock=lambda: now[0])
+    alice, bob = owner_of("alice"), owner_of("bob")
+    handle, expires = store.put(b"tensor bytes", alice)
+    assert expires == 1060 and len(handle) >= 4 + 32  # 192 random bits, url-safe
+    assert handle != store.put(b"other", alice)[0]
+    assert store.take(handle, bob) is None  # bound to the key that made it
+    assert store.take(handle, alice) == b"tensor bytes"
+    assert store.take(handle, alice) is None  # deleted after download
+    late, _ = store.put(b"late", owner_of(None))
+    now[0] += 61
+    assert store.take(late, owner_of(None)) is None and store.count == 0 and store.nbytes == 0
+
+
+def test_extension_fields_are_parsed_or_refused_by_name():
+    on, off = ExtensionContext(enable_capture=True), ExtensionContext(enable_capture=False)
+    kwargs = parse_extension({"capture": {"hooks": "blocks.1.hook_resid_post", "positions": {"start": 2}}}, on)
+    assert kwargs["capture"].positions == slice(2, None, None)
+    assert parse_extension({"return_hidden_states": False, "capture": None}, off) == {"return_hidden_states": False}
+    with pytest.raises(APIError, match="vlens.steer: unknown field") as e:
+        parse_extension({"steer": 1, "capture": {"hooks": "x"}}, on)
+    assert e.value.param == "vlens.steer" and "known: capture, return_hidden_states" in e.value.message
+    with pytest.raises(APIError, match="--enable-capture") as e:
+        parse_extension({"capture": {"hooks": "x"}}, off)
+    assert (e.value.status, e.value.code) == (400, "capture_disabled")
+    with pytest.raises(APIError) as e:
+        parse_extension({"capture": {"hooks": "x", "positions": 1.5}}, on)
+    assert e.value.param == "vlens.capture.positions"
+
+
+def test_errors_name_the_field():
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": ["a", [1]]})
+    error = schema_error(e.value.errors(), 422)
+    assert error.param == "prompt" and "matches none of the forms" in error.message
+    assert error.body()["error"].keys() == {"message", "type", "param", "code"}
+    assert from_value_error(ValueError("capture.positions: bad"), prefix="vlens.").param == "vlens.capture.positions"
+    assert from_value_error(ValueError("something else went wrong")).param is None
+
+
+def test_streamed_text_adds_up_and_never_shows_a_stop_string(smol_path):
+    tokenizer = AutoTokenizer.from_pretrained(smol_path)
+    prompt = tokenizer("Say:")["input_ids"]
+    tokens = tokenizer(" Hello world. How are you? Fine")["input_ids"]
+    for stops, stop_reason, final in [
+        ([], None, " Hello world. How are you? Fine"),
+        (["How are"], "How are", " Hello world. "),
+    ]:
+        engine_view, end = IncrementalDetokenizer(tokenizer, prompt), len(tokens)
+        for n, token in enumerate(tokens, 1):
+            engine_view.add(token)
+            if any(s in engine_view.text for s in stops):
+                end = n  # the engine finishes the sequence at this token
+                break
+        stream = TextStream(tokenizer, prompt, stops)
+        released = ""
+        for n in range(1, end):
+            released += stream.advance(tokens[:n])
+            assert all(s not in released for s in stops)
+        assert released + stream.finish(tokens[:end], stop_reason) == final
+
+
+def test_route_labels_stay_bounded():
+    assert route_label("/v1/activations/act-abc") == "/v1/activations/{id}"
+    assert route_label("/v1/completions") == "/v1/completions" and route_label("/etc/passwd") == "other"

@@ -1,0 +1,185 @@
+"""The `vlens` command: one `_cmd_<name>(args) -> int` per subcommand, all registered in `_parser()`
+(subcommands that live with their feature, like harvest and export, register through its `add_parser`).
+
+A ValueError from vlens (a bad hook, dtype, device, text or model) ends the command with one line
+`vlens: error: ...` on stderr and exit status 2, as argparse does for malformed arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from vlens.config import ModelConfig
+from vlens.harvest import cli as harvest_cli
+from vlens.hooks import hook_shapes
+from vlens.inputs import to_token_lists
+from vlens.llm import LLM
+from vlens.sampling_params import Capture, SamplingParams
+from vlens.loader import DEFAULT_MODEL, DTYPES, resolve_model_path
+from vlens.server import cli as server_cli
+
+TRACE_FILE = (
+    "--out writes one safetensors file with the texts packed back to back, one row per token: a tensor "
+    "per hook, keyed by the hook name, [rows, *per-token shape]; token_ids, sequence (index of the text) "
+    "and position (within its text), each [rows] int64; metadata 'model' and 'texts' (a JSON list). "
+    "Text i's rows of a hook are acts[hook][acts['sequence'] == i]."
+)
+
+
+def _cmd_hooks(args: argparse.Namespace) -> int:
+    # Only the config is read: listing the hooks of a large model should not load its weights.
+    from transformers import AutoConfig
+
+    shapes = hook_shapes(ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_path(args.model))))
+    width = max(map(len, shapes))
+    for name, shape in shapes.items():
+        print(f"{name:<{width}}  {shape}")
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    token_lists = to_token_lists(args.texts, llm.tokenizer, llm.config.vocab_size, field="texts")
+    results = llm.trace(token_lists, args.hooks)
+    for i, (text, ids, acts) in enumerate(zip(args.texts, token_lists, results)):
+        print(f"text {i}: {text!r} ({len(ids)} token{'s' * (len(ids) != 1)})")
+        rows = [("hook", "shape", "dtype", "mean row norm")]
+        for name, t in acts.items():
+            norm = t.flatten(1).double().norm(dim=1).mean().item()
+            rows.append((name, str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), f"{norm:.4f}"))
+        _print_table(rows)
+    if args.out:
+        tensors = {name: torch.cat([acts[name] for acts in results]) for name in results[0]}
+        tensors["token_ids"] = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64)
+        tensors["sequence"] = torch.cat([torch.full((len(ids),), i) for i, ids in enumerate(token_lists)])
+        tensors["position"] = torch.cat([torch.arange(len(ids)) for ids in token_lists])
+        save_file(tensors, args.out, metadata={"model": llm.model_name, "texts": json.dumps(args.texts)})
+        print(f"wrote {args.out}: {len(results[0])} hooks, {len(tensors['token_ids'])} rows")
+    return 0
+
+
+def parse_positions(spec: str):
+    """Command-line position spec: all | prompt | generated | last | ints "0,3,-1" | slice "start:stop[:step]"."""
+    if spec in ("all", "prompt", "generated", "last"):
+        return spec
+    try:
+        if ":" in spec:
+            return slice(*(int(part) if part else None for part in spec.split(":")))
+        return [int(part) for part in spec.split(",")]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"--positions: {spec!r} is not all, prompt, generated, last, a comma list of ints or start:stop[:step]"
+        ) from None
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+    capture = Capture(hooks=args.capture, positions=parse_positions(args.positions)) if args.capture else None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
+    run = llm.chat if args.chat else llm.generate
+    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
+    outputs = run(prompts, params, use_tqdm=False)
+    for i, out in enumerate(outputs):
+        completion = out.outputs[0]
+        print(f"prompt {i}: {args.prompts[i]!r} ({len(out.prompt_token_ids)} tokens)")
+        print(f"completion ({len(completion.token_ids)} tokens, {completion.finish_reason}): {completion.text!r}")
+        if out.activations:
+            rows = [("hook", "shape", "dtype", "mean row norm")]
+            for name, t in out.activations.items():
+                norm = t.flatten(1).double().norm(dim=1).mean().item() if len(t) else float("nan")
+                rows.append((name, str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), f"{norm:.4f}"))
+            _print_table(rows)
+            print(f"  positions: {out.activation_positions.tolist()}")
+    if args.out and capture is not None:
+        tensors = {f"{i}/{name}": t.contiguous() for i, out in enumerate(outputs) for name, t in out.activations.items()}
+        tensors.update({f"{i}/positions": out.activation_positions for i, out in enumerate(outputs)})
+        tensors.update(
+            {f"{i}/token_ids": torch.tensor(out.prompt_token_ids + out.outputs[0].token_ids) for i, out in enumerate(outputs)}
+        )
+        texts = [out.outputs[0].text for out in outputs]
+        save_file(tensors, args.out, metadata={"model": llm.model_name, "prompts": json.dumps(args.prompts), "completions": json.dumps(texts)})
+        print(f"wrote {args.out}: {len(tensors)} tensors")
+    return 0
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"HF checkpoint directory, .gguf file or hub id (default: {DEFAULT_MODEL})")
+
+
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", help=f"auto (bfloat16 on CUDA, else float32), {', '.join(DTYPES)}")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlens", description="Run language models and read exact activations.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("hooks", help="list the model's hook names with their per-token shapes")
+    _add_model(p)
+    p.set_defaults(func=_cmd_hooks)
+
+    p = commands.add_parser(
+        "trace",
+        help="capture hooks at every position of some texts",
+        description="Run the texts through the model and print, per text, each hook's shape, dtype and mean "
+        "row norm.",
+        epilog=TRACE_FILE,
+    )
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to run (before --hooks)")
+    p.add_argument(
+        "--hooks",
+        nargs="+",
+        required=True,
+        metavar="HOOK",
+        help="hook names or globs (quoted), e.g. blocks.10.hook_resid_post 'blocks.{0..3}.hook_attn_out'",
+    )
+    _add_model(p)
+    _add_placement(p)
+    p.add_argument("--out", metavar="FILE", help="also write the activations and token ids to FILE (see below)")
+    p.set_defaults(func=_cmd_trace)
+
+    p = commands.add_parser(
+        "generate",
+        help="generate completions, optionally capturing activations",
+        description="Generate a completion per prompt (greedy unless --temperature) and print a table of the "
+        "captured tensors.",
+        epilog="--out writes one safetensors file: for prompt i, '{i}/{hook}' [rows, ...], '{i}/positions' (the "
+        "sequence position of each row) and '{i}/token_ids' (prompt then completion); metadata holds the "
+        "prompts and completions.",
+    )
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    _add_model(p)
+    _add_placement(p)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--capture", nargs="+", metavar="HOOK", help="hook names or globs to capture")
+    p.add_argument("--positions", default="all", help="all | prompt | generated | last | 0,3,-1 | start:stop[:step]")
+    p.add_argument("--out", metavar="FILE", help="write the captured activations (see below)")
+    p.set_defaults(func=_cmd_generate)
+
+    harvest_cli.add_parser(commands)
+    server_cli.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"vlens: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2

@@ -1,0 +1,231 @@
+"""Reading a harvest back: `ActivationDataset`, memory-mapped shards, random access and shuffled batches.
+
+Shards are mapped, not loaded: opening a dataset of any size costs a header read per shard, and a
+read touches only the pages of the rows it asks for. Only shards the manifest lists are read, so a
+dataset whose harvest is still running (or was killed) shows exactly its completed part.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import mmap
+import os
+from collections.abc import Iterator
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from vlens.harvest.writer import read_manifest
+
+META_KEYS = ("token_ids", "window", "position")
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+def mmap_shard(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a view of a private (copy-on-write) map of the file."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    size = int.from_bytes(mapped[:8], "little")
+    header = json.loads(mapped[8 : 8 + size])
+    tensors = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        count = (end - begin) // dtype.itemsize
+        flat = (
+            torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + size + begin)
+            if count
+            else torch.empty(0, dtype=dtype)
+        )
+        tensors[key] = flat.view(info["shape"])
+    return tensors
+
+
+def load_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
+    manifest = read_manifest(Path(out_dir))
+    if manifest is None:
+        raise ValueError(f"out_dir: {str(out_dir)!r} holds no manifest.json; is it a vlens harvest directory?")
+    return manifest
+
+
+class ActivationDataset(IterableDataset):
+    """The rows of one key of a harvest: a hook name, or `token_ids`, `window` or `position`.
+
+    `len(ds)` counts rows; `ds[i]`, `ds[a:b]` and `ds[index_tensor]` return new tensors in the stored
+    dtype. Iterating (directly or through a torch DataLoader, with workers splitting the shards) yields
+    shuffled batches: shards in a seeded random order, rows mixed through a shuffle buffer. The random
+    draws depend only on the seed and the row counts, so iterators over two keys of one harvest with
+    the same settings yield matching rows (activations with their token ids).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        hook: str,
+        batch_size: int = 4096,
+        seed: int = 0,
+        shuffle_buffer: int = 1 << 16,
+        drop_last: bool = False,
+    ):
+        super().__init__()
+        self.out_dir = Path(out_dir)
+        self.manifest = load_manifest(self.out_dir)
+        keys = [*self.manifest["hooks"], *META_KEYS]
+        if hook not in keys:
+            raise ValueError(f"hook: {hook!r} is not in the harvest at {str(out_dir)!r} (keys: {', '.join(keys)})")
+        if batch_size < 1 or shuffle_buffer < 0:
+            raise ValueError(f"batch_size must be >= 1 and shuffle_buffer >= 0, got {batch_size}, {shuffle_buffer}")
+        self.hook, self.batch_size, self.seed = hook, batch_size, seed
+        self.shuffle_buffer, self.drop_last = shuffle_buffer, drop_last
+        self.files = [self.out_dir / s["file"] for s in self.manifest["shards"]]
+        counts = [s["rows"] for s in self.manifest["shards"]]
+        self.offsets = list(accumulate(counts, initial=0))
+        if hook in self.manifest["hooks"]:
+            self.shape = tuple(self.manifest["hooks"][hook]["shape"])
+            self.dtype = getattr(torch, self.manifest["dtype"])
+        else:
+            self.shape, self.dtype = (), torch.int32 if hook == "token_ids" else torch.int64
+        self._mapped: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers map the shards themselves
+        return {**self.__dict__, "_mapped": {}}
+
+    def shard(self, index: int) -> torch.Tensor:
+        """Rows of one shard, memory-mapped (a view: clone before writing to it)."""
+        if index not in self._mapped:
+            self._mapped[index] = mmap_shard(self.files[index])[self.hook]
+        return self._mapped[index]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        n = len(self)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step == 1:
+                return self._range(start, max(start, stop))
+            return self._take(torch.arange(start, stop, step))
+        if isinstance(index, int) or (hasattr(index, "__index__") and torch.as_tensor(index).dim() == 0):
+            i = int(index)
+            if not -n <= i < n:
+                raise IndexError(f"row {i} out of range for {n} rows")
+            i %= n
+            s = bisect.bisect_right(self.offsets, i) - 1
+            return self.shard(s)[i - self.offsets[s]].clone()
+        idx = torch.as_tensor(index)
+        if idx.dtype == torch.bool:
+            if idx.shape != (n,):
+                raise IndexError(f"boolean index of shape {tuple(idx.shape)} for {n} rows")
+            idx = idx.nonzero().squeeze(1)
+        if idx.dim() != 1 or idx.is_floating_point():
+            raise IndexError("index with an int, a slice, or a 1-D array of ints or bools")
+        return self._take(idx.long())
+
+    def _range(self, start: int, stop: int) -> torch.Tensor:
+        first = bisect.bisect_right(self.offsets, start) - 1
+        parts = []
+        s = first
+        while s < len(self.files) and self.offsets[s] < stop:
+            lo, hi = max(start, self.offsets[s]) - self.offsets[s], min(stop, self.offsets[s + 1]) - self.offsets[s]
+            parts.append(self.shard(s)[lo:hi])
+            s += 1
+        return torch.cat(parts) if parts else torch.empty(0, *self.shape, dtype=self.dtype)
+
+    def _take(self, idx: torch.Tensor) -> torch.Tensor:
+        n = len(self)
+        if len(idx) and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"row index out of range for {n} rows")
+        idx = torch.where(idx < 0, idx + n, idx)
+        shard_of = torch.searchsorted(torch.tensor(self.offsets), idx, right=True) - 1
+        out = torch.empty(len(idx), *self.shape, dtype=self.dtype)
+        for s in shard_of.unique().tolist():
+            mask = shard_of == s
+            out[mask] = self.shard(s)[idx[mask] - self.offsets[s]]
+        return out
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self.batches()
+
+    def batches(
+        self,
+        batch_size: int | None = None,
+        seed: int | None = None,
+        shuffle_buffer: int | None = None,
+        drop_last: bool | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Shuffled batches of rows, each row once (arguments default to the constructor's)."""
+        size = batch_size or self.batch_size
+        seed = self.seed if seed is None else seed
+        buffer = self.shuffle_buffer if shuffle_buffer is None else shuffle_buffer
+        drop = self.drop_last if drop_last is None else drop_last
+        order = torch.randperm(len(self.files), generator=torch.Generator().manual_seed(seed)).tolist()
+        worker = get_worker_info()
+        if worker is not None:
+            order = order[worker.id :: worker.num_workers]
+        draws = torch.Generator().manual_seed(seed + 1 + (worker.id if worker is not None else 0))
+        chunks = self._chunks(order, size)
+        batches = _mix(chunks, size, buffer, draws) if buffer else chunks
+        for batch in batches:
+            if len(batch) == size or not drop:
+                yield batch
+
+    def _chunks(self, order: list[int], size: int) -> Iterator[torch.Tensor]:
+        """Consecutive rows of the shards in `order`, in pieces of exactly `size` (the last may be short)."""
+        pending: list[torch.Tensor] = []
+        have = 0
+        for s in order:
+            rows = self.shard(s)
+            pos = 0
+            while pos < len(rows):
+                take = min(size - have, len(rows) - pos)
+                pending.append(rows[pos : pos + take])
+                have, pos = have + take, pos + take
+                if have == size:
+                    yield torch.cat(pending)
+                    pending, have = [], 0
+        if pending:
+            yield torch.cat(pending)
+
+
+def _mix(chunks: Iterator[torch.Tensor], size: int, capacity: int, draws: torch.Generator) -> Iterator[torch.Tensor]:
+    """A shuffle buffer done a batch at a time: once full, each incoming batch takes the slots of
+    `size` rows drawn at random from the buffer, which leave as the next batch; the rest drains shuffled."""
+    capacity = -(-max(capacity, size) // size) * size  # whole batches, so filling ends on a batch boundary
+    buffer: torch.Tensor | None = None
+    filled = 0
+    tail = None
+    for chunk in chunks:
+        if len(chunk) < size:  # the last, short piece: drained with the buffer
+            tail = chunk
+            break
+        if buffer is None:
+            buffer = chunk.new_empty(capacity, *chunk.shape[1:])
+        if filled < capacity:
+            buffer[filled : filled + size] = chunk
+            filled += size
+            continue
+        slots = torch.randperm(capacity, generator=draws)[:size]
+        out = buffer[slots]
+        buffer[slots] = chunk
+        yield out
+    rest = [t for t in (None if buffer is None else buffer[:filled], tail) if t is not None]
+    if not rest:
+        return
+    remaining = torch.cat(rest)
+    order = torch.randperm(len(remaining), generator=draws)
+    for start in range(0, len(remaining), size):
+        yield remaining[order[start : start + size]]

@@ -1,0 +1,53 @@
+"""The model side of a harvest: which model to run, and the hashes that pin its identity in the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from vlens.llm import LLM
+from vlens.loader import LoadedModel, load_model
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+_hashes: dict[tuple, str] = {}
+
+
+def resolve_model(model: Any, model_dtype: str, device: str) -> LoadedModel:
+    """Reuse an `LLM` or `LoadedModel` the caller already holds (tests, notebooks); else load `model`."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, LLM):
+        return LoadedModel(model.model, model.config, model.tokenizer, model.model_path, model.model_name)
+    return load_model(model, dtype=model_dtype, device=device)
+
+
+def files_hash(files: list[Path]) -> str:
+    """sha256 over (name, bytes) of each file, memoised per (path, size, mtime) within the process:
+    ~1 s for SmolLM2's 540 MB, paid once however many harvests a session runs."""
+    key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if key not in _hashes:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.name.encode() + b"\0")
+            with open(f, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+        _hashes[key] = digest.hexdigest()
+    return _hashes[key]
+
+
+def weights_hash(path: Path) -> str:
+    return files_hash(sorted(Path(path).glob("*.safetensors")))
+
+
+def tokenizer_info(tokenizer: Any, path: Path) -> dict[str, Any]:
+    if tokenizer is None:
+        return {"name_or_path": None, "vocab_size": None, "hash": None}
+    files = [Path(path) / n for n in _TOKENIZER_FILES if (Path(path) / n).exists()]
+    return {
+        "name_or_path": os.fspath(tokenizer.name_or_path),
+        "vocab_size": len(tokenizer),
+        "hash": files_hash(files) if files else None,
+    }

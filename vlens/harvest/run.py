@@ -1,0 +1,379 @@
+"""`harvest()`: run a model over a corpus and keep the activations of chosen hooks on disk.
+
+The run is a pure function of its options: windows come from the source in a fixed order, shards
+are cut at window boundaries by a byte budget that depends only on the windows' tokens, and forward
+batches never cross a shard boundary. So a run killed at any moment and started again with the same
+options redoes only the shard in flight and writes the same bytes an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import vlens
+from vlens.engine.packed import packed_forward, token_batches
+from vlens.harvest.model import resolve_model, tokenizer_info, weights_hash
+from vlens.harvest.sources import open_source
+from vlens.harvest.stats import HookStats
+from vlens.harvest.windows import Packing, make_packing, token_documents, windows
+from vlens.harvest.writer import prepare_dir, read_manifest, shard_name, write_manifest, write_shard
+from vlens.hooks import hook_shapes, resolve_hooks
+from vlens.loader import DTYPES
+
+FORMAT = "vlens-harvest/1"
+# Tokens per forward when the caller sets no budget: past these, CPU throughput stops growing,
+# and on a GPU the activations of one batch stay a small part of memory for models up to ~8B.
+DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
+# Header fields that name things rather than fix the bytes: a re-run may spell them differently.
+_NAMES = {"model.id", "source.location", "tokenizer.name_or_path"}
+_META_KEYS = {"token_ids": (torch.int32, 4), "window": (torch.int64, 8), "position": (torch.int64, 8)}
+
+
+@dataclass(frozen=True)
+class HarvestSummary:
+    out_dir: Path
+    windows: int
+    tokens: int
+    rows: int
+    rows_excluded: int
+    shards: int
+    bytes: int
+    seconds: float  # this call's time
+    tokens_this_run: int
+
+    def __str__(self) -> str:
+        rate = self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"harvest: {self.windows:,} windows, {self.tokens:,} tokens -> {self.rows:,} rows "
+            f"({self.rows_excluded:,} excluded) in {self.shards} shards, {_human(self.bytes)} at {self.out_dir}; "
+            f"this run {self.tokens_this_run:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tokens/s)"
+        )
+
+
+def harvest(
+    model: Any,
+    source: str | os.PathLike,
+    hooks: str | Iterable[str],
+    out_dir: str | os.PathLike,
+    context_size: int = 128,
+    dtype: str = "bfloat16",
+    max_tokens: int | None = None,
+    shard_bytes: int = 2**30,
+    prepend_bos: bool = True,
+    pack: bool = True,
+    text_field: str = "text",
+    exclude_token_ids: Iterable[int] | None = None,
+    *,
+    exclude_bos: bool = True,
+    whole_file: bool = False,
+    split: str = "train",
+    batch_tokens: int | None = None,
+    seed: int | None = None,
+    device: str = "auto",
+    model_dtype: str = "auto",
+    progress: bool = True,
+) -> HarvestSummary:
+    """Harvest activations of `hooks` over `source` into safetensors shards under `out_dir`.
+
+    model: a path, hub id or GGUF (as `LLM`), None for the default, or an `LLM`/`LoadedModel` to reuse
+      (`device` and `model_dtype` apply only when harvest loads the model itself).
+    source: .txt (one document per line, or the whole file with `whole_file`), .jsonl, .parquet, a
+      `datasets` save_to_disk directory, or a hub dataset id; `text_field` names the column, which may
+      hold texts or token-id lists (the default "text" falls back to a "tokens"/"input_ids" column).
+    dtype: what the rows are stored as (the forward runs at `model_dtype`).
+    max_tokens: stop before the window that would take the harvest past this many tokens (BOS included).
+    prepend_bos / exclude_bos: open each window with the model's BOS when it uses one (see
+      `vlens.harvest.windows`), and leave rows at BOS tokens out of the shards.
+    exclude_token_ids: further token ids whose rows are left out.
+    batch_tokens: tokens per forward (default by device); seed: when set, rows are shuffled within
+      each shard (reproducibly), else they are stored in window order.
+    Re-running into the same `out_dir` with the same options resumes after the last complete shard;
+    with different options it raises ValueError naming them.
+    """
+    started = time.perf_counter()
+    out_dtype = _out_dtype(dtype)
+    for name, value in (("max_tokens", max_tokens), ("batch_tokens", batch_tokens)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
+    if not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise ValueError(f"shard_bytes: must be a positive integer, got {shard_bytes!r}")
+    loaded = resolve_model(model, model_dtype, device)
+    cfg = loaded.config
+    wanted = resolve_hooks(hooks, cfg)
+    packing = make_packing(loaded.tokenizer, cfg, context_size, pack, prepend_bos, exclude_bos, exclude_token_ids)
+    if max_tokens is not None and pack and max_tokens < context_size:
+        raise ValueError(f"max_tokens: {max_tokens} is less than one window (context_size={context_size})")
+    src = open_source(source, text_field, whole_file, split)
+    param = next(loaded.model.parameters())
+    batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(param.device.type, 4096)
+    header = _header(loaded, src, wanted, out_dtype, packing, max_tokens, shard_bytes, batch_tokens, seed)
+    out = Path(out_dir)
+    existing = read_manifest(out)
+    if existing is not None:
+        _check_same(existing, header, out)
+        if existing["complete"]:
+            return _report(out, existing, started, existing["totals"]["tokens"], progress)
+    manifest = existing or {**header, "shards": [], "stats": {}, "totals": _totals([]), "complete": False}
+    done = manifest["totals"]
+    stream = _window_stream(src, loaded.tokenizer, cfg.vocab_size, packing, max_tokens)
+    if existing is None:
+        stream = _require_one(stream, src.location, context_size)
+    prepare_dir(out, existing)
+    write_manifest(out, manifest)
+    stream = islice(stream, done["windows"], None)  # windows already on disk: tokenized again, not run
+
+    shapes = hook_shapes(cfg)
+    width = {name: math.prod(shapes[name]) for name in wanted}
+    row_bytes = sum(w * out_dtype.itemsize for w in width.values()) + sum(b for _, b in _META_KEYS.values())
+    stats = {
+        name: HookStats.from_json(manifest["stats"][name]) if name in manifest["stats"] else HookStats.empty(w)
+        for name, w in width.items()
+    }
+    excluded = torch.tensor(packing.excluded_token_ids, dtype=torch.long)
+    bar = tqdm(
+        total=max_tokens, initial=done["tokens"], unit="tok", unit_scale=True, desc="harvest",
+        disable=not progress, dynamic_ncols=True, smoothing=0.05, file=sys.stderr,
+    )  # fmt: skip
+    bar.set_postfix_str(f"{_human(done['bytes'])} written")
+    tokens_before = done["tokens"]
+    with bar:
+        for first, shard_windows in _shards(stream, done["windows"], excluded, max(1, shard_bytes // row_bytes)):
+            tensors = _capture(
+                loaded.model, shard_windows, first, excluded, wanted, shapes, out_dtype, batch_tokens, bar
+            )
+            for name in wanted:
+                stats[name].add(tensors[name])
+            index = len(manifest["shards"])
+            if seed is not None:
+                tensors = _shuffle(tensors, seed, index)
+            size = write_shard(out, index, tensors)
+            manifest["shards"].append(
+                {
+                    "file": shard_name(index),
+                    "rows": len(tensors["token_ids"]),
+                    "windows": [first, first + len(shard_windows)],
+                    "tokens": sum(len(w) for w in shard_windows),
+                    "bytes": size,
+                }
+            )
+            manifest["stats"] = {name: s.to_json() for name, s in stats.items()}
+            manifest["totals"] = _totals(manifest["shards"])
+            write_manifest(out, manifest)
+            bar.set_postfix_str(f"{_human(manifest['totals']['bytes'])} written")
+        manifest["complete"] = True
+        write_manifest(out, manifest)
+    return _report(out, manifest, started, tokens_before, progress)
+
+
+def _header(
+    loaded: Any,
+    src: Any,
+    wanted: dict[str, str],
+    out_dtype: torch.dtype,
+    packing: Packing,
+    max_tokens: int | None,
+    shard_bytes: int,
+    batch_tokens: int,
+    seed: int | None,
+) -> dict[str, Any]:
+    """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
+    param = next(loaded.model.parameters())
+    shapes = hook_shapes(loaded.config)
+    return {
+        "format": FORMAT,
+        "vlens_version": vlens.__version__,
+        "model": {
+            "id": loaded.name,
+            "architecture": loaded.config.architecture,
+            "weights_sha256": weights_hash(loaded.path),
+            "dtype": _dtype_name(param.dtype),
+            "device": param.device.type,
+        },
+        "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path),
+        "source": src.describe(),
+        "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
+        "dtype": _dtype_name(out_dtype),
+        "context_size": packing.context_size,
+        "max_tokens": max_tokens,
+        "packing": packing.describe(),
+        "exclusions": {"token_ids": list(packing.excluded_token_ids)},
+        "shard_bytes": shard_bytes,
+        "batch_tokens": batch_tokens,
+        "seed": seed,
+    }
+
+
+def _report(out: Path, manifest: dict[str, Any], started: float, tokens_before: int, progress: bool) -> HarvestSummary:
+    totals = manifest["totals"]
+    summary = HarvestSummary(
+        out, totals["windows"], totals["tokens"], totals["rows"], totals["rows_excluded"], len(manifest["shards"]),
+        totals["bytes"], time.perf_counter() - started, totals["tokens"] - tokens_before,
+    )  # fmt: skip
+    if progress:
+        print(summary, file=sys.stderr)
+    return summary
+
+
+def _window_stream(
+    src: Any, tokenizer: Any, vocab_size: int, packing: Packing, max_tokens: int | None
+) -> Iterator[list[int]]:
+    used = 0
+    for window in windows(token_documents(src.documents(), tokenizer, vocab_size), packing):
+        used += len(window)
+        if max_tokens is not None and used > max_tokens:
+            return
+        yield window
+
+
+def _require_one(stream: Iterator[list[int]], location: str, context_size: int) -> Iterator[list[int]]:
+    """Fail before anything is written when the source yields no window at all."""
+    first = next(stream, None)
+    if first is None:
+        raise ValueError(
+            f"source: {location!r} yields no window: no documents, or fewer tokens than one packed window "
+            f"(context_size={context_size})"
+        )
+    return chain([first], stream)
+
+
+def _shards(
+    stream: Iterable[list[int]], first: int, excluded: torch.Tensor, max_rows: int
+) -> Iterator[tuple[int, list[list[int]]]]:
+    """Consecutive runs of whole windows whose kept rows fit `max_rows` (a larger window goes alone)."""
+    group: list[list[int]] = []
+    rows = 0
+    for window in stream:
+        kept = len(window) - (int(torch.isin(torch.tensor(window), excluded).sum()) if len(excluded) else 0)
+        if group and rows + kept > max_rows:
+            yield first, group
+            first += len(group)
+            group, rows = [], 0
+        group.append(window)
+        rows += kept
+    if group:
+        yield first, group
+
+
+def _capture(
+    model: Any,
+    shard_windows: list[list[int]],
+    first: int,
+    excluded: torch.Tensor,
+    wanted: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    out_dtype: torch.dtype,
+    batch_tokens: int,
+    bar: tqdm,
+) -> dict[str, torch.Tensor]:
+    """Run one shard's windows in batches and gather the kept rows of every hook into shard tensors."""
+    lens = torch.tensor([len(w) for w in shard_windows])
+    flat = torch.tensor(list(chain.from_iterable(shard_windows)), dtype=torch.long)
+    keep = ~torch.isin(flat, excluded) if len(excluded) else torch.ones(len(flat), dtype=torch.bool)
+    starts = torch.cumsum(lens, 0) - lens
+    position = torch.arange(len(flat)) - torch.repeat_interleave(starts, lens)
+    window = torch.repeat_interleave(torch.arange(first, first + len(shard_windows)), lens)
+    kept_rows = [k.nonzero().squeeze(1) for k in torch.split(keep, lens.tolist())]  # per window, local
+    row_start = (torch.cumsum(keep, 0) - keep.long())[starts].tolist()  # each window's first row in the shard
+    n_rows = int(keep.sum())
+    tensors = {name: torch.empty(n_rows, *shapes[name], dtype=out_dtype) for name in wanted}
+    names_of: dict[str, list[str]] = {}
+    for name, tap in wanted.items():
+        names_of.setdefault(tap, []).append(name)
+    taps = list(names_of)
+
+    def collect(plan, batch: list[int]) -> None:
+        for owner, tap, rows in plan.pieces():
+            start = row_start[batch[owner]]
+            for name in names_of[tap]:
+                tensors[name][start : start + len(rows)].copy_(rows)
+        bar.update(int(lens[batch].sum()))
+
+    pending = None  # on a GPU, batch k's rows are collected while batch k + 1 runs
+    for batch in token_batches(lens.tolist(), batch_tokens):
+        if not any(len(kept_rows[i]) for i in batch):
+            bar.update(int(lens[batch].sum()))
+            continue
+        plan = packed_forward(model, [shard_windows[i] for i in batch], taps, rows=[kept_rows[i] for i in batch])
+        if pending is not None:
+            collect(*pending)
+        pending = (plan, batch)
+    if pending is not None:
+        collect(*pending)
+    tensors["token_ids"] = flat[keep].to(torch.int32)
+    tensors["window"] = window[keep]
+    tensors["position"] = position[keep]
+    return tensors
+
+
+def _shuffle(tensors: dict[str, torch.Tensor], seed: int, index: int) -> dict[str, torch.Tensor]:
+    """Rows of shard `index` in a reproducible order drawn from (seed, index)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    order = torch.randperm(len(tensors["token_ids"]), generator=generator)
+    return {k: v.index_select(0, order) for k, v in tensors.items()}
+
+
+def _totals(shards: list[dict[str, Any]]) -> dict[str, int]:
+    windows = sum(s["windows"][1] - s["windows"][0] for s in shards)
+    tokens = sum(s["tokens"] for s in shards)
+    rows = sum(s["rows"] for s in shards)
+    return {
+        "windows": windows,
+        "tokens": tokens,
+        "rows": rows,
+        "rows_excluded": tokens - rows,
+        "bytes": sum(s["bytes"] for s in shards),
+    }
+
+
+def _check_same(manifest: dict[str, Any], header: dict[str, Any], out: Path) -> None:
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"out_dir: {str(out)!r} holds a manifest of another format ({manifest.get('format')!r})")
+    old, new = _flatten({k: manifest.get(k) for k in header}), _flatten(header)
+    differ = sorted(k for k in old.keys() | new.keys() if k not in _NAMES and old.get(k) != new.get(k))
+    if differ:
+        lines = "; ".join(f"{k}: {old.get(k)!r} on disk, {new.get(k)!r} now" for k in differ)
+        raise ValueError(
+            f"out_dir: {str(out)!r} holds a harvest made with other options ({lines}); "
+            "re-run with the same options to resume, or give another --out"
+        )
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "hooks":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _out_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,247 @@
+"""Where harvest's documents come from: text files, JSON lines, Parquet, `datasets` directories, the hub.
+
+Every source streams its documents (a text, or a list of token ids for pre-tokenized data) in a
+fixed order, so the same source always yields the same windows and a resumed run can skip exactly
+the windows already on disk. Each source also has a content hash, recorded in the manifest, so that
+a re-run over changed data is refused instead of silently mixing two corpora.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Document = str | list[int]
+
+# SAELens reads pre-tokenized data from these columns when the default text column is missing.
+TOKEN_FIELDS = ("tokens", "input_ids")
+DEFAULT_FIELD = "text"
+_BATCH = 1024  # rows read per step from columnar sources
+
+
+@dataclass(frozen=True)
+class Source:
+    """An opened data source: what it is (for the manifest) and how to stream its documents."""
+
+    kind: str  # txt | jsonl | parquet | datasets | hub
+    location: str  # absolute path, or the hub dataset id
+    field: str | None  # the column read (None for .txt)
+    pretokenized: bool
+    whole_file: bool
+    split: str | None
+    content_hash: str  # sha256 of the file bytes, or the dataset's own fingerprint
+    _documents: Callable[[], Iterator[Document]]
+
+    def documents(self) -> Iterator[Document]:
+        """The documents, in order; blank texts and empty token lists are skipped."""
+        for doc in self._documents():
+            if doc.strip() if isinstance(doc, str) else doc:
+                yield doc
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "location": self.location,
+            "field": self.field,
+            "pretokenized": self.pretokenized,
+            "whole_file": self.whole_file,
+            "split": self.split,
+            "hash": self.content_hash,
+        }
+
+
+def open_source(
+    source: str | os.PathLike, text_field: str = DEFAULT_FIELD, whole_file: bool = False, split: str = "train"
+) -> Source:
+    """Recognise `source` by what it is on disk (file suffix, `datasets` directory) or else as a hub id."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return _datasets_dir(path.resolve(), text_field, split)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            return _txt(path.resolve(), whole_file)
+        if whole_file:
+            raise ValueError(f"whole_file: only for .txt sources, not {str(path)!r}")
+        if suffix == ".jsonl":
+            return _jsonl(path.resolve(), text_field)
+        if suffix == ".parquet":
+            return _parquet(path.resolve(), text_field)
+        raise ValueError(
+            f"source: {str(path)!r} has an unknown suffix {suffix!r}; expected .txt, .jsonl, .parquet, "
+            "a `datasets` directory (save_to_disk) or a hub dataset id"
+        )
+    looks_local = str(source).startswith((".", "/", "~")) or str(source).count("/") > 1
+    if path.exists() or looks_local or path.suffix.lower() in (".txt", ".jsonl", ".parquet"):
+        raise ValueError(f"source: {str(source)!r} does not exist (expected a file, a directory or a hub dataset id)")
+    return _hub(str(source), text_field, split)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _empty(path: Path) -> ValueError:
+    return ValueError(f"source: {str(path)!r} is empty (no documents)")
+
+
+def _txt(path: Path, whole_file: bool) -> Source:
+    if path.stat().st_size == 0:
+        raise _empty(path)
+
+    def documents() -> Iterator[str]:
+        if whole_file:  # one document: its tokens must be cut into windows in one piece anyway
+            yield path.read_text(encoding="utf-8")
+            return
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                yield line.rstrip("\r\n")
+
+    return Source("txt", str(path), None, False, whole_file, None, file_sha256(path), documents)
+
+
+def _jsonl(path: Path, field: str) -> Source:
+    first = None
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                first = _json_record(line, path, number)
+                break
+    if first is None:
+        raise _empty(path)
+    field = _pick_field(field, list(first), f"{str(path)!r} line {number}")
+    pretokenized = _is_token_list(first[field])
+
+    def documents() -> Iterator[Document]:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    record = _json_record(line, path, number)
+                    if field not in record:
+                        fields = ", ".join(record)
+                        raise ValueError(f"text_field: {field!r} missing from {str(path)!r} line {number} ({fields})")
+                    yield _document(record[field], pretokenized, f"{str(path)!r} line {number}")
+
+    return Source("jsonl", str(path), field, pretokenized, False, None, file_sha256(path), documents)
+
+
+def _json_record(line: str, path: Path, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"source: {str(path)!r} line {number} is not valid JSON ({e})") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"source: {str(path)!r} line {number} is not a JSON object")  # noqa: TRY004 (data)
+    return record
+
+
+def _parquet(path: Path, field: str) -> Source:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path)
+    if meta.metadata.num_rows == 0:
+        raise _empty(path)
+    field = _pick_field(field, meta.schema_arrow.names, repr(str(path)))
+    kind = meta.schema_arrow.field(field).type
+    pretokenized = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+    def documents() -> Iterator[Document]:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH, columns=[field]):
+            for value in batch.column(0).to_pylist():
+                yield _document(value, pretokenized, f"{str(path)!r} column {field!r}")
+
+    return Source("parquet", str(path), field, pretokenized, False, None, file_sha256(path), documents)
+
+
+def _datasets_dir(path: Path, field: str, split: str) -> Source:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise ValueError(f"source: {str(path)!r} is a directory but not a `datasets` save_to_disk directory") from e
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"split: {split!r} not in {str(path)!r} (splits: {', '.join(loaded)})")
+        loaded = loaded[split]
+    else:
+        split = None
+    if len(loaded) == 0:
+        raise _empty(path)
+    field = _pick_field(field, loaded.column_names, repr(str(path)))
+    pretokenized = not _is_text_feature(loaded.features[field])
+    column = loaded.select_columns([field])
+
+    def documents() -> Iterator[Document]:
+        for batch in column.iter(batch_size=_BATCH):
+            for value in batch[field]:
+                yield _document(value, pretokenized, f"{str(path)!r} column {field!r}")
+
+    return Source("datasets", str(path), field, pretokenized, False, split, loaded._fingerprint, documents)
+
+
+def _hub(repo_id: str, field: str, split: str) -> Source:
+    """A hub dataset, streamed (SAE corpora are far larger than a disk cache should hold)."""
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(repo_id)
+        streamed = builder.as_streaming_dataset(split=split)
+        first = next(iter(streamed))
+    except StopIteration:
+        raise ValueError(f"source: hub dataset {repo_id!r} split {split!r} is empty") from None
+    except Exception as e:  # offline, not cached, no such repo, no such split: all end here
+        raise ValueError(
+            f"source: hub dataset {repo_id!r} could not be opened ({type(e).__name__}: {e}); when offline, fetch "
+            "it where there is a network and save it with `save_to_disk`, then pass that directory"
+        ) from e
+    field = _pick_field(field, list(first), f"hub dataset {repo_id!r}")
+    pretokenized = _is_token_list(first[field])
+
+    def documents() -> Iterator[Document]:
+        for record in streamed:
+            yield _document(record[field], pretokenized, f"hub dataset {repo_id!r} column {field!r}")
+
+    return Source("hub", repo_id, field, pretokenized, False, split, builder.hash, documents)
+
+
+def _pick_field(field: str, fields: list[str], where: str) -> str:
+    """The column to read: `field`, or for the default one a token column as SAELens would pick."""
+    if field in fields:
+        return field
+    if field == DEFAULT_FIELD:
+        for candidate in TOKEN_FIELDS:
+            if candidate in fields:
+                return candidate
+    raise ValueError(
+        f"text_field: {field!r} not found in {where} (fields: {', '.join(map(str, fields)) or 'none'}); "
+        "name the column with --text-field"
+    )
+
+
+def _is_text_feature(feature: Any) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value[:8])
+
+
+def _document(value: Any, pretokenized: bool, where: str) -> Document:
+    if pretokenized:
+        if not _is_token_list(value):
+            raise ValueError(f"text_field: expected a list of token ids in {where}, got {type(value).__name__}")
+        return list(value)
+    if not isinstance(value, str):
+        raise ValueError(f"text_field: expected text in {where}, got {type(value).__name__}")  # noqa: TRY004
+    return value

@@ -1,0 +1,131 @@
+"""Documents to fixed windows of token ids: tokenisation, the BOS rule, SAELens-style packing, exclusions.
+
+BOS rule. A window starts with BOS only when the model *uses* one, which vlens reads as: its own
+tokenizer puts `bos_token_id` in front of a text by default (Llama 2/3, Mistral, Gemma do; Qwen and
+SmolLM2 do not). A `bos_token_id` that the tokenizer never adds (SmolLM2's is `<|im_start|>`, a chat
+marker) is not a BOS the model saw in training, so prepending it would harvest activations of an input
+the model never gets. This matches `LLM.trace`, which tokenizes with the tokenizer's defaults.
+
+Packing (as SAELens's `concat_and_batch_sequences`): documents are tokenized without special tokens and
+laid end to end; each window opens with BOS (when used) and a separator goes between two documents that
+share a window (none before a document that opens a window). The separator is BOS when windows get one,
+else the tokenizer's EOS (else none). The last, partial window is dropped so every window holds exactly
+`context_size` tokens. Without packing each document becomes one window of its own, truncated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from vlens.config import ModelConfig
+from vlens.harvest.sources import Document
+
+_TOKENIZE_CHARS = 1 << 20  # texts tokenized together per call (the fast tokenizer batches them)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How documents become windows and which of their rows are kept."""
+
+    context_size: int
+    pack: bool
+    bos_token_id: int | None  # opens every window; None = no BOS
+    separator_token_id: int | None  # between two documents in one window
+    excluded_token_ids: tuple[int, ...]  # rows whose token is one of these are not stored
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "pack": self.pack,
+            "bos_token_id": self.bos_token_id,
+            "separator_token_id": self.separator_token_id,
+        }
+
+
+def model_bos(tokenizer: Any) -> int | None:
+    """The BOS id the tokenizer puts before a text by default, or None when it adds none."""
+    if tokenizer is None or tokenizer.bos_token_id is None:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    return tokenizer.bos_token_id if ids and ids[0] == tokenizer.bos_token_id else None
+
+
+def make_packing(
+    tokenizer: Any,
+    cfg: ModelConfig,
+    context_size: int,
+    pack: bool,
+    prepend_bos: bool,
+    exclude_bos: bool,
+    exclude_token_ids: Iterable[int] | None,
+) -> Packing:
+    if not isinstance(context_size, int) or context_size < 2:
+        raise ValueError(f"context_size: must be an integer >= 2, got {context_size!r}")
+    if context_size > cfg.max_position_embeddings:
+        raise ValueError(
+            f"context_size: {context_size} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"
+        )
+    excluded = sorted({int(t) for t in exclude_token_ids or ()})
+    bad = [t for t in excluded if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"exclude_token_ids: {bad} outside the vocabulary [0, {cfg.vocab_size})")
+    bos = model_bos(tokenizer) if prepend_bos else None
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None and cfg.eos_token_ids:
+        eos = cfg.eos_token_ids[0]
+    if bos is not None and exclude_bos:
+        excluded = sorted({*excluded, bos})
+    return Packing(context_size, pack, bos, bos if bos is not None else eos, tuple(excluded))
+
+
+def token_documents(docs: Iterable[Document], tokenizer: Any, vocab_size: int) -> Iterator[list[int]]:
+    """Token ids per document: texts tokenized in batches without special tokens, token lists checked."""
+    pending: list[str] = []
+    size = 0
+    for doc in docs:
+        if isinstance(doc, str):
+            if tokenizer is None:
+                raise ValueError("source: this checkpoint has no tokenizer files; give pre-tokenized data")
+            pending.append(doc)
+            size += len(doc)
+            if size >= _TOKENIZE_CHARS:
+                yield from _tokenize(pending, tokenizer)
+                pending, size = [], 0
+        else:
+            if min(doc) < 0 or max(doc) >= vocab_size:
+                raise ValueError(f"source: token ids outside the vocabulary [0, {vocab_size}) in a pre-tokenized row")
+            yield doc
+    if pending:
+        yield from _tokenize(pending, tokenizer)
+
+
+def _tokenize(texts: list[str], tokenizer: Any) -> Iterator[list[int]]:
+    for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
+        if ids:
+            yield ids
+
+
+def windows(token_docs: Iterable[list[int]], packing: Packing) -> Iterator[list[int]]:
+    """The windows of a harvest, in order (see the module doc for the packing rules)."""
+    prefix = [] if packing.bos_token_id is None else [packing.bos_token_id]
+    size = packing.context_size
+    if not packing.pack:
+        for doc in token_docs:
+            yield prefix + doc[: size - len(prefix)]
+        return
+    window = list(prefix)
+    for doc in token_docs:
+        if len(window) > len(prefix) and packing.separator_token_id is not None:
+            window.append(packing.separator_token_id)
+            if len(window) == size:
+                yield window
+                window = list(prefix)
+        start = 0
+        while start < len(doc):
+            take = min(size - len(window), len(doc) - start)
+            window.extend(doc[start : start + take])
+            start += take
+            if len(window) == size:
+                yield window
+                window = list(prefix)

@@ -1,0 +1,53 @@
+"""Activations by their HF config names, and the gated MLP (act(gate) * up, then down) that the
+Llama, Gemma, Phi-3 and Qwen2-MoE (dense layers, shared expert) families share."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlens.config import UnsupportedModelError
+from vlens.layers.linear import FusedLinear
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU written out: not bit-equal to torch's fused tanh GELU, and HF uses this form."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_new,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:  # a KeyError from deep in model construction says nothing
+        raise UnsupportedModelError(f"hidden_act {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """`stored_fused`: the checkpoint keeps gate and up as one `gate_up_proj` tensor (Phi-3)."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, act: str, bias: bool, hook_post: str, stored_fused: bool = False
+    ):
+        super().__init__()
+        parts = {"gate_proj": intermediate, "up_proj": intermediate}
+        self.gate_up_proj = FusedLinear(hidden, parts, bias, stored_fused=stored_fused)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+        self.hook_post = hook_post
+
+    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        h = self.act(gate) * up
+        if self.hook_post in taps: h = taps[self.hook_post](h)  # fmt: skip
+        return self.down_proj(h)

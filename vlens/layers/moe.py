@@ -1,0 +1,87 @@
+"""Routed experts (Mixtral, Qwen2-MoE): a linear router picks the top-k of E gated experts per token,
+weighted by their softmax probabilities (renormalised over the chosen k where the model says so);
+Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate.
+
+Taps: the router's logits [E] and the chosen experts [k] (int64, in descending weight order, as
+torch.topk gives them) — which experts ran is the first thing one asks of an MoE activation.
+The experts' weights are stacked ([E, 2I, d] and [E, d, I], as HF 5 holds them); checkpoints keep
+one tensor per expert, which loads into its slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlens.config import ModelConfig
+from vlens.layers.checkpoint import Slot, checkpoint_slots
+from vlens.layers.mlp import GatedMLP, activation
+
+
+class Experts(nn.Module):
+    def __init__(self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str]):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden, intermediate))
+        self.act = activation(act)
+        self.intermediate = intermediate
+        self.names = names  # the checkpoint's names for each expert's gate, up and down projections
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        gate, up, down = self.names
+        n = self.intermediate
+        slots = {}
+        for e in range(self.gate_up_proj.shape[0]):
+            slots[f"{path}.{e}.{gate}.weight"] = Slot(self.gate_up_proj, (e, slice(0, n)))
+            slots[f"{path}.{e}.{up}.weight"] = Slot(self.gate_up_proj, (e, slice(n, 2 * n)))
+            slots[f"{path}.{e}.{down}.weight"] = Slot(self.down_proj, (e,))
+        return slots
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts of weight * expert(x), experts taken in index order."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():  # one host sync per MoE layer: which experts have work
+            token, slot = torch.where(ids == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """`stored_as`: this block's name in checkpoints (Mixtral: block_sparse_moe; HF 5 calls it mlp)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, stored_as: str, expert_names: tuple[str, str, str]):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        experts = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, expert_names)
+        self.experts = Experts(*experts)
+        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
+        self.stored_as = stored_as
+        p = f"blocks.{layer}.mlp."
+        self.shared = cfg.shared_expert_intermediate_size > 0
+        if self.shared:
+            size = cfg.shared_expert_intermediate_size
+            self.shared_expert = GatedMLP(cfg.hidden_size, size, cfg.hidden_act, False, p + "shared_expert.hook_post")
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        stored = f"{path.rpartition('.')[0]}.{self.stored_as}"
+        slots: dict[str, Slot] = {}
+        for name, child in self.named_children():
+            slots |= checkpoint_slots(child, f"{stored}.{name}")
+        return slots
+
+    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+        logits = self.gate(x)
+        if self.hook_router_logits in taps: logits = taps[self.hook_router_logits](logits)  # fmt: skip
+        weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.hook_expert_ids in taps: ids = taps[self.hook_expert_ids](ids)  # fmt: skip
+        out = self.experts(x, ids, weights)
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, taps)
+        return out

@@ -1,0 +1,172 @@
+"""What every model family shares: the engine's contract (`DecoderLM`) and the per-head half of
+attention (`AttentionHeads`).
+
+The engine, trace and harvest see only this: `model(input_ids, num_layers=None)` returns the residual
+stream of a packed batch laid out by vlens.context, `model.logits(hidden)` the logits, `model.cfg` the
+description and `model.lm_head.weight` the device and dtype. A family supplies its modules (named as
+in its HF checkpoints) and its embedding; the layer loop, early stop, final norm, soft-capped
+unembedding and the taps around them live here once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlens.config import ModelConfig
+from vlens.context import ForwardContext, get_context
+from vlens.hooks import FINAL_NORM, LOGITS
+from vlens.layers.attention import Attention
+from vlens.layers.norm import make_norm
+from vlens.layers.rotary import Rotary, apply_rotary
+
+Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope kind -> (cos, sin), from Rotary.cos_sin
+
+
+class AttentionHeads(nn.Module):
+    """Projections are the family's (and named as its checkpoints name them); from q, k, v onwards
+    every family does the same: split into heads, q/k norm where the model has one, rotary, taps,
+    the attention backend. Subclasses call `attend` between their input and output projections."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        if cfg.attn_scale_inverse_layer:
+            scale /= layer + 1
+        window = cfg.sliding_windows[layer]
+        self.attn = Attention(self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg, cfg.head_dim)
+            self.k_norm = make_norm(cfg, cfg.head_dim)
+        self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim else None
+        p = f"blocks.{layer}.attn."
+        self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+        """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]."""
+        q = q.reshape(-1, self.heads, self.head_dim)
+        k = k.reshape(-1, self.kv_heads, self.head_dim)
+        v = v.reshape(-1, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_kind is not None:
+            cos, sin = rope[self.rope_kind]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.hook_q in taps: q = taps[self.hook_q](q)  # fmt: skip
+        if self.hook_k in taps: k = taps[self.hook_k](k)  # fmt: skip
+        if self.hook_v in taps: v = taps[self.hook_v](v)  # fmt: skip
+        z = self.attn(q, k, v)
+        if self.hook_z in taps: z = taps[self.hook_z](z)  # fmt: skip
+        return z.flatten(1)
+
+
+class ResidualBlock(nn.Module):
+    """One decoder layer as TransformerLens names it, with its block-level taps written out once:
+    x + attn(ln1(x)), then + mlp(ln2(x)); under a parallel residual (GPT-NeoX) both read x and there
+    is no hook_resid_mid. Families keep their checkpoint's module names and map them onto `ln1`,
+    `ln2`, `attn_out` and `mlp_out` (Gemma puts its post-norms inside the last two)."""
+
+    parallel = False
+
+    def __init__(self, layer: int):
+        super().__init__()
+        p = f"blocks.{layer}."
+        self.hook_resid_pre, self.hook_ln1 = p + "hook_resid_pre", p + "ln1.hook_normalized"
+        self.hook_attn_out, self.hook_resid_mid = p + "hook_attn_out", p + "hook_resid_mid"
+        self.hook_ln2, self.hook_mlp_out = p + "ln2.hook_normalized", p + "hook_mlp_out"
+        self.hook_resid_post = p + "hook_resid_post"
+
+    def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+        if self.hook_resid_pre in taps: x = taps[self.hook_resid_pre](x)  # fmt: skip
+        h = self.ln1(x)
+        if self.hook_ln1 in taps: h = taps[self.hook_ln1](h)  # fmt: skip
+        a = self.attn_out(h, rope, taps)
+        if self.hook_attn_out in taps: a = taps[self.hook_attn_out](a)  # fmt: skip
+        if self.parallel:
+            mid = x
+        else:
+            mid = x + a
+            if self.hook_resid_mid in taps: mid = taps[self.hook_resid_mid](mid)  # fmt: skip
+        h = self.ln2(mid)
+        if self.hook_ln2 in taps: h = taps[self.hook_ln2](h)  # fmt: skip
+        m = self.mlp_out(h, taps)
+        if self.hook_mlp_out in taps: m = taps[self.hook_mlp_out](m)  # fmt: skip
+        x = m + a + x if self.parallel else mid + m  # HF's order of the sums
+        if self.hook_resid_post in taps: x = taps[self.hook_resid_post](x)  # fmt: skip
+        return x
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only LM as the engine runs it. Subclasses build their modules and define the
+    `embed_tokens`, `layers`, `final_norm` and `lm_head` accessors; each layer is called as
+    `layer(x, rope, taps)` and has a `hook_resid_pre` name."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = Rotary(cfg, device)
+
+    # -- what a family provides ---------------------------------------------------------------------
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    final_norm: nn.Module
+    lm_head: nn.Linear
+
+    def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Token ids -> the residual stream entering layer 0, firing hook_embed. Families that scale
+        the embedding or add learned positions override this."""
+        x = self.embed_tokens(input_ids)
+        if "hook_embed" in ctx.taps: x = ctx.taps["hook_embed"](x)  # fmt: skip
+        return x
+
+    # -- shared ---------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """Packed [T] ids -> [T, d]: every layer then the final norm when `num_layers` is None, else the
+        raw residual after the first `num_layers` layers and no norm (a forward nobody reads past a layer
+        stops there; a trace of the last layer's resid_post does not pay for the final norm)."""
+        ctx = get_context()
+        taps = ctx.taps
+        x = self.embed(input_ids, ctx)
+        rope = self.rotary.cos_sin(ctx, x.dtype)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
+            x = layer(x, rope, taps)
+        if num_layers is not None:
+            if num_layers < self.cfg.num_layers:
+                # The input tap of the first layer not run lives in that layer's forward: fire it here,
+                # else a trace of blocks.{num_layers}.hook_resid_pre would capture nothing.
+                hook = self.layers[num_layers].hook_resid_pre
+                if hook in taps: x = taps[hook](x)  # fmt: skip
+            return x
+        x = self.final_norm(x)
+        if FINAL_NORM in taps: x = taps[FINAL_NORM](x)  # fmt: skip
+        return x
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self._unembed(normed)
+        taps = get_context().taps
+        if LOGITS in taps: logits = taps[LOGITS](logits)  # fmt: skip
+        return logits
+
+    def lens(self, residual: torch.Tensor) -> torch.Tensor:
+        """Logits of arbitrary residual rows through the final norm and unembedding (logit lens);
+        no taps fire."""
+        return self._unembed(self.final_norm(residual))
+
+    def _unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(normed)
+        cap = self.cfg.final_softcap
+        if cap is not None:  # Gemma 2/3: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[Attention]:
+        """Each layer's attention backend, in layer order: the engine binds its KV cache views to them."""
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,89 @@
+"""GPT-2: learned position embeddings (hook_pos_embed), LayerNorm with bias, a plain GELU MLP, and
+HF's Conv1D layout: weights stored [in, out], q/k/v fused in one c_attn. The transposes happen once
+at load (layers/linear.py), so the forward is ordinary nn.Linear work."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlens.config import ModelConfig
+from vlens.context import ForwardContext
+from vlens.layers.linear import FusedLinear, StoredLinear
+from vlens.layers.mlp import activation
+from vlens.layers.norm import make_norm
+from vlens.models.base import ResidualBlock, AttentionHeads, DecoderLM, Rope
+
+CONV1D = {"weight": torch.Tensor.t}  # Conv1D keeps weight as [in, out]; nn.Linear as [out, in]
+
+
+class GPT2Attention(AttentionHeads):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        d = cfg.hidden_size
+        parts = {"q": d, "k": d, "v": d}
+        self.c_attn = FusedLinear(d, parts, cfg.qkv_bias, stored_fused=True, transforms=CONV1D)
+        self.c_proj = StoredLinear(d, d, cfg.o_bias, transforms=CONV1D)
+
+    def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+        q, k, v = self.c_attn.split(self.c_attn(x))
+        return self.c_proj(self.attend(q, k, v, rope, taps))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.c_fc = StoredLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, transforms=CONV1D)
+        self.c_proj = StoredLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, transforms=CONV1D)
+        self.act = activation(cfg.hidden_act)
+        self.hook_post = f"blocks.{layer}.mlp.hook_post"
+
+    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+        h = self.act(self.c_fc(x))
+        if self.hook_post in taps: h = taps[self.hook_post](h)  # fmt: skip
+        return self.c_proj(h)
+
+
+class GPT2Block(ResidualBlock):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(layer)
+        self.ln_1 = make_norm(cfg)
+        self.attn = GPT2Attention(cfg, layer)
+        self.ln_2 = make_norm(cfg)
+        self.mlp = GPT2MLP(cfg, layer)
+
+    ln1 = property(lambda self: self.ln_1)
+    ln2 = property(lambda self: self.ln_2)
+
+    def attn_out(self, h: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+        return self.attn(h, rope, taps)
+
+    def mlp_out(self, h: torch.Tensor, taps: dict) -> torch.Tensor:
+        return self.mlp(h, taps)
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
+        self.ln_f = make_norm(cfg)
+
+
+class GPT2LMHeadModel(DecoderLM):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__(cfg, device)
+        self.transformer = GPT2Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    embed_tokens = property(lambda self: self.transformer.wte)
+    layers = property(lambda self: self.transformer.h)
+    final_norm = property(lambda self: self.transformer.ln_f)
+
+    def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.transformer.wte(input_ids)
+        if "hook_embed" in ctx.taps: x = ctx.taps["hook_embed"](x)  # fmt: skip
+        pos = self.transformer.wpe(ctx.positions)
+        if "hook_pos_embed" in ctx.taps: pos = ctx.taps["hook_pos_embed"](pos)  # fmt: skip
+        return x + pos

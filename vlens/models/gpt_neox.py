@@ -1,0 +1,96 @@
+"""GPT-NeoX / Pythia: LayerNorm, partial rotary (the first rotary_pct of each head rotates), a plain GELU
+MLP, and by default the parallel residual x + attn(ln1(x)) + mlp(ln2(x)).
+
+Under the parallel residual no tensor is "the residual after the attention add" — the MLP reads
+ln2(x) of the layer input — so this family has no hook_resid_mid (vlens.hooks.layer_hooks); with
+use_parallel_residual=False it is sequential like GPT-2 and has one. The checkpoint's fused
+query_key_value interleaves q, k, v per head; it is reordered to [q | k | v] at load."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlens.config import ModelConfig
+from vlens.layers.checkpoint import Transform
+from vlens.layers.linear import FusedLinear
+from vlens.layers.mlp import activation
+from vlens.layers.norm import make_norm
+from vlens.models.base import ResidualBlock, AttentionHeads, DecoderLM, Rope
+
+
+def deinterleave_heads(heads: int) -> Transform:
+    """Rows [h0: q k v, h1: q k v, ...] -> [q: h0 h1 ..., k: ..., v: ...] (weight or bias)."""
+
+    def transform(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    return transform
+
+
+class GPTNeoXAttention(AttentionHeads):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        d = cfg.hidden_size
+        order = deinterleave_heads(cfg.num_heads)
+        transforms = {"weight": order, "bias": order}
+        parts = {"q": d, "k": d, "v": d}
+        self.query_key_value = FusedLinear(d, parts, cfg.qkv_bias, stored_fused=True, transforms=transforms)
+        self.dense = nn.Linear(d, d, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+        q, k, v = self.query_key_value.split(self.query_key_value(x))
+        return self.dense(self.attend(q, k, v, rope, taps))
+
+
+class GPTNeoXMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.dense_4h_to_h = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = activation(cfg.hidden_act)
+        self.hook_post = f"blocks.{layer}.mlp.hook_post"
+
+    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+        h = self.act(self.dense_h_to_4h(x))
+        if self.hook_post in taps: h = taps[self.hook_post](h)  # fmt: skip
+        return self.dense_4h_to_h(h)
+
+
+class GPTNeoXLayer(ResidualBlock):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(layer)
+        self.parallel = cfg.parallel_residual  # shadows ResidualBlock.parallel
+        self.input_layernorm = make_norm(cfg)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.attention = GPTNeoXAttention(cfg, layer)
+        self.mlp = GPTNeoXMLP(cfg, layer)
+
+    ln1 = property(lambda self: self.input_layernorm)
+    ln2 = property(lambda self: self.post_attention_layernorm)
+
+    def attn_out(self, h: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+        return self.attention(h, rope, taps)
+
+    def mlp_out(self, h: torch.Tensor, taps: dict) -> torch.Tensor:
+        return self.mlp(h, taps)
+
+
+class GPTNeoXModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_in = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GPTNeoXLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_layer_norm = make_norm(cfg)
+
+
+class GPTNeoXForCausalLM(DecoderLM):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__(cfg, device)
+        self.gpt_neox = GPTNeoXModel(cfg)
+        self.embed_out = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    embed_tokens = property(lambda self: self.gpt_neox.embed_in)
+    layers = property(lambda self: self.gpt_neox.layers)
+    final_norm = property(lambda self: self.gpt_neox.final_layer_norm)
+    lm_head = property(lambda self: self.embed_out)  # HF's name for the unembedding here

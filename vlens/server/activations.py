@@ -1,0 +1,158 @@
+"""Activations leaving the server: their size bound before a request runs, their safetensors encoding,
+and the short-lived store behind download handles.
+
+Safetensors is self-describing (names, dtypes, shapes) and binary, so neither side parses floats
+from JSON. One file per request holds each requested hook `[rows, ...]`, `positions` `[rows]`
+(the sequence position of each row), `token_ids` (prompt then generated tokens, so row p's token
+is token_ids[positions[p]]) and, with return_hidden_states, `hidden_states` `[rows, d]` at every
+position.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save
+
+from vlens.hooks import FINAL_NORM, resolve_hooks
+from vlens.outputs import RequestOutput
+from vlens.sampling_params import SamplingParams
+
+INT64 = 8
+
+
+def _max_rows(positions: object, prompt_len: int, max_tokens: int) -> int:
+    """The most rows a position spec can select over a sequence of at most P + max_tokens - 1 rows."""
+    most = prompt_len + max_tokens - 1
+    if positions == "all":
+        return most
+    if positions == "prompt":
+        return prompt_len
+    if positions == "generated":
+        return max_tokens - 1
+    if positions == "last":
+        return 1
+    if isinstance(positions, slice):
+        # A slice with negative bounds can select more from a shorter sequence: try every length.
+        return max(len(range(n)[positions]) for n in range(1, most + 1))
+    return min(len(positions), most)
+
+
+def capture_bound(
+    params: SamplingParams,
+    prompt_len: int,
+    shapes: dict[str, tuple[int, ...]],
+    cfg,
+    model_dtype: torch.dtype,
+) -> int:
+    """Upper bound on the tensor bytes a request can return, known before it runs: rows the position
+    spec can select (given the prompt length and max_tokens) times the bytes of a row of every hook,
+    plus positions, token ids and the hidden-states shortcut. Raises ValueError for unknown hooks."""
+    total = 0
+    rows_all = prompt_len + params.max_tokens - 1
+    capture = params.capture
+    if capture is not None:
+        itemsize = (capture.dtype or model_dtype).itemsize
+        row = sum(math.prod(shapes[name]) for name in resolve_hooks(capture.hooks, cfg)) * itemsize
+        total += _max_rows(capture.positions, prompt_len, params.max_tokens) * (row + INT64)
+    if params.return_hidden_states:
+        total += rows_all * math.prod(shapes[FINAL_NORM]) * model_dtype.itemsize
+    if total:
+        total += (prompt_len + params.max_tokens) * INT64  # token_ids
+    return total
+
+
+def encode(out: RequestOutput, model_name: str) -> bytes:
+    """One request's captured tensors as safetensors bytes (see the module docstring for the layout)."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in out.activations.items():
+        # Alias names (hidden_states.3 and blocks.3.hook_resid_pre) share one tensor; safetensors
+        # refuses shared storage, so the second gets its own copy.
+        tensors[name] = t.clone() if t.data_ptr() in seen else t.contiguous()
+        seen.add(t.data_ptr())
+    if out.activation_positions is not None:
+        tensors["positions"] = out.activation_positions.to(torch.int64).contiguous()
+    if out.hidden_states is not None:
+        tensors["hidden_states"] = out.hidden_states.contiguous()
+    tokens = out.prompt_token_ids + out.outputs[0].token_ids
+    tensors["token_ids"] = torch.tensor(tokens, dtype=torch.int64)
+    metadata = {
+        "format": "vlens.activations/1",
+        "model": model_name,
+        "request_id": out.request_id,
+        "prompt_tokens": str(len(out.prompt_token_ids)),
+        "hooks": json.dumps(list(out.activations)),
+    }
+    return save(tensors, metadata=metadata)
+
+
+def owner_of(api_key: str | None) -> bytes:
+    """What a handle is bound to: a digest of the key that created it (empty without authentication)."""
+    return hashlib.sha256(api_key.encode()).digest() if api_key else b""
+
+
+@dataclass
+class _Entry:
+    data: bytes
+    owner: bytes
+    expires_at: float
+
+
+class ActivationStore:
+    """Payloads too large to send inline, kept until downloaded once or until their TTL passes.
+
+    Ids are 192 random bits, so they cannot be guessed; a download must also come with the API key
+    that made the request. Only the event-loop thread touches the store, so it needs no lock."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.time):
+        self.ttl_s, self.clock = ttl_s, clock
+        self._entries: dict[str, _Entry] = {}
+
+    def put(self, data: bytes, owner: bytes) -> tuple[str, float]:
+        """Store a payload; return its id and its expiry (unix time)."""
+        self.sweep()
+        handle = "act-" + secrets.token_urlsafe(24)
+        expires_at = self.clock() + self.ttl_s
+        self._entries[handle] = _Entry(data, owner, expires_at)
+        return handle, expires_at
+
+    def take(self, handle: str, owner: bytes) -> bytes | None:
+        """The payload, removed from the store; None if unknown, expired or made under another key."""
+        self.sweep()
+        entry = self._entries.get(handle)
+        if entry is None or not hmac.compare_digest(entry.owner, owner):
+            return None
+        del self._entries[handle]
+        return entry.data
+
+    def sweep(self) -> None:
+        now = self.clock()
+        for handle in [h for h, e in self._entries.items() if e.expires_at <= now]:
+            del self._entries[handle]
+
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(e.data) for e in self._entries.values())
+
+
+def present(data: bytes, inline_limit: int, store: ActivationStore, owner: bytes) -> dict:
+    """The `vlens.activations` object of a response: the bytes inline, or a handle to download them."""
+    described = {"format": "safetensors", "bytes": len(data)}
+    if len(data) <= inline_limit:
+        return {**described, "encoding": "base64", "data": base64.b64encode(data).decode("ascii")}
+    handle, expires_at = store.put(data, owner)
+    return {**described, "id": handle, "url": f"/v1/activations/{handle}", "expires_at": int(expires_at)}

@@ -1,0 +1,161 @@
+"""The HTTP surface: routes, error handlers in OpenAI's shape, middleware, and start-up/shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from vlens.hooks import hook_shapes
+from vlens.llm import LLM
+from vlens.server.activations import ActivationStore, owner_of
+from vlens.server.auth import BearerAuth, presented_key
+from vlens.server.config import ServerConfig
+from vlens.server.engine_loop import EngineLoop
+from vlens.server.generate import Generator
+from vlens.server.limits import BodyLimit
+from vlens.server.metrics import CountRequests, Metrics
+from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
+
+log = logging.getLogger("vlens.server")
+
+
+def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
+    """An app serving `llm`; its engine runs on a background thread from start-up to shutdown."""
+    engine = llm.engine
+    if config.enable_capture and not engine.enable_capture:
+        raise ValueError("enable_capture: the server allows capture but the LLM was built with enable_capture=False")
+    model_name = config.served_model_name or llm.model_name
+    shapes = hook_shapes(llm.config)
+    store = ActivationStore(config.activation_ttl_s)
+    metrics = Metrics()
+    loop = EngineLoop(engine)
+    generator = Generator(
+        config,
+        loop,
+        copy.deepcopy(llm.tokenizer),  # the front's own: the engine thread decodes with the engine's
+        llm.config,
+        shapes,
+        llm.dtype,
+        model_name,
+        engine.max_model_len,
+        store,
+        metrics,
+    )
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        loop.start(asyncio.get_running_loop())
+        sweeper = asyncio.create_task(_sweep(store, config.activation_ttl_s))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="vlens", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+        error = schema_error(e.errors(), 422)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        error = APIError(
+            e.status_code,
+            f"{request.method} {request.url.path}: {e.detail}",
+            code="not_found" if e.status_code == 404 else None,
+        )
+        return JSONResponse(error.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not loop.alive:
+            return JSONResponse(APIError(503, "the engine thread is not running").body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vlens",
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/hooks")
+    async def hooks() -> dict:
+        data = [{"name": name, "shape": list(shape)} for name, shape in shapes.items()]
+        return {"object": "list", "capture_enabled": config.enable_capture, "data": data}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(loop.stats, store), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/activations/{handle}")
+    async def activations(handle: str, request: Request) -> Response:
+        key = presented_key(request.scope) if config.api_key else None
+        data = store.take(handle, owner_of(key))
+        if data is None:
+            raise APIError(
+                404,
+                f"activations {handle!r}: no such handle (never made, made under another key, "
+                "already downloaded or expired)",
+                param="id",
+                code="not_found",
+            )
+        return Response(
+            data,
+            media_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{handle}.safetensors"'},
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generator.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        return await generator.chat(body, request)
+
+    # Outermost first on the way in: count every response, then authenticate, then bound the body.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BearerAuth, api_key=config.api_key)
+    app.add_middleware(CountRequests, metrics=metrics)
+    return app
+
+
+async def _sweep(store: ActivationStore, ttl_s: float) -> None:
+    """Drop expired handles even when no request touches the store."""
+    while True:
+        await asyncio.sleep(min(ttl_s, 30.0))
+        store.sweep()
+
+
+def serve(llm: LLM, config: ServerConfig) -> None:
+    """Run the server until interrupted (what `vlens serve` does after loading the model)."""
+    import uvicorn
+
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
+    uvicorn.run(create_app(llm, config), host=config.host, port=config.port)

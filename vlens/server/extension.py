@@ -1,0 +1,152 @@
+"""The `vlens` extension object of a request:
+`{"capture": {...}, "return_hidden_states": bool, "interventions": [{"type": "steer", ...}, ...]}`.
+
+Each key has one parser that turns its JSON value into SamplingParams keyword arguments, listed in
+FIELDS; a new key (interventions, say) is one function and one entry there. Unknown keys are refused
+by name, so a typo never means a silently ignored capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+
+from vlens.interventions import Ablate, Patch, Steer
+from vlens.sampling_params import Capture
+from vlens.server.protocol import APIError, from_value_error, schema_error
+
+ENABLE_CAPTURE_HINT = (
+    "activation capture is disabled on this server; the operator enables it by starting "
+    "`vlens serve --enable-capture` (and may bound it with --max-capture-bytes)"
+)
+
+
+@dataclass(frozen=True)
+class ExtensionContext:
+    """What the parsers may depend on besides the value itself."""
+
+    enable_capture: bool
+
+
+class SliceSpec(BaseModel):
+    """Python's slice over a sequence's rows, as JSON: {"start": 0, "stop": -1, "step": 2}."""
+
+    model_config = ConfigDict(extra="forbid")
+    start: StrictInt | None = None
+    stop: StrictInt | None = None
+    step: StrictInt | None = None
+
+
+class CaptureSpec(BaseModel):
+    """JSON form of vlens.Capture: which hooks, at which positions, in which dtype."""
+
+    model_config = ConfigDict(extra="forbid")
+    hooks: StrictStr | list[StrictStr]
+    positions: StrictStr | StrictInt | list[StrictInt] | SliceSpec = "all"
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    exclude_token_ids: list[StrictInt] | None = None
+
+    def to_capture(self) -> Capture:
+        positions = self.positions
+        if isinstance(positions, SliceSpec):
+            positions = slice(positions.start, positions.stop, positions.step)
+        return Capture(
+            hooks=self.hooks, positions=positions, dtype=self.dtype, exclude_token_ids=self.exclude_token_ids
+        )
+
+
+PositionsJSON = StrictStr | StrictInt | list[StrictInt] | SliceSpec
+
+
+def _positions(value: PositionsJSON) -> Any:
+    return slice(value.start, value.stop, value.step) if isinstance(value, SliceSpec) else value
+
+
+class InterventionSpec(BaseModel):
+    """JSON form of vlens.Steer / Ablate / Patch: the `type` says which, the vector field follows it."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["steer", "ablate", "patch"]
+    hook: StrictStr
+    vector: list[float] | None = None  # steer
+    scale: float = 1.0  # steer
+    direction: list[float] | None = None  # ablate
+    values: list[float] | list[list[float]] | None = None  # patch
+    positions: PositionsJSON = "all"
+
+    def to_intervention(self) -> Steer | Ablate | Patch:
+        field = {"steer": "vector", "ablate": "direction", "patch": "values"}[self.type]
+        data = getattr(self, field)
+        if data is None:
+            raise ValueError(f"{self.type}.{field}: required for a {self.type} intervention")
+        positions = _positions(self.positions)
+        if self.type == "steer":
+            return Steer(self.hook, data, scale=self.scale, positions=positions)
+        if self.type == "ablate":
+            return Ablate(self.hook, data, positions=positions)
+        return Patch(self.hook, data, positions=positions)
+
+
+def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
+    if not isinstance(value, list):
+        raise APIError(400, "vlens.interventions: expected a list of {type, hook, ...} objects", param="vlens.interventions")
+    out = []
+    for i, item in enumerate(value):
+        try:
+            out.append(InterventionSpec.model_validate(item).to_intervention())
+        except ValidationError as e:
+            raise schema_error(e.errors(), 400, ("vlens", "interventions", i)) from None
+        except ValueError as e:
+            raise APIError(400, f"vlens.interventions[{i}].{' '.join(str(e).split())}", param=f"vlens.interventions[{i}]") from None
+    return {"interventions": out}
+
+
+def _require_capture(ctx: ExtensionContext, param: str) -> None:
+    if not ctx.enable_capture:
+        raise APIError(400, ENABLE_CAPTURE_HINT, param=param, code="capture_disabled")
+
+
+def _capture(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
+    _require_capture(ctx, "vlens.capture")
+    try:
+        return {"capture": CaptureSpec.model_validate(value).to_capture()}
+    except ValidationError as e:
+        raise schema_error(e.errors(), 400, ("vlens", "capture")) from None
+    except ValueError as e:
+        raise from_value_error(e, prefix="vlens.") from None
+
+
+def _return_hidden_states(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise APIError(400, "vlens.return_hidden_states: expected true or false", param="vlens.return_hidden_states")
+    if value:
+        _require_capture(ctx, "vlens.return_hidden_states")
+    return {"return_hidden_states": value}
+
+
+FIELDS: dict[str, Callable[[Any, ExtensionContext], dict[str, Any]]] = {
+    "capture": _capture,
+    "return_hidden_states": _return_hidden_states,
+    "interventions": _interventions,
+}
+
+
+def parse_extension(raw: dict[str, Any] | None, ctx: ExtensionContext) -> dict[str, Any]:
+    """The `vlens` object -> SamplingParams keyword arguments; APIError naming the field at fault."""
+    if not raw:
+        return {}
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        raise APIError(
+            400,
+            f"vlens.{unknown[0]}: unknown field (unknown: {', '.join(unknown)}); known: {', '.join(FIELDS)}",
+            param=f"vlens.{unknown[0]}",
+        )
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if value is not None:
+            kwargs.update(FIELDS[key](value, ctx))
+    return kwargs

@@ -1,0 +1,333 @@
+"""From a validated request body to an OpenAI response: prompts and sampling parameters, the checks
+that must pass before anything reaches the engine, then the wait for results, streamed or not.
+
+Everything that can be refused is refused here, before submission, or by the engine's own
+validation of the whole submission, so a bad request never runs and never disturbs another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from vlens.config import ModelConfig
+from vlens.inputs import to_token_lists
+from vlens.sampling_params import SamplingParams
+from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
+from vlens.server.auth import presented_key
+from vlens.server.config import ServerConfig
+from vlens.server.engine_loop import Delta, EngineLoop, EngineRequest, Failed, Finished, Submission
+from vlens.server.extension import ExtensionContext, parse_extension
+from vlens.server.metrics import Metrics
+from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, from_value_error
+from vlens.server.responses import Shape, TokenText, usage
+
+CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine."""
+
+    requests: list[EngineRequest]
+    shape: Shape
+    stream: bool
+    include_usage: bool
+    wants_activations: bool
+    owner: bytes  # who may download this request's activation handle
+
+
+class Generator:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: EngineLoop,
+        tokenizer: Any,
+        cfg: ModelConfig,
+        shapes: dict[str, tuple[int, ...]],
+        model_dtype: torch.dtype,
+        model_name: str,
+        max_model_len: int,
+        store: ActivationStore,
+        metrics: Metrics,
+    ):
+        self.config, self.engine, self.tokenizer, self.cfg = config, engine, tokenizer, cfg
+        self.shapes, self.model_dtype, self.model_name = shapes, model_dtype, model_name
+        self.max_model_len, self.store, self.metrics = max_model_len, store, metrics
+        self.token_text = TokenText(tokenizer)
+        self.extension = ExtensionContext(enable_capture=config.enable_capture)
+
+    # -- endpoints ----------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        try:
+            token_lists = to_token_lists(body.prompt, self.tokenizer, self.cfg.vocab_size, field="prompt")
+        except ValueError as e:
+            raise from_value_error(e) from None
+        several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+        texts = [p if isinstance(p, str) else None for p in (body.prompt if several else [body.prompt])]
+        prompts = list(zip(token_lists, texts))
+        prepared = self._prepare(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
+        return await self._run(prepared, request)
+
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(
+                400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages"
+            )
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template is the model's Jinja code: any error it raises is the request's
+            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        prepared = self._prepare(body, request, [(ids, rendered)], max_tokens, top, chat=True)
+        return await self._run(prepared, request)
+
+    # -- before the engine --------------------------------------------------------------------------
+
+    def _prepare(
+        self, body, request: Request, prompts, max_tokens: int | None, logprobs: int | None, chat: bool
+    ) -> Prepared:
+        body.refuse_unsupported()
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                404,
+                f"model: {body.model!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        extension = parse_extension(body.vlens, self.extension)
+        wants_activations = extension.get("capture") is not None or extension.get("return_hidden_states", False)
+        if wants_activations and len(prompts) > 1:
+            raise APIError(
+                400,
+                "prompt: capture needs one prompt per request (send several requests; they are "
+                "batched together anyway)",
+                param="prompt",
+            )
+        requests = [self._request(body, ids, text, max_tokens, logprobs, extension, chat) for ids, text in prompts]
+        key = presented_key(request.scope) if self.config.api_key else None
+        return Prepared(
+            requests=requests,
+            shape=Shape(chat=chat, model=self.model_name, logprobs=logprobs, text=self.token_text),
+            stream=body.stream,
+            include_usage=body.stream_options is not None and body.stream_options.include_usage,
+            wants_activations=wants_activations,
+            owner=owner_of(key),
+        )
+
+    def _request(
+        self,
+        body,
+        ids: list[int],
+        text: str | None,
+        max_tokens: int | None,
+        logprobs: int | None,
+        extension: dict[str, Any],
+        chat: bool,
+    ) -> EngineRequest:
+        prompt_param = "messages" if chat else "prompt"
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(
+                400,
+                f"{prompt_param}: {len(ids)} tokens; this server's context is {self.max_model_len} "
+                "tokens, and at least one must be left to generate",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(
+                400,
+                f"max_tokens: {max_tokens} plus the {len(ids)}-token prompt exceed this server's "
+                f"context of {self.max_model_len} tokens; at most {room}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                seed=body.seed,
+                stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                **extension,
+            )
+            bound = capture_bound(params, len(ids), self.shapes, self.cfg, self.model_dtype)
+        except ValueError as e:
+            raise _engine_error(e) from None
+        if bound > self.config.max_capture_bytes:
+            raise APIError(
+                400,
+                f"vlens.capture: this request could return up to {bound} bytes of activations, "
+                f"over this server's --max-capture-bytes of {self.config.max_capture_bytes}; capture "
+                "fewer hooks or positions, lower max_tokens, or use a smaller dtype",
+                param="vlens.capture",
+                code="capture_too_large",
+            )
+        return EngineRequest(ids, params, text)
+
+    # -- with the engine ----------------------------------------------------------------------------
+
+    async def _run(self, prepared: Prepared, request: Request) -> Response:
+        try:
+            submission = await self.engine.submit(prepared.requests, prepared.stream)
+        except ValueError as e:
+            raise _engine_error(e) from None
+        self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in prepared.requests)
+        if prepared.stream:
+            return _EventStream(
+                self._stream(submission, prepared), on_close=lambda: self._abort_unless_done(submission)
+            )
+        collecting = asyncio.ensure_future(_collect(submission, len(prepared.requests)))
+        watching = asyncio.ensure_future(_until_disconnect(request))
+        gone = False
+        try:
+            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            if not collecting.done():  # the client left (or the server is shutting down)
+                gone = True
+                collecting.cancel()
+                self._abort(submission)
+        if gone:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(await self._response(collecting.result(), prepared))
+
+    async def _response(self, results: list[Finished], prepared: Prepared) -> dict[str, Any]:
+        shape = prepared.shape
+        choices = []
+        for r in results:
+            c = r.output.outputs[0]
+            choices.append(shape.choice(r.index, r.text, r.token_ids, r.logprobs, c.finish_reason, c.stop_reason))
+        completion_tokens = sum(len(r.output.outputs[0].token_ids) for r in results)
+        self.metrics.generation_tokens += completion_tokens
+        prompt_tokens = sum(len(r.output.prompt_token_ids) for r in results)
+        extra = (
+            {"vlens": {"activations": await self._activations(results[0], prepared)}}
+            if prepared.wants_activations
+            else {}
+        )
+        return shape.body(choices, usage(prompt_tokens, completion_tokens), **extra)
+
+    async def _stream(self, submission: Submission, prepared: Prepared) -> AsyncIterator[str]:
+        shape = prepared.shape
+        fresh = [True] * len(prepared.requests)  # chat: the first delta of a choice names the role
+        remaining, prompt_tokens, completion_tokens = len(prepared.requests), 0, 0
+        while remaining:
+            event = await submission.next()
+            if isinstance(event, Failed):
+                submission.done = True
+                yield _sse(APIError(500, event.message).body())
+                return
+            if isinstance(event, Delta) and (event.text or (shape.logprobs is not None and event.token_ids)):
+                choice = shape.choice(
+                    event.index, event.text, event.token_ids, event.logprobs, None, delta=True, first=fresh[event.index]
+                )
+                fresh[event.index] = False
+                yield _sse(shape.chunk([choice]))
+            elif isinstance(event, Finished):
+                remaining -= 1
+                c = event.output.outputs[0]
+                prompt_tokens += len(event.output.prompt_token_ids)
+                completion_tokens += len(c.token_ids)
+                self.metrics.generation_tokens += len(c.token_ids)
+                choice = shape.choice(
+                    event.index,
+                    event.text,
+                    event.token_ids,
+                    event.logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
+                    delta=True,
+                    first=fresh[event.index],
+                )
+                extra = (
+                    {"vlens": {"activations": await self._activations(event, prepared)}}
+                    if prepared.wants_activations
+                    else {}
+                )
+                yield _sse(shape.chunk([choice], **extra))
+        submission.done = True
+        if prepared.include_usage:
+            yield _sse(shape.chunk([], usage(prompt_tokens, completion_tokens)))
+        yield "data: [DONE]\n\n"
+
+    async def _activations(self, result: Finished, prepared: Prepared) -> dict[str, Any]:
+        # Encoding copies every captured tensor: off the event loop and off the engine thread.
+        data = await asyncio.to_thread(encode, result.output, self.model_name)
+        self.metrics.captured_bytes += len(data)
+        return present(data, self.config.inline_activation_bytes, self.store, prepared.owner)
+
+    def _abort_unless_done(self, submission: Submission) -> None:
+        if not submission.done:  # the client went away mid-stream: stop its sequences, free their blocks
+            self._abort(submission)
+
+    def _abort(self, submission: Submission) -> None:
+        submission.done = True
+        self.engine.abort(submission)
+        self.metrics.aborted += 1
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose request is aborted however the response ends early: the client
+    disconnecting (before or during the stream), a failed send, or the server shutting down."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _collect(submission: Submission, n: int) -> list[Finished]:
+    results: list[Finished | None] = [None] * n
+    while any(r is None for r in results):
+        event = await submission.next()
+        if isinstance(event, Failed):
+            submission.done = True
+            raise APIError(500, event.message)
+        if isinstance(event, Finished):
+            results[event.index] = event
+    submission.done = True
+    return results
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body was already read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _engine_error(e: ValueError) -> APIError:
+    """Name the request field behind a vlens ValueError: capture fields live under `vlens`."""
+    message = str(e)
+    if message.startswith("hooks"):
+        return from_value_error(e, prefix="vlens.capture.")
+    return from_value_error(e, prefix="vlens." if message.startswith("capture") else "")

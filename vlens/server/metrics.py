@@ -1,0 +1,86 @@
+"""Prometheus text exposition of the server's counters and the engine's gauges.
+
+Counters are updated on the event-loop thread only; engine gauges come from the snapshot the engine
+thread publishes after every step, so scraping never touches the engine itself.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vlens.server.activations import ActivationStore
+from vlens.server.engine_loop import EngineStats
+
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/completions", "/v1/chat/completions")
+ACTIVATIONS_ROUTE = "/v1/activations/{id}"
+
+
+def route_label(path: str) -> str:
+    """A bounded label set: handle ids and unknown paths must not each become a time series."""
+    if path in ROUTES:
+        return path
+    return ACTIVATIONS_ROUTE if path.startswith("/v1/activations/") else "other"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.http: Counter[tuple[str, int]] = Counter()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.captured_bytes = 0
+        self.aborted = 0
+
+    def render(self, stats: EngineStats, store: ActivationStore) -> str:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+            lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+        http = [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.http.items())]
+        metric("vlens_http_requests_total", "counter", "HTTP requests by route and status code.", http)
+        metric(
+            "vlens_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", [("", self.prompt_tokens)]
+        )
+        metric("vlens_generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
+        metric(
+            "vlens_captured_bytes_total",
+            "counter",
+            "Bytes of activations returned (safetensors).",
+            [("", self.captured_bytes)],
+        )
+        metric(
+            "vlens_requests_aborted_total",
+            "counter",
+            "Requests aborted because the client went away.",
+            [("", self.aborted)],
+        )
+        metric("vlens_requests_running", "gauge", "Requests in the running batch.", [("", stats.running)])
+        metric("vlens_requests_waiting", "gauge", "Requests queued for admission.", [("", stats.waiting)])
+        metric(
+            "vlens_kv_cache_usage", "gauge", "Fraction of KV-cache blocks in use (0..1).", [("", stats.kv_cache_usage)]
+        )
+        metric("vlens_preemptions_total", "counter", "Sequences preempted for KV space.", [("", stats.num_preemptions)])
+        metric("vlens_activation_handles", "gauge", "Activation payloads awaiting download.", [("", store.count)])
+        metric("vlens_activation_handle_bytes", "gauge", "Bytes held for activation downloads.", [("", store.nbytes)])
+        return "\n".join(lines) + "\n"
+
+
+class CountRequests:
+    """ASGI middleware counting every response by route and status, including auth and size refusals."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http[(route_label(scope["path"]), message["status"])] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

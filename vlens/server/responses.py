@@ -1,0 +1,133 @@
+"""OpenAI-shaped response bodies and stream chunks for completions and chat completions.
+
+One `Shape` per endpoint knows the few things that differ (object names, where text goes, the
+logprobs format); everything else is shared.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlens.outputs import Logprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class TokenText:
+    """Token id -> its text, cached: logprobs name every top-k alternative by text."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        if token not in self._cache:
+            self._cache[token] = self.tokenizer.decode([token])
+        return self._cache[token]
+
+
+def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+    return ranked[:k]
+
+
+def completion_logprobs(
+    tokens: list[int], entries: list[dict[int, Logprob]], k: int, text: TokenText, offset: int
+) -> dict[str, list]:
+    """The legacy completions format: parallel lists of tokens, their logprobs, top-k dicts, offsets."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(tokens, entries):
+        piece = text(token)
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(entry[token].logprob)
+        out["top_logprobs"].append({text(t): lp.logprob for t, lp in _ranked(entry, k)})
+        out["text_offset"].append(offset)
+        offset += len(piece)
+    return out
+
+
+def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int, text: TokenText) -> dict[str, list]:
+    """The chat format: one object per token with its bytes and its top-k alternatives."""
+
+    def item(token: int, lp: Logprob) -> dict[str, Any]:
+        piece = text(token)
+        return {"token": piece, "logprob": lp.logprob, "bytes": list(piece.encode())}
+
+    content = []
+    for token, entry in zip(tokens, entries):
+        content.append({**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _ranked(entry, k)]})
+    return {"content": content}
+
+
+@dataclass
+class Shape:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    chat: bool
+    model: str
+    logprobs: int | None  # top-k asked for; None = no logprobs
+    text: TokenText
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset per choice
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+    def _logprobs(self, index: int, tokens: list[int], entries: list, delta_text: str) -> dict | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokens, entries, self.logprobs, self.text)
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(delta_text)
+        return completion_logprobs(tokens, entries, self.logprobs, self.text, offset)
+
+    def choice(
+        self,
+        index: int,
+        text: str,
+        tokens: list[int],
+        entries: list,
+        finish_reason: str | None,
+        stop_reason: int | str | None = None,
+        delta: bool = False,
+        first: bool = False,
+    ) -> dict[str, Any]:
+        """One choice: a full one, or a stream delta (delta=True; first=True adds the chat role)."""
+        choice: dict[str, Any] = {"index": index}
+        if not self.chat:
+            choice["text"] = text
+        elif delta:
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = self._logprobs(index, tokens, entries, text)
+        choice["finish_reason"] = finish_reason
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason  # as vLLM: the stop string or token id that ended it
+        return choice
+
+    def body(self, choices: list[dict], usage_: dict | None, **extra: Any) -> dict[str, Any]:
+        """A full response (streamed=False) or a chunk, with `extra` top-level keys such as vlens."""
+        obj = "chat.completion" if self.chat else "text_completion"
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage_ is not None:
+            out["usage"] = usage_
+        out.update(extra)
+        return out
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None, **extra: Any) -> dict[str, Any]:
+        out = self.body(choices, usage_, **extra)
+        if self.chat:
+            out["object"] = "chat.completion.chunk"
+        return out
