@@ -2,8 +2,8 @@
 partial rotary, LongRoPE (short factors, then long ones once a forward reaches past the original
 context) and a sliding window; every tap, packed against alone, generation.
 
-Generation that crosses the LongRoPE switch is not compared: there HF drops its cache and recomputes
-the whole sequence with the long factors, while vlens keeps the keys it cached (docs/architectures.md)."""
+Generation that crosses the LongRoPE switch is compared step by step: there the engine recomputes the
+sequence's cache with the long factors, which is what HF's per-step logits amount to."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from family_parity import (
     sequences,
 )
 from transformers import AutoModelForCausalLM, Phi3Config
+
+from vlens import LLM, Capture, SamplingParams
 
 ROTARY_HALF = 4  # head_dim 16, partial_rotary_factor 0.5: 8 dims rotate, 4 frequencies
 LONGROPE = {
@@ -79,3 +81,24 @@ def test_long_factors_matter(tmp_path):
     got = llm.trace([ids], hooks="unembed.hook_out")[0]["unembed.hook_out"]
     with torch.no_grad():
         assert rel_err(got, short_only(torch.tensor([ids])).logits[0]) > 1e-3
+
+
+@pytest.mark.parametrize("budget", [4096, 4])
+def test_generation_across_the_longrope_switch(tmp_path, budget):
+    """A 10-token prompt crosses the switch (16) at the 7th generated token; every step's logits equal
+    HF's, also when the recompute runs in 4-token chunks."""
+    path = build(CONFIGS["phi3_longrope"](), tmp_path, "phi3")
+    _, hf = load_pair(path)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", max_num_batched_tokens=budget)
+    prompt = list(range(3, 13))
+    with torch.inference_mode():
+        g = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=10, eos_token_id=None, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, capture=Capture(hooks="unembed.hook_out"))
+    [out] = llm.generate([prompt], p, use_tqdm=False)
+    assert out.outputs[0].token_ids == g.sequences[0, len(prompt) :].tolist()
+    per_step = out.activations["unembed.hook_out"][len(prompt) - 1 :]
+    for i, ref in enumerate(g.logits):
+        assert rel_err(per_step[i], ref[0]) < 1e-5, i

@@ -60,10 +60,14 @@ class ForwardContext:
     groups: list[AttentionGroup]
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key/value is written to
     taps: dict[str, Tap] = field(default_factory=dict)  # hook name -> what to do there; empty = nothing
+    sequence_ends: torch.Tensor | None = None  # [T] last position of each token's whole sequence so far
 
     def last_positions(self) -> torch.Tensor:
-        """[T] the last position, in this forward, of each token's sequence. LongRoPE picks its factors
-        by how far a forward reaches, so a sequence's tokens must not depend on its batch neighbours."""
+        """[T] the last position of each token's sequence: LongRoPE picks its factors by the length of
+        the sequence (as HF does), not by what else is in the batch. The engine says it (a chunk of a
+        prefill does not reach the end); a cache-less forward holds whole sequences."""
+        if self.sequence_ends is not None:
+            return self.sequence_ends
         out = torch.empty_like(self.positions)
         for g in self.groups:
             last = g.query_positions.max(dim=1).values  # unused grid slots hold 0, never the max

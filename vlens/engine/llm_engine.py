@@ -86,6 +86,10 @@ class LLMEngine:
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
         )
         self._next_id = 0
+        # LongRoPE's factors depend on the sequence length: a sequence whose last position reaches this
+        # recomputes its cache with the long factors, as HF does (see _switch_rope).
+        scaling = cfg.rope_scaling or {}
+        self.long_rope_at = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
         self._detok: dict[Sequence, IncrementalDetokenizer] = {}
 
     # -- requests ---------------------------------------------------------------------------------
@@ -124,6 +128,8 @@ class LLMEngine:
         self._next_id += 1
         seq.streams, seq.interventions = streams, bound
         seq.cache_salt = fingerprint(params.interventions)
+        if self.long_rope_at is not None and len(prompt_ids) - 1 >= self.long_rope_at:
+            seq.cache_salt = ("long rope", seq.cache_salt)
         return seq
 
     def _capture_stream(self, capture: Capture, prompt_len: int) -> RowStream:
@@ -191,7 +197,16 @@ class LLMEngine:
             if self._check_stop(seq, token):
                 self.scheduler.finish(seq)
                 finished.append(seq)
+            elif self.long_rope_at is not None and len(seq.token_ids) - 1 == self.long_rope_at:
+                self._switch_rope(seq)
         return finished
+
+    def _switch_rope(self, seq: Sequence) -> None:
+        """The sequence now reaches LongRoPE's switch: its cached keys were rotated with the short
+        factors, so drop them and recompute with the long ones (rows already captured are not taken
+        again). The prefix cache keeps the two regimes apart."""
+        self.blocks.release(seq)
+        seq.cache_salt = ("long rope", seq.cache_salt)
 
     def _deliver_rows(self, out: StepOutput) -> None:
         by_owner: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}

@@ -87,10 +87,14 @@ class ModelRunner:
             row += len(p)
         order = [c for chunk in chunks for c in chunk]
         ids = torch.tensor([t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]])
+        ends = torch.repeat_interleave(
+            torch.tensor([len(s.token_ids) - 1 for s, _ in order]), torch.tensor([n for _, n in order])
+        )
         ctx = ForwardContext(
             positions=torch.cat(positions).to(self.device, non_blocking=True),
             groups=groups,
             slot_mapping=torch.cat(slots).to(self.device, non_blocking=True),
+            sequence_ends=ends.to(self.device, non_blocking=True),
         )
         return order, ctx, ids
 
