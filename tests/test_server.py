@@ -372,3 +372,26 @@ def test_interventions_through_the_extension(server, client, smol):
     assert bad.status_code == 400 and "interventions[0]" in bad.json()["error"]["message"]
     missing = post(server, "/v1/completions", {"model": "smol", "prompt": PROMPT, "vlens": {"interventions": [{"type": "ablate", "hook": "blocks.1.hook_resid_post"}]}})
     assert missing.status_code == 400 and "direction" in missing.json()["error"]["message"]
+
+
+def test_readouts_through_the_extension(server, client, smol):
+    """reduce, project and logit_lens in the JSON capture give what LLM.generate gives."""
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(576, 3, generator=g)
+    cases = {
+        "mean": ({"reduce": "mean"}, Capture(hooks="blocks.6.hook_resid_post", reduce="mean")),
+        "project": ({"project": W.tolist(), "project_bias": [1.0, 2.0, 3.0]}, Capture(hooks="blocks.6.hook_resid_post", project=(W, torch.tensor([1.0, 2.0, 3.0])))),
+        "lens": ({"logit_lens": 2}, Capture(hooks="blocks.6.hook_resid_post", logit_lens=2)),
+    }
+    for name, (extra, capture) in cases.items():
+        body = {"capture": {"hooks": "blocks.6.hook_resid_post", **extra}}
+        out = client.completions.create(model="smol", prompt=PROMPT, extra_body={"vlens": body}, **GREEDY)
+        t = decode_activations(vlens_of(out)["activations"], server, AUTH)
+        [ref] = smol.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, capture=capture), use_tqdm=False)
+        if name == "lens":
+            ids, logprobs = ref.logit_lens["blocks.6.hook_resid_post"]
+            assert torch.equal(t["blocks.6.hook_resid_post.logit_lens.token_ids"], ids)
+            assert rel_err(t["blocks.6.hook_resid_post.logit_lens.logprobs"], logprobs) < 1e-4
+        else:
+            assert t["blocks.6.hook_resid_post"].shape == ref.activations["blocks.6.hook_resid_post"].shape
+            assert rel_err(t["blocks.6.hook_resid_post"], ref.activations["blocks.6.hook_resid_post"]) < 1e-4

@@ -5,7 +5,8 @@ Safetensors is self-describing (names, dtypes, shapes) and binary, so neither si
 from JSON. One file per request holds each requested hook `[rows, ...]`, `positions` `[rows]`
 (the sequence position of each row), `token_ids` (prompt then generated tokens, so row p's token
 is token_ids[positions[p]]) and, with return_hidden_states, `hidden_states` `[rows, d]` at every
-position.
+position. Readouts change the hook tensors' shapes (`reduce: "mean"` one row, `project` [rows, k]);
+a logit lens gives `{hook}.logit_lens.token_ids` and `{hook}.logit_lens.logprobs` [rows, k] instead.
 """
 
 from __future__ import annotations
@@ -62,8 +63,15 @@ def capture_bound(
     capture = params.capture
     if capture is not None:
         itemsize = (capture.dtype or model_dtype).itemsize
-        row = sum(math.prod(shapes[name]) for name in resolve_hooks(capture.hooks, cfg)) * itemsize
-        total += _max_rows(capture.positions, prompt_len, params.max_tokens) * (row + INT64)
+        hooks = resolve_hooks(capture.hooks, cfg)
+        if capture.logit_lens is not None:  # ids (int64) and log-probabilities (float32), top-k each
+            row = len(hooks) * capture.logit_lens * (INT64 + 4)
+        elif capture.project is not None:
+            row = len(hooks) * capture.project[0].shape[1] * itemsize
+        else:
+            row = sum(math.prod(shapes[name]) for name in hooks) * itemsize
+        rows = _max_rows(capture.positions, prompt_len, params.max_tokens)
+        total += rows * INT64 + (1 if capture.reduce == "mean" else rows) * row
     if params.return_hidden_states:
         total += rows_all * math.prod(shapes[FINAL_NORM]) * model_dtype.itemsize
     if total:
@@ -80,6 +88,9 @@ def encode(out: RequestOutput, model_name: str) -> bytes:
         # refuses shared storage, so the second gets its own copy.
         tensors[name] = t.clone() if t.data_ptr() in seen else t.contiguous()
         seen.add(t.data_ptr())
+    for name, (ids, logprobs) in out.logit_lens.items():
+        tensors[f"{name}.logit_lens.token_ids"] = ids.contiguous()
+        tensors[f"{name}.logit_lens.logprobs"] = logprobs.contiguous()
     if out.activation_positions is not None:
         tensors["positions"] = out.activation_positions.to(torch.int64).contiguous()
     if out.hidden_states is not None:
@@ -91,7 +102,7 @@ def encode(out: RequestOutput, model_name: str) -> bytes:
         "model": model_name,
         "request_id": out.request_id,
         "prompt_tokens": str(len(out.prompt_token_ids)),
-        "hooks": json.dumps(list(out.activations)),
+        "hooks": json.dumps(list(out.activations) + list(out.logit_lens)),
     }
     return save(tensors, metadata=metadata)
 

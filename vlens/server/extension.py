@@ -41,20 +41,28 @@ class SliceSpec(BaseModel):
 
 
 class CaptureSpec(BaseModel):
-    """JSON form of vlens.Capture: which hooks, at which positions, in which dtype."""
+    """JSON form of vlens.Capture: which hooks, at which positions, in which dtype, read out how."""
 
     model_config = ConfigDict(extra="forbid")
     hooks: StrictStr | list[StrictStr]
     positions: StrictStr | StrictInt | list[StrictInt] | SliceSpec = "all"
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     exclude_token_ids: list[StrictInt] | None = None
+    reduce: Literal["none", "mean"] = "none"
+    project: list[list[float]] | None = None  # W [d, k]
+    project_bias: list[float] | None = None  # b [k]
+    logit_lens: StrictInt | None = None
 
     def to_capture(self) -> Capture:
         positions = self.positions
         if isinstance(positions, SliceSpec):
             positions = slice(positions.start, positions.stop, positions.step)
+        project = self.project if self.project_bias is None else (self.project, self.project_bias)
+        if self.project is None and self.project_bias is not None:
+            raise ValueError("capture.project_bias: given without capture.project")
         return Capture(
-            hooks=self.hooks, positions=positions, dtype=self.dtype, exclude_token_ids=self.exclude_token_ids
+            hooks=self.hooks, positions=positions, dtype=self.dtype, exclude_token_ids=self.exclude_token_ids,
+            reduce=self.reduce, project=project, logit_lens=self.logit_lens,
         )
 
 
