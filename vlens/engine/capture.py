@@ -13,7 +13,21 @@ from typing import Callable
 
 import torch
 
+from vlens.models.base import DecoderLM
+
 Readout = Callable[[torch.Tensor], "torch.Tensor | tuple[torch.Tensor, ...]"]
+
+
+def project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Readout of a linear probe: rows @ W (+ b)."""
+    y = x.flatten(1) @ w
+    return y if b is None else y + b
+
+
+def logit_lens(x: torch.Tensor, model: DecoderLM, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Readout of the logit lens: top-k token ids and log-probabilities through the final norm and head."""
+    values, ids = model.lens(x).float().log_softmax(dim=-1).topk(k, dim=-1)
+    return ids, values
 
 
 @dataclass

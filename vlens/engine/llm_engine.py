@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from vlens.engine.block_manager import BlockManager
+from vlens.engine.capture import logit_lens, project
 from vlens.engine.detokenizer import IncrementalDetokenizer
 from vlens.engine.intervene import bind
 from vlens.engine.model_runner import ModelRunner, StepOutput
@@ -19,7 +20,7 @@ from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence
 from vlens.hooks import FINAL_NORM, LOGITS, hook_shapes, resolve_hooks
 from vlens.interventions import fingerprint
-from vlens.models.llama import CausalLM
+from vlens.models.base import DecoderLM
 from vlens.outputs import CompletionOutput, Logprob, RequestOutput
 from vlens.sampling_params import Capture, SamplingParams
 
@@ -35,20 +36,10 @@ def _default_kv_bytes(device: torch.device) -> int:
     return min(CPU_DEFAULT_KV_BYTES, available // 4)
 
 
-def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    y = x.flatten(1) @ w
-    return y if b is None else y + b
-
-
-def _logit_lens(x: torch.Tensor, model: CausalLM, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    values, ids = model.lens(x).float().log_softmax(dim=-1).topk(k, dim=-1)
-    return ids, values
-
-
 class LLMEngine:
     def __init__(
         self,
-        model: CausalLM,
+        model: DecoderLM,
         tokenizer: Any,
         *,
         max_num_seqs: int = 256,
@@ -145,13 +136,13 @@ class LLMEngine:
                 raise ValueError(f"capture.project: W has {weight.shape[0]} rows; taps {bad} have rows of another size")
             w = weight.to(self.runner.device, self.runner.dtype)
             b = None if bias is None else bias.to(self.runner.device, self.runner.dtype)
-            readout = partial(_project, w=w, b=b)
+            readout = partial(project, w=w, b=b)
             shapes = {t: (weight.shape[1],) for t in taps}
         if capture.logit_lens is not None:
             bad = [t for t, s in shapes.items() if s != (self.cfg.hidden_size,) or t == LOGITS]
             if bad:
                 raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {self.cfg.hidden_size}; not {bad}")
-            readout = partial(_logit_lens, model=self.model, k=capture.logit_lens)
+            readout = partial(logit_lens, model=self.model, k=capture.logit_lens)
         selector = RowSelector(capture.positions, prompt_len)
         return RowStream(
             "capture", hooks, selector, shapes, capture.exclude_token_ids, capture.dtype, readout, capture.reduce,

@@ -18,7 +18,7 @@ from vlens.engine.intervene import InterventionPlan
 from vlens.engine.sampler import SamplingBatch, sample, top_logprobs
 from vlens.engine.sequence import Sequence
 from vlens.hooks import LOGITS
-from vlens.models.llama import CausalLM
+from vlens.models.base import DecoderLM
 
 
 @dataclass
@@ -30,7 +30,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int):
         self.model, self.cfg = model, model.cfg
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
@@ -41,7 +41,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
     @staticmethod
-    def bytes_per_block(model: CausalLM, block_size: int) -> int:
+    def bytes_per_block(model: DecoderLM, block_size: int) -> int:
         cfg = model.cfg
         itemsize = model.lm_head.weight.element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize

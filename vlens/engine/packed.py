@@ -12,7 +12,7 @@ import torch
 from vlens.context import packed_context, set_context
 from vlens.engine.capture import CapturePlan, CaptureRequest
 from vlens.hooks import FINAL_NORM, LOGITS, layers_needed
-from vlens.models.llama import CausalLM
+from vlens.models.base import DecoderLM
 
 
 def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -30,7 +30,7 @@ def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def packed_forward(
-    model: CausalLM,
+    model: DecoderLM,
     sequences: list[list[int]],
     taps: list[str],
     rows: list[torch.Tensor] | None = None,
