@@ -10,12 +10,15 @@ HF: min_new_tokens), greedy. Rows:
                         with output_hidden_states=True (the same three layers gathered per step)
   capture overhead      vlens with capture enabled but unused, and with one tap at the last position,
                         against an engine built with enable_capture=False
+  mixed lengths         requests wanting 8 .. 2*--tokens new tokens (a seeded mix, as in serving): vlens
+                        gives each its own max_tokens; HF's batch runs to the longest and is truncated
 Timings are the best of --repeats runs after a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import torch
@@ -78,6 +81,18 @@ def main() -> None:
             if hidden:  # what a user keeps: the three layers, generated steps, on the CPU
                 [torch.cat([step[layer + 1] for step in out.hidden_states[1:]], dim=1) for layer in LAYERS]
 
+    rng = random.Random(0)
+    mixed = [rng.randint(8, 2 * args.tokens) for _ in texts]
+    mixed_params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in mixed]
+
+    def hf_mixed():
+        with torch.inference_mode():
+            out = hf.generate(
+                **batch, max_new_tokens=max(mixed), min_new_tokens=max(mixed), do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+        return [row[batch["input_ids"].shape[1] :][:m] for row, m in zip(out, mixed)]
+
     three = Capture(hooks=[f"blocks.{layer}.hook_resid_post" for layer in LAYERS], positions="generated")
     results = {
         "hf": best(lambda: hf_generate(False), args.repeats),
@@ -86,8 +101,12 @@ def main() -> None:
         "vlens_capture": best(lambda: llm.generate(texts, sp(three), use_tqdm=False), args.repeats),
         "plain": best(lambda: plain.generate(texts, sp(), use_tqdm=False), args.repeats),
         "last": best(lambda: llm.generate(texts, sp(Capture(hooks="blocks.15.hook_resid_post", positions="last")), use_tqdm=False), args.repeats),
+        "hf_mixed": best(hf_mixed, args.repeats),
+        "vlens_mixed": best(lambda: llm.generate(texts, mixed_params, use_tqdm=False), args.repeats),
     }
     tps = {k: new_tokens / v for k, v in results.items()}
+    tps["hf_mixed"] = sum(mixed) / results["hf_mixed"]
+    tps["vlens_mixed"] = sum(mixed) / results["vlens_mixed"]
     print(f"\nSmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.tokens} new tokens")
     print(f"{'case':<44}{'tok/s':>10}{'ratio':>10}  target")
     rows = [
@@ -98,6 +117,8 @@ def main() -> None:
         ("vlens, enable_capture=False", tps["plain"], None, ""),
         ("vlens, capture enabled, unused (time)", tps["vlens"], results["vlens"] / results["plain"], "<= 1.02x"),
         ("vlens, one tap at last position (time)", tps["last"], results["last"] / results["plain"], "<= 1.05x"),
+        (f"HF generate, mixed lengths 8..{2 * args.tokens}", tps["hf_mixed"], None, ""),
+        (f"vlens, mixed lengths 8..{2 * args.tokens}", tps["vlens_mixed"], tps["vlens_mixed"] / tps["hf_mixed"], "(no target)"),
     ]
     for name, rate, ratio, target in rows:
         print(f"{name:<44}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
