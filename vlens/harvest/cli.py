@@ -36,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="shuffle rows within each shard with this seed")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--model-dtype", default="auto", help="dtype of the forward (default: float32 CPU, bfloat16 GPU)")
+    p.add_argument("--ray", action="store_true", help="run the forwards on a Ray actor pool (pip install vlens[ray])")
+    p.add_argument("--workers", type=int, default=1, help="Ray actors, one GPU each on CUDA (default 1)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: running one, else local)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=run_harvest)
 
@@ -74,6 +77,9 @@ def run_harvest(args: argparse.Namespace) -> int:
         device=args.device,
         model_dtype=args.model_dtype,
         progress=not args.quiet,
+        backend="ray" if args.ray else "local",
+        workers=args.workers,
+        ray_address=args.ray_address,
     )
     return 0
 

@@ -83,6 +83,9 @@ def harvest(
     device: str = "auto",
     model_dtype: str = "auto",
     progress: bool = True,
+    backend: str = "local",
+    workers: int = 1,
+    ray_address: str | None = None,
 ) -> HarvestSummary:
     """Harvest activations of `hooks` over `source` into safetensors shards under `out_dir`.
 
@@ -100,6 +103,8 @@ def harvest(
       each shard (reproducibly), else they are stored in window order.
     Re-running into the same `out_dir` with the same options resumes after the last complete shard;
     with different options it raises ValueError naming them.
+    backend: "local" (this process) or "ray": `workers` Ray actors run the forwards, on the cluster at
+      `ray_address` (default: a running one, else a new local one); same files (see `ray_backend`).
     """
     started = time.perf_counter()
     out_dtype = _out_dtype(dtype)
@@ -108,6 +113,18 @@ def harvest(
             raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"shard_bytes: must be a positive integer, got {shard_bytes!r}")
+    if backend == "ray":
+        from vlens.harvest.ray_backend import harvest_ray  # ray is an optional extra
+
+        return harvest_ray(
+            model, source, hooks, out_dir, context_size=context_size, dtype=dtype, max_tokens=max_tokens,
+            shard_bytes=shard_bytes, prepend_bos=prepend_bos, pack=pack, text_field=text_field,
+            exclude_token_ids=exclude_token_ids, exclude_bos=exclude_bos, whole_file=whole_file, split=split,
+            batch_tokens=batch_tokens, seed=seed, device=device, model_dtype=model_dtype, progress=progress,
+            workers=workers, ray_address=ray_address,
+        )  # fmt: skip
+    if backend != "local":
+        raise ValueError(f"backend: must be 'local' or 'ray', got {backend!r}")
     loaded = resolve_model(model, model_dtype, device)
     cfg = loaded.config
     wanted = resolve_hooks(hooks, cfg)

@@ -1,0 +1,152 @@
+"""The Ray backend of vlens.harvest on a local 2-CPU cluster: the same files as the single-machine run,
+also when an actor is SIGKILLed mid-shard (Ray restarts it and retries the task) and when the driver
+stops after some shards and is run again."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harvest_helpers import dir_bytes, documents, read_shards, write_jsonl
+
+from vlens import harvest
+from vlens.harvest import ray_backend
+from vlens.harvest.cli import add_parser
+from vlens.harvest.stats import _BLOCK, HookStats
+from vlens.harvest.writer import read_manifest
+
+ray = pytest.importorskip("ray")
+
+HOOKS = ["blocks.2.hook_resid_post", "blocks.0.attn.hook_v"]
+# 24 windows of 32 tokens; 400 kB is 4 windows a shard (3092 B a row): 6 shards of 2 forwards each.
+OPTIONS = {"context_size": 32, "dtype": "float32", "shard_bytes": 400_000, "batch_tokens": 64, "progress": False}
+WINDOWS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents(60))
+
+
+@pytest.fixture(scope="module")
+def local_run(smol_path, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("local") / "out"
+    harvest(str(smol_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, **OPTIONS)
+    return out
+
+
+def _ray_harvest(smol_path, corpus, out: Path):
+    return harvest(str(smol_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, backend="ray", workers=2, **OPTIONS)
+
+
+def _each_window_once(out: Path) -> None:
+    windows = read_shards(out)["window"]
+    assert torch.equal(torch.unique(windows), torch.arange(WINDOWS))
+    assert len(windows) == WINDOWS * 32
+
+
+def test_same_files_as_single_machine(smol_path, corpus, local_run, tmp_path):
+    summary = _ray_harvest(smol_path, corpus, tmp_path / "out")
+    assert summary.shards == len(read_manifest(local_run)["shards"]) == 6
+    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)  # shards and manifest, byte for byte
+    _each_window_once(tmp_path / "out")
+
+
+def _busy_workers() -> list[int]:
+    """Pids of Ray actor processes running a shard task (Ray names the process after the task)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"ShardWorker.run_shard" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_actor_killed_mid_shard_loses_and_doubles_nothing(smol_path, corpus, local_run, tmp_path):
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_first_busy_worker() -> None:
+        while not stop.is_set() and not killed:
+            for pid in _busy_workers():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                break
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_first_busy_worker)
+    killer.start()
+    try:
+        _ray_harvest(smol_path, corpus, tmp_path / "out")
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no shard task was caught running"
+    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
+    _each_window_once(tmp_path / "out")
+
+
+class _DriverDied(Exception):
+    pass
+
+
+def test_rerun_after_driver_stops_resumes(smol_path, corpus, local_run, tmp_path, monkeypatch):
+    real = ray_backend.write_manifest
+
+    def die_after_two_shards(out_dir, manifest):
+        if len(manifest["shards"]) == 3:
+            raise _DriverDied
+        real(out_dir, manifest)
+
+    monkeypatch.setattr(ray_backend, "write_manifest", die_after_two_shards)
+    with pytest.raises(_DriverDied):
+        _ray_harvest(smol_path, corpus, tmp_path / "out")
+    monkeypatch.setattr(ray_backend, "write_manifest", real)
+    manifest = read_manifest(tmp_path / "out")
+    assert len(manifest["shards"]) == 2 and not manifest["complete"]
+    summary = _ray_harvest(smol_path, corpus, tmp_path / "out")
+    assert summary.tokens_this_run == (WINDOWS - 8) * 32  # the two committed shards are not redone
+    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
+
+
+def test_statistics_folded_from_pieces_equal_the_single_machine_ones():
+    torch.manual_seed(0)
+    shards = [torch.randn(_BLOCK + 1234, 8), torch.randn(300, 8), torch.randn(2 * _BLOCK + 7, 8)]
+    sequential, folded = HookStats.empty(8), HookStats.empty(8)
+    for x in shards:
+        sequential.add(x)
+        ray_backend._fold(folded, ray_backend._stat_pieces(x))
+    assert folded.to_json() == sequential.to_json()  # bit for bit, not approximately
+
+
+def test_cli_flags_and_no_ray_import_in_core():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--ray", "--workers", "3", "--ray-address", "auto"]
+    )
+    assert (args.ray, args.workers, args.ray_address) == (True, 3, "auto")
+    code = "import sys, vlens, vlens.harvest, vlens.harvest.cli, vlens.cli; assert 'ray' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unknown_backend_is_refused(smol_path, corpus, tmp_path):
+    with pytest.raises(ValueError, match="backend"):
+        harvest(str(smol_path), corpus, HOOKS, tmp_path / "out", backend="dask", **OPTIONS)
