@@ -104,7 +104,7 @@ def test_actor_killed_mid_shard_loses_and_doubles_nothing(smol_path, corpus, loc
 
 
 class _DriverDied(Exception):
-    pass
+    """Raised by the test to stop a driver mid-run."""
 
 
 def test_rerun_after_driver_stops_resumes(smol_path, corpus, local_run, tmp_path, monkeypatch):

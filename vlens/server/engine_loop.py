@@ -103,7 +103,7 @@ class _Tracked:
 
 @dataclass
 class _Stop:
-    pass
+    """Queue item that ends the engine thread."""
 
 
 @dataclass
