@@ -83,3 +83,44 @@ def window_rows(shards: dict[str, torch.Tensor], window: int) -> dict[str, torch
 
 def dir_bytes(out_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(out_dir).iterdir())}
+
+
+SOURCE_KINDS = ["txt", "jsonl", "parquet", "datasets", "datasets_dict", "tokens_jsonl", "tokens_parquet", "tokens_datasets"]
+
+
+def write_source(kind: str, tmp_path: Path, docs: list[str], token_docs: list[list[int]]) -> tuple[Path, dict]:
+    """`docs` (or their token ids) as a source of `kind`, and the harvest options that read it."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "txt":
+        path = tmp_path / "docs.txt"
+        path.write_text("\n".join(docs) + "\n\n")  # a blank line is not a document
+        return path, {}
+    if kind == "jsonl":
+        return write_jsonl(tmp_path / "docs.jsonl", docs, field="body"), {"text_field": "body"}
+    if kind == "parquet":
+        path = tmp_path / "docs.parquet"
+        pq.write_table(pa.table({"text": docs}), path, row_group_size=7)
+        return path, {}
+    if kind == "datasets":
+        path = tmp_path / "ds"
+        datasets.Dataset.from_dict({"text": docs, "n": list(range(len(docs)))}).save_to_disk(str(path))
+        return path, {}
+    if kind == "datasets_dict":
+        path = tmp_path / "dd"
+        split = datasets.Dataset.from_dict({"text": docs})
+        datasets.DatasetDict({"train": split.select([0]), "validation": split}).save_to_disk(str(path))
+        return path, {"split": "validation"}
+    if kind == "tokens_jsonl":  # the default field falls back to a "tokens" column, as in SAELens
+        return write_jsonl(tmp_path / "tok.jsonl", token_docs, field="tokens"), {}
+    if kind == "tokens_parquet":
+        path = tmp_path / "tok.parquet"
+        pq.write_table(pa.table({"input_ids": pa.array(token_docs, pa.list_(pa.int32()))}), path)
+        return path, {"text_field": "input_ids"}
+    if kind == "tokens_datasets":
+        path = tmp_path / "tokds"
+        datasets.Dataset.from_dict({"input_ids": token_docs}).save_to_disk(str(path))
+        return path, {}
+    raise AssertionError(kind)

@@ -12,7 +12,7 @@ import torch
 from conftest import rel_err
 from harvest_helpers import dir_bytes, documents, read_shards, window_rows, write_jsonl
 
-from vlens import harvest
+from vlens import ActivationDataset, harvest
 from vlens.harvest.cli import add_parser
 from vlens.loader import LoadedModel
 
@@ -31,6 +31,24 @@ def f32_run(smol, corpus, tmp_path_factory) -> Path:
     harvest(smol, corpus, HOOKS, out, context_size=CTX, dtype="float32", shard_bytes=200_000, batch_tokens=4 * CTX,
             progress=False)  # fmt: skip
     return out
+
+
+def test_out_dir_may_be_an_fsspec_url(smol, corpus, f32_run):
+    """Written through fsspec (here its in-memory filesystem), the files are those of a local run."""
+    import fsspec
+
+    url, fs = "memory://vlens-test/out", fsspec.filesystem("memory")
+    options = {"context_size": CTX, "dtype": "float32", "shard_bytes": 200_000, "batch_tokens": 4 * CTX}
+    try:
+        summary = harvest(smol, corpus, HOOKS, url, progress=False, **options)
+        assert summary.out_dir == url
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/vlens-test/out", detail=False))
+        assert {name: fs.cat_file(f"/vlens-test/out/{name}") for name in names} == dir_bytes(f32_run)
+        assert harvest(smol, corpus, HOOKS, url, progress=False, **options).tokens_this_run == 0  # complete
+        with pytest.raises(ValueError, match="not on this machine's filesystem; reading memory-maps"):
+            ActivationDataset(url, HOOKS[0])
+    finally:
+        fs.rm("/vlens-test", recursive=True)
 
 
 def _manifest(out: Path) -> dict:

@@ -5,6 +5,7 @@ stops after some shards and is run again."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from harvest_helpers import dir_bytes, documents, read_shards, write_jsonl
+from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_jsonl, write_source
 
 from vlens import harvest
-from vlens.harvest import ray_backend
+from vlens.harvest import ray_backend, ray_source, run
 from vlens.harvest.cli import add_parser
+from vlens.harvest.sources import open_source
 from vlens.harvest.stats import _BLOCK, HookStats
+from vlens.harvest.windows import token_documents
 from vlens.harvest.writer import read_manifest
 
 ray = pytest.importorskip("ray")
@@ -50,7 +53,7 @@ def local_run(smol_path, corpus, tmp_path_factory) -> Path:
     return out
 
 
-def _ray_harvest(smol_path, corpus, out: Path):
+def _ray_harvest(smol_path, corpus, out: Path | str):
     return harvest(str(smol_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, backend="ray", workers=2, **OPTIONS)
 
 
@@ -65,6 +68,42 @@ def test_same_files_as_single_machine(smol_path, corpus, local_run, tmp_path):
     assert summary.shards == len(read_manifest(local_run)["shards"]) == 6
     assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)  # shards and manifest, byte for byte
     _each_window_once(tmp_path / "out")
+
+
+def test_same_files_through_an_fsspec_url(smol_path, corpus, local_run, tmp_path):
+    summary = _ray_harvest(smol_path, corpus, f"file://{tmp_path}/out")
+    assert summary.out_dir == f"{tmp_path}/out"
+    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
+
+
+DOCS = documents(30, seed=2)
+
+
+@pytest.mark.parametrize("kind", [*SOURCE_KINDS, "txt_whole_file", "txt_odd_newlines"])
+def test_ray_data_reads_the_documents_the_local_reader_reads(smol, tmp_path, monkeypatch, kind):
+    """Read and tokenized by Ray Data tasks, each taking a piece of the source, the token lists come in
+    source order and equal the local reader's, newline rules included."""
+    monkeypatch.setattr(ray_source, "_PIECE_ROWS", 4)  # parquet and datasets sources in several pieces
+    options: dict = {}
+    if kind.startswith("txt_"):
+        path = tmp_path / "docs.txt"
+        path.write_bytes("\r\n".join(DOCS[:10]).encode() + "\rcarriage\u2028separated\n\n \nend".encode())
+        options["whole_file"] = kind == "txt_whole_file"
+    else:
+        token_docs = [smol.tokenizer(d, add_special_tokens=False)["input_ids"] for d in DOCS]
+        path, options = write_source(kind, tmp_path, DOCS, token_docs)
+    src = open_source(path, **options)
+    local = list(token_documents(src.documents(), smol.tokenizer, smol.config.vocab_size))
+    assert len(local) == {"txt_whole_file": 1, "txt_odd_newlines": 12}.get(kind, len(DOCS))
+    assert list(ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, concurrency=2)) == local
+
+
+def test_ray_data_errors_name_the_field_and_line(smol, tmp_path):
+    path = tmp_path / "ragged.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 7}) + "\n")
+    src = open_source(path)
+    with pytest.raises(ValueError, match=r"text_field: expected text in .*ragged.jsonl' line 2"):
+        list(ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, concurrency=1))
 
 
 def _busy_workers() -> list[int]:
@@ -108,17 +147,17 @@ class _DriverDied(Exception):
 
 
 def test_rerun_after_driver_stops_resumes(smol_path, corpus, local_run, tmp_path, monkeypatch):
-    real = ray_backend.write_manifest
+    real = run.write_manifest
 
     def die_after_two_shards(out_dir, manifest):
         if len(manifest["shards"]) == 3:
             raise _DriverDied
         real(out_dir, manifest)
 
-    monkeypatch.setattr(ray_backend, "write_manifest", die_after_two_shards)
+    monkeypatch.setattr(run, "write_manifest", die_after_two_shards)
     with pytest.raises(_DriverDied):
         _ray_harvest(smol_path, corpus, tmp_path / "out")
-    monkeypatch.setattr(ray_backend, "write_manifest", real)
+    monkeypatch.setattr(run, "write_manifest", real)
     manifest = read_manifest(tmp_path / "out")
     assert len(manifest["shards"]) == 2 and not manifest["complete"]
     summary = _ray_harvest(smol_path, corpus, tmp_path / "out")
@@ -140,9 +179,10 @@ def test_cli_flags_and_no_ray_import_in_core():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(
-        ["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--ray", "--workers", "3", "--ray-address", "auto"]
-    )
-    assert (args.ray, args.workers, args.ray_address) == (True, 3, "auto")
+        ["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--ray", "--workers", "3", "--ray-address", "auto",
+         "--cpus-per-worker", "2"]
+    )  # fmt: skip
+    assert (args.ray, args.workers, args.ray_address, args.cpus_per_worker) == (True, 3, "auto", 2.0)
     code = "import sys, vlens, vlens.harvest, vlens.harvest.cli, vlens.cli; assert 'ray' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

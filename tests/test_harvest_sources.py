@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from harvest_helpers import documents, read_shards, write_jsonl
+from harvest_helpers import SOURCE_KINDS, documents, read_shards, write_jsonl, write_source
 
 from vlens import harvest
 
@@ -23,57 +23,19 @@ def token_docs(smol):
     return [smol.tokenizer(d, add_special_tokens=False)["input_ids"] for d in DOCS]
 
 
-def _write(kind: str, tmp_path, token_docs):
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if kind == "txt":
-        path = tmp_path / "docs.txt"
-        path.write_text("\n".join(DOCS) + "\n\n")  # a blank line is not a document
-        return path, {}
-    if kind == "jsonl":
-        return write_jsonl(tmp_path / "docs.jsonl", DOCS, field="body"), {"text_field": "body"}
-    if kind == "parquet":
-        path = tmp_path / "docs.parquet"
-        pq.write_table(pa.table({"text": DOCS}), path, row_group_size=7)
-        return path, {}
-    if kind == "datasets":
-        path = tmp_path / "ds"
-        datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))}).save_to_disk(str(path))
-        return path, {}
-    if kind == "datasets_dict":
-        path = tmp_path / "dd"
-        split = datasets.Dataset.from_dict({"text": DOCS})
-        datasets.DatasetDict({"train": split.select([0]), "validation": split}).save_to_disk(str(path))
-        return path, {"split": "validation"}
-    if kind == "tokens_jsonl":  # the default field falls back to a "tokens" column, as in SAELens
-        return write_jsonl(tmp_path / "tok.jsonl", token_docs, field="tokens"), {}
-    if kind == "tokens_parquet":
-        path = tmp_path / "tok.parquet"
-        pq.write_table(pa.table({"input_ids": pa.array(token_docs, pa.list_(pa.int32()))}), path)
-        return path, {"text_field": "input_ids"}
-    if kind == "tokens_datasets":
-        path = tmp_path / "tokds"
-        datasets.Dataset.from_dict({"input_ids": token_docs}).save_to_disk(str(path))
-        return path, {}
-    raise AssertionError(kind)
-
-
-KINDS = ["txt", "jsonl", "parquet", "datasets", "datasets_dict", "tokens_jsonl", "tokens_parquet", "tokens_datasets"]
 
 
 @pytest.fixture(scope="module")
 def reference(smol, tmp_path_factory, token_docs):
-    path, kwargs = _write("txt", tmp_path_factory.mktemp("ref"), token_docs)
+    path, kwargs = write_source("txt", tmp_path_factory.mktemp("ref"), DOCS, token_docs)
     out = path.parent / "out"
     harvest(smol, path, "hook_embed", out, context_size=CTX, progress=False, **kwargs)
     return read_shards(out)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
 def test_every_source_gives_the_same_windows(smol, tmp_path, token_docs, reference, kind):
-    path, kwargs = _write(kind, tmp_path, token_docs)
+    path, kwargs = write_source(kind, tmp_path, DOCS, token_docs)
     harvest(smol, path, "hook_embed", tmp_path / "out", context_size=CTX, progress=False, **kwargs)
     rows = read_shards(tmp_path / "out")
     for key in reference:

@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory, hub id or .gguf (default: SmolLM2-135M)")
     p.add_argument("--source", required=True, help=".txt, .jsonl, .parquet, a datasets directory or a hub dataset id")
     p.add_argument("--hooks", nargs="+", required=True, help="hook names or globs (see `vlens hooks`)")
-    p.add_argument("--out", required=True, help="output directory (new, empty, or a run to resume)")
+    p.add_argument("--out", required=True, help="output directory or fsspec URL (new, empty, or a run to resume)")
     p.add_argument("--context-size", type=int, default=128, help="tokens per window (default 128)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="stored dtype (default bfloat16)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (default: all)")
@@ -38,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dtype", default="auto", help="dtype of the forward (default: float32 CPU, bfloat16 GPU)")
     p.add_argument("--ray", action="store_true", help="run the forwards on a Ray actor pool (pip install vlens[ray])")
     p.add_argument("--workers", type=int, default=1, help="Ray actors, one GPU each on CUDA (default 1)")
+    p.add_argument(
+        "--cpus-per-worker", type=float, default=1, help="CPUs each Ray actor holds without a GPU (default 1)"
+    )
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: running one, else local)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=run_harvest)
@@ -79,6 +82,7 @@ def run_harvest(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         backend="ray" if args.ray else "local",
         workers=args.workers,
+        cpus_per_worker=args.cpus_per_worker,
         ray_address=args.ray_address,
     )
     return 0

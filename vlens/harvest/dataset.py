@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from vlens.harvest.writer import read_manifest
+from vlens.harvest.writer import Store, read_manifest
 
 META_KEYS = ("token_ids", "window", "position")
 _DTYPES = {
@@ -54,8 +54,19 @@ def mmap_shard(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def local_dir(out_dir: str | os.PathLike) -> Path:
+    """The harvest directory as a local path: shards are memory-mapped, which a remote URL cannot be."""
+    store = Store.open(out_dir)
+    if not store.local:
+        raise ValueError(
+            f"out_dir: {str(out_dir)!r} is not on this machine's filesystem; reading memory-maps the shards, so "
+            "copy the harvest here first (e.g. fsspec's `fs.get(url, local_dir, recursive=True)`)"
+        )
+    return Path(store.root)
+
+
 def load_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
-    manifest = read_manifest(Path(out_dir))
+    manifest = read_manifest(out_dir)
     if manifest is None:
         raise ValueError(f"out_dir: {str(out_dir)!r} holds no manifest.json; is it a vlens harvest directory?")
     return manifest
@@ -81,7 +92,7 @@ class ActivationDataset(IterableDataset):
         drop_last: bool = False,
     ):
         super().__init__()
-        self.out_dir = Path(out_dir)
+        self.out_dir = local_dir(out_dir)
         self.manifest = load_manifest(self.out_dir)
         keys = [*self.manifest["hooks"], *META_KEYS]
         if hook not in keys:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlens.harvest.dataset import load_manifest, mmap_shard
+from vlens.harvest.dataset import load_manifest, local_dir, mmap_shard
 
 FORMATS = ("saelens",)
 EXPORT_DTYPES = ("float32", "float16")
@@ -33,6 +33,7 @@ def export(out_dir: str | os.PathLike, to: str | os.PathLike, format: str = "sae
         raise ValueError(f"format: {format!r} is not one of {', '.join(FORMATS)}")
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    out_dir = local_dir(out_dir)
     manifest = load_manifest(out_dir)
     _check_exportable(manifest, out_dir)
     target = Path(to)
@@ -48,7 +49,7 @@ def export(out_dir: str | os.PathLike, to: str | os.PathLike, format: str = "sae
             "token_ids": datasets.List(datasets.Value("int32"), length=ctx),
         }
     )
-    files = [str(Path(out_dir) / s["file"]) for s in manifest["shards"]]
+    files = [str(out_dir / s["file"]) for s in manifest["shards"]]
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.mkdtemp(dir=target.parent, prefix=".vlens-export-")
     try:

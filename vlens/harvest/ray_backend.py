@@ -1,10 +1,11 @@
 """`harvest(..., backend="ray")`: the same harvest, its forwards spread over a pool of Ray actors.
 
-The driver does everything that decides bytes exactly as the single-machine run does: it reads and
-packs the source in order, cuts the same shards at the same window boundaries, and numbers them the
-same way. Only the forward and the shard write move to the actors: each one loads the model once,
-and for a shard task runs its windows, writes the shard straight into `out_dir` with the atomic
-protocol of `writer` and returns the manifest entry plus the pieces of its statistics.
+Ray Data reads and tokenizes the source on the cluster, in source order (`ray_source`); the driver
+packs those token lists into windows, cuts the same shards at the same window boundaries as the
+single-machine run, and numbers them the same way. The forward and the shard write run on the
+actors: each one loads the model once, and for a shard task runs its windows, writes the shard
+straight into `out_dir` (a local path on shared storage, or any fsspec URL every node reaches) with
+the atomic protocol of `writer` and returns the manifest entry plus the pieces of its statistics.
 
 The driver alone writes the manifest, and commits shards strictly in shard order: a shard that
 finishes before an earlier one waits on the driver (its file already written) until the earlier one
@@ -24,11 +25,8 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections.abc import Iterable
-from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,11 +34,10 @@ from tqdm import tqdm
 
 from vlens.harvest import run
 from vlens.harvest.model import resolve_model
-from vlens.harvest.sources import open_source
+from vlens.harvest.ray_source import ray_token_documents
 from vlens.harvest.stats import _BLOCK, HookStats
-from vlens.harvest.windows import make_packing
-from vlens.harvest.writer import prepare_dir, read_manifest, shard_name, write_manifest, write_shard
-from vlens.hooks import hook_shapes, resolve_hooks
+from vlens.harvest.writer import Store, write_shard
+from vlens.hooks import hook_shapes
 
 # How far (in shards per actor) the tasks handed out may run ahead of the manifest: enough that an actor
 # finds its next task queued while a slower one finishes, few enough that the windows held in flight,
@@ -53,7 +50,7 @@ class ShardWorker:
 
     def __init__(
         self, model: str | None, model_dtype: str, device: str, wanted: dict[str, str], out_dtype: torch.dtype,
-        excluded: list[int], batch_tokens: int | None, seed: int | None, out_dir: str,
+        excluded: list[int], batch_tokens: int | None, seed: int | None, out_url: str,
     ) -> None:  # fmt: skip
         self.loaded = resolve_model(model, model_dtype, device)
         self.wanted = wanted
@@ -65,7 +62,7 @@ class ShardWorker:
         self.model_dtype = run._dtype_name(param.dtype)
         self.batch_tokens = batch_tokens or run.DEFAULT_BATCH_TOKENS.get(self.device, 4096)
         self.seed = seed
-        self.out = Path(out_dir)
+        self.store = Store.open(out_url)
 
     def info(self) -> dict[str, Any]:
         """What the manifest header records about the forward, as this replica runs it."""
@@ -81,14 +78,7 @@ class ShardWorker:
         pieces = {name: _stat_pieces(tensors[name]) for name in self.wanted}
         if self.seed is not None:
             tensors = run._shuffle(tensors, self.seed, index)
-        size = write_shard(self.out, index, tensors)
-        entry = {
-            "file": shard_name(index),
-            "rows": len(tensors["token_ids"]),
-            "windows": [first, first + len(shard_windows)],
-            "tokens": sum(len(w) for w in shard_windows),
-            "bytes": size,
-        }
+        entry = run.shard_entry(index, first, shard_windows, tensors, write_shard(self.store, index, tensors))
         return {"index": index, "entry": entry, "stats": pieces}
 
 
@@ -137,6 +127,7 @@ def harvest_ray(
     model_dtype: str,
     progress: bool,
     workers: int,
+    cpus_per_worker: float,
     ray_address: str | None,
 ) -> run.HarvestSummary:
     """The Ray backend of `vlens.harvest` (same arguments and result; see the module doc).
@@ -152,63 +143,39 @@ def harvest_ray(
     out_dtype = run._out_dtype(dtype)  # this and the other numbers are checked by `harvest` already
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: must be a positive integer, got {workers!r}")
+    if not isinstance(cpus_per_worker, (int, float)) or cpus_per_worker <= 0:
+        raise ValueError(f"cpus_per_worker: must be a positive number, got {cpus_per_worker!r}")
     loaded = resolve_model(model, model_dtype, "cpu")
     cfg = loaded.config
-    wanted = resolve_hooks(hooks, cfg)
-    packing = make_packing(loaded.tokenizer, cfg, context_size, pack, prepend_bos, exclude_bos, exclude_token_ids)
-    if max_tokens is not None and pack and max_tokens < context_size:
-        raise ValueError(f"max_tokens: {max_tokens} is less than one window (context_size={context_size})")
-    src = open_source(source, text_field, whole_file, split)
-    out = Path(out_dir).resolve()
+    wanted, packing, src = run._plan(
+        loaded, source, hooks, context_size, pack, prepend_bos, exclude_bos, exclude_token_ids, max_tokens,
+        text_field, whole_file, split,
+    )  # fmt: skip
+    store = Store.open(out_dir)
 
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=progress)
     gpus = 1 if device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
-    actor_class = ray.remote(num_cpus=0 if gpus else 1, num_gpus=gpus, max_restarts=-1, max_task_retries=-1)(
-        ShardWorker
-    )
+    actor_class = ray.remote(
+        num_cpus=0 if gpus else cpus_per_worker, num_gpus=gpus, max_restarts=-1, max_task_retries=-1
+    )(ShardWorker)
     replica_model = str(loaded.path) if not isinstance(model, (str, os.PathLike)) and model is not None else model
     args = (replica_model, model_dtype, device, wanted, out_dtype, list(packing.excluded_token_ids), batch_tokens,
-            seed, str(out))  # fmt: skip
+            seed, store.url)  # fmt: skip
     actors = [actor_class.remote(*args) for _ in range(workers)]
     try:
         info = ray.get(actors[0].info.remote())
         header = run._header(loaded, src, wanted, out_dtype, packing, max_tokens, shard_bytes, info["batch_tokens"],
                              seed)  # fmt: skip
         header["model"].update(device=info["device"], dtype=info["dtype"])
-        existing = read_manifest(out)
-        if existing is not None:
-            run._check_same(existing, header, out)
-            if existing["complete"]:
-                return run._report(out, existing, started, existing["totals"]["tokens"], progress)
-        manifest = existing or {**header, "shards": [], "stats": {}, "totals": run._totals([]), "complete": False}
-        done = manifest["totals"]
-        stream = run._window_stream(src, loaded.tokenizer, cfg.vocab_size, packing, max_tokens)
-        if existing is None:
-            stream = run._require_one(stream, src.location, context_size)
-        prepare_dir(out, existing)
-        write_manifest(out, manifest)
-        stream = islice(stream, done["windows"], None)
-
-        shapes = hook_shapes(cfg)
-        row_bytes = sum(math.prod(shapes[n]) * out_dtype.itemsize for n in wanted) + sum(
-            b for _, b in run._META_KEYS.values()
-        )
-        stats = {
-            name: HookStats.from_json(manifest["stats"][name])
-            if name in manifest["stats"]
-            else HookStats.empty(math.prod(shapes[name]))
-            for name in wanted
-        }
-        excluded = torch.tensor(packing.excluded_token_ids, dtype=torch.long)
-        shards = run._shards(stream, done["windows"], excluded, max(1, shard_bytes // row_bytes))
-        plan = ((index, first, group) for index, (first, group) in enumerate(shards, len(manifest["shards"])))
-        tokens_before = done["tokens"]
+        job = run.Job.open(out_dir, header, cfg, wanted, out_dtype, packing)
+        if job.manifest["complete"]:
+            return job.report(started, progress)
+        token_docs = ray_token_documents(src, loaded.tokenizer, cfg.vocab_size, concurrency=workers)
+        plan = job.shards(run._window_stream(token_docs, packing, max_tokens), src)
         pool = ActorPool(actors)
-        bar = tqdm(total=max_tokens, initial=done["tokens"], unit="tok", unit_scale=True, desc="harvest (ray)",
-                   disable=not progress, dynamic_ncols=True, smoothing=0.05, file=sys.stderr)  # fmt: skip
-        with bar:
-            committed = submitted = len(manifest["shards"])
+        with job.progress_bar("harvest (ray)", max_tokens, progress) as bar:
+            committed = submitted = len(job.manifest["shards"])
             waiting: dict[int, dict[str, Any]] = {}  # finished shards behind an unfinished one
 
             def top_up() -> None:
@@ -227,17 +194,13 @@ def harvest_ray(
                 while committed in waiting:  # the manifest grows in shard order only
                     result = waiting.pop(committed)
                     for name in wanted:
-                        _fold(stats[name], result["stats"][name])
-                    manifest["shards"].append(result["entry"])
-                    manifest["stats"] = {name: s.to_json() for name, s in stats.items()}
-                    manifest["totals"] = run._totals(manifest["shards"])
-                    write_manifest(out, manifest)
+                        _fold(job.stats[name], result["stats"][name])
+                    job.commit(result["entry"], bar)
                     bar.update(result["entry"]["tokens"])
                     committed += 1
                 top_up()
-            manifest["complete"] = True
-            write_manifest(out, manifest)
-        return run._report(out, manifest, started, tokens_before, progress)
+            job.finish()
+        return job.report(started, progress)
     finally:
         for actor in actors:  # no task of this run may write into out_dir after it returns or dies
             ray.kill(actor, no_restart=True)

@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,10 +23,10 @@ from tqdm import tqdm
 import vlens
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.harvest.model import resolve_model, tokenizer_info, weights_hash
-from vlens.harvest.sources import open_source
+from vlens.harvest.sources import Source, open_source
 from vlens.harvest.stats import HookStats
 from vlens.harvest.windows import Packing, make_packing, token_documents, windows
-from vlens.harvest.writer import prepare_dir, read_manifest, shard_name, write_manifest, write_shard
+from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
 from vlens.hooks import hook_shapes, resolve_hooks
 from vlens.loader import DTYPES
 
@@ -42,7 +41,7 @@ _META_KEYS = {"token_ids": (torch.int32, 4), "window": (torch.int64, 8), "positi
 
 @dataclass(frozen=True)
 class HarvestSummary:
-    out_dir: Path
+    out_dir: str  # the path or URL
     windows: int
     tokens: int
     rows: int
@@ -85,6 +84,7 @@ def harvest(
     progress: bool = True,
     backend: str = "local",
     workers: int = 1,
+    cpus_per_worker: float = 1,
     ray_address: str | None = None,
 ) -> HarvestSummary:
     """Harvest activations of `hooks` over `source` into safetensors shards under `out_dir`.
@@ -103,8 +103,10 @@ def harvest(
       each shard (reproducibly), else they are stored in window order.
     Re-running into the same `out_dir` with the same options resumes after the last complete shard;
     with different options it raises ValueError naming them.
-    backend: "local" (this process) or "ray": `workers` Ray actors run the forwards, on the cluster at
-      `ray_address` (default: a running one, else a new local one); same files (see `ray_backend`).
+    out_dir: a local path or any fsspec URL (s3://, gs://, file://, ...); reading back needs a local copy.
+    backend: "local" (this process) or "ray": `workers` Ray actors (one GPU each, else `cpus_per_worker`
+      CPUs) run the forwards, on the cluster at `ray_address` (default: a running one, else a new local
+      one), and Ray Data reads the source; same files as "local" (see `ray_backend`).
     """
     started = time.perf_counter()
     out_dtype = _out_dtype(dtype)
@@ -121,76 +123,154 @@ def harvest(
             shard_bytes=shard_bytes, prepend_bos=prepend_bos, pack=pack, text_field=text_field,
             exclude_token_ids=exclude_token_ids, exclude_bos=exclude_bos, whole_file=whole_file, split=split,
             batch_tokens=batch_tokens, seed=seed, device=device, model_dtype=model_dtype, progress=progress,
-            workers=workers, ray_address=ray_address,
+            workers=workers, cpus_per_worker=cpus_per_worker, ray_address=ray_address,
         )  # fmt: skip
     if backend != "local":
         raise ValueError(f"backend: must be 'local' or 'ray', got {backend!r}")
     loaded = resolve_model(model, model_dtype, device)
-    cfg = loaded.config
-    wanted = resolve_hooks(hooks, cfg)
-    packing = make_packing(loaded.tokenizer, cfg, context_size, pack, prepend_bos, exclude_bos, exclude_token_ids)
-    if max_tokens is not None and pack and max_tokens < context_size:
-        raise ValueError(f"max_tokens: {max_tokens} is less than one window (context_size={context_size})")
-    src = open_source(source, text_field, whole_file, split)
+    wanted, packing, src = _plan(
+        loaded, source, hooks, context_size, pack, prepend_bos, exclude_bos, exclude_token_ids, max_tokens,
+        text_field, whole_file, split,
+    )  # fmt: skip
     param = next(loaded.model.parameters())
     batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(param.device.type, 4096)
     header = _header(loaded, src, wanted, out_dtype, packing, max_tokens, shard_bytes, batch_tokens, seed)
-    out = Path(out_dir)
-    existing = read_manifest(out)
-    if existing is not None:
-        _check_same(existing, header, out)
-        if existing["complete"]:
-            return _report(out, existing, started, existing["totals"]["tokens"], progress)
-    manifest = existing or {**header, "shards": [], "stats": {}, "totals": _totals([]), "complete": False}
-    done = manifest["totals"]
-    stream = _window_stream(src, loaded.tokenizer, cfg.vocab_size, packing, max_tokens)
-    if existing is None:
-        stream = _require_one(stream, src.location, context_size)
-    prepare_dir(out, existing)
-    write_manifest(out, manifest)
-    stream = islice(stream, done["windows"], None)  # windows already on disk: tokenized again, not run
-
-    shapes = hook_shapes(cfg)
-    width = {name: math.prod(shapes[name]) for name in wanted}
-    row_bytes = sum(w * out_dtype.itemsize for w in width.values()) + sum(b for _, b in _META_KEYS.values())
-    stats = {
-        name: HookStats.from_json(manifest["stats"][name]) if name in manifest["stats"] else HookStats.empty(w)
-        for name, w in width.items()
-    }
-    excluded = torch.tensor(packing.excluded_token_ids, dtype=torch.long)
-    bar = tqdm(
-        total=max_tokens, initial=done["tokens"], unit="tok", unit_scale=True, desc="harvest",
-        disable=not progress, dynamic_ncols=True, smoothing=0.05, file=sys.stderr,
-    )  # fmt: skip
-    bar.set_postfix_str(f"{_human(done['bytes'])} written")
-    tokens_before = done["tokens"]
-    with bar:
-        for first, shard_windows in _shards(stream, done["windows"], excluded, max(1, shard_bytes // row_bytes)):
+    job = Job.open(out_dir, header, loaded.config, wanted, out_dtype, packing)
+    if job.manifest["complete"]:
+        return job.report(started, progress)
+    token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size)
+    shapes = hook_shapes(loaded.config)
+    with job.progress_bar("harvest", max_tokens, progress) as bar:
+        for index, first, shard_windows in job.shards(_window_stream(token_docs, packing, max_tokens), src):
             tensors = _capture(
-                loaded.model, shard_windows, first, excluded, wanted, shapes, out_dtype, batch_tokens, bar
+                loaded.model, shard_windows, first, job.excluded, wanted, shapes, out_dtype, batch_tokens, bar
             )
             for name in wanted:
-                stats[name].add(tensors[name])
-            index = len(manifest["shards"])
+                job.stats[name].add(tensors[name])
             if seed is not None:
                 tensors = _shuffle(tensors, seed, index)
-            size = write_shard(out, index, tensors)
-            manifest["shards"].append(
-                {
-                    "file": shard_name(index),
-                    "rows": len(tensors["token_ids"]),
-                    "windows": [first, first + len(shard_windows)],
-                    "tokens": sum(len(w) for w in shard_windows),
-                    "bytes": size,
-                }
-            )
-            manifest["stats"] = {name: s.to_json() for name, s in stats.items()}
-            manifest["totals"] = _totals(manifest["shards"])
-            write_manifest(out, manifest)
-            bar.set_postfix_str(f"{_human(manifest['totals']['bytes'])} written")
-        manifest["complete"] = True
-        write_manifest(out, manifest)
-    return _report(out, manifest, started, tokens_before, progress)
+            job.commit(shard_entry(index, first, shard_windows, tensors, write_shard(job.store, index, tensors)), bar)
+        job.finish()
+    return job.report(started, progress)
+
+
+def _plan(
+    loaded: Any,
+    source: str | os.PathLike,
+    hooks: str | Iterable[str],
+    context_size: int,
+    pack: bool,
+    prepend_bos: bool,
+    exclude_bos: bool,
+    exclude_token_ids: Iterable[int] | None,
+    max_tokens: int | None,
+    text_field: str,
+    whole_file: bool,
+    split: str,
+) -> tuple[dict[str, str], Packing, Source]:
+    """Check the options that need the model and open the source: the hooks' taps, the packing, the source."""
+    wanted = resolve_hooks(hooks, loaded.config)
+    packing = make_packing(
+        loaded.tokenizer, loaded.config, context_size, pack, prepend_bos, exclude_bos, exclude_token_ids
+    )
+    if max_tokens is not None and pack and max_tokens < context_size:
+        raise ValueError(f"max_tokens: {max_tokens} is less than one window (context_size={context_size})")
+    return wanted, packing, open_source(source, text_field, whole_file, split)
+
+
+@dataclass
+class Job:
+    """A harvest directory between shards, as both backends drive it: its manifest, statistics and shard plan.
+
+    The manifest grows one shard at a time, in shard order, and is rewritten after each; that is what
+    makes a run resumable from any kill and its files independent of how the forwards were run."""
+
+    store: Store
+    manifest: dict[str, Any]
+    stats: dict[str, HookStats]
+    excluded: torch.Tensor  # token ids whose rows are not stored
+    max_rows: int  # rows per shard, from shard_bytes
+    tokens_before: int  # tokens already on disk when this call started
+    resumed: bool  # out_dir held a manifest of this run
+
+    @classmethod
+    def open(
+        cls, out_dir: str | os.PathLike, header: dict[str, Any], cfg: Any, wanted: dict[str, str],
+        out_dtype: torch.dtype, packing: Packing,
+    ) -> Job:  # fmt: skip
+        """The run in `out_dir` to resume (its options checked against `header`), or a new one."""
+        store = Store.open(out_dir)
+        existing = read_manifest(store)
+        if existing is not None:
+            _check_same(existing, header, store)
+        manifest = existing or {**header, "shards": [], "stats": {}, "totals": _totals([]), "complete": False}
+        shapes = hook_shapes(cfg)
+        width = {name: math.prod(shapes[name]) for name in wanted}
+        row_bytes = sum(w * out_dtype.itemsize for w in width.values()) + sum(b for _, b in _META_KEYS.values())
+        stats = {
+            name: HookStats.from_json(manifest["stats"][name]) if name in manifest["stats"] else HookStats.empty(w)
+            for name, w in width.items()
+        }
+        excluded = torch.tensor(packing.excluded_token_ids, dtype=torch.long)
+        return cls(store, manifest, stats, excluded, max(1, header["shard_bytes"] // row_bytes),
+                   manifest["totals"]["tokens"], existing is not None)  # fmt: skip
+
+    def shards(self, stream: Iterator[list[int]], src: Source) -> Iterator[tuple[int, int, list[list[int]]]]:
+        """The shards still to do, as (index, first window, windows); cleans the directory first.
+
+        The windows already on disk are tokenized again and skipped, not run."""
+        done = self.manifest["totals"]["windows"]
+        if not self.resumed:
+            stream = _require_one(stream, src.location, self.manifest["context_size"])
+        prepare_dir(self.store, self.manifest if self.resumed else None)
+        write_manifest(self.store, self.manifest)
+        groups = _shards(islice(stream, done, None), done, self.excluded, self.max_rows)
+        for index, (first, group) in enumerate(groups, len(self.manifest["shards"])):
+            yield index, first, group
+
+    def commit(self, entry: dict[str, Any], bar: tqdm) -> None:
+        """List a written shard (its statistics already in `stats`) in the manifest."""
+        self.manifest["shards"].append(entry)
+        self.manifest["stats"] = {name: s.to_json() for name, s in self.stats.items()}
+        self.manifest["totals"] = _totals(self.manifest["shards"])
+        write_manifest(self.store, self.manifest)
+        bar.set_postfix_str(f"{_human(self.manifest['totals']['bytes'])} written")
+
+    def finish(self) -> None:
+        self.manifest["complete"] = True
+        write_manifest(self.store, self.manifest)
+
+    def progress_bar(self, desc: str, max_tokens: int | None, progress: bool) -> tqdm:
+        bar = tqdm(
+            total=max_tokens, initial=self.tokens_before, unit="tok", unit_scale=True, desc=desc,
+            disable=not progress, dynamic_ncols=True, smoothing=0.05, file=sys.stderr,
+        )  # fmt: skip
+        bar.set_postfix_str(f"{_human(self.manifest['totals']['bytes'])} written")
+        return bar
+
+    def report(self, started: float, progress: bool) -> HarvestSummary:
+        totals = self.manifest["totals"]
+        summary = HarvestSummary(
+            str(self.store), totals["windows"], totals["tokens"], totals["rows"], totals["rows_excluded"],
+            len(self.manifest["shards"]), totals["bytes"], time.perf_counter() - started,
+            totals["tokens"] - self.tokens_before,
+        )  # fmt: skip
+        if progress:
+            print(summary, file=sys.stderr)
+        return summary
+
+
+def shard_entry(
+    index: int, first: int, shard_windows: list[list[int]], tensors: dict[str, torch.Tensor], size: int
+) -> dict[str, Any]:
+    """A shard's line in the manifest."""
+    return {
+        "file": shard_name(index),
+        "rows": len(tensors["token_ids"]),
+        "windows": [first, first + len(shard_windows)],
+        "tokens": sum(len(w) for w in shard_windows),
+        "bytes": size,
+    }
 
 
 def _header(
@@ -231,22 +311,9 @@ def _header(
     }
 
 
-def _report(out: Path, manifest: dict[str, Any], started: float, tokens_before: int, progress: bool) -> HarvestSummary:
-    totals = manifest["totals"]
-    summary = HarvestSummary(
-        out, totals["windows"], totals["tokens"], totals["rows"], totals["rows_excluded"], len(manifest["shards"]),
-        totals["bytes"], time.perf_counter() - started, totals["tokens"] - tokens_before,
-    )  # fmt: skip
-    if progress:
-        print(summary, file=sys.stderr)
-    return summary
-
-
-def _window_stream(
-    src: Any, tokenizer: Any, vocab_size: int, packing: Packing, max_tokens: int | None
-) -> Iterator[list[int]]:
+def _window_stream(token_docs: Iterable[list[int]], packing: Packing, max_tokens: int | None) -> Iterator[list[int]]:
     used = 0
-    for window in windows(token_documents(src.documents(), tokenizer, vocab_size), packing):
+    for window in windows(token_docs, packing):
         used += len(window)
         if max_tokens is not None and used > max_tokens:
             return
@@ -353,7 +420,7 @@ def _totals(shards: list[dict[str, Any]]) -> dict[str, int]:
     }
 
 
-def _check_same(manifest: dict[str, Any], header: dict[str, Any], out: Path) -> None:
+def _check_same(manifest: dict[str, Any], header: dict[str, Any], out: Store) -> None:
     if manifest.get("format") != FORMAT:
         raise ValueError(f"out_dir: {str(out)!r} holds a manifest of another format ({manifest.get('format')!r})")
     old, new = _flatten({k: manifest.get(k) for k in header}), _flatten(header)

@@ -9,12 +9,13 @@ a re-run over changed data is refused instead of silently mixing two corpora.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 Document = str | list[int]
 
@@ -39,9 +40,7 @@ class Source:
 
     def documents(self) -> Iterator[Document]:
         """The documents, in order; blank texts and empty token lists are skipped."""
-        for doc in self._documents():
-            if doc.strip() if isinstance(doc, str) else doc:
-                yield doc
+        return filter(is_content, self._documents())
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -94,17 +93,38 @@ def _empty(path: Path) -> ValueError:
     return ValueError(f"source: {str(path)!r} is empty (no documents)")
 
 
+def is_content(doc: Document) -> bool:
+    return bool(doc.strip() if isinstance(doc, str) else doc)
+
+
+def text_documents(raw: IO[bytes], whole_file: bool) -> Iterator[str]:
+    """The lines of a .txt file (universal newlines), or the whole file as one document."""
+    f = io.TextIOWrapper(raw, encoding="utf-8")
+    if whole_file:  # one document: its tokens must be cut into windows in one piece anyway
+        yield f.read()
+        return
+    for line in f:
+        yield line.rstrip("\r\n")
+
+
+def jsonl_documents(raw: IO[bytes], field: str, pretokenized: bool, where: str) -> Iterator[Document]:
+    """The `field` of each JSON line; `where` names the file in errors."""
+    for number, line in enumerate(io.TextIOWrapper(raw, encoding="utf-8"), 1):
+        if line.strip():
+            record = _json_record(line, where, number)
+            if field not in record:
+                fields = ", ".join(record)
+                raise ValueError(f"text_field: {field!r} missing from {where} line {number} ({fields})")
+            yield document(record[field], pretokenized, f"{where} line {number}")
+
+
 def _txt(path: Path, whole_file: bool) -> Source:
     if path.stat().st_size == 0:
         raise _empty(path)
 
     def documents() -> Iterator[str]:
-        if whole_file:  # one document: its tokens must be cut into windows in one piece anyway
-            yield path.read_text(encoding="utf-8")
-            return
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                yield line.rstrip("\r\n")
+        with open(path, "rb") as raw:
+            yield from text_documents(raw, whole_file)
 
     return Source("txt", str(path), None, False, whole_file, None, file_sha256(path), documents)
 
@@ -114,7 +134,7 @@ def _jsonl(path: Path, field: str) -> Source:
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
-                first = _json_record(line, path, number)
+                first = _json_record(line, repr(str(path)), number)
                 break
     if first is None:
         raise _empty(path)
@@ -122,25 +142,19 @@ def _jsonl(path: Path, field: str) -> Source:
     pretokenized = _is_token_list(first[field])
 
     def documents() -> Iterator[Document]:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    record = _json_record(line, path, number)
-                    if field not in record:
-                        fields = ", ".join(record)
-                        raise ValueError(f"text_field: {field!r} missing from {str(path)!r} line {number} ({fields})")
-                    yield _document(record[field], pretokenized, f"{str(path)!r} line {number}")
+        with open(path, "rb") as raw:
+            yield from jsonl_documents(raw, field, pretokenized, repr(str(path)))
 
     return Source("jsonl", str(path), field, pretokenized, False, None, file_sha256(path), documents)
 
 
-def _json_record(line: str, path: Path, number: int) -> dict:
+def _json_record(line: str, where: str, number: int) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"source: {str(path)!r} line {number} is not valid JSON ({e})") from e
+        raise ValueError(f"source: {where} line {number} is not valid JSON ({e})") from e
     if not isinstance(record, dict):
-        raise ValueError(f"source: {str(path)!r} line {number} is not a JSON object")  # noqa: TRY004 (data)
+        raise ValueError(f"source: {where} line {number} is not a JSON object")  # noqa: TRY004 (data)
     return record
 
 
@@ -158,7 +172,7 @@ def _parquet(path: Path, field: str) -> Source:
     def documents() -> Iterator[Document]:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH, columns=[field]):
             for value in batch.column(0).to_pylist():
-                yield _document(value, pretokenized, f"{str(path)!r} column {field!r}")
+                yield document(value, pretokenized, f"{str(path)!r} column {field!r}")
 
     return Source("parquet", str(path), field, pretokenized, False, None, file_sha256(path), documents)
 
@@ -185,7 +199,7 @@ def _datasets_dir(path: Path, field: str, split: str) -> Source:
     def documents() -> Iterator[Document]:
         for batch in column.iter(batch_size=_BATCH):
             for value in batch[field]:
-                yield _document(value, pretokenized, f"{str(path)!r} column {field!r}")
+                yield document(value, pretokenized, f"{str(path)!r} column {field!r}")
 
     return Source("datasets", str(path), field, pretokenized, False, split, loaded._fingerprint, documents)
 
@@ -210,7 +224,7 @@ def _hub(repo_id: str, field: str, split: str) -> Source:
 
     def documents() -> Iterator[Document]:
         for record in streamed:
-            yield _document(record[field], pretokenized, f"hub dataset {repo_id!r} column {field!r}")
+            yield document(record[field], pretokenized, f"hub dataset {repo_id!r} column {field!r}")
 
     return Source("hub", repo_id, field, pretokenized, False, split, builder.hash, documents)
 
@@ -237,7 +251,8 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value[:8])
 
 
-def _document(value: Any, pretokenized: bool, where: str) -> Document:
+def document(value: Any, pretokenized: bool, where: str) -> Document:
+    """`value` checked to be what the column holds: a text, or a list of token ids."""
     if pretokenized:
         if not _is_token_list(value):
             raise ValueError(f"text_field: expected a list of token ids in {where}, got {type(value).__name__}")

@@ -1,8 +1,11 @@
-"""Crash-safe output: shards and the manifest reach their names only whole.
+"""Crash-safe output: shards and the manifest reach their names only whole, on any fsspec filesystem.
 
-Every file is written under a hidden temporary name, fsynced, renamed over its final name, and the
-directory is fsynced, so after a kill at any moment a name holds either nothing, the old bytes or the
-new bytes. The manifest is rewritten this way after each shard and is the only record of which
+The output directory is a local path or a URL (`s3://…`, `gs://…`, `file://…`: whatever fsspec opens),
+so that Ray workers on many machines can write into one place. Every file is written under a hidden
+temporary name and then moved to its final name, so after a kill at any moment a name holds either
+nothing, the old bytes or the new bytes: locally the file and the directory are fsynced and the move is
+a POSIX rename; on an object store the move is a server-side copy, which makes an object visible whole
+or not at all. The manifest is rewritten this way after each shard and is the only record of which
 shards are complete: a shard file that the manifest does not list is a leftover and is deleted.
 """
 
@@ -10,38 +13,75 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import save
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 
 
+@dataclass(frozen=True)
+class Store:
+    """A harvest directory: the filesystem it lives on, and how another process opens it again."""
+
+    fs: Any  # an fsspec filesystem
+    root: str  # the directory as `fs` names it (an absolute path for a local one)
+    url: str  # what a Ray worker passes to `Store.open` to reach the same directory
+
+    @classmethod
+    def open(cls, out_dir: str | os.PathLike) -> Store:
+        fs, root = url_to_fs(str(out_dir))
+        local = isinstance(fs, LocalFileSystem)
+        return cls(fs, root.rstrip("/") or "/", root if local else str(out_dir))
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def names(self) -> list[str]:
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:  # object stores have no empty directories
+            return []
+
+    def __str__(self) -> str:
+        return self.url
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(TMP_PREFIX + path.name)
+def atomic_write(store: Store, name: str, data: bytes) -> None:
+    final, tmp = store.path(name), store.path(TMP_PREFIX + name)
+    if not store.local:
+        store.fs.pipe_file(tmp, data)
+        store.fs.mv(tmp, final)
+        return
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    os.replace(tmp, final)
+    fd = os.open(store.root, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_shard(out_dir: Path, index: int, tensors: dict[str, torch.Tensor]) -> int:
+def write_shard(store: Store, index: int, tensors: dict[str, torch.Tensor]) -> int:
     """Write one shard (keys sorted by safetensors, no metadata: same tensors, same bytes); its size."""
     data = save({k: v.contiguous() for k, v in tensors.items()})
-    atomic_write(out_dir / shard_name(index), data)
+    atomic_write(store, shard_name(index), data)
     return len(data)
 
 
@@ -50,31 +90,32 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
-def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    atomic_write(out_dir / MANIFEST, manifest_bytes(manifest))
+def write_manifest(store: Store, manifest: dict[str, Any]) -> None:
+    atomic_write(store, MANIFEST, manifest_bytes(manifest))
 
 
-def read_manifest(out_dir: Path) -> dict[str, Any] | None:
-    path = Path(out_dir) / MANIFEST
-    if not path.exists():
+def read_manifest(out_dir: Store | str | os.PathLike) -> dict[str, Any] | None:
+    store = out_dir if isinstance(out_dir, Store) else Store.open(out_dir)
+    path = store.path(MANIFEST)
+    if not store.fs.exists(path):
         return None
     try:
-        return json.loads(path.read_text())
+        return json.loads(store.fs.cat_file(path))
     except json.JSONDecodeError as e:  # atomic writes make this a foreign file, not a torn one
-        raise ValueError(f"out_dir: {str(path)!r} is not a vlens harvest manifest ({e})") from e
+        raise ValueError(f"out_dir: {path!r} is not a vlens harvest manifest ({e})") from e
 
 
-def prepare_dir(out_dir: Path, manifest: dict[str, Any] | None) -> None:
-    """Create `out_dir`, or clean what a killed run left: temporary files and unlisted shards.
+def prepare_dir(store: Store, manifest: dict[str, Any] | None) -> None:
+    """Create the directory, or clean what a killed run left: temporary files and unlisted shards.
 
     A directory with other files and no manifest is refused rather than written into."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    store.fs.makedirs(store.root, exist_ok=True)
     listed = {s["file"] for s in manifest["shards"]} if manifest else set()
-    for entry in out_dir.iterdir():
-        ours = entry.name.startswith(TMP_PREFIX) or (entry.name.startswith("shard-") and entry.suffix == ".safetensors")
-        if ours and entry.name not in listed:
-            entry.unlink()
+    for name in store.names():
+        ours = name.startswith(TMP_PREFIX) or (name.startswith("shard-") and name.endswith(".safetensors"))
+        if ours and name not in listed:
+            store.fs.rm_file(store.path(name))
         elif manifest is None and not ours:
             raise ValueError(
-                f"out_dir: {str(out_dir)!r} is not empty and holds no {MANIFEST}; give a new or empty directory"
+                f"out_dir: {str(store)!r} is not empty and holds no {MANIFEST}; give a new or empty directory"
             )

@@ -1,0 +1,127 @@
+"""A harvest source read and tokenized by Ray Data on the cluster, handed to the driver in source order.
+
+Reading and tokenizing are what scale with the corpus, so they run as Ray Data tasks on any node;
+packing stays on the driver because a window may span two documents from different blocks, and one
+ordered pass over the token lists is what makes the windows (and so every shard) identical to the
+single-machine run's. Ray Data preserves order here (`preserve_order`), and each format is parsed by
+the same functions as `sources`, so the documents are the same ones, with the same errors.
+
+Read tasks take pieces of the source: a text or JSON-lines file whole (split by `sources`' own line
+rules), runs of Parquet row groups, row ranges of a `datasets` directory; a hub dataset is streamed
+by one task. The source's path must be readable from every node (shared storage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from vlens.harvest.sources import Source, document, is_content, jsonl_documents, text_documents
+from vlens.harvest.windows import token_documents
+
+_BATCH_ROWS = 1024  # documents a tokenizing task takes at once
+_PIECE_ROWS = 1 << 16  # rows one reading task takes, about
+
+
+def ray_token_documents(src: Source, tokenizer: Any, vocab_size: int, concurrency: int) -> Iterator[list[int]]:
+    """The token ids of `src`'s documents, in order, as `token_documents(src.documents(), ...)` gives them.
+
+    Its tasks ask for no CPU of their own: on a CPU cluster the forward actors hold every core, and a
+    task waiting for a free one would never run. `concurrency` caps the tokenizing tasks instead."""
+    import ray.data
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    where = f"{src.location!r}" + (f" column {src.field!r}" if src.field else "")
+    tokens = _read(src).map_batches(
+        _tokenize,
+        batch_format="pyarrow",
+        batch_size=_BATCH_ROWS,
+        num_cpus=0,
+        concurrency=concurrency,
+        fn_kwargs={"pretokenized": src.pretokenized, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size},
+    )
+    for batch in tokens.iter_batches(batch_format="pyarrow", batch_size=None):
+        yield from batch.column("ids").to_pylist()
+
+
+def _read(src: Source) -> Any:
+    """A Ray dataset with one column, `doc`: the raw value of each document, in source order.
+
+    Each read task takes one piece of the source (a file, a run of Parquet row groups, a row range
+    of a `datasets` directory) and parses it with `sources`' own functions."""
+    import ray.data
+
+    pieces = _pieces(src)
+    return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
+        _read_piece, batch_format="pyarrow", batch_size=1, num_cpus=0, fn_kwargs={"src": src}
+    )
+
+
+def _pieces(src: Source) -> list[dict[str, int]]:
+    """The source cut into [start, stop) ranges of rows (`datasets`) or row groups (Parquet), in order."""
+    if src.kind == "datasets":
+        rows = len(_load_split(src))
+        return [{"start": a, "stop": min(a + _PIECE_ROWS, rows)} for a in range(0, rows, _PIECE_ROWS)]
+    if src.kind != "parquet":  # a text or JSON-lines file is parsed whole; a hub dataset is streamed
+        return [{"start": 0, "stop": 1}]
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(src.location).metadata
+    pieces, start, rows = [], 0, 0
+    for i in range(meta.num_row_groups):  # whole row groups, about _PIECE_ROWS rows a piece
+        rows += meta.row_group(i).num_rows
+        if rows >= _PIECE_ROWS or i == meta.num_row_groups - 1:
+            pieces.append({"start": start, "stop": i + 1})
+            start, rows = i + 1, 0
+    return pieces
+
+
+def _read_piece(piece: pa.Table, src: Source) -> Iterator[pa.Table]:
+    start, stop = piece.column("start")[0].as_py(), piece.column("stop")[0].as_py()
+    if src.kind in ("txt", "jsonl"):
+        with open(src.location, "rb") as raw:
+            if src.kind == "txt":
+                docs = text_documents(raw, src.whole_file)
+            else:
+                docs = jsonl_documents(raw, src.field, src.pretokenized, repr(src.location))
+            yield from _tables(docs)
+    elif src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(src.location).read_row_groups(range(start, stop), columns=[src.field])
+        yield table.rename_columns(["doc"])
+    elif src.kind == "datasets":
+        rows = _load_split(src).select_columns([src.field]).select(range(start, stop))
+        for batch in rows.with_format("arrow").iter(batch_size=_BATCH_ROWS):
+            yield batch.rename_columns(["doc"])
+    else:
+        import datasets
+
+        streamed = datasets.load_dataset(src.location, split=src.split, streaming=True)
+        yield from _tables(record[src.field] for record in streamed)
+
+
+def _tables(docs: Iterator[Any]) -> Iterator[pa.Table]:
+    batch = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == _BATCH_ROWS:
+            yield pa.table({"doc": batch})
+            batch = []
+    if batch:
+        yield pa.table({"doc": batch})
+
+
+def _load_split(src: Source) -> Any:
+    import datasets
+
+    loaded = datasets.load_from_disk(src.location)
+    return loaded[src.split] if src.split is not None else loaded
+
+
+def _tokenize(batch: pa.Table, pretokenized: bool, where: str, tokenizer: Any, vocab_size: int) -> pa.Table:
+    docs = [document(value, pretokenized, where) for value in batch.column("doc").to_pylist()]
+    ids = list(token_documents(filter(is_content, docs), tokenizer, vocab_size))
+    return pa.table({"ids": pa.array(ids, type=pa.list_(pa.int64()))})
