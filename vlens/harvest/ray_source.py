@@ -39,7 +39,7 @@ def ray_token_documents(src: Source, tokenizer: Any, vocab_size: int, concurrenc
         batch_format="pyarrow",
         batch_size=_BATCH_ROWS,
         num_cpus=0,
-        concurrency=concurrency,
+        compute=ray.data.TaskPoolStrategy(size=concurrency),
         fn_kwargs={"pretokenized": src.pretokenized, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size},
     )
     for batch in tokens.iter_batches(batch_format="pyarrow", batch_size=None):
