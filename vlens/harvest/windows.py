@@ -22,7 +22,9 @@ from typing import Any
 from vlens.config import ModelConfig
 from vlens.harvest.sources import Document
 
-_TOKENIZE_CHARS = 1 << 20  # texts tokenized together per call (the fast tokenizer batches them)
+# Texts tokenized together per call (the fast tokenizer batches them): the first call takes few, so
+# the first windows (and a short run's only ones) do not wait on a megabyte of text; later calls, more.
+_TOKENIZE_CHARS = (1 << 16, 1 << 20)
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,16 @@ def make_packing(
 def token_documents(docs: Iterable[Document], tokenizer: Any, vocab_size: int) -> Iterator[list[int]]:
     """Token ids per document: texts tokenized in batches without special tokens, token lists checked."""
     pending: list[str] = []
-    size = 0
+    size, limit = 0, _TOKENIZE_CHARS[0]
     for doc in docs:
         if isinstance(doc, str):
             if tokenizer is None:
                 raise ValueError("source: this checkpoint has no tokenizer files; give pre-tokenized data")
             pending.append(doc)
             size += len(doc)
-            if size >= _TOKENIZE_CHARS:
+            if size >= limit:
                 yield from _tokenize(pending, tokenizer)
-                pending, size = [], 0
+                pending, size, limit = [], 0, min(2 * limit, _TOKENIZE_CHARS[1])
         else:
             if min(doc) < 0 or max(doc) >= vocab_size:
                 raise ValueError(f"source: token ids outside the vocabulary [0, {vocab_size}) in a pre-tokenized row")
