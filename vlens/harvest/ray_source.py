@@ -13,6 +13,7 @@ by one task. The source's path must be readable from every node (shared storage)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,11 @@ def ray_token_documents(src: Source, tokenizer: Any, vocab_size: int, concurrenc
     task waiting for a free one would never run. `concurrency` caps the tokenizing tasks instead."""
     import ray.data
 
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False  # the harvest's own bar counts the tokens
+    # One file is one read task, so the tokenizing tasks may be fewer than allowed: expected, not news.
+    warnings.filterwarnings("ignore", message=r"The maximum number of concurrent tasks for 'MapBatches\(_tokenize\)'")
     where = f"{src.location!r}" + (f" column {src.field!r}" if src.field else "")
     tokens = _read(src).map_batches(
         _tokenize,
