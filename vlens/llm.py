@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import LLMEngine
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.hooks import hook_shapes, resolve_hooks
@@ -22,45 +23,21 @@ from vlens.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | os.PathLike | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 4096,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | None = None,
-        block_size: int = 16,
-        enable_capture: bool = True,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-    ):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
-        loaded = load_model(model, dtype=dtype, device=device)
+    def __init__(self, model: str | os.PathLike | None = None, **settings):
+        """`settings` are those of `EngineConfig` (dtype, device, max_num_seqs, block_size, ...); an unknown
+        or invalid one is a ValueError naming it, raised before the model is loaded."""
+        self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
+        loaded = load_model(model, dtype=self.engine_config.dtype, device=self.engine_config.device)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self._engine_args = dict(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory,
-            block_size=block_size,
-            enable_capture=enable_capture,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-        )
         self._engine: LLMEngine | None = None
 
     @property
     def engine(self) -> LLMEngine:
         if self._engine is None:
-            self._engine = LLMEngine(self.model, self.tokenizer, **self._engine_args)
+            self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
         return self._engine
 
     def hook_names(self) -> dict[str, tuple[int, ...]]:
@@ -128,7 +105,7 @@ class LLM:
         taps = sorted(set(wanted.values()))
         token_lists = to_token_lists(texts, self.tokenizer, self.config.vocab_size, field="texts")
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
-        for batch in token_batches([len(t) for t in token_lists], self.max_num_batched_tokens):
+        for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
             plan = packed_forward(self.model, [token_lists[i] for i in batch], taps)
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()

@@ -12,6 +12,7 @@ import torch
 
 from vlens.engine.block_manager import BlockManager
 from vlens.engine.capture import logit_lens, project
+from vlens.engine.config import EngineConfig
 from vlens.engine.detokenizer import IncrementalDetokenizer
 from vlens.engine.intervene import bind
 from vlens.engine.model_runner import ModelRunner, StepOutput
@@ -37,26 +38,14 @@ def _default_kv_bytes(device: torch.device) -> int:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: DecoderLM,
-        tokenizer: Any,
-        *,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 4096,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | None = None,
-        block_size: int = 16,
-        enable_capture: bool = True,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-    ):
+    def __init__(self, model: DecoderLM, tokenizer: Any, config: EngineConfig):
         cfg = model.cfg
         device = model.lm_head.weight.device
+        block_size, max_model_len = config.block_size, config.max_model_len
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
-        budget = kv_cache_memory if kv_cache_memory is not None else _default_kv_bytes(device)
-        num_blocks = min(budget // per_block, max_num_seqs * -(-wanted_len // block_size))
+        budget = config.kv_cache_memory if config.kv_cache_memory is not None else _default_kv_bytes(device)
+        num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 blocks of {per_block} bytes")
         capacity = num_blocks * block_size
@@ -67,12 +56,12 @@ class LLMEngine:
             )
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.max_model_len = min(wanted_len, capacity)
-        self.enable_capture = enable_capture
+        self.enable_capture = config.enable_capture
         self.runner = ModelRunner(model, num_blocks, block_size)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = hook_shapes(cfg)
-        self.rng = random.Random(seed)
+        self.rng = random.Random(config.seed)
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
         )

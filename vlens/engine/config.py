@@ -1,0 +1,51 @@
+"""Every setting of an engine, declared once: `LLM(**kwargs)`, the flags of `vlens serve`, `generate` and
+`trace`, and their validation all come from this dataclass (see vlens.settings)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlens.settings import from_kwargs, setting, validate
+
+DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _dtype(value: Any) -> str | None:
+    if isinstance(value, torch.dtype) and value in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    return None if value in DTYPE_NAMES else "one of " + ", ".join(DTYPE_NAMES)
+
+
+def _device(value: Any) -> str | None:
+    ok = isinstance(value, (str, torch.device)) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(value))
+    return None if ok else "auto, cpu, cuda or cuda:N"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = setting(
+        None, "HF checkpoint directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    dtype: str = setting("auto", "auto (bfloat16 on CUDA, else float32), float32, float16 or bfloat16", check=_dtype)
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N", check=_device)
+    max_num_seqs: int = setting(256, "most sequences in one batch", minimum=1)
+    max_num_batched_tokens: int = setting(4096, "most tokens per step (and per trace forward)", minimum=1)
+    max_model_len: int | None = setting(None, "longest sequence, prompt plus output (default: the model's)", minimum=1)
+    kv_cache_memory: int | None = setting(
+        None, "bytes for the KV cache (default: 80%% of free GPU memory, or up to 2 GiB on CPU)", minimum=1
+    )
+    block_size: int = setting(16, "tokens per KV-cache block", minimum=1)
+    enable_capture: bool = setting(True, "allow requests to capture activations")
+    enable_prefix_caching: bool = setting(True, "reuse the KV of identical prompt prefixes")
+    seed: int = setting(0, "seed of the samples of requests that give none")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
+        return from_kwargs(cls, kwargs)
