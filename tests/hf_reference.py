@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 # Tap kinds that exist in every dense decoder layer of the Llama family and have an HF counterpart.
-# Spelled out here, not imported from vlens.hooks, so a renamed or dropped hook fails the parity tests.
+# Spelled out here, not imported from vlens.capture.names, so a renamed or dropped hook fails the parity tests.
 LAYER_KINDS = (
     "hook_resid_pre",
     "ln1.hook_normalized",

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 import vlens.models.base as model_base
 from vlens import LLM
-from vlens.hooks import FINAL_NORM, LAYER_HOOKS, LOGITS, HookSpecError, hook_shapes, resolve_hooks
+from vlens.capture.names import FINAL_NORM, LAYER_HOOKS, LOGITS, HookSpecError, hook_shapes, resolve_hooks
 
 N_LAYERS, HEADS, KV_HEADS, HEAD_DIM, D, FFN, VOCAB = 4, 4, 2, 8, 64, 96, 300
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]

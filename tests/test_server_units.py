@@ -9,11 +9,10 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from vlens.config import ModelConfig
-from vlens.engine.detokenizer import IncrementalDetokenizer
-from vlens.hooks import hook_shapes
-from vlens.sampling_params import Capture, SamplingParams
+from vlens.engine.detokenizer import Detokenizer
+from vlens.capture.names import hook_shapes
+from vlens import Capture, Positions, SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, owner_of
-from vlens.server.deltas import TextStream
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import route_label
 from vlens.server.protocol import APIError, CompletionRequest, from_value_error, schema_error
@@ -78,7 +77,7 @@ def test_store_hands_out_once_to_the_right_key_until_expiry():
 def test_extension_fields_are_parsed_or_refused_by_name():
     on, off = ExtensionContext(enable_capture=True), ExtensionContext(enable_capture=False)
     kwargs = parse_extension({"capture": {"hooks": "blocks.1.hook_resid_post", "positions": {"start": 2}}}, on)
-    assert kwargs["capture"].positions == slice(2, None, None)
+    assert kwargs["capture"].positions == Positions.parse(slice(2, None, None))
     assert parse_extension({"return_hidden_states": False, "capture": None}, off) == {"return_hidden_states": False}
     with pytest.raises(APIError, match="vlens.steer: unknown field") as e:
         parse_extension({"steer": 1, "capture": {"hooks": "x"}}, on)
@@ -109,18 +108,16 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string(smol_path):
         ([], None, " Hello world. How are you? Fine"),
         (["How are"], "How are", " Hello world. "),
     ]:
-        engine_view, end = IncrementalDetokenizer(tokenizer, prompt), len(tokens)
-        for n, token in enumerate(tokens, 1):
-            engine_view.add(token)
-            if any(s in engine_view.text for s in stops):
-                end = n  # the engine finishes the sequence at this token
-                break
-        stream = TextStream(tokenizer, prompt, stops)
+        detokenizer = Detokenizer(tokenizer, prompt, stops)
         released = ""
-        for n in range(1, end):
-            released += stream.advance(tokens[:n])
+        for n, token in enumerate(tokens, 1):
+            found = detokenizer.add(token)
+            if found is not None or n == len(tokens):  # the engine finishes the request at this token
+                break
+            released += detokenizer.release(final=False)
             assert all(s not in released for s in stops)
-        assert released + stream.finish(tokens[:end], stop_reason) == final
+        assert found == stop_reason
+        assert released + detokenizer.release(final=True) == final == detokenizer.text
 
 
 def test_route_labels_stay_bounded():

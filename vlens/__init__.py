@@ -1,21 +1,25 @@
 """vlens: a fast LLM inference engine that returns what happens inside the model."""
 
+from vlens.capture import Ablate, Capture, Patch, Positions, Steer
+from vlens.engine.config import EngineConfig
 from vlens.harvest import ActivationDataset, harvest  # the function shadows its subpackage
-from vlens.interventions import Ablate, Patch, Steer
 from vlens.llm import LLM
 from vlens.loader import load_model
-from vlens.outputs import CompletionOutput, Logprob, RequestOutput
-from vlens.sampling_params import Capture, SamplingParams
+from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
+from vlens.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
     "Capture",
+    "Positions",
+    "EngineConfig",
     "Steer",
     "Ablate",
     "Patch",
     "RequestOutput",
+    "RequestDelta",
     "CompletionOutput",
     "Logprob",
     "load_model",

@@ -16,10 +16,11 @@ from safetensors.torch import save_file
 
 from vlens.config import ModelConfig
 from vlens.harvest import cli as harvest_cli
-from vlens.hooks import hook_shapes
+from vlens.capture.names import hook_shapes
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
-from vlens.sampling_params import Capture, SamplingParams
+from vlens.capture import Capture, Positions
+from vlens.sampling_params import SamplingParams
 from vlens.loader import DEFAULT_MODEL, DTYPES, resolve_model_path
 from vlens.server import cli as server_cli
 
@@ -63,23 +64,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_positions(spec: str):
-    """Command-line position spec: all | prompt | generated | last | ints "0,3,-1" | slice "start:stop[:step]"."""
-    if spec in ("all", "prompt", "generated", "last"):
-        return spec
-    try:
-        if ":" in spec:
-            return slice(*(int(part) if part else None for part in spec.split(":")))
-        return [int(part) for part in spec.split(",")]
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"--positions: {spec!r} is not all, prompt, generated, last, a comma list of ints or start:stop[:step]"
-        ) from None
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed)
-    capture = Capture(hooks=args.capture, positions=parse_positions(args.positions)) if args.capture else None
+    capture = Capture(hooks=args.capture, positions=Positions.parse(args.positions, "--positions")) if args.capture else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
     run = llm.chat if args.chat else llm.generate
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts

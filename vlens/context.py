@@ -7,11 +7,13 @@ lets the engine's paged cache, the trace path and harvest share one model implem
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-Tap = Callable[[torch.Tensor], torch.Tensor]
+if TYPE_CHECKING:
+    from vlens.capture.runtime import Tap
+
 
 
 @dataclass
@@ -24,7 +26,7 @@ class AttentionGroup:
     query_positions: torch.Tensor  # [B, max_q] position of each grid slot (0 in unused slots)
     q_index: torch.Tensor | None = None  # [rows] slot of each token in the flattened grid; None = identity
     key_slots: torch.Tensor | None = None  # [B, Lk] cache slot of key j of each sequence; None = no cache
-    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> mask (see add_masks)
 
     @property
     def batch(self) -> int:
@@ -34,24 +36,24 @@ class AttentionGroup:
     def max_q(self) -> int:
         return self.query_positions.shape[1]
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """Boolean [B, 1, max_q, Lk] mask shared by all layers of one window size; None = plain causal.
+    def add_masks(self, windows: set[int | None]) -> AttentionGroup:
+        """Build the boolean [B, 1, max_q, Lk] mask of each window size the model's layers use, before
+        the forward (None: plain causal, SDPA's is_causal), so the forward only reads them.
 
         Key j of a sequence sits at position j (the cache holds a sequence from position 0), so query
-        position p may see keys p - window < j <= p, as in HF's sliding-window mask.
-        """
-        if window not in self._masks:
+        position p may see keys p - window < j <= p, as in HF's sliding-window mask."""
+        for window in windows:
             if self.key_slots is None and window is None:
-                self._masks[window] = None  # keys are the queries themselves, from position 0: is_causal
-            else:
-                num_keys = self.max_q if self.key_slots is None else self.key_slots.shape[1]
-                key_pos = torch.arange(num_keys, device=self.query_positions.device)
-                q = self.query_positions[:, None, :, None]
-                allowed = key_pos <= q
-                if window is not None:
-                    allowed &= key_pos > q - window
-                self._masks[window] = allowed
-        return self._masks[window]
+                self.masks[window] = None  # keys are the queries themselves, from position 0: is_causal
+                continue
+            num_keys = self.max_q if self.key_slots is None else self.key_slots.shape[1]
+            key_pos = torch.arange(num_keys, device=self.query_positions.device)
+            q = self.query_positions[:, None, :, None]
+            allowed = key_pos <= q
+            if window is not None:
+                allowed &= key_pos > q - window
+            self.masks[window] = allowed
+        return self
 
 
 @dataclass
@@ -59,7 +61,7 @@ class ForwardContext:
     positions: torch.Tensor  # [T] position of each packed token within its sequence
     groups: list[AttentionGroup]
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key/value is written to
-    taps: dict[str, Tap] = field(default_factory=dict)  # hook name -> what to do there; empty = nothing
+    taps: dict[str, Tap] = field(default_factory=dict)  # tap site -> what it does this step; empty = nothing
     sequence_ends: torch.Tensor | None = None  # [T] last position of each token's whole sequence so far
 
     def last_positions(self) -> torch.Tensor:
@@ -102,7 +104,7 @@ def grid_layout(starts: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor,
     return starts[seq] + offset, query_positions, q_index
 
 
-def packed_context(seq_lens: list[int], device: torch.device, taps: dict[str, Tap] | None = None) -> ForwardContext:
+def packed_context(seq_lens: list[int], device: torch.device, windows: set[int | None]) -> ForwardContext:
     """Context for a cache-less forward of whole sequences packed back to back (trace, harvest)."""
     lens = torch.tensor(seq_lens, dtype=torch.long)
     positions, query_positions, q_index = grid_layout(torch.zeros_like(lens), lens)
@@ -111,4 +113,4 @@ def packed_context(seq_lens: list[int], device: torch.device, taps: dict[str, Ta
         query_positions=query_positions.to(device),
         q_index=None if q_index is None else q_index.to(device),
     )
-    return ForwardContext(positions=positions.to(device), groups=[group], taps=taps or {})
+    return ForwardContext(positions=positions.to(device), groups=[group.add_masks(windows)])

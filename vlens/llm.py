@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.engine.config import EngineConfig
-from vlens.engine.llm_engine import LLMEngine
+from vlens.engine.llm_engine import LLMEngine, NewRequest
 from vlens.engine.packed import packed_forward, token_batches
-from vlens.hooks import hook_shapes, resolve_hooks
 from vlens.inputs import to_token_lists
 from vlens.loader import load_model
 from vlens.outputs import RequestOutput
@@ -82,15 +82,15 @@ class LLM:
         params = [sampling_params] * len(token_lists) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params: got {len(params)} for {len(token_lists)} prompts; give one, or one per prompt")
-        seqs = [engine.make_sequence(ids, p, i, t) for i, (ids, p, t) in enumerate(zip(token_lists, params, texts))]
-        for seq in seqs:
-            engine.add(seq)
-        results: list[RequestOutput | None] = [None] * len(seqs)
-        with tqdm(total=len(seqs), desc="vlens generate", unit="req", disable=not use_tqdm) as bar:
+        ids = engine.add_requests([NewRequest(t, p, text) for t, p, text in zip(token_lists, params, texts)])
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), desc="vlens generate", unit="req", disable=not use_tqdm) as bar:
             while engine.has_work():
-                for seq in engine.step():
-                    results[seq.index] = engine.result(seq)
-                    bar.update(1)
+                for delta in engine.step():
+                    if delta.finished:
+                        results[index[delta.request_id]] = delta.output
+                        bar.update(1)
         return results
 
     @torch.inference_mode()

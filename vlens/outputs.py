@@ -1,4 +1,5 @@
-"""What `LLM.generate` returns, shaped like vLLM's outputs plus the activations a request captured."""
+"""What the engine hands out: per step a `RequestDelta` for each request that advanced, and on its last
+one the whole `RequestOutput`, shaped like vLLM's plus the activations the request captured."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 class Logprob:
     logprob: float
     rank: int | None = None  # 1 = most likely; None when the sampled token is outside the top k
-    decoded_token: str | None = None
 
 
 @dataclass
@@ -30,8 +30,24 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    finished: bool = True
     activations: dict[str, torch.Tensor] = field(default_factory=dict)  # hook -> CPU [rows, ...]
     activation_positions: torch.Tensor | None = None  # [rows] sequence position of each row
     hidden_states: torch.Tensor | None = None  # with return_hidden_states: ln_final.hook_normalized, all rows
     logit_lens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # hook -> (ids, logprobs) [rows, k]
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to one request. Its texts add up to the final text: a streamed request (or
+    one with stop strings) gets text as it becomes final, any other the whole text on its last delta."""
+
+    request_id: str
+    token_ids: list[int]  # generated in this step
+    text: str
+    logprobs: list[dict[int, Logprob]]  # one per token, when the request asked for logprobs
+    finish_reason: str | None = None  # set on the request's last delta ...
+    output: RequestOutput | None = None  # ... which also carries its whole output, captured rows included
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None

@@ -69,11 +69,11 @@ def validate(config: Any) -> None:
         for item in items:
             problem = _problem(item, base, meta)
             if problem:
-                raise ValueError(f"{f.name}: {item!r} is not allowed; expected {problem}")
+                raise ValueError(f"{f.name}: {item!r} is not {problem}")
         if meta["check"] is not None:
             problem = meta["check"](value)
             if problem:
-                raise ValueError(f"{f.name}: {value!r} is not allowed; expected {problem}")
+                raise ValueError(f"{f.name}: {value!r} is not {problem}")
 
 
 def _problem(value: Any, base: type | None, meta: dict) -> str | None:

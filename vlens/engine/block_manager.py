@@ -29,10 +29,6 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.enable_prefix_caching = enable_prefix_caching
 
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
     def usage(self) -> float:
         return 1 - len(self.free) / len(self.blocks)
 
@@ -56,13 +52,14 @@ class BlockManager:
     def admit(self, seq: Sequence) -> None:
         """Attach cached blocks for the longest reusable prefix of a sequence that holds no blocks.
 
-        At most `seq.max_cached_tokens()` tokens are taken from the cache, and always one fewer than
-        the sequence has, so its last token is computed and yields logits."""
+        At most `seq.cache_limit` tokens are taken from the cache (rows a request still wants must be
+        computed), and always one fewer than the sequence has, so its last token yields logits."""
         assert not seq.block_table
         seq.num_computed = 0
         if not self.enable_prefix_caching:
             return
-        limit = min(seq.max_cached_tokens(), len(seq.token_ids) - 1) // self.block_size
+        limit = len(seq.token_ids) - 1 if seq.cache_limit is None else min(seq.cache_limit, len(seq.token_ids) - 1)
+        limit //= self.block_size
         prev = None
         for i in range(limit):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

@@ -22,7 +22,7 @@ def _dtype(value: Any) -> str | None:
 
 def _device(value: Any) -> str | None:
     ok = isinstance(value, (str, torch.device)) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(value))
-    return None if ok else "auto, cpu, cuda or cuda:N"
+    return None if ok else "one of auto, cpu, cuda (or cuda:N)"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
-"""Incremental detokenisation: text grows by what each new token adds, without re-decoding everything.
+"""A request's text as its tokens arrive: decoded incrementally (once), stop strings found (once), and
+released in pieces that add up to exactly the final text.
 
-A few prompt tokens seed the window so the first generated token gets its leading space right, and
-text is released only when it no longer ends in a partial UTF-8 character.
+Text grows by what each new token adds, without re-decoding everything: a few prompt tokens seed the
+window so the first generated token gets its leading space right, and text is taken only when it no
+longer ends in a partial UTF-8 character. With stop strings, the last (longest stop - 1) characters
+are held back until the request ends: they may be the start of a stop string, which the final text
+must not contain.
 """
 
 from __future__ import annotations
@@ -11,25 +15,45 @@ from typing import Any
 CONTEXT_TOKENS = 5
 
 
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]):
+class Detokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stops: list[str]):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix = 0  # window start: decoded only to know where new text begins
         self.read = len(self.ids)  # tokens up to here are already in `text`
         self.text = ""
+        self.stops = stops
+        self.hold = max(map(len, stops), default=1) - 1
+        self.released = 0  # characters of `text` handed out
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, token: int) -> str:
-        """Append a token; return the text it completes (possibly empty)."""
+    def add(self, token: int) -> str | None:
+        """Append a token; if the text now contains a stop string, cut the text before it and return it."""
         self.ids.append(token)
         seen = self._decode(self.ids[self.prefix : self.read])
         full = self._decode(self.ids[self.prefix :])
         if len(full) <= len(seen) or full.endswith("\ufffd"):
-            return ""
+            return None
         new = full[len(seen) :]
         self.prefix, self.read = self.read, len(self.ids)
         self.text += new
+        if not self.stops:
+            return None
+        window_start = max(0, len(self.text) - len(new) - self.hold)  # where a new stop string could begin
+        for stop in self.stops:
+            at = self.text.find(stop, window_start)
+            if at >= 0:
+                self.text = self.text[:at]
+                return stop
+        return None
+
+    def release(self, final: bool) -> str:
+        """The text that became safe to show since the last call (all the rest once `final`)."""
+        upto = len(self.text) if final else len(self.text) - self.hold
+        if upto <= self.released:
+            return ""
+        new = self.text[self.released : upto]
+        self.released = upto
         return new

@@ -1,29 +1,30 @@
-"""The engine loop: validate requests, schedule, run a step, hand captured rows and tokens to their
-sequences, and finish them. One step serves prefill chunks and decodes of many requests at once."""
+"""The engine loop: validate and queue requests, schedule, run a step, and report what each request
+got from it as a delta — its new tokens and text, its finish, and on finishing its whole output with
+the captured rows. `LLM.generate` and the server consume the same deltas; nothing outside the engine
+touches its sequences, scheduler or blocks. One step serves prefill chunks and decodes of many
+requests at once."""
 
 from __future__ import annotations
 
 import os
 import random
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vlens.capture.bind import bind_request
+from vlens.capture.interventions import fingerprint
+from vlens.capture.names import FINAL_NORM, hook_shapes
 from vlens.engine.block_manager import BlockManager
-from vlens.engine.capture import logit_lens, project
 from vlens.engine.config import EngineConfig
-from vlens.engine.detokenizer import IncrementalDetokenizer
-from vlens.engine.intervene import bind
-from vlens.engine.model_runner import ModelRunner, StepOutput
-from vlens.engine.rows import RowSelector, RowStream
+from vlens.engine.detokenizer import Detokenizer
+from vlens.engine.model_runner import ModelRunner
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence
-from vlens.hooks import FINAL_NORM, LOGITS, hook_shapes, resolve_hooks
-from vlens.interventions import fingerprint
 from vlens.models.base import DecoderLM
-from vlens.outputs import CompletionOutput, Logprob, RequestOutput
-from vlens.sampling_params import Capture, SamplingParams
+from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
+from vlens.sampling_params import SamplingParams
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -35,6 +36,32 @@ def _default_kv_bytes(device: torch.device) -> int:
         return int(free * 0.8)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(CPU_DEFAULT_KV_BYTES, available // 4)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine's gauges and counters read, in one snapshot (the server's /metrics)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prompt_tokens: int  # of requests accepted so far
+    generation_tokens: int  # sampled so far
+    tokens_computed: int  # fed through the model so far (prefill chunks, decodes, recomputes)
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / max(1, self.kv_blocks_used + self.kv_blocks_free)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the text, when the request came as one
+    stream: bool = False  # report text as it grows, not only at the end
 
 
 class LLMEngine:
@@ -66,120 +93,101 @@ class LLMEngine:
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
         )
         self._next_id = 0
+        self._requests: dict[str, Sequence] = {}
+        self.prompt_tokens = self.generation_tokens = 0
         # LongRoPE's factors depend on the sequence length: a sequence whose last position reaches this
         # recomputes its cache with the long factors, as HF does (see _switch_rope).
         scaling = cfg.rope_scaling or {}
         self.long_rope_at = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
-        self._detok: dict[Sequence, IncrementalDetokenizer] = {}
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def make_sequence(self, prompt_ids: list[int], params: SamplingParams, index: int, prompt: str | None = None) -> Sequence:
-        """Validate one request against the model and build its sequence; raises ValueError naming the field."""
+    def add_requests(self, requests: list[NewRequest]) -> list[str]:
+        """Validate every request against the model, then queue all of them (none if any is refused:
+        the ValueError names the field). Returns their request ids."""
+        seqs = [self._sequence(r) for r in requests]
+        for seq, r in zip(seqs, requests):
+            if r.stream or seq.params.stop_list:
+                seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)
+            self.runner.taps.upload(seq.taps.interventions)
+            self._requests[seq.request_id] = seq
+            self.prompt_tokens += seq.num_prompt
+            self.scheduler.add(seq)
+        return [seq.request_id for seq in seqs]
+
+    def _sequence(self, r: NewRequest) -> Sequence:
+        prompt_ids, params = r.prompt_token_ids, r.params
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        streams = []
-        capture = params.capture
-        if (capture is not None or params.return_hidden_states) and not self.enable_capture:
-            raise ValueError(
-                "capture: this LLM was created with enable_capture=False; create it with "
-                "LLM(..., enable_capture=True) to capture activations or hidden states"
-            )
         max_rows = min(len(prompt_ids) + params.max_tokens, self.max_model_len) - 1
-        if capture is not None:
-            if isinstance(capture.positions, list):
-                bad = [p for p in capture.positions if not -max_rows <= p < max_rows]
-                if bad:
-                    raise ValueError(
-                        f"capture.positions: {bad} out of range; a {len(prompt_ids)}-token prompt with "
-                        f"max_tokens={params.max_tokens} has at most {max_rows} rows (positions 0..{max_rows - 1}, "
-                        f"or -{max_rows}..-1 from the end)"
-                    )
-            streams.append(self._capture_stream(capture, len(prompt_ids)))
-        if params.return_hidden_states:
-            selector = RowSelector("all", len(prompt_ids))
-            streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, selector, self.shapes))
-        device, dtype = self.runner.device, self.runner.dtype
-        bound = bind(params.interventions, self.cfg, self.shapes, len(prompt_ids), max_rows, device, dtype)
+        taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
         seed = params.seed if params.seed is not None else self.rng.randrange(2**31)
-        seq = Sequence(str(self._next_id), index, prompt_ids, params, seed, self.eos_ids, prompt)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(str(self._next_id), prompt_ids, params, seed, stop_ids, taps, r.prompt)
         self._next_id += 1
-        seq.streams, seq.interventions = streams, bound
         seq.cache_salt = fingerprint(params.interventions)
         if self.long_rope_at is not None and len(prompt_ids) - 1 >= self.long_rope_at:
             seq.cache_salt = ("long rope", seq.cache_salt)
+        seq.cache_limit = taps.reusable_prefix(len(prompt_ids)) if taps.streams else None
         return seq
 
-    def _capture_stream(self, capture: Capture, prompt_len: int) -> RowStream:
-        """A Capture bound to the model: taps resolved, readouts built on the device."""
-        hooks = resolve_hooks(capture.hooks, self.cfg)
-        taps = set(hooks.values())
-        shapes = {t: self.shapes[t] for t in taps}
-        readout = None
-        if capture.project is not None:
-            weight, bias = capture.project
-            bad = {t: s for t, s in shapes.items() if (weight.shape[0],) != (torch.Size(s).numel(),)}
-            if bad:
-                raise ValueError(f"capture.project: W has {weight.shape[0]} rows; taps {bad} have rows of another size")
-            w = weight.to(self.runner.device, self.runner.dtype)
-            b = None if bias is None else bias.to(self.runner.device, self.runner.dtype)
-            readout = partial(project, w=w, b=b)
-            shapes = {t: (weight.shape[1],) for t in taps}
-        if capture.logit_lens is not None:
-            bad = [t for t, s in shapes.items() if s != (self.cfg.hidden_size,) or t == LOGITS]
-            if bad:
-                raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {self.cfg.hidden_size}; not {bad}")
-            readout = partial(logit_lens, model=self.model, k=capture.logit_lens)
-        selector = RowSelector(capture.positions, prompt_len)
-        return RowStream(
-            "capture", hooks, selector, shapes, capture.exclude_token_ids, capture.dtype, readout, capture.reduce,
-            capture.logit_lens,
-        )
-
-    def add(self, seq: Sequence) -> None:
-        if seq.params.stop_list:
-            self._detok[seq] = IncrementalDetokenizer(self.tokenizer, seq.token_ids)
-        self.scheduler.add(seq)
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is, freeing its blocks."""
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is, freeing its blocks (an unknown or finished id is ignored)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return
         if seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
         self.scheduler.finish(seq)
-        seq.finish_reason = seq.finish_reason or "abort"
-        self._detok.pop(seq, None)
+        self.runner.taps.release(seq.taps.interventions)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        free = len(self.blocks.free)
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=len(self.blocks.blocks) - free,
+            kv_blocks_free=free,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            tokens_computed=self.scheduler.tokens_computed,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
     # -- the loop ---------------------------------------------------------------------------------
 
-    def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that finished in it."""
+    def step(self) -> list[RequestDelta]:
+        """Run one step; a delta for every request that got a token in it."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         out = self.runner.run(scheduled)
         for seq, n in scheduled:
-            for stream in seq.streams:
-                stream.captured_upto = max(stream.captured_upto, seq.num_computed + n)
             seq.num_computed += n
             self.blocks.commit(seq)
-        if out.plan is not None:
-            self._deliver_rows(out)
-        finished = []
+            if seq.taps.streams:
+                seq.cache_limit = seq.taps.reusable_prefix(len(seq.token_ids))
+        out.plan.deliver(out.collected)
+        deltas = []
+        self.generation_tokens += len(out.tokens)
         for i, (seq, token) in enumerate(zip(out.sampled, out.tokens)):
             seq.token_ids.append(token)
             if out.logprobs is not None and seq.params.logprobs is not None:
                 seq.logprobs.append(self._logprobs(out.logprobs, i, token, seq.params.logprobs))
-            if self._check_stop(seq, token):
+            finished = self._check_stop(seq, token)
+            if finished:
                 self.scheduler.finish(seq)
-                finished.append(seq)
+                self.runner.taps.release(seq.taps.interventions)
+                del self._requests[seq.request_id]
             elif self.long_rope_at is not None and len(seq.token_ids) - 1 == self.long_rope_at:
                 self._switch_rope(seq)
-        return finished
+            deltas.append(self._delta(seq, finished))
+        return deltas
 
     def _switch_rope(self, seq: Sequence) -> None:
         """The sequence now reaches LongRoPE's switch: its cached keys were rotated with the short
@@ -187,13 +195,6 @@ class LLMEngine:
         again). The prefix cache keeps the two regimes apart."""
         self.blocks.release(seq)
         seq.cache_salt = ("long rope", seq.cache_salt)
-
-    def _deliver_rows(self, out: StepOutput) -> None:
-        by_owner: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}
-        for owner, tap, rows in out.plan.pieces():
-            by_owner.setdefault(id(owner), (owner, {}))[1][tap] = rows
-        for (seq, k, positions), tap_rows in by_owner.values():
-            seq.streams[k].add(positions, tap_rows)
 
     def _logprobs(self, logprobs: tuple, i: int, token: int, k: int) -> dict[int, Logprob]:
         chosen, top_ids, top_values = logprobs
@@ -203,23 +204,17 @@ class LLMEngine:
         return entry
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Whether the token ends the sequence; sets its finish and stop reasons."""
         params = seq.params
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
             seq.stop_reason = None if token in self.eos_ids and token not in params.stop_token_ids else token
             return True
-        detok = self._detok.get(seq)
-        if detok is not None:
-            new = detok.add(token)
-            if new:
-                window = detok.text[-(len(new) + max(map(len, params.stop_list)) - 1) :]
-                for stop in params.stop_list:
-                    at = window.find(stop)
-                    if at >= 0:
-                        cut = len(detok.text) - len(window) + at
-                        detok.text = detok.text[:cut]
-                        seq.finish_reason, seq.stop_reason = "stop", stop
-                        return True
+        if seq.detokenizer is not None:
+            stop = seq.detokenizer.add(token)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
         if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
             return True
@@ -227,10 +222,21 @@ class LLMEngine:
 
     # -- results ----------------------------------------------------------------------------------
 
-    def result(self, seq: Sequence) -> RequestOutput:
-        detok = self._detok.pop(seq, None)
-        if detok is not None:
-            text = detok.text
+    def _delta(self, seq: Sequence, finished: bool) -> RequestDelta:
+        new = seq.token_ids[seq.num_prompt + seq.num_reported :]
+        logprobs = seq.logprobs[seq.num_reported :] if seq.params.logprobs is not None else []
+        seq.num_reported = seq.num_generated
+        text = seq.detokenizer.release(finished) if seq.detokenizer is not None else ""
+        if not finished:
+            return RequestDelta(seq.request_id, new, text, logprobs)
+        output = self._output(seq)
+        if seq.detokenizer is None:
+            text = output.outputs[0].text
+        return RequestDelta(seq.request_id, new, text, logprobs, seq.finish_reason, output)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.text
         else:
             text = self.tokenizer.decode(seq.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
         completion = CompletionOutput(
@@ -243,9 +249,8 @@ class LLMEngine:
         )
         out = RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], [completion])
         num_rows = len(seq.token_ids) - 1
-        model_dtype = self.runner.dtype
-        for stream in seq.streams:
-            positions, tensors = stream.result(num_rows, model_dtype)
+        for stream in seq.taps.streams:
+            positions, tensors = stream.result(num_rows, self.runner.dtype)
             if stream.kind == "hidden_states":
                 out.hidden_states = tensors[FINAL_NORM]
             else:

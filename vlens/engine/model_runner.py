@@ -1,5 +1,5 @@
-"""One engine step on the device: lay out the scheduled chunks, run the model over the paged cache,
-gather captured rows, compute logits only where needed, and sample.
+"""One engine step on the device: lay out the scheduled chunks, plan the taps, run the model over the
+paged cache, collect captured rows, compute logits only where needed, and sample.
 
 Everything per step is built as a handful of host tensors (no per-token Python), moved once, and the
 only host sync is the copy of the sampled token ids back.
@@ -8,16 +8,15 @@ only host sync is the copy of the sampled token ids back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
+from vlens.capture.names import hook_shapes
+from vlens.capture.plan import Chunk, Collected, StepPlan, plan_step
+from vlens.capture.runtime import TapRuntime
 from vlens.context import AttentionGroup, ForwardContext, grid_layout, set_context
-from vlens.engine.capture import CapturePlan, CaptureRequest
-from vlens.engine.intervene import InterventionPlan
 from vlens.engine.sampler import SamplingBatch, sample, top_logprobs
 from vlens.engine.sequence import Sequence
-from vlens.hooks import LOGITS
 from vlens.models.base import DecoderLM
 
 
@@ -26,7 +25,8 @@ class StepOutput:
     sampled: list[Sequence]  # sequences that got a new token this step, in order
     tokens: list[int]
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # chosen [B], top ids [B, k], top values [B, k]
-    plan: CapturePlan | None  # owners are (sequence, stream index, positions)
+    plan: StepPlan  # what the taps did; `collected` are its gathered rows, on the host
+    collected: list[Collected]
 
 
 class ModelRunner:
@@ -39,6 +39,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.windows = set(self.cfg.sliding_windows)
+        self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -65,7 +67,7 @@ class ModelRunner:
             q_index=None if q_index is None else q_index.to(self.device, non_blocking=True),
             key_slots=key_slots.to(self.device, non_blocking=True),
         )
-        return group, positions, slots
+        return group.add_masks(self.windows), positions, slots
 
     def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], ForwardContext, torch.Tensor]:
         """Order the batch as decodes first, then prefill chunks grouped so grids stay dense."""
@@ -98,39 +100,6 @@ class ModelRunner:
         )
         return order, ctx, ids
 
-    def _capture_requests(self, order: list[tuple[Sequence, int]]) -> tuple[list[CaptureRequest], torch.Tensor, torch.Tensor | None]:
-        """Rows each sequence's streams want from this step; the rows whose logits are computed; and
-        where the sampled rows sit among those (None: they are all of them)."""
-        requests: list[CaptureRequest] = []
-        sample_rows, logit_capture = [], []
-        row = 0
-        for seq, n in order:
-            start = seq.num_computed
-            if start + n == len(seq.token_ids):
-                sample_rows.append(row + n - 1)
-            for k, stream in enumerate(seq.streams):
-                positions = stream.select(seq.token_ids, start, start + n)
-                if not len(positions):
-                    continue
-                rows = positions - start + row
-                owner = (seq, k, positions)  # one object per stream and step: its taps' rows stay aligned
-                for tap in stream.taps:
-                    requests.append(
-                        CaptureRequest(owner, tap, rows, stream.dtype, stream.readout, stream.sums_on_device)
-                    )
-                    if tap == LOGITS:
-                        logit_capture.append(rows)
-            row += n
-        sample_rows = torch.tensor(sample_rows, dtype=torch.long)
-        if not logit_capture:
-            return requests, sample_rows, None
-        # Logits are computed once for the sampled and the captured rows; captures index into them.
-        logit_rows = torch.unique(torch.cat([sample_rows, *logit_capture]))
-        for r in requests:
-            if r.tap == LOGITS:
-                r.rows = torch.searchsorted(logit_rows, r.rows)
-        return requests, logit_rows, torch.searchsorted(logit_rows, sample_rows)
-
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         p = [s.params for s in seqs]
         dev = self.device
@@ -150,26 +119,19 @@ class ModelRunner:
             any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
         )
 
-    def _interventions(self, order: list[tuple[Sequence, int]]) -> InterventionPlan | None:
-        items, row = [], 0
-        for seq, n in order:
-            for k, iv in enumerate(seq.interventions):
-                positions = iv.selector.candidates(seq.num_computed, seq.num_computed + n)
-                if len(positions):
-                    items.append((k, iv, positions - seq.num_computed + row, positions))
-            row += n
-        return InterventionPlan(items, self.device) if items else None
-
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
         order, ctx, ids = self._layout(scheduled)
-        requests, logit_rows, sample_index = self._capture_requests(order)
-        plan = CapturePlan(requests, self.device) if requests else None
-        interventions = self._interventions(order)
-        if interventions is not None:
-            ctx.taps = {tap: partial(interventions.apply, tap) for tap in interventions.ops}
-        if plan is not None:  # a capture sees the value after its tap's interventions
-            ctx.taps.update({tap: _then(ctx.taps.get(tap), gather) for tap, gather in plan.taps.items()})
+        chunks, sample_rows, row = [], [], 0
+        for seq, n in order:
+            if seq.num_computed + n == len(seq.token_ids):
+                sample_rows.append(row + n - 1)
+            if seq.taps.streams or seq.taps.interventions:
+                chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row))
+            row += n
+        plan = plan_step(chunks)
+        logit_rows, sample_index = plan.logit_rows(torch.tensor(sample_rows, dtype=torch.long))
+        ctx.taps = self.taps.arm(plan) if plan else {}
         sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids)]
         set_context(ctx)
         try:
@@ -180,19 +142,14 @@ class ModelRunner:
                     logits = logits.index_select(0, sample_index.to(self.device, non_blocking=True))
         finally:
             set_context(None)
-        if plan is not None:
-            plan.finish()
+        collection = self.taps.collect(plan) if plan.gathers else None
         if not sampled:
-            return StepOutput([], [], None, plan)
+            return StepOutput([], [], None, plan, collection.ready() if collection else [])
         tokens = sample(logits, self._sampling_batch(sampled))
         logprobs = None
         k = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
         if k is not None:
             logprobs = tuple(x.to("cpu", non_blocking=True) for x in top_logprobs(logits, tokens, k))
         # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
-        return StepOutput(sampled, tokens.to("cpu").tolist(), logprobs, plan)
-
-
-def _then(first, second):
-    """Compose two tap functions (first may be None)."""
-    return second if first is None else lambda x: second(first(x))
+        tokens = tokens.to("cpu").tolist()
+        return StepOutput(sampled, tokens, logprobs, plan, collection.ready() if collection else [])

@@ -5,13 +5,15 @@ No KV cache, no sampling, no logits unless a tap asks for them, and no layer pas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
+from vlens.capture.names import FINAL_NORM, LOGITS, hook_shapes, layers_needed
+from vlens.capture.plan import StepPlan
+from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import packed_context, set_context
-from vlens.engine.capture import CapturePlan, CaptureRequest
-from vlens.hooks import FINAL_NORM, LOGITS, layers_needed
 from vlens.models.base import DecoderLM
 
 
@@ -28,36 +30,41 @@ def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+@dataclass
+class PackedCapture:
+    plan: StepPlan
+    collection: Collection
+
+    def pieces(self) -> list[tuple[int, str, torch.Tensor]]:
+        """(sequence index, tap, CPU rows) for every sequence and tap, once the copies have landed."""
+        return [(self.plan.segments[c.segment].owner, c.tap, c.rows) for c in self.collection.ready()]
+
+
 @torch.inference_mode()
 def packed_forward(
-    model: DecoderLM,
-    sequences: list[list[int]],
-    taps: list[str],
-    rows: list[torch.Tensor] | None = None,
-    dtype: torch.dtype | None = None,
-) -> CapturePlan:
+    model: DecoderLM, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None
+) -> PackedCapture:
     """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
-    sequence i (default: every position). Pieces in the returned plan are owned by sequence index."""
-    device = model.lm_head.weight.device
+    sequence i (default: every position)."""
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     lens = [len(s) for s in sequences]
     starts = list(accumulate([0] + lens[:-1]))
-    if rows is None:
-        rows = [torch.arange(n) for n in lens]
-    requests = [
-        CaptureRequest(owner=i, tap=tap, rows=r + s, dtype=dtype)
-        for i, (s, r) in enumerate(zip(starts, rows))
-        for tap in taps
-    ]
-    plan = CapturePlan(requests, device)
+    plan = StepPlan()
+    for i, (start, n) in enumerate(zip(starts, lens)):
+        positions = torch.arange(n) if rows is None else rows[i]
+        plan.gather(i, positions, positions + start, taps)
+    runtime = TapRuntime(hook_shapes(model.cfg), device, dtype)
+    armed = runtime.arm(plan)
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
     full = FINAL_NORM in taps or LOGITS in taps
     depth = max(layers_needed(t, model.cfg) for t in taps)
-    set_context(packed_context(lens, device, plan.taps))
+    ctx = packed_context(lens, device, set(model.cfg.sliding_windows))
+    ctx.taps = armed
+    set_context(ctx)
     try:
         hidden = model(ids.to(device, non_blocking=True), num_layers=None if full else depth)
         if LOGITS in taps:
             model.logits(hidden)
     finally:
         set_context(None)
-    plan.finish()
-    return plan
+    return PackedCapture(plan, runtime.collect(plan))

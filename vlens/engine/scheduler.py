@@ -23,6 +23,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.tokens_computed = 0  # fed to the model so far, recomputed ones included
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,6 +48,7 @@ class Scheduler:
             else:
                 scheduled.append((seq, n))
                 budget -= n
+                self.tokens_computed += n
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.admit(seq)
@@ -59,6 +61,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            self.tokens_computed += n
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:

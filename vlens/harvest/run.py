@@ -27,7 +27,7 @@ from vlens.harvest.sources import Source, open_source
 from vlens.harvest.stats import HookStats
 from vlens.harvest.windows import Packing, make_packing, token_documents, windows
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
-from vlens.hooks import hook_shapes, resolve_hooks
+from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.loader import DTYPES
 
 FORMAT = "vlens-harvest/1"

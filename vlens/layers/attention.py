@@ -53,7 +53,7 @@ class Attention(nn.Module):
             keys, values = self.k_cache[g.key_slots], self.v_cache[g.key_slots]
         else:
             keys, values = _to_grid(k, g), _to_grid(v, g)
-        mask = g.mask(self.window)
+        mask = g.masks[self.window]
         q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         if self.softcap is None:
             out = F.scaled_dot_product_attention(

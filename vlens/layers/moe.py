@@ -39,13 +39,18 @@ class Experts(nn.Module):
         return slots
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts of weight * expert(x), experts taken in index order."""
+        """Sum over each token's chosen experts of weight * expert(x), experts taken in index order.
+
+        Every expert runs on every token and the weights of the tokens that did not choose it are zero:
+        which tokens an expert takes is data, not shape, so no host sync (and no graph break) decides
+        it. An unchosen expert adds an exact zero, so the sum equals HF's expert-by-expert index_add;
+        the price is num_experts / experts_per_token times the expert FLOPs (a grouped GEMM would not
+        pay it)."""
         out = torch.zeros_like(x)
-        for e in ids.unique().tolist():  # one host sync per MoE layer: which experts have work
-            token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        for e in range(self.gate_up_proj.shape[0]):
+            weight = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]; a token picks an expert once
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out += (F.linear(self.act(gate) * up, self.down_proj[e]) * weight).to(out.dtype)
         return out
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context
-from vlens.hooks import FINAL_NORM, LOGITS
+from vlens.capture.names import FINAL_NORM, LOGITS
 from vlens.layers.attention import Attention
 from vlens.layers.norm import make_norm
 from vlens.layers.rotary import Rotary, apply_rotary

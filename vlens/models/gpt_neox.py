@@ -2,7 +2,7 @@
 MLP, and by default the parallel residual x + attn(ln1(x)) + mlp(ln2(x)).
 
 Under the parallel residual no tensor is "the residual after the attention add" — the MLP reads
-ln2(x) of the layer input — so this family has no hook_resid_mid (vlens.hooks.layer_hooks); with
+ln2(x) of the layer input — so this family has no hook_resid_mid (vlens.capture.names.layer_hooks); with
 use_parallel_residual=False it is sequential like GPT-2 and has one. The checkpoint's fused
 query_key_value interleaves q, k, v per head; it is reordered to [q | k | v] at load."""
 

@@ -24,28 +24,11 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save
 
-from vlens.hooks import FINAL_NORM, resolve_hooks
+from vlens.capture.names import FINAL_NORM, resolve_hooks
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
 INT64 = 8
-
-
-def _max_rows(positions: object, prompt_len: int, max_tokens: int) -> int:
-    """The most rows a position spec can select over a sequence of at most P + max_tokens - 1 rows."""
-    most = prompt_len + max_tokens - 1
-    if positions == "all":
-        return most
-    if positions == "prompt":
-        return prompt_len
-    if positions == "generated":
-        return max_tokens - 1
-    if positions == "last":
-        return 1
-    if isinstance(positions, slice):
-        # A slice with negative bounds can select more from a shorter sequence: try every length.
-        return max(len(range(n)[positions]) for n in range(1, most + 1))
-    return min(len(positions), most)
 
 
 def capture_bound(
@@ -70,7 +53,7 @@ def capture_bound(
             row = len(hooks) * capture.project[0].shape[1] * itemsize
         else:
             row = sum(math.prod(shapes[name]) for name in hooks) * itemsize
-        rows = _max_rows(capture.positions, prompt_len, params.max_tokens)
+        rows = capture.positions.max_rows(prompt_len, params.max_tokens)
         total += rows * INT64 + (1 if capture.reduce == "mean" else rows) * row
     if params.return_hidden_states:
         total += rows_all * math.prod(shapes[FINAL_NORM]) * model_dtype.itemsize

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from vlens.hooks import hook_shapes
+from vlens.capture.names import hook_shapes
 from vlens.llm import LLM
 from vlens.server.activations import ActivationStore, owner_of
 from vlens.server.auth import BearerAuth, presented_key

@@ -14,8 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
-from vlens.interventions import Ablate, Patch, Steer
-from vlens.sampling_params import Capture
+from vlens.capture import Ablate, Capture, Patch, Positions, Steer
 from vlens.server.protocol import APIError, from_value_error, schema_error
 
 ENABLE_CAPTURE_HINT = (
@@ -40,12 +39,19 @@ class SliceSpec(BaseModel):
     step: StrictInt | None = None
 
 
+PositionsJSON = StrictStr | StrictInt | list[StrictInt] | SliceSpec
+
+
+def _positions(value: PositionsJSON, field: str) -> Positions:
+    return Positions.parse(value.model_dump() if isinstance(value, SliceSpec) else value, field)
+
+
 class CaptureSpec(BaseModel):
     """JSON form of vlens.Capture: which hooks, at which positions, in which dtype, read out how."""
 
     model_config = ConfigDict(extra="forbid")
     hooks: StrictStr | list[StrictStr]
-    positions: StrictStr | StrictInt | list[StrictInt] | SliceSpec = "all"
+    positions: PositionsJSON = "all"
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     exclude_token_ids: list[StrictInt] | None = None
     reduce: Literal["none", "mean"] = "none"
@@ -54,9 +60,7 @@ class CaptureSpec(BaseModel):
     logit_lens: StrictInt | None = None
 
     def to_capture(self) -> Capture:
-        positions = self.positions
-        if isinstance(positions, SliceSpec):
-            positions = slice(positions.start, positions.stop, positions.step)
+        positions = _positions(self.positions, "capture.positions")
         project = self.project if self.project_bias is None else (self.project, self.project_bias)
         if self.project is None and self.project_bias is not None:
             raise ValueError("capture.project_bias: given without capture.project")
@@ -64,13 +68,6 @@ class CaptureSpec(BaseModel):
             hooks=self.hooks, positions=positions, dtype=self.dtype, exclude_token_ids=self.exclude_token_ids,
             reduce=self.reduce, project=project, logit_lens=self.logit_lens,
         )
-
-
-PositionsJSON = StrictStr | StrictInt | list[StrictInt] | SliceSpec
-
-
-def _positions(value: PositionsJSON) -> Any:
-    return slice(value.start, value.stop, value.step) if isinstance(value, SliceSpec) else value
 
 
 class InterventionSpec(BaseModel):
@@ -90,7 +87,7 @@ class InterventionSpec(BaseModel):
         data = getattr(self, field)
         if data is None:
             raise ValueError(f"{self.type}.{field}: required for a {self.type} intervention")
-        positions = _positions(self.positions)
+        positions = _positions(self.positions, f"{self.type}.positions")
         if self.type == "steer":
             return Steer(self.hook, data, scale=self.scale, positions=positions)
         if self.type == "ablate":

@@ -18,12 +18,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from vlens.config import ModelConfig
+from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import to_token_lists
+from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
 from vlens.server.auth import presented_key
 from vlens.server.config import ServerConfig
-from vlens.server.engine_loop import Delta, EngineLoop, EngineRequest, Failed, Finished, Submission
+from vlens.server.engine_loop import EngineLoop, Failed, Progress, Submission
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, from_value_error
@@ -36,7 +38,7 @@ CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 class Prepared:
     """A request ready for the engine."""
 
-    requests: list[EngineRequest]
+    requests: list[NewRequest]
     shape: Shape
     stream: bool
     include_usage: bool
@@ -115,7 +117,9 @@ class Generator:
                 "batched together anyway)",
                 param="prompt",
             )
-        requests = [self._request(body, ids, text, max_tokens, logprobs, extension, chat) for ids, text in prompts]
+        requests = [
+            self._request(body, ids, text, max_tokens, logprobs, extension, chat) for ids, text in prompts
+        ]
         key = presented_key(request.scope) if self.config.api_key else None
         return Prepared(
             requests=requests,
@@ -135,7 +139,7 @@ class Generator:
         logprobs: int | None,
         extension: dict[str, Any],
         chat: bool,
-    ) -> EngineRequest:
+    ) -> NewRequest:
         prompt_param = "messages" if chat else "prompt"
         room = self.max_model_len - len(ids)
         if room < 1:
@@ -182,16 +186,15 @@ class Generator:
                 param="vlens.capture",
                 code="capture_too_large",
             )
-        return EngineRequest(ids, params, text)
+        return NewRequest(ids, params, text, stream=body.stream)
 
     # -- with the engine ----------------------------------------------------------------------------
 
     async def _run(self, prepared: Prepared, request: Request) -> Response:
         try:
-            submission = await self.engine.submit(prepared.requests, prepared.stream)
+            submission = await self.engine.submit(prepared.requests)
         except ValueError as e:
             raise _engine_error(e) from None
-        self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in prepared.requests)
         if prepared.stream:
             return _EventStream(
                 self._stream(submission, prepared), on_close=lambda: self._abort_unless_done(submission)
@@ -211,17 +214,16 @@ class Generator:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(await self._response(collecting.result(), prepared))
 
-    async def _response(self, results: list[Finished], prepared: Prepared) -> dict[str, Any]:
+    async def _response(self, outputs: list[RequestOutput], prepared: Prepared) -> dict[str, Any]:
         shape = prepared.shape
         choices = []
-        for r in results:
-            c = r.output.outputs[0]
-            choices.append(shape.choice(r.index, r.text, r.token_ids, r.logprobs, c.finish_reason, c.stop_reason))
-        completion_tokens = sum(len(r.output.outputs[0].token_ids) for r in results)
-        self.metrics.generation_tokens += completion_tokens
-        prompt_tokens = sum(len(r.output.prompt_token_ids) for r in results)
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            choices.append(shape.choice(i, c.text, c.token_ids, c.logprobs or [], c.finish_reason, c.stop_reason))
+        completion_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
         extra = (
-            {"vlens": {"activations": await self._activations(results[0], prepared)}}
+            {"vlens": {"activations": await self._activations(outputs[0], prepared)}}
             if prepared.wants_activations
             else {}
         )
@@ -237,42 +239,35 @@ class Generator:
                 submission.done = True
                 yield _sse(APIError(500, event.message).body())
                 return
-            if isinstance(event, Delta) and (event.text or (shape.logprobs is not None and event.token_ids)):
-                choice = shape.choice(
-                    event.index, event.text, event.token_ids, event.logprobs, None, delta=True, first=fresh[event.index]
-                )
-                fresh[event.index] = False
-                yield _sse(shape.chunk([choice]))
-            elif isinstance(event, Finished):
-                remaining -= 1
-                c = event.output.outputs[0]
-                prompt_tokens += len(event.output.prompt_token_ids)
-                completion_tokens += len(c.token_ids)
-                self.metrics.generation_tokens += len(c.token_ids)
-                choice = shape.choice(
-                    event.index,
-                    event.text,
-                    event.token_ids,
-                    event.logprobs,
-                    c.finish_reason,
-                    c.stop_reason,
-                    delta=True,
-                    first=fresh[event.index],
-                )
-                extra = (
-                    {"vlens": {"activations": await self._activations(event, prepared)}}
-                    if prepared.wants_activations
-                    else {}
-                )
-                yield _sse(shape.chunk([choice], **extra))
+            if not isinstance(event, Progress):
+                continue
+            i, delta = event.index, event.delta
+            if not delta.finished:
+                if delta.text or (shape.logprobs is not None and delta.token_ids):
+                    choice = shape.choice(i, delta.text, delta.token_ids, delta.logprobs, None, delta=True, first=fresh[i])
+                    fresh[i] = False
+                    yield _sse(shape.chunk([choice]))
+                continue
+            remaining -= 1
+            out = delta.output
+            c = out.outputs[0]
+            prompt_tokens += len(out.prompt_token_ids)
+            completion_tokens += len(c.token_ids)
+            choice = shape.choice(
+                i, delta.text, delta.token_ids, delta.logprobs, c.finish_reason, c.stop_reason, delta=True, first=fresh[i]
+            )
+            extra = (
+                {"vlens": {"activations": await self._activations(out, prepared)}} if prepared.wants_activations else {}
+            )
+            yield _sse(shape.chunk([choice], **extra))
         submission.done = True
         if prepared.include_usage:
             yield _sse(shape.chunk([], usage(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"
 
-    async def _activations(self, result: Finished, prepared: Prepared) -> dict[str, Any]:
+    async def _activations(self, output: RequestOutput, prepared: Prepared) -> dict[str, Any]:
         # Encoding copies every captured tensor: off the event loop and off the engine thread.
-        data = await asyncio.to_thread(encode, result.output, self.model_name)
+        data = await asyncio.to_thread(encode, output, self.model_name)
         self.metrics.captured_bytes += len(data)
         return present(data, self.config.inline_activation_bytes, self.store, prepared.owner)
 
@@ -302,17 +297,17 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-async def _collect(submission: Submission, n: int) -> list[Finished]:
-    results: list[Finished | None] = [None] * n
-    while any(r is None for r in results):
+async def _collect(submission: Submission, n: int) -> list[RequestOutput]:
+    outputs: list[RequestOutput | None] = [None] * n
+    while any(out is None for out in outputs):
         event = await submission.next()
         if isinstance(event, Failed):
             submission.done = True
             raise APIError(500, event.message)
-        if isinstance(event, Finished):
-            results[event.index] = event
+        if isinstance(event, Progress) and event.delta.finished:
+            outputs[event.index] = event.delta.output
     submission.done = True
-    return results
+    return outputs
 
 
 async def _until_disconnect(request: Request) -> None:

@@ -11,7 +11,7 @@ from collections import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlens.server.activations import ActivationStore
-from vlens.server.engine_loop import EngineStats
+from vlens.engine.llm_engine import EngineStats
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/completions", "/v1/chat/completions")
 ACTIVATIONS_ROUTE = "/v1/activations/{id}"
@@ -27,8 +27,6 @@ def route_label(path: str) -> str:
 class Metrics:
     def __init__(self) -> None:
         self.http: Counter[tuple[str, int]] = Counter()
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.captured_bytes = 0
         self.aborted = 0
 
@@ -42,9 +40,9 @@ class Metrics:
         http = [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.http.items())]
         metric("vlens_http_requests_total", "counter", "HTTP requests by route and status code.", http)
         metric(
-            "vlens_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", [("", self.prompt_tokens)]
+            "vlens_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", [("", stats.prompt_tokens)]
         )
-        metric("vlens_generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
+        metric("vlens_generation_tokens_total", "counter", "Tokens generated.", [("", stats.generation_tokens)])
         metric(
             "vlens_captured_bytes_total",
             "counter",

@@ -12,6 +12,8 @@ import fnmatch
 import re
 from collections.abc import Iterable
 
+import torch
+
 from vlens.config import ModelConfig
 
 # Per-layer taps of a dense layer, in the order the forward reaches them.
@@ -84,6 +86,11 @@ def canonical(name: str, cfg: ModelConfig) -> str:
         return name
     i = int(name.split(".")[1])
     return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
+
+
+def tap_dtype(tap: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What a tap's rows hold: the chosen MoE experts are int64 ids, every other tap is in the model's dtype."""
+    return torch.long if tap.endswith("hook_expert_ids") else model_dtype
 
 
 def layers_needed(tap: str, cfg: ModelConfig) -> int:

@@ -17,22 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from vlens.sampling_params import PositionSpec, normalize_positions, to_tensor
-
-
-def _online_positions(positions: PositionSpec, field: str) -> PositionSpec:
-    positions = normalize_positions(positions, field)
-    negative = (
-        positions == "last"
-        or (isinstance(positions, list) and any(p < 0 for p in positions))
-        or (isinstance(positions, slice) and any(v is not None and v < 0 for v in (positions.start, positions.stop)))
-    )
-    if negative:
-        raise ValueError(
-            f"{field}: {positions!r} counts from the end, which is unknown while the tokens are computed; "
-            'use "all", "prompt", "generated", non-negative ints or a non-negative slice'
-        )
-    return positions
+from vlens.capture.positions import Positions
+from vlens.capture.spec import to_tensor
 
 
 @dataclass
@@ -42,11 +28,11 @@ class Steer:
     hook: str
     vector: Any
     scale: float = 1.0
-    positions: PositionSpec = "all"
+    positions: Any = "all"
 
     def __post_init__(self) -> None:
         self.vector = to_tensor(self.vector, "steer.vector")
-        self.positions = _online_positions(self.positions, "steer.positions")
+        self.positions = Positions.parse(self.positions, "steer.positions").online("steer.positions")
         if not np.isfinite(self.scale):
             raise ValueError(f"steer.scale: {self.scale!r} is not finite")
 
@@ -57,7 +43,7 @@ class Ablate:
 
     hook: str
     direction: Any
-    positions: PositionSpec = "all"
+    positions: Any = "all"
 
     def __post_init__(self) -> None:
         d = to_tensor(self.direction, "ablate.direction")
@@ -65,7 +51,7 @@ class Ablate:
         if norm == 0:
             raise ValueError("ablate.direction: the zero vector has no direction")
         self.direction = d / norm
-        self.positions = _online_positions(self.positions, "ablate.positions")
+        self.positions = Positions.parse(self.positions, "ablate.positions").online("ablate.positions")
 
 
 @dataclass
@@ -76,18 +62,11 @@ class Patch:
 
     hook: str
     values: Any
-    positions: PositionSpec = "all"
+    positions: Any = "all"
 
     def __post_init__(self) -> None:
         self.values = to_tensor(self.values, "patch.values")
-        if isinstance(self.positions, int) and not isinstance(self.positions, bool):
-            self.positions = [self.positions]
-        checked = _online_positions(self.positions, "patch.positions")
-        if isinstance(checked, list):  # keep the user's order: it pairs positions with value rows
-            if len(checked) != len(self.positions):
-                raise ValueError(f"patch.positions: {self.positions!r} repeats a position")
-            checked = list(self.positions)
-        self.positions = checked
+        self.positions = Positions.parse(self.positions, "patch.positions").online("patch.positions")
 
 
 Intervention = Steer | Ablate | Patch
@@ -100,6 +79,6 @@ def fingerprint(interventions: list[Intervention]) -> str | None:
     digest = hashlib.sha256()
     for iv in interventions:
         tensor = iv.vector * iv.scale if isinstance(iv, Steer) else iv.direction if isinstance(iv, Ablate) else iv.values
-        digest.update(repr((type(iv).__name__, iv.hook, iv.positions, tuple(tensor.shape))).encode())
+        digest.update(repr((type(iv).__name__, iv.hook, str(iv.positions), tuple(tensor.shape))).encode())
         digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()

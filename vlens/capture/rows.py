@@ -1,0 +1,88 @@
+"""A request's captured rows as they arrive, step by step, and what it finally returns.
+
+Each step the plan asks every stream which of the step's positions to gather (`select`); after the
+forward the rows come back (`add`). Chunked prefill, preemption and recompute never change what a
+request gets: a position is offered to a stream once, whatever recomputes it later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlens.capture.positions import Positions
+from vlens.capture.readouts import Readout
+
+
+@dataclass
+class RowStream:
+    """One set of taps collected at one position spec (a Capture, or the hidden-states shortcut)."""
+
+    kind: str  # "capture" | "hidden_states"
+    hooks: dict[str, str]  # requested name -> canonical tap
+    positions: Positions
+    prompt_len: int
+    shapes: dict[str, tuple[int, ...]]  # canonical tap -> per-row shape of what is returned
+    exclude: torch.Tensor | None = None  # token ids whose rows are left out
+    dtype: torch.dtype | None = None
+    readout: Readout | None = None  # on-device transform of each step's rows (probe, logit lens)
+    reduce: str = "none"  # "mean": one row, the mean over the selected rows
+    logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
+    offered_upto: int = 0  # positions below this were offered to the stream already
+    _positions: list[torch.Tensor] = field(default_factory=list)
+    _rows: dict[str, list] = field(default_factory=dict)
+
+    @property
+    def taps(self) -> list[str]:
+        return sorted(set(self.hooks.values()))
+
+    @property
+    def sums_on_device(self) -> bool:
+        """Mean readouts add up each step's rows on the device when no row can be dropped later."""
+        return self.reduce == "mean" and self.positions.exact
+
+    def first_needed(self) -> int:
+        """Rows below this are never wanted again: their KV may come from the prefix cache."""
+        return max(self.offered_upto, self.positions.first_needed(self.prompt_len))
+
+    def select(self, token_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Positions of a step's rows [start, end) to gather: wanted, new, and not excluded."""
+        pos = torch.as_tensor(self.positions.candidates(max(start, self.offered_upto), end, self.prompt_len))
+        self.offered_upto = max(self.offered_upto, end)
+        if self.exclude is not None and len(pos):
+            tokens = torch.tensor(token_ids[start:end], dtype=torch.long)[pos - start]
+            pos = pos[~torch.isin(tokens, self.exclude)]
+        return pos.long()
+
+    def add(self, positions: torch.Tensor, tap_rows: dict[str, object]) -> None:
+        self._positions.append(positions)
+        for tap, rows in tap_rows.items():
+            self._rows.setdefault(tap, []).append(rows)
+        newest = int(positions[-1])
+        while len(self._positions) > 1 and self.positions.tail_obsolete(self._positions[0], newest):
+            self._positions.pop(0)
+            for pieces in self._rows.values():
+                pieces.pop(0)
+
+    def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, object]]:
+        """(positions, {requested name: rows or (ids, logprobs)}) per the spec, once the sequence has
+        `num_rows` rows."""
+        positions = torch.cat(self._positions) if self._positions else torch.empty(0, dtype=torch.long)
+        keep = self.positions.keep(positions, num_rows)
+        dtype = self.dtype or model_dtype
+        out: dict[str, object] = {}
+        for tap in self.taps:
+            pieces = self._rows.get(tap)
+            if not pieces and self.logit_lens:
+                out[tap] = (torch.empty(0, self.logit_lens, dtype=torch.long), torch.empty(0, self.logit_lens))
+            elif not pieces:
+                out[tap] = torch.empty(0, *self.shapes[tap], dtype=dtype)
+            elif self.sums_on_device:
+                out[tap] = (sum(p.double() for p in pieces) / len(positions)).to(dtype)
+            elif isinstance(pieces[0], tuple):
+                out[tap] = tuple(torch.cat(parts)[keep] for parts in zip(*pieces))
+            else:
+                rows = torch.cat(pieces)[keep]
+                out[tap] = rows.mean(0, keepdim=True) if self.reduce == "mean" and len(rows) else rows
+        return positions[keep], {name: out[tap] for name, tap in self.hooks.items()}
