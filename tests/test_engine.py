@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import rel_err
+
 from vlens import LLM, Capture, SamplingParams
 
 PROMPTS = [

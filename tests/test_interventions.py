@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import rel_err
+
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
 
 PROMPT = "The weather today is"

@@ -8,10 +8,10 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from vlens import Capture, Positions, SamplingParams
+from vlens.capture.names import hook_shapes
 from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
-from vlens.capture.names import hook_shapes
-from vlens import Capture, Positions, SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, owner_of
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import route_label

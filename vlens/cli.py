@@ -14,14 +14,14 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from vlens.capture import Capture, Positions
+from vlens.capture.names import hook_shapes
 from vlens.config import ModelConfig
 from vlens.harvest import cli as harvest_cli
-from vlens.capture.names import hook_shapes
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
-from vlens.capture import Capture, Positions
-from vlens.sampling_params import SamplingParams
 from vlens.loader import DEFAULT_MODEL, DTYPES, resolve_model_path
+from vlens.sampling_params import SamplingParams
 from vlens.server import cli as server_cli
 
 TRACE_FILE = (

@@ -85,7 +85,7 @@ def bind_request(
     if params.return_hidden_states:
         bound.streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, Positions("all"), prompt_len, shapes))
     for i, iv in enumerate(params.interventions):
-        bound.interventions.append(_intervention(iv, f"interventions[{i}]", prompt_len, max_rows, params, model, shapes))
+        bound.interventions.append(_intervention(iv, f"interventions[{i}]", prompt_len, max_rows, model, shapes))
     return bound
 
 
@@ -117,9 +117,8 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
 
 
 def _intervention(
-    iv: Steer | Ablate | Patch, where: str, prompt_len: int, max_rows: int, params: SamplingParams, model: DecoderLM,
-    shapes: dict,
-) -> BoundIntervention:  # fmt: skip
+    iv: Steer | Ablate | Patch, where: str, prompt_len: int, max_rows: int, model: DecoderLM, shapes: dict
+) -> BoundIntervention:
     taps = sorted(set(resolve_hooks(iv.hook, model.cfg).values()))
     if LOGITS in taps:
         raise ValueError(f"{where}.hook: interventions on {LOGITS} are not supported; steer the residual instead")

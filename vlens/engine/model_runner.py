@@ -41,6 +41,9 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.windows = set(self.cfg.sliding_windows)
         self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
+        # What runs the model's forward: the module itself (eager), or a compiled or graph-replaying
+        # stand-in with the same signature (its taps then need `self.taps.fixed_shapes`).
+        self.forward = model
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -135,7 +138,7 @@ class ModelRunner:
         sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids)]
         set_context(ctx)
         try:
-            hidden = self.model(ids.to(self.device, non_blocking=True))
+            hidden = self.forward(ids.to(self.device, non_blocking=True))
             if len(logit_rows):
                 logits = self.model.logits(hidden.index_select(0, logit_rows.to(self.device, non_blocking=True)))
                 if sample_index is not None:

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from vlens.capture.names import hook_shapes
 from vlens.harvest import run
 from vlens.harvest.model import resolve_model
 from vlens.harvest.ray_source import ray_token_documents
 from vlens.harvest.stats import _BLOCK, HookStats
 from vlens.harvest.writer import Store, write_shard
-from vlens.capture.names import hook_shapes
 
 # How far (in shards per actor) the tasks handed out may run ahead of the manifest: enough that an actor
 # finds its next task queued while a slower one finishes, few enough that the windows held in flight,

@@ -21,13 +21,13 @@ import torch
 from tqdm import tqdm
 
 import vlens
+from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.harvest.model import resolve_model, tokenizer_info, weights_hash
 from vlens.harvest.sources import Source, open_source
 from vlens.harvest.stats import HookStats
 from vlens.harvest.windows import Packing, make_packing, token_documents, windows
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
-from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.loader import DTYPES
 
 FORMAT = "vlens-harvest/1"

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlens.capture.names import FINAL_NORM, LOGITS
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context
-from vlens.capture.names import FINAL_NORM, LOGITS
 from vlens.layers.attention import Attention
 from vlens.layers.norm import make_norm
 from vlens.layers.rotary import Rotary, apply_rotary
@@ -116,9 +116,12 @@ class DecoderLM(nn.Module):
     lm_head: nn.Linear
 
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Token ids -> the residual stream entering layer 0, firing hook_embed. Families that scale
-        the embedding or add learned positions override this."""
+        """Token ids -> the residual stream entering layer 0, firing hook_embed. Gemma scales the
+        embedding by sqrt(d), the factor rounded to the model dtype first as HF does; families with
+        learned positions override this."""
         x = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale:
+            x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
         if "hook_embed" in ctx.taps: x = ctx.taps["hook_embed"](x)  # fmt: skip
         return x
 

@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.context import ForwardContext
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.norm import make_norm
-from vlens.models.base import ResidualBlock, DecoderLM, Rope
+from vlens.models.base import DecoderLM, ResidualBlock, Rope
 from vlens.models.llama import SelfAttention
 
 
@@ -62,9 +61,3 @@ class GemmaForCausalLM(DecoderLM):
     embed_tokens = property(lambda self: self.model.embed_tokens)
     layers = property(lambda self: self.model.layers)
     final_norm = property(lambda self: self.model.norm)
-
-    def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)  # HF rounds the factor to the dtype
-        if "hook_embed" in ctx.taps: x = ctx.taps["hook_embed"](x)  # fmt: skip
-        return x

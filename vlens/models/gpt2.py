@@ -12,7 +12,7 @@ from vlens.context import ForwardContext
 from vlens.layers.linear import FusedLinear, StoredLinear
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
-from vlens.models.base import ResidualBlock, AttentionHeads, DecoderLM, Rope
+from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
 
 CONV1D = {"weight": torch.Tensor.t}  # Conv1D keeps weight as [in, out]; nn.Linear as [out, in]
 

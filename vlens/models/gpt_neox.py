@@ -16,7 +16,7 @@ from vlens.layers.checkpoint import Transform
 from vlens.layers.linear import FusedLinear
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
-from vlens.models.base import ResidualBlock, AttentionHeads, DecoderLM, Rope
+from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
 
 
 def deinterleave_heads(heads: int) -> Transform:

@@ -17,7 +17,7 @@ from vlens.layers.linear import FusedLinear
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.moe import SparseMoE
 from vlens.layers.norm import RMSNorm
-from vlens.models.base import ResidualBlock, AttentionHeads, DecoderLM, Rope
+from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
 
 # MoE checkpoints name their block and each expert's gate/up/down projections differently.
 MOE_CHECKPOINT_NAMES = {

@@ -10,8 +10,8 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vlens.server.activations import ActivationStore
 from vlens.engine.llm_engine import EngineStats
+from vlens.server.activations import ActivationStore
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/completions", "/v1/chat/completions")
 ACTIVATIONS_ROUTE = "/v1/activations/{id}"

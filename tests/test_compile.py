@@ -1,0 +1,124 @@
+"""The forward compiles whole, taps and interventions included: one packed engine step with prefill
+and decode rows goes through torch.compile(model.forward, fullgraph=True) with no graph break, gives
+the eager values, and a later step with other requests, rows and vectors (buffers of the same sizes)
+reuses the compiled graph instead of recompiling.
+
+The backend is "aot_eager": dynamo's capture and AOTAutograd's functionalisation (where in-place
+writes to the KV cache and the taps' buffers must survive), without the C++ code generation that
+would take minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import COMMON, build
+from transformers import LlamaConfig, MixtralConfig
+
+from vlens import LLM, Ablate, Capture, SamplingParams, Steer
+from vlens.context import get_context
+
+FAMILIES = {  # family -> (config, a hook of its MLP to capture)
+    "llama": (lambda: LlamaConfig(**COMMON, num_key_value_heads=2), "blocks.2.mlp.hook_post"),
+    "mixtral": (
+        lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "blocks.2.mlp.hook_expert_ids",  # int64 rows
+    ),
+}
+D = COMMON["hidden_size"]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def llm(request, tmp_path_factory) -> LLM:
+    config, mlp_hook = FAMILIES[request.param]
+    path = build(config(), tmp_path_factory.mktemp("compile"), request.param)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+    llm.mlp_hook = mlp_hook
+    return llm
+
+
+class CompiledForward:
+    """Stands in for the runner's forward: runs the step eagerly, explains and runs it compiled, and
+    records what a test asserts (graph breaks, compiles, differences from eager)."""
+
+    def __init__(self, model):
+        self.model, self.compiles, self.breaks, self.errors, self.taps = model, 0, [], [], []
+        aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+        def counting(gm, example_inputs):
+            self.compiles += 1
+            return aot_eager(gm, example_inputs)
+
+        self.compiled = torch.compile(model.forward, fullgraph=True, backend=counting)
+
+    def _gathered(self) -> dict[str, torch.Tensor]:
+        return {name: t.gather_out.clone() for name, t in get_context().taps.items() if t.gather_out is not None}
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        self.taps.append(sorted(get_context().taps))
+        eager = self.model(ids)
+        eager_rows = self._gathered()
+        if not self.breaks:  # explain() resets dynamo's caches: only before the first compiled call
+            self.breaks.append(torch._dynamo.explain(self.model.forward)(ids).graph_break_count)
+        out = self.compiled(ids)  # fullgraph=True: a graph break in any step would raise here
+        rows = self._gathered()
+        self.errors.append(max([rel_err(out, eager)] + [rel_err(rows[n].float(), eager_rows[n].float()) for n in rows]))
+        return out
+
+
+def _mixed_step(llm: LLM, forward: CompiledForward, seed: int, tapped: bool) -> None:
+    """Prefill two requests eagerly, then run one compiled step in which they decode while two new
+    requests prefill. With `tapped`, three requests capture at mixed positions, one steers and one
+    ablates; `seed` changes the tokens, rows and vectors but not the sizes."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = lambda n: torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    vector = lambda: torch.randn(D, generator=g)  # noqa: E731
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    if tapped:
+        first = [
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture("blocks.1.hook_resid_post", positions="generated")),
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, interventions=[Steer("blocks.0.hook_resid_post", vector(), positions="generated")]),
+        ]  # fmt: skip
+        at = [seed % 3, 3]  # other rows in each round, the same number of them
+        second = [
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture(["blocks.0.attn.hook_z", "hook_embed"], positions=at)),
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture(llm.mlp_hook, positions="all"),
+                           interventions=[Ablate("blocks.1.hook_attn_out", vector(), positions=[1, 2])]),
+        ]  # fmt: skip
+    else:
+        first, second = [plain, plain], [plain, plain]
+    engine = llm.engine
+    engine.runner.forward = llm.model  # the first step, all prefill, runs eagerly
+    engine.add_requests([_request(tokens(5), first[0]), _request(tokens(7), first[1])])
+    engine.step()
+    engine.runner.forward = forward
+    engine.add_requests([_request(tokens(6), second[0]), _request(tokens(4), second[1])])
+    engine.step()
+    engine.runner.forward = llm.model
+    for request_id in list(engine._requests):
+        engine.abort(request_id)
+
+
+def _request(ids, params):
+    from vlens.engine.llm_engine import NewRequest
+
+    return NewRequest(ids, params)
+
+
+@pytest.mark.parametrize("tapped", [False, True], ids=["nothing_captured", "captures_steer_ablate"])
+def test_compile_whole_forward_no_recompile(llm, tapped):
+    torch._dynamo.reset()
+    llm.engine.runner.taps.fixed_shapes = True
+    forward = CompiledForward(llm.model)
+    try:
+        _mixed_step(llm, forward, seed=1, tapped=tapped)
+        assert forward.breaks == [0] and forward.compiles == 1
+        _mixed_step(llm, forward, seed=2, tapped=tapped)
+    finally:
+        llm.engine.runner.taps.fixed_shapes = False
+    assert forward.compiles == 1, "a step with other requests, rows and vectors recompiled"
+    assert max(forward.errors) < 1e-5
+    tapped_sites = ["blocks.0.attn.hook_z", "blocks.0.hook_resid_post", "blocks.1.hook_attn_out",
+                    "blocks.1.hook_resid_post", llm.mlp_hook, "hook_embed"]  # fmt: skip
+    assert forward.taps == [sorted(tapped_sites) if tapped else []] * 2
