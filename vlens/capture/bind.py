@@ -8,6 +8,7 @@ with a ValueError naming its field.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -39,19 +40,20 @@ class BoundIntervention:
     positions: Positions
     prompt_len: int
     data: torch.Tensor  # [n, width] float32: scale * vector, the unit direction, or the patch rows
-    value_positions: torch.Tensor | None = None  # a multi-row patch: the position of each data row (sorted)
-    table_rows: torch.Tensor | None = None  # [n] where the runtime stored `data` (set on upload)
+    value_positions: list[int] | None = None  # a multi-row patch: the position of each data row
+    table_rows: list[int] | None = None  # where the runtime stored each row of `data` (set on upload)
 
     @property
     def width(self) -> int:
         return self.data.shape[1]
 
-    def rows_at(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows_at(self, start: int, end: int) -> tuple[Sequence[int], list[int]]:
         """(positions in [start, end) it edits, the vector-table row for each)."""
-        positions = torch.as_tensor(self.positions.candidates(start, end, self.prompt_len), dtype=torch.long)
+        positions = self.positions.candidates(start, end, self.prompt_len)
         if self.value_positions is None:
-            return positions, self.table_rows.expand(len(positions))
-        return positions, self.table_rows[torch.searchsorted(self.value_positions, positions)]
+            return positions, self.table_rows * len(positions)
+        row_of = dict(zip(self.value_positions, self.table_rows))
+        return positions, [row_of[p] for p in positions]
 
 
 @dataclass
@@ -136,9 +138,7 @@ def _intervention(
                 f"{where}.values: shape {tuple(data.shape)} fits neither one row of {iv.hook} {shape} nor one row "
                 f"per position of {iv.positions}" + ("" if rows is None else f" ({len(rows)} rows)")
             )
-        order = torch.tensor(rows).argsort()
-        value_positions = torch.tensor(rows)[order]
-        data = data.reshape(len(rows), width)[order]
+        value_positions = rows
     elif data.numel() != width:
         raise ValueError(f"{where}: vector of shape {tuple(data.shape)} does not fit {iv.hook}, whose rows are {shape}")
     if iv.positions.kind == "list":

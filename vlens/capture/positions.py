@@ -166,13 +166,12 @@ class Positions:
             wanted = torch.tensor([i if i >= 0 else num_rows + i for i in self.indices], dtype=torch.long)
         return torch.isin(positions, wanted)
 
-    def tail_obsolete(self, positions: torch.Tensor, newest: int) -> bool:
-        """True when none of these collected positions can still be wanted: they were only tail
-        candidates, and newer rows have pushed them out of the tail."""
+    def tail_obsolete(self, positions: Sequence[int], newest: int) -> bool:
+        """True when none of these collected positions (ascending) can still be wanted: they were only
+        tail candidates, and newer rows have pushed them out of the tail."""
         if not self.tail or self._every_row:
             return False
-        fixed = torch.tensor(self._fixed, dtype=torch.long)
-        return bool((positions <= newest - self.tail).all()) and not bool(torch.isin(positions, fixed).any())
+        return positions[-1] <= newest - self.tail and not any(i in positions for i in self._fixed)
 
     def max_rows(self, prompt_len: int, max_tokens: int) -> int:
         """The most rows this spec can select from a request of at most P + max_tokens - 1 rows."""

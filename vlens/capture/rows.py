@@ -2,12 +2,15 @@
 
 Each step the plan asks every stream which of the step's positions to gather (`select`); after the
 forward the rows come back (`add`). Chunked prefill, preemption and recompute never change what a
-request gets: a position is offered to a stream once, whatever recomputes it later.
+request gets: a position is offered to a stream once, whatever recomputes it later. Positions stay
+Python ranges and lists until the end, so a step costs a few integer operations per request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -30,12 +33,12 @@ class RowStream:
     reduce: str = "none"  # "mean": one row, the mean over the selected rows
     logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
     offered_upto: int = 0  # positions below this were offered to the stream already
-    _positions: list[torch.Tensor] = field(default_factory=list)
+    _positions: list[Sequence[int]] = field(default_factory=list)  # per step, ascending
     _rows: dict[str, list] = field(default_factory=dict)
 
-    @property
-    def taps(self) -> list[str]:
-        return sorted(set(self.hooks.values()))
+    def __post_init__(self) -> None:
+        self.taps = sorted(set(self.hooks.values()))
+        self.first_wanted = self.positions.first_needed(self.prompt_len)
 
     @property
     def sums_on_device(self) -> bool:
@@ -44,22 +47,22 @@ class RowStream:
 
     def first_needed(self) -> int:
         """Rows below this are never wanted again: their KV may come from the prefix cache."""
-        return max(self.offered_upto, self.positions.first_needed(self.prompt_len))
+        return max(self.offered_upto, self.first_wanted)
 
-    def select(self, token_ids: list[int], start: int, end: int) -> torch.Tensor:
+    def select(self, token_ids: list[int], start: int, end: int) -> Sequence[int]:
         """Positions of a step's rows [start, end) to gather: wanted, new, and not excluded."""
-        pos = torch.as_tensor(self.positions.candidates(max(start, self.offered_upto), end, self.prompt_len))
+        pos = self.positions.candidates(max(start, self.offered_upto), end, self.prompt_len)
         self.offered_upto = max(self.offered_upto, end)
         if self.exclude is not None and len(pos):
-            tokens = torch.tensor(token_ids[start:end], dtype=torch.long)[pos - start]
-            pos = pos[~torch.isin(tokens, self.exclude)]
-        return pos.long()
+            at = torch.as_tensor(pos)
+            pos = at[~torch.isin(torch.tensor(token_ids)[at], self.exclude)].tolist()
+        return pos
 
-    def add(self, positions: torch.Tensor, tap_rows: dict[str, object]) -> None:
+    def add(self, positions: Sequence[int], tap_rows: dict[str, object]) -> None:
         self._positions.append(positions)
         for tap, rows in tap_rows.items():
             self._rows.setdefault(tap, []).append(rows)
-        newest = int(positions[-1])
+        newest = positions[-1]
         while len(self._positions) > 1 and self.positions.tail_obsolete(self._positions[0], newest):
             self._positions.pop(0)
             for pieces in self._rows.values():
@@ -68,7 +71,7 @@ class RowStream:
     def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, object]]:
         """(positions, {requested name: rows or (ids, logprobs)}) per the spec, once the sequence has
         `num_rows` rows."""
-        positions = torch.cat(self._positions) if self._positions else torch.empty(0, dtype=torch.long)
+        positions = torch.tensor(list(chain.from_iterable(self._positions)), dtype=torch.long)
         keep = self.positions.keep(positions, num_rows)
         dtype = self.dtype or model_dtype
         out: dict[str, object] = {}

@@ -14,6 +14,7 @@ table per row width, written once when a request arrives, not every step.
 from __future__ import annotations
 
 import math
+from itertools import chain
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ class VectorTable:
         self.data = torch.zeros(16, width, device=device, dtype=dtype)
         self.free = list(range(16))
 
-    def put(self, rows: torch.Tensor) -> torch.Tensor:
+    def put(self, rows: torch.Tensor) -> list[int]:
         if len(rows) > len(self.free):
             old = self.data
             grown = max(2 * len(old), len(old) + len(rows))
@@ -77,12 +78,12 @@ class VectorTable:
             self.data[: len(old)] = old
             self.free += range(len(old), grown)
         ids, self.free = self.free[: len(rows)], self.free[len(rows) :]
-        index = torch.tensor(ids, dtype=torch.long)
-        self.data[index.to(self.data.device)] = rows.to(self.data.device, self.data.dtype)
-        return index
+        index = torch.tensor(ids, dtype=torch.long, device=self.data.device)
+        self.data[index] = rows.to(self.data.device, self.data.dtype)
+        return ids
 
-    def release(self, ids: torch.Tensor) -> None:
-        self.free += ids.tolist()
+    def release(self, ids: list[int]) -> None:
+        self.free += ids
 
 
 class TapRuntime:
@@ -127,30 +128,27 @@ class TapRuntime:
 
     def arm(self, plan: StepPlan) -> dict[str, Tap]:
         """The taps of this step's plan, their indices written into the device buffers in one copy."""
-        pieces: list[torch.Tensor] = []
+        flat: list[int] = []
         layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # (tap, field, offset, shape)
-        offset = 0
 
-        def add(tap: str, name: str, values: torch.Tensor) -> None:
-            nonlocal offset
-            pieces.append(values.reshape(-1))
-            layout.append((tap, name, offset, tuple(values.shape)))
-            offset += values.numel()
+        def add(tap: str, name: str, values: list[int], shape: tuple[int, ...]) -> None:
+            layout.append((tap, name, len(flat), shape))
+            flat.extend(values)
 
         for tap, parts in plan.gathers.items():
-            rows = torch.cat([r for _, r in parts])
+            rows = list(chain.from_iterable(r for _, r in parts))
             size = self._size(len(rows))
-            add(tap, "gather_index", torch.cat([rows, rows.new_zeros(size - len(rows))]))
+            add(tap, "gather_index", rows + [0] * (size - len(rows)), (size,))
         for tap, passes in plan.edits.items():
-            width = max(len(rows) for rows, _, _ in passes)
-            size = self._size(width)
-            padded = [[_pad_to(t, size) for t in entries] for entries in passes]
-            for i, name in enumerate(("edit_rows", "edit_vectors", "edit_kinds")):
-                add(tap, name, torch.stack([p[i] for p in padded]))
-        if offset > len(self._index):
-            self._index = torch.zeros(max(offset, 2 * len(self._index)), dtype=torch.long, device=self.device)
-        if offset:
-            self._index[:offset].copy_(torch.cat(pieces), non_blocking=True)
+            size = self._size(max(len(e.rows) for e in passes))
+            for name, column in (("edit_rows", "rows"), ("edit_vectors", "vectors"), ("edit_kinds", "kinds")):
+                # a pass is padded by repeating its last edit: the same write twice is the same write
+                lists = [getattr(e, column) for e in passes]
+                add(tap, name, [x for v in lists for x in v + v[-1:] * (size - len(v))], (len(passes), size))
+        if len(flat) > len(self._index):
+            self._index = torch.zeros(max(len(flat), 2 * len(self._index)), dtype=torch.long, device=self.device)
+        if flat:
+            self._index[: len(flat)].copy_(torch.tensor(flat), non_blocking=True)
         taps = {}
         for tap, name, start, shape in layout:
             t = taps.get(tap) or self._reset(tap)
@@ -208,11 +206,6 @@ class Collection:
         if self.event is not None:
             self.event.synchronize()
         return self.items
-
-
-def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
-    """Pad a pass's entries by repeating the last one: the same edit written twice is the same write."""
-    return torch.cat([t, t[-1:].expand(size - len(t))])
 
 
 def _reads_out(owner: object) -> bool:

@@ -57,9 +57,7 @@ class ModelRunner:
         positions, query_positions, q_index = grid_layout(starts, lens)
         num_keys = int((starts + lens).max())
         width = -(-num_keys // self.block_size)
-        tables = torch.zeros(len(chunk), width, dtype=torch.long)
-        for i, (seq, _) in enumerate(chunk):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table[:width], dtype=torch.long)
+        tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table)) for s, _ in chunk])
         j = torch.arange(num_keys)
         key_slots = tables[:, j // self.block_size] * self.block_size + j % self.block_size
         seq_of_row = torch.repeat_interleave(torch.arange(len(chunk)), lens)
@@ -103,6 +101,9 @@ class ModelRunner:
         )
         return order, ctx, ids
 
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         p = [s.params for s in seqs]
         dev = self.device
@@ -133,16 +134,16 @@ class ModelRunner:
                 chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row))
             row += n
         plan = plan_step(chunks)
-        logit_rows, sample_index = plan.logit_rows(torch.tensor(sample_rows, dtype=torch.long))
+        logit_rows, sample_index = plan.logit_rows(sample_rows)
         ctx.taps = self.taps.arm(plan) if plan else {}
         sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids)]
         set_context(ctx)
         try:
             hidden = self.forward(ids.to(self.device, non_blocking=True))
-            if len(logit_rows):
-                logits = self.model.logits(hidden.index_select(0, logit_rows.to(self.device, non_blocking=True)))
+            if logit_rows:
+                logits = self.model.logits(hidden.index_select(0, self._on_device(logit_rows)))
                 if sample_index is not None:
-                    logits = logits.index_select(0, sample_index.to(self.device, non_blocking=True))
+                    logits = logits.index_select(0, self._on_device(sample_index))
         finally:
             set_context(None)
         collection = self.taps.collect(plan) if plan.gathers else None

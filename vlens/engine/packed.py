@@ -11,7 +11,7 @@ from itertools import accumulate
 import torch
 
 from vlens.capture.names import FINAL_NORM, LOGITS, hook_shapes, layers_needed
-from vlens.capture.plan import StepPlan
+from vlens.capture.plan import StepPlan, shift
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import packed_context, set_context
 from vlens.models.base import DecoderLM
@@ -51,8 +51,8 @@ def packed_forward(
     starts = list(accumulate([0] + lens[:-1]))
     plan = StepPlan()
     for i, (start, n) in enumerate(zip(starts, lens)):
-        positions = torch.arange(n) if rows is None else rows[i]
-        plan.gather(i, positions, positions + start, taps)
+        positions = range(n) if rows is None else rows[i].tolist()
+        plan.gather(i, positions, shift(positions, start), taps)
     runtime = TapRuntime(hook_shapes(model.cfg), device, dtype)
     armed = runtime.arm(plan)
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
