@@ -19,14 +19,18 @@ import torch
 # Spelled out here, not imported from vlens.capture.names, so a renamed or dropped hook fails the parity tests.
 LAYER_KINDS = (
     "hook_resid_pre",
+    "ln1.hook_scale",
     "ln1.hook_normalized",
+    "ln1.hook_out",
     "attn.hook_q",
     "attn.hook_k",
     "attn.hook_v",
     "attn.hook_z",
     "hook_attn_out",
     "hook_resid_mid",
+    "ln2.hook_scale",
     "ln2.hook_normalized",
+    "ln2.hook_out",
     "mlp.hook_post",
     "hook_mlp_out",
     "hook_resid_post",
@@ -43,6 +47,7 @@ class Family:
     outputs: dict[str, str]  # tap kind -> module whose output it is
     inputs: dict[str, str]  # tap kind -> module whose first input it is
     qkv: str  # module whose output holds the projections (v, and q/k for GPT-2)
+    final_norm: str  # path from the CausalLM to the final norm
     extra: dict[str, str] = field(default_factory=dict)  # model-level taps: name -> module output
 
 
@@ -51,9 +56,9 @@ LLAMA = Family(
     embed="model.embed_tokens",
     attn="self_attn",
     outputs={
-        "ln1.hook_normalized": "input_layernorm",
+        "ln1.hook_out": "input_layernorm",
         "hook_attn_out": "self_attn",
-        "ln2.hook_normalized": "post_attention_layernorm",
+        "ln2.hook_out": "post_attention_layernorm",
         "hook_mlp_out": "mlp",
     },
     inputs={
@@ -62,6 +67,7 @@ LLAMA = Family(
         "mlp.hook_post": "mlp.down_proj",
     },
     qkv="self_attn.v_proj",
+    final_norm="model.norm",
 )
 FAMILIES = {
     "llama": LLAMA,
@@ -71,9 +77,9 @@ FAMILIES = {
         embed="model.embed_tokens",
         attn="self_attn",
         outputs={
-            "ln1.hook_normalized": "input_layernorm",
+            "ln1.hook_out": "input_layernorm",
             "hook_attn_out": "post_attention_layernorm",
-            "ln2.hook_normalized": "pre_feedforward_layernorm",
+            "ln2.hook_out": "pre_feedforward_layernorm",
             "hook_mlp_out": "post_feedforward_layernorm",
         },
         inputs={
@@ -82,19 +88,21 @@ FAMILIES = {
             "mlp.hook_post": "mlp.down_proj",
         },
         qkv="self_attn.v_proj",
+        final_norm="model.norm",
     ),
     "gpt2": Family(
         layers="transformer.h",
         embed="transformer.wte",
         attn="attn",
         outputs={
-            "ln1.hook_normalized": "ln_1",
+            "ln1.hook_out": "ln_1",
             "hook_attn_out": "attn",
-            "ln2.hook_normalized": "ln_2",
+            "ln2.hook_out": "ln_2",
             "hook_mlp_out": "mlp",
         },
         inputs={"hook_resid_mid": "ln_2", "attn.hook_z": "attn.c_proj", "mlp.hook_post": "mlp.c_proj"},
         qkv="attn.c_attn",
+        final_norm="transformer.ln_f",
         extra={"hook_pos_embed": "transformer.wpe"},
     ),
     "gpt_neox": Family(
@@ -102,9 +110,9 @@ FAMILIES = {
         embed="gpt_neox.embed_in",
         attn="attention",
         outputs={
-            "ln1.hook_normalized": "input_layernorm",
+            "ln1.hook_out": "input_layernorm",
             "hook_attn_out": "attention",
-            "ln2.hook_normalized": "post_attention_layernorm",
+            "ln2.hook_out": "post_attention_layernorm",
             "hook_mlp_out": "mlp",
         },
         inputs={
@@ -113,6 +121,7 @@ FAMILIES = {
             "mlp.hook_post": "mlp.dense_4h_to_h",
         },
         qkv="attention.query_key_value",
+        final_norm="gpt_neox.final_layer_norm",
     ),
 }
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3"}
@@ -126,6 +135,19 @@ def family_of(hf_model) -> tuple[str, Family]:
 def _first(x):
     """Modules return a tensor or a tuple whose first item is the tensor; either way the tensor."""
     return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def norm_inner(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hook_scale, hook_normalized) of a norm from its input, as TransformerLens defines them: the
+    divisor, and the input normalised before the weight (LayerNorm: centred first)."""
+    h = x.float()
+    if isinstance(module, torch.nn.LayerNorm):
+        h = h - h.mean(-1, keepdim=True)
+        eps = module.eps
+    else:  # the RMS norms of Llama, Gemma and the rest
+        eps = getattr(module, "variance_epsilon", None) or module.eps
+    scale = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return scale.to(x.dtype), (h / scale).to(x.dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +200,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.
     def on_input(module, key):
         handles.append(module.register_forward_hook(lambda m, a, o: got.__setitem__(key, _rows(a[0]).clone())))
 
+    norms = {"ln_final": hf_model.get_submodule(fam.final_norm)}
     on_output(hf_model.get_submodule(fam.embed), "hook_embed")
     for hook, path in fam.extra.items():
         on_output(hf_model.get_submodule(path), hook)
@@ -187,6 +210,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.
         on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
         for kind, path in fam.outputs.items():
             on_output(block.get_submodule(path), p + kind)
+            if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
+                norms[p + kind.split(".")[0]] = block.get_submodule(path)
         parallel = getattr(cfg, "use_parallel_residual", False)
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:
@@ -199,6 +224,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.
             on_output(block.mlp.gate, p + "mlp.hook_expert_ids", pick=lambda o: o[2])
             if hasattr(block.mlp, "shared_expert"):
                 on_input(block.mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
+    for prefix, module in norms.items():
+        handles.append(
+            module.register_forward_hook(lambda m, a, o, prefix=prefix: raw.__setitem__(prefix, _rows(a[0]).clone()))
+        )
     rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         with _recording_rotary(blocks[0].get_submodule(fam.attn), rotated):
@@ -207,10 +236,12 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.
         for h in handles:
             h.remove()
 
+    for prefix, module in norms.items():
+        got[prefix + ".hook_scale"], got[prefix + ".hook_normalized"] = norm_inner(module, raw[prefix])
     t = len(ids)
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]
-    got["ln_final.hook_normalized"] = out.hidden_states[n][0]
+    got["ln_final.hook_out"] = out.hidden_states[n][0]
     got["unembed.hook_out"] = out.logits[0]
     for layer in layers:
         p = f"blocks.{layer}."

@@ -217,8 +217,8 @@ def test_stops_logprobs_and_hidden_states(smol):
     for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
         assert entry[token].rank == 1  # greedy picks the top token
         assert len(entry) == 4 and all(v.logprob <= 0 for v in entry.values())
-    [ref] = smol.trace([out.prompt_token_ids + out.outputs[0].token_ids[:-1]], "ln_final.hook_normalized")
-    assert rel_err(out.hidden_states, ref["ln_final.hook_normalized"]) < 1e-5
+    [ref] = smol.trace([out.prompt_token_ids + out.outputs[0].token_ids[:-1]], "ln_final.hook_out")
+    assert rel_err(out.hidden_states, ref["ln_final.hook_out"]) < 1e-5
 
 
 def test_chat_uses_the_template(smol):

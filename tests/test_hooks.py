@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 import vlens.models.base as model_base
 from vlens import LLM
-from vlens.capture.names import FINAL_NORM, LAYER_HOOKS, LOGITS, HookSpecError, hook_shapes, resolve_hooks
+from vlens.capture.names import FINAL_NORM, FINAL_NORM_TAPS, LAYER_HOOKS, LOGITS, HookSpecError, hook_shapes, resolve_hooks
 
 N_LAYERS, HEADS, KV_HEADS, HEAD_DIM, D, FFN, VOCAB = 4, 4, 2, 8, 64, 96, 300
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]
@@ -151,20 +151,22 @@ def test_hook_names_contents_and_shapes(tiny):
     names = tiny.hook_names()
     expected = ["hook_embed"]
     expected += [f"blocks.{i}.{h}" for i in range(N_LAYERS) for h in LAYER_HOOKS]
-    expected += [FINAL_NORM, LOGITS] + [f"hidden_states.{i}" for i in range(N_LAYERS + 1)]
+    expected += [*FINAL_NORM_TAPS, LOGITS] + [f"hidden_states.{i}" for i in range(N_LAYERS + 1)]
     assert list(names) == expected  # forward order
-    assert len(LAYER_HOOKS) == 12
+    assert len(LAYER_HOOKS) == 16
     for i in range(N_LAYERS):
         p = f"blocks.{i}."
         assert names[p + "attn.hook_q"] == (HEADS, HEAD_DIM)
         assert names[p + "attn.hook_z"] == (HEADS, HEAD_DIM)
         assert names[p + "attn.hook_k"] == names[p + "attn.hook_v"] == (KV_HEADS, HEAD_DIM)
         assert names[p + "mlp.hook_post"] == (FFN,)
-        for h in ("hook_resid_pre", "ln1.hook_normalized", "hook_attn_out", "hook_resid_mid"):
+        for h in ("hook_resid_pre", "ln1.hook_normalized", "ln1.hook_out", "hook_attn_out", "hook_resid_mid"):
             assert names[p + h] == (D,)
-        for h in ("ln2.hook_normalized", "hook_mlp_out", "hook_resid_post"):
+        for h in ("ln2.hook_normalized", "ln2.hook_out", "hook_mlp_out", "hook_resid_post"):
             assert names[p + h] == (D,)
-    assert names[FINAL_NORM] == names["hidden_states.0"] == names["hook_embed"] == (D,)
+        assert names[p + "ln1.hook_scale"] == names[p + "ln2.hook_scale"] == (1,)
+    assert names[FINAL_NORM] == names["ln_final.hook_normalized"] == names["hidden_states.0"] == (D,)
+    assert names["ln_final.hook_scale"] == (1,) and names["hook_embed"] == (D,)
     assert names[LOGITS] == (VOCAB,)
 
 

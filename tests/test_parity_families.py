@@ -104,7 +104,9 @@ def family(request, tmp_path_factory):
 
 def all_hooks(n_layers: int) -> list[str]:
     return layer_hooks(range(n_layers)) + [f"hidden_states.{i}" for i in range(n_layers + 1)] + [
+        "ln_final.hook_scale",
         "ln_final.hook_normalized",
+        "ln_final.hook_out",
         "unembed.hook_out",
     ]
 

@@ -38,7 +38,9 @@ def all_hooks(smol, layers) -> list[str]:
     n = smol.config.num_layers
     return layer_hooks(layers) + [f"hidden_states.{i}" for i in range(n + 1)] + [
         "hook_embed",
+        "ln_final.hook_scale",
         "ln_final.hook_normalized",
+        "ln_final.hook_out",
         "unembed.hook_out",
     ]
 
@@ -97,7 +99,7 @@ def test_last_resid_post_is_raw_and_hidden_states_last_is_normed(packed, referen
     got, ref = packed["long"], reference["long"]
     raw, normed = got[f"blocks.{n - 1}.hook_resid_post"], got[f"hidden_states.{n}"]
     assert rel_err(raw, normed) > 0.5
-    assert torch.equal(normed, got["ln_final.hook_normalized"])
+    assert torch.equal(normed, got["ln_final.hook_out"])
     assert rel_err(raw, ref[f"hidden_states.{n}"]) > 0.5
     # resid_post of an inner layer is the next layer's input, the same tensor as HF's hidden_states[L + 1].
     assert torch.equal(got["blocks.0.hook_resid_post"], got["hidden_states.1"])

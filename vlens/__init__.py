@@ -3,6 +3,7 @@
 from vlens.capture import Ablate, Capture, Patch, Positions, Steer
 from vlens.engine.config import EngineConfig
 from vlens.harvest import ActivationDataset, harvest  # the function shadows its subpackage
+from vlens.hooked import ActivationCache, HookedLM
 from vlens.llm import LLM
 from vlens.loader import load_model
 from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
@@ -11,6 +12,8 @@ from vlens.sampling_params import SamplingParams
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "HookedLM",
+    "ActivationCache",
     "SamplingParams",
     "Capture",
     "Positions",

@@ -19,14 +19,18 @@ from vlens.config import ModelConfig
 # Per-layer taps of a dense layer, in the order the forward reaches them.
 LAYER_HOOKS = (
     "hook_resid_pre",
+    "ln1.hook_scale",
     "ln1.hook_normalized",
+    "ln1.hook_out",
     "attn.hook_q",
     "attn.hook_k",
     "attn.hook_v",
     "attn.hook_z",
     "hook_attn_out",
     "hook_resid_mid",
+    "ln2.hook_scale",
     "ln2.hook_normalized",
+    "ln2.hook_out",
     "mlp.hook_post",
     "hook_mlp_out",
     "hook_resid_post",
@@ -34,7 +38,9 @@ LAYER_HOOKS = (
 # What an MoE layer has in place of mlp.hook_post: the router's logits, the chosen experts (int64)
 # and, in Qwen2-MoE, the shared expert's hidden activation.
 MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")
-FINAL_NORM = "ln_final.hook_normalized"
+# The final norm's taps; its output (after the weight) is HF's last hidden state, hidden_states.{N}.
+FINAL_NORM_TAPS = ("ln_final.hook_scale", "ln_final.hook_normalized", "ln_final.hook_out")
+FINAL_NORM = FINAL_NORM_TAPS[-1]
 LOGITS = "unembed.hook_out"
 
 
@@ -58,6 +64,8 @@ def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every hook name of the model, in forward order, with its per-token shape."""
     d, heads, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     per_layer = {
+        "ln1.hook_scale": (1,),
+        "ln2.hook_scale": (1,),
         "attn.hook_q": (heads, dh),
         "attn.hook_k": (kv, dh),
         "attn.hook_v": (kv, dh),
@@ -73,7 +81,7 @@ def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(cfg.num_layers):
         for hook in layer_hooks(cfg, layer):
             shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
-    shapes[FINAL_NORM] = (d,)
+    shapes.update(dict(zip(FINAL_NORM_TAPS, [(1,), (d,), (d,)])))
     shapes[LOGITS] = (cfg.vocab_size,)
     for i in range(cfg.num_layers + 1):
         shapes[f"hidden_states.{i}"] = (d,)

@@ -5,12 +5,13 @@ No KV cache, no sampling, no logits unless a tap asks for them, and no layer pas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-from vlens.capture.names import FINAL_NORM, LOGITS, hook_shapes, layers_needed
+from vlens.capture.names import FINAL_NORM_TAPS, LOGITS, hook_shapes, layers_needed
 from vlens.capture.plan import StepPlan, shift
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import packed_context, set_context
@@ -42,10 +43,15 @@ class PackedCapture:
 
 @torch.inference_mode()
 def packed_forward(
-    model: DecoderLM, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None
+    model: DecoderLM,
+    sequences: list[list[int]],
+    taps: list[str],
+    rows: list[torch.Tensor] | None = None,
+    hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> PackedCapture:
     """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
-    sequence i (default: every position)."""
+    sequence i (default: every position). `hooks` are user functions run at their taps before the
+    capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward)."""
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     lens = [len(s) for s in sequences]
     starts = list(accumulate([0] + lens[:-1]))
@@ -55,16 +61,23 @@ def packed_forward(
         plan.gather(i, positions, shift(positions, start), taps)
     runtime = TapRuntime(hook_shapes(model.cfg), device, dtype)
     armed = runtime.arm(plan)
+    for name, fn in (hooks or {}).items():
+        armed[name] = fn if name not in armed else _then(fn, armed[name])
+    sites = [*taps, *(hooks or {})]
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    full = FINAL_NORM in taps or LOGITS in taps
-    depth = max(layers_needed(t, model.cfg) for t in taps)
+    full = any(t in FINAL_NORM_TAPS or t == LOGITS for t in sites)
+    depth = max(layers_needed(t, model.cfg) for t in sites)
     ctx = packed_context(lens, device, set(model.cfg.sliding_windows))
     ctx.taps = armed
     set_context(ctx)
     try:
         hidden = model(ids.to(device, non_blocking=True), num_layers=None if full else depth)
-        if LOGITS in taps:
+        if LOGITS in sites:
             model.logits(hidden)
     finally:
         set_context(None)
     return PackedCapture(plan, runtime.collect(plan))
+
+
+def _then(first: Callable, second: Callable) -> Callable:
+    return lambda x: second(first(x))

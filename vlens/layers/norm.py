@@ -1,16 +1,41 @@
-"""The norms of the supported families, with HF's numerics.
+"""The norms of the supported families, with HF's numerics, and their taps as TransformerLens names them.
 
 RMSNorm normalises in float32. Llama-style models cast back and then scale; Gemma scales by
 (1 + w) while still in float32 and casts last. In float32 the two orders agree; in bfloat16 they
-round differently, so each family gets its own. LayerNorm (GPT-2, NeoX) is torch's, as in HF.
+round differently, so each family gets its own. LayerNorm (GPT-2, NeoX) is torch's fused kernel, as
+in HF, unless a tap needs its inner values.
+
+Taps (`NormHooks`): `hook_scale` is the divisor ([1] per token: sqrt(mean(x²) + eps), or for LayerNorm
+sqrt(var + eps)), `hook_normalized` the input normalised *before* the weight (x / scale; LayerNorm
+centres first) — TransformerLens's meaning — and `hook_out` the norm's output after weight and bias,
+the module output HF reports. A norm with no hooks (q/k norms, Gemma's post-norms) has no taps. A tap that only captures returns
+the very tensor it was given, and then the output is computed exactly as without it; an edited scale
+or normalized value is carried on through the weight (and bias).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlens.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class NormHooks:
+    scale: str = ""
+    normalized: str = ""
+    out: str = ""
+
+    @classmethod
+    def at(cls, prefix: str) -> NormHooks:
+        return cls(prefix + ".hook_scale", prefix + ".hook_normalized", prefix + ".hook_out")
+
+
+NO_HOOKS = NormHooks()  # names no tap ever has
 
 
 class RMSNorm(nn.Module):
@@ -20,18 +45,52 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset  # Gemma: the weight is stored as w with the scale 1 + w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, taps: dict | None = None, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
+        taps = taps or {}
         dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+        variance = h.pow(2).mean(-1, keepdim=True) + self.eps
+        h = h * torch.rsqrt(variance)
+        if hooks.scale in taps:
+            scale = variance.sqrt().to(dtype)
+            edited = taps[hooks.scale](scale)
+            if edited is not scale:
+                h = x.float() / edited.float()
+        if hooks.normalized in taps:
+            normalized = h.to(dtype)
+            edited = taps[hooks.normalized](normalized)
+            if edited is not normalized:
+                h = edited.float()
+        out = (h * (1.0 + self.weight.float())).to(dtype) if self.offset else self.weight * h.to(dtype)
+        if hooks.out in taps: out = taps[hooks.out](out)  # fmt: skip
+        return out
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, taps: dict | None = None, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
+        taps = taps or {}
+        out = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        if hooks.scale in taps or hooks.normalized in taps:
+            centred = x - x.mean(-1, keepdim=True)
+            scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+            edited_scale = taps[hooks.scale](scale) if hooks.scale in taps else scale
+            h = centred / edited_scale
+            edited = taps[hooks.normalized](h) if hooks.normalized in taps else h
+            if edited_scale is not scale or edited is not h:
+                out = edited * self.weight + self.bias
+        if hooks.out in taps: out = taps[hooks.out](out)  # fmt: skip
+        return out
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     """The model's norm over `dim` features (default: the residual width)."""
     dim = cfg.hidden_size if dim is None else dim
     if cfg.norm == "layer":
-        return nn.LayerNorm(dim, eps=cfg.norm_eps)
+        return LayerNorm(dim, cfg.norm_eps)
     return RMSNorm(dim, cfg.norm_eps, offset=cfg.norm == "rms_offset")

@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlens.capture.names import FINAL_NORM, LOGITS
+from vlens.capture.names import LOGITS
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context
 from vlens.layers.attention import Attention
-from vlens.layers.norm import make_norm
+from vlens.layers.norm import NormHooks, make_norm
 from vlens.layers.rotary import Rotary, apply_rotary
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope kind -> (cos, sin), from Rotary.cos_sin
+FINAL_NORM_HOOKS = NormHooks.at("ln_final")
 
 
 class AttentionHeads(nn.Module):
@@ -73,15 +74,14 @@ class ResidualBlock(nn.Module):
     def __init__(self, layer: int):
         super().__init__()
         p = f"blocks.{layer}."
-        self.hook_resid_pre, self.hook_ln1 = p + "hook_resid_pre", p + "ln1.hook_normalized"
+        self.hook_resid_pre, self.hook_ln1 = p + "hook_resid_pre", NormHooks.at(p + "ln1")
         self.hook_attn_out, self.hook_resid_mid = p + "hook_attn_out", p + "hook_resid_mid"
-        self.hook_ln2, self.hook_mlp_out = p + "ln2.hook_normalized", p + "hook_mlp_out"
+        self.hook_ln2, self.hook_mlp_out = NormHooks.at(p + "ln2"), p + "hook_mlp_out"
         self.hook_resid_post = p + "hook_resid_post"
 
     def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
         if self.hook_resid_pre in taps: x = taps[self.hook_resid_pre](x)  # fmt: skip
-        h = self.ln1(x)
-        if self.hook_ln1 in taps: h = taps[self.hook_ln1](h)  # fmt: skip
+        h = self.ln1(x, taps, self.hook_ln1)
         a = self.attn_out(h, rope, taps)
         if self.hook_attn_out in taps: a = taps[self.hook_attn_out](a)  # fmt: skip
         if self.parallel:
@@ -89,8 +89,7 @@ class ResidualBlock(nn.Module):
         else:
             mid = x + a
             if self.hook_resid_mid in taps: mid = taps[self.hook_resid_mid](mid)  # fmt: skip
-        h = self.ln2(mid)
-        if self.hook_ln2 in taps: h = taps[self.hook_ln2](h)  # fmt: skip
+        h = self.ln2(mid, taps, self.hook_ln2)
         m = self.mlp_out(h, taps)
         if self.hook_mlp_out in taps: m = taps[self.hook_mlp_out](m)  # fmt: skip
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
@@ -145,9 +144,7 @@ class DecoderLM(nn.Module):
                 hook = self.layers[num_layers].hook_resid_pre
                 if hook in taps: x = taps[hook](x)  # fmt: skip
             return x
-        x = self.final_norm(x)
-        if FINAL_NORM in taps: x = taps[FINAL_NORM](x)  # fmt: skip
-        return x
+        return self.final_norm(x, taps, FINAL_NORM_HOOKS)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         logits = self._unembed(normed)

@@ -1,0 +1,164 @@
+"""TransformerLens's calls (vlens.HookedLM): cached values equal HF on texts of different lengths (pads
+masked, never compared), stop_at_layer, pos_slice, hook functions that ablate a head or steer, and
+errors that name what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_parity import COMMON, build
+from hf_reference import hf_taps
+from transformers import GPT2Config, Gemma2Config
+
+from conftest import rel_err
+from vlens import ActivationCache, HookedLM
+
+TEXTS = ["The capital of France is", "Hello", "Once upon a time, in a small village by the sea, there lived"]
+
+
+@pytest.fixture(scope="module")
+def hooked(smol_path) -> HookedLM:
+    return HookedLM(str(smol_path), dtype="float32", device="cpu")
+
+
+def _each_text(cache: ActivationCache, name: str, lengths: list[int]):
+    """The real (unpadded) rows of each text, after checking the pads are zeros."""
+    value = cache[name]
+    for i, n in enumerate(lengths):
+        assert not value[i, n:].any(), (name, i)  # never computed on a pad
+        yield value[i, :n]
+
+
+def test_cache_equals_hf_on_texts_of_different_lengths(hooked, hf_smol):
+    names = "blocks.{0,15,29}.*"
+    logits, cache = hooked.run_with_cache(TEXTS, names_filter=names)
+    ids = [hooked.to_tokens(t)[0].tolist() for t in TEXTS]
+    lengths = [len(i) for i in ids]
+    assert cache.mask.tolist() == [[j < n for j in range(max(lengths))] for n in lengths]
+    refs = [hf_taps(hf_smol, i, (0, 15, 29)) for i in ids]
+    assert {n.split(".")[1] for n in cache} == {"0", "15", "29"} and len(cache) == 3 * 16
+    for name in cache:
+        for ref, got in zip(refs, _each_text(cache, name, lengths)):
+            assert rel_err(got, ref[name]) <= 1e-5, name
+    for ref, got in zip(refs, _each_text({"logits": logits}, "logits", lengths)):  # type: ignore[arg-type]
+        assert rel_err(got, ref["unembed.hook_out"]) <= 1e-5
+    assert torch.equal(cache["resid_post", 15], cache["blocks.15.hook_resid_post"])
+    assert torch.equal(cache["q", 0], cache["blocks.0.attn.hook_q"])
+    assert torch.equal(cache["scale", 29, "ln2"], cache["blocks.29.ln2.hook_scale"])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+                             attn_logit_softcapping=30.0, final_logit_softcapping=20.0),
+        lambda: GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=3, n_head=4, n_positions=128),
+    ],
+    ids=["gemma2", "gpt2"],
+)  # fmt: skip
+def test_other_families_with_a_mask(config, tmp_path):
+    path = build(config(), tmp_path, "model")
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = [13, 5]
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 13), generator=g)
+    mask = torch.arange(13)[None, :] < torch.tensor(lengths)[:, None]
+    _, cache = hooked.run_with_cache(tokens, attention_mask=mask)
+    refs = [hf_taps(hf, tokens[i, :n].tolist(), range(3)) for i, n in enumerate(lengths)]
+    compared = 0
+    for name in cache:
+        for ref, got in zip(refs, _each_text(cache, name, lengths)):
+            if name in ref:
+                assert rel_err(got, ref[name]) <= 1e-5, name
+                compared += 1
+    assert compared == 2 * len(cache)  # every cached hook has an HF counterpart
+
+
+def test_stop_at_layer_and_pos_slice(hooked, hf_smol):
+    resid, cache = hooked.run_with_cache(TEXTS[:2], names_filter="blocks.*.hook_resid_pre", stop_at_layer=4)
+    ids = [hooked.to_tokens(t)[0].tolist() for t in TEXTS[:2]]
+    refs = [hf_taps(hf_smol, i, range(4)) for i in ids]
+    assert sorted(cache) == [f"blocks.{i}.hook_resid_pre" for i in range(5)]  # nothing past the stop
+    for i, (ref, n) in enumerate(zip(refs, map(len, ids))):
+        assert rel_err(resid[i, :n], ref["hidden_states.4"]) <= 1e-5
+    _, full = hooked.run_with_cache(TEXTS[:2], names_filter="blocks.3.hook_resid_post")
+    _, last = hooked.run_with_cache(TEXTS[:2], names_filter="blocks.3.hook_resid_post", pos_slice=-1)
+    _, first_two = hooked.run_with_cache(TEXTS[:2], names_filter="blocks.3.hook_resid_post", pos_slice=slice(0, 2))
+    name = "blocks.3.hook_resid_post"
+    for i, n in enumerate(map(len, ids)):
+        assert torch.equal(last[name][i], full[name][i, n - 1])  # each text's own last position
+        assert torch.equal(first_two[name][i, : min(n, 2)], full[name][i, : min(n, 2)])
+    assert last[name].shape == (2, hooked.cfg.hidden_size)
+
+
+def test_accumulated_resid_and_stack(hooked):
+    _, cache = hooked.run_with_cache(TEXTS[:2], names_filter=["blocks.*.hook_resid_pre", "blocks.29.hook_resid_post",
+                                                              "ln_final.hook_out"])  # fmt: skip
+    stack, labels = cache.accumulated_resid(return_labels=True)
+    assert stack.shape[0] == 31 and labels[0] == "0_pre" and labels[-1] == "final_post"
+    assert torch.equal(stack[5], cache["resid_pre", 5])
+    normed = cache.accumulated_resid(apply_ln=True)
+    assert rel_err(normed[-1], cache["ln_final.hook_out"]) <= 1e-6  # the model's own final norm
+    assert torch.equal(cache.stack_activation("resid_pre")[7], cache["resid_pre", 7])
+
+
+def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):
+    layer, head, d_head = 3, 2, hooked.cfg.head_dim
+    vector = torch.randn(hooked.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def ablate(z, hook):
+        seen.append((hook.name, hook.layer(), tuple(z.shape)))
+        z = z.clone()
+        z[:, :, head] = 0.0
+        return z
+
+    def steer(resid, hook):
+        return resid + vector
+
+    hooks = [(f"blocks.{layer}.attn.hook_z", ablate), ("blocks.5.hook_resid_post", steer)]
+    logits = hooked.run_with_hooks(TEXTS[:2], fwd_hooks=hooks)
+    ids = [hooked.to_tokens(t)[0].tolist() for t in TEXTS[:2]]
+    assert seen == [(f"blocks.{layer}.attn.hook_z", layer, (2, max(map(len, ids)), hooked.cfg.num_heads, d_head))]
+    blocks = hf_smol.model.layers
+    handles = [
+        blocks[layer].self_attn.o_proj.register_forward_pre_hook(
+            lambda m, a: (a[0].index_fill(-1, torch.arange(head * d_head, (head + 1) * d_head), 0.0),)
+        ),
+        blocks[5].register_forward_hook(lambda m, a, o: (o[0] + vector, *o[1:]) if isinstance(o, tuple) else o + vector),
+    ]
+    try:
+        with torch.inference_mode():
+            refs = [hf_smol(torch.tensor([i])).logits[0] for i in ids]
+    finally:
+        for h in handles:
+            h.remove()
+    for i, (ref, n) in enumerate(zip(refs, map(len, ids))):
+        assert rel_err(logits[i, :n], ref) <= 1e-4
+    with hooked.hooks(fwd_hooks=hooks):  # the same through the context manager
+        assert torch.equal(hooked(TEXTS[:2]), logits)
+    assert not torch.equal(hooked(TEXTS[:2]), logits)  # and gone after it
+
+
+def test_tokens_and_loss(hooked, hf_smol):
+    tokens = hooked.to_tokens(TEXTS[:2])
+    assert tokens.shape == (2, len(hooked.to_tokens(TEXTS[0])[0]))
+    assert hooked.to_string(tokens[0]) == TEXTS[0]
+    assert "".join(hooked.to_str_tokens(TEXTS[0])) == TEXTS[0]
+    ids = hooked.to_tokens(TEXTS[0])[0]
+    loss = hooked(TEXTS[0], return_type="loss")
+    with torch.inference_mode():
+        ref = hf_smol(ids[None], labels=ids[None]).loss
+    assert rel_err(loss, ref) <= 1e-5
+
+
+def test_bad_input_names_the_problem(hooked):
+    with pytest.raises(ValueError, match="blocks.0.hook_nope"):
+        hooked.run_with_cache("hi", names_filter="blocks.0.hook_nope")
+    with pytest.raises(ValueError, match=r"fwd_hooks: the function at blocks.1.hook_resid_post returned \(3,\)"):
+        hooked.run_with_hooks("hi", fwd_hooks=[("blocks.1.hook_resid_post", lambda x, hook: torch.zeros(3))])
+    with pytest.raises(ValueError, match="return_type"):
+        hooked("hi", return_type="probs")
