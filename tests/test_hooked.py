@@ -162,3 +162,54 @@ def test_bad_input_names_the_problem(hooked):
         hooked.run_with_hooks("hi", fwd_hooks=[("blocks.1.hook_resid_post", lambda x, hook: torch.zeros(3))])
     with pytest.raises(ValueError, match="return_type"):
         hooked("hi", return_type="probs")
+
+
+# A TransformerLens notebook cell; porting it to vlens changes only the two lines in braces.
+NOTEBOOK = """
+{imports}
+{load}
+tokens = torch.tensor([[5, 17, 99, 230, 3, 41, 7, 8], [60, 2, 140, 33, 290, 11, 12, 13]])
+logits, cache = model.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_resid_post"))
+resid = cache["resid_post", 1]
+
+def ablate_head(z, hook):
+    z[:, :, 2, :] = 0.0
+    return z
+
+ablated = model.run_with_hooks(tokens, fwd_hooks=[(utils.get_act_name("z", 1), ablate_head)])
+"""
+
+
+def test_a_transformer_lens_notebook_ports_by_its_import_and_loading_lines(tmp_path):
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformers import AutoModelForCausalLM
+
+    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=3, n_head=4, n_positions=128),
+                 tmp_path, "gpt2")  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    original = {"hf": hf, "convert_gpt2_weights": convert_gpt2_weights, "torch": torch}
+    exec(NOTEBOOK.format(
+        imports="from transformer_lens import HookedTransformer, HookedTransformerConfig\nimport transformer_lens.utils as utils",
+        load="cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=300, n_ctx=128, "
+             "act_fn='gelu_new', normalization_type='LN')\nmodel = HookedTransformer(cfg)\n"
+             "model.load_state_dict(convert_gpt2_weights(hf, cfg), strict=False)",
+    ), original)  # fmt: skip
+    ported = {"torch": torch}
+    exec(NOTEBOOK.format(
+        imports="from vlens import HookedLM as HookedTransformer\nimport vlens.hooked as utils",
+        load=f"model = HookedTransformer({path!r}, dtype='float32', device='cpu')",
+    ), ported)  # fmt: skip
+    tokens = ported["tokens"]
+    handle = hf.transformer.h[1].attn.c_proj.register_forward_pre_hook(
+        lambda m, a: (a[0].index_fill(-1, torch.arange(32, 48), 0.0),)
+    )
+    with torch.inference_mode():
+        ablated_ref = hf(tokens).logits
+    handle.remove()
+    with torch.inference_mode():
+        out = hf(tokens, output_hidden_states=True)
+    for run in (original, ported):  # the same cell gives HF's numbers under TransformerLens and under vlens
+        assert rel_err(run["logits"], out.logits) <= 1e-5
+        assert rel_err(run["resid"], out.hidden_states[2]) <= 1e-5
+        assert rel_err(run["ablated"], ablated_ref) <= 1e-4
+    assert rel_err(ported["logits"], out.logits) < rel_err(original["logits"], out.logits) + 1e-6

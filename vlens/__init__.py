@@ -9,7 +9,7 @@ from vlens.loader import load_model
 from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "LLM",
     "HookedLM",

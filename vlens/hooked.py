@@ -34,7 +34,7 @@ HookFn = Callable[..., "torch.Tensor | None"]
 NamesFilter = "str | Sequence[str] | Callable[[str], bool] | None"
 
 
-def act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
+def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
     """TransformerLens's get_act_name: ("resid_post", 5) -> blocks.5.hook_resid_post, ("pattern", 3)
     -> blocks.3.attn.hook_pattern, ("scale", 2, "ln1") -> blocks.2.ln1.hook_scale; full names pass."""
     if "." in name or name.startswith("hook_"):
@@ -113,7 +113,7 @@ class ActivationCache(Mapping):
         self._tensors, self.mask, self.model = tensors, mask, model
 
     def __getitem__(self, key: str | tuple) -> torch.Tensor:
-        name = act_name(*key) if isinstance(key, tuple) else key
+        name = get_act_name(*key) if isinstance(key, tuple) else key
         if name not in self._tensors:
             raise KeyError(f"{name!r} is not in the cache; cached: {', '.join(self._tensors)}")
         return self._tensors[name]
