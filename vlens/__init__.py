@@ -1,6 +1,7 @@
 """vlens: a fast LLM inference engine that returns what happens inside the model."""
 
-from vlens.harvest import ActivationDataset, harvest  # the function shadows its subpackage
+from vlens.engine.config import EngineConfig
+from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
 from vlens.interventions import Ablate, Patch, Steer
 from vlens.llm import LLM
 from vlens.loader import load_model
@@ -10,6 +11,7 @@ from vlens.sampling_params import Capture, SamplingParams
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "EngineConfig",
     "SamplingParams",
     "Capture",
     "Steer",
@@ -20,6 +22,7 @@ __all__ = [
     "Logprob",
     "load_model",
     "harvest",
+    "HarvestConfig",
     "ActivationDataset",
     "__version__",
 ]
