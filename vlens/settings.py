@@ -159,8 +159,10 @@ def add_flags(
             kwargs["type"] = base or str
             if many:
                 kwargs["nargs"] = "+"
-            if meta["choices"] is not None:
-                kwargs["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
+            choices = meta["choices"]
+            kwargs["metavar"] = (
+                "{" + ",".join(map(str, choices)) + "}" if choices else flag_name(f)[2:].upper().replace("-", "_")
+            )
             if default not in (None, REQUIRED) and "(default" not in meta["help"]:
                 kwargs["help"] += f" (default: {default})"
         parser.add_argument(flag_name(f), **kwargs)
