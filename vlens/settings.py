@@ -34,7 +34,7 @@ def setting(
     minimum: float | None = None,
     flag: str | None = None,
     invert: bool = False,
-    const: Any = REQUIRED,
+    const: Any = dataclasses.MISSING,
     check: Callable[[Any], str | None] | None = None,
 ) -> Any:
     """A dataclass field for one setting (`REQUIRED` as the default: it has none).
@@ -152,7 +152,7 @@ def add_flags(
         if base is bool:
             kwargs["action"] = "store_false" if meta["invert"] else "store_true"
             kwargs["help"] = f"{f.name} off: {meta['help']}" if meta["invert"] else meta["help"]
-        elif meta["const"] is not REQUIRED:
+        elif meta["const"] is not dataclasses.MISSING:
             kwargs.update(action="store_const", const=meta["const"])
             kwargs["help"] = f"{f.name} {meta['const']!r} instead of {default!r}: {meta['help']}"
         else:
