@@ -19,7 +19,7 @@ import torch
 from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_jsonl, write_source
 
 from vlens import harvest
-from vlens.harvest import ray_backend, ray_source, run
+from vlens.harvest import job, ray_source
 from vlens.harvest.cli import add_parser
 from vlens.harvest.sources import open_source
 from vlens.harvest.stats import _BLOCK, HookStats
@@ -147,17 +147,17 @@ class _DriverDied(Exception):
 
 
 def test_rerun_after_driver_stops_resumes(smol_path, corpus, local_run, tmp_path, monkeypatch):
-    real = run.write_manifest
+    real = job.write_manifest
 
     def die_after_two_shards(out_dir, manifest):
         if len(manifest["shards"]) == 3:
             raise _DriverDied
         real(out_dir, manifest)
 
-    monkeypatch.setattr(run, "write_manifest", die_after_two_shards)
+    monkeypatch.setattr(job, "write_manifest", die_after_two_shards)
     with pytest.raises(_DriverDied):
         _ray_harvest(smol_path, corpus, tmp_path / "out")
-    monkeypatch.setattr(run, "write_manifest", real)
+    monkeypatch.setattr(job, "write_manifest", real)
     manifest = read_manifest(tmp_path / "out")
     assert len(manifest["shards"]) == 2 and not manifest["complete"]
     summary = _ray_harvest(smol_path, corpus, tmp_path / "out")
@@ -171,7 +171,7 @@ def test_statistics_folded_from_pieces_equal_the_single_machine_ones():
     sequential, folded = HookStats.empty(8), HookStats.empty(8)
     for x in shards:
         sequential.add(x)
-        ray_backend._fold(folded, ray_backend._stat_pieces(x))
+        folded.fold(HookStats.pieces(x))
     assert folded.to_json() == sequential.to_json()  # bit for bit, not approximately
 
 
@@ -182,7 +182,7 @@ def test_cli_flags_and_no_ray_import_in_core():
         ["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--ray", "--workers", "3", "--ray-address", "auto",
          "--cpus-per-worker", "2"]
     )  # fmt: skip
-    assert (args.ray, args.workers, args.ray_address, args.cpus_per_worker) == (True, 3, "auto", 2.0)
+    assert (args.backend, args.workers, args.ray_address, args.cpus_per_worker) == ("ray", 3, "auto", 2.0)
     code = "import sys, vlens, vlens.harvest, vlens.harvest.cli, vlens.cli; assert 'ray' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     """
     import json, os, signal, sys
     from vlens import harvest
-    from vlens.harvest import run, writer
+    from vlens.harvest import job, writer
 
     model, source, out, point, nth, hooks, options = sys.argv[1:8]
     nth = int(nth)
@@ -50,14 +50,14 @@ CHILD = textwrap.dedent(
         return wrapped
 
     if point == "forward":  # mid-shard: some batches of the shard have run
-        real = run.packed_forward
-        run.packed_forward = die_on_nth()
+        real = job.packed_forward
+        job.packed_forward = die_on_nth()
     elif point == "before-rename":  # the shard is whole and fsynced under its temporary name
         real = os.replace
         os.replace = die_on_nth(before=lambda src, dst: "shard-" in str(dst))
     elif point == "after-rename":  # the shard has its name but the manifest does not list it yet
-        real = run.write_shard
-        run.write_shard = die_on_nth(after=real)
+        real = job.write_shard
+        job.write_shard = die_on_nth(after=real)
     harvest(model, source, json.loads(hooks), out, **json.loads(options))
     """
 )

@@ -2,14 +2,14 @@
 
 from vlens.capture import Ablate, Capture, Patch, Positions, Steer
 from vlens.engine.config import EngineConfig
-from vlens.harvest import ActivationDataset, harvest  # the function shadows its subpackage
+from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
 from vlens.hooked import ActivationCache, HookedLM
 from vlens.llm import LLM
 from vlens.loader import load_model
 from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
+from vlens.version import __version__
 
-__version__ = "0.2.0"
 __all__ = [
     "LLM",
     "HookedLM",
@@ -18,6 +18,7 @@ __all__ = [
     "Capture",
     "Positions",
     "EngineConfig",
+    "HarvestConfig",
     "Steer",
     "Ablate",
     "Patch",

@@ -17,18 +17,28 @@ from safetensors.torch import save_file
 from vlens.capture import Capture, Positions
 from vlens.capture.names import hook_shapes
 from vlens.config import ModelConfig
+from vlens.engine.config import EngineConfig
 from vlens.harvest import cli as harvest_cli
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
-from vlens.loader import DEFAULT_MODEL, DTYPES, resolve_model_path
+from vlens.loader import resolve_model_path
 from vlens.sampling_params import SamplingParams
 from vlens.server import cli as server_cli
+from vlens.settings import add_flags, from_args, values
 
+TRACE_ABOUT = "Run the texts through the model and print, per text, each hook's shape, dtype and mean row norm."
 TRACE_FILE = (
     "--out writes one safetensors file with the texts packed back to back, one row per token: a tensor "
     "per hook, keyed by the hook name, [rows, *per-token shape]; token_ids, sequence (index of the text) "
     "and position (within its text), each [rows] int64; metadata 'model' and 'texts' (a JSON list). "
     "Text i's rows of a hook are acts[hook][acts['sequence'] == i]."
+)
+GENERATE_ABOUT = (
+    "Generate a completion per prompt (greedy unless --temperature) and print a table of the captured tensors."
+)
+GENERATE_FILE = (
+    "--out writes one safetensors file: for prompt i, '{i}/{hook}' [rows, ...], '{i}/positions' (the sequence "
+    "position of each row) and '{i}/token_ids' (prompt then completion); metadata holds the prompts and completions."
 )
 
 
@@ -44,7 +54,7 @@ def _cmd_hooks(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    llm = _llm(args)
     token_lists = to_token_lists(args.texts, llm.tokenizer, llm.config.vocab_size, field="texts")
     results = llm.trace(token_lists, args.hooks)
     for i, (text, ids, acts) in enumerate(zip(args.texts, token_lists, results)):
@@ -65,7 +75,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+    llm = _llm(args)
     capture = Capture(hooks=args.capture, positions=Positions.parse(args.positions, "--positions")) if args.capture else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
     run = llm.chat if args.chat else llm.generate
@@ -94,19 +104,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _llm(args: argparse.Namespace) -> LLM:
+    """The LLM of the engine settings the command has flags for (the others keep their defaults)."""
+    return LLM(**values(from_args(EngineConfig, args)))
+
+
 def _print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"HF checkpoint directory, .gguf file or hub id (default: {DEFAULT_MODEL})")
-
-
-def _add_placement(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", help=f"auto (bfloat16 on CUDA, else float32), {', '.join(DTYPES)}")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,15 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = commands.add_parser("hooks", help="list the model's hook names with their per-token shapes")
-    _add_model(p)
+    add_flags(p, EngineConfig, only={"model"})
     p.set_defaults(func=_cmd_hooks)
 
     p = commands.add_parser(
-        "trace",
-        help="capture hooks at every position of some texts",
-        description="Run the texts through the model and print, per text, each hook's shape, dtype and mean "
-        "row norm.",
-        epilog=TRACE_FILE,
+        "trace", help="capture hooks at every position of some texts", description=TRACE_ABOUT, epilog=TRACE_FILE
     )
     p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to run (before --hooks)")
     p.add_argument(
@@ -132,26 +134,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOOK",
         help="hook names or globs (quoted), e.g. blocks.10.hook_resid_post 'blocks.{0..3}.hook_attn_out'",
     )
-    _add_model(p)
-    _add_placement(p)
+    add_flags(p, EngineConfig, only={"model", "dtype", "device"})
     p.add_argument("--out", metavar="FILE", help="also write the activations and token ids to FILE (see below)")
     p.set_defaults(func=_cmd_trace)
 
     p = commands.add_parser(
-        "generate",
-        help="generate completions, optionally capturing activations",
-        description="Generate a completion per prompt (greedy unless --temperature) and print a table of the "
-        "captured tensors.",
-        epilog="--out writes one safetensors file: for prompt i, '{i}/{hook}' [rows, ...], '{i}/positions' (the "
-        "sequence position of each row) and '{i}/token_ids' (prompt then completion); metadata holds the "
-        "prompts and completions.",
-    )
+        "generate", help="generate completions, optionally capturing activations", description=GENERATE_ABOUT,
+        epilog=GENERATE_FILE,
+    )  # fmt: skip
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    _add_model(p)
-    _add_placement(p)
+    add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed"})
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--capture", nargs="+", metavar="HOOK", help="hook names or globs to capture")
     p.add_argument("--positions", default="all", help="all | prompt | generated | last | 0,3,-1 | start:stop[:step]")

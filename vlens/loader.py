@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,11 +40,25 @@ class LoadedModel(NamedTuple):
     name: str  # what the user asked for (or the default's name)
 
 
+def device_problem(device: Any) -> str | None:
+    """What is wrong with a `device` setting and what is allowed, or None: the check behind every one."""
+    ok = isinstance(device, (str, torch.device)) and re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", str(device))
+    return None if ok else f"{device!r} is not one of auto, cpu, cuda (or cuda:N)"
+
+
+def dtype_problem(dtype: Any, auto: bool = True) -> str | None:
+    """What is wrong with a dtype setting (a name, or a torch dtype; "auto" where `auto`), or None."""
+    names = ("auto", *DTYPES) if auto else tuple(DTYPES)
+    ok = dtype in DTYPES.values() if isinstance(dtype, torch.dtype) else isinstance(dtype, str) and dtype in names
+    return None if ok else f"{dtype!r} is not one of {', '.join(names)}"
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    problem = device_problem(device)
+    if problem:
+        raise ValueError(f"device: {problem}")
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device: {device!r} is not one of auto, cpu, cuda (or cuda:N)")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         # Fail here, by name, rather than deep inside the first weight copy.
         raise ValueError(f"device: {device!r} asked for, but this torch build sees no CUDA device; use cpu or auto")
@@ -51,12 +66,13 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    problem = dtype_problem(dtype)
+    if problem:
+        raise ValueError(f"dtype: {problem}")
+    if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -75,17 +91,19 @@ def default_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
 
 
-def _file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
+def hash_file(path: Path, digest: Any = None) -> Any:
+    """`digest` (a new sha256 by default) fed with the bytes of `path`, read in 4 MiB blocks so that a
+    checkpoint or corpus of any size is hashed in constant memory."""
+    digest = hashlib.sha256() if digest is None else digest
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
-    return digest.hexdigest()
+    return digest
 
 
 def convert_gguf(path: Path) -> Path:
     """Dequantise a GGUF once into a safetensors directory cached under its content hash."""
-    target = cache_dir() / "gguf" / _file_hash(path)[:32]
+    target = cache_dir() / "gguf" / hash_file(path).hexdigest()[:32]
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -14,8 +14,8 @@ table per row width, written once when a request arrives, not every step.
 from __future__ import annotations
 
 import math
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 

@@ -3,35 +3,22 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from vlens.loader import DEFAULT_MODEL, device_problem, dtype_problem
 from vlens.settings import from_kwargs, setting, validate
 
-DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16")
-
-
-def _dtype(value: Any) -> str | None:
-    if isinstance(value, torch.dtype) and value in (torch.float32, torch.float16, torch.bfloat16):
-        return None
-    return None if value in DTYPE_NAMES else "one of " + ", ".join(DTYPE_NAMES)
-
-
-def _device(value: Any) -> str | None:
-    ok = isinstance(value, (str, torch.device)) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(value))
-    return None if ok else "one of auto, cpu, cuda (or cuda:N)"
+MODEL_HELP = f"HF checkpoint directory, .gguf file or hub id (default: the embedded {DEFAULT_MODEL})"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = setting(
-        None, "HF checkpoint directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    model: str | None = setting(None, MODEL_HELP)
+    dtype: str = setting(
+        "auto", "auto (bfloat16 on CUDA, else float32), float32, float16 or bfloat16", check=dtype_problem
     )
-    dtype: str = setting("auto", "auto (bfloat16 on CUDA, else float32), float32, float16 or bfloat16", check=_dtype)
-    device: str = setting("auto", "auto, cpu, cuda or cuda:N", check=_device)
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N", check=device_problem)
     max_num_seqs: int = setting(256, "most sequences in one batch", minimum=1)
     max_num_batched_tokens: int = setting(4096, "most tokens per step (and per trace forward)", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence, prompt plus output (default: the model's)", minimum=1)
@@ -39,8 +26,10 @@ class EngineConfig:
         None, "bytes for the KV cache (default: 80%% of free GPU memory, or up to 2 GiB on CPU)", minimum=1
     )
     block_size: int = setting(16, "tokens per KV-cache block", minimum=1)
-    enable_capture: bool = setting(True, "allow requests to capture activations")
-    enable_prefix_caching: bool = setting(True, "reuse the KV of identical prompt prefixes")
+    enable_capture: bool = setting(True, "allow requests to capture activations", flag="--no-capture", invert=True)
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV of identical prompt prefixes", flag="--no-prefix-caching", invert=True
+    )
     seed: int = setting(0, "seed of the samples of requests that give none")
 
     def __post_init__(self) -> None:

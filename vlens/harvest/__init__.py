@@ -1,9 +1,12 @@
 """Activation datasets: `harvest` writes them (resumable safetensors shards + manifest), `ActivationDataset`
-reads them, `export` converts them for SAELens. One job per module: sources, windows, model, run,
+reads them, `export` converts them for SAELens. One job per module: config (the options), sources,
+windows, model, job (what both backends drive), run (the entry and the local backend), ray_backend,
 writer, stats, dataset, export, cli."""
 
+from vlens.harvest.config import HarvestConfig
 from vlens.harvest.dataset import ActivationDataset
 from vlens.harvest.export import export
-from vlens.harvest.run import HarvestSummary, harvest
+from vlens.harvest.job import HarvestSummary
+from vlens.harvest.run import harvest
 
-__all__ = ["ActivationDataset", "HarvestSummary", "export", "harvest"]
+__all__ = ["ActivationDataset", "HarvestConfig", "HarvestSummary", "export", "harvest"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vlens.llm import LLM
-from vlens.loader import LoadedModel, load_model
+from vlens.loader import LoadedModel, hash_file, load_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 _hashes: dict[tuple, str] = {}
@@ -31,9 +31,7 @@ def files_hash(files: list[Path]) -> str:
         digest = hashlib.sha256()
         for f in files:
             digest.update(f.name.encode() + b"\0")
-            with open(f, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(block)
+            hash_file(f, digest)
         _hashes[key] = digest.hexdigest()
     return _hashes[key]
 

@@ -23,21 +23,31 @@ Ray is imported only when this backend runs: it is an optional extra (`pip insta
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from vlens.capture.names import hook_shapes
-from vlens.harvest import run
+from vlens.harvest.config import HarvestConfig
+from vlens.harvest.job import (
+    DEFAULT_BATCH_TOKENS,
+    HarvestSummary,
+    Job,
+    capture,
+    dtype_name,
+    header,
+    plan,
+    store_shard,
+    window_stream,
+)
 from vlens.harvest.model import resolve_model
 from vlens.harvest.ray_source import ray_token_documents
-from vlens.harvest.stats import _BLOCK, HookStats
-from vlens.harvest.writer import Store, write_shard
+from vlens.harvest.stats import HookStats
+from vlens.harvest.writer import Store
 
 # How far (in shards per actor) the tasks handed out may run ahead of the manifest: enough that an actor
 # finds its next task queued while a slower one finishes, few enough that the windows held in flight,
@@ -46,23 +56,23 @@ _AHEAD_PER_WORKER = 3
 
 
 class ShardWorker:
-    """One model replica: runs shard tasks and writes their shards (wrapped by `ray.remote` at run time)."""
+    """One model replica: runs shard tasks and writes their shards (wrapped by `ray.remote` at run time).
 
-    def __init__(
-        self, model: str | None, model_dtype: str, device: str, wanted: dict[str, str], out_dtype: torch.dtype,
-        excluded: list[int], batch_tokens: int | None, seed: int | None, out_url: str,
-    ) -> None:  # fmt: skip
-        self.loaded = resolve_model(model, model_dtype, device)
+    `config` is the run's, with the model as a name or path every node can load and out_dir as a URL
+    every node reaches; `wanted` and `excluded` are what the driver resolved with the tokenizer."""
+
+    def __init__(self, config: HarvestConfig, wanted: dict[str, str], excluded: list[int]) -> None:
+        self.loaded = resolve_model(config.model, config.model_dtype, config.device)
         self.wanted = wanted
         self.shapes = hook_shapes(self.loaded.config)
-        self.out_dtype = out_dtype
+        self.out_dtype = config.out_dtype
         self.excluded = torch.tensor(excluded, dtype=torch.long)
         param = next(self.loaded.model.parameters())
         self.device = param.device.type
-        self.model_dtype = run._dtype_name(param.dtype)
-        self.batch_tokens = batch_tokens or run.DEFAULT_BATCH_TOKENS.get(self.device, 4096)
-        self.seed = seed
-        self.store = Store.open(out_url)
+        self.model_dtype = dtype_name(param.dtype)
+        self.batch_tokens = config.batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device, 4096)
+        self.seed = config.seed
+        self.store = Store.open(config.out_dir)
 
     def info(self) -> dict[str, Any]:
         """What the manifest header records about the forward, as this replica runs it."""
@@ -71,66 +81,17 @@ class ShardWorker:
     def run_shard(self, index: int, first: int, shard_windows: list[list[int]]) -> dict[str, Any]:
         """Run, write and describe shard `index`; idempotent, so Ray may retry it after a kill."""
         silent = tqdm(disable=True)
-        tensors = run._capture(
+        tensors = capture(
             self.loaded.model, shard_windows, first, self.excluded, self.wanted, self.shapes, self.out_dtype,
             self.batch_tokens, silent,
         )  # fmt: skip
-        pieces = {name: _stat_pieces(tensors[name]) for name in self.wanted}
-        if self.seed is not None:
-            tensors = run._shuffle(tensors, self.seed, index)
-        entry = run.shard_entry(index, first, shard_windows, tensors, write_shard(self.store, index, tensors))
+        pieces = {name: HookStats.pieces(tensors[name]) for name in self.wanted}
+        entry = store_shard(self.store, index, first, shard_windows, tensors, self.seed)
         return {"index": index, "entry": entry, "stats": pieces}
 
 
-def _stat_pieces(x: torch.Tensor) -> list[HookStats]:
-    """The statistics of each row block that `HookStats.add` would fold in, one by one.
-
-    Folding these on the driver in order adds exactly the same float64 block sums in the same order
-    as the single-machine run (a block's sum added to zeros is itself), so the manifest's statistics
-    come out bit-identical; merging whole-shard sums would round differently."""
-    pieces = []
-    for start in range(0, len(x), _BLOCK):
-        piece = HookStats.empty(math.prod(x.shape[1:]))
-        piece.add(x[start : start + _BLOCK])
-        pieces.append(piece)
-    return pieces
-
-
-def _fold(stats: HookStats, pieces: list[HookStats]) -> None:
-    for piece in pieces:
-        stats.total += piece.total
-        stats.norm_total += piece.norm_total
-        stats.max_norm = max(stats.max_norm, piece.max_norm)
-        stats.rows += piece.rows
-
-
-def harvest_ray(
-    model: Any,
-    source: str | os.PathLike,
-    hooks: str | Iterable[str],
-    out_dir: str | os.PathLike,
-    *,
-    context_size: int,
-    dtype: str,
-    max_tokens: int | None,
-    shard_bytes: int,
-    prepend_bos: bool,
-    pack: bool,
-    text_field: str,
-    exclude_token_ids: Iterable[int] | None,
-    exclude_bos: bool,
-    whole_file: bool,
-    split: str,
-    batch_tokens: int | None,
-    seed: int | None,
-    device: str,
-    model_dtype: str,
-    progress: bool,
-    workers: int,
-    cpus_per_worker: float,
-    ray_address: str | None,
-) -> run.HarvestSummary:
-    """The Ray backend of `vlens.harvest` (same arguments and result; see the module doc).
+def harvest_ray(config: HarvestConfig) -> HarvestSummary:
+    """The Ray backend of `vlens.harvest` (same options and result; see the module doc).
 
     The driver loads the model on its CPU only for the tokenizer, config and hashes; the actors load
     `model` themselves on `device` (one GPU each when it is CUDA, else one CPU each), so a path must
@@ -140,48 +101,42 @@ def harvest_ray(
     from ray.util import ActorPool
 
     started = time.perf_counter()
-    out_dtype = run._out_dtype(dtype)  # this and the other numbers are checked by `harvest` already
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers: must be a positive integer, got {workers!r}")
-    if not isinstance(cpus_per_worker, (int, float)) or cpus_per_worker <= 0:
-        raise ValueError(f"cpus_per_worker: must be a positive number, got {cpus_per_worker!r}")
-    loaded = resolve_model(model, model_dtype, "cpu")
+    loaded = resolve_model(config.model, config.model_dtype, "cpu")
     cfg = loaded.config
-    wanted, packing, src = run._plan(
-        loaded, source, hooks, context_size, pack, prepend_bos, exclude_bos, exclude_token_ids, max_tokens,
-        text_field, whole_file, split,
-    )  # fmt: skip
-    store = Store.open(out_dir)
+    wanted, packing, src = plan(loaded, config)
+    store = Store.open(config.out_dir)
 
     if not ray.is_initialized():
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=progress)
+        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=config.progress)
+    device = str(config.device)
     gpus = 1 if device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
     actor_class = ray.remote(
-        num_cpus=0 if gpus else cpus_per_worker, num_gpus=gpus, max_restarts=-1, max_task_retries=-1
+        num_cpus=0 if gpus else config.cpus_per_worker, num_gpus=gpus, max_restarts=-1, max_task_retries=-1
     )(ShardWorker)
-    replica_model = str(loaded.path) if not isinstance(model, (str, os.PathLike)) and model is not None else model
-    args = (replica_model, model_dtype, device, wanted, out_dtype, list(packing.excluded_token_ids), batch_tokens,
-            seed, store.url)  # fmt: skip
-    actors = [actor_class.remote(*args) for _ in range(workers)]
+    model = config.model
+    replica = dataclasses.replace(
+        config, model=str(loaded.path) if not isinstance(model, (str, os.PathLike)) and model is not None else model,
+        out_dir=store.url,
+    )  # fmt: skip
+    actors = [actor_class.remote(replica, wanted, list(packing.excluded_token_ids)) for _ in range(config.workers)]
     try:
         info = ray.get(actors[0].info.remote())
-        header = run._header(loaded, src, wanted, out_dtype, packing, max_tokens, shard_bytes, info["batch_tokens"],
-                             seed)  # fmt: skip
-        header["model"].update(device=info["device"], dtype=info["dtype"])
-        job = run.Job.open(out_dir, header, cfg, wanted, out_dtype, packing)
+        run_header = header(loaded, src, wanted, packing, config, info["batch_tokens"])
+        run_header["model"].update(device=info["device"], dtype=info["dtype"])
+        job = Job.open(config.out_dir, run_header, cfg, wanted, config.out_dtype, packing)
         if job.manifest["complete"]:
-            return job.report(started, progress)
-        token_docs = ray_token_documents(src, loaded.tokenizer, cfg.vocab_size, concurrency=workers)
-        plan = job.shards(run._window_stream(token_docs, packing, max_tokens), src)
+            return job.report(started, config.progress)
+        token_docs = ray_token_documents(src, loaded.tokenizer, cfg.vocab_size, concurrency=config.workers)
+        tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
         pool = ActorPool(actors)
-        with job.progress_bar("harvest (ray)", max_tokens, progress) as bar:
+        with job.progress_bar("harvest (ray)", config.max_tokens, config.progress) as bar:
             committed = submitted = len(job.manifest["shards"])
             waiting: dict[int, dict[str, Any]] = {}  # finished shards behind an unfinished one
 
             def top_up() -> None:
                 nonlocal submitted
-                while submitted < committed + workers * _AHEAD_PER_WORKER:
-                    task = next(plan, None)
+                while submitted < committed + config.workers * _AHEAD_PER_WORKER:
+                    task = next(tasks, None)
                     if task is None:
                         return
                     pool.submit(lambda actor, t: actor.run_shard.remote(*t), task)
@@ -194,13 +149,13 @@ def harvest_ray(
                 while committed in waiting:  # the manifest grows in shard order only
                     result = waiting.pop(committed)
                     for name in wanted:
-                        _fold(job.stats[name], result["stats"][name])
+                        job.stats[name].fold(result["stats"][name])
                     job.commit(result["entry"], bar)
                     bar.update(result["entry"]["tokens"])
                     committed += 1
                 top_up()
             job.finish()
-        return job.report(started, progress)
+        return job.report(started, config.progress)
     finally:
         for actor in actors:  # no task of this run may write into out_dir after it returns or dies
             ray.kill(actor, no_restart=True)

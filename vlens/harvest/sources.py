@@ -8,7 +8,6 @@ a re-run over changed data is refused instead of silently mixing two corpora.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -16,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from vlens.loader import hash_file
 
 Document = str | list[int]
 
@@ -81,14 +82,6 @@ def open_source(
     return _hub(str(source), text_field, split)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _empty(path: Path) -> ValueError:
     return ValueError(f"source: {str(path)!r} is empty (no documents)")
 
@@ -126,7 +119,7 @@ def _txt(path: Path, whole_file: bool) -> Source:
         with open(path, "rb") as raw:
             yield from text_documents(raw, whole_file)
 
-    return Source("txt", str(path), None, False, whole_file, None, file_sha256(path), documents)
+    return Source("txt", str(path), None, False, whole_file, None, hash_file(path).hexdigest(), documents)
 
 
 def _jsonl(path: Path, field: str) -> Source:
@@ -145,7 +138,7 @@ def _jsonl(path: Path, field: str) -> Source:
         with open(path, "rb") as raw:
             yield from jsonl_documents(raw, field, pretokenized, repr(str(path)))
 
-    return Source("jsonl", str(path), field, pretokenized, False, None, file_sha256(path), documents)
+    return Source("jsonl", str(path), field, pretokenized, False, None, hash_file(path).hexdigest(), documents)
 
 
 def _json_record(line: str, where: str, number: int) -> dict:
@@ -174,7 +167,7 @@ def _parquet(path: Path, field: str) -> Source:
             for value in batch.column(0).to_pylist():
                 yield document(value, pretokenized, f"{str(path)!r} column {field!r}")
 
-    return Source("parquet", str(path), field, pretokenized, False, None, file_sha256(path), documents)
+    return Source("parquet", str(path), field, pretokenized, False, None, hash_file(path).hexdigest(), documents)
 
 
 def _datasets_dir(path: Path, field: str, split: str) -> Source:

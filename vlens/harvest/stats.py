@@ -50,3 +50,24 @@ class HookStats:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HookStats:
         return cls(data["rows"], torch.tensor(data["sum"], dtype=torch.float64), data["norm_sum"], data["max_norm"])
+
+    @classmethod
+    def pieces(cls, x: torch.Tensor) -> list[HookStats]:
+        """The statistics of each row block that `add` would fold in, one by one.
+
+        Folding these in order (`fold`), on another machine than the one that computed them, adds exactly
+        the same float64 block sums in the same order as `add(x)` (a block's sum added to zeros is itself),
+        so the result is bit-identical; merging whole-shard sums would round differently."""
+        pieces = []
+        for start in range(0, len(x), _BLOCK):
+            piece = cls.empty(x[0].numel())
+            piece.add(x[start : start + _BLOCK])
+            pieces.append(piece)
+        return pieces
+
+    def fold(self, pieces: list[HookStats]) -> None:
+        for piece in pieces:
+            self.total += piece.total
+            self.norm_total += piece.norm_total
+            self.max_norm = max(self.max_norm, piece.max_norm)
+            self.rows += piece.rows

@@ -62,8 +62,7 @@ def make_packing(
     exclude_bos: bool,
     exclude_token_ids: Iterable[int] | None,
 ) -> Packing:
-    if not isinstance(context_size, int) or context_size < 2:
-        raise ValueError(f"context_size: must be an integer >= 2, got {context_size!r}")
+    """The packing of a run whose options `HarvestConfig` has checked, against what only the model knows."""
     if context_size > cfg.max_position_embeddings:
         raise ValueError(
             f"context_size: {context_size} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"

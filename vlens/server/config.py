@@ -1,31 +1,44 @@
-"""What the operator chose at start-up: where to listen, who may call, and how much a request may take."""
+"""What the operator chose at start-up: where to listen, who may call, and how much a request may take.
+
+Declared once, as settings (see vlens.settings): the flags of `vlens serve` come from these fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlens.settings import positive, setting, validate
+
+API_KEY_ENV = "VLENS_API_KEY"  # where `vlens serve` finds the key when --api-key is not given
+
+
+def _key(value: str | None) -> str | None:
+    return None if value != "" else "must be a non-empty key, or none for no authentication, got ''"
+
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # loopback unless the operator opens it up on purpose
-    port: int = 8000
+    host: str = setting("127.0.0.1", "address to bind (default: 127.0.0.1, loopback only)")
+    port: int = setting(8000, "port", minimum=0)
     # Capture moves tensors out of the engine on behalf of one tenant; it is off unless asked for.
-    enable_capture: bool = False
-    # A request whose capture could exceed this (computed from its spec before it runs) is refused.
-    max_capture_bytes: int = 256 << 20
-    api_key: str | None = None  # None: no authentication (only sensible on loopback)
-    served_model_name: str | None = None  # what /v1/models lists; default: the model as given
-    # Activations up to this size travel inline as base64; larger ones become a download handle.
-    inline_activation_bytes: int = 1 << 20
-    activation_ttl_s: float = 600.0  # an undownloaded handle is dropped after this long
-    max_body_bytes: int = 4 << 20  # request bodies beyond this are refused before parsing
+    enable_capture: bool = setting(False, "allow requests to capture activations")
+    max_capture_bytes: int = setting(
+        256 << 20, "refuse requests whose capture could exceed this many bytes (default: 256 MiB)", minimum=0
+    )
+    api_key: str | None = setting(
+        None, "require `Authorization: Bearer KEY` on every route but /health (default: the environment variable "
+        f"{API_KEY_ENV}, else no authentication, only sensible on loopback)", check=_key,
+    )  # fmt: skip
+    served_model_name: str | None = setting(None, "the model id clients send and /v1/models lists (default: --model)")
+    inline_activation_bytes: int = setting(
+        1 << 20, "activations up to this size come inline as base64, larger ones as a download handle (default: 1 MiB)",
+        minimum=0,
+    )  # fmt: skip
+    activation_ttl_s: float = setting(
+        600.0, "seconds an undownloaded activation handle is kept", flag="--activation-ttl", check=positive
+    )
+    max_body_bytes: int = setting(
+        4 << 20, "request bodies beyond this are refused before parsing (default: 4 MiB)", minimum=0
+    )
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_capture_bytes", "inline_activation_bytes", "max_body_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-        if self.activation_ttl_s <= 0:
-            raise ValueError(f"activation_ttl_s: expected > 0 seconds, got {self.activation_ttl_s!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key: empty; give a non-empty key or none")
+        validate(self)

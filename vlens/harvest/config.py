@@ -1,0 +1,86 @@
+"""Every option of a harvest, declared once: the keywords of `vlens.harvest`, the flags of `vlens harvest`,
+their validation, and what the Ray backend hands its actors all come from this dataclass (see
+vlens.settings). It is checked whole before any model is looked for."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from vlens.engine.config import MODEL_HELP
+from vlens.loader import DTYPES, device_problem, dtype_problem
+from vlens.settings import REQUIRED, positive, setting, validate
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarvestConfig:
+    model: Any = setting(
+        None,
+        MODEL_HELP + "; from Python also an LLM or LoadedModel to reuse (device and model_dtype then do not apply)",
+    )
+    source: str | os.PathLike = setting(
+        REQUIRED,
+        ".txt (one document per line), .jsonl, .parquet, a `datasets` save_to_disk directory or a hub dataset id",
+    )
+    hooks: tuple[str, ...] = setting(REQUIRED, "hook names or globs (see `vlens hooks`)")
+    out_dir: str | os.PathLike = setting(
+        REQUIRED, "output directory or fsspec URL (new, empty, or a run to resume)", flag="--out"
+    )
+    context_size: int = setting(128, "tokens per window", minimum=2)
+    dtype: str | torch.dtype = setting(
+        "bfloat16",
+        "what the rows are stored as: float32, float16 or bfloat16",
+        check=partial(dtype_problem, auto=False),
+    )
+    max_tokens: int | None = setting(
+        None, "stop before the window that would take the harvest past this many tokens, BOS included (default: all)",
+        minimum=1,
+    )  # fmt: skip
+    shard_bytes: int = setting(2**30, "bytes per shard, about (default: 1 GiB)", minimum=1)
+    prepend_bos: bool = setting(
+        True, "open each window with the model's BOS when it uses one (see vlens.harvest.windows)", flag="--no-bos",
+        invert=True,
+    )  # fmt: skip
+    exclude_bos: bool = setting(True, "leave the rows at BOS tokens out", flag="--keep-bos", invert=True)
+    pack: bool = setting(
+        True, "lay documents end to end in full windows, as SAELens does, rather than one per window, truncated",
+        flag="--no-pack", invert=True,
+    )  # fmt: skip
+    text_field: str = setting(
+        "text", "column with the text or token ids; the default falls back to a tokens or input_ids column"
+    )
+    exclude_token_ids: tuple[int, ...] | None = setting(None, "further token ids whose rows are left out")
+    whole_file: bool = setting(False, "a .txt source is one document, not one per line")
+    split: str = setting("train", "split of a datasets directory or hub dataset")
+    batch_tokens: int | None = setting(None, "tokens per forward (default: 4096 on CPU, 32768 on GPU)", minimum=1)
+    seed: int | None = setting(None, "shuffle the rows within each shard with this seed (default: window order)")
+    device: str = setting("auto", "where harvest loads the model: auto, cpu, cuda or cuda:N", check=device_problem)
+    model_dtype: str | torch.dtype = setting(
+        "auto", "dtype of the forward: auto (float32 on CPU, bfloat16 on GPU), float32, float16 or bfloat16",
+        check=dtype_problem,
+    )  # fmt: skip
+    progress: bool = setting(True, "a progress bar and a summary line on stderr", flag="--quiet", invert=True)
+    backend: str = setting(
+        "local", "where the forwards run: local (this process) or ray (a pool of Ray actors, which read the source "
+        "with Ray Data; pip install 'vlens[ray]'); same files either way", choices=("local", "ray"), flag="--ray",
+        const="ray",
+    )  # fmt: skip
+    workers: int = setting(1, "Ray actors, one GPU each on CUDA", minimum=1)
+    cpus_per_worker: float = setting(1, "CPUs each Ray actor holds without a GPU", check=positive)
+    ray_address: str | None = setting(None, "Ray cluster to join (default: a running one, else a new local one)")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.pack and self.max_tokens is not None and self.max_tokens < self.context_size:
+            raise ValueError(
+                f"max_tokens: {self.max_tokens} is less than one window (context_size={self.context_size})"
+            )
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The stored dtype as torch names it."""
+        return self.dtype if isinstance(self.dtype, torch.dtype) else DTYPES[self.dtype]
