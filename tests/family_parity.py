@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from conftest import rel_err, save_tiny
-from hf_reference import hf_taps
+from hf_reference import hf_taps, rows_shape, same
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -70,7 +70,7 @@ def check_every_tap(llm: LLM, hf, seqs: list[list[int]], tol: float = TOL) -> No
     for ids, got in zip(seqs, outs):
         ref = hf_taps(hf, ids, range(llm.config.num_layers))
         for hook, value in got.items():
-            assert tuple(value.shape) == (len(ids), *shapes[hook]), hook
+            assert tuple(value.shape) == rows_shape(shapes[hook], len(ids)), hook
             if hook not in ref:
                 continue
             compared.add(hook)
@@ -78,7 +78,7 @@ def check_every_tap(llm: LLM, hf, seqs: list[list[int]], tol: float = TOL) -> No
             if hook.endswith("hook_expert_ids"):
                 ok = torch.equal(value, ref[hook])
             else:
-                ok = rel_err(value, ref[hook]) <= tol
+                ok = same(value, ref[hook], tol)
             if not ok:
                 failures.append(f"len {len(ids)} {hook}: rel_err {rel_err(value.double(), ref[hook].double()):.3g}")
     assert not failures, failures
@@ -92,7 +92,7 @@ def check_packed_equals_alone(llm: LLM, seqs: list[list[int]]) -> None:
     for ids, together in zip(seqs, packed):
         alone = llm.trace([ids], hooks=hooks)[0]
         for hook in hooks:
-            assert rel_err(together[hook].double(), alone[hook].double()) <= TOL, (len(ids), hook)
+            assert same(together[hook].double(), alone[hook].double(), TOL), (len(ids), hook)
 
 
 def check_generation(llm: LLM, hf, prompts: list[list[int]], max_tokens: int = 8, extra_hooks=()) -> list:

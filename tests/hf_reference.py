@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from vlens.capture.names import CTX
+
 # Tap kinds that exist in every dense decoder layer of the Llama family and have an HF counterpart.
 # Spelled out here, not imported from vlens.capture.names, so a renamed or dropped hook fails the parity tests.
 LAYER_KINDS = (
@@ -25,6 +27,8 @@ LAYER_KINDS = (
     "attn.hook_q",
     "attn.hook_k",
     "attn.hook_v",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
     "attn.hook_z",
     "hook_attn_out",
     "hook_resid_mid",
@@ -176,12 +180,34 @@ def _recording_rotary(attn_module, store: list):
         module.apply_rotary_pos_emb = original
 
 
+@contextlib.contextmanager
+def _recording_softmax(store: list):
+    """Record the input and output of every attention softmax ([B, heads, q, k]), call by call: HF's eager
+    attention scores (scaled, soft-capped, the additive mask's huge negatives where keys are forbidden)
+    and probabilities."""
+    original = torch.nn.functional.softmax
+
+    def recording(x, dim=None, *args, **kwargs):
+        out = original(x, dim, *args, **kwargs)
+        if x.dim() == 4 and dim in (-1, 3):
+            store.append((x.clone(), out.clone()))
+        return out
+
+    torch.nn.functional.softmax = recording
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = original
+
+
 @torch.no_grad()
-def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.Tensor]:
+def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = True) -> dict[str, torch.Tensor]:
     """vlens hook name -> HF's value [T, ...] for the token ids `ids` (batch of one, no padding).
 
     Covers hidden_states.{i}, hook_embed (and hook_pos_embed), ln_final, logits and, for each layer in
-    `layers`, every tap kind that layer has in HF (MoE layers: router logits and chosen experts)."""
+    `layers`, every tap kind that layer has in HF (MoE layers: router logits and chosen experts). The
+    attention scores and patterns come from a forward in HF's eager attention (`patterns=False` keeps the
+    model's own attention implementation and leaves them out)."""
     cfg = hf_model.config
     name, fam = family_of(hf_model)
     n = cfg.num_hidden_layers
@@ -229,12 +255,17 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.
             module.register_forward_hook(lambda m, a, o, prefix=prefix: raw.__setitem__(prefix, _rows(a[0]).clone()))
         )
     rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
+    softmaxes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    implementation = hf_model.config._attn_implementation
+    if patterns:
+        hf_model.set_attn_implementation("eager")  # the attention whose scores can be recorded
     try:
-        with _recording_rotary(blocks[0].get_submodule(fam.attn), rotated):
+        with _recording_rotary(blocks[0].get_submodule(fam.attn), rotated), _recording_softmax(softmaxes):
             out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
             h.remove()
+        hf_model.set_attn_implementation(implementation)
 
     for prefix, module in norms.items():
         got[prefix + ".hook_scale"], got[prefix + ".hook_normalized"] = norm_inner(module, raw[prefix])
@@ -258,7 +289,26 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int]) -> dict[str, torch.
             else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj
                 v = qkv[:, -kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
         got[p + "attn.hook_q"], got[p + "attn.hook_k"], got[p + "attn.hook_v"] = q, k, v
+        if patterns:
+            scores, probs = (x[0].transpose(0, 1) for x in softmaxes[layer])
+            got[p + "attn.hook_attn_scores"] = scores.masked_fill(scores < -1e30, float("-inf"))  # masked: -inf
+            got[p + "attn.hook_pattern"] = probs.to(q.dtype)
     return got
+
+
+def rows_shape(shape: tuple, n: int) -> tuple[int, ...]:
+    """The shape of a hook's rows for one n-token sequence traced whole: its per-token shape, with the
+    context dimension of attention scores and patterns as wide as the sequence."""
+    return (n, *(n if d == CTX else d for d in shape))
+
+
+def same(value: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
+    """Within `tol` (relative, in float64), with attention scores' -inf (forbidden keys) at the same places."""
+    masked = torch.isinf(ref)
+    if not torch.equal(torch.isinf(value), masked):
+        return False
+    a, b = value[~masked].double(), ref[~masked].double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item() <= tol
 
 
 def layer_hooks(layers: Iterable[int]) -> list[str]:

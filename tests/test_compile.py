@@ -77,7 +77,8 @@ def _mixed_step(llm: LLM, forward: CompiledForward, seed: int, tapped: bool) -> 
     plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     if tapped:
         first = [
-            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture("blocks.1.hook_resid_post", positions="generated")),
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                           capture=Capture(["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern"], positions="generated")),
             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, interventions=[Steer("blocks.0.hook_resid_post", vector(), positions="generated")]),
         ]  # fmt: skip
         at = [seed % 3, 3]  # other rows in each round, the same number of them
@@ -119,6 +120,6 @@ def test_compile_whole_forward_no_recompile(llm, tapped):
         llm.engine.runner.taps.fixed_shapes = False
     assert forward.compiles == 1, "a step with other requests, rows and vectors recompiled"
     assert max(forward.errors) < 1e-5
-    tapped_sites = ["blocks.0.attn.hook_z", "blocks.0.hook_resid_post", "blocks.1.hook_attn_out",
-                    "blocks.1.hook_resid_post", llm.mlp_hook, "hook_embed"]  # fmt: skip
+    tapped_sites = ["blocks.0.attn.hook_z", "blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern",
+                    "blocks.1.hook_attn_out", "blocks.1.hook_resid_post", llm.mlp_hook, "hook_embed"]  # fmt: skip
     assert forward.taps == [sorted(tapped_sites) if tapped else []] * 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err, save_tiny
-from hf_reference import hf_taps, layer_hooks
+from hf_reference import hf_taps, layer_hooks, rows_shape, same
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -149,10 +149,9 @@ def test_every_tap_matches_hf(family, sequences):
     for ids, got in zip(sequences, outs):
         ref = hf_taps(hf, ids, range(n))
         for hook in hooks:
-            assert tuple(got[hook].shape) == (len(ids), *shapes[hook]) == tuple(ref[hook].shape), hook
-            err = rel_err(got[hook], ref[hook])
-            if not err <= TOL:
-                failures.append(f"{name} len {len(ids)} {hook}: rel_err {err:.3g}")
+            assert tuple(got[hook].shape) == rows_shape(shapes[hook], len(ids)) == tuple(ref[hook].shape), hook
+            if not same(got[hook], ref[hook], TOL):
+                failures.append(f"{name} len {len(ids)} {hook}: rel_err {rel_err(got[hook], ref[hook]):.3g}")
     assert not failures, failures
 
 
@@ -163,7 +162,7 @@ def test_packed_equals_alone(family, sequences):
     for ids, together in zip(sequences, packed):
         alone = llm.trace([ids], hooks=hooks)[0]
         for hook in hooks:
-            assert rel_err(together[hook], alone[hook]) <= TOL, (len(ids), hook)
+            assert same(together[hook], alone[hook], TOL), (len(ids), hook)
 
 
 # What turning a feature off in HF does to the logits; if the test sequences did not reach the feature,

@@ -50,6 +50,15 @@ def test_capture_bound_counts_rows_of_the_spec(cfg, positions, rows):
     assert capture_bound(half, 5, shapes, cfg, torch.float32) == rows * (576 * 2 + 8) + 9 * 8
 
 
+def test_capture_bound_of_attention_patterns(cfg):
+    """rows x heads x K: K is the widest context a row can have (prompt + max_tokens - 1)."""
+    shapes = hook_shapes(cfg)
+    params = SamplingParams(max_tokens=4, capture=Capture(hooks="blocks.3.attn.hook_pattern", positions="last"))
+    assert capture_bound(params, 5, shapes, cfg, torch.float32) == 1 * (9 * 8 * 4 + 8) + 9 * 8
+    picked = SamplingParams(max_tokens=4, capture=Capture(hooks="blocks.3.attn.hook_pattern", positions="all", heads=[2]))
+    assert capture_bound(picked, 5, shapes, cfg, torch.float32) == 8 * (1 * 8 * 4 + 8) + 9 * 8
+
+
 def test_capture_bound_of_hidden_states_and_of_nothing(cfg):
     shapes = hook_shapes(cfg)
     assert capture_bound(SamplingParams(max_tokens=4), 5, shapes, cfg, torch.float32) == 0
@@ -78,6 +87,9 @@ def test_extension_fields_are_parsed_or_refused_by_name():
     on, off = ExtensionContext(enable_capture=True), ExtensionContext(enable_capture=False)
     kwargs = parse_extension({"capture": {"hooks": "blocks.1.hook_resid_post", "positions": {"start": 2}}}, on)
     assert kwargs["capture"].positions == Positions.parse(slice(2, None, None))
+    heads = parse_extension({"capture": {"hooks": "blocks.1.attn.hook_pattern", "heads": [3, 1]},
+                             "interventions": [{"type": "ablate", "hook": "blocks.2.attn.hook_z", "heads": [0]}]}, on)
+    assert heads["capture"].heads == [3, 1] and heads["interventions"][0].heads == [0]
     assert parse_extension({"return_hidden_states": False, "capture": None}, off) == {"return_hidden_states": False}
     with pytest.raises(APIError, match="vlens.steer: unknown field") as e:
         parse_extension({"steer": 1, "capture": {"hooks": "x"}}, on)

@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from vlens.capture.names import LOGITS, hook_shapes, layers_needed, resolve_hooks
+from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, resolve_hooks
 from vlens.engine.packed import packed_forward
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
@@ -292,7 +293,7 @@ class HookedLM:
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
-        padded = {t: padding.pad(torch.cat(parts)) for t, parts in rows.items()}
+        padded = {t: padding.pad(torch.cat(_same_width(t, parts, padding.width))) for t, parts in rows.items()}
         cache = ActivationCache({n: _positions(padded[t], padding, pos_slice) for n, t in names.items()}, padding.mask, self)
         if stop_at_layer is not None:
             return padded[output], cache
@@ -303,6 +304,15 @@ class HookedLM:
             return logits, cache
         loss = _loss(logits, seqs, padding)
         return (loss if return_type == "loss" else (logits, loss)), cache
+
+
+def _same_width(tap: str, parts: list[torch.Tensor], width: int) -> list[torch.Tensor]:
+    """Attention scores and patterns of each text are as wide as the text: widen them all to the longest
+    (-inf scores, zero probabilities: keys that are not there)."""
+    if not is_pattern(tap):
+        return parts
+    fill = 0.0 if tap.endswith("hook_pattern") else float("-inf")
+    return [F.pad(p, (0, width - p.shape[-1]), value=fill) for p in parts]
 
 
 def _positions(value: torch.Tensor, padding: Padding, pos_slice) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlens.capture.interventions import Ablate, Patch, Steer
-from vlens.capture.names import FINAL_NORM, LOGITS, resolve_hooks
+from vlens.capture.names import FINAL_NORM, LOGITS, PER_HEAD, is_pattern, resolve_hooks
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
@@ -40,6 +40,7 @@ class BoundIntervention:
     positions: Positions
     prompt_len: int
     data: torch.Tensor  # [n, width] float32: scale * vector, the unit direction, or the patch rows
+    mask: torch.Tensor | None = None  # [n, width] bool: the elements it edits (its heads); None: all
     value_positions: list[int] | None = None  # a multi-row patch: the position of each data row
     table_rows: list[int] | None = None  # where the runtime stored each row of `data` (set on upload)
 
@@ -96,6 +97,19 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
     hooks = resolve_hooks(capture.hooks, cfg)
     taps = set(hooks.values())
     shapes = {t: shapes[t] for t in taps}
+    patterns = sorted(t for t in taps if is_pattern(t))
+    if patterns and (capture.project is not None or capture.reduce != "none"):
+        field = "capture.project" if capture.project is not None else "capture.reduce"
+        raise ValueError(f"{field}: not for attention scores or patterns ({patterns}), whose rows differ in width")
+    heads, head_taps = None, frozenset()
+    if capture.heads is not None:
+        head_taps = frozenset(t for t in taps if t.endswith(PER_HEAD))
+        if not head_taps:
+            raise ValueError(f"capture.heads: none of {sorted(taps)} has heads; heads select at {', '.join(PER_HEAD)}")
+        for t in head_taps:
+            _check_heads(capture.heads, shapes[t][0], "capture.heads", t)
+            shapes[t] = (len(capture.heads), *shapes[t][1:])
+        heads = torch.tensor(capture.heads)
     weight = model.lm_head.weight
     readout = None
     if capture.project is not None:
@@ -114,22 +128,37 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
     exclude = torch.tensor(sorted(capture.exclude_token_ids), dtype=torch.long) if capture.exclude_token_ids else None
     return RowStream(
         "capture", hooks, capture.positions, prompt_len, shapes, exclude, capture.dtype, readout, capture.reduce,
-        capture.logit_lens,
+        capture.logit_lens, heads, head_taps,
     )  # fmt: skip
+
+
+def _check_heads(heads: list[int], count: int, field: str, tap: str) -> None:
+    bad = [h for h in heads if not 0 <= h < count]
+    if bad:
+        raise ValueError(f"{field}: {bad} out of range; {tap} has heads 0..{count - 1}")
 
 
 def _intervention(
     iv: Steer | Ablate | Patch, where: str, prompt_len: int, max_rows: int, model: DecoderLM, shapes: dict
 ) -> BoundIntervention:
     taps = sorted(set(resolve_hooks(iv.hook, model.cfg).values()))
-    if LOGITS in taps:
-        raise ValueError(f"{where}.hook: interventions on {LOGITS} are not supported; steer the residual instead")
+    if LOGITS in taps or any(is_pattern(t) for t in taps):
+        raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
+                         "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip
     shape_set = {shapes[t] for t in taps}
     if len(shape_set) > 1:
         raise ValueError(f"{where}.hook: {iv.hook!r} matches taps of different shapes {sorted(shape_set)}")
     shape = shape_set.pop()
-    width = math.prod(shape)
-    data = iv.vector * iv.scale if isinstance(iv, Steer) else iv.direction if isinstance(iv, Ablate) else iv.values
+    kind, data = KINDS[type(iv)], _data(iv, shape)
+    if iv.heads is not None:
+        if not all(t.endswith(PER_HEAD) for t in taps):
+            raise ValueError(f"{where}.heads: {iv.hook!r} has no heads; heads apply at attn.hook_q/k/v/z")
+        _check_heads(iv.heads, shape[0], f"{where}.heads", taps[0])
+        if isinstance(iv, Ablate):
+            kind = PATCH  # a head ablation sets the heads' values
+        if data.numel() == shape[-1] and not isinstance(iv, Patch):
+            data = data.repeat(len(iv.heads))  # one [d_head] vector for every head named
+    width = math.prod(shape) if iv.heads is None else len(iv.heads) * shape[-1]  # what one row of data covers
     value_positions = None
     if isinstance(iv, Patch) and data.numel() != width:
         rows = iv.positions.explicit_rows(prompt_len)
@@ -145,4 +174,23 @@ def _intervention(
         bad = [p for p in iv.positions.indices if p >= max_rows]
         if bad:
             raise ValueError(f"{where}.positions: {bad} out of range; this request has at most {max_rows} rows")
-    return BoundIntervention(KINDS[type(iv)], taps, iv.positions, prompt_len, data.reshape(-1, width), value_positions)
+    data, mask = data.reshape(-1, width), None
+    if iv.heads is not None:  # spread over the whole row; the mask keeps the other heads as they are
+        full = torch.zeros(len(data), *shape)
+        full[:, iv.heads] = data.view(len(data), len(iv.heads), shape[-1])
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[iv.heads] = True
+        data, mask = full.flatten(1), mask.flatten().expand(len(data), -1)
+    return BoundIntervention(kind, taps, iv.positions, prompt_len, data, mask, value_positions)
+
+
+def _data(iv: Steer | Ablate | Patch, shape: tuple[int, ...]) -> torch.Tensor:
+    """What an intervention writes: scale * vector, the unit direction (or a head ablation's value,
+    zeros by default), or the patch rows."""
+    if isinstance(iv, Steer):
+        return iv.vector * iv.scale
+    if isinstance(iv, Patch):
+        return iv.values
+    if iv.heads is not None:
+        return iv.value if iv.value is not None else torch.zeros(shape[-1])
+    return iv.direction

@@ -8,6 +8,7 @@ canonical tap that produces it: `hidden_states.{i}` are aliases with HF's index 
 from __future__ import annotations
 
 import difflib
+import math
 import fnmatch
 import re
 from collections.abc import Iterable
@@ -25,6 +26,8 @@ LAYER_HOOKS = (
     "attn.hook_q",
     "attn.hook_k",
     "attn.hook_v",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
     "attn.hook_z",
     "hook_attn_out",
     "hook_resid_mid",
@@ -42,6 +45,12 @@ MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_ids", "mlp.shared_expert
 FINAL_NORM_TAPS = ("ln_final.hook_scale", "ln_final.hook_normalized", "ln_final.hook_out")
 FINAL_NORM = FINAL_NORM_TAPS[-1]
 LOGITS = "unembed.hook_out"
+# Attention scores and probabilities: one row of keys per query, as wide as the row's context (its
+# position + 1), so their per-token shape is [heads, CTX]; they are computed only for the rows asked for.
+PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
+CTX = "ctx"
+# Taps with one slice per attention head, which Capture(heads=...) and per-head interventions select.
+PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", *PATTERNS, "attn.hook_z")
 
 
 class HookSpecError(ValueError):
@@ -60,8 +69,8 @@ def layer_hooks(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     return tuple(hooks)
 
 
-def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every hook name of the model, in forward order, with its per-token shape."""
+def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int | str, ...]]:
+    """Every hook name of the model, in forward order, with its per-token shape (CTX: as wide as the row's context)."""
     d, heads, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     per_layer = {
         "ln1.hook_scale": (1,),
@@ -69,13 +78,15 @@ def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "attn.hook_q": (heads, dh),
         "attn.hook_k": (kv, dh),
         "attn.hook_v": (kv, dh),
+        "attn.hook_attn_scores": (heads, CTX),
+        "attn.hook_pattern": (heads, CTX),
         "attn.hook_z": (heads, dh),
         "mlp.hook_router_logits": (cfg.num_experts,),
         "mlp.hook_expert_ids": (cfg.experts_per_token,),
         "mlp.hook_post": (cfg.intermediate_size,),
         "mlp.shared_expert.hook_post": (cfg.shared_expert_intermediate_size,),
     }
-    shapes: dict[str, tuple[int, ...]] = {"hook_embed": (d,)}
+    shapes: dict[str, tuple[int | str, ...]] = {"hook_embed": (d,)}
     if cfg.learned_positions:
         shapes["hook_pos_embed"] = (d,)
     for layer in range(cfg.num_layers):
@@ -94,6 +105,19 @@ def canonical(name: str, cfg: ModelConfig) -> str:
         return name
     i = int(name.split(".")[1])
     return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
+
+
+def is_pattern(tap: str) -> bool:
+    return tap.endswith(PATTERNS)
+
+
+def row_size(shape: tuple[int | str, ...], context: int, heads: int | None = None) -> int:
+    """Elements in one row of a tap of per-token `shape`: CTX counts `context` keys, and a per-head tap
+    keeps `heads` of its heads where a capture selects some."""
+    sizes = [context if d == CTX else d for d in shape]
+    if heads is not None:
+        sizes[0] = heads
+    return math.prod(sizes)
 
 
 def tap_dtype(tap: str, model_dtype: torch.dtype) -> torch.dtype:

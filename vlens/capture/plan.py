@@ -31,6 +31,7 @@ class Segment:
 
     owner: object
     positions: Sequence[int]  # the sequence position of each row, ascending
+    keys: torch.Tensor | None = None  # pattern taps: where key j of the sequence is, for j up to the last row
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Chunk:
     start: int
     count: int
     row: int
+    block_table: list[int] | None = None  # where the sequence's KV lives (pattern taps read its keys)
 
 
 @dataclass
@@ -73,8 +75,10 @@ class StepPlan:
     def __bool__(self) -> bool:
         return bool(self.gathers or self.edits)
 
-    def gather(self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: list[str]) -> None:
-        self.segments.append(Segment(owner, positions))
+    def gather(
+        self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: list[str], keys: torch.Tensor | None = None
+    ) -> None:
+        self.segments.append(Segment(owner, positions, keys))
         for tap in taps:
             self.gathers.setdefault(tap, []).append((len(self.segments) - 1, rows))
 
@@ -99,7 +103,13 @@ class StepPlan:
         return rows, [at[r] for r in sample_rows]
 
 
-def plan_step(chunks: list[Chunk]) -> StepPlan:
+def cache_slots(block_table: list[int], block_size: int, count: int) -> torch.Tensor:
+    """The KV-cache slots of a sequence's first `count` positions."""
+    j = torch.arange(count)
+    return torch.tensor(block_table)[j // block_size] * block_size + j % block_size
+
+
+def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
     """The plan of one engine step: each request's streams say which of its positions to gather, its
     interventions which rows to edit."""
     plan = StepPlan()
@@ -108,7 +118,8 @@ def plan_step(chunks: list[Chunk]) -> StepPlan:
         for stream in c.taps.streams:
             positions = stream.select(c.token_ids, c.start, end)
             if len(positions):
-                plan.gather(stream, positions, shift(positions, offset), stream.taps)
+                keys = cache_slots(c.block_table, block_size, positions[-1] + 1) if stream.patterns else None
+                plan.gather(stream, positions, shift(positions, offset), stream.taps, keys)
         depth: dict[str, int] = {}  # edits of this request so far at each tap: its next pass
         for iv in c.taps.interventions:
             positions, vectors = iv.rows_at(c.start, end)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
+import torch.nn.functional as F
 
+from vlens.capture.names import CTX, is_pattern
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import Readout
 
@@ -32,12 +34,15 @@ class RowStream:
     readout: Readout | None = None  # on-device transform of each step's rows (probe, logit lens)
     reduce: str = "none"  # "mean": one row, the mean over the selected rows
     logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
+    heads: torch.Tensor | None = None  # the heads kept at the per-head taps in `head_taps`
+    head_taps: frozenset[str] = frozenset()
     offered_upto: int = 0  # positions below this were offered to the stream already
     _positions: list[Sequence[int]] = field(default_factory=list)  # per step, ascending
     _rows: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.taps = sorted(set(self.hooks.values()))
+        self.patterns = any(is_pattern(t) for t in self.taps)
         self.first_wanted = self.positions.first_needed(self.prompt_len)
 
     @property
@@ -77,10 +82,14 @@ class RowStream:
         out: dict[str, object] = {}
         for tap in self.taps:
             pieces = self._rows.get(tap)
+            if pieces and is_pattern(tap):  # K: the last kept row's context; each piece is as wide as its own
+                width = int(positions[keep].max()) + 1 if keep.any() else 0
+                fill = 0.0 if tap.endswith("hook_pattern") else float("-inf")
+                pieces = [F.pad(p[..., :width], (0, max(0, width - p.shape[-1])), value=fill) for p in pieces]
             if not pieces and self.logit_lens:
                 out[tap] = (torch.empty(0, self.logit_lens, dtype=torch.long), torch.empty(0, self.logit_lens))
             elif not pieces:
-                out[tap] = torch.empty(0, *self.shapes[tap], dtype=dtype)
+                out[tap] = torch.empty(0, *(0 if n == CTX else n for n in self.shapes[tap]), dtype=dtype)
             elif self.sums_on_device:
                 out[tap] = (sum(p.double() for p in pieces) / len(positions)).to(dtype)
             elif isinstance(pieces[0], tuple):

@@ -20,7 +20,7 @@ from itertools import chain
 import torch
 
 from vlens.capture.bind import ABLATE, PATCH, STEER, BoundIntervention
-from vlens.capture.names import tap_dtype
+from vlens.capture.names import is_pattern, tap_dtype
 from vlens.capture.plan import Collected, StepPlan
 from vlens.capture.rows import RowStream
 
@@ -30,15 +30,19 @@ _COEFFICIENTS = {STEER: (1.0, 1.0, 0.0), ABLATE: (1.0, 0.0, -1.0), PATCH: (0.0, 
 
 
 class Tap:
-    """One tap site's work in one step: edit passes, then a gather of rows into a static buffer."""
+    """One tap site's work in one step: edit passes, then a gather of rows into a static buffer (or,
+    at an attention-pattern tap, the scores of the gathered query rows over their keys)."""
 
     def __init__(self) -> None:
         self.gather_index: torch.Tensor | None = None  # [R] packed rows to gather (padding repeats a row)
         self.gather_out: torch.Tensor | None = None  # [R, *shape] where they land
+        self.key_index: torch.Tensor | None = None  # patterns: [R, K] each row's keys, key j at column j
+        self.row_positions: torch.Tensor | None = None  # patterns: [R] each row's position: keys past it are masked
+        self.softmax = False  # hook_pattern (probabilities) rather than hook_attn_scores
         self.edit_rows: torch.Tensor | None = None  # [P, E]: pass p edits rows edit_rows[p], distinct within a pass
         self.edit_vectors: torch.Tensor | None = None  # [P, E] rows of `table`
         self.edit_kinds: torch.Tensor | None = None  # [P, E] STEER | ABLATE | PATCH
-        self.table: torch.Tensor | None = None  # [N, width] intervention vectors
+        self.table: VectorTable | None = None
         self.coefficients: torch.Tensor | None = None  # [kinds, 3]: (a, b, c) of each kind
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,36 +54,56 @@ class Tap:
 
     def _edit(self, x: torch.Tensor) -> torch.Tensor:
         """Passes apply in order (a request's interventions at one tap, in the order it gave them); each
-        pass reads its rows, computes their new values and writes them back with one index_copy."""
+        pass reads its rows, computes their new values and writes them back with one index_copy. Where
+        an edit's mask is off (heads it does not touch) the row keeps its value."""
         flat = x.reshape(x.shape[0], -1)
         for p in range(self.edit_rows.shape[0]):
-            rows = self.edit_rows[p]
-            v = self.table.index_select(0, self.edit_vectors[p]).to(x.dtype)
+            rows, vectors = self.edit_rows[p], self.edit_vectors[p]
+            v = self.table.data.index_select(0, vectors).to(x.dtype)
             a, b, c = self.coefficients.index_select(0, self.edit_kinds[p]).to(x.dtype).unbind(1)
             old = flat.index_select(0, rows)
             dot = (old * v).sum(1)
             new = a[:, None] * old + b[:, None] * v + (c * dot)[:, None] * v
+            new = torch.where(self.table.mask.index_select(0, vectors), new, old)
             flat = flat.index_copy(0, rows, new)
         return flat.view(x.shape)
 
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, attn) -> None:
+        """Scores [R, heads, K] of the gathered query rows over their sequence's keys, as HF's eager
+        attention has them before its softmax: scaled, soft-capped, -inf where the causal mask or the
+        sliding window forbids; at hook_pattern their float32 softmax, in the model's dtype."""
+        rows, width = self.key_index.shape
+        k = keys.index_select(0, self.key_index.reshape(-1)).view(rows, width, attn.num_kv_heads, attn.head_dim)
+        k = k.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=2)
+        scores = torch.einsum("rhd,rkhd->rhk", q.index_select(0, self.gather_index), k) * attn.scale
+        if attn.softcap is not None:
+            scores = torch.tanh(scores / attn.softcap) * attn.softcap
+        j, p = torch.arange(width, device=q.device), self.row_positions[:, None]
+        allowed = j <= p if attn.window is None else (j <= p) & (j > p - attn.window)
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+        self.gather_out.copy_(torch.softmax(scores, dim=-1, dtype=torch.float32) if self.softmax else scores)
+
 
 class VectorTable:
-    """Intervention vectors of one row width, on the device; a request's rows stay until it ends."""
+    """Intervention vectors of one row width on the device, with the mask of the elements each one
+    edits (all of them, or the heads it names); a request's rows stay until it ends."""
 
     def __init__(self, width: int, device: torch.device, dtype: torch.dtype):
         self.data = torch.zeros(16, width, device=device, dtype=dtype)
+        self.mask = torch.ones(16, width, device=device, dtype=torch.bool)
         self.free = list(range(16))
 
-    def put(self, rows: torch.Tensor) -> list[int]:
+    def put(self, rows: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
         if len(rows) > len(self.free):
-            old = self.data
-            grown = max(2 * len(old), len(old) + len(rows))
-            self.data = torch.zeros(grown, old.shape[1], device=old.device, dtype=old.dtype)
-            self.data[: len(old)] = old
-            self.free += range(len(old), grown)
+            n = len(self.data)
+            grown = max(2 * n, n + len(rows))
+            self.data = torch.cat([self.data, self.data.new_zeros(grown - n, self.data.shape[1])])
+            self.mask = torch.cat([self.mask, self.mask.new_ones(grown - n, self.mask.shape[1])])
+            self.free += range(n, grown)
         ids, self.free = self.free[: len(rows)], self.free[len(rows) :]
         index = torch.tensor(ids, dtype=torch.long, device=self.data.device)
         self.data[index] = rows.to(self.data.device, self.data.dtype)
+        self.mask[index] = True if mask is None else mask.to(self.mask.device)
         return ids
 
     def release(self, ids: list[int]) -> None:
@@ -113,7 +137,7 @@ class TapRuntime:
             table = self.tables.get(iv.width)
             if table is None:
                 table = self.tables[iv.width] = VectorTable(iv.width, self.device, self.dtype)
-            iv.table_rows = table.put(iv.data)
+            iv.table_rows = table.put(iv.data, iv.mask)
 
     def release(self, interventions: list[BoundIntervention]) -> None:
         for iv in interventions:
@@ -128,66 +152,88 @@ class TapRuntime:
 
     def arm(self, plan: StepPlan) -> dict[str, Tap]:
         """The taps of this step's plan, their indices written into the device buffers in one copy."""
-        flat: list[int] = []
+        pieces: list[torch.Tensor] = []
         layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # (tap, field, offset, shape)
 
-        def add(tap: str, name: str, values: list[int], shape: tuple[int, ...]) -> None:
-            layout.append((tap, name, len(flat), shape))
-            flat.extend(values)
+        def add(tap: str, name: str, values: torch.Tensor) -> None:
+            offset = layout[-1][2] + math.prod(layout[-1][3]) if layout else 0
+            pieces.append(values.reshape(-1))
+            layout.append((tap, name, offset, tuple(values.shape)))
 
+        widths: dict[str, int] = {}
         for tap, parts in plan.gathers.items():
             rows = list(chain.from_iterable(r for _, r in parts))
             size = self._size(len(rows))
-            add(tap, "gather_index", rows + [0] * (size - len(rows)), (size,))
+            add(tap, "gather_index", torch.tensor(rows + [0] * (size - len(rows))))
+            if is_pattern(tap):
+                segments = [plan.segments[s] for s, _ in parts]
+                widths[tap] = self._size(max(seg.positions[-1] for seg in segments) + 1)
+                keys, positions = _pattern_rows(segments, size, widths[tap])
+                add(tap, "key_index", keys)
+                add(tap, "row_positions", positions)
         for tap, passes in plan.edits.items():
             size = self._size(max(len(e.rows) for e in passes))
             for name, column in (("edit_rows", "rows"), ("edit_vectors", "vectors"), ("edit_kinds", "kinds")):
                 # a pass is padded by repeating its last edit: the same write twice is the same write
                 lists = [getattr(e, column) for e in passes]
-                add(tap, name, [x for v in lists for x in v + v[-1:] * (size - len(v))], (len(passes), size))
-        if len(flat) > len(self._index):
-            self._index = torch.zeros(max(len(flat), 2 * len(self._index)), dtype=torch.long, device=self.device)
-        if flat:
-            self._index[: len(flat)].copy_(torch.tensor(flat), non_blocking=True)
+                add(tap, name, torch.tensor([v + v[-1:] * (size - len(v)) for v in lists]))
+        if pieces:
+            flat = torch.cat(pieces)
+            if len(flat) > len(self._index):
+                self._index = torch.zeros(max(len(flat), 2 * len(self._index)), dtype=torch.long, device=self.device)
+            self._index[: len(flat)].copy_(flat, non_blocking=True)
         taps = {}
         for tap, name, start, shape in layout:
             t = taps.get(tap) or self._reset(tap)
             taps[tap] = t
-            setattr(t, name, self._index[start : start + torch.Size(shape).numel()].view(shape))
+            setattr(t, name, self._index[start : start + math.prod(shape)].view(shape))
         for tap in plan.gathers:
-            taps[tap].gather_out = self._gather_buffer(tap, len(taps[tap].gather_index))
-        for tap in plan.edits:
             t = taps[tap]
-            t.table, t.coefficients = self.tables[math.prod(self.shapes[tap])].data, self._coefficients
+            t.gather_out = self._gather_buffer(tap, len(t.gather_index), widths.get(tap))
+            t.softmax = tap.endswith("hook_pattern")
+        for tap in plan.edits:
+            taps[tap].table, taps[tap].coefficients = self.tables[math.prod(self.shapes[tap])], self._coefficients
         return taps
 
     def _reset(self, tap: str) -> Tap:
         t = self._taps.get(tap)
         if t is None:
             t = self._taps[tap] = Tap()
-        t.gather_index = t.gather_out = t.edit_rows = t.edit_vectors = t.edit_kinds = t.table = None
+        t.gather_index = t.gather_out = t.key_index = t.row_positions = None
+        t.edit_rows = t.edit_vectors = t.edit_kinds = t.table = None
         return t
 
-    def _gather_buffer(self, tap: str, rows: int) -> torch.Tensor:
+    def _gather_buffer(self, tap: str, rows: int, width: int | None) -> torch.Tensor:
+        """A view of the tap's buffer for `rows` rows (pattern taps: `width` keys each); buffers only grow."""
+        shape = [rows, *self.shapes[tap]]
+        if width is not None:
+            shape[-1] = width
         buf = self._out.get(tap)
-        if buf is None or len(buf) < rows:
-            size = max(rows, 2 * len(buf)) if buf is not None else rows
-            buf = self._out[tap] = torch.empty(size, *self.shapes[tap], dtype=tap_dtype(tap, self.dtype), device=self.device)
-        return buf[:rows]
+        if buf is None or any(want > have for want, have in zip(shape, buf.shape)):
+            grown = shape if buf is None else [max(want, have) for want, have in zip(shape, buf.shape)]
+            buf = self._out[tap] = torch.empty(grown, dtype=tap_dtype(tap, self.dtype), device=self.device)
+        return buf[tuple(slice(0, n) for n in shape)]
 
     def collect(self, plan: StepPlan) -> Collection:
-        """After the forward: each segment's rows of each tap, read out on the device where its stream
-        asks for it, then copied to the host (pinned and non-blocking on CUDA: see Collection.ready)."""
+        """After the forward: each segment's rows of each tap (pattern rows cut to the segment's own
+        context), read out on the device where its stream asks for it, then copied to the host
+        (pinned and non-blocking on CUDA: see Collection.ready)."""
         out: list[Collected] = []
         for tap, parts in plan.gathers.items():
             counts = [len(rows) for _, rows in parts]
             gathered = self._taps[tap].gather_out[: sum(counts)]
-            streams = [plan.segments[segment].owner for segment, _ in parts]
-            if not any(_reads_out(s) for s in streams):  # one copy for the whole tap, split on the host
-                out += [Collected(s, tap, r) for (s, _), r in zip(parts, _to_host(gathered).split(counts))]
-                continue
-            for (segment, _), stream, chunk in zip(parts, streams, gathered.split(counts)):
-                out.append(Collected(segment, tap, _to_host(_read_out(stream, chunk) if _reads_out(stream) else chunk)))
+            owners = [plan.segments[segment].owner for segment, _ in parts]
+            if not any(_reads_out(owner, tap) for owner in owners):  # one copy for the whole tap, split on the host
+                chunks = _to_host(gathered).split(counts)
+            else:
+                chunks = [
+                    _to_host(_read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk)
+                    for owner, chunk in zip(owners, gathered.split(counts))
+                ]
+            for (segment, _), rows in zip(parts, chunks):
+                if is_pattern(tap):
+                    rows = rows[..., : plan.segments[segment].positions[-1] + 1]
+                out.append(Collected(segment, tap, rows))
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -208,11 +254,29 @@ class Collection:
         return self.items
 
 
-def _reads_out(owner: object) -> bool:
-    return isinstance(owner, RowStream) and bool(owner.readout or owner.sums_on_device or owner.dtype)
+def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, width] key index (each row's keys 0.. of its own sequence) and [rows] row positions."""
+    keys = torch.zeros(rows, width, dtype=torch.long)
+    positions = torch.zeros(rows, dtype=torch.long)
+    at = 0
+    for seg in segments:
+        n, k = len(seg.positions), seg.keys[:width]
+        keys[at : at + n, : len(k)] = k
+        positions[at : at + n] = torch.as_tensor(seg.positions)
+        at += n
+    return keys, positions
 
 
-def _read_out(stream: RowStream, chunk: torch.Tensor):
+def _reads_out(owner: object, tap: str) -> bool:
+    """Whether a segment's rows need work on the device before they leave it."""
+    if not isinstance(owner, RowStream):
+        return False
+    return bool(owner.readout or owner.sums_on_device or owner.dtype) or tap in owner.head_taps
+
+
+def _read_out(stream: RowStream, tap: str, chunk: torch.Tensor):
+    if tap in stream.head_taps:
+        chunk = chunk.index_select(1, stream.heads.to(chunk.device))
     result = stream.readout(chunk) if stream.readout is not None else chunk
     if stream.sums_on_device:
         result = result.sum(0, keepdim=True)

@@ -40,6 +40,8 @@ class Capture:
     `reduce="mean"` returns the mean over the selected rows as one row (after any projection);
     `logit_lens=k` returns, per row of a residual-stream tap, the top-k token ids and log-probabilities
     through the final norm and unembedding, in RequestOutput.logit_lens instead of activations.
+    `heads=[h, ...]` keeps those heads (in that order) at the per-head taps: attn.hook_q/k/v/z and the
+    attention scores and patterns (for hook_k/v of a model with fewer KV heads, those KV heads).
     """
 
     hooks: str | Sequence[str] = "blocks.*.hook_resid_post"
@@ -49,6 +51,7 @@ class Capture:
     reduce: str = "none"
     project: Any = None
     logit_lens: int | None = None
+    heads: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         self.hooks = [self.hooks] if isinstance(self.hooks, str) else list(self.hooks)
@@ -77,3 +80,15 @@ class Capture:
                 raise ValueError(f"capture.logit_lens: expected an int >= 1 (top-k), got {self.logit_lens!r}")
             if self.project is not None or self.reduce != "none":
                 raise ValueError("capture.logit_lens: cannot be combined with project or reduce")
+        if self.heads is not None:
+            self.heads = check_heads(self.heads, "capture.heads")
+
+
+def check_heads(heads: Any, field: str) -> list[int]:
+    """A non-empty list of distinct head indices (their range is checked against the model later)."""
+    ok = isinstance(heads, Sequence) and not isinstance(heads, str) and len(heads) > 0
+    if not ok or not all(isinstance(h, int) and not isinstance(h, bool) for h in heads):
+        raise ValueError(f"{field}: expected a non-empty list of head indices (ints), got {heads!r}")
+    if len(set(heads)) != len(heads):
+        raise ValueError(f"{field}: {list(heads)!r} names a head more than once")
+    return list(heads)

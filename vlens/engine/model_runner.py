@@ -131,9 +131,9 @@ class ModelRunner:
             if seq.num_computed + n == len(seq.token_ids):
                 sample_rows.append(row + n - 1)
             if seq.taps.streams or seq.taps.interventions:
-                chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row))
+                chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table))
             row += n
-        plan = plan_step(chunks)
+        plan = plan_step(chunks, self.block_size)
         logit_rows, sample_index = plan.logit_rows(sample_rows)
         ctx.taps = self.taps.arm(plan) if plan else {}
         sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids)]

@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-from vlens.capture.names import FINAL_NORM_TAPS, LOGITS, hook_shapes, layers_needed
+from vlens.capture.names import FINAL_NORM_TAPS, LOGITS, hook_shapes, is_pattern, layers_needed
 from vlens.capture.plan import StepPlan, shift
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import packed_context, set_context
@@ -56,9 +56,11 @@ def packed_forward(
     lens = [len(s) for s in sequences]
     starts = list(accumulate([0] + lens[:-1]))
     plan = StepPlan()
+    patterns = any(is_pattern(t) for t in taps)
     for i, (start, n) in enumerate(zip(starts, lens)):
         positions = range(n) if rows is None else rows[i].tolist()
-        plan.gather(i, positions, shift(positions, start), taps)
+        keys = torch.arange(start, start + n) if patterns else None  # packed: key j sits at row start + j
+        plan.gather(i, positions, shift(positions, start), taps, keys)
     runtime = TapRuntime(hook_shapes(model.cfg), device, dtype)
     armed = runtime.arm(plan)
     for name, fn in (hooks or {}).items():

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vlens.capture.names import hook_shapes, resolve_hooks
+from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.model import tokenizer_info, weights_hash
@@ -65,6 +65,13 @@ class HarvestSummary:
 def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, Source]:
     """Check the options that need the model and open the source: the hooks' taps, the packing, the source."""
     wanted = resolve_hooks(config.hooks, loaded.config)
+    patterns = [name for name, tap in wanted.items() if is_pattern(tap)]
+    if patterns:
+        raise ValueError(
+            f"hooks: {patterns} have one value per key of each row's context, a width that changes with the "
+            "position; harvest stores fixed-width rows. Capture attention patterns with LLM.trace or "
+            "LLM.generate (Capture) instead"
+        )
     packing = make_packing(
         loaded.tokenizer, loaded.config, config.context_size, config.pack, config.prepend_bos, config.exclude_bos,
         config.exclude_token_ids,

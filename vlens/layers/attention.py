@@ -27,12 +27,14 @@ class Attention(nn.Module):
         window: int | None,
         scale: float | None = None,
         softcap: float | None = None,
+        patterns: tuple[str, str] = ("", ""),
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
         self.softcap = softcap
+        self.hook_attn_scores, self.hook_pattern = patterns
         # Bound by the engine to [num_slots, num_kv_heads, head_dim] views of its cache.
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -41,6 +43,11 @@ class Attention(nn.Module):
         if ctx.slot_mapping is not None:
             self.k_cache.index_copy_(0, ctx.slot_mapping, k)
             self.v_cache.index_copy_(0, ctx.slot_mapping, v)
+        # Scores and probabilities of only the rows asked for, from their queries and their sequence's
+        # keys (the cache holds every key of every sequence; a cache-less forward packs them in k).
+        keys = self.k_cache if ctx.slot_mapping is not None else k
+        if self.hook_attn_scores in ctx.taps: ctx.taps[self.hook_attn_scores].attend(q, keys, self)  # fmt: skip
+        if self.hook_pattern in ctx.taps: ctx.taps[self.hook_pattern].attend(q, keys, self)  # fmt: skip
         if len(ctx.groups) == 1:
             return self._attend(q, k, v, ctx.groups[0])
         out = torch.empty_like(q)

@@ -36,13 +36,14 @@ class AttentionHeads(nn.Module):
         if cfg.attn_scale_inverse_layer:
             scale /= layer + 1
         window = cfg.sliding_windows[layer]
-        self.attn = Attention(self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap)
+        p = f"blocks.{layer}.attn."
+        patterns = (p + "hook_attn_scores", p + "hook_pattern")
+        self.attn = Attention(self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, cfg.head_dim)
             self.k_norm = make_norm(cfg, cfg.head_dim)
         self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim else None
-        p = f"blocks.{layer}.attn."
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save
 
-from vlens.capture.names import FINAL_NORM, resolve_hooks
+from vlens.capture.names import FINAL_NORM, PER_HEAD, resolve_hooks, row_size
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -51,8 +51,11 @@ def capture_bound(
             row = len(hooks) * capture.logit_lens * (INT64 + 4)
         elif capture.project is not None:
             row = len(hooks) * capture.project[0].shape[1] * itemsize
-        else:
-            row = sum(math.prod(shapes[name]) for name in hooks) * itemsize
+        else:  # attention patterns: as many keys as the widest row's context
+            heads = len(capture.heads) if capture.heads is not None else None
+            row = sum(
+                row_size(shapes[tap], rows_all, heads if name.endswith(PER_HEAD) else None) for name, tap in hooks.items()
+            ) * itemsize  # fmt: skip
         rows = capture.positions.max_rows(prompt_len, params.max_tokens)
         total += rows * INT64 + (1 if capture.reduce == "mean" else rows) * row
     if params.return_hidden_states:

@@ -58,6 +58,7 @@ class CaptureSpec(BaseModel):
     project: list[list[float]] | None = None  # W [d, k]
     project_bias: list[float] | None = None  # b [k]
     logit_lens: StrictInt | None = None
+    heads: list[StrictInt] | None = None  # at per-head taps (attn.hook_q/k/v/z, scores, patterns)
 
     def to_capture(self) -> Capture:
         positions = _positions(self.positions, "capture.positions")
@@ -66,7 +67,7 @@ class CaptureSpec(BaseModel):
             raise ValueError("capture.project_bias: given without capture.project")
         return Capture(
             hooks=self.hooks, positions=positions, dtype=self.dtype, exclude_token_ids=self.exclude_token_ids,
-            reduce=self.reduce, project=project, logit_lens=self.logit_lens,
+            reduce=self.reduce, project=project, logit_lens=self.logit_lens, heads=self.heads,
         )
 
 
@@ -78,21 +79,23 @@ class InterventionSpec(BaseModel):
     hook: StrictStr
     vector: list[float] | None = None  # steer
     scale: float = 1.0  # steer
-    direction: list[float] | None = None  # ablate
-    values: list[float] | list[list[float]] | None = None  # patch
+    direction: list[float] | None = None  # ablate (project a direction out)
+    value: list[float] | list[list[float]] | None = None  # ablate with heads: what the heads are set to
+    values: list[float] | list[list[float]] | list[list[list[float]]] | None = None  # patch
     positions: PositionsJSON = "all"
+    heads: list[StrictInt] | None = None  # at attn.hook_q/k/v/z: edit only these heads
 
     def to_intervention(self) -> Steer | Ablate | Patch:
-        field = {"steer": "vector", "ablate": "direction", "patch": "values"}[self.type]
+        positions = _positions(self.positions, f"{self.type}.positions")
+        if self.type == "ablate":
+            return Ablate(self.hook, self.direction, positions=positions, heads=self.heads, value=self.value)
+        field = "vector" if self.type == "steer" else "values"
         data = getattr(self, field)
         if data is None:
             raise ValueError(f"{self.type}.{field}: required for a {self.type} intervention")
-        positions = _positions(self.positions, f"{self.type}.positions")
         if self.type == "steer":
-            return Steer(self.hook, data, scale=self.scale, positions=positions)
-        if self.type == "ablate":
-            return Ablate(self.hook, data, positions=positions)
-        return Patch(self.hook, data, positions=positions)
+            return Steer(self.hook, data, scale=self.scale, positions=positions, heads=self.heads)
+        return Patch(self.hook, data, positions=positions, heads=self.heads)
 
 
 def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
