@@ -12,6 +12,12 @@ HF: min_new_tokens), greedy. Rows:
                         against an engine built with enable_capture=False
   mixed lengths         requests wanting 8 .. 2*--tokens new tokens (a seeded mix, as in serving): vlens
                         gives each its own max_tokens; HF's batch runs to the longest and is truncated
+  attention patterns    every request capturing blocks.{9,19}.attn.hook_pattern at its last position, as a
+                        time ratio to no capture; the peer is HF generate with output_attentions=True
+                        (eager attention, every layer and step), as a time ratio to HF plain
+Then the host overhead a GPU would expose (--workload tiny, or all): a random Llama of 2 layers, d=64,
+vocab 512, where GEMMs cost almost nothing; 64 prompts of 8-36 tokens x 64 new tokens, greedy; ms per
+decode step for vlens and HF at batch 64 and 8, and one captured layer at generated rows vs none.
 Timings are the best of --repeats runs after a warm-up.
 """
 
@@ -19,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from vlens import LLM, Capture, SamplingParams
 from vlens.loader import resolve_model_path
@@ -57,7 +64,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--workload", choices=["smol", "tiny", "all"], default="all")
     args = ap.parse_args()
+    if args.workload in ("smol", "all"):
+        smol(args)
+    if args.workload in ("tiny", "all"):
+        host_overhead(args)
+
+
+def smol(args: argparse.Namespace) -> None:
     texts = prompts(args.prompts)
     new_tokens = args.prompts * args.tokens
     path = resolve_model_path(None)
@@ -93,6 +108,17 @@ def main() -> None:
             )
         return [row[batch["input_ids"].shape[1] :][:m] for row, m in zip(out, mixed)]
 
+    hf_eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def hf_attentions():
+        with torch.inference_mode():
+            out = hf_eager.generate(
+                **batch, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+                pad_token_id=tok.pad_token_id, output_attentions=True, return_dict_in_generate=True,
+            )
+            [out.attentions[-1][layer].cpu() for layer in (9, 19)]  # what a user keeps: the last step's
+
+    pattern = Capture(hooks=["blocks.9.attn.hook_pattern", "blocks.19.attn.hook_pattern"], positions="last")
     three = Capture(hooks=[f"blocks.{layer}.hook_resid_post" for layer in LAYERS], positions="generated")
     results = {
         "hf": best(lambda: hf_generate(False), args.repeats),
@@ -103,6 +129,8 @@ def main() -> None:
         "last": best(lambda: llm.generate(texts, sp(Capture(hooks="blocks.15.hook_resid_post", positions="last")), use_tqdm=False), args.repeats),
         "hf_mixed": best(hf_mixed, args.repeats),
         "vlens_mixed": best(lambda: llm.generate(texts, mixed_params, use_tqdm=False), args.repeats),
+        "pattern": best(lambda: llm.generate(texts, sp(pattern), use_tqdm=False), args.repeats),
+        "hf_attentions": best(hf_attentions, args.repeats),
     }
     tps = {k: new_tokens / v for k, v in results.items()}
     tps["hf_mixed"] = sum(mixed) / results["hf_mixed"]
@@ -119,9 +147,49 @@ def main() -> None:
         ("vlens, one tap at last position (time)", tps["last"], results["last"] / results["plain"], "<= 1.05x"),
         (f"HF generate, mixed lengths 8..{2 * args.tokens}", tps["hf_mixed"], None, ""),
         (f"vlens, mixed lengths 8..{2 * args.tokens}", tps["vlens_mixed"], tps["vlens_mixed"] / tps["hf_mixed"], "(no target)"),
+        ("vlens, 2 patterns at last position (time)", tps["pattern"], results["pattern"] / results["vlens"], "<= 1.10x"),
+        ("HF generate, output_attentions (time)", tps["hf_attentions"], results["hf_attentions"] / results["hf"], "(peer)"),
     ]
     for name, rate, ratio, target in rows:
         print(f"{name:<44}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
+
+
+def host_overhead(args: argparse.Namespace) -> None:
+    """ms per decode step on a model whose GEMMs cost almost nothing: what is left is host work."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        llm = LLM(model=tmp, dtype="float32", device="cpu")
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    ids = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 36))] for _ in range(64)]
+    steps = args.tokens
+    print(f"\nhost overhead: random Llama 2 layers d=64, prompts of 8-36 tokens x {steps} new tokens, greedy")
+    print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}  target")
+    for batch in (64, 8):
+        prompts_ = ids[:batch]
+        width = max(map(len, prompts_))
+        padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts_])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts_])[:, None]).long()
+
+        def hf_run():
+            with torch.inference_mode():
+                hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                            do_sample=False, pad_token_id=0)  # fmt: skip
+
+        def vlens_run(capture=None):
+            p = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=capture)
+            llm.generate(prompts_, p, use_tqdm=False)
+
+        one = Capture(hooks="blocks.1.hook_resid_post", positions="generated")
+        t_hf, t_v = best(hf_run, args.repeats), best(vlens_run, args.repeats)
+        t_cap = best(lambda: vlens_run(one), args.repeats)
+        ms = lambda t: 1000 * t / steps  # noqa: E731
+        print(f"{f'HF generate, batch {batch}':<44}{ms(t_hf):>10.2f}")
+        print(f"{f'vlens, batch {batch}':<44}{ms(t_v):>10.2f}{t_v / t_hf:>9.2f}x  {'<= 0.5x HF' if batch == 64 else ''}")
+        print(f"{f'vlens, one layer at generated rows, batch {batch}':<44}{ms(t_cap):>10.2f}{t_cap / t_v:>9.2f}x  <= 1.15x")
 
 
 if __name__ == "__main__":
