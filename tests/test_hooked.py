@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from family_parity import COMMON, build
-from hf_reference import hf_taps
+from hf_reference import hf_taps, same
 from transformers import GPT2Config, Gemma2Config
 
 from conftest import rel_err
 from vlens import ActivationCache, HookedLM
+from vlens.capture.names import PATTERNS
 
 TEXTS = ["The capital of France is", "Hello", "Once upon a time, in a small village by the sea, there lived"]
 
@@ -25,7 +26,7 @@ def _each_text(cache: ActivationCache, name: str, lengths: list[int]):
     """The real (unpadded) rows of each text, after checking the pads are zeros."""
     value = cache[name]
     for i, n in enumerate(lengths):
-        assert not value[i, n:].any(), (name, i)  # never computed on a pad
+        assert not value[i, n:].any(), (name, i)  # never computed on a pad (a zero row, scores too)
         yield value[i, :n]
 
 
@@ -36,10 +37,11 @@ def test_cache_equals_hf_on_texts_of_different_lengths(hooked, hf_smol):
     lengths = [len(i) for i in ids]
     assert cache.mask.tolist() == [[j < n for j in range(max(lengths))] for n in lengths]
     refs = [hf_taps(hf_smol, i, (0, 15, 29)) for i in ids]
-    assert {n.split(".")[1] for n in cache} == {"0", "15", "29"} and len(cache) == 3 * 16
+    assert {n.split(".")[1] for n in cache} == {"0", "15", "29"} and len(cache) == 3 * 18
     for name in cache:
         for ref, got in zip(refs, _each_text(cache, name, lengths)):
-            assert rel_err(got, ref[name]) <= 1e-5, name
+            n = len(ref[name])  # attention patterns are as wide as the longest text: the rest is no key
+            assert same(got[..., :n] if name.endswith(PATTERNS) else got, ref[name], 1e-5), name
     for ref, got in zip(refs, _each_text({"logits": logits}, "logits", lengths)):  # type: ignore[arg-type]
         assert rel_err(got, ref["unembed.hook_out"]) <= 1e-5
     assert torch.equal(cache["resid_post", 15], cache["blocks.15.hook_resid_post"])
@@ -72,7 +74,8 @@ def test_other_families_with_a_mask(config, tmp_path):
     for name in cache:
         for ref, got in zip(refs, _each_text(cache, name, lengths)):
             if name in ref:
-                assert rel_err(got, ref[name]) <= 1e-5, name
+                n = len(ref[name])
+                assert same(got[..., :n] if name.endswith(PATTERNS) else got, ref[name], 1e-5), name
                 compared += 1
     assert compared == 2 * len(cache)  # every cached hook has an HF counterpart
 

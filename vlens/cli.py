@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from vlens.capture import Capture, Positions
-from vlens.capture.names import hook_shapes
+from vlens.capture.names import hook_shapes, is_pattern
+from vlens.capture.rows import widen
 from vlens.config import ModelConfig
 from vlens.engine.config import EngineConfig
 from vlens.harvest import cli as harvest_cli
@@ -65,7 +66,11 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             rows.append((name, str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), f"{norm:.4f}"))
         _print_table(rows)
     if args.out:
-        tensors = {name: torch.cat([acts[name] for acts in results]) for name in results[0]}
+        width = max(map(len, token_lists))  # attention patterns: every text's rows as wide as the longest text
+        tensors = {
+            name: torch.cat([widen(name, acts[name], width) if is_pattern(name) else acts[name] for acts in results])
+            for name in results[0]
+        }
         tensors["token_ids"] = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64)
         tensors["sequence"] = torch.cat([torch.full((len(ids),), i) for i, ids in enumerate(token_lists)])
         tensors["position"] = torch.cat([torch.arange(len(ids)) for ids in token_lists])

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, resolve_hooks
+from vlens.capture.rows import widen
 from vlens.engine.packed import packed_forward
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
@@ -289,7 +289,7 @@ class HookedLM:
             taps.add(output)
         elif return_type is not None:
             taps.add(LOGITS)
-        captured = packed_forward(self.llm.model, seqs, sorted(taps), hooks=self._user_hooks(padding))
+        captured = packed_forward(self.llm.model, seqs, sorted(taps), hooks=self._user_hooks(padding), backend=self.llm.backend)
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
@@ -307,12 +307,8 @@ class HookedLM:
 
 
 def _same_width(tap: str, parts: list[torch.Tensor], width: int) -> list[torch.Tensor]:
-    """Attention scores and patterns of each text are as wide as the text: widen them all to the longest
-    (-inf scores, zero probabilities: keys that are not there)."""
-    if not is_pattern(tap):
-        return parts
-    fill = 0.0 if tap.endswith("hook_pattern") else float("-inf")
-    return [F.pad(p, (0, width - p.shape[-1]), value=fill) for p in parts]
+    """Attention scores and patterns of each text are as wide as the text: widen them to the longest."""
+    return [widen(tap, p, width) for p in parts] if is_pattern(tap) else parts
 
 
 def _positions(value: torch.Tensor, padding: Padding, pos_slice) -> torch.Tensor:

@@ -12,12 +12,13 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import LLMEngine, NewRequest
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.inputs import to_token_lists
-from vlens.loader import load_model
+from vlens.loader import load_model, resolve_device
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -26,18 +27,20 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **settings):
         """`settings` are those of `EngineConfig` (dtype, device, max_num_seqs, block_size, ...); an unknown
         or invalid one is a ValueError naming it, raised before the model is loaded."""
-        self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
-        loaded = load_model(model, dtype=self.engine_config.dtype, device=self.engine_config.device)
+        config = self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
+        check_backend(config.attention_backend, resolve_device(config.device))  # FlashInfer on a CPU: before loading
+        loaded = load_model(model, dtype=config.dtype, device=config.device)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
+        self.backend = make_backend(config.attention_backend, self.device, compiled=not config.enforce_eager)
         self._engine: LLMEngine | None = None
 
     @property
     def engine(self) -> LLMEngine:
         if self._engine is None:
-            self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
+            self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config, self.backend)
         return self._engine
 
     def hook_names(self) -> dict[str, tuple[int, ...]]:
@@ -106,7 +109,7 @@ class LLM:
         token_lists = to_token_lists(texts, self.tokenizer, self.config.vocab_size, field="texts")
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
         for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
-            plan = packed_forward(self.model, [token_lists[i] for i in batch], taps)
+            plan = packed_forward(self.model, [token_lists[i] for i in batch], taps, backend=self.backend)
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]

@@ -8,8 +8,8 @@ canonical tap that produces it: `hidden_states.{i}` are aliases with HF's index 
 from __future__ import annotations
 
 import difflib
-import math
 import fnmatch
+import math
 import re
 from collections.abc import Iterable
 

@@ -20,6 +20,13 @@ from vlens.capture.positions import Positions
 from vlens.capture.readouts import Readout
 
 
+def widen(tap: str, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Attention scores or patterns widened to `width` keys with keys that are not there: -inf scores,
+    zero probabilities."""
+    fill = 0.0 if tap.endswith("hook_pattern") else float("-inf")
+    return F.pad(rows, (0, width - rows.shape[-1]), value=fill)
+
+
 @dataclass
 class RowStream:
     """One set of taps collected at one position spec (a Capture, or the hidden-states shortcut)."""
@@ -84,8 +91,7 @@ class RowStream:
             pieces = self._rows.get(tap)
             if pieces and is_pattern(tap):  # K: the last kept row's context; each piece is as wide as its own
                 width = int(positions[keep].max()) + 1 if keep.any() else 0
-                fill = 0.0 if tap.endswith("hook_pattern") else float("-inf")
-                pieces = [F.pad(p[..., :width], (0, max(0, width - p.shape[-1])), value=fill) for p in pieces]
+                pieces = [widen(tap, p[..., :width], width) for p in pieces]
             if not pieces and self.logit_lens:
                 out[tap] = (torch.empty(0, self.logit_lens, dtype=torch.long), torch.empty(0, self.logit_lens))
             elif not pieces:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vlens.attention import BACKENDS
 from vlens.loader import DEFAULT_MODEL, device_problem, dtype_problem
 from vlens.settings import from_kwargs, setting, validate
 
@@ -31,6 +32,14 @@ class EngineConfig:
         True, "reuse the KV of identical prompt prefixes", flag="--no-prefix-caching", invert=True
     )
     seed: int = setting(0, "seed of the samples of requests that give none")
+    attention_backend: str = setting(
+        "auto", "auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flex or flashinfer", choices=BACKENDS
+    )
+    enforce_eager: bool = setting(False, "no compiled kernels and no CUDA graphs: every step runs eagerly")
+    gpu_memory_utilization: float = setting(
+        0.9, "share of the GPU's memory the engine may use: weights, the profiled forward, then the KV cache",
+        check=lambda v: None if 0 < v <= 1 else f"{v!r} is not a fraction in (0, 1]",
+    )
 
     def __post_init__(self) -> None:
         validate(self)

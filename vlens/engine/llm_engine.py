@@ -65,7 +65,7 @@ class NewRequest:
 
 
 class LLMEngine:
-    def __init__(self, model: DecoderLM, tokenizer: Any, config: EngineConfig):
+    def __init__(self, model: DecoderLM, tokenizer: Any, config: EngineConfig, backend):
         cfg = model.cfg
         device = model.lm_head.weight.device
         block_size, max_model_len = config.block_size, config.max_model_len
@@ -84,7 +84,7 @@ class LLMEngine:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.max_model_len = min(wanted_len, capacity)
         self.enable_capture = config.enable_capture
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = hook_shapes(cfg)

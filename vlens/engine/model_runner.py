@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vlens.attention import paged_metadata
 from vlens.capture.names import hook_shapes
 from vlens.capture.plan import Chunk, Collected, StepPlan, plan_step
 from vlens.capture.runtime import TapRuntime
-from vlens.context import AttentionGroup, ForwardContext, grid_layout, set_context
+from vlens.context import ForwardContext, set_context
 from vlens.engine.sampler import SamplingBatch, sample, top_logprobs
 from vlens.engine.sequence import Sequence
 from vlens.models.base import DecoderLM
@@ -30,16 +31,17 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int):
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, backend):
         self.model, self.cfg = model, model.cfg
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        self.block_size = block_size
-        shape = (self.cfg.num_layers, 2, num_blocks * block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.block_size, self.num_slots = block_size, num_blocks * block_size
+        shape = (self.cfg.num_layers, 2, self.num_slots, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(model.attention_layers()):
+        layers = model.attention_layers()
+        for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        self.windows = set(self.cfg.sliding_windows)
+        self.backend, self.kinds = backend, {attn.kind for attn in layers}
         self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
         # What runs the model's forward: the module itself (eager), or a compiled or graph-replaying
         # stand-in with the same signature (its taps then need `self.taps.fixed_shapes`).
@@ -51,55 +53,18 @@ class ModelRunner:
         itemsize = model.lm_head.weight.element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
-    def _group(self, chunk: list[tuple[Sequence, int]], first_row: int) -> tuple[AttentionGroup, torch.Tensor, torch.Tensor]:
-        starts = torch.tensor([s.num_computed for s, _ in chunk], dtype=torch.long)
-        lens = torch.tensor([n for _, n in chunk], dtype=torch.long)
-        positions, query_positions, q_index = grid_layout(starts, lens)
-        num_keys = int((starts + lens).max())
-        width = -(-num_keys // self.block_size)
-        tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table)) for s, _ in chunk])
-        j = torch.arange(num_keys)
-        key_slots = tables[:, j // self.block_size] * self.block_size + j % self.block_size
-        seq_of_row = torch.repeat_interleave(torch.arange(len(chunk)), lens)
-        slots = key_slots[seq_of_row, positions]
-        group = AttentionGroup(
-            rows=slice(first_row, first_row + len(positions)),
-            query_positions=query_positions.to(self.device, non_blocking=True),
-            q_index=None if q_index is None else q_index.to(self.device, non_blocking=True),
-            key_slots=key_slots.to(self.device, non_blocking=True),
-        )
-        return group.add_masks(self.windows), positions, slots
-
     def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], ForwardContext, torch.Tensor]:
-        """Order the batch as decodes first, then prefill chunks grouped so grids stay dense."""
+        """The step as attention kernels take it: decodes first, then prefill chunks longest first (so
+        the SDPA backend's grids stay dense), and what the backend plans from that."""
         decodes = [(s, n) for s, n in scheduled if n == 1]
-        prefills = sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
-        chunks: list[list[tuple[Sequence, int]]] = [decodes] if decodes else []
-        for c in prefills:  # longest first; a chunk joins a group while the grid stays at most half padding
-            group = chunks[-1] if chunks and chunks[-1] is not decodes else None
-            if group is not None and (len(group) + 1) * group[0][1] <= 2 * (sum(n for _, n in group) + c[1]):
-                group.append(c)
-            else:
-                chunks.append([c])
-        groups, positions, slots, row = [], [], [], 0
-        for chunk in chunks:
-            g, p, s = self._group(chunk, row)
-            groups.append(g)
-            positions.append(p)
-            slots.append(s)
-            row += len(p)
-        order = [c for chunk in chunks for c in chunk]
+        order = decodes + sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
+        meta = paged_metadata(
+            [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
+            [s.block_table for s, _ in order], self.block_size, self.num_slots, self.device,
+        )  # fmt: skip
         ids = torch.tensor([t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]])
-        ends = torch.repeat_interleave(
-            torch.tensor([len(s.token_ids) - 1 for s, _ in order]), torch.tensor([n for _, n in order])
-        )
-        ctx = ForwardContext(
-            positions=torch.cat(positions).to(self.device, non_blocking=True),
-            groups=groups,
-            slot_mapping=torch.cat(slots).to(self.device, non_blocking=True),
-            sequence_ends=ends.to(self.device, non_blocking=True),
-        )
-        return order, ctx, ids
+        state = self.backend.prepare(meta, self.kinds, self.dtype)
+        return order, ForwardContext(meta, self.backend, state), ids
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

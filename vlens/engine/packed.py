@@ -11,10 +11,12 @@ from itertools import accumulate
 
 import torch
 
+from vlens.attention import packed_metadata
+from vlens.attention.sdpa import SdpaBackend
 from vlens.capture.names import FINAL_NORM_TAPS, LOGITS, hook_shapes, is_pattern, layers_needed
 from vlens.capture.plan import StepPlan, shift
 from vlens.capture.runtime import Collection, TapRuntime
-from vlens.context import packed_context, set_context
+from vlens.context import ForwardContext, set_context
 from vlens.models.base import DecoderLM
 
 
@@ -48,10 +50,13 @@ def packed_forward(
     taps: list[str],
     rows: list[torch.Tensor] | None = None,
     hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    backend=None,
 ) -> PackedCapture:
     """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
     sequence i (default: every position). `hooks` are user functions run at their taps before the
-    capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward)."""
+    capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward).
+    `backend`: the attention backend (default: SDPA)."""
+    backend = backend or SdpaBackend()
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     lens = [len(s) for s in sequences]
     starts = list(accumulate([0] + lens[:-1]))
@@ -69,9 +74,9 @@ def packed_forward(
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
     full = any(t in FINAL_NORM_TAPS or t == LOGITS for t in sites)
     depth = max(layers_needed(t, model.cfg) for t in sites)
-    ctx = packed_context(lens, device, set(model.cfg.sliding_windows))
-    ctx.taps = armed
-    set_context(ctx)
+    meta = packed_metadata(lens, device)
+    kinds = {attn.kind for attn in model.attention_layers()}
+    set_context(ForwardContext(meta, backend, backend.prepare(meta, kinds, dtype), armed))
     try:
         hidden = model(ids.to(device, non_blocking=True), num_layers=None if full else depth)
         if LOGITS in sites:

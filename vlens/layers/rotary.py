@@ -69,7 +69,7 @@ class RopeTable:
         """[T, 1, dim] cos and sin, broadcast over heads."""
         inv_freq = self.inv_freq
         if self.switch_at is not None:
-            inv_freq = inv_freq[(ctx.last_positions() >= self.switch_at).long()]  # [T, dim / 2]
+            inv_freq = inv_freq[(ctx.attention.sequence_ends >= self.switch_at).long()]  # [T, dim / 2]
         freqs = ctx.positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()

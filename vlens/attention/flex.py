@@ -1,0 +1,92 @@
+"""FlexAttention over the paged KV cache: one call per layer for the whole packed batch, no key gather.
+
+The queries are the packed batch as it is ([1, H, T, d]); the keys are the whole cache ([1, H_kv,
+slots, d]). A block mask maps the two: query row r (sequence s, position p) may see cache slot k when
+k holds key j of the same sequence and j <= p (and p - window < j for a sliding-window layer), which
+is where the block tables put it. Soft-capping (Gemma 2) is a score mod. FlexAttention is fast only
+compiled (`compiled=True`, once per shape; ≈25 s on a 2-core CPU, far less on a GPU); uncompiled it
+is exact and slow, which the CPU tests use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from vlens.attention.metadata import AttentionMetadata, LayerKind
+
+
+@dataclass
+class FlexState:
+    masks: dict[int | None, BlockMask]  # window -> block mask over (packed rows, keys)
+    paged: bool  # keys are the cache's slots (else the packed keys of this forward)
+
+
+class FlexBackend:
+    name = "flex"
+
+    def __init__(self, compiled: bool):
+        self.attend = torch.compile(flex_attention) if compiled else flex_attention
+        self._score_mods: dict[float, object] = {}
+
+    def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> FlexState:
+        device = meta.positions.device
+        windows = {kind.window for kind in kinds}
+        lens = torch.tensor(meta.query_lens, device=device)
+        q_seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+        q_pos = meta.positions
+        if meta.paged:  # every slot of the cache, so the shapes do not change from step to step
+            kv_seq, kv_pos, num_keys = (*_slot_owners(meta, device), meta.num_slots)
+        else:  # keys are packed like the queries
+            kv_seq, kv_pos, num_keys = q_seq, q_pos, len(q_pos)
+        masks = {}
+        for window in windows:
+
+            def mask_mod(b, h, q, kv, window=window):
+                ok = (kv_seq[kv] == q_seq[q]) & (kv_pos[kv] <= q_pos[q])
+                return ok if window is None else ok & (kv_pos[kv] > q_pos[q] - window)
+
+            masks[window] = create_block_mask(mask_mod, 1, None, len(q_pos), num_keys, device=device)
+        return FlexState(masks, meta.paged)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, state: FlexState) -> torch.Tensor:
+        keys, values = (layer.k_cache, layer.v_cache) if state.paged else (k, v)
+        out = self.attend(
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            score_mod=self._softcap(layer.softcap),
+            block_mask=state.masks[layer.window],
+            scale=layer.scale,
+            enable_gqa=layer.num_kv_heads != layer.num_heads,
+        )
+        return out[0].transpose(0, 1)
+
+    def _softcap(self, cap: float | None):
+        if cap is None:
+            return None
+        if cap not in self._score_mods:  # one function per cap, so a compiled kernel is reused
+
+            def score_mod(score, b, h, q, kv):
+                return torch.tanh(score / cap) * cap
+
+            self._score_mods[cap] = score_mod
+        return self._score_mods[cap]
+
+
+def _slot_owners(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every cache slot: the sequence of this step whose key it holds (-1: none) and that key's
+    position; the block tables say which slots those are."""
+    bs = meta.block_size
+    seqs, positions, slots = [], [], []
+    for s, (table, keys) in enumerate(zip(meta.block_tables, meta.context_lens)):
+        j = torch.arange(keys)
+        seqs.append(torch.full((keys,), s))
+        positions.append(j)
+        slots.append(torch.tensor(table)[j // bs] * bs + j % bs)
+    slot = torch.cat(slots)
+    kv_seq = torch.full((meta.num_slots,), -1).index_copy_(0, slot, torch.cat(seqs))
+    kv_pos = torch.zeros(meta.num_slots, dtype=torch.long).index_copy_(0, slot, torch.cat(positions))
+    return kv_seq.to(device), kv_pos.to(device)

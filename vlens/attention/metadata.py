@@ -1,0 +1,85 @@
+"""The layout of one forward as attention kernels take it, built once per step by whoever runs the model.
+
+Sequences are packed back to back: the queries of sequence i are rows cu_seqlens_q[i] .. cu_seqlens_q[i+1]
+of the batch, at positions start_i .. start_i + query_len_i - 1, and its keys are positions
+0 .. context_len_i - 1 — in the paged KV cache where its block table says, or, for a cache-less forward
+of whole sequences (trace, harvest), packed exactly like its queries. Every backend plans from this and
+nothing else, so the model code never sees sequences or blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class LayerKind(NamedTuple):
+    """What an attention layer asks of a kernel; layers of one kind share a backend's plan."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None  # sliding window (HF's: keys p - window < j <= p); None: full causal
+    scale: float
+    softcap: float | None  # Gemma 2: cap * tanh(score / cap)
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]  # per sequence (host): tokens fed this step
+    context_lens: list[int]  # per sequence (host): keys after this step (start + query_len)
+    block_tables: list[list[int]] | None  # per sequence (host): its KV blocks; None: no cache
+    block_size: int
+    positions: torch.Tensor  # [T] position of each packed token in its sequence
+    sequence_ends: torch.Tensor  # [T] last position of each token's whole sequence so far (LongRoPE picks its
+    # factors by it, as HF does by its input's length: a prefill chunk counts the prompt's end, not its own)
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: where each sequence's queries start
+    slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key and value is written to
+    num_slots: int = 0  # of the cache
+
+    @property
+    def paged(self) -> bool:
+        return self.block_tables is not None
+
+    @property
+    def starts(self) -> list[int]:
+        return [c - q for c, q in zip(self.context_lens, self.query_lens)]
+
+
+def _device_tensors(positions: torch.Tensor, ends: torch.Tensor, lens: list[int], device: torch.device):
+    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return (t.to(device, non_blocking=True) for t in (positions, ends, cu))
+
+
+def paged_metadata(
+    starts: list[int], query_lens: list[int], sequence_lens: list[int], block_tables: list[list[int]],
+    block_size: int, num_slots: int, device: torch.device,
+) -> AttentionMetadata:
+    """An engine step: sequence i (sequence_lens[i] tokens so far) feeds query_lens[i] tokens from
+    position starts[i] over its block table."""
+    lens = torch.tensor(query_lens)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    first = torch.cumsum(lens, 0) - lens
+    positions = torch.tensor(starts)[seq] + torch.arange(int(lens.sum())) - first[seq]
+    context_lens = [s + n for s, n in zip(starts, query_lens)]
+    width = max(-(-c // block_size) for c in context_lens)
+    tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables])
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    ends = torch.tensor(sequence_lens)[seq] - 1
+    positions, ends, cu = _device_tensors(positions, ends, query_lens, device)
+    return AttentionMetadata(
+        query_lens, context_lens, block_tables, block_size, positions, ends, cu, slots.to(device, non_blocking=True),
+        num_slots,
+    )  # fmt: skip
+
+
+def packed_metadata(lens: list[int], device: torch.device) -> AttentionMetadata:
+    """A cache-less forward of whole sequences packed back to back."""
+    lengths = torch.tensor(lens)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lengths)
+    positions = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[seq]
+    ends = lengths[seq] - 1
+    positions, ends, cu = _device_tensors(positions, ends, lens, device)
+    return AttentionMetadata(list(lens), list(lens), None, 0, positions, ends, cu)

@@ -1,0 +1,156 @@
+"""The reference backend: PyTorch's scaled_dot_product_attention over per-group grids.
+
+Pure PyTorch, so it runs wherever torch does, and it is the yardstick for the faster backends. Consecutive
+sequences whose queries fit one [B, max_q] grid without it being mostly padding share one SDPA call
+(decodes, max_q = 1, go together); slots past a sequence's end are masked and never read back. With a
+cache, each sequence's keys are gathered from the slots its block table names.
+
+SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
+what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from vlens.attention.metadata import AttentionMetadata, LayerKind
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose queries share one [B, max_q] grid for one SDPA call; their tokens are the
+    contiguous packed rows `rows`."""
+
+    rows: slice
+    query_positions: torch.Tensor  # [B, max_q] position of each grid slot (0 in unused slots)
+    q_index: torch.Tensor | None = None  # [rows] slot of each token in the flattened grid; None = identity
+    key_slots: torch.Tensor | None = None  # [B, Lk] cache slot of key j of each sequence; None = no cache
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, 1, max_q, Lk]
+
+    @property
+    def batch(self) -> int:
+        return self.query_positions.shape[0]
+
+    @property
+    def max_q(self) -> int:
+        return self.query_positions.shape[1]
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> list[AttentionGroup]:
+        """The step's grids and, per window size the layers use, their masks (built once, read by every layer)."""
+        windows = {kind.window for kind in kinds}
+        groups, row = [], 0
+        for members in _group(meta.query_lens):
+            group = self._group(meta, members, row, meta.positions.device)
+            for window in windows:
+                group.masks[window] = _mask(group, window)
+            groups.append(group)
+            row = group.rows.stop
+        return groups
+
+    def _group(self, meta: AttentionMetadata, members: list[int], first_row: int, device) -> AttentionGroup:
+        lens = torch.tensor([meta.query_lens[i] for i in members])
+        starts = torch.tensor([meta.starts[i] for i in members])
+        max_q = int(lens.max())
+        seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
+        grid = torch.arange(max_q).expand(len(lens), max_q)
+        query_positions = torch.where(grid < lens[:, None], starts[:, None] + grid, 0)
+        q_index = None if int(lens.min()) == max_q else seq * max_q + offset
+        key_slots = None
+        if meta.paged:
+            keys = max(meta.context_lens[i] for i in members)
+            width, bs = -(-keys // meta.block_size), meta.block_size
+            tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in (meta.block_tables[i] for i in members)])
+            j = torch.arange(keys)
+            key_slots = (tables[:, j // bs] * bs + j % bs).to(device, non_blocking=True)
+        return AttentionGroup(
+            rows=slice(first_row, first_row + int(lens.sum())),
+            query_positions=query_positions.to(device, non_blocking=True),
+            q_index=None if q_index is None else q_index.to(device, non_blocking=True),
+            key_slots=key_slots,
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, groups: list[AttentionGroup]) -> torch.Tensor:
+        if len(groups) == 1:
+            return _attend(q, k, v, layer, groups[0])
+        out = torch.empty_like(q)
+        for g in groups:
+            out[g.rows] = _attend(q[g.rows], k[g.rows], v[g.rows], layer, g)
+        return out
+
+
+def _group(query_lens: list[int]) -> list[list[int]]:
+    """Consecutive sequences that share a grid: decodes together, and a prefill chunk joins a group while
+    the grid stays at most half padding."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(query_lens):
+        group = groups[-1] if groups else None
+        if group is not None:
+            lens = [query_lens[j] for j in group]
+            if (n == 1) == (lens[0] == 1) and (len(group) + 1) * max(*lens, n) <= 2 * (sum(lens) + n):
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _mask(g: AttentionGroup, window: int | None) -> torch.Tensor | None:
+    """Boolean [B, 1, max_q, Lk] (None: plain causal over keys that are the queries, SDPA's is_causal).
+    Key j of a sequence sits at position j, so query position p may see keys p - window < j <= p, as in
+    HF's sliding-window mask."""
+    if g.key_slots is None and window is None:
+        return None
+    num_keys = g.max_q if g.key_slots is None else g.key_slots.shape[1]
+    key_pos = torch.arange(num_keys, device=g.query_positions.device)
+    q = g.query_positions[:, None, :, None]
+    allowed = key_pos <= q
+    if window is not None:
+        allowed &= key_pos > q - window
+    return allowed
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: AttentionGroup) -> torch.Tensor:
+    if g.key_slots is not None:
+        keys, values = layer.k_cache[g.key_slots], layer.v_cache[g.key_slots]
+    else:
+        keys, values = _to_grid(k, g), _to_grid(v, g)
+    mask = g.masks[layer.window]
+    q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    if layer.softcap is None:
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
+            enable_gqa=layer.num_kv_heads != layer.num_heads,
+        )  # fmt: skip
+    else:
+        out = _capped(q, keys, values, mask, layer)
+    out = out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
+    return out if g.q_index is None else out.index_select(0, g.q_index)
+
+
+def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer) -> torch.Tensor:
+    """[B, H, q, d] attention with soft-capped scores."""
+    group = layer.num_heads // layer.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * layer.scale
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def _to_grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """[rows, h, d] packed -> [B, max_q, h, d] grid (zeros in unused slots)."""
+    if g.q_index is None:
+        return x.view(g.batch, g.max_q, *x.shape[1:])
+    grid = x.new_zeros(g.batch * g.max_q, *x.shape[1:])
+    grid.index_copy_(0, g.q_index, x)
+    return grid.view(g.batch, g.max_q, *x.shape[1:])
