@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import save_tiny
+from hf_reference import rows_shape
 from transformers import LlamaConfig
 
 import vlens.models.base as model_base
@@ -49,7 +50,8 @@ def test_glob(cfg):
     assert list(resolve_hooks("blocks.*.hook_resid_post", cfg)) == [
         f"blocks.{i}.hook_resid_post" for i in range(N_LAYERS)
     ]
-    assert list(resolve_hooks("blocks.2.attn.*", cfg)) == [f"blocks.2.attn.hook_{x}" for x in "qkvz"]
+    attn = ["q", "k", "v", "attn_scores", "pattern", "z"]
+    assert list(resolve_hooks("blocks.2.attn.*", cfg)) == [f"blocks.2.attn.hook_{x}" for x in attn]
     assert len(resolve_hooks("*", cfg)) == len(hook_shapes(cfg))
 
 
@@ -153,7 +155,7 @@ def test_hook_names_contents_and_shapes(tiny):
     expected += [f"blocks.{i}.{h}" for i in range(N_LAYERS) for h in LAYER_HOOKS]
     expected += [*FINAL_NORM_TAPS, LOGITS] + [f"hidden_states.{i}" for i in range(N_LAYERS + 1)]
     assert list(names) == expected  # forward order
-    assert len(LAYER_HOOKS) == 16
+    assert len(LAYER_HOOKS) == 18
     for i in range(N_LAYERS):
         p = f"blocks.{i}."
         assert names[p + "attn.hook_q"] == (HEADS, HEAD_DIM)
@@ -165,6 +167,7 @@ def test_hook_names_contents_and_shapes(tiny):
         for h in ("ln2.hook_normalized", "ln2.hook_out", "hook_mlp_out", "hook_resid_post"):
             assert names[p + h] == (D,)
         assert names[p + "ln1.hook_scale"] == names[p + "ln2.hook_scale"] == (1,)
+        assert names[p + "attn.hook_attn_scores"] == names[p + "attn.hook_pattern"] == (HEADS, "ctx")
     assert names[FINAL_NORM] == names["ln_final.hook_normalized"] == names["hidden_states.0"] == (D,)
     assert names["ln_final.hook_scale"] == (1,) and names["hook_embed"] == (D,)
     assert names[LOGITS] == (VOCAB,)
@@ -176,9 +179,13 @@ def test_every_hook_traces_with_its_advertised_shape(tiny):
     for ids, out in zip(IDS, outs):
         assert list(out) == list(names)
         for name, shape in names.items():
-            assert out[name].shape == (len(ids), *shape), name
+            assert out[name].shape == rows_shape(shape, len(ids)), name
             assert out[name].device.type == "cpu" and out[name].dtype == torch.float32
-            assert torch.isfinite(out[name]).all()
+            finite = torch.isfinite(out[name])
+            # attention scores are -inf exactly at the future keys; everything else is finite
+            assert finite.all() if not name.endswith("hook_attn_scores") else torch.equal(
+                finite, torch.ones(len(ids), len(ids), dtype=torch.bool).tril()[:, None, :].expand_as(finite)
+            ), name
 
 
 # --- trace() input errors ---------------------------------------------------------------------------

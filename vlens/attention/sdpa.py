@@ -90,14 +90,15 @@ def _group(query_lens: list[int]) -> list[list[int]]:
     """Consecutive sequences that share a grid: decodes together, and a prefill chunk joins a group while
     the grid stays at most half padding."""
     groups: list[list[int]] = []
+    total = widest = 0
     for i, n in enumerate(query_lens):
-        group = groups[-1] if groups else None
-        if group is not None:
-            lens = [query_lens[j] for j in group]
-            if (n == 1) == (lens[0] == 1) and (len(group) + 1) * max(*lens, n) <= 2 * (sum(lens) + n):
-                group.append(i)
+        if groups and (n == 1) == (query_lens[groups[-1][0]] == 1):
+            if (len(groups[-1]) + 1) * max(widest, n) <= 2 * (total + n):
+                groups[-1].append(i)
+                total, widest = total + n, max(widest, n)
                 continue
         groups.append([i])
+        total, widest = n, n
     return groups
 
 

@@ -123,6 +123,7 @@ class TapRuntime:
         self._taps: dict[str, Tap] = {}
         self._out: dict[str, torch.Tensor] = {}
         self._index = torch.zeros(0, dtype=torch.long, device=device)
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # device-to-host copies
         self.tables: dict[int, VectorTable] = {}
         kinds = max(_COEFFICIENTS) + 1
         coefficients = torch.zeros(kinds, 3)
@@ -216,28 +217,32 @@ class TapRuntime:
 
     def collect(self, plan: StepPlan) -> Collection:
         """After the forward: each segment's rows of each tap (pattern rows cut to the segment's own
-        context), read out on the device where its stream asks for it, then copied to the host
-        (pinned and non-blocking on CUDA: see Collection.ready)."""
-        out: list[Collected] = []
+        context), read out on the device where its stream asks for it, then copied to the host. On CUDA
+        the copies run on a side stream into pinned memory and overlap whatever the device does next;
+        `Collection.ready` waits for them."""
+        whole: list[tuple[str, torch.Tensor, list]] = []  # (tap, rows, parts): one copy, split on the host
+        single: list[tuple[int, str, object]] = []  # (segment, tap, rows) read out per segment
         for tap, parts in plan.gathers.items():
             counts = [len(rows) for _, rows in parts]
             gathered = self._taps[tap].gather_out[: sum(counts)]
             owners = [plan.segments[segment].owner for segment, _ in parts]
-            if not any(_reads_out(owner, tap) for owner in owners):  # one copy for the whole tap, split on the host
-                chunks = _to_host(gathered).split(counts)
-            else:
-                chunks = [
-                    _to_host(_read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk)
-                    for owner, chunk in zip(owners, gathered.split(counts))
-                ]
-            for (segment, _), rows in zip(parts, chunks):
-                if is_pattern(tap):
-                    rows = rows[..., : plan.segments[segment].positions[-1] + 1]
-                out.append(Collected(segment, tap, rows))
+            if not any(_reads_out(owner, tap) for owner in owners):
+                whole.append((tap, gathered.clone(), parts))
+                continue
+            for (segment, _), owner, chunk in zip(parts, owners, gathered.split(counts)):
+                single.append((segment, tap, _read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk.clone()))
         event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+        if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                whole = [(tap, _to_host(rows, self._side), parts) for tap, rows, parts in whole]
+                single = [(segment, tap, _to_host(rows, self._side)) for segment, tap, rows in single]
+                event = torch.cuda.Event()
+                event.record(self._side)
+        out = [_cut(plan, Collected(segment, tap, rows)) for segment, tap, rows in single]
+        for tap, rows, parts in whole:
+            pieces = rows.split([len(r) for _, r in parts])
+            out += [_cut(plan, Collected(segment, tap, piece)) for (segment, _), piece in zip(parts, pieces)]
         return Collection(out, event)
 
 
@@ -252,6 +257,13 @@ class Collection:
         if self.event is not None:
             self.event.synchronize()
         return self.items
+
+
+def _cut(plan: StepPlan, c: Collected) -> Collected:
+    """Attention scores and patterns of a segment as wide as its own last row's context."""
+    if is_pattern(c.tap):
+        c.rows = c.rows[..., : plan.segments[c.segment].positions[-1] + 1]
+    return c
 
 
 def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,14 +293,15 @@ def _read_out(stream: RowStream, tap: str, chunk: torch.Tensor):
     if stream.sums_on_device:
         result = result.sum(0, keepdim=True)
     if stream.dtype is not None and isinstance(result, torch.Tensor) and result.is_floating_point():
-        result = result.to(stream.dtype)  # integer taps (MoE expert ids) keep their dtype
+        result = result.to(stream.dtype, copy=True)  # a copy: never a view of the gather buffer; ids keep int64
     return result
 
 
-def _to_host(x):
-    """A host copy that outlives the device buffer it came from (the next step overwrites it)."""
-    if isinstance(x, tuple):
-        return tuple(_to_host(t) for t in x)
-    if x.device.type == "cpu":
-        return x.clone()
-    return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+def _to_host(x, stream: torch.cuda.Stream):
+    """A pinned host copy of device rows, made on `stream` (which already waits for their compute)."""
+    if isinstance(x, tuple):  # a readout's (ids, values)
+        return tuple(_to_host(t, stream) for t in x)
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    x.record_stream(stream)  # the allocator keeps it until the side stream is done with it
+    return host

@@ -6,19 +6,20 @@ requests at once."""
 
 from __future__ import annotations
 
-import os
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from vlens.capture.bind import bind_request
 from vlens.capture.interventions import fingerprint
 from vlens.capture.names import FINAL_NORM, hook_shapes
+from vlens.capture.plan import StepPlan
+from vlens.capture.runtime import Collection
 from vlens.engine.block_manager import BlockManager
 from vlens.engine.config import EngineConfig
 from vlens.engine.detokenizer import Detokenizer
+from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence
@@ -26,16 +27,7 @@ from vlens.models.base import DecoderLM
 from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
-CPU_DEFAULT_KV_BYTES = 2 << 30
-
-
-def _default_kv_bytes(device: torch.device) -> int:
-    """What the device can spare for the cache when the user does not say."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(CPU_DEFAULT_KV_BYTES, available // 4)
+log = logging.getLogger("vlens.engine")
 
 
 @dataclass(frozen=True)
@@ -67,11 +59,10 @@ class NewRequest:
 class LLMEngine:
     def __init__(self, model: DecoderLM, tokenizer: Any, config: EngineConfig, backend):
         cfg = model.cfg
-        device = model.lm_head.weight.device
         block_size, max_model_len = config.block_size, config.max_model_len
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
-        budget = config.kv_cache_memory if config.kv_cache_memory is not None else _default_kv_bytes(device)
+        budget = kv_cache_bytes(model, config, backend)
         num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 blocks of {per_block} bytes")
@@ -83,6 +74,8 @@ class LLMEngine:
             )
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.max_model_len = min(wanted_len, capacity)
+        log.info("KV cache: %d blocks of %d tokens (%d bytes); the longest sequence that fits: %d tokens",
+                 num_blocks, block_size, num_blocks * per_block, self.max_model_len)  # fmt: skip
         self.enable_capture = config.enable_capture
         self.runner = ModelRunner(model, num_blocks, block_size, backend)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -94,6 +87,7 @@ class LLMEngine:
         )
         self._next_id = 0
         self._requests: dict[str, Sequence] = {}
+        self._pending: tuple[StepPlan, Collection] | None = None  # a step's rows still on their way to the host
         self.prompt_tokens = self.generation_tokens = 0
         # LongRoPE's factors depend on the sequence length: a sequence whose last position reaches this
         # recomputes its cache with the long factors, as HF does (see _switch_rope).
@@ -172,7 +166,11 @@ class LLMEngine:
             self.blocks.commit(seq)
             if seq.taps.streams:
                 seq.cache_limit = seq.taps.reusable_prefix(len(seq.token_ids))
-        out.plan.deliver(out.collected)
+        # The previous step's rows, whose copy to the host overlapped this step's forward; this step's
+        # wait for the next one, unless a request that collects rows ends now and needs them.
+        self._deliver()
+        if out.collection is not None:
+            self._pending = (out.plan, out.collection)
         deltas = []
         self.generation_tokens += len(out.tokens)
         for i, (seq, token) in enumerate(zip(out.sampled, out.tokens)):
@@ -180,6 +178,8 @@ class LLMEngine:
             if out.logprobs is not None and seq.params.logprobs is not None:
                 seq.logprobs.append(self._logprobs(out.logprobs, i, token, seq.params.logprobs))
             finished = self._check_stop(seq, token)
+            if finished and seq.taps.streams:
+                self._deliver()
             if finished:
                 self.scheduler.finish(seq)
                 self.runner.taps.release(seq.taps.interventions)
@@ -188,6 +188,12 @@ class LLMEngine:
                 self._switch_rope(seq)
             deltas.append(self._delta(seq, finished))
         return deltas
+
+    def _deliver(self) -> None:
+        if self._pending is not None:
+            plan, collection = self._pending
+            plan.deliver(collection.ready())
+            self._pending = None
 
     def _switch_rope(self, seq: Sequence) -> None:
         """The sequence now reaches LongRoPE's switch: its cached keys were rotated with the short

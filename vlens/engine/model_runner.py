@@ -13,8 +13,8 @@ import torch
 
 from vlens.attention import paged_metadata
 from vlens.capture.names import hook_shapes
-from vlens.capture.plan import Chunk, Collected, StepPlan, plan_step
-from vlens.capture.runtime import TapRuntime
+from vlens.capture.plan import Chunk, StepPlan, plan_step
+from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, set_context
 from vlens.engine.sampler import SamplingBatch, sample, top_logprobs
 from vlens.engine.sequence import Sequence
@@ -26,8 +26,8 @@ class StepOutput:
     sampled: list[Sequence]  # sequences that got a new token this step, in order
     tokens: list[int]
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # chosen [B], top ids [B, k], top values [B, k]
-    plan: StepPlan  # what the taps did; `collected` are its gathered rows, on the host
-    collected: list[Collected]
+    plan: StepPlan  # what the taps did; `collection` brings its gathered rows to the host
+    collection: Collection | None
 
 
 class ModelRunner:
@@ -113,7 +113,7 @@ class ModelRunner:
             set_context(None)
         collection = self.taps.collect(plan) if plan.gathers else None
         if not sampled:
-            return StepOutput([], [], None, plan, collection.ready() if collection else [])
+            return StepOutput([], [], None, plan, collection)
         tokens = sample(logits, self._sampling_batch(sampled))
         logprobs = None
         k = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
@@ -121,4 +121,4 @@ class ModelRunner:
             logprobs = tuple(x.to("cpu", non_blocking=True) for x in top_logprobs(logits, tokens, k))
         # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
         tokens = tokens.to("cpu").tolist()
-        return StepOutput(sampled, tokens, logprobs, plan, collection.ready() if collection else [])
+        return StepOutput(sampled, tokens, logprobs, plan, collection)
