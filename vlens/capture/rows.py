@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 from vlens.capture.names import CTX, is_pattern
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import Readout
+from vlens.sae.readout import SAEReadout
+
+if TYPE_CHECKING:
+    from vlens.outputs import RequestOutput
 
 
 @dataclass
@@ -31,7 +36,7 @@ class RowStream:
     shapes: dict[str, tuple[int, ...]]  # canonical tap -> per-row shape of what is returned
     exclude: torch.Tensor | None = None  # token ids whose rows are left out
     dtype: torch.dtype | None = None
-    readout: Readout | None = None  # on-device transform of each step's rows (probe, logit lens)
+    readout: Readout | SAEReadout | None = None  # on-device transform of each step's rows (probe, logit lens, SAE)
     reduce: str = "none"  # "mean": one row, the mean over the selected rows
     logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
     heads: torch.Tensor | None = None  # the heads kept at the per-head taps in `head_taps`
@@ -86,7 +91,9 @@ class RowStream:
                 width = int(positions[keep].max()) + 1 if keep.any() else 0
                 fill = 0.0 if tap.endswith("hook_pattern") else float("-inf")
                 pieces = [F.pad(p[..., :width], (0, max(0, width - p.shape[-1])), value=fill) for p in pieces]
-            if not pieces and self.logit_lens:
+            if not pieces and isinstance(self.readout, SAEReadout):
+                out[tap] = self.readout.empty()
+            elif not pieces and self.logit_lens:
                 out[tap] = (torch.empty(0, self.logit_lens, dtype=torch.long), torch.empty(0, self.logit_lens))
             elif not pieces:
                 out[tap] = torch.empty(0, *(0 if n == CTX else n for n in self.shapes[tap]), dtype=dtype)
@@ -98,3 +105,11 @@ class RowStream:
                 rows = torch.cat(pieces)[keep]
                 out[tap] = rows.mean(0, keepdim=True) if self.reduce == "mean" and len(rows) else rows
         return positions[keep], {name: out[tap] for name, tap in self.hooks.items()}
+
+    def place(self, out: RequestOutput, results: dict[str, object]) -> None:
+        """Put the results where a RequestOutput keeps them: SAE features, logit lens or activations."""
+        if isinstance(self.readout, SAEReadout):
+            for name, result in results.items():
+                self.readout.place(out, name, result)
+        else:
+            (out.logit_lens if self.logit_lens else out.activations).update(results)
