@@ -5,6 +5,7 @@ in a forward hook, batch isolation, one encoding per SAE per step, and clear err
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -265,3 +266,28 @@ def test_bad_inputs_are_value_errors_before_any_model_work(smol, saved, tmp_path
         with pytest.raises(ValueError, match=message):
             run()
         assert not smol.engine.has_work(), name
+
+
+def test_generate_prints_the_top_latents_of_each_generated_token(smol, smol_path, saved, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from vlens.cli import main
+
+    path, out_file = saved["standard"][0], tmp_path / "features.safetensors"
+    argv = ["generate", PROMPT, "--model", str(smol_path), "--dtype", "float32", "--device", "cpu", "--max-tokens", "4",
+            "--sae", str(path), "--top-k", "3", "--out", str(out_file)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    capture = Capture(sae=SAE.load(path), top_k=3, positions="generated")
+    [offline] = smol.generate(PROMPT, _greedy(4, capture=capture), use_tqdm=False)
+    ids, values = offline.sae_features[HOOK]
+    tokens = offline.prompt_token_ids + offline.outputs[0].token_ids
+    assert f"SAE features at {HOOK} (top 3 per row):" in printed
+    for p, row_ids, row_values in zip(offline.activation_positions.tolist(), ids.tolist(), values.tolist()):
+        latents = "  ".join(f"{f}: {v:.3f}" for f, v in zip(row_ids, row_values))
+        token = re.escape(repr(smol.tokenizer.decode([tokens[p]])))
+        assert re.search(rf"^ +{p} +{token} +{re.escape(latents)}$", printed, re.MULTILINE), (p, printed)
+    saved_ids = load_file(out_file)[f"0/{HOOK}.sae_ids"]
+    assert torch.equal(saved_ids, ids)
+    assert main([*argv[:-2], "--capture", HOOK]) == 2
+    assert "--capture: give --capture or --sae, not both" in capsys.readouterr().err
