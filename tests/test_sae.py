@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import rel_err
 from hf_reference import generate_with_hook
-from sae_helpers import D, HOOK, LAYER, saelens_decode, saelens_encode, save_gemma_scope, save_saelens
+from sae_helpers import HOOK, LAYER, D, saelens_decode, saelens_encode, save_gemma_scope, save_saelens
 
 from vlens import SAE, Capture, Clamp, SamplingParams, Steer
 from vlens.capture.interventions import fingerprint
@@ -22,7 +22,11 @@ CASES = {  # name -> how the SAE is saved (d_sae 256..1024)
     "jumprelu_raw_input": {"architecture": "jumprelu", "d_sae": 1024, "apply_b_dec_to_input": False},
     "topk_rescaled": {"architecture": "topk", "d_sae": 512, "k": 16, "rescale_acts_by_decoder_norm": True},
     "standard_layer_norm": {"architecture": "standard", "d_sae": 256, "normalize_activations": "layer_norm"},
-    "jumprelu_norm_rescale": {"architecture": "jumprelu", "d_sae": 512, "normalize_activations": "constant_norm_rescale"},
+    "jumprelu_norm_rescale": {
+        "architecture": "jumprelu",
+        "d_sae": 512,
+        "normalize_activations": "constant_norm_rescale",
+    },
     "topk_saelens5": {"architecture": "topk", "d_sae": 256, "k": 8, "legacy": True},
 }
 
@@ -53,7 +57,9 @@ def test_features_equal_saelens_formulas_on_hf_rows(smol, saved, hf_rows, case):
     assert sae.hook == HOOK and sae.d_in == D and sae.d_sae == CASES[case]["d_sae"]
     everything = Capture(sae=sae, features=list(range(sae.d_sae)), sae_error=True)
     dense_out, top_out = smol.generate(
-        [PROMPT, PROMPT], [_greedy(capture=everything), _greedy(capture=Capture(HOOK, sae=sae, top_k=8))], use_tqdm=False
+        [PROMPT, PROMPT],
+        [_greedy(capture=everything), _greedy(capture=Capture(HOOK, sae=sae, top_k=8))],
+        use_tqdm=False,
     )
     x = hf_rows[0]
     expected = saelens_encode(weights, cfg, x)
@@ -105,7 +111,11 @@ def test_steer_along_a_feature_matches_hf_hook(smol, hf_smol, saved, hf_rows):
     sae, feature, scale = SAE.load(path), 77, 12.0
     hf_tokens, hf_logits = _hf_generate(hf_smol, smol.tokenizer, lambda x: x + scale * weights["W_dec"][feature])
     capture = Capture(hooks="unembed.hook_out")
-    [out] = smol.generate(PROMPT, _greedy(6, capture=capture, interventions=[Steer(HOOK, sae=sae, feature=feature, scale=scale)]), use_tqdm=False)
+    [out] = smol.generate(
+        PROMPT,
+        _greedy(6, capture=capture, interventions=[Steer(HOOK, sae=sae, feature=feature, scale=scale)]),
+        use_tqdm=False,
+    )
     assert out.outputs[0].token_ids == hf_tokens
     assert rel_err(out.activations["unembed.hook_out"], hf_logits) < 1e-4
     plain = hf_rows[1]
@@ -126,7 +136,9 @@ def _clamp_in_hf(weights, cfg, clamps):
     return edit
 
 
-@pytest.mark.parametrize("case, tokens", [("jumprelu_raw_input", 6), ("standard_layer_norm", 2), ("jumprelu_norm_rescale", 2)])
+@pytest.mark.parametrize(
+    "case, tokens", [("jumprelu_raw_input", 6), ("standard_layer_norm", 2), ("jumprelu_norm_rescale", 2)]
+)
 def test_clamp_matches_hf_hook(smol, hf_smol, saved, case, tokens):
     path, weights, cfg = saved[case]
     sae = SAE.load(path)
@@ -142,7 +154,7 @@ def test_clamp_matches_hf_hook(smol, hf_smol, saved, case, tokens):
 def test_requests_without_saes_are_untouched_and_one_encoding_serves_a_step(smol, saved, monkeypatch):
     """The plain request gets bit for bit what it gets in the same batch with no SAE anywhere (a batch of
     the same layout: ignore_eos keeps every request to 5 tokens), and its solo result within 1e-5."""
-    import vlens.capture.runtime as runtime
+    from vlens.capture import runtime
 
     jump, standard = SAE.load(saved["jumprelu_raw_input"][0]), SAE.load(saved["standard"][0])
     plain = _greedy(5, ignore_eos=True, capture=Capture(hooks=["blocks.8.hook_resid_post", "unembed.hook_out"]))
@@ -156,7 +168,9 @@ def test_requests_without_saes_are_untouched_and_one_encoding_serves_a_step(smol
     ]  # fmt: skip
     groups = []
     real = runtime.read_group
-    monkeypatch.setattr(runtime, "read_group", lambda readouts, chunks: groups.append(len(readouts)) or real(readouts, chunks))
+    monkeypatch.setattr(
+        runtime, "read_group", lambda readouts, chunks: groups.append(len(readouts)) or real(readouts, chunks)
+    )
     prompts = [PROMPT, "Hello there", "The weather today is", PROMPT, "A dog"]
     together = smol.generate(prompts, with_saes, use_tqdm=False)
     # One encoding per SAE per step: jump's readouts share one (two in the prefill, where the first
@@ -233,16 +247,31 @@ def _bad_sae_cases(tmp_path, saved):
         "malformed_weights": (lambda: SAE.load(torn), "is not a readable safetensors file"),
         "architecture": (lambda: SAE.load(gated), "architecture 'gated'.* supported: standard, jumprelu, topk"),
         "cfg_vs_weights": (lambda: SAE.load(lying), "says d_sae=300 but W_enc"),
-        "width": (lambda: _run(Capture(sae=SAE.load(narrow), top_k=3)), r"d_in is 64 but its hook blocks.5.hook_resid_post has rows of \(576,\)"),
-        "hook_not_in_model": (lambda: _run(Capture(sae=SAE.load(elsewhere), top_k=3)), "'blocks.99.hook_resid_post' is not in this model"),
-        "other_hook": (lambda: _run(Capture("blocks.6.hook_resid_post", sae=sae, top_k=3)), "is not the hook this SAE reads"),
-        "steer_feature": (lambda: Steer(HOOK, sae=sae, feature=512), r"steer.feature: 512 is not a latent of this SAE; expected an int in 0..511"),
+        "width": (
+            lambda: _run(Capture(sae=SAE.load(narrow), top_k=3)),
+            r"d_in is 64 but its hook blocks.5.hook_resid_post has rows of \(576,\)",
+        ),
+        "hook_not_in_model": (
+            lambda: _run(Capture(sae=SAE.load(elsewhere), top_k=3)),
+            "'blocks.99.hook_resid_post' is not in this model",
+        ),
+        "other_hook": (
+            lambda: _run(Capture("blocks.6.hook_resid_post", sae=sae, top_k=3)),
+            "is not the hook this SAE reads",
+        ),
+        "steer_feature": (
+            lambda: Steer(HOOK, sae=sae, feature=512),
+            r"steer.feature: 512 is not a latent of this SAE; expected an int in 0..511",
+        ),
         "clamp_feature": (lambda: Clamp(HOOK, sae, -1, 1.0), "clamp.feature: -1 is not a latent"),
         "capture_features": (lambda: Capture(sae=sae, features=[3, 900]), "capture.features: 900 is not a latent"),
         "top_k": (lambda: Capture(sae=sae, top_k=513), r"capture.top_k: expected an int in 1..512"),
         "nothing_asked": (lambda: Capture(sae=sae), "say what to return"),
         "topk_clamp": (lambda: Clamp(HOOK, topk, 1, 2.0), "clamp.sae: a topk SAE"),
-        "clamp_other_hook": (lambda: _run(None, [Clamp("blocks.4.hook_resid_post", sae, 1, 2.0)]), r"interventions\[0\]\.hook: .* is not the hook"),
+        "clamp_other_hook": (
+            lambda: _run(None, [Clamp("blocks.4.hook_resid_post", sae, 1, 2.0)]),
+            r"interventions\[0\]\.hook: .* is not the hook",
+        ),
     }
 
 

@@ -67,13 +67,22 @@ def test_max_activating_finds_a_latents_strongest_rows_with_context(run):
     assert [e.row for e in examples] == order.tolist()
     assert [e.value for e in examples] == strength[order].tolist()
     for e in examples:
-        assert (e.window, e.position, e.token_id) == (int(rows["window"][e.row]), int(rows["position"][e.row]), int(rows["token_ids"][e.row]))
+        assert (e.window, e.position, e.token_id) == (
+            int(rows["window"][e.row]),
+            int(rows["position"][e.row]),
+            int(rows["token_ids"][e.row]),
+        )
         window = window_rows(rows, e.window)
         near = (window["position"] - e.position).abs() <= 2
-        assert e.context_positions == window["position"][near].tolist() and e.context_ids == window["token_ids"][near].tolist()
+        assert (
+            e.context_positions == window["position"][near].tolist()
+            and e.context_ids == window["token_ids"][near].tolist()
+        )
     silent = next(f for f in range(512) if not (rows["sae_ids"] == f).any())
     assert ds.max_activating(silent) == []
-    with pytest.raises(ValueError, match=r"feature: 512 is not a latent of the harvest's SAE; expected an int in 0..511"):
+    with pytest.raises(
+        ValueError, match=r"feature: 512 is not a latent of the harvest's SAE; expected an int in 0..511"
+    ):
         ds.max_activating(512)
 
 

@@ -43,7 +43,8 @@ def _complete(server, vlens, max_tokens=5):
 def test_saes_are_listed(server, paths):
     data = httpx.get(server + "/v1/saes").json()["data"]
     assert [(s["name"], s["hook"], s["architecture"], s["d_sae"]) for s in data] == [
-        ("jump", HOOK, "jumprelu", 512), ("scope", HOOK, "jumprelu", 256)
+        ("jump", HOOK, "jumprelu", 512),
+        ("scope", HOOK, "jumprelu", 256),
     ]
     assert data[0]["sha256"] == SAE.load(paths[0]).sha256
 
@@ -64,7 +65,9 @@ def test_features_come_back_as_json_equal_to_offline(server, smol, paths):
     assert entry["ids"] == ids.tolist() and rel_err(torch.tensor(entry["values"]), values) < 1e-5
     assert rel_err(torch.tensor(entry["errors"]), offline.sae_errors[HOOK]) < 1e-5
     dense = _complete(server, {"capture": {"sae": "scope", "features": [0, 7], "positions": [1, 2]}}).json()
-    assert len(dense["vlens"]["sae_features"][HOOK]["values"]) == 2 and "ids" not in dense["vlens"]["sae_features"][HOOK]
+    assert (
+        len(dense["vlens"]["sae_features"][HOOK]["values"]) == 2 and "ids" not in dense["vlens"]["sae_features"][HOOK]
+    )
 
 
 def test_steering_and_clamping_by_name_equal_offline(server, smol, paths):
@@ -75,19 +78,39 @@ def test_steering_and_clamping_by_name_equal_offline(server, smol, paths):
     r = _complete(server, {"interventions": interventions}, max_tokens=8)
     assert r.status_code == 200, r.text
     jump, scope = SAE.load(paths[0]), SAE.load(paths[1], hook=HOOK)
-    offline = SamplingParams(max_tokens=8, temperature=0, interventions=[Clamp(HOOK, jump, 5, 40.0), Steer(HOOK, sae=scope, feature=9, scale=25.0)])
+    offline = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        interventions=[Clamp(HOOK, jump, 5, 40.0), Steer(HOOK, sae=scope, feature=9, scale=25.0)],
+    )
     assert r.json()["choices"][0]["text"] == smol.generate(PROMPT, offline, use_tqdm=False)[0].outputs[0].text
 
 
 @pytest.mark.parametrize(
     "vlens, param, message",
     [
-        ({"capture": {"sae": "nope", "top_k": 4}}, "vlens.capture.sae", "'nope' is not an SAE of this server; loaded: jump, scope"),
+        (
+            {"capture": {"sae": "nope", "top_k": 4}},
+            "vlens.capture.sae",
+            "'nope' is not an SAE of this server; loaded: jump, scope",
+        ),
         ({"capture": {"sae": "jump", "top_k": 513}}, "vlens.capture.top_k", "expected an int in 1..512"),
-        ({"capture": {"hook": "blocks.6.hook_resid_post", "sae": "jump", "top_k": 2}}, "vlens.capture.hooks", "is not the hook this SAE reads"),
+        (
+            {"capture": {"hook": "blocks.6.hook_resid_post", "sae": "jump", "top_k": 2}},
+            "vlens.capture.hooks",
+            "is not the hook this SAE reads",
+        ),
         ({"capture": {"hooks": HOOK, "top_k": 2}}, "vlens.capture.top_k", "only with capture.sae"),
-        ({"interventions": [{"type": "clamp", "hook": HOOK, "sae": "jump", "feature": 600, "value": 1}]}, "vlens.interventions[0]", "clamp.feature: 600"),
-        ({"interventions": [{"type": "clamp", "hook": HOOK, "sae": "jump", "feature": 6}]}, "vlens.interventions[0]", "needs sae"),
+        (
+            {"interventions": [{"type": "clamp", "hook": HOOK, "sae": "jump", "feature": 600, "value": 1}]},
+            "vlens.interventions[0]",
+            "clamp.feature: 600",
+        ),
+        (
+            {"interventions": [{"type": "clamp", "hook": HOOK, "sae": "jump", "feature": 6}]},
+            "vlens.interventions[0]",
+            "needs sae",
+        ),
     ],
 )
 def test_bad_sae_requests_are_400_naming_the_field(server, vlens, param, message):

@@ -251,7 +251,9 @@ class TapRuntime:
                 pieces = gathered.split(counts)
                 shared = _shared_readouts(owners, pieces)
                 chunks = [
-                    _to_host(shared[i] if i in shared else _read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk)
+                    _to_host(
+                        shared[i] if i in shared else _read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk
+                    )
                     for i, (owner, chunk) in enumerate(zip(owners, pieces))
                 ]
             for (segment, _), rows in zip(parts, chunks):

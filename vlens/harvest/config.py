@@ -84,7 +84,9 @@ class HarvestConfig:
     def __post_init__(self) -> None:
         validate(self)
         if not self.hooks and self.sae is None:
-            raise ValueError("hooks: give at least one hook name or glob (see `vlens hooks`), or an SAE (--sae) to store its latents")
+            raise ValueError(
+                "hooks: give at least one hook name or glob (see `vlens hooks`), or an SAE (--sae) to store its latents"
+            )
         if (self.sae is None) != (self.top_k is None):
             raise ValueError("top_k: give it with sae, and only with sae: how many latents to store per row")
         if self.sae_hook is not None and self.sae is None:

@@ -42,7 +42,9 @@ class FeatureHarvest:
         return {"path": sae.path, "sha256": sae.sha256, "hook": sae.hook, "tap": self.tap, "architecture": sae.architecture,
                 "d_in": sae.d_in, "d_sae": sae.d_sae, "top_k": self.top_k}  # fmt: skip
 
-    def reader(self, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def reader(
+        self, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """A tap hook for one packed batch: the top latents of its packed rows `rows`, into `ids` and
         `values` (the batch's slice of the shard tensors); the tapped value passes unchanged."""
 
@@ -91,7 +93,9 @@ def max_activating(ds: ActivationDataset, feature: int, n: int, context: int) ->
         raise ValueError("feature: this harvest stored no SAE latents; harvest with --sae PATH --top-k K")
     d_sae = described["d_sae"]
     if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < d_sae:
-        raise ValueError(f"feature: {feature!r} is not a latent of the harvest's SAE; expected an int in 0..{d_sae - 1}")
+        raise ValueError(
+            f"feature: {feature!r} is not a latent of the harvest's SAE; expected an int in 0..{d_sae - 1}"
+        )
     if n < 1 or context < 0:
         raise ValueError(f"n must be >= 1 and context >= 0, got {n}, {context}")
     values, rows = torch.empty(0), torch.empty(0, dtype=torch.long)

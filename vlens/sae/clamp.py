@@ -42,7 +42,9 @@ def clamped(x: torch.Tensor, decoder: torch.Tensor, encoder: torch.Tensor, param
     root = x.shape[1] ** 0.5
     layer_norm, rescale = code == NORM_CODES["layer_norm"], code == NORM_CODES["constant_norm_rescale"]
     projected = torch.where(
-        layer_norm, (dot - mean * encoder.sum(1)) / (std + LAYER_NORM_EPS), torch.where(rescale, dot * (root / norm), dot)
+        layer_norm,
+        (dot - mean * encoder.sum(1)) / (std + LAYER_NORM_EPS),
+        torch.where(rescale, dot * (root / norm), dot),
     )
     pre = projected + bias
     latent = torch.where(pre > floor, pre, torch.zeros_like(pre))

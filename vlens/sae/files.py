@@ -39,7 +39,13 @@ def read_sae(path: Any) -> dict[str, Any]:
     npz = p / GEMMA_SCOPE if p.is_dir() else p
     if npz.suffix == ".npz" and npz.is_file():
         return _gemma_scope(npz)
-    what = "does not exist" if not p.exists() else f"holds neither {CONFIG} nor {GEMMA_SCOPE}" if p.is_dir() else "is not an .npz file"
+    what = (
+        "does not exist"
+        if not p.exists()
+        else f"holds neither {CONFIG} nor {GEMMA_SCOPE}"
+        if p.is_dir()
+        else "is not an .npz file"
+    )
     raise ValueError(f"sae: {str(p)!r} {what}; expected {_FORMS}")
 
 
@@ -109,7 +115,11 @@ def _tensors(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, Any]:
     missing = [name for name in TENSORS[:4] if name not in tensors]
     unknown = sorted(set(tensors) - set(TENSORS))
     if missing or unknown:
-        problem = f"lacks {', '.join(missing)}" if missing else f"has tensors no SAE architecture here uses: {', '.join(unknown)}"
+        problem = (
+            f"lacks {', '.join(missing)}"
+            if missing
+            else f"has tensors no SAE architecture here uses: {', '.join(unknown)}"
+        )
         raise ValueError(f"sae: {str(where)!r} {problem}; expected {', '.join(TENSORS[:4])} (+ threshold for jumprelu)")
     return {name: tensors[name] for name in TENSORS if name in tensors}
 
@@ -124,5 +134,12 @@ def _gemma_scope(path: Path) -> dict[str, Any]:
     tensors = {key: torch.from_numpy(np.asarray(a, dtype=np.float32)) for key, a in arrays.items()}
     missing = [name for name in TENSORS if name not in tensors]
     if missing:
-        raise ValueError(f"sae: {str(path)!r} lacks {', '.join(missing)}; a Gemma Scope {GEMMA_SCOPE} holds {', '.join(TENSORS)}")
-    return {**{name: tensors[name] for name in TENSORS}, "architecture": "jumprelu", "apply_b_dec_to_input": False, "path": str(path)}
+        raise ValueError(
+            f"sae: {str(path)!r} lacks {', '.join(missing)}; a Gemma Scope {GEMMA_SCOPE} holds {', '.join(TENSORS)}"
+        )
+    return {
+        **{name: tensors[name] for name in TENSORS},
+        "architecture": "jumprelu",
+        "apply_b_dec_to_input": False,
+        "path": str(path),
+    }

@@ -31,11 +31,8 @@ def load_saes(specs: tuple[str, ...] | None, cfg: ModelConfig, shapes: dict[str,
 
 def describe(saes: dict[str, SAE]) -> list[dict[str, Any]]:
     """The GET /v1/saes entries."""
-    return [
-        {"name": name, "hook": sae.hook, "architecture": sae.architecture, "d_in": sae.d_in, "d_sae": sae.d_sae,
-         "k": sae.k, "sha256": sae.sha256}  # fmt: skip
-        for name, sae in saes.items()
-    ]
+    fields = ("hook", "architecture", "d_in", "d_sae", "k", "sha256")
+    return [{"name": name, **{f: getattr(sae, f) for f in fields}} for name, sae in saes.items()]
 
 
 def named_sae(saes: dict[str, SAE], name: str, field: str) -> SAE:
