@@ -313,3 +313,17 @@ def same(value: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 
 def layer_hooks(layers: Iterable[int]) -> list[str]:
     return [f"blocks.{layer}.{kind}" for layer in layers for kind in LAYER_KINDS]
+
+
+def generate_with_hook(hf, tok, prompt: str, module, hook, n: int = 6) -> tuple[list[int], torch.Tensor]:
+    """HF greedy tokens for `prompt` with forward hook `hook` on `module`, and the logits of the whole
+    sequence under the same hook: the reference of steering, ablation and SAE edits."""
+    handle = module.register_forward_hook(hook)
+    try:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            g = hf.generate(ids, max_new_tokens=n, do_sample=False)
+            logits = hf(g[:, :-1]).logits[0]
+        return g[0, ids.shape[1] :].tolist(), logits
+    finally:
+        handle.remove()

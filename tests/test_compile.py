@@ -16,7 +16,7 @@ from conftest import rel_err
 from family_parity import COMMON, build
 from transformers import LlamaConfig, MixtralConfig
 
-from vlens import LLM, Ablate, Capture, SamplingParams, Steer
+from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.context import get_context
 
 FAMILIES = {  # family -> (config, a hook of its MLP to capture)
@@ -67,23 +67,37 @@ class CompiledForward:
         return out
 
 
+def _sae(g: torch.Generator) -> SAE:
+    """A small JumpReLU SAE at blocks.1.hook_resid_post."""
+    d_sae = 32
+    return SAE(
+        W_enc=torch.randn(D, d_sae, generator=g), b_enc=torch.randn(d_sae, generator=g), W_dec=torch.randn(d_sae, D, generator=g),
+        b_dec=torch.randn(D, generator=g), threshold=torch.rand(d_sae, generator=g), architecture="jumprelu",
+        hook="blocks.1.hook_resid_post",
+    )  # fmt: skip
+
+
 def _mixed_step(llm: LLM, forward: CompiledForward, seed: int, tapped: bool) -> None:
     """Prefill two requests eagerly, then run one compiled step in which they decode while two new
-    requests prefill. With `tapped`, three requests capture at mixed positions, one steers and one
-    ablates; `seed` changes the tokens, rows and vectors but not the sizes."""
+    requests prefill. With `tapped`, three requests capture at mixed positions, one steers, one
+    ablates, one clamps an SAE latent and one reads SAE features; `seed` changes the tokens, rows,
+    vectors and SAE but not the sizes."""
     g = torch.Generator().manual_seed(seed)
     tokens = lambda n: torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
     vector = lambda: torch.randn(D, generator=g)  # noqa: E731
+    sae = _sae(g)
     plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     if tapped:
         first = [
             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                            capture=Capture(["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern"], positions="generated")),
-            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, interventions=[Steer("blocks.0.hook_resid_post", vector(), positions="generated")]),
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, interventions=[Steer("blocks.0.hook_resid_post", vector(), positions="generated")],
+                           capture=Capture(sae=sae, top_k=4)),
         ]  # fmt: skip
         at = [seed % 3, 3]  # other rows in each round, the same number of them
         second = [
-            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture(["blocks.0.attn.hook_z", "hook_embed"], positions=at)),
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture(["blocks.0.attn.hook_z", "hook_embed"], positions=at),
+                           interventions=[Clamp("blocks.1.hook_resid_post", sae, seed % 4, float(seed))]),
             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture(llm.mlp_hook, positions="all"),
                            interventions=[Ablate("blocks.1.hook_attn_out", vector(), positions=[1, 2])]),
         ]  # fmt: skip

@@ -99,3 +99,23 @@ def test_export_refuses_a_harvest_with_rows_left_out(smol, tmp_path):
     harvest(smol, source, "hook_embed", tmp_path / "out", context_size=CTX, exclude_token_ids=[2], progress=False)
     with pytest.raises(ValueError, match=r"left out \d+ rows .*--keep-bos"):
         export(tmp_path / "out", tmp_path / "sae")
+
+
+def test_saelens_reads_the_export_as_cached_activations(out, rows, tmp_path):
+    """SAELens's own loader of cached activations (ActivationsStore with cached_activations_path, as its
+    training runner builds it) reads the export: every hook's rows and token ids, window by window."""
+    from sae_lens.training.activations_store import ActivationsStore
+
+    target = export(out, tmp_path / "sae")
+    windows = int(rows["window"].max()) + 1
+    for hook, d_in in ((HOOKS[0], 576), (HOOKS[1], 192)):
+        store = ActivationsStore(
+            model=None, dataset=None, streaming=False, hook_name=hook, hook_head_index=None, context_size=CTX,
+            d_in=d_in, n_batches_in_buffer=2, total_training_tokens=windows * CTX, store_batch_size_prompts=windows,
+            train_batch_size_tokens=CTX, prepend_bos=True, normalize_activations="none", device=torch.device("cpu"),
+            dtype="float32", cached_activations_path=str(target),
+        )  # fmt: skip
+        acts, token_ids = store.get_raw_llm_batch()
+        expect = [window_rows(rows, w) for w in range(windows)]
+        assert torch.equal(acts, torch.cat([e[hook].float().reshape(CTX, -1) for e in expect]))
+        assert torch.equal(token_ids.long(), torch.cat([e["token_ids"] for e in expect]).long())

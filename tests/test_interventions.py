@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
+from hf_reference import generate_with_hook
 
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
 
@@ -18,18 +19,6 @@ def _direction(seed: int, norm: float = 4.0) -> torch.Tensor:
     return v / v.norm() * norm
 
 
-def _hf_generate_with_hook(hf, tok, prompt, module, hook, n=6):
-    handle = module.register_forward_hook(hook)
-    try:
-        ids = tok(prompt, return_tensors="pt")["input_ids"]
-        with torch.inference_mode():
-            g = hf.generate(ids, max_new_tokens=n, do_sample=False)
-            logits = hf(g[:, :-1]).logits[0]
-        return g[0, ids.shape[1] :].tolist(), logits
-    finally:
-        handle.remove()
-
-
 def test_steer_matches_hf_forward_hook(smol, hf_smol):
     v = _direction(0)
     layer = hf_smol.model.layers[10]
@@ -37,7 +26,7 @@ def test_steer_matches_hf_forward_hook(smol, hf_smol):
     def add(module, args, output):
         return output + 3.0 * v
 
-    hf_tokens, hf_logits = _hf_generate_with_hook(hf_smol, smol.tokenizer, PROMPT, layer, add)
+    hf_tokens, hf_logits = generate_with_hook(hf_smol, smol.tokenizer, PROMPT, layer, add)
     p = SamplingParams(
         max_tokens=6, temperature=0, interventions=[Steer("blocks.10.hook_resid_post", v, scale=3.0)],
         capture=Capture(hooks="unembed.hook_out"),
@@ -57,7 +46,7 @@ def test_ablate_matches_hf_forward_hook(smol, hf_smol):
         a = output[0]
         return (a - (a @ d)[..., None] * d, *output[1:])
 
-    hf_tokens, hf_logits = _hf_generate_with_hook(hf_smol, smol.tokenizer, PROMPT, attn, ablate)
+    hf_tokens, hf_logits = generate_with_hook(hf_smol, smol.tokenizer, PROMPT, attn, ablate)
     p = SamplingParams(
         max_tokens=6, temperature=0, interventions=[Ablate("blocks.3.hook_attn_out", d * 7)],
         capture=Capture(hooks=["unembed.hook_out", "blocks.3.hook_attn_out"]),

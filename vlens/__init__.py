@@ -1,12 +1,13 @@
 """vlens: a fast LLM inference engine that returns what happens inside the model."""
 
-from vlens.capture import Ablate, Capture, Patch, Positions, Steer
+from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer
 from vlens.engine.config import EngineConfig
 from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
 from vlens.hooked import ActivationCache, HookedLM
 from vlens.llm import LLM
 from vlens.loader import load_model
 from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
+from vlens.sae import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.version import __version__
 
@@ -22,6 +23,8 @@ __all__ = [
     "Steer",
     "Ablate",
     "Patch",
+    "Clamp",
+    "SAE",
     "RequestOutput",
     "RequestDelta",
     "CompletionOutput",

@@ -23,6 +23,7 @@ from vlens.harvest import cli as harvest_cli
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
 from vlens.loader import resolve_model_path
+from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.server import cli as server_cli
 from vlens.settings import add_flags, from_args, values
@@ -38,8 +39,9 @@ GENERATE_ABOUT = (
     "Generate a completion per prompt (greedy unless --temperature) and print a table of the captured tensors."
 )
 GENERATE_FILE = (
-    "--out writes one safetensors file: for prompt i, '{i}/{hook}' [rows, ...], '{i}/positions' (the sequence "
-    "position of each row) and '{i}/token_ids' (prompt then completion); metadata holds the prompts and completions."
+    "--out writes one safetensors file: for prompt i, '{i}/{hook}' [rows, ...] (with --sae '{i}/{hook}.sae_ids' "
+    "int32 and '{i}/{hook}.sae_values', [rows, top_k]), '{i}/positions' (the sequence position of each row) and "
+    "'{i}/token_ids' (prompt then completion); metadata holds the prompts and completions."
 )
 
 
@@ -79,9 +81,20 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_capture(args: argparse.Namespace) -> Capture | None:
+    """--capture's hooks, or --sae's top latents (by default at the generated rows), at --positions."""
+    if args.sae is None:
+        positions = Positions.parse(args.positions or "all", "--positions")
+        return Capture(hooks=args.capture, positions=positions) if args.capture else None
+    if args.capture:
+        raise ValueError("--capture: give --capture or --sae, not both (a request has one capture)")
+    sae = SAE.load(args.sae, hook=args.sae_hook)
+    return Capture(sae=sae, top_k=args.top_k, positions=Positions.parse(args.positions or "generated", "--positions"))
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    capture = _generate_capture(args)  # an unreadable SAE fails before the model loads
     llm = _llm(args)
-    capture = Capture(hooks=args.capture, positions=Positions.parse(args.positions, "--positions")) if args.capture else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
     run = llm.chat if args.chat else llm.generate
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
@@ -97,8 +110,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 rows.append((name, str(tuple(t.shape)), str(t.dtype).removeprefix("torch."), f"{norm:.4f}"))
             _print_table(rows)
             print(f"  positions: {out.activation_positions.tolist()}")
+        for hook, (ids, acts) in out.sae_features.items():
+            _print_features(llm.tokenizer, out, hook, ids, acts)
     if args.out and capture is not None:
         tensors = {f"{i}/{name}": t.contiguous() for i, out in enumerate(outputs) for name, t in out.activations.items()}
+        for i, out in enumerate(outputs):
+            for name, (ids, values) in out.sae_features.items():
+                tensors.update({f"{i}/{name}.sae_ids": ids, f"{i}/{name}.sae_values": values})
         tensors.update({f"{i}/positions": out.activation_positions for i, out in enumerate(outputs)})
         tensors.update(
             {f"{i}/token_ids": torch.tensor(out.prompt_token_ids + out.outputs[0].token_ids) for i, out in enumerate(outputs)}
@@ -107,6 +125,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         save_file(tensors, args.out, metadata={"model": llm.model_name, "prompts": json.dumps(args.prompts), "completions": json.dumps(texts)})
         print(f"wrote {args.out}: {len(tensors)} tensors")
     return 0
+
+
+def _print_features(tokenizer, out, hook: str, ids: torch.Tensor, values: torch.Tensor) -> None:
+    """One line per captured row: its position, its token and its top latents (id: value)."""
+    print(f"  SAE features at {hook} (top {ids.shape[1]} per row):")
+    tokens = out.prompt_token_ids + out.outputs[0].token_ids
+    rows = [("position", "token", "features (id: value)")]
+    for p, row_ids, row_values in zip(out.activation_positions.tolist(), ids.tolist(), values.tolist()):
+        latents = "  ".join(f"{f}: {v:.3f}" for f, v in zip(row_ids, row_values))
+        rows.append((str(p), repr(tokenizer.decode([tokens[p]])), latents))
+    _print_table(rows)
 
 
 def _llm(args: argparse.Namespace) -> LLM:
@@ -153,7 +182,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--capture", nargs="+", metavar="HOOK", help="hook names or globs to capture")
-    p.add_argument("--positions", default="all", help="all | prompt | generated | last | 0,3,-1 | start:stop[:step]")
+    p.add_argument(
+        "--positions", help="all | prompt | generated | last | 0,3,-1 | start:stop[:step] (default: all; generated with --sae)"
+    )
+    p.add_argument("--sae", metavar="PATH", help="print each row's top SAE latents: a SAELens directory or params.npz")
+    p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
+    p.add_argument("--top-k", type=int, default=16, help="latents per row with --sae (default: 16)")
     p.add_argument("--out", metavar="FILE", help="write the captured activations (see below)")
     p.set_defaults(func=_cmd_generate)
 

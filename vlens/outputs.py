@@ -34,6 +34,9 @@ class RequestOutput:
     activation_positions: torch.Tensor | None = None  # [rows] sequence position of each row
     hidden_states: torch.Tensor | None = None  # with return_hidden_states: ln_final.hook_normalized, all rows
     logit_lens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # hook -> (ids, logprobs) [rows, k]
+    # Capture(sae=...): hook -> (ids int32, values) [rows, top_k], or the named latents [rows, n]
+    sae_features: dict[str, tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = field(default_factory=dict)
+    sae_errors: dict[str, torch.Tensor] = field(default_factory=dict)  # sae_error=True: hook -> [rows]
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vlens.capture.interventions import Ablate, Patch, Steer
+from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
 from vlens.capture.spec import Capture
 
 
@@ -28,7 +28,7 @@ class SamplingParams:
     logprobs: int | None = None  # log-probabilities of the sampled token and this many top alternatives
     capture: Capture | None = None
     return_hidden_states: bool = False  # shortcut: ln_final.hook_normalized at every position
-    interventions: Sequence[Steer | Ablate | Patch] | None = None  # applied in order
+    interventions: Sequence[Intervention] | None = None  # applied in order
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -50,8 +50,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or ())
         self.interventions = list(self.interventions or ())
         for i, iv in enumerate(self.interventions):
-            if not isinstance(iv, (Steer, Ablate, Patch)):
-                raise ValueError(f"interventions[{i}]: expected vlens.Steer, Ablate or Patch, got {type(iv).__name__}")
+            if not isinstance(iv, (Steer, Ablate, Patch, Clamp)):
+                raise ValueError(f"interventions[{i}]: expected vlens.Steer, Ablate, Patch or Clamp, got {type(iv).__name__}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -36,6 +36,7 @@ def setting(
     invert: bool = False,
     const: Any = dataclasses.MISSING,
     check: Callable[[Any], str | None] | None = None,
+    repeat: bool = False,
 ) -> Any:
     """A dataclass field for one setting (`REQUIRED` as the default: it has none).
 
@@ -43,9 +44,10 @@ def setting(
     flag: the command-line flag when it is not `--field-name` ("" for no flag);
     invert: a bool setting whose flag turns it off (`--no-bos` for prepend_bos=True);
     const: the value a flag that takes no argument sets (`--ray` for backend="ray");
-    check: a last test of the value, returning what is wrong with it and what is allowed (or None)."""
+    check: a last test of the value, returning what is wrong with it and what is allowed (or None);
+    repeat: a setting of several values whose flag takes one value and is repeated (`--sae a=x --sae b=y`)."""
     meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "minimum": minimum,
-            "flag": flag, "invert": invert, "const": const, "check": check}  # fmt: skip
+            "flag": flag, "invert": invert, "const": const, "check": check, "repeat": repeat}  # fmt: skip
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -157,7 +159,9 @@ def add_flags(
             kwargs["help"] = f"{f.name} {meta['const']!r} instead of {default!r}: {meta['help']}"
         else:
             kwargs["type"] = base or str
-            if many:
+            if many and meta["repeat"]:
+                kwargs["action"] = "append"
+            elif many:
                 kwargs["nargs"] = "+"
             choices = meta["choices"]
             kwargs["metavar"] = (

@@ -6,8 +6,8 @@ The path of one captured row: Capture (spec) -> RequestTaps (bind) -> StepPlan (
 Tap.__call__ in the forward (runtime) -> TapRuntime.collect -> RowStream.add (rows) -> RowStream.result.
 """
 
-from vlens.capture.interventions import Ablate, Patch, Steer
+from vlens.capture.interventions import Ablate, Clamp, Patch, Steer
 from vlens.capture.positions import Positions
 from vlens.capture.spec import Capture
 
-__all__ = ["Ablate", "Capture", "Patch", "Positions", "Steer"]
+__all__ = ["Ablate", "Capture", "Clamp", "Patch", "Positions", "Steer"]

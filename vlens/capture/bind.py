@@ -15,19 +15,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlens.capture.interventions import Ablate, Patch, Steer
-from vlens.capture.names import FINAL_NORM, LOGITS, PER_HEAD, is_pattern, resolve_hooks
+from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
+from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, is_pattern, resolve_hooks
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
 from vlens.capture.spec import Capture
+from vlens.config import ModelConfig
+from vlens.sae.clamp import clamp_rows
+from vlens.sae.model import SAE
+from vlens.sae.readout import SAEReadout
 
 if TYPE_CHECKING:
     from vlens.models.base import DecoderLM
     from vlens.sampling_params import SamplingParams
 
 # What an edit does to a row x with vector v (runtime.Tap applies it; KEEP pads a pass).
-KEEP, STEER, ABLATE, PATCH = 0, 1, 2, 3
+KEEP, STEER, ABLATE, PATCH, CLAMP = 0, 1, 2, 3, 4
 KINDS = {Steer: STEER, Ablate: ABLATE, Patch: PATCH}
 
 
@@ -35,14 +39,16 @@ KINDS = {Steer: STEER, Ablate: ABLATE, Patch: PATCH}
 class BoundIntervention:
     """An intervention bound to the model: its taps, and its vectors as rows of the runtime's vector table."""
 
-    kind: int  # STEER | ABLATE | PATCH
+    kind: int  # STEER | ABLATE | PATCH | CLAMP
     taps: list[str]
     positions: Positions
     prompt_len: int
-    data: torch.Tensor  # [n, width] float32: scale * vector, the unit direction, or the patch rows
+    data: torch.Tensor  # [n, width] float32: scale * vector, the unit direction, the patch rows, or W_dec[f]
     mask: torch.Tensor | None = None  # [n, width] bool: the elements it edits (its heads); None: all
     value_positions: list[int] | None = None  # a multi-row patch: the position of each data row
     table_rows: list[int] | None = None  # where the runtime stored each row of `data` (set on upload)
+    encoder: torch.Tensor | None = None  # a clamp: [1, width] W_enc[:, f] (see vlens.sae.clamp)
+    params: torch.Tensor | None = None  # a clamp: [1, PARAMS] its bias, floor, value and normalisation
 
     @property
     def width(self) -> int:
@@ -92,10 +98,42 @@ def bind_request(
     return bound
 
 
+def sae_tap(sae: SAE, cfg: ModelConfig, shapes: dict[str, tuple[int | str, ...]], field: str) -> str:
+    """The tap an SAE reads in this model: its hook must name one hook whose rows have d_in elements."""
+    if sae.hook is None:
+        raise ValueError(f"{field}: this SAE names no hook (a Gemma Scope params.npz does not); load it with "
+                         "SAE.load(path, hook=...)")  # fmt: skip
+    try:
+        taps = set(resolve_hooks(sae.hook, cfg).values())
+    except ValueError as e:
+        raise ValueError(f"{field}: the SAE's hook {sae.hook!r} is not in this model: {e}") from None
+    if len(taps) != 1:
+        raise ValueError(f"{field}: the SAE's hook {sae.hook!r} names {len(taps)} hooks; an SAE reads one")
+    tap = taps.pop()
+    shape = shapes[tap]
+    if CTX in shape or math.prod(shape) != sae.d_in:
+        raise ValueError(
+            f"{field}: the SAE's d_in is {sae.d_in} but its hook {sae.hook} has rows of {shape} in this model; "
+            "load it with SAE.load(path, hook=...) to read a hook of its width"
+        )
+    return tap
+
+
+def _elsewhere(field: str, given: object, sae: SAE) -> ValueError:
+    """Requests use an SAE where it reads: at the tap of its hook and nowhere else."""
+    return ValueError(
+        f"{field}: {given!r} is not the hook this SAE reads ({sae.hook}); load it with SAE.load(path, hook=...) "
+        "to use it at another hook of its width"
+    )
+
+
 def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes: dict) -> RowStream:
     cfg = model.cfg
+    sae_at = None if capture.sae is None else sae_tap(capture.sae, cfg, shapes, "capture.sae")
     hooks = resolve_hooks(capture.hooks, cfg)
     taps = set(hooks.values())
+    if sae_at is not None and taps != {sae_at}:
+        raise _elsewhere("capture.hooks", capture.hooks, capture.sae)
     shapes = {t: shapes[t] for t in taps}
     patterns = sorted(t for t in taps if is_pattern(t))
     if patterns and (capture.project is not None or capture.reduce != "none"):
@@ -125,6 +163,11 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
         if bad:
             raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {cfg.hidden_size}; not {bad}")
         readout = partial(logit_lens, model=model, k=capture.logit_lens)
+    if capture.sae is not None:
+        device, dtype = weight.device, weight.dtype
+        features = None if capture.features is None else torch.tensor(capture.features, device=device)
+        readout = SAEReadout(capture.sae.placed(device, dtype), capture.top_k, features, capture.sae_error,
+                             capture.dtype or dtype)  # fmt: skip
     exclude = torch.tensor(sorted(capture.exclude_token_ids), dtype=torch.long) if capture.exclude_token_ids else None
     return RowStream(
         "capture", hooks, capture.positions, prompt_len, shapes, exclude, capture.dtype, readout, capture.reduce,
@@ -139,16 +182,24 @@ def _check_heads(heads: list[int], count: int, field: str, tap: str) -> None:
 
 
 def _intervention(
-    iv: Steer | Ablate | Patch, where: str, prompt_len: int, max_rows: int, model: DecoderLM, shapes: dict
+    iv: Intervention, where: str, prompt_len: int, max_rows: int, model: DecoderLM, shapes: dict
 ) -> BoundIntervention:
+    sae = getattr(iv, "sae", None)  # Steer(sae=...) and Clamp act where the SAE reads
+    sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae")
     taps = sorted(set(resolve_hooks(iv.hook, model.cfg).values()))
     if LOGITS in taps or any(is_pattern(t) for t in taps):
         raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
                          "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip
+    if sae_at is not None and taps != [sae_at]:
+        raise _elsewhere(f"{where}.hook", iv.hook, sae)
     shape_set = {shapes[t] for t in taps}
     if len(shape_set) > 1:
         raise ValueError(f"{where}.hook: {iv.hook!r} matches taps of different shapes {sorted(shape_set)}")
     shape = shape_set.pop()
+    if isinstance(iv, Clamp):
+        _check_listed(iv.positions, max_rows, where)
+        decoder, encoder, params = clamp_rows(sae, iv.feature, iv.value)
+        return BoundIntervention(CLAMP, taps, iv.positions, prompt_len, decoder, encoder=encoder, params=params)
     kind, data = KINDS[type(iv)], _data(iv, shape)
     if iv.heads is not None:
         if not all(t.endswith(PER_HEAD) for t in taps):
@@ -170,10 +221,7 @@ def _intervention(
         value_positions = rows
     elif data.numel() != width:
         raise ValueError(f"{where}: vector of shape {tuple(data.shape)} does not fit {iv.hook}, whose rows are {shape}")
-    if iv.positions.kind == "list":
-        bad = [p for p in iv.positions.indices if p >= max_rows]
-        if bad:
-            raise ValueError(f"{where}.positions: {bad} out of range; this request has at most {max_rows} rows")
+    _check_listed(iv.positions, max_rows, where)
     data, mask = data.reshape(-1, width), None
     if iv.heads is not None:  # spread over the whole row; the mask keeps the other heads as they are
         full = torch.zeros(len(data), *shape)
@@ -182,6 +230,13 @@ def _intervention(
         mask[iv.heads] = True
         data, mask = full.flatten(1), mask.flatten().expand(len(data), -1)
     return BoundIntervention(kind, taps, iv.positions, prompt_len, data, mask, value_positions)
+
+
+def _check_listed(positions: Positions, max_rows: int, where: str) -> None:
+    if positions.kind == "list":
+        bad = [p for p in positions.indices if p >= max_rows]
+        if bad:
+            raise ValueError(f"{where}.positions: {bad} out of range; this request has at most {max_rows} rows")
 
 
 def _data(iv: Steer | Ablate | Patch, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Per-request interventions at taps: steer (add a vector), ablate (project a direction out), patch
-(replace rows with given values).
+"""Per-request interventions at taps: steer (add a vector, or an SAE latent's decoder row), ablate
+(project a direction out), patch (replace rows with given values), clamp (set an SAE latent).
 
 Semantics: an intervention changes the tapped value for its request's rows at the chosen positions,
 before anything downstream reads it, so it also changes the KV written at those positions (and the
@@ -21,21 +21,33 @@ import numpy as np
 import torch
 
 from vlens.capture.positions import Positions
-from vlens.capture.spec import check_heads, to_tensor
+from vlens.capture.spec import check_feature, check_heads, to_tensor
+from vlens.sae.model import SAE
 
 
 @dataclass
 class Steer:
     """Add scale * vector to the tapped value at the chosen positions. With `heads` (at a per-head tap
-    such as attn.hook_z), add to those heads only: a vector [d_head] for each, or [len(heads), d_head]."""
+    such as attn.hook_z), add to those heads only: a vector [d_head] for each, or [len(heads), d_head].
+    With `sae` and `feature` instead of a vector, the vector is that latent's decoder row W_dec[feature]
+    (at the hook the SAE reads)."""
 
     hook: str
-    vector: Any
+    vector: Any = None
     scale: float = 1.0
     positions: Any = "all"
     heads: Sequence[int] | None = None
+    sae: SAE | None = None
+    feature: int | None = None
 
     def __post_init__(self) -> None:
+        if self.sae is not None or self.feature is not None:
+            _check_sae(self.sae, "steer")
+            if self.vector is not None or self.heads is not None:
+                raise ValueError("steer.sae: steers along W_dec[feature]; give no vector or heads with it")
+            self.vector = self.sae.W_dec[check_feature(self.feature, self.sae.d_sae, "steer.feature")]
+        elif self.vector is None:
+            raise ValueError("steer.vector: required, unless sae= and feature= name an SAE latent to steer along")
         self.vector = to_tensor(self.vector, "steer.vector")
         self.positions = Positions.parse(self.positions, "steer.positions").online("steer.positions")
         if not np.isfinite(self.scale):
@@ -91,7 +103,38 @@ class Patch:
         self.heads = None if self.heads is None else check_heads(self.heads, "patch.heads")
 
 
-Intervention = Steer | Ablate | Patch
+@dataclass
+class Clamp:
+    """Set latent `feature` of `sae` to `value` at the chosen positions, keeping what the SAE does not
+    reconstruct: x + (value − f(x)) · W_dec[feature] (scaled back through the SAE's run-time
+    normalisation, if any), with f(x) the latent of the row as it reaches the tap. Standard and
+    JumpReLU SAEs; a topk SAE's latent depends on all the others, so clamping one is refused."""
+
+    hook: str
+    sae: SAE
+    feature: int
+    value: float
+    positions: Any = "all"
+
+    def __post_init__(self) -> None:
+        _check_sae(self.sae, "clamp")
+        if self.sae.architecture == "topk":
+            raise ValueError(
+                "clamp.sae: a topk SAE's latent is nonzero only while it ranks among the top k of all d_sae, so a "
+                "clamp cannot be computed from its own row; clamp standard or jumprelu SAEs, or Steer(sae=, feature=)"
+            )
+        check_feature(self.feature, self.sae.d_sae, "clamp.feature")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not np.isfinite(self.value):
+            raise ValueError(f"clamp.value: expected a finite number, got {self.value!r}")
+        self.positions = Positions.parse(self.positions, "clamp.positions").online("clamp.positions")
+
+
+def _check_sae(sae: Any, kind: str) -> None:
+    if not isinstance(sae, SAE):
+        raise ValueError(f"{kind}.sae: expected a vlens.SAE (SAE.load(path)), got {type(sae).__name__}")
+
+
+Intervention = Steer | Ablate | Patch | Clamp
 
 
 def fingerprint(interventions: list[Intervention]) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 from vlens.capture.names import CTX, is_pattern
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import Readout
+from vlens.sae.readout import SAEReadout
+
+if TYPE_CHECKING:
+    from vlens.outputs import RequestOutput
 
 
 def widen(tap: str, rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -38,7 +43,7 @@ class RowStream:
     shapes: dict[str, tuple[int, ...]]  # canonical tap -> per-row shape of what is returned
     exclude: torch.Tensor | None = None  # token ids whose rows are left out
     dtype: torch.dtype | None = None
-    readout: Readout | None = None  # on-device transform of each step's rows (probe, logit lens)
+    readout: Readout | SAEReadout | None = None  # on-device transform of each step's rows (probe, logit lens, SAE)
     reduce: str = "none"  # "mean": one row, the mean over the selected rows
     logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
     heads: torch.Tensor | None = None  # the heads kept at the per-head taps in `head_taps`
@@ -92,7 +97,9 @@ class RowStream:
             if pieces and is_pattern(tap):  # K: the last kept row's context; each piece is as wide as its own
                 width = int(positions[keep].max()) + 1 if keep.any() else 0
                 pieces = [widen(tap, p[..., :width], width) for p in pieces]
-            if not pieces and self.logit_lens:
+            if not pieces and isinstance(self.readout, SAEReadout):
+                out[tap] = self.readout.empty()
+            elif not pieces and self.logit_lens:
                 out[tap] = (torch.empty(0, self.logit_lens, dtype=torch.long), torch.empty(0, self.logit_lens))
             elif not pieces:
                 out[tap] = torch.empty(0, *(0 if n == CTX else n for n in self.shapes[tap]), dtype=dtype)
@@ -104,3 +111,11 @@ class RowStream:
                 rows = torch.cat(pieces)[keep]
                 out[tap] = rows.mean(0, keepdim=True) if self.reduce == "mean" and len(rows) else rows
         return positions[keep], {name: out[tap] for name, tap in self.hooks.items()}
+
+    def place(self, out: RequestOutput, results: dict[str, object]) -> None:
+        """Put the results where a RequestOutput keeps them: SAE features, logit lens or activations."""
+        if isinstance(self.readout, SAEReadout):
+            for name, result in results.items():
+                self.readout.place(out, name, result)
+        else:
+            (out.logit_lens if self.logit_lens else out.activations).update(results)

@@ -19,14 +19,17 @@ from itertools import chain
 
 import torch
 
-from vlens.capture.bind import ABLATE, PATCH, STEER, BoundIntervention
+from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, BoundIntervention
 from vlens.capture.names import is_pattern, tap_dtype
 from vlens.capture.plan import Collected, StepPlan
 from vlens.capture.rows import RowStream
+from vlens.sae.clamp import PARAMS, clamped
+from vlens.sae.readout import SAEReadout, read_group
 
 # new = a * x + b * v + c * (x . v) v, per edit kind: a steer adds v, an ablation takes the component
 # along the unit vector v out, a patch replaces the row. Each is exact: the zero terms add exact zeros.
-_COEFFICIENTS = {STEER: (1.0, 1.0, 0.0), ABLATE: (1.0, 0.0, -1.0), PATCH: (0.0, 1.0, 0.0)}
+# A clamp keeps x here and is computed apart (vlens.sae.clamp), in the steps that have one.
+_COEFFICIENTS = {STEER: (1.0, 1.0, 0.0), ABLATE: (1.0, 0.0, -1.0), PATCH: (0.0, 1.0, 0.0), CLAMP: (1.0, 0.0, 0.0)}
 
 
 class Tap:
@@ -41,7 +44,8 @@ class Tap:
         self.softmax = False  # hook_pattern (probabilities) rather than hook_attn_scores
         self.edit_rows: torch.Tensor | None = None  # [P, E]: pass p edits rows edit_rows[p], distinct within a pass
         self.edit_vectors: torch.Tensor | None = None  # [P, E] rows of `table`
-        self.edit_kinds: torch.Tensor | None = None  # [P, E] STEER | ABLATE | PATCH
+        self.edit_kinds: torch.Tensor | None = None  # [P, E] STEER | ABLATE | PATCH | CLAMP
+        self.clamps = False  # some edit of this step is a CLAMP
         self.table: VectorTable | None = None
         self.coefficients: torch.Tensor | None = None  # [kinds, 3]: (a, b, c) of each kind
 
@@ -64,6 +68,11 @@ class Tap:
             old = flat.index_select(0, rows)
             dot = (old * v).sum(1)
             new = a[:, None] * old + b[:, None] * v + (c * dot)[:, None] * v
+            if self.clamps:
+                encoder = self.table.encoder.index_select(0, vectors).to(x.dtype)
+                params = self.table.params.index_select(0, vectors).to(x.dtype)
+                is_clamp = (self.edit_kinds[p] == CLAMP)[:, None]
+                new = torch.where(is_clamp, clamped(old, v, encoder, params), new)
             new = torch.where(self.table.mask.index_select(0, vectors), new, old)
             flat = flat.index_copy(0, rows, new)
         return flat.view(x.shape)
@@ -86,24 +95,35 @@ class Tap:
 
 class VectorTable:
     """Intervention vectors of one row width on the device, with the mask of the elements each one
-    edits (all of them, or the heads it names); a request's rows stay until it ends."""
+    edits (all of them, or the heads it names) and, for a clamp, its SAE encoder row and parameters;
+    a request's rows stay until it ends."""
 
     def __init__(self, width: int, device: torch.device, dtype: torch.dtype):
         self.data = torch.zeros(16, width, device=device, dtype=dtype)
         self.mask = torch.ones(16, width, device=device, dtype=torch.bool)
+        self.encoder = torch.zeros(16, width, device=device, dtype=dtype)
+        self.params = torch.zeros(16, PARAMS, device=device, dtype=dtype)
         self.free = list(range(16))
 
-    def put(self, rows: torch.Tensor, mask: torch.Tensor | None) -> list[int]:
+    def put(
+        self, rows: torch.Tensor, mask: torch.Tensor | None, encoder: torch.Tensor | None = None,
+        params: torch.Tensor | None = None,
+    ) -> list[int]:  # fmt: skip
         if len(rows) > len(self.free):
             n = len(self.data)
             grown = max(2 * n, n + len(rows))
-            self.data = torch.cat([self.data, self.data.new_zeros(grown - n, self.data.shape[1])])
+            self.data, self.encoder, self.params = (
+                torch.cat([t, t.new_zeros(grown - n, t.shape[1])]) for t in (self.data, self.encoder, self.params)
+            )
             self.mask = torch.cat([self.mask, self.mask.new_ones(grown - n, self.mask.shape[1])])
             self.free += range(n, grown)
         ids, self.free = self.free[: len(rows)], self.free[len(rows) :]
         index = torch.tensor(ids, dtype=torch.long, device=self.data.device)
         self.data[index] = rows.to(self.data.device, self.data.dtype)
         self.mask[index] = True if mask is None else mask.to(self.mask.device)
+        if encoder is not None:
+            self.encoder[index] = encoder.to(self.encoder.device, self.encoder.dtype)
+            self.params[index] = params.to(self.params.device, self.params.dtype)
         return ids
 
     def release(self, ids: list[int]) -> None:
@@ -138,7 +158,7 @@ class TapRuntime:
             table = self.tables.get(iv.width)
             if table is None:
                 table = self.tables[iv.width] = VectorTable(iv.width, self.device, self.dtype)
-            iv.table_rows = table.put(iv.data, iv.mask)
+            iv.table_rows = table.put(iv.data, iv.mask, iv.encoder, iv.params)
 
     def release(self, interventions: list[BoundIntervention]) -> None:
         for iv in interventions:
@@ -192,8 +212,9 @@ class TapRuntime:
             t = taps[tap]
             t.gather_out = self._gather_buffer(tap, len(t.gather_index), widths.get(tap))
             t.softmax = tap.endswith("hook_pattern")
-        for tap in plan.edits:
+        for tap, passes in plan.edits.items():
             taps[tap].table, taps[tap].coefficients = self.tables[math.prod(self.shapes[tap])], self._coefficients
+            taps[tap].clamps = any(CLAMP in e.kinds for e in passes)
         return taps
 
     def _reset(self, tap: str) -> Tap:
@@ -202,6 +223,7 @@ class TapRuntime:
             t = self._taps[tap] = Tap()
         t.gather_index = t.gather_out = t.key_index = t.row_positions = None
         t.edit_rows = t.edit_vectors = t.edit_kinds = t.table = None
+        t.clamps = False
         return t
 
     def _gather_buffer(self, tap: str, rows: int, width: int | None) -> torch.Tensor:
@@ -229,8 +251,14 @@ class TapRuntime:
             if not any(_reads_out(owner, tap) for owner in owners):
                 whole.append((tap, gathered.clone(), parts))
                 continue
-            for (segment, _), owner, chunk in zip(parts, owners, gathered.split(counts)):
-                single.append((segment, tap, _read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk.clone()))
+            pieces = gathered.split(counts)
+            shared = _shared_readouts(owners, pieces)  # one encoding per SAE for all its segments
+            for i, ((segment, _), owner, chunk) in enumerate(zip(parts, owners, pieces)):
+                if i in shared:
+                    value = shared[i]
+                else:
+                    value = _read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk.clone()
+                single.append((segment, tap, value))
         event = None
         if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
             self._side.wait_stream(torch.cuda.current_stream(self.device))
@@ -284,6 +312,19 @@ def _reads_out(owner: object, tap: str) -> bool:
     if not isinstance(owner, RowStream):
         return False
     return bool(owner.readout or owner.sums_on_device or owner.dtype) or tap in owner.head_taps
+
+
+def _shared_readouts(owners: list[object], pieces: tuple[torch.Tensor, ...]) -> dict[int, tuple]:
+    """Results of the SAE readouts among a tap's segments: all those of one SAE from one encoding."""
+    groups: dict[int, list[int]] = {}
+    for i, owner in enumerate(owners):
+        if isinstance(owner, RowStream) and isinstance(owner.readout, SAEReadout):
+            groups.setdefault(id(owner.readout.sae), []).append(i)
+    shared = {}
+    for members in groups.values():
+        results = read_group([owners[i].readout for i in members], [pieces[i] for i in members])
+        shared.update(zip(members, results))
+    return shared
 
 
 def _read_out(stream: RowStream, tap: str, chunk: torch.Tensor):

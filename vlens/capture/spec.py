@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from vlens.capture.positions import Positions
+from vlens.sae.model import SAE
 
 CAPTURE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,9 +43,13 @@ class Capture:
     through the final norm and unembedding, in RequestOutput.logit_lens instead of activations.
     `heads=[h, ...]` keeps those heads (in that order) at the per-head taps: attn.hook_q/k/v/z and the
     attention scores and patterns (for hook_k/v of a model with fewer KV heads, those KV heads).
+    `sae=SAE` reads the rows through a sparse autoencoder at the hook it was trained on (`hooks` may
+    then be left out), into RequestOutput.sae_features instead of activations: `top_k=k` the k largest
+    latents per row as (ids int32, values), or `features=[...]` those latents [rows, n]; `sae_error=True`
+    adds ‖x − x̂‖²/‖x‖² per row in RequestOutput.sae_errors.
     """
 
-    hooks: str | Sequence[str] = "blocks.*.hook_resid_post"
+    hooks: str | Sequence[str] | None = None  # default: the SAE's hook, else "blocks.*.hook_resid_post"
     positions: Any = "all"
     exclude_token_ids: Sequence[int] | None = None
     dtype: str | torch.dtype | None = None
@@ -52,8 +57,17 @@ class Capture:
     project: Any = None
     logit_lens: int | None = None
     heads: Sequence[int] | None = None
+    sae: SAE | None = None
+    top_k: int | None = None
+    features: Sequence[int] | None = None
+    sae_error: bool = False
 
     def __post_init__(self) -> None:
+        self._check_sae()
+        if self.hooks is None:
+            self.hooks = self.sae.hook if self.sae is not None else "blocks.*.hook_resid_post"
+        if self.hooks is None:
+            raise ValueError("capture.hooks: required, since this SAE names no hook (load it with SAE.load(path, hook=...))")
         self.hooks = [self.hooks] if isinstance(self.hooks, str) else list(self.hooks)
         if not self.hooks:
             raise ValueError("capture.hooks: empty; give at least one hook name or glob")
@@ -83,11 +97,58 @@ class Capture:
         if self.heads is not None:
             self.heads = check_heads(self.heads, "capture.heads")
 
+    def _check_sae(self) -> None:
+        """An SAE readout: what to return, within the SAE's width; nothing another readout would change."""
+        if self.sae is None:
+            given = [name for name in ("top_k", "features") if getattr(self, name) is not None]
+            if given or self.sae_error:
+                raise ValueError(f"capture.{(given or ['sae_error'])[0]}: only with capture.sae (an SAE to read through)")
+            return
+        if not isinstance(self.sae, SAE):
+            raise ValueError(f"capture.sae: expected a vlens.SAE (SAE.load(path)), got {type(self.sae).__name__}")
+        others = {"project": self.project is not None, "logit_lens": self.logit_lens is not None,
+                  "reduce": self.reduce != "none", "heads": self.heads is not None}  # fmt: skip
+        clash = [name for name, given in others.items() if given]
+        if clash:
+            raise ValueError(f"capture.{clash[0]}: cannot be combined with capture.sae (the SAE is the readout)")
+        d_sae = self.sae.d_sae
+        if self.top_k is not None and self.features is not None:
+            raise ValueError("capture.features: give top_k or features, not both")
+        if self.top_k is None and self.features is None and not self.sae_error:
+            raise ValueError("capture.sae: say what to return: top_k=k, features=[...] and/or sae_error=True")
+        if self.top_k is not None and not (_is_int(self.top_k) and 1 <= self.top_k <= d_sae):
+            raise ValueError(f"capture.top_k: expected an int in 1..{d_sae} (the SAE's d_sae), got {self.top_k!r}")
+        if self.features is not None:
+            self.features = check_features(self.features, d_sae, "capture.features")
+        if not isinstance(self.sae_error, bool):
+            raise ValueError(f"capture.sae_error: expected true or false, got {self.sae_error!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_feature(feature: Any, d_sae: int, field: str) -> int:
+    """One latent index of an SAE with d_sae latents."""
+    if not (_is_int(feature) and 0 <= feature < d_sae):
+        raise ValueError(f"{field}: {feature!r} is not a latent of this SAE; expected an int in 0..{d_sae - 1}")
+    return feature
+
+
+def check_features(features: Any, d_sae: int, field: str) -> list[int]:
+    """A non-empty list of distinct latent indices."""
+    if isinstance(features, (str, bytes)) or not isinstance(features, Sequence) or not len(features):
+        raise ValueError(f"{field}: expected a non-empty list of latent indices, got {features!r}")
+    chosen = [check_feature(f, d_sae, field) for f in features]
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"{field}: {chosen!r} names a latent more than once")
+    return chosen
+
 
 def check_heads(heads: Any, field: str) -> list[int]:
     """A non-empty list of distinct head indices (their range is checked against the model later)."""
     ok = isinstance(heads, Sequence) and not isinstance(heads, str) and len(heads) > 0
-    if not ok or not all(isinstance(h, int) and not isinstance(h, bool) for h in heads):
+    if not ok or not all(_is_int(h) for h in heads):
         raise ValueError(f"{field}: expected a non-empty list of head indices (ints), got {heads!r}")
     if len(set(heads)) != len(heads):
         raise ValueError(f"{field}: {list(heads)!r} names a head more than once")

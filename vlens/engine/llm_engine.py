@@ -261,6 +261,5 @@ class LLMEngine:
                 out.hidden_states = tensors[FINAL_NORM]
             else:
                 out.activation_positions = positions
-                target = out.logit_lens if stream.logit_lens else out.activations
-                target.update(tensors)
+                stream.place(out, tensors)
         return out

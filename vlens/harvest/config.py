@@ -26,7 +26,9 @@ class HarvestConfig:
         REQUIRED,
         ".txt (one document per line), .jsonl, .parquet, a `datasets` save_to_disk directory or a hub dataset id",
     )
-    hooks: tuple[str, ...] = setting(REQUIRED, "hook names or globs (see `vlens hooks`)")
+    hooks: tuple[str, ...] | None = setting(
+        None, "hook names or globs (see `vlens hooks`) whose rows to store; with --sae they may be left out"
+    )
     out_dir: str | os.PathLike = setting(
         REQUIRED, "output directory or fsspec URL (new, empty, or a run to resume)", flag="--out"
     )
@@ -72,9 +74,23 @@ class HarvestConfig:
     workers: int = setting(1, "Ray actors, one GPU each on CUDA", minimum=1)
     cpus_per_worker: float = setting(1, "CPUs each Ray actor holds without a GPU", check=positive)
     ray_address: str | None = setting(None, "Ray cluster to join (default: a running one, else a new local one)")
+    sae: Any = setting(
+        None, "an SAE (a SAELens directory or a Gemma Scope params.npz; from Python also a vlens.SAE) whose top_k "
+        "latents to store per row of its hook, as sae_ids (int32) and sae_values, beside the rows of --hooks",
+    )  # fmt: skip
+    sae_hook: str | None = setting(None, "the hook the SAE reads, if its files do not say (params.npz) or to override")
+    top_k: int | None = setting(None, "latents stored per row with --sae", minimum=1)
 
     def __post_init__(self) -> None:
         validate(self)
+        if not self.hooks and self.sae is None:
+            raise ValueError(
+                "hooks: give at least one hook name or glob (see `vlens hooks`), or an SAE (--sae) to store its latents"
+            )
+        if (self.sae is None) != (self.top_k is None):
+            raise ValueError("top_k: give it with sae, and only with sae: how many latents to store per row")
+        if self.sae_hook is not None and self.sae is None:
+            raise ValueError("sae_hook: only with sae")
         if self.pack and self.max_tokens is not None and self.max_tokens < self.context_size:
             raise ValueError(
                 f"max_tokens: {self.max_tokens} is less than one window (context_size={self.context_size})"

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from vlens.harvest.features import SAE_KEYS, FeatureExample, max_activating
 from vlens.harvest.writer import Store, read_manifest
 
 META_KEYS = ("token_ids", "window", "position")
@@ -73,7 +74,8 @@ def load_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 class ActivationDataset(IterableDataset):
-    """The rows of one key of a harvest: a hook name, or `token_ids`, `window` or `position`.
+    """The rows of one key of a harvest: a hook name, or `token_ids`, `window` or `position` (and
+    `sae_ids`, `sae_values` [rows, top_k] in a harvest with an SAE).
 
     `len(ds)` counts rows; `ds[i]`, `ds[a:b]` and `ds[index_tensor]` return new tensors in the stored
     dtype. Iterating (directly or through a torch DataLoader, with workers splitting the shards) yields
@@ -94,7 +96,7 @@ class ActivationDataset(IterableDataset):
         super().__init__()
         self.out_dir = local_dir(out_dir)
         self.manifest = load_manifest(self.out_dir)
-        keys = [*self.manifest["hooks"], *META_KEYS]
+        keys = [*self.manifest["hooks"], *META_KEYS, *(SAE_KEYS if self.manifest.get("sae") else ())]
         if hook not in keys:
             raise ValueError(f"hook: {hook!r} is not in the harvest at {str(out_dir)!r} (keys: {', '.join(keys)})")
         if batch_size < 1 or shuffle_buffer < 0:
@@ -107,9 +109,12 @@ class ActivationDataset(IterableDataset):
         if hook in self.manifest["hooks"]:
             self.shape = tuple(self.manifest["hooks"][hook]["shape"])
             self.dtype = getattr(torch, self.manifest["dtype"])
+        elif hook in SAE_KEYS:
+            self.shape = (self.manifest["sae"]["top_k"],)
+            self.dtype = torch.int32 if hook == "sae_ids" else getattr(torch, self.manifest["dtype"])
         else:
             self.shape, self.dtype = (), torch.int32 if hook == "token_ids" else torch.int64
-        self._mapped: dict[int, torch.Tensor] = {}
+        self._mapped: dict[int, dict[str, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -119,9 +124,19 @@ class ActivationDataset(IterableDataset):
 
     def shard(self, index: int) -> torch.Tensor:
         """Rows of one shard, memory-mapped (a view: clone before writing to it)."""
+        return self.mapped(index)[self.hook]
+
+    def mapped(self, index: int) -> dict[str, torch.Tensor]:
+        """Every key of one shard, memory-mapped."""
         if index not in self._mapped:
-            self._mapped[index] = mmap_shard(self.files[index])[self.hook]
+            self._mapped[index] = mmap_shard(self.files[index])
         return self._mapped[index]
+
+    def max_activating(self, feature: int, n: int = 10, context: int = 8) -> list[FeatureExample]:
+        """The n rows where SAE latent `feature` is largest, with their window, position and the tokens
+        up to `context` positions either side: the max-activating examples of a latent, from a harvest
+        with --sae, read one shard at a time (see vlens.harvest.features)."""
+        return max_activating(self, feature, n, context)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         n = len(self)

@@ -68,6 +68,11 @@ def export(out_dir: str | os.PathLike, to: str | os.PathLike, format: str = "sae
 
 def _check_exportable(manifest: dict[str, Any], out_dir: Any) -> None:
     totals, ctx = manifest["totals"], manifest["context_size"]
+    if not manifest["hooks"]:
+        raise ValueError(
+            f"out_dir: the harvest in {str(out_dir)!r} stored SAE latents only; the SAELens layout holds dense rows: "
+            "harvest with --hooks"
+        )
     if not manifest["complete"]:
         raise ValueError(
             f"out_dir: the harvest in {str(out_dir)!r} is not complete ({len(manifest['shards'])} shards so far); "

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.harvest.config import HarvestConfig
+from vlens.harvest.features import SAE_KEYS, FeatureHarvest, feature_harvest
 from vlens.harvest.model import tokenizer_info, weights_hash
 from vlens.harvest.sources import Source, open_source
 from vlens.harvest.stats import HookStats
@@ -37,7 +38,7 @@ FORMAT = "vlens-harvest/1"
 # and on a GPU the activations of one batch stay a small part of memory for models up to ~8B.
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
 # Header fields that name things rather than fix the bytes: a re-run may spell them differently.
-_NAMES = {"model.id", "source.location", "tokenizer.name_or_path"}
+_NAMES = {"model.id", "source.location", "tokenizer.name_or_path", "sae.path"}
 _META_KEYS = {"token_ids": (torch.int32, 4), "window": (torch.int64, 8), "position": (torch.int64, 8)}
 
 
@@ -62,9 +63,10 @@ class HarvestSummary:
         )
 
 
-def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, Source]:
-    """Check the options that need the model and open the source: the hooks' taps, the packing, the source."""
-    wanted = resolve_hooks(config.hooks, loaded.config)
+def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, Source, FeatureHarvest | None]:
+    """Check the options that need the model and open the source: the hooks' taps, the packing, the
+    source, and the SAE whose latents to store."""
+    wanted = resolve_hooks(config.hooks, loaded.config) if config.hooks else {}
     patterns = [name for name, tap in wanted.items() if is_pattern(tap)]
     if patterns:
         raise ValueError(
@@ -76,7 +78,8 @@ def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, S
         loaded.tokenizer, loaded.config, config.context_size, config.pack, config.prepend_bos, config.exclude_bos,
         config.exclude_token_ids,
     )  # fmt: skip
-    return wanted, packing, open_source(config.source, config.text_field, config.whole_file, config.split)
+    features = feature_harvest(config, loaded.config)
+    return wanted, packing, open_source(config.source, config.text_field, config.whole_file, config.split), features
 
 
 @dataclass
@@ -108,6 +111,8 @@ class Job:
         shapes = hook_shapes(cfg)
         width = {name: math.prod(shapes[name]) for name in wanted}
         row_bytes = sum(w * out_dtype.itemsize for w in width.values()) + sum(b for _, b in _META_KEYS.values())
+        if header.get("sae"):  # an int32 id and a value per latent
+            row_bytes += header["sae"]["top_k"] * (4 + out_dtype.itemsize)
         stats = {
             name: HookStats.from_json(manifest["stats"][name]) if name in manifest["stats"] else HookStats.empty(w)
             for name, w in width.items()
@@ -180,8 +185,9 @@ def store_shard(
 
 
 def header(
-    loaded: Any, src: Source, wanted: dict[str, str], packing: Packing, config: HarvestConfig, batch_tokens: int
-) -> dict[str, Any]:
+    loaded: Any, src: Source, wanted: dict[str, str], packing: Packing, config: HarvestConfig, batch_tokens: int,
+    features: FeatureHarvest | None,
+) -> dict[str, Any]:  # fmt: skip
     """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
     param = next(loaded.model.parameters())
     shapes = hook_shapes(loaded.config)
@@ -198,6 +204,7 @@ def header(
         "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path),
         "source": src.describe(),
         "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
+        "sae": features.describe() if features is not None else None,
         "dtype": dtype_name(config.out_dtype),
         "context_size": packing.context_size,
         "max_tokens": config.max_tokens,
@@ -258,8 +265,10 @@ def capture(
     out_dtype: torch.dtype,
     batch_tokens: int,
     bar: tqdm,
+    features: FeatureHarvest | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run one shard's windows in batches and gather the kept rows of every hook into shard tensors."""
+    """Run one shard's windows in batches and gather the kept rows of every hook into shard tensors
+    (and, with `features`, the SAE's top latents of each kept row)."""
     lens = torch.tensor([len(w) for w in shard_windows])
     flat = torch.tensor(list(chain.from_iterable(shard_windows)), dtype=torch.long)
     keep = ~torch.isin(flat, excluded) if len(excluded) else torch.ones(len(flat), dtype=torch.bool)
@@ -270,6 +279,8 @@ def capture(
     row_start = (torch.cumsum(keep, 0) - keep.long())[starts].tolist()  # each window's first row in the shard
     n_rows = int(keep.sum())
     tensors = {name: torch.empty(n_rows, *shapes[name], dtype=out_dtype) for name in wanted}
+    if features is not None:
+        tensors.update(zip(SAE_KEYS, (torch.empty(n_rows, features.top_k, dtype=d) for d in (torch.int32, out_dtype))))
     names_of: dict[str, list[str]] = {}
     for name, tap in wanted.items():
         names_of.setdefault(tap, []).append(name)
@@ -287,7 +298,10 @@ def capture(
         if not any(len(kept_rows[i]) for i in batch):
             bar.update(int(lens[batch].sum()))
             continue
-        packed = packed_forward(model, [shard_windows[i] for i in batch], taps, rows=[kept_rows[i] for i in batch])
+        packed = packed_forward(
+            model, [shard_windows[i] for i in batch], taps, rows=[kept_rows[i] for i in batch],
+            hooks=None if features is None else _feature_hook(features, batch, lens, kept_rows, row_start, tensors),
+        )  # fmt: skip
         if pending is not None:
             collect(*pending)
         pending = (packed, batch)
@@ -297,6 +311,19 @@ def capture(
     tensors["window"] = window[keep]
     tensors["position"] = position[keep]
     return tensors
+
+
+def _feature_hook(
+    features: FeatureHarvest, batch: list[int], lens: torch.Tensor, kept_rows: list[torch.Tensor], row_start: list[int],
+    tensors: dict[str, torch.Tensor],
+) -> dict[str, Any]:  # fmt: skip
+    """The tap hook that writes a batch's top latents into the shard: the batch's kept rows are
+    consecutive rows of the shard, from its first window's first row on."""
+    offsets = torch.cumsum(lens[batch], 0) - lens[batch]  # each window's first row in the packed batch
+    rows = torch.cat([kept_rows[i] + offset for i, offset in zip(batch, offsets.tolist())])
+    start = row_start[batch[0]]
+    ids, values = (tensors[key][start : start + len(rows)] for key in SAE_KEYS)
+    return {features.tap: features.reader(rows, ids, values)}
 
 
 def _shuffle(tensors: dict[str, torch.Tensor], seed: int, index: int) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from vlens.capture.names import hook_shapes
 from vlens.harvest.config import HarvestConfig
+from vlens.harvest.features import feature_harvest
 from vlens.harvest.job import (
     DEFAULT_BATCH_TOKENS,
     HarvestSummary,
@@ -73,6 +74,7 @@ class ShardWorker:
         self.batch_tokens = config.batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device, 4096)
         self.seed = config.seed
         self.store = Store.open(config.out_dir)
+        self.features = feature_harvest(config, self.loaded.config)
 
     def info(self) -> dict[str, Any]:
         """What the manifest header records about the forward, as this replica runs it."""
@@ -83,7 +85,7 @@ class ShardWorker:
         silent = tqdm(disable=True)
         tensors = capture(
             self.loaded.model, shard_windows, first, self.excluded, self.wanted, self.shapes, self.out_dtype,
-            self.batch_tokens, silent,
+            self.batch_tokens, silent, self.features,
         )  # fmt: skip
         pieces = {name: HookStats.pieces(tensors[name]) for name in self.wanted}
         entry = store_shard(self.store, index, first, shard_windows, tensors, self.seed)
@@ -103,7 +105,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     started = time.perf_counter()
     loaded = resolve_model(config.model, config.model_dtype, "cpu")
     cfg = loaded.config
-    wanted, packing, src = plan(loaded, config)
+    wanted, packing, src, features = plan(loaded, config)
     store = Store.open(config.out_dir)
 
     if not ray.is_initialized():
@@ -121,7 +123,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     actors = [actor_class.remote(replica, wanted, list(packing.excluded_token_ids)) for _ in range(config.workers)]
     try:
         info = ray.get(actors[0].info.remote())
-        run_header = header(loaded, src, wanted, packing, config, info["batch_tokens"])
+        run_header = header(loaded, src, wanted, packing, config, info["batch_tokens"], features)
         run_header["model"].update(device=info["device"], dtype=info["dtype"])
         job = Job.open(config.out_dir, run_header, cfg, wanted, config.out_dtype, packing)
         if job.manifest["complete"]:

@@ -29,9 +29,10 @@ from vlens.settings import from_kwargs
 
 
 def harvest(
-    model: Any, source: str | os.PathLike, hooks: str | Iterable[str], out_dir: str | os.PathLike, **options: Any
+    model: Any, source: str | os.PathLike, hooks: str | Iterable[str] | None, out_dir: str | os.PathLike, **options: Any
 ) -> HarvestSummary:
-    """Harvest activations of `hooks` over `source` into safetensors shards under `out_dir`.
+    """Harvest activations of `hooks` over `source` into safetensors shards under `out_dir` (with
+    `sae=` and `top_k=`, also, or only when `hooks` is None, an SAE's top latents per row).
 
     model: a path, hub id or GGUF (as `LLM`), None for the default, or an `LLM`/`LoadedModel` to reuse.
     options: the other fields of `HarvestConfig` (context_size, dtype, max_tokens, seed, backend, ...),
@@ -58,11 +59,11 @@ def harvest_with(config: HarvestConfig) -> HarvestSummary:
 def _harvest_local(config: HarvestConfig) -> HarvestSummary:
     started = time.perf_counter()
     loaded = resolve_model(config.model, config.model_dtype, config.device)
-    wanted, packing, src = plan(loaded, config)
+    wanted, packing, src, features = plan(loaded, config)
     param = next(loaded.model.parameters())
     batch_tokens = config.batch_tokens or DEFAULT_BATCH_TOKENS.get(param.device.type, 4096)
     job = Job.open(
-        config.out_dir, header(loaded, src, wanted, packing, config, batch_tokens), loaded.config, wanted,
+        config.out_dir, header(loaded, src, wanted, packing, config, batch_tokens, features), loaded.config, wanted,
         config.out_dtype, packing,
     )  # fmt: skip
     if job.manifest["complete"]:
@@ -72,8 +73,9 @@ def _harvest_local(config: HarvestConfig) -> HarvestSummary:
     with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:
         for index, first, shard_windows in job.shards(window_stream(token_docs, packing, config.max_tokens), src):
             tensors = capture(
-                loaded.model, shard_windows, first, job.excluded, wanted, shapes, config.out_dtype, batch_tokens, bar
-            )
+                loaded.model, shard_windows, first, job.excluded, wanted, shapes, config.out_dtype, batch_tokens, bar,
+                features,
+            )  # fmt: skip
             for name in wanted:
                 job.stats[name].add(tensors[name])
             job.commit(store_shard(job.store, index, first, shard_windows, tensors, config.seed), bar)

@@ -51,6 +51,9 @@ def capture_bound(
             row = len(hooks) * capture.logit_lens * (INT64 + 4)
         elif capture.project is not None:
             row = len(hooks) * capture.project[0].shape[1] * itemsize
+        elif capture.sae is not None:  # per latent its value (and an int32 id for top_k), then a float32 error
+            latents = capture.top_k or len(capture.features or ())
+            row = len(hooks) * (latents * (itemsize + 4 * (capture.top_k is not None)) + 4 * capture.sae_error)
         else:  # attention patterns: as many keys as the widest row's context
             heads = len(capture.heads) if capture.heads is not None else None
             row = sum(

@@ -23,6 +23,7 @@ from vlens.server.generate import Generator
 from vlens.server.limits import BodyLimit
 from vlens.server.metrics import CountRequests, Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
+from vlens.server.saes import describe, load_saes
 
 log = logging.getLogger("vlens.server")
 
@@ -34,6 +35,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         raise ValueError("enable_capture: the server allows capture but the LLM was built with enable_capture=False")
     model_name = config.served_model_name or llm.model_name
     shapes = hook_shapes(llm.config)
+    saes = load_saes(config.saes, llm.config, shapes)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
     loop = EngineLoop(engine)
@@ -48,6 +50,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         engine.max_model_len,
         store,
         metrics,
+        saes,
     )
     created = int(time.time())
 
@@ -107,6 +110,10 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def hooks() -> dict:
         data = [{"name": name, "shape": list(shape)} for name, shape in shapes.items()]
         return {"object": "list", "capture_enabled": config.enable_capture, "data": data}
+
+    @app.get("/v1/saes")
+    async def list_saes() -> dict:
+        return {"object": "list", "data": describe(saes)}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

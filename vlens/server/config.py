@@ -15,6 +15,24 @@ def _key(value: str | None) -> str | None:
     return None if value != "" else "must be a non-empty key, or none for no authentication, got ''"
 
 
+def split_named_sae(spec: str) -> tuple[str, str, str | None]:
+    """`NAME=PATH` or `NAME=PATH@HOOK` -> (name, path, hook or None); ValueError naming the form."""
+    name, equals, rest = spec.partition("=")
+    path, at, hook = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    if not (name and equals and path) or (at and not hook):
+        raise ValueError(f"saes: {spec!r} is not NAME=PATH or NAME=PATH@HOOK")
+    return name, path, hook or None
+
+
+def _named_saes(specs: tuple[str, ...] | None) -> str | None:
+    try:
+        names = [split_named_sae(spec)[0] for spec in specs or ()]
+    except ValueError as e:
+        return str(e).removeprefix("saes: ")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    return f"names {', '.join(twice)} more than once; each SAE needs its own name" if twice else None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = setting("127.0.0.1", "address to bind (default: 127.0.0.1, loopback only)")
@@ -39,6 +57,11 @@ class ServerConfig:
     max_body_bytes: int = setting(
         4 << 20, "request bodies beyond this are refused before parsing (default: 4 MiB)", minimum=0
     )
+    saes: tuple[str, ...] | None = setting(
+        None, "an SAE to load at start, as NAME=PATH (a SAELens directory or a Gemma Scope params.npz; "
+        "NAME=PATH@HOOK names the hook it reads); repeat the flag for more; requests name them in the vlens "
+        "extension and GET /v1/saes lists them", flag="--sae", repeat=True, check=_named_saes,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)

@@ -1,5 +1,6 @@
 """The `vlens` extension object of a request:
 `{"capture": {...}, "return_hidden_states": bool, "interventions": [{"type": "steer", ...}, ...]}`.
+SAEs are named by the names the server loaded them under (`vlens serve --sae NAME=PATH`).
 
 Each key has one parser that turns its JSON value into SamplingParams keyword arguments, listed in
 FIELDS; a new key (interventions, say) is one function and one entry there. Unknown keys are refused
@@ -9,13 +10,15 @@ by name, so a typo never means a silently ignored capture.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from vlens.capture import Ablate, Capture, Patch, Positions, Steer
+from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer
+from vlens.sae.model import SAE
 from vlens.server.protocol import APIError, from_value_error, schema_error
+from vlens.server.saes import named_sae
 
 ENABLE_CAPTURE_HINT = (
     "activation capture is disabled on this server; the operator enables it by starting "
@@ -28,6 +31,7 @@ class ExtensionContext:
     """What the parsers may depend on besides the value itself."""
 
     enable_capture: bool
+    saes: dict[str, SAE] = field(default_factory=dict)  # what requests may name (vlens serve --sae)
 
 
 class SliceSpec(BaseModel):
@@ -50,7 +54,8 @@ class CaptureSpec(BaseModel):
     """JSON form of vlens.Capture: which hooks, at which positions, in which dtype, read out how."""
 
     model_config = ConfigDict(extra="forbid")
-    hooks: StrictStr | list[StrictStr]
+    hooks: StrictStr | list[StrictStr] | None = None  # required unless `sae` names an SAE (its hook is the default)
+    hook: StrictStr | None = None  # the same, for one hook
     positions: PositionsJSON = "all"
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     exclude_token_ids: list[StrictInt] | None = None
@@ -59,40 +64,61 @@ class CaptureSpec(BaseModel):
     project_bias: list[float] | None = None  # b [k]
     logit_lens: StrictInt | None = None
     heads: list[StrictInt] | None = None  # at per-head taps (attn.hook_q/k/v/z, scores, patterns)
+    sae: StrictStr | None = None  # the name of an SAE of this server (GET /v1/saes): its features, not rows
+    top_k: StrictInt | None = None  # with sae: the k largest latents per row
+    features: list[StrictInt] | None = None  # with sae: these latents per row
+    sae_error: StrictBool = False  # with sae: the reconstruction error per row
 
-    def to_capture(self) -> Capture:
+    def to_capture(self, saes: dict[str, SAE]) -> Capture:
         positions = _positions(self.positions, "capture.positions")
         project = self.project if self.project_bias is None else (self.project, self.project_bias)
         if self.project is None and self.project_bias is not None:
             raise ValueError("capture.project_bias: given without capture.project")
+        if self.hooks is not None and self.hook is not None:
+            raise ValueError("capture.hook: give hook or hooks, not both")
+        hooks = self.hooks if self.hooks is not None else self.hook
+        if hooks is None and self.sae is None:
+            raise ValueError("capture.hooks: required (hook names or globs), unless capture.sae names an SAE")
+        sae = None if self.sae is None else named_sae(saes, self.sae, "capture.sae")
         return Capture(
-            hooks=self.hooks, positions=positions, dtype=self.dtype, exclude_token_ids=self.exclude_token_ids,
-            reduce=self.reduce, project=project, logit_lens=self.logit_lens, heads=self.heads,
+            hooks=hooks, positions=positions, dtype=self.dtype, exclude_token_ids=self.exclude_token_ids,
+            reduce=self.reduce, project=project, logit_lens=self.logit_lens, heads=self.heads, sae=sae,
+            top_k=self.top_k, features=self.features, sae_error=self.sae_error,
         )
 
 
 class InterventionSpec(BaseModel):
-    """JSON form of vlens.Steer / Ablate / Patch: the `type` says which, the vector field follows it."""
+    """JSON form of vlens.Steer / Ablate / Patch / Clamp: the `type` says which, the fields follow it."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["steer", "ablate", "patch"]
+    type: Literal["steer", "ablate", "patch", "clamp"]
     hook: StrictStr
     vector: list[float] | None = None  # steer
     scale: float = 1.0  # steer
     direction: list[float] | None = None  # ablate (project a direction out)
-    value: list[float] | list[list[float]] | None = None  # ablate with heads: what the heads are set to
+    # ablate with heads: what the heads are set to; clamp: the latent's value
+    value: float | list[float] | list[list[float]] | None = None
     values: list[float] | list[list[float]] | list[list[list[float]]] | None = None  # patch
     positions: PositionsJSON = "all"
     heads: list[StrictInt] | None = None  # at attn.hook_q/k/v/z: edit only these heads
+    sae: StrictStr | None = None  # steer along, or clamp, a latent of this SAE of the server ...
+    feature: StrictInt | None = None  # ... this latent
 
-    def to_intervention(self) -> Steer | Ablate | Patch:
+    def to_intervention(self, saes: dict[str, SAE]) -> Steer | Ablate | Patch | Clamp:
         positions = _positions(self.positions, f"{self.type}.positions")
+        sae = None if self.sae is None else named_sae(saes, self.sae, f"{self.type}.sae")
+        if self.type == "clamp":
+            if sae is None or self.feature is None or not isinstance(self.value, (int, float)):
+                raise ValueError("clamp: needs sae (a name), feature (a latent) and value (a number)")
+            return Clamp(self.hook, sae, self.feature, self.value, positions=positions)
         if self.type == "ablate":
             return Ablate(self.hook, self.direction, positions=positions, heads=self.heads, value=self.value)
-        field = "vector" if self.type == "steer" else "values"
-        data = getattr(self, field)
+        if self.type == "steer" and (sae is not None or self.feature is not None):
+            return Steer(self.hook, self.vector, self.scale, positions, self.heads, sae=sae, feature=self.feature)
+        name = "vector" if self.type == "steer" else "values"
+        data = getattr(self, name)
         if data is None:
-            raise ValueError(f"{self.type}.{field}: required for a {self.type} intervention")
+            raise ValueError(f"{self.type}.{name}: required for a {self.type} intervention")
         if self.type == "steer":
             return Steer(self.hook, data, scale=self.scale, positions=positions, heads=self.heads)
         return Patch(self.hook, data, positions=positions, heads=self.heads)
@@ -104,7 +130,7 @@ def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
     out = []
     for i, item in enumerate(value):
         try:
-            out.append(InterventionSpec.model_validate(item).to_intervention())
+            out.append(InterventionSpec.model_validate(item).to_intervention(ctx.saes))
         except ValidationError as e:
             raise schema_error(e.errors(), 400, ("vlens", "interventions", i)) from None
         except ValueError as e:
@@ -120,7 +146,7 @@ def _require_capture(ctx: ExtensionContext, param: str) -> None:
 def _capture(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
     _require_capture(ctx, "vlens.capture")
     try:
-        return {"capture": CaptureSpec.model_validate(value).to_capture()}
+        return {"capture": CaptureSpec.model_validate(value).to_capture(ctx.saes)}
     except ValidationError as e:
         raise schema_error(e.errors(), 400, ("vlens", "capture")) from None
     except ValueError as e:

@@ -21,6 +21,7 @@ from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import to_token_lists
 from vlens.outputs import RequestOutput
+from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
 from vlens.server.auth import presented_key
@@ -30,6 +31,7 @@ from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, from_value_error
 from vlens.server.responses import Shape, TokenText, usage
+from vlens.server.saes import features_json
 
 CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 
@@ -43,6 +45,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     wants_activations: bool
+    wants_features: bool  # a capture through an SAE: its features come back as JSON
     owner: bytes  # who may download this request's activation handle
 
 
@@ -59,12 +62,13 @@ class Generator:
         max_model_len: int,
         store: ActivationStore,
         metrics: Metrics,
+        saes: dict[str, SAE],
     ):
         self.config, self.engine, self.tokenizer, self.cfg = config, engine, tokenizer, cfg
         self.shapes, self.model_dtype, self.model_name = shapes, model_dtype, model_name
         self.max_model_len, self.store, self.metrics = max_model_len, store, metrics
         self.token_text = TokenText(tokenizer)
-        self.extension = ExtensionContext(enable_capture=config.enable_capture)
+        self.extension = ExtensionContext(enable_capture=config.enable_capture, saes=saes)
 
     # -- endpoints ----------------------------------------------------------------------------------
 
@@ -109,8 +113,10 @@ class Generator:
                 code="model_not_found",
             )
         extension = parse_extension(body.vlens, self.extension)
-        wants_activations = extension.get("capture") is not None or extension.get("return_hidden_states", False)
-        if wants_activations and len(prompts) > 1:
+        capture = extension.get("capture")
+        wants_features = capture is not None and capture.sae is not None
+        wants_activations = (capture is not None and not wants_features) or extension.get("return_hidden_states", False)
+        if (wants_activations or wants_features) and len(prompts) > 1:
             raise APIError(
                 400,
                 "prompt: capture needs one prompt per request (send several requests; they are "
@@ -127,6 +133,7 @@ class Generator:
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
             wants_activations=wants_activations,
+            wants_features=wants_features,
             owner=owner_of(key),
         )
 
@@ -222,11 +229,7 @@ class Generator:
             choices.append(shape.choice(i, c.text, c.token_ids, c.logprobs or [], c.finish_reason, c.stop_reason))
         completion_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        extra = (
-            {"vlens": {"activations": await self._activations(outputs[0], prepared)}}
-            if prepared.wants_activations
-            else {}
-        )
+        extra = await self._vlens(outputs[0], prepared)
         return shape.body(choices, usage(prompt_tokens, completion_tokens), **extra)
 
     async def _stream(self, submission: Submission, prepared: Prepared) -> AsyncIterator[str]:
@@ -256,14 +259,20 @@ class Generator:
             choice = shape.choice(
                 i, delta.text, delta.token_ids, delta.logprobs, c.finish_reason, c.stop_reason, delta=True, first=fresh[i]
             )
-            extra = (
-                {"vlens": {"activations": await self._activations(out, prepared)}} if prepared.wants_activations else {}
-            )
-            yield _sse(shape.chunk([choice], **extra))
+            yield _sse(shape.chunk([choice], **(await self._vlens(out, prepared))))
         submission.done = True
         if prepared.include_usage:
             yield _sse(shape.chunk([], usage(prompt_tokens, completion_tokens)))
         yield "data: [DONE]\n\n"
+
+    async def _vlens(self, output: RequestOutput, prepared: Prepared) -> dict[str, Any]:
+        """The `vlens` field of a response (or of the chunk that finishes a stream), if it has one."""
+        fields: dict[str, Any] = {}
+        if prepared.wants_activations:
+            fields["activations"] = await self._activations(output, prepared)
+        if prepared.wants_features:
+            fields["sae_features"] = features_json(output)
+        return {"vlens": fields} if fields else {}
 
     async def _activations(self, output: RequestOutput, prepared: Prepared) -> dict[str, Any]:
         # Encoding copies every captured tensor: off the event loop and off the engine thread.

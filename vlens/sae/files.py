@@ -1,0 +1,145 @@
+"""Reading an SAE from disk: SAELens's layout (cfg.json + sae_weights.safetensors, every config version
+SAELens itself loads) and Gemma Scope's params.npz. The result is the keyword arguments of `SAE`,
+which checks shapes and values; anything unreadable is a ValueError naming the file and the problem.
+
+What SAELens's loader does and this matches (sae_lens/loading/pretrained_sae_loaders.py):
+`sae_lens_disk_loader` + `handle_config_defaulting` — configs before 6.0 keep the hook at the top
+level (`hook_name`, older `hook_point`), default to the standard architecture, mark TopK with
+`activation_fn: topk` and `activation_fn_kwargs.k`, and write normalize_activations as a bool;
+from 6.0 the hook is under `metadata`. A `scaling_factor` tensor of ones is dropped (any other value
+is a fine-tuning factor SAELens's current SAEs refuse too); a `log_threshold` becomes exp(it)
+(JumpReLUSAE.process_state_dict_for_loading). Gemma Scope (`gemma_2_sae_huggingface_loader`): the
+arrays of params.npz, `w_*` renamed `W_*`, a JumpReLU SAE that does not subtract b_dec from its input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+CONFIG = "cfg.json"
+WEIGHTS = "sae_weights.safetensors"
+GEMMA_SCOPE = "params.npz"
+TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+# SAELens's inference SAE normalises at run time only for these; the others are folded into saved weights.
+_FOLDED_NORMS = ("none", "expected_average_only_in", "covariance_whitening")
+_FORMS = f"a SAELens directory ({CONFIG} + {WEIGHTS}) or a Gemma Scope {GEMMA_SCOPE}"
+
+
+def read_sae(path: Any) -> dict[str, Any]:
+    """The `SAE` keyword arguments of the SAE saved at `path`."""
+    p = Path(path)
+    if p.is_dir() and (p / CONFIG).exists():
+        return _saelens(p)
+    npz = p / GEMMA_SCOPE if p.is_dir() else p
+    if npz.suffix == ".npz" and npz.is_file():
+        return _gemma_scope(npz)
+    what = (
+        "does not exist"
+        if not p.exists()
+        else f"holds neither {CONFIG} nor {GEMMA_SCOPE}"
+        if p.is_dir()
+        else "is not an .npz file"
+    )
+    raise ValueError(f"sae: {str(p)!r} {what}; expected {_FORMS}")
+
+
+def _saelens(directory: Path) -> dict[str, Any]:
+    config_path, weights_path = directory / CONFIG, directory / WEIGHTS
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"sae: {str(config_path)!r} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"sae: {str(config_path)!r} holds {type(cfg).__name__}, not a JSON object")
+    if not weights_path.is_file():
+        raise ValueError(f"sae: {str(directory)!r} has {CONFIG} but no {WEIGHTS}")
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            tensors = {key: f.get_tensor(key).float() for key in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"sae: {str(weights_path)!r} is not a readable safetensors file ({e})") from None
+    fields = _tensors(tensors, weights_path)
+    fields.update(_config(cfg, config_path))
+    fields["path"] = str(directory)
+    for key, size in (("d_in", fields["W_enc"].shape[0]), ("d_sae", fields["W_enc"].shape[1])):
+        if key in cfg and cfg[key] != size:
+            raise ValueError(f"sae: {str(config_path)!r} says {key}={cfg[key]} but W_enc in {WEIGHTS} has {key}={size}")
+    return fields
+
+
+def _config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The encoding fields of a SAELens config of any version."""
+    metadata = cfg.get("metadata") or {}
+    activation = cfg.get("activation_fn", cfg.get("activation_fn_str"))
+    architecture = cfg.get("architecture") or ("topk" if activation == "topk" else "standard")
+    norm = cfg.get("normalize_activations")
+    norm = {None: "none", False: "none", True: "expected_average_only_in"}.get(norm, norm)
+    if norm not in (*_FOLDED_NORMS, "layer_norm", "constant_norm_rescale"):
+        raise ValueError(
+            f"sae: normalize_activations {norm!r} in {str(where)!r} is not one SAELens defines "
+            f"({', '.join(_FOLDED_NORMS)}, layer_norm, constant_norm_rescale)"
+        )
+    head = metadata.get("hook_head_index", cfg.get("hook_head_index", cfg.get("hook_point_head_index")))
+    if head is not None:
+        raise ValueError(
+            f"sae: {str(where)!r} reads one attention head (hook_head_index={head}), which vlens does not support; "
+            "it reads whole hooks"
+        )
+    k = cfg.get("k", (cfg.get("activation_fn_kwargs") or {}).get("k")) if architecture == "topk" else None
+    return {
+        "architecture": architecture,
+        "hook": metadata.get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point"),
+        "k": k,
+        "apply_b_dec_to_input": bool(cfg.get("apply_b_dec_to_input", True)),
+        "normalize_activations": "none" if norm in _FOLDED_NORMS else norm,
+        "rescale_acts_by_decoder_norm": bool(cfg.get("rescale_acts_by_decoder_norm", False)),
+    }
+
+
+def _tensors(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, Any]:
+    """The weights, as SAELens's loader leaves them; refuses what it would not load."""
+    scale = tensors.pop("scaling_factor", None)
+    if scale is not None and not torch.equal(scale, torch.ones_like(scale)):
+        raise ValueError(
+            f"sae: {str(where)!r} has a fine-tuning scaling_factor that is not all ones; SAELens's current SAEs do not "
+            "load it either"
+        )
+    if "log_threshold" in tensors:
+        tensors["threshold"] = torch.exp(tensors.pop("log_threshold"))
+    missing = [name for name in TENSORS[:4] if name not in tensors]
+    unknown = sorted(set(tensors) - set(TENSORS))
+    if missing or unknown:
+        problem = (
+            f"lacks {', '.join(missing)}"
+            if missing
+            else f"has tensors no SAE architecture here uses: {', '.join(unknown)}"
+        )
+        raise ValueError(f"sae: {str(where)!r} {problem}; expected {', '.join(TENSORS[:4])} (+ threshold for jumprelu)")
+    return {name: tensors[name] for name in TENSORS if name in tensors}
+
+
+def _gemma_scope(path: Path) -> dict[str, Any]:
+    """Gemma Scope's JumpReLU SAEs: the file names no hook, so `SAE.load(..., hook=...)` must."""
+    try:
+        with np.load(path) as data:
+            arrays = {("W_" + key[2:] if key.startswith("w_") else key): data[key] for key in data.files}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"sae: {str(path)!r} is not a readable .npz file ({e})") from None
+    tensors = {key: torch.from_numpy(np.asarray(a, dtype=np.float32)) for key, a in arrays.items()}
+    missing = [name for name in TENSORS if name not in tensors]
+    if missing:
+        raise ValueError(
+            f"sae: {str(path)!r} lacks {', '.join(missing)}; a Gemma Scope {GEMMA_SCOPE} holds {', '.join(TENSORS)}"
+        )
+    return {
+        **{name: tensors[name] for name in TENSORS},
+        "architecture": "jumprelu",
+        "apply_b_dec_to_input": False,
+        "path": str(path),
+    }

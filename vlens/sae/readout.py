@@ -1,0 +1,101 @@
+"""SAE features as a capture readout: what a request gets from the rows it captured at an SAE's hook,
+computed on the device so that only its top latents (or the few it names, or one error per row) leave it.
+
+All the readouts of one SAE in one engine step share one encoding: the runtime hands `read_group` every
+segment whose stream reads out with that SAE, and its rows go through one matmul with W_enc (in pieces
+of at most `PIECE_ELEMENTS` latents, so a long prefill does not make a [rows, d_sae] tensor of gigabytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from vlens.sae.model import SAE
+
+if TYPE_CHECKING:
+    from vlens.outputs import RequestOutput
+
+PIECE_ELEMENTS = 1 << 24  # rows * d_sae encoded at once, at most
+
+
+@dataclass(eq=False)
+class SAEReadout:
+    """One Capture's SAE readout: the top_k latents per row, or the `features` named, and/or the
+    reconstruction error. Its per-step result is a tuple: (ids int32, values) for top_k, (values,) for
+    features, then (error float32,) when asked."""
+
+    sae: SAE  # placed on the engine's device and dtype
+    top_k: int | None
+    features: torch.Tensor | None  # [n] long, on the device
+    error: bool
+    dtype: torch.dtype  # of the values
+
+    def empty(self) -> tuple[torch.Tensor, ...]:
+        """The result of a request none of whose rows were captured."""
+        parts: list[torch.Tensor] = []
+        if self.top_k is not None:
+            parts += [torch.empty(0, self.top_k, dtype=torch.int32), torch.empty(0, self.top_k, dtype=self.dtype)]
+        if self.features is not None:
+            parts.append(torch.empty(0, len(self.features), dtype=self.dtype))
+        if self.error:
+            parts.append(torch.empty(0))
+        return tuple(parts)
+
+    def place(self, out: RequestOutput, name: str, result: tuple[torch.Tensor, ...]) -> None:
+        """Put a finished result where RequestOutput keeps it: sae_features[name], sae_errors[name]."""
+        parts = list(result)
+        if self.top_k is not None:
+            out.sae_features[name] = (parts.pop(0), parts.pop(0))
+        elif self.features is not None:
+            out.sae_features[name] = parts.pop(0)
+        if self.error:
+            out.sae_errors[name] = parts.pop(0)
+
+
+def read_group(readouts: list[SAEReadout], chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """The results of readouts that share one SAE, one per chunk of rows, from one encoding of all the rows."""
+    sae = readouts[0].sae
+    rows = torch.cat(chunks).flatten(1) if len(chunks) > 1 else chunks[0].flatten(1)
+    k = max(r.top_k or 0 for r in readouts)
+    named = [r.features for r in readouts if r.features is not None]
+    columns = torch.cat(named) if named else None
+    error = any(r.error for r in readouts)
+    ids, values, dense, errors = [], [], [], []
+    for piece in _pieces(rows, sae):
+        acts = sae.encode(piece)
+        if k:
+            v, i = acts.topk(k, dim=-1)
+            ids.append(i.to(torch.int32))
+            values.append(v)
+        if columns is not None:
+            dense.append(acts.index_select(1, columns))
+        if error:
+            errors.append(_error(piece, sae.decode(acts, piece)))
+    ids_all, values_all, dense_all, errors_all = (torch.cat(p) if p else None for p in (ids, values, dense, errors))
+    results, start, column = [], 0, 0
+    for readout, chunk in zip(readouts, chunks):
+        end, parts = start + len(chunk), []
+        if readout.top_k is not None:
+            parts += [ids_all[start:end, : readout.top_k], values_all[start:end, : readout.top_k].to(readout.dtype)]
+        if readout.features is not None:
+            n = len(readout.features)
+            parts.append(dense_all[start:end, column : column + n].to(readout.dtype))
+            column += n
+        if readout.error:
+            parts.append(errors_all[start:end])
+        results.append(tuple(parts))
+        start = end
+    return results
+
+
+def _pieces(rows: torch.Tensor, sae: SAE) -> tuple[torch.Tensor, ...]:
+    return rows.split(max(1, PIECE_ELEMENTS // sae.d_sae))
+
+
+def _error(x: torch.Tensor, reconstruction: torch.Tensor) -> torch.Tensor:
+    """‖x − x̂‖² / ‖x‖² per row, in float32."""
+    x = x.float()
+    return (x - reconstruction.float()).pow(2).sum(-1) / x.pow(2).sum(-1)
