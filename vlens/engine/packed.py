@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-from vlens.capture.names import FINAL_NORM_TAPS, LOGITS, hook_shapes, layers_needed
+from vlens.capture.names import LOGITS, forward_depth, hook_shapes
 from vlens.capture.plan import StepPlan, shift
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import packed_context, set_context
@@ -65,13 +65,11 @@ def packed_forward(
         armed[name] = fn if name not in armed else _then(fn, armed[name])
     sites = [*taps, *(hooks or {})]
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    full = any(t in FINAL_NORM_TAPS or t == LOGITS for t in sites)
-    depth = max(layers_needed(t, model.cfg) for t in sites)
     ctx = packed_context(lens, device, set(model.cfg.sliding_windows))
     ctx.taps = armed
     set_context(ctx)
     try:
-        hidden = model(ids.to(device, non_blocking=True), num_layers=None if full else depth)
+        hidden = model(ids.to(device, non_blocking=True), num_layers=forward_depth(sites, model.cfg))
         if LOGITS in sites:
             model.logits(hidden)
     finally:
