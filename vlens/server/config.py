@@ -39,6 +39,13 @@ class ServerConfig:
     max_body_bytes: int = setting(
         4 << 20, "request bodies beyond this are refused before parsing (default: 4 MiB)", minimum=0
     )
+    max_n: int = setting(16, "most samples of one prompt a request may ask for (n, best_of)", minimum=1)
+    # /v1/embeddings: a hook read at every prompt position, pooled on the device into one vector per input.
+    embedding_hook: str = setting("ln_final.hook_out", "the hook /v1/embeddings reads unless a request names another")
+    embedding_pooling: str = setting(
+        "mean", "how /v1/embeddings pools the hook's rows unless a request says: the mean, or the last row",
+        choices=("mean", "last"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
