@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
+from server_helpers import vlens_serve
 
 from vlens.cli import main
 
@@ -19,46 +15,11 @@ KEY = "env-key-9876543210"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smol_path):
-    port = _free_port()
-    args = [
-        "serve",
-        "--model",
-        str(smol_path),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        str(64 << 20),
-        "--max-model-len",
-        "256",
-    ]
-    command = [sys.executable, "-c", "import sys; from vlens.cli import main; sys.exit(main(sys.argv[1:]))", *args]
-    proc = subprocess.Popen(
-        command, env={**os.environ, "VLENS_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        assert time.monotonic() < deadline, "vlens serve did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    yield url, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "256"]
+    with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as served:
+        yield served
 
 
 def test_capture_is_refused_unless_enabled(server):
