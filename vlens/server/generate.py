@@ -148,7 +148,7 @@ class Generator:
                 code="context_length_exceeded",
             )
         prompt_logprobs = body.prompt_logprobs
-        if getattr(body, "echo", False) and (logprobs is not None or max_tokens == 0):
+        if body.echo and (logprobs is not None or max_tokens == 0):
             # echo shows the prompt's log-probabilities with `logprobs`; a prefill-only request must read something
             prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
         if max_tokens is None:
@@ -175,7 +175,7 @@ class Generator:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 n=body.n,
-                best_of=getattr(body, "best_of", None),
+                best_of=body.best_of,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,

@@ -160,6 +160,7 @@ class _GenerationRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
+    best_of: StrictInt | None = None  # OpenAI's on completions, vLLM's on chat too
     user: StrictStr | None = None  # OpenAI's end-user id: accepted, not used
     presence_penalty: float = 0.0  # ranges are SamplingParams' to check: a 400 naming the field
     frequency_penalty: float = 0.0
@@ -178,6 +179,12 @@ class _GenerationRequest(BaseModel):
         refuse_unknown(self.model_extra, self.NEUTRAL)
         if not 1 <= self.n <= max_n:
             raise APIError(400, f"n: {self.n} is not allowed; expected 1 to {max_n} (this server's --max-n)", param="n")
+        if self.best_of is not None and not self.n <= self.best_of <= max_n:
+            raise APIError(
+                400, f"best_of: {self.best_of} is not allowed; expected n ({self.n}) to {max_n} (--max-n)", param="best_of"
+            )
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise APIError(400, "best_of: more samples than n cannot be streamed (they are ranked at the end)", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
 
@@ -187,18 +194,11 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: StrictInt | None = Field(16, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
-    best_of: StrictInt | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = True  # vLLM's: how text prompts are tokenized
 
     def check(self, max_n: int) -> None:
         super().check(max_n)
-        if self.best_of is not None and not self.n <= self.best_of <= max_n:
-            raise APIError(
-                400, f"best_of: {self.best_of} is not allowed; expected n ({self.n}) to {max_n} (--max-n)", param="best_of"
-            )
-        if self.best_of is not None and self.best_of > self.n and self.stream:
-            raise APIError(400, "best_of: more samples than n cannot be streamed (they are ranked at the end)", param="best_of")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens: 0 generates nothing; it is allowed only with echo=true", param="max_tokens")
         if self.suffix:
