@@ -116,3 +116,21 @@ def test_once_per_request_with_parallel_samples(smol, hf_logp):
 def test_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**kwargs)
+
+
+def test_prefill_only_capture_stops_early_and_stays_apart_in_the_cache(smol_path, hf_smol, hf_logp):
+    """A step of prefill-only captures stops after the hook's layer: the same mean as a full forward,
+    and its blocks (lacking the deeper layers' KV) are never served to a request that needs them."""
+    smol = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=4)  # an empty prefix cache
+    ids, _ = hf_logp[2]
+    hook = "blocks.3.hook_resid_post"
+    p = SamplingParams(max_tokens=0, capture=Capture(hooks=hook, positions="prompt", reduce="mean"))
+    [alone] = smol.generate([ids], p, use_tqdm=False)  # only prefill-only requests: 4 layers run
+    mixed = smol.generate([ids, "Hello"], [p, SamplingParams(max_tokens=3, temperature=0)], use_tqdm=False)
+    [traced] = smol.trace([ids], hook)
+    mean = traced[hook].double().mean(0).float()
+    for out in (alone, mixed[0]):
+        assert torch.allclose(out.activations[hook][0], mean, rtol=1e-5, atol=1e-5)
+    [greedy] = smol.generate([ids], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    expected = hf_smol.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids) :].tolist()
+    assert greedy.outputs[0].token_ids == expected

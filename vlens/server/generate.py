@@ -33,6 +33,11 @@ from vlens.server.responses import Echo, Shape, TokenText, prompt_logprobs_json,
 from vlens.server.tokens import render_chat
 
 CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
+# Body fields that are SamplingParams' fields of the same name and meaning.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "best_of",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+)  # fmt: skip
 
 
 @dataclass
@@ -162,25 +167,9 @@ class Generator:
                 code="context_length_exceeded",
             )
         try:
+            given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
             params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                seed=body.seed,
-                stop=body.stop,
-                stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                n=body.n,
-                best_of=body.best_of,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                logit_bias=body.logit_bias,
-                **extension,
+                max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given, **extension
             )
             bound = capture_bound(params, len(ids), self.shapes, self.cfg, self.model_dtype)
         except ValueError as e:
