@@ -4,8 +4,12 @@ for reading what it returns."""
 from __future__ import annotations
 
 import base64
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +49,40 @@ def running_server(llm: LLM, config: ServerConfig) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=60)
         sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def vlens_serve(args: list[str], env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`vlens serve ARGS` as an operator runs it, in a subprocess on a free loopback port: yields (base
+    URL, process) once /health answers, and interrupts it on exit unless the test already did."""
+    port = free_port()
+    command = [sys.executable, "-c", "import sys; from vlens.cli import main; sys.exit(main(sys.argv[1:]))"]
+    proc = subprocess.Popen(
+        [*command, "serve", *args, "--port", str(port)], env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "vlens serve did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    try:
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
 
 
 def decode_activations(obj: dict, base_url: str, headers: dict | None = None) -> dict[str, torch.Tensor]:

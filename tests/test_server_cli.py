@@ -2,63 +2,29 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
+import torch
+from server_helpers import vlens_serve
 
+from vlens import Capture, SamplingParams
 from vlens.cli import main
+from vlens.server.app import create_app
+from vlens.server.config import ServerConfig
 
 KEY = "env-key-9876543210"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smol_path):
-    port = _free_port()
-    args = [
-        "serve",
-        "--model",
-        str(smol_path),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        str(64 << 20),
-        "--max-model-len",
-        "256",
-    ]
-    command = [sys.executable, "-c", "import sys; from vlens.cli import main; sys.exit(main(sys.argv[1:]))", *args]
-    proc = subprocess.Popen(
-        command, env={**os.environ, "VLENS_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        assert time.monotonic() < deadline, "vlens serve did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    yield url, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "256",
+            "--embedding-hook", "blocks.3.hook_resid_post", "--embedding-pooling", "last"]  # fmt: skip
+    with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as served:
+        yield served
 
 
 def test_capture_is_refused_unless_enabled(server):
@@ -75,6 +41,22 @@ def test_capture_is_refused_unless_enabled(server):
         model=model, prompt="Hi", max_tokens=2, extra_body={"vlens": {"return_hidden_states": False}}
     )
     assert plain.usage.completion_tokens == 2 and "vlens" not in (plain.model_extra or {})
+
+
+def test_embeddings_need_no_enable_capture(server, smol):
+    """An embedding is the server's own capture: it works with capture off, at the flags' hook and pooling."""
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    out = client.embeddings.create(model=client.models.list().data[0].id, input=["Hello there", "Bye"])
+    capture = Capture(hooks="blocks.3.hook_resid_post", positions="last")
+    for text, d in zip(["Hello there", "Bye"], out.data):
+        [ref] = smol.generate(text, SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
+        assert torch.allclose(torch.tensor(d.embedding), ref.activations["blocks.3.hook_resid_post"][0], atol=1e-5)
+
+
+def test_bad_embedding_hook_fails_at_start(smol):
+    with pytest.raises(ValueError, match="^embedding_hook: hooks: 'nope' matches no hook"):
+        create_app(smol, ServerConfig(embedding_hook="nope"))
 
 
 def test_key_comes_from_the_environment(server):

@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def to_token_lists(prompts: Any, tokenizer: Any, vocab_size: int, field: str = "prompts") -> list[list[int]]:
+def to_token_lists(
+    prompts: Any, tokenizer: Any, vocab_size: int, field: str = "prompts", add_special_tokens: bool = True
+) -> list[list[int]]:
     """str | list[str] | list[list[int]] -> list of token-id lists, tokenized with the tokenizer's
-    defaults (special tokens included, as HF does)."""
+    defaults (special tokens included, as HF does, unless add_special_tokens=False)."""
     if isinstance(prompts, str) or _is_token_list(prompts):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
@@ -20,7 +22,7 @@ def to_token_lists(prompts: Any, tokenizer: Any, vocab_size: int, field: str = "
                 raise ValueError(f"{field}[{i}]: empty text; give at least one character")
             if tokenizer is None:
                 raise ValueError(f"{field}[{i}]: this checkpoint has no tokenizer files; pass token-id lists")
-            ids = tokenizer(p)["input_ids"]
+            ids = tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]
         elif _is_token_list(p):
             ids = [int(t) for t in p]
             bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -29,7 +29,8 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # one per sample returned (n), in index order
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with prompt_logprobs: None, then one per prompt token
     activations: dict[str, torch.Tensor] = field(default_factory=dict)  # hook -> CPU [rows, ...]
     activation_positions: torch.Tensor | None = None  # [rows] sequence position of each row
     hidden_states: torch.Tensor | None = None  # with return_hidden_states: ln_final.hook_normalized, all rows
@@ -48,8 +49,11 @@ class RequestDelta:
     token_ids: list[int]  # generated in this step
     text: str
     logprobs: list[dict[int, Logprob]]  # one per token, when the request asked for logprobs
-    finish_reason: str | None = None  # set on the request's last delta ...
-    output: RequestOutput | None = None  # ... which also carries its whole output, captured rows included
+    finish_reason: str | None = None  # set on the sample's last delta ...
+    output: RequestOutput | None = None  # ... and the request's last also carries its whole output, captured rows included
+    index: int = 0  # which sample of the request advanced (n, best_of)
+    stop_reason: int | str | None = None  # the stop string or token that ended the sample, if any
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # on the first delta of the sample that computes them
 
     @property
     def finished(self) -> bool:

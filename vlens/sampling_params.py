@@ -7,8 +7,9 @@ a bad request fails alone with a message naming the field and the allowed values
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
 from vlens.capture.spec import Capture
@@ -26,6 +27,13 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # log-probabilities of the sampled token and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    n: int = 1  # samples of the prompt returned
+    best_of: int | None = None  # samples drawn, the n with the highest mean log-probability returned
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
+    repetition_penalty: float = 1.0  # vLLM's: logits of prompt and generated tokens divided (> 0) or multiplied by it
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     capture: Capture | None = None
     return_hidden_states: bool = False  # shortcut: ln_final.hook_normalized at every position
     interventions: Sequence[Intervention] | None = None  # applied in order
@@ -33,12 +41,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an int >= 1"),
+            (_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens", "an int >= 0 (0: prefill only)"),
             (self.temperature >= 0, "temperature", ">= 0 (0 = greedy)"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "an int >= 0 (0 or -1 = off)"),
             (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs", "None or an int >= 0"),
+            (self.logprobs is None or (_int(self.logprobs) and self.logprobs >= 0), "logprobs", "None or an int >= 0"),
+            (self.prompt_logprobs is None or (_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+             "prompt_logprobs", "None or an int >= 0"),
+            (_int(self.n) and self.n >= 1, "n", "an int >= 1"),
+            (self.best_of is None or (_int(self.best_of) and self.best_of >= self.n), "best_of", f"None or an int >= n ({self.n})"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 = off)"),
             (self.capture is None or isinstance(self.capture, Capture), "capture", "None or a vlens.Capture"),
         ]
         for ok, name, allowed in checks:
@@ -54,7 +69,48 @@ class SamplingParams:
                 raise ValueError(f"interventions[{i}]: expected vlens.Steer, Ablate, Patch or Clamp, got {type(iv).__name__}")
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.max_tokens == 0 and self.prompt_logprobs is None and self.capture is None and not self.return_hidden_states:
+            raise ValueError("max_tokens: 0 generates nothing; it is allowed with prompt_logprobs, capture or return_hidden_states")
+        if self.samples > 1 and (self.capture is not None or self.return_hidden_states):
+            raise ValueError(
+                f"n: {self.samples} samples of one request cannot share its capture; capture with n=1 (send one "
+                "request per sample, each with its own seed)"
+            )
+        if self.samples > 1 and self.max_tokens == 0:
+            raise ValueError(f"n: {self.samples} samples need max_tokens >= 1; max_tokens=0 samples nothing")
+
+    @property
+    def samples(self) -> int:
+        """Sequences drawn for the request: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether more samples are drawn than returned, so they are ranked by their log-probabilities."""
+        return self.samples > self.n
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logit_bias(bias: Mapping[int, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (ints, or their strings as JSON keys are) -> biases in [-100, 100].
+    Whether the ids are in the vocabulary is checked when the engine takes the request."""
+    out: dict[int, float] = {}
+    for token, value in (bias or {}).items():
+        try:
+            t = int(token)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: key {token!r} is not a token id (an int >= 0)") from None
+        if t < 0 or isinstance(token, bool):
+            raise ValueError(f"logit_bias: key {token!r} is not a token id (an int >= 0)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias: the bias of token {t} is {value!r}; expected a number in [-100, 100]")
+        out[t] = float(value)
+    return out

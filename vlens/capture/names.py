@@ -135,6 +135,15 @@ def layers_needed(tap: str, cfg: ModelConfig) -> int:
     return cfg.num_layers
 
 
+def forward_depth(taps: Iterable[str], cfg: ModelConfig) -> int | None:
+    """The layers a forward must run for all these taps to fire; None when one needs the final norm or
+    the logits, i.e. the whole model (a forward of num_layers=k stops before the final norm)."""
+    taps = list(taps)
+    if any(t in FINAL_NORM_TAPS or t == LOGITS for t in taps):
+        return None
+    return max((layers_needed(t, cfg) for t in taps), default=0)
+
+
 def _expand_braces(pattern: str) -> list[str]:
     match = re.search(r"\{([^{}]*)\}", pattern)
     if match is None:

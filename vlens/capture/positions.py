@@ -21,6 +21,12 @@ FORMS = (
 )
 
 
+def rows_of(prompt_len: int, generated: int) -> int:
+    """Rows of a sequence with this prompt and this many generated tokens: one per token fed to the
+    model, which is every token but the last generated one (prefill only, generated=0: every prompt token)."""
+    return prompt_len + max(generated, 1) - 1
+
+
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -174,8 +180,8 @@ class Positions:
         return positions[-1] <= newest - self.tail and not any(i in positions for i in self._fixed)
 
     def max_rows(self, prompt_len: int, max_tokens: int) -> int:
-        """The most rows this spec can select from a request of at most P + max_tokens - 1 rows."""
-        most = prompt_len + max_tokens - 1
+        """The most rows this spec can select from a request of at most rows_of(P, max_tokens) rows."""
+        most = rows_of(prompt_len, max_tokens)
         if self.kind == "all":
             return most
         if self.kind == "prompt":

@@ -95,7 +95,9 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = h, tokens
-                self.cached.setdefault(h, block.id)
+                # The newest copy: an older one with the same content is evicted first (and would take
+                # the hash's entry with it, though this block still holds the content).
+                self.cached[h] = block.id
             seq.block_hashes.append(h)
 
     def release(self, seq: Sequence) -> None:

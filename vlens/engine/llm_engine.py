@@ -2,7 +2,8 @@
 got from it as a delta — its new tokens and text, its finish, and on finishing its whole output with
 the captured rows. `LLM.generate` and the server consume the same deltas; nothing outside the engine
 touches its sequences, scheduler or blocks. One step serves prefill chunks and decodes of many
-requests at once."""
+requests at once. A request is a group of samples (n, best_of: group.py) of one prompt; a request with
+max_tokens=0 only reads its prompt (prompt log-probabilities, captured rows) and ends after prefill."""
 
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ from typing import Any
 
 from vlens.capture.bind import bind_request
 from vlens.capture.interventions import fingerprint
-from vlens.capture.names import FINAL_NORM, hook_shapes
+from vlens.capture.names import FINAL_NORM, forward_depth, hook_shapes
 from vlens.capture.plan import StepPlan
+from vlens.capture.positions import rows_of
 from vlens.capture.runtime import Collection
 from vlens.engine.block_manager import BlockManager
 from vlens.engine.config import EngineConfig
 from vlens.engine.detokenizer import Detokenizer
+from vlens.engine.group import SampleGroup
+from vlens.engine.logprobs import entry
 from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.scheduler import Scheduler
-from vlens.engine.sequence import Sequence
+from vlens.engine.sequence import Sequence, Status
 from vlens.models.base import DecoderLM
-from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
+from vlens.outputs import CompletionOutput, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
 log = logging.getLogger("vlens.engine")
@@ -86,7 +90,7 @@ class LLMEngine:
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
         )
         self._next_id = 0
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, SampleGroup] = {}
         self._pending: tuple[StepPlan, Collection] | None = None  # a step's rows still on their way to the host
         self.prompt_tokens = self.generation_tokens = 0
         # LongRoPE's factors depend on the sequence length: a sequence whose last position reaches this
@@ -99,43 +103,66 @@ class LLMEngine:
     def add_requests(self, requests: list[NewRequest]) -> list[str]:
         """Validate every request against the model, then queue all of them (none if any is refused:
         the ValueError names the field). Returns their request ids."""
-        seqs = [self._sequence(r) for r in requests]
-        for seq, r in zip(seqs, requests):
-            if r.stream or seq.params.stop_list:
-                seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)
-            self.runner.taps.upload(seq.taps.interventions)
-            self._requests[seq.request_id] = seq
-            self.prompt_tokens += seq.num_prompt
-            self.scheduler.add(seq)
-        return [seq.request_id for seq in seqs]
+        groups = [self._group(r) for r in requests]
+        for group, r in zip(groups, requests):
+            for seq in group.seqs:
+                if r.stream or seq.params.stop_list:
+                    seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)
+                self.runner.taps.upload(seq.taps.interventions)
+            self._requests[group.request_id] = group
+            self.prompt_tokens += group.seqs[0].num_prompt
+            self.scheduler.add(group.seqs[0])
+        return [group.request_id for group in groups]
 
-    def _sequence(self, r: NewRequest) -> Sequence:
+    def _group(self, r: NewRequest) -> SampleGroup:
         prompt_ids, params = r.prompt_token_ids, r.params
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        max_rows = min(len(prompt_ids) + params.max_tokens, self.max_model_len) - 1
-        taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
-        seed = params.seed if params.seed is not None else self.rng.randrange(2**31)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(str(self._next_id), prompt_ids, params, seed, stop_ids, taps, r.prompt)
+        bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        request_id = str(self._next_id)
         self._next_id += 1
+        first = params.seed if params.seed is not None else None
+        seqs = []
+        for i in range(params.samples):
+            seed = first + i if first is not None else self.rng.randrange(2**31)
+            seqs.append(self._sequence(r, request_id, i, seed))
+        return SampleGroup(request_id, seqs, held=seqs[1:])
+
+    def _sequence(self, r: NewRequest, request_id: str, index: int, seed: int) -> Sequence:
+        prompt_ids, params = r.prompt_token_ids, r.params
+        max_rows = min(rows_of(len(prompt_ids), params.max_tokens), self.max_model_len - 1)
+        taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index)
         seq.cache_salt = fingerprint(params.interventions)
         if self.long_rope_at is not None and len(prompt_ids) - 1 >= self.long_rope_at:
             seq.cache_salt = ("long rope", seq.cache_salt)
-        seq.cache_limit = taps.reusable_prefix(len(prompt_ids)) if taps.streams else None
+        if seq.prefill_only and seq.prompt_logprobs is None:
+            # Nothing reads past its deepest tap: a step of such requests alone stops there, so their
+            # blocks may lack the deeper layers' KV and are kept apart in the prefix cache.
+            used = [t for stream in taps.streams for t in stream.taps] + [t for iv in taps.interventions for t in iv.taps]
+            seq.depth = forward_depth(used, self.cfg)
+            if seq.depth is not None:
+                seq.cache_salt = ("layers", seq.depth, seq.cache_salt)
+        seq.cache_limit = seq.reusable_prefix()
         return seq
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is, freeing its blocks (an unknown or finished id is ignored)."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
+        group = self._requests.pop(request_id, None)
+        if group is None:
             return
-        if seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-        self.scheduler.finish(seq)
-        self.runner.taps.release(seq.taps.interventions)
+        for seq in group.seqs:
+            if seq.status is Status.FINISHED:
+                continue
+            if seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+            self.scheduler.finish(seq)
+            self.runner.taps.release(seq.taps.interventions)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -156,7 +183,7 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Run one step; a delta for every request that got a token in it."""
+        """Run one step; a delta for every sample that got a token in it or ended."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -164,29 +191,34 @@ class LLMEngine:
         for seq, n in scheduled:
             seq.num_computed += n
             self.blocks.commit(seq)
-            if seq.taps.streams:
-                seq.cache_limit = seq.taps.reusable_prefix(len(seq.token_ids))
         # The previous step's rows, whose copy to the host overlapped this step's forward; this step's
         # wait for the next one, unless a request that collects rows ends now and needs them.
         self._deliver()
         if out.collection is not None:
             self._pending = (out.plan, out.collection)
+        if out.prompt_logprobs is not None:
+            out.prompt_rows.deliver(out.prompt_logprobs)
+        for seq, _ in scheduled:
+            seq.cache_limit = seq.reusable_prefix()
         deltas = []
         self.generation_tokens += len(out.tokens)
         for i, (seq, token) in enumerate(zip(out.sampled, out.tokens)):
             seq.token_ids.append(token)
-            if out.logprobs is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(self._logprobs(out.logprobs, i, token, seq.params.logprobs))
+            if seq.logprobs_k is not None:
+                seq.logprobs.append(entry(out.logprobs, i, token, seq.logprobs_k))
             finished = self._check_stop(seq, token)
-            if finished and seq.taps.streams:
-                self._deliver()
             if finished:
-                self.scheduler.finish(seq)
-                self.runner.taps.release(seq.taps.interventions)
-                del self._requests[seq.request_id]
+                self._finish(seq)
             elif self.long_rope_at is not None and len(seq.token_ids) - 1 == self.long_rope_at:
                 self._switch_rope(seq)
             deltas.append(self._delta(seq, finished))
+        for seq, _ in scheduled:
+            if seq.prefill_only and seq.num_computed == len(seq.token_ids):
+                seq.finish_reason = "length"
+                self._finish(seq)
+                deltas.append(self._delta(seq, True))
+            elif seq.index == 0 and seq.request_id in self._requests:
+                self.scheduler.waiting.extendleft(reversed(self._requests[seq.request_id].release()))
         return deltas
 
     def _deliver(self) -> None:
@@ -195,19 +227,21 @@ class LLMEngine:
             plan.deliver(collection.ready())
             self._pending = None
 
+    def _finish(self, seq: Sequence) -> None:
+        if seq.taps.streams:  # its last rows may still be on their way
+            self._deliver()
+        self.scheduler.finish(seq)
+        self.runner.taps.release(seq.taps.interventions)
+        group = self._requests[seq.request_id]
+        group.done += 1
+        self.scheduler.waiting.extendleft(reversed(group.release()))
+
     def _switch_rope(self, seq: Sequence) -> None:
         """The sequence now reaches LongRoPE's switch: its cached keys were rotated with the short
         factors, so drop them and recompute with the long ones (rows already captured are not taken
         again). The prefix cache keeps the two regimes apart."""
         self.blocks.release(seq)
         seq.cache_salt = ("long rope", seq.cache_salt)
-
-    def _logprobs(self, logprobs: tuple, i: int, token: int, k: int) -> dict[int, Logprob]:
-        chosen, top_ids, top_values = logprobs
-        ids, values = top_ids[i, :k].tolist(), top_values[i, :k].tolist()
-        entry = {t: Logprob(v, rank + 1) for rank, (t, v) in enumerate(zip(ids, values))}
-        entry.setdefault(token, Logprob(float(chosen[i]), None))
-        return entry
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Whether the token ends the sequence; sets its finish and stop reasons."""
@@ -231,30 +265,44 @@ class LLMEngine:
     def _delta(self, seq: Sequence, finished: bool) -> RequestDelta:
         new = seq.token_ids[seq.num_prompt + seq.num_reported :]
         logprobs = seq.logprobs[seq.num_reported :] if seq.params.logprobs is not None else []
+        prompt_logprobs = seq.prompt_logprobs if seq.num_reported == 0 else None
         seq.num_reported = seq.num_generated
-        text = seq.detokenizer.release(finished) if seq.detokenizer is not None else ""
-        if not finished:
-            return RequestDelta(seq.request_id, new, text, logprobs)
-        output = self._output(seq)
-        if seq.detokenizer is None:
-            text = output.outputs[0].text
-        return RequestDelta(seq.request_id, new, text, logprobs, seq.finish_reason, output)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
+        delta = RequestDelta(seq.request_id, new, "", logprobs, index=seq.index, prompt_logprobs=prompt_logprobs)
         if seq.detokenizer is not None:
-            text = seq.detokenizer.text
-        else:
-            text = self.tokenizer.decode(seq.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=seq.generated,
-            finish_reason=seq.finish_reason,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            stop_reason=seq.stop_reason,
+            delta.text = seq.detokenizer.release(finished)
+        if not finished:
+            return delta
+        if seq.detokenizer is None:
+            delta.text = self._text(seq)
+        delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
+        group = self._requests[seq.request_id]
+        if group.finished:
+            del self._requests[seq.request_id]
+            delta.output = self._output(group)
+        return delta
+
+    def _text(self, seq: Sequence) -> str:
+        if seq.detokenizer is not None:
+            return seq.detokenizer.text
+        return self.tokenizer.decode(seq.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _output(self, group: SampleGroup) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self._text(seq),
+                token_ids=seq.generated,
+                finish_reason=seq.finish_reason,
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                stop_reason=seq.stop_reason,
+            )
+            for i, seq in enumerate(group.returned())
+        ]
+        seq = group.seqs[0]  # the one that computed the prompt's log-probabilities; a capture has only it
+        out = RequestOutput(
+            group.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], completions, seq.prompt_logprobs
         )
-        out = RequestOutput(seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], [completion])
-        num_rows = len(seq.token_ids) - 1
+        num_rows = rows_of(seq.num_prompt, seq.num_generated)
         for stream in seq.taps.streams:
             positions, tensors = stream.result(num_rows, self.runner.dtype)
             if stream.kind == "hidden_states":

@@ -1,5 +1,6 @@
 """One engine step on the device: lay out the scheduled chunks, plan the taps, run the model over the
-paged cache, collect captured rows, compute logits only where needed, and sample.
+paged cache, collect captured rows, compute logits only where needed (sampled rows, prompt rows whose
+log-probabilities are asked for, captured logits), and sample.
 
 Everything per step is built as a handful of host tensors (no per-token Python), moved once, and the
 only host sync is the copy of the sampled token ids back.
@@ -8,6 +9,7 @@ only host sync is the copy of the sampled token ids back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -16,7 +18,8 @@ from vlens.capture.names import hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_step
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, set_context
-from vlens.engine.sampler import SamplingBatch, sample, top_logprobs
+from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
+from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 from vlens.models.base import DecoderLM
 
@@ -25,9 +28,11 @@ from vlens.models.base import DecoderLM
 class StepOutput:
     sampled: list[Sequence]  # sequences that got a new token this step, in order
     tokens: list[int]
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # chosen [B], top ids [B, k], top values [B, k]
+    logprobs: TopLogprobs | None  # of the sampled tokens
     plan: StepPlan  # what the taps did; `collection` brings its gathered rows to the host
     collection: Collection | None
+    prompt_rows: PromptRows  # whose prompt log-probabilities `prompt_logprobs` holds, on the host
+    prompt_logprobs: TopLogprobs | None = None
 
 
 class ModelRunner:
@@ -69,42 +74,27 @@ class ModelRunner:
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        p = [s.params for s in seqs]
-        dev = self.device
-
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        return SamplingBatch(
-            temperature=t([x.temperature for x in p], torch.float32),
-            top_k=t([x.top_k for x in p], torch.long),
-            top_p=t([x.top_p for x in p], torch.float32),
-            min_p=t([x.min_p for x in p], torch.float32),
-            seeds=t([s.seed for s in seqs], torch.long),
-            offsets=t([len(s.token_ids) for s in seqs], torch.long),
-            all_greedy=all(x.temperature == 0 for x in p),
-            any_top_k_or_p=any(x.temperature > 0 and (x.top_k > 0 or x.top_p < 1) for x in p),
-            any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
-        )
-
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
         order, ctx, ids = self._layout(scheduled)
-        chunks, sample_rows, row = [], [], 0
+        chunks, sample_rows, prompt_rows, row = [], [], PromptRows(), 0
         for seq, n in order:
-            if seq.num_computed + n == len(seq.token_ids):
+            if seq.num_computed + n == len(seq.token_ids) and not seq.prefill_only:
                 sample_rows.append(row + n - 1)
+            prompt_rows.add(seq, n, row)
             if seq.taps.streams or seq.taps.interventions:
                 chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table))
             row += n
         plan = plan_step(chunks, self.block_size)
-        logit_rows, sample_index = plan.logit_rows(sample_rows)
+        logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
         ctx.taps = self.taps.arm(plan) if plan else {}
-        sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids)]
+        sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids) and not s.prefill_only]
+        depths = [s.depth for s, _ in order]
+        # A step of prefill-only requests stops after the deepest layer they read (eagerly: it is rare).
+        forward = self.forward if None in depths else partial(self.model, num_layers=max(depths))
         set_context(ctx)
         try:
-            hidden = self.forward(ids.to(self.device, non_blocking=True))
+            hidden = forward(ids.to(self.device, non_blocking=True))
             if logit_rows:
                 logits = self.model.logits(hidden.index_select(0, self._on_device(logit_rows)))
                 if sample_index is not None:
@@ -112,13 +102,17 @@ class ModelRunner:
         finally:
             set_context(None)
         collection = self.taps.collect(plan) if plan.gathers else None
+        prompt_logprobs = None
+        if prompt_rows.rows:  # on their way to the host before the step's sync (blocking when none comes)
+            prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
         if not sampled:
-            return StepOutput([], [], None, plan, collection)
-        tokens = sample(logits, self._sampling_batch(sampled))
+            return StepOutput([], [], None, plan, collection, prompt_rows, prompt_logprobs)
+        logits = logits[: len(sample_rows)]
+        tokens = sample(logits, SamplingBatch.of(sampled, self.device))
         logprobs = None
-        k = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
+        k = max((s.logprobs_k for s in sampled if s.logprobs_k is not None), default=None)
         if k is not None:
-            logprobs = tuple(x.to("cpu", non_blocking=True) for x in top_logprobs(logits, tokens, k))
+            logprobs = to_host(top_logprobs(logits, tokens, k), blocking=False)
         # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
         tokens = tokens.to("cpu").tolist()
-        return StepOutput(sampled, tokens, logprobs, plan, collection)
+        return StepOutput(sampled, tokens, logprobs, plan, collection, prompt_rows, prompt_logprobs)

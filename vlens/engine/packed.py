@@ -13,7 +13,7 @@ import torch
 
 from vlens.attention import packed_metadata
 from vlens.attention.sdpa import SdpaBackend
-from vlens.capture.names import FINAL_NORM_TAPS, LOGITS, hook_shapes, is_pattern, layers_needed
+from vlens.capture.names import LOGITS, forward_depth, hook_shapes, is_pattern
 from vlens.capture.plan import StepPlan, shift
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, set_context
@@ -72,13 +72,11 @@ def packed_forward(
         armed[name] = fn if name not in armed else _then(fn, armed[name])
     sites = [*taps, *(hooks or {})]
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    full = any(t in FINAL_NORM_TAPS or t == LOGITS for t in sites)
-    depth = max(layers_needed(t, model.cfg) for t in sites)
     meta = packed_metadata(lens, device)
     kinds = {attn.kind for attn in model.attention_layers()}
     set_context(ForwardContext(meta, backend, backend.prepare(meta, kinds, dtype), armed))
     try:
-        hidden = model(ids.to(device, non_blocking=True), num_layers=None if full else depth)
+        hidden = model(ids.to(device, non_blocking=True), num_layers=forward_depth(sites, model.cfg))
         if LOGITS in sites:
             model.logits(hidden)
     finally:

@@ -1,4 +1,5 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, after
+the requests' logit bias and penalties (penalties.py).
 
 Each row draws ONE uniform number from a counter-based hash of (request seed, position) and inverts
 the CDF of its filtered distribution. That makes a seeded request's sample independent of what else
@@ -8,8 +9,14 @@ is in the batch, needs no per-request generator objects, and costs no host sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from vlens.engine.penalties import LogitAdjustments
+
+if TYPE_CHECKING:
+    from vlens.engine.sequence import Sequence
 
 _MASK32 = 0xFFFFFFFF
 
@@ -41,10 +48,34 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k_or_p: bool
     any_min_p: bool
+    adjust: LogitAdjustments | None = None  # logit bias and penalties; None when no row has any
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        """The settings of the sequences sampled in a step, in their order."""
+        p = [s.params for s in seqs]
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=t([x.temperature for x in p], torch.float32),
+            top_k=t([x.top_k for x in p], torch.long),
+            top_p=t([x.top_p for x in p], torch.float32),
+            min_p=t([x.min_p for x in p], torch.float32),
+            seeds=t([s.seed for s in seqs], torch.long),
+            offsets=t([len(s.token_ids) for s in seqs], torch.long),
+            all_greedy=all(x.temperature == 0 for x in p),
+            any_top_k_or_p=any(x.temperature > 0 and (x.top_k > 0 or x.top_p < 1) for x in p),
+            any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
+            adjust=LogitAdjustments.of(seqs, device),
+        )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float logits -> [B] sampled token ids (on the device)."""
+    if batch.adjust is not None:
+        logits = batch.adjust.apply(logits)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
@@ -71,11 +102,3 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         choice = order.gather(-1, choice[:, None]).squeeze(-1)
     return torch.where(batch.temperature > 0, choice, greedy)
 
-
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities (of the unmodified model distribution, as vLLM reports them): of each sampled
-    token [B], and the top-k alternatives' ids and values [B, k]."""
-    logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
-    values, ids = logp.topk(k, dim=-1)
-    return chosen, ids, values

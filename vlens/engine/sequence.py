@@ -26,8 +26,10 @@ class Sequence:
         stop_ids: frozenset[int],
         taps: RequestTaps,
         prompt: str | None = None,
+        index: int = 0,
     ):
         self.request_id, self.prompt = request_id, prompt
+        self.index = index  # which sample of its request (n, best_of) it is
         self.token_ids = list(prompt_token_ids)
         self.num_prompt = len(prompt_token_ids)
         self.params = params
@@ -42,6 +44,12 @@ class Sequence:
         self.cache_limit: int | None = None  # at most this many leading tokens from the prefix cache
         self.detokenizer: Detokenizer | None = None  # incremental text (streamed, or with stop strings)
         self.logprobs: list[dict[int, Logprob]] = []
+        # Top alternatives per sampled token; None: no log-probabilities (ranked samples need at least the token's).
+        self.logprobs_k = params.logprobs if params.logprobs is not None or not params.ranks_samples else 0
+        # The first sample computes the prompt's log-probabilities for its request; entry 0 (token 0) is None.
+        wants_prompt = params.prompt_logprobs is not None and index == 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
+        self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
         self.num_reported = 0  # generated tokens already sent out in a delta
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -53,3 +61,15 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.params.max_tokens == 0
+
+    def reusable_prefix(self) -> int | None:
+        """Leading tokens whose KV may come from the prefix cache without losing a row the request still
+        wants: captured rows, prompt log-probabilities not yet delivered. None: no limit."""
+        limits = [self.taps.reusable_prefix(len(self.token_ids))] if self.taps.streams else []
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt:
+            limits.append(len(self.prompt_logprobs) - 1)
+        return min(limits, default=None)

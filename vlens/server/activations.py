@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save
 
 from vlens.capture.names import FINAL_NORM, PER_HEAD, resolve_hooks, row_size
+from vlens.capture.positions import rows_of
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ def capture_bound(
     spec can select (given the prompt length and max_tokens) times the bytes of a row of every hook,
     plus positions, token ids and the hidden-states shortcut. Raises ValueError for unknown hooks."""
     total = 0
-    rows_all = prompt_len + params.max_tokens - 1
+    rows_all = rows_of(prompt_len, params.max_tokens)
     capture = params.capture
     if capture is not None:
         itemsize = (capture.dtype or model_dtype).itemsize

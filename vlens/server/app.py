@@ -18,12 +18,14 @@ from vlens.llm import LLM
 from vlens.server.activations import ActivationStore, owner_of
 from vlens.server.auth import BearerAuth, presented_key
 from vlens.server.config import ServerConfig
+from vlens.server.embeddings import Embedder, EmbeddingRequest
 from vlens.server.engine_loop import EngineLoop
 from vlens.server.generate import Generator
 from vlens.server.limits import BodyLimit
 from vlens.server.metrics import CountRequests, Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.saes import describe, load_saes
+from vlens.server.tokens import DetokenizeRequest, TokenizeRequest, Tokens
 
 log = logging.getLogger("vlens.server")
 
@@ -52,6 +54,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         metrics,
         saes,
     )
+    embedder = Embedder(generator)
+    tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len)
     created = int(time.time())
 
     @asynccontextmanager
@@ -144,6 +148,22 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         return await generator.chat(body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await embedder.embeddings(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return tokens.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return tokens.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return tokens.info()
 
     # Outermost first on the way in: count every response, then authenticate, then bound the body.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

@@ -22,9 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API (with opt-in activation capture)",
-        description="Serve /v1/completions and /v1/chat/completions (streaming too), /v1/models, /v1/hooks, "
-        "/v1/activations/{id}, /metrics and /health. Requests capture activations through the `vlens` "
-        "extension field only if the server runs with --enable-capture.",
+        description="Serve /v1/completions and /v1/chat/completions (streaming too), /v1/embeddings, /v1/models, "
+        "/v1/hooks, /v1/activations/{id}, /tokenize, /detokenize, /tokenizer_info, /metrics and /health. Requests "
+        "capture activations through the `vlens` extension field only if the server runs with --enable-capture.",
     )
     add_flags(p, ServerConfig)
     add_flags(p.add_argument_group("engine"), EngineConfig, skip=SHARED)
@@ -34,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = from_args(ServerConfig, args, api_key=api_key)
-    engine = from_args(EngineConfig, args)  # its enable_capture is the server's, as parsed
+    # The server refuses capture in requests unless --enable-capture; its engine always can, for /v1/embeddings.
+    engine = from_args(EngineConfig, args, enable_capture=True)
     from vlens.llm import LLM  # only once the settings are known to be good
     from vlens.server.app import serve
 

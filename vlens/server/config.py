@@ -62,6 +62,13 @@ class ServerConfig:
         "NAME=PATH@HOOK names the hook it reads); repeat the flag for more; requests name them in the vlens "
         "extension and GET /v1/saes lists them", flag="--sae", repeat=True, check=_named_saes,
     )  # fmt: skip
+    max_n: int = setting(16, "most samples of one prompt a request may ask for (n, best_of)", minimum=1)
+    # /v1/embeddings: a hook read at every prompt position, pooled on the device into one vector per input.
+    embedding_hook: str = setting("ln_final.hook_out", "the hook /v1/embeddings reads unless a request names another")
+    embedding_pooling: str = setting(
+        "mean", "how /v1/embeddings pools the hook's rows unless a request says: the mean, or the last row",
+        choices=("mean", "last"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)

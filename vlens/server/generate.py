@@ -29,11 +29,17 @@ from vlens.server.config import ServerConfig
 from vlens.server.engine_loop import EngineLoop, Failed, Progress, Submission
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import Metrics
-from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, from_value_error
-from vlens.server.responses import Shape, TokenText, usage
+from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, check_model, from_value_error
+from vlens.server.responses import Echo, Shape, TokenText, prompt_logprobs_json, usage
 from vlens.server.saes import features_json
+from vlens.server.tokens import render_chat
 
 CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
+# Body fields that are SamplingParams' fields of the same name and meaning.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "best_of",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+)  # fmt: skip
 
 
 @dataclass
@@ -47,6 +53,9 @@ class Prepared:
     wants_activations: bool
     wants_features: bool  # a capture through an SAE: its features come back as JSON
     owner: bytes  # who may download this request's activation handle
+    n: int  # choices per prompt: prompt i's sample j is choice i * n + j
+    echo: list[Echo] | None = None  # per prompt, what each of its choices starts with
+    prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field
 
 
 class Generator:
@@ -73,27 +82,25 @@ class Generator:
     # -- endpoints ----------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        body.check(self.config.max_n)
         try:
-            token_lists = to_token_lists(body.prompt, self.tokenizer, self.cfg.vocab_size, field="prompt")
+            token_lists = to_token_lists(
+                body.prompt, self.tokenizer, self.cfg.vocab_size, field="prompt", add_special_tokens=body.add_special_tokens
+            )
         except ValueError as e:
             raise from_value_error(e) from None
         several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
         texts = [p if isinstance(p, str) else None for p in (body.prompt if several else [body.prompt])]
         prompts = list(zip(token_lists, texts))
         prepared = self._prepare(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
+        if body.echo:
+            prepared.echo = [Echo(t if t is not None else self.tokenizer.decode(ids), ids) for ids, t in prompts]
         return await self._run(prepared, request)
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(
-                400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages"
-            )
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # the template is the model's Jinja code: any error it raises is the request's
-            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
-        ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        body.check(self.config.max_n)
+        rendered = render_chat(self.tokenizer, body.messages)
+        ids = self.tokenizer(rendered, add_special_tokens=body.add_special_tokens)["input_ids"]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         prepared = self._prepare(body, request, [(ids, rendered)], max_tokens, top, chat=True)
@@ -104,14 +111,7 @@ class Generator:
     def _prepare(
         self, body, request: Request, prompts, max_tokens: int | None, logprobs: int | None, chat: bool
     ) -> Prepared:
-        body.refuse_unsupported()
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(
-                404,
-                f"model: {body.model!r} is not served here; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(body.model, self.model_name)
         extension = parse_extension(body.vlens, self.extension)
         capture = extension.get("capture")
         wants_features = capture is not None and capture.sae is not None
@@ -135,6 +135,8 @@ class Generator:
             wants_activations=wants_activations,
             wants_features=wants_features,
             owner=owner_of(key),
+            n=body.n,
+            prompt_logprobs=body.prompt_logprobs is not None,
         )
 
     def _request(
@@ -157,6 +159,10 @@ class Generator:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and (logprobs is not None or max_tokens == 0):
+            # echo shows the prompt's log-probabilities with `logprobs`; a prefill-only request must read something
+            prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
@@ -168,18 +174,9 @@ class Generator:
                 code="context_length_exceeded",
             )
         try:
+            given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
             params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                seed=body.seed,
-                stop=body.stop,
-                stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos,
-                logprobs=logprobs,
-                **extension,
+                max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given, **extension
             )
             bound = capture_bound(params, len(ids), self.shapes, self.cfg, self.model_dtype)
         except ValueError as e:
@@ -198,15 +195,27 @@ class Generator:
     # -- with the engine ----------------------------------------------------------------------------
 
     async def _run(self, prepared: Prepared, request: Request) -> Response:
-        try:
-            submission = await self.engine.submit(prepared.requests)
-        except ValueError as e:
-            raise _engine_error(e) from None
         if prepared.stream:
+            submission = await self._submit(prepared.requests)
             return _EventStream(
                 self._stream(submission, prepared), on_close=lambda: self._abort_unless_done(submission)
             )
-        collecting = asyncio.ensure_future(_collect(submission, len(prepared.requests)))
+        outputs = await self.outputs(prepared.requests, request)
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(await self._response(outputs, prepared))
+
+    async def _submit(self, requests: list[NewRequest]) -> Submission:
+        try:
+            return await self.engine.submit(requests)
+        except ValueError as e:
+            raise _engine_error(e) from None
+
+    async def outputs(self, requests: list[NewRequest], request: Request) -> list[RequestOutput] | None:
+        """Run the requests; their outputs in order, or None when the client left first (the requests
+        are then aborted)."""
+        submission = await self._submit(requests)
+        collecting = asyncio.ensure_future(_collect(submission, len(requests)))
         watching = asyncio.ensure_future(_until_disconnect(request))
         gone = False
         try:
@@ -217,24 +226,31 @@ class Generator:
                 gone = True
                 collecting.cancel()
                 self._abort(submission)
-        if gone:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(await self._response(collecting.result(), prepared))
+        return None if gone else collecting.result()
 
     async def _response(self, outputs: list[RequestOutput], prepared: Prepared) -> dict[str, Any]:
         shape = prepared.shape
         choices = []
         for i, out in enumerate(outputs):
-            c = out.outputs[0]
-            choices.append(shape.choice(i, c.text, c.token_ids, c.logprobs or [], c.finish_reason, c.stop_reason))
-        completion_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+            for c in out.outputs:
+                text, tokens, entries = c.text, c.token_ids, c.logprobs or []
+                if prepared.echo is not None:
+                    text, tokens, entries = prepared.echo[i].before(out.prompt_logprobs, text, tokens, entries)
+                choice = shape.choice(i * prepared.n + c.index, text, tokens, entries, c.finish_reason, c.stop_reason)
+                if prepared.prompt_logprobs and not shape.chat:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
+                choices.append(choice)
+        completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        extra = await self._vlens(outputs[0], prepared)
+        extra: dict[str, Any] = await self._vlens(outputs[0], prepared)
+        if prepared.prompt_logprobs and shape.chat:  # vLLM puts the one prompt's at the top level
+            extra["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs, self.token_text)
         return shape.body(choices, usage(prompt_tokens, completion_tokens), **extra)
 
     async def _stream(self, submission: Submission, prepared: Prepared) -> AsyncIterator[str]:
         shape = prepared.shape
-        fresh = [True] * len(prepared.requests)  # chat: the first delta of a choice names the role
+        started: set[int] = set()  # choices that sent a chunk (chat's first names the role, echo's holds the prompt)
+        prompt_entries: dict[int, list] = {}  # per prompt, from the delta of the sample that computed them
         remaining, prompt_tokens, completion_tokens = len(prepared.requests), 0, 0
         while remaining:
             event = await submission.next()
@@ -245,21 +261,26 @@ class Generator:
             if not isinstance(event, Progress):
                 continue
             i, delta = event.index, event.delta
-            if not delta.finished:
-                if delta.text or (shape.logprobs is not None and delta.token_ids):
-                    choice = shape.choice(i, delta.text, delta.token_ids, delta.logprobs, None, delta=True, first=fresh[i])
-                    fresh[i] = False
-                    yield _sse(shape.chunk([choice]))
-                continue
-            remaining -= 1
-            out = delta.output
-            c = out.outputs[0]
-            prompt_tokens += len(out.prompt_token_ids)
-            completion_tokens += len(c.token_ids)
-            choice = shape.choice(
-                i, delta.text, delta.token_ids, delta.logprobs, c.finish_reason, c.stop_reason, delta=True, first=fresh[i]
-            )
-            yield _sse(shape.chunk([choice], **(await self._vlens(out, prepared))))
+            index = i * prepared.n + delta.index
+            if delta.prompt_logprobs is not None:
+                prompt_entries[i] = delta.prompt_logprobs
+            text, tokens, entries = delta.text, delta.token_ids, delta.logprobs
+            if prepared.echo is not None and index not in started:
+                text, tokens, entries = prepared.echo[i].before(prompt_entries.get(i), text, tokens, entries)
+            extra: dict[str, Any] = {}
+            if delta.finished:
+                remaining -= 1
+                out = delta.output
+                prompt_tokens += len(out.prompt_token_ids)
+                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                extra = await self._vlens(out, prepared)
+            if text or delta.finish_reason or extra or (shape.logprobs is not None and tokens):
+                choice = shape.choice(
+                    index, text, tokens, entries, delta.finish_reason, delta.stop_reason, delta=True,
+                    first=index not in started,
+                )  # fmt: skip
+                started.add(index)
+                yield _sse(shape.chunk([choice], **extra))
         submission.done = True
         if prepared.include_usage:
             yield _sse(shape.chunk([], usage(prompt_tokens, completion_tokens)))

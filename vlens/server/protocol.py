@@ -1,14 +1,16 @@
-"""Request bodies of the OpenAI endpoints, and errors in OpenAI's JSON shape.
+"""Request bodies of the OpenAI endpoints (and vLLM's extensions of them), and errors in OpenAI's JSON shape.
 
-Fields OpenAI defines but vlens does not implement are declared so that a request using them gets a
-400 naming the field rather than silently different behaviour; anything else unknown is a 422.
-The `vlens` extension object is kept raw here and parsed by `extension.py`.
+Clients written for vLLM or OpenAI send fields vlens does not implement, mostly at their default
+values; those are listed in NEUTRAL with the values that change nothing, and accepted at them. Any
+other value, and any field nobody defines, is a 400 naming the field rather than silently different
+behaviour. The `vlens` extension object is kept raw here and parsed by `extension.py`.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -34,6 +36,14 @@ def from_value_error(e: ValueError, prefix: str = "", code: str | None = None) -
     match = _FIELD_PREFIX.match(message)
     param = f"{prefix}{match.group(1)}" if match else None
     return APIError(400, message, param=param, code=code)
+
+
+def check_model(asked: str | None, served: str) -> None:
+    """404 naming the model a request asked for, unless it is the one served (or none was named)."""
+    if asked is not None and asked != served:
+        raise APIError(
+            404, f"model: {asked!r} is not served here; this server serves {served!r}", param="model", code="model_not_found"
+        )
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
@@ -69,10 +79,78 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# Fields of vLLM's (and OpenAI's) requests that vlens serve does not implement -> the values at which
+# they change nothing. Keys a client sends that are neither declared nor listed here are unknown.
+_NEUTRAL = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,),
+    "min_tokens": (0,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None,),
+    "priority": (0,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "prompt_embeds": (None,),
+    "request_id": (None,),
+}
+_NEUTRAL_CHAT = {
+    **_NEUTRAL,
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "documents": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "reasoning_effort": (None,),
+    "include_reasoning": (True,),
+    "metadata": (None, {}),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+    "web_search_options": (None,),
+}
+
+
+def refuse_unknown(extra: dict[str, Any] | None, neutral: dict[str, tuple]) -> None:
+    """400 for a field nobody defines, or one vlens does not implement sent at a value that would matter."""
+    for name, value in (extra or {}).items():
+        if name not in neutral:
+            raise APIError(400, f"{name}: unknown field", param=name, code="unknown_field")
+        if value not in neutral[name]:
+            accepted = " or ".join(json.dumps(v) for v in neutral[name])
+            raise APIError(
+                400, f"{name}: not supported by vlens serve; accepted only at {accepted} (or left out)", param=name
+            )
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # kept for refuse_unknown, which names them
+    NEUTRAL: ClassVar[dict[str, tuple]] = _NEUTRAL
 
     model: StrictStr | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -82,45 +160,49 @@ class _GenerationRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
+    best_of: StrictInt | None = None  # OpenAI's on completions, vLLM's on chat too
     user: StrictStr | None = None  # OpenAI's end-user id: accepted, not used
-    presence_penalty: float = 0.0
+    presence_penalty: float = 0.0  # ranges are SamplingParams' to check: a 400 naming the field
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # vLLM's sampling extensions, which clients of vLLM servers already send at the top level
     top_k: StrictInt = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = 1.0
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
+    prompt_logprobs: StrictInt | None = None
     vlens: dict[str, Any] | None = None
 
-    def refuse_unsupported(self) -> None:
-        """400 for OpenAI features this server does not implement, naming the field."""
-        unsupported = {
-            "n": self.n != 1,
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "logit_bias": bool(self.logit_bias),
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise APIError(400, f"{name}: not supported by vlens serve; leave it at its default", param=name)
+    def check(self, max_n: int) -> None:
+        """400 for what the schema cannot say, naming the field."""
+        refuse_unknown(self.model_extra, self.NEUTRAL)
+        if not 1 <= self.n <= max_n:
+            raise APIError(400, f"n: {self.n} is not allowed; expected 1 to {max_n} (this server's --max-n)", param="n")
+        if self.best_of is not None and not self.n <= self.best_of <= max_n:
+            raise APIError(
+                400, f"best_of: {self.best_of} is not allowed; expected n ({self.n}) to {max_n} (--max-n)", param="best_of"
+            )
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise APIError(400, "best_of: more samples than n cannot be streamed (they are ranked at the end)", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: StrictInt | None = Field(16, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
-    best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+    add_special_tokens: StrictBool = True  # vLLM's: how text prompts are tokenized
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        for name, used in {"echo": self.echo, "best_of": (self.best_of or 1) != 1, "suffix": self.suffix}.items():
-            if used:
-                raise APIError(400, f"{name}: not supported by vlens serve; leave it at its default", param=name)
+    def check(self, max_n: int) -> None:
+        super().check(max_n)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it is allowed only with echo=true", param="max_tokens")
+        if self.suffix:
+            raise APIError(400, "suffix: not supported: no model served here fills in the middle", param="suffix")
 
 
 class TextPart(BaseModel):
@@ -142,13 +224,18 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_GenerationRequest):
+    NEUTRAL: ClassVar[dict[str, tuple]] = _NEUTRAL_CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False  # vLLM's (repeat the last message): refused when true
+    add_special_tokens: StrictBool = False  # vLLM's: the template already holds the special tokens
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
+    def check(self, max_n: int) -> None:
+        super().check(max_n)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        if self.echo:
+            raise APIError(400, "echo: not supported on chat completions; use /v1/completions with echo", param="echo")

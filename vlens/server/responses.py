@@ -41,18 +41,43 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(
-    tokens: list[int], entries: list[dict[int, Logprob]], k: int, text: TokenText, offset: int
+    tokens: list[int], entries: list[dict[int, Logprob] | None], k: int, text: TokenText, offset: int
 ) -> dict[str, list]:
-    """The legacy completions format: parallel lists of tokens, their logprobs, top-k dicts, offsets."""
+    """The legacy completions format: parallel lists of tokens, their logprobs, top-k dicts, offsets.
+    An echoed prompt's first token has no entry (nothing predicts it): null logprob and top-k."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(tokens, entries):
         piece = text(token)
         out["tokens"].append(piece)
-        out["token_logprobs"].append(entry[token].logprob)
-        out["top_logprobs"].append({text(t): lp.logprob for t, lp in _ranked(entry, k)})
+        out["token_logprobs"].append(None if entry is None else entry[token].logprob)
+        out["top_logprobs"].append(None if entry is None else {text(t): lp.logprob for t, lp in _ranked(entry, k)})
         out["text_offset"].append(offset)
         offset += len(piece)
     return out
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], text: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the first token, then token id -> {logprob, rank, decoded_token}."""
+    return [
+        None if entry is None else
+        {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(t)} for t, lp in entry.items()}
+        for entry in entries
+    ]  # fmt: skip
+
+
+@dataclass
+class Echo:
+    """A prompt as `echo` puts it before each of its choices: its text and tokens."""
+
+    text: str
+    token_ids: list[int]
+
+    def before(
+        self, entries: list[dict[int, Logprob] | None] | None, text: str, tokens: list[int], logprobs: list
+    ) -> tuple[str, list[int], list]:
+        """(text, tokens, logprob entries) of a choice with the prompt in front; `entries` are the
+        prompt's (None when the request asked for no log-probabilities)."""
+        return self.text + text, self.token_ids + tokens, (entries or [None] * len(self.token_ids)) + logprobs
 
 
 def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int, text: TokenText) -> dict[str, list]:

@@ -1,0 +1,122 @@
+"""lm-evaluation-harness against `vlens serve`, run as a user runs it: `lm_eval run --model
+local-completions` in a subprocess, on the small local tasks in tests/data/lm_eval (a multiple-choice
+task scored by loglikelihood, a generate_until task), once with the remote tokenizer (lm-eval finds
+/tokenizer_info and /tokenize and tokenizes through the server) and once with a local HF tokenizer.
+
+Every loglikelihood it records equals HF's (a float32 forward of the same tokens, which lm-eval splits
+into context and continuation as below), and every generation equals vlens's offline greedy one.
+Nothing is downloaded: the model is the embedded SmolLM2, the tasks read local JSONL files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from server_helpers import vlens_serve
+
+from vlens import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+MC = ROOT / "tests/data/lm_eval/mc.jsonl"
+TASKS = ("vlens_mc", "vlens_gen")
+
+
+@pytest.fixture(scope="module")
+def server(smol_path):
+    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "512"]
+    with vlens_serve(args) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def runs(server, smol_path, tmp_path_factory):
+    """Both lm-eval runs, side by side (their start-up is most of their time): backend -> task -> samples."""
+    out = tmp_path_factory.mktemp("lm_eval")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(out / "datasets")}  # fmt: skip
+    backends = {"remote": "", "huggingface": f",tokenizer_backend=huggingface,tokenizer={smol_path}"}
+    procs = {}
+    for name, extra in backends.items():
+        command = [
+            sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
+            "--model_args", f"base_url={server}/v1/completions,num_concurrent=4{extra}",
+            "--tasks", *TASKS, "--include_path", "tests/data/lm_eval", "--batch_size", "8",
+            "--output_path", str(out / name), "--log_samples",
+        ]  # fmt: skip
+        procs[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    results = {}
+    for name, proc in procs.items():
+        log = proc.communicate(timeout=600)[0].decode()
+        assert proc.returncode == 0, log[-3000:]
+        if name == "remote":
+            assert "Using remote tokenizer backend" in log, log[-3000:]
+        results[name] = {
+            task: [json.loads(line) for line in next((out / name).rglob(f"samples_{task}_*.jsonl")).open()]
+            for task in TASKS
+        }
+    return results
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split (TemplateLM._encode_pair): trailing spaces of the context move to the
+    continuation; the whole is tokenized and the context's tokens cut off its front."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+    start = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+    return whole[:start], whole[start:]
+
+
+@pytest.fixture(scope="module")
+def hf_scores(runs, smol, hf_smol) -> dict[tuple[str, str], tuple[float, bool]]:
+    """(context, continuation) -> HF's (log-likelihood, is greedy), from one right-padded float32
+    forward of every pair the multiple-choice run asked for."""
+    pairs = [(a["arg_0"], a["arg_1"]) for sample in runs["remote"]["vlens_mc"] for a in sample["arguments"].values()]
+    split = [encode_pair(smol.tokenizer, *pair) for pair in pairs]
+    width = max(len(c) + len(t) for c, t in split)
+    ids = torch.zeros(len(split), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (c, t) in enumerate(split):
+        ids[i, : len(c) + len(t)] = torch.tensor(c + t)
+        mask[i, : len(c) + len(t)] = 1
+    with torch.inference_mode():
+        logp = hf_smol(ids, attention_mask=mask).logits.float().log_softmax(-1)
+    scores = {}
+    for i, (pair, (c, t)) in enumerate(zip(pairs, split)):
+        rows = logp[i, len(c) - 1 : len(c) + len(t) - 1]
+        targets = torch.tensor(t)
+        scores[pair] = (rows.gather(-1, targets[:, None]).sum().item(), bool((rows.argmax(-1) == targets).all()))
+    return scores
+
+
+@pytest.mark.parametrize("backend", ["remote", "huggingface"])
+def test_loglikelihoods_equal_hf(runs, hf_scores, backend):
+    samples = runs[backend]["vlens_mc"]
+    assert len(samples) == 20
+    resps = [(a["arg_0"], a["arg_1"], r[0]) for s in samples for a, r in zip(s["arguments"].values(), s["resps"])]
+    assert len(resps) == len(hf_scores) == sum(len(json.loads(line)["choices"]) for line in MC.open())
+    for context, continuation, (logprob, is_greedy) in resps:
+        expected, greedy = hf_scores[context, continuation]
+        assert float(logprob) == pytest.approx(expected, abs=1e-4), (context, continuation)
+        assert (is_greedy == "True") == greedy
+
+
+@pytest.mark.parametrize("backend", ["remote", "huggingface"])
+def test_generations_equal_offline_greedy(runs, backend, smol):
+    samples = runs[backend]["vlens_gen"]
+    assert len(samples) == 5
+    args = [s["arguments"]["gen_args_0"] for s in samples]
+    options = args[0]["arg_1"]
+    assert all(a["arg_1"] == options for a in args)
+    stops = [*options["until"], smol.tokenizer.eos_token]  # lm-eval adds the EOS text to `until`
+    ids = [smol.tokenizer(a["arg_0"], add_special_tokens=False)["input_ids"] for a in args]
+    params = SamplingParams(max_tokens=options["max_gen_toks"], temperature=0, stop=stops)
+    offline = smol.generate(ids, params, use_tqdm=False)
+    assert [s["resps"][0][0] for s in samples] == [o.outputs[0].text for o in offline]

@@ -1,0 +1,138 @@
+"""OpenAI's and vLLM's sampling options on the device: logit_bias and the presence, frequency and
+repetition penalties against a written-out reference over the same logits, leaving every other row of
+the batch untouched; parallel samples (n, best_of) reproducible and each equal to the request sent
+alone with its seed, sharing the prompt's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlens import LLM, SamplingParams
+from vlens.capture.bind import RequestTaps
+from vlens.engine.sampler import SamplingBatch, sample
+from vlens.engine.sequence import Sequence
+
+PROMPT = "My favourite colour is blue, and my favourite food is"
+
+
+def _seq(params: SamplingParams, prompt: list[int], generated: list[int]) -> Sequence:
+    seq = Sequence("0", prompt, params, seed=0, stop_ids=frozenset(), taps=RequestTaps())
+    seq.token_ids += generated
+    return seq
+
+
+def _reference(row: torch.Tensor, params: SamplingParams, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """vLLM's order, token by token: bias; repetition over prompt and output; frequency; presence."""
+    x = row.clone()
+    for token, bias in params.logit_bias.items():
+        x[token] += bias
+    for token in set(prompt) | set(generated):
+        x[token] = x[token] / params.repetition_penalty if x[token] > 0 else x[token] * params.repetition_penalty
+    for token in set(generated):
+        x[token] -= params.frequency_penalty * generated.count(token)
+        x[token] -= params.presence_penalty
+    return x
+
+
+def test_adjustments_equal_the_reference_and_leave_other_rows_alone():
+    g = torch.Generator().manual_seed(0)
+    vocab = 40
+    logits = torch.randn(5, vocab, generator=g) * 4
+    cases = [
+        (SamplingParams(temperature=0), [1, 2, 3], [4, 4]),  # nothing: untouched
+        (SamplingParams(temperature=0, logit_bias={7: 5.5, 39: -100}), [1, 2], [7]),
+        (SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=-0.4), [5, 6], [6, 9, 9, 9, 12]),
+        (SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={0: 2}), [0, 3, 3, 8], [8, 11]),
+        (SamplingParams(temperature=0.7, seed=5, repetition_penalty=0.8, frequency_penalty=1.5), [2], [2, 2, 30]),
+    ]
+    seqs = [_seq(p, prompt, generated) for p, prompt, generated in cases]
+    batch = SamplingBatch.of(seqs, torch.device("cpu"))
+    adjusted = batch.adjust.apply(logits)
+    assert torch.equal(adjusted[0], logits[0])
+    for i, (params, prompt, generated) in enumerate(cases):
+        assert torch.allclose(adjusted[i], _reference(logits[i], params, prompt, generated), atol=1e-6), i
+    greedy = sample(logits, batch)
+    assert greedy[:4].tolist() == adjusted[:4].argmax(-1).tolist()
+    assert SamplingBatch.of(seqs[:1], torch.device("cpu")).adjust is None  # no option: no work
+
+
+def test_engine_rows_alone_equal_rows_in_a_batch(smol):
+    penalised = [
+        SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5),
+        SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.5, frequency_penalty=1.0),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=4, frequency_penalty=2.0, logit_bias={13: 4.0}),
+    ]
+    plain = SamplingParams(max_tokens=12, temperature=0)
+    prompts = [PROMPT, "1, 2, 3, 4, 5, 6,", "The the the the the", "Hello"]
+    params = [*penalised, plain]
+    together = smol.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, together):
+        [alone] = smol.generate(prompt, p, use_tqdm=False)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    for prompt, out in zip(prompts[:2], together):  # the penalties do change greedy text
+        assert out.outputs[0].token_ids != smol.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
+    forced = smol.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, logit_bias={42: 100}), use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [42, 42, 42]
+
+
+def test_parallel_samples_are_the_seeded_requests_alone(smol):
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=100, n=4, logprobs=0)
+    [out] = smol.generate(PROMPT, params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    for i, c in enumerate(out.outputs):
+        alone = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=100 + i, logprobs=0)
+        [ref] = smol.generate(PROMPT, alone, use_tqdm=False)
+        assert c.token_ids == ref.outputs[0].token_ids and c.text == ref.outputs[0].text
+    [again] = smol.generate(PROMPT, params, use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    [unseeded] = smol.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, n=4), use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
+
+
+def test_best_of_returns_the_highest_mean_logprob(smol):
+    [out] = smol.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=2, best_of=5), use_tqdm=False)
+    assert len(out.outputs) == 2 and out.outputs[0].logprobs is None  # ranked, but not asked for
+    samples = []
+    for i in range(5):
+        [ref] = smol.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, logprobs=0), use_tqdm=False)
+        c = ref.outputs[0]
+        mean = sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)) / len(c.token_ids)
+        samples.append((mean, c.token_ids))
+    best = [ids for _, ids in sorted(samples, key=lambda s: -s[0])[:2]]
+    assert [c.token_ids for c in out.outputs] == best
+
+
+def test_samples_share_the_prompt_blocks(smol_path):
+    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=4)
+    ids = llm.tokenizer(PROMPT * 3)["input_ids"]
+    [out] = llm.generate([ids], SamplingParams(max_tokens=5, temperature=1.0, seed=1, n=4, ignore_eos=True), use_tqdm=False)
+    # Sample 0 computes the prompt; the others only its last, partial block (and its last token).
+    last_block = len(ids) - 4 * ((len(ids) - 1) // 4)
+    assert llm.engine.scheduler.tokens_computed == len(ids) + 3 * last_block + 4 * (5 - 1)
+    assert all(len(c.token_ids) == 5 for c in out.outputs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 0}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ],
+)
+def test_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_outside_the_vocabulary_fails_before_running(smol):
+    with pytest.raises(ValueError, match=r"^logit_bias: token ids \[49152\]"):
+        smol.generate(["fine", "also fine"], [SamplingParams(max_tokens=2), SamplingParams(logit_bias={49152: 1})], use_tqdm=False)
+    assert not smol.engine.has_work()

@@ -1,0 +1,213 @@
+"""What real clients send to `vlens serve` and read back: echo with prompt log-probabilities (what
+lm-eval scores with), parallel samples, penalties and logit_bias, the tokenizer routes lm-eval's
+remote tokenizer calls, embeddings through the official client, bodies as LangChain-style clients
+build them, and the 400s that name a bad field while the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_helpers import ENGINE, running_server
+
+from vlens import LLM, Capture, SamplingParams
+from vlens.server.config import ServerConfig
+
+PROMPT = "The capital of France is"
+SAMPLED = {"max_tokens": 6, "temperature": 1.0, "top_p": 0.9}
+
+
+@pytest.fixture(scope="module")
+def server(smol_path):
+    llm = LLM(model=str(smol_path), **ENGINE)
+    config = ServerConfig(max_n=4, embedding_hook="blocks.5.hook_resid_post", served_model_name="smol")
+    with running_server(llm, config) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(server, path, body):
+    return httpx.post(server + path, json=body, timeout=120)
+
+
+# -- echo and prompt log-probabilities ------------------------------------------------------------
+
+
+def test_echo_as_lm_eval_sends_it(server, smol):
+    ids = smol.tokenizer("Question: What is the capital of France?\nAnswer: Paris")["input_ids"]
+    body = {"prompt": [ids, ids[:-2]], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    [ref] = smol.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, logprobs=1), use_tqdm=False)
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for p in range(1, len(ids)):
+        assert lp["token_logprobs"][p] == pytest.approx(ref.prompt_logprobs[p][ids[p]].logprob, abs=1e-5)
+        assert len(lp["top_logprobs"][p]) == 1
+    generated = ref.outputs[0].token_ids[0]
+    assert lp["token_logprobs"][-1] == pytest.approx(ref.outputs[0].logprobs[0][generated].logprob, abs=1e-5)
+    assert lp["text_offset"][0] == 0 and choice["text"].startswith(smol.tokenizer.decode(ids))
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
+def test_echo_without_generating(server, client, smol):
+    out = client.completions.create(model="smol", prompt=PROMPT, echo=True, max_tokens=0, logprobs=2)
+    choice = out.choices[0]
+    n = len(smol.tokenizer(PROMPT)["input_ids"])
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and len(choice.logprobs.tokens) == n
+    assert "".join(choice.logprobs.tokens) == PROMPT
+    plain = client.completions.create(model="smol", prompt=PROMPT, echo=True, max_tokens=0)
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None
+
+
+def test_echo_streamed_adds_up(client):
+    kw = {"model": "smol", "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 5, "temperature": 0, "n": 2}
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    for i in range(2):
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(p.text for p in parts) == full.choices[i].text
+        streamed = [v for p in parts if p.logprobs for v in p.logprobs.token_logprobs]
+        assert streamed == full.choices[i].logprobs.token_logprobs
+
+
+def test_vllm_prompt_logprobs_field(server, smol):
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2})
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    [ref] = smol.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2), use_tqdm=False)
+    assert entries[0] is None and len(entries) == len(ref.prompt_logprobs)
+    for got, want in zip(entries[1:], ref.prompt_logprobs[1:]):
+        assert {int(t): v["rank"] for t, v in got.items()} == {t: lp.rank for t, lp in want.items()}
+
+
+# -- sampling options ------------------------------------------------------------------------------
+
+
+def test_n_samples_are_the_seeded_requests_alone(client):
+    out = client.completions.create(model="smol", prompt=PROMPT, n=3, seed=21, **SAMPLED)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for i, c in enumerate(out.choices):
+        alone = client.completions.create(model="smol", prompt=PROMPT, seed=21 + i, **SAMPLED)
+        assert c.text == alone.choices[0].text
+    again = client.completions.create(model="smol", prompt=PROMPT, n=3, seed=21, **SAMPLED)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    two = client.completions.create(model="smol", prompt=[PROMPT, "Hello"], n=2, seed=21, **SAMPLED)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert [c.text for c in two.choices[:2]] == [c.text for c in out.choices[:2]]
+    best = client.completions.create(model="smol", prompt=PROMPT, n=1, best_of=3, seed=21, **SAMPLED)
+    assert best.choices[0].text in [c.text for c in out.choices] and best.usage.completion_tokens <= 6
+    chat = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Hi"}], n=2, seed=5, **SAMPLED
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content for c in chat.choices)
+
+
+def test_penalties_and_logit_bias_equal_offline(client, smol):
+    options = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "logit_bias": {"28": 3.5, "30": -100}}
+    out = client.completions.create(
+        model="smol", prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"repetition_penalty": 1.3}, **options
+    )
+    params = SamplingParams(
+        max_tokens=10, temperature=0, presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.3,
+        logit_bias={28: 3.5, 30: -100},
+    )  # fmt: skip
+    [ref] = smol.generate(PROMPT, params, use_tqdm=False)
+    assert out.choices[0].text == ref.outputs[0].text
+    chat = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, **options
+    )
+    assert chat.choices[0].message.content
+
+
+def test_langchain_style_body(server):
+    """The defaults LangChain's OpenAI wrappers send with every request, vLLM's extras included."""
+    body = {
+        "model": "smol", "prompt": [PROMPT], "temperature": 0, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0,
+        "n": 1, "logit_bias": {}, "max_tokens": 4, "best_of": 1, "seed": None, "logprobs": None, "stream": False,
+        "use_beam_search": False, "skip_special_tokens": True, "min_tokens": 0, "response_format": None,
+    }  # fmt: skip
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(" Paris")
+
+
+# -- tokenizer routes and embeddings --------------------------------------------------------------
+
+
+def test_tokenizer_routes_as_lm_eval_uses_them(server, smol):
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    assert check_remote_tokenizer_support(server + "/v1/completions")
+    remote = RemoteTokenizer(server + "/v1/completions")
+    assert remote.encode("Hello world") == smol.tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    assert remote.decode(remote.encode("Hello world")) == "Hello world"
+    assert remote.eos_token_id == smol.tokenizer.eos_token_id and remote.bos_token_id == smol.tokenizer.bos_token_id
+    assert remote.apply_chat_template([{"role": "user", "content": "Hi"}]) == smol.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    r = post(server, "/tokenize", {"prompt": "Hello", "return_token_strs": True}).json()
+    assert r == {"count": 1, "max_model_len": 512, "tokens": [19556], "token_strs": ["Hello"]}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] == len(chat["tokens"]) > 5
+
+
+def test_embeddings(client, server, smol):
+    texts = ["The cat sat on the mat.", "Quantum field theory"]
+    out = client.embeddings.create(model="smol", input=texts)  # the client asks for base64 and decodes it
+    assert [d.index for d in out.data] == [0, 1] and out.usage.prompt_tokens > 0
+    for text, d in zip(texts, out.data):
+        capture = Capture(hooks="blocks.5.hook_resid_post", positions="prompt", reduce="mean")
+        [ref] = smol.generate(text, SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
+        assert np.allclose(d.embedding, ref.activations["blocks.5.hook_resid_post"][0].numpy(), atol=1e-5)
+    last = post(server, "/v1/embeddings", {"input": texts[0], "vlens": {"hook": "ln_final.hook_out", "pooling": "last"}})
+    capture = Capture(hooks="ln_final.hook_out", positions="last")
+    [ref] = smol.generate(texts[0], SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
+    assert np.allclose(last.json()["data"][0]["embedding"], ref.activations["ln_final.hook_out"][0].numpy(), atol=1e-5)
+    raw = post(server, "/v1/embeddings", {"input": [[1, 2, 3]], "encoding_format": "base64"}).json()
+    assert np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4").shape == (576,)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+BAD = [
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 5}, "n"),  # over this server's max_n
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 5}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2, "best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"49152": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"12": 100.5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "suffix": "!"}, "suffix"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": PROMPT, "nonsense": 1}, "nonsense"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 9}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"-3": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions"),
+    ("/v1/embeddings", {"input": "x", "vlens": {"hook": "blocks.*.hook_resid_post"}}, "vlens.hook"),
+    ("/v1/embeddings", {"input": "x", "vlens": {"hook": "nope"}}, "vlens.hook"),
+    ("/v1/embeddings", {"input": "x", "vlens": {"pooling": "max"}}, "vlens.pooling"),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "prompt"),
+    ("/detokenize", {"tokens": [1, 60000]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD, ids=[f"{p}:{param}" for p, _, param in BAD])
+def test_bad_values_name_the_field_and_the_server_keeps_serving(server, path, body, param):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param)
+    ok = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200

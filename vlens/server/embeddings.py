@@ -1,0 +1,112 @@
+"""`POST /v1/embeddings`: one vector per input, read from a hook and pooled on the device.
+
+Each input is a prefill-only engine request (max_tokens=0) capturing one hook: `pooling: "mean"` is
+the capture's mean readout over every prompt row (summed on the device step by step), `"last"` the
+last row. A batch of such requests stops its forward after the hook's layer. The hook and pooling
+come from the request's `vlens` object, else from `vlens serve --embedding-hook/--embedding-pooling`.
+OpenAI's `encoding_format`: "float" (a JSON list) or "base64" (little-endian float32 bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vlens.capture import Capture
+from vlens.capture.names import resolve_hooks
+from vlens.engine.llm_engine import NewRequest
+from vlens.inputs import to_token_lists
+from vlens.sampling_params import SamplingParams
+from vlens.server.generate import CLIENT_CLOSED, Generator
+from vlens.server.protocol import APIError, check_model, from_value_error, refuse_unknown, schema_error
+from vlens.server.responses import usage
+
+POSITIONS = {"mean": "prompt", "last": "last"}
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"truncate_prompt_tokens": (None,), "priority": (0,), "normalize": (None, False),
+                                           "request_id": (None,), "additional_data": (None,)}  # fmt: skip
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+    add_special_tokens: StrictBool = True
+    vlens: dict[str, Any] | None = None
+
+
+class EmbeddingOptions(BaseModel):
+    """The request's `vlens` object."""
+
+    model_config = ConfigDict(extra="forbid")
+    hook: StrictStr | None = None
+    pooling: Literal["mean", "last"] | None = None
+
+
+def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+class Embedder:
+    def __init__(self, generator: Generator):
+        self.generator = generator
+        g = generator
+        try:  # a bad server default fails at start-up, not in every request
+            resolve_hooks(g.config.embedding_hook, g.cfg)
+        except ValueError as e:
+            raise ValueError(f"embedding_hook: {e}") from None
+        self.tokenizer, self.cfg, self.config = g.tokenizer, g.cfg, g.config
+
+    def _options(self, raw: dict[str, Any] | None) -> tuple[str, str]:
+        try:
+            options = EmbeddingOptions.model_validate(raw or {})
+        except ValidationError as e:
+            raise schema_error(e.errors(), 400, ("vlens",)) from None
+        hook = options.hook or self.config.embedding_hook
+        try:
+            taps = set(resolve_hooks(hook, self.cfg).values())
+        except ValueError as e:
+            raise APIError(400, f"vlens.hook: {' '.join(str(e).split())}", param="vlens.hook") from None
+        if len(taps) != 1:
+            raise APIError(400, f"vlens.hook: {hook!r} matches {len(taps)} hooks; name one", param="vlens.hook")
+        return hook, options.pooling or self.config.embedding_pooling
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        g = self.generator
+        refuse_unknown(body.model_extra, EmbeddingRequest.NEUTRAL)
+        check_model(body.model, g.model_name)
+        if body.dimensions is not None:
+            raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
+        hook, pooling = self._options(body.vlens)
+        try:
+            token_lists = to_token_lists(
+                body.input, self.tokenizer, self.cfg.vocab_size, field="input", add_special_tokens=body.add_special_tokens
+            )
+        except ValueError as e:
+            raise from_value_error(e) from None
+        for i, ids in enumerate(token_lists):
+            if len(ids) >= g.max_model_len:
+                raise APIError(
+                    400, f"input[{i}]: {len(ids)} tokens; this server's context is {g.max_model_len}", f"input[{i}]",
+                    code="context_length_exceeded",
+                )  # fmt: skip
+        reduce = "mean" if pooling == "mean" else "none"
+        params = SamplingParams(max_tokens=0, capture=Capture(hooks=hook, positions=POSITIONS[pooling], reduce=reduce))
+        outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encoded(out.activations[hook][0].flatten(), body.encoding_format)}
+            for i, out in enumerate(outputs)
+        ]
+        tokens = sum(len(ids) for ids in token_lists)
+        return JSONResponse({"object": "list", "data": data, "model": g.model_name, "usage": usage(tokens, 0)})

@@ -1,0 +1,83 @@
+"""vLLM's tokenizer routes — `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info` — in vLLM's
+shapes, so that clients that tokenize through the server (lm-evaluation-harness's remote tokenizer)
+need no copy of the tokenizer; and the chat template, which /tokenize and chat completions share."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+
+from vlens.server.protocol import APIError, ChatMessage, check_model, refuse_unknown
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The conversation through the model's chat template; a 400 naming `messages` if it cannot be."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as e:  # the template is the model's Jinja code: any error it raises is the request's
+        raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's two forms: a `prompt` (special tokens added by default), or chat `messages` (through the
+    template, which holds the special tokens)."""
+
+    model_config = ConfigDict(extra="allow")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"continue_final_message": (False,), "chat_template": (None,),
+                                           "chat_template_kwargs": (None, {}), "tools": (None, []),
+                                           "mm_processor_kwargs": (None,)}  # fmt: skip
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class Tokens:
+    def __init__(self, tokenizer: Any, vocab_size: int, model_name: str, max_model_len: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.model_name, self.max_model_len = model_name, max_model_len
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        refuse_unknown(body.model_extra, TokenizeRequest.NEUTRAL)
+        check_model(body.model, self.model_name)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give either prompt (a text) or messages (a conversation), not both", "prompt")
+        if body.messages is not None:
+            text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model, self.model_name)
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template."""
+        t = self.tokenizer
+        special = {name: getattr(t, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return {
+            "tokenizer_class": type(t).__name__,
+            **{name: None if value is None else str(value) for name, value in special.items()},
+            "chat_template": getattr(t, "chat_template", None),
+            "model_max_length": self.max_model_len,
+            "vocab_size": self.vocab_size,
+        }
