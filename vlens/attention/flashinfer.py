@@ -54,7 +54,7 @@ class FlashInferBackend:
                 bs = meta.block_size
                 pages = [-(-c // bs) for c in meta.context_lens]
                 indptr = torch.tensor([0, *pages], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-                indices = torch.tensor([b for t, n in zip(meta.block_tables, pages) for b in t[:n]], dtype=torch.int32)
+                indices = meta.block_tables[torch.arange(max(pages)) < torch.tensor(pages)[:, None]].to(torch.int32)
                 last = torch.tensor([c - (n - 1) * bs for c, n in zip(meta.context_lens, pages)], dtype=torch.int32)
                 wrapper.plan(
                     qo_indptr, indptr.to(self.device), indices.to(self.device), last.to(self.device),

@@ -79,14 +79,11 @@ class FlexBackend:
 def _slot_owners(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
     """For every cache slot: the sequence of this step whose key it holds (-1: none) and that key's
     position; the block tables say which slots those are."""
-    bs = meta.block_size
-    seqs, positions, slots = [], [], []
-    for s, (table, keys) in enumerate(zip(meta.block_tables, meta.context_lens)):
-        j = torch.arange(keys)
-        seqs.append(torch.full((keys,), s))
-        positions.append(j)
-        slots.append(torch.tensor(table)[j // bs] * bs + j % bs)
-    slot = torch.cat(slots)
-    kv_seq = torch.full((meta.num_slots,), -1).index_copy_(0, slot, torch.cat(seqs))
-    kv_pos = torch.zeros(meta.num_slots, dtype=torch.long).index_copy_(0, slot, torch.cat(positions))
+    slots = meta.key_slots(0, len(meta.context_lens))
+    positions = torch.arange(slots.shape[1]).expand_as(slots)
+    real = positions < torch.tensor(meta.context_lens)[:, None]
+    seqs = torch.arange(len(slots))[:, None].expand_as(slots)
+    slot, seqs, positions = slots[real], seqs[real], positions[real]
+    kv_seq = torch.full((meta.num_slots,), -1).index_copy_(0, slot, seqs)
+    kv_pos = torch.zeros(meta.num_slots, dtype=torch.long).index_copy_(0, slot, positions)
     return kv_seq.to(device), kv_pos.to(device)

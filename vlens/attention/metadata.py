@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -30,7 +31,8 @@ class LayerKind(NamedTuple):
 class AttentionMetadata:
     query_lens: list[int]  # per sequence (host): tokens fed this step
     context_lens: list[int]  # per sequence (host): keys after this step (start + query_len)
-    block_tables: list[list[int]] | None  # per sequence (host): its KV blocks; None: no cache
+    block_tables: torch.Tensor | None  # [B, pages] (host): each sequence's KV blocks, as many as its keys fill
+    # (0 past them); None: no cache
     block_size: int
     positions: torch.Tensor  # [T] position of each packed token in its sequence
     sequence_ends: torch.Tensor  # [T] last position of each token's whole sequence so far (LongRoPE picks its
@@ -46,6 +48,13 @@ class AttentionMetadata:
     @property
     def starts(self) -> list[int]:
         return [c - q for c, q in zip(self.context_lens, self.query_lens)]
+
+    def key_slots(self, first: int, stop: int) -> torch.Tensor:
+        """[stop - first, keys] (host): the cache slot of key j of sequences first .. stop - 1, for j up to
+        the longest of their contexts (slots past a shorter context are block 0's, never meant to be read)."""
+        keys, bs = max(self.context_lens[first:stop]), self.block_size
+        j = torch.arange(keys)
+        return self.block_tables[first:stop, j // bs] * bs + j % bs
 
 
 def _device_tensors(positions: torch.Tensor, ends: torch.Tensor, lens: list[int], device: torch.device):
@@ -64,13 +73,15 @@ def paged_metadata(
     first = torch.cumsum(lens, 0) - lens
     positions = torch.tensor(starts)[seq] + torch.arange(int(lens.sum())) - first[seq]
     context_lens = [s + n for s, n in zip(starts, query_lens)]
-    width = max(-(-c // block_size) for c in context_lens)
-    tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables])
+    pages = [-(-c // block_size) for c in context_lens]
+    width = max(pages)
+    # through numpy: torch.tensor of nested lists is several times slower, and this runs every step
+    tables = torch.from_numpy(np.array([t[:n] + [0] * (width - n) for t, n in zip(block_tables, pages)], dtype=np.int64))
     slots = tables[seq, positions // block_size] * block_size + positions % block_size
     ends = torch.tensor(sequence_lens)[seq] - 1
     positions, ends, cu = _device_tensors(positions, ends, query_lens, device)
     return AttentionMetadata(
-        query_lens, context_lens, block_tables, block_size, positions, ends, cu, slots.to(device, non_blocking=True),
+        query_lens, context_lens, tables, block_size, positions, ends, cu, slots.to(device, non_blocking=True),
         num_slots,
     )  # fmt: skip
 

@@ -65,11 +65,7 @@ class SdpaBackend:
         q_index = None if int(lens.min()) == max_q else seq * max_q + offset
         key_slots = None
         if meta.paged:
-            keys = max(meta.context_lens[i] for i in members)
-            width, bs = -(-keys // meta.block_size), meta.block_size
-            tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in (meta.block_tables[i] for i in members)])
-            j = torch.arange(keys)
-            key_slots = (tables[:, j // bs] * bs + j % bs).to(device, non_blocking=True)
+            key_slots = meta.key_slots(members[0], members[-1] + 1).to(device, non_blocking=True)
         return AttentionGroup(
             rows=slice(first_row, first_row + int(lens.sum())),
             query_positions=query_positions.to(device, non_blocking=True),

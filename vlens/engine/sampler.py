@@ -54,17 +54,17 @@ class SamplingBatch:
     def of(cls, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
         """The settings of the sequences sampled in a step, in their order."""
         p = [s.params for s in seqs]
-
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        # two host tensors, one copy each: this runs every step
+        floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]], dtype=torch.float32)
+        longs = torch.tensor([[x.top_k for x in p], [s.seed for s in seqs], [len(s.token_ids) for s in seqs]])
+        (temperature, top_p, min_p), (top_k, seeds, offsets) = floats.to(device, non_blocking=True), longs.to(device, non_blocking=True)
         return cls(
-            temperature=t([x.temperature for x in p], torch.float32),
-            top_k=t([x.top_k for x in p], torch.long),
-            top_p=t([x.top_p for x in p], torch.float32),
-            min_p=t([x.min_p for x in p], torch.float32),
-            seeds=t([s.seed for s in seqs], torch.long),
-            offsets=t([len(s.token_ids) for s in seqs], torch.long),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            offsets=offsets,
             all_greedy=all(x.temperature == 0 for x in p),
             any_top_k_or_p=any(x.temperature > 0 and (x.top_k > 0 or x.top_p < 1) for x in p),
             any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
