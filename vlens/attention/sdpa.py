@@ -55,8 +55,8 @@ class SdpaBackend:
         return groups
 
     def _group(self, meta: AttentionMetadata, members: list[int], first_row: int, device) -> AttentionGroup:
-        lens = torch.tensor([meta.query_lens[i] for i in members])
-        starts = torch.tensor([meta.starts[i] for i in members])
+        first, stop = members[0], members[-1] + 1  # a group is consecutive sequences
+        lens, starts = torch.tensor(meta.query_lens[first:stop]), torch.tensor(meta.starts[first:stop])
         max_q = int(lens.max())
         seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
         offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
@@ -65,7 +65,7 @@ class SdpaBackend:
         q_index = None if int(lens.min()) == max_q else seq * max_q + offset
         key_slots = None
         if meta.paged:
-            key_slots = meta.key_slots(members[0], members[-1] + 1).to(device, non_blocking=True)
+            key_slots = meta.key_slots(first, stop).to(device, non_blocking=True)
         return AttentionGroup(
             rows=slice(first_row, first_row + int(lens.sum())),
             query_positions=query_positions.to(device, non_blocking=True),
