@@ -26,6 +26,7 @@ from vlens.server.metrics import CountRequests, Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.saes import describe, load_saes
 from vlens.server.tokens import DetokenizeRequest, TokenizeRequest, Tokens
+from vlens.version import __version__
 
 log = logging.getLogger("vlens.server")
 
@@ -68,7 +69,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             sweeper.cancel()
             await asyncio.to_thread(loop.stop)
 
-    app = FastAPI(title="vlens", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="vlens", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -81,11 +82,16 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        error = APIError(
-            e.status_code,
-            f"{request.method} {request.url.path}: {e.detail}",
-            code="not_found" if e.status_code == 404 else None,
-        )
+        if e.status_code == 400:  # FastAPI's only one: a body it could not decode (not UTF-8, say)
+            error = APIError(
+                400, f"body: {e.detail}; expected a JSON object in UTF-8", param="body", code="json_invalid"
+            )
+        else:
+            error = APIError(
+                e.status_code,
+                f"{request.method} {request.url.path}: {e.detail}",
+                code="not_found" if e.status_code == 404 else None,
+            )
         return JSONResponse(error.body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
