@@ -105,7 +105,11 @@ class Embedder:
                 )  # fmt: skip
         reduce = "mean" if pooling == "mean" else "none"
         params = SamplingParams(max_tokens=0, capture=Capture(hooks=hook, positions=POSITIONS[pooling], reduce=reduce))
-        outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
+        ticket = g.admission.admit(len(token_lists), 0)  # a vector per input, JSON: no capture bytes to hold
+        try:
+            outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
+        finally:
+            g.admission.release(ticket)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         data = [

@@ -22,9 +22,12 @@ from vlens.server.specs import ExtensionSpec
 class APIError(Exception):
     """An error the client gets as {"error": {message, type, param, code}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # Retry-After, on 429 and 503
 
     def body(self) -> dict[str, Any]:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
