@@ -133,6 +133,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
+        store.sweep()  # the handle gauges count only what can still be downloaded
         return PlainTextResponse(metrics.render(loop.stats, store, admission), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/activations/{handle}")
