@@ -106,15 +106,19 @@ def metric(base_url: str, name: str, headers: dict | None = None) -> float:
     return float(match.group(1))
 
 
+IDLE_GAUGES = (
+    "vlens_requests_running", "vlens_requests_waiting", "vlens_kv_cache_usage", "vlens_requests_admitted",
+    "vlens_capture_bytes_reserved",
+)  # fmt: skip
+
+
 def wait_idle(base_url: str, headers: dict | None = None, timeout: float = 30) -> None:
-    """Until the engine reports nothing running or waiting and no KV block in use."""
+    """Until the engine reports nothing running or waiting and no KV block in use, and the server holds
+    no admitted request and no reserved capture bytes."""
     deadline = time.monotonic() + timeout
     while True:
-        busy = [
-            metric(base_url, m, headers)
-            for m in ("vlens_requests_running", "vlens_requests_waiting", "vlens_kv_cache_usage")
-        ]
-        if not any(busy):
+        busy = {m: metric(base_url, m, headers) for m in IDLE_GAUGES}
+        if not any(busy.values()):
             return
-        assert time.monotonic() < deadline, f"engine still busy: running, waiting, kv = {busy}"
+        assert time.monotonic() < deadline, f"server still busy: {busy}"
         time.sleep(0.05)

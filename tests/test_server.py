@@ -299,6 +299,11 @@ def test_bad_chat_requests_and_raw_bodies(server):
         server + "/v1/completions", content=b"{not json", headers={**AUTH, "content-type": "application/json"}
     )
     assert r.status_code == 422 and r.json()["error"]["message"].startswith("body: invalid JSON")
+    assert r.json()["error"]["param"] == "body"
+    # found by the fuzzer: a body that is not UTF-8 was a 400 naming no field
+    r = httpx.post(server + "/v1/completions", content=b"\xfc-", headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+    assert r.json()["error"]["message"].startswith("body: ")
     r = post(server, "/v1/completions", {"prompt": "x" * (70 << 10)})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     r = httpx.get(server + "/v1/nothing", headers=AUTH)

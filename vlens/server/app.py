@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import signal
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager, contextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
@@ -16,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from vlens.capture.names import hook_shapes
 from vlens.llm import LLM
 from vlens.server.activations import ActivationStore, owner_of
+from vlens.server.admission import Admission
 from vlens.server.auth import BearerAuth, presented_key
 from vlens.server.config import ServerConfig
 from vlens.server.embeddings import Embedder, EmbeddingRequest
@@ -26,6 +30,7 @@ from vlens.server.metrics import CountRequests, Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.saes import describe, load_saes
 from vlens.server.tokens import DetokenizeRequest, TokenizeRequest, Tokens
+from vlens.version import __version__
 
 log = logging.getLogger("vlens.server")
 
@@ -41,6 +46,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
     loop = EngineLoop(engine)
+    admission = Admission(config.max_pending_requests, config.max_capture_bytes_in_flight, store)
     generator = Generator(
         config,
         loop,
@@ -53,6 +59,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         store,
         metrics,
         saes,
+        admission,
     )
     embedder = Embedder(generator)
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len)
@@ -68,11 +75,11 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             sweeper.cancel()
             await asyncio.to_thread(loop.stop)
 
-    app = FastAPI(title="vlens", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="vlens", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -81,11 +88,16 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        error = APIError(
-            e.status_code,
-            f"{request.method} {request.url.path}: {e.detail}",
-            code="not_found" if e.status_code == 404 else None,
-        )
+        if e.status_code == 400:  # FastAPI's only one: a body it could not decode (not UTF-8, say)
+            error = APIError(
+                400, f"body: {e.detail}; expected a JSON object in UTF-8", param="body", code="json_invalid"
+            )
+        else:
+            error = APIError(
+                e.status_code,
+                f"{request.method} {request.url.path}: {e.detail}",
+                code="not_found" if e.status_code == 404 else None,
+            )
         return JSONResponse(error.body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
@@ -121,7 +133,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(loop.stats, store), media_type="text/plain; version=0.0.4")
+        store.sweep()  # the handle gauges count only what can still be downloaded
+        return PlainTextResponse(metrics.render(loop.stats, store, admission), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/activations/{handle}")
     async def activations(handle: str, request: Request) -> Response:
@@ -169,6 +182,24 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(BearerAuth, api_key=config.api_key)
     app.add_middleware(CountRequests, metrics=metrics)
+
+    async def drain() -> None:
+        """Shut down gently: refuse new requests, let running ones finish for up to --shutdown-timeout,
+        then end the rest with a 503 (streams get it as their last event)."""
+        timeout_s = config.shutdown_timeout_s
+        admission.closing = True
+        deadline = time.monotonic() + timeout_s
+        while admission.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if admission.requests:
+            log.warning(
+                "shutting down: %d requests still running after %.0f s end with 503", admission.requests, timeout_s
+            )
+            loop.fail_all(
+                f"the server shut down before this request finished (--shutdown-timeout {timeout_s:g} s)", 503
+            )
+
+    app.state.drain = drain
     return app
 
 
@@ -179,10 +210,36 @@ async def _sweep(store: ActivationStore, ttl_s: float) -> None:
         store.sweep()
 
 
-def serve(llm: LLM, config: ServerConfig) -> None:
-    """Run the server until interrupted (what `vlens serve` does after loading the model)."""
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which drains the app (create_app's `drain`) before its own shutdown and returns
+    normally after the signal that stopped it."""
 
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+        super().__init__(config)
+        self.drain = drain
+
+    async def shutdown(self, sockets=None) -> None:
+        # uvicorn's own shutdown closes the listening socket, waits for open connections, then runs the
+        # lifespan's end; draining first answers requests arriving meanwhile with a 503, not a refused connection.
+        await self.drain()
+        await super().shutdown(sockets)
+
+    @contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises the signal after a graceful shutdown, which ends the process with -SIGTERM (or a
+        # KeyboardInterrupt); the shutdown is complete by then, so the signal is not raised again.
+        handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+
+def serve(llm: LLM, config: ServerConfig) -> None:
+    """Run the server until SIGTERM or SIGINT (what `vlens serve` does after loading the model), drain it,
+    and return, so the process exits 0."""
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
-    uvicorn.run(create_app(llm, config), host=config.host, port=config.port)
+    app = create_app(llm, config)
+    DrainingServer(uvicorn.Config(app, host=config.host, port=config.port), app.state.drain).run()

@@ -62,6 +62,19 @@ class ServerConfig:
         "NAME=PATH@HOOK names the hook it reads); repeat the flag for more; requests name them in the vlens "
         "extension and GET /v1/saes lists them", flag="--sae", repeat=True, check=_named_saes,
     )  # fmt: skip
+    # Overload: beyond these a request gets 429 with Retry-After instead of growing the server's memory.
+    max_pending_requests: int = setting(
+        1024, "prompts the server holds at once, running or queued in the engine; a request beyond gets 429",
+        minimum=1,
+    )  # fmt: skip
+    max_capture_bytes_in_flight: int = setting(
+        1 << 30, "activation bytes the server holds at once: the bounds of running capture requests plus handles "
+        "not yet downloaded; a capture request beyond gets 429 (default: 1 GiB)", minimum=0,
+    )  # fmt: skip
+    shutdown_timeout_s: float = setting(
+        30.0, "on SIGTERM or SIGINT, seconds running requests get to finish before they end with a 503; new ones "
+        "get 503 at once", flag="--shutdown-timeout", minimum=0,
+    )  # fmt: skip
     max_n: int = setting(16, "most samples of one prompt a request may ask for (n, best_of)", minimum=1)
     # /v1/embeddings: a hook read at every prompt position, pooled on the device into one vector per input.
     embedding_hook: str = setting("ln_final.hook_out", "the hook /v1/embeddings reads unless a request names another")

@@ -10,7 +10,7 @@ OpenAI's `encoding_format`: "float" (a JSON list) or "base64" (little-endian flo
 from __future__ import annotations
 
 import base64
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
@@ -23,10 +23,18 @@ from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import to_token_lists
 from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
-from vlens.server.protocol import APIError, check_model, from_value_error, refuse_unknown, schema_error
+from vlens.server.protocol import APIError, DocumentedAs, check_model, from_value_error, refuse_unknown, schema_error
 from vlens.server.responses import usage
 
 POSITIONS = {"mean": "prompt", "last": "last"}
+
+
+class EmbeddingOptions(BaseModel):
+    """The request's `vlens` object."""
+
+    model_config = ConfigDict(extra="forbid")
+    hook: StrictStr | None = None
+    pooling: Literal["mean", "last"] | None = None
 
 
 class EmbeddingRequest(BaseModel):
@@ -39,15 +47,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
     add_special_tokens: StrictBool = True
-    vlens: dict[str, Any] | None = None
-
-
-class EmbeddingOptions(BaseModel):
-    """The request's `vlens` object."""
-
-    model_config = ConfigDict(extra="forbid")
-    hook: StrictStr | None = None
-    pooling: Literal["mean", "last"] | None = None
+    vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
@@ -89,7 +89,11 @@ class Embedder:
         hook, pooling = self._options(body.vlens)
         try:
             token_lists = to_token_lists(
-                body.input, self.tokenizer, self.cfg.vocab_size, field="input", add_special_tokens=body.add_special_tokens
+                body.input,
+                self.tokenizer,
+                self.cfg.vocab_size,
+                field="input",
+                add_special_tokens=body.add_special_tokens,
             )
         except ValueError as e:
             raise from_value_error(e) from None
@@ -101,11 +105,19 @@ class Embedder:
                 )  # fmt: skip
         reduce = "mean" if pooling == "mean" else "none"
         params = SamplingParams(max_tokens=0, capture=Capture(hooks=hook, positions=POSITIONS[pooling], reduce=reduce))
-        outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
+        ticket = g.admission.admit(len(token_lists), 0)  # a vector per input, JSON: no capture bytes to hold
+        try:
+            outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
+        finally:
+            g.admission.release(ticket)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         data = [
-            {"object": "embedding", "index": i, "embedding": _encoded(out.activations[hook][0].flatten(), body.encoding_format)}
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": _encoded(out.activations[hook][0].flatten(), body.encoding_format),
+            }
             for i, out in enumerate(outputs)
         ]
         tokens = sum(len(ids) for ids in token_lists)

@@ -45,6 +45,7 @@ class Progress:
 @dataclass
 class Failed:
     message: str
+    status: int = 500  # 503 when the server failed it to shut down
 
 
 Event = Accepted | Rejected | Progress | Failed
@@ -73,11 +74,19 @@ class _Abort:
     submission: Submission
 
 
+@dataclass
+class _FailAll:
+    """Queue item that fails every unfinished submission (shutdown past its grace period)."""
+
+    message: str
+    status: int
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.stats = engine.stats()
-        self._commands: queue.SimpleQueue[Submission | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Submission | _Abort | _FailAll | _Stop] = queue.SimpleQueue()
         self._owner: dict[str, tuple[Submission, int]] = {}  # request id -> its submission and index there
         self._by_submission: dict[Submission, set[str]] = {}
         self._thread = threading.Thread(target=self._run, name="vlens-engine", daemon=True)
@@ -111,6 +120,10 @@ class EngineLoop:
         """Stop the submission's unfinished requests and free their KV blocks (client gone)."""
         self._commands.put(_Abort(submission))
 
+    def fail_all(self, message: str, status: int) -> None:
+        """End every unfinished request with this error, freeing its KV blocks."""
+        self._commands.put(_FailAll(message, status))
+
     def _deliver(self, batch: list[tuple[Submission, Event]]) -> None:
         for submission, event in batch:
             submission.events.put_nowait(event)
@@ -143,7 +156,10 @@ class EngineLoop:
         except queue.Empty:
             return None
 
-    def _handle(self, command: Submission | _Abort) -> None:
+    def _handle(self, command: Submission | _Abort | _FailAll) -> None:
+        if isinstance(command, _FailAll):
+            self._fail_all(command.message, command.status)
+            return
         if isinstance(command, _Abort):
             for request_id in self._by_submission.pop(command.submission, ()):
                 self._owner.pop(request_id, None)
@@ -177,7 +193,7 @@ class EngineLoop:
                 batch.append((submission, Progress(index, delta)))
         self._send(batch)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int = 500) -> None:
         batch = []
         for submission, ids in self._by_submission.items():
             for request_id in ids:
@@ -185,7 +201,7 @@ class EngineLoop:
                     self.engine.abort(request_id)
                 except Exception:
                     log.exception("abort after an engine error failed")
-            batch.append((submission, Failed(message)))
+            batch.append((submission, Failed(message, status)))
         self._owner.clear()
         self._by_submission.clear()
         self._send(batch)

@@ -24,6 +24,7 @@ from vlens.outputs import RequestOutput
 from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
+from vlens.server.admission import Admission
 from vlens.server.auth import presented_key
 from vlens.server.config import ServerConfig
 from vlens.server.engine_loop import EngineLoop, Failed, Progress, Submission
@@ -54,6 +55,7 @@ class Prepared:
     wants_features: bool  # a capture through an SAE: its features come back as JSON
     owner: bytes  # who may download this request's activation handle
     n: int  # choices per prompt: prompt i's sample j is choice i * n + j
+    capture_bytes: int  # the most activation bytes the requests can return (what admission reserves)
     echo: list[Echo] | None = None  # per prompt, what each of its choices starts with
     prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field
 
@@ -72,10 +74,11 @@ class Generator:
         store: ActivationStore,
         metrics: Metrics,
         saes: dict[str, SAE],
+        admission: Admission,
     ):
         self.config, self.engine, self.tokenizer, self.cfg = config, engine, tokenizer, cfg
         self.shapes, self.model_dtype, self.model_name = shapes, model_dtype, model_name
-        self.max_model_len, self.store, self.metrics = max_model_len, store, metrics
+        self.max_model_len, self.store, self.metrics, self.admission = max_model_len, store, metrics, admission
         self.token_text = TokenText(tokenizer)
         self.extension = ExtensionContext(enable_capture=config.enable_capture, saes=saes)
 
@@ -85,7 +88,11 @@ class Generator:
         body.check(self.config.max_n)
         try:
             token_lists = to_token_lists(
-                body.prompt, self.tokenizer, self.cfg.vocab_size, field="prompt", add_special_tokens=body.add_special_tokens
+                body.prompt,
+                self.tokenizer,
+                self.cfg.vocab_size,
+                field="prompt",
+                add_special_tokens=body.add_special_tokens,
             )
         except ValueError as e:
             raise from_value_error(e) from None
@@ -123,12 +130,12 @@ class Generator:
                 "batched together anyway)",
                 param="prompt",
             )
-        requests = [
-            self._request(body, ids, text, max_tokens, logprobs, extension, chat) for ids, text in prompts
-        ]
+        requests, bounds = zip(
+            *(self._request(body, ids, text, max_tokens, logprobs, extension, chat) for ids, text in prompts)
+        )
         key = presented_key(request.scope) if self.config.api_key else None
         return Prepared(
-            requests=requests,
+            requests=list(requests),
             shape=Shape(chat=chat, model=self.model_name, logprobs=logprobs, text=self.token_text),
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
@@ -136,6 +143,7 @@ class Generator:
             wants_features=wants_features,
             owner=owner_of(key),
             n=body.n,
+            capture_bytes=sum(bounds),
             prompt_logprobs=body.prompt_logprobs is not None,
         )
 
@@ -148,7 +156,8 @@ class Generator:
         logprobs: int | None,
         extension: dict[str, Any],
         chat: bool,
-    ) -> NewRequest:
+    ) -> tuple[NewRequest, int]:
+        """The engine request of one prompt and the bound on the activation bytes it can return."""
         prompt_param = "messages" if chat else "prompt"
         room = self.max_model_len - len(ids)
         if room < 1:
@@ -190,20 +199,32 @@ class Generator:
                 param="vlens.capture",
                 code="capture_too_large",
             )
-        return NewRequest(ids, params, text, stream=body.stream)
+        return NewRequest(ids, params, text, stream=body.stream), bound
 
     # -- with the engine ----------------------------------------------------------------------------
 
     async def _run(self, prepared: Prepared, request: Request) -> Response:
-        if prepared.stream:
+        # Held until the response is written: encoded activations are in memory until then.
+        ticket = self.admission.admit(len(prepared.requests), prepared.capture_bytes)
+        if not prepared.stream:
+            try:
+                outputs = await self.outputs(prepared.requests, request)
+                if outputs is None:
+                    return Response(status_code=CLIENT_CLOSED)
+                return JSONResponse(await self._response(outputs, prepared))
+            finally:
+                self.admission.release(ticket)
+        try:
             submission = await self._submit(prepared.requests)
-            return _EventStream(
-                self._stream(submission, prepared), on_close=lambda: self._abort_unless_done(submission)
-            )
-        outputs = await self.outputs(prepared.requests, request)
-        if outputs is None:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(await self._response(outputs, prepared))
+        except BaseException:
+            self.admission.release(ticket)
+            raise
+
+        def close() -> None:
+            self._abort_unless_done(submission)
+            self.admission.release(ticket)
+
+        return _EventStream(self._stream(submission, prepared), on_close=close)
 
     async def _submit(self, requests: list[NewRequest]) -> Submission:
         try:
@@ -256,7 +277,7 @@ class Generator:
             event = await submission.next()
             if isinstance(event, Failed):
                 submission.done = True
-                yield _sse(APIError(500, event.message).body())
+                yield _sse(APIError(event.status, event.message).body())
                 return
             if not isinstance(event, Progress):
                 continue
@@ -333,7 +354,7 @@ async def _collect(submission: Submission, n: int) -> list[RequestOutput]:
         event = await submission.next()
         if isinstance(event, Failed):
             submission.done = True
-            raise APIError(500, event.message)
+            raise APIError(event.status, event.message)
         if isinstance(event, Progress) and event.delta.finished:
             outputs[event.index] = event.delta.output
     submission.done = True

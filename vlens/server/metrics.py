@@ -6,15 +6,30 @@ thread publishes after every step, so scraping never touches the engine itself.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlens.engine.llm_engine import EngineStats
 from vlens.server.activations import ActivationStore
+from vlens.server.admission import Admission
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/completions", "/v1/chat/completions")
+ROUTES = (
+    "/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/saes", "/v1/completions", "/v1/chat/completions",
+    "/v1/embeddings", "/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json",
+)  # fmt: skip
 ACTIVATIONS_ROUTE = "/v1/activations/{id}"
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux's /proc; None elsewhere): a server left running for days
+    must show that it does not grow."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 def route_label(path: str) -> str:
@@ -30,7 +45,7 @@ class Metrics:
         self.captured_bytes = 0
         self.aborted = 0
 
-    def render(self, stats: EngineStats, store: ActivationStore) -> str:
+    def render(self, stats: EngineStats, store: ActivationStore, admission: Admission) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -63,6 +78,21 @@ class Metrics:
         metric("vlens_preemptions_total", "counter", "Sequences preempted for KV space.", [("", stats.num_preemptions)])
         metric("vlens_activation_handles", "gauge", "Activation payloads awaiting download.", [("", store.count)])
         metric("vlens_activation_handle_bytes", "gauge", "Bytes held for activation downloads.", [("", store.nbytes)])
+        metric(
+            "vlens_requests_admitted",
+            "gauge",
+            "Prompts of HTTP requests admitted and not yet answered (the --max-pending-requests count).",
+            [("", admission.requests)],
+        )
+        metric(
+            "vlens_capture_bytes_reserved",
+            "gauge",
+            "Capture bytes reserved by admitted requests (with handle bytes, the --max-capture-bytes-in-flight count).",
+            [("", admission.capture_bytes)],
+        )
+        rss = resident_bytes()
+        if rss is not None:
+            metric("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", [("", rss)])
         return "\n".join(lines) + "\n"
 
 

@@ -3,24 +3,31 @@
 Clients written for vLLM or OpenAI send fields vlens does not implement, mostly at their default
 values; those are listed in NEUTRAL with the values that change nothing, and accepted at them. Any
 other value, and any field nobody defines, is a 400 naming the field rather than silently different
-behaviour. The `vlens` extension object is kept raw here and parsed by `extension.py`.
+behaviour. The `vlens` extension object is kept raw here and parsed by `extension.py`; the OpenAPI
+document shows its typed form (specs.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter
+
+from vlens.server.specs import ExtensionSpec
 
 
 class APIError(Exception):
     """An error the client gets as {"error": {message, type, param, code}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # Retry-After, on 429 and 503
 
     def body(self) -> dict[str, Any]:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
@@ -42,7 +49,10 @@ def check_model(asked: str | None, served: str) -> None:
     """404 naming the model a request asked for, unless it is the one served (or none was named)."""
     if asked is not None and asked != served:
         raise APIError(
-            404, f"model: {asked!r} is not served here; this server serves {served!r}", param="model", code="model_not_found"
+            404,
+            f"model: {asked!r} is not served here; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
         )
 
 
@@ -62,7 +72,8 @@ def schema_error(errors: list[dict], status: int, prefix: tuple[str, ...] = ()) 
     cut = next((i for i, p in enumerate(loc) if _is_union_tag(p)), len(loc))
     where, kind = ".".join(loc[:cut]) or "body", first["type"]
     if kind == "json_invalid":
-        return APIError(status, f"body: invalid JSON: {first.get('ctx', {}).get('error', first['msg'])}", code=kind)
+        error = first.get("ctx", {}).get("error", first["msg"])
+        return APIError(status, f"body: invalid JSON: {error}", param="body", code=kind)
     if kind == "extra_forbidden":
         message = "unknown field"
     elif kind == "missing":
@@ -72,6 +83,18 @@ def schema_error(errors: list[dict], status: int, prefix: tuple[str, ...] = ()) 
     else:
         message = first["msg"]
     return APIError(status, f"{where}: {message}", param=where, code=kind)
+
+
+@dataclass(frozen=True)
+class DocumentedAs:
+    """A field validated by hand after the body (to give a 400 naming the nested field, or refuse capture
+    on a server without it before looking inside), shown in the OpenAPI document as the optional `model`
+    it is checked against, so clients and schema fuzzers see its fields."""
+
+    model: type[BaseModel]
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        return handler(TypeAdapter(self.model | None).core_schema)
 
 
 class StreamOptions(BaseModel):
@@ -172,7 +195,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     prompt_logprobs: StrictInt | None = None
-    vlens: dict[str, Any] | None = None
+    vlens: Annotated[dict[str, Any] | None, DocumentedAs(ExtensionSpec)] = None
 
     def check(self, max_n: int) -> None:
         """400 for what the schema cannot say, naming the field."""
@@ -181,10 +204,14 @@ class _GenerationRequest(BaseModel):
             raise APIError(400, f"n: {self.n} is not allowed; expected 1 to {max_n} (this server's --max-n)", param="n")
         if self.best_of is not None and not self.n <= self.best_of <= max_n:
             raise APIError(
-                400, f"best_of: {self.best_of} is not allowed; expected n ({self.n}) to {max_n} (--max-n)", param="best_of"
+                400,
+                f"best_of: {self.best_of} is not allowed; expected n ({self.n}) to {max_n} (--max-n)",
+                param="best_of",
             )
         if self.best_of is not None and self.best_of > self.n and self.stream:
-            raise APIError(400, "best_of: more samples than n cannot be streamed (they are ranked at the end)", param="best_of")
+            raise APIError(
+                400, "best_of: more samples than n cannot be streamed (they are ranked at the end)", param="best_of"
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
 
@@ -200,7 +227,9 @@ class CompletionRequest(_GenerationRequest):
     def check(self, max_n: int) -> None:
         super().check(max_n)
         if self.max_tokens == 0 and not self.echo:
-            raise APIError(400, "max_tokens: 0 generates nothing; it is allowed only with echo=true", param="max_tokens")
+            raise APIError(
+                400, "max_tokens: 0 generates nothing; it is allowed only with echo=true", param="max_tokens"
+            )
         if self.suffix:
             raise APIError(400, "suffix: not supported: no model served here fills in the middle", param="suffix")
 
