@@ -1,12 +1,24 @@
-"""Shared fixtures: the real SmolLM2 (vlens and HF side by side) and tiny random checkpoints on disk."""
+"""Shared fixtures: the real SmolLM2 (vlens and HF side by side), the engines several modules use, and tiny
+random checkpoints on disk.
+
+Loading SmolLM2 costs seconds (540 MB read and copied, plus a 2 GiB KV cache zeroed for the default engine
+settings), so each model a test needs is loaded once a session and shared; a test that needs other engine
+settings asks for a small KV cache unless the size is what it checks.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+import vlens
 from vlens import LLM
-from vlens.loader import resolve_model_path
+from vlens.loader import LoadedModel, cache_dir, default_gguf, hash_file, resolve_model_path
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -15,8 +27,87 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+# --- the default model's GGUF, converted once a run -------------------------------------------------------
+
+
+@dataclass
+class FirstUse:
+    """What loading the default GGUF twice did to a cache that lacked its conversion (test_loading checks it)."""
+
+    cache: Path  # the $VLENS_CACHE it ran with
+    entries_before: set[str]  # what cache/gguf held before
+    conversions: list[list[str]]  # the GGUF files transformers dequantised: during the first load, the second
+    first: LoadedModel  # weights dropped (`model` is None): only its path, name and tokenizer are looked at
+    files: dict[str, int]  # the converted directory after the first load: file name -> mtime
+    entries_after: set[str]  # what cache/gguf held after the first load
+    second_path: Path
+    files_after_second: dict[str, int]
+    default_path: Path  # resolve_model_path(None) under the same cache
+    weights: dict[str, str]  # the second load's weights: parameter name -> digest of its bytes
+
+
+def weight_digests(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter name -> sha256 of its bytes: equal digests are equal tensors, without keeping two copies."""
+    state = model.state_dict()
+    return {name: hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest() for name, t in state.items()}
+
+
+def default_is_converted() -> bool:
+    """Whether $VLENS_CACHE already holds the default GGUF's conversion (vlens.loader.convert_gguf's rule:
+    a directory named after the file's content hash)."""
+    return (cache_dir() / "gguf" / hash_file(default_gguf()).hexdigest()[:32] / "config.json").exists()
+
+
+def load_default_gguf_twice(cache: Path) -> FirstUse:
+    """Load the default GGUF twice with $VLENS_CACHE at `cache`, recording each dequantisation transformers does."""
+    import transformers
+
+    gguf, calls = default_gguf(), []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def counting(*args, **kwargs):
+        if kwargs.get("gguf_file"):
+            calls.append(kwargs["gguf_file"])
+        return original(*args, **kwargs)
+
+    def files(path: Path) -> dict[str, int]:
+        return {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+
+    before = {p.name for p in (cache / "gguf").iterdir()} if (cache / "gguf").exists() else set()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLENS_CACHE", str(cache))
+        patch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counting)
+        first = vlens.load_model(str(gguf), dtype="float32", device="cpu")
+        first_calls, first_files = list(calls), files(first.path)
+        entries_after = {p.name for p in first.path.parent.iterdir()}
+        second = vlens.load_model(str(gguf), dtype="float32", device="cpu")
+        default_path = resolve_model_path(None)
+    return FirstUse(
+        cache, before, [first_calls, calls[len(first_calls) :]], first._replace(model=None), first_files,
+        entries_after, second.path, files(second.path), default_path, weight_digests(second.model),
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
-def smol_path():
+def gguf_first_use(tmp_path_factory) -> FirstUse:
+    """The default GGUF's first use. Converting it takes 20-30 s, so a run does it at most once: where the
+    cache already holds the conversion, into an empty cache of its own (removed after the run); on a
+    machine whose cache lacks it (a fresh CI runner), into that cache, where `smol_path` then finds it."""
+    if default_is_converted():
+        cache = tmp_path_factory.mktemp("vlens-cache")
+        yield load_default_gguf_twice(cache)
+        shutil.rmtree(cache, ignore_errors=True)  # half a gigabyte
+    else:
+        yield load_default_gguf_twice(cache_dir())
+
+
+# --- SmolLM2, and engines over it ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smol_path(request) -> Path:
+    if not default_is_converted():
+        request.getfixturevalue("gguf_first_use")  # the run's one conversion, observed for test_loading
     return resolve_model_path(None)
 
 
@@ -30,6 +121,9 @@ def hf_smol(smol_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
+
+
+# --- tiny checkpoints --------------------------------------------------------------------------------
 
 
 def save_tiny(config, path) -> str:

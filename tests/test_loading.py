@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from conftest import rel_err, save_tiny
+from conftest import rel_err, save_tiny, weight_digests
 from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig, OPTConfig
 
 import vlens
 from vlens import LLM
 from vlens.config import ModelConfig, UnsupportedModelError
-from vlens.loader import LoadedModel, ModelLoadError, default_gguf, resolve_model_path
+from vlens.loader import LoadedModel, ModelLoadError, default_gguf
 from vlens.models.llama import CausalLM
 
 IDS = [[5, 17, 42, 99, 7, 250, 3, 3, 8], [11, 12]]
@@ -126,46 +125,28 @@ def test_dtype(tiny, dtype, expected):
     assert all(v.dtype == expected for v in out.values())
 
 
-@pytest.fixture
-def empty_cache(tmp_path, monkeypatch):
-    """A fresh $VLENS_CACHE, removed afterwards (a conversion is half a gigabyte)."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("VLENS_CACHE", str(cache))
-    yield cache
-    shutil.rmtree(cache, ignore_errors=True)
+def test_gguf_is_converted_once_and_cached(gguf_first_use, smol):
+    """A .gguf is dequantised into $VLENS_CACHE on first use; later loads (of it or the default) reuse it.
 
-
-def test_gguf_is_converted_once_and_cached(monkeypatch, empty_cache, smol):
-    """A .gguf is dequantised into $VLENS_CACHE on first use; later loads (of it or the default) reuse it."""
-    conversions = []
-    original = AutoModelForCausalLM.from_pretrained
-
-    def counting(*args, **kwargs):
-        if kwargs.get("gguf_file"):
-            conversions.append(kwargs["gguf_file"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counting)
-    gguf = default_gguf()
+    The first use is the session's (conftest.gguf_first_use): the run converts the file once, whether for
+    this test alone or also for the `smol` every other test reads."""
+    use, gguf = gguf_first_use, default_gguf()
     assert gguf.is_file() and gguf.suffix == ".gguf"
 
-    first = vlens.load_model(str(gguf), dtype="float32", device="cpu")
-    assert conversions == [gguf.name]
-    converted = first.path
-    assert converted.parent == empty_cache / "gguf"
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in converted.iterdir()}
-    assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temporary directory left
+    first, converted = use.first, use.first.path
+    assert use.conversions[0] == [gguf.name]
+    assert converted.parent == use.cache / "gguf" and converted.name not in use.entries_before
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(use.files)
+    assert use.entries_after == use.entries_before | {converted.name}  # no temporary directory left
     assert first.name == str(gguf) and first.tokenizer is not None
-    stamps = {p.name: p.stat().st_mtime_ns for p in converted.iterdir()}
 
-    second = vlens.load_model(str(gguf), dtype="float32", device="cpu")
-    assert resolve_model_path(None) == second.path == converted  # the default model is this GGUF
-    assert conversions == [gguf.name]  # neither converted again
-    assert {p.name: p.stat().st_mtime_ns for p in converted.iterdir()} == stamps
+    assert use.default_path == use.second_path == converted  # the default model is this GGUF
+    assert use.conversions[1] == []  # neither converted again
+    assert use.files_after_second == use.files
 
-    # The same file converted into another cache (the session's) gives the same weights.
-    for (name, a), b in zip(second.model.state_dict().items(), smol.model.state_dict().values()):
-        assert torch.equal(a, b), name
+    # Converted in an empty cache, the file gives the weights the session's `smol` was loaded with (from the
+    # cache the user already had, unless this run made it).
+    assert use.weights == weight_digests(smol.model)
     ids = first.tokenizer("The capital of France is")["input_ids"]
     assert ids == smol.tokenizer("The capital of France is")["input_ids"]
 
