@@ -9,6 +9,7 @@ settings asks for a small KV cache unless the size is what it checks.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +135,23 @@ def save_tiny(config, path) -> str:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smol4_path(smol_path, tmp_path_factory) -> Path:
+    """SmolLM2 cut to its first four layers (embeddings, final norm and tokenizer kept): a third of the
+    weights to read, for tests whose checks hold for any model and that load it again and again (in each
+    Ray actor, in child processes): harvest files byte for byte, resuming after a kill, serving as an
+    operator, command-line errors. Its rows are SmolLM2's width, so shard sizes are SmolLM2's."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("smol4")
+    config = json.loads((smol_path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 4}))
+    with safe_open(smol_path / "model.safetensors", framework="pt") as f:
+        kept = [k for k in f.keys() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4]
+        save_file({k: f.get_tensor(k) for k in kept}, path / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smol_path / name, path / name)
+    return path

@@ -116,12 +116,12 @@ def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys):
     assert message in err
 
 
-def test_bad_hook_exits_2_naming_the_closest_hooks():
-    """Through the installed entry point: status 2, one line on stderr, no traceback."""
+def test_bad_hook_exits_2_naming_the_closest_hooks(smol4_path):
+    """Through the installed entry point: status 2, one line on stderr, no traceback. The model is SmolLM2 cut
+    to four layers (conftest.smol4_path), a third of the weights for the child process to load."""
     vlens = Path(sys.executable).parent / "vlens"
-    done = subprocess.run(
-        [str(vlens), "trace", "Hello", "--hooks", "blocks.30.hook_resid_post"], capture_output=True, text=True
-    )
+    argv = [str(vlens), "trace", "Hello", "--model", str(smol4_path), "--hooks", "blocks.30.hook_resid_post"]
+    done = subprocess.run(argv, capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -28,6 +28,8 @@ from vlens.harvest.writer import read_manifest
 
 ray = pytest.importorskip("ray")
 
+# The model is SmolLM2 cut to four layers (conftest.smol4_path): every actor (re)start loads it again, and
+# what the tests check, the bytes of the single-machine run, holds for any model.
 HOOKS = ["blocks.2.hook_resid_post", "blocks.0.attn.hook_v"]
 # 24 windows of 32 tokens; 400 kB is 4 windows a shard (3092 B a row): 6 shards of 2 forwards each.
 OPTIONS = {"context_size": 32, "dtype": "float32", "shard_bytes": 400_000, "batch_tokens": 64, "progress": False}
@@ -47,14 +49,14 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def local_run(smol_path, corpus, tmp_path_factory) -> Path:
+def local_run(smol4_path, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("local") / "out"
-    harvest(str(smol_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, **OPTIONS)
+    harvest(str(smol4_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, **OPTIONS)
     return out
 
 
-def _ray_harvest(smol_path, corpus, out: Path | str):
-    return harvest(str(smol_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, backend="ray", workers=2, **OPTIONS)
+def _ray_harvest(model_path, corpus, out: Path | str):
+    return harvest(str(model_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, backend="ray", workers=2, **OPTIONS)
 
 
 def _each_window_once(out: Path) -> None:
@@ -63,15 +65,15 @@ def _each_window_once(out: Path) -> None:
     assert len(windows) == WINDOWS * 32
 
 
-def test_same_files_as_single_machine(smol_path, corpus, local_run, tmp_path):
-    summary = _ray_harvest(smol_path, corpus, tmp_path / "out")
+def test_same_files_as_single_machine(smol4_path, corpus, local_run, tmp_path):
+    summary = _ray_harvest(smol4_path, corpus, tmp_path / "out")
     assert summary.shards == len(read_manifest(local_run)["shards"]) == 6
     assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)  # shards and manifest, byte for byte
     _each_window_once(tmp_path / "out")
 
 
-def test_same_files_through_an_fsspec_url(smol_path, corpus, local_run, tmp_path):
-    summary = _ray_harvest(smol_path, corpus, f"file://{tmp_path}/out")
+def test_same_files_through_an_fsspec_url(smol4_path, corpus, local_run, tmp_path):
+    summary = _ray_harvest(smol4_path, corpus, f"file://{tmp_path}/out")
     assert summary.out_dir == f"{tmp_path}/out"
     assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
 
@@ -118,7 +120,7 @@ def _busy_workers() -> list[int]:
     return pids
 
 
-def test_actor_killed_mid_shard_loses_and_doubles_nothing(smol_path, corpus, local_run, tmp_path):
+def test_actor_killed_mid_shard_loses_and_doubles_nothing(smol4_path, corpus, local_run, tmp_path):
     killed: list[int] = []
     stop = threading.Event()
 
@@ -133,7 +135,7 @@ def test_actor_killed_mid_shard_loses_and_doubles_nothing(smol_path, corpus, loc
     killer = threading.Thread(target=kill_first_busy_worker)
     killer.start()
     try:
-        _ray_harvest(smol_path, corpus, tmp_path / "out")
+        _ray_harvest(smol4_path, corpus, tmp_path / "out")
     finally:
         stop.set()
         killer.join()
@@ -146,7 +148,7 @@ class _DriverDied(Exception):
     """Raised by the test to stop a driver mid-run."""
 
 
-def test_rerun_after_driver_stops_resumes(smol_path, corpus, local_run, tmp_path, monkeypatch):
+def test_rerun_after_driver_stops_resumes(smol4_path, corpus, local_run, tmp_path, monkeypatch):
     real = job.write_manifest
 
     def die_after_two_shards(out_dir, manifest):
@@ -156,11 +158,11 @@ def test_rerun_after_driver_stops_resumes(smol_path, corpus, local_run, tmp_path
 
     monkeypatch.setattr(job, "write_manifest", die_after_two_shards)
     with pytest.raises(_DriverDied):
-        _ray_harvest(smol_path, corpus, tmp_path / "out")
+        _ray_harvest(smol4_path, corpus, tmp_path / "out")
     monkeypatch.setattr(job, "write_manifest", real)
     manifest = read_manifest(tmp_path / "out")
     assert len(manifest["shards"]) == 2 and not manifest["complete"]
-    summary = _ray_harvest(smol_path, corpus, tmp_path / "out")
+    summary = _ray_harvest(smol4_path, corpus, tmp_path / "out")
     assert summary.tokens_this_run == (WINDOWS - 8) * 32  # the two committed shards are not redone
     assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
 
@@ -187,6 +189,6 @@ def test_cli_flags_and_no_ray_import_in_core():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_unknown_backend_is_refused(smol_path, corpus, tmp_path):
+def test_unknown_backend_is_refused(smol4_path, corpus, tmp_path):
     with pytest.raises(ValueError, match="backend"):
-        harvest(str(smol_path), corpus, HOOKS, tmp_path / "out", backend="dask", **OPTIONS)
+        harvest(str(smol4_path), corpus, HOOKS, tmp_path / "out", backend="dask", **OPTIONS)

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from harvest_helpers import dir_bytes, documents, write_jsonl
 
-from vlens import harvest
+from vlens import LLM, harvest
 from vlens.harvest.writer import read_manifest
 
 OPTIONS = {
@@ -63,11 +63,11 @@ CHILD = textwrap.dedent(
 )
 
 
-def _kill_at(tmp_path, smol_path, source, out, point: str, nth: int) -> None:
+def _kill_at(tmp_path, model_path, source, out, point: str, nth: int) -> None:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     run = subprocess.run(
-        [sys.executable, str(script), str(smol_path), str(source), str(out), point, str(nth),
+        [sys.executable, str(script), str(model_path), str(source), str(out), point, str(nth),
          json.dumps(HOOKS), json.dumps(OPTIONS)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -83,23 +83,29 @@ def source(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("resume") / "docs.jsonl", documents(30, seed=5))
 
 
-def test_resume_after_sigkill_is_byte_identical(smol, smol_path, source, tmp_path):
-    _run(smol, source, tmp_path / "whole")
+@pytest.fixture(scope="module")
+def smol4(smol4_path) -> LLM:
+    """SmolLM2 cut to four layers (conftest.smol4_path): each child process loads it again."""
+    return LLM(model=str(smol4_path), dtype="float32", device="cpu")
+
+
+def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, tmp_path):
+    _run(smol4, source, tmp_path / "whole")
     expected = dir_bytes(tmp_path / "whole")
     assert len(read_manifest(tmp_path / "whole")["shards"]) >= 6
 
     out = tmp_path / "killed"
-    _kill_at(tmp_path, smol_path, source, out, "forward", 3)  # in the second shard's first forward
+    _kill_at(tmp_path, smol4_path, source, out, "forward", 3)  # in the second shard's first forward
     assert len(read_manifest(out)["shards"]) == 1
 
-    _kill_at(tmp_path, smol_path, source, out, "before-rename", 2)
+    _kill_at(tmp_path, smol4_path, source, out, "before-rename", 2)
     assert len(read_manifest(out)["shards"]) == 2
     assert (out / ".tmp-shard-00002.safetensors").exists()
 
-    _kill_at(tmp_path, smol_path, source, out, "after-rename", 1)
+    _kill_at(tmp_path, smol4_path, source, out, "after-rename", 1)
     assert len(read_manifest(out)["shards"]) == 2
     assert (out / "shard-00002.safetensors").exists()  # on disk, but not in the manifest: redone
 
-    summary = _run(smol, source, out)
+    summary = _run(smol4, source, out)
     assert summary.tokens_this_run == summary.tokens - 2 * 3 * 16
     assert dir_bytes(out) == expected

@@ -20,9 +20,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(smol_path):
-    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "256",
-            "--embedding-hook", "blocks.3.hook_resid_post", "--embedding-pooling", "last"]  # fmt: skip
+def server(smol4_path):
+    """`vlens serve` on SmolLM2 cut to four layers (conftest.smol4_path): its blocks.3 rows are SmolLM2's."""
+    args = ["--model", str(smol4_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len",
+            "256", "--embedding-hook", "blocks.3.hook_resid_post", "--embedding-pooling", "last"]  # fmt: skip
     with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as served:
         yield served
 
