@@ -124,6 +124,23 @@ def hf_smol(smol_path):
     return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def smol_no_prefix_cache(smol_path) -> LLM:
+    """SmolLM2 with prefix caching off: the reference that engine and intervention tests compare cached runs
+    with. 256 MiB of KV cache (5,800 tokens) is roomy for them: nothing is preempted."""
+    settings = {"enable_prefix_caching": False, "kv_cache_memory": 256 << 20}
+    return LLM(model=str(smol_path), dtype="float32", device="cpu", **settings)
+
+
+@pytest.fixture(scope="session")
+def served_smol(smol_path) -> LLM:
+    """The SmolLM2 that test_server and test_server_concurrency serve, each with its own server in turn
+    (module fixtures, so never two at once); every server test leaves the engine idle."""
+    from server_helpers import ENGINE
+
+    return LLM(model=str(smol_path), enable_capture=True, **ENGINE)
+
+
 # --- tiny checkpoints --------------------------------------------------------------------------------
 
 

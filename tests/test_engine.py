@@ -99,9 +99,15 @@ def _same(a, b):
         assert rel_err(a.activations[name].float(), b.activations[name].float()) < 1e-4, name
 
 
-def test_isolation_mixed_batch(smol):
+@pytest.fixture(scope="module")
+def mixed_batch(smol):
+    """32 mixed requests generated together: each compared with itself alone, and their rows counted."""
     prompts, params = _mixed_requests(32)
-    together = smol.generate(prompts, params, use_tqdm=False)
+    return prompts, params, smol.generate(prompts, params, use_tqdm=False)
+
+
+def test_isolation_mixed_batch(smol, mixed_batch):
+    prompts, params, together = mixed_batch
     for prompt, p, out in zip(prompts, params, together):
         [alone] = smol.generate(prompt, p, use_tqdm=False)
         _same(out, alone)
@@ -118,9 +124,9 @@ def _raw(positions):
     return positions.kind
 
 
-def test_row_counts_follow_the_spec(smol):
-    prompts, params = _mixed_requests(8)
-    for out, p in zip(smol.generate(prompts, params, use_tqdm=False), params):
+def test_row_counts_follow_the_spec(mixed_batch):
+    _, params, outs = mixed_batch
+    for out, p in zip(outs, params):
         P, G = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
         rows = P + G - 1
         seq = out.prompt_token_ids + out.outputs[0].token_ids
@@ -146,12 +152,11 @@ def test_row_counts_follow_the_spec(smol):
             assert t.shape[0] == len(expected), name
 
 
-def test_preemption_chunked_prefill_prefix_caching(smol_path):
+def test_preemption_chunked_prefill_prefix_caching(smol_path, smol_no_prefix_cache):
     prompts, params = _mixed_requests(16)
     shared = "Here is a long shared system prompt that many requests start with, word for word. " * 3
     prompts = [shared + p for p in prompts]
-    roomy = LLM(model=str(smol_path), dtype="float32", device="cpu", enable_prefix_caching=False)
-    baseline = roomy.generate(prompts, params, use_tqdm=False)
+    baseline = smol_no_prefix_cache.generate(prompts, params, use_tqdm=False)  # roomy: nothing preempted
     # 24 blocks of 8 tokens cannot hold 16 sequences of ~60 tokens; 32-token steps chunk every prompt.
     tight = LLM(
         model=str(smol_path), dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=32,
@@ -168,7 +173,7 @@ def test_preemption_chunked_prefill_prefix_caching(smol_path):
 
 
 def test_prefix_cache_is_used_and_capture_still_complete(smol_path):
-    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=4)
+    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=64 << 20)
     prompt = "A prefix that is long enough to fill several cache blocks of four tokens each, and more."
     first = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     cached_before = len(llm.engine.blocks.cached)
@@ -251,7 +256,7 @@ def test_bad_input_is_a_clear_error(smol, make, field):
 
 
 def test_capture_disabled_fails_before_running(smol_path):
-    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", enable_capture=False)
+    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", enable_capture=False, kv_cache_memory=64 << 20)
     p = SamplingParams(max_tokens=2, capture=Capture(hooks="blocks.0.hook_resid_post"))
     with pytest.raises(ValueError, match="enable_capture=True"):
         llm.generate(["fine", "also fine"], [SamplingParams(max_tokens=2), p], use_tqdm=False)

@@ -113,17 +113,17 @@ def _same(a, b):
         assert rel_err(a.activations[name], b.activations[name]) < 1e-4, name
 
 
-def test_mixed_batch_isolation_and_prefix_caching(smol, smol_path):
+def test_mixed_batch_isolation_and_prefix_caching(smol, smol_path, smol_no_prefix_cache):
     prompts, params = _requests()
     together = smol.generate(prompts, params, use_tqdm=False)
     for prompt, p, out in zip(prompts, params, together):
         [alone] = smol.generate(prompt, p, use_tqdm=False)
         _same(out, alone)
-    no_cache = LLM(model=str(smol_path), dtype="float32", device="cpu", enable_prefix_caching=False)
+    no_cache = smol_no_prefix_cache
     for a, b in zip(together, no_cache.generate(prompts, params, use_tqdm=False)):
         _same(a, b)
     # Same prompt, plain then steered then plain: the cache never hands KV across intervention sets.
-    small = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=2)
+    small = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=2, kv_cache_memory=64 << 20)
     plain = SamplingParams(max_tokens=4, temperature=0, capture=Capture(hooks="unembed.hook_out"))
     steered = SamplingParams(max_tokens=4, temperature=0, capture=plain.capture, interventions=[Steer("blocks.2.hook_resid_post", _direction(7, 30.0), positions=[1])])
     first = small.generate(PROMPT, plain, use_tqdm=False)[0]

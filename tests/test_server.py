@@ -12,9 +12,9 @@ import openai
 import pytest
 import torch
 from conftest import rel_err
-from server_helpers import ENGINE, decode_activations, metric, running_server, wait_idle
+from server_helpers import decode_activations, metric, running_server, wait_idle
 
-from vlens import LLM, Capture, SamplingParams, Steer
+from vlens import Capture, SamplingParams, Steer
 from vlens.server.config import ServerConfig
 
 KEY = "test-key-0123456789"
@@ -26,8 +26,7 @@ GREEDY = {"temperature": 0, "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def server(smol_path):
-    llm = LLM(model=str(smol_path), enable_capture=True, **ENGINE)
+def server(served_smol):
     config = ServerConfig(
         enable_capture=True,
         api_key=KEY,
@@ -36,7 +35,7 @@ def server(smol_path):
         max_body_bytes=64 << 10,
         served_model_name="smol",
     )
-    with running_server(llm, config) as url:
+    with running_server(served_smol, config) as url:
         yield url
 
 

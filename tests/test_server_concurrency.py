@@ -14,9 +14,8 @@ import openai
 import pytest
 import torch
 from conftest import rel_err
-from server_helpers import ENGINE, decode_activations, metric, running_server, wait_idle
+from server_helpers import decode_activations, metric, running_server, wait_idle
 
-from vlens import LLM
 from vlens.server.config import ServerConfig
 
 CLIENTS = 64
@@ -68,12 +67,11 @@ class Result:
 
 
 @pytest.fixture(scope="module")
-def server(smol_path):
-    llm = LLM(model=str(smol_path), enable_capture=True, **ENGINE)
+def server(served_smol):
     config = ServerConfig(
         enable_capture=True, inline_activation_bytes=16 << 10, served_model_name="smol"
     )  # some inline, some handles
-    with running_server(llm, config) as url:
+    with running_server(served_smol, config) as url:
         yield url
 
 
