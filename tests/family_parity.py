@@ -1,6 +1,12 @@
-"""Shared checks of the per-family parity tests (test_parity_<family>.py): a tiny random checkpoint saved
-and read back from disk, compared with HF tap by tap, packed against alone, and through the engine's
-greedy generation against HF generate.
+"""The scaffolding of the per-family parity tests (test_parity_<family>.py): a tiny random checkpoint saved
+and read back from disk, compared with HF (hf_reference.py) tap by tap, packed against alone, and through
+the engine's greedy generation against HF generate. A family file keeps only its configs and what is
+particular to it:
+
+    family = family_fixture(CONFIGS)          # (name, path, llm, hf) for each config, built once a module
+
+    class TestParity(TapParity, GenerationParity):
+        generation_hooks = ("hook_pos_embed",)  # what this family adds to the shared checks
 
 Not a test module. HF initialises norms to one (Gemma: zero) and biases to zero, which would let a model
 that ignores them pass; `build` re-saves the checkpoint with those weights perturbed.
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import rel_err, save_tiny
 from hf_reference import hf_taps, rows_shape, same
@@ -20,17 +27,18 @@ from vlens import LLM, Capture, SamplingParams
 
 TOL = 1e-5  # forward, float32
 GEN_TOL = 1e-4  # through generation
+FEATURE_TOL = 1e-3  # how far the logits must move when a feature is turned off in HF
 VOCAB = 300
-SEQ_LENS = (1, 23, 40)
-COMMON = dict(  # sizes every tiny config shares (GPT-2 spells them its own way)
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    max_position_embeddings=128,
-    initializer_range=0.1,  # larger than HF's 0.02 so attention is far from uniform
-)
+SEQ_LENS = (1, 23, 40)  # the longer ones outrun every window and every original rope context of the configs
+COMMON = {  # sizes every tiny config shares (GPT-2 spells them its own way)
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "initializer_range": 0.1,  # larger than HF's 0.02 so attention is far from uniform
+}
 
 
 def perturb_norms_and_biases(path: Path, seed: int = 1) -> None:
@@ -57,14 +65,29 @@ def load_pair(path: str) -> tuple[LLM, torch.nn.Module]:
     return llm, hf
 
 
+def family_fixture(configs: dict, name: str = "family"):
+    """The module-scoped fixture (`family` unless named otherwise) of a parity file: for each of `configs`
+    (name -> a function making the transformers config), (name, checkpoint path, vlens LLM with 4-token
+    blocks, HF model)."""
+
+    @pytest.fixture(scope="module", params=list(configs), name=name)
+    def family(request, tmp_path_factory):
+        path = build(configs[request.param](), tmp_path_factory.mktemp(request.param), request.param)
+        return request.param, path, *load_pair(path)
+
+    return family
+
+
 def sequences(lengths=SEQ_LENS, vocab: int = VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def check_every_tap(llm: LLM, hf, seqs: list[list[int]], tol: float = TOL) -> None:
-    """Every hook of the model that HF has a counterpart for, on every sequence of one packed trace."""
+def check_every_tap(llm: LLM, hf, seqs: list[list[int]], tol: float = TOL, required=()) -> None:
+    """Every hook of the model that HF has a counterpart for, on every sequence of one packed trace; the
+    hooks in `required` (spelled out by a test, so that a renamed or dropped hook fails) must be among them."""
     shapes = llm.hook_names()
+    assert not set(required) - set(shapes), sorted(set(required) - set(shapes))
     outs = llm.trace(seqs, hooks=list(shapes))
     failures, compared = [], set()
     for ids, got in zip(seqs, outs):
@@ -118,3 +141,46 @@ def check_generation(llm: LLM, hf, prompts: list[list[int]], max_tokens: int = 8
             ref = torch.cat([step[i][0] for step in g.hidden_states])
             assert rel_err(out.activations[f"hidden_states.{i}"], ref) <= GEN_TOL, i
     return outs
+
+
+def check_feature_matters(config, root: Path, **hf_overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """On a checkpoint of `config`, vlens's logits for the longest test sequence differ from HF's with a
+    feature turned off (`hf_overrides` for from_pretrained): else the sequences would not reach the feature
+    and the parity would prove nothing about it. Returns both."""
+    path = build(config, root, "feature")
+    llm = LLM(model=path, dtype="float32", device="cpu")
+    without = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hf_overrides).eval()
+    ids = sequences()[-1]
+    got = llm.trace([ids], hooks="unembed.hook_out")[0]["unembed.hook_out"]
+    with torch.no_grad():
+        ref = without(torch.tensor([ids])).logits[0]
+    assert rel_err(got, ref) > FEATURE_TOL
+    return got, ref
+
+
+class TapParity:
+    """Every tap against HF, and packed against alone, on each checkpoint of the module's `family` fixture.
+    A family file runs them by subclassing (in a class named Test...); `required_hooks(llm)` names the hooks
+    it spells out."""
+
+    def required_hooks(self, llm: LLM) -> list[str]:
+        return []
+
+    def test_every_tap_matches_hf(self, family):
+        _, _, llm, hf = family
+        check_every_tap(llm, hf, sequences(), required=self.required_hooks(llm))
+
+    def test_packed_equals_alone(self, family):
+        check_packed_equals_alone(family[2], sequences())
+
+
+class GenerationParity:
+    """Greedy generation through the paged cache (4-token blocks) against HF generate, prompts of
+    `generation_lengths` in one batch, capturing every hidden state and `generation_hooks`."""
+
+    generation_lengths = (20, 9, 3)
+    generation_hooks: tuple[str, ...] = ()
+
+    def test_generation_matches_hf(self, family):
+        _, _, llm, hf = family
+        check_generation(llm, hf, sequences(self.generation_lengths), extra_hooks=self.generation_hooks)

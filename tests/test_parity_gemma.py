@@ -5,18 +5,16 @@ windows) is reached by these sequences, so the parity proves something about it.
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import rel_err
 from family_parity import (
     COMMON,
-    build,
-    check_every_tap,
+    GenerationParity,
+    TapParity,
+    check_feature_matters,
     check_generation,
-    check_packed_equals_alone,
-    load_pair,
+    family_fixture,
     sequences,
 )
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
+from transformers import Gemma2Config, Gemma3TextConfig
 
 from vlens import LLM
 
@@ -43,11 +41,12 @@ CONFIGS = {
     ),
 }
 
+family = family_fixture(CONFIGS)
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def family(request, tmp_path_factory):
-    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp("gemma"), request.param)
-    return request.param, path, *load_pair(path)
+
+class TestParity(TapParity, GenerationParity):
+    """Generation: prompts longer than the 7-token window, 4-token cache blocks, so the window is applied
+    over the paged cache, across block boundaries, in prefill and decode."""
 
 
 def test_config_is_read_as_intended(family):
@@ -63,22 +62,6 @@ def test_config_is_read_as_intended(family):
         assert (cfg.rope_theta, cfg.sliding_rope_theta) == (1000000.0, 100.0)
 
 
-def test_every_tap_matches_hf(family):
-    _, _, llm, hf = family
-    check_every_tap(llm, hf, sequences())
-
-
-def test_packed_equals_alone(family):
-    check_packed_equals_alone(family[2], sequences())
-
-
-def test_generation_past_the_window_matches_hf(family):
-    """Prompts longer than the 7-token window, 4-token cache blocks: the window is applied over the
-    paged cache, across block boundaries, in prefill and decode."""
-    _, _, llm, hf = family
-    check_generation(llm, hf, sequences((20, 9, 3)))
-
-
 def test_chunked_prefill_past_the_window_matches_hf(family):
     """Steps of at most 5 tokens: each prefill chunk attends over earlier chunks' keys in the cache."""
     _, path, _, hf = family
@@ -90,19 +73,16 @@ FEATURE_OFF = {
     "gemma2": [{"attn_logit_softcapping": None}, {"final_logit_softcapping": None}, {"sliding_window": 1000}],
     "gemma3": [
         {"final_logit_softcapping": None},
-        {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},  # fmt: skip
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            }
+        },
     ],
 }
 
 
 @pytest.mark.parametrize("name, off", [(n, o) for n, offs in FEATURE_OFF.items() for o in offs])
 def test_the_feature_matters_for_these_sequences(name, off, tmp_path):
-    path = build(CONFIGS[name](), tmp_path, name)
-    llm, _ = load_pair(path)
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **off).eval()
-    longest = sequences()[-1]
-    got = llm.trace([longest], hooks="unembed.hook_out")[0]["unembed.hook_out"]
-    with torch.no_grad():
-        without = plain(torch.tensor([longest])).logits[0]
-    assert rel_err(got, without) > 1e-3
+    check_feature_matters(CONFIGS[name](), tmp_path, **off)

@@ -3,19 +3,10 @@ bias, Conv1D weights, and the attention-scale options; every tap, packed against
 
 from __future__ import annotations
 
-import pytest
-from family_parity import (
-    VOCAB,
-    build,
-    check_every_tap,
-    check_generation,
-    check_packed_equals_alone,
-    load_pair,
-    sequences,
-)
+from family_parity import VOCAB, GenerationParity, TapParity, family_fixture
 from transformers import GPT2Config
 
-GPT2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128, initializer_range=0.1)
+GPT2 = {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
 
 CONFIGS = {
     "gpt2": lambda: GPT2Config(**GPT2),
@@ -25,11 +16,11 @@ CONFIGS = {
     "gpt2_unscaled": lambda: GPT2Config(**(GPT2 | {"initializer_range": 0.05}), scale_attn_weights=False),
 }
 
+family = family_fixture(CONFIGS)
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def family(request, tmp_path_factory):
-    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp("gpt2"), request.param)
-    return request.param, path, *load_pair(path)
+
+class TestParity(TapParity, GenerationParity):
+    generation_hooks = ("hook_pos_embed",)
 
 
 def test_config_is_read_as_intended(family):
@@ -43,17 +34,3 @@ def test_config_is_read_as_intended(family):
         assert (cfg.hidden_act, cfg.intermediate_size, cfg.attn_scale_inverse_layer) == ("gelu", 80, True)
     else:
         assert cfg.hidden_act == "gelu_new" and cfg.intermediate_size == 256
-
-
-def test_every_tap_matches_hf(family):
-    _, _, llm, hf = family
-    check_every_tap(llm, hf, sequences())
-
-
-def test_packed_equals_alone(family):
-    check_packed_equals_alone(family[2], sequences())
-
-
-def test_generation_matches_hf(family):
-    _, _, llm, hf = family
-    check_generation(llm, hf, sequences((20, 9, 3)), extra_hooks=["hook_pos_embed"])

@@ -4,17 +4,8 @@ stacked weights, Qwen2-MoE's shared expert and dense (mlp_only) layers."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from family_parity import (
-    COMMON,
-    build,
-    check_every_tap,
-    check_generation,
-    check_packed_equals_alone,
-    load_pair,
-    sequences,
-)
+from family_parity import COMMON, TapParity, check_generation, family_fixture, sequences
 from transformers import MixtralConfig, Qwen2MoeConfig
 
 from vlens import Capture, SamplingParams
@@ -45,11 +36,11 @@ CONFIGS = {
     ),
 }
 
+family = family_fixture(CONFIGS)
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def family(request, tmp_path_factory):
-    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp("moe"), request.param)
-    return request.param, path, *load_pair(path)
+
+class TestParity(TapParity):
+    """Every tap (router logits, and expert ids exactly), packed against alone; generation is below."""
 
 
 def test_config_and_hooks(family):
@@ -65,15 +56,6 @@ def test_config_and_hooks(family):
         assert shapes["blocks.0.mlp.shared_expert.hook_post"] == (48,)
     if name.startswith("mixtral"):
         assert cfg.norm_topk_prob and cfg.moe_layers == (True,) * 3
-
-
-def test_every_tap_matches_hf(family):
-    _, _, llm, hf = family
-    check_every_tap(llm, hf, sequences())
-
-
-def test_packed_equals_alone(family):
-    check_packed_equals_alone(family[2], sequences())
 
 
 def test_generation_matches_hf_and_captures_expert_ids(family):

@@ -10,16 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import (
-    COMMON,
-    build,
-    check_every_tap,
-    check_generation,
-    check_packed_equals_alone,
-    load_pair,
-    sequences,
-)
-from transformers import AutoModelForCausalLM, Phi3Config
+from family_parity import COMMON, GenerationParity, TapParity, check_feature_matters, family_fixture
+from transformers import Phi3Config
 
 from vlens import LLM, Capture, SamplingParams
 
@@ -38,11 +30,14 @@ CONFIGS = {
     "phi3_window_gqa": lambda: Phi3Config(**PHI3, num_key_value_heads=2, sliding_window=7),
 }
 
+family = family_fixture(CONFIGS)
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def family(request, tmp_path_factory):
-    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp("phi3"), request.param)
-    return request.param, path, *load_pair(path)
+
+class TestParity(TapParity, GenerationParity):
+    """The traced lengths 1 and 23, 40 sit either side of the LongRoPE switch (16). In generation the
+    20-token prompt runs on the long factors throughout, the others on the short ones."""
+
+    generation_lengths = (20, 7, 3)
 
 
 def test_config_is_read_as_intended(family):
@@ -56,45 +51,30 @@ def test_config_is_read_as_intended(family):
         assert cfg.sliding_windows == (7, 7, 7) and cfg.num_kv_heads == 2
 
 
-def test_every_tap_matches_hf(family):
-    _, _, llm, hf = family
-    check_every_tap(llm, hf, sequences())  # lengths 1 and 23, 40 sit either side of the longrope switch
-
-
-def test_packed_equals_alone(family):
-    check_packed_equals_alone(family[2], sequences())
-
-
-def test_generation_matches_hf(family):
-    """With LongRoPE, the 20-token prompt runs on the long factors throughout, the others on the short ones."""
-    _, _, llm, hf = family
-    check_generation(llm, hf, sequences((20, 7, 3)))
+longrope = family_fixture({"phi3_longrope": CONFIGS["phi3_longrope"]}, name="longrope")  # for the switch
 
 
 def test_long_factors_matter(tmp_path):
-    path = build(CONFIGS["phi3_longrope"](), tmp_path, "phi3")
-    llm, _ = load_pair(path)
-    short_only = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, rope_parameters=LONGROPE | {"long_factor": LONGROPE["short_factor"]}
-    ).eval()
-    ids = sequences()[-1]
-    got = llm.trace([ids], hooks="unembed.hook_out")[0]["unembed.hook_out"]
-    with torch.no_grad():
-        assert rel_err(got, short_only(torch.tensor([ids])).logits[0]) > 1e-3
+    short_only = LONGROPE | {"long_factor": LONGROPE["short_factor"]}
+    check_feature_matters(CONFIGS["phi3_longrope"](), tmp_path, rope_parameters=short_only)
 
 
 @pytest.mark.parametrize("budget", [4096, 4])
-def test_generation_across_the_longrope_switch(tmp_path, budget):
+def test_generation_across_the_longrope_switch(longrope, budget):
     """A 10-token prompt crosses the switch (16) at the 7th generated token; every step's logits equal
     HF's, also when the recompute runs in 4-token chunks."""
-    path = build(CONFIGS["phi3_longrope"](), tmp_path, "phi3")
-    _, hf = load_pair(path)
+    _, path, _, hf = longrope
     llm = LLM(model=str(path), dtype="float32", device="cpu", max_num_batched_tokens=budget)
     prompt = list(range(3, 13))
     with torch.inference_mode():
         g = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=10, eos_token_id=None, do_sample=False, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True,
+            torch.tensor([prompt]),
+            max_new_tokens=10,
+            eos_token_id=None,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
     p = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, capture=Capture(hooks="unembed.hook_out"))
     [out] = llm.generate([prompt], p, use_tqdm=False)
