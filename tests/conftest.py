@@ -167,8 +167,14 @@ def smol4_path(smol_path, tmp_path_factory) -> Path:
     config = json.loads((smol_path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 4}))
     with safe_open(smol_path / "model.safetensors", framework="pt") as f:
-        kept = [k for k in f.keys() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4]
+        kept = [k for k in f.keys() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4]  # noqa: SIM118
         save_file({k: f.get_tensor(k) for k in kept}, path / "model.safetensors", metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smol_path / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def smol4(smol4_path) -> LLM:
+    """An engine on smol4_path: the reference of the tests that run that model in a child process."""
+    return LLM(model=str(smol4_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)

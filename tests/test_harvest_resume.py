@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from harvest_helpers import dir_bytes, documents, write_jsonl
 
-from vlens import LLM, harvest
+from vlens import harvest
 from vlens.harvest.writer import read_manifest
 
 OPTIONS = {
@@ -81,12 +81,6 @@ def _run(model, source, out):
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("resume") / "docs.jsonl", documents(30, seed=5))
-
-
-@pytest.fixture(scope="module")
-def smol4(smol4_path) -> LLM:
-    """SmolLM2 cut to four layers (conftest.smol4_path): each child process loads it again."""
-    return LLM(model=str(smol4_path), dtype="float32", device="cpu")
 
 
 def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, tmp_path):

@@ -5,7 +5,9 @@ task scored by loglikelihood, a generate_until task), once with the remote token
 
 Every loglikelihood it records equals HF's (a float32 forward of the same tokens, which lm-eval splits
 into context and continuation as below), and every generation equals vlens's offline greedy one.
-Nothing is downloaded: the model is the embedded SmolLM2, the tasks read local JSONL files.
+Nothing is downloaded: the model is the embedded SmolLM2 cut to four layers (conftest.smol4_path, what
+is checked holds for any model; the server computes a seventh of the full model's work), the tasks read
+local JSONL files.
 """
 
 from __future__ import annotations
@@ -19,32 +21,41 @@ from pathlib import Path
 import pytest
 import torch
 from server_helpers import vlens_serve
+from transformers import AutoModelForCausalLM
 
 from vlens import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 MC = ROOT / "tests/data/lm_eval/mc.jsonl"
 TASKS = ("vlens_mc", "vlens_gen")
+# `lm_eval ARGS`, lm-eval's own entry point, except that its TaskManager leaves out the index of lm-eval's
+# ~14,000 built-in task YAML files (7-14 s a run on a 2-core machine, half of it): these tasks are local.
+LM_EVAL = (
+    "import sys; from lm_eval.tasks import manager; init = manager.TaskManager.__init__; "
+    "manager.TaskManager.__init__ = lambda self, *a, **k: init(self, *a, **({'include_defaults': False} | k)); "
+    "from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+)
 
 
 @pytest.fixture(scope="module")
-def server(smol_path):
-    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "512"]
+def server(smol4_path):
+    args = ["--model", str(smol4_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20)]
+    args += ["--max-model-len", "512"]
     with vlens_serve(args) as (url, _):
         yield url
 
 
 @pytest.fixture(scope="module")
-def runs(server, smol_path, tmp_path_factory):
+def runs(server, smol4_path, tmp_path_factory):
     """Both lm-eval runs, side by side (their start-up is most of their time): backend -> task -> samples."""
     out = tmp_path_factory.mktemp("lm_eval")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(out / "datasets")}  # fmt: skip
-    backends = {"remote": "", "huggingface": f",tokenizer_backend=huggingface,tokenizer={smol_path}"}
+    backends = {"remote": "", "huggingface": f",tokenizer_backend=huggingface,tokenizer={smol4_path}"}
     procs = {}
     for name, extra in backends.items():
         command = [
-            sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
+            sys.executable, "-c", LM_EVAL, "run", "--model", "local-completions",
             "--model_args", f"base_url={server}/v1/completions,num_concurrent=4{extra}",
             "--tasks", *TASKS, "--include_path", "tests/data/lm_eval", "--batch_size", "8",
             "--output_path", str(out / name), "--log_samples",
@@ -75,11 +86,11 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 @pytest.fixture(scope="module")
-def hf_scores(runs, smol, hf_smol) -> dict[tuple[str, str], tuple[float, bool]]:
+def hf_scores(runs, smol4, smol4_path) -> dict[tuple[str, str], tuple[float, bool]]:
     """(context, continuation) -> HF's (log-likelihood, is greedy), from one right-padded float32
     forward of every pair the multiple-choice run asked for."""
     pairs = [(a["arg_0"], a["arg_1"]) for sample in runs["remote"]["vlens_mc"] for a in sample["arguments"].values()]
-    split = [encode_pair(smol.tokenizer, *pair) for pair in pairs]
+    split = [encode_pair(smol4.tokenizer, *pair) for pair in pairs]
     width = max(len(c) + len(t) for c, t in split)
     ids = torch.zeros(len(split), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -87,7 +98,8 @@ def hf_scores(runs, smol, hf_smol) -> dict[tuple[str, str], tuple[float, bool]]:
         ids[i, : len(c) + len(t)] = torch.tensor(c + t)
         mask[i, : len(c) + len(t)] = 1
     with torch.inference_mode():
-        logp = hf_smol(ids, attention_mask=mask).logits.float().log_softmax(-1)
+        hf = AutoModelForCausalLM.from_pretrained(smol4_path, dtype=torch.float32).eval()
+        logp = hf(ids, attention_mask=mask).logits.float().log_softmax(-1)
     scores = {}
     for i, (pair, (c, t)) in enumerate(zip(pairs, split)):
         rows = logp[i, len(c) - 1 : len(c) + len(t) - 1]
@@ -109,14 +121,14 @@ def test_loglikelihoods_equal_hf(runs, hf_scores, backend):
 
 
 @pytest.mark.parametrize("backend", ["remote", "huggingface"])
-def test_generations_equal_offline_greedy(runs, backend, smol):
+def test_generations_equal_offline_greedy(runs, backend, smol4):
     samples = runs[backend]["vlens_gen"]
     assert len(samples) == 5
     args = [s["arguments"]["gen_args_0"] for s in samples]
     options = args[0]["arg_1"]
     assert all(a["arg_1"] == options for a in args)
-    stops = [*options["until"], smol.tokenizer.eos_token]  # lm-eval adds the EOS text to `until`
-    ids = [smol.tokenizer(a["arg_0"], add_special_tokens=False)["input_ids"] for a in args]
+    stops = [*options["until"], smol4.tokenizer.eos_token]  # lm-eval adds the EOS text to `until`
+    ids = [smol4.tokenizer(a["arg_0"], add_special_tokens=False)["input_ids"] for a in args]
     params = SamplingParams(max_tokens=options["max_gen_toks"], temperature=0, stop=stops)
-    offline = smol.generate(ids, params, use_tqdm=False)
+    offline = smol4.generate(ids, params, use_tqdm=False)
     assert [s["resps"][0][0] for s in samples] == [o.outputs[0].text for o in offline]

@@ -21,7 +21,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(smol4_path):
-    """`vlens serve` on SmolLM2 cut to four layers (conftest.smol4_path): its blocks.3 rows are SmolLM2's."""
+    """`vlens serve` on SmolLM2 cut to four layers (conftest.smol4_path): nothing here depends on the model."""
     args = ["--model", str(smol4_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len",
             "256", "--embedding-hook", "blocks.3.hook_resid_post", "--embedding-pooling", "last"]  # fmt: skip
     with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as served:
@@ -44,14 +44,14 @@ def test_capture_is_refused_unless_enabled(server):
     assert plain.usage.completion_tokens == 2 and "vlens" not in (plain.model_extra or {})
 
 
-def test_embeddings_need_no_enable_capture(server, smol):
+def test_embeddings_need_no_enable_capture(server, smol4):
     """An embedding is the server's own capture: it works with capture off, at the flags' hook and pooling."""
     url, _ = server
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     out = client.embeddings.create(model=client.models.list().data[0].id, input=["Hello there", "Bye"])
     capture = Capture(hooks="blocks.3.hook_resid_post", positions="last")
     for text, d in zip(["Hello there", "Bye"], out.data):
-        [ref] = smol.generate(text, SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
+        [ref] = smol4.generate(text, SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
         assert torch.allclose(torch.tensor(d.embedding), ref.activations["blocks.3.hook_resid_post"][0], atol=1e-5)
 
 
