@@ -116,7 +116,12 @@ def _busy_workers() -> list[int]:
     return pids
 
 
-def test_actor_killed_mid_shard_loses_and_doubles_nothing(smol4_path, corpus, local_run, tmp_path):
+class _DriverDied(Exception):
+    """Raised by the test to stop a driver mid-run."""
+
+
+def _harvest_killing_an_actor(model_path, corpus, out: Path):
+    """A Ray harvest during which the first actor caught running a shard task is SIGKILLed."""
     killed: list[int] = []
     stop = threading.Event()
 
@@ -131,20 +136,19 @@ def test_actor_killed_mid_shard_loses_and_doubles_nothing(smol4_path, corpus, lo
     killer = threading.Thread(target=kill_first_busy_worker)
     killer.start()
     try:
-        _ray_harvest(smol4_path, corpus, tmp_path / "out")
+        summary = _ray_harvest(model_path, corpus, out)
     finally:
         stop.set()
         killer.join()
     assert killed, "no shard task was caught running"
-    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
-    _each_window_once(tmp_path / "out")
+    return summary
 
 
-class _DriverDied(Exception):
-    """Raised by the test to stop a driver mid-run."""
-
-
-def test_rerun_after_driver_stops_resumes(smol4_path, corpus, local_run, tmp_path, monkeypatch):
+def test_rerun_after_driver_stops_resumes_and_an_actor_killed_mid_shard_loses_and_doubles_nothing(
+    smol4_path, corpus, local_run, tmp_path, monkeypatch
+):
+    """The driver stops after two shards; the re-run does only the rest, and while it runs an actor is
+    killed mid-shard (Ray restarts it and retries the task): the same files as the single-machine run."""
     real = job.write_manifest
 
     def die_after_two_shards(out_dir, manifest):
@@ -158,9 +162,10 @@ def test_rerun_after_driver_stops_resumes(smol4_path, corpus, local_run, tmp_pat
     monkeypatch.setattr(job, "write_manifest", real)
     manifest = read_manifest(tmp_path / "out")
     assert len(manifest["shards"]) == 2 and not manifest["complete"]
-    summary = _ray_harvest(smol4_path, corpus, tmp_path / "out")
+    summary = _harvest_killing_an_actor(smol4_path, corpus, tmp_path / "out")
     assert summary.tokens_this_run == (WINDOWS - 8) * 32  # the two committed shards are not redone
     assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
+    _each_window_once(tmp_path / "out")
 
 
 def test_statistics_folded_from_pieces_equal_the_single_machine_ones():
