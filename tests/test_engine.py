@@ -63,14 +63,16 @@ def test_greedy_matches_hf_batched(smol, hf_runs):
         assert out.outputs[0].text == smol.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+# The engine's promises below hold for any model: they run on SmolLM2 cut to four layers (conftest.smol4),
+# a seventh of the work of the whole model, for the many generations they compare.
 MIXED_SPECS = [
     None,
     Capture(hooks="blocks.3.hook_resid_post", positions="all"),
-    Capture(hooks=["blocks.{1,5}.hook_attn_out", "blocks.2.attn.hook_z"], positions="generated"),
-    Capture(hooks="blocks.7.mlp.hook_post", positions="last"),
+    Capture(hooks=["blocks.{1,3}.hook_attn_out", "blocks.2.attn.hook_z"], positions="generated"),
+    Capture(hooks="blocks.3.mlp.hook_post", positions="last"),
     Capture(hooks="hidden_states.4", positions=[0, 2, -1, -3]),
     Capture(hooks=["blocks.0.ln1.hook_normalized", "unembed.hook_out"], positions="prompt"),
-    Capture(hooks="blocks.6.attn.hook_k", positions=slice(1, None, 2), dtype="bfloat16"),
+    Capture(hooks="blocks.1.attn.hook_k", positions=slice(1, None, 2), dtype="bfloat16"),
     Capture(hooks="blocks.2.hook_resid_mid", positions="all", exclude_token_ids=[28]),
 ]
 
@@ -79,8 +81,7 @@ def _mixed_requests(n: int):
     words = "the quick brown fox jumps over a lazy dog while seven small cats watch".split()
     prompts = [" ".join(words[: 2 + (i * 5) % 12]) + f" {i}" for i in range(n)]
     params = [
-        SamplingParams(max_tokens=3 + i % 5, temperature=0, capture=MIXED_SPECS[i % len(MIXED_SPECS)])
-        for i in range(n)
+        SamplingParams(max_tokens=3 + i % 5, temperature=0, capture=MIXED_SPECS[i % len(MIXED_SPECS)]) for i in range(n)
     ]
     return prompts, params
 
@@ -100,16 +101,16 @@ def _same(a, b):
 
 
 @pytest.fixture(scope="module")
-def mixed_batch(smol):
+def mixed_batch(smol4):
     """32 mixed requests generated together: each compared with itself alone, and their rows counted."""
     prompts, params = _mixed_requests(32)
-    return prompts, params, smol.generate(prompts, params, use_tqdm=False)
+    return prompts, params, smol4.generate(prompts, params, use_tqdm=False)
 
 
-def test_isolation_mixed_batch(smol, mixed_batch):
+def test_isolation_mixed_batch(smol4, mixed_batch):
     prompts, params, together = mixed_batch
     for prompt, p, out in zip(prompts, params, together):
-        [alone] = smol.generate(prompt, p, use_tqdm=False)
+        [alone] = smol4.generate(prompt, p, use_tqdm=False)
         _same(out, alone)
         if p.capture is None:
             assert out.activations == {} and out.activation_positions is None
@@ -152,15 +153,22 @@ def test_row_counts_follow_the_spec(mixed_batch):
             assert t.shape[0] == len(expected), name
 
 
-def test_preemption_chunked_prefill_prefix_caching(smol_path, smol_no_prefix_cache):
+def test_preemption_chunked_prefill_prefix_caching(smol4_path):
     prompts, params = _mixed_requests(16)
     shared = "Here is a long shared system prompt that many requests start with, word for word. " * 3
     prompts = [shared + p for p in prompts]
-    baseline = smol_no_prefix_cache.generate(prompts, params, use_tqdm=False)  # roomy: nothing preempted
+    roomy = LLM(
+        model=str(smol4_path), dtype="float32", device="cpu", enable_prefix_caching=False, kv_cache_memory=64 << 20
+    )
+    baseline = roomy.generate(prompts, params, use_tqdm=False)  # nothing preempted, nothing cached
     # 24 blocks of 8 tokens cannot hold 16 sequences of ~60 tokens; 32-token steps chunk every prompt.
     tight = LLM(
-        model=str(smol_path), dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=32,
-        kv_cache_memory=24 * 2 * 30 * 8 * 3 * 64 * 4,
+        model=str(smol4_path),
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        max_num_batched_tokens=32,
+        kv_cache_memory=24 * 2 * 4 * 8 * 3 * 64 * 4,
     )
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
@@ -172,8 +180,8 @@ def test_preemption_chunked_prefill_prefix_caching(smol_path, smol_no_prefix_cac
         _same(a, b)
 
 
-def test_prefix_cache_is_used_and_capture_still_complete(smol_path):
-    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=64 << 20)
+def test_prefix_cache_is_used_and_capture_still_complete(smol4_path):
+    llm = LLM(model=str(smol4_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=64 << 20)
     prompt = "A prefix that is long enough to fill several cache blocks of four tokens each, and more."
     first = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     cached_before = len(llm.engine.blocks.cached)
@@ -197,11 +205,20 @@ def test_seed_gives_same_sample_whatever_the_batch(smol):
     p = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     [alone] = smol.generate("My favourite colour is", p, use_tqdm=False)
     others = [SamplingParams(max_tokens=5, temperature=0.8, seed=i) for i in range(5)]
-    mixed = smol.generate(["Hello there", "My favourite colour is", "Why", "The sky", "Numbers: 1"], [others[0], p, *others[1:4]], use_tqdm=False)
+    mixed = smol.generate(
+        ["Hello there", "My favourite colour is", "Why", "The sky", "Numbers: 1"],
+        [others[0], p, *others[1:4]],
+        use_tqdm=False,
+    )
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
     [again] = smol.generate("My favourite colour is", p, use_tqdm=False)
     assert again.outputs[0].token_ids == alone.outputs[0].token_ids
-    different = [smol.generate("My favourite colour is", SamplingParams(max_tokens=6, temperature=1.0, seed=s), use_tqdm=False)[0] for s in range(4)]
+    different = [
+        smol.generate("My favourite colour is", SamplingParams(max_tokens=6, temperature=1.0, seed=s), use_tqdm=False)[
+            0
+        ]
+        for s in range(4)
+    ]
     assert len({tuple(d.outputs[0].token_ids) for d in different}) > 1
 
 
@@ -213,7 +230,9 @@ def test_stops_logprobs_and_hidden_states(smol):
     assert stopped.outputs[0].finish_reason == "stop" and stop not in stopped.outputs[0].text
     assert text.startswith(stopped.outputs[0].text)
     first_token = greedy.outputs[0].token_ids[1]
-    [by_id] = smol.generate("1, 2, 3, 4,", SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first_token]), use_tqdm=False)
+    [by_id] = smol.generate(
+        "1, 2, 3, 4,", SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first_token]), use_tqdm=False
+    )
     assert by_id.outputs[0].token_ids == greedy.outputs[0].token_ids[:2]
     assert by_id.outputs[0].finish_reason == "stop"
     p = SamplingParams(max_tokens=3, temperature=0, logprobs=4, return_hidden_states=True)
@@ -237,8 +256,18 @@ def test_chat_uses_the_template(smol):
 @pytest.mark.parametrize(
     "make, field",
     [
-        (lambda llm: llm.generate("hi", SamplingParams(capture=Capture(hooks="blocks.99.hook_resid_post")), use_tqdm=False), "blocks.99"),
-        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=2, capture=Capture(hooks="hook_embed", positions=[50])), use_tqdm=False), "capture.positions"),
+        (
+            lambda llm: llm.generate(
+                "hi", SamplingParams(capture=Capture(hooks="blocks.99.hook_resid_post")), use_tqdm=False
+            ),
+            "blocks.99",
+        ),
+        (
+            lambda llm: llm.generate(
+                "hi", SamplingParams(max_tokens=2, capture=Capture(hooks="hook_embed", positions=[50])), use_tqdm=False
+            ),
+            "capture.positions",
+        ),
         (lambda llm: llm.generate("", SamplingParams(), use_tqdm=False), "prompts[0]"),
         (lambda llm: llm.generate("word " * 9000, SamplingParams(), use_tqdm=False), "max_model_len"),
         (lambda llm: SamplingParams(max_tokens=-1), "max_tokens"),
@@ -255,8 +284,8 @@ def test_bad_input_is_a_clear_error(smol, make, field):
     assert not smol.engine.has_work()  # nothing half-started
 
 
-def test_capture_disabled_fails_before_running(smol_path):
-    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", enable_capture=False, kv_cache_memory=64 << 20)
+def test_capture_disabled_fails_before_running(smol4_path):
+    llm = LLM(model=str(smol4_path), dtype="float32", device="cpu", enable_capture=False, kv_cache_memory=64 << 20)
     p = SamplingParams(max_tokens=2, capture=Capture(hooks="blocks.0.hook_resid_post"))
     with pytest.raises(ValueError, match="enable_capture=True"):
         llm.generate(["fine", "also fine"], [SamplingParams(max_tokens=2), p], use_tqdm=False)
