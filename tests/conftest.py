@@ -125,17 +125,10 @@ def hf_smol(smol_path):
 
 
 @pytest.fixture(scope="session")
-def smol_no_prefix_cache(smol_path) -> LLM:
-    """SmolLM2 with prefix caching off: the reference that engine and intervention tests compare cached runs
-    with. 256 MiB of KV cache (5,800 tokens) is roomy for them: nothing is preempted."""
-    settings = {"enable_prefix_caching": False, "kv_cache_memory": 256 << 20}
-    return LLM(model=str(smol_path), dtype="float32", device="cpu", **settings)
-
-
-@pytest.fixture(scope="session")
 def served_smol(smol_path) -> LLM:
-    """The SmolLM2 that test_server and test_server_concurrency serve, each with its own server in turn
-    (module fixtures, so never two at once); every server test leaves the engine idle."""
+    """The SmolLM2 that the in-process server tests (test_server, test_server_concurrency,
+    test_server_clients, test_sae_server) serve, each with its own server in turn (module fixtures, so
+    never two at once); every server test leaves the engine idle."""
     from server_helpers import ENGINE
 
     return LLM(model=str(smol_path), enable_capture=True, **ENGINE)
@@ -176,5 +169,6 @@ def smol4_path(smol_path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smol4(smol4_path) -> LLM:
-    """An engine on smol4_path: the reference of the tests that run that model in a child process."""
+    """An engine on smol4_path: for the engine's promises that hold for any model (isolation in mixed
+    batches, preemption, the prefix cache), and the reference of the tests that run smol4 in a child."""
     return LLM(model=str(smol4_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)

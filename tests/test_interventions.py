@@ -28,7 +28,9 @@ def test_steer_matches_hf_forward_hook(smol, hf_smol):
 
     hf_tokens, hf_logits = generate_with_hook(hf_smol, smol.tokenizer, PROMPT, layer, add)
     p = SamplingParams(
-        max_tokens=6, temperature=0, interventions=[Steer("blocks.10.hook_resid_post", v, scale=3.0)],
+        max_tokens=6,
+        temperature=0,
+        interventions=[Steer("blocks.10.hook_resid_post", v, scale=3.0)],
         capture=Capture(hooks="unembed.hook_out"),
     )
     [out] = smol.generate(PROMPT, p, use_tqdm=False)
@@ -48,7 +50,9 @@ def test_ablate_matches_hf_forward_hook(smol, hf_smol):
 
     hf_tokens, hf_logits = generate_with_hook(hf_smol, smol.tokenizer, PROMPT, attn, ablate)
     p = SamplingParams(
-        max_tokens=6, temperature=0, interventions=[Ablate("blocks.3.hook_attn_out", d * 7)],
+        max_tokens=6,
+        temperature=0,
+        interventions=[Ablate("blocks.3.hook_attn_out", d * 7)],
         capture=Capture(hooks=["unembed.hook_out", "blocks.3.hook_attn_out"]),
     )
     [out] = smol.generate(PROMPT, p, use_tqdm=False)
@@ -60,9 +64,14 @@ def test_ablate_matches_hf_forward_hook(smol, hf_smol):
 
 def test_patch_equals_hf_patched_run(smol, hf_smol):
     clean, corrupt = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
-    clean_ids = smol.tokenizer(clean)["input_ids"]
     corrupt_ids = smol.tokenizer(corrupt)["input_ids"]
-    [c] = smol.generate(clean, SamplingParams(max_tokens=1, temperature=0, capture=Capture(hooks="blocks.6.hook_resid_pre", positions="prompt")), use_tqdm=False)
+    [c] = smol.generate(
+        clean,
+        SamplingParams(
+            max_tokens=1, temperature=0, capture=Capture(hooks="blocks.6.hook_resid_pre", positions="prompt")
+        ),
+        use_tqdm=False,
+    )
     clean_rows = c.activations["blocks.6.hook_resid_pre"]
     pos = [1, 2]  # patch the subject tokens
     values = clean_rows[pos]
@@ -80,25 +89,44 @@ def test_patch_equals_hf_patched_run(smol, hf_smol):
     finally:
         handle.remove()
     p = SamplingParams(
-        max_tokens=1, temperature=0, interventions=[Patch("blocks.6.hook_resid_pre", values, positions=pos)],
+        max_tokens=1,
+        temperature=0,
+        interventions=[Patch("blocks.6.hook_resid_pre", values, positions=pos)],
         capture=Capture(hooks="unembed.hook_out", positions="prompt"),
     )
     [out] = smol.generate(corrupt, p, use_tqdm=False)
     assert rel_err(out.activations["unembed.hook_out"], hf_logits) < 1e-4
     assert out.outputs[0].token_ids == [int(hf_logits[-1].argmax())]
     # Reversed list order pairs values with positions the same way.
-    p2 = SamplingParams(max_tokens=1, temperature=0, interventions=[Patch("blocks.6.hook_resid_pre", values.flip(0), positions=pos[::-1])], capture=Capture(hooks="unembed.hook_out", positions="prompt"))
+    p2 = SamplingParams(
+        max_tokens=1,
+        temperature=0,
+        interventions=[Patch("blocks.6.hook_resid_pre", values.flip(0), positions=pos[::-1])],
+        capture=Capture(hooks="unembed.hook_out", positions="prompt"),
+    )
     [out2] = smol.generate(corrupt, p2, use_tqdm=False)
     assert rel_err(out2.activations["unembed.hook_out"], hf_logits) < 1e-4
 
 
 def _requests():
-    prompts = ["The weather today is", "My favourite food is", "In the year 2050,", "Dogs are", "Water is", "A good book"]
-    capture = Capture(hooks=["blocks.12.hook_resid_post", "unembed.hook_out"], positions="all")
+    """Every intervention kind in one batch; on SmolLM2 cut to four layers (conftest.smol4): isolation and
+    the prefix cache's keys hold for any model."""
+    prompts = [
+        "The weather today is",
+        "My favourite food is",
+        "In the year 2050,",
+        "Dogs are",
+        "Water is",
+        "A good book",
+    ]
+    capture = Capture(hooks=["blocks.3.hook_resid_post", "unembed.hook_out"], positions="all")
     ivs = [
-        [Steer("blocks.8.hook_resid_post", _direction(2), scale=2.0)],
-        [Ablate("blocks.{2,4}.hook_mlp_out", _direction(3))],
-        [Steer("blocks.5.hook_resid_mid", _direction(4), positions="generated"), Ablate("blocks.5.hook_resid_mid", _direction(4))],
+        [Steer("blocks.2.hook_resid_post", _direction(2), scale=2.0)],
+        [Ablate("blocks.{1,3}.hook_mlp_out", _direction(3))],
+        [
+            Steer("blocks.1.hook_resid_mid", _direction(4), positions="generated"),
+            Ablate("blocks.1.hook_resid_mid", _direction(4)),
+        ],
         [],
         [Patch("blocks.1.hook_resid_post", _direction(5), positions=[0, 1])],
         [Steer("blocks.*.hook_attn_out", _direction(6), scale=0.3, positions=slice(1, None, 2))],
@@ -113,19 +141,26 @@ def _same(a, b):
         assert rel_err(a.activations[name], b.activations[name]) < 1e-4, name
 
 
-def test_mixed_batch_isolation_and_prefix_caching(smol, smol_path, smol_no_prefix_cache):
+def test_mixed_batch_isolation_and_prefix_caching(smol4, smol4_path):
     prompts, params = _requests()
-    together = smol.generate(prompts, params, use_tqdm=False)
+    together = smol4.generate(prompts, params, use_tqdm=False)
     for prompt, p, out in zip(prompts, params, together):
-        [alone] = smol.generate(prompt, p, use_tqdm=False)
+        [alone] = smol4.generate(prompt, p, use_tqdm=False)
         _same(out, alone)
-    no_cache = smol_no_prefix_cache
+    no_cache = LLM(
+        model=str(smol4_path), dtype="float32", device="cpu", enable_prefix_caching=False, kv_cache_memory=64 << 20
+    )
     for a, b in zip(together, no_cache.generate(prompts, params, use_tqdm=False)):
         _same(a, b)
     # Same prompt, plain then steered then plain: the cache never hands KV across intervention sets.
-    small = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=2, kv_cache_memory=64 << 20)
+    small = LLM(model=str(smol4_path), dtype="float32", device="cpu", block_size=2, kv_cache_memory=64 << 20)
     plain = SamplingParams(max_tokens=4, temperature=0, capture=Capture(hooks="unembed.hook_out"))
-    steered = SamplingParams(max_tokens=4, temperature=0, capture=plain.capture, interventions=[Steer("blocks.2.hook_resid_post", _direction(7, 30.0), positions=[1])])
+    steered = SamplingParams(
+        max_tokens=4,
+        temperature=0,
+        capture=plain.capture,
+        interventions=[Steer("blocks.2.hook_resid_post", _direction(7, 30.0), positions=[1])],
+    )
     first = small.generate(PROMPT, plain, use_tqdm=False)[0]
     s1 = small.generate(PROMPT, steered, use_tqdm=False)[0]
     s2 = no_cache.generate(PROMPT, steered, use_tqdm=False)[0]
@@ -148,7 +183,16 @@ def test_readouts_on_device(smol, hf_smol):
         "lens": Capture(hooks=["blocks.7.hook_resid_post", "blocks.29.hook_resid_post"], logit_lens=3),
         "mean_last2": Capture(hooks="blocks.7.hook_resid_post", positions=[-2, -1], reduce="mean"),
     }
-    outs = dict(zip(cases, smol.generate([PROMPT] * len(cases), [SamplingParams(max_tokens=4, temperature=0, capture=c) for c in cases.values()], use_tqdm=False)))
+    outs = dict(
+        zip(
+            cases,
+            smol.generate(
+                [PROMPT] * len(cases),
+                [SamplingParams(max_tokens=4, temperature=0, capture=c) for c in cases.values()],
+                use_tqdm=False,
+            ),
+        )
+    )
     assert outs["mean"].activations["blocks.7.hook_resid_post"].shape == (1, D)
     assert rel_err(outs["mean"].activations["blocks.7.hook_resid_post"], rows.mean(0, keepdim=True)) < 1e-5
     assert outs["project"].activations["blocks.7.hook_resid_post"].shape == (len(rows), 5)
@@ -175,10 +219,20 @@ def test_readouts_on_device(smol, hf_smol):
         (lambda: SamplingParams(interventions=[Steer("blocks.1.hook_resid_post", [1.0] * 10)]), "does not fit"),
         (lambda: Steer("blocks.1.hook_resid_post", [float("nan")] * D), "steer.vector"),
         (lambda: SamplingParams(interventions=[Steer("blocks.77.hook_resid_post", [1.0] * D)]), "blocks.77"),
-        (lambda: SamplingParams(max_tokens=2, interventions=[Steer("blocks.1.hook_resid_post", [1.0] * D, positions=[500])]), "out of range"),
+        (
+            lambda: SamplingParams(
+                max_tokens=2, interventions=[Steer("blocks.1.hook_resid_post", [1.0] * D, positions=[500])]
+            ),
+            "out of range",
+        ),
         (lambda: Ablate("blocks.1.hook_resid_post", [1.0] * D, positions="last"), "ablate.positions"),
         (lambda: Ablate("blocks.1.hook_resid_post", [0.0] * D), "zero vector"),
-        (lambda: SamplingParams(interventions=[Patch("blocks.1.hook_resid_post", torch.ones(3, D), positions="all")]), r"interventions\[0\]\.values"),
+        (
+            lambda: SamplingParams(
+                interventions=[Patch("blocks.1.hook_resid_post", torch.ones(3, D), positions="all")]
+            ),
+            r"interventions\[0\]\.values",
+        ),
         (lambda: SamplingParams(interventions=["steer!"]), "interventions\\[0\\]"),
         (lambda: Capture(project=torch.ones(D)), "capture.project"),
         (lambda: Capture(logit_lens=3, reduce="mean"), "capture.logit_lens"),

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import rel_err
 from sae_helpers import HOOK, save_gemma_scope, save_saelens
-from server_helpers import ENGINE, running_server
+from server_helpers import running_server
 
-from vlens import LLM, SAE, Capture, Clamp, SamplingParams, Steer
+from vlens import SAE, Capture, Clamp, SamplingParams, Steer
 from vlens.cli import main
 from vlens.server.app import create_app
 from vlens.server.config import ServerConfig
@@ -28,10 +28,9 @@ def paths(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(smol_path, paths):
-    llm = LLM(model=str(smol_path), enable_capture=True, **ENGINE)
+def server(served_smol, paths):
     config = ServerConfig(enable_capture=True, saes=(f"jump={paths[0]}", f"scope={paths[1]}@{HOOK}"))
-    with running_server(llm, config) as url:
+    with running_server(served_smol, config) as url:
         yield url
 
 

@@ -11,9 +11,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_helpers import ENGINE, running_server
+from server_helpers import running_server
 
-from vlens import LLM, Capture, SamplingParams
+from vlens import Capture, SamplingParams
 from vlens.server.config import ServerConfig
 
 PROMPT = "The capital of France is"
@@ -21,10 +21,9 @@ SAMPLED = {"max_tokens": 6, "temperature": 1.0, "top_p": 0.9}
 
 
 @pytest.fixture(scope="module")
-def server(smol_path):
-    llm = LLM(model=str(smol_path), **ENGINE)
+def server(served_smol):
     config = ServerConfig(max_n=4, embedding_hook="blocks.5.hook_resid_post", served_model_name="smol")
-    with running_server(llm, config) as url:
+    with running_server(served_smol, config) as url:
         yield url
 
 
@@ -45,7 +44,9 @@ def test_echo_as_lm_eval_sends_it(server, smol):
     body = {"prompt": [ids, ids[:-2]], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
-    [ref] = smol.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, logprobs=1), use_tqdm=False)
+    [ref] = smol.generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, logprobs=1), use_tqdm=False
+    )
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
@@ -169,7 +170,9 @@ def test_embeddings(client, server, smol):
         capture = Capture(hooks="blocks.5.hook_resid_post", positions="prompt", reduce="mean")
         [ref] = smol.generate(text, SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
         assert np.allclose(d.embedding, ref.activations["blocks.5.hook_resid_post"][0].numpy(), atol=1e-5)
-    last = post(server, "/v1/embeddings", {"input": texts[0], "vlens": {"hook": "ln_final.hook_out", "pooling": "last"}})
+    last = post(
+        server, "/v1/embeddings", {"input": texts[0], "vlens": {"hook": "ln_final.hook_out", "pooling": "last"}}
+    )
     capture = Capture(hooks="ln_final.hook_out", positions="last")
     [ref] = smol.generate(texts[0], SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
     assert np.allclose(last.json()["data"][0]["embedding"], ref.activations["ln_final.hook_out"][0].numpy(), atol=1e-5)
@@ -193,7 +196,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 9}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"-3": 1}}, "logit_bias"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, "tools"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]},
+        "tools",
+    ),
     ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions"),
     ("/v1/embeddings", {"input": "x", "vlens": {"hook": "blocks.*.hook_resid_post"}}, "vlens.hook"),
     ("/v1/embeddings", {"input": "x", "vlens": {"hook": "nope"}}, "vlens.hook"),
