@@ -1,7 +1,8 @@
 """OpenAI's and vLLM's sampling options on the device: logit_bias and the presence, frequency and
 repetition penalties against a written-out reference over the same logits, leaving every other row of
 the batch untouched; parallel samples (n, best_of) reproducible and each equal to the request sent
-alone with its seed, sharing the prompt's blocks."""
+alone with its seed, sharing the prompt's blocks. The engine tests run on SmolLM2 cut to four layers
+(conftest.smol4): what they check holds for any model."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_adjustments_equal_the_reference_and_leave_other_rows_alone():
     assert SamplingBatch.of(seqs[:1], torch.device("cpu")).adjust is None  # no option: no work
 
 
-def test_engine_rows_alone_equal_rows_in_a_batch(smol):
+def test_engine_rows_alone_equal_rows_in_a_batch(smol4):
     penalised = [
         SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5),
         SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.5, frequency_penalty=1.0),
@@ -66,37 +67,41 @@ def test_engine_rows_alone_equal_rows_in_a_batch(smol):
     plain = SamplingParams(max_tokens=12, temperature=0)
     prompts = [PROMPT, "1, 2, 3, 4, 5, 6,", "The the the the the", "Hello"]
     params = [*penalised, plain]
-    together = smol.generate(prompts, params, use_tqdm=False)
+    together = smol4.generate(prompts, params, use_tqdm=False)
     for prompt, p, out in zip(prompts, params, together):
-        [alone] = smol.generate(prompt, p, use_tqdm=False)
+        [alone] = smol4.generate(prompt, p, use_tqdm=False)
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     for prompt, out in zip(prompts[:2], together):  # the penalties do change greedy text
-        assert out.outputs[0].token_ids != smol.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
-    forced = smol.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, logit_bias={42: 100}), use_tqdm=False)
+        assert out.outputs[0].token_ids != smol4.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
+    forced = smol4.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, logit_bias={42: 100}), use_tqdm=False)
     assert forced[0].outputs[0].token_ids == [42, 42, 42]
 
 
-def test_parallel_samples_are_the_seeded_requests_alone(smol):
+def test_parallel_samples_are_the_seeded_requests_alone(smol4):
     params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=100, n=4, logprobs=0)
-    [out] = smol.generate(PROMPT, params, use_tqdm=False)
+    [out] = smol4.generate(PROMPT, params, use_tqdm=False)
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     for i, c in enumerate(out.outputs):
         alone = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=100 + i, logprobs=0)
-        [ref] = smol.generate(PROMPT, alone, use_tqdm=False)
+        [ref] = smol4.generate(PROMPT, alone, use_tqdm=False)
         assert c.token_ids == ref.outputs[0].token_ids and c.text == ref.outputs[0].text
-    [again] = smol.generate(PROMPT, params, use_tqdm=False)
+    [again] = smol4.generate(PROMPT, params, use_tqdm=False)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    [unseeded] = smol.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, n=4), use_tqdm=False)
+    [unseeded] = smol4.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, n=4), use_tqdm=False)
     assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
 
 
-def test_best_of_returns_the_highest_mean_logprob(smol):
-    [out] = smol.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=2, best_of=5), use_tqdm=False)
+def test_best_of_returns_the_highest_mean_logprob(smol4):
+    [out] = smol4.generate(
+        PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=2, best_of=5), use_tqdm=False
+    )
     assert len(out.outputs) == 2 and out.outputs[0].logprobs is None  # ranked, but not asked for
     samples = []
     for i in range(5):
-        [ref] = smol.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, logprobs=0), use_tqdm=False)
+        [ref] = smol4.generate(
+            PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, logprobs=0), use_tqdm=False
+        )
         c = ref.outputs[0]
         mean = sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)) / len(c.token_ids)
         samples.append((mean, c.token_ids))
@@ -104,10 +109,12 @@ def test_best_of_returns_the_highest_mean_logprob(smol):
     assert [c.token_ids for c in out.outputs] == best
 
 
-def test_samples_share_the_prompt_blocks(smol_path):
-    llm = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=4)
+def test_samples_share_the_prompt_blocks(smol4_path):
+    llm = LLM(model=str(smol4_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=64 << 20)
     ids = llm.tokenizer(PROMPT * 3)["input_ids"]
-    [out] = llm.generate([ids], SamplingParams(max_tokens=5, temperature=1.0, seed=1, n=4, ignore_eos=True), use_tqdm=False)
+    [out] = llm.generate(
+        [ids], SamplingParams(max_tokens=5, temperature=1.0, seed=1, n=4, ignore_eos=True), use_tqdm=False
+    )
     # Sample 0 computes the prompt; the others only its last, partial block (and its last token).
     last_block = len(ids) - 4 * ((len(ids) - 1) // 4)
     assert llm.engine.scheduler.tokens_computed == len(ids) + 3 * last_block + 4 * (5 - 1)
@@ -132,7 +139,9 @@ def test_bad_values(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_logit_bias_outside_the_vocabulary_fails_before_running(smol):
+def test_logit_bias_outside_the_vocabulary_fails_before_running(smol4):
     with pytest.raises(ValueError, match=r"^logit_bias: token ids \[49152\]"):
-        smol.generate(["fine", "also fine"], [SamplingParams(max_tokens=2), SamplingParams(logit_bias={49152: 1})], use_tqdm=False)
-    assert not smol.engine.has_work()
+        smol4.generate(
+            ["fine", "also fine"], [SamplingParams(max_tokens=2), SamplingParams(logit_bias={49152: 1})], use_tqdm=False
+        )
+    assert not smol4.engine.has_work()
