@@ -201,20 +201,20 @@ def test_prefix_cache_is_used_and_capture_still_complete(smol4_path):
     assert len(llm.engine.blocks.cached) == filled  # nothing new: the prefix came from the cache
 
 
-def test_seed_gives_same_sample_whatever_the_batch(smol):
+def test_seed_gives_same_sample_whatever_the_batch(smol4):
     p = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
-    [alone] = smol.generate("My favourite colour is", p, use_tqdm=False)
+    [alone] = smol4.generate("My favourite colour is", p, use_tqdm=False)
     others = [SamplingParams(max_tokens=5, temperature=0.8, seed=i) for i in range(5)]
-    mixed = smol.generate(
+    mixed = smol4.generate(
         ["Hello there", "My favourite colour is", "Why", "The sky", "Numbers: 1"],
         [others[0], p, *others[1:4]],
         use_tqdm=False,
     )
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
-    [again] = smol.generate("My favourite colour is", p, use_tqdm=False)
+    [again] = smol4.generate("My favourite colour is", p, use_tqdm=False)
     assert again.outputs[0].token_ids == alone.outputs[0].token_ids
     different = [
-        smol.generate("My favourite colour is", SamplingParams(max_tokens=6, temperature=1.0, seed=s), use_tqdm=False)[
+        smol4.generate("My favourite colour is", SamplingParams(max_tokens=6, temperature=1.0, seed=s), use_tqdm=False)[
             0
         ]
         for s in range(4)

@@ -165,7 +165,7 @@ BF16_MIN_TOP1_AGREEMENT = 0.9
 
 @pytest.fixture(scope="module")
 def smol_bf16(smol_path) -> LLM:
-    return LLM(model=str(smol_path), dtype="bfloat16", device="cpu")
+    return LLM(model=str(smol_path), dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20)
 
 
 def test_bfloat16_stays_close_to_float32(smol, smol_bf16, smol_path, layers, token_ids):
