@@ -40,9 +40,10 @@ GOOD = {
 
 
 @pytest.fixture(scope="module")
-def app(smol_path):
-    # A short context keeps every generated request a few tokens long: the point is the edges, not the decoding.
-    llm = LLM(model=str(smol_path), enable_capture=True, **{**ENGINE, "max_model_len": 48})
+def app(smol4_path):
+    # A short context keeps every generated request a few tokens long, on SmolLM2 cut to four layers
+    # (conftest.smol4_path): the point is the edges, not the decoding.
+    llm = LLM(model=str(smol4_path), enable_capture=True, **{**ENGINE, "max_model_len": 48})
     config = ServerConfig(enable_capture=True, api_key=KEY, inline_activation_bytes=16 << 10, max_n=4)
     app = create_app(llm, config)
     yield app

@@ -39,8 +39,9 @@ def outcome(url: str, body: dict) -> str:
     return "done"
 
 
-def test_sigterm_drains_then_exits_0(smol_path):
-    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len",
+def test_sigterm_drains_then_exits_0(smol4_path):
+    """On SmolLM2 cut to four layers (conftest.smol4_path), where 240 tokens still outlast the 2 s timeout."""
+    args = ["--model", str(smol4_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len",
             "256", "--enable-capture", "--shutdown-timeout", "2", "--inline-activation-bytes", "4096"]  # fmt: skip
     with vlens_serve(args) as (url, proc):
         bodies = [SHORT, {**SHORT, "stream": True}, LONG, {**LONG, "stream": True}] * 2

@@ -21,10 +21,12 @@ TTL_S = 4.0
 
 
 @pytest.mark.soak
-def test_soak(smol_path):
-    calls = soak_server.draw(32, 1, layers=30, hidden=576, vocab=49152, max_model_len=256, max_tokens=4)
+def test_soak(smol4_path):
+    """On SmolLM2 cut to four layers (conftest.smol4_path): what is checked holds for any model. Seed 2
+    draws one of each misbehaviour, as seed 1 did over the whole model's 30 layers."""
+    calls = soak_server.draw(32, 2, layers=4, hidden=576, vocab=49152, max_model_len=256, max_tokens=4)
     assert {c.misbehave for c in calls} >= {"disconnect", "timeout", "unfetched", None}
-    with soak_server.served(str(smol_path), TTL_S) as url:
+    with soak_server.served(str(smol4_path), TTL_S) as url:
         report = soak_server.soak(url, calls, threads=8, ttl_s=TTL_S)
     print("\n".join(report.lines()))
     assert not report.failures, "\n".join(report.failures)
