@@ -65,15 +65,6 @@ def _each_window_once(out: Path) -> None:
     assert len(windows) == WINDOWS * 32
 
 
-def test_same_files_as_single_machine_through_an_fsspec_url(smol4_path, corpus, local_run, tmp_path):
-    """Into a file:// URL; the kill and re-run tests below harvest into a plain path, to the same bytes."""
-    summary = _ray_harvest(smol4_path, corpus, f"file://{tmp_path}/out")
-    assert summary.out_dir == f"{tmp_path}/out"
-    assert summary.shards == len(read_manifest(local_run)["shards"]) == 6
-    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)  # shards and manifest, byte for byte
-    _each_window_once(tmp_path / "out")
-
-
 DOCS = documents(30, seed=2)
 
 
@@ -81,7 +72,7 @@ DOCS = documents(30, seed=2)
 def test_ray_data_reads_the_documents_the_local_reader_reads(smol, tmp_path, monkeypatch, kind):
     """Read and tokenized by Ray Data tasks, each taking a piece of the source, the token lists come in
     source order and equal the local reader's, newline rules included."""
-    monkeypatch.setattr(ray_source, "_PIECE_ROWS", 4)  # parquet and datasets sources in several pieces
+    monkeypatch.setattr(ray_source, "_PIECE_ROWS", 10)  # parquet and datasets sources in three pieces each
     options: dict = {}
     if kind.startswith("txt_"):
         path = tmp_path / "docs.txt"
@@ -120,7 +111,7 @@ class _DriverDied(Exception):
     """Raised by the test to stop a driver mid-run."""
 
 
-def _harvest_killing_an_actor(model_path, corpus, out: Path):
+def _harvest_killing_an_actor(model_path, corpus, out: Path | str):
     """A Ray harvest during which the first actor caught running a shard task is SIGKILLed."""
     killed: list[int] = []
     stop = threading.Event()
@@ -144,11 +135,12 @@ def _harvest_killing_an_actor(model_path, corpus, out: Path):
     return summary
 
 
-def test_rerun_after_driver_stops_resumes_and_an_actor_killed_mid_shard_loses_and_doubles_nothing(
+def test_same_files_as_single_machine_after_a_driver_stop_and_an_actor_kill(
     smol4_path, corpus, local_run, tmp_path, monkeypatch
 ):
-    """The driver stops after two shards; the re-run does only the rest, and while it runs an actor is
-    killed mid-shard (Ray restarts it and retries the task): the same files as the single-machine run."""
+    """One Ray harvest into a plain path whose driver stops after two shards, then its re-run through a
+    file:// URL to the same directory, during which an actor is killed mid-shard (Ray restarts it and
+    retries the task): the re-run does only the rest, and the files are the single-machine run's."""
     real = job.write_manifest
 
     def die_after_two_shards(out_dir, manifest):
@@ -162,9 +154,11 @@ def test_rerun_after_driver_stops_resumes_and_an_actor_killed_mid_shard_loses_an
     monkeypatch.setattr(job, "write_manifest", real)
     manifest = read_manifest(tmp_path / "out")
     assert len(manifest["shards"]) == 2 and not manifest["complete"]
-    summary = _harvest_killing_an_actor(smol4_path, corpus, tmp_path / "out")
+    summary = _harvest_killing_an_actor(smol4_path, corpus, f"file://{tmp_path}/out")
+    assert summary.out_dir == f"{tmp_path}/out"
     assert summary.tokens_this_run == (WINDOWS - 8) * 32  # the two committed shards are not redone
-    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)
+    assert summary.shards == len(read_manifest(local_run)["shards"]) == 6
+    assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)  # shards and manifest, byte for byte
     _each_window_once(tmp_path / "out")
 
 
