@@ -78,7 +78,7 @@ MIXED_SPECS = [
 
 
 def _mixed_requests(n: int):
-    words = "the quick brown fox jumps over a lazy dog while seven small cats watch".split()
+    words = "the quick brown fox jumps over a lazy dog while seven small cats watch".split()  # noqa: SIM905
     prompts = [" ".join(words[: 2 + (i * 5) % 12]) + f" {i}" for i in range(n)]
     params = [
         SamplingParams(max_tokens=3 + i % 5, temperature=0, capture=MIXED_SPECS[i % len(MIXED_SPECS)]) for i in range(n)

@@ -25,15 +25,15 @@ IDS = [[5, 17, 42, 99, 7, 250, 3, 3, 8], [11, 12]]
 
 
 def tiny_config(**overrides) -> LlamaConfig:
-    kw = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    kw = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
     return LlamaConfig(**(kw | overrides))
 
 
@@ -188,8 +188,18 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("config", "arch"),
     [
-        (OPTConfig(vocab_size=300, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64, num_hidden_layers=1,
-                   num_attention_heads=2, max_position_embeddings=64), "OPTForCausalLM"),  # fmt: skip
+        (
+            OPTConfig(
+                vocab_size=300,
+                hidden_size=32,
+                word_embed_proj_dim=32,
+                ffn_dim=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=64,
+            ),
+            "OPTForCausalLM",
+        ),
         (BloomConfig(vocab_size=300, hidden_size=32, n_layer=1, n_head=2), "BloomForCausalLM"),
     ],
 )

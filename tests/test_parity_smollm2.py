@@ -36,13 +36,17 @@ def layers(smol) -> tuple[int, ...]:
 @pytest.fixture(scope="module")
 def all_hooks(smol, layers) -> list[str]:
     n = smol.config.num_layers
-    return layer_hooks(layers) + [f"hidden_states.{i}" for i in range(n + 1)] + [
-        "hook_embed",
-        "ln_final.hook_scale",
-        "ln_final.hook_normalized",
-        "ln_final.hook_out",
-        "unembed.hook_out",
-    ]
+    return (
+        layer_hooks(layers)
+        + [f"hidden_states.{i}" for i in range(n + 1)]
+        + [
+            "hook_embed",
+            "ln_final.hook_scale",
+            "ln_final.hook_normalized",
+            "ln_final.hook_out",
+            "unembed.hook_out",
+        ]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -121,7 +121,9 @@ def test_bad_values(kwargs, field):
 def test_prefill_only_capture_stops_early_and_stays_apart_in_the_cache(smol_path, hf_smol, hf_logp):
     """A step of prefill-only captures stops after the hook's layer: the same mean as a full forward,
     and its blocks (lacking the deeper layers' KV) are never served to a request that needs them."""
-    smol = LLM(model=str(smol_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=64 << 20)  # an empty prefix cache
+    smol = LLM(
+        model=str(smol_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=64 << 20
+    )  # an empty prefix cache
     ids, _ = hf_logp[2]
     hook = "blocks.3.hook_resid_post"
     p = SamplingParams(max_tokens=0, capture=Capture(hooks=hook, positions="prompt", reduce="mean"))

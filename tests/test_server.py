@@ -376,15 +376,29 @@ def test_interventions_through_the_extension(server, client, smol):
     )
     t = decode_activations(vlens_of(out)["activations"], server, AUTH)
     params = SamplingParams(
-        max_tokens=4, temperature=0, interventions=[Steer("blocks.4.hook_resid_post", vector, scale=2.0)],
+        max_tokens=4,
+        temperature=0,
+        interventions=[Steer("blocks.4.hook_resid_post", vector, scale=2.0)],
         capture=Capture(hooks="blocks.5.hook_resid_post"),
     )
     [ref] = smol.generate(PROMPT, params, use_tqdm=False)
     assert out.choices[0].text == ref.outputs[0].text
     assert rel_err(t["blocks.5.hook_resid_post"], ref.activations["blocks.5.hook_resid_post"]) < 1e-4
-    bad = post(server, "/v1/completions", {"model": "smol", "prompt": PROMPT, "vlens": {"interventions": [{**steer, "vector": [1.0]}]}})
+    bad = post(
+        server,
+        "/v1/completions",
+        {"model": "smol", "prompt": PROMPT, "vlens": {"interventions": [{**steer, "vector": [1.0]}]}},
+    )
     assert bad.status_code == 400 and "interventions[0]" in bad.json()["error"]["message"]
-    missing = post(server, "/v1/completions", {"model": "smol", "prompt": PROMPT, "vlens": {"interventions": [{"type": "ablate", "hook": "blocks.1.hook_resid_post"}]}})
+    missing = post(
+        server,
+        "/v1/completions",
+        {
+            "model": "smol",
+            "prompt": PROMPT,
+            "vlens": {"interventions": [{"type": "ablate", "hook": "blocks.1.hook_resid_post"}]},
+        },
+    )
     assert missing.status_code == 400 and "direction" in missing.json()["error"]["message"]
 
 
@@ -394,7 +408,10 @@ def test_readouts_through_the_extension(server, client, smol):
     W = torch.randn(576, 3, generator=g)
     cases = {
         "mean": ({"reduce": "mean"}, Capture(hooks="blocks.6.hook_resid_post", reduce="mean")),
-        "project": ({"project": W.tolist(), "project_bias": [1.0, 2.0, 3.0]}, Capture(hooks="blocks.6.hook_resid_post", project=(W, torch.tensor([1.0, 2.0, 3.0])))),
+        "project": (
+            {"project": W.tolist(), "project_bias": [1.0, 2.0, 3.0]},
+            Capture(hooks="blocks.6.hook_resid_post", project=(W, torch.tensor([1.0, 2.0, 3.0]))),
+        ),
         "lens": ({"logit_lens": 2}, Capture(hooks="blocks.6.hook_resid_post", logit_lens=2)),
     }
     for name, (extra, capture) in cases.items():
