@@ -21,8 +21,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(smol_path):
-    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "256",
-            "--embedding-hook", "blocks.3.hook_resid_post", "--embedding-pooling", "last"]  # fmt: skip
+    args = ["--model", str(smol_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len",
+            "256", "--embedding-hook", "blocks.3.hook_resid_post", "--embedding-pooling", "last"]  # fmt: skip
     with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as served:
         yield served
 
@@ -64,6 +64,18 @@ def test_key_comes_from_the_environment(server):
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+
+
+def test_server_outlives_a_pipe_of_access_log(server):
+    """More access-log output (2.4 MB) than a pipe holds (64 KiB by default, 1 MiB at most): the server keeps
+    answering only if the harness does not leave its output in an unread pipe (see ServeProcess)."""
+    url, proc = server
+    pad = "x" * 8000  # the access log writes the query string
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(300):
+            assert client.get(f"/health?pad={pad}").status_code == 200
+        assert client.get("/metrics", headers=AUTH).status_code == 200
+    assert proc.output().count(pad) == 300
 
 
 def test_interrupt_stops_the_server(server):
