@@ -16,6 +16,10 @@ nothing running, waiting or admitted, no KV block in use and no capture byte res
 at most those of misbehaving clients, and none is left once --activation-ttl has passed; and the server's
 resident memory after round two must be within 5% of after round one. Prints requests/s, p50/p99 latency,
 and the memory figures; exits 1 on any failure. tests/test_server_soak.py runs the same with small numbers.
+
+The defaults take about 13 minutes on a 2-core CPU (two rounds of 3 minutes, then 1000 replays one at a
+time); keep them: the server's output fills a 64 KiB pipe only after ~900 requests, which is how the
+harness's unread pipe was found. `--requests 200` takes about 3 minutes.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import httpx
 import torch
 from safetensors.torch import load
 
-WORDS = ["the", "river", "city", "light", "music", "north", "paper", "stone", "garden", "winter", "machine", "story", "people", "bright", "quiet", "history", "number", "open", "world", "small", "ancient", "market", "language", "road", "sea", "theory"]  # fmt: skip
+WORDS = ["the", "river", "city", "light", "music", "north", "paper", "stone", "garden", "winter", "machine", "story",
+         "people", "bright", "quiet", "history", "number", "open", "world", "small", "ancient", "market", "language",
+         "road", "sea", "theory"]  # fmt: skip
 HOOKS = ["hook_embed", "blocks.{L}.hook_resid_post", "blocks.{L}.attn.hook_z", "blocks.{L}.mlp.hook_post",
          "blocks.{L}.ln1.hook_normalized", "hidden_states.{L}", "ln_final.hook_out"]  # fmt: skip
 POSITIONS = ["all", "last", "prompt", "generated", [0, -1], {"start": 1, "stop": -1}, 0]

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -57,20 +58,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServeProcess(subprocess.Popen):
+    """`vlens serve` with its output (uvicorn's access log: a line per request) in a temporary file. Not
+    a pipe: nobody reads one while the test runs, so after ~1000 requests (64 KiB) the server's next log
+    line blocks its event loop for good: no request, /metrics or signal is answered any more."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.log = tempfile.TemporaryFile()
+        super().__init__(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        """Everything the server printed so far (pread: seeking would move the server's write offset too)."""
+        fd = self.log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
 @contextmanager
-def vlens_serve(args: list[str], env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`vlens serve ARGS` as an operator runs it, in a subprocess on a free loopback port: yields (base
-    URL, process) once /health answers, and interrupts it on exit unless the test already did."""
+def vlens_serve(args: list[str], env: dict[str, str] | None = None) -> Iterator[tuple[str, ServeProcess]]:
+    """`vlens serve ARGS` as an operator runs it, in a subprocess on a free loopback port (with this
+    process's environment, PYTHONPATH included): yields (base URL, process) once /health answers, and
+    interrupts it on exit unless the test already did."""
     port = free_port()
     command = [sys.executable, "-c", "import sys; from vlens.cli import main; sys.exit(main(sys.argv[1:]))"]
-    proc = subprocess.Popen(
-        [*command, "serve", *args, "--port", str(port)], env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc = ServeProcess([*command, "serve", *args, "--port", str(port)], env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
+        assert proc.poll() is None, proc.output()
         assert time.monotonic() < deadline, "vlens serve did not come up"
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -83,6 +97,7 @@ def vlens_serve(args: list[str], env: dict[str, str] | None = None) -> Iterator[
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)
+        proc.log.close()
 
 
 def decode_activations(obj: dict, base_url: str, headers: dict | None = None) -> dict[str, torch.Tensor]:

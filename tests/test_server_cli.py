@@ -67,6 +67,18 @@ def test_key_comes_from_the_environment(server):
     assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
 
 
+def test_server_outlives_a_pipe_of_access_log(server):
+    """More access-log output (2.4 MB) than a pipe holds (64 KiB by default, 1 MiB at most): the server keeps
+    answering only if the harness does not leave its output in an unread pipe (see ServeProcess)."""
+    url, proc = server
+    pad = "x" * 8000  # the access log writes the query string
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(300):
+            assert client.get(f"/health?pad={pad}").status_code == 200
+        assert client.get("/metrics", headers=AUTH).status_code == 200
+    assert proc.output().count(pad) == 300
+
+
 def test_interrupt_stops_the_server(server):
     _, proc = server
     proc.send_signal(signal.SIGINT)

@@ -58,6 +58,6 @@ def test_sigterm_drains_then_exits_0(smol4_path):
             except httpx.ConnectError:
                 pass  # already gone
             outcomes = [f.result() for f in futures]
-        assert proc.wait(timeout=60) == 0, proc.stdout.read().decode()
+        assert proc.wait(timeout=60) == 0, proc.output()
     assert set(outcomes) <= {"done", "shut down"}
     print(outcomes)
