@@ -1,9 +1,13 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, after
 the requests' logit bias and penalties (penalties.py).
 
-Each row draws ONE uniform number from a counter-based hash of (request seed, position) and inverts
-the CDF of its filtered distribution. That makes a seeded request's sample independent of what else
-is in the batch, needs no per-request generator objects, and costs no host sync.
+A sampled row takes the argmax of its filtered, tempered logits plus Gumbel noise (the Gumbel-max trick:
+an exact draw from their softmax). The noise of token t is a counter-based hash of (request seed,
+position, t), so a seeded request's sample does not depend on what else is in the batch, needs no
+per-request generator objects, and costs no host sync. Unlike inverting the CDF with one uniform number,
+it also survives the float noise a different batch puts on the logits (~1e-6): the choice moves only
+when two tokens' noisy scores tie that closely, where the CDF's boundaries between tail tokens are
+often closer than that.
 """
 
 from __future__ import annotations
@@ -18,21 +22,23 @@ from vlens.engine.penalties import LogitAdjustments
 if TYPE_CHECKING:
     from vlens.engine.sequence import Sequence
 
-_MASK32 = 0xFFFFFFFF
-
-
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors; multipliers < 2**31 keep
-    every product below 2**63, so no step overflows."""
+    """A 32-bit integer hash (xorshift-multiply rounds) on int32 tensors: products wrap around, and
+    masking makes the right shifts logical."""
     for mult in (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39):
-        x = (x ^ (x >> 16)) * mult & _MASK32
-    return x ^ (x >> 16)
+        x = (x ^ ((x >> 16) & 0xFFFF)) * mult
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
-def uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """A deterministic float64 in (0, 1) per (seed, offset) pair."""
-    x = _mix32((_mix32(seeds & _MASK32) ^ (offsets & _MASK32)) & _MASK32)
-    return (x.double() + 0.5) / 2**32
+def gumbel(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 Gumbel noise, a deterministic function of each (seed, offset, token id). The
+    uniform numbers have 23 bits, exact in float32 and below 1, so no noise is infinite (at most 16.6:
+    a token more than ~19 nats below the best of its row is never drawn, where its probability is < 1e-8)."""
+    lo, hi = (seeds & 0xFFFFFFFF).to(torch.int32), (seeds >> 32).to(torch.int32)
+    rows = _mix32(_mix32(lo ^ _mix32(hi)) ^ offsets.to(torch.int32))
+    tokens = _mix32(torch.arange(vocab, dtype=torch.int32, device=seeds.device) ^ 0x5BD1E995)
+    u = ((_mix32(rows[:, None] ^ tokens) >> 9) & 0x7FFFFF).float().add_(0.5).mul_(2.0**-23)
+    return u.log_().neg_().log_().neg_()
 
 
 @dataclass
@@ -85,20 +91,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = scaled.softmax(dim=-1)
         threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         scaled = scaled.masked_fill(probs < threshold, float("-inf"))
-    order = None
     if batch.any_top_k_or_p:
-        scaled, order = scaled.sort(dim=-1, descending=True)
+        ranked, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(scaled.shape[-1], device=scaled.device)
         k = torch.where(batch.top_k > 0, batch.top_k, scaled.shape[-1])
         cut = rank[None, :] >= k[:, None]
-        probs = scaled.softmax(dim=-1)
+        probs = ranked.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the better tokens: keep the one crossing top_p
         cut |= (before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
-        scaled = scaled.masked_fill(cut, float("-inf"))
-    cdf = scaled.softmax(dim=-1).double().cumsum(dim=-1)
-    u = uniform(batch.seeds, batch.offsets).to(cdf.device)[:, None] * cdf[:, -1:]
-    choice = torch.searchsorted(cdf, u).clamp_max(cdf.shape[-1] - 1).squeeze(-1)
-    if order is not None:
-        choice = order.gather(-1, choice[:, None]).squeeze(-1)
+        scaled = scaled.masked_fill(torch.zeros_like(cut).scatter_(-1, order, cut), float("-inf"))
+    choice = (scaled + gumbel(batch.seeds, batch.offsets, scaled.shape[-1]).to(scaled.device)).argmax(dim=-1)
     return torch.where(batch.temperature > 0, choice, greedy)
-
