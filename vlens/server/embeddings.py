@@ -20,10 +20,9 @@ from starlette.responses import JSONResponse, Response
 from vlens.capture import Capture
 from vlens.capture.names import resolve_hooks
 from vlens.engine.llm_engine import NewRequest
-from vlens.inputs import to_token_lists
 from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
-from vlens.server.protocol import APIError, DocumentedAs, check_model, from_value_error, refuse_unknown, schema_error
+from vlens.server.protocol import APIError, DocumentedAs, check_model, refuse_unknown, schema_error
 from vlens.server.responses import usage
 
 POSITIONS = {"mean": "prompt", "last": "last"}
@@ -64,7 +63,7 @@ class Embedder:
             resolve_hooks(g.config.embedding_hook, g.cfg)
         except ValueError as e:
             raise ValueError(f"embedding_hook: {e}") from None
-        self.tokenizer, self.cfg, self.config = g.tokenizer, g.cfg, g.config
+        self.cfg, self.config = g.cfg, g.config
 
     def _options(self, raw: dict[str, Any] | None) -> tuple[str, str]:
         try:
@@ -87,16 +86,7 @@ class Embedder:
         if body.dimensions is not None:
             raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
         hook, pooling = self._options(body.vlens)
-        try:
-            token_lists = to_token_lists(
-                body.input,
-                self.tokenizer,
-                self.cfg.vocab_size,
-                field="input",
-                add_special_tokens=body.add_special_tokens,
-            )
-        except ValueError as e:
-            raise from_value_error(e) from None
+        token_lists = g.tokenize(body.input, "input", body.add_special_tokens)
         for i, ids in enumerate(token_lists):
             if len(ids) >= g.max_model_len:
                 raise APIError(

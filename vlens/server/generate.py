@@ -82,20 +82,21 @@ class Generator:
         self.token_text = TokenText(tokenizer)
         self.extension = ExtensionContext(enable_capture=config.enable_capture, saes=saes)
 
+    def tokenize(self, value: Any, field: str, add_special_tokens: bool) -> list[list[int]]:
+        """A body's prompt or input (text, token ids, or a list of either) as token lists; a 400 naming
+        `field` when it is neither."""
+        try:
+            return to_token_lists(
+                value, self.tokenizer, self.cfg.vocab_size, field=field, add_special_tokens=add_special_tokens
+            )
+        except ValueError as e:
+            raise from_value_error(e) from None
+
     # -- endpoints ----------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body.check(self.config.max_n)
-        try:
-            token_lists = to_token_lists(
-                body.prompt,
-                self.tokenizer,
-                self.cfg.vocab_size,
-                field="prompt",
-                add_special_tokens=body.add_special_tokens,
-            )
-        except ValueError as e:
-            raise from_value_error(e) from None
+        token_lists = self.tokenize(body.prompt, "prompt", body.add_special_tokens)
         several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
         texts = [p if isinstance(p, str) else None for p in (body.prompt if several else [body.prompt])]
         prompts = list(zip(token_lists, texts))
