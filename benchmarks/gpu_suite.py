@@ -20,6 +20,7 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import tempfile
@@ -178,7 +179,7 @@ def harvesting(path: str, rows: dict, windows: int) -> None:
     ids = [json.loads(line)["tokens"] for line in corpus.read_text().splitlines()]
 
     class Stop(Exception):
-        pass
+        """Raised by the hook after the layer: HF's forward goes no further, as a harvest needs."""
 
     def stopped():
         def hook_fn(m, a, o):
@@ -187,11 +188,8 @@ def harvesting(path: str, rows: dict, windows: int) -> None:
         handle = hf.model.layers[layer].register_forward_hook(hook_fn)
         try:
             for i in range(0, len(ids), 16):
-                with torch.inference_mode():
-                    try:
-                        hf(torch.tensor(ids[i : i + 16], device="cuda"))
-                    except Stop:
-                        pass
+                with torch.inference_mode(), contextlib.suppress(Stop):
+                    hf(torch.tensor(ids[i : i + 16], device="cuda"))
         finally:
             handle.remove()
 
