@@ -6,6 +6,8 @@ only to parse configs, build tokenizers and (once per file) dequantise GGUF.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -13,6 +15,8 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -101,6 +105,29 @@ def hash_file(path: Path, digest: Any = None) -> Any:
     return digest
 
 
+_GGUF_PATCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within one conversion, each GGUF file is parsed once and gguf's tensor-name map built once.
+
+    transformers reads the file anew for the config, the weights and the tokenizer (gguf-py walks the
+    whole vocabulary each time: ~4 s for SmolLM2's 49k tokens on this CPU) and rebuilds the name map for
+    every module of the model; both are pure functions of their arguments, so caching them halves the
+    conversion. They are module attributes transformers imports at call time, hence the patch (under a
+    lock, so concurrent conversions restore the originals)."""
+    import gguf
+
+    with _GGUF_PATCH:
+        reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = functools.cache(reader), functools.cache(names)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
+
+
 def convert_gguf(path: Path) -> Path:
     """Dequantise a GGUF once into a safetensors directory cached under its content hash."""
     target = cache_dir() / "gguf" / hash_file(path).hexdigest()[:32]
@@ -111,12 +138,13 @@ def convert_gguf(path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        hf.hf_quantizer = None  # the weights are dequantised: save them as plain tensors
-        if hasattr(hf.config, "quantization_config"):
-            del hf.config.quantization_config
-        hf.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        with _gguf_parsed_once():
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            hf.hf_quantizer = None  # the weights are dequantised: save them as plain tensors
+            if hasattr(hf.config, "quantization_config"):
+                del hf.config.quantization_config
+            hf.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
         os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
