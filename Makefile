@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/vlens $(MAIN_JOB)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 install: $(STAMP)
 

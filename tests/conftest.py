@@ -8,18 +8,29 @@ settings asks for a small KV cache unless the size is what it checks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 import vlens
 from vlens import LLM
 from vlens.loader import LoadedModel, cache_dir, default_gguf, hash_file, resolve_model_path
+
+
+# `make test` runs two pytest-xdist workers: each worker's torch (and every process it starts) gets its
+# share of the cores, as two workers spinning OpenMP threads over all of them run slower than one.
+if _workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    _threads = max(1, len(os.sched_getaffinity(0)) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,17 +100,28 @@ def load_default_gguf_twice(cache: Path) -> FirstUse:
     )  # fmt: skip
 
 
+@functools.cache
+def first_use_lock() -> FileLock:
+    """The lock the test workers take turns with for the default GGUF's first use. One object a process:
+    filelock counts re-entries of an object, and a second object on the same file would wait for the first."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    return FileLock(cache_dir() / "tests-first-use.lock")
+
+
 @pytest.fixture(scope="session")
 def gguf_first_use(tmp_path_factory) -> FirstUse:
-    """The default GGUF's first use. Converting it takes 20-30 s, so a run does it at most once: where the
+    """The default GGUF's first use. Converting it takes ~10 s, so a run does it at most once: where the
     cache already holds the conversion, into an empty cache of its own (removed after the run); on a
-    machine whose cache lacks it (a fresh CI runner), into that cache, where `smol_path` then finds it."""
-    if default_is_converted():
-        cache = tmp_path_factory.mktemp("vlens-cache")
-        yield load_default_gguf_twice(cache)
-        shutil.rmtree(cache, ignore_errors=True)  # half a gigabyte
-    else:
-        yield load_default_gguf_twice(cache_dir())
+    machine whose cache lacks it (a fresh CI runner), into that cache, where `smol_path` then finds it.
+    The test workers take turns (a file lock): the first converts into the cache, the others find it there."""
+    with first_use_lock():
+        use = None if default_is_converted() else load_default_gguf_twice(cache_dir())
+    if use is not None:
+        yield use
+        return
+    cache = tmp_path_factory.mktemp("vlens-cache")
+    yield load_default_gguf_twice(cache)
+    shutil.rmtree(cache, ignore_errors=True)  # half a gigabyte
 
 
 # --- SmolLM2, and engines over it ----------------------------------------------------------------------
@@ -107,8 +129,9 @@ def gguf_first_use(tmp_path_factory) -> FirstUse:
 
 @pytest.fixture(scope="session")
 def smol_path(request) -> Path:
-    if not default_is_converted():
-        request.getfixturevalue("gguf_first_use")  # the run's one conversion, observed for test_loading
+    with first_use_lock():  # another worker may be converting it now
+        if not default_is_converted():
+            request.getfixturevalue("gguf_first_use")  # the run's one conversion, observed for test_loading
     return resolve_model_path(None)
 
 
