@@ -16,8 +16,9 @@ PROMPTS = [
 ]
 K = 3
 TOLERANCE = 1e-5  # float32 log-probabilities, absolute
-# Chunks of 8 tokens run other GEMM shapes, which sum in another order: the engine's generation
-# tolerance (tests/test_engine.py) holds there, 1e-5 not always (1.05e-5 seen).
+# Chunks of 8 tokens (or a prompt's last few, behind a prefix another prompt computed) run other GEMM
+# shapes, which sum in another order: the engine's generation tolerance (tests/test_engine.py) holds
+# there, 1e-5 not always (1.05e-5, 1.35e-5 seen).
 CHUNKED_TOLERANCE = 1e-4
 
 
@@ -95,6 +96,37 @@ def test_chunked_prefill_preemption_and_prefix_cache(smol_path, hf_logp):
     computed = llm.engine.scheduler.tokens_computed
     llm.generate([ids_list[2]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     assert llm.engine.scheduler.tokens_computed - computed <= 4
+
+
+def test_prompts_sharing_a_prefix_compute_it_once(smol, hf_smol):
+    """lm-eval's choices of one question: prompts admitted in one step that start alike compute the shared
+    prefix once (full blocks shared, the partial one copied, the log-probabilities handed on, also along a
+    chain of borrowers), and each gets what it gets alone and what HF gives. A steered request with the
+    same tokens computes its own."""
+    context = smol.tokenizer(PROMPTS[2])["input_ids"]  # a full block and a partial one
+    assert len(context) == 23
+    tails = [smol.tokenizer(t, add_special_tokens=False)["input_ids"] for t in (" The end.", " Yes", " No, never")]
+    prompts = [context[:9]] + [context + t for t in tails] + [context[:18] + [1, 2, 3], context, context[:3]]
+    with torch.inference_mode():
+        hf = [hf_smol(torch.tensor([ids])).logits[0].float().log_softmax(-1) for ids in prompts]
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=K)
+    steer = Steer("blocks.5.hook_resid_post", torch.randn(576, generator=torch.Generator().manual_seed(1)) * 3)
+    plain, steered = SamplingParams(max_tokens=2, temperature=0), SamplingParams(max_tokens=2, temperature=0,
+                                                                               interventions=[steer])  # fmt: skip
+    computed = smol.engine.scheduler.tokens_computed
+    outs = smol.generate(prompts + [context, context], [params] * len(prompts) + [plain, steered], use_tqdm=False)
+    # Each takes all but the last of the tokens it shares with one admitted before it: the second 8 from
+    # the first; the 22 of the context from the second (so do the plain request and two more), 17 and 2
+    # for the shorter ones; the steered one takes none. The second step decodes one token each.
+    shared = 8 + 22 + 22 + 17 + 22 + 2 + 22
+    prefill = sum(map(len, prompts)) + 2 * len(context) - shared
+    assert smol.engine.scheduler.tokens_computed - computed == prefill + len(outs)
+    for out, ids, logp in zip(outs, prompts, hf):
+        check(out, ids, logp, tolerance=CHUNKED_TOLERANCE)  # a borrower's rows run in other GEMM shapes
+    for out, ids, p in zip(outs, prompts + [context, context], [params] * len(prompts) + [plain, steered]):
+        [alone] = smol.generate([ids], p, use_tqdm=False)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert outs[-2].outputs[0].token_ids != outs[-1].outputs[0].token_ids  # the steer took effect
 
 
 def test_once_per_request_with_parallel_samples(smol, hf_logp):

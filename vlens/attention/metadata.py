@@ -40,6 +40,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: where each sequence's queries start
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key and value is written to
     num_slots: int = 0  # of the cache
+    # (from, to) [C] cache slots whose keys and values are copied once the step's new ones are written:
+    # a prompt prefix one sequence computes for another in the same step (vlens.engine.sequence.Borrow)
+    kv_copy: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def paged(self) -> bool:

@@ -73,6 +73,14 @@ class BlockManager:
             prev = h
         seq.num_computed = len(seq.block_table) * self.block_size
 
+    def share(self, seq: Sequence, lender: Sequence, length: int) -> None:
+        """Give `seq` (holding only blocks from the cache) the lender's full blocks up to token `length`,
+        whose contents the two share; the partial block after them stays to be reserved and copied."""
+        for i in range(len(seq.block_table), length // self.block_size):
+            self._take(lender.block_table[i])
+            seq.block_table.append(lender.block_table[i])
+        seq.num_computed = length
+
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the sequence's blocks cover `num_tokens` tokens; False (nothing taken) if too few are free."""
         need = -(-num_tokens // self.block_size) - len(seq.block_table)

@@ -200,6 +200,7 @@ class LLMEngine:
             out.prompt_rows.deliver(out.prompt_logprobs)
         for seq, _ in scheduled:
             seq.cache_limit = seq.reusable_prefix()
+            seq.borrow = None
         deltas = []
         self.generation_tokens += len(out.tokens)
         for i, (seq, token) in enumerate(zip(out.sampled, out.tokens)):

@@ -4,7 +4,9 @@ bias or penalties — for sampled tokens and for prompt tokens (`prompt_logprobs
 Prompt log-probabilities come from the logits of the prompt rows, computed in the steps that compute
 those rows (chunked prefill included): row p gives token p + 1's log-probability and the top-k
 alternatives. Each prompt row is delivered once; rows delivered before a preemption are not asked for
-again, and rows still wanted are never taken from the prefix cache (Sequence.reusable_prefix).
+again, and rows still wanted are never taken from the prefix cache (Sequence.reusable_prefix). A prompt
+that borrows its prefix from another in the same step (vlens.engine.sequence.Borrow) takes that one's
+entries for it.
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ class PromptRows:
     targets: list[int] = field(default_factory=list)  # the prompt token each row predicts
     owners: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, its rows), in row order
     k: int = 0
+    borrowers: list[Sequence] = field(default_factory=list)  # whose first entries are their lender's
 
     def add(self, seq: Sequence, count: int, row: int) -> None:
         """A chunk of `count` tokens from seq.num_computed on, at packed row `row`: its prompt rows not
         yet delivered."""
         if seq.prompt_logprobs is None:
             return
+        if seq.borrow is not None:
+            self.borrowers.append(seq)
         start = seq.num_computed
         first = max(start, len(seq.prompt_logprobs) - 1)
         last = min(start + count, seq.num_prompt - 1)
@@ -74,9 +79,20 @@ class PromptRows:
         return to_host(top_logprobs(logits, targets, self.k), blocking)
 
     def deliver(self, logprobs: TopLogprobs) -> None:
-        """Append each sequence's new entries (after the step's sync)."""
-        i = 0
+        """Append each sequence's new entries (after the step's sync): a borrower's lender first, whose
+        entries for the prefix they share come before the borrower's own."""
+        new, i = {}, 0
         for seq, count in self.owners:
             k = seq.params.prompt_logprobs
-            seq.prompt_logprobs += [entry(logprobs, i + j, self.targets[i + j], k) for j in range(count)]
+            new[seq] = [entry(logprobs, i + j, self.targets[i + j], k) for j in range(count)]
             i += count
+        for seq, entries in new.items():
+            if seq.borrow is None:
+                seq.prompt_logprobs += entries
+        waiting = list(self.borrowers)
+        while waiting:  # a lender that borrows too is served first
+            ready = [seq for seq in waiting if seq.borrow.lender not in waiting]
+            for seq in ready:
+                seq.prompt_logprobs += seq.borrow.lender.prompt_logprobs[1 : seq.borrow.length + 1]
+                seq.prompt_logprobs += new.get(seq, [])
+            waiting = [seq for seq in waiting if seq not in ready]

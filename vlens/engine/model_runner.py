@@ -68,6 +68,10 @@ class ModelRunner:
             [s.block_table for s, _ in order], self.block_size, self.num_slots, self.device,
         )  # fmt: skip
         ids = torch.tensor([t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]])
+        borrows = [s.borrow for s, _ in order if s.borrow is not None and s.borrow.copy_to]
+        if borrows:
+            src = self._on_device([slot for b in borrows for slot in b.copy_from])
+            meta.kv_copy = (src, self._on_device([slot for b in borrows for slot in b.copy_to]))
         state = self.backend.prepare(meta, self.kinds, self.dtype)
         return order, ForwardContext(meta, self.backend, state), ids
 

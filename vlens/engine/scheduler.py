@@ -5,6 +5,11 @@ min(uncomputed tokens, budget left) tokens. Running sequences go first (oldest f
 are admitted while the token budget, `max_num_seqs` and free KV blocks allow. When blocks run out,
 the newest running sequence is preempted: its blocks are freed and it recomputes from the start
 later (its full blocks usually come back from the prefix cache).
+
+Prompts admitted in one step that start alike (the choices of an lm-eval question, requests behind
+one system prompt) compute their shared prefix once: a later one borrows it from an earlier one, which
+the prefix cache cannot do, as neither has computed it yet (and one that wants prompt log-probabilities
+takes nothing from the cache).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from vlens.engine.block_manager import BlockManager
-from vlens.engine.sequence import Sequence, Status
+from vlens.engine.sequence import Borrow, Sequence, Status
 
 
 class Scheduler:
@@ -49,13 +54,21 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 self.tokens_computed += n
+        lenders: list[tuple[Sequence, int]] = []  # admitted in this step, and the tokens they cover by its end
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.admit(seq)
+            lender = self._lender(seq, lenders)
+            if lender is not None:
+                self.blocks.share(seq, *lender)
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             if not self.blocks.reserve(seq, seq.num_computed + n):
                 self.blocks.release(seq)
                 break
+            if lender is not None:
+                seq.borrow = self._borrow(seq, *lender)
+            if _plain(seq):
+                lenders.append((seq, seq.num_computed + n))
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -63,6 +76,37 @@ class Scheduler:
             budget -= n
             self.tokens_computed += n
         return scheduled
+
+    def _lender(self, seq: Sequence, lenders: list[tuple[Sequence, int]]) -> tuple[Sequence, int] | None:
+        """A sequence admitted in this step whose prompt starts like this one's, and how many leading tokens
+        this one can take from it (more than the prefix cache gave): the choices of one lm-eval question,
+        prompts behind one system prompt. Its last shared token is left to compute, whose logits give
+        the first differing token's log-probability. Only between sequences that neither capture nor
+        intervene (rows they want, keys they change); one that wants prompt log-probabilities borrows only
+        from one that computes the same ones."""
+        if not _plain(seq):
+            return None
+        best, length = None, seq.num_computed
+        for lender, covered in lenders:
+            if lender.cache_salt != seq.cache_salt or (
+                seq.prompt_logprobs is not None
+                and (lender.prompt_logprobs is None or lender.params.prompt_logprobs != seq.params.prompt_logprobs)
+            ):
+                continue
+            shared = min(_common_prefix(seq.token_ids, lender.token_ids) - 1, covered)
+            if shared > length:
+                best, length = lender, shared
+        return None if best is None else (best, length)
+
+    def _borrow(self, seq: Sequence, lender: Sequence, length: int) -> Borrow:
+        """The slots of the shared partial block, once `seq` has a block of its own for it. A lender may
+        itself borrow: a slot it gets by copy in this step is read where it is copied from (the copies
+        of a layer all read before any writes)."""
+        bs = self.blocks.block_size
+        positions = range(length - length % bs, length)
+        src = [_slot(lender, p, bs) for p in positions]
+        dst = [seq.block_table[p // bs] * bs + p % bs for p in positions]
+        return Borrow(lender, length, src, dst)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -76,3 +120,29 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.blocks.release(seq)
+
+
+def _plain(seq: Sequence) -> bool:
+    """Whether a sequence may share a prompt prefix computed in its step: a fresh prompt (nothing generated
+    or delivered yet), the whole model, nothing captured or changed at the taps."""
+    fresh = seq.num_generated == 0 and (seq.prompt_logprobs is None or len(seq.prompt_logprobs) == 1)
+    return fresh and seq.depth is None and not seq.taps.streams and not seq.taps.interventions
+
+
+def _slot(seq: Sequence, position: int, block_size: int) -> int:
+    """The cache slot that holds a position's keys once the step has written its new ones."""
+    while seq.borrow is not None and position < seq.borrow.length:
+        seq = seq.borrow.lender
+    return seq.block_table[position // block_size] * block_size + position % block_size
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (slices compare in C: log2(length) of them)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

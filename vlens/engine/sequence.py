@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from vlens.capture.bind import RequestTaps
 from vlens.engine.detokenizer import Detokenizer
@@ -14,6 +15,18 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Borrow:
+    """A prompt prefix that another sequence computes in the same step (scheduler.Scheduler._borrow):
+    its first `length` tokens' keys and values are the lender's (its full blocks shared, the slots of the
+    last, partial one copied in each layer), and so are their prompt log-probabilities."""
+
+    lender: Sequence
+    length: int
+    copy_from: list[int]  # cache slots of the lender's partial block ...
+    copy_to: list[int]  # ... and where they go in this sequence's
 
 
 class Sequence:
@@ -50,6 +63,7 @@ class Sequence:
         wants_prompt = params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
+        self.borrow: Borrow | None = None  # this step's: the prefix another sequence computes for it
         self.num_reported = 0  # generated tokens already sent out in a delta
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

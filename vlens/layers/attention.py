@@ -38,6 +38,10 @@ class Attention(nn.Module):
         if slots is not None:
             self.k_cache.index_copy_(0, slots, k)
             self.v_cache.index_copy_(0, slots, v)
+            if ctx.attention.kv_copy is not None:
+                src, dst = ctx.attention.kv_copy
+                self.k_cache.index_copy_(0, dst, self.k_cache.index_select(0, src))
+                self.v_cache.index_copy_(0, dst, self.v_cache.index_select(0, src))
         # Scores and probabilities of only the rows asked for, from their queries and their sequence's
         # keys (the cache holds every key of every sequence; a cache-less forward packs them in k).
         keys = self.k_cache if slots is not None else k
