@@ -51,6 +51,24 @@ def test_flex_generation_equals_sdpa(pair):
             assert rel_err(b.activations[name], a.activations[name]) <= 1e-5, name
 
 
+def test_flex_reads_blocks_that_sequences_of_a_step_share(pair):
+    """A block in several sequences' tables at once: a prefix borrowed within the step (prompts alike,
+    with prompt log-probabilities), then the same prompts' full blocks from the prefix cache. FlexAttention
+    once gave a shared slot to one sequence only."""
+    sdpa, flex = pair
+    head = _prompts()[0]
+    prompts = [head + [5, 6], head, head[:10] + [7, 8, 9]]
+    logprobs = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for params in (logprobs, plain):
+        for a, b in zip(sdpa.generate(prompts, params, use_tqdm=False), flex.generate(prompts, params, use_tqdm=False)):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            if params is logprobs:
+                got, expected = ([e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+                                 for o in (b, a))  # fmt: skip
+                assert torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_flex_equals_sdpa(tmp_path):
     path = build(FAMILIES["llama"](), tmp_path, "llama")
     common = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=4, max_model_len=64)

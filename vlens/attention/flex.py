@@ -2,8 +2,9 @@
 
 The queries are the packed batch as it is ([1, H, T, d]); the keys are the whole cache ([1, H_kv,
 slots, d]). A block mask maps the two: query row r (sequence s, position p) may see cache slot k when
-k holds key j of the same sequence and j <= p (and p - window < j for a sliding-window layer), which
-is where the block tables put it. Soft-capping (Gemma 2) is a score mod. FlexAttention is fast only
+s's block table holds k's block, at page i, and k is key j = i * block_size + k % block_size with j <= p
+(and p - window < j for a sliding-window layer). A block may be in several tables at once (a cached or
+borrowed prefix), so a slot is looked up per sequence, not given one owner. Soft-capping (Gemma 2) is a score mod. FlexAttention is fast only
 compiled (`compiled=True`, once per shape; ≈25 s on a 2-core CPU, far less on a GPU); uncompiled it
 is exact and slow, which the CPU tests use.
 """
@@ -38,15 +39,24 @@ class FlexBackend:
         q_seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
         q_pos = meta.positions
         if meta.paged:  # every slot of the cache, so the shapes do not change from step to step
-            kv_seq, kv_pos, num_keys = (*_slot_owners(meta, device), meta.num_slots)
+            page_of, bs, num_keys = _pages(meta).to(device), meta.block_size, meta.num_slots
+
+            def key(q, kv):  # (whether q's sequence holds slot kv, and at which position)
+                page = page_of[q_seq[q], kv // bs]
+                return page >= 0, page * bs + kv % bs
         else:  # keys are packed like the queries
-            kv_seq, kv_pos, num_keys = q_seq, q_pos, len(q_pos)
+            num_keys = len(q_pos)
+
+            def key(q, kv):
+                return q_seq[kv] == q_seq[q], q_pos[kv]
+
         masks = {}
         for window in windows:
 
             def mask_mod(b, h, q, kv, window=window):
-                ok = (kv_seq[kv] == q_seq[q]) & (kv_pos[kv] <= q_pos[q])
-                return ok if window is None else ok & (kv_pos[kv] > q_pos[q] - window)
+                held, position = key(q, kv)
+                ok = held & (position <= q_pos[q])
+                return ok if window is None else ok & (position > q_pos[q] - window)
 
             masks[window] = create_block_mask(mask_mod, 1, None, len(q_pos), num_keys, device=device)
         return FlexState(masks, meta.paged)
@@ -76,14 +86,13 @@ class FlexBackend:
         return self._score_mods[cap]
 
 
-def _slot_owners(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every cache slot: the sequence of this step whose key it holds (-1: none) and that key's
-    position; the block tables say which slots those are."""
-    slots = meta.key_slots(0, len(meta.context_lens))
-    positions = torch.arange(slots.shape[1]).expand_as(slots)
-    real = positions < torch.tensor(meta.context_lens)[:, None]
-    seqs = torch.arange(len(slots))[:, None].expand_as(slots)
-    slot, seqs, positions = slots[real], seqs[real], positions[real]
-    kv_seq = torch.full((meta.num_slots,), -1).index_copy_(0, slot, seqs)
-    kv_pos = torch.zeros(meta.num_slots, dtype=torch.long).index_copy_(0, slot, positions)
-    return kv_seq.to(device), kv_pos.to(device)
+def _pages(meta: AttentionMetadata) -> torch.Tensor:
+    """[sequences, cache blocks] (host): the page at which each sequence's block table holds each block,
+    -1 where it does not."""
+    tables, bs = meta.block_tables, meta.block_size
+    pages = torch.arange(tables.shape[1]).expand_as(tables)
+    held = pages < torch.tensor([-(-c // bs) for c in meta.context_lens])[:, None]
+    seqs = torch.arange(len(tables))[:, None].expand_as(tables)
+    page_of = torch.full((len(tables), meta.num_slots // bs), -1, dtype=torch.long)
+    page_of[seqs[held], tables[held]] = pages[held]
+    return page_of
