@@ -20,6 +20,11 @@ from vlens.engine.block_manager import BlockManager
 from vlens.engine.sequence import Borrow, Sequence, Status
 
 
+# A prompt borrows from one of the last _CANDIDATES admitted in its step that start with its _KEY_TOKENS
+# tokens: the siblings of an lm-eval question come together, and behind one system prompt any will do.
+_KEY_TOKENS, _CANDIDATES = 4, 8
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.blocks = block_manager
@@ -54,7 +59,8 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 self.tokens_computed += n
-        lenders: list[tuple[Sequence, int]] = []  # admitted in this step, and the tokens they cover by its end
+        lenders: dict[tuple[int, ...], list[tuple[Sequence, int]]] = {}  # admitted in this step, by their first
+        # tokens, with how many tokens they cover by its end
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.admit(seq)
@@ -68,7 +74,7 @@ class Scheduler:
             if lender is not None:
                 seq.borrow = self._borrow(seq, *lender)
             if _plain(seq):
-                lenders.append((seq, seq.num_computed + n))
+                lenders.setdefault(_key(seq), []).append((seq, seq.num_computed + n))
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -77,7 +83,9 @@ class Scheduler:
             self.tokens_computed += n
         return scheduled
 
-    def _lender(self, seq: Sequence, lenders: list[tuple[Sequence, int]]) -> tuple[Sequence, int] | None:
+    def _lender(
+        self, seq: Sequence, lenders: dict[tuple[int, ...], list[tuple[Sequence, int]]]
+    ) -> tuple[Sequence, int] | None:
         """A sequence admitted in this step whose prompt starts like this one's, and how many leading tokens
         this one can take from it (more than the prefix cache gave): the choices of one lm-eval question,
         prompts behind one system prompt. Its last shared token is left to compute, whose logits give
@@ -87,7 +95,7 @@ class Scheduler:
         if not _plain(seq):
             return None
         best, length = None, seq.num_computed
-        for lender, covered in lenders:
+        for lender, covered in lenders.get(_key(seq), [])[-_CANDIDATES:]:
             if lender.cache_salt != seq.cache_salt or (
                 seq.prompt_logprobs is not None
                 and (lender.prompt_logprobs is None or lender.params.prompt_logprobs != seq.params.prompt_logprobs)
@@ -136,13 +144,21 @@ def _slot(seq: Sequence, position: int, block_size: int) -> int:
     return seq.block_table[position // block_size] * block_size + position % block_size
 
 
+def _key(seq: Sequence) -> tuple[int, ...]:
+    """What a borrower and its lender have in common at least: their first tokens."""
+    return tuple(seq.token_ids[:_KEY_TOKENS])
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (slices compare in C: log2(length) of them)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
+    """Length of the common prefix of two token lists, in time proportional to it: slices of doubling
+    length compare in C until one differs, then halving ones find where."""
+    lo, step, n = 0, 1, min(len(a), len(b))
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
+            return lo
+        lo, step = hi, step * 2
     return lo
