@@ -4,9 +4,9 @@ The queries are the packed batch as it is ([1, H, T, d]); the keys are the whole
 slots, d]). A block mask maps the two: query row r (sequence s, position p) may see cache slot k when
 s's block table holds k's block, at page i, and k is key j = i * block_size + k % block_size with j <= p
 (and p - window < j for a sliding-window layer). A block may be in several tables at once (a cached or
-borrowed prefix), so a slot is looked up per sequence, not given one owner. Soft-capping (Gemma 2) is a score mod. FlexAttention is fast only
-compiled (`compiled=True`, once per shape; ≈25 s on a 2-core CPU, far less on a GPU); uncompiled it
-is exact and slow, which the CPU tests use.
+borrowed prefix), so a slot is looked up per sequence, not given one owner. Soft-capping (Gemma 2) is a
+score mod. FlexAttention is fast only compiled (`compiled=True`, once per shape; ≈25 s on a 2-core CPU,
+far less on a GPU); uncompiled it is exact and slow, which the CPU tests use.
 """
 
 from __future__ import annotations
