@@ -27,7 +27,6 @@ from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
-from vlens.models.base import DecoderLM
 from vlens.outputs import CompletionOutput, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -61,12 +60,13 @@ class NewRequest:
 
 
 class LLMEngine:
-    def __init__(self, model: DecoderLM, tokenizer: Any, config: EngineConfig, backend):
+    def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig):
+        model = runner.model
         cfg = model.cfg
         block_size, max_model_len = config.block_size, config.max_model_len
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
-        budget = kv_cache_bytes(model, config, backend)
+        budget = kv_cache_bytes(runner, config)
         num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 blocks of {per_block} bytes")
@@ -81,7 +81,8 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%d bytes); the longest sequence that fits: %d tokens",
                  num_blocks, block_size, num_blocks * per_block, self.max_model_len)  # fmt: skip
         self.enable_capture = config.enable_capture
-        self.runner = ModelRunner(model, num_blocks, block_size, backend)
+        self.runner = runner
+        runner.allocate_kv_cache(num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = hook_shapes(cfg)

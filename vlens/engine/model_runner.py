@@ -1,24 +1,32 @@
-"""One engine step on the device: lay out the scheduled chunks, plan the taps, run the model over the
-paged cache, collect captured rows, compute logits only where needed (sampled rows, prompt rows whose
-log-probabilities are asked for, captured logits), and sample.
+"""The one runner every forward goes through — engine steps, trace / harvest batches and the memory
+profile — and the owner of what a forward reads besides the weights: the step's device buffers (token ids,
+positions, slot mapping, sequence layout, logit rows, sampling parameters; vlens.engine.buffers), the tap
+runtime with its index and vector buffers, and the KV cache.
 
-Everything per step is built as a handful of host tensors (no per-token Python), moved once, and the
-only host sync is the copy of the sampled token ids back.
+An engine step: lay out the scheduled chunks, plan the taps, run the model over the paged cache, collect
+captured rows, compute logits only where needed (sampled rows, prompt rows whose log-probabilities are
+asked for, captured logits), and sample. Everything per step is a handful of host arrays written into the
+buffers (no per-token Python beyond listing the new token ids), and the only host sync is the copy of the
+sampled token ids back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
-from vlens.attention import paged_metadata
-from vlens.capture.names import hook_shapes
+from vlens.attention import AttentionMetadata, layout
+from vlens.capture.names import LOGITS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_step
 from vlens.capture.runtime import Collection, TapRuntime
-from vlens.context import ForwardContext, set_context
+from vlens.context import ForwardContext, Tap, set_context
+from vlens.engine.buffers import StepBuffers
 from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
+from vlens.engine.packed import PackedCapture, packed_plan
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 from vlens.models.base import DecoderLM
@@ -36,21 +44,32 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, backend):
-        self.model, self.cfg = model, model.cfg
+    def __init__(self, model: DecoderLM, backend, max_tokens: int, max_seqs: int):
+        """`max_tokens` / `max_seqs`: the largest engine step (its buffers are allocated at that size; a
+        longer packed forward of trace or harvest grows them)."""
+        self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        self.block_size, self.num_slots = block_size, num_blocks * block_size
-        shape = (self.cfg.num_layers, 2, self.num_slots, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        layers = model.attention_layers()
-        for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        self.backend, self.kinds = backend, {attn.kind for attn in layers}
+        self.kinds = {attn.kind for attn in model.attention_layers()}
+        tokens, seqs, long = (max_tokens,), (max_seqs,), torch.long
+        self.buffers = StepBuffers(
+            {
+                "input_ids": (tokens, long), "positions": (tokens, long), "sequence_ends": (tokens, long),
+                "token_seq": (tokens, long), "slot_mapping": (tokens, long), "cu_seqlens_q": ((max_seqs + 1,), torch.int32),
+                "logit_rows": (tokens, long), "sample_index": (seqs, long), "kv_copy_from": (tokens, long),
+                "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
+                "sampling_longs": ((3, max_seqs), long),
+            },
+            self.device,
+        )  # fmt: skip
         self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
-        # What runs the model's forward: the module itself (eager), or a compiled or graph-replaying
-        # stand-in with the same signature (its taps then need `self.taps.fixed_shapes`).
+        self.kv_cache: torch.Tensor | None = None
+        self.block_size = self.num_slots = 0
+        # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
+        # signature (its taps then need `self.taps.fixed_shapes`).
         self.forward = model
+
+    # -- set-up ---------------------------------------------------------------------------------------
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -58,29 +77,51 @@ class ModelRunner:
         itemsize = model.lm_head.weight.element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
-    def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], ForwardContext, torch.Tensor]:
-        """The step as attention kernels take it: decodes first, then prefill chunks longest first (so
-        the SDPA backend's grids stay dense), and what the backend plans from that."""
-        decodes = [(s, n) for s, n in scheduled if n == 1]
-        order = decodes + sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
-        meta = paged_metadata(
-            [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
-            [s.block_table for s, _ in order], self.block_size, self.num_slots, self.device,
-        )  # fmt: skip
-        ids = torch.tensor([t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]])
-        borrows = [s.borrow for s, _ in order if s.borrow is not None and s.borrow.copy_to]
-        if borrows:
-            src = self._on_device([slot for b in borrows for slot in b.copy_from])
-            meta.kv_copy = (src, self._on_device([slot for b in borrows for slot in b.copy_to]))
-        state = self.backend.prepare(meta, self.kinds, self.dtype)
-        return order, ForwardContext(meta, self.backend, state), ids
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size, self.num_slots = block_size, num_blocks * block_size
+        shape = (self.cfg.num_layers, 2, self.num_slots, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
-    def _on_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    # -- the one forward -------------------------------------------------------------------------------
+
+    def _forward(
+        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
+        logit_rows: torch.Tensor | slice | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set."""
+        state = self.backend.prepare(meta, self.kinds, self.dtype)
+        forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
+        set_context(ForwardContext(meta, self.backend, state, taps))
+        try:
+            hidden = forward(ids)
+            logits = None
+            if isinstance(logit_rows, slice):
+                logits = self.model.logits(hidden[logit_rows])
+            elif logit_rows is not None:
+                logits = self.model.logits(hidden.index_select(0, logit_rows))
+        finally:
+            set_context(None)
+        return hidden, logits
+
+    # -- engine steps ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
-        order, ctx, ids = self._layout(scheduled)
+        put = self.buffers.put
+        # decodes first, then prefill chunks longest first (so the SDPA backend's grids stay dense)
+        order = [(s, n) for s, n in scheduled if n == 1]
+        order += sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
+        meta = layout(
+            [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
+            [s.block_table for s, _ in order], self.block_size, self.num_slots, put,
+        )  # fmt: skip
+        ids = put("input_ids", np.fromiter((t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]), np.int64))
+        borrows = [s.borrow for s, _ in order if s.borrow is not None and s.borrow.copy_to]
+        if borrows:
+            src = put("kv_copy_from", np.array([slot for b in borrows for slot in b.copy_from], np.int64))
+            meta.kv_copy = (src, put("kv_copy_to", np.array([slot for b in borrows for slot in b.copy_to], np.int64)))
         chunks, sample_rows, prompt_rows, row = [], [], PromptRows(), 0
         for seq, n in order:
             if seq.num_computed + n == len(seq.token_ids) and not seq.prefill_only:
@@ -91,20 +132,14 @@ class ModelRunner:
             row += n
         plan = plan_step(chunks, self.block_size)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
-        ctx.taps = self.taps.arm(plan) if plan else {}
         sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids) and not s.prefill_only]
         depths = [s.depth for s, _ in order]
         # A step of prefill-only requests stops after the deepest layer they read (eagerly: it is rare).
-        forward = self.forward if None in depths else partial(self.model, num_layers=max(depths))
-        set_context(ctx)
-        try:
-            hidden = forward(ids.to(self.device, non_blocking=True))
-            if logit_rows:
-                logits = self.model.logits(hidden.index_select(0, self._on_device(logit_rows)))
-                if sample_index is not None:
-                    logits = logits.index_select(0, self._on_device(sample_index))
-        finally:
-            set_context(None)
+        num_layers = None if None in depths else max(depths)
+        rows = put("logit_rows", np.array(logit_rows, np.int64)) if logit_rows else None
+        _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows)
+        if sample_index is not None:
+            logits = logits.index_select(0, put("sample_index", np.array(sample_index, np.int64)))
         collection = self.taps.collect(plan) if plan.gathers else None
         prompt_logprobs = None
         if prompt_rows.rows:  # on their way to the host before the step's sync (blocking when none comes)
@@ -112,7 +147,7 @@ class ModelRunner:
         if not sampled:
             return StepOutput([], [], None, plan, collection, prompt_rows, prompt_logprobs)
         logits = logits[: len(sample_rows)]
-        tokens = sample(logits, SamplingBatch.of(sampled, self.device))
+        tokens = sample(logits, SamplingBatch.of(sampled, put))
         logprobs = None
         k = max((s.logprobs_k for s in sampled if s.logprobs_k is not None), default=None)
         if k is not None:
@@ -120,3 +155,38 @@ class ModelRunner:
         # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
         tokens = tokens.to("cpu").tolist()
         return StepOutput(sampled, tokens, logprobs, plan, collection, prompt_rows, prompt_logprobs)
+
+    # -- cache-less packed forwards: trace, HookedLM, harvest ------------------------------------------------
+
+    @torch.inference_mode()
+    def packed(
+        self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
+        hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ) -> PackedCapture:  # fmt: skip
+        """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
+        sequence i (default: every position). `hooks` are user functions run at their taps before the
+        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward)."""
+        lens = [len(s) for s in sequences]
+        plan = packed_plan(lens, taps, rows)
+        armed = self.taps.arm(plan)
+        for name, fn in (hooks or {}).items():
+            armed[name] = fn if name not in armed else _then(fn, armed[name])
+        sites = [*taps, *(hooks or {})]
+        meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
+        ids = self.buffers.put("input_ids", np.fromiter((t for s in sequences for t in s), np.int64))
+        self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
+        return PackedCapture(plan, self.taps.collect(plan))
+
+    # -- the memory profile --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile(self, tokens: int, logit_rows: int) -> None:
+        """One forward of `tokens` dummy tokens with the logits of `logit_rows` rows: the largest step the
+        engine's limits allow, run before the KV cache exists to measure its peak memory."""
+        meta = layout([0], [tokens], [tokens], None, 0, 0, self.buffers.put)
+        ids = self.buffers.put("input_ids", np.zeros(tokens, np.int64))
+        self._forward(meta, ids, {}, None, slice(-logit_rows, None))
+
+
+def _then(first: Callable, second: Callable) -> Callable:
+    return lambda x: second(first(x))

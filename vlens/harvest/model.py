@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vlens.attention.sdpa import SdpaBackend
+from vlens.engine.model_runner import ModelRunner
 from vlens.llm import LLM
 from vlens.loader import LoadedModel, hash_file, load_model
 
@@ -21,6 +23,14 @@ def resolve_model(model: Any, model_dtype: str, device: str) -> LoadedModel:
     if isinstance(model, LLM):
         return LoadedModel(model.model, model.config, model.tokenizer, model.model_path, model.model_name)
     return load_model(model, dtype=model_dtype, device=device)
+
+
+def runner_for(model: Any, loaded: LoadedModel, batch_tokens: int) -> ModelRunner:
+    """The runner of a harvest: an `LLM`'s own (its tap buffers already sized), else one over SDPA whose
+    buffers every batch of the run reuses."""
+    if isinstance(model, LLM):
+        return model.runner
+    return ModelRunner(loaded.model, SdpaBackend(), batch_tokens, max_seqs=1)
 
 
 def files_hash(files: list[Path]) -> str:
