@@ -36,7 +36,9 @@ class LLM:
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
         self.backend = make_backend(config.attention_backend, self.device, compiled=not config.enforce_eager)
-        self.runner = ModelRunner(self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(
+            self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs, graphs=not config.enforce_eager
+        )
         self._engine: LLMEngine | None = None
 
     @property

@@ -52,6 +52,8 @@ class AttentionMetadata:
     page_indptr: torch.Tensor | None = None  # [B + 1] int32 (host): where each sequence's pages start in ...
     page_indices: torch.Tensor | None = None  # [pages] int32 (host): ... every sequence's blocks, in order
     last_page_lens: torch.Tensor | None = None  # [B] int32 (host): keys in each sequence's last block
+    block_tables_device: torch.Tensor | None = None  # [B, table width] the block tables, for the static decode
+    context_lens_device: torch.Tensor | None = None  # [B] ... and the context lengths (vlens.attention.decode)
     # (from, to) [C] cache slots whose keys and values are copied once the step's new ones are written:
     # a prompt prefix one sequence computes for another in the same step (vlens.engine.sequence.Borrow)
     kv_copy: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -74,11 +76,12 @@ class AttentionMetadata:
 
 def layout(
     starts: list[int], query_lens: list[int], sequence_lens: list[int], block_tables: list[list[int]] | None,
-    block_size: int, num_slots: int, put: Put,
+    block_size: int, num_slots: int, put: Put, table_width: int | None = None,
 ) -> AttentionMetadata:
     """The metadata of one forward: sequence i (sequence_lens[i] tokens so far) feeds query_lens[i] tokens from
     position starts[i], over its block table (None: a cache-less forward of whole sequences packed back to
-    back, whose keys are its queries). Host arithmetic in numpy, one `put` per device field."""
+    back, whose keys are its queries). Host arithmetic in numpy, one `put` per device field. `table_width`:
+    the block tables also go to the device, that many pages wide (the static decode step's page bucket)."""
     lens = np.asarray(query_lens, dtype=np.int64)
     seq = np.repeat(np.arange(len(lens)), lens)
     first = np.cumsum(lens) - lens
@@ -94,12 +97,15 @@ def layout(
     if block_tables is None:
         return AttentionMetadata(pages=[0] * len(lens), block_tables=None, **common)
     pages = [-(-c // block_size) for c in context_lens]
-    width = max(pages)
+    width = max(pages) if table_width is None else table_width
     # through numpy: torch.tensor of nested lists is several times slower, and this runs every step
     tables = np.array([t[:n] + [0] * (width - n) for t, n in zip(block_tables, pages)], dtype=np.int64)
     slots = tables[seq, positions // block_size] * block_size + positions % block_size
     held = np.arange(width) < np.asarray(pages)[:, None]
     last = np.asarray(context_lens) - (np.asarray(pages) - 1) * block_size
+    if table_width is not None:
+        common["block_tables_device"] = put("block_tables", tables)
+        common["context_lens_device"] = put("context_lens", np.asarray(context_lens, dtype=np.int64))
     return AttentionMetadata(
         pages=pages, block_tables=torch.from_numpy(tables), slot_mapping=put("slot_mapping", slots),
         num_slots=num_slots, page_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)),

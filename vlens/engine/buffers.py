@@ -19,10 +19,18 @@ class StepBuffers:
         self._dev: dict[str, torch.Tensor] = {}
         self._host: dict[str, torch.Tensor] = {}
         self._copied: dict[str, torch.cuda.Event] = {}  # the last copy out of each staging buffer
+        self.generation = 0  # counts reallocations: a CUDA graph captured before one reads stale buffers
         for name, (shape, dtype) in fields.items():
             self._allocate(name, math.prod(shape), dtype)
 
+    def reserve(self, name: str, numel: int, dtype: torch.dtype) -> None:
+        """Buffer `name` holds at least `numel` elements from now on."""
+        if name not in self._dev or self._dev[name].numel() < numel:
+            self._allocate(name, numel, dtype)
+
     def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> None:
+        self.generation += 1
+        self._copied.pop(name, None)
         self._dev[name] = torch.zeros(numel, dtype=dtype, device=self.device)
         self._host[name] = torch.zeros(numel, dtype=dtype, pin_memory=True) if self._cuda else self._dev[name]
 
@@ -40,7 +48,6 @@ class StepBuffers:
         numel, dev = values.numel(), self._dev[name]
         if numel > dev.numel():
             self._allocate(name, max(numel, 2 * dev.numel()), dev.dtype)
-            self._copied.pop(name, None)
         event = self._copied.get(name)
         if event is not None:  # the staging buffer still feeds the previous step's copy
             event.synchronize()

@@ -82,7 +82,7 @@ class LLMEngine:
                  num_blocks, block_size, num_blocks * per_block, self.max_model_len)  # fmt: skip
         self.enable_capture = config.enable_capture
         self.runner = runner
-        runner.allocate_kv_cache(num_blocks, block_size)
+        runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = hook_shapes(cfg)

@@ -8,18 +8,29 @@ captured rows, compute logits only where needed (sampled rows, prompt rows whose
 asked for, captured logits), and sample. Everything per step is a handful of host arrays written into the
 buffers (no per-token Python beyond listing the new token ids), and the only host sync is the copy of the
 sampled token ids back.
+
+A step in which every sequence decodes can take the static path instead (`static_decode`): the batch is
+padded to a power-of-two bucket (padding rows write and read a scratch block no sequence owns), the block
+tables to a power-of-two number of pages, the taps' index tensors to power-of-two sizes, and attention is
+vlens.attention.decode's fixed-shape kernel. On CUDA each (bucket, pages, taps) shape is captured once as a
+CUDA graph and replayed — captures and interventions included, since taps read only their armed buffers;
+elsewhere the same path runs eagerly, which is how the CPU tests check it against the ordinary step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import torch
 
+import logging
+import time
+
 from vlens.attention import AttentionMetadata, layout
+from vlens.attention.decode import DecodeBackend
 from vlens.capture.names import LOGITS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_step
 from vlens.capture.runtime import Collection, TapRuntime
@@ -30,6 +41,26 @@ from vlens.engine.packed import PackedCapture, packed_plan
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 from vlens.models.base import DecoderLM
+
+log = logging.getLogger("vlens.engine")
+MIN_PAGES = 16  # the smallest page bucket of the static decode step
+MAX_GRAPHS = 64  # captured graphs kept at once; past that, all are dropped and captured again as needed
+
+
+def bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class GraphStats:
+    """How the decode steps ran (EngineStats shows them)."""
+
+    graph_steps: int = 0  # static decode steps replayed from a CUDA graph
+    static_eager_steps: int = 0  # static decode steps run eagerly (no CUDA, or graphs off)
+    eager_steps: int = 0  # steps the static path cannot serve: prefill, chunked prefill, prompt rows, ...
+    graphs_captured: int = 0
+    capture_seconds: float = 0.0
+    captured: list[tuple[int, int]] = field(default_factory=list)  # (batch bucket, pages) of each capture
 
 
 @dataclass
@@ -44,13 +75,16 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, backend, max_tokens: int, max_seqs: int):
+    def __init__(self, model: DecoderLM, backend, max_tokens: int, max_seqs: int, graphs: bool = False):
         """`max_tokens` / `max_seqs`: the largest engine step (its buffers are allocated at that size; a
-        longer packed forward of trace or harvest grows them)."""
+        longer packed forward of trace or harvest grows them). `graphs`: decode steps replay CUDA graphs
+        (on CUDA only; `static_decode` is then on)."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.kinds = {attn.kind for attn in model.attention_layers()}
+        self.max_bucket = bucket(max_seqs)
+        max_seqs, max_tokens = self.max_bucket, max(max_tokens, self.max_bucket)
         tokens, seqs, long = (max_tokens,), (max_seqs,), torch.long
         self.buffers = StepBuffers(
             {
@@ -68,6 +102,14 @@ class ModelRunner:
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
         # signature (its taps then need `self.taps.fixed_shapes`).
         self.forward = model
+        self.graphs = graphs and self.device.type == "cuda"
+        if self.device.type == "cuda":  # cuDNN's SDPA builds a plan for every new shape: ~6 ms of host a call
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self.static_decode = self.graphs
+        self.decode_backend = DecodeBackend()
+        self.graph_stats = GraphStats()
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
 
     # -- set-up ---------------------------------------------------------------------------------------
 
@@ -77,23 +119,38 @@ class ModelRunner:
         itemsize = model.lm_head.weight.element_size()
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.block_size, self.num_slots = block_size, num_blocks * block_size
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
+        a static decode step write and read it. Graphs of the plain decode step are captured here."""
+        self.block_size, self.scratch_block = block_size, num_blocks
+        self.num_slots = (num_blocks + 1) * block_size
         shape = (self.cfg.num_layers, 2, self.num_slots, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.max_pages = bucket(max(MIN_PAGES, -(-max_model_len // block_size)))
+        self.buffers.reserve("block_tables", self.max_bucket * self.max_pages, torch.long)
+        self.buffers.reserve("context_lens", self.max_bucket, torch.long)
+        if self.graphs:
+            started = time.perf_counter()
+            size = self.max_bucket
+            while size >= 1:  # largest first, so the smaller graphs fit in its memory pool
+                self._static_forward([], size, MIN_PAGES, StepPlan())
+                size //= 2
+            log.info("captured %d decode graphs (batch buckets 1..%d, %d pages) in %.2f s", self.graph_stats.graphs_captured,
+                     self.max_bucket, MIN_PAGES, time.perf_counter() - started)  # fmt: skip
 
     # -- the one forward -------------------------------------------------------------------------------
 
     def _forward(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
-        logit_rows: torch.Tensor | slice | None = None,
+        logit_rows: torch.Tensor | slice | None = None, backend=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set."""
-        state = self.backend.prepare(meta, self.kinds, self.dtype)
+        backend = backend or self.backend
+        state = backend.prepare(meta, self.kinds, self.dtype)
         forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
-        set_context(ForwardContext(meta, self.backend, state, taps))
+        set_context(ForwardContext(meta, backend, state, taps))
         try:
             hidden = forward(ids)
             logits = None
@@ -109,6 +166,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
+        if self.static_decode and len(scheduled) <= self.max_bucket and all(_decodes(s, n) for s, n in scheduled):
+            return self._decode(scheduled)
+        self.graph_stats.eager_steps += 1
         put = self.buffers.put
         # decodes first, then prefill chunks longest first (so the SDPA backend's grids stay dense)
         order = [(s, n) for s, n in scheduled if n == 1]
@@ -146,8 +206,13 @@ class ModelRunner:
             prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
         if not sampled:
             return StepOutput([], [], None, plan, collection, prompt_rows, prompt_logprobs)
-        logits = logits[: len(sample_rows)]
-        tokens = sample(logits, SamplingBatch.of(sampled, put))
+        return self._sample(sampled, logits[: len(sample_rows)], plan, collection, prompt_rows, prompt_logprobs)
+
+    def _sample(
+        self, sampled: list[Sequence], logits: torch.Tensor, plan: StepPlan, collection: Collection | None,
+        prompt_rows: PromptRows, prompt_logprobs: TopLogprobs | None = None,
+    ) -> StepOutput:  # fmt: skip
+        tokens = sample(logits, SamplingBatch.of(sampled, self.buffers.put))
         logprobs = None
         k = max((s.logprobs_k for s in sampled if s.logprobs_k is not None), default=None)
         if k is not None:
@@ -155,6 +220,61 @@ class ModelRunner:
         # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
         tokens = tokens.to("cpu").tolist()
         return StepOutput(sampled, tokens, logprobs, plan, collection, prompt_rows, prompt_logprobs)
+
+    # -- the static decode step ----------------------------------------------------------------------
+
+    def _decode(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
+        """Every sequence feeds its last token and samples: padded to its bucket, a graph replays it."""
+        seqs = [s for s, _ in scheduled]
+        size = bucket(len(seqs))
+        pages = min(self.max_pages, bucket(max(MIN_PAGES, max(-(-len(s.token_ids) // self.block_size) for s in seqs))))
+        chunks = [Chunk(s.taps, s.token_ids, s.num_computed, 1, i, s.block_table) for i, s in enumerate(seqs)
+                  if s.taps.streams or s.taps.interventions]  # fmt: skip
+        plan = plan_step(chunks, self.block_size)
+        plan.logit_rows(list(range(len(seqs))))  # every row samples: a LOGITS gather keeps its rows
+        logits = self._static_forward(seqs, size, pages, plan)[: len(seqs)]
+        collection = self.taps.collect(plan) if plan.gathers else None
+        return self._sample(seqs, logits, plan, collection, PromptRows())
+
+    def _static_forward(self, seqs: list[Sequence], size: int, pages: int, plan: StepPlan) -> torch.Tensor:
+        """Logits [size, vocab] of the static decode step of `seqs`, padded to `size` rows and `pages` pages."""
+        put, pad = self.buffers.put, size - len(seqs)
+        meta = layout(
+            [s.num_computed for s in seqs] + [0] * pad, [1] * size, [len(s.token_ids) for s in seqs] + [1] * pad,
+            [s.block_table for s in seqs] + [[self.scratch_block]] * pad, self.block_size, self.num_slots, put, pages,
+        )  # fmt: skip
+        ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
+        taps = self.taps.arm(plan, fixed_shapes=True) if plan else {}
+        if not self.graphs:
+            self.graph_stats.static_eager_steps += 1
+            return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
+        key = (size, pages, self.buffers.generation, _signature(taps))
+        if key not in self._graphs:
+            self._capture(key, meta, ids, taps)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        self.graph_stats.graph_steps += 1
+        return logits
+
+    def _capture(self, key: tuple, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap]) -> None:
+        if len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.clear()
+        started = time.perf_counter()
+        run = partial(self._forward, meta, ids, taps, None, slice(None), self.decode_backend)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, allocator)
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            _, logits = run()
+        self._pool = graph.pool()
+        self._graphs[key] = (graph, logits)
+        stats = self.graph_stats
+        stats.graphs_captured += 1
+        stats.capture_seconds += time.perf_counter() - started
+        stats.captured.append(key[:2])
 
     # -- cache-less packed forwards: trace, HookedLM, harvest ------------------------------------------------
 
@@ -186,6 +306,27 @@ class ModelRunner:
         meta = layout([0], [tokens], [tokens], None, 0, 0, self.buffers.put)
         ids = self.buffers.put("input_ids", np.zeros(tokens, np.int64))
         self._forward(meta, ids, {}, None, slice(-logit_rows, None))
+
+
+def _decodes(seq: Sequence, n: int) -> bool:
+    """Whether a scheduled chunk is a plain decode: its last token, sampled, after it generated before (so
+    no prompt rows, no borrowed prefix, the whole model)."""
+    return n == 1 and seq.num_generated > 0 and seq.num_computed + 1 == len(seq.token_ids)
+
+
+def _signature(taps: dict[str, Tap]) -> tuple:
+    """What a captured graph bakes in of the armed taps: which sites, and the address, shape and kind of
+    every buffer they read or write (a buffer that grew is a new graph)."""
+    out = []
+    for name, t in sorted(taps.items()):
+        for attr, value in sorted(vars(t).items()):
+            if isinstance(value, torch.Tensor):
+                out.append((name, attr, value.data_ptr(), tuple(value.shape)))
+            elif attr == "table" and value is not None:
+                out.append((name, attr, *(x.data_ptr() for x in (value.data, value.mask, value.encoder, value.params))))
+            elif isinstance(value, bool):
+                out.append((name, attr, value))
+    return tuple(out)
 
 
 def _then(first: Callable, second: Callable) -> Callable:
