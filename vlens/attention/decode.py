@@ -45,12 +45,12 @@ class DecodeBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, state: DecodeState) -> torch.Tensor:
         keys = layer.k_cache[state.key_slots].transpose(1, 2)  # [B, H_kv, keys, d]
         values = layer.v_cache[state.key_slots].transpose(1, 2)
-        q = q[:, :, None, :]  # [B, H, 1, d]
         mask = state.masks[layer.window]
-        if layer.softcap is None:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=layer.num_kv_heads != layer.num_heads
-            )
-        else:
-            out = capped_attention(q, keys, values, mask, layer)
-        return out[:, :, 0, :]
+        if layer.softcap is not None:
+            return capped_attention(q[:, :, None, :], keys, values, mask, layer)[:, :, 0, :]
+        # The query heads of one KV head share its keys and the row's mask: as that head's queries they need
+        # no GQA support from the kernel, which lets SDPA take its memory-efficient (masked) kernel on CUDA.
+        rows, heads, dim = q.shape
+        grouped = q.view(rows, layer.num_kv_heads, heads // layer.num_kv_heads, dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=layer.scale)
+        return out.reshape(rows, heads, dim)

@@ -45,6 +45,11 @@ class EngineStats:
     generation_tokens: int  # sampled so far
     tokens_computed: int  # fed through the model so far (prefill chunks, decodes, recomputes)
     num_preemptions: int
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph
+    static_eager_steps: int = 0  # decode steps on the static path without a graph (CPU, or graphs off)
+    eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
+    graphs_captured: int = 0
+    graph_capture_seconds: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -160,16 +165,14 @@ class LLMEngine:
         for seq in group.seqs:
             if seq.status is Status.FINISHED:
                 continue
-            if seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(seq)
-            self.scheduler.finish(seq)
+            self.scheduler.abort(seq)
             self.runner.taps.release(seq.taps.interventions)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        free = len(self.blocks.free)
+        free, graphs = len(self.blocks.free), self.runner.graph_stats
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -179,6 +182,11 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             tokens_computed=self.scheduler.tokens_computed,
             num_preemptions=self.scheduler.num_preemptions,
+            graph_steps=graphs.graph_steps,
+            static_eager_steps=graphs.static_eager_steps,
+            eager_steps=graphs.eager_steps,
+            graphs_captured=graphs.graphs_captured,
+            graph_capture_seconds=graphs.capture_seconds,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -220,7 +228,7 @@ class LLMEngine:
                 self._finish(seq)
                 deltas.append(self._delta(seq, True))
             elif seq.index == 0 and seq.request_id in self._requests:
-                self.scheduler.waiting.extendleft(reversed(self._requests[seq.request_id].release()))
+                self.scheduler.add_first(self._requests[seq.request_id].release())
         return deltas
 
     def _deliver(self) -> None:
@@ -236,7 +244,7 @@ class LLMEngine:
         self.runner.taps.release(seq.taps.interventions)
         group = self._requests[seq.request_id]
         group.done += 1
-        self.scheduler.waiting.extendleft(reversed(group.release()))
+        self.scheduler.add_first(group.release())
 
     def _switch_rope(self, seq: Sequence) -> None:
         """The sequence now reaches LongRoPE's switch: its cached keys were rotated with the short
