@@ -139,9 +139,8 @@ def _cmd_lens(args: argparse.Namespace) -> int:
     llm = _llm(args)
     view = lens_page(llm, args.prompt, max_tokens=args.max_tokens, top_k=args.top_k, sae=sae)
     view.save(args.out)
-    payload = view.payload
-    print(f"wrote {args.out}: {len(payload['token_ids'])} tokens, logit lens at {len(payload['lens']['layers'])} layers, "
-          f"attention of {len(payload['attention'])} layers{', SAE features' if sae else ''}")  # fmt: skip
+    tokens, layers = len(view.payload["token_ids"]), len(view.payload["attention"])
+    print(f"wrote {args.out}: {tokens} tokens, logit lens and attention at {layers} layers{', SAE features' * bool(sae)}")
     return 0
 
 
@@ -216,8 +215,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", required=True, help="the HTML file to write")
     add_flags(p, EngineConfig, only={"model", "dtype", "device"})
     p.add_argument("--max-tokens", type=int, default=0, help="tokens to generate greedily first (default: 0)")
-    p.add_argument("--top-k", type=int, default=5, help="tokens per logit-lens cell and latents per token (default: 5)")
-    p.add_argument("--sae", metavar="PATH", help="also show this SAE's top latents per token: a SAELens directory or params.npz")
+    p.add_argument("--top-k", type=int, default=5, help="tokens per logit-lens cell, latents per token (default: 5)")
+    p.add_argument("--sae", metavar="PATH", help="also show this SAE's top latents per token (SAELens dir or params.npz)")
     p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
     p.set_defaults(func=_cmd_lens)
 

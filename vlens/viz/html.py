@@ -32,7 +32,8 @@ def page_html(payload: dict[str, Any] | None, title: str = "vlens lens") -> str:
         # JSON inside <script>: no "</script>" or "<!--" may appear, so every "<" is escaped.
         text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
         data, csp = f'<script type="application/json" id="vlens-payload">{text}</script>', CSP
-    slots = {"csp": csp, "title": html.escape(title), "css": _asset("lens.css"), "payload": data, "js": _asset("lens.js")}
+    slots = {"csp": csp, "title": html.escape(title), "payload": data}
+    slots |= {"css": _asset("lens.css"), "js": _asset("lens.js")}
     # One pass, so a slot's text (a prompt, say) is never searched for slots itself.
     return re.sub(r"\{\{(\w+)\}\}", lambda m: slots[m.group(1)], _asset("lens.html"))
 

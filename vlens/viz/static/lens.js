@@ -24,8 +24,8 @@
   // A shade for a value in [0, 1], with text that stays readable on it (the value is always written too).
   function shade(cell, x) {
     const v = Math.max(0, Math.min(1, x));
-    cell.style.background = `hsl(212, 75%, ${Math.round(98 - 60 * v)}%)`;
-    cell.style.color = v > 0.55 ? "#fff" : "#111";
+    cell.style.background = `hsl(212, 75%, ${Math.round(98 - 68 * v)}%)`;
+    cell.style.color = v > 0.7 ? "#fff" : "#111";
   }
 
   function setError(id, message) {
