@@ -40,7 +40,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def plain(smol4_path):
-    with vlens_serve(["--model", str(smol4_path), *SERVE]) as (url, _):
+    # Activations past 1 KiB come as download handles: this server's page fetches them, the other's reads them inline.
+    with vlens_serve(["--model", str(smol4_path), *SERVE, "--inline-activation-bytes", "1024"]) as (url, _):
         yield url
 
 
@@ -184,9 +185,21 @@ def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_fac
         assert message in page.text_content("#prompt-error")
         for selector in ("#tokens li", "#lens-table td", "#attention td", "#steer-steered"):
             assert page.locator(selector).count() == 0 or page.text_content(selector) == "", selector
-    visit.run("Paris is a city in", 0)
+    # A slow run overtaken by a quick one: the slow one's answer, arriving last, is not drawn.
+    def slow(response) -> bool:
+        return response.url.endswith("/v1/completions") and '"max_tokens":40' in (response.request.post_data or "")
+
+    with page.expect_response(slow) as overtaken:
+        page.fill("#prompt", "Once upon a time")
+        page.fill("#max-tokens", "40")
+        page.click("#run")
+        visit.run("Paris is a city in", 0)
+    overtaken.value.finished()
+    page.wait_for_timeout(300)  # the page's handler of that answer has run by now (if it drew, it shows)
     assert page.text_content("#prompt-error") == ""
-    check_lens(visit.cells("#lens-table td[data-prob]"), plain, "Paris is a city in", 0)
+    tokens = check_lens(visit.cells("#lens-table td[data-prob]"), plain, "Paris is a city in", 0)
+    assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == tokens
+    assert any("/v1/activations/act-" in url for url in visit.requests)  # the handles were followed
     visit.close(tmp_path_factory.mktemp("lens") / "lens-errors.png")
 
 

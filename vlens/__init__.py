@@ -10,6 +10,7 @@ from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
 from vlens.sae import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.version import __version__
+from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 
 __all__ = [
     "LLM",
@@ -32,5 +33,6 @@ __all__ = [
     "load_model",
     "harvest",
     "ActivationDataset",
+    "viz",
     "__version__",
 ]

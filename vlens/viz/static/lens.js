@@ -388,6 +388,7 @@
       const capture = { hooks: "blocks.*.hook_resid_post", logit_lens: K, positions: "all" };
       const r = await server.complete(prompt, maxTokens, { capture });
       const t = await server.tensors(r.vlens.activations);
+      if (id !== runId) return; // a newer run started meanwhile: this one's answer is stale
       const hooks = Object.keys(t).filter((n) => n.endsWith(".logit_lens.token_ids")).map((n) => n.slice(0, -".logit_lens.token_ids".length));
       const p = {
         model: meta.model, prompt, token_ids: t.token_ids.data, prompt_tokens: r.usage.prompt_tokens,
