@@ -185,6 +185,7 @@ def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_fac
         assert message in page.text_content("#prompt-error")
         for selector in ("#tokens li", "#lens-table td", "#attention td", "#steer-steered"):
             assert page.locator(selector).count() == 0 or page.text_content(selector) == "", selector
+    page.screenshot(path=str(tmp_path_factory.mktemp("lens") / "lens-error.png"), full_page=True)
     # A slow run overtaken by a quick one: the slow one's answer, arriving last, is not drawn.
     def slow(response) -> bool:
         return response.url.endswith("/v1/completions") and '"max_tokens":40' in (response.request.post_data or "")

@@ -10,8 +10,8 @@ import re
 import pytest
 from sae_helpers import save_saelens
 
-from vlens import SAE, Capture, SamplingParams
-from vlens import viz
+from vlens import SAE, Capture, SamplingParams, viz
+from vlens.cli import main
 
 PROMPT = "The cat sat on the"
 SAE_HOOK = "blocks.2.hook_resid_post"
@@ -91,6 +91,13 @@ def test_views_refuse_outputs_without_their_data(smol4):
         viz.logit_lens(out)
     with pytest.raises(ValueError, match=r"^output: no top-k SAE features captured"):
         viz.sae_features(out)
+
+
+def test_lens_command_refuses_bad_input_by_name(smol4_path, tmp_path, capsys):
+    out = tmp_path / "lens.html"
+    assert main(["lens", "", "--model", str(smol4_path), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "vlens: error: prompts[0]: empty text; give at least one character\n"
+    assert not out.exists()
 
 
 def test_page_text_cannot_break_out_of_its_script():

@@ -1,5 +1,6 @@
 """vlens: a fast LLM inference engine that returns what happens inside the model."""
 
+from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer
 from vlens.engine.config import EngineConfig
 from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
@@ -10,7 +11,6 @@ from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
 from vlens.sae import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.version import __version__
-from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 
 __all__ = [
     "LLM",

@@ -345,7 +345,7 @@
     },
   };
 
-  let info = null; // what the server serves: model, layers, heads, hooks, SAEs (asked once it answers)
+  let info = null; // what the server serves: model, layers, hooks, SAEs (asked until it answers)
 
   async function serverInfo() {
     if (info) return info;
@@ -365,7 +365,11 @@
     return info;
   }
 
-  let runId = 0; // each run (and each reload of a view) checks it is still the latest before drawing
+  // Each run, and each reload of a view, draws only if it is still the latest: an answer overtaken by a
+  // newer request (another prompt, layer or latent) is dropped, never shown as the new one's.
+  let runId = 0;
+  let steerId = 0;
+  const latest = { attention: 0, sae: 0, feature: 0 };
 
   function clearResults() {
     current = null;
@@ -379,6 +383,7 @@
 
   async function run() {
     const id = ++runId;
+    steerId++; // a steering request of the earlier prompt still in flight is dropped too
     clearResults();
     status("Running\u2026");
     const prompt = byId("prompt").value;
@@ -418,6 +423,7 @@
     byId("attention").replaceChildren();
     if (!current) return setError("head-error", "run a prompt first");
     const p = current;
+    const ticket = ++latest.attention;
     const layer = Number(byId("layer").value);
     const head = headOf();
     const hook = `blocks.${layer}.attn.hook_pattern`;
@@ -426,32 +432,34 @@
     try {
       const r = await server.complete(p.token_ids, 0, { capture });
       const t = await server.tensors(r.vlens.activations);
-      if (id !== runId) return;
+      if (id !== runId || ticket !== latest.attention) return;
       const heads = head === null ? range(t[hook].shape[1]) : [head];
       const entry = { layer, heads, positions: t.positions.data, weights: nested(t[hook]) };
       p.attention = [entry];
       renderAttention(p, entry, heads);
     } catch (e) {
-      if (id === runId) setError("head-error", e.message);
+      if (id === runId && ticket === latest.attention) setError("head-error", e.message);
     }
   }
 
   async function loadSae(id) {
     setError("sae-error", "");
+    for (const table of ["sae-table", "sae-strip"]) byId(table).replaceChildren();
     if (!current) return setError("sae-error", "run a prompt first");
     const p = current;
     const name = byId("sae-name").value;
+    const ticket = ++latest.sae;
     byId("sae-section").hidden = false;
     try {
       const r = await server.complete(p.token_ids, 0, { capture: { sae: name, top_k: K, positions: "all" } });
-      if (id !== runId) return;
+      if (id !== runId || ticket !== latest.sae) return;
       const [hook] = Object.keys(r.vlens.sae_features);
       const f = r.vlens.sae_features[hook];
       p.sae = { name, hook, positions: f.positions, ids: f.ids, values: f.values };
       p.feature = null;
       renderSae(p);
     } catch (e) {
-      if (id === runId) setError("sae-error", e.message);
+      if (id === runId && ticket === latest.sae) setError("sae-error", e.message);
     }
   }
 
@@ -461,18 +469,17 @@
     if (!current || !current.sae) return setError("sae-error", "run a prompt first");
     const p = current;
     const feature = Number(byId("sae-feature").value);
+    const ticket = ++latest.feature;
     try {
       const r = await server.complete(p.token_ids, 0, { capture: { sae: p.sae.name, features: [feature], positions: "all" } });
-      if (id !== runId) return;
+      if (id !== runId || ticket !== latest.feature) return;
       const f = Object.values(r.vlens.sae_features)[0];
       p.feature = { feature, positions: f.positions, values: f.values.map((row) => row[0]) };
       renderFeature(p);
     } catch (e) {
-      if (id === runId) setError("sae-error", e.message);
+      if (id === runId && ticket === latest.feature) setError("sae-error", e.message);
     }
   }
-
-  let steerId = 0;
 
   async function meanResidual(text, hook) {
     const r = await server.complete(text, 0, { capture: { hooks: hook, reduce: "mean", dtype: "float32", positions: "all" } });
