@@ -6,6 +6,7 @@ request leaves the machine. The same page as an offline file (`vlens lens`) rend
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import httpx
@@ -29,7 +30,10 @@ SERVE = ["--enable-capture", "--dtype", "float32", "--kv-cache-memory", str(64 <
 def browser():
     if not CHROMIUM.exists():
         pytest.fail(f"cannot run the browser test: {CHROMIUM} is missing (apt-get install -y chromium; .ci/run does)")
-    from playwright.sync_api import sync_playwright
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("cannot run the browser test: the package playwright is missing (pip install -e '.[test]')")
 
     with sync_playwright() as playwright:
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
@@ -208,7 +212,7 @@ def test_lens_page_with_an_sae_and_a_key(with_sae, browser, smol4, tmp_path_fact
     # The page holds no data, so it needs no key; the token texts it names cells by do.
     page = httpx.get(with_sae + "/lens")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "connect-src 'self'" in page.text
+    assert "connect-src 'self'" in page.text and not re.search(r"https?://", page.text)
     assert httpx.post(with_sae + "/lens/texts", json={"tokens": [1]}).status_code == 401
     texts = httpx.post(with_sae + "/lens/texts", json={"tokens": [504, 2115, 28]}, headers=AUTH).json()["texts"]
     assert texts == [smol4.tokenizer.decode([t]) for t in (504, 2115, 28)]
