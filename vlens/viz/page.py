@@ -48,10 +48,8 @@ def lens_page(llm, prompt: str, max_tokens: int = 0, top_k: int = 5, sae: SAE | 
                        capture=Capture(hooks="blocks.*.hook_resid_post", logit_lens=top_k)),
         use_tqdm=False,
     )  # fmt: skip
-    payload = empty(first, llm.tokenizer)
+    payload = logit_lens(first, llm.tokenizer).payload
     payload["model"] = llm.model_name
-    payload["lens"] = lens_part(first)
-    name_tokens(payload, lens_ids(payload["lens"]), llm.tokenizer)
     tokens = payload["token_ids"]
     captures = [Capture(hooks="blocks.*.attn.hook_pattern", dtype="float32")]
     if sae is not None:
