@@ -109,7 +109,8 @@ def mean_residual(url: str, text: str, hook: str) -> list[float]:
 
 def check_lens(cells: list[dict], url: str, prompt: str, max_tokens: int, headers: dict | None = None) -> list[int]:
     """Every heatmap cell is the server's top logit-lens token and its probability at that layer and
-    position; returns the token ids of the prompt and completion."""
+    position; returns the token ids of the prompt and completion. Within 1e-5: the page's request may share
+    its steps with the page's other requests, and a batch of other rows moves float32 sums by ~1e-6."""
     capture = {"hooks": "blocks.*.hook_resid_post", "logit_lens": K, "positions": "all"}
     response = complete(url, prompt, max_tokens, {"capture": capture}, headers)
     acts = decode_activations(response["vlens"]["activations"], url, headers)
@@ -123,7 +124,7 @@ def check_lens(cells: list[dict], url: str, prompt: str, max_tokens: int, header
     got = {(int(c["layer"]), int(c["pos"])): (int(c["tokenId"]), float(c["prob"])) for c in cells}
     assert got.keys() == expected.keys() and len(got) == 4 * len(positions)
     for key, (token, prob) in expected.items():
-        assert got[key][0] == token and math.isclose(got[key][1], prob, rel_tol=1e-12), (key, got[key], token, prob)
+        assert got[key][0] == token and math.isclose(got[key][1], prob, rel_tol=1e-5), (key, got[key], token, prob)
     return acts["token_ids"].tolist()
 
 
