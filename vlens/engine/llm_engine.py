@@ -7,6 +7,7 @@ max_tokens=0 only reads its prompt (prompt log-probabilities, captured rows) and
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from dataclasses import dataclass
@@ -103,6 +104,10 @@ class LLMEngine:
         # recomputes its cache with the long factors, as HF does (see _switch_rope).
         scaling = cfg.rope_scaling or {}
         self.long_rope_at = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
+        # Everything alive now (modules, weights' wrappers, tokenizer) lives as long as the engine: moved out of
+        # the collector's reach, a step's short-lived objects no longer make it walk the whole heap (a capture of
+        # 3 layers at batch 64 spent ~3 ms a step in the collector).
+        gc.freeze()
 
     # -- requests ---------------------------------------------------------------------------------
 
