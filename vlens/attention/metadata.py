@@ -52,6 +52,37 @@ class AttentionMetadata:
     def starts(self) -> list[int]:
         return [c - q for c, q in zip(self.context_lens, self.query_lens)]
 
+    # Derived layouts some kernels take. Each is computed from the fields above where it is asked for; they
+    # are per step, so a runner that builds them once per step may store them in place of these.
+
+    @property
+    def query_sequences(self) -> torch.Tensor:
+        """[T] (device): the sequence of each packed query row."""
+        cu = self.cu_seqlens_q
+        lens = (cu[1:] - cu[:-1]).long()
+        return torch.repeat_interleave(torch.arange(len(lens), device=cu.device), lens, output_size=len(self.positions))
+
+    @property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        """[B + 1] int32 (device): where each sequence's keys start when they are packed back to back."""
+        cu = torch.tensor([0, *self.context_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cu.to(self.positions.device, non_blocking=True)
+
+    @property
+    def context_lens_tensor(self) -> torch.Tensor:
+        """[B] int32 (device): keys of each sequence after this step."""
+        return torch.tensor(self.context_lens, dtype=torch.int32).to(self.positions.device, non_blocking=True)
+
+    @property
+    def packed_key_slots(self) -> torch.Tensor:
+        """[sum of context_lens] (device): the cache slot of every key of every sequence, sequence after
+        sequence (key j of sequence i at cu_seqlens_k[i] + j)."""
+        lens = torch.tensor(self.context_lens)
+        seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        j = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
+        slots = self.block_tables[seq, j // self.block_size] * self.block_size + j % self.block_size
+        return slots.to(self.positions.device, non_blocking=True)
+
     def key_slots(self, first: int, stop: int) -> torch.Tensor:
         """[stop - first, keys] (host): the cache slot of key j of sequences first .. stop - 1, for j up to
         the longest of their contexts (slots past a shorter context are block 0's, never meant to be read)."""
