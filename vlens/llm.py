@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.engine.config import EngineConfig
-from vlens.engine.llm_engine import LLMEngine, NewRequest
+from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.packed import packed_forward, token_batches
 from vlens.inputs import to_token_lists
 from vlens.loader import load_model, resolve_device
@@ -34,7 +34,8 @@ class LLM:
         self.model_path, self.model_name = loaded.path, loaded.name
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
-        self.backend = make_backend(config.attention_backend, self.device, compiled=not config.enforce_eager)
+        kinds = {attn.kind for attn in self.model.attention_layers()}
+        self.backend = make_backend(config.attention_backend, self.device, not config.enforce_eager, kinds, self.dtype)
         self._engine: LLMEngine | None = None
 
     @property
@@ -42,6 +43,10 @@ class LLM:
         if self._engine is None:
             self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config, self.backend)
         return self._engine
+
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters now (its attention backend among them)."""
+        return self.engine.stats()
 
     def hook_names(self) -> dict[str, tuple[int, ...]]:
         """Every hook name this model has, in forward order, with its per-token shape."""

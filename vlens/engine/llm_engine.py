@@ -46,6 +46,7 @@ class EngineStats:
     generation_tokens: int  # sampled so far
     tokens_computed: int  # fed through the model so far (prefill chunks, decodes, recomputes)
     num_preemptions: int
+    attention_backend: str  # the backend's name (what "auto" chose)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -178,6 +179,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             tokens_computed=self.scheduler.tokens_computed,
             num_preemptions=self.scheduler.num_preemptions,
+            attention_backend=self.runner.backend.name,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
