@@ -23,7 +23,8 @@ from vlens import LLM, Capture, SamplingParams
 from vlens.attention import LayerKind, choose, make_backend, paged_metadata
 from vlens.attention.flex import FlexBackend, cuda_tiles
 from vlens.attention.sdpa import _stacked, _stacked_mask
-from vlens.attention.varlen import VarlenBackend, takes_pages
+from vlens.attention.varlen import VarlenBackend, keywords, layer_arguments, takes_pages
+from vlens.attention.varlen import problem as varlen_problem
 
 HOOKS = ["hidden_states.*", "blocks.1.attn.hook_z", "unembed.hook_out"]
 
@@ -131,12 +132,25 @@ def test_varlen_refuses_models_it_cannot_run(kinds, dtype, message):
         make_backend("varlen", torch.device("cuda"), False, kinds, dtype)
 
 
-def test_varlen_detects_a_paged_kernel_by_its_signature():
-    def paged(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, seqused_k=None, block_table=None): ...
+def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None): ...
 
-    def packed(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None): ...
 
-    assert takes_pages(paged) and not takes_pages(packed)
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+
+def test_varlen_arguments_follow_the_installed_signature():
+    """Detected from the signature: paging, windows, scale and the grouped-query flag where it is taken,
+    `is_causal` where it is not; what an older signature cannot say is refused by name."""
+    assert takes_pages(_varlen_2_13) and not takes_pages(_varlen_2_11)
+    windowed = KIND._replace(window=6, scale=0.25)
+    assert layer_arguments(windowed, keywords(_varlen_2_13)) == {"window_size": (5, 0), "scale": 0.25, "enable_gqa": True}
+    assert layer_arguments(KIND, keywords(_varlen_2_13))["window_size"] == (-1, 0)
+    assert layer_arguments(KIND, keywords(_varlen_2_11)) == {"is_causal": True}
+    assert varlen_problem({KIND}, torch.bfloat16, _varlen_2_11) is None
+    assert "takes window_size" in varlen_problem({KIND._replace(window=6)}, torch.bfloat16, _varlen_2_11)
+    assert "takes scale" in varlen_problem({KIND._replace(scale=0.25)}, torch.bfloat16, _varlen_2_11)
+    assert varlen_problem({windowed}, torch.bfloat16, _varlen_2_13) is None
 
 
 def _step(block_size: int, num_slots: int = 4096):
@@ -158,6 +172,7 @@ def test_varlen_arguments_gather_keys_or_read_pages():
     assert paged.key_slots is None and paged.block_size == 256
     assert paged.paging["block_table"].dtype == torch.int32 and paged.paging["block_table"].tolist() == [[3], [1], [0]]
     assert paged.paging["seqused_k"].tolist() == [10, 8, 2] and paged.cu_k.tolist() == [0, 10, 18, 20]
+    assert gathered.layers == paged.layers == {KIND: layer_arguments(KIND, backend.takes)}
 
 
 def test_flex_block_mask_covers_the_steps_keys_not_the_cache():

@@ -9,13 +9,17 @@ multiple of 256 (Flash Attention 2's paged kernel requires it; a layer's cache, 
 keys, packed like the queries. Causal masking is Flash Attention's, aligned bottom-right (a sequence's
 queries are its last positions); a sliding window of w keys is window_size (w - 1, 0): HF's p - w < j <= p.
 
-It cannot soft-cap scores (Gemma 2) and needs float16 or bfloat16 and a head size that is a multiple of 8
-up to 256: `problem` names the rule a model breaks.
+The function's keywords changed across torch releases (2.11's takes `is_causal` and no window, scale or
+grouped-query flag; 2.13's `window_size`, `scale`, `enable_gqa`, `block_table`, `seqused_k`): the arguments
+are built from its signature, once per step and layer kind. It cannot soft-cap scores (Gemma 2) and needs
+float16 or bfloat16 and a head size that is a multiple of 8 up to 256, plus, from an older signature, no
+sliding window and the default scale: `problem` names the rule a model breaks.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,14 +39,20 @@ def varlen_function() -> Callable | None:
     return varlen_attn
 
 
+def keywords(fn: Callable) -> frozenset[str]:
+    """The keywords `fn` (a varlen_attn) takes: what it can do is decided from them, not from torch's version."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def takes_pages(fn: Callable) -> bool:
-    """Whether `fn` (a varlen_attn) reads a paged cache: it takes `block_table` and `seqused_k`. Decided from
-    its signature, not torch's version."""
-    return {"block_table", "seqused_k"} <= inspect.signature(fn).parameters.keys()
+    """Whether `fn` reads a paged cache: it takes `block_table` and `seqused_k`."""
+    return {"block_table", "seqused_k"} <= keywords(fn)
 
 
-def problem(kinds: set[LayerKind], dtype: torch.dtype) -> str | None:
-    """Why this kernel cannot run a model with these layers at this dtype, or None."""
+def problem(kinds: set[LayerKind], dtype: torch.dtype, fn: Callable | None = None) -> str | None:
+    """Why this kernel (`fn`, default the installed one) cannot run a model with these layers at this dtype,
+    or None."""
+    takes = keywords(fn or varlen_function())
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs float16 or bfloat16 (Flash Attention), not {str(dtype).removeprefix('torch.')}"
     if any(kind.softcap is not None for kind in kinds):
@@ -50,7 +60,26 @@ def problem(kinds: set[LayerKind], dtype: torch.dtype) -> str | None:
     sizes = sorted({kind.head_dim for kind in kinds if kind.head_dim % 8 or kind.head_dim > 256})
     if sizes:
         return f"needs head sizes that are multiples of 8 up to 256, not {sizes}"
+    if "window_size" not in takes and any(kind.window is not None for kind in kinds):
+        return "needs a torch whose varlen_attn takes window_size, for this model's sliding windows"
+    if "scale" not in takes and any(not math.isclose(kind.scale, kind.head_dim**-0.5) for kind in kinds):
+        return "needs a torch whose varlen_attn takes scale, for this model's attention scale"
     return None
+
+
+def layer_arguments(kind: LayerKind, takes: frozenset[str]) -> dict:
+    """varlen_attn's keywords for a layer of this kind, as a function taking `takes` spells them (`problem`
+    has refused what it cannot spell)."""
+    args = {}
+    if "window_size" in takes:  # causal, aligned bottom-right; HF's window p - w < j <= p
+        args["window_size"] = (-1, 0) if kind.window is None else (kind.window - 1, 0)
+    else:
+        args["is_causal"] = True
+    if "scale" in takes:
+        args["scale"] = kind.scale
+    if "enable_gqa" in takes:  # older signatures pass grouped KV heads through to the kernel as they are
+        args["enable_gqa"] = kind.num_kv_heads != kind.num_heads
+    return args
 
 
 @dataclass
@@ -62,6 +91,7 @@ class VarlenState:
     key_slots: torch.Tensor | None = None  # [sum of context lens] cache slots to gather; None: no gather
     block_size: int = 0  # > 0: the cache is read in place through `paging`
     paging: dict[str, torch.Tensor] = field(default_factory=dict)  # block_table, seqused_k
+    layers: dict[LayerKind, dict] = field(default_factory=dict)  # each layer kind's keywords
 
 
 class VarlenBackend:
@@ -69,9 +99,15 @@ class VarlenBackend:
 
     def __init__(self):
         self.attend = varlen_function()
+        self.takes = keywords(self.attend)
         self.pages = takes_pages(self.attend)
 
     def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> VarlenState:
+        state = self._layout(meta)
+        state.layers = {kind: layer_arguments(kind, self.takes) for kind in kinds}
+        return state
+
+    def _layout(self, meta: AttentionMetadata) -> VarlenState:
         max_q = max(meta.query_lens)
         if not meta.paged:
             return VarlenState(meta.cu_seqlens_q, meta.cu_seqlens_q, max_q, max_q)
@@ -92,7 +128,5 @@ class VarlenBackend:
         else:
             keys, values = k, v
         return self.attend(
-            q, keys, values, state.cu_q, state.cu_k, state.max_q, state.max_k, scale=layer.scale,
-            window_size=(-1, 0) if layer.window is None else (layer.window - 1, 0),
-            enable_gqa=layer.num_kv_heads != layer.num_heads, **state.paging,
+            q, keys, values, state.cu_q, state.cu_k, state.max_q, state.max_k, **state.layers[layer.kind], **state.paging
         )  # fmt: skip
