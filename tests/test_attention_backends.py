@@ -109,14 +109,16 @@ def test_auto_is_sdpa_on_a_cpu_logged_once_and_in_stats(pair, caplog):
 KIND = LayerKind(num_heads=8, num_kv_heads=2, head_dim=64, window=None, scale=0.125, softcap=None)
 
 
-def test_auto_on_cuda_follows_dtype_and_layers():
-    """Decided without a GPU: FlashInfer is not installed here, and this torch has varlen_attn."""
+def test_auto_on_cuda_follows_dtype_layers_and_paging():
+    """Decided without a GPU: FlashInfer is not installed here, and this torch's varlen_attn takes block
+    tables; varlen is chosen only where it reads the cache in place (blocks of a multiple of 256)."""
     cuda = torch.device("cuda")
-    assert choose(cuda, {KIND}, torch.bfloat16)[0] == "varlen"
-    assert choose(cuda, {KIND}, torch.float32)[0] == "sdpa"  # Flash Attention has no float32
+    assert choose(cuda, {KIND}, torch.bfloat16, 256)[0] == "varlen"
+    assert choose(cuda, {KIND}, torch.bfloat16, 16) == ("sdpa", "varlen reads a paged cache in blocks of a multiple of 256 slots, not 16")
+    assert choose(cuda, {KIND}, torch.float32, 256)[0] == "sdpa"  # Flash Attention has no float32
     capped = KIND._replace(softcap=30.0)
-    assert choose(cuda, {KIND, capped}, torch.bfloat16) == ("sdpa", "varlen cannot soft-cap attention scores, which this model's layers do")
-    assert choose(torch.device("cpu"), {KIND}, torch.bfloat16)[0] == "sdpa"
+    assert choose(cuda, {KIND, capped}, torch.bfloat16, 256) == ("sdpa", "varlen cannot soft-cap attention scores, which this model's layers do")
+    assert choose(torch.device("cpu"), {KIND}, torch.bfloat16, 256)[0] == "sdpa"
 
 
 @pytest.mark.parametrize(
@@ -129,7 +131,7 @@ def test_auto_on_cuda_follows_dtype_and_layers():
 )
 def test_varlen_refuses_models_it_cannot_run(kinds, dtype, message):
     with pytest.raises(ValueError, match="attention_backend: 'varlen' " + message):
-        make_backend("varlen", torch.device("cuda"), False, kinds, dtype)
+        make_backend("varlen", torch.device("cuda"), False, kinds, dtype, 16)
 
 
 def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
@@ -160,7 +162,7 @@ def _step(block_size: int, num_slots: int = 4096):
 
 
 def test_varlen_arguments_gather_keys_or_read_pages():
-    backend = make_backend("varlen", torch.device("cuda"), False, {KIND}, torch.bfloat16)  # builds no tensor on CUDA
+    backend = make_backend("varlen", torch.device("cuda"), False, {KIND}, torch.bfloat16, 4)  # builds no tensor on CUDA
     assert isinstance(backend, VarlenBackend)
     gathered = backend.prepare(_step(4), {KIND}, torch.bfloat16)  # blocks of 4 < 256: Flash Attention 2 cannot page
     assert (gathered.max_q, gathered.max_k, gathered.block_size, gathered.paging) == (5, 10, 0, {})

@@ -35,7 +35,9 @@ class LLM:
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
         kinds = {attn.kind for attn in self.model.attention_layers()}
-        self.backend = make_backend(config.attention_backend, self.device, not config.enforce_eager, kinds, self.dtype)
+        self.backend = make_backend(
+            config.attention_backend, self.device, not config.enforce_eager, kinds, self.dtype, config.block_size
+        )
         self._engine: LLMEngine | None = None
 
     @property

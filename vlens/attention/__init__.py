@@ -21,8 +21,8 @@ import logging
 import torch
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind, packed_metadata, paged_metadata
+from vlens.attention.varlen import PAGE_MULTIPLE, takes_pages, varlen_function
 from vlens.attention.varlen import problem as varlen_problem
-from vlens.attention.varlen import varlen_function
 
 BACKENDS = ("auto", "sdpa", "varlen", "flex", "flashinfer")
 
@@ -58,16 +58,20 @@ def check_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def choose(device: torch.device, kinds: set[LayerKind], dtype: torch.dtype) -> tuple[str, str]:
+def choose(device: torch.device, kinds: set[LayerKind], dtype: torch.dtype, block_size: int) -> tuple[str, str]:
     """What "auto" means for this model on `device`, and why: the fastest backend that is exact there.
 
-    - CPU: sdpa. FlexAttention is exact too, but slow uncompiled and a compile per shape bucket; varlen and
+    - CPU: sdpa. FlexAttention is exact too, but slow uncompiled and a compile per padded size; varlen and
       FlashInfer do not run there.
-    - CUDA at float32 (exactness runs): sdpa without cuDNN (memory-efficient kernel); Flash Attention and
-      FlashInfer do not take float32.
-    - CUDA at float16/bfloat16: FlashInfer when installed (paged, planned once per step); else varlen when the
-      model's layers fit Flash Attention (no soft-cap, head size a multiple of 8 up to 256): one kernel per
-      layer from a few tensors, no grids, no masks, no per-shape plan; else sdpa without cuDNN.
+    - CUDA at float32 (exactness runs): sdpa without cuDNN (the memory-efficient kernel; 1.1e-6 of HF on an
+      H200); Flash Attention and FlashInfer take only float16/bfloat16.
+    - CUDA at float16/bfloat16: FlashInfer when installed (paged kernels, planned once per step); else varlen
+      when it reads the cache in place (a torch whose varlen_attn takes block tables, blocks of a multiple of
+      256 slots, layers Flash Attention can run): no key gather, no grid, no mask; else sdpa without cuDNN.
+      Measured on an H200 (torch 2.11, no paged varlen; Llama-3.2-1B shape, eager decode steps): varlen
+      over gathered keys and sdpa were alike (13-18 ms a step at batch 1 and 64 either way, within the run's
+      noise; 42 vs 48 us of host time a call), as close to a float32 reference as each other, so without
+      paging there is no reason to leave the reference kernel.
     """
     if device.type != "cuda":
         return "sdpa", "the exact reference; the other kernels are CUDA-only or compile per shape"
@@ -76,20 +80,26 @@ def choose(device: torch.device, kinds: set[LayerKind], dtype: torch.dtype) -> t
     here = available_backends(device)
     if "flashinfer" in here:
         return "flashinfer", "installed; paged kernels planned once per step"
-    if "varlen" in here:
-        why_not = varlen_problem(kinds, dtype)
-        if why_not is None:
-            return "varlen", "Flash Attention's variable-length kernel, one call per layer"
+    if "varlen" not in here:
+        return "sdpa", "this torch has no varlen_attn"
+    why_not = varlen_problem(kinds, dtype)
+    if why_not is not None:
         return "sdpa", f"varlen {why_not}"
-    return "sdpa", "this torch has no varlen_attn"
+    if not takes_pages(varlen_function()):
+        return "sdpa", "this torch's varlen_attn takes no block tables (it would gather keys, as sdpa does)"
+    if block_size % PAGE_MULTIPLE:
+        return "sdpa", f"varlen reads a paged cache in blocks of a multiple of {PAGE_MULTIPLE} slots, not {block_size}"
+    return "varlen", "Flash Attention reading the paged cache in place, one call per layer"
 
 
-def make_backend(name: str, device: torch.device, compiled: bool, kinds: set[LayerKind], dtype: torch.dtype):
-    """The backend `name` means for a model with these layer kinds at `dtype` on `device` ("auto": `choose`'s,
-    logged); a ValueError when a named one cannot run this model."""
+def make_backend(
+    name: str, device: torch.device, compiled: bool, kinds: set[LayerKind], dtype: torch.dtype, block_size: int
+):
+    """The backend `name` means for a model with these layer kinds at `dtype` on `device`, over a cache of
+    `block_size`-slot blocks ("auto": `choose`'s, logged); a ValueError when a named one cannot run this model."""
     name = check_backend(name, device)
     if name == "auto":
-        name, why = choose(device, kinds, dtype)
+        name, why = choose(device, kinds, dtype, block_size)
         log.info("attention backend: %s (auto on %s: %s)", name, device.type, why)
     if name == "varlen":
         from vlens.attention.varlen import VarlenBackend
