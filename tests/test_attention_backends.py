@@ -83,7 +83,7 @@ def test_flex_reads_blocks_that_sequences_of_a_step_share(pair):
     "backend, message",
     [
         ("flashinfer", r"needs CUDA .* available on this cpu machine: auto, sdpa, flex$"),
-        ("varlen", r"'varlen' needs CUDA and a torch with .*varlen_attn; available on this cpu machine: auto, sdpa, flex$"),
+        ("varlen", r"'varlen' needs CUDA and a torch with .*varlen_attn; available on this cpu machine: auto, sdpa, flex$"),  # noqa: E501
         ("triton", "attention_backend"),
     ],
 )
@@ -114,10 +114,14 @@ def test_auto_on_cuda_follows_dtype_layers_and_paging():
     tables; varlen is chosen only where it reads the cache in place (blocks of a multiple of 256)."""
     cuda = torch.device("cuda")
     assert choose(cuda, {KIND}, torch.bfloat16, 256)[0] == "varlen"
-    assert choose(cuda, {KIND}, torch.bfloat16, 16) == ("sdpa", "varlen reads a paged cache in blocks of a multiple of 256 slots, not 16")
+    assert choose(cuda, {KIND}, torch.bfloat16, 16) == (
+        "sdpa", "varlen reads a paged cache in blocks of a multiple of 256 slots, not 16"
+    )
     assert choose(cuda, {KIND}, torch.float32, 256)[0] == "sdpa"  # Flash Attention has no float32
     capped = KIND._replace(softcap=30.0)
-    assert choose(cuda, {KIND, capped}, torch.bfloat16, 256) == ("sdpa", "varlen cannot soft-cap attention scores, which this model's layers do")
+    assert choose(cuda, {KIND, capped}, torch.bfloat16, 256) == (
+        "sdpa", "varlen cannot soft-cap attention scores, which this model's layers do"
+    )
     assert choose(torch.device("cpu"), {KIND}, torch.bfloat16, 256)[0] == "sdpa"
 
 
@@ -126,7 +130,7 @@ def test_auto_on_cuda_follows_dtype_layers_and_paging():
     [
         ({KIND}, torch.float32, "needs float16 or bfloat16 .*, not float32; use sdpa"),
         ({KIND._replace(softcap=50.0)}, torch.float16, "cannot soft-cap attention scores"),
-        ({KIND._replace(head_dim=20)}, torch.bfloat16, r"needs head sizes that are multiples of 8 up to 256, not \[20\]"),
+        ({KIND._replace(head_dim=20)}, torch.bfloat16, r"needs head sizes that are multiples of 8 up to 256, not \[20\]"),  # noqa: E501
     ],
 )
 def test_varlen_refuses_models_it_cannot_run(kinds, dtype, message):
@@ -146,7 +150,8 @@ def test_varlen_arguments_follow_the_installed_signature():
     `is_causal` where it is not; what an older signature cannot say is refused by name."""
     assert takes_pages(_varlen_2_13) and not takes_pages(_varlen_2_11)
     windowed = KIND._replace(window=6, scale=0.25)
-    assert layer_arguments(windowed, keywords(_varlen_2_13)) == {"window_size": (5, 0), "scale": 0.25, "enable_gqa": True}
+    expected = {"window_size": (5, 0), "scale": 0.25, "enable_gqa": True}
+    assert layer_arguments(windowed, keywords(_varlen_2_13)) == expected
     assert layer_arguments(KIND, keywords(_varlen_2_13))["window_size"] == (-1, 0)
     assert layer_arguments(KIND, keywords(_varlen_2_11)) == {"is_causal": True}
     assert varlen_problem({KIND}, torch.bfloat16, _varlen_2_11) is None
@@ -179,7 +184,8 @@ def test_varlen_arguments_gather_keys_or_read_pages():
 
 def test_flex_block_mask_covers_the_steps_keys_not_the_cache():
     """A cache of ten million slots: the mask and the gathered keys are sized by the step's 20 keys."""
-    state = FlexBackend(compiled=False).prepare(_step(4, num_slots=10_000_000), {KIND, KIND._replace(window=3)}, torch.float32)
+    kinds = {KIND, KIND._replace(window=3)}
+    state = FlexBackend(compiled=False).prepare(_step(4, num_slots=10_000_000), kinds, torch.float32)
     assert (state.rows, state.padded_rows, state.padded_keys, len(state.key_slots)) == (8, 128, 128, 128)
     for mask in state.masks.values():
         assert mask.kv_num_blocks.tolist() == [[[1]]] and mask.shape == (1, 1, 128, 128)
@@ -195,7 +201,9 @@ def test_flex_tiles_fit_the_cards_shared_memory():
     assert SHARED_PER_TILE_BYTE * (128 + 2 * 3 * 128) * 64 * 2 == 344_064
     h200 = 232_448
     picks = {(d, size): cuda_tiles(h200, d, size) for d in (64, 128, 256) for size in (2, 4)}
-    assert picks[64, 2] == {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4, "FORCE_USE_FLEX_ATTENTION": True}
+    assert picks[64, 2] == {
+        "BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4, "FORCE_USE_FLEX_ATTENTION": True
+    }  # fmt: skip
     for (d, size), tiles in picks.items():
         need = SHARED_PER_TILE_BYTE * (tiles["BLOCK_M"] + 2 * tiles["num_stages"] * tiles["BLOCK_N"]) * d * size
         assert need <= h200, (d, size, tiles)

@@ -97,7 +97,8 @@ class FlexBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, state: FlexState) -> torch.Tensor:
         if state.key_slots is not None:
-            keys, values = layer.k_cache.index_select(0, state.key_slots), layer.v_cache.index_select(0, state.key_slots)
+            slots = state.key_slots
+            keys, values = layer.k_cache.index_select(0, slots), layer.v_cache.index_select(0, slots)
         else:
             keys, values = _pad_rows(k, state.padded_keys), _pad_rows(v, state.padded_keys)
         out = state.attend(
@@ -190,4 +191,5 @@ def cuda_tiles(shared_bytes: int, head_dim: int, itemsize: int) -> dict:
         return SHARED_PER_TILE_BYTE * (block_m + 2 * stages * block_n) * head_dim * itemsize
 
     block_m, block_n, stages = next((t for t in TILES if need(t) <= shared_bytes), TILES[-1])
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": stages, "num_warps": 4, "FORCE_USE_FLEX_ATTENTION": True}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": stages, "num_warps": 4,
+            "FORCE_USE_FLEX_ATTENTION": True}  # fmt: skip

@@ -124,9 +124,9 @@ class VarlenBackend:
             pages = (-1, state.block_size, layer.num_kv_heads, layer.head_dim)
             keys, values = layer.k_cache.view(pages), layer.v_cache.view(pages)
         elif state.key_slots is not None:
-            keys, values = layer.k_cache.index_select(0, state.key_slots), layer.v_cache.index_select(0, state.key_slots)
+            slots = state.key_slots
+            keys, values = layer.k_cache.index_select(0, slots), layer.v_cache.index_select(0, slots)
         else:
             keys, values = k, v
-        return self.attend(
-            q, keys, values, state.cu_q, state.cu_k, state.max_q, state.max_k, **state.layers[layer.kind], **state.paging
-        )  # fmt: skip
+        layout = (state.cu_q, state.cu_k, state.max_q, state.max_k)
+        return self.attend(q, keys, values, *layout, **state.layers[layer.kind], **state.paging)
