@@ -46,6 +46,7 @@ class EngineStats:
     generation_tokens: int  # sampled so far
     tokens_computed: int  # fed through the model so far (prefill chunks, decodes, recomputes)
     num_preemptions: int
+    attention_backend: str  # the backend's name (what "auto" chose)
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
     static_eager_steps: int = 0  # decode steps on the static path without a graph (CPU, or graphs off)
     eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
@@ -187,6 +188,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             tokens_computed=self.scheduler.tokens_computed,
             num_preemptions=self.scheduler.num_preemptions,
+            attention_backend=self.runner.backend.name,
             graph_steps=graphs.graph_steps,
             static_eager_steps=graphs.static_eager_steps,
             eager_steps=graphs.eager_steps,

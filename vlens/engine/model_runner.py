@@ -103,8 +103,6 @@ class ModelRunner:
         # signature (its taps then need `self.taps.fixed_shapes`).
         self.forward = model
         self.graphs = graphs and self.device.type == "cuda"
-        if self.device.type == "cuda":  # cuDNN's SDPA builds a plan for every new shape: ~6 ms of host a call
-            torch.backends.cuda.enable_cudnn_sdp(False)
         self.static_decode = self.graphs
         self.decode_backend = DecodeBackend()
         self.graph_stats = GraphStats()
