@@ -21,11 +21,6 @@ CTX = 32
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents(40))
-
-
-@pytest.fixture(scope="module")
 def f32_run(smol, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("f32") / "out"
     harvest(smol, corpus, HOOKS, out, context_size=CTX, dtype="float32", shard_bytes=200_000, batch_tokens=4 * CTX,

@@ -44,11 +44,6 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents(60))
-
-
-@pytest.fixture(scope="module")
 def local_run(smol4_path, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("local") / "out"
     harvest(str(smol4_path), corpus, HOOKS, out, max_tokens=WINDOWS * 32, **OPTIONS)
