@@ -14,6 +14,7 @@ from harvest_helpers import dir_bytes, documents, read_shards, window_rows, writ
 
 from vlens import ActivationDataset, harvest
 from vlens.harvest.cli import add_parser
+from vlens.harvest.stats import BLOCK, HookStats, ShardStats
 from vlens.loader import LoadedModel
 
 HOOKS = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_q", "blocks.2.mlp.hook_post", "hidden_states.2"]
@@ -273,3 +274,27 @@ def test_cli_harvest_then_export(smol_path, corpus, tmp_path):
     args = parser.parse_args(["export", str(out), "--format", "saelens", "--to", str(tmp_path / "sae")])
     assert args.func(args) == 0
     assert (tmp_path / "sae" / "dataset_info.json").exists()
+
+
+def test_statistics_do_not_depend_on_the_batch_split():
+    """A shard's statistics, fed its rows in any batches, are the same bits: blocks are cut by the shard.
+    Folded shard after shard they are the float64 mean and norms of all the rows."""
+    torch.manual_seed(0)
+    shards = [torch.randn(BLOCK + 1234, 2, 4).to(torch.bfloat16), torch.randn(300, 2, 4).to(torch.bfloat16)]
+    folded = HookStats.empty(8)
+    for x in shards:
+        pieces = []
+        for cuts in ([len(x)], [1, 7, len(x) - 8], list(range(0, len(x), 97))[1:]):
+            stats = ShardStats(8, torch.device("cpu"))
+            for part in torch.tensor_split(x, cuts):
+                stats.add(part)
+            pieces.append(stats.finish())
+        assert all(torch.equal(p.values, pieces[0].values) and p.rows == pieces[0].rows for p in pieces)
+        folded.fold(pieces[0])
+    rows = torch.cat(shards).reshape(-1, 8).double()
+    data = folded.to_json()
+    assert data["rows"] == len(rows)
+    assert torch.allclose(torch.tensor(data["mean"], dtype=torch.float64), rows.mean(0), rtol=0, atol=1e-12)
+    assert abs(data["mean_norm"] - rows.norm(dim=1).mean().item()) < 1e-12
+    assert data["max_norm"] == rows.norm(dim=1).max().item()
+    assert HookStats.from_json(data).to_json() == data

@@ -77,7 +77,7 @@ class ShardStats:
 
     def add(self, x: torch.Tensor) -> None:
         """Rows [n, ...] as stored (the output dtype), on the device; converted to float64 exactly."""
-        flat = x.reshape(len(x), -1)
+        flat = x.reshape(len(x), self.block.shape[1])
         start = 0
         while start < len(flat):
             take = min(BLOCK - self.filled, len(flat) - start)
