@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,23 @@ def test_cli_harvest_then_export(smol_path, corpus, tmp_path):
     args = parser.parse_args(["export", str(out), "--format", "saelens", "--to", str(tmp_path / "sae")])
     assert args.func(args) == 0
     assert (tmp_path / "sae" / "dataset_info.json").exists()
+
+
+def test_the_summary_says_where_the_time_went(smol, corpus, tmp_path, capsys):
+    """`vlens harvest` ends with tokens/s, the device's busy share and the write throughput; the flags of
+    the batch size and the pipeline parse."""
+    parser = argparse.ArgumentParser(prog="vlens")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--batch-tokens", "32",
+                              "--no-pipeline"])  # fmt: skip
+    assert (args.batch_tokens, args.pipeline) == (32, False)
+    summary = harvest(smol, corpus, "blocks.1.hook_resid_post", tmp_path / "out", context_size=16, max_tokens=64,
+                      batch_tokens=32, shard_bytes=50_000)  # fmt: skip
+    assert 0 < summary.device_seconds < summary.seconds and 0 < summary.write_seconds < summary.seconds
+    assert summary.bytes_this_run == summary.bytes > 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"this run 64 tokens in [\d.]+ s: [\d,]+ tokens/s, device busy \d+% of the time, writes "
+                     r"[\d,]+ MB/s \([\d.]+ kB in [\d.]+ s\)$", line), line  # fmt: skip
 
 
 def test_statistics_do_not_depend_on_the_batch_split():
