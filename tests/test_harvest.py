@@ -205,6 +205,11 @@ def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
     assert again.tokens_this_run == 0 and dir_bytes(out) == before
     with pytest.raises(ValueError, match=r"context_size: 32 on disk, 16 now"):
         harvest(smol, corpus, "hook_embed", out, **{**kwargs, "context_size": 16})
+    # the batch size is the run's own: left out it is the one on disk, given otherwise it is refused
+    kept = harvest(smol, corpus, "hook_embed", tmp_path / "b32", batch_tokens=CTX, **kwargs)
+    assert harvest(smol, corpus, "hook_embed", tmp_path / "b32", **kwargs).tokens_this_run == 0 < kept.tokens
+    with pytest.raises(ValueError, match=r"batch_tokens: 32 on disk, 64 now"):
+        harvest(smol, corpus, "hook_embed", tmp_path / "b32", batch_tokens=2 * CTX, **kwargs)
     with pytest.raises(ValueError, match=r"hooks.*dtype|dtype.*hooks"):
         harvest(smol, corpus, "blocks.0.hook_resid_post", out, dtype="float16", **kwargs)
     other = write_jsonl(tmp_path / "other.jsonl", documents(40, seed=1))

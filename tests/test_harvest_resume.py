@@ -19,6 +19,7 @@ import pytest
 from harvest_helpers import dir_bytes, documents, write_jsonl
 
 from vlens import harvest
+from vlens.harvest import job
 from vlens.harvest.writer import read_manifest
 
 OPTIONS = {
@@ -104,11 +105,16 @@ def source(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("resume") / "docs.jsonl", documents(30, seed=5))
 
 
-def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, tmp_path):
-    _run(smol4, source, tmp_path / "whole", pipeline=False)
-    expected = dir_bytes(tmp_path / "whole")
-    assert len(read_manifest(tmp_path / "whole")["shards"]) >= 6
+@pytest.fixture(scope="module")
+def expected(smol4, source, tmp_path_factory):
+    """The files of an uninterrupted run without the pipeline."""
+    out = tmp_path_factory.mktemp("serial") / "out"
+    _run(smol4, source, out, pipeline=False)
+    assert len(read_manifest(out)["shards"]) >= 6
+    return dir_bytes(out)
 
+
+def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, expected, tmp_path):
     _run(smol4, source, tmp_path / "pipelined")
     assert dir_bytes(tmp_path / "pipelined") == expected
 
@@ -132,3 +138,22 @@ def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, tmp_p
     summary = _run(smol4, source, out)
     assert summary.tokens_this_run == summary.tokens - (done + 1) * 3 * 16
     assert dir_bytes(out) == expected
+
+
+def test_a_failed_write_stops_the_run_and_the_rerun_completes_it(smol4, source, expected, tmp_path, monkeypatch):
+    """An error in the writer thread (a full disk, say) is raised by `harvest` in the calling thread, after
+    the shards before it are committed; the re-run does the rest and ends with the same bytes."""
+    real = job.write_shard
+
+    def full_at_the_third(store, index, tensors):
+        if index == 2:
+            raise OSError(28, "No space left on device")
+        return real(store, index, tensors)
+
+    monkeypatch.setattr(job, "write_shard", full_at_the_third)
+    with pytest.raises(OSError, match="No space left"):
+        _run(smol4, source, tmp_path / "out")
+    assert len(read_manifest(tmp_path / "out")["shards"]) == 2
+    monkeypatch.setattr(job, "write_shard", real)
+    assert _run(smol4, source, tmp_path / "out").tokens_this_run > 0
+    assert dir_bytes(tmp_path / "out") == expected
