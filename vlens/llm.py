@@ -17,6 +17,7 @@ from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import LLMEngine, NewRequest
 from vlens.engine.packed import packed_forward, token_batches
+from vlens.distributed.executor import Executor
 from vlens.inputs import to_token_lists
 from vlens.loader import load_model, resolve_device
 from vlens.outputs import RequestOutput
@@ -29,7 +30,11 @@ class LLM:
         or invalid one is a ValueError naming it, raised before the model is loaded."""
         config = self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
         check_backend(config.attention_backend, resolve_device(config.device))  # FlashInfer on a CPU: before loading
-        loaded = load_model(model, dtype=config.dtype, device=config.device)
+        if config.tensor_parallel_size > 1:  # ranks 1.. in worker processes; this one is rank 0
+            size, device = config.tensor_parallel_size, resolve_device(config.device)
+            loaded = Executor(model, config.dtype, device, size, config.attention_backend).loaded
+        else:
+            loaded = load_model(model, dtype=config.dtype, device=config.device)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
         self.device = loaded.model.lm_head.weight.device

@@ -13,6 +13,7 @@ import os
 import torch
 
 from vlens.attention import packed_metadata
+from vlens.capture.plan import StepPlan
 from vlens.context import ForwardContext, set_context
 from vlens.engine.config import EngineConfig
 from vlens.models.base import DecoderLM
@@ -50,6 +51,9 @@ def _peak_forward_bytes(model: DecoderLM, config: EngineConfig, backend) -> int:
     tokens = min(config.max_num_batched_tokens, model.cfg.max_position_embeddings)
     meta = packed_metadata([tokens], device)
     kinds = {attn.kind for attn in model.attention_layers()}
+    if model.executor is not None:  # the other tensor-parallel ranks profile the same forward
+        rows = list(range(tokens))[-config.max_num_seqs :]
+        model.executor.launch(torch.zeros(tokens, dtype=torch.long), meta, StepPlan(), None, rows, None)
     set_context(ForwardContext(meta, backend, backend.prepare(meta, kinds, model.lm_head.weight.dtype)))
     try:
         hidden = model(torch.zeros(tokens, dtype=torch.long, device=device))

@@ -35,13 +35,18 @@ class StepOutput:
     prompt_logprobs: TopLogprobs | None = None
 
 
+def _kv_heads(cfg) -> int:
+    """KV heads this rank caches (all of them in one process)."""
+    return len(cfg.parallel.units(cfg.num_kv_heads))
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, backend):
         self.model, self.cfg = model, model.cfg
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.block_size, self.num_slots = block_size, num_blocks * block_size
-        shape = (self.cfg.num_layers, 2, self.num_slots, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (self.cfg.num_layers, 2, self.num_slots, _kv_heads(self.cfg), self.cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         layers = model.attention_layers()
         for i, attn in enumerate(layers):
@@ -56,7 +61,7 @@ class ModelRunner:
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
         cfg = model.cfg
         itemsize = model.lm_head.weight.element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return 2 * cfg.num_layers * block_size * _kv_heads(cfg) * cfg.head_dim * itemsize
 
     def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], ForwardContext, torch.Tensor]:
         """The step as attention kernels take it: decodes first, then prefill chunks longest first (so
@@ -96,6 +101,9 @@ class ModelRunner:
         depths = [s.depth for s, _ in order]
         # A step of prefill-only requests stops after the deepest layer they read (eagerly: it is rare).
         forward = self.forward if None in depths else partial(self.model, num_layers=max(depths))
+        if self.model.executor is not None:  # the other tensor-parallel ranks run the same forward
+            num_layers = None if None in depths else max(depths)
+            self.model.executor.launch(ids, ctx.attention, plan, num_layers, logit_rows or None, self.taps)
         set_context(ctx)
         try:
             hidden = forward(ids.to(self.device, non_blocking=True))

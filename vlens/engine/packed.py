@@ -66,6 +66,8 @@ def packed_forward(
         positions = range(n) if rows is None else rows[i].tolist()
         keys = torch.arange(start, start + n) if patterns else None  # packed: key j sits at row start + j
         plan.gather(i, positions, shift(positions, start), taps, keys)
+    if hooks and model.executor is not None:
+        raise ValueError("hooks: Python hooks run in one process; not with tensor_parallel_size > 1")
     runtime = TapRuntime(hook_shapes(model.cfg), device, dtype)
     armed = runtime.arm(plan)
     for name, fn in (hooks or {}).items():
@@ -74,9 +76,12 @@ def packed_forward(
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
     meta = packed_metadata(lens, device)
     kinds = {attn.kind for attn in model.attention_layers()}
+    depth = forward_depth(sites, model.cfg)
+    if model.executor is not None:  # the other tensor-parallel ranks run the same forward
+        model.executor.launch(ids, meta, plan, depth, list(range(len(ids))) if LOGITS in sites else None, runtime)
     set_context(ForwardContext(meta, backend, backend.prepare(meta, kinds, dtype), armed))
     try:
-        hidden = model(ids.to(device, non_blocking=True), num_layers=forward_depth(sites, model.cfg))
+        hidden = model(ids.to(device, non_blocking=True), num_layers=depth)
         if LOGITS in sites:
             model.logits(hidden)
     finally:

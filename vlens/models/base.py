@@ -16,6 +16,7 @@ from torch import nn
 from vlens.capture.names import LOGITS
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context
+from vlens.distributed.taps import shard_taps
 from vlens.layers.attention import Attention
 from vlens.layers.norm import NormHooks, make_norm
 from vlens.layers.rotary import Rotary, apply_rotary
@@ -31,7 +32,9 @@ class AttentionHeads(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # this rank's heads (all of them in one process; vlens.distributed.parallel)
+        self.heads, self.kv_heads = len(cfg.parallel.units(cfg.num_heads)), len(cfg.parallel.units(cfg.num_kv_heads))
+        self.head_dim = cfg.head_dim
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         if cfg.attn_scale_inverse_layer:
             scale /= layer + 1
@@ -115,6 +118,10 @@ class DecoderLM(nn.Module):
     final_norm: nn.Module
     lm_head: nn.Linear
 
+    # Rank 0 of a tensor-parallel group: what runs each of its forwards on the other ranks
+    # (vlens.distributed.executor.Executor); None in one process.
+    executor = None
+
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Token ids -> the residual stream entering layer 0, firing hook_embed. Gemma scales the
         embedding by sqrt(d), the factor rounded to the model dtype first as HF does; families with
@@ -132,7 +139,7 @@ class DecoderLM(nn.Module):
         raw residual after the first `num_layers` layers and no norm (a forward nobody reads past a layer
         stops there; a trace of the last layer's resid_post does not pay for the final norm)."""
         ctx = get_context()
-        taps = ctx.taps
+        taps = ctx.taps = shard_taps(ctx.taps, self.cfg)  # sharded sites read and edit whole tensors
         x = self.embed(input_ids, ctx)
         rope = self.rotary.cos_sin(ctx, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
@@ -156,6 +163,8 @@ class DecoderLM(nn.Module):
     def lens(self, residual: torch.Tensor) -> torch.Tensor:
         """Logits of arbitrary residual rows through the final norm and unembedding (logit lens);
         no taps fire."""
+        if self.executor is not None:  # the other ranks hold the rest of the vocabulary
+            self.executor.lens(residual)
         return self._unembed(self.final_norm(residual))
 
     def _unembed(self, normed: torch.Tensor) -> torch.Tensor:

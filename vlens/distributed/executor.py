@@ -1,0 +1,181 @@
+"""Rank 0 of a tensor-parallel group: it starts one worker process per other rank, loads its own shard,
+and before each forward it runs itself (the engine step, a trace or harvest batch, a logit-lens
+readout) sends the other ranks what that forward needs (`launch`, `lens`). Scheduling, sampling and
+collecting captured rows stay on rank 0, as in one process; the layers' collectives pair the ranks up
+inside the forward.
+
+A worker that dies is noticed by the collective it leaves (its sockets close) or by the pipe it no
+longer reads: the engine gets a `GroupError` naming the rank and its exit code, and every other worker
+is stopped, so no process is left behind and nothing waits on a rank that will not come.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from vlens.capture.plan import Segment, StepPlan
+from vlens.capture.runtime import TapRuntime
+from vlens.config import ModelConfig
+from vlens.distributed import worker
+from vlens.distributed.parallel import GroupError, Parallel, on_failure
+from vlens.distributed.taps import sharded_units
+from vlens.loader import load_model, resolve_model_path
+
+STARTUP_S = 600  # loading a shard of a large model takes minutes; a worker that says nothing longer is stuck
+
+
+def check_parallel(cfg: ModelConfig, size: int, device: torch.device) -> None:
+    """Refuse, before any weights load, a split the model or the machine cannot take."""
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size: {size} ranks need {size} CUDA devices; this machine has {torch.cuda.device_count()}"
+        )
+    problem = _split_problem(cfg, size)
+    if problem:
+        allowed = [n for n in range(1, cfg.num_heads + 1) if _split_problem(cfg, n) is None]
+        raise ValueError(f"tensor_parallel_size: {size} {problem}; allowed for this model: {allowed}")
+
+
+def _split_problem(cfg: ModelConfig, size: int) -> str | None:
+    """What in the model a split in `size` ranks cannot cut evenly, or None."""
+    dense = not cfg.moe_layers or not all(cfg.moe_layers)
+    sizes = {
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.intermediate_size if dense else 0,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+    }
+    for name, n in sizes.items():
+        if n and n % size:
+            return f"does not divide {name}={n}"
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:  # fewer KV heads than ranks: each is replicated on size / kv ranks
+        return f"neither divides nor is a multiple of num_key_value_heads={kv}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Executor:
+    """Rank 0's handle on the group: `launch` a forward on the other ranks, `close` them."""
+
+    def __init__(self, model, dtype, device: torch.device, size: int, attention_backend: str):
+        from transformers import AutoConfig
+
+        path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
+        check_parallel(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), size, device)
+        self.size, self.closed = size, False
+        if device.type == "cuda":
+            device = torch.device("cuda", 0)
+        spec = dict(
+            model=str(path), dtype=dtype, device=device.type, backend=attention_backend,
+            group="nccl" if device.type == "cuda" else "gloo", threads=torch.get_num_threads(),
+        )  # fmt: skip
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        for rank in range(1, size):
+            parent, child = context.Pipe()
+            proc = context.Process(target=worker.main, args=(rank, size, init, spec, child), daemon=True)
+            proc.start()
+            child.close()  # only the worker holds its end: a dead worker's pipe breaks
+            self.procs.append(proc)
+            self.conns.append(parent)
+        try:
+            dist.init_process_group(spec["group"], init_method=init, rank=0, world_size=size, timeout=worker.TIMEOUT)
+            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=Parallel(0, size))
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        on_failure(self._fail)
+        self.loaded.model.executor = self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        for rank, conn in enumerate(self.conns, start=1):
+            while not conn.poll(0.1):
+                if not self.procs[rank - 1].is_alive() or time.monotonic() > deadline:
+                    raise GroupError(f"tensor parallel rank {rank} did not start: {self._dead() or 'no answer'}")
+            status, detail = conn.recv()
+            if status != "ready":
+                raise GroupError(f"tensor parallel rank {rank} failed to load its shard:\n{detail}")
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    def _dead(self) -> str | None:
+        """Which workers have exited, and how, as the error says it; None while all run."""
+        gone = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+        return "; ".join(gone) or None
+
+    def _fail(self) -> str:
+        """A collective failed: name the dead rank (waiting a moment for the OS to report the exit), end the group."""
+        deadline = time.monotonic() + 5
+        while self._dead() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        why = self._dead() or "a rank stopped answering"
+        self.close()
+        return why
+
+    def _send(self, work) -> None:
+        if self.closed:
+            raise GroupError("tensor parallel group is closed; create a new LLM")
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send(work)
+            except OSError as e:  # BrokenPipeError: the worker is gone
+                raise GroupError(f"tensor parallel group failed: {self._fail()}") from e
+
+    def launch(
+        self, ids: torch.Tensor, meta, plan: StepPlan, num_layers: int | None, logit_rows: list[int] | None,
+        taps: TapRuntime,
+    ) -> None:  # fmt: skip
+        """Run on the other ranks the forward rank 0 is about to run: `ids` packed over `meta`, the taps
+        of `plan` (gathers at sharded sites only: the others are read on rank 0 alone), `num_layers`
+        deep, and the logits of `logit_rows` (None: no logits)."""
+        cfg = self.model.cfg
+        mine = None
+        if plan:
+            gathers = {t: parts for t, parts in plan.gathers.items() if sharded_units(t, cfg) is not None}
+            segments = [Segment(None, s.positions, s.keys) for s in plan.segments]
+            mine = StepPlan(segments, gathers, plan.edits)
+        meta, on_device = worker.portable(meta)
+        vectors = worker.table_rows(plan, taps) if plan.edits else {}
+        self._send(worker.Forward(ids.cpu(), meta, on_device, mine, num_layers, logit_rows, vectors))
+
+    def lens(self, residual: torch.Tensor) -> None:
+        """The other ranks' part of a logit-lens readout of `residual` on rank 0."""
+        self._send(worker.Lens(residual.cpu()))
+
+    def close(self) -> None:
+        """Stop the workers (at once, if they do not stop by themselves) and leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        on_failure(None)
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
