@@ -73,6 +73,11 @@ class Executor:
 
         path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
         check_parallel(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), size, device)
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise ValueError(
+                "tensor_parallel_size: this process already leads a tensor-parallel group; close it first "
+                "(llm.model.executor.close())"
+            )
         self.size, self.closed = size, False
         if device.type == "cuda":
             device = torch.device("cuda", 0)

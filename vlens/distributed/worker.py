@@ -95,11 +95,11 @@ class Worker:
         self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         self.kinds = {attn.kind for attn in model.attention_layers()}
         self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
-        self.kv_cache = torch.empty(0)
+        self.kv_cache: torch.Tensor | None = None
 
     def _cache(self, num_slots: int) -> None:
         """The KV cache, as many slots as rank 0's and this rank's KV heads, made at the first step."""
-        if self.kv_cache.dim() and self.kv_cache.shape[2] == num_slots:
+        if self.kv_cache is not None and self.kv_cache.shape[2] == num_slots:
             return
         layers = self.model.attention_layers()
         shape = (len(layers), 2, num_slots, layers[0].num_kv_heads, layers[0].head_dim)

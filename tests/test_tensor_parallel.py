@@ -1,0 +1,219 @@
+"""Tensor parallelism on the CPU (gloo, two ranks: this process and one worker, one thread each): every
+hook of a packed trace and of a generation equals the one-process value within 1e-5 (float32; the
+row-parallel sums add the ranks' partial products in another order, so not bit for bit), greedy tokens
+are the same, interventions on sharded and replicated taps act as in one process, bad sizes are refused
+before a weight loads, and a rank killed mid-generation fails the caller at once with its name and
+leaves no process behind.
+
+One tiny random checkpoint per family, one one-process and one two-rank LLM per family (a process
+joins one group at a time, so each family's group is closed before the next starts)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from family_parity import COMMON, VOCAB, build, sequences
+from hf_reference import same
+from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
+
+from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
+from vlens.distributed.parallel import GroupError
+from vlens.engine.llm_engine import NewRequest
+
+TOL = 1e-5
+N = 2
+GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+GPT2 = {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
+
+CONFIGS = {
+    "smollm2": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),  # GQA, tied
+    "qwen2_mqa": lambda: Qwen2Config(**COMMON, num_key_value_heads=1),  # biases; one KV head on both ranks
+    "gemma2": lambda: Gemma2Config(
+        **COMMON, num_key_value_heads=2, head_dim=24, sliding_window=7, layer_types=GEMMA_LAYERS,
+        query_pre_attn_scalar=20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+    ),  # fmt: skip
+    "gpt2": lambda: GPT2Config(**GPT2),  # fused Conv1D qkv, LayerNorm, learned positions
+    "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def _open(path: str, **settings) -> LLM:
+    return LLM(model=path, dtype="float32", device="cpu", block_size=4, **settings)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers take the thread count of rank 0
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory, one_thread):
+    """(name, one-process LLM, two-rank LLM) of one family."""
+    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param), request.param)
+    two = _open(path, tensor_parallel_size=N)
+    yield request.param, _open(path), two
+    two.model.executor.close()
+    assert not multiprocessing.active_children()
+
+
+def test_bad_sizes_are_refused_before_loading(tmp_path):
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())  # another module-scoped group may still run
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide num_attention_heads=4.*\[1, 2, 4\]"):
+        _open(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        _open(path, tensor_parallel_size=0)
+    assert set(multiprocessing.active_children()) == before  # no worker was started
+
+
+def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    llm = _open(path, tensor_parallel_size=N)
+    executor = llm.model.executor
+    victim = executor.procs[0]
+    engine = llm.engine
+    engine.add_requests([NewRequest(p, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+                         for p in sequences((30, 20, 10))])  # fmt: skip
+    for _ in range(3):
+        engine.step()  # generation is under way on both ranks
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while engine.has_work():
+                engine.step()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the engine hangs on a dead rank"
+    assert len(outcome) == 1 and isinstance(outcome[0], GroupError), outcome
+    assert "rank 1" in str(outcome[0]) and str(-signal.SIGKILL) in str(outcome[0])
+    assert executor.closed and set(multiprocessing.active_children()) == before
+    with pytest.raises(GroupError, match="closed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
+    if hook.endswith("hook_expert_ids"):
+        return torch.equal(a, b)
+    return same(a.double(), b.double(), TOL)
+
+
+def test_shards_are_halves(pair):
+    """Each rank holds half the heads, half the MLP columns and half the vocabulary, read from the file."""
+    _, one, two = pair
+    cfg = one.config
+    assert two.model.cfg.parallel.size == N and two.model.cfg.parallel.rank == 0
+    attn = two.model.attention_layers()[0]
+    assert attn.num_heads == cfg.num_heads // N
+    assert attn.num_kv_heads == max(1, cfg.num_kv_heads // N)
+    assert two.model.lm_head.weight.shape[0] == -(-cfg.vocab_size // N)
+    full, half = one.model.lm_head.weight, two.model.lm_head.weight
+    assert torch.equal(half, full[: half.shape[0]])
+    own = sum(p.numel() for p in two.model.parameters())
+    assert own < 0.7 * sum(p.numel() for p in one.model.parameters())
+
+
+def test_trace_every_hook_equals_one_process(pair):
+    _, one, two = pair
+    hooks = list(one.hook_names())
+    seqs = sequences()
+    failures = []
+    for ids, a, b in zip(seqs, one.trace(seqs, hooks), two.trace(seqs, hooks)):
+        for hook in hooks:
+            assert a[hook].shape == b[hook].shape, hook
+            if not _equal(b[hook], a[hook], hook):
+                failures.append((len(ids), hook))
+    assert not failures, failures
+
+
+def _generate(llm: LLM, prompts, params) -> list:
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _check_outputs(a_outs, b_outs) -> None:
+    failures = []
+    for a, b in zip(a_outs, b_outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert a.activations.keys() == b.activations.keys()
+        for hook, value in a.activations.items():
+            if value.shape != b.activations[hook].shape or not _equal(b.activations[hook], value, hook):
+                failures.append(hook)
+    assert not failures, failures
+
+
+def test_generation_captures_every_hook_at_every_position(pair):
+    _, one, two = pair
+    params = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=list(one.hook_names()), positions="all")
+    )
+    prompts = sequences((20, 9, 3))
+    _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))
+
+
+def _interventions(llm: LLM) -> list[list]:
+    """Per request: steered (residual), ablated (MLP out), per-head steered and ablated (heads on both
+    ranks, at the sharded hook_z), a steer and a patch on sharded MLP columns / KV heads, and none."""
+    cfg, shapes = llm.config, llm.hook_names()
+    g = torch.Generator().manual_seed(3)
+    d, dh = cfg.hidden_size, cfg.head_dim
+    heads = [0, cfg.num_heads - 1]  # one on each rank
+    mlp = "blocks.1.mlp.hook_post" if "blocks.1.mlp.hook_post" in shapes else "blocks.1.mlp.hook_router_logits"
+    return [
+        [Steer("blocks.1.hook_resid_post", torch.randn(d, generator=g), scale=2.0)],
+        [Ablate("blocks.{0,2}.hook_mlp_out", torch.randn(d, generator=g))],
+        [
+            Steer("blocks.0.attn.hook_z", torch.randn(len(heads), dh, generator=g), heads=heads),
+            Ablate("blocks.2.attn.hook_z", heads=[1]),
+        ],
+        [
+            Steer(mlp, torch.randn(shapes[mlp][0], generator=g), positions="generated"),
+            Patch("blocks.1.attn.hook_v", torch.randn(cfg.num_kv_heads * dh, generator=g), positions=[2, 5]),
+            Ablate("blocks.0.attn.hook_q", torch.randn(cfg.num_heads * dh, generator=g)),
+        ],
+        [],
+    ]
+
+
+def test_mixed_batch_of_interventions_equals_one_process(pair):
+    _, one, two = pair
+    hooks = ["blocks.*.hook_resid_post", "blocks.*.attn.hook_z", "blocks.1.attn.hook_v"]
+    prompts = sequences((12, 9, 7, 10, 5))
+    params = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, interventions=ivs, capture=Capture(hooks=hooks))
+        for ivs in _interventions(one)
+    ]
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    _check_outputs(a, b)
+    # the edits took: every steered request differs from the plain one's path
+    plain = _generate(one, prompts[:1], [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))])
+    assert not torch.equal(plain[0].activations["blocks.2.hook_resid_post"], a[0].activations["blocks.2.hook_resid_post"])
+
+
+def test_logit_lens_and_logits_cover_the_vocabulary(pair):
+    _, one, two = pair
+    params = SamplingParams(
+        max_tokens=3, temperature=0, ignore_eos=True, logprobs=5,
+        capture=Capture(hooks=["blocks.1.hook_resid_post"], logit_lens=5),
+    )  # fmt: skip
+    prompts = sequences((8, 4))
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for key in x.logit_lens:
+            ids_a, values_a = x.logit_lens[key]
+            ids_b, values_b = y.logit_lens[key]
+            assert torch.equal(ids_a, ids_b) and same(values_b.double(), values_a.double(), TOL)
