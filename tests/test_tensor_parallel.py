@@ -14,11 +14,15 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
+import httpx
+import psutil
 import pytest
 import torch
 from family_parity import COMMON, VOCAB, build, sequences
 from hf_reference import same
+from server_helpers import vlens_serve
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
@@ -104,6 +108,24 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
     assert executor.closed and set(multiprocessing.active_children()) == before
     with pytest.raises(GroupError, match="closed"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    args = ["--model", path, "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", str(N),
+            "--kv-cache-memory", str(16 << 20), "--max-model-len", "64"]  # fmt: skip
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
+    with vlens_serve(args, env={"OMP_NUM_THREADS": "1"}) as (url, proc):
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        children = psutil.Process(proc.pid).children()
+        (worker,) = [c for c in children if "spawn_main" in " ".join(c.cmdline())]  # not the resource tracker
+        worker.kill()
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:  # the server reaps it later
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], r.text
+        assert proc.wait(timeout=60) == 1, proc.output()
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
