@@ -22,10 +22,11 @@ import pytest
 import torch
 from family_parity import COMMON, VOCAB, build, sequences
 from hf_reference import same
+from harvest_helpers import read_shards, write_jsonl
 from server_helpers import vlens_serve
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
-from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
+from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer, harvest
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
 
@@ -108,6 +109,25 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
     assert executor.closed and set(multiprocessing.active_children()) == before
     with pytest.raises(GroupError, match="closed"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_harvest_shards_equal_one_process(tmp_path):
+    """`harvest(path, tensor_parallel_size=2)` starts a group and closes it when done. hook_embed is byte
+    for byte the one-process value (the vocabulary shards add exact zeros); the rows behind a row-parallel
+    sum (residual, z) are within 1e-5."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    source = write_jsonl(tmp_path / "tok.jsonl", sequences((40, 30, 50)), field="tokens")
+    hooks = ["hook_embed", "blocks.1.hook_resid_post", "blocks.2.attn.hook_z", "blocks.0.mlp.hook_post"]
+    options = dict(context_size=16, dtype="float32", model_dtype="float32", device="cpu", progress=False)
+    harvest(path, source, hooks, tmp_path / "one", **options)
+    harvest(path, source, hooks, tmp_path / "two", tensor_parallel_size=N, **options)
+    assert set(multiprocessing.active_children()) == before
+    one, two = read_shards(tmp_path / "one"), read_shards(tmp_path / "two")
+    assert one.keys() == two.keys() and torch.equal(one["token_ids"], two["token_ids"])
+    assert torch.equal(one["hook_embed"], two["hook_embed"])
+    for hook in hooks[1:]:
+        assert same(two[hook].double(), one[hook].double(), TOL), hook
 
 
 def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):
