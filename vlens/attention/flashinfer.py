@@ -52,10 +52,7 @@ class FlashInferBackend:
             )  # fmt: skip
             if meta.paged:
                 bs = meta.block_size
-                pages = [-(-c // bs) for c in meta.context_lens]
-                indptr = torch.tensor([0, *pages], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-                indices = meta.block_tables[torch.arange(max(pages)) < torch.tensor(pages)[:, None]].to(torch.int32)
-                last = torch.tensor([c - (n - 1) * bs for c, n in zip(meta.context_lens, pages)], dtype=torch.int32)
+                indptr, indices, last = meta.page_indptr, meta.page_indices, meta.last_page_lens
                 wrapper.plan(
                     qo_indptr, indptr.to(self.device), indices.to(self.device), last.to(self.device),
                     kind.num_heads, kind.num_kv_heads, kind.head_dim, bs, kv_data_type=dtype, **common,

@@ -35,9 +35,7 @@ class FlexBackend:
     def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> FlexState:
         device = meta.positions.device
         windows = {kind.window for kind in kinds}
-        lens = torch.tensor(meta.query_lens, device=device)
-        q_seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
-        q_pos = meta.positions
+        q_seq, q_pos = meta.token_seq, meta.positions
         if meta.paged:  # every slot of the cache, so the shapes do not change from step to step
             page_of, bs, num_keys = _pages(meta).to(device), meta.block_size, meta.num_slots
 
@@ -91,7 +89,7 @@ def _pages(meta: AttentionMetadata) -> torch.Tensor:
     -1 where it does not."""
     tables, bs = meta.block_tables, meta.block_size
     pages = torch.arange(tables.shape[1]).expand_as(tables)
-    held = pages < torch.tensor([-(-c // bs) for c in meta.context_lens])[:, None]
+    held = pages < torch.tensor(meta.pages)[:, None]
     seqs = torch.arange(len(tables))[:, None].expand_as(tables)
     page_of = torch.full((len(tables), meta.num_slots // bs), -1, dtype=torch.long)
     page_of[seqs[held], tables[held]] = pages[held]

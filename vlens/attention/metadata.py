@@ -9,6 +9,7 @@ nothing else, so the model code never sees sequences or blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,19 +28,32 @@ class LayerKind(NamedTuple):
     softcap: float | None  # Gemma 2: cap * tanh(score / cap)
 
 
+Put = Callable[[str, "torch.Tensor | np.ndarray"], torch.Tensor]  # host values -> the runner's device buffer
+
+
 @dataclass
 class AttentionMetadata:
+    """Everything a backend reads, derived once per forward (`layout`): backends plan from these fields and
+    never re-derive sequences or pages. Device tensors are fronts of the runner's buffers."""
+
     query_lens: list[int]  # per sequence (host): tokens fed this step
     context_lens: list[int]  # per sequence (host): keys after this step (start + query_len)
-    block_tables: torch.Tensor | None  # [B, pages] (host): each sequence's KV blocks, as many as its keys fill
-    # (0 past them); None: no cache
+    pages: list[int]  # per sequence (host): KV blocks its keys fill (0 without a cache)
+    block_tables: torch.Tensor | None  # [B, max pages] (host): each sequence's KV blocks, 0 past its pages;
+    # None: no cache
     block_size: int
     positions: torch.Tensor  # [T] position of each packed token in its sequence
     sequence_ends: torch.Tensor  # [T] last position of each token's whole sequence so far (LongRoPE picks its
     # factors by it, as HF does by its input's length: a prefill chunk counts the prompt's end, not its own)
+    token_seq: torch.Tensor  # [T] which sequence each packed token belongs to
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: where each sequence's queries start
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key and value is written to
     num_slots: int = 0  # of the cache
+    page_indptr: torch.Tensor | None = None  # [B + 1] int32 (host): where each sequence's pages start in ...
+    page_indices: torch.Tensor | None = None  # [pages] int32 (host): ... every sequence's blocks, in order
+    last_page_lens: torch.Tensor | None = None  # [B] int32 (host): keys in each sequence's last block
+    block_tables_device: torch.Tensor | None = None  # [B, table width] the block tables, for the static decode
+    context_lens_device: torch.Tensor | None = None  # [B] ... and the context lengths (vlens.attention.decode)
     # (from, to) [C] cache slots whose keys and values are copied once the step's new ones are written:
     # a prompt prefix one sequence computes for another in the same step (vlens.engine.sequence.Borrow)
     kv_copy: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -60,40 +74,41 @@ class AttentionMetadata:
         return self.block_tables[first:stop, j // bs] * bs + j % bs
 
 
-def _device_tensors(positions: torch.Tensor, ends: torch.Tensor, lens: list[int], device: torch.device):
-    cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return (t.to(device, non_blocking=True) for t in (positions, ends, cu))
-
-
-def paged_metadata(
-    starts: list[int], query_lens: list[int], sequence_lens: list[int], block_tables: list[list[int]],
-    block_size: int, num_slots: int, device: torch.device,
+def layout(
+    starts: list[int], query_lens: list[int], sequence_lens: list[int], block_tables: list[list[int]] | None,
+    block_size: int, num_slots: int, put: Put, table_width: int | None = None,
 ) -> AttentionMetadata:
-    """An engine step: sequence i (sequence_lens[i] tokens so far) feeds query_lens[i] tokens from
-    position starts[i] over its block table."""
-    lens = torch.tensor(query_lens)
-    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    first = torch.cumsum(lens, 0) - lens
-    positions = torch.tensor(starts)[seq] + torch.arange(int(lens.sum())) - first[seq]
+    """The metadata of one forward: sequence i (sequence_lens[i] tokens so far) feeds query_lens[i] tokens from
+    position starts[i], over its block table (None: a cache-less forward of whole sequences packed back to
+    back, whose keys are its queries). Host arithmetic in numpy, one `put` per device field. `table_width`:
+    the block tables also go to the device, that many pages wide (the static decode step's page bucket)."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    seq = np.repeat(np.arange(len(lens)), lens)
+    first = np.cumsum(lens) - lens
+    positions = np.asarray(starts, dtype=np.int64)[seq] + np.arange(int(lens.sum())) - first[seq]
     context_lens = [s + n for s, n in zip(starts, query_lens)]
-    pages = [-(-c // block_size) for c in context_lens]
-    width = max(pages)
-    # through numpy: torch.tensor of nested lists is several times slower, and this runs every step
-    tables = torch.from_numpy(np.array([t[:n] + [0] * (width - n) for t, n in zip(block_tables, pages)], dtype=np.int64))
-    slots = tables[seq, positions // block_size] * block_size + positions % block_size
-    ends = torch.tensor(sequence_lens)[seq] - 1
-    positions, ends, cu = _device_tensors(positions, ends, query_lens, device)
-    return AttentionMetadata(
-        query_lens, context_lens, tables, block_size, positions, ends, cu, slots.to(device, non_blocking=True),
-        num_slots,
+    ends = np.asarray(sequence_lens, dtype=np.int64)[seq] - 1
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    common = dict(
+        query_lens=list(query_lens), context_lens=context_lens, block_size=block_size,
+        positions=put("positions", positions), sequence_ends=put("sequence_ends", ends),
+        token_seq=put("token_seq", seq), cu_seqlens_q=put("cu_seqlens_q", cu),
     )  # fmt: skip
-
-
-def packed_metadata(lens: list[int], device: torch.device) -> AttentionMetadata:
-    """A cache-less forward of whole sequences packed back to back."""
-    lengths = torch.tensor(lens)
-    seq = torch.repeat_interleave(torch.arange(len(lens)), lengths)
-    positions = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[seq]
-    ends = lengths[seq] - 1
-    positions, ends, cu = _device_tensors(positions, ends, lens, device)
-    return AttentionMetadata(list(lens), list(lens), None, 0, positions, ends, cu)
+    if block_tables is None:
+        return AttentionMetadata(pages=[0] * len(lens), block_tables=None, **common)
+    pages = [-(-c // block_size) for c in context_lens]
+    width = max(pages) if table_width is None else table_width
+    # through numpy: torch.tensor of nested lists is several times slower, and this runs every step
+    tables = np.array([t[:n] + [0] * (width - n) for t, n in zip(block_tables, pages)], dtype=np.int64)
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    held = np.arange(width) < np.asarray(pages)[:, None]
+    last = np.asarray(context_lens) - (np.asarray(pages) - 1) * block_size
+    if table_width is not None:
+        common["block_tables_device"] = put("block_tables", tables)
+        common["context_lens_device"] = put("context_lens", np.asarray(context_lens, dtype=np.int64))
+    return AttentionMetadata(
+        pages=pages, block_tables=torch.from_numpy(tables), slot_mapping=put("slot_mapping", slots),
+        num_slots=num_slots, page_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)),
+        page_indices=torch.from_numpy(tables[held].astype(np.int32)), last_page_lens=torch.from_numpy(last.astype(np.int32)),
+        **common,
+    )  # fmt: skip

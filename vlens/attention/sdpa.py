@@ -126,12 +126,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
             enable_gqa=layer.num_kv_heads != layer.num_heads,
         )  # fmt: skip
     else:
-        out = _capped(q, keys, values, mask, layer)
+        out = capped_attention(q, keys, values, mask, layer)
     out = out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
     return out if g.q_index is None else out.index_select(0, g.q_index)
 
 
-def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer) -> torch.Tensor:
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer) -> torch.Tensor:
     """[B, H, q, d] attention with soft-capped scores."""
     group = layer.num_heads // layer.num_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from vlens.models.base import DecoderLM
     from vlens.sampling_params import SamplingParams
 
-# What an edit does to a row x with vector v (runtime.Tap applies it; KEEP pads a pass).
-KEEP, STEER, ABLATE, PATCH, CLAMP = 0, 1, 2, 3, 4
+# What an edit does to a row x with vector v (runtime.Tap applies it).
+STEER, ABLATE, PATCH, CLAMP = 1, 2, 3, 4
 KINDS = {Steer: STEER, Ablate: ABLATE, Patch: PATCH}
 
 

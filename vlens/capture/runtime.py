@@ -168,11 +168,14 @@ class TapRuntime:
 
     # -- each step ----------------------------------------------------------------------------------
 
-    def _size(self, n: int) -> int:
-        return 1 << max(0, n - 1).bit_length() if self.fixed_shapes else n
+    def arm(self, plan: StepPlan, fixed_shapes: bool | None = None) -> dict[str, Tap]:
+        """The taps of this step's plan, their indices written into the device buffers in one copy
+        (`fixed_shapes`: as the runtime's, unless given; the static decode step always pads)."""
+        fixed = self.fixed_shapes if fixed_shapes is None else fixed_shapes
 
-    def arm(self, plan: StepPlan) -> dict[str, Tap]:
-        """The taps of this step's plan, their indices written into the device buffers in one copy."""
+        def size(n: int) -> int:
+            return 1 << max(0, n - 1).bit_length() if fixed else n
+
         pieces: list[torch.Tensor] = []
         layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # (tap, field, offset, shape)
 
@@ -184,20 +187,20 @@ class TapRuntime:
         widths: dict[str, int] = {}
         for tap, parts in plan.gathers.items():
             rows = list(chain.from_iterable(r for _, r in parts))
-            size = self._size(len(rows))
-            add(tap, "gather_index", torch.tensor(rows + [0] * (size - len(rows))))
+            rows_padded = size(len(rows))
+            add(tap, "gather_index", torch.tensor(rows + [0] * (rows_padded - len(rows))))
             if is_pattern(tap):
                 segments = [plan.segments[s] for s, _ in parts]
-                widths[tap] = self._size(max(seg.positions[-1] for seg in segments) + 1)
-                keys, positions = _pattern_rows(segments, size, widths[tap])
+                widths[tap] = size(max(seg.positions[-1] for seg in segments) + 1)
+                keys, positions = _pattern_rows(segments, rows_padded, widths[tap])
                 add(tap, "key_index", keys)
                 add(tap, "row_positions", positions)
         for tap, passes in plan.edits.items():
-            size = self._size(max(len(e.rows) for e in passes))
+            edits_padded = size(max(len(e.rows) for e in passes))
             for name, column in (("edit_rows", "rows"), ("edit_vectors", "vectors"), ("edit_kinds", "kinds")):
                 # a pass is padded by repeating its last edit: the same write twice is the same write
                 lists = [getattr(e, column) for e in passes]
-                add(tap, name, torch.tensor([v + v[-1:] * (size - len(v)) for v in lists]))
+                add(tap, name, torch.tensor([v + v[-1:] * (edits_padded - len(v)) for v in lists]))
         if pieces:
             flat = torch.cat(pieces)
             if len(flat) > len(self._index):

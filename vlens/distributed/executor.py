@@ -18,8 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from vlens.capture.plan import Segment, StepPlan
-from vlens.capture.runtime import TapRuntime
+from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
 from vlens.distributed import worker
 from vlens.distributed.parallel import GroupError, Parallel, on_failure
@@ -143,21 +142,22 @@ class Executor:
                 raise GroupError(f"tensor parallel group failed: {self._fail()}") from e
 
     def launch(
-        self, ids: torch.Tensor, meta, plan: StepPlan, num_layers: int | None, logit_rows: list[int] | None,
-        taps: TapRuntime,
+        self, meta, ids: torch.Tensor, taps: dict, num_layers: int | None, logit_rows: torch.Tensor | slice | None,
+        decode: bool,
     ) -> None:  # fmt: skip
-        """Run on the other ranks the forward rank 0 is about to run: `ids` packed over `meta`, the taps
-        of `plan` (gathers at sharded sites only: the others are read on rank 0 alone), `num_layers`
-        deep, and the logits of `logit_rows` (None: no logits)."""
-        cfg = self.model.cfg
-        mine = None
-        if plan:
-            gathers = {t: parts for t, parts in plan.gathers.items() if sharded_units(t, cfg) is not None}
-            segments = [Segment(None, s.positions, s.keys) for s in plan.segments]
-            mine = StepPlan(segments, gathers, plan.edits)
-        meta, on_device = worker.portable(meta)
-        vectors = worker.table_rows(plan, taps) if plan.edits else {}
-        self._send(worker.Forward(ids.cpu(), meta, on_device, mine, num_layers, logit_rows, vectors))
+        """Run on the other ranks the forward rank 0 is about to run (`ModelRunner._forward`'s arguments):
+        the armed taps go along where they edit (every rank edits) or gather at a sharded site; a gather
+        of a tap every rank holds whole is read on rank 0 alone."""
+        cfg, armed = self.model.cfg, {}
+        for name, t in taps.items():
+            if not isinstance(t, Tap):
+                raise ValueError("hooks: Python hooks run in one process; not with tensor_parallel_size > 1")
+            sharded = sharded_units(name, cfg) is not None
+            if sharded or t.edit_rows is not None:
+                armed[name] = worker.ArmedTap.of(t, sharded)
+        rows = logit_rows.clone() if isinstance(logit_rows, torch.Tensor) else logit_rows
+        vectors = worker.table_rows(taps)
+        self._send(worker.Forward(ids.clone(), worker.portable(meta), armed, vectors, num_layers, rows, decode))
 
     def lens(self, residual: torch.Tensor) -> None:
         """The other ranks' part of a logit-lens readout of `residual` on rank 0."""

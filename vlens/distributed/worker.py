@@ -2,7 +2,8 @@
 sends, in order, until rank 0 says stop or goes away (its end of the pipe closes).
 
 A forward arrives as a `Forward` (pickled over a pipe: the packed token ids, the attention layout, the
-step's tap plan and the intervention vectors its edits read). Commands travel over pipes, not over the
+step's armed taps and the intervention vectors its edits read) and runs through the same
+`ModelRunner` forward as on rank 0. Commands travel over pipes, not over the
 process group, so an idle worker waits on no collective and no collective timeout runs out while the
 engine has nothing to do; the collectives happen inside the forward, where the layers call them.
 """
@@ -10,7 +11,6 @@ engine has nothing to do; the collectives happen inside the forward, where the l
 from __future__ import annotations
 
 import dataclasses
-import math
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,18 +19,16 @@ import torch
 import torch.distributed as dist
 
 from vlens.attention.metadata import AttentionMetadata
-from vlens.capture.names import hook_shapes
-from vlens.capture.plan import StepPlan
-from vlens.capture.runtime import TapRuntime
-from vlens.context import ForwardContext, set_context
+from vlens.capture.runtime import Tap
 from vlens.distributed.parallel import Parallel
+from vlens.engine.model_runner import ModelRunner
 
 TIMEOUT = timedelta(seconds=120)  # a collective that waits longer on a live peer: the group is broken
 
 
 @dataclass
 class Mirrored:
-    """A worker's copy of the rows of rank 0's intervention tables that a step's edits read, at the
+    """A worker's copy of the rows of rank 0's intervention table of one width that the edits read, at the
     same row ids (what `Tap._edit` reads of a `VectorTable`)."""
 
     data: torch.Tensor
@@ -48,15 +46,46 @@ class Mirrored:
             table[ids.to(table.device)] = values.to(table.device, table.dtype)
 
 
+# The fields of an armed `Tap` that are index tensors (views of rank 0's index buffer), sent as copies.
+INDEX_FIELDS = ("gather_index", "key_index", "row_positions", "edit_rows", "edit_vectors", "edit_kinds")
+
+
+@dataclass
+class ArmedTap:
+    """What a worker needs of one of rank 0's armed taps: its indices, the shape of what it gathers (None:
+    it gathers nothing here), and for edits the width of its vector table and the edit coefficients."""
+
+    index: dict[str, torch.Tensor]
+    softmax: bool
+    gather: tuple[tuple[int, ...], torch.dtype] | None
+    clamps: bool
+    width: int | None
+    coefficients: torch.Tensor | None
+
+    @classmethod
+    def of(cls, t: Tap, gathers: bool) -> ArmedTap:
+        index = {f: getattr(t, f).clone() for f in INDEX_FIELDS if getattr(t, f) is not None}
+        if not gathers:
+            index = {f: v for f, v in index.items() if f.startswith("edit_")}
+        gather = (tuple(t.gather_out.shape), t.gather_out.dtype) if gathers and t.gather_index is not None else None
+        edits = t.edit_rows is not None
+        width = t.table.data.shape[1] if edits else None
+        return cls(index, t.softmax, gather, t.clamps, width, t.coefficients.cpu() if edits else None)
+
+
 @dataclass
 class Forward:
-    ids: torch.Tensor  # [T] packed token ids (host)
-    meta: AttentionMetadata  # its tensors on the host; `on_device` names those the model reads on the device
-    on_device: tuple[str, ...]
-    plan: StepPlan | None  # the taps the workers arm: edits, and gathers of sharded sites only
-    num_layers: int | None  # stop after this many layers (None: all, then the final norm)
-    logit_rows: list[int] | None  # rows whose logits rank 0 computes (the LM head gathers over the ranks)
+    """One forward as rank 0 runs it: the packed token ids over the layout `meta` (tensors compacted to the
+    host), the taps the other ranks need (edits everywhere, gathers only at sharded sites), the vector rows
+    the edits read, how deep to run, whose logits (the LM head gathers over the ranks) and which backend."""
+
+    ids: torch.Tensor
+    meta: AttentionMetadata
+    taps: dict[str, ArmedTap]
     vectors: dict[int, tuple[torch.Tensor, ...]]  # table width -> (row ids, data, mask, encoder, params)
+    num_layers: int | None
+    logit_rows: torch.Tensor | slice | None
+    decode: bool  # the static decode step's backend (vlens.attention.decode), not the engine's
 
 
 @dataclass
@@ -64,85 +93,77 @@ class Lens:
     residual: torch.Tensor  # rows rank 0 reads through the final norm and unembedding (logit lens)
 
 
-def portable(meta: AttentionMetadata) -> tuple[AttentionMetadata, tuple[str, ...]]:
-    """The layout with its device tensors on the host, and the names of those fields."""
-    moved, names = {}, []
-    for f in dataclasses.fields(meta):
-        value = getattr(meta, f.name)
-        if _on_device(value):
-            moved[f.name] = _to(value, "cpu")
-            names.append(f.name)
-    return dataclasses.replace(meta, **moved), tuple(names)
+HOST_FIELDS = frozenset({"block_tables", "page_indptr", "page_indices", "last_page_lens"})  # AttentionMetadata's
 
 
-def _on_device(value) -> bool:
+def _moved(value, device):
     if isinstance(value, tuple):
-        return any(_on_device(v) for v in value)
-    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+        return tuple(_moved(v, device) for v in value)
+    return value.to(device, copy=True) if isinstance(value, torch.Tensor) else value
 
 
-def _to(value, device):
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+def portable(meta: AttentionMetadata) -> AttentionMetadata:
+    """The layout with every tensor a compact host copy (its device fields are views of rank 0's buffers)."""
+    return dataclasses.replace(meta, **{f.name: _moved(getattr(meta, f.name), "cpu") for f in dataclasses.fields(meta)})
 
 
-class Worker:
-    """One rank's model, KV cache and taps; `run` executes what rank 0 sent."""
-
-    def __init__(self, model, backend):
-        self.model, self.cfg, self.backend = model, model.cfg, backend
-        self.device, self.dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-        self.kinds = {attn.kind for attn in model.attention_layers()}
-        self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
-        self.kv_cache: torch.Tensor | None = None
-
-    def _cache(self, num_slots: int) -> None:
-        """The KV cache, as many slots as rank 0's and this rank's KV heads, made at the first step."""
-        if self.kv_cache is not None and self.kv_cache.shape[2] == num_slots:
-            return
-        layers = self.model.attention_layers()
-        shape = (len(layers), 2, num_slots, layers[0].num_kv_heads, layers[0].head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-
-    @torch.inference_mode()
-    def run(self, work: Forward | Lens) -> None:
-        if isinstance(work, Lens):
-            self.model.lens(work.residual.to(self.device))
-            return
-        moved = {name: _to(getattr(work.meta, name), self.device) for name in work.on_device}
-        meta = dataclasses.replace(work.meta, **moved)
-        if meta.paged:
-            self._cache(meta.num_slots)
-        for width, (ids, *rows) in work.vectors.items():
-            table = self.taps.tables.get(width)
-            if table is None:
-                table = self.taps.tables[width] = Mirrored(*(r[:0].to(self.device) for r in rows))
-            table.write(ids, tuple(rows))
-        taps = self.taps.arm(work.plan) if work.plan else {}
-        set_context(ForwardContext(meta, self.backend, self.backend.prepare(meta, self.kinds, self.dtype), taps))
-        try:
-            hidden = self.model(work.ids.to(self.device), num_layers=work.num_layers)
-            if work.logit_rows is not None:
-                rows = torch.tensor(work.logit_rows, dtype=torch.long, device=self.device)
-                self.model.logits(hidden.index_select(0, rows))
-        finally:
-            set_context(None)
-
-
-def table_rows(plan: StepPlan, taps: TapRuntime) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Rank 0's intervention-table rows that the edits of `plan` read, per table width, on the host."""
-    wanted: dict[int, set[int]] = {}
-    for tap, passes in plan.edits.items():
-        wanted.setdefault(math.prod(taps.shapes[tap]), set()).update(v for e in passes for v in e.vectors)
+def table_rows(taps: dict[str, Tap]) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Rank 0's intervention-table rows that the armed edits read, per table width, on the host."""
+    wanted: dict[int, tuple[object, set[int]]] = {}
+    for t in taps.values():
+        if t.edit_rows is not None:
+            table = t.table
+            wanted.setdefault(table.data.shape[1], (table, set()))[1].update(t.edit_vectors.reshape(-1).tolist())
     out = {}
-    for width, ids in wanted.items():
-        table, index = taps.tables[width], torch.tensor(sorted(ids), dtype=torch.long)
+    for width, (table, ids) in wanted.items():
+        index = torch.tensor(sorted(ids), dtype=torch.long)
         rows = (t.index_select(0, index.to(t.device)).cpu() for t in (table.data, table.mask, table.encoder, table.params))
         out[width] = (index, *rows)
     return out
+
+
+class Worker:
+    """One rank's model and KV cache, run through the same `ModelRunner` forward as rank 0's."""
+
+    def __init__(self, model, backend):
+        self.runner = ModelRunner(model, backend, 1, 1)
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.tables: dict[int, Mirrored] = {}
+
+    def _taps(self, work: Forward) -> dict[str, Tap]:
+        for width, (ids, *rows) in work.vectors.items():
+            if width not in self.tables:
+                self.tables[width] = Mirrored(*(r[:0].to(self.device) for r in rows))
+            self.tables[width].write(ids, tuple(rows))
+        taps = {}
+        for name, armed in work.taps.items():
+            t = taps[name] = Tap()
+            for field, value in armed.index.items():
+                setattr(t, field, value.to(self.device))
+            t.softmax, t.clamps = armed.softmax, armed.clamps
+            if armed.gather is not None:
+                shape, dtype = armed.gather
+                t.gather_out = torch.empty(shape, dtype=dtype, device=self.device)
+            if armed.width is not None:
+                t.table, t.coefficients = self.tables[armed.width], armed.coefficients.to(self.device)
+        return taps
+
+    @torch.inference_mode()
+    def run(self, work: Forward | Lens) -> None:
+        runner = self.runner
+        if isinstance(work, Lens):
+            runner.model.lens(work.residual.to(self.device))
+            return
+        meta = dataclasses.replace(work.meta, **{
+            f.name: _moved(getattr(work.meta, f.name), self.device)
+            for f in dataclasses.fields(work.meta) if f.name not in HOST_FIELDS
+        })  # fmt: skip
+        if meta.paged and runner.num_slots != meta.num_slots:  # rank 0's cache, this rank's KV heads
+            blocks = meta.num_slots // meta.block_size - 1  # less the scratch block
+            runner.allocate_kv_cache(blocks, meta.block_size, meta.block_size)
+        rows = work.logit_rows.to(self.device) if isinstance(work.logit_rows, torch.Tensor) else work.logit_rows
+        backend = runner.decode_backend if work.decode else None
+        runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend)
 
 
 def main(rank: int, size: int, init: str, spec: dict, conn) -> None:

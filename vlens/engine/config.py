@@ -24,7 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(4096, "most tokens per step (and per trace forward)", minimum=1)
     max_model_len: int | None = setting(None, "longest sequence, prompt plus output (default: the model's)", minimum=1)
     kv_cache_memory: int | None = setting(
-        None, "bytes for the KV cache (default: 80%% of free GPU memory, or up to 2 GiB on CPU)", minimum=1
+        None, "bytes for the KV cache (default on CUDA: gpu_memory_utilization of the device less the weights and the largest forward; on CPU: 2 GiB, or a quarter of free memory if less)", minimum=1
     )
     block_size: int = setting(16, "tokens per KV-cache block", minimum=1)
     enable_capture: bool = setting(True, "allow requests to capture activations", flag="--no-capture", invert=True)

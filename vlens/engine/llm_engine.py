@@ -27,7 +27,6 @@ from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
-from vlens.models.base import DecoderLM
 from vlens.outputs import CompletionOutput, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -46,6 +45,11 @@ class EngineStats:
     generation_tokens: int  # sampled so far
     tokens_computed: int  # fed through the model so far (prefill chunks, decodes, recomputes)
     num_preemptions: int
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph
+    static_eager_steps: int = 0  # decode steps on the static path without a graph (CPU, or graphs off)
+    eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
+    graphs_captured: int = 0
+    graph_capture_seconds: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -61,12 +65,13 @@ class NewRequest:
 
 
 class LLMEngine:
-    def __init__(self, model: DecoderLM, tokenizer: Any, config: EngineConfig, backend):
+    def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig):
+        model = runner.model
         cfg = model.cfg
         block_size, max_model_len = config.block_size, config.max_model_len
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
-        budget = kv_cache_bytes(model, config, backend)
+        budget = kv_cache_bytes(runner, config)
         num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 blocks of {per_block} bytes")
@@ -81,7 +86,8 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%d bytes); the longest sequence that fits: %d tokens",
                  num_blocks, block_size, num_blocks * per_block, self.max_model_len)  # fmt: skip
         self.enable_capture = config.enable_capture
-        self.runner = ModelRunner(model, num_blocks, block_size, backend)
+        self.runner = runner
+        runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = hook_shapes(cfg)
@@ -159,16 +165,14 @@ class LLMEngine:
         for seq in group.seqs:
             if seq.status is Status.FINISHED:
                 continue
-            if seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(seq)
-            self.scheduler.finish(seq)
+            self.scheduler.abort(seq)
             self.runner.taps.release(seq.taps.interventions)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        free = len(self.blocks.free)
+        free, graphs = len(self.blocks.free), self.runner.graph_stats
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -178,6 +182,11 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             tokens_computed=self.scheduler.tokens_computed,
             num_preemptions=self.scheduler.num_preemptions,
+            graph_steps=graphs.graph_steps,
+            static_eager_steps=graphs.static_eager_steps,
+            eager_steps=graphs.eager_steps,
+            graphs_captured=graphs.graphs_captured,
+            graph_capture_seconds=graphs.capture_seconds,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -219,7 +228,7 @@ class LLMEngine:
                 self._finish(seq)
                 deltas.append(self._delta(seq, True))
             elif seq.index == 0 and seq.request_id in self._requests:
-                self.scheduler.waiting.extendleft(reversed(self._requests[seq.request_id].release()))
+                self.scheduler.add_first(self._requests[seq.request_id].release())
         return deltas
 
     def _deliver(self) -> None:
@@ -235,7 +244,7 @@ class LLMEngine:
         self.runner.taps.release(seq.taps.interventions)
         group = self._requests[seq.request_id]
         group.done += 1
-        self.scheduler.waiting.extendleft(reversed(group.release()))
+        self.scheduler.add_first(group.release())
 
     def _switch_rope(self, seq: Sequence) -> None:
         """The sequence now reaches LongRoPE's switch: its cached keys were rotated with the short

@@ -2,8 +2,8 @@
 
 On CUDA: `gpu_memory_utilization` of the device's memory, minus what the weights and the largest
 forward the engine's limits allow use at their peak — measured by running that forward once on dummy
-tokens before the cache exists. Decode graphs replay batches no larger than that forward, so its peak
-also bounds their memory. On a CPU: 2 GiB, or a quarter of the free memory if that is less.
+tokens through the runner before the cache exists. On a CPU: 2 GiB, or a quarter of the free memory if
+that is less.
 """
 
 from __future__ import annotations
@@ -12,23 +12,20 @@ import os
 
 import torch
 
-from vlens.attention import packed_metadata
-from vlens.capture.plan import StepPlan
-from vlens.context import ForwardContext, set_context
 from vlens.engine.config import EngineConfig
-from vlens.models.base import DecoderLM
+from vlens.engine.model_runner import ModelRunner
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
-def kv_cache_bytes(model: DecoderLM, config: EngineConfig, backend) -> int:
+def kv_cache_bytes(runner: ModelRunner, config: EngineConfig) -> int:
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
-    device = model.lm_head.weight.device
+    device = runner.device
     if device.type != "cuda":
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return min(CPU_DEFAULT_KV_BYTES, available // 4)
-    peak = _peak_forward_bytes(model, config, backend)
+    peak = _peak_forward_bytes(runner, config)
     total = torch.cuda.get_device_properties(device).total_memory
     budget = int(total * config.gpu_memory_utilization) - peak
     if budget <= 0:
@@ -40,26 +37,15 @@ def kv_cache_bytes(model: DecoderLM, config: EngineConfig, backend) -> int:
     return budget
 
 
-@torch.inference_mode()
-def _peak_forward_bytes(model: DecoderLM, config: EngineConfig, backend) -> int:
+def _peak_forward_bytes(runner: ModelRunner, config: EngineConfig) -> int:
     """Peak CUDA memory of the weights plus one forward of max_num_batched_tokens tokens, with the
     logits of max_num_seqs rows."""
-    device = model.lm_head.weight.device
+    device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    tokens = min(config.max_num_batched_tokens, model.cfg.max_position_embeddings)
-    meta = packed_metadata([tokens], device)
-    kinds = {attn.kind for attn in model.attention_layers()}
-    if model.executor is not None:  # the other tensor-parallel ranks profile the same forward
-        rows = list(range(tokens))[-config.max_num_seqs :]
-        model.executor.launch(torch.zeros(tokens, dtype=torch.long), meta, StepPlan(), None, rows, None)
-    set_context(ForwardContext(meta, backend, backend.prepare(meta, kinds, model.lm_head.weight.dtype)))
-    try:
-        hidden = model(torch.zeros(tokens, dtype=torch.long, device=device))
-        model.logits(hidden[-config.max_num_seqs :])
-    finally:
-        set_context(None)
+    tokens = min(config.max_num_batched_tokens, runner.cfg.max_position_embeddings)
+    runner.profile(tokens, min(tokens, config.max_num_seqs))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()

@@ -1,27 +1,67 @@
-"""One engine step on the device: lay out the scheduled chunks, plan the taps, run the model over the
-paged cache, collect captured rows, compute logits only where needed (sampled rows, prompt rows whose
-log-probabilities are asked for, captured logits), and sample.
+"""The one runner every forward goes through — engine steps, trace / harvest batches and the memory
+profile — and the owner of what a forward reads besides the weights: the step's device buffers (token ids,
+positions, slot mapping, sequence layout, logit rows, sampling parameters; vlens.engine.buffers), the tap
+runtime with its index and vector buffers, and the KV cache.
 
-Everything per step is built as a handful of host tensors (no per-token Python), moved once, and the
-only host sync is the copy of the sampled token ids back.
+An engine step: lay out the scheduled chunks, plan the taps, run the model over the paged cache, collect
+captured rows, compute logits only where needed (sampled rows, prompt rows whose log-probabilities are
+asked for, captured logits), and sample. Everything per step is a handful of host arrays written into the
+buffers (no per-token Python beyond listing the new token ids), and the only host sync is the copy of the
+sampled token ids back.
+
+A step in which every sequence decodes can take the static path instead (`static_decode`): the batch is
+padded to a power-of-two bucket (padding rows write and read a scratch block no sequence owns), the block
+tables to a power-of-two number of pages, the taps' index tensors to power-of-two sizes, and attention is
+vlens.attention.decode's fixed-shape kernel. On CUDA each (bucket, pages, taps) shape is captured once as a
+CUDA graph and replayed — captures and interventions included, since taps read only their armed buffers;
+elsewhere the same path runs eagerly, which is how the CPU tests check it against the ordinary step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 
-from vlens.attention import paged_metadata
-from vlens.capture.names import hook_shapes
+import logging
+import time
+
+from vlens.attention import AttentionMetadata, layout
+from vlens.attention.decode import DecodeBackend
+from vlens.capture.names import LOGITS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_step
 from vlens.capture.runtime import Collection, TapRuntime
-from vlens.context import ForwardContext, set_context
+from vlens.context import ForwardContext, Tap, set_context
+from vlens.distributed.taps import shard_taps
+from vlens.engine.buffers import StepBuffers
 from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
+from vlens.engine.packed import PackedCapture, packed_plan
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 from vlens.models.base import DecoderLM
+
+log = logging.getLogger("vlens.engine")
+MIN_PAGES = 16  # the smallest page bucket of the static decode step
+MAX_GRAPHS = 64  # captured graphs kept at once; past that, all are dropped and captured again as needed
+
+
+def bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class GraphStats:
+    """How the decode steps ran (EngineStats shows them)."""
+
+    graph_steps: int = 0  # static decode steps replayed from a CUDA graph
+    static_eager_steps: int = 0  # static decode steps run eagerly (no CUDA, or graphs off)
+    eager_steps: int = 0  # steps the static path cannot serve: prefill, chunked prefill, prompt rows, ...
+    graphs_captured: int = 0
+    capture_seconds: float = 0.0
+    captured: list[tuple[int, int]] = field(default_factory=list)  # (batch bucket, pages) of each capture
 
 
 @dataclass
@@ -35,27 +75,44 @@ class StepOutput:
     prompt_logprobs: TopLogprobs | None = None
 
 
-def _kv_heads(cfg) -> int:
-    """KV heads this rank caches (all of them in one process)."""
-    return len(cfg.parallel.units(cfg.num_kv_heads))
-
-
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, backend):
-        self.model, self.cfg = model, model.cfg
+    def __init__(self, model: DecoderLM, backend, max_tokens: int, max_seqs: int, graphs: bool = False):
+        """`max_tokens` / `max_seqs`: the largest engine step (its buffers are allocated at that size; a
+        longer packed forward of trace or harvest grows them). `graphs`: decode steps replay CUDA graphs
+        (on CUDA only; `static_decode` is then on)."""
+        self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        self.block_size, self.num_slots = block_size, num_blocks * block_size
-        shape = (self.cfg.num_layers, 2, self.num_slots, _kv_heads(self.cfg), self.cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        layers = model.attention_layers()
-        for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        self.backend, self.kinds = backend, {attn.kind for attn in layers}
+        self.kinds = {attn.kind for attn in model.attention_layers()}
+        self.max_bucket = bucket(max_seqs)
+        max_seqs, max_tokens = self.max_bucket, max(max_tokens, self.max_bucket)
+        tokens, seqs, long = (max_tokens,), (max_seqs,), torch.long
+        self.buffers = StepBuffers(
+            {
+                "input_ids": (tokens, long), "positions": (tokens, long), "sequence_ends": (tokens, long),
+                "token_seq": (tokens, long), "slot_mapping": (tokens, long), "cu_seqlens_q": ((max_seqs + 1,), torch.int32),
+                "logit_rows": (tokens, long), "sample_index": (seqs, long), "kv_copy_from": (tokens, long),
+                "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
+                "sampling_longs": ((3, max_seqs), long),
+            },
+            self.device,
+        )  # fmt: skip
         self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
-        # What runs the model's forward: the module itself (eager), or a compiled or graph-replaying
-        # stand-in with the same signature (its taps then need `self.taps.fixed_shapes`).
+        self.kv_cache: torch.Tensor | None = None
+        self.block_size = self.num_slots = 0
+        # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
+        # signature (its taps then need `self.taps.fixed_shapes`).
         self.forward = model
+        self.graphs = graphs and self.device.type == "cuda"
+        if self.device.type == "cuda":  # cuDNN's SDPA builds a plan for every new shape: ~6 ms of host a call
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self.static_decode = self.graphs
+        self.decode_backend = DecodeBackend()
+        self.graph_stats = GraphStats()
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    # -- set-up ---------------------------------------------------------------------------------------
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -63,29 +120,71 @@ class ModelRunner:
         itemsize = model.lm_head.weight.element_size()
         return 2 * cfg.num_layers * block_size * _kv_heads(cfg) * cfg.head_dim * itemsize
 
-    def _layout(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], ForwardContext, torch.Tensor]:
-        """The step as attention kernels take it: decodes first, then prefill chunks longest first (so
-        the SDPA backend's grids stay dense), and what the backend plans from that."""
-        decodes = [(s, n) for s, n in scheduled if n == 1]
-        order = decodes + sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
-        meta = paged_metadata(
-            [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
-            [s.block_table for s, _ in order], self.block_size, self.num_slots, self.device,
-        )  # fmt: skip
-        ids = torch.tensor([t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]])
-        borrows = [s.borrow for s, _ in order if s.borrow is not None and s.borrow.copy_to]
-        if borrows:
-            src = self._on_device([slot for b in borrows for slot in b.copy_from])
-            meta.kv_copy = (src, self._on_device([slot for b in borrows for slot in b.copy_to]))
-        state = self.backend.prepare(meta, self.kinds, self.dtype)
-        return order, ForwardContext(meta, self.backend, state), ids
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
+        a static decode step write and read it. Graphs of the plain decode step are captured here."""
+        self.block_size, self.scratch_block = block_size, num_blocks
+        self.num_slots = (num_blocks + 1) * block_size
+        shape = (self.cfg.num_layers, 2, self.num_slots, _kv_heads(self.cfg), self.cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.max_pages = bucket(max(MIN_PAGES, -(-max_model_len // block_size)))
+        self.buffers.reserve("block_tables", self.max_bucket * self.max_pages, torch.long)
+        self.buffers.reserve("context_lens", self.max_bucket, torch.long)
+        if self.graphs:
+            started = time.perf_counter()
+            size = self.max_bucket
+            while size >= 1:  # largest first, so the smaller graphs fit in its memory pool
+                self._static_forward([], size, MIN_PAGES, StepPlan())
+                size //= 2
+            log.info("captured %d decode graphs (batch buckets 1..%d, %d pages) in %.2f s", self.graph_stats.graphs_captured,
+                     self.max_bucket, MIN_PAGES, time.perf_counter() - started)  # fmt: skip
 
-    def _on_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    # -- the one forward -------------------------------------------------------------------------------
+
+    def _forward(
+        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
+        logit_rows: torch.Tensor | slice | None = None, backend=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set."""
+        backend = backend or self.backend
+        state = backend.prepare(meta, self.kinds, self.dtype)
+        forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
+        if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
+            self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
+        set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg)))
+        try:
+            hidden = forward(ids)
+            logits = None
+            if isinstance(logit_rows, slice):
+                logits = self.model.logits(hidden[logit_rows])
+            elif logit_rows is not None:
+                logits = self.model.logits(hidden.index_select(0, logit_rows))
+        finally:
+            set_context(None)
+        return hidden, logits
+
+    # -- engine steps ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
-        order, ctx, ids = self._layout(scheduled)
+        if self.static_decode and len(scheduled) <= self.max_bucket and all(_decodes(s, n) for s, n in scheduled):
+            return self._decode(scheduled)
+        self.graph_stats.eager_steps += 1
+        put = self.buffers.put
+        # decodes first, then prefill chunks longest first (so the SDPA backend's grids stay dense)
+        order = [(s, n) for s, n in scheduled if n == 1]
+        order += sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
+        meta = layout(
+            [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
+            [s.block_table for s, _ in order], self.block_size, self.num_slots, put,
+        )  # fmt: skip
+        ids = put("input_ids", np.fromiter((t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]), np.int64))
+        borrows = [s.borrow for s, _ in order if s.borrow is not None and s.borrow.copy_to]
+        if borrows:
+            src = put("kv_copy_from", np.array([slot for b in borrows for slot in b.copy_from], np.int64))
+            meta.kv_copy = (src, put("kv_copy_to", np.array([slot for b in borrows for slot in b.copy_to], np.int64)))
         chunks, sample_rows, prompt_rows, row = [], [], PromptRows(), 0
         for seq, n in order:
             if seq.num_computed + n == len(seq.token_ids) and not seq.prefill_only:
@@ -96,31 +195,27 @@ class ModelRunner:
             row += n
         plan = plan_step(chunks, self.block_size)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
-        ctx.taps = self.taps.arm(plan) if plan else {}
         sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids) and not s.prefill_only]
         depths = [s.depth for s, _ in order]
         # A step of prefill-only requests stops after the deepest layer they read (eagerly: it is rare).
-        forward = self.forward if None in depths else partial(self.model, num_layers=max(depths))
-        if self.model.executor is not None:  # the other tensor-parallel ranks run the same forward
-            num_layers = None if None in depths else max(depths)
-            self.model.executor.launch(ids, ctx.attention, plan, num_layers, logit_rows or None, self.taps)
-        set_context(ctx)
-        try:
-            hidden = forward(ids.to(self.device, non_blocking=True))
-            if logit_rows:
-                logits = self.model.logits(hidden.index_select(0, self._on_device(logit_rows)))
-                if sample_index is not None:
-                    logits = logits.index_select(0, self._on_device(sample_index))
-        finally:
-            set_context(None)
+        num_layers = None if None in depths else max(depths)
+        rows = put("logit_rows", np.array(logit_rows, np.int64)) if logit_rows else None
+        _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows)
+        if sample_index is not None:
+            logits = logits.index_select(0, put("sample_index", np.array(sample_index, np.int64)))
         collection = self.taps.collect(plan) if plan.gathers else None
         prompt_logprobs = None
         if prompt_rows.rows:  # on their way to the host before the step's sync (blocking when none comes)
             prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
         if not sampled:
             return StepOutput([], [], None, plan, collection, prompt_rows, prompt_logprobs)
-        logits = logits[: len(sample_rows)]
-        tokens = sample(logits, SamplingBatch.of(sampled, self.device))
+        return self._sample(sampled, logits[: len(sample_rows)], plan, collection, prompt_rows, prompt_logprobs)
+
+    def _sample(
+        self, sampled: list[Sequence], logits: torch.Tensor, plan: StepPlan, collection: Collection | None,
+        prompt_rows: PromptRows, prompt_logprobs: TopLogprobs | None = None,
+    ) -> StepOutput:  # fmt: skip
+        tokens = sample(logits, SamplingBatch.of(sampled, self.buffers.put))
         logprobs = None
         k = max((s.logprobs_k for s in sampled if s.logprobs_k is not None), default=None)
         if k is not None:
@@ -128,3 +223,119 @@ class ModelRunner:
         # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
         tokens = tokens.to("cpu").tolist()
         return StepOutput(sampled, tokens, logprobs, plan, collection, prompt_rows, prompt_logprobs)
+
+    # -- the static decode step ----------------------------------------------------------------------
+
+    def _decode(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
+        """Every sequence feeds its last token and samples: padded to its bucket, a graph replays it."""
+        seqs = [s for s, _ in scheduled]
+        size = bucket(len(seqs))
+        pages = min(self.max_pages, bucket(max(MIN_PAGES, max(-(-len(s.token_ids) // self.block_size) for s in seqs))))
+        chunks = [Chunk(s.taps, s.token_ids, s.num_computed, 1, i, s.block_table) for i, s in enumerate(seqs)
+                  if s.taps.streams or s.taps.interventions]  # fmt: skip
+        plan = plan_step(chunks, self.block_size)
+        plan.logit_rows(list(range(len(seqs))))  # every row samples: a LOGITS gather keeps its rows
+        logits = self._static_forward(seqs, size, pages, plan)[: len(seqs)]
+        collection = self.taps.collect(plan) if plan.gathers else None
+        return self._sample(seqs, logits, plan, collection, PromptRows())
+
+    def _static_forward(self, seqs: list[Sequence], size: int, pages: int, plan: StepPlan) -> torch.Tensor:
+        """Logits [size, vocab] of the static decode step of `seqs`, padded to `size` rows and `pages` pages."""
+        put, pad = self.buffers.put, size - len(seqs)
+        meta = layout(
+            [s.num_computed for s in seqs] + [0] * pad, [1] * size, [len(s.token_ids) for s in seqs] + [1] * pad,
+            [s.block_table for s in seqs] + [[self.scratch_block]] * pad, self.block_size, self.num_slots, put, pages,
+        )  # fmt: skip
+        ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
+        taps = self.taps.arm(plan, fixed_shapes=True) if plan else {}
+        if not self.graphs:
+            self.graph_stats.static_eager_steps += 1
+            return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
+        key = (size, pages, self.buffers.generation, _signature(taps))
+        if key not in self._graphs:
+            self._capture(key, meta, ids, taps)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        self.graph_stats.graph_steps += 1
+        return logits
+
+    def _capture(self, key: tuple, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap]) -> None:
+        if len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.clear()
+        started = time.perf_counter()
+        run = partial(self._forward, meta, ids, taps, None, slice(None), self.decode_backend)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, allocator)
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            _, logits = run()
+        self._pool = graph.pool()
+        self._graphs[key] = (graph, logits)
+        stats = self.graph_stats
+        stats.graphs_captured += 1
+        stats.capture_seconds += time.perf_counter() - started
+        stats.captured.append(key[:2])
+
+    # -- cache-less packed forwards: trace, HookedLM, harvest ------------------------------------------------
+
+    @torch.inference_mode()
+    def packed(
+        self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
+        hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ) -> PackedCapture:  # fmt: skip
+        """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
+        sequence i (default: every position). `hooks` are user functions run at their taps before the
+        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward)."""
+        lens = [len(s) for s in sequences]
+        plan = packed_plan(lens, taps, rows)
+        armed = self.taps.arm(plan)
+        for name, fn in (hooks or {}).items():
+            armed[name] = fn if name not in armed else _then(fn, armed[name])
+        sites = [*taps, *(hooks or {})]
+        meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
+        ids = self.buffers.put("input_ids", np.fromiter((t for s in sequences for t in s), np.int64))
+        self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
+        return PackedCapture(plan, self.taps.collect(plan))
+
+    # -- the memory profile --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile(self, tokens: int, logit_rows: int) -> None:
+        """One forward of `tokens` dummy tokens with the logits of `logit_rows` rows: the largest step the
+        engine's limits allow, run before the KV cache exists to measure its peak memory."""
+        meta = layout([0], [tokens], [tokens], None, 0, 0, self.buffers.put)
+        ids = self.buffers.put("input_ids", np.zeros(tokens, np.int64))
+        self._forward(meta, ids, {}, None, slice(-logit_rows, None))
+
+
+def _kv_heads(cfg) -> int:
+    """KV heads this rank caches (all of them in one process; vlens.distributed)."""
+    return len(cfg.parallel.units(cfg.num_kv_heads))
+
+
+def _decodes(seq: Sequence, n: int) -> bool:
+    """Whether a scheduled chunk is a plain decode: its last token, sampled, after it generated before (so
+    no prompt rows, no borrowed prefix, the whole model)."""
+    return n == 1 and seq.num_generated > 0 and seq.num_computed + 1 == len(seq.token_ids)
+
+
+def _signature(taps: dict[str, Tap]) -> tuple:
+    """What a captured graph bakes in of the armed taps: which sites, and the address, shape and kind of
+    every buffer they read or write (a buffer that grew is a new graph)."""
+    out = []
+    for name, t in sorted(taps.items()):
+        for attr, value in sorted(vars(t).items()):
+            if isinstance(value, torch.Tensor):
+                out.append((name, attr, value.data_ptr(), tuple(value.shape)))
+            elif attr == "table" and value is not None:
+                out.append((name, attr, *(x.data_ptr() for x in (value.data, value.mask, value.encoder, value.params))))
+            elif isinstance(value, bool):
+                out.append((name, attr, value))
+    return tuple(out)
+
+
+def _then(first: Callable, second: Callable) -> Callable:
+    return lambda x: second(first(x))

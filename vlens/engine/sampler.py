@@ -12,6 +12,7 @@ often closer than that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,13 +58,13 @@ class SamplingBatch:
     adjust: LogitAdjustments | None = None  # logit bias and penalties; None when no row has any
 
     @classmethod
-    def of(cls, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
-        """The settings of the sequences sampled in a step, in their order."""
+    def of(cls, seqs: list[Sequence], put: Callable[[str, torch.Tensor], torch.Tensor]) -> SamplingBatch:
+        """The settings of the sequences sampled in a step, in their order, `put` into the runner's
+        buffers "sampling_floats" and "sampling_longs" (two host tensors, one copy each: this runs every step)."""
         p = [s.params for s in seqs]
-        # two host tensors, one copy each: this runs every step
         floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]], dtype=torch.float32)
         longs = torch.tensor([[x.top_k for x in p], [s.seed for s in seqs], [len(s.token_ids) for s in seqs]])
-        (temperature, top_p, min_p), (top_k, seeds, offsets) = floats.to(device, non_blocking=True), longs.to(device, non_blocking=True)
+        (temperature, top_p, min_p), (top_k, seeds, offsets) = put("sampling_floats", floats), put("sampling_longs", longs)
         return cls(
             temperature=temperature,
             top_k=top_k,
@@ -74,7 +75,7 @@ class SamplingBatch:
             all_greedy=all(x.temperature == 0 for x in p),
             any_top_k_or_p=any(x.temperature > 0 and (x.top_k > 0 or x.top_p < 1) for x in p),
             any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
-            adjust=LogitAdjustments.of(seqs, device),
+            adjust=LogitAdjustments.of(seqs, temperature.device),
         )
 
 

@@ -38,6 +38,16 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_first(self, seqs: list[Sequence]) -> None:
+        """Queue `seqs` ahead of every waiting sequence, in their order (samples a request releases)."""
+        self.waiting.extendleft(reversed(seqs))
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is, freeing its blocks."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

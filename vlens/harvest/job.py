@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks
-from vlens.engine.packed import packed_forward, token_batches
+from vlens.engine.model_runner import ModelRunner
+from vlens.engine.packed import PackedCapture, token_batches
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.features import SAE_KEYS, FeatureHarvest, feature_harvest
 from vlens.harvest.model import tokenizer_info, weights_hash
@@ -255,8 +256,13 @@ def _shards(
         yield first, group
 
 
+def packed_forward(runner: ModelRunner, *args, **kwargs) -> PackedCapture:
+    """The one forward of a harvest (tests stop a run here)."""
+    return runner.packed(*args, **kwargs)
+
+
 def capture(
-    model: Any,
+    runner: ModelRunner,
     shard_windows: list[list[int]],
     first: int,
     excluded: torch.Tensor,
@@ -299,7 +305,7 @@ def capture(
             bar.update(int(lens[batch].sum()))
             continue
         packed = packed_forward(
-            model, [shard_windows[i] for i in batch], taps, rows=[kept_rows[i] for i in batch],
+            runner, [shard_windows[i] for i in batch], taps, rows=[kept_rows[i] for i in batch],
             hooks=None if features is None else _feature_hook(features, batch, lens, kept_rows, row_start, tensors),
         )  # fmt: skip
         if pending is not None:

@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vlens.llm import LLM
+from vlens.attention.sdpa import SdpaBackend
 from vlens.distributed.executor import Executor
+from vlens.engine.model_runner import ModelRunner
+from vlens.llm import LLM
 from vlens.loader import LoadedModel, hash_file, load_model, resolve_device
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
@@ -25,6 +27,14 @@ def resolve_model(model: Any, model_dtype: str, device: str, tensor_parallel_siz
     if tensor_parallel_size > 1:
         return Executor(model, model_dtype, resolve_device(device), tensor_parallel_size, "sdpa").loaded
     return load_model(model, dtype=model_dtype, device=device)
+
+
+def runner_for(model: Any, loaded: LoadedModel, batch_tokens: int) -> ModelRunner:
+    """The runner of a harvest: an `LLM`'s own (its tap buffers already sized), else one over SDPA whose
+    buffers every batch of the run reuses."""
+    if isinstance(model, LLM):
+        return model.runner
+    return ModelRunner(loaded.model, SdpaBackend(), batch_tokens, max_seqs=1)
 
 
 def files_hash(files: list[Path]) -> str:

@@ -45,7 +45,7 @@ from vlens.harvest.job import (
     store_shard,
     window_stream,
 )
-from vlens.harvest.model import resolve_model
+from vlens.harvest.model import resolve_model, runner_for
 from vlens.harvest.ray_source import ray_token_documents
 from vlens.harvest.stats import HookStats
 from vlens.harvest.writer import Store
@@ -72,6 +72,7 @@ class ShardWorker:
         self.device = param.device.type
         self.model_dtype = dtype_name(param.dtype)
         self.batch_tokens = config.batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device, 4096)
+        self.runner = runner_for(config.model, self.loaded, self.batch_tokens)
         self.seed = config.seed
         self.store = Store.open(config.out_dir)
         self.features = feature_harvest(config, self.loaded.config)
@@ -84,7 +85,7 @@ class ShardWorker:
         """Run, write and describe shard `index`; idempotent, so Ray may retry it after a kill."""
         silent = tqdm(disable=True)
         tensors = capture(
-            self.loaded.model, shard_windows, first, self.excluded, self.wanted, self.shapes, self.out_dtype,
+            self.runner, shard_windows, first, self.excluded, self.wanted, self.shapes, self.out_dtype,
             self.batch_tokens, silent, self.features,
         )  # fmt: skip
         pieces = {name: HookStats.pieces(tensors[name]) for name in self.wanted}

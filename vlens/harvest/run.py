@@ -23,7 +23,7 @@ from vlens.harvest.job import (
     store_shard,
     window_stream,
 )
-from vlens.harvest.model import resolve_model
+from vlens.harvest.model import resolve_model, runner_for
 from vlens.harvest.windows import token_documents
 from vlens.llm import LLM
 from vlens.loader import LoadedModel
@@ -80,10 +80,11 @@ def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, started: float) 
         return job.report(started, config.progress)
     token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size)
     shapes = hook_shapes(loaded.config)
+    runner = runner_for(config.model, loaded, batch_tokens)
     with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:
         for index, first, shard_windows in job.shards(window_stream(token_docs, packing, config.max_tokens), src):
             tensors = capture(
-                loaded.model, shard_windows, first, job.excluded, wanted, shapes, config.out_dtype, batch_tokens, bar,
+                runner, shard_windows, first, job.excluded, wanted, shapes, config.out_dtype, batch_tokens, bar,
                 features,
             )  # fmt: skip
             for name in wanted:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vlens.attention.metadata import LayerKind
-from vlens.context import get_context
+from vlens.context import attention_tap, get_context
 
 
 class Attention(nn.Module):
@@ -45,6 +45,8 @@ class Attention(nn.Module):
         # Scores and probabilities of only the rows asked for, from their queries and their sequence's
         # keys (the cache holds every key of every sequence; a cache-less forward packs them in k).
         keys = self.k_cache if slots is not None else k
-        if self.hook_attn_scores in ctx.taps: ctx.taps[self.hook_attn_scores].attend(q, keys, self)  # fmt: skip
-        if self.hook_pattern in ctx.taps: ctx.taps[self.hook_pattern].attend(q, keys, self)  # fmt: skip
+        for site in (self.hook_attn_scores, self.hook_pattern):
+            t = attention_tap(site)
+            if t is not None:
+                t.attend(q, keys, self)
         return ctx.backend.forward(q, k, v, self, ctx.backend_state)

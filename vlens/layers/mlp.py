@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlens.context import tap
 from vlens.config import UnsupportedModelError
 from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers.linear import FusedLinear, RowLinear
@@ -49,8 +50,8 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
         self.hook_post = hook_post
 
-    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         h = self.act(gate) * up
-        if self.hook_post in taps: h = taps[self.hook_post](h)  # fmt: skip
+        h = tap(self.hook_post, h)
         return self.down_proj(h)

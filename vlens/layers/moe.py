@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlens.context import tap
 from vlens.config import ModelConfig
 from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.checkpoint import Slot, checkpoint_slots
@@ -89,14 +90,14 @@ class SparseMoE(nn.Module):
             slots |= checkpoint_slots(child, f"{stored}.{name}")
         return slots
 
-    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.hook_router_logits in taps: logits = taps[self.hook_router_logits](logits)  # fmt: skip
+        logits = tap(self.hook_router_logits, logits)
         weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.hook_expert_ids in taps: ids = taps[self.hook_expert_ids](ids)  # fmt: skip
+        ids = tap(self.hook_expert_ids, ids)
         out = self.experts(x, ids, weights)
         if self.shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, taps)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlens.config import ModelConfig
+from vlens.context import tap, tapped
 
 
 @dataclass(frozen=True)
@@ -45,25 +46,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset  # Gemma: the weight is stored as w with the scale 1 + w
 
-    def forward(self, x: torch.Tensor, taps: dict | None = None, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
-        taps = taps or {}
+    def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         variance = h.pow(2).mean(-1, keepdim=True) + self.eps
         h = h * torch.rsqrt(variance)
-        if hooks.scale in taps:
+        if tapped(hooks.scale):
             scale = variance.sqrt().to(dtype)
-            edited = taps[hooks.scale](scale)
+            edited = tap(hooks.scale, scale)
             if edited is not scale:
                 h = x.float() / edited.float()
-        if hooks.normalized in taps:
+        if tapped(hooks.normalized):
             normalized = h.to(dtype)
-            edited = taps[hooks.normalized](normalized)
+            edited = tap(hooks.normalized, normalized)
             if edited is not normalized:
                 h = edited.float()
         out = (h * (1.0 + self.weight.float())).to(dtype) if self.offset else self.weight * h.to(dtype)
-        if hooks.out in taps: out = taps[hooks.out](out)  # fmt: skip
-        return out
+        return tap(hooks.out, out)
 
 
 class LayerNorm(nn.Module):
@@ -73,19 +72,17 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, taps: dict | None = None, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
-        taps = taps or {}
+    def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         out = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        if hooks.scale in taps or hooks.normalized in taps:
+        if tapped(hooks.scale) or tapped(hooks.normalized):
             centred = x - x.mean(-1, keepdim=True)
             scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
-            edited_scale = taps[hooks.scale](scale) if hooks.scale in taps else scale
+            edited_scale = tap(hooks.scale, scale)
             h = centred / edited_scale
-            edited = taps[hooks.normalized](h) if hooks.normalized in taps else h
+            edited = tap(hooks.normalized, h)
             if edited_scale is not scale or edited is not h:
                 out = edited * self.weight + self.bias
-        if hooks.out in taps: out = taps[hooks.out](out)  # fmt: skip
-        return out
+        return tap(hooks.out, out)
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:

@@ -15,8 +15,7 @@ from torch import nn
 
 from vlens.capture.names import LOGITS
 from vlens.config import ModelConfig
-from vlens.context import ForwardContext, get_context
-from vlens.distributed.taps import shard_taps
+from vlens.context import ForwardContext, get_context, tap
 from vlens.layers.attention import Attention
 from vlens.layers.norm import NormHooks, make_norm
 from vlens.layers.rotary import Rotary, apply_rotary
@@ -49,7 +48,7 @@ class AttentionHeads(nn.Module):
         self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
         """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]."""
         q = q.reshape(-1, self.heads, self.head_dim)
         k = k.reshape(-1, self.kv_heads, self.head_dim)
@@ -59,11 +58,11 @@ class AttentionHeads(nn.Module):
         if self.rope_kind is not None:
             cos, sin = rope[self.rope_kind]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.hook_q in taps: q = taps[self.hook_q](q)  # fmt: skip
-        if self.hook_k in taps: k = taps[self.hook_k](k)  # fmt: skip
-        if self.hook_v in taps: v = taps[self.hook_v](v)  # fmt: skip
+        q = tap(self.hook_q, q)
+        k = tap(self.hook_k, k)
+        v = tap(self.hook_v, v)
         z = self.attn(q, k, v)
-        if self.hook_z in taps: z = taps[self.hook_z](z)  # fmt: skip
+        z = tap(self.hook_z, z)
         return z.flatten(1)
 
 
@@ -83,28 +82,28 @@ class ResidualBlock(nn.Module):
         self.hook_ln2, self.hook_mlp_out = NormHooks.at(p + "ln2"), p + "hook_mlp_out"
         self.hook_resid_post = p + "hook_resid_post"
 
-    def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
-        if self.hook_resid_pre in taps: x = taps[self.hook_resid_pre](x)  # fmt: skip
-        h = self.ln1(x, taps, self.hook_ln1)
-        a = self.attn_out(h, rope, taps)
-        if self.hook_attn_out in taps: a = taps[self.hook_attn_out](a)  # fmt: skip
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = tap(self.hook_resid_pre, x)
+        h = self.ln1(x, self.hook_ln1)
+        a = self.attn_out(h, rope)
+        a = tap(self.hook_attn_out, a)
         if self.parallel:
             mid = x
         else:
             mid = x + a
-            if self.hook_resid_mid in taps: mid = taps[self.hook_resid_mid](mid)  # fmt: skip
-        h = self.ln2(mid, taps, self.hook_ln2)
-        m = self.mlp_out(h, taps)
-        if self.hook_mlp_out in taps: m = taps[self.hook_mlp_out](m)  # fmt: skip
+            mid = tap(self.hook_resid_mid, mid)
+        h = self.ln2(mid, self.hook_ln2)
+        m = self.mlp_out(h)
+        m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
-        if self.hook_resid_post in taps: x = taps[self.hook_resid_post](x)  # fmt: skip
+        x = tap(self.hook_resid_post, x)
         return x
 
 
 class DecoderLM(nn.Module):
     """A decoder-only LM as the engine runs it. Subclasses build their modules and define the
     `embed_tokens`, `layers`, `final_norm` and `lm_head` accessors; each layer is called as
-    `layer(x, rope, taps)` and has a `hook_resid_pre` name."""
+    `layer(x, rope)` and has a `hook_resid_pre` name."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__()
@@ -129,7 +128,7 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale:
             x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
-        if "hook_embed" in ctx.taps: x = ctx.taps["hook_embed"](x)  # fmt: skip
+        x = tap("hook_embed", x)
         return x
 
     # -- shared ---------------------------------------------------------------------------------------
@@ -139,26 +138,22 @@ class DecoderLM(nn.Module):
         raw residual after the first `num_layers` layers and no norm (a forward nobody reads past a layer
         stops there; a trace of the last layer's resid_post does not pay for the final norm)."""
         ctx = get_context()
-        taps = ctx.taps = shard_taps(ctx.taps, self.cfg)  # sharded sites read and edit whole tensors
         x = self.embed(input_ids, ctx)
         rope = self.rotary.cos_sin(ctx, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
-            x = layer(x, rope, taps)
+            x = layer(x, rope)
         if num_layers is not None:
             if num_layers < self.cfg.num_layers:
                 # The input tap of the first layer not run lives in that layer's forward: fire it here,
                 # else a trace of blocks.{num_layers}.hook_resid_pre would capture nothing.
                 hook = self.layers[num_layers].hook_resid_pre
-                if hook in taps: x = taps[hook](x)  # fmt: skip
+                x = tap(hook, x)
             return x
-        return self.final_norm(x, taps, FINAL_NORM_HOOKS)
+        return self.final_norm(x, FINAL_NORM_HOOKS)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        logits = self._unembed(normed)
-        taps = get_context().taps
-        if LOGITS in taps: logits = taps[LOGITS](logits)  # fmt: skip
-        return logits
+        return tap(LOGITS, self._unembed(normed))
 
     def lens(self, residual: torch.Tensor) -> torch.Tensor:
         """Logits of arbitrary residual rows through the final norm and unembedding (logit lens);

@@ -38,11 +38,11 @@ class GemmaDecoderLayer(ResidualBlock):
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.pre_feedforward_layernorm)
 
-    def attn_out(self, h: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
-        return self.post_attention_layernorm(self.self_attn(h, rope, taps))  # sandwich norm: inside the tap
+    def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.post_attention_layernorm(self.self_attn(h, rope))  # sandwich norm: inside the tap
 
-    def mlp_out(self, h: torch.Tensor, taps: dict) -> torch.Tensor:
-        return self.post_feedforward_layernorm(self.mlp(h, taps))
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(self.mlp(h))
 
 
 class GemmaModel(nn.Module):

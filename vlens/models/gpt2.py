@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.context import ForwardContext
+from vlens.context import ForwardContext, tap
 from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
@@ -27,9 +27,9 @@ class GPT2Attention(AttentionHeads):
         self.c_attn = FusedLinear(d, parts, cfg.qkv_bias, True, CONV1D, p, units)
         self.c_proj = RowLinear(d, d, cfg.o_bias, p, units=h, transforms=CONV1D)
 
-    def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.c_attn.split(self.c_attn(x))
-        return self.c_proj(self.attend(q, k, v, rope, taps))
+        return self.c_proj(self.attend(q, k, v, rope))
 
 
 class GPT2MLP(nn.Module):
@@ -41,9 +41,9 @@ class GPT2MLP(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
-    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.c_fc(x))
-        if self.hook_post in taps: h = taps[self.hook_post](h)  # fmt: skip
+        h = tap(self.hook_post, h)
         return self.c_proj(h)
 
 
@@ -58,11 +58,11 @@ class GPT2Block(ResidualBlock):
     ln1 = property(lambda self: self.ln_1)
     ln2 = property(lambda self: self.ln_2)
 
-    def attn_out(self, h: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
-        return self.attn(h, rope, taps)
+    def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.attn(h, rope)
 
-    def mlp_out(self, h: torch.Tensor, taps: dict) -> torch.Tensor:
-        return self.mlp(h, taps)
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
 
 
 class GPT2Model(nn.Module):
@@ -86,7 +86,7 @@ class GPT2LMHeadModel(DecoderLM):
 
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.transformer.wte(input_ids)
-        if "hook_embed" in ctx.taps: x = ctx.taps["hook_embed"](x)  # fmt: skip
+        x = tap("hook_embed", x)
         pos = self.transformer.wpe(ctx.positions)
-        if "hook_pos_embed" in ctx.taps: pos = ctx.taps["hook_pos_embed"](pos)  # fmt: skip
+        pos = tap("hook_pos_embed", pos)
         return x + pos

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlens.context import tap
 from vlens.config import ModelConfig
 from vlens.layers.checkpoint import Transform
 from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
@@ -39,9 +40,9 @@ class GPTNeoXAttention(AttentionHeads):
         self.query_key_value = FusedLinear(d, parts, cfg.qkv_bias, True, transforms, p, dict.fromkeys(parts, h))
         self.dense = RowLinear(d, d, cfg.o_bias, p, units=h)
 
-    def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.query_key_value.split(self.query_key_value(x))
-        return self.dense(self.attend(q, k, v, rope, taps))
+        return self.dense(self.attend(q, k, v, rope))
 
 
 class GPTNeoXMLP(nn.Module):
@@ -53,9 +54,9 @@ class GPTNeoXMLP(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
-    def forward(self, x: torch.Tensor, taps: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.dense_h_to_4h(x))
-        if self.hook_post in taps: h = taps[self.hook_post](h)  # fmt: skip
+        h = tap(self.hook_post, h)
         return self.dense_4h_to_h(h)
 
 
@@ -71,11 +72,11 @@ class GPTNeoXLayer(ResidualBlock):
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
 
-    def attn_out(self, h: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
-        return self.attention(h, rope, taps)
+    def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.attention(h, rope)
 
-    def mlp_out(self, h: torch.Tensor, taps: dict) -> torch.Tensor:
-        return self.mlp(h, taps)
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
 
 
 class GPTNeoXModel(nn.Module):

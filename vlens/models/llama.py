@@ -3,7 +3,7 @@ gate/up fused in its checkpoints) and the MoE variants Mixtral and Qwen2-MoE (th
 routed experts for its MLP), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
-`if NAME in taps: x = taps[NAME](x)`: a dict lookup when nobody asked, and plain code that survives
+`x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
 torch.compile and CUDA graphs (no module hooks). grep a hook name to find where it is tapped.
 """
 
@@ -38,9 +38,9 @@ class SelfAttention(AttentionHeads):
         self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, cfg.stored_fused, parallel=p, units=units)
         self.o_proj = RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h)
 
-    def forward(self, x: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        return self.o_proj(self.attend(q, k, v, rope, taps))
+        return self.o_proj(self.attend(q, k, v, rope))
 
 
 def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -64,11 +64,11 @@ class DecoderLayer(ResidualBlock):
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
 
-    def attn_out(self, h: torch.Tensor, rope: Rope, taps: dict) -> torch.Tensor:
-        return self.self_attn(h, rope, taps)
+    def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.self_attn(h, rope)
 
-    def mlp_out(self, h: torch.Tensor, taps: dict) -> torch.Tensor:
-        return self.mlp(h, taps)
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
 
 
 class DecoderModel(nn.Module):
