@@ -24,7 +24,7 @@ from family_parity import COMMON, VOCAB, build, sequences
 from hf_reference import same
 from harvest_helpers import read_shards, write_jsonl
 from server_helpers import vlens_serve
-from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
+from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer, harvest
 from vlens.distributed.parallel import GroupError
@@ -44,6 +44,13 @@ CONFIGS = {
     ),  # fmt: skip
     "gpt2": lambda: GPT2Config(**GPT2),  # fused Conv1D qkv, LayerNorm, learned positions
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    # a split shared expert, and a dense layer among the MoE ones
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1],
+    ),  # fmt: skip
+    # q/k/v and gate/up stored fused: each rank reads its rows of one checkpoint tensor
+    "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 
