@@ -91,7 +91,7 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
     before = set(multiprocessing.active_children())
     llm = _open(path, tensor_parallel_size=N)
     executor = llm.model.executor
-    victim = executor.procs[0]
+    victim = executor.ranks.procs[0]
     engine = llm.engine
     engine.add_requests([NewRequest(p, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
                          for p in sequences((30, 20, 10))])  # fmt: skip
@@ -135,6 +135,28 @@ def test_harvest_shards_equal_one_process(tmp_path):
     assert torch.equal(one["hook_embed"], two["hook_embed"])
     for hook in hooks[1:]:
         assert same(two[hook].double(), one[hook].double(), TOL), hook
+
+
+def test_ray_actors_as_ranks(tmp_path):
+    """distributed_executor_backend="ray": rank 1 is a Ray actor; the same values as one process, and an
+    actor that dies fails the next call with its rank named."""
+    ray = pytest.importorskip("ray")
+    path = build(CONFIGS["qwen2_mqa"](), tmp_path, "qwen2_mqa")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        one, two = _open(path), _open(path, tensor_parallel_size=N, distributed_executor_backend="ray")
+        hooks, seqs = list(one.hook_names()), sequences()
+        for a, b in zip(one.trace(seqs, hooks), two.trace(seqs, hooks)):
+            assert all(_equal(b[h], a[h], h) for h in hooks)
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks[:20]))
+        prompts = sequences((9, 4))
+        _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))
+        ray.kill(two.model.executor.ranks.actors[0])
+        with pytest.raises(GroupError, match="rank 1"):
+            _generate(two, prompts, params)
+        assert two.model.executor.closed
+    finally:
+        ray.shutdown()
 
 
 def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):

@@ -33,7 +33,8 @@ class LLM:
         check_backend(config.attention_backend, resolve_device(config.device))  # FlashInfer on a CPU: before loading
         if config.tensor_parallel_size > 1:  # ranks 1.. in worker processes; this one is rank 0
             size, device = config.tensor_parallel_size, resolve_device(config.device)
-            loaded = Executor(model, config.dtype, device, size, config.attention_backend).loaded
+            backend = config.distributed_executor_backend
+            loaded = Executor(model, config.dtype, device, size, config.attention_backend, backend).loaded
         else:
             loaded = load_model(model, dtype=config.dtype, device=config.device)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

@@ -11,7 +11,6 @@ is stopped, so no process is left behind and nothing waits on a rank that will n
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 import time
 
@@ -22,6 +21,7 @@ from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
 from vlens.distributed import worker
 from vlens.distributed.parallel import GroupError, Parallel, on_failure
+from vlens.distributed.ranks import ProcessRanks
 from vlens.distributed.taps import sharded_units
 from vlens.loader import load_model, resolve_model_path
 
@@ -65,9 +65,10 @@ def _free_port() -> int:
 
 
 class Executor:
-    """Rank 0's handle on the group: `launch` a forward on the other ranks, `close` them."""
+    """Rank 0's handle on the group: `launch` a forward on the other ranks, `close` them. `backend`: "mp"
+    (worker processes on this machine) or "ray" (Ray actors, one device each, on any machine of the cluster)."""
 
-    def __init__(self, model, dtype, device: torch.device, size: int, attention_backend: str):
+    def __init__(self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp"):
         from transformers import AutoConfig
 
         path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
@@ -84,62 +85,43 @@ class Executor:
             model=str(path), dtype=dtype, device=device.type, backend=attention_backend,
             group="nccl" if device.type == "cuda" else "gloo", threads=torch.get_num_threads(),
         )  # fmt: skip
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        context = mp.get_context("spawn")
-        self.procs, self.conns = [], []
-        for rank in range(1, size):
-            parent, child = context.Pipe()
-            proc = context.Process(target=worker.main, args=(rank, size, init, spec, child), daemon=True)
-            proc.start()
-            child.close()  # only the worker holds its end: a dead worker's pipe breaks
-            self.procs.append(proc)
-            self.conns.append(parent)
+        if backend == "ray":
+            from vlens.distributed.ray_ranks import RayRanks, node_address  # ray is an optional extra
+
+            self.ranks = RayRanks(size, f"tcp://{node_address()}:{_free_port()}", spec)
+        else:
+            self.ranks = ProcessRanks(size, f"tcp://127.0.0.1:{_free_port()}", spec)
         try:
-            dist.init_process_group(spec["group"], init_method=init, rank=0, world_size=size, timeout=worker.TIMEOUT)
+            dist.init_process_group(spec["group"], init_method=self.ranks.init, rank=0, world_size=size,
+                                    timeout=worker.TIMEOUT)  # fmt: skip
             self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=Parallel(0, size))
-            self._wait_ready()
+            self.ranks.wait_ready(time.monotonic() + STARTUP_S)
         except BaseException:
             self.close()
             raise
         on_failure(self._fail)
         self.loaded.model.executor = self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_S
-        for rank, conn in enumerate(self.conns, start=1):
-            while not conn.poll(0.1):
-                if not self.procs[rank - 1].is_alive() or time.monotonic() > deadline:
-                    raise GroupError(f"tensor parallel rank {rank} did not start: {self._dead() or 'no answer'}")
-            status, detail = conn.recv()
-            if status != "ready":
-                raise GroupError(f"tensor parallel rank {rank} failed to load its shard:\n{detail}")
-
     @property
     def model(self):
         return self.loaded.model
 
-    def _dead(self) -> str | None:
-        """Which workers have exited, and how, as the error says it; None while all run."""
-        gone = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
-        return "; ".join(gone) or None
-
     def _fail(self) -> str:
         """A collective failed: name the dead rank (waiting a moment for the OS to report the exit), end the group."""
         deadline = time.monotonic() + 5
-        while self._dead() is None and time.monotonic() < deadline:
+        while self.ranks.dead() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        why = self._dead() or "a rank stopped answering"
+        why = self.ranks.dead() or "a rank stopped answering"
         self.close()
         return why
 
     def _send(self, work) -> None:
         if self.closed:
             raise GroupError("tensor parallel group is closed; create a new LLM")
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                conn.send(work)
-            except OSError as e:  # BrokenPipeError: the worker is gone
-                raise GroupError(f"tensor parallel group failed: {self._fail()}") from e
+        try:
+            self.ranks.send(work)
+        except OSError as e:  # BrokenPipeError: a worker is gone
+            raise GroupError(f"tensor parallel group failed: {self._fail()}") from e
 
     def launch(
         self, meta, ids: torch.Tensor, taps: dict, num_layers: int | None, logit_rows: torch.Tensor | slice | None,
@@ -169,18 +151,7 @@ class Executor:
             return
         self.closed = True
         on_failure(None)
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self.conns:
-            conn.close()
+        self.ranks.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 

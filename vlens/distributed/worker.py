@@ -166,19 +166,26 @@ class Worker:
         runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend)
 
 
-def main(rank: int, size: int, init: str, spec: dict, conn) -> None:
-    """A worker process: join the group, load the shard, say ready, then serve forwards."""
+def start(rank: int, size: int, init: str, spec: dict) -> Worker:
+    """Join the group as `rank` and load this rank's shard (`spec`: what the executor says of the model and
+    the machine; `spec["device_per_rank"]`: cuda:rank, else the one device this process sees)."""
     from vlens.attention import make_backend
     from vlens.loader import load_model
 
+    torch.set_num_threads(spec["threads"])
+    device = torch.device("cpu")
+    if spec["device"] == "cuda":
+        device = torch.device("cuda", rank if spec["device_per_rank"] else 0)
+        torch.cuda.set_device(device)
+    dist.init_process_group(spec["group"], init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
+    loaded = load_model(spec["model"], dtype=spec["dtype"], device=str(device), parallel=Parallel(rank, size))
+    return Worker(loaded.model, make_backend(spec["backend"], device, compiled=False))
+
+
+def main(rank: int, size: int, init: str, spec: dict, conn) -> None:
+    """A worker process: join the group, load the shard, say ready, then serve forwards."""
     try:
-        torch.set_num_threads(spec["threads"])
-        device = torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(spec["group"], init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
-        loaded = load_model(spec["model"], dtype=spec["dtype"], device=str(device), parallel=Parallel(rank, size))
-        worker = Worker(loaded.model, make_backend(spec["backend"], device, compiled=False))
+        worker = start(rank, size, init, spec)
         conn.send(("ready", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))
