@@ -28,9 +28,10 @@ from vlens.loader import load_model, resolve_model_path
 STARTUP_S = 600  # loading a shard of a large model takes minutes; a worker that says nothing longer is stuck
 
 
-def check_parallel(cfg: ModelConfig, size: int, device: torch.device) -> None:
-    """Refuse, before any weights load, a split the model or the machine cannot take."""
-    if device.type == "cuda" and size > torch.cuda.device_count():
+def check_parallel(cfg: ModelConfig, size: int, device: torch.device, local: bool = True) -> None:
+    """Refuse, before any weights load, a split the model or the machine cannot take (`local`: every rank
+    on this machine's devices; Ray checks its cluster's itself)."""
+    if local and device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(
             f"tensor_parallel_size: {size} ranks need {size} CUDA devices; this machine has {torch.cuda.device_count()}"
         )
@@ -72,7 +73,7 @@ class Executor:
         from transformers import AutoConfig
 
         path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
-        check_parallel(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), size, device)
+        check_parallel(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), size, device, local=backend != "ray")
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise ValueError(
                 "tensor_parallel_size: this process already leads a tensor-parallel group; close it first "

@@ -41,6 +41,12 @@ class RayRanks:
     def __init__(self, size: int, init: str, spec: dict):
         self.init = init
         resources = {"num_gpus": 1} if spec["device"] == "cuda" else {"num_cpus": spec["threads"]}
+        kind, each = ("GPU", 1) if spec["device"] == "cuda" else ("CPU", spec["threads"])
+        free = ray.available_resources().get(kind, 0)
+        if free < each * (size - 1):  # else the actors would wait for resources that never come
+            raise ValueError(
+                f"tensor_parallel_size: {size - 1} Ray actors need {each * (size - 1)} {kind}s; the cluster has {free:g} free"
+            )
         actor = ray.remote(**resources)(RayRank)
         self.actors = [actor.remote(rank, size, init, spec | {"device_per_rank": False}) for rank in range(1, size)]
         self.pending: list = [actor.ready.remote() for actor in self.actors]  # each actor's last call
