@@ -147,7 +147,8 @@ class Executor:
         self._send(worker.Lens(residual.cpu()))
 
     def close(self) -> None:
-        """Stop the workers (at once, if they do not stop by themselves) and leave the group."""
+        """Stop the workers (at once, if they do not stop by themselves) and leave the group: when done, and
+        when a forward failed on any rank, since the others may be waiting in a collective it left."""
         if self.closed:
             return
         self.closed = True

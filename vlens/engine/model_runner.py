@@ -161,6 +161,10 @@ class ModelRunner:
                 logits = self.model.logits(hidden[logit_rows])
             elif logit_rows is not None:
                 logits = self.model.logits(hidden.index_select(0, logit_rows))
+        except BaseException:
+            if self.model.executor is not None:  # the other ranks may wait in a collective this one left
+                self.model.executor.close()
+            raise
         finally:
             set_context(None)
         return hidden, logits
