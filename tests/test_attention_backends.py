@@ -1,11 +1,16 @@
 """The attention-backend seam: FlexAttention over the paged cache gives SDPA's values on every family
 (float32, within 1e-5), in a packed trace and through generation with prefill chunked small and decodes
-in the same steps; backend choices that cannot run here are refused by name before the model loads.
+in the same steps; backend choices that cannot run here are refused by name before the model loads;
+"auto" is SDPA on a CPU, logged and in stats(), and what it would pick on CUDA follows the model and dtype.
 
-FlexAttention runs uncompiled here (exact, slow on a CPU, with no compile to wait for); one test runs
-it compiled, as `enforce_eager=False` does."""
+FlexAttention runs uncompiled here (exact, slow on a CPU, with no compile to wait for); test_flex_engines.py
+runs it compiled, as `enforce_eager=False` does. The CUDA-only kernels (varlen, the memory-efficient SDPA
+path) are tested here in the parts that run on a CPU: the arguments they are given and the head stacking;
+their values on a GPU are benchmarks/gpu_suite.py's."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -15,6 +20,11 @@ from test_patterns import FAMILIES
 
 from conftest import rel_err
 from vlens import LLM, Capture, SamplingParams
+from vlens.attention import LayerKind, choose, layout, make_backend
+from vlens.attention.flex import FlexBackend, cuda_tiles
+from vlens.attention.sdpa import _stacked, _stacked_mask
+from vlens.attention.varlen import VarlenBackend, keywords, layer_arguments, takes_pages
+from vlens.attention.varlen import problem as varlen_problem
 
 HOOKS = ["hidden_states.*", "blocks.1.attn.hook_z", "unembed.hook_out"]
 
@@ -69,20 +79,13 @@ def test_flex_reads_blocks_that_sequences_of_a_step_share(pair):
                 assert torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_flex_equals_sdpa(tmp_path):
-    path = build(FAMILIES["llama"](), tmp_path, "llama")
-    common = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=4, max_model_len=64)
-    sdpa = LLM(model=path, **common)
-    flex = LLM(model=path, attention_backend="flex", **common)
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=Capture("hidden_states.2"))
-    [a], [b] = sdpa.generate(_prompts()[:1], params, use_tqdm=False), flex.generate(_prompts()[:1], params, use_tqdm=False)
-    assert b.outputs[0].token_ids == a.outputs[0].token_ids
-    assert rel_err(b.activations["hidden_states.2"], a.activations["hidden_states.2"]) <= 1e-5
-
-
 @pytest.mark.parametrize(
     "backend, message",
-    [("flashinfer", r"needs CUDA .* available on this cpu machine: auto, sdpa, flex"), ("triton", "attention_backend")],
+    [
+        ("flashinfer", r"needs CUDA .* available on this cpu machine: auto, sdpa, flex$"),
+        ("varlen", r"'varlen' needs CUDA and a torch with .*varlen_attn; available on this cpu machine: auto, sdpa, flex$"),  # noqa: E501
+        ("triton", "attention_backend"),
+    ],
 )
 def test_backends_that_cannot_run_here_are_refused_before_loading(backend, message, monkeypatch):
     import vlens.llm
@@ -90,3 +93,131 @@ def test_backends_that_cannot_run_here_are_refused_before_loading(backend, messa
     monkeypatch.setattr(vlens.llm, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match=message):
         LLM(device="cpu", attention_backend=backend)
+
+
+def test_auto_is_sdpa_on_a_cpu_logged_once_and_in_stats(pair, caplog):
+    sdpa, flex = pair
+    with caplog.at_level(logging.INFO, logger="vlens.engine"):
+        auto = LLM(model=sdpa.model_path, dtype="float32", device="cpu", block_size=4, max_model_len=64)
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention backend:")]
+    assert len(chosen) == 1 and chosen[0].startswith("attention backend: sdpa (auto on cpu")
+    assert (auto.stats().attention_backend, sdpa.stats().attention_backend, flex.stats().attention_backend) == (
+        "sdpa", "sdpa", "flex"
+    )
+
+
+KIND = LayerKind(num_heads=8, num_kv_heads=2, head_dim=64, window=None, scale=0.125, softcap=None)
+
+
+def test_auto_on_cuda_follows_dtype_layers_and_paging():
+    """Decided without a GPU: FlashInfer is not installed here, and this torch's varlen_attn takes block
+    tables; varlen is chosen only where it reads the cache in place (blocks of a multiple of 256)."""
+    cuda = torch.device("cuda")
+    assert choose(cuda, {KIND}, torch.bfloat16, 256)[0] == "varlen"
+    assert choose(cuda, {KIND}, torch.bfloat16, 16) == (
+        "sdpa", "varlen reads a paged cache in blocks of a multiple of 256 slots, not 16"
+    )
+    assert choose(cuda, {KIND}, torch.float32, 256)[0] == "sdpa"  # Flash Attention has no float32
+    capped = KIND._replace(softcap=30.0)
+    assert choose(cuda, {KIND, capped}, torch.bfloat16, 256) == (
+        "sdpa", "varlen cannot soft-cap attention scores, which this model's layers do"
+    )
+    assert choose(torch.device("cpu"), {KIND}, torch.bfloat16, 256)[0] == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "kinds, dtype, message",
+    [
+        ({KIND}, torch.float32, "needs float16 or bfloat16 .*, not float32; use sdpa"),
+        ({KIND._replace(softcap=50.0)}, torch.float16, "cannot soft-cap attention scores"),
+        ({KIND._replace(head_dim=20)}, torch.bfloat16, r"needs head sizes that are multiples of 8 up to 256, not \[20\]"),  # noqa: E501
+    ],
+)
+def test_varlen_refuses_models_it_cannot_run(kinds, dtype, message):
+    with pytest.raises(ValueError, match="attention_backend: 'varlen' " + message):
+        make_backend("varlen", torch.device("cuda"), False, kinds, dtype, 16)
+
+
+def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None): ...
+
+
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+
+def test_varlen_arguments_follow_the_installed_signature():
+    """Detected from the signature: paging, windows, scale and the grouped-query flag where it is taken,
+    `is_causal` where it is not; what an older signature cannot say is refused by name."""
+    assert takes_pages(_varlen_2_13) and not takes_pages(_varlen_2_11)
+    windowed = KIND._replace(window=6, scale=0.25)
+    expected = {"window_size": (5, 0), "scale": 0.25, "enable_gqa": True}
+    assert layer_arguments(windowed, keywords(_varlen_2_13)) == expected
+    assert layer_arguments(KIND, keywords(_varlen_2_13))["window_size"] == (-1, 0)
+    assert layer_arguments(KIND, keywords(_varlen_2_11)) == {"is_causal": True}
+    assert varlen_problem({KIND}, torch.bfloat16, _varlen_2_11) is None
+    assert "takes window_size" in varlen_problem({KIND._replace(window=6)}, torch.bfloat16, _varlen_2_11)
+    assert "takes scale" in varlen_problem({KIND._replace(scale=0.25)}, torch.bfloat16, _varlen_2_11)
+    assert varlen_problem({windowed}, torch.bfloat16, _varlen_2_13) is None
+
+
+def _step(block_size: int, num_slots: int = 4096):
+    """Three sequences: a decode at position 9, a 5-token prefill chunk from 3, a whole 2-token prompt."""
+    tables = [[7, 2, 5], [1, 4], [6]] if block_size == 4 else [[3], [1], [0]]
+    return layout([9, 3, 0], [1, 5, 2], [10, 8, 2], tables, block_size, num_slots, lambda name, values: torch.as_tensor(values))
+
+
+def test_varlen_arguments_gather_keys_or_read_pages():
+    backend = make_backend("varlen", torch.device("cuda"), False, {KIND}, torch.bfloat16, 4)  # builds no tensor on CUDA
+    assert isinstance(backend, VarlenBackend)
+    gathered = backend.prepare(_step(4), {KIND}, torch.bfloat16)  # blocks of 4 < 256: Flash Attention 2 cannot page
+    assert (gathered.max_q, gathered.max_k, gathered.block_size, gathered.paging) == (5, 10, 0, {})
+    assert gathered.cu_q.tolist() == [0, 1, 6, 8] and gathered.cu_k.tolist() == [0, 10, 18, 20]
+    expected = [28, 29, 30, 31, 8, 9, 10, 11, 20, 21] + [4, 5, 6, 7, 16, 17, 18, 19] + [24, 25]
+    assert gathered.key_slots.tolist() == expected
+    backend.pages = True  # a torch whose varlen_attn takes block tables (the local one may not)
+    paged = backend.prepare(_step(256), {KIND}, torch.bfloat16)
+    assert paged.key_slots is None and paged.block_size == 256
+    assert paged.paging["block_table"].dtype == torch.int32 and paged.paging["block_table"].tolist() == [[3], [1], [0]]
+    assert paged.paging["seqused_k"].tolist() == [10, 8, 2] and paged.cu_k.tolist() == [0, 10, 18, 20]
+    assert gathered.layers == paged.layers == {KIND: layer_arguments(KIND, backend.takes)}
+
+
+def test_flex_block_mask_covers_the_steps_keys_not_the_cache():
+    """A cache of ten million slots: the mask and the gathered keys are sized by the step's 20 keys."""
+    kinds = {KIND, KIND._replace(window=3)}
+    state = FlexBackend(compiled=False).prepare(_step(4, num_slots=10_000_000), kinds, torch.float32)
+    assert (state.rows, state.padded_rows, state.padded_keys, len(state.key_slots)) == (8, 128, 128, 128)
+    for mask in state.masks.values():
+        assert mask.kv_num_blocks.tolist() == [[[1]]] and mask.shape == (1, 1, 128, 128)
+        dense = mask.to_dense()  # block level: the one query block reads the one key block
+        assert dense.tolist() == [[[[1]]]]
+
+
+def test_flex_tiles_fit_the_cards_shared_memory():
+    """The estimate reproduces the H200's measured need for Triton's default tiles (344,064 bytes at
+    bfloat16, head size 64) and picks tiles within its 232,448 bytes."""
+    from vlens.attention.flex import SHARED_PER_TILE_BYTE
+
+    assert SHARED_PER_TILE_BYTE * (128 + 2 * 3 * 128) * 64 * 2 == 344_064
+    h200 = 232_448
+    picks = {(d, size): cuda_tiles(h200, d, size) for d in (64, 128, 256) for size in (2, 4)}
+    assert picks[64, 2] == {
+        "BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 2, "num_warps": 4, "FORCE_USE_FLEX_ATTENTION": True
+    }  # fmt: skip
+    for (d, size), tiles in picks.items():
+        need = SHARED_PER_TILE_BYTE * (tiles["BLOCK_M"] + 2 * tiles["num_stages"] * tiles["BLOCK_N"]) * d * size
+        assert need <= h200, (d, size, tiles)
+
+
+def test_stacked_heads_equal_grouped_query_sdpa():
+    """The CUDA path's stacking of query heads (for the memory-efficient kernel), run on the CPU."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((3, 8, 4, 16), (3, 2, 11, 16), (3, 2, 11, 16)))
+    key_pos, q_pos = torch.arange(11), torch.tensor([[7, 8, 9, 10], [0, 1, 2, 3], [2, 0, 0, 0]])
+    mask = (key_pos <= q_pos[:, None, :, None]) & (key_pos > q_pos[:, None, :, None] - 5)
+    layer = KIND._replace(head_dim=16)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+    stacked = _stacked_mask(mask, 4, torch.float32)
+    assert stacked.shape == (3, 1, 16, 11) and stacked.stride(2) == 16  # rows 16-aligned in memory
+    got = _stacked(q, k, v, stacked, layer)
+    assert rel_err(got, expected) <= 1e-6

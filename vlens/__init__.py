@@ -1,5 +1,6 @@
 """vlens: a fast LLM inference engine that returns what happens inside the model."""
 
+from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer
 from vlens.engine.config import EngineConfig
 from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
@@ -32,5 +33,6 @@ __all__ = [
     "load_model",
     "harvest",
     "ActivationDataset",
+    "viz",
     "__version__",
 ]

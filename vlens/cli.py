@@ -43,6 +43,11 @@ GENERATE_FILE = (
     "int32 and '{i}/{hook}.sae_values', [rows, top_k]), '{i}/positions' (the sequence position of each row) and "
     "'{i}/token_ids' (prompt then completion); metadata holds the prompts and completions."
 )
+LENS_ABOUT = (
+    "Run a prompt (greedy, optionally generating first) and write what `vlens serve`'s /lens page shows for it as "
+    "one self-contained HTML file, which opens offline: the tokens, the logit lens at every layer (top token and "
+    "probability; top-k on hover or focus), every layer's attention patterns, and with --sae the top SAE latents."
+)
 
 
 def _cmd_hooks(args: argparse.Namespace) -> int:
@@ -127,6 +132,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lens(args: argparse.Namespace) -> int:
+    from vlens.viz import lens_page
+
+    sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
+    llm = _llm(args)
+    view = lens_page(llm, args.prompt, max_tokens=args.max_tokens, top_k=args.top_k, sae=sae)
+    view.save(args.out)
+    tokens, layers = len(view.payload["token_ids"]), len(view.payload["attention"])
+    print(f"wrote {args.out}: {tokens} tokens, logit lens and attention at {layers} layers{', SAE features' * bool(sae)}")
+    return 0
+
+
 def _print_features(tokenizer, out, hook: str, ids: torch.Tensor, values: torch.Tensor) -> None:
     """One line per captured row: its position, its token and its top latents (id: value)."""
     print(f"  SAE features at {hook} (top {ids.shape[1]} per row):")
@@ -190,6 +207,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=16, help="latents per row with --sae (default: 16)")
     p.add_argument("--out", metavar="FILE", help="write the captured activations (see below)")
     p.set_defaults(func=_cmd_generate)
+
+    p = commands.add_parser(
+        "lens", help="write the lens page of a prompt as one offline HTML file", description=LENS_ABOUT
+    )
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--out", metavar="FILE", required=True, help="the HTML file to write")
+    add_flags(p, EngineConfig, only={"model", "dtype", "device"})
+    p.add_argument("--max-tokens", type=int, default=0, help="tokens to generate greedily first (default: 0)")
+    p.add_argument("--top-k", type=int, default=5, help="tokens per logit-lens cell, latents per token (default: 5)")
+    p.add_argument("--sae", metavar="PATH", help="also show this SAE's top latents per token (SAELens dir or params.npz)")
+    p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
+    p.set_defaults(func=_cmd_lens)
 
     harvest_cli.add_parser(commands)
     server_cli.add_parser(commands)

@@ -16,7 +16,7 @@ from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.distributed.executor import Executor
 from vlens.engine.config import EngineConfig
-from vlens.engine.llm_engine import LLMEngine, NewRequest
+from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
 from vlens.inputs import to_token_lists
@@ -41,7 +41,10 @@ class LLM:
         self.model_path, self.model_name = loaded.path, loaded.name
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
-        self.backend = make_backend(config.attention_backend, self.device, compiled=not config.enforce_eager)
+        kinds = {attn.kind for attn in self.model.attention_layers()}
+        self.backend = make_backend(
+            config.attention_backend, self.device, not config.enforce_eager, kinds, self.dtype, config.block_size
+        )
         self.runner = ModelRunner(
             self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs,
             graphs=not config.enforce_eager and config.tensor_parallel_size == 1,  # no collectives in a graph yet
@@ -53,6 +56,10 @@ class LLM:
         if self._engine is None:
             self._engine = LLMEngine(self.runner, self.tokenizer, self.engine_config)
         return self._engine
+
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters now (its attention backend among them)."""
+        return self.engine.stats()
 
     def hook_names(self) -> dict[str, tuple[int, ...]]:
         """Every hook name this model has, in forward order, with its per-token shape."""

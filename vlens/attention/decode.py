@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind
-from vlens.attention.sdpa import capped_attention
+from vlens.attention.sdpa import capped_attention, sdpa
 
 
 @dataclass
@@ -52,5 +51,5 @@ class DecodeBackend:
         # no GQA support from the kernel, which lets SDPA take its memory-efficient (masked) kernel on CUDA.
         rows, heads, dim = q.shape
         grouped = q.view(rows, layer.num_kv_heads, heads // layer.num_kv_heads, dim)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=layer.scale)
+        out = sdpa(grouped, keys, values, attn_mask=mask, scale=layer.scale)
         return out.reshape(rows, heads, dim)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -65,6 +66,30 @@ class AttentionMetadata:
     @property
     def starts(self) -> list[int]:
         return [c - q for c, q in zip(self.context_lens, self.query_lens)]
+
+    # Layouts only some kernels take (varlen, flex): derived from the fields above the first time a backend's
+    # `prepare` asks, once per step.
+
+    @cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        """[B + 1] int32 (device): where each sequence's keys start when they are packed back to back."""
+        cu = torch.tensor([0, *self.context_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cu.to(self.positions.device, non_blocking=True)
+
+    @cached_property
+    def context_lens_tensor(self) -> torch.Tensor:
+        """[B] int32 (device): keys of each sequence after this step."""
+        return torch.tensor(self.context_lens, dtype=torch.int32).to(self.positions.device, non_blocking=True)
+
+    @cached_property
+    def packed_key_slots(self) -> torch.Tensor:
+        """[sum of context_lens] (device): the cache slot of every key of every sequence, sequence after
+        sequence (key j of sequence i at cu_seqlens_k[i] + j)."""
+        lens = torch.tensor(self.context_lens)
+        seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        j = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
+        slots = self.block_tables[seq, j // self.block_size] * self.block_size + j % self.block_size
+        return slots.to(self.positions.device, non_blocking=True)
 
     def key_slots(self, first: int, stop: int) -> torch.Tensor:
         """[stop - first, keys] (host): the cache slot of key j of sequences first .. stop - 1, for j up to

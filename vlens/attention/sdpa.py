@@ -7,6 +7,14 @@ cache, each sequence's keys are gathered from the slots its block table names.
 
 SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
 what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
+
+On CUDA, SDPA never runs cuDNN's kernel: cuDNN builds an execution plan for each new shape (6.2 ms of host
+time a call on an H200, and the grids change shape every step). It runs Flash Attention where there is no
+mask (packed causal keys) and the memory-efficient kernel over the cache's keys, which needs a mask:
+built once per step as the kernel takes it (additive, rows 16-aligned, so SDPA neither converts nor pads
+it per layer), with the query heads of each KV head stacked along the query axis (the memory-efficient
+kernel has no grouped-query mode; stacking keeps each head's keys unrepeated and each row's computation
+as it was). Math runs what neither can. The CPU path is unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ class AttentionGroup:
     q_index: torch.Tensor | None = None  # [rows] slot of each token in the flattened grid; None = identity
     key_slots: torch.Tensor | None = None  # [B, Lk] cache slot of key j of each sequence; None = no cache
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, 1, max_q, Lk]
+    # (window, query heads per KV head) -> [B, 1, group * max_q, Lk] additive mask of stacked heads (CUDA)
+    stacked_masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
@@ -50,6 +60,11 @@ class SdpaBackend:
             group = self._group(meta, members, row, meta.positions.device)
             for window in windows:
                 group.masks[window] = _mask(group, window)
+            if group.key_slots is not None and group.key_slots.is_cuda:
+                for kind in kinds:
+                    if kind.softcap is None:
+                        heads = kind.num_heads // kind.num_kv_heads
+                        group.stacked_masks[kind.window, heads] = _stacked_mask(group.masks[kind.window], heads, dtype)
             groups.append(group)
             row = group.rows.stop
         return groups
@@ -120,15 +135,51 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         keys, values = _to_grid(k, g), _to_grid(v, g)
     mask = g.masks[layer.window]
     q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-    if layer.softcap is None:
-        out = F.scaled_dot_product_attention(
+    stacked = g.stacked_masks.get((layer.window, layer.num_heads // layer.num_kv_heads))
+    if layer.softcap is not None:
+        out = capped_attention(q, keys, values, mask, layer)
+    elif stacked is not None:
+        out = _stacked(q, keys, values, stacked, layer)
+    else:
+        out = sdpa(
             q, keys, values, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
             enable_gqa=layer.num_kv_heads != layer.num_heads,
         )  # fmt: skip
-    else:
-        out = capped_attention(q, keys, values, mask, layer)
     out = out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
     return out if g.q_index is None else out.index_select(0, g.q_index)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA, never with cuDNN's kernel on CUDA: its flag is turned off around the call (under a microsecond;
+    PyTorch's sdpa_kernel context costs 13) and restored, so the process's own SDPA calls are untouched."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+def _stacked_mask(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean [B, 1, q, Lk] -> additive [B, 1, heads * q, Lk] (0 or -inf, in `dtype`), its rows repeated
+    for each of the query heads that share a KV head and padded in memory to a multiple of 16 keys, as the
+    memory-efficient kernel takes a mask without copying it."""
+    batch, _, rows, keys = mask.shape
+    width = -(-keys // 16) * 16
+    out = torch.full((batch, 1, heads, rows, width), float("-inf"), dtype=dtype, device=mask.device)
+    out[..., :keys].masked_fill_(mask[:, :, None], 0.0)
+    return out.view(batch, 1, heads * rows, width)[..., :keys]
+
+
+def _stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer) -> torch.Tensor:
+    """[B, H, q, d] attention over [B, H_kv, Lk, d] keys, the query heads of each KV head stacked along the
+    query axis (head h = kv * heads + i is rows i * q .. of KV head kv), so one SDPA call without a
+    grouped-query mode reads each key once; `mask` is `_stacked_mask`'s."""
+    batch, num_heads, rows, dim = q.shape
+    stacked = q.reshape(batch, layer.num_kv_heads, num_heads // layer.num_kv_heads * rows, dim)
+    return sdpa(stacked, k, v, attn_mask=mask, scale=layer.scale).reshape(batch, num_heads, rows, dim)
 
 
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
-from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, is_pattern, resolve_hooks
+from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, Part, is_pattern, resolve_hooks
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
@@ -24,7 +24,7 @@ from vlens.capture.spec import Capture
 from vlens.config import ModelConfig
 from vlens.sae.clamp import clamp_rows
 from vlens.sae.model import SAE
-from vlens.sae.readout import SAEReadout
+from vlens.sae.readout import SAEReadout, sae_parts
 
 if TYPE_CHECKING:
     from vlens.models.base import DecoderLM
@@ -92,10 +92,26 @@ def bind_request(
         capture.positions.check_range(max_rows, "capture.positions", prompt_len, params.max_tokens)
         bound.streams.append(_capture_stream(capture, prompt_len, model, shapes))
     if params.return_hidden_states:
-        bound.streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, Positions("all"), prompt_len, shapes))
+        parts = {FINAL_NORM: (Part(shapes[FINAL_NORM], model.lm_head.weight.dtype),)}
+        bound.streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, Positions("all"), prompt_len, parts))
     for i, iv in enumerate(params.interventions):
         bound.interventions.append(_intervention(iv, f"interventions[{i}]", prompt_len, max_rows, model, shapes))
     return bound
+
+
+def result_parts(capture: Capture, tap: str, shape: tuple[int | str, ...], model_dtype: torch.dtype) -> tuple[Part, ...]:
+    """What a capture returns per row for a tap of per-token `shape`: the one answer the engine's results,
+    the SAE readout and the server's size bound all use."""
+    dtype = capture.dtype or model_dtype
+    if capture.sae is not None:
+        return sae_parts(capture.top_k, None if capture.features is None else len(capture.features), capture.sae_error, dtype)
+    if capture.logit_lens is not None:
+        return Part((capture.logit_lens,), torch.long), Part((capture.logit_lens,), torch.float32)
+    if capture.project is not None:
+        return (Part((capture.project[0].shape[1],), dtype),)
+    if capture.heads is not None and tap.endswith(PER_HEAD):
+        shape = (len(capture.heads), *shape[1:])
+    return (Part(shape, dtype),)
 
 
 def sae_tap(sae: SAE, cfg: ModelConfig, shapes: dict[str, tuple[int | str, ...]], field: str) -> str:
@@ -134,6 +150,7 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
     taps = set(hooks.values())
     if sae_at is not None and taps != {sae_at}:
         raise _elsewhere("capture.hooks", capture.hooks, capture.sae)
+    parts = {t: result_parts(capture, t, shapes[t], model.lm_head.weight.dtype) for t in taps}
     shapes = {t: shapes[t] for t in taps}
     patterns = sorted(t for t in taps if is_pattern(t))
     if patterns and (capture.project is not None or capture.reduce != "none"):
@@ -157,7 +174,6 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
             raise ValueError(f"capture.project: W has {w.shape[0]} rows; taps {bad} have rows of another size")
         b = None if b is None else b.to(weight.device, weight.dtype)
         readout = partial(project, w=w.to(weight.device, weight.dtype), b=b)
-        shapes = {t: (w.shape[1],) for t in taps}
     if capture.logit_lens is not None:
         bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t == LOGITS]
         if bad:
@@ -170,7 +186,7 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
                              capture.dtype or dtype)  # fmt: skip
     exclude = torch.tensor(sorted(capture.exclude_token_ids), dtype=torch.long) if capture.exclude_token_ids else None
     return RowStream(
-        "capture", hooks, capture.positions, prompt_len, shapes, exclude, capture.dtype, readout, capture.reduce,
+        "capture", hooks, capture.positions, prompt_len, parts, exclude, capture.dtype, readout, capture.reduce,
         capture.logit_lens, heads, head_taps,
     )  # fmt: skip
 

@@ -12,6 +12,7 @@ import fnmatch
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -109,6 +110,20 @@ def canonical(name: str, cfg: ModelConfig) -> str:
 
 def is_pattern(tap: str) -> bool:
     return tap.endswith(PATTERNS)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of what a request gets back for one hook, per row: its shape (CTX: one entry per key of
+    the row's context) and dtype. Activations are one part; a logit lens, (ids, log-probabilities); an
+    SAE readout, its ids, values and errors (vlens.capture.bind.result_parts says which)."""
+
+    shape: tuple[int | str, ...]
+    dtype: torch.dtype
+
+    def empty(self) -> torch.Tensor:
+        """No rows of it."""
+        return torch.empty(0, *(0 if n == CTX else n for n in self.shape), dtype=self.dtype)
 
 
 def row_size(shape: tuple[int | str, ...], context: int, heads: int | None = None) -> int:

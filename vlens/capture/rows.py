@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from vlens.capture.names import CTX, is_pattern
+from vlens.capture.names import Part, is_pattern
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import Readout
 from vlens.sae.readout import SAEReadout
@@ -40,7 +40,7 @@ class RowStream:
     hooks: dict[str, str]  # requested name -> canonical tap
     positions: Positions
     prompt_len: int
-    shapes: dict[str, tuple[int, ...]]  # canonical tap -> per-row shape of what is returned
+    parts: dict[str, tuple[Part, ...]]  # canonical tap -> what its result holds per row (bind.result_parts)
     exclude: torch.Tensor | None = None  # token ids whose rows are left out
     dtype: torch.dtype | None = None
     readout: Readout | SAEReadout | None = None  # on-device transform of each step's rows (probe, logit lens, SAE)
@@ -97,12 +97,9 @@ class RowStream:
             if pieces and is_pattern(tap):  # K: the last kept row's context; each piece is as wide as its own
                 width = int(positions[keep].max()) + 1 if keep.any() else 0
                 pieces = [widen(tap, p[..., :width], width) for p in pieces]
-            if not pieces and isinstance(self.readout, SAEReadout):
-                out[tap] = self.readout.empty()
-            elif not pieces and self.logit_lens:
-                out[tap] = (torch.empty(0, self.logit_lens, dtype=torch.long), torch.empty(0, self.logit_lens))
-            elif not pieces:
-                out[tap] = torch.empty(0, *(0 if n == CTX else n for n in self.shapes[tap]), dtype=dtype)
+            if not pieces:
+                empty = tuple(part.empty() for part in self.parts[tap])
+                out[tap] = empty if self.logit_lens or isinstance(self.readout, SAEReadout) else empty[0]
             elif self.sums_on_device:
                 out[tap] = (sum(p.double() for p in pieces) / len(positions)).to(dtype)
             elif isinstance(pieces[0], tuple):

@@ -270,10 +270,12 @@ class TapRuntime:
                 single = [(segment, tap, _to_host(rows, self._side)) for segment, tap, rows in single]
                 event = torch.cuda.Event()
                 event.record(self._side)
-        out = [_cut(plan, Collected(segment, tap, rows)) for segment, tap, rows in single]
+        out = [_cut(plan, Collected(segment, tap, rows)) if is_pattern(tap) else Collected(segment, tap, rows)
+               for segment, tap, rows in single]  # fmt: skip
         for tap, rows, parts in whole:
             pieces = rows.split([len(r) for _, r in parts])
-            out += [_cut(plan, Collected(segment, tap, piece)) for (segment, _), piece in zip(parts, pieces)]
+            collected = [Collected(segment, tap, piece) for (segment, _), piece in zip(parts, pieces)]
+            out += [_cut(plan, c) for c in collected] if is_pattern(tap) else collected
         return Collection(out, event)
 
 
@@ -292,8 +294,7 @@ class Collection:
 
 def _cut(plan: StepPlan, c: Collected) -> Collected:
     """Attention scores and patterns of a segment as wide as its own last row's context."""
-    if is_pattern(c.tap):
-        c.rows = c.rows[..., : plan.segments[c.segment].positions[-1] + 1]
+    c.rows = c.rows[..., : plan.segments[c.segment].positions[-1] + 1]
     return c
 
 

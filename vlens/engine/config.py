@@ -33,7 +33,8 @@ class EngineConfig:
     )
     seed: int = setting(0, "seed of the samples of requests that give none")
     attention_backend: str = setting(
-        "auto", "auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flex or flashinfer", choices=BACKENDS
+        "auto", "auto (the fastest exact one here, see vlens.attention.choose), sdpa, varlen, flex or flashinfer",
+        choices=BACKENDS,
     )
     enforce_eager: bool = setting(False, "no compiled kernels and no CUDA graphs: every step runs eagerly")
     tensor_parallel_size: int = setting(

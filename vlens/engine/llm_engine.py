@@ -7,6 +7,7 @@ max_tokens=0 only reads its prompt (prompt log-probabilities, captured rows) and
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class EngineStats:
     generation_tokens: int  # sampled so far
     tokens_computed: int  # fed through the model so far (prefill chunks, decodes, recomputes)
     num_preemptions: int
+    attention_backend: str  # the backend's name (what "auto" chose)
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
     static_eager_steps: int = 0  # decode steps on the static path without a graph (CPU, or graphs off)
     eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
@@ -103,6 +105,10 @@ class LLMEngine:
         # recomputes its cache with the long factors, as HF does (see _switch_rope).
         scaling = cfg.rope_scaling or {}
         self.long_rope_at = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
+        # Everything alive now (modules, weights' wrappers, tokenizer) lives as long as the engine: moved out of
+        # the collector's reach, a step's short-lived objects no longer make it walk the whole heap (a capture of
+        # 3 layers at batch 64 spent ~3 ms a step in the collector).
+        gc.freeze()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -182,6 +188,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             tokens_computed=self.scheduler.tokens_computed,
             num_preemptions=self.scheduler.num_preemptions,
+            attention_backend=self.runner.backend.name,
             graph_steps=graphs.graph_steps,
             static_eager_steps=graphs.static_eager_steps,
             eager_steps=graphs.eager_steps,

@@ -13,6 +13,7 @@ from torch import nn
 from vlens.context import tap
 from vlens.config import UnsupportedModelError
 from vlens.distributed.parallel import SINGLE, Parallel
+from vlens.layers import fused
 from vlens.layers.linear import FusedLinear, RowLinear
 
 
@@ -52,6 +53,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        h = self.act(gate) * up
+        h = fused.gated(self.act, gate, up)
         h = tap(self.hook_post, h)
         return self.down_proj(h)

@@ -97,12 +97,3 @@ class Rotary:
     def cos_sin(self, ctx: ForwardContext, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {kind: table.cos_sin(ctx, dtype) for kind, table in self.tables.items()}
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading cos.shape[-1] dims of each head (all of them unless the rotary is partial)."""
-    dim = cos.shape[-1]
-    if dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
-    half = dim // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

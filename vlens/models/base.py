@@ -18,7 +18,8 @@ from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context, tap
 from vlens.layers.attention import Attention
 from vlens.layers.norm import NormHooks, make_norm
-from vlens.layers.rotary import Rotary, apply_rotary
+from vlens.layers import fused
+from vlens.layers.rotary import Rotary
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope kind -> (cos, sin), from Rotary.cos_sin
 FINAL_NORM_HOOKS = NormHooks.at("ln_final")
@@ -57,7 +58,7 @@ class AttentionHeads(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_kind is not None:
             cos, sin = rope[self.rope_kind]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
         q = tap(self.hook_q, q)
         k = tap(self.hook_k, k)
         v = tap(self.hook_v, v)

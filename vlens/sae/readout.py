@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vlens.capture.names import Part
 from vlens.sae.model import SAE
 
 if TYPE_CHECKING:
@@ -33,16 +34,6 @@ class SAEReadout:
     error: bool
     dtype: torch.dtype  # of the values
 
-    def empty(self) -> tuple[torch.Tensor, ...]:
-        """The result of a request none of whose rows were captured."""
-        parts: list[torch.Tensor] = []
-        if self.top_k is not None:
-            parts += [torch.empty(0, self.top_k, dtype=torch.int32), torch.empty(0, self.top_k, dtype=self.dtype)]
-        if self.features is not None:
-            parts.append(torch.empty(0, len(self.features), dtype=self.dtype))
-        if self.error:
-            parts.append(torch.empty(0))
-        return tuple(parts)
 
     def place(self, out: RequestOutput, name: str, result: tuple[torch.Tensor, ...]) -> None:
         """Put a finished result where RequestOutput keeps it: sae_features[name], sae_errors[name]."""
@@ -53,6 +44,19 @@ class SAEReadout:
             out.sae_features[name] = parts.pop(0)
         if self.error:
             out.sae_errors[name] = parts.pop(0)
+
+
+def sae_parts(top_k: int | None, features: int | None, error: bool, dtype: torch.dtype) -> tuple[Part, ...]:
+    """What an SAE readout returns per row: (ids int32, values) of the top_k latents, or the values of the
+    `features` named, then the float32 reconstruction error when asked."""
+    parts: list[Part] = []
+    if top_k is not None:
+        parts += [Part((top_k,), torch.int32), Part((top_k,), dtype)]
+    if features is not None:
+        parts.append(Part((features,), dtype))
+    if error:
+        parts.append(Part((), torch.float32))
+    return tuple(parts)
 
 
 def read_group(readouts: list[SAEReadout], chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:

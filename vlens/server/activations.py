@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save
 
-from vlens.capture.names import FINAL_NORM, PER_HEAD, resolve_hooks, row_size
+from vlens.capture.bind import result_parts
+from vlens.capture.names import FINAL_NORM, resolve_hooks, row_size
 from vlens.capture.positions import rows_of
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
@@ -46,20 +47,9 @@ def capture_bound(
     rows_all = rows_of(prompt_len, params.max_tokens)
     capture = params.capture
     if capture is not None:
-        itemsize = (capture.dtype or model_dtype).itemsize
-        hooks = resolve_hooks(capture.hooks, cfg)
-        if capture.logit_lens is not None:  # ids (int64) and log-probabilities (float32), top-k each
-            row = len(hooks) * capture.logit_lens * (INT64 + 4)
-        elif capture.project is not None:
-            row = len(hooks) * capture.project[0].shape[1] * itemsize
-        elif capture.sae is not None:  # per latent its value (and an int32 id for top_k), then a float32 error
-            latents = capture.top_k or len(capture.features or ())
-            row = len(hooks) * (latents * (itemsize + 4 * (capture.top_k is not None)) + 4 * capture.sae_error)
-        else:  # attention patterns: as many keys as the widest row's context
-            heads = len(capture.heads) if capture.heads is not None else None
-            row = sum(
-                row_size(shapes[tap], rows_all, heads if name.endswith(PER_HEAD) else None) for name, tap in hooks.items()
-            ) * itemsize  # fmt: skip
+        row = 0  # attention patterns: as many keys as the widest row's context
+        for tap in resolve_hooks(capture.hooks, cfg).values():
+            row += sum(row_size(p.shape, rows_all) * p.dtype.itemsize for p in result_parts(capture, tap, shapes[tap], model_dtype))
         rows = capture.positions.max_rows(prompt_len, params.max_tokens)
         total += rows * INT64 + (1 if capture.reduce == "mean" else rows) * row
     if params.return_hidden_states:

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from vlens.capture.names import hook_shapes
 from vlens.llm import LLM
@@ -31,6 +31,7 @@ from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, sche
 from vlens.server.saes import describe, load_saes
 from vlens.server.tokens import DetokenizeRequest, TokenizeRequest, Tokens
 from vlens.version import __version__
+from vlens.viz.html import page_html
 
 log = logging.getLogger("vlens.server")
 
@@ -63,6 +64,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     )
     embedder = Embedder(generator)
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len)
+    lens_page = page_html(None)
     created = int(time.time())
 
     @asynccontextmanager
@@ -177,6 +179,16 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
         return tokens.info()
+
+    # The lens page: it asks this API for its data (with the key typed into it), so it is open, and it is
+    # no part of the API's OpenAPI document; nor is /lens/texts, the token texts it names its cells by.
+    @app.get("/lens", include_in_schema=False)
+    async def lens() -> HTMLResponse:
+        return HTMLResponse(lens_page)
+
+    @app.post("/lens/texts", include_in_schema=False)
+    async def lens_texts(body: DetokenizeRequest) -> dict:
+        return tokens.texts(body)
 
     # Outermost first on the way in: count every response, then authenticate, then bound the body.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

@@ -1,4 +1,5 @@
-"""Bearer-key authentication for every route but /health.
+"""Bearer-key authentication for every route but /health and /lens (a page without data: its calls to the
+API carry the key typed into it).
 
 It runs as ASGI middleware, before routing and body parsing, so an unauthenticated caller learns
 nothing (not even which paths exist or how a body is validated) and costs no JSON parsing.
@@ -14,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlens.server.protocol import APIError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/lens"})
 
 
 def presented_key(scope: Scope) -> str | None:

@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API (with opt-in activation capture)",
         description="Serve /v1/completions and /v1/chat/completions (streaming too), /v1/embeddings, /v1/models, "
-        "/v1/hooks, /v1/activations/{id}, /tokenize, /detokenize, /tokenizer_info, /metrics and /health. Requests "
+        "/v1/hooks, /v1/activations/{id}, /tokenize, /detokenize, /tokenizer_info, /metrics, /health, and /lens (a "
+        "page showing the logit lens, attention, SAE features and steering for a prompt). Requests "
         "capture activations through the `vlens` extension field only if the server runs with --enable-capture.",
     )
     add_flags(p, ServerConfig)

@@ -43,8 +43,8 @@ class ServerConfig:
         256 << 20, "refuse requests whose capture could exceed this many bytes (default: 256 MiB)", minimum=0
     )
     api_key: str | None = setting(
-        None, "require `Authorization: Bearer KEY` on every route but /health (default: the environment variable "
-        f"{API_KEY_ENV}, else no authentication, only sensible on loopback)", check=_key,
+        None, "require `Authorization: Bearer KEY` on every route but /health and the /lens page (default: the "
+        f"environment variable {API_KEY_ENV}, else no authentication, only sensible on loopback)", check=_key,
     )  # fmt: skip
     served_model_name: str | None = setting(None, "the model id clients send and /v1/models lists (default: --model)")
     inline_activation_bytes: int = setting(

@@ -64,11 +64,19 @@ class Tokens:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._check(body)
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def texts(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """Each token's own text, for the /lens page, which names the tokens of its views by them."""
+        self._check(body)
+        return {"texts": [self.tokenizer.decode([t]) for t in body.tokens]}
+
+    def _check(self, body: DetokenizeRequest) -> None:
         check_model(body.model, self.model_name)
         bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"tokens: ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})", "tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def info(self) -> dict[str, Any]:
         """vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template."""

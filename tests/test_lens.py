@@ -1,0 +1,288 @@
+"""The /lens page of `vlens serve` in a real headless Chromium (Debian's `chromium`, driven by Playwright; no
+browser download): every number the page shows is the server's own (logit lens, attention, SAE features,
+steered completions), bad input shows the server's error next to its field without stale results, and no
+request leaves the machine. The same page as an offline file (`vlens lens`) renders the same cells."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from sae_helpers import save_saelens
+from server_helpers import decode_activations, vlens_serve
+
+from vlens import Capture, SamplingParams
+from vlens.cli import main
+
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; .ci/run installs it where it is missing
+KEY = "lens-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "The cat sat on the"
+K = 5  # the page's top-k
+SAE_HOOK = "blocks.2.hook_resid_post"
+SERVE = ["--enable-capture", "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "128"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        pytest.fail(f"cannot run the browser test: {CHROMIUM} is missing (apt-get install -y chromium; .ci/run does)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("cannot run the browser test: the package playwright is missing (pip install -e '.[test]')")
+
+    with sync_playwright() as playwright:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def plain(smol4_path):
+    # Activations past 1 KiB come as download handles: this server's page fetches them, the other's reads them inline.
+    with vlens_serve(["--model", str(smol4_path), *SERVE, "--inline-activation-bytes", "1024"]) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sae_path(tmp_path_factory):
+    return save_saelens(tmp_path_factory.mktemp("lens-sae") / "sae", d_sae=64, seed=3, hook=SAE_HOOK)[0]
+
+
+@pytest.fixture(scope="module")
+def with_sae(smol4_path, sae_path):
+    args = ["--model", str(smol4_path), *SERVE, "--sae", f"feat={sae_path}"]
+    with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as (url, _):
+        yield url
+
+
+class Visit:
+    """A fresh browser tab on a page, recording every request it makes and refusing those that would leave
+    the machine."""
+
+    def __init__(self, browser, url: str, base: str):
+        self.context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.context.on("request", lambda r: self.requests.append(r.url))
+        self.context.route("**/*", lambda r: r.continue_() if r.request.url.startswith(base) else r.abort())
+        self.page = self.context.new_page()
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.goto(url)
+        self.base = base
+
+    def cells(self, selector: str) -> list[dict[str, str]]:
+        return self.page.eval_on_selector_all(selector, "els => els.map(e => ({...e.dataset}))")
+
+    def run(self, prompt: str, max_tokens: int = 0) -> None:
+        self.page.fill("#prompt", prompt)
+        self.page.fill("#max-tokens", str(max_tokens))
+        self.page.click("#run")
+        self.page.wait_for_function("() => ['Done.', ''].includes(document.getElementById('status').textContent)")
+
+    def close(self, screenshot: Path) -> None:
+        self.page.screenshot(path=str(screenshot), full_page=True)
+        self.context.close()
+        assert not self.errors, self.errors
+        assert self.requests and all(u.startswith(self.base) for u in self.requests), self.requests
+
+
+def complete(url: str, prompt, max_tokens: int, vlens: dict | None = None, headers: dict | None = None) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": max_tokens == 0}
+    if vlens:
+        body["vlens"] = vlens
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers or {}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def mean_residual(url: str, text: str, hook: str) -> list[float]:
+    capture = {"hooks": hook, "reduce": "mean", "dtype": "float32", "positions": "all"}
+    acts = decode_activations(complete(url, text, 0, {"capture": capture})["vlens"]["activations"], url)
+    return acts[hook][0].double().tolist()
+
+
+def check_lens(cells: list[dict], url: str, prompt: str, max_tokens: int, headers: dict | None = None) -> list[int]:
+    """Every heatmap cell is the server's top logit-lens token and its probability at that layer and
+    position; returns the token ids of the prompt and completion. Within 1e-5: the page's request may share
+    its steps with the page's other requests, and a batch of other rows moves float32 sums by ~1e-6."""
+    capture = {"hooks": "blocks.*.hook_resid_post", "logit_lens": K, "positions": "all"}
+    response = complete(url, prompt, max_tokens, {"capture": capture}, headers)
+    acts = decode_activations(response["vlens"]["activations"], url, headers)
+    positions = acts["positions"].tolist()
+    expected = {}
+    for layer in range(4):
+        lens = f"blocks.{layer}.hook_resid_post.logit_lens"
+        ids, logprobs = acts[f"{lens}.token_ids"], acts[f"{lens}.logprobs"]
+        for row, pos in enumerate(positions):
+            expected[(layer, pos)] = (int(ids[row, 0]), math.exp(float(logprobs[row, 0])))
+    got = {(int(c["layer"]), int(c["pos"])): (int(c["tokenId"]), float(c["prob"])) for c in cells}
+    assert got.keys() == expected.keys() and len(got) == 4 * len(positions)
+    for key, (token, prob) in expected.items():
+        assert got[key][0] == token and math.isclose(got[key][1], prob, rel_tol=1e-5), (key, got[key], token, prob)
+    return acts["token_ids"].tolist()
+
+
+def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_factory):
+    visit = Visit(browser, plain + "/lens", plain)
+    page = visit.page
+    visit.run(PROMPT, max_tokens=3)
+    tokens = check_lens(visit.cells("#lens-table td[data-prob]"), plain, PROMPT, 3)
+    assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == tokens
+    completion = complete(plain, PROMPT, 3)["choices"][0]["text"]
+    assert page.text_content("#completion") == f"Completion: {completion}"
+    page.focus("#lens-table td[data-prob] >> nth=0")
+    page.keyboard.press("ArrowRight")  # the keyboard moves between cells, each showing its top k
+    assert page.locator("#lens-detail li").count() == K and "position 1" in page.text_content("#lens-detail")
+
+    # One head: every query x key weight is hook_pattern's from LLM.trace; then the layer's grid of heads.
+    page.select_option("#layer", "2")
+    page.fill("#head", "4")
+    page.click("#attention-show")
+    page.wait_for_selector("#attention table[data-head='4'] td[data-weight]")
+    # The page reads the prompt and its completion together (so the last generated token too).
+    pattern = smol4.trace([tokens], "blocks.2.attn.hook_pattern")[0]["blocks.2.attn.hook_pattern"][:, 4]
+    cells = visit.cells("#attention td[data-weight]")
+    n = len(tokens)
+    assert len(cells) == n * (n + 1) // 2
+    for c in cells:
+        assert (c["layer"], c["head"]) == ("2", "4")
+        assert abs(float(c["weight"]) - pattern[int(c["query"]), int(c["key"])].item()) < 1e-5, c
+    page.fill("#head", "")
+    page.click("#attention-show")
+    page.wait_for_selector("#attention table[data-head='8']")
+    assert page.locator("#attention table").count() == 9
+
+    # A head that does not exist: the server's error beside the field, and no pattern left on screen.
+    page.fill("#head", "12")
+    page.click("#attention-show")
+    page.wait_for_function("() => document.getElementById('head-error').textContent !== ''")
+    assert "capture.heads: [12] out of range" in page.text_content("#head-error")
+    assert page.locator("#attention td").count() == 0
+
+    # Steering by the difference of two prompts' mean residuals: the page's completions are the API's.
+    page.fill("#head", "")
+    page.fill("#steer-scale", "6")
+    page.fill("#steer-tokens", "8")
+    page.click("#steer-run")
+    page.wait_for_function("() => document.getElementById('steer-steered').textContent !== ''")
+    hook = page.input_value("#steer-hook")
+    assert hook == "blocks.2.hook_resid_post"
+    plus, minus = mean_residual(plain, "I love this", hook), mean_residual(plain, "I hate this", hook)
+    vector = [a - b for a, b in zip(plus, minus)]
+    steer = {"type": "steer", "hook": hook, "vector": vector, "scale": 6.0}
+    steered = complete(plain, PROMPT, 8, {"interventions": [steer]})["choices"][0]["text"]
+    assert page.text_content("#steer-plain") == complete(plain, PROMPT, 8)["choices"][0]["text"]
+    assert page.text_content("#steer-steered") == steered != page.text_content("#steer-plain")
+    visit.page.screenshot(path=str(tmp_path_factory.mktemp("lens") / "lens-plain.png"), full_page=True)
+
+    # Bad input: the server's error beside the prompt, and nothing of the earlier prompt left as if new.
+    for prompt, max_tokens, message in [
+        ("", 0, "prompt[0]: empty text"),
+        (PROMPT, 200, "max_tokens: 200 plus the 5-token prompt exceed this server's context of 128 tokens"),
+    ]:
+        visit.run(prompt, max_tokens)
+        assert message in page.text_content("#prompt-error")
+        for selector in ("#tokens li", "#lens-table td", "#attention td", "#steer-steered"):
+            assert page.locator(selector).count() == 0 or page.text_content(selector) == "", selector
+    page.screenshot(path=str(tmp_path_factory.mktemp("lens") / "lens-error.png"), full_page=True)
+    # A slow run overtaken by a quick one: the slow one's answer, arriving last, is not drawn.
+    def slow(response) -> bool:
+        return response.url.endswith("/v1/completions") and '"max_tokens":40' in (response.request.post_data or "")
+
+    with page.expect_response(slow) as overtaken:
+        page.fill("#prompt", "Once upon a time")
+        page.fill("#max-tokens", "40")
+        page.click("#run")
+        visit.run("Paris is a city in", 0)
+    overtaken.value.finished()
+    page.wait_for_timeout(300)  # the page's handler of that answer has run by now (if it drew, it shows)
+    assert page.text_content("#prompt-error") == ""
+    tokens = check_lens(visit.cells("#lens-table td[data-prob]"), plain, "Paris is a city in", 0)
+    assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == tokens
+    assert any("/v1/activations/act-" in url for url in visit.requests)  # the handles were followed
+    visit.close(tmp_path_factory.mktemp("lens") / "lens-errors.png")
+
+
+def test_lens_page_with_an_sae_and_a_key(with_sae, browser, smol4, tmp_path_factory):
+    # The page holds no data, so it needs no key; the token texts it names cells by do.
+    page = httpx.get(with_sae + "/lens")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "connect-src 'self'" in page.text and not re.search(r"https?://", page.text)
+    assert httpx.post(with_sae + "/lens/texts", json={"tokens": [1]}).status_code == 401
+    texts = httpx.post(with_sae + "/lens/texts", json={"tokens": [504, 2115, 28]}, headers=AUTH).json()["texts"]
+    assert texts == [smol4.tokenizer.decode([t]) for t in (504, 2115, 28)]
+    bad = httpx.post(with_sae + "/lens/texts", json={"tokens": [49152]}, headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+    visit = Visit(browser, with_sae + "/lens", with_sae)
+    page = visit.page
+    visit.run(PROMPT)  # no key typed yet: the server's 401, word for word
+    assert page.text_content("#prompt-error") == "missing API key: send the header `Authorization: Bearer KEY`"
+    page.fill("#api-key", KEY)
+    visit.run(PROMPT)
+    page.wait_for_selector("#sae-table td[data-feature]")
+    ids = check_lens(visit.cells("#lens-table td[data-prob]"), with_sae, PROMPT, 0, AUTH)
+    assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == ids
+
+    # Each token's top latents are the server's sae_features, those that fired.
+    capture = {"sae": "feat", "top_k": K, "positions": "all"}
+    entry = complete(with_sae, ids, 0, {"capture": capture}, AUTH)["vlens"]["sae_features"][SAE_HOOK]
+    expected = {
+        (pos, f): v for pos, row_ids, row_values in zip(entry["positions"], entry["ids"], entry["values"])
+        for f, v in zip(row_ids, row_values) if v > 0
+    }  # fmt: skip
+    got = {(int(c["pos"]), int(c["feature"])): float(c["value"]) for c in visit.cells("#sae-table td[data-feature]")}
+    assert got == expected and expected
+
+    # A latent chosen with the keyboard: its activation at every position, as the server reads it.
+    (pos, feature), _ = max(expected.items(), key=lambda item: item[1])
+    page.focus(f"#sae-table td[data-pos='{pos}'][data-feature='{feature}']")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#sae-strip td[data-value]")
+    dense = complete(with_sae, ids, 0, {"capture": {"sae": "feat", "features": [feature], "positions": "all"}}, AUTH)
+    strip = dense["vlens"]["sae_features"][SAE_HOOK]
+    got = [(int(c["pos"]), int(c["feature"]), float(c["value"])) for c in visit.cells("#sae-strip td[data-feature]")]
+    assert got == [(p, feature, row[0]) for p, row in zip(strip["positions"], strip["values"])]
+
+    # Steering along the latent's decoder row: the page's steered completion is the API's, and differs.
+    page.check("#steer-by-sae")
+    page.fill("#steer-feature", str(feature))
+    page.fill("#steer-scale", "30")
+    page.fill("#steer-tokens", "8")
+    page.click("#steer-run")
+    page.wait_for_function("() => document.getElementById('steer-steered').textContent !== ''")
+    steer = {"type": "steer", "hook": SAE_HOOK, "sae": "feat", "feature": feature, "scale": 30.0}
+    steered = complete(with_sae, PROMPT, 8, {"interventions": [steer]}, AUTH)["choices"][0]["text"]
+    assert page.text_content("#steer-plain") == complete(with_sae, PROMPT, 8, headers=AUTH)["choices"][0]["text"]
+    assert page.text_content("#steer-steered") == steered != page.text_content("#steer-plain")
+    visit.close(tmp_path_factory.mktemp("lens") / "lens-sae.png")
+
+
+def test_lens_file_renders_offline(browser, smol4, smol4_path, sae_path, tmp_path):
+    """`vlens lens` writes one file that the browser draws with no request at all: the same cells, the
+    numbers of the offline engine."""
+    out = tmp_path / "lens.html"
+    args = ["lens", PROMPT, "--model", str(smol4_path), "--max-tokens", "2", "--sae", str(sae_path), "--out", str(out)]
+    assert main(args) == 0
+    visit = Visit(browser, out.as_uri(), out.as_uri())
+    capture = Capture(hooks="blocks.*.hook_resid_post", logit_lens=K)
+    [ref] = smol4.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0, capture=capture), use_tqdm=False)
+    cells = visit.cells("#lens-table td[data-prob]")
+    got = {(int(c["layer"]), int(c["pos"])): (int(c["tokenId"]), float(c["prob"])) for c in cells}
+    positions = ref.activation_positions.tolist()
+    assert len(got) == 4 * len(positions)
+    for layer in range(4):
+        ids, logprobs = ref.logit_lens[f"blocks.{layer}.hook_resid_post"]
+        for row, pos in enumerate(positions):
+            token, prob = got[(layer, pos)]
+            assert token == ids[row, 0].item() and math.isclose(prob, math.exp(logprobs[row, 0].item()), rel_tol=1e-6)
+    assert visit.page.locator("#attention table").count() == 9  # layer 0, every head
+    assert visit.page.locator("#sae-table td[data-feature]").count() > 0
+    assert len(visit.requests) == 1  # the file itself, nothing else
+    visit.close(tmp_path / "lens-file.png")

@@ -1,0 +1,110 @@
+"""vlens.viz's views as files and notebook cells: each carries the output's own numbers (read back from the
+file's embedded payload, bit for bit), makes no request anywhere (no http:// or https:// in it at all),
+and refuses an output that lacks what it shows, naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from sae_helpers import save_saelens
+
+from vlens import SAE, Capture, SamplingParams, viz
+from vlens.cli import main
+
+PROMPT = "The cat sat on the"
+SAE_HOOK = "blocks.2.hook_resid_post"
+
+
+def generate(llm, capture: Capture, max_tokens: int = 2):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, capture=capture)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0]
+
+
+def payload_of(html: str) -> dict:
+    """The payload a saved page embeds (what its script draws)."""
+    [text] = re.findall(r'<script type="application/json" id="vlens-payload">(.*?)</script>', html, re.S)
+    return json.loads(text)
+
+
+def offline(html: str) -> None:
+    assert not re.search(r"https?://", html, re.I)
+    assert not re.search(r"\bsrc\s*=", html)  # no script, image or frame loaded from anywhere
+
+
+def test_logit_lens_file_holds_the_outputs_numbers(smol4, tmp_path):
+    out = generate(smol4, Capture(hooks="blocks.*.hook_resid_post", logit_lens=3))
+    view = viz.logit_lens(out, tokenizer=smol4.tokenizer)
+    html = view.save(tmp_path / "lens.html").read_text()
+    offline(html)
+    payload = payload_of(html)
+    assert payload["token_ids"] == out.prompt_token_ids + out.outputs[0].token_ids
+    assert payload["completion"] == out.outputs[0].text
+    layers = payload["lens"]["layers"]
+    assert [entry["layer"] for entry in layers] == [0, 1, 2, 3] and payload["lens"]["k"] == 3
+    for entry in layers:
+        ids, logprobs = out.logit_lens[entry["hook"]]
+        assert entry["positions"] == out.activation_positions.tolist()
+        assert entry["ids"] == ids.tolist() and entry["logprobs"] == logprobs.double().tolist()
+        for i in ids.flatten().tolist():  # every token a cell names has its text
+            assert payload["texts"][str(i)] == smol4.tokenizer.decode([i])
+    first = layers[0]["logprobs"][0][0]
+    assert repr(first) in html  # the number itself, as the file's text
+    notebook = view._repr_html_()
+    offline(notebook)
+    assert notebook.startswith("<iframe srcdoc=") and "&lt;script" in notebook
+
+
+def test_attention_view_is_the_captured_pattern(smol4, tmp_path):
+    out = generate(smol4, Capture(hooks="blocks.1.attn.hook_pattern"))
+    pattern = out.activations["blocks.1.attn.hook_pattern"]
+    grid = payload_of(viz.attention(out, 1).save(tmp_path / "grid.html").read_text())
+    [entry] = grid["attention"]
+    assert entry["layer"] == 1 and entry["heads"] == list(range(9))
+    assert entry["weights"] == pattern.double().tolist()
+    html = viz.attention(out, 1, head=4).save(tmp_path / "head.html").read_text()
+    offline(html)
+    [entry] = payload_of(html)["attention"]
+    assert entry["heads"] == [4] and entry["weights"] == pattern[:, 4:5].double().tolist()
+    assert payload_of(html)["texts"] == {}  # without a tokenizer the page names tokens by id
+    with pytest.raises(ValueError, match=r"^head: 9 does not exist; blocks.1.attn.hook_pattern has heads 0..8$"):
+        viz.attention(out, 1, head=9)
+    with pytest.raises(ValueError, match=r"^layer: blocks.2.attn.hook_pattern was not captured"):
+        viz.attention(out, 2)
+
+
+def test_sae_view_is_the_outputs_features(smol4, tmp_path):
+    path = save_saelens(tmp_path / "sae", d_sae=64, seed=3, hook=SAE_HOOK)[0]
+    out = generate(smol4, Capture(sae=SAE.load(path), top_k=4, positions="all"))
+    html = viz.sae_features(out, tokenizer=smol4.tokenizer).save(tmp_path / "sae.html").read_text()
+    offline(html)
+    sae = payload_of(html)["sae"]
+    ids, values = out.sae_features[SAE_HOOK]
+    assert sae["hook"] == SAE_HOOK and sae["positions"] == out.activation_positions.tolist()
+    assert sae["ids"] == ids.tolist() and sae["values"] == values.double().tolist()
+
+
+def test_views_refuse_outputs_without_their_data(smol4):
+    out = generate(smol4, Capture(hooks="blocks.1.hook_resid_post"))
+    with pytest.raises(ValueError, match=r"^output: no logit lens captured"):
+        viz.logit_lens(out)
+    with pytest.raises(ValueError, match=r"^output: no top-k SAE features captured"):
+        viz.sae_features(out)
+
+
+def test_lens_command_refuses_bad_input_by_name(smol4_path, tmp_path, capsys):
+    out = tmp_path / "lens.html"
+    assert main(["lens", "", "--model", str(smol4_path), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == "vlens: error: prompts[0]: empty text; give at least one character\n"
+    assert not out.exists()
+
+
+def test_page_text_cannot_break_out_of_its_script():
+    """A prompt is data: '</script>' or a template slot in it stays inside the payload."""
+    prompt = "</script><script>alert(1)</script> {{js}} <!--"
+    payload = {"prompt": prompt, "token_ids": [], "prompt_tokens": 0, "completion": None, "texts": {}, "lens": None,
+               "attention": [], "sae": None, "feature": None, "model": None}  # fmt: skip
+    html = viz.page_html(payload)
+    assert html.count("</script>") == 2 and html.count("<script") == 2  # the payload's and the renderer's
+    assert payload_of(html)["prompt"] == prompt
