@@ -32,9 +32,11 @@ class LLM:
         config = self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
         check_backend(config.attention_backend, resolve_device(config.device))  # FlashInfer on a CPU: before loading
         if config.tensor_parallel_size > 1:  # ranks 1.. in worker processes; this one is rank 0
-            size, device = config.tensor_parallel_size, resolve_device(config.device)
-            backend = config.distributed_executor_backend
-            loaded = Executor(model, config.dtype, device, size, config.attention_backend, backend).loaded
+            loaded = Executor(
+                model, config.dtype, resolve_device(config.device), config.tensor_parallel_size,
+                config.attention_backend, config.distributed_executor_backend, compiled=not config.enforce_eager,
+                block_size=config.block_size,
+            ).loaded  # fmt: skip
         else:
             loaded = load_model(model, dtype=config.dtype, device=config.device)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

@@ -67,9 +67,14 @@ def _free_port() -> int:
 
 class Executor:
     """Rank 0's handle on the group: `launch` a forward on the other ranks, `close` them. `backend`: "mp"
-    (worker processes on this machine) or "ray" (Ray actors, one device each, on any machine of the cluster)."""
+    (worker processes on this machine) or "ray" (Ray actors, one device each, on any machine of the cluster).
+    `attention_backend`, `compiled`, `block_size`: what every rank makes its attention backend of, as
+    rank 0 does (vlens.attention.make_backend), so that "auto" picks the same one everywhere."""
 
-    def __init__(self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp"):
+    def __init__(
+        self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp",
+        compiled: bool = False, block_size: int = 16,
+    ):  # fmt: skip
         from transformers import AutoConfig
 
         path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
@@ -83,7 +88,8 @@ class Executor:
         if device.type == "cuda":
             device = torch.device("cuda", 0)
         spec = dict(
-            model=str(path), dtype=dtype, device=device.type, backend=attention_backend,
+            model=str(path), dtype=dtype, device=device.type, backend=attention_backend, compiled=compiled,
+            block_size=block_size,
             group="nccl" if device.type == "cuda" else "gloo", threads=torch.get_num_threads(),
         )  # fmt: skip
         if backend == "ray":
