@@ -18,10 +18,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from vlens.attention import make_backend
 from vlens.attention.metadata import AttentionMetadata
 from vlens.capture.runtime import Tap
 from vlens.distributed.parallel import Parallel
 from vlens.engine.model_runner import ModelRunner
+from vlens.loader import load_model
 
 TIMEOUT = timedelta(seconds=120)  # a collective that waits longer on a live peer: the group is broken
 
@@ -169,9 +171,6 @@ class Worker:
 def start(rank: int, size: int, init: str, spec: dict) -> Worker:
     """Join the group as `rank` and load this rank's shard (`spec`: what the executor says of the model and
     the machine; `spec["device_per_rank"]`: cuda:rank, else the one device this process sees)."""
-    from vlens.attention import make_backend
-    from vlens.loader import load_model
-
     torch.set_num_threads(spec["threads"])
     device = torch.device("cpu")
     if spec["device"] == "cuda":
