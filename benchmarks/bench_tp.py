@@ -61,7 +61,9 @@ class CollectiveClock:
             setattr(dist, name, fn)
 
 
-def steps(llm: LLM, prompts: list[list[int]], tokens: int, clock: CollectiveClock | None = None) -> list[tuple[float, float]]:
+def steps(
+    llm: LLM, prompts: list[list[int]], tokens: int, clock: CollectiveClock | None = None
+) -> list[tuple[float, float]]:
     """(ms, ms inside collectives) of each engine step of one batch: the prefill first, then the decodes."""
     engine = llm.engine
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -87,7 +89,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, CONFIG["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    vocab = CONFIG["vocab_size"]
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.float32).save_pretrained(tmp)

@@ -10,6 +10,7 @@ joins one group at a time, so each family's group is closed before the next star
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import signal
@@ -23,10 +24,11 @@ import torch
 from family_parity import COMMON, VOCAB, build, sequences
 from hf_reference import same
 from harvest_helpers import read_shards, write_jsonl
+from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
-from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer, harvest
+from vlens import LLM, SAE, Ablate, Capture, Clamp, Patch, SamplingParams, Steer, harvest
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
 
@@ -312,8 +314,33 @@ def test_mixed_batch_of_interventions_equals_one_process(pair):
     a, b = _generate(one, prompts, params), _generate(two, prompts, params)
     _check_outputs(a, b)
     # the edits took: every steered request differs from the plain one's path
-    plain = _generate(one, prompts[:1], [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))])
-    assert not torch.equal(plain[0].activations["blocks.2.hook_resid_post"], a[0].activations["blocks.2.hook_resid_post"])
+    plain_params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
+    plain = _generate(one, prompts[:1], [plain_params])
+    resid = "blocks.2.hook_resid_post"
+    assert not torch.equal(plain[0].activations[resid], a[0].activations[resid])
+
+
+def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path):
+    """A Clamp at hook_z (split by heads: the SAE encodes the whole gathered row) and an SAE's top latents
+    of the residual (read once, on rank 0): as in one process."""
+    _, one, two = pair
+    shapes = one.hook_names()
+    z, resid = "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"
+    sae_z = SAE.load(save_saelens(tmp_path / "z", d_sae=32, hook=z, d_in=math.prod(shapes[z]))[0])
+    sae_r = SAE.load(save_saelens(tmp_path / "r", "jumprelu", d_sae=32, hook=resid, d_in=shapes[resid][0])[0])
+    clamp = dict(max_tokens=4, temperature=0, ignore_eos=True, interventions=[Clamp(z, sae_z, feature=3, value=4.0)])
+    params = [
+        SamplingParams(**clamp, capture=Capture(hooks=[z, resid])),
+        SamplingParams(**clamp, capture=Capture(sae=sae_r, top_k=4)),
+    ]
+    prompts = sequences((9, 6))
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    _check_outputs(a, b)
+    (ids_a, values_a), (ids_b, values_b) = a[1].sae_features[resid], b[1].sae_features[resid]
+    assert torch.equal(ids_a, ids_b) and same(values_b.double(), values_a.double(), TOL)
+    clamp.pop("interventions")
+    unclamped = _generate(one, prompts[:1], [SamplingParams(**clamp, capture=Capture(hooks=[z]))])
+    assert not same(unclamped[0].activations[z].double(), a[0].activations[z].double(), 1e-3)  # the clamp took
 
 
 def test_logit_lens_and_logits_cover_the_vocabulary(pair):

@@ -45,7 +45,8 @@ class RayRanks:
         free = ray.available_resources().get(kind, 0)
         if free < each * (size - 1):  # else the actors would wait for resources that never come
             raise ValueError(
-                f"tensor_parallel_size: {size - 1} Ray actors need {each * (size - 1)} {kind}s; the cluster has {free:g} free"
+                f"tensor_parallel_size: {size - 1} Ray actors need {each * (size - 1)} {kind}s; "
+                f"the cluster has {free:g} free"
             )
         actor = ray.remote(**resources)(RayRank)
         self.actors = [actor.remote(rank, size, init, spec | {"device_per_rank": False}) for rank in range(1, size)]

@@ -119,7 +119,8 @@ def table_rows(taps: dict[str, Tap]) -> dict[int, tuple[torch.Tensor, ...]]:
     out = {}
     for width, (table, ids) in wanted.items():
         index = torch.tensor(sorted(ids), dtype=torch.long)
-        rows = (t.index_select(0, index.to(t.device)).cpu() for t in (table.data, table.mask, table.encoder, table.params))
+        tensors = (table.data, table.mask, table.encoder, table.params)
+        rows = (t.index_select(0, index.to(t.device)).cpu() for t in tensors)
         out[width] = (index, *rows)
     return out
 

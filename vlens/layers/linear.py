@@ -14,6 +14,7 @@ output over the ranks, once, before its bias. Each loads only its rows or column
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -77,20 +78,18 @@ class FusedLinear(StoredLinear):
         if self.stored_fused:
             source = None
             if sharded:  # this rank's rows of every part, in the fused (vlens-layout) tensor
-                starts = [0, *torch.tensor(list(self.global_parts.values())).cumsum(0).tolist()]
+                starts = accumulate(self.global_parts.values(), initial=0)
                 rows = [start + r for start, shard in zip(starts, self.shards.values()) for r in shard]
                 source = (torch.tensor(rows),)
-            return {
-                f"{path}.{leaf}": Slot(p, None, self.transforms.get(leaf), source) for leaf, p in self.named_parameters()
-            }
-        parent = path.rpartition(".")[0]
-        return {
-            f"{parent}.{part}.{leaf}": Slot(
-                p, rows, self.transforms.get(leaf), (slice(self.shards[part].start, self.shards[part].stop),) if sharded else None
-            )
-            for part, rows in self.part_rows().items()
-            for leaf, p in self.named_parameters()
-        }
+            params = self.named_parameters()
+            return {f"{path}.{leaf}": Slot(p, None, self.transforms.get(leaf), source) for leaf, p in params}
+        parent, slots = path.rpartition(".")[0], {}
+        for part, rows in self.part_rows().items():
+            shard = self.shards[part]
+            source = (slice(shard.start, shard.stop),) if sharded else None  # this rank's rows of the part's tensor
+            for leaf, p in self.named_parameters():
+                slots[f"{parent}.{part}.{leaf}"] = Slot(p, rows, self.transforms.get(leaf), source)
+        return slots
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(list(self.parts.values()), dim=-1)
