@@ -120,6 +120,20 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+def test_smollm2_weights_on_three_ranks(smol4, smol4_path):
+    """SmolLM2's own weights (cut to four layers): 9 heads and 3 KV heads on three ranks, one KV head each;
+    every hook of a trace, and a greedy generation with its hidden states, as in one process."""
+    three = LLM(model=str(smol4_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20, tensor_parallel_size=3)
+    try:
+        hooks, texts = list(smol4.hook_names()), ["The capital of France is", "Tensor parallelism splits"]
+        for a, b in zip(smol4.trace(texts, hooks), three.trace(texts, hooks)):
+            assert [h for h in hooks if not _equal(b[h], a[h], h)] == []
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks="hidden_states.*"))
+        _check_outputs(smol4.generate(texts, params, use_tqdm=False), three.generate(texts, params, use_tqdm=False))
+    finally:
+        three.model.executor.close()
+
+
 def test_harvest_shards_equal_one_process(tmp_path):
     """`harvest(path, tensor_parallel_size=2)` starts a group and closes it when done. hook_embed is byte
     for byte the one-process value (the vocabulary shards add exact zeros); the rows behind a row-parallel
