@@ -159,7 +159,7 @@ class Executor:
             return
         self.closed = True
         on_failure(None)
-        self.ranks.stop()
-        if dist.is_initialized():
+        if dist.is_initialized():  # first: a rank waiting in a collective of this group fails out of it at once
             dist.destroy_process_group()
+        self.ranks.stop()
 
