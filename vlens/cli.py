@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOOK",
         help="hook names or globs (quoted), e.g. blocks.10.hook_resid_post 'blocks.{0..3}.hook_attn_out'",
     )
-    add_flags(p, EngineConfig, only={"model", "dtype", "device"})
+    add_flags(p, EngineConfig, only={"model", "dtype", "device", "tensor_parallel_size"})
     p.add_argument("--out", metavar="FILE", help="also write the activations and token ids to FILE (see below)")
     p.set_defaults(func=_cmd_trace)
 
@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=GENERATE_FILE,
     )  # fmt: skip
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed"})
+    add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed", "tensor_parallel_size"})
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vlens.distributed.parallel import SINGLE, Parallel
+
 
 class UnsupportedModelError(ValueError):
     """A checkpoint whose architecture vlens has no model code for."""
@@ -160,6 +162,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    parallel: Parallel = SINGLE  # this process's share of a tensor-parallel model (vlens.distributed)
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]

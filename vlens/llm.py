@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
+from vlens.distributed.executor import Executor
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.model_runner import ModelRunner
@@ -30,7 +31,14 @@ class LLM:
         or invalid one is a ValueError naming it, raised before the model is loaded."""
         config = self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
         check_backend(config.attention_backend, resolve_device(config.device))  # FlashInfer on a CPU: before loading
-        loaded = load_model(model, dtype=config.dtype, device=config.device)
+        if config.tensor_parallel_size > 1:  # ranks 1.. in worker processes; this one is rank 0
+            loaded = Executor(
+                model, config.dtype, resolve_device(config.device), config.tensor_parallel_size,
+                config.attention_backend, config.distributed_executor_backend, compiled=not config.enforce_eager,
+                block_size=config.block_size,
+            ).loaded  # fmt: skip
+        else:
+            loaded = load_model(model, dtype=config.dtype, device=config.device)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
         self.device = loaded.model.lm_head.weight.device
@@ -40,7 +48,8 @@ class LLM:
             config.attention_backend, self.device, not config.enforce_eager, kinds, self.dtype, config.block_size
         )
         self.runner = ModelRunner(
-            self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs, graphs=not config.enforce_eager
+            self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs,
+            graphs=not config.enforce_eager and config.tensor_parallel_size == 1,  # no collectives in a graph yet
         )
         self._engine: LLMEngine | None = None
 

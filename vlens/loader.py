@@ -7,6 +7,7 @@ only to parse configs, build tokenizers and (once per file) dequantise GGUF.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -24,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from vlens.config import ModelConfig
+from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.models import DecoderLM, build_model
 
@@ -238,9 +240,7 @@ def load_weights(model: DecoderLM, path: Path) -> None:
                     continue
                 slot = layout[key]
                 target = slot.target()
-                tensor = f.get_tensor(key)
-                if slot.transform is not None:
-                    tensor = slot.transform(tensor)
+                tensor = _read(f, key, slot)
                 if tensor.shape != target.shape:  # copy_ would broadcast some mismatches silently
                     raise ModelLoadError(
                         f"model: weight {key!r} in {str(file)!r} has shape {tuple(tensor.shape)}, but the "
@@ -255,6 +255,18 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         raise ModelLoadError(f"model: checkpoint {str(path)!r} lacks weights {missing[:5]} ({len(missing)} in all)")
 
 
+def _read(f: Any, key: str, slot: Slot) -> torch.Tensor:
+    """The checkpoint tensor `key` as its slot takes it: this rank's rows or columns read straight from
+    the file where the stored layout is vlens's, else the whole tensor transformed, then cut."""
+    plain = slot.transform is None and slot.source is not None and all(isinstance(i, slice) for i in slot.source)
+    if plain:
+        return f.get_slice(key)[slot.source]
+    tensor = f.get_tensor(key)
+    if slot.transform is not None:
+        tensor = slot.transform(tensor)
+    return tensor if slot.source is None else tensor[slot.source]
+
+
 def _tokenizer(path: Path) -> Any | None:
     """The checkpoint's HF tokenizer, or None for weights-only checkpoints (token ids in, ids out)."""
     from transformers import AutoTokenizer
@@ -265,15 +277,17 @@ def _tokenizer(path: Path) -> Any | None:
 
 
 def load_model(
-    model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", device: str = "auto"
+    model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", device: str = "auto",
+    parallel: Parallel = SINGLE,
 ) -> LoadedModel:
-    """Load model, config and tokenizer from any source vlens accepts (see module doc)."""
+    """Load model, config and tokenizer from any source vlens accepts (see module doc); with `parallel`,
+    only that rank's shard of the weights (vlens.distributed)."""
     from transformers import AutoConfig
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(model)
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    cfg = dataclasses.replace(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), parallel=parallel)
     with torch.device("meta"):
         net = build_model(cfg, device=dev)
     net = net.to(torch_dtype).to_empty(device=dev)

@@ -37,6 +37,14 @@ class EngineConfig:
         choices=BACKENDS,
     )
     enforce_eager: bool = setting(False, "no compiled kernels and no CUDA graphs: every step runs eagerly")
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is split across (heads, MLP columns, vocabulary): one process and one device each",
+        minimum=1,
+    )
+    distributed_executor_backend: str = setting(
+        "mp", "where ranks 1.. of tensor parallelism run: mp (processes on this machine) or ray (Ray actors, "
+        "one device each, on any machine of the cluster; pip install 'vlens[ray]')", choices=("mp", "ray"),
+    )
     gpu_memory_utilization: float = setting(
         0.9, "share of the GPU's memory the engine may use: weights, the profiled forward, then the KV cache",
         check=lambda v: None if 0 < v <= 1 else f"{v!r} is not a fraction in (0, 1]",

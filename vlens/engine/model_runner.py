@@ -35,6 +35,7 @@ from vlens.capture.names import LOGITS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_step
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, Tap, set_context
+from vlens.distributed.taps import shard_taps
 from vlens.engine.buffers import StepBuffers
 from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
 from vlens.engine.packed import PackedCapture, packed_plan
@@ -119,14 +120,14 @@ class ModelRunner:
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
         cfg = model.cfg
         itemsize = model.lm_head.weight.element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return 2 * cfg.num_layers * block_size * _kv_heads(cfg) * cfg.head_dim * itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
         a static decode step write and read it. Graphs of the plain decode step are captured here."""
         self.block_size, self.scratch_block = block_size, num_blocks
         self.num_slots = (num_blocks + 1) * block_size
-        shape = (self.cfg.num_layers, 2, self.num_slots, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (self.cfg.num_layers, 2, self.num_slots, _kv_heads(self.cfg), self.cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
@@ -152,7 +153,9 @@ class ModelRunner:
         backend = backend or self.backend
         state = backend.prepare(meta, self.kinds, self.dtype)
         forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
-        set_context(ForwardContext(meta, backend, state, taps))
+        if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
+            self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
+        set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg)))
         try:
             hidden = forward(ids)
             logits = None
@@ -160,6 +163,10 @@ class ModelRunner:
                 logits = self.model.logits(hidden[logit_rows])
             elif logit_rows is not None:
                 logits = self.model.logits(hidden.index_select(0, logit_rows))
+        except BaseException:
+            if self.model.executor is not None:  # the other ranks may wait in a collective this one left
+                self.model.executor.close()
+            raise
         finally:
             set_context(None)
         return hidden, logits
@@ -308,6 +315,11 @@ class ModelRunner:
         meta = layout([0], [tokens], [tokens], None, 0, 0, self.buffers.put)
         ids = self.buffers.put("input_ids", np.zeros(tokens, np.int64))
         self._forward(meta, ids, {}, None, slice(-logit_rows, None))
+
+
+def _kv_heads(cfg) -> int:
+    """KV heads this rank caches (all of them in one process; vlens.distributed)."""
+    return len(cfg.parallel.units(cfg.num_kv_heads))
 
 
 def _decodes(seq: Sequence, n: int) -> bool:

@@ -79,6 +79,9 @@ class HarvestConfig:
         "with Ray Data; pip install 'vlens[ray]'); same files either way", choices=("local", "ray"), flag="--ray",
         const="ray",
     )  # fmt: skip
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is split across (local backend): one process and one device each", minimum=1
+    )
     workers: int = setting(1, "Ray actors, one GPU each on CUDA", minimum=1)
     cpus_per_worker: float = setting(1, "CPUs each Ray actor holds without a GPU", check=positive)
     ray_address: str | None = setting(None, "Ray cluster to join (default: a running one, else a new local one)")
@@ -97,6 +100,8 @@ class HarvestConfig:
             )
         if (self.sae is None) != (self.top_k is None):
             raise ValueError("top_k: give it with sae, and only with sae: how many latents to store per row")
+        if self.tensor_parallel_size > 1 and self.backend == "ray":
+            raise ValueError("tensor_parallel_size: with the local backend; the Ray backend runs one model per actor")
         if self.sae_hook is not None and self.sae is None:
             raise ValueError("sae_hook: only with sae")
         if self.pack and self.max_tokens is not None and self.max_tokens < self.context_size:

@@ -8,20 +8,24 @@ from pathlib import Path
 from typing import Any
 
 from vlens.attention.sdpa import SdpaBackend
+from vlens.distributed.executor import Executor
 from vlens.engine.model_runner import ModelRunner
 from vlens.llm import LLM
-from vlens.loader import LoadedModel, hash_file, load_model
+from vlens.loader import LoadedModel, hash_file, load_model, resolve_device
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 _hashes: dict[tuple, str] = {}
 
 
-def resolve_model(model: Any, model_dtype: str, device: str) -> LoadedModel:
-    """Reuse an `LLM` or `LoadedModel` the caller already holds (tests, notebooks); else load `model`."""
+def resolve_model(model: Any, model_dtype: str, device: str, tensor_parallel_size: int = 1) -> LoadedModel:
+    """Reuse an `LLM` or `LoadedModel` the caller already holds (tests, notebooks); else load `model`
+    (split across `tensor_parallel_size` ranks: the caller closes `model.executor` when done)."""
     if isinstance(model, LoadedModel):
         return model
     if isinstance(model, LLM):
         return LoadedModel(model.model, model.config, model.tokenizer, model.model_path, model.model_name)
+    if tensor_parallel_size > 1:
+        return Executor(model, model_dtype, resolve_device(device), tensor_parallel_size, "sdpa").loaded
     return load_model(model, dtype=model_dtype, device=device)
 
 

@@ -19,6 +19,8 @@ from vlens.harvest.pipeline import run_shards
 from vlens.harvest.rows import DeviceRows
 from vlens.harvest.windows import token_documents
 from vlens.harvest.writer import read_manifest
+from vlens.llm import LLM
+from vlens.loader import LoadedModel
 from vlens.settings import from_kwargs
 
 
@@ -52,7 +54,15 @@ def harvest_with(config: HarvestConfig) -> HarvestSummary:
 
 def _harvest_local(config: HarvestConfig) -> HarvestSummary:
     started = time.perf_counter()
-    loaded = resolve_model(config.model, config.model_dtype, config.device)
+    loaded = resolve_model(config.model, config.model_dtype, config.device, config.tensor_parallel_size)
+    try:
+        return _harvest_loaded(config, loaded, started)
+    finally:
+        if loaded.model.executor is not None and not isinstance(config.model, (LLM, LoadedModel)):
+            loaded.model.executor.close()  # the group this harvest started
+
+
+def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, started: float) -> HarvestSummary:
     wanted, packing, src, features = plan(loaded, config)
     taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
     runner = runner_for(config.model, loaded)

@@ -20,11 +20,14 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Slot:
     """One checkpoint tensor's destination: `param[index]` (all of it when index is None), after
-    `transform` has put the stored tensor into vlens's layout."""
+    `transform` has put the stored tensor into vlens's layout and `source` (None: all of it) has
+    picked this rank's shard of it (vlens.distributed: the loader reads only those rows or columns
+    from the file where no transform needs the whole tensor)."""
 
     param: nn.Parameter
     index: slice | tuple | None = None
     transform: Transform | None = None
+    source: tuple | None = None
 
     def target(self) -> torch.Tensor:
         return self.param.data if self.index is None else self.param.data[self.index]

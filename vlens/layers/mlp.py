@@ -12,8 +12,9 @@ from torch import nn
 
 from vlens.context import tap
 from vlens.config import UnsupportedModelError
+from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers import fused
-from vlens.layers.linear import FusedLinear
+from vlens.layers.linear import FusedLinear, RowLinear
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -36,15 +37,17 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
-    """`stored_fused`: the checkpoint keeps gate and up as one `gate_up_proj` tensor (Phi-3)."""
+    """`stored_fused`: the checkpoint keeps gate and up as one `gate_up_proj` tensor (Phi-3).
+    `parallel`: each rank holds its columns of gate and up and the matching ones of down."""
 
     def __init__(
-        self, hidden: int, intermediate: int, act: str, bias: bool, hook_post: str, stored_fused: bool = False
-    ):
+        self, hidden: int, intermediate: int, act: str, bias: bool, hook_post: str, stored_fused: bool = False,
+        parallel: Parallel = SINGLE,
+    ):  # fmt: skip
         super().__init__()
         parts = {"gate_proj": intermediate, "up_proj": intermediate}
-        self.gate_up_proj = FusedLinear(hidden, parts, bias, stored_fused=stored_fused)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = FusedLinear(hidden, parts, bias, stored_fused=stored_fused, parallel=parallel)
+        self.down_proj = RowLinear(intermediate, hidden, bias, parallel)
         self.act = activation(act)
         self.hook_post = hook_post
 

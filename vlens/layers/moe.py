@@ -5,7 +5,9 @@ Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate.
 Taps: the router's logits [E] and the chosen experts [k] (int64, in descending weight order, as
 torch.topk gives them) — which experts ran is the first thing one asks of an MoE activation.
 The experts' weights are stacked ([E, 2I, d] and [E, d, I], as HF 5 holds them); checkpoints keep
-one tensor per expert, which loads into its slice.
+one tensor per expert, which loads into its slice. Under tensor parallelism every rank holds every
+expert's share of the intermediate columns (gate, up and the matching columns of down) and the
+experts' summed partial outputs are added across the ranks once; the router runs whole on every rank.
 """
 
 from __future__ import annotations
@@ -16,27 +18,34 @@ from torch import nn
 
 from vlens.context import tap
 from vlens.config import ModelConfig
+from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.layers.mlp import GatedMLP, activation
 
 
 class Experts(nn.Module):
-    def __init__(self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str]):
+    def __init__(
+        self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str],
+        parallel: Parallel = SINGLE,
+    ):  # fmt: skip
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num, hidden, intermediate))
+        columns = parallel.units(intermediate)
+        n = len(columns)
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * n, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden, n))
         self.act = activation(act)
-        self.intermediate = intermediate
+        self.columns, self.parallel = slice(columns.start, columns.stop), parallel
         self.names = names  # the checkpoint's names for each expert's gate, up and down projections
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         gate, up, down = self.names
-        n = self.intermediate
+        n = self.columns.stop - self.columns.start
+        rows, cols = ((self.columns,), (slice(None), self.columns)) if self.parallel.size > 1 else (None, None)
         slots = {}
         for e in range(self.gate_up_proj.shape[0]):
-            slots[f"{path}.{e}.{gate}.weight"] = Slot(self.gate_up_proj, (e, slice(0, n)))
-            slots[f"{path}.{e}.{up}.weight"] = Slot(self.gate_up_proj, (e, slice(n, 2 * n)))
-            slots[f"{path}.{e}.{down}.weight"] = Slot(self.down_proj, (e,))
+            slots[f"{path}.{e}.{gate}.weight"] = Slot(self.gate_up_proj, (e, slice(0, n)), None, rows)
+            slots[f"{path}.{e}.{up}.weight"] = Slot(self.gate_up_proj, (e, slice(n, 2 * n)), None, rows)
+            slots[f"{path}.{e}.{down}.weight"] = Slot(self.down_proj, (e,), None, cols)
         return slots
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -52,7 +61,7 @@ class Experts(nn.Module):
             weight = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]; a token picks an expert once
             gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
             out += (F.linear(self.act(gate) * up, self.down_proj[e]) * weight).to(out.dtype)
-        return out
+        return all_reduce(out, self.parallel)
 
 
 class SparseMoE(nn.Module):
@@ -62,14 +71,15 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         experts = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, expert_names)
-        self.experts = Experts(*experts)
+        self.experts = Experts(*experts, cfg.parallel)
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
         self.stored_as = stored_as
         p = f"blocks.{layer}.mlp."
         self.shared = cfg.shared_expert_intermediate_size > 0
         if self.shared:
             size = cfg.shared_expert_intermediate_size
-            self.shared_expert = GatedMLP(cfg.hidden_size, size, cfg.hidden_act, False, p + "shared_expert.hook_post")
+            hook = p + "shared_expert.hook_post"
+            self.shared_expert = GatedMLP(cfg.hidden_size, size, cfg.hidden_act, False, hook, parallel=cfg.parallel)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
 

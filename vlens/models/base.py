@@ -32,7 +32,9 @@ class AttentionHeads(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # this rank's heads (all of them in one process; vlens.distributed.parallel)
+        self.heads, self.kv_heads = len(cfg.parallel.units(cfg.num_heads)), len(cfg.parallel.units(cfg.num_kv_heads))
+        self.head_dim = cfg.head_dim
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         if cfg.attn_scale_inverse_layer:
             scale /= layer + 1
@@ -116,6 +118,10 @@ class DecoderLM(nn.Module):
     final_norm: nn.Module
     lm_head: nn.Linear
 
+    # Rank 0 of a tensor-parallel group: what runs each of its forwards on the other ranks
+    # (vlens.distributed.executor.Executor); None in one process.
+    executor = None
+
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Token ids -> the residual stream entering layer 0, firing hook_embed. Gemma scales the
         embedding by sqrt(d), the factor rounded to the model dtype first as HF does; families with
@@ -153,6 +159,8 @@ class DecoderLM(nn.Module):
     def lens(self, residual: torch.Tensor) -> torch.Tensor:
         """Logits of arbitrary residual rows through the final norm and unembedding (logit lens);
         no taps fire."""
+        if self.executor is not None:  # the other ranks hold the rest of the vocabulary
+            self.executor.lens(residual)
         return self._unembed(self.final_norm(residual))
 
     def _unembed(self, normed: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from vlens.config import ModelConfig
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.norm import make_norm
+from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import DecoderLM, ResidualBlock, Rope
 from vlens.models.llama import SelfAttention
 
@@ -31,7 +32,7 @@ class GemmaDecoderLayer(ResidualBlock):
         self.post_attention_layernorm = make_norm(cfg)
         self.pre_feedforward_layernorm = make_norm(cfg)
         hook_post = f"blocks.{layer}.mlp.hook_post"
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, hook_post)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, hook_post, parallel=cfg.parallel)
         self.post_feedforward_layernorm = make_norm(cfg)
 
     ln1 = property(lambda self: self.input_layernorm)
@@ -47,7 +48,7 @@ class GemmaDecoderLayer(ResidualBlock):
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg)
 
@@ -56,7 +57,7 @@ class GemmaForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
         self.model = GemmaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.model.embed_tokens)
     layers = property(lambda self: self.model.layers)

@@ -9,9 +9,10 @@ from torch import nn
 
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, tap
-from vlens.layers.linear import FusedLinear, StoredLinear
+from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
+from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
 
 CONV1D = {"weight": torch.Tensor.t}  # Conv1D keeps weight as [in, out]; nn.Linear as [out, in]
@@ -21,9 +22,10 @@ class GPT2Attention(AttentionHeads):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
         d = cfg.hidden_size
-        parts = {"q": d, "k": d, "v": d}
-        self.c_attn = FusedLinear(d, parts, cfg.qkv_bias, stored_fused=True, transforms=CONV1D)
-        self.c_proj = StoredLinear(d, d, cfg.o_bias, transforms=CONV1D)
+        parts, h, p = {"q": d, "k": d, "v": d}, cfg.num_heads, cfg.parallel
+        units = dict.fromkeys(parts, h)
+        self.c_attn = FusedLinear(d, parts, cfg.qkv_bias, True, CONV1D, p, units)
+        self.c_proj = RowLinear(d, d, cfg.o_bias, p, units=h, transforms=CONV1D)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.c_attn.split(self.c_attn(x))
@@ -33,8 +35,9 @@ class GPT2Attention(AttentionHeads):
 class GPT2MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.c_fc = StoredLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, transforms=CONV1D)
-        self.c_proj = StoredLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, transforms=CONV1D)
+        sizes, p = (cfg.hidden_size, cfg.intermediate_size), cfg.parallel
+        self.c_fc = ColumnLinear(*sizes, cfg.mlp_bias, p, transforms=CONV1D)
+        self.c_proj = RowLinear(*reversed(sizes), cfg.mlp_bias, p, transforms=CONV1D)
         self.act = activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
@@ -65,7 +68,7 @@ class GPT2Block(ResidualBlock):
 class GPT2Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = make_norm(cfg)
@@ -75,7 +78,7 @@ class GPT2LMHeadModel(DecoderLM):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
         self.transformer = GPT2Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.transformer.wte)
     layers = property(lambda self: self.transformer.h)

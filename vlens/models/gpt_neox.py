@@ -14,9 +14,10 @@ from torch import nn
 from vlens.context import tap
 from vlens.config import ModelConfig
 from vlens.layers.checkpoint import Transform
-from vlens.layers.linear import FusedLinear
+from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
+from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
 
 
@@ -35,9 +36,9 @@ class GPTNeoXAttention(AttentionHeads):
         d = cfg.hidden_size
         order = deinterleave_heads(cfg.num_heads)
         transforms = {"weight": order, "bias": order}
-        parts = {"q": d, "k": d, "v": d}
-        self.query_key_value = FusedLinear(d, parts, cfg.qkv_bias, stored_fused=True, transforms=transforms)
-        self.dense = nn.Linear(d, d, bias=cfg.o_bias)
+        parts, h, p = {"q": d, "k": d, "v": d}, cfg.num_heads, cfg.parallel
+        self.query_key_value = FusedLinear(d, parts, cfg.qkv_bias, True, transforms, p, dict.fromkeys(parts, h))
+        self.dense = RowLinear(d, d, cfg.o_bias, p, units=h)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.query_key_value.split(self.query_key_value(x))
@@ -47,8 +48,9 @@ class GPTNeoXAttention(AttentionHeads):
 class GPTNeoXMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.dense_4h_to_h = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        sizes, p = (cfg.hidden_size, cfg.intermediate_size), cfg.parallel
+        self.dense_h_to_4h = ColumnLinear(*sizes, cfg.mlp_bias, p)
+        self.dense_4h_to_h = RowLinear(*reversed(sizes), cfg.mlp_bias, p)
         self.act = activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
@@ -80,7 +82,7 @@ class GPTNeoXLayer(ResidualBlock):
 class GPTNeoXModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_in = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_in = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
         self.layers = nn.ModuleList(GPTNeoXLayer(cfg, i) for i in range(cfg.num_layers))
         self.final_layer_norm = make_norm(cfg)
 
@@ -89,7 +91,7 @@ class GPTNeoXForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
         self.gpt_neox = GPTNeoXModel(cfg)
-        self.embed_out = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_out = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.gpt_neox.embed_in)
     layers = property(lambda self: self.gpt_neox.layers)

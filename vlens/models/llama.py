@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.layers.linear import FusedLinear
+from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.moe import SparseMoE
 from vlens.layers.norm import RMSNorm
+from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
 
 # MoE checkpoints name their block and each expert's gate/up/down projections differently.
@@ -33,8 +34,9 @@ class SelfAttention(AttentionHeads):
         super().__init__(cfg, layer)
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         parts = {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d}
-        self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, stored_fused=cfg.stored_fused)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        units, p = {"q_proj": h, "k_proj": kv, "v_proj": kv}, cfg.parallel
+        self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, cfg.stored_fused, parallel=p, units=units)
+        self.o_proj = RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -47,7 +49,8 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
         return SparseMoE(cfg, layer, stored_as, expert_names)
     hook = f"blocks.{layer}.mlp.hook_post"
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, hook, cfg.stored_fused)
+    sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+    return GatedMLP(*sizes, hook, cfg.stored_fused, cfg.parallel)
 
 
 class DecoderLayer(ResidualBlock):
@@ -71,7 +74,7 @@ class DecoderLayer(ResidualBlock):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
@@ -83,7 +86,7 @@ class CausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.model.embed_tokens)
     layers = property(lambda self: self.model.layers)

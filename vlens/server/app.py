@@ -212,6 +212,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             )
 
     app.state.drain = drain
+    app.state.engine_loop = loop
     return app
 
 
@@ -248,10 +249,15 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(llm: LLM, config: ServerConfig) -> None:
+def serve(llm: LLM, config: ServerConfig) -> int:
     """Run the server until SIGTERM or SIGINT (what `vlens serve` does after loading the model), drain it,
-    and return, so the process exits 0."""
+    and return 0; or, when the engine stops for good (a tensor-parallel rank died), answer 503, shut
+    down and return 1, rather than serve from a broken model."""
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
     app = create_app(llm, config)
-    DrainingServer(uvicorn.Config(app, host=config.host, port=config.port), app.state.drain).run()
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port), app.state.drain)
+    engine_loop = app.state.engine_loop
+    engine_loop.on_broken = lambda: setattr(server, "should_exit", True)
+    server.run()
+    return 0 if engine_loop.broken is None else 1

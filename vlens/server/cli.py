@@ -40,5 +40,4 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlens.llm import LLM  # only once the settings are known to be good
     from vlens.server.app import serve
 
-    serve(LLM(**values(engine)), config)
-    return 0
+    return serve(LLM(**values(engine)), config)

@@ -12,10 +12,13 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import LLMEngine, NewRequest
 from vlens.outputs import RequestDelta
+from vlens.server.protocol import APIError
 
 log = logging.getLogger("vlens.server")
 
@@ -91,6 +94,10 @@ class EngineLoop:
         self._by_submission: dict[Submission, set[str]] = {}
         self._thread = threading.Thread(target=self._run, name="vlens-engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set when the engine can never step again (a tensor-parallel rank died): every request then ends
+        # with a 503, and `on_broken` (run on the event loop) stops the server.
+        self.broken: str | None = None
+        self.on_broken: Callable[[], None] | None = None
 
     # -- the asyncio side ---------------------------------------------------------------------------
 
@@ -109,6 +116,8 @@ class EngineLoop:
     async def submit(self, requests: list[NewRequest]) -> Submission:
         """Queue the requests; return once the engine accepted all of them. Raises the engine's
         ValueError (naming the field) if it refused any, in which case none of them runs."""
+        if self.broken is not None:
+            raise self._unavailable()
         submission = Submission(requests)
         self._commands.put(submission)
         first = await submission.next()
@@ -145,10 +154,26 @@ class EngineLoop:
             if self.engine.has_work():
                 try:
                     self._step()
+                except GroupError as e:  # the model is gone: nothing more can run here
+                    self._break(str(e))
+                    return
                 except Exception as e:  # an engine bug must not hang every client: fail them, go on
                     log.exception("engine step failed")
                     self._fail_all(f"engine error: {type(e).__name__}: {e}")
             self.stats = self.engine.stats()
+
+    def _break(self, why: str) -> None:
+        log.error("engine stopped: %s", why)
+        self.broken = why
+        self._fail_all(f"the engine stopped: {why}", 503)
+        while (command := self._poll()) is not None:  # submissions already queued get their answer too
+            if isinstance(command, Submission):
+                self._send([(command, Rejected(self._unavailable()))])
+        if self.on_broken is not None:
+            self._loop.call_soon_threadsafe(self.on_broken)
+
+    def _unavailable(self) -> APIError:
+        return APIError(503, f"the engine stopped: {self.broken}; the server is shutting down", code="engine_stopped")
 
     def _poll(self):
         try:

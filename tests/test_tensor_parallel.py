@@ -1,0 +1,373 @@
+"""Tensor parallelism on the CPU (gloo, two ranks: this process and one worker, one thread each): every
+hook of a packed trace and of a generation equals the one-process value within 1e-5 (float32; the
+row-parallel sums add the ranks' partial products in another order, so not bit for bit), greedy tokens
+are the same, interventions on sharded and replicated taps act as in one process, bad sizes are refused
+before a weight loads, and a rank killed mid-generation fails the caller at once with its name and
+leaves no process behind.
+
+One tiny random checkpoint per family, one one-process and one two-rank LLM per family (a process
+joins one group at a time, so each family's group is closed before the next starts)."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from family_parity import COMMON, VOCAB, build, sequences
+from hf_reference import same
+from harvest_helpers import read_shards, write_jsonl
+from sae_helpers import save_saelens
+from server_helpers import vlens_serve
+from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
+
+from vlens import LLM, SAE, Ablate, Capture, Clamp, Patch, SamplingParams, Steer, harvest
+from vlens.distributed.parallel import GroupError
+from vlens.engine.llm_engine import NewRequest
+
+TOL = 1e-5
+N = 2
+GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+GPT2 = {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
+
+CONFIGS = {
+    "smollm2": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),  # GQA, tied
+    "qwen2_mqa": lambda: Qwen2Config(**COMMON, num_key_value_heads=1),  # biases; one KV head on both ranks
+    "gemma2": lambda: Gemma2Config(
+        **COMMON, num_key_value_heads=2, head_dim=24, sliding_window=7, layer_types=GEMMA_LAYERS,
+        query_pre_attn_scalar=20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+    ),  # fmt: skip
+    "gpt2": lambda: GPT2Config(**GPT2),  # fused Conv1D qkv, LayerNorm, learned positions
+    "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    # a split shared expert, and a dense layer among the MoE ones
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[1],
+    ),  # fmt: skip
+    # q/k/v and gate/up stored fused: each rank reads its rows of one checkpoint tensor
+    "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
+
+
+def _open(path: str, **settings) -> LLM:
+    return LLM(model=path, dtype="float32", device="cpu", block_size=4, **settings)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers take the thread count of rank 0
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory, one_thread):
+    """(name, one-process LLM, two-rank LLM) of one family."""
+    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param), request.param)
+    two = _open(path, tensor_parallel_size=N)
+    yield request.param, _open(path), two
+    two.model.executor.close()
+    assert not multiprocessing.active_children()
+
+
+def test_bad_sizes_are_refused_before_loading(tmp_path):
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())  # another module-scoped group may still run
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide num_attention_heads=4.*\[1, 2, 4\]"):
+        _open(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        _open(path, tensor_parallel_size=0)
+    assert set(multiprocessing.active_children()) == before  # no worker was started
+
+
+def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    llm = _open(path, tensor_parallel_size=N)
+    executor = llm.model.executor
+    victim = executor.ranks.procs[0]
+    engine = llm.engine
+    engine.add_requests([NewRequest(p, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+                         for p in sequences((30, 20, 10))])  # fmt: skip
+    for _ in range(3):
+        engine.step()  # generation is under way on both ranks
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while engine.has_work():
+                engine.step()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the engine hangs on a dead rank"
+    assert len(outcome) == 1 and isinstance(outcome[0], GroupError), outcome
+    assert "rank 1" in str(outcome[0]) and str(-signal.SIGKILL) in str(outcome[0])
+    assert executor.closed and set(multiprocessing.active_children()) == before
+    with pytest.raises(GroupError, match="closed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_smollm2_weights_on_three_ranks(smol4, smol4_path):
+    """SmolLM2's own weights (cut to four layers): 9 heads and 3 KV heads on three ranks, one KV head each;
+    every hook of a trace, and a greedy generation with its hidden states, as in one process."""
+    three = LLM(model=str(smol4_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20, tensor_parallel_size=3)
+    try:
+        hooks, texts = list(smol4.hook_names()), ["The capital of France is", "Tensor parallelism splits"]
+        for a, b in zip(smol4.trace(texts, hooks), three.trace(texts, hooks)):
+            assert [h for h in hooks if not _equal(b[h], a[h], h)] == []
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks="hidden_states.*"))
+        _check_outputs(smol4.generate(texts, params, use_tqdm=False), three.generate(texts, params, use_tqdm=False))
+    finally:
+        three.model.executor.close()
+
+
+def test_harvest_shards_equal_one_process(tmp_path):
+    """`harvest(path, tensor_parallel_size=2)` starts a group and closes it when done. hook_embed is byte
+    for byte the one-process value (the vocabulary shards add exact zeros); the rows behind a row-parallel
+    sum (residual, z) are within 1e-5."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    source = write_jsonl(tmp_path / "tok.jsonl", sequences((40, 30, 50)), field="tokens")
+    hooks = ["hook_embed", "blocks.1.hook_resid_post", "blocks.2.attn.hook_z", "blocks.0.mlp.hook_post"]
+    options = dict(context_size=16, dtype="float32", model_dtype="float32", device="cpu", progress=False)
+    harvest(path, source, hooks, tmp_path / "one", **options)
+    harvest(path, source, hooks, tmp_path / "two", tensor_parallel_size=N, **options)
+    assert set(multiprocessing.active_children()) == before
+    one, two = read_shards(tmp_path / "one"), read_shards(tmp_path / "two")
+    assert one.keys() == two.keys() and torch.equal(one["token_ids"], two["token_ids"])
+    assert torch.equal(one["hook_embed"], two["hook_embed"])
+    for hook in hooks[1:]:
+        assert same(two[hook].double(), one[hook].double(), TOL), hook
+
+
+def test_ray_actors_as_ranks(tmp_path):
+    """distributed_executor_backend="ray": rank 1 is a Ray actor; the same values as one process, and an
+    actor that dies fails the next call with its rank named."""
+    ray = pytest.importorskip("ray")
+    path = build(CONFIGS["qwen2_mqa"](), tmp_path, "qwen2_mqa")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        one, two = _open(path), _open(path, tensor_parallel_size=N, distributed_executor_backend="ray")
+        hooks, seqs = list(one.hook_names()), sequences()
+        for a, b in zip(one.trace(seqs, hooks), two.trace(seqs, hooks)):
+            assert all(_equal(b[h], a[h], h) for h in hooks)
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks[:20]))
+        prompts = sequences((9, 4))
+        _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))
+        ray.kill(two.model.executor.ranks.actors[0])
+        with pytest.raises(GroupError, match="rank 1"):
+            _generate(two, prompts, params)
+        assert two.model.executor.closed
+    finally:
+        ray.shutdown()
+
+
+def test_interrupted_forward_ends_the_group(tmp_path, monkeypatch):
+    """A forward that fails on rank 0 half way (an interrupt, out of memory) leaves the other rank in a
+    collective: the group is ended rather than fed the next forward out of step."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    llm = _open(path, tensor_parallel_size=N)
+    norm = type(llm.model.final_norm)
+    calls, forward = [], norm.forward
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # layer 0's second norm: rank 1 goes on to the MLP's all-reduce and waits there
+            raise KeyboardInterrupt
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(norm, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.trace([[1, 2, 3]], hooks=["ln_final.hook_out"])
+    assert llm.model.executor.closed and set(multiprocessing.active_children()) == before
+    with pytest.raises(GroupError, match="closed"):
+        llm.trace([[1, 2, 3]], hooks=["blocks.0.hook_resid_post"])
+
+
+def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    args = ["--model", path, "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", str(N),
+            "--kv-cache-memory", str(16 << 20), "--max-model-len", "64"]  # fmt: skip
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
+    with vlens_serve(args, env={"OMP_NUM_THREADS": "1"}) as (url, proc):
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        children = psutil.Process(proc.pid).children()
+        (worker,) = [c for c in children if "spawn_main" in " ".join(c.cmdline())]  # not the resource tracker
+        worker.kill()
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:  # the server reaps it later
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], r.text
+        assert proc.wait(timeout=60) == 1, proc.output()
+    _, alive = psutil.wait_procs(children, timeout=30)  # the worker, and multiprocessing's resource tracker
+    assert not alive
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
+    if hook.endswith("hook_expert_ids"):
+        return torch.equal(a, b)
+    return same(a.double(), b.double(), TOL)
+
+
+def test_shards_are_halves(pair):
+    """Each rank holds half the heads, half the MLP columns and half the vocabulary, read from the file."""
+    _, one, two = pair
+    cfg = one.config
+    assert two.model.cfg.parallel.size == N and two.model.cfg.parallel.rank == 0
+    attn = two.model.attention_layers()[0]
+    assert attn.num_heads == cfg.num_heads // N
+    assert attn.num_kv_heads == max(1, cfg.num_kv_heads // N)
+    assert two.model.lm_head.weight.shape[0] == -(-cfg.vocab_size // N)
+    full, half = one.model.lm_head.weight, two.model.lm_head.weight
+    assert torch.equal(half, full[: half.shape[0]])
+    own = sum(p.numel() for p in two.model.parameters())
+    assert own < 0.7 * sum(p.numel() for p in one.model.parameters())
+
+
+def test_trace_every_hook_equals_one_process(pair):
+    _, one, two = pair
+    hooks = list(one.hook_names())
+    seqs = sequences()
+    failures = []
+    for ids, a, b in zip(seqs, one.trace(seqs, hooks), two.trace(seqs, hooks)):
+        for hook in hooks:
+            assert a[hook].shape == b[hook].shape, hook
+            if not _equal(b[hook], a[hook], hook):
+                failures.append((len(ids), hook))
+    assert not failures, failures
+
+
+def _generate(llm: LLM, prompts, params) -> list:
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _check_outputs(a_outs, b_outs) -> None:
+    failures = []
+    for a, b in zip(a_outs, b_outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert a.activations.keys() == b.activations.keys()
+        for hook, value in a.activations.items():
+            if value.shape != b.activations[hook].shape or not _equal(b.activations[hook], value, hook):
+                failures.append(hook)
+    assert not failures, failures
+
+
+def test_generation_captures_every_hook_at_every_position(pair):
+    _, one, two = pair
+    params = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=list(one.hook_names()), positions="all")
+    )
+    prompts = sequences((20, 9, 3))
+    _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))
+
+
+def test_static_decode_step_equals_one_process(pair):
+    """The padded fixed-shape decode step (the one CUDA graphs replay; run eagerly here) on two ranks."""
+    _, one, two = pair
+    params = SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True,
+        capture=Capture(hooks=["blocks.*.attn.hook_z", "blocks.*.hook_resid_post", "blocks.0.attn.hook_pattern"]),
+        interventions=[Steer("blocks.1.attn.hook_v", torch.ones(one.config.num_kv_heads * one.config.head_dim))],
+    )  # fmt: skip
+    prompts = sequences((7, 3, 5))
+    two.runner.static_decode = True
+    try:
+        static = _generate(two, prompts, params)
+    finally:
+        two.runner.static_decode = False
+    assert two.runner.graph_stats.static_eager_steps > 0
+    _check_outputs(_generate(one, prompts, params), static)
+
+
+def _interventions(llm: LLM) -> list[list]:
+    """Per request: steered (residual), ablated (MLP out), per-head steered and ablated (heads on both
+    ranks, at the sharded hook_z), a steer and a patch on sharded MLP columns / KV heads, and none."""
+    cfg, shapes = llm.config, llm.hook_names()
+    g = torch.Generator().manual_seed(3)
+    d, dh = cfg.hidden_size, cfg.head_dim
+    heads = [0, cfg.num_heads - 1]  # one on each rank
+    mlp = "blocks.1.mlp.hook_post" if "blocks.1.mlp.hook_post" in shapes else "blocks.1.mlp.hook_router_logits"
+    return [
+        [Steer("blocks.1.hook_resid_post", torch.randn(d, generator=g), scale=2.0)],
+        [Ablate("blocks.{0,2}.hook_mlp_out", torch.randn(d, generator=g))],
+        [
+            Steer("blocks.0.attn.hook_z", torch.randn(len(heads), dh, generator=g), heads=heads),
+            Ablate("blocks.2.attn.hook_z", heads=[1]),
+        ],
+        [
+            Steer(mlp, torch.randn(shapes[mlp][0], generator=g), positions="generated"),
+            Patch("blocks.1.attn.hook_v", torch.randn(cfg.num_kv_heads * dh, generator=g), positions=[2, 5]),
+            Ablate("blocks.0.attn.hook_q", torch.randn(cfg.num_heads * dh, generator=g)),
+        ],
+        [],
+    ]
+
+
+def test_mixed_batch_of_interventions_equals_one_process(pair):
+    _, one, two = pair
+    hooks = ["blocks.*.hook_resid_post", "blocks.*.attn.hook_z", "blocks.1.attn.hook_v"]
+    prompts = sequences((12, 9, 7, 10, 5))
+    params = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, interventions=ivs, capture=Capture(hooks=hooks))
+        for ivs in _interventions(one)
+    ]
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    _check_outputs(a, b)
+    # the edits took: every steered request differs from the plain one's path
+    plain_params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
+    plain = _generate(one, prompts[:1], [plain_params])
+    resid = "blocks.2.hook_resid_post"
+    assert not torch.equal(plain[0].activations[resid], a[0].activations[resid])
+
+
+def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path):
+    """A Clamp at hook_z (split by heads: the SAE encodes the whole gathered row) and an SAE's top latents
+    of the residual (read once, on rank 0): as in one process."""
+    _, one, two = pair
+    shapes = one.hook_names()
+    z, resid = "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"
+    sae_z = SAE.load(save_saelens(tmp_path / "z", d_sae=32, hook=z, d_in=math.prod(shapes[z]))[0])
+    sae_r = SAE.load(save_saelens(tmp_path / "r", "jumprelu", d_sae=32, hook=resid, d_in=shapes[resid][0])[0])
+    clamp = dict(max_tokens=4, temperature=0, ignore_eos=True, interventions=[Clamp(z, sae_z, feature=3, value=4.0)])
+    params = [
+        SamplingParams(**clamp, capture=Capture(hooks=[z, resid])),
+        SamplingParams(**clamp, capture=Capture(sae=sae_r, top_k=4)),
+    ]
+    prompts = sequences((9, 6))
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    _check_outputs(a, b)
+    (ids_a, values_a), (ids_b, values_b) = a[1].sae_features[resid], b[1].sae_features[resid]
+    assert torch.equal(ids_a, ids_b) and same(values_b.double(), values_a.double(), TOL)
+    clamp.pop("interventions")
+    unclamped = _generate(one, prompts[:1], [SamplingParams(**clamp, capture=Capture(hooks=[z]))])
+    assert not same(unclamped[0].activations[z].double(), a[0].activations[z].double(), 1e-3)  # the clamp took
+
+
+def test_logit_lens_and_logits_cover_the_vocabulary(pair):
+    _, one, two = pair
+    params = SamplingParams(
+        max_tokens=3, temperature=0, ignore_eos=True, logprobs=5,
+        capture=Capture(hooks=["blocks.1.hook_resid_post"], logit_lens=5),
+    )  # fmt: skip
+    prompts = sequences((8, 4))
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for key in x.logit_lens:
+            ids_a, values_a = x.logit_lens[key]
+            ids_b, values_b = y.logit_lens[key]
+            assert torch.equal(ids_a, ids_b) and same(values_b.double(), values_a.double(), TOL)

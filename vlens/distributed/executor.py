@@ -1,0 +1,165 @@
+"""Rank 0 of a tensor-parallel group: it starts one worker process per other rank, loads its own shard,
+and before each forward it runs itself (the engine step, a trace or harvest batch, a logit-lens
+readout) sends the other ranks what that forward needs (`launch`, `lens`). Scheduling, sampling and
+collecting captured rows stay on rank 0, as in one process; the layers' collectives pair the ranks up
+inside the forward.
+
+A worker that dies is noticed by the collective it leaves (its sockets close) or by the pipe it no
+longer reads: the engine gets a `GroupError` naming the rank and its exit code, and every other worker
+is stopped, so no process is left behind and nothing waits on a rank that will not come.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from vlens.capture.runtime import Tap
+from vlens.config import ModelConfig
+from vlens.distributed import worker
+from vlens.distributed.parallel import GroupError, Parallel, on_failure
+from vlens.distributed.ranks import ProcessRanks
+from vlens.distributed.taps import sharded_units
+from vlens.loader import load_model, resolve_model_path
+
+STARTUP_S = 600  # loading a shard of a large model takes minutes; a worker that says nothing longer is stuck
+
+
+def check_parallel(cfg: ModelConfig, size: int, device: torch.device, local: bool = True) -> None:
+    """Refuse, before any weights load, a split the model or the machine cannot take (`local`: every rank
+    on this machine's devices; Ray checks its cluster's itself)."""
+    if local and device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size: {size} ranks need {size} CUDA devices; this machine has {torch.cuda.device_count()}"
+        )
+    problem = _split_problem(cfg, size)
+    if problem:
+        allowed = [n for n in range(1, cfg.num_heads + 1) if _split_problem(cfg, n) is None]
+        raise ValueError(f"tensor_parallel_size: {size} {problem}; allowed for this model: {allowed}")
+
+
+def _split_problem(cfg: ModelConfig, size: int) -> str | None:
+    """What in the model a split in `size` ranks cannot cut evenly, or None."""
+    dense = not cfg.moe_layers or not all(cfg.moe_layers)
+    sizes = {
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.intermediate_size if dense else 0,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+    }
+    for name, n in sizes.items():
+        if n and n % size:
+            return f"does not divide {name}={n}"
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:  # fewer KV heads than ranks: each is replicated on size / kv ranks
+        return f"neither divides nor is a multiple of num_key_value_heads={kv}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Executor:
+    """Rank 0's handle on the group: `launch` a forward on the other ranks, `close` them. `backend`: "mp"
+    (worker processes on this machine) or "ray" (Ray actors, one device each, on any machine of the cluster).
+    `attention_backend`, `compiled`, `block_size`: what every rank makes its attention backend of, as
+    rank 0 does (vlens.attention.make_backend), so that "auto" picks the same one everywhere."""
+
+    def __init__(
+        self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp",
+        compiled: bool = False, block_size: int = 16,
+    ):  # fmt: skip
+        from transformers import AutoConfig
+
+        path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
+        check_parallel(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), size, device, local=backend != "ray")
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise ValueError(
+                "tensor_parallel_size: this process already leads a tensor-parallel group; close it first "
+                "(llm.model.executor.close())"
+            )
+        self.size, self.closed = size, False
+        if device.type == "cuda":
+            device = torch.device("cuda", 0)
+        spec = dict(
+            model=str(path), dtype=dtype, device=device.type, backend=attention_backend, compiled=compiled,
+            block_size=block_size,
+            group="nccl" if device.type == "cuda" else "gloo", threads=torch.get_num_threads(),
+        )  # fmt: skip
+        if backend == "ray":
+            from vlens.distributed.ray_ranks import RayRanks, node_address  # ray is an optional extra
+
+            self.ranks = RayRanks(size, f"tcp://{node_address()}:{_free_port()}", spec)
+        else:
+            self.ranks = ProcessRanks(size, f"tcp://127.0.0.1:{_free_port()}", spec)
+        try:
+            dist.init_process_group(spec["group"], init_method=self.ranks.init, rank=0, world_size=size,
+                                    timeout=worker.TIMEOUT)  # fmt: skip
+            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=Parallel(0, size))
+            self.ranks.wait_ready(time.monotonic() + STARTUP_S)
+        except BaseException:
+            self.close()
+            raise
+        on_failure(self._fail)
+        self.loaded.model.executor = self
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    def _fail(self) -> str:
+        """A collective failed: name the dead rank (waiting a moment for the OS to report the exit), end the group."""
+        deadline = time.monotonic() + 5
+        while self.ranks.dead() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        why = self.ranks.dead() or "a rank stopped answering"
+        self.close()
+        return why
+
+    def _send(self, work) -> None:
+        if self.closed:
+            raise GroupError("tensor parallel group is closed; create a new LLM")
+        try:
+            self.ranks.send(work)
+        except OSError as e:  # BrokenPipeError: a worker is gone
+            raise GroupError(f"tensor parallel group failed: {self._fail()}") from e
+
+    def launch(
+        self, meta, ids: torch.Tensor, taps: dict, num_layers: int | None, logit_rows: torch.Tensor | slice | None,
+        decode: bool,
+    ) -> None:  # fmt: skip
+        """Run on the other ranks the forward rank 0 is about to run (`ModelRunner._forward`'s arguments):
+        the armed taps go along where they edit (every rank edits) or gather at a sharded site; a gather
+        of a tap every rank holds whole is read on rank 0 alone."""
+        cfg, armed = self.model.cfg, {}
+        for name, t in taps.items():
+            if not isinstance(t, Tap):
+                raise ValueError("hooks: Python hooks run in one process; not with tensor_parallel_size > 1")
+            sharded = sharded_units(name, cfg) is not None
+            if sharded or t.edit_rows is not None:
+                armed[name] = worker.ArmedTap.of(t, sharded)
+        rows = logit_rows.clone() if isinstance(logit_rows, torch.Tensor) else logit_rows
+        vectors = worker.table_rows(taps)
+        self._send(worker.Forward(ids.clone(), worker.portable(meta), armed, vectors, num_layers, rows, decode))
+
+    def lens(self, residual: torch.Tensor) -> None:
+        """The other ranks' part of a logit-lens readout of `residual` on rank 0."""
+        self._send(worker.Lens(residual.cpu()))
+
+    def close(self) -> None:
+        """Stop the workers (at once, if they do not stop by themselves) and leave the group: when done, and
+        when a forward failed on any rank, since the others may be waiting in a collective it left."""
+        if self.closed:
+            return
+        self.closed = True
+        on_failure(None)
+        if dist.is_initialized():  # first: a rank waiting in a collective of this group fails out of it at once
+            dist.destroy_process_group()
+        self.ranks.stop()
+

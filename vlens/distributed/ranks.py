@@ -1,0 +1,60 @@
+"""Ranks 1.. of a tensor-parallel group as processes started on this machine (the default
+`distributed_executor_backend`, "mp"): spawned, each fed over its own pipe, which only it reads, so
+a dead worker's pipe breaks at the next send. `ray_ranks.RayRanks` offers the same four calls with Ray
+actors, which may run on other machines."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+from vlens.distributed import worker
+from vlens.distributed.parallel import GroupError
+
+
+class ProcessRanks:
+    def __init__(self, size: int, init: str, spec: dict):
+        context = mp.get_context("spawn")
+        self.init, self.procs, self.conns = init, [], []
+        for rank in range(1, size):
+            parent, child = context.Pipe()
+            proc = context.Process(target=worker.main, args=(rank, size, init, spec | {"device_per_rank": True}, child),
+                                   daemon=True)  # fmt: skip
+            proc.start()
+            child.close()  # only the worker holds its end: a dead worker's pipe breaks
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def wait_ready(self, deadline: float) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            while not conn.poll(0.1):
+                if not self.procs[rank - 1].is_alive() or time.monotonic() > deadline:
+                    raise GroupError(f"tensor parallel rank {rank} did not start: {self.dead() or 'no answer'}")
+            status, detail = conn.recv()
+            if status != "ready":
+                raise GroupError(f"tensor parallel rank {rank} failed to load its shard:\n{detail}")
+
+    def send(self, work) -> None:
+        """To every worker, in rank order; OSError (a broken pipe) when one is gone."""
+        for conn in self.conns:
+            conn.send(work)
+
+    def dead(self) -> str | None:
+        """Which workers have exited, and how; None while all run."""
+        gone = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+        return "; ".join(gone) or None
+
+    def stop(self) -> None:
+        """Ask every worker to stop, then kill the ones that do not within 5 s."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()

@@ -1,0 +1,53 @@
+"""The vocabulary ends of the model, split by rows across tensor-parallel ranks (vlens.distributed).
+
+`VocabEmbedding` holds rows [start, stop) of the table: a token outside them looks up zeros and the
+ranks' lookups are summed, which adds exact zeros, so hook_embed is the unsharded value bit for bit.
+`LMHead` computes this rank's logits and joins the ranks' pieces into the whole vocabulary, so every
+consumer of logits (sampling, the logits hook, the logit lens) sees all of it. Each rank allocates
+ceil(V / size) rows; the last rank's rows past V are never read. In one process both are the plain
+nn.Embedding / bias-free nn.Linear they replace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlens.distributed.parallel import SINGLE, Parallel, all_gather, all_reduce
+from vlens.layers.checkpoint import Slot
+
+
+class _VocabRows(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: Parallel):
+        super().__init__()
+        self.vocab_size, self.parallel = vocab_size, parallel
+        self.rows, allocated = parallel.rows(vocab_size)
+        self.weight = nn.Parameter(torch.empty(allocated, hidden_size))
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        if self.parallel.size == 1:
+            return {f"{path}.weight": Slot(self.weight)}
+        rows = slice(self.rows.start, self.rows.stop)
+        return {f"{path}.weight": Slot(self.weight, slice(0, len(self.rows)), None, (rows,))}
+
+
+class VocabEmbedding(_VocabRows):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        mine = (local >= 0) & (local < len(self.rows))
+        x = F.embedding(local.clamp(0, len(self.rows) - 1), self.weight)
+        return all_reduce(x.masked_fill(~mine[:, None], 0.0), self.parallel)
+
+
+class LMHead(_VocabRows):
+    def __init__(self, hidden_size: int, vocab_size: int, parallel: Parallel = SINGLE):
+        super().__init__(vocab_size, hidden_size, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if self.parallel.size == 1:
+            return logits
+        return all_gather(logits, -1, self.parallel)[..., : self.vocab_size]
