@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from vlens.capture.names import hook_shapes, tap_dtype
 from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
 from vlens.distributed import worker
@@ -139,9 +140,12 @@ class Executor:
         of a tap every rank holds whole is read on rank 0 alone."""
         cfg, armed = self.model.cfg, {}
         for name, t in taps.items():
-            if not isinstance(t, Tap):
-                raise ValueError("hooks: Python hooks run in one process; not with tensor_parallel_size > 1")
             sharded = sharded_units(name, cfg) is not None
+            if not isinstance(t, Tap):  # a Python hook on rank 0: at a split site the others join its gather
+                if sharded:
+                    dtype = tap_dtype(name, self.model.lm_head.weight.dtype)
+                    armed[name] = worker.ArmedTap.every_row(len(ids), hook_shapes(cfg)[name], dtype)
+                continue
             if sharded or t.edit_rows is not None:
                 armed[name] = worker.ArmedTap.of(t, sharded)
         rows = logit_rows.clone() if isinstance(logit_rows, torch.Tensor) else logit_rows

@@ -11,7 +11,9 @@ tensor on every rank, and its `Tap` runs unchanged on each. At a sharded site th
 - an edit (Steer, Ablate, Patch, Clamp, per-head or whole) gathers the whole rows, applies the very
   `Tap` of one process to them, identically on every rank, and keeps this rank's slice: an ablation's
   projection or an SAE clamp sees the full row, and a per-head steer lands on the rank holding the head;
-- an attention-pattern tap computes this rank's heads and gathers them.
+- an attention-pattern tap computes this rank's heads and gathers them;
+- a Python hook (harvest's row takers, HookedLM.run_with_hooks) sees the whole tensor, all rows gathered,
+  on rank 0; it may only read it there (`ShardedHook`), since the other ranks cannot run it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ def shard_taps(taps: dict, cfg: ModelConfig) -> dict:
     out = {}
     for name, tap in taps.items():
         units = sharded_units(name, cfg)
-        out[name] = tap if units is None else ShardedTap(tap, units, cfg.parallel)
+        if units is None:
+            out[name] = tap
+        else:
+            kind = ShardedTap if hasattr(tap, "gather_index") else ShardedHook  # an armed Tap, or a Python hook
+            out[name] = kind(tap, units, cfg.parallel)
     return out
 
 
@@ -83,3 +89,16 @@ class ShardedTap:
         finally:
             tap.gather_out = whole
         whole.copy_(self._whole(mine))
+
+
+class ShardedHook(ShardedTap):
+    """A Python hook at a sharded site on rank 0: it reads every row, gathered whole (the other ranks join the
+    gather as for a capture of every row, vlens.distributed.executor); a hook that returns another tensor
+    would change the value on rank 0 alone, so it is refused."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        whole = self._whole(x)
+        if self.tap(whole) is not whole:
+            raise ValueError("hooks: a hook that changes a split activation (heads, MLP columns) runs only with "
+                             "tensor_parallel_size=1; one that reads it runs with any")  # fmt: skip
+        return x

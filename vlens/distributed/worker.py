@@ -74,6 +74,11 @@ class ArmedTap:
         width = t.table.data.shape[1] if edits else None
         return cls(index, t.softmax, gather, t.clamps, width, t.coefficients.cpu() if edits else None)
 
+    @classmethod
+    def every_row(cls, rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> ArmedTap:
+        """A gather of every row, whole: the part of a rank-0 Python hook at a split site (taps.ShardedHook)."""
+        return cls({"gather_index": torch.arange(rows)}, False, ((rows, *shape), dtype), False, None, None)
+
 
 @dataclass
 class Forward:
@@ -113,7 +118,7 @@ def table_rows(taps: dict[str, Tap]) -> dict[int, tuple[torch.Tensor, ...]]:
     """Rank 0's intervention-table rows that the armed edits read, per table width, on the host."""
     wanted: dict[int, tuple[object, set[int]]] = {}
     for t in taps.values():
-        if t.edit_rows is not None:
+        if isinstance(t, Tap) and t.edit_rows is not None:  # (Python hooks edit nothing here)
             table = t.table
             wanted.setdefault(table.data.shape[1], (table, set()))[1].update(t.edit_vectors.reshape(-1).tolist())
     out = {}

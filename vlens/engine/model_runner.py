@@ -254,16 +254,21 @@ class ModelRunner:
         )  # fmt: skip
         ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
         taps = self.taps.arm(plan, fixed_shapes=True) if plan else {}
-        if not self.graphs:
-            self.graph_stats.static_eager_steps += 1
-            return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
-        key = (size, pages, self.buffers.generation, _signature(taps))
-        if key not in self._graphs:
-            self._capture(key, meta, ids, taps)
-        graph, logits = self._graphs[key]
-        graph.replay()
-        self.graph_stats.graph_steps += 1
-        return logits
+        if self.graphs:
+            key = (size, pages, self.buffers.generation, _signature(taps))
+            if key not in self._graphs:
+                try:
+                    self._capture(key, meta, ids, taps)
+                except RuntimeError as e:  # what a graph cannot hold runs as it would without graphs
+                    log.warning("CUDA graph capture failed, decode steps run eagerly from now on: %s", e)
+                    self.graphs = False
+            if self.graphs:
+                graph, logits = self._graphs[key]
+                graph.replay()
+                self.graph_stats.graph_steps += 1
+                return logits
+        self.graph_stats.static_eager_steps += 1
+        return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
 
     def _capture(self, key: tuple, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap]) -> None:
         if len(self._graphs) >= MAX_GRAPHS:
