@@ -19,6 +19,7 @@ import argparse
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from vlens import LLM, SamplingParams
 from vlens.engine.llm_engine import NewRequest
 
-CONFIG = dict(
-    vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=512,
-)  # fmt: skip
+CONFIG = {
+    "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 512,
+}  # fmt: skip
 
 
 class CollectiveClock:
@@ -50,7 +51,7 @@ class CollectiveClock:
 
         return run
 
-    def __enter__(self) -> CollectiveClock:
+    def __enter__(self) -> Self:
         for name in ("all_reduce", "all_gather"):
             self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._timed(self._saved[name]))
@@ -94,7 +95,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.float32).save_pretrained(tmp)
-        settings = dict(dtype="float32", device="cpu", kv_cache_memory=256 << 20, max_num_batched_tokens=4096)
+        settings = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 256 << 20, "max_num_batched_tokens": 4096}
         one = LLM(tmp, **settings)
         steps(one, prompts[:2], 2)  # warm-up
         single = steps(one, prompts, args.tokens)

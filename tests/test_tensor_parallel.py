@@ -22,8 +22,8 @@ import psutil
 import pytest
 import torch
 from family_parity import COMMON, VOCAB, build, sequences
-from hf_reference import same
 from harvest_helpers import read_shards, write_jsonl
+from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
@@ -41,16 +41,27 @@ CONFIGS = {
     "smollm2": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),  # GQA, tied
     "qwen2_mqa": lambda: Qwen2Config(**COMMON, num_key_value_heads=1),  # biases; one KV head on both ranks
     "gemma2": lambda: Gemma2Config(
-        **COMMON, num_key_value_heads=2, head_dim=24, sliding_window=7, layer_types=GEMMA_LAYERS,
-        query_pre_attn_scalar=20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-    ),  # fmt: skip
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=24,
+        sliding_window=7,
+        layer_types=GEMMA_LAYERS,
+        query_pre_attn_scalar=20,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
     "gpt2": lambda: GPT2Config(**GPT2),  # fused Conv1D qkv, LayerNorm, learned positions
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     # a split shared expert, and a dense layer among the MoE ones
     "qwen2_moe": lambda: Qwen2MoeConfig(
-        **COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, mlp_only_layers=[1],
-    ),  # fmt: skip
+        **COMMON,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    ),
     # q/k/v and gate/up stored fused: each rank reads its rows of one checkpoint tensor
     "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
@@ -105,7 +116,7 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
         try:
             while engine.has_work():
                 engine.step()
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
+        except BaseException as e:  # noqa: BLE001 - whatever it is, the test inspects it
             outcome.append(e)
 
     thread = threading.Thread(target=run)
@@ -142,7 +153,7 @@ def test_harvest_shards_equal_one_process(tmp_path):
     before = set(multiprocessing.active_children())
     source = write_jsonl(tmp_path / "tok.jsonl", sequences((40, 30, 50)), field="tokens")
     hooks = ["hook_embed", "blocks.1.hook_resid_post", "blocks.2.attn.hook_z", "blocks.0.mlp.hook_post"]
-    options = dict(context_size=16, dtype="float32", model_dtype="float32", device="cpu", progress=False)
+    options = {"context_size": 16, "dtype": "float32", "model_dtype": "float32", "device": "cpu", "progress": False}
     harvest(path, source, hooks, tmp_path / "one", **options)
     harvest(path, source, hooks, tmp_path / "two", tensor_parallel_size=N, **options)
     assert set(multiprocessing.active_children()) == before
@@ -342,7 +353,12 @@ def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path
     z, resid = "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"
     sae_z = SAE.load(save_saelens(tmp_path / "z", d_sae=32, hook=z, d_in=math.prod(shapes[z]))[0])
     sae_r = SAE.load(save_saelens(tmp_path / "r", "jumprelu", d_sae=32, hook=resid, d_in=shapes[resid][0])[0])
-    clamp = dict(max_tokens=4, temperature=0, ignore_eos=True, interventions=[Clamp(z, sae_z, feature=3, value=4.0)])
+    clamp = {
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "interventions": [Clamp(z, sae_z, feature=3, value=4.0)],
+    }
     params = [
         SamplingParams(**clamp, capture=Capture(hooks=[z, resid])),
         SamplingParams(**clamp, capture=Capture(sae=sae_r, top_k=4)),

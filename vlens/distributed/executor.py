@@ -87,11 +87,11 @@ class Executor:
         self.size, self.closed = size, False
         if device.type == "cuda":
             device = torch.device("cuda", 0)
-        spec = dict(
-            model=str(path), dtype=dtype, device=device.type, backend=attention_backend, compiled=compiled,
-            block_size=block_size,
-            group="nccl" if device.type == "cuda" else "gloo", threads=torch.get_num_threads(),
-        )  # fmt: skip
+        spec = {
+            "model": str(path), "dtype": dtype, "device": device.type, "backend": attention_backend, "compiled": compiled,
+            "block_size": block_size,
+            "group": "nccl" if device.type == "cuda" else "gloo", "threads": torch.get_num_threads(),
+        }  # fmt: skip
         if backend == "ray":
             from vlens.distributed.ray_ranks import RayRanks, node_address  # ray is an optional extra
 
@@ -139,8 +139,9 @@ class Executor:
         of a tap every rank holds whole is read on rank 0 alone."""
         cfg, armed = self.model.cfg, {}
         for name, t in taps.items():
-            if not isinstance(t, Tap):
-                raise ValueError("hooks: Python hooks run in one process; not with tensor_parallel_size > 1")
+            if not isinstance(t, Tap):  # a user's Python hook (HookedLM.run_with_hooks): bad input, so ValueError
+                message = "hooks: Python hooks run in one process; not with tensor_parallel_size > 1"
+                raise ValueError(message)  # noqa: TRY004
             sharded = sharded_units(name, cfg) is not None
             if sharded or t.edit_rows is not None:
                 armed[name] = worker.ArmedTap.of(t, sharded)
@@ -162,4 +163,3 @@ class Executor:
         if dist.is_initialized():  # first: a rank waiting in a collective of this group fails out of it at once
             dist.destroy_process_group()
         self.ranks.stop()
-

@@ -190,7 +190,7 @@ def main(rank: int, size: int, init: str, spec: dict, conn) -> None:
     try:
         worker = start(rank, size, init, spec)
         conn.send(("ready", None))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to start is rank 0's to report
         conn.send(("error", traceback.format_exc()))
         return
     while True:
