@@ -35,7 +35,7 @@ from vlens.engine.llm_engine import NewRequest
 TOL = 1e-5
 N = 2
 GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
-GPT2 = {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
+GPT2 = {"vocab_size": VOCAB + 1, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
 
 CONFIGS = {
     "smollm2": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),  # GQA, tied
@@ -50,7 +50,8 @@ CONFIGS = {
         attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0,
     ),
-    "gpt2": lambda: GPT2Config(**GPT2),  # fused Conv1D qkv, LayerNorm, learned positions
+    # fused Conv1D qkv, LayerNorm, learned positions; an odd vocabulary (GPT-2's own is): the last shard is short
+    "gpt2": lambda: GPT2Config(**GPT2),
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     # a split shared expert, and a dense layer among the MoE ones
     "qwen2_moe": lambda: Qwen2MoeConfig(
@@ -371,6 +372,15 @@ def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path
     clamp.pop("interventions")
     unclamped = _generate(one, prompts[:1], [SamplingParams(**clamp, capture=Capture(hooks=[z]))])
     assert not same(unclamped[0].activations[z].double(), a[0].activations[z].double(), 1e-3)  # the clamp took
+
+
+def test_heads_chosen_from_both_ranks(pair):
+    """Capture(heads=...) keeps the named heads, in that order, from whichever rank holds each."""
+    _, one, two = pair
+    heads = [one.config.num_heads - 1, 0]
+    capture = Capture(hooks=["blocks.*.attn.hook_z", "blocks.0.attn.hook_pattern"], heads=heads)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=capture)
+    _check_outputs(_generate(one, sequences((6,)), params), _generate(two, sequences((6,)), params))
 
 
 def test_logit_lens_and_logits_cover_the_vocabulary(pair):
