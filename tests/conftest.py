@@ -191,6 +191,14 @@ def smol4_path(smol_path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """The harvest tests' corpus (test_harvest, test_harvest_ray): 40 English-like documents as JSON lines."""
+    from harvest_helpers import documents, write_jsonl
+
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents(40))
+
+
+@pytest.fixture(scope="session")
 def smol4(smol4_path) -> LLM:
     """An engine on smol4_path: for the engine's promises that hold for any model (isolation in mixed
     batches, preemption, the prefix cache), and the reference of the tests that run smol4 in a child."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,11 @@ from harvest_helpers import dir_bytes, documents, read_shards, window_rows, writ
 
 from vlens import ActivationDataset, harvest
 from vlens.harvest.cli import add_parser
+from vlens.harvest.stats import BLOCK, HookStats, ShardStats
 from vlens.loader import LoadedModel
 
 HOOKS = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_q", "blocks.2.mlp.hook_post", "hidden_states.2"]
 CTX = 32
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents(40))
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +205,11 @@ def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
     assert again.tokens_this_run == 0 and dir_bytes(out) == before
     with pytest.raises(ValueError, match=r"context_size: 32 on disk, 16 now"):
         harvest(smol, corpus, "hook_embed", out, **{**kwargs, "context_size": 16})
+    # the batch size is the run's own: left out it is the one on disk, given otherwise it is refused
+    kept = harvest(smol, corpus, "hook_embed", tmp_path / "b32", batch_tokens=CTX, **kwargs)
+    assert harvest(smol, corpus, "hook_embed", tmp_path / "b32", **kwargs).tokens_this_run == 0 < kept.tokens
+    with pytest.raises(ValueError, match=r"batch_tokens: 32 on disk, 64 now"):
+        harvest(smol, corpus, "hook_embed", tmp_path / "b32", batch_tokens=2 * CTX, **kwargs)
     with pytest.raises(ValueError, match=r"hooks.*dtype|dtype.*hooks"):
         harvest(smol, corpus, "blocks.0.hook_resid_post", out, dtype="float16", **kwargs)
     other = write_jsonl(tmp_path / "other.jsonl", documents(40, seed=1))
@@ -278,3 +280,44 @@ def test_cli_harvest_then_export(smol_path, corpus, tmp_path):
     args = parser.parse_args(["export", str(out), "--format", "saelens", "--to", str(tmp_path / "sae")])
     assert args.func(args) == 0
     assert (tmp_path / "sae" / "dataset_info.json").exists()
+
+
+def test_the_summary_says_where_the_time_went(smol, corpus, tmp_path, capsys):
+    """`vlens harvest` ends with tokens/s, the device's busy share and the write throughput; the flags of
+    the batch size and the pipeline parse."""
+    parser = argparse.ArgumentParser(prog="vlens")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--batch-tokens", "32",
+                              "--no-pipeline"])  # fmt: skip
+    assert (args.batch_tokens, args.pipeline) == (32, False)
+    summary = harvest(smol, corpus, "blocks.1.hook_resid_post", tmp_path / "out", context_size=16, max_tokens=64,
+                      batch_tokens=32, shard_bytes=50_000)  # fmt: skip
+    assert 0 < summary.device_seconds < summary.seconds and 0 < summary.write_seconds < summary.seconds
+    assert summary.bytes_this_run == summary.bytes > 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"this run 64 tokens in [\d.]+ s: [\d,]+ tokens/s, device busy \d+% of the time, writes "
+                     r"[\d,]+ MB/s \([\d.]+ kB in [\d.]+ s\)$", line), line  # fmt: skip
+
+
+def test_statistics_do_not_depend_on_the_batch_split():
+    """A shard's statistics, fed its rows in any batches, are the same bits: blocks are cut by the shard.
+    Folded shard after shard they are the float64 mean and norms of all the rows."""
+    torch.manual_seed(0)
+    shards = [torch.randn(BLOCK + 1234, 2, 4).to(torch.bfloat16), torch.randn(300, 2, 4).to(torch.bfloat16)]
+    folded = HookStats.empty(8)
+    for x in shards:
+        pieces = []
+        for cuts in ([len(x)], [1, 7, len(x) - 8], list(range(0, len(x), 97))[1:]):
+            stats = ShardStats(8, torch.device("cpu"))
+            for part in torch.tensor_split(x, cuts):
+                stats.add(part)
+            pieces.append(stats.finish())
+        assert all(torch.equal(p.values, pieces[0].values) and p.rows == pieces[0].rows for p in pieces)
+        folded.fold(pieces[0])
+    rows = torch.cat(shards).reshape(-1, 8).double()
+    data = folded.to_json()
+    assert data["rows"] == len(rows)
+    assert torch.allclose(torch.tensor(data["mean"], dtype=torch.float64), rows.mean(0), rtol=0, atol=1e-12)
+    assert abs(data["mean_norm"] - rows.norm(dim=1).mean().item()) < 1e-12
+    assert data["max_norm"] == rows.norm(dim=1).max().item()
+    assert HookStats.from_json(data).to_json() == data

@@ -22,7 +22,6 @@ from vlens import harvest
 from vlens.harvest import job, ray_source
 from vlens.harvest.cli import add_parser
 from vlens.harvest.sources import open_source
-from vlens.harvest.stats import _BLOCK, HookStats
 from vlens.harvest.windows import token_documents
 from vlens.harvest.writer import read_manifest
 
@@ -41,11 +40,6 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents(60))
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +154,6 @@ def test_same_files_as_single_machine_after_a_driver_stop_and_an_actor_kill(
     assert summary.shards == len(read_manifest(local_run)["shards"]) == 6
     assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)  # shards and manifest, byte for byte
     _each_window_once(tmp_path / "out")
-
-
-def test_statistics_folded_from_pieces_equal_the_single_machine_ones():
-    torch.manual_seed(0)
-    shards = [torch.randn(_BLOCK + 1234, 8), torch.randn(300, 8), torch.randn(2 * _BLOCK + 7, 8)]
-    sequential, folded = HookStats.empty(8), HookStats.empty(8)
-    for x in shards:
-        sequential.add(x)
-        folded.fold(HookStats.pieces(x))
-    assert folded.to_json() == sequential.to_json()  # bit for bit, not approximately
 
 
 def test_cli_flags_and_no_ray_import_in_core():

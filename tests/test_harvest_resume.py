@@ -1,8 +1,11 @@
-"""Nothing lost: a harvest SIGKILLed at any point and run again ends byte-identical to an uninterrupted run.
+"""Nothing lost: a harvest SIGKILLed at any point and run again ends byte-identical to an uninterrupted run,
+and the pipelined harvest (source, forwards and writes in threads of their own) writes the bytes of the
+serial one.
 
 The child processes kill themselves with SIGKILL at exact points (mid-shard forward, shard written but
-not renamed, shard renamed but not in the manifest), chained on one
-directory, so that each resume starts from the wreck the previous kill left."""
+not renamed, shard renamed but not in the manifest, the writer thread holding a shard it has not
+written while the forwards go on), chained on one directory, so that each resume starts from the wreck
+the previous kill left. The reference is an uninterrupted run without the pipeline."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 from harvest_helpers import dir_bytes, documents, write_jsonl
 
 from vlens import harvest
+from vlens.harvest import job
 from vlens.harvest.writer import read_manifest
 
 OPTIONS = {
@@ -28,7 +32,7 @@ HOOKS = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_v"]
 
 CHILD = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, threading
     from vlens import harvest
     from vlens.harvest import job, writer
 
@@ -50,14 +54,32 @@ CHILD = textwrap.dedent(
         return wrapped
 
     if point == "forward":  # mid-shard: some batches of the shard have run
-        real = job.packed_forward
-        job.packed_forward = die_on_nth()
+        real = job.forward
+        job.forward = die_on_nth()
     elif point == "before-rename":  # the shard is whole and fsynced under its temporary name
         real = os.replace
         os.replace = die_on_nth(before=lambda src, dst: "shard-" in str(dst))
     elif point == "after-rename":  # the shard has its name but the manifest does not list it yet
         real = job.write_shard
         job.write_shard = die_on_nth(after=real)
+    elif point == "writer-holds":  # the writer thread holds shard nth, unwritten, while the forwards go on
+        held = threading.Event()
+        real_write, real_forward = job.write_shard, job.forward
+
+        def write(store, index, tensors):
+            if index == nth:
+                held.set()
+                threading.Event().wait()  # never writes it
+            return real_write(store, index, tensors)
+
+        def forward(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 2 * (nth + 1):  # a forward of a shard after the held one (two forwards a shard)
+                assert held.wait(120), "the writer never took the shard"
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_forward(*args, **kwargs)
+
+        job.write_shard, job.forward = write, forward
     harvest(model, source, json.loads(hooks), out, **json.loads(options))
     """
 )
@@ -74,8 +96,8 @@ def _kill_at(tmp_path, model_path, source, out, point: str, nth: int) -> None:
     assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
 
 
-def _run(model, source, out):
-    return harvest(model, source, HOOKS, out, **OPTIONS)
+def _run(model, source, out, **options):
+    return harvest(model, source, HOOKS, out, **OPTIONS, **options)
 
 
 @pytest.fixture(scope="module")
@@ -83,23 +105,55 @@ def source(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("resume") / "docs.jsonl", documents(30, seed=5))
 
 
-def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, tmp_path):
-    _run(smol4, source, tmp_path / "whole")
-    expected = dir_bytes(tmp_path / "whole")
-    assert len(read_manifest(tmp_path / "whole")["shards"]) >= 6
+@pytest.fixture(scope="module")
+def expected(smol4, source, tmp_path_factory):
+    """The files of an uninterrupted run without the pipeline."""
+    out = tmp_path_factory.mktemp("serial") / "out"
+    _run(smol4, source, out, pipeline=False)
+    assert len(read_manifest(out)["shards"]) >= 6
+    return dir_bytes(out)
+
+
+def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, expected, tmp_path):
+    _run(smol4, source, tmp_path / "pipelined")
+    assert dir_bytes(tmp_path / "pipelined") == expected
 
     out = tmp_path / "killed"
-    _kill_at(tmp_path, smol4_path, source, out, "forward", 3)  # in the second shard's first forward
-    assert len(read_manifest(out)["shards"]) == 1
+    _kill_at(tmp_path, smol4_path, source, out, "writer-holds", 1)
+    assert len(read_manifest(out)["shards"]) == 1  # shard 0 committed; shard 1 held, never written
+    assert not (out / "shard-00001.safetensors").exists() and not (out / ".tmp-shard-00001.safetensors").exists()
 
-    _kill_at(tmp_path, smol4_path, source, out, "before-rename", 2)
-    assert len(read_manifest(out)["shards"]) == 2
-    assert (out / ".tmp-shard-00002.safetensors").exists()
+    _kill_at(tmp_path, smol4_path, source, out, "forward", 3)  # in the second shard's first forward of this run
+    done = len(read_manifest(out)["shards"])  # the writer thread may or may not have committed the first
+    assert done in (1, 2)
+
+    _kill_at(tmp_path, smol4_path, source, out, "before-rename", 2)  # the second shard this run writes
+    assert len(read_manifest(out)["shards"]) == done + 1
+    assert (out / f".tmp-shard-{done + 1:05d}.safetensors").exists()
 
     _kill_at(tmp_path, smol4_path, source, out, "after-rename", 1)
-    assert len(read_manifest(out)["shards"]) == 2
-    assert (out / "shard-00002.safetensors").exists()  # on disk, but not in the manifest: redone
+    assert len(read_manifest(out)["shards"]) == done + 1
+    assert (out / f"shard-{done + 1:05d}.safetensors").exists()  # on disk, but not in the manifest: redone
 
     summary = _run(smol4, source, out)
-    assert summary.tokens_this_run == summary.tokens - 2 * 3 * 16
+    assert summary.tokens_this_run == summary.tokens - (done + 1) * 3 * 16
     assert dir_bytes(out) == expected
+
+
+def test_a_failed_write_stops_the_run_and_the_rerun_completes_it(smol4, source, expected, tmp_path, monkeypatch):
+    """An error in the writer thread (a full disk, say) is raised by `harvest` in the calling thread, after
+    the shards before it are committed; the re-run does the rest and ends with the same bytes."""
+    real = job.write_shard
+
+    def full_at_the_third(store, index, tensors):
+        if index == 2:
+            raise OSError(28, "No space left on device")
+        return real(store, index, tensors)
+
+    monkeypatch.setattr(job, "write_shard", full_at_the_third)
+    with pytest.raises(OSError, match="No space left"):
+        _run(smol4, source, tmp_path / "out")
+    assert len(read_manifest(tmp_path / "out")["shards"]) == 2
+    monkeypatch.setattr(job, "write_shard", real)
+    assert _run(smol4, source, tmp_path / "out").tokens_this_run > 0
+    assert dir_bytes(tmp_path / "out") == expected

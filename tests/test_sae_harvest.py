@@ -21,7 +21,7 @@ CTX, K = 16, 8
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def texts(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("docs") / "docs.jsonl", documents(30, seed=5))
 
 
@@ -31,11 +31,11 @@ def sae_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(smol, corpus, sae_path, tmp_path_factory):
+def run(smol, texts, sae_path, tmp_path_factory):
     """Dense rows and latents side by side, rows shuffled in their shards, one common token left out."""
     out = tmp_path_factory.mktemp("run") / "out"
     period = smol.tokenizer(".", add_special_tokens=False)["input_ids"][0]
-    harvest(smol, corpus, [HOOK], out, context_size=CTX, dtype="float32", sae=str(sae_path), top_k=K,
+    harvest(smol, texts, [HOOK], out, context_size=CTX, dtype="float32", sae=str(sae_path), top_k=K,
             shard_bytes=150_000, seed=4, exclude_token_ids=[period], max_tokens=20 * CTX, progress=False)  # fmt: skip
     return out, read_shards(out)
 
@@ -86,11 +86,11 @@ def test_max_activating_finds_a_latents_strongest_rows_with_context(run):
         ds.max_activating(512)
 
 
-def test_latents_only_from_the_command_line_and_what_is_refused(smol, smol_path, corpus, sae_path, tmp_path):
+def test_latents_only_from_the_command_line_and_what_is_refused(smol, smol_path, texts, sae_path, tmp_path):
     parser = argparse.ArgumentParser(prog="vlens")
     add_parser(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "out"
-    argv = ["harvest", "--model", str(smol_path), "--source", str(corpus), "--out", str(out), "--context-size", str(CTX),
+    argv = ["harvest", "--model", str(smol_path), "--source", str(texts), "--out", str(out), "--context-size", str(CTX),
             "--max-tokens", str(2 * CTX), "--sae", str(sae_path), "--top-k", "4", "--quiet"]  # fmt: skip
     args = parser.parse_args(argv)
     assert args.func(args) == 0
@@ -100,7 +100,7 @@ def test_latents_only_from_the_command_line_and_what_is_refused(smol, smol_path,
         export(out, tmp_path / "sae")
     other = save_saelens(tmp_path / "other", architecture="jumprelu", d_sae=512, seed=9)[0]
     with pytest.raises(ValueError, match=r"other options \(sae\.sha256: "):
-        harvest(smol, corpus, None, out, context_size=CTX, max_tokens=2 * CTX, sae=str(other), top_k=4, progress=False)
+        harvest(smol, texts, None, out, context_size=CTX, max_tokens=2 * CTX, sae=str(other), top_k=4, progress=False)
     cases = {
         "hooks: give at least one hook name or glob": {},
         "top_k: give it with sae": {"sae": str(sae_path)},
@@ -109,5 +109,5 @@ def test_latents_only_from_the_command_line_and_what_is_refused(smol, smol_path,
     }
     for message, options in cases.items():
         with pytest.raises(ValueError, match=message):
-            harvest(smol, corpus, None, tmp_path / "refused", context_size=CTX, progress=False, **options)
+            harvest(smol, texts, None, tmp_path / "refused", context_size=CTX, progress=False, **options)
     assert not (tmp_path / "refused").exists()

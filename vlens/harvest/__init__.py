@@ -1,7 +1,8 @@
 """Activation datasets: `harvest` writes them (resumable safetensors shards + manifest), `ActivationDataset`
 reads them, `export` converts them for SAELens. One job per module: config (the options), sources,
-windows, model, job (what both backends drive), run (the entry and the local backend), ray_backend,
-writer, stats, dataset, export, cli."""
+windows, model, job (what both backends drive), rows (a shard's forwards and its rows' way to host
+memory), pipeline (the threads), run (the entry and the local backend), ray_backend and ray_source,
+writer, stats, features, dataset, export, cli."""
 
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.dataset import ActivationDataset

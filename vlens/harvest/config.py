@@ -58,7 +58,15 @@ class HarvestConfig:
     exclude_token_ids: tuple[int, ...] | None = setting(None, "further token ids whose rows are left out")
     whole_file: bool = setting(False, "a .txt source is one document, not one per line")
     split: str = setting("train", "split of a datasets directory or hub dataset")
-    batch_tokens: int | None = setting(None, "tokens per forward (default: 4096 on CPU, 32768 on GPU)", minimum=1)
+    batch_tokens: int | None = setting(
+        None, "tokens per forward (default: on CUDA as many as fit in the free memory, measured by a probe forward; "
+        "4096 on a CPU; a resumed run keeps its own)", minimum=1,
+    )  # fmt: skip
+    pipeline: bool = setting(
+        True, "overlap the forwards, the copies to host memory, the shard writes and the reading of the source "
+        "(threads); --no-pipeline runs them one after the other, writing the same bytes", flag="--no-pipeline",
+        invert=True,
+    )  # fmt: skip
     seed: int | None = setting(None, "shuffle the rows within each shard with this seed (default: window order)")
     device: str = setting("auto", "where harvest loads the model: auto, cpu, cuda or cuda:N", check=device_problem)
     model_dtype: str | torch.dtype = setting(

@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from vlens.harvest.features import SAE_KEYS, FeatureExample, max_activating
+from vlens.harvest.features import SAE_KEYS
 from vlens.harvest.writer import Store, read_manifest
 
 META_KEYS = ("token_ids", "window", "position")
@@ -135,7 +136,7 @@ class ActivationDataset(IterableDataset):
     def max_activating(self, feature: int, n: int = 10, context: int = 8) -> list[FeatureExample]:
         """The n rows where SAE latent `feature` is largest, with their window, position and the tokens
         up to `context` positions either side: the max-activating examples of a latent, from a harvest
-        with --sae, read one shard at a time (see vlens.harvest.features)."""
+        with --sae (see vlens.harvest.features), read one shard at a time."""
         return max_activating(self, feature, n, context)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
@@ -255,3 +256,55 @@ def _mix(chunks: Iterator[torch.Tensor], size: int, capacity: int, draws: torch.
     order = torch.randperm(len(remaining), generator=draws)
     for start in range(0, len(remaining), size):
         yield remaining[order[start : start + size]]
+
+
+@dataclass(frozen=True)
+class FeatureExample:
+    """A row where a latent fires: its value, where the row sits (its index in the dataset, its window
+    and position) and the tokens around it in its window (rows left out, such as BOS, are missing)."""
+
+    value: float
+    row: int
+    window: int
+    position: int
+    token_id: int
+    context_ids: list[int]
+    context_positions: list[int]
+
+
+def max_activating(ds: ActivationDataset, feature: int, n: int, context: int) -> list[FeatureExample]:
+    """The n rows of the harvest where `feature` is largest (ties: the earlier row), one shard mapped at a time."""
+    described = ds.manifest.get("sae")
+    if not described:
+        raise ValueError("feature: this harvest stored no SAE latents; harvest with --sae PATH --top-k K")
+    d_sae = described["d_sae"]
+    if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < d_sae:
+        raise ValueError(
+            f"feature: {feature!r} is not a latent of the harvest's SAE; expected an int in 0..{d_sae - 1}"
+        )
+    if n < 1 or context < 0:
+        raise ValueError(f"n must be >= 1 and context >= 0, got {n}, {context}")
+    values, rows = torch.empty(0), torch.empty(0, dtype=torch.long)
+    for s in range(len(ds.files)):
+        shard = ds.mapped(s)
+        local, column = (shard["sae_ids"] == feature).nonzero(as_tuple=True)
+        if not len(local):
+            continue
+        values = torch.cat([values, shard["sae_values"][local, column].float()])
+        rows = torch.cat([rows, local + ds.offsets[s]])  # ascending, so a stable sort breaks ties by row
+        order = torch.sort(values, descending=True, stable=True).indices[:n]
+        values, rows = values[order], rows[order]
+    return [_example(ds, float(v), int(r), context) for v, r in zip(values, rows)]
+
+
+def _example(ds: ActivationDataset, value: float, row: int, context: int) -> FeatureExample:
+    s = bisect.bisect_right(ds.offsets, row) - 1
+    shard = ds.mapped(s)
+    local = row - ds.offsets[s]
+    window, position = int(shard["window"][local]), int(shard["position"][local])
+    near = (shard["window"] == window) & ((shard["position"] - position).abs() <= context)
+    order = torch.argsort(shard["position"][near])
+    return FeatureExample(
+        value, row, window, position, int(shard["token_ids"][local]), shard["token_ids"][near][order].tolist(),
+        shard["position"][near][order].tolist(),
+    )  # fmt: skip

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Any
@@ -24,20 +24,23 @@ from tqdm import tqdm
 
 from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks
 from vlens.engine.model_runner import ModelRunner
-from vlens.engine.packed import PackedCapture, token_batches
+from vlens.engine.packed import PackedCapture
 from vlens.harvest.config import HarvestConfig
-from vlens.harvest.features import SAE_KEYS, FeatureHarvest, feature_harvest
+from vlens.harvest.features import FeatureHarvest, feature_harvest
 from vlens.harvest.model import tokenizer_info, weights_hash
 from vlens.harvest.sources import Source, open_source
-from vlens.harvest.stats import HookStats
+from vlens.harvest.stats import HookStats, Pieces
 from vlens.harvest.windows import Packing, make_packing, windows
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
 from vlens.version import __version__
 
 FORMAT = "vlens-harvest/1"
-# Tokens per forward when the caller sets no budget: past these, CPU throughput stops growing,
-# and on a GPU the activations of one batch stay a small part of memory for models up to ~8B.
-DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
+CPU_BATCH_TOKENS = 4096  # tokens per forward on a CPU when the caller sets none: past these, throughput stops growing
+# On CUDA the default is what fits: the free memory after a probe forward of PROBE_TOKENS, up to MAX_BATCH_TOKENS
+# (a shard of 1 GiB holds about that many rows at d = 2048 in bf16, and no forward crosses a shard).
+PROBE_TOKENS = 8192
+MAX_BATCH_TOKENS = 1 << 18
+MEMORY_SHARE = 0.8  # of the free device memory, the rest a margin for the allocator and the statistics
 # Header fields that name things rather than fix the bytes: a re-run may spell them differently.
 _NAMES = {"model.id", "source.location", "tokenizer.name_or_path", "sae.path"}
 _META_KEYS = {"token_ids": (torch.int32, 4), "window": (torch.int64, 8), "position": (torch.int64, 8)}
@@ -54,13 +57,21 @@ class HarvestSummary:
     bytes: int
     seconds: float  # this call's time
     tokens_this_run: int
+    bytes_this_run: int
+    device_seconds: float  # the forwards' time on the device (on a CPU: their wall time), all workers together
+    write_seconds: float  # the time spent storing shards (serialising, writing, syncing, renaming)
+    workers: int = 1
 
     def __str__(self) -> str:
         rate = self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
+        busy = self.device_seconds / (self.seconds * self.workers) if self.seconds > 0 else 0.0
+        writes = self.bytes_this_run / self.write_seconds / 1e6 if self.write_seconds > 0 else 0.0
         return (
             f"harvest: {self.windows:,} windows, {self.tokens:,} tokens -> {self.rows:,} rows "
             f"({self.rows_excluded:,} excluded) in {self.shards} shards, {_human(self.bytes)} at {self.out_dir}; "
-            f"this run {self.tokens_this_run:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tokens/s)"
+            f"this run {self.tokens_this_run:,} tokens in {self.seconds:.1f} s: {rate:,.0f} tokens/s, device busy "
+            f"{busy:.0%} of the time, writes {writes:,.0f} MB/s ({_human(self.bytes_this_run)} in "
+            f"{self.write_seconds:.1f} s)"
         )
 
 
@@ -96,7 +107,10 @@ class Job:
     excluded: torch.Tensor  # token ids whose rows are not stored
     max_rows: int  # rows per shard, from shard_bytes
     tokens_before: int  # tokens already on disk when this call started
+    bytes_before: int
     resumed: bool  # out_dir held a manifest of this run
+    device_seconds: float = 0.0  # this call's forwards (see HarvestSummary)
+    write_seconds: float = 0.0  # this call's shard writes
 
     @classmethod
     def open(
@@ -120,10 +134,11 @@ class Job:
         }
         excluded = torch.tensor(packing.excluded_token_ids, dtype=torch.long)
         return cls(store, manifest, stats, excluded, max(1, header["shard_bytes"] // row_bytes),
-                   manifest["totals"]["tokens"], existing is not None)  # fmt: skip
+                   manifest["totals"]["tokens"], manifest["totals"]["bytes"], existing is not None)  # fmt: skip
 
     def shards(self, stream: Iterator[list[int]], src: Source) -> Iterator[tuple[int, int, list[list[int]]]]:
-        """The shards still to do, as (index, first window, windows); cleans the directory first.
+        """The shards still to do, as (index, first window, windows), cut lazily (the tokenizing of the
+        source runs as they are asked for); the directory is cleaned now, before this returns.
 
         The windows already on disk are tokenized again and skipped, not run."""
         done = self.manifest["totals"]["windows"]
@@ -132,16 +147,18 @@ class Job:
         prepare_dir(self.store, self.manifest if self.resumed else None)
         write_manifest(self.store, self.manifest)
         groups = _shards(islice(stream, done, None), done, self.excluded, self.max_rows)
-        for index, (first, group) in enumerate(groups, len(self.manifest["shards"])):
-            yield index, first, group
+        return ((index, first, group) for index, (first, group) in enumerate(groups, len(self.manifest["shards"])))
 
-    def commit(self, entry: dict[str, Any], bar: tqdm) -> None:
-        """List a written shard (its statistics already in `stats`) in the manifest."""
+    def commit(self, entry: dict[str, Any], stats: dict[str, Pieces], bar: tqdm) -> None:
+        """List a written shard in the manifest, its statistics folded into the run's."""
+        for name, pieces in stats.items():
+            self.stats[name].fold(pieces)
         self.manifest["shards"].append(entry)
         self.manifest["stats"] = {name: s.to_json() for name, s in self.stats.items()}
         self.manifest["totals"] = _totals(self.manifest["shards"])
         write_manifest(self.store, self.manifest)
         bar.set_postfix_str(f"{_human(self.manifest['totals']['bytes'])} written")
+        bar.update(entry["tokens"])
 
     def finish(self) -> None:
         self.manifest["complete"] = True
@@ -155,12 +172,13 @@ class Job:
         bar.set_postfix_str(f"{_human(self.manifest['totals']['bytes'])} written")
         return bar
 
-    def report(self, started: float, progress: bool) -> HarvestSummary:
+    def report(self, started: float, progress: bool, workers: int = 1) -> HarvestSummary:
         totals = self.manifest["totals"]
         summary = HarvestSummary(
             str(self.store), totals["windows"], totals["tokens"], totals["rows"], totals["rows_excluded"],
             len(self.manifest["shards"]), totals["bytes"], time.perf_counter() - started,
-            totals["tokens"] - self.tokens_before,
+            totals["tokens"] - self.tokens_before, totals["bytes"] - self.bytes_before, self.device_seconds,
+            self.write_seconds, workers,
         )  # fmt: skip
         if progress:
             print(summary, file=sys.stderr)
@@ -256,80 +274,47 @@ def _shards(
         yield first, group
 
 
-def packed_forward(runner: ModelRunner, *args, **kwargs) -> PackedCapture:
-    """The one forward of a harvest (tests stop a run here)."""
-    return runner.packed(*args, **kwargs)
+def forward(runner: ModelRunner, sequences: list[list[int]], hooks: dict[str, Callable]) -> PackedCapture:
+    """Every forward of a harvest: `sequences` packed, `hooks` at their taps (they take the rows; see
+    vlens.harvest.rows). The one place that names the runner (tests stop a run here)."""
+    return runner.packed(sequences, [], hooks=hooks)
 
 
-def capture(
-    runner: ModelRunner,
-    shard_windows: list[list[int]],
-    first: int,
-    excluded: torch.Tensor,
-    wanted: dict[str, str],
-    shapes: dict[str, tuple[int, ...]],
-    out_dtype: torch.dtype,
-    batch_tokens: int,
-    bar: tqdm,
-    features: FeatureHarvest | None = None,
-) -> dict[str, torch.Tensor]:
-    """Run one shard's windows in batches and gather the kept rows of every hook into shard tensors
-    (and, with `features`, the SAE's top latents of each kept row)."""
-    lens = torch.tensor([len(w) for w in shard_windows])
-    flat = torch.tensor(list(chain.from_iterable(shard_windows)), dtype=torch.long)
-    keep = ~torch.isin(flat, excluded) if len(excluded) else torch.ones(len(flat), dtype=torch.bool)
-    starts = torch.cumsum(lens, 0) - lens
-    position = torch.arange(len(flat)) - torch.repeat_interleave(starts, lens)
-    window = torch.repeat_interleave(torch.arange(first, first + len(shard_windows)), lens)
-    kept_rows = [k.nonzero().squeeze(1) for k in torch.split(keep, lens.tolist())]  # per window, local
-    row_start = (torch.cumsum(keep, 0) - keep.long())[starts].tolist()  # each window's first row in the shard
-    n_rows = int(keep.sum())
-    tensors = {name: torch.empty(n_rows, *shapes[name], dtype=out_dtype) for name in wanted}
-    if features is not None:
-        tensors.update(zip(SAE_KEYS, (torch.empty(n_rows, features.top_k, dtype=d) for d in (torch.int32, out_dtype))))
-    names_of: dict[str, list[str]] = {}
-    for name, tap in wanted.items():
-        names_of.setdefault(tap, []).append(name)
-    taps = list(names_of)
-
-    def collect(packed, batch: list[int]) -> None:
-        for owner, tap, rows in packed.pieces():
-            start = row_start[batch[owner]]
-            for name in names_of[tap]:
-                tensors[name][start : start + len(rows)].copy_(rows)
-        bar.update(int(lens[batch].sum()))
-
-    pending = None  # on a GPU, batch k's rows are collected while batch k + 1 runs
-    for batch in token_batches(lens.tolist(), batch_tokens):
-        if not any(len(kept_rows[i]) for i in batch):
-            bar.update(int(lens[batch].sum()))
-            continue
-        packed = packed_forward(
-            runner, [shard_windows[i] for i in batch], taps, rows=[kept_rows[i] for i in batch],
-            hooks=None if features is None else _feature_hook(features, batch, lens, kept_rows, row_start, tensors),
-        )  # fmt: skip
-        if pending is not None:
-            collect(*pending)
-        pending = (packed, batch)
-    if pending is not None:
-        collect(*pending)
-    tensors["token_ids"] = flat[keep].to(torch.int32)
-    tensors["window"] = window[keep]
-    tensors["position"] = position[keep]
-    return tensors
+def choose_batch_tokens(
+    config: HarvestConfig, runner: ModelRunner, taps: list[str], existing: dict[str, Any] | None
+) -> int:
+    """Tokens per forward: the option; else a resumed run's own (rows may round differently in another
+    split, so a run keeps one); else on CUDA what fits in the free memory, on a CPU CPU_BATCH_TOKENS."""
+    if config.batch_tokens is not None:
+        return config.batch_tokens
+    if existing is not None and "batch_tokens" in existing:
+        return existing["batch_tokens"]
+    if runner.device.type != "cuda":
+        return CPU_BATCH_TOKENS
+    return fitting_batch_tokens(runner, taps, config.context_size)
 
 
-def _feature_hook(
-    features: FeatureHarvest, batch: list[int], lens: torch.Tensor, kept_rows: list[torch.Tensor], row_start: list[int],
-    tensors: dict[str, torch.Tensor],
-) -> dict[str, Any]:  # fmt: skip
-    """The tap hook that writes a batch's top latents into the shard: the batch's kept rows are
-    consecutive rows of the shard, from its first window's first row on."""
-    offsets = torch.cumsum(lens[batch], 0) - lens[batch]  # each window's first row in the packed batch
-    rows = torch.cat([kept_rows[i] + offset for i, offset in zip(batch, offsets.tolist())])
-    start = row_start[batch[0]]
-    ids, values = (tensors[key][start : start + len(rows)] for key in SAE_KEYS)
-    return {features.tap: features.reader(rows, ids, values)}
+@torch.inference_mode()
+def fitting_batch_tokens(runner: ModelRunner, taps: list[str], context_size: int) -> int:
+    """The tokens per forward that fit in MEMORY_SHARE of the free device memory: the peak of a probe
+    forward of whole windows through the harvest's deepest tap, scaled (activations grow with the tokens)."""
+    device = runner.device
+    windows = max(1, PROBE_TOKENS // context_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    forward(runner, [[0] * context_size] * windows, {tap: _keep for tap in taps})
+    torch.cuda.synchronize(device)
+    per_token = max(1, torch.cuda.max_memory_allocated(device) - before) / (windows * context_size)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = int(free * MEMORY_SHARE / per_token) // context_size * context_size
+    return max(context_size, min(fit, MAX_BATCH_TOKENS))
+
+
+def _keep(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _shuffle(tensors: dict[str, torch.Tensor], seed: int, index: int) -> dict[str, torch.Tensor]:

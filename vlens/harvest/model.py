@@ -29,12 +29,12 @@ def resolve_model(model: Any, model_dtype: str, device: str, tensor_parallel_siz
     return load_model(model, dtype=model_dtype, device=device)
 
 
-def runner_for(model: Any, loaded: LoadedModel, batch_tokens: int) -> ModelRunner:
-    """The runner of a harvest: an `LLM`'s own (its tap buffers already sized), else one over SDPA whose
-    buffers every batch of the run reuses."""
+def runner_for(model: Any, loaded: LoadedModel) -> ModelRunner:
+    """The runner of a harvest: an `LLM`'s own, else one over SDPA; every batch of the run reuses its buffers
+    (they grow to the batch size on the first)."""
     if isinstance(model, LLM):
         return model.runner
-    return ModelRunner(loaded.model, SdpaBackend(), batch_tokens, max_seqs=1)
+    return ModelRunner(loaded.model, SdpaBackend(), max_tokens=4096, max_seqs=1)
 
 
 def files_hash(files: list[Path]) -> str:

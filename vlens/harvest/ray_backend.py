@@ -6,6 +6,8 @@ single-machine run, and numbers them the same way. The forward and the shard wri
 actors: each one loads the model once, and for a shard task runs its windows, writes the shard
 straight into `out_dir` (a local path on shared storage, or any fsspec URL every node reaches) with
 the atomic protocol of `writer` and returns the manifest entry plus the pieces of its statistics.
+Each actor runs the local pipeline (vlens.harvest.rows): it takes two shard tasks at a time, on two
+threads, and while one writes its shard the other runs its forwards, so the device stays busy.
 
 The driver alone writes the manifest, and commits shards strictly in shard order: a shard that
 finishes before an earlier one waits on the driver (its file already written) until the earlier one
@@ -25,20 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from vlens.capture.names import hook_shapes
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.features import feature_harvest
 from vlens.harvest.job import (
-    DEFAULT_BATCH_TOKENS,
     HarvestSummary,
     Job,
-    capture,
+    choose_batch_tokens,
     dtype_name,
     header,
     plan,
@@ -47,50 +48,64 @@ from vlens.harvest.job import (
 )
 from vlens.harvest.model import resolve_model, runner_for
 from vlens.harvest.ray_source import ray_token_documents
-from vlens.harvest.stats import HookStats
-from vlens.harvest.writer import Store
+from vlens.harvest.rows import DeviceRows
+from vlens.harvest.stats import Pieces
+from vlens.harvest.writer import Store, read_manifest
 
 # How far (in shards per actor) the tasks handed out may run ahead of the manifest: enough that an actor
 # finds its next task queued while a slower one finishes, few enough that the windows held in flight,
 # and the shards a dead driver leaves unlisted (redone by the next run), stay few.
 _AHEAD_PER_WORKER = 3
+_TASKS_PER_ACTOR = 2  # one running its forwards while the other writes its shard
 
 
 class ShardWorker:
-    """One model replica: runs shard tasks and writes their shards (wrapped by `ray.remote` at run time).
+    """One model replica: runs shard tasks and writes their shards (wrapped by `ray.remote` at run time,
+    with two threads: `run_shard` calls overlap, their forwards taking turns on the device).
 
     `config` is the run's, with the model as a name or path every node can load and out_dir as a URL
     every node reaches; `wanted` and `excluded` are what the driver resolved with the tokenizer."""
 
     def __init__(self, config: HarvestConfig, wanted: dict[str, str], excluded: list[int]) -> None:
+        self.config = config
         self.loaded = resolve_model(config.model, config.model_dtype, config.device)
+        self.runner = runner_for(config.model, self.loaded)
         self.wanted = wanted
-        self.shapes = hook_shapes(self.loaded.config)
-        self.out_dtype = config.out_dtype
         self.excluded = torch.tensor(excluded, dtype=torch.long)
-        param = next(self.loaded.model.parameters())
-        self.device = param.device.type
-        self.model_dtype = dtype_name(param.dtype)
-        self.batch_tokens = config.batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device, 4096)
-        self.runner = runner_for(config.model, self.loaded, self.batch_tokens)
-        self.seed = config.seed
         self.store = Store.open(config.out_dir)
         self.features = feature_harvest(config, self.loaded.config)
+        self.taps = sorted({*wanted.values(), *([self.features.tap] if self.features is not None else [])})
+        self.stage: DeviceRows | None = None
+        self.device_lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
-        """What the manifest header records about the forward, as this replica runs it."""
-        return {"device": self.device, "dtype": self.model_dtype, "batch_tokens": self.batch_tokens}
+        """What the manifest header records about the forward, as this replica would run it."""
+        param = next(self.loaded.model.parameters())
+        existing = read_manifest(self.store)
+        return {
+            "device": param.device.type, "dtype": dtype_name(param.dtype),
+            "batch_tokens": choose_batch_tokens(self.config, self.runner, self.taps, existing),
+        }  # fmt: skip
 
-    def run_shard(self, index: int, first: int, shard_windows: list[list[int]]) -> dict[str, Any]:
+    def run_shard(self, batch_tokens: int, index: int, first: int, shard_windows: list[list[int]]) -> dict[str, Any]:
         """Run, write and describe shard `index`; idempotent, so Ray may retry it after a kill."""
-        silent = tqdm(disable=True)
-        tensors = capture(
-            self.runner, shard_windows, first, self.excluded, self.wanted, self.shapes, self.out_dtype,
-            self.batch_tokens, silent, self.features,
-        )  # fmt: skip
-        pieces = {name: HookStats.pieces(tensors[name]) for name in self.wanted}
-        entry = store_shard(self.store, index, first, shard_windows, tensors, self.seed)
-        return {"index": index, "entry": entry, "stats": pieces}
+        with self.device_lock:  # one task's forwards at a time; the other task meanwhile writes
+            if self.stage is None:
+                self.stage = DeviceRows(
+                    self.runner, self.wanted, hook_shapes(self.loaded.config), self.config.out_dtype,
+                    self.excluded, batch_tokens, self.features, buffer_sets=_TASKS_PER_ACTOR,
+                )  # fmt: skip
+            shard = self.stage.shard(index, first, shard_windows)
+        try:
+            shard.ready()
+            started = time.perf_counter()
+            entry = store_shard(self.store, index, first, shard_windows, shard.tensors, self.config.seed)
+            written = time.perf_counter() - started
+        finally:
+            self.stage.pool.give(shard.buffers)
+        stats = {name: Pieces(p.values.clone(), p.rows) for name, p in shard.stats.items()}  # out of pinned memory
+        return {"index": index, "entry": entry, "stats": stats, "device_seconds": shard.forward_seconds,
+                "write_seconds": written}  # fmt: skip
 
 
 def harvest_ray(config: HarvestConfig) -> HarvestSummary:
@@ -101,7 +116,6 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     be readable, or a hub id cached, on every node. An `LLM`/`LoadedModel` is used on the driver
     only; the actors load its checkpoint path at `model_dtype`."""
     import ray
-    from ray.util import ActorPool
 
     started = time.perf_counter()
     loaded = resolve_model(config.model, config.model_dtype, "cpu")
@@ -114,7 +128,8 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     device = str(config.device)
     gpus = 1 if device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
     actor_class = ray.remote(
-        num_cpus=0 if gpus else config.cpus_per_worker, num_gpus=gpus, max_restarts=-1, max_task_retries=-1
+        num_cpus=0 if gpus else config.cpus_per_worker, num_gpus=gpus, max_restarts=-1, max_task_retries=-1,
+        max_concurrency=_TASKS_PER_ACTOR,
     )(ShardWorker)
     model = config.model
     replica = dataclasses.replace(
@@ -123,42 +138,47 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     )  # fmt: skip
     actors = [actor_class.remote(replica, wanted, list(packing.excluded_token_ids)) for _ in range(config.workers)]
     try:
-        info = ray.get(actors[0].info.remote())
-        run_header = header(loaded, src, wanted, packing, config, info["batch_tokens"], features)
+        info = ray.get(actors[0].info.remote())  # every actor runs the batches the first one chose
+        batch_tokens = info["batch_tokens"]
+        run_header = header(loaded, src, wanted, packing, config, batch_tokens, features)
         run_header["model"].update(device=info["device"], dtype=info["dtype"])
         job = Job.open(config.out_dir, run_header, cfg, wanted, config.out_dtype, packing)
         if job.manifest["complete"]:
-            return job.report(started, config.progress)
+            return job.report(started, config.progress, config.workers)
         token_docs = ray_token_documents(src, loaded.tokenizer, cfg.vocab_size, concurrency=config.workers)
         tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
-        pool = ActorPool(actors)
         with job.progress_bar("harvest (ray)", config.max_tokens, config.progress) as bar:
             committed = submitted = len(job.manifest["shards"])
             waiting: dict[int, dict[str, Any]] = {}  # finished shards behind an unfinished one
+            running: dict[Any, Any] = {}  # task -> its actor
+            load = dict.fromkeys(actors, 0)
 
             def top_up() -> None:
                 nonlocal submitted
-                while submitted < committed + config.workers * _AHEAD_PER_WORKER:
-                    task = next(tasks, None)
-                    if task is None:
-                        return
-                    pool.submit(lambda actor, t: actor.run_shard.remote(*t), task)
-                    submitted += 1
+                for actor in actors:
+                    while load[actor] < _TASKS_PER_ACTOR and submitted < committed + config.workers * _AHEAD_PER_WORKER:
+                        task = next(tasks, None)
+                        if task is None:
+                            return
+                        running[actor.run_shard.remote(batch_tokens, *task)] = actor
+                        load[actor] += 1
+                        submitted += 1
 
             top_up()
-            while pool.has_next():
-                result = pool.get_next_unordered()  # the actor takes its next task at once
+            while running:
+                [ref], _ = ray.wait(list(running), num_returns=1)
+                load[running.pop(ref)] -= 1
+                result = ray.get(ref)
                 waiting[result["index"]] = result
                 while committed in waiting:  # the manifest grows in shard order only
                     result = waiting.pop(committed)
-                    for name in wanted:
-                        job.stats[name].fold(result["stats"][name])
-                    job.commit(result["entry"], bar)
-                    bar.update(result["entry"]["tokens"])
+                    job.commit(result["entry"], result["stats"], bar)
+                    job.device_seconds += result["device_seconds"]
+                    job.write_seconds += result["write_seconds"]
                     committed += 1
                 top_up()
             job.finish()
-        return job.report(started, config.progress)
+        return job.report(started, config.progress, config.workers)
     finally:
         for actor in actors:  # no task of this run may write into out_dir after it returns or dies
             ray.kill(actor, no_restart=True)

@@ -13,18 +13,12 @@ from typing import Any
 
 from vlens.capture.names import hook_shapes
 from vlens.harvest.config import HarvestConfig
-from vlens.harvest.job import (
-    DEFAULT_BATCH_TOKENS,
-    HarvestSummary,
-    Job,
-    capture,
-    header,
-    plan,
-    store_shard,
-    window_stream,
-)
+from vlens.harvest.job import HarvestSummary, Job, choose_batch_tokens, header, plan, window_stream
 from vlens.harvest.model import resolve_model, runner_for
+from vlens.harvest.pipeline import run_shards
+from vlens.harvest.rows import DeviceRows
 from vlens.harvest.windows import token_documents
+from vlens.harvest.writer import read_manifest
 from vlens.llm import LLM
 from vlens.loader import LoadedModel
 from vlens.settings import from_kwargs
@@ -70,8 +64,9 @@ def _harvest_local(config: HarvestConfig) -> HarvestSummary:
 
 def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, started: float) -> HarvestSummary:
     wanted, packing, src, features = plan(loaded, config)
-    param = next(loaded.model.parameters())
-    batch_tokens = config.batch_tokens or DEFAULT_BATCH_TOKENS.get(param.device.type, 4096)
+    taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
+    runner = runner_for(config.model, loaded)
+    batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))
     job = Job.open(
         config.out_dir, header(loaded, src, wanted, packing, config, batch_tokens, features), loaded.config, wanted,
         config.out_dtype, packing,
@@ -79,16 +74,12 @@ def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, started: float) 
     if job.manifest["complete"]:
         return job.report(started, config.progress)
     token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size)
-    shapes = hook_shapes(loaded.config)
-    runner = runner_for(config.model, loaded, batch_tokens)
+    stage = DeviceRows(
+        runner, wanted, hook_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features,
+        buffer_sets=2 if config.pipeline else 1,
+    )  # fmt: skip
     with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:
-        for index, first, shard_windows in job.shards(window_stream(token_docs, packing, config.max_tokens), src):
-            tensors = capture(
-                runner, shard_windows, first, job.excluded, wanted, shapes, config.out_dtype, batch_tokens, bar,
-                features,
-            )  # fmt: skip
-            for name in wanted:
-                job.stats[name].add(tensors[name])
-            job.commit(store_shard(job.store, index, first, shard_windows, tensors, config.seed), bar)
+        tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
+        run_shards(job, stage, tasks, config.seed, bar, config.pipeline)
         job.finish()
     return job.report(started, config.progress)

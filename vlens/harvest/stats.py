@@ -1,8 +1,12 @@
 """Per-hook statistics for normalising activations later (mean vector, mean and max L2 norm).
 
-Computed from the stored values (after the cast to the output dtype), in float64, shard by shard
-in a fixed order of row blocks. The running sums live in the manifest, so a resumed run continues
-from exactly the numbers an uninterrupted run had at that shard and ends with the same bytes.
+Computed on the device, from the stored values (after the cast to the output dtype), in float64, in
+blocks of `BLOCK` consecutive rows of a shard. A block's sum, norm sum and max norm are one piece; the
+run's totals add the pieces in shard and block order. Blocks are cut by the shard, never by the forward
+batches, so every reduction sees the same shapes and the same rows whatever the batch split, the backend
+or the thread that folds them: the numbers do not depend on how the rows reached the device's memory.
+The running sums live in the manifest, so a resumed run continues from exactly the numbers an
+uninterrupted run had at that shard and ends with the same bytes.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from typing import Any
 
 import torch
 
-_BLOCK = 1 << 16  # rows converted to float64 at a time
+BLOCK = 4096  # rows per block: a [BLOCK, d] float64 buffer per hook on the device (64 MiB at d = 2048)
 
 
 @dataclass
 class HookStats:
+    """One hook's running totals over the shards committed so far."""
+
     rows: int
     total: torch.Tensor  # [d] float64 sum of rows (flattened per row)
     norm_total: float
@@ -26,15 +32,14 @@ class HookStats:
     def empty(cls, width: int) -> HookStats:
         return cls(0, torch.zeros(width, dtype=torch.float64), 0.0, 0.0)
 
-    def add(self, x: torch.Tensor) -> None:
-        flat = x.reshape(len(x), -1)
-        for start in range(0, len(flat), _BLOCK):
-            block = flat[start : start + _BLOCK].double()
-            norms = block.norm(dim=1)
-            self.total += block.sum(0)
-            self.norm_total += norms.sum().item()
-            self.max_norm = max(self.max_norm, norms.max().item())
-        self.rows += len(flat)
+    def fold(self, pieces: Pieces) -> None:
+        """Add a shard's pieces, block by block, in order."""
+        width = len(self.total)
+        for piece, rows in zip(pieces.values, pieces.rows):
+            self.total += piece[:width]
+            self.norm_total += float(piece[width])
+            self.max_norm = max(self.max_norm, float(piece[width + 1]))
+            self.rows += rows
 
     def to_json(self) -> dict[str, Any]:
         n = max(self.rows, 1)
@@ -51,23 +56,48 @@ class HookStats:
     def from_json(cls, data: dict[str, Any]) -> HookStats:
         return cls(data["rows"], torch.tensor(data["sum"], dtype=torch.float64), data["norm_sum"], data["max_norm"])
 
-    @classmethod
-    def pieces(cls, x: torch.Tensor) -> list[HookStats]:
-        """The statistics of each row block that `add` would fold in, one by one.
 
-        Folding these in order (`fold`), on another machine than the one that computed them, adds exactly
-        the same float64 block sums in the same order as `add(x)` (a block's sum added to zeros is itself),
-        so the result is bit-identical; merging whole-shard sums would round differently."""
-        pieces = []
-        for start in range(0, len(x), _BLOCK):
-            piece = cls.empty(x[0].numel())
-            piece.add(x[start : start + _BLOCK])
-            pieces.append(piece)
-        return pieces
+@dataclass
+class Pieces:
+    """A shard's statistics of one hook, a block a row: [blocks, d + 2] float64 (the block's sum of rows,
+    then its sum of row norms and its largest norm), and the rows of each block."""
 
-    def fold(self, pieces: list[HookStats]) -> None:
-        for piece in pieces:
-            self.total += piece.total
-            self.norm_total += piece.norm_total
-            self.max_norm = max(self.max_norm, piece.max_norm)
-            self.rows += piece.rows
+    values: torch.Tensor
+    rows: list[int]
+
+
+class ShardStats:
+    """One hook's pieces of one shard, computed on the device as the shard's rows arrive, in any batches."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.block = torch.empty(BLOCK, width, dtype=torch.float64, device=device)  # rows of the open block
+        self.filled = 0
+        self.pieces: list[torch.Tensor] = []
+        self.rows: list[int] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        """Rows [n, ...] as stored (the output dtype), on the device; converted to float64 exactly."""
+        flat = x.reshape(len(x), self.block.shape[1])
+        start = 0
+        while start < len(flat):
+            take = min(BLOCK - self.filled, len(flat) - start)
+            self.block[self.filled : self.filled + take].copy_(flat[start : start + take])
+            self.filled += take
+            start += take
+            if self.filled == BLOCK:
+                self._close()
+
+    def _close(self) -> None:
+        block = self.block[: self.filled]
+        norms = torch.linalg.vector_norm(block, dim=1)
+        self.pieces.append(torch.cat([block.sum(0), norms.sum().view(1), norms.max().view(1)]))
+        self.rows.append(self.filled)
+        self.filled = 0
+
+    def finish(self) -> Pieces:
+        """The shard's pieces, on the device (the last block may be short: its length is the shard's)."""
+        if self.filled:
+            self._close()
+        width = self.block.shape[1]
+        values = torch.stack(self.pieces) if self.pieces else self.block.new_empty(0, width + 2)
+        return Pieces(values, self.rows)

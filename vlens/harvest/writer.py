@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from safetensors.torch import save
+from safetensors.torch import save, save_file
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -68,8 +68,16 @@ def atomic_write(store: Store, name: str, data: bytes) -> None:
         return
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    _sync_rename(store, tmp, final)
+
+
+def _sync_rename(store: Store, tmp: str, final: str) -> None:
+    """Make a local file whole on disk, then give it its name (and make the rename durable)."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, final)
     fd = os.open(store.root, os.O_RDONLY)
     try:
@@ -79,10 +87,19 @@ def atomic_write(store: Store, name: str, data: bytes) -> None:
 
 
 def write_shard(store: Store, index: int, tensors: dict[str, torch.Tensor]) -> int:
-    """Write one shard (keys sorted by safetensors, no metadata: same tensors, same bytes); its size."""
-    data = save({k: v.contiguous() for k, v in tensors.items()})
-    atomic_write(store, shard_name(index), data)
-    return len(data)
+    """Write one shard (keys sorted by safetensors, no metadata: same tensors, same bytes); its size.
+
+    Locally safetensors writes the file itself, from the tensors' memory: no copy of the shard in bytes."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    name = shard_name(index)
+    if not store.local:
+        data = save(tensors)
+        atomic_write(store, name, data)
+        return len(data)
+    tmp = store.path(TMP_PREFIX + name)
+    save_file(tensors, tmp)
+    _sync_rename(store, tmp, store.path(name))
+    return os.path.getsize(store.path(name))
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:

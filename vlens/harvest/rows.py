@@ -1,0 +1,184 @@
+"""The device side of a harvest: a shard's windows run in batches, their kept rows sent to host memory.
+
+Each batch's kept rows are taken at their taps by a hook of the packed forward: selected on the device,
+cast to the stored dtype, folded into the shard's statistics there (vlens.harvest.stats), and copied
+into the shard's host buffers. On CUDA the copies run on a side stream into pinned memory, ordered after
+the rows' compute by a stream wait and before the writer by an event: batch i's rows travel while batch
+i + 1 runs, and nothing waits for the device but the writer. Host buffers come from a pool of whole-shard
+sets (two when a writer thread runs: one fills while the other is written), so a shard that finds them
+all out waits for the writer; that is what keeps memory bounded.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+from vlens.engine.model_runner import ModelRunner
+from vlens.engine.packed import token_batches
+from vlens.harvest.features import SAE_KEYS, FeatureHarvest
+from vlens.harvest import job
+from vlens.harvest.stats import Pieces, ShardStats
+
+
+@dataclass
+class Shard:
+    """One shard whose rows are on their way to host buffers: what the writer needs to store it."""
+
+    index: int
+    first: int  # its first window
+    windows: list[list[int]]
+    tensors: dict[str, torch.Tensor]  # every key of the shard file; hook rows are views of `buffers`
+    stats: dict[str, Pieces]  # per hook, in host memory once `ready` returns
+    buffers: dict[str, torch.Tensor]  # to give back to the pool once written
+    event: torch.cuda.Event | None  # after the last copy into host memory
+    timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # each forward's, CUDA
+    forward_seconds: float = 0.0  # on a CPU: the wall time of the forwards
+
+    def ready(self) -> None:
+        """Wait until every row and statistic is in host memory; the forwards' device time is then known."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.forward_seconds = sum(start.elapsed_time(end) for start, end in self.timings) / 1000
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(w) for w in self.windows)
+
+
+class BufferPool:
+    """Sets of host tensors, one per shard key, for whole shards; pinned on CUDA, reused shard after shard,
+    grown to the largest shard seen. `take` waits while every set is out."""
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], pinned: bool, size: int) -> None:
+        self.specs, self.pinned = specs, pinned
+        self.free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        for _ in range(size):
+            self.free.put({})
+
+    def take(self, rows: int) -> dict[str, torch.Tensor]:
+        buffers = self.free.get()
+        if not buffers or len(next(iter(buffers.values()))) < rows:
+            buffers = {
+                key: torch.empty(rows, *shape, dtype=dtype, pin_memory=self.pinned)
+                for key, (shape, dtype) in self.specs.items()
+            }
+        return buffers
+
+    def give(self, buffers: dict[str, torch.Tensor]) -> None:
+        self.free.put(buffers)
+
+
+class DeviceRows:
+    """Runs shards' windows through the model and sends their kept rows, statistics and SAE latents on
+    their way to host buffers; one per run (it owns the pool and the side stream)."""
+
+    def __init__(
+        self, runner: ModelRunner, wanted: dict[str, str], shapes: dict[str, tuple[int, ...]], out_dtype: torch.dtype,
+        excluded: torch.Tensor, batch_tokens: int, features: FeatureHarvest | None, buffer_sets: int,
+    ) -> None:  # fmt: skip
+        self.runner, self.out_dtype, self.excluded, self.batch_tokens = runner, out_dtype, excluded, batch_tokens
+        self.features = features
+        self.device = runner.device
+        self.widths = {name: math.prod(shapes[name]) for name in wanted}
+        self.names_of: dict[str, list[str]] = {}
+        for name, tap in wanted.items():
+            self.names_of.setdefault(tap, []).append(name)
+        specs = {name: (tuple(shapes[name]), out_dtype) for name in wanted}
+        if features is not None:
+            specs.update(zip(SAE_KEYS, (((features.top_k,), torch.int32), ((features.top_k,), out_dtype))))
+        cuda = self.device.type == "cuda"
+        self.pool = BufferPool(specs, pinned=cuda, size=buffer_sets)
+        self.side = torch.cuda.Stream(self.device) if cuda else None
+
+    def shard(self, index: int, first: int, windows: list[list[int]]) -> Shard:
+        """Launch the forwards of one shard; its rows are in `Shard.tensors` once `Shard.ready()` returns."""
+        lens = [len(w) for w in windows]
+        flat = torch.tensor(list(chain.from_iterable(windows)), dtype=torch.long)
+        keep = ~torch.isin(flat, self.excluded) if len(self.excluded) else torch.ones(len(flat), dtype=torch.bool)
+        kept_before = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(keep, 0)]).tolist()
+        kept_at = keep.nonzero().squeeze(1)  # the shard's rows, as positions in its tokens
+        n_rows = kept_before[-1]
+        buffers = self.pool.take(n_rows)
+        stats = {name: ShardStats(width, self.device) for name, width in self.widths.items()}
+        shard = Shard(index, first, windows, {}, {}, buffers, None)
+        starts = [0, *torch.cumsum(torch.tensor(lens), 0).tolist()]
+        for batch in token_batches(lens, self.batch_tokens):
+            lo, hi = starts[batch[0]], starts[batch[-1] + 1]  # the batch's tokens in the shard
+            out = slice(kept_before[lo], kept_before[hi])  # and its rows
+            if out.start == out.stop:
+                continue
+            rows = (kept_at[out] - lo).to(self.device, non_blocking=True)
+            hooks = {tap: self._hook(tap, rows, out, buffers, stats) for tap in self._taps()}
+            self._forward(shard, [windows[i] for i in batch], hooks)
+        shard.stats = {name: self._stats_to_host(s.finish()) for name, s in stats.items()}
+        if self.side is not None:
+            shard.event = torch.cuda.Event()
+            shard.event.record(self.side)
+        lens_t = torch.tensor(lens)
+        position = torch.arange(len(flat)) - torch.repeat_interleave(torch.tensor(starts[:-1]), lens_t)
+        window = torch.repeat_interleave(torch.arange(first, first + len(windows)), lens_t)
+        shard.tensors = {key: buffer[:n_rows] for key, buffer in buffers.items()}
+        shard.tensors.update(token_ids=flat[keep].to(torch.int32), window=window[keep], position=position[keep])
+        return shard
+
+    def _taps(self) -> list[str]:
+        taps = list(self.names_of)
+        if self.features is not None and self.features.tap not in self.names_of:
+            taps.append(self.features.tap)
+        return taps
+
+    def _forward(self, shard: Shard, sequences: list[list[int]], hooks: dict[str, Callable]) -> None:
+        if self.side is None:
+            started = time.perf_counter()
+            job.forward(self.runner, sequences, hooks)
+            shard.forward_seconds += time.perf_counter() - started
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        job.forward(self.runner, sequences, hooks)
+        end.record()
+        shard.timings.append((start, end))
+
+    def _hook(
+        self, tap: str, rows: torch.Tensor, out: slice, buffers: dict[str, torch.Tensor],
+        stats: dict[str, ShardStats],
+    ) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
+        """The tap hook of one batch: its kept rows of `tap` into rows `out` of the shard's buffers."""
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            kept = x.index_select(0, rows)
+            if tap in self.names_of:
+                stored = kept.to(self.out_dtype)
+                for name in self.names_of[tap]:
+                    stats[name].add(stored)
+                    self._to_host(stored, buffers[name][out])
+            if self.features is not None and tap == self.features.tap:
+                for key, value in zip(SAE_KEYS, self.features.encode(kept, self.out_dtype)):
+                    self._to_host(value, buffers[key][out])
+            return x
+
+        return take
+
+    def _to_host(self, x: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy device rows into host memory: at once on a CPU; on CUDA queued on the side stream."""
+        if self.side is None:
+            dest.copy_(x)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            dest.copy_(x, non_blocking=True)
+        x.record_stream(self.side)  # the allocator keeps it until the side stream is done with it
+
+    def _stats_to_host(self, pieces: Pieces) -> Pieces:
+        if self.side is None:
+            return pieces
+        host = torch.empty(pieces.values.shape, dtype=pieces.values.dtype, pin_memory=True)
+        self._to_host(pieces.values, host)
+        return Pieces(host, pieces.rows)
