@@ -28,7 +28,7 @@ from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
-from vlens import LLM, SAE, Ablate, Capture, Clamp, Patch, SamplingParams, Steer, harvest
+from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, harvest
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
 
@@ -144,6 +144,37 @@ def test_smollm2_weights_on_three_ranks(smol4, smol4_path):
         _check_outputs(smol4.generate(texts, params, use_tqdm=False), three.generate(texts, params, use_tqdm=False))
     finally:
         three.model.executor.close()
+
+
+def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
+    """run_with_hooks: each function runs once, on rank 0, on the whole tensor (all 9 heads of hook_z, which
+    three ranks hold); what it returns reaches every rank. Logits and cache as in one process."""
+    one = HookedLM(str(smol4_path), dtype="float32", device="cpu")
+    three = HookedLM(str(smol4_path), dtype="float32", device="cpu", tensor_parallel_size=3)
+    try:
+        vector = torch.randn(one.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+        seen = []
+
+        def ablate(z, hook):
+            seen.append(tuple(z.shape))
+            z = z.clone()
+            z[:, :, 4] = 0.0  # a head of the middle rank
+            return z
+
+        hooks = [("blocks.1.attn.hook_z", ablate), ("blocks.2.hook_resid_post", lambda x, hook: x + vector)]
+        texts = ["The capital of France is", "Tensor parallelism"]
+        a, b = one.run_with_hooks(texts, fwd_hooks=hooks), three.run_with_hooks(texts, fwd_hooks=hooks)
+        assert seen[0] == seen[1] and seen[0][2] == one.cfg.num_heads
+        assert same(b.double(), a.double(), TOL)
+        assert not same(one.run_with_hooks(texts).double(), a.double(), 1e-3)  # the hooks took
+        names = ["blocks.1.attn.hook_z", "blocks.3.hook_resid_post"]
+        (_, cache_a), (_, cache_b) = (
+            one.run_with_cache(texts, names_filter=names),
+            three.run_with_cache(texts, names_filter=names),
+        )
+        assert all(same(cache_b[n].double(), cache_a[n].double(), TOL) for n in names)
+    finally:
+        three.llm.model.executor.close()
 
 
 def test_harvest_shards_equal_one_process(tmp_path):

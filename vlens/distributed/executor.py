@@ -137,17 +137,19 @@ class Executor:
         """Run on the other ranks the forward rank 0 is about to run (`ModelRunner._forward`'s arguments):
         the armed taps go along where they edit (every rank edits) or gather at a sharded site; a gather
         of a tap every rank holds whole is read on rank 0 alone."""
-        cfg, armed = self.model.cfg, {}
+        cfg, armed, hooks = self.model.cfg, {}, []
         for name, t in taps.items():
-            if not isinstance(t, Tap):  # a user's Python hook (HookedLM.run_with_hooks): bad input, so ValueError
-                message = "hooks: Python hooks run in one process; not with tensor_parallel_size > 1"
-                raise ValueError(message)  # noqa: TRY004
+            if not isinstance(t, Tap):  # a Python function: it runs here, the other ranks take part
+                hooks.append(name)
+                continue
             sharded = sharded_units(name, cfg) is not None
             if sharded or t.edit_rows is not None:
                 armed[name] = worker.ArmedTap.of(t, sharded)
         rows = logit_rows.clone() if isinstance(logit_rows, torch.Tensor) else logit_rows
-        vectors = worker.table_rows(taps)
-        self._send(worker.Forward(ids.clone(), worker.portable(meta), armed, vectors, num_layers, rows, decode))
+        plain = {name: t for name, t in taps.items() if isinstance(t, Tap)}
+        vectors = worker.table_rows(plain)
+        work = worker.Forward(ids.clone(), worker.portable(meta), armed, hooks, vectors, num_layers, rows, decode)
+        self._send(work)
 
     def lens(self, residual: torch.Tensor) -> None:
         """The other ranks' part of a logit-lens readout of `residual` on rank 0."""

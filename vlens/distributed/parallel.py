@@ -81,6 +81,17 @@ def all_reduce(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     return x
 
 
+def broadcast(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """Rank 0's `x` on every rank (in place; `x` gives the shape and dtype elsewhere)."""
+    if parallel.size == 1:
+        return x
+    try:
+        dist.broadcast(x, src=0)
+    except RuntimeError as e:
+        raise _failed(e) from e
+    return x
+
+
 def all_gather(x: torch.Tensor, dim: int, parallel: Parallel, ranks: list[int] | None = None) -> torch.Tensor:
     """The ranks' pieces of `x` joined along `dim` (those of `ranks` only, where shares repeat)."""
     if parallel.size == 1:

@@ -12,14 +12,19 @@ tensor on every rank, and its `Tap` runs unchanged on each. At a sharded site th
   `Tap` of one process to them, identically on every rank, and keeps this rank's slice: an ablation's
   projection or an SAE clamp sees the full row, and a per-head steer lands on the rank holding the head;
 - an attention-pattern tap computes this rank's heads and gathers them.
+
+A Python function at a site (`HookedLM.run_with_hooks`, harvest's row takers) runs on rank 0 alone, on
+the whole tensor (`RankZeroHook`); when it returns another tensor, rank 0 sends it to every rank, which
+keeps its slice, so a function that edits stays one edit of one model.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
-from vlens.distributed.parallel import Parallel, all_gather
+from vlens.distributed.parallel import Parallel, all_gather, broadcast
 
 
 def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
@@ -47,8 +52,31 @@ def shard_taps(taps: dict, cfg: ModelConfig) -> dict:
     out = {}
     for name, tap in taps.items():
         units = sharded_units(name, cfg)
-        out[name] = tap if units is None else ShardedTap(tap, units, cfg.parallel)
+        if isinstance(tap, Tap):
+            out[name] = tap if units is None else ShardedTap(tap, units, cfg.parallel)
+        else:  # a Python function (rank 0), or a worker's stand-in for one
+            out[name] = tap if isinstance(tap, RankZeroHook) else RankZeroHook(tap, units, cfg.parallel)
     return out
+
+
+class RankZeroHook:
+    """`fn` (None on the other ranks) on the whole tensor at its site, on rank 0; its result on every rank.
+    A function that returns its input (harvest's row takers) costs one flag sent; one that edits returns a
+    new tensor (HookedLM's hooks do), which is sent whole: an edit made in place and returned as the same
+    tensor would stay on rank 0."""
+
+    def __init__(self, fn, units: int | None, parallel: Parallel):
+        self.fn, self.parallel = fn, parallel
+        self.mine, self.owners = (parallel.units(units), parallel.owners(units)) if units else (None, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        whole = x if self.mine is None else all_gather(x, ShardedTap.DIM, self.parallel, self.owners)
+        out = whole if self.fn is None else self.fn(whole)
+        changed = broadcast(torch.tensor([out is not whole], device=x.device), self.parallel)
+        if not changed.item():  # read only (a capture): every rank keeps what it had
+            return x
+        out = broadcast(out.contiguous() if self.fn is not None else torch.empty_like(whole), self.parallel)
+        return out if self.mine is None else out.narrow(ShardedTap.DIM, self.mine.start, len(self.mine)).contiguous()
 
 
 class ShardedTap:

@@ -22,6 +22,7 @@ from vlens.attention import make_backend
 from vlens.attention.metadata import AttentionMetadata
 from vlens.capture.runtime import Tap
 from vlens.distributed.parallel import Parallel
+from vlens.distributed.taps import RankZeroHook, sharded_units
 from vlens.engine.model_runner import ModelRunner
 from vlens.loader import load_model
 
@@ -78,12 +79,14 @@ class ArmedTap:
 @dataclass
 class Forward:
     """One forward as rank 0 runs it: the packed token ids over the layout `meta` (tensors compacted to the
-    host), the taps the other ranks need (edits everywhere, gathers only at sharded sites), the vector rows
-    the edits read, how deep to run, whose logits (the LM head gathers over the ranks) and which backend."""
+    host), the taps the other ranks need (edits everywhere, gathers only at sharded sites), the sites of
+    rank 0's Python hooks, the vector rows the edits read, how deep to run, whose logits (the LM head
+    gathers over the ranks) and which backend."""
 
     ids: torch.Tensor
     meta: AttentionMetadata
     taps: dict[str, ArmedTap]
+    hooks: list[str]  # sites where a Python function runs on rank 0 (vlens.distributed.taps.RankZeroHook)
     vectors: dict[int, tuple[torch.Tensor, ...]]  # table width -> (row ids, data, mask, encoder, params)
     num_layers: int | None
     logit_rows: torch.Tensor | slice | None
@@ -149,6 +152,8 @@ class Worker:
                 t.gather_out = torch.empty(shape, dtype=dtype, device=self.device)
             if armed.width is not None:
                 t.table, t.coefficients = self.tables[armed.width], armed.coefficients.to(self.device)
+        cfg = self.runner.cfg
+        taps.update({name: RankZeroHook(None, sharded_units(name, cfg), cfg.parallel) for name in work.hooks})
         return taps
 
     @torch.inference_mode()
