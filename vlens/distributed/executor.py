@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from vlens.capture.names import LOGITS
 from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
 from vlens.distributed import worker
@@ -139,6 +140,8 @@ class Executor:
         of a tap every rank holds whole is read on rank 0 alone."""
         cfg, armed, hooks = self.model.cfg, {}, []
         for name, t in taps.items():
+            if name == LOGITS:  # the whole logits are rank 0's alone: so are their taps
+                continue
             if not isinstance(t, Tap):  # a Python function: it runs here, the other ranks take part
                 hooks.append(name)
                 continue

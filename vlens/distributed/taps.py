@@ -2,8 +2,9 @@
 
 Under tensor parallelism a rank holds some heads of q, k, v, z, the attention scores and patterns,
 and some columns of the MLP's hidden layer; every other hook site (the residual stream, norms,
-attention and MLP outputs after their all-reduce, logits after the LM head's gather) holds the same
-tensor on every rank, and its `Tap` runs unchanged on each. At a sharded site the model calls a
+attention and MLP outputs after their all-reduce) holds the same tensor on every rank, and its `Tap`
+runs unchanged on each; the logits are whole on rank 0 alone (the LM head gathers them there), where
+their taps and hooks run as in one process. At a sharded site the model calls a
 `ShardedTap` instead, which gives the user the unsharded tensor, equal to the one-process value:
 
 - a capture gathers from the ranks only the rows asked for (index_select first, then all_gather),
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from vlens.capture.names import LOGITS
 from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
 from vlens.distributed.parallel import Parallel, all_gather, broadcast
@@ -52,7 +54,9 @@ def shard_taps(taps: dict, cfg: ModelConfig) -> dict:
     out = {}
     for name, tap in taps.items():
         units = sharded_units(name, cfg)
-        if isinstance(tap, Tap):
+        if name == LOGITS:  # rank 0's alone
+            out[name] = tap
+        elif isinstance(tap, Tap):
             out[name] = tap if units is None else ShardedTap(tap, units, cfg.parallel)
         else:  # a Python function (rank 0), or a worker's stand-in for one
             out[name] = tap if isinstance(tap, RankZeroHook) else RankZeroHook(tap, units, cfg.parallel)
