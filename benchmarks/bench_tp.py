@@ -6,7 +6,7 @@ A random Llama (8 layers, d=512, 8 heads, 4 KV heads, MLP 1536, vocabulary 8192;
 temporary directory; every process gets --threads threads. Rows:
   prefill / decode step     ms per engine step with one process and with two ranks, and the ratio
   communication             ms per step that rank 0 spends inside collectives (all-reduce after each
-                            row-parallel projection and the embedding, the LM head's all-gather), which
+                            row-parallel projection and the embedding, the LM head's gather to rank 0), which
                             includes waiting for the other rank, and its share of the two-rank step
 On two cores the two ranks compete with each other and with nothing to gain: the split does not make a
 step faster here; what the numbers show is what the collectives cost. On a machine with several GPUs
@@ -52,7 +52,7 @@ class CollectiveClock:
         return run
 
     def __enter__(self) -> Self:
-        for name in ("all_reduce", "all_gather"):
+        for name in ("all_reduce", "all_gather", "gather", "broadcast"):
             self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._timed(self._saved[name]))
         return self
