@@ -6,7 +6,7 @@ A random Llama (8 layers, d=512, 8 heads, 4 KV heads, MLP 1536, vocabulary 8192;
 temporary directory; every process gets --threads threads. Rows:
   prefill / decode step     ms per engine step with one process and with two ranks, and the ratio
   communication             ms per step that rank 0 spends inside collectives (all-reduce after each
-                            row-parallel projection and the embedding, the LM head's all-gather), which
+                            row-parallel projection and the embedding, the LM head's gather to rank 0), which
                             includes waiting for the other rank, and its share of the two-rank step
 On two cores the two ranks compete with each other and with nothing to gain: the split does not make a
 step faster here; what the numbers show is what the collectives cost. On a machine with several GPUs
@@ -19,6 +19,7 @@ import argparse
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from vlens import LLM, SamplingParams
 from vlens.engine.llm_engine import NewRequest
 
-CONFIG = dict(
-    vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=512,
-)  # fmt: skip
+CONFIG = {
+    "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 512,
+}  # fmt: skip
 
 
 class CollectiveClock:
@@ -50,8 +51,8 @@ class CollectiveClock:
 
         return run
 
-    def __enter__(self) -> CollectiveClock:
-        for name in ("all_reduce", "all_gather"):
+    def __enter__(self) -> Self:
+        for name in ("all_reduce", "all_gather", "gather", "broadcast"):
             self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._timed(self._saved[name]))
         return self
@@ -94,7 +95,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.float32).save_pretrained(tmp)
-        settings = dict(dtype="float32", device="cpu", kv_cache_memory=256 << 20, max_num_batched_tokens=4096)
+        settings = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 256 << 20, "max_num_batched_tokens": 4096}
         one = LLM(tmp, **settings)
         steps(one, prompts[:2], 2)  # warm-up
         single = steps(one, prompts, args.tokens)

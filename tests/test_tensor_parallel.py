@@ -22,35 +22,47 @@ import psutil
 import pytest
 import torch
 from family_parity import COMMON, VOCAB, build, sequences
-from hf_reference import same
 from harvest_helpers import read_shards, write_jsonl
+from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
-from vlens import LLM, SAE, Ablate, Capture, Clamp, Patch, SamplingParams, Steer, harvest
+from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, harvest
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
 
 TOL = 1e-5
 N = 2
 GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
-GPT2 = {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
+GPT2 = {"vocab_size": VOCAB + 1, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
 
 CONFIGS = {
     "smollm2": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),  # GQA, tied
     "qwen2_mqa": lambda: Qwen2Config(**COMMON, num_key_value_heads=1),  # biases; one KV head on both ranks
     "gemma2": lambda: Gemma2Config(
-        **COMMON, num_key_value_heads=2, head_dim=24, sliding_window=7, layer_types=GEMMA_LAYERS,
-        query_pre_attn_scalar=20, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-    ),  # fmt: skip
-    "gpt2": lambda: GPT2Config(**GPT2),  # fused Conv1D qkv, LayerNorm, learned positions
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=24,
+        sliding_window=7,
+        layer_types=GEMMA_LAYERS,
+        query_pre_attn_scalar=20,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
+    # fused Conv1D qkv, LayerNorm, learned positions; an odd vocabulary (GPT-2's own is): the last shard is short
+    "gpt2": lambda: GPT2Config(**GPT2),
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     # a split shared expert, and a dense layer among the MoE ones
     "qwen2_moe": lambda: Qwen2MoeConfig(
-        **COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, mlp_only_layers=[1],
-    ),  # fmt: skip
+        **COMMON,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    ),
     # q/k/v and gate/up stored fused: each rank reads its rows of one checkpoint tensor
     "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
@@ -105,7 +117,7 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
         try:
             while engine.has_work():
                 engine.step()
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
+        except BaseException as e:  # noqa: BLE001 - whatever it is, the test inspects it
             outcome.append(e)
 
     thread = threading.Thread(target=run)
@@ -134,6 +146,37 @@ def test_smollm2_weights_on_three_ranks(smol4, smol4_path):
         three.model.executor.close()
 
 
+def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
+    """run_with_hooks: each function runs once, on rank 0, on the whole tensor (all 9 heads of hook_z, which
+    three ranks hold); what it returns reaches every rank. Logits and cache as in one process."""
+    one = HookedLM(str(smol4_path), dtype="float32", device="cpu")
+    three = HookedLM(str(smol4_path), dtype="float32", device="cpu", tensor_parallel_size=3)
+    try:
+        vector = torch.randn(one.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+        seen = []
+
+        def ablate(z, hook):
+            seen.append(tuple(z.shape))
+            z = z.clone()
+            z[:, :, 4] = 0.0  # a head of the middle rank
+            return z
+
+        hooks = [("blocks.1.attn.hook_z", ablate), ("blocks.2.hook_resid_post", lambda x, hook: x + vector)]
+        texts = ["The capital of France is", "Tensor parallelism"]
+        a, b = one.run_with_hooks(texts, fwd_hooks=hooks), three.run_with_hooks(texts, fwd_hooks=hooks)
+        assert seen[0] == seen[1] and seen[0][2] == one.cfg.num_heads
+        assert same(b.double(), a.double(), TOL)
+        assert not same(one.run_with_hooks(texts).double(), a.double(), 1e-3)  # the hooks took
+        names = ["blocks.1.attn.hook_z", "blocks.3.hook_resid_post"]
+        (_, cache_a), (_, cache_b) = (
+            one.run_with_cache(texts, names_filter=names),
+            three.run_with_cache(texts, names_filter=names),
+        )
+        assert all(same(cache_b[n].double(), cache_a[n].double(), TOL) for n in names)
+    finally:
+        three.llm.model.executor.close()
+
+
 def test_harvest_shards_equal_one_process(tmp_path):
     """`harvest(path, tensor_parallel_size=2)` starts a group and closes it when done. hook_embed is byte
     for byte the one-process value (the vocabulary shards add exact zeros); the rows behind a row-parallel
@@ -142,7 +185,7 @@ def test_harvest_shards_equal_one_process(tmp_path):
     before = set(multiprocessing.active_children())
     source = write_jsonl(tmp_path / "tok.jsonl", sequences((40, 30, 50)), field="tokens")
     hooks = ["hook_embed", "blocks.1.hook_resid_post", "blocks.2.attn.hook_z", "blocks.0.mlp.hook_post"]
-    options = dict(context_size=16, dtype="float32", model_dtype="float32", device="cpu", progress=False)
+    options = {"context_size": 16, "dtype": "float32", "model_dtype": "float32", "device": "cpu", "progress": False}
     harvest(path, source, hooks, tmp_path / "one", **options)
     harvest(path, source, hooks, tmp_path / "two", tensor_parallel_size=N, **options)
     assert set(multiprocessing.active_children()) == before
@@ -342,7 +385,12 @@ def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path
     z, resid = "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"
     sae_z = SAE.load(save_saelens(tmp_path / "z", d_sae=32, hook=z, d_in=math.prod(shapes[z]))[0])
     sae_r = SAE.load(save_saelens(tmp_path / "r", "jumprelu", d_sae=32, hook=resid, d_in=shapes[resid][0])[0])
-    clamp = dict(max_tokens=4, temperature=0, ignore_eos=True, interventions=[Clamp(z, sae_z, feature=3, value=4.0)])
+    clamp = {
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "interventions": [Clamp(z, sae_z, feature=3, value=4.0)],
+    }
     params = [
         SamplingParams(**clamp, capture=Capture(hooks=[z, resid])),
         SamplingParams(**clamp, capture=Capture(sae=sae_r, top_k=4)),
@@ -355,6 +403,15 @@ def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path
     clamp.pop("interventions")
     unclamped = _generate(one, prompts[:1], [SamplingParams(**clamp, capture=Capture(hooks=[z]))])
     assert not same(unclamped[0].activations[z].double(), a[0].activations[z].double(), 1e-3)  # the clamp took
+
+
+def test_heads_chosen_from_both_ranks(pair):
+    """Capture(heads=...) keeps the named heads, in that order, from whichever rank holds each."""
+    _, one, two = pair
+    heads = [one.config.num_heads - 1, 0]
+    capture = Capture(hooks=["blocks.*.attn.hook_z", "blocks.0.attn.hook_pattern"], heads=heads)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, capture=capture)
+    _check_outputs(_generate(one, sequences((6,)), params), _generate(two, sequences((6,)), params))
 
 
 def test_logit_lens_and_logits_cover_the_vocabulary(pair):

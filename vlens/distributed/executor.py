@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from vlens.capture.names import hook_shapes, tap_dtype
+from vlens.capture.names import LOGITS
 from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
 from vlens.distributed import worker
@@ -88,11 +88,11 @@ class Executor:
         self.size, self.closed = size, False
         if device.type == "cuda":
             device = torch.device("cuda", 0)
-        spec = dict(
-            model=str(path), dtype=dtype, device=device.type, backend=attention_backend, compiled=compiled,
-            block_size=block_size,
-            group="nccl" if device.type == "cuda" else "gloo", threads=torch.get_num_threads(),
-        )  # fmt: skip
+        spec = {
+            "model": str(path), "dtype": dtype, "device": device.type, "backend": attention_backend, "compiled": compiled,
+            "block_size": block_size,
+            "group": "nccl" if device.type == "cuda" else "gloo", "threads": torch.get_num_threads(),
+        }  # fmt: skip
         if backend == "ray":
             from vlens.distributed.ray_ranks import RayRanks, node_address  # ray is an optional extra
 
@@ -138,19 +138,21 @@ class Executor:
         """Run on the other ranks the forward rank 0 is about to run (`ModelRunner._forward`'s arguments):
         the armed taps go along where they edit (every rank edits) or gather at a sharded site; a gather
         of a tap every rank holds whole is read on rank 0 alone."""
-        cfg, armed = self.model.cfg, {}
+        cfg, armed, hooks = self.model.cfg, {}, []
         for name, t in taps.items():
-            sharded = sharded_units(name, cfg) is not None
-            if not isinstance(t, Tap):  # a Python hook on rank 0: at a split site the others join its gather
-                if sharded:
-                    dtype = tap_dtype(name, self.model.lm_head.weight.dtype)
-                    armed[name] = worker.ArmedTap.every_row(len(ids), hook_shapes(cfg)[name], dtype)
+            if name == LOGITS:  # the whole logits are rank 0's alone: so are their taps
                 continue
+            if not isinstance(t, Tap):  # a Python function: it runs here, the other ranks take part
+                hooks.append(name)
+                continue
+            sharded = sharded_units(name, cfg) is not None
             if sharded or t.edit_rows is not None:
                 armed[name] = worker.ArmedTap.of(t, sharded)
         rows = logit_rows.clone() if isinstance(logit_rows, torch.Tensor) else logit_rows
-        vectors = worker.table_rows(taps)
-        self._send(worker.Forward(ids.clone(), worker.portable(meta), armed, vectors, num_layers, rows, decode))
+        plain = {name: t for name, t in taps.items() if isinstance(t, Tap)}
+        vectors = worker.table_rows(plain)
+        work = worker.Forward(ids.clone(), worker.portable(meta), armed, hooks, vectors, num_layers, rows, decode)
+        self._send(work)
 
     def lens(self, residual: torch.Tensor) -> None:
         """The other ranks' part of a logit-lens readout of `residual` on rank 0."""
@@ -166,4 +168,3 @@ class Executor:
         if dist.is_initialized():  # first: a rank waiting in a collective of this group fails out of it at once
             dist.destroy_process_group()
         self.ranks.stop()
-

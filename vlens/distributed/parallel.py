@@ -81,6 +81,31 @@ def all_reduce(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     return x
 
 
+def broadcast(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """Rank 0's `x` on every rank (in place; `x` gives the shape and dtype elsewhere)."""
+    if parallel.size == 1:
+        return x
+    try:
+        dist.broadcast(x, src=0)
+    except RuntimeError as e:
+        raise _failed(e) from e
+    return x
+
+
+def gather_to_first(x: torch.Tensor, dim: int, parallel: Parallel) -> torch.Tensor:
+    """On rank 0 the ranks' pieces of `x` joined along `dim`; elsewhere `x` itself, which nobody reads
+    (the logits: rank 0 alone samples, so the other ranks receive nothing)."""
+    if parallel.size == 1:
+        return x
+    x = x.contiguous()
+    pieces = [torch.empty_like(x) for _ in range(parallel.size)] if parallel.rank == 0 else None
+    try:
+        dist.gather(x, pieces, dst=0)
+    except RuntimeError as e:
+        raise _failed(e) from e
+    return torch.cat(pieces, dim=dim) if pieces is not None else x
+
+
 def all_gather(x: torch.Tensor, dim: int, parallel: Parallel, ranks: list[int] | None = None) -> torch.Tensor:
     """The ranks' pieces of `x` joined along `dim` (those of `ranks` only, where shares repeat)."""
     if parallel.size == 1:

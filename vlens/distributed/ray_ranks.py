@@ -56,7 +56,7 @@ class RayRanks:
         for rank, ref in enumerate(self.pending, start=1):
             try:
                 ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
-            except Exception as e:  # noqa: BLE001 - whatever Ray raises, the rank did not start
+            except Exception as e:
                 raise GroupError(f"tensor parallel rank {rank} (a Ray actor) did not start: {e}") from e
 
     def send(self, work) -> None:
@@ -71,7 +71,8 @@ class RayRanks:
             if done:
                 try:
                     ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - RayActorError, a worker's exception: either ends it
+                # RayActorError, or the worker's own exception: either way the rank is gone
+                except Exception as e:  # noqa: BLE001
                     gone.append(f"rank {rank} (a Ray actor) failed: {type(e).__name__}")
         return "; ".join(gone) or None
 

@@ -2,8 +2,9 @@
 
 Under tensor parallelism a rank holds some heads of q, k, v, z, the attention scores and patterns,
 and some columns of the MLP's hidden layer; every other hook site (the residual stream, norms,
-attention and MLP outputs after their all-reduce, logits after the LM head's gather) holds the same
-tensor on every rank, and its `Tap` runs unchanged on each. At a sharded site the model calls a
+attention and MLP outputs after their all-reduce) holds the same tensor on every rank, and its `Tap`
+runs unchanged on each; the logits are whole on rank 0 alone (the LM head gathers them there), where
+their taps and hooks run as in one process. At a sharded site the model calls a
 `ShardedTap` instead, which gives the user the unsharded tensor, equal to the one-process value:
 
 - a capture gathers from the ranks only the rows asked for (index_select first, then all_gather),
@@ -11,17 +12,21 @@ tensor on every rank, and its `Tap` runs unchanged on each. At a sharded site th
 - an edit (Steer, Ablate, Patch, Clamp, per-head or whole) gathers the whole rows, applies the very
   `Tap` of one process to them, identically on every rank, and keeps this rank's slice: an ablation's
   projection or an SAE clamp sees the full row, and a per-head steer lands on the rank holding the head;
-- an attention-pattern tap computes this rank's heads and gathers them;
-- a Python hook (harvest's row takers, HookedLM.run_with_hooks) sees the whole tensor, all rows gathered,
-  on rank 0; it may only read it there (`ShardedHook`), since the other ranks cannot run it.
+- an attention-pattern tap computes this rank's heads and gathers them.
+
+A Python function at a site (`HookedLM.run_with_hooks`, harvest's row takers) runs on rank 0 alone, on
+the whole tensor (`RankZeroHook`); when it returns another tensor, rank 0 sends it to every rank, which
+keeps its slice, so a function that edits stays one edit of one model.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vlens.capture.names import LOGITS
+from vlens.capture.runtime import Tap
 from vlens.config import ModelConfig
-from vlens.distributed.parallel import Parallel, all_gather
+from vlens.distributed.parallel import Parallel, all_gather, broadcast
 
 
 def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
@@ -49,12 +54,33 @@ def shard_taps(taps: dict, cfg: ModelConfig) -> dict:
     out = {}
     for name, tap in taps.items():
         units = sharded_units(name, cfg)
-        if units is None:
+        if name == LOGITS:  # rank 0's alone
             out[name] = tap
-        else:
-            kind = ShardedTap if hasattr(tap, "gather_index") else ShardedHook  # an armed Tap, or a Python hook
-            out[name] = kind(tap, units, cfg.parallel)
+        elif isinstance(tap, Tap):
+            out[name] = tap if units is None else ShardedTap(tap, units, cfg.parallel)
+        else:  # a Python function (rank 0), or a worker's stand-in for one
+            out[name] = tap if isinstance(tap, RankZeroHook) else RankZeroHook(tap, units, cfg.parallel)
     return out
+
+
+class RankZeroHook:
+    """`fn` (None on the other ranks) on the whole tensor at its site, on rank 0; its result on every rank.
+    A function that returns its input (harvest's row takers) costs one flag sent; one that edits returns a
+    new tensor (HookedLM's hooks do), which is sent whole: an edit made in place and returned as the same
+    tensor would stay on rank 0."""
+
+    def __init__(self, fn, units: int | None, parallel: Parallel):
+        self.fn, self.parallel = fn, parallel
+        self.mine, self.owners = (parallel.units(units), parallel.owners(units)) if units else (None, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        whole = x if self.mine is None else all_gather(x, ShardedTap.DIM, self.parallel, self.owners)
+        out = whole if self.fn is None else self.fn(whole)
+        changed = broadcast(torch.tensor([out is not whole], device=x.device), self.parallel)
+        if not changed.item():  # read only (a capture): every rank keeps what it had
+            return x
+        out = broadcast(out.contiguous() if self.fn is not None else torch.empty_like(whole), self.parallel)
+        return out if self.mine is None else out.narrow(ShardedTap.DIM, self.mine.start, len(self.mine)).contiguous()
 
 
 class ShardedTap:
@@ -89,16 +115,3 @@ class ShardedTap:
         finally:
             tap.gather_out = whole
         whole.copy_(self._whole(mine))
-
-
-class ShardedHook(ShardedTap):
-    """A Python hook at a sharded site on rank 0: it reads every row, gathered whole (the other ranks join the
-    gather as for a capture of every row, vlens.distributed.executor); a hook that returns another tensor
-    would change the value on rank 0 alone, so it is refused."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        whole = self._whole(x)
-        if self.tap(whole) is not whole:
-            raise ValueError("hooks: a hook that changes a split activation (heads, MLP columns) runs only with "
-                             "tensor_parallel_size=1; one that reads it runs with any")  # fmt: skip
-        return x

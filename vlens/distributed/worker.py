@@ -22,6 +22,7 @@ from vlens.attention import make_backend
 from vlens.attention.metadata import AttentionMetadata
 from vlens.capture.runtime import Tap
 from vlens.distributed.parallel import Parallel
+from vlens.distributed.taps import RankZeroHook, sharded_units
 from vlens.engine.model_runner import ModelRunner
 from vlens.loader import load_model
 
@@ -74,21 +75,18 @@ class ArmedTap:
         width = t.table.data.shape[1] if edits else None
         return cls(index, t.softmax, gather, t.clamps, width, t.coefficients.cpu() if edits else None)
 
-    @classmethod
-    def every_row(cls, rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> ArmedTap:
-        """A gather of every row, whole: the part of a rank-0 Python hook at a split site (taps.ShardedHook)."""
-        return cls({"gather_index": torch.arange(rows)}, False, ((rows, *shape), dtype), False, None, None)
-
 
 @dataclass
 class Forward:
     """One forward as rank 0 runs it: the packed token ids over the layout `meta` (tensors compacted to the
-    host), the taps the other ranks need (edits everywhere, gathers only at sharded sites), the vector rows
-    the edits read, how deep to run, whose logits (the LM head gathers over the ranks) and which backend."""
+    host), the taps the other ranks need (edits everywhere, gathers only at sharded sites), the sites of
+    rank 0's Python hooks, the vector rows the edits read, how deep to run, whose logits (the LM head
+    gathers over the ranks) and which backend."""
 
     ids: torch.Tensor
     meta: AttentionMetadata
     taps: dict[str, ArmedTap]
+    hooks: list[str]  # sites where a Python function runs on rank 0 (vlens.distributed.taps.RankZeroHook)
     vectors: dict[int, tuple[torch.Tensor, ...]]  # table width -> (row ids, data, mask, encoder, params)
     num_layers: int | None
     logit_rows: torch.Tensor | slice | None
@@ -118,7 +116,7 @@ def table_rows(taps: dict[str, Tap]) -> dict[int, tuple[torch.Tensor, ...]]:
     """Rank 0's intervention-table rows that the armed edits read, per table width, on the host."""
     wanted: dict[int, tuple[object, set[int]]] = {}
     for t in taps.values():
-        if isinstance(t, Tap) and t.edit_rows is not None:  # (Python hooks edit nothing here)
+        if t.edit_rows is not None:
             table = t.table
             wanted.setdefault(table.data.shape[1], (table, set()))[1].update(t.edit_vectors.reshape(-1).tolist())
     out = {}
@@ -154,6 +152,8 @@ class Worker:
                 t.gather_out = torch.empty(shape, dtype=dtype, device=self.device)
             if armed.width is not None:
                 t.table, t.coefficients = self.tables[armed.width], armed.coefficients.to(self.device)
+        cfg = self.runner.cfg
+        taps.update({name: RankZeroHook(None, sharded_units(name, cfg), cfg.parallel) for name in work.hooks})
         return taps
 
     @torch.inference_mode()
@@ -195,7 +195,7 @@ def main(rank: int, size: int, init: str, spec: dict, conn) -> None:
     try:
         worker = start(rank, size, init, spec)
         conn.send(("ready", None))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to start is rank 0's to report
         conn.send(("error", traceback.format_exc()))
         return
     while True:

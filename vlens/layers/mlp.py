@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.context import tap
 from vlens.config import UnsupportedModelError
+from vlens.context import tap
 from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers import fused
 from vlens.layers.linear import FusedLinear, RowLinear

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.context import tap
 from vlens.config import ModelConfig
+from vlens.context import tap
 from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.layers.mlp import GatedMLP, activation

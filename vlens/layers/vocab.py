@@ -2,8 +2,9 @@
 
 `VocabEmbedding` holds rows [start, stop) of the table: a token outside them looks up zeros and the
 ranks' lookups are summed, which adds exact zeros, so hook_embed is the unsharded value bit for bit.
-`LMHead` computes this rank's logits and joins the ranks' pieces into the whole vocabulary, so every
-consumer of logits (sampling, the logits hook, the logit lens) sees all of it. Each rank allocates
+`LMHead` computes this rank's logits and joins the ranks' pieces into the whole vocabulary on rank 0,
+where every consumer of logits (sampling, the logits hook, the logit lens) runs and sees all of it; the
+other ranks send their piece and receive nothing. Each rank allocates
 ceil(V / size) rows; the last rank's rows past V are never read. In one process both are the plain
 nn.Embedding / bias-free nn.Linear they replace.
 """
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.distributed.parallel import SINGLE, Parallel, all_gather, all_reduce
+from vlens.distributed.parallel import SINGLE, Parallel, all_reduce, gather_to_first
 from vlens.layers.checkpoint import Slot
 
 
@@ -50,4 +51,4 @@ class LMHead(_VocabRows):
         logits = F.linear(x, self.weight)
         if self.parallel.size == 1:
             return logits
-        return all_gather(logits, -1, self.parallel)[..., : self.vocab_size]
+        return gather_to_first(logits, -1, self.parallel)[..., : self.vocab_size]
