@@ -6,7 +6,7 @@ Work: one layer (`blocks.8.hook_resid_post`, HF's hidden_states[9]) of `--window
 token ids, every row brought to host memory:
   vlens            vlens.harvest to disk: tokens per forward from the memory probe, pipelined; once with
                    the default 1 GiB shards and once with 256 MiB shards (a long harvest's steady state:
-                   writes overlap the forwards), and once --no-pipeline (same bytes, checked)
+                   writes overlap the forwards), and once with --pipeline off (same bytes, checked)
   trace            LLM.trace of the same windows (rows to host memory, no disk)
   HF hook-stop     AutoModelForCausalLM with a forward hook after layer 8 that copies the layer's output
                    to the CPU and raises to stop the forward, at its best batch of 8, 16, 32, 64 windows
@@ -80,7 +80,7 @@ def measure(path: str, windows: int) -> dict:
         out["summary"] = str(summary)
 
     for label, options in (("vlens", {}), ("vlens_256M", {"shard_bytes": 1 << 28}),
-                           ("vlens_256M_serial", {"shard_bytes": 1 << 28, "pipeline": False})):  # fmt: skip
+                           ("vlens_256M_serial", {"shard_bytes": 1 << 28, "pipeline": "off"})):  # fmt: skip
         out[label] = timed(lambda: harvest(**options))  # noqa: B023 - called at once
         out[f"{label}_summary"] = out.pop("summary")
     out["serial_same_bytes"] = _files(runs[-1]) == _files(runs[-3])

@@ -288,8 +288,8 @@ def test_the_summary_says_where_the_time_went(smol, corpus, tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="vlens")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--batch-tokens", "32",
-                              "--no-pipeline"])  # fmt: skip
-    assert (args.batch_tokens, args.pipeline) == (32, False)
+                              "--pipeline", "on"])  # fmt: skip
+    assert (args.batch_tokens, args.pipeline) == (32, "on")
     summary = harvest(smol, corpus, "blocks.1.hook_resid_post", tmp_path / "out", context_size=16, max_tokens=64,
                       batch_tokens=32, shard_bytes=50_000)  # fmt: skip
     assert 0 < summary.device_seconds < summary.seconds and 0 < summary.write_seconds < summary.seconds

@@ -26,6 +26,7 @@ OPTIONS = {
     "context_size": 16,
     "shard_bytes": 80_000,  # three windows of 16 rows per shard
     "batch_tokens": 32,  # two windows per forward: shards take two forwards
+    "pipeline": "on",  # the threads, which a CPU run goes without by default
     "progress": False,
 }
 HOOKS = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_v"]
@@ -97,7 +98,7 @@ def _kill_at(tmp_path, model_path, source, out, point: str, nth: int) -> None:
 
 
 def _run(model, source, out, **options):
-    return harvest(model, source, HOOKS, out, **OPTIONS, **options)
+    return harvest(model, source, HOOKS, out, **{**OPTIONS, **options})
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def source(tmp_path_factory):
 def expected(smol4, source, tmp_path_factory):
     """The files of an uninterrupted run without the pipeline."""
     out = tmp_path_factory.mktemp("serial") / "out"
-    _run(smol4, source, out, pipeline=False)
+    _run(smol4, source, out, pipeline="off")
     assert len(read_manifest(out)["shards"]) >= 6
     return dir_bytes(out)
 

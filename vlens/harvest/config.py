@@ -62,10 +62,10 @@ class HarvestConfig:
         None, "tokens per forward (default: on CUDA as many as fit in the free memory, measured by a probe forward; "
         "4096 on a CPU; a resumed run keeps its own)", minimum=1,
     )  # fmt: skip
-    pipeline: bool = setting(
-        True, "overlap the forwards, the copies to host memory, the shard writes and the reading of the source "
-        "(threads); --no-pipeline runs them one after the other, writing the same bytes", flag="--no-pipeline",
-        invert=True,
+    pipeline: str = setting(
+        "auto", "overlap the forwards, the shard writes and the reading of the source in threads of their own: on, "
+        "off (one after the other; the same bytes), or auto: on with CUDA, off on a CPU, where the forward takes "
+        "every core and measured no faster with them", choices=("auto", "on", "off"),
     )  # fmt: skip
     seed: int | None = setting(None, "shuffle the rows within each shard with this seed (default: window order)")
     device: str = setting("auto", "where harvest loads the model: auto, cpu, cuda or cuda:N", check=device_problem)
@@ -108,6 +108,10 @@ class HarvestConfig:
             raise ValueError(
                 f"max_tokens: {self.max_tokens} is less than one window (context_size={self.context_size})"
             )
+
+    def pipelined(self, device: torch.device) -> bool:
+        """Whether the run on `device` overlaps its steps in threads (see `pipeline`)."""
+        return self.pipeline == "on" or (self.pipeline == "auto" and device.type == "cuda")
 
     @property
     def out_dtype(self) -> torch.dtype:

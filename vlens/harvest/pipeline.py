@@ -8,8 +8,9 @@ The writer takes shards in order through a queue of one, and the host buffers co
 sets, so at most two shards' rows are in host memory (one filling, one being written). A shard reaches
 the manifest exactly as in a serial run: written whole under a temporary name, renamed, then listed,
 in shard order, by the one thread that writes the manifest. So a kill at any moment leaves what a serial
-run leaves at some moment, and the re-run ends with the same bytes. `pipeline=False` runs the same steps
-one after the other in the calling thread (same files; the tests compare them).
+run leaves at some moment, and the re-run ends with the same bytes. `pipeline="off"` (the default on a
+CPU, where the forward takes every core) runs the same steps one after the other in the calling thread
+(same files; the tests compare them).
 """
 
 from __future__ import annotations

@@ -74,12 +74,13 @@ def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, started: float) 
     if job.manifest["complete"]:
         return job.report(started, config.progress)
     token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size)
+    pipelined = config.pipelined(next(loaded.model.parameters()).device)
     stage = DeviceRows(
         runner, wanted, hook_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features,
-        buffer_sets=2 if config.pipeline else 1,
+        buffer_sets=2 if pipelined else 1,
     )  # fmt: skip
     with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:
         tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
-        run_shards(job, stage, tasks, config.seed, bar, config.pipeline)
+        run_shards(job, stage, tasks, config.seed, bar, pipelined)
         job.finish()
     return job.report(started, config.progress)
