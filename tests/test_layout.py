@@ -1,5 +1,6 @@
-"""The package's shape: no module of vlens imports itself back through others (imports made only for type
-checking do not count: they never run), and one position parser serves every entry point."""
+"""The package's shape: no module of vlens imports itself back through others — counting every import, in
+functions and under `if TYPE_CHECKING:` too, and the package `__init__` an import of a submodule runs — and
+one position parser serves every entry point."""
 
 from __future__ import annotations
 
@@ -15,33 +16,25 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
-    """vlens modules this file imports when it runs (not under `if TYPE_CHECKING:`): `from a import b`
-    names the module a.b where there is one, else a."""
-    tree = ast.parse(path.read_text())
-    skip = {
-        id(node)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-        for stmt in block.body
-        for node in ast.walk(stmt)
-    }
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """vlens modules this file imports anywhere: `from a import b` names the module a.b where there is one,
+    else a; importing a.b.c runs the `__init__` of a.b too (the root package `vlens` aside)."""
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vlens"):
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
                 found.add(sub if sub in modules else node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("vlens"))
-    return found
+    packages = {".".join(name.split(".")[:k]) for name in found for k in range(2, name.count(".") + 1)}
+    return found | (packages & modules)
 
 
 def test_no_import_cycles():
     modules = {_module(p): p for p in ROOT.rglob("*.py")}
-    graph = {name: _runtime_imports(path, set(modules)) - {name} for name, path in modules.items()}
+    graph = {name: {m for m in _imports(path, set(modules)) if m != name and not name.startswith(m + ".")}
+             for name, path in modules.items()}  # fmt: skip
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlens.capture.bind import bind_request
-from vlens.capture.interventions import fingerprint
-from vlens.capture.names import FINAL_NORM, forward_depth, hook_shapes
+from vlens.capture.names import FINAL_NORM, hook_shapes
 from vlens.capture.plan import StepPlan
 from vlens.capture.positions import rows_of
 from vlens.capture.runtime import Collection
@@ -102,7 +101,7 @@ class LLMEngine:
         self._pending: tuple[StepPlan, Collection] | None = None  # a step's rows still on their way to the host
         self.prompt_tokens = self.generation_tokens = 0
         # LongRoPE's factors depend on the sequence length: a sequence whose last position reaches this
-        # recomputes its cache with the long factors, as HF does (see _switch_rope).
+        # recomputes its cache with the long factors, as HF does (Sequence.reaches_long_rope).
         scaling = cfg.rope_scaling or {}
         self.long_rope_at = scaling.get("original_max_position_embeddings") if scaling.get("rope_type") == "longrope" else None
         # Everything alive now (modules, weights' wrappers, tokenizer) lives as long as the engine: moved out of
@@ -120,7 +119,7 @@ class LLMEngine:
             for seq in group.seqs:
                 if r.stream or seq.params.stop_list:
                     seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)
-                self.runner.taps.upload(seq.taps.interventions)
+                seq.hold_vectors(self.runner.taps)
             self._requests[group.request_id] = group
             self.prompt_tokens += group.seqs[0].num_prompt
             self.scheduler.add(group.seqs[0])
@@ -150,17 +149,7 @@ class LLMEngine:
         taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index)
-        seq.cache_salt = fingerprint(params.interventions)
-        if self.long_rope_at is not None and len(prompt_ids) - 1 >= self.long_rope_at:
-            seq.cache_salt = ("long rope", seq.cache_salt)
-        if seq.prefill_only and seq.prompt_logprobs is None:
-            # Nothing reads past its deepest tap: a step of such requests alone stops there, so their
-            # blocks may lack the deeper layers' KV and are kept apart in the prefix cache.
-            used = [t for stream in taps.streams for t in stream.taps] + [t for iv in taps.interventions for t in iv.taps]
-            seq.depth = forward_depth(used, self.cfg)
-            if seq.depth is not None:
-                seq.cache_salt = ("layers", seq.depth, seq.cache_salt)
-        seq.cache_limit = seq.reusable_prefix()
+        seq.settle(self.long_rope_at, self.cfg)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -172,7 +161,7 @@ class LLMEngine:
             if seq.status is Status.FINISHED:
                 continue
             self.scheduler.abort(seq)
-            self.runner.taps.release(seq.taps.interventions)
+            seq.drop_vectors(self.runner.taps)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -204,9 +193,7 @@ class LLMEngine:
         if not scheduled:
             return []
         out = self.runner.run(scheduled)
-        for seq, n in scheduled:
-            seq.num_computed += n
-            self.blocks.commit(seq)
+        self.scheduler.computed(scheduled)
         # The previous step's rows, whose copy to the host overlapped this step's forward; this step's
         # wait for the next one, unless a request that collects rows ends now and needs them.
         self._deliver()
@@ -215,8 +202,7 @@ class LLMEngine:
         if out.prompt_logprobs is not None:
             out.prompt_rows.deliver(out.prompt_logprobs)
         for seq, _ in scheduled:
-            seq.cache_limit = seq.reusable_prefix()
-            seq.borrow = None
+            seq.step_done()
         deltas = []
         self.generation_tokens += len(out.tokens)
         for i, (seq, token) in enumerate(zip(out.sampled, out.tokens)):
@@ -226,8 +212,8 @@ class LLMEngine:
             finished = self._check_stop(seq, token)
             if finished:
                 self._finish(seq)
-            elif self.long_rope_at is not None and len(seq.token_ids) - 1 == self.long_rope_at:
-                self._switch_rope(seq)
+            elif seq.reaches_long_rope():
+                self.scheduler.recompute(seq)
             deltas.append(self._delta(seq, finished))
         for seq, _ in scheduled:
             if seq.prefill_only and seq.num_computed == len(seq.token_ids):
@@ -248,17 +234,10 @@ class LLMEngine:
         if seq.taps.streams:  # its last rows may still be on their way
             self._deliver()
         self.scheduler.finish(seq)
-        self.runner.taps.release(seq.taps.interventions)
+        seq.drop_vectors(self.runner.taps)
         group = self._requests[seq.request_id]
         group.done += 1
         self.scheduler.add_first(group.release())
-
-    def _switch_rope(self, seq: Sequence) -> None:
-        """The sequence now reaches LongRoPE's switch: its cached keys were rotated with the short
-        factors, so drop them and recompute with the long ones (rows already captured are not taken
-        again). The prefix cache keeps the two regimes apart."""
-        self.blocks.release(seq)
-        seq.cache_salt = ("long rope", seq.cache_salt)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Whether the token ends the sequence; sets its finish and stop reasons."""

@@ -42,6 +42,16 @@ class Scheduler:
         """Queue `seqs` ahead of every waiting sequence, in their order (samples a request releases)."""
         self.waiting.extendleft(reversed(seqs))
 
+    def computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """A step ran: its tokens' KV is in the cache, and full blocks go into the prefix cache."""
+        for seq, n in scheduled:
+            seq.num_computed += n
+            self.blocks.commit(seq)
+
+    def recompute(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks: it computes its KV again from the start in later steps."""
+        self.blocks.release(seq)
+
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is, freeing its blocks."""
         if seq in self.waiting:

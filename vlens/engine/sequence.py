@@ -6,6 +6,10 @@ import enum
 from dataclasses import dataclass
 
 from vlens.capture.bind import RequestTaps
+from vlens.capture.interventions import fingerprint
+from vlens.capture.names import forward_depth
+from vlens.capture.runtime import TapRuntime
+from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
 from vlens.outputs import Logprob
 from vlens.sampling_params import SamplingParams
@@ -63,6 +67,7 @@ class Sequence:
         wants_prompt = params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
+        self.long_rope_at: int | None = None  # the position from which LongRoPE's long factors apply
         self.borrow: Borrow | None = None  # this step's: the prefix another sequence computes for it
         self.num_reported = 0  # generated tokens already sent out in a delta
         self.finish_reason: str | None = None
@@ -79,6 +84,46 @@ class Sequence:
     @property
     def prefill_only(self) -> bool:
         return self.params.max_tokens == 0
+
+    # -- the facts the engine keeps beside the tokens ----------------------------------------------------
+
+    def settle(self, long_rope_at: int | None, cfg: ModelConfig) -> None:
+        """Fix, when the sequence is created, what its KV depends on besides its tokens (the prefix cache's
+        salt): its interventions, LongRoPE's regime, and for a prefill-only request the layers it runs —
+        nothing reads past its deepest tap, so a step of such requests alone stops there, and their blocks,
+        which may lack the deeper layers' KV, are kept apart."""
+        self.long_rope_at = long_rope_at
+        salt: object = fingerprint(self.params.interventions)
+        if long_rope_at is not None and self.num_prompt - 1 >= long_rope_at:
+            salt = ("long rope", salt)
+        if self.prefill_only and self.prompt_logprobs is None:
+            used = [t for stream in self.taps.streams for t in stream.taps]
+            self.depth = forward_depth(used + [t for iv in self.taps.interventions for t in iv.taps], cfg)
+            if self.depth is not None:
+                salt = ("layers", self.depth, salt)
+        self.cache_salt = salt
+        self.cache_limit = self.reusable_prefix()
+
+    def reaches_long_rope(self) -> bool:
+        """Whether the token just sampled takes the sequence to LongRoPE's switch. Its cached keys were
+        rotated with the short factors, so it recomputes them with the long ones (rows already captured are
+        not taken again), under a salt that keeps the two regimes apart in the prefix cache."""
+        if self.long_rope_at is None or len(self.token_ids) - 1 != self.long_rope_at:
+            return False
+        self.cache_salt = ("long rope", self.cache_salt)
+        return True
+
+    def step_done(self) -> None:
+        """After a step it ran in: the prefix it may now take from the cache, and no borrowed prefix."""
+        self.cache_limit = self.reusable_prefix()
+        self.borrow = None
+
+    def hold_vectors(self, runtime: TapRuntime) -> None:
+        """Its intervention vectors onto the device, once, for every step it runs in."""
+        runtime.upload(self.taps.interventions)
+
+    def drop_vectors(self, runtime: TapRuntime) -> None:
+        runtime.release(self.taps.interventions)
 
     def reusable_prefix(self) -> int | None:
         """Leading tokens whose KV may come from the prefix cache without losing a row the request still
