@@ -25,8 +25,9 @@ from family_parity import COMMON, VOCAB, build, sequences
 from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
+from test_parity_moe import CONFIGS as MOE_CONFIGS
 from server_helpers import vlens_serve
-from transformers import Gemma2Config, GPT2Config, LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
+from transformers import Gemma2Config, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, harvest
 from vlens.distributed.parallel import GroupError
@@ -52,17 +53,9 @@ CONFIGS = {
     ),
     # fused Conv1D qkv, LayerNorm, learned positions; an odd vocabulary (GPT-2's own is): the last shard is short
     "gpt2": lambda: GPT2Config(**GPT2),
-    "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "mixtral": MOE_CONFIGS["mixtral"],
     # a split shared expert, and a dense layer among the MoE ones
-    "qwen2_moe": lambda: Qwen2MoeConfig(
-        **COMMON,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        mlp_only_layers=[1],
-    ),
+    "qwen2_moe": MOE_CONFIGS["qwen2_moe"],
     # q/k/v and gate/up stored fused: each rank reads its rows of one checkpoint tensor
     "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
