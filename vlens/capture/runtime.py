@@ -1,12 +1,12 @@
 """The taps the model calls, and the device buffers they read and write.
 
-A model tap site is one line, `if NAME in taps: x = taps[NAME](x)`. `taps` holds a `Tap` for every site
-some request uses in this step and nothing else, so a step in which nobody captures or intervenes runs
+A model tap site is one line, `x = tap(NAME, x)` (vlens.context), which reads the forward's taps: a `Tap`
+for every site some request uses in this step and nothing else, so a step in which nobody captures or intervenes runs
 no capture code. A `Tap` reads and writes only tensors of fixed shape that the runtime armed before the
 forward — rows to gather, rows to edit with their kinds and vector-table rows — so torch.compile and
 CUDA graphs keep it: no Python containers are built, no `.item()` runs and no shape depends on data.
 
-Buffers live as long as the runtime and only grow: gathered rows land in a buffer per tap site, the
+Buffers live as long as the runtime (the runner's: trace and harvest reuse it) and only grow: gathered rows land in a buffer per tap site, the
 step's indices in one index buffer (one host-to-device copy per step), and intervention vectors in a
 table per row width, written once when a request arrives, not every step.
 """
