@@ -20,7 +20,7 @@ elsewhere the same path runs eagerly, which is how the CPU tests check it agains
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -63,7 +63,6 @@ class GraphStats:
     eager_steps: int = 0  # steps the static path cannot serve: prefill, chunked prefill, prompt rows, ...
     graphs_captured: int = 0
     capture_seconds: float = 0.0
-    captured: list[tuple[int, int]] = field(default_factory=list)  # (batch bucket, pages) of each capture
 
 
 @dataclass
@@ -288,7 +287,6 @@ class ModelRunner:
         stats = self.graph_stats
         stats.graphs_captured += 1
         stats.capture_seconds += time.perf_counter() - started
-        stats.captured.append(key[:2])
 
     # -- cache-less packed forwards: trace, HookedLM, harvest ------------------------------------------------
 
