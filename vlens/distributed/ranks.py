@@ -5,6 +5,7 @@ actors, which may run on other machines."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -47,10 +48,8 @@ class ProcessRanks:
     def stop(self) -> None:
         """Ask every worker to stop, then kill the ones that do not within 5 s."""
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):  # a worker already gone is stopped below all the same
                 conn.send(None)
-            except OSError:
-                pass
         for proc in self.procs:
             proc.join(timeout=5)
             if proc.is_alive():
