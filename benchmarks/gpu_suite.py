@@ -13,7 +13,8 @@ slow section costs only itself. Sections:
             HF generate in left-padded batches of 64; capture of 3 layers at every generated row, a different
             Steer per request, both: time vs plain, graphs on
   latency   one decode step at batch 1 and 64 (ms), graphs on and off
-  profile   a decode run under torch.profiler: share of wall time the GPU is busy, top host operators
+  profile   decode runs at batch 1 and 64 under torch.profiler: share of wall time the GPU is busy, device ops
+            per graph launch, top host and device operators; the batch-64 run under cProfile: top Python functions
   harvest   one layer, 192 windows of 1024 tokens, bf16 (benchmarks/bench_harvest_gpu.py's measure): tokens/s,
             model FLOPs utilisation of the layers run vs the measured peak, vs HF stopped by a hook at its best
             batch and HF output_hidden_states
@@ -203,26 +204,46 @@ def _step_ms(llm: LLM, prompts: list[list[int]]) -> float:
 
 
 def profile(rows: dict, path: str, quick: bool) -> None:
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     llm = LLM(path, dtype="bfloat16", device="cuda")
-    prompts = _workload(64)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
+    out = rows["profile"] = {}
+    for b in (1, 64):
+        prompts = _workload(b)
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
-    rows["profile"] = {
-        "wall_s": wall, "gpu_busy_share": gpu_us / 1e6 / wall,
-        "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3, 1), e.count) for e in host],
-    }  # fmt: skip
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_us = sum(e.self_device_time_total for e in device)
+        launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
+        host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
+        out[f"b{b}"] = {
+            "wall_s": wall, "gpu_busy_share": gpu_us / 1e6 / wall, "graph_launches": launches,
+            "device_ops_per_launch": sum(e.count for e in device) / max(launches, 1),
+            "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3, 1), e.count) for e in host],
+            "top_device_ops": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count)
+                               for e in sorted(device, key=lambda e: -e.self_device_time_total)[:10]],
+        }  # fmt: skip
+    out["gpu_busy_share"] = out["b64"]["gpu_busy_share"]
+    profiler = cProfile.Profile()  # where the host's time goes, by Python function, batch 64
+    profiler.enable()
+    llm.generate(_workload(64), params, use_tqdm=False)
+    torch.cuda.synchronize()
+    profiler.disable()
+    table = sorted(pstats.Stats(profiler).stats.items(), key=lambda kv: -kv[1][2])[:25]
+    out["python_top_tottime_ms"] = [
+        (f"{Path(f).name}:{line}:{fn}", round(tt * 1e3, 1), round(ct * 1e3, 1), nc) for (f, line, fn), (_, nc, tt, ct, _) in table
+    ]  # fmt: skip
 
 
 def harvesting(rows: dict, path: str, quick: bool) -> None:
@@ -232,7 +253,7 @@ def harvesting(rows: dict, path: str, quick: bool) -> None:
     rows["harvest"] = measure(path, 16 if quick else 192)
 
 
-SECTIONS = {"generate": 150, "exact": 60, "profile": 30, "harvest": 110}
+SECTIONS = {"generate": 200, "exact": 60, "profile": 45, "harvest": 60}
 
 
 def main() -> None:
