@@ -165,8 +165,10 @@ def generation(rows: dict, path: str, quick: bool) -> None:
             out["steer"] = timed(run([SamplingParams(**kw, interventions=[s]) for s in steers]))
             out["both"] = timed(run([SamplingParams(**kw, capture=three, interventions=[s]) for s in steers]))
             stats = llm.engine.runner.graph_stats
+            runner = llm.engine.runner
             out["graph_stats"] = {"graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps,
-                                  "graphs": stats.graphs_captured, "capture_s": round(stats.capture_seconds, 2)}  # fmt: skip
+                                  "graphs": stats.graphs_captured, "capture_s": round(stats.capture_seconds, 2),
+                                  "paged_kernel": runner.decode_backend.paged is not None, "fused": runner.fused}  # fmt: skip
         rows.setdefault("latency_ms", {}).update({f"b{b}_{label}": _step_ms(llm, prompts[:b]) for b in (1, 64)})
         del llm
         torch.cuda.empty_cache()

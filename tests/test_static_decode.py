@@ -3,9 +3,13 @@ the ordinary step: decode batches padded to a power-of-two bucket (padding rows 
 block tables padded to a page bucket, taps armed at power-of-two sizes, vlens.attention.decode's kernel.
 Greedy tokens must be equal and every captured row and steered output within 1e-5 (float32), with plain,
 capturing (hooks, logits, attention pattern, SAE features), steered, ablated, per-head steered and
-clamped requests in one batch, on a GQA Llama and on Gemma 2 (soft-capping, sliding windows)."""
+clamped requests in one batch, on a GQA Llama and on Gemma 2 (soft-capping, sliding windows) — with the
+gathering kernel and with the Triton paged kernel that CUDA runs (here under Triton's interpreter)."""
 
 from __future__ import annotations
+
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from family_parity import COMMON, build
 from transformers import Gemma2Config, LlamaConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
+from vlens.attention.decode import DecodeBackend
+from vlens.attention.metadata import LayerKind
 
 D = COMMON["hidden_size"]
 FAMILIES = {
@@ -30,6 +36,25 @@ FAMILIES = {
 def llm(request, tmp_path_factory) -> LLM:
     path = build(FAMILIES[request.param](), tmp_path_factory.mktemp("static"), request.param)
     return LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def paged_kernel():
+    """vlens.attention.paged_decode's kernel as Triton's interpreter runs it on the CPU (conftest)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from vlens.attention.paged_decode import paged_decode
+
+    return paged_decode
+
+
+@pytest.fixture(params=["gather", "triton"])
+def kernel(request, llm):
+    """The static step's attention kernel for one test: the portable gathering one, or the Triton one."""
+    gathering = llm.runner.decode_backend
+    if request.param == "triton":
+        llm.runner.decode_backend = DecodeBackend(request.getfixturevalue("paged_kernel"), programs=8)
+    yield request.param
+    llm.runner.decode_backend = gathering
 
 
 def _requests(seed: int, head_dim: int) -> list[tuple[list[int], SamplingParams]]:
@@ -72,7 +97,7 @@ def _values(out) -> dict[str, torch.Tensor]:
     return values
 
 
-def test_static_decode_equals_the_ordinary_step(llm):
+def test_static_decode_equals_the_ordinary_step(llm, kernel):
     before = llm.runner.graph_stats.static_eager_steps
     eager, static = _run(llm, False, 1), _run(llm, True, 1)
     assert llm.runner.graph_stats.static_eager_steps - before >= 10  # the decode steps took the static path
@@ -85,7 +110,7 @@ def test_static_decode_equals_the_ordinary_step(llm):
             assert rel_err(vb[name], va[name]) < 1e-5, name
 
 
-def test_static_decode_batches_other_sizes_and_preempts(llm):
+def test_static_decode_batches_other_sizes_and_preempts(llm, kernel):
     """Batches of every bucket up to max_num_seqs, sequences joining and finishing between steps."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, COMMON["vocab_size"], (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (11,), generator=g)]
@@ -97,3 +122,25 @@ def test_static_decode_batches_other_sizes_and_preempts(llm):
         llm.runner.static_decode = False
     eager = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, window, softcap", [(8, 2, 24, None, None), (4, 4, 64, 7, None), (9, 3, 64, None, 2.0), (8, 2, 32, 5, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads, dim, window, softcap, dtype):
+    """Keys read through shuffled block tables, contexts from one key to the whole table, the splits of one
+    row merged: float32 within 1e-5 of the gathering kernel; bfloat16 within bfloat16's rounding."""
+    g = torch.Generator().manual_seed(heads * dim)
+    bs, blocks, width, rows = 4, 40, 9, 5
+    cache = torch.randn(2, blocks * bs, kv_heads, dim, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(rows)])
+    context = torch.tensor([1, 2, 13, 30, width * bs])
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap)
+    layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
+    meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
+    want = DecodeBackend().forward(q, None, None, layer, DecodeBackend().prepare(meta, {kind}, dtype))
+    for programs in (1, 16, 400):  # one split per row .. one per key tile
+        paged = DecodeBackend(paged_kernel, programs)
+        got = paged.forward(q, None, None, layer, paged.prepare(meta, {kind}, dtype))
+        assert got.dtype == dtype and got.shape == want.shape
+        assert rel_err(got.float(), want.float()) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -33,6 +33,7 @@ class ForwardContext:
     backend: Any  # the attention backend (vlens.attention) ...
     backend_state: Any  # ... and what it planned for this forward
     taps: Mapping[str, Tap] = field(default_factory=dict)  # tap site -> its work this forward; empty = nothing
+    fused: bool = False  # run vlens.layers.fused's compiled chains (the runner's choice: CUDA graphs on)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -41,11 +42,12 @@ class ForwardContext:
 
 _context: ForwardContext | None = None
 _taps: Mapping[str, Tap] = {}
+_fused = False
 
 
 def set_context(ctx: ForwardContext | None) -> None:
-    global _context, _taps
-    _context, _taps = ctx, ({} if ctx is None else ctx.taps)
+    global _context, _taps, _fused
+    _context, _taps, _fused = ctx, ({} if ctx is None else ctx.taps), ctx is not None and ctx.fused
 
 
 def get_context() -> ForwardContext:
@@ -62,6 +64,11 @@ def tap(name: str, x: torch.Tensor) -> torch.Tensor:
 def tapped(name: str) -> bool:
     """Whether some request uses site `name` in this forward (for taps whose value costs work to make)."""
     return name in _taps
+
+
+def fusing() -> bool:
+    """Whether this forward runs the compiled elementwise chains (vlens.layers.fused)."""
+    return _fused
 
 
 def attention_tap(name: str) -> Tap | None:

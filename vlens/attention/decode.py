@@ -4,13 +4,18 @@ graph captures once per (batch bucket, page bucket) and replays.
 Every tensor it reads is a front of the runner's buffers with the bucket's shape: the block tables
 [B, pages] and the context lengths [B]. `prepare` turns them into key slots and masks with tensor ops
 only (no host work, no data-dependent shape), so a replay recomputes them from whatever the host wrote.
-Each row's keys are gathered from the paged cache and read by one SDPA call per layer; keys past a
-row's context are masked, and rows that only pad the batch attend to the scratch slot they wrote.
+On CUDA, where Triton is installed and its kernel matches this file's on a trial problem, each row's keys
+are read in place through its block table (vlens.attention.paged_decode). Otherwise — and on the CPU —
+each row's keys are gathered from the paged cache and read by one SDPA call per layer; keys past a row's
+context are masked. Either way rows that only pad the batch attend to the scratch slot they wrote.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -18,18 +23,48 @@ from vlens.attention.metadata import AttentionMetadata, LayerKind
 from vlens.attention.sdpa import capped_attention, sdpa
 
 
+log = logging.getLogger("vlens.engine")
+
+
 @dataclass
 class DecodeState:
-    key_slots: torch.Tensor  # [B, pages * block size] cache slot of key j of each row
-    masks: dict[int | None, torch.Tensor]  # window -> [B, 1, 1, keys] which keys each row may see
+    tables: torch.Tensor  # [B, pages] each row's KV blocks
+    context: torch.Tensor  # [B] each row's keys
+    block_size: int
+    # The gathering kernel's: cache slot of key j of each row [B, pages * block size], and per window which
+    # keys each row may see [B, 1, 1, keys]
+    key_slots: torch.Tensor | None = None
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 class DecodeBackend:
     name = "decode"
 
+    def __init__(self, paged: Callable | None = None, programs: int = 0):
+        self.paged, self.programs = paged, programs  # the Triton kernel and the programs it aims for
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> DecodeBackend:
+        """With the Triton kernel on CUDA when it is installed and agrees with the gathering kernel on a
+        trial problem here (GQA, a window, a soft cap); without it otherwise, saying why once."""
+        if device.type != "cuda":
+            return cls()
+        try:
+            from vlens.attention.paged_decode import paged_decode
+
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            paged = cls(paged_decode, 2 * sms)
+            _trial(paged, cls(), device)
+            return paged
+        except Exception as e:  # noqa: BLE001 - no Triton, or a kernel this card cannot build or run right
+            log.warning("decode attention gathers keys (the Triton paged kernel is not used: %s)", e)
+            return cls()
+
     def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> DecodeState:
         tables, context = meta.block_tables_device, meta.context_lens_device
         bs = meta.block_size
+        if self.paged is not None:
+            return DecodeState(tables, context, bs)
         j = torch.arange(tables.shape[1] * bs, device=tables.device)
         key_slots = tables[:, j // bs] * bs + j % bs
         position = (context - 1)[:, None]  # each row is its sequence's last token
@@ -39,9 +74,11 @@ class DecodeBackend:
             if window is not None:
                 allowed = allowed & (j[None, :] > position - window)
             masks[window] = allowed[:, None, None, :]
-        return DecodeState(key_slots, masks)
+        return DecodeState(tables, context, bs, key_slots, masks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, state: DecodeState) -> torch.Tensor:
+        if self.paged is not None:
+            return self.paged(q, layer.k_cache, layer.v_cache, state.tables, state.context, state.block_size, layer, self.programs)
         keys = layer.k_cache[state.key_slots].transpose(1, 2)  # [B, H_kv, keys, d]
         values = layer.v_cache[state.key_slots].transpose(1, 2)
         mask = state.masks[layer.window]
@@ -53,3 +90,21 @@ class DecodeBackend:
         grouped = q.view(rows, layer.num_kv_heads, heads // layer.num_kv_heads, dim)
         out = sdpa(grouped, keys, values, attn_mask=mask, scale=layer.scale)
         return out.reshape(rows, heads, dim)
+
+
+def _trial(paged: DecodeBackend, gathering: DecodeBackend, device: torch.device) -> None:
+    """Raise unless both kernels give the same float32 output on random pages, contexts 1 .. 40."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    bs, rows, width, kv_heads, dim = 16, 6, 3, 2, 64
+    cache = torch.randn(2, rows * width * bs, kv_heads, dim, generator=g).to(device)
+    tables = torch.randperm(rows * width, generator=g).view(rows, width).to(device)
+    context = torch.tensor([1, 5, 16, 17, 33, 40], device=device)
+    q = torch.randn(rows, 8, dim, generator=g).to(device)
+    meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
+    for window, softcap in ((None, None), (7, 30.0)):
+        kind = LayerKind(8, kv_heads, dim, window, dim**-0.5, softcap)
+        layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
+        got, want = (b.forward(q, None, None, layer, b.prepare(meta, {kind}, q.dtype)) for b in (paged, gathering))
+        err = ((got - want).norm() / want.norm()).item()
+        if not err <= 1e-5:
+            raise RuntimeError(f"the paged kernel differs from the gathering kernel by {err:.1e}")

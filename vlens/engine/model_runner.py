@@ -105,10 +105,10 @@ class ModelRunner:
         # signature (its taps then need `self.taps.fixed_shapes`).
         self.forward = model
         self.graphs = graphs and self.device.type == "cuda"
-        if self.graphs:  # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations
-            fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
+        # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations
+        self.fused = self.graphs and fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
         self.static_decode = self.graphs
-        self.decode_backend = DecodeBackend()
+        self.decode_backend = DecodeBackend.for_device(self.device)
         self.graph_stats = GraphStats()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -154,7 +154,7 @@ class ModelRunner:
         forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
         if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
             self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
-        set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg)))
+        set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), self.fused))
         try:
             hidden = forward(ids)
             logits = None

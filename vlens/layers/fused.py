@@ -1,10 +1,13 @@
 """Elementwise chains that run between the GEMMs of every layer — RMSNorm, act(gate) * up, rotary — as
 one kernel each on CUDA.
 
-Each is written once here as plain torch ops, which is what runs everywhere by default. When the runner
-replays CUDA graphs (`fuse`, on CUDA only), each becomes `torch.compile(fn, dynamic=True)`: one Triton
-kernel instead of 3-8 launches, so a graph has fewer nodes to launch and the GPU fewer passes over the
-activations. A chain that fails to compile stays eager. Casts are kept where the eager code has them
+Each is written once here as plain torch ops, which is what runs everywhere by default. A runner that
+replays CUDA graphs compiles them once a process (`fuse`, on CUDA only: `torch.compile(fn, dynamic=True)`,
+one Triton kernel instead of 3-8 launches, so a graph has fewer nodes to launch and the GPU fewer passes
+over the activations) and its forwards say so in their context (`vlens.context.fusing`); every other
+forward — another engine with `enforce_eager`, trace on the CPU — runs the plain ops. A chain that fails to
+compile stays eager. Each compiled chain keeps a few variants (dtype, a batch of one, the strides of
+q and k), so dynamo's recompile limit is raised to hold them rather than fall back to eager silently. Casts are kept where the eager code has them
 (`emulate_precision_casts`), so bfloat16 rounds as HF does; float32 sums may differ in order (the GPU
 suite checks every tap against HF with them fused).
 """
@@ -16,23 +19,30 @@ from collections.abc import Callable
 
 import torch
 
+from vlens.context import fusing
+
 log = logging.getLogger("vlens.engine")
+RECOMPILE_LIMIT = 64
 
 
 class Fusable:
     def __init__(self, fn: Callable):
-        self.eager = self.run = fn
+        self.eager = fn
+        self.compiled: Callable | None = None
 
     def __call__(self, *args):
-        return self.run(*args)
+        return (self.compiled if self.compiled is not None and fusing() else self.eager)(*args)
 
-    def fuse(self, *example) -> None:
-        try:
-            compiled = torch.compile(self.eager, dynamic=True)
-            compiled(*example)
-            self.run = compiled
-        except Exception as e:  # noqa: BLE001 - a chain inductor cannot build runs as it did
-            log.warning("%s stays unfused: %s", self.eager.__name__, e)
+    def fuse(self, *example) -> bool:
+        if self.compiled is None:
+            try:
+                compiled = torch.compile(self.eager, dynamic=True)
+                with torch.inference_mode():  # as the forwards run: no recompile for grad mode
+                    compiled(*example)
+                self.compiled = compiled
+            except Exception as e:  # noqa: BLE001 - a chain inductor cannot build runs as it did
+                log.warning("%s stays unfused: %s", self.eager.__name__, e)
+        return self.compiled is not None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
@@ -60,13 +70,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 rms_norm, gated, rotate = Fusable(_rms_norm), Fusable(_gated), Fusable(_rotate)
 
 
-def fuse(device: torch.device, dtype: torch.dtype, act: Callable) -> None:
-    """Compile the chains for the runs on `device` (CUDA); a trial call on small tensors compiles each."""
+def fuse(device: torch.device, dtype: torch.dtype, act: Callable) -> bool:
+    """Compile the chains for the runs on `device` (CUDA); a trial call on small tensors compiles each.
+    Whether any chain compiled (the runner's forwards then ask for them)."""
+    import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 
     inductor.emulate_precision_casts = True
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     x = torch.randn(3, 64, device=device, dtype=dtype)
-    rms_norm.fuse(x, torch.ones(64, device=device, dtype=dtype), 1e-6, False)
-    gated.fuse(act, x, x)
     heads = torch.randn(3, 2, 64, device=device, dtype=dtype)
-    rotate.fuse(heads, torch.randn(3, 1, 64, device=device, dtype=dtype), torch.randn(3, 1, 64, device=device, dtype=dtype))
+    angles = torch.randn(3, 1, 64, device=device, dtype=dtype)
+    done = [
+        rms_norm.fuse(x, torch.ones(64, device=device, dtype=dtype), 1e-6, False), gated.fuse(act, x, x),
+        rotate.fuse(heads, angles, angles),
+    ]  # fmt: skip
+    return any(done)

@@ -1,0 +1,131 @@
+"""Paged decode attention in Triton: each row's one query against its keys read in place from the paged
+cache, through its block table, up to its context length — the static decode step's kernel on CUDA.
+
+Why a kernel of our own: the portable path (vlens.attention.decode) gathers every row's keys and values
+into a dense [B, keys, H, d] copy per layer, padded to the step's page bucket, and then masks the padding;
+on an H200 that copy was the largest kernel of a batch-64 decode step (33 us a layer), and the masked
+SDPA over padded keys the second. Here keys are read once, where they are, and only up to each row's
+context, so a row's cost follows its own length, not the bucket's.
+
+Split-K ("flash decoding"): program (row, KV head, split) reads one range of the row's keys for all the
+query heads of that KV head and writes its running max, sum and weighted values; a second kernel merges the
+splits. The split count depends only on the batch and page buckets, so a CUDA graph of the step stays valid.
+Scores, softmax and the weighted sum are float32 whatever the cache's dtype (HF's eager attention takes its
+softmax in float32 too); soft-capping (Gemma 2) and sliding windows are applied per key, as HF does.
+
+Tested on the CPU by Triton's interpreter (TRITON_INTERPRET=1) against the portable kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, context_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, keys_per_split, scale, softcap, window,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    splits, heads = tl.num_programs(2), tl.num_programs(1) * GROUP
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    g_ok, d_ok = g < GROUP, d < HEAD_DIM
+    head = kv_head * GROUP + g
+    q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + d[None, :], g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(tl.float32)
+    context = tl.load(context_ptr + row)
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, context)
+    if WINDOW:  # HF's sliding window: the query at position context - 1 sees keys j > context - 1 - window
+        lo = tl.maximum(lo, context - window)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    s_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < hi
+        block = tl.load(tables_ptr + row * stride_tb + j // BLOCK_SIZE, j_ok, other=0).to(tl.int64)
+        at = (block * BLOCK_SIZE + j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        kv_ok = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + at, kv_ok, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(v_ptr + at, kv_ok, other=0.0).to(tl.float32)
+        s_sum = s_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    part = (row * heads + head) * splits + split
+    tl.store(m_ptr + part, m, g_ok)
+    tl.store(l_ptr + part, s_sum, g_ok)
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    row, head = tl.program_id(0), tl.program_id(1)
+    s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    s_ok, d_ok = s < splits, d < HEAD_DIM
+    part = (row * tl.num_programs(1) + head) * splits + s
+    m = tl.load(m_ptr + part, s_ok, other=float("-inf"))
+    top = tl.max(m, axis=0)
+    w = tl.where(s_ok & (m > float("-inf")), tl.exp(m - top), 0.0)
+    total = tl.sum(w * tl.load(l_ptr + part, s_ok, other=0.0), axis=0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / total
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), d_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, context: torch.Tensor,
+    block_size: int, layer, programs: int,
+) -> torch.Tensor:  # fmt: skip
+    """Attention output [B, H, d] of each row's query q [B, H, d] over keys 0 .. context[b] - 1 of its
+    block table tables[b] in the caches [slots, H_kv, d]. `programs`: how many (row, KV head, split)
+    programs to aim for (about two per streaming multiprocessor keeps the card busy at batch 1)."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    rows, heads, dim = q.shape
+    kv_heads, group = layer.num_kv_heads, heads // layer.num_kv_heads
+    block_g, block_d = max(2, _pow2(group)), max(16, _pow2(dim))
+    block_n = max(16, min(64, 8192 // (block_g * block_d)))  # keep the [G, N, d] product in registers
+    tiles = math.ceil(tables.shape[1] * block_size / block_n)
+    splits = max(1, min(tiles, math.ceil(programs / (rows * kv_heads))))
+    keys_per_split = math.ceil(tiles / splits) * block_n
+    splits = math.ceil(tiles * block_n / keys_per_split)
+    m = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    s_sum = torch.empty_like(m)
+    acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+    _split_kernel[(rows, kv_heads, splits)](
+        q, k_cache, v_cache, tables, context, m, s_sum, acc, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), tables.stride(0), keys_per_split, layer.scale, layer.softcap or 1.0, layer.window or 0,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        SOFTCAP=layer.softcap is not None, WINDOW=layer.window is not None,
+    )  # fmt: skip
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
+    _merge_kernel[(rows, heads)](
+        m, s_sum, acc, out, out.stride(0), out.stride(1), splits, HEAD_DIM=dim, BLOCK_D=block_d,
+        BLOCK_S=max(2, _pow2(splits)),
+    )  # fmt: skip
+    return out
