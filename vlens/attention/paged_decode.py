@@ -10,8 +10,10 @@ context, so a row's cost follows its own length, not the bucket's.
 Split-K ("flash decoding"): program (row, KV head, split) reads one range of the row's keys for all the
 query heads of that KV head and writes its running max, sum and weighted values; a second kernel merges the
 splits. The split count depends only on the batch and page buckets, so a CUDA graph of the step stays valid.
-Scores, softmax and the weighted sum are float32 whatever the cache's dtype (HF's eager attention takes its
-softmax in float32 too); soft-capping (Gemma 2) and sliding windows are applied per key, as HF does.
+Both products run on tensor cores (tl.dot; a KV head's query heads padded to 16 rows), accumulating in
+float32; float32 caches multiply in full float32 (no TF32). Scores and the softmax are float32 and the
+probabilities meet the values in the cache's dtype, as in HF's eager attention; soft-capping (Gemma 2) and
+sliding windows are applied per key, as HF does.
 
 Tested on the CPU by Triton's interpreter (TRITON_INTERPRET=1) against the portable kernel.
 """
@@ -38,6 +40,7 @@ def _split_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, keys_per_split, scale, softcap, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     splits, heads = tl.num_programs(2), tl.num_programs(1) * GROUP
@@ -45,7 +48,6 @@ def _split_kernel(
     g_ok, d_ok = g < GROUP, d < HEAD_DIM
     head = kv_head * GROUP + g
     q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + d[None, :], g_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(tl.float32)
     context = tl.load(context_ptr + row)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, context)
@@ -60,17 +62,18 @@ def _split_kernel(
         block = tl.load(tables_ptr + row * stride_tb + j // BLOCK_SIZE, j_ok, other=0).to(tl.int64)
         at = (block * BLOCK_SIZE + j % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
         kv_ok = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + at, kv_ok, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
+        k = tl.load(k_ptr + at, kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N], float32
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
         s = tl.where(j_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_ptr + at, kv_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + at, kv_ok, other=0.0)
         s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        # probabilities in the cache's dtype for the product, as HF's eager attention casts its softmax
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     part = (row * heads + head) * splits + split
     tl.store(m_ptr + part, m, g_ok)
@@ -104,12 +107,12 @@ def paged_decode(
 ) -> torch.Tensor:  # fmt: skip
     """Attention output [B, H, d] of each row's query q [B, H, d] over keys 0 .. context[b] - 1 of its
     block table tables[b] in the caches [slots, H_kv, d]. `programs`: how many (row, KV head, split)
-    programs to aim for (about two per streaming multiprocessor keeps the card busy at batch 1)."""
+    programs to aim for, so that batch 1 keeps the card busy too."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     rows, heads, dim = q.shape
     kv_heads, group = layer.num_kv_heads, heads // layer.num_kv_heads
-    block_g, block_d = max(2, _pow2(group)), max(16, _pow2(dim))
-    block_n = max(16, min(64, 8192 // (block_g * block_d)))  # keep the [G, N, d] product in registers
+    block_g, block_d = max(16, _pow2(group)), max(16, _pow2(dim))  # tl.dot's smallest tile is 16
+    block_n = 64 if block_d <= 128 else 32
     tiles = math.ceil(tables.shape[1] * block_size / block_n)
     splits = max(1, min(tiles, math.ceil(programs / (rows * kv_heads))))
     keys_per_split = math.ceil(tiles / splits) * block_n
@@ -122,6 +125,7 @@ def paged_decode(
         k_cache.stride(1), tables.stride(0), keys_per_split, layer.scale, layer.softcap or 1.0, layer.window or 0,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SOFTCAP=layer.softcap is not None, WINDOW=layer.window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 products in full float32
     )  # fmt: skip
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(rows, heads)](
