@@ -20,6 +20,8 @@ from transformers import Gemma2Config, LlamaConfig
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.attention.decode import DecodeBackend
 from vlens.attention.metadata import LayerKind
+from vlens.layers import fused
+from vlens.layers.mlp import activation
 
 D = COMMON["hidden_size"]
 FAMILIES = {
@@ -145,3 +147,34 @@ def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads
         got = paged.forward(q, None, None, layer, paged.prepare(meta, {kind}, dtype))
         assert got.dtype == dtype and got.shape == want.shape
         assert rel_err(got.float(), want.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_fused_chains_run_only_in_forwards_that_ask(tmp_path):
+    """vlens.layers.fused compiled (by inductor's CPU backend here; Triton on CUDA): a static decode whose
+    forwards ask for the chains gives the plain ops' tokens and rows within 1e-5, and a runner that does not
+    ask (enforce_eager, or no graphs) never calls the compiled code, though the process compiled it."""
+    llm = LLM(model=build(FAMILIES["llama"](), tmp_path, "llama"), dtype="float32", device="cpu", block_size=4, max_num_seqs=8)
+    assert not llm.runner.fused
+    assert fused.fuse(torch.device("cpu"), torch.float32, activation(llm.config.hidden_act))
+    calls = {"n": 0}
+    compiled = fused.rms_norm.compiled
+
+    def counting(*args):
+        calls["n"] += 1
+        return compiled(*args)
+
+    fused.rms_norm.compiled = counting
+    try:
+        plain = _run(llm, True, 3)
+        assert calls["n"] == 0
+        llm.runner.fused = True
+        chained = _run(llm, True, 3)
+        assert calls["n"] > 0
+    finally:
+        llm.runner.fused = False
+        fused.rms_norm.compiled = compiled
+    for a, b in zip(plain, chained):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        va, vb = _values(a), _values(b)
+        for name in va:
+            assert rel_err(vb[name], va[name]) < 1e-5, name
