@@ -18,6 +18,7 @@ slow section costs only itself. Sections:
   harvest   one layer, 192 windows of 1024 tokens, bf16 (benchmarks/bench_harvest_gpu.py's measure): tokens/s,
             model FLOPs utilisation of the layers run vs the measured peak, vs HF stopped by a hook at its best
             batch and HF output_hidden_states
+Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself).
 """
 
@@ -72,14 +73,18 @@ class Guard:
             print(f"[{name}] {self.rows['seconds'][name]} s", flush=True)
 
 
-def timed(fn, repeats: int = 1) -> float:
-    fn()  # warm-up (graph captures, lazy inits)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
+def timed(fn, runs: int = 1) -> float:
+    """Seconds of the fastest of `runs` calls after a warm-up call (graph captures, lazy inits): the device
+    machine's host is shared, and a slow outlier says nothing about either side."""
+    fn()
+    best = float("inf")
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def random_checkpoint(config, root: Path, name: str, dtype: torch.dtype) -> str:
@@ -158,12 +163,12 @@ def generation(rows: dict, path: str, quick: bool) -> None:
             return lambda: llm.generate(prompts, params, use_tqdm=False)
 
         label = "eager" if eager else "graphs"
-        out[label] = timed(run(plain))
+        out[label] = timed(run(plain), 2)
         if not eager:
             kw = dict(max_tokens=new, temperature=0, ignore_eos=True)
-            out["capture"] = timed(run(SamplingParams(**kw, capture=three)))
-            out["steer"] = timed(run([SamplingParams(**kw, interventions=[s]) for s in steers]))
-            out["both"] = timed(run([SamplingParams(**kw, capture=three, interventions=[s]) for s in steers]))
+            out["capture"] = timed(run(SamplingParams(**kw, capture=three)), 2)
+            out["steer"] = timed(run([SamplingParams(**kw, interventions=[s]) for s in steers]), 2)
+            out["both"] = timed(run([SamplingParams(**kw, capture=three, interventions=[s]) for s in steers]), 2)
             stats = llm.engine.runner.graph_stats
             runner = llm.engine.runner
             out["graph_stats"] = {"graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps,
@@ -184,7 +189,7 @@ def generation(rows: dict, path: str, quick: bool) -> None:
                 hf.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=new, min_new_tokens=new,
                             do_sample=False, pad_token_id=0)  # fmt: skip
 
-    out["hf"] = timed(hf_generate)
+    out["hf"] = timed(hf_generate, 2)
     del hf
     tokens = n * new
     rows["generate"] = {
@@ -197,11 +202,11 @@ def generation(rows: dict, path: str, quick: bool) -> None:
 
 
 def _step_ms(llm: LLM, prompts: list[list[int]]) -> float:
-    """ms per decode step: 33 new tokens minus 1, prompts already prefilled, best of 2."""
+    """ms per decode step: 33 new tokens minus 1, each the best of 3."""
     short = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     longer = SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
-    t1 = timed(lambda: llm.generate(prompts, short, use_tqdm=False))
-    t33 = min(timed(lambda: llm.generate(prompts, longer, use_tqdm=False)) for _ in range(2))
+    t1 = timed(lambda: llm.generate(prompts, short, use_tqdm=False), 3)
+    t33 = timed(lambda: llm.generate(prompts, longer, use_tqdm=False), 3)
     return 1000 * (t33 - t1) / 32
 
 
