@@ -63,10 +63,6 @@ class AttentionMetadata:
     def paged(self) -> bool:
         return self.block_tables is not None
 
-    @property
-    def starts(self) -> list[int]:
-        return [c - q for c, q in zip(self.context_lens, self.query_lens)]
-
     # Layouts only some kernels take (varlen, flex): derived from the fields above the first time a backend's
     # `prepare` asks, once per step.
 
@@ -91,12 +87,12 @@ class AttentionMetadata:
         slots = self.block_tables[seq, j // self.block_size] * self.block_size + j % self.block_size
         return slots.to(self.positions.device, non_blocking=True)
 
-    def key_slots(self, first: int, stop: int) -> torch.Tensor:
+    def key_slots(self, first: int, stop: int) -> np.ndarray:
         """[stop - first, keys] (host): the cache slot of key j of sequences first .. stop - 1, for j up to
         the longest of their contexts (slots past a shorter context are block 0's, never meant to be read)."""
         keys, bs = max(self.context_lens[first:stop]), self.block_size
-        j = torch.arange(keys)
-        return self.block_tables[first:stop, j // bs] * bs + j % bs
+        j = np.arange(keys)
+        return self.block_tables.numpy()[first:stop, j // bs] * bs + j % bs
 
 
 def layout(

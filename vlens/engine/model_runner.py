@@ -220,7 +220,7 @@ class ModelRunner:
         self, sampled: list[Sequence], logits: torch.Tensor, plan: StepPlan, collection: Collection | None,
         prompt_rows: PromptRows, prompt_logprobs: TopLogprobs | None = None,
     ) -> StepOutput:  # fmt: skip
-        tokens = sample(logits, SamplingBatch.of(sampled, self.buffers.put))
+        tokens = sample(logits, SamplingBatch.of(sampled, self.buffers.put, self.device))
         logprobs = None
         k = max((s.logprobs_k for s in sampled if s.logprobs_k is not None), default=None)
         if k is not None:
