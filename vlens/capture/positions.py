@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -112,14 +113,14 @@ class Positions:
     def _fixed(self) -> list[int]:
         return [i for i in self.indices if i >= 0]
 
-    @property
+    @cached_property  # (asked every step: computed once per spec)
     def tail(self) -> int:
         """How many of the newest rows stay candidates until the end ("last": 1, [-3]: 3)."""
         if self.kind == "last":
             return 1
         return max((-i for i in self.indices if i < 0), default=0)
 
-    @property
+    @cached_property
     def _every_row(self) -> bool:
         """Every row is a candidate: "all", or a slice bounded from the end."""
         return self.kind == "all" or (self.kind == "slice" and self.from_end)

@@ -56,6 +56,9 @@ class RowStream:
         self.taps = sorted(set(self.hooks.values()))
         self.patterns = any(is_pattern(t) for t in self.taps)
         self.first_wanted = self.positions.first_needed(self.prompt_len)
+        # Taps whose rows need work on the device before they leave it (a readout, a mean, a cast, heads)
+        on_device = self.readout is not None or self.sums_on_device or self.dtype is not None
+        self.device_taps = frozenset(t for t in self.taps if on_device or t in self.head_taps)
 
     @property
     def sums_on_device(self) -> bool:
@@ -79,6 +82,8 @@ class RowStream:
         self._positions.append(positions)
         for tap, rows in tap_rows.items():
             self._rows.setdefault(tap, []).append(rows)
+        if not self.positions.tail:
+            return
         newest = positions[-1]
         while len(self._positions) > 1 and self.positions.tail_obsolete(self._positions[0], newest):
             self._positions.pop(0)

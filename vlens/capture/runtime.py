@@ -242,40 +242,40 @@ class TapRuntime:
 
     def collect(self, plan: StepPlan) -> Collection:
         """After the forward: each segment's rows of each tap (pattern rows cut to the segment's own
-        context), read out on the device where its stream asks for it, then copied to the host. On CUDA
-        the copies run on a side stream into pinned memory and overlap whatever the device does next;
-        `Collection.ready` waits for them."""
-        whole: list[tuple[str, torch.Tensor, list]] = []  # (tap, rows, parts): one copy, split on the host
-        single: list[tuple[int, str, object]] = []  # (segment, tap, rows) read out per segment
+        context), read out on the device where its stream asks for it, then copied to the host. A tap no
+        segment reads out is one clone and one copy, split on the host (no torch op per request on the
+        device). On CUDA the copies run on a side stream into pinned memory and overlap whatever the device
+        does next; `Collection.ready` waits for them."""
+        whole: list[tuple[str, list[int], torch.Tensor, list[int]]] = []  # (tap, segments, rows, counts)
+        single: list[tuple[str, list[int], list]] = []  # (tap, segments, value of each) read out per segment
         for tap, parts in plan.gathers.items():
+            segments = [segment for segment, _ in parts]
             counts = [len(rows) for _, rows in parts]
             gathered = self._taps[tap].gather_out[: sum(counts)]
-            owners = [plan.segments[segment].owner for segment, _ in parts]
-            if not any(_reads_out(owner, tap) for owner in owners):
-                whole.append((tap, gathered.clone(), parts))
+            if tap not in plan.readouts:
+                whole.append((tap, segments, gathered.clone(), counts))
                 continue
+            owners = [plan.segments[segment].owner for segment in segments]
             pieces = gathered.split(counts)
             shared = _shared_readouts(owners, pieces)  # one encoding per SAE for all its segments
-            for i, ((segment, _), owner, chunk) in enumerate(zip(parts, owners, pieces)):
-                if i in shared:
-                    value = shared[i]
-                else:
-                    value = _read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk.clone()
-                single.append((segment, tap, value))
+            values = [
+                shared[i] if i in shared else _read_out(owner, tap, chunk) if tap in owner.device_taps else chunk.clone()
+                for i, (owner, chunk) in enumerate(zip(owners, pieces))
+            ]  # fmt: skip
+            single.append((tap, segments, values))
         event = None
         if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side):
-                whole = [(tap, _to_host(rows, self._side), parts) for tap, rows, parts in whole]
-                single = [(segment, tap, _to_host(rows, self._side)) for segment, tap, rows in single]
+                whole = [(tap, segments, _to_host(rows, self._side), counts) for tap, segments, rows, counts in whole]
+                single = [(tap, segments, [_to_host(v, self._side) for v in values]) for tap, segments, values in single]
                 event = torch.cuda.Event()
                 event.record(self._side)
-        out = [_cut(plan, Collected(segment, tap, rows)) if is_pattern(tap) else Collected(segment, tap, rows)
-               for segment, tap, rows in single]  # fmt: skip
-        for tap, rows, parts in whole:
-            pieces = rows.split([len(r) for _, r in parts])
-            collected = [Collected(segment, tap, piece) for (segment, _), piece in zip(parts, pieces)]
-            out += [_cut(plan, c) for c in collected] if is_pattern(tap) else collected
+        out = [Collected(tap, segments, values) for tap, segments, values in single]
+        out += [Collected(tap, segments, list(rows.split(counts))) for tap, segments, rows, counts in whole]
+        for c in out:
+            if is_pattern(c.tap):  # as wide as the segment's own last row's context
+                c.rows = [rows[..., : plan.segments[s].positions[-1] + 1] for s, rows in zip(c.segments, c.rows)]
         return Collection(out, event)
 
 
@@ -292,12 +292,6 @@ class Collection:
         return self.items
 
 
-def _cut(plan: StepPlan, c: Collected) -> Collected:
-    """Attention scores and patterns of a segment as wide as its own last row's context."""
-    c.rows = c.rows[..., : plan.segments[c.segment].positions[-1] + 1]
-    return c
-
-
 def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, width] key index (each row's keys 0.. of its own sequence) and [rows] row positions."""
     keys = torch.zeros(rows, width, dtype=torch.long)
@@ -309,13 +303,6 @@ def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, 
         positions[at : at + n] = torch.as_tensor(seg.positions)
         at += n
     return keys, positions
-
-
-def _reads_out(owner: object, tap: str) -> bool:
-    """Whether a segment's rows need work on the device before they leave it."""
-    if not isinstance(owner, RowStream):
-        return False
-    return bool(owner.readout or owner.sums_on_device or owner.dtype) or tap in owner.head_taps
 
 
 def _shared_readouts(owners: list[object], pieces: tuple[torch.Tensor, ...]) -> dict[int, tuple]:
