@@ -24,7 +24,7 @@ def shift(rows: Sequence[int], by: int) -> Sequence[int]:
     return [r + by for r in rows]
 
 
-@dataclass
+@dataclass(slots=True)  # (slots: one is made per request per step)
 class Segment:
     """Rows gathered for one owner in one step: the RowStream that asked (engine), or the index of a
     sequence (trace, harvest)."""
@@ -34,7 +34,7 @@ class Segment:
     keys: torch.Tensor | None = None  # pattern taps: where key j of the sequence is, for j up to the last row
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """One sequence's tokens in a step: positions [start, start + count), packed rows from `row` on."""
 
@@ -80,9 +80,14 @@ class StepPlan:
     def gather(
         self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: list[str], keys: torch.Tensor | None = None
     ) -> None:
+        segment = len(self.segments)
         self.segments.append(Segment(owner, positions, keys))
         for tap in taps:
-            self.gathers.setdefault(tap, []).append((len(self.segments) - 1, rows))
+            parts = self.gathers.get(tap)
+            if parts is None:
+                self.gathers[tap] = [(segment, rows)]
+            else:
+                parts.append((segment, rows))
 
     def deliver(self, collected: list[Collected]) -> None:
         """Hand each stream its rows of this step (the engine's segments are owned by RowStreams)."""
@@ -126,6 +131,8 @@ def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
                 plan.gather(stream, positions, shift(positions, offset), stream.taps, keys)
                 if stream.device_taps:
                     plan.readouts |= stream.device_taps
+        if not c.taps.interventions:
+            continue
         depth: dict[str, int] = {}  # edits of this request so far at each tap: its next pass
         for iv in c.taps.interventions:
             positions, vectors = iv.rows_at(c.start, end)

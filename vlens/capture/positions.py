@@ -8,6 +8,7 @@ gathered as candidates while the sequence runs and chosen at the end (`tail`, `k
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -132,16 +133,27 @@ class Positions:
 
     # -- rows of a sequence with a `prompt_len`-token prompt ----------------------------------------
 
+    def window(self, prompt_len: int) -> tuple[int, float] | None:
+        """[lo, hi): the candidate rows as one run fixed by the prompt's length ("all", "prompt",
+        "generated", a slice of step 1 or bounded from the end); None when they are not one run. A row
+        stream keeps it, so a step's selection is one range."""
+        if self._every_row:
+            return 0, math.inf
+        if self.kind == "prompt":
+            return 0, prompt_len
+        if self.kind == "generated":
+            return prompt_len, math.inf
+        if self.kind == "slice" and (self.step or 1) == 1:
+            return self.start or 0, math.inf if self.stop is None else self.stop
+        return None
+
     def candidates(self, start: int, end: int, prompt_len: int) -> Sequence[int]:
         """Rows in [start, end) that may be wanted: exact where the spec allows, else a superset."""
         if end <= start:
             return range(0)
-        if self._every_row:
-            return range(start, end)
-        if self.kind == "prompt":
-            return range(start, min(end, prompt_len))
-        if self.kind == "generated":
-            return range(max(start, prompt_len), end)
+        run = self.window(prompt_len)
+        if run is not None:
+            return range(max(start, run[0]), min(end, run[1]))
         if self.kind == "slice":
             first, step = self.start or 0, self.step or 1
             lo = max(start, first)

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, BoundIntervention
@@ -186,9 +187,11 @@ class TapRuntime:
 
         widths: dict[str, int] = {}
         for tap, parts in plan.gathers.items():
-            rows = list(chain.from_iterable(r for _, r in parts))
+            rows = np.fromiter(chain.from_iterable(r for _, r in parts), np.int64)
             rows_padded = size(len(rows))
-            add(tap, "gather_index", torch.tensor(rows + [0] * (rows_padded - len(rows))))
+            index = np.zeros(rows_padded, dtype=np.int64)
+            index[: len(rows)] = rows
+            add(tap, "gather_index", torch.from_numpy(index))
             if is_pattern(tap):
                 segments = [plan.segments[s] for s, _ in parts]
                 widths[tap] = size(max(seg.positions[-1] for seg in segments) + 1)
