@@ -6,9 +6,10 @@ no capture code. A `Tap` reads and writes only tensors of fixed shape that the r
 forward — rows to gather, rows to edit with their kinds and vector-table rows — so torch.compile and
 CUDA graphs keep it: no Python containers are built, no `.item()` runs and no shape depends on data.
 
-Buffers live as long as the runtime (the runner's: trace and harvest reuse it) and only grow: gathered rows land in a buffer per tap site, the
-step's indices in one index buffer (one host-to-device copy per step), and intervention vectors in a
-table per row width, written once when a request arrives, not every step.
+Buffers live as long as the runtime (the runner's: trace and harvest reuse it) and only grow: gathered
+rows land in a buffer per tap site, the step's indices in one field of the runner's step buffers (sent
+with the step's other inputs in one copy), and intervention vectors in a table per row width, written
+once when a request arrives, not every step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from vlens.attention.metadata import Put
 from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, BoundIntervention
 from vlens.capture.names import is_pattern, tap_dtype
 from vlens.capture.plan import Collected, StepPlan
@@ -138,12 +140,15 @@ class TapRuntime:
     meets the same shapes again in later steps; eager forwards take the exact sizes."""
 
     def __init__(
-        self, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype, fixed_shapes: bool = False
-    ):
+        self, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype, put: Put,
+        fixed_shapes: bool = False,
+    ):  # fmt: skip
+        """`put`: the runner's step buffers (vlens.engine.buffers), field "tap_index": a step's indices travel
+        to the device in the step's one copy."""
         self.shapes, self.device, self.dtype, self.fixed_shapes = shapes, device, dtype, fixed_shapes
+        self._put = put
         self._taps: dict[str, Tap] = {}
         self._out: dict[str, torch.Tensor] = {}
-        self._index = torch.zeros(0, dtype=torch.long, device=device)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # device-to-host copies
         self.tables: dict[int, VectorTable] = {}
         kinds = max(_COEFFICIENTS) + 1
@@ -170,20 +175,20 @@ class TapRuntime:
     # -- each step ----------------------------------------------------------------------------------
 
     def arm(self, plan: StepPlan, fixed_shapes: bool | None = None) -> dict[str, Tap]:
-        """The taps of this step's plan, their indices written into the device buffers in one copy
-        (`fixed_shapes`: as the runtime's, unless given; the static decode step always pads)."""
+        """The taps of this step's plan, their indices put in the step's buffers as one field (sent with the
+        step's one copy), `fixed_shapes`: as the runtime's, unless given; the static decode step always pads."""
         fixed = self.fixed_shapes if fixed_shapes is None else fixed_shapes
 
         def size(n: int) -> int:
             return 1 << max(0, n - 1).bit_length() if fixed else n
 
-        pieces: list[torch.Tensor] = []
+        pieces: list[np.ndarray] = []
         layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # (tap, field, offset, shape)
 
-        def add(tap: str, name: str, values: torch.Tensor) -> None:
+        def add(tap: str, name: str, values: np.ndarray) -> None:
             offset = layout[-1][2] + math.prod(layout[-1][3]) if layout else 0
             pieces.append(values.reshape(-1))
-            layout.append((tap, name, offset, tuple(values.shape)))
+            layout.append((tap, name, offset, values.shape))
 
         widths: dict[str, int] = {}
         for tap, parts in plan.gathers.items():
@@ -191,29 +196,27 @@ class TapRuntime:
             rows_padded = size(len(rows))
             index = np.zeros(rows_padded, dtype=np.int64)
             index[: len(rows)] = rows
-            add(tap, "gather_index", torch.from_numpy(index))
+            add(tap, "gather_index", index)
             if is_pattern(tap):
                 segments = [plan.segments[s] for s, _ in parts]
                 widths[tap] = size(max(seg.positions[-1] for seg in segments) + 1)
                 keys, positions = _pattern_rows(segments, rows_padded, widths[tap])
-                add(tap, "key_index", keys)
-                add(tap, "row_positions", positions)
+                add(tap, "key_index", keys.numpy())
+                add(tap, "row_positions", positions.numpy())
         for tap, passes in plan.edits.items():
             edits_padded = size(max(len(e.rows) for e in passes))
             for name, column in (("edit_rows", "rows"), ("edit_vectors", "vectors"), ("edit_kinds", "kinds")):
                 # a pass is padded by repeating its last edit: the same write twice is the same write
                 lists = [getattr(e, column) for e in passes]
-                add(tap, name, torch.tensor([v + v[-1:] * (edits_padded - len(v)) for v in lists]))
-        if pieces:
-            flat = torch.cat(pieces)
-            if len(flat) > len(self._index):
-                self._index = torch.zeros(max(len(flat), 2 * len(self._index)), dtype=torch.long, device=self.device)
-            self._index[: len(flat)].copy_(flat, non_blocking=True)
-        taps = {}
+                add(tap, name, np.array([v + v[-1:] * (edits_padded - len(v)) for v in lists], dtype=np.int64))
+        taps: dict[str, Tap] = {}
+        if not pieces:
+            return taps
+        flat = self._put("tap_index", pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
         for tap, name, start, shape in layout:
             t = taps.get(tap) or self._reset(tap)
             taps[tap] = t
-            setattr(t, name, self._index[start : start + math.prod(shape)].view(shape))
+            setattr(t, name, flat[start : start + math.prod(shape)].view(shape))
         for tap in plan.gathers:
             t = taps[tap]
             t.gather_out = self._gather_buffer(tap, len(t.gather_index), widths.get(tap))

@@ -94,11 +94,11 @@ class ModelRunner:
                 "token_seq": (tokens, long), "slot_mapping": (tokens, long), "cu_seqlens_q": ((max_seqs + 1,), torch.int32),
                 "logit_rows": (tokens, long), "sample_index": (seqs, long), "kv_copy_from": (tokens, long),
                 "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
-                "sampling_longs": ((3, max_seqs), long),
+                "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long),
             },
             self.device,
         )  # fmt: skip
-        self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
+        self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype, self.buffers.put)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = self.num_slots = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
