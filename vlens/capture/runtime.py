@@ -264,17 +264,20 @@ class TapRuntime:
             owners = [plan.segments[segment].owner for segment in segments]
             pieces = gathered.split(counts)
             shared = _shared_readouts(owners, pieces)  # one encoding per SAE for all its segments
-            values = [
-                shared[i] if i in shared else _read_out(owner, tap, chunk) if tap in owner.device_taps else chunk.clone()
-                for i, (owner, chunk) in enumerate(zip(owners, pieces))
-            ]  # fmt: skip
+            values = []
+            for i, (owner, chunk) in enumerate(zip(owners, pieces)):
+                if i in shared:
+                    values.append(shared[i])
+                else:
+                    values.append(_read_out(owner, tap, chunk) if tap in owner.device_taps else chunk.clone())
             single.append((tap, segments, values))
         event = None
         if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side):
-                whole = [(tap, segments, _to_host(rows, self._side), counts) for tap, segments, rows, counts in whole]
-                single = [(tap, segments, [_to_host(v, self._side) for v in values]) for tap, segments, values in single]
+                side = self._side
+                whole = [(tap, segments, _to_host(rows, side), counts) for tap, segments, rows, counts in whole]
+                single = [(tap, segments, [_to_host(v, side) for v in values]) for tap, segments, values in single]
                 event = torch.cuda.Event()
                 event.record(self._side)
         out = [Collected(tap, segments, values) for tap, segments, values in single]
