@@ -66,6 +66,13 @@ class RowStream:
         """Mean readouts add up each step's rows on the device when no row can be dropped later."""
         return self.reduce == "mean" and self.positions.exact
 
+    def cast_only(self, tap: str) -> torch.dtype | None:
+        """The dtype the rows of `tap` are only cast to on the device (no readout, mean or head selection);
+        None when they need more, or nothing."""
+        if self.readout is not None or self.sums_on_device or tap in self.head_taps:
+            return None
+        return self.dtype
+
     def first_needed(self) -> int:
         """Rows below this are never wanted again: their KV may come from the prefix cache."""
         return max(self.offered_upto, self.first_wanted)

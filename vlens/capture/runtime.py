@@ -249,8 +249,8 @@ class TapRuntime:
     def collect(self, plan: StepPlan) -> Collection:
         """After the forward: each segment's rows of each tap (pattern rows cut to the segment's own
         context), read out on the device where its stream asks for it, then copied to the host. A tap no
-        segment reads out is one clone and one copy, split on the host (no torch op per request on the
-        device). On CUDA the copies run on a side stream into pinned memory and overlap whatever the device
+        segment reads out (or every segment only casts, to one dtype) is one clone and one copy, split on
+        the host (no torch op per request on the device). On CUDA the copies run on a side stream into pinned memory and overlap whatever the device
         does next; `Collection.ready` waits for them."""
         whole: list[tuple[str, list[int], torch.Tensor, list[int]]] = []  # (tap, segments, rows, counts)
         single: list[tuple[str, list[int], list]] = []  # (tap, segments, value of each) read out per segment
@@ -262,6 +262,10 @@ class TapRuntime:
                 whole.append((tap, segments, gathered.clone(), counts))
                 continue
             owners = [plan.segments[segment].owner for segment in segments]
+            casts = {owner.cast_only(tap) for owner in owners}
+            if len(casts) == 1 and None not in casts:  # every segment only casts, to one dtype: once for all
+                whole.append((tap, segments, _cast(gathered, casts.pop()), counts))
+                continue
             pieces = gathered.split(counts)
             shared = _shared_readouts(owners, pieces)  # one encoding per SAE for all its segments
             values = []
@@ -333,9 +337,15 @@ def _read_out(stream: RowStream, tap: str, chunk: torch.Tensor):
     result = stream.readout(chunk) if stream.readout is not None else chunk
     if stream.sums_on_device:
         result = result.sum(0, keepdim=True)
-    if stream.dtype is not None and isinstance(result, torch.Tensor) and result.is_floating_point():
-        result = result.to(stream.dtype, copy=True)  # a copy: never a view of the gather buffer; ids keep int64
+    if stream.dtype is not None and isinstance(result, torch.Tensor):
+        result = _cast(result, stream.dtype)
     return result
+
+
+def _cast(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `rows` in `dtype` (integer rows, ids, keep int64): never a view of the gather buffer,
+    which the next forward overwrites."""
+    return rows.to(dtype, copy=True) if rows.is_floating_point() else rows.clone()
 
 
 def _to_host(x, stream: torch.cuda.Stream):
