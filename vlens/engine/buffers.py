@@ -53,13 +53,6 @@ class StepBuffers:
             self._dev[name] = self._dev_block[start:stop].view(dtype)
             self._host[name] = self._host_block[start:stop].view(dtype).numpy()
 
-    def capacity(self, name: str) -> int:
-        return self._sizes[name][0]
-
-    def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The device buffer's front as a contiguous tensor of `shape` (the same address every step)."""
-        return self._dev[name][: math.prod(shape)].view(shape)
-
     def put(self, name: str, values: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Host `values` into the front of buffer `name`; returns that front on the device, whose contents
         are there once `flush` has run. A buffer too small for them grows (eager forwards only: a captured
