@@ -74,6 +74,11 @@ def test_integer_tap_keeps_its_dtype_under_a_capture_dtype(family):
     _, _, llm, _ = family
     capture = Capture(hooks=["blocks.0.mlp.hook_expert_ids", "blocks.0.hook_resid_post"], dtype="bfloat16")
     params = SamplingParams(max_tokens=2, temperature=0, capture=capture)
-    [out] = llm.generate([sequences((9,))[0]], params, use_tqdm=False)
-    assert out.activations["blocks.0.mlp.hook_expert_ids"].dtype == torch.int64
+    prompt = sequences((9,))[0]
+    [out] = llm.generate([prompt], params, use_tqdm=False)
+    ids = out.activations["blocks.0.mlp.hook_expert_ids"]
+    assert ids.dtype == torch.int64
     assert out.activations["blocks.0.hook_resid_post"].dtype == torch.bfloat16
+    # the prompt's rows are a copy, not a view the decode step's forward overwrote in the gather buffer
+    traced = llm.trace([prompt + out.outputs[0].token_ids[:-1]], hooks="blocks.0.mlp.hook_expert_ids")[0]
+    assert torch.equal(ids, traced["blocks.0.mlp.hook_expert_ids"])

@@ -15,6 +15,9 @@ from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 
 
+CPU = torch.device("cpu")
+
+
 def ON_HOST(name: str, values: torch.Tensor) -> torch.Tensor:  # noqa: N802 - the runner's buffers, on the CPU
     return values
 
@@ -52,14 +55,14 @@ def test_adjustments_equal_the_reference_and_leave_other_rows_alone():
         (SamplingParams(temperature=0.7, seed=5, repetition_penalty=0.8, frequency_penalty=1.5), [2], [2, 2, 30]),
     ]
     seqs = [_seq(p, prompt, generated) for p, prompt, generated in cases]
-    batch = SamplingBatch.of(seqs, ON_HOST)
+    batch = SamplingBatch.of(seqs, ON_HOST, CPU)
     adjusted = batch.adjust.apply(logits)
     assert torch.equal(adjusted[0], logits[0])
     for i, (params, prompt, generated) in enumerate(cases):
         assert torch.allclose(adjusted[i], _reference(logits[i], params, prompt, generated), atol=1e-6), i
     greedy = sample(logits, batch)
     assert greedy[:4].tolist() == adjusted[:4].argmax(-1).tolist()
-    assert SamplingBatch.of(seqs[:1], ON_HOST).adjust is None  # no option: no work
+    assert SamplingBatch.of(seqs[:1], ON_HOST, CPU).adjust is None  # no option: no work
 
 
 def test_engine_rows_alone_equal_rows_in_a_batch(smol4):
@@ -166,7 +169,7 @@ def test_seeded_samples_survive_the_float_noise_of_another_batch():
     logits = torch.randn(256, 49152, generator=g) * 3
     noisy = logits * (1 + 1e-6 * torch.randn(logits.shape, generator=g))
     for options in ({"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}):
-        batch = SamplingBatch.of(_rows(256, **options), ON_HOST)
+        batch = SamplingBatch.of(_rows(256, **options), ON_HOST, CPU)
         first = sample(logits, batch)
         assert torch.equal(first, sample(noisy, batch)), options
         assert len(set(first.tolist())) > 200  # and the draws are spread, not stuck on the argmax
@@ -182,7 +185,7 @@ def test_samples_follow_the_filtered_softmax(options):
     softmax of the tempered logits, renormalised over the tokens the filter keeps."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0])
     n = 20_000
-    batch = SamplingBatch.of(_rows(n, **options), ON_HOST)
+    batch = SamplingBatch.of(_rows(n, **options), ON_HOST, CPU)
     counts = torch.bincount(sample(logits.expand(n, -1), batch), minlength=len(logits)).float() / n
     probs = (logits / options["temperature"]).softmax(-1)
     keep = torch.ones(len(logits), dtype=torch.bool)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -63,10 +64,6 @@ class AttentionMetadata:
     def paged(self) -> bool:
         return self.block_tables is not None
 
-    @property
-    def starts(self) -> list[int]:
-        return [c - q for c, q in zip(self.context_lens, self.query_lens)]
-
     # Layouts only some kernels take (varlen, flex): derived from the fields above the first time a backend's
     # `prepare` asks, once per step.
 
@@ -91,12 +88,12 @@ class AttentionMetadata:
         slots = self.block_tables[seq, j // self.block_size] * self.block_size + j % self.block_size
         return slots.to(self.positions.device, non_blocking=True)
 
-    def key_slots(self, first: int, stop: int) -> torch.Tensor:
+    def key_slots(self, first: int, stop: int) -> np.ndarray:
         """[stop - first, keys] (host): the cache slot of key j of sequences first .. stop - 1, for j up to
         the longest of their contexts (slots past a shorter context are block 0's, never meant to be read)."""
         keys, bs = max(self.context_lens[first:stop]), self.block_size
-        j = torch.arange(keys)
-        return self.block_tables[first:stop, j // bs] * bs + j % bs
+        j = np.arange(keys)
+        return self.block_tables.numpy()[first:stop, j // bs] * bs + j % bs
 
 
 def layout(
@@ -107,33 +104,42 @@ def layout(
     position starts[i], over its block table (None: a cache-less forward of whole sequences packed back to
     back, whose keys are its queries). Host arithmetic in numpy, one `put` per device field. `table_width`:
     the block tables also go to the device, that many pages wide (the static decode step's page bucket)."""
+    n = len(query_lens)
     lens = np.asarray(query_lens, dtype=np.int64)
-    seq = np.repeat(np.arange(len(lens)), lens)
-    first = np.cumsum(lens) - lens
-    positions = np.asarray(starts, dtype=np.int64)[seq] + np.arange(int(lens.sum())) - first[seq]
-    context_lens = [s + n for s, n in zip(starts, query_lens)]
+    begin = np.asarray(starts, dtype=np.int64)
+    context = begin + lens
+    if n and max(query_lens) == 1:  # every sequence decodes: one row each (the common step)
+        seq, positions = np.arange(n), begin
+    else:
+        seq = np.repeat(np.arange(n), lens)
+        positions = begin[seq] + np.arange(len(seq)) - (np.cumsum(lens) - lens)[seq]
     ends = np.asarray(sequence_lens, dtype=np.int64)[seq] - 1
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu[1:])
+    context_lens = context.tolist()
     common = dict(
         query_lens=list(query_lens), context_lens=context_lens, block_size=block_size,
         positions=put("positions", positions), sequence_ends=put("sequence_ends", ends),
         token_seq=put("token_seq", seq), cu_seqlens_q=put("cu_seqlens_q", cu),
     )  # fmt: skip
     if block_tables is None:
-        return AttentionMetadata(pages=[0] * len(lens), block_tables=None, **common)
-    pages = [-(-c // block_size) for c in context_lens]
-    width = max(pages) if table_width is None else table_width
-    # through numpy: torch.tensor of nested lists is several times slower, and this runs every step
-    tables = np.array([t[:n] + [0] * (width - n) for t, n in zip(block_tables, pages)], dtype=np.int64)
+        return AttentionMetadata(pages=[0] * n, block_tables=None, **common)
+    pages = -(-context // block_size)
+    width = int(pages.max()) if table_width is None else table_width
+    # each table's first pages, flattened in C (no per-sequence numpy call), then laid into [B, width] rows
+    held = np.arange(width) < pages[:, None]
+    page_list = pages.tolist()
+    used = np.fromiter(chain.from_iterable(t[:p] for t, p in zip(block_tables, page_list)), np.int64, int(pages.sum()))
+    tables = np.zeros((n, width), dtype=np.int64)
+    tables[held] = used
     slots = tables[seq, positions // block_size] * block_size + positions % block_size
-    held = np.arange(width) < np.asarray(pages)[:, None]
-    last = np.asarray(context_lens) - (np.asarray(pages) - 1) * block_size
     if table_width is not None:
         common["block_tables_device"] = put("block_tables", tables)
-        common["context_lens_device"] = put("context_lens", np.asarray(context_lens, dtype=np.int64))
+        common["context_lens_device"] = put("context_lens", context)
+    indptr = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
     return AttentionMetadata(
-        pages=pages, block_tables=torch.from_numpy(tables), slot_mapping=put("slot_mapping", slots),
-        num_slots=num_slots, page_indptr=torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)),
-        page_indices=torch.from_numpy(tables[held].astype(np.int32)), last_page_lens=torch.from_numpy(last.astype(np.int32)),
-        **common,
+        pages=page_list, block_tables=torch.from_numpy(tables), slot_mapping=put("slot_mapping", slots),
+        num_slots=num_slots, page_indptr=torch.from_numpy(indptr), page_indices=torch.from_numpy(used.astype(np.int32)),
+        last_page_lens=torch.from_numpy((context - (pages - 1) * block_size).astype(np.int32)), **common,
     )  # fmt: skip

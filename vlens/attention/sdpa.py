@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -70,20 +71,24 @@ class SdpaBackend:
         return groups
 
     def _group(self, meta: AttentionMetadata, members: list[int], first_row: int, device) -> AttentionGroup:
+        """The grid of consecutive sequences `members`, laid out in numpy (a dozen small torch ops would cost
+        more than the step's decode attention saves); a group of decodes (one query each) is its own grid."""
         first, stop = members[0], members[-1] + 1  # a group is consecutive sequences
-        lens, starts = torch.tensor(meta.query_lens[first:stop]), torch.tensor(meta.starts[first:stop])
-        max_q = int(lens.max())
-        seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-        offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
-        grid = torch.arange(max_q).expand(len(lens), max_q)
-        query_positions = torch.where(grid < lens[:, None], starts[:, None] + grid, 0)
-        q_index = None if int(lens.min()) == max_q else seq * max_q + offset
+        lens = np.asarray(meta.query_lens[first:stop])
+        starts = np.asarray(meta.context_lens[first:stop]) - lens
+        max_q, rows = int(lens.max()), int(lens.sum())
+        grid = np.arange(max_q)
+        query_positions = np.where(grid < lens[:, None], starts[:, None] + grid, 0)
+        q_index = None
+        if int(lens.min()) != max_q:
+            seq = np.repeat(np.arange(len(lens)), lens)
+            q_index = torch.from_numpy(seq * max_q + np.arange(rows) - (np.cumsum(lens) - lens)[seq])
         key_slots = None
         if meta.paged:
-            key_slots = meta.key_slots(first, stop).to(device, non_blocking=True)
+            key_slots = torch.from_numpy(meta.key_slots(first, stop)).to(device, non_blocking=True)
         return AttentionGroup(
-            rows=slice(first_row, first_row + int(lens.sum())),
-            query_positions=query_positions.to(device, non_blocking=True),
+            rows=slice(first_row, first_row + rows),
+            query_positions=torch.from_numpy(query_positions).to(device, non_blocking=True),
             q_index=None if q_index is None else q_index.to(device, non_blocking=True),
             key_slots=key_slots,
         )
@@ -130,7 +135,7 @@ def _mask(g: AttentionGroup, window: int | None) -> torch.Tensor | None:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: AttentionGroup) -> torch.Tensor:
     if g.key_slots is not None:
-        keys, values = layer.k_cache[g.key_slots], layer.v_cache[g.key_slots]
+        keys, values = _gather(layer.k_cache, g.key_slots), _gather(layer.v_cache, g.key_slots)
     else:
         keys, values = _to_grid(k, g), _to_grid(v, g)
     mask = g.masks[layer.window]
@@ -140,6 +145,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         out = capped_attention(q, keys, values, mask, layer)
     elif stacked is not None:
         out = _stacked(q, keys, values, stacked, layer)
+    elif g.max_q == 1 and layer.num_kv_heads != layer.num_heads:
+        # One query per sequence: the query heads of a KV head are its query rows, which share its keys and
+        # the row's mask, so SDPA needs no grouped-query mode (on the CPU ~10% faster than enable_gqa).
+        batch, heads, _, dim = q.shape
+        grouped = q.reshape(batch, layer.num_kv_heads, heads // layer.num_kv_heads, dim)
+        out = sdpa(grouped, keys, values, attn_mask=mask, scale=layer.scale).reshape(batch, heads, 1, dim)
     else:
         out = sdpa(
             q, keys, values, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
@@ -147,6 +158,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         )  # fmt: skip
     out = out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
     return out if g.q_index is None else out.index_select(0, g.q_index)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for [B, Lk] slots: index_select over the flat index copies whole rows (on the CPU 5x faster
+    than advanced indexing, which computes every element's offset)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:

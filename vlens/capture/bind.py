@@ -120,7 +120,7 @@ def sae_tap(sae: SAE, cfg: ModelConfig, shapes: dict[str, tuple[int | str, ...]]
         raise ValueError(f"{field}: this SAE names no hook (a Gemma Scope params.npz does not); load it with "
                          "SAE.load(path, hook=...)")  # fmt: skip
     try:
-        taps = set(resolve_hooks(sae.hook, cfg).values())
+        taps = set(resolve_hooks(sae.hook, cfg, shapes).values())
     except ValueError as e:
         raise ValueError(f"{field}: the SAE's hook {sae.hook!r} is not in this model: {e}") from None
     if len(taps) != 1:
@@ -146,7 +146,7 @@ def _elsewhere(field: str, given: object, sae: SAE) -> ValueError:
 def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes: dict) -> RowStream:
     cfg = model.cfg
     sae_at = None if capture.sae is None else sae_tap(capture.sae, cfg, shapes, "capture.sae")
-    hooks = resolve_hooks(capture.hooks, cfg)
+    hooks = resolve_hooks(capture.hooks, cfg, shapes)
     taps = set(hooks.values())
     if sae_at is not None and taps != {sae_at}:
         raise _elsewhere("capture.hooks", capture.hooks, capture.sae)
@@ -202,7 +202,7 @@ def _intervention(
 ) -> BoundIntervention:
     sae = getattr(iv, "sae", None)  # Steer(sae=...) and Clamp act where the SAE reads
     sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae")
-    taps = sorted(set(resolve_hooks(iv.hook, model.cfg).values()))
+    taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))
     if LOGITS in taps or any(is_pattern(t) for t in taps):
         raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
                          "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip

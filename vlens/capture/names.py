@@ -187,15 +187,18 @@ def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpe
     )
 
 
-def resolve_hooks(spec: str | Iterable[str], cfg: ModelConfig) -> dict[str, str]:
-    """Requested name -> canonical tap, in forward order, for a name/glob or list of them.
+def resolve_hooks(
+    spec: str | Iterable[str], cfg: ModelConfig, valid: dict[str, tuple[int | str, ...]] | None = None
+) -> dict[str, str]:
+    """Requested name -> canonical tap, in forward order, for a name/glob or list of them. `valid`:
+    `hook_shapes(cfg)` where the caller keeps it (the engine, per request: building it is most of the cost).
 
     Raises HookSpecError naming the closest valid names when a pattern, or one of its brace
     alternatives without wildcards, matches nothing."""
     patterns = [spec] if isinstance(spec, str) else list(spec)
     if not patterns:
         raise HookSpecError("hooks: empty spec; give at least one hook name or glob (see `vlens hooks`)")
-    valid = hook_shapes(cfg)
+    valid = hook_shapes(cfg) if valid is None else valid
     chosen: set[str] = set()
     for pattern in patterns:
         if not isinstance(pattern, str):

@@ -24,7 +24,7 @@ def shift(rows: Sequence[int], by: int) -> Sequence[int]:
     return [r + by for r in rows]
 
 
-@dataclass
+@dataclass(slots=True)  # (slots: one is made per request per step)
 class Segment:
     """Rows gathered for one owner in one step: the RowStream that asked (engine), or the index of a
     sequence (trace, harvest)."""
@@ -34,7 +34,7 @@ class Segment:
     keys: torch.Tensor | None = None  # pattern taps: where key j of the sequence is, for j up to the last row
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """One sequence's tokens in a step: positions [start, start + count), packed rows from `row` on."""
 
@@ -57,11 +57,12 @@ class Edit:
 
 @dataclass
 class Collected:
-    """A piece of one step's gathered rows, on the host: `rows` of `tap` for plan segment `segment`."""
+    """One tap's gathered rows of one step, on the host: for each plan segment in `segments`, its rows
+    (or its readout's result) at the same index of `rows`."""
 
-    segment: int
     tap: str
-    rows: torch.Tensor | tuple[torch.Tensor, ...]
+    segments: list[int]
+    rows: list
 
 
 @dataclass
@@ -71,6 +72,7 @@ class StepPlan:
     gathers: dict[str, list[tuple[int, Sequence[int]]]] = field(default_factory=dict)
     # tap -> passes in order: pass p holds each request's p-th edit at the tap
     edits: dict[str, list[Edit]] = field(default_factory=dict)
+    readouts: set[str] = field(default_factory=set)  # taps some segment's stream reads out on the device
 
     def __bool__(self) -> bool:
         return bool(self.gathers or self.edits)
@@ -78,17 +80,24 @@ class StepPlan:
     def gather(
         self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: list[str], keys: torch.Tensor | None = None
     ) -> None:
+        segment = len(self.segments)
         self.segments.append(Segment(owner, positions, keys))
         for tap in taps:
-            self.gathers.setdefault(tap, []).append((len(self.segments) - 1, rows))
+            parts = self.gathers.get(tap)
+            if parts is None:
+                self.gathers[tap] = [(segment, rows)]
+            else:
+                parts.append((segment, rows))
 
     def deliver(self, collected: list[Collected]) -> None:
         """Hand each stream its rows of this step (the engine's segments are owned by RowStreams)."""
         by_segment: dict[int, dict[str, object]] = {}
         for c in collected:
-            by_segment.setdefault(c.segment, {})[c.tap] = c.rows
+            for segment, rows in zip(c.segments, c.rows):
+                by_segment.setdefault(segment, {})[c.tap] = rows
         for segment, tap_rows in by_segment.items():
-            self.segments[segment].owner.add(self.segments[segment].positions, tap_rows)
+            s = self.segments[segment]
+            s.owner.add(s.positions, tap_rows)
 
     def logit_rows(self, sample_rows: list[int]) -> tuple[list[int], list[int] | None]:
         """The rows whose logits are computed — the sampled ones and any a gather of LOGITS wants, once
@@ -120,6 +129,10 @@ def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
             if len(positions):
                 keys = cache_slots(c.block_table, block_size, positions[-1] + 1) if stream.patterns else None
                 plan.gather(stream, positions, shift(positions, offset), stream.taps, keys)
+                if stream.device_taps:
+                    plan.readouts |= stream.device_taps
+        if not c.taps.interventions:
+            continue
         depth: dict[str, int] = {}  # edits of this request so far at each tap: its next pass
         for iv in c.taps.interventions:
             positions, vectors = iv.rows_at(c.start, end)

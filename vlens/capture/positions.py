@@ -8,8 +8,10 @@ gathered as candidates while the sequence runs and chosen at the end (`tail`, `k
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -112,14 +114,14 @@ class Positions:
     def _fixed(self) -> list[int]:
         return [i for i in self.indices if i >= 0]
 
-    @property
+    @cached_property  # (asked every step: computed once per spec)
     def tail(self) -> int:
         """How many of the newest rows stay candidates until the end ("last": 1, [-3]: 3)."""
         if self.kind == "last":
             return 1
         return max((-i for i in self.indices if i < 0), default=0)
 
-    @property
+    @cached_property
     def _every_row(self) -> bool:
         """Every row is a candidate: "all", or a slice bounded from the end."""
         return self.kind == "all" or (self.kind == "slice" and self.from_end)
@@ -131,16 +133,27 @@ class Positions:
 
     # -- rows of a sequence with a `prompt_len`-token prompt ----------------------------------------
 
+    def window(self, prompt_len: int) -> tuple[int, float] | None:
+        """[lo, hi): the candidate rows as one run fixed by the prompt's length ("all", "prompt",
+        "generated", a slice of step 1 or bounded from the end); None when they are not one run. A row
+        stream keeps it, so a step's selection is one range."""
+        if self._every_row:
+            return 0, math.inf
+        if self.kind == "prompt":
+            return 0, prompt_len
+        if self.kind == "generated":
+            return prompt_len, math.inf
+        if self.kind == "slice" and (self.step or 1) == 1:
+            return self.start or 0, math.inf if self.stop is None else self.stop
+        return None
+
     def candidates(self, start: int, end: int, prompt_len: int) -> Sequence[int]:
         """Rows in [start, end) that may be wanted: exact where the spec allows, else a superset."""
         if end <= start:
             return range(0)
-        if self._every_row:
-            return range(start, end)
-        if self.kind == "prompt":
-            return range(start, min(end, prompt_len))
-        if self.kind == "generated":
-            return range(max(start, prompt_len), end)
+        run = self.window(prompt_len)
+        if run is not None:
+            return range(max(start, run[0]), min(end, run[1]))
         if self.kind == "slice":
             first, step = self.start or 0, self.step or 1
             lo = max(start, first)

@@ -56,11 +56,22 @@ class RowStream:
         self.taps = sorted(set(self.hooks.values()))
         self.patterns = any(is_pattern(t) for t in self.taps)
         self.first_wanted = self.positions.first_needed(self.prompt_len)
+        self._window = self.positions.window(self.prompt_len) if self.exclude is None else None
+        # Taps whose rows need work on the device before they leave it (a readout, a mean, a cast, heads)
+        on_device = self.readout is not None or self.sums_on_device or self.dtype is not None
+        self.device_taps = frozenset(t for t in self.taps if on_device or t in self.head_taps)
 
     @property
     def sums_on_device(self) -> bool:
         """Mean readouts add up each step's rows on the device when no row can be dropped later."""
         return self.reduce == "mean" and self.positions.exact
+
+    def cast_only(self, tap: str) -> torch.dtype | None:
+        """The dtype the rows of `tap` are only cast to on the device (no readout, mean or head selection);
+        None when they need more, or nothing."""
+        if self.readout is not None or self.sums_on_device or tap in self.head_taps:
+            return None
+        return self.dtype
 
     def first_needed(self) -> int:
         """Rows below this are never wanted again: their KV may come from the prefix cache."""
@@ -68,8 +79,11 @@ class RowStream:
 
     def select(self, token_ids: list[int], start: int, end: int) -> Sequence[int]:
         """Positions of a step's rows [start, end) to gather: wanted, new, and not excluded."""
-        pos = self.positions.candidates(max(start, self.offered_upto), end, self.prompt_len)
-        self.offered_upto = max(self.offered_upto, end)
+        start, offered = max(start, self.offered_upto), self.offered_upto
+        self.offered_upto = max(offered, end)
+        if self._window is not None:  # (every step of most captures: one range, no call)
+            return range(max(start, self._window[0]), min(end, self._window[1]))
+        pos = self.positions.candidates(start, end, self.prompt_len)
         if self.exclude is not None and len(pos):
             at = torch.as_tensor(pos)
             pos = at[~torch.isin(torch.tensor(token_ids)[at], self.exclude)].tolist()
@@ -79,6 +93,8 @@ class RowStream:
         self._positions.append(positions)
         for tap, rows in tap_rows.items():
             self._rows.setdefault(tap, []).append(rows)
+        if not self.positions.tail:
+            return
         newest = positions[-1]
         while len(self._positions) > 1 and self.positions.tail_obsolete(self._positions[0], newest):
             self._positions.pop(0)
@@ -90,12 +106,15 @@ class RowStream:
         `num_rows` rows."""
         positions = torch.tensor(list(chain.from_iterable(self._positions)), dtype=torch.long)
         keep = self.positions.keep(positions, num_rows)
+        if bool(keep.all()):  # (the usual case: no copy through a mask)
+            keep = slice(None)
+        kept = positions[keep]
         dtype = self.dtype or model_dtype
         out: dict[str, object] = {}
         for tap in self.taps:
             pieces = self._rows.get(tap)
             if pieces and is_pattern(tap):  # K: the last kept row's context; each piece is as wide as its own
-                width = int(positions[keep].max()) + 1 if keep.any() else 0
+                width = int(kept.max()) + 1 if len(kept) else 0
                 pieces = [widen(tap, p[..., :width], width) for p in pieces]
             if not pieces:
                 empty = tuple(part.empty() for part in self.parts[tap])
@@ -107,7 +126,7 @@ class RowStream:
             else:
                 rows = torch.cat(pieces)[keep]
                 out[tap] = rows.mean(0, keepdim=True) if self.reduce == "mean" and len(rows) else rows
-        return positions[keep], {name: out[tap] for name, tap in self.hooks.items()}
+        return kept, {name: out[tap] for name, tap in self.hooks.items()}
 
     def place(self, out: RequestOutput, results: dict[str, object]) -> None:
         """Put the results where a RequestOutput keeps them: SAE features, logit lens or activations."""

@@ -6,9 +6,10 @@ no capture code. A `Tap` reads and writes only tensors of fixed shape that the r
 forward — rows to gather, rows to edit with their kinds and vector-table rows — so torch.compile and
 CUDA graphs keep it: no Python containers are built, no `.item()` runs and no shape depends on data.
 
-Buffers live as long as the runtime (the runner's: trace and harvest reuse it) and only grow: gathered rows land in a buffer per tap site, the
-step's indices in one index buffer (one host-to-device copy per step), and intervention vectors in a
-table per row width, written once when a request arrives, not every step.
+Buffers live as long as the runtime (the runner's: trace and harvest reuse it) and only grow: gathered
+rows land in a buffer per tap site, the step's indices in one field of the runner's step buffers (sent
+with the step's other inputs in one copy), and intervention vectors in a table per row width, written
+once when a request arrives, not every step.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import math
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
+from vlens.attention.metadata import Put
 from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, BoundIntervention
 from vlens.capture.names import is_pattern, tap_dtype
 from vlens.capture.plan import Collected, StepPlan
@@ -137,12 +140,15 @@ class TapRuntime:
     meets the same shapes again in later steps; eager forwards take the exact sizes."""
 
     def __init__(
-        self, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype, fixed_shapes: bool = False
-    ):
+        self, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype, put: Put,
+        fixed_shapes: bool = False,
+    ):  # fmt: skip
+        """`put`: the runner's step buffers (vlens.engine.buffers), field "tap_index": a step's indices travel
+        to the device in the step's one copy."""
         self.shapes, self.device, self.dtype, self.fixed_shapes = shapes, device, dtype, fixed_shapes
+        self._put = put
         self._taps: dict[str, Tap] = {}
         self._out: dict[str, torch.Tensor] = {}
-        self._index = torch.zeros(0, dtype=torch.long, device=device)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # device-to-host copies
         self.tables: dict[int, VectorTable] = {}
         kinds = max(_COEFFICIENTS) + 1
@@ -169,48 +175,48 @@ class TapRuntime:
     # -- each step ----------------------------------------------------------------------------------
 
     def arm(self, plan: StepPlan, fixed_shapes: bool | None = None) -> dict[str, Tap]:
-        """The taps of this step's plan, their indices written into the device buffers in one copy
-        (`fixed_shapes`: as the runtime's, unless given; the static decode step always pads)."""
+        """The taps of this step's plan, their indices put in the step's buffers as one field (sent with the
+        step's one copy), `fixed_shapes`: as the runtime's, unless given; the static decode step always pads."""
         fixed = self.fixed_shapes if fixed_shapes is None else fixed_shapes
 
         def size(n: int) -> int:
             return 1 << max(0, n - 1).bit_length() if fixed else n
 
-        pieces: list[torch.Tensor] = []
+        pieces: list[np.ndarray] = []
         layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # (tap, field, offset, shape)
 
-        def add(tap: str, name: str, values: torch.Tensor) -> None:
+        def add(tap: str, name: str, values: np.ndarray) -> None:
             offset = layout[-1][2] + math.prod(layout[-1][3]) if layout else 0
             pieces.append(values.reshape(-1))
-            layout.append((tap, name, offset, tuple(values.shape)))
+            layout.append((tap, name, offset, values.shape))
 
         widths: dict[str, int] = {}
         for tap, parts in plan.gathers.items():
-            rows = list(chain.from_iterable(r for _, r in parts))
+            rows = np.fromiter(chain.from_iterable(r for _, r in parts), np.int64)
             rows_padded = size(len(rows))
-            add(tap, "gather_index", torch.tensor(rows + [0] * (rows_padded - len(rows))))
+            index = np.zeros(rows_padded, dtype=np.int64)
+            index[: len(rows)] = rows
+            add(tap, "gather_index", index)
             if is_pattern(tap):
                 segments = [plan.segments[s] for s, _ in parts]
                 widths[tap] = size(max(seg.positions[-1] for seg in segments) + 1)
                 keys, positions = _pattern_rows(segments, rows_padded, widths[tap])
-                add(tap, "key_index", keys)
-                add(tap, "row_positions", positions)
+                add(tap, "key_index", keys.numpy())
+                add(tap, "row_positions", positions.numpy())
         for tap, passes in plan.edits.items():
             edits_padded = size(max(len(e.rows) for e in passes))
             for name, column in (("edit_rows", "rows"), ("edit_vectors", "vectors"), ("edit_kinds", "kinds")):
                 # a pass is padded by repeating its last edit: the same write twice is the same write
                 lists = [getattr(e, column) for e in passes]
-                add(tap, name, torch.tensor([v + v[-1:] * (edits_padded - len(v)) for v in lists]))
-        if pieces:
-            flat = torch.cat(pieces)
-            if len(flat) > len(self._index):
-                self._index = torch.zeros(max(len(flat), 2 * len(self._index)), dtype=torch.long, device=self.device)
-            self._index[: len(flat)].copy_(flat, non_blocking=True)
-        taps = {}
+                add(tap, name, np.array([v + v[-1:] * (edits_padded - len(v)) for v in lists], dtype=np.int64))
+        taps: dict[str, Tap] = {}
+        if not pieces:
+            return taps
+        flat = self._put("tap_index", pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
         for tap, name, start, shape in layout:
             t = taps.get(tap) or self._reset(tap)
             taps[tap] = t
-            setattr(t, name, self._index[start : start + math.prod(shape)].view(shape))
+            setattr(t, name, flat[start : start + math.prod(shape)].view(shape))
         for tap in plan.gathers:
             t = taps[tap]
             t.gather_out = self._gather_buffer(tap, len(t.gather_index), widths.get(tap))
@@ -242,40 +248,47 @@ class TapRuntime:
 
     def collect(self, plan: StepPlan) -> Collection:
         """After the forward: each segment's rows of each tap (pattern rows cut to the segment's own
-        context), read out on the device where its stream asks for it, then copied to the host. On CUDA
-        the copies run on a side stream into pinned memory and overlap whatever the device does next;
-        `Collection.ready` waits for them."""
-        whole: list[tuple[str, torch.Tensor, list]] = []  # (tap, rows, parts): one copy, split on the host
-        single: list[tuple[int, str, object]] = []  # (segment, tap, rows) read out per segment
+        context), read out on the device where its stream asks for it, then copied to the host. A tap no
+        segment reads out (or every segment only casts, to one dtype) is one clone and one copy, split on
+        the host (no torch op per request on the device). On CUDA the copies run on a side stream into pinned memory and overlap whatever the device
+        does next; `Collection.ready` waits for them."""
+        whole: list[tuple[str, list[int], torch.Tensor, list[int]]] = []  # (tap, segments, rows, counts)
+        single: list[tuple[str, list[int], list]] = []  # (tap, segments, value of each) read out per segment
         for tap, parts in plan.gathers.items():
+            segments = [segment for segment, _ in parts]
             counts = [len(rows) for _, rows in parts]
             gathered = self._taps[tap].gather_out[: sum(counts)]
-            owners = [plan.segments[segment].owner for segment, _ in parts]
-            if not any(_reads_out(owner, tap) for owner in owners):
-                whole.append((tap, gathered.clone(), parts))
+            if tap not in plan.readouts:
+                whole.append((tap, segments, gathered.clone(), counts))
+                continue
+            owners = [plan.segments[segment].owner for segment in segments]
+            casts = {owner.cast_only(tap) for owner in owners}
+            if len(casts) == 1 and None not in casts:  # every segment only casts, to one dtype: once for all
+                whole.append((tap, segments, _cast(gathered, casts.pop()), counts))
                 continue
             pieces = gathered.split(counts)
             shared = _shared_readouts(owners, pieces)  # one encoding per SAE for all its segments
-            for i, ((segment, _), owner, chunk) in enumerate(zip(parts, owners, pieces)):
+            values = []
+            for i, (owner, chunk) in enumerate(zip(owners, pieces)):
                 if i in shared:
-                    value = shared[i]
+                    values.append(shared[i])
                 else:
-                    value = _read_out(owner, tap, chunk) if _reads_out(owner, tap) else chunk.clone()
-                single.append((segment, tap, value))
+                    values.append(_read_out(owner, tap, chunk) if tap in owner.device_taps else chunk.clone())
+            single.append((tap, segments, values))
         event = None
         if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side):
-                whole = [(tap, _to_host(rows, self._side), parts) for tap, rows, parts in whole]
-                single = [(segment, tap, _to_host(rows, self._side)) for segment, tap, rows in single]
+                side = self._side
+                whole = [(tap, segments, _to_host(rows, side), counts) for tap, segments, rows, counts in whole]
+                single = [(tap, segments, [_to_host(v, side) for v in values]) for tap, segments, values in single]
                 event = torch.cuda.Event()
                 event.record(self._side)
-        out = [_cut(plan, Collected(segment, tap, rows)) if is_pattern(tap) else Collected(segment, tap, rows)
-               for segment, tap, rows in single]  # fmt: skip
-        for tap, rows, parts in whole:
-            pieces = rows.split([len(r) for _, r in parts])
-            collected = [Collected(segment, tap, piece) for (segment, _), piece in zip(parts, pieces)]
-            out += [_cut(plan, c) for c in collected] if is_pattern(tap) else collected
+        out = [Collected(tap, segments, values) for tap, segments, values in single]
+        out += [Collected(tap, segments, list(rows.split(counts))) for tap, segments, rows, counts in whole]
+        for c in out:
+            if is_pattern(c.tap):  # as wide as the segment's own last row's context
+                c.rows = [rows[..., : plan.segments[s].positions[-1] + 1] for s, rows in zip(c.segments, c.rows)]
         return Collection(out, event)
 
 
@@ -292,12 +305,6 @@ class Collection:
         return self.items
 
 
-def _cut(plan: StepPlan, c: Collected) -> Collected:
-    """Attention scores and patterns of a segment as wide as its own last row's context."""
-    c.rows = c.rows[..., : plan.segments[c.segment].positions[-1] + 1]
-    return c
-
-
 def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, width] key index (each row's keys 0.. of its own sequence) and [rows] row positions."""
     keys = torch.zeros(rows, width, dtype=torch.long)
@@ -309,13 +316,6 @@ def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, 
         positions[at : at + n] = torch.as_tensor(seg.positions)
         at += n
     return keys, positions
-
-
-def _reads_out(owner: object, tap: str) -> bool:
-    """Whether a segment's rows need work on the device before they leave it."""
-    if not isinstance(owner, RowStream):
-        return False
-    return bool(owner.readout or owner.sums_on_device or owner.dtype) or tap in owner.head_taps
 
 
 def _shared_readouts(owners: list[object], pieces: tuple[torch.Tensor, ...]) -> dict[int, tuple]:
@@ -337,9 +337,15 @@ def _read_out(stream: RowStream, tap: str, chunk: torch.Tensor):
     result = stream.readout(chunk) if stream.readout is not None else chunk
     if stream.sums_on_device:
         result = result.sum(0, keepdim=True)
-    if stream.dtype is not None and isinstance(result, torch.Tensor) and result.is_floating_point():
-        result = result.to(stream.dtype, copy=True)  # a copy: never a view of the gather buffer; ids keep int64
+    if stream.dtype is not None and isinstance(result, torch.Tensor):
+        result = _cast(result, stream.dtype)
     return result
+
+
+def _cast(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `rows` in `dtype` (integer rows, ids, keep int64): never a view of the gather buffer,
+    which the next forward overwrites."""
+    return rows.to(dtype, copy=True) if rows.is_floating_point() else rows.clone()
 
 
 def _to_host(x, stream: torch.cuda.Stream):

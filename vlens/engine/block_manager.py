@@ -52,13 +52,14 @@ class BlockManager:
     def admit(self, seq: Sequence) -> None:
         """Attach cached blocks for the longest reusable prefix of a sequence that holds no blocks.
 
-        At most `seq.cache_limit` tokens are taken from the cache (rows a request still wants must be
+        At most `seq.reusable_prefix()` tokens are taken from the cache (rows a request still wants must be
         computed), and always one fewer than the sequence has, so its last token yields logits."""
         assert not seq.block_table
         seq.num_computed = 0
         if not self.enable_prefix_caching:
             return
-        limit = len(seq.token_ids) - 1 if seq.cache_limit is None else min(seq.cache_limit, len(seq.token_ids) - 1)
+        reusable = seq.reusable_prefix()
+        limit = len(seq.token_ids) - 1 if reusable is None else min(reusable, len(seq.token_ids) - 1)
         limit //= self.block_size
         prev = None
         for i in range(limit):

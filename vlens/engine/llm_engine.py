@@ -221,8 +221,10 @@ class LLMEngine:
                 seq.finish_reason = "length"
                 self._finish(seq)
                 deltas.append(self._delta(seq, True))
-            elif seq.index == 0 and seq.request_id in self._requests:
-                self.scheduler.add_first(self._requests[seq.request_id].release())
+            elif seq.index == 0:
+                group = self._requests.get(seq.request_id)
+                if group is not None and group.held:  # (a request of one sample holds none: no call)
+                    self.scheduler.add_first(group.release())
         return deltas
 
     def _deliver(self) -> None:

@@ -6,8 +6,8 @@ runtime with its index and vector buffers, and the KV cache.
 An engine step: lay out the scheduled chunks, plan the taps, run the model over the paged cache, collect
 captured rows, compute logits only where needed (sampled rows, prompt rows whose log-probabilities are
 asked for, captured logits), and sample. Everything per step is a handful of host arrays written into the
-buffers (no per-token Python beyond listing the new token ids), and the only host sync is the copy of the
-sampled token ids back.
+buffers and sent to the device in one copy before the forward (no per-token Python beyond listing the new
+token ids), and the only host sync is the copy of the sampled token ids back.
 
 A step in which every sequence decodes can take the static path instead (`static_decode`): the batch is
 padded to a power-of-two bucket (padding rows write and read a scratch block no sequence owns), the block
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 
 import numpy as np
 import torch
@@ -94,11 +95,11 @@ class ModelRunner:
                 "token_seq": (tokens, long), "slot_mapping": (tokens, long), "cu_seqlens_q": ((max_seqs + 1,), torch.int32),
                 "logit_rows": (tokens, long), "sample_index": (seqs, long), "kv_copy_from": (tokens, long),
                 "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
-                "sampling_longs": ((3, max_seqs), long),
+                "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long),
             },
             self.device,
         )  # fmt: skip
-        self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype)
+        self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype, self.buffers.put)
         self.kv_cache: torch.Tensor | None = None
         self.block_size = self.num_slots = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
@@ -150,6 +151,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set."""
         backend = backend or self.backend
+        self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
         forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
         if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
@@ -185,42 +187,46 @@ class ModelRunner:
             [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
             [s.block_table for s, _ in order], self.block_size, self.num_slots, put,
         )  # fmt: skip
-        ids = put("input_ids", np.fromiter((t for s, n in order for t in s.token_ids[s.num_computed : s.num_computed + n]), np.int64))
+        fed = chain.from_iterable(s.token_ids[s.num_computed : s.num_computed + n] for s, n in order)  # (in C)
+        ids = put("input_ids", np.fromiter(fed, np.int64))
         borrows = [s.borrow for s, _ in order if s.borrow is not None and s.borrow.copy_to]
         if borrows:
             src = put("kv_copy_from", np.array([slot for b in borrows for slot in b.copy_from], np.int64))
             meta.kv_copy = (src, put("kv_copy_to", np.array([slot for b in borrows for slot in b.copy_to], np.int64)))
-        chunks, sample_rows, prompt_rows, row = [], [], PromptRows(), 0
+        chunks, sample_rows, sampled, prompt_rows, row = [], [], [], PromptRows(), 0
         for seq, n in order:
             if seq.num_computed + n == len(seq.token_ids) and not seq.prefill_only:
                 sample_rows.append(row + n - 1)
+                sampled.append(seq)
             prompt_rows.add(seq, n, row)
             if seq.taps.streams or seq.taps.interventions:
                 chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table))
             row += n
         plan = plan_step(chunks, self.block_size)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
-        sampled = [s for s, n in order if s.num_computed + n == len(s.token_ids) and not s.prefill_only]
         depths = [s.depth for s, _ in order]
         # A step of prefill-only requests stops after the deepest layer they read (eagerly: it is rare).
         num_layers = None if None in depths else max(depths)
         rows = put("logit_rows", np.array(logit_rows, np.int64)) if logit_rows else None
+        index = put("sample_index", np.array(sample_index, np.int64)) if sample_index is not None else None
+        batch = SamplingBatch.of(sampled, put, self.device) if sampled else None
         _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows)
-        if sample_index is not None:
-            logits = logits.index_select(0, put("sample_index", np.array(sample_index, np.int64)))
+        if index is not None:
+            logits = logits.index_select(0, index)
         collection = self.taps.collect(plan) if plan.gathers else None
         prompt_logprobs = None
         if prompt_rows.rows:  # on their way to the host before the step's sync (blocking when none comes)
             prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
         if not sampled:
             return StepOutput([], [], None, plan, collection, prompt_rows, prompt_logprobs)
-        return self._sample(sampled, logits[: len(sample_rows)], plan, collection, prompt_rows, prompt_logprobs)
+        return self._sample(sampled, logits[: len(sample_rows)], batch, plan, collection, prompt_rows, prompt_logprobs)
 
     def _sample(
-        self, sampled: list[Sequence], logits: torch.Tensor, plan: StepPlan, collection: Collection | None,
-        prompt_rows: PromptRows, prompt_logprobs: TopLogprobs | None = None,
+        self, sampled: list[Sequence], logits: torch.Tensor, batch: SamplingBatch, plan: StepPlan,
+        collection: Collection | None, prompt_rows: PromptRows, prompt_logprobs: TopLogprobs | None = None,
     ) -> StepOutput:  # fmt: skip
-        tokens = sample(logits, SamplingBatch.of(sampled, self.buffers.put))
+        """`batch` was put before the forward, so the step's inputs went to the device in one copy."""
+        tokens = sample(logits, batch)
         logprobs = None
         k = max((s.logprobs_k for s in sampled if s.logprobs_k is not None), default=None)
         if k is not None:
@@ -240,9 +246,10 @@ class ModelRunner:
                   if s.taps.streams or s.taps.interventions]  # fmt: skip
         plan = plan_step(chunks, self.block_size)
         plan.logit_rows(list(range(len(seqs))))  # every row samples: a LOGITS gather keeps its rows
+        batch = SamplingBatch.of(seqs, self.buffers.put, self.device)
         logits = self._static_forward(seqs, size, pages, plan)[: len(seqs)]
         collection = self.taps.collect(plan) if plan.gathers else None
-        return self._sample(seqs, logits, plan, collection, PromptRows())
+        return self._sample(seqs, logits, batch, plan, collection, PromptRows())
 
     def _static_forward(self, seqs: list[Sequence], size: int, pages: int, plan: StepPlan) -> torch.Tensor:
         """Logits [size, vocab] of the static decode step of `seqs`, padded to `size` rows and `pages` pages."""
@@ -263,6 +270,7 @@ class ModelRunner:
                     self.graphs = False
             if self.graphs:
                 graph, logits = self._graphs[key]
+                self.buffers.flush()
                 graph.replay()
                 self.graph_stats.graph_steps += 1
                 return logits
@@ -305,7 +313,7 @@ class ModelRunner:
             armed[name] = fn if name not in armed else _then(fn, armed[name])
         sites = [*taps, *(hooks or {})]
         meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
-        ids = self.buffers.put("input_ids", np.fromiter((t for s in sequences for t in s), np.int64))
+        ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
         self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
         return PackedCapture(plan, self.taps.collect(plan))
 

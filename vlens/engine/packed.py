@@ -49,4 +49,8 @@ class PackedCapture:
 
     def pieces(self) -> list[tuple[int, str, torch.Tensor]]:
         """(sequence index, tap, CPU rows) for every sequence and tap, once the copies have landed."""
-        return [(self.plan.segments[c.segment].owner, c.tap, c.rows) for c in self.collection.ready()]
+        return [
+            (self.plan.segments[segment].owner, c.tap, rows)
+            for c in self.collection.ready()
+            for segment, rows in zip(c.segments, c.rows)
+        ]

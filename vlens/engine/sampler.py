@@ -44,24 +44,31 @@ def gumbel(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tens
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings as device tensors (built once per step on the host)."""
+    """Per-row sampling settings as device tensors (built once per step on the host). A step whose rows
+    are all greedy reads none of them (it takes the argmax), so it builds and sends none: they are None."""
 
-    temperature: torch.Tensor  # [B] float32; 0 = greedy
-    top_k: torch.Tensor  # [B] long; 0 = off
-    top_p: torch.Tensor  # [B] float32
-    min_p: torch.Tensor  # [B] float32
-    seeds: torch.Tensor  # [B] long
-    offsets: torch.Tensor  # [B] long: position of the token being sampled
+    temperature: torch.Tensor | None  # [B] float32; 0 = greedy
+    top_k: torch.Tensor | None  # [B] long; 0 = off
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    seeds: torch.Tensor | None  # [B] long
+    offsets: torch.Tensor | None  # [B] long: position of the token being sampled
     all_greedy: bool
     any_top_k_or_p: bool
     any_min_p: bool
     adjust: LogitAdjustments | None = None  # logit bias and penalties; None when no row has any
 
     @classmethod
-    def of(cls, seqs: list[Sequence], put: Callable[[str, torch.Tensor], torch.Tensor]) -> SamplingBatch:
+    def of(
+        cls, seqs: list[Sequence], put: Callable[[str, torch.Tensor], torch.Tensor], device: torch.device
+    ) -> SamplingBatch:
         """The settings of the sequences sampled in a step, in their order, `put` into the runner's
         buffers "sampling_floats" and "sampling_longs" (two host tensors, one copy each: this runs every step)."""
         p = [s.params for s in seqs]
+        adjust = LogitAdjustments.of(seqs, device)
+        if all(x.temperature == 0 for x in p):
+            return cls(None, None, None, None, None, None, all_greedy=True, any_top_k_or_p=False, any_min_p=False,
+                       adjust=adjust)  # fmt: skip
         floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]], dtype=torch.float32)
         longs = torch.tensor([[x.top_k for x in p], [s.seed for s in seqs], [len(s.token_ids) for s in seqs]])
         (temperature, top_p, min_p), (top_k, seeds, offsets) = put("sampling_floats", floats), put("sampling_longs", longs)
@@ -72,10 +79,10 @@ class SamplingBatch:
             min_p=min_p,
             seeds=seeds,
             offsets=offsets,
-            all_greedy=all(x.temperature == 0 for x in p),
+            all_greedy=False,
             any_top_k_or_p=any(x.temperature > 0 and (x.top_k > 0 or x.top_p < 1) for x in p),
             any_min_p=any(x.temperature > 0 and x.min_p > 0 for x in p),
-            adjust=LogitAdjustments.of(seqs, temperature.device),
+            adjust=adjust,
         )
 
 

@@ -58,7 +58,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.cache_salt: object = None  # what else (besides tokens) the KV depends on
-        self.cache_limit: int | None = None  # at most this many leading tokens from the prefix cache
         self.detokenizer: Detokenizer | None = None  # incremental text (streamed, or with stop strings)
         self.logprobs: list[dict[int, Logprob]] = []
         # Top alternatives per sampled token; None: no log-probabilities (ranked samples need at least the token's).
@@ -102,7 +101,6 @@ class Sequence:
             if self.depth is not None:
                 salt = ("layers", self.depth, salt)
         self.cache_salt = salt
-        self.cache_limit = self.reusable_prefix()
 
     def reaches_long_rope(self) -> bool:
         """Whether the token just sampled takes the sequence to LongRoPE's switch. Its cached keys were
@@ -114,8 +112,7 @@ class Sequence:
         return True
 
     def step_done(self) -> None:
-        """After a step it ran in: the prefix it may now take from the cache, and no borrowed prefix."""
-        self.cache_limit = self.reusable_prefix()
+        """After a step it ran in: no borrowed prefix."""
         self.borrow = None
 
     def hold_vectors(self, runtime: TapRuntime) -> None:
@@ -127,7 +124,8 @@ class Sequence:
 
     def reusable_prefix(self) -> int | None:
         """Leading tokens whose KV may come from the prefix cache without losing a row the request still
-        wants: captured rows, prompt log-probabilities not yet delivered. None: no limit."""
+        wants: captured rows, prompt log-probabilities not yet delivered. None: no limit. Asked when the
+        sequence is admitted (first, or again after a preemption), from what its steps so far delivered."""
         limits = [self.taps.reusable_prefix(len(self.token_ids))] if self.taps.streams else []
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt:
             limits.append(len(self.prompt_logprobs) - 1)
