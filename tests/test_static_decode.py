@@ -126,7 +126,9 @@ def test_static_decode_batches_other_sizes_and_preempts(llm, kernel):
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in eager]
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim, window, softcap", [(8, 2, 24, None, None), (4, 4, 64, 7, None), (9, 3, 64, None, 2.0), (8, 2, 32, 5, 3.0)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, window, softcap", [(8, 2, 24, None, None), (4, 4, 64, 7, None), (9, 3, 64, None, 2.0), (8, 2, 32, 5, 3.0)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads, dim, window, softcap, dtype):
     """Keys read through shuffled block tables, contexts from one key to the whole table, the splits of one
@@ -153,7 +155,8 @@ def test_fused_chains_run_only_in_forwards_that_ask(tmp_path):
     """vlens.layers.fused compiled (by inductor's CPU backend here; Triton on CUDA): a static decode whose
     forwards ask for the chains gives the plain ops' tokens and rows within 1e-5, and a runner that does not
     ask (enforce_eager, or no graphs) never calls the compiled code, though the process compiled it."""
-    llm = LLM(model=build(FAMILIES["llama"](), tmp_path, "llama"), dtype="float32", device="cpu", block_size=4, max_num_seqs=8)
+    path = build(FAMILIES["llama"](), tmp_path, "llama")
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8)
     assert not llm.runner.fused
     assert fused.fuse(torch.device("cpu"), torch.float32, activation(llm.config.hidden_act))
     calls = {"n": 0}

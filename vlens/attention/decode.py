@@ -78,7 +78,8 @@ class DecodeBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, state: DecodeState) -> torch.Tensor:
         if self.paged is not None:
-            return self.paged(q, layer.k_cache, layer.v_cache, state.tables, state.context, state.block_size, layer, self.programs)
+            tables, context = state.tables, state.context
+            return self.paged(q, layer.k_cache, layer.v_cache, tables, context, state.block_size, layer, self.programs)
         keys = layer.k_cache[state.key_slots].transpose(1, 2)  # [B, H_kv, keys, d]
         values = layer.v_cache[state.key_slots].transpose(1, 2)
         mask = state.masks[layer.window]
@@ -106,7 +107,9 @@ def _trial(paged: DecodeBackend, gathering: DecodeBackend, device: torch.device)
         for window, softcap in ((None, None), (7, 30.0)):
             kind = LayerKind(8, kv_heads, dim, window, dim**-0.5, softcap)
             layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
-            got, want = (b.forward(q, None, None, layer, b.prepare(meta, {kind}, dtype)).float() for b in (paged, gathering))
+            got, want = (
+                b.forward(q, None, None, layer, b.prepare(meta, {kind}, dtype)).float() for b in (paged, gathering)
+            )
             err = ((got - want).norm() / want.norm()).item()
             if not err <= tolerance:
                 raise RuntimeError(f"the paged kernel differs from the gathering kernel by {err:.1e} in {dtype}")

@@ -47,7 +47,8 @@ def _split_kernel(
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     g_ok, d_ok = g < GROUP, d < HEAD_DIM
     head = kv_head * GROUP + g
-    q = tl.load(q_ptr + row * stride_qb + head[:, None] * stride_qh + d[None, :], g_ok[:, None] & d_ok[None, :], other=0.0)
+    q_at = q_ptr + row * stride_qb + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_at, g_ok[:, None] & d_ok[None, :], other=0.0)
     context = tl.load(context_ptr + row)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, context)

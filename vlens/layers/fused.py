@@ -7,9 +7,10 @@ one Triton kernel instead of 3-8 launches, so a graph has fewer nodes to launch 
 over the activations) and its forwards say so in their context (`vlens.context.fusing`); every other
 forward — another engine with `enforce_eager`, trace on the CPU — runs the plain ops. A chain that fails to
 compile stays eager. Each compiled chain keeps a few variants (dtype, a batch of one, the strides of
-q and k), so dynamo's recompile limit is raised to hold them rather than fall back to eager silently. Casts are kept where the eager code has them
-(`emulate_precision_casts`), so bfloat16 rounds as HF does; float32 sums may differ in order (the GPU
-suite checks every tap against HF with them fused).
+q and k), so dynamo's recompile limit is raised to hold them rather than fall back to eager silently (an
+H200 profile showed that fallback: 765 device ops a graph step, 290 once they held). Casts are kept where
+the eager code has them (`emulate_precision_casts`), so bfloat16 rounds as HF does; float32 sums may
+differ in order (the GPU suite checks every tap against HF with them fused).
 """
 
 from __future__ import annotations
