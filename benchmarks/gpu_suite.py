@@ -12,7 +12,7 @@ slow section costs only itself. Sections:
   generate  bf16 Llama-3.2-1B shape, 256 prompts of 32-512 tokens x 128 new tokens: vlens (graphs, eager) vs
             HF generate in left-padded batches of 64; capture of 3 layers at every generated row, a different
             Steer per request, both: time vs plain, graphs on
-  latency   one decode step at batch 1 and 64 (ms), graphs on and off
+  latency   one decode step at batch 1 and 64 (ms), graphs on and off, and graphs without async scheduling
   profile   decode runs at batch 1 and 64 under torch.profiler: share of wall time the GPU is busy, device ops
             per graph launch, top host and device operators; the batch-64 run under cProfile: top Python functions
   harvest   one layer, 192 windows of 1024 tokens, bf16 (benchmarks/bench_harvest_gpu.py's measure): tokens/s,
@@ -173,7 +173,11 @@ def generation(rows: dict, path: str, quick: bool) -> None:
             runner = llm.engine.runner
             out["graph_stats"] = {"graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps,
                                   "graphs": stats.graphs_captured, "capture_s": round(stats.capture_seconds, 2),
-                                  "paged_kernel": runner.decode_backend.paged is not None, "fused": runner.fused}  # fmt: skip
+                                  "ahead_steps": stats.ahead_steps, "fused": runner.fused,
+                                  "paged_kernel": runner.decode_backend.paged is not None}  # fmt: skip
+            llm.engine.async_scheduling = False  # each step waits for its ids before the next is planned
+            rows.setdefault("latency_ms", {}).update({f"b{b}_graphs_sync": _step_ms(llm, prompts[:b]) for b in (1, 64)})
+            llm.engine.async_scheduling = True
         rows.setdefault("latency_ms", {}).update({f"b{b}_{label}": _step_ms(llm, prompts[:b]) for b in (1, 64)})
         del llm
         torch.cuda.empty_cache()

@@ -37,6 +37,10 @@ class EngineConfig:
         choices=BACKENDS,
     )
     enforce_eager: bool = setting(False, "no compiled kernels and no CUDA graphs: every step runs eagerly")
+    async_scheduling: bool = setting(
+        True, "queue the next decode step while the device runs this one (with CUDA graphs; outputs unchanged)",
+        flag="--no-async-scheduling", invert=True,
+    )
     tensor_parallel_size: int = setting(
         1, "ranks the model is split across (heads, MLP columns, vocabulary): one process and one device each",
         minimum=1,

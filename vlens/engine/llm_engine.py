@@ -24,7 +24,7 @@ from vlens.engine.detokenizer import Detokenizer
 from vlens.engine.group import SampleGroup
 from vlens.engine.logprobs import entry
 from vlens.engine.memory import kv_cache_bytes
-from vlens.engine.model_runner import ModelRunner
+from vlens.engine.model_runner import ModelRunner, StepOutput
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
 from vlens.outputs import CompletionOutput, RequestDelta, RequestOutput
@@ -51,6 +51,7 @@ class EngineStats:
     eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
+    ahead_steps: int = 0  # decode steps queued before the previous step's ids reached the host
 
     @property
     def kv_cache_usage(self) -> float:
@@ -99,6 +100,8 @@ class LLMEngine:
         self._next_id = 0
         self._requests: dict[str, SampleGroup] = {}
         self._pending: tuple[StepPlan, Collection] | None = None  # a step's rows still on their way to the host
+        self.async_scheduling = config.async_scheduling
+        self._ahead: StepOutput | None = None  # a decode step queued behind the last one (ModelRunner.run_ahead)
         self.prompt_tokens = self.generation_tokens = 0
         # LongRoPE's factors depend on the sequence length: a sequence whose last position reaches this
         # recomputes its cache with the long factors, as HF does (Sequence.reaches_long_rope).
@@ -184,16 +187,27 @@ class LLMEngine:
             eager_steps=graphs.eager_steps,
             graphs_captured=graphs.graphs_captured,
             graph_capture_seconds=graphs.capture_seconds,
+            ahead_steps=graphs.ahead_steps,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Run one step; a delta for every sample that got a token in it or ended."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
-        out = self.runner.run(scheduled)
+        """Run one step; a delta for every sample that ended in it, and for every streamed one (whose text
+        grows as it goes) that got a token. A step queued ahead by the last call is this one; before this
+        one's ids reach the host, the next may be queued behind it."""
+        out, self._ahead = self._ahead, None
+        if out is not None and any(seq.status is Status.RUNNING for seq in out.sampled):
+            self._drop_ended(out)
+        else:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return []
+            out = self.runner.run(scheduled)
+        if self.async_scheduling and out.decode and not out.adjusted:
+            self._ahead = self._run_ahead(out)
+        tokens = out.token_ids()
+        scheduled = [(seq, n) for seq, n in out.scheduled if seq.status is Status.RUNNING]
         self.scheduler.computed(scheduled)
         # The previous step's rows, whose copy to the host overlapped this step's forward; this step's
         # wait for the next one, unless a request that collects rows ends now and needs them.
@@ -205,8 +219,10 @@ class LLMEngine:
         for seq, _ in scheduled:
             seq.step_done()
         deltas = []
-        self.generation_tokens += len(out.tokens)
-        for i, (seq, token) in enumerate(zip(out.sampled, out.tokens)):
+        for i, (seq, token) in enumerate(zip(out.sampled, tokens)):
+            if seq.status is not Status.RUNNING:  # ended before this step, which was queued ahead
+                continue
+            self.generation_tokens += 1
             seq.token_ids.append(token)
             if seq.logprobs_k is not None:
                 seq.logprobs.append(entry(out.logprobs, i, token, seq.logprobs_k))
@@ -215,7 +231,8 @@ class LLMEngine:
                 self._finish(seq)
             elif seq.reaches_long_rope():
                 self.scheduler.recompute(seq)
-            deltas.append(self._delta(seq, finished))
+            if finished or seq.detokenizer is not None:  # (the rest report when they end)
+                deltas.append(self._delta(seq, finished))
         for seq, _ in scheduled:
             if seq.prefill_only and seq.num_computed == len(seq.token_ids):
                 seq.finish_reason = "length"
@@ -226,6 +243,39 @@ class LLMEngine:
                 if group is not None and group.held:  # (a request of one sample holds none: no call)
                     self.scheduler.add_first(group.release())
         return deltas
+
+    def _run_ahead(self, out: StepOutput) -> StepOutput | None:
+        """The next decode step of `out`'s sequences, queued now, or None where the host must first see
+        `out`'s ids: a request waits to be admitted, a sequence recomputes for LongRoPE, a capture skips
+        rows by token, or blocks run short. One that `out` ends by length is left out of it; one that a
+        sampled stop token ends runs it in vain (`_drop_ended`). Never across ranks."""
+        if self.scheduler.waiting or self.model.executor is not None:
+            return None
+        keep = []
+        for i, seq in enumerate(out.sampled):
+            if seq.status is not Status.RUNNING:  # ended while `out` ran
+                continue
+            if seq.long_rope_at is not None or any(stream.exclude is not None for stream in seq.taps.streams):
+                return None
+            known = len(seq.token_ids) + 1  # with the one `out` sampled
+            if seq.num_generated + 1 >= seq.params.max_tokens or known >= self.max_model_len:
+                continue
+            if not self.blocks.reserve(seq, known):
+                return None
+            keep.append(i)
+        if not keep:
+            return None
+        self.scheduler.tokens_computed += len(keep)
+        return self.runner.run_ahead(out, keep)
+
+    @staticmethod
+    def _drop_ended(out: StepOutput) -> None:
+        """A step queued ahead ran sequences that ended in the step before it (a stop token, an abort):
+        their captured rows go nowhere (their tokens are skipped where the step's are taken)."""
+        streams = {id(stream) for seq in out.sampled if seq.status is not Status.RUNNING for stream in seq.taps.streams}
+        for segment in out.plan.segments:
+            if id(segment.owner) in streams:
+                segment.owner = _NOBODY
 
     def _deliver(self) -> None:
         if self._pending is not None:
@@ -310,3 +360,13 @@ class LLMEngine:
                 out.activation_positions = positions
                 stream.place(out, tensors)
         return out
+
+
+class _Nobody:
+    """Receives captured rows that no request wants (StepPlan.deliver calls `add`)."""
+
+    def add(self, positions, tap_rows) -> None:
+        pass
+
+
+_NOBODY = _Nobody()

@@ -15,6 +15,11 @@ tables to a power-of-two number of pages, the taps' index tensors to power-of-tw
 vlens.attention.decode's fixed-shape kernel. On CUDA each (bucket, pages, taps) shape is captured once as a
 CUDA graph and replayed — captures and interventions included, since taps read only their armed buffers;
 elsewhere the same path runs eagerly, which is how the CPU tests check it against the ordinary step.
+
+A step returns as soon as it is queued (`StepOutput`; its ids reach the host when the engine asks). The
+engine may queue the next decode step of the same sequences first (`run_ahead`, async scheduling): its
+input ids are the previous step's samples, copied on the device, so the host plans step N+1 while the
+device runs step N.
 """
 
 from __future__ import annotations
@@ -64,17 +69,35 @@ class GraphStats:
     eager_steps: int = 0  # steps the static path cannot serve: prefill, chunked prefill, prompt rows, ...
     graphs_captured: int = 0
     capture_seconds: float = 0.0
+    ahead_steps: int = 0  # static decode steps launched before the previous step's ids reached the host
 
 
 @dataclass
 class StepOutput:
+    """A step queued on the device. Nothing in it waits for the device but `token_ids`, the step's one
+    host sync; until then the runner can queue the next decode step behind it (`run_ahead`)."""
+
+    scheduled: list[tuple[Sequence, int]]  # what ran: (sequence, tokens fed)
     sampled: list[Sequence]  # sequences that got a new token this step, in order
-    tokens: list[int]
+    tokens: torch.Tensor | None  # [len(sampled)] their ids, on the device
     logprobs: TopLogprobs | None  # of the sampled tokens
     plan: StepPlan  # what the taps did; `collection` brings its gathered rows to the host
     collection: Collection | None
     prompt_rows: PromptRows  # whose prompt log-probabilities `prompt_logprobs` holds, on the host
     prompt_logprobs: TopLogprobs | None = None
+    decode: bool = False  # a static decode step: every sequence fed its last token and sampled, in order
+    adjusted: bool = False  # its sampling read logit biases or penalties (which read the sampled history)
+    # CUDA: the ids' pinned host copy and the event after it, so that reading them waits for this step
+    # alone, not for a step queued behind it on the same stream
+    arriving: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids as Python ints, for stop checks and detokenising: waits for the device."""
+        if self.arriving is not None:
+            host, event = self.arriving
+            event.synchronize()
+            return host.tolist()
+        return [] if self.tokens is None else self.tokens.tolist()
 
 
 class ModelRunner:
@@ -95,7 +118,7 @@ class ModelRunner:
                 "token_seq": (tokens, long), "slot_mapping": (tokens, long), "cu_seqlens_q": ((max_seqs + 1,), torch.int32),
                 "logit_rows": (tokens, long), "sample_index": (seqs, long), "kv_copy_from": (tokens, long),
                 "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
-                "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long),
+                "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long), "ahead_rows": (seqs, long),
             },
             self.device,
         )  # fmt: skip
@@ -138,7 +161,7 @@ class ModelRunner:
             started = time.perf_counter()
             size = self.max_bucket
             while size >= 1:  # largest first, so the smaller graphs fit in its memory pool
-                self._static_forward([], size, MIN_PAGES, StepPlan())
+                self._static_forward([], [], size, MIN_PAGES, StepPlan(), None)
                 size //= 2
             log.info("captured %d decode graphs (batch buckets 1..%d, %d pages) in %.2f s", self.graph_stats.graphs_captured,
                      self.max_bucket, MIN_PAGES, time.perf_counter() - started)  # fmt: skip
@@ -217,49 +240,77 @@ class ModelRunner:
         prompt_logprobs = None
         if prompt_rows.rows:  # on their way to the host before the step's sync (blocking when none comes)
             prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
-        if not sampled:
-            return StepOutput([], [], None, plan, collection, prompt_rows, prompt_logprobs)
-        return self._sample(sampled, logits[: len(sample_rows)], batch, plan, collection, prompt_rows, prompt_logprobs)
+        out = StepOutput(scheduled, sampled, None, None, plan, collection, prompt_rows, prompt_logprobs)
+        return self._sample(out, logits[: len(sample_rows)], batch) if sampled else out
 
-    def _sample(
-        self, sampled: list[Sequence], logits: torch.Tensor, batch: SamplingBatch, plan: StepPlan,
-        collection: Collection | None, prompt_rows: PromptRows, prompt_logprobs: TopLogprobs | None = None,
-    ) -> StepOutput:  # fmt: skip
+    def _sample(self, out: StepOutput, logits: torch.Tensor, batch: SamplingBatch) -> StepOutput:
         """`batch` was put before the forward, so the step's inputs went to the device in one copy."""
-        tokens = sample(logits, batch)
-        logprobs = None
-        k = max((s.logprobs_k for s in sampled if s.logprobs_k is not None), default=None)
+        out.tokens = sample(logits, batch)
+        out.adjusted = batch.adjust is not None
+        k = max((s.logprobs_k for s in out.sampled if s.logprobs_k is not None), default=None)
         if k is not None:
-            logprobs = to_host(top_logprobs(logits, tokens, k), blocking=False)
-        # The step's one host sync: sampled ids become Python ints for stop checks and detokenising.
-        tokens = tokens.to("cpu").tolist()
-        return StepOutput(sampled, tokens, logprobs, plan, collection, prompt_rows, prompt_logprobs)
+            out.logprobs = to_host(top_logprobs(logits, out.tokens, k), blocking=False)
+        if out.tokens.is_cuda:
+            host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
+            host.copy_(out.tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            out.arriving = (host, event)
+        return out
 
     # -- the static decode step ----------------------------------------------------------------------
 
     def _decode(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
         """Every sequence feeds its last token and samples: padded to its bucket, a graph replays it."""
-        seqs = [s for s, _ in scheduled]
+        return self._static_step([s for s, _ in scheduled], ahead=None)
+
+    @torch.inference_mode()
+    def run_ahead(self, previous: StepOutput, keep: list[int]) -> StepOutput:
+        """The next decode step of the sequences `previous.sampled[i]` for i in `keep`, queued before
+        `previous`'s ids reach the host: each feeds the token `previous` sampled for it, read on the device,
+        at the position after its last known token (whose blocks the caller reserved). The host plans it
+        while the device still runs `previous` — what keeps a GPU busy when the host's step is as long as
+        the device's. Its sequences' sampling must not read their history (no penalties or biases)."""
+        self.graph_stats.ahead_steps += 1
+        return self._static_step([previous.sampled[i] for i in keep], ahead=(previous.tokens, keep))
+
+    def _static_step(self, seqs: list[Sequence], ahead: tuple[torch.Tensor, list[int]] | None) -> StepOutput:
+        """`ahead`: (device ids of the previous step, which of them each sequence feeds), when each
+        sequence's last token is still on the device (one more than `token_ids` holds)."""
+        extra = 0 if ahead is None else 1
         size = bucket(len(seqs))
-        pages = min(self.max_pages, bucket(max(MIN_PAGES, max(-(-len(s.token_ids) // self.block_size) for s in seqs))))
-        chunks = [Chunk(s.taps, s.token_ids, s.num_computed, 1, i, s.block_table) for i, s in enumerate(seqs)
+        pages = -(-(max(len(s.token_ids) for s in seqs) + extra) // self.block_size)
+        pages = min(self.max_pages, bucket(max(MIN_PAGES, pages)))
+        last = [len(s.token_ids) - 1 + extra for s in seqs]  # each row's position
+        chunks = [Chunk(s.taps, s.token_ids, p, 1, i, s.block_table) for i, (s, p) in enumerate(zip(seqs, last))
                   if s.taps.streams or s.taps.interventions]  # fmt: skip
         plan = plan_step(chunks, self.block_size)
         plan.logit_rows(list(range(len(seqs))))  # every row samples: a LOGITS gather keeps its rows
-        batch = SamplingBatch.of(seqs, self.buffers.put, self.device)
-        logits = self._static_forward(seqs, size, pages, plan)[: len(seqs)]
+        batch = SamplingBatch.of(seqs, self.buffers.put, self.device, extra)
+        logits = self._static_forward(seqs, last, size, pages, plan, ahead)[: len(seqs)]
         collection = self.taps.collect(plan) if plan.gathers else None
-        return self._sample(seqs, logits, batch, plan, collection, PromptRows())
+        out = StepOutput([(s, 1) for s in seqs], seqs, None, None, plan, collection, PromptRows(), decode=True)
+        return self._sample(out, logits, batch)
 
-    def _static_forward(self, seqs: list[Sequence], size: int, pages: int, plan: StepPlan) -> torch.Tensor:
-        """Logits [size, vocab] of the static decode step of `seqs`, padded to `size` rows and `pages` pages."""
+    def _static_forward(
+        self, seqs: list[Sequence], last: list[int], size: int, pages: int, plan: StepPlan,
+        ahead: tuple[torch.Tensor, list[int]] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits [size, vocab] of the static decode step of `seqs` at positions `last`, padded to `size`
+        rows and `pages` pages."""
         put, pad = self.buffers.put, size - len(seqs)
         meta = layout(
-            [s.num_computed for s in seqs] + [0] * pad, [1] * size, [len(s.token_ids) for s in seqs] + [1] * pad,
+            last + [0] * pad, [1] * size, [p + 1 for p in last] + [1] * pad,
             [s.block_table for s in seqs] + [[self.scratch_block]] * pad, self.block_size, self.num_slots, put, pages,
         )  # fmt: skip
-        ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
+        if ahead is None:
+            ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
+        else:
+            ids, fed = put("input_ids", np.zeros(size, np.int64)), put("ahead_rows", np.array(ahead[1], np.int64))
         taps = self.taps.arm(plan, fixed_shapes=True) if plan else {}
+        self.buffers.flush()
+        if ahead is not None:  # the previous step's samples, copied on the device behind its sampling
+            ids[: len(seqs)] = ahead[0].index_select(0, fed)
         if self.graphs:
             key = (size, pages, self.buffers.generation, _signature(taps))
             if key not in self._graphs:
@@ -270,7 +321,6 @@ class ModelRunner:
                     self.graphs = False
             if self.graphs:
                 graph, logits = self._graphs[key]
-                self.buffers.flush()
                 graph.replay()
                 self.graph_stats.graph_steps += 1
                 return logits

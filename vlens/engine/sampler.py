@@ -60,17 +60,19 @@ class SamplingBatch:
 
     @classmethod
     def of(
-        cls, seqs: list[Sequence], put: Callable[[str, torch.Tensor], torch.Tensor], device: torch.device
+        cls, seqs: list[Sequence], put: Callable[[str, torch.Tensor], torch.Tensor], device: torch.device,
+        pending: int = 0,
     ) -> SamplingBatch:
         """The settings of the sequences sampled in a step, in their order, `put` into the runner's
-        buffers "sampling_floats" and "sampling_longs" (two host tensors, one copy each: this runs every step)."""
+        buffers "sampling_floats" and "sampling_longs" (two host tensors, one copy each: this runs every step).
+        `pending`: tokens each sequence has on the device beyond `token_ids` (a step run ahead)."""
         p = [s.params for s in seqs]
         adjust = LogitAdjustments.of(seqs, device)
         if all(x.temperature == 0 for x in p):
             return cls(None, None, None, None, None, None, all_greedy=True, any_top_k_or_p=False, any_min_p=False,
                        adjust=adjust)  # fmt: skip
         floats = torch.tensor([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]], dtype=torch.float32)
-        longs = torch.tensor([[x.top_k for x in p], [s.seed for s in seqs], [len(s.token_ids) for s in seqs]])
+        longs = torch.tensor([[x.top_k for x in p], [s.seed for s in seqs], [len(s.token_ids) + pending for s in seqs]])
         (temperature, top_p, min_p), (top_k, seeds, offsets) = put("sampling_floats", floats), put("sampling_longs", longs)
         return cls(
             temperature=temperature,
