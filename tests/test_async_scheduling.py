@@ -93,6 +93,25 @@ def test_captures_steering_and_lengths_match_the_synchronous_engine(engines):
             assert out.activations["blocks.1.hook_resid_post"].shape[0] == m - 1
 
 
+def test_a_full_batch_runs_ahead_while_requests_wait(engines):
+    """20 requests, 8 places: while the batch is full and no place frees, steps are queued ahead; the step
+    that ends a request by length is not, so the waiting request takes its place in the next step."""
+    lengths = [3 + (7 * i) % 11 for i in range(20)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths]
+    on, off, ahead = _both(engines, _prompts(6, len(params)), params)
+    _same(on, off)
+    assert ahead >= 5
+    steps = {}
+    for on_ in (True, False):  # places are refilled in the same steps: async scheduling delays no admission
+        engine, count = engines[on_].engine, 0
+        engine.add_requests([NewRequest(p, q) for p, q in zip(_prompts(6, len(params)), params)])
+        while engine.has_work():
+            engine.step()
+            count += 1
+        steps[on_] = count
+    assert steps[True] == steps[False]
+
+
 def test_a_stop_token_drops_the_row_queued_behind_it(engines):
     """Request i stops on the token it would sample at step 2 + i % 4: the next, queued ahead with the other
     requests' steps, loses its row."""

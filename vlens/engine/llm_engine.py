@@ -246,26 +246,29 @@ class LLMEngine:
 
     def _run_ahead(self, out: StepOutput) -> StepOutput | None:
         """The next decode step of `out`'s sequences, queued now, or None where the host must first see
-        `out`'s ids: a request waits to be admitted, a sequence recomputes for LongRoPE, a capture skips
-        rows by token, or blocks run short. One that `out` ends by length is left out of it; one that a
-        sampled stop token ends runs it in vain (`_drop_ended`). Never across ranks."""
-        if self.scheduler.waiting or self.model.executor is not None:
+        `out`'s ids: a sequence's next step depends on its tokens (vlens.engine.sequence: `plans_ahead`),
+        `out` frees a place a waiting request would take, or blocks run short. A sequence that `out` ends by
+        length is left out; one that a sampled stop token ends runs the step in vain (`_drop_ended`).
+        Never across tensor-parallel ranks, whose forwards take their ids from this one."""
+        if self.model.executor is not None:
             return None
-        keep = []
+        keep, frees = [], False
         for i, seq in enumerate(out.sampled):
             if seq.status is not Status.RUNNING:  # ended while `out` ran
                 continue
-            if seq.long_rope_at is not None or any(stream.exclude is not None for stream in seq.taps.streams):
+            if not seq.plans_ahead:
                 return None
-            known = len(seq.token_ids) + 1  # with the one `out` sampled
-            if seq.num_generated + 1 >= seq.params.max_tokens or known >= self.max_model_len:
-                continue
-            if not self.blocks.reserve(seq, known):
-                return None
-            keep.append(i)
-        if not keep:
+            if seq.num_generated + 1 >= seq.params.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
+                frees = True
+            else:
+                keep.append(i)
+        scheduler = self.scheduler
+        if not keep or scheduler.waiting and (frees or len(scheduler.running) < scheduler.max_num_seqs):
             return None
-        self.scheduler.tokens_computed += len(keep)
+        for i in keep:
+            if not self.blocks.reserve(out.sampled[i], len(out.sampled[i].token_ids) + 1):
+                return None
+        scheduler.tokens_computed += len(keep)
         return self.runner.run_ahead(out, keep)
 
     @staticmethod

@@ -67,6 +67,7 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
         self.long_rope_at: int | None = None  # the position from which LongRoPE's long factors apply
+        self.plans_ahead = False  # (settle)
         self.borrow: Borrow | None = None  # this step's: the prefix another sequence computes for it
         self.num_reported = 0  # generated tokens already sent out in a delta
         self.finish_reason: str | None = None
@@ -92,6 +93,9 @@ class Sequence:
         nothing reads past its deepest tap, so a step of such requests alone stops there, and their blocks,
         which may lack the deeper layers' KV, are kept apart."""
         self.long_rope_at = long_rope_at
+        # Whether its next decode step can be planned before the host sees its last token (async scheduling):
+        # not when a capture skips rows by token, nor where LongRoPE may switch it to recompute.
+        self.plans_ahead = long_rope_at is None and all(stream.exclude is None for stream in self.taps.streams)
         salt: object = fingerprint(self.params.interventions)
         if long_rope_at is not None and self.num_prompt - 1 >= long_rope_at:
             salt = ("long rope", salt)
