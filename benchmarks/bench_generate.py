@@ -18,6 +18,10 @@ HF: min_new_tokens), greedy. Rows:
 Then the host overhead a GPU would expose (--workload tiny, or all): a random Llama of 2 layers, d=64,
 vocab 512, where GEMMs cost almost nothing; 64 prompts of 8-36 tokens x 64 new tokens, greedy; ms per
 decode step for vlens and HF at batch 64 and 8, and one captured layer at generated rows vs none.
+Then the host's part of a CUDA-graph decode step (--workload tiny): the same model on the static decode
+path with async scheduling, its forward replaced by one that returns zero logits, so what is timed is the
+work a GPU step leaves to the host (planning, buffers, taps, sampling, stop checks, deltas): ms per step at
+batch 64 plain, capturing 3 taps at generated rows, and steered per request, as ratios to HF's whole step.
 Timings are the best of --repeats runs after a warm-up.
 """
 
@@ -31,7 +35,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from vlens import LLM, Capture, SamplingParams
+from vlens import LLM, Capture, SamplingParams, Steer
 from vlens.loader import resolve_model_path
 
 SUBJECTS = [
@@ -190,6 +194,45 @@ def host_overhead(args: argparse.Namespace) -> None:
         print(f"{f'HF generate, batch {batch}':<44}{ms(t_hf):>10.2f}")
         print(f"{f'vlens, batch {batch}':<44}{ms(t_v):>10.2f}{t_v / t_hf:>9.2f}x  {'<= 0.5x HF' if batch == 64 else ''}")
         print(f"{f'vlens, one layer at generated rows, batch {batch}':<44}{ms(t_cap):>10.2f}{t_cap / t_v:>9.2f}x  <= 1.15x")
+        if batch == 64:
+            host_part(llm, prompts_, steps, args.repeats, t_hf)
+
+
+def host_part(llm: LLM, prompts_: list[list[int]], steps: int, repeats: int, t_hf: float) -> None:
+    """ms per step of the static decode path with a forward that computes nothing (zero logits, zero
+    captured rows): the host's share of a step whose forward is a CUDA graph replay."""
+    runner, forward = llm.runner, llm.runner._forward
+
+    def null_forward(meta, ids, taps, num_layers=None, logit_rows=None, backend=None):
+        if backend is not runner.decode_backend:  # prefill runs for real
+            return forward(meta, ids, taps, num_layers, logit_rows, backend)
+        runner.buffers.flush()
+        for t in taps.values():
+            if t.gather_out is not None:
+                t.gather_out.zero_()
+        return None, torch.zeros(len(ids), llm.config.vocab_size)
+
+    taps = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.1.attn.hook_z"]
+    three = Capture(taps, positions="generated")
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "plain": SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True),
+        "capture 3 taps (generated)": SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=three),
+        "a Steer per request": [
+            SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
+                           interventions=[Steer("blocks.1.hook_resid_post", torch.randn(64, generator=g))])
+            for _ in prompts_
+        ],
+    }  # fmt: skip
+    runner.static_decode, runner._forward = True, null_forward
+    try:
+        times = {name: best(lambda p=p: llm.generate(prompts_, p, use_tqdm=False), repeats)
+                 for name, p in cases.items()}  # fmt: skip
+    finally:
+        runner.static_decode, runner._forward = False, forward
+    for name, t in times.items():
+        label = f"graph step's host part, {name}"
+        print(f"{label:<44}{1000 * t / steps:>10.2f}{t / t_hf:>9.2f}x  (of HF's whole step)")
 
 
 if __name__ == "__main__":
