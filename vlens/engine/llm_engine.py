@@ -238,7 +238,7 @@ class LLMEngine:
                 seq.finish_reason = "length"
                 self._finish(seq)
                 deltas.append(self._delta(seq, True))
-            elif seq.index == 0:
+            elif seq.index == 0 and seq.num_generated <= 1:  # its prompt may have been computed just now
                 group = self._requests.get(seq.request_id)
                 if group is not None and group.held:  # (a request of one sample holds none: no call)
                     self.scheduler.add_first(group.release())
