@@ -369,7 +369,7 @@ class _Nobody:
     """Receives captured rows that no request wants (StepPlan.deliver calls `add`)."""
 
     def add(self, positions, tap_rows) -> None:
-        pass
+        """Drops them."""
 
 
 _NOBODY = _Nobody()
