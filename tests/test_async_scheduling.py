@@ -112,11 +112,13 @@ def test_a_full_batch_runs_ahead_while_requests_wait(engines):
     assert steps[True] == steps[False]
 
 
-def test_a_stop_token_drops_the_row_queued_behind_it(engines):
+@pytest.mark.parametrize("positions, reduce", [("generated", "none"), ("last", "none"), ("all", "mean")])
+def test_a_stop_token_drops_the_row_queued_behind_it(engines, positions, reduce):
     """Request i stops on the token it would sample at step 2 + i % 4: the next, queued ahead with the other
-    requests' steps, loses its row."""
+    requests' steps, loses its row — rows at generated positions, the last row (which a newer row would
+    push out), a mean summed on the device."""
     prompts = _prompts(3, 6)
-    capture = Capture("blocks.1.hook_resid_post", positions="generated")
+    capture = Capture("blocks.1.hook_resid_post", positions=positions, reduce=reduce)
     free = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, capture=capture)] * len(prompts)
     runs = engines[False].generate(prompts, free, use_tqdm=False)
     stops = [SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[o.outputs[0].token_ids[2 + i % 4]],
@@ -124,12 +126,17 @@ def test_a_stop_token_drops_the_row_queued_behind_it(engines):
     on, off, ahead = _both(engines, prompts, stops)
     _same(on, off)
     assert ahead > 0
-    for out, run in zip(on, runs):
+    everything = Capture("blocks.1.hook_resid_post", positions="all")
+    full = engines[False].generate(prompts, [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                            capture=everything)] * len(prompts), use_tqdm=False)  # fmt: skip
+    for out, run, whole in zip(on, runs, full):
         n = run.outputs[0].token_ids.index(out.outputs[0].stop_reason) + 1
         assert out.outputs[0].token_ids == run.outputs[0].token_ids[:n] and out.outputs[0].finish_reason == "stop"
-        assert out.activations["blocks.1.hook_resid_post"].shape[0] == n - 1
-        rows = out.activations["blocks.1.hook_resid_post"]
-        assert rel_err(rows, run.activations["blocks.1.hook_resid_post"][: n - 1]) < 1e-5
+        rows, every = out.activations["blocks.1.hook_resid_post"], whole.activations["blocks.1.hook_resid_post"]
+        p = len(out.prompt_token_ids)
+        wanted = {"generated": every[p : p + n - 1], "last": every[p + n - 2 : p + n - 1],
+                  "all": every[: p + n - 1].double().mean(0, keepdim=True).float()}[positions]  # fmt: skip
+        assert rows.shape == wanted.shape and rel_err(rows, wanted) < 1e-5
 
 
 def test_seeded_samples_match_and_penalties_run_synchronously(engines):
