@@ -126,9 +126,9 @@ def test_a_stop_token_drops_the_row_queued_behind_it(engines, positions, reduce)
     on, off, ahead = _both(engines, prompts, stops)
     _same(on, off)
     assert ahead > 0
-    everything = Capture("blocks.1.hook_resid_post", positions="all")
-    full = engines[False].generate(prompts, [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
-                                                            capture=everything)] * len(prompts), use_tqdm=False)  # fmt: skip
+    everything = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                capture=Capture("blocks.1.hook_resid_post", positions="all"))  # fmt: skip
+    full = engines[False].generate(prompts, everything, use_tqdm=False)
     for out, run, whole in zip(on, runs, full):
         n = run.outputs[0].token_ids.index(out.outputs[0].stop_reason) + 1
         assert out.outputs[0].token_ids == run.outputs[0].token_ids[:n] and out.outputs[0].finish_reason == "stop"
