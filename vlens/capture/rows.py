@@ -4,15 +4,19 @@ Each step the plan asks every stream which of the step's positions to gather (`s
 forward the rows come back (`add`). Chunked prefill, preemption and recompute never change what a
 request gets: a position is offered to a stream once, whatever recomputes it later. Positions stay
 Python ranges and lists until the end, so a step costs a few integer operations per request.
+
+A stream holds each step's rows as they are planned (`hold`), and reads them when its result is built;
+a decode step's single rows of many streams are one segment, of which each stream holds one row, so
+a decode step costs no tensor op and no container per stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +36,37 @@ def widen(tap: str, rows: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(rows, (0, width - rows.shape[-1]), value=fill)
 
 
+# Rows travel to a stream's result as numpy views of their bits (a view costs a tenth of a tensor's, and
+# numpy has no bfloat16): one integer type per element size.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(rows: torch.Tensor) -> np.ndarray:
+    return rows.view(_BITS[rows.element_size()]).numpy()
+
+
+@dataclass(slots=True)  # (one per plan segment)
+class Held:
+    """One plan segment's rows of one step as streams hold them: positions from the plan, rows per tap once
+    the step delivers them. A stream holds all of them, or (a decode step's batch) row i alone."""
+
+    positions: Sequence[int]
+    tap_rows: dict[str, object] = field(default_factory=dict)
+    _row_bits: dict[str, np.ndarray] = field(default_factory=dict)  # tap -> its rows' bits (made when first read)
+
+    def row(self, tap: str, i: int) -> np.ndarray:
+        """The bits of row i of `tap`, [1, ...]."""
+        bits = self._row_bits.get(tap)
+        if bits is None:
+            bits = self._row_bits[tap] = _bits(self.tap_rows[tap])
+        return bits[i : i + 1]
+
+
+def _joined(pieces: list, dtype: torch.dtype) -> torch.Tensor:
+    """Rows and bits of rows (`Held.row`) of `dtype`, in order, as one new tensor."""
+    return torch.from_numpy(np.concatenate([p if isinstance(p, np.ndarray) else _bits(p) for p in pieces])).view(dtype)
+
+
 @dataclass
 class RowStream:
     """One set of taps collected at one position spec (a Capture, or the hidden-states shortcut)."""
@@ -49,8 +84,7 @@ class RowStream:
     heads: torch.Tensor | None = None  # the heads kept at the per-head taps in `head_taps`
     head_taps: frozenset[str] = frozenset()
     offered_upto: int = 0  # positions below this were offered to the stream already
-    _positions: list[Sequence[int]] = field(default_factory=list)  # per step, ascending
-    _rows: dict[str, list] = field(default_factory=dict)
+    _pieces: list[tuple[Held, int | None]] = field(default_factory=list)  # per step, ascending: all, or row i
 
     def __post_init__(self) -> None:
         self.taps = sorted(set(self.hooks.values()))
@@ -60,6 +94,9 @@ class RowStream:
         # Taps whose rows need work on the device before they leave it (a readout, a mean, a cast, heads)
         on_device = self.readout is not None or self.sums_on_device or self.dtype is not None
         self.device_taps = frozenset(t for t in self.taps if on_device or t in self.head_taps)
+        # A step's one row may join the step's batch: one segment of the streams with the same taps
+        self.batched = self._window is not None and not self.patterns and not self.device_taps
+        self.tap_key = tuple(self.taps)
 
     @property
     def sums_on_device(self) -> bool:
@@ -89,22 +126,46 @@ class RowStream:
             pos = at[~torch.isin(torch.tensor(token_ids)[at], self.exclude)].tolist()
         return pos
 
-    def add(self, positions: Sequence[int], tap_rows: dict[str, object]) -> None:
-        self._positions.append(positions)
-        for tap, rows in tap_rows.items():
-            self._rows.setdefault(tap, []).append(rows)
+    def take(self, position: int) -> bool:
+        """`select` of a step's one row at `position`, for a stream with a window (`batched`)."""
+        if position < self.offered_upto:
+            return False
+        self.offered_upto = position + 1
+        return self._window[0] <= position < self._window[1]
+
+    def hold(self, held: Held, i: int | None = None) -> None:
+        """Rows of this step are `held`'s (all of them, or row i); a tail drops older rows it no longer needs.
+        (A batched stream has no tail: its rows are all kept.)"""
+        self._pieces.append((held, i))
         if not self.positions.tail:
             return
-        newest = positions[-1]
-        while len(self._positions) > 1 and self.positions.tail_obsolete(self._positions[0], newest):
-            self._positions.pop(0)
-            for pieces in self._rows.values():
-                pieces.pop(0)
+        newest = held.positions[-1]
+        while len(self._pieces) > 1 and self.positions.tail_obsolete(self._pieces[0][0].positions, newest):
+            self._pieces.pop(0)
+
+    def _collected(self) -> tuple[list[int], dict[str, list]]:
+        """Every collected position, and each tap's pieces of rows in the same order."""
+        positions: list[int] = []
+        rows: dict[str, list] = {tap: [] for tap in self.taps}
+        for held, i in self._pieces:
+            if i is None:
+                positions.extend(held.positions)
+                for tap, tap_rows in held.tap_rows.items():
+                    rows[tap].append(tap_rows)
+            else:
+                positions.append(held.positions[i])
+                for tap in held.tap_rows:
+                    rows[tap].append(held.row(tap, i))
+        if self.batched and self._pieces:  # some pieces may be bits: one tensor of each tap's rows
+            last = self._pieces[-1][0].tap_rows
+            rows = {tap: [_joined(pieces, last[tap].dtype)] if pieces else [] for tap, pieces in rows.items()}
+        return positions, rows
 
     def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, object]]:
         """(positions, {requested name: rows or (ids, logprobs)}) per the spec, once the sequence has
         `num_rows` rows."""
-        positions = torch.tensor(list(chain.from_iterable(self._positions)), dtype=torch.long)
+        collected, pieces_of = self._collected()
+        positions = torch.tensor(collected, dtype=torch.long)
         keep = self.positions.keep(positions, num_rows)
         if bool(keep.all()):  # (the usual case: no copy through a mask)
             keep = slice(None)
@@ -112,7 +173,7 @@ class RowStream:
         dtype = self.dtype or model_dtype
         out: dict[str, object] = {}
         for tap in self.taps:
-            pieces = self._rows.get(tap)
+            pieces = pieces_of[tap]
             if pieces and is_pattern(tap):  # K: the last kept row's context; each piece is as wide as its own
                 width = int(kept.max()) + 1 if len(kept) else 0
                 pieces = [widen(tap, p[..., :width], width) for p in pieces]
@@ -124,7 +185,7 @@ class RowStream:
             elif isinstance(pieces[0], tuple):
                 out[tap] = tuple(torch.cat(parts)[keep] for parts in zip(*pieces))
             else:
-                rows = torch.cat(pieces)[keep]
+                rows = (pieces[0] if self.batched else torch.cat(pieces))[keep]  # (a batched stream's: joined)
                 out[tap] = rows.mean(0, keepdim=True) if self.reduce == "mean" and len(rows) else rows
         return kept, {name: out[tap] for name, tap in self.hooks.items()}
 

@@ -261,8 +261,8 @@ class TapRuntime:
             if tap not in plan.readouts:
                 whole.append((tap, segments, gathered.clone(), counts))
                 continue
-            owners = [plan.segments[segment].owner for segment in segments]
-            casts = {owner.cast_only(tap) for owner in owners}
+            owners = [plan.segments[segment].owner for segment in segments]  # None: a batch (no readout)
+            casts = {owner.cast_only(tap) if owner is not None else None for owner in owners}
             if len(casts) == 1 and None not in casts:  # every segment only casts, to one dtype: once for all
                 whole.append((tap, segments, _cast(gathered, casts.pop()), counts))
                 continue
@@ -273,7 +273,8 @@ class TapRuntime:
                 if i in shared:
                     values.append(shared[i])
                 else:
-                    values.append(_read_out(owner, tap, chunk) if tap in owner.device_taps else chunk.clone())
+                    reads = owner is not None and tap in owner.device_taps
+                    values.append(_read_out(owner, tap, chunk) if reads else chunk.clone())
             single.append((tap, segments, values))
         event = None
         if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
