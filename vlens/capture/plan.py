@@ -99,7 +99,7 @@ class StepPlan:
         """Hand the streams their rows of this step: each segment's rows, where its streams hold them."""
         for c in collected:
             for segment, rows in zip(c.segments, c.rows):
-                self.segments[segment].held.tap_rows[c.tap] = rows
+                self.segments[segment].held.put(c.tap, rows)
 
     def logit_rows(self, sample_rows: list[int]) -> tuple[list[int], list[int] | None]:
         """The rows whose logits are computed — the sampled ones and any a gather of LOGITS wants, once
@@ -135,6 +135,7 @@ def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
                     if batch is None:
                         packed: list[int] = []
                         batch = batches[stream.tap_key] = (plan.gather(None, [], packed, stream.tap_key), packed)
+                        batch[0].held.single = True
                     segment, packed = batch
                     stream.hold(segment.held, len(segment.positions))
                     segment.positions.append(c.start)

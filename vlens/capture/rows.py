@@ -48,22 +48,22 @@ def _bits(rows: torch.Tensor) -> np.ndarray:
 @dataclass(slots=True)  # (one per plan segment)
 class Held:
     """One plan segment's rows of one step as streams hold them: positions from the plan, rows per tap once
-    the step delivers them. A stream holds all of them, or (a decode step's batch) row i alone."""
+    the step delivers them (`put`). A stream holds all of them, or, of a decode step's batch (`single`), row i
+    alone: a batch keeps its rows' bits too, which each stream's result slices."""
 
     positions: Sequence[int]
+    single: bool = False
     tap_rows: dict[str, object] = field(default_factory=dict)
-    _row_bits: dict[str, np.ndarray] = field(default_factory=dict)  # tap -> its rows' bits (made when first read)
+    bits: dict[str, np.ndarray] = field(default_factory=dict)  # a batch's: tap -> its rows' bits
 
-    def row(self, tap: str, i: int) -> np.ndarray:
-        """The bits of row i of `tap`, [1, ...]."""
-        bits = self._row_bits.get(tap)
-        if bits is None:
-            bits = self._row_bits[tap] = _bits(self.tap_rows[tap])
-        return bits[i : i + 1]
+    def put(self, tap: str, rows: object) -> None:
+        self.tap_rows[tap] = rows
+        if self.single:  # [rows, 1, ...]: a stream's row i is bits[i], ready to join
+            self.bits[tap] = _bits(rows)[:, None]
 
 
 def _joined(pieces: list, dtype: torch.dtype) -> torch.Tensor:
-    """Rows and bits of rows (`Held.row`) of `dtype`, in order, as one new tensor."""
+    """Rows and bits of rows (`Held.bits`) of `dtype`, in order, as one new tensor."""
     return torch.from_numpy(np.concatenate([p if isinstance(p, np.ndarray) else _bits(p) for p in pieces])).view(dtype)
 
 
@@ -144,32 +144,35 @@ class RowStream:
             self._pieces.pop(0)
 
     def _collected(self) -> tuple[list[int], dict[str, list]]:
-        """Every collected position, and each tap's pieces of rows in the same order."""
-        positions: list[int] = []
-        rows: dict[str, list] = {tap: [] for tap in self.taps}
-        for held, i in self._pieces:
+        """Every collected position, and each tap's pieces of rows in the same order (a batched stream's:
+        one tensor, joined from the bits of its rows)."""
+        pieces, positions = self._pieces, []
+        for held, i in pieces:
             if i is None:
                 positions.extend(held.positions)
-                for tap, tap_rows in held.tap_rows.items():
-                    rows[tap].append(tap_rows)
             else:
                 positions.append(held.positions[i])
-                for tap in held.tap_rows:
-                    rows[tap].append(held.row(tap, i))
-        if self.batched and self._pieces:  # some pieces may be bits: one tensor of each tap's rows
-            last = self._pieces[-1][0].tap_rows
-            rows = {tap: [_joined(pieces, last[tap].dtype)] if pieces else [] for tap, pieces in rows.items()}
+        if not (self.batched and pieces):
+            return positions, {tap: [held.tap_rows[tap] for held, _ in pieces] for tap in self.taps}
+        rows = {}
+        for tap in self.taps:
+            bits = [held.tap_rows[tap] if i is None else held.bits[tap][i] for held, i in pieces]
+            rows[tap] = [_joined(bits, pieces[-1][0].tap_rows[tap].dtype)]
         return positions, rows
 
     def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, object]]:
         """(positions, {requested name: rows or (ids, logprobs)}) per the spec, once the sequence has
         `num_rows` rows."""
         collected, pieces_of = self._collected()
-        positions = torch.tensor(collected, dtype=torch.long)
+        positions = torch.from_numpy(np.array(collected, dtype=np.int64))
         keep = self.positions.keep(positions, num_rows)
         if bool(keep.all()):  # (the usual case: no copy through a mask)
-            keep = slice(None)
-        kept = positions[keep]
+            keep = None
+
+        def kept_of(rows: torch.Tensor) -> torch.Tensor:
+            return rows if keep is None else rows[keep]
+
+        kept = kept_of(positions)
         dtype = self.dtype or model_dtype
         out: dict[str, object] = {}
         for tap in self.taps:
@@ -183,9 +186,9 @@ class RowStream:
             elif self.sums_on_device:
                 out[tap] = (sum(p.double() for p in pieces) / len(positions)).to(dtype)
             elif isinstance(pieces[0], tuple):
-                out[tap] = tuple(torch.cat(parts)[keep] for parts in zip(*pieces))
+                out[tap] = tuple(kept_of(torch.cat(parts)) for parts in zip(*pieces))
             else:
-                rows = (pieces[0] if self.batched else torch.cat(pieces))[keep]  # (a batched stream's: joined)
+                rows = kept_of(pieces[0] if self.batched else torch.cat(pieces))  # (a batched stream's: joined)
                 out[tap] = rows.mean(0, keepdim=True) if self.reduce == "mean" and len(rows) else rows
         return kept, {name: out[tap] for name, tap in self.hooks.items()}
 
