@@ -81,10 +81,10 @@ class StepPlan:
 
     def gather(
         self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: Sequence[str],
-        keys: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None, held: Held | None = None,
     ) -> Segment:  # fmt: skip
-        """Gather `rows` (packed) at `taps` for `owner`; the rows list may still grow while the step is planned."""
-        segment = Segment(owner, positions, Held(positions), keys)
+        """Gather `rows` (packed) at `taps` for `owner` (None: a batch, which its streams hold already)."""
+        segment = Segment(owner, positions, held or Held(positions), keys)
         index = len(self.segments)
         self.segments.append(segment)
         for tap in taps:
@@ -125,21 +125,15 @@ def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
     interventions which rows to edit. A chunk's one row (a decode step) joins the step's batch of the
     streams with the same taps: one segment for all of them, so no container is made per stream."""
     plan = StepPlan()
-    batches: dict[tuple[str, ...], tuple[Segment, list[int]]] = {}  # taps -> (segment, its packed rows)
+    batches: dict[tuple[str, ...], Held] = {}  # taps -> the step's batch of streams with those taps
     for c in chunks:
         end, offset = c.start + c.count, c.row - c.start
         for stream in c.taps.streams:
             if c.count == 1 and stream.batched:
-                if stream.take(c.start):
-                    batch = batches.get(stream.tap_key)
-                    if batch is None:
-                        packed: list[int] = []
-                        batch = batches[stream.tap_key] = (plan.gather(None, [], packed, stream.tap_key), packed)
-                        batch[0].held.single = True
-                    segment, packed = batch
-                    stream.hold(segment.held, len(segment.positions))
-                    segment.positions.append(c.start)
-                    packed.append(c.row)
+                batch = batches.get(stream.tap_key)
+                if batch is None:
+                    batch = batches[stream.tap_key] = Held([], single=True)
+                stream.take(c.start, c.row, batch)
                 continue
             positions = stream.select(c.token_ids, c.start, end)
             if len(positions):
@@ -163,4 +157,7 @@ def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
                 passes[p].rows += rows
                 passes[p].vectors += vectors
                 passes[p].kinds += [iv.kind] * len(rows)
+    for taps, batch in batches.items():
+        if batch.positions:
+            plan.gather(None, batch.positions, batch.rows, taps, held=batch)
     return plan

@@ -53,6 +53,7 @@ class Held:
 
     positions: Sequence[int]
     single: bool = False
+    rows: list[int] = field(default_factory=list)  # a batch's: the packed row of each position, as planned
     tap_rows: dict[str, object] = field(default_factory=dict)
     bits: dict[str, np.ndarray] = field(default_factory=dict)  # a batch's: tap -> its rows' bits
 
@@ -126,12 +127,16 @@ class RowStream:
             pos = at[~torch.isin(torch.tensor(token_ids)[at], self.exclude)].tolist()
         return pos
 
-    def take(self, position: int) -> bool:
-        """`select` of a step's one row at `position`, for a stream with a window (`batched`)."""
+    def take(self, position: int, row: int, batch: Held) -> None:
+        """`select` of a step's one row at `position` (packed row `row`), for a stream with a window
+        (`batched`): if it is wanted, it joins the step's `batch`, whose row it holds."""
         if position < self.offered_upto:
-            return False
+            return
         self.offered_upto = position + 1
-        return self._window[0] <= position < self._window[1]
+        if self._window[0] <= position < self._window[1]:
+            self._pieces.append((batch, len(batch.positions)))
+            batch.positions.append(position)
+            batch.rows.append(row)
 
     def hold(self, held: Held, i: int | None = None) -> None:
         """Rows of this step are `held`'s (all of them, or row i); a tail drops older rows it no longer needs.
