@@ -1,13 +1,11 @@
 """A request's captured rows as they arrive, step by step, and what it finally returns.
 
-Each step the plan asks every stream which of the step's positions to gather (`select`); after the
-forward the rows come back (`add`). Chunked prefill, preemption and recompute never change what a
-request gets: a position is offered to a stream once, whatever recomputes it later. Positions stay
-Python ranges and lists until the end, so a step costs a few integer operations per request.
-
-A stream holds each step's rows as they are planned (`hold`), and reads them when its result is built;
-a decode step's single rows of many streams are one segment, of which each stream holds one row, so
-a decode step costs no tensor op and no container per stream.
+Each step the plan asks every stream which of the step's positions to gather (`select`) and the stream
+holds the plan segment's `Held`, where the rows land after the forward (`StepPlan.deliver`); it reads them
+only when its result is built. A decode step's one row per stream (`take`) joins the step's batch of the
+streams with the same taps, one segment for all, so a decode step costs a few integer operations per
+request and no tensor op or container. Chunked prefill, preemption and recompute never change what a
+request gets: a position is offered to a stream once, whatever recomputes it later.
 """
 
 from __future__ import annotations
