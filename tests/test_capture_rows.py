@@ -4,28 +4,31 @@ stream still gets exactly its own rows, bit for bit, in order, whatever mix of s
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from vlens.capture.bind import RequestTaps
-from vlens.capture.names import Part
+from vlens.capture.names import LOGITS, Part, tap_dtype
 from vlens.capture.plan import Chunk, plan_step
 from vlens.capture.positions import Positions, rows_of
 from vlens.capture.rows import RowStream
 from vlens.capture.runtime import TapRuntime
 
-A, B = "blocks.1.hook_resid_post", "blocks.0.hook_resid_post"
-WIDTH = 4
+A, B = "blocks.1.hook_resid_post", "blocks.0.attn.hook_z"
+SHAPES = {A: (4,), B: (2, 3), LOGITS: (5,)}  # taps of other shapes and dtypes (logits stay float32)
+MODEL_DTYPE = torch.bfloat16
 
 
 def _value(request: int, position: int, tap: str) -> torch.Tensor:
-    """The row a request's position has at a tap: distinct for every (request, position, tap)."""
-    base = 1000.0 * request + position + (0.25 if tap == B else 0.0)
-    return base + torch.arange(WIDTH, dtype=torch.float32) / 8
+    """The row a request's position has at a tap (float32): distinct for every (request, position, tap)."""
+    base = 1000.0 * request + position + list(SHAPES).index(tap) / 4
+    return base + torch.arange(math.prod(SHAPES[tap]), dtype=torch.float32).view(SHAPES[tap]) / 8
 
 
 def _stream(taps: list[str], positions, prompt_len: int, **kw) -> RowStream:
-    parts = {t: (Part((WIDTH,), torch.float32),) for t in taps}
+    parts = {t: (Part(SHAPES[t], tap_dtype(t, MODEL_DTYPE)),) for t in taps}
     return RowStream("capture", {t: t for t in taps}, Positions.parse(positions), prompt_len, parts, **kw)
 
 
@@ -42,7 +45,7 @@ def test_batched_decode_rows_equal_the_spec_bit_for_bit():
         ("last", [A], {}, [6], 4),  # a tail: never batched
         (slice(1, None, 2), [A], {}, [9], 7),  # not one run: never batched
         ("all", [A], {"exclude": torch.tensor([5, 9])}, [8], 6),  # excluded tokens: never batched
-        ("generated", [A, B], {}, [5], 8),  # other taps: a batch of its own
+        ("generated", [A, B, LOGITS], {}, [5], 8),  # other taps: a batch of its own
         None,  # no capture: not among the chunks
         ("all", [A], {"dtype": torch.bfloat16}, [6], 5),  # cast on the device: a readout
         (slice(-3, None), [A, B], {}, [6, 1], 6),  # one-row prefill chunk joins a batch; kept at the end
@@ -56,7 +59,7 @@ def test_batched_decode_rows_equal_the_spec_bit_for_bit():
         streams = [_stream(spec[1], spec[0], prompt_len, **spec[2])] if spec else []
         sizes = prefill + [1] * (rows_of(prompt_len, generated) - prompt_len)
         requests.append({"id": r, "taps": RequestTaps(streams), "tokens": tokens, "sizes": sizes, "done": 0})
-    runtime = TapRuntime({A: (WIDTH,), B: (WIDTH,)}, torch.device("cpu"), torch.float32, _put)
+    runtime = TapRuntime(SHAPES, torch.device("cpu"), MODEL_DTYPE, _put)
     results = {}
     while any(q["sizes"] for q in requests):
         chunks, owners = [], []  # owners: (request, position) of each packed row
@@ -75,13 +78,13 @@ def test_batched_decode_rows_equal_the_spec_bit_for_bit():
         assert batches == sorted(keys.count(k) for k in set(keys))
         taps = runtime.arm(plan) if plan else {}
         for tap, t in taps.items():
-            t(torch.stack([_value(r, p, tap) for r, p in owners]))
+            t(torch.stack([_value(r, p, tap) for r, p in owners]).to(t.gather_out.dtype))
         if plan.gathers:
             plan.deliver(runtime.collect(plan).ready())
         for q in requests:
             if not q["sizes"] and q["taps"].streams and q["id"] not in results:
                 [stream] = q["taps"].streams
-                results[q["id"]] = stream.result(q["done"], torch.float32)
+                results[q["id"]] = stream.result(q["done"], MODEL_DTYPE)
     for q, spec in zip(requests, specs):
         if spec is None:
             continue
@@ -97,6 +100,6 @@ def test_batched_decode_rows_equal_the_spec_bit_for_bit():
         positions, rows = results[q["id"]]
         assert positions.tolist() == wanted, q["id"]
         for tap in taps:
-            dtype = extra.get("dtype", torch.float32)
-            expected = torch.stack([_value(q["id"], p, tap) for p in wanted]).to(dtype)
+            dtype = extra.get("dtype", tap_dtype(tap, MODEL_DTYPE))
+            expected = torch.stack([_value(q["id"], p, tap) for p in wanted]).to(tap_dtype(tap, MODEL_DTYPE)).to(dtype)
             assert rows[tap].dtype == dtype and torch.equal(rows[tap], expected), (q["id"], tap)

@@ -132,7 +132,7 @@ def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
             if c.count == 1 and stream.batched:
                 batch = batches.get(stream.tap_key)
                 if batch is None:
-                    batch = batches[stream.tap_key] = Held([], single=True)
+                    batch = batches[stream.tap_key] = Held([], stream.tap_key)
                 stream.take(c.start, c.row, batch)
                 continue
             positions = stream.select(c.token_ids, c.start, end)

@@ -10,9 +10,10 @@ request gets: a position is offered to a stream once, whatever recomputes it lat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -34,36 +35,59 @@ def widen(tap: str, rows: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(rows, (0, width - rows.shape[-1]), value=fill)
 
 
-# Rows travel to a stream's result as numpy views of their bits (a view costs a tenth of a tensor's, and
-# numpy has no bfloat16): one integer type per element size.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+def _bytes(tap_rows: dict[str, torch.Tensor], taps: Sequence[str]) -> np.ndarray:
+    """[rows, bytes]: each row's values at `taps`, one after the other, as raw bytes (numpy views cost a tenth
+    of a tensor's, and numpy has no bfloat16)."""
+    parts = [tap_rows[tap] for tap in taps]
+    parts = [p.reshape(p.shape[0], -1).view(torch.uint8).numpy() for p in parts]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
 
-def _bits(rows: torch.Tensor) -> np.ndarray:
-    return rows.view(_BITS[rows.element_size()]).numpy()
+class Layout(NamedTuple):  # (a tuple: one is made per tap of a batch per step)
+    """Where one tap's values sit in a row of `_bytes`, and what they are."""
+
+    tap: str
+    start: int
+    stop: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # of one row
+
+    def rows(self, joined: np.ndarray) -> torch.Tensor:
+        """This tap's rows of `joined` [rows, bytes], as a new tensor."""
+        values = np.ascontiguousarray(joined[:, self.start : self.stop])
+        return torch.from_numpy(values).view(self.dtype).view(len(joined), *self.shape)
+
+
+def _layout(tap_rows: dict[str, torch.Tensor], taps: Sequence[str]) -> list[Layout]:
+    out, at = [], 0
+    for tap in taps:
+        rows = tap_rows[tap]
+        shape = tuple(rows.shape[1:])
+        size = math.prod(shape) * rows.element_size()
+        out.append(Layout(tap, at, at + size, rows.dtype, shape))
+        at += size
+    return out
 
 
 @dataclass(slots=True)  # (one per plan segment)
 class Held:
     """One plan segment's rows of one step as streams hold them: positions from the plan, rows per tap once
-    the step delivers them (`put`). A stream holds all of them, or, of a decode step's batch (`single`), row i
-    alone: a batch keeps its rows' bits too, which each stream's result slices."""
+    the step delivers them (`put`). A stream holds all of them, or, of a decode step's batch (one with
+    `taps`), row i alone: a batch keeps its rows as the bytes of all its taps, which each result slices."""
 
     positions: Sequence[int]
-    single: bool = False
+    taps: tuple[str, ...] = ()  # a batch's: its streams' taps
     rows: list[int] = field(default_factory=list)  # a batch's: the packed row of each position, as planned
-    tap_rows: dict[str, object] = field(default_factory=dict)
-    bits: dict[str, np.ndarray] = field(default_factory=dict)  # a batch's: tap -> its rows' bits
+    tap_rows: dict[str, object] = field(default_factory=dict)  # (a batch's: until all its taps arrived)
+    row_bytes: np.ndarray | None = None  # a batch's: [rows, 1, bytes] once delivered: a stream's row i is [i]
+    layout: list[Layout] = field(default_factory=list)
 
     def put(self, tap: str, rows: object) -> None:
         self.tap_rows[tap] = rows
-        if self.single:  # [rows, 1, ...]: a stream's row i is bits[i], ready to join
-            self.bits[tap] = _bits(rows)[:, None]
-
-
-def _joined(pieces: list, dtype: torch.dtype) -> torch.Tensor:
-    """Rows and bits of rows (`Held.bits`) of `dtype`, in order, as one new tensor."""
-    return torch.from_numpy(np.concatenate([p if isinstance(p, np.ndarray) else _bits(p) for p in pieces])).view(dtype)
+        if self.taps and len(self.tap_rows) == len(self.taps):
+            self.layout = _layout(self.tap_rows, self.taps)
+            self.row_bytes = _bytes(self.tap_rows, self.taps)[:, None]
+            self.tap_rows = {}
 
 
 @dataclass
@@ -148,7 +172,7 @@ class RowStream:
 
     def _collected(self) -> tuple[list[int], dict[str, list]]:
         """Every collected position, and each tap's pieces of rows in the same order (a batched stream's:
-        one tensor, joined from the bits of its rows)."""
+        one tensor, joined from the bytes of its rows)."""
         pieces, positions = self._pieces, []
         for held, i in pieces:
             if i is None:
@@ -157,11 +181,11 @@ class RowStream:
                 positions.append(held.positions[i])
         if not (self.batched and pieces):
             return positions, {tap: [held.tap_rows[tap] for held, _ in pieces] for tap in self.taps}
-        rows = {}
-        for tap in self.taps:
-            bits = [held.tap_rows[tap] if i is None else held.bits[tap][i] for held, i in pieces]
-            rows[tap] = [_joined(bits, pieces[-1][0].tap_rows[tap].dtype)]
-        return positions, rows
+        taps = self.tap_key
+        joined = np.concatenate([_bytes(held.tap_rows, taps) if i is None else held.row_bytes[i] for held, i in pieces])
+        last, i = pieces[-1]
+        layout = _layout(last.tap_rows, taps) if i is None else last.layout
+        return positions, {part.tap: [part.rows(joined)] for part in layout}
 
     def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, object]]:
         """(positions, {requested name: rows or (ids, logprobs)}) per the spec, once the sequence has
