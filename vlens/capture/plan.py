@@ -15,6 +15,7 @@ import torch
 
 from vlens.capture.bind import RequestTaps
 from vlens.capture.names import LOGITS
+from vlens.capture.rows import Held
 
 
 def shift(rows: Sequence[int], by: int) -> Sequence[int]:
@@ -24,13 +25,14 @@ def shift(rows: Sequence[int], by: int) -> Sequence[int]:
     return [r + by for r in rows]
 
 
-@dataclass(slots=True)  # (slots: one is made per request per step)
+@dataclass(slots=True)  # (slots: one is made per request per prefill step)
 class Segment:
-    """Rows gathered for one owner in one step: the RowStream that asked (engine), or the index of a
-    sequence (trace, harvest)."""
+    """Rows gathered for one owner in one step: the RowStream that asked (engine), None for a decode step's
+    batch of streams (each holds one row), or the index of a sequence (trace, harvest)."""
 
     owner: object
-    positions: Sequence[int]  # the sequence position of each row, ascending
+    positions: Sequence[int]  # the sequence position of each row, ascending (a batch's: one per stream)
+    held: Held  # where streams find the rows once delivered
     keys: torch.Tensor | None = None  # pattern taps: where key j of the sequence is, for j up to the last row
 
 
@@ -78,26 +80,26 @@ class StepPlan:
         return bool(self.gathers or self.edits)
 
     def gather(
-        self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: list[str], keys: torch.Tensor | None = None
-    ) -> None:
-        segment = len(self.segments)
-        self.segments.append(Segment(owner, positions, keys))
+        self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: Sequence[str],
+        keys: torch.Tensor | None = None, held: Held | None = None,
+    ) -> Segment:  # fmt: skip
+        """Gather `rows` (packed) at `taps` for `owner` (None: a batch, which its streams hold already)."""
+        segment = Segment(owner, positions, held or Held(positions), keys)
+        index = len(self.segments)
+        self.segments.append(segment)
         for tap in taps:
             parts = self.gathers.get(tap)
             if parts is None:
-                self.gathers[tap] = [(segment, rows)]
+                self.gathers[tap] = [(index, rows)]
             else:
-                parts.append((segment, rows))
+                parts.append((index, rows))
+        return segment
 
     def deliver(self, collected: list[Collected]) -> None:
-        """Hand each stream its rows of this step (the engine's segments are owned by RowStreams)."""
-        by_segment: dict[int, dict[str, object]] = {}
+        """Hand the streams their rows of this step: each segment's rows, where its streams hold them."""
         for c in collected:
             for segment, rows in zip(c.segments, c.rows):
-                by_segment.setdefault(segment, {})[c.tap] = rows
-        for segment, tap_rows in by_segment.items():
-            s = self.segments[segment]
-            s.owner.add(s.positions, tap_rows)
+                self.segments[segment].held.put(c.tap, rows)
 
     def logit_rows(self, sample_rows: list[int]) -> tuple[list[int], list[int] | None]:
         """The rows whose logits are computed — the sampled ones and any a gather of LOGITS wants, once
@@ -120,15 +122,23 @@ def cache_slots(block_table: list[int], block_size: int, count: int) -> torch.Te
 
 def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
     """The plan of one engine step: each request's streams say which of its positions to gather, its
-    interventions which rows to edit."""
+    interventions which rows to edit. A chunk's one row (a decode step) joins the step's batch of the
+    streams with the same taps: one segment for all of them, so no container is made per stream."""
     plan = StepPlan()
+    batches: dict[tuple[str, ...], Held] = {}  # taps -> the step's batch of streams with those taps
     for c in chunks:
         end, offset = c.start + c.count, c.row - c.start
         for stream in c.taps.streams:
+            if c.count == 1 and stream.batched:
+                batch = batches.get(stream.tap_key)
+                if batch is None:
+                    batch = batches[stream.tap_key] = Held([], stream.tap_key)
+                stream.take(c.start, c.row, batch)
+                continue
             positions = stream.select(c.token_ids, c.start, end)
             if len(positions):
                 keys = cache_slots(c.block_table, block_size, positions[-1] + 1) if stream.patterns else None
-                plan.gather(stream, positions, shift(positions, offset), stream.taps, keys)
+                stream.hold(plan.gather(stream, positions, shift(positions, offset), stream.taps, keys).held)
                 if stream.device_taps:
                     plan.readouts |= stream.device_taps
         if not c.taps.interventions:
@@ -147,4 +157,7 @@ def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
                 passes[p].rows += rows
                 passes[p].vectors += vectors
                 passes[p].kinds += [iv.kind] * len(rows)
+    for taps, batch in batches.items():
+        if batch.positions:
+            plan.gather(None, batch.positions, batch.rows, taps, held=batch)
     return plan

@@ -192,10 +192,12 @@ class TapRuntime:
 
         widths: dict[str, int] = {}
         for tap, parts in plan.gathers.items():
-            rows = np.fromiter(chain.from_iterable(r for _, r in parts), np.int64)
+            rows = np.fromiter(parts[0][1] if len(parts) == 1 else chain.from_iterable(r for _, r in parts), np.int64)
             rows_padded = size(len(rows))
-            index = np.zeros(rows_padded, dtype=np.int64)
-            index[: len(rows)] = rows
+            index = rows
+            if rows_padded > len(rows):
+                index = np.zeros(rows_padded, dtype=np.int64)
+                index[: len(rows)] = rows
             add(tap, "gather_index", index)
             if is_pattern(tap):
                 segments = [plan.segments[s] for s, _ in parts]
@@ -219,7 +221,7 @@ class TapRuntime:
             setattr(t, name, flat[start : start + math.prod(shape)].view(shape))
         for tap in plan.gathers:
             t = taps[tap]
-            t.gather_out = self._gather_buffer(tap, len(t.gather_index), widths.get(tap))
+            t.gather_out = self._gather_buffer(tap, t.gather_index.shape[0], widths.get(tap))
             t.softmax = tap.endswith("hook_pattern")
         for tap, passes in plan.edits.items():
             taps[tap].table, taps[tap].coefficients = self.tables[math.prod(self.shapes[tap])], self._coefficients
@@ -237,10 +239,12 @@ class TapRuntime:
 
     def _gather_buffer(self, tap: str, rows: int, width: int | None) -> torch.Tensor:
         """A view of the tap's buffer for `rows` rows (pattern taps: `width` keys each); buffers only grow."""
+        buf = self._out.get(tap)
+        if width is None and buf is not None and rows <= buf.shape[0]:  # (the usual case: one slice)
+            return buf[:rows]
         shape = [rows, *self.shapes[tap]]
         if width is not None:
             shape[-1] = width
-        buf = self._out.get(tap)
         if buf is None or any(want > have for want, have in zip(shape, buf.shape)):
             grown = shape if buf is None else [max(want, have) for want, have in zip(shape, buf.shape)]
             buf = self._out[tap] = torch.empty(grown, dtype=tap_dtype(tap, self.dtype), device=self.device)
@@ -261,8 +265,8 @@ class TapRuntime:
             if tap not in plan.readouts:
                 whole.append((tap, segments, gathered.clone(), counts))
                 continue
-            owners = [plan.segments[segment].owner for segment in segments]
-            casts = {owner.cast_only(tap) for owner in owners}
+            owners = [plan.segments[segment].owner for segment in segments]  # None: a batch (no readout)
+            casts = {owner.cast_only(tap) if owner is not None else None for owner in owners}
             if len(casts) == 1 and None not in casts:  # every segment only casts, to one dtype: once for all
                 whole.append((tap, segments, _cast(gathered, casts.pop()), counts))
                 continue
@@ -273,7 +277,8 @@ class TapRuntime:
                 if i in shared:
                     values.append(shared[i])
                 else:
-                    values.append(_read_out(owner, tap, chunk) if tap in owner.device_taps else chunk.clone())
+                    reads = owner is not None and tap in owner.device_taps
+                    values.append(_read_out(owner, tap, chunk) if reads else chunk.clone())
             single.append((tap, segments, values))
         event = None
         if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
@@ -285,7 +290,10 @@ class TapRuntime:
                 event = torch.cuda.Event()
                 event.record(self._side)
         out = [Collected(tap, segments, values) for tap, segments, values in single]
-        out += [Collected(tap, segments, list(rows.split(counts))) for tap, segments, rows, counts in whole]
+        out += [
+            Collected(tap, segments, list(rows.split(counts)) if len(counts) > 1 else [rows])
+            for tap, segments, rows, counts in whole
+        ]
         for c in out:
             if is_pattern(c.tap):  # as wide as the segment's own last row's context
                 c.rows = [rows[..., : plan.segments[s].positions[-1] + 1] for s, rows in zip(c.segments, c.rows)]

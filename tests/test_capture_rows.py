@@ -1,0 +1,105 @@
+"""Rows captured through the plan, the taps and the streams, step by step as the engine runs them, with
+known values: a decode step's single rows of many streams travel as one segment (a batch), and every
+stream still gets exactly its own rows, bit for bit, in order, whatever mix of specs shares the steps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from vlens.capture.bind import RequestTaps
+from vlens.capture.names import LOGITS, Part, tap_dtype
+from vlens.capture.plan import Chunk, plan_step
+from vlens.capture.positions import Positions, rows_of
+from vlens.capture.rows import RowStream
+from vlens.capture.runtime import TapRuntime
+
+A, B = "blocks.1.hook_resid_post", "blocks.0.attn.hook_z"
+SHAPES = {A: (4,), B: (2, 3), LOGITS: (5,)}  # taps of other shapes and dtypes (logits stay float32)
+MODEL_DTYPE = torch.bfloat16
+
+
+def _value(request: int, position: int, tap: str) -> torch.Tensor:
+    """The row a request's position has at a tap (float32): distinct for every (request, position, tap)."""
+    base = 1000.0 * request + position + list(SHAPES).index(tap) / 4
+    return base + torch.arange(math.prod(SHAPES[tap]), dtype=torch.float32).view(SHAPES[tap]) / 8
+
+
+def _stream(taps: list[str], positions, prompt_len: int, **kw) -> RowStream:
+    parts = {t: (Part(SHAPES[t], tap_dtype(t, MODEL_DTYPE)),) for t in taps}
+    return RowStream("capture", {t: t for t in taps}, Positions.parse(positions), prompt_len, parts, **kw)
+
+
+def _put(name: str, values) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
+def test_batched_decode_rows_equal_the_spec_bit_for_bit():
+    rng = np.random.default_rng(0)
+    # (positions, taps, extra RowStream fields, prefill chunk sizes, tokens generated)
+    specs = [
+        ("generated", [A], {}, [7], 6),
+        ("all", [A], {}, [3, 5], 5),  # chunked prefill, then decode rows in the batch of [A]
+        ("last", [A], {}, [6], 4),  # a tail: never batched
+        (slice(1, None, 2), [A], {}, [9], 7),  # not one run: never batched
+        ("all", [A], {"exclude": torch.tensor([5, 9])}, [8], 6),  # excluded tokens: never batched
+        ("generated", [A, B, LOGITS], {}, [5], 8),  # other taps: a batch of its own
+        None,  # no capture: not among the chunks
+        ("all", [A], {"dtype": torch.bfloat16}, [6], 5),  # cast on the device: a readout
+        (slice(-3, None), [A, B], {}, [6, 1], 6),  # one-row prefill chunk joins a batch; kept at the end
+        ("all", [A], {}, [4], 1),  # ends after its prefill
+    ]
+    requests = []
+    for r, spec in enumerate(specs):
+        prefill, generated = (spec[3], spec[4]) if spec else ([5], 4)
+        prompt_len = sum(prefill)
+        tokens = rng.integers(0, 12, prompt_len + generated).tolist()
+        streams = [_stream(spec[1], spec[0], prompt_len, **spec[2])] if spec else []
+        sizes = prefill + [1] * (rows_of(prompt_len, generated) - prompt_len)
+        requests.append({"id": r, "taps": RequestTaps(streams), "tokens": tokens, "sizes": sizes, "done": 0})
+    runtime = TapRuntime(SHAPES, torch.device("cpu"), MODEL_DTYPE, _put)
+    results = {}
+    while any(q["sizes"] for q in requests):
+        chunks, owners = [], []  # owners: (request, position) of each packed row
+        for q in requests:
+            if not q["sizes"]:
+                continue
+            n = q["sizes"].pop(0)
+            if q["taps"].streams:
+                chunks.append(Chunk(q["taps"], q["tokens"], q["done"], n, len(owners)))
+            owners += [(q["id"], q["done"] + j) for j in range(n)]
+            q["done"] += n
+        plan = plan_step(chunks, block_size=16)
+        # the single rows of batched streams: one segment (owner None) per set of taps, a row per stream
+        keys = [c.taps.streams[0].tap_key for c in chunks if c.count == 1 and c.taps.streams[0].batched]
+        batches = sorted(len(s.positions) for s in plan.segments if s.owner is None)
+        assert batches == sorted(keys.count(k) for k in set(keys))
+        taps = runtime.arm(plan) if plan else {}
+        for tap, t in taps.items():
+            t(torch.stack([_value(r, p, tap) for r, p in owners]).to(t.gather_out.dtype))
+        if plan.gathers:
+            plan.deliver(runtime.collect(plan).ready())
+        for q in requests:
+            if not q["sizes"] and q["taps"].streams and q["id"] not in results:
+                [stream] = q["taps"].streams
+                results[q["id"]] = stream.result(q["done"], MODEL_DTYPE)
+    for q, spec in zip(requests, specs):
+        if spec is None:
+            continue
+        positions_spec, taps, extra = spec[0], spec[1], spec[2]
+        num_rows = q["done"]
+        wanted = list(range(num_rows))[positions_spec] if isinstance(positions_spec, slice) else {
+            "all": list(range(num_rows)),
+            "generated": list(range(sum(spec[3]), num_rows)),
+            "last": [num_rows - 1],
+        }[positions_spec]  # fmt: skip
+        if "exclude" in extra:
+            wanted = [p for p in wanted if q["tokens"][p] not in extra["exclude"].tolist()]
+        positions, rows = results[q["id"]]
+        assert positions.tolist() == wanted, q["id"]
+        for tap in taps:
+            dtype = extra.get("dtype", tap_dtype(tap, MODEL_DTYPE))
+            expected = torch.stack([_value(q["id"], p, tap) for p in wanted]).to(tap_dtype(tap, MODEL_DTYPE)).to(dtype)
+            assert rows[tap].dtype == dtype and torch.equal(rows[tap], expected), (q["id"], tap)
