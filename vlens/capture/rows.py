@@ -82,6 +82,12 @@ class Held:
     row_bytes: np.ndarray | None = None  # a batch's: [rows, 1, bytes] once delivered: a stream's row i is [i]
     layout: list[Layout] = field(default_factory=list)
 
+    @property
+    def delivered(self) -> bool:
+        """Whether the step's rows arrived. A result built before they do is that of a sequence that ended in
+        the step before, with this one queued ahead of its end (async scheduling): these rows are not its."""
+        return self.row_bytes is not None if self.taps else bool(self.tap_rows)
+
     def put(self, tap: str, rows: object) -> None:
         self.tap_rows[tap] = rows
         if self.taps and len(self.tap_rows) == len(self.taps):
@@ -166,14 +172,14 @@ class RowStream:
         self._pieces.append((held, i))
         if not self.positions.tail:
             return
-        newest = held.positions[-1]
+        newest = held.positions[-1] - 1  # (the step before: this one may be queued ahead of the sequence's end)
         while len(self._pieces) > 1 and self.positions.tail_obsolete(self._pieces[0][0].positions, newest):
             self._pieces.pop(0)
 
     def _collected(self) -> tuple[list[int], dict[str, list]]:
         """Every collected position, and each tap's pieces of rows in the same order (a batched stream's:
         one tensor, joined from the bytes of its rows)."""
-        pieces, positions = self._pieces, []
+        pieces, positions = [(held, i) for held, i in self._pieces if held.delivered], []
         for held, i in pieces:
             if i is None:
                 positions.extend(held.positions)

@@ -197,9 +197,7 @@ class LLMEngine:
         grows as it goes) that got a token. A step queued ahead by the last call is this one; before this
         one's ids reach the host, the next may be queued behind it."""
         out, self._ahead = self._ahead, None
-        if out is not None and any(seq.status is Status.RUNNING for seq in out.sampled):
-            self._drop_ended(out)
-        else:
+        if out is None or not any(seq.status is Status.RUNNING for seq in out.sampled):
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return []
@@ -207,6 +205,7 @@ class LLMEngine:
         if self.async_scheduling and out.decode and not out.adjusted:
             self._ahead = self._run_ahead(out)
         tokens = out.token_ids()
+        # A step queued ahead may hold sequences that ended in the step before it: they are skipped.
         scheduled = [(seq, n) for seq, n in out.scheduled if seq.status is Status.RUNNING]
         self.scheduler.computed(scheduled)
         # The previous step's rows, whose copy to the host overlapped this step's forward; this step's
@@ -248,7 +247,8 @@ class LLMEngine:
         """The next decode step of `out`'s sequences, queued now, or None where the host must first see
         `out`'s ids: a sequence's next step depends on its tokens (vlens.engine.sequence: `plans_ahead`),
         `out` frees a place a waiting request would take, or blocks run short. A sequence that `out` ends by
-        length is left out; one that a sampled stop token ends runs the step in vain (`_drop_ended`).
+        length is left out; one that a sampled stop token ends runs the step in vain, and its rows of
+        that step are never read (vlens.capture.rows.Held.delivered).
         Never across tensor-parallel ranks, whose forwards take their ids from this one."""
         if self.model.executor is not None:
             return None
@@ -270,15 +270,6 @@ class LLMEngine:
                 return None
         scheduler.tokens_computed += len(keep)
         return self.runner.run_ahead(out, keep)
-
-    @staticmethod
-    def _drop_ended(out: StepOutput) -> None:
-        """A step queued ahead ran sequences that ended in the step before it (a stop token, an abort):
-        their captured rows go nowhere (their tokens are skipped where the step's are taken)."""
-        streams = {id(stream) for seq in out.sampled if seq.status is not Status.RUNNING for stream in seq.taps.streams}
-        for segment in out.plan.segments:
-            if id(segment.owner) in streams:
-                segment.owner = _NOBODY
 
     def _deliver(self) -> None:
         if self._pending is not None:
@@ -364,12 +355,3 @@ class LLMEngine:
                 stream.place(out, tensors)
         return out
 
-
-class _Nobody:
-    """Receives captured rows that no request wants (StepPlan.deliver calls `add`)."""
-
-    def add(self, positions, tap_rows) -> None:
-        """Drops them."""
-
-
-_NOBODY = _Nobody()
