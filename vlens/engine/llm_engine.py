@@ -215,8 +215,6 @@ class LLMEngine:
             self._pending = (out.plan, out.collection)
         if out.prompt_logprobs is not None:
             out.prompt_rows.deliver(out.prompt_logprobs)
-        for seq, _ in scheduled:
-            seq.step_done()
         deltas = []
         for i, (seq, token) in enumerate(zip(out.sampled, tokens)):
             if seq.status is not Status.RUNNING:  # ended before this step, which was queued ahead
@@ -232,7 +230,15 @@ class LLMEngine:
                 self.scheduler.recompute(seq)
             if finished or seq.detokenizer is not None:  # (the rest report when they end)
                 deltas.append(self._delta(seq, finished))
+        if not out.decode:  # (a decode step borrowed no prefix, and no prompt ends or completes in it)
+            self._prompt_chunks_done(scheduled, deltas)
+        return deltas
+
+    def _prompt_chunks_done(self, scheduled: list[tuple[Sequence, int]], deltas: list[RequestDelta]) -> None:
+        """After a step with prompt chunks: borrowed prefixes are returned, prefill-only requests whose prompt
+        is computed end, and a request's held samples start once its first sample has computed the prompt."""
         for seq, _ in scheduled:
+            seq.step_done()
             if seq.prefill_only and seq.num_computed == len(seq.token_ids):
                 seq.finish_reason = "length"
                 self._finish(seq)
@@ -241,7 +247,6 @@ class LLMEngine:
                 group = self._requests.get(seq.request_id)
                 if group is not None and group.held:  # (a request of one sample holds none: no call)
                     self.scheduler.add_first(group.release())
-        return deltas
 
     def _run_ahead(self, out: StepOutput) -> StepOutput | None:
         """The next decode step of `out`'s sequences, queued now, or None where the host must first see
