@@ -50,13 +50,19 @@ class BoundIntervention:
     encoder: torch.Tensor | None = None  # a clamp: [1, width] W_enc[:, f] (see vlens.sae.clamp)
     params: torch.Tensor | None = None  # a clamp: [1, PARAMS] its bias, floor, value and normalisation
 
+    def __post_init__(self) -> None:
+        self._window = self.positions.window(self.prompt_len)  # its rows as one run, when they are (most are)
+
     @property
     def width(self) -> int:
         return self.data.shape[1]
 
     def rows_at(self, start: int, end: int) -> tuple[Sequence[int], list[int]]:
         """(positions in [start, end) it edits, the vector-table row for each)."""
-        positions = self.positions.candidates(start, end, self.prompt_len)
+        if self._window is not None:  # (every step of most interventions: one range, no call)
+            positions = range(max(start, self._window[0]), min(end, self._window[1]))
+        else:
+            positions = self.positions.candidates(start, end, self.prompt_len)
         if self.value_positions is None:
             return positions, self.table_rows * len(positions)
         row_of = dict(zip(self.value_positions, self.table_rows))
