@@ -7,6 +7,9 @@ seeded sampling of several samples per request, penalties (which turn it off) an
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import rel_err
@@ -20,8 +23,13 @@ D = COMMON["hidden_size"]
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    return build(LlamaConfig(**COMMON, num_key_value_heads=2), tmp_path_factory.mktemp("async"), "llama")
+def path(tmp_path_factory, smol_path) -> str:
+    """A tiny Llama with SmolLM2's tokenizer (its ids below 300 are text like any other), for streamed
+    requests, whose text grows step by step."""
+    out = build(LlamaConfig(**COMMON, num_key_value_heads=2), tmp_path_factory.mktemp("async"), "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_path / name, Path(out) / name)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +178,70 @@ def test_an_abort_between_steps(engines):
         assert ids[1] not in done and len(done) == 3
         results[on] = [done[i] for i in ids if i != ids[1]]
     _same(results[True], results[False])
+
+
+def _script(seed: int) -> list[tuple[list[tuple[list[int], SamplingParams, bool]], int | None]]:
+    """A seeded serving session: per step, the requests that arrive (prompt, params, streamed) and which
+    earlier request, counted in arrival order, is aborted (or None)."""
+    g = torch.Generator().manual_seed(seed)
+    steer = Steer("blocks.1.hook_resid_post", torch.randn(D, generator=g), scale=3.0)
+    kinds = [
+        dict(temperature=0, ignore_eos=True),
+        dict(temperature=0, ignore_eos=True, capture=Capture(["blocks.0.hook_resid_post", "blocks.2.mlp.hook_post"],
+                                                             positions="generated")),  # fmt: skip
+        dict(temperature=0, stop_token_ids=[int(t) for t in torch.randint(0, 300, (12,), generator=g)],
+             capture=Capture("blocks.1.hook_resid_post", positions="last")),
+        dict(temperature=0, ignore_eos=True, interventions=[steer], logprobs=2),
+        dict(temperature=0.9, top_p=0.9, seed=11, n=2),
+        dict(temperature=0, ignore_eos=True, frequency_penalty=0.5),
+        dict(temperature=0, stop=["e", "a"], capture=Capture("blocks.2.hook_resid_pre", positions="generated")),
+    ]
+    weights = torch.tensor([3.0, 3, 3, 3, 2, 1, 1])  # rarer: penalties and stop strings, which queue nothing ahead
+    script, arrived = [], 0
+    for step in range(40):
+        new = []
+        for _ in range(int(torch.randint(0, 3, (), generator=g)) if step < 25 else 0):
+            kind = kinds[int(torch.multinomial(weights, 1, generator=g))]
+            m = int(torch.randint(1, 20, (), generator=g))
+            stream = bool(torch.rand((), generator=g) < 0.3)
+            new.append((_prompts(seed * 100 + step, 1)[0], SamplingParams(max_tokens=m, **kind), stream))
+        arrived += len(new)
+        abort = None
+        if arrived and torch.rand((), generator=g) < 0.1:
+            abort = int(torch.randint(0, arrived, (), generator=g))
+        script.append((new, abort))
+    return script
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_serving_session_with_arrivals_and_aborts_matches_the_synchronous_engine(engines, seed):
+    """Requests of every kind arrive at random steps into a batch of 8 places, some streamed, some aborted
+    while a step of theirs may be queued ahead: every request that ends ends as it does without async
+    scheduling, and its deltas (step by step where streamed) add up to its tokens."""
+    results, aborted = {}, {}
+    for on, llm in engines.items():
+        engine, ids, done, streamed = llm.engine, [], {}, {}
+
+        def step():
+            for delta in engine.step():
+                streamed.setdefault((delta.request_id, delta.index), []).extend(delta.token_ids)
+                if delta.output is not None:
+                    done[delta.request_id] = delta.output
+
+        before = llm.runner.graph_stats.ahead_steps
+        for new, abort in _script(seed):
+            ids += engine.add_requests([NewRequest(p, q, stream=s) for p, q, s in new])
+            if abort is not None:
+                engine.abort(ids[abort])
+                done.pop(ids[abort], None)
+            step()
+        while engine.has_work():
+            step()
+        assert not on or llm.runner.graph_stats.ahead_steps > before
+        for (request, index), tokens in streamed.items():
+            if request in done:
+                assert tokens == done[request].outputs[index].token_ids
+        results[on] = [done.get(i) for i in ids]
+        aborted[on] = [i is None for i in results[on]]
+    assert aborted[True] == aborted[False] and sum(aborted[True]) < len(aborted[True]) - 10
+    _same([r for r in results[True] if r is not None], [r for r in results[False] if r is not None])

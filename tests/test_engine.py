@@ -292,3 +292,22 @@ def test_capture_disabled_fails_before_running(smol4_path):
     assert not llm.engine.has_work()
     [out] = llm.generate("fine", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_text_options_without_a_tokenizer_are_refused_up_front(tmp_path):
+    """A checkpoint without tokenizer files takes token ids; streaming and stop strings, which read text,
+    are refused when the request is added (they used to fail inside a step), and the engine runs on."""
+    from family_parity import COMMON, build
+    from transformers import LlamaConfig
+
+    from vlens.engine.llm_engine import NewRequest
+
+    llm = LLM(model=build(LlamaConfig(**COMMON), tmp_path, "llama"), dtype="float32", device="cpu")
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    for request, field in ((NewRequest([5, 6], greedy, stream=True), "stream"),
+                           (NewRequest([5, 6], SamplingParams(stop="x")), "stop")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{field}: .*no tokenizer files"):
+            llm.engine.add_requests([NewRequest([7], greedy), request])
+        assert not llm.engine.has_work()  # nothing half-started, the valid request neither
+    [out] = llm.generate([[5, 6]], greedy, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3

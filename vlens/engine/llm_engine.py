@@ -135,6 +135,10 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
+        if self.tokenizer is None and (r.stream or params.stop_list):
+            field = "stream" if r.stream else "stop"
+            raise ValueError(f"{field}: works on text, and this checkpoint has no tokenizer files; "
+                             "use stop_token_ids and token ids")  # fmt: skip
         bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
