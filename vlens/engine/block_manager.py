@@ -8,6 +8,7 @@ Freed blocks keep their hash until handed out again, so a preempted or repeated 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vlens.engine.sequence import Sequence
@@ -91,10 +92,26 @@ class BlockManager:
             seq.block_table.append(self._fresh())
         return True
 
-    def commit(self, seq: Sequence) -> None:
+    def reserve_next(self, seqs: list[Sequence]) -> bool:
+        """Make each sequence's blocks cover one token past those it holds (a decode step queued before its
+        last token reaches the host); False when blocks run short. One call a step: most sequences need
+        no block, and the check is inline."""
+        bs = self.block_size
+        for seq in seqs:
+            if len(seq.block_table) * bs <= len(seq.token_ids) and not self.reserve(seq, len(seq.token_ids) + 1):
+                return False
+        return True
+
+    def commit(self, seqs: Iterable[Sequence]) -> None:
         """Publish the blocks that became full and computed, so later sequences can reuse them."""
         if not self.enable_prefix_caching:
             return
+        bs = self.block_size
+        for seq in seqs:
+            if min(seq.num_computed, len(seq.token_ids)) // bs > len(seq.block_hashes):  # (most steps fill none)
+                self._publish(seq)
+
+    def _publish(self, seq: Sequence) -> None:
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)

@@ -274,9 +274,8 @@ class LLMEngine:
         scheduler = self.scheduler
         if not keep or scheduler.waiting and (frees or len(scheduler.running) < scheduler.max_num_seqs):
             return None
-        for i in keep:
-            if not self.blocks.reserve(out.sampled[i], len(out.sampled[i].token_ids) + 1):
-                return None
+        if not self.blocks.reserve_next([out.sampled[i] for i in keep]):
+            return None
         scheduler.tokens_computed += len(keep)
         return self.runner.run_ahead(out, keep)
 

@@ -46,7 +46,7 @@ class Scheduler:
         """A step ran: its tokens' KV is in the cache, and full blocks go into the prefix cache."""
         for seq, n in scheduled:
             seq.num_computed += n
-            self.blocks.commit(seq)
+        self.blocks.commit(seq for seq, _ in scheduled)
 
     def recompute(self, seq: Sequence) -> None:
         """Free a running sequence's blocks: it computes its KV again from the start in later steps."""
