@@ -157,7 +157,7 @@ class LLMEngine:
         taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index)
-        seq.settle(self.long_rope_at, self.cfg)
+        seq.settle(self.long_rope_at, self.cfg, self.max_model_len)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -230,7 +230,7 @@ class LLMEngine:
             finished = self._check_stop(seq, token)
             if finished:
                 self._finish(seq)
-            elif seq.reaches_long_rope():
+            elif seq.long_rope_at is not None and seq.reaches_long_rope():
                 self.scheduler.recompute(seq)
             if finished or seq.detokenizer is not None:  # (the rest report when they end)
                 deltas.append(self._delta(seq, finished))
@@ -267,7 +267,7 @@ class LLMEngine:
                 continue
             if not seq.plans_ahead:
                 return None
-            if seq.num_generated + 1 >= seq.params.max_tokens or len(seq.token_ids) + 1 >= self.max_model_len:
+            if len(seq.token_ids) + 1 >= seq.length_limit:
                 frees = True
             else:
                 keep.append(i)
@@ -296,17 +296,16 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Whether the token ends the sequence; sets its finish and stop reasons."""
-        params = seq.params
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
-            seq.stop_reason = None if token in self.eos_ids and token not in params.stop_token_ids else token
+            seq.stop_reason = None if token in self.eos_ids and token not in seq.params.stop_token_ids else token
             return True
         if seq.detokenizer is not None:
             stop = seq.detokenizer.add(token)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 return True
-        if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if len(seq.token_ids) >= seq.length_limit:
             seq.finish_reason = "length"
             return True
         return False

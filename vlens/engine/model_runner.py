@@ -279,9 +279,8 @@ class ModelRunner:
         sequence's last token is still on the device (one more than `token_ids` holds)."""
         extra = 0 if ahead is None else 1
         size = bucket(len(seqs))
-        pages = -(-(max(len(s.token_ids) for s in seqs) + extra) // self.block_size)
-        pages = min(self.max_pages, bucket(max(MIN_PAGES, pages)))
         last = [len(s.token_ids) - 1 + extra for s in seqs]  # each row's position
+        pages = min(self.max_pages, bucket(max(MIN_PAGES, -(-(max(last) + 1) // self.block_size))))
         chunks = [Chunk(s.taps, s.token_ids, p, 1, i, s.block_table) for i, (s, p) in enumerate(zip(seqs, last))
                   if s.taps.streams or s.taps.interventions]  # fmt: skip
         plan = plan_step(chunks, self.block_size)

@@ -17,10 +17,10 @@ import torch
 
 if TYPE_CHECKING:
     from vlens.engine.sequence import Sequence
+    from vlens.sampling_params import SamplingParams
 
 
-def penalised(seq: Sequence) -> bool:
-    p = seq.params
+def penalised(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
@@ -43,10 +43,10 @@ class LogitAdjustments:
     @classmethod
     def of(cls, seqs: list[Sequence], device: torch.device) -> LogitAdjustments | None:
         """The adjustments of a step's sampled rows; None when no row has any (the common case)."""
-        biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
-        penalties = [i for i, s in enumerate(seqs) if penalised(s)]
-        if not biased and not penalties:
+        if not any(s.adjusts_logits for s in seqs):
             return None
+        biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+        penalties = [i for i, s in enumerate(seqs) if penalised(s.params)]
         bias = [(i, t, v) for i in biased for t, v in seqs[i].params.logit_bias.items()]
         seen = [(i, t) for i in penalties for t in seqs[i].token_ids[: seqs[i].num_prompt]]
         output = [(i, t) for i in penalties for t in seqs[i].generated]

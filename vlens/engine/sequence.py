@@ -11,6 +11,7 @@ from vlens.capture.names import forward_depth
 from vlens.capture.runtime import TapRuntime
 from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
+from vlens.engine.penalties import penalised
 from vlens.outputs import Logprob
 from vlens.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class Sequence:
         # The first sample computes the prompt's log-probabilities for its request; entry 0 (token 0) is None.
         wants_prompt = params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
+        self.adjusts_logits = bool(params.logit_bias) or penalised(params)  # (read every step)
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
         self.long_rope_at: int | None = None  # the position from which LongRoPE's long factors apply
         self.plans_ahead = False  # (settle)
@@ -87,11 +89,13 @@ class Sequence:
 
     # -- the facts the engine keeps beside the tokens ----------------------------------------------------
 
-    def settle(self, long_rope_at: int | None, cfg: ModelConfig) -> None:
+    def settle(self, long_rope_at: int | None, cfg: ModelConfig, max_model_len: int) -> None:
         """Fix, when the sequence is created, what its KV depends on besides its tokens (the prefix cache's
         salt): its interventions, LongRoPE's regime, and for a prefill-only request the layers it runs —
         nothing reads past its deepest tap, so a step of such requests alone stops there, and their blocks,
-        which may lack the deeper layers' KV, are kept apart."""
+        which may lack the deeper layers' KV, are kept apart. And the length at which it ends, which every
+        step checks."""
+        self.length_limit = min(self.num_prompt + self.params.max_tokens, max_model_len)
         self.long_rope_at = long_rope_at
         # Whether its next decode step can be planned before the host sees its last token (async scheduling):
         # not when a capture skips rows by token, nor where LongRoPE may switch it to recompute.
