@@ -194,7 +194,7 @@ def generation(rows: dict, path: str, quick: bool) -> None:
                             do_sample=False, pad_token_id=0)  # fmt: skip
 
     out["hf"] = timed(hf_generate, 2)
-    del hf
+    hf = None  # its memory back for the next section
     tokens = n * new
     rows["generate"] = {
         "vlens_tok_s_graphs": tokens / out["graphs"], "vlens_tok_s_eager": tokens / out["eager"], "hf_tok_s": tokens / out["hf"],

@@ -14,11 +14,11 @@ import logging
 
 import pytest
 import torch
+from conftest import rel_err
 from family_parity import VOCAB, build
 from hf_reference import same
 from test_patterns import FAMILIES
 
-from conftest import rel_err
 from vlens import LLM, Capture, SamplingParams
 from vlens.attention import LayerKind, choose, layout, make_backend
 from vlens.attention.flex import FlexBackend, cuda_tiles

@@ -7,10 +7,10 @@ then failed to build ("'cur_kvSplitSize1' was not declared in this scope"). Two 
 from __future__ import annotations
 
 import torch
+from conftest import rel_err
 from family_parity import VOCAB, build
 from test_patterns import FAMILIES
 
-from conftest import rel_err
 from vlens import LLM, Capture, SamplingParams
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_jsonl, write_source
+from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_source
 
 from vlens import harvest
 from vlens.harvest import job, ray_source

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rel_err
 from family_parity import COMMON, build
 from hf_reference import hf_taps, same
-from transformers import GPT2Config, Gemma2Config
+from transformers import Gemma2Config, GPT2Config
 
-from conftest import rel_err
 from vlens import ActivationCache, HookedLM
 from vlens.capture.names import PATTERNS
 

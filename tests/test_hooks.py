@@ -11,7 +11,15 @@ from transformers import LlamaConfig
 
 import vlens.models.base as model_base
 from vlens import LLM
-from vlens.capture.names import FINAL_NORM, FINAL_NORM_TAPS, LAYER_HOOKS, LOGITS, HookSpecError, hook_shapes, resolve_hooks
+from vlens.capture.names import (
+    FINAL_NORM,
+    FINAL_NORM_TAPS,
+    LAYER_HOOKS,
+    LOGITS,
+    HookSpecError,
+    hook_shapes,
+    resolve_hooks,
+)
 
 N_LAYERS, HEADS, KV_HEADS, HEAD_DIM, D, FFN, VOCAB = 4, 4, 2, 8, 64, 96, 300
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82]]

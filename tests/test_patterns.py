@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rel_err
 from family_parity import COMMON, VOCAB, build
 from hf_reference import hf_taps, same
 from transformers import (
@@ -24,7 +25,6 @@ from transformers import (
     Qwen2Config,
 )
 
-from conftest import rel_err
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
 
 HEADS = COMMON["num_attention_heads"]

@@ -14,7 +14,6 @@ from vlens.capture.bind import RequestTaps
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 
-
 CPU = torch.device("cpu")
 
 

@@ -25,8 +25,8 @@ from family_parity import COMMON, VOCAB, build, sequences
 from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
-from test_parity_moe import CONFIGS as MOE_CONFIGS
 from server_helpers import vlens_serve
+from test_parity_moe import CONFIGS as MOE_CONFIGS
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, harvest

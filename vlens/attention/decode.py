@@ -22,7 +22,6 @@ import torch
 from vlens.attention.metadata import AttentionMetadata, LayerKind
 from vlens.attention.sdpa import capped_attention, sdpa
 
-
 log = logging.getLogger("vlens.engine")
 
 

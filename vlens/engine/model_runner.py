@@ -24,6 +24,8 @@ device runs step N.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -31,9 +33,6 @@ from itertools import chain
 
 import numpy as np
 import torch
-
-import logging
-import time
 
 from vlens.attention import AttentionMetadata, layout
 from vlens.attention.decode import DecodeBackend

@@ -19,7 +19,6 @@ from collections import deque
 from vlens.engine.block_manager import BlockManager
 from vlens.engine.sequence import Borrow, Sequence, Status
 
-
 # A prompt borrows from one of the last _CANDIDATES admitted in its step that start with its _KEY_TOKENS
 # tokens: the siblings of an lm-eval question come together, and behind one system prompt any will do.
 _KEY_TOKENS, _CANDIDATES = 4, 8

@@ -22,8 +22,8 @@ import torch
 
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
-from vlens.harvest.features import SAE_KEYS, FeatureHarvest
 from vlens.harvest import job
+from vlens.harvest.features import SAE_KEYS, FeatureHarvest
 from vlens.harvest.stats import Pieces, ShardStats
 
 

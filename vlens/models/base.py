@@ -16,9 +16,9 @@ from torch import nn
 from vlens.capture.names import LOGITS
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context, tap
+from vlens.layers import fused
 from vlens.layers.attention import Attention
 from vlens.layers.norm import NormHooks, make_norm
-from vlens.layers import fused
 from vlens.layers.rotary import Rotary
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope kind -> (cos, sin), from Rotary.cos_sin

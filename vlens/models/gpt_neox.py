@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlens.context import tap
 from vlens.config import ModelConfig
+from vlens.context import tap
 from vlens.layers.checkpoint import Transform
 from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 from vlens.layers.mlp import activation
