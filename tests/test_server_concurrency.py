@@ -66,17 +66,25 @@ class Result:
     tensors: dict[str, torch.Tensor] | None
 
 
-@pytest.fixture(scope="module")
-def server(served_smol):
+@pytest.fixture(scope="module", params=["eager", "queued ahead"])
+def server(served_smol, request):
+    """The server as it runs on the CPU (every step eager), and as on a GPU: decode steps on the static
+    path (graphs, where there are any), each queued before the previous step's ids reach the host (async
+    scheduling), with requests long enough to queue steps ahead."""
     config = ServerConfig(
         enable_capture=True, inline_activation_bytes=16 << 10, served_model_name="smol"
     )  # some inline, some handles
-    with running_server(served_smol, config) as url:
-        yield url
+    runner = served_smol.runner
+    runner.static_decode = request.param == "queued ahead"
+    try:
+        with running_server(served_smol, config) as url:
+            yield url, (3 if request.param == "eager" else 8)
+    finally:
+        runner.static_decode = False
 
 
-def run(client: openai.OpenAI, base_url: str, kind: Kind) -> Result:
-    sampling = {"max_tokens": 3, "temperature": 0.8 if kind.seed is not None else 0.0, "seed": kind.seed}
+def run(client: openai.OpenAI, base_url: str, kind: Kind, max_tokens: int) -> Result:
+    sampling = {"max_tokens": max_tokens, "temperature": 0.8 if kind.seed is not None else 0.0, "seed": kind.seed}
     extra = {"extra_body": {"vlens": kind.extension}} if kind.extension else {}
     if kind.chat:
         call = client.chat.completions.create
@@ -103,10 +111,13 @@ def _tensors(response, base_url: str) -> dict[str, torch.Tensor] | None:
     return decode_activations(extension["activations"], base_url) if extension else None
 
 
-def test_64_concurrent_clients_equal_their_requests_served_alone(server):
+def test_64_concurrent_clients_equal_their_requests_served_alone(server, served_smol):
+    server, max_tokens = server
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
-    alone = [run(client, server, kind) for kind in KINDS]
+    alone = [run(client, server, kind, max_tokens) for kind in KINDS]
     wait_idle(server)
+    stats = served_smol.runner.graph_stats
+    ahead = stats.ahead_steps
 
     start = threading.Barrier(CLIENTS)
     busiest = [0.0]
@@ -119,7 +130,7 @@ def test_64_concurrent_clients_equal_their_requests_served_alone(server):
 
     def one(i: int) -> Result:
         start.wait()
-        return run(client, server, KINDS[i % len(KINDS)])
+        return run(client, server, KINDS[i % len(KINDS)], max_tokens)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -131,6 +142,7 @@ def test_64_concurrent_clients_equal_their_requests_served_alone(server):
         watcher.join()
 
     assert len(results) == CLIENTS and busiest[0] > 1
+    assert (stats.ahead_steps > ahead) == served_smol.runner.static_decode
     for i, got in enumerate(results):
         kind, ref = KINDS[i % len(KINDS)], alone[i % len(KINDS)]
         assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason), (i, kind)
