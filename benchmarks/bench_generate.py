@@ -21,7 +21,8 @@ decode step for vlens and HF at batch 64 and 8, and one captured layer at genera
 Then the host's part of a CUDA-graph decode step (--workload tiny): the same model on the static decode
 path with async scheduling, its forward replaced by one that returns zero logits, so what is timed is the
 work a GPU step leaves to the host (planning, buffers, taps, sampling, stop checks, deltas): ms per step at
-batch 64 plain, capturing 3 taps at generated rows, and steered per request, as ratios to HF's whole step.
+batch 64 plain, capturing 3 taps at generated rows, and steered per request, as ratios to HF's whole step;
+and plain at batch 256.
 Timings are the best of --repeats runs after a warm-up (the host-overhead cases run in turn).
 """
 
@@ -182,7 +183,7 @@ def host_overhead(args: argparse.Namespace) -> None:
         llm = LLM(model=tmp, dtype="float32", device="cpu")
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     rng = random.Random(0)
-    ids = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 36))] for _ in range(64)]
+    ids = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 36))] for _ in range(256)]
     steps = args.tokens
     print(f"\nhost overhead: random Llama 2 layers d=64, prompts of 8-36 tokens x {steps} new tokens, greedy")
     print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}  target")
@@ -208,12 +209,14 @@ def host_overhead(args: argparse.Namespace) -> None:
         print(f"{f'vlens, batch {batch}':<44}{ms(t_v):>10.2f}{t_v / t_hf:>9.2f}x  {'<= 0.5x HF' if batch == 64 else ''}")
         print(f"{f'vlens, one layer at generated rows, batch {batch}':<44}{ms(t_cap):>10.2f}{t_cap / t_v:>9.2f}x  <= 1.15x")
         if batch == 64:
-            host_part(llm, prompts_, steps, args.repeats, t_hf)
+            host_part(llm, ids, steps, args.repeats, t_hf)
 
 
-def host_part(llm: LLM, prompts_: list[list[int]], steps: int, repeats: int, t_hf: float) -> None:
+def host_part(llm: LLM, ids: list[list[int]], steps: int, repeats: int, t_hf: float) -> None:
     """ms per step of the static decode path with a forward that computes nothing (zero logits, zero
-    captured rows): the host's share of a step whose forward is a CUDA graph replay."""
+    captured rows): the host's share of a step whose forward is a CUDA graph replay. At batch 64, plain,
+    capturing and steered; plain at batch 256 too (the largest batch, where the work per sequence shows)."""
+    prompts_ = ids[:64]
     runner, forward = llm.runner, llm.runner._forward
 
     def null_forward(meta, ids, taps, num_layers=None, logit_rows=None, backend=None):
@@ -237,15 +240,19 @@ def host_part(llm: LLM, prompts_: list[list[int]], steps: int, repeats: int, t_h
             for _ in prompts_
         ],
     }  # fmt: skip
+    plain_256 = lambda: llm.generate(ids, cases["plain"], use_tqdm=False)  # noqa: E731
     runner.static_decode, runner._forward = True, null_forward
     try:
         times = {name: best(lambda p=p: llm.generate(prompts_, p, use_tqdm=False), repeats)
                  for name, p in cases.items()}  # fmt: skip
+        t_256 = best(plain_256, repeats)
     finally:
         runner.static_decode, runner._forward = False, forward
     for name, t in times.items():
         label = f"graph step host, {name}"
         print(f"{label:<44}{1000 * t / steps:>10.2f}{t / t_hf:>9.2f}x  (of HF's whole step)")
+    label = f"graph step host, plain, batch {len(ids)}"
+    print(f"{label:<44}{1000 * t_256 / steps:>10.2f}  ({1e6 * t_256 / steps / len(ids):.1f} us a sequence)")
 
 
 if __name__ == "__main__":
