@@ -11,8 +11,8 @@ slow section costs only itself. Sections:
             output on the CPU; greedy tokens vs HF's
   generate  bf16 Llama-3.2-1B shape, 256 prompts of 32-512 tokens x 128 new tokens: vlens (graphs, eager) vs
             HF generate in left-padded batches of 64; capture of 3 layers at every generated row, a different
-            Steer per request, both: time vs plain, graphs on
-  latency   one decode step at batch 1 and 64 (ms), graphs on and off, and graphs without async scheduling
+            Steer per request, both: time vs plain, graphs on; and ("latency_ms") one decode step at batch
+            1 and 64 (ms), graphs on and off, and graphs without async scheduling
   profile   decode runs at batch 1 and 64 under torch.profiler: share of wall time the GPU is busy, device ops
             per graph launch, top host and device operators; the batch-64 run under cProfile: top Python functions
   harvest   one layer, 192 windows of 1024 tokens, bf16 (benchmarks/bench_harvest_gpu.py's measure): tokens/s,

@@ -94,6 +94,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalises(self) -> bool:
+        """Whether a penalty reads the tokens seen so far (presence, frequency, repetition)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
 
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

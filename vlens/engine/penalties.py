@@ -17,11 +17,6 @@ import torch
 
 if TYPE_CHECKING:
     from vlens.engine.sequence import Sequence
-    from vlens.sampling_params import SamplingParams
-
-
-def penalised(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
 @dataclass
@@ -46,7 +41,7 @@ class LogitAdjustments:
         if not any(s.adjusts_logits for s in seqs):
             return None
         biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
-        penalties = [i for i, s in enumerate(seqs) if penalised(s.params)]
+        penalties = [i for i, s in enumerate(seqs) if s.params.penalises]
         bias = [(i, t, v) for i in biased for t, v in seqs[i].params.logit_bias.items()]
         seen = [(i, t) for i in penalties for t in seqs[i].token_ids[: seqs[i].num_prompt]]
         output = [(i, t) for i in penalties for t in seqs[i].generated]

@@ -11,7 +11,6 @@ from vlens.capture.names import forward_depth
 from vlens.capture.runtime import TapRuntime
 from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
-from vlens.engine.penalties import penalised
 from vlens.outputs import Logprob
 from vlens.sampling_params import SamplingParams
 
@@ -66,7 +65,7 @@ class Sequence:
         # The first sample computes the prompt's log-probabilities for its request; entry 0 (token 0) is None.
         wants_prompt = params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
-        self.adjusts_logits = bool(params.logit_bias) or penalised(params)  # (read every step)
+        self.adjusts_logits = bool(params.logit_bias) or params.penalises  # (read every step)
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
         self.long_rope_at: int | None = None  # the position from which LongRoPE's long factors apply
         self.plans_ahead = False  # (settle)
