@@ -210,7 +210,8 @@ class LLMEngine:
             self._ahead = self._run_ahead(out)
         tokens = out.token_ids()
         # A step queued ahead may hold sequences that ended in the step before it: they are skipped.
-        scheduled = [(seq, n) for seq, n in out.scheduled if seq.status is Status.RUNNING]
+        running = Status.RUNNING
+        scheduled = [(seq, n) for seq, n in out.scheduled if seq.status is running]
         self.scheduler.computed(scheduled)
         # The previous step's rows, whose copy to the host overlapped this step's forward; this step's
         # wait for the next one, unless a request that collects rows ends now and needs them.
@@ -219,11 +220,11 @@ class LLMEngine:
             self._pending = (out.plan, out.collection)
         if out.prompt_logprobs is not None:
             out.prompt_rows.deliver(out.prompt_logprobs)
-        deltas = []
+        deltas, generated = [], 0
         for i, (seq, token) in enumerate(zip(out.sampled, tokens)):
-            if seq.status is not Status.RUNNING:  # ended before this step, which was queued ahead
+            if seq.status is not running:  # ended before this step, which was queued ahead
                 continue
-            self.generation_tokens += 1
+            generated += 1
             seq.token_ids.append(token)
             if seq.logprobs_k is not None:
                 seq.logprobs.append(entry(out.logprobs, i, token, seq.logprobs_k))
@@ -234,6 +235,7 @@ class LLMEngine:
                 self.scheduler.recompute(seq)
             if finished or seq.detokenizer is not None:  # (the rest report when they end)
                 deltas.append(self._delta(seq, finished))
+        self.generation_tokens += generated
         if not out.decode:  # (a decode step borrowed no prefix, and no prompt ends or completes in it)
             self._prompt_chunks_done(scheduled, deltas)
         return deltas
