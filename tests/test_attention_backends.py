@@ -221,3 +221,43 @@ def test_stacked_heads_equal_grouped_query_sdpa():
     assert stacked.shape == (3, 1, 16, 11) and stacked.stride(2) == 16  # rows 16-aligned in memory
     got = _stacked(q, k, v, stacked, layer)
     assert rel_err(got, expected) <= 1e-6
+
+
+def test_sdpa_groups_decodes_by_their_keys():
+    """Decodes read every key up to their group's longest context, so decodes of very different lengths
+    (ordered longest first) share a call only while the padding stays small; prefill chunks group by queries."""
+    from vlens.attention.sdpa import MIN_PADDED_KEYS, _group
+
+    contexts = [400, 390, 385, 300, 290, 60, 50, 40, 8, 5]
+    groups = _group([1] * len(contexts), contexts)
+    assert [i for g in groups for i in g] == list(range(len(contexts))) and len(groups) > 1
+    for g in groups:
+        keys = [contexts[i] for i in g]
+        assert len(keys) * max(keys) - sum(keys) <= max(MIN_PADDED_KEYS, sum(keys) // 8)
+    assert _group([1] * 64, [40 + i % 29 for i in range(64)]) == [list(range(64))]  # similar lengths: one call
+    assert _group([1] * 5, None) == [list(range(5))]  # no cache: one key each
+    assert _group([9, 8, 1, 1, 2], [9, 8, 30, 500, 2]) == [[0, 1], [2, 3], [4]]  # a few padded keys: one call
+
+
+def test_decodes_of_very_different_lengths_equal_each_served_alone(tmp_path, monkeypatch):
+    """A step whose decodes split into several SDPA calls gives each request what it gets alone."""
+    import vlens.attention.sdpa as sdpa
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    llm = LLM(model=build(config, tmp_path, "llama"), dtype="float32", device="cpu", block_size=8)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (300, 4, 250, 6, 9, 280)]
+    capture = Capture(["blocks.1.attn.hook_z", "blocks.1.hook_resid_post"], positions="generated")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=capture)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    calls = []
+    group = sdpa._group
+    monkeypatch.setattr(sdpa, "_group", lambda q, c: calls.append(group(q, c)) or calls[-1])
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert max(len(groups) for groups in calls) > 1  # decodes split into calls by their keys
+    for a, b in zip(alone, together, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for name, rows in a.activations.items():
+            assert rel_err(b.activations[name], rows) <= 1e-5, name

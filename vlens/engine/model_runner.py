@@ -202,8 +202,9 @@ class ModelRunner:
             return self._decode(scheduled)
         self.graph_stats.eager_steps += 1
         put = self.buffers.put
-        # decodes first, then prefill chunks longest first (so the SDPA backend's grids stay dense)
-        order = [(s, n) for s, n in scheduled if n == 1]
+        # decodes first, longest context first, then prefill chunks longest first (so the SDPA backend's
+        # grids stay dense: vlens.attention.sdpa._group)
+        order = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda c: -c[0].num_computed)
         order += sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
         meta = layout(
             [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
