@@ -23,7 +23,10 @@ path with async scheduling, its forward replaced by one that returns zero logits
 work a GPU step leaves to the host (planning, buffers, taps, sampling, stop checks, deltas): ms per step at
 batch 64 plain, capturing 3 taps at generated rows, and steered per request, as ratios to HF's whole step;
 and plain at batch 256.
-Timings are the best of --repeats runs after a warm-up (the host-overhead cases run in turn).
+Then contexts of very different lengths (--workload spread, or all): a random Llama of SmolLM2's widths, 4
+layers, 64 prompts of 8-400 tokens x 32 new tokens; decode ms per step of HF's left-padded batch, vlens,
+and vlens with every decode in one SDPA call (each row reading the longest context's keys).
+Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn).
 """
 
 from __future__ import annotations
@@ -83,12 +86,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--workload", choices=["smol", "tiny", "all"], default="all")
+    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "all"], default="all")
     args = ap.parse_args()
     if args.workload in ("smol", "all"):
         smol(args)
     if args.workload in ("tiny", "all"):
         host_overhead(args)
+    if args.workload in ("spread", "all"):
+        spread(args)
 
 
 def smol(args: argparse.Namespace) -> None:
@@ -253,6 +258,52 @@ def host_part(llm: LLM, ids: list[list[int]], steps: int, repeats: int, t_hf: fl
         print(f"{label:<44}{1000 * t / steps:>10.2f}{t / t_hf:>9.2f}x  (of HF's whole step)")
     label = f"graph step host, plain, batch {len(ids)}"
     print(f"{label:<44}{1000 * t_256 / steps:>10.2f}  ({1e6 * t_256 / steps / len(ids):.1f} us a sequence)")
+
+
+def spread(args: argparse.Namespace) -> None:
+    """ms per decode step when the batch's contexts differ widely: each decode reads the keys of its
+    SDPA call's longest context, so the backend groups decodes by context (vlens.attention.sdpa._group);
+    against the same engine with one group for all decodes, and HF's left-padded batch."""
+    import vlens.attention.sdpa as sdpa
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        llm = LLM(model=tmp, dtype="float32", device="cpu")
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    ids = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 400))] for _ in range(64)]
+    width = max(map(len, ids))
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in ids])
+    mask = (padded != 0).long()  # (token ids start at 1)
+    steps = 32
+
+    def hf_run(new: int):
+        with torch.inference_mode():
+            hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=0)  # fmt: skip
+
+    def vlens_run(new: int, one_group: bool):
+        floor = sdpa.MIN_PADDED_KEYS
+        sdpa.MIN_PADDED_KEYS = 1 << 60 if one_group else floor
+        try:
+            llm.generate(ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), use_tqdm=False)
+        finally:
+            sdpa.MIN_PADDED_KEYS = floor
+
+    # each case runs `steps` tokens and 1 token: the difference is the decode steps', the prefill taken off
+    cases = [lambda: hf_run(steps), lambda: hf_run(1), lambda: vlens_run(steps, False), lambda: vlens_run(1, False),
+             lambda: vlens_run(steps, True), lambda: vlens_run(1, True)]  # fmt: skip
+    t = best_alternating(cases, args.repeats)
+    ms = [1000 * (t[i] - t[i + 1]) / (steps - 1) for i in (0, 2, 4)]
+    print(f"\ncontexts of very different lengths: random Llama, SmolLM2's widths, 4 layers; 64 prompts of 8-400 "
+          f"tokens x {steps} new tokens, greedy; decode ms/step (a run of 1 token taken off)")  # fmt: skip
+    print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}")
+    print(f"{'HF generate (left-padded batch)':<44}{ms[0]:>10.2f}")
+    print(f"{'vlens, decodes grouped by context':<44}{ms[1]:>10.2f}{ms[1] / ms[0]:>9.2f}x")
+    print(f"{'vlens, all decodes in one SDPA call':<44}{ms[2]:>10.2f}{ms[2] / ms[0]:>9.2f}x")
 
 
 if __name__ == "__main__":
