@@ -108,11 +108,12 @@ class BlockManager:
             return
         bs = self.block_size
         for seq in seqs:
-            if min(seq.num_computed, len(seq.token_ids)) // bs > len(seq.block_hashes):  # (most steps fill none)
-                self._publish(seq)
+            full = min(seq.num_computed, len(seq.token_ids)) // bs
+            if full > len(seq.block_hashes):  # (most steps fill none)
+                self._publish(seq, full)
 
-    def _publish(self, seq: Sequence) -> None:
-        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+    def _publish(self, seq: Sequence, full: int) -> None:
+        """Hash and publish the sequence's blocks before block `full`."""
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
