@@ -178,25 +178,38 @@ def smol(args: argparse.Namespace) -> None:
         print(f"{name:<44}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
 
 
+def random_llama(**sizes) -> tuple[LLM, torch.nn.Module]:
+    """A random Llama of these sizes (vocabulary 512), loaded by vlens and by HF, float32 on the CPU."""
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, **sizes)).save_pretrained(tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        return LLM(model=tmp, dtype="float32", device="cpu"), hf
+
+
+def random_prompts(n: int, shortest: int, longest: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(1, 512) for _ in range(rng.randint(shortest, longest))] for _ in range(n)]
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's batch: ids left-padded with 0 (no prompt token is 0), and its attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    return ids, (ids != 0).long()
+
+
 def host_overhead(args: argparse.Namespace) -> None:
     """ms per decode step on a model whose GEMMs cost almost nothing: what is left is host work."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        llm = LLM(model=tmp, dtype="float32", device="cpu")
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    rng = random.Random(0)
-    ids = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 36))] for _ in range(256)]
+    llm, hf = random_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    ids = random_prompts(256, 8, 36)
     steps = args.tokens
     print(f"\nhost overhead: random Llama 2 layers d=64, prompts of 8-36 tokens x {steps} new tokens, greedy")
     print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}  target")
     for batch in (64, 8):
         prompts_ = ids[:batch]
-        width = max(map(len, prompts_))
-        padded = torch.tensor([[0] * (width - len(p)) + p for p in prompts_])
-        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts_])[:, None]).long()
+        padded, mask = left_padded(prompts_)
 
         def hf_run():
             with torch.inference_mode():
@@ -266,18 +279,10 @@ def spread(args: argparse.Namespace) -> None:
     against the same engine with one group for all decodes, and HF's left-padded batch."""
     import vlens.attention.sdpa as sdpa
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        llm = LLM(model=tmp, dtype="float32", device="cpu")
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    rng = random.Random(0)
-    ids = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 400))] for _ in range(64)]
-    width = max(map(len, ids))
-    padded = torch.tensor([[0] * (width - len(p)) + p for p in ids])
-    mask = (padded != 0).long()  # (token ids start at 1)
+    llm, hf = random_llama(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+                           num_key_value_heads=3, max_position_embeddings=1024)  # fmt: skip
+    ids = random_prompts(64, 8, 400)
+    padded, mask = left_padded(ids)
     steps = 32
 
     def hf_run(new: int):
