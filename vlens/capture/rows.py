@@ -179,7 +179,10 @@ class RowStream:
     def _collected(self) -> tuple[list[int], dict[str, list]]:
         """Every collected position, and each tap's pieces of rows in the same order (a batched stream's:
         one tensor, joined from the bytes of its rows)."""
-        pieces, positions = [(held, i) for held, i in self._pieces if held.delivered], []
+        n = len(self._pieces)
+        while n and not self._pieces[n - 1][0].delivered:  # (only the newest can be: queued ahead of the end)
+            n -= 1
+        pieces, positions = self._pieces[:n], []
         for held, i in pieces:
             if i is None:
                 positions.extend(held.positions)
