@@ -69,6 +69,7 @@ class Sequence:
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
         self.long_rope_at: int | None = None  # the position from which LongRoPE's long factors apply
         self.plans_ahead = False  # (settle)
+        self.length_limit = 0  # (settle) the length at which it ends: prompt + max_tokens, within max_model_len
         self.borrow: Borrow | None = None  # this step's: the prefix another sequence computes for it
         self.num_reported = 0  # generated tokens already sent out in a delta
         self.finish_reason: str | None = None
