@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind
-from vlens.attention.sdpa import capped_attention, sdpa
+from vlens.attention.sdpa import capped_attention, gather, sdpa
 
 log = logging.getLogger("vlens.engine")
 
@@ -79,8 +79,8 @@ class DecodeBackend:
         if self.paged is not None:
             tables, context = state.tables, state.context
             return self.paged(q, layer.k_cache, layer.v_cache, tables, context, state.block_size, layer, self.programs)
-        keys = layer.k_cache[state.key_slots].transpose(1, 2)  # [B, H_kv, keys, d]
-        values = layer.v_cache[state.key_slots].transpose(1, 2)
+        keys = gather(layer.k_cache, state.key_slots).transpose(1, 2)  # [B, H_kv, keys, d]
+        values = gather(layer.v_cache, state.key_slots).transpose(1, 2)
         mask = state.masks[layer.window]
         if layer.softcap is not None:
             return capped_attention(q[:, :, None, :], keys, values, mask, layer)[:, :, 0, :]
