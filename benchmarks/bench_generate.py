@@ -25,7 +25,9 @@ batch 64 plain, capturing 3 taps at generated rows, and steered per request, as 
 and plain at batch 256.
 Then contexts of very different lengths (--workload spread, or all): a random Llama of SmolLM2's widths, 4
 layers, 64 prompts of 8-400 tokens x 32 new tokens; decode ms per step of HF's left-padded batch, vlens,
-and vlens with every decode in one SDPA call (each row reading the longest context's keys).
+and vlens with every decode in one SDPA call (each row reading the longest context's keys); then, on the
+same model, the prefill of 4 prompts extending a cached 1,536-token prefix beside 28 fresh ones, grouped by
+queries and keys against by queries alone.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn).
 """
 
@@ -280,7 +282,7 @@ def spread(args: argparse.Namespace) -> None:
     import vlens.attention.sdpa as sdpa
 
     llm, hf = random_llama(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
-                           num_key_value_heads=3, max_position_embeddings=1024)  # fmt: skip
+                           num_key_value_heads=3, max_position_embeddings=2048)  # fmt: skip
     ids = random_prompts(64, 8, 400)
     padded, mask = left_padded(ids)
     steps = 32
@@ -309,6 +311,36 @@ def spread(args: argparse.Namespace) -> None:
     print(f"{'HF generate (left-padded batch)':<44}{ms[0]:>10.2f}")
     print(f"{'vlens, decodes grouped by context':<44}{ms[1]:>10.2f}{ms[1] / ms[0]:>9.2f}x")
     print(f"{'vlens, all decodes in one SDPA call':<44}{ms[2]:>10.2f}{ms[2] / ms[0]:>9.2f}x")
+    beside_a_cached_prefix(llm, args.repeats)
+
+
+def beside_a_cached_prefix(llm: LLM, repeats: int) -> None:
+    """Prefill seconds of a step in which 4 prompts extend a cached 1,536-token prefix by 64 tokens and 28
+    fresh prompts of 56 tokens arrive: their queries are alike, their keys are not. Grouped by queries and
+    keys (vlens) against by queries alone (as before this round), which makes every fresh prompt of the
+    call read the longest context's keys. Each run's tokens are new, so only the prefix is cached."""
+    import vlens.attention.sdpa as sdpa
+
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, 512) for _ in range(1536)]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([prefix], one, use_tqdm=False)
+    group = sdpa._group
+
+    def run(by_queries: bool):
+        prompts = [prefix + [rng.randrange(1, 512) for _ in range(64)] for _ in range(4)]
+        prompts += [[rng.randrange(1, 512) for _ in range(56)] for _ in range(28)]
+        sdpa._group = (lambda q, c: group(q, None)) if by_queries else group  # (no decodes: one token each)
+        try:
+            llm.generate(prompts, one, use_tqdm=False)
+        finally:
+            sdpa._group = group
+
+    t_keys, t_queries = best_alternating([lambda: run(False), lambda: run(True)], repeats)
+    print(f"\nprompts beside a cached prefix: 4 x (1,536 cached + 64 new tokens) and 28 x 56 fresh tokens, prefill s")
+    print(f"{'case':<44}{'s':>10}{'ratio':>10}")
+    print(f"{'vlens, prefill grouped by queries and keys':<44}{t_keys:>10.3f}{t_keys / t_queries:>9.2f}x")
+    print(f"{'vlens, grouped by queries alone':<44}{t_queries:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -225,7 +225,8 @@ def test_stacked_heads_equal_grouped_query_sdpa():
 
 def test_sdpa_groups_decodes_by_their_keys():
     """Decodes read every key up to their group's longest context, so decodes of very different lengths
-    (ordered longest first) share a call only while the padding stays small; prefill chunks group by queries."""
+    (ordered longest first) share a call only while the padding stays small; prefill chunks group while
+    their queries and their keys are at most half padding."""
     from vlens.attention.sdpa import MIN_PADDED_KEYS, _group
 
     contexts = [400, 390, 385, 300, 290, 60, 50, 40, 8, 5]
@@ -237,6 +238,9 @@ def test_sdpa_groups_decodes_by_their_keys():
     assert _group([1] * 64, [40 + i % 29 for i in range(64)]) == [list(range(64))]  # similar lengths: one call
     assert _group([1] * 5, None) == [list(range(5))]  # no cache: one key each
     assert _group([9, 8, 1, 1, 2], [9, 8, 30, 500, 2]) == [[0, 1], [2, 3], [4]]  # a few padded keys: one call
+    assert _group([16, 12, 12, 12], [16, 12, 12, 12]) == [[0, 1, 2, 3]]  # fresh prompts of alike lengths
+    assert _group([16, 12, 12, 12], [216, 12, 12, 12]) == [[0, 1], [2, 3]]  # one with a long cached context
+    assert _group([16, 12, 12, 12], None) == [[0, 1, 2, 3]]  # no cache: the keys are the queries
 
 
 def test_decodes_of_very_different_lengths_equal_each_served_alone(tmp_path, monkeypatch):
@@ -261,3 +265,34 @@ def test_decodes_of_very_different_lengths_equal_each_served_alone(tmp_path, mon
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for name, rows in a.activations.items():
             assert rel_err(b.activations[name], rows) <= 1e-5, name
+
+
+def test_prompts_beside_a_long_cached_prefix_equal_each_served_alone(tmp_path, monkeypatch):
+    """A prompt whose long prefix is cached takes its own SDPA call, apart from the fresh prompts of its
+    step, and every request still gets what it gets alone."""
+    import vlens.attention.sdpa as sdpa
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    llm = LLM(model=build(config, tmp_path, "llama"), dtype="float32", device="cpu", block_size=8,
+              enable_prefix_caching=True)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, VOCAB, (240,), generator=g).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                            capture=Capture(["blocks.1.hook_resid_post"], positions="generated"))  # fmt: skip
+    llm.generate([prefix], SamplingParams(max_tokens=1), use_tqdm=False)  # the prefix, cached
+    prompts = [prefix + torch.randint(0, VOCAB, (14,), generator=g).tolist()]
+    prompts += [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (12, 11, 13)]
+    calls = []
+    group = sdpa._group
+    monkeypatch.setattr(sdpa, "_group", lambda q, c: calls.append((q, group(q, c))) or calls[-1][1])
+    together = llm.generate(prompts, params, use_tqdm=False)
+    prefill = [(q, groups) for q, groups in calls if max(q) > 1]
+    assert [q for q, _ in prefill] == [[14, 13, 12, 11]]  # the prefix's 240 tokens are not computed again
+    assert len(prefill[0][1]) > 1  # the cached prefix's prompt apart from the fresh ones
+    monkeypatch.setattr(sdpa, "_group", group)
+    for prompt, b in zip(prompts, together, strict=True):
+        a = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert rel_err(b.activations["blocks.1.hook_resid_post"], a.activations["blocks.1.hook_resid_post"]) <= 1e-5

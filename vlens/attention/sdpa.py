@@ -1,9 +1,9 @@
 """The reference backend: PyTorch's scaled_dot_product_attention over per-group grids.
 
 Pure PyTorch, so it runs wherever torch does, and it is the yardstick for the faster backends. Consecutive
-sequences whose queries fit one [B, max_q] grid without it being mostly padding share one SDPA call
-(decodes, max_q = 1, go together while their contexts are alike); slots past a sequence's end are masked
-and never read back. With a cache, each sequence's keys are gathered from the slots its block table names.
+sequences whose queries and keys fit one [B, max_q] x [B, max_keys] grid without it being mostly padding
+share one SDPA call (decodes, max_q = 1, go together while their contexts are alike); slots past a
+sequence's end are masked and never read back. With a cache, each sequence's keys are gathered from the slots its block table names.
 
 SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
 what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
@@ -106,27 +106,29 @@ class SdpaBackend:
 
 
 def _group(query_lens: list[int], context_lens: list[int] | None) -> list[list[int]]:
-    """Consecutive sequences that share a grid, each as wide as its widest member. Prefill chunks are as
-    wide as their queries, and a chunk joins a group while the grid stays at most half padding. Decodes
-    are as wide as their cached keys (`context_lens`; None: no cache, one key each), which every row of
-    the grid reads up to the longest and an SDPA call (and the gather before it) costs in proportion to:
-    a decode joins while the padded keys stay within an eighth of the real ones, or MIN_PADDED_KEYS, so
-    decodes of very different lengths (which the runner orders longest first) take a few calls instead of
-    all reading the longest context (on the CPU, 64 decodes of 8-400-token prompts, SmolLM2's widths:
-    ~30% less time a step)."""
+    """Consecutive sequences that share a grid: [B, widest queries] queries against [B, widest keys] keys
+    (`context_lens`; None: no cache, a sequence's keys are its queries), which an SDPA call (and the key
+    gather before it) costs in proportion to, padding included. A prefill chunk joins a group while both
+    grids stay at most half padding: a chunk with a long cached context (a later chunk of a long prompt, a
+    prefix-cache hit) does not make fresh prompts of its size read all its keys. A decode (one query)
+    joins while the padded keys stay within an eighth of the real ones, or MIN_PADDED_KEYS, so decodes of
+    very different lengths (which the runner orders longest first) take a few calls instead of all reading
+    the longest context (on the CPU, 64 decodes of 8-400-token prompts, SmolLM2's widths: ~30% less time
+    a step)."""
     groups: list[list[int]] = []
-    total = widest = 0
+    queries = widest_q = keys = widest_k = 0
     for i, n in enumerate(query_lens):
+        k = n if context_lens is None else context_lens[i]
         decode = n == 1
-        width = (1 if context_lens is None else context_lens[i]) if decode else n
         if groups and decode == (query_lens[groups[-1][0]] == 1):
-            size, real, wide = len(groups[-1]) + 1, total + width, max(widest, width)
-            if size * wide - real <= (max(MIN_PADDED_KEYS, real // 8) if decode else real):
+            size, q, wq, kk, wk = len(groups[-1]) + 1, queries + n, max(widest_q, n), keys + k, max(widest_k, k)
+            if size * wq - q <= q and size * wk - kk <= (max(MIN_PADDED_KEYS, kk // 8) if decode else kk):
                 groups[-1].append(i)
-                total, widest = real, wide
+                queries, widest_q, keys, widest_k = q, wq, kk, wk
                 continue
         groups.append([i])
-        total = widest = width
+        queries = widest_q = n
+        keys = widest_k = k
     return groups
 
 

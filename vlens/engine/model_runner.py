@@ -202,10 +202,10 @@ class ModelRunner:
             return self._decode(scheduled)
         self.graph_stats.eager_steps += 1
         put = self.buffers.put
-        # decodes first, longest context first, then prefill chunks longest first (so the SDPA backend's
-        # grids stay dense: vlens.attention.sdpa._group)
+        # decodes first, then prefill chunks, each longest context first, so that the SDPA backend's grids
+        # stay dense (vlens.attention.sdpa._group; a fresh prompt's context is its length)
         order = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda c: -c[0].num_computed)
-        order += sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[1])
+        order += sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[0].num_computed - c[1])
         meta = layout(
             [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
             [s.block_table for s, _ in order], self.block_size, self.num_slots, put,
