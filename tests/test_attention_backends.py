@@ -182,6 +182,21 @@ def test_varlen_arguments_gather_keys_or_read_pages():
     assert gathered.layers == paged.layers == {KIND: layer_arguments(KIND, backend.takes)}
 
 
+def test_sdpa_reads_fresh_prompts_keys_where_they_are():
+    """Prompts computed from their first token read their own rows under SDPA's causal mask (no gather, no
+    mask); a chunk after cached keys gathers them, and so does every sequence of its call."""
+    from vlens.attention.sdpa import SdpaBackend
+
+    put = lambda name, values: torch.as_tensor(values)  # noqa: E731
+    fresh = layout([0, 0], [5, 4], [5, 4], [[3, 1], [0, 2]], 4, 64, put)
+    (group,) = SdpaBackend().prepare(fresh, {KIND}, torch.float32)
+    assert group.key_slots is None and group.masks == {None: None}
+    later = layout([0, 4], [5, 4], [5, 8], [[3, 1], [0, 2]], 4, 64, put)
+    (group,) = SdpaBackend().prepare(later, {KIND}, torch.float32)
+    assert group.key_slots.tolist() == [[12, 13, 14, 15, 4, 5, 6, 7], [0, 1, 2, 3, 8, 9, 10, 11]]
+    assert group.masks[None].shape == (2, 1, 5, 8)
+
+
 def test_flex_block_mask_covers_the_steps_keys_not_the_cache():
     """A cache of ten million slots: the mask and the gathered keys are sized by the step's 20 keys."""
     kinds = {KIND, KIND._replace(window=3)}

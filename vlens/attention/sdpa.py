@@ -3,7 +3,10 @@
 Pure PyTorch, so it runs wherever torch does, and it is the yardstick for the faster backends. Consecutive
 sequences whose queries and keys fit one [B, max_q] x [B, max_keys] grid without it being mostly padding
 share one SDPA call (decodes, max_q = 1, go together while their contexts are alike); slots past a
-sequence's end are masked and never read back. With a cache, each sequence's keys are gathered from the slots its block table names.
+sequence's end are masked and never read back. With a cache, each sequence's keys are gathered from the
+slots its block table names — unless every sequence of the call is a fresh prompt, whose keys are its own
+rows of the step: those are read where they are, under SDPA's own causal mask, as in a cache-less forward
+(on CUDA, Flash Attention instead of a masked kernel over a gathered copy).
 
 SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
 what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
@@ -87,7 +90,7 @@ class SdpaBackend:
             seq = np.repeat(np.arange(len(lens)), lens)
             q_index = torch.from_numpy(seq * max_q + np.arange(rows) - (np.cumsum(lens) - lens)[seq])
         key_slots = None
-        if meta.paged:
+        if meta.paged and starts.any():  # (fresh prompts' keys are their queries' rows: no gather, no mask)
             key_slots = torch.from_numpy(meta.key_slots(first, stop)).to(device, non_blocking=True)
         return AttentionGroup(
             rows=slice(first_row, first_row + rows),
