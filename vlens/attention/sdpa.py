@@ -32,6 +32,7 @@ from vlens.attention.metadata import AttentionMetadata, LayerKind
 
 # Padded keys a group of decodes may read whatever its real keys: a split costs a call and two gathers.
 MIN_PADDED_KEYS = 1024
+HALF = (torch.float16, torch.bfloat16)  # what Flash Attention takes
 
 
 @dataclass
@@ -185,9 +186,15 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """SDPA, never with cuDNN's kernel on CUDA: its flag is turned off around the call (under a microsecond;
-    PyTorch's sdpa_kernel context costs 13) and restored, so the process's own SDPA calls are untouched."""
+    PyTorch's sdpa_kernel context costs 13) and restored, so the process's own SDPA calls are untouched.
+    On CUDA only Flash Attention has a grouped-query mode, and it takes neither float32 nor a mask; for
+    those the KV heads are repeated, as the memory-efficient kernel then runs, where SDPA would fall back
+    to its math kernel, which holds every score (32 heads over 8k float32 tokens: 8 GiB)."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if kwargs.get("enable_gqa") and (kwargs.get("attn_mask") is not None or q.dtype not in HALF):
+        kwargs["enable_gqa"] = False
+        k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
     was = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
