@@ -337,7 +337,7 @@ def beside_a_cached_prefix(llm: LLM, repeats: int) -> None:
             sdpa._group = group
 
     t_keys, t_queries = best_alternating([lambda: run(False), lambda: run(True)], repeats)
-    print(f"\nprompts beside a cached prefix: 4 x (1,536 cached + 64 new tokens) and 28 x 56 fresh tokens, prefill s")
+    print("\nprompts beside a cached prefix: 4 x (1,536 cached + 64 new tokens) and 28 x 56 fresh tokens, prefill s")
     print(f"{'case':<44}{'s':>10}{'ratio':>10}")
     print(f"{'vlens, prefill grouped by queries and keys':<44}{t_keys:>10.3f}{t_keys / t_queries:>9.2f}x")
     print(f"{'vlens, grouped by queries alone':<44}{t_queries:>10.3f}")

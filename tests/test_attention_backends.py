@@ -260,8 +260,9 @@ def test_sdpa_groups_decodes_by_their_keys():
 
 def test_decodes_of_very_different_lengths_equal_each_served_alone(tmp_path, monkeypatch):
     """A step whose decodes split into several SDPA calls gives each request what it gets alone."""
-    import vlens.attention.sdpa as sdpa
     from transformers import LlamaConfig
+
+    import vlens.attention.sdpa as sdpa
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
@@ -285,8 +286,9 @@ def test_decodes_of_very_different_lengths_equal_each_served_alone(tmp_path, mon
 def test_prompts_beside_a_long_cached_prefix_equal_each_served_alone(tmp_path, monkeypatch):
     """A prompt whose long prefix is cached takes its own SDPA call, apart from the fresh prompts of its
     step, and every request still gets what it gets alone."""
-    import vlens.attention.sdpa as sdpa
     from transformers import LlamaConfig
+
+    import vlens.attention.sdpa as sdpa
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip

@@ -52,7 +52,7 @@ from vlens.models.base import DecoderLM
 
 log = logging.getLogger("vlens.engine")
 MIN_PAGES = 16  # the smallest page bucket of the static decode step
-MAX_GRAPHS = 64  # captured graphs kept at once; past that, all are dropped and captured again as needed
+MAX_GRAPHS = 64  # captured graphs kept at once; past that, the least recently replayed is dropped
 
 
 def bucket(n: int) -> int:
@@ -106,6 +106,8 @@ class ModelRunner:
         (on CUDA only; `static_decode` is then on)."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
+        if self.device.type == "cuda":  # the device of every stream, event and graph made without naming one
+            torch.cuda.set_device(self.device)
         self.dtype = model.lm_head.weight.dtype
         self.kinds = {attn.kind for attn in model.attention_layers()}
         self.max_bucket = bucket(max_seqs)
@@ -162,6 +164,7 @@ class ModelRunner:
             while size >= 1:  # largest first, so the smaller graphs fit in its memory pool
                 self._static_forward([], [], size, MIN_PAGES, StepPlan(), None)
                 size //= 2
+            self.graph_stats.graph_steps = 0  # (each capture replayed once: not a step)
             log.info("captured %d decode graphs (batch buckets 1..%d, %d pages) in %.2f s", self.graph_stats.graphs_captured,
                      self.max_bucket, MIN_PAGES, time.perf_counter() - started)  # fmt: skip
 
@@ -297,7 +300,7 @@ class ModelRunner:
     ) -> torch.Tensor:  # fmt: skip
         """Logits [size, vocab] of the static decode step of `seqs` at positions `last`, padded to `size`
         rows and `pages` pages."""
-        put, pad = self.buffers.put, size - len(seqs)
+        put, pad, generation = self.buffers.put, size - len(seqs), self.buffers.generation
         meta = layout(
             last + [0] * pad, [1] * size, [p + 1 for p in last] + [1] * pad,
             [s.block_table for s in seqs] + [[self.scratch_block]] * pad, self.block_size, self.num_slots, put, pages,
@@ -310,25 +313,33 @@ class ModelRunner:
         self.buffers.flush()
         if ahead is not None:  # the previous step's samples, copied on the device behind its sampling
             ids[: len(seqs)] = ahead[0].index_select(0, fed)
-        if self.graphs:
-            key = (size, pages, self.buffers.generation, _signature(taps))
-            if key not in self._graphs:
+        # A buffer that grew while this step was put moved them all to a new block, and this step's inputs
+        # are in the old one, which no graph may capture: later replays would read it after it is freed.
+        if self.graphs and self.buffers.generation == generation:
+            key = (size, pages, generation, _signature(taps))
+            entry = self._graphs.pop(key, None)  # (put back last: the dict runs from least to most recently used)
+            if entry is None:
+                if len(self._graphs) >= MAX_GRAPHS:  # the least recently used goes; its memory returns to the pool
+                    del self._graphs[next(iter(self._graphs))]
                 try:
-                    self._capture(key, meta, ids, taps)
+                    entry = self._capture(meta, ids, taps)
                 except RuntimeError as e:  # what a graph cannot hold runs as it would without graphs
                     log.warning("CUDA graph capture failed, decode steps run eagerly from now on: %s", e)
                     self.graphs = False
-            if self.graphs:
-                graph, logits = self._graphs[key]
+            if entry is not None:
+                self._graphs[key] = entry
+                graph, logits = entry
                 graph.replay()
                 self.graph_stats.graph_steps += 1
                 return logits
         self.graph_stats.static_eager_steps += 1
         return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
 
-    def _capture(self, key: tuple, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap]) -> None:
-        if len(self._graphs) >= MAX_GRAPHS:
-            self._graphs.clear()
+    def _capture(
+        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A graph of the static forward over these buffers, and its logits (captured in the pool every graph
+        of the runner shares)."""
         started = time.perf_counter()
         run = partial(self._forward, meta, ids, taps, None, slice(None), self.decode_backend)
         stream = torch.cuda.Stream(self.device)
@@ -340,10 +351,10 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             _, logits = run()
         self._pool = graph.pool()
-        self._graphs[key] = (graph, logits)
         stats = self.graph_stats
         stats.graphs_captured += 1
         stats.capture_seconds += time.perf_counter() - started
+        return graph, logits
 
     # -- cache-less packed forwards: trace, HookedLM, harvest ------------------------------------------------
 
@@ -389,13 +400,13 @@ def _decodes(seq: Sequence, n: int) -> bool:
 
 
 def _signature(taps: dict[str, Tap]) -> tuple:
-    """What a captured graph bakes in of the armed taps: which sites, and the address, shape and kind of
-    every buffer they read or write (a buffer that grew is a new graph)."""
+    """What a captured graph bakes in of the armed taps: which sites, and the address, shape, strides and
+    kind of every buffer they read or write (a buffer that grew is a new graph)."""
     out = []
     for name, t in sorted(taps.items()):
         for attr, value in sorted(vars(t).items()):
             if isinstance(value, torch.Tensor):
-                out.append((name, attr, value.data_ptr(), tuple(value.shape)))
+                out.append((name, attr, value.data_ptr(), tuple(value.shape), value.stride()))
             elif attr == "table" and value is not None:
                 out.append((name, attr, *(x.data_ptr() for x in (value.data, value.mask, value.encoder, value.params))))
             elif isinstance(value, bool):

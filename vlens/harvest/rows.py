@@ -45,6 +45,8 @@ class Shard:
         """Wait until every row and statistic is in host memory; the forwards' device time is then known."""
         if self.event is not None:
             self.event.synchronize()
+            if self.timings:  # the rows may be in before the last forward's later layers are done
+                self.timings[-1][1].synchronize()
             self.forward_seconds = sum(start.elapsed_time(end) for start, end in self.timings) / 1000
 
     @property
