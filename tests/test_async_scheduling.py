@@ -1,6 +1,6 @@
 """Async scheduling: a decode step queued before the previous step's sampled ids reach the host, its input
 ids read on the device (ModelRunner.run_ahead). On a GPU the host plans step N+1 while the device runs step
-N; here (the static decode path run eagerly on the CPU) the same code runs in the same order, so its outputs
+N; here (the static decode path, graphs emulated on the CPU) the same code runs in the same order, so its outputs
 can be checked against the engine with it off — tokens, log-probabilities, captured rows, steered runs —
 with requests that end by a stop token mid-run (their queued row is dropped), by length at different steps,
 seeded sampling of several samples per request, penalties (which turn it off) and an abort between steps."""
@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
+from replayed_graphs import replay_graphs
 from transformers import LlamaConfig
 
 from vlens import LLM, Capture, SamplingParams, Steer
@@ -34,11 +35,14 @@ def path(tmp_path_factory, smol_path) -> str:
 
 @pytest.fixture(scope="module")
 def engines(path) -> dict[bool, LLM]:
-    """The same model with async scheduling on and off, both taking the static decode path."""
+    """The same model with async scheduling on and off, both taking the static decode path; with it on, as
+    on a GPU, decode steps replay graphs (emulated: tests/replayed_graphs.py)."""
     out = {}
     for on in (True, False):
         llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8, async_scheduling=on)
         llm.runner.static_decode = True
+        if on:
+            replay_graphs(llm.runner)
         out[on] = llm
     return out
 
@@ -70,9 +74,11 @@ def _same(a, b) -> None:
 
 def _both(engines, prompts, params) -> tuple[list, list, int]:
     """(async outputs, sync outputs, steps the async engine queued ahead)."""
-    before = engines[True].runner.graph_stats.ahead_steps
+    stats = engines[True].runner.graph_stats
+    before, replays = stats.ahead_steps, stats.graph_steps
     on = engines[True].generate(prompts, params, use_tqdm=False)
-    ahead = engines[True].runner.graph_stats.ahead_steps - before
+    ahead = stats.ahead_steps - before
+    assert stats.graph_steps - replays >= ahead  # every step queued ahead replayed a graph
     off = engines[False].generate(prompts, params, use_tqdm=False)
     assert engines[False].runner.graph_stats.ahead_steps == 0
     return on, off, ahead

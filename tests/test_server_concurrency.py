@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 from conftest import rel_err
+from replayed_graphs import replay_graphs
 from server_helpers import decode_activations, metric, running_server, wait_idle
 
 from vlens.server.config import ServerConfig
@@ -69,18 +70,20 @@ class Result:
 @pytest.fixture(scope="module", params=["eager", "queued ahead"])
 def server(served_smol, request):
     """The server as it runs on the CPU (every step eager), and as on a GPU: decode steps on the static
-    path (graphs, where there are any), each queued before the previous step's ids reach the host (async
-    scheduling), with requests long enough to queue steps ahead."""
+    path replaying graphs (emulated: tests/replayed_graphs.py), each queued before the previous step's ids
+    reach the host (async scheduling), with requests long enough to queue steps ahead."""
     config = ServerConfig(
         enable_capture=True, inline_activation_bytes=16 << 10, served_model_name="smol"
     )  # some inline, some handles
     runner = served_smol.runner
-    runner.static_decode = request.param == "queued ahead"
+    if request.param == "queued ahead":
+        replay_graphs(runner)
     try:
         with running_server(served_smol, config) as url:
             yield url, (3 if request.param == "eager" else 8)
     finally:
-        runner.static_decode = False
+        runner.graphs = runner.static_decode = False
+        runner._graphs.clear()
 
 
 def run(client: openai.OpenAI, base_url: str, kind: Kind, max_tokens: int) -> Result:
@@ -117,7 +120,7 @@ def test_64_concurrent_clients_equal_their_requests_served_alone(server, served_
     alone = [run(client, server, kind, max_tokens) for kind in KINDS]
     wait_idle(server)
     stats = served_smol.runner.graph_stats
-    ahead = stats.ahead_steps
+    ahead, replays = stats.ahead_steps, stats.graph_steps
 
     start = threading.Barrier(CLIENTS)
     busiest = [0.0]
@@ -142,7 +145,7 @@ def test_64_concurrent_clients_equal_their_requests_served_alone(server, served_
         watcher.join()
 
     assert len(results) == CLIENTS and busiest[0] > 1
-    assert (stats.ahead_steps > ahead) == served_smol.runner.static_decode
+    assert (stats.ahead_steps > ahead) == (stats.graph_steps > replays) == served_smol.runner.graphs
     for i, got in enumerate(results):
         kind, ref = KINDS[i % len(KINDS)], alone[i % len(KINDS)]
         assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason), (i, kind)

@@ -8,15 +8,14 @@ gathering kernel and with the Triton paged kernel that CUDA runs (here under Tri
 
 from __future__ import annotations
 
-import copy
 import os
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
+from replayed_graphs import replay_graphs
 from transformers import Gemma2Config, LlamaConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
@@ -128,23 +127,9 @@ def test_static_decode_batches_other_sizes_and_preempts(llm, kernel):
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in eager]
 
 
-class ReplayedCall:
-    """What a CUDA graph does, on the CPU: each replay runs the captured call again on the very tensors it
-    captured (whatever the host has written into them since) and updates its output in place. A step whose
-    inputs were not where the captured call reads them replays stale inputs, as a graph would."""
-
-    def __init__(self, runner, meta, ids, taps):
-        frozen = {name: copy.copy(t) for name, t in taps.items()}  # the views each tap read when captured
-        self.run = partial(runner._forward, meta, ids, frozen, None, slice(None), runner.decode_backend)
-        self.logits = self.run()[1].clone()
-
-    def replay(self) -> None:
-        self.logits.copy_(self.run()[1])
-
-
 @pytest.mark.parametrize("max_graphs", [64, 2])
 def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_graphs):
-    """The static step with graphs, replays emulated on the CPU (ReplayedCall), equals the ordinary step —
+    """The static step with graphs, replays emulated on the CPU (tests/replayed_graphs.py), equals the ordinary step —
     also when a step's tap indices outgrow their buffer (an attention pattern's rows widen as its request
     generates), which moves every step buffer to a new block while that step is being planned, and when
     graphs are dropped and captured again (at most `max_graphs` kept)."""
@@ -154,13 +139,6 @@ def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_grap
     llm = LLM(model=build(FAMILIES["llama"](), tmp_path, "llama"), dtype="float32", device="cpu", block_size=4,
               max_num_seqs=8, max_num_batched_tokens=16)  # fmt: skip
     runner = llm.runner
-
-    def capture(meta, ids, taps):
-        graph = ReplayedCall(runner, meta, ids, taps)
-        runner.graph_stats.graphs_captured += 1
-        return graph, graph.logits
-
-    monkeypatch.setattr(runner, "_capture", capture)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (5, 3, 7)]
     common = dict(max_tokens=40, temperature=0, ignore_eos=True)
@@ -170,18 +148,13 @@ def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_grap
                        capture=Capture(["blocks.1.hook_resid_post"], positions="generated")),
     ]  # fmt: skip
 
-    def run(graphs: bool):
-        runner.graphs = runner.static_decode = graphs
-        try:
-            return llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            runner.graphs = runner.static_decode = False
-
     generation = runner.buffers.generation
-    replayed = run(True)  # first, while the buffers are small
+    replay_graphs(runner)
+    replayed = llm.generate(prompts, params, use_tqdm=False)  # first, while the buffers are small
     assert runner.graph_stats.graph_steps >= 30 and runner.buffers.generation > generation  # buffers grew
     assert len(runner._graphs) == min(max_graphs, runner.graph_stats.graphs_captured) and runner.graph_stats.graphs_captured > 2
-    for a, b in zip(run(False), replayed, strict=True):
+    runner.graphs = runner.static_decode = False
+    for a, b in zip(llm.generate(prompts, params, use_tqdm=False), replayed, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.activations.keys() == b.activations.keys()
         for name, rows in a.activations.items():
