@@ -103,8 +103,9 @@ def smol(args: argparse.Namespace) -> None:
     new_tokens = args.prompts * args.tokens
     path = resolve_model_path(None)
 
-    llm = LLM(model=str(path), dtype="float32", device="cpu")
-    plain = LLM(model=str(path), dtype="float32", device="cpu", enable_capture=False)
+    # every run computes its prompts, as HF's does (the runs repeat them: a prefix cache would skip them)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
+    plain = LLM(model=str(path), dtype="float32", device="cpu", enable_capture=False, enable_prefix_caching=False)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -180,13 +181,14 @@ def smol(args: argparse.Namespace) -> None:
         print(f"{name:<44}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
 
 
-def random_llama(**sizes) -> tuple[LLM, torch.nn.Module]:
-    """A random Llama of these sizes (vocabulary 512), loaded by vlens and by HF, float32 on the CPU."""
+def random_llama(prefix_caching: bool = False, **sizes) -> tuple[LLM, torch.nn.Module]:
+    """A random Llama of these sizes (vocabulary 512), loaded by vlens and by HF, float32 on the CPU. Without
+    a prefix cache unless asked: the runs repeat their prompts, which HF computes every time."""
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, **sizes)).save_pretrained(tmp)
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        return LLM(model=tmp, dtype="float32", device="cpu"), hf
+        return LLM(model=tmp, dtype="float32", device="cpu", enable_prefix_caching=prefix_caching), hf
 
 
 def random_prompts(n: int, shortest: int, longest: int) -> list[list[int]]:
@@ -281,9 +283,9 @@ def spread(args: argparse.Namespace) -> None:
     against the same engine with one group for all decodes, and HF's left-padded batch."""
     import vlens.attention.sdpa as sdpa
 
-    llm, hf = random_llama(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
-                           num_key_value_heads=3, max_position_embeddings=2048)  # fmt: skip
-    ids = random_prompts(64, 8, 400)
+    llm, hf = random_llama(prefix_caching=True, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)  # fmt: skip
+    ids = random_prompts(64, 8, 400)  # (decode steps are timed: a cached prefill is taken off with the rest)
     padded, mask = left_padded(ids)
     steps = 32
 

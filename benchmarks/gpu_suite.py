@@ -157,7 +157,8 @@ def generation(rows: dict, path: str, quick: bool) -> None:
     steers = [Steer("blocks.8.hook_resid_post", torch.randn(LLAMA_1B["hidden_size"], generator=g)) for _ in prompts]
     out: dict = {}
     for eager in (False, True):
-        llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=eager)
+        # every run computes its prompts, as HF's does (the runs repeat them: a prefix cache would skip them)
+        llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=eager, enable_prefix_caching=False)
 
         def run(params, llm=llm):
             return lambda: llm.generate(prompts, params, use_tqdm=False)

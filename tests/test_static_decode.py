@@ -170,16 +170,17 @@ def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads
     row merged: float32 within 1e-5 of the gathering kernel; float16 within its rounding. (bfloat16 takes
     float16's path; the interpreter's tl.dot misreads bfloat16, so a GPU checks it: DecodeBackend.for_device.)"""
     g = torch.Generator().manual_seed(heads * dim)
-    bs, blocks, width, rows = 4, 40, 9, 5
+    bs, blocks, width, rows = 4, 64, 48, 5  # up to 192 keys: 3 key tiles of 64
     cache = torch.randn(2, blocks * bs, kv_heads, dim, generator=g).to(dtype)
     tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(rows)])
-    context = torch.tensor([1, 2, 13, 30, width * bs])
+    context = torch.tensor([1, 2, 70, 130, width * bs])
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
     kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap)
     layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
     meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
     want = DecodeBackend().forward(q, None, None, layer, DecodeBackend().prepare(meta, {kind}, dtype))
-    for programs in (1, 16, 400):  # one split per row .. one per key tile
+    for programs in (1, 16, 400):  # one split per row, 2 or more, one per key tile (a windowed row's first
+        # splits see no key, and the merge weighs them 0)
         paged = DecodeBackend(paged_kernel, programs)
         got = paged.forward(q, None, None, layer, paged.prepare(meta, {kind}, dtype))
         assert got.dtype == dtype and got.shape == want.shape

@@ -93,12 +93,13 @@ class DecodeBackend:
 
 
 def _trial(paged: DecodeBackend, gathering: DecodeBackend, device: torch.device) -> None:
-    """Raise unless both kernels agree on random pages, contexts 1 .. 40, with and without a window and a
-    soft cap: float32 within 1e-5, bfloat16 within its rounding."""
+    """Raise unless both kernels agree on random pages, contexts 1 .. 96 (two key tiles, so a row's keys
+    split and merge), with and without a window and a soft cap: float32 within 1e-5, bfloat16 within its
+    rounding."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    bs, rows, width, kv_heads, dim = 16, 6, 3, 2, 64
+    bs, rows, width, kv_heads, dim = 16, 6, 6, 2, 64
     tables = torch.randperm(rows * width, generator=g).view(rows, width).to(device)
-    context = torch.tensor([1, 5, 16, 17, 33, 40], device=device)
+    context = torch.tensor([1, 5, 17, 40, 70, 96], device=device)
     meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         cache = torch.randn(2, rows * width * bs, kv_heads, dim, generator=g).to(device, dtype)
