@@ -20,9 +20,9 @@ vocab 512, where GEMMs cost almost nothing; 64 prompts of 8-36 tokens x 64 new t
 decode step for vlens and HF at batch 64 and 8, and one captured layer at generated rows vs none.
 Then the host's part of a CUDA-graph decode step (--workload tiny): the same model on the static decode
 path with async scheduling, its forward replaced by one that returns zero logits, so what is timed is the
-work a GPU step leaves to the host (planning, buffers, taps, sampling, stop checks, deltas): ms per step at
-batch 64 plain, capturing 3 taps at generated rows, and steered per request, as ratios to HF's whole step;
-and plain at batch 256.
+work a GPU step leaves to the host (planning, buffers, taps, sampling, stop checks, deltas): ms per decode
+step (a run of 1 token taken off, with its prefill) at batch 64 plain, capturing 3 taps at generated rows,
+and steered per request, as ratios to HF's whole step; and plain at batch 256.
 Then contexts of very different lengths (--workload spread, or all): a random Llama of SmolLM2's widths, 4
 layers, 64 prompts of 8-400 tokens x 32 new tokens; decode ms per step of HF's left-padded batch, vlens,
 and vlens with every decode in one SDPA call (each row reading the longest context's keys); then, on the
@@ -235,7 +235,7 @@ def host_overhead(args: argparse.Namespace) -> None:
 
 
 def host_part(llm: LLM, ids: list[list[int]], steps: int, repeats: int, t_hf: float) -> None:
-    """ms per step of the static decode path with a forward that computes nothing (zero logits, zero
+    """ms per decode step of the static decode path with a forward that computes nothing (zero logits, zero
     captured rows): the host's share of a step whose forward is a CUDA graph replay. At batch 64, plain,
     capturing and steered; plain at batch 256 too (the largest batch, where the work per sequence shows)."""
     prompts_ = ids[:64]
@@ -253,28 +253,32 @@ def host_part(llm: LLM, ids: list[list[int]], steps: int, repeats: int, t_hf: fl
     taps = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.1.attn.hook_z"]
     three = Capture(taps, positions="generated")
     g = torch.Generator().manual_seed(0)
-    cases = {
-        "plain": SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True),
-        "capture 3 taps (generated)": SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=three),
-        "a Steer per request": [
-            SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
-                           interventions=[Steer("blocks.1.hook_resid_post", torch.randn(64, generator=g))])
-            for _ in prompts_
-        ],
-    }  # fmt: skip
-    plain_256 = lambda: llm.generate(ids, cases["plain"], use_tqdm=False)  # noqa: E731
+    vectors = [torch.randn(64, generator=g) for _ in prompts_]
+    cases = ["plain", "capture 3 taps (generated)", "a Steer per request"]
+
+    def params(case: str, n: int) -> SamplingParams | list[SamplingParams]:
+        kw = dict(max_tokens=n, temperature=0, ignore_eos=True)
+        if case == "a Steer per request":
+            return [SamplingParams(**kw, interventions=[Steer("blocks.1.hook_resid_post", v)]) for v in vectors]
+        return SamplingParams(**kw, capture=three if case.startswith("capture") else None)
+
+    def per_step(prompts: list[list[int]], case: str) -> float:
+        """Seconds a decode step: a run of `steps` new tokens less a run of 1 (the prefill, which runs for
+        real, taken off)."""
+        runs = [best(lambda n=n: llm.generate(prompts, params(case, n), use_tqdm=False), repeats) for n in (steps, 1)]
+        return (runs[0] - runs[1]) / (steps - 1)
+
     runner.static_decode, runner._forward = True, null_forward
     try:
-        times = {name: best(lambda p=p: llm.generate(prompts_, p, use_tqdm=False), repeats)
-                 for name, p in cases.items()}  # fmt: skip
-        t_256 = best(plain_256, repeats)
+        times = {case: per_step(prompts_, case) for case in cases}
+        t_256 = per_step(ids, "plain")
     finally:
         runner.static_decode, runner._forward = False, forward
-    for name, t in times.items():
-        label = f"graph step host, {name}"
-        print(f"{label:<44}{1000 * t / steps:>10.2f}{t / t_hf:>9.2f}x  (of HF's whole step)")
+    for case, t in times.items():
+        label = f"graph step host, {case}"
+        print(f"{label:<44}{1000 * t:>10.2f}{t * steps / t_hf:>9.2f}x  (of HF's whole step)")
     label = f"graph step host, plain, batch {len(ids)}"
-    print(f"{label:<44}{1000 * t_256 / steps:>10.2f}  ({1e6 * t_256 / steps / len(ids):.1f} us a sequence)")
+    print(f"{label:<44}{1000 * t_256:>10.2f}  ({1e6 * t_256 / len(ids):.1f} us a sequence)")
 
 
 def spread(args: argparse.Namespace) -> None:
