@@ -161,9 +161,10 @@ class ModelRunner:
         if self.graphs:
             started = time.perf_counter()
             size = self.max_bucket
-            while size >= 1:  # largest first, so the smaller graphs fit in its memory pool
-                self._static_forward([], [], size, MIN_PAGES, StepPlan(), None)
-                size //= 2
+            with torch.inference_mode():  # as every step runs (the compiled chains are specialised on it)
+                while size >= 1:  # largest first, so the smaller graphs fit in its memory pool
+                    self._static_forward([], [], size, MIN_PAGES, StepPlan(), None)
+                    size //= 2
             self.graph_stats.graph_steps = 0  # (each capture replayed once: not a step)
             log.info("captured %d decode graphs (batch buckets 1..%d, %d pages) in %.2f s", self.graph_stats.graphs_captured,
                      self.max_bucket, MIN_PAGES, time.perf_counter() - started)  # fmt: skip
