@@ -6,7 +6,10 @@ share one SDPA call (decodes, max_q = 1, go together while their contexts are al
 sequence's end are masked and never read back. With a cache, each sequence's keys are gathered from the
 slots its block table names — unless every sequence of the call is a fresh prompt, whose keys are its own
 rows of the step: those are read where they are, under SDPA's own causal mask, as in a cache-less forward
-(on CUDA, Flash Attention instead of a masked kernel over a gathered copy).
+(on CUDA, Flash Attention instead of a masked kernel over a gathered copy). A call of one sequence's chunk
+after its cached keys (chunked prefill, a prefix-cache hit) is causal from the bottom right of its
+[queries, keys], which SDPA takes as a CausalBias: no mask is built (a 4,096-token chunk after 100k keys
+would need 3 GiB for it on CUDA, as the memory-efficient kernel takes one) and Flash Attention runs it.
 
 SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
 what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind
 
@@ -56,20 +60,30 @@ class AttentionGroup:
     def max_q(self) -> int:
         return self.query_positions.shape[1]
 
+    @property
+    def chunk_after_cache(self) -> bool:
+        """One sequence's queries after its cached keys (a later chunk of a long prompt, a prefix-cache hit):
+        causal from the bottom right of [queries, keys], which SDPA takes without a mask built."""
+        return self.batch == 1 and self.max_q > 1 and self.key_slots is not None
+
+    def masked(self, kind: LayerKind) -> bool:
+        """Whether layers of `kind` read a mask built for this grid."""
+        return not (self.chunk_after_cache and kind.window is None and kind.softcap is None)
+
 
 class SdpaBackend:
     name = "sdpa"
 
     def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> list[AttentionGroup]:
         """The step's grids and, per window size the layers use, their masks (built once, read by every layer)."""
-        windows = {kind.window for kind in kinds}
         groups, row = [], 0
         for members in _group(meta.query_lens, meta.context_lens if meta.paged else None):
             group = self._group(meta, members, row, meta.positions.device)
-            for window in windows:
+            masked = [kind for kind in kinds if group.masked(kind)]
+            for window in {kind.window for kind in masked}:
                 group.masks[window] = _mask(group, window)
             if group.key_slots is not None and group.key_slots.is_cuda:
-                for kind in kinds:
+                for kind in masked:
                     if kind.softcap is None:
                         heads = kind.num_heads // kind.num_kv_heads
                         group.stacked_masks[kind.window, heads] = _stacked_mask(group.masks[kind.window], heads, dtype)
@@ -156,8 +170,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         keys, values = gather(layer.k_cache, g.key_slots), gather(layer.v_cache, g.key_slots)
     else:
         keys, values = _to_grid(k, g), _to_grid(v, g)
-    mask = g.masks[layer.window]
     q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    if not g.masked(layer.kind):  # (a 4,096-token chunk after 100k keys: no 3 GiB mask; Flash Attention on CUDA)
+        causal = causal_lower_right(g.max_q, keys.shape[-2])
+        out = sdpa(q, keys, values, attn_mask=causal, scale=layer.scale, enable_gqa=layer.num_kv_heads != layer.num_heads)
+        return out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
+    mask = g.masks[layer.window]
     stacked = g.stacked_masks.get((layer.window, layer.num_heads // layer.num_kv_heads))
     if layer.softcap is not None:
         out = capped_attention(q, keys, values, mask, layer)
@@ -192,7 +210,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.T
     to its math kernel, which holds every score (32 heads over 8k float32 tokens: 8 GiB)."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    if kwargs.get("enable_gqa") and (kwargs.get("attn_mask") is not None or q.dtype not in HALF):
+    mask = kwargs.get("attn_mask")
+    if kwargs.get("enable_gqa") and (q.dtype not in HALF or not (mask is None or isinstance(mask, CausalBias))):
         kwargs["enable_gqa"] = False
         k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
     was = torch.backends.cuda.cudnn_sdp_enabled()
