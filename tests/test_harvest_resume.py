@@ -158,3 +158,18 @@ def test_a_failed_write_stops_the_run_and_the_rerun_completes_it(smol4, source, 
     monkeypatch.setattr(job, "write_shard", real)
     assert _run(smol4, source, tmp_path / "out").tokens_this_run > 0
     assert dir_bytes(tmp_path / "out") == expected
+
+
+def test_what_a_killed_write_leaves_is_cleaned_on_resume(tmp_path):
+    """A kill mid-write leaves our temporary, or safetensors' own (`.tmp` and six letters, written before it
+    takes our temporary's name), or a shard not in the manifest: a resumed run removes them all. A file of
+    another kind in a directory without a manifest makes it foreign."""
+    from vlens.harvest.writer import Store, prepare_dir
+
+    for name in (".tmp-shard-00003.safetensors", ".tmpLDWPGC", "shard-00004.safetensors"):
+        (tmp_path / name).write_bytes(b"torn")
+    prepare_dir(Store.open(tmp_path), {"shards": []})
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / ".tmpnotes").write_text("someone else's")
+    with pytest.raises(ValueError, match="not empty"):
+        prepare_dir(Store.open(tmp_path), None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,9 @@ from safetensors.torch import save, save_file
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
+# safetensors' save_file writes through a temporary of its own in the same directory (Rust's tempfile:
+# ".tmp" and six letters or digits) before it takes the name asked for: a kill mid-write leaves one
+SAVE_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,10 @@ def prepare_dir(store: Store, manifest: dict[str, Any] | None) -> None:
     store.fs.makedirs(store.root, exist_ok=True)
     listed = {s["file"] for s in manifest["shards"]} if manifest else set()
     for name in store.names():
-        ours = name.startswith(TMP_PREFIX) or (name.startswith("shard-") and name.endswith(".safetensors"))
+        ours = (
+            name.startswith(TMP_PREFIX) or SAVE_TMP.fullmatch(name) is not None
+            or (name.startswith("shard-") and name.endswith(".safetensors"))
+        )  # fmt: skip
         if ours and name not in listed:
             store.fs.rm_file(store.path(name))
         elif manifest is None and not ours:
