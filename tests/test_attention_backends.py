@@ -256,6 +256,10 @@ def test_sdpa_groups_decodes_by_their_keys():
     assert _group([16, 12, 12, 12], [16, 12, 12, 12]) == [[0, 1, 2, 3]]  # fresh prompts of alike lengths
     assert _group([16, 12, 12, 12], [216, 12, 12, 12]) == [[0, 1], [2, 3]]  # one with a long cached context
     assert _group([16, 12, 12, 12], None) == [[0, 1, 2, 3]]  # no cache: the keys are the queries
+    # chunks after long cached contexts: each alone once their call's mask would pass MAX_MASK elements
+    assert _group([2048, 2048], [100_000, 100_000]) == [[0], [1]]
+    assert _group([200] * 8, [4200] * 8) == [list(range(8))]  # 8 x 200 x 4,200: within
+    assert _group([2048, 2048], [2048, 2048]) == [[0, 1]]  # fresh prompts: no mask at all
 
 
 def test_decodes_of_very_different_lengths_equal_each_served_alone(tmp_path, monkeypatch):

@@ -37,6 +37,9 @@ from vlens.attention.metadata import AttentionMetadata, LayerKind
 # Padded keys a group of decodes may read whatever its real keys: a split costs a call and two gathers.
 MIN_PADDED_KEYS = 1024
 HALF = (torch.float16, torch.bfloat16)  # what Flash Attention takes
+# Elements of the [B, queries, keys] mask a prefill call over cached keys may build (on CUDA it is repeated
+# for the query heads of a KV head, in the model's dtype: 256 MiB at 4 heads in bfloat16)
+MAX_MASK = 1 << 25
 
 
 @dataclass
@@ -132,21 +135,29 @@ def _group(query_lens: list[int], context_lens: list[int] | None) -> list[list[i
     joins while the padded keys stay within an eighth of the real ones, or MIN_PADDED_KEYS, so decodes of
     very different lengths (which the runner orders longest first) take a few calls instead of all reading
     the longest context (on the CPU, 64 decodes of 8-400-token prompts, SmolLM2's widths: ~30% less time
-    a step)."""
+    a step). Prefill chunks over cached keys share a call only while its mask, [B, widest queries, widest
+    keys], stays within MAX_MASK (two 2,048-token chunks after 100k keys each would need 3 GiB on CUDA);
+    alone, a chunk needs none (`AttentionGroup.chunk_after_cache`)."""
     groups: list[list[int]] = []
     queries = widest_q = keys = widest_k = 0
+    cached = False  # whether the open group has a chunk after cached keys (its call then builds a mask)
     for i, n in enumerate(query_lens):
         k = n if context_lens is None else context_lens[i]
         decode = n == 1
         if groups and decode == (query_lens[groups[-1][0]] == 1):
             size, q, wq, kk, wk = len(groups[-1]) + 1, queries + n, max(widest_q, n), keys + k, max(widest_k, k)
-            if size * wq - q <= q and size * wk - kk <= (max(MIN_PADDED_KEYS, kk // 8) if decode else kk):
+            masked = not decode and (cached or k > n)
+            if (
+                size * wq - q <= q and size * wk - kk <= (max(MIN_PADDED_KEYS, kk // 8) if decode else kk)
+                and not (masked and size * wq * wk > MAX_MASK)
+            ):  # fmt: skip
                 groups[-1].append(i)
-                queries, widest_q, keys, widest_k = q, wq, kk, wk
+                queries, widest_q, keys, widest_k, cached = q, wq, kk, wk, masked
                 continue
         groups.append([i])
         queries = widest_q = n
         keys = widest_k = k
+        cached = k > n
     return groups
 
 
