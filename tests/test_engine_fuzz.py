@@ -1,0 +1,226 @@
+"""No cross-talk, with every scheduling feature at once: a seeded stream of requests of mixed kinds (greedy,
+captures at generated / all / last positions, an attention pattern, steered, ablated, log-probabilities of
+samples and of prompts, penalised, prefill-only, seeded samples of one or two sequences, stop tokens,
+streamed, aborted) arrives at random steps into an engine whose KV cache is small enough to preempt, whose
+prompts share long prefixes (prefix-cache hits mid-run, prefixes borrowed within a step), whose prefill is
+chunked, with async scheduling on the static decode path and graphs (emulated: tests/replayed_graphs.py).
+Every request that ends must end as it does served alone on a plain engine over the same checkpoint (no
+prefix cache, no chunking, synchronous, no static path): the same tokens and finish, log-probability ranks
+equal and values within 1e-5, captured rows at the same positions within 1e-5; streamed deltas add up to
+the output. Each session preempts, hits the prefix cache, borrows, chunks, queues steps ahead and replays
+graphs (the test checks), so a row that lands in another request, a recompute that captures twice, KV
+reused across interventions, or a queued step that reads a stale input shows up as a difference from the
+request alone."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import COMMON, build
+from replayed_graphs import replay_graphs
+from transformers import LlamaConfig
+
+from vlens import LLM, Ablate, Capture, Logprob, RequestOutput, SamplingParams, Steer
+from vlens.engine.llm_engine import NewRequest
+from vlens.engine.model_runner import ModelRunner
+from vlens.engine.sequence import Sequence
+
+D, VOCAB = COMMON["hidden_size"], COMMON["vocab_size"]
+NUM_BLOCKS = 24  # 96 tokens of KV for up to 6 sequences of up to ~50 tokens: preemption
+ENGINE = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=6, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory, smol_path) -> str:
+    """A tiny GQA Llama with SmolLM2's tokenizer (for streamed requests, whose text grows step by step)."""
+    out = build(LlamaConfig(**COMMON, num_key_value_heads=2), tmp_path_factory.mktemp("fuzz"), "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_path / name, Path(out) / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(path) -> LLM:
+    """The reference: every request served alone, on the plainest engine."""
+    return LLM(model=path, dtype="float32", device="cpu", enable_prefix_caching=False, async_scheduling=False)
+
+
+@dataclass
+class Arrival:
+    prompt: list[int]
+    params: SamplingParams
+    stream: bool
+    kind: str
+
+
+KINDS = ("greedy", "generated", "all", "stop", "pattern", "steer", "ablate", "logprobs", "prompt logprobs", "penalised",
+         "prefill only", "seeded", "seeded n=2")  # fmt: skip
+PLAIN = ("greedy", "logprobs", "prompt logprobs", "seeded", "seeded n=2")  # may borrow a prefix: nothing captured
+# or changed at the taps
+
+
+def _params(kind: str, max_tokens: int, prompt: list[int], g: torch.Generator, alone: LLM) -> SamplingParams:
+    """A request of `kind`, with its own vectors and seeds drawn from `g`."""
+    greedy = dict(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if kind == "stop":  # on a token it generates alone, at the latest at a random step
+        run = alone.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+        stop = run[int(torch.randint(0, max_tokens, (), generator=g))]
+        return SamplingParams(max_tokens=max_tokens, temperature=0, stop_token_ids=[stop],
+                              capture=Capture("blocks.2.hook_resid_pre", positions="last"))  # fmt: skip
+    fields = {
+        "greedy": lambda: greedy,
+        "generated": lambda: greedy | dict(capture=Capture(
+            ["blocks.0.hook_resid_post", "blocks.2.mlp.hook_post", "blocks.1.attn.hook_z"], positions="generated")),
+        "all": lambda: greedy | dict(capture=Capture(["blocks.1.hook_resid_post", "unembed.hook_out"])),
+        "pattern": lambda: greedy | dict(capture=Capture("blocks.1.attn.hook_pattern")),
+        "steer": lambda: greedy | dict(
+            interventions=[Steer("blocks.1.hook_resid_post", torch.randn(D, generator=g), scale=3.0)],
+            capture=Capture("blocks.2.hook_resid_post", positions="generated")),
+        "ablate": lambda: greedy | dict(
+            interventions=[Ablate("blocks.1.hook_attn_out", torch.randn(D, generator=g))], logprobs=2),
+        "logprobs": lambda: dict(max_tokens=max_tokens, temperature=0, logprobs=3),
+        "prompt logprobs": lambda: greedy | dict(prompt_logprobs=2, logprobs=1),  # computes its whole prompt
+        "penalised": lambda: greedy | dict(frequency_penalty=0.5),  # no step of it is queued ahead
+        "prefill only": lambda: dict(max_tokens=0, capture=Capture("blocks.0.hook_resid_post")),  # one layer run
+        "seeded": lambda: dict(max_tokens=max_tokens, temperature=0.9, top_k=40, logprobs=2,
+                               seed=int(torch.randint(0, 2**31, (), generator=g))),
+        "seeded n=2": lambda: dict(max_tokens=max_tokens, temperature=1.0, top_p=0.9, n=2,
+                                   seed=int(torch.randint(0, 2**31, (), generator=g))),
+    }  # fmt: skip
+    return SamplingParams(**fields[kind]())
+
+
+def _script(seed: int, alone: LLM, num_requests: int = 30) -> list[tuple[list[Arrival], int | None]]:
+    """A seeded serving session: per step, the requests that arrive and which earlier request, counted in
+    arrival order, is aborted (or None; one of the last six, which may still run). Most prompts are one of
+    three long prefixes and a short tail; now and then three plain ones behind one prefix arrive together
+    (the choices of an lm-eval question), which may borrow it from each other."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (), generator=g))
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+    def arrival(prompt: list[int], kind: str) -> Arrival:
+        params = _params(kind, randint(1, 21), prompt, g, alone)
+        return Arrival(prompt, params, bool(torch.rand((), generator=g) < 0.3), kind)
+
+    prefixes = [tokens(randint(12, 24)) for _ in range(3)]
+    script, arrived = [], 0
+    while arrived < num_requests:
+        if torch.rand((), generator=g) < 0.15:
+            prefix = prefixes[randint(0, 3)]
+            new = [arrival(prefix + tokens(randint(1, 6)), PLAIN[randint(0, len(PLAIN))]) for _ in range(3)]
+        else:
+            prompts = [prefixes[randint(0, 3)] + tokens(randint(0, 8)) if torch.rand((), generator=g) < 0.75
+                       else tokens(randint(2, 16)) for _ in range(randint(0, 3))]  # fmt: skip
+            new = [arrival(prompt, KINDS[randint(0, len(KINDS))]) for prompt in prompts]
+        new = new[: num_requests - arrived]
+        arrived += len(new)
+        abort = randint(max(0, arrived - 6), arrived) if arrived and torch.rand((), generator=g) < 0.15 else None
+        script.append((new, abort))
+    return script
+
+
+def _same_logprobs(got: list[dict[int, Logprob] | None], want: list[dict[int, Logprob] | None], what: str) -> None:
+    """Per token: the same ranks of the same tokens, values within 1e-5."""
+    for px, py in zip(got, want, strict=True):
+        assert (px is None) == (py is None), what
+        assert {t: p.rank for t, p in (px or {}).items()} == {t: p.rank for t, p in (py or {}).items()}, what
+        assert all(abs(px[t].logprob - py[t].logprob) < 1e-5 for t in px or {}), what
+
+
+def _same(got: RequestOutput, want: RequestOutput, what: str) -> None:
+    """A request's output batched against alone: tokens, ends, log-probabilities, captured rows."""
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], what
+    assert [(c.finish_reason, c.stop_reason) for c in got.outputs] == [(c.finish_reason, c.stop_reason)
+                                                                      for c in want.outputs], what  # fmt: skip
+    for cx, cy in zip(got.outputs, want.outputs, strict=True):
+        assert (cx.logprobs is None) == (cy.logprobs is None), what
+        _same_logprobs(cx.logprobs or [], cy.logprobs or [], what)
+    assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None), what
+    _same_logprobs(got.prompt_logprobs or [], want.prompt_logprobs or [], what)
+    assert got.activations.keys() == want.activations.keys(), what
+    for name, rows in want.activations.items():
+        assert got.activations[name].shape == rows.shape, (what, name)
+        assert rel_err(got.activations[name], rows) < 1e-5, (what, name)
+    if want.activation_positions is None:
+        assert got.activation_positions is None, what
+    else:
+        assert torch.equal(got.activation_positions, want.activation_positions), what
+
+
+def _count(llm: LLM) -> Counter:
+    """What the engine's scheduling does that its stats do not count, as it does it: "reused", prompt tokens
+    that fresh requests took from the prefix cache as they were admitted (a preempted sequence taking back
+    its own blocks is not counted); "borrowed", prompts that borrowed a prefix computed in their step;
+    "chunks", prompt chunks that left part of their prompt to a later step."""
+    engine, seen, counts = llm.engine, set(), Counter()
+    admit, schedule = engine.blocks.admit, engine.scheduler.schedule
+
+    def admitting(seq: Sequence) -> None:
+        admit(seq)
+        if seq not in seen:
+            seen.add(seq)
+            counts["reused"] += seq.num_computed
+
+    def scheduling() -> list[tuple[Sequence, int]]:
+        scheduled = schedule()
+        counts["borrowed"] += sum(seq.borrow is not None for seq, _ in scheduled)
+        counts["chunks"] += sum(seq.num_computed + n < seq.num_prompt for seq, n in scheduled)
+        return scheduled
+
+    engine.blocks.admit, engine.scheduler.schedule = admitting, scheduling
+    return counts
+
+
+@pytest.mark.parametrize("seed", [0, 3, 4])  # sessions that do all of it (the last asserts check)
+def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
+    kv_bytes = NUM_BLOCKS * ModelRunner.bytes_per_block(alone.model, ENGINE["block_size"])
+    llm = LLM(model=path, kv_cache_memory=kv_bytes, **ENGINE)
+    replay_graphs(llm.runner)
+    engine, counts = llm.engine, _count(llm)
+    ids, arrivals, aborted, done, streamed = [], [], set(), {}, {}
+
+    def step() -> None:
+        for delta in engine.step():
+            assert delta.request_id not in aborted, "a delta after its request was aborted"
+            tokens, text = streamed.setdefault((delta.request_id, delta.index), ([], []))
+            tokens += delta.token_ids
+            text.append(delta.text)
+            if delta.output is not None:
+                done[delta.request_id] = delta.output
+
+    for new, abort in _script(seed, alone):
+        ids += engine.add_requests([NewRequest(a.prompt, a.params, stream=a.stream) for a in new])
+        arrivals += new
+        if abort is not None and ids[abort] not in done:
+            engine.abort(ids[abort])
+            aborted.add(ids[abort])
+        step()
+    while engine.has_work():
+        step()
+
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0  # every block came back
+    assert len(done) + len(aborted) == len(ids) and aborted
+    for (request, index), (tokens, text) in streamed.items():
+        if request in done:
+            assert tokens == done[request].outputs[index].token_ids
+            assert "".join(text) == done[request].outputs[index].text
+    for request, arrival in zip(ids, arrivals, strict=True):
+        if request in done:
+            want = alone.generate([arrival.prompt], arrival.params, use_tqdm=False)[0]
+            _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)})")
+    graphs = llm.runner.graph_stats
+    assert stats.num_preemptions > 0 and graphs.ahead_steps > 0 and graphs.graph_steps > 0
+    assert counts["reused"] > 0 and counts["borrowed"] > 0 and counts["chunks"] > 0
+    assert any(c.finish_reason == "stop" for out in done.values() for c in out.outputs)
