@@ -9,7 +9,7 @@ slow section costs only itself. Sections:
   exact     SmolLM2-shape, float32, TF32 off: every tap of a packed trace vs HF computed on the CPU; a paged
             generation with graphs on, 3 layers + logits captured at every row, vs HF's forward of prompt +
             output on the CPU; greedy tokens vs HF's; the same generation in prefill chunks of 64 tokens vs
-            the whole-prompt one
+            the whole-prompt one, in float32 and (prompt rows, within 1e-2) in bfloat16
   generate  bf16 Llama-3.2-1B shape, 256 prompts of 32-512 tokens x 128 new tokens: vlens (graphs, eager) vs
             HF generate in left-padded batches of 64; capture of 3 layers at every generated row, a different
             Steer per request, both: time vs plain, graphs on; and ("latency_ms") one decode step at batch
@@ -146,10 +146,23 @@ def exactness(rows: dict, root: Path, quick: bool) -> None:
         for h in hooks:
             a, b = o.activations[h].double(), c.activations[h].double()
             chunked_worst = max(chunked_worst, ((a - b).norm() / a.norm()).item())
+    chunked = None
+    # bfloat16 prompt rows, whole and in chunks of 64: the chunks after cached keys run Flash Attention's
+    # bottom-right causal kernel (float32 takes the memory-efficient one)
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, capture=Capture(hooks, positions="all"))
+    whole, parts = (
+        LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=16, kv_cache_memory=1 << 30, max_num_batched_tokens=b)
+        .generate(prompts, first, use_tqdm=False) for b in (4096, 64)
+    )  # fmt: skip
+    bf16_worst = max(
+        ((o.activations[h].double() - c.activations[h].double()).norm() / o.activations[h].double().norm()).item()
+        for o, c in zip(whole, parts) for h in hooks
+    )  # fmt: skip
     rows["exact"] = {
         "trace_taps": len(errs), "trace_max_rel_err": max(errs.values()), "decode_rows": sum(len(p) + 23 for p in prompts),
         "decode_max_rel_err": worst, "greedy_equal": f"{equal}/{len(prompts)}", "graph_steps": stats.graph_steps,
         "chunked_vs_whole_max_rel_err": chunked_worst, "chunked_greedy_equal": f"{chunked_equal}/{len(prompts)}",
+        "bf16_chunked_vs_whole_max_rel_err": bf16_worst, "bf16_chunked_ok": bf16_worst <= 1e-2,
         "ok": max(errs.values()) <= 1e-5 and worst <= 1e-5 and equal == len(prompts) and chunked_worst <= 1e-5
         and chunked_equal == len(prompts),
     }  # fmt: skip

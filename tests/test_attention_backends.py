@@ -184,17 +184,23 @@ def test_varlen_arguments_gather_keys_or_read_pages():
 
 def test_sdpa_reads_fresh_prompts_keys_where_they_are():
     """Prompts computed from their first token read their own rows under SDPA's causal mask (no gather, no
-    mask); a chunk after cached keys gathers them, and so does every sequence of its call."""
+    mask); chunks after cached keys gather them, with a mask when several share a call and none (causal
+    from the bottom right) for one alone, except for the layers whose window or soft cap needs it."""
     from vlens.attention.sdpa import SdpaBackend
 
     put = lambda name, values: torch.as_tensor(values)  # noqa: E731
-    fresh = layout([0, 0], [5, 4], [5, 4], [[3, 1], [0, 2]], 4, 64, put)
+    tables = [[3, 1, 5], [0, 2, 6]]
+    fresh = layout([0, 0], [5, 4], [5, 4], tables, 4, 64, put)
     (group,) = SdpaBackend().prepare(fresh, {KIND}, torch.float32)
     assert group.key_slots is None and group.masks == {None: None}
-    later = layout([0, 4], [5, 4], [5, 8], [[3, 1], [0, 2]], 4, 64, put)
+    later = layout([4, 4], [5, 4], [9, 8], tables, 4, 64, put)
     (group,) = SdpaBackend().prepare(later, {KIND}, torch.float32)
-    assert group.key_slots.tolist() == [[12, 13, 14, 15, 4, 5, 6, 7], [0, 1, 2, 3, 8, 9, 10, 11]]
-    assert group.masks[None].shape == (2, 1, 5, 8)
+    assert group.key_slots.tolist() == [[12, 13, 14, 15, 4, 5, 6, 7, 20], [0, 1, 2, 3, 8, 9, 10, 11, 0]]
+    assert group.masks[None].shape == (2, 1, 5, 9) and not group.chunk_after_cache
+    windowed = KIND._replace(window=3)
+    alone, fresh_one = SdpaBackend().prepare(layout([4, 0], [5, 4], [9, 4], tables, 4, 64, put), {KIND, windowed}, torch.float32)
+    assert alone.chunk_after_cache and alone.key_slots is not None and set(alone.masks) == {3}  # only the window's
+    assert fresh_one.key_slots is None
 
 
 def test_flex_block_mask_covers_the_steps_keys_not_the_cache():
@@ -241,7 +247,8 @@ def test_stacked_heads_equal_grouped_query_sdpa():
 def test_sdpa_groups_decodes_by_their_keys():
     """Decodes read every key up to their group's longest context, so decodes of very different lengths
     (ordered longest first) share a call only while the padding stays small; prefill chunks group while
-    their queries and their keys are at most half padding."""
+    their queries and their keys are at most half padding, fresh prompts apart from chunks after cached
+    keys."""
     from vlens.attention.sdpa import MIN_PADDED_KEYS, _group
 
     contexts = [400, 390, 385, 300, 290, 60, 50, 40, 8, 5]
@@ -254,7 +261,9 @@ def test_sdpa_groups_decodes_by_their_keys():
     assert _group([1] * 5, None) == [list(range(5))]  # no cache: one key each
     assert _group([9, 8, 1, 1, 2], [9, 8, 30, 500, 2]) == [[0, 1], [2, 3], [4]]  # a few padded keys: one call
     assert _group([16, 12, 12, 12], [16, 12, 12, 12]) == [[0, 1, 2, 3]]  # fresh prompts of alike lengths
-    assert _group([16, 12, 12, 12], [216, 12, 12, 12]) == [[0, 1], [2, 3]]  # one with a long cached context
+    assert _group([16, 12, 12, 12], [216, 12, 12, 12]) == [[0], [1, 2, 3]]  # one with a long cached context
+    assert _group([64, 64], [100_000, 64]) == [[0], [1]]  # a pair: half padding alone would join them
+    assert _group([12, 10, 9], [40, 30, 9]) == [[0, 1], [2]]  # chunks after cached keys together, not with fresh
     assert _group([16, 12, 12, 12], None) == [[0, 1, 2, 3]]  # no cache: the keys are the queries
     # chunks after long cached contexts: each alone once their call's mask would pass MAX_MASK elements
     assert _group([2048, 2048], [100_000, 100_000]) == [[0], [1]]

@@ -152,7 +152,8 @@ def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_grap
     replay_graphs(runner)
     replayed = llm.generate(prompts, params, use_tqdm=False)  # first, while the buffers are small
     assert runner.graph_stats.graph_steps >= 30 and runner.buffers.generation > generation  # buffers grew
-    assert len(runner._graphs) == min(max_graphs, runner.graph_stats.graphs_captured) and runner.graph_stats.graphs_captured > 2
+    assert len(runner._graphs) <= max_graphs < runner.graph_stats.graphs_captured or max_graphs == 64
+    assert {key[2] for key in runner._graphs} == {runner.buffers.generation}  # none over moved buffers
     runner.graphs = runner.static_decode = False
     for a, b in zip(llm.generate(prompts, params, use_tqdm=False), replayed, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

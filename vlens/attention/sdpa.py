@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind
 
 # Padded keys a group of decodes may read whatever its real keys: a split costs a call and two gathers.
 MIN_PADDED_KEYS = 1024
-HALF = (torch.float16, torch.bfloat16)  # what Flash Attention takes
 # Elements of the [B, queries, keys] mask a prefill call over cached keys may build (on CUDA it is repeated
 # for the query heads of a KV head, in the model's dtype: 256 MiB at 4 heads in bfloat16)
 MAX_MASK = 1 << 25
@@ -135,24 +135,25 @@ def _group(query_lens: list[int], context_lens: list[int] | None) -> list[list[i
     joins while the padded keys stay within an eighth of the real ones, or MIN_PADDED_KEYS, so decodes of
     very different lengths (which the runner orders longest first) take a few calls instead of all reading
     the longest context (on the CPU, 64 decodes of 8-400-token prompts, SmolLM2's widths: ~30% less time
-    a step). Prefill chunks over cached keys share a call only while its mask, [B, widest queries, widest
-    keys], stays within MAX_MASK (two 2,048-token chunks after 100k keys each would need 3 GiB on CUDA);
-    alone, a chunk needs none (`AttentionGroup.chunk_after_cache`)."""
+    a step). Fresh prompts and chunks after cached keys never share a call: the first read their own rows
+    with no mask, and a fresh prompt beside a later chunk of a long prompt would read all its keys (half
+    padding allows any pair). Chunks after cached keys share one only while its mask, [B, widest queries,
+    widest keys], stays within MAX_MASK (two 2,048-token chunks after 100k keys each would need 3 GiB on
+    CUDA); alone, a chunk needs none (`AttentionGroup.chunk_after_cache`)."""
     groups: list[list[int]] = []
     queries = widest_q = keys = widest_k = 0
-    cached = False  # whether the open group has a chunk after cached keys (its call then builds a mask)
+    cached = False  # whether the open group's prefill chunks follow cached keys (its call builds a mask)
     for i, n in enumerate(query_lens):
         k = n if context_lens is None else context_lens[i]
         decode = n == 1
         if groups and decode == (query_lens[groups[-1][0]] == 1):
             size, q, wq, kk, wk = len(groups[-1]) + 1, queries + n, max(widest_q, n), keys + k, max(widest_k, k)
-            masked = not decode and (cached or k > n)
             if (
                 size * wq - q <= q and size * wk - kk <= (max(MIN_PADDED_KEYS, kk // 8) if decode else kk)
-                and not (masked and size * wq * wk > MAX_MASK)
+                and (decode or (k > n) == cached and not (cached and size * wq * wk > MAX_MASK))
             ):  # fmt: skip
                 groups[-1].append(i)
-                queries, widest_q, keys, widest_k, cached = q, wq, kk, wk, masked
+                queries, widest_q, keys, widest_k = q, wq, kk, wk
                 continue
         groups.append([i])
         queries = widest_q = n
@@ -216,13 +217,13 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """SDPA, never with cuDNN's kernel on CUDA: its flag is turned off around the call (under a microsecond;
     PyTorch's sdpa_kernel context costs 13) and restored, so the process's own SDPA calls are untouched.
-    On CUDA only Flash Attention has a grouped-query mode, and it takes neither float32 nor a mask; for
-    those the KV heads are repeated, as the memory-efficient kernel then runs, where SDPA would fall back
-    to its math kernel, which holds every score (32 heads over 8k float32 tokens: 8 GiB)."""
+    On CUDA only Flash Attention has a grouped-query mode, and it takes neither float32 nor a mask (but a
+    bottom-right causal one), nor every card; where it cannot run, the KV heads are repeated, as the
+    memory-efficient kernel then runs, where SDPA would fall back to its math kernel, which holds every
+    score (32 heads over 8k float32 tokens: 8 GiB)."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    mask = kwargs.get("attn_mask")
-    if kwargs.get("enable_gqa") and (q.dtype not in HALF or not (mask is None or isinstance(mask, CausalBias))):
+    if kwargs.get("enable_gqa") and not _flash_takes(q, k, v, kwargs):
         kwargs["enable_gqa"] = False
         k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
     was = torch.backends.cuda.cudnn_sdp_enabled()
@@ -231,6 +232,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.T
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> bool:
+    """Whether Flash Attention runs this grouped-query call: no mask but a bottom-right causal one, and
+    what this card and build take (16-bit, head size, sm80+)."""
+    mask = kwargs.get("attn_mask")
+    if not (mask is None or isinstance(mask, CausalBias)):
+        return False
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, bool(kwargs.get("is_causal")), True))
 
 
 def _stacked_mask(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:

@@ -80,5 +80,5 @@ class StepBuffers:
             start, stop = self._span
             self._dev_block[start:stop].copy_(self._host_block[start:stop], non_blocking=True)
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         self._span = None

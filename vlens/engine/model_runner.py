@@ -106,8 +106,6 @@ class ModelRunner:
         (on CUDA only; `static_decode` is then on)."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
-        if self.device.type == "cuda":  # the device of every stream, event and graph made without naming one
-            torch.cuda.set_device(self.device)
         self.dtype = model.lm_head.weight.dtype
         self.kinds = {attn.kind for attn in model.attention_layers()}
         self.max_bucket = bucket(max_seqs)
@@ -258,7 +256,7 @@ class ModelRunner:
             host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
             host.copy_(out.tokens, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             out.arriving = (host, event)
         return out
 
@@ -320,6 +318,8 @@ class ModelRunner:
             key = (size, pages, generation, _signature(taps))
             entry = self._graphs.pop(key, None)  # (put back last: the dict runs from least to most recently used)
             if entry is None:
+                for stale in [k for k in self._graphs if k[2] != generation]:  # (over buffers since moved)
+                    del self._graphs[stale]
                 if len(self._graphs) >= MAX_GRAPHS:  # the least recently used goes; its memory returns to the pool
                     del self._graphs[next(iter(self._graphs))]
                 try:
@@ -349,7 +349,8 @@ class ModelRunner:
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # (the capture stream torch.cuda.graph makes is the current device's, which may be another model's)
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._pool):
             _, logits = run()
         self._pool = graph.pool()
         stats = self.graph_stats

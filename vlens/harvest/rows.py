@@ -143,9 +143,10 @@ class DeviceRows:
             shard.forward_seconds += time.perf_counter() - started
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        stream = torch.cuda.current_stream(self.device)
+        start.record(stream)
         job.forward(self.runner, sequences, hooks)
-        end.record()
+        end.record(stream)
         shard.timings.append((start, end))
 
     def _hook(
