@@ -129,17 +129,17 @@ class SdpaBackend:
 def _group(query_lens: list[int], context_lens: list[int] | None) -> list[list[int]]:
     """Consecutive sequences that share a grid: [B, widest queries] queries against [B, widest keys] keys
     (`context_lens`; None: no cache, a sequence's keys are its queries), which an SDPA call (and the key
-    gather before it) costs in proportion to, padding included. A prefill chunk joins a group while both
-    grids stay at most half padding: a chunk with a long cached context (a later chunk of a long prompt, a
-    prefix-cache hit) does not make fresh prompts of its size read all its keys. A decode (one query)
-    joins while the padded keys stay within an eighth of the real ones, or MIN_PADDED_KEYS, so decodes of
-    very different lengths (which the runner orders longest first) take a few calls instead of all reading
-    the longest context (on the CPU, 64 decodes of 8-400-token prompts, SmolLM2's widths: ~30% less time
-    a step). Fresh prompts and chunks after cached keys never share a call: the first read their own rows
-    with no mask, and a fresh prompt beside a later chunk of a long prompt would read all its keys (half
-    padding allows any pair). Chunks after cached keys share one only while its mask, [B, widest queries,
-    widest keys], stays within MAX_MASK (two 2,048-token chunks after 100k keys each would need 3 GiB on
-    CUDA); alone, a chunk needs none (`AttentionGroup.chunk_after_cache`)."""
+    gather before it) costs in proportion to, padding included.
+    - A decode (one query) joins while the padded keys stay within an eighth of the real ones, or
+      MIN_PADDED_KEYS, so decodes of very different lengths (which the runner orders longest first) take a
+      few calls instead of all reading the longest context (on the CPU, 64 decodes of 8-400-token prompts,
+      SmolLM2's widths: ~30% less time a step).
+    - A prefill chunk joins while both grids stay at most half padding, and only a group of its kind: fresh
+      prompts read their own rows with no mask, and one beside a later chunk of a long prompt (or a
+      prefix-cache hit) would read all its keys (half padding alone joins any pair). Chunks after cached
+      keys share a call only while its mask, [B, widest queries, widest keys], stays within MAX_MASK (two
+      2,048-token chunks after 100k keys each would need 3 GiB on CUDA); alone, a chunk needs none
+      (`AttentionGroup.chunk_after_cache`)."""
     groups: list[list[int]] = []
     queries = widest_q = keys = widest_k = 0
     cached = False  # whether the open group's prefill chunks follow cached keys (its call builds a mask)
