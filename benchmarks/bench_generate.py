@@ -28,6 +28,9 @@ layers, 64 prompts of 8-400 tokens x 32 new tokens; decode ms per step of HF's l
 and vlens with every decode in one SDPA call (each row reading the longest context's keys); then, on the
 same model, the prefill of 4 prompts extending a cached 1,536-token prefix beside 28 fresh ones, grouped by
 queries and keys against by queries alone.
+Then sliding windows at a long context (--workload window, or all): a random Gemma 3 of 6 layers (5 local, window
+256), 8 prompts of 4,000 tokens; decode ms per step of vlens (local layers gather their window's keys), of
+vlens reading every key under the mask, and of HF's forward step over its cache.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn).
 """
 
@@ -39,9 +42,10 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig
 
 from vlens import LLM, Capture, SamplingParams, Steer
+from vlens.engine.llm_engine import NewRequest
 from vlens.loader import resolve_model_path
 
 SUBJECTS = [
@@ -88,7 +92,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "all"], default="all")
+    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", "all"], default="all")
     args = ap.parse_args()
     if args.workload in ("smol", "all"):
         smol(args)
@@ -96,6 +100,8 @@ def main() -> None:
         host_overhead(args)
     if args.workload in ("spread", "all"):
         spread(args)
+    if args.workload in ("window", "all"):
+        window(args.repeats)
 
 
 def smol(args: argparse.Namespace) -> None:
@@ -347,6 +353,63 @@ def beside_a_cached_prefix(llm: LLM, repeats: int) -> None:
     print(f"{'case':<44}{'s':>10}{'ratio':>10}")
     print(f"{'vlens, prefill grouped by queries and keys':<44}{t_keys:>10.3f}{t_keys / t_queries:>9.2f}x")
     print(f"{'vlens, grouped by queries alone':<44}{t_queries:>10.3f}")
+
+
+def window(repeats: int, batch: int = 8, context: int = 4000, steps: int = 30) -> None:
+    """Decode ms per step at a long context on a sliding-window model: a random Gemma 3 of 6 layers, 5 of them
+    local with a 256-token window, 8 prompts of 4,000 tokens. vlens gathers a local layer's keys from its
+    window on (`AttentionGroup.first_key`), against the same engine reading every key under the mask, and
+    HF's forward step over its cache (whose local layers keep their window only)."""
+    import vlens.attention.sdpa as sdpa
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=256,
+                              max_position_embeddings=8192)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        llm = LLM(model=tmp, dtype="float32", device="cpu", enable_prefix_caching=False)
+    rng = random.Random(0)
+    ids = [[rng.randrange(1, 512) for _ in range(context)] for _ in range(batch)]
+
+    def vlens_steps(whole_keys: bool) -> float:
+        """Seconds a decode step, the prompts prefilled first (not timed)."""
+        engine, first_key = llm.engine, sdpa.AttentionGroup.first_key
+        if whole_keys:
+            sdpa.AttentionGroup.first_key = lambda self, window: 0
+        try:
+            engine.add_requests([NewRequest(p, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)) for p in ids])
+            while engine.scheduler.waiting or any(seq.num_generated == 0 for seq in engine.scheduler.running):
+                engine.step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            seconds = (time.perf_counter() - start) / steps
+            while engine.has_work():
+                engine.step()
+            return seconds
+        finally:
+            sdpa.AttentionGroup.first_key = first_key
+
+    def hf_steps() -> float:
+        with torch.inference_mode():
+            out = hf(input_ids=torch.tensor(ids), use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = hf(input_ids=token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+            return (time.perf_counter() - start) / steps
+
+    t_window, t_whole, t_hf = (min(fn() for _ in range(repeats)) for fn in (
+        lambda: vlens_steps(False), lambda: vlens_steps(True), hf_steps))  # fmt: skip
+    print(f"\nsliding windows at a long context: random Gemma 3, 6 layers (5 local, window 256), {batch} prompts of "
+          f"{context} tokens; decode ms/step")  # fmt: skip
+    print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}")
+    print(f"{'HF forward step over its cache':<44}{1000 * t_hf:>10.2f}")
+    print(f"{'vlens, local layers read their window':<44}{1000 * t_window:>10.2f}{t_window / t_hf:>9.2f}x")
+    print(f"{'vlens, every key read under the mask':<44}{1000 * t_whole:>10.2f}{t_whole / t_hf:>9.2f}x")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ rows of the step: those are read where they are, under SDPA's own causal mask, a
 after its cached keys (chunked prefill, a prefix-cache hit) is causal from the bottom right of its
 [queries, keys], which SDPA takes as a CausalBias: no mask is built (a 4,096-token chunk after 100k keys
 would need 3 GiB for it on CUDA, as the memory-efficient kernel takes one) and Flash Attention runs it.
+A sliding-window layer gathers and masks only the keys from its grid's first visible one on (on the CPU,
+decodes of a 4,000-token context through 256-token windows: 9.9 ms a step instead of 24.7).
 
 SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
 what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
@@ -48,7 +50,8 @@ class AttentionGroup:
     contiguous packed rows `rows`."""
 
     rows: slice
-    query_positions: torch.Tensor  # [B, max_q] position of each grid slot (0 in unused slots)
+    query_positions: torch.Tensor  # [B, max_q] position of each grid slot (unused ones: the row's last)
+    first_query: int = 0  # the smallest query position of the grid
     q_index: torch.Tensor | None = None  # [rows] slot of each token in the flattened grid; None = identity
     key_slots: torch.Tensor | None = None  # [B, Lk] cache slot of key j of each sequence; None = no cache
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, 1, max_q, Lk]
@@ -72,6 +75,13 @@ class AttentionGroup:
     def masked(self, kind: LayerKind) -> bool:
         """Whether layers of `kind` read a mask built for this grid."""
         return not (self.chunk_after_cache and kind.window is None and kind.softcap is None)
+
+    def first_key(self, window: int | None) -> int:
+        """The first cached key a query of the grid may see through `window`: those before it are neither
+        gathered nor masked (a decode at position 20,000 of a 512-token window reads 512 keys, not 20,000)."""
+        if window is None or self.key_slots is None:
+            return 0
+        return max(0, self.first_query - window + 1)
 
 
 class SdpaBackend:
@@ -102,7 +112,7 @@ class SdpaBackend:
         starts = np.asarray(meta.context_lens[first:stop]) - lens
         max_q, rows = int(lens.max()), int(lens.sum())
         grid = np.arange(max_q)
-        query_positions = np.where(grid < lens[:, None], starts[:, None] + grid, 0)
+        query_positions = starts[:, None] + np.minimum(grid, lens[:, None] - 1)  # (an unused slot sees keys too)
         q_index = None
         if int(lens.min()) != max_q:
             seq = np.repeat(np.arange(len(lens)), lens)
@@ -113,6 +123,7 @@ class SdpaBackend:
         return AttentionGroup(
             rows=slice(first_row, first_row + rows),
             query_positions=torch.from_numpy(query_positions).to(device, non_blocking=True),
+            first_query=int(starts.min()),
             q_index=None if q_index is None else q_index.to(device, non_blocking=True),
             key_slots=key_slots,
         )
@@ -163,13 +174,13 @@ def _group(query_lens: list[int], context_lens: list[int] | None) -> list[list[i
 
 
 def _mask(g: AttentionGroup, window: int | None) -> torch.Tensor | None:
-    """Boolean [B, 1, max_q, Lk] (None: plain causal over keys that are the queries, SDPA's is_causal).
-    Key j of a sequence sits at position j, so query position p may see keys p - window < j <= p, as in
-    HF's sliding-window mask."""
+    """Boolean [B, 1, max_q, keys from first_key(window) on] (None: plain causal over keys that are the
+    queries, SDPA's is_causal). Key j of a sequence sits at position j, so query position p may see keys
+    p - window < j <= p, as in HF's sliding-window mask."""
     if g.key_slots is None and window is None:
         return None
     num_keys = g.max_q if g.key_slots is None else g.key_slots.shape[1]
-    key_pos = torch.arange(num_keys, device=g.query_positions.device)
+    key_pos = torch.arange(g.first_key(window), num_keys, device=g.query_positions.device)
     q = g.query_positions[:, None, :, None]
     allowed = key_pos <= q
     if window is not None:
@@ -179,7 +190,9 @@ def _mask(g: AttentionGroup, window: int | None) -> torch.Tensor | None:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: AttentionGroup) -> torch.Tensor:
     if g.key_slots is not None:
-        keys, values = gather(layer.k_cache, g.key_slots), gather(layer.v_cache, g.key_slots)
+        first = g.first_key(layer.window)
+        slots = g.key_slots[:, first:] if first else g.key_slots
+        keys, values = gather(layer.k_cache, slots), gather(layer.v_cache, slots)
     else:
         keys, values = _to_grid(k, g), _to_grid(v, g)
     q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
