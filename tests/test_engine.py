@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import rel_err
 
-from vlens import LLM, Capture, SamplingParams
+from vlens import LLM, Capture, SamplingParams, Steer
 
 PROMPTS = [
     "The capital of France is",
@@ -199,6 +199,39 @@ def test_prefix_cache_is_used_and_capture_still_complete(smol4_path):
     [again] = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids
     assert len(llm.engine.blocks.cached) == filled  # nothing new: the prefix came from the cache
+
+
+def test_capturing_prompts_borrow_a_shared_prefix_but_not_rows_they_capture(smol4_path):
+    """Prompts behind one system prompt, admitted in one step, compute it once also when they capture or
+    steer, as a prefix-cache hit would let them: a capture of generated rows or of the last row borrows it,
+    a capture of every row computes its own, a steered request borrows only from one steered alike. Every
+    token and captured row is what the request gets alone."""
+    llm = LLM(model=str(smol4_path), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=False,
+              kv_cache_memory=64 << 20)  # fmt: skip
+    system = llm.tokenizer("You are a careful assistant who answers in one short sentence, politely.")["input_ids"]
+    prompts = [system + [1000 + i, 7, 8] for i in range(6)]  # the first token after the system prompt differs
+    steer = Steer("blocks.1.hook_resid_post", torch.randn(576, generator=torch.Generator().manual_seed(0)) * 4)
+    greedy = dict(max_tokens=3, temperature=0)
+    params = [
+        SamplingParams(**greedy),
+        SamplingParams(**greedy, capture=Capture(["blocks.1.hook_resid_post", "blocks.2.attn.hook_z"], positions="generated")),
+        SamplingParams(**greedy, capture=Capture("blocks.3.attn.hook_pattern", positions="last")),
+        SamplingParams(**greedy, capture=Capture("blocks.0.hook_resid_post")),  # every row
+        SamplingParams(**greedy, interventions=[steer]),
+        SamplingParams(**greedy, interventions=[steer], capture=Capture("blocks.2.hook_resid_post", positions="generated")),
+    ]  # fmt: skip
+    computed = llm.engine.scheduler.tokens_computed
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    borrowed = (len(system) - 1) * 3  # requests 1 and 2 (from 0) and 5 (from 4); 3 and 4 compute their own
+    assert llm.engine.scheduler.tokens_computed - computed == sum(map(len, prompts)) - borrowed + 2 * len(prompts)
+    for out, prompt, p in zip(outs, prompts, params):
+        [alone] = llm.generate([prompt], p, use_tqdm=False)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        if p.capture is not None:
+            assert out.activation_positions.tolist() == alone.activation_positions.tolist()
+        for name, value in alone.activations.items():
+            assert rel_err(out.activations[name], value) < 1e-5, name
+    assert outs[4].outputs[0].token_ids != outs[0].outputs[0].token_ids  # the steer took effect
 
 
 def test_seed_gives_same_sample_whatever_the_batch(smol4):

@@ -61,8 +61,6 @@ class Arrival:
 
 KINDS = ("greedy", "generated", "all", "stop", "pattern", "steer", "ablate", "logprobs", "prompt logprobs", "penalised",
          "prefill only", "seeded", "seeded n=2")  # fmt: skip
-PLAIN = ("greedy", "logprobs", "prompt logprobs", "seeded", "seeded n=2")  # may borrow a prefix: nothing captured
-# or changed at the taps
 
 
 def _params(kind: str, max_tokens: int, prompt: list[int], g: torch.Generator, alone: LLM) -> SamplingParams:
@@ -99,7 +97,7 @@ def _params(kind: str, max_tokens: int, prompt: list[int], g: torch.Generator, a
 def _script(seed: int, alone: LLM, num_requests: int = 30) -> list[tuple[list[Arrival], int | None]]:
     """A seeded serving session: per step, the requests that arrive and which earlier request, counted in
     arrival order, is aborted (or None; one of the last six, which may still run). Most prompts are one of
-    three long prefixes and a short tail; now and then three plain ones behind one prefix arrive together
+    three long prefixes and a short tail; now and then three requests behind one prefix arrive together
     (the choices of an lm-eval question), which may borrow it from each other."""
     g = torch.Generator().manual_seed(seed)
 
@@ -118,7 +116,7 @@ def _script(seed: int, alone: LLM, num_requests: int = 30) -> list[tuple[list[Ar
     while arrived < num_requests:
         if torch.rand((), generator=g) < 0.15:
             prefix = prefixes[randint(0, 3)]
-            new = [arrival(prefix + tokens(randint(1, 6)), PLAIN[randint(0, len(PLAIN))]) for _ in range(3)]
+            new = [arrival(prefix + tokens(randint(1, 6)), KINDS[randint(0, len(KINDS))]) for _ in range(3)]
         else:
             prompts = [prefixes[randint(0, 3)] + tokens(randint(0, 8)) if torch.rand((), generator=g) < 0.75
                        else tokens(randint(2, 16)) for _ in range(randint(0, 3))]  # fmt: skip
@@ -161,7 +159,8 @@ def _same(got: RequestOutput, want: RequestOutput, what: str) -> None:
 def _count(llm: LLM) -> Counter:
     """What the engine's scheduling does that its stats do not count, as it does it: "reused", prompt tokens
     that fresh requests took from the prefix cache as they were admitted (a preempted sequence taking back
-    its own blocks is not counted); "borrowed", prompts that borrowed a prefix computed in their step;
+    its own blocks is not counted); "borrowed by captures", prompts that capture rows and borrowed a prefix
+    computed in their step;
     "chunks", prompt chunks that left part of their prompt to a later step."""
     engine, seen, counts = llm.engine, set(), Counter()
     admit, schedule = engine.blocks.admit, engine.scheduler.schedule
@@ -174,7 +173,7 @@ def _count(llm: LLM) -> Counter:
 
     def scheduling() -> list[tuple[Sequence, int]]:
         scheduled = schedule()
-        counts["borrowed"] += sum(seq.borrow is not None for seq, _ in scheduled)
+        counts["borrowed by captures"] += sum(seq.borrow is not None and bool(seq.taps.streams) for seq, _ in scheduled)
         counts["chunks"] += sum(seq.num_computed + n < seq.num_prompt for seq, n in scheduled)
         return scheduled
 
@@ -182,7 +181,7 @@ def _count(llm: LLM) -> Counter:
     return counts
 
 
-@pytest.mark.parametrize("seed", [0, 3, 4])  # sessions that do all of it (the last asserts check)
+@pytest.mark.parametrize("seed", [1, 6, 8])  # sessions that do all of it (the last asserts check)
 def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
     kv_bytes = NUM_BLOCKS * ModelRunner.bytes_per_block(alone.model, ENGINE["block_size"])
     llm = LLM(model=path, kv_cache_memory=kv_bytes, **ENGINE)
@@ -222,5 +221,5 @@ def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
             _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)})")
     graphs = llm.runner.graph_stats
     assert stats.num_preemptions > 0 and graphs.ahead_steps > 0 and graphs.graph_steps > 0
-    assert counts["reused"] > 0 and counts["borrowed"] > 0 and counts["chunks"] > 0
+    assert counts["reused"] > 0 and counts["borrowed by captures"] > 0 and counts["chunks"] > 0
     assert any(c.finish_reason == "stop" for out in done.values() for c in out.outputs)

@@ -92,7 +92,7 @@ class Scheduler:
                 break
             if lender is not None:
                 seq.borrow = self._borrow(seq, *lender)
-            if _plain(seq):
+            if _fresh(seq):
                 lenders.setdefault(_key(seq), []).append((seq, seq.num_computed + n))
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -108,19 +108,21 @@ class Scheduler:
         """A sequence admitted in this step whose prompt starts like this one's, and how many leading tokens
         this one can take from it (more than the prefix cache gave): the choices of one lm-eval question,
         prompts behind one system prompt. Its last shared token is left to compute, whose logits give
-        the first differing token's log-probability. Only between sequences that neither capture nor
-        intervene (rows they want, keys they change); one that wants prompt log-probabilities borrows only
-        from one that computes the same ones."""
-        if not _plain(seq):
+        the first differing token's log-probability. It takes what a prefix-cache hit on the lender's
+        blocks would give: their cache salts must agree (the same interventions, the same layers run, so
+        the same keys), and rows it captures it computes itself; one that wants prompt log-probabilities
+        borrows only from one that computes the same ones."""
+        if not _fresh(seq):
             return None
         best, length = None, seq.num_computed
+        wanted_from = seq.taps.reusable_prefix(len(seq.token_ids))
         for lender, covered in lenders.get(_key(seq), [])[-_CANDIDATES:]:
             if lender.cache_salt != seq.cache_salt or (
                 seq.prompt_logprobs is not None
                 and (lender.prompt_logprobs is None or lender.params.prompt_logprobs != seq.params.prompt_logprobs)
             ):
                 continue
-            shared = min(_common_prefix(seq.token_ids, lender.token_ids) - 1, covered)
+            shared = min(_common_prefix(seq.token_ids, lender.token_ids) - 1, covered, wanted_from)
             if shared > length:
                 best, length = lender, shared
         return None if best is None else (best, length)
@@ -149,11 +151,10 @@ class Scheduler:
         self.blocks.release(seq)
 
 
-def _plain(seq: Sequence) -> bool:
-    """Whether a sequence may share a prompt prefix computed in its step: a fresh prompt (nothing generated
-    or delivered yet), the whole model, nothing captured or changed at the taps."""
-    fresh = seq.num_generated == 0 and (seq.prompt_logprobs is None or len(seq.prompt_logprobs) == 1)
-    return fresh and seq.depth is None and not seq.taps.streams and not seq.taps.interventions
+def _fresh(seq: Sequence) -> bool:
+    """Whether a sequence may share a prompt prefix computed in its step: nothing generated or delivered
+    yet (what else its keys depend on is in its cache salt, which lender and borrower share)."""
+    return seq.num_generated == 0 and (seq.prompt_logprobs is None or len(seq.prompt_logprobs) == 1)
 
 
 def _slot(seq: Sequence, position: int, block_size: int) -> int:
