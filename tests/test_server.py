@@ -245,6 +245,9 @@ BAD = [
     ({"logit_bias": {"49152": 1}}, 400, "logit_bias", None),
     ({"logit_bias": {"5": -101}}, 400, "logit_bias", None),
     ({"logit_bias": {"five": 1}}, 400, "logit_bias", None),
+    # found in review: these failed the engine's step, and with it every request running then (a 500 for all)
+    ({"top_k": 2**63}, 400, "top_k", None),
+    ({"vlens": {"capture": {**CAPTURE, "logit_lens": 49153}}}, 400, "vlens.capture.logit_lens", None),
     ({"presence_penalty": 3}, 400, "presence_penalty", None),
     ({"repetition_penalty": 0}, 400, "repetition_penalty", None),
     ({"suffix": "x"}, 400, "suffix", None),

@@ -184,6 +184,8 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
         bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t == LOGITS]
         if bad:
             raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {cfg.hidden_size}; not {bad}")
+        if capture.logit_lens > cfg.vocab_size:  # else the step's topk fails, and every request in it
+            raise ValueError(f"capture.logit_lens: {capture.logit_lens} is more than the vocabulary's {cfg.vocab_size}")
         readout = partial(logit_lens, model=model, k=capture.logit_lens)
     if capture.sae is not None:
         device, dtype = weight.device, weight.dtype
