@@ -148,6 +148,19 @@ def test_stop_seed_and_logprobs(client):
     assert len(chat) == 4 and all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in chat)
 
 
+def test_seeds_of_any_size(client):
+    """Found in review: a seed past int64 (or seed + i of sample i) failed the engine's step and every request
+    in it; the sampler hashes 64 bits of a seed, so a larger one wraps onto the seed with those bits."""
+
+    def texts(seed: int, n: int = 1) -> list[str]:
+        out = client.completions.create(model="smol", prompt="Once upon a time", temperature=1.0, seed=seed, n=n,
+                                        max_tokens=6)  # fmt: skip
+        return [c.text for c in out.choices]
+
+    assert texts(2**64 + 7) == texts(7)
+    assert texts(2**63 - 1, n=2) == [*texts(2**63 - 1), *texts(-(2**63))]
+
+
 # -- activations ----------------------------------------------------------------------------------
 
 

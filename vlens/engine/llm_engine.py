@@ -152,7 +152,7 @@ class LLMEngine:
         first = params.seed if params.seed is not None else None
         seqs = []
         for i in range(params.samples):
-            seed = first + i if first is not None else self.rng.randrange(2**31)
+            seed = _int64(first + i) if first is not None else self.rng.randrange(2**31)
             seqs.append(self._sequence(r, request_id, i, seed))
         return SampleGroup(request_id, seqs, held=seqs[1:])
 
@@ -369,3 +369,8 @@ class LLMEngine:
                 stream.place(out, tensors)
         return out
 
+
+def _int64(seed: int) -> int:
+    """A seed of any size (and seed + i of a request's samples) wrapped into the int64 the sampler's seed
+    tensor holds; its noise hashes those 64 bits, so seeds that fit are unchanged."""
+    return (seed + 2**63) % 2**64 - 2**63
