@@ -261,6 +261,8 @@ BAD = [
     # found in review: these failed the engine's step, and with it every request running then (a 500 for all)
     ({"top_k": 2**63}, 400, "top_k", None),
     ({"vlens": {"capture": {**CAPTURE, "logit_lens": 49153}}}, 400, "vlens.capture.logit_lens", None),
+    # found in review: up to the vocabulary, every prompt token's entries made a response of gigabytes
+    ({"prompt_logprobs": 21}, 422, "prompt_logprobs", "less_than_equal"),
     ({"presence_penalty": 3}, 400, "presence_penalty", None),
     ({"repetition_penalty": 0}, 400, "repetition_penalty", None),
     ({"suffix": "x"}, 400, "suffix", None),
