@@ -231,6 +231,7 @@ def test_chat_capture(server, client):
 # -- refusals -------------------------------------------------------------------------------------
 
 CAPTURE = {"hooks": ["blocks.3.hook_resid_post"]}
+STEER = {"type": "steer", "hook": "blocks.3.hook_resid_post", "vector": [0.5] * 576}
 BAD = [
     # (body changes, status, param, code)
     ({"vlens": {"capture": {"hooks": ["blocks.99.hook_resid_post"]}}}, 400, "vlens.capture.hooks", None),
@@ -241,6 +242,15 @@ BAD = [
     ({"vlens": {"capture": {"positions": "all"}}}, 400, "vlens.capture.hooks", None),
     ({"vlens": {"captures": CAPTURE}}, 400, "vlens.captures", None),
     ({"vlens": {"return_hidden_states": "yes"}}, 400, "vlens.return_hidden_states", None),
+    # found in review: an intervention's unknown hook was named vlens.capture.hooks, its other fields without vlens.
+    (
+        {"vlens": {"interventions": [{**STEER, "hook": "blocks.99.hook_resid_post"}]}},
+        400,
+        "vlens.interventions[0].hook",
+        None,
+    ),
+    ({"vlens": {"interventions": [{**STEER, "vector": [1.0]}]}}, 400, "vlens.interventions[0]", None),
+    ({"vlens": {"interventions": [{**STEER, "positions": [99]}]}}, 400, "vlens.interventions[0].positions", None),
     (
         {"vlens": {"capture": {"hooks": "blocks.*.mlp.hook_post"}}, "max_tokens": 64},
         400,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
-from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, Part, is_pattern, resolve_hooks
+from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, HookSpecError, Part, is_pattern, resolve_hooks
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
@@ -210,7 +210,10 @@ def _intervention(
 ) -> BoundIntervention:
     sae = getattr(iv, "sae", None)  # Steer(sae=...) and Clamp act where the SAE reads
     sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae")
-    taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))
+    try:
+        taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))
+    except HookSpecError as e:  # its message names `hooks`, a capture's field: name this intervention's
+        raise HookSpecError(f"{where}.hook: {str(e).removeprefix('hooks: ')}") from None
     if LOGITS in taps or any(is_pattern(t) for t in taps):
         raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
                          "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip
