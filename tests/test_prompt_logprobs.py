@@ -169,3 +169,13 @@ def test_prefill_only_capture_stops_early_and_stays_apart_in_the_cache(smol_path
     [greedy] = smol.generate([ids], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     expected = hf_smol.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids) :].tolist()
     assert greedy.outputs[0].token_ids == expected
+
+
+def test_more_than_the_vocabulary_is_refused_before_it_runs(smol):
+    """Found in review: a k above the vocabulary passed validation and failed the step's topk (in the server, a 500
+    for every request in that step, and offline an engine that failed every later step too)."""
+    for field in ("prompt_logprobs", "logprobs", "top_k"):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            smol.generate("Hi", SamplingParams(max_tokens=1, **{field: smol.config.vocab_size + 1}), use_tqdm=False)
+    [out] = smol.generate("Hi", SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and len(out.prompt_logprobs) == len(out.prompt_token_ids)

@@ -148,6 +148,19 @@ def test_stop_seed_and_logprobs(client):
     assert len(chat) == 4 and all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in chat)
 
 
+def test_seeds_of_any_size(client):
+    """Found in review: a seed past int64 (or seed + i of sample i) failed the engine's step and every request
+    in it; the sampler hashes 64 bits of a seed, so a larger one wraps onto the seed with those bits."""
+
+    def texts(seed: int, n: int = 1) -> list[str]:
+        out = client.completions.create(model="smol", prompt="Once upon a time", temperature=1.0, seed=seed, n=n,
+                                        max_tokens=6)  # fmt: skip
+        return [c.text for c in out.choices]
+
+    assert texts(2**64 + 7) == texts(7)
+    assert texts(2**63 - 1, n=2) == [*texts(2**63 - 1), *texts(-(2**63))]
+
+
 # -- activations ----------------------------------------------------------------------------------
 
 
@@ -218,6 +231,7 @@ def test_chat_capture(server, client):
 # -- refusals -------------------------------------------------------------------------------------
 
 CAPTURE = {"hooks": ["blocks.3.hook_resid_post"]}
+STEER = {"type": "steer", "hook": "blocks.3.hook_resid_post", "vector": [0.5] * 576}
 BAD = [
     # (body changes, status, param, code)
     ({"vlens": {"capture": {"hooks": ["blocks.99.hook_resid_post"]}}}, 400, "vlens.capture.hooks", None),
@@ -228,6 +242,15 @@ BAD = [
     ({"vlens": {"capture": {"positions": "all"}}}, 400, "vlens.capture.hooks", None),
     ({"vlens": {"captures": CAPTURE}}, 400, "vlens.captures", None),
     ({"vlens": {"return_hidden_states": "yes"}}, 400, "vlens.return_hidden_states", None),
+    # found in review: an intervention's unknown hook was named vlens.capture.hooks, its other fields without vlens.
+    (
+        {"vlens": {"interventions": [{**STEER, "hook": "blocks.99.hook_resid_post"}]}},
+        400,
+        "vlens.interventions[0].hook",
+        None,
+    ),
+    ({"vlens": {"interventions": [{**STEER, "vector": [1.0]}]}}, 400, "vlens.interventions[0]", None),
+    ({"vlens": {"interventions": [{**STEER, "positions": [99]}]}}, 400, "vlens.interventions[0].positions", None),
     (
         {"vlens": {"capture": {"hooks": "blocks.*.mlp.hook_post"}}, "max_tokens": 64},
         400,
@@ -245,6 +268,11 @@ BAD = [
     ({"logit_bias": {"49152": 1}}, 400, "logit_bias", None),
     ({"logit_bias": {"5": -101}}, 400, "logit_bias", None),
     ({"logit_bias": {"five": 1}}, 400, "logit_bias", None),
+    # found in review: these failed the engine's step, and with it every request running then (a 500 for all)
+    ({"top_k": 2**63}, 400, "top_k", None),
+    ({"vlens": {"capture": {**CAPTURE, "logit_lens": 49153}}}, 400, "vlens.capture.logit_lens", None),
+    # found in review: up to the vocabulary, every prompt token's entries made a response of gigabytes
+    ({"prompt_logprobs": 21}, 422, "prompt_logprobs", "less_than_equal"),
     ({"presence_penalty": 3}, 400, "presence_penalty", None),
     ({"repetition_penalty": 0}, 400, "repetition_penalty", None),
     ({"suffix": "x"}, 400, "suffix", None),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
-from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, Part, is_pattern, resolve_hooks
+from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, HookSpecError, Part, is_pattern, resolve_hooks
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
@@ -184,6 +184,8 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
         bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t == LOGITS]
         if bad:
             raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {cfg.hidden_size}; not {bad}")
+        if capture.logit_lens > cfg.vocab_size:  # else the step's topk fails, and every request in it
+            raise ValueError(f"capture.logit_lens: {capture.logit_lens} is more than the vocabulary's {cfg.vocab_size}")
         readout = partial(logit_lens, model=model, k=capture.logit_lens)
     if capture.sae is not None:
         device, dtype = weight.device, weight.dtype
@@ -208,7 +210,10 @@ def _intervention(
 ) -> BoundIntervention:
     sae = getattr(iv, "sae", None)  # Steer(sae=...) and Clamp act where the SAE reads
     sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae")
-    taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))
+    try:
+        taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))
+    except HookSpecError as e:  # its message names `hooks`, a capture's field: name this intervention's
+        raise HookSpecError(f"{where}.hook: {str(e).removeprefix('hooks: ')}") from None
     if LOGITS in taps or any(is_pattern(t) for t in taps):
         raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
                          "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip

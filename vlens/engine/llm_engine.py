@@ -142,12 +142,17 @@ class LLMEngine:
         bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        # Checked here, not when a step fails on them: that step's error would end every request in the batch.
+        for name in ("top_k", "logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.cfg.vocab_size:
+                raise ValueError(f"{name}: {k} is more than the vocabulary's {self.cfg.vocab_size} tokens")
         request_id = str(self._next_id)
         self._next_id += 1
         first = params.seed if params.seed is not None else None
         seqs = []
         for i in range(params.samples):
-            seed = first + i if first is not None else self.rng.randrange(2**31)
+            seed = _int64(first + i) if first is not None else self.rng.randrange(2**31)
             seqs.append(self._sequence(r, request_id, i, seed))
         return SampleGroup(request_id, seqs, held=seqs[1:])
 
@@ -364,3 +369,8 @@ class LLMEngine:
                 stream.place(out, tensors)
         return out
 
+
+def _int64(seed: int) -> int:
+    """A seed of any size (and seed + i of a request's samples) wrapped into the int64 the sampler's seed
+    tensor holds; its noise hashes those 64 bits, so seeds that fit are unchanged."""
+    return (seed + 2**63) % 2**64 - 2**63

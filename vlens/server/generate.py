@@ -373,8 +373,8 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 def _engine_error(e: ValueError) -> APIError:
-    """Name the request field behind a vlens ValueError: capture fields live under `vlens`."""
+    """Name the request field behind a vlens ValueError: capture and intervention fields live under `vlens`."""
     message = str(e)
     if message.startswith("hooks"):
         return from_value_error(e, prefix="vlens.capture.")
-    return from_value_error(e, prefix="vlens." if message.startswith("capture") else "")
+    return from_value_error(e, prefix="vlens." if message.startswith(("capture", "interventions")) else "")

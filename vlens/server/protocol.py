@@ -194,7 +194,7 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float = 1.0
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    prompt_logprobs: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # as logprobs: each row's entries come as JSON
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(ExtensionSpec)] = None
 
     def check(self, max_n: int) -> None:
