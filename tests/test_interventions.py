@@ -218,6 +218,7 @@ def test_readouts_on_device(smol, hf_smol):
     [
         (lambda: SamplingParams(interventions=[Steer("blocks.1.hook_resid_post", [1.0] * 10)]), "does not fit"),
         (lambda: Steer("blocks.1.hook_resid_post", [float("nan")] * D), "steer.vector"),
+        (lambda: Steer("blocks.1.hook_resid_post", [1.0] * D, scale=1e308), "steer.scale"),  # (inf in float32)
         (lambda: SamplingParams(interventions=[Steer("blocks.77.hook_resid_post", [1.0] * D)]), "blocks.77"),
         (
             lambda: SamplingParams(

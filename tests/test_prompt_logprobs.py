@@ -174,7 +174,7 @@ def test_prefill_only_capture_stops_early_and_stays_apart_in_the_cache(smol_path
 def test_more_than_the_vocabulary_is_refused_before_it_runs(smol):
     """Found in review: a k above the vocabulary passed validation and failed the step's topk (in the server, a 500
     for every request in that step, and offline an engine that failed every later step too)."""
-    for field in ("prompt_logprobs", "logprobs", "top_k"):
+    for field in ("prompt_logprobs", "logprobs"):
         with pytest.raises(ValueError, match=f"^{field}: "):
             smol.generate("Hi", SamplingParams(max_tokens=1, **{field: smol.config.vocab_size + 1}), use_tqdm=False)
     [out] = smol.generate("Hi", SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)

@@ -196,3 +196,18 @@ def test_samples_follow_the_filtered_softmax(options):
         keep = probs >= options["min_p"] * probs.max()
     expected = torch.where(keep, probs, 0) / probs[keep].sum()
     assert (counts - expected).abs().max() <= 0.012, (counts, expected)
+
+
+def test_extreme_settings_sample_as_their_limits():
+    """Found in review: a top_p that rounds to 0 in float32 cut every token and a temperature of 1e-45
+    overflowed the logits (garbage tokens, no error); a top_k past int64 failed the step. Now the best
+    token always stays, a temperature below 1e-5 is greedy (vLLM's rule), and a top_k past every
+    vocabulary cuts nothing."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 512, generator=g)
+    best = logits.argmax(-1)
+    for options in ({"top_p": 1e-50}, {"temperature": 1e-45}, {"temperature": 1e-45, "top_p": 0.5}):
+        assert torch.equal(sample(logits, SamplingBatch.of(_rows(8, **options), ON_HOST, CPU)), best), options
+    assert SamplingParams(top_k=2**63).top_k == SamplingParams(top_k=-1).top_k == 0
+    wide = sample(logits, SamplingBatch.of(_rows(8, temperature=1.0, top_k=100_000), ON_HOST, CPU))
+    assert torch.equal(wide, sample(logits, SamplingBatch.of(_rows(8, temperature=1.0), ON_HOST, CPU)))

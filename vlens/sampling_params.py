@@ -15,6 +15,10 @@ from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Stee
 from vlens.capture.spec import Capture
 
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+_GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -67,8 +71,10 @@ class SamplingParams:
         for i, iv in enumerate(self.interventions):
             if not isinstance(iv, (Steer, Ablate, Patch, Clamp)):
                 raise ValueError(f"interventions[{i}]: expected vlens.Steer, Ablate, Patch or Clamp, got {type(iv).__name__}")
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k >= 2**31:  # off (a cut past every vocabulary cuts nothing; packed as int64)
             self.top_k = 0
+        if self.temperature < _GREEDY_BELOW:  # greedy, as in vLLM: logits / 1e-45 overflow float32
+            self.temperature = 0.0
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.max_tokens == 0 and self.prompt_logprobs is None and self.capture is None and not self.return_hidden_states:
             raise ValueError("max_tokens: 0 generates nothing; it is allowed with prompt_logprobs, capture or return_hidden_states")

@@ -50,8 +50,8 @@ class Steer:
             raise ValueError("steer.vector: required, unless sae= and feature= name an SAE latent to steer along")
         self.vector = to_tensor(self.vector, "steer.vector")
         self.positions = Positions.parse(self.positions, "steer.positions").online("steer.positions")
-        if not np.isfinite(self.scale):
-            raise ValueError(f"steer.scale: {self.scale!r} is not finite")
+        if not (np.isfinite(self.scale) and torch.isfinite(self.vector * self.scale).all()):  # (added in float32)
+            raise ValueError(f"steer.scale: {self.scale!r} times the vector is not finite in float32")
         self.heads = None if self.heads is None else check_heads(self.heads, "steer.heads")
 
 

@@ -143,7 +143,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
         # Checked here, not when a step fails on them: that step's error would end every request in the batch.
-        for name in ("top_k", "logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.cfg.vocab_size:
                 raise ValueError(f"{name}: {k} is more than the vocabulary's {self.cfg.vocab_size} tokens")

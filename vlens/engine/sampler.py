@@ -108,7 +108,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         cut = rank[None, :] >= k[:, None]
         probs = ranked.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the better tokens: keep the one crossing top_p
-        cut |= (before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
+        cut |= (before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None] & (rank > 0)  # (a top_p that rounds
+        # to 0 in float32 keeps the best token)
         scaled = scaled.masked_fill(torch.zeros_like(cut).scatter_(-1, order, cut), float("-inf"))
     choice = (scaled + gumbel(batch.seeds, batch.offsets, scaled.shape[-1]).to(scaled.device)).argmax(dim=-1)
     return torch.where(batch.temperature > 0, choice, greedy)
