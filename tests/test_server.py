@@ -270,6 +270,11 @@ BAD = [
     ({"logit_bias": {"five": 1}}, 400, "logit_bias", None),
     # found in review: these failed the engine's step, and with it every request running then (a 500 for all)
     ({"vlens": {"capture": {**CAPTURE, "logit_lens": 49153}}}, 400, "vlens.capture.logit_lens", None),
+    # found in review: no param, or the wrong one
+    ({"vlens": {"capture": {**CAPTURE, "exclude_token_ids": [2**64]}}}, 400, "vlens.capture.exclude_token_ids", None),
+    ({"vlens": {"capture": {**CAPTURE, "project": [[1.0]] * 576, "project_bias": [1.0, 2.0]}}}, 400,
+     "vlens.capture.project_bias", None),  # fmt: skip
+    ({"vlens": {"capture": CAPTURE}, "best_of": 2}, 400, "best_of", None),
     # found in review: up to the vocabulary, every prompt token's entries made a response of gigabytes
     ({"prompt_logprobs": 21}, 422, "prompt_logprobs", "less_than_equal"),
     ({"presence_penalty": 3}, 400, "presence_penalty", None),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 
 import httpx
@@ -58,6 +59,9 @@ def test_embeddings_need_no_enable_capture(server, smol4):
 def test_bad_embedding_hook_fails_at_start(smol):
     with pytest.raises(ValueError, match="^embedding_hook: hooks: 'nope' matches no hook"):
         create_app(smol, ServerConfig(embedding_hook="nope"))
+    for hook in ("blocks.*.hook_resid_post", "blocks.0.attn.hook_pattern"):  # (several taps; rows of varying width)
+        with pytest.raises(ValueError, match=f"^embedding_hook: '{re.escape(hook)}'"):
+            create_app(smol, ServerConfig(embedding_hook=hook))
 
 
 def test_key_comes_from_the_environment(server):

@@ -204,6 +204,7 @@ BAD = [
     ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions"),
     ("/v1/embeddings", {"input": "x", "vlens": {"hook": "blocks.*.hook_resid_post"}}, "vlens.hook"),
     ("/v1/embeddings", {"input": "x", "vlens": {"hook": "nope"}}, "vlens.hook"),
+    ("/v1/embeddings", {"input": "x", "vlens": {"hook": "blocks.1.attn.hook_pattern", "pooling": "last"}}, "vlens.hook"),
     ("/v1/embeddings", {"input": "x", "vlens": {"pooling": "max"}}, "vlens.pooling"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "prompt"),
     ("/detokenize", {"tokens": [1, 60000]}, "tokens"),

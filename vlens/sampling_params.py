@@ -78,13 +78,14 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.max_tokens == 0 and self.prompt_logprobs is None and self.capture is None and not self.return_hidden_states:
             raise ValueError("max_tokens: 0 generates nothing; it is allowed with prompt_logprobs, capture or return_hidden_states")
+        samples = "n" if self.best_of is None else "best_of"  # (the field that asks for the samples)
         if self.samples > 1 and (self.capture is not None or self.return_hidden_states):
             raise ValueError(
-                f"n: {self.samples} samples of one request cannot share its capture; capture with n=1 (send one "
-                "request per sample, each with its own seed)"
+                f"{samples}: {self.samples} samples of one request cannot share its capture; capture with n=1 (send "
+                "one request per sample, each with its own seed)"
             )
         if self.samples > 1 and self.max_tokens == 0:
-            raise ValueError(f"n: {self.samples} samples need max_tokens >= 1; max_tokens=0 samples nothing")
+            raise ValueError(f"{samples}: {self.samples} samples need max_tokens >= 1; max_tokens=0 samples nothing")
 
     @property
     def samples(self) -> int:

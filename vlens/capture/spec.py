@@ -85,9 +85,9 @@ class Capture:
             if weight.dim() != 2:
                 raise ValueError(f"capture.project: expected a [d, k] matrix, got shape {tuple(weight.shape)}")
             if bias is not None:
-                bias = to_tensor(bias, "capture.project bias")
+                bias = to_tensor(bias, "capture.project_bias")
                 if bias.shape != (weight.shape[1],):
-                    raise ValueError(f"capture.project bias: expected shape ({weight.shape[1]},), got {tuple(bias.shape)}")
+                    raise ValueError(f"capture.project_bias: expected shape ({weight.shape[1]},), got {tuple(bias.shape)}")
             self.project = (weight, bias)
         if self.logit_lens is not None:
             if not isinstance(self.logit_lens, int) or isinstance(self.logit_lens, bool) or self.logit_lens < 1:

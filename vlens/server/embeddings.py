@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vlens.capture import Capture
-from vlens.capture.names import resolve_hooks
+from vlens.capture.names import is_pattern, resolve_hooks
 from vlens.engine.llm_engine import NewRequest
 from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
@@ -49,6 +49,16 @@ class EmbeddingRequest(BaseModel):
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
 
 
+def _one_tap(hook: str, cfg) -> None:
+    """Raise unless `hook` names one tap whose rows all have one width (an embedding is one of its rows)."""
+    taps = set(resolve_hooks(hook, cfg).values())
+    if len(taps) != 1:
+        raise ValueError(f"{hook!r} matches {len(taps)} hooks; name one")
+    if is_pattern(*taps):
+        raise ValueError(f"{hook!r} is attention scores or a pattern, whose rows are as wide as their position; "
+                         "embed a hook of fixed width")  # fmt: skip
+
+
 def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
@@ -60,7 +70,7 @@ class Embedder:
         self.generator = generator
         g = generator
         try:  # a bad server default fails at start-up, not in every request
-            resolve_hooks(g.config.embedding_hook, g.cfg)
+            _one_tap(g.config.embedding_hook, g.cfg)
         except ValueError as e:
             raise ValueError(f"embedding_hook: {e}") from None
         self.cfg, self.config = g.cfg, g.config
@@ -72,11 +82,9 @@ class Embedder:
             raise schema_error(e.errors(), 400, ("vlens",)) from None
         hook = options.hook or self.config.embedding_hook
         try:
-            taps = set(resolve_hooks(hook, self.cfg).values())
+            _one_tap(hook, self.cfg)
         except ValueError as e:
             raise APIError(400, f"vlens.hook: {' '.join(str(e).split())}", param="vlens.hook") from None
-        if len(taps) != 1:
-            raise APIError(400, f"vlens.hook: {hook!r} matches {len(taps)} hooks; name one", param="vlens.hook")
         return hook, options.pooling or self.config.embedding_pooling
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
