@@ -321,3 +321,28 @@ def test_statistics_do_not_depend_on_the_batch_split():
     assert abs(data["mean_norm"] - rows.norm(dim=1).mean().item()) < 1e-12
     assert data["max_norm"] == rows.norm(dim=1).max().item()
     assert HookStats.from_json(data).to_json() == data
+
+
+def test_integer_hooks_keep_their_ids(tmp_path):
+    """MoE expert ids are int64 taps: stored as int64 whatever --dtype (bfloat16 rounds ids past 256), as
+    `Capture` keeps them; the shard budget and ActivationDataset count them at that width."""
+    from conftest import save_tiny
+    from transformers import MixtralConfig
+
+    from vlens import LLM
+
+    config = MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    llm = LLM(model=save_tiny(config, tmp_path / "mixtral"), dtype="float32", device="cpu")
+    docs = [[(7 * i + j) % 300 for j in range(5 + i)] for i in range(12)]
+    source = write_jsonl(tmp_path / "tokens.jsonl", docs, field="tokens")
+    hooks = ["blocks.0.mlp.hook_expert_ids", "blocks.0.hook_resid_post"]
+    harvest(llm, source, hooks, tmp_path / "out", context_size=16, dtype="bfloat16", shard_bytes=3000, progress=False)
+    shards, manifest = read_shards(tmp_path / "out"), _manifest(tmp_path / "out")
+    ids = shards[hooks[0]]
+    assert ids.dtype == torch.int64 and shards[hooks[1]].dtype == torch.bfloat16
+    traced = llm.trace([window_rows(shards, 0)["token_ids"].tolist()], hooks[0])[0][hooks[0]]
+    assert torch.equal(window_rows(shards, 0)[hooks[0]], traced)
+    assert {s["rows"] for s in manifest["shards"]} == {16}  # 3000 B hold 30 rows of 100 B: one window a shard
+    dataset = ActivationDataset(tmp_path / "out", hooks[0])
+    assert dataset.dtype == torch.int64 and torch.equal(dataset[:], ids) and torch.equal(dataset[[0, 3]], ids[[0, 3]])

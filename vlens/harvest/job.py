@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks
+from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks, tap_dtype
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import PackedCapture
 from vlens.harvest.config import HarvestConfig
@@ -125,7 +125,8 @@ class Job:
         manifest = existing or {**header, "shards": [], "stats": {}, "totals": _totals([]), "complete": False}
         shapes = hook_shapes(cfg)
         width = {name: math.prod(shapes[name]) for name in wanted}
-        row_bytes = sum(w * out_dtype.itemsize for w in width.values()) + sum(b for _, b in _META_KEYS.values())
+        row_bytes = sum(w * tap_dtype(wanted[name], out_dtype).itemsize for name, w in width.items())
+        row_bytes += sum(b for _, b in _META_KEYS.values())
         if header.get("sae"):  # an int32 id and a value per latent
             row_bytes += header["sae"]["top_k"] * (4 + out_dtype.itemsize)
         stats = {
