@@ -326,16 +326,7 @@ def test_statistics_do_not_depend_on_the_batch_split():
 def test_integer_hooks_keep_their_ids(tmp_path):
     """MoE expert ids are int64 taps: stored as int64 whatever --dtype (bfloat16 rounds ids past 256), as
     `Capture` keeps them; the shard budget and ActivationDataset count them at that width."""
-    from conftest import save_tiny
-    from transformers import MixtralConfig
-
-    from vlens import LLM
-
-    config = MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
-    llm = LLM(model=save_tiny(config, tmp_path / "mixtral"), dtype="float32", device="cpu")
-    docs = [[(7 * i + j) % 300 for j in range(5 + i)] for i in range(12)]
-    source = write_jsonl(tmp_path / "tokens.jsonl", docs, field="tokens")
+    llm, source = _tiny_moe(tmp_path)
     hooks = ["blocks.0.mlp.hook_expert_ids", "blocks.0.hook_resid_post"]
     harvest(llm, source, hooks, tmp_path / "out", context_size=16, dtype="bfloat16", shard_bytes=3000, progress=False)
     shards, manifest = read_shards(tmp_path / "out"), _manifest(tmp_path / "out")
@@ -346,3 +337,28 @@ def test_integer_hooks_keep_their_ids(tmp_path):
     assert {s["rows"] for s in manifest["shards"]} == {16}  # 3000 B hold 30 rows of 100 B: one window a shard
     dataset = ActivationDataset(tmp_path / "out", hooks[0])
     assert dataset.dtype == torch.int64 and torch.equal(dataset[:], ids) and torch.equal(dataset[[0, 3]], ids[[0, 3]])
+
+
+def test_rows_that_overflow_the_dtype_are_a_clear_error(tmp_path):
+    """float16 rows past its range are inf: the run stops at that shard naming the dtype, the shard unlisted."""
+    llm, source = _tiny_moe(tmp_path)
+    with torch.no_grad():
+        llm.model.embed_tokens.weight.mul_(1e7)
+    with pytest.raises(ValueError, match=r"dtype: rows of 'hook_embed' in shard-00000\.safetensors are not finite "
+                                         r"as float16 .* bfloat16 or float32"):  # fmt: skip
+        harvest(llm, source, "hook_embed", tmp_path / "out", context_size=16, dtype="float16", progress=False)
+    assert _manifest(tmp_path / "out")["shards"] == []
+
+
+def _tiny_moe(tmp_path: Path) -> tuple:
+    """A one-layer random Mixtral (no tokenizer) and a pre-tokenized source of 12 documents for it."""
+    from conftest import save_tiny
+    from transformers import MixtralConfig
+
+    from vlens import LLM
+
+    config = MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    llm = LLM(model=save_tiny(config, tmp_path / "mixtral"), dtype="float32", device="cpu")
+    docs = [[(7 * i + j) % 300 for j in range(5 + i)] for i in range(12)]
+    return llm, write_jsonl(tmp_path / "tokens.jsonl", docs, field="tokens")

@@ -151,9 +151,17 @@ class Job:
         return ((index, first, group) for index, (first, group) in enumerate(groups, len(self.manifest["shards"])))
 
     def commit(self, entry: dict[str, Any], stats: dict[str, Pieces], bar: tqdm) -> None:
-        """List a written shard in the manifest, its statistics folded into the run's."""
+        """List a written shard in the manifest, its statistics folded into the run's. A shard with rows that
+        are not finite stops the run unlisted: the manifest's JSON has no inf or nan, and rows that hold them
+        are of no use to train on."""
         for name, pieces in stats.items():
             self.stats[name].fold(pieces)
+            if not math.isfinite(self.stats[name].norm_total):
+                raise ValueError(
+                    f"dtype: rows of {name!r} in {entry['file']} are not finite as {self.manifest['dtype']} (inf: "
+                    "past the dtype's range, as float16's 65504; nan: from the model's forward); store them as "
+                    "bfloat16 or float32 (--dtype)"
+                )
         self.manifest["shards"].append(entry)
         self.manifest["stats"] = {name: s.to_json() for name, s in self.stats.items()}
         self.manifest["totals"] = _totals(self.manifest["shards"])
