@@ -16,6 +16,7 @@ from harvest_helpers import dir_bytes, documents, read_shards, window_rows, writ
 from vlens import ActivationDataset, harvest
 from vlens.harvest.cli import add_parser
 from vlens.harvest.stats import BLOCK, HookStats, ShardStats
+from vlens.harvest.windows import Packing, windows
 from vlens.loader import LoadedModel
 
 HOOKS = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_q", "blocks.2.mlp.hook_post", "hidden_states.2"]
@@ -112,6 +113,23 @@ def test_packing_follows_saelens(smol, corpus, f32_run):
     windows = _manifest(f32_run)["totals"]["windows"]
     assert windows == len(stream) // CTX  # the partial last window is dropped
     assert shards["token_ids"].tolist() == stream[: windows * CTX]
+
+
+def test_documents_that_start_with_bos_get_no_second_one():
+    """Pre-tokenized rows often open with BOS: windows hold it once, as SAELens's own packing does, with the
+    BOS as separator and with EOS (no BOS) as separator; unpacked windows too."""
+    from sae_lens.tokenization_and_batching import concat_and_batch_sequences
+
+    docs = [[1, 5, 6, 7], [8, 9], [1, 10, 11, 12, 13, 14, 15], [1, 16], [17, 18, 19], [2, 20, 21, 22, 23]]
+    for bos, separator in ((1, 1), (None, 2)):
+        expected = concat_and_batch_sequences(
+            iter(map(torch.tensor, docs)), 6, begin_batch_token_id=bos, sequence_separator_token_id=separator
+        )
+        got = list(windows(docs, Packing(6, True, bos, separator, ())))
+        assert got == [w.tolist() for w in expected], (bos, separator)
+    with_bos = list(windows(docs, Packing(6, True, 1, 1, ())))
+    assert with_bos[:2] == [[1, 5, 6, 7, 1, 8], [1, 9, 1, 10, 11, 12]]  # the second window has BOS once
+    assert list(windows(docs[:2], Packing(4, False, 1, 1, ()))) == [[1, 5, 6, 7], [1, 8, 9]]
 
 
 def test_max_tokens_and_no_pack(smol, corpus, tmp_path):
