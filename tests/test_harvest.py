@@ -368,6 +368,19 @@ def test_rows_that_overflow_the_dtype_are_a_clear_error(tmp_path):
     assert _manifest(tmp_path / "out")["shards"] == []
 
 
+def test_any_integer_seed_shuffles(tmp_path):
+    """A seed past 64 bits once overflowed torch's generator after the first shard's forwards; it is taken
+    modulo 2**64, as torch takes a negative one, so 2**64 - 1 shuffles as -1 does."""
+    llm, source = _tiny_moe(tmp_path)
+    kwargs = {"context_size": 16, "shard_bytes": 3000, "progress": False}
+    for seed in (-1, 2**64 - 1):
+        harvest(llm, source, "hook_embed", tmp_path / str(seed), seed=seed, **kwargs)
+    shards = {seed: {k: v for k, v in dir_bytes(tmp_path / str(seed)).items() if k.startswith("shard-")}
+              for seed in (-1, 2**64 - 1)}  # fmt: skip
+    assert len(shards[-1]) > 1 and shards[-1] == shards[2**64 - 1]
+    assert not torch.equal(read_shards(tmp_path / "-1")["position"][:16], torch.arange(16))
+
+
 def _tiny_moe(tmp_path: Path) -> tuple:
     """A one-layer random Mixtral (no tokenizer) and a pre-tokenized source of 12 documents for it."""
     from conftest import save_tiny

@@ -327,8 +327,9 @@ def _keep(x: torch.Tensor) -> torch.Tensor:
 
 
 def _shuffle(tensors: dict[str, torch.Tensor], seed: int, index: int) -> dict[str, torch.Tensor]:
-    """Rows of shard `index` in a reproducible order drawn from (seed, index)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    """Rows of shard `index` in a reproducible order drawn from (seed, index). Taken modulo 2**64, which torch
+    does itself to the negative seeds it takes, so that any integer seed is one (the rest overflowed)."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
     order = torch.randperm(len(tensors["token_ids"]), generator=generator)
     return {k: v.index_select(0, order) for k, v in tensors.items()}
 
