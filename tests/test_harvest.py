@@ -237,6 +237,8 @@ def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"out_dir: .* not empty"):
         harvest(smol, corpus, "hook_embed", tmp_path / "foreign", **kwargs)
+    with pytest.raises(ValueError, match=r"out_dir: .*notes\.txt' is a file; give a directory"):
+        harvest(smol, corpus, "hook_embed", tmp_path / "foreign" / "notes.txt", **kwargs)
 
 
 @pytest.mark.parametrize(
