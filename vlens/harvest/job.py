@@ -219,16 +219,19 @@ def header(
     """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
     param = next(loaded.model.parameters())
     shapes = hook_shapes(loaded.config)
+    model = {
+        "id": loaded.name,
+        "architecture": loaded.config.architecture,
+        "weights_sha256": weights_hash(loaded.path),
+        "dtype": dtype_name(param.dtype),
+        "device": param.device.type,
+    }
+    if config.tensor_parallel_size > 1:  # split sums round otherwise than one process's: other bytes, not to mix
+        model["tensor_parallel_size"] = config.tensor_parallel_size
     return {
         "format": FORMAT,
         "vlens_version": __version__,
-        "model": {
-            "id": loaded.name,
-            "architecture": loaded.config.architecture,
-            "weights_sha256": weights_hash(loaded.path),
-            "dtype": dtype_name(param.dtype),
-            "device": param.device.type,
-        },
+        "model": model,
         "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path),
         "source": src.describe(),
         "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
