@@ -248,6 +248,7 @@ def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
         ("empty_txt", r"source: .*empty"),
         ("empty_jsonl", r"source: .*empty"),
         ("blank_txt", r"source: .* yields no window"),
+        ("budget", r"source: .* yields no window: .* a first window longer than max_tokens=3"),
         ("hook", r"hooks: 'blocks\.3\.hook_resid_postt' matches no hook"),
         ("context", r"context_size: must be an integer >= 2, got 1"),
         ("dtype", r"dtype: 'float8' is not one of"),
@@ -268,6 +269,8 @@ def test_bad_input_is_a_clear_error(smol, corpus, tmp_path, case, message):
     elif case == "blank_txt":
         source = tmp_path / "blank.txt"
         source.write_text("  \n\t\n")
+    elif case == "budget":  # unpacked, the first document is longer than the whole budget
+        kwargs.update(pack=False, max_tokens=3)
     elif case == "hook":
         hooks = "blocks.3.hook_resid_postt"
     elif case == "context":

@@ -144,7 +144,7 @@ class Job:
         The windows already on disk are tokenized again and skipped, not run."""
         done = self.manifest["totals"]["windows"]
         if not self.resumed:
-            stream = _require_one(stream, src.location, self.manifest["context_size"])
+            stream = _require_one(stream, src.location, self.manifest["context_size"], self.manifest["max_tokens"])
         prepare_dir(self.store, self.manifest if self.resumed else None)
         write_manifest(self.store, self.manifest)
         groups = _shards(islice(stream, done, None), done, self.excluded, self.max_rows)
@@ -257,13 +257,17 @@ def window_stream(token_docs: Iterable[list[int]], packing: Packing, max_tokens:
         yield window
 
 
-def _require_one(stream: Iterator[list[int]], location: str, context_size: int) -> Iterator[list[int]]:
-    """Fail before anything is written when the source yields no window at all."""
+def _require_one(
+    stream: Iterator[list[int]], location: str, context_size: int, max_tokens: int | None
+) -> Iterator[list[int]]:
+    """Fail before anything is written when the source yields no window at all (within the budget, which an
+    unpacked first window may exceed)."""
     first = next(stream, None)
     if first is None:
+        budget = f", or a first window longer than max_tokens={max_tokens}" if max_tokens is not None else ""
         raise ValueError(
             f"source: {location!r} yields no window: no documents, or fewer tokens than one packed window "
-            f"(context_size={context_size})"
+            f"(context_size={context_size}){budget}"
         )
     return chain([first], stream)
 
