@@ -16,6 +16,7 @@ from harvest_helpers import dir_bytes, documents, read_shards, window_rows, writ
 from vlens import ActivationDataset, harvest
 from vlens.harvest.cli import add_parser
 from vlens.harvest.stats import BLOCK, HookStats, ShardStats
+from vlens.harvest.windows import Packing, windows
 from vlens.loader import LoadedModel
 
 HOOKS = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_q", "blocks.2.mlp.hook_post", "hidden_states.2"]
@@ -112,6 +113,23 @@ def test_packing_follows_saelens(smol, corpus, f32_run):
     windows = _manifest(f32_run)["totals"]["windows"]
     assert windows == len(stream) // CTX  # the partial last window is dropped
     assert shards["token_ids"].tolist() == stream[: windows * CTX]
+
+
+def test_documents_that_start_with_bos_get_no_second_one():
+    """Pre-tokenized rows often open with BOS: windows hold it once, as SAELens's own packing does, with the
+    BOS as separator and with EOS (no BOS) as separator; unpacked windows too."""
+    from sae_lens.tokenization_and_batching import concat_and_batch_sequences
+
+    docs = [[1, 5, 6, 7], [8, 9], [1, 10, 11, 12, 13, 14, 15], [1, 16], [17, 18, 19], [2, 20, 21, 22, 23]]
+    for bos, separator in ((1, 1), (None, 2)):
+        expected = concat_and_batch_sequences(
+            iter(map(torch.tensor, docs)), 6, begin_batch_token_id=bos, sequence_separator_token_id=separator
+        )
+        got = list(windows(docs, Packing(6, True, bos, separator, ())))
+        assert got == [w.tolist() for w in expected], (bos, separator)
+    with_bos = list(windows(docs, Packing(6, True, 1, 1, ())))
+    assert with_bos[:2] == [[1, 5, 6, 7, 1, 8], [1, 9, 1, 10, 11, 12]]  # the second window has BOS once
+    assert list(windows(docs[:2], Packing(4, False, 1, 1, ()))) == [[1, 5, 6, 7], [1, 8, 9]]
 
 
 def test_max_tokens_and_no_pack(smol, corpus, tmp_path):
@@ -219,6 +237,8 @@ def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"out_dir: .* not empty"):
         harvest(smol, corpus, "hook_embed", tmp_path / "foreign", **kwargs)
+    with pytest.raises(ValueError, match=r"out_dir: .*notes\.txt' is a file; give a directory"):
+        harvest(smol, corpus, "hook_embed", tmp_path / "foreign" / "notes.txt", **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -228,6 +248,7 @@ def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
         ("empty_txt", r"source: .*empty"),
         ("empty_jsonl", r"source: .*empty"),
         ("blank_txt", r"source: .* yields no window"),
+        ("budget", r"source: .* yields no window: .* a first window longer than max_tokens=3"),
         ("hook", r"hooks: 'blocks\.3\.hook_resid_postt' matches no hook"),
         ("context", r"context_size: must be an integer >= 2, got 1"),
         ("dtype", r"dtype: 'float8' is not one of"),
@@ -248,6 +269,8 @@ def test_bad_input_is_a_clear_error(smol, corpus, tmp_path, case, message):
     elif case == "blank_txt":
         source = tmp_path / "blank.txt"
         source.write_text("  \n\t\n")
+    elif case == "budget":  # unpacked, the first document is longer than the whole budget
+        kwargs.update(pack=False, max_tokens=3)
     elif case == "hook":
         hooks = "blocks.3.hook_resid_postt"
     elif case == "context":
@@ -321,3 +344,57 @@ def test_statistics_do_not_depend_on_the_batch_split():
     assert abs(data["mean_norm"] - rows.norm(dim=1).mean().item()) < 1e-12
     assert data["max_norm"] == rows.norm(dim=1).max().item()
     assert HookStats.from_json(data).to_json() == data
+
+
+def test_integer_hooks_keep_their_ids(tmp_path):
+    """MoE expert ids are int64 taps: stored as int64 whatever --dtype (bfloat16 rounds ids past 256), as
+    `Capture` keeps them; the shard budget and ActivationDataset count them at that width."""
+    llm, source = _tiny_moe(tmp_path)
+    hooks = ["blocks.0.mlp.hook_expert_ids", "blocks.0.hook_resid_post"]
+    harvest(llm, source, hooks, tmp_path / "out", context_size=16, dtype="bfloat16", shard_bytes=3000, progress=False)
+    shards, manifest = read_shards(tmp_path / "out"), _manifest(tmp_path / "out")
+    ids = shards[hooks[0]]
+    assert ids.dtype == torch.int64 and shards[hooks[1]].dtype == torch.bfloat16
+    traced = llm.trace([window_rows(shards, 0)["token_ids"].tolist()], hooks[0])[0][hooks[0]]
+    assert torch.equal(window_rows(shards, 0)[hooks[0]], traced)
+    assert {s["rows"] for s in manifest["shards"]} == {16}  # 3000 B hold 30 rows of 100 B: one window a shard
+    dataset = ActivationDataset(tmp_path / "out", hooks[0])
+    assert dataset.dtype == torch.int64 and torch.equal(dataset[:], ids) and torch.equal(dataset[[0, 3]], ids[[0, 3]])
+
+
+def test_rows_that_overflow_the_dtype_are_a_clear_error(tmp_path):
+    """float16 rows past its range are inf: the run stops at that shard naming the dtype, the shard unlisted."""
+    llm, source = _tiny_moe(tmp_path)
+    with torch.no_grad():
+        llm.model.embed_tokens.weight.mul_(1e7)
+    with pytest.raises(ValueError, match=r"dtype: rows of 'hook_embed' in shard-00000\.safetensors are not finite "
+                                         r"as float16 .* bfloat16 or float32"):  # fmt: skip
+        harvest(llm, source, "hook_embed", tmp_path / "out", context_size=16, dtype="float16", progress=False)
+    assert _manifest(tmp_path / "out")["shards"] == []
+
+
+def test_any_integer_seed_shuffles(tmp_path):
+    """A seed past 64 bits once overflowed torch's generator after the first shard's forwards; it is taken
+    modulo 2**64, as torch takes a negative one, so 2**64 - 1 shuffles as -1 does."""
+    llm, source = _tiny_moe(tmp_path)
+    kwargs = {"context_size": 16, "shard_bytes": 3000, "progress": False}
+    for seed in (-1, 2**64 - 1):
+        harvest(llm, source, "hook_embed", tmp_path / str(seed), seed=seed, **kwargs)
+    shards = {seed: {k: v for k, v in dir_bytes(tmp_path / str(seed)).items() if k.startswith("shard-")}
+              for seed in (-1, 2**64 - 1)}  # fmt: skip
+    assert len(shards[-1]) > 1 and shards[-1] == shards[2**64 - 1]
+    assert not torch.equal(read_shards(tmp_path / "-1")["position"][:16], torch.arange(16))
+
+
+def _tiny_moe(tmp_path: Path) -> tuple:
+    """A one-layer random Mixtral (no tokenizer) and a pre-tokenized source of 12 documents for it."""
+    from conftest import save_tiny
+    from transformers import MixtralConfig
+
+    from vlens import LLM
+
+    config = MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    llm = LLM(model=save_tiny(config, tmp_path / "mixtral"), dtype="float32", device="cpu")
+    docs = [[(7 * i + j) % 300 for j in range(5 + i)] for i in range(12)]
+    return llm, write_jsonl(tmp_path / "tokens.jsonl", docs, field="tokens")

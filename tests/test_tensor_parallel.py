@@ -187,6 +187,8 @@ def test_harvest_shards_equal_one_process(tmp_path):
     assert torch.equal(one["hook_embed"], two["hook_embed"])
     for hook in hooks[1:]:
         assert same(two[hook].double(), one[hook].double(), TOL), hook
+    with pytest.raises(ValueError, match=r"model\.tensor_parallel_size: None on disk, 2 now"):  # not mixed
+        harvest(path, source, hooks, tmp_path / "one", tensor_parallel_size=N, **options)
 
 
 def test_ray_actors_as_ranks(tmp_path):

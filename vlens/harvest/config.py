@@ -35,7 +35,7 @@ class HarvestConfig:
     context_size: int = setting(128, "tokens per window", minimum=2)
     dtype: str | torch.dtype = setting(
         "bfloat16",
-        "what the rows are stored as: float32, float16 or bfloat16",
+        "what the rows are stored as: float32, float16 or bfloat16 (integer hooks, MoE expert ids, stay int64)",
         check=partial(dtype_problem, auto=False),
     )
     max_tokens: int | None = setting(

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from vlens.capture.names import tap_dtype
 from vlens.harvest.features import SAE_KEYS
 from vlens.harvest.writer import Store, read_manifest
 
@@ -109,7 +110,7 @@ class ActivationDataset(IterableDataset):
         self.offsets = list(accumulate(counts, initial=0))
         if hook in self.manifest["hooks"]:
             self.shape = tuple(self.manifest["hooks"][hook]["shape"])
-            self.dtype = getattr(torch, self.manifest["dtype"])
+            self.dtype = tap_dtype(self.manifest["hooks"][hook]["tap"], getattr(torch, self.manifest["dtype"]))
         elif hook in SAE_KEYS:
             self.shape = (self.manifest["sae"]["top_k"],)
             self.dtype = torch.int32 if hook == "sae_ids" else getattr(torch, self.manifest["dtype"])

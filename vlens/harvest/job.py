@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks
+from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks, tap_dtype
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import PackedCapture
 from vlens.harvest.config import HarvestConfig
@@ -125,7 +125,8 @@ class Job:
         manifest = existing or {**header, "shards": [], "stats": {}, "totals": _totals([]), "complete": False}
         shapes = hook_shapes(cfg)
         width = {name: math.prod(shapes[name]) for name in wanted}
-        row_bytes = sum(w * out_dtype.itemsize for w in width.values()) + sum(b for _, b in _META_KEYS.values())
+        row_bytes = sum(w * tap_dtype(wanted[name], out_dtype).itemsize for name, w in width.items())
+        row_bytes += sum(b for _, b in _META_KEYS.values())
         if header.get("sae"):  # an int32 id and a value per latent
             row_bytes += header["sae"]["top_k"] * (4 + out_dtype.itemsize)
         stats = {
@@ -143,16 +144,24 @@ class Job:
         The windows already on disk are tokenized again and skipped, not run."""
         done = self.manifest["totals"]["windows"]
         if not self.resumed:
-            stream = _require_one(stream, src.location, self.manifest["context_size"])
+            stream = _require_one(stream, src.location, self.manifest["context_size"], self.manifest["max_tokens"])
         prepare_dir(self.store, self.manifest if self.resumed else None)
         write_manifest(self.store, self.manifest)
         groups = _shards(islice(stream, done, None), done, self.excluded, self.max_rows)
         return ((index, first, group) for index, (first, group) in enumerate(groups, len(self.manifest["shards"])))
 
     def commit(self, entry: dict[str, Any], stats: dict[str, Pieces], bar: tqdm) -> None:
-        """List a written shard in the manifest, its statistics folded into the run's."""
+        """List a written shard in the manifest, its statistics folded into the run's. A shard with rows that
+        are not finite stops the run unlisted: the manifest's JSON has no inf or nan, and rows that hold them
+        are of no use to train on."""
         for name, pieces in stats.items():
             self.stats[name].fold(pieces)
+            if not math.isfinite(self.stats[name].norm_total):
+                raise ValueError(
+                    f"dtype: rows of {name!r} in {entry['file']} are not finite as {self.manifest['dtype']} (inf: "
+                    "past the dtype's range, as float16's 65504; nan: from the model's forward); store them as "
+                    "bfloat16 or float32 (--dtype)"
+                )
         self.manifest["shards"].append(entry)
         self.manifest["stats"] = {name: s.to_json() for name, s in self.stats.items()}
         self.manifest["totals"] = _totals(self.manifest["shards"])
@@ -210,16 +219,19 @@ def header(
     """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
     param = next(loaded.model.parameters())
     shapes = hook_shapes(loaded.config)
+    model = {
+        "id": loaded.name,
+        "architecture": loaded.config.architecture,
+        "weights_sha256": weights_hash(loaded.path),
+        "dtype": dtype_name(param.dtype),
+        "device": param.device.type,
+    }
+    if config.tensor_parallel_size > 1:  # split sums round otherwise than one process's: other bytes, not to mix
+        model["tensor_parallel_size"] = config.tensor_parallel_size
     return {
         "format": FORMAT,
         "vlens_version": __version__,
-        "model": {
-            "id": loaded.name,
-            "architecture": loaded.config.architecture,
-            "weights_sha256": weights_hash(loaded.path),
-            "dtype": dtype_name(param.dtype),
-            "device": param.device.type,
-        },
+        "model": model,
         "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path),
         "source": src.describe(),
         "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
@@ -245,13 +257,17 @@ def window_stream(token_docs: Iterable[list[int]], packing: Packing, max_tokens:
         yield window
 
 
-def _require_one(stream: Iterator[list[int]], location: str, context_size: int) -> Iterator[list[int]]:
-    """Fail before anything is written when the source yields no window at all."""
+def _require_one(
+    stream: Iterator[list[int]], location: str, context_size: int, max_tokens: int | None
+) -> Iterator[list[int]]:
+    """Fail before anything is written when the source yields no window at all (within the budget, which an
+    unpacked first window may exceed)."""
     first = next(stream, None)
     if first is None:
+        budget = f", or a first window longer than max_tokens={max_tokens}" if max_tokens is not None else ""
         raise ValueError(
             f"source: {location!r} yields no window: no documents, or fewer tokens than one packed window "
-            f"(context_size={context_size})"
+            f"(context_size={context_size}){budget}"
         )
     return chain([first], stream)
 
@@ -318,8 +334,9 @@ def _keep(x: torch.Tensor) -> torch.Tensor:
 
 
 def _shuffle(tensors: dict[str, torch.Tensor], seed: int, index: int) -> dict[str, torch.Tensor]:
-    """Rows of shard `index` in a reproducible order drawn from (seed, index)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    """Rows of shard `index` in a reproducible order drawn from (seed, index). Taken modulo 2**64, which torch
+    does itself to the negative seeds it takes, so that any integer seed is one (the rest overflowed)."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
     order = torch.randperm(len(tensors["token_ids"]), generator=generator)
     return {k: v.index_select(0, order) for k, v in tensors.items()}
 

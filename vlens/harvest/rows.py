@@ -20,6 +20,7 @@ from itertools import chain
 
 import torch
 
+from vlens.capture.names import tap_dtype
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
 from vlens.harvest import job
@@ -92,7 +93,7 @@ class DeviceRows:
         self.names_of: dict[str, list[str]] = {}
         for name, tap in wanted.items():
             self.names_of.setdefault(tap, []).append(name)
-        specs = {name: (tuple(shapes[name]), out_dtype) for name in wanted}
+        specs = {name: (tuple(shapes[name]), tap_dtype(tap, out_dtype)) for name, tap in wanted.items()}
         if features is not None:
             specs.update(zip(SAE_KEYS, (((features.top_k,), torch.int32), ((features.top_k,), out_dtype))))
         cuda = self.device.type == "cuda"
@@ -158,7 +159,7 @@ class DeviceRows:
         def take(x: torch.Tensor) -> torch.Tensor:
             kept = x.index_select(0, rows)
             if tap in self.names_of:
-                stored = kept.to(self.out_dtype)
+                stored = kept.to(tap_dtype(tap, self.out_dtype))  # integer taps (MoE expert ids) keep their ids
                 for name in self.names_of[tap]:
                     stats[name].add(stored)
                     self._to_host(stored, buffers[name][out])

@@ -9,7 +9,8 @@ the model never gets. This matches `LLM.trace`, which tokenizes with the tokeniz
 Packing (as SAELens's `concat_and_batch_sequences`): documents are tokenized without special tokens and
 laid end to end; each window opens with BOS (when used) and a separator goes between two documents that
 share a window (none before a document that opens a window). The separator is BOS when windows get one,
-else the tokenizer's EOS (else none). The last, partial window is dropped so every window holds exactly
+else the tokenizer's EOS (else none). A document that already starts with that token (pre-tokenized rows
+often open with BOS) gets no second one before it, in either place. The last, partial window is dropped so every window holds exactly
 `context_size` tokens. Without packing each document becomes one window of its own, truncated.
 """
 
@@ -109,24 +110,31 @@ def _tokenize(texts: list[str], tokenizer: Any) -> Iterator[list[int]]:
 
 def windows(token_docs: Iterable[list[int]], packing: Packing) -> Iterator[list[int]]:
     """The windows of a harvest, in order (see the module doc for the packing rules)."""
-    prefix = [] if packing.bos_token_id is None else [packing.bos_token_id]
-    size = packing.context_size
+    size, separator = packing.context_size, packing.separator_token_id
     if not packing.pack:
         for doc in token_docs:
+            prefix = _opening(packing, doc[0])
             yield prefix + doc[: size - len(prefix)]
         return
-    window = list(prefix)
+    window: list[int] = []  # empty until its first token is known
     for doc in token_docs:
-        if len(window) > len(prefix) and packing.separator_token_id is not None:
-            window.append(packing.separator_token_id)
+        if window and separator not in (None, doc[0]):
+            window.append(separator)
             if len(window) == size:
                 yield window
-                window = list(prefix)
+                window = []
         start = 0
         while start < len(doc):
+            window = window or _opening(packing, doc[start])
             take = min(size - len(window), len(doc) - start)
             window.extend(doc[start : start + take])
             start += take
             if len(window) == size:
                 yield window
-                window = list(prefix)
+                window = []
+
+
+def _opening(packing: Packing, first: int) -> list[int]:
+    """What opens a window whose first document token is `first`: BOS, unless that token already is BOS
+    (pre-tokenized rows often start with it; the model never sees BOS twice, as in SAELens)."""
+    return [] if packing.bos_token_id in (None, first) else [packing.bos_token_id]

@@ -129,7 +129,9 @@ def read_manifest(out_dir: Store | str | os.PathLike) -> dict[str, Any] | None:
 def prepare_dir(store: Store, manifest: dict[str, Any] | None) -> None:
     """Create the directory, or clean what a killed run left: temporary files and unlisted shards.
 
-    A directory with other files and no manifest is refused rather than written into."""
+    A directory with other files and no manifest is refused rather than written into, and so is a file."""
+    if store.fs.isfile(store.root):
+        raise ValueError(f"out_dir: {str(store)!r} is a file; give a directory (new, empty, or a run to resume)")
     store.fs.makedirs(store.root, exist_ok=True)
     listed = {s["file"] for s in manifest["shards"]} if manifest else set()
     for name in store.names():
