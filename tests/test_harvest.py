@@ -13,7 +13,7 @@ import torch
 from conftest import rel_err
 from harvest_helpers import dir_bytes, documents, read_shards, window_rows, write_jsonl
 
-from vlens import ActivationDataset, harvest
+from vlens import LLM, ActivationDataset, harvest
 from vlens.harvest.cli import add_parser
 from vlens.harvest.stats import BLOCK, HookStats, ShardStats
 from vlens.harvest.windows import Packing, windows
@@ -391,10 +391,25 @@ def _tiny_moe(tmp_path: Path) -> tuple:
     from conftest import save_tiny
     from transformers import MixtralConfig
 
-    from vlens import LLM
-
     config = MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     llm = LLM(model=save_tiny(config, tmp_path / "mixtral"), dtype="float32", device="cpu")
     docs = [[(7 * i + j) % 300 for j in range(5 + i)] for i in range(12)]
     return llm, write_jsonl(tmp_path / "tokens.jsonl", docs, field="tokens")
+
+
+def test_an_edited_config_or_an_older_format_is_not_resumed(tmp_path):
+    """The same weights under another config.json (RoPE scaling, norms, windows) give other activations, and
+    a manifest of an older format was written with other rules: neither is resumed into."""
+    llm, source = _tiny_moe(tmp_path)
+    kwargs = dict(context_size=16, max_tokens=32, progress=False)
+    harvest(llm, source, "hook_embed", tmp_path / "out", **kwargs)
+    config = tmp_path / "mixtral" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"rope_theta": 123.0}))
+    edited = LLM(model=str(tmp_path / "mixtral"), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"model\.config_sha256: '[0-9a-f]{64}' on disk, '[0-9a-f]{64}' now"):
+        harvest(edited, source, "hook_embed", tmp_path / "out", **kwargs)
+    manifest = _manifest(tmp_path / "out") | {"format": "vlens-harvest/1"}
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"out_dir: .* a manifest of another format \('vlens-harvest/1'\)"):
+        harvest(llm, source, "hook_embed", tmp_path / "out", **kwargs)

@@ -14,7 +14,6 @@ from typing import Any
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
 from vlens.capture.spec import Capture
 
-
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 _GREEDY_BELOW = 1e-5
 

@@ -27,14 +27,14 @@ from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import PackedCapture
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.features import FeatureHarvest, feature_harvest
-from vlens.harvest.model import tokenizer_info, weights_hash
+from vlens.harvest.model import config_hash, tokenizer_info, weights_hash
 from vlens.harvest.sources import Source, open_source
 from vlens.harvest.stats import HookStats, Pieces
 from vlens.harvest.windows import Packing, make_packing, windows
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
 from vlens.version import __version__
 
-FORMAT = "vlens-harvest/1"
+FORMAT = "vlens-harvest/2"  # 2: expert ids stored as int64; a document led by BOS gets no second one
 CPU_BATCH_TOKENS = 4096  # tokens per forward on a CPU when the caller sets none: past these, throughput stops growing
 # On CUDA the default is what fits: the free memory after a probe forward of PROBE_TOKENS, up to MAX_BATCH_TOKENS
 # (a shard of 1 GiB holds about that many rows at d = 2048 in bf16, and no forward crosses a shard).
@@ -223,6 +223,7 @@ def header(
         "id": loaded.name,
         "architecture": loaded.config.architecture,
         "weights_sha256": weights_hash(loaded.path),
+        "config_sha256": config_hash(loaded.path),
         "dtype": dtype_name(param.dtype),
         "device": param.device.type,
     }

@@ -54,6 +54,13 @@ def weights_hash(path: Path) -> str:
     return files_hash(sorted(Path(path).glob("*.safetensors")))
 
 
+def config_hash(path: Path) -> str | None:
+    """Of config.json, which fixes how the weights are used (RoPE scaling, norms, windows): the same weights
+    under an edited config give other activations."""
+    config = Path(path) / "config.json"
+    return files_hash([config]) if config.exists() else None
+
+
 def tokenizer_info(tokenizer: Any, path: Path) -> dict[str, Any]:
     if tokenizer is None:
         return {"name_or_path": None, "vocab_size": None, "hash": None}
