@@ -413,3 +413,10 @@ def test_an_edited_config_or_an_older_format_is_not_resumed(tmp_path):
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"out_dir: .* a manifest of another format \('vlens-harvest/1'\)"):
         harvest(llm, source, "hook_embed", tmp_path / "out", **kwargs)
+
+
+def test_a_missing_source_fails_before_the_model_loads(tmp_path):
+    """The source is opened first: a typo in its path is reported at once, not after a long load (here the
+    model does not exist either, and is never looked at)."""
+    with pytest.raises(ValueError, match=r"^source: .*corpus\.jsonl' does not exist"):
+        harvest(str(tmp_path / "no-model"), tmp_path / "corpus.jsonl", "hook_embed", tmp_path / "out", progress=False)

@@ -75,9 +75,14 @@ class HarvestSummary:
         )
 
 
-def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, Source, FeatureHarvest | None]:
-    """Check the options that need the model and open the source: the hooks' taps, the packing, the
-    source, and the SAE whose latents to store."""
+def source_of(config: HarvestConfig) -> Source:
+    """The run's source, opened before the model loads: a typo in its path fails at once."""
+    return open_source(config.source, config.text_field, config.whole_file, config.split)
+
+
+def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, FeatureHarvest | None]:
+    """Check the options that need the model: the hooks' taps, the packing, and the SAE whose latents to
+    store."""
     wanted = resolve_hooks(config.hooks, loaded.config) if config.hooks else {}
     patterns = [name for name, tap in wanted.items() if is_pattern(tap)]
     if patterns:
@@ -91,7 +96,7 @@ def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, S
         config.exclude_token_ids,
     )  # fmt: skip
     features = feature_harvest(config, loaded.config)
-    return wanted, packing, open_source(config.source, config.text_field, config.whole_file, config.split), features
+    return wanted, packing, features
 
 
 @dataclass

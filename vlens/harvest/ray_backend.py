@@ -43,6 +43,7 @@ from vlens.harvest.job import (
     dtype_name,
     header,
     plan,
+    source_of,
     store_shard,
     window_stream,
 )
@@ -118,9 +119,10 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     import ray
 
     started = time.perf_counter()
+    src = source_of(config)
     loaded = resolve_model(config.model, config.model_dtype, "cpu")
     cfg = loaded.config
-    wanted, packing, src, features = plan(loaded, config)
+    wanted, packing, features = plan(loaded, config)
     store = Store.open(config.out_dir)
 
     if not ray.is_initialized():

@@ -13,10 +13,11 @@ from typing import Any
 
 from vlens.capture.names import hook_shapes
 from vlens.harvest.config import HarvestConfig
-from vlens.harvest.job import HarvestSummary, Job, choose_batch_tokens, header, plan, window_stream
+from vlens.harvest.job import HarvestSummary, Job, choose_batch_tokens, header, plan, source_of, window_stream
 from vlens.harvest.model import resolve_model, runner_for
 from vlens.harvest.pipeline import run_shards
 from vlens.harvest.rows import DeviceRows
+from vlens.harvest.sources import Source
 from vlens.harvest.windows import token_documents
 from vlens.harvest.writer import read_manifest
 from vlens.llm import LLM
@@ -54,16 +55,17 @@ def harvest_with(config: HarvestConfig) -> HarvestSummary:
 
 def _harvest_local(config: HarvestConfig) -> HarvestSummary:
     started = time.perf_counter()
+    src = source_of(config)
     loaded = resolve_model(config.model, config.model_dtype, config.device, config.tensor_parallel_size)
     try:
-        return _harvest_loaded(config, loaded, started)
+        return _harvest_loaded(config, loaded, src, started)
     finally:
         if loaded.model.executor is not None and not isinstance(config.model, (LLM, LoadedModel)):
             loaded.model.executor.close()  # the group this harvest started
 
 
-def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, started: float) -> HarvestSummary:
-    wanted, packing, src, features = plan(loaded, config)
+def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, src: Source, started: float) -> HarvestSummary:
+    wanted, packing, features = plan(loaded, config)
     taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
     runner = runner_for(config.model, loaded)
     batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))
