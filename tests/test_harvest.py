@@ -14,6 +14,7 @@ from conftest import rel_err
 from harvest_helpers import dir_bytes, documents, read_shards, window_rows, write_jsonl
 
 from vlens import LLM, ActivationDataset, harvest
+from vlens.harvest import export
 from vlens.harvest.cli import add_parser
 from vlens.harvest.stats import BLOCK, HookStats, ShardStats
 from vlens.harvest.windows import Packing, windows
@@ -420,3 +421,14 @@ def test_a_missing_source_fails_before_the_model_loads(tmp_path):
     model does not exist either, and is never looked at)."""
     with pytest.raises(ValueError, match=r"^source: .*corpus\.jsonl' does not exist"):
         harvest(str(tmp_path / "no-model"), tmp_path / "corpus.jsonl", "hook_embed", tmp_path / "out", progress=False)
+
+
+def test_an_export_past_float16s_range_is_refused(tmp_path):
+    """bfloat16 rows past 65,504 would be inf as float16: the export says so instead of writing them."""
+    llm, source = _tiny_moe(tmp_path)
+    with torch.no_grad():
+        llm.model.embed_tokens.weight.mul_(1e7)
+    harvest(llm, source, "hook_embed", tmp_path / "out", context_size=16, dtype="bfloat16", progress=False)
+    with pytest.raises(ValueError, match=r"dtype: rows of 'hook_embed' in shard-00000\.safetensors are past float16"):
+        export(tmp_path / "out", tmp_path / "sae", dtype="float16")
+    assert export(tmp_path / "out", tmp_path / "sae32").exists()  # float32 holds them

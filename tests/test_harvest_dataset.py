@@ -46,6 +46,8 @@ def test_len_and_indexing_match_the_shards(out, rows):
         ds[len(full)]
     with pytest.raises(ValueError, match=r"hook: 'blocks\.9\.hook_resid_post' is not in the harvest"):
         ActivationDataset(out, "blocks.9.hook_resid_post")
+    with pytest.raises(ValueError, match=r"^batch_size: must be >= 1, got 0"):
+        next(ds.batches(batch_size=0))
 
 
 def _epoch(out, key, **kw):

@@ -196,7 +196,9 @@ class ActivationDataset(IterableDataset):
         drop_last: bool | None = None,
     ) -> Iterator[torch.Tensor]:
         """Shuffled batches of rows, each row once (arguments default to the constructor's)."""
-        size = batch_size or self.batch_size
+        size = self.batch_size if batch_size is None else batch_size
+        if size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {size}")
         seed = self.seed if seed is None else seed
         buffer = self.shuffle_buffer if shuffle_buffer is None else shuffle_buffer
         drop = self.drop_last if drop_last is None else drop_last

@@ -53,13 +53,18 @@ def export(out_dir: str | os.PathLike, to: str | os.PathLike, format: str = "sae
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.mkdtemp(dir=target.parent, prefix=".vlens-export-")
     try:
-        dataset = datasets.Dataset.from_generator(
-            _windows,
-            features=features,
-            cache_dir=scratch,
-            # datasets splits list-valued gen_kwargs across workers: only `files` may be a list
-            gen_kwargs={"files": files, "hooks": tuple(width), "context_size": ctx, "dtype": dtype},
-        )
+        try:
+            dataset = datasets.Dataset.from_generator(
+                _windows,
+                features=features,
+                cache_dir=scratch,
+                # datasets splits list-valued gen_kwargs across workers: only `files` may be a list
+                gen_kwargs={"files": files, "hooks": tuple(width), "context_size": ctx, "dtype": dtype},
+            )
+        except datasets.exceptions.DatasetGenerationError as e:  # (our own ValueError, wrapped by datasets)
+            if isinstance(e.__cause__, ValueError):
+                raise e.__cause__ from None
+            raise
         dataset.save_to_disk(str(target))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -99,10 +104,16 @@ def _windows(
         shard = mmap_shard(Path(file))
         order = torch.argsort(shard["window"] * context_size + shard["position"])
         count = len(order) // context_size
-        values = {
-            name: shard[name].index_select(0, order).reshape(count, context_size, -1).to(getattr(torch, dtype)).numpy()
-            for name in hooks
-        }
+        values = {name: _cast(shard[name].index_select(0, order), dtype, name, file) for name in hooks}
+        values = {name: v.reshape(count, context_size, -1).numpy() for name, v in values.items()}
         tokens = shard["token_ids"].index_select(0, order).reshape(count, context_size).numpy()
         for i in range(count):
             yield {**{name: v[i] for name, v in values.items()}, "token_ids": tokens[i]}
+
+
+def _cast(rows: torch.Tensor, dtype: str, hook: str, file: str) -> torch.Tensor:
+    """`rows` as `dtype`, refusing values it cannot hold (bfloat16 rows past 65,504 are inf in float16)."""
+    out = rows.to(getattr(torch, dtype))
+    if out.is_floating_point() and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(rows).all()):
+        raise ValueError(f"dtype: rows of {hook!r} in {Path(file).name} are past {dtype}'s range; export as float32")
+    return out
