@@ -80,6 +80,13 @@ def test_past_max_pending_requests_429_then_recovers(server):
         assert "--max-pending-requests" in busy(embed)
     wait_idle(server)
     assert httpx.post(server + "/v1/completions", json=SHORT, timeout=120).status_code == 200
+    # More prompts in one request than the server ever holds: not a 429, which would be retried forever
+    for path, body in (("/v1/completions", {**SHORT, "prompt": [PROMPT] * (PENDING + 1)}),
+                       ("/v1/embeddings", {"input": ["Hi"] * (PENDING + 1)})):  # fmt: skip
+        r = httpx.post(server + path, json=body, timeout=120)
+        field = "prompt" if "prompt" in body else "input"
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "--max-pending-requests (6)" in r.json()["error"]["message"]
 
 
 def test_past_max_capture_bytes_in_flight_429_then_recovers(server):

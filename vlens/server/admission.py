@@ -34,13 +34,18 @@ class Admission:
         self.capture_bytes = 0  # reserved by admitted requests, stored handles not counted
         self.closing = False
 
-    def admit(self, requests: int, capture_bytes: int) -> Ticket:
-        """A ticket for `requests` engine requests that may return `capture_bytes`; APIError 429 (503 while
-        shutting down) if the server holds too much. A capture larger than the whole budget still runs,
-        alone: refusing it forever would help no one, and its size is already bounded per request."""
+    def admit(self, requests: int, capture_bytes: int, field: str) -> Ticket:
+        """A ticket for `requests` engine requests (the prompts of request field `field`) that may return
+        `capture_bytes`; APIError 429 (503 while shutting down) if the server holds too much, 400 if the
+        prompts alone are more than it ever holds. A capture larger than the whole budget still runs, alone:
+        refusing it forever would help no one, and its size is already bounded per request."""
         if self.closing:
             raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
                            headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        if requests > self.max_requests:  # (a 429 would be retried forever)
+            raise APIError(400, f"{field}: {requests} prompts in one request, more than this server's "
+                                f"--max-pending-requests ({self.max_requests}); send them in smaller requests",
+                           param=field)  # fmt: skip
         if self.requests and self.requests + requests > self.max_requests:
             raise self._busy(f"{self.requests} requests are running or queued, this server's --max-pending-requests")
         held = self.capture_bytes + self.store.nbytes

@@ -103,7 +103,7 @@ class Embedder:
                 )  # fmt: skip
         reduce = "mean" if pooling == "mean" else "none"
         params = SamplingParams(max_tokens=0, capture=Capture(hooks=hook, positions=POSITIONS[pooling], reduce=reduce))
-        ticket = g.admission.admit(len(token_lists), 0)  # a vector per input, JSON: no capture bytes to hold
+        ticket = g.admission.admit(len(token_lists), 0, "input")  # a vector per input, JSON: no capture bytes to hold
         try:
             outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
         finally:

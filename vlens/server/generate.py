@@ -206,7 +206,7 @@ class Generator:
 
     async def _run(self, prepared: Prepared, request: Request) -> Response:
         # Held until the response is written: encoded activations are in memory until then.
-        ticket = self.admission.admit(len(prepared.requests), prepared.capture_bytes)
+        ticket = self.admission.admit(len(prepared.requests), prepared.capture_bytes, "prompt")
         if not prepared.stream:
             try:
                 outputs = await self.outputs(prepared.requests, request)
