@@ -18,16 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
-
-import vlens
-from vlens import LLM
-from vlens.loader import LoadedModel, cache_dir, default_gguf, hash_file, resolve_model_path
 
 # Triton's kernels (vlens.attention.paged_decode) run on the CPU under its interpreter, which Triton picks
-# when it is first imported: so before anything imports it, and only where there is no GPU to run them.
+# when it is first imported: so before anything imports it (vlens does, through torch.nn.attention.bias and
+# torch._dynamo; torch alone does not), and only where there is no GPU to run them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from filelock import FileLock  # noqa: E402
+
+import vlens  # noqa: E402
+from vlens import LLM  # noqa: E402
+from vlens.loader import LoadedModel, cache_dir, default_gguf, hash_file, resolve_model_path  # noqa: E402
 
 # `make test` runs two pytest-xdist workers: each worker's torch (and every process it starts) gets its
 # share of the cores, as two workers spinning OpenMP threads over all of them run slower than one.
