@@ -14,6 +14,8 @@ import math
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -123,6 +125,20 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
     assert executor.closed and set(multiprocessing.active_children()) == before
     with pytest.raises(GroupError, match="closed"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_worker_that_dies_before_joining_fails_the_start(tmp_path):
+    """A worker that dies before it joins the group (here: the spawned worker re-runs a script that has no
+    `if __name__ == "__main__":` guard, and dies starting a process of its own) fails `LLM()` with a
+    GroupError naming the rank, rather than a rendezvous timeout two minutes later that names nothing."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from vlens import LLM\nLLM({path!r}, dtype='float32', device='cpu', tensor_parallel_size=2)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 1
+    assert "GroupError: tensor parallel rank 1 did not start: rank 1 exited with code 1" in done.stderr, done.stderr
 
 
 def test_smollm2_weights_on_three_ranks(smol4, smol4_path):
