@@ -250,6 +250,26 @@ def test_interrupted_forward_ends_the_group(tmp_path, monkeypatch):
         llm.trace([[1, 2, 3]], hooks=["blocks.0.hook_resid_post"])
 
 
+def test_failure_after_the_workers_were_sent_the_forward_ends_the_group(tmp_path, monkeypatch):
+    """Once the other ranks have the forward, a failure on rank 0 before its own forward starts (an interrupt
+    while it sets the forward's context up) leaves them in a collective too: the group is ended, else the
+    next forward would pair with theirs."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    llm = _open(path, tensor_parallel_size=N)
+
+    def interrupted(taps, cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vlens.engine.model_runner.shard_taps", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.trace([[1, 2, 3]], hooks=["blocks.0.hook_resid_post"])
+        assert llm.model.executor.closed and set(multiprocessing.active_children()) == before
+    finally:
+        llm.model.executor.close()
+
+
 def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):
     path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
     args = ["--model", path, "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", str(N),
