@@ -14,6 +14,8 @@ import math
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -125,6 +127,20 @@ def test_killed_rank_fails_the_caller_and_leaves_nothing(tmp_path, one_thread):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+def test_worker_that_dies_before_joining_fails_the_start(tmp_path):
+    """A worker that dies before it joins the group (here: the spawned worker re-runs a script that has no
+    `if __name__ == "__main__":` guard, and dies starting a process of its own) fails `LLM()` with a
+    GroupError naming the rank, rather than a rendezvous timeout two minutes later that names nothing."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from vlens import LLM\nLLM({path!r}, dtype='float32', device='cpu', tensor_parallel_size=2)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 1
+    assert "GroupError: tensor parallel rank 1 did not start: rank 1 exited with code 1" in done.stderr, done.stderr
+
+
 def test_smollm2_weights_on_three_ranks(smol4, smol4_path):
     """SmolLM2's own weights (cut to four layers): 9 heads and 3 KV heads on three ranks, one KV head each;
     every hook of a trace, and a greedy generation with its hidden states, as in one process."""
@@ -234,6 +250,26 @@ def test_interrupted_forward_ends_the_group(tmp_path, monkeypatch):
     assert llm.model.executor.closed and set(multiprocessing.active_children()) == before
     with pytest.raises(GroupError, match="closed"):
         llm.trace([[1, 2, 3]], hooks=["blocks.0.hook_resid_post"])
+
+
+def test_failure_after_the_workers_were_sent_the_forward_ends_the_group(tmp_path, monkeypatch):
+    """Once the other ranks have the forward, a failure on rank 0 before its own forward starts (an interrupt
+    while it sets the forward's context up) leaves them in a collective too: the group is ended, else the
+    next forward would pair with theirs."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    llm = _open(path, tensor_parallel_size=N)
+
+    def interrupted(taps, cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vlens.engine.model_runner.shard_taps", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.trace([[1, 2, 3]], hooks=["blocks.0.hook_resid_post"])
+        assert llm.model.executor.closed and set(multiprocessing.active_children()) == before
+    finally:
+        llm.model.executor.close()
 
 
 def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):

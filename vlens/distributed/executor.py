@@ -12,6 +12,7 @@ is stopped, so no process is left behind and nothing waits on a rank that will n
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import torch
@@ -100,8 +101,7 @@ class Executor:
         else:
             self.ranks = ProcessRanks(size, f"tcp://127.0.0.1:{_free_port()}", spec)
         try:
-            dist.init_process_group(spec["group"], init_method=self.ranks.init, rank=0, world_size=size,
-                                    timeout=worker.TIMEOUT)  # fmt: skip
+            self._join(spec["group"], size)
             self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=Parallel(0, size))
             self.ranks.wait_ready(time.monotonic() + STARTUP_S)
         except BaseException:
@@ -109,6 +109,28 @@ class Executor:
             raise
         on_failure(self._fail)
         self.loaded.model.executor = self
+
+    def _join(self, group: str, size: int) -> None:
+        """Join the group as rank 0 while watching the workers: the rendezvous waits for every rank until
+        worker.TIMEOUT, so a worker that dies before it joins (an import that fails, a script without an
+        `if __name__ == "__main__":` guard, which each spawned worker re-runs) fails the start here, by name."""
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(group, init_method=self.ranks.init, rank=0, world_size=size,
+                                        timeout=worker.TIMEOUT)  # fmt: skip
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(e)
+
+        thread = threading.Thread(target=join, daemon=True)  # left waiting out the timeout if a worker died
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if thread.is_alive() and self.ranks.dead() is not None:
+                self.ranks.wait_ready(time.monotonic())  # raises: what the dead worker said, or how it exited
+        if failed:
+            raise failed[0]
 
     @property
     def model(self):

@@ -30,10 +30,17 @@ class ProcessRanks:
         for rank, conn in enumerate(self.conns, start=1):
             while not conn.poll(0.1):
                 if not self.procs[rank - 1].is_alive() or time.monotonic() > deadline:
-                    raise GroupError(f"tensor parallel rank {rank} did not start: {self.dead() or 'no answer'}")
-            status, detail = conn.recv()
+                    raise self._not_started(rank)
+            try:
+                status, detail = conn.recv()
+            except EOFError:  # it died without a word: its end of the pipe closed
+                self.procs[rank - 1].join(timeout=5)  # for its exit code
+                raise self._not_started(rank) from None
             if status != "ready":
                 raise GroupError(f"tensor parallel rank {rank} failed to load its shard:\n{detail}")
+
+    def _not_started(self, rank: int) -> GroupError:
+        return GroupError(f"tensor parallel rank {rank} did not start: {self.dead() or 'no answer'}")
 
     def send(self, work) -> None:
         """To every worker, in rank order; OSError (a broken pipe) when one is gone."""

@@ -178,10 +178,10 @@ class ModelRunner:
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
         forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
-        if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
-            self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
-        set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), self.fused))
-        try:
+        try:  # from the launch on: the other ranks may be in the forward's collectives
+            if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
+                self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
+            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), self.fused))
             hidden = forward(ids)
             logits = None
             if isinstance(logit_rows, slice):
