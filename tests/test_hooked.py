@@ -167,6 +167,17 @@ def test_bad_input_names_the_problem(hooked):
         hooked("hi", return_type="probs")
 
 
+@pytest.mark.parametrize("where", ["blocks.1.attn.hook_pattern", "blocks.*.attn.hook_attn_scores",
+                                   lambda name: name.endswith("hook_pattern")])  # fmt: skip
+def test_hooks_at_attention_patterns_are_refused_by_name(hooked, where):
+    """Patterns are computed beside the fused attention: a hook there could change nothing (and used to
+    fail mid-forward with an AttributeError)."""
+    refused = r"fwd_hooks: blocks\.\d+\.attn\.hook_(pattern|attn_scores).* cannot be hooked"
+    with pytest.raises(ValueError, match=refused):
+        hooked.run_with_hooks("hi", fwd_hooks=[(where, lambda x, hook: None)])
+    assert hooked("hi").shape[:2] == (1, len(hooked.to_tokens("hi")[0]))  # nothing left armed
+
+
 # A TransformerLens notebook cell; porting it to vlens changes only the two lines in braces.
 NOTEBOOK = """
 {imports}

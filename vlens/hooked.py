@@ -272,6 +272,13 @@ class HookedLM:
         taps = [n for n in self._shapes if not n.startswith("hidden_states.")]
         for where, fn in self._context_hooks:
             chosen = [n for n in taps if where(n)] if callable(where) else list(resolve_hooks(where, self.cfg).values())
+            read_only = [t for t in chosen if is_pattern(t)]
+            if read_only:
+                raise ValueError(
+                    f"fwd_hooks: {', '.join(read_only)} cannot be hooked: vlens computes attention scores and patterns "
+                    "beside the fused attention, not inside it, so a hook there could change nothing; read them with "
+                    "run_with_cache, or edit attn.hook_q / hook_k / hook_v / hook_z"
+                )
             for tap in chosen:
                 by_tap.setdefault(tap, []).append(fn)
         return {tap: _UserHooks(tap, fns, padding) for tap, fns in by_tap.items()}
