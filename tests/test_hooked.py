@@ -23,8 +23,9 @@ def hooked(smol_path) -> HookedLM:
 
 
 def _each_text(cache: ActivationCache, name: str, lengths: list[int]):
-    """The real (unpadded) rows of each text, after checking the pads are zeros."""
-    value = cache[name]
+    """The real (unpadded) rows of each text, after checking the pads are zeros (patterns: per query
+    position, as HF's references are, from TransformerLens's [batch, heads, query_pos, key_pos])."""
+    value = cache[name].transpose(1, 2) if name.endswith(PATTERNS) else cache[name]
     for i, n in enumerate(lengths):
         assert not value[i, n:].any(), (name, i)  # never computed on a pad (a zero row, scores too)
         yield value[i, :n]
@@ -95,6 +96,25 @@ def test_stop_at_layer_and_pos_slice(hooked, hf_smol):
         assert torch.equal(last[name][i], full[name][i, n - 1])  # each text's own last position
         assert torch.equal(first_two[name][i, : min(n, 2)], full[name][i, : min(n, 2)])
     assert last[name].shape == (2, hooked.cfg.hidden_size)
+
+
+def test_patterns_come_in_transformer_lens_layout(hooked, hf_smol):
+    """cache["pattern", L][b, h] is head h's [query_pos, key_pos] matrix, as TransformerLens caches it (it was
+    [query_pos, heads, key_pos]: a ported notebook read position h as if it were a head)."""
+    names = "blocks.3.attn.hook_{pattern,attn_scores}"
+    _, cache = hooked.run_with_cache(TEXTS[:2], names_filter=names)
+    _, last = hooked.run_with_cache(TEXTS[:2], names_filter=names, pos_slice=-1)
+    lengths = [len(hooked.to_tokens(t)[0]) for t in TEXTS[:2]]
+    heads, width = hooked.cfg.num_heads, max(lengths)
+    for i, text in enumerate(TEXTS[:2]):
+        ref = hf_taps(hf_smol, hooked.to_tokens(text)[0].tolist(), (3,))
+        n = lengths[i]
+        for kind in ("pattern", "attn_scores"):
+            assert cache[kind, 3].shape == (2, heads, width, width)
+            expected = ref[f"blocks.3.attn.hook_{kind}"]  # [query_pos, heads, key_pos]
+            assert same(cache[kind, 3][i, :, :n, :n], expected.transpose(0, 1), 1e-5), kind
+            assert last[kind, 3].shape == (2, heads, width)  # TransformerLens's int pos_slice: [batch, heads, key_pos]
+            assert same(last[kind, 3][i, :, :n], expected[-1], 1e-5), kind
 
 
 def test_accumulated_resid_and_stack(hooked):

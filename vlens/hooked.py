@@ -8,10 +8,11 @@ its loading line:
 
 What differs from TransformerLens: the values are HF's own (no LayerNorm folding, no weight
 centring), and texts of different lengths run packed, never padded: every tensor comes back
-right-padded to [batch, positions, ...] with zeros past each text's end, and `cache.mask` says which
-positions are real. A [batch, positions] token tensor is taken whole unless `attention_mask` says
-where each row ends. Hook functions are the one place vlens runs user Python inside a forward: an
-eager path over one packed forward, for notebooks, not the engine.
+right-padded to [batch, positions, ...] with zeros past each text's end (attention scores and patterns
+[batch, heads, query_pos, key_pos], as in TransformerLens), and `cache.mask` says which positions are
+real. A [batch, positions] token tensor is taken whole unless `attention_mask` says where each row ends.
+Hook functions are the one place vlens runs user Python inside a forward: an eager path over one packed
+forward, for notebooks, not the engine.
 """
 
 from __future__ import annotations
@@ -300,7 +301,8 @@ class HookedLM:
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
         padded = {t: padding.pad(torch.cat(_same_width(t, parts, padding.width))) for t, parts in rows.items()}
-        cache = ActivationCache({n: _positions(padded[t], padding, pos_slice) for n, t in names.items()}, padding.mask, self)
+        cached = {n: _heads_first(t, _positions(padded[t], padding, pos_slice)) for n, t in names.items()}
+        cache = ActivationCache(cached, padding.mask, self)
         if stop_at_layer is not None:
             return padded[output], cache
         if return_type is None:
@@ -315,6 +317,12 @@ class HookedLM:
 def _same_width(tap: str, parts: list[torch.Tensor], width: int) -> list[torch.Tensor]:
     """Attention scores and patterns of each text are as wide as the text: widen them to the longest."""
     return [widen(tap, p, width) for p in parts] if is_pattern(tap) else parts
+
+
+def _heads_first(tap: str, value: torch.Tensor) -> torch.Tensor:
+    """Attention scores and patterns in TransformerLens's layout, [batch, heads, query_pos, key_pos]: a ported
+    `cache["pattern", L][b, h]` must read head h, not position h (vlens's rows are per query position)."""
+    return value.transpose(1, 2) if is_pattern(tap) and value.dim() == 4 else value
 
 
 def _positions(value: torch.Tensor, padding: Padding, pos_slice) -> torch.Tensor:
