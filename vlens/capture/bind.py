@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
-from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, Part, is_pattern, resolve_hooks
+from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, Part, is_pattern, resolve_hooks, tap_dtype
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
@@ -212,6 +212,9 @@ def _intervention(
     if LOGITS in taps or any(is_pattern(t) for t in taps):
         raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
                          "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip
+    if any(tap_dtype(t, torch.float32) == torch.long for t in taps):  # an edit would make other, invalid ids
+        raise ValueError(f"{where}.hook: {iv.hook!r} holds the chosen experts' ids (integers), which cannot be "
+                         "edited; steer or patch mlp.hook_router_logits instead")  # fmt: skip
     if sae_at is not None and taps != [sae_at]:
         raise _elsewhere(f"{where}.hook", iv.hook, sae)
     shape_set = {shapes[t] for t in taps}
