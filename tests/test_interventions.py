@@ -237,6 +237,10 @@ def test_readouts_on_device(smol, hf_smol):
         (lambda: Capture(project=torch.ones(D)), "capture.project"),
         (lambda: Capture(logit_lens=3, reduce="mean"), "capture.logit_lens"),
         (lambda: SamplingParams(capture=Capture(hooks="blocks.1.attn.hook_q", logit_lens=2)), "capture.logit_lens"),
+        (  # normed twice, its top tokens were not the logits'
+            lambda: SamplingParams(capture=Capture(hooks="hidden_states.*", logit_lens=2)),
+            r"capture.logit_lens: .* not \['ln_final.hook_out'\]",
+        ),
     ],
 )
 def test_bad_interventions_are_clear_errors(smol, make, field):

@@ -181,9 +181,13 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
         b = None if b is None else b.to(weight.device, weight.dtype)
         readout = partial(project, w=w.to(weight.device, weight.dtype), b=b)
     if capture.logit_lens is not None:
-        bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t == LOGITS]
+        # (the final norm's output has been through the norm the lens applies: its top tokens are the logits')
+        bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t in (LOGITS, FINAL_NORM)]
         if bad:
-            raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {cfg.hidden_size}; not {bad}")
+            raise ValueError(
+                f"capture.logit_lens: needs residual-stream taps of width {cfg.hidden_size}, which it puts through "
+                f"the final norm; not {bad} (past the final norm: capture {LOGITS})"
+            )
         readout = partial(logit_lens, model=model, k=capture.logit_lens)
     if capture.sae is not None:
         device, dtype = weight.device, weight.dtype
