@@ -98,6 +98,17 @@ def test_stop_at_layer_and_pos_slice(hooked, hf_smol):
     assert last[name].shape == (2, hooked.cfg.hidden_size)
 
 
+def test_stop_at_layer_counts_from_the_end_as_transformer_lens_does(hooked):
+    """`blocks[:stop_at_layer]`: -1 runs all layers but the last (it failed with a KeyError on blocks.-1)."""
+    n = hooked.cfg.num_layers
+    resid, cache = hooked.run_with_cache(TEXTS[:2], names_filter="blocks.*.hook_resid_pre", stop_at_layer=-1)
+    expected, _ = hooked.run_with_cache(TEXTS[:2], names_filter="hook_embed", stop_at_layer=n - 1)
+    assert torch.equal(resid, expected) and sorted(cache) == sorted(f"blocks.{i}.hook_resid_pre" for i in range(n))
+    assert torch.equal(hooked.run_with_hooks(TEXTS[:2], stop_at_layer=-1), expected)
+    with pytest.raises(ValueError, match=rf"stop_at_layer: {-n - 1} is not an int in -{n}..{n}"):
+        hooked.run_with_cache("hi", stop_at_layer=-n - 1)
+
+
 def test_patterns_come_in_transformer_lens_layout(hooked, hf_smol):
     """cache["pattern", L][b, h] is head h's [query_pos, key_pos] matrix, as TransformerLens caches it (it was
     [query_pos, heads, key_pos]: a ported notebook read position h as if it were a head)."""

@@ -228,9 +228,10 @@ class HookedLM:
     ) -> tuple[Any, ActivationCache]:
         """(output, cache). names_filter: a name, glob, list of them, or a function of the name (None:
         every hook); stop_at_layer: run only the layers below it and return the residual entering it
-        ([batch, positions, d]); pos_slice: keep these positions of each text, counted from its own
-        start (negative: from its own end)."""
+        ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
+        each text, counted from its own start (negative: from its own end)."""
         names = self._names(names_filter)
+        stop_at_layer = self._stop_layer(stop_at_layer)
         if stop_at_layer is not None:
             names = {n: t for n, t in names.items() if layers_needed(t, self.cfg) <= stop_at_layer}
         return self._run(input, names, stop_at_layer, pos_slice, return_type, attention_mask)
@@ -246,8 +247,18 @@ class HookedLM:
         """The forward with `fn(value, hook)` run at each named tap (a name, glob or a function of the
         name); a hook that returns a tensor of the shape it got replaces the value."""
         with self.hooks(fwd_hooks):
-            output, _ = self._run(input, {}, stop_at_layer, None, return_type, attention_mask)
+            output, _ = self._run(input, {}, self._stop_layer(stop_at_layer), None, return_type, attention_mask)
         return output
+
+    def _stop_layer(self, stop_at_layer: int | None) -> int | None:
+        """TransformerLens's stop_at_layer, a bound on the layers as in `blocks[:stop_at_layer]`: negative counts
+        from the last layer (-1 runs all but it), past the last runs them all."""
+        n = self.cfg.num_layers
+        if stop_at_layer is None:
+            return None
+        if not isinstance(stop_at_layer, int) or isinstance(stop_at_layer, bool) or stop_at_layer < -n:
+            raise ValueError(f"stop_at_layer: {stop_at_layer!r} is not an int in -{n}..{n} (this model has {n} layers)")
+        return stop_at_layer + n if stop_at_layer < 0 else min(stop_at_layer, n)
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Sequence[tuple[Any, HookFn]] = ()):
