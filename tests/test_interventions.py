@@ -227,6 +227,8 @@ def test_readouts_on_device(smol, hf_smol):
         ),
         (lambda: Ablate("blocks.1.hook_resid_post", [1.0] * D, positions="last"), "ablate.positions"),
         (lambda: Ablate("blocks.1.hook_resid_post", [0.0] * D), "zero vector"),
+        (lambda: Steer("blocks.1.hook_resid_post", [1.0] * D, scale="2"), "steer.scale"),  # (was a TypeError)
+        (lambda: Steer("blocks.1.hook_resid_post", [1.0] * D, scale=float("inf")), "steer.scale"),
         (
             lambda: SamplingParams(
                 interventions=[Patch("blocks.1.hook_resid_post", torch.ones(3, D), positions="all")]
