@@ -209,6 +209,20 @@ def test_hooks_at_attention_patterns_are_refused_by_name(hooked, where):
     assert hooked("hi").shape[:2] == (1, len(hooked.to_tokens("hi")[0]))  # nothing left armed
 
 
+def test_texts_longer_than_the_model_are_refused_by_name(tmp_path):
+    """Past n_positions a learned position embedding has no row: trace and HookedLM failed with an IndexError
+    inside the forward."""
+    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=2, n_head=4, n_positions=16),
+                 tmp_path, "gpt2")  # fmt: skip
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    tokens = torch.arange(1, 18)[None]
+    with pytest.raises(ValueError, match=r"^texts\[1\]: 17 tokens exceed this model's length, max_model_len=16"):
+        hooked.llm.trace([[1, 2], tokens[0].tolist()], hooks="hook_embed")
+    with pytest.raises(ValueError, match=r"^input\[0\]: 17 tokens"):
+        hooked.run_with_cache(tokens)
+    assert hooked(tokens[:, :16]).shape == (1, 16, COMMON["vocab_size"])  # the longest that fits
+
+
 # A TransformerLens notebook cell; porting it to vlens changes only the two lines in braces.
 NOTEBOOK = """
 {imports}

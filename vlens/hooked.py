@@ -299,6 +299,7 @@ class HookedLM:
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type: {return_type!r} is not one of logits, loss, both, None")
         seqs = self._sequences(input, attention_mask)
+        self.llm.check_fits(seqs, "input")
         padding = Padding([len(s) for s in seqs])
         taps = set(names.values())
         if stop_at_layer is not None:

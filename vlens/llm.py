@@ -127,9 +127,19 @@ class LLM:
         wanted = resolve_hooks(hooks, self.config)
         taps = sorted(set(wanted.values()))
         token_lists = to_token_lists(texts, self.tokenizer, self.config.vocab_size, field="texts")
+        self.check_fits(token_lists, "texts")
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
         for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
             plan = self.runner.packed([token_lists[i] for i in batch], taps)
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]
+
+    def check_fits(self, token_lists: list[list[int]], field: str) -> None:
+        """A cache-less forward (trace, HookedLM) of texts within the model's length, as a prompt must be: past
+        it a learned position embedding has no row (an IndexError inside the forward), and rotary positions
+        are ones the model never saw."""
+        limit = self.engine_config.max_model_len or self.config.max_position_embeddings
+        for i, ids in enumerate(token_lists):
+            if len(ids) > limit:
+                raise ValueError(f"{field}[{i}]: {len(ids)} tokens exceed this model's length, max_model_len={limit}")
