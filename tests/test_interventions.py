@@ -228,6 +228,16 @@ def test_mean_in_another_dtype_is_cast_once(smol):
     "make, field",
     [
         (lambda: SamplingParams(interventions=[Steer("blocks.1.hook_resid_post", [1.0] * 10)]), "does not fit"),
+        (  # the elements of a row, not its shape: it was read as one
+            lambda: SamplingParams(interventions=[Steer("blocks.1.hook_resid_post", torch.ones(2, D // 2))]),
+            "does not fit",
+        ),
+        (  # two rows, transposed
+            lambda: SamplingParams(
+                interventions=[Patch("blocks.1.hook_resid_post", torch.ones(D, 2), positions=[0, 1])]
+            ),
+            r"interventions\[0\]\.values",
+        ),
         (lambda: Steer("blocks.1.hook_resid_post", [float("nan")] * D), "steer.vector"),
         (lambda: SamplingParams(interventions=[Steer("blocks.77.hook_resid_post", [1.0] * D)]), "blocks.77"),
         (

@@ -238,18 +238,19 @@ def _intervention(
             kind = PATCH  # a head ablation sets the heads' values
         if data.numel() == shape[-1] and not isinstance(iv, Patch):
             data = data.repeat(len(iv.heads))  # one [d_head] vector for every head named
-    width = math.prod(shape) if iv.heads is None else len(iv.heads) * shape[-1]  # what one row of data covers
+    row = shape if iv.heads is None else (len(iv.heads), shape[-1])  # what one row of data covers
+    width = math.prod(row)
     value_positions = None
-    if isinstance(iv, Patch) and data.numel() != width:
+    if isinstance(iv, Patch) and not _rows(data, row, 1):
         rows = iv.positions.explicit_rows(prompt_len)
-        if rows is None or data.numel() != len(rows) * width:
+        if rows is None or not _rows(data, row, len(rows)):
             raise ValueError(
-                f"{where}.values: shape {tuple(data.shape)} fits neither one row of {iv.hook} {shape} nor one row "
+                f"{where}.values: shape {tuple(data.shape)} fits neither one row of {iv.hook} {row} nor one row "
                 f"per position of {iv.positions}" + ("" if rows is None else f" ({len(rows)} rows)")
             )
         value_positions = rows
-    elif data.numel() != width:
-        raise ValueError(f"{where}: vector of shape {tuple(data.shape)} does not fit {iv.hook}, whose rows are {shape}")
+    elif not _rows(data, row, 1):
+        raise ValueError(f"{where}: vector of shape {tuple(data.shape)} does not fit {iv.hook}, whose rows are {row}")
     _check_listed(iv.positions, max_rows, where)
     data, mask = data.reshape(-1, width), None
     if iv.heads is not None:  # spread over the whole row; the mask keeps the other heads as they are
@@ -259,6 +260,13 @@ def _intervention(
         mask[iv.heads] = True
         data, mask = full.flatten(1), mask.flatten().expand(len(data), -1)
     return BoundIntervention(kind, taps, iv.positions, prompt_len, data, mask, value_positions)
+
+
+def _rows(data: torch.Tensor, row: tuple[int, ...], count: int) -> bool:
+    """Whether `data` is `count` rows of shape `row`, each whole or flattened (a [2, 32] vector has the
+    elements of a row of 64, not its shape: it would be read as one, silently)."""
+    shape = tuple(data.shape)
+    return data.numel() == count * math.prod(row) and (shape[-len(row) :] == row or shape[-1:] == (math.prod(row),))
 
 
 def _check_listed(positions: Positions, max_rows: int, where: str) -> None:
