@@ -295,6 +295,27 @@ def test_exclude_token_ids_takes_numpy_and_torch_ids():
         assert Capture(exclude_token_ids=ids).exclude_token_ids == frozenset(int(i) for i in ids)
 
 
+def test_an_interrupted_generate_leaves_nothing_behind(smol, monkeypatch):
+    """Ctrl-C during generate() left its requests in the engine, and the next call failed with a KeyError on
+    their ids when they ended there."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    [expected] = smol.generate("Hello", params, use_tqdm=False)
+    step, calls = smol.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(smol.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        smol.generate(["Once upon a time", "The sky is"], params, use_tqdm=False)
+    assert not smol.engine.has_work()
+    [again] = smol.generate("Hello", params, use_tqdm=False)
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
 def test_capture_disabled_fails_before_running(smol4_path):
     llm = LLM(model=str(smol4_path), dtype="float32", device="cpu", enable_capture=False, kv_cache_memory=64 << 20)
     p = SamplingParams(max_tokens=2, capture=Capture(hooks="blocks.0.hook_resid_post"))

@@ -108,12 +108,17 @@ class LLM:
         ids = engine.add_requests([NewRequest(t, p, text) for t, p, text in zip(token_lists, params, texts)])
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
-        with tqdm(total=len(ids), desc="vlens generate", unit="req", disable=not use_tqdm) as bar:
-            while engine.has_work():
-                for delta in engine.step():
-                    if delta.finished:
-                        results[index[delta.request_id]] = delta.output
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="vlens generate", unit="req", disable=not use_tqdm) as bar:
+                while engine.has_work():
+                    for delta in engine.step():
+                        if delta.finished:
+                            results[index[delta.request_id]] = delta.output
+                            bar.update(1)
+        except BaseException:  # (Ctrl-C in a notebook) left running, they would end in the next call, unknown to it
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
         return results
 
     @torch.inference_mode()
