@@ -177,6 +177,15 @@ def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):
     assert not torch.equal(hooked(TEXTS[:2]), logits)  # and gone after it
 
 
+def test_config_answers_to_transformer_lens_names(hooked, hf_smol):
+    """`for layer in range(model.cfg.n_layers)` opens many notebooks: it failed with an AttributeError."""
+    hf, cfg = hf_smol.config, hooked.cfg
+    ported = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_key_value_heads, cfg.d_head, cfg.d_mlp, cfg.d_vocab,
+              cfg.n_ctx)  # fmt: skip
+    assert ported == (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+                      hf.head_dim, hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings)  # fmt: skip
+
+
 def test_tokens_and_loss(hooked, hf_smol):
     tokens = hooked.to_tokens(TEXTS[:2])
     assert tokens.shape == (2, len(hooked.to_tokens(TEXTS[0])[0]))
