@@ -137,6 +137,12 @@ def test_accumulated_resid_and_stack(hooked):
     normed = cache.accumulated_resid(apply_ln=True)
     assert rel_err(normed[-1], cache["ln_final.hook_out"]) <= 1e-6  # the model's own final norm
     assert torch.equal(cache.stack_activation("resid_pre")[7], cache["resid_pre", 7])
+    # TransformerLens's logit-lens call, verbatim (pos_slice was an unexpected keyword)
+    last, labels = cache.accumulated_resid(layer=-1, incl_mid=False, pos_slice=-1, apply_ln=True, return_labels=True)
+    lengths = cache.mask.sum(1).tolist()
+    assert last.shape == (31, 2, hooked.cfg.hidden_size) and labels[-1] == "final_post"
+    for i, n in enumerate(lengths):
+        assert torch.equal(last[:, i], normed[:, i, n - 1])
 
 
 def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):

@@ -134,12 +134,14 @@ class ActivationCache(Mapping):
         return torch.stack([self[(activation, i, sublayer_type)] for i in range(layer)])
 
     def accumulated_resid(
-        self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False, return_labels: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+        self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False, pos_slice=None,
+        return_labels: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
         """The residual stream entering each layer up to `layer` (all, and the last layer's output, by
         default), [components, batch, positions, d]. `apply_ln` puts every component through the
         model's own final norm (weight included, its scale computed per component), as a logit lens
-        reads them; TransformerLens instead divides by the final norm's cached scale."""
+        reads them; TransformerLens instead divides by the final norm's cached scale. `pos_slice` keeps
+        those positions of each text, as run_with_cache's does (an int: [components, batch, d])."""
         n = self.model.cfg.num_layers
         layer = n if layer in (-1, None) else layer
         parts, labels = [], []
@@ -159,6 +161,9 @@ class ActivationCache(Mapping):
                 norm = self.model.llm.model.final_norm
                 weight = next(norm.parameters())
                 stack = norm(stack.to(weight.device, weight.dtype)).to(stack.device) * self.mask[..., None]
+        if pos_slice is not None:
+            padding = Padding(self.mask.sum(1).tolist())
+            stack = torch.stack([_positions(part, padding, pos_slice) for part in stack])
         return (stack, labels) if return_labels else stack
 
 
