@@ -11,6 +11,7 @@ from family_parity import COMMON, build
 from hf_reference import hf_taps, same
 from transformers import Gemma2Config, GPT2Config
 
+import vlens.hooked as utils
 from vlens import ActivationCache, HookedLM
 from vlens.capture.names import PATTERNS
 
@@ -143,6 +144,27 @@ def test_accumulated_resid_and_stack(hooked):
     assert last.shape == (31, 2, hooked.cfg.hidden_size) and labels[-1] == "final_post"
     for i, n in enumerate(lengths):
         assert torch.equal(last[:, i], normed[:, i, n - 1])
+
+
+NAMES = [("k6",), ("scale4ln1",), ("attn", 3), ("key", 2), ("attn_logits", 2), ("scale",), ("normalized",), ("pre5",),
+         ("mlp_out", 1), ("resid_pre", 0), ("post", 3), ("embed",), ("z", 0, "a"), ("resid_post", 2, "b"),
+         ("scale", 2, "ln2"), ("q", 1, "attention"), ("blocks.3.hook_resid_pre",)]  # fmt: skip
+
+
+@pytest.mark.parametrize("args", NAMES)
+def test_get_act_name_is_transformer_lens_rule_for_rule(args):
+    """The short forms ("k6"), aliases ("attn" is the pattern) and the final norm's "scale" were other names."""
+    from transformer_lens.utilities.components_utils import get_act_name
+
+    assert utils.get_act_name(*args) == get_act_name(*args)
+
+
+def test_cache_keys_as_transformer_lens_takes_them(hooked):
+    _, cache = hooked.run_with_cache("Hello there", names_filter=["blocks.*.hook_resid_post", "blocks.3.attn.hook_*"])
+    n = hooked.cfg.num_layers
+    assert torch.equal(cache["resid_post", -1], cache[f"blocks.{n - 1}.hook_resid_post"])  # negative from the end
+    assert torch.equal(cache["attn", 3], cache["blocks.3.attn.hook_pattern"])
+    assert torch.equal(cache["k3"], cache["blocks.3.attn.hook_k"])
 
 
 def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):

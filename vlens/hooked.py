@@ -31,22 +31,32 @@ from vlens.llm import LLM
 
 ATTN_NAMES = {"q", "k", "v", "z", "pattern", "attn_scores", "result", "rot_q", "rot_k"}
 MLP_NAMES = {"pre", "post", "mid", "pre_linear"}
+# TransformerLens's other spellings of activations and layer types (utilities/components_utils.py)
+ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+               "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}  # fmt: skip
+LAYER_TYPES = {"a": "attn", "m": "mlp", "attention": "attn", "b": None, "block": None, "blocks": None}
 HookFn = Callable[..., "torch.Tensor | None"]
 NamesFilter = "str | Sequence[str] | Callable[[str], bool] | None"
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
-    """TransformerLens's get_act_name: ("resid_post", 5) -> blocks.5.hook_resid_post, ("pattern", 3)
-    -> blocks.3.attn.hook_pattern, ("scale", 2, "ln1") -> blocks.2.ln1.hook_scale; full names pass."""
-    if "." in name or name.startswith("hook_"):
+    """TransformerLens's get_act_name, rule for rule: ("resid_post", 5) -> blocks.5.hook_resid_post, ("pattern", 3)
+    and ("attn", 3) -> blocks.3.attn.hook_pattern, ("scale", 2, "ln1") -> blocks.2.ln1.hook_scale, "k6" ->
+    blocks.6.attn.hook_k, "scale" -> ln_final.hook_scale; full names pass."""
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
         return name
-    if name in ("embed", "pos_embed"):
-        return f"hook_{name}"
-    layer_type = {"a": "attn", "m": "mlp", "attention": "attn", "b": None, "block": None}.get(layer_type, layer_type)
+    compact = re.match(r"([a-z]+)(\d+)([a-z]?.*)", name)  # "k6", "scale4ln1"
+    if compact is not None:
+        name, layer, layer_type = compact[1], int(compact[2]), compact[3] or None
+    name = ACT_ALIASES.get(name, name)
     if name in ATTN_NAMES:
         layer_type = "attn"
     elif name in MLP_NAMES:
         layer_type = "mlp"
+    else:
+        layer_type = LAYER_TYPES.get(layer_type, layer_type)
+    if name in ("scale", "normalized") and layer is None:
+        layer_type = "ln_final"
     parts = ([f"blocks.{layer}"] if layer is not None else []) + ([layer_type] if layer_type else [])
     return ".".join(parts + [f"hook_{name}"])
 
@@ -114,7 +124,13 @@ class ActivationCache(Mapping):
         self._tensors, self.mask, self.model = tensors, mask, model
 
     def __getitem__(self, key: str | tuple) -> torch.Tensor:
+        """As TransformerLens's: a name, its short form ("k6") or (name, layer[, layer type]), the layer
+        negative from the end."""
+        if isinstance(key, tuple) and len(key) > 1 and key[1] is not None and key[1] < 0:
+            key = (key[0], self.model.cfg.num_layers + key[1], *key[2:])
         name = get_act_name(*key) if isinstance(key, tuple) else key
+        if name not in self._tensors and isinstance(key, str):
+            name = get_act_name(key)
         if name not in self._tensors:
             raise KeyError(f"{name!r} is not in the cache; cached: {', '.join(self._tensors)}")
         return self._tensors[name]
