@@ -3,6 +3,7 @@ prefill and prefix caching that never change a token or a captured row."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import rel_err
@@ -308,6 +309,11 @@ def test_chat_uses_the_template(smol):
         (lambda llm: SamplingParams(top_p=1.5), "top_p"),
         (lambda llm: Capture(positions="middle"), "capture.positions"),
         (lambda llm: Capture(dtype="int8"), "capture.dtype"),
+        (lambda llm: Capture(dtype=torch.int32), "capture.dtype"),  # (a torch dtype was taken as it came)
+        (lambda llm: Capture(dtype=torch.float64), "capture.dtype"),
+        (lambda llm: Capture(exclude_token_ids="1"), "capture.exclude_token_ids"),  # (failed when bound)
+        (lambda llm: Capture(exclude_token_ids=[-1]), "capture.exclude_token_ids"),
+        (lambda llm: Capture(exclude_token_ids=7), "capture.exclude_token_ids"),
         (lambda llm: llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False), "sampling_params"),
     ],
 )
@@ -315,6 +321,32 @@ def test_bad_input_is_a_clear_error(smol, make, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
         make(smol)
     assert not smol.engine.has_work()  # nothing half-started
+
+
+def test_exclude_token_ids_takes_numpy_and_torch_ids():
+    for ids in ([np.int64(2)], torch.tensor([2, 3]), {2}):
+        assert Capture(exclude_token_ids=ids).exclude_token_ids == frozenset(int(i) for i in ids)
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(smol, monkeypatch):
+    """Ctrl-C during generate() left its requests in the engine, and the next call failed with a KeyError on
+    their ids when they ended there."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    [expected] = smol.generate("Hello", params, use_tqdm=False)
+    step, calls = smol.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(smol.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        smol.generate(["Once upon a time", "The sky is"], params, use_tqdm=False)
+    assert not smol.engine.has_work()
+    [again] = smol.generate("Hello", params, use_tqdm=False)
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
 
 
 def test_capture_disabled_fails_before_running(smol4_path):

@@ -11,6 +11,7 @@ from family_parity import COMMON, build
 from hf_reference import hf_taps, same
 from transformers import Gemma2Config, GPT2Config
 
+import vlens.hooked as utils
 from vlens import ActivationCache, HookedLM
 from vlens.capture.names import PATTERNS
 
@@ -23,8 +24,9 @@ def hooked(smol_path) -> HookedLM:
 
 
 def _each_text(cache: ActivationCache, name: str, lengths: list[int]):
-    """The real (unpadded) rows of each text, after checking the pads are zeros."""
-    value = cache[name]
+    """The real (unpadded) rows of each text, after checking the pads are zeros (patterns: per query
+    position, as HF's references are, from TransformerLens's [batch, heads, query_pos, key_pos])."""
+    value = cache[name].transpose(1, 2) if name.endswith(PATTERNS) else cache[name]
     for i, n in enumerate(lengths):
         assert not value[i, n:].any(), (name, i)  # never computed on a pad (a zero row, scores too)
         yield value[i, :n]
@@ -97,6 +99,36 @@ def test_stop_at_layer_and_pos_slice(hooked, hf_smol):
     assert last[name].shape == (2, hooked.cfg.hidden_size)
 
 
+def test_stop_at_layer_counts_from_the_end_as_transformer_lens_does(hooked):
+    """`blocks[:stop_at_layer]`: -1 runs all layers but the last (it failed with a KeyError on blocks.-1)."""
+    n = hooked.cfg.num_layers
+    resid, cache = hooked.run_with_cache(TEXTS[:2], names_filter="blocks.*.hook_resid_pre", stop_at_layer=-1)
+    expected, _ = hooked.run_with_cache(TEXTS[:2], names_filter="hook_embed", stop_at_layer=n - 1)
+    assert torch.equal(resid, expected) and sorted(cache) == sorted(f"blocks.{i}.hook_resid_pre" for i in range(n))
+    assert torch.equal(hooked.run_with_hooks(TEXTS[:2], stop_at_layer=-1), expected)
+    with pytest.raises(ValueError, match=rf"stop_at_layer: {-n - 1} is not an int in -{n}..{n}"):
+        hooked.run_with_cache("hi", stop_at_layer=-n - 1)
+
+
+def test_patterns_come_in_transformer_lens_layout(hooked, hf_smol):
+    """cache["pattern", L][b, h] is head h's [query_pos, key_pos] matrix, as TransformerLens caches it (it was
+    [query_pos, heads, key_pos]: a ported notebook read position h as if it were a head)."""
+    names = "blocks.3.attn.hook_{pattern,attn_scores}"
+    _, cache = hooked.run_with_cache(TEXTS[:2], names_filter=names)
+    _, last = hooked.run_with_cache(TEXTS[:2], names_filter=names, pos_slice=-1)
+    lengths = [len(hooked.to_tokens(t)[0]) for t in TEXTS[:2]]
+    heads, width = hooked.cfg.num_heads, max(lengths)
+    for i, text in enumerate(TEXTS[:2]):
+        ref = hf_taps(hf_smol, hooked.to_tokens(text)[0].tolist(), (3,))
+        n = lengths[i]
+        for kind in ("pattern", "attn_scores"):
+            assert cache[kind, 3].shape == (2, heads, width, width)
+            expected = ref[f"blocks.3.attn.hook_{kind}"]  # [query_pos, heads, key_pos]
+            assert same(cache[kind, 3][i, :, :n, :n], expected.transpose(0, 1), 1e-5), kind
+            assert last[kind, 3].shape == (2, heads, width)  # TransformerLens's int pos_slice: [batch, heads, key_pos]
+            assert same(last[kind, 3][i, :, :n], expected[-1], 1e-5), kind
+
+
 def test_accumulated_resid_and_stack(hooked):
     _, cache = hooked.run_with_cache(TEXTS[:2], names_filter=["blocks.*.hook_resid_pre", "blocks.29.hook_resid_post",
                                                               "ln_final.hook_out"])  # fmt: skip
@@ -106,6 +138,33 @@ def test_accumulated_resid_and_stack(hooked):
     normed = cache.accumulated_resid(apply_ln=True)
     assert rel_err(normed[-1], cache["ln_final.hook_out"]) <= 1e-6  # the model's own final norm
     assert torch.equal(cache.stack_activation("resid_pre")[7], cache["resid_pre", 7])
+    # TransformerLens's logit-lens call, verbatim (pos_slice was an unexpected keyword)
+    last, labels = cache.accumulated_resid(layer=-1, incl_mid=False, pos_slice=-1, apply_ln=True, return_labels=True)
+    lengths = cache.mask.sum(1).tolist()
+    assert last.shape == (31, 2, hooked.cfg.hidden_size) and labels[-1] == "final_post"
+    for i, n in enumerate(lengths):
+        assert torch.equal(last[:, i], normed[:, i, n - 1])
+
+
+NAMES = [("k6",), ("scale4ln1",), ("attn", 3), ("key", 2), ("attn_logits", 2), ("scale",), ("normalized",), ("pre5",),
+         ("mlp_out", 1), ("resid_pre", 0), ("post", 3), ("embed",), ("z", 0, "a"), ("resid_post", 2, "b"),
+         ("scale", 2, "ln2"), ("q", 1, "attention"), ("blocks.3.hook_resid_pre",)]  # fmt: skip
+
+
+@pytest.mark.parametrize("args", NAMES)
+def test_get_act_name_is_transformer_lens_rule_for_rule(args):
+    """The short forms ("k6"), aliases ("attn" is the pattern) and the final norm's "scale" were other names."""
+    from transformer_lens.utilities.components_utils import get_act_name
+
+    assert utils.get_act_name(*args) == get_act_name(*args)
+
+
+def test_cache_keys_as_transformer_lens_takes_them(hooked):
+    _, cache = hooked.run_with_cache("Hello there", names_filter=["blocks.*.hook_resid_post", "blocks.3.attn.hook_*"])
+    n = hooked.cfg.num_layers
+    assert torch.equal(cache["resid_post", -1], cache[f"blocks.{n - 1}.hook_resid_post"])  # negative from the end
+    assert torch.equal(cache["attn", 3], cache["blocks.3.attn.hook_pattern"])
+    assert torch.equal(cache["k3"], cache["blocks.3.attn.hook_k"])
 
 
 def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):
@@ -146,6 +205,15 @@ def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):
     assert not torch.equal(hooked(TEXTS[:2]), logits)  # and gone after it
 
 
+def test_config_answers_to_transformer_lens_names(hooked, hf_smol):
+    """`for layer in range(model.cfg.n_layers)` opens many notebooks: it failed with an AttributeError."""
+    hf, cfg = hf_smol.config, hooked.cfg
+    ported = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_key_value_heads, cfg.d_head, cfg.d_mlp, cfg.d_vocab,
+              cfg.n_ctx)  # fmt: skip
+    assert ported == (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+                      hf.head_dim, hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings)  # fmt: skip
+
+
 def test_tokens_and_loss(hooked, hf_smol):
     tokens = hooked.to_tokens(TEXTS[:2])
     assert tokens.shape == (2, len(hooked.to_tokens(TEXTS[0])[0]))
@@ -165,6 +233,31 @@ def test_bad_input_names_the_problem(hooked):
         hooked.run_with_hooks("hi", fwd_hooks=[("blocks.1.hook_resid_post", lambda x, hook: torch.zeros(3))])
     with pytest.raises(ValueError, match="return_type"):
         hooked("hi", return_type="probs")
+
+
+@pytest.mark.parametrize("where", ["blocks.1.attn.hook_pattern", "blocks.*.attn.hook_attn_scores",
+                                   lambda name: name.endswith("hook_pattern")])  # fmt: skip
+def test_hooks_at_attention_patterns_are_refused_by_name(hooked, where):
+    """Patterns are computed beside the fused attention: a hook there could change nothing (and used to
+    fail mid-forward with an AttributeError)."""
+    refused = r"fwd_hooks: blocks\.\d+\.attn\.hook_(pattern|attn_scores).* cannot be hooked"
+    with pytest.raises(ValueError, match=refused):
+        hooked.run_with_hooks("hi", fwd_hooks=[(where, lambda x, hook: None)])
+    assert hooked("hi").shape[:2] == (1, len(hooked.to_tokens("hi")[0]))  # nothing left armed
+
+
+def test_texts_longer_than_the_model_are_refused_by_name(tmp_path):
+    """Past n_positions a learned position embedding has no row: trace and HookedLM failed with an IndexError
+    inside the forward."""
+    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=2, n_head=4, n_positions=16),
+                 tmp_path, "gpt2")  # fmt: skip
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    tokens = torch.arange(1, 18)[None]
+    with pytest.raises(ValueError, match=r"^texts\[1\]: 17 tokens exceed this model's length, max_model_len=16"):
+        hooked.llm.trace([[1, 2], tokens[0].tolist()], hooks="hook_embed")
+    with pytest.raises(ValueError, match=r"^input\[0\]: 17 tokens"):
+        hooked.run_with_cache(tokens)
+    assert hooked(tokens[:, :16]).shape == (1, 16, COMMON["vocab_size"])  # the longest that fits
 
 
 # A TransformerLens notebook cell; porting it to vlens changes only the two lines in braces.

@@ -213,10 +213,31 @@ def test_readouts_on_device(smol, hf_smol):
     assert last_ids[len(ref.prompt_token_ids) - 1 :, 0].tolist() == ref.outputs[0].token_ids
 
 
+def test_mean_in_another_dtype_is_cast_once(smol):
+    """A bfloat16 mean readout is the mean cast once: each step's partial sum was cast to bfloat16 on the
+    device, so the mean carried ~3e-3 of rounding that depended on how the rows were split into steps."""
+    hook = "blocks.7.hook_resid_post"
+    rows = SamplingParams(max_tokens=6, temperature=0, capture=Capture(hooks=hook))
+    mean = SamplingParams(max_tokens=6, temperature=0, capture=Capture(hooks=hook, reduce="mean", dtype="bfloat16"))
+    full, reduced = smol.generate([PROMPT, PROMPT], [rows, mean], use_tqdm=False)
+    expected = full.activations[hook].double().mean(0, keepdim=True).to(torch.bfloat16)
+    assert torch.equal(reduced.activations[hook], expected)
+
+
 @pytest.mark.parametrize(
     "make, field",
     [
         (lambda: SamplingParams(interventions=[Steer("blocks.1.hook_resid_post", [1.0] * 10)]), "does not fit"),
+        (  # the elements of a row, not its shape: it was read as one
+            lambda: SamplingParams(interventions=[Steer("blocks.1.hook_resid_post", torch.ones(2, D // 2))]),
+            "does not fit",
+        ),
+        (  # two rows, transposed
+            lambda: SamplingParams(
+                interventions=[Patch("blocks.1.hook_resid_post", torch.ones(D, 2), positions=[0, 1])]
+            ),
+            r"interventions\[0\]\.values",
+        ),
         (lambda: Steer("blocks.1.hook_resid_post", [float("nan")] * D), "steer.vector"),
         (lambda: Steer("blocks.1.hook_resid_post", [1.0] * D, scale=1e308), "steer.scale"),  # (inf in float32)
         (lambda: SamplingParams(interventions=[Steer("blocks.77.hook_resid_post", [1.0] * D)]), "blocks.77"),
@@ -228,6 +249,8 @@ def test_readouts_on_device(smol, hf_smol):
         ),
         (lambda: Ablate("blocks.1.hook_resid_post", [1.0] * D, positions="last"), "ablate.positions"),
         (lambda: Ablate("blocks.1.hook_resid_post", [0.0] * D), "zero vector"),
+        (lambda: Steer("blocks.1.hook_resid_post", [1.0] * D, scale="2"), "steer.scale"),  # (was a TypeError)
+        (lambda: Steer("blocks.1.hook_resid_post", [1.0] * D, scale=float("inf")), "steer.scale"),
         (
             lambda: SamplingParams(
                 interventions=[Patch("blocks.1.hook_resid_post", torch.ones(3, D), positions="all")]
@@ -238,6 +261,10 @@ def test_readouts_on_device(smol, hf_smol):
         (lambda: Capture(project=torch.ones(D)), "capture.project"),
         (lambda: Capture(logit_lens=3, reduce="mean"), "capture.logit_lens"),
         (lambda: SamplingParams(capture=Capture(hooks="blocks.1.attn.hook_q", logit_lens=2)), "capture.logit_lens"),
+        (  # normed twice, its top tokens were not the logits'
+            lambda: SamplingParams(capture=Capture(hooks="hidden_states.*", logit_lens=2)),
+            r"capture.logit_lens: .* not \['ln_final.hook_out'\]",
+        ),
     ],
 )
 def test_bad_interventions_are_clear_errors(smol, make, field):

@@ -4,11 +4,12 @@ stacked weights, Qwen2-MoE's shared expert and dense (mlp_only) layers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from family_parity import COMMON, TapParity, check_generation, family_fixture, sequences
 from transformers import MixtralConfig, Qwen2MoeConfig
 
-from vlens import Capture, SamplingParams
+from vlens import Ablate, Capture, Patch, SamplingParams, Steer
 
 CONFIGS = {
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
@@ -37,6 +38,7 @@ CONFIGS = {
 }
 
 family = family_fixture(CONFIGS)
+IDS = "blocks.0.mlp.hook_expert_ids"
 
 
 class TestParity(TapParity):
@@ -82,3 +84,14 @@ def test_integer_tap_keeps_its_dtype_under_a_capture_dtype(family):
     # the prompt's rows are a copy, not a view the decode step's forward overwrote in the gather buffer
     traced = llm.trace([prompt + out.outputs[0].token_ids[:-1]], hooks="blocks.0.mlp.hook_expert_ids")[0]
     assert torch.equal(ids, traced["blocks.0.mlp.hook_expert_ids"])
+
+
+@pytest.mark.parametrize("make", [lambda k: Steer(IDS, [1.0] * k), lambda k: Ablate(IDS, [1.0] * k),
+                                  lambda k: Patch(IDS, [0.0] * k)])  # fmt: skip
+def test_chosen_experts_cannot_be_edited(family, make):
+    """An edit of the int64 expert ids made other ids (a steer of 7 chose experts 10 and 8 of 4) and ran on."""
+    _, _, llm, _ = family
+    params = SamplingParams(max_tokens=2, interventions=[make(llm.config.experts_per_token)])
+    with pytest.raises(ValueError, match=r"interventions\[0\]\.hook: .*hook_expert_ids.* cannot be edited"):
+        llm.generate([sequences((5,))[0]], params, use_tqdm=False)
+    assert not llm.engine.has_work()

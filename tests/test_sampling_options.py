@@ -138,6 +138,10 @@ def test_samples_share_the_prompt_blocks(smol4_path):
         ({"logit_bias": {5: 101}}, "logit_bias"),
         ({"logit_bias": {-1: 1}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"temperature": "0"}, "temperature"),  # (these three were TypeErrors naming no field)
+        ({"top_p": None}, "top_p"),
+        ({"seed": "a"}, "seed"),
+        ({"top_k": True}, "top_k"),
     ],
 )
 def test_bad_values(kwargs, field):

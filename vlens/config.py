@@ -167,6 +167,16 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
+    # TransformerLens's names for the same numbers: ported notebooks read `model.cfg.n_layers` (HookedLM.cfg)
+    n_layers = property(lambda self: self.num_layers)
+    d_model = property(lambda self: self.hidden_size)
+    n_heads = property(lambda self: self.num_heads)
+    n_key_value_heads = property(lambda self: self.num_kv_heads)
+    d_head = property(lambda self: self.head_dim)
+    d_mlp = property(lambda self: self.intermediate_size)
+    d_vocab = property(lambda self: self.vocab_size)
+    n_ctx = property(lambda self: self.max_position_embeddings)
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers config object (parsed by AutoConfig, never run)."""

@@ -8,10 +8,11 @@ its loading line:
 
 What differs from TransformerLens: the values are HF's own (no LayerNorm folding, no weight
 centring), and texts of different lengths run packed, never padded: every tensor comes back
-right-padded to [batch, positions, ...] with zeros past each text's end, and `cache.mask` says which
-positions are real. A [batch, positions] token tensor is taken whole unless `attention_mask` says
-where each row ends. Hook functions are the one place vlens runs user Python inside a forward: an
-eager path over one packed forward, for notebooks, not the engine.
+right-padded to [batch, positions, ...] with zeros past each text's end (attention scores and patterns
+[batch, heads, query_pos, key_pos], as in TransformerLens), and `cache.mask` says which positions are
+real. A [batch, positions] token tensor is taken whole unless `attention_mask` says where each row ends.
+Hook functions are the one place vlens runs user Python inside a forward: an eager path over one packed
+forward, for notebooks, not the engine.
 """
 
 from __future__ import annotations
@@ -30,22 +31,32 @@ from vlens.llm import LLM
 
 ATTN_NAMES = {"q", "k", "v", "z", "pattern", "attn_scores", "result", "rot_q", "rot_k"}
 MLP_NAMES = {"pre", "post", "mid", "pre_linear"}
+# TransformerLens's other spellings of activations and layer types (utilities/components_utils.py)
+ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+               "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}  # fmt: skip
+LAYER_TYPES = {"a": "attn", "m": "mlp", "attention": "attn", "b": None, "block": None, "blocks": None}
 HookFn = Callable[..., "torch.Tensor | None"]
 NamesFilter = "str | Sequence[str] | Callable[[str], bool] | None"
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
-    """TransformerLens's get_act_name: ("resid_post", 5) -> blocks.5.hook_resid_post, ("pattern", 3)
-    -> blocks.3.attn.hook_pattern, ("scale", 2, "ln1") -> blocks.2.ln1.hook_scale; full names pass."""
-    if "." in name or name.startswith("hook_"):
+    """TransformerLens's get_act_name, rule for rule: ("resid_post", 5) -> blocks.5.hook_resid_post, ("pattern", 3)
+    and ("attn", 3) -> blocks.3.attn.hook_pattern, ("scale", 2, "ln1") -> blocks.2.ln1.hook_scale, "k6" ->
+    blocks.6.attn.hook_k, "scale" -> ln_final.hook_scale; full names pass."""
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
         return name
-    if name in ("embed", "pos_embed"):
-        return f"hook_{name}"
-    layer_type = {"a": "attn", "m": "mlp", "attention": "attn", "b": None, "block": None}.get(layer_type, layer_type)
+    compact = re.match(r"([a-z]+)(\d+)([a-z]?.*)", name)  # "k6", "scale4ln1"
+    if compact is not None:
+        name, layer, layer_type = compact[1], int(compact[2]), compact[3] or None
+    name = ACT_ALIASES.get(name, name)
     if name in ATTN_NAMES:
         layer_type = "attn"
     elif name in MLP_NAMES:
         layer_type = "mlp"
+    else:
+        layer_type = LAYER_TYPES.get(layer_type, layer_type)
+    if name in ("scale", "normalized") and layer is None:
+        layer_type = "ln_final"
     parts = ([f"blocks.{layer}"] if layer is not None else []) + ([layer_type] if layer_type else [])
     return ".".join(parts + [f"hook_{name}"])
 
@@ -113,7 +124,13 @@ class ActivationCache(Mapping):
         self._tensors, self.mask, self.model = tensors, mask, model
 
     def __getitem__(self, key: str | tuple) -> torch.Tensor:
+        """As TransformerLens's: a name, its short form ("k6") or (name, layer[, layer type]), the layer
+        negative from the end."""
+        if isinstance(key, tuple) and len(key) > 1 and key[1] is not None and key[1] < 0:
+            key = (key[0], self.model.cfg.num_layers + key[1], *key[2:])
         name = get_act_name(*key) if isinstance(key, tuple) else key
+        if name not in self._tensors and isinstance(key, str):
+            name = get_act_name(key)
         if name not in self._tensors:
             raise KeyError(f"{name!r} is not in the cache; cached: {', '.join(self._tensors)}")
         return self._tensors[name]
@@ -133,12 +150,14 @@ class ActivationCache(Mapping):
         return torch.stack([self[(activation, i, sublayer_type)] for i in range(layer)])
 
     def accumulated_resid(
-        self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False, return_labels: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+        self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False, pos_slice=None,
+        return_labels: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
         """The residual stream entering each layer up to `layer` (all, and the last layer's output, by
         default), [components, batch, positions, d]. `apply_ln` puts every component through the
         model's own final norm (weight included, its scale computed per component), as a logit lens
-        reads them; TransformerLens instead divides by the final norm's cached scale."""
+        reads them; TransformerLens instead divides by the final norm's cached scale. `pos_slice` keeps
+        those positions of each text, as run_with_cache's does (an int: [components, batch, d])."""
         n = self.model.cfg.num_layers
         layer = n if layer in (-1, None) else layer
         parts, labels = [], []
@@ -158,6 +177,9 @@ class ActivationCache(Mapping):
                 norm = self.model.llm.model.final_norm
                 weight = next(norm.parameters())
                 stack = norm(stack.to(weight.device, weight.dtype)).to(stack.device) * self.mask[..., None]
+        if pos_slice is not None:
+            padding = Padding(self.mask.sum(1).tolist())
+            stack = torch.stack([_positions(part, padding, pos_slice) for part in stack])
         return (stack, labels) if return_labels else stack
 
 
@@ -227,9 +249,10 @@ class HookedLM:
     ) -> tuple[Any, ActivationCache]:
         """(output, cache). names_filter: a name, glob, list of them, or a function of the name (None:
         every hook); stop_at_layer: run only the layers below it and return the residual entering it
-        ([batch, positions, d]); pos_slice: keep these positions of each text, counted from its own
-        start (negative: from its own end)."""
+        ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
+        each text, counted from its own start (negative: from its own end)."""
         names = self._names(names_filter)
+        stop_at_layer = self._stop_layer(stop_at_layer)
         if stop_at_layer is not None:
             names = {n: t for n, t in names.items() if layers_needed(t, self.cfg) <= stop_at_layer}
         return self._run(input, names, stop_at_layer, pos_slice, return_type, attention_mask)
@@ -245,8 +268,18 @@ class HookedLM:
         """The forward with `fn(value, hook)` run at each named tap (a name, glob or a function of the
         name); a hook that returns a tensor of the shape it got replaces the value."""
         with self.hooks(fwd_hooks):
-            output, _ = self._run(input, {}, stop_at_layer, None, return_type, attention_mask)
+            output, _ = self._run(input, {}, self._stop_layer(stop_at_layer), None, return_type, attention_mask)
         return output
+
+    def _stop_layer(self, stop_at_layer: int | None) -> int | None:
+        """TransformerLens's stop_at_layer, a bound on the layers as in `blocks[:stop_at_layer]`: negative counts
+        from the last layer (-1 runs all but it), past the last runs them all."""
+        n = self.cfg.num_layers
+        if stop_at_layer is None:
+            return None
+        if not isinstance(stop_at_layer, int) or isinstance(stop_at_layer, bool) or stop_at_layer < -n:
+            raise ValueError(f"stop_at_layer: {stop_at_layer!r} is not an int in -{n}..{n} (this model has {n} layers)")
+        return stop_at_layer + n if stop_at_layer < 0 else min(stop_at_layer, n)
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Sequence[tuple[Any, HookFn]] = ()):
@@ -272,6 +305,13 @@ class HookedLM:
         taps = [n for n in self._shapes if not n.startswith("hidden_states.")]
         for where, fn in self._context_hooks:
             chosen = [n for n in taps if where(n)] if callable(where) else list(resolve_hooks(where, self.cfg).values())
+            read_only = [t for t in chosen if is_pattern(t)]
+            if read_only:
+                raise ValueError(
+                    f"fwd_hooks: {', '.join(read_only)} cannot be hooked: vlens computes attention scores and patterns "
+                    "beside the fused attention, not inside it, so a hook there could change nothing; read them with "
+                    "run_with_cache, or edit attn.hook_q / hook_k / hook_v / hook_z"
+                )
             for tap in chosen:
                 by_tap.setdefault(tap, []).append(fn)
         return {tap: _UserHooks(tap, fns, padding) for tap, fns in by_tap.items()}
@@ -280,6 +320,7 @@ class HookedLM:
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type: {return_type!r} is not one of logits, loss, both, None")
         seqs = self._sequences(input, attention_mask)
+        self.llm.check_fits(seqs, "input")
         padding = Padding([len(s) for s in seqs])
         taps = set(names.values())
         if stop_at_layer is not None:
@@ -293,7 +334,8 @@ class HookedLM:
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
         padded = {t: padding.pad(torch.cat(_same_width(t, parts, padding.width))) for t, parts in rows.items()}
-        cache = ActivationCache({n: _positions(padded[t], padding, pos_slice) for n, t in names.items()}, padding.mask, self)
+        cached = {n: _heads_first(t, _positions(padded[t], padding, pos_slice)) for n, t in names.items()}
+        cache = ActivationCache(cached, padding.mask, self)
         if stop_at_layer is not None:
             return padded[output], cache
         if return_type is None:
@@ -308,6 +350,12 @@ class HookedLM:
 def _same_width(tap: str, parts: list[torch.Tensor], width: int) -> list[torch.Tensor]:
     """Attention scores and patterns of each text are as wide as the text: widen them to the longest."""
     return [widen(tap, p, width) for p in parts] if is_pattern(tap) else parts
+
+
+def _heads_first(tap: str, value: torch.Tensor) -> torch.Tensor:
+    """Attention scores and patterns in TransformerLens's layout, [batch, heads, query_pos, key_pos]: a ported
+    `cache["pattern", L][b, h]` must read head h, not position h (vlens's rows are per query position)."""
+    return value.transpose(1, 2) if is_pattern(tap) and value.dim() == 4 else value
 
 
 def _positions(value: torch.Tensor, padding: Padding, pos_slice) -> torch.Tensor:

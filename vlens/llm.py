@@ -108,12 +108,17 @@ class LLM:
         ids = engine.add_requests([NewRequest(t, p, text) for t, p, text in zip(token_lists, params, texts)])
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
-        with tqdm(total=len(ids), desc="vlens generate", unit="req", disable=not use_tqdm) as bar:
-            while engine.has_work():
-                for delta in engine.step():
-                    if delta.finished:
-                        results[index[delta.request_id]] = delta.output
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="vlens generate", unit="req", disable=not use_tqdm) as bar:
+                while engine.has_work():
+                    for delta in engine.step():
+                        if delta.finished:
+                            results[index[delta.request_id]] = delta.output
+                            bar.update(1)
+        except BaseException:  # (Ctrl-C in a notebook) left running, they would end in the next call, unknown to it
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
         return results
 
     @torch.inference_mode()
@@ -127,9 +132,19 @@ class LLM:
         wanted = resolve_hooks(hooks, self.config)
         taps = sorted(set(wanted.values()))
         token_lists = to_token_lists(texts, self.tokenizer, self.config.vocab_size, field="texts")
+        self.check_fits(token_lists, "texts")
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
         for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
             plan = self.runner.packed([token_lists[i] for i in batch], taps)
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]
+
+    def check_fits(self, token_lists: list[list[int]], field: str) -> None:
+        """A cache-less forward (trace, HookedLM) of texts within the model's length, as a prompt must be: past
+        it a learned position embedding has no row (an IndexError inside the forward), and rotary positions
+        are ones the model never saw."""
+        limit = self.engine_config.max_model_len or self.config.max_position_embeddings
+        for i, ids in enumerate(token_lists):
+            if len(ids) > limit:
+                raise ValueError(f"{field}[{i}]: {len(ids)} tokens exceed this model's length, max_model_len={limit}")

@@ -33,7 +33,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with prompt_logprobs: None, then one per prompt token
     activations: dict[str, torch.Tensor] = field(default_factory=dict)  # hook -> CPU [rows, ...]
     activation_positions: torch.Tensor | None = None  # [rows] sequence position of each row
-    hidden_states: torch.Tensor | None = None  # with return_hidden_states: ln_final.hook_normalized, all rows
+    hidden_states: torch.Tensor | None = None  # with return_hidden_states: ln_final.hook_out, all rows
     logit_lens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # hook -> (ids, logprobs) [rows, k]
     # Capture(sae=...): hook -> (ids int32, values) [rows, top_k], or the named latents [rows, n]
     sae_features: dict[str, tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = field(default_factory=dict)

@@ -7,6 +7,7 @@ a bad request fails alone with a message naming the field and the allowed values
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,9 @@ from vlens.capture.spec import Capture
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 _GREEDY_BELOW = 1e-5
+
+
+NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -43,16 +47,21 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in NUMBERS:  # (compared below: a string would fail there with a TypeError naming no field)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name}: {value!r} is not allowed; expected a number")
         checks = [
             (_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens", "an int >= 0 (0: prefill only)"),
             (self.temperature >= 0, "temperature", ">= 0 (0 = greedy)"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "an int >= 0 (0 or -1 = off)"),
+            (_int(self.top_k) and self.top_k >= -1, "top_k", "an int >= 0 (0 or -1 = off)"),
             (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
             (self.logprobs is None or (_int(self.logprobs) and self.logprobs >= 0), "logprobs", "None or an int >= 0"),
             (self.prompt_logprobs is None or (_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
              "prompt_logprobs", "None or an int >= 0"),
             (_int(self.n) and self.n >= 1, "n", "an int >= 1"),
+            (self.seed is None or _int(self.seed), "seed", "None or an int"),
             (self.best_of is None or (_int(self.best_of) and self.best_of >= self.n), "best_of", f"None or an int >= n ({self.n})"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),

@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
-from vlens.capture.names import CTX, FINAL_NORM, LOGITS, PER_HEAD, HookSpecError, Part, is_pattern, resolve_hooks
+from vlens.capture.names import (
+    CTX,
+    FINAL_NORM,
+    LOGITS,
+    PER_HEAD,
+    HookSpecError,
+    Part,
+    is_pattern,
+    resolve_hooks,
+    tap_dtype,
+)
 from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
@@ -181,9 +191,13 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
         b = None if b is None else b.to(weight.device, weight.dtype)
         readout = partial(project, w=w.to(weight.device, weight.dtype), b=b)
     if capture.logit_lens is not None:
-        bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t == LOGITS]
+        # (the final norm's output has been through the norm the lens applies: its top tokens are the logits')
+        bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t in (LOGITS, FINAL_NORM)]
         if bad:
-            raise ValueError(f"capture.logit_lens: needs residual-stream taps of width {cfg.hidden_size}; not {bad}")
+            raise ValueError(
+                f"capture.logit_lens: needs residual-stream taps of width {cfg.hidden_size}, which it puts through "
+                f"the final norm; not {bad} (past the final norm: capture {LOGITS})"
+            )
         if capture.logit_lens > cfg.vocab_size:  # else the step's topk fails, and every request in it
             raise ValueError(f"capture.logit_lens: {capture.logit_lens} is more than the vocabulary's {cfg.vocab_size}")
         readout = partial(logit_lens, model=model, k=capture.logit_lens)
@@ -220,6 +234,9 @@ def _intervention(
     if LOGITS in taps or any(is_pattern(t) for t in taps):
         raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
                          "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip
+    if any(tap_dtype(t, torch.float32) == torch.long for t in taps):  # an edit would make other, invalid ids
+        raise ValueError(f"{where}.hook: {iv.hook!r} holds the chosen experts' ids (integers), which cannot be "
+                         "edited; steer or patch mlp.hook_router_logits instead")  # fmt: skip
     if sae_at is not None and taps != [sae_at]:
         raise _elsewhere(f"{where}.hook", iv.hook, sae)
     shape_set = {shapes[t] for t in taps}
@@ -239,18 +256,19 @@ def _intervention(
             kind = PATCH  # a head ablation sets the heads' values
         if data.numel() == shape[-1] and not isinstance(iv, Patch):
             data = data.repeat(len(iv.heads))  # one [d_head] vector for every head named
-    width = math.prod(shape) if iv.heads is None else len(iv.heads) * shape[-1]  # what one row of data covers
+    row = shape if iv.heads is None else (len(iv.heads), shape[-1])  # what one row of data covers
+    width = math.prod(row)
     value_positions = None
-    if isinstance(iv, Patch) and data.numel() != width:
+    if isinstance(iv, Patch) and not _rows(data, row, 1):
         rows = iv.positions.explicit_rows(prompt_len)
-        if rows is None or data.numel() != len(rows) * width:
+        if rows is None or not _rows(data, row, len(rows)):
             raise ValueError(
-                f"{where}.values: shape {tuple(data.shape)} fits neither one row of {iv.hook} {shape} nor one row "
+                f"{where}.values: shape {tuple(data.shape)} fits neither one row of {iv.hook} {row} nor one row "
                 f"per position of {iv.positions}" + ("" if rows is None else f" ({len(rows)} rows)")
             )
         value_positions = rows
-    elif data.numel() != width:
-        raise ValueError(f"{where}: vector of shape {tuple(data.shape)} does not fit {iv.hook}, whose rows are {shape}")
+    elif not _rows(data, row, 1):
+        raise ValueError(f"{where}: vector of shape {tuple(data.shape)} does not fit {iv.hook}, whose rows are {row}")
     _check_listed(iv.positions, max_rows, where)
     data, mask = data.reshape(-1, width), None
     if iv.heads is not None:  # spread over the whole row; the mask keeps the other heads as they are
@@ -260,6 +278,13 @@ def _intervention(
         mask[iv.heads] = True
         data, mask = full.flatten(1), mask.flatten().expand(len(data), -1)
     return BoundIntervention(kind, taps, iv.positions, prompt_len, data, mask, value_positions)
+
+
+def _rows(data: torch.Tensor, row: tuple[int, ...], count: int) -> bool:
+    """Whether `data` is `count` rows of shape `row`, each whole or flattened (a [2, 32] vector has the
+    elements of a row of 64, not its shape: it would be read as one, silently)."""
+    shape = tuple(data.shape)
+    return data.numel() == count * math.prod(row) and (shape[-len(row) :] == row or shape[-1:] == (math.prod(row),))
 
 
 def _check_listed(positions: Positions, max_rows: int, where: str) -> None:

@@ -50,7 +50,8 @@ class Steer:
             raise ValueError("steer.vector: required, unless sae= and feature= name an SAE latent to steer along")
         self.vector = to_tensor(self.vector, "steer.vector")
         self.positions = Positions.parse(self.positions, "steer.positions").online("steer.positions")
-        if not (np.isfinite(self.scale) and torch.isfinite(self.vector * self.scale).all()):  # (added in float32)
+        self.scale = _number(self.scale, "steer.scale")
+        if not torch.isfinite(self.vector * self.scale).all():  # (added in float32)
             raise ValueError(f"steer.scale: {self.scale!r} times the vector is not finite in float32")
         self.heads = None if self.heads is None else check_heads(self.heads, "steer.heads")
 
@@ -127,6 +128,17 @@ class Clamp:
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not np.isfinite(self.value):
             raise ValueError(f"clamp.value: expected a finite number, got {self.value!r}")
         self.positions = Positions.parse(self.positions, "clamp.positions").online("clamp.positions")
+
+
+def _number(value: Any, field: str) -> float:
+    """A finite number (a 0-d tensor or numpy scalar too; not a string or a bool)."""
+    try:
+        number = None if isinstance(value, (str, bytes, bool)) else float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not np.isfinite(number):
+        raise ValueError(f"{field}: expected a finite number, got {value!r}")
+    return number
 
 
 def _check_sae(sae: Any, kind: str) -> None:

@@ -3,6 +3,7 @@ checked when the request is bound to it, see bind.py)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +73,13 @@ class Capture:
         if not self.hooks:
             raise ValueError("capture.hooks: empty; give at least one hook name or glob")
         self.positions = Positions.parse(self.positions, "capture.positions")
-        if isinstance(self.dtype, str):
-            if self.dtype not in CAPTURE_DTYPES:
+        if self.dtype is not None:  # a name or a torch dtype, of the three a row may be cast to
+            dtype = CAPTURE_DTYPES.get(self.dtype) if isinstance(self.dtype, str) else self.dtype
+            if dtype not in CAPTURE_DTYPES.values():
                 raise ValueError(f"capture.dtype: {self.dtype!r} is not one of {', '.join(CAPTURE_DTYPES)}")
-            self.dtype = CAPTURE_DTYPES[self.dtype]
-        self.exclude_token_ids = frozenset(self.exclude_token_ids or ())
+            self.dtype = dtype
+        excluded = () if self.exclude_token_ids is None else self.exclude_token_ids
+        self.exclude_token_ids = check_token_ids(excluded, "capture.exclude_token_ids")
         if self.reduce not in ("none", "mean"):
             raise ValueError(f"capture.reduce: {self.reduce!r} is not one of none, mean")
         if self.project is not None:
@@ -142,6 +145,18 @@ def check_features(features: Any, d_sae: int, field: str) -> list[int]:
     chosen = [check_feature(f, d_sae, field) for f in features]
     if len(set(chosen)) != len(chosen):
         raise ValueError(f"{field}: {chosen!r} names a latent more than once")
+    return chosen
+
+
+def check_token_ids(ids: Any, field: str) -> frozenset[int]:
+    """A collection of token ids (ints >= 0, numpy's and torch's included), refused here rather than when a
+    request is bound."""
+    try:
+        chosen = None if isinstance(ids, (str, bytes)) else frozenset(operator.index(t) for t in ids)
+    except TypeError:
+        chosen = None
+    if chosen is None or any(t < 0 for t in chosen):
+        raise ValueError(f"{field}: expected a list of token ids (ints >= 0), got {ids!r}")
     return chosen
 
 
