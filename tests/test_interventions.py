@@ -273,3 +273,18 @@ def test_bad_interventions_are_clear_errors(smol, make, field):
         if isinstance(params, SamplingParams):
             smol.generate(PROMPT, params, use_tqdm=False)
     assert not smol.engine.has_work()
+
+
+def test_a_head_steer_takes_one_row_of_its_heads_too(smol):
+    """Found in review: the documented [len(heads), d_head] form with one head ([1, d_head]) failed inside
+    the binding (a 2-D vector repeated as if it were 1-D); it steers as the [d_head] vector does."""
+    vec = torch.randn(smol.config.head_dim, generator=torch.Generator().manual_seed(0)) * 3
+    capture = Capture("blocks.8.hook_resid_post", positions="all")
+    outs = [
+        smol.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, capture=capture,
+                                             interventions=[Steer("blocks.6.attn.hook_z", v, heads=[4])]),
+                      use_tqdm=False)[0]
+        for v in (vec, vec[None, :])
+    ]  # fmt: skip
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert torch.equal(outs[0].activations["blocks.8.hook_resid_post"], outs[1].activations["blocks.8.hook_resid_post"])

@@ -255,7 +255,7 @@ def _intervention(
         if isinstance(iv, Ablate):
             kind = PATCH  # a head ablation sets the heads' values
         if data.numel() == shape[-1] and not isinstance(iv, Patch):
-            data = data.repeat(len(iv.heads))  # one [d_head] vector for every head named
+            data = data.reshape(-1).repeat(len(iv.heads))  # one [d_head] vector (or [1, d_head]) for every head named
     row = shape if iv.heads is None else (len(iv.heads), shape[-1])  # what one row of data covers
     width = math.prod(row)
     value_positions = None
