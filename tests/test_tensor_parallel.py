@@ -81,7 +81,7 @@ def pair(request, tmp_path_factory, one_thread):
     path = build(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param), request.param)
     two = _open(path, tensor_parallel_size=N)
     yield request.param, _open(path), two
-    two.model.executor.close()
+    two.close()
     assert not multiprocessing.active_children()
 
 
@@ -143,16 +143,25 @@ def test_worker_that_dies_before_joining_fails_the_start(tmp_path):
 
 def test_smollm2_weights_on_three_ranks(smol4, smol4_path):
     """SmolLM2's own weights (cut to four layers): 9 heads and 3 KV heads on three ranks, one KV head each;
-    every hook of a trace, and a greedy generation with its hidden states, as in one process."""
-    three = LLM(model=str(smol4_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20, tensor_parallel_size=3)
-    try:
-        hooks, texts = list(smol4.hook_names()), ["The capital of France is", "Tensor parallelism splits"]
+    every hook of a trace, and a greedy generation with its hidden states, as in one process. Leaving the
+    `with` block ends the group: the LLM refuses to run, and another group can start."""
+    texts = ["The capital of France is", "Tensor parallelism splits"]
+    settings = dict(model=str(smol4_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
+    with LLM(**settings, tensor_parallel_size=3) as three:
+        hooks = list(smol4.hook_names())
         for a, b in zip(smol4.trace(texts, hooks), three.trace(texts, hooks)):
             assert [h for h in hooks if not _equal(b[h], a[h], h)] == []
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks="hidden_states.*"))
         _check_outputs(smol4.generate(texts, params, use_tqdm=False), three.generate(texts, params, use_tqdm=False))
+    three.close()  # (again: nothing to do)
+    with pytest.raises(GroupError, match="closed; create a new LLM"):
+        three.trace(texts, "hook_embed")
+    again = LLM(**settings, tensor_parallel_size=3)
+    try:
+        [embedded] = again.trace(texts[:1], "hook_embed")
+        assert torch.equal(embedded["hook_embed"], smol4.trace(texts[:1], "hook_embed")[0]["hook_embed"])
     finally:
-        three.model.executor.close()
+        again.close()
 
 
 def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
@@ -183,7 +192,7 @@ def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
         )
         assert all(same(cache_b[n].double(), cache_a[n].double(), TOL) for n in names)
     finally:
-        three.llm.model.executor.close()
+        three.llm.close()
 
 
 def test_harvest_shards_equal_one_process(tmp_path):
@@ -269,7 +278,7 @@ def test_failure_after_the_workers_were_sent_the_forward_ends_the_group(tmp_path
             llm.trace([[1, 2, 3]], hooks=["blocks.0.hook_resid_post"])
         assert llm.model.executor.closed and set(multiprocessing.active_children()) == before
     finally:
-        llm.model.executor.close()
+        llm.close()
 
 
 def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):

@@ -140,6 +140,19 @@ class LLM:
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]
 
+    def close(self) -> None:
+        """End the tensor-parallel group this LLM leads (its worker processes or Ray actors), so that another
+        can start in this process, as a notebook's re-run cell does; idempotent, and a no-op in one process.
+        `with LLM(...) as llm:` closes on the way out."""
+        if self.model.executor is not None:
+            self.model.executor.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def check_fits(self, token_lists: list[list[int]], field: str) -> None:
         """A cache-less forward (trace, HookedLM) of texts within the model's length, as a prompt must be: past
         it a learned position embedding has no row (an IndexError inside the forward), and rotary positions

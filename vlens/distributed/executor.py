@@ -84,7 +84,7 @@ class Executor:
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise ValueError(
                 "tensor_parallel_size: this process already leads a tensor-parallel group; close it first "
-                "(llm.model.executor.close())"
+                "(llm.close() on the LLM that leads it, or create that LLM in a `with` block)"
             )
         self.size, self.closed = size, False
         if device.type == "cuda":
