@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err, save_tiny, weight_digests
-from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig, OPTConfig
+from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, OPTConfig
 
 import vlens
 from vlens import LLM
@@ -60,6 +60,29 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 
 # --- what loads ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiny_config(),
+        GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+        GPTNeoXConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+    ],
+    ids=["llama", "gpt2", "gpt_neox"],
+)
+def test_sliding_window_ignored_where_hf_ignores_it(config, tmp_path):
+    """HF's Llama, GPT-2 and NeoX attend over every earlier token whatever config.json says of a window (a
+    stray "sliding_window" key is kept on the config object); vlens windowed them, past 3 tokens here."""
+    path = Path(save_tiny(config, tmp_path / "ckpt"))
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | {"sliding_window": 3}))
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    assert llm.config.sliding_windows == (None, None)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS[0]])).logits[0]
+    assert rel_err(logits(llm)[0], ref) <= 1e-5
 
 
 def test_load_model_returns_its_parts(tiny):

@@ -81,6 +81,8 @@ class Architecture:
 
     flags: dict[str, Any]
     read: Callable[[Any], dict[str, Any]] | None = None
+    # HF's model reads config.sliding_window; Llama, GPT-2 and NeoX ignore a stray one, so vlens must too
+    windowed: bool = True
 
 
 GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True}
@@ -88,7 +90,7 @@ LAYER_NORM = {"norm": "layer", "mlp_bias": True}
 
 # HF architecture name -> what sets it apart from plain Llama.
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture({}),
+    "LlamaForCausalLM": Architecture({}, windowed=False),
     "MistralForCausalLM": Architecture({}),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": True}),
@@ -99,9 +101,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": True}, _gemma),
     "GPT2LMHeadModel": Architecture(
-        {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _gpt2
+        {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM,
+        _gpt2,
+        windowed=False,
     ),
-    "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox),
+    "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -222,7 +226,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             hidden_act=getattr(hf, "hidden_act", None),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_windows=_sliding_windows(hf),
+            sliding_windows=_sliding_windows(hf) if spec.windowed else (None,) * hf.num_hidden_layers,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
         )
