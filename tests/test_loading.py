@@ -16,6 +16,7 @@ from conftest import rel_err, save_tiny, weight_digests
 from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, OPTConfig
 
 import vlens
+import vlens.cli
 from vlens import LLM
 from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.loader import LoadedModel, ModelLoadError, default_gguf
@@ -235,6 +236,26 @@ def test_unsupported_architecture(config, arch, tmp_path):
     for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert supported in message
     assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"auto_map": {"AutoConfig": "configuration_mine.MyConfig", "AutoModelForCausalLM": "modeling_mine.MyLM"}}],
+    ids=["unknown_model_type", "custom_code"],
+)
+def test_architecture_transformers_does_not_know(extra, tiny, tmp_path, monkeypatch, capsys):
+    """Refused by vlens, from config.json, before transformers parses it: AutoConfig answered with advice to
+    upgrade transformers, or to pass trust_remote_code=True (which vlens has no option for) after asking on stdin."""
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked on stdin"))
+    path = copy_checkpoint(tiny, tmp_path / "ckpt")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | {"model_type": "mine", "architectures": ["MyLM"]} | extra))
+    refusal = "architecture 'MyLM' (model_type 'mine') is not supported by vlens; supported architectures: GPT2"
+    with pytest.raises(UnsupportedModelError) as err:
+        LLM(model=str(path), dtype="float32", device="cpu")
+    assert refusal in str(err.value)
+    assert vlens.cli.main(["hooks", "--model", str(path)]) == 2  # `vlens hooks` reads only the config
+    assert refusal in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["absolute", "relative", "gguf"])

@@ -184,15 +184,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers config object (parsed by AutoConfig, never run)."""
-        arch = (getattr(hf, "architectures", None) or [None])[0]
-        if arch is None:  # configs saved without a model (or by hand) may lack `architectures`
-            arch = MODEL_TYPES.get(getattr(hf, "model_type", None))
-        if arch not in ARCHITECTURES:
-            supported = ", ".join(sorted(ARCHITECTURES))
-            raise UnsupportedModelError(
-                f"architecture {arch!r} (model_type {getattr(hf, 'model_type', None)!r}) is not supported by "
-                f"vlens; supported architectures: {supported}"
-            )
+        arch = supported_architecture(getattr(hf, "architectures", None), getattr(hf, "model_type", None))
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
         if "qkv_bias" not in flags:
@@ -234,6 +226,21 @@ class ModelConfig:
         if spec.read is not None:
             fields |= spec.read(hf)
         return cls(**fields)
+
+
+def supported_architecture(architectures: list[str] | None, model_type: str | None) -> str:
+    """The architecture a config names (configs saved without a model, or by hand, may give only a
+    model_type), if vlens runs it; else an UnsupportedModelError listing those it does."""
+    arch = (architectures or [None])[0]
+    if arch is None:
+        arch = MODEL_TYPES.get(model_type)
+    if arch not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise UnsupportedModelError(
+            f"architecture {arch!r} (model_type {model_type!r}) is not supported by vlens; "
+            f"supported architectures: {supported}"
+        )
+    return arch
 
 
 def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:
