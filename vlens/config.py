@@ -96,7 +96,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture({"qk_norm": True}),
     "Phi3ForCausalLM": Architecture({"stored_fused": True}),
     "MixtralForCausalLM": Architecture({}, _mixtral),
-    "Qwen2MoeForCausalLM": Architecture({"o_bias": False}, _qwen2_moe),
+    "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": True}, _gemma),
@@ -161,6 +161,7 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to one
+    round_routing_weights: bool = False  # Qwen2-MoE: those weights rounded to the model dtype before use
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
