@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err, save_tiny, weight_digests
-from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, OPTConfig
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    OPTConfig,
+    Phi3Config,
+    Qwen2Config,
+)
 
 import vlens
 import vlens.cli
@@ -236,6 +247,34 @@ def test_unsupported_architecture(config, arch, tmp_path):
     for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert supported in message
     assert isinstance(err.value, ValueError)
+
+
+SIZES = {k: getattr(tiny_config(), k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+SIZES |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(
+    ("config", "stray"),
+    [
+        (MistralConfig(**SIZES), {"attention_bias": True}),
+        (MixtralConfig(**SIZES, num_local_experts=2), {"attention_bias": True}),
+        (Phi3Config(**SIZES, pad_token_id=0), {"attention_bias": True}),
+        (Qwen2Config(**SIZES), {"mlp_bias": True}),
+    ],
+    ids=["mistral", "mixtral", "phi3", "qwen2"],
+)
+def test_bias_flags_read_only_where_hf_reads_them(config, stray, tmp_path):
+    """Only Llama's HF MLP reads mlp_bias, and Mistral, Mixtral and Phi-3 have no attention biases whatever
+    attention_bias says; vlens read both for all of them and refused such checkpoints, which HF loads, for
+    lacking the biases."""
+    path = Path(save_tiny(config, tmp_path / "ckpt"))
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | stray))
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS[0]])).logits[0]
+    assert rel_err(logits(llm)[0], ref) <= 1e-5
 
 
 @pytest.mark.parametrize(

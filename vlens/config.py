@@ -52,6 +52,10 @@ def _gpt_neox(hf: Any) -> dict[str, Any]:
     )
 
 
+def _llama(hf: Any) -> dict[str, Any]:
+    return dict(mlp_bias=bool(hf.mlp_bias))  # the one family whose HF MLP reads it
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -87,15 +91,16 @@ class Architecture:
 
 GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True}
 LAYER_NORM = {"norm": "layer", "mlp_bias": True}
+NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 
 # HF architecture name -> what sets it apart from plain Llama.
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture({}, windowed=False),
-    "MistralForCausalLM": Architecture({}),
+    "LlamaForCausalLM": Architecture({}, _llama, windowed=False),
+    "MistralForCausalLM": Architecture(NO_BIAS),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": True}),
-    "Phi3ForCausalLM": Architecture({"stored_fused": True}),
-    "MixtralForCausalLM": Architecture({}, _mixtral),
+    "Phi3ForCausalLM": Architecture(NO_BIAS | {"stored_fused": True}),
+    "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
@@ -218,7 +223,6 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             hidden_act=getattr(hf, "hidden_act", None),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_windows=_sliding_windows(hf) if spec.windowed else (None,) * hf.num_hidden_layers,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
