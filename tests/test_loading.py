@@ -13,9 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err, save_tiny, weight_digests
-from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig, OPTConfig
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    OPTConfig,
+    Phi3Config,
+    Qwen2Config,
+)
 
 import vlens
+import vlens.cli
 from vlens import LLM
 from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.loader import LoadedModel, ModelLoadError, default_gguf
@@ -60,6 +72,29 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 
 # --- what loads ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiny_config(),
+        GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+        GPTNeoXConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+    ],
+    ids=["llama", "gpt2", "gpt_neox"],
+)
+def test_sliding_window_ignored_where_hf_ignores_it(config, tmp_path):
+    """HF's Llama, GPT-2 and NeoX attend over every earlier token whatever config.json says of a window (a
+    stray "sliding_window" key is kept on the config object); vlens windowed them, past 3 tokens here."""
+    path = Path(save_tiny(config, tmp_path / "ckpt"))
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | {"sliding_window": 3}))
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    assert llm.config.sliding_windows == (None, None)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS[0]])).logits[0]
+    assert rel_err(logits(llm)[0], ref) <= 1e-5
 
 
 def test_load_model_returns_its_parts(tiny):
@@ -212,6 +247,54 @@ def test_unsupported_architecture(config, arch, tmp_path):
     for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert supported in message
     assert isinstance(err.value, ValueError)
+
+
+SIZES = {k: getattr(tiny_config(), k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+SIZES |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(
+    ("config", "stray"),
+    [
+        (MistralConfig(**SIZES), {"attention_bias": True}),
+        (MixtralConfig(**SIZES, num_local_experts=2), {"attention_bias": True}),
+        (Phi3Config(**SIZES, pad_token_id=0), {"attention_bias": True}),
+        (Qwen2Config(**SIZES), {"mlp_bias": True}),
+    ],
+    ids=["mistral", "mixtral", "phi3", "qwen2"],
+)
+def test_bias_flags_read_only_where_hf_reads_them(config, stray, tmp_path):
+    """Only Llama's HF MLP reads mlp_bias, and Mistral, Mixtral and Phi-3 have no attention biases whatever
+    attention_bias says; vlens read both for all of them and refused such checkpoints, which HF loads, for
+    lacking the biases."""
+    path = Path(save_tiny(config, tmp_path / "ckpt"))
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | stray))
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS[0]])).logits[0]
+    assert rel_err(logits(llm)[0], ref) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"auto_map": {"AutoConfig": "configuration_mine.MyConfig", "AutoModelForCausalLM": "modeling_mine.MyLM"}}],
+    ids=["unknown_model_type", "custom_code"],
+)
+def test_architecture_transformers_does_not_know(extra, tiny, tmp_path, monkeypatch, capsys):
+    """Refused by vlens, from config.json, before transformers parses it: AutoConfig answered with advice to
+    upgrade transformers, or to pass trust_remote_code=True (which vlens has no option for) after asking on stdin."""
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked on stdin"))
+    path = copy_checkpoint(tiny, tmp_path / "ckpt")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | {"model_type": "mine", "architectures": ["MyLM"]} | extra))
+    refusal = "architecture 'MyLM' (model_type 'mine') is not supported by vlens; supported architectures: GPT2"
+    with pytest.raises(UnsupportedModelError) as err:
+        LLM(model=str(path), dtype="float32", device="cpu")
+    assert refusal in str(err.value)
+    assert vlens.cli.main(["hooks", "--model", str(path)]) == 2  # `vlens hooks` reads only the config
+    assert refusal in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["absolute", "relative", "gguf"])

@@ -17,12 +17,11 @@ from safetensors.torch import save_file
 from vlens.capture import Capture, Positions
 from vlens.capture.names import hook_shapes, is_pattern
 from vlens.capture.rows import widen
-from vlens.config import ModelConfig
 from vlens.engine.config import EngineConfig
 from vlens.harvest import cli as harvest_cli
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
-from vlens.loader import resolve_model_path
+from vlens.loader import read_config, resolve_model_path
 from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.server import cli as server_cli
@@ -52,9 +51,7 @@ LENS_ABOUT = (
 
 def _cmd_hooks(args: argparse.Namespace) -> int:
     # Only the config is read: listing the hooks of a large model should not load its weights.
-    from transformers import AutoConfig
-
-    shapes = hook_shapes(ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_path(args.model))))
+    shapes = hook_shapes(read_config(resolve_model_path(args.model)))
     width = max(map(len, shapes))
     for name, shape in shapes.items():
         print(f"{name:<{width}}  {shape}")

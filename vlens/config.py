@@ -52,6 +52,10 @@ def _gpt_neox(hf: Any) -> dict[str, Any]:
     )
 
 
+def _llama(hf: Any) -> dict[str, Any]:
+    return dict(mlp_bias=bool(hf.mlp_bias))  # the one family whose HF MLP reads it
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -81,27 +85,32 @@ class Architecture:
 
     flags: dict[str, Any]
     read: Callable[[Any], dict[str, Any]] | None = None
+    # HF's model reads config.sliding_window; Llama, GPT-2 and NeoX ignore a stray one, so vlens must too
+    windowed: bool = True
 
 
 GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True}
 LAYER_NORM = {"norm": "layer", "mlp_bias": True}
+NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 
 # HF architecture name -> what sets it apart from plain Llama.
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture({}),
-    "MistralForCausalLM": Architecture({}),
+    "LlamaForCausalLM": Architecture({}, _llama, windowed=False),
+    "MistralForCausalLM": Architecture(NO_BIAS),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": True}),
-    "Phi3ForCausalLM": Architecture({"stored_fused": True}),
-    "MixtralForCausalLM": Architecture({}, _mixtral),
-    "Qwen2MoeForCausalLM": Architecture({"o_bias": False}, _qwen2_moe),
+    "Phi3ForCausalLM": Architecture(NO_BIAS | {"stored_fused": True}),
+    "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
+    "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": True}, _gemma),
     "GPT2LMHeadModel": Architecture(
-        {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _gpt2
+        {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM,
+        _gpt2,
+        windowed=False,
     ),
-    "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox),
+    "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -157,6 +166,7 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to one
+    round_routing_weights: bool = False  # Qwen2-MoE: those weights rounded to the model dtype before use
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
@@ -180,15 +190,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers config object (parsed by AutoConfig, never run)."""
-        arch = (getattr(hf, "architectures", None) or [None])[0]
-        if arch is None:  # configs saved without a model (or by hand) may lack `architectures`
-            arch = MODEL_TYPES.get(getattr(hf, "model_type", None))
-        if arch not in ARCHITECTURES:
-            supported = ", ".join(sorted(ARCHITECTURES))
-            raise UnsupportedModelError(
-                f"architecture {arch!r} (model_type {getattr(hf, 'model_type', None)!r}) is not supported by "
-                f"vlens; supported architectures: {supported}"
-            )
+        arch = supported_architecture(getattr(hf, "architectures", None), getattr(hf, "model_type", None))
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
         if "qkv_bias" not in flags:
@@ -221,8 +223,7 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             hidden_act=getattr(hf, "hidden_act", None),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_windows=_sliding_windows(hf),
+            sliding_windows=_sliding_windows(hf) if spec.windowed else (None,) * hf.num_hidden_layers,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
         )
@@ -230,6 +231,21 @@ class ModelConfig:
         if spec.read is not None:
             fields |= spec.read(hf)
         return cls(**fields)
+
+
+def supported_architecture(architectures: list[str] | None, model_type: str | None) -> str:
+    """The architecture a config names (configs saved without a model, or by hand, may give only a
+    model_type), if vlens runs it; else an UnsupportedModelError listing those it does."""
+    arch = (architectures or [None])[0]
+    if arch is None:
+        arch = MODEL_TYPES.get(model_type)
+    if arch not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise UnsupportedModelError(
+            f"architecture {arch!r} (model_type {model_type!r}) is not supported by vlens; "
+            f"supported architectures: {supported}"
+        )
+    return arch
 
 
 def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
-from vlens.config import ModelConfig
+from vlens.config import ModelConfig, supported_architecture
 from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.models import DecoderLM, build_model
@@ -209,6 +209,17 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return _hub_snapshot(str(model))
 
 
+def read_config(path: Path) -> ModelConfig:
+    """The description of the checkpoint in `path`, its architecture checked in config.json first: for a
+    model type it does not know, AutoConfig advises upgrading transformers, or (custom code) asks on stdin
+    whether to run it and then to pass trust_remote_code, which vlens has no use for."""
+    from transformers import AutoConfig
+
+    raw = json.loads((path / "config.json").read_text())
+    supported_architecture(raw.get("architectures"), raw.get("model_type"))
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -282,12 +293,10 @@ def load_model(
 ) -> LoadedModel:
     """Load model, config and tokenizer from any source vlens accepts (see module doc); with `parallel`,
     only that rank's shard of the weights (vlens.distributed)."""
-    from transformers import AutoConfig
-
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(model)
-    cfg = dataclasses.replace(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), parallel=parallel)
+    cfg = dataclasses.replace(read_config(path), parallel=parallel)
     with torch.device("meta"):
         net = build_model(cfg, device=dev)
     net = net.to(torch_dtype).to_empty(device=dev)

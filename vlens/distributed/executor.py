@@ -25,7 +25,7 @@ from vlens.distributed import worker
 from vlens.distributed.parallel import GroupError, Parallel, on_failure
 from vlens.distributed.ranks import ProcessRanks
 from vlens.distributed.taps import sharded_units
-from vlens.loader import load_model, resolve_model_path
+from vlens.loader import load_model, read_config, resolve_model_path
 
 STARTUP_S = 600  # loading a shard of a large model takes minutes; a worker that says nothing longer is stuck
 
@@ -77,10 +77,8 @@ class Executor:
         self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp",
         compiled: bool = False, block_size: int = 16,
     ):  # fmt: skip
-        from transformers import AutoConfig
-
         path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
-        check_parallel(ModelConfig.from_hf(AutoConfig.from_pretrained(path)), size, device, local=backend != "ray")
+        check_parallel(read_config(path), size, device, local=backend != "ray")
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise ValueError(
                 "tensor_parallel_size: this process already leads a tensor-parallel group; close it first "
