@@ -15,8 +15,10 @@
     return e;
   }
 
-  // Whitespace made visible, so " Paris" and "\n" read as what they are.
-  const visible = (text) => text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+  // Whitespace made visible, so " Paris" and "\n" read as what they are; any other blank or control character
+  // ("\r", a no-break space) as its code point, so that no token shows as an empty box.
+  const visible = (text) => text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5")
+    .replace(/[\p{Cc}\p{Z}\u200b\ufeff]/gu, (c) => `\\u${c.codePointAt(0).toString(16).padStart(4, "0")}`);
   const tokenText = (p, id) => (p.texts[String(id)] === undefined ? "#" + id : visible(p.texts[String(id)]));
   const fixed = (x) => x.toFixed(2);
   const range = (n) => Array.from({ length: n }, (_, i) => i);
