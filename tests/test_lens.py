@@ -312,3 +312,12 @@ def test_blank_and_control_characters_in_tokens_show(browser, tmp_path):
     assert visit.page.eval_on_selector_all("#lens-table .tok", "els => els.map(e => e.textContent)") == shown
     assert visit.page.locator("b").count() == 0
     visit.close(tmp_path / "blank-tokens.png")
+
+
+def test_lens_rows_at_several_hooks_of_a_layer_are_named_apart(browser, tmp_path):
+    """viz.logit_lens of Capture(hooks=["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post"], logit_lens=k)."""
+    hooks = ["blocks.0.hook_resid_pre", "blocks.0.hook_resid_post", "blocks.1.hook_resid_mid", "blocks.1.hook_resid_post"]
+    visit = static_page(browser, tmp_path, {"0": "a"}, hooks)
+    rows = visit.page.eval_on_selector_all("#lens-table th[scope=row]", "els => els.map(e => e.textContent)")
+    assert rows == ["L0 hook_resid_pre", "L0", "L1 hook_resid_mid", "L1"]
+    visit.close(tmp_path / "lens-rows.png")

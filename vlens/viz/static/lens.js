@@ -101,6 +101,11 @@
     box.append(list);
   }
 
+  // A lens row's name: its layer, and its hook unless the usual hook_resid_post, so that a lens read at several hooks
+  // of a layer (hook_resid_pre and hook_resid_post, say) names its rows apart.
+  const rowName = (layer) => `L${layer.layer}` +
+    (layer.hook.endsWith(".hook_resid_post") ? "" : ` ${layer.hook.replace(/^blocks\.\d+\./, "")}`);
+
   function renderLens(p) {
     const table = byId("lens-table");
     table.replaceChildren();
@@ -111,7 +116,7 @@
     const body = el("tbody");
     for (const layer of lens.layers) {
       const tr = el("tr");
-      tr.append(el("th", { scope: "row", title: layer.hook }, `L${layer.layer}`));
+      tr.append(el("th", { scope: "row", title: layer.hook }, rowName(layer)));
       layer.positions.forEach((pos, r) => {
         const id = layer.ids[r][0];
         const prob = Math.exp(layer.logprobs[r][0]);
