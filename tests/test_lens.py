@@ -14,7 +14,7 @@ import pytest
 from sae_helpers import save_saelens
 from server_helpers import decode_activations, vlens_serve
 
-from vlens import Capture, SamplingParams
+from vlens import Capture, SamplingParams, viz
 from vlens.cli import main
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; .ci/run installs it where it is missing
@@ -286,3 +286,38 @@ def test_lens_file_renders_offline(browser, smol4, smol4_path, sae_path, tmp_pat
     assert visit.page.locator("#sae-table td[data-feature]").count() > 0
     assert len(visit.requests) == 1  # the file itself, nothing else
     visit.close(tmp_path / "lens-file.png")
+
+
+def static_page(browser, tmp_path: Path, texts: dict[str, str], hooks: list[str]) -> Visit:
+    """The offline page of a made-up payload (no model): tokens 0..n-1 named by `texts`, a logit lens at `hooks`
+    whose every cell names its own position's token."""
+    n = len(texts)
+    layers = [{"layer": int(hook.split(".")[1]), "hook": hook, "positions": list(range(n)),
+               "ids": [[i] for i in range(n)], "logprobs": [[-0.5]] * n} for hook in hooks]  # fmt: skip
+    payload = {"model": None, "prompt": None, "token_ids": list(range(n)), "prompt_tokens": n, "completion": None,
+               "texts": texts, "lens": {"k": 1, "layers": layers}, "attention": [], "sae": None,
+               "feature": None}  # fmt: skip
+    path = tmp_path / "page.html"
+    path.write_text(viz.page_html(payload), encoding="utf-8")
+    return Visit(browser, path.as_uri(), path.as_uri())
+
+
+def test_blank_and_control_characters_in_tokens_show(browser, tmp_path):
+    """A token of "\\r" (SmolLM2 has 31 tokens holding one) or a no-break space shows as its code point, never
+    as an empty box or as the "\\n" it precedes; markup in a token is text."""
+    texts = {"0": "\r\n", "1": "\xa0", "2": " a\tb", "3": "<b>x</b>\x0c"}
+    visit = static_page(browser, tmp_path, texts, ["blocks.0.hook_resid_post"])
+    shown = ["\\u000d\u21b5", "\\u00a0", "\u2423a\u21e5b", "<b>x</b>\\u000c"]
+    assert visit.page.eval_on_selector_all("#tokens li", "els => els.map(e => e.textContent)") == shown
+    assert visit.page.eval_on_selector_all("#lens-table .tok", "els => els.map(e => e.textContent)") == shown
+    assert visit.page.locator("b").count() == 0
+    visit.close(tmp_path / "blank-tokens.png")
+
+
+def test_lens_rows_at_several_hooks_of_a_layer_are_named_apart(browser, tmp_path):
+    """viz.logit_lens of Capture(hooks=["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post"], logit_lens=k)."""
+    hooks = ["blocks.0.hook_resid_pre", "blocks.0.hook_resid_post", "blocks.1.hook_resid_mid", "blocks.1.hook_resid_post"]
+    visit = static_page(browser, tmp_path, {"0": "a"}, hooks)
+    rows = visit.page.eval_on_selector_all("#lens-table th[scope=row]", "els => els.map(e => e.textContent)")
+    assert rows == ["L0 hook_resid_pre", "L0", "L1 hook_resid_mid", "L1"]
+    visit.close(tmp_path / "lens-rows.png")

@@ -132,6 +132,16 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string(smol_path):
         assert released + detokenizer.release(final=True) == final == detokenizer.text
 
 
+def test_text_is_cut_at_the_earliest_stop_string(smol_path):
+    """One token (")," here) can complete two stop strings: the text ends before the earlier one, whichever
+    is listed first, so it holds neither (as lm-eval's HF model cuts it)."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_path)
+    for stops in ([",", ")"], [")", ","]):
+        detokenizer = Detokenizer(tokenizer, tokenizer("Say:")["input_ids"], stops)
+        found = next(filter(None, map(detokenizer.add, tokenizer(" He said (yes), then")["input_ids"])))
+        assert (found, detokenizer.text) == (")", " He said (yes")
+
+
 def test_route_labels_stay_bounded():
     assert route_label("/v1/activations/act-abc") == "/v1/activations/{id}"
     assert route_label("/v1/completions") == "/v1/completions" and route_label("/etc/passwd") == "other"

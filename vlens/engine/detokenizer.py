@@ -42,12 +42,13 @@ class Detokenizer:
         if not self.stops:
             return None
         window_start = max(0, len(self.text) - len(new) - self.hold)  # where a new stop string could begin
-        for stop in self.stops:
-            at = self.text.find(stop, window_start)
-            if at >= 0:
-                self.text = self.text[:at]
-                return stop
-        return None
+        # The earliest one, not the first listed: the text is cut before it, so it must hold no other.
+        found = [(at, stop) for stop in self.stops if (at := self.text.find(stop, window_start)) >= 0]
+        if not found:
+            return None
+        at, stop = min(found, key=lambda f: f[0])
+        self.text = self.text[:at]
+        return stop
 
     def release(self, final: bool) -> str:
         """The text that became safe to show since the last call (all the rest once `final`)."""

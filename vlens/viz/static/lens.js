@@ -15,8 +15,10 @@
     return e;
   }
 
-  // Whitespace made visible, so " Paris" and "\n" read as what they are.
-  const visible = (text) => text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+  // Whitespace made visible, so " Paris" and "\n" read as what they are; any other blank or control character
+  // ("\r", a no-break space) as its code point, so that no token shows as an empty box.
+  const visible = (text) => text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5")
+    .replace(/[\p{Cc}\p{Z}\u200b\ufeff]/gu, (c) => `\\u${c.codePointAt(0).toString(16).padStart(4, "0")}`);
   const tokenText = (p, id) => (p.texts[String(id)] === undefined ? "#" + id : visible(p.texts[String(id)]));
   const fixed = (x) => x.toFixed(2);
   const range = (n) => Array.from({ length: n }, (_, i) => i);
@@ -99,6 +101,11 @@
     box.append(list);
   }
 
+  // A lens row's name: its layer, and its hook unless the usual hook_resid_post, so that a lens read at several hooks
+  // of a layer (hook_resid_pre and hook_resid_post, say) names its rows apart.
+  const rowName = (layer) => `L${layer.layer}` +
+    (layer.hook.endsWith(".hook_resid_post") ? "" : ` ${layer.hook.replace(/^blocks\.\d+\./, "")}`);
+
   function renderLens(p) {
     const table = byId("lens-table");
     table.replaceChildren();
@@ -109,7 +116,7 @@
     const body = el("tbody");
     for (const layer of lens.layers) {
       const tr = el("tr");
-      tr.append(el("th", { scope: "row", title: layer.hook }, `L${layer.layer}`));
+      tr.append(el("th", { scope: "row", title: layer.hook }, rowName(layer)));
       layer.positions.forEach((pos, r) => {
         const id = layer.ids[r][0];
         const prob = Math.exp(layer.logprobs[r][0]);
