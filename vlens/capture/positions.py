@@ -101,6 +101,11 @@ class Positions:
             return any(i < 0 for i in self.indices)
         return self.kind == "slice" and any(b is not None and b < 0 for b in (self.start, self.stop))
 
+    @property
+    def follows_prompt(self) -> bool:
+        """Whether its rows depend on where the prompt ends ("prompt", "generated"), not on positions alone."""
+        return self.kind in ("prompt", "generated")
+
     def online(self, field: str) -> Positions:
         """This spec, refused if it counts from the end (interventions change rows as they are computed)."""
         if self.from_end:
