@@ -9,7 +9,7 @@ from conftest import rel_err
 from family_parity import COMMON, build
 from transformers import LlamaConfig
 
-from vlens import LLM, Capture, SamplingParams, Steer
+from vlens import LLM, Capture, Patch, Positions, SamplingParams, Steer
 
 D = COMMON["hidden_size"]
 TINY = {"dtype": "float32", "device": "cpu", "block_size": 4, "kv_cache_memory": 1 << 20}
@@ -43,3 +43,19 @@ def test_a_steer_by_prompt_length_takes_no_kv_from_a_prompt_of_another_length(pa
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     hook = "blocks.2.hook_resid_post"
     assert rel_err(got.activations[hook], want.activations[hook]) < 1e-5
+
+
+def test_an_open_slice_reads_as_a_slice_in_errors(alone):
+    """slice(1, None) printed as "1" (the look of position 1) in the error that refuses its values."""
+    values = torch.zeros(3, D)
+    params = SamplingParams(
+        max_tokens=2, interventions=[Patch("blocks.0.hook_resid_post", values, positions=slice(1, None))]
+    )
+    with pytest.raises(ValueError, match=r"one row per position of 1:$"):
+        alone.generate([list(range(10, 18))], params, use_tqdm=False)
+    assert [str(Positions.parse(s)) for s in (slice(1, None), slice(None, 5), slice(None), slice(1, None, 2))] == [
+        "1:",
+        ":5",
+        ":",
+        "1::2",
+    ]

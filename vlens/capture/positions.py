@@ -87,7 +87,8 @@ class Positions:
         if self.kind == "list":
             return str(list(self.indices))
         if self.kind == "slice":
-            return ":".join("" if b is None else str(b) for b in (self.start, self.stop, self.step)).rstrip(":")
+            bounds = (self.start, self.stop) if self.step is None else (self.start, self.stop, self.step)
+            return ":".join("" if b is None else str(b) for b in bounds)  # (1: is not 1, nor : nothing)
         return self.kind
 
     # -- counting from the end --------------------------------------------------------------------
