@@ -87,7 +87,8 @@ class Positions:
         if self.kind == "list":
             return str(list(self.indices))
         if self.kind == "slice":
-            return ":".join("" if b is None else str(b) for b in (self.start, self.stop, self.step)).rstrip(":")
+            bounds = (self.start, self.stop) if self.step is None else (self.start, self.stop, self.step)
+            return ":".join("" if b is None else str(b) for b in bounds)  # (1: is not 1, nor : nothing)
         return self.kind
 
     # -- counting from the end --------------------------------------------------------------------
@@ -100,6 +101,11 @@ class Positions:
         if self.kind == "list":
             return any(i < 0 for i in self.indices)
         return self.kind == "slice" and any(b is not None and b < 0 for b in (self.start, self.stop))
+
+    @property
+    def follows_prompt(self) -> bool:
+        """Whether its rows depend on where the prompt ends ("prompt", "generated"), not on positions alone."""
+        return self.kind in ("prompt", "generated")
 
     def online(self, field: str) -> Positions:
         """This spec, refused if it counts from the end (interventions change rows as they are computed)."""

@@ -101,6 +101,8 @@ class Sequence:
         # not when a capture skips rows by token, nor where LongRoPE may switch it to recompute.
         self.plans_ahead = long_rope_at is None and all(stream.exclude is None for stream in self.taps.streams)
         salt: object = fingerprint(self.params.interventions)
+        if any(iv.positions.follows_prompt for iv in self.params.interventions):
+            salt = ("prompt of", self.num_prompt, salt)  # which rows they change depends on where the prompt ends
         if long_rope_at is not None and self.num_prompt - 1 >= long_rope_at:
             salt = ("long rope", salt)
         if self.prefill_only and self.prompt_logprobs is None:
