@@ -221,7 +221,12 @@ def test_mean_in_another_dtype_is_cast_once(smol):
     mean = SamplingParams(max_tokens=6, temperature=0, capture=Capture(hooks=hook, reduce="mean", dtype="bfloat16"))
     full, reduced = smol.generate([PROMPT, PROMPT], [rows, mean], use_tqdm=False)
     expected = full.activations[hook].double().mean(0, keepdim=True).to(torch.bfloat16)
-    assert torch.equal(reduced.activations[hook], expected)
+    # The engine sums in float32, this reference in float64: a value on a bfloat16 rounding boundary may
+    # round either way (one step, rarely); rounding each step's partial sum moved most of them.
+    off = reduced.activations[hook] != expected
+    assert int(off.sum()) <= expected.numel() // 100
+    step = (expected.float().abs() * 2**-7).clamp(min=2**-126)  # one bfloat16 step at most
+    assert bool(((reduced.activations[hook].float() - expected.float()).abs() <= step).all())
 
 
 @pytest.mark.parametrize(
