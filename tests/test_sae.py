@@ -313,3 +313,20 @@ def test_generate_prints_the_top_latents_of_each_generated_token(smol, smol_path
     assert torch.equal(saved_ids, ids)
     assert main([*argv[:-2], "--capture", HOOK]) == 2
     assert "--capture: give --capture or --sae, not both" in capsys.readouterr().err
+
+
+def _saelens_encode(path, x):
+    from sae_lens import SAE as SAELensSAE
+
+    with torch.inference_mode():
+        return SAELensSAE.load_from_disk(str(path)).encode(x)
+
+
+def test_saelens5_topk_config_that_also_says_architecture_standard_is_topk(tmp_path):
+    """SAELens 5 saved TopK SAEs as architecture "standard" with activation_fn "topk"; SAELens loads them as TopK."""
+    path, _, _ = save_saelens(tmp_path / "topk5", d_sae=256, k=8, legacy=True, architecture="topk")
+    cfg = json.loads((path / "cfg.json").read_text())
+    _write(path / "cfg.json", json.dumps({**cfg, "architecture": "standard"}))
+    sae, x = SAE.load(path), torch.randn(5, D)
+    assert sae.architecture == "topk" and sae.k == 8
+    assert rel_err(sae.encode(x), _saelens_encode(path, x)) < 1e-5

@@ -77,7 +77,8 @@ def _config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     """The encoding fields of a SAELens config of any version."""
     metadata = cfg.get("metadata") or {}
     activation = cfg.get("activation_fn", cfg.get("activation_fn_str"))
-    architecture = cfg.get("architecture") or ("topk" if activation == "topk" else "standard")
+    # before 6.0 a TopK SAE says activation_fn topk, whatever its `architecture` (often "standard") says
+    architecture = "topk" if activation == "topk" else cfg.get("architecture") or "standard"
     norm = cfg.get("normalize_activations")
     norm = {None: "none", False: "none", True: "expected_average_only_in"}.get(norm, norm)
     if norm not in (*_FOLDED_NORMS, "layer_norm", "constant_norm_rescale"):
