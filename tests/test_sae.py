@@ -330,3 +330,10 @@ def test_saelens5_topk_config_that_also_says_architecture_standard_is_topk(tmp_p
     sae, x = SAE.load(path), torch.randn(5, D)
     assert sae.architecture == "topk" and sae.k == 8
     assert rel_err(sae.encode(x), _saelens_encode(path, x)) < 1e-5
+
+
+def test_a_threshold_in_a_config_that_is_not_jumprelu_is_refused(tmp_path):
+    """A config without `architecture` (before SAELens 6) is standard; its threshold would be dropped unused."""
+    path, _, _ = save_saelens(tmp_path / "jumprelu5", architecture="jumprelu", d_sae=256, legacy=True)
+    with pytest.raises(ValueError, match="threshold.*architecture 'standard'.*jumprelu"):
+        SAE.load(path)

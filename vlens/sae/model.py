@@ -158,6 +158,11 @@ class SAE:
             expected["threshold"] = (d_sae,)
             if self.threshold is None:
                 raise ValueError(f"sae: a jumprelu SAE needs a threshold [d_sae] tensor{where}")
+        elif self.threshold is not None:  # SAELens refuses it too: encoding without it would ignore it
+            raise ValueError(
+                f"sae: a threshold tensor{where} but architecture {self.architecture!r}; only jumprelu SAEs have one "
+                "(a config before SAELens 6 without `architecture` means standard)"
+            )
         for name, shape in expected.items():
             got = tuple(getattr(self, name).shape)
             if got != shape:
