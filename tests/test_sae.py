@@ -337,3 +337,10 @@ def test_a_threshold_in_a_config_that_is_not_jumprelu_is_refused(tmp_path):
     path, _, _ = save_saelens(tmp_path / "jumprelu5", architecture="jumprelu", d_sae=256, legacy=True)
     with pytest.raises(ValueError, match="threshold.*architecture 'standard'.*jumprelu"):
         SAE.load(path)
+
+
+def test_an_activation_other_than_relu_or_topk_is_refused(tmp_path):
+    """SAELens before 6 trained tanh-relu SAEs too; encoding one with ReLU would give other latents."""
+    path, _, _ = save_saelens(tmp_path / "tanh", d_sae=256, legacy=True, activation_fn_str="tanh-relu")
+    with pytest.raises(ValueError, match="activation_fn 'tanh-relu'.*supported: relu, topk"):
+        SAE.load(path)

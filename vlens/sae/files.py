@@ -77,6 +77,10 @@ def _config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     """The encoding fields of a SAELens config of any version."""
     metadata = cfg.get("metadata") or {}
     activation = cfg.get("activation_fn", cfg.get("activation_fn_str"))
+    if activation not in (None, "relu", "topk"):  # SAELens 6 would load it as ReLU, which encodes otherwise
+        raise ValueError(
+            f"sae: activation_fn {activation!r} in {str(where)!r} is not supported; supported: relu, topk"
+        )
     # before 6.0 a TopK SAE says activation_fn topk, whatever its `architecture` (often "standard") says
     architecture = "topk" if activation == "topk" else cfg.get("architecture") or "standard"
     norm = cfg.get("normalize_activations")
