@@ -344,3 +344,13 @@ def test_an_activation_other_than_relu_or_topk_is_refused(tmp_path):
     path, _, _ = save_saelens(tmp_path / "tanh", d_sae=256, legacy=True, activation_fn_str="tanh-relu")
     with pytest.raises(ValueError, match="activation_fn 'tanh-relu'.*supported: relu, topk"):
         SAE.load(path)
+
+
+def test_a_params_npz_of_arrays_that_are_not_numbers_names_the_file(tmp_path):
+    """E.g. bfloat16 arrays saved with ml_dtypes, which numpy alone reads back as raw bytes (dtype V2)."""
+    import numpy as np
+
+    path, weights = save_gemma_scope(tmp_path / "params.npz")
+    np.savez(path, **{**{k: v.numpy() for k, v in weights.items()}, "W_enc": np.zeros((D, 256), dtype="V2")})
+    with pytest.raises(ValueError, match=r"sae: '.*params.npz' is not a readable .npz file"):
+        SAE.load(path, hook=HOOK)

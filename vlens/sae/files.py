@@ -78,9 +78,7 @@ def _config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     metadata = cfg.get("metadata") or {}
     activation = cfg.get("activation_fn", cfg.get("activation_fn_str"))
     if activation not in (None, "relu", "topk"):  # SAELens 6 would load it as ReLU, which encodes otherwise
-        raise ValueError(
-            f"sae: activation_fn {activation!r} in {str(where)!r} is not supported; supported: relu, topk"
-        )
+        raise ValueError(f"sae: activation_fn {activation!r} in {str(where)!r} is not supported; supported: relu, topk")
     # before 6.0 a TopK SAE says activation_fn topk, whatever its `architecture` (often "standard") says
     architecture = "topk" if activation == "topk" else cfg.get("architecture") or "standard"
     norm = cfg.get("normalize_activations")
@@ -134,9 +132,9 @@ def _gemma_scope(path: Path) -> dict[str, Any]:
     try:
         with np.load(path) as data:
             arrays = {("W_" + key[2:] if key.startswith("w_") else key): data[key] for key in data.files}
-    except (OSError, ValueError) as e:
+        tensors = {key: torch.from_numpy(np.asarray(a, dtype=np.float32)) for key, a in arrays.items()}
+    except (OSError, ValueError) as e:  # the conversion too: arrays of strings, or of bytes numpy has no type for
         raise ValueError(f"sae: {str(path)!r} is not a readable .npz file ({e})") from None
-    tensors = {key: torch.from_numpy(np.asarray(a, dtype=np.float32)) for key, a in arrays.items()}
     missing = [name for name in TENSORS if name not in tensors]
     if missing:
         raise ValueError(
