@@ -354,3 +354,18 @@ def test_a_params_npz_of_arrays_that_are_not_numbers_names_the_file(tmp_path):
     np.savez(path, **{**{k: v.numpy() for k, v in weights.items()}, "W_enc": np.zeros((D, 256), dtype="V2")})
     with pytest.raises(ValueError, match=r"sae: '.*params.npz' is not a readable .npz file"):
         SAE.load(path, hook=HOOK)
+
+
+def test_a_params_npz_with_a_scaling_factor_or_unknown_arrays_is_refused_as_saelens_does(tmp_path):
+    import numpy as np
+
+    path, weights = save_gemma_scope(tmp_path / "params.npz")
+    arrays = {k: v.numpy() for k, v in weights.items()}
+    np.savez(path, **arrays, scaling_factor=np.full(256, 2.0, dtype=np.float32))
+    with pytest.raises(ValueError, match="scaling_factor that is not all ones"):
+        SAE.load(path, hook=HOOK)
+    np.savez(path, **arrays, b_gate=np.zeros(256, dtype=np.float32))
+    with pytest.raises(ValueError, match="has tensors no SAE architecture here uses: b_gate"):
+        SAE.load(path, hook=HOOK)
+    np.savez(path, **arrays, scaling_factor=np.ones(256, dtype=np.float32))
+    assert torch.equal(SAE.load(path, hook=HOOK).threshold, weights["threshold"])

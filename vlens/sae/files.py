@@ -135,13 +135,8 @@ def _gemma_scope(path: Path) -> dict[str, Any]:
         tensors = {key: torch.from_numpy(np.asarray(a, dtype=np.float32)) for key, a in arrays.items()}
     except (OSError, ValueError) as e:  # the conversion too: arrays of strings, or of bytes numpy has no type for
         raise ValueError(f"sae: {str(path)!r} is not a readable .npz file ({e})") from None
-    missing = [name for name in TENSORS if name not in tensors]
-    if missing:
-        raise ValueError(
-            f"sae: {str(path)!r} lacks {', '.join(missing)}; a Gemma Scope {GEMMA_SCOPE} holds {', '.join(TENSORS)}"
-        )
     return {
-        **{name: tensors[name] for name in TENSORS},
+        **_tensors(tensors, path),  # SAELens's Gemma Scope loader refuses a scaling_factor the same way
         "architecture": "jumprelu",
         "apply_b_dec_to_input": False,
         "path": str(path),
