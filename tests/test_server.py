@@ -250,6 +250,8 @@ BAD = [
         None,
     ),
     ({"vlens": {"interventions": [{**STEER, "vector": [1.0]}]}}, 400, "vlens.interventions[0]", None),
+    # found in review: a field of another type (a steer's direction) was ignored without a word
+    ({"vlens": {"interventions": [{**STEER, "direction": [1.0] * 576}]}}, 400, "vlens.interventions[0]", None),
     ({"vlens": {"interventions": [{**STEER, "positions": [99]}]}}, 400, "vlens.interventions[0].positions", None),
     (
         {"vlens": {"capture": {"hooks": "blocks.*.mlp.hook_post"}}, "max_tokens": 64},

@@ -6,7 +6,7 @@ document without importing the parsers, which import protocol.py for its errors.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
@@ -94,7 +94,17 @@ class InterventionSpec(BaseModel):
     sae: StrictStr | None = None  # steer along, or clamp, a latent of this SAE of the server ...
     feature: StrictInt | None = None  # ... this latent
 
+    # The fields each type reads besides type, hook and positions: another one given is a mistake, not a no-op
+    FIELDS: ClassVar[dict[str, set[str]]] = {
+        "steer": {"vector", "scale", "heads", "sae", "feature"}, "ablate": {"direction", "heads", "value"},
+        "patch": {"values", "heads"}, "clamp": {"sae", "feature", "value"},
+    }  # fmt: skip
+
     def to_intervention(self, saes: dict[str, SAE]) -> Steer | Ablate | Patch | Clamp:
+        stray = sorted(self.model_fields_set - self.FIELDS[self.type] - {"type", "hook", "positions"})
+        if stray:
+            raise ValueError(f"{self.type}.{stray[0]}: not a field of a {self.type} intervention, which takes "
+                             f"{', '.join(sorted(self.FIELDS[self.type]))}, positions")  # fmt: skip
         positions = _positions(self.positions, f"{self.type}.positions")
         sae = None if self.sae is None else named_sae(saes, self.sae, f"{self.type}.sae")
         if self.type == "clamp":
