@@ -3,16 +3,19 @@ streamed text and error shapes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer
 
 from vlens import Capture, Positions, SamplingParams
 from vlens.capture.names import hook_shapes
 from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
-from vlens.server.activations import ActivationStore, capture_bound, owner_of
+from vlens.server.activations import DOWNLOAD_CHUNK, ActivationStore, Download, capture_bound, owner_of
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import route_label
 from vlens.server.protocol import APIError, CompletionRequest, from_value_error, schema_error
@@ -78,9 +81,42 @@ def test_store_hands_out_once_to_the_right_key_until_expiry():
     assert store.take(handle, bob) is None  # bound to the key that made it
     assert store.take(handle, alice) == b"tensor bytes"
     assert store.take(handle, alice) is None  # deleted after download
+    store.sent(b"tensor bytes")  # counted until its download ended
     late, _ = store.put(b"late", owner_of(None))
     now[0] += 61
     assert store.take(late, owner_of(None)) is None and store.count == 0 and store.nbytes == 0
+
+
+def test_a_download_is_sent_in_chunks_and_counted_until_it_ends():
+    """Found in review: a download was one Response of the whole payload, which the transport copied into
+    its buffer for a slow client, and its bytes left the in-flight count as soon as it began."""
+    data = bytes(range(256)) * (3 * DOWNLOAD_CHUNK // 256 + 7)
+    store = ActivationStore(ttl_s=60)
+    headers, chunks, held = {}, [], []
+
+    async def download(leave_after: int | None = None) -> None:
+        handle, _ = store.put(data, b"")
+        chunks.clear(), held.clear()
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers.update({k.decode(): v.decode() for k, v in message["headers"]})
+            elif message["body"]:
+                if len(chunks) == leave_after:
+                    raise OSError("the client left")
+                chunks.append(bytes(message["body"]))
+                held.append(store.nbytes)
+
+        response = Download(store.take(handle, b""), handle, store)
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, None, send)
+
+    asyncio.run(download())
+    assert b"".join(chunks) == data and max(map(len, chunks)) == DOWNLOAD_CHUNK
+    assert headers["content-length"] == str(len(data)) and headers["content-type"] == "application/octet-stream"
+    assert held == [len(data)] * len(chunks) and store.nbytes == 0 and store.count == 0
+    with pytest.raises(ClientDisconnect):  # the client leaves mid-download: its bytes are freed all the same
+        asyncio.run(download(leave_after=1))
+    assert held == [len(data)] and store.nbytes == 0
 
 
 def test_extension_fields_are_parsed_or_refused_by_name():
