@@ -16,6 +16,7 @@ from vlens.capture.names import hook_shapes
 from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
 from vlens.server.activations import DOWNLOAD_CHUNK, ActivationStore, Download, capture_bound, owner_of
+from vlens.server.admission import Admission
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import route_label
 from vlens.server.protocol import APIError, CompletionRequest, from_value_error, schema_error
@@ -85,6 +86,20 @@ def test_store_hands_out_once_to_the_right_key_until_expiry():
     late, _ = store.put(b"late", owner_of(None))
     now[0] += 61
     assert store.take(late, owner_of(None)) is None and store.count == 0 and store.nbytes == 0
+
+
+def test_expired_handles_hold_no_capture_budget():
+    """Found in review: admission counted a handle past its TTL until the next sweep (up to 30 s), so a
+    capture that fits got 429s."""
+    now = [1000.0]
+    store = ActivationStore(ttl_s=60, clock=lambda: now[0])
+    admission = Admission(max_requests=8, max_capture_bytes=100, store=store)
+    store.put(b"x" * 80, b"")
+    with pytest.raises(APIError) as e:
+        admission.admit(1, 50, "prompt")
+    assert e.value.status == 429
+    now[0] += 61
+    assert admission.admit(1, 50, "prompt").capture_bytes == 50
 
 
 def test_a_download_is_sent_in_chunks_and_counted_until_it_ends():
