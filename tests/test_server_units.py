@@ -19,7 +19,7 @@ from vlens.server.activations import DOWNLOAD_CHUNK, ActivationStore, Download, 
 from vlens.server.admission import Admission
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import route_label
-from vlens.server.protocol import APIError, CompletionRequest, from_value_error, schema_error
+from vlens.server.protocol import APIError, ChatMessage, CompletionRequest, from_value_error, schema_error
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,19 @@ def test_errors_name_the_field():
     assert error.body()["error"].keys() == {"message", "type", "param", "code"}
     assert from_value_error(ValueError("capture.positions: bad"), prefix="vlens.").param == "vlens.capture.positions"
     assert from_value_error(ValueError("something else went wrong")).param is None
+
+
+def test_chat_content_parts_are_joined_as_vllm_joins_them(smol_path):
+    """Found in review: a message's text parts were run together ("part onepart two"); vLLM joins them with
+    newlines, so the same chat request made another prompt here than on vLLM."""
+    from vlens.server.tokens import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_path)
+    parts = ChatMessage(role="user", content=[{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}])
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "part one\ntwo"}], add_generation_prompt=True, tokenize=False
+    )
+    assert parts.text() == "part one\ntwo" and render_chat(tokenizer, [parts]) == expected
 
 
 def test_streamed_text_adds_up_and_never_shows_a_stop_string(smol_path):
