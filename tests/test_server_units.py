@@ -3,19 +3,23 @@ streamed text and error shapes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer
 
 from vlens import Capture, Positions, SamplingParams
 from vlens.capture.names import hook_shapes
 from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
-from vlens.server.activations import ActivationStore, capture_bound, owner_of
+from vlens.server.activations import DOWNLOAD_CHUNK, ActivationStore, Download, capture_bound, owner_of
+from vlens.server.admission import Admission
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import route_label
-from vlens.server.protocol import APIError, CompletionRequest, from_value_error, schema_error
+from vlens.server.protocol import APIError, ChatMessage, CompletionRequest, from_value_error, schema_error
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +82,56 @@ def test_store_hands_out_once_to_the_right_key_until_expiry():
     assert store.take(handle, bob) is None  # bound to the key that made it
     assert store.take(handle, alice) == b"tensor bytes"
     assert store.take(handle, alice) is None  # deleted after download
+    store.sent(b"tensor bytes")  # counted until its download ended
     late, _ = store.put(b"late", owner_of(None))
     now[0] += 61
     assert store.take(late, owner_of(None)) is None and store.count == 0 and store.nbytes == 0
+
+
+def test_expired_handles_hold_no_capture_budget():
+    """Found in review: admission counted a handle past its TTL until the next sweep (up to 30 s), so a
+    capture that fits got 429s."""
+    now = [1000.0]
+    store = ActivationStore(ttl_s=60, clock=lambda: now[0])
+    admission = Admission(max_requests=8, max_capture_bytes=100, store=store)
+    store.put(b"x" * 80, b"")
+    with pytest.raises(APIError) as e:
+        admission.admit(1, 50, "prompt")
+    assert e.value.status == 429
+    now[0] += 61
+    assert admission.admit(1, 50, "prompt").capture_bytes == 50
+
+
+def test_a_download_is_sent_in_chunks_and_counted_until_it_ends():
+    """Found in review: a download was one Response of the whole payload, which the transport copied into
+    its buffer for a slow client, and its bytes left the in-flight count as soon as it began."""
+    data = bytes(range(256)) * (3 * DOWNLOAD_CHUNK // 256 + 7)
+    store = ActivationStore(ttl_s=60)
+    headers, chunks, held = {}, [], []
+
+    async def download(leave_after: int | None = None) -> None:
+        handle, _ = store.put(data, b"")
+        chunks.clear(), held.clear()
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers.update({k.decode(): v.decode() for k, v in message["headers"]})
+            elif message["body"]:
+                if len(chunks) == leave_after:
+                    raise OSError("the client left")
+                chunks.append(bytes(message["body"]))
+                held.append(store.nbytes)
+
+        response = Download(store.take(handle, b""), handle, store)
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, None, send)
+
+    asyncio.run(download())
+    assert b"".join(chunks) == data and max(map(len, chunks)) == DOWNLOAD_CHUNK
+    assert headers["content-length"] == str(len(data)) and headers["content-type"] == "application/octet-stream"
+    assert held == [len(data)] * len(chunks) and store.nbytes == 0 and store.count == 0
+    with pytest.raises(ClientDisconnect):  # the client leaves mid-download: its bytes are freed all the same
+        asyncio.run(download(leave_after=1))
+    assert held == [len(data)] and store.nbytes == 0
 
 
 def test_extension_fields_are_parsed_or_refused_by_name():
@@ -110,6 +161,19 @@ def test_errors_name_the_field():
     assert error.body()["error"].keys() == {"message", "type", "param", "code"}
     assert from_value_error(ValueError("capture.positions: bad"), prefix="vlens.").param == "vlens.capture.positions"
     assert from_value_error(ValueError("something else went wrong")).param is None
+
+
+def test_chat_content_parts_are_joined_as_vllm_joins_them(smol_path):
+    """Found in review: a message's text parts were run together ("part onepart two"); vLLM joins them with
+    newlines, so the same chat request made another prompt here than on vLLM."""
+    from vlens.server.tokens import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_path)
+    parts = ChatMessage(role="user", content=[{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}])
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "part one\ntwo"}], add_generation_prompt=True, tokenize=False
+    )
+    assert parts.text() == "part one\ntwo" and render_chat(tokenizer, [parts]) == expected
 
 
 def test_streamed_text_adds_up_and_never_shows_a_stop_string(smol_path):

@@ -18,11 +18,13 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from vlens.capture.bind import result_parts
 from vlens.capture.names import FINAL_NORM, resolve_hooks, row_size
@@ -31,6 +33,7 @@ from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
 INT64 = 8
+DOWNLOAD_CHUNK = 1 << 20  # what a handle's download hands the transport at a time
 
 
 def capture_bound(
@@ -108,6 +111,7 @@ class ActivationStore:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.time):
         self.ttl_s, self.clock = ttl_s, clock
         self._entries: dict[str, _Entry] = {}
+        self._sending = 0  # bytes of downloads under way: out of the store, still in memory until sent
 
     def put(self, data: bytes, owner: bytes) -> tuple[str, float]:
         """Store a payload; return its id and its expiry (unix time)."""
@@ -124,7 +128,12 @@ class ActivationStore:
         if entry is None or not hmac.compare_digest(entry.owner, owner):
             return None
         del self._entries[handle]
+        self._sending += len(entry.data)
         return entry.data
+
+    def sent(self, data: bytes) -> None:
+        """A download taken with `take` ended, sent whole or not (its client left): its bytes are freed."""
+        self._sending -= len(data)
 
     def sweep(self) -> None:
         now = self.clock()
@@ -137,7 +146,34 @@ class ActivationStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(e.data) for e in self._entries.values())
+        """Bytes held for downloads: the stored payloads and those being sent."""
+        return self._sending + sum(len(e.data) for e in self._entries.values())
+
+
+class Download(StreamingResponse):
+    """A payload taken from the store, sent in chunks: the transport buffers one chunk rather than a
+    second copy of the whole payload (a slow client would make it hold all of it), and the bytes stay in
+    the store's count (what --max-capture-bytes-in-flight bounds) until the response ends, however it ends."""
+
+    def __init__(self, data: bytes, handle: str, store: ActivationStore):
+        headers = {
+            "Content-Length": str(len(data)),
+            "Content-Disposition": f'attachment; filename="{handle}.safetensors"',
+        }
+        super().__init__(_chunks(data), media_type="application/octet-stream", headers=headers)
+        self.data, self.store = data, store
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.store.sent(self.data)
+
+
+async def _chunks(data: bytes) -> AsyncIterator[memoryview]:
+    view = memoryview(data)
+    for start in range(0, len(view), DOWNLOAD_CHUNK):
+        yield view[start : start + DOWNLOAD_CHUNK]
 
 
 def present(data: bytes, inline_limit: int, store: ActivationStore, owner: bytes) -> dict:

@@ -48,6 +48,7 @@ class Admission:
                            param=field)  # fmt: skip
         if self.requests and self.requests + requests > self.max_requests:
             raise self._busy(f"{self.requests} requests are running or queued, this server's --max-pending-requests")
+        self.store.sweep()  # expired handles hold nothing any more
         held = self.capture_bytes + self.store.nbytes
         if capture_bytes and held and held + capture_bytes > self.max_capture_bytes:
             raise self._busy(

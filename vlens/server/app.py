@@ -18,7 +18,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 
 from vlens.capture.names import hook_shapes
 from vlens.llm import LLM
-from vlens.server.activations import ActivationStore, owner_of
+from vlens.server.activations import ActivationStore, Download, owner_of
 from vlens.server.admission import Admission
 from vlens.server.auth import BearerAuth, presented_key
 from vlens.server.config import ServerConfig
@@ -150,11 +150,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 param="id",
                 code="not_found",
             )
-        return Response(
-            data,
-            media_type="application/octet-stream",
-            headers={"Content-Disposition": f'attachment; filename="{handle}.safetensors"'},
-        )
+        return Download(data, handle, store)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -247,8 +247,10 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextPart] | None = None
 
     def text(self) -> str:
+        """The content as one text; a list's parts joined by newlines, as vLLM joins them, so that a client
+        written for vLLM gets the same prompt here."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
