@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -369,3 +370,22 @@ def test_a_params_npz_with_a_scaling_factor_or_unknown_arrays_is_refused_as_sael
         SAE.load(path, hook=HOOK)
     np.savez(path, **arrays, scaling_factor=np.ones(256, dtype=np.float32))
     assert torch.equal(SAE.load(path, hook=HOOK).threshold, weights["threshold"])
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_an_sae_of_transformer_lens_processed_weights_is_refused(tmp_path, legacy):
+    """A few SAELens releases were trained on TransformerLens with center_writing_weights=True: their
+    residual stream is HF's minus its mean, so their latents on HF's raw rows would be wrong. The default
+    (False, what SAELens trains with) and fold_ln (no change to these hooks) load. SAELens 6 keeps the
+    setting under metadata, earlier versions at the top of cfg.json."""
+
+    def saved(name: str, kwargs: dict) -> Path:
+        path, _, _ = save_saelens(tmp_path / name, d_sae=256, legacy=legacy)
+        cfg = json.loads((path / "cfg.json").read_text())
+        (cfg if legacy else cfg["metadata"])["model_from_pretrained_kwargs"] = kwargs
+        (path / "cfg.json").write_text(json.dumps(cfg))
+        return path
+
+    with pytest.raises(ValueError, match=r"model_from_pretrained_kwargs center_writing_weights=True\)"):
+        SAE.load(saved("tl", {"center_writing_weights": True, "fold_ln": True}))
+    assert SAE.load(saved("raw", {"center_writing_weights": False, "fold_ln": True})).d_sae == 256

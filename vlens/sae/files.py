@@ -28,6 +28,9 @@ GEMMA_SCOPE = "params.npz"
 TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
 # SAELens's inference SAE normalises at run time only for these; the others are folded into saved weights.
 _FOLDED_NORMS = ("none", "expected_average_only_in", "covariance_whitening")
+# TransformerLens weight processing that changes what a hook reads (SAELens trains without it by default;
+# fold_ln and center_unembed leave the hooks SAEs read as they are)
+_TL_PROCESSING = ("center_writing_weights", "fold_value_biases", "refactor_factored_attn_matrices")
 _FORMS = f"a SAELens directory ({CONFIG} + {WEIGHTS}) or a Gemma Scope {GEMMA_SCOPE}"
 
 
@@ -93,6 +96,14 @@ def _config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
         raise ValueError(
             f"sae: {str(where)!r} reads one attention head (hook_head_index={head}), which vlens does not support; "
             "it reads whole hooks"
+        )
+    model_kwargs = metadata.get("model_from_pretrained_kwargs", cfg.get("model_from_pretrained_kwargs")) or {}
+    processed = [f"{key}=True" for key in _TL_PROCESSING if model_kwargs.get(key)]
+    if processed:
+        raise ValueError(
+            f"sae: {str(where)!r} was trained on TransformerLens's processed model (model_from_pretrained_kwargs "
+            f"{', '.join(processed)}), whose hooks read other values than HF's raw ones, which vlens taps (a "
+            "centred residual stream, value biases folded into the output): its latents would be wrong"
         )
     k = cfg.get("k", (cfg.get("activation_fn_kwargs") or {}).get("k")) if architecture == "topk" else None
     return {
