@@ -137,3 +137,11 @@ def test_harvest_and_export_are_subcommands(capsys):
     shown = capsys.readouterr().out
     assert "usage: vlens harvest" in shown and "--source" in shown
     assert "usage: vlens export" in shown and "--format" in shown
+
+
+def test_python_m_vlens_cli_runs_the_command(smol4_path):
+    """`python -m vlens.cli` is the installed `vlens` script (it used to exit 0 having done nothing)."""
+    argv = [sys.executable, "-m", "vlens.cli", "hooks", "--model", str(smol4_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].split() == ["hook_embed", "(576,)"]

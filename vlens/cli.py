@@ -229,3 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"vlens: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # `python -m vlens.cli`, as the installed `vlens` script
+    sys.exit(main())
