@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import vlens.cli
 from vlens.cli import main
 
 TEXTS = ["The capital of France is", "Hi"]
@@ -145,3 +146,12 @@ def test_python_m_vlens_cli_runs_the_command(smol4_path):
     done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].split() == ["hook_embed", "(576,)"]
+
+
+def test_ctrl_c_is_one_line_with_the_status_of_sigint(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vlens.cli, "read_config", interrupted)
+    assert main(["hooks"]) == 130
+    assert capsys.readouterr().err == "vlens: interrupted\n"

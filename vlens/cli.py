@@ -2,7 +2,8 @@
 (subcommands that live with their feature, like harvest and export, register through its `add_parser`).
 
 A ValueError from vlens (a bad hook, dtype, device, text or model) ends the command with one line
-`vlens: error: ...` on stderr and exit status 2, as argparse does for malformed arguments.
+`vlens: error: ...` on stderr and exit status 2, as argparse does for malformed arguments; Ctrl-C ends it
+with `vlens: interrupted` and status 130.
 """
 
 from __future__ import annotations
@@ -229,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"vlens: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line and the shell's status for SIGINT, not a traceback of the forward
+        print("vlens: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # `python -m vlens.cli`, as the installed `vlens` script
