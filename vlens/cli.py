@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -60,6 +61,7 @@ def _cmd_hooks(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
+    _check_out(args.out)
     llm = _llm(args)
     token_lists = to_token_lists(args.texts, llm.tokenizer, llm.config.vocab_size, field="texts")
     results = llm.trace(token_lists, args.hooks)
@@ -96,6 +98,7 @@ def _generate_capture(args: argparse.Namespace) -> Capture | None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    _check_out(args.out)
     capture = _generate_capture(args)  # an unreadable SAE fails before the model loads
     llm = _llm(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
@@ -133,6 +136,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_lens(args: argparse.Namespace) -> int:
     from vlens.viz import lens_page
 
+    _check_out(args.out)
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
     llm = _llm(args)
     view = lens_page(llm, args.prompt, max_tokens=args.max_tokens, top_k=args.top_k, sae=sae)
@@ -151,6 +155,16 @@ def _print_features(tokenizer, out, hook: str, ids: torch.Tensor, values: torch.
         latents = "  ".join(f"{f}: {v:.3f}" for f, v in zip(row_ids, row_values))
         rows.append((str(p), repr(tokenizer.decode([tokens[p]])), latents))
     _print_table(rows)
+
+
+def _check_out(out: str | None) -> None:
+    """An --out that cannot be written fails before the model loads, not in a traceback after it has run."""
+    if out is None:
+        return
+    if Path(out).is_dir():
+        raise ValueError(f"--out: {out!r} is a directory; give the path of the file to write")
+    if not Path(out).absolute().parent.is_dir():
+        raise ValueError(f"--out: the directory of {out!r} does not exist")
 
 
 def _llm(args: argparse.Namespace) -> LLM:
