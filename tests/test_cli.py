@@ -109,6 +109,7 @@ def test_hooks_lists_every_name_with_its_shape(smol):
         (["hooks", "--model", "{tmp}"], "has no config.json; is it a HF checkpoint?"),
         (["trace", "x", "--hooks", "hook_embed", "--out", "{tmp}/no/a.st"], "--out: the directory of '{tmp}/no/a.st'"),
         (["generate", "x", "--capture", "hook_embed", "--out", "{tmp}/no/a.st"], "--out: the directory of"),
+        (["generate", "x", "--out", "{tmp}/a.st"], "--out: give --capture or --sae too"),
         (["lens", "x", "--out", "{tmp}"], "--out: '{tmp}' is a directory; give the path of the file to write"),
     ],
 )

@@ -100,6 +100,8 @@ def _generate_capture(args: argparse.Namespace) -> Capture | None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     _check_out(args.out)
     capture = _generate_capture(args)  # an unreadable SAE fails before the model loads
+    if args.out and capture is None:
+        raise ValueError("--out: give --capture or --sae too; the file holds the rows they capture")
     llm = _llm(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
     run = llm.chat if args.chat else llm.generate
@@ -118,7 +120,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"  positions: {out.activation_positions.tolist()}")
         for hook, (ids, acts) in out.sae_features.items():
             _print_features(llm.tokenizer, out, hook, ids, acts)
-    if args.out and capture is not None:
+    if args.out:
         tensors = {f"{i}/{name}": t.contiguous() for i, out in enumerate(outputs) for name, t in out.activations.items()}
         for i, out in enumerate(outputs):
             for name, (ids, values) in out.sae_features.items():
@@ -217,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sae", metavar="PATH", help="print each row's top SAE latents: a SAELens directory or params.npz")
     p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
     p.add_argument("--top-k", type=int, default=16, help="latents per row with --sae (default: 16)")
-    p.add_argument("--out", metavar="FILE", help="write the captured activations (see below)")
+    p.add_argument("--out", metavar="FILE", help="write the activations of --capture or --sae (see below)")
     p.set_defaults(func=_cmd_generate)
 
     p = commands.add_parser(
