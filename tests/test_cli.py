@@ -110,6 +110,10 @@ def test_hooks_lists_every_name_with_its_shape(smol):
         (["trace", "x", "--hooks", "hook_embed", "--out", "{tmp}/no/a.st"], "--out: the directory of '{tmp}/no/a.st'"),
         (["generate", "x", "--capture", "hook_embed", "--out", "{tmp}/no/a.st"], "--out: the directory of"),
         (["generate", "x", "--out", "{tmp}/a.st"], "--out: give --capture or --sae too"),
+        (["generate", "x", "--max-tokens", "-1"], "max_tokens: -1 is not allowed; expected an int >= 0"),
+        (["generate", "x", "--temperature", "-1"], "temperature: -1.0 is not allowed; expected >= 0"),
+        (["lens", "x", "--out", "{tmp}/a.html", "--max-tokens", "-1"], "--max-tokens: must be an integer >= 0, got -1"),
+        (["lens", "x", "--out", "{tmp}/a.html", "--top-k", "0"], "--top-k: must be an integer >= 1, got 0"),
         (["lens", "x", "--out", "{tmp}"], "--out: '{tmp}' is a directory; give the path of the file to write"),
     ],
 )

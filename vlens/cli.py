@@ -102,8 +102,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     capture = _generate_capture(args)  # an unreadable SAE fails before the model loads
     if args.out and capture is None:
         raise ValueError("--out: give --capture or --sae too; the file holds the rows they capture")
-    llm = _llm(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
+    llm = _llm(args)  # after the sampling flags are known to be good
     run = llm.chat if args.chat else llm.generate
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
     outputs = run(prompts, params, use_tqdm=False)
@@ -139,6 +139,8 @@ def _cmd_lens(args: argparse.Namespace) -> int:
     from vlens.viz import lens_page
 
     _check_out(args.out)
+    _at_least("--max-tokens", args.max_tokens, 0)
+    _at_least("--top-k", args.top_k, 1)
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
     llm = _llm(args)
     view = lens_page(llm, args.prompt, max_tokens=args.max_tokens, top_k=args.top_k, sae=sae)
@@ -167,6 +169,12 @@ def _check_out(out: str | None) -> None:
         raise ValueError(f"--out: {out!r} is a directory; give the path of the file to write")
     if not Path(out).absolute().parent.is_dir():
         raise ValueError(f"--out: the directory of {out!r} does not exist")
+
+
+def _at_least(flag: str, value: int, minimum: int) -> None:
+    """A count flag checked before the model loads (the request it becomes is built only after)."""
+    if value < minimum:
+        raise ValueError(f"{flag}: must be an integer >= {minimum}, got {value}")
 
 
 def _llm(args: argparse.Namespace) -> LLM:
