@@ -164,3 +164,11 @@ def test_ctrl_c_is_one_line_with_the_status_of_sigint(monkeypatch, capsys):
     monkeypatch.setattr(vlens.cli, "read_config", interrupted)
     assert main(["hooks"]) == 130
     assert capsys.readouterr().err == "vlens: interrupted\n"
+
+
+def test_generate_help_shows_the_sampling_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--max-tokens MAX_TOKENS tokens to generate per prompt (default: 32)" in shown
+    assert "--temperature TEMPERATURE sampling temperature (default: 0, greedy)" in shown

@@ -217,8 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed", "tensor_parallel_size"})
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--capture", nargs="+", metavar="HOOK", help="hook names or globs to capture")
     p.add_argument(
