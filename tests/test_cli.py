@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import vlens.cli
 from vlens.cli import main
 
 TEXTS = ["The capital of France is", "Hi"]
@@ -106,14 +107,23 @@ def test_hooks_lists_every_name_with_its_shape(smol):
         (["trace", "x", "--hooks", "hook_embed", "--device", "tpu"], "device: 'tpu' is not one of auto, cpu, cuda"),
         (["hooks", "--model", "{tmp}/missing"], "/missing' does not exist (expected a directory, .gguf file"),
         (["hooks", "--model", "{tmp}"], "has no config.json; is it a HF checkpoint?"),
+        (["trace", "x", "--hooks", "hook_embed", "--out", "{tmp}/no/a.st"], "--out: the directory of '{tmp}/no/a.st'"),
+        (["generate", "x", "--capture", "hook_embed", "--out", "{tmp}/no/a.st"], "--out: the directory of"),
+        (["generate", "x", "--out", "{tmp}/a.st"], "--out: give --capture or --sae too"),
+        (["generate", "x", "--max-tokens", "-1"], "max_tokens: -1 is not allowed; expected an int >= 0"),
+        (["generate", "x", "--temperature", "-1"], "temperature: -1.0 is not allowed; expected >= 0"),
+        (["lens", "x", "--out", "{tmp}/a.html", "--max-tokens", "-1"], "--max-tokens: must be an integer >= 0, got -1"),
+        (["lens", "x", "--out", "{tmp}/a.html", "--top-k", "0"], "--top-k: must be an integer >= 1, got 0"),
+        (["lens", "x", "--out", "{tmp}"], "--out: '{tmp}' is a directory; give the path of the file to write"),
     ],
 )
-def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys):
+def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(vlens.cli, "LLM", None)  # each fails before a model loads
     status = main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err
     assert status == 2
     assert err.startswith("vlens: error: ") and err.count("\n") == 1
-    assert message in err
+    assert message.format(tmp=tmp_path) in err
 
 
 def test_bad_hook_exits_2_naming_the_closest_hooks(smol4_path):
@@ -137,3 +147,28 @@ def test_harvest_and_export_are_subcommands(capsys):
     shown = capsys.readouterr().out
     assert "usage: vlens harvest" in shown and "--source" in shown
     assert "usage: vlens export" in shown and "--format" in shown
+
+
+def test_python_m_vlens_cli_runs_the_command(smol4_path):
+    """`python -m vlens.cli` is the installed `vlens` script (it used to exit 0 having done nothing)."""
+    argv = [sys.executable, "-m", "vlens.cli", "hooks", "--model", str(smol4_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].split() == ["hook_embed", "(576,)"]
+
+
+def test_ctrl_c_is_one_line_with_the_status_of_sigint(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vlens.cli, "read_config", interrupted)
+    assert main(["hooks"]) == 130
+    assert capsys.readouterr().err == "vlens: interrupted\n"
+
+
+def test_generate_help_shows_the_sampling_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--max-tokens MAX_TOKENS tokens to generate per prompt (default: 32)" in shown
+    assert "--temperature TEMPERATURE sampling temperature (default: 0, greedy)" in shown

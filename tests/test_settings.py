@@ -78,6 +78,7 @@ def test_harvest_options_are_stored_as_given_or_as_tuples():
     [
         (["serve", "--max-num-seqs", "0"], "max_num_seqs: must be an integer >= 1, got 0"),
         (["serve", "--port", "-1"], "port: must be an integer >= 0, got -1"),
+        (["serve", "--port", "70000"], "port: must be an integer in 0..65535, got 70000"),
         (["serve", "--activation-ttl", "0"], "activation_ttl_s: must be a number > 0, got 0.0"),
         (["serve", "--api-key", ""], "api_key: must be a non-empty key"),
         (["serve", "--dtype", "fp8"], "dtype: 'fp8' is not one of auto, float32"),

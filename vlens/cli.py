@@ -2,7 +2,8 @@
 (subcommands that live with their feature, like harvest and export, register through its `add_parser`).
 
 A ValueError from vlens (a bad hook, dtype, device, text or model) ends the command with one line
-`vlens: error: ...` on stderr and exit status 2, as argparse does for malformed arguments.
+`vlens: error: ...` on stderr and exit status 2, as argparse does for malformed arguments; Ctrl-C ends it
+with `vlens: interrupted` and status 130.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -59,6 +61,7 @@ def _cmd_hooks(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
+    _check_out(args.out)
     llm = _llm(args)
     token_lists = to_token_lists(args.texts, llm.tokenizer, llm.config.vocab_size, field="texts")
     results = llm.trace(token_lists, args.hooks)
@@ -95,9 +98,12 @@ def _generate_capture(args: argparse.Namespace) -> Capture | None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    _check_out(args.out)
     capture = _generate_capture(args)  # an unreadable SAE fails before the model loads
-    llm = _llm(args)
+    if args.out and capture is None:
+        raise ValueError("--out: give --capture or --sae too; the file holds the rows they capture")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
+    llm = _llm(args)  # after the sampling flags are known to be good
     run = llm.chat if args.chat else llm.generate
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
     outputs = run(prompts, params, use_tqdm=False)
@@ -114,7 +120,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"  positions: {out.activation_positions.tolist()}")
         for hook, (ids, acts) in out.sae_features.items():
             _print_features(llm.tokenizer, out, hook, ids, acts)
-    if args.out and capture is not None:
+    if args.out:
         tensors = {f"{i}/{name}": t.contiguous() for i, out in enumerate(outputs) for name, t in out.activations.items()}
         for i, out in enumerate(outputs):
             for name, (ids, values) in out.sae_features.items():
@@ -132,6 +138,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_lens(args: argparse.Namespace) -> int:
     from vlens.viz import lens_page
 
+    _check_out(args.out)
+    _at_least("--max-tokens", args.max_tokens, 0)
+    _at_least("--top-k", args.top_k, 1)
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
     llm = _llm(args)
     view = lens_page(llm, args.prompt, max_tokens=args.max_tokens, top_k=args.top_k, sae=sae)
@@ -150,6 +159,22 @@ def _print_features(tokenizer, out, hook: str, ids: torch.Tensor, values: torch.
         latents = "  ".join(f"{f}: {v:.3f}" for f, v in zip(row_ids, row_values))
         rows.append((str(p), repr(tokenizer.decode([tokens[p]])), latents))
     _print_table(rows)
+
+
+def _check_out(out: str | None) -> None:
+    """An --out that cannot be written fails before the model loads, not in a traceback after it has run."""
+    if out is None:
+        return
+    if Path(out).is_dir():
+        raise ValueError(f"--out: {out!r} is a directory; give the path of the file to write")
+    if not Path(out).absolute().parent.is_dir():
+        raise ValueError(f"--out: the directory of {out!r} does not exist")
+
+
+def _at_least(flag: str, value: int, minimum: int) -> None:
+    """A count flag checked before the model loads (the request it becomes is built only after)."""
+    if value < minimum:
+        raise ValueError(f"{flag}: must be an integer >= {minimum}, got {value}")
 
 
 def _llm(args: argparse.Namespace) -> LLM:
@@ -192,8 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed", "tensor_parallel_size"})
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--capture", nargs="+", metavar="HOOK", help="hook names or globs to capture")
     p.add_argument(
@@ -202,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sae", metavar="PATH", help="print each row's top SAE latents: a SAELens directory or params.npz")
     p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
     p.add_argument("--top-k", type=int, default=16, help="latents per row with --sae (default: 16)")
-    p.add_argument("--out", metavar="FILE", help="write the captured activations (see below)")
+    p.add_argument("--out", metavar="FILE", help="write the activations of --capture or --sae (see below)")
     p.set_defaults(func=_cmd_generate)
 
     p = commands.add_parser(
@@ -229,3 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"vlens: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line and the shell's status for SIGINT, not a traceback of the forward
+        print("vlens: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # `python -m vlens.cli`, as the installed `vlens` script
+    sys.exit(main())

@@ -15,6 +15,11 @@ def _key(value: str | None) -> str | None:
     return None if value != "" else "must be a non-empty key, or none for no authentication, got ''"
 
 
+def _port(value: int) -> str | None:
+    """A TCP port: beyond 65535 the bind fails only after the model has loaded, with a traceback."""
+    return None if value <= 65535 else f"must be an integer in 0..65535, got {value}"
+
+
 def split_named_sae(spec: str) -> tuple[str, str, str | None]:
     """`NAME=PATH` or `NAME=PATH@HOOK` -> (name, path, hook or None); ValueError naming the form."""
     name, equals, rest = spec.partition("=")
@@ -36,7 +41,7 @@ def _named_saes(specs: tuple[str, ...] | None) -> str | None:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = setting("127.0.0.1", "address to bind (default: 127.0.0.1, loopback only)")
-    port: int = setting(8000, "port", minimum=0)
+    port: int = setting(8000, "port", minimum=0, check=_port)
     # Capture moves tensors out of the engine on behalf of one tenant; it is off unless asked for.
     enable_capture: bool = setting(False, "allow requests to capture activations")
     max_capture_bytes: int = setting(
