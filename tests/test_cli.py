@@ -157,6 +157,15 @@ def test_python_m_vlens_cli_runs_the_command(smol4_path):
     assert done.stdout.splitlines()[0].split() == ["hook_embed", "(576,)"]
 
 
+def test_a_command_ends_without_triton_teardown_noise(smol4_path):
+    """Triton 3.9's bindings print 'nanobind: leaked ...' lines as the interpreter ends (a few dozen after
+    `vlens generate`); a command that has done its work ends without them."""
+    argv = [sys.executable, "-m", "vlens.cli", "generate", "Hello", "--model", str(smol4_path), "--max-tokens", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0 and "completion (2 tokens, length)" in done.stdout, done.stderr
+    assert "nanobind" not in done.stderr and "leaked" not in done.stderr
+
+
 def test_ctrl_c_is_one_line_with_the_status_of_sigint(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

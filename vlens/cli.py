@@ -9,7 +9,9 @@ with `vlens: interrupted` and status 130.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -250,13 +252,27 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
     except ValueError as e:
         print(f"vlens: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line and the shell's status for SIGINT, not a traceback of the forward
         print("vlens: interrupted", file=sys.stderr)
         return 130
+    if "triton" in sys.modules:  # (torch.compile's imports bring it in)
+        atexit.register(_quiet_teardown)
+    return status
+
+
+def _quiet_teardown() -> None:
+    """Triton 3.9's bindings report dozens of 'nanobind: leaked ...' lines as the interpreter tears them
+    down (a known upstream issue, harmless): after a command has done its work, stderr goes to /dev/null for
+    the teardown, as Triton does for its own compile workers. Runs first of the exit handlers (the last
+    registered), so only what the process prints while it ends is lost."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 if __name__ == "__main__":  # `python -m vlens.cli`, as the installed `vlens` script
