@@ -326,3 +326,13 @@ def test_prompts_beside_a_long_cached_prefix_equal_each_served_alone(tmp_path, m
         a = llm.generate([prompt], params, use_tqdm=False)[0]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert rel_err(b.activations["blocks.1.hook_resid_post"], a.activations["blocks.1.hook_resid_post"]) <= 1e-5
+
+
+def test_flashinfer_refuses_float32_by_name(monkeypatch):
+    """FlashInfer's prefill kernels take 16-bit tiles only: naming it for a float32 model is a ValueError
+    saying so, not a dispatch error from its first plan (nor an ImportError here, where it is not installed)."""
+    import vlens.attention
+
+    monkeypatch.setattr(vlens.attention, "available_backends", lambda device: ["sdpa", "flex", "flashinfer"])
+    with pytest.raises(ValueError, match=r"^attention_backend: 'flashinfer' needs float16 or bfloat16 .*not float32"):
+        make_backend("flashinfer", torch.device("cuda"), False, {KIND}, torch.float32, 16)

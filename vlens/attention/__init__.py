@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from vlens.attention.flashinfer import problem as flashinfer_problem
 from vlens.attention.metadata import AttentionMetadata, LayerKind, layout
 from vlens.attention.varlen import PAGE_MULTIPLE, takes_pages, varlen_function
 from vlens.attention.varlen import problem as varlen_problem
@@ -96,7 +97,8 @@ def make_backend(
     name: str, device: torch.device, compiled: bool, kinds: set[LayerKind], dtype: torch.dtype, block_size: int
 ):
     """The backend `name` means for a model with these layer kinds at `dtype` on `device`, over a cache of
-    `block_size`-slot blocks ("auto": `choose`'s, logged); a ValueError when a named one cannot run this model."""
+    `block_size`-slot blocks ("auto": `choose`'s, logged); a ValueError when a named one cannot run this model
+    (varlen, FlashInfer: at float32), rather than a kernel's error at the first step."""
     name = check_backend(name, device)
     if name == "auto":
         name, why = choose(device, kinds, dtype, block_size)
@@ -115,6 +117,9 @@ def make_backend(
     if name == "flashinfer":
         from vlens.attention.flashinfer import FlashInferBackend
 
+        why_not = flashinfer_problem(dtype)
+        if why_not is not None:
+            raise ValueError(f"attention_backend: 'flashinfer' {why_not}; use sdpa")
         return FlashInferBackend(device)
     from vlens.attention.sdpa import SdpaBackend
 
