@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
 # What `make demo` runs on the default model: the arguments of `vlens`.
-MAIN_JOB := generate "The capital of France is" --max-tokens 16 --capture blocks.10.hook_resid_post ln_final.hook_normalized --positions generated
+MAIN_JOB := generate "The capital of France is" --max-tokens 16 --capture blocks.10.hook_resid_post ln_final.hook_out --positions generated
 
 .PHONY: demo test install
 

@@ -181,3 +181,13 @@ def test_generate_help_shows_the_sampling_defaults(capsys):
     shown = " ".join(capsys.readouterr().out.split())
     assert "--max-tokens MAX_TOKENS tokens to generate per prompt (default: 32)" in shown
     assert "--temperature TEMPERATURE sampling temperature (default: 0, greedy)" in shown
+
+
+def test_make_demo_runs_the_command_the_readme_shows():
+    """README's Generation section shows "the command `make demo` runs"; the Makefile's MAIN_JOB is it."""
+    root = Path(__file__).resolve().parents[1]
+    [job] = re.findall(r"^MAIN_JOB := (.*)$", (root / "Makefile").read_text(), re.M)
+    readme = (root / "README.md").read_text()
+    [shown] = re.findall(r"the command `make demo` runs\):\n\n```sh\nvlens (.*?)\n```", readme, re.S)
+    shown = " ".join(shown.replace("\\\n", " ").split())
+    assert shown.startswith(" ".join(job.split())), (job, shown)
