@@ -153,7 +153,7 @@ def add_flags(
             kwargs["default"] = default
         if base is bool:
             kwargs["action"] = "store_false" if meta["invert"] else "store_true"
-            kwargs["help"] = f"{f.name} off: {meta['help']}" if meta["invert"] else meta["help"]
+            kwargs["help"] = f"turn off {f.name} (on by default: {meta['help']})" if meta["invert"] else meta["help"]
         elif meta["const"] is not dataclasses.MISSING:
             kwargs.update(action="store_const", const=meta["const"])
             kwargs["help"] = f"{f.name} {meta['const']!r} instead of {default!r}: {meta['help']}"
