@@ -255,6 +255,7 @@ def test_rerun_with_other_options_is_refused(smol, corpus, tmp_path):
         ("dtype", r"dtype: 'float8' is not one of"),
         ("suffix", r"source: .* unknown suffix '\.csv'"),
         ("missing", r"source: .* does not exist"),
+        ("split", r"split: 'test' given, but .*\.jsonl' is a file, which has no splits"),
     ],
 )
 def test_bad_input_is_a_clear_error(smol, corpus, tmp_path, case, message):
@@ -283,6 +284,8 @@ def test_bad_input_is_a_clear_error(smol, corpus, tmp_path, case, message):
         source.write_text("a,b\n")
     elif case == "missing":
         source = tmp_path / "nowhere.jsonl"
+    elif case == "split":  # (it was ignored)
+        kwargs["split"] = "test"
     with pytest.raises(ValueError, match=message):
         harvest(smol, source, hooks, tmp_path / "out", progress=False, **kwargs)
     assert not (tmp_path / "out" / "manifest.json").exists()

@@ -57,7 +57,7 @@ class HarvestConfig:
     )
     exclude_token_ids: tuple[int, ...] | None = setting(None, "further token ids whose rows are left out")
     whole_file: bool = setting(False, "a .txt source is one document, not one per line")
-    split: str = setting("train", "split of a datasets directory or hub dataset")
+    split: str | None = setting(None, "split of a datasets directory or hub dataset (default: train)")
     batch_tokens: int | None = setting(
         None, "tokens per forward (default: on CUDA as many as fit in the free memory, measured by a probe forward; "
         "4096 on a CPU; a resumed run keeps its own)", minimum=1,

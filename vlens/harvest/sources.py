@@ -56,13 +56,17 @@ class Source:
 
 
 def open_source(
-    source: str | os.PathLike, text_field: str = DEFAULT_FIELD, whole_file: bool = False, split: str = "train"
+    source: str | os.PathLike, text_field: str = DEFAULT_FIELD, whole_file: bool = False, split: str | None = None
 ) -> Source:
-    """Recognise `source` by what it is on disk (file suffix, `datasets` directory) or else as a hub id."""
+    """Recognise `source` by what it is on disk (file suffix, `datasets` directory) or else as a hub id.
+    `split` (default train) is for a `datasets` directory or a hub dataset; a file has none to choose."""
     path = Path(source).expanduser()
     if path.is_dir():
-        return _datasets_dir(path.resolve(), text_field, split)
+        return _datasets_dir(path.resolve(), text_field, split or "train")
     if path.is_file():
+        if split is not None:
+            raise ValueError(f"split: {split!r} given, but {str(path)!r} is a file, which has no splits "
+                             "(a split is for a datasets directory or a hub dataset)")  # fmt: skip
         suffix = path.suffix.lower()
         if suffix == ".txt":
             return _txt(path.resolve(), whole_file)
@@ -79,7 +83,7 @@ def open_source(
     looks_local = str(source).startswith((".", "/", "~")) or str(source).count("/") > 1
     if path.exists() or looks_local or path.suffix.lower() in (".txt", ".jsonl", ".parquet"):
         raise ValueError(f"source: {str(source)!r} does not exist (expected a file, a directory or a hub dataset id)")
-    return _hub(str(source), text_field, split)
+    return _hub(str(source), text_field, split or "train")
 
 
 def _empty(path: Path) -> ValueError:
