@@ -124,6 +124,8 @@ def test_operator_mistakes_stop_the_server_before_it_serves(smol, paths, tmp_pat
     assert "saes: 'jump' is not NAME=PATH or NAME=PATH@HOOK" in capsys.readouterr().err
     assert main(["serve", "--sae", f"a={paths[0]}", "--sae", f"a={paths[1]}"]) == 2
     assert "saes: names a more than once" in capsys.readouterr().err
+    assert main(["serve", "--sae", f"a={tmp_path / 'nowhere'}"]) == 2  # before the model loads
+    assert "saes: a=" in (err := capsys.readouterr().err) and "nowhere: no such file or directory" in err
     with pytest.raises(ValueError, match="saes: scope: sae: this SAE names no hook"):
         create_app(smol, ServerConfig(saes=(f"scope={paths[1]}",)))
     narrow = save_saelens(tmp_path / "narrow", d_sae=256, d_in=64)[0]

@@ -5,6 +5,7 @@ Declared once, as settings (see vlens.settings): the flags of `vlens serve` come
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from vlens.settings import positive, setting, validate
 
@@ -30,12 +31,17 @@ def split_named_sae(spec: str) -> tuple[str, str, str | None]:
 
 
 def _named_saes(specs: tuple[str, ...] | None) -> str | None:
+    """Form, names and paths, checked before the model loads (the files themselves are read after it)."""
     try:
-        names = [split_named_sae(spec)[0] for spec in specs or ()]
+        named = [split_named_sae(spec) for spec in specs or ()]
     except ValueError as e:
         return str(e).removeprefix("saes: ")
+    names = [name for name, _, _ in named]
     twice = sorted({n for n in names if names.count(n) > 1})
-    return f"names {', '.join(twice)} more than once; each SAE needs its own name" if twice else None
+    if twice:
+        return f"names {', '.join(twice)} more than once; each SAE needs its own name"
+    missing = [f"{name}={path}" for name, path, _ in named if not Path(path).expanduser().exists()]
+    return f"{', '.join(missing)}: no such file or directory" if missing else None
 
 
 @dataclass(frozen=True)
