@@ -31,7 +31,8 @@ queries and keys against by queries alone.
 Then sliding windows at a long context (--workload window, or all): a random Gemma 3 of 6 layers (5 local, window
 256), 8 prompts of 4,000 tokens; decode ms per step of vlens (local layers gather their window's keys), of
 vlens reading every key under the mask, and of HF's forward step over its cache.
-Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn).
+Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
+window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
 
 from __future__ import annotations

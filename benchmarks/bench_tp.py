@@ -1,6 +1,6 @@
 """Tensor parallelism on this machine's CPU: two ranks (gloo) against one process, in one run.
 
-    .venv/bin/python benchmarks/bench_tp.py [--prompts 8] [--tokens 32] [--threads 1]
+    .venv/bin/python benchmarks/bench_tp.py [--prompts 8] [--prompt-len 64] [--tokens 32] [--threads 1]
 
 A random Llama (8 layers, d=512, 8 heads, 4 KV heads, MLP 1536, vocabulary 8192; float32) saved to a
 temporary directory; every process gets --threads threads. Rows:
