@@ -15,11 +15,8 @@ from typing import Any
 from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
 from vlens.capture.spec import Capture
 
-# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
-_GREEDY_BELOW = 1e-5
-
-
 NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass

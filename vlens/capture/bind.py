@@ -206,7 +206,7 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
         features = None if capture.features is None else torch.tensor(capture.features, device=device)
         readout = SAEReadout(capture.sae.placed(device, dtype), capture.top_k, features, capture.sae_error,
                              capture.dtype or dtype)  # fmt: skip
-    outside = [t for t in capture.exclude_token_ids if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
+    outside = sorted(t for t in capture.exclude_token_ids if t >= cfg.vocab_size)  # (ints >= 0: Capture checked)
     if outside:
         raise ValueError(f"capture.exclude_token_ids: {outside[:5]} are not token ids in [0, {cfg.vocab_size})")
     exclude = torch.tensor(sorted(capture.exclude_token_ids), dtype=torch.long) if capture.exclude_token_ids else None

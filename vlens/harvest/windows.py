@@ -10,8 +10,8 @@ Packing (as SAELens's `concat_and_batch_sequences`): documents are tokenized wit
 laid end to end; each window opens with BOS (when used) and a separator goes between two documents that
 share a window (none before a document that opens a window). The separator is BOS when windows get one,
 else the tokenizer's EOS (else none). A document that already starts with that token (pre-tokenized rows
-often open with BOS) gets no second one before it, in either place. The last, partial window is dropped so every window holds exactly
-`context_size` tokens. Without packing each document becomes one window of its own, truncated.
+often open with BOS) gets no second one before it, in either place. The last, partial window is dropped
+so every window holds exactly `context_size` tokens. Without packing each document becomes one window of its own, truncated.
 """
 
 from __future__ import annotations
