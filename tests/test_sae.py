@@ -389,3 +389,22 @@ def test_an_sae_of_transformer_lens_processed_weights_is_refused(tmp_path, legac
     with pytest.raises(ValueError, match=r"model_from_pretrained_kwargs center_writing_weights=True\)"):
         SAE.load(saved("tl", {"center_writing_weights": True, "fold_ln": True}))
     assert SAE.load(saved("raw", {"center_writing_weights": False, "fold_ln": True})).d_sae == 256
+
+
+def test_a_gemma_scope_embedding_sae_is_rescaled_and_reads_hook_embed_as_saelens_loads_it(tmp_path, monkeypatch):
+    from sae_lens.loading import pretrained_sae_loaders as loaders
+
+    folder = "embedding/width_4k/average_l0_6"
+    path, weights = save_gemma_scope(tmp_path / folder / "params.npz")
+    monkeypatch.setattr(loaders, "hf_hub_download", lambda **kw: str(path))  # SAELens's own loader, offline
+    cfg, theirs, _ = loaders.gemma_2_sae_huggingface_loader(
+        "google/gemma-scope-2b-pt-res", folder, cfg_overrides={"d_in": D}
+    )
+    sae = SAE.load(path.parent)
+    assert sae.hook == cfg["hook_name"] == "hook_embed"
+    for name in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"):
+        assert torch.equal(getattr(sae, name), theirs[name]), name
+    assert not torch.equal(sae.W_enc, weights["W_enc"])  # (rescaled: sqrt(d_in) != 1)
+    # another folder's SAE is read as saved
+    other, _ = save_gemma_scope(tmp_path / "layer_5" / "width_256" / "params.npz")
+    assert torch.equal(SAE.load(other, hook=HOOK).W_enc, weights["W_enc"]) and SAE.load(other).hook is None

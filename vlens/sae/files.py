@@ -9,7 +9,8 @@ level (`hook_name`, older `hook_point`), default to the standard architecture, m
 from 6.0 the hook is under `metadata`. A `scaling_factor` tensor of ones is dropped (any other value
 is a fine-tuning factor SAELens's current SAEs refuse too); a `log_threshold` becomes exp(it)
 (JumpReLUSAE.process_state_dict_for_loading). Gemma Scope (`gemma_2_sae_huggingface_loader`): the
-arrays of params.npz, `w_*` renamed `W_*`, a JumpReLU SAE that does not subtract b_dec from its input.
+arrays of params.npz, `w_*` renamed `W_*`, a JumpReLU SAE that does not subtract b_dec from its input;
+an embedding SAE (by its folder's name) reads hook_embed, its weights rescaled by sqrt(d_in).
 """
 
 from __future__ import annotations
@@ -139,16 +140,24 @@ def _tensors(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, Any]:
 
 
 def _gemma_scope(path: Path) -> dict[str, Any]:
-    """Gemma Scope's JumpReLU SAEs: the file names no hook, so `SAE.load(..., hook=...)` must."""
+    """Gemma Scope's JumpReLU SAEs: the file names no hook, so `SAE.load(..., hook=...)` must — except the
+    embedding SAEs (`embedding/width_*/average_l0_*/params.npz`), which read hook_embed. Those were trained
+    on the embedding table's rows, before Gemma's sqrt(d) scaling, and hook_embed is after it (as in
+    TransformerLens): SAELens divides W_enc by sqrt(d_in) and multiplies W_dec by it, keyed on the folder
+    name, and so does this."""
     try:
         with np.load(path) as data:
             arrays = {("W_" + key[2:] if key.startswith("w_") else key): data[key] for key in data.files}
         tensors = {key: torch.from_numpy(np.asarray(a, dtype=np.float32)) for key, a in arrays.items()}
     except (OSError, ValueError) as e:  # the conversion too: arrays of strings, or of bytes numpy has no type for
         raise ValueError(f"sae: {str(path)!r} is not a readable .npz file ({e})") from None
-    return {
+    fields = {
         **_tensors(tensors, path),  # SAELens's Gemma Scope loader refuses a scaling_factor the same way
         "architecture": "jumprelu",
         "apply_b_dec_to_input": False,
         "path": str(path),
     }
+    if "embedding" in (folder.name for folder in path.parents[:3]):
+        scale = fields["W_enc"].shape[0] ** 0.5
+        fields.update(W_enc=fields["W_enc"] / scale, W_dec=fields["W_dec"] * scale, hook="hook_embed")
+    return fields
