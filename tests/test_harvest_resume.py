@@ -161,8 +161,9 @@ def test_a_failed_write_stops_the_run_and_the_rerun_completes_it(smol4, source, 
 
 
 def test_what_a_killed_write_leaves_is_cleaned_on_resume(tmp_path):
-    """A kill mid-write leaves our temporary, or safetensors' own (`.tmp` and six letters, written before it
-    takes our temporary's name), or a shard not in the manifest: a resumed run removes them all. A file of
+    """A kill mid-write leaves our temporary, or (a run of an earlier version, which wrote shards with
+    safetensors' save_file) safetensors' own (`.tmp` and six letters), or a shard not in the manifest: a
+    resumed run removes them all. A file of
     another kind in a directory without a manifest makes it foreign."""
     from vlens.harvest.writer import Store, prepare_dir
 

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from safetensors.torch import save, save_file
+
+from vlens import tensor_file
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
-# safetensors' save_file writes through a temporary of its own in the same directory (Rust's tempfile:
-# ".tmp" and six letters or digits) before it takes the name asked for: a kill mid-write leaves one
+# What a kill left of a shard written by earlier versions, through safetensors' save_file (Rust's tempfile:
+# ".tmp" and six letters or digits, in the same directory)
 SAVE_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
@@ -91,19 +92,18 @@ def _sync_rename(store: Store, tmp: str, final: str) -> None:
 
 
 def write_shard(store: Store, index: int, tensors: dict[str, torch.Tensor]) -> int:
-    """Write one shard (keys sorted by safetensors, no metadata: same tensors, same bytes); its size.
-
-    Locally safetensors writes the file itself, from the tensors' memory: no copy of the shard in bytes."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    """Write one shard (keys sorted as safetensors sorts them, no metadata: same tensors, same bytes); its
+    size. Each tensor goes from its own memory to the file (vlens.tensor_file), never through a copy of the
+    whole shard in bytes."""
     name = shard_name(index)
-    if not store.local:
-        data = save(tensors)
-        atomic_write(store, name, data)
-        return len(data)
-    tmp = store.path(TMP_PREFIX + name)
-    save_file(tensors, tmp)
-    _sync_rename(store, tmp, store.path(name))
-    return os.path.getsize(store.path(name))
+    final, tmp = store.path(name), store.path(TMP_PREFIX + name)
+    with store.fs.open(tmp, "wb") as f:
+        size = tensor_file.dump(tensors, f)
+    if store.local:
+        _sync_rename(store, tmp, final)
+    else:
+        store.fs.mv(tmp, final)
+    return size
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:

@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from vlens import tensor_file
 from vlens.capture.bind import result_parts
 from vlens.capture.names import FINAL_NORM, resolve_hooks, row_size
 from vlens.capture.positions import rows_of
@@ -62,22 +62,18 @@ def capture_bound(
     return total
 
 
-def encode(out: RequestOutput, model_name: str) -> bytes:
-    """One request's captured tensors as safetensors bytes (see the module docstring for the layout)."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in out.activations.items():
-        # Alias names (hidden_states.3 and blocks.3.hook_resid_pre) share one tensor; safetensors
-        # refuses shared storage, so the second gets its own copy.
-        tensors[name] = t.clone() if t.data_ptr() in seen else t.contiguous()
-        seen.add(t.data_ptr())
+def encode(out: RequestOutput, model_name: str) -> bytearray:
+    """One request's captured tensors as safetensors bytes (see the module docstring for the layout),
+    each tensor copied once into them (alias names, hidden_states.3 and blocks.3.hook_resid_pre, each
+    get their rows)."""
+    tensors = dict(out.activations)
     for name, (ids, logprobs) in out.logit_lens.items():
-        tensors[f"{name}.logit_lens.token_ids"] = ids.contiguous()
-        tensors[f"{name}.logit_lens.logprobs"] = logprobs.contiguous()
+        tensors[f"{name}.logit_lens.token_ids"] = ids
+        tensors[f"{name}.logit_lens.logprobs"] = logprobs
     if out.activation_positions is not None:
-        tensors["positions"] = out.activation_positions.to(torch.int64).contiguous()
+        tensors["positions"] = out.activation_positions.to(torch.int64)
     if out.hidden_states is not None:
-        tensors["hidden_states"] = out.hidden_states.contiguous()
+        tensors["hidden_states"] = out.hidden_states
     tokens = out.prompt_token_ids + out.outputs[0].token_ids
     tensors["token_ids"] = torch.tensor(tokens, dtype=torch.int64)
     metadata = {
@@ -87,7 +83,7 @@ def encode(out: RequestOutput, model_name: str) -> bytes:
         "prompt_tokens": str(len(out.prompt_token_ids)),
         "hooks": json.dumps(list(out.activations) + list(out.logit_lens)),
     }
-    return save(tensors, metadata=metadata)
+    return tensor_file.encode(tensors, metadata)
 
 
 def owner_of(api_key: str | None) -> bytes:
