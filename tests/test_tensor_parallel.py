@@ -2,14 +2,16 @@
 hook of a packed trace and of a generation equals the one-process value within 1e-5 (float32; the
 row-parallel sums add the ranks' partial products in another order, so not bit for bit), greedy tokens
 are the same, interventions on sharded and replicated taps act as in one process, bad sizes are refused
-before a weight loads, and a rank killed mid-generation fails the caller at once with its name and
-leaves no process behind.
+before a weight loads, a rank killed mid-generation fails the caller at once with its name and
+leaves no process behind, and a hook function that raises on rank 0 fails only the call, with its own
+exception, leaving the group usable.
 
 One tiny random checkpoint per family, one one-process and one two-rank LLM per family (a process
 joins one group at a time, so each family's group is closed before the next starts)."""
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
@@ -34,6 +36,7 @@ from transformers import Gemma2Config, GPT2Config, LlamaConfig, Phi3Config, Qwen
 from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, harvest
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
+from vlens.harvest.stats import ShardStats
 
 TOL = 1e-5
 N = 2
@@ -279,6 +282,126 @@ def test_failure_after_the_workers_were_sent_the_forward_ends_the_group(tmp_path
         assert llm.model.executor.closed and set(multiprocessing.active_children()) == before
     finally:
         llm.close()
+
+
+class Boom(Exception):
+    """An error of the user's own, of a type vlens knows nothing of."""
+
+
+def test_hook_function_that_raises_fails_the_call_and_keeps_the_group(tmp_path):
+    """A run_with_hooks function raises on rank 0, the one place it runs (at a sharded site, at one every rank
+    holds, after edits in the same forward reached every rank, at the logits after the last collective; an
+    interrupt; a result of the wrong shape): the call fails with that very exception, as in one process, and
+    every rank leaves the forward there, so the group goes on: the same worker, and run_with_hooks and
+    generate give the values they gave before, those of one process."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    one = HookedLM(path, dtype="float32", device="cpu", block_size=4)
+    two = HookedLM(path, dtype="float32", device="cpu", block_size=4, tensor_parallel_size=N)
+    try:
+        executor = two.llm.model.executor
+        worker = executor.ranks.procs[0]
+        tokens, mask = torch.tensor(sequences((9, 9))), torch.arange(9) < torch.tensor([[9], [5]])
+        vector = torch.randn(one.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+
+        def ablate(z, hook):
+            z = z.clone()
+            z[:, :, one.cfg.num_heads - 1] = 0.0  # a head of rank 1
+            return z
+
+        edits = [("blocks.0.attn.hook_z", ablate), ("blocks.1.hook_resid_post", lambda x, hook: x + vector)]
+
+        def run(model: HookedLM, hooks=edits) -> torch.Tensor:
+            return model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=mask)
+
+        expected, before = run(one), run(two)
+        assert same(before.double(), expected.double(), TOL)
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                capture=Capture(hooks=["blocks.*.attn.hook_z", "blocks.2.hook_resid_post"]))  # fmt: skip
+        prompts = sequences((9, 5))
+        generated = _generate(one.llm, prompts, params)
+        raised: list[BaseException] = []
+
+        def boom(x, hook):
+            raised.append(Boom(f"no good at {hook.name}"))
+            raise raised[-1]
+
+        def interrupt(x, hook):
+            raise KeyboardInterrupt
+
+        failing = [
+            (Boom, r"no good at blocks\.1\.attn\.hook_z", [("blocks.1.attn.hook_z", boom)]),
+            (Boom, r"no good at blocks\.0\.hook_resid_post", [("blocks.0.hook_resid_post", boom)]),
+            (Boom, r"no good at blocks\.2\.mlp\.hook_post", [*edits, ("blocks.2.mlp.hook_post", boom)]),
+            (Boom, r"no good at unembed\.hook_out", [("unembed.hook_out", boom)]),
+            (KeyboardInterrupt, None, [("blocks.1.hook_resid_mid", interrupt)]),
+            (ValueError, r"fwd_hooks: the function at blocks\.1\.attn\.hook_v returned \(2, 1",
+             [("blocks.1.attn.hook_v", lambda v, hook: v[:, :1])]),
+        ]  # fmt: skip
+        for kind, message, hooks in failing:
+            for model in (one, two):
+                with pytest.raises(kind, match=message) as info:
+                    run(model, hooks)
+                if kind is Boom:
+                    assert info.value is raised[-1]
+            assert not executor.closed and worker.is_alive(), message
+            assert torch.equal(run(two), before), message
+        _check_outputs(generated, _generate(two.llm, prompts, params))
+        assert executor.ranks.procs == [worker]
+    finally:
+        two.llm.close()
+
+
+def test_hook_result_the_other_ranks_cannot_take_fails_the_call_alone(tmp_path):
+    """A function at a hook (here a harvest-like one on the runner itself) that returns a tensor of another
+    dtype or shape than its input: rank 0 refuses it before the broadcast, which the other ranks could not
+    pair with, so the call fails naming both and the group goes on."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    llm = _open(path, tensor_parallel_size=N)
+    try:
+        seqs, hook = sequences((6, 3)), "blocks.1.attn.hook_z"
+        before = llm.trace(seqs, hook)
+        for wrong, what in ((lambda z: z.double(), r"torch\.float64 tensor of shape \(9, 4, 16\)"),
+                            (lambda z: z[:, :2], r"torch\.float32 tensor of shape \(9, 2, 16\)")):  # fmt: skip
+            refused = what + r" on cpu; under tensor parallelism .*torch\.float32, \(9, 4, 16\)"
+            with pytest.raises(ValueError, match=refused):
+                llm.runner.packed(seqs, [], hooks={hook: wrong})
+            assert not llm.model.executor.closed
+        assert all(torch.equal(a[hook], b[hook]) for a, b in zip(before, llm.trace(seqs, hook)))
+    finally:
+        llm.close()
+
+
+def test_harvest_row_taker_that_raises_keeps_the_group(tmp_path, monkeypatch):
+    """A harvest's row takers run on rank 0 as hook functions do: one that fails (here while it folds the
+    statistics of a later shard) fails the harvest with its own error, the LLM it ran on stays usable, and the
+    re-run resumes into the shards of one process."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    one, two = _open(path), _open(path, tensor_parallel_size=N)
+    try:
+        source = write_jsonl(tmp_path / "tok.jsonl", sequences((40, 30, 50)), field="tokens")
+        hooks = ["blocks.1.hook_resid_post", "blocks.2.attn.hook_z"]
+        options = {"context_size": 16, "dtype": "float32", "batch_tokens": 32, "shard_bytes": 20000, "progress": False}
+        harvest(one, source, hooks, tmp_path / "one", **options)
+        add, calls = ShardStats.add, []
+
+        def failing(self, rows):
+            calls.append(1)
+            if len(calls) == 5:
+                raise Boom("statistics")
+            add(self, rows)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(ShardStats, "add", failing)
+            with pytest.raises(Boom, match="statistics"):
+                harvest(two, source, hooks, tmp_path / "two", **options)
+        assert not two.model.executor.closed
+        assert 0 < len(json.loads((tmp_path / "two" / "manifest.json").read_text())["shards"])
+        harvest(two, source, hooks, tmp_path / "two", **options)
+        a, b = read_shards(tmp_path / "one"), read_shards(tmp_path / "two")
+        assert a.keys() == b.keys() and torch.equal(a["token_ids"], b["token_ids"])
+        assert all(same(b[h].double(), a[h].double(), TOL) for h in hooks)
+    finally:
+        two.close()
 
 
 def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):

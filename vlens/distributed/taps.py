@@ -16,7 +16,9 @@ their taps and hooks run as in one process. At a sharded site the model calls a
 
 A Python function at a site (`HookedLM.run_with_hooks`, harvest's row takers) runs on rank 0 alone, on
 the whole tensor (`RankZeroHook`); when it returns another tensor, rank 0 sends it to every rank, which
-keeps its slice, so a function that edits stays one edit of one model.
+keeps its slice, so a function that edits stays one edit of one model. When it raises, the flag rank 0
+sends anyway says so, and every rank leaves the forward there (`HookFailed`): no collective is left
+waiting, the group stays usable, and rank 0 raises the function's own exception, as one process does.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def shard_taps(taps: dict, cfg: ModelConfig) -> dict:
     out = {}
     for name, tap in taps.items():
         units = sharded_units(name, cfg)
-        if name == LOGITS:  # rank 0's alone
-            out[name] = tap
+        if name == LOGITS:  # rank 0's alone, after the last collective: a function there fails alone
+            out[name] = tap if isinstance(tap, Tap) else _alone(tap)
         elif isinstance(tap, Tap):
             out[name] = tap if units is None else ShardedTap(tap, units, cfg.parallel)
         else:  # a Python function (rank 0), or a worker's stand-in for one
@@ -63,11 +65,36 @@ def shard_taps(taps: dict, cfg: ModelConfig) -> dict:
     return out
 
 
+class HookFailed(Exception):
+    """A Python function at a site raised on rank 0 (`error`; None on the other ranks), and every rank left the
+    forward at that site together: the group is in step, and only the caller's call fails."""
+
+    def __init__(self, error: BaseException | None):
+        super().__init__("a hook function raised on rank 0")
+        self.error = error
+
+
+def _alone(fn):
+    """`fn` where rank 0 alone runs (the logits): its exception as a `HookFailed`, the other ranks being done."""
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        try:
+            return fn(x)
+        except BaseException as e:  # noqa: BLE001 - an interrupt in it leaves the group in step too
+            raise HookFailed(e) from None
+
+    return call
+
+
+KEPT, REPLACED, FAILED = 0, 1, 2  # what rank 0 says of its function's call (`RankZeroHook`)
+
+
 class RankZeroHook:
     """`fn` (None on the other ranks) on the whole tensor at its site, on rank 0; its result on every rank.
     A function that returns its input (harvest's row takers) costs one flag sent; one that edits returns a
     new tensor (HookedLM's hooks do), which is sent whole: an edit made in place and returned as the same
-    tensor would stay on rank 0."""
+    tensor would stay on rank 0. One that raises, or returns what the other ranks cannot receive in place of
+    the input, costs the flag too, and every rank raises `HookFailed`."""
 
     def __init__(self, fn, units: int | None, parallel: Parallel):
         self.fn, self.parallel = fn, parallel
@@ -75,12 +102,30 @@ class RankZeroHook:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         whole = x if self.mine is None else all_gather(x, ShardedTap.DIM, self.parallel, self.owners)
-        out = whole if self.fn is None else self.fn(whole)
-        changed = broadcast(torch.tensor([out is not whole], device=x.device), self.parallel)
-        if not changed.item():  # read only (a capture): every rank keeps what it had
+        out, error = whole, None
+        if self.fn is not None:
+            try:
+                out = _receivable(self.fn(whole), whole)
+            except BaseException as e:  # noqa: BLE001 - raised below, once every rank knows
+                out, error = whole, e
+        said = FAILED if error is not None else REPLACED if out is not whole else KEPT
+        said = broadcast(torch.tensor([said], device=x.device), self.parallel).item()
+        if said == FAILED:
+            raise HookFailed(error)
+        if said == KEPT:  # read only (a capture): every rank keeps what it had
             return x
         out = broadcast(out.contiguous() if self.fn is not None else torch.empty_like(whole), self.parallel)
         return out if self.mine is None else out.narrow(ShardedTap.DIM, self.mine.start, len(self.mine)).contiguous()
+
+
+def _receivable(out: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """`out`, when the other ranks can receive it into a tensor like `whole` (else a broadcast would not pair)."""
+    if out is not whole and (out.shape != whole.shape or out.dtype != whole.dtype or out.device != whole.device):
+        raise ValueError(
+            f"a hook function returned a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}; under "
+            f"tensor parallelism it must be like its input: {whole.dtype}, {tuple(whole.shape)}, on {whole.device}"
+        )
+    return out
 
 
 class ShardedTap:

@@ -22,7 +22,7 @@ from vlens.attention import make_backend
 from vlens.attention.metadata import AttentionMetadata
 from vlens.capture.runtime import Tap
 from vlens.distributed.parallel import Parallel
-from vlens.distributed.taps import RankZeroHook, sharded_units
+from vlens.distributed.taps import HookFailed, RankZeroHook, sharded_units
 from vlens.engine.model_runner import ModelRunner
 from vlens.loader import load_model
 
@@ -171,7 +171,10 @@ class Worker:
             runner.allocate_kv_cache(blocks, meta.block_size, meta.block_size)
         rows = work.logit_rows.to(self.device) if isinstance(work.logit_rows, torch.Tensor) else work.logit_rows
         backend = runner.decode_backend if work.decode else None
-        runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend)
+        try:
+            runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend)
+        except HookFailed:  # rank 0's function at a hook raised, and every rank left there: rank 0 reports it
+            pass
 
 
 def start(rank: int, size: int, init: str, spec: dict) -> Worker:

@@ -40,7 +40,7 @@ from vlens.capture.names import LOGITS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_step
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, Tap, set_context
-from vlens.distributed.taps import shard_taps
+from vlens.distributed.taps import HookFailed, shard_taps
 from vlens.engine.buffers import StepBuffers
 from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
 from vlens.engine.packed import PackedCapture, packed_plan
@@ -178,6 +178,7 @@ class ModelRunner:
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
         forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
+        failed = None
         try:  # from the launch on: the other ranks may be in the forward's collectives
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
                 self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
@@ -188,12 +189,16 @@ class ModelRunner:
                 logits = self.model.logits(hidden[logit_rows])
             elif logit_rows is not None:
                 logits = self.model.logits(hidden.index_select(0, logit_rows))
+        except HookFailed as e:  # every rank left the forward at the same hook: the group is in step
+            failed = e
         except BaseException:
             if self.model.executor is not None:  # the other ranks may wait in a collective this one left
                 self.model.executor.close()
             raise
         finally:
             set_context(None)
+        if failed is not None:  # rank 0: the hook function's own exception (a worker: `Worker.run` ends here)
+            raise failed if failed.error is None else failed.error
         return hidden, logits
 
     # -- engine steps ----------------------------------------------------------------------------------
