@@ -5,8 +5,10 @@ request leaves the machine. The same page as an offline file (`vlens lens`) rend
 
 from __future__ import annotations
 
+import colorsys
 import math
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -92,6 +94,23 @@ class Visit:
         assert self.requests and all(u.startswith(self.base) for u in self.requests), self.requests
 
 
+def hover(page, row: int, key: int) -> dict[str, str]:
+    """Point at cell (query row, key) of the attention canvas, its box scrolled into the window and the cell into
+    the middle of the box, and return the tip's data-* with its text and whether it shows."""
+    point = page.eval_on_selector("#attention-scroll", """(box, [row, key]) => {
+        const [cell, left, top] = [Number(box.dataset.cell), Number(box.dataset.left), Number(box.dataset.top)];
+        box.scrollIntoView({block: "nearest"});
+        box.scrollLeft = Math.round(key * cell - (box.clientWidth - left) / 2);
+        box.scrollTop = Math.round(row * cell - (box.clientHeight - top) / 2);
+        const rect = box.getBoundingClientRect();
+        const [x, y] = [left + key * cell - box.scrollLeft, top + row * cell - box.scrollTop];  // the cell's corner
+        return {x: rect.left + box.clientLeft + x, y: rect.top + box.clientTop + y, cell};
+    }""", [row, key])
+    page.mouse.move(0, 0)  # (off the box first: a move to where the mouse already is reports nothing)
+    page.mouse.move(point["x"] + point["cell"] / 2, point["y"] + point["cell"] / 2)
+    return page.eval_on_selector("#attention-tip", "e => ({...e.dataset, text: e.textContent, shown: !e.hidden})")
+
+
 def complete(url: str, prompt, max_tokens: int, vlens: dict | None = None, headers: dict | None = None) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": max_tokens == 0}
     if vlens:
@@ -140,30 +159,34 @@ def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_fac
     page.keyboard.press("ArrowRight")  # the keyboard moves between cells, each showing its top k
     assert page.locator("#lens-detail li").count() == K and "position 1" in page.text_content("#lens-detail")
 
-    # One head: every query x key weight is hook_pattern's from LLM.trace; then the layer's grid of heads.
+    # One head: every query x key weight is hook_pattern's from LLM.trace, in the tip of the cell pointed at.
     page.select_option("#layer", "2")
     page.fill("#head", "4")
     page.click("#attention-show")
-    page.wait_for_selector("#attention table[data-head='4'] td[data-weight]")
+    page.wait_for_selector("#attention-canvas[data-layer='2'][data-head='4']")
     # The page reads the prompt and its completion together (so the last generated token too).
     pattern = smol4.trace([tokens], "blocks.2.attn.hook_pattern")[0]["blocks.2.attn.hook_pattern"][:, 4]
-    cells = visit.cells("#attention td[data-weight]")
-    n = len(tokens)
-    assert len(cells) == n * (n + 1) // 2
-    for c in cells:
-        assert (c["layer"], c["head"]) == ("2", "4")
-        assert abs(float(c["weight"]) - pattern[int(c["query"]), int(c["key"])].item()) < 1e-5, c
-    page.fill("#head", "")
+    for query in range(len(tokens)):
+        for key in range(query + 1):
+            tip = hover(page, query, key)
+            assert (tip["layer"], tip["head"], tip["query"], tip["key"]) == ("2", "4", str(query), str(key))
+            assert abs(float(tip["weight"]) - pattern[query, key].item()) < 1e-5, tip
+    # Every head of the layer is a thumbnail; choosing one draws it with no new request.
+    assert page.locator("#attention-heads button").count() == 9
+    asked = len(visit.requests)
+    page.click("#attention-heads button[data-head='8']")
+    assert page.get_attribute("#attention-canvas", "data-head") == "8" and page.input_value("#head") == "8"
+    assert len(visit.requests) == asked
+    page.fill("#head", "")  # no head: the layer's first
     page.click("#attention-show")
-    page.wait_for_selector("#attention table[data-head='8']")
-    assert page.locator("#attention table").count() == 9
+    page.wait_for_selector("#attention-canvas[data-head='0']")
 
-    # A head that does not exist: the server's error beside the field, and no pattern left on screen.
+    # A head that does not exist: the error beside the field, and no pattern left on screen.
     page.fill("#head", "12")
     page.click("#attention-show")
     page.wait_for_function("() => document.getElementById('head-error').textContent !== ''")
-    assert "capture.heads: [12] out of range" in page.text_content("#head-error")
-    assert page.locator("#attention td").count() == 0
+    assert page.text_content("#head-error") == "head 12: this view has heads 0, 1, 2, 3, 4, 5, 6, 7, 8 of layer 2"
+    assert page.locator("#attention-heads button").count() == 0 and page.is_hidden("#attention-view")
 
     # Steering by the difference of two prompts' mean residuals: the page's completions are the API's.
     page.fill("#head", "")
@@ -188,8 +211,9 @@ def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_fac
     ]:
         visit.run(prompt, max_tokens)
         assert message in page.text_content("#prompt-error")
-        for selector in ("#tokens li", "#lens-table td", "#attention td", "#steer-steered"):
+        for selector in ("#tokens li", "#lens-table td", "#attention-heads button", "#steer-steered"):
             assert page.locator(selector).count() == 0 or page.text_content(selector) == "", selector
+        assert page.is_hidden("#attention-view")
     page.screenshot(path=str(tmp_path_factory.mktemp("lens") / "lens-error.png"), full_page=True)
     # A slow run overtaken by a quick one: the slow one's answer, arriving last, is not drawn.
     def slow(response) -> bool:
@@ -282,10 +306,93 @@ def test_lens_file_renders_offline(browser, smol4, smol4_path, sae_path, tmp_pat
         for row, pos in enumerate(positions):
             token, prob = got[(layer, pos)]
             assert token == ids[row, 0].item() and math.isclose(prob, math.exp(logprobs[row, 0].item()), rel_tol=1e-6)
-    assert visit.page.locator("#attention table").count() == 9  # layer 0, every head
+    assert visit.page.locator("#attention-heads button").count() == 9  # layer 0, every head
+    assert visit.page.get_attribute("#attention-canvas", "data-layer") == "0"
     assert visit.page.locator("#sae-table td[data-feature]").count() > 0
     assert len(visit.requests) == 1  # the file itself, nothing else
     visit.close(tmp_path / "lens-file.png")
+
+
+def shade(weight: float) -> list[int]:
+    """The page's colour of a weight: hsl(212, 75%, 98% - 68% * weight), as RGB."""
+    return [round(255 * c) for c in colorsys.hls_to_rgb(212 / 360, 0.98 - 0.68 * weight, 0.75)]
+
+
+def test_long_prompt_draws_one_head_at_a_time(browser, smol4, tmp_path):
+    """320 tokens, 9 heads (460k weights): the page draws the chosen head's cells in sight on a canvas, its
+    heads as thumbnails, and each cell pointed at (anywhere, after scrolling) names its tokens and weight."""
+    ids = [(i * 7919) % 40000 + 100 for i in range(320)]
+    capture = Capture(hooks="blocks.1.attn.hook_pattern", dtype="float32")
+    [out] = smol4.generate([ids], SamplingParams(max_tokens=0, capture=capture), use_tqdm=False)
+    pattern = out.activations["blocks.1.attn.hook_pattern"]  # [queries, heads, keys]
+    path = viz.attention(out, 1, tokenizer=smol4.tokenizer).save(tmp_path / "long.html")
+    start = time.perf_counter()
+    visit = Visit(browser, path.as_uri(), path.as_uri())
+    page = visit.page
+    page.wait_for_selector("#attention-canvas[data-head='0']")
+    page.evaluate("() => new Promise((done) => requestAnimationFrame(() => setTimeout(done)))")  # (painted)
+    print(f"\n320 tokens x 9 heads: {path.stat().st_size / 1e6:.1f} MB, drawn in {time.perf_counter() - start:.2f} s")
+    assert page.locator("#attention-section td").count() == 0  # no cell is an element
+    assert page.locator("#attention-heads button").count() == 9
+    assert page.get_attribute("#attention-heads button[data-head='0']", "aria-pressed") == "true"
+    assert page.text_content("#attention-caption") == "Layer 1, head 0: 320 queries by 320 keys"
+    tokens = page.eval_on_selector_all("#tokens li", "els => els.map(e => e.textContent)")
+
+    def check(head: int, query: int, key: int) -> None:
+        tip = hover(page, query, key)
+        w = pattern[query, head, key].item()
+        assert tip["shown"] and [tip["layer"], tip["head"], tip["query"], tip["key"]] == list(map(str, [1, head, query, key]))
+        assert float(tip["weight"]) == w  # the captured float32, exactly
+        lines = tip["text"].split("\n")
+        assert lines[:3] == [f"layer 1, head {head}", f"query {query} {tokens[query]}", f"key   {key} {tokens[key]}"]
+        shown = float(lines[3].removeprefix("weight "))  # 4 significant digits
+        assert abs(shown - w) <= 0.5 * 10 ** (math.floor(math.log10(w)) - 3), (lines, w)
+        corner = page.eval_on_selector("#attention-canvas", """(canvas, [query, key]) => {
+            const box = document.getElementById("attention-scroll");
+            const x = Number(box.dataset.left) + key * Number(box.dataset.cell) - box.scrollLeft + 3;
+            const y = Number(box.dataset.top) + query * Number(box.dataset.cell) - box.scrollTop + 3;
+            return Array.from(canvas.getContext("2d").getImageData(x, y, 1, 1).data.slice(0, 3));
+        }""", [query, key])  # the cell's own pixels, drawn for this scroll position
+        assert all(abs(a - b) <= 1 for a, b in zip(corner, shade(w))), (corner, shade(w), w)
+
+    for query, key in [(7, 3), (319, 319), (300, 150), (160, 0)]:
+        check(0, query, key)
+    masked = hover(page, 5, 10)
+    assert masked["key"] == "10" and "weight" not in masked
+    assert masked["text"].endswith("masked: the key is after the query")
+
+    # Another head: by its thumbnail, then by the form; a head the layer lacks is refused by name.
+    page.click("#attention-heads button[data-head='5']")
+    assert page.get_attribute("#attention-heads button[data-head='5']", "aria-pressed") == "true"
+    assert page.text_content("#attention-caption").startswith("Layer 1, head 5:")
+    assert page.get_attribute("#attention-heads button[data-head='0']", "aria-pressed") == "false"
+    check(5, 300, 150)
+    page.fill("#head", "8")
+    page.click("#attention-show")
+    page.wait_for_selector("#attention-canvas[data-head='8']")
+    check(8, 250, 249)
+
+    # The keyboard: focus the pattern, move from its first cell; the box scrolls to keep the cell in sight.
+    page.mouse.move(0, 0)
+    page.eval_on_selector("#attention-scroll", "box => { box.scrollLeft = 0; box.scrollTop = 0; }")
+    page.focus("#attention-scroll")
+    for key in ["ArrowDown", "ArrowDown", "ArrowRight", "ArrowRight", "ArrowRight"]:
+        page.keyboard.press(key)  # (right stops at the query's own position: 2)
+    tip = page.eval_on_selector("#attention-tip", "e => ({...e.dataset})")
+    assert (tip["query"], tip["key"], float(tip["weight"])) == ("2", "2", pattern[2, 8, 2].item())
+    for _ in range(30):
+        page.keyboard.press("PageDown")
+    page.keyboard.press("End")
+    tip = page.eval_on_selector("#attention-tip", "e => ({...e.dataset, shown: !e.hidden})")
+    assert tip["shown"] and (tip["query"], tip["key"]) == ("302", "302")
+    assert float(tip["weight"]) == pattern[302, 8, 302].item()
+    assert page.eval_on_selector("#attention-scroll", "box => box.scrollTop") > 0
+
+    page.fill("#head", "9")
+    page.click("#attention-show")
+    assert page.text_content("#head-error") == "head 9: this view has heads 0, 1, 2, 3, 4, 5, 6, 7, 8 of layer 1"
+    assert page.is_hidden("#attention-view")
+    visit.close(tmp_path / "long.png")
 
 
 def static_page(browser, tmp_path: Path, texts: dict[str, str], hooks: list[str]) -> Visit:

@@ -4,10 +4,12 @@ and refuses an output that lacks what it shows, naming the field."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
 import pytest
+import torch
 from sae_helpers import save_saelens
 
 from vlens import SAE, Capture, SamplingParams, viz
@@ -56,22 +58,52 @@ def test_logit_lens_file_holds_the_outputs_numbers(smol4, tmp_path):
     assert notebook.startswith("<iframe srcdoc=") and "&lt;script" in notebook
 
 
+def triangles(entry: dict) -> list[torch.Tensor]:
+    """Each head's weights in a payload's attention entry, as the page reads them (a Float32Array each)."""
+    return [torch.frombuffer(bytearray(base64.b64decode(w)), dtype=torch.float32) for w in entry["weights"]]
+
+
+def lower_triangle(pattern: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """One head's [rows, keys]: each row's keys up to its own position, rows one after the other."""
+    return torch.cat([pattern[r, : pos + 1] for r, pos in enumerate(positions)])
+
+
 def test_attention_view_is_the_captured_pattern(smol4, tmp_path):
     out = generate(smol4, Capture(hooks="blocks.1.attn.hook_pattern"))
     pattern = out.activations["blocks.1.attn.hook_pattern"]
+    positions = out.activation_positions.tolist()
+    assert positions == list(range(6))  # (5 prompt tokens and the first generated one)
     grid = payload_of(viz.attention(out, 1).save(tmp_path / "grid.html").read_text())
     [entry] = grid["attention"]
-    assert entry["layer"] == 1 and entry["heads"] == list(range(9))
-    assert entry["weights"] == pattern.double().tolist()
+    assert entry["layer"] == 1 and entry["heads"] == list(range(9)) and entry["positions"] == positions
+    # Each head bit for bit, 21 cells of the 6 x 6: the rest are keys after their query, 0 in hook_pattern.
+    assert [t.numel() for t in triangles(entry)] == [21] * 9
+    for h, got in enumerate(triangles(entry)):
+        assert torch.equal(got, lower_triangle(pattern[:, h], positions))
+    by_head = pattern.transpose(0, 1)  # [heads, rows, keys]
+    assert by_head.triu(diagonal=1).count_nonzero() == 0 and by_head.tril().count_nonzero() == 9 * 21
     html = viz.attention(out, 1, head=4).save(tmp_path / "head.html").read_text()
     offline(html)
     [entry] = payload_of(html)["attention"]
-    assert entry["heads"] == [4] and entry["weights"] == pattern[:, 4:5].double().tolist()
+    assert entry["heads"] == [4]
+    assert [t.tolist() for t in triangles(entry)] == [lower_triangle(pattern[:, 4], positions).tolist()]
     assert payload_of(html)["texts"] == {}  # without a tokenizer the page names tokens by id
     with pytest.raises(ValueError, match=r"^head: 9 does not exist; blocks.1.attn.hook_pattern has heads 0..8$"):
         viz.attention(out, 1, head=9)
     with pytest.raises(ValueError, match=r"^layer: blocks.2.attn.hook_pattern was not captured"):
         viz.attention(out, 2)
+
+
+def test_attention_view_of_later_rows_keeps_each_rows_keys(smol4, tmp_path):
+    """Rows that start past position 0 (the generated ones): row r still holds keys 0..positions[r]."""
+    out = generate(smol4, Capture(hooks="blocks.0.attn.hook_pattern", positions="generated"), max_tokens=4)
+    pattern = out.activations["blocks.0.attn.hook_pattern"]
+    positions = out.activation_positions.tolist()
+    assert positions == [5, 6, 7] and pattern.shape == (3, 9, 8)
+    [entry] = payload_of(viz.attention(out, 0).save(tmp_path / "generated.html").read_text())["attention"]
+    assert entry["positions"] == positions
+    for h, got in enumerate(triangles(entry)):
+        assert got.numel() == 6 + 7 + 8 and torch.equal(got, lower_triangle(pattern[:, h], positions))
 
 
 def test_sae_view_is_the_outputs_features(smol4, tmp_path):

@@ -23,8 +23,8 @@ def logit_lens(output: RequestOutput, tokenizer: Any = None) -> View:
 
 
 def attention(output: RequestOutput, layer: int, head: int | None = None, tokenizer: Any = None) -> View:
-    """Query x key attention weights of one layer (a grid of its heads, or the head at index `head`),
-    from an output captured with Capture(hooks=f'blocks.{layer}.attn.hook_pattern')."""
+    """Query x key attention weights of one layer (every head, as thumbnails to choose the one drawn from; or
+    only the head at index `head`), from an output captured with Capture(hooks=f'blocks.{layer}.attn.hook_pattern')."""
     payload = empty(output, tokenizer)
     payload["attention"] = [attention_part(output, layer, head)]
     return View(payload, f"vlens attention, layer {layer}")

@@ -9,16 +9,18 @@ renderer serves both; this module is the payload's Python half and its reference
      "lens": None | {"k": int, "layers": [{"layer", "hook", "positions": [int],
                                           "ids": [[int]], "logprobs": [[float]]}]},   # [rows][k]
      "attention": [{"layer": int, "heads": [int], "positions": [int],
-                    "weights": [[[float]]]}],                                      # [rows][heads][keys]
+                    "weights": [str]}],                      # per head: its lower triangle, see attention_part
      "sae": None | {"name": str, "hook": str, "positions": [int],
                     "ids": [[int]], "values": [[float]]},                          # [rows][top_k]
      "feature": None | {"feature": int, "positions": [int], "values": [float]}}   # one latent at every row
 
-Floats are float32 values written as the doubles they equal, so a view's numbers read back bit for bit.
+Floats are float32 values written as the doubles they equal, so a view's numbers read back bit for bit;
+attention weights, n² per head, are the float32 bytes themselves (base64), a quarter of the text as doubles.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 from typing import Any
 
@@ -81,7 +83,12 @@ def lens_part(output: RequestOutput) -> dict[str, Any]:
 
 
 def attention_part(output: RequestOutput, layer: int, head: int | None = None) -> dict[str, Any]:
-    """One layer's attention pattern (all its captured heads, or the one at index `head`)."""
+    """One layer's attention pattern (all its captured heads, or the one at index `head`).
+
+    Each head's weights are its lower triangle only: row r (the query at positions[r]) holds keys 0 ..
+    positions[r], rows one after the other, as base64 of little-endian float32. The keys after a query
+    are masked (hook_pattern is 0 there), so nothing is lost, and the page, which draws them as masked,
+    gets half the bytes of the square."""
     hook = f"blocks.{layer}.attn.hook_pattern"
     if hook not in output.activations:
         captured = ", ".join(h for h in output.activations if h.endswith("hook_pattern")) or "none"
@@ -93,8 +100,10 @@ def attention_part(output: RequestOutput, layer: int, head: int | None = None) -
         if head not in heads:
             raise ValueError(f"head: {head} does not exist; {hook} has heads 0..{len(heads) - 1}")
         weights, heads = weights[:, head : head + 1], [head]
-    positions = output.activation_positions.tolist()
-    return {"layer": layer, "heads": heads, "positions": positions, "weights": _doubles(weights)}
+    positions = output.activation_positions
+    causal = torch.arange(weights.shape[2]) <= positions[:, None]  # [rows, keys]: the keys each query sees
+    triangles = weights.permute(1, 0, 2)[:, causal]  # [heads, cells], row after row
+    return {"layer": layer, "heads": heads, "positions": positions.tolist(), "weights": [_base64(t) for t in triangles]}
 
 
 def sae_part(output: RequestOutput, name: str = "sae") -> dict[str, Any]:
@@ -110,6 +119,11 @@ def sae_part(output: RequestOutput, name: str = "sae") -> dict[str, Any]:
 def lens_ids(lens: dict[str, Any]) -> list[int]:
     """Every token id a logit lens names (its cells' texts)."""
     return sorted({i for layer in lens["layers"] for row in layer["ids"] for i in row})
+
+
+def _base64(t: torch.Tensor) -> str:
+    """float32 values as base64 of their little-endian bytes (the page reads them as a Float32Array)."""
+    return base64.b64encode(t.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
 
 
 def _doubles(t: torch.Tensor) -> list:

@@ -23,11 +23,32 @@
   const fixed = (x) => x.toFixed(2);
   const range = (n) => Array.from({ length: n }, (_, i) => i);
 
-  // A shade for a value in [0, 1], with text that stays readable on it (the value is always written too).
-  function shade(cell, x) {
+  // Bytes of base64 text: the payload's attention weights, the API's inline activations.
+  function bytesOf(base64) {
+    const text = atob(base64);
+    const bytes = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+    return bytes;
+  }
+
+  // A shade for a value in [0, 1] (hsl(212, 75%, 98% .. 30%), as RGB for a canvas's pixels too), with ink that
+  // stays readable on it (the value is always written too).
+  function shadeRgb(x) {
     const v = Math.max(0, Math.min(1, x));
-    cell.style.background = `hsl(212, 75%, ${Math.round(98 - 68 * v)}%)`;
-    cell.style.color = v > 0.7 ? "#fff" : "#111";
+    const l = 0.98 - 0.68 * v;
+    const a = 0.75 * Math.min(l, 1 - l);
+    const f = (n) => {
+      const k = (n + 212 / 30) % 12;
+      return Math.round(255 * (l - a * Math.max(-1, Math.min(k - 3, 9 - k, 1))));
+    };
+    return [f(0), f(8), f(4)];
+  }
+  const ink = (x) => (x > 0.7 ? "#fff" : "#111");
+
+  function shade(cell, x) {
+    const [r, g, b] = shadeRgb(x);
+    cell.style.background = `rgb(${r}, ${g}, ${b})`;
+    cell.style.color = ink(x);
   }
 
   function setError(id, message) {
@@ -136,38 +157,352 @@
     byId("lens-section").hidden = false;
   }
 
-  function renderAttention(p, entry, heads) {
-    const box = byId("attention");
-    box.replaceChildren();
-    const keys = Math.max(...entry.positions) + 1;
-    for (const head of heads) {
-      const h = entry.heads.indexOf(head);
-      const table = el("table", { class: "heat", "data-layer": entry.layer, "data-head": head });
-      table.append(el("caption", {}, `Layer ${entry.layer}, head ${head}`));
-      table.append(tokenHeader(p, range(keys), "query \\ key"));
-      const body = el("tbody");
-      entry.positions.forEach((query, r) => {
-        const tr = el("tr");
-        tr.append(el("th", { scope: "row", title: `position ${query}` }, tokenText(p, p.token_ids[query])));
-        for (let key = 0; key < keys; key++) {
-          if (key > query) {
-            tr.append(el("td", { class: "masked", "aria-hidden": "true" }));
-            continue;
-          }
-          const w = entry.weights[r][h][key];
-          const td = el("td", { tabindex: "-1", "data-layer": entry.layer, "data-head": head, "data-query": query, "data-key": key,
-            "data-weight": w, title: `head ${head}: position ${query} attends to ${key} with ${w.toFixed(4)}`,
-            "aria-label": `query ${query}, key ${key}: ${fixed(w)}` }, fixed(w));
-          shade(td, w);
-          tr.append(td);
-        }
-        body.append(tr);
-      });
-      table.append(body);
-      box.append(table);
-      gridKeys(table);
+  // ---- attention: one head at a time, on a canvas ---------------------------------------------------------
+  // A head has a cell per query and key: drawn as table cells, a 300-token prompt's 9 heads took Chromium 23 s
+  // (and n² grows fast). So the layer's heads are thumbnails (CircuitsVis's attention-heads view) and the
+  // chosen one is drawn on a canvas the size of its scroll box: only the cells in sight, again on each scroll.
+
+  const CELL = 28; // px of a cell, which has its weight written in it (2 decimals)
+  const ROW_LABELS = 120; // px left of the cells: each query's position and token
+  const KEY_LABELS = 80; // px above them: each key's token, written upwards
+  const THUMB = 64; // px of a head's thumbnail at most (and of its canvas, so no pixel is lost by scaling)
+  const MASKED = [238, 238, 238]; // a key after its query
+  const rgb = (c) => `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
+
+  // One layer's attention, the payload's layout (vlens/viz/payload.py): per head a Float32Array of its lower
+  // triangle, row r (the query at positions[r]) holding keys 0..positions[r], rows one after the other.
+  class Pattern {
+    constructor(layer, heads, positions, weights) {
+      Object.assign(this, { layer, heads, positions, weights });
+      this.keys = positions.reduce((a, b) => Math.max(a, b + 1), 0);
+      this.starts = []; // where each row begins in a head's array
+      let start = 0;
+      for (const pos of positions) {
+        this.starts.push(start);
+        start += pos + 1;
+      }
+      this.cells = start; // of a head
     }
+
+    // A payload's entry: each head's base64 little-endian float32 (as every browser's Float32Array reads them).
+    static decode(entry) {
+      const weights = entry.weights.map((b) => new Float32Array(bytesOf(b).buffer));
+      return new Pattern(entry.layer, entry.heads, entry.positions, weights);
+    }
+
+    // The server's hook_pattern [rows, heads, keys] (a parsed safetensors tensor): each head's triangle taken out.
+    static ofRows(layer, positions, t) {
+      const [, heads, width] = t.shape;
+      const pattern = new Pattern(layer, range(heads), positions, []);
+      pattern.weights = range(heads).map((h) => {
+        const out = new Float32Array(pattern.cells);
+        positions.forEach((pos, r) => {
+          for (let k = 0; k <= pos; k++) out[pattern.starts[r] + k] = t.data[(r * heads + h) * width + k];
+        });
+        return out;
+      });
+      return pattern;
+    }
+
+    // Head index h's weight of query row r on key `key`; null for a key after the query (masked).
+    weight(h, r, key) {
+      return key <= this.positions[r] ? this.weights[h][this.starts[r] + key] : null;
+    }
+  }
+
+  const patterns = new Map(); // layer -> its Pattern, for the prompt on screen (decoded or fetched once)
+  const shown = { p: null, pattern: null, h: 0, cursor: null }; // what the canvas draws; cursor: [row, key]
+
+  function renderAttention(p, pattern, head) {
+    shown.p = p;
+    shown.pattern = pattern;
+    const rows = pattern.positions.length;
+    const [width, height] = [Math.min(pattern.keys, THUMB), Math.min(rows, THUMB)];
+    byId("attention-heads").replaceChildren(...pattern.heads.map((name, h) => {
+      const canvas = el("canvas", { width, height, "aria-hidden": "true" });
+      canvas.style.height = `${Math.max(4, Math.round((THUMB * rows) / pattern.keys))}px`;
+      paintThumbnail(canvas, pattern, h);
+      const button = el("button", { type: "button", "data-head": name, "aria-pressed": "false", title: `head ${name}` });
+      button.append(canvas, el("span", {}, `H${name}`));
+      button.addEventListener("click", () => selectHead(h));
+      return button;
+    }));
+    const sizer = byId("attention-sizer");
+    sizer.style.width = `${ROW_LABELS + pattern.keys * CELL}px`;
+    sizer.style.height = `${KEY_LABELS + rows * CELL}px`;
     byId("attention-section").hidden = false;
+    byId("attention-view").hidden = false;
+    selectHead(pattern.heads.indexOf(head));
+  }
+
+  // Each pixel the largest weight of the cells it covers, so a thin line (the diagonal, a column on the first
+  // token) survives the shrink of a long prompt.
+  function paintThumbnail(canvas, pattern, h) {
+    const { width, height } = canvas;
+    const rows = pattern.positions.length;
+    const top = new Float32Array(width * height).fill(-1); // -1: every cell under the pixel masked
+    const w = pattern.weights[h];
+    pattern.positions.forEach((pos, r) => {
+      const line = Math.floor((r * height) / rows) * width;
+      const start = pattern.starts[r];
+      for (let k = 0; k <= pos; k++) {
+        const i = line + Math.floor((k * width) / pattern.keys);
+        if (w[start + k] > top[i]) top[i] = w[start + k];
+      }
+    });
+    const ctx = canvas.getContext("2d");
+    const image = ctx.createImageData(width, height);
+    top.forEach((v, i) => image.data.set([...(v < 0 ? MASKED : shadeRgb(v)), 255], 4 * i));
+    ctx.putImageData(image, 0, 0);
+  }
+
+  function selectHead(h) {
+    const { pattern } = shown;
+    const name = pattern.heads[h];
+    shown.h = h;
+    shown.cursor = null;
+    byId("head").value = String(name);
+    for (const button of byId("attention-heads").children) {
+      button.setAttribute("aria-pressed", String(button.dataset.head === String(name)));
+    }
+    const canvas = byId("attention-canvas");
+    canvas.dataset.layer = String(pattern.layer);
+    canvas.dataset.head = String(name);
+    const caption = `Layer ${pattern.layer}, head ${name}: ${pattern.positions.length} queries by ${pattern.keys} keys`;
+    byId("attention-caption").textContent = caption;
+    byId("attention-scroll").setAttribute("aria-label", `${caption}; arrow keys move between cells`);
+    drawPattern();
+    showTip();
+  }
+
+  function clearAttention() {
+    shown.pattern = null;
+    byId("attention-heads").replaceChildren();
+    byId("attention-view").hidden = true;
+    byId("attention-tip").hidden = true;
+  }
+
+  // The longest start of `text` that fits `width` px, with an ellipsis if cut.
+  function fit(ctx, text, width) {
+    if (ctx.measureText(text).width <= width) return text;
+    let n = text.length;
+    while (n > 0 && ctx.measureText(text.slice(0, n) + "\u2026").width > width) n--;
+    return text.slice(0, n) + "\u2026";
+  }
+
+  // The canvas covers the scroll box's view; cell (r, k) sits at ROW_LABELS + k * CELL - scrollLeft (and likewise
+  // down), with the labels of the rows and keys in sight held at the left and top.
+  function drawPattern() {
+    const { p, pattern, h, cursor } = shown;
+    const box = byId("attention-scroll");
+    const canvas = byId("attention-canvas");
+    const [w, ht, dpr] = [box.clientWidth, box.clientHeight, window.devicePixelRatio || 1];
+    if (canvas.width !== Math.round(w * dpr) || canvas.height !== Math.round(ht * dpr)) {
+      [canvas.width, canvas.height] = [Math.round(w * dpr), Math.round(ht * dpr)];
+      [canvas.style.width, canvas.style.height] = [`${w}px`, `${ht}px`];
+    }
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, w, ht);
+    if (!pattern) return;
+    const [x0, y0] = [box.scrollLeft, box.scrollTop];
+    const k0 = Math.floor(x0 / CELL);
+    const k1 = Math.min(pattern.keys, Math.ceil((x0 + w - ROW_LABELS) / CELL));
+    const r0 = Math.floor(y0 / CELL);
+    const r1 = Math.min(pattern.positions.length, Math.ceil((y0 + ht - KEY_LABELS) / CELL));
+    const [cr, ck] = cursor || [-1, -1];
+    ctx.font = "10px ui-monospace, monospace";
+    ctx.textBaseline = "middle";
+
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(ROW_LABELS, KEY_LABELS, w - ROW_LABELS, ht - KEY_LABELS);
+    ctx.clip();
+    ctx.textAlign = "center";
+    for (let r = r0; r < r1; r++) {
+      const y = KEY_LABELS + r * CELL - y0;
+      for (let k = k0; k < k1; k++) {
+        const x = ROW_LABELS + k * CELL - x0;
+        const v = pattern.weight(h, r, k);
+        ctx.fillStyle = rgb(v === null ? MASKED : shadeRgb(v));
+        ctx.fillRect(x, y, CELL - 1, CELL - 1); // (the pixel left is the white between cells)
+        if (v === null) continue;
+        ctx.fillStyle = ink(v);
+        ctx.fillText(fixed(v), x + CELL / 2, y + CELL / 2);
+      }
+    }
+    if (cursor) {
+      ctx.strokeStyle = "#d97706";
+      ctx.lineWidth = 2;
+      ctx.strokeRect(ROW_LABELS + ck * CELL - x0, KEY_LABELS + cr * CELL - y0, CELL - 1, CELL - 1);
+    }
+    ctx.restore();
+
+    const label = (bold) => {
+      ctx.font = `${bold ? "bold " : ""}11px ui-monospace, monospace`;
+      ctx.fillStyle = bold ? "#b45309" : "#333";
+    };
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(ROW_LABELS, 0, w - ROW_LABELS, KEY_LABELS);
+    ctx.clip();
+    ctx.textAlign = "left";
+    for (let k = k0; k < k1; k++) {
+      label(k === ck);
+      ctx.setTransform(dpr, 0, 0, dpr, dpr * (ROW_LABELS + k * CELL - x0 + CELL / 2), dpr * (KEY_LABELS - 4));
+      ctx.rotate(-Math.PI / 2);
+      ctx.fillText(fit(ctx, tokenText(p, p.token_ids[k]), KEY_LABELS - 8), 0, 0);
+    }
+    ctx.restore();
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(0, KEY_LABELS, ROW_LABELS, ht - KEY_LABELS);
+    ctx.clip();
+    for (let r = r0; r < r1; r++) {
+      const y = KEY_LABELS + r * CELL - y0 + CELL / 2;
+      const pos = String(pattern.positions[r]);
+      label(r === cr);
+      ctx.textAlign = "left";
+      ctx.fillText(pos, 2, y);
+      ctx.textAlign = "right";
+      const room = ROW_LABELS - 12 - ctx.measureText(pos).width;
+      ctx.fillText(fit(ctx, tokenText(p, p.token_ids[pattern.positions[r]]), room), ROW_LABELS - 4, y);
+    }
+    ctx.restore();
+    label(false);
+    ctx.fillStyle = "#666";
+    ctx.textAlign = "left";
+    ctx.fillText("query \\ key", 2, KEY_LABELS - 8);
+  }
+
+  // The cell under the cursor, beside it: its tokens and weight, also in data-* for scripts (and the tests).
+  function showTip() {
+    const tip = byId("attention-tip");
+    const { p, pattern, h, cursor } = shown;
+    const box = byId("attention-scroll");
+    if (!pattern || !cursor) return void (tip.hidden = true);
+    const [r, key] = cursor;
+    const x = ROW_LABELS + key * CELL - box.scrollLeft;
+    const y = KEY_LABELS + r * CELL - box.scrollTop;
+    const outOfSight = x < ROW_LABELS - CELL || y < KEY_LABELS - CELL || x > box.clientWidth || y > box.clientHeight;
+    if (outOfSight) return void (tip.hidden = true);
+    const query = pattern.positions[r];
+    const v = pattern.weight(h, r, key);
+    Object.assign(tip.dataset, { layer: pattern.layer, head: pattern.heads[h], query, key });
+    if (v === null) delete tip.dataset.weight;
+    else tip.dataset.weight = String(v);
+    tip.textContent = `layer ${pattern.layer}, head ${pattern.heads[h]}\n` +
+      `query ${query} ${tokenText(p, p.token_ids[query])}\nkey   ${key} ${tokenText(p, p.token_ids[key])}\n` +
+      (v === null ? "masked: the key is after the query" : `weight ${v.toPrecision(4)}`);
+    tip.hidden = false;
+    const right = x + CELL + 6 + tip.offsetWidth <= box.clientWidth;
+    const below = y + CELL + 6 + tip.offsetHeight <= box.clientHeight;
+    tip.style.left = `${Math.max(0, right ? x + CELL + 6 : x - 6 - tip.offsetWidth)}px`;
+    tip.style.top = `${Math.max(0, below ? y + CELL + 6 : y - 6 - tip.offsetHeight)}px`;
+  }
+
+  function moveTo(cursor) {
+    shown.cursor = cursor;
+    drawPattern();
+    showTip();
+  }
+
+  function cellAt(event) {
+    const box = byId("attention-scroll");
+    const rect = box.getBoundingClientRect();
+    const x = event.clientX - rect.left - box.clientLeft;
+    const y = event.clientY - rect.top - box.clientTop;
+    if (x < ROW_LABELS || y < KEY_LABELS || x >= box.clientWidth || y >= box.clientHeight) return null;
+    const r = Math.floor((y - KEY_LABELS + box.scrollTop) / CELL);
+    const key = Math.floor((x - ROW_LABELS + box.scrollLeft) / CELL);
+    return r < shown.pattern.positions.length && key < shown.pattern.keys ? [r, key] : null;
+  }
+
+  // Arrow keys (Home, End; Page Up and Down by 10 rows) move between a query's keys up to itself, as in the
+  // tables; the box scrolls to keep the cell in sight.
+  function patternKeys(event) {
+    const { pattern } = shown;
+    if (!pattern) return;
+    const [r, key] = shown.cursor || [0, 0];
+    const moves = { ArrowRight: [r, key + 1], ArrowLeft: [r, key - 1], ArrowDown: [r + 1, key], ArrowUp: [r - 1, key],
+      Home: [r, 0], End: [r, Infinity], PageDown: [r + 10, key], PageUp: [r - 10, key] };
+    if (!(event.key in moves)) return;
+    event.preventDefault();
+    const clamp = (x, hi) => Math.max(0, Math.min(x, hi));
+    const row = clamp(moves[event.key][0], pattern.positions.length - 1);
+    const col = clamp(moves[event.key][1], pattern.positions[row]);
+    const box = byId("attention-scroll");
+    const [x, y] = [col * CELL - box.scrollLeft, row * CELL - box.scrollTop]; // (from the cells' own corner)
+    if (x < 0) box.scrollLeft = col * CELL;
+    else if (ROW_LABELS + x + CELL > box.clientWidth) box.scrollLeft = ROW_LABELS + (col + 1) * CELL - box.clientWidth;
+    if (y < 0) box.scrollTop = row * CELL;
+    else if (KEY_LABELS + y + CELL > box.clientHeight) box.scrollTop = KEY_LABELS + (row + 1) * CELL - box.clientHeight;
+    moveTo([row, col]);
+  }
+
+  function patternEvents() {
+    const box = byId("attention-scroll");
+    // Where the cells are, for scripts that point at one: cell (r, k) at left + k * cell - scrollLeft, likewise down.
+    Object.assign(box.dataset, { cell: CELL, left: ROW_LABELS, top: KEY_LABELS });
+    let frame = 0;
+    const redraw = () => {
+      if (!frame) frame = requestAnimationFrame(() => { frame = 0; drawPattern(); showTip(); });
+    };
+    box.addEventListener("scroll", redraw);
+    new ResizeObserver(redraw).observe(box);
+    box.addEventListener("mousemove", (event) => {
+      const cell = shown.pattern && cellAt(event);
+      if (cell && shown.cursor && cell[0] === shown.cursor[0] && cell[1] === shown.cursor[1]) return;
+      if (cell || document.activeElement !== box) moveTo(cell);
+    });
+    box.addEventListener("mouseleave", () => { if (document.activeElement !== box) moveTo(null); });
+    box.addEventListener("focus", () => { if (shown.pattern && !shown.cursor) moveTo([0, 0]); });
+    box.addEventListener("keydown", patternKeys);
+  }
+
+  // The layer's pattern: the payload's, or (served) the server's hook_pattern of every head, fetched once a prompt.
+  async function patternOf(p, layer) {
+    if (patterns.has(layer)) return patterns.get(layer);
+    let pattern;
+    if (embedded) {
+      pattern = Pattern.decode(p.attention.find((a) => a.layer === layer));
+    } else {
+      const hook = `blocks.${layer}.attn.hook_pattern`;
+      const r = await server.complete(p.token_ids, 0, { capture: { hooks: hook, dtype: "float32", positions: "all" } });
+      const t = await server.tensors(r.vlens.activations);
+      pattern = Pattern.ofRows(layer, t.positions.data, t[hook]);
+    }
+    if (p === current) patterns.set(layer, pattern); // (an earlier prompt's is not kept)
+    return pattern;
+  }
+
+  function headOf() {
+    const text = byId("head").value.trim();
+    return text === "" ? null : Number(text);
+  }
+
+  // The form's layer and head (the layer's first if none); each answer drawn only if still the latest.
+  async function showAttention() {
+    setError("head-error", "");
+    if (!current) return setError("head-error", "run a prompt first");
+    const [p, id, ticket] = [current, runId, ++latest.attention];
+    const layer = Number(byId("layer").value);
+    const head = headOf();
+    if (!patterns.has(layer)) clearAttention(); // (no other layer's pattern on screen while this one loads)
+    try {
+      const pattern = await patternOf(p, layer);
+      if (id !== runId || ticket !== latest.attention) return;
+      if (head !== null && !pattern.heads.includes(head)) {
+        clearAttention();
+        const heads = pattern.heads.join(", ");
+        return setError("head-error", `head ${byId("head").value}: this view has heads ${heads} of layer ${layer}`);
+      }
+      renderAttention(p, pattern, head === null ? pattern.heads[0] : head);
+    } catch (e) {
+      if (id !== runId || ticket !== latest.attention) return;
+      clearAttention();
+      setError("head-error", e.message);
+    }
   }
 
   function chooseFeature(feature) {
@@ -238,23 +573,6 @@
 
   let current = null; // the payload of the prompt on screen
 
-  function headOf() {
-    const text = byId("head").value.trim();
-    return text === "" ? null : Number(text);
-  }
-
-  function showStaticAttention() {
-    setError("head-error", "");
-    const entry = current.attention.find((a) => String(a.layer) === byId("layer").value);
-    const head = headOf();
-    if (head !== null && !entry.heads.includes(head)) {
-      byId("attention").replaceChildren();
-      setError("head-error", `head ${byId("head").value}: this view has heads ${entry.heads.join(", ")} of layer ${entry.layer}`);
-      return;
-    }
-    renderAttention(current, entry, head === null ? entry.heads : [head]);
-  }
-
   function showStaticFeature() {
     const feature = Number(byId("sae-feature").value);
     const sae = current.sae;
@@ -269,7 +587,7 @@
     if (p.lens) renderLens(p);
     if (p.attention.length) {
       fillLayers(p.attention.map((a) => a.layer));
-      showStaticAttention();
+      showAttention();
     }
     if (p.sae) {
       byId("sae-name").replaceChildren(el("option", { value: p.sae.name }, p.sae.name));
@@ -340,7 +658,7 @@
     },
     async tensors(activations) {
       const buf = activations.data !== undefined
-        ? Uint8Array.from(atob(activations.data), (c) => c.charCodeAt(0)).buffer
+        ? bytesOf(activations.data).buffer
         : await (await this.call("GET", activations.url)).arrayBuffer();
       return parseSafetensors(buf);
     },
@@ -380,8 +698,10 @@
 
   function clearResults() {
     current = null;
+    patterns.clear();
+    clearAttention();
     for (const id of ["tokens-section", "lens-section", "attention-section", "sae-section"]) byId(id).hidden = true;
-    for (const id of ["tokens", "lens-table", "lens-detail", "attention", "sae-table", "sae-strip", "steer-plain", "steer-steered"]) {
+    for (const id of ["tokens", "lens-table", "lens-detail", "sae-table", "sae-strip", "steer-plain", "steer-steered"]) {
       byId(id).replaceChildren();
     }
     byId("completion").textContent = "";
@@ -415,37 +735,13 @@
       renderTokens(p);
       renderLens(p);
       byId("attention-section").hidden = false;
-      await Promise.all([loadAttention(id), meta.saes.length ? loadSae(id) : null]);
+      await Promise.all([showAttention(), meta.saes.length ? loadSae(id) : null]);
       if (id === runId) status("Done.");
     } catch (e) {
       if (id !== runId) return;
       clearResults();
       status("");
       setError("prompt-error", e.message);
-    }
-  }
-
-  async function loadAttention(id) {
-    setError("head-error", "");
-    byId("attention").replaceChildren();
-    if (!current) return setError("head-error", "run a prompt first");
-    const p = current;
-    const ticket = ++latest.attention;
-    const layer = Number(byId("layer").value);
-    const head = headOf();
-    const hook = `blocks.${layer}.attn.hook_pattern`;
-    const capture = { hooks: hook, dtype: "float32", positions: "all" };
-    if (head !== null) capture.heads = [head];
-    try {
-      const r = await server.complete(p.token_ids, 0, { capture });
-      const t = await server.tensors(r.vlens.activations);
-      if (id !== runId || ticket !== latest.attention) return;
-      const heads = head === null ? range(t[hook].shape[1]) : [head];
-      const entry = { layer, heads, positions: t.positions.data, weights: nested(t[hook]) };
-      p.attention = [entry];
-      renderAttention(p, entry, heads);
-    } catch (e) {
-      if (id === runId && ticket === latest.attention) setError("head-error", e.message);
     }
   }
 
@@ -531,15 +827,15 @@
   // ---- start -----------------------------------------------------------------------------------------------
 
   const embedded = byId("vlens-payload");
+  patternEvents();
+  submit("attention-form", showAttention);
   if (embedded) {
     renderAll(JSON.parse(embedded.textContent));
-    submit("attention-form", showStaticAttention);
     byId("sae-show").addEventListener("click", showStaticFeature);
   } else {
     byId("ask").hidden = false;
     byId("steer-section").hidden = false;
     submit("ask-form", run);
-    submit("attention-form", () => loadAttention(runId));
     submit("steer-form", steer);
     byId("sae-show").addEventListener("click", () => loadFeature(runId));
     byId("sae-name").addEventListener("change", () => loadSae(runId));
