@@ -115,6 +115,8 @@ def test_hooks_lists_every_name_with_its_shape(smol):
         (["lens", "x", "--out", "{tmp}/a.html", "--max-tokens", "-1"], "--max-tokens: must be an integer >= 0, got -1"),
         (["lens", "x", "--out", "{tmp}/a.html", "--top-k", "0"], "--top-k: must be an integer >= 1, got 0"),
         (["lens", "x", "--out", "{tmp}"], "--out: '{tmp}' is a directory; give the path of the file to write"),
+        (["lens", "x", "--out", "{tmp}/a.html", "--attention-layers", "3", "30"],
+         "--attention-layers: 30 is not a layer of this model (0 .. 29)"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys, monkeypatch):

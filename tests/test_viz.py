@@ -132,6 +132,17 @@ def test_lens_command_refuses_bad_input_by_name(smol4_path, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_lens_page_carries_the_attention_of_the_layers_asked_for(smol4):
+    whole = viz.lens_page(smol4, "The capital of France is")
+    some = viz.lens_page(smol4, "The capital of France is", attention_layers=[3, 1, 3])
+    assert [part["layer"] for part in whole.payload["attention"]] == [0, 1, 2, 3]
+    assert some.payload["attention"] == [whole.payload["attention"][1], whole.payload["attention"][3]]
+    assert some.payload["lens"] == whole.payload["lens"]
+    assert viz.lens_page(smol4, "The capital of France is", attention_layers=[]).payload["attention"] == []
+    with pytest.raises(ValueError, match=r"^attention_layers: 4 is not a layer of this model \(0 \.\. 3\)"):
+        viz.lens_page(smol4, "x", attention_layers=[4])
+
+
 def test_page_text_cannot_break_out_of_its_script():
     """A prompt is data: '</script>' or a template slot in it stays inside the payload."""
     prompt = "</script><script>alert(1)</script> {{js}} <!--"

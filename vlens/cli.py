@@ -144,8 +144,13 @@ def _cmd_lens(args: argparse.Namespace) -> int:
     _at_least("--max-tokens", args.max_tokens, 0)
     _at_least("--top-k", args.top_k, 1)
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
+    if args.attention_layers:
+        layers = read_config(resolve_model_path(args.model)).num_layers
+        for layer in args.attention_layers:
+            if not 0 <= layer < layers:
+                raise ValueError(f"--attention-layers: {layer} is not a layer of this model (0 .. {layers - 1})")
     llm = _llm(args)
-    view = lens_page(llm, args.prompt, max_tokens=args.max_tokens, top_k=args.top_k, sae=sae)
+    view = lens_page(llm, args.prompt, args.max_tokens, args.top_k, sae, args.attention_layers)
     view.save(args.out)
     tokens, layers = len(view.payload["token_ids"]), len(view.payload["attention"])
     print(f"wrote {args.out}: {tokens} tokens, logit lens and attention at {layers} layers{', SAE features' * bool(sae)}")
@@ -242,6 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=5, help="tokens per logit-lens cell, latents per token (default: 5)")
     p.add_argument("--sae", metavar="PATH", help="also show this SAE's top latents per token (SAELens dir or params.npz)")
     p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
+    p.add_argument("--attention-layers", metavar="L", type=int, nargs="+",
+                   help="the layers whose attention the page carries (default: every layer; each is heads x tokens^2 / 2 "
+                        "weights, so a long prompt on a deep model may want a few)")  # fmt: skip
     p.set_defaults(func=_cmd_lens)
 
     harvest_cli.add_parser(commands)

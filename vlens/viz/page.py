@@ -9,7 +9,7 @@ from vlens.outputs import RequestOutput
 from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.viz.html import View
-from vlens.viz.payload import attention_part, empty, layer_of, lens_ids, lens_part, name_tokens, sae_part
+from vlens.viz.payload import attention_part, empty, lens_ids, lens_part, name_tokens, sae_part
 
 
 def logit_lens(output: RequestOutput, tokenizer: Any = None) -> View:
@@ -38,10 +38,19 @@ def sae_features(output: RequestOutput, tokenizer: Any = None, name: str = "sae"
     return View(payload, "vlens SAE features")
 
 
-def lens_page(llm, prompt: str, max_tokens: int = 0, top_k: int = 5, sae: SAE | None = None) -> View:
+def lens_page(
+    llm, prompt: str, max_tokens: int = 0, top_k: int = 5, sae: SAE | None = None,
+    attention_layers: list[int] | None = None,
+) -> View:  # fmt: skip
     """Everything the server's /lens shows for a prompt, as one static view: the logit lens at every
-    layer's residual stream, every layer's attention patterns and, with an SAE, its top latents. The
-    prompt is generated from greedily first; the other views read the prompt and its completion."""
+    layer's residual stream, the attention patterns of `attention_layers` (None: every layer; the page
+    carries all their heads, [layers, heads, tokens, tokens / 2] weights, so a long prompt on a deep model
+    may want a few) and, with an SAE, its top latents. The prompt is generated from greedily first; the
+    other views read the prompt and its completion."""
+    layers = range(llm.config.num_layers)
+    for layer in attention_layers or []:
+        if layer not in layers:
+            raise ValueError(f"attention_layers: {layer} is not a layer of this model (0 .. {len(layers) - 1})")
     [first] = llm.generate(
         prompt,
         SamplingParams(max_tokens=max_tokens, temperature=0,
@@ -51,14 +60,14 @@ def lens_page(llm, prompt: str, max_tokens: int = 0, top_k: int = 5, sae: SAE | 
     payload = logit_lens(first, llm.tokenizer).payload
     payload["model"] = llm.model_name
     tokens = payload["token_ids"]
-    captures = [Capture(hooks="blocks.*.attn.hook_pattern", dtype="float32")]
+    chosen = layers if attention_layers is None else sorted(set(attention_layers))
+    patterns = [f"blocks.{layer}.attn.hook_pattern" for layer in chosen]
+    captures = [Capture(hooks=patterns, dtype="float32")] if chosen else []
     if sae is not None:
         captures.append(Capture(sae=sae, top_k=top_k))
-    outputs = llm.generate([tokens] * len(captures), [SamplingParams(max_tokens=0, capture=c) for c in captures],
-                           use_tqdm=False)  # fmt: skip
-    patterns = outputs[0]
-    layers = sorted(layer_of(hook) for hook in patterns.activations)
-    payload["attention"] = [attention_part(patterns, layer) for layer in layers]
+    params = [SamplingParams(max_tokens=0, capture=c) for c in captures]
+    outputs = llm.generate([tokens] * len(captures), params, use_tqdm=False) if captures else []
+    payload["attention"] = [attention_part(outputs[0], layer) for layer in chosen]
     if sae is not None:
-        payload["sae"] = sae_part(outputs[1])
+        payload["sae"] = sae_part(outputs[-1])
     return View(payload, f"vlens lens: {prompt}")
