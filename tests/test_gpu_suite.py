@@ -51,7 +51,7 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_the_exactness_section_runs_on_the_cpu(tmp_path):
     """Narrow SmolLM2-shaped layers, float32: every tap of a trace, a paged generation, greedy tokens and
     chunked prefill against HF, as on the GPU (graphs off: this is the CPU)."""
-    done = _suite(tmp_path, "--quick", "--sections", "exact", "--out", "suite.json")
+    done = _suite(tmp_path, "--sections", "exact", "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
     assert "errors" not in rows, rows["errors"]
