@@ -61,6 +61,6 @@ def test_the_exactness_section_runs_on_the_cpu(tmp_path):
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
 
 
-def test_an_unknown_section_is_refused():
-    done = _suite(Path.cwd(), "--sections", "exact,latency")
+def test_an_unknown_section_is_refused(tmp_path):
+    done = _suite(tmp_path, "--sections", "exact,latency")
     assert done.returncode == 2 and "--sections: latency not among generate, exact, profile, harvest" in done.stderr
