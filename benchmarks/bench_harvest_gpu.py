@@ -16,7 +16,8 @@ attention (2 x layers x context x d_model per token), over the bf16 matmul peak 
 Targets (issue 26): >= 2x HF hook-stop, >= 3x HF all-hidden, >= 45% MFU.
 
 Run:  .venv/bin/python benchmarks/bench_harvest_gpu.py [--windows 192] [--out harvest_gpu.json]
-`measure(path, windows)` is what benchmarks/gpu_suite.py's harvest row calls.
+`measure(path, windows, device)` is what benchmarks/gpu_suite.py's harvest row calls (`--device cpu`: the
+same steps on the CPU, with a peak from a smaller matmul).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_suite import sync  # (benchmarks/ is on the path: this script's folder, or gpu_suite's harvest row)
 
 CONTEXT = 1024
 LAYER = 8
@@ -39,21 +41,22 @@ HOOK = f"blocks.{LAYER}.hook_resid_post"
 def timed(fn) -> float:
     """Seconds of the second of two calls (the first warms the allocator, kernels and hashes)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
 
 
-def bf16_peak_flops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+def bf16_peak_flops(device: str) -> float:
+    n = 8192 if device == "cuda" else 512  # (on the CPU, a smoke test's)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn_like(a)
     seconds = timed(lambda: [a @ b for _ in range(20)])
-    return 20 * 2 * 8192**3 / seconds
+    return 20 * 2 * n**3 / seconds
 
 
-def measure(path: str, windows: int) -> dict:
+def measure(path: str, windows: int, device: str = "cuda") -> dict:
     """Every number of the harvest row, for the checkpoint at `path` (a Llama-shaped model, bf16)."""
     import vlens
     from vlens import LLM
@@ -65,8 +68,8 @@ def measure(path: str, windows: int) -> dict:
     corpus = root / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"tokens": w}) for w in ids))
     tokens = windows * CONTEXT
-    peak = bf16_peak_flops()
-    loaded = load_model(path, dtype="bfloat16", device="cuda")  # no KV cache: the batches get the memory
+    peak = bf16_peak_flops(device)
+    loaded = load_model(path, dtype="bfloat16", device=device)  # no KV cache: the batches get the memory
     hidden = loaded.config.hidden_size
     run_params = sum(p.numel() for p in loaded.model.layers[: LAYER + 1].parameters())
     flops = tokens * (2 * run_params + 2 * (LAYER + 1) * CONTEXT * hidden)
@@ -86,14 +89,14 @@ def measure(path: str, windows: int) -> dict:
     out["serial_same_bytes"] = _files(runs[-1]) == _files(runs[-3])
     loaded = None
     torch.cuda.empty_cache()
-    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_batched_tokens=16 * CONTEXT)
+    llm = LLM(path, dtype="bfloat16", device=device, max_num_batched_tokens=16 * CONTEXT)
     out["trace"] = timed(lambda: llm.trace(ids, HOOK))
     llm = None
     torch.cuda.empty_cache()
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     out["hf_hook_stop"] = {b: timed(lambda: _hf_hook_stop(hf, ids, b)) for b in (8, 16, 32, 64)}  # noqa: B023
     out["hf_all_hidden"] = {b: timed(lambda: _hf_all_hidden(hf, ids, b)) for b in (8, 16, 32)}  # noqa: B023
     best = out["vlens_256M"]
@@ -118,7 +121,7 @@ def _hf_hook_stop(hf, ids: list[list[int]], batch: int) -> None:
     try:
         for start in range(0, len(ids), batch):
             with torch.inference_mode(), contextlib.suppress(_Stop):
-                hf(torch.tensor(ids[start : start + batch], device="cuda"), use_cache=False)
+                hf(torch.tensor(ids[start : start + batch], device=hf.device), use_cache=False)
     finally:
         handle.remove()
 
@@ -126,7 +129,7 @@ def _hf_hook_stop(hf, ids: list[list[int]], batch: int) -> None:
 def _hf_all_hidden(hf, ids: list[list[int]], batch: int) -> None:
     for start in range(0, len(ids), batch):
         with torch.inference_mode():
-            batch_ids = torch.tensor(ids[start : start + batch], device="cuda")
+            batch_ids = torch.tensor(ids[start : start + batch], device=hf.device)
             hf(batch_ids, use_cache=False, output_hidden_states=True).hidden_states[LAYER + 1].cpu()
 
 
@@ -143,7 +146,8 @@ def main() -> None:
     from gpu_suite import LLAMA_1B, random_checkpoint
     from transformers import LlamaConfig
 
-    path = random_checkpoint(LlamaConfig(**LLAMA_1B), Path(tempfile.mkdtemp()), "llama-3.2-1b-shape")
+    root = Path(tempfile.mkdtemp())
+    path = random_checkpoint(LlamaConfig(**LLAMA_1B), root, "llama-3.2-1b-shape", torch.bfloat16, "cuda")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **measure(path, args.windows)}
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(f"{result['gpu']}, torch {result['torch']}; {result['tokens']:,} tokens, bf16 peak "

@@ -20,12 +20,16 @@ slow section costs only itself. Sections:
             model FLOPs utilisation of the layers run vs the measured peak, vs HF stopped by a hook at its best
             batch and HF output_hidden_states
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
---quick shrinks every workload (a smoke test of the script itself).
+--quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
+the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
+depths, 64-128 wide), in ~3 minutes on 2 cores: its numbers mean nothing, but the sections' code, the guards
+and the JSON run there, on the installed torch and transformers, before a device lease is spent on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import random
 import signal
@@ -36,7 +40,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from vlens import LLM, Capture, SamplingParams, Steer
 
@@ -46,6 +51,19 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
                rms_norm_eps=1e-5)  # fmt: skip
+# --device cpu: the layers narrowed, so that every section runs in seconds there
+NARROW = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def shape(config: dict, device: str) -> dict:
+    """`config` as the suite runs it on `device`: as it is on CUDA, NARROW on the CPU."""
+    return config if device == "cuda" else {**config, **NARROW}
+
+
+def sync() -> None:
+    """Wait for the GPU, where there is one (the CPU's work is done when its call returns)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class Guard:
@@ -80,18 +98,19 @@ def timed(fn, runs: int = 1) -> float:
     fn()
     best = float("inf")
     for _ in range(runs):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def random_checkpoint(config, root: Path, name: str, dtype: torch.dtype) -> str:
+def random_checkpoint(config, root: Path, name: str, dtype: torch.dtype, device: str = "cpu") -> str:
+    """A checkpoint of random weights, initialised on `device` (the 1B shape initialises fast on the GPU)."""
     path = root / name
     torch.manual_seed(0)
-    with torch.device("cuda" if dtype == torch.bfloat16 else "cpu"):  # the 1B shape initialises fast on the GPU
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # random norms too, so a tap that skipped a weight would show
         for n, p in model.named_parameters():
@@ -101,15 +120,15 @@ def random_checkpoint(config, root: Path, name: str, dtype: torch.dtype) -> str:
     return str(path)
 
 
-def exactness(rows: dict, root: Path, quick: bool) -> None:
+def exactness(rows: dict, root: Path, quick: bool, device: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_reference import hf_taps, same  # the parity tests' definition of every tap
 
-    path = random_checkpoint(LlamaConfig(**SMOLLM2), root, "smollm2-shape", torch.float32)
+    path = random_checkpoint(LlamaConfig(**shape(SMOLLM2, device)), root, "smollm2-shape", torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the reference, on the CPU
-    llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=16, kv_cache_memory=2 << 30)
+    llm = LLM(path, dtype="float32", device=device, max_num_seqs=16, kv_cache_memory=2 << 30)
     rng = random.Random(0)
     ids = [rng.randrange(100, 49000) for _ in range(40)]
     got = llm.trace([ids], list(llm.hook_names()))[0]
@@ -145,7 +164,9 @@ def exactness(rows: dict, root: Path, quick: bool) -> None:
     llm = None
     # the same requests in prefill chunks of 64 tokens: each later chunk reads its cached keys (causal from
     # the bottom right, no mask built)
-    chunked = LLM(path, dtype="float32", device="cuda", max_num_seqs=16, kv_cache_memory=2 << 30, max_num_batched_tokens=64)
+    chunked = LLM(
+        path, dtype="float32", device=device, max_num_seqs=16, kv_cache_memory=2 << 30, max_num_batched_tokens=64
+    )
     chunked_worst, chunked_equal = 0.0, 0
     for o, c in zip(outs, chunked.generate(prompts, params, use_tqdm=False)):
         chunked_equal += o.outputs[0].token_ids == c.outputs[0].token_ids
@@ -159,7 +180,7 @@ def exactness(rows: dict, root: Path, quick: bool) -> None:
     # bottom-right causal kernel (float32 takes the memory-efficient one)
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, capture=Capture(hooks, positions="all"))
     whole, parts = (
-        LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=16, kv_cache_memory=1 << 30, max_num_batched_tokens=b)
+        LLM(path, dtype="bfloat16", device=device, max_num_seqs=16, kv_cache_memory=1 << 30, max_num_batched_tokens=b)
         .generate(prompts, first, use_tqdm=False) for b in (4096, 64)
     )  # fmt: skip
     bf16_worst = max(
@@ -175,17 +196,18 @@ def _workload(n: int) -> list[list[int]]:
     return [[rng.randrange(1000, 100000) for _ in range(rng.randint(32, 512))] for _ in range(n)]
 
 
-def generation(rows: dict, path: str, quick: bool) -> None:
+def generation(rows: dict, path: str, quick: bool, device: str) -> None:
     n, new = (32, 32) if quick else (256, 128)
     prompts = _workload(n)
     plain = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     three = Capture(["blocks.3.hook_resid_post", "blocks.8.hook_resid_post", "blocks.13.hook_resid_post"], positions="generated")
     g = torch.Generator().manual_seed(0)
-    steers = [Steer("blocks.8.hook_resid_post", torch.randn(LLAMA_1B["hidden_size"], generator=g)) for _ in prompts]
+    hidden = AutoConfig.from_pretrained(path).hidden_size
+    steers = [Steer("blocks.8.hook_resid_post", torch.randn(hidden, generator=g)) for _ in prompts]
     out: dict = {}
     for eager in (False, True):
         # every run computes its prompts, as HF's does (the runs repeat them: a prefix cache would skip them)
-        llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=eager, enable_prefix_caching=False)
+        llm = LLM(path, dtype="bfloat16", device=device, enforce_eager=eager, enable_prefix_caching=False)
 
         def run(params, llm=llm):
             return lambda: llm.generate(prompts, params, use_tqdm=False)
@@ -210,13 +232,13 @@ def generation(rows: dict, path: str, quick: bool) -> None:
         del llm
         torch.cuda.empty_cache()
     rows["generate_vlens"] = out
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
 
     def hf_generate():
         for i in range(0, len(prompts), 64):
             batch = prompts[i : i + 64]
             width = max(map(len, batch))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device="cuda")
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
             with torch.inference_mode():
                 hf.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=new, min_new_tokens=new,
                             do_sample=False, pad_token_id=0)  # fmt: skip
@@ -242,42 +264,43 @@ def _step_ms(llm: LLM, prompts: list[list[int]]) -> float:
     return 1000 * (t33 - t1) / 32
 
 
-def profile(rows: dict, path: str, quick: bool) -> None:
+def profile(rows: dict, path: str, quick: bool, device: str) -> None:
     import cProfile
     import pstats
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    llm = LLM(path, dtype="bfloat16", device="cuda")
+    llm = LLM(path, dtype="bfloat16", device=device)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     out = rows["profile"] = {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for b in (1, 64):
         prompts = _workload(b)
         llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        with torch_profile(activities=activities) as prof:
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
-            torch.cuda.synchronize()
+            sync()
             wall = time.perf_counter() - start
         events = prof.key_averages()
-        device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu_us = sum(e.self_device_time_total for e in device)
+        on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_us = sum(e.self_device_time_total for e in on_device)
         launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
         host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
         out[f"b{b}"] = {
             "wall_s": wall, "gpu_busy_share": gpu_us / 1e6 / wall, "graph_launches": launches,
-            "device_ops_per_launch": sum(e.count for e in device) / max(launches, 1),
+            "device_ops_per_launch": sum(e.count for e in on_device) / max(launches, 1),
             "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3, 1), e.count) for e in host],
             "top_device_ops": [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count)
-                               for e in sorted(device, key=lambda e: -e.self_device_time_total)[:10]],
+                               for e in sorted(on_device, key=lambda e: -e.self_device_time_total)[:10]],
         }  # fmt: skip
     out["gpu_busy_share"] = out["b64"]["gpu_busy_share"]
     profiler = cProfile.Profile()  # where the host's time goes, by Python function, batch 64
     profiler.enable()
     llm.generate(_workload(64), params, use_tqdm=False)
-    torch.cuda.synchronize()
+    sync()
     profiler.disable()
     table = sorted(pstats.Stats(profiler).stats.items(), key=lambda kv: -kv[1][2])[:25]
     out["python_top_tottime_ms"] = [
@@ -285,14 +308,22 @@ def profile(rows: dict, path: str, quick: bool) -> None:
     ]  # fmt: skip
 
 
-def harvesting(rows: dict, path: str, quick: bool) -> None:
+def harvesting(rows: dict, path: str, quick: bool, device: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_harvest_gpu import measure  # the harvest row's own benchmark: vlens vs HF, MFU
 
-    rows["harvest"] = measure(path, 16 if quick else 192)
+    rows["harvest"] = measure(path, 4 if device == "cpu" else 16 if quick else 192, device)
 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60}
+
+
+def _version(package: str) -> str | None:
+    """The installed version of `package`, without importing it (None: not installed)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -300,19 +331,29 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="gpu_suite.json")
     ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test over narrow layers")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "gpu_suite.py needs a CUDA GPU"
-    rows: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    guard, root = Guard(Path(args.out), rows), Path(tempfile.mkdtemp())
     wanted = args.sections.split(",")
-    llama = random_checkpoint(LlamaConfig(**LLAMA_1B), root, "llama-3.2-1b-shape", torch.bfloat16)
+    if unknown := set(wanted) - set(SECTIONS):
+        ap.error(f"--sections: {', '.join(sorted(unknown))} not among {', '.join(SECTIONS)}")
+    device = args.device
+    assert device == "cpu" or torch.cuda.is_available(), "gpu_suite.py needs a CUDA GPU (or --device cpu)"
+    rows: dict = {
+        "device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "torch": torch.__version__, "transformers": transformers.__version__, "triton": _version("triton"),
+    }  # fmt: skip
+    guard, root = Guard(Path(args.out), rows), Path(tempfile.mkdtemp())
+    quick = args.quick or device == "cpu"
+    slower = 1 if device == "cuda" else 3  # the time guards' (a profiled CPU decode run takes ~40 s)
+    config = LlamaConfig(**shape(LLAMA_1B, device))
+    llama = random_checkpoint(config, root, "llama-3.2-1b-shape", torch.bfloat16, device)
     if "exact" in wanted:  # first: a run cut short still says whether the numbers are right
-        guard.run("exact", SECTIONS["exact"], exactness, root, args.quick)
+        guard.run("exact", SECTIONS["exact"] * slower, exactness, root, quick, device)
     if "generate" in wanted:
-        guard.run("generate", SECTIONS["generate"], generation, llama, args.quick)
+        guard.run("generate", SECTIONS["generate"] * slower, generation, llama, quick, device)
     for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
-            guard.run(name, SECTIONS[name], fn, llama, args.quick)
+            guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
     print(json.dumps(rows, indent=2, default=str))
 
 

@@ -19,6 +19,7 @@ from family_parity import VOCAB, build
 from hf_reference import same
 from test_patterns import FAMILIES
 
+import vlens.attention.varlen
 from vlens import LLM, Capture, SamplingParams
 from vlens.attention import LayerKind, choose, layout, make_backend
 from vlens.attention.flex import FlexBackend, cuda_tiles
@@ -109,9 +110,28 @@ def test_auto_is_sdpa_on_a_cpu_logged_once_and_in_stats(pair, caplog):
 KIND = LayerKind(num_heads=8, num_kv_heads=2, head_dim=64, window=None, scale=0.125, softcap=None)
 
 
-def test_auto_on_cuda_follows_dtype_layers_and_paging():
-    """Decided without a GPU: FlashInfer is not installed here, and this torch's varlen_attn takes block
-    tables; varlen is chosen only where it reads the cache in place (blocks of a multiple of 256)."""
+def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None): ...
+
+
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1)): ...
+
+
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+
+def _installed_varlen(monkeypatch, fn) -> None:
+    """Make `fn` the varlen_attn this torch has, wherever vlens asks for it."""
+    monkeypatch.setattr(vlens.attention, "varlen_function", lambda: fn)
+    monkeypatch.setattr(vlens.attention.varlen, "varlen_function", lambda: fn)
+
+
+def test_auto_on_cuda_follows_dtype_layers_and_paging(monkeypatch):
+    """Decided without a GPU: FlashInfer is not installed here, and with a varlen_attn that takes block
+    tables (torch 2.13's), varlen is chosen only where it reads the cache in place (blocks of a multiple of
+    256)."""
+    _installed_varlen(monkeypatch, _varlen_2_13)
     cuda = torch.device("cuda")
     assert choose(cuda, {KIND}, torch.bfloat16, 256)[0] == "varlen"
     assert choose(cuda, {KIND}, torch.bfloat16, 16) == (
@@ -123,6 +143,19 @@ def test_auto_on_cuda_follows_dtype_layers_and_paging():
         "sdpa", "varlen cannot soft-cap attention scores, which this model's layers do"
     )
     assert choose(torch.device("cpu"), {KIND}, torch.bfloat16, 256)[0] == "sdpa"
+
+
+@pytest.mark.parametrize("fn", [_varlen_2_11, _varlen_2_10])
+def test_auto_on_cuda_keeps_sdpa_where_varlen_cannot_page(monkeypatch, fn):
+    """torch 2.11's varlen_attn (the GPU suite's) and 2.10's take no block tables: they would gather keys,
+    as sdpa does, so auto stays with the reference kernel; varlen named still runs, over gathered keys."""
+    _installed_varlen(monkeypatch, fn)
+    cuda = torch.device("cuda")
+    assert choose(cuda, {KIND}, torch.bfloat16, 256) == (
+        "sdpa", "this torch's varlen_attn takes no block tables (it would gather keys, as sdpa does)"
+    )
+    backend = make_backend("varlen", cuda, False, {KIND}, torch.bfloat16, 256)
+    assert not backend.pages and backend.prepare(_step(256), {KIND}, torch.bfloat16).key_slots is not None
 
 
 @pytest.mark.parametrize(
@@ -138,25 +171,23 @@ def test_varlen_refuses_models_it_cannot_run(kinds, dtype, message):
         make_backend("varlen", torch.device("cuda"), False, kinds, dtype, 16)
 
 
-def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None): ...
-
-
-def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
-
-
 def test_varlen_arguments_follow_the_installed_signature():
     """Detected from the signature: paging, windows, scale and the grouped-query flag where it is taken,
     `is_causal` where it is not; what an older signature cannot say is refused by name."""
-    assert takes_pages(_varlen_2_13) and not takes_pages(_varlen_2_11)
+    assert takes_pages(_varlen_2_13) and not takes_pages(_varlen_2_11) and not takes_pages(_varlen_2_10)
     windowed = KIND._replace(window=6, scale=0.25)
     expected = {"window_size": (5, 0), "scale": 0.25, "enable_gqa": True}
     assert layer_arguments(windowed, keywords(_varlen_2_13)) == expected
     assert layer_arguments(KIND, keywords(_varlen_2_13))["window_size"] == (-1, 0)
-    assert layer_arguments(KIND, keywords(_varlen_2_11)) == {"is_causal": True}
-    assert varlen_problem({KIND}, torch.bfloat16, _varlen_2_11) is None
-    assert "takes window_size" in varlen_problem({KIND._replace(window=6)}, torch.bfloat16, _varlen_2_11)
-    assert "takes scale" in varlen_problem({KIND._replace(scale=0.25)}, torch.bfloat16, _varlen_2_11)
+    # 2.11: no grouped-query flag (Flash Attention takes fewer KV heads as they are); the tuple (-1, 0) is
+    # what its varlen_attn compares with to run causally
+    assert layer_arguments(windowed, keywords(_varlen_2_11)) == {"window_size": (5, 0), "scale": 0.25}
+    assert layer_arguments(KIND, keywords(_varlen_2_11)) == {"window_size": (-1, 0), "scale": 0.125}
+    assert varlen_problem({windowed}, torch.bfloat16, _varlen_2_11) is None
+    assert layer_arguments(KIND, keywords(_varlen_2_10)) == {"is_causal": True}
+    assert varlen_problem({KIND}, torch.bfloat16, _varlen_2_10) is None
+    assert "takes window_size" in varlen_problem({KIND._replace(window=6)}, torch.bfloat16, _varlen_2_10)
+    assert "takes scale" in varlen_problem({KIND._replace(scale=0.25)}, torch.bfloat16, _varlen_2_10)
     assert varlen_problem({windowed}, torch.bfloat16, _varlen_2_13) is None
 
 

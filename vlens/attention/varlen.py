@@ -9,9 +9,10 @@ multiple of 256 (Flash Attention 2's paged kernel requires it; a layer's cache, 
 keys, packed like the queries. Causal masking is Flash Attention's, aligned bottom-right (a sequence's
 queries are its last positions); a sliding window of w keys is window_size (w - 1, 0): HF's p - w < j <= p.
 
-The function's keywords changed across torch releases (2.11's takes `is_causal` and no window, scale or
-grouped-query flag; 2.13's `window_size`, `scale`, `enable_gqa`, `block_table`, `seqused_k`): the arguments
-are built from its signature, once per step and layer kind. It cannot soft-cap scores (Gemma 2) and needs
+The function's keywords changed across torch releases (2.10's takes `is_causal` and no window, scale or
+grouped-query flag; 2.11's `window_size` and `scale` but no block tables, so there it gathers keys; 2.13's
+adds `enable_gqa`, `block_table`, `seqused_k`): the arguments are built from its signature, once per step
+and layer kind. It cannot soft-cap scores (Gemma 2) and needs
 float16 or bfloat16 and a head size that is a multiple of 8 up to 256, plus, from an older signature, no
 sliding window and the default scale: `problem` names the rule a model breaks.
 """

@@ -1,0 +1,66 @@
+"""benchmarks/gpu_suite.py off the GPU: its guard (a section that fails or runs too long is recorded and the
+suite goes on, the JSON rewritten after each) and its exactness section as `--device cpu` runs it, through
+the script itself, on the installed torch and transformers. A device lease is short: what fails here would
+fail there before any number is measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from gpu_suite import Guard  # noqa: E402
+
+
+def test_a_failed_or_slow_section_is_recorded_and_the_suite_goes_on(tmp_path):
+    out = tmp_path / "suite.json"
+    rows: dict = {"gpu": None}
+    guard = Guard(out, rows)
+
+    def fails(rows):
+        raise RuntimeError("no such kernel")
+
+    def sleeps(rows):
+        time.sleep(5)
+
+    def works(rows, value):
+        rows["works"] = value
+
+    guard.run("fails", 5, fails)
+    assert json.loads(out.read_text())["errors"] == {"fails": "RuntimeError: no such kernel"}
+    guard.run("sleeps", 1, sleeps)
+    guard.run("works", 5, works, 42)
+    written = json.loads(out.read_text())
+    assert written["works"] == 42 and set(written["seconds"]) == {"fails", "sleeps", "works"}
+    assert written["errors"]["sleeps"] == "TimeoutError: section sleeps ran past 1 s"
+    assert written["seconds"]["sleeps"] < 3
+
+
+def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    paths = [str(BENCHMARKS.parent), *filter(None, [os.environ.get("PYTHONPATH")])]  # vlens from this checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    command = [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--device", "cpu", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_exactness_section_runs_on_the_cpu(tmp_path):
+    """Narrow SmolLM2-shaped layers, float32: every tap of a trace, a paged generation, greedy tokens and
+    chunked prefill against HF, as on the GPU (graphs off: this is the CPU)."""
+    done = _suite(tmp_path, "--sections", "exact", "--out", "suite.json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "suite.json").read_text())
+    assert "errors" not in rows, rows["errors"]
+    assert (rows["device"], rows["gpu"], set(rows["seconds"])) == ("cpu", None, {"exact"})
+    exact = rows["exact"]
+    assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"], exact
+    assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
+
+
+def test_an_unknown_section_is_refused(tmp_path):
+    done = _suite(tmp_path, "--sections", "exact,latency")
+    assert done.returncode == 2 and "--sections: latency not among generate, exact, profile, harvest" in done.stderr
