@@ -39,7 +39,8 @@ def to_token_lists(
 
 
 def _is_token_list(x: Any) -> bool:
-    # bool is an int subclass: [True, False] is a mistake, not tokens 1 and 0.
+    # bool is an int subclass: [True, False] is a mistake, not tokens 1 and 0. A tensor or array has __index__
+    # too, but only one of a single element is a token: [tensor([1, 2])] is a list of one prompt, not of ids.
     return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
-        hasattr(t, "__index__") and not isinstance(t, bool) for t in x
+        hasattr(t, "__index__") and not isinstance(t, bool) and getattr(t, "ndim", 0) == 0 for t in x
     )
