@@ -180,7 +180,8 @@ class ActivationCache(Mapping):
         """The residual stream entering each layer up to `layer` (all, and the last layer's output, by
         default), [components, batch, positions, d]. `apply_ln` puts every component through the
         model's own final norm (weight included, its scale computed per component), as a logit lens
-        reads them; TransformerLens instead divides by the final norm's cached scale. `pos_slice` keeps
+        reads them, as TransformerLens 3 does for the whole stream (for an earlier `layer` it divides by that
+        layer's cached ln1 scale instead). `pos_slice` keeps
         those positions of each text, as run_with_cache's does (an int: [components, batch, d])."""
         n = self.model.cfg.num_layers
         layer = n if layer in (-1, None) else layer
