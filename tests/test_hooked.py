@@ -166,6 +166,8 @@ def test_cache_keys_as_transformer_lens_takes_them(hooked):
     assert torch.equal(cache["resid_post", -1], cache[f"blocks.{n - 1}.hook_resid_post"])  # negative from the end
     assert torch.equal(cache["attn", 3], cache["blocks.3.attn.hook_pattern"])
     assert torch.equal(cache["k3"], cache["blocks.3.attn.hook_k"])
+    # TransformerLens's post-rotary names read vlens's hook_q / hook_k (after rotary, as HF's): a KeyError before
+    assert torch.equal(cache["rot_q", 3], cache["q", 3]) and torch.equal(cache["blocks.3.attn.hook_rot_k"], cache["k", 3])
 
 
 def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):

@@ -39,6 +39,8 @@ MLP_NAMES = {"pre", "post", "mid", "pre_linear"}
 ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
                "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}  # fmt: skip
 LAYER_TYPES = {"a": "attn", "m": "mlp", "attention": "attn", "b": None, "block": None, "blocks": None}
+# TransformerLens's queries and keys after rotary: vlens's hook_q / hook_k, whose meaning is HF's (after rotary)
+ROTATED = {"hook_rot_q": "hook_q", "hook_rot_k": "hook_k"}
 HookFn = Callable[..., "torch.Tensor | None"]
 NamesFilter = "str | Sequence[str] | Callable[[str], bool] | None"
 
@@ -148,6 +150,9 @@ class ActivationCache(Mapping):
         name = get_act_name(*key) if isinstance(key, tuple) else key
         if name not in self._tensors and isinstance(key, str):
             name = get_act_name(key)
+        head, _, leaf = name.rpartition(".")
+        if name not in self._tensors and leaf in ROTATED:
+            name = f"{head}.{ROTATED[leaf]}"
         if name not in self._tensors:
             raise KeyError(f"{name!r} is not in the cache; cached: {', '.join(self._tensors)}")
         return self._tensors[name] if self.has_batch_dim else self._tensors[name][0]
