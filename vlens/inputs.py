@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts
 
 
 def to_token_lists(
     prompts: Any, tokenizer: Any, vocab_size: int, field: str = "prompts", add_special_tokens: bool = True
 ) -> list[list[int]]:
-    """str | list[str] | list[list[int]] -> list of token-id lists, tokenized with the tokenizer's
-    defaults (special tokens included, as HF does, unless add_special_tokens=False)."""
-    if isinstance(prompts, str) or _is_token_list(prompts):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError(f"{field}: expected a string, a list of strings or a list of token-id lists, got {prompts!r}")
+    """str | list[str] | list[list[int]] (or vLLM's prompt dicts, see prompt_list) -> list of token-id lists,
+    tokenized with the tokenizer's defaults (special tokens included, as HF does, unless add_special_tokens=False)."""
     out = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompt_list(prompts, field)):
         if isinstance(p, str):
             if not p:
                 raise ValueError(f"{field}[{i}]: empty text; give at least one character")
@@ -35,6 +33,25 @@ def to_token_lists(
         if not ids:
             raise ValueError(f"{field}[{i}]: empty prompt (no tokens)")
         out.append(list(ids))
+    return out
+
+
+def prompt_list(prompts: Any, field: str = "prompts") -> list[Any]:
+    """The prompts as a list of texts and token-id lists: one prompt becomes a list of one, and vLLM's prompt
+    dicts, {"prompt": text} and {"prompt_token_ids": ids}, their text or ids (so a vLLM script that passes
+    TextPrompt or TokensPrompt runs unchanged)."""
+    if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"{field}: expected a string, a list of strings or a list of token-id lists, got {prompts!r}")
+    out = list(prompts)
+    for i, p in enumerate(out):
+        if isinstance(p, Mapping):
+            keys = [k for k in PROMPT_KEYS if k in p]
+            if len(keys) != 1 or len(p) != 1:
+                raise ValueError(f"{field}[{i}]: a prompt dict holds one of {', '.join(PROMPT_KEYS)} and nothing else; "
+                                 f"got the keys {sorted(map(str, p))}")  # fmt: skip
+            out[i] = p[keys[0]]
     return out
 
 
