@@ -227,6 +227,18 @@ def test_tokens_and_loss(hooked, hf_smol):
     with torch.inference_mode():
         ref = hf_smol(ids[None], labels=ids[None]).loss
     assert rel_err(loss, ref) <= 1e-5
+    # TransformerLens's BOS on texts, in the forwards too (a TypeError before): the tokens of to_tokens(prepend_bos=True)
+    with_bos = hooked.to_tokens(TEXTS[:2], prepend_bos=True)
+    assert with_bos[:, 0].tolist() == [hooked.tokenizer.bos_token_id] * 2
+    assert torch.equal(hooked(TEXTS[:2], prepend_bos=True), hooked(with_bos, attention_mask=_bos_mask(hooked, TEXTS[:2])))
+    _, cache = hooked.run_with_cache(TEXTS[0], prepend_bos=True, names_filter="hook_embed")
+    assert cache["hook_embed"].shape[1] == len(with_bos[0])
+
+
+def _bos_mask(hooked: HookedLM, texts: list[str]) -> torch.Tensor:
+    """Which positions of to_tokens(texts, prepend_bos=True) are tokens."""
+    lengths = [len(hooked.to_tokens(t, prepend_bos=True)[0]) for t in texts]
+    return torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
 
 
 def _left_padded(hooked: HookedLM, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -275,15 +275,17 @@ class HookedLM:
             lists = [ids[1:] if ids[0] == bos and len(ids) > 1 else ids for ids in lists]
         return lists
 
-    def _sequences(self, input: Any, attention_mask: torch.Tensor | None) -> tuple[list[list[int]], Padding]:
-        """The token ids of each text, and where its rows go in the output: from position 0 for texts and a
-        token tensor (taken whole), at the positions `attention_mask` marks when it comes with one (so a
-        left-padded batch comes back left-padded, each text's last position last)."""
+    def _sequences(
+        self, input: Any, attention_mask: torch.Tensor | None, prepend_bos: bool | None = None
+    ) -> tuple[list[list[int]], Padding]:
+        """The token ids of each text (tokenized as to_tokens does), and where its rows go in the output: from
+        position 0 for texts and a token tensor (taken whole), at the positions `attention_mask` marks when it
+        comes with one (so a left-padded batch comes back left-padded, each text's last position last)."""
         if not isinstance(input, torch.Tensor):
             if attention_mask is not None:
                 raise ValueError("attention_mask: goes with a [batch, positions] token tensor; texts are run packed, "
                                  "never padded, so they need none")  # fmt: skip
-            seqs = self._token_lists([input] if isinstance(input, str) else list(input), None)
+            seqs = self._token_lists([input] if isinstance(input, str) else list(input), prepend_bos)
             return seqs, Padding.right([len(s) for s in seqs])
         rows = (input[None] if input.dim() == 1 else input).cpu()
         if attention_mask is None:
@@ -306,10 +308,11 @@ class HookedLM:
         loss_per_token: bool = False,
         attention_mask: torch.Tensor | None = None,
         stop_at_layer: int | None = None,
+        prepend_bos: bool | None = None,
     ):
         """The forward, as run_with_hooks without hook functions of its own."""
         return self.run_with_hooks(input, return_type=return_type, loss_per_token=loss_per_token,
-                                   attention_mask=attention_mask, stop_at_layer=stop_at_layer)  # fmt: skip
+                                   attention_mask=attention_mask, stop_at_layer=stop_at_layer, prepend_bos=prepend_bos)  # fmt: skip
 
     def run_with_cache(
         self,
@@ -321,18 +324,21 @@ class HookedLM:
         attention_mask: torch.Tensor | None = None,
         loss_per_token: bool = False,
         remove_batch_dim: bool = False,
+        prepend_bos: bool | None = None,
     ) -> tuple[Any, ActivationCache]:
         """(output, cache). names_filter: a name, glob, list of them, or a function of the name (None:
         every hook); stop_at_layer: run only the layers below it and return the residual entering it
         ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
         each text, counted from its own start (negative: from its own end); remove_batch_dim: a cache of
-        one text without the batch dimension (the output keeps it, as in TransformerLens)."""
+        one text without the batch dimension (the output keeps it, as in TransformerLens); prepend_bos: as
+        to_tokens's, for texts."""
         names = self._names(names_filter)
         stop_at_layer = self._stop_layer(stop_at_layer)
         if stop_at_layer is not None:
             names = {n: t for n, t in names.items() if layers_needed(t, self.cfg) <= stop_at_layer}
         return self._run(input, attention_mask, names, stop_at_layer=stop_at_layer, pos_slice=pos_slice,
-                         return_type=return_type, loss_per_token=loss_per_token, remove_batch_dim=remove_batch_dim)  # fmt: skip
+                         return_type=return_type, loss_per_token=loss_per_token, remove_batch_dim=remove_batch_dim,
+                         prepend_bos=prepend_bos)  # fmt: skip
 
     def run_with_hooks(
         self,
@@ -342,12 +348,13 @@ class HookedLM:
         stop_at_layer: int | None = None,
         attention_mask: torch.Tensor | None = None,
         loss_per_token: bool = False,
+        prepend_bos: bool | None = None,
     ):
         """The forward with `fn(value, hook)` run at each named tap (a name, glob or a function of the
         name); a hook that returns a tensor of the shape it got replaces the value."""
         with self.hooks(fwd_hooks):
             output, _ = self._run(input, attention_mask, {}, stop_at_layer=self._stop_layer(stop_at_layer),
-                                  return_type=return_type, loss_per_token=loss_per_token)  # fmt: skip
+                                  return_type=return_type, loss_per_token=loss_per_token, prepend_bos=prepend_bos)  # fmt: skip
         return output
 
     def _stop_layer(self, stop_at_layer: int | None) -> int | None:
@@ -398,10 +405,11 @@ class HookedLM:
     def _run(
         self, input: Any, attention_mask: torch.Tensor | None, names: dict[str, str], *, stop_at_layer: int | None = None,
         pos_slice=None, return_type: str | None = "logits", loss_per_token: bool = False, remove_batch_dim: bool = False,
+        prepend_bos: bool | None = None,
     ) -> tuple[Any, ActivationCache]:  # fmt: skip
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type: {return_type!r} is not one of logits, loss, both, None")
-        seqs, padding = self._sequences(input, attention_mask)
+        seqs, padding = self._sequences(input, attention_mask, prepend_bos)
         self.llm.check_fits(seqs, "input")
         if remove_batch_dim:
             _one_text(len(seqs))
@@ -482,10 +490,7 @@ class HookedLM:
             raise ValueError(f"return_type: {return_type!r} is not one of input, str, tokens")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {max_new_tokens!r} is not allowed; expected an int >= 1")
-        if isinstance(input, torch.Tensor):
-            seqs, _ = self._sequences(input, None)
-        else:
-            seqs = self._token_lists([input] if isinstance(input, str) else list(input), prepend_bos)
+        seqs, _ = self._sequences(input, None, prepend_bos)
         self.llm.check_fits(seqs, "input")
         stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ())
         seed = int(torch.randint(2**31, ())) if do_sample and temperature > 0 else None
