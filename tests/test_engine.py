@@ -279,6 +279,28 @@ def test_stops_logprobs_and_hidden_states(smol):
     assert rel_err(out.hidden_states, ref["ln_final.hook_out"]) < 1e-5
 
 
+def test_a_vllm_script_ports_unchanged(smol, hf_smol):
+    """What vLLM scripts read and pass: TextPrompt / TokensPrompt dicts, `llm.get_tokenizer()`,
+    `out.finished` and `completion.cumulative_logprob` (each an AttributeError or a refused prompt before)."""
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
+    ids = smol.tokenizer(PROMPTS[0])["input_ids"]
+    plain = smol.generate([PROMPTS[0], ids], params, use_tqdm=False)
+    dicts = smol.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert [o.prompt for o in dicts] == [PROMPTS[0], None] and dicts[0].finished
+    assert smol.get_tokenizer() is smol.tokenizer
+    [one] = smol.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    completion = one.outputs[0]
+    with torch.inference_mode():
+        logp = hf_smol(torch.tensor([ids + completion.token_ids[:-1]])).logits[0, len(ids) - 1 :].log_softmax(-1)
+    expected = logp.gather(-1, torch.tensor(completion.token_ids)[:, None]).sum().item()
+    assert abs(completion.cumulative_logprob - expected) <= 1e-4 * abs(expected)
+    [no_logprobs] = smol.generate(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert no_logprobs.outputs[0].cumulative_logprob is None  # vLLM's, when logprobs were not asked for
+    with pytest.raises(ValueError, match=r"prompts\[0\]: a prompt dict holds one of prompt, prompt_token_ids"):
+        smol.generate([{"prompt": "hi", "multi_modal_data": {}}], params, use_tqdm=False)
+
+
 def test_chat_uses_the_template(smol):
     messages = [{"role": "user", "content": "Say hi"}]
     [out] = smol.chat(messages, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)

@@ -106,6 +106,7 @@ def test_stop_at_layer_counts_from_the_end_as_transformer_lens_does(hooked):
     expected, _ = hooked.run_with_cache(TEXTS[:2], names_filter="hook_embed", stop_at_layer=n - 1)
     assert torch.equal(resid, expected) and sorted(cache) == sorted(f"blocks.{i}.hook_resid_pre" for i in range(n))
     assert torch.equal(hooked.run_with_hooks(TEXTS[:2], stop_at_layer=-1), expected)
+    assert torch.equal(hooked(TEXTS[:2], stop_at_layer=-1), expected)  # the forward takes it too, as TransformerLens's
     with pytest.raises(ValueError, match=rf"stop_at_layer: {-n - 1} is not an int in -{n}..{n}"):
         hooked.run_with_cache("hi", stop_at_layer=-n - 1)
 
@@ -165,6 +166,8 @@ def test_cache_keys_as_transformer_lens_takes_them(hooked):
     assert torch.equal(cache["resid_post", -1], cache[f"blocks.{n - 1}.hook_resid_post"])  # negative from the end
     assert torch.equal(cache["attn", 3], cache["blocks.3.attn.hook_pattern"])
     assert torch.equal(cache["k3"], cache["blocks.3.attn.hook_k"])
+    # TransformerLens's post-rotary names read vlens's hook_q / hook_k (after rotary, as HF's): a KeyError before
+    assert torch.equal(cache["rot_q", 3], cache["q", 3]) and torch.equal(cache["blocks.3.attn.hook_rot_k"], cache["k", 3])
 
 
 def test_run_with_hooks_ablates_a_head_and_steers_like_hf(hooked, hf_smol):
@@ -224,6 +227,139 @@ def test_tokens_and_loss(hooked, hf_smol):
     with torch.inference_mode():
         ref = hf_smol(ids[None], labels=ids[None]).loss
     assert rel_err(loss, ref) <= 1e-5
+    # TransformerLens's BOS on texts, in the forwards too (a TypeError before): the tokens of to_tokens(prepend_bos=True)
+    with_bos = hooked.to_tokens(TEXTS[:2], prepend_bos=True)
+    assert with_bos[:, 0].tolist() == [hooked.tokenizer.bos_token_id] * 2
+    assert torch.equal(hooked(TEXTS[:2], prepend_bos=True), hooked(with_bos, attention_mask=_bos_mask(hooked, TEXTS[:2])))
+    _, cache = hooked.run_with_cache(TEXTS[0], prepend_bos=True, names_filter="hook_embed")
+    assert cache["hook_embed"].shape[1] == len(with_bos[0])
+
+
+def _bos_mask(hooked: HookedLM, texts: list[str]) -> torch.Tensor:
+    """Which positions of to_tokens(texts, prepend_bos=True) are tokens."""
+    lengths = [len(hooked.to_tokens(t, prepend_bos=True)[0]) for t in texts]
+    return torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+
+
+def _left_padded(hooked: HookedLM, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch as TransformerLens users build it for generation: left-padded tokens and their attention mask."""
+    ids = [hooked.to_tokens(t)[0] for t in texts]
+    width = max(map(len, ids))
+    tokens = torch.full((len(ids), width), hooked.tokenizer.pad_token_id)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, row in enumerate(ids):
+        tokens[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return tokens, mask
+
+
+def test_a_left_padded_batch_comes_back_in_its_own_layout(hooked, hf_smol):
+    """With an attention mask, every output sits where the mask puts each text: `logits[:, -1]` of a left-padded
+    batch is each text's last position. It came back right-padded, so a shorter text's `logits[i, -1]` was a
+    row of zeros (and pos_slice, the loss and the patterns' keys counted from the wrong end)."""
+    texts = TEXTS[:2]
+    tokens, mask = _left_padded(hooked, texts)
+    names = ["blocks.3.hook_resid_post", "blocks.3.attn.hook_pattern"]
+    logits, cache = hooked.run_with_cache(tokens, names_filter=names, attention_mask=mask)
+    _, last = hooked.run_with_cache(tokens, names_filter=names[0], attention_mask=mask, pos_slice=-1)
+    assert torch.equal(cache.mask, mask.bool())
+    width = tokens.shape[1]
+    for i, text in enumerate(texts):
+        ids = hooked.to_tokens(text)[0]
+        real = slice(width - len(ids), None)
+        ref = hf_taps(hf_smol, ids.tolist(), (3,))
+        with torch.inference_mode():
+            hf_logits = hf_smol(ids[None]).logits[0]
+        assert rel_err(logits[i, real], hf_logits) <= 1e-5 and not logits[i, : width - len(ids)].any()
+        assert rel_err(logits[i, -1], hf_logits[-1]) <= 1e-5
+        assert same(cache["resid_post", 3][i, real], ref[names[0]], 1e-5)
+        assert same(last[names[0]][i], ref[names[0]][-1], 1e-5)
+        pattern = cache["pattern", 3][i]  # [heads, query_pos, key_pos]: keys where their tokens are, too
+        assert same(pattern[:, real, real], ref[names[1]].transpose(0, 1), 1e-5)
+        assert not pattern[:, :, : width - len(ids)].any()
+        per_token = hooked(tokens, return_type="loss", loss_per_token=True, attention_mask=mask)[i]
+        losses = torch.nn.functional.cross_entropy(hf_logits[:-1], ids[1:], reduction="none")
+        assert rel_err(per_token[width - len(ids) :], losses) <= 1e-5 and not per_token[: width - len(ids)].any()
+
+
+def test_loss_per_token_as_transformer_lens_gives_it(hooked, hf_smol):
+    """loss_per_token=True: [batch, positions - 1], entry p the loss of the token after position p, zero past
+    each text's end (a TypeError before)."""
+    per_token = hooked(TEXTS[:2], return_type="loss", loss_per_token=True)
+    _, also = hooked.run_with_cache(TEXTS[:2], return_type="loss", loss_per_token=True, names_filter="hook_embed")
+    lengths = [len(hooked.to_tokens(t)[0]) for t in TEXTS[:2]]
+    assert per_token.shape == (2, max(lengths) - 1)
+    for i, (text, n) in enumerate(zip(TEXTS[:2], lengths)):
+        ids = hooked.to_tokens(text)[0]
+        with torch.inference_mode():
+            ref = torch.nn.functional.cross_entropy(hf_smol(ids[None]).logits[0, :-1], ids[1:], reduction="none")
+        assert rel_err(per_token[i, : n - 1], ref) <= 1e-5 and not per_token[i, n - 1 :].any()
+    mean = hooked(TEXTS[:2], return_type="loss")
+    assert rel_err(mean, per_token.sum() / (sum(lengths) - 2)) <= 1e-6
+
+
+def test_remove_batch_dim(hooked):
+    """run_with_cache(remove_batch_dim=True) and cache.remove_batch_dim(), as in TransformerLens: a cache of one
+    text without its batch dimension, the methods' results too (a TypeError / AttributeError before)."""
+    names = ["blocks.*.hook_resid_pre", "blocks.29.hook_resid_post"]
+    logits, batched = hooked.run_with_cache(TEXTS[0], names_filter=names)
+    out, cache = hooked.run_with_cache(TEXTS[0], names_filter=names, remove_batch_dim=True)
+    assert torch.equal(out, logits) and out.dim() == 3  # the output keeps its batch dimension
+    assert torch.equal(cache["resid_pre", 3], batched["resid_pre", 3][0])
+    assert torch.equal(cache.accumulated_resid(apply_ln=True), batched.accumulated_resid(apply_ln=True)[:, 0])
+    assert torch.equal(cache.accumulated_resid(pos_slice=-1), batched.accumulated_resid(pos_slice=-1)[:, 0])
+    assert torch.equal(cache.stack_activation("resid_pre"), batched.stack_activation("resid_pre")[:, 0])
+    assert torch.equal(batched.remove_batch_dim()["resid_pre", 3], cache["resid_pre", 3])
+    with pytest.raises(ValueError, match="remove_batch_dim: the batch holds 2 texts"):
+        hooked.run_with_cache(TEXTS[:2], remove_batch_dim=True)
+
+
+def test_generate_with_hooks_equals_hf_with_the_same_edit(hooked, hf_smol):
+    """generate inside `with model.hooks(...)` runs the hook at every step (it had no generate): greedy tokens
+    equal HF's generate with the head zeroed in a forward hook, texts of different lengths in one batch; the
+    tokens come back as TransformerLens gives them, prompts left-padded, a text that stopped early filled with
+    EOS. Sampling draws the engine's noise either way, so a hook that changes nothing changes no sample."""
+    prompts = [hooked.tokenizer.apply_chat_template([{"role": "user", "content": "Say only yes."}], tokenize=False,
+                                                    add_generation_prompt=True), "Once upon a time there was a"]  # fmt: skip
+
+    def zero_head(z, hook):
+        z[:, :, 4] = 0.0
+
+    with hooked.hooks([("blocks.2.attn.hook_z", zero_head)]):
+        tokens = hooked.generate(prompts, max_new_tokens=10, do_sample=False, return_type="tokens", verbose=False)
+        text = hooked.generate(prompts[1], max_new_tokens=10, do_sample=False, verbose=False)
+    d_head = hooked.cfg.head_dim
+    handle = hf_smol.model.layers[2].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, a: (a[0].index_fill(-1, torch.arange(4 * d_head, 5 * d_head), 0.0),)
+    )
+    try:
+        refs = []
+        for p in prompts:
+            ids = hooked.to_tokens(p)[0]
+            with torch.inference_mode():
+                refs.append(hf_smol.generate(ids[None], max_new_tokens=10, do_sample=False)[0].tolist())
+    finally:
+        handle.remove()
+    eos, pad = hooked.tokenizer.eos_token_id, hooked.tokenizer.pad_token_id
+    new = [ref[len(hooked.to_tokens(p)[0]) :] for ref, p in zip(refs, prompts)]
+    assert new[0][-1] == eos and len(new[0]) < len(new[1]) == 10  # the chat prompt stops early
+    rows = [ref + [eos] * (10 - len(n)) for ref, n in zip(refs, new)]
+    width = max(map(len, rows))
+    assert tokens.tolist() == [[pad] * (width - len(row)) + row for row in rows]
+    assert text == hooked.tokenizer.decode(refs[1])
+    torch.manual_seed(0)
+    plain = hooked.generate(prompts, max_new_tokens=8, verbose=False)
+    with hooked.hooks([("blocks.2.attn.hook_z", lambda z, hook: None)]):
+        torch.manual_seed(0)
+        assert hooked.generate(prompts, max_new_tokens=8, verbose=False) == plain
+
+
+def test_to_str_tokens_takes_what_transformer_lens_takes(hooked):
+    """Tokens as a tensor ([positions] or a batch of one) or a list of texts: it failed with "only one element
+    tensors can be converted to Python scalars" on `model.to_str_tokens(tokens[0])`."""
+    tokens = hooked.to_tokens(TEXTS[0])
+    expected = hooked.to_str_tokens(TEXTS[0])
+    assert hooked.to_str_tokens(tokens[0]) == hooked.to_str_tokens(tokens) == hooked.to_str_tokens(tokens[0].tolist()) == expected
+    assert hooked.to_str_tokens(TEXTS[:2]) == [expected, hooked.to_str_tokens(TEXTS[1])]
 
 
 def test_bad_input_names_the_problem(hooked):
@@ -233,6 +369,19 @@ def test_bad_input_names_the_problem(hooked):
         hooked.run_with_hooks("hi", fwd_hooks=[("blocks.1.hook_resid_post", lambda x, hook: torch.zeros(3))])
     with pytest.raises(ValueError, match="return_type"):
         hooked("hi", return_type="probs")
+    tokens = hooked.to_tokens(TEXTS[:2])
+    with pytest.raises(ValueError, match=r"attention_mask: shape \(2, 3\) differs from the tokens' \(2, 5\)"):
+        hooked(tokens, attention_mask=torch.ones(2, 3))  # an IndexError inside the indexing before
+    with pytest.raises(ValueError, match="attention_mask: goes with a .* token tensor"):
+        hooked(TEXTS[:2], attention_mask=torch.ones(2, 5))  # ignored before
+    with pytest.raises(ValueError, match=r"pos_slice: 3 is outside text 1's 1 positions"):
+        hooked.run_with_cache(TEXTS[:2], pos_slice=3)  # an IndexError before
+    with pytest.raises(ValueError, match=r"input\[0\]: token ids \[99999\] outside the vocabulary"):
+        hooked(torch.tensor([[1, 99999]]))  # an IndexError inside the embedding before
+    with pytest.raises(ValueError, match="freq_penalty"):
+        hooked.generate("hi", freq_penalty=1.0, verbose=False)
+    with pytest.raises(ValueError, match="max_new_tokens: 0 is not allowed"):
+        hooked.generate("hi", max_new_tokens=0, verbose=False)
 
 
 @pytest.mark.parametrize("where", ["blocks.1.attn.hook_pattern", "blocks.*.attn.hook_attn_scores",

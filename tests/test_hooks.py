@@ -212,6 +212,7 @@ def test_every_hook_traces_with_its_advertised_shape(tiny):
         ([[1, -1]], "texts[0]: token ids [-1] outside the vocabulary"),
         ([[True, False]], "texts[0]: expected a string or a list of token ids"),
         ([None], "texts[0]: expected a string or a list of token ids"),
+        ([torch.tensor([1, 2, 3])], "texts[0]: expected a string or a list of token ids, got Tensor"),  # not 3 prompts
         (None, "texts: expected"),
     ],
 )

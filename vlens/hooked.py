@@ -10,7 +10,8 @@ What differs from TransformerLens: the values are HF's own (no LayerNorm folding
 centring), and texts of different lengths run packed, never padded: every tensor comes back
 right-padded to [batch, positions, ...] with zeros past each text's end (attention scores and patterns
 [batch, heads, query_pos, key_pos], as in TransformerLens), and `cache.mask` says which positions are
-real. A [batch, positions] token tensor is taken whole unless `attention_mask` says where each row ends.
+real. A [batch, positions] token tensor is taken whole unless `attention_mask` says which tokens are real;
+then the outputs keep its layout (left-padded in, left-padded out).
 Hook functions are the one place vlens runs user Python inside a forward: an eager path over one packed
 forward, for notebooks, not the engine.
 """
@@ -23,11 +24,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, resolve_hooks
 from vlens.capture.rows import widen
+from vlens.engine.sampler import SamplingBatch, sample
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
+from vlens.sampling_params import SamplingParams
 
 ATTN_NAMES = {"q", "k", "v", "z", "pattern", "attn_scores", "result", "rot_q", "rot_k"}
 MLP_NAMES = {"pre", "post", "mid", "pre_linear"}
@@ -35,6 +39,8 @@ MLP_NAMES = {"pre", "post", "mid", "pre_linear"}
 ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
                "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}  # fmt: skip
 LAYER_TYPES = {"a": "attn", "m": "mlp", "attention": "attn", "b": None, "block": None, "blocks": None}
+# TransformerLens's queries and keys after rotary: vlens's hook_q / hook_k, whose meaning is HF's (after rotary)
+ROTATED = {"hook_rot_q": "hook_q", "hook_rot_k": "hook_k"}
 HookFn = Callable[..., "torch.Tensor | None"]
 NamesFilter = "str | Sequence[str] | Callable[[str], bool] | None"
 
@@ -78,13 +84,24 @@ class HookPoint:
 
 
 class Padding:
-    """Packed rows of texts of different lengths <-> [batch, positions, ...], zeros past each end."""
+    """Packed rows of texts <-> [batch, positions, ...] in the layout of the input: text i's rows at the
+    positions `mask[i]` marks (right after each other from 0 for texts, where an attention mask says for a
+    token tensor, so a left-padded batch comes back left-padded), zeros elsewhere."""
 
-    def __init__(self, lengths: list[int]):
-        self.lengths = lengths
-        self.width = max(lengths)
-        self.mask = torch.arange(self.width)[None, :] < torch.tensor(lengths)[:, None]
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask.bool()
+        self.width = self.mask.shape[1]
+        self.lengths = self.mask.sum(1).tolist()
         self._index = self.mask.flatten().nonzero().squeeze(1)
+
+    @classmethod
+    def right(cls, lengths: list[int]) -> Padding:
+        """Texts of these lengths from position 0, right-padded to the longest."""
+        return cls(torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None])
+
+    def positions(self, i: int) -> torch.Tensor:
+        """Where text i's rows sit, in order."""
+        return self.mask[i].nonzero().squeeze(1)
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         out = rows.new_zeros(len(self.lengths) * self.width, *rows.shape[1:])
@@ -118,10 +135,12 @@ class _UserHooks:
 
 
 class ActivationCache(Mapping):
-    """Cached activations by hook name, [batch, positions, ...]; `cache["resid_post", 5]` works too."""
+    """Cached activations by hook name, [batch, positions, ...]; `cache["resid_post", 5]` works too. After
+    `remove_batch_dim()` (a batch of one) every value, and what the methods return, lacks the batch dimension."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], mask: torch.Tensor, model: HookedLM):
+    def __init__(self, tensors: dict[str, torch.Tensor], mask: torch.Tensor, model: HookedLM, has_batch_dim: bool = True):
         self._tensors, self.mask, self.model = tensors, mask, model
+        self.has_batch_dim = has_batch_dim
 
     def __getitem__(self, key: str | tuple) -> torch.Tensor:
         """As TransformerLens's: a name, its short form ("k6") or (name, layer[, layer type]), the layer
@@ -131,9 +150,12 @@ class ActivationCache(Mapping):
         name = get_act_name(*key) if isinstance(key, tuple) else key
         if name not in self._tensors and isinstance(key, str):
             name = get_act_name(key)
+        head, _, leaf = name.rpartition(".")
+        if name not in self._tensors and leaf in ROTATED:
+            name = f"{head}.{ROTATED[leaf]}"
         if name not in self._tensors:
             raise KeyError(f"{name!r} is not in the cache; cached: {', '.join(self._tensors)}")
-        return self._tensors[name]
+        return self._tensors[name] if self.has_batch_dim else self._tensors[name][0]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -142,7 +164,14 @@ class ActivationCache(Mapping):
         return len(self._tensors)
 
     def to(self, device: str | torch.device) -> ActivationCache:
-        return ActivationCache({k: v.to(device) for k, v in self._tensors.items()}, self.mask, self.model)
+        tensors = {k: v.to(device) for k, v in self._tensors.items()}
+        return ActivationCache(tensors, self.mask, self.model, self.has_batch_dim)
+
+    def remove_batch_dim(self) -> ActivationCache:
+        """TransformerLens's: a cache of one text drops its batch dimension (in place; returns the cache)."""
+        _one_text(self.mask.shape[0])
+        self.has_batch_dim = False
+        return self
 
     def stack_activation(self, activation: str, layer: int = -1, sublayer_type: str | None = None) -> torch.Tensor:
         """[layers, batch, positions, ...]: the activation at every layer below `layer` (-1: all)."""
@@ -156,20 +185,22 @@ class ActivationCache(Mapping):
         """The residual stream entering each layer up to `layer` (all, and the last layer's output, by
         default), [components, batch, positions, d]. `apply_ln` puts every component through the
         model's own final norm (weight included, its scale computed per component), as a logit lens
-        reads them; TransformerLens instead divides by the final norm's cached scale. `pos_slice` keeps
+        reads them, as TransformerLens 3 does for the whole stream (for an earlier `layer` it divides by that
+        layer's cached ln1 scale instead). `pos_slice` keeps
         those positions of each text, as run_with_cache's does (an int: [components, batch, d])."""
         n = self.model.cfg.num_layers
         layer = n if layer in (-1, None) else layer
+        batched = ActivationCache(self._tensors, self.mask, self.model)
         parts, labels = [], []
         for i in range(layer + 1):
             if i == n:
-                parts.append(self[("resid_post", n - 1)])
+                parts.append(batched[("resid_post", n - 1)])
                 labels.append("final_post")
                 continue
-            parts.append(self[("resid_pre", i)])
+            parts.append(batched[("resid_pre", i)])
             labels.append(f"{i}_pre")
             if incl_mid and i < layer:
-                parts.append(self[("resid_mid", i)])
+                parts.append(batched[("resid_mid", i)])
                 labels.append(f"{i}_mid")
         stack = torch.stack(parts)
         if apply_ln:
@@ -178,8 +209,8 @@ class ActivationCache(Mapping):
                 weight = next(norm.parameters())
                 stack = norm(stack.to(weight.device, weight.dtype)).to(stack.device) * self.mask[..., None]
         if pos_slice is not None:
-            padding = Padding(self.mask.sum(1).tolist())
-            stack = torch.stack([_positions(part, padding, pos_slice) for part in stack])
+            stack = torch.stack([_positions(part, Padding(self.mask), pos_slice) for part in stack])
+        stack = stack if self.has_batch_dim else stack[:, 0]
         return (stack, labels) if return_labels else stack
 
 
@@ -201,11 +232,18 @@ class HookedLM:
         """[batch, positions] token ids, right-padded with the pad (else EOS) token. prepend_bos: None
         keeps the tokenizer's default, True puts the BOS token first, False takes it off."""
         lists = self._token_lists([text] if isinstance(text, str) else list(text), prepend_bos)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        out = torch.full((len(lists), max(map(len, lists))), pad if pad is not None else 0, dtype=torch.long)
+        out = torch.full((len(lists), max(map(len, lists))), self._pad_id(), dtype=torch.long)
         for i, ids in enumerate(lists):
             out[i, : len(ids)] = torch.tensor(ids)
         return out
+
+    def _pad_id(self) -> int:
+        """What fills a row past its text: the pad token, else EOS, else 0."""
+        tokenizer = self.tokenizer
+        for token in (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ():
+            if token is not None:
+                return token
+        return 0
 
     def to_string(self, tokens: torch.Tensor | Sequence[int]) -> str | list[str]:
         tokens = torch.as_tensor(tokens)
@@ -213,8 +251,20 @@ class HookedLM:
             return [self.tokenizer.decode(row) for row in tokens.tolist()]
         return self.tokenizer.decode(tokens.tolist())
 
-    def to_str_tokens(self, text: str, prepend_bos: bool | None = None) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in self._token_lists([text], prepend_bos)[0]]
+    def to_str_tokens(self, input: Any, prepend_bos: bool | None = None) -> list[str] | list[list[str]]:
+        """Each token as text, of a text (tokenized as to_tokens does), a list of token ids, or a token tensor
+        ([positions], or [batch, positions]: a list per row, one row squeezed away as TransformerLens does); a
+        list of texts gives a list per text."""
+        if isinstance(input, torch.Tensor):
+            tokens = input.squeeze(0) if input.dim() == 2 and input.shape[0] == 1 else input
+            if tokens.dim() > 1:
+                return [self.to_str_tokens(row) for row in tokens]
+            ids = tokens.reshape(-1).tolist()
+        elif not isinstance(input, str) and isinstance(input, Sequence) and input and all(isinstance(t, str) for t in input):
+            return [self.to_str_tokens(text, prepend_bos) for text in input]
+        else:
+            ids = self._token_lists([input], prepend_bos)[0]
+        return [self.tokenizer.decode([t]) for t in ids]
 
     def _token_lists(self, texts: list[str], prepend_bos: bool | None) -> list[list[int]]:
         lists = to_token_lists(texts, self.tokenizer, self.cfg.vocab_size, field="input")
@@ -225,18 +275,44 @@ class HookedLM:
             lists = [ids[1:] if ids[0] == bos and len(ids) > 1 else ids for ids in lists]
         return lists
 
-    def _sequences(self, input: Any, attention_mask: torch.Tensor | None) -> list[list[int]]:
-        if isinstance(input, torch.Tensor):
-            rows = input[None] if input.dim() == 1 else input
+    def _sequences(
+        self, input: Any, attention_mask: torch.Tensor | None, prepend_bos: bool | None = None
+    ) -> tuple[list[list[int]], Padding]:
+        """The token ids of each text (tokenized as to_tokens does), and where its rows go in the output: from
+        position 0 for texts and a token tensor (taken whole), at the positions `attention_mask` marks when it
+        comes with one (so a left-padded batch comes back left-padded, each text's last position last)."""
+        if not isinstance(input, torch.Tensor):
             if attention_mask is not None:
-                return [r[m.bool()].tolist() for r, m in zip(rows, attention_mask)]
-            return rows.tolist()
-        return self._token_lists([input] if isinstance(input, str) else list(input), None)
+                raise ValueError("attention_mask: goes with a [batch, positions] token tensor; texts are run packed, "
+                                 "never padded, so they need none")  # fmt: skip
+            seqs = self._token_lists([input] if isinstance(input, str) else list(input), prepend_bos)
+            return seqs, Padding.right([len(s) for s in seqs])
+        rows = (input[None] if input.dim() == 1 else input).cpu()
+        if attention_mask is None:
+            padding = Padding.right([rows.shape[1]] * rows.shape[0])
+        else:
+            mask = torch.as_tensor(attention_mask).cpu()
+            mask = mask[None] if mask.dim() == 1 else mask
+            if mask.shape != rows.shape:
+                raise ValueError(f"attention_mask: shape {tuple(mask.shape)} differs from the tokens' {tuple(rows.shape)}")
+            padding = Padding(mask)
+        seqs = [r[m].tolist() for r, m in zip(rows, padding.mask)]
+        return to_token_lists(seqs, None, self.cfg.vocab_size, field="input"), padding
 
     # -- forwards -------------------------------------------------------------------------------------
 
-    def __call__(self, input: Any, return_type: str | None = "logits", attention_mask: torch.Tensor | None = None):
-        return self.run_with_hooks(input, return_type=return_type, attention_mask=attention_mask)
+    def __call__(
+        self,
+        input: Any,
+        return_type: str | None = "logits",
+        loss_per_token: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        stop_at_layer: int | None = None,
+        prepend_bos: bool | None = None,
+    ):
+        """The forward, as run_with_hooks without hook functions of its own."""
+        return self.run_with_hooks(input, return_type=return_type, loss_per_token=loss_per_token,
+                                   attention_mask=attention_mask, stop_at_layer=stop_at_layer, prepend_bos=prepend_bos)  # fmt: skip
 
     def run_with_cache(
         self,
@@ -246,16 +322,23 @@ class HookedLM:
         pos_slice: int | slice | Sequence[int] | None = None,
         return_type: str | None = "logits",
         attention_mask: torch.Tensor | None = None,
+        loss_per_token: bool = False,
+        remove_batch_dim: bool = False,
+        prepend_bos: bool | None = None,
     ) -> tuple[Any, ActivationCache]:
         """(output, cache). names_filter: a name, glob, list of them, or a function of the name (None:
         every hook); stop_at_layer: run only the layers below it and return the residual entering it
         ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
-        each text, counted from its own start (negative: from its own end)."""
+        each text, counted from its own start (negative: from its own end); remove_batch_dim: a cache of
+        one text without the batch dimension (the output keeps it, as in TransformerLens); prepend_bos: as
+        to_tokens's, for texts."""
         names = self._names(names_filter)
         stop_at_layer = self._stop_layer(stop_at_layer)
         if stop_at_layer is not None:
             names = {n: t for n, t in names.items() if layers_needed(t, self.cfg) <= stop_at_layer}
-        return self._run(input, names, stop_at_layer, pos_slice, return_type, attention_mask)
+        return self._run(input, attention_mask, names, stop_at_layer=stop_at_layer, pos_slice=pos_slice,
+                         return_type=return_type, loss_per_token=loss_per_token, remove_batch_dim=remove_batch_dim,
+                         prepend_bos=prepend_bos)  # fmt: skip
 
     def run_with_hooks(
         self,
@@ -264,11 +347,14 @@ class HookedLM:
         return_type: str | None = "logits",
         stop_at_layer: int | None = None,
         attention_mask: torch.Tensor | None = None,
+        loss_per_token: bool = False,
+        prepend_bos: bool | None = None,
     ):
         """The forward with `fn(value, hook)` run at each named tap (a name, glob or a function of the
         name); a hook that returns a tensor of the shape it got replaces the value."""
         with self.hooks(fwd_hooks):
-            output, _ = self._run(input, {}, self._stop_layer(stop_at_layer), None, return_type, attention_mask)
+            output, _ = self._run(input, attention_mask, {}, stop_at_layer=self._stop_layer(stop_at_layer),
+                                  return_type=return_type, loss_per_token=loss_per_token, prepend_bos=prepend_bos)  # fmt: skip
         return output
 
     def _stop_layer(self, stop_at_layer: int | None) -> int | None:
@@ -316,12 +402,17 @@ class HookedLM:
                 by_tap.setdefault(tap, []).append(fn)
         return {tap: _UserHooks(tap, fns, padding) for tap, fns in by_tap.items()}
 
-    def _run(self, input, names, stop_at_layer, pos_slice, return_type, attention_mask):
+    def _run(
+        self, input: Any, attention_mask: torch.Tensor | None, names: dict[str, str], *, stop_at_layer: int | None = None,
+        pos_slice=None, return_type: str | None = "logits", loss_per_token: bool = False, remove_batch_dim: bool = False,
+        prepend_bos: bool | None = None,
+    ) -> tuple[Any, ActivationCache]:  # fmt: skip
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type: {return_type!r} is not one of logits, loss, both, None")
-        seqs = self._sequences(input, attention_mask)
+        seqs, padding = self._sequences(input, attention_mask, prepend_bos)
         self.llm.check_fits(seqs, "input")
-        padding = Padding([len(s) for s in seqs])
+        if remove_batch_dim:
+            _one_text(len(seqs))
         taps = set(names.values())
         if stop_at_layer is not None:
             n = self.cfg.num_layers
@@ -333,9 +424,9 @@ class HookedLM:
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
-        padded = {t: padding.pad(torch.cat(_same_width(t, parts, padding.width))) for t, parts in rows.items()}
+        padded = {t: padding.pad(torch.cat(_keys_in_layout(t, parts, padding))) for t, parts in rows.items()}
         cached = {n: _heads_first(t, _positions(padded[t], padding, pos_slice)) for n, t in names.items()}
-        cache = ActivationCache(cached, padding.mask, self)
+        cache = ActivationCache(cached, padding.mask, self, has_batch_dim=not remove_batch_dim)
         if stop_at_layer is not None:
             return padded[output], cache
         if return_type is None:
@@ -343,13 +434,147 @@ class HookedLM:
         logits = padded[LOGITS]
         if return_type == "logits":
             return logits, cache
-        loss = _loss(logits, seqs, padding)
+        loss = _loss(logits, seqs, padding, loss_per_token)
         return (loss if return_type == "loss" else (logits, loss)), cache
 
+    def _last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
+        """[batch, vocab]: each sequence's logits at its last position, with the hook functions in force run over
+        the batch left-padded, as TransformerLens lays out a batch it generates for (`value[:, -1]` is each
+        sequence's last token)."""
+        width = max(map(len, seqs))
+        padding = Padding(torch.arange(width)[None, :] >= torch.tensor([width - len(s) for s in seqs])[:, None])
+        last = [torch.tensor([len(s) - 1]) for s in seqs]
+        captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=self._user_hooks(padding))
+        logits: list[torch.Tensor] = [None] * len(seqs)
+        for i, _, value in captured.pieces():
+            logits[i] = value[0]
+        return torch.stack(logits)
 
-def _same_width(tap: str, parts: list[torch.Tensor], width: int) -> list[torch.Tensor]:
-    """Attention scores and patterns of each text are as wide as the text: widen them to the longest."""
-    return [widen(tap, p, width) for p in parts] if is_pattern(tap) else parts
+    # -- generation -----------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input: Any = "",
+        max_new_tokens: int = 10,
+        stop_at_eos: bool = True,
+        eos_token_id: int | Sequence[int] | None = None,
+        do_sample: bool = True,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        temperature: float = 1.0,
+        freq_penalty: float = 0.0,
+        use_past_kv_cache: bool = True,
+        prepend_bos: bool | None = None,
+        return_type: str = "input",
+        verbose: bool = True,
+    ) -> str | list[str] | torch.Tensor:
+        """TransformerLens's generate: up to max_new_tokens after each input (a text, texts, or a [batch,
+        positions] token tensor, taken whole), a text stopping at EOS (or at `eos_token_id`'s ids) unless
+        stop_at_eos is False. Returns the inputs with their continuations, as text (return_type "str", or
+        "input" for text input) or as tokens [batch, positions + steps] ("tokens", or "input" for a tensor):
+        prompts left-padded with the pad token and a text that stopped early filled with the EOS token, as in
+        TransformerLens.
+
+        Without hook functions it runs on the engine (paged KV cache, continuous batching). Inside `with
+        model.hooks(...)` each step is one forward of the whole batch, texts that stopped included (so a hook's
+        batch index always means the same text), left-padded, with the hooks seeing every position at every
+        step: TransformerLens's use_past_kv_cache=False, which gives what its KV cache gives for a hook that
+        treats every position alike (use_past_kv_cache itself changes nothing here). Sampling draws its seed
+        from torch's generator (torch.manual_seed repeats a run) and is the engine's in both ways, whose noise
+        depends only on the seed, the text and the position: a hook that changes nothing changes no sample."""
+        if freq_penalty != 0:
+            raise ValueError(f"freq_penalty: {freq_penalty!r} is not supported (only 0.0); TransformerLens's penalty "
+                             "also counts the prompt's tokens, which vlens's frequency_penalty (OpenAI's, in "
+                             "LLM.generate's SamplingParams) does not")  # fmt: skip
+        if return_type not in ("input", "str", "tokens"):
+            raise ValueError(f"return_type: {return_type!r} is not one of input, str, tokens")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: {max_new_tokens!r} is not allowed; expected an int >= 1")
+        seqs, _ = self._sequences(input, None, prepend_bos)
+        self.llm.check_fits(seqs, "input")
+        stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ())
+        seed = int(torch.randint(2**31, ())) if do_sample and temperature > 0 else None
+        params = [
+            SamplingParams(
+                max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0, top_k=top_k or 0,
+                top_p=1.0 if top_p is None else top_p, seed=None if seed is None else seed + i,
+                ignore_eos=not stop_at_eos or bool(stops), stop_token_ids=stops if stop_at_eos else [],
+            )  # fmt: skip
+            for i in range(len(seqs))
+        ]
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        fill = stops[0] if stops else eos if eos is not None else min(self.llm.engine.eos_ids, default=self._pad_id())
+        if self._context_hooks:
+            new = self._generate_with_hooks(seqs, params, fill, verbose)
+        else:
+            new = [list(o.outputs[0].token_ids) for o in self.llm.generate(seqs, params, use_tqdm=verbose)]
+        return self._generated(input, seqs, new, return_type, fill)
+
+    def _generate_with_hooks(
+        self, seqs: list[list[int]], params: list[SamplingParams], fill: int, verbose: bool
+    ) -> list[list[int]]:
+        """The tokens generated after each sequence, one forward of the whole batch a step with the hooks in force
+        (a sequence that stopped goes on with `fill`, as in TransformerLens, until every one has stopped)."""
+        limit = self.llm.engine.max_model_len
+        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.llm.engine.eos_ids)) for p in params]
+        new: list[list[int]] = [[] for _ in seqs]
+        done = [False] * len(seqs)
+        for step in tqdm(range(params[0].max_tokens), disable=not verbose, desc="generate"):
+            fed = [(s + n + [fill] * (step - len(n)))[:limit] for s, n in zip(seqs, new)]
+            sampled = sample(self._last_logits(fed), _sampling(params, fed)).tolist()
+            for i, token in enumerate(sampled):
+                if not done[i]:
+                    new[i].append(token)
+                    done[i] = token in stops[i] or len(seqs[i]) + len(new[i]) >= limit
+            if all(done):
+                break
+        return new
+
+    def _generated(self, input: Any, seqs: list[list[int]], new: list[list[int]], return_type: str, fill: int):
+        """generate's result in TransformerLens's forms (see generate)."""
+        if return_type == "str" or (return_type == "input" and not isinstance(input, torch.Tensor)):
+            texts = [self.tokenizer.decode(s + n) for s, n in zip(seqs, new)]
+            return texts[0] if isinstance(input, str) else texts
+        steps = max(map(len, new))
+        rows = [s + n + [fill] * (steps - len(n)) for s, n in zip(seqs, new)]
+        out = torch.full((len(rows), max(map(len, rows))), self._pad_id(), dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, out.shape[1] - len(row) :] = torch.tensor(row)
+        return out
+
+
+def _one_text(texts: int) -> None:
+    if texts != 1:
+        raise ValueError(f"remove_batch_dim: the batch holds {texts} texts; only a batch of one has a batch dimension "
+                         "to remove")  # fmt: skip
+
+
+def _sampling(params: list[SamplingParams], fed: list[list[int]]) -> SamplingBatch:
+    """The engine's sampling settings of generate's sequences for one step: each seeded as the engine seeds it,
+    its noise at the position it samples."""
+    p = params[0]
+    greedy = p.temperature == 0
+    rows = len(params)
+    return SamplingBatch(
+        temperature=torch.full((rows,), p.temperature), top_k=torch.full((rows,), p.top_k),
+        top_p=torch.full((rows,), p.top_p), min_p=None,
+        seeds=None if greedy else torch.tensor([x.seed for x in params]),
+        offsets=torch.tensor([len(f) for f in fed]), all_greedy=greedy,
+        any_top_k_or_p=not greedy and (p.top_k > 0 or p.top_p < 1), any_min_p=False,
+    )  # fmt: skip
+
+
+def _keys_in_layout(tap: str, parts: list[torch.Tensor], padding: Padding) -> list[torch.Tensor]:
+    """Attention scores and patterns of each text have one key per token of the text: put them at the text's
+    positions in the layout, the rest no key (-inf scores, zero probabilities)."""
+    if not is_pattern(tap):
+        return parts
+    out = []
+    for i, part in enumerate(parts):
+        wide = widen(tap, part[..., :0], padding.width)
+        wide[..., padding.positions(i)] = part[..., : padding.lengths[i]]
+        out.append(wide)
+    return out
 
 
 def _heads_first(tap: str, value: torch.Tensor) -> torch.Tensor:
@@ -363,19 +588,22 @@ def _positions(value: torch.Tensor, padding: Padding, pos_slice) -> torch.Tensor
     an int keeps one position and drops the position dimension, as TransformerLens does."""
     if pos_slice is None:
         return value
-    if isinstance(pos_slice, int):
-        return torch.stack([value[i, torch.arange(n)[pos_slice]] for i, n in enumerate(padding.lengths)])
-    picked = [value[i, torch.arange(n)[pos_slice]] for i, n in enumerate(padding.lengths)]
-    return torch.nn.utils.rnn.pad_sequence(picked, batch_first=True)
+    picked = []
+    for i, n in enumerate(padding.lengths):
+        try:
+            picked.append(value[i, padding.positions(i)[pos_slice]])
+        except IndexError:
+            raise ValueError(f"pos_slice: {pos_slice!r} is outside text {i}'s {n} positions") from None
+    return torch.stack(picked) if isinstance(pos_slice, int) else torch.nn.utils.rnn.pad_sequence(picked, batch_first=True)
 
 
-def _loss(logits: torch.Tensor, seqs: list[list[int]], padding: Padding) -> torch.Tensor:
-    """Mean next-token cross-entropy over every predicted position of every text (never a pad)."""
-    total, count = 0.0, 0
+def _loss(logits: torch.Tensor, seqs: list[list[int]], padding: Padding, per_token: bool) -> torch.Tensor:
+    """Next-token cross-entropy over every predicted position of every text (never a pad): the mean, or per
+    token [batch, positions - 1] as TransformerLens gives it, entry p the loss of the token after position p
+    (zero where that is not a token of the text)."""
+    losses = torch.zeros(len(seqs), max(padding.width - 1, 0), device=logits.device)
     for i, ids in enumerate(seqs):
-        if len(ids) < 2:
-            continue
-        logp = logits[i, : len(ids) - 1].float().log_softmax(-1)
-        total = total - logp.gather(-1, torch.tensor(ids[1:])[:, None]).sum()
-        count += len(ids) - 1
-    return total / max(count, 1)
+        at = padding.positions(i)[:-1].to(logits.device)
+        logp = logits[i, at].float().log_softmax(-1)
+        losses[i, at] = -logp.gather(-1, torch.tensor(ids[1:], device=logits.device)[:, None])[:, 0]
+    return losses if per_token else losses.sum() / max(sum(len(ids) - 1 for ids in seqs), 1)

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts
 
 
 def to_token_lists(
     prompts: Any, tokenizer: Any, vocab_size: int, field: str = "prompts", add_special_tokens: bool = True
 ) -> list[list[int]]:
-    """str | list[str] | list[list[int]] -> list of token-id lists, tokenized with the tokenizer's
-    defaults (special tokens included, as HF does, unless add_special_tokens=False)."""
-    if isinstance(prompts, str) or _is_token_list(prompts):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError(f"{field}: expected a string, a list of strings or a list of token-id lists, got {prompts!r}")
+    """str | list[str] | list[list[int]] (or vLLM's prompt dicts, see prompt_list) -> list of token-id lists,
+    tokenized with the tokenizer's defaults (special tokens included, as HF does, unless add_special_tokens=False)."""
     out = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompt_list(prompts, field)):
         if isinstance(p, str):
             if not p:
                 raise ValueError(f"{field}[{i}]: empty text; give at least one character")
@@ -38,8 +36,28 @@ def to_token_lists(
     return out
 
 
+def prompt_list(prompts: Any, field: str = "prompts") -> list[Any]:
+    """The prompts as a list of texts and token-id lists: one prompt becomes a list of one, and vLLM's prompt
+    dicts, {"prompt": text} and {"prompt_token_ids": ids}, their text or ids (so a vLLM script that passes
+    TextPrompt or TokensPrompt runs unchanged)."""
+    if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError(f"{field}: expected a string, a list of strings or a list of token-id lists, got {prompts!r}")
+    out = list(prompts)
+    for i, p in enumerate(out):
+        if isinstance(p, Mapping):
+            keys = [k for k in PROMPT_KEYS if k in p]
+            if len(keys) != 1 or len(p) != 1:
+                raise ValueError(f"{field}[{i}]: a prompt dict holds one of {', '.join(PROMPT_KEYS)} and nothing else; "
+                                 f"got the keys {sorted(map(str, p))}")  # fmt: skip
+            out[i] = p[keys[0]]
+    return out
+
+
 def _is_token_list(x: Any) -> bool:
-    # bool is an int subclass: [True, False] is a mistake, not tokens 1 and 0.
+    # bool is an int subclass: [True, False] is a mistake, not tokens 1 and 0. A tensor or array has __index__
+    # too, but only one of a single element is a token: [tensor([1, 2])] is a list of one prompt, not of ids.
     return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
-        hasattr(t, "__index__") and not isinstance(t, bool) for t in x
+        hasattr(t, "__index__") and not isinstance(t, bool) and getattr(t, "ndim", 0) == 0 for t in x
     )

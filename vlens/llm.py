@@ -19,7 +19,7 @@ from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
-from vlens.inputs import to_token_lists
+from vlens.inputs import prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
@@ -67,18 +67,22 @@ class LLM:
         """Every hook name this model has, in forward order, with its per-token shape."""
         return hook_shapes(self.config)
 
+    def get_tokenizer(self):
+        """The model's HF tokenizer (None for a checkpoint without tokenizer files), as vLLM's LLM gives it."""
+        return self.tokenizer
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; outputs come back in prompt order.
 
         Every request is validated before any runs, so a bad one fails the call without side effects."""
+        prompts = prompt_list(prompts)
         token_lists = to_token_lists(prompts, self.tokenizer, self.config.vocab_size)
-        texts = [prompts] if isinstance(prompts, str) else [p if isinstance(p, str) else None for p in prompts]
-        return self._run(token_lists, texts[: len(token_lists)], sampling_params, use_tqdm)
+        return self._run(token_lists, [p if isinstance(p, str) else None for p in prompts], sampling_params, use_tqdm)
 
     def chat(
         self,

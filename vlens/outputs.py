@@ -23,6 +23,14 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None  # the stop string or token that ended it, if any
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' log-probabilities, as vLLM gives it when logprobs were asked for
+        (None otherwise, as in vLLM)."""
+        if self.logprobs is None:
+            return None
+        return sum(step[token].logprob for token, step in zip(self.token_ids, self.logprobs))
+
 
 @dataclass
 class RequestOutput:
@@ -38,6 +46,12 @@ class RequestOutput:
     # Capture(sae=...): hook -> (ids int32, values) [rows, top_k], or the named latents [rows, n]
     sae_features: dict[str, tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = field(default_factory=dict)
     sae_errors: dict[str, torch.Tensor] = field(default_factory=dict)  # sae_error=True: hook -> [rows]
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's flag: always true here, since a RequestOutput is made only when its request has ended (a
+        stream's progress comes as RequestDeltas)."""
+        return True
 
 
 @dataclass
