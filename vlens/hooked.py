@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from vlens.attribution import Attribution
 from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, resolve_hooks
 from vlens.capture.rows import widen
 from vlens.engine.sampler import SamplingBatch, sample
+from vlens.hooked_weights import ModelWeights
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
 from vlens.sampling_params import SamplingParams
@@ -134,13 +136,18 @@ class _UserHooks:
         return self.padding.pack(value).to(x.dtype)
 
 
-class ActivationCache(Mapping):
+class ActivationCache(Attribution, Mapping):
     """Cached activations by hook name, [batch, positions, ...]; `cache["resid_post", 5]` works too. After
-    `remove_batch_dim()` (a batch of one) every value, and what the methods return, lacks the batch dimension."""
+    `remove_batch_dim()` (a batch of one) every value, and what the methods return, lacks the batch dimension.
+    Direct logit attribution (decompose_resid, stack_head_results, apply_ln_to_stack, logit_attrs) is in
+    vlens.attribution. `pos_slice`: run_with_cache's, where the tensors hold only those positions of each text."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], mask: torch.Tensor, model: HookedLM, has_batch_dim: bool = True):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], mask: torch.Tensor, model: HookedLM, has_batch_dim: bool = True,
+        pos_slice=None,
+    ):  # fmt: skip
         self._tensors, self.mask, self.model = tensors, mask, model
-        self.has_batch_dim = has_batch_dim
+        self.has_batch_dim, self.pos_slice = has_batch_dim, pos_slice
 
     def __getitem__(self, key: str | tuple) -> torch.Tensor:
         """As TransformerLens's: a name, its short form ("k6") or (name, layer[, layer type]), the layer
@@ -154,7 +161,8 @@ class ActivationCache(Mapping):
         if name not in self._tensors and leaf in ROTATED:
             name = f"{head}.{ROTATED[leaf]}"
         if name not in self._tensors:
-            raise KeyError(f"{name!r} is not in the cache; cached: {', '.join(self._tensors)}")
+            hint = "; cache.compute_head_results() computes per-head results" if leaf == "hook_result" else ""
+            raise KeyError(f"{name!r} is not in the cache{hint}; cached: {', '.join(self._tensors)}")
         return self._tensors[name] if self.has_batch_dim else self._tensors[name][0]
 
     def __iter__(self) -> Iterator[str]:
@@ -165,7 +173,7 @@ class ActivationCache(Mapping):
 
     def to(self, device: str | torch.device) -> ActivationCache:
         tensors = {k: v.to(device) for k, v in self._tensors.items()}
-        return ActivationCache(tensors, self.mask, self.model, self.has_batch_dim)
+        return ActivationCache(tensors, self.mask, self.model, self.has_batch_dim, self.pos_slice)
 
     def remove_batch_dim(self) -> ActivationCache:
         """TransformerLens's: a cache of one text drops its batch dimension (in place; returns the cache)."""
@@ -190,33 +198,57 @@ class ActivationCache(Mapping):
         those positions of each text, as run_with_cache's does (an int: [components, batch, d])."""
         n = self.model.cfg.num_layers
         layer = n if layer in (-1, None) else layer
-        batched = ActivationCache(self._tensors, self.mask, self.model)
-        parts, labels = [], []
+        names, labels = [], []
         for i in range(layer + 1):
             if i == n:
-                parts.append(batched[("resid_post", n - 1)])
+                names.append(f"blocks.{n - 1}.hook_resid_post")
                 labels.append("final_post")
                 continue
-            parts.append(batched[("resid_pre", i)])
+            names.append(f"blocks.{i}.hook_resid_pre")
             labels.append(f"{i}_pre")
             if incl_mid and i < layer:
-                parts.append(batched[("resid_mid", i)])
+                names.append(f"blocks.{i}.hook_resid_mid")
                 labels.append(f"{i}_mid")
-        stack = torch.stack(parts)
+        stack = self._stack([self._cached(name, "accumulated_resid") for name in names], pos_slice)
         if apply_ln:
-            with torch.inference_mode():
-                norm = self.model.llm.model.final_norm
-                weight = next(norm.parameters())
-                stack = norm(stack.to(weight.device, weight.dtype)).to(stack.device) * self.mask[..., None]
-        if pos_slice is not None:
-            stack = torch.stack([_positions(part, Padding(self.mask), pos_slice) for part in stack])
-        stack = stack if self.has_batch_dim else stack[:, 0]
+            stack = self.apply_ln_to_stack(stack, n, pos_slice=pos_slice, recompute_ln=True)
         return (stack, labels) if return_labels else stack
 
+    # -- what the methods share (vlens.attribution's too) ------------------------------------------------
 
-class HookedLM:
+    def _cached(self, name: str, needed_by: str) -> torch.Tensor:
+        """A hook's tensor with its batch dimension, or a KeyError saying who needs it."""
+        if name not in self._tensors:
+            raise KeyError(f"{needed_by} needs {name!r}, which this cache lacks: run_with_cache without a names_filter "
+                           "caches every hook, or name it in the filter")  # fmt: skip
+        return self._tensors[name]
+
+    def _select(self, value: torch.Tensor, pos_slice) -> torch.Tensor:
+        """`pos_slice` of each text's own positions of a [batch, positions, ...] tensor (None: all)."""
+        if pos_slice is None:
+            return value
+        if self.pos_slice is not None:
+            raise ValueError(f"pos_slice: this cache holds only positions {self.pos_slice!r} of each text "
+                             "(run_with_cache's pos_slice); take positions there or here, not both")  # fmt: skip
+        return _positions(value, Padding(self.mask), pos_slice)
+
+    def _rows(self, pos_slice) -> torch.Tensor:
+        """Which rows of a cached tensor, after `pos_slice`, are a text's (bool, [batch, positions] or [batch])."""
+        return self._select(_positions(self.mask, Padding(self.mask), self.pos_slice), pos_slice)
+
+    def _stack(self, parts: list[torch.Tensor], pos_slice) -> torch.Tensor:
+        """[components, batch, positions, d] of batched tensors, `pos_slice` applied, without the batch
+        dimension after remove_batch_dim."""
+        if parts:
+            stack = torch.stack([self._select(part, pos_slice) for part in parts])
+        else:
+            stack = torch.zeros(0, *self._rows(pos_slice).shape, self.model.cfg.hidden_size, dtype=self.model.llm.dtype)
+        return stack if self.has_batch_dim else stack[:, 0]
+
+
+class HookedLM(ModelWeights):
     """A vlens model with TransformerLens's calls (see the module doc). `model` and `settings` are
-    those of `vlens.LLM`."""
+    those of `vlens.LLM`. Weight attributes (W_U, W_O, blocks[L].attn.W_Q, ...) are in vlens.hooked_weights."""
 
     def __init__(self, model: str | None = None, **settings: Any):
         self.llm = LLM(model, **settings)
@@ -236,6 +268,13 @@ class HookedLM:
         for i, ids in enumerate(lists):
             out[i, : len(ids)] = torch.tensor(ids)
         return out
+
+    def to_single_token(self, string: str) -> int:
+        """The id of a text that is one token (tokenized without BOS), else a ValueError."""
+        ids = self._token_lists([string], prepend_bos=False)[0]
+        if len(ids) != 1:
+            raise ValueError(f"string: {string!r} is {len(ids)} tokens ({ids}), not one; use to_tokens")
+        return ids[0]
 
     def _pad_id(self) -> int:
         """What fills a row past its text: the pad token, else EOS, else 0."""
@@ -426,7 +465,7 @@ class HookedLM:
             rows[tap][i] = value
         padded = {t: padding.pad(torch.cat(_keys_in_layout(t, parts, padding))) for t, parts in rows.items()}
         cached = {n: _heads_first(t, _positions(padded[t], padding, pos_slice)) for n, t in names.items()}
-        cache = ActivationCache(cached, padding.mask, self, has_batch_dim=not remove_batch_dim)
+        cache = ActivationCache(cached, padding.mask, self, has_batch_dim=not remove_batch_dim, pos_slice=pos_slice)
         if stop_at_layer is not None:
             return padded[output], cache
         if return_type is None:

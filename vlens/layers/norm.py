@@ -67,6 +67,14 @@ class RMSNorm(nn.Module):
         out = (h * (1.0 + self.weight.float())).to(dtype) if self.offset else self.weight * h.to(dtype)
         return tap(hooks.out, out)
 
+    def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """This norm with its divisor given, not computed from x: x / scale times the weight. Linear in x,
+        so parts of a stream, each put through with the whole stream's scale (its hook_scale), sum to the
+        norm's output: what direct logit attribution needs."""
+        if self.offset:
+            return (x.float() / scale.float() * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * (x / scale)
+
 
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -86,6 +94,11 @@ class LayerNorm(nn.Module):
             if edited_scale is not scale or edited is not h:
                 out = edited * self.weight + self.bias
         return tap(hooks.out, out)
+
+    def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """This norm with its divisor given (see RMSNorm.apply_scale): x centred, over scale, times the
+        weight, without the bias, which is a constant of the norm and belongs to no part of the stream."""
+        return (x - x.mean(-1, keepdim=True)) / scale * self.weight
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:

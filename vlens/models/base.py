@@ -28,7 +28,12 @@ FINAL_NORM_HOOKS = NormHooks.at("ln_final")
 class AttentionHeads(nn.Module):
     """Projections are the family's (and named as its checkpoints name them); from q, k, v onwards
     every family does the same: split into heads, q/k norm where the model has one, rotary, taps,
-    the attention backend. Subclasses call `attend` between their input and output projections."""
+    the attention backend. Subclasses call `attend` between their input and output projections, and
+    name them `qkv` (a FusedLinear of parts q, k, v) and `out` (the output projection), whatever the
+    checkpoint calls them, so that weight views (vlens.hooked_weights) read every family alike."""
+
+    qkv: nn.Module
+    out: nn.Module
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -71,9 +76,12 @@ class ResidualBlock(nn.Module):
     """One decoder layer as TransformerLens names it, with its block-level taps written out once:
     x + attn(ln1(x)), then + mlp(ln2(x)); under a parallel residual (GPT-NeoX) both read x and there
     is no hook_resid_mid. Families keep their checkpoint's module names and map them onto `ln1`,
-    `ln2`, `attn_out` and `mlp_out` (Gemma puts its post-norms inside the last two)."""
+    `ln2`, `heads` (the AttentionHeads), `attn_out` and `mlp_out` (Gemma puts its post-norms inside
+    the last two, so there the heads' output is not what the layer adds)."""
 
     parallel = False
+    post_norms = False  # Gemma: a norm between each sublayer and the residual add, inside attn_out / mlp_out
+    heads: AttentionHeads
 
     def __init__(self, layer: int):
         super().__init__()

@@ -25,6 +25,8 @@ from vlens.models.llama import SelfAttention
 
 
 class GemmaDecoderLayer(ResidualBlock):
+    post_norms = True
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.input_layernorm = make_norm(cfg)
@@ -37,6 +39,7 @@ class GemmaDecoderLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.pre_feedforward_layernorm)
+    heads = property(lambda self: self.self_attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.post_attention_layernorm(self.self_attn(h, rope))  # sandwich norm: inside the tap

@@ -27,6 +27,9 @@ class GPT2Attention(AttentionHeads):
         self.c_attn = FusedLinear(d, parts, cfg.qkv_bias, True, CONV1D, p, units)
         self.c_proj = RowLinear(d, d, cfg.o_bias, p, units=h, transforms=CONV1D)
 
+    qkv = property(lambda self: self.c_attn)
+    out = property(lambda self: self.c_proj)
+
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.c_attn.split(self.c_attn(x))
         return self.c_proj(self.attend(q, k, v, rope))
@@ -57,6 +60,7 @@ class GPT2Block(ResidualBlock):
 
     ln1 = property(lambda self: self.ln_1)
     ln2 = property(lambda self: self.ln_2)
+    heads = property(lambda self: self.attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.attn(h, rope)

@@ -40,6 +40,9 @@ class GPTNeoXAttention(AttentionHeads):
         self.query_key_value = FusedLinear(d, parts, cfg.qkv_bias, True, transforms, p, dict.fromkeys(parts, h))
         self.dense = RowLinear(d, d, cfg.o_bias, p, units=h)
 
+    qkv = property(lambda self: self.query_key_value)
+    out = property(lambda self: self.dense)
+
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.query_key_value.split(self.query_key_value(x))
         return self.dense(self.attend(q, k, v, rope))
@@ -71,6 +74,7 @@ class GPTNeoXLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
+    heads = property(lambda self: self.attention)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.attention(h, rope)

@@ -38,6 +38,9 @@ class SelfAttention(AttentionHeads):
         self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, cfg.stored_fused, parallel=p, units=units)
         self.o_proj = RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h)
 
+    qkv = property(lambda self: self.qkv_proj)
+    out = property(lambda self: self.o_proj)
+
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         return self.o_proj(self.attend(q, k, v, rope))
@@ -63,6 +66,7 @@ class DecoderLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
+    heads = property(lambda self: self.self_attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.self_attn(h, rope)
