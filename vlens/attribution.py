@@ -56,7 +56,7 @@ class Attribution:
                     "stream, so no part of hook_attn_out is one head's; decompose_resid's attn_out per layer is exact"
                 )
             z = self._cached(f"blocks.{layer}.attn.hook_z", "per-head results")
-            W_O = AttentionWeights.of(model.layers[layer].heads).W_O
+            W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
             self._tensors[name] = torch.einsum("...hd,hdm->...hm", z, W_O.to(z.device, z.dtype))
         return self._tensors[name]
 

@@ -97,7 +97,7 @@ class ModelWeights:
     @property
     def blocks(self) -> list[Block]:
         """`model.blocks[L].attn.W_O` and the rest, per layer (read afresh from the live weights)."""
-        return [Block(AttentionWeights.of(layer.heads)) for layer in self._model().layers]
+        return [Block(AttentionWeights.of(layer.attn_heads)) for layer in self._model().layers]
 
     def _stacked(self, name: str) -> torch.Tensor:
         return torch.stack([getattr(block.attn, name) for block in self.blocks])

@@ -39,7 +39,7 @@ class GemmaDecoderLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.pre_feedforward_layernorm)
-    heads = property(lambda self: self.self_attn)
+    attn_heads = property(lambda self: self.self_attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.post_attention_layernorm(self.self_attn(h, rope))  # sandwich norm: inside the tap

@@ -60,7 +60,7 @@ class GPT2Block(ResidualBlock):
 
     ln1 = property(lambda self: self.ln_1)
     ln2 = property(lambda self: self.ln_2)
-    heads = property(lambda self: self.attn)
+    attn_heads = property(lambda self: self.attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.attn(h, rope)

@@ -74,7 +74,7 @@ class GPTNeoXLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
-    heads = property(lambda self: self.attention)
+    attn_heads = property(lambda self: self.attention)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.attention(h, rope)

@@ -66,7 +66,7 @@ class DecoderLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
-    heads = property(lambda self: self.self_attn)
+    attn_heads = property(lambda self: self.self_attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.self_attn(h, rope)
