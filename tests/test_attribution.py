@@ -1,7 +1,8 @@
 """Direct logit attribution with TransformerLens's calls (vlens.attribution, vlens.hooked_weights): the weights
 in TransformerLens's shapes equal its own, built from the same HF weights; per-head results plus b_O are
-hook_attn_out; decompose_resid's pieces sum to the stream; and, the check that matters, the logit
-attributions of every component sum to the model's logit (difference), family by family, in float32."""
+hook_attn_out, per-neuron results plus b_out hook_mlp_out; decompose_resid's and get_full_resid_decomposition's
+pieces sum to the stream; and, the check that matters, the logit attributions of every component sum to the
+model's logit (difference), family by family, in float32."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, build
 from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig
+from transformers.activations import ACT2FN
 
 from vlens import HookedLM
 from vlens.distributed.parallel import Parallel
 
 LOGIT_TOL = 1e-4  # the logit, rebuilt from its components (float32), relative to the largest logit compared
+STREAM_TOL = 1e-4  # the stream, rebuilt from every head and neuron (float32)
 FAMILIES = {
     "llama_gqa_biases": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
@@ -48,6 +51,15 @@ def _bias_term(norm: torch.nn.Module, directions: torch.Tensor) -> torch.Tensor:
     return torch.zeros(directions.shape[:-1]) if bias is None else (directions * bias.detach()).sum(-1)
 
 
+def _attributable_logit(hooked: HookedLM, cache, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The logit of `tokens` that the components' attributions sum to: less what the final LayerNorm's bias adds,
+    and before Gemma's soft-cap."""
+    if hooked.cfg.final_softcap is not None:
+        logits = cache["ln_final.hook_out"] @ hooked.W_U
+    directions = hooked.tokens_to_residual_directions(tokens)
+    return logits.gather(-1, tokens[..., None])[..., 0] - _bias_term(hooked.llm.model.final_norm, directions)
+
+
 def _close(got: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> bool:
     """Within LOGIT_TOL of the largest expected value, on the real rows."""
     return (got - expected)[rows].abs().max() <= LOGIT_TOL * expected[rows].abs().max().clamp_min(1.0)
@@ -55,7 +67,6 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> boo
 
 def test_logit_attributions_sum_to_the_logit(family):
     name, hooked = family
-    model = hooked.llm.model
     tokens, mask, targets = _batch()
     logits, cache = hooked.run_with_cache(tokens, attention_mask=mask)
     stack, labels = cache.decompose_resid(return_labels=True)
@@ -63,18 +74,14 @@ def test_logit_attributions_sum_to_the_logit(family):
     assert labels[:2] == (["embed", "pos_embed"] if name == "gpt2" else ["embed", "0_attn_out"])
     assert labels[-2:] == [f"{n - 1}_attn_out", f"{n - 1}_mlp_out"] and len(labels) == stack.shape[0]
     assert rel_err(stack.sum(0), cache["resid_post", -1]) <= 1e-5  # the pieces are the whole stream
-    if name == "gemma2":  # its logits are soft-capped: the attributions are those of the logit before the cap
-        logits = cache["ln_final.hook_out"] @ hooked.W_U
-    directions = hooked.tokens_to_residual_directions(targets)
-    expected = logits.gather(-1, targets[..., None])[..., 0] - _bias_term(model.final_norm, directions)
+    expected = _attributable_logit(hooked, cache, logits, targets)
     attrs = cache.logit_attrs(stack, targets)
     assert attrs.shape == (len(labels), 2, 11)
     assert _close(attrs.sum(0), expected, mask)
     assert not attrs[:, ~mask].any()  # past a text's end: zeros, not 0 / 0
     wrong = targets.flip(1)
     diff = cache.logit_attrs(stack, targets, incorrect_tokens=wrong).sum(0)
-    wrong_logit = logits.gather(-1, wrong[..., None])[..., 0] - _bias_term(model.final_norm, hooked.W_U.T[wrong])
-    assert _close(diff, expected - wrong_logit, mask)
+    assert _close(diff, expected - _attributable_logit(hooked, cache, logits, wrong), mask)
     if name == "gemma2":
         with pytest.raises(ValueError, match=r"^Gemma2ForCausalLM: per-head results are not defined: its post-attention norm"):
             cache.stack_head_results()
@@ -112,6 +119,87 @@ def test_the_stack_through_a_layers_norms(family):
             cache.decompose_resid(layer=1, mlp_input=True)
 
 
+def test_mlp_weights_give_the_mlp_by_transformer_lens_equations(family):
+    """Over the cached ln2 output, act(x @ W_in + b_in) (GPT-2, NeoX) or act(x @ W_gate) * (x @ W_in) + b_in
+    (gated) is hook_post, and hook_post @ W_out + b_out is hook_mlp_out; routed experts have no such weights
+    and say so, leaving the attention's."""
+    name, hooked = family
+    tokens, mask, _ = _batch()
+    _, cache = hooked.run_with_cache(tokens, attention_mask=mask)
+    if name == "mixtral":
+        reads = ((0, lambda: hooked.W_in), (1, lambda: hooked.blocks[1].mlp), (0, lambda: hooked.accumulated_bias(2)))
+        for layer, read in reads:
+            with pytest.raises(ValueError, match=rf"^MixtralForCausalLM: layer {layer}'s MLP is 4 routed experts"):
+                read()
+        assert hooked.blocks[1].attn.W_O.shape == (4, 16, 64)
+        assert not hooked.accumulated_bias(2, include_mlp_biases=False).any()  # no biases anywhere
+        return
+    d_mlp = hooked.cfg.d_mlp
+    assert hooked.W_in.shape == (3, 64, d_mlp) and hooked.W_out.shape == (3, d_mlp, 64)
+    assert (hooked.W_gate is None) == (name in ("gpt2", "pythia_parallel"))  # as TransformerLens's W_gate
+    x, mlp, act = cache["blocks.1.ln2.hook_out"], hooked.blocks[1].mlp, ACT2FN[hooked.cfg.hidden_act]
+    if mlp.W_gate is None:
+        post = act(x @ mlp.W_in + mlp.b_in)
+    elif name == "llama_gqa_biases":  # HF's biases are before the product, TransformerLens's b_in after it
+        with pytest.raises(ValueError, match=r"^b_in: LlamaForCausalLM with mlp_bias adds its biases to x @ W_gate"):
+            hooked.b_in
+        gate_bias, up_bias = hooked.llm.model.layers[1].mlp.gate_up_proj.bias.detach().chunk(2)
+        post = act(x @ mlp.W_gate + gate_bias) * (x @ mlp.W_in + up_bias)
+    else:
+        post = act(x @ mlp.W_gate) * (x @ mlp.W_in) + mlp.b_in
+    assert rel_err(post[mask], cache["post", 1][mask]) <= 1e-5
+    with torch.no_grad():
+        out = cache["post", 1] @ mlp.W_out + mlp.b_out
+        if name == "gemma2":  # its post-feedforward norm stands between the MLP and hook_mlp_out
+            out = hooked.llm.model.layers[1].post_feedforward_layernorm(out)
+    assert rel_err(out[mask], cache["mlp_out", 1][mask]) <= 1e-5
+    assert torch.equal(hooked.W_out[1], mlp.W_out) and torch.equal(hooked.b_out[1], mlp.b_out)
+
+
+def test_full_resid_decomposition_sums_to_the_stream_and_the_logit(family):
+    """Every head's result, every neuron's, the embeddings and the accumulated biases: the stream entering a layer
+    (or its MLP) and, through the norm, its output; unembedded, the logit. Refused by name where a piece is not
+    the stream's: Gemma's post-norms, NeoX's parallel MLP input, MoE neurons (their whole mlp_out is exact)."""
+    name, hooked = family
+    tokens, mask, targets = _batch()
+    logits, cache = hooked.run_with_cache(tokens, attention_mask=mask)
+    if name == "gemma2":
+        with pytest.raises(ValueError, match=r"^Gemma2ForCausalLM: per-head results are not defined"):
+            cache.get_full_resid_decomposition(expand_neurons=False)
+        with pytest.raises(ValueError, match=r"^Gemma2ForCausalLM: per-neuron results are not defined: its post-feedfor"):
+            cache.stack_neuron_results(1)
+        return
+    expand = name != "mixtral"
+    if not expand:
+        with pytest.raises(ValueError, match=r"^MixtralForCausalLM: layer 0's MLP is 4 routed experts, chosen per"):
+            cache.get_full_resid_decomposition()
+    n, h, d_mlp = hooked.cfg.num_layers, hooked.cfg.num_heads, hooked.cfg.d_mlp
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=expand, return_labels=True)
+    mlps = [f"L{i}N{j}" for i in range(n) for j in range(d_mlp)] if expand else [f"{i}_mlp_out" for i in range(n)]
+    embeds = ["embed", "pos_embed"] if name == "gpt2" else ["embed"]
+    assert labels == [f"L{i}H{j}" for i in range(n) for j in range(h)] + mlps + embeds + ["bias"]
+    assert stack.shape == (len(labels), 2, 11, 64) and not stack[:, ~mask].any()
+    assert rel_err(stack.sum(0), cache["resid_post", -1]) <= STREAM_TOL
+    assert _close(cache.logit_attrs(stack, targets).sum(0), _attributable_logit(hooked, cache, logits, targets), mask)
+    block = hooked.llm.model.layers[1]
+    for mlp_input, hook, norm in ((False, "resid_pre", "ln1"), (True, "resid_mid", "ln2")):
+        if mlp_input and name == "pythia_parallel":
+            with pytest.raises(ValueError, match=r"^mlp_input: GPTNeoXForCausalLM with use_parallel_residual runs"):
+                cache.get_full_resid_decomposition(1, mlp_input=True)
+            continue
+        part = cache.get_full_resid_decomposition(1, mlp_input, expand_neurons=expand)
+        assert rel_err(part.sum(0)[mask], cache[hook, 1][mask]) <= STREAM_TOL, hook
+        normed = cache.get_full_resid_decomposition(1, mlp_input, expand_neurons=expand, apply_ln=True).sum(0)
+        if hasattr(getattr(block, norm), "bias"):  # LayerNorm's bias is a constant of the norm, no component's
+            normed = normed + getattr(block, norm).bias.detach()
+        assert rel_err(normed[mask], cache[f"blocks.1.{norm}.hook_out"][mask]) <= STREAM_TOL, norm
+    if expand:  # each layer's neurons and its b_out are what the MLP adds
+        neurons = cache.stack_neuron_results(-1)
+        for layer in range(n):
+            total = neurons[layer * d_mlp : (layer + 1) * d_mlp].sum(0) + hooked.b_out[layer]
+            assert rel_err(total[mask], cache["mlp_out", layer][mask]) <= 1e-5
+
+
 def _transformer_lens(name: str, path: str, hf):
     """TransformerLens's HookedTransformer from the same HF weights, unprocessed (from_pretrained_no_processing
     refuses names it does not know): its config conversion (GPT-2's reads a field transformers 5 dropped, so
@@ -145,10 +233,14 @@ def test_weights_and_attributions_equal_transformer_lens_built_from_the_same_wei
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tl = _transformer_lens(name, path, hf)
     hooked = HookedLM(path, dtype="float32", device="cpu")
-    weights = ["W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_U", "W_E"] + (["W_pos"] if name == "gpt2" else [])
-    for weight in weights:  # TransformerLens's shapes: W_K [layers, heads, d_model, d_head], each KV head repeated
-        assert torch.equal(getattr(hooked, weight), getattr(tl, weight).detach()), weight
+    weights = ["W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_U", "W_E", "W_in", "W_out", "b_in", "b_out"]
+    for weight in weights + (["W_pos"] if name == "gpt2" else ["W_gate"]):  # TransformerLens's shapes: W_K [layers,
+        assert torch.equal(getattr(hooked, weight), getattr(tl, weight).detach()), weight  # heads, d_model, d_head]
+    assert hooked.W_gate is None if name == "gpt2" else hooked.W_gate.shape == (3, 64, 96)
     assert torch.equal(hooked.blocks[1].attn.W_O, tl.blocks[1].attn.W_O.detach())
+    assert torch.equal(hooked.blocks[1].mlp.W_out, tl.blocks[1].mlp.W_out.detach())
+    for layer, mlp_input in ((3, False), (2, True)):
+        assert rel_err(hooked.accumulated_bias(layer, mlp_input), tl.accumulated_bias(layer, mlp_input)) <= 1e-6
     if name == "llama_gqa":  # the KV heads themselves, as TransformerLens stores them under grouped-query attention
         assert hooked.blocks[2].attn._W_K.shape == (2, 64, 16)
         assert torch.equal(hooked.blocks[2].attn._W_V, tl.blocks[2].attn._W_V.detach())
@@ -158,6 +250,12 @@ def test_weights_and_attributions_equal_transformer_lens_built_from_the_same_wei
     for ours, theirs in (
         (cache.stack_head_results(return_labels=True, pos_slice=-1), tl_cache.stack_head_results(return_labels=True, pos_slice=-1)),
         (cache.decompose_resid(return_labels=True), tl_cache.decompose_resid(return_labels=True)),
+        (cache.get_full_resid_decomposition(return_labels=True),
+         tl_cache.get_full_resid_decomposition(return_labels=True)),
+        (cache.get_full_resid_decomposition(1, True, False, pos_slice=-1, return_labels=True),
+         tl_cache.get_full_resid_decomposition(1, True, False, pos_slice=-1, return_labels=True)),
+        (cache.stack_neuron_results(2, -1, [3, 5], return_labels=True, incl_remainder=True),
+         tl_cache.stack_neuron_results(2, -1, [3, 5], return_labels=True, incl_remainder=True)),
     ):  # fmt: skip
         assert ours[1] == theirs[1] and rel_err(ours[0], theirs[0]) <= 1e-5
     cache.compute_head_results()
@@ -195,7 +293,18 @@ def test_heads_by_hand_from_hf_modules(tmp_path):
     assert torch.equal(hooked.b_K[2], attn.k_proj.bias.detach().view(2, d).repeat_interleave(2, 0))
     assert torch.equal(hooked.blocks[2].attn._b_V, attn.v_proj.bias.detach().view(2, d))
     assert torch.equal(hooked.W_E[tokens], cache["hook_embed"])
+    mlp = hf.model.layers[2].mlp
+    assert torch.equal(hooked.W_in[2], mlp.up_proj.weight.detach().T)
+    assert torch.equal(hooked.W_gate[2], mlp.gate_proj.weight.detach().T)
+    assert torch.equal(hooked.blocks[2].mlp.W_out, mlp.down_proj.weight.detach().T)
+    assert torch.equal(hooked.b_out[2], mlp.down_proj.bias.detach())
+    neurons, labels = cache.stack_neuron_results(3, pos_slice=-1, neuron_slice=[5, 7], return_labels=True)
+    assert labels == ["L0N5", "L0N7", "L1N5", "L1N7", "L2N5", "L2N7"]
+    by_hand = cache["post", 2][:, -1, 5, None] * mlp.down_proj.weight[:, 5].detach()  # hook_post_n * W_out[n]
+    assert rel_err(neurons[4], by_hand) <= 1e-6
+    assert torch.equal(neurons[1], cache.stack_neuron_results(3, pos_slice=-1)[7])
     assert cache.stack_head_results(layer=0).shape == (0, 2, 11, 64)  # no layer below 0: no heads
+    assert cache.stack_neuron_results(0).shape == (0, 2, 11, 64)  # nor neurons
     assert torch.equal(cache.stack_head_results(layer=0, incl_remainder=True)[0], cache["resid_pre", 0])
 
 
@@ -209,7 +318,10 @@ def test_logit_difference_on_smollm2(smol4_path):
     last = [len(hooked.to_tokens(t)[0]) - 1 for t in texts]
     final = logits[torch.arange(2), last]
     expected = final[:, answers] - final[:, wrong]
-    for stack in (cache.decompose_resid(pos_slice=-1), cache.stack_head_results(pos_slice=-1, incl_remainder=True)):
+    for stack in (
+        cache.decompose_resid(pos_slice=-1), cache.stack_head_results(pos_slice=-1, incl_remainder=True),
+        cache.get_full_resid_decomposition(pos_slice=-1),
+    ):  # fmt: skip
         diff = cache.logit_attrs(stack, " Paris", incorrect_tokens=" London", pos_slice=-1)
         assert diff.shape == (stack.shape[0], 2)
         assert (diff.sum(0) - expected).abs().max() <= LOGIT_TOL * expected.abs().max()
@@ -254,6 +366,14 @@ def test_bad_input_names_the_problem(tmp_path, monkeypatch):
         partial.decompose_resid()
     with pytest.raises(KeyError, match=r"per-head results needs 'blocks.0.attn.hook_z'"):
         partial.stack_head_results()
+    with pytest.raises(KeyError, match=r"per-neuron results needs 'blocks.0.mlp.hook_post'"):
+        partial.stack_neuron_results(1)
+    with pytest.raises(ValueError, match=r"^neuron_slice: 96 is not an int, slice or list of ints in 0\.\.95"):
+        cache.stack_neuron_results(1, neuron_slice=96)
+    with pytest.raises(ValueError, match=r"^layer: 4 is not in 0\.\.3 \(n_layers, -1 or None"):
+        hooked.accumulated_bias(4)
+    with pytest.raises(ValueError, match=r"^mlp_input: layer 3 \(-1, None\) is the final norm's input"):
+        hooked.accumulated_bias(3, mlp_input=True)
     monkeypatch.setattr(hooked.llm.model, "cfg", dataclasses.replace(hooked.llm.model.cfg, parallel=Parallel(0, 2)))
     with pytest.raises(ValueError, match=r"^tensor_parallel_size: 2: the weight attributes"):
         hooked.W_U

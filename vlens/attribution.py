@@ -1,5 +1,6 @@
 """Direct logit attribution over a vlens cache, with TransformerLens's calls: `cache.decompose_resid()`,
-`cache.stack_head_results()`, `cache.apply_ln_to_stack(stack)`, `cache.logit_attrs(stack, tokens)`.
+`cache.stack_head_results()`, `cache.stack_neuron_results()`, `cache.get_full_resid_decomposition()`,
+`cache.apply_ln_to_stack(stack)`, `cache.logit_attrs(stack, tokens)`.
 
 The weights are not folded (vlens.hooked_weights), so `apply_ln_to_stack` does what TransformerLens's
 does on a folded model: each component is put through the norm with the whole stream's cached scale
@@ -12,9 +13,11 @@ that the components, unembedded (`logit_attrs`, with W_U as HF holds it), sum to
                    norm, no component's; Gemma: the logit before its final soft-capping, cap·tanh(x/cap))
 
 Per-head results (`hook_result`) are z_h @ W_O[h], without b_O, which belongs to no head: the heads of a
-layer plus b_O sum to its hook_attn_out. Where a piece is not defined the call is refused: Gemma's
-post-attention norm normalises the heads' summed output before it joins the stream, so no head has a share
-of it; GPT-NeoX's parallel residual has no "MLP input = layer input + attn_out".
+layer plus b_O sum to its hook_attn_out. Per-neuron results are hook_post_n * W_out[n], without b_out: a
+layer's neurons plus b_out sum to its hook_mlp_out. Where a piece is not defined the call is refused:
+Gemma's post-attention and post-feedforward norms normalise the heads' and the neurons' summed outputs
+before they join the stream, so no head or neuron has a share of them; routed experts (MoE) have no one
+W_out; GPT-NeoX's parallel residual has no "MLP input = layer input + attn_out".
 """
 
 from __future__ import annotations
@@ -23,10 +26,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlens.hooked_weights import AttentionWeights
+from vlens.hooked_weights import AttentionWeights, MLPWeights, check_mlp_input, resolve_layer
 
 if TYPE_CHECKING:
     from vlens.hooked import HookedLM
+    from vlens.models.base import DecoderLM
+
+# What a norm between a sublayer and the residual add (Gemma) leaves undefined: each part's share of the output
+POST_NORMS = {
+    "attn": ("per-head results", "post-attention norm (post_attention_layernorm)", "heads' summed output", "head"),
+    "mlp": ("per-neuron results", "post-feedforward norm (post_feedforward_layernorm)", "MLP's output", "neuron"),
+}
 
 
 class Attribution:
@@ -48,13 +58,7 @@ class Attribution:
     def _head_results(self, layer: int) -> torch.Tensor:
         name = f"blocks.{layer}.attn.hook_result"
         if name not in self._tensors:
-            model = self.model._model()
-            if model.layers[layer].post_norms:
-                raise ValueError(
-                    f"{model.cfg.architecture}: per-head results are not defined: its post-attention norm "
-                    "(post_attention_layernorm) normalises the heads' summed output before it joins the residual "
-                    "stream, so no part of hook_attn_out is one head's; decompose_resid's attn_out per layer is exact"
-                )
+            model = self._shares_of(layer, "attn")
             z = self._cached(f"blocks.{layer}.attn.hook_z", "per-head results")
             W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
             self._tensors[name] = torch.einsum("...hd,hdm->...hm", z, W_O.to(z.device, z.dtype))
@@ -68,17 +72,66 @@ class Attribution:
         positions, d_model], labelled "L{layer}H{head}"; `incl_remainder` adds the residual entering `layer`
         less their sum (embeddings, MLPs, the b_O biases). `pos_slice` keeps those positions of each text;
         `apply_ln` puts the stack through the norm `layer` reads (apply_ln_to_stack)."""
-        layer = self._layer(layer)
+        layer = resolve_layer(layer, self.model.cfg.num_layers)
         results = [self._head_results(i) for i in range(layer)]
         parts = [r[..., h, :] for r in results for h in range(r.shape[-2])]
         labels = [f"L{i}H{h}" for i, r in enumerate(results) for h in range(r.shape[-2])]
-        if incl_remainder:
-            total = self._cached(self._resid_entering(layer), "stack_head_results's remainder")
-            parts.append(total - sum((r.sum(-2) for r in results), torch.zeros_like(total)))
-            labels.append("remainder")
-        stack = self._stack(parts, pos_slice)
+        return self._finish(
+            self._stack(parts, pos_slice), labels, layer, pos_slice, incl_remainder, apply_ln, return_labels
+        )
+
+    def stack_neuron_results(
+        self, layer: int | None, pos_slice=None, neuron_slice=None, return_labels: bool = False,
+        incl_remainder: bool = False, apply_ln: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
+        """Every neuron's result in the MLPs below `layer` (-1 / None: all), hook_post_n * W_out[n],
+        [layer * d_mlp, batch, positions, d_model], labelled "L{layer}N{neuron}": large, as in TransformerLens
+        (take one position with `pos_slice`, some neurons with `neuron_slice`: an int, slice or list of them).
+        `incl_remainder` adds the residual entering `layer` less their sum; `apply_ln` puts the stack through
+        the norm `layer` reads (apply_ln_to_stack)."""
+        layer = resolve_layer(layer, self.model.cfg.num_layers)
+        neurons = self._neurons(neuron_slice)
+        names = [f"blocks.{i}.mlp.hook_post" for i in range(layer)]
+        W_out = [MLPWeights.of(self._shares_of(i, "mlp"), i).W_out[neurons] for i in range(layer)]
+        posts = self._stack([self._cached(name, "per-neuron results")[..., neurons] for name in names], pos_slice)
+        parts = [(post[..., None] * w.to(post.device, post.dtype)).movedim(-2, 0) for post, w in zip(posts, W_out)]
+        stack = torch.cat(parts) if parts else posts  # no layer below `layer`: _stack's [0, ..., d_model]
+        labels = [f"L{i}N{n}" for i in range(layer) for n in neurons.tolist()]
+        return self._finish(stack, labels, layer, pos_slice, incl_remainder, apply_ln, return_labels)
+
+    def _neurons(self, neuron_slice) -> torch.Tensor:
+        """TransformerLens's neuron_slice (None: all) as the neurons' indices."""
+        d_mlp = self.model.cfg.intermediate_size
+        try:
+            return torch.arange(d_mlp)[slice(None) if neuron_slice is None else neuron_slice].reshape(-1)
+        except (IndexError, TypeError, ValueError):
+            raise ValueError(f"neuron_slice: {neuron_slice!r} is not an int, slice or list of ints in 0..{d_mlp - 1} "
+                             "(None: every neuron)") from None  # fmt: skip
+
+    def get_full_resid_decomposition(
+        self, layer: int | None = None, mlp_input: bool = False, expand_neurons: bool = True, apply_ln: bool = False,
+        pos_slice=None, return_labels: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
+        """TransformerLens's: the residual stream entering `layer` (None / -1: the final norm's input;
+        `mlp_input`: layer `layer`'s MLP, so its heads too) as every head's result ("L{l}H{h}"), every neuron's
+        ("L{l}N{n}"; `expand_neurons=False`: each MLP's output, "{l}_mlp_out", its b_out in it), "embed",
+        "pos_embed" (GPT-2) and "bias" (model.accumulated_bias; zero past each text's end), in that order, which
+        sum to the stream. `apply_ln` puts the stack through the norm it enters (apply_ln_to_stack)."""
+        layer = resolve_layer(layer, self.model.cfg.num_layers)
+        check_mlp_input(self.model.cfg, layer, mlp_input)
+        heads, labels = self.stack_head_results(layer + mlp_input, pos_slice=pos_slice, return_labels=True)
+        if expand_neurons:
+            mlps, mlp_labels = self.stack_neuron_results(layer, pos_slice=pos_slice, return_labels=True)
+        else:
+            mlps, mlp_labels = self.decompose_resid(layer, mlp_input, "mlp", pos_slice=pos_slice, incl_embeds=False,
+                                                    return_labels=True)  # fmt: skip
+        embeds, embed_labels = self.decompose_resid(0, pos_slice=pos_slice, return_labels=True)
+        bias = self.model.accumulated_bias(layer, mlp_input, include_mlp_biases=expand_neurons)
+        rows = self._rows(None)[..., None].to(embeds.device, embeds.dtype)
+        stack = torch.cat([heads, mlps, embeds, self._stack([rows * bias.to(rows.device, rows.dtype)], pos_slice)])
         if apply_ln:
-            stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
+        labels = labels + mlp_labels + embed_labels + ["bias"]
         return (stack, labels) if return_labels else stack
 
     def decompose_resid(
@@ -93,15 +146,9 @@ class Attribution:
         kinds = {"all": ("attn_out", "mlp_out"), "attn": ("attn_out",), "mlp": ("mlp_out",)}.get(mode)
         if kinds is None:
             raise ValueError(f"mode: {mode!r} is not one of all, attn, mlp")
-        layer = self._layer(layer)
         cfg = self.model.cfg
-        self._check_mlp_input(layer, mlp_input)
-        if mlp_input and cfg.parallel_residual:
-            raise ValueError(
-                f"mlp_input: {cfg.architecture} with use_parallel_residual runs attention and MLP side by side: "
-                f"layer {layer}'s MLP reads the layer's input (decompose_resid with mlp_input=False), not it "
-                "plus the layer's attn_out"
-            )
+        layer = resolve_layer(layer, cfg.num_layers)
+        check_mlp_input(cfg, layer, mlp_input)
         names, labels = [], []
         if incl_embeds:
             names.append("hook_embed")
@@ -133,9 +180,9 @@ class Attribution:
         the stack holds (applied to the scale only, as in TransformerLens). `recompute_ln` (final norm only):
         the model's own final norm on each component, its scale computed from the component (logit lens).
         Rows past a text's end stay zero."""
-        layer = self._layer(layer)
-        self._check_mlp_input(layer, mlp_input)
         model, n = self.model.llm.model, self.model.cfg.num_layers
+        layer = resolve_layer(layer, n)
+        check_mlp_input(self.model.cfg, layer, mlp_input, as_sum=False)  # a pre-MLP norm reads some stream
         if layer == n:
             norm, hook = model.final_norm, "ln_final.hook_scale"
         else:
@@ -172,20 +219,34 @@ class Attribution:
 
     # -- shared -----------------------------------------------------------------------------------------
 
-    def _layer(self, layer: int | None) -> int:
-        """TransformerLens's layer argument: 0..n_layers, with n_layers, -1 and None the final norm's input."""
-        n = self.model.cfg.num_layers
-        if layer is None or layer == -1:
-            return n
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= n:
-            raise ValueError(f"layer: {layer!r} is not in 0..{n} (n_layers, -1 or None: the input of the final norm)")
-        return layer
+    def _shares_of(self, layer: int, kind: str) -> DecoderLM:
+        """The model, where layer `layer`'s attention ("attn") or MLP ("mlp") output is the sum of its heads' or
+        neurons' shares, which a norm between it and the residual add (Gemma) makes it not."""
+        model = self.model._model()
+        if model.layers[layer].post_norms:
+            what, norm, summed, one = POST_NORMS[kind]
+            raise ValueError(
+                f"{model.cfg.architecture}: {what} are not defined: its {norm} normalises the {summed} before it "
+                f"joins the residual stream, so no part of hook_{kind}_out is one {one}'s; decompose_resid's "
+                f"{kind}_out per layer is exact"
+            )
+        return model
 
-    def _check_mlp_input(self, layer: int, mlp_input: bool) -> None:
-        n = self.model.cfg.num_layers
-        if mlp_input and layer == n:
-            raise ValueError(f"mlp_input: layer {n} (-1, None) is the final norm's input, which no MLP reads; "
-                             f"mlp_input=True goes with a layer in 0..{n - 1}")  # fmt: skip
+    def _finish(
+        self, stack: torch.Tensor, labels: list[str], layer: int, pos_slice, incl_remainder: bool, apply_ln: bool,
+        return_labels: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
+        """What the stacks of heads and of neurons share: the remainder (the residual entering `layer` less the
+        stack's sum), the norm `layer` reads, the labels."""
+        if incl_remainder:
+            total = self._stack(
+                [self._cached(self._resid_entering(layer), "the remainder (incl_remainder)")], pos_slice
+            )
+            stack = torch.cat([stack, total - stack.sum(0)])
+            labels = labels + ["remainder"]
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
 
     def _resid_entering(self, layer: int) -> str:
         n = self.model.cfg.num_layers

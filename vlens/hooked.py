@@ -139,8 +139,9 @@ class _UserHooks:
 class ActivationCache(Attribution, Mapping):
     """Cached activations by hook name, [batch, positions, ...]; `cache["resid_post", 5]` works too. After
     `remove_batch_dim()` (a batch of one) every value, and what the methods return, lacks the batch dimension.
-    Direct logit attribution (decompose_resid, stack_head_results, apply_ln_to_stack, logit_attrs) is in
-    vlens.attribution. `pos_slice`: run_with_cache's, where the tensors hold only those positions of each text."""
+    Direct logit attribution (decompose_resid, stack_head_results, stack_neuron_results,
+    get_full_resid_decomposition, apply_ln_to_stack, logit_attrs) is in vlens.attribution. `pos_slice`:
+    run_with_cache's, where the tensors hold only those positions of each text."""
 
     def __init__(
         self, tensors: dict[str, torch.Tensor], mask: torch.Tensor, model: HookedLM, has_batch_dim: bool = True,
@@ -248,7 +249,8 @@ class ActivationCache(Attribution, Mapping):
 
 class HookedLM(ModelWeights):
     """A vlens model with TransformerLens's calls (see the module doc). `model` and `settings` are
-    those of `vlens.LLM`. Weight attributes (W_U, W_O, blocks[L].attn.W_Q, ...) are in vlens.hooked_weights."""
+    those of `vlens.LLM`. Weight attributes (W_U, W_O, W_in, blocks[L].attn.W_Q, accumulated_bias, ...) are
+    in vlens.hooked_weights."""
 
     def __init__(self, model: str | None = None, **settings: Any):
         self.llm = LLM(model, **settings)

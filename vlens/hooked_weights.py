@@ -10,15 +10,19 @@ Shapes are TransformerLens's: W_Q [n_layers, n_heads, d_model, d_head]; W_K and 
 head repeated for the query heads that share it (grouped-query attention), as TransformerLens's W_K / W_V
 properties give them (`blocks[L].attn._W_K` / `_W_V` are the [n_key_value_heads, d_model, d_head] weights
 themselves); W_O [n_layers, n_heads, d_head, d_model]; b_Q / b_K / b_V [n_layers, n_heads, d_head]; b_O
-[n_layers, d_model]; W_U [d_model, d_vocab]; W_E [d_vocab, d_model]; W_pos [n_ctx, d_model]. A bias the
-model does not have is zeros, as in TransformerLens. Treat them as read-only: some are views of the live
-weights, others copies (TransformerLens's are its parameters), so an in-place edit may or may not reach the
-model; edit `model.llm.model`'s modules instead.
+[n_layers, d_model]; W_U [d_model, d_vocab]; W_E [d_vocab, d_model]; W_pos [n_ctx, d_model]; the MLPs' W_in
+and W_gate [n_layers, d_model, d_mlp], W_out [n_layers, d_mlp, d_model], b_in [n_layers, d_mlp], b_out
+[n_layers, d_model], by TransformerLens's equations: act(x @ W_in + b_in) @ W_out + b_out (GPT-2, GPT-NeoX),
+(act(x @ W_gate) * (x @ W_in) + b_in) @ W_out + b_out (gated: Llama, Gemma; W_gate is None for the others).
+A bias the model does not have is zeros, as in TransformerLens. Routed experts (Mixtral, Qwen2-MoE) have no
+one W_in or W_out, so an MoE layer refuses `.mlp` by name. Treat them as read-only: some are views of the
+live weights, others copies (TransformerLens's are its parameters), so an in-place edit may or may not reach
+the model; edit `model.llm.model`'s modules instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +30,34 @@ import torch
 from vlens.models.base import AttentionHeads, DecoderLM
 
 if TYPE_CHECKING:
+    from vlens.config import ModelConfig
     from vlens.llm import LLM
+
+
+def resolve_layer(layer: int | None, n_layers: int) -> int:
+    """TransformerLens's layer argument: 0..n_layers, with n_layers, -1 and None the final norm's input."""
+    if layer is None or layer == -1:
+        return n_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= n_layers:
+        raise ValueError(
+            f"layer: {layer!r} is not in 0..{n_layers} (n_layers, -1 or None: the input of the final norm)"
+        )
+    return layer
+
+
+def check_mlp_input(cfg: ModelConfig, layer: int, mlp_input: bool, as_sum: bool = True) -> None:
+    """`mlp_input` (the stream entering layer `layer`'s MLP) needs an MLP there and, `as_sum` (the stream as
+    the sum of what wrote it), one that reads the layer's input plus its attn_out, which GPT-NeoX's parallel
+    residual does not (its pre-MLP norm of the layer input is defined: apply_ln_to_stack passes False)."""
+    n = cfg.num_layers
+    if mlp_input and layer == n:
+        raise ValueError(f"mlp_input: layer {n} (-1, None) is the final norm's input, which no MLP reads; "
+                         f"mlp_input=True goes with a layer in 0..{n - 1}")  # fmt: skip
+    if mlp_input and as_sum and cfg.parallel_residual:
+        raise ValueError(
+            f"mlp_input: {cfg.architecture} with use_parallel_residual runs attention and MLP side by side: "
+            f"layer {layer}'s MLP reads the layer's input (mlp_input=False), not it plus the layer's attn_out"
+        )
 
 
 @dataclass(frozen=True)
@@ -71,10 +102,61 @@ class AttentionWeights:
 
 
 @dataclass(frozen=True)
-class Block:
-    """What `model.blocks[L]` offers: its attention weights (`.attn`)."""
+class MLPWeights:
+    """One layer's MLP weights as TransformerLens's `blocks[L].mlp` holds them (equations: module doc)."""
 
-    attn: AttentionWeights
+    W_in: torch.Tensor  # [d_model, d_mlp]
+    W_gate: torch.Tensor | None  # [d_model, d_mlp]; None for a plain MLP, as TransformerLens's W_gate
+    W_out: torch.Tensor  # [d_mlp, d_model]
+    b_out: torch.Tensor  # [d_model]
+    _b_in: torch.Tensor | None  # HF's bias of x @ W_in (a gated MLP's gate has one too), None where it has none
+    architecture: str
+
+    @classmethod
+    def of(cls, model: DecoderLM, layer: int) -> MLPWeights:
+        """Read from a layer's dense MLP: fc_in's rows cut into its parts (gate, then up; or the one input
+        projection), fc_out's columns per neuron."""
+        cfg = model.cfg
+        if cfg.is_moe_layer(layer):
+            raise ValueError(
+                f"{cfg.architecture}: layer {layer}'s MLP is {cfg.num_experts} routed experts, chosen per token: it "
+                "has no one W_in / W_gate / W_out / b_in / b_out (TransformerLens's MoE keeps them per expert) and no "
+                "per-neuron results; its mlp_out is one component (decompose_resid, get_full_resid_decomposition("
+                "expand_neurons=False), accumulated_bias(include_mlp_biases=False))"
+            )
+        mlp = model.layers[layer].mlp
+        fc_in, fc_out = mlp.fc_in, mlp.fc_out
+        parts = list(fc_in.parts.values())
+        *gate, W_in = (w.T for w in fc_in.weight.detach().split(parts))
+        b_in = None if fc_in.bias is None else fc_in.bias.detach().split(parts)[-1]
+        b_out = fc_out.weight.new_zeros(fc_out.out_features) if fc_out.bias is None else fc_out.bias.detach()
+        return cls(W_in, gate[0] if gate else None, fc_out.weight.detach().T, b_out, b_in, cfg.architecture)
+
+    @property
+    def b_in(self) -> torch.Tensor:
+        """[d_mlp]: added to x @ W_in before the activation (plain MLP), or to the gated product (zeros: HF's
+        gated MLPs have no such bias)."""
+        if self._b_in is None:
+            return self.W_in.new_zeros(self.W_in.shape[1])
+        if self.W_gate is None:
+            return self._b_in
+        raise ValueError(
+            f"b_in: {self.architecture} with mlp_bias adds its biases to x @ W_gate and x @ W_in, before the gated "
+            "product; TransformerLens's b_in is added after it (act(x @ W_gate) * (x @ W_in) + b_in), so no b_in "
+            "gives this MLP: read gate_proj's and up_proj's biases from model.llm.model"
+        )
+
+
+@dataclass(frozen=True)
+class Block:
+    """What `model.blocks[L]` offers: its attention weights (`.attn`) and its MLP's (`.mlp`), each read when
+    asked, so that an MoE layer refuses `.mlp` alone."""
+
+    model: DecoderLM = field(repr=False)
+    index: int
+
+    attn = property(lambda self: AttentionWeights.of(self.model.layers[self.index].attn_heads))
+    mlp = property(lambda self: MLPWeights.of(self.model, self.index))
 
 
 class ModelWeights:
@@ -96,20 +178,51 @@ class ModelWeights:
 
     @property
     def blocks(self) -> list[Block]:
-        """`model.blocks[L].attn.W_O` and the rest, per layer (read afresh from the live weights)."""
-        return [Block(AttentionWeights.of(layer.attn_heads)) for layer in self._model().layers]
+        """`model.blocks[L].attn.W_O`, `model.blocks[L].mlp.W_out` and the rest, per layer (read afresh from the
+        live weights)."""
+        model = self._model()
+        return [Block(model, i) for i in range(len(model.layers))]
 
-    def _stacked(self, name: str) -> torch.Tensor:
-        return torch.stack([getattr(block.attn, name) for block in self.blocks])
+    def _stacked(self, part: str, name: str) -> torch.Tensor:
+        return torch.stack([getattr(getattr(block, part), name) for block in self.blocks])
 
-    W_Q = property(lambda self: self._stacked("W_Q"))
-    W_K = property(lambda self: self._stacked("W_K"))
-    W_V = property(lambda self: self._stacked("W_V"))
-    W_O = property(lambda self: self._stacked("W_O"))
-    b_Q = property(lambda self: self._stacked("b_Q"))
-    b_K = property(lambda self: self._stacked("b_K"))
-    b_V = property(lambda self: self._stacked("b_V"))
-    b_O = property(lambda self: self._stacked("b_O"))
+    W_Q = property(lambda self: self._stacked("attn", "W_Q"))
+    W_K = property(lambda self: self._stacked("attn", "W_K"))
+    W_V = property(lambda self: self._stacked("attn", "W_V"))
+    W_O = property(lambda self: self._stacked("attn", "W_O"))
+    b_Q = property(lambda self: self._stacked("attn", "b_Q"))
+    b_K = property(lambda self: self._stacked("attn", "b_K"))
+    b_V = property(lambda self: self._stacked("attn", "b_V"))
+    b_O = property(lambda self: self._stacked("attn", "b_O"))
+    W_in = property(lambda self: self._stacked("mlp", "W_in"))
+    W_out = property(lambda self: self._stacked("mlp", "W_out"))
+    b_in = property(lambda self: self._stacked("mlp", "b_in"))
+    b_out = property(lambda self: self._stacked("mlp", "b_out"))
+
+    @property
+    def W_gate(self) -> torch.Tensor | None:
+        """[n_layers, d_model, d_mlp] of a gated MLP (Llama, Gemma); None for a plain one, as in TransformerLens."""
+        gates = [block.mlp.W_gate for block in self.blocks]
+        return None if gates[0] is None else torch.stack(gates)
+
+    def accumulated_bias(
+        self, layer: int | None, mlp_input: bool = False, include_mlp_biases: bool = True
+    ) -> torch.Tensor:
+        """TransformerLens's: [d_model], the biases the layers below `layer` add to the residual stream (each b_O,
+        and each b_out with include_mlp_biases); `mlp_input`: layer `layer`'s b_O too. `layer` in 0..n_layers
+        (-1, None: n_layers)."""
+        model = self._model()
+        layer = resolve_layer(layer, model.cfg.num_layers)
+        check_mlp_input(model.cfg, layer, mlp_input)
+        blocks = self.blocks
+        bias = model.lm_head.weight.new_zeros(model.cfg.hidden_size)
+        for block in blocks[:layer]:
+            bias += block.attn.b_O
+            if include_mlp_biases:
+                bias += block.mlp.b_out
+        if mlp_input:
+            bias += blocks[layer].attn.b_O
+        return bias
 
     @property
     def W_U(self) -> torch.Tensor:

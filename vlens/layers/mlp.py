@@ -38,7 +38,9 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 class GatedMLP(nn.Module):
     """`stored_fused`: the checkpoint keeps gate and up as one `gate_up_proj` tensor (Phi-3).
-    `parallel`: each rank holds its columns of gate and up and the matching ones of down."""
+    `parallel`: each rank holds its columns of gate and up and the matching ones of down. `fc_in` (parts gate,
+    then up) and `fc_out` name the projections as every dense MLP does, so that weight views
+    (vlens.hooked_weights) read every family alike."""
 
     def __init__(
         self, hidden: int, intermediate: int, act: str, bias: bool, hook_post: str, stored_fused: bool = False,
@@ -50,6 +52,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowLinear(intermediate, hidden, bias, parallel)
         self.act = activation(act)
         self.hook_post = hook_post
+
+    fc_in = property(lambda self: self.gate_up_proj)
+    fc_out = property(lambda self: self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))

@@ -76,12 +76,14 @@ class ResidualBlock(nn.Module):
     """One decoder layer as TransformerLens names it, with its block-level taps written out once:
     x + attn(ln1(x)), then + mlp(ln2(x)); under a parallel residual (GPT-NeoX) both read x and there
     is no hook_resid_mid. Families keep their checkpoint's module names and map them onto `ln1`,
-    `ln2`, `attn_heads` (the AttentionHeads), `attn_out` and `mlp_out` (Gemma puts its post-norms inside
-    the last two, so there the heads' output is not what the layer adds)."""
+    `ln2`, `attn_heads` (the AttentionHeads), `mlp` (a dense MLP with `fc_in` / `fc_out`, or routed
+    experts), `attn_out` and `mlp_out` (Gemma puts its post-norms inside the last two, so there the heads'
+    and the MLP's outputs are not what the layer adds)."""
 
     parallel = False
     post_norms = False  # Gemma: a norm between each sublayer and the residual add, inside attn_out / mlp_out
     attn_heads: AttentionHeads
+    mlp: nn.Module
 
     def __init__(self, layer: int):
         super().__init__()

@@ -44,6 +44,9 @@ class GPT2MLP(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
+    fc_in = property(lambda self: self.c_fc)  # as GatedMLP names its projections, for vlens.hooked_weights
+    fc_out = property(lambda self: self.c_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.c_fc(x))
         h = tap(self.hook_post, h)

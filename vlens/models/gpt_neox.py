@@ -57,6 +57,9 @@ class GPTNeoXMLP(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
+    fc_in = property(lambda self: self.dense_h_to_4h)  # as GatedMLP names its projections, for vlens.hooked_weights
+    fc_out = property(lambda self: self.dense_4h_to_h)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.dense_h_to_4h(x))
         h = tap(self.hook_post, h)
