@@ -297,6 +297,12 @@ def test_a_vllm_script_ports_unchanged(smol, hf_smol):
     assert abs(completion.cumulative_logprob - expected) <= 1e-4 * abs(expected)
     [no_logprobs] = smol.generate(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert no_logprobs.outputs[0].cumulative_logprob is None  # vLLM's, when logprobs were not asked for
+    # every log-probability names its token as vLLM's Logprob.decoded_token does: the token decoded alone
+    [named] = smol.generate(ids, SamplingParams(max_tokens=3, temperature=0, logprobs=3, prompt_logprobs=2), use_tqdm=False)
+    entries = named.outputs[0].logprobs + named.prompt_logprobs[1:]
+    assert len(entries) == 3 + len(ids) - 1 and all(len(e) >= 2 for e in entries)
+    for e in entries:
+        assert all(lp.decoded_token == smol.tokenizer.decode([t]) for t, lp in e.items())
     with pytest.raises(ValueError, match=r"prompts\[0\]: a prompt dict holds one of prompt, prompt_token_ids"):
         smol.generate([{"prompt": "hi", "multi_modal_data": {}}], params, use_tqdm=False)
 

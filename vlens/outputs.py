@@ -12,6 +12,7 @@ import torch
 class Logprob:
     logprob: float
     rank: int | None = None  # 1 = most likely; None when the sampled token is outside the top k
+    decoded_token: str | None = None  # the token's text alone (None without a tokenizer), as vLLM gives it
 
 
 @dataclass

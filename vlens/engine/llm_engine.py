@@ -22,7 +22,7 @@ from vlens.engine.block_manager import BlockManager
 from vlens.engine.config import EngineConfig
 from vlens.engine.detokenizer import Detokenizer
 from vlens.engine.group import SampleGroup
-from vlens.engine.logprobs import entry
+from vlens.engine.logprobs import TokenText, entry
 from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner, StepOutput
 from vlens.engine.scheduler import Scheduler
@@ -84,6 +84,7 @@ class LLMEngine:
                 "raise kv_cache_memory or lower max_model_len"
             )
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.token_text = TokenText(tokenizer)  # names log-probabilities' tokens
         self.max_model_len = min(wanted_len, capacity)
         log.info("KV cache: %d blocks of %d tokens (%d bytes); the longest sequence that fits: %d tokens",
                  num_blocks, block_size, num_blocks * per_block, self.max_model_len)  # fmt: skip
@@ -224,7 +225,7 @@ class LLMEngine:
         if out.collection is not None:
             self._pending = (out.plan, out.collection)
         if out.prompt_logprobs is not None:
-            out.prompt_rows.deliver(out.prompt_logprobs)
+            out.prompt_rows.deliver(out.prompt_logprobs, self.token_text)
         deltas, generated = [], 0
         for i, (seq, token) in enumerate(zip(out.sampled, tokens)):
             if seq.status is not running:  # ended before this step, which was queued ahead
@@ -232,7 +233,7 @@ class LLMEngine:
             generated += 1
             seq.token_ids.append(token)
             if seq.logprobs_k is not None:
-                seq.logprobs.append(entry(out.logprobs, i, token, seq.logprobs_k))
+                seq.logprobs.append(entry(out.logprobs, i, token, seq.logprobs_k, self.token_text))
             finished = self._check_stop(seq, token)
             if finished:
                 self._finish(seq)

@@ -12,7 +12,7 @@ entries for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,12 +32,29 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogpr
     return chosen, ids, values
 
 
-def entry(logprobs: TopLogprobs, i: int, token: int, k: int) -> dict[int, Logprob]:
+class TokenText:
+    """Token id -> its text (the tokenizer's decode of it alone, as vLLM names a log-probability's token),
+    cached: every step names k alternatives, mostly the same few thousand tokens. Without a tokenizer, None."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if token not in self._cache:
+            self._cache[token] = self.tokenizer.decode([token])
+        return self._cache[token]
+
+
+def entry(logprobs: TopLogprobs, i: int, token: int, k: int, text: TokenText) -> dict[int, Logprob]:
     """Row i as vLLM's dict: the top k by rank, and the row's own token (rank None outside the top k)."""
     chosen, top_ids, top_values = logprobs
     ids, values = top_ids[i, :k].tolist(), top_values[i, :k].tolist()
-    out = {t: Logprob(v, rank + 1) for rank, (t, v) in enumerate(zip(ids, values))}
-    out.setdefault(token, Logprob(float(chosen[i]), None))
+    out = {t: Logprob(v, rank + 1, text(t)) for rank, (t, v) in enumerate(zip(ids, values))}
+    if token not in out:
+        out[token] = Logprob(float(chosen[i]), None, text(token))
     return out
 
 
@@ -78,13 +95,13 @@ class PromptRows:
         targets = torch.tensor(self.targets, dtype=torch.long).to(logits.device, non_blocking=True)
         return to_host(top_logprobs(logits, targets, self.k), blocking)
 
-    def deliver(self, logprobs: TopLogprobs) -> None:
+    def deliver(self, logprobs: TopLogprobs, text: TokenText) -> None:
         """Append each sequence's new entries (after the step's sync): a borrower's lender first, whose
         entries for the prefix they share come before the borrower's own."""
         new, i = {}, 0
         for seq, count in self.owners:
             k = seq.params.prompt_logprobs
-            new[seq] = [entry(logprobs, i + j, self.targets[i + j], k) for j in range(count)]
+            new[seq] = [entry(logprobs, i + j, self.targets[i + j], k, text) for j in range(count)]
             i += count
         for seq, entries in new.items():
             if seq.borrow is None:

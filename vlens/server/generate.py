@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
+from vlens.engine.logprobs import TokenText
 from vlens.inputs import to_token_lists
 from vlens.outputs import RequestOutput
 from vlens.sae.model import SAE
@@ -31,7 +32,7 @@ from vlens.server.engine_loop import EngineLoop, Failed, Progress, Submission
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, check_model, from_value_error
-from vlens.server.responses import Echo, Shape, TokenText, prompt_logprobs_json, usage
+from vlens.server.responses import Echo, Shape, prompt_logprobs_json, usage
 from vlens.server.saes import features_json
 from vlens.server.tokens import render_chat
 
@@ -260,13 +261,13 @@ class Generator:
                     text, tokens, entries = prepared.echo[i].before(out.prompt_logprobs, text, tokens, entries)
                 choice = shape.choice(i * prepared.n + c.index, text, tokens, entries, c.finish_reason, c.stop_reason)
                 if prepared.prompt_logprobs and not shape.chat:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.token_text)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                 choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
         extra: dict[str, Any] = await self._vlens(outputs[0], prepared)
         if prepared.prompt_logprobs and shape.chat:  # vLLM puts the one prompt's at the top level
-            extra["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs, self.token_text)
+            extra["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
         return shape.body(choices, usage(prompt_tokens, completion_tokens), **extra)
 
     async def _stream(self, submission: Submission, prepared: Prepared) -> AsyncIterator[str]:

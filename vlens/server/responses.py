@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlens.engine.logprobs import TokenText
 from vlens.outputs import Logprob
 
 
@@ -20,19 +21,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-class TokenText:
-    """Token id -> its text, cached: logprobs name every top-k alternative by text."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token: int) -> str:
-        if token not in self._cache:
-            self._cache[token] = self.tokenizer.decode([token])
-        return self._cache[token]
 
 
 def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -56,11 +44,11 @@ def completion_logprobs(
     return out
 
 
-def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], text: TokenText) -> list[dict | None]:
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: null for the first token, then token id -> {logprob, rank, decoded_token}."""
     return [
         None if entry is None else
-        {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(t)} for t, lp in entry.items()}
+        {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in entry.items()}
         for entry in entries
     ]  # fmt: skip
 
