@@ -20,7 +20,7 @@ from vlens.capture.positions import rows_of
 from vlens.capture.runtime import Collection
 from vlens.engine.block_manager import BlockManager
 from vlens.engine.config import EngineConfig
-from vlens.engine.detokenizer import Detokenizer
+from vlens.engine.detokenizer import Detokenizer, text_of
 from vlens.engine.group import SampleGroup
 from vlens.engine.logprobs import TokenText, entry
 from vlens.engine.memory import kv_cache_bytes
@@ -340,9 +340,14 @@ class LLMEngine:
         return delta
 
     def _text(self, seq: Sequence) -> str:
+        """Its text, the same whether it streamed or not: without a detokenizer, decoded at once as one would
+        have released it, leaving out the stop token that ended it (which a detokenizer never sees)."""
         if seq.detokenizer is not None:
             return seq.detokenizer.text
-        return self.tokenizer.decode(seq.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        generated = seq.generated[:-1] if seq.finish_reason == "stop" else seq.generated  # (no stop strings here)
+        return text_of(self.tokenizer, seq.token_ids[: seq.num_prompt], generated)
 
     def _output(self, group: SampleGroup) -> RequestOutput:
         completions = [
