@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlens.hooked_weights import AttentionWeights, MLPWeights, check_mlp_input, resolve_layer
+from vlens.hooked_weights import AttentionWeights, MLPWeights, ModelWeights, check_mlp_input, resolve_layer
 
 if TYPE_CHECKING:
-    from vlens.hooked import HookedLM
     from vlens.models.base import DecoderLM
 
 # What a norm between a sublayer and the residual add (Gemma) leaves undefined: each part's share of the output
@@ -45,7 +44,7 @@ class Attribution:
     `_stack` (tensors -> [components, batch, positions, d] with `pos_slice` applied) and `_select` /
     `_rows` (`pos_slice` of each text's positions; which rows are a text's)."""
 
-    model: HookedLM
+    model: ModelWeights  # the HookedLM
     has_batch_dim: bool
     _tensors: dict[str, torch.Tensor]
 

@@ -163,6 +163,7 @@ class ModelWeights:
     """TransformerLens's weight attributes, mixed into HookedLM (which holds the vlens model as `self.llm`)."""
 
     llm: LLM
+    cfg: ModelConfig
 
     def _model(self) -> DecoderLM:
         """The whole model: under tensor parallelism this process holds a slice of each matrix only."""
