@@ -11,7 +11,7 @@ import torch
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 = most likely; None when the sampled token is outside the top k
+    rank: int | None = None  # 1 = most likely (a token outside the top k: how many are at least as likely)
     decoded_token: str | None = None  # the token's text alone (None without a tokenizer), as vLLM gives it
 
 

@@ -21,15 +21,18 @@ from vlens.outputs import Logprob
 if TYPE_CHECKING:
     from vlens.engine.sequence import Sequence
 
-TopLogprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # chosen [R], top ids [R, k], top values [R, k]
+# chosen [R], its rank [R], top ids [R, k], top values [R, k]
+TopLogprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
-    """Log-probabilities of each row's token [R], and the top-k alternatives' ids and values [R, k]."""
+    """Log-probabilities of each row's token [R] and its rank (vLLM's: how many tokens are at least as
+    likely, itself included), and the top-k alternatives' ids and values [R, k]."""
     logp = logits.float().log_softmax(dim=-1)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    rank = (logp >= chosen[:, None]).sum(-1)
     values, ids = logp.topk(k, dim=-1)
-    return chosen, ids, values
+    return chosen, rank, ids, values
 
 
 class TokenText:
@@ -49,12 +52,13 @@ class TokenText:
 
 
 def entry(logprobs: TopLogprobs, i: int, token: int, k: int, text: TokenText) -> dict[int, Logprob]:
-    """Row i as vLLM's dict: the top k by rank, and the row's own token (rank None outside the top k)."""
-    chosen, top_ids, top_values = logprobs
+    """Row i as vLLM's dict: the top k by rank, and the row's own token, with its rank where it is not
+    among them."""
+    chosen, rank, top_ids, top_values = logprobs
     ids, values = top_ids[i, :k].tolist(), top_values[i, :k].tolist()
-    out = {t: Logprob(v, rank + 1, text(t)) for rank, (t, v) in enumerate(zip(ids, values))}
+    out = {t: Logprob(v, r + 1, text(t)) for r, (t, v) in enumerate(zip(ids, values))}
     if token not in out:
-        out[token] = Logprob(float(chosen[i]), None, text(token))
+        out[token] = Logprob(float(chosen[i]), int(rank[i]), text(token))
     return out
 
 

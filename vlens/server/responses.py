@@ -24,8 +24,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
-    return ranked[:k]
+    return sorted(entry.items(), key=lambda x: x[1].rank)[:k]  # (the row's own token, when not among them, ranks past k)
 
 
 def completion_logprobs(
