@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from fsspec.core import url_to_fs
@@ -66,14 +67,20 @@ def shard_name(index: int) -> str:
 
 
 def atomic_write(store: Store, name: str, data: bytes) -> None:
+    _write_then_name(store, name, lambda f: f.write(data))
+
+
+def _write_then_name(store: Store, name: str, write: Callable[[BinaryIO], int]) -> int:
+    """`write` into a temporary file, then give it `name`: a kill mid-write leaves no file of that name
+    (prepare_dir removes the temporary); what `write` returned."""
     final, tmp = store.path(name), store.path(TMP_PREFIX + name)
-    if not store.local:
-        store.fs.pipe_file(tmp, data)
+    with store.fs.open(tmp, "wb") as f:
+        size = write(f)
+    if store.local:
+        _sync_rename(store, tmp, final)
+    else:
         store.fs.mv(tmp, final)
-        return
-    with open(tmp, "wb") as f:
-        f.write(data)
-    _sync_rename(store, tmp, final)
+    return size
 
 
 def _sync_rename(store: Store, tmp: str, final: str) -> None:
@@ -95,15 +102,7 @@ def write_shard(store: Store, index: int, tensors: dict[str, torch.Tensor]) -> i
     """Write one shard (keys sorted as safetensors sorts them, no metadata: same tensors, same bytes); its
     size. Each tensor goes from its own memory to the file (vlens.tensor_file), never through a copy of the
     whole shard in bytes."""
-    name = shard_name(index)
-    final, tmp = store.path(name), store.path(TMP_PREFIX + name)
-    with store.fs.open(tmp, "wb") as f:
-        size = tensor_file.dump(tensors, f)
-    if store.local:
-        _sync_rename(store, tmp, final)
-    else:
-        store.fs.mv(tmp, final)
-    return size
+    return _write_then_name(store, shard_name(index), lambda f: tensor_file.dump(tensors, f))
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
