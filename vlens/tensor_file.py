@@ -29,7 +29,8 @@ def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -
     """(the 8-byte length and the padded JSON header, the tensors in the order their bytes follow it)."""
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
+            allowed = ", ".join(str(dtype).removeprefix("torch.") for dtype in _DTYPES)
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name (it has: {allowed})")
     names = sorted(tensors, key=lambda name: (_RANK[tensors[name].dtype], name))
     header: dict[str, object] = {} if metadata is None else {"__metadata__": metadata}
     offset = 0
@@ -63,8 +64,8 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = N
 
 
 def dump(tensors: dict[str, torch.Tensor], f: BinaryIO, metadata: dict[str, str] | None = None) -> int:
-    """safetensors.torch.save's bytes written to the open file `f`, each tensor from its own memory; how
-    many."""
+    """safetensors.torch.save's bytes written to the open file `f`, each tensor from its own memory; the
+    number of bytes written."""
     head, ordered = _layout(tensors, metadata)
     size = f.write(head)
     for t in ordered:
