@@ -353,6 +353,8 @@ def test_bad_input_names_the_problem(tmp_path, monkeypatch):
         cache.decompose_resid(mode="mlps")
     with pytest.raises(ValueError, match=r"^mlp_input: layer 3 \(-1, None\) is the final norm's input"):
         cache.apply_ln_to_stack(stack, mlp_input=True)
+    with pytest.raises(ValueError, match=r"^recompute_ln: True goes with the final norm \(layer None, -1 or 3\)"):
+        cache.apply_ln_to_stack(cache.decompose_resid(1), 1, recompute_ln=True)
     with pytest.raises(ValueError, match=r"^incorrect_tokens: shape \(2,\) differs from tokens' \(2, 11\)"):
         cache.logit_attrs(stack, tokens, incorrect_tokens=tokens[:, 0])
     with pytest.raises(ValueError, match=r"^tokens: token ids must be in 0\.\.299"):

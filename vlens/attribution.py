@@ -182,6 +182,9 @@ class Attribution:
         model, n = self.model.llm.model, self.model.cfg.num_layers
         layer = resolve_layer(layer, n)
         check_mlp_input(self.model.cfg, layer, mlp_input, as_sum=False)  # a pre-MLP norm reads some stream
+        if recompute_ln and layer != n:
+            raise ValueError(f"recompute_ln: True goes with the final norm (layer None, -1 or {n}), the one a logit "
+                             f"lens reads; layer {layer}'s norms take the cached scale (recompute_ln=False)")  # fmt: skip
         if layer == n:
             norm, hook = model.final_norm, "ln_final.hook_scale"
         else:
@@ -190,7 +193,7 @@ class Attribution:
         weight = norm.weight
         x = residual_stack.to(weight.device, weight.dtype)
         with torch.no_grad():
-            if recompute_ln and layer == n:
+            if recompute_ln:
                 rows = self._rows(pos_slice)
                 out = norm(x) * (rows if self.has_batch_dim else rows[0])[..., None].to(x.device)
             else:
