@@ -141,6 +141,9 @@ def test_lens_page_carries_the_attention_of_the_layers_asked_for(smol4):
     assert viz.lens_page(smol4, "The capital of France is", attention_layers=[]).payload["attention"] == []
     with pytest.raises(ValueError, match=r"^attention_layers: 4 is not a layer of this model \(0 \.\. 3\)"):
         viz.lens_page(smol4, "x", attention_layers=[4])
+    for odd in (1.0, True):  # equal to a layer, and `in range` says so, but no hook is named by it
+        with pytest.raises(ValueError, match=rf"^attention_layers: {odd!r} is not a layer of this model \(0 \.\. 3\)"):
+            viz.lens_page(smol4, "x", attention_layers=[odd])
 
 
 def test_page_text_cannot_break_out_of_its_script():

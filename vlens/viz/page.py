@@ -49,8 +49,8 @@ def lens_page(
     other views read the prompt and its completion."""
     layers = range(llm.config.num_layers)
     for layer in attention_layers or []:
-        if layer not in layers:
-            raise ValueError(f"attention_layers: {layer} is not a layer of this model (0 .. {len(layers) - 1})")
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer not in layers:
+            raise ValueError(f"attention_layers: {layer!r} is not a layer of this model (0 .. {len(layers) - 1})")
     [first] = llm.generate(
         prompt,
         SamplingParams(max_tokens=max_tokens, temperature=0,
