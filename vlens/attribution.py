@@ -22,14 +22,18 @@ W_out; GPT-NeoX's parallel residual has no "MLP input = layer input + attn_out".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from vlens.hooked_weights import AttentionWeights, MLPWeights, ModelWeights, check_mlp_input, resolve_layer
+from vlens.hooked_weights import AttentionWeights, MLPWeights, ModelWeights, Tokens, check_mlp_input, resolve_layer
 
 if TYPE_CHECKING:
     from vlens.models.base import DecoderLM
+
+# TransformerLens's pos_slice and neuron_slice: an index, a slice or a list of indices (None: all)
+Slice = int | slice | Sequence[int] | None
 
 # What a norm between a sublayer and the residual add (Gemma) leaves undefined: each part's share of the output
 POST_NORMS = {
@@ -64,8 +68,8 @@ class Attribution:
         return self._tensors[name]
 
     def stack_head_results(
-        self, layer: int | None = -1, return_labels: bool = False, incl_remainder: bool = False, pos_slice=None,
-        apply_ln: bool = False,
+        self, layer: int | None = -1, return_labels: bool = False, incl_remainder: bool = False,
+        pos_slice: Slice = None, apply_ln: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
         """Every head's result in the layers below `layer` (-1 / None: all), [layer * n_heads, batch,
         positions, d_model], labelled "L{layer}H{head}"; `incl_remainder` adds the residual entering `layer`
@@ -80,8 +84,8 @@ class Attribution:
         )
 
     def stack_neuron_results(
-        self, layer: int | None, pos_slice=None, neuron_slice=None, return_labels: bool = False,
-        incl_remainder: bool = False, apply_ln: bool = False,
+        self, layer: int | None, pos_slice: Slice = None, neuron_slice: Slice = None,
+        return_labels: bool = False, incl_remainder: bool = False, apply_ln: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
         """Every neuron's result in the MLPs below `layer` (-1 / None: all), hook_post_n * W_out[n],
         [layer * d_mlp, batch, positions, d_model], labelled "L{layer}N{neuron}": large, as in TransformerLens
@@ -98,7 +102,7 @@ class Attribution:
         labels = [f"L{i}N{n}" for i in range(layer) for n in neurons.tolist()]
         return self._finish(stack, labels, layer, pos_slice, incl_remainder, apply_ln, return_labels)
 
-    def _neurons(self, neuron_slice) -> torch.Tensor:
+    def _neurons(self, neuron_slice: Slice) -> torch.Tensor:
         """TransformerLens's neuron_slice (None: all) as the neurons' indices."""
         d_mlp = self.model.cfg.intermediate_size
         try:
@@ -109,7 +113,7 @@ class Attribution:
 
     def get_full_resid_decomposition(
         self, layer: int | None = None, mlp_input: bool = False, expand_neurons: bool = True, apply_ln: bool = False,
-        pos_slice=None, return_labels: bool = False,
+        pos_slice: Slice = None, return_labels: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
         """TransformerLens's: the residual stream entering `layer` (None / -1: the final norm's input;
         `mlp_input`: layer `layer`'s MLP, so its heads too) as every head's result ("L{l}H{h}"), every neuron's
@@ -135,7 +139,7 @@ class Attribution:
 
     def decompose_resid(
         self, layer: int | None = None, mlp_input: bool = False, mode: str = "all", apply_ln: bool = False,
-        pos_slice=None, incl_embeds: bool = True, return_labels: bool = False,
+        pos_slice: Slice = None, incl_embeds: bool = True, return_labels: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:  # fmt: skip
         """The residual stream entering `layer` (None / -1: the final norm's input) as the sum of what wrote
         it: [components, batch, positions, d_model], labelled "embed", "pos_embed" (GPT-2), "{L}_attn_out",
@@ -167,8 +171,8 @@ class Attribution:
         return (stack, labels) if return_labels else stack
 
     def apply_ln_to_stack(
-        self, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False, pos_slice=None,
-        recompute_ln: bool = False,
+        self, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
+        pos_slice: Slice = None, recompute_ln: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """Each component of a stack of the residual stream entering `layer` (None / -1: the final norm;
         `mlp_input`: that layer's pre-MLP norm, else its pre-attention norm) as it reaches the norm's
@@ -183,8 +187,10 @@ class Attribution:
         layer = resolve_layer(layer, n)
         check_mlp_input(self.model.cfg, layer, mlp_input, as_sum=False)  # a pre-MLP norm reads some stream
         if recompute_ln and layer != n:
-            raise ValueError(f"recompute_ln: True goes with the final norm (layer None, -1 or {n}), the one a logit "
-                             f"lens reads; layer {layer}'s norms take the cached scale (recompute_ln=False)")  # fmt: skip
+            raise ValueError(
+                f"recompute_ln: True goes with the final norm (layer None, -1 or {n}), the one a logit lens reads; "
+                f"layer {layer}'s norms take the cached scale (recompute_ln=False)"
+            )
         if layer == n:
             norm, hook = model.final_norm, "ln_final.hook_scale"
         else:
@@ -202,7 +208,10 @@ class Attribution:
                 out = norm.apply_scale(x, scale.masked_fill(scale == 0, 1))  # past a text's end: 0 / 1, not 0 / 0
         return out.to(residual_stack.device, residual_stack.dtype)
 
-    def logit_attrs(self, residual_stack: torch.Tensor, tokens, incorrect_tokens=None, pos_slice=None) -> torch.Tensor:
+    def logit_attrs(
+        self, residual_stack: torch.Tensor, tokens: Tokens, incorrect_tokens: Tokens | None = None,
+        pos_slice: Slice = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Each component's direct contribution to the logit of `tokens` (minus that of `incorrect_tokens`
         where given: a logit difference): apply_ln_to_stack(stack) dotted with W_U[:, token],
         [components, *batch_and_positions]. tokens: an int, a one-token string, or a tensor broadcasting

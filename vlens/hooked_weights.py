@@ -22,6 +22,7 @@ the model; edit `model.llm.model`'s modules instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,8 @@ from vlens.models.base import AttentionHeads, DecoderLM
 if TYPE_CHECKING:
     from vlens.config import ModelConfig
     from vlens.llm import LLM
+
+Tokens = int | str | Sequence[int] | torch.Tensor  # token ids, or a text that is one token
 
 
 def resolve_layer(layer: int | None, n_layers: int) -> int:
@@ -251,14 +254,14 @@ class ModelWeights:
                                  "positions are rotary)")  # fmt: skip
         return model.transformer.wpe.weight.detach()
 
-    def tokens_to_residual_directions(self, tokens) -> torch.Tensor:
+    def tokens_to_residual_directions(self, tokens: Tokens) -> torch.Tensor:
         """TransformerLens's: the unembedding vector of each token, W_U[:, token], the direction the final
         norm's output is dotted with to give its logit: [d_model] for one token (an int, a one-token
         string, a tensor of one element), else [*tokens.shape, d_model]. The final norm's weight is not in
         it (nothing is folded): `cache.logit_attrs` and `apply_ln_to_stack` apply the norm first."""
         return self._residual_directions(tokens, "tokens")
 
-    def _residual_directions(self, tokens, field: str) -> torch.Tensor:
+    def _residual_directions(self, tokens: Tokens, field: str) -> torch.Tensor:
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
         ids = torch.as_tensor(tokens)
