@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -171,10 +172,9 @@ class Worker:
             runner.allocate_kv_cache(blocks, meta.block_size, meta.block_size)
         rows = work.logit_rows.to(self.device) if isinstance(work.logit_rows, torch.Tensor) else work.logit_rows
         backend = runner.decode_backend if work.decode else None
-        try:
+        # rank 0's function at a hook may raise: every rank leaves the forward there, and rank 0 reports it
+        with suppress(HookFailed):
             runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend)
-        except HookFailed:  # rank 0's function at a hook raised, and every rank left there: rank 0 reports it
-            pass
 
 
 def start(rank: int, size: int, init: str, spec: dict) -> Worker:
