@@ -4,7 +4,8 @@ block tables padded to a page bucket, taps armed at power-of-two sizes, vlens.at
 Greedy tokens must be equal and every captured row and steered output within 1e-5 (float32), with plain,
 capturing (hooks, logits, attention pattern, SAE features), steered, ablated, per-head steered and
 clamped requests in one batch, on a GQA Llama and on Gemma 2 (soft-capping, sliding windows) — with the
-gathering kernel and with the Triton paged kernel that CUDA runs (here under Triton's interpreter)."""
+gathering kernel, with the C paged kernel the CPU runs by default, and with the Triton paged kernel that CUDA
+runs (here under Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from transformers import Gemma2Config, LlamaConfig
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.attention.decode import DecodeBackend
 from vlens.attention.metadata import LayerKind
+from vlens.attention.paged_decode_cpu import paged_decode_cpu
 from vlens.layers import fused
 from vlens.layers.mlp import activation
 
@@ -50,14 +52,18 @@ def paged_kernel():
     return paged_decode
 
 
-@pytest.fixture(params=["gather", "triton"])
+@pytest.fixture(params=["gather", "c", "triton"])
 def kernel(request, llm):
-    """The static step's attention kernel for one test: the portable gathering one, or the Triton one."""
-    gathering = llm.runner.decode_backend
-    if request.param == "triton":
+    """The static step's attention kernel for one test: the portable gathering one, the C one, or the Triton one."""
+    default = llm.runner.decode_backend
+    if request.param == "gather":
+        llm.runner.decode_backend = DecodeBackend()
+    elif request.param == "c":
+        llm.runner.decode_backend = DecodeBackend(paged_decode_cpu)
+    else:
         llm.runner.decode_backend = DecodeBackend(request.getfixturevalue("paged_kernel"), programs=8)
     yield request.param
-    llm.runner.decode_backend = gathering
+    llm.runner.decode_backend = default
 
 
 def _requests(seed: int, head_dim: int) -> list[tuple[list[int], SamplingParams]]:
@@ -85,12 +91,12 @@ def _requests(seed: int, head_dim: int) -> list[tuple[list[int], SamplingParams]
 
 
 def _run(llm: LLM, static: bool, seed: int):
-    llm.runner.static_decode = static
+    default, llm.runner.static_decode = llm.runner.static_decode, static
     try:
         requests = _requests(seed, llm.config.head_dim)
         return llm.generate([t for t, _ in requests], [p for _, p in requests], use_tqdm=False)
     finally:
-        llm.runner.static_decode = False
+        llm.runner.static_decode = default
 
 
 def _values(out) -> dict[str, torch.Tensor]:
@@ -118,12 +124,13 @@ def test_static_decode_batches_other_sizes_and_preempts(llm, kernel):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, COMMON["vocab_size"], (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (11,), generator=g)]
     params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in torch.randint(1, 15, (11,), generator=g)]
-    llm.runner.static_decode = True
+    default, llm.runner.static_decode = llm.runner.static_decode, True
     try:
         static = llm.generate(prompts, params, use_tqdm=False)
-    finally:
         llm.runner.static_decode = False
-    eager = llm.generate(prompts, params, use_tqdm=False)
+        eager = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.runner.static_decode = default
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in eager]
 
 
@@ -186,6 +193,48 @@ def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads
         got = paged.forward(q, None, None, layer, paged.prepare(meta, {kind}, dtype))
         assert got.dtype == dtype and got.shape == want.shape
         assert rel_err(got.float(), want.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_the_cpu_decodes_on_the_static_path_with_the_c_kernel(llm):
+    """At float32 on the CPU, unless enforce_eager: the engine's decode steps read the paged cache in place."""
+    assert llm.runner.decode_backend.paged is paged_decode_cpu and llm.runner.static_decode
+    before = llm.runner.graph_stats.static_eager_steps
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert llm.runner.graph_stats.static_eager_steps - before == 3
+    eager = LLM(model=llm.model_path, dtype="float32", device="cpu", block_size=4, enforce_eager=True)
+    assert eager.runner.decode_backend.paged is None and not eager.runner.static_decode
+    bf16 = LLM(model=llm.model_path, dtype="bfloat16", device="cpu", block_size=4)
+    assert bf16.runner.decode_backend.paged is None and not bf16.runner.static_decode  # (float32 only)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, window, softcap",
+    [(8, 2, 24, None, None), (4, 4, 64, 7, None), (9, 3, 64, None, 2.0), (8, 2, 32, 5, 3.0), (2, 1, 5, None, None)],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_kernel_matches_the_gathering_kernel(heads, kv_heads, dim, window, softcap, threads):
+    """Keys read through shuffled block tables, contexts from one key to the whole table, a batch of one whose
+    keys split across threads (splits past its last key weighed 0), head sizes with and without a tail of
+    fewer than 8 values: within 1e-5 of the gathering kernel."""
+    g = torch.Generator().manual_seed(heads * dim)
+    bs, blocks, width = 4, 300, 250
+    cache = torch.randn(2, blocks * bs, kv_heads, dim, generator=g)
+    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap)
+    layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for context in ([1, 2, 70, 130, width * bs], [width * bs - 3]):
+            rows = len(context)
+            tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(rows)])
+            q = torch.randn(rows, heads, dim, generator=g)
+            meta = SimpleNamespace(block_tables_device=tables, context_lens_device=torch.tensor(context), block_size=bs)
+            want = DecodeBackend().forward(q, None, None, layer, DecodeBackend().prepare(meta, {kind}, torch.float32))
+            paged = DecodeBackend(paged_decode_cpu)
+            got = paged.forward(q, None, None, layer, paged.prepare(meta, {kind}, torch.float32))
+            assert got.shape == want.shape and rel_err(got, want) < 1e-5
+    finally:
+        torch.set_num_threads(default)
 
 
 def test_fused_chains_run_only_in_forwards_that_ask(tmp_path):

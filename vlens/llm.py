@@ -50,6 +50,7 @@ class LLM:
         self.runner = ModelRunner(
             self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs,
             graphs=not config.enforce_eager and config.tensor_parallel_size == 1,  # no collectives in a graph yet
+            kernels=not config.enforce_eager,
         )
         self._engine: LLMEngine | None = None
 

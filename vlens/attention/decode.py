@@ -4,10 +4,10 @@ graph captures once per (batch bucket, page bucket) and replays.
 Every tensor it reads is a front of the runner's buffers with the bucket's shape: the block tables
 [B, pages] and the context lengths [B]. `prepare` turns them into key slots and masks with tensor ops
 only (no host work, no data-dependent shape), so a replay recomputes them from whatever the host wrote.
-On CUDA, where Triton is installed and its kernel matches this file's on a trial problem, each row's keys
-are read in place through its block table (vlens.attention.paged_decode). Otherwise — and on the CPU —
-each row's keys are gathered from the paged cache and read by one SDPA call per layer; keys past a row's
-context are masked. Either way rows that only pad the batch attend to the scratch slot they wrote.
+Where a paged kernel runs and matches this file's on a trial problem, each row's keys are read in place
+through its block table: Triton's on CUDA (vlens.attention.paged_decode), C on the CPU at float32
+(vlens.attention.paged_decode_cpu). Otherwise each row's keys are gathered from the paged cache and read by
+one SDPA call per layer; keys past a row's context are masked. Either way rows that only pad the batch attend to the scratch slot they wrote.
 """
 
 from __future__ import annotations
@@ -43,20 +43,26 @@ class DecodeBackend:
         self.paged, self.programs = paged, programs  # the Triton kernel and the programs it aims for
 
     @classmethod
-    def for_device(cls, device: torch.device) -> DecodeBackend:
-        """With the Triton kernel on CUDA when it is installed and agrees with the gathering kernel on a
-        trial problem here (GQA, a window, a soft cap); without it otherwise, saying why once."""
-        if device.type != "cuda":
+    def for_device(cls, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
+        """With a kernel that reads the paged cache in place where one runs here and agrees with the gathering
+        kernel on a trial problem (GQA, a window, a soft cap): Triton's on CUDA, the C one on the CPU (float32);
+        without one otherwise, saying why once."""
+        if device.type == "cpu" and dtype != torch.float32:
             return cls()
         try:
-            from vlens.attention.paged_decode import paged_decode
+            if device.type == "cuda":
+                from vlens.attention.paged_decode import paged_decode
 
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            paged = cls(paged_decode, 8 * sms)
-            _trial(paged, cls(), device)
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                paged, dtypes = cls(paged_decode, 8 * sms), (torch.float32, torch.bfloat16)
+            else:
+                from vlens.attention.paged_decode_cpu import paged_decode_cpu
+
+                paged, dtypes = cls(paged_decode_cpu), (torch.float32,)
+            _trial(paged, cls(), device, dtypes)
             return paged
-        except Exception as e:  # noqa: BLE001 - no Triton, or a kernel this card cannot build or run right
-            log.warning("decode attention gathers keys (the Triton paged kernel is not used: %s)", e)
+        except Exception as e:  # noqa: BLE001 - no compiler or Triton, or a kernel that cannot build or run right
+            log.warning("decode attention gathers keys (the paged kernel is not used: %s)", e)
             return cls()
 
     def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> DecodeState:
@@ -92,7 +98,7 @@ class DecodeBackend:
         return out.reshape(rows, heads, dim)
 
 
-def _trial(paged: DecodeBackend, gathering: DecodeBackend, device: torch.device) -> None:
+def _trial(paged: DecodeBackend, gathering: DecodeBackend, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
     """Raise unless both kernels agree on random pages, contexts 1 .. 96 (two key tiles, so a row's keys
     split and merge), with and without a window and a soft cap: float32 within 1e-5, bfloat16 within its
     rounding."""
@@ -101,7 +107,8 @@ def _trial(paged: DecodeBackend, gathering: DecodeBackend, device: torch.device)
     tables = torch.randperm(rows * width, generator=g).view(rows, width).to(device)
     context = torch.tensor([1, 5, 17, 40, 70, 96], device=device)
     meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    for dtype in dtypes:
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         cache = torch.randn(2, rows * width * bs, kv_heads, dim, generator=g).to(device, dtype)
         q = torch.randn(rows, 8, dim, generator=g).to(device, dtype)
         for window, softcap in ((None, None), (7, 30.0)):

@@ -132,8 +132,8 @@ def table_rows(taps: dict[str, Tap]) -> dict[int, tuple[torch.Tensor, ...]]:
 class Worker:
     """One rank's model and KV cache, run through the same `ModelRunner` forward as rank 0's."""
 
-    def __init__(self, model, backend):
-        self.runner = ModelRunner(model, backend, 1, 1)
+    def __init__(self, model, backend, kernels: bool):
+        self.runner = ModelRunner(model, backend, 1, 1, kernels=kernels)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.tables: dict[int, Mirrored] = {}
 
@@ -190,7 +190,7 @@ def start(rank: int, size: int, init: str, spec: dict) -> Worker:
     kinds = {attn.kind for attn in loaded.model.attention_layers()}  # every rank's: the same heads per rank
     backend = make_backend(spec["backend"], device, spec["compiled"], kinds, loaded.model.lm_head.weight.dtype,
                            spec["block_size"])  # fmt: skip
-    return Worker(loaded.model, backend)
+    return Worker(loaded.model, backend, spec["compiled"])
 
 
 def main(rank: int, size: int, init: str, spec: dict, conn) -> None:

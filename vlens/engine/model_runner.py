@@ -13,8 +13,9 @@ A step in which every sequence decodes can take the static path instead (`static
 padded to a power-of-two bucket (padding rows write and read a scratch block no sequence owns), the block
 tables to a power-of-two number of pages, the taps' index tensors to power-of-two sizes, and attention is
 vlens.attention.decode's fixed-shape kernel. On CUDA each (bucket, pages, taps) shape is captured once as a
-CUDA graph and replayed — captures and interventions included, since taps read only their armed buffers;
-elsewhere the same path runs eagerly, which is how the CPU tests check it against the ordinary step.
+CUDA graph and replayed — captures and interventions included, since taps read only their armed buffers.
+On the CPU the same path runs eagerly, by default where its attention reads the paged cache in place (the C
+kernel), and the CPU tests check it against the ordinary step.
 
 A step returns as soon as it is queued (`StepOutput`; its ids reach the host when the engine asks). The
 engine may queue the next decode step of the same sequences first (`run_ahead`, async scheduling): its
@@ -100,10 +101,13 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, backend, max_tokens: int, max_seqs: int, graphs: bool = False):
+    def __init__(
+        self, model: DecoderLM, backend, max_tokens: int, max_seqs: int, graphs: bool = False, kernels: bool = False
+    ):  # fmt: skip
         """`max_tokens` / `max_seqs`: the largest engine step (its buffers are allocated at that size; a
         longer packed forward of trace or harvest grows them). `graphs`: decode steps replay CUDA graphs
-        (on CUDA only; `static_decode` is then on)."""
+        (on CUDA only; `static_decode` is then on). `kernels`: decode attention may read the paged cache with
+        a kernel built here (vlens.attention.decode); on the CPU decode steps then take the static path."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
@@ -130,8 +134,9 @@ class ModelRunner:
         self.graphs = graphs and self.device.type == "cuda"
         # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations
         self.fused = self.graphs and fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
-        self.static_decode = self.graphs
-        self.decode_backend = DecodeBackend.for_device(self.device)
+        self.decode_backend = DecodeBackend.for_device(self.device, self.dtype) if kernels else DecodeBackend()
+        # on the CPU the static path pays when its attention reads the cache in place (no graphs to replay)
+        self.static_decode = self.graphs or (self.device.type == "cpu" and self.decode_backend.paged is not None)
         self.graph_stats = GraphStats()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None

@@ -1,0 +1,105 @@
+"""Paged decode attention on the CPU, in C: the static decode step's kernel there, as the Triton kernel
+(vlens.attention.paged_decode) is on CUDA.
+
+Why a kernel of our own: the portable decode path (vlens.attention.decode) copies every row's keys and
+values out of the paged cache, padded to the step's page bucket, and SDPA's CPU kernel then costs about
+1.5 us per (row, KV head) however few keys it has; at batch 64 on a 2-layer model that was a third of a
+decode step. Here each (row, KV head) reads its keys once, where they lie, up to its own context.
+
+The kernel (`paged_decode_cpu.c`, beside this file) is built on first use with the machine's C compiler
+($CC, else `cc`), with OpenMP (torch's own runtime, already loaded), and cached under
+$XDG_CACHE_HOME/vlens (~/.cache/vlens) by the hash of the source, the compiler and the CPU; it runs on
+torch's thread count. Without a compiler, decode attention gathers keys as before (DecodeBackend says why,
+once). Float32 only. A torch custom op wraps it, so a compiled forward keeps it as one call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu() -> bytes:
+    """What -march=native compiles for: this CPU's model and flags (a cache shared by machines keeps one
+    library per kind of CPU)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        info = platform.processor()
+    return "\n".join(line for line in info.splitlines() if line.startswith(("model name", "flags"))).encode()
+
+
+@functools.cache
+def _kernel():
+    """The C function, built once a machine (atomically: parallel first builds each write their own file
+    and rename it into place)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler: set $CC or install cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode() + _cpu()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlens"
+    library = cache / f"paged_decode_cpu-{key}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = library.with_name(f"{library.name}.{os.getpid()}.part")
+        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+        if built.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-500:]}")
+        os.replace(partial, library)
+    function = ctypes.CDLL(str(library)).paged_decode_f32
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int]
+    return function
+
+
+@torch.library.custom_op("vlens::paged_decode_cpu", mutates_args=())
+def _paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, context: torch.Tensor,
+    kv_heads: int, block_size: int, window: int, scale: float, softcap: float,
+) -> torch.Tensor:  # fmt: skip
+    out = torch.empty_like(q)
+    rows, heads, dim = q.shape
+    failed = _kernel()(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), context.data_ptr(), out.data_ptr(),
+        rows, heads, kv_heads, dim, tables.shape[1], block_size, window, scale, softcap, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("paged decode attention: no memory for a row's scores")
+    return out
+
+
+@_paged_decode.register_fake
+def _(q, k_cache, v_cache, tables, context, kv_heads, block_size, window, scale, softcap):
+    return torch.empty_like(q)
+
+
+def paged_decode_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, context: torch.Tensor,
+    block_size: int, layer, programs: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """Attention output [B, H, d] of each row's query q [B, H, d] over keys 0 .. context[b] - 1 of its block
+    table tables[b] in the caches [slots, H_kv, d] (the arguments of the Triton kernel; `programs` unused)."""
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        raise TypeError(f"paged decode attention on the CPU takes float32, not {q.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and tables.is_contiguous() and context.is_contiguous()):
+        raise ValueError("paged decode attention on the CPU reads contiguous caches, tables and context lengths")
+    if tables.dtype != torch.long or context.dtype != torch.long:
+        raise TypeError("paged decode attention on the CPU takes int64 block tables and context lengths")
+    return _paged_decode(
+        q.contiguous(), k_cache, v_cache, tables, context, layer.num_kv_heads, block_size, layer.window or 0,
+        layer.scale, layer.softcap or 0.0,
+    )  # fmt: skip
