@@ -16,8 +16,10 @@ HF: min_new_tokens), greedy. Rows:
                         time ratio to no capture; the peer is HF generate with output_attentions=True
                         (eager attention, every layer and step), as a time ratio to HF plain
 Then the host overhead a GPU would expose (--workload tiny, or all): a random Llama of 2 layers, d=64,
-vocab 512, where GEMMs cost almost nothing; 64 prompts of 8-36 tokens x 64 new tokens, greedy; ms per
-decode step for vlens and HF at batch 64 and 8, and one captured layer at generated rows vs none.
+vocab 512, where GEMMs cost little; 64 prompts of 8-36 tokens x 64 new tokens, greedy; ms per decode step
+for vlens and HF at batch 64 and 8, and one captured layer at generated rows vs none — for the default engine
+(decodes on the static path, the C paged kernel) and for one with compile_decode=True (each decode forward
+compiled by inductor; the warm-up run compiles).
 Then the host's part of a CUDA-graph decode step (--workload tiny): the same model on the static decode
 path with async scheduling, its forward replaced by one that returns zero logits, so what is timed is the
 work a GPU step leaves to the host (planning, buffers, taps, sampling, stop checks, deltas): ms per decode
@@ -58,6 +60,7 @@ SUBJECTS = [
 ]
 STYLES = ["Explain briefly:", "Write a short story about", "Give three facts about", "Describe, for a child,"]
 LAYERS = (9, 19, 29)
+CHECKPOINTS = tempfile.TemporaryDirectory()  # the random models' checkpoints, removed at exit
 
 
 def prompts(n: int) -> list[str]:
@@ -190,12 +193,13 @@ def smol(args: argparse.Namespace) -> None:
 
 def random_llama(prefix_caching: bool = False, **sizes) -> tuple[LLM, torch.nn.Module]:
     """A random Llama of these sizes (vocabulary 512), loaded by vlens and by HF, float32 on the CPU. Without
-    a prefix cache unless asked: the runs repeat their prompts, which HF computes every time."""
+    a prefix cache unless asked: the runs repeat their prompts, which HF computes every time. Its checkpoint
+    stays for the run (`llm.model_path`: other engines of the same model)."""
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, **sizes)).save_pretrained(tmp)
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-        return LLM(model=tmp, dtype="float32", device="cpu", enable_prefix_caching=prefix_caching), hf
+    path = tempfile.mkdtemp(dir=CHECKPOINTS.name)
+    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, **sizes)).save_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return LLM(model=path, dtype="float32", device="cpu", enable_prefix_caching=prefix_caching), hf
 
 
 def random_prompts(n: int, shortest: int, longest: int) -> list[list[int]]:
@@ -214,6 +218,7 @@ def host_overhead(args: argparse.Namespace) -> None:
     """ms per decode step on a model whose GEMMs cost almost nothing: what is left is host work."""
     llm, hf = random_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    compiled = LLM(model=llm.model_path, dtype="float32", device="cpu", enable_prefix_caching=False, compile_decode=True)
     ids = random_prompts(256, 8, 36)
     steps = args.tokens
     print(f"\nhost overhead: random Llama 2 layers d=64, prompts of 8-36 tokens x {steps} new tokens, greedy")
@@ -227,16 +232,21 @@ def host_overhead(args: argparse.Namespace) -> None:
                 hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                             do_sample=False, pad_token_id=0)  # fmt: skip
 
-        def vlens_run(capture=None):
+        def vlens_run(capture=None, engine=llm):
             p = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=capture)
-            llm.generate(prompts_, p, use_tqdm=False)
+            engine.generate(prompts_, p, use_tqdm=False)
 
         one = Capture(hooks="blocks.1.hook_resid_post", positions="generated")
-        t_hf, t_v, t_cap = best_alternating([hf_run, vlens_run, lambda: vlens_run(one)], args.repeats)
+        runs = [hf_run, vlens_run, lambda: vlens_run(one), lambda: vlens_run(engine=compiled),
+                lambda: vlens_run(one, compiled)]  # fmt: skip
+        t_hf, t_v, t_cap, t_c, t_c_cap = best_alternating(runs, args.repeats)  # (the warm-up compiles)
         ms = lambda t: 1000 * t / steps  # noqa: E731
+        target = "<= 0.5x HF" if batch == 64 else ""
         print(f"{f'HF generate, batch {batch}':<44}{ms(t_hf):>10.2f}")
-        print(f"{f'vlens, batch {batch}':<44}{ms(t_v):>10.2f}{t_v / t_hf:>9.2f}x  {'<= 0.5x HF' if batch == 64 else ''}")
+        print(f"{f'vlens, batch {batch}':<44}{ms(t_v):>10.2f}{t_v / t_hf:>9.2f}x  {target}")
         print(f"{f'vlens, one layer at generated rows, batch {batch}':<44}{ms(t_cap):>10.2f}{t_cap / t_v:>9.2f}x  <= 1.15x")
+        print(f"{f'vlens compile_decode, batch {batch}':<44}{ms(t_c):>10.2f}{t_c / t_hf:>9.2f}x  {target}")
+        print(f"{f'vlens compile_decode, one layer, batch {batch}':<44}{ms(t_c_cap):>10.2f}{t_c_cap / t_c:>9.2f}x  <= 1.15x")
         if batch == 64:
             host_part(llm, ids, steps, args.repeats, t_hf)
 
@@ -275,12 +285,12 @@ def host_part(llm: LLM, ids: list[list[int]], steps: int, repeats: int, t_hf: fl
         runs = [best(lambda n=n: llm.generate(prompts, params(case, n), use_tqdm=False), repeats) for n in (steps, 1)]
         return (runs[0] - runs[1]) / (steps - 1)
 
-    runner.static_decode, runner._forward = True, null_forward
+    static, runner.static_decode, runner._forward = runner.static_decode, True, null_forward
     try:
         times = {case: per_step(prompts_, case) for case in cases}
         t_256 = per_step(ids, "plain")
     finally:
-        runner.static_decode, runner._forward = False, forward
+        runner.static_decode, runner._forward = static, forward
     for case, t in times.items():
         label = f"graph step host, {case}"
         print(f"{label:<44}{1000 * t:>10.2f}{t * steps / t_hf:>9.2f}x  (of HF's whole step)")

@@ -30,10 +30,14 @@ class LLM:
         """`settings` are those of `EngineConfig` (dtype, device, max_num_seqs, block_size, ...); an unknown
         or invalid one is a ValueError naming it, raised before the model is loaded."""
         config = self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
-        check_backend(config.attention_backend, resolve_device(config.device))  # FlashInfer on a CPU: before loading
+        device = resolve_device(config.device)
+        check_backend(config.attention_backend, device)  # FlashInfer on a CPU: before loading
+        if config.compile_decode and device.type != "cpu":
+            raise ValueError(f"compile_decode: True is for the CPU; on {device.type} decode steps replay CUDA graphs "
+                             "(enforce_eager=False)")  # fmt: skip
         if config.tensor_parallel_size > 1:  # ranks 1.. in worker processes; this one is rank 0
             loaded = Executor(
-                model, config.dtype, resolve_device(config.device), config.tensor_parallel_size,
+                model, config.dtype, device, config.tensor_parallel_size,
                 config.attention_backend, config.distributed_executor_backend, compiled=not config.enforce_eager,
                 block_size=config.block_size,
             ).loaded  # fmt: skip
@@ -50,7 +54,7 @@ class LLM:
         self.runner = ModelRunner(
             self.model, self.backend, config.max_num_batched_tokens, config.max_num_seqs,
             graphs=not config.enforce_eager and config.tensor_parallel_size == 1,  # no collectives in a graph yet
-            kernels=not config.enforce_eager,
+            kernels=not config.enforce_eager, compile_decode=config.compile_decode,
         )
         self._engine: LLMEngine | None = None
 

@@ -37,6 +37,11 @@ class EngineConfig:
         choices=BACKENDS,
     )
     enforce_eager: bool = setting(False, "no compiled kernels and no CUDA graphs: every step runs eagerly")
+    compile_decode: bool = setting(
+        False, "on the CPU, run decode steps through torch.compile (inductor): one compile per batch bucket, page "
+        "bucket and set of taps, at its first step (seconds; cached on disk), then the fused forward without "
+        "per-operator overhead. On CUDA decode steps replay CUDA graphs instead",
+    )
     async_scheduling: bool = setting(
         True, "queue the next decode step while the device runs this one (with CUDA graphs; outputs unchanged)",
         flag="--no-async-scheduling", invert=True,
@@ -56,6 +61,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.compile_decode and self.enforce_eager:
+            raise ValueError("compile_decode: True compiles the decode step, which enforce_eager=True forbids")
+        if self.compile_decode and self.tensor_parallel_size > 1:
+            raise ValueError("compile_decode: True runs in one process (tensor_parallel_size 1), not across ranks")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:

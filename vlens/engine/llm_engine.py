@@ -51,6 +51,9 @@ class EngineStats:
     eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
+    compiled_steps: int = 0  # decode steps run by a forward compiled for their shape (compile_decode, CPU)
+    decode_compiles: int = 0
+    decode_compile_seconds: float = 0.0
     ahead_steps: int = 0  # decode steps queued before the previous step's ids reached the host
 
     @property
@@ -197,6 +200,9 @@ class LLMEngine:
             eager_steps=graphs.eager_steps,
             graphs_captured=graphs.graphs_captured,
             graph_capture_seconds=graphs.capture_seconds,
+            compiled_steps=graphs.compiled_steps,
+            decode_compiles=graphs.compiles,
+            decode_compile_seconds=graphs.compile_seconds,
             ahead_steps=graphs.ahead_steps,
         )
 

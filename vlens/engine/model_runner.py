@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -69,6 +70,9 @@ class GraphStats:
     eager_steps: int = 0  # steps the static path cannot serve: prefill, chunked prefill, prompt rows, ...
     graphs_captured: int = 0
     capture_seconds: float = 0.0
+    compiled_steps: int = 0  # static decode steps run by a compiled forward (compile_decode)
+    compiles: int = 0  # forwards compiled, one per batch bucket, page bucket and set of taps
+    compile_seconds: float = 0.0
     ahead_steps: int = 0  # static decode steps launched before the previous step's ids reached the host
 
 
@@ -102,12 +106,14 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderLM, backend, max_tokens: int, max_seqs: int, graphs: bool = False, kernels: bool = False
+        self, model: DecoderLM, backend, max_tokens: int, max_seqs: int, graphs: bool = False, kernels: bool = False,
+        compile_decode: bool = False,
     ):  # fmt: skip
         """`max_tokens` / `max_seqs`: the largest engine step (its buffers are allocated at that size; a
         longer packed forward of trace or harvest grows them). `graphs`: decode steps replay CUDA graphs
         (on CUDA only; `static_decode` is then on). `kernels`: decode attention may read the paged cache with
-        a kernel built here (vlens.attention.decode); on the CPU decode steps then take the static path."""
+        a kernel built here (vlens.attention.decode); on the CPU decode steps then take the static path.
+        `compile_decode`: static decode steps run a forward compiled for their shape (`_compiled_forward`)."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
@@ -135,10 +141,12 @@ class ModelRunner:
         # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations
         self.fused = self.graphs and fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
         self.decode_backend = DecodeBackend.for_device(self.device, self.dtype) if kernels else DecodeBackend()
+        self.compile_decode = compile_decode
         # on the CPU the static path pays when its attention reads the cache in place (no graphs to replay)
-        self.static_decode = self.graphs or (self.device.type == "cpu" and self.decode_backend.paged is not None)
+        self.static_decode = self.graphs or compile_decode or (self.device.type == "cpu" and self.decode_backend.paged is not None)
         self.graph_stats = GraphStats()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._compiled: dict[tuple, Callable] = {}
         self._pool = None
 
     # -- set-up ---------------------------------------------------------------------------------------
@@ -176,13 +184,15 @@ class ModelRunner:
 
     def _forward(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
-        logit_rows: torch.Tensor | slice | None = None, backend=None,
+        logit_rows: torch.Tensor | slice | None = None, backend=None, forward: Callable | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set."""
+        """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set.
+        `forward`: what stands in for the model's (a compiled decode step's)."""
         backend = backend or self.backend
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
-        forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
+        if forward is None:
+            forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
         failed = None
         try:  # from the launch on: the other ranks may be in the forward's collectives
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
@@ -343,8 +353,32 @@ class ModelRunner:
                 graph.replay()
                 self.graph_stats.graph_steps += 1
                 return logits
+        if self.compile_decode:
+            return self._compiled_step(meta, ids, taps, (size, pages, _signature(taps)))
         self.graph_stats.static_eager_steps += 1
         return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
+
+    def _compiled_step(self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], key: tuple) -> torch.Tensor:
+        """Logits of the static decode step through the forward compiled for `key` (shapes and taps), compiled
+        at its first step. Like a CUDA graph, each compiled forward serves one key and checks nothing when
+        called: dynamo's guards (every weight, buffer and tap, ~60 us a call on a small model) are skipped, so
+        each key compiles its own copy of the forward's code (dynamo keeps compiled code per code object, and
+        a copy of the code is a new object), never a neighbour's graph."""
+        stats, forward = self.graph_stats, self._compiled.get(key)
+        started, new = time.perf_counter(), forward is None
+        if new:
+            method = type(self.model).forward
+            code = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
+            forward = self._compiled[key] = torch.compile(
+                types.MethodType(code, self.model), fullgraph=True, dynamic=False,
+                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+            )  # fmt: skip
+            stats.compiles += 1
+        logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, forward)[1]
+        if new:  # (the compile happens in the first call)
+            stats.compile_seconds += time.perf_counter() - started
+        stats.compiled_steps += 1
+        return logits
 
     def _capture(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap]
