@@ -50,3 +50,19 @@ def test_compiled_decode_steps_equal_the_eager_engine(tmp_path):
 def test_compile_decode_refuses_what_it_cannot_do(settings, field):
     with pytest.raises(ValueError, match=field):
         LLM(model="unused", compile_decode=True, **settings)
+
+
+def test_shapes_past_the_limit_run_eagerly(tmp_path, monkeypatch):
+    """Compiled forwards are kept for at most MAX_GRAPHS shapes; a step of another shape runs the static path
+    eagerly (counted), with the same tokens."""
+    import vlens.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "MAX_GRAPHS", 0)
+    path = build(LlamaConfig(**COMMON, num_key_value_heads=2), tmp_path, "llama")
+    prompts, params = _requests()
+    compiled = LLM(model=path, dtype="float32", device="cpu", block_size=4, compile_decode=True)
+    eager = LLM(model=path, dtype="float32", device="cpu", block_size=4, enforce_eager=True)
+    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (compiled, eager))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = compiled.stats()
+    assert stats.decode_compiles == 0 and stats.compiled_steps == 0 and stats.static_eager_steps == 9

@@ -267,3 +267,20 @@ def test_fused_chains_run_only_in_forwards_that_ask(tmp_path):
         va, vb = _values(a), _values(b)
         for name in va:
             assert rel_err(vb[name], va[name]) < 1e-5, name
+
+
+def test_without_a_compiler_decode_gathers_keys(monkeypatch, tmp_path, caplog):
+    """No C compiler (or one that cannot build the kernel): the engine's decode attention gathers keys, and
+    says why once; nothing fails."""
+    from vlens.attention import paged_decode_cpu as module
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # (no kernel built before)
+    module._kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="vlens.engine"):
+            backend = DecodeBackend.for_device(torch.device("cpu"), torch.float32)
+    finally:
+        module._kernel.cache_clear()
+    assert backend.paged is None
+    assert "decode attention gathers keys" in caplog.text and "no-such-cc" in caplog.text

@@ -57,10 +57,10 @@ static inline float exp_nonpositive(float x)
     return p * two_to_n.value;
 }
 
-static inline __attribute__((always_inline)) int
-attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables, const int64_t *context,
-       float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t pages, int64_t block_size,
-       int64_t window, float scale, float softcap, int threads)
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                     const int64_t *context, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                     int64_t dim, int64_t pages, int64_t block_size, int64_t window, float scale, float softcap,
+                     int threads)
 {
     const int64_t group = heads / kv_heads, slot_stride = kv_heads * dim;
     int64_t longest = 1;
@@ -164,22 +164,3 @@ attend(const float *q, const float *k_cache, const float *v_cache, const int64_t
     return failed;
 }
 
-/* The entry point: `attend` inlined with the usual head sizes as constants, so that the loops over a head's
- * values unroll into whole vectors (at a head size of 16, twice as fast as with the size a variable). */
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
-                     const int64_t *context, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
-                     int64_t dim, int64_t pages, int64_t block_size, int64_t window, float scale, float softcap,
-                     int threads)
-{
-#define ATTEND(DIM) attend(q, k_cache, v_cache, tables, context, out, rows, heads, kv_heads, DIM, pages, block_size, \
-                           window, scale, softcap, threads)
-    switch (dim) {
-    case 16: return ATTEND(16);
-    case 32: return ATTEND(32);
-    case 64: return ATTEND(64);
-    case 128: return ATTEND(128);
-    case 256: return ATTEND(256);
-    default: return ATTEND(dim);
-    }
-#undef ATTEND
-}

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,27 +44,31 @@ def _cpu() -> bytes:
 @functools.cache
 def _kernel():
     """The C function, built once a machine (atomically: parallel first builds each write their own file
-    and rename it into place)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    and rename it into place); without OpenMP where the compiler has none (Apple's clang): one thread."""
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         raise RuntimeError("no C compiler: set $CC or install cc")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode() + _cpu()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlens"
-    library = cache / f"paged_decode_cpu-{key}.so"
-    if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = library.with_name(f"{library.name}.{os.getpid()}.part")
-        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
-                               text=True, timeout=120)  # fmt: skip
-        if built.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-500:]}")
-        os.replace(partial, library)
-    function = ctypes.CDLL(str(library)).paged_decode_f32
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int]
-    return function
+    errors = []
+    for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):
+        key = hashlib.sha256(source + " ".join([*compiler, *flags]).encode() + _cpu()).hexdigest()[:16]
+        library = cache / f"paged_decode_cpu-{key}.so"
+        if not library.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            partial = library.with_name(f"{library.name}.{os.getpid()}.part")
+            built = subprocess.run([*compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
+                                   text=True, timeout=120)  # fmt: skip
+            if built.returncode != 0:
+                partial.unlink(missing_ok=True)
+                errors.append(built.stderr.strip()[-300:])
+                continue
+            os.replace(partial, library)
+        function = ctypes.CDLL(str(library)).paged_decode_f32
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int]
+        return function
+    raise RuntimeError(f"{' '.join(compiler)} could not build {SOURCE.name}: {errors[-1]}")
 
 
 @torch.library.custom_op("vlens::paged_decode_cpu", mutates_args=())

@@ -25,6 +25,7 @@ device runs step N.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import types
@@ -54,7 +55,7 @@ from vlens.models.base import DecoderLM
 
 log = logging.getLogger("vlens.engine")
 MIN_PAGES = 16  # the smallest page bucket of the static decode step
-MAX_GRAPHS = 64  # captured graphs kept at once; past that, the least recently replayed is dropped
+MAX_GRAPHS = 64  # captured graphs kept at once (past that, the least recently replayed is dropped); compiled forwards
 
 
 def bucket(n: int) -> int:
@@ -113,7 +114,7 @@ class ModelRunner:
         longer packed forward of trace or harvest grows them). `graphs`: decode steps replay CUDA graphs
         (on CUDA only; `static_decode` is then on). `kernels`: decode attention may read the paged cache with
         a kernel built here (vlens.attention.decode); on the CPU decode steps then take the static path.
-        `compile_decode`: static decode steps run a forward compiled for their shape (`_compiled_forward`)."""
+        `compile_decode`: static decode steps run a forward compiled for their shape (`_compiled_step`)."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
@@ -354,7 +355,9 @@ class ModelRunner:
                 self.graph_stats.graph_steps += 1
                 return logits
         if self.compile_decode:
-            return self._compiled_step(meta, ids, taps, (size, pages, _signature(taps)))
+            key = (size, pages, _signature(taps, addresses=False))
+            if key in self._compiled or len(self._compiled) < MAX_GRAPHS:  # (past that, new shapes run eagerly)
+                return self._compiled_step(meta, ids, taps, key)
         self.graph_stats.static_eager_steps += 1
         return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
 
@@ -377,6 +380,7 @@ class ModelRunner:
         logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, forward)[1]
         if new:  # (the compile happens in the first call)
             stats.compile_seconds += time.perf_counter() - started
+            gc.freeze()  # what the compile made lives as long as the runner: out of the collector's walks (LLMEngine)
         stats.compiled_steps += 1
         return logits
 
@@ -445,16 +449,19 @@ def _decodes(seq: Sequence, n: int) -> bool:
     return n == 1 and seq.num_generated > 0 and seq.num_computed + 1 == len(seq.token_ids)
 
 
-def _signature(taps: dict[str, Tap]) -> tuple:
+def _signature(taps: dict[str, Tap], addresses: bool = True) -> tuple:
     """What a captured graph bakes in of the armed taps: which sites, and the address, shape, strides and
-    kind of every buffer they read or write (a buffer that grew is a new graph)."""
+    kind of every buffer they read or write (a buffer that grew is a new graph). A compiled forward takes
+    the buffers as inputs: without `addresses`, only what its code depends on."""
     out = []
     for name, t in sorted(taps.items()):
         for attr, value in sorted(vars(t).items()):
             if isinstance(value, torch.Tensor):
-                out.append((name, attr, value.data_ptr(), tuple(value.shape), value.stride()))
+                where = value.data_ptr() if addresses else value.dtype
+                out.append((name, attr, where, tuple(value.shape), value.stride()))
             elif attr == "table" and value is not None:
-                out.append((name, attr, *(x.data_ptr() for x in (value.data, value.mask, value.encoder, value.params))))
+                tensors = (value.data, value.mask, value.encoder, value.params)
+                out.append((name, attr, *(x.data_ptr() if addresses else tuple(x.shape) for x in tensors)))
             elif isinstance(value, bool):
                 out.append((name, attr, value))
     return tuple(out)
