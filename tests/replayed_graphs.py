@@ -33,4 +33,4 @@ def replay_graphs(runner: ModelRunner) -> None:
         return graph, graph.logits
 
     runner._capture = capture
-    runner.graphs = runner.static_decode = True
+    runner.graphs = runner.static_decode = runner.pad_decode = True

@@ -76,14 +76,14 @@ def server(served_smol, request):
         enable_capture=True, inline_activation_bytes=16 << 10, served_model_name="smol"
     )  # some inline, some handles
     runner = served_smol.runner
-    default = runner.graphs, runner.static_decode
+    default = runner.graphs, runner.static_decode, runner.pad_decode
     if request.param == "queued ahead":
         replay_graphs(runner)
     try:
         with running_server(served_smol, config) as url:
             yield url, (3 if request.param == "eager" else 8)
     finally:
-        runner.graphs, runner.static_decode = default
+        runner.graphs, runner.static_decode, runner.pad_decode = default
         runner._graphs.clear()
 
 

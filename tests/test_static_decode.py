@@ -90,13 +90,16 @@ def _requests(seed: int, head_dim: int) -> list[tuple[list[int], SamplingParams]
     return [(torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist(), p) for n, p in zip(lengths, params)]
 
 
-def _run(llm: LLM, static: bool, seed: int):
-    default, llm.runner.static_decode = llm.runner.static_decode, static
+def _run(llm: LLM, static: bool, seed: int, padded: bool = True):
+    """Generate with or without the static path (padded to buckets, as for a graph, or not: the CPU's own)."""
+    runner = llm.runner
+    default = runner.static_decode, runner.pad_decode
+    runner.static_decode, runner.pad_decode = static, padded
     try:
         requests = _requests(seed, llm.config.head_dim)
         return llm.generate([t for t, _ in requests], [p for _, p in requests], use_tqdm=False)
     finally:
-        llm.runner.static_decode = default
+        runner.static_decode, runner.pad_decode = default
 
 
 def _values(out) -> dict[str, torch.Tensor]:
@@ -106,9 +109,10 @@ def _values(out) -> dict[str, torch.Tensor]:
     return values
 
 
-def test_static_decode_equals_the_ordinary_step(llm, kernel):
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_static_decode_equals_the_ordinary_step(llm, kernel, padded):
     before = llm.runner.graph_stats.static_eager_steps
-    eager, static = _run(llm, False, 1), _run(llm, True, 1)
+    eager, static = _run(llm, False, 1), _run(llm, True, 1, padded)
     assert llm.runner.graph_stats.static_eager_steps - before >= 10  # the decode steps took the static path
     for a, b in zip(eager, static):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -124,13 +128,14 @@ def test_static_decode_batches_other_sizes_and_preempts(llm, kernel):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, COMMON["vocab_size"], (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (11,), generator=g)]
     params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in torch.randint(1, 15, (11,), generator=g)]
-    default, llm.runner.static_decode = llm.runner.static_decode, True
+    default = llm.runner.static_decode, llm.runner.pad_decode
+    llm.runner.static_decode = llm.runner.pad_decode = True
     try:
         static = llm.generate(prompts, params, use_tqdm=False)
         llm.runner.static_decode = False
         eager = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        llm.runner.static_decode = default
+        llm.runner.static_decode, llm.runner.pad_decode = default
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in eager]
 
 
@@ -161,7 +166,7 @@ def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_grap
     assert runner.graph_stats.graph_steps >= 30 and runner.buffers.generation > generation  # buffers grew
     assert len(runner._graphs) <= max_graphs < runner.graph_stats.graphs_captured or max_graphs == 64
     assert {key[2] for key in runner._graphs} == {runner.buffers.generation}  # none over moved buffers
-    runner.graphs = runner.static_decode = False
+    runner.graphs = runner.static_decode = runner.pad_decode = False
     for a, b in zip(llm.generate(prompts, params, use_tqdm=False), replayed, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.activations.keys() == b.activations.keys()

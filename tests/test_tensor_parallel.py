@@ -490,11 +490,12 @@ def test_static_decode_step_equals_one_process(pair):
         interventions=[Steer("blocks.1.attn.hook_v", torch.ones(one.config.num_kv_heads * one.config.head_dim))],
     )  # fmt: skip
     prompts = sequences((7, 3, 5))
-    two.runner.static_decode = True
+    default = two.runner.static_decode, two.runner.pad_decode
+    two.runner.static_decode = two.runner.pad_decode = True
     try:
         static = _generate(two, prompts, params)
     finally:
-        two.runner.static_decode = False
+        two.runner.static_decode, two.runner.pad_decode = default
     assert two.runner.graph_stats.static_eager_steps > 0
     _check_outputs(_generate(one, prompts, params), static)
 

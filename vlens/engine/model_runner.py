@@ -9,10 +9,10 @@ asked for, captured logits), and sample. Everything per step is a handful of hos
 buffers and sent to the device in one copy before the forward (no per-token Python beyond listing the new
 token ids), and the only host sync is the copy of the sampled token ids back.
 
-A step in which every sequence decodes can take the static path instead (`static_decode`): the batch is
-padded to a power-of-two bucket (padding rows write and read a scratch block no sequence owns), the block
-tables to a power-of-two number of pages, the taps' index tensors to power-of-two sizes, and attention is
-vlens.attention.decode's fixed-shape kernel. On CUDA each (bucket, pages, taps) shape is captured once as a
+A step in which every sequence decodes can take the static path instead (`static_decode`): for a graph or a
+compiled forward (`pad_decode`) the batch is padded to a power-of-two bucket (padding rows write and read a
+scratch block no sequence owns) and the block tables to a power-of-two number of pages; the taps' index
+tensors are padded to power-of-two sizes, and attention is vlens.attention.decode's fixed-shape kernel. On CUDA each (bucket, pages, taps) shape is captured once as a
 CUDA graph and replayed — captures and interventions included, since taps read only their armed buffers.
 On the CPU the same path runs eagerly, by default where its attention reads the paged cache in place (the C
 kernel), and the CPU tests check it against the ordinary step.
@@ -145,6 +145,9 @@ class ModelRunner:
         self.compile_decode = compile_decode
         # on the CPU the static path pays when its attention reads the cache in place (no graphs to replay)
         self.static_decode = self.graphs or compile_decode or (self.device.type == "cpu" and self.decode_backend.paged is not None)
+        # Batch and pages padded to power-of-two buckets: one graph or compile serves many steps. Not otherwise:
+        # on the CPU a padding row costs what a real one does (a batch of 33 would compute 64 rows).
+        self.pad_decode = self.graphs or compile_decode
         self.graph_stats = GraphStats()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: dict[tuple, Callable] = {}
@@ -301,9 +304,10 @@ class ModelRunner:
         """`ahead`: (device ids of the previous step, which of them each sequence feeds), when each
         sequence's last token is still on the device (one more than `token_ids` holds)."""
         extra = 0 if ahead is None else 1
-        size = bucket(len(seqs))
         last = [len(s.token_ids) - 1 + extra for s in seqs]  # each row's position
-        pages = min(self.max_pages, bucket(max(MIN_PAGES, -(-(max(last) + 1) // self.block_size))))
+        size, pages = len(seqs), -(-(max(last) + 1) // self.block_size)
+        if self.pad_decode:
+            size, pages = bucket(size), min(self.max_pages, bucket(max(MIN_PAGES, pages)))
         chunks = [Chunk(s.taps, s.token_ids, p, 1, i, s.block_table) for i, (s, p) in enumerate(zip(seqs, last))
                   if s.taps.streams or s.taps.interventions]  # fmt: skip
         plan = plan_step(chunks, self.block_size)
