@@ -223,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=GENERATE_FILE,
     )  # fmt: skip
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed", "tensor_parallel_size"})
+    add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed", "tensor_parallel_size", "compile_decode"})
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")

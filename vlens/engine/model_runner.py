@@ -9,13 +9,14 @@ asked for, captured logits), and sample. Everything per step is a handful of hos
 buffers and sent to the device in one copy before the forward (no per-token Python beyond listing the new
 token ids), and the only host sync is the copy of the sampled token ids back.
 
-A step in which every sequence decodes can take the static path instead (`static_decode`): for a graph or a
-compiled forward (`pad_decode`) the batch is padded to a power-of-two bucket (padding rows write and read a
-scratch block no sequence owns) and the block tables to a power-of-two number of pages; the taps' index
-tensors are padded to power-of-two sizes, and attention is vlens.attention.decode's fixed-shape kernel. On CUDA each (bucket, pages, taps) shape is captured once as a
-CUDA graph and replayed — captures and interventions included, since taps read only their armed buffers.
-On the CPU the same path runs eagerly, by default where its attention reads the paged cache in place (the C
-kernel), and the CPU tests check it against the ordinary step.
+A step in which every sequence decodes can take the static path instead (`static_decode`): attention is
+vlens.attention.decode's fixed-shape kernel and, for a graph or a compiled forward (`pad_decode`), the batch
+is padded to a power-of-two bucket (padding rows write and read a scratch block no sequence owns), the block
+tables to a power-of-two number of pages and the taps' index tensors to power-of-two sizes. On CUDA each
+(bucket, pages, taps) shape is captured once as a CUDA graph and replayed — captures and interventions
+included, since taps read only their armed buffers. On the CPU the same path runs eagerly (or compiled,
+`compile_decode`), by default where its attention reads the paged cache in place (the C kernel); the CPU
+tests check it against the ordinary step.
 
 A step returns as soon as it is queued (`StepOutput`; its ids reach the host when the engine asks). The
 engine may queue the next decode step of the same sequences first (`run_ahead`, async scheduling): its
@@ -333,7 +334,7 @@ class ModelRunner:
             ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
         else:
             ids, fed = put("input_ids", np.zeros(size, np.int64)), put("ahead_rows", np.array(ahead[1], np.int64))
-        taps = self.taps.arm(plan, fixed_shapes=True) if plan else {}
+        taps = self.taps.arm(plan, fixed_shapes=True if self.pad_decode else None) if plan else {}
         self.buffers.flush()
         if ahead is not None:  # the previous step's samples, copied on the device behind its sampling
             ids[: len(seqs)] = ahead[0].index_select(0, fed)
