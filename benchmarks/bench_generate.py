@@ -27,12 +27,14 @@ step (a run of 1 token taken off, with its prefill) at batch 64 plain, capturing
 and steered per request, as ratios to HF's whole step; and plain at batch 256.
 Then contexts of very different lengths (--workload spread, or all): a random Llama of SmolLM2's widths, 4
 layers, 64 prompts of 8-400 tokens x 32 new tokens; decode ms per step of HF's left-padded batch, vlens,
-and vlens with every decode in one SDPA call (each row reading the longest context's keys); then, on the
+and vlens with every decode in one SDPA call (each row reading the longest context's keys: since the CPU's
+decode steps take the static path's C kernel, this changes only the SDPA backend's steps); then, on the
 same model, the prefill of 4 prompts extending a cached 1,536-token prefix beside 28 fresh ones, grouped by
 queries and keys against by queries alone.
 Then sliding windows at a long context (--workload window, or all): a random Gemma 3 of 6 layers (5 local, window
-256), 8 prompts of 4,000 tokens; decode ms per step of vlens (local layers gather their window's keys), of
-vlens reading every key under the mask, and of HF's forward step over its cache.
+256), 8 prompts of 4,000 tokens; decode ms per step of vlens (local layers read their window's keys), of
+vlens reading every key under the mask (in the SDPA backend, which decodes now leave on the CPU), and of HF's
+forward step over its cache.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
