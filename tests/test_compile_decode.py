@@ -66,3 +66,31 @@ def test_shapes_past_the_limit_run_eagerly(tmp_path, monkeypatch):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = compiled.stats()
     assert stats.decode_compiles == 0 and stats.compiled_steps == 0 and stats.static_eager_steps == 9
+
+
+def test_a_compile_that_fails_leaves_decode_eager(tmp_path, monkeypatch, caplog):
+    """Inductor unable to build (no C++ compiler, say): the step that compiled reruns eagerly, later steps run
+    eagerly, the tokens are the eager engine's, and the log says why."""
+    import vlens.engine.model_runner as model_runner
+
+    def broken(*args, **kwargs):
+        def run(*a, **k):
+            raise RuntimeError("no C++ compiler here")
+
+        return run
+
+    monkeypatch.setattr(model_runner.torch, "compile", broken)
+    path = build(LlamaConfig(**COMMON, num_key_value_heads=2), tmp_path, "llama")
+    prompts, params = _requests()
+    compiled = LLM(model=path, dtype="float32", device="cpu", block_size=4, compile_decode=True)
+    eager = LLM(model=path, dtype="float32", device="cpu", block_size=4, enforce_eager=True)
+    with caplog.at_level("WARNING", logger="vlens.engine"):
+        got = compiled.generate(prompts, params, use_tqdm=False)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for name, rows in a.activations.items():
+            assert rel_err(b.activations[name], rows) < 1e-5, name
+    assert "no C++ compiler here" in caplog.text and not compiled.runner.compile_decode
+    stats = compiled.stats()
+    assert stats.compiled_steps == 0 and stats.static_eager_steps == 9

@@ -382,7 +382,17 @@ class ModelRunner:
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
             )  # fmt: skip
             stats.compiles += 1
-        logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, forward)[1]
+        try:
+            logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, forward)[1]
+        except Exception as e:  # noqa: BLE001 - (only a first call: a compile this machine cannot make)
+            if not new:
+                raise
+            # The step reruns eagerly: what the failed call wrote (its KV slots, its tap rows) is written again.
+            log.warning("compiling the decode step failed, decode steps run eagerly from now on: %s", e)
+            del self._compiled[key]
+            self.compile_decode = False
+            stats.static_eager_steps += 1
+            return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
         if new:  # (the compile happens in the first call)
             stats.compile_seconds += time.perf_counter() - started
             gc.freeze()  # what the compile made lives as long as the runner: out of the collector's walks (LLMEngine)
