@@ -220,7 +220,8 @@ def host_overhead(args: argparse.Namespace) -> None:
     """ms per decode step on a model whose GEMMs cost almost nothing: what is left is host work."""
     llm, hf = random_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    compiled = LLM(model=llm.model_path, dtype="float32", device="cpu", enable_prefix_caching=False, compile_decode=True)
+    compiled = LLM(model=llm.model_path, dtype="float32", device="cpu", enable_prefix_caching=False,
+                   compile_decode=True)  # fmt: skip
     ids = random_prompts(256, 8, 36)
     steps = args.tokens
     print(f"\nhost overhead: random Llama 2 layers d=64, prompts of 8-36 tokens x {steps} new tokens, greedy")

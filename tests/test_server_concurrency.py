@@ -70,8 +70,9 @@ class Result:
 @pytest.fixture(scope="module", params=["eager", "queued ahead"])
 def server(served_smol, request):
     """The server as it runs on the CPU (decode steps on the static path, eager, with the C paged kernel,
-    queued ahead), and as on a GPU: decode steps on the static path replaying graphs (emulated: tests/replayed_graphs.py), each queued before the previous step's ids
-    reach the host (async scheduling), with requests long enough to queue steps ahead."""
+    queued ahead), and as on a GPU: decode steps on the static path replaying graphs (emulated:
+    tests/replayed_graphs.py), each queued before the previous step's ids reach the host (async scheduling),
+    with requests long enough to queue steps ahead."""
     config = ServerConfig(
         enable_capture=True, inline_activation_bytes=16 << 10, served_model_name="smol"
     )  # some inline, some handles

@@ -7,7 +7,8 @@ only (no host work, no data-dependent shape), so a replay recomputes them from w
 Where a paged kernel runs and matches this file's on a trial problem, each row's keys are read in place
 through its block table: Triton's on CUDA (vlens.attention.paged_decode), C on the CPU at float32
 (vlens.attention.paged_decode_cpu). Otherwise each row's keys are gathered from the paged cache and read by
-one SDPA call per layer; keys past a row's context are masked. Either way rows that only pad the batch attend to the scratch slot they wrote.
+one SDPA call per layer; keys past a row's context are masked. Either way rows that only pad the batch
+attend to the scratch slot they wrote.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class DecodeBackend:
     name = "decode"
 
     def __init__(self, paged: Callable | None = None, programs: int = 0):
-        self.paged, self.programs = paged, programs  # the Triton kernel and the programs it aims for
+        self.paged, self.programs = paged, programs  # the paged kernel, and the programs Triton's aims for
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
@@ -98,10 +99,12 @@ class DecodeBackend:
         return out.reshape(rows, heads, dim)
 
 
-def _trial(paged: DecodeBackend, gathering: DecodeBackend, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
+def _trial(
+    paged: DecodeBackend, gathering: DecodeBackend, device: torch.device, dtypes: tuple[torch.dtype, ...]
+) -> None:
     """Raise unless both kernels agree on random pages, contexts 1 .. 96 (two key tiles, so a row's keys
-    split and merge), with and without a window and a soft cap: float32 within 1e-5, bfloat16 within its
-    rounding."""
+    split and merge), with and without a window and a soft cap, in each of `dtypes`: float32 within 1e-5,
+    bfloat16 within its rounding."""
     g = torch.Generator(device="cpu").manual_seed(0)
     bs, rows, width, kv_heads, dim = 16, 6, 6, 2, 64
     tables = torch.randperm(rows * width, generator=g).view(rows, width).to(device)

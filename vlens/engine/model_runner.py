@@ -145,7 +145,8 @@ class ModelRunner:
         self.decode_backend = DecodeBackend.for_device(self.device, self.dtype) if kernels else DecodeBackend()
         self.compile_decode = compile_decode
         # on the CPU the static path pays when its attention reads the cache in place (no graphs to replay)
-        self.static_decode = self.graphs or compile_decode or (self.device.type == "cpu" and self.decode_backend.paged is not None)
+        reads_in_place = self.device.type == "cpu" and self.decode_backend.paged is not None
+        self.static_decode = self.graphs or compile_decode or reads_in_place
         # Batch and pages padded to power-of-two buckets: one graph or compile serves many steps. Not otherwise:
         # on the CPU a padding row costs what a real one does (a batch of 33 would compute 64 rows).
         self.pad_decode = self.graphs or compile_decode
@@ -366,7 +367,9 @@ class ModelRunner:
         self.graph_stats.static_eager_steps += 1
         return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
 
-    def _compiled_step(self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], key: tuple) -> torch.Tensor:
+    def _compiled_step(
+        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], key: tuple
+    ) -> torch.Tensor:  # fmt: skip
         """Logits of the static decode step through the forward compiled for `key` (shapes and taps), compiled
         at its first step. Like a CUDA graph, each compiled forward serves one key and checks nothing when
         called: dynamo's guards (every weight, buffer and tap, ~60 us a call on a small model) are skipped, so
@@ -376,9 +379,9 @@ class ModelRunner:
         started, new = time.perf_counter(), forward is None
         if new:
             method = type(self.model).forward
-            code = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
+            copy = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
             forward = self._compiled[key] = torch.compile(
-                types.MethodType(code, self.model), fullgraph=True, dynamic=False,
+                types.MethodType(copy, self.model), fullgraph=True, dynamic=False,
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
             )  # fmt: skip
             stats.compiles += 1
