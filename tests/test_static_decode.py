@@ -289,3 +289,24 @@ def test_without_a_compiler_decode_gathers_keys(monkeypatch, tmp_path, caplog):
         module._kernel.cache_clear()
     assert backend.paged is None
     assert "decode attention gathers keys" in caplog.text and "no-such-cc" in caplog.text
+
+
+def test_a_compiler_without_openmp_builds_the_kernel_single_threaded(monkeypatch, tmp_path):
+    """A compiler that refuses -fopenmp (Apple's clang): the kernel is built without it, and agrees with the
+    gathering kernel."""
+    import shutil
+
+    from vlens.attention import paged_decode_cpu as module
+
+    fake = tmp_path / "cc"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {shutil.which("cc")} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    module._kernel.cache_clear()
+    try:
+        backend = DecodeBackend.for_device(torch.device("cpu"), torch.float32)
+        assert backend.paged is paged_decode_cpu  # (it passed the trial against the gathering kernel)
+        assert [p.name.startswith("paged_decode_cpu-") for p in (tmp_path / "vlens").iterdir()] == [True]
+    finally:
+        module._kernel.cache_clear()

@@ -7,7 +7,7 @@ values out of the paged cache, padded to the step's page bucket, and SDPA's CPU 
 decode step. Here each (row, KV head) reads its keys once, where they lie, up to its own context.
 
 The kernel (`paged_decode_cpu.c`, beside this file) is built on first use with the machine's C compiler
-($CC, else `cc`), with OpenMP (torch's own runtime, already loaded), and cached under
+($CC, else `cc`), tuned for this CPU, with OpenMP (torch's own runtime, already loaded), and cached under
 $XDG_CACHE_HOME/vlens (~/.cache/vlens) by the hash of the source, the compiler and the CPU; it runs on
 torch's thread count. Without a compiler, decode attention gathers keys as before (DecodeBackend says why,
 once). Float32 only. A torch custom op wraps it, so a compiled forward keeps it as one call.
@@ -28,7 +28,12 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# tried in turn: without OpenMP where the compiler has none (Apple's clang), for any CPU where it cannot tune
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"],
+    ["-O3", "-march=native", "-shared", "-fPIC"],
+    ["-O3", "-shared", "-fPIC"],
+)
 
 
 def _cpu() -> bytes:
@@ -44,14 +49,14 @@ def _cpu() -> bytes:
 @functools.cache
 def _kernel():
     """The C function, built once a machine (atomically: parallel first builds each write their own file
-    and rename it into place); without OpenMP where the compiler has none (Apple's clang): one thread."""
+    and rename it into place) with the first of FLAG_SETS the compiler takes (without OpenMP: one thread)."""
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not compiler[0]:
         raise RuntimeError("no C compiler: set $CC or install cc")
     source = SOURCE.read_bytes()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlens"
     errors = []
-    for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):
+    for flags in FLAG_SETS:
         key = hashlib.sha256(source + " ".join([*compiler, *flags]).encode() + _cpu()).hexdigest()[:16]
         library = cache / f"paged_decode_cpu-{key}.so"
         if not library.exists():
