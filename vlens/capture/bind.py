@@ -61,7 +61,12 @@ class BoundIntervention:
     params: torch.Tensor | None = None  # a clamp: [1, PARAMS] its bias, floor, value and normalisation
 
     def __post_init__(self) -> None:
-        self._window = self.positions.window(self.prompt_len)  # its rows as one run, when they are (most are)
+        self.window = self.positions.window(self.prompt_len)  # its rows as one run, when they are (most are)
+
+    @property
+    def steady(self) -> bool:
+        """Whether a decode step's edit is the step before's, one row on: one run of rows, one vector."""
+        return self.window is not None and self.value_positions is None
 
     @property
     def width(self) -> int:
@@ -69,8 +74,8 @@ class BoundIntervention:
 
     def rows_at(self, start: int, end: int) -> tuple[Sequence[int], list[int]]:
         """(positions in [start, end) it edits, the vector-table row for each)."""
-        if self._window is not None:  # (every step of most interventions: one range, no call)
-            positions = range(max(start, self._window[0]), min(end, self._window[1]))
+        if self.window is not None:  # (every step of most interventions: one range, no call)
+            positions = range(max(start, self.window[0]), min(end, self.window[1]))
         else:
             positions = self.positions.candidates(start, end, self.prompt_len)
         if self.value_positions is None:
@@ -85,6 +90,12 @@ class RequestTaps:
 
     streams: list[RowStream] = field(default_factory=list)
     interventions: list[BoundIntervention] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Its decode rows make no Chunk (vlens.capture.plan.plan_decode): its streams batch them, its
+        # interventions edit one run of rows with one vector
+        steady = all(s.batched for s in self.streams) and all(iv.steady for iv in self.interventions)
+        self.batched = steady and bool(self.streams or self.interventions)
 
     def reusable_prefix(self, num_tokens: int) -> int:
         """Leading tokens whose KV may come from the prefix cache without losing a wanted row."""
@@ -103,16 +114,18 @@ def bind_request(
             "capture: this LLM was created with enable_capture=False; create it with "
             "LLM(..., enable_capture=True) to capture activations or hidden states"
         )
-    bound = RequestTaps()
+    streams = []
     if capture is not None:
         capture.positions.check_range(max_rows, "capture.positions", prompt_len, params.max_tokens)
-        bound.streams.append(_capture_stream(capture, prompt_len, model, shapes))
+        streams.append(_capture_stream(capture, prompt_len, model, shapes))
     if params.return_hidden_states:
         parts = {FINAL_NORM: (Part(shapes[FINAL_NORM], model.lm_head.weight.dtype),)}
-        bound.streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, Positions("all"), prompt_len, parts))
-    for i, iv in enumerate(params.interventions):
-        bound.interventions.append(_intervention(iv, f"interventions[{i}]", prompt_len, max_rows, model, shapes))
-    return bound
+        streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, Positions("all"), prompt_len, parts))
+    interventions = [
+        _intervention(iv, f"interventions[{i}]", prompt_len, max_rows, model, shapes)
+        for i, iv in enumerate(params.interventions)
+    ]
+    return RequestTaps(streams, interventions)
 
 
 def result_parts(capture: Capture, tap: str, shape: tuple[int | str, ...], model_dtype: torch.dtype) -> tuple[Part, ...]:

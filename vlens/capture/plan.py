@@ -2,12 +2,13 @@
 tap edits, with which vector, in which order.
 
 Built once per step from the scheduled chunks with a few integer operations per request (rows stay
-Python ranges and lists here); `runtime.TapRuntime.arm` turns it into the fixed-shape device buffers
-the taps read.
+Python ranges and lists here), and none for a decode step that repeats the one before (`plan_decode`);
+`runtime.TapRuntime.arm` turns it into the fixed-shape device buffers the taps read.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import torch
 
 from vlens.capture.bind import RequestTaps
 from vlens.capture.names import LOGITS
-from vlens.capture.rows import Held
+from vlens.capture.rows import Batch, DecodePages, Held
 
 
 def shift(rows: Sequence[int], by: int) -> Sequence[int]:
@@ -32,7 +33,7 @@ class Segment:
 
     owner: object
     positions: Sequence[int]  # the sequence position of each row, ascending (a batch's: one per stream)
-    held: Held  # where streams find the rows once delivered
+    held: Held | Batch  # where streams find the rows once delivered
     keys: torch.Tensor | None = None  # pattern taps: where key j of the sequence is, for j up to the last row
 
 
@@ -75,13 +76,14 @@ class StepPlan:
     # tap -> passes in order: pass p holds each request's p-th edit at the tap
     edits: dict[str, list[Edit]] = field(default_factory=dict)
     readouts: set[str] = field(default_factory=set)  # taps some segment's stream reads out on the device
+    batches: dict[tuple[str, ...], Batch] = field(default_factory=dict)  # taps -> the step's batch of streams
 
     def __bool__(self) -> bool:
         return bool(self.gathers or self.edits)
 
     def gather(
         self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: Sequence[str],
-        keys: torch.Tensor | None = None, held: Held | None = None,
+        keys: torch.Tensor | None = None, held: Batch | None = None,
     ) -> Segment:  # fmt: skip
         """Gather `rows` (packed) at `taps` for `owner` (None: a batch, which its streams hold already)."""
         segment = Segment(owner, positions, held or Held(positions), keys)
@@ -94,6 +96,21 @@ class StepPlan:
             else:
                 parts.append((index, rows))
         return segment
+
+    def batch(self, taps: tuple[str, ...], pages: DecodePages, room: int) -> Batch:
+        """The step's batch of the streams with these taps (at most `room` rows), made by the first."""
+        batch = self.batches.get(taps)
+        if batch is None:
+            batch = self.batches[taps] = pages.batch(taps, room)
+        return batch
+
+    def close(self) -> StepPlan:
+        """The plan, once its streams have all been asked: each batch with rows is a segment."""
+        for taps, batch in self.batches.items():
+            if batch.positions:
+                batch.page.used = batch.offset + len(batch.positions)
+                self.gather(None, batch.positions, batch.rows, taps, held=batch)
+        return self
 
     def deliver(self, collected: list[Collected]) -> None:
         """Hand the streams their rows of this step: each segment's rows, where its streams hold them."""
@@ -120,44 +137,80 @@ def cache_slots(block_table: list[int], block_size: int, count: int) -> torch.Te
     return torch.tensor(block_table)[j // block_size] * block_size + j % block_size
 
 
-def plan_step(chunks: list[Chunk], block_size: int) -> StepPlan:
+def plan_step(chunks: list[Chunk], block_size: int, pages: DecodePages) -> StepPlan:
     """The plan of one engine step: each request's streams say which of its positions to gather, its
     interventions which rows to edit. A chunk's one row (a decode step) joins the step's batch of the
     streams with the same taps: one segment for all of them, so no container is made per stream."""
     plan = StepPlan()
-    batches: dict[tuple[str, ...], Held] = {}  # taps -> the step's batch of streams with those taps
     for c in chunks:
-        end, offset = c.start + c.count, c.row - c.start
-        for stream in c.taps.streams:
-            if c.count == 1 and stream.batched:
-                batch = batches.get(stream.tap_key)
-                if batch is None:
-                    batch = batches[stream.tap_key] = Held([], stream.tap_key)
-                stream.take(c.start, c.row, batch)
-                continue
-            positions = stream.select(c.token_ids, c.start, end)
-            if len(positions):
-                keys = cache_slots(c.block_table, block_size, positions[-1] + 1) if stream.patterns else None
-                stream.hold(plan.gather(stream, positions, shift(positions, offset), stream.taps, keys).held)
-                if stream.device_taps:
-                    plan.readouts |= stream.device_taps
-        if not c.taps.interventions:
-            continue
-        depth: dict[str, int] = {}  # edits of this request so far at each tap: its next pass
-        for iv in c.taps.interventions:
-            positions, vectors = iv.rows_at(c.start, end)
-            if not len(positions):
-                continue
-            rows = shift(positions, offset)
-            for tap in iv.taps:
-                p = depth[tap] = depth.get(tap, -1) + 1
-                passes = plan.edits.setdefault(tap, [])
-                if p == len(passes):
-                    passes.append(Edit())
-                passes[p].rows += rows
-                passes[p].vectors += vectors
-                passes[p].kinds += [iv.kind] * len(rows)
-    for taps, batch in batches.items():
-        if batch.positions:
-            plan.gather(None, batch.positions, batch.rows, taps, held=batch)
+        _plan_chunk(plan, c, block_size, pages, len(chunks))
+    return plan.close()
+
+
+def plan_decode(seqs: list, positions: list[int], block_size: int, pages: DecodePages) -> StepPlan:
+    """`plan_step` of a decode step, where sequence i (a vlens.engine.sequence.Sequence) feeds row i at
+    `positions[i]`. A sequence whose streams batch and whose interventions edit one run of rows (most
+    that capture or steer) makes no Chunk; a step that repeats the one before (`DecodePages.repeat`)
+    asks no stream and no intervention."""
+    plan = StepPlan()
+    repeated = pages.repeat(seqs, positions)
+    if repeated is not None:
+        plan.batches, plan.edits = repeated
+        return plan.close()
+    # Whether the next step may repeat this one: every stream batched its row or is past its window, every
+    # intervention edits its row or is past its run; and how many times at most, by the interventions' runs.
+    steady, limit = True, math.inf
+    for row, (seq, position) in enumerate(zip(seqs, positions)):
+        taps = seq.taps
+        if taps.batched:
+            for stream in taps.streams:
+                taken = stream.take(position, row, plan.batch(stream.tap_key, pages, len(seqs)))
+                steady &= taken or position >= stream.window_end
+            if taps.interventions:
+                for iv in taps.interventions:
+                    first, end = iv.window
+                    steady &= first <= position
+                    limit = min(limit, end - position - 1) if position < end else limit
+                _plan_edits(plan, taps.interventions, position, position + 1, row - position)
+        elif taps.streams or taps.interventions:
+            steady = False
+            chunk = Chunk(taps, seq.token_ids, position, 1, row, seq.block_table)
+            _plan_chunk(plan, chunk, block_size, pages, len(seqs))
+    plan.close()
+    pages.remember(seqs, positions, (plan.batches, plan.edits) if steady else None, limit)
     return plan
+
+
+def _plan_chunk(plan: StepPlan, c: Chunk, block_size: int, pages: DecodePages, room: int) -> None:
+    """`room`: the most single rows the step may have."""
+    end, offset = c.start + c.count, c.row - c.start
+    for stream in c.taps.streams:
+        if c.count == 1 and stream.batched:
+            stream.take(c.start, c.row, plan.batch(stream.tap_key, pages, room))
+            continue
+        positions = stream.select(c.token_ids, c.start, end)
+        if len(positions):
+            keys = cache_slots(c.block_table, block_size, positions[-1] + 1) if stream.patterns else None
+            stream.hold(plan.gather(stream, positions, shift(positions, offset), stream.taps, keys).held)
+            if stream.device_taps:
+                plan.readouts |= stream.device_taps
+    if c.taps.interventions:
+        _plan_edits(plan, c.taps.interventions, c.start, end, offset)
+
+
+def _plan_edits(plan: StepPlan, interventions: list, start: int, end: int, offset: int) -> None:
+    """A request's edits of its positions [start, end) (packed rows: + `offset`), in the order it gave them."""
+    depth: dict[str, int] = {}  # edits of this request so far at each tap: its next pass
+    for iv in interventions:
+        positions, vectors = iv.rows_at(start, end)
+        if not len(positions):
+            continue
+        rows = shift(positions, offset)
+        for tap in iv.taps:
+            p = depth[tap] = depth.get(tap, -1) + 1
+            passes = plan.edits.setdefault(tap, [])
+            if p == len(passes):
+                passes.append(Edit())
+            passes[p].rows += rows
+            passes[p].vectors += vectors
+            passes[p].kinds += [iv.kind] * len(rows)

@@ -179,17 +179,21 @@ class Positions:
             return self.start or 0
         return 0
 
-    def keep(self, positions: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """Mask over collected `positions`: those the spec selects once the sequence has `num_rows` rows."""
-        if self.kind in ("all", "prompt", "generated"):
-            return positions < num_rows  # chosen exactly as they were computed
+    def keep(self, positions: list[int], num_rows: int) -> torch.Tensor | None:
+        """Mask over collected `positions` (ascending): those the spec selects once the sequence has `num_rows`
+        rows; None when it selects them all."""
+        if self.kind in ("all", "prompt", "generated"):  # chosen exactly as they were computed
+            if not positions or positions[-1] < num_rows:  # (the usual case: no mask, no tensor op)
+                return None
+            return torch.tensor(positions) < num_rows
+        at = torch.tensor(positions, dtype=torch.long)
         if self.kind == "last":
-            return positions == num_rows - 1
-        if self.kind == "slice":
-            wanted = torch.arange(num_rows)[slice(self.start, self.stop, self.step)]
+            keep = at == num_rows - 1
+        elif self.kind == "slice":
+            keep = torch.isin(at, torch.arange(num_rows)[slice(self.start, self.stop, self.step)])
         else:
-            wanted = torch.tensor([i if i >= 0 else num_rows + i for i in self.indices], dtype=torch.long)
-        return torch.isin(positions, wanted)
+            keep = torch.isin(at, torch.tensor([i if i >= 0 else num_rows + i for i in self.indices], dtype=torch.long))
+        return None if bool(keep.all()) else keep
 
     def tail_obsolete(self, positions: Sequence[int], newest: int) -> bool:
         """True when none of these collected positions (ascending) can still be wanted: they were only

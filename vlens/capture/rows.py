@@ -2,10 +2,12 @@
 
 Each step the plan asks every stream which of the step's positions to gather (`select`) and the stream
 holds the plan segment's `Held`, where the rows land after the forward (`StepPlan.deliver`); it reads them
-only when its result is built. A decode step's one row per stream (`take`) joins the step's batch of the
-streams with the same taps, one segment for all, so a decode step costs a few integer operations per
-request and no tensor op or container. Chunked prefill, preemption and recompute never change what a
-request gets: a position is offered to a stream once, whatever recomputes it later.
+only when its result is built. A decode step's one row per stream (`take`) joins the step's `Batch` of the
+streams with the same taps, one segment for all, whose rows land in a `Page` that many steps fill: a
+stream keeps a run of row numbers per page, so a decode step costs a few integer operations per request
+and no tensor op or container, and a result one index per page. Chunked prefill, preemption and
+recompute never change what a request gets: a position is offered to a stream once, whatever recomputes
+it later.
 """
 
 from __future__ import annotations
@@ -35,15 +37,22 @@ def widen(tap: str, rows: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(rows, (0, width - rows.shape[-1]), value=fill)
 
 
+# torch dtypes numpy has, and its own: their rows become numpy arrays with one torch op (`.numpy()`), and
+# the rest of the work is numpy views, which cost a tenth of a tensor's; the others (bfloat16) go as bytes
+_NUMPY = {t: torch.empty(0, dtype=t).numpy().dtype for t in (torch.float32, torch.float16, torch.float64, torch.int64)}
+
+
 def _bytes(tap_rows: dict[str, torch.Tensor], taps: Sequence[str]) -> np.ndarray:
-    """[rows, bytes]: each row's values at `taps`, one after the other, as raw bytes (numpy views cost a tenth
-    of a tensor's, and numpy has no bfloat16)."""
-    parts = [tap_rows[tap] for tap in taps]
-    parts = [p.reshape(p.shape[0], -1).view(torch.uint8).numpy() for p in parts]
+    """[rows, bytes]: each row's values at `taps`, one after the other, as raw bytes."""
+    parts = []
+    for tap in taps:
+        rows = tap_rows[tap]
+        values = rows.numpy() if rows.dtype in _NUMPY else rows.view(torch.uint8).numpy()
+        parts.append(values.reshape(len(values), -1).view(np.uint8))
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
 
-class Layout(NamedTuple):  # (a tuple: one is made per tap of a batch per step)
+class Layout(NamedTuple):
     """Where one tap's values sit in a row of `_bytes`, and what they are."""
 
     tap: str
@@ -55,6 +64,8 @@ class Layout(NamedTuple):  # (a tuple: one is made per tap of a batch per step)
     def rows(self, joined: np.ndarray) -> torch.Tensor:
         """This tap's rows of `joined` [rows, bytes], as a new tensor."""
         values = np.ascontiguousarray(joined[:, self.start : self.stop])
+        if self.dtype in _NUMPY:
+            return torch.from_numpy(values.view(_NUMPY[self.dtype]).reshape(len(joined), *self.shape))
         return torch.from_numpy(values).view(self.dtype).view(len(joined), *self.shape)
 
 
@@ -71,29 +82,186 @@ def _layout(tap_rows: dict[str, torch.Tensor], taps: Sequence[str]) -> list[Layo
 
 @dataclass(slots=True)  # (one per plan segment)
 class Held:
-    """One plan segment's rows of one step as streams hold them: positions from the plan, rows per tap once
-    the step delivers them (`put`). A stream holds all of them, or, of a decode step's batch (one with
-    `taps`), row i alone: a batch keeps its rows as the bytes of all its taps, which each result slices."""
+    """One plan segment's rows of one step, as the streams that asked for all of them hold them: positions
+    from the plan, rows per tap once the step delivers them (`put`)."""
 
     positions: Sequence[int]
-    taps: tuple[str, ...] = ()  # a batch's: its streams' taps
-    rows: list[int] = field(default_factory=list)  # a batch's: the packed row of each position, as planned
-    tap_rows: dict[str, object] = field(default_factory=dict)  # (a batch's: until all its taps arrived)
-    row_bytes: np.ndarray | None = None  # a batch's: [rows, 1, bytes] once delivered: a stream's row i is [i]
-    layout: list[Layout] = field(default_factory=list)
+    tap_rows: dict[str, object] = field(default_factory=dict)
 
     @property
     def delivered(self) -> bool:
         """Whether the step's rows arrived. A result built before they do is that of a sequence that ended in
         the step before, with this one queued ahead of its end (async scheduling): these rows are not its."""
-        return self.row_bytes is not None if self.taps else bool(self.tap_rows)
+        return bool(self.tap_rows)
 
     def put(self, tap: str, rows: object) -> None:
         self.tap_rows[tap] = rows
-        if self.taps and len(self.tap_rows) == len(self.taps):
-            self.layout = _layout(self.tap_rows, self.taps)
-            self.row_bytes = _bytes(self.tap_rows, self.taps)[:, None]
-            self.tap_rows = {}
+
+
+PAGE_BYTES = 4 << 20  # the size of a page of decode rows, unless a few batches need more
+SPARE_PAGES = 4  # memory of pages let go, kept for new ones: fresh memory costs a page fault per 4 KiB
+
+
+@dataclass(slots=True, eq=False)
+class Page:
+    """Rows of the decode batches of streams with one set of taps, one batch after the other, each row the
+    bytes of all the taps side by side (`layout`). Streams keep where their rows are, so a result is one
+    index into each page it has rows in. A page lives as long as a stream with rows in it; then its
+    memory goes back to `spare`."""
+
+    spare: list[np.ndarray]  # (DecodePages': flat buffers of PAGE_BYTES)
+    used: int = 0  # rows planned
+    data: np.ndarray | None = None  # [rows, bytes], made when the first batch arrives (its bytes say how many)
+    layout: list[Layout] = field(default_factory=list)
+
+    def has_room(self, rows: int) -> bool:
+        return self.data is None or self.used + rows <= len(self.data)
+
+    def write(self, offset: int, tap_rows: dict[str, torch.Tensor], taps: tuple[str, ...]) -> None:
+        joined = _bytes(tap_rows, taps)
+        end, width = offset + len(joined), joined.shape[1]
+        if self.data is None:
+            self.layout = _layout(tap_rows, taps)
+            rows = PAGE_BYTES // width
+            if rows >= 4 * end:
+                flat = self.spare.pop() if self.spare else np.empty(PAGE_BYTES, np.uint8)
+                self.data = flat[: rows * width].reshape(rows, width)
+            else:  # (rows too wide for a page of PAGE_BYTES to hold a few batches)
+                self.data = np.empty((4 * end, width), np.uint8)
+        elif end > len(self.data):  # (batches planned before the first arrived outgrew it)
+            self.data = np.concatenate([self.data[:offset], np.empty((2 * end - offset, width), np.uint8)])
+        self.data[offset:end] = joined
+
+    def __del__(self) -> None:
+        flat = None if self.data is None else self.data.base
+        if flat is not None and flat.shape == (PAGE_BYTES,) and len(self.spare) < SPARE_PAGES:
+            self.spare.append(flat)
+
+
+@dataclass(slots=True)  # (one per set of taps per decode step)
+class Batch:
+    """A decode step's single rows of the streams with one set of taps (`RowStream.take`), one segment of the
+    plan: rows [offset, offset + n) of `page` once delivered."""
+
+    page: Page
+    offset: int
+    taps: tuple[str, ...]
+    positions: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # the packed row of each position
+    streams: list[RowStream] = field(default_factory=list)  # whose row each is
+    tap_rows: dict[str, object] = field(default_factory=dict)  # (until all its taps arrived)
+    delivered: bool = False
+
+    def put(self, tap: str, rows: object) -> None:
+        self.tap_rows[tap] = rows
+        if len(self.tap_rows) == len(self.taps):
+            self.page.write(self.offset, self.tap_rows, self.taps)
+            self.tap_rows, self.delivered = {}, True
+
+
+@dataclass(slots=True, eq=False)
+class Shared:
+    """The decode batches that one batch's streams made again, step after step, all of them, in the same
+    order: the page offset of each. Stream i's rows in them are offset + i, so such a step costs no work
+    per stream (`DecodePages.repeat`)."""
+
+    page: Page
+    offsets: list[int] = field(default_factory=list)
+    last: Batch | None = None  # the newest, which may not have arrived yet
+
+
+@dataclass(slots=True)  # (a few per stream: one per page it has rows in, and one per series of repeats)
+class Run:
+    """A stream's rows at consecutive positions from `start`, in one page: rows `at` of it, then, from its
+    batch's repeats (`shared`), its row of each."""
+
+    page: Page
+    start: int
+    at: list[int]
+    last: Batch  # the batch of its newest row in `at`
+    shared: Shared | None = None
+    lane: int = 0  # its row in each of `shared`'s batches
+
+    @property
+    def stop(self) -> int:
+        """The position after its last row."""
+        return self.start + len(self.at) + (len(self.shared.offsets) if self.shared is not None else 0)
+
+    def delivered_rows(self) -> np.ndarray:
+        """Its rows of the page that have arrived: all, or all but the newest (queued ahead of the end)."""
+        at = self.at
+        if self.shared is not None and self.shared.offsets:
+            at = at + [o + self.lane for o in self.shared.offsets]
+            newest = self.shared.last
+        else:
+            newest = self.last
+        return np.array(at if newest.delivered else at[:-1], dtype=np.int64)
+
+
+@dataclass(slots=True)
+class _Repeat:
+    """What the last decode step's batches and edits were, to know the next one as their repeat."""
+
+    seqs: list  # the step's sequences, in order (compared by identity)
+    next: list[int]  # each one's position in the next step, if it repeats
+    batches: dict[tuple[str, ...], tuple[Shared, list[int]]]  # taps -> (its repeats, its packed rows)
+    edits: dict  # the step's edits (vlens.capture.plan.StepPlan.edits): a repeat's are the same
+    steps_left: float  # repeats before a stream's window or an intervention's run ends
+
+
+class DecodePages:
+    """The current page of each set of taps that decode batches use, and what the last decode step did (the
+    runner's: both outlive steps)."""
+
+    def __init__(self) -> None:
+        self._pages: dict[tuple[str, ...], Page] = {}
+        self._spare: list[np.ndarray] = []
+        self._last: _Repeat | None = None
+
+    def batch(self, taps: tuple[str, ...], room: int) -> Batch:
+        """A new decode step's batch for `taps` of at most `room` rows, in the current page or, where that has
+        no room left, a new one. Its rows are counted in the page when the step's plan is done (`StepPlan.close`)."""
+        page = self._pages.get(taps)
+        if page is None or not page.has_room(room):
+            page = self._pages[taps] = Page(self._spare)
+        return Batch(page, page.used, taps)
+
+    def remember(
+        self, seqs: list, positions: list[int], steady: tuple[dict[tuple[str, ...], Batch], dict] | None, limit: float
+    ) -> None:  # fmt: skip
+        """After a decode step of `seqs` at `positions`, `steady`: its batches and edits where every stream
+        batched its row and every intervention edited its row (or is past its window), else None; the next
+        step may repeat it, `limit` times at most. (A step where nobody captures or intervenes repeats too,
+        with nothing in it: it skips a loop over the sequences.)"""
+        self._last = None
+        if steady is None:
+            return
+        batches, edits = steady
+        repeats, steps_left = {}, limit
+        for taps, batch in batches.items():
+            shared = Shared(batch.page)
+            for lane, stream in enumerate(batch.streams):
+                stream.share(shared, lane)
+                steps_left = min(steps_left, stream.window_end - batch.positions[lane] - 1)
+            repeats[taps] = (shared, batch.rows)
+        self._last = _Repeat(list(seqs), [p + 1 for p in positions], repeats, edits, steps_left)
+
+    def repeat(self, seqs: list, positions: list[int]) -> tuple[dict[tuple[str, ...], Batch], dict] | None:
+        """The batches and edits of a decode step that repeats the last one — the same sequences, each one
+        position on, each stream and intervention still in its window, room in the pages — or None."""
+        last = self._last
+        if last is None or last.steps_left < 1 or positions != last.next or seqs != last.seqs:
+            return None
+        if any(shared.page is not self._pages[taps] or not shared.page.has_room(len(rows))
+               for taps, (shared, rows) in last.batches.items()):  # fmt: skip
+            return None
+        batches = {}
+        for taps, (shared, rows) in last.batches.items():
+            batch = batches[taps] = Batch(shared.page, shared.page.used, taps, [positions[r] for r in rows], rows)
+            shared.offsets.append(batch.offset)
+            shared.last = batch
+        last.next, last.steps_left = [p + 1 for p in positions], last.steps_left - 1
+        return batches, last.edits
 
 
 @dataclass
@@ -112,8 +280,9 @@ class RowStream:
     logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
     heads: torch.Tensor | None = None  # the heads kept at the per-head taps in `head_taps`
     head_taps: frozenset[str] = frozenset()
-    offered_upto: int = 0  # positions below this were offered to the stream already
-    _pieces: list[tuple[Held, int | None]] = field(default_factory=list)  # per step, ascending: all, or row i
+    _offered: int = 0  # positions below this were offered to the stream already (but see `offered_upto`)
+    _pieces: list[Held | Run] = field(default_factory=list)  # in the order of their positions
+    _run: Run | None = None  # the newest piece, where it is a run that the next decode row may extend
 
     def __post_init__(self) -> None:
         self.taps = sorted(set(self.hooks.values()))
@@ -139,14 +308,24 @@ class RowStream:
             return None
         return self.dtype
 
+    @property
+    def offered_upto(self) -> int:
+        """Positions below this were offered to the stream already, counting its batch's repeats."""
+        run = self._run
+        return self._offered if run is None or run.shared is None else max(self._offered, run.stop)
+
+    @property
+    def window_end(self) -> float:
+        return self._window[1]
+
     def first_needed(self) -> int:
         """Rows below this are never wanted again: their KV may come from the prefix cache."""
         return max(self.offered_upto, self.first_wanted)
 
     def select(self, token_ids: list[int], start: int, end: int) -> Sequence[int]:
         """Positions of a step's rows [start, end) to gather: wanted, new, and not excluded."""
-        start, offered = max(start, self.offered_upto), self.offered_upto
-        self.offered_upto = max(offered, end)
+        offered = self.offered_upto
+        start, self._offered = max(start, offered), max(offered, end)
         if self._window is not None:  # (every step of most captures: one range, no call)
             return range(max(start, self._window[0]), min(end, self._window[1]))
         pos = self.positions.candidates(start, end, self.prompt_len)
@@ -155,45 +334,69 @@ class RowStream:
             pos = at[~torch.isin(torch.tensor(token_ids)[at], self.exclude)].tolist()
         return pos
 
-    def take(self, position: int, row: int, batch: Held) -> None:
+    def take(self, position: int, row: int, batch: Batch) -> bool:
         """`select` of a step's one row at `position` (packed row `row`), for a stream with a window
-        (`batched`): if it is wanted, it joins the step's `batch`, whose row it holds."""
+        (`batched`): if it is wanted, it joins the step's `batch`, and the stream's run in the batch's page.
+        Whether it joined."""
         if position < self.offered_upto:
-            return
-        self.offered_upto = position + 1
-        if self._window[0] <= position < self._window[1]:
-            self._pieces.append((batch, len(batch.positions)))
-            batch.positions.append(position)
-            batch.rows.append(row)
+            return False
+        self._offered = position + 1
+        if not self._window[0] <= position < self._window[1]:
+            return False
+        at, run = batch.offset + len(batch.positions), self._run
+        if run is None or run.shared is not None or run.page is not batch.page or run.stop != position:
+            self._run = Run(batch.page, position, [at], batch)
+            self._pieces.append(self._run)
+        else:
+            run.at.append(at)
+            run.last = batch
+        batch.positions.append(position)
+        batch.rows.append(row)
+        batch.streams.append(self)
+        return True
 
-    def hold(self, held: Held, i: int | None = None) -> None:
-        """Rows of this step are `held`'s (all of them, or row i); a tail drops older rows it no longer needs.
-        (A batched stream has no tail: its rows are all kept.)"""
-        self._pieces.append((held, i))
+    def share(self, shared: Shared, lane: int) -> None:
+        """This step's row was the newest of its run: its next ones are its `lane` of `shared`'s batches."""
+        self._run.shared, self._run.lane = shared, lane
+
+    def hold(self, held: Held) -> None:
+        """Rows of this step are all of `held`'s; a tail drops older rows it no longer needs. (A batched
+        stream has no tail: its rows are all kept.)"""
+        self._run = None  # (pieces stay in the order of their positions; `select` counted its rows as offered)
+        self._pieces.append(held)
         if not self.positions.tail:
             return
         newest = held.positions[-1] - 1  # (the step before: this one may be queued ahead of the sequence's end)
-        while len(self._pieces) > 1 and self.positions.tail_obsolete(self._pieces[0][0].positions, newest):
+        while len(self._pieces) > 1 and self.positions.tail_obsolete(self._pieces[0].positions, newest):
             self._pieces.pop(0)
 
     def _collected(self) -> tuple[list[int], dict[str, list]]:
         """Every collected position, and each tap's pieces of rows in the same order (a batched stream's:
         one tensor, joined from the bytes of its rows)."""
-        n = len(self._pieces)
-        while n and not self._pieces[n - 1][0].delivered:  # (only the newest can be: queued ahead of the end)
-            n -= 1
-        pieces, positions = self._pieces[:n], []
-        for held, i in pieces:
-            if i is None:
+        pieces = self._pieces
+        if pieces and isinstance(pieces[-1], Held) and not pieces[-1].delivered:  # (queued ahead of the end)
+            pieces = pieces[:-1]
+        positions: list[int] = []
+        if not self.batched:
+            for held in pieces:
                 positions.extend(held.positions)
+            return positions, {tap: [held.tap_rows[tap] for held in pieces] for tap in self.taps}
+        taps, joined, layout = self.tap_key, [], None
+        for piece in pieces:
+            if isinstance(piece, Run):
+                at = piece.delivered_rows()
+                if not len(at):
+                    continue
+                positions.extend(range(piece.start, piece.start + len(at)))
+                joined.append(piece.page.data[at])
+                layout = piece.page.layout
             else:
-                positions.append(held.positions[i])
-        if not (self.batched and pieces):
-            return positions, {tap: [held.tap_rows[tap] for held, _ in pieces] for tap in self.taps}
-        taps = self.tap_key
-        joined = np.concatenate([_bytes(held.tap_rows, taps) if i is None else held.row_bytes[i] for held, i in pieces])
-        last, i = pieces[-1]
-        layout = _layout(last.tap_rows, taps) if i is None else last.layout
+                positions.extend(piece.positions)
+                joined.append(_bytes(piece.tap_rows, taps))
+                layout = _layout(piece.tap_rows, taps)
+        if layout is None:
+            return positions, {tap: [] for tap in self.taps}
+        joined = joined[0] if len(joined) == 1 else np.concatenate(joined)
         return positions, {part.tap: [part.rows(joined)] for part in layout}
 
     def result(self, num_rows: int, model_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, object]]:
@@ -201,9 +404,7 @@ class RowStream:
         `num_rows` rows."""
         collected, pieces_of = self._collected()
         positions = torch.from_numpy(np.array(collected, dtype=np.int64))
-        keep = self.positions.keep(positions, num_rows)
-        if bool(keep.all()):  # (the usual case: no copy through a mask)
-            keep = None
+        keep = self.positions.keep(collected, num_rows)
 
         def kept_of(rows: torch.Tensor) -> torch.Tensor:
             return rows if keep is None else rows[keep]

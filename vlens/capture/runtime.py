@@ -25,7 +25,7 @@ from vlens.attention.metadata import Put
 from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, BoundIntervention
 from vlens.capture.names import is_pattern, tap_dtype
 from vlens.capture.plan import Collected, StepPlan
-from vlens.capture.rows import RowStream
+from vlens.capture.rows import Batch, RowStream
 from vlens.sae.clamp import PARAMS, clamped
 from vlens.sae.readout import SAEReadout, read_group
 
@@ -38,6 +38,11 @@ _COEFFICIENTS = {STEER: (1.0, 1.0, 0.0), ABLATE: (1.0, 0.0, -1.0), PATCH: (0.0, 
 class Tap:
     """One tap site's work in one step: edit passes, then a gather of rows into a static buffer (or,
     at an attention-pattern tap, the scores of the gathered query rows over their keys)."""
+
+    __slots__ = (
+        "gather_index", "gather_out", "key_index", "row_positions", "softmax", "edit_rows", "edit_vectors",
+        "edit_kinds", "clamps", "table", "coefficients",
+    )  # fmt: skip  (what a captured graph or a compiled forward bakes in: vlens.engine.model_runner._signature)
 
     def __init__(self) -> None:
         self.gather_index: torch.Tensor | None = None  # [R] packed rows to gather (padding repeats a row)
@@ -149,6 +154,7 @@ class TapRuntime:
         self._put = put
         self._taps: dict[str, Tap] = {}
         self._out: dict[str, torch.Tensor] = {}
+        self._armed: tuple[tuple, dict[str, Tap]] | None = None  # the last gathers armed, and their taps
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # device-to-host copies
         self.tables: dict[int, VectorTable] = {}
         kinds = max(_COEFFICIENTS) + 1
@@ -178,6 +184,17 @@ class TapRuntime:
         """The taps of this step's plan, their indices put in the step's buffers as one field (sent with the
         step's one copy), `fixed_shapes`: as the runtime's, unless given; the static decode step always pads."""
         fixed = self.fixed_shapes if fixed_shapes is None else fixed_shapes
+        # A decode step that repeats the one before (vlens.capture.rows.DecodePages.repeat) gathers and edits
+        # the same rows: its taps are those armed then, whose indices are still in the buffer (only `arm`
+        # writes there)
+        key = None
+        if not any(is_pattern(tap) for tap in plan.gathers):
+            gathers = [(tap, [rows for _, rows in parts]) for tap, parts in plan.gathers.items()]
+            edits = [(tap, [(e.rows, e.vectors, e.kinds) for e in passes]) for tap, passes in plan.edits.items()]
+            key = (fixed, gathers, edits)
+            if self._armed is not None and self._armed[0] == key:  # (the same lists: `is` before `==`)
+                return dict(self._armed[1])  # (a caller may add hooks to its dict)
+        self._armed = None
 
         def size(n: int) -> int:
             return 1 << max(0, n - 1).bit_length() if fixed else n
@@ -186,23 +203,29 @@ class TapRuntime:
         layout: list[tuple[str, str, int, tuple[int, ...]]] = []  # (tap, field, offset, shape)
 
         def add(tap: str, name: str, values: np.ndarray) -> None:
-            offset = layout[-1][2] + math.prod(layout[-1][3]) if layout else 0
+            offset = sum(len(p) for p in pieces)
             pieces.append(values.reshape(-1))
             layout.append((tap, name, offset, values.shape))
 
         widths: dict[str, int] = {}
+        indices: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}  # a gather's row lists -> its index
         for tap, parts in plan.gathers.items():
-            rows = np.fromiter(parts[0][1] if len(parts) == 1 else chain.from_iterable(r for _, r in parts), np.int64)
-            rows_padded = size(len(rows))
-            index = rows
-            if rows_padded > len(rows):
-                index = np.zeros(rows_padded, dtype=np.int64)
-                index[: len(rows)] = rows
-            add(tap, "gather_index", index)
+            lists = tuple(id(rows) for _, rows in parts)  # (a stream's taps gather the same lists: one index)
+            if lists in indices:
+                layout.append((tap, "gather_index", *indices[lists]))
+            else:
+                listed = parts[0][1] if len(parts) == 1 else chain.from_iterable(r for _, r in parts)
+                rows = np.fromiter(listed, np.int64)
+                index = rows
+                if size(len(rows)) > len(rows):
+                    index = np.zeros(size(len(rows)), dtype=np.int64)
+                    index[: len(rows)] = rows
+                add(tap, "gather_index", index)
+                indices[lists] = layout[-1][2:]
             if is_pattern(tap):
                 segments = [plan.segments[s] for s, _ in parts]
                 widths[tap] = size(max(seg.positions[-1] for seg in segments) + 1)
-                keys, positions = _pattern_rows(segments, rows_padded, widths[tap])
+                keys, positions = _pattern_rows(segments, layout[-1][3][0], widths[tap])
                 add(tap, "key_index", keys.numpy())
                 add(tap, "row_positions", positions.numpy())
         for tap, passes in plan.edits.items():
@@ -226,6 +249,8 @@ class TapRuntime:
         for tap, passes in plan.edits.items():
             taps[tap].table, taps[tap].coefficients = self.tables[math.prod(self.shapes[tap])], self._coefficients
             taps[tap].clamps = any(CLAMP in e.kinds for e in passes)
+        if key is not None:
+            self._armed = (key, dict(taps))
         return taps
 
     def _reset(self, tap: str) -> Tap:
@@ -254,14 +279,22 @@ class TapRuntime:
         """After the forward: each segment's rows of each tap (pattern rows cut to the segment's own
         context), read out on the device where its stream asks for it, then copied to the host. A tap no
         segment reads out (or every segment only casts, to one dtype) is one clone and one copy, split on
-        the host (no torch op per request on the device). On CUDA the copies run on a side stream into pinned memory and overlap whatever the device
-        does next; `Collection.ready` waits for them."""
+        the host (no torch op per request on the device). On CUDA the copies run on a side stream into pinned
+        memory and overlap whatever the device does next; `Collection.ready` waits for them. On the CPU a
+        decode step's batch goes to its page at once (vlens.capture.rows.Page)."""
         whole: list[tuple[str, list[int], torch.Tensor, list[int]]] = []  # (tap, segments, rows, counts)
         single: list[tuple[str, list[int], list]] = []  # (tap, segments, value of each) read out per segment
         for tap, parts in plan.gathers.items():
-            segments = [segment for segment, _ in parts]
             counts = [len(rows) for _, rows in parts]
             gathered = self._taps[tap].gather_out[: sum(counts)]
+            batch = plan.segments[parts[-1][0]].held  # (a step's batch is its last segment at its taps)
+            if self._side is None and isinstance(batch, Batch):  # on the CPU: to its page now, which copies them
+                batch.put(tap, gathered[len(gathered) - counts[-1] :])
+                parts, counts = parts[:-1], counts[:-1]
+                if not parts:
+                    continue
+                gathered = gathered[: sum(counts)]
+            segments = [segment for segment, _ in parts]
             if tap not in plan.readouts:
                 whole.append((tap, segments, gathered.clone(), counts))
                 continue

@@ -41,7 +41,8 @@ import torch
 from vlens.attention import AttentionMetadata, layout
 from vlens.attention.decode import DecodeBackend
 from vlens.capture.names import LOGITS, forward_depth, hook_shapes
-from vlens.capture.plan import Chunk, StepPlan, plan_step
+from vlens.capture.plan import Chunk, StepPlan, plan_decode, plan_step
+from vlens.capture.rows import DecodePages
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, Tap, set_context
 from vlens.distributed.taps import HookFailed, shard_taps
@@ -134,6 +135,7 @@ class ModelRunner:
             self.device,
         )  # fmt: skip
         self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype, self.buffers.put)
+        self.pages = DecodePages()  # where decode steps' batched rows land on the host, across steps
         self.kv_cache: torch.Tensor | None = None
         self.block_size = self.num_slots = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
@@ -253,7 +255,7 @@ class ModelRunner:
             if seq.taps.streams or seq.taps.interventions:
                 chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table))
             row += n
-        plan = plan_step(chunks, self.block_size)
+        plan = plan_step(chunks, self.block_size, self.pages)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
         depths = [s.depth for s, _ in order]
         # A step of prefill-only requests stops after the deepest layer they read (eagerly: it is rare).
@@ -310,9 +312,7 @@ class ModelRunner:
         size, pages = len(seqs), -(-(max(last) + 1) // self.block_size)
         if self.pad_decode:
             size, pages = bucket(size), min(self.max_pages, bucket(max(MIN_PAGES, pages)))
-        chunks = [Chunk(s.taps, s.token_ids, p, 1, i, s.block_table) for i, (s, p) in enumerate(zip(seqs, last))
-                  if s.taps.streams or s.taps.interventions]  # fmt: skip
-        plan = plan_step(chunks, self.block_size)
+        plan = plan_decode(seqs, last, self.block_size, self.pages)
         plan.logit_rows(list(range(len(seqs))))  # every row samples: a LOGITS gather keeps its rows
         batch = SamplingBatch.of(seqs, self.buffers.put, self.device, extra)
         logits = self._static_forward(seqs, last, size, pages, plan, ahead)[: len(seqs)]
@@ -473,7 +473,8 @@ def _signature(taps: dict[str, Tap], addresses: bool = True) -> tuple:
     the buffers as inputs: without `addresses`, only what its code depends on."""
     out = []
     for name, t in sorted(taps.items()):
-        for attr, value in sorted(vars(t).items()):
+        for attr in type(t).__slots__:  # (vlens.capture.runtime.Tap)
+            value = getattr(t, attr)
             if isinstance(value, torch.Tensor):
                 where = value.data_ptr() if addresses else value.dtype
                 out.append((name, attr, where, tuple(value.shape), value.stride()))
