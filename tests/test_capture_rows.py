@@ -38,6 +38,15 @@ def _put(name: str, values) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
+def _deliver_after_the_next_forward(runtime: TapRuntime, plan) -> None:
+    """Collect a step's rows, let the next forward overwrite the gather buffers (the engine delivers a step
+    after the next one ran: async scheduling), then deliver."""
+    collection = runtime.collect(plan)
+    for buffer in runtime._out.values():
+        buffer.fill_(-1)  # (no row's value: they are all >= 0)
+    plan.deliver(collection.ready())
+
+
 def test_batched_decode_rows_equal_the_spec_bit_for_bit():
     rng = np.random.default_rng(0)
     # (positions, taps, extra RowStream fields, prefill chunk sizes, tokens generated)
@@ -83,7 +92,7 @@ def test_batched_decode_rows_equal_the_spec_bit_for_bit():
         for tap, t in taps.items():
             t(torch.stack([_value(r, p, tap) for r, p in owners]).to(t.gather_out.dtype))
         if plan.gathers:
-            plan.deliver(runtime.collect(plan).ready())
+            _deliver_after_the_next_forward(runtime, plan)
         for q in requests:
             if not q["sizes"] and q["taps"].streams and q["id"] not in results:
                 [stream] = q["taps"].streams
@@ -142,7 +151,7 @@ def test_repeated_decode_steps_give_each_stream_its_rows(monkeypatch):
         for tap, t in taps.items():
             t(torch.stack([_value(r, p, tap) for r, p in owners]).to(t.gather_out.dtype))
         if plan.gathers:
-            plan.deliver(runtime.collect(plan).ready())
+            _deliver_after_the_next_forward(runtime, plan)
 
     def prefill(qs):
         chunks, owners = [], []

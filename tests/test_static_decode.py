@@ -139,6 +139,52 @@ def test_static_decode_batches_other_sizes_and_preempts(llm, kernel):
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in eager]
 
 
+def test_repeated_decode_steps_equal_the_ordinary_step(llm):
+    """Decode steps that repeat the step before plan, arm and gather nothing per request (vlens.capture.rows:
+    DecodePages.repeat): with batched captures of several windows, a different Steer per request and an
+    Ablate, requests ending at different steps (each end breaks a series of repeats, the next step starts
+    one), tokens and rows equal the ordinary step's, and once the requests are done the engine keeps
+    none of their rows."""
+    g = torch.Generator().manual_seed(3)
+    layer = "blocks.1.hook_resid_post"
+    captures = [Capture([layer, "blocks.0.attn.hook_z"], positions="generated"), Capture(layer, positions="all"),
+                Capture(layer, positions=slice(2, 12)), None]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, capture=captures[i % 4],
+                       interventions=[Steer("blocks.0.hook_resid_post", torch.randn(D, generator=g), scale=4.0)]
+                       if i % 3 else [Ablate("blocks.1.hook_attn_out", torch.randn(D, generator=g), positions="all")])
+        for i, m in enumerate([14, 9, 14, 11, 6, 14, 12, 3])
+    ]  # fmt: skip
+    prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (5, 9, 3, 8, 6, 4, 11, 7)]
+    runner, repeats = llm.runner, []
+    repeat = runner.pages.repeat
+    def counted(seqs, positions):
+        batches = repeat(seqs, positions)
+        repeats.append(batches is not None)
+        return batches
+
+    runner.pages.repeat = counted
+    try:
+        static = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del runner.pages.repeat
+    assert sum(repeats) >= 4  # of 13: after an end or a closing window, a step plans anew
+    assert all(ref() is None for ref in runner.pages._pages.values())  # the requests' pages went with them
+    default = runner.static_decode
+    runner.static_decode = False  # every step planned stream by stream
+    try:
+        eager = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.static_decode = default
+    for a, b in zip(eager, static):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.activations.keys() == b.activations.keys()
+        assert torch.equal(a.activation_positions, b.activation_positions) if a.activations else True
+        for name in a.activations:
+            assert a.activations[name].shape == b.activations[name].shape, name
+            assert rel_err(b.activations[name], a.activations[name]) < 1e-5, name
+
+
 @pytest.mark.parametrize("max_graphs", [64, 2])
 def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_graphs):
     """The static step with graphs, replays emulated on the CPU (tests/replayed_graphs.py), equals the ordinary step —

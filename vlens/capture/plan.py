@@ -160,12 +160,15 @@ def plan_decode(seqs: list, positions: list[int], block_size: int, pages: Decode
     # Whether the next step may repeat this one: every stream batched its row or is past its window, every
     # intervention edits its row or is past its run; and how many times at most, by the interventions' runs.
     steady, limit = True, math.inf
+    lanes: dict[tuple[str, ...], list] = {}  # taps -> the streams of its batch, in its order
     for row, (seq, position) in enumerate(zip(seqs, positions)):
         taps = seq.taps
         if taps.batched:
             for stream in taps.streams:
-                taken = stream.take(position, row, plan.batch(stream.tap_key, pages, len(seqs)))
-                steady &= taken or position >= stream.window_end
+                if stream.take(position, row, plan.batch(stream.tap_key, pages, len(seqs))):
+                    lanes.setdefault(stream.tap_key, []).append(stream)
+                else:
+                    steady &= position >= stream.window_end
             if taps.interventions:
                 for iv in taps.interventions:
                     first, end = iv.window
@@ -177,7 +180,7 @@ def plan_decode(seqs: list, positions: list[int], block_size: int, pages: Decode
             chunk = Chunk(taps, seq.token_ids, position, 1, row, seq.block_table)
             _plan_chunk(plan, chunk, block_size, pages, len(seqs))
     plan.close()
-    pages.remember(seqs, positions, (plan.batches, plan.edits) if steady else None, limit)
+    pages.remember(seqs, positions, (plan.batches, lanes, plan.edits) if steady else None, limit)
     return plan
 
 

@@ -13,6 +13,7 @@ it later.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -102,7 +103,7 @@ PAGE_BYTES = 4 << 20  # the size of a page of decode rows, unless a few batches 
 SPARE_PAGES = 4  # memory of pages let go, kept for new ones: fresh memory costs a page fault per 4 KiB
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class Page:
     """Rows of the decode batches of streams with one set of taps, one batch after the other, each row the
     bytes of all the taps side by side (`layout`). Streams keep where their rows are, so a result is one
@@ -148,7 +149,6 @@ class Batch:
     taps: tuple[str, ...]
     positions: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # the packed row of each position
-    streams: list[RowStream] = field(default_factory=list)  # whose row each is
     tap_rows: dict[str, object] = field(default_factory=dict)  # (until all its taps arrived)
     delivered: bool = False
 
@@ -214,33 +214,40 @@ class DecodePages:
     runner's: both outlive steps)."""
 
     def __init__(self) -> None:
-        self._pages: dict[tuple[str, ...], Page] = {}
+        self._pages: dict[tuple[str, ...], weakref.ref[Page]] = {}
         self._spare: list[np.ndarray] = []
         self._last: _Repeat | None = None
 
     def batch(self, taps: tuple[str, ...], room: int) -> Batch:
         """A new decode step's batch for `taps` of at most `room` rows, in the current page or, where that has
         no room left, a new one. Its rows are counted in the page when the step's plan is done (`StepPlan.close`)."""
-        page = self._pages.get(taps)
+        ref = self._pages.get(taps)
+        page = None if ref is None else ref()
         if page is None or not page.has_room(room):
-            page = self._pages[taps] = Page(self._spare)
+            page = Page(self._spare)
+            self._pages[taps] = weakref.ref(page)  # (the streams with rows in it keep it, not this)
         return Batch(page, page.used, taps)
 
-    def remember(
-        self, seqs: list, positions: list[int], steady: tuple[dict[tuple[str, ...], Batch], dict] | None, limit: float
-    ) -> None:  # fmt: skip
-        """After a decode step of `seqs` at `positions`, `steady`: its batches and edits where every stream
-        batched its row and every intervention edited its row (or is past its window), else None; the next
-        step may repeat it, `limit` times at most. (A step where nobody captures or intervenes repeats too,
-        with nothing in it: it skips a loop over the sequences.)"""
+    def forget(self, seq: object) -> None:
+        """`seq` ended: a last decode step it was in is repeated no more, and its rows are let go."""
+        if self._last is not None and seq in self._last.seqs:
+            self._last = None
+
+    def remember(self, seqs: list, positions: list[int], steady: tuple | None, limit: float) -> None:
+        """After a decode step of `seqs` at `positions`, `steady`: (its batches, the streams of each batch in
+        its order, its edits) where every stream batched its row and every intervention edited its row (or
+        is past its window), else None; the next step may repeat it, `limit` times at most. (A step where
+        nobody captures or intervenes repeats too, with nothing in it: it skips a loop over the sequences.)"""
         self._last = None
         if steady is None:
             return
-        batches, edits = steady
+        batches, lanes, edits = steady
         repeats, steps_left = {}, limit
         for taps, batch in batches.items():
+            if not batch.positions:  # (its streams are all past their windows, for good)
+                continue
             shared = Shared(batch.page)
-            for lane, stream in enumerate(batch.streams):
+            for lane, stream in enumerate(lanes[taps]):
                 stream.share(shared, lane)
                 steps_left = min(steps_left, stream.window_end - batch.positions[lane] - 1)
             repeats[taps] = (shared, batch.rows)
@@ -252,7 +259,7 @@ class DecodePages:
         last = self._last
         if last is None or last.steps_left < 1 or positions != last.next or seqs != last.seqs:
             return None
-        if any(shared.page is not self._pages[taps] or not shared.page.has_room(len(rows))
+        if any(shared.page is not self._pages[taps]() or not shared.page.has_room(len(rows))
                for taps, (shared, rows) in last.batches.items()):  # fmt: skip
             return None
         batches = {}
@@ -352,7 +359,6 @@ class RowStream:
             run.last = batch
         batch.positions.append(position)
         batch.rows.append(row)
-        batch.streams.append(self)
         return True
 
     def share(self, shared: Shared, lane: int) -> None:

@@ -287,13 +287,15 @@ class TapRuntime:
         for tap, parts in plan.gathers.items():
             counts = [len(rows) for _, rows in parts]
             gathered = self._taps[tap].gather_out[: sum(counts)]
-            batch = plan.segments[parts[-1][0]].held  # (a step's batch is its last segment at its taps)
-            if self._side is None and isinstance(batch, Batch):  # on the CPU: to its page now, which copies them
-                batch.put(tap, gathered[len(gathered) - counts[-1] :])
+            # On the CPU a step's batches (its last segments at a tap) go to their pages now, which copy them:
+            # all the taps of a batch arrive in this call, before the next forward writes the buffers again
+            while self._side is None and parts and isinstance(plan.segments[parts[-1][0]].held, Batch):
+                end = sum(counts)
+                plan.segments[parts[-1][0]].held.put(tap, gathered[end - counts[-1] : end])
                 parts, counts = parts[:-1], counts[:-1]
-                if not parts:
-                    continue
-                gathered = gathered[: sum(counts)]
+            if not parts:
+                continue
+            gathered = gathered[: sum(counts)]
             segments = [segment for segment, _ in parts]
             if tap not in plan.readouts:
                 whole.append((tap, segments, gathered.clone(), counts))

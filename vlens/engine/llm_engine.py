@@ -178,7 +178,7 @@ class LLMEngine:
             if seq.status is Status.FINISHED:
                 continue
             self.scheduler.abort(seq)
-            seq.drop_vectors(self.runner.taps)
+            self._release(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -303,10 +303,15 @@ class LLMEngine:
         if seq.taps.streams:  # its last rows may still be on their way
             self._deliver()
         self.scheduler.finish(seq)
-        seq.drop_vectors(self.runner.taps)
+        self._release(seq)
         group = self._requests[seq.request_id]
         group.done += 1
         self.scheduler.add_first(group.release())
+
+    def _release(self, seq: Sequence) -> None:
+        """What the runner keeps for a sequence that ends: its vectors, and the last decode step it was in."""
+        seq.drop_vectors(self.runner.taps)
+        self.runner.pages.forget(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Whether the token ends the sequence; sets its finish and stop reasons."""
