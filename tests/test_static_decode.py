@@ -152,7 +152,8 @@ def test_repeated_decode_steps_equal_the_ordinary_step(llm):
     params = [
         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, capture=captures[i % 4],
                        interventions=[Steer("blocks.0.hook_resid_post", torch.randn(D, generator=g), scale=4.0)]
-                       if i % 3 else [Ablate("blocks.1.hook_attn_out", torch.randn(D, generator=g), positions="all")])
+                       if i % 3 else [Ablate("blocks.1.hook_attn_out", torch.randn(D, generator=g), positions="all")],
+                       return_hidden_states=i in (1, 3))  # (a second stream of its own, in batches of its own)
         for i, m in enumerate([14, 9, 14, 11, 6, 14, 12, 3])
     ]  # fmt: skip
     prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (5, 9, 3, 8, 6, 4, 11, 7)]
@@ -178,6 +179,8 @@ def test_repeated_decode_steps_equal_the_ordinary_step(llm):
         runner.static_decode = default
     for a, b in zip(eager, static):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert (a.hidden_states is None) == (b.hidden_states is None)
+        assert a.hidden_states is None or rel_err(b.hidden_states, a.hidden_states) < 1e-5
         assert a.activations.keys() == b.activations.keys()
         assert torch.equal(a.activation_positions, b.activation_positions) if a.activations else True
         for name in a.activations:
