@@ -197,6 +197,15 @@ def _step(block_size: int, num_slots: int = 4096):
     return layout([9, 3, 0], [1, 5, 2], [10, 8, 2], tables, block_size, num_slots, lambda name, values: torch.as_tensor(values))
 
 
+def test_a_paged_layout_lists_each_sequences_pages():
+    """FlashInfer's paged layout (made when a backend asks): where each sequence's pages start, the pages,
+    and the keys in each one's last page."""
+    meta = _step(4)  # contexts of 10, 8 and 2 keys in blocks of 4: 3, 2 and 1 pages
+    assert meta.page_indptr.tolist() == [0, 3, 5, 6] and meta.page_indptr.dtype == torch.int32
+    assert meta.page_indices.tolist() == [7, 2, 5, 1, 4, 6] and meta.page_indices.dtype == torch.int32
+    assert meta.last_page_lens.tolist() == [2, 4, 2] and meta.last_page_lens.dtype == torch.int32
+
+
 def test_varlen_arguments_gather_keys_or_read_pages():
     backend = make_backend("varlen", torch.device("cuda"), False, {KIND}, torch.bfloat16, 4)  # builds no tensor on CUDA
     assert isinstance(backend, VarlenBackend)

@@ -51,9 +51,6 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: where each sequence's queries start
     slot_mapping: torch.Tensor | None = None  # [T] cache slot each new key and value is written to
     num_slots: int = 0  # of the cache
-    page_indptr: torch.Tensor | None = None  # [B + 1] int32 (host): where each sequence's pages start in ...
-    page_indices: torch.Tensor | None = None  # [pages] int32 (host): ... every sequence's blocks, in order
-    last_page_lens: torch.Tensor | None = None  # [B] int32 (host): keys in each sequence's last block
     block_tables_device: torch.Tensor | None = None  # [B, table width] the block tables, for the static decode
     context_lens_device: torch.Tensor | None = None  # [B] ... and the context lengths (vlens.attention.decode)
     # (from, to) [C] cache slots whose keys and values are copied once the step's new ones are written:
@@ -66,6 +63,23 @@ class AttentionMetadata:
 
     # Layouts only some kernels take (varlen, flex): derived from the fields above the first time a backend's
     # `prepare` asks, once per step.
+
+    @cached_property
+    def page_indptr(self) -> torch.Tensor:
+        """[B + 1] int32 (host): where each sequence's pages start in `page_indices`."""
+        return torch.tensor([0, *self.pages], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    @cached_property
+    def page_indices(self) -> torch.Tensor:
+        """[pages] int32 (host): every sequence's blocks, in order."""
+        held = torch.arange(self.block_tables.shape[1]) < torch.tensor(self.pages)[:, None]
+        return self.block_tables[held].to(torch.int32)
+
+    @cached_property
+    def last_page_lens(self) -> torch.Tensor:
+        """[B] int32 (host): keys in each sequence's last block."""
+        pages, context = torch.tensor(self.pages), torch.tensor(self.context_lens)
+        return (context - (pages - 1) * self.block_size).to(torch.int32)
 
     @cached_property
     def cu_seqlens_k(self) -> torch.Tensor:
@@ -136,10 +150,7 @@ def layout(
     if table_width is not None:
         common["block_tables_device"] = put("block_tables", tables)
         common["context_lens_device"] = put("context_lens", context)
-    indptr = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(pages, out=indptr[1:])
     return AttentionMetadata(
         pages=page_list, block_tables=torch.from_numpy(tables), slot_mapping=put("slot_mapping", slots),
-        num_slots=num_slots, page_indptr=torch.from_numpy(indptr), page_indices=torch.from_numpy(used.astype(np.int32)),
-        last_page_lens=torch.from_numpy((context - (pages - 1) * block_size).astype(np.int32)), **common,
+        num_slots=num_slots, **common,
     )  # fmt: skip

@@ -99,7 +99,7 @@ class Lens:
     residual: torch.Tensor  # rows rank 0 reads through the final norm and unembedding (logit lens)
 
 
-HOST_FIELDS = frozenset({"block_tables", "page_indptr", "page_indices", "last_page_lens"})  # AttentionMetadata's
+HOST_FIELDS = frozenset({"block_tables"})  # AttentionMetadata's (the layouts derived from it stay on the host too)
 
 
 def _moved(value, device):

@@ -48,6 +48,8 @@ class StepBuffers:
         self._host_block = torch.zeros(at, dtype=torch.uint8, pin_memory=True) if self._cuda else self._dev_block
         self._dev: dict[str, torch.Tensor] = {}
         self._host: dict[str, np.ndarray] = {}
+        # (name, shape) -> (the front `put` returns, where its bytes start and stop in the blocks)
+        self._fronts: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, int, int]] = {}
         for name, (numel, dtype) in self._sizes.items():
             start, stop = self._offsets[name], self._offsets[name] + numel * dtype.itemsize
             self._dev[name] = self._dev_block[start:stop].view(dtype)
@@ -58,19 +60,23 @@ class StepBuffers:
         are there once `flush` has run. A buffer too small for them grows (eager forwards only: a captured
         graph never meets a larger step)."""
         values = np.asarray(values)
-        numel = values.size
-        if numel > self._sizes[name][0]:
-            self._sizes[name] = (max(numel, 2 * self._sizes[name][0]), self._sizes[name][1])
-            self._allocate()
+        numel, key = values.size, (name, values.shape)
+        known = self._fronts.get(key)  # (a step puts the shapes of the step before: a dict lookup, no torch op)
+        if known is None:
+            if numel > self._sizes[name][0]:
+                self._sizes[name] = (max(numel, 2 * self._sizes[name][0]), self._sizes[name][1])
+                self._allocate()
+            start = self._offsets[name]
+            front = self._dev[name][:numel]
+            front = front if values.ndim == 1 else front.view(values.shape)
+            known = self._fronts[key] = (front, start, start + numel * self._sizes[name][1].itemsize)
+        front, start, stop = known
         if self._copied is not None:  # the staging block still feeds the previous flush's copy
             self._copied.synchronize()
             self._copied = None
         self._host[name][:numel] = values.reshape(-1)
-        start = self._offsets[name]
-        stop = start + numel * self._sizes[name][1].itemsize
         self._span = (start, stop) if self._span is None else (min(start, self._span[0]), max(stop, self._span[1]))
-        front = self._dev[name][:numel]
-        return front if values.ndim == 1 else front.view(values.shape)
+        return front
 
     def flush(self) -> None:
         """Send what was put since the last flush to the device, in one copy (nothing to do on the CPU)."""
