@@ -148,7 +148,7 @@ def test_repeated_decode_steps_equal_the_ordinary_step(llm):
     g = torch.Generator().manual_seed(3)
     layer = "blocks.1.hook_resid_post"
     captures = [Capture([layer, "blocks.0.attn.hook_z"], positions="generated"), Capture(layer, positions="all"),
-                Capture(layer, positions=slice(2, 12)), None]  # fmt: skip
+                Capture([layer, "unembed.hook_out"], positions=slice(2, 12)), None]  # fmt: skip
     params = [
         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, capture=captures[i % 4],
                        interventions=[Steer("blocks.0.hook_resid_post", torch.randn(D, generator=g), scale=4.0)]
