@@ -179,7 +179,8 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
     taps = set(hooks.values())
     if sae_at is not None and taps != {sae_at}:
         raise _elsewhere("capture.hooks", capture.hooks, capture.sae)
-    parts = {t: result_parts(capture, t, shapes[t], model.lm_head.weight.dtype) for t in taps}
+    weight = model.lm_head.weight  # (a module attribute: looked up once, not per tap)
+    parts = {t: result_parts(capture, t, shapes[t], weight.dtype) for t in taps}
     shapes = {t: shapes[t] for t in taps}
     patterns = sorted(t for t in taps if is_pattern(t))
     if patterns and (capture.project is not None or capture.reduce != "none"):
@@ -194,7 +195,6 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
             _check_heads(capture.heads, shapes[t][0], "capture.heads", t)
             shapes[t] = (len(capture.heads), *shapes[t][1:])
         heads = torch.tensor(capture.heads)
-    weight = model.lm_head.weight
     readout = None
     if capture.project is not None:
         w, b = capture.project
