@@ -103,7 +103,7 @@ PAGE_BYTES = 4 << 20  # the size of a page of decode rows, unless a few batches 
 SPARE_PAGES = 4  # memory of pages let go, kept for new ones: fresh memory costs a page fault per 4 KiB
 
 
-@dataclass(slots=True, eq=False, weakref_slot=True)
+@dataclass(eq=False)  # (no slots: `DecodePages` holds it by weak reference)
 class Page:
     """Rows of the decode batches of streams with one set of taps, one batch after the other, each row the
     bytes of all the taps side by side (`layout`). Streams keep where their rows are, so a result is one
