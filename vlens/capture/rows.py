@@ -5,9 +5,9 @@ holds the plan segment's `Held`, where the rows land after the forward (`StepPla
 only when its result is built. A decode step's one row per stream (`take`) joins the step's `Batch` of the
 streams with the same taps, one segment for all, whose rows land in a `Page` that many steps fill: a
 stream keeps a run of row numbers per page, so a decode step costs a few integer operations per request
-and no tensor op or container, and a result one index per page. Chunked prefill, preemption and
-recompute never change what a request gets: a position is offered to a stream once, whatever recomputes
-it later.
+and no tensor op or container, a step that repeats the one before none (`DecodePages.repeat`), and a
+result one index per page. Chunked prefill, preemption and recompute never change what a request gets: a
+position is offered to a stream once, whatever recomputes it later.
 """
 
 from __future__ import annotations
