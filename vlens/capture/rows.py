@@ -214,18 +214,17 @@ class DecodePages:
     runner's: both outlive steps)."""
 
     def __init__(self) -> None:
-        self._pages: dict[tuple[str, ...], weakref.ref[Page]] = {}
+        # the streams with rows in a page keep it, not this: it goes with them
+        self._pages: weakref.WeakValueDictionary[tuple[str, ...], Page] = weakref.WeakValueDictionary()
         self._spare: list[np.ndarray] = []
         self._last: _Repeat | None = None
 
     def batch(self, taps: tuple[str, ...], room: int) -> Batch:
         """A new decode step's batch for `taps` of at most `room` rows, in the current page or, where that has
         no room left, a new one. Its rows are counted in the page when the step's plan is done (`StepPlan.close`)."""
-        ref = self._pages.get(taps)
-        page = None if ref is None else ref()
+        page = self._pages.get(taps)
         if page is None or not page.has_room(room):
-            page = Page(self._spare)
-            self._pages[taps] = weakref.ref(page)  # (the streams with rows in it keep it, not this)
+            page = self._pages[taps] = Page(self._spare)
         return Batch(page, page.used, taps)
 
     def forget(self, seq: object) -> None:
@@ -259,7 +258,7 @@ class DecodePages:
         last = self._last
         if last is None or last.steps_left < 1 or positions != last.next or seqs != last.seqs:
             return None
-        if any(shared.page is not self._pages[taps]() or not shared.page.has_room(len(rows))
+        if any(shared.page is not self._pages.get(taps) or not shared.page.has_room(len(rows))
                for taps, (shared, rows) in last.batches.items()):  # fmt: skip
             return None
         batches = {}
