@@ -223,7 +223,8 @@ def generation(rows: dict, path: str, quick: bool, device: str) -> None:
             runner = llm.engine.runner
             out["graph_stats"] = {"graph_steps": stats.graph_steps, "eager_steps": stats.eager_steps,
                                   "graphs": stats.graphs_captured, "capture_s": round(stats.capture_seconds, 2),
-                                  "ahead_steps": stats.ahead_steps, "fused": runner.fused,
+                                  "ahead_steps": stats.ahead_steps, "repeated_steps": runner.pages.repeats,
+                                  "fused": runner.fused,
                                   "paged_kernel": runner.decode_backend.paged is not None}  # fmt: skip
             llm.engine.async_scheduling = False  # each step waits for its ids before the next is planned
             rows.setdefault("latency_ms", {}).update({f"b{b}_graphs_sync": _step_ms(llm, prompts[:b]) for b in (1, 64)})

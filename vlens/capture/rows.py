@@ -218,6 +218,7 @@ class DecodePages:
         self._pages: weakref.WeakValueDictionary[tuple[str, ...], Page] = weakref.WeakValueDictionary()
         self._spare: list[np.ndarray] = []
         self._last: _Repeat | None = None
+        self.repeats = 0  # decode steps planned as repeats (EngineStats.repeated_steps)
 
     def batch(self, taps: tuple[str, ...], room: int) -> Batch:
         """A new decode step's batch for `taps` of at most `room` rows, in the current page or, where that has
@@ -267,6 +268,7 @@ class DecodePages:
             shared.offsets.append(batch.offset)
             shared.last = batch
         last.next, last.steps_left = [p + 1 for p in positions], last.steps_left - 1
+        self.repeats += 1
         return batches, last.edits
 
 

@@ -55,6 +55,7 @@ class EngineStats:
     decode_compiles: int = 0
     decode_compile_seconds: float = 0.0
     ahead_steps: int = 0  # decode steps queued before the previous step's ids reached the host
+    repeated_steps: int = 0  # decode steps planned as the one before, one position on: no work per request
 
     @property
     def kv_cache_usage(self) -> float:
@@ -204,6 +205,7 @@ class LLMEngine:
             decode_compiles=graphs.compiles,
             decode_compile_seconds=graphs.compile_seconds,
             ahead_steps=graphs.ahead_steps,
+            repeated_steps=self.runner.pages.repeats,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
