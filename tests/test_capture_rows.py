@@ -5,6 +5,7 @@ stream still gets exactly its own rows, bit for bit, in order, whatever mix of s
 from __future__ import annotations
 
 import math
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -119,9 +120,10 @@ def test_batched_decode_rows_equal_the_spec_bit_for_bit():
 
 def test_repeated_decode_steps_give_each_stream_its_rows(monkeypatch):
     """Decode steps planned as repeats of the step before (`DecodePages.repeat`: no work per stream) give
-    the same rows as steps planned stream by stream: across pages that fill up (a few rows each here),
-    sequences that end or are preempted and recomputed in between, a bounded window that ends mid-run, a
-    step queued ahead of a sequence's end, and a sequence whose rows are gathered apart (a tail spec)."""
+    the same rows as steps planned stream by stream: across pages that fill up (a few rows each here) and
+    then go, the running streams keeping copies of their own rows, sequences that end or are preempted and
+    recomputed in between, a bounded window that ends mid-run, a step queued ahead of a sequence's end, and
+    a sequence whose rows are gathered apart (a tail spec)."""
     monkeypatch.setattr(rows_module, "PAGE_BYTES", 512)  # a page of A holds 64 rows: it fills every ~10 steps
     rng = np.random.default_rng(1)
     specs = [  # (positions, taps, prompt length, tokens generated)
@@ -142,8 +144,17 @@ def test_repeated_decode_steps_give_each_stream_its_rows(monkeypatch):
         seq = SimpleNamespace(taps=RequestTaps(streams), token_ids=tokens, block_table=None, id=r)
         requests.append({"seq": seq, "prompt": prompt_len, "rows": rows_of(prompt_len, generated), "done": 0})
     runtime = TapRuntime(SHAPES, torch.device("cpu"), MODEL_DTYPE, _put)
-    pages = DecodePages()
+    pages, living, made = DecodePages(), weakref.WeakSet(), []  # the pages alive; one entry per page made
     results, repeats = {}, 0
+
+    def batch(taps, room, make=pages.batch):
+        new = make(taps, room)
+        if new.page not in living:  # (a page made now)
+            made.append(taps)
+            living.add(new.page)
+        return new
+
+    pages.batch = batch
 
     def run(plan, owners):
         """The forward of a step whose packed row i is (request, position) owners[i]: each tap's value there."""
@@ -181,6 +192,9 @@ def test_repeated_decode_steps_give_each_stream_its_rows(monkeypatch):
         for q in live:
             q["done"] += 1
         step += 1
+    # Full pages let their rows go once they all arrived: the running streams copied theirs out, so only each
+    # set of taps' current page is left (the others' memory went to the pages after them)
+    assert len(made) > 2 and len(living) == 2
     for q in requests:
         if q["seq"].taps.streams and q["seq"].id not in results:
             [stream] = q["seq"].taps.streams

@@ -107,13 +107,17 @@ SPARE_PAGES = 4  # memory of pages let go, kept for new ones: fresh memory costs
 class Page:
     """Rows of the decode batches of streams with one set of taps, one batch after the other, each row the
     bytes of all the taps side by side (`layout`). Streams keep where their rows are, so a result is one
-    index into each page it has rows in. A page lives as long as a stream with rows in it; then its
-    memory goes back to `spare`."""
+    index into each page it has rows in. Once it is full (`retire`) and its rows have all arrived, the
+    streams still running copy theirs out (`Run.keep`) and the page goes, its memory back to `spare`: a long
+    request keeps its own rows, not the pages of everything that ran beside it."""
 
     spare: list[np.ndarray]  # (DecodePages': flat buffers of PAGE_BYTES)
     used: int = 0  # rows planned
+    arrived: int = 0  # rows written (batches arrive in the order they were planned)
     data: np.ndarray | None = None  # [rows, bytes], made when the first batch arrives (its bytes say how many)
     layout: list[Layout] = field(default_factory=list)
+    runs: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # the runs with rows in it
+    retired: bool = False  # no batch goes into it any more
 
     def has_room(self, rows: int) -> bool:
         return self.data is None or self.used + rows <= len(self.data)
@@ -132,6 +136,24 @@ class Page:
         elif end > len(self.data):  # (batches planned before the first arrived outgrew it)
             self.data = np.concatenate([self.data[:offset], np.empty((2 * end - offset, width), np.uint8)])
         self.data[offset:end] = joined
+        self.arrived = end
+        self._let_go()
+
+    def retire(self) -> None:
+        """It is full: no batch goes into it from now on, and its rows go once they have all arrived."""
+        self.retired = True
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if not self.retired or self.arrived < self.used:
+            return
+        runs = list(self.runs)
+        for run in runs:
+            run.keep()
+        for run in runs:  # (after every run kept its rows: a repeat's lanes share its offsets)
+            if run.shared is not None:
+                run.shared.page = run.shared.last = None
+        self.runs = weakref.WeakSet()
 
     def __del__(self) -> None:
         flat = None if self.data is None else self.data.base
@@ -165,37 +187,53 @@ class Shared:
     order: the page offset of each. Stream i's rows in them are offset + i, so such a step costs no work
     per stream (`DecodePages.repeat`)."""
 
-    page: Page
+    page: Page | None  # None once the page let its rows go
     offsets: list[int] = field(default_factory=list)
     last: Batch | None = None  # the newest, which may not have arrived yet
 
 
-@dataclass(slots=True)  # (a few per stream: one per page it has rows in, and one per series of repeats)
-class Run:
-    """A stream's rows at consecutive positions from `start`, in one page: rows `at` of it, then, from its
-    batch's repeats (`shared`), its row of each."""
+_NO_ROWS = np.empty((0, 0), np.uint8)
 
-    page: Page
+
+@dataclass(eq=False)  # (a few per stream: one per page it has rows in, and one per series of repeats; no slots:
+class Run:  # its page holds it by weak reference)
+    """A stream's rows at consecutive positions from `start`, in one page: rows `at` of it, then, from its
+    batch's repeats (`shared`), its row of each; or, once the page let them go, a copy (`keep`)."""
+
+    page: Page | None
     start: int
     at: list[int]
-    last: Batch  # the batch of its newest row in `at`
+    last: Batch | None  # the batch of its newest row in `at`
     shared: Shared | None = None
     lane: int = 0  # its row in each of `shared`'s batches
+    kept: np.ndarray | None = None  # [rows, bytes] its rows, copied out of the page
+    kept_layout: list[Layout] = field(default_factory=list)
 
     @property
     def stop(self) -> int:
         """The position after its last row."""
         return self.start + len(self.at) + (len(self.shared.offsets) if self.shared is not None else 0)
 
-    def delivered_rows(self) -> np.ndarray:
-        """Its rows of the page that have arrived: all, or all but the newest (queued ahead of the end)."""
-        at = self.at
+    def _rows(self) -> tuple[list[int], Batch]:
+        """Where its rows are in the page, and the batch of the newest."""
         if self.shared is not None and self.shared.offsets:
-            at = at + [o + self.lane for o in self.shared.offsets]
-            newest = self.shared.last
-        else:
-            newest = self.last
-        return np.array(at if newest.delivered else at[:-1], dtype=np.int64)
+            return self.at + [o + self.lane for o in self.shared.offsets], self.shared.last
+        return self.at, self.last
+
+    def arrived(self) -> tuple[np.ndarray, list[Layout]]:
+        """The bytes of its rows that have arrived — all, or all but the newest (queued ahead of the end) —
+        and where each tap's values sit in them."""
+        if self.kept is not None:
+            return self.kept, self.kept_layout
+        at, newest = self._rows()
+        if not newest.delivered:
+            at = at[:-1]
+        return (self.page.data[at], self.page.layout) if at else (_NO_ROWS, self.page.layout)
+
+    def keep(self) -> None:
+        """Copy its rows out of its page, whose rows have all arrived: the page may go."""
+        self.kept, self.kept_layout = self.page.data[self._rows()[0]], self.page.layout
+        self.page = self.last = None
 
 
 @dataclass(slots=True)
@@ -225,6 +263,8 @@ class DecodePages:
         no room left, a new one. Its rows are counted in the page when the step's plan is done (`StepPlan.close`)."""
         page = self._pages.get(taps)
         if page is None or not page.has_room(room):
+            if page is not None:
+                page.retire()
             page = self._pages[taps] = Page(self._spare)
         return Batch(page, page.used, taps)
 
@@ -355,6 +395,7 @@ class RowStream:
         if run is None or run.shared is not None or run.page is not batch.page or run.stop != position:
             self._run = Run(batch.page, position, [at], batch)
             self._pieces.append(self._run)
+            batch.page.runs.add(self._run)
         else:
             run.at.append(at)
             run.last = batch
@@ -391,12 +432,12 @@ class RowStream:
         taps, joined, layout = self.tap_key, [], None
         for piece in pieces:
             if isinstance(piece, Run):
-                at = piece.delivered_rows()
-                if not len(at):
+                rows, run_layout = piece.arrived()
+                if not len(rows):
                     continue
-                positions.extend(range(piece.start, piece.start + len(at)))
-                joined.append(piece.page.data[at])
-                layout = piece.page.layout
+                positions.extend(range(piece.start, piece.start + len(rows)))
+                joined.append(rows)
+                layout = run_layout
             else:
                 positions.extend(piece.positions)
                 joined.append(_bytes(piece.tap_rows, taps))
