@@ -252,6 +252,10 @@ def host_overhead(args: argparse.Namespace) -> None:
         print(f"{f'vlens compile_decode, one layer, batch {batch}':<44}{ms(t_c_cap):>10.2f}{t_c_cap / t_c:>9.2f}x  <= 1.15x")
         if batch == 64:
             host_part(llm, ids, steps, args.repeats, t_hf)
+    stats = compiled.stats()  # (a compile that failed leaves every later step eager: the compiled rows say so)
+    print(f"compile_decode: {stats.compiled_steps} compiled steps, {stats.static_eager_steps} eager ones, "
+          f"{stats.decode_compiles} compiles in {stats.decode_compile_seconds:.1f} s; "
+          f"{llm.stats().repeated_steps} of vlens's decode steps repeated the one before")
 
 
 def host_part(llm: LLM, ids: list[list[int]], steps: int, repeats: int, t_hf: float) -> None:
