@@ -6,6 +6,10 @@ same batch unsteered, in one run.
 SmolLM2-135M float32 on this CPU, greedy, ignore_eos so both runs do the same work. Each request
 steers blocks.10.hook_resid_post at every position with a different random vector. Target: the
 steered batch takes at most 1.10x the time of the plain one.
+
+Then a TransformerLens-style steering hook (`resid[:, -1] += v` at blocks.10.hook_resid_pre) during
+`HookedLM.generate` of 8 prompts x --tokens, with its KV cache and without, against HF `generate` of the
+same left-padded batch with the same edit in a forward hook (a KV cache, the new token last).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_generate import best, prompts
+from bench_generate import best, best_alternating, prompts
+from transformers import AutoModelForCausalLM
 
-from vlens import LLM, SamplingParams, Steer
+from vlens import LLM, HookedLM, SamplingParams, Steer
+from vlens.loader import resolve_model_path
 
 
 def main() -> None:
@@ -24,6 +30,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    per_request(args)
+    hook_steering(args.tokens, args.repeats)
+
+
+def per_request(args: argparse.Namespace) -> None:
     llm = LLM(dtype="float32", device="cpu")
     texts = prompts(args.prompts)
     g = torch.Generator().manual_seed(0)
@@ -42,6 +53,40 @@ def main() -> None:
     print(f"{'case':<40}{'tok/s':>10}{'time ratio':>12}  target")
     print(f"{'no steering':<40}{tokens / t_plain:>10.1f}{1.0:>11.2f}x")
     print(f"{'a different Steer per request':<40}{tokens / t_steer:>10.1f}{t_steer / t_plain:>11.2f}x  <= 1.10x")
+
+
+def hook_steering(steps: int, repeats: int, batch: int = 8) -> None:
+    hooked = HookedLM(dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32).eval()
+    vector = 2 * torch.randn(hooked.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def steer(resid, hook):
+        resid[:, -1] += vector
+
+    texts = prompts(batch)
+    tokenizer = hooked.tokenizer
+    tokenizer.padding_side = "left"
+    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+
+    def ours(cached: bool):
+        with hooked.hooks([("blocks.10.hook_resid_pre", steer)]):
+            hooked.generate(texts, max_new_tokens=steps, do_sample=False, stop_at_eos=False,
+                            use_past_kv_cache=cached, verbose=False)  # fmt: skip
+
+    def theirs():
+        handle = hf.model.layers[10].register_forward_pre_hook(lambda m, a: steer(a[0], None))
+        try:
+            with torch.inference_mode():
+                hf.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        finally:
+            handle.remove()
+
+    t_hf, t_cached, t_whole = best_alternating([theirs, lambda: ours(True), lambda: ours(False)], repeats)
+    print(f"\nsteering hook in generate: {batch} prompts x {steps} new tokens, `with model.hooks(...)`")
+    print(f"{'case':<52}{'s':>8}{'vs HF':>10}")
+    print(f"{'HF generate, the edit in a forward pre-hook':<52}{t_hf:>8.2f}{1.0:>9.2f}x")
+    print(f"{'HookedLM.generate, use_past_kv_cache=True':<52}{t_cached:>8.2f}{t_cached / t_hf:>9.2f}x")
+    print(f"{'HookedLM.generate, use_past_kv_cache=False':<52}{t_whole:>8.2f}{t_whole / t_hf:>9.2f}x")
 
 
 if __name__ == "__main__":

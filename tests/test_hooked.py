@@ -458,3 +458,68 @@ def test_a_transformer_lens_notebook_ports_by_its_import_and_loading_lines(tmp_p
         assert rel_err(run["resid"], out.hidden_states[2]) <= 1e-5
         assert rel_err(run["ablated"], ablated_ref) <= 1e-4
     assert rel_err(ported["logits"], out.logits) < rel_err(original["logits"], out.logits) + 1e-6
+
+
+@pytest.mark.parametrize("use_past_kv_cache", [True, False])
+def test_generate_with_hooks_sees_what_transformer_lens_gives_its_hooks(tmp_path, smol_path, use_past_kv_cache):
+    """A hook that reads the residual stream and steers `resid[:, -1]` sees at each step what TransformerLens gives
+    it, on the same weights: with the KV cache the prompts and then [batch, 1, d_model] of the new tokens (the
+    steered keys and values staying in the cache the later steps read), without it every position at every step.
+    The values agree at each step (≤ 1e-4: twelve steps of TransformerLens's own numerics), and so do the greedy
+    tokens; the KV blocks lent for the call are back afterwards. (TransformerLens is given a tokenizer, any whose
+    pad id the prompts avoid: without one, its cached generate shifts the new token's position by the cache's
+    length, in transformer-lens 3.9.)"""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=3, n_head=4, n_positions=128),
+                 tmp_path, "gpt2")  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=COMMON["vocab_size"],
+                                  n_ctx=128, act_fn="gelu_new", normalization_type="LN")  # fmt: skip
+    reference = HookedTransformer(cfg)
+    reference.load_state_dict(convert_gpt2_weights(hf, cfg), strict=False)
+    reference.set_tokenizer(AutoTokenizer.from_pretrained(smol_path), default_padding_side="left")
+    hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4)
+    direction = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[5, 17, 99, 230, 3, 41, 7], [60, 22, 140, 33, 290, 11, 12]])
+    seen, out = {}, {}
+    for model in (reference, hooked):
+        seen[model] = []
+
+        def steer_last(resid, hook, seen=seen[model]):
+            seen.append(resid.clone())
+            resid[:, -1] += direction
+
+        with model.hooks([("blocks.1.hook_resid_pre", steer_last)]):
+            out[model] = model.generate(tokens, max_new_tokens=12, do_sample=False, stop_at_eos=False,
+                                        use_past_kv_cache=use_past_kv_cache, return_type="tokens", verbose=False)  # fmt: skip
+    assert out[hooked].tolist() == out[reference].tolist()
+    widths = [x.shape[1] for x in seen[hooked]]
+    assert widths == ([7] + [1] * 11 if use_past_kv_cache else list(range(7, 19)))
+    for ours, theirs in zip(seen[hooked], seen[reference], strict=True):
+        assert ours.shape == theirs.shape and rel_err(ours, theirs) <= 1e-4
+    blocks = hooked.llm.engine.blocks
+    assert len(blocks.free) == len(blocks.blocks)
+
+
+def test_generate_with_hooks_names_a_kv_cache_too_full_and_takes_nothing(tmp_path):
+    """Blocks too few for the texts' cache: a ValueError naming use_past_kv_cache and what would fit, before any
+    step and with no block taken; without the cache the same call runs."""
+    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=2, n_head=4, n_positions=64),
+                 tmp_path, "gpt2")  # fmt: skip
+    hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4)
+    blocks = hooked.llm.engine.blocks
+    held = blocks.lend([(len(blocks.free) - 3) * 4])  # 3 blocks left: 12 tokens
+    tokens = torch.tensor([[5, 17, 99], [60, 22, 140]])
+    with hooked.hooks([("blocks.0.hook_resid_post", lambda resid, hook: None)]):
+        with pytest.raises(ValueError, match=r"^use_past_kv_cache: 2 texts of up to 8 tokens need 4 KV cache blocks of 4 "
+                                             r"tokens and 3 are free; .* use_past_kv_cache=False"):  # fmt: skip
+            hooked.generate(tokens, max_new_tokens=5, verbose=False)
+        assert len(blocks.free) == 3
+        out = hooked.generate(tokens, max_new_tokens=5, use_past_kv_cache=False, stop_at_eos=False, verbose=False)
+    assert out.shape == (2, 8)
+    for table in held:
+        blocks.give_back(table)
+    assert len(blocks.free) == len(blocks.blocks)

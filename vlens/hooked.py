@@ -101,6 +101,12 @@ class Padding:
         """Texts of these lengths from position 0, right-padded to the longest."""
         return cls(torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None])
 
+    @classmethod
+    def left(cls, lengths: list[int]) -> Padding:
+        """Texts of these lengths ending at the last position, left-padded to the longest."""
+        width = max(lengths)
+        return cls(torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None])
+
     def positions(self, i: int) -> torch.Tensor:
         """Where text i's rows sit, in order."""
         return self.mask[i].nonzero().squeeze(1)
@@ -482,10 +488,9 @@ class HookedLM(ModelWeights):
         """[batch, vocab]: each sequence's logits at its last position, with the hook functions in force run over
         the batch left-padded, as TransformerLens lays out a batch it generates for (`value[:, -1]` is each
         sequence's last token)."""
-        width = max(map(len, seqs))
-        padding = Padding(torch.arange(width)[None, :] >= torch.tensor([width - len(s) for s in seqs])[:, None])
         last = [torch.tensor([len(s) - 1]) for s in seqs]
-        captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=self._user_hooks(padding))
+        hooks = self._user_hooks(Padding.left(list(map(len, seqs))))
+        captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=hooks)
         logits: list[torch.Tensor] = [None] * len(seqs)
         for i, _, value in captured.pieces():
             logits[i] = value[0]
@@ -518,10 +523,11 @@ class HookedLM(ModelWeights):
 
         Without hook functions it runs on the engine (paged KV cache, continuous batching). Inside `with
         model.hooks(...)` each step is one forward of the whole batch, texts that stopped included (so a hook's
-        batch index always means the same text), left-padded, with the hooks seeing every position at every
-        step: TransformerLens's use_past_kv_cache=False, which gives what its KV cache gives for a hook that
-        treats every position alike (use_past_kv_cache itself changes nothing here). Sampling draws its seed
-        from torch's generator (torch.manual_seed repeats a run) and is the engine's in both ways, whose noise
+        batch index always means the same text), as TransformerLens runs it: with use_past_kv_cache (the
+        default) the first step runs the prompts left-padded and each later one only the new tokens, [batch,
+        1, ...] at the hooks, over the engine's KV cache (what a hook changed stays in the keys and values the
+        later steps read); without it every step runs every position again. Sampling draws its seed from
+        torch's generator (torch.manual_seed repeats a run) and is the engine's in every way, whose noise
         depends only on the seed, the text and the position: a hook that changes nothing changes no sample."""
         if freq_penalty != 0:
             raise ValueError(f"freq_penalty: {freq_penalty!r} is not supported (only 0.0); TransformerLens's penalty "
@@ -546,30 +552,57 @@ class HookedLM(ModelWeights):
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         fill = stops[0] if stops else eos if eos is not None else min(self.llm.engine.eos_ids, default=self._pad_id())
         if self._context_hooks:
-            new = self._generate_with_hooks(seqs, params, fill, verbose)
+            new = self._generate_with_hooks(seqs, params, fill, verbose, use_past_kv_cache)
         else:
             new = [list(o.outputs[0].token_ids) for o in self.llm.generate(seqs, params, use_tqdm=verbose)]
         return self._generated(input, seqs, new, return_type, fill)
 
     def _generate_with_hooks(
-        self, seqs: list[list[int]], params: list[SamplingParams], fill: int, verbose: bool
+        self, seqs: list[list[int]], params: list[SamplingParams], fill: int, verbose: bool, cached: bool
     ) -> list[list[int]]:
         """The tokens generated after each sequence, one forward of the whole batch a step with the hooks in force
-        (a sequence that stopped goes on with `fill`, as in TransformerLens, until every one has stopped)."""
-        limit = self.llm.engine.max_model_len
-        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.llm.engine.eos_ids)) for p in params]
+        (a sequence that stopped goes on with `fill`, as in TransformerLens, until every one has stopped);
+        `cached`: over blocks of the engine's KV cache, lent for the call."""
+        engine = self.llm.engine
+        limit, steps = engine.max_model_len, params[0].max_tokens
+        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_ids)) for p in params]
         new: list[list[int]] = [[] for _ in seqs]
         done = [False] * len(seqs)
-        for step in tqdm(range(params[0].max_tokens), disable=not verbose, desc="generate"):
-            fed = [(s + n + [fill] * (step - len(n)))[:limit] for s, n in zip(seqs, new)]
-            sampled = sample(self._last_logits(fed), _sampling(params, fed)).tolist()
-            for i, token in enumerate(sampled):
-                if not done[i]:
-                    new[i].append(token)
-                    done[i] = token in stops[i] or len(seqs[i]) + len(new[i]) >= limit
-            if all(done):
-                break
+        tables = self._lend_cache([min(len(s) + steps, limit) for s in seqs]) if cached else None
+        computed = [0] * len(seqs)  # tokens of each sequence whose keys and values are in its blocks
+        try:
+            for step in tqdm(range(steps), disable=not verbose, desc="generate"):
+                fed = [(s + n + [fill] * (step - len(n)))[:limit] for s, n in zip(seqs, new)]
+                if tables is None:
+                    logits = self._last_logits(fed)
+                else:  # (a sequence at the length limit feeds its last token again, at the same position)
+                    starts = [min(c, len(f) - 1) for c, f in zip(computed, fed)]
+                    hooks = self._user_hooks(Padding.left([len(f) - b for f, b in zip(fed, starts)]))
+                    logits = self.llm.runner.extend(fed, starts, tables, hooks)
+                    computed = list(map(len, fed))
+                sampled = sample(logits, _sampling(params, fed)).tolist()
+                for i, token in enumerate(sampled):
+                    if not done[i]:
+                        new[i].append(token)
+                        done[i] = token in stops[i] or len(seqs[i]) + len(new[i]) >= limit
+                if all(done):
+                    break
+        finally:
+            for table in tables or ():
+                engine.blocks.give_back(table)
         return new
+
+    def _lend_cache(self, lengths: list[int]) -> list[list[int]]:
+        blocks = self.llm.engine.blocks
+        tables = blocks.lend(lengths)
+        if tables is None:
+            need = sum(-(-n // blocks.block_size) for n in lengths)
+            raise ValueError(
+                f"use_past_kv_cache: {len(lengths)} texts of up to {max(lengths)} tokens need {need} KV cache blocks "
+                f"of {blocks.block_size} tokens and {len(blocks.free)} are free; generate fewer texts or tokens at "
+                "once, or pass use_past_kv_cache=False (every step runs every position again, needing no cache)"
+            )
+        return tables
 
     def _generated(self, input: Any, seqs: list[list[int]], new: list[list[int]], return_type: str, fill: int):
         """generate's result in TransformerLens's forms (see generate)."""

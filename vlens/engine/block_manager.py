@@ -127,12 +127,24 @@ class BlockManager:
                 self.cached[h] = block.id
             seq.block_hashes.append(h)
 
-    def release(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
+    def lend(self, num_tokens: list[int]) -> list[list[int]] | None:
+        """Fresh block tables for caches of `num_tokens[i]` tokens that no sequence owns (HookedLM.generate's
+        steps with hook functions, beside an idle engine); None, taking nothing, when too few are free."""
+        need = [-(-n // self.block_size) for n in num_tokens]
+        if sum(need) > len(self.free):
+            return None
+        return [[self._fresh() for _ in range(k)] for k in need]
+
+    def give_back(self, table: list[int]) -> None:
+        """Drop one reference to each block of `table` (last first: the oldest freed is handed out first)."""
+        for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+
+    def release(self, seq: Sequence) -> None:
+        self.give_back(seq.block_table)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed = 0

@@ -445,6 +445,23 @@ class ModelRunner:
         self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
         return PackedCapture(plan, self.taps.collect(plan))
 
+    @torch.inference_mode()
+    def extend(
+        self, sequences: list[list[int]], starts: list[int], tables: list[list[int]],
+        hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits [B, vocab] of each sequence's last token, from a forward of its tokens after `starts[i]`
+        whose keys and values go to the cache blocks `tables[i]` (holding those of the tokens before),
+        `hooks` run at their taps: HookedLM.generate's steps with hook functions and a KV cache, each
+        forward seeing only the new tokens, as TransformerLens's use_past_kv_cache does."""
+        lens = [len(s) for s in sequences]
+        new = [n - b for n, b in zip(lens, starts)]
+        put = self.buffers.put
+        meta = layout(starts, new, lens, tables, self.block_size, self.num_slots, put)
+        ids = put("input_ids", np.fromiter(chain.from_iterable(s[b:] for s, b in zip(sequences, starts)), np.int64))
+        _, logits = self._forward(meta, ids, dict(hooks), None, put("logit_rows", np.cumsum(new) - 1))
+        return logits
+
     # -- the memory profile --------------------------------------------------------------------------
 
     @torch.inference_mode()
