@@ -353,6 +353,37 @@ def test_generate_with_hooks_equals_hf_with_the_same_edit(hooked, hf_smol):
         assert hooked.generate(prompts, max_new_tokens=8, verbose=False) == plain
 
 
+def test_added_hooks_last_until_reset_and_permanent_ones_until_asked(hooked):
+    """add_hook's hooks run in the order added (prepend: first) in every forward, generate's too; reset_hooks
+    removes them but the permanent ones, which outlast a `with` block too; a backward hook is refused by name."""
+    tokens, calls = hooked.to_tokens("The capital of France is"), []
+
+    def note(tag):
+        return lambda value, hook: calls.append((tag, hook.name, value.shape[1]))
+
+    hooked.add_hook("blocks.1.hook_resid_post", note("a"))
+    hooked.add_hook("blocks.1.hook_resid_post", note("first"), prepend=True)
+    with hooked.hooks([("blocks.1.hook_resid_post", note("with"))]):
+        hooked.add_hook(lambda name: name == "blocks.0.hook_resid_post", note("kept"), is_permanent=True)
+        hooked(tokens)
+    n = tokens.shape[1]
+    assert calls == [("kept", "blocks.0.hook_resid_post", n), ("first", "blocks.1.hook_resid_post", n),
+                     ("a", "blocks.1.hook_resid_post", n), ("with", "blocks.1.hook_resid_post", n)]  # fmt: skip
+    calls.clear()
+    hooked.generate(tokens, max_new_tokens=2, do_sample=False, stop_at_eos=False, verbose=False)  # (over the KV cache: the new token alone)
+    assert [c[0] for c in calls] == ["kept", "first", "a"] * 2 and [c[2] for c in calls] == [n] * 3 + [1] * 3
+    calls.clear()
+    hooked.reset_hooks()
+    hooked(tokens)
+    assert [c[0] for c in calls] == ["kept"]
+    calls.clear()
+    hooked.reset_hooks(including_permanent=True)
+    hooked(tokens)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"^dir: 'bwd' is not supported \(only 'fwd'\)"):
+        hooked.add_hook("blocks.0.hook_resid_post", note("x"), dir="bwd")
+
+
 def test_to_str_tokens_takes_what_transformer_lens_takes(hooked):
     """Tokens as a tensor ([positions] or a batch of one) or a list of texts: it failed with "only one element
     tensors can be converted to Python scalars" on `model.to_str_tokens(tokens[0])`."""
@@ -422,6 +453,10 @@ def ablate_head(z, hook):
     return z
 
 ablated = model.run_with_hooks(tokens, fwd_hooks=[(utils.get_act_name("z", 1), ablate_head)])
+model.add_hook(utils.get_act_name("z", 1), ablate_head)
+ablated_until_reset = model(tokens)
+model.reset_hooks()
+after_reset = model(tokens)
 """
 
 
@@ -457,6 +492,7 @@ def test_a_transformer_lens_notebook_ports_by_its_import_and_loading_lines(tmp_p
         assert rel_err(run["logits"], out.logits) <= 1e-5
         assert rel_err(run["resid"], out.hidden_states[2]) <= 1e-5
         assert rel_err(run["ablated"], ablated_ref) <= 1e-4
+        assert torch.equal(run["ablated_until_reset"], run["ablated"]) and torch.equal(run["after_reset"], run["logits"])
     assert rel_err(ported["logits"], out.logits) < rel_err(original["logits"], out.logits) + 1e-6
 
 

@@ -262,7 +262,9 @@ class HookedLM(ModelWeights):
         self.llm = LLM(model, **settings)
         self.cfg, self.tokenizer = self.llm.config, self.llm.tokenizer
         self._shapes = hook_shapes(self.cfg)
-        self._context_hooks: list[tuple[Any, HookFn]] = []
+        # (where, fn, permanent) in the order they run: until reset_hooks or the end of their `with`, the
+        # permanent ones until reset_hooks(including_permanent=True)
+        self._hooks: list[tuple[Any, HookFn, bool]] = []
 
     from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
 
@@ -416,13 +418,26 @@ class HookedLM(ModelWeights):
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Sequence[tuple[Any, HookFn]] = ()):
-        """Hooks that apply to every forward inside the `with` block."""
-        before = list(self._context_hooks)
-        self._context_hooks += list(fwd_hooks)
+        """Hooks that apply to every forward inside the `with` block (and those add_hook adds there, but for
+        the permanent ones, end with it)."""
+        before = list(self._hooks)
+        self._hooks += [(where, fn, False) for where, fn in fwd_hooks]
         try:
             yield self
         finally:
-            self._context_hooks = before
+            self._hooks = [h for h in self._hooks if h[2] or h in before]
+
+    def add_hook(self, name: Any, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
+        """TransformerLens's add_hook: `hook(value, hook)` runs at `name` (a hook name, glob, or a function of
+        the name) in every forward from now until reset_hooks (is_permanent: reset_hooks(including_permanent=
+        True)), after the hooks already there (prepend: before them)."""
+        if dir != "fwd":
+            raise ValueError(f"dir: {dir!r} is not supported (only 'fwd'): vlens runs no backward pass")
+        self._hooks.insert(0 if prepend else len(self._hooks), (name, hook, is_permanent))
+
+    def reset_hooks(self, including_permanent: bool = False) -> None:
+        """Remove the hooks in place (but the permanent ones, unless asked)."""
+        self._hooks = [] if including_permanent else [h for h in self._hooks if h[2]]
 
     def _names(self, names_filter: NamesFilter) -> dict[str, str]:
         """Requested name -> tap, for a filter in any TransformerLens form (aliases like hidden_states.i
@@ -436,7 +451,7 @@ class HookedLM(ModelWeights):
     def _user_hooks(self, padding: Padding) -> dict[str, _UserHooks]:
         by_tap: dict[str, list[HookFn]] = {}
         taps = [n for n in self._shapes if not n.startswith("hidden_states.")]
-        for where, fn in self._context_hooks:
+        for where, fn, _ in self._hooks:
             chosen = [n for n in taps if where(n)] if callable(where) else list(resolve_hooks(where, self.cfg).values())
             read_only = [t for t in chosen if is_pattern(t)]
             if read_only:
@@ -551,7 +566,7 @@ class HookedLM(ModelWeights):
         ]
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         fill = stops[0] if stops else eos if eos is not None else min(self.llm.engine.eos_ids, default=self._pad_id())
-        if self._context_hooks:
+        if self._hooks:
             new = self._generate_with_hooks(seqs, params, fill, verbose, use_past_kv_cache)
         else:
             new = [list(o.outputs[0].token_ids) for o in self.llm.generate(seqs, params, use_tqdm=verbose)]
