@@ -215,6 +215,7 @@ def test_config_answers_to_transformer_lens_names(hooked, hf_smol):
               cfg.n_ctx)  # fmt: skip
     assert ported == (hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
                       hf.head_dim, hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings)  # fmt: skip
+    assert cfg.device == torch.device("cpu")  # (`tokens.to(model.cfg.device)`)
 
 
 def test_tokens_and_loss(hooked, hf_smol):

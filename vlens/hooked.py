@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from tqdm.auto import tqdm
 from vlens.attribution import Attribution
 from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, resolve_hooks
 from vlens.capture.rows import widen
+from vlens.config import ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.hooked_weights import ModelWeights
 from vlens.inputs import to_token_lists
@@ -67,6 +69,18 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
         layer_type = "ln_final"
     parts = ([f"blocks.{layer}"] if layer is not None else []) + ([layer_type] if layer_type else [])
     return ".".join(parts + [f"hook_{name}"])
+
+
+@dataclass(frozen=True)
+class HookedConfig(ModelConfig):
+    """The model's config with TransformerLens's `cfg.device` (`tokens.to(model.cfg.device)`; its patching
+    module puts its results there)."""
+
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, device: torch.device) -> HookedConfig:
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, device=device)
 
 
 class HookPoint:
@@ -260,7 +274,7 @@ class HookedLM(ModelWeights):
 
     def __init__(self, model: str | None = None, **settings: Any):
         self.llm = LLM(model, **settings)
-        self.cfg, self.tokenizer = self.llm.config, self.llm.tokenizer
+        self.cfg, self.tokenizer = HookedConfig.of(self.llm.config, self.llm.runner.device), self.llm.tokenizer
         self._shapes = hook_shapes(self.cfg)
         # (where, fn, permanent) in the order they run: until reset_hooks or the end of their `with`, the
         # permanent ones until reset_hooks(including_permanent=True)

@@ -1,0 +1,80 @@
+"""Activation patching sweeps: vlens.patching (many patches to a packed forward) against the same sweep one
+forward per patch — TransformerLens's `patching` module looping over vlens's HookedLM, and an HF forward per
+patch with the clean row put in by a forward pre-hook — in one run.
+
+    .venv/bin/python benchmarks/bench_patching.py [--repeats 2]
+
+SmolLM2-135M float32 on this CPU; a clean/corrupted prompt pair of one batch; resid_pre by (layer, position),
+every layer and position (30 x positions patches); the metric is the logit difference of two answers at the
+last position. The three give the same numbers (printed: the largest difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_generate import best_alternating
+from transformers import AutoModelForCausalLM
+
+from vlens import HookedLM, patching
+from vlens.loader import resolve_model_path
+
+CLEAN = "When Mary and John went to the store, John gave a drink to"
+CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    hooked = HookedLM(dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32).eval()
+    clean, corrupted = hooked.to_tokens(CLEAN), hooked.to_tokens(CORRUPTED)
+    assert clean.shape == corrupted.shape
+    mary, john = hooked.to_single_token(" Mary"), hooked.to_single_token(" John")
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return (logits[:, -1, mary] - logits[:, -1, john]).mean()
+
+    _, cache = hooked.run_with_cache(clean, names_filter="blocks.*.hook_resid_pre")
+    results = {}
+
+    def ours():
+        results["vlens"] = patching.get_act_patch_resid_pre(hooked, corrupted, cache, metric)
+
+    def transformer_lens_loop():
+        from transformer_lens import patching as theirs
+
+        results["tl"] = theirs.get_act_patch_resid_pre(hooked, corrupted, cache, metric)
+
+    def hf_loop():
+        with torch.inference_mode():
+            hidden = hf(clean, output_hidden_states=True).hidden_states  # hidden_states[L]: block L's input
+            out = torch.zeros(hooked.cfg.n_layers, clean.shape[1])
+            for layer in range(hooked.cfg.n_layers):
+                for pos in range(clean.shape[1]):
+                    def put(module, args, layer=layer, pos=pos):
+                        args[0][:, pos] = hidden[layer][:, pos]
+
+                    handle = hf.model.layers[layer].register_forward_pre_hook(put)
+                    try:
+                        out[layer, pos] = metric(hf(corrupted).logits)
+                    finally:
+                        handle.remove()
+        results["hf"] = out
+
+    t_vlens, t_tl, t_hf = best_alternating([ours, transformer_lens_loop, hf_loop], args.repeats)
+    patches = hooked.cfg.n_layers * clean.shape[1]
+    differs = max((results[k] - results["hf"]).abs().max().item() for k in ("vlens", "tl"))
+    print(f"\nresid_pre patching sweep, SmolLM2-135M float32, {patches} patches of a {clean.shape[1]}-token prompt; "
+          f"largest difference from HF's numbers {differs:.1e} (metric range {results['hf'].min():.2f}.."
+          f"{results['hf'].max():.2f})")  # fmt: skip
+    print(f"{'case':<58}{'s':>8}{'vs HF':>10}")
+    print(f"{'HF, a forward per patch (a pre-hook puts the clean row in)':<58}{t_hf:>8.2f}{1.0:>9.2f}x")
+    print(f"{'TransformerLens patching over vlens HookedLM (a forward each)':<58}{t_tl:>8.2f}{t_tl / t_hf:>9.2f}x")
+    print(f"{'vlens.patching (patches packed into forwards)':<58}{t_vlens:>8.2f}{t_vlens / t_hf:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

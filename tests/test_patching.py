@@ -1,0 +1,104 @@
+"""Activation patching (vlens.patching) against TransformerLens's own `patching` module: the same metric at
+every index, whether TransformerLens loops over its HookedTransformer (GPT-2 weights) or over vlens's HookedLM
+(a grouped-query Llama), with many patches to each packed forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import COMMON, build
+from transformers import GPT2Config, LlamaConfig
+
+from vlens import HookedLM
+from vlens import patching as ours
+
+CLEAN = torch.tensor([[5, 17, 99, 230, 3, 41, 7], [60, 22, 140, 33, 290, 11, 12]])
+CORRUPTED = torch.tensor([[5, 17, 98, 230, 3, 40, 7], [61, 22, 140, 33, 290, 11, 12]])
+
+
+WEIGHTS = torch.randn(*CLEAN.shape, COMMON["vocab_size"], generator=torch.Generator().manual_seed(0))
+
+
+def weighted(logits: torch.Tensor) -> torch.Tensor:
+    """A metric that every position's logits move (a last-position logit difference hardly moves on random
+    weights), so that a patch put in at the wrong place shows."""
+    return (logits * WEIGHTS).sum()
+
+
+def assert_same_effects(got: torch.Tensor, want: torch.Tensor, base: torch.Tensor, tolerance: float, name: str):
+    """The same metric, and the same change from the unpatched run's (`base`), which is what patching measures."""
+    assert got.shape == want.shape and rel_err(got, want) <= tolerance / 10, name
+    assert rel_err(got - base, want - base) <= tolerance, name
+    assert (want - base).abs().max() > 1e-3, name  # (the patches move the metric)
+
+
+def test_patching_equals_transformer_lens_on_its_own_model(tmp_path):
+    """resid_pre by (layer, pos), the heads' outputs by (layer, pos, head) and by (layer, head), and an explicit
+    DataFrame of indices: vlens (all patches of a sweep in one packed forward) and TransformerLens's
+    HookedTransformer on the same GPT-2 weights give the same metric at every index."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens import patching as theirs
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformers import AutoModelForCausalLM
+
+    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=3, n_head=4, n_positions=128),
+                 tmp_path, "gpt2")  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=COMMON["vocab_size"],
+                                  n_ctx=128, act_fn="gelu_new", normalization_type="LN")  # fmt: skip
+    reference = HookedTransformer(cfg)
+    reference.load_state_dict(convert_gpt2_weights(hf, cfg), strict=False)
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    caches = {m: m.run_with_cache(CLEAN)[1] for m in (reference, hooked)}
+    base = weighted(reference(CORRUPTED))
+    for name in ("get_act_patch_resid_pre", "get_act_patch_attn_head_out_by_pos", "get_act_patch_attn_head_out_all_pos",
+                 "get_act_patch_mlp_out"):  # fmt: skip
+        want = getattr(theirs, name)(reference, CORRUPTED, caches[reference], weighted)
+        got = getattr(ours, name)(hooked, CORRUPTED, caches[hooked], weighted)
+        assert_same_effects(got, want, base, 1e-3, name)
+        if name == "get_act_patch_resid_pre":  # layer 0's stream is the embedding: unchanged where the tokens are
+            same = (CLEAN == CORRUPTED).all(0)
+            assert (got[0, same] == weighted(hooked(CORRUPTED))).all()
+    import pandas as pd
+
+    index_df = pd.DataFrame({"layer": [2, 0, 1], "pos": [5, 2, 0]})
+    want = theirs.generic_activation_patch(reference, CORRUPTED, caches[reference], weighted,
+                                           theirs.layer_pos_patch_setter, "resid_post", index_df=index_df)  # fmt: skip
+    got, df = ours.generic_activation_patch(hooked, CORRUPTED, caches[hooked], weighted, ours.layer_pos_patch_setter,
+                                            "resid_post", index_df=index_df, return_index_df=True)  # fmt: skip
+    assert df is index_df
+    assert_same_effects(got, want, base, 1e-3, "index_df")
+
+
+@pytest.mark.parametrize("limit", [10**6, 8])  # all patches in one forward; one copy of the batch a forward
+def test_patching_equals_transformer_lens_looping_over_vlens(tmp_path, limit, monkeypatch):
+    """TransformerLens's patching module runs on a HookedLM as it is (one run_with_hooks per index); vlens's
+    gives the same numbers (≤ 1e-5) with the patches packed, at the keys and values of a grouped-query model
+    (2 KV heads for 4 query heads) and at resid_mid."""
+    from transformer_lens import patching as theirs
+
+    path = build(LlamaConfig(**{**COMMON, "num_key_value_heads": 2}), tmp_path, "llama")
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    monkeypatch.setattr(ours, "LOGIT_BYTES", limit * 4 * hooked.cfg.vocab_size)
+    _, cache = hooked.run_with_cache(CLEAN)
+    base = weighted(hooked(CORRUPTED))
+    for name in ("get_act_patch_attn_head_k_by_pos", "get_act_patch_attn_head_v_all_pos", "get_act_patch_resid_mid"):
+        want = getattr(theirs, name)(hooked, CORRUPTED, cache, weighted)
+        got = getattr(ours, name)(hooked, CORRUPTED, cache, weighted)
+        assert_same_effects(got, want, base, 1e-4, name)
+    assert got.shape == (COMMON["num_hidden_layers"], CLEAN.shape[1])
+
+
+def test_patching_refuses_what_it_cannot_patch_by_name(tmp_path):
+    path = build(LlamaConfig(**COMMON), tmp_path, "llama")
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    _, cache = hooked.run_with_cache(CLEAN)
+    with pytest.raises(ValueError, match=r"^activation_name: 'pattern' names attention patterns"):
+        ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_head_vector_patch_setter,
+                                      "pattern", index_axis_names=("layer", "head"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^index_axis_names: 'token' is not one of layer, pos"):
+        ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_pos_patch_setter,
+                                      "resid_pre", index_axis_names=("layer", "token"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^index_axis_names / index_df: give exactly one"):
+        ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_pos_patch_setter, "resid_pre")
