@@ -4,7 +4,8 @@ TransformerLens patches one index at a time: for each (layer, position[, head]) 
 batch with the clean run's activation put in at that index, then the metric of its logits. The patches are
 independent, so here each is a copy of the corrupted batch and many copies run in one packed forward, with
 one function per patched tap that replaces, in each copy's rows, the elements its patch changes (one
-`index_put` a tap a forward). What a patch changes is found before the forward: the patch setter edits the
+`index_put` a tap a forward). The copies of one forward patch one layer, and start there: the stream
+entering it is the corrupted run's, since a patch changes nothing before its own layer. What a patch changes is found before the forward: the patch setter edits the
 corrupted run's activation at the tap (which is what the patched forward has there: a patch changes nothing
 upstream of itself) and is compared with it. So any setter of TransformerLens's form works, elements a
 patch leaves alone keep the forward's own values, and the metric sees each copy's logits in the layout of
@@ -63,27 +64,37 @@ def generic_activation_patch(
                          "which vlens computes beside the fused attention and cannot patch; patch hook_q / hook_k / "
                          "hook_v / hook_z instead")  # fmt: skip
     seqs, padding = model._sequences(corrupted_tokens, None)
-    _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=sorted(taps), return_type=None)
+    streams = {layer: get_act_name("resid_pre", layer) for layer in names}
+    _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=sorted({*taps, *streams.values()}),
+                                        return_type=None)  # fmt: skip
+    runner = model.llm.runner
+    resume = runner.model.executor is None  # (the ranks of a tensor-parallel model run every layer)
     per_copy = sum(len(s) for s in seqs)
     limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
     copies = max(1, limit // per_copy)
-    metrics = []
-    for start in range(0, len(indices), copies):
-        edits: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        chunk = indices[start : start + copies]
-        for copy, index in enumerate(chunk):
-            name = names[index[0]]
-            before = corrupted[name]
-            after = patch_setter(before.clone(), index, clean_cache[name])
-            changed, values = padding.pack(after != before), padding.pack(after)
-            rows = changed.reshape(len(changed), -1).any(1).nonzero().squeeze(1)
-            edits.setdefault(taps[name], []).append((copy * per_copy + rows, values[rows], changed[rows]))
-        hooks = {tap: partial(_replace, *map(torch.cat, zip(*parts))) for tap, parts in edits.items()}
-        captured = model.llm.runner.packed(seqs * len(chunk), [LOGITS], hooks=hooks)
-        logits = [value for _, _, value in sorted(captured.pieces(), key=lambda piece: piece[0])]
-        for copy in range(len(chunk)):
-            copy_logits = padding.pad(torch.cat(logits[copy * len(seqs) : (copy + 1) * len(seqs)]))
-            metrics.append(float(patching_metric(copy_logits)))
+    by_layer: dict[int, list[int]] = {}
+    for i, index in enumerate(indices):
+        by_layer.setdefault(index[0], []).append(i)
+    metrics = [0.0] * len(indices)
+    for layer, members in by_layer.items():
+        entering = padding.pack(corrupted[streams[layer]])  # what every copy's layer `layer` reads
+        for start in range(0, len(members), copies):
+            chunk = members[start : start + copies]
+            edits: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+            for copy, i in enumerate(chunk):
+                name = names[layer]
+                before = corrupted[name]
+                after = patch_setter(before.clone(), indices[i], clean_cache[name])
+                changed, values = padding.pack(after != before), padding.pack(after)
+                rows = changed.reshape(len(changed), -1).any(1).nonzero().squeeze(1)
+                edits.setdefault(taps[name], []).append((copy * per_copy + rows, values[rows], changed[rows]))
+            hooks = {tap: partial(_replace, *map(torch.cat, zip(*parts))) for tap, parts in edits.items()}
+            resumed = (layer, entering.repeat(len(chunk), 1)) if resume else None
+            captured = runner.packed(seqs * len(chunk), [LOGITS], hooks=hooks, start=resumed)
+            logits = [value for _, _, value in sorted(captured.pieces(), key=lambda piece: piece[0])]
+            for copy, i in enumerate(chunk):
+                copy_logits = padding.pad(torch.cat(logits[copy * len(seqs) : (copy + 1) * len(seqs)]))
+                metrics[i] = float(patching_metric(copy_logits))
     out = torch.tensor(metrics)
     if index_df is None:
         out = out.view(ranges)

@@ -430,10 +430,15 @@ class ModelRunner:
     def packed(
         self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
         hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        start: tuple[int, torch.Tensor] | None = None,
     ) -> PackedCapture:  # fmt: skip
         """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
         sequence i (default: every position). `hooks` are user functions run at their taps before the
-        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward)."""
+        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward).
+        `start`: (layer, the packed residual stream entering it), to run from that layer on (DecoderLM.forward;
+        one process only: the other ranks of a tensor-parallel model would run from the embedding)."""
+        if start is not None and self.model.executor is not None:
+            raise ValueError("start: a forward from a layer on runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
         plan = packed_plan(lens, taps, rows)
         armed = self.taps.arm(plan)
@@ -442,7 +447,9 @@ class ModelRunner:
         sites = [*taps, *(hooks or {})]
         meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
         ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
-        self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
+        depth = forward_depth(sites, self.cfg)
+        forward = None if start is None else partial(self.model, num_layers=depth, start=start)
+        self._forward(meta, ids, armed, depth, slice(None) if LOGITS in sites else None, forward=forward)
         return PackedCapture(plan, self.taps.collect(plan))
 
     @torch.inference_mode()

@@ -144,15 +144,18 @@ class DecoderLM(nn.Module):
 
     # -- shared ---------------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, num_layers: int | None = None, start: tuple[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Packed [T] ids -> [T, d]: every layer then the final norm when `num_layers` is None, else the
         raw residual after the first `num_layers` layers and no norm (a forward nobody reads past a layer
-        stops there; a trace of the last layer's resid_post does not pay for the final norm)."""
+        stops there; a trace of the last layer's resid_post does not pay for the final norm). `start`:
+        (layer, the residual stream entering it [T, d]) from a run of the same tokens, whose earlier layers
+        this forward need not run again (vlens.patching: a patch changes nothing before its layer)."""
         ctx = get_context()
-        x = self.embed(input_ids, ctx)
+        first, x = (0, self.embed(input_ids, ctx)) if start is None else start
         rope = self.rotary.cos_sin(ctx, x.dtype)
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer in layers:
+        for layer in self.layers[first:num_layers]:
             x = layer(x, rope)
         if num_layers is not None:
             if num_layers < self.cfg.num_layers:
