@@ -560,3 +560,16 @@ def test_generate_with_hooks_names_a_kv_cache_too_full_and_takes_nothing(tmp_pat
     for table in held:
         blocks.give_back(table)
     assert len(blocks.free) == len(blocks.blocks)
+
+
+@pytest.mark.parametrize("answer", [" Paris", "Paris is", [" Paris", " Lyon", " London"]])
+def test_test_prompt_prints_what_transformer_lens_prints(hooked, capsys, answer):
+    """utils.test_prompt of a ported notebook: the lines TransformerLens's own test_prompt prints for the same
+    model (one answer token, an answer of two tokens without its space, several answers)."""
+    from transformer_lens import utils as theirs
+
+    theirs.test_prompt("The capital of France is", answer, hooked, top_k=4)
+    want = capsys.readouterr().out
+    utils.test_prompt("The capital of France is", answer, hooked, top_k=4)
+    got = capsys.readouterr().out
+    assert got == want and "Rank: " in got and got.count("Top ") == 4 * (2 if answer == "Paris is" else 1)

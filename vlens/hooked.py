@@ -71,6 +71,47 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
     return ".".join(parts + [f"hook_{name}"])
 
 
+def test_prompt(
+    prompt: str, answer: str | Sequence[str], model: HookedLM, prepend_space_to_answer: bool = True,
+    print_details: bool = True, prepend_bos: bool | None = None, top_k: int = 10,
+) -> None:  # fmt: skip
+    """TransformerLens's utils.test_prompt, line for line: prints the prompt's and the answer's tokens, how the
+    model ranks each answer token after what comes before it (rank, logit, probability), its top_k tokens
+    there, and the ranks. Several answers: the first token of each, side by side."""
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    if prepend_space_to_answer:
+        answers = [a if a.startswith(" ") else " " + a for a in answers]
+    several = len(answers) > 1
+    prompt_ids = model._token_lists([prompt], prepend_bos)[0]
+    answer_ids = [ids[:1] if several else ids for ids in model._token_lists(answers, False)]
+    tokens = torch.tensor([prompt_ids + ids for ids in answer_ids])
+    prompt_tokens = model.to_str_tokens(prompt, prepend_bos=prepend_bos)
+    answer_tokens = [model.to_str_tokens(a, prepend_bos=False) for a in answers]
+    if print_details:
+        print("Tokenized prompt:", prompt_tokens)
+        print("Tokenized answers:" if several else "Tokenized answer:", answer_tokens if several else answer_tokens[0])
+    logits = model(tokens)
+    probs = logits.softmax(-1)
+    ranks = []
+    for at in range(len(prompt_ids), tokens.shape[1]):
+        ids, texts = tokens[:, at], [a[at - len(prompt_ids)] for a in answer_tokens]
+        sorted_probs, order = probs[:, at - 1].sort(descending=True)
+        rank = order.argsort(-1)[range(len(answers)), ids].tolist()
+        ranks.append(list(zip(texts, rank)))
+        if print_details:
+            print(f"Performance on answer token{'s' if several else ''}:")
+            for i in range(len(answers)):
+                print(f"Rank: {rank[i]: <8} Logit: {logits[i, at - 1, ids[i]].item():5.2f} "
+                      f"Prob: {probs[i, at - 1, ids[i]].item():6.2%} Token: |{texts[i]}|")  # fmt: skip
+            for i in range(top_k):
+                print(f"Top {i}th token. Logit: {logits[0, at - 1, order[0, i]].item():5.2f} "
+                      f"Prob: {sorted_probs[0, i].item():6.2%} Token: |{model.to_string(order[0, i])}|")  # fmt: skip
+    print("Ranks of the answer tokens:", ranks if several else [r[0] for r in ranks])
+
+
+test_prompt.__test__ = False  # (a function of this module, not a test for pytest to collect)
+
+
 @dataclass(frozen=True)
 class HookedConfig(ModelConfig):
     """The model's config with TransformerLens's `cfg.device` (`tokens.to(model.cfg.device)`; its patching
