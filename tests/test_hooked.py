@@ -432,7 +432,7 @@ def test_texts_longer_than_the_model_are_refused_by_name(tmp_path):
     inside the forward."""
     path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=2, n_head=4, n_positions=16),
                  tmp_path, "gpt2")  # fmt: skip
-    hooked = HookedLM(path, dtype="float32", device="cpu")
+    hooked = HookedLM.from_pretrained_no_processing(path, dtype="float32", device="cpu")  # (TransformerLens's call)
     tokens = torch.arange(1, 18)[None]
     with pytest.raises(ValueError, match=r"^texts\[1\]: 17 tokens exceed this model's length, max_model_len=16"):
         hooked.llm.trace([[1, 2], tokens[0].tolist()], hooks="hook_embed")

@@ -322,6 +322,7 @@ class HookedLM(ModelWeights):
         self._hooks: list[tuple[Any, HookFn, bool]] = []
 
     from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
+    from_pretrained_no_processing = from_pretrained  # (vlens never folds or centres: the values are HF's)
 
     # -- tokens ---------------------------------------------------------------------------------------
 
