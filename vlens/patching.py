@@ -1,33 +1,40 @@
-"""TransformerLens's activation patching (`transformer_lens.patching`), many patches to a packed forward.
+"""TransformerLens's activation patching (`transformer_lens.patching`), many patches to a forward.
 
-TransformerLens patches one index at a time: for each (layer, position[, head]) a forward of the corrupted
-batch with the clean run's activation put in at that index, then the metric of its logits. The patches are
-independent, so here each is a copy of the corrupted batch and many copies run in one packed forward, with
-one function per patched tap that replaces, in each copy's rows, the elements its patch changes (one
-`index_put` a tap a forward). The copies of one forward patch one layer, and start there: the stream
-entering it is the corrupted run's, since a patch changes nothing before its own layer. What a patch changes is found before the forward: the patch setter edits the
-corrupted run's activation at the tap (which is what the patched forward has there: a patch changes nothing
-upstream of itself) and is compared with it. So any setter of TransformerLens's form works, elements a
-patch leaves alone keep the forward's own values, and the metric sees each copy's logits in the layout of
-the corrupted tokens, as TransformerLens gives them.
+TransformerLens patches one index at a time: for each (layer, position[, head]) a forward of the whole
+corrupted batch with the clean run's activation put in at that index, then the metric of its logits. Here
+the corrupted batch runs once, into blocks of the engine's KV cache; then each patch is a copy of each text
+it changes, and many copies run in one forward of the paged path. A patch changes nothing before its layer,
+nor (the model being causal) before the first position it changes: so a copy starts at that layer, with the
+corrupted run's stream entering it, and at that position, reading the corrupted run's keys and values before
+it (its whole blocks shared, the slots of the block it starts in copied); a text the patch leaves as it was
+takes the corrupted run's logits, and runs nothing. One function per patched tap puts each copy's patched
+values in (one `index_put` a forward). What a patch changes is found before the forward: the patch setter
+edits the corrupted run's activation at the tap (what the patched forward has there) and is compared with
+it, so any setter of TransformerLens's form works, and what a patch leaves alone keeps the forward's own
+values. The metric sees each patch's logits in the layout of the corrupted tokens, as TransformerLens gives
+them.
 
-The names and arguments are TransformerLens's; `model` is a `vlens.HookedLM`. Attention patterns and scores
-cannot be patched (vlens computes them beside the fused attention, so nothing reads a replaced pattern).
+The names and arguments are TransformerLens's; `model` is a `vlens.HookedLM` in one process. Attention
+patterns and scores cannot be patched (vlens computes them beside the fused attention, so nothing reads a
+replaced pattern).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlens.capture.names import LOGITS, is_pattern
+from vlens.capture.names import is_pattern
 from vlens.hooked import ActivationCache, get_act_name
 
 if TYPE_CHECKING:
+    from vlens.engine.block_manager import BlockManager
+    from vlens.engine.model_runner import ModelRunner
     from vlens.hooked import HookedLM
 
 PatchSetter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
@@ -63,38 +70,42 @@ def generic_activation_patch(
         raise ValueError(f"activation_name: {activation_name!r} names attention patterns or scores ({patterns[0]}, ...), "
                          "which vlens computes beside the fused attention and cannot patch; patch hook_q / hook_k / "
                          "hook_v / hook_z instead")  # fmt: skip
+    runner, blocks = model.llm.runner, model.llm.engine.blocks
+    if runner.model.executor is not None:
+        raise ValueError("model: vlens.patching runs a model in one process (tensor_parallel_size=1); "
+                         "TransformerLens's patching module runs on any HookedLM, a forward per patch")  # fmt: skip
     seqs, padding = model._sequences(corrupted_tokens, None)
+    lens = [len(s) for s in seqs]
     streams = {layer: get_act_name("resid_pre", layer) for layer in names}
     _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=sorted({*taps, *streams.values()}),
                                         return_type=None)  # fmt: skip
-    runner = model.llm.runner
-    resume = runner.model.executor is None  # (the ranks of a tensor-parallel model run every layer)
-    per_copy = sum(len(s) for s in seqs)
     limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
-    copies = max(1, limit // per_copy)
-    by_layer: dict[int, list[int]] = {}
-    for i, index in enumerate(indices):
-        by_layer.setdefault(index[0], []).append(i)
     metrics = [0.0] * len(indices)
-    for layer, members in by_layer.items():
-        entering = padding.pack(corrupted[streams[layer]])  # what every copy's layer `layer` reads
-        for start in range(0, len(members), copies):
-            chunk = members[start : start + copies]
-            edits: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-            for copy, i in enumerate(chunk):
-                name = names[layer]
-                before = corrupted[name]
-                after = patch_setter(before.clone(), indices[i], clean_cache[name])
-                changed, values = padding.pack(after != before), padding.pack(after)
-                rows = changed.reshape(len(changed), -1).any(1).nonzero().squeeze(1)
-                edits.setdefault(taps[name], []).append((copy * per_copy + rows, values[rows], changed[rows]))
-            hooks = {tap: partial(_replace, *map(torch.cat, zip(*parts))) for tap, parts in edits.items()}
-            resumed = (layer, entering.repeat(len(chunk), 1)) if resume else None
-            captured = runner.packed(seqs * len(chunk), [LOGITS], hooks=hooks, start=resumed)
-            logits = [value for _, _, value in sorted(captured.pieces(), key=lambda piece: piece[0])]
-            for copy, i in enumerate(chunk):
-                copy_logits = padding.pad(torch.cat(logits[copy * len(seqs) : (copy + 1) * len(seqs)]))
-                metrics[i] = float(patching_metric(copy_logits))
+    base = _lend(blocks, lens)  # the corrupted run's keys and values, which every copy reads before its patch
+    try:
+        plain = runner.extend(seqs, [0] * len(seqs), base, {}, every_row=True).split(lens)
+        unpatched = float(patching_metric(padding.pad(torch.cat(plain))))
+        for layer, name in names.items():
+            entering = padding.pack(corrupted[streams[layer]]).split(lens)  # what every copy's layer reads
+            before, copies, remaining = corrupted[name], [], {}
+            for i, index in enumerate(indices):
+                if index[0] == layer:
+                    after = patch_setter(before.clone(), index, clean_cache[name])
+                    mine = _copies(i, padding.pack(after), padding.pack(after != before), lens)
+                    copies += mine
+                    remaining[i] = len(mine)
+                    metrics[i] = unpatched  # (unless it changed something)
+            texts: dict[int, list[torch.Tensor]] = {}  # a patch's logits per text, while its copies run
+            for chunk in _chunks(copies, lens, limit):
+                for copy, logits in zip(chunk, _run_copies(runner, blocks, seqs, base, layer, entering, taps[name], chunk)):
+                    mine = texts.setdefault(copy.patch, list(plain))
+                    mine[copy.text] = torch.cat((plain[copy.text][: copy.first], logits))
+                    remaining[copy.patch] -= 1
+                    if not remaining[copy.patch]:
+                        metrics[copy.patch] = float(patching_metric(padding.pad(torch.cat(texts.pop(copy.patch)))))
+    finally:
+        for table in base:
+            blocks.give_back(table)
     out = torch.tensor(metrics)
     if index_df is None:
         out = out.view(ranges)
@@ -116,6 +127,81 @@ def _axis_range(model: HookedLM, tokens: torch.Tensor, activation_name: str, axi
     if axis in ("head_index", "head"):
         return cfg.num_kv_heads if activation_name in ("k", "v") else cfg.num_heads
     raise ValueError(f"index_axis_names: {axis!r} is not one of layer, pos, head_index, head, src_pos, dest_pos")
+
+
+@dataclass
+class _Copy:
+    """One text of the corrupted batch under one patch: it runs from its first changed position on."""
+
+    patch: int
+    text: int
+    first: int  # rows before it are the corrupted run's, at every layer
+    rows: torch.Tensor  # positions the patch changes, in the text
+    values: torch.Tensor  # [len(rows), ...] the patched activations there
+    where: torch.Tensor  # [len(rows), ...] bool: which of their elements it changes
+
+
+def _copies(patch: int, after: torch.Tensor, changed: torch.Tensor, lens: list[int]) -> list[_Copy]:
+    """The copies of the texts a patch changes; `after` and `changed` are packed rows of the whole batch."""
+    out = []
+    for text, (values, where) in enumerate(zip(after.split(lens), changed.split(lens))):
+        rows = where.reshape(len(where), -1).any(1).nonzero().squeeze(1)
+        if len(rows):
+            out.append(_Copy(patch, text, int(rows[0]), rows, values[rows], where[rows]))
+    return out
+
+
+def _chunks(copies: list[_Copy], lens: list[int], limit: int) -> Iterator[list[_Copy]]:
+    """Copies a forward at a time: at most `limit` rows (but one copy, if longer)."""
+    chunk, rows = [], 0
+    for copy in copies:
+        new = lens[copy.text] - copy.first
+        if chunk and rows + new > limit:
+            yield chunk
+            chunk, rows = [], 0
+        chunk.append(copy)
+        rows += new
+    if chunk:
+        yield chunk
+
+
+def _lend(blocks: BlockManager, lengths: list[int]) -> list[list[int]]:
+    tables = blocks.lend(lengths)
+    if tables is None:
+        raise ValueError(f"kv_cache_memory: the KV cache has {len(blocks.free)} free blocks of {blocks.block_size} "
+                         f"tokens, too few for {len(lengths)} texts of up to {max(lengths)} tokens; give the "
+                         "engine more (kv_cache_memory=...)")  # fmt: skip
+    return tables
+
+
+def _run_copies(
+    runner: ModelRunner, blocks: BlockManager, seqs: list[list[int]], base: list[list[int]], layer: int,
+    entering: Sequence[torch.Tensor], tap: str, copies: list[_Copy],
+) -> list[torch.Tensor]:  # fmt: skip
+    """Each copy's logits from its first changed position on, in one forward from `layer`: its keys and
+    values before that position are the corrupted run's (`base`'s blocks, and slots of the block it starts
+    in copied to a fresh one), its stream entering `layer` the corrupted run's (`entering`), and the hook at
+    `tap` puts its patched values in."""
+    bs = blocks.block_size
+    kept = [copy.first // bs for copy in copies]  # whole blocks of the corrupted run's that a copy reads
+    fresh = _lend(blocks, [len(seqs[c.text]) - k * bs for c, k in zip(copies, kept)])
+    try:
+        tables = [base[c.text][:k] + table for c, k, table in zip(copies, kept, fresh)]
+        source, target = [], []
+        for c, k, table in zip(copies, kept, fresh):
+            source += range(base[c.text][k] * bs, base[c.text][k] * bs + c.first - k * bs)
+            target += range(table[0] * bs, table[0] * bs + c.first - k * bs)
+        news = [len(seqs[c.text]) - c.first for c in copies]
+        offsets = itertools.accumulate([0, *news[:-1]])
+        rows = torch.cat([c.rows - c.first + offset for c, offset in zip(copies, offsets)])
+        edit = partial(_replace, rows, torch.cat([c.values for c in copies]), torch.cat([c.where for c in copies]))
+        stream = torch.cat([entering[c.text][c.first :] for c in copies])
+        logits = runner.extend([seqs[c.text] for c in copies], [c.first for c in copies], tables, {tap: edit},
+                               every_row=True, resume=(layer, stream), kv_copy=(source, target) if source else None)  # fmt: skip
+    finally:
+        for table in fresh:
+            blocks.give_back(table)
+    return list(logits.split(news))
 
 
 def _replace(rows: torch.Tensor, values: torch.Tensor, where: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -430,15 +430,10 @@ class ModelRunner:
     def packed(
         self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
         hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
-        start: tuple[int, torch.Tensor] | None = None,
     ) -> PackedCapture:  # fmt: skip
         """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
         sequence i (default: every position). `hooks` are user functions run at their taps before the
-        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward).
-        `start`: (layer, the packed residual stream entering it), to run from that layer on (DecoderLM.forward;
-        one process only: the other ranks of a tensor-parallel model would run from the embedding)."""
-        if start is not None and self.model.executor is not None:
-            raise ValueError("start: a forward from a layer on runs in one process (tensor_parallel_size=1)")
+        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward)."""
         lens = [len(s) for s in sequences]
         plan = packed_plan(lens, taps, rows)
         armed = self.taps.arm(plan)
@@ -447,26 +442,35 @@ class ModelRunner:
         sites = [*taps, *(hooks or {})]
         meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
         ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
-        depth = forward_depth(sites, self.cfg)
-        forward = None if start is None else partial(self.model, num_layers=depth, start=start)
-        self._forward(meta, ids, armed, depth, slice(None) if LOGITS in sites else None, forward=forward)
+        self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
         return PackedCapture(plan, self.taps.collect(plan))
 
     @torch.inference_mode()
     def extend(
         self, sequences: list[list[int]], starts: list[int], tables: list[list[int]],
-        hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+        hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]], every_row: bool = False,
+        resume: tuple[int, torch.Tensor] | None = None, kv_copy: tuple[list[int], list[int]] | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Logits [B, vocab] of each sequence's last token, from a forward of its tokens after `starts[i]`
-        whose keys and values go to the cache blocks `tables[i]` (holding those of the tokens before),
-        `hooks` run at their taps: HookedLM.generate's steps with hook functions and a KV cache, each
-        forward seeing only the new tokens, as TransformerLens's use_past_kv_cache does."""
+        """Logits [B, vocab] of each sequence's last token (`every_row`: [new tokens, vocab], of each one),
+        from a forward of its tokens after `starts[i]` whose keys and values go to the cache blocks
+        `tables[i]` (holding those of the tokens before), `hooks` run at their taps: HookedLM.generate's steps
+        with hook functions and a KV cache, each forward seeing only the new tokens, as TransformerLens's
+        use_past_kv_cache does; and vlens.patching's copies of a run, which also start at a layer (`resume`:
+        the layer and the stream entering it, DecoderLM.forward's `start`) and first copy cache slots
+        (`kv_copy`: from, to) where a copy's first block shares keys of the run it copies."""
+        if resume is not None and self.model.executor is not None:
+            raise ValueError("resume: a forward from a layer on runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
         new = [n - b for n, b in zip(lens, starts)]
         put = self.buffers.put
         meta = layout(starts, new, lens, tables, self.block_size, self.num_slots, put)
+        if kv_copy is not None:
+            source, target = (np.asarray(slots, np.int64) for slots in kv_copy)
+            meta.kv_copy = (put("kv_copy_from", source), put("kv_copy_to", target))
         ids = put("input_ids", np.fromiter(chain.from_iterable(s[b:] for s, b in zip(sequences, starts)), np.int64))
-        _, logits = self._forward(meta, ids, dict(hooks), None, put("logit_rows", np.cumsum(new) - 1))
+        rows = slice(None) if every_row else put("logit_rows", np.cumsum(new) - 1)
+        forward = None if resume is None else partial(self.model, start=resume)
+        _, logits = self._forward(meta, ids, dict(hooks), None, rows, forward=forward)
         return logits
 
     # -- the memory profile --------------------------------------------------------------------------
