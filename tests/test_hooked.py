@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import COMMON, build
+from family_parity import COMMON, build, transformer_lens_gpt2
 from hf_reference import hf_taps, same
 from transformers import Gemma2Config, GPT2Config
 
@@ -506,17 +506,9 @@ def test_generate_with_hooks_sees_what_transformer_lens_gives_its_hooks(tmp_path
     tokens; the KV blocks lent for the call are back afterwards. (TransformerLens is given a tokenizer, any whose
     pad id the prompts avoid: without one, its cached generate shifts the new token's position by the cache's
     length, in transformer-lens 3.9.)"""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=3, n_head=4, n_positions=128),
-                 tmp_path, "gpt2")  # fmt: skip
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=COMMON["vocab_size"],
-                                  n_ctx=128, act_fn="gelu_new", normalization_type="LN")  # fmt: skip
-    reference = HookedTransformer(cfg)
-    reference.load_state_dict(convert_gpt2_weights(hf, cfg), strict=False)
+    path, reference = transformer_lens_gpt2(tmp_path)
     reference.set_tokenizer(AutoTokenizer.from_pretrained(smol_path), default_padding_side="left")
     hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4)
     direction = torch.randn(64, generator=torch.Generator().manual_seed(0))

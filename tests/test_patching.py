@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import COMMON, build
-from transformers import GPT2Config, LlamaConfig
+from family_parity import COMMON, build, transformer_lens_gpt2
+from transformers import LlamaConfig
 
 from vlens import HookedLM
 from vlens import patching as ours
@@ -37,18 +37,9 @@ def test_patching_equals_transformer_lens_on_its_own_model(tmp_path):
     """resid_pre by (layer, pos), the heads' outputs by (layer, pos, head) and by (layer, head), and an explicit
     DataFrame of indices: vlens (all patches of a sweep in one packed forward) and TransformerLens's
     HookedTransformer on the same GPT-2 weights give the same metric at every index."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens import patching as theirs
-    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
-    from transformers import AutoModelForCausalLM
 
-    path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=3, n_head=4, n_positions=128),
-                 tmp_path, "gpt2")  # fmt: skip
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=COMMON["vocab_size"],
-                                  n_ctx=128, act_fn="gelu_new", normalization_type="LN")  # fmt: skip
-    reference = HookedTransformer(cfg)
-    reference.load_state_dict(convert_gpt2_weights(hf, cfg), strict=False)
+    path, reference = transformer_lens_gpt2(tmp_path)
     hooked = HookedLM(path, dtype="float32", device="cpu")
     caches = {m: m.run_with_cache(CLEAN)[1] for m in (reference, hooked)}
     base = weighted(reference(CORRUPTED))
