@@ -96,3 +96,16 @@ def test_patching_refuses_what_it_cannot_patch_by_name(tmp_path):
                                       "resid_pre", index_axis_names=("layer", "token"))  # fmt: skip
     with pytest.raises(ValueError, match=r"^index_axis_names / index_df: give exactly one"):
         ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_pos_patch_setter, "resid_pre")
+
+
+def test_the_ioi_example_finds_the_name_moving_to_the_last_position(smol_path, capsys):
+    """examples/patching_ioi.py on SmolLM2: the patch at the name restores the clean answer in the early layers,
+    at the last position in the late ones (the indirect-object circuit's shape), elsewhere nothing."""
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).parents[1] / "examples" / "patching_ioi.py"), run_name="__main__")
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    table = {int(row[0]): [float(v) for v in row[1:]] for row in rows}
+    assert abs(table[0][1] - 1) < 0.02 and abs(table[27][5] - 1) < 0.1  # John early; "to" late
+    assert max(abs(v) for row in table.values() for k, v in enumerate(row) if k not in (1, 5)) < 0.1
