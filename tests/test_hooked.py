@@ -535,7 +535,8 @@ def test_generate_with_hooks_sees_what_transformer_lens_gives_its_hooks(tmp_path
 
 def test_generate_with_hooks_names_a_kv_cache_too_full_and_takes_nothing(tmp_path):
     """Blocks too few for the texts' cache: a ValueError naming use_past_kv_cache and what would fit, before any
-    step and with no block taken; without the cache the same call runs."""
+    step and with no block taken; without the cache the same call runs. A hook that raises mid-way: its error,
+    and the lent blocks back."""
     path = build(GPT2Config(vocab_size=COMMON["vocab_size"], n_embd=64, n_layer=2, n_head=4, n_positions=64),
                  tmp_path, "gpt2")  # fmt: skip
     hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4)
@@ -552,6 +553,17 @@ def test_generate_with_hooks_names_a_kv_cache_too_full_and_takes_nothing(tmp_pat
     for table in held:
         blocks.give_back(table)
     assert len(blocks.free) == len(blocks.blocks)
+    calls = []
+
+    def fails_at_the_third_step(resid, hook):
+        calls.append(resid.shape[1])
+        if len(calls) == 3:
+            raise RuntimeError("a hook's own error")
+
+    with hooked.hooks([("blocks.0.hook_resid_post", fails_at_the_third_step)]):
+        with pytest.raises(RuntimeError, match="a hook's own error"):
+            hooked.generate(tokens, max_new_tokens=5, verbose=False)
+    assert calls == [3, 1, 1] and len(blocks.free) == len(blocks.blocks)  # (the lent blocks are back)
 
 
 @pytest.mark.parametrize("answer", [" Paris", "Paris is", [" Paris", " Lyon", " London"]])

@@ -84,7 +84,7 @@ def test_patching_equals_transformer_lens_looping_over_vlens(tmp_path, limit, mo
     assert len(blocks.free) == len(blocks.blocks)
 
 
-def test_patching_refuses_what_it_cannot_patch_by_name(tmp_path):
+def test_patching_refuses_what_it_cannot_patch_by_name_and_gives_its_blocks_back(tmp_path):
     path = build(LlamaConfig(**COMMON), tmp_path, "llama")
     hooked = HookedLM(path, dtype="float32", device="cpu")
     _, cache = hooked.run_with_cache(CLEAN)
@@ -96,6 +96,14 @@ def test_patching_refuses_what_it_cannot_patch_by_name(tmp_path):
                                       "resid_pre", index_axis_names=("layer", "token"))  # fmt: skip
     with pytest.raises(ValueError, match=r"^index_axis_names / index_df: give exactly one"):
         ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_pos_patch_setter, "resid_pre")
+
+    def fails(logits):
+        raise RuntimeError("the metric's own error")
+
+    with pytest.raises(RuntimeError, match="the metric's own error"):
+        ours.get_act_patch_resid_pre(hooked, CORRUPTED, cache, fails)
+    blocks = hooked.llm.engine.blocks
+    assert len(blocks.free) == len(blocks.blocks)  # (the lent blocks are back)
 
 
 def test_the_ioi_example_finds_the_name_moving_to_the_last_position(smol_path, capsys):
