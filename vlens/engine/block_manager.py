@@ -128,8 +128,9 @@ class BlockManager:
             seq.block_hashes.append(h)
 
     def lend(self, num_tokens: list[int]) -> list[list[int]] | None:
-        """Fresh block tables for caches of `num_tokens[i]` tokens that no sequence owns (HookedLM.generate's
-        steps with hook functions, beside an idle engine); None, taking nothing, when too few are free."""
+        """Fresh block tables for caches of `num_tokens[i]` tokens that no sequence owns, for calls that run the
+        model beside an idle engine (HookedLM.generate's steps with hook functions, vlens.patching's copies);
+        None, taking nothing, when too few are free."""
         need = [-(-n // self.block_size) for n in num_tokens]
         if sum(need) > len(self.free):
             return None
