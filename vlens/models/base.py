@@ -155,7 +155,9 @@ class DecoderLM(nn.Module):
         ctx = get_context()
         first, x = (0, self.embed(input_ids, ctx)) if start is None else start
         rope = self.rotary.cos_sin(ctx, x.dtype)
-        for layer in self.layers[first:num_layers]:
+        # (a ModuleList slice builds a module, ~50 us: the whole model's forward takes the list as it is)
+        layers = self.layers if first == 0 and num_layers is None else self.layers[first:num_layers]
+        for layer in layers:
             x = layer(x, rope)
         if num_layers is not None:
             if num_layers < self.cfg.num_layers:
