@@ -385,6 +385,28 @@ def test_added_hooks_last_until_reset_and_permanent_ones_until_asked(hooked):
         hooked.add_hook("blocks.0.hook_resid_post", note("x"), dir="bwd")
 
 
+def test_token_positions_and_hook_names_as_transformer_lens_gives_them(hooked):
+    """get_token_position (TransformerLens's own method, run on this model, gives the same), to_single_str_token,
+    hook_dict; a token that is not there, or a batch, named."""
+    from transformer_lens import HookedTransformer
+
+    prompt = "When Mary and John went to the store, John gave a drink to"
+    for token, mode in ((" John", "first"), (" John", "last"), (hooked.to_single_token(" Mary"), "first")):
+        want = HookedTransformer.get_token_position(hooked, token, prompt, mode=mode)
+        assert hooked.get_token_position(token, prompt, mode=mode) == want
+    assert hooked.get_token_position(" John", hooked.to_tokens(prompt), mode="last") == 9
+    left, right = (hooked.to_tokens(["Hi", prompt], padding_side=side) for side in ("left", "right"))
+    assert left[0, -1] == right[0, 0] == hooked.to_tokens("Hi")[0, 0] and torch.equal(left[1], right[1])
+    assert left[0, 0] == right[0, -1] == hooked.tokenizer.pad_token_id
+    assert hooked.to_single_str_token(hooked.to_single_token(" Mary")) == " Mary"
+    assert "blocks.3.attn.hook_z" in hooked.hook_dict and hooked.hook_dict["blocks.3.attn.hook_z"].layer() == 3
+    assert not any(name.startswith("hidden_states.") for name in hooked.hook_dict)
+    with pytest.raises(ValueError, match=r"^single_token: ' Paris' \(id \d+\) does not occur in the input"):
+        hooked.get_token_position(" Paris", prompt)
+    with pytest.raises(ValueError, match=r"^input: token ids of one text"):
+        hooked.get_token_position(" John", hooked.to_tokens([prompt, prompt]))
+
+
 def test_to_str_tokens_takes_what_transformer_lens_takes(hooked):
     """Tokens as a tensor ([positions] or a batch of one) or a list of texts: it failed with "only one element
     tensors can be converted to Python scalars" on `model.to_str_tokens(tokens[0])`."""

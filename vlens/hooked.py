@@ -317,6 +317,8 @@ class HookedLM(ModelWeights):
         self.llm = LLM(model, **settings)
         self.cfg, self.tokenizer = HookedConfig.of(self.llm.config, self.llm.runner.device), self.llm.tokenizer
         self._shapes = hook_shapes(self.cfg)
+        # every hook name but the hidden_states.i aliases, which only a name asks for
+        self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
         # (where, fn, permanent) in the order they run: until reset_hooks or the end of their `with`, the
         # permanent ones until reset_hooks(including_permanent=True)
         self._hooks: list[tuple[Any, HookFn, bool]] = []
@@ -326,13 +328,20 @@ class HookedLM(ModelWeights):
 
     # -- tokens ---------------------------------------------------------------------------------------
 
-    def to_tokens(self, text: str | Sequence[str], prepend_bos: bool | None = None) -> torch.Tensor:
-        """[batch, positions] token ids, right-padded with the pad (else EOS) token. prepend_bos: None
-        keeps the tokenizer's default, True puts the BOS token first, False takes it off."""
+    def to_tokens(
+        self, text: str | Sequence[str], prepend_bos: bool | None = None, padding_side: str | None = None
+    ) -> torch.Tensor:
+        """[batch, positions] token ids, padded with the pad (else EOS) token on the right (padding_side
+        "left": on the left). prepend_bos: None keeps the tokenizer's default, True puts the BOS token first,
+        False takes it off."""
+        if padding_side not in (None, "right", "left"):
+            raise ValueError(f"padding_side: {padding_side!r} is not one of right, left")
         lists = self._token_lists([text] if isinstance(text, str) else list(text), prepend_bos)
-        out = torch.full((len(lists), max(map(len, lists))), self._pad_id(), dtype=torch.long)
+        width = max(map(len, lists))
+        out = torch.full((len(lists), width), self._pad_id(), dtype=torch.long)
         for i, ids in enumerate(lists):
-            out[i, : len(ids)] = torch.tensor(ids)
+            at = width - len(ids) if padding_side == "left" else 0
+            out[i, at : at + len(ids)] = torch.tensor(ids)
         return out
 
     def to_single_token(self, string: str) -> int:
@@ -341,6 +350,32 @@ class HookedLM(ModelWeights):
         if len(ids) != 1:
             raise ValueError(f"string: {string!r} is {len(ids)} tokens ({ids}), not one; use to_tokens")
         return ids[0]
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """The text of one token id."""
+        return self.to_str_tokens(torch.tensor([int_token]))[0]
+
+    def get_token_position(
+        self, single_token: str | int | torch.Tensor, input: str | torch.Tensor, mode: str = "first",
+        prepend_bos: bool | None = None,
+    ) -> int:  # fmt: skip
+        """Where `single_token` (a one-token text or an id) occurs in `input` (a text, tokenized as to_tokens
+        does, or the token ids of one text), its first occurrence or (mode "last") its last."""
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode: {mode!r} is not one of first, last")
+        tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, str) else torch.as_tensor(input)
+        if tokens.dim() == 2 and tokens.shape[0] != 1:
+            raise ValueError(f"input: token ids of one text, [positions] or [1, positions]; got {tuple(tokens.shape)}")
+        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        at = (tokens.reshape(-1) == token).nonzero().squeeze(1).tolist()
+        if not at:
+            raise ValueError(f"single_token: {single_token!r} (id {token}) does not occur in the input")
+        return at[0] if mode == "first" else at[-1]
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        """Every hook of this model by name (TransformerLens's `model.hook_dict`: what filters and hooks name)."""
+        return {name: HookPoint(name) for name in self._names_in_order}
 
     def _pad_id(self) -> int:
         """What fills a row past its text: the pad token, else EOS, else 0."""
@@ -483,7 +518,9 @@ class HookedLM(ModelWeights):
         finally:
             self._hooks = [h for h in self._hooks if h[2] or h in before]
 
-    def add_hook(self, name: Any, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
+    def add_hook(
+        self, name: Any, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False
+    ) -> None:
         """TransformerLens's add_hook: `hook(value, hook)` runs at `name` (a hook name, glob, or a function of
         the name) in every forward from now until reset_hooks (is_permanent: reset_hooks(including_permanent=
         True)), after the hooks already there (prepend: before them)."""
@@ -499,16 +536,18 @@ class HookedLM(ModelWeights):
         """Requested name -> tap, for a filter in any TransformerLens form (aliases like hidden_states.i
         only when asked for by name)."""
         if names_filter is None:
-            return {n: n for n in self._shapes if not n.startswith("hidden_states.")}
+            return {n: n for n in self._names_in_order}
         if callable(names_filter):
-            return {n: n for n in self._shapes if not n.startswith("hidden_states.") and names_filter(n)}
+            return {n: n for n in self._names_in_order if names_filter(n)}
         return resolve_hooks(names_filter, self.cfg)
 
     def _user_hooks(self, padding: Padding) -> dict[str, _UserHooks]:
         by_tap: dict[str, list[HookFn]] = {}
-        taps = [n for n in self._shapes if not n.startswith("hidden_states.")]
         for where, fn, _ in self._hooks:
-            chosen = [n for n in taps if where(n)] if callable(where) else list(resolve_hooks(where, self.cfg).values())
+            if callable(where):
+                chosen = [n for n in self._names_in_order if where(n)]
+            else:
+                chosen = list(resolve_hooks(where, self.cfg).values())
             read_only = [t for t in chosen if is_pattern(t)]
             if read_only:
                 raise ValueError(

@@ -67,9 +67,9 @@ def generic_activation_patch(
     taps = {name: tap for name in names.values() for tap in model._names(name).values()}
     patterns = sorted(name for name, tap in taps.items() if is_pattern(tap))
     if patterns:
-        raise ValueError(f"activation_name: {activation_name!r} names attention patterns or scores ({patterns[0]}, ...), "
-                         "which vlens computes beside the fused attention and cannot patch; patch hook_q / hook_k / "
-                         "hook_v / hook_z instead")  # fmt: skip
+        raise ValueError(f"activation_name: {activation_name!r} names attention patterns or scores ({patterns[0]}, "
+                         "...), which vlens computes beside the fused attention and cannot patch; patch hook_q / "
+                         "hook_k / hook_v / hook_z instead")  # fmt: skip
     runner, blocks = model.llm.runner, model.llm.engine.blocks
     if runner.model.executor is not None:
         raise ValueError("model: vlens.patching runs a model in one process (tensor_parallel_size=1); "
@@ -97,7 +97,8 @@ def generic_activation_patch(
                     metrics[i] = unpatched  # (unless it changed something)
             texts: dict[int, list[torch.Tensor]] = {}  # a patch's logits per text, while its copies run
             for chunk in _chunks(copies, lens, limit):
-                for copy, logits in zip(chunk, _run_copies(runner, blocks, seqs, base, layer, entering, taps[name], chunk)):
+                ran = _run_copies(runner, blocks, seqs, base, layer, entering, taps[name], chunk)
+                for copy, logits in zip(chunk, ran):
                     mine = texts.setdefault(copy.patch, list(plain))
                     mine[copy.text] = torch.cat((plain[copy.text][: copy.first], logits))
                     remaining[copy.patch] -= 1
@@ -196,8 +197,9 @@ def _run_copies(
         rows = torch.cat([c.rows - c.first + offset for c, offset in zip(copies, offsets)])
         edit = partial(_replace, rows, torch.cat([c.values for c in copies]), torch.cat([c.where for c in copies]))
         stream = torch.cat([entering[c.text][c.first :] for c in copies])
+        kv_copy = (source, target) if source else None
         logits = runner.extend([seqs[c.text] for c in copies], [c.first for c in copies], tables, {tap: edit},
-                               every_row=True, resume=(layer, stream), kv_copy=(source, target) if source else None)  # fmt: skip
+                               every_row=True, resume=(layer, stream), kv_copy=kv_copy)  # fmt: skip
     finally:
         for table in fresh:
             blocks.give_back(table)
@@ -218,13 +220,17 @@ def layer_pos_patch_setter(corrupted: torch.Tensor, index: Sequence[int], clean:
     return corrupted
 
 
-def layer_pos_head_vector_patch_setter(corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor) -> torch.Tensor:
+def layer_pos_head_vector_patch_setter(
+    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
+) -> torch.Tensor:
     _, pos, head = index
     corrupted[:, pos, head] = clean[:, pos, head]
     return corrupted
 
 
-def layer_head_vector_patch_setter(corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor) -> torch.Tensor:
+def layer_head_vector_patch_setter(
+    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
+) -> torch.Tensor:
     _, head = index
     corrupted[:, :, head] = clean[:, :, head]
     return corrupted
