@@ -1,10 +1,11 @@
 """vlens: a fast LLM inference engine that returns what happens inside the model."""
 
 from vlens import viz  # vlens.viz.logit_lens(output) and the other views
+from vlens.activation_cache import ActivationCache
 from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer
 from vlens.engine.config import EngineConfig
 from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
-from vlens.hooked import ActivationCache, HookedLM
+from vlens.hooked import HookedLM
 from vlens.llm import LLM
 from vlens.loader import load_model
 from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlens.activation_cache import ActivationCache, get_act_name
 from vlens.capture.names import is_pattern
-from vlens.hooked import ActivationCache, get_act_name
 
 if TYPE_CHECKING:
     from vlens.engine.block_manager import BlockManager
