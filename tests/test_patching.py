@@ -62,16 +62,21 @@ def test_patching_equals_transformer_lens_on_its_own_model(tmp_path):
     assert_same_effects(got, want, base, 1e-3, "index_df")
 
 
-@pytest.mark.parametrize("limit", [10**6, 8])  # all patches in one forward; one copy of the batch a forward
-def test_patching_equals_transformer_lens_looping_over_vlens(tmp_path, limit, monkeypatch):
+# all copies in one forward; a few rows a forward; a KV cache of 24 blocks (20 free beside the corrupted run's)
+@pytest.mark.parametrize("limit, kv_blocks", [(10**6, None), (8, None), (10**6, 24)])
+def test_patching_equals_transformer_lens_looping_over_vlens(tmp_path, limit, kv_blocks, monkeypatch):
     """TransformerLens's patching module runs on a HookedLM as it is (one run_with_hooks per index); vlens's
     gives the same numbers with the patches packed, each copy of a text run from its patch's layer and first
     changed position on, at the keys and values of a grouped-query model (2 KV heads for 4 query heads) and
-    at resid_mid; the KV blocks it lends are back afterwards."""
+    at resid_mid, as many copies to a forward as the rows' and the free KV blocks' bounds allow; the KV blocks
+    it lends are back afterwards."""
     from transformer_lens import patching as theirs
 
     path = build(LlamaConfig(**{**COMMON, "num_key_value_heads": 2}), tmp_path, "llama")
-    hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4)  # (copies share whole blocks, and copy slots)
+    per_block = 2 * COMMON["num_hidden_layers"] * 4 * 2 * (COMMON["hidden_size"] // COMMON["num_attention_heads"]) * 4
+    hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4,  # (copies share whole blocks, copy slots)
+                      kv_cache_memory=kv_blocks and kv_blocks * per_block)  # fmt: skip
+    assert kv_blocks is None or len(hooked.llm.engine.blocks.blocks) == kv_blocks
     monkeypatch.setattr(ours, "LOGIT_BYTES", limit * 4 * hooked.cfg.vocab_size)
     _, cache = hooked.run_with_cache(CLEAN)
     base = weighted(hooked(CORRUPTED))

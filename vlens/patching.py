@@ -96,7 +96,7 @@ def generic_activation_patch(
                     remaining[i] = len(mine)
                     metrics[i] = unpatched  # (unless it changed something)
             texts: dict[int, list[torch.Tensor]] = {}  # a patch's logits per text, while its copies run
-            for chunk in _chunks(copies, lens, limit):
+            for chunk in _chunks(copies, lens, limit, blocks):
                 ran = _run_copies(runner, blocks, seqs, base, layer, entering, taps[name], chunk)
                 for copy, logits in zip(chunk, ran):
                     mine = texts.setdefault(copy.patch, list(plain))
@@ -152,16 +152,17 @@ def _copies(patch: int, after: torch.Tensor, changed: torch.Tensor, lens: list[i
     return out
 
 
-def _chunks(copies: list[_Copy], lens: list[int], limit: int) -> Iterator[list[_Copy]]:
-    """Copies a forward at a time: at most `limit` rows (but one copy, if longer)."""
-    chunk, rows = [], 0
+def _chunks(copies: list[_Copy], lens: list[int], limit: int, blocks: BlockManager) -> Iterator[list[_Copy]]:
+    """Copies a forward at a time: at most `limit` rows and the KV blocks free (but one copy, if it needs more)."""
+    bs, free = blocks.block_size, len(blocks.free)
+    chunk, rows, held = [], 0, 0
     for copy in copies:
-        new = lens[copy.text] - copy.first
-        if chunk and rows + new > limit:
+        new, fresh = lens[copy.text] - copy.first, -(-lens[copy.text] // bs) - copy.first // bs
+        if chunk and (rows + new > limit or held + fresh > free):
             yield chunk
-            chunk, rows = [], 0
+            chunk, rows, held = [], 0, 0
         chunk.append(copy)
-        rows += new
+        rows, held = rows + new, held + fresh
     if chunk:
         yield chunk
 
