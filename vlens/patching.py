@@ -14,9 +14,10 @@ it, so any setter of TransformerLens's form works, and what a patch leaves alone
 values. The metric sees each patch's logits in the layout of the corrupted tokens, as TransformerLens gives
 them.
 
-The names and arguments are TransformerLens's; `model` is a `vlens.HookedLM` in one process. Attention
-patterns and scores cannot be patched (vlens computes them beside the fused attention, so nothing reads a
-replaced pattern).
+vlens computes attention patterns beside the fused attention, so nothing reads a replaced pattern: a pattern
+patch goes in as the heads' outputs it makes (hook_z), each changed row of a head's pattern times its
+key-value head's values, which are the corrupted run's (its layer is the first that changes). Scores are
+refused. The names and arguments are TransformerLens's; `model` is a `vlens.HookedLM` in one process.
 """
 
 from __future__ import annotations
@@ -63,13 +64,19 @@ def generic_activation_patch(
         indices = [list(index) for index in itertools.product(*map(range, ranges))]
     else:
         indices = [[int(i) for i in row] for row in index_df.itertuples(index=False)]
-    names = {layer: get_act_name(activation_name, layer=layer) for layer in sorted({index[0] for index in indices})}
+    layers = sorted({index[0] for index in indices})
+    names = {layer: get_act_name(activation_name, layer=layer) for layer in layers}
     taps = {name: tap for name in names.values() for tap in model._names(name).values()}
-    patterns = sorted(name for name, tap in taps.items() if is_pattern(tap))
-    if patterns:
-        raise ValueError(f"activation_name: {activation_name!r} names attention patterns or scores ({patterns[0]}, "
-                         "...), which vlens computes beside the fused attention and cannot patch; patch hook_q / "
-                         "hook_k / hook_v / hook_z instead")  # fmt: skip
+    through_values = any(tap.endswith("hook_pattern") for tap in taps.values())
+    scores = sorted(name for name, tap in taps.items() if is_pattern(tap) and not tap.endswith("hook_pattern"))
+    if scores:
+        raise ValueError(f"activation_name: {activation_name!r} names attention scores ({scores[0]}, ...), which vlens "
+                         "computes beside the fused attention and cannot patch; patch the pattern, hook_q / hook_k / "
+                         "hook_v or hook_z instead")  # fmt: skip
+    # where the patch goes in: a pattern's rows, times the corrupted run's values, are the heads' outputs (hook_z)
+    targets = {layer: get_act_name("z", layer=layer) if through_values else names[layer] for layer in layers}
+    values = {layer: get_act_name("v", layer=layer) for layer in layers} if through_values else {}
+    taps |= {name: tap for name in targets.values() for tap in model._names(name).values()}
     runner, blocks = model.llm.runner, model.llm.engine.blocks
     if runner.model.executor is not None:
         raise ValueError("model: vlens.patching runs a model in one process (tensor_parallel_size=1); "
@@ -77,8 +84,8 @@ def generic_activation_patch(
     seqs, padding = model._sequences(corrupted_tokens, None)
     lens = [len(s) for s in seqs]
     streams = {layer: get_act_name("resid_pre", layer) for layer in names}
-    _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=sorted({*taps, *streams.values()}),
-                                        return_type=None)  # fmt: skip
+    wanted = sorted({*taps, *streams.values(), *values.values()})
+    _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=wanted, return_type=None)
     limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
     metrics = [0.0] * len(indices)
     base = _lend(blocks, lens)  # the corrupted run's keys and values, which every copy reads before its patch
@@ -88,16 +95,21 @@ def generic_activation_patch(
         for layer, name in names.items():
             entering = padding.pack(corrupted[streams[layer]]).split(lens)  # what every copy's layer reads
             before, copies, remaining = corrupted[name], [], {}
+            group = model.cfg.num_heads // model.cfg.num_kv_heads
             for i, index in enumerate(indices):
                 if index[0] == layer:
                     after = patch_setter(before.clone(), index, clean_cache[name])
-                    mine = _copies(i, padding.pack(after), padding.pack(after != before), lens)
+                    if through_values:
+                        after, changed = _through_values(after, before, corrupted[values[layer]], group)
+                    else:
+                        changed = after != before
+                    mine = _copies(i, padding.pack(after), padding.pack(changed), lens)
                     copies += mine
                     remaining[i] = len(mine)
                     metrics[i] = unpatched  # (unless it changed something)
             texts: dict[int, list[torch.Tensor]] = {}  # a patch's logits per text, while its copies run
             for chunk in _chunks(copies, lens, limit, blocks):
-                ran = _run_copies(runner, blocks, seqs, base, layer, entering, taps[name], chunk)
+                ran = _run_copies(runner, blocks, seqs, base, layer, entering, taps[targets[layer]], chunk)
                 for copy, logits in zip(chunk, ran):
                     mine = texts.setdefault(copy.patch, list(plain))
                     mine[copy.text] = torch.cat((plain[copy.text][: copy.first], logits))
@@ -207,6 +219,16 @@ def _run_copies(
     return list(logits.split(news))
 
 
+def _through_values(
+    after: torch.Tensor, before: torch.Tensor, v: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A patched pattern [batch, heads, dest, src] as the heads' outputs it makes, [batch, dest, heads, d_head]
+    (what hook_z holds), and which of them it changes: each changed row of a head's pattern times the values of
+    its key-value head, which are the corrupted run's (nothing before the layer changes)."""
+    z = torch.einsum("bhqk,bkhd->bqhd", after.float(), v.float().repeat_interleave(group, dim=2))
+    return z, (after != before).any(-1).transpose(1, 2)[..., None].expand_as(z)
+
+
 def _replace(rows: torch.Tensor, values: torch.Tensor, where: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`x` (packed rows at a tap) with the elements `where` marks, in rows `rows`, set to `values`."""
     return x.index_put((rows,), torch.where(where, values.to(x.dtype), x[rows]))
@@ -237,6 +259,30 @@ def layer_head_vector_patch_setter(
     return corrupted
 
 
+def layer_head_pattern_patch_setter(
+    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
+) -> torch.Tensor:
+    _, head = index
+    corrupted[:, head] = clean[:, head]
+    return corrupted
+
+
+def layer_head_pos_pattern_patch_setter(
+    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
+) -> torch.Tensor:
+    _, head, dest = index
+    corrupted[:, head, dest] = clean[:, head, dest]
+    return corrupted
+
+
+def layer_head_dest_src_pos_pattern_patch_setter(
+    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
+) -> torch.Tensor:
+    _, head, dest, src = index
+    corrupted[:, head, dest, src] = clean[:, head, dest, src]
+    return corrupted
+
+
 def _patcher(setter: PatchSetter, name: str, axes: tuple[str, ...]):
     fn = partial(generic_activation_patch, patch_setter=setter, activation_name=name, index_axis_names=axes)
     fn.__doc__ = f"generic_activation_patch at {name}, every index of ({', '.join(axes)}): a tensor of that shape."
@@ -255,6 +301,11 @@ get_act_patch_attn_head_out_all_pos = _patcher(layer_head_vector_patch_setter, "
 get_act_patch_attn_head_q_all_pos = _patcher(layer_head_vector_patch_setter, "q", ("layer", "head"))
 get_act_patch_attn_head_k_all_pos = _patcher(layer_head_vector_patch_setter, "k", ("layer", "head"))
 get_act_patch_attn_head_v_all_pos = _patcher(layer_head_vector_patch_setter, "v", ("layer", "head"))
+get_act_patch_attn_head_pattern_all_pos = _patcher(layer_head_pattern_patch_setter, "pattern", ("layer", "head_index"))
+get_act_patch_attn_head_pattern_by_pos = _patcher(layer_head_pos_pattern_patch_setter, "pattern",
+                                                  ("layer", "head_index", "dest_pos"))  # fmt: skip
+get_act_patch_attn_head_pattern_dest_src_pos = _patcher(layer_head_dest_src_pos_pattern_patch_setter, "pattern",
+                                                        ("layer", "head_index", "dest_pos", "src_pos"))  # fmt: skip
 
 
 def get_act_patch_block_every(model: HookedLM, corrupted_tokens: torch.Tensor, clean_cache: ActivationCache,
@@ -262,3 +313,31 @@ def get_act_patch_block_every(model: HookedLM, corrupted_tokens: torch.Tensor, c
     """[3, n_layers, pos]: the residual stream entering each block, each attention output, each MLP output."""
     return torch.stack([fn(model, corrupted_tokens, clean_cache, metric)
                         for fn in (get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out)])  # fmt: skip
+
+
+def get_act_patch_attn_head_all_pos_every(model: HookedLM, corrupted_tokens: torch.Tensor,
+                                          clean_cache: ActivationCache,
+                                          metric: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """[5, n_layers, n_heads]: each head's output, query, key, value (key-value heads: the first ones, the rest
+    zeros, as TransformerLens pads them) and pattern, at every position."""
+    fns = (get_act_patch_attn_head_out_all_pos, get_act_patch_attn_head_q_all_pos, get_act_patch_attn_head_k_all_pos,
+           get_act_patch_attn_head_v_all_pos, get_act_patch_attn_head_pattern_all_pos)  # fmt: skip
+    return _stack_heads([fn(model, corrupted_tokens, clean_cache, metric) for fn in fns])
+
+
+def get_act_patch_attn_head_by_pos_every(model: HookedLM, corrupted_tokens: torch.Tensor,
+                                         clean_cache: ActivationCache,
+                                         metric: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """[5, n_layers, pos, n_heads]: as get_act_patch_attn_head_all_pos_every, by position (the pattern's by
+    destination position)."""
+    fns = (get_act_patch_attn_head_out_by_pos, get_act_patch_attn_head_q_by_pos, get_act_patch_attn_head_k_by_pos,
+           get_act_patch_attn_head_v_by_pos)  # fmt: skip
+    parts = [fn(model, corrupted_tokens, clean_cache, metric) for fn in fns]
+    pattern = get_act_patch_attn_head_pattern_by_pos(model, corrupted_tokens, clean_cache, metric)
+    return _stack_heads([*parts, pattern.transpose(1, 2)])  # ([layer, head, dest] -> [layer, pos, head])
+
+
+def _stack_heads(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Results with the heads last stacked, those of key-value heads padded with zeros to the query heads'."""
+    heads = parts[0].shape[-1]
+    return torch.stack([torch.nn.functional.pad(p, (0, heads - p.shape[-1])) for p in parts])
