@@ -234,53 +234,25 @@ def _replace(rows: torch.Tensor, values: torch.Tensor, where: torch.Tensor, x: t
     return x.index_put((rows,), torch.where(where, values.to(x.dtype), x[rows]))
 
 
-# The patch setters of TransformerLens's (index: layer first, then as the name says)
+def _setter(where: Callable[[Sequence[int]], tuple]) -> PatchSetter:
+    """A patch setter of TransformerLens's: the clean activation put into the corrupted one at `where(index)`."""
+
+    def setter(corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor) -> torch.Tensor:
+        at = where(index)
+        corrupted[at] = clean[at]
+        return corrupted
+
+    return setter
 
 
-def layer_pos_patch_setter(corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor) -> torch.Tensor:
-    _, pos = index
-    corrupted[:, pos, ...] = clean[:, pos, ...]
-    return corrupted
-
-
-def layer_pos_head_vector_patch_setter(
-    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
-) -> torch.Tensor:
-    _, pos, head = index
-    corrupted[:, pos, head] = clean[:, pos, head]
-    return corrupted
-
-
-def layer_head_vector_patch_setter(
-    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
-) -> torch.Tensor:
-    _, head = index
-    corrupted[:, :, head] = clean[:, :, head]
-    return corrupted
-
-
-def layer_head_pattern_patch_setter(
-    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
-) -> torch.Tensor:
-    _, head = index
-    corrupted[:, head] = clean[:, head]
-    return corrupted
-
-
-def layer_head_pos_pattern_patch_setter(
-    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
-) -> torch.Tensor:
-    _, head, dest = index
-    corrupted[:, head, dest] = clean[:, head, dest]
-    return corrupted
-
-
-def layer_head_dest_src_pos_pattern_patch_setter(
-    corrupted: torch.Tensor, index: Sequence[int], clean: torch.Tensor
-) -> torch.Tensor:
-    _, head, dest, src = index
-    corrupted[:, head, dest, src] = clean[:, head, dest, src]
-    return corrupted
+# TransformerLens's setters (index: layer first): vectors are [batch, pos, head, ...], patterns [batch, head, dest, src]
+_ALL = slice(None)
+layer_pos_patch_setter = _setter(lambda index: (_ALL, index[1]))
+layer_pos_head_vector_patch_setter = _setter(lambda index: (_ALL, index[1], index[2]))
+layer_head_vector_patch_setter = _setter(lambda index: (_ALL, _ALL, index[1]))
+layer_head_pattern_patch_setter = _setter(lambda index: (_ALL, index[1]))
+layer_head_pos_pattern_patch_setter = _setter(lambda index: (_ALL, index[1], index[2]))
+layer_head_dest_src_pos_pattern_patch_setter = _setter(lambda index: (_ALL, index[1], index[2], index[3]))
 
 
 def _patcher(setter: PatchSetter, name: str, axes: tuple[str, ...]):
