@@ -124,6 +124,9 @@ def test_patching_refuses_what_it_cannot_patch_by_name_and_gives_its_blocks_back
     with pytest.raises(ValueError, match=r"^index_axis_names: 'token' is not one of layer, pos"):
         ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_pos_patch_setter,
                                       "resid_pre", index_axis_names=("layer", "token"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^clean_cache: blocks.0.hook_resid_pre is \(2, 6, 64\) there and "
+                                         r"\(2, 7, 64\) in the corrupted run"):  # fmt: skip
+        ours.get_act_patch_resid_pre(hooked, CORRUPTED, hooked.run_with_cache(CLEAN[:, :6])[1], weighted)
     with pytest.raises(ValueError, match=r"^index_axis_names / index_df: give exactly one"):
         ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_pos_patch_setter, "resid_pre")
 

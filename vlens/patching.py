@@ -86,6 +86,11 @@ def generic_activation_patch(
     streams = {layer: get_act_name("resid_pre", layer) for layer in names}
     wanted = sorted({*taps, *streams.values(), *values.values()})
     _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=wanted, return_type=None)
+    for name in names.values():
+        if clean_cache[name].shape != corrupted[name].shape:
+            raise ValueError(f"clean_cache: {name} is {tuple(clean_cache[name].shape)} there and "
+                             f"{tuple(corrupted[name].shape)} in the corrupted run; patching needs clean and "
+                             "corrupted tokens of one shape")  # fmt: skip
     limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
     metrics = [0.0] * len(indices)
     base = _lend(blocks, lens)  # the corrupted run's keys and values, which every copy reads before its patch
