@@ -515,7 +515,7 @@ class HookedLM(ModelWeights):
                 else:  # (a sequence at the length limit feeds its last token again, at the same position)
                     starts = [min(c, len(f) - 1) for c, f in zip(computed, fed)]
                     hooks = self._user_hooks(Padding.left([len(f) - b for f, b in zip(fed, starts)]))
-                    logits = self.llm.runner.extend(fed, starts, tables, hooks)
+                    logits = self.llm.runner.extend(fed, starts, tables, hooks).cpu()  # (sampled as _last_logits's)
                     computed = list(map(len, fed))
                 sampled = sample(logits, _sampling(params, fed)).tolist()
                 for i, token in enumerate(sampled):

@@ -212,9 +212,11 @@ def _run_copies(
             target += range(table[0] * bs, table[0] * bs + c.first - k * bs)
         news = [len(seqs[c.text]) - c.first for c in copies]
         offsets = itertools.accumulate([0, *news[:-1]])
-        rows = torch.cat([c.rows - c.first + offset for c, offset in zip(copies, offsets)])
-        edit = partial(_replace, rows, torch.cat([c.values for c in copies]), torch.cat([c.where for c in copies]))
-        stream = torch.cat([entering[c.text][c.first :] for c in copies])
+        device = runner.device  # (the cached activations are the host's)
+        rows = torch.cat([c.rows - c.first + offset for c, offset in zip(copies, offsets)]).to(device)
+        values, where = (torch.cat([getattr(c, f) for c in copies]).to(device) for f in ("values", "where"))
+        edit = partial(_replace, rows, values, where)
+        stream = torch.cat([entering[c.text][c.first :] for c in copies]).to(device)
         kv_copy = (source, target) if source else None
         logits = runner.extend([seqs[c.text] for c in copies], [c.first for c in copies], tables, {tap: edit},
                                every_row=True, resume=(layer, stream), kv_copy=kv_copy)  # fmt: skip
