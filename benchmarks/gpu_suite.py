@@ -19,6 +19,9 @@ slow section costs only itself. Sections:
   harvest   one layer, 192 windows of 1024 tokens, bf16 (benchmarks/bench_harvest_gpu.py's measure): tokens/s,
             model FLOPs utilisation of the layers run vs the measured peak, vs HF stopped by a hook at its best
             batch and HF output_hidden_states
+  hooked    SmolLM2-shape, float32, TF32 off, HookedLM on the GPU vs on the CPU: a resid_pre and a pattern
+            patching sweep (vlens.patching: KV-cache copies resumed at a layer) and greedy generate with a hook
+            steering resid[:, -1] (over the KV cache): the metrics and the tokens, and the seconds each took
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -316,7 +319,50 @@ def harvesting(rows: dict, path: str, quick: bool, device: str) -> None:
     rows["harvest"] = measure(path, 4 if device == "cpu" else 16 if quick else 192, device)
 
 
-SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60}
+def hooked(rows: dict, root: Path, quick: bool, device: str) -> None:
+    from vlens import HookedLM, patching
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = random_checkpoint(LlamaConfig(**shape(SMOLLM2, device)), root, "smollm2-hooked", torch.float32)
+    models = {where: HookedLM(path, dtype="float32", device=where, kv_cache_memory=1 << 30)
+              for where in dict.fromkeys((device, "cpu"))}  # fmt: skip
+    rng = random.Random(1)
+    clean = torch.tensor([[rng.randrange(100, 49000) for _ in range(12)]])
+    corrupted = clean.clone()
+    corrupted[0, 6] = 777
+
+    def metric(logits):
+        return (logits[:, -1, 7] - logits[:, -1, 11]).mean()
+
+    def steer(resid, hook):
+        resid[:, -1] += 4.0
+
+    out: dict = {}
+    for where, model in models.items():
+        _, cache = model.run_with_cache(clean)
+        got = {}
+        for name in ("get_act_patch_resid_pre", "get_act_patch_attn_head_pattern_all_pos"):
+            start = time.perf_counter()
+            got[name] = getattr(patching, name)(model, corrupted, cache, metric).cpu()
+            got[f"{name}_s"] = time.perf_counter() - start
+        with model.hooks([("blocks.10.hook_resid_pre", steer)]):
+            start = time.perf_counter()
+            got["tokens"] = model.generate(clean, max_new_tokens=12, do_sample=False, stop_at_eos=False,
+                                           return_type="tokens", verbose=False)[0].tolist()  # fmt: skip
+            got["generate_s"] = time.perf_counter() - start
+        out[where] = got
+    mine, ref = out[device], out["cpu"]
+    rows["hooked"] = {
+        **{f"{name}_max_abs_diff": float((mine[name] - ref[name]).abs().max()) for name in
+           ("get_act_patch_resid_pre", "get_act_patch_attn_head_pattern_all_pos")},
+        "metric_scale": float(ref["get_act_patch_resid_pre"].abs().max()),
+        "tokens_equal": mine["tokens"] == ref["tokens"],
+        **{f"{key}_{where}": got[key] for where, got in out.items() for key in got if key.endswith("_s")},
+    }  # fmt: skip
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60}
 
 
 def _version(package: str) -> str | None:
@@ -355,6 +401,8 @@ def main() -> None:
     for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
+    if "hooked" in wanted:
+        guard.run("hooked", SECTIONS["hooked"] * slower, hooked, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))
 
 

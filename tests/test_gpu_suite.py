@@ -1,5 +1,5 @@
 """benchmarks/gpu_suite.py off the GPU: its guard (a section that fails or runs too long is recorded and the
-suite goes on, the JSON rewritten after each) and its exactness section as `--device cpu` runs it, through
+suite goes on, the JSON rewritten after each) and its exactness sections as `--device cpu` runs them, through
 the script itself, on the installed torch and transformers. A device lease is short: what fails here would
 fail there before any number is measured."""
 
@@ -48,17 +48,20 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_the_exactness_section_runs_on_the_cpu(tmp_path):
+def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     """Narrow SmolLM2-shaped layers, float32: every tap of a trace, a paged generation, greedy tokens and
-    chunked prefill against HF, as on the GPU (graphs off: this is the CPU)."""
-    done = _suite(tmp_path, "--sections", "exact", "--out", "suite.json")
+    chunked prefill against HF, as on the GPU (graphs off: this is the CPU); and the HookedLM section's
+    patching sweeps and steered generate (the CPU against itself here: the section's code, not its numbers)."""
+    done = _suite(tmp_path, "--sections", "exact,hooked", "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
     assert "errors" not in rows, rows["errors"]
-    assert (rows["device"], rows["gpu"], set(rows["seconds"])) == ("cpu", None, {"exact"})
+    assert (rows["device"], rows["gpu"], set(rows["seconds"])) == ("cpu", None, {"exact", "hooked"})
     exact = rows["exact"]
     assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"], exact
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
+    hooked = rows["hooked"]
+    assert hooked["tokens_equal"] and hooked["get_act_patch_resid_pre_max_abs_diff"] == 0 < hooked["metric_scale"]
 
 
 def test_an_unknown_section_is_refused(tmp_path):
