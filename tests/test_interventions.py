@@ -293,3 +293,52 @@ def test_a_head_steer_takes_one_row_of_its_heads_too(smol):
     ]  # fmt: skip
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert torch.equal(outs[0].activations["blocks.8.hook_resid_post"], outs[1].activations["blocks.8.hook_resid_post"])
+
+
+def test_rows_before_an_intervention_share_the_prefix_cache(smol4_path):
+    """A key or value depends on its own row and those before it: a request steered only at its generated rows
+    takes its whole prompt's blocks from the prefix cache (and leaves them there for an unsteered one), one
+    patched from row 13 on the blocks before it, one steered at every row none; each gets what it gets with no
+    prefix cache (tokens, and the logits of the generated rows within 1e-5). In one step, a steered request
+    borrows an unsteered one's prompt the same way."""
+    cache = dict(model=str(smol4_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=64 << 20)
+    llm, no_cache = LLM(**cache), LLM(**cache, enable_prefix_caching=False)
+    texts = ["The weather in the mountains this week will be cold and windy, with snow falling on the high passes "
+             "and rain in the valleys below, so travellers should plan for delays.",
+             "A short history of the printing press begins in the workshops of Mainz, where a goldsmith named "
+             "Gutenberg combined movable metal type with an oil-based ink and a screw press."]  # fmt: skip
+    first, second = (ids[:30] for ids in llm.tokenizer(texts)["input_ids"])
+    assert len(first) == len(second) == 30
+    # (rows a request captures it computes itself: a capture of the generated rows takes the prompt from the cache)
+    greedy = dict(max_tokens=4, temperature=0, capture=Capture("unembed.hook_out", positions="generated"))
+    steer = Steer("blocks.2.hook_resid_post", _direction(8, 30.0), positions="generated")
+    cases = [  # (prompt, interventions, prompt tokens it takes from the prefix cache)
+        (first, [], 0),  # computes and publishes the prompt
+        (first, [steer], 28),  # every block but the one holding the last prompt token (its logits are needed)
+        (first, [Patch("blocks.1.hook_resid_post", _direction(9), positions=[13])], 12),  # blocks ending by row 12
+        (first, [Steer("blocks.2.hook_resid_post", _direction(8, 30.0))], 0),
+        (second, [steer], 0),  # computes the prompt, steering none of it, and publishes it ...
+        (second, [], 28),  # ... for an unsteered request
+    ]
+    logits = []
+    for prompt, interventions, cached in cases:
+        params = SamplingParams(**greedy, interventions=interventions)
+        before = llm.engine.scheduler.tokens_computed
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        assert llm.engine.scheduler.tokens_computed - before == len(prompt) - cached + 3, (interventions, cached)
+        [want] = no_cache.generate([prompt], params, use_tqdm=False)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        logits.append(out.activations["unembed.hook_out"])
+        assert rel_err(logits[-1], want.activations["unembed.hook_out"]) < 1e-5
+    assert rel_err(logits[1], logits[0]) > 1e-2 and rel_err(logits[4], logits[5]) > 1e-2  # (the steer acts)
+    # In one step, with no prefix cache: the steered request borrows the 30 tokens it shares with the unsteered one,
+    # but the last of them, whose logits give the first differing token's (Scheduler._lender)
+    prompts = [first + [1000], first + [2000]]
+    params = [SamplingParams(**greedy), SamplingParams(**greedy, interventions=[steer])]
+    before = no_cache.engine.scheduler.tokens_computed
+    together = no_cache.generate(prompts, params, use_tqdm=False)
+    assert no_cache.engine.scheduler.tokens_computed - before == 2 * 31 - 29 + 2 * 3
+    for prompt, p, out in zip(prompts, params, together):
+        [alone] = no_cache.generate([prompt], p, use_tqdm=False)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert rel_err(out.activations["unembed.hook_out"], alone.activations["unembed.hook_out"]) < 1e-5

@@ -2,8 +2,9 @@
 (project a direction out), patch (replace rows with given values), clamp (set an SAE latent).
 
 Semantics: an intervention changes the tapped value for its request's rows at the chosen positions,
-before anything downstream reads it, so it also changes the KV written at those positions (and the
-prefix cache keys such KV apart, see Sequence.cache_salt). Interventions at one tap apply in the
+before anything downstream reads it, so it also changes the KV written at those positions and after
+them (the prefix cache keys such KV apart; the KV before its first position is keyed as without it,
+see Sequence.salt_until). Interventions at one tap apply in the
 order given; a Capture at the same tap sees the value after them. Positions are those of Capture,
 except that negative indices and "last" are refused: an intervention must know its rows when they
 are computed, and the end of a generation is not known then.

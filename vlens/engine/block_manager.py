@@ -65,7 +65,7 @@ class BlockManager:
         prev = None
         for i in range(limit):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = self._chain_hash(prev, tokens, seq.cache_salt)
+            h = self._chain_hash(prev, tokens, seq.salt_until((i + 1) * self.block_size))
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -118,7 +118,7 @@ class BlockManager:
             i = len(seq.block_hashes)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prev = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self._chain_hash(prev, tokens, seq.cache_salt)
+            h = self._chain_hash(prev, tokens, seq.salt_until((i + 1) * self.block_size))
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = h, tokens

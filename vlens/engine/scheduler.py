@@ -110,18 +110,22 @@ class Scheduler:
         prompts behind one system prompt. Its last shared token is left to compute, whose logits give
         the first differing token's log-probability. It takes what a prefix-cache hit on the lender's
         blocks would give: their cache salts must agree (the same interventions, the same layers run, so
-        the same keys), and rows it captures it computes itself; one that wants prompt log-probabilities
+        the same keys; or no intervention yet, before the first row either's change), and rows it captures
+        it computes itself; one that wants prompt log-probabilities
         borrows only from one that computes the same ones."""
         if not _fresh(seq):
             return None
         best, length = None, seq.num_computed
         wanted_from = seq.taps.reusable_prefix(len(seq.token_ids))
         for lender, covered in lenders.get(_key(seq), [])[-_CANDIDATES:]:
-            if lender.cache_salt != seq.cache_salt or (
+            alike = lender.cache_salt == seq.cache_salt
+            if not (alike or lender.plain_salt == seq.plain_salt) or (
                 seq.prompt_logprobs is not None
                 and (lender.prompt_logprobs is None or lender.params.prompt_logprobs != seq.params.prompt_logprobs)
             ):
                 continue
+            if not alike:  # the keys are the same only before the first row either's interventions change
+                covered = min(covered, seq.edits_from, lender.edits_from)
             shared = min(_common_prefix(seq.token_ids, lender.token_ids) - 1, covered, wanted_from)
             if shared > length:
                 best, length = lender, shared

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 from vlens.capture.bind import RequestTaps
@@ -58,6 +59,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.cache_salt: object = None  # what else (besides tokens) the KV depends on
+        # ... of the tokens before the first row its interventions may change, the same as without them
+        self.plain_salt: object = None
+        self.edits_from = math.inf  # that row
         self.detokenizer: Detokenizer | None = None  # incremental text (streamed, or with stop strings)
         self.logprobs: list[dict[int, Logprob]] = []
         # Top alternatives per sampled token; None: no log-probabilities (ranked samples need at least the token's).
@@ -103,14 +107,24 @@ class Sequence:
         salt: object = fingerprint(self.params.interventions)
         if any(iv.positions.follows_prompt for iv in self.params.interventions):
             salt = ("prompt of", self.num_prompt, salt)  # which rows they change depends on where the prompt ends
+        # A key or value depends on the rows at and before its own (the model is causal): those before the
+        # first row an intervention may change are the same as without it, and key the prefix cache so
+        # (a steer of the generated rows shares its prompt's KV with unsteered requests).
+        self.edits_from = min((iv.positions.first_needed(self.num_prompt) for iv in self.taps.interventions),
+                              default=math.inf)  # fmt: skip
+        salts = [salt, None]
         if long_rope_at is not None and self.num_prompt - 1 >= long_rope_at:
-            salt = ("long rope", salt)
+            salts = [("long rope", s) for s in salts]
         if self.prefill_only and self.prompt_logprobs is None:
             used = [t for stream in self.taps.streams for t in stream.taps]
             self.depth = forward_depth(used + [t for iv in self.taps.interventions for t in iv.taps], cfg)
             if self.depth is not None:
-                salt = ("layers", self.depth, salt)
-        self.cache_salt = salt
+                salts = [("layers", self.depth, s) for s in salts]
+        self.cache_salt, self.plain_salt = salts
+
+    def salt_until(self, end: int) -> object:
+        """The salt of the KV of its first `end` tokens (a cache block's, up to its end)."""
+        return self.plain_salt if end <= self.edits_from else self.cache_salt
 
     def reaches_long_rope(self) -> bool:
         """Whether the token just sampled takes the sequence to LongRoPE's switch. Its cached keys were
@@ -118,7 +132,7 @@ class Sequence:
         not taken again), under a salt that keeps the two regimes apart in the prefix cache."""
         if self.long_rope_at is None or len(self.token_ids) - 1 != self.long_rope_at:
             return False
-        self.cache_salt = ("long rope", self.cache_salt)
+        self.cache_salt, self.plain_salt = ("long rope", self.cache_salt), ("long rope", self.plain_salt)
         return True
 
     def step_done(self) -> None:
