@@ -7,6 +7,10 @@ SmolLM2-135M float32 on this CPU, greedy, ignore_eos so both runs do the same wo
 steers blocks.10.hook_resid_post at every position with a different random vector. Target: the
 steered batch takes at most 1.10x the time of the plain one.
 
+Then a steering-strength sweep: 8 scales of one Steer at the generated rows of one ~400-token prompt, one
+call (the prompt computed once: the steered requests share what comes before their first steered row), vs
+HF `generate` of the 8 as one batch with the same per-row steer in a forward hook.
+
 Then a TransformerLens-style steering hook (`resid[:, -1] += v` at blocks.10.hook_resid_pre) during
 `HookedLM.generate` of 8 prompts x --tokens, with its KV cache and without, against HF `generate` of the
 same left-padded batch with the same edit in a forward hook (a KV cache, the new token last).
@@ -31,7 +35,50 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     per_request(args)
+    strength_sweep(args.tokens // 2, args.repeats)
     hook_steering(args.tokens, args.repeats)
+
+
+def strength_sweep(steps: int, repeats: int, scales=(-4, -2, -1, 0, 1, 2, 4, 8)) -> None:
+    llm = LLM(dtype="float32", device="cpu", enable_prefix_caching=False)  # (what one call shares, nothing kept)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32).eval()
+    ids = llm.tokenizer(" ".join(prompts(48)))["input_ids"][:400]
+    vector = torch.randn(llm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    params = [
+        SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
+                       interventions=[Steer("blocks.10.hook_resid_post", vector, scale=s, positions="generated")])
+        for s in scales
+    ]  # fmt: skip
+    out = {}
+
+    def ours():
+        out["vlens"] = [o.outputs[0].token_ids for o in llm.generate([ids] * len(scales), params, use_tqdm=False)]
+
+    def theirs():
+        shift = torch.tensor(scales, dtype=torch.float32)[:, None] * vector
+
+        def steer(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if hidden.shape[1] == 1:  # a generated token's row (the prompt's rows come in one forward)
+                hidden[:, -1] += shift
+
+        handle = hf.model.layers[10].register_forward_hook(steer)
+        try:
+            with torch.inference_mode():
+                batch = torch.tensor([ids] * len(scales))
+                tokens = hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=steps,
+                                     min_new_tokens=steps, do_sample=False)  # fmt: skip
+        finally:
+            handle.remove()
+        out["hf"] = tokens[:, len(ids) :].tolist()
+
+    t_vlens, t_hf = best_alternating([ours, theirs], repeats)
+    same = sum(a == b for a, b in zip(out["vlens"], out["hf"]))
+    print(f"\nsteering-strength sweep: {len(scales)} scales at the generated rows of one {len(ids)}-token prompt, "
+          f"{steps} new tokens; greedy tokens equal to HF's for {same} of {len(scales)}")  # fmt: skip
+    print(f"{'case':<52}{'s':>8}{'vs HF':>10}")
+    print(f"{'HF generate, the 8 as one batch, a forward hook':<52}{t_hf:>8.2f}{1.0:>9.2f}x")
+    print(f"{'vlens, one call (the prompt computed once)':<52}{t_vlens:>8.2f}{t_vlens / t_hf:>9.2f}x")
 
 
 def per_request(args: argparse.Namespace) -> None:
