@@ -111,8 +111,8 @@ class Scheduler:
         the first differing token's log-probability. It takes what a prefix-cache hit on the lender's
         blocks would give: their cache salts must agree (the same interventions, the same layers run, so
         the same keys; or no intervention yet, before the first row either's change), and rows it captures
-        it computes itself; one that wants prompt log-probabilities
-        borrows only from one that computes the same ones."""
+        it computes itself; one that wants prompt log-probabilities borrows only from one that computes
+        the same ones."""
         if not _fresh(seq):
             return None
         best, length = None, seq.num_computed
