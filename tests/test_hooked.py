@@ -51,7 +51,7 @@ def test_cache_equals_hf_on_texts_of_different_lengths(hooked, hf_smol):
     assert torch.equal(cache["scale", 29, "ln2"], cache["blocks.29.ln2.hook_scale"])
 
 
-@pytest.mark.parametrize(
+OTHER_FAMILIES = pytest.mark.parametrize(
     "config",
     [
         lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
@@ -60,6 +60,9 @@ def test_cache_equals_hf_on_texts_of_different_lengths(hooked, hf_smol):
     ],
     ids=["gemma2", "gpt2"],
 )  # fmt: skip
+
+
+@OTHER_FAMILIES
 def test_other_families_with_a_mask(config, tmp_path):
     path = build(config(), tmp_path, "model")
     hooked = HookedLM(path, dtype="float32", device="cpu")
@@ -80,6 +83,28 @@ def test_other_families_with_a_mask(config, tmp_path):
                 assert same(got[..., :n] if name.endswith(PATTERNS) else got, ref[name], 1e-5), name
                 compared += 1
     assert compared == 2 * len(cache)  # every cached hook has an HF counterpart
+
+
+@OTHER_FAMILIES
+def test_generate_with_hooks_over_the_kv_cache_in_other_families(config, tmp_path):
+    """A hook that treats every position alike gives the same steps with the KV cache as without it, past a
+    sliding window (Gemma 2: window 6, soft-capping) and with learned positions (GPT-2): tokens, and what the
+    hook sees at each step's last position (≤ 1e-5)."""
+    hooked = HookedLM(build(config(), tmp_path, "model"), dtype="float32", device="cpu", block_size=4)
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    out, seen = {}, {True: [], False: []}
+    for cached in (True, False):
+
+        def scale(resid, hook, seen=seen[cached]):
+            seen.append(resid[:, -1].clone())
+            return resid * 1.5
+
+        with hooked.hooks([("blocks.1.hook_resid_post", scale)]):
+            out[cached] = hooked.generate(tokens, max_new_tokens=8, do_sample=False, stop_at_eos=False,
+                                          use_past_kv_cache=cached, return_type="tokens", verbose=False)  # fmt: skip
+    assert out[True].tolist() == out[False].tolist() and len(seen[True]) == len(seen[False]) == 8
+    for a, b in zip(seen[True], seen[False]):
+        assert rel_err(a, b) <= 1e-5
 
 
 def test_stop_at_layer_and_pos_slice(hooked, hf_smol):
