@@ -93,6 +93,7 @@ def generic_activation_patch(
                              "corrupted tokens of one shape")  # fmt: skip
     limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
     metrics = [0.0] * len(indices)
+    group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key-value head (pattern patches)
     base = _lend(blocks, lens)  # the corrupted run's keys and values, which every copy reads before its patch
     try:
         plain = runner.extend(seqs, [0] * len(seqs), base, {}, every_row=True).split(lens)
@@ -100,7 +101,6 @@ def generic_activation_patch(
         for layer, name in names.items():
             entering = padding.pack(corrupted[streams[layer]]).split(lens)  # what every copy's layer reads
             before, copies, remaining = corrupted[name], [], {}
-            group = model.cfg.num_heads // model.cfg.num_kv_heads
             for i, index in enumerate(indices):
                 if index[0] == layer:
                     after = patch_setter(before.clone(), index, clean_cache[name])
