@@ -24,12 +24,18 @@ CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def repeats_and_models(doc: str) -> tuple[int, HookedLM, torch.nn.Module]:
+    """--repeats from the command line (a script documented by `doc`), and SmolLM2 float32 as vlens's HookedLM
+    and as HF's model."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-    hooked = HookedLM(dtype="float32", device="cpu")
+    repeats = ap.parse_args().repeats
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32).eval()
+    return repeats, HookedLM(dtype="float32", device="cpu"), hf
+
+
+def main() -> None:
+    repeats, hooked, hf = repeats_and_models(__doc__)
     clean, corrupted = hooked.to_tokens(CLEAN), hooked.to_tokens(CORRUPTED)
     assert clean.shape == corrupted.shape
     mary, john = hooked.to_single_token(" Mary"), hooked.to_single_token(" John")
@@ -64,7 +70,7 @@ def main() -> None:
                         handle.remove()
         results["hf"] = out
 
-    t_vlens, t_tl, t_hf = best_alternating([ours, transformer_lens_loop, hf_loop], args.repeats)
+    t_vlens, t_tl, t_hf = best_alternating([ours, transformer_lens_loop, hf_loop], repeats)
     patches = hooked.cfg.n_layers * clean.shape[1]
     differs = max((results[k] - results["hf"]).abs().max().item() for k in ("vlens", "tl"))
     print(f"\nresid_pre patching sweep, SmolLM2-135M float32, {patches} patches of a {clean.shape[1]}-token prompt; "

@@ -59,14 +59,15 @@ def build(config, root: Path, name: str) -> str:
     return str(path)
 
 
-def transformer_lens_gpt2(root: Path) -> tuple[str, torch.nn.Module]:
+def transformer_lens_gpt2(root: Path, initializer_range: float = 0.02) -> tuple[str, torch.nn.Module]:
     """A tiny GPT-2 (3 layers, d=64) saved for vlens, and TransformerLens's HookedTransformer with the same weights,
     unprocessed (no folding, no centring): the reference of the tests that run TransformerLens's own calls."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
     from transformers import GPT2Config
 
-    path = build(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128), root, "gpt2")
+    path = build(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128,
+                            initializer_range=initializer_range), root, "gpt2")  # fmt: skip
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=256, d_vocab=VOCAB, n_ctx=128,
                                   act_fn="gelu_new", normalization_type="LN")  # fmt: skip

@@ -406,8 +406,8 @@ def test_added_hooks_last_until_reset_and_permanent_ones_until_asked(hooked):
     hooked.reset_hooks(including_permanent=True)
     hooked(tokens)
     assert calls == []
-    with pytest.raises(ValueError, match=r"^dir: 'bwd' is not supported \(only 'fwd'\)"):
-        hooked.add_hook("blocks.0.hook_resid_post", note("x"), dir="bwd")
+    with pytest.raises(ValueError, match=r"^dir: 'both' is not one of fwd, bwd"):
+        hooked.add_hook("blocks.0.hook_resid_post", note("x"), dir="both")
 
 
 def test_token_positions_and_hook_names_as_transformer_lens_gives_them(hooked):

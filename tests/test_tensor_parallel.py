@@ -194,6 +194,9 @@ def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
             three.run_with_cache(texts, names_filter=names),
         )
         assert all(same(cache_b[n].double(), cache_a[n].double(), TOL) for n in names)
+        with pytest.raises(ValueError, match=r"^gradients: .* one process \(tensor_parallel_size=1\)"):
+            three.run_with_cache(texts, names_filter=names, return_type="loss", incl_bwd=True)
+        assert same(three.run_with_hooks(texts, fwd_hooks=hooks).double(), a.double(), TOL)  # the group goes on
     finally:
         three.llm.close()
 

@@ -13,18 +13,20 @@ right-padded to [batch, positions, ...] with zeros past each text's end (attenti
 real. A [batch, positions] token tensor is taken whole unless `attention_mask` says which tokens are real;
 then the outputs keep its layout (left-padded in, left-padded out).
 Hook functions are the one place vlens runs user Python inside a forward: an eager path over one packed
-forward (or, in generate, over steps of the engine's KV cache), for notebooks, not the engine. The cache
-and TransformerLens's short names are in vlens.activation_cache, activation patching in vlens.patching.
+forward (or, in generate, over steps of the engine's KV cache), for notebooks, not the engine; backward hooks
+and `run_with_cache(incl_bwd=True)` give gradients at hooks (vlens.hook_points says how). The cache and
+TransformerLens's short names are in vlens.activation_cache, activation patching in vlens.patching.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -33,6 +35,7 @@ from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, 
 from vlens.capture.rows import widen
 from vlens.config import ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
+from vlens.hook_points import DIRECTIONS, Hook, HookFn, HookPoint, PatternGrads, TapHooks
 from vlens.hooked_weights import ModelWeights
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
@@ -40,7 +43,6 @@ from vlens.sampling_params import SamplingParams
 
 __all__ = ["ActivationCache", "HookPoint", "HookedLM", "get_act_name", "test_prompt"]  # (a notebook's `utils` too)
 
-HookFn = Callable[..., "torch.Tensor | None"]
 NamesFilter = "str | Sequence[str] | Callable[[str], bool] | None"
 
 
@@ -97,44 +99,6 @@ class HookedConfig(ModelConfig):
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, device=device)
 
 
-class HookPoint:
-    """What a hook function gets as `hook`: the name of its tap."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def layer(self) -> int:
-        match = re.match(r"blocks\.(\d+)\.", self.name)
-        if match is None:
-            raise ValueError(f"hook {self.name!r} belongs to no layer")
-        return int(match.group(1))
-
-    def __repr__(self) -> str:
-        return f"HookPoint({self.name!r})"
-
-
-class _UserHooks:
-    """The hook functions at one tap, called on the padded batch in the order they were given."""
-
-    def __init__(self, name: str, fns: list[HookFn], padding: Padding):
-        self.point, self.fns, self.padding = HookPoint(name), fns, padding
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        value = self.padding.pad(x)
-        for fn in self.fns:
-            out = fn(value, hook=self.point)
-            if out is None:
-                continue
-            if not isinstance(out, torch.Tensor) or out.shape != value.shape:
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(
-                    f"fwd_hooks: the function at {self.point.name} returned {got}; a hook returns None or a "
-                    f"tensor of the shape it was given, {tuple(value.shape)}"
-                )
-            value = out
-        return self.padding.pack(value).to(x.dtype)
-
-
 class HookedLM(ModelWeights):
     """A vlens model with TransformerLens's calls (see the module doc). `model` and `settings` are
     those of `vlens.LLM`. Weight attributes (W_U, W_O, W_in, blocks[L].attn.W_Q, accumulated_bias, ...) are
@@ -146,9 +110,9 @@ class HookedLM(ModelWeights):
         self._shapes = hook_shapes(self.cfg)
         # every hook name but the hidden_states.i aliases, which only a name asks for
         self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
-        # (where, fn, permanent) in the order they run: until reset_hooks or the end of their `with`, the
-        # permanent ones until reset_hooks(including_permanent=True)
-        self._hooks: list[tuple[Any, HookFn, bool]] = []
+        # in the order they run: until reset_hooks or the end of their `with`, the permanent ones until
+        # reset_hooks(including_permanent=True)
+        self._hooks: list[Hook] = []
 
     from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
     from_pretrained_no_processing = from_pretrained  # (vlens never folds or centres: the values are HF's)
@@ -292,34 +256,45 @@ class HookedLM(ModelWeights):
         loss_per_token: bool = False,
         remove_batch_dim: bool = False,
         prepend_bos: bool | None = None,
+        incl_bwd: bool = False,
     ) -> tuple[Any, ActivationCache]:
         """(output, cache). names_filter: a name, glob, list of them, or a function of the name (None:
         every hook); stop_at_layer: run only the layers below it and return the residual entering it
         ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
         each text, counted from its own start (negative: from its own end); remove_batch_dim: a cache of
         one text without the batch dimension (the output keeps it, as in TransformerLens); prepend_bos: as
-        to_tokens's, for texts."""
+        to_tokens's, for texts. incl_bwd: backpropagate the loss (return_type "loss") and cache each
+        hook's gradient too, as "<name>_grad" (attention scores and patterns have none: see add_hook)."""
+        if incl_bwd and (return_type != "loss" or loss_per_token or stop_at_layer is not None):
+            raise ValueError("incl_bwd: backpropagates a scalar, so it needs return_type='loss' (got "
+                             f"{return_type!r}), loss_per_token=False and no stop_at_layer")  # fmt: skip
+        if incl_bwd and not torch.is_grad_enabled():
+            raise ValueError("incl_bwd: gradients are off here (torch.no_grad or inference_mode); run it outside them")
         names = self._names(names_filter)
         stop_at_layer = self._stop_layer(stop_at_layer)
         if stop_at_layer is not None:
             names = {n: t for n, t in names.items() if layers_needed(t, self.cfg) <= stop_at_layer}
         return self._run(input, attention_mask, names, stop_at_layer=stop_at_layer, pos_slice=pos_slice,
                          return_type=return_type, loss_per_token=loss_per_token, remove_batch_dim=remove_batch_dim,
-                         prepend_bos=prepend_bos)  # fmt: skip
+                         prepend_bos=prepend_bos, incl_bwd=incl_bwd)  # fmt: skip
 
     def run_with_hooks(
         self,
         input: Any,
         fwd_hooks: Sequence[tuple[Any, HookFn]] = (),
+        bwd_hooks: Sequence[tuple[Any, HookFn]] = (),
         return_type: str | None = "logits",
         stop_at_layer: int | None = None,
         attention_mask: torch.Tensor | None = None,
         loss_per_token: bool = False,
         prepend_bos: bool | None = None,
+        reset_hooks_end: bool = True,
     ):
         """The forward with `fn(value, hook)` run at each named tap (a name, glob or a function of the
-        name); a hook that returns a tensor of the shape it got replaces the value."""
-        with self.hooks(fwd_hooks):
+        name); a hook that returns a tensor of the shape it got replaces the value. `bwd_hooks` run on the
+        gradients when the output (or anything computed from it) is backpropagated, after this returns;
+        reset_hooks_end=False leaves all of them in force for later forwards (until reset_hooks)."""
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end):
             output, _ = self._run(input, attention_mask, {}, stop_at_layer=self._stop_layer(stop_at_layer),
                                   return_type=return_type, loss_per_token=loss_per_token, prepend_bos=prepend_bos)  # fmt: skip
         return output
@@ -335,29 +310,40 @@ class HookedLM(ModelWeights):
         return stop_at_layer + n if stop_at_layer < 0 else min(stop_at_layer, n)
 
     @contextlib.contextmanager
-    def hooks(self, fwd_hooks: Sequence[tuple[Any, HookFn]] = ()):
+    def hooks(
+        self, fwd_hooks: Sequence[tuple[Any, HookFn]] = (), bwd_hooks: Sequence[tuple[Any, HookFn]] = (),
+        reset_hooks_end: bool = True,
+    ):  # fmt: skip
         """Hooks that apply to every forward inside the `with` block (and those add_hook adds there, but for
-        the permanent ones, end with it)."""
+        the permanent ones, end with it, unless reset_hooks_end is False)."""
         before = list(self._hooks)
-        self._hooks += [(where, fn, False) for where, fn in fwd_hooks]
+        self._hooks += [Hook(where, fn, "fwd") for where, fn in fwd_hooks]
+        self._hooks += [Hook(where, fn, "bwd") for where, fn in bwd_hooks]
         try:
             yield self
         finally:
-            self._hooks = [h for h in self._hooks if h[2] or h in before]
+            if reset_hooks_end:
+                self._hooks = [h for h in self._hooks if h.permanent or h in before]
 
     def add_hook(
         self, name: Any, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False
     ) -> None:
         """TransformerLens's add_hook: `hook(value, hook)` runs at `name` (a hook name, glob, or a function of
         the name) in every forward from now until reset_hooks (is_permanent: reset_hooks(including_permanent=
-        True)), after the hooks already there (prepend: before them)."""
-        if dir != "fwd":
-            raise ValueError(f"dir: {dir!r} is not supported (only 'fwd'): vlens runs no backward pass")
-        self._hooks.insert(0 if prepend else len(self._hooks), (name, hook, is_permanent))
+        True)), after the hooks already there (prepend: before them). dir "bwd": on the gradient at `name`
+        when something computed from a later forward is backpropagated (with gradients on; not at attention
+        scores and patterns, which vlens computes beside the fused attention, off the gradient's path)."""
+        if dir not in DIRECTIONS:
+            raise ValueError(f"dir: {dir!r} is not one of {', '.join(DIRECTIONS)}")
+        self._hooks.insert(0 if prepend else len(self._hooks), Hook(name, hook, dir, is_permanent))
 
-    def reset_hooks(self, including_permanent: bool = False) -> None:
-        """Remove the hooks in place (but the permanent ones, unless asked)."""
-        self._hooks = [] if including_permanent else [h for h in self._hooks if h[2]]
+    def reset_hooks(self, including_permanent: bool = False, direction: str = "both") -> None:
+        """Remove the hooks in place (but the permanent ones, unless asked); direction "fwd" or "bwd": only those."""
+        if direction not in (*DIRECTIONS, "both"):
+            raise ValueError(f"direction: {direction!r} is not one of fwd, bwd, both")
+        self._hooks = [
+            h for h in self._hooks if (h.permanent and not including_permanent) or direction not in ("both", h.dir)
+        ]
 
     def _names(self, names_filter: NamesFilter) -> dict[str, str]:
         """Requested name -> tap, for a filter in any TransformerLens form (aliases like hidden_states.i
@@ -368,28 +354,46 @@ class HookedLM(ModelWeights):
             return {n: n for n in self._names_in_order if names_filter(n)}
         return resolve_hooks(names_filter, self.cfg)
 
-    def _user_hooks(self, padding: Padding) -> dict[str, _UserHooks]:
-        by_tap: dict[str, list[HookFn]] = {}
-        for where, fn, _ in self._hooks:
-            if callable(where):
-                chosen = [n for n in self._names_in_order if where(n)]
-            else:
-                chosen = list(resolve_hooks(where, self.cfg).values())
-            read_only = [t for t in chosen if is_pattern(t)]
-            if read_only:
+    def _tap_hooks(
+        self, padding: Padding, keep: str | None = None, grads: dict[str, torch.Tensor] | None = None,
+        saved: Sequence[str] = (), values: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, TapHooks]:  # fmt: skip
+        """The hooks in force, by tap; `keep`: that tap's value is kept; `saved` taps put their gradient in
+        `grads` after the hooks' own have run (run_with_cache's incl_bwd). Backward hooks at attention scores
+        and patterns (and saved ones) become a PatternGrads at their layer's hook_z, reading the layer's
+        values from `values`, which the caller fills after the forward (`_values_needed`)."""
+        fwd: dict[str, list[HookFn]] = {}
+        bwd: dict[str, list[HookFn]] = {}
+        at_patterns: dict[int, dict[str, list[HookFn]]] = {}
+        for h in self._hooks:
+            chosen = [n for n in self._names_in_order if h.where(n)] if callable(h.where) else list(resolve_hooks(h.where, self.cfg).values())
+            off_path = [t for t in chosen if is_pattern(t)]
+            if off_path and h.dir == "fwd":
                 raise ValueError(
-                    f"fwd_hooks: {', '.join(read_only)} cannot be hooked: vlens computes attention scores and patterns "
+                    f"fwd_hooks: {', '.join(off_path)} cannot be hooked: vlens computes attention scores and patterns "
                     "beside the fused attention, not inside it, so a hook there could change nothing; read them with "
                     "run_with_cache, or edit attn.hook_q / hook_k / hook_v / hook_z"
                 )
             for tap in chosen:
-                by_tap.setdefault(tap, []).append(fn)
-        return {tap: _UserHooks(tap, fns, padding) for tap, fns in by_tap.items()}
+                if is_pattern(tap):
+                    at_patterns.setdefault(_layer(tap), {}).setdefault(tap, []).append(h.fn)
+                else:
+                    (fwd if h.dir == "fwd" else bwd).setdefault(tap, []).append(h.fn)
+        for tap in saved:
+            if is_pattern(tap):
+                at_patterns.setdefault(_layer(tap), {})
+            else:
+                bwd.setdefault(tap, []).append(partial(_save_grad, grads))
+        for layer, fns in at_patterns.items():
+            mine = {t for t in saved if is_pattern(t) and _layer(t) == layer}
+            bwd.setdefault(f"blocks.{layer}.attn.hook_z", []).append(PatternGrads(layer, fns, values, grads, mine))
+        taps = [*fwd, *(t for t in bwd if t not in fwd), *([keep] if keep is not None and keep not in fwd | bwd else [])]
+        return {t: TapHooks(t, fwd.get(t, []), bwd.get(t, []), padding, keep=t == keep) for t in taps}
 
     def _run(
         self, input: Any, attention_mask: torch.Tensor | None, names: dict[str, str], *, stop_at_layer: int | None = None,
         pos_slice=None, return_type: str | None = "logits", loss_per_token: bool = False, remove_batch_dim: bool = False,
-        prepend_bos: bool | None = None,
+        prepend_bos: bool | None = None, incl_bwd: bool = False,
     ) -> tuple[Any, ActivationCache]:  # fmt: skip
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type: {return_type!r} is not one of logits, loss, both, None")
@@ -397,36 +401,57 @@ class HookedLM(ModelWeights):
         self.llm.check_fits(seqs, "input")
         if remove_batch_dim:
             one_text(len(seqs))
-        taps = set(names.values())
+        n = self.cfg.num_layers
         if stop_at_layer is not None:
-            n = self.cfg.num_layers
             output = f"blocks.{stop_at_layer}.hook_resid_pre" if stop_at_layer < n else f"blocks.{n - 1}.hook_resid_post"
-            taps.add(output)
-        elif return_type is not None:
-            taps.add(LOGITS)
-        captured = self.llm.runner.packed(seqs, sorted(taps), hooks=self._user_hooks(padding))
+        else:
+            output = LOGITS if return_type is not None else None
+        # A forward that keeps a graph returns the value leaving the output's tap; else it is captured like any tap.
+        grad = self._keeps_graph(incl_bwd)
+        taps = set(names.values()) | ({output} if output is not None and not grad else set())
+        grads: dict[str, torch.Tensor] = {}
+        values: dict[str, torch.Tensor] = {}
+        saved = sorted(set(names.values())) if incl_bwd else []
+        hooks = self._tap_hooks(padding, keep=output if grad else None, grads=grads, saved=saved, values=values)
+        needed = _values_needed(hooks) if grad else set()
+        taps |= needed
+        captured = self.llm.runner.packed(seqs, sorted(taps), hooks=hooks, grad=grad)
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
-        padded = {t: padding.pad(torch.cat(_keys_in_layout(t, parts, padding))) for t, parts in rows.items()}
+        padded = {t: padding.pad(torch.cat(_keys_in_layout(t, parts, padding))) for t, parts in rows.items() if t in names.values() or t in needed}
+        values.update({t: _heads_first(t, padded[t]) for t in needed})
+        out = None
+        if output is not None:  # (the output's packed rows: the loss needs no padded logits)
+            rows_out = hooks[output].kept if grad else torch.cat(rows[output])
+            out = padding.pad(rows_out) if return_type != "loss" or output != LOGITS else None
+        if output == LOGITS and return_type != "logits":
+            loss = _loss(rows_out, seqs, padding, loss_per_token)
+            out = loss if return_type == "loss" else (out, loss)
+        if incl_bwd:
+            out.backward()
         cached = {n: _heads_first(t, keep_positions(padded[t], padding, pos_slice)) for n, t in names.items()}
-        cache = ActivationCache(cached, padding.mask, self, has_batch_dim=not remove_batch_dim, pos_slice=pos_slice)
-        if stop_at_layer is not None:
-            return padded[output], cache
-        if return_type is None:
-            return None, cache
-        logits = padded[LOGITS]
-        if return_type == "logits":
-            return logits, cache
-        loss = _loss(logits, seqs, padding, loss_per_token)
-        return (loss if return_type == "loss" else (logits, loss)), cache
+        # (a pattern's gradient comes heads first, as the cache has it: positions are kept with queries first)
+        cached |= {f"{n}_grad": _heads_first(t, keep_positions(_heads_first(t, grads[t]), padding, pos_slice))
+                   for n, t in names.items() if t in grads}  # fmt: skip
+        return out, ActivationCache(cached, padding.mask, self, has_batch_dim=not remove_batch_dim, pos_slice=pos_slice)
+
+    def _keeps_graph(self, incl_bwd: bool) -> bool:
+        """Whether a forward runs outside inference mode, keeping an autograd graph: with gradients on, when a
+        gradient is asked for (incl_bwd, a backward hook; one process only: the forward says so), or may be,
+        from a tensor a forward hook puts in that requires grad (a steering vector being learnt)."""
+        if not torch.is_grad_enabled():
+            return False
+        if incl_bwd or any(h.dir == "bwd" for h in self._hooks):
+            return True
+        return bool(self._hooks) and self.llm.runner.model.executor is None
 
     def _last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
         """[batch, vocab]: each sequence's logits at its last position, with the hook functions in force run over
         the batch left-padded, as TransformerLens lays out a batch it generates for (`value[:, -1]` is each
         sequence's last token)."""
         last = [torch.tensor([len(s) - 1]) for s in seqs]
-        hooks = self._user_hooks(Padding.left(list(map(len, seqs))))
+        hooks = self._tap_hooks(Padding.left(list(map(len, seqs))))
         captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=hooks)
         logits: list[torch.Tensor] = [None] * len(seqs)
         for i, _, value in captured.pieces():
@@ -488,7 +513,7 @@ class HookedLM(ModelWeights):
         ]
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         fill = stops[0] if stops else eos if eos is not None else min(self.llm.engine.eos_ids, default=self._pad_id())
-        if self._hooks:
+        if any(h.dir == "fwd" for h in self._hooks):
             new = self._generate_with_hooks(seqs, params, fill, verbose, use_past_kv_cache)
         else:
             new = [list(o.outputs[0].token_ids) for o in self.llm.generate(seqs, params, use_tqdm=verbose)]
@@ -514,7 +539,7 @@ class HookedLM(ModelWeights):
                     logits = self._last_logits(fed)
                 else:  # (a sequence at the length limit feeds its last token again, at the same position)
                     starts = [min(c, len(f) - 1) for c, f in zip(computed, fed)]
-                    hooks = self._user_hooks(Padding.left([len(f) - b for f, b in zip(fed, starts)]))
+                    hooks = self._tap_hooks(Padding.left([len(f) - b for f, b in zip(fed, starts)]))
                     logits = self.llm.runner.extend(fed, starts, tables, hooks).cpu()  # (sampled as _last_logits's)
                     computed = list(map(len, fed))
                 sampled = sample(logits, _sampling(params, fed)).tolist()
@@ -582,19 +607,38 @@ def _keys_in_layout(tap: str, parts: list[torch.Tensor], padding: Padding) -> li
     return out
 
 
+def _layer(tap: str) -> int:
+    return int(tap.split(".")[1])
+
+
+def _values_needed(hooks: dict[str, TapHooks]) -> set[str]:
+    """Taps whose values the hooks' PatternGrads read."""
+    return {t for h in hooks.values() for fn in h.bwd if isinstance(fn, PatternGrads) for t in fn.needs}
+
+
+def _save_grad(grads: dict[str, torch.Tensor], grad: torch.Tensor, hook: HookPoint) -> None:
+    grads[hook.name] = grad.detach()
+
+
 def _heads_first(tap: str, value: torch.Tensor) -> torch.Tensor:
     """Attention scores and patterns in TransformerLens's layout, [batch, heads, query_pos, key_pos]: a ported
     `cache["pattern", L][b, h]` must read head h, not position h (vlens's rows are per query position)."""
     return value.transpose(1, 2) if is_pattern(tap) and value.dim() == 4 else value
 
 
-def _loss(logits: torch.Tensor, seqs: list[list[int]], padding: Padding, per_token: bool) -> torch.Tensor:
-    """Next-token cross-entropy over every predicted position of every text (never a pad): the mean, or per
-    token [batch, positions - 1] as TransformerLens gives it, entry p the loss of the token after position p
-    (zero where that is not a token of the text)."""
-    losses = torch.zeros(len(seqs), max(padding.width - 1, 0), device=logits.device)
-    for i, ids in enumerate(seqs):
-        at = padding.positions(i)[:-1].to(logits.device)
-        logp = logits[i, at].float().log_softmax(-1)
-        losses[i, at] = -logp.gather(-1, torch.tensor(ids[1:], device=logits.device)[:, None])[:, 0]
-    return losses if per_token else losses.sum() / max(sum(len(ids) - 1 for ids in seqs), 1)
+def _loss(rows: torch.Tensor, seqs: list[list[int]], padding: Padding, per_token: bool) -> torch.Tensor:
+    """Next-token cross-entropy over every predicted position of every text (never a pad), from the logits' packed
+    rows [tokens, vocab]: the mean, or per token [batch, positions - 1] as TransformerLens gives it, entry p the
+    loss of the token after position p (zero where that is not a token of the text). One gather for the batch (a
+    backward through a select per text would make a zero tensor of every logit for each)."""
+    starts = np.cumsum([0] + [len(ids) for ids in seqs[:-1]])
+    predicting = torch.from_numpy(np.concatenate([s + np.arange(len(ids) - 1) for s, ids in zip(starts, seqs)]))
+    targets = torch.tensor([t for ids in seqs for t in ids[1:]], dtype=torch.long)
+    picked = rows.index_select(0, predicting.to(rows.device)).float().log_softmax(-1)
+    losses = -picked.gather(-1, targets[:, None].to(rows.device))[:, 0]
+    if not per_token:
+        return losses.sum() / max(len(losses), 1)
+    text = torch.tensor([i for i, ids in enumerate(seqs) for _ in ids[1:]], dtype=torch.long)
+    at = torch.cat([padding.positions(i)[:-1] for i in range(len(seqs))])
+    out = torch.zeros(len(seqs), max(padding.width - 1, 0), device=rows.device, dtype=losses.dtype)
+    return out.index_put((text.to(rows.device), at.to(rows.device)), losses)

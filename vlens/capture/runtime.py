@@ -61,7 +61,8 @@ class Tap:
         if self.edit_rows is not None:
             x = self._edit(x)
         if self.gather_index is not None:
-            torch.index_select(x, 0, self.gather_index, out=self.gather_out)
+            # (what a capture gathers is seen, not differentiated: a forward with a graph, HookedLM's backward hooks)
+            torch.index_select(x.detach() if x.requires_grad else x, 0, self.gather_index, out=self.gather_out)
         return x
 
     def _edit(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,9 @@ class Tap:
     def attend(self, q: torch.Tensor, keys: torch.Tensor, attn) -> None:
         """Scores [R, heads, K] of the gathered query rows over their sequence's keys, as HF's eager
         attention has them before its softmax: scaled, soft-capped, -inf where the causal mask or the
-        sliding window forbids; at hook_pattern their float32 softmax, in the model's dtype."""
+        sliding window forbids; at hook_pattern their float32 softmax, in the model's dtype (seen, not
+        differentiated, as every capture)."""
+        q, keys = q.detach(), keys.detach()
         rows, width = self.key_index.shape
         k = keys.index_select(0, self.key_index.reshape(-1)).view(rows, width, attn.num_kv_heads, attn.head_dim)
         k = k.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=2)
@@ -272,7 +275,8 @@ class TapRuntime:
             shape[-1] = width
         if buf is None or any(want > have for want, have in zip(shape, buf.shape)):
             grown = shape if buf is None else [max(want, have) for want, have in zip(shape, buf.shape)]
-            buf = self._out[tap] = torch.empty(grown, dtype=tap_dtype(tap, self.dtype), device=self.device)
+            with torch.inference_mode(False):  # (a normal tensor: a forward keeping a graph writes it too)
+                buf = self._out[tap] = torch.empty(grown, dtype=tap_dtype(tap, self.dtype), device=self.device)
         return buf[tuple(slice(0, n) for n in shape)]
 
     def collect(self, plan: StepPlan) -> Collection:

@@ -44,8 +44,9 @@ class StepBuffers:
         for name, (numel, dtype) in self._sizes.items():
             self._offsets[name] = at
             at += -(-numel * dtype.itemsize // ALIGN) * ALIGN
-        self._dev_block = torch.zeros(at, dtype=torch.uint8, device=self.device)
-        self._host_block = torch.zeros(at, dtype=torch.uint8, pin_memory=True) if self._cuda else self._dev_block
+        with torch.inference_mode(False):  # normal tensors, which a forward outside inference mode may write too
+            self._dev_block = torch.zeros(at, dtype=torch.uint8, device=self.device)
+            self._host_block = torch.zeros(at, dtype=torch.uint8, pin_memory=True) if self._cuda else self._dev_block
         self._dev: dict[str, torch.Tensor] = {}
         self._host: dict[str, np.ndarray] = {}
         # (name, shape) -> (the front `put` returns, where its bytes start and stop in the blocks)

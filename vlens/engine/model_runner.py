@@ -205,7 +205,7 @@ class ModelRunner:
         try:  # from the launch on: the other ranks may be in the forward's collectives
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
                 self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
-            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), self.fused))
+            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), self.fused and not torch.is_grad_enabled()))
             hidden = forward(ids)
             logits = None
             if isinstance(logit_rows, slice):
@@ -426,24 +426,28 @@ class ModelRunner:
 
     # -- cache-less packed forwards: trace, HookedLM, harvest ------------------------------------------------
 
-    @torch.inference_mode()
     def packed(
         self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
-        hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None, grad: bool = False,
     ) -> PackedCapture:  # fmt: skip
         """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
         sequence i (default: every position). `hooks` are user functions run at their taps before the
-        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward)."""
+        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward).
+        `grad`: outside inference mode, so what the hooks start an autograd graph from (HookedLM's backward
+        hooks) can be differentiated; the captures are detached either way."""
+        if grad and self.model.executor is not None:
+            raise ValueError("gradients: a forward with an autograd graph runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
         plan = packed_plan(lens, taps, rows)
-        armed = self.taps.arm(plan)
-        for name, fn in (hooks or {}).items():
-            armed[name] = fn if name not in armed else _then(fn, armed[name])
-        sites = [*taps, *(hooks or {})]
-        meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
-        ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
-        self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
-        return PackedCapture(plan, self.taps.collect(plan))
+        with torch.inference_mode(not grad):
+            armed = self.taps.arm(plan)
+            for name, fn in (hooks or {}).items():
+                armed[name] = fn if name not in armed else _then(fn, armed[name])
+            sites = [*taps, *(hooks or {})]
+            meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
+            ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
+            self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
+            return PackedCapture(plan, self.taps.collect(plan))
 
     @torch.inference_mode()
     def extend(

@@ -1,0 +1,235 @@
+"""Gradients at hooks (HookedLM's backward hooks and run_with_cache(incl_bwd=True)) against TransformerLens's own
+autograd on the same GPT-2 weights, and against HF's autograd through its own modules on a grouped-query Llama
+run packed with texts of other lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import COMMON, build, transformer_lens_gpt2
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from vlens import HookedLM
+
+TOL = 1e-5  # ‖a − b‖ / ‖b‖ of a gradient, float32
+
+
+@pytest.fixture(scope="module")
+def gpt2_pair(tmp_path_factory):
+    path, reference = transformer_lens_gpt2(tmp_path_factory.mktemp("gpt2"), initializer_range=0.1)
+    return HookedLM(path, dtype="float32", device="cpu"), reference
+
+
+TOKENS = torch.tensor([[5, 17, 99, 230, 3, 41, 7, 250, 12], [60, 22, 140, 33, 290, 11, 12, 8, 1]])
+
+
+def test_run_with_cache_incl_bwd_gives_transformer_lens_s_gradients(gpt2_pair):
+    """Every hook's "_grad" entry, attention scores and patterns included, equals TransformerLens's but where
+    the two differ by design: TransformerLens runs ln1 three times (once for each of the query, key and value
+    inputs), so its cached ln1 gradient is the last call's, the queries' share only; vlens's is the whole
+    gradient at ln1, checked here by the chain rule through its scale. (TransformerLens's mlp.hook_pre and
+    unembed.hook_in are taps vlens does not have.)"""
+    hooked, reference = gpt2_pair
+    loss_tl, theirs = reference.run_with_cache(TOKENS, return_type="loss", incl_bwd=True)
+    loss, ours = hooked.run_with_cache(TOKENS, return_type="loss", incl_bwd=True)
+    assert abs(loss.item() - loss_tl.item()) <= 1e-6 * loss_tl.item()
+    grads = {k for k in ours if k.endswith("_grad")}
+    assert grads == {f"{k}_grad" for k in ours if not k.endswith("_grad")}  # every hook has its gradient
+    compared = 0
+    for key in sorted(grads):
+        if ".ln1." in key or key not in theirs.cache_dict:
+            continue
+        assert ours[key].shape == theirs[key].shape, key
+        assert rel_err(ours[key], theirs[key]) <= TOL, key
+        compared += 1
+    # per layer: resid x3, q k v z scores pattern, attn and mlp out, ln2's scale and normalized, mlp post; then
+    # embed, pos_embed, ln_final's scale and normalized, the logits
+    assert compared == 3 * 14 + 5
+    for layer in range(3):  # ln1: scale and normalized from the gradient at its output and each other
+        p = f"blocks.{layer}.ln1."
+        weight = reference.blocks[layer].ln1.w.detach()
+        through_out = ours[p + "hook_out_grad"] * weight
+        assert rel_err(ours[p + "hook_normalized_grad"], through_out) <= TOL
+        scale = -(ours[p + "hook_normalized_grad"] * ours[p + "hook_normalized"]).sum(-1, keepdim=True) / ours[p + "hook_scale"]
+        assert rel_err(ours[p + "hook_scale_grad"], scale) <= TOL
+
+
+def test_backward_hooks_read_and_change_gradients_as_in_transformer_lens(gpt2_pair):
+    """TransformerLens's attribution-patching idiom: forward and backward hooks added with add_hook, the model
+    called, a metric of its logits backpropagated. The backward hooks see TransformerLens's gradients (patterns
+    included); one that zeroes the gradient at layer 1's resid_mid changes the gradients before it as it does
+    there; a steering vector added by a forward hook gets TransformerLens's gradient."""
+    hooked, reference = gpt2_pair
+    filter_ = lambda name: name.endswith(("hook_resid_pre", "hook_pattern", "hook_z"))  # noqa: E731
+    seen: dict = {}
+    for model in (reference, hooked):
+        seen[model] = {}
+        vector = torch.zeros(64, requires_grad=True)
+
+        def save(grad, hook, store=seen[model]):
+            store[hook.name] = grad.detach().clone()
+
+        def cut(grad, hook):
+            return torch.zeros_like(grad)
+
+        model.reset_hooks()
+        model.add_hook("blocks.0.hook_resid_post", lambda x, hook, v=vector: x + v)
+        model.add_hook(filter_, save, "bwd")
+        logits = model(TOKENS)
+        (logits[:, -1, 7] - logits[:, -1, 9]).sum().backward()
+        seen[model]["vector"] = vector.grad.clone()
+        model.reset_hooks()
+        cut_seen: dict = {}
+        read = lambda g, hook, s=cut_seen: s.__setitem__("blocks.0.hook_resid_pre", g.clone())  # noqa: E731
+        with model.hooks(bwd_hooks=[("blocks.1.hook_resid_mid", cut), ("blocks.0.hook_resid_pre", read)]):
+            logits = model(TOKENS)
+            (logits[:, -1, 7] - logits[:, -1, 9]).sum().backward()
+        seen[model]["cut"] = cut_seen["blocks.0.hook_resid_pre"]
+    ours, theirs = seen[hooked], seen[reference]
+    assert len(ours) == len(theirs) == 3 * 3 + 2
+    for key in theirs:
+        assert rel_err(ours[key], theirs[key]) <= TOL, key
+    assert rel_err(ours["cut"], ours["blocks.0.hook_resid_pre"]) > 0.1  # (the cut changed it)
+
+
+def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
+    """vlens hook name -> d metric / d value through HF's own modules (eager attention) for one text: the
+    residual stream, ln1's output, z (o_proj's input), the attention and MLP outputs, mlp.hook_post (down_proj's
+    input), and the attention scores (the softmax's input) and pattern of each layer."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def keep(module, key, output: bool):
+        def hook(m, args, out):
+            value = out if output else args[0]
+            seen[key] = value[0] if isinstance(value, tuple) else value
+
+        handles.append(module.register_forward_hook(hook))
+
+    for layer, block in enumerate(hf.model.layers):
+        p = f"blocks.{layer}."
+        keep(block, p + "hook_resid_post", True)
+        keep(block.input_layernorm, p + "ln1.hook_out", True)
+        keep(block.self_attn.o_proj, p + "attn.hook_z", False)
+        keep(block.self_attn, p + "hook_attn_out", True)
+        keep(block.post_attention_layernorm, p + "hook_resid_mid", False)
+        keep(block.mlp.down_proj, p + "mlp.hook_post", False)
+        keep(block.mlp, p + "hook_mlp_out", True)
+    scores = []
+    softmax = torch.nn.functional.softmax
+
+    def recording(x, dim=None, *args, **kwargs):
+        scores.append(x)
+        return softmax(x, dim, *args, **kwargs)
+
+    hf.set_attn_implementation("eager")
+    embedded = hf.model.embed_tokens(torch.tensor([ids])).detach().requires_grad_()
+    torch.nn.functional.softmax = recording
+    try:
+        out = hf(inputs_embeds=embedded, output_attentions=True, use_cache=False)
+    finally:
+        torch.nn.functional.softmax = softmax
+        for h in handles:
+            h.remove()
+    seen["blocks.0.hook_resid_pre"] = embedded
+    for layer in range(1, len(hf.model.layers)):
+        seen[f"blocks.{layer}.hook_resid_pre"] = seen[f"blocks.{layer - 1}.hook_resid_post"]
+    for layer, (s, a) in enumerate(zip(scores, out.attentions, strict=True)):
+        seen[f"blocks.{layer}.attn.hook_attn_scores"], seen[f"blocks.{layer}.attn.hook_pattern"] = s, a
+    names = list(seen)
+    grads = torch.autograd.grad(metric(out.logits[0]), [seen[n] for n in names])
+    return {n: g[0] for n, g in zip(names, grads)}
+
+
+def test_gradients_of_packed_texts_equal_hf_s_autograd_text_by_text(tmp_path):
+    """A grouped-query Llama (rotary, 2 KV heads for 4) run on three texts of different lengths in one packed
+    forward: the gradient of a metric summed over the texts at each hook equals, for each text, HF's autograd
+    of its own metric through its own modules (a text's gradient depends on nothing of the others'), at its
+    positions; zeros past its end. Scores are compared where a key is visible (elsewhere both are 0)."""
+    config = LlamaConfig(**COMMON, num_key_value_heads=2)
+    path = build(config, tmp_path, "llama")
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    texts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (11, 4, 7)]
+    metric = lambda logits: logits[-1, 5] - logits[-1, 6] + logits[:, 8].mean()  # noqa: E731
+    grads: dict[str, torch.Tensor] = {}
+
+    def save(grad, hook):
+        grads[hook.name] = grad.detach().clone()
+
+    names = [f"blocks.{L}.{k}" for L in range(3) for k in (
+        "hook_resid_pre", "ln1.hook_out", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z",
+        "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]  # fmt: skip
+    widths = torch.tensor([len(t) for t in texts])
+    tokens = torch.zeros(3, 11, dtype=torch.long)
+    for i, t in enumerate(texts):
+        tokens[i, : len(t)] = torch.tensor(t)
+    mask = torch.arange(11)[None, :] < widths[:, None]
+    _, plain = hooked.run_with_cache(tokens, attention_mask=mask, names_filter=names)  # (in inference mode)
+    with hooked.hooks(bwd_hooks=[(names, save)]):  # the same taps captured again, in a forward with a graph
+        logits, cache = hooked.run_with_cache(tokens, attention_mask=mask, names_filter=names)
+        sum(metric(logits[i, : len(t)]) for i, t in enumerate(texts)).backward()
+    assert all(torch.equal(cache[n], plain[n]) for n in names)
+    assert sorted(grads) == sorted(names)
+    for i, text in enumerate(texts):
+        n = len(text)
+        reference = _hf_grads(hf, text, metric)
+        for name in names:
+            ours, theirs = grads[name][i], reference[name]
+            if name.endswith(("hook_attn_scores", "hook_pattern")):  # [heads, q, k]
+                assert not ours[:, :n, n:].any() and not ours[:, n:].any(), name
+                ours = ours[:, :n, :n]
+                if name.endswith("hook_attn_scores"):
+                    visible = torch.ones(n, n).tril().bool()
+                    ours, theirs = ours[:, visible], theirs[:, visible]
+            else:
+                assert not ours[n:].any(), name
+                ours = ours[:n].reshape(theirs.shape)
+            assert rel_err(ours, theirs) <= TOL, (i, name, rel_err(ours, theirs))
+
+
+def test_gradients_ask_for_what_they_need_and_cost_nothing_otherwise(gpt2_pair):
+    """Errors name the field and the way out, before any work; a forward with no hooks builds no graph; a
+    backward hook at a pattern may read but not replace; forwards and generation after a backward run as before."""
+    hooked, _ = gpt2_pair
+    before = hooked.generate(TOKENS[:1], max_new_tokens=4, do_sample=False, return_type="tokens", verbose=False)
+    with pytest.raises(ValueError, match=r"^incl_bwd: backpropagates a scalar, so it needs return_type='loss' \(got 'logits'\)"):
+        hooked.run_with_cache(TOKENS, incl_bwd=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^incl_bwd: gradients are off here"):
+        hooked.run_with_cache(TOKENS, return_type="loss", incl_bwd=True)
+    with pytest.raises(ValueError, match=r"^fwd_hooks: blocks.1.attn.hook_pattern cannot be hooked"):
+        hooked.run_with_hooks(TOKENS, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda x, hook: x)])
+    assert not hooked(TOKENS).requires_grad  # no hooks: inference mode, as ever
+    logits = hooked.run_with_hooks(TOKENS, bwd_hooks=[("blocks.1.attn.hook_pattern", lambda g, hook: g * 2)])
+    with pytest.raises(ValueError, match=r"^bwd_hooks: the function at blocks.1.attn.hook_pattern returned a tensor"):
+        logits[0, -1, 3].backward()
+    with torch.no_grad():  # hooks in force but gradients off: nothing to differentiate, nothing recorded
+        assert not hooked.run_with_hooks(TOKENS, bwd_hooks=[("blocks.1.hook_resid_pre", lambda g, hook: g)]).requires_grad
+    after = hooked.generate(TOKENS[:1], max_new_tokens=4, do_sample=False, return_type="tokens", verbose=False)
+    assert after.tolist() == before.tolist()
+    _, cache = hooked.run_with_cache(TOKENS, names_filter="blocks.1.hook_resid_post")
+    _, again = hooked.run_with_cache(TOKENS, names_filter="blocks.1.hook_resid_post", return_type="loss", incl_bwd=True)
+    assert torch.equal(cache["blocks.1.hook_resid_post"], again["blocks.1.hook_resid_post"])
+    names = ["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern"]  # positions kept of gradients as of values
+    _, whole = hooked.run_with_cache(TOKENS, names_filter=names, return_type="loss", incl_bwd=True)
+    _, last = hooked.run_with_cache(TOKENS, names_filter=names, return_type="loss", incl_bwd=True, pos_slice=-1)
+    assert torch.equal(last["blocks.1.hook_resid_post_grad"], whole["blocks.1.hook_resid_post_grad"][:, -1])
+    assert torch.equal(last["blocks.1.attn.hook_pattern_grad"], whole["blocks.1.attn.hook_pattern_grad"][:, :, -1])
+
+
+def test_the_attribution_patching_example_estimates_the_patching_sweep(smol_path, capsys):
+    """examples/attribution_patching_ioi.py on SmolLM2: one forward and backward of the corrupted run estimate
+    the 420 patches of the resid_pre sweep (r ≥ 0.8 with the sweep itself); late at the last position the
+    estimate is within 0.15 of the patch's effect, and at the name, where the patch replaces the whole token
+    (far from linear), it has the sign and the layers of the patch but falls short of it."""
+    import runpy
+    from pathlib import Path
+
+    ran = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "attribution_patching_ioi.py"), run_name="__main__")
+    estimate, actual, name = ran["estimate"], ran["actual"], ran["shown"][0]
+    assert ran["correlation"] >= 0.8 and estimate.shape == actual.shape == (30, 14)
+    assert (estimate[24:, -1] - actual[24:, -1]).abs().max() < 0.15 and actual[24:, -1].min() > 0.9
+    assert (estimate[:20, name] > 0.1).all() and (actual[:20, name] > 0.95).all()
+    assert "r = 0.8" in capsys.readouterr().out
