@@ -21,7 +21,8 @@ slow section costs only itself. Sections:
             batch and HF output_hidden_states
   hooked    SmolLM2-shape, float32, TF32 off, HookedLM on the GPU vs on the CPU: a resid_pre and a pattern
             patching sweep (vlens.patching: KV-cache copies resumed at a layer) and greedy generate with a hook
-            steering resid[:, -1] (over the KV cache): the metrics and the tokens, and the seconds each took
+            steering resid[:, -1] (over the KV cache), and the loss's gradients at three hooks (a pattern's among
+            them; run_with_cache(incl_bwd=True)): the metrics, tokens and gradients, and the seconds each took
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -350,6 +351,11 @@ def hooked(rows: dict, root: Path, quick: bool, device: str) -> None:
             got["tokens"] = model.generate(clean, max_new_tokens=12, do_sample=False, stop_at_eos=False,
                                            return_type="tokens", verbose=False)[0].tolist()  # fmt: skip
             got["generate_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        grads = ["blocks.0.hook_resid_pre", "blocks.10.attn.hook_z", "blocks.20.attn.hook_pattern"]
+        _, cache = model.run_with_cache(corrupted, names_filter=grads, return_type="loss", incl_bwd=True)
+        got["gradients_s"] = time.perf_counter() - start
+        got["gradients"] = {name: cache[f"{name}_grad"].cpu() for name in grads}
         out[where] = got
     mine, ref = out[device], out["cpu"]
     rows["hooked"] = {
@@ -357,6 +363,8 @@ def hooked(rows: dict, root: Path, quick: bool, device: str) -> None:
            ("get_act_patch_resid_pre", "get_act_patch_attn_head_pattern_all_pos")},
         "metric_scale": float(ref["get_act_patch_resid_pre"].abs().max()),
         "tokens_equal": mine["tokens"] == ref["tokens"],
+        **{f"{name}_grad_rel_err": float((mine["gradients"][name] - g).norm() / g.norm())
+           for name, g in ref["gradients"].items()},  # fmt: skip
         **{f"{key}_{where}": got[key] for where, got in out.items() for key in got if key.endswith("_s")},
     }  # fmt: skip
     torch.backends.cuda.matmul.allow_tf32 = True

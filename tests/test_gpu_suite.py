@@ -51,7 +51,8 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     """Narrow SmolLM2-shaped layers, float32: every tap of a trace, a paged generation, greedy tokens and
     chunked prefill against HF, as on the GPU (graphs off: this is the CPU); and the HookedLM section's
-    patching sweeps and steered generate (the CPU against itself here: the section's code, not its numbers)."""
+    patching sweeps, steered generate and gradients (the CPU against itself here: the section's code, not its
+    numbers)."""
     done = _suite(tmp_path, "--sections", "exact,hooked", "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
@@ -62,6 +63,7 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
     hooked = rows["hooked"]
     assert hooked["tokens_equal"] and hooked["get_act_patch_resid_pre_max_abs_diff"] == 0 < hooked["metric_scale"]
+    assert [v for k, v in hooked.items() if k.endswith("_grad_rel_err")] == [0.0] * 3
 
 
 def test_an_unknown_section_is_refused(tmp_path):

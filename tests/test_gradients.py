@@ -219,6 +219,17 @@ def test_gradients_ask_for_what_they_need_and_cost_nothing_otherwise(gpt2_pair):
     assert torch.equal(last["blocks.1.attn.hook_pattern_grad"], whole["blocks.1.attn.hook_pattern_grad"][:, :, -1])
 
 
+def test_a_forward_with_a_graph_runs_the_reference_attention_whatever_the_engine_s(gpt2_pair, tmp_path):
+    """An engine on FlexAttention (or FlashInfer, which has no backward) differentiates through sdpa: the same
+    gradients, bit for bit, as an engine on sdpa."""
+    hooked, _ = gpt2_pair
+    flex = HookedLM(hooked.llm.model_path, dtype="float32", device="cpu", attention_backend="flex", enforce_eager=True)
+    assert flex.llm.stats().attention_backend == "flex"
+    names = ["blocks.0.hook_resid_pre", "blocks.2.attn.hook_pattern"]
+    (_, a), (_, b) = (m.run_with_cache(TOKENS, names_filter=names, return_type="loss", incl_bwd=True) for m in (hooked, flex))
+    assert all(torch.equal(a[f"{n}_grad"], b[f"{n}_grad"]) for n in names)
+
+
 def test_the_attribution_patching_example_estimates_the_patching_sweep(smol_path, capsys):
     """examples/attribution_patching_ioi.py on SmolLM2: one forward and backward of the corrupted run estimate
     the 420 patches of the resid_pre sweep (r ≥ 0.8 with the sweep itself); late at the last position the

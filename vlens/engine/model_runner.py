@@ -40,6 +40,7 @@ import torch
 
 from vlens.attention import AttentionMetadata, layout
 from vlens.attention.decode import DecodeBackend
+from vlens.attention.sdpa import SdpaBackend
 from vlens.capture.names import LOGITS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_decode, plan_step
 from vlens.capture.rows import DecodePages
@@ -434,7 +435,8 @@ class ModelRunner:
         sequence i (default: every position). `hooks` are user functions run at their taps before the
         capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward).
         `grad`: outside inference mode, so what the hooks start an autograd graph from (HookedLM's backward
-        hooks) can be differentiated; the captures are detached either way."""
+        hooks) can be differentiated, with the sdpa backend, the exact reference, which has a backward on every
+        device (FlashInfer's kernels have none); the captures are detached either way."""
         if grad and self.model.executor is not None:
             raise ValueError("gradients: a forward with an autograd graph runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
@@ -446,7 +448,9 @@ class ModelRunner:
             sites = [*taps, *(hooks or {})]
             meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
             ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
-            self._forward(meta, ids, armed, forward_depth(sites, self.cfg), slice(None) if LOGITS in sites else None)
+            backend = SdpaBackend() if grad and not isinstance(self.backend, SdpaBackend) else None
+            logit_rows = slice(None) if LOGITS in sites else None
+            self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend)
             return PackedCapture(plan, self.taps.collect(plan))
 
     @torch.inference_mode()
