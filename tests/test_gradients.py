@@ -93,6 +93,39 @@ def test_backward_hooks_read_and_change_gradients_as_in_transformer_lens(gpt2_pa
     assert rel_err(ours["cut"], ours["blocks.0.hook_resid_pre"]) > 0.1  # (the cut changed it)
 
 
+def test_a_hook_s_ctx_carries_a_value_from_its_forward_hook_to_its_backward_one(gpt2_pair):
+    """TransformerLens's hook.ctx: a forward hook leaves the activation there, the backward hook at the same
+    point multiplies it by the gradient (a saliency map, activation × gradient per position): the same
+    numbers as TransformerLens's; reset_hooks empties ctx (clear_contexts=False keeps it), and hook_dict
+    hands out the same points the hooks get."""
+    hooked, reference = gpt2_pair
+    names = ["blocks.0.hook_resid_post", "blocks.2.attn.hook_z"]
+    saliency: dict = {}
+    for model in (reference, hooked):
+        saliency[model] = {}
+
+        def keep(act, hook):
+            hook.ctx["act"] = act.detach()
+
+        def times(grad, hook, out=saliency[model]):
+            out[hook.name] = (hook.ctx["act"] * grad).flatten(2).sum(-1)
+
+        model.reset_hooks()
+        model.add_hook(lambda name: name in names, keep)
+        model.add_hook(lambda name: name in names, times, "bwd")
+        model(TOKENS, return_type="loss").backward()
+        point = model.hook_dict[names[1]]
+        assert "act" in point.ctx
+        model.reset_hooks(clear_contexts=False)
+        assert "act" in point.ctx
+        model.reset_hooks()
+        assert point.ctx == {}
+    assert sorted(saliency[hooked]) == names
+    for name in names:
+        assert saliency[hooked][name].shape == (2, 9)
+        assert rel_err(saliency[hooked][name], saliency[reference][name]) <= TOL, name
+
+
 def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
     """vlens hook name -> d metric / d value through HF's own modules (eager attention) for one text: the
     residual stream, ln1's output, z (o_proj's input), the attention and MLP outputs, mlp.hook_post (down_proj's

@@ -36,10 +36,15 @@ class Hook:
 
 
 class HookPoint:
-    """What a hook function gets as `hook`: the name of its tap."""
+    """What a hook function gets as `hook`: the name of its tap, and `ctx`, a dict the hooks at it share (a
+    forward hook can leave there what the backward hook reads) until reset_hooks clears it."""
 
     def __init__(self, name: str):
         self.name = name
+        self.ctx: dict = {}
+
+    def clear_context(self) -> None:
+        self.ctx = {}
 
     def layer(self) -> int:
         match = re.match(r"blocks\.(\d+)\.", self.name)
@@ -56,8 +61,8 @@ class TapHooks:
     leaving the tap, graph and all (`kept`): what a forward with a graph returns is read there, not from
     the captures, which are detached copies."""
 
-    def __init__(self, name: str, fwd: list[HookFn], bwd: list[HookFn], padding: Padding, keep: bool = False):
-        self.point, self.fwd, self.bwd, self.padding, self.keep = HookPoint(name), fwd, bwd, padding, keep
+    def __init__(self, point: HookPoint, fwd: list[HookFn], bwd: list[HookFn], padding: Padding, keep: bool = False):
+        self.point, self.fwd, self.bwd, self.padding, self.keep = point, fwd, bwd, padding, keep
         self.kept: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,9 +111,9 @@ class PatternGrads:
 
     def __init__(
         self, layer: int, fns: dict[str, list[HookFn]], values: dict[str, torch.Tensor],
-        grads: dict[str, torch.Tensor], saved: set[str],
+        grads: dict[str, torch.Tensor], saved: set[str], points: dict[str, HookPoint],
     ):  # fmt: skip
-        self.fns, self.values, self.grads, self.saved = fns, values, grads, saved
+        self.fns, self.values, self.grads, self.saved, self.points = fns, values, grads, saved, points
         self.v, self.pattern = f"blocks.{layer}.attn.hook_v", f"blocks.{layer}.attn.hook_pattern"
         scores = any(not t.endswith("hook_pattern") for t in fns.keys() | saved)
         self.needs = [self.v, *([self.pattern] if scores else [])]  # what the forward must capture for them
@@ -122,9 +127,8 @@ class PatternGrads:
             if not tap.endswith("hook_pattern"):
                 p = self.values[self.pattern].to(d_pattern.dtype)
                 grad = p * (d_pattern - (p * d_pattern).sum(-1, keepdim=True))
-            point = HookPoint(tap)
             for fn in self.fns.get(tap, ()):
-                if fn(grad, hook=point) is not None:
+                if fn(grad, hook=self.points[tap]) is not None:
                     raise ValueError(
                         f"bwd_hooks: the function at {tap} returned a tensor; a gradient there is read, not replaced "
                         "(vlens computes scores and patterns off the gradient's path: change the one at attn.hook_z)"

@@ -113,6 +113,7 @@ class HookedLM(ModelWeights):
         # in the order they run: until reset_hooks or the end of their `with`, the permanent ones until
         # reset_hooks(including_permanent=True)
         self._hooks: list[Hook] = []
+        self._points: dict[str, HookPoint] = {}  # by name, made when first named: what hooks get as `hook`
 
     from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
     from_pretrained_no_processing = from_pretrained  # (vlens never folds or centres: the values are HF's)
@@ -166,7 +167,12 @@ class HookedLM(ModelWeights):
     @property
     def hook_dict(self) -> dict[str, HookPoint]:
         """Every hook of this model by name (TransformerLens's `model.hook_dict`: what filters and hooks name)."""
-        return {name: HookPoint(name) for name in self._names_in_order}
+        return {name: self._point(name) for name in self._names_in_order}
+
+    def _point(self, name: str) -> HookPoint:
+        if name not in self._points:
+            self._points[name] = HookPoint(name)
+        return self._points[name]
 
     def _pad_id(self) -> int:
         """What fills a row past its text: the pad token, else EOS, else 0."""
@@ -289,12 +295,13 @@ class HookedLM(ModelWeights):
         loss_per_token: bool = False,
         prepend_bos: bool | None = None,
         reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
     ):
         """The forward with `fn(value, hook)` run at each named tap (a name, glob or a function of the
         name); a hook that returns a tensor of the shape it got replaces the value. `bwd_hooks` run on the
         gradients when the output (or anything computed from it) is backpropagated, after this returns;
         reset_hooks_end=False leaves all of them in force for later forwards (until reset_hooks)."""
-        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end):
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
             output, _ = self._run(input, attention_mask, {}, stop_at_layer=self._stop_layer(stop_at_layer),
                                   return_type=return_type, loss_per_token=loss_per_token, prepend_bos=prepend_bos)  # fmt: skip
         return output
@@ -312,10 +319,11 @@ class HookedLM(ModelWeights):
     @contextlib.contextmanager
     def hooks(
         self, fwd_hooks: Sequence[tuple[Any, HookFn]] = (), bwd_hooks: Sequence[tuple[Any, HookFn]] = (),
-        reset_hooks_end: bool = True,
+        reset_hooks_end: bool = True, clear_contexts: bool = False,
     ):  # fmt: skip
         """Hooks that apply to every forward inside the `with` block (and those add_hook adds there, but for
-        the permanent ones, end with it, unless reset_hooks_end is False)."""
+        the permanent ones, end with it, unless reset_hooks_end is False; clear_contexts: the hooks' `ctx`
+        dicts are emptied then too)."""
         before = list(self._hooks)
         self._hooks += [Hook(where, fn, "fwd") for where, fn in fwd_hooks]
         self._hooks += [Hook(where, fn, "bwd") for where, fn in bwd_hooks]
@@ -324,6 +332,8 @@ class HookedLM(ModelWeights):
         finally:
             if reset_hooks_end:
                 self._hooks = [h for h in self._hooks if h.permanent or h in before]
+                if clear_contexts:
+                    self._clear_contexts()
 
     def add_hook(
         self, name: Any, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False
@@ -337,13 +347,20 @@ class HookedLM(ModelWeights):
             raise ValueError(f"dir: {dir!r} is not one of {', '.join(DIRECTIONS)}")
         self._hooks.insert(0 if prepend else len(self._hooks), Hook(name, hook, dir, is_permanent))
 
-    def reset_hooks(self, including_permanent: bool = False, direction: str = "both") -> None:
-        """Remove the hooks in place (but the permanent ones, unless asked); direction "fwd" or "bwd": only those."""
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False) -> None:
+        """Remove the hooks in place (but the permanent ones, unless asked; direction "fwd" or "bwd": only those),
+        and empty the hooks' `ctx` dicts (unless clear_contexts is False), as TransformerLens's does."""
         if direction not in (*DIRECTIONS, "both"):
             raise ValueError(f"direction: {direction!r} is not one of fwd, bwd, both")
         self._hooks = [
             h for h in self._hooks if (h.permanent and not including_permanent) or direction not in ("both", h.dir)
         ]
+        if clear_contexts:
+            self._clear_contexts()
+
+    def _clear_contexts(self) -> None:
+        for point in self._points.values():
+            point.clear_context()
 
     def _names(self, names_filter: NamesFilter) -> dict[str, str]:
         """Requested name -> tap, for a filter in any TransformerLens form (aliases like hidden_states.i
@@ -386,9 +403,10 @@ class HookedLM(ModelWeights):
                 bwd.setdefault(tap, []).append(partial(_save_grad, grads))
         for layer, fns in at_patterns.items():
             mine = {t for t in saved if is_pattern(t) and _layer(t) == layer}
-            bwd.setdefault(f"blocks.{layer}.attn.hook_z", []).append(PatternGrads(layer, fns, values, grads, mine))
+            points = {t: self._point(t) for t in fns.keys() | mine}
+            bwd.setdefault(f"blocks.{layer}.attn.hook_z", []).append(PatternGrads(layer, fns, values, grads, mine, points))
         taps = [*fwd, *(t for t in bwd if t not in fwd), *([keep] if keep is not None and keep not in fwd | bwd else [])]
-        return {t: TapHooks(t, fwd.get(t, []), bwd.get(t, []), padding, keep=t == keep) for t in taps}
+        return {t: TapHooks(self._point(t), fwd.get(t, []), bwd.get(t, []), padding, keep=t == keep) for t in taps}
 
     def _run(
         self, input: Any, attention_mask: torch.Tensor | None, names: dict[str, str], *, stop_at_layer: int | None = None,
