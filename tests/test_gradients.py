@@ -126,6 +126,24 @@ def test_a_hook_s_ctx_carries_a_value_from_its_forward_hook_to_its_backward_one(
         assert rel_err(saliency[hooked][name], saliency[reference][name]) <= TOL, name
 
 
+def test_transformer_lens_s_attribution_patching_runs_on_a_hooked_lm(gpt2_pair):
+    """TransformerLens 3.9's tools.analysis.attribution_patching (written for its TransformerBridge: hook_dict,
+    hooks(fwd_hooks, bwd_hooks), and torch.autograd.grad with respect to the tensors its forward hooks were
+    handed) runs on a HookedLM as it is: every node's score (embeddings, each head's output, each MLP's, at
+    each position) equals the module's on TransformerLens's own model, averaged over two prompt pairs."""
+    from transformer_lens.tools.analysis.attribution_patching import attribution_patch
+
+    hooked, reference = gpt2_pair
+    corrupt = TOKENS.clone()
+    corrupt[:, 3] = 77
+    metric = lambda logits: logits[0, -1, 7] - logits[0, -1, 9]  # noqa: E731
+    theirs, ours = (attribution_patch(m, TOKENS, corrupt, metric).node_scores for m in (reference, hooked))
+    assert set(ours) == set(theirs) and len(ours) == 9 * (1 + 3 * (4 + 1))
+    nodes = sorted(theirs, key=str)
+    assert rel_err(torch.tensor([ours[n] for n in nodes]), torch.tensor([theirs[n] for n in nodes])) <= TOL
+    assert any(abs(theirs[n]) > 0.01 for n in nodes)
+
+
 def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
     """vlens hook name -> d metric / d value through HF's own modules (eager attention) for one text: the
     residual stream, ln1's output, z (o_proj's input), the attention and MLP outputs, mlp.hook_post (down_proj's

@@ -66,14 +66,16 @@ class TapHooks:
         self.kept: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        backward = bool(self.bwd) and torch.is_grad_enabled()
+        if backward and not x.requires_grad:  # nothing before this tap is differentiated: the graph starts here,
+            x = x.detach().requires_grad_()  # so what the forward hooks get is on it too
         if self.fwd:
             value = self.padding.pad(x)
             x = self.padding.pack(self._through(self.fwd, value, "fwd_hooks")).to(x.dtype)
-        if self.bwd and torch.is_grad_enabled():
-            # A new tensor either way: where a model computes on from a tap's value only when the tap returned
-            # another (a norm's scale), the gradient then flows through it. Where nothing before this tap is
-            # differentiated, the graph starts here.
-            x = x.view_as(x) if x.requires_grad else x.detach().requires_grad_()
+        if backward:
+            # A new tensor: where a model computes on from a tap's value only when the tap returned another (a
+            # norm's scale), the gradient then flows through it.
+            x = x.view_as(x)
             x.register_hook(self._backward)
         if self.keep:
             self.kept = x
