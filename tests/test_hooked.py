@@ -624,3 +624,34 @@ def test_test_prompt_prints_what_transformer_lens_prints(hooked, capsys, answer)
     utils.test_prompt("The capital of France is", answer, hooked, top_k=4)
     got = capsys.readouterr().out
     assert got == want and "Rank: " in got and got.count("Top ") == 4 * (2 if answer == "Paris is" else 1)
+
+
+def test_transformer_lens_s_head_detector_and_induction_loss_run_on_a_hooked_lm(hooked, hf_smol):
+    """TransformerLens's head_detector.detect_head and evals.induction_loss read `cfg.dtype` and
+    `cfg.default_prepend_bos` (SmolLM2's tokenizer puts no BOS first) besides the cache and the loss: on a
+    HookedLM they give what they give with HF's own attention patterns (detect_head takes a cache) and logits."""
+    from transformer_lens import evals
+    from transformer_lens import utils as tl_utils
+    from transformer_lens.head_detector import detect_head
+
+    assert (hooked.cfg.dtype, hooked.cfg.default_prepend_bos) == (torch.float32, False)
+    text = "The cat sat on the mat. The cat sat on the mat."
+    tokens = hooked.to_tokens(text)
+    implementation = hf_smol.config._attn_implementation
+    hf_smol.set_attn_implementation("eager")  # (the attention that returns its patterns)
+    try:
+        with torch.no_grad():
+            attentions = hf_smol(tokens, output_attentions=True).attentions
+    finally:
+        hf_smol.set_attn_implementation(implementation)
+    hf_cache = {("pattern", layer, "attn"): a[0] for layer, a in enumerate(attentions)}
+    for kind in ("previous_token_head", "induction_head", "duplicate_token_head"):
+        ours, theirs = detect_head(hooked, text, kind), detect_head(hooked, text, kind, cache=hf_cache)
+        assert ours.shape == (30, 9) and rel_err(ours, theirs) <= 1e-5, kind
+    torch.manual_seed(0)
+    loss = evals.induction_loss(hooked, batch_size=2, subseq_len=20, device="cpu")
+    torch.manual_seed(0)
+    repeated = torch.randint(100, 20000, (2, 20)).repeat(1, 2)  # (induction_loss's tokens, drawn the same way)
+    with torch.no_grad():
+        per_token = tl_utils.lm_cross_entropy_loss(hf_smol(repeated).logits, repeated, per_token=True)
+    assert abs(loss.item() - per_token[:, 21:].mean().item()) <= 1e-5 * loss.item()

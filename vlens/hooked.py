@@ -90,13 +90,20 @@ test_prompt.__test__ = False  # (a function of this module, not a test for pytes
 @dataclass(frozen=True)
 class HookedConfig(ModelConfig):
     """The model's config with TransformerLens's `cfg.device` (`tokens.to(model.cfg.device)`; its patching
-    module puts its results there)."""
+    module puts its results there), `cfg.dtype`, and `cfg.default_prepend_bos` (whether texts get BOS first
+    when prepend_bos is not given: here, whether the tokenizer puts it there), which its evals and head
+    detector read."""
 
     device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    default_prepend_bos: bool = False
 
     @classmethod
-    def of(cls, cfg: ModelConfig, device: torch.device) -> HookedConfig:
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, device=device)
+    def of(cls, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tokenizer: Any) -> HookedConfig:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        adds_bos = bos is not None and tokenizer("x")["input_ids"][:1] == [bos]
+        values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+        return cls(**values, device=device, dtype=dtype, default_prepend_bos=adds_bos)
 
 
 class HookedLM(ModelWeights):
@@ -106,7 +113,8 @@ class HookedLM(ModelWeights):
 
     def __init__(self, model: str | None = None, **settings: Any):
         self.llm = LLM(model, **settings)
-        self.cfg, self.tokenizer = HookedConfig.of(self.llm.config, self.llm.runner.device), self.llm.tokenizer
+        self.tokenizer = self.llm.tokenizer
+        self.cfg = HookedConfig.of(self.llm.config, self.llm.runner.device, self.llm.runner.dtype, self.tokenizer)
         self._shapes = hook_shapes(self.cfg)
         # every hook name but the hidden_states.i aliases, which only a name asks for
         self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
