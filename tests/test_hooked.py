@@ -655,3 +655,15 @@ def test_transformer_lens_s_head_detector_and_induction_loss_run_on_a_hooked_lm(
     with torch.no_grad():
         per_token = tl_utils.lm_cross_entropy_loss(hf_smol(repeated).logits, repeated, per_token=True)
     assert abs(loss.item() - per_token[:, 21:].mean().item()) <= 1e-5 * loss.item()
+
+
+def test_the_cache_lives_where_the_model_does_unless_asked(hooked):
+    """As in TransformerLens: outputs and cache on the model's device (where captures, which reach the host,
+    are moved back: on CUDA `cache[...] @ model.W_U` must not mix devices); `device=` puts the cache, its
+    gradients too, elsewhere ("meta" here, the one other device a CPU has)."""
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    logits, cache = hooked.run_with_cache(TEXTS[:2], names_filter=names)
+    assert {logits.device, *(cache[n].device for n in names)} == {hooked.cfg.device}
+    loss, moved = hooked.run_with_cache(TEXTS[:2], names_filter=names, return_type="loss", incl_bwd=True, device="meta")
+    assert loss.device == hooked.cfg.device and sorted(moved) == sorted([*names, *(f"{n}_grad" for n in names)])
+    assert {moved[n].device.type for n in moved} == {"meta"}

@@ -271,8 +271,10 @@ class HookedLM(ModelWeights):
         remove_batch_dim: bool = False,
         prepend_bos: bool | None = None,
         incl_bwd: bool = False,
+        device: str | torch.device | None = None,
     ) -> tuple[Any, ActivationCache]:
-        """(output, cache). names_filter: a name, glob, list of them, or a function of the name (None:
+        """(output, cache), both on the model's device (`device`: the cache on that one instead, as
+        TransformerLens's). names_filter: a name, glob, list of them, or a function of the name (None:
         every hook); stop_at_layer: run only the layers below it and return the residual entering it
         ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
         each text, counted from its own start (negative: from its own end); remove_batch_dim: a cache of
@@ -290,7 +292,7 @@ class HookedLM(ModelWeights):
             names = {n: t for n, t in names.items() if layers_needed(t, self.cfg) <= stop_at_layer}
         return self._run(input, attention_mask, names, stop_at_layer=stop_at_layer, pos_slice=pos_slice,
                          return_type=return_type, loss_per_token=loss_per_token, remove_batch_dim=remove_batch_dim,
-                         prepend_bos=prepend_bos, incl_bwd=incl_bwd)  # fmt: skip
+                         prepend_bos=prepend_bos, incl_bwd=incl_bwd, device=device)  # fmt: skip
 
     def run_with_hooks(
         self,
@@ -419,7 +421,7 @@ class HookedLM(ModelWeights):
     def _run(
         self, input: Any, attention_mask: torch.Tensor | None, names: dict[str, str], *, stop_at_layer: int | None = None,
         pos_slice=None, return_type: str | None = "logits", loss_per_token: bool = False, remove_batch_dim: bool = False,
-        prepend_bos: bool | None = None, incl_bwd: bool = False,
+        prepend_bos: bool | None = None, incl_bwd: bool = False, device: str | torch.device | None = None,
     ) -> tuple[Any, ActivationCache]:  # fmt: skip
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type: {return_type!r} is not one of logits, loss, both, None")
@@ -445,11 +447,17 @@ class HookedLM(ModelWeights):
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
-        padded = {t: padding.pad(torch.cat(_keys_in_layout(t, parts, padding))) for t, parts in rows.items() if t in names.values() or t in needed}
+        # Captures reach the host (the engine's way); a notebook's values are where the model is, as in
+        # TransformerLens (`cache[...] @ model.W_U`; the gradients, and what PatternGrads reads, are there too).
+        on = self.cfg.device
+        padded = {
+            t: padding.pad(torch.cat(_keys_in_layout(t, parts, padding))).to(on)
+            for t, parts in rows.items() if t in names.values() or t in needed
+        }  # fmt: skip
         values.update({t: _heads_first(t, padded[t]) for t in needed})
         out = None
         if output is not None:  # (the output's packed rows: the loss needs no padded logits)
-            rows_out = hooks[output].kept if grad else torch.cat(rows[output])
+            rows_out = hooks[output].kept if grad else torch.cat(rows[output]).to(on)
             out = padding.pad(rows_out) if return_type != "loss" or output != LOGITS else None
         if output == LOGITS and return_type != "logits":
             loss = _loss(rows_out, seqs, padding, loss_per_token)
@@ -460,6 +468,8 @@ class HookedLM(ModelWeights):
         # (a pattern's gradient comes heads first, as the cache has it: positions are kept with queries first)
         cached |= {f"{n}_grad": _heads_first(t, keep_positions(_heads_first(t, grads[t]), padding, pos_slice))
                    for n, t in names.items() if t in grads}  # fmt: skip
+        if device is not None:
+            cached = {n: v.to(device) for n, v in cached.items()}
         return out, ActivationCache(cached, padding.mask, self, has_batch_dim=not remove_batch_dim, pos_slice=pos_slice)
 
     def _keeps_graph(self, incl_bwd: bool) -> bool:
