@@ -1,6 +1,7 @@
 """Activation patching sweeps: vlens.patching (many patches to a packed forward) against the same sweep one
 forward per patch — TransformerLens's `patching` module looping over vlens's HookedLM, and an HF forward per
-patch with the clean row put in by a forward pre-hook — in one run.
+patch with the clean row put in by a forward pre-hook — in one run; and attribution patching's estimate of
+the sweep (one forward and one backward of the corrupted run, gradients at vlens's backward hooks).
 
     .venv/bin/python benchmarks/bench_patching.py [--repeats 2]
 
@@ -70,7 +71,20 @@ def main() -> None:
                         handle.remove()
         results["hf"] = out
 
-    t_vlens, t_tl, t_hf = best_alternating([ours, transformer_lens_loop, hf_loop], repeats)
+    def attribution():
+        """The sweep estimated from one forward and backward of the corrupted run (the clean run's cache is
+        the sweep's too): (clean - corrupted) . gradient of the metric, at every layer and position."""
+        grads = {}
+        with hooked.hooks(bwd_hooks=[("blocks.*.hook_resid_pre", lambda g, hook: grads.__setitem__(hook.name, g))]):
+            logits, corrupted_cache = hooked.run_with_cache(corrupted, names_filter="blocks.*.hook_resid_pre")
+            value = metric(logits)
+            value.backward()
+        results["attribution"] = value.detach() + torch.stack([
+            ((cache["resid_pre", L] - corrupted_cache["resid_pre", L]) * grads[f"blocks.{L}.hook_resid_pre"]).sum(-1)[0]
+            for L in range(hooked.cfg.n_layers)
+        ])  # fmt: skip
+
+    t_vlens, t_tl, t_hf, t_attr = best_alternating([ours, transformer_lens_loop, hf_loop, attribution], repeats)
     patches = hooked.cfg.n_layers * clean.shape[1]
     differs = max((results[k] - results["hf"]).abs().max().item() for k in ("vlens", "tl"))
     print(f"\nresid_pre patching sweep, SmolLM2-135M float32, {patches} patches of a {clean.shape[1]}-token prompt; "
@@ -80,6 +94,8 @@ def main() -> None:
     print(f"{'HF, a forward per patch (a pre-hook puts the clean row in)':<58}{t_hf:>8.2f}{1.0:>9.2f}x")
     print(f"{'TransformerLens patching over vlens HookedLM (a forward each)':<58}{t_tl:>8.2f}{t_tl / t_hf:>9.2f}x")
     print(f"{'vlens.patching (patches packed into forwards)':<58}{t_vlens:>8.2f}{t_vlens / t_hf:>9.2f}x")
+    r = torch.corrcoef(torch.stack([results["attribution"].flatten(), results["hf"].flatten()]))[0, 1].item()
+    print(f"{f'attribution patching, its estimate (r = {r:.2f} with the sweep)':<58}{t_attr:>8.2f}{t_attr / t_hf:>9.3f}x")
 
 
 if __name__ == "__main__":
