@@ -393,7 +393,7 @@ class HookedLM(ModelWeights):
         bwd: dict[str, list[HookFn]] = {}
         at_patterns: dict[int, dict[str, list[HookFn]]] = {}
         for h in self._hooks:
-            chosen = [n for n in self._names_in_order if h.where(n)] if callable(h.where) else list(resolve_hooks(h.where, self.cfg).values())
+            chosen = list(self._names(h.where).values())
             off_path = [t for t in chosen if is_pattern(t)]
             if off_path and h.dir == "fwd":
                 raise ValueError(
