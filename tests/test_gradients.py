@@ -1,6 +1,6 @@
 """Gradients at hooks (HookedLM's backward hooks and run_with_cache(incl_bwd=True)) against TransformerLens's own
 autograd on the same GPT-2 weights, and against HF's autograd through its own modules on a grouped-query Llama
-run packed with texts of other lengths."""
+and on Gemma 2, each text run packed with texts of other lengths."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build, transformer_lens_gpt2
-from transformers import AutoModelForCausalLM, LlamaConfig
+from hf_reference import family_of
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from vlens import HookedLM
 
@@ -145,9 +146,11 @@ def test_transformer_lens_s_attribution_patching_runs_on_a_hooked_lm(gpt2_pair):
 
 
 def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
-    """vlens hook name -> d metric / d value through HF's own modules (eager attention) for one text: the
-    residual stream, ln1's output, z (o_proj's input), the attention and MLP outputs, mlp.hook_post (down_proj's
-    input), and the attention scores (the softmax's input) and pattern of each layer."""
+    """vlens hook name -> d metric / d value through HF's own modules (eager attention) for one text: each
+    layer's input and output (the residual stream), and the taps hf_reference's table finds as a module's
+    output (ln1.hook_out, hook_attn_out, hook_mlp_out, ...) or input (hook_resid_mid, attn.hook_z,
+    mlp.hook_post), and the attention scores (the softmax's input) and pattern of each layer."""
+    _, family = family_of(hf)
     seen: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -158,15 +161,13 @@ def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
 
         handles.append(module.register_forward_hook(hook))
 
-    for layer, block in enumerate(hf.model.layers):
+    for layer, block in enumerate(hf.get_submodule(family.layers)):
         p = f"blocks.{layer}."
         keep(block, p + "hook_resid_post", True)
-        keep(block.input_layernorm, p + "ln1.hook_out", True)
-        keep(block.self_attn.o_proj, p + "attn.hook_z", False)
-        keep(block.self_attn, p + "hook_attn_out", True)
-        keep(block.post_attention_layernorm, p + "hook_resid_mid", False)
-        keep(block.mlp.down_proj, p + "mlp.hook_post", False)
-        keep(block.mlp, p + "hook_mlp_out", True)
+        for kind, path in family.outputs.items():
+            keep(block.get_submodule(path), p + kind, True)
+        for kind, path in family.inputs.items():
+            keep(block.get_submodule(path), p + kind, False)
     scores = []
     softmax = torch.nn.functional.softmax
 
@@ -175,31 +176,38 @@ def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
         return softmax(x, dim, *args, **kwargs)
 
     hf.set_attn_implementation("eager")
-    embedded = hf.model.embed_tokens(torch.tensor([ids])).detach().requires_grad_()
+    embedded = hf.get_submodule(family.embed)(torch.tensor([ids])).detach().requires_grad_()
     torch.nn.functional.softmax = recording
     try:
-        out = hf(inputs_embeds=embedded, output_attentions=True, use_cache=False)
+        out = hf(inputs_embeds=embedded, output_attentions=True, output_hidden_states=True, use_cache=False)
     finally:
         torch.nn.functional.softmax = softmax
         for h in handles:
             h.remove()
-    seen["blocks.0.hook_resid_pre"] = embedded
-    for layer in range(1, len(hf.model.layers)):
-        seen[f"blocks.{layer}.hook_resid_pre"] = seen[f"blocks.{layer - 1}.hook_resid_post"]
     for layer, (s, a) in enumerate(zip(scores, out.attentions, strict=True)):
+        seen[f"blocks.{layer}.hook_resid_pre"] = out.hidden_states[layer]  # (the very tensor each layer is given)
         seen[f"blocks.{layer}.attn.hook_attn_scores"], seen[f"blocks.{layer}.attn.hook_pattern"] = s, a
     names = list(seen)
     grads = torch.autograd.grad(metric(out.logits[0]), [seen[n] for n in names])
     return {n: g[0] for n, g in zip(names, grads)}
 
 
-def test_gradients_of_packed_texts_equal_hf_s_autograd_text_by_text(tmp_path):
-    """A grouped-query Llama (rotary, 2 KV heads for 4) run on three texts of different lengths in one packed
-    forward: the gradient of a metric summed over the texts at each hook equals, for each text, HF's autograd
-    of its own metric through its own modules (a text's gradient depends on nothing of the others'), at its
-    positions; zeros past its end. Scores are compared where a key is visible (elsewhere both are 0)."""
-    config = LlamaConfig(**COMMON, num_key_value_heads=2)
-    path = build(config, tmp_path, "llama")
+GRADIENT_FAMILIES = {
+    "llama": lambda: LlamaConfig(**COMMON, num_key_value_heads=2),
+    "gemma2": lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                   query_pre_attn_scalar=16, attn_logit_softcapping=30.0,
+                                   final_logit_softcapping=20.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(GRADIENT_FAMILIES))
+def test_gradients_of_packed_texts_equal_hf_s_autograd_text_by_text(family, tmp_path):
+    """A grouped-query Llama (rotary, 2 KV heads for 4) and Gemma 2 (a sliding window of 6, soft-capped scores
+    and logits, norms after attention and MLP) run on three texts of different lengths in one packed forward:
+    the gradient of a metric summed over the texts at each hook equals, for each text, HF's autograd of its
+    own metric through its own modules (a text's gradient depends on nothing of the others'), at its positions;
+    zeros past its end. Scores are compared where a key is visible (elsewhere both are 0)."""
+    path = build(GRADIENT_FAMILIES[family](), tmp_path, family)
     hooked = HookedLM(path, dtype="float32", device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)
