@@ -145,6 +145,64 @@ def test_transformer_lens_s_attribution_patching_runs_on_a_hooked_lm(gpt2_pair):
     assert any(abs(theirs[n]) > 0.01 for n in nodes)
 
 
+def _get_cache_fwd_and_bwd(model, tokens, metric, cache_class):
+    """The attribution-patching notebook's helper (Nanda), as it is written there: forward and backward hooks
+    that keep every non-input activation and its gradient, and both wrapped in the library's ActivationCache."""
+    filter_not_qkv_input = lambda name: "_input" not in name  # noqa: E731
+    model.reset_hooks()
+    cache = {}
+
+    def forward_cache_hook(act, hook):
+        cache[hook.name] = act.detach()
+
+    model.add_hook(filter_not_qkv_input, forward_cache_hook, "fwd")
+    grad_cache = {}
+
+    def backward_cache_hook(act, hook):
+        grad_cache[hook.name] = act.detach()
+
+    model.add_hook(filter_not_qkv_input, backward_cache_hook, "bwd")
+    value = metric(model(tokens))
+    value.backward()
+    model.reset_hooks()
+    return value.item(), cache_class(cache, model), cache_class(grad_cache, model)
+
+
+def test_the_attribution_patching_notebook_s_helper_ports_by_its_imports(gpt2_pair):
+    """The notebook's get_cache_fwd_and_bwd with vlens's ActivationCache (TransformerLens's constructor:
+    cache_dict, model) on a HookedLM: the metric, and the attribution of each layer's residual stream and of
+    each head's output, from the caches' own stack_activation and ["z", L], equal TransformerLens's."""
+    from transformer_lens import ActivationCache as TLActivationCache
+
+    from vlens import ActivationCache
+
+    hooked, reference = gpt2_pair
+    corrupt = TOKENS.clone()
+    corrupt[:, 3] = 77
+    metric = lambda logits: (logits[:, -1, 7] - logits[:, -1, 9]).mean()  # noqa: E731
+    got = {}
+    for model, cache_class in ((reference, TLActivationCache), (hooked, ActivationCache)):
+        if model is reference:  # (the notebook's set-up: TransformerLens refuses hooks at its gated points else)
+            flags = (model.set_use_attn_result, model.set_use_attn_in, model.set_use_hook_mlp_in)
+            for flag in flags:
+                flag(True)
+        try:
+            _, clean, _ = _get_cache_fwd_and_bwd(model, TOKENS, metric, cache_class)
+            value, corrupted, grads = _get_cache_fwd_and_bwd(model, corrupt, metric, cache_class)
+        finally:
+            if model is reference:
+                for flag in flags:
+                    flag(False)
+        resid = ((clean.stack_activation("resid_pre") - corrupted.stack_activation("resid_pre"))
+                 * grads.stack_activation("resid_pre")).sum(-1)  # fmt: skip
+        heads = torch.stack([((clean["z", L] - corrupted["z", L]) * grads["z", L]).sum(-1) for L in range(3)])
+        got[model] = value, resid, heads
+    (value, resid, heads), (value_tl, resid_tl, heads_tl) = got[hooked], got[reference]
+    assert abs(value - value_tl) <= 1e-5 * abs(value_tl)
+    assert resid.shape == resid_tl.shape == (3, 2, 9) and rel_err(resid, resid_tl) <= TOL
+    assert heads.shape == heads_tl.shape == (3, 2, 9, 4) and rel_err(heads, heads_tl) <= TOL
+
+
 def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
     """vlens hook name -> d metric / d value through HF's own modules (eager attention) for one text: each
     layer's input and output (the residual stream), and the taps hf_reference's table finds as a module's
@@ -258,7 +316,7 @@ def test_gradients_ask_for_what_they_need_and_cost_nothing_otherwise(gpt2_pair):
         hooked.run_with_cache(TOKENS, incl_bwd=True)
     with torch.no_grad(), pytest.raises(ValueError, match=r"^incl_bwd: gradients are off here"):
         hooked.run_with_cache(TOKENS, return_type="loss", incl_bwd=True)
-    with pytest.raises(ValueError, match=r"^fwd_hooks: blocks.1.attn.hook_pattern cannot be hooked"):
+    with pytest.raises(ValueError, match=r"^fwd_hooks: the function at blocks.1.attn.hook_pattern returned a tensor"):
         hooked.run_with_hooks(TOKENS, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda x, hook: x)])
     assert not hooked(TOKENS).requires_grad  # no hooks: inference mode, as ever
     logits = hooked.run_with_hooks(TOKENS, bwd_hooks=[("blocks.1.attn.hook_pattern", lambda g, hook: g * 2)])

@@ -465,12 +465,21 @@ def test_bad_input_names_the_problem(hooked):
 
 @pytest.mark.parametrize("where", ["blocks.1.attn.hook_pattern", "blocks.*.attn.hook_attn_scores",
                                    lambda name: name.endswith("hook_pattern")])  # fmt: skip
-def test_hooks_at_attention_patterns_are_refused_by_name(hooked, where):
-    """Patterns are computed beside the fused attention: a hook there could change nothing (and used to
-    fail mid-forward with an AttributeError)."""
-    refused = r"fwd_hooks: blocks\.\d+\.attn\.hook_(pattern|attn_scores).* cannot be hooked"
-    with pytest.raises(ValueError, match=refused):
-        hooked.run_with_hooks("hi", fwd_hooks=[(where, lambda x, hook: None)])
+def test_hooks_at_attention_patterns_read_them_and_are_refused_a_replacement(hooked, where):
+    """Patterns are computed beside the fused attention, so a forward hook there reads them, after the forward
+    ([batch, heads, query_pos, key_pos], layer by layer: what run_with_cache gives, which the parity tests hold
+    to HF's); one that returns a tensor could change nothing and is refused by name, as is one in generate (and
+    such hooks used to fail mid-forward with an AttributeError)."""
+    seen = {}
+    logits = hooked.run_with_hooks(TEXTS[:2], fwd_hooks=[(where, lambda x, hook: seen.__setitem__(hook.name, x.clone()))])
+    _, cache = hooked.run_with_cache(TEXTS[:2], names_filter=list(seen))
+    assert seen and list(seen) == sorted(seen, key=lambda n: int(n.split(".")[1]))
+    assert all(torch.equal(seen[n], cache[n]) for n in seen) and torch.equal(logits, hooked(TEXTS[:2]))
+    with pytest.raises(ValueError, match=r"^fwd_hooks: the function at blocks\.\d+\.attn\.hook_\w+ returned a tensor"):
+        hooked.run_with_hooks("hi", fwd_hooks=[(where, lambda x, hook: x)])
+    refused = r"fwd_hooks: blocks\.\d+\.attn\.hook_(pattern|attn_scores).* cannot be hooked in generate"
+    with hooked.hooks([(where, lambda x, hook: None)]), pytest.raises(ValueError, match=refused):
+        hooked.generate("hi", max_new_tokens=2, verbose=False)
     assert hooked("hi").shape[:2] == (1, len(hooked.to_tokens("hi")[0]))  # nothing left armed
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from vlens.attribution import Attribution
+from vlens.capture.names import is_pattern
 from vlens.hooked_weights import ModelWeights
 
 ATTN_NAMES = {"q", "k", "v", "z", "pattern", "attn_scores", "result", "rot_q", "rot_k"}
@@ -88,13 +89,20 @@ class ActivationCache(Attribution, Mapping):
     `remove_batch_dim()` (a batch of one) every value, and what the methods return, lacks the batch dimension.
     Direct logit attribution (decompose_resid, stack_head_results, stack_neuron_results,
     get_full_resid_decomposition, apply_ln_to_stack, logit_attrs) is in vlens.attribution. `pos_slice`:
-    run_with_cache's, where the tensors hold only those positions of each text."""
+    run_with_cache's, where the tensors hold only those positions of each text.
+
+    `ActivationCache(cache_dict, model, has_batch_dim=True)` is TransformerLens's constructor (a notebook builds
+    one of the gradients its backward hooks kept): every position real unless `mask` [batch, positions] says
+    which are; tensors without the batch dimension get it back (has_batch_dim=False reads them without it)."""
 
     def __init__(
-        self, tensors: dict[str, torch.Tensor], mask: torch.Tensor, model: ModelWeights, has_batch_dim: bool = True,
-        pos_slice=None,
+        self, tensors: dict[str, torch.Tensor], model: ModelWeights, has_batch_dim: bool = True, *,
+        mask: torch.Tensor | None = None, pos_slice=None,
     ):  # fmt: skip
-        self._tensors, self.mask, self.model = tensors, mask, model
+        if not has_batch_dim and mask is None:  # (TransformerLens's form of one text's cache)
+            tensors = {name: value[None] for name, value in tensors.items()}
+        self._tensors, self.model = tensors, model
+        self.mask = _all_real(tensors) if mask is None else mask
         self.has_batch_dim, self.pos_slice = has_batch_dim, pos_slice
 
     def __getitem__(self, key: str | tuple) -> torch.Tensor:
@@ -121,7 +129,7 @@ class ActivationCache(Attribution, Mapping):
 
     def to(self, device: str | torch.device) -> ActivationCache:
         tensors = {k: v.to(device) for k, v in self._tensors.items()}
-        return ActivationCache(tensors, self.mask, self.model, self.has_batch_dim, self.pos_slice)
+        return ActivationCache(tensors, self.model, self.has_batch_dim, mask=self.mask, pos_slice=self.pos_slice)
 
     def remove_batch_dim(self) -> ActivationCache:
         """TransformerLens's: a cache of one text drops its batch dimension (in place; returns the cache)."""
@@ -198,6 +206,16 @@ def one_text(texts: int) -> None:
     if texts != 1:
         raise ValueError(f"remove_batch_dim: the batch holds {texts} texts; only a batch of one has a batch dimension "
                          "to remove")  # fmt: skip
+
+
+def _all_real(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[batch, positions] all True, the layout of `tensors` ([batch, positions, ...]; patterns [batch, heads,
+    query_pos, key_pos])."""
+    if not tensors:
+        return torch.ones(0, 0, dtype=torch.bool)
+    name, value = next(iter(tensors.items()))
+    shape = (value.shape[0], value.shape[2]) if is_pattern(name) else value.shape[:2]
+    return torch.ones(shape, dtype=torch.bool)
 
 
 def keep_positions(value: torch.Tensor, padding: Padding, pos_slice) -> torch.Tensor:

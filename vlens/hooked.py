@@ -384,25 +384,29 @@ class HookedLM(ModelWeights):
     def _tap_hooks(
         self, padding: Padding, keep: str | None = None, grads: dict[str, torch.Tensor] | None = None,
         saved: Sequence[str] = (), values: dict[str, torch.Tensor] | None = None,
+        readers: dict[str, list[HookFn]] | None = None,
     ) -> dict[str, TapHooks]:  # fmt: skip
         """The hooks in force, by tap; `keep`: that tap's value is kept; `saved` taps put their gradient in
         `grads` after the hooks' own have run (run_with_cache's incl_bwd). Backward hooks at attention scores
         and patterns (and saved ones) become a PatternGrads at their layer's hook_z, reading the layer's
-        values from `values`, which the caller fills after the forward (`_values_needed`)."""
+        values from `values`, which the caller fills after the forward (`_values_needed`). Forward hooks there
+        go to `readers`, which the caller runs on the captured values after the forward (generate has none)."""
         fwd: dict[str, list[HookFn]] = {}
         bwd: dict[str, list[HookFn]] = {}
         at_patterns: dict[int, dict[str, list[HookFn]]] = {}
         for h in self._hooks:
             chosen = list(self._names(h.where).values())
             off_path = [t for t in chosen if is_pattern(t)]
-            if off_path and h.dir == "fwd":
+            if off_path and h.dir == "fwd" and readers is None:
                 raise ValueError(
-                    f"fwd_hooks: {', '.join(off_path)} cannot be hooked: vlens computes attention scores and patterns "
-                    "beside the fused attention, not inside it, so a hook there could change nothing; read them with "
-                    "run_with_cache, or edit attn.hook_q / hook_k / hook_v / hook_z"
+                    f"fwd_hooks: {', '.join(off_path)} cannot be hooked in generate: vlens computes attention scores "
+                    "and patterns beside the fused attention, not inside it, so a hook there only reads them, after "
+                    "a forward (run_with_hooks, run_with_cache); edit attn.hook_q / hook_k / hook_v / hook_z"
                 )
             for tap in chosen:
-                if is_pattern(tap):
+                if is_pattern(tap) and h.dir == "fwd":
+                    readers.setdefault(tap, []).append(h.fn)
+                elif is_pattern(tap):
                     at_patterns.setdefault(_layer(tap), {}).setdefault(tap, []).append(h.fn)
                 else:
                     (fwd if h.dir == "fwd" else bwd).setdefault(tap, []).append(h.fn)
@@ -440,8 +444,9 @@ class HookedLM(ModelWeights):
         grads: dict[str, torch.Tensor] = {}
         values: dict[str, torch.Tensor] = {}
         saved = sorted(set(names.values())) if incl_bwd else []
-        hooks = self._tap_hooks(padding, keep=output if grad else None, grads=grads, saved=saved, values=values)
-        needed = _values_needed(hooks) if grad else set()
+        readers: dict[str, list[HookFn]] = {}
+        hooks = self._tap_hooks(padding, output if grad else None, grads, saved, values, readers)
+        needed = (_values_needed(hooks) if grad else set()) | readers.keys()
         taps |= needed
         captured = self.llm.runner.packed(seqs, sorted(taps), hooks=hooks, grad=grad)
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
@@ -455,6 +460,14 @@ class HookedLM(ModelWeights):
             for t, parts in rows.items() if t in names.values() or t in needed
         }  # fmt: skip
         values.update({t: _heads_first(t, padded[t]) for t in needed})
+        for tap in sorted(readers, key=_layer):  # in the order the forward reached them
+            for fn in readers[tap]:
+                if fn(values[tap].clone(), hook=self._point(tap)) is not None:  # (a copy: the cache's stays as it is)
+                    raise ValueError(
+                        f"fwd_hooks: the function at {tap} returned a tensor; attention scores and patterns are read, "
+                        "not replaced (vlens computes them beside the fused attention): edit attn.hook_q / hook_k / "
+                        "hook_v / hook_z"
+                    )
         out = None
         if output is not None:  # (the output's packed rows: the loss needs no padded logits)
             rows_out = hooks[output].kept if grad else torch.cat(rows[output]).to(on)
@@ -470,7 +483,7 @@ class HookedLM(ModelWeights):
                    for n, t in names.items() if t in grads}  # fmt: skip
         if device is not None:
             cached = {n: v.to(device) for n, v in cached.items()}
-        return out, ActivationCache(cached, padding.mask, self, has_batch_dim=not remove_batch_dim, pos_slice=pos_slice)
+        return out, ActivationCache(cached, self, not remove_batch_dim, mask=padding.mask, pos_slice=pos_slice)
 
     def _keeps_graph(self, incl_bwd: bool) -> bool:
         """Whether a forward runs outside inference mode, keeping an autograd graph: with gradients on, when a
