@@ -7,6 +7,7 @@ model's logit (difference), family by family, in float32."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -228,7 +229,7 @@ TL_FAMILIES = {
 
 
 @pytest.mark.parametrize("name", list(TL_FAMILIES))
-def test_weights_and_attributions_equal_transformer_lens_built_from_the_same_weights(name, tmp_path):
+def test_weights_and_attributions_equal_transformer_lens_built_from_the_same_weights(name, tmp_path, monkeypatch):
     path = build(TL_FAMILIES[name](), tmp_path, "checkpoint")  # TransformerLens reads "llama" in a path as a name
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tl = _transformer_lens(name, path, hf)
@@ -239,6 +240,13 @@ def test_weights_and_attributions_equal_transformer_lens_built_from_the_same_wei
     assert hooked.W_gate is None if name == "gpt2" else hooked.W_gate.shape == (3, 64, 96)
     assert torch.equal(hooked.blocks[1].attn.W_O, tl.blocks[1].attn.W_O.detach())
     assert torch.equal(hooked.blocks[1].mlp.W_out, tl.blocks[1].mlp.W_out.detach())
+    for ours, theirs in ((hooked.QK, tl.QK), (hooked.OV, tl.OV), (hooked.blocks[2].attn.OV, tl.blocks[2].attn.OV)):
+        assert torch.equal(ours.A, theirs.A.detach()) and torch.equal(ours.B, theirs.B.detach())
+        assert rel_err(ours.AB, theirs.AB.detach()) <= 1e-6  # (TransformerLens's FactoredMatrix, as there)
+    with monkeypatch.context() as without:  # (where TransformerLens is not installed)
+        without.setitem(sys.modules, "transformer_lens", None)
+        with pytest.raises(ImportError, match=r"^QK / OV: TransformerLens's FactoredMatrix: pip install transformer-lens"):
+            hooked.OV
     for layer, mlp_input in ((3, False), (2, True)):
         assert rel_err(hooked.accumulated_bias(layer, mlp_input), tl.accumulated_bias(layer, mlp_input)) <= 1e-6
     if name == "llama_gqa":  # the KV heads themselves, as TransformerLens stores them under grouped-query attention

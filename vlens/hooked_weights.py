@@ -37,6 +37,19 @@ if TYPE_CHECKING:
 Tokens = int | str | Sequence[int] | torch.Tensor  # token ids, or a text that is one token
 
 
+def factored(left: torch.Tensor, right: torch.Tensor):
+    """TransformerLens's FactoredMatrix of left @ right (its svd, eigenvalues, norms and indexing without the
+    product), from transformer_lens itself, which a notebook that asks for QK and OV has."""
+    try:
+        from transformer_lens import FactoredMatrix
+    except ImportError:
+        raise ImportError(
+            "QK / OV: TransformerLens's FactoredMatrix: pip install transformer-lens (or the products themselves: "
+            "W_Q @ W_K.transpose(-2, -1), W_V @ W_O)"
+        ) from None
+    return FactoredMatrix(left, right)
+
+
 def resolve_layer(layer: int | None, n_layers: int) -> int:
     """TransformerLens's layer argument: 0..n_layers, with n_layers, -1 and None the final norm's input."""
     if layer is None or layer == -1:
@@ -102,6 +115,9 @@ class AttentionWeights:
     W_V = property(lambda self: self._W_V.repeat_interleave(self._repeats, 0))
     b_K = property(lambda self: self._b_K.repeat_interleave(self._repeats, 0))
     b_V = property(lambda self: self._b_V.repeat_interleave(self._repeats, 0))
+    # each head's bilinear maps, [n_heads, d_model, d_model] factored: queries against keys, values to outputs
+    QK = property(lambda self: factored(self.W_Q, self.W_K.transpose(-2, -1)))
+    OV = property(lambda self: factored(self.W_V, self.W_O))
 
 
 @dataclass(frozen=True)
@@ -198,6 +214,8 @@ class ModelWeights:
     b_K = property(lambda self: self._stacked("attn", "b_K"))
     b_V = property(lambda self: self._stacked("attn", "b_V"))
     b_O = property(lambda self: self._stacked("attn", "b_O"))
+    QK = property(lambda self: factored(self.W_Q, self.W_K.transpose(-2, -1)))  # [n_layers, n_heads, d_model, d_model]
+    OV = property(lambda self: factored(self.W_V, self.W_O))
     W_in = property(lambda self: self._stacked("mlp", "W_in"))
     W_out = property(lambda self: self._stacked("mlp", "W_out"))
     b_in = property(lambda self: self._stacked("mlp", "b_in"))
