@@ -66,6 +66,26 @@ def test_patching_equals_transformer_lens_on_its_own_model(tmp_path):
     assert_same_effects(got, want, base, 1e-2, "index_df")
 
 
+def test_score_patches_equal_transformer_lens_s(tmp_path):
+    """Attention scores patched by (layer, head) and by (layer, head, dest) go in as the pattern their changed
+    rows make (their softmax) times the corrupted run's values: TransformerLens's generic_activation_patch on
+    its own model gives the same metric (weights of a wider init, so attention is far from uniform and a
+    score patch moves the metric)."""
+    from transformer_lens import patching as theirs
+
+    path, reference = transformer_lens_gpt2(tmp_path, initializer_range=0.1)
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    caches = {m: m.run_with_cache(CLEAN)[1] for m in (reference, hooked)}
+    base = weighted(reference(CORRUPTED))
+    for setter, axes in (("layer_head_pattern_patch_setter", ["layer", "head_index"]),
+                         ("layer_head_pos_pattern_patch_setter", ["layer", "head_index", "dest_pos"])):  # fmt: skip
+        want = theirs.generic_activation_patch(reference, CORRUPTED, caches[reference], weighted,
+                                               getattr(theirs, setter), "attn_scores", index_axis_names=axes)  # fmt: skip
+        got = ours.generic_activation_patch(hooked, CORRUPTED, caches[hooked], weighted, getattr(ours, setter),
+                                            "attn_scores", index_axis_names=axes)  # fmt: skip
+        assert_same_effects(got, want, base, 1e-2, f"scores {axes}")
+
+
 # all copies in one forward; a few rows a forward; a KV cache of 24 blocks (20 free beside the corrupted run's)
 @pytest.mark.parametrize("limit, kv_blocks", [(10**6, None), (8, None), (10**6, 24)])
 def test_patching_equals_transformer_lens_looping_over_vlens(tmp_path, limit, kv_blocks, monkeypatch):
@@ -118,9 +138,6 @@ def test_patching_refuses_what_it_cannot_patch_by_name_and_gives_its_blocks_back
     path = build(LlamaConfig(**COMMON), tmp_path, "llama")
     hooked = HookedLM(path, dtype="float32", device="cpu")
     _, cache = hooked.run_with_cache(CLEAN)
-    with pytest.raises(ValueError, match=r"^activation_name: 'attn_scores' names attention scores"):
-        ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_head_pattern_patch_setter,
-                                      "attn_scores", index_axis_names=("layer", "head"))  # fmt: skip
     with pytest.raises(ValueError, match=r"^index_axis_names: 'token' is not one of layer, pos"):
         ours.generic_activation_patch(hooked, CORRUPTED, cache, weighted, ours.layer_pos_patch_setter,
                                       "resid_pre", index_axis_names=("layer", "token"))  # fmt: skip

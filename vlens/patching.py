@@ -16,8 +16,9 @@ them.
 
 vlens computes attention patterns beside the fused attention, so nothing reads a replaced pattern: a pattern
 patch goes in as the heads' outputs it makes (hook_z), each changed row of a head's pattern times its
-key-value head's values, which are the corrupted run's (its layer is the first that changes). Scores are
-refused. The names and arguments are TransformerLens's; `model` is a `vlens.HookedLM` in one process.
+key-value head's values, which are the corrupted run's (its layer is the first that changes); a scores patch
+as the pattern its changed rows make (their softmax, as HF's and TransformerLens's attention take it). The
+names and arguments are TransformerLens's; `model` is a `vlens.HookedLM` in one process.
 """
 
 from __future__ import annotations
@@ -67,13 +68,9 @@ def generic_activation_patch(
     layers = sorted({index[0] for index in indices})
     names = {layer: get_act_name(activation_name, layer=layer) for layer in layers}
     taps = {name: tap for name in names.values() for tap in model._names(name).values()}
-    through_values = any(tap.endswith("hook_pattern") for tap in taps.values())
-    scores = sorted(name for name, tap in taps.items() if is_pattern(tap) and not tap.endswith("hook_pattern"))
-    if scores:
-        raise ValueError(f"activation_name: {activation_name!r} names attention scores ({scores[0]}, ...), which vlens "
-                         "computes beside the fused attention and cannot patch; patch the pattern, hook_q / hook_k / "
-                         "hook_v or hook_z instead")  # fmt: skip
-    # where the patch goes in: a pattern's rows, times the corrupted run's values, are the heads' outputs (hook_z)
+    through_values = any(is_pattern(tap) for tap in taps.values())
+    # where the patch goes in: a pattern's rows (a patched score row's softmax), times the corrupted run's values,
+    # are the heads' outputs (hook_z)
     targets = {layer: get_act_name("z", layer=layer) if through_values else names[layer] for layer in layers}
     values = {layer: get_act_name("v", layer=layer) for layer in layers} if through_values else {}
     taps |= {name: tap for name in targets.values() for tap in model._names(name).values()}
@@ -105,7 +102,9 @@ def generic_activation_patch(
                 if index[0] == layer:
                     after = patch_setter(before.clone(), index, clean_cache[name])
                     if through_values:
-                        after, changed = _through_values(after, before, corrupted[values[layer]], group)
+                        rows = (after != before).any(-1)  # [batch, heads, dest]: the rows a patch changed
+                        pattern = after if taps[name].endswith("hook_pattern") else _softmax(after)
+                        after, changed = _through_values(pattern, rows, corrupted[values[layer]], group)
                     else:
                         changed = after != before
                     mine = _copies(i, padding.pack(after), padding.pack(changed), lens)
@@ -227,13 +226,20 @@ def _run_copies(
 
 
 def _through_values(
-    after: torch.Tensor, before: torch.Tensor, v: torch.Tensor, group: int
+    pattern: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """A patched pattern [batch, heads, dest, src] as the heads' outputs it makes, [batch, dest, heads, d_head]
-    (what hook_z holds), and which of them it changes: each changed row of a head's pattern times the values of
-    its key-value head, which are the corrupted run's (nothing before the layer changes)."""
-    z = torch.einsum("bhqk,bkhd->bqhd", after.float(), v.float().repeat_interleave(group, dim=2))
-    return z, (after != before).any(-1).transpose(1, 2)[..., None].expand_as(z)
+    (what hook_z holds), and which of them it changes (`rows` [batch, heads, dest], the rows the patch changed):
+    each changed row of a head's pattern times the values of its key-value head, which are the corrupted run's
+    (nothing before the layer changes)."""
+    z = torch.einsum("bhqk,bkhd->bqhd", pattern.float(), v.float().repeat_interleave(group, dim=2))
+    return z, rows.transpose(1, 2)[..., None].expand_as(z)
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """The pattern of attention scores (HF's: softmax in float32, in the scores' dtype). A row with no key (a
+    query past its text's end, which nothing reads) stays zeros rather than NaN."""
+    return torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(scores.dtype)
 
 
 def _replace(rows: torch.Tensor, values: torch.Tensor, where: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
