@@ -127,6 +127,20 @@ def test_a_hook_s_ctx_carries_a_value_from_its_forward_hook_to_its_backward_one(
         assert rel_err(saliency[hooked][name], saliency[reference][name]) <= TOL, name
 
 
+def test_bfloat16_gradients_are_float32_s_to_its_precision(gpt2_pair):
+    """The same weights loaded in bfloat16: gradients in the model's dtype (patterns' and scores' too), within
+    bfloat16's few percent of float32's."""
+    hooked, _ = gpt2_pair
+    half = HookedLM(hooked.llm.model_path, dtype="bfloat16", device="cpu")
+    names = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_pattern", "blocks.2.attn.hook_attn_scores",
+             "blocks.1.ln1.hook_scale"]  # fmt: skip
+    (_, full), (_, low) = (m.run_with_cache(TOKENS, names_filter=names, return_type="loss", incl_bwd=True)
+                           for m in (hooked, half))  # fmt: skip
+    for name in names:
+        assert low[f"{name}_grad"].dtype == torch.bfloat16, name
+        assert rel_err(low[f"{name}_grad"].float(), full[f"{name}_grad"]) <= 0.06, name
+
+
 def test_transformer_lens_s_attribution_patching_runs_on_a_hooked_lm(gpt2_pair):
     """TransformerLens 3.9's tools.analysis.attribution_patching (written for its TransformerBridge: hook_dict,
     hooks(fwd_hooks, bwd_hooks), and torch.autograd.grad with respect to the tensors its forward hooks were
