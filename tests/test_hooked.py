@@ -461,6 +461,18 @@ def test_bad_input_names_the_problem(hooked):
         hooked.generate("hi", freq_penalty=1.0, verbose=False)
     with pytest.raises(ValueError, match="max_new_tokens: 0 is not allowed"):
         hooked.generate("hi", max_new_tokens=0, verbose=False)
+    # a hook at no hook of the model, or one that is no function: said when added, and nothing is left in force
+    # (added, it failed every later forward)
+    with pytest.raises(ValueError, match=r"^name: 'blocks.99.hook_resid_pre' matches no hook of this model"):
+        hooked.add_hook("blocks.99.hook_resid_pre", lambda x, hook: None, "bwd")
+    with pytest.raises(ValueError, match=r"^bwd_hooks: 'blocks.0.hook_resid_pree' matches no hook .* closest valid "
+                                         r"names: blocks.0.hook_resid_pre"):  # fmt: skip
+        with hooked.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook: None)],
+                          bwd_hooks=[("blocks.0.hook_resid_pree", lambda x, hook: None)]):  # fmt: skip
+            pass
+    with pytest.raises(ValueError, match=r"^fwd_hooks: the hook at 'blocks.0.hook_resid_pre' is str, not a function"):
+        hooked.run_with_hooks("hi", fwd_hooks=[("blocks.0.hook_resid_pre", "steer")])
+    assert hooked._hooks == [] and hooked("hi").shape[0] == 1
 
 
 @pytest.mark.parametrize("where", ["blocks.1.attn.hook_pattern", "blocks.*.attn.hook_attn_scores",

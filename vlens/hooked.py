@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlens.activation_cache import ActivationCache, Padding, get_act_name, keep_positions, one_text
-from vlens.capture.names import LOGITS, hook_shapes, is_pattern, layers_needed, resolve_hooks
+from vlens.capture.names import LOGITS, HookSpecError, hook_shapes, is_pattern, layers_needed, resolve_hooks
 from vlens.capture.rows import widen
 from vlens.config import ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
@@ -335,8 +335,8 @@ class HookedLM(ModelWeights):
         the permanent ones, end with it, unless reset_hooks_end is False; clear_contexts: the hooks' `ctx`
         dicts are emptied then too)."""
         before = list(self._hooks)
-        self._hooks += [Hook(where, fn, "fwd") for where, fn in fwd_hooks]
-        self._hooks += [Hook(where, fn, "bwd") for where, fn in bwd_hooks]
+        added = [self._hook(where, fn, "fwd", False, "fwd_hooks") for where, fn in fwd_hooks]
+        self._hooks += added + [self._hook(where, fn, "bwd", False, "bwd_hooks") for where, fn in bwd_hooks]
         try:
             yield self
         finally:
@@ -355,7 +355,19 @@ class HookedLM(ModelWeights):
         scores and patterns, which vlens computes beside the fused attention, off the gradient's path)."""
         if dir not in DIRECTIONS:
             raise ValueError(f"dir: {dir!r} is not one of {', '.join(DIRECTIONS)}")
-        self._hooks.insert(0 if prepend else len(self._hooks), Hook(name, hook, dir, is_permanent))
+        self._hooks.insert(0 if prepend else len(self._hooks), self._hook(name, hook, dir, is_permanent, "name"))
+
+    def _hook(self, where: Any, fn: HookFn, dir: str, permanent: bool, field: str) -> Hook:
+        """A hook to put in force, checked now: a name that matches no hook is an error here, not at every
+        forward after it."""
+        if not callable(fn):
+            raise ValueError(f"{field}: the hook at {where!r} is {type(fn).__name__}, not a function of (value, hook)")
+        if not callable(where):
+            try:
+                self._names(where)
+            except HookSpecError as e:
+                raise HookSpecError(f"{field}: {str(e).removeprefix('hooks: ')}") from None
+        return Hook(where, fn, dir, permanent)
 
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False) -> None:
         """Remove the hooks in place (but the permanent ones, unless asked; direction "fwd" or "bwd": only those),
