@@ -15,8 +15,8 @@ and W_gate [n_layers, d_model, d_mlp], W_out [n_layers, d_mlp, d_model], b_in [n
 [n_layers, d_model], by TransformerLens's equations: act(x @ W_in + b_in) @ W_out + b_out (GPT-2, GPT-NeoX),
 (act(x @ W_gate) * (x @ W_in) + b_in) @ W_out + b_out (gated: Llama, Gemma; W_gate is None for the others).
 A bias the model does not have is zeros, as in TransformerLens. QK and OV (model-wide [n_layers, n_heads, ...]
-and per layer) are TransformerLens's FactoredMatrix of W_Q @ W_Kᵀ and W_V @ W_O, made by its own class. Routed experts (Mixtral, Qwen2-MoE) have no
-one W_in or W_out, so an MoE layer refuses `.mlp` by name. Treat them as read-only: some are views of the
+and per layer) are TransformerLens's FactoredMatrix of W_Q @ W_Kᵀ and W_V @ W_O, made by its own class.
+Routed experts (Mixtral, Qwen2-MoE) have no one W_in or W_out, so an MoE layer refuses `.mlp` by name. Treat them as read-only: some are views of the
 live weights, others copies (TransformerLens's are its parameters), so an in-place edit may or may not reach
 the model; edit `model.llm.model`'s modules instead.
 """

@@ -206,7 +206,8 @@ class ModelRunner:
         try:  # from the launch on: the other ranks may be in the forward's collectives
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
                 self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
-            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), self.fused and not torch.is_grad_enabled()))
+            fused = self.fused and not torch.is_grad_enabled()  # (a forward keeping a graph runs unfused: eager)
+            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused))
             hidden = forward(ids)
             logits = None
             if isinstance(logit_rows, slice):
