@@ -243,6 +243,13 @@ def test_weights_and_attributions_equal_transformer_lens_built_from_the_same_wei
     for ours, theirs in ((hooked.QK, tl.QK), (hooked.OV, tl.OV), (hooked.blocks[2].attn.OV, tl.blocks[2].attn.OV)):
         assert torch.equal(ours.A, theirs.A.detach()) and torch.equal(ours.B, theirs.B.detach())
         assert rel_err(ours.AB, theirs.AB.detach()) <= 1e-6  # (TransformerLens's FactoredMatrix, as there)
+    # a logit lens, TransformerLens's way: model.unembed(model.ln_final(resid)); at the last layer, the logits
+    text = torch.tensor([[3, 14, 15, 92, 65]])
+    logits, streams = hooked.run_with_cache(text, names_filter="blocks.*.hook_resid_post")
+    with torch.no_grad():
+        theirs_lens = tl.unembed(tl.ln_final(streams["resid_post", 1]))
+    assert rel_err(hooked.unembed(hooked.ln_final(streams["resid_post", 1])), theirs_lens) <= 1e-5
+    assert rel_err(hooked.unembed(hooked.ln_final(streams["resid_post", -1])), logits) <= 1e-6
     with monkeypatch.context() as without:  # (where TransformerLens is not installed)
         without.setitem(sys.modules, "transformer_lens", None)
         with pytest.raises(ImportError, match=r"^QK / OV: TransformerLens's FactoredMatrix: pip install transformer-lens"):

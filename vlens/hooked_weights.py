@@ -259,6 +259,17 @@ class ModelWeights:
         return weight.new_zeros(weight.shape[0])
 
     @property
+    def ln_final(self) -> torch.nn.Module:
+        """The final norm, a module (TransformerLens's `model.ln_final(resid)`, a logit lens's first step), with
+        HF's numerics: what the model's last layer's stream goes through."""
+        return self._model().final_norm
+
+    def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        """`normed @ W_U + b_U`, TransformerLens's unembedding (Gemma 2's final soft-cap, which the model applies
+        after it, is not part of it, as in TransformerLens)."""
+        return self._model().lm_head(normed)
+
+    @property
     def W_E(self) -> torch.Tensor:
         """[d_vocab, d_model]: the embedding table as HF holds it (Gemma's hook_embed is a row of it times
         sqrt(d_model), rounded to the model's dtype)."""
