@@ -276,6 +276,19 @@ def test_weights_and_attributions_equal_transformer_lens_built_from_the_same_wei
     cache.compute_head_results()
     tl_cache.compute_head_results()
     assert rel_err(cache["result", 1], tl_cache["result", 1]) <= 1e-5
+    direction = tl.W_U[:, 7].detach()
+    for kwargs in ({"neuron_slice": [3, 5], "pos_slice": -1}, {"project_output_onto": direction}):
+        ours, theirs = cache.get_neuron_results(-2, **kwargs), tl_cache.get_neuron_results(1, **kwargs)
+        assert ours.shape == theirs.shape and rel_err(ours, theirs) <= 1e-5, kwargs
+    second, tl_second = cache.apply_slice_to_batch_dim(1), tl_cache.apply_slice_to_batch_dim(1)
+    assert torch.equal(second["resid_post", 1], cache["resid_post", 1][1])
+    assert rel_err(second.decompose_resid(), tl_second.decompose_resid()) <= 1e-5  # (one text, no batch dim)
+    assert set(cache.cache_dict) == set(cache) and cache.cache_dict["hook_embed"] is cache["hook_embed"]
+    try:
+        cache.toggle_autodiff()  # (TransformerLens's switch of torch's global gradient mode: off)
+        assert not torch.is_grad_enabled()
+    finally:
+        cache.toggle_autodiff(True)
     stack = cache.decompose_resid()
     # TransformerLens divides by the cached scale only (its fold_ln moves the norm's weight into W_U); vlens
     # applies the weight too, as nothing is folded

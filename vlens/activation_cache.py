@@ -9,7 +9,7 @@ names ("resid_post", 5; "k6"), which the cache's keys and `vlens.hooked` (a note
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -130,6 +130,22 @@ class ActivationCache(Attribution, Mapping):
     def to(self, device: str | torch.device) -> ActivationCache:
         tensors = {k: v.to(device) for k, v in self._tensors.items()}
         return ActivationCache(tensors, self.model, self.has_batch_dim, mask=self.mask, pos_slice=self.pos_slice)
+
+    @property
+    def cache_dict(self) -> dict[str, torch.Tensor]:
+        """Every cached tensor by name, with its batch dimension (TransformerLens's attribute)."""
+        return self._tensors
+
+    def apply_slice_to_batch_dim(self, batch_slice: int | slice | Sequence[int]) -> ActivationCache:
+        """TransformerLens's: a cache of some of the texts (an int keeps one, without the batch dimension)."""
+        one = isinstance(batch_slice, int)
+        index = [batch_slice] if one else batch_slice
+        tensors = {name: value[index] for name, value in self._tensors.items()}
+        return ActivationCache(tensors, self.model, not one, mask=self.mask[index], pos_slice=self.pos_slice)
+
+    def toggle_autodiff(self, mode: bool = False) -> None:
+        """TransformerLens's: torch's gradient mode, globally (off by default); as there, global state."""
+        torch.set_grad_enabled(mode)
 
     def remove_batch_dim(self) -> ActivationCache:
         """TransformerLens's: a cache of one text drops its batch dimension (in place; returns the cache)."""

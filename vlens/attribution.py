@@ -102,6 +102,26 @@ class Attribution:
         labels = [f"L{i}N{n}" for i in range(layer) for n in neurons.tolist()]
         return self._finish(stack, labels, layer, pos_slice, incl_remainder, apply_ln, return_labels)
 
+    def get_neuron_results(
+        self, layer: int, neuron_slice: Slice = None, pos_slice: Slice = None,
+        project_output_onto: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """TransformerLens's: each neuron's result in layer `layer`'s MLP, hook_post_n * W_out[n], [batch,
+        positions, neurons, d_model] (not cached: large, and cheap to make again); `project_output_onto`
+        ([d_model], or [d_model, k]) contracts W_out with it first, so the d_model-wide product is never made
+        ([batch, positions, neurons], or [..., k])."""
+        n_layers = self.model.cfg.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -n_layers <= layer < n_layers:
+            raise ValueError(f"layer: {layer!r} is not a layer of this model (0 .. {n_layers - 1}, or negative)")
+        layer %= n_layers
+        neurons = self._neurons(neuron_slice)
+        post = self._select(self._cached(f"blocks.{layer}.mlp.hook_post", "per-neuron results")[..., neurons], pos_slice)
+        W_out = MLPWeights.of(self._shares_of(layer, "mlp"), layer).W_out[neurons].to(post.device, post.dtype)
+        if project_output_onto is not None:
+            W_out = W_out @ project_output_onto.to(post.device, post.dtype)
+        result = post * W_out if W_out.dim() == 1 else post[..., None] * W_out
+        return result if self.has_batch_dim else result[0]
+
     def _neurons(self, neuron_slice: Slice) -> torch.Tensor:
         """TransformerLens's neuron_slice (None: all) as the neurons' indices."""
         d_mlp = self.model.cfg.intermediate_size
