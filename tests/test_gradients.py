@@ -217,6 +217,31 @@ def test_the_attribution_patching_notebook_s_helper_ports_by_its_imports(gpt2_pa
     assert heads.shape == heads_tl.shape == (3, 2, 9, 4) and rel_err(heads, heads_tl) <= TOL
 
 
+def test_caching_hooks_and_hook_bookkeeping_as_transformer_lens_has_them(gpt2_pair):
+    """add_caching_hooks (forward values and, incl_bwd, gradients, patterns among them; filled by the forward and
+    the backward after it), add_perma_hook, remove_all_hook_fns, forward and all_head_labels: TransformerLens's
+    calls and numbers."""
+    hooked, reference = gpt2_pair
+    wanted = lambda name: name.endswith(("hook_resid_mid", "hook_pattern"))  # noqa: E731
+    caches = {}
+    for model in (reference, hooked):
+        model.reset_hooks(including_permanent=True)
+        caches[model] = model.add_caching_hooks(wanted, incl_bwd=True)
+        model.forward(TOKENS)[:, -1, 7].sum().backward()
+        model.reset_hooks()
+    ours, theirs = caches[hooked], caches[reference]
+    assert sorted(ours) == sorted(theirs) and len(ours) == 3 * 2 * 2
+    assert all(rel_err(ours[k], theirs[k]) <= TOL for k in theirs)
+    assert hooked.all_head_labels() == reference.all_head_labels()
+    calls = []
+    hooked.add_perma_hook("blocks.0.hook_resid_pre", lambda x, hook: calls.append(hook.name))
+    hooked.reset_hooks()
+    hooked(TOKENS)
+    hooked.remove_all_hook_fns(including_permanent=True)
+    hooked(TOKENS)
+    assert calls == ["blocks.0.hook_resid_pre"] and torch.equal(hooked.forward(TOKENS), hooked(TOKENS))
+
+
 def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
     """vlens hook name -> d metric / d value through HF's own modules (eager attention) for one text: each
     layer's input and output (the residual stream), and the taps hf_reference's table finds as a module's

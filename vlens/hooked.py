@@ -259,6 +259,8 @@ class HookedLM(ModelWeights):
         return self.run_with_hooks(input, return_type=return_type, loss_per_token=loss_per_token,
                                    attention_mask=attention_mask, stop_at_layer=stop_at_layer, prepend_bos=prepend_bos)  # fmt: skip
 
+    forward = __call__  # (TransformerLens's model.forward(tokens))
+
     def run_with_cache(
         self,
         input: Any,
@@ -343,7 +345,7 @@ class HookedLM(ModelWeights):
             if reset_hooks_end:
                 self._hooks = [h for h in self._hooks if h.permanent or h in before]
                 if clear_contexts:
-                    self._clear_contexts()
+                    self.clear_contexts()
 
     def add_hook(
         self, name: Any, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False
@@ -378,11 +380,42 @@ class HookedLM(ModelWeights):
             h for h in self._hooks if (h.permanent and not including_permanent) or direction not in ("both", h.dir)
         ]
         if clear_contexts:
-            self._clear_contexts()
+            self.clear_contexts()
 
-    def _clear_contexts(self) -> None:
+    def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False) -> None:
+        """TransformerLens's: reset_hooks without touching the hooks' `ctx`."""
+        self.reset_hooks(False, direction, including_permanent)
+
+    def clear_contexts(self) -> None:
+        """Empty every hook point's `ctx` dict."""
         for point in self._points.values():
             point.clear_context()
+
+    def add_perma_hook(self, name: Any, hook: HookFn, dir: str = "fwd") -> None:
+        self.add_hook(name, hook, dir, is_permanent=True)
+
+    def add_caching_hooks(
+        self, names_filter: NamesFilter = None, incl_bwd: bool = False, device: str | torch.device | None = None,
+        remove_batch_dim: bool = False, cache: dict | None = None,
+    ) -> dict:  # fmt: skip
+        """TransformerLens's: hooks (until reset_hooks) that put each named hook's value, and with incl_bwd its
+        gradient as "<name>_grad", into `cache` (a new dict unless given), which it returns for the forwards
+        (and backward passes) after it to fill."""
+        cache = {} if cache is None else cache
+
+        def save(tensor: torch.Tensor, hook: HookPoint, suffix: str) -> None:
+            value = tensor.detach() if device is None else tensor.detach().to(device)
+            cache[hook.name + suffix] = value[0] if remove_batch_dim else value
+
+        names = list(self._names(names_filter))
+        self.add_hook(names, partial(save, suffix=""))
+        if incl_bwd:
+            self.add_hook(names, partial(save, suffix="_grad"), "bwd")
+        return cache
+
+    def all_head_labels(self) -> list[str]:
+        """"L{layer}H{head}" of every head, in order (the labels of stack_head_results)."""
+        return [f"L{layer}H{head}" for layer in range(self.cfg.num_layers) for head in range(self.cfg.num_heads)]
 
     def _names(self, names_filter: NamesFilter) -> dict[str, str]:
         """Requested name -> tap, for a filter in any TransformerLens form (aliases like hidden_states.i
