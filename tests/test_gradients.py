@@ -240,6 +240,15 @@ def test_caching_hooks_and_hook_bookkeeping_as_transformer_lens_has_them(gpt2_pa
     hooked.remove_all_hook_fns(including_permanent=True)
     hooked(TOKENS)
     assert calls == ["blocks.0.hook_resid_pre"] and torch.equal(hooked.forward(TOKENS), hooked(TOKENS))
+    logits = hooked(TOKENS)
+    mask = torch.ones_like(TOKENS).bool()
+    mask[1, 6:] = False
+    for kwargs in ({}, {"per_token": True}, {"attention_mask": mask}, {"attention_mask": mask, "per_token": True}):
+        ours, theirs = hooked.loss_fn(logits, TOKENS, **kwargs), reference.loss_fn(logits, TOKENS, **kwargs)
+        assert ours.shape == theirs.shape and rel_err(ours, theirs) <= 1e-6, kwargs
+    assert hooked.to("cpu") is hooked.cpu() is hooked
+    with pytest.raises(ValueError, match=r"^device: this model is on cpu; vlens loads a model onto one device"):
+        hooked.cuda()
 
 
 def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:

@@ -261,6 +261,36 @@ class HookedLM(ModelWeights):
 
     forward = __call__  # (TransformerLens's model.forward(tokens))
 
+    def loss_fn(
+        self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        per_token: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """TransformerLens's: the next-token cross-entropy of [batch, positions, vocab] logits for `tokens`, per
+        token [batch, positions - 1] or the mean, counting only positions whose token and next token
+        `attention_mask` keeps (log-probabilities in float32)."""
+        tokens = torch.as_tensor(tokens).to(logits.device)
+        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
+        if attention_mask is None:
+            kept = torch.ones_like(logp, dtype=torch.bool)
+        else:
+            mask = torch.as_tensor(attention_mask).to(logits.device).bool()
+            if mask.shape != tokens.shape:
+                raise ValueError(f"attention_mask: shape {tuple(mask.shape)} differs from the tokens' {tuple(tokens.shape)}")
+            kept = mask[:, :-1] & mask[:, 1:]
+        losses = -logp.masked_fill(~kept, 0.0)
+        return losses if per_token else losses.sum() / kept.sum()
+
+    def to(self, device: str | torch.device) -> HookedLM:
+        """TransformerLens's `model.to(device)`, where the model already is (vlens loads a model onto one device:
+        HookedLM(..., device=...)); elsewhere a ValueError saying so."""
+        if torch.device(device).type != self.cfg.device.type:
+            raise ValueError(f"device: this model is on {self.cfg.device}; vlens loads a model onto one device, so "
+                             f"load it onto {device} instead: HookedLM(..., device={str(device)!r})")  # fmt: skip
+        return self
+
+    cuda = lambda self: self.to("cuda")  # noqa: E731
+    cpu = lambda self: self.to("cpu")  # noqa: E731
+
     def run_with_cache(
         self,
         input: Any,
