@@ -248,7 +248,7 @@ def test_caching_hooks_and_hook_bookkeeping_as_transformer_lens_has_them(gpt2_pa
         assert ours.shape == theirs.shape and rel_err(ours, theirs) <= 1e-6, kwargs
     assert hooked.to("cpu") is hooked.cpu() is hooked
     with pytest.raises(ValueError, match=r"^device: this model is on cpu; vlens loads a model onto one device"):
-        hooked.cuda()
+        hooked.cuda(0)
 
 
 def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:

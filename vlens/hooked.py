@@ -288,8 +288,11 @@ class HookedLM(ModelWeights):
                              f"load it onto {device} instead: HookedLM(..., device={str(device)!r})")  # fmt: skip
         return self
 
-    cuda = lambda self: self.to("cuda")  # noqa: E731
-    cpu = lambda self: self.to("cpu")  # noqa: E731
+    def cuda(self, device: int | str | torch.device | None = None) -> HookedLM:
+        return self.to("cuda" if device is None else torch.device("cuda", device) if isinstance(device, int) else device)
+
+    def cpu(self) -> HookedLM:
+        return self.to("cpu")
 
     def run_with_cache(
         self,
