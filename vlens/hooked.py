@@ -533,10 +533,8 @@ class HookedLM(ModelWeights):
         # Captures reach the host (the engine's way); a notebook's values are where the model is, as in
         # TransformerLens (`cache[...] @ model.W_U`; the gradients, and what PatternGrads reads, are there too).
         on = self.cfg.device
-        padded = {
-            t: padding.pad(torch.cat(_keys_in_layout(t, parts, padding))).to(on)
-            for t, parts in rows.items() if t in names.values() or t in needed
-        }  # fmt: skip
+        laid_out = set(names.values()) | needed  # (the output is read apart)
+        padded = {t: padding.pad(torch.cat(_keys_in_layout(t, rows[t], padding))).to(on) for t in laid_out}
         values.update({t: _heads_first(t, padded[t]) for t in needed})
         for tap in sorted(readers, key=_layer):  # in the order the forward reached them
             for fn in readers[tap]:
