@@ -76,6 +76,24 @@ def transformer_lens_gpt2(root: Path, initializer_range: float = 0.02) -> tuple[
     return path, reference
 
 
+def transformer_lens_llama(root: Path) -> tuple[str, torch.nn.Module]:
+    """A tiny Llama with grouped-query attention (4 query heads over 2 key-value heads), saved for vlens, and
+    TransformerLens's HookedTransformer with the same weights: its RMSNorm, rotary and grouped-query attention."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+    from transformers import LlamaConfig
+
+    path = build(LlamaConfig(**COMMON, num_key_value_heads=2, rms_norm_eps=1e-6), root, "llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, n_key_value_heads=2, d_mlp=96,
+                                  d_vocab=VOCAB, n_ctx=128, act_fn="silu", normalization_type="RMS", eps=1e-6,
+                                  positional_embedding_type="rotary", rotary_dim=16, rotary_base=10000, final_rms=True,
+                                  gated_mlp=True, original_architecture="LlamaForCausalLM")  # fmt: skip
+    reference = HookedTransformer(cfg)
+    reference.load_state_dict(convert_llama_weights(hf, cfg), strict=False)
+    return path, reference
+
+
 def load_pair(path: str) -> tuple[LLM, torch.nn.Module]:
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

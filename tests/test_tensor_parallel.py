@@ -196,6 +196,8 @@ def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
         assert all(same(cache_b[n].double(), cache_a[n].double(), TOL) for n in names)
         with pytest.raises(ValueError, match=r"^gradients: .* one process \(tensor_parallel_size=1\)"):
             three.run_with_cache(texts, names_filter=names, return_type="loss", incl_bwd=True)
+        with pytest.raises(ValueError, match=r"^use_attn_result: .* one process \(tensor_parallel_size=1\)"):
+            three.set_use_attn_result(True)
         assert same(three.run_with_hooks(texts, fwd_hooks=hooks).double(), a.double(), TOL)  # the group goes on
     finally:
         three.llm.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any
 
@@ -31,7 +31,15 @@ import torch
 from tqdm.auto import tqdm
 
 from vlens.activation_cache import ActivationCache, Padding, get_act_name, keep_positions, one_text
-from vlens.capture.names import LOGITS, HookSpecError, hook_shapes, is_pattern, layers_needed, resolve_hooks
+from vlens.capture.names import (
+    LOGITS,
+    OPTIONAL_HOOKS,
+    HookSpecError,
+    hook_shapes,
+    is_pattern,
+    layers_needed,
+    resolve_hooks,
+)
 from vlens.capture.rows import widen
 from vlens.config import ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
@@ -92,11 +100,15 @@ class HookedConfig(ModelConfig):
     """The model's config with TransformerLens's `cfg.device` (`tokens.to(model.cfg.device)`; its patching
     module puts its results there), `cfg.dtype`, and `cfg.default_prepend_bos` (whether texts get BOS first
     when prepend_bos is not given: here, whether the tokenizer puts it there), which its evals and head
-    detector read."""
+    detector read; and the flags of its optional hooks (OPTIONAL_HOOKS), which HookedLM's set_use_* set."""
 
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     default_prepend_bos: bool = False
+    use_attn_in: bool = False
+    use_split_qkv_input: bool = False
+    use_attn_result: bool = False
+    use_hook_mlp_in: bool = False
 
     @classmethod
     def of(cls, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tokenizer: Any) -> HookedConfig:
@@ -115,13 +127,17 @@ class HookedLM(ModelWeights):
         self.llm = LLM(model, **settings)
         self.tokenizer = self.llm.tokenizer
         self.cfg = HookedConfig.of(self.llm.config, self.llm.runner.device, self.llm.runner.dtype, self.tokenizer)
-        self._shapes = hook_shapes(self.cfg)
-        # every hook name but the hidden_states.i aliases, which only a name asks for
-        self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
+        self._name_tables()
         # in the order they run: until reset_hooks or the end of their `with`, the permanent ones until
         # reset_hooks(including_permanent=True)
         self._hooks: list[Hook] = []
         self._points: dict[str, HookPoint] = {}  # by name, made when first named: what hooks get as `hook`
+
+    def _name_tables(self) -> None:
+        """The hook names of the model as configured (the optional ones turned on among them), and every one
+        of them but the hidden_states.i aliases, which only a name asks for."""
+        self._shapes = hook_shapes(self.cfg, [flag for flag in OPTIONAL_HOOKS if getattr(self.cfg, flag)])
+        self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
 
     from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
     from_pretrained_no_processing = from_pretrained  # (vlens never folds or centres: the values are HF's)
@@ -294,6 +310,46 @@ class HookedLM(ModelWeights):
     def cpu(self) -> HookedLM:
         return self.to("cpu")
 
+    # -- TransformerLens's optional hooks (vlens.capture.names.OPTIONAL_HOOKS) --------------------------------
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """blocks.L.attn.hook_result [batch, pos, n_heads, d_model]: each head's output, z_h @ W_O[h], before the
+        heads are summed (b_O is added after); an edit there changes the layer's attention output."""
+        self._use("use_attn_result", use_attn_result)
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """blocks.L.hook_q_input [batch, pos, n_heads, d_model], hook_k_input and hook_v_input [..., n_kv_heads,
+        d_model]: each head's own copy of the layer input, normalised by ln1 and projected for that head alone, so
+        an edit reaches one head's queries (or one key-value head's keys or values) only: path patching."""
+        self._use("use_split_qkv_input", use_split_qkv_input)
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """blocks.L.hook_attn_in [batch, pos, n_heads, d_model]: each head's input to all three projections."""
+        self._use("use_attn_in", use_attn_in)
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """blocks.L.hook_mlp_in [batch, pos, d_model]: the MLP's input before ln2 (an edit leaves the residual
+        stream as it is)."""
+        self._use("use_hook_mlp_in", use_hook_mlp_in)
+
+    def _use(self, flag: str, on: bool) -> None:
+        """Turn a set of optional hooks on or off: names, filters and run_with_cache() then include them. A
+        forward computes one only where a hook or the cache asks for it, and reading it changes no number."""
+        if not isinstance(on, bool):
+            raise TypeError(f"{flag}: expected True or False, got {on!r}")
+        if on and self.llm.runner.model.executor is not None:
+            raise ValueError(f"{flag}: TransformerLens's optional hooks run in one process (tensor_parallel_size=1)")
+        cfg = self.cfg
+        if on and flag == "use_attn_in" and cfg.num_kv_heads != cfg.num_heads:
+            raise ValueError(
+                f"use_attn_in: hook_attn_in is one input per query head for its queries, keys and values alike, and "
+                f"this model's {cfg.num_heads} query heads share {cfg.num_kv_heads} key-value heads (grouped-query "
+                "attention); set_use_split_qkv_input(True) gives hook_q_input per query head and hook_k_input / "
+                "hook_v_input per key-value head"
+            )
+        self.cfg = replace(cfg, **{flag: on})
+        self._name_tables()
+
     def run_with_cache(
         self,
         input: Any,
@@ -457,7 +513,7 @@ class HookedLM(ModelWeights):
             return {n: n for n in self._names_in_order}
         if callable(names_filter):
             return {n: n for n in self._names_in_order if names_filter(n)}
-        return resolve_hooks(names_filter, self.cfg)
+        return resolve_hooks(names_filter, self.cfg, self._shapes)
 
     def _tap_hooks(
         self, padding: Padding, keep: str | None = None, grads: dict[str, torch.Tensor] | None = None,

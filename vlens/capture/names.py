@@ -11,7 +11,7 @@ import difflib
 import fnmatch
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -52,17 +52,41 @@ PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
 CTX = "ctx"
 # Taps with one slice per attention head, which Capture(heads=...) and per-head interventions select.
 PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", *PATTERNS, "attn.hook_z")
+# TransformerLens's optional taps, by the config flag that turns them on (HookedLM's set_use_*): the input of
+# every head to its query, key and value projections, together (hook_attn_in) or apart (hook_q_input, ...);
+# each head's share of the attention output, before the heads are summed (attn.hook_result, without b_O);
+# the MLP's input. A forward computes a per-head one only where a tap is armed, and takes the per-head path
+# only where an armed one hands back another value, so reading them changes no number. The engine's requests
+# do not name them (a glob like `blocks.3.*` would then cost a [heads, d_model] tensor per token per name).
+OPTIONAL_HOOKS = {
+    "use_attn_in": ("hook_attn_in",),
+    "use_split_qkv_input": ("hook_q_input", "hook_k_input", "hook_v_input"),
+    "use_attn_result": ("attn.hook_result",),
+    "use_hook_mlp_in": ("hook_mlp_in",),
+}
+# A layer's taps with the optional ones in forward order (which layer_hooks keeps of them).
+_WITH_OPTIONAL = (
+    "hook_resid_pre", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", *LAYER_HOOKS[1:10],
+    "attn.hook_result", *LAYER_HOOKS[10:12], "hook_mlp_in", *LAYER_HOOKS[12:],
+)  # fmt: skip
 
 
 class HookSpecError(ValueError):
     """A hook spec that names nothing the loaded model has."""
 
 
-def layer_hooks(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
-    """The tap kinds layer `layer` has. Under NeoX's parallel residual nothing is ever the residual plus
-    the attention output alone, so there is no hook_resid_mid; an MoE layer has router taps instead of
-    one MLP hidden activation (each expert has its own)."""
-    hooks = [h for h in LAYER_HOOKS if not (h == "hook_resid_mid" and cfg.parallel_residual)]
+def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) -> tuple[str, ...]:
+    """The tap kinds layer `layer` has, with the OPTIONAL_HOOKS of the flags in `optional`. Under NeoX's
+    parallel residual nothing is ever the residual plus the attention output alone, so there is no
+    hook_resid_mid; an MoE layer has router taps instead of one MLP hidden activation (each expert has its
+    own). hook_attn_in, one input per query head for keys and values too, exists only where every query
+    head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention)."""
+    chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
+    if cfg.num_kv_heads != cfg.num_heads:
+        chosen.discard("hook_attn_in")
+    hooks = [h for h in _WITH_OPTIONAL if h in LAYER_HOOKS or h in chosen]
+    if cfg.parallel_residual:
+        hooks.remove("hook_resid_mid")
     if cfg.is_moe_layer(layer):
         moe = MOE_HOOKS if cfg.shared_expert_intermediate_size else MOE_HOOKS[:2]
         at = hooks.index("mlp.hook_post")
@@ -70,8 +94,9 @@ def layer_hooks(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     return tuple(hooks)
 
 
-def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int | str, ...]]:
-    """Every hook name of the model, in forward order, with its per-token shape (CTX: as wide as the row's context)."""
+def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, tuple[int | str, ...]]:
+    """Every hook name of the model, in forward order, with its per-token shape (CTX: as wide as the row's
+    context); `optional`: flags of OPTIONAL_HOOKS whose taps are included (the runner's table has them all)."""
     d, heads, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     per_layer = {
         "ln1.hook_scale": (1,),
@@ -82,6 +107,11 @@ def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int | str, ...]]:
         "attn.hook_attn_scores": (heads, CTX),
         "attn.hook_pattern": (heads, CTX),
         "attn.hook_z": (heads, dh),
+        "attn.hook_result": (heads, d),
+        "hook_attn_in": (heads, d),
+        "hook_q_input": (heads, d),
+        "hook_k_input": (kv, d),
+        "hook_v_input": (kv, d),
         "mlp.hook_router_logits": (cfg.num_experts,),
         "mlp.hook_expert_ids": (cfg.experts_per_token,),
         "mlp.hook_post": (cfg.intermediate_size,),
@@ -91,7 +121,7 @@ def hook_shapes(cfg: ModelConfig) -> dict[str, tuple[int | str, ...]]:
     if cfg.learned_positions:
         shapes["hook_pos_embed"] = (d,)
     for layer in range(cfg.num_layers):
-        for hook in layer_hooks(cfg, layer):
+        for hook in layer_hooks(cfg, layer, optional):
             shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
     shapes.update(dict(zip(FINAL_NORM_TAPS, [(1,), (d,), (d,)])))
     shapes[LOGITS] = (cfg.vocab_size,)
@@ -179,6 +209,10 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpecError:
     close = difflib.get_close_matches(name, list(valid), n=5, cutoff=0.5)
     hint = f"; closest valid names: {', '.join(close)}" if close else ""
+    leaf = name.split(".", 2)[-1]
+    flag = next((f for f, hooks in OPTIONAL_HOOKS.items() if leaf in hooks), None)
+    if flag is not None and name in hook_shapes(cfg, OPTIONAL_HOOKS):
+        hint = f"; it is one of TransformerLens's optional hooks, which HookedLM.set_{flag}(True) turns on"
     where = f"{name!r}" if name == pattern else f"{name!r} (from {pattern!r})"
     return HookSpecError(
         f"hooks: {where} matches no hook of this model ({cfg.architecture}, "

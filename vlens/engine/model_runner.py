@@ -41,7 +41,7 @@ import torch
 from vlens.attention import AttentionMetadata, layout
 from vlens.attention.decode import DecodeBackend
 from vlens.attention.sdpa import SdpaBackend
-from vlens.capture.names import LOGITS, forward_depth, hook_shapes
+from vlens.capture.names import LOGITS, OPTIONAL_HOOKS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_decode, plan_step
 from vlens.capture.rows import DecodePages
 from vlens.capture.runtime import Collection, TapRuntime
@@ -135,7 +135,8 @@ class ModelRunner:
             },
             self.device,
         )  # fmt: skip
-        self.taps = TapRuntime(hook_shapes(self.cfg), self.device, self.dtype, self.buffers.put)
+        # (every tap the model has, TransformerLens's optional ones too: HookedLM arms those it turned on)
+        self.taps = TapRuntime(hook_shapes(self.cfg, OPTIONAL_HOOKS), self.device, self.dtype, self.buffers.put)
         self.pages = DecodePages()  # where decode steps' batched rows land on the host, across steps
         self.kv_cache: torch.Tensor | None = None
         self.block_size = self.num_slots = 0

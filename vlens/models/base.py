@@ -11,11 +11,12 @@ unembedding and the taps around them live here once.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlens.capture.names import LOGITS
 from vlens.config import ModelConfig
-from vlens.context import ForwardContext, get_context, tap
+from vlens.context import ForwardContext, get_context, tap, tapped
 from vlens.layers import fused
 from vlens.layers.attention import Attention
 from vlens.layers.norm import NormHooks, make_norm
@@ -26,11 +27,11 @@ FINAL_NORM_HOOKS = NormHooks.at("ln_final")
 
 
 class AttentionHeads(nn.Module):
-    """Projections are the family's (and named as its checkpoints name them); from q, k, v onwards
-    every family does the same: split into heads, q/k norm where the model has one, rotary, taps,
-    the attention backend. Subclasses call `attend` between their input and output projections, and
-    name them `qkv` (a FusedLinear of parts q, k, v) and `out` (the output projection), whatever the
-    checkpoint calls them, so that weight views (vlens.hooked_weights) read every family alike."""
+    """Projections are the family's (and named as its checkpoints name them); the forward is the same in
+    every family: q, k, v from one fused projection, split into heads, q/k norm where the model has one,
+    rotary, taps, the attention backend, the output projection. Subclasses build the projections and name
+    them `qkv` (a FusedLinear of parts q, k, v) and `out` (the output projection), whatever the checkpoint
+    calls them, so that the forward and weight views (vlens.hooked_weights) read every family alike."""
 
     qkv: nn.Module
     out: nn.Module
@@ -53,6 +54,34 @@ class AttentionHeads(nn.Module):
             self.k_norm = make_norm(cfg, cfg.head_dim)
         self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
+        self.hook_result = p + "hook_result"
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
+        """`x`: the normalised layer input [T, d] all three projections read, or (ResidualBlock.attention_input)
+        one input each for q, k and v, that input [T, d] or one per head [T, heads, d]."""
+        q, k, v = self.qkv.split(self.qkv(x)) if isinstance(x, torch.Tensor) else map(self._project, self.qkv.parts, x)
+        z = self.attend(q, k, v, rope)
+        if not tapped(self.hook_result):
+            return self.out(z)
+        # TransformerLens's attn.hook_result: each head's z times its columns of W_O, before the heads are summed
+        w = self.out.weight.view(-1, self.heads, self.head_dim)
+        result = torch.einsum("thd,mhd->thm", z.view(-1, self.heads, self.head_dim), w)
+        edited = tap(self.hook_result, result)
+        if edited is result:  # read, not edited: the output as HF computes it
+            return self.out(z)
+        out = edited.sum(1)
+        return out if self.out.bias is None else out + self.out.bias
+
+    def _project(self, part: str, x: torch.Tensor) -> torch.Tensor:
+        """One part of the q/k/v projection [T, rows] of its own input: [T, d], or [T, heads, d] where each
+        head reads its own (TransformerLens's split inputs), each through its rows of the weight."""
+        rows = self.qkv.part_rows()[part]
+        w, b = self.qkv.weight[rows], None if self.qkv.bias is None else self.qkv.bias[rows]
+        if x.dim() == 2:
+            return F.linear(x, w, b)
+        heads = x.shape[1]
+        y = torch.einsum("thm,hdm->thd", x, w.view(heads, -1, x.shape[-1]))
+        return (y if b is None else y + b.view(heads, -1)).flatten(1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
         """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]."""
@@ -76,9 +105,9 @@ class ResidualBlock(nn.Module):
     """One decoder layer as TransformerLens names it, with its block-level taps written out once:
     x + attn(ln1(x)), then + mlp(ln2(x)); under a parallel residual (GPT-NeoX) both read x and there
     is no hook_resid_mid. Families keep their checkpoint's module names and map them onto `ln1`,
-    `ln2`, `attn_heads` (the AttentionHeads), `mlp` (a dense MLP with `fc_in` / `fc_out`, or routed
-    experts), `attn_out` and `mlp_out` (Gemma puts its post-norms inside the last two, so there the heads'
-    and the MLP's outputs are not what the layer adds)."""
+    `ln2`, `attn_heads` (the AttentionHeads) and `mlp` (a dense MLP with `fc_in` / `fc_out`, or routed
+    experts); what the sublayers add is `attn_out` and `mlp_out`, their outputs (Gemma overrides both to put
+    its post-norms inside, so there the heads' and the MLP's outputs are not what the layer adds)."""
 
     parallel = False
     post_norms = False  # Gemma: a norm between each sublayer and the residual add, inside attn_out / mlp_out
@@ -89,26 +118,54 @@ class ResidualBlock(nn.Module):
         super().__init__()
         p = f"blocks.{layer}."
         self.hook_resid_pre, self.hook_ln1 = p + "hook_resid_pre", NormHooks.at(p + "ln1")
+        self.hook_attn_in = p + "hook_attn_in"
+        self.hook_qkv_inputs = (p + "hook_q_input", p + "hook_k_input", p + "hook_v_input")
         self.hook_attn_out, self.hook_resid_mid = p + "hook_attn_out", p + "hook_resid_mid"
-        self.hook_ln2, self.hook_mlp_out = NormHooks.at(p + "ln2"), p + "hook_mlp_out"
+        self.hook_mlp_in, self.hook_ln2 = p + "hook_mlp_in", NormHooks.at(p + "ln2")
+        self.hook_mlp_out = p + "hook_mlp_out"
         self.hook_resid_post = p + "hook_resid_post"
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = tap(self.hook_resid_pre, x)
         h = self.ln1(x, self.hook_ln1)
-        a = self.attn_out(h, rope)
+        a = self.attn_out(self.attention_input(x, h), rope)
         a = tap(self.hook_attn_out, a)
         if self.parallel:
             mid = x
         else:
             mid = x + a
             mid = tap(self.hook_resid_mid, mid)
-        h = self.ln2(mid, self.hook_ln2)
+        h = self.ln2(tap(self.hook_mlp_in, mid), self.hook_ln2)
         m = self.mlp_out(h)
         m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
         x = tap(self.hook_resid_post, x)
         return x
+
+    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
+        return self.attn_heads(h, rope)
+
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
+
+    def attention_input(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What the q, k and v projections read: `h`, ln1 of the layer input `x`, unless one of
+        TransformerLens's per-head input taps (hook_attn_in, hook_q_input, hook_k_input, hook_v_input) is
+        armed and hands back another value; then each of q, k, v whose input changed reads ln1 of its own
+        input, head by head (ln1's taps see `x` as it came). hook_attn_in, where the model has it, is what the
+        other three start from; under grouped-query attention keys and values start from `x`, one copy per
+        key-value head."""
+        if not any(map(tapped, (self.hook_attn_in, *self.hook_qkv_inputs))):
+            return h
+        heads = self.attn_heads
+        plain = x.unsqueeze(1).expand(-1, heads.heads, -1)
+        attn_in = tap(self.hook_attn_in, plain)
+        kv_plain = plain if heads.kv_heads == heads.heads else x.unsqueeze(1).expand(-1, heads.kv_heads, -1)
+        kv_in = attn_in if heads.kv_heads == heads.heads else kv_plain
+        inputs = [tap(name, y) for name, y in zip(self.hook_qkv_inputs, (attn_in, kv_in, kv_in))]
+        if all(y is p for y, p in zip(inputs, (plain, kv_plain, kv_plain))):
+            return h
+        return tuple(h if y is p else self.ln1(y) for y, p in zip(inputs, (plain, kv_plain, kv_plain)))
 
 
 class DecoderLM(nn.Module):

@@ -13,7 +13,7 @@ from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
+from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 
 CONV1D = {"weight": torch.Tensor.t}  # Conv1D keeps weight as [in, out]; nn.Linear as [out, in]
 
@@ -29,10 +29,6 @@ class GPT2Attention(AttentionHeads):
 
     qkv = property(lambda self: self.c_attn)
     out = property(lambda self: self.c_proj)
-
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        q, k, v = self.c_attn.split(self.c_attn(x))
-        return self.c_proj(self.attend(q, k, v, rope))
 
 
 class GPT2MLP(nn.Module):
@@ -64,12 +60,6 @@ class GPT2Block(ResidualBlock):
     ln1 = property(lambda self: self.ln_1)
     ln2 = property(lambda self: self.ln_2)
     attn_heads = property(lambda self: self.attn)
-
-    def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return self.attn(h, rope)
-
-    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(h)
 
 
 class GPT2Model(nn.Module):

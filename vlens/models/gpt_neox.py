@@ -18,7 +18,7 @@ from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
+from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 
 
 def deinterleave_heads(heads: int) -> Transform:
@@ -42,10 +42,6 @@ class GPTNeoXAttention(AttentionHeads):
 
     qkv = property(lambda self: self.query_key_value)
     out = property(lambda self: self.dense)
-
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        q, k, v = self.query_key_value.split(self.query_key_value(x))
-        return self.dense(self.attend(q, k, v, rope))
 
 
 class GPTNeoXMLP(nn.Module):
@@ -78,12 +74,6 @@ class GPTNeoXLayer(ResidualBlock):
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
     attn_heads = property(lambda self: self.attention)
-
-    def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return self.attention(h, rope)
-
-    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(h)
 
 
 class GPTNeoXModel(nn.Module):

@@ -18,7 +18,7 @@ from vlens.layers.mlp import GatedMLP
 from vlens.layers.moe import SparseMoE
 from vlens.layers.norm import RMSNorm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
+from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 
 # MoE checkpoints name their block and each expert's gate/up/down projections differently.
 MOE_CHECKPOINT_NAMES = {
@@ -40,10 +40,6 @@ class SelfAttention(AttentionHeads):
 
     qkv = property(lambda self: self.qkv_proj)
     out = property(lambda self: self.o_proj)
-
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        return self.o_proj(self.attend(q, k, v, rope))
 
 
 def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -67,12 +63,6 @@ class DecoderLayer(ResidualBlock):
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
     attn_heads = property(lambda self: self.self_attn)
-
-    def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return self.self_attn(h, rope)
-
-    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(h)
 
 
 class DecoderModel(nn.Module):
