@@ -218,3 +218,33 @@ def test_every_family_takes_the_per_head_path_exactly(config, tmp_path):
     names = [n for n in _names(hooked) if not n.endswith("mlp_in")]
     logits = hooked.run_with_hooks(TOKENS, fwd_hooks=[(n, same) for n in names])
     assert rel_err(logits, plain) <= TOL
+
+
+@pytest.mark.parametrize("flags", [("gpt2", ("use_attn_result", "use_split_qkv_input"))], indirect=True)
+def test_patching_them_equals_transformer_lens_s(flags):
+    """vlens.patching at the optional hooks (each head's result, each head's query input, by layer, position and
+    head), many patches to a forward, gives TransformerLens's patching module's metric on its own model."""
+    from transformer_lens import patching as theirs
+
+    from vlens import patching as ours
+
+    hooked, reference = flags
+    clean, corrupted = TOKENS, TOKENS.clone()
+    corrupted[0, 2], corrupted[1, 5] = 98, 40
+    weights = torch.randn(*TOKENS.shape, hooked.cfg.d_vocab, generator=torch.Generator().manual_seed(0))
+
+    def metric(logits):
+        return (logits * weights).sum()
+
+    with torch.no_grad():
+        base = metric(reference(corrupted))
+        for name in ("result", "q_input"):
+            axes = ["layer", "pos", "head"]
+            caches = [m.run_with_cache(clean, names_filter=lambda n, name=name: n.endswith(name))[1] for m in flags]
+            want = theirs.generic_activation_patch(reference, corrupted, caches[1], metric,
+                                                   theirs.layer_pos_head_vector_patch_setter, name, axes)  # fmt: skip
+            got = ours.generic_activation_patch(hooked, corrupted, caches[0], metric,
+                                                ours.layer_pos_head_vector_patch_setter, name, axes)  # fmt: skip
+            assert got.shape == want.shape == (3, TOKENS.shape[1], 4)
+            assert (want - base).abs().max() > 1e-3, name  # (the patches move the metric)
+            assert rel_err(got, want) <= TOL, name
