@@ -1,7 +1,11 @@
 """Activation patching sweeps: vlens.patching (many patches to a packed forward) against the same sweep one
 forward per patch — TransformerLens's `patching` module looping over vlens's HookedLM, and an HF forward per
 patch with the clean row put in by a forward pre-hook — in one run; and attribution patching's estimate of
-the sweep (one forward and one backward of the corrupted run, gradients at vlens's backward hooks).
+the sweep (one forward and one backward of the corrupted run, gradients at vlens's backward hooks). Then path
+patching from every head to the logits (ARENA's get_path_patch_head_to_final_resid_post: the clean run with one
+sender head's output from the corrupted run and every other head frozen): vlens.patching (a layer's senders
+packed into forwards) against ARENA's loop over vlens's HookedLM and an HF forward per sender (forward pre-hooks
+on each o_proj put the frozen and patched head outputs in).
 
     .venv/bin/python benchmarks/bench_patching.py [--repeats 2]
 
@@ -13,6 +17,7 @@ last position. The three give the same numbers (printed: the largest difference)
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 from bench_generate import best_alternating
@@ -96,6 +101,69 @@ def main() -> None:
     print(f"{'vlens.patching (patches packed into forwards)':<58}{t_vlens:>8.2f}{t_vlens / t_hf:>9.2f}x")
     r = torch.corrcoef(torch.stack([results["attribution"].flatten(), results["hf"].flatten()]))[0, 1].item()
     print(f"{f'attribution patching, its estimate (r = {r:.2f} with the sweep)':<58}{t_attr:>8.2f}{t_attr / t_hf:>9.3f}x")
+    path_patching(hooked, hf, clean, corrupted, metric, repeats)
+
+
+def path_patching(hooked: HookedLM, hf: torch.nn.Module, orig: torch.Tensor, new: torch.Tensor, metric, repeats: int):
+    """Every head to the logits: the orig (clean) run, one sender's output from the new (corrupted) run, every
+    other head's frozen at the orig run's."""
+    n, heads, d_head = hooked.cfg.n_layers, hooked.cfg.n_heads, hooked.cfg.d_head
+    new_cache = hooked.run_with_cache(new, names_filter="blocks.*.attn.hook_z")[1]
+    orig_cache = hooked.run_with_cache(orig, names_filter="blocks.*.attn.hook_z")[1]
+    results = {}
+
+    def ours():
+        results["vlens"] = patching.get_path_patch_head_to_final_resid_post(hooked, orig, new_cache, metric)
+
+    def arena_loop():
+        out = torch.zeros(n, heads)
+        for sender in range(n):
+            for head in range(heads):
+                def patch_or_freeze(z, hook, sender=sender, head=head):
+                    z[...] = orig_cache[hook.name]
+                    if hook.layer() == sender:
+                        z[:, :, head] = new_cache[hook.name][:, :, head]
+
+                out[sender, head] = metric(hooked.run_with_hooks(orig, fwd_hooks=[("blocks.*.attn.hook_z", patch_or_freeze)]))
+        results["arena"] = out
+
+    def hf_loop():
+        with torch.inference_mode():
+            zs = {}
+            for name, tokens in (("orig", orig), ("new", new)):
+                handles = [layer.self_attn.o_proj.register_forward_pre_hook(
+                    lambda m, args, i=i, name=name: zs.__setitem__((name, i), args[0].clone()))
+                    for i, layer in enumerate(hf.model.layers)]  # fmt: skip
+                hf(tokens)
+                for h in handles:
+                    h.remove()
+            out = torch.zeros(n, heads)
+            for sender in range(n):
+                for head in range(heads):
+                    def put(module, args, layer, sender=sender, head=head):
+                        z = zs[("orig", layer)].clone()
+                        if layer == sender:
+                            cols = slice(head * d_head, (head + 1) * d_head)
+                            z[..., cols] = zs[("new", layer)][..., cols]
+                        return (z,)
+
+                    handles = [layer.self_attn.o_proj.register_forward_pre_hook(partial(put, layer=i))
+                               for i, layer in enumerate(hf.model.layers)]  # fmt: skip
+                    try:
+                        out[sender, head] = metric(hf(orig).logits)
+                    finally:
+                        for h in handles:
+                            h.remove()
+        results["hf"] = out
+
+    t_vlens, t_arena, t_hf = best_alternating([ours, arena_loop, hf_loop], repeats)
+    differs = max((results[k] - results["hf"]).abs().max().item() for k in ("vlens", "arena"))
+    print(f"\npath patching, every head to the logits: {n * heads} senders; largest difference from HF's numbers "
+          f"{differs:.1e} (metric range {results['hf'].min():.2f}..{results['hf'].max():.2f})")  # fmt: skip
+    print(f"{'case':<58}{'s':>8}{'vs HF':>10}")
+    print(f"{'HF, a forward per sender (o_proj pre-hooks)':<58}{t_hf:>8.2f}{1.0:>9.2f}x")
+    print(f"{'ARENA loop over vlens HookedLM (a forward per sender)':<58}{t_arena:>8.2f}{t_arena / t_hf:>9.2f}x")
+    print(f"{'vlens.patching (senders packed into forwards)':<58}{t_vlens:>8.2f}{t_vlens / t_hf:>9.2f}x")
 
 
 if __name__ == "__main__":

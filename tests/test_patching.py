@@ -4,10 +4,12 @@ every index, whether TransformerLens loops over its HookedTransformer (GPT-2 wei
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import COMMON, build, transformer_lens_gpt2
+from family_parity import COMMON, build, transformer_lens_gpt2, transformer_lens_llama
 from transformers import LlamaConfig
 
 from vlens import HookedLM
@@ -167,3 +169,73 @@ def test_the_ioi_example_finds_the_name_moving_to_the_last_position(smol_path, c
     table = {int(row[0]): [float(v) for v in row[1:]] for row in rows}
     assert abs(table[0][1] - 1) < 0.02 and abs(table[27][5] - 1) < 0.1  # John early; "to" late
     assert max(abs(v) for row in table.values() for k, v in enumerate(row) if k not in (1, 5)) < 0.1
+
+
+def _arena_path_patch(reference, orig_tokens, new_cache, orig_cache, metric, receivers=None, receiver_input="q"):
+    """ARENA's path patching as its solutions write it (a forward or two per sender), on TransformerLens's model:
+    the sender's hook_z from the new run, every other head's frozen at the orig run's; to the logits, or to the
+    receivers' inputs, which a second forward patches in."""
+    n, heads = reference.cfg.n_layers, reference.cfg.n_heads
+    senders = n if receivers is None else max(layer for layer, _ in receivers)
+    names = {f"blocks.{layer}.attn.hook_{receiver_input}" for layer, _ in receivers or ()}
+    out = torch.zeros(senders, heads)
+    for sender, head in itertools.product(range(senders), range(heads)):
+
+        def patch_or_freeze(z, hook, sender=sender, head=head):
+            z[...] = orig_cache[hook.name]
+            if hook.layer() == sender:
+                z[:, :, head] = new_cache[hook.name][:, :, head]
+
+        freeze = [(lambda name: name.endswith("hook_z"), patch_or_freeze)]
+        if receivers is None:
+            logits = reference.run_with_hooks(orig_tokens, fwd_hooks=freeze)
+        else:
+            with reference.hooks(fwd_hooks=freeze):
+                _, made = reference.run_with_cache(orig_tokens, names_filter=lambda name: name in names)
+
+            def patch_input(x, hook):
+                for layer, h in receivers:
+                    if hook.layer() == layer:
+                        x[:, :, h] = made[hook.name][:, :, h]
+
+            logits = reference.run_with_hooks(orig_tokens, fwd_hooks=[(lambda name: name in names, patch_input)])
+        out[sender, head] = metric(logits)
+    return out
+
+
+def test_path_patching_equals_arena_s_on_transformer_lens(tmp_path):
+    """Path patching from every head to the logits, and to receivers' queries and values in two layers: vlens's
+    sweeps (every sender's copies of a layer in one forward) give ARENA's per-sender loops on TransformerLens's own
+    model, the same GPT-2 weights."""
+    path, reference = transformer_lens_gpt2(tmp_path, initializer_range=0.1)
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    with torch.no_grad():
+        orig_cache, new_cache = (reference.run_with_cache(t)[1] for t in (CLEAN, CORRUPTED))
+        base = weighted(reference(CLEAN))
+        new = hooked.run_with_cache(CORRUPTED, names_filter="blocks.*.attn.hook_z")[1]
+        got = ours.get_path_patch_head_to_final_resid_post(hooked, CLEAN, new, weighted)
+        want = _arena_path_patch(reference, CLEAN, new_cache, orig_cache, weighted)
+        assert_same_effects(got, want, base, 1e-2, "to the logits")
+        for receivers, receiver_input in (([(2, 1), (2, 3), (1, 0)], "q"), ([(2, 0)], "v")):
+            got = ours.get_path_patch_head_to_heads(hooked, CLEAN, new, weighted, receivers, receiver_input)
+            want = _arena_path_patch(reference, CLEAN, new_cache, orig_cache, weighted, receivers, receiver_input)
+            assert_same_effects(got, want, base, 1e-2, f"to {receivers} {receiver_input}")
+    with pytest.raises(ValueError, match=r"^receiver_input: 'z' is not one of q, k, v"):
+        ours.get_path_patch_head_to_heads(hooked, CLEAN, new, weighted, [(2, 1)], "z")
+    with pytest.raises(ValueError, match=r"^receiver_heads: \(2, 4\) is not a \(layer, head\)"):
+        ours.get_path_patch_head_to_heads(hooked, CLEAN, new, weighted, [(2, 4)], "q")
+    assert len(hooked.llm.engine.blocks.free) == len(hooked.llm.engine.blocks.blocks)  # (the sweeps gave theirs back)
+
+
+def test_path_patching_to_key_value_heads_under_grouped_query_attention(tmp_path):
+    """Receivers at "k" are key-value heads, each shared by two query heads: TransformerLens's grouped-query Llama
+    caches its keys that way too, and ARENA's loops over it give vlens's metric."""
+    path, reference = transformer_lens_llama(tmp_path)
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    with torch.no_grad():
+        orig_cache, new_cache = (reference.run_with_cache(t)[1] for t in (CLEAN, CORRUPTED))
+        new = hooked.run_with_cache(CORRUPTED, names_filter="blocks.*.attn.hook_z")[1]
+        receivers = [(2, 1), (1, 0)]
+        got = ours.get_path_patch_head_to_heads(hooked, CLEAN, new, weighted, receivers, "k")
+        want = _arena_path_patch(reference, CLEAN, new_cache, orig_cache, weighted, receivers, "k")
+        assert_same_effects(got, want, weighted(reference(CLEAN)), 1e-2, "to keys")

@@ -19,10 +19,16 @@ patch goes in as the heads' outputs it makes (hook_z), each changed row of a hea
 key-value head's values, which are the corrupted run's (its layer is the first that changes); a scores patch
 as the pattern its changed rows make (their softmax, as HF's and TransformerLens's attention take it). The
 names and arguments are TransformerLens's; `model` is a `vlens.HookedLM` in one process.
+
+Path patching (ARENA's two functions, by name) runs the same way: a layer's sender heads are copies in one
+forward from that layer, each with its sender's output put in and every later layer's attention output frozen at
+the orig run's (every head frozen is that), so the change travels through MLPs alone; to receivers, what those
+copies make of the receivers' inputs is read and then patched into copies of the orig run.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -74,10 +80,6 @@ def generic_activation_patch(
     targets = {layer: get_act_name("z", layer=layer) if through_values else names[layer] for layer in layers}
     values = {layer: get_act_name("v", layer=layer) for layer in layers} if through_values else {}
     taps |= {name: tap for name in targets.values() for tap in model._names(name).values()}
-    runner, blocks = model.llm.runner, model.llm.engine.blocks
-    if runner.model.executor is not None:
-        raise ValueError("model: vlens.patching runs a model in one process (tensor_parallel_size=1); "
-                         "TransformerLens's patching module runs on any HookedLM, a forward per patch")  # fmt: skip
     seqs, padding = model._sequences(corrupted_tokens, None)
     lens = [len(s) for s in seqs]
     streams = {layer: get_act_name("resid_pre", layer) for layer in names}
@@ -88,16 +90,13 @@ def generic_activation_patch(
             raise ValueError(f"clean_cache: {name} is {tuple(clean_cache[name].shape)} there and "
                              f"{tuple(corrupted[name].shape)} in the corrupted run; patching needs clean and "
                              "corrupted tokens of one shape")  # fmt: skip
-    limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
     metrics = [0.0] * len(indices)
     group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key-value head (pattern patches)
-    base = _lend(blocks, lens)  # the corrupted run's keys and values, which every copy reads before its patch
+    sweep = _Sweep(model, seqs, padding, patching_metric)
     try:
-        plain = runner.extend(seqs, [0] * len(seqs), base, {}, every_row=True).split(lens)
-        unpatched = float(patching_metric(padding.pad(torch.cat(plain))))
         for layer, name in names.items():
             entering = padding.pack(corrupted[streams[layer]]).split(lens)  # what every copy's layer reads
-            before, copies, remaining = corrupted[name], [], {}
+            before, copies = corrupted[name], []
             for i, index in enumerate(indices):
                 if index[0] == layer:
                     after = patch_setter(before.clone(), index, clean_cache[name])
@@ -107,22 +106,11 @@ def generic_activation_patch(
                         after, changed = _through_values(pattern, rows, corrupted[values[layer]], group)
                     else:
                         changed = after != before
-                    mine = _copies(i, padding.pack(after), padding.pack(changed), lens)
-                    copies += mine
-                    remaining[i] = len(mine)
-                    metrics[i] = unpatched  # (unless it changed something)
-            texts: dict[int, list[torch.Tensor]] = {}  # a patch's logits per text, while its copies run
-            for chunk in _chunks(copies, lens, limit, blocks):
-                ran = _run_copies(runner, blocks, seqs, base, layer, entering, taps[targets[layer]], chunk)
-                for copy, logits in zip(chunk, ran):
-                    mine = texts.setdefault(copy.patch, list(plain))
-                    mine[copy.text] = torch.cat((plain[copy.text][: copy.first], logits))
-                    remaining[copy.patch] -= 1
-                    if not remaining[copy.patch]:
-                        metrics[copy.patch] = float(patching_metric(padding.pad(torch.cat(texts.pop(copy.patch)))))
+                    copies += _copies(i, {taps[targets[layer]]: (padding.pack(after), padding.pack(changed))}, lens)
+                    metrics[i] = sweep.unpatched  # (unless it changed something)
+            sweep.metrics(layer, entering, copies, metrics)
     finally:
-        for table in base:
-            blocks.give_back(table)
+        sweep.close()
     out = torch.tensor(metrics)
     if index_df is None:
         out = out.view(ranges)
@@ -133,6 +121,101 @@ def generic_activation_patch(
 
         index_df = pd.DataFrame(indices, columns=list(index_axis_names))
     return out, index_df
+
+
+def get_path_patch_head_to_final_resid_post(
+    model: HookedLM, orig_tokens: torch.Tensor, new_cache: ActivationCache,
+    patching_metric: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:  # fmt: skip
+    """[n_layers, n_heads]: path patching from each head to the logits (the IOI paper's; ARENA's function of this
+    name): the metric of `orig_tokens`' logits with that head's output (hook_z) taken from `new_cache`, a run of
+    other tokens of the same shape, and every other head's frozen at its value in the orig run, so that the change
+    reaches the logits directly or through MLPs, never through another head."""
+    return _path_patch(model, orig_tokens, new_cache, patching_metric, model.cfg.num_layers, {})
+
+
+def get_path_patch_head_to_heads(
+    model: HookedLM, orig_tokens: torch.Tensor, new_cache: ActivationCache,
+    patching_metric: Callable[[torch.Tensor], torch.Tensor], receiver_heads: Sequence[tuple[int, int]],
+    receiver_input: str,
+) -> torch.Tensor:  # fmt: skip
+    """[last receiver layer, n_heads]: path patching from each head of the layers below the last receiver to the
+    receivers' queries, keys or values (`receiver_input` "q", "k" or "v"; for "k" and "v" a receiver's head counts
+    key-value heads). First, for each sender, the orig run with that head's output from `new_cache` and every other
+    head frozen gives what the receivers' inputs become (through MLPs too); then the metric of the orig run with
+    only the receivers' inputs patched to those values. ARENA's function of this name."""
+    if receiver_input not in ("q", "k", "v"):
+        raise ValueError(f"receiver_input: {receiver_input!r} is not one of q, k, v")
+    heads = model.cfg.num_heads if receiver_input == "q" else model.cfg.num_kv_heads
+    receivers: dict[str, list[int]] = {}
+    for layer, head in receiver_heads:
+        if not (0 <= layer < model.cfg.num_layers and 0 <= head < heads):
+            raise ValueError(f"receiver_heads: ({layer}, {head}) is not a (layer, head) of this model: layers 0.."
+                             f"{model.cfg.num_layers - 1}, heads 0..{heads - 1} at {receiver_input}")  # fmt: skip
+        receivers.setdefault(get_act_name(receiver_input, layer), []).append(head)
+    if not receivers:
+        raise ValueError("receiver_heads: give at least one (layer, head)")
+    return _path_patch(model, orig_tokens, new_cache, patching_metric, max(map(_layer_of, receivers)), receivers)
+
+
+def _path_patch(
+    model: HookedLM, tokens: torch.Tensor, new_cache: ActivationCache, metric: Callable[[torch.Tensor], Any],
+    senders: int, receivers: dict[str, list[int]],
+) -> torch.Tensor:  # fmt: skip
+    """The sender heads of the first `senders` layers, each patched from `new_cache` into a copy of each text it
+    changes, every later layer's attention output frozen at the orig run's (every head frozen); to the logits, or
+    to `receivers` (tap -> heads): their values in those copies, patched into the orig run."""
+    n, heads = model.cfg.num_layers, model.cfg.num_heads
+    z = [get_act_name("z", layer) for layer in range(senders)]
+    streams = [get_act_name("resid_pre", layer) for layer in range(n)]
+    attn_out = [get_act_name("attn_out", layer) for layer in range(n)]
+    seqs, padding = model._sequences(tokens, None)
+    lens = [len(s) for s in seqs]
+    wanted = sorted({*z, *streams, *attn_out, *receivers})
+    _, orig = model.run_with_cache(tokens, names_filter=wanted, return_type=None)
+    for name in z:
+        if new_cache[name].shape != orig[name].shape:
+            raise ValueError(f"new_cache: {name} is {tuple(new_cache[name].shape)} there and {tuple(orig[name].shape)} "
+                             "in the orig run; path patching needs orig and new tokens of one shape")  # fmt: skip
+    packed = {name: padding.pack(orig[name]) for name in wanted}
+    results = torch.empty(senders, heads)
+    sweep = _Sweep(model, seqs, padding, metric)
+    try:
+        results[:] = sweep.unpatched  # (where a patch changes nothing)
+        for layer in range(senders):
+            copies = []
+            for head in range(heads):
+                after = orig[z[layer]].clone()
+                after[:, :, head] = new_cache[z[layer]][:, :, head].to(after.dtype)
+                copies += _copies(head, {z[layer]: (padding.pack(after), padding.pack(after != orig[z[layer]]))}, lens)
+            for copy in copies:  # every head after the sender's layer frozen: each layer's attention output as it was
+                for later in attn_out[layer + 1 :]:
+                    values = packed[later].split(lens)[copy.text][copy.first :]
+                    rows = torch.arange(copy.first, lens[copy.text])
+                    copy.edits[later] = _Edit(rows, values, torch.ones_like(values, dtype=torch.bool))
+            entering = packed[streams[layer]].split(lens)
+            if not receivers:
+                sweep.metrics(layer, entering, copies, results[layer])
+                continue
+            # what each sender makes of the receivers' inputs (rows before a copy's first are the orig run's)
+            made = {head: {tap: packed[tap].clone() for tap in receivers} for head in range(heads)}
+            for copy, _, seen in sweep.run(layer, entering, copies, read=list(receivers)):
+                for tap, rows in seen.items():
+                    start = sum(lens[: copy.text]) + copy.first
+                    made[copy.patch][tap][start : start + len(rows), receivers[tap]] = rows[:, receivers[tap]]
+            first = min(map(_layer_of, receivers))
+            patched = [
+                c for head in range(heads)
+                for c in _copies(head, {tap: (v, v != packed[tap]) for tap, v in made[head].items()}, lens)
+            ]  # fmt: skip
+            sweep.metrics(first, packed[streams[first]].split(lens), patched, results[layer])
+    finally:
+        sweep.close()
+    return results
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[1])
 
 
 def _axis_range(model: HookedLM, tokens: torch.Tensor, activation_name: str, axis: str) -> int:
@@ -147,25 +230,85 @@ def _axis_range(model: HookedLM, tokens: torch.Tensor, activation_name: str, axi
 
 
 @dataclass
+class _Edit:
+    """What a copy puts in at one tap."""
+
+    rows: torch.Tensor  # positions it changes, in the text
+    values: torch.Tensor  # [len(rows), ...] the activations there
+    where: torch.Tensor  # [len(rows), ...] bool: which of their elements it changes
+
+
+@dataclass
 class _Copy:
     """One text of the corrupted batch under one patch: it runs from its first changed position on."""
 
     patch: int
     text: int
     first: int  # rows before it are the corrupted run's, at every layer
-    rows: torch.Tensor  # positions the patch changes, in the text
-    values: torch.Tensor  # [len(rows), ...] the patched activations there
-    where: torch.Tensor  # [len(rows), ...] bool: which of their elements it changes
+    edits: dict[str, _Edit]  # by tap
 
 
-def _copies(patch: int, after: torch.Tensor, changed: torch.Tensor, lens: list[int]) -> list[_Copy]:
-    """The copies of the texts a patch changes; `after` and `changed` are packed rows of the whole batch."""
+def _copies(patch: int, changes: dict[str, tuple[torch.Tensor, torch.Tensor]], lens: list[int]) -> list[_Copy]:
+    """The copies of the texts a patch changes; `changes`: by tap, (the patched values, which elements they
+    change), packed rows of the whole batch."""
     out = []
-    for text, (values, where) in enumerate(zip(after.split(lens), changed.split(lens))):
-        rows = where.reshape(len(where), -1).any(1).nonzero().squeeze(1)
-        if len(rows):
-            out.append(_Copy(patch, text, int(rows[0]), rows, values[rows], where[rows]))
+    for text in range(len(lens)):
+        edits = {}
+        for tap, (after, changed) in changes.items():
+            values, where = after.split(lens)[text], changed.split(lens)[text]
+            rows = where.reshape(len(where), -1).any(1).nonzero().squeeze(1)
+            if len(rows):
+                edits[tap] = _Edit(rows, values[rows], where[rows])
+        if edits:
+            out.append(_Copy(patch, text, min(int(e.rows[0]) for e in edits.values()), edits))
     return out
+
+
+class _Sweep:
+    """Copies of one batch run a forward at a time over the engine's KV cache: the batch's own run first (its
+    keys and values, which every copy reads before its first changed position, and its logits, which a copy's
+    rows before that position and every text a patch leaves alone keep), then the copies; `close` gives the
+    blocks back."""
+
+    def __init__(self, model: HookedLM, seqs: list[list[int]], padding, metric: Callable[[torch.Tensor], Any]):
+        self.runner, self.blocks = model.llm.runner, model.llm.engine.blocks
+        if self.runner.model.executor is not None:
+            raise ValueError("model: vlens.patching runs a model in one process (tensor_parallel_size=1); "
+                             "TransformerLens's patching module runs on any HookedLM, a forward per patch")  # fmt: skip
+        self.seqs, self.padding, self.metric = seqs, padding, metric
+        self.lens = [len(s) for s in seqs]
+        self.limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
+        self.base = _lend(self.blocks, self.lens)
+        try:
+            self.plain = self.runner.extend(seqs, [0] * len(seqs), self.base, {}, every_row=True).split(self.lens)
+            self.unpatched = float(metric(padding.pad(torch.cat(self.plain))))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, layer: int, entering: Sequence[torch.Tensor], copies: list[_Copy], read: Sequence[str] = ()):
+        """(copy, its logits from its first changed position on, its rows at the taps `read` by tap), copy by copy."""
+        for chunk in _chunks(copies, self.lens, self.limit, self.blocks):
+            logits, seen = _run_copies(self.runner, self.blocks, self.seqs, self.base, layer, entering, chunk, read)
+            for i, copy in enumerate(chunk):
+                yield copy, logits[i], {tap: rows[i] for tap, rows in seen.items()}
+
+    def metrics(self, layer: int, entering: Sequence[torch.Tensor], copies: list[_Copy], out) -> None:
+        """out[patch] = the metric of the batch's logits with each of the patch's copies in (a patch's logits are
+        held while its copies run)."""
+        remaining = collections.Counter(c.patch for c in copies)
+        texts: dict[int, list[torch.Tensor]] = {}
+        for copy, logits, _ in self.run(layer, entering, copies):
+            mine = texts.setdefault(copy.patch, list(self.plain))
+            mine[copy.text] = torch.cat((self.plain[copy.text][: copy.first], logits))
+            remaining[copy.patch] -= 1
+            if not remaining[copy.patch]:
+                out[copy.patch] = float(self.metric(self.padding.pad(torch.cat(texts.pop(copy.patch)))))
+
+    def close(self) -> None:
+        for table in self.base:
+            self.blocks.give_back(table)
+        self.base = []
 
 
 def _chunks(copies: list[_Copy], lens: list[int], limit: int, blocks: BlockManager) -> Iterator[list[_Copy]]:
@@ -194,12 +337,13 @@ def _lend(blocks: BlockManager, lengths: list[int]) -> list[list[int]]:
 
 def _run_copies(
     runner: ModelRunner, blocks: BlockManager, seqs: list[list[int]], base: list[list[int]], layer: int,
-    entering: Sequence[torch.Tensor], tap: str, copies: list[_Copy],
-) -> list[torch.Tensor]:  # fmt: skip
+    entering: Sequence[torch.Tensor], copies: list[_Copy], read: Sequence[str] = (),
+) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:  # fmt: skip
     """Each copy's logits from its first changed position on, in one forward from `layer`: its keys and
     values before that position are the corrupted run's (`base`'s blocks, and slots of the block it starts
-    in copied to a fresh one), its stream entering `layer` the corrupted run's (`entering`), and the hook at
-    `tap` puts its patched values in."""
+    in copied to a fresh one), its stream entering `layer` the corrupted run's (`entering`), and a hook at
+    each tap it edits puts its values in. With them, each copy's rows at the taps `read` (from its first
+    changed position on), by tap."""
     bs = blocks.block_size
     kept = [copy.first // bs for copy in copies]  # whole blocks of the corrupted run's that a copy reads
     fresh = _lend(blocks, [len(seqs[c.text]) - k * bs for c, k in zip(copies, kept)])
@@ -210,19 +354,35 @@ def _run_copies(
             source += range(base[c.text][k] * bs, base[c.text][k] * bs + c.first - k * bs)
             target += range(table[0] * bs, table[0] * bs + c.first - k * bs)
         news = [len(seqs[c.text]) - c.first for c in copies]
-        offsets = itertools.accumulate([0, *news[:-1]])
+        starts = dict(zip(map(id, copies), itertools.accumulate([0, *news[:-1]])))
         device = runner.device  # (the cached activations are the host's)
-        rows = torch.cat([c.rows - c.first + offset for c, offset in zip(copies, offsets)]).to(device)
-        values, where = (torch.cat([getattr(c, f) for c in copies]).to(device) for f in ("values", "where"))
-        edit = partial(_replace, rows, values, where)
+        hooks, seen = {}, {}
+        for tap in dict.fromkeys(t for c in copies for t in c.edits):
+            mine = [c for c in copies if tap in c.edits]
+            rows = torch.cat([c.edits[tap].rows - c.first + starts[id(c)] for c in mine]).to(device)
+            values, where = (torch.cat([getattr(c.edits[tap], f) for c in mine]).to(device) for f in ("values", "where"))
+            hooks[tap] = partial(_replace, rows, values, where)
+        for tap in read:
+            hooks[tap] = _then_keep(hooks.get(tap), seen, tap)
         stream = torch.cat([entering[c.text][c.first :] for c in copies]).to(device)
         kv_copy = (source, target) if source else None
-        logits = runner.extend([seqs[c.text] for c in copies], [c.first for c in copies], tables, {tap: edit},
+        logits = runner.extend([seqs[c.text] for c in copies], [c.first for c in copies], tables, hooks,
                                every_row=True, resume=(layer, stream), kv_copy=kv_copy)  # fmt: skip
     finally:
         for table in fresh:
             blocks.give_back(table)
-    return list(logits.split(news))
+    return list(logits.split(news)), {tap: list(seen[tap].cpu().split(news)) for tap in read}
+
+
+def _then_keep(edit: Callable | None, seen: dict[str, torch.Tensor], tap: str) -> Callable:
+    """A hook that keeps the value leaving `tap` (after `edit`, if any) in `seen`."""
+
+    def hook(x: torch.Tensor) -> torch.Tensor:
+        x = x if edit is None else edit(x)
+        seen[tap] = x
+        return x
+
+    return hook
 
 
 def _through_values(
