@@ -204,9 +204,9 @@ def _arena_path_patch(reference, orig_tokens, new_cache, orig_cache, metric, rec
 
 
 def test_path_patching_equals_arena_s_on_transformer_lens(tmp_path):
-    """Path patching from every head to the logits, and to receivers' queries and values in two layers: vlens's
-    sweeps (every sender's copies of a layer in one forward) give ARENA's per-sender loops on TransformerLens's own
-    model, the same GPT-2 weights."""
+    """Path patching from every head to the logits, and to receivers' queries and values in two layers (one below
+    some senders: they cannot reach it): vlens's sweeps (every sender's copies of a layer in one forward) give
+    ARENA's per-sender loops on TransformerLens's own model, the same GPT-2 weights."""
     path, reference = transformer_lens_gpt2(tmp_path, initializer_range=0.1)
     hooked = HookedLM(path, dtype="float32", device="cpu")
     with torch.no_grad():
@@ -216,7 +216,7 @@ def test_path_patching_equals_arena_s_on_transformer_lens(tmp_path):
         got = ours.get_path_patch_head_to_final_resid_post(hooked, CLEAN, new, weighted)
         want = _arena_path_patch(reference, CLEAN, new_cache, orig_cache, weighted)
         assert_same_effects(got, want, base, 1e-2, "to the logits")
-        for receivers, receiver_input in (([(2, 1), (2, 3), (1, 0)], "q"), ([(2, 0)], "v")):
+        for receivers, receiver_input in (([(2, 1), (2, 3), (0, 2)], "q"), ([(2, 0), (1, 3)], "v")):
             got = ours.get_path_patch_head_to_heads(hooked, CLEAN, new, weighted, receivers, receiver_input)
             want = _arena_path_patch(reference, CLEAN, new_cache, orig_cache, weighted, receivers, receiver_input)
             assert_same_effects(got, want, base, 1e-2, f"to {receivers} {receiver_input}")
@@ -239,3 +239,27 @@ def test_path_patching_to_key_value_heads_under_grouped_query_attention(tmp_path
         got = ours.get_path_patch_head_to_heads(hooked, CLEAN, new, weighted, receivers, "k")
         want = _arena_path_patch(reference, CLEAN, new_cache, orig_cache, weighted, receivers, "k")
         assert_same_effects(got, want, weighted(reference(CLEAN)), 1e-2, "to keys")
+
+
+def test_the_path_patching_example_measures_the_paths_it_names(smol_path, capsys):
+    """examples/path_patching_ioi.py on SmolLM2: the head it puts first moves a fifth of the answer's lead or more
+    by its paths to the logits alone, as one forward with ARENA's hooks says (that head from the ABC run, every
+    other frozen); its senders to the receivers' queries are the layers below the last receiver."""
+    import runpy
+    from pathlib import Path
+
+    run = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "path_patching_ioi.py"), run_name="__main__")
+    model, orig, new_cache, effect = run["model"], run["orig"], run["new_cache"], run["effect"]
+    layer, head = run["movers"][0]
+    orig_cache = model.run_with_cache(orig, names_filter="blocks.*.attn.hook_z")[1]
+
+    def patch_or_freeze(z, hook):
+        z[...] = orig_cache[hook.name]
+        if hook.layer() == layer:
+            z[:, :, head] = new_cache[hook.name][:, :, head]
+
+    want = effect(model.run_with_hooks(orig, fwd_hooks=[("blocks.*.attn.hook_z", patch_or_freeze)]))
+    assert abs(run["to_logits"][layer, head] - want) < 1e-4 and want < -0.2
+    last = max(receiver_layer for receiver_layer, _ in run["receivers"])
+    assert run["to_queries"].shape == (last, model.cfg.n_heads)
+    assert f"L{layer}H{head} {want:+.3f}" in capsys.readouterr().out

@@ -189,21 +189,25 @@ def _path_patch(
                 after[:, :, head] = new_cache[z[layer]][:, :, head].to(after.dtype)
                 copies += _copies(head, {z[layer]: (padding.pack(after), padding.pack(after != orig[z[layer]]))}, lens)
             for copy in copies:  # every head after the sender's layer frozen: each layer's attention output as it was
-                for later in attn_out[layer + 1 :]:
-                    values = packed[later].split(lens)[copy.text][copy.first :]
+                for tap in attn_out[layer + 1 :]:
+                    values = packed[tap].split(lens)[copy.text][copy.first :]
                     rows = torch.arange(copy.first, lens[copy.text])
-                    copy.edits[later] = _Edit(rows, values, torch.ones_like(values, dtype=torch.bool))
+                    copy.edits[tap] = _Edit(rows, values, torch.ones_like(values, dtype=torch.bool))
             entering = packed[streams[layer]].split(lens)
             if not receivers:
                 sweep.metrics(layer, entering, copies, results[layer])
                 continue
-            # what each sender makes of the receivers' inputs (rows before a copy's first are the orig run's)
-            made = {head: {tap: packed[tap].clone() for tap in receivers} for head in range(heads)}
-            for copy, _, seen in sweep.run(layer, entering, copies, read=list(receivers)):
+            # what each sender makes of the inputs of the receivers after its layer (rows before a copy's first, and
+            # every receiver before, are the orig run's)
+            later = [tap for tap in receivers if _layer_of(tap) > layer]
+            if not later:
+                continue
+            made = {head: {tap: packed[tap].clone() for tap in later} for head in range(heads)}
+            for copy, _, seen in sweep.run(layer, entering, copies, read=later):
                 for tap, rows in seen.items():
                     start = sum(lens[: copy.text]) + copy.first
                     made[copy.patch][tap][start : start + len(rows), receivers[tap]] = rows[:, receivers[tap]]
-            first = min(map(_layer_of, receivers))
+            first = min(map(_layer_of, later))
             patched = [
                 c for head in range(heads)
                 for c in _copies(head, {tap: (v, v != packed[tap]) for tap, v in made[head].items()}, lens)
