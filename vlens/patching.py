@@ -179,6 +179,8 @@ def _path_patch(
                              "in the orig run; path patching needs orig and new tokens of one shape")  # fmt: skip
     packed = {name: padding.pack(orig[name]) for name in wanted}
     results = torch.empty(senders, heads)
+    flat = results.view(-1)  # patch i: sender layer i // heads, head i % heads
+    patched: dict[int, list[_Copy]] = {}  # to receivers: the orig run's copies, by the layer they run from
     sweep = _Sweep(model, seqs, padding, metric)
     try:
         results[:] = sweep.unpatched  # (where a patch changes nothing)
@@ -187,7 +189,8 @@ def _path_patch(
             for head in range(heads):
                 after = orig[z[layer]].clone()
                 after[:, :, head] = new_cache[z[layer]][:, :, head].to(after.dtype)
-                copies += _copies(head, {z[layer]: (padding.pack(after), padding.pack(after != orig[z[layer]]))}, lens)
+                changes = {z[layer]: (padding.pack(after), padding.pack(after != orig[z[layer]]))}
+                copies += _copies(layer * heads + head, changes, lens)
             for copy in copies:  # every head after the sender's layer frozen: each layer's attention output as it was
                 for tap in attn_out[layer + 1 :]:
                     values = packed[tap].split(lens)[copy.text][copy.first :]
@@ -195,24 +198,25 @@ def _path_patch(
                     copy.edits[tap] = _Edit(rows, values, torch.ones_like(values, dtype=torch.bool))
             entering = packed[streams[layer]].split(lens)
             if not receivers:
-                sweep.metrics(layer, entering, copies, results[layer])
+                sweep.metrics(layer, entering, copies, flat)
                 continue
             # what each sender makes of the inputs of the receivers after its layer (rows before a copy's first, and
             # every receiver before, are the orig run's)
             later = [tap for tap in receivers if _layer_of(tap) > layer]
             if not later:
                 continue
-            made = {head: {tap: packed[tap].clone() for tap in later} for head in range(heads)}
+            made: dict[int, dict[str, torch.Tensor]] = {}
             for copy, _, seen in sweep.run(layer, entering, copies, read=later):
+                inputs = made.setdefault(copy.patch, {tap: packed[tap].clone() for tap in later})
                 for tap, rows in seen.items():
                     start = sum(lens[: copy.text]) + copy.first
-                    made[copy.patch][tap][start : start + len(rows), receivers[tap]] = rows[:, receivers[tap]]
-            first = min(map(_layer_of, later))
-            patched = [
-                c for head in range(heads)
-                for c in _copies(head, {tap: (v, v != packed[tap]) for tap, v in made[head].items()}, lens)
-            ]  # fmt: skip
-            sweep.metrics(first, packed[streams[first]].split(lens), patched, results[layer])
+                    inputs[tap][start : start + len(rows), receivers[tap]] = rows[:, receivers[tap]]
+            patched.setdefault(min(map(_layer_of, later)), []).extend(
+                c for patch, inputs in made.items()
+                for c in _copies(patch, {tap: (v, v != packed[tap]) for tap, v in inputs.items()}, lens)
+            )  # fmt: skip
+        for first, copies in patched.items():  # every sender's copies that run from one layer, together
+            sweep.metrics(first, packed[streams[first]].split(lens), copies, flat)
     finally:
         sweep.close()
     return results
@@ -291,11 +295,12 @@ class _Sweep:
             raise
 
     def run(self, layer: int, entering: Sequence[torch.Tensor], copies: list[_Copy], read: Sequence[str] = ()):
-        """(copy, its logits from its first changed position on, its rows at the taps `read` by tap), copy by copy."""
+        """(copy, its logits from its first changed position on, its rows at the taps `read` by tap), copy by copy;
+        with taps to read, the forwards stop once those have fired, and there are no logits (None)."""
         for chunk in _chunks(copies, self.lens, self.limit, self.blocks):
             logits, seen = _run_copies(self.runner, self.blocks, self.seqs, self.base, layer, entering, chunk, read)
             for i, copy in enumerate(chunk):
-                yield copy, logits[i], {tap: rows[i] for tap, rows in seen.items()}
+                yield copy, None if logits is None else logits[i], {tap: rows[i] for tap, rows in seen.items()}
 
     def metrics(self, layer: int, entering: Sequence[torch.Tensor], copies: list[_Copy], out) -> None:
         """out[patch] = the metric of the batch's logits with each of the patch's copies in (a patch's logits are
@@ -342,12 +347,12 @@ def _lend(blocks: BlockManager, lengths: list[int]) -> list[list[int]]:
 def _run_copies(
     runner: ModelRunner, blocks: BlockManager, seqs: list[list[int]], base: list[list[int]], layer: int,
     entering: Sequence[torch.Tensor], copies: list[_Copy], read: Sequence[str] = (),
-) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:  # fmt: skip
+) -> tuple[list[torch.Tensor] | None, dict[str, list[torch.Tensor]]]:  # fmt: skip
     """Each copy's logits from its first changed position on, in one forward from `layer`: its keys and
     values before that position are the corrupted run's (`base`'s blocks, and slots of the block it starts
     in copied to a fresh one), its stream entering `layer` the corrupted run's (`entering`), and a hook at
-    each tap it edits puts its values in. With them, each copy's rows at the taps `read` (from its first
-    changed position on), by tap."""
+    each tap it edits puts its values in. With taps to `read`: the forward stops once they have fired, and gives
+    each copy's rows there (from its first changed position on) by tap, and no logits (None)."""
     bs = blocks.block_size
     kept = [copy.first // bs for copy in copies]  # whole blocks of the corrupted run's that a copy reads
     fresh = _lend(blocks, [len(seqs[c.text]) - k * bs for c, k in zip(copies, kept)])
@@ -370,12 +375,13 @@ def _run_copies(
             hooks[tap] = _then_keep(hooks.get(tap), seen, tap)
         stream = torch.cat([entering[c.text][c.first :] for c in copies]).to(device)
         kv_copy = (source, target) if source else None
+        until = max(map(_layer_of, read)) + 1 if read else None
         logits = runner.extend([seqs[c.text] for c in copies], [c.first for c in copies], tables, hooks,
-                               every_row=True, resume=(layer, stream), kv_copy=kv_copy)  # fmt: skip
+                               every_row=True, resume=(layer, stream), kv_copy=kv_copy, num_layers=until)  # fmt: skip
     finally:
         for table in fresh:
             blocks.give_back(table)
-    return list(logits.split(news)), {tap: list(seen[tap].cpu().split(news)) for tap in read}
+    return None if logits is None else list(logits.split(news)), {t: list(seen[t].cpu().split(news)) for t in read}
 
 
 def _then_keep(edit: Callable | None, seen: dict[str, torch.Tensor], tap: str) -> Callable:

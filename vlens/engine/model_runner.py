@@ -460,14 +460,16 @@ class ModelRunner:
         self, sequences: list[list[int]], starts: list[int], tables: list[list[int]],
         hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]], every_row: bool = False,
         resume: tuple[int, torch.Tensor] | None = None, kv_copy: tuple[list[int], list[int]] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        num_layers: int | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
         """Logits [B, vocab] of each sequence's last token (`every_row`: [new tokens, vocab], of each one),
         from a forward of its tokens after `starts[i]` whose keys and values go to the cache blocks
         `tables[i]` (holding those of the tokens before), `hooks` run at their taps: HookedLM.generate's steps
         with hook functions and a KV cache, each forward seeing only the new tokens, as TransformerLens's
         use_past_kv_cache does; and vlens.patching's copies of a run, which also start at a layer (`resume`:
         the layer and the stream entering it, DecoderLM.forward's `start`) and first copy cache slots
-        (`kv_copy`: from, to) where a copy's first block shares keys of the run it copies."""
+        (`kv_copy`: from, to) where a copy's first block shares keys of the run it copies. `num_layers`: run
+        that many layers and no unembedding (None back): a forward only its hooks read (path patching's)."""
         if resume is not None and self.model.executor is not None:
             raise ValueError("resume: a forward from a layer on runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
@@ -478,9 +480,9 @@ class ModelRunner:
             source, target = (np.asarray(slots, np.int64) for slots in kv_copy)
             meta.kv_copy = (put("kv_copy_from", source), put("kv_copy_to", target))
         ids = put("input_ids", np.fromiter(chain.from_iterable(s[b:] for s, b in zip(sequences, starts)), np.int64))
-        rows = slice(None) if every_row else put("logit_rows", np.cumsum(new) - 1)
-        forward = None if resume is None else partial(self.model, start=resume)
-        _, logits = self._forward(meta, ids, dict(hooks), None, rows, forward=forward)
+        rows = None if num_layers is not None else slice(None) if every_row else put("logit_rows", np.cumsum(new) - 1)
+        forward = None if resume is None else partial(self.model, start=resume, num_layers=num_layers)
+        _, logits = self._forward(meta, ids, dict(hooks), num_layers, rows, forward=forward)
         return logits
 
     # -- the memory profile --------------------------------------------------------------------------

@@ -163,9 +163,10 @@ class ResidualBlock(nn.Module):
         kv_plain = plain if heads.kv_heads == heads.heads else x.unsqueeze(1).expand(-1, heads.kv_heads, -1)
         kv_in = attn_in if heads.kv_heads == heads.heads else kv_plain
         inputs = [tap(name, y) for name, y in zip(self.hook_qkv_inputs, (attn_in, kv_in, kv_in))]
-        if all(y is p for y, p in zip(inputs, (plain, kv_plain, kv_plain))):
+        unedited = [y is p for y, p in zip(inputs, (plain, kv_plain, kv_plain))]
+        if all(unedited):
             return h
-        return tuple(h if y is p else self.ln1(y) for y, p in zip(inputs, (plain, kv_plain, kv_plain)))
+        return tuple(h if same else self.ln1(y) for y, same in zip(inputs, unedited))
 
 
 class DecoderLM(nn.Module):
