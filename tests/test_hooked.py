@@ -410,6 +410,27 @@ def test_added_hooks_last_until_reset_and_permanent_ones_until_asked(hooked):
         hooked.add_hook("blocks.0.hook_resid_post", note("x"), dir="both")
 
 
+def test_a_hook_point_adds_and_removes_its_own_hooks(hooked):
+    """TransformerLens's `model.hook_dict[name].add_hook(fn)` and `.remove_hooks()`: the model's hooks at that
+    name (a glob's hook stays; a permanent one stays unless asked)."""
+    zero = lambda value, hook: value * 0.0  # noqa: E731
+    want = hooked.run_with_hooks(TEXTS[0], fwd_hooks=[("blocks.3.hook_mlp_out", zero)])
+    plain = hooked(TEXTS[0])
+    point, seen = hooked.hook_dict["blocks.3.hook_mlp_out"], []
+    point.add_hook(zero)
+    point.add_perma_hook(lambda value, hook: seen.append(hook.name))
+    hooked.add_hook("blocks.*.hook_mlp_out", lambda value, hook: None)
+    try:
+        assert torch.equal(hooked(TEXTS[0]), want) and not torch.allclose(want, plain)
+        point.remove_hooks()
+        assert torch.equal(hooked(TEXTS[0]), plain) and seen == ["blocks.3.hook_mlp_out"] * 2
+        assert [h.where for h in hooked._hooks] == ["blocks.3.hook_mlp_out", "blocks.*.hook_mlp_out"]
+        point.remove_hooks(including_permanent=True)
+        assert [h.where for h in hooked._hooks] == ["blocks.*.hook_mlp_out"]
+    finally:
+        hooked.reset_hooks(including_permanent=True)
+
+
 def test_token_positions_and_hook_names_as_transformer_lens_gives_them(hooked):
     """get_token_position (TransformerLens's own method, run on this model, gives the same), to_single_str_token,
     hook_dict; a token that is not there, or a batch, named."""

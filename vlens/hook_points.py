@@ -36,12 +36,25 @@ class Hook:
 
 
 class HookPoint:
-    """What a hook function gets as `hook`: the name of its tap, and `ctx`, a dict the hooks at it share (a
-    forward hook can leave there what the backward hook reads) until reset_hooks clears it."""
+    """What a hook function gets as `hook`, and what `model.hook_dict[name]` is: the name of its tap, `ctx`, a dict
+    the hooks at it share (a forward hook can leave there what the backward hook reads) until reset_hooks clears
+    it, and TransformerLens's add_hook / remove_hooks, which act on the model's hooks at this name (`model`: the
+    HookedLM)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, model: Any):
+        self.name, self.model = name, model
         self.ctx: dict = {}
+
+    def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
+        self.model.add_hook(self.name, hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
+
+    def add_perma_hook(self, hook: HookFn, dir: str = "fwd") -> None:
+        self.add_hook(hook, dir, is_permanent=True)
+
+    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False) -> None:
+        """The hooks added at this very name (here, or by the model's add_hook with it; one added for a glob or a
+        filter stays: reset_hooks removes that)."""
+        self.model._remove_hooks(dir, including_permanent, at=self.name)
 
     def clear_context(self) -> None:
         self.ctx = {}

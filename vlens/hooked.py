@@ -195,7 +195,7 @@ class HookedLM(ModelWeights):
 
     def _point(self, name: str) -> HookPoint:
         if name not in self._points:
-            self._points[name] = HookPoint(name)
+            self._points[name] = HookPoint(name, self)
         return self._points[name]
 
     def _pad_id(self) -> int:
@@ -463,17 +463,23 @@ class HookedLM(ModelWeights):
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False) -> None:
         """Remove the hooks in place (but the permanent ones, unless asked; direction "fwd" or "bwd": only those),
         and empty the hooks' `ctx` dicts (unless clear_contexts is False), as TransformerLens's does."""
-        if direction not in (*DIRECTIONS, "both"):
-            raise ValueError(f"direction: {direction!r} is not one of fwd, bwd, both")
-        self._hooks = [
-            h for h in self._hooks if (h.permanent and not including_permanent) or direction not in ("both", h.dir)
-        ]
+        self._remove_hooks(direction, including_permanent)
         if clear_contexts:
             self.clear_contexts()
 
+    def _remove_hooks(self, direction: str = "both", including_permanent: bool = False, at: str | None = None) -> None:
+        """The hooks in force in `direction` ("fwd", "bwd" or "both"), but the permanent ones unless asked; `at`:
+        only those added at that very name (HookPoint.remove_hooks)."""
+        if direction not in (*DIRECTIONS, "both"):
+            raise ValueError(f"direction: {direction!r} is not one of fwd, bwd, both")
+        self._hooks = [
+            h for h in self._hooks
+            if (h.permanent and not including_permanent) or direction not in ("both", h.dir) or at not in (None, h.where)
+        ]  # fmt: skip
+
     def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False) -> None:
         """TransformerLens's: reset_hooks without touching the hooks' `ctx`."""
-        self.reset_hooks(False, direction, including_permanent)
+        self._remove_hooks(direction, including_permanent)
 
     def clear_contexts(self) -> None:
         """Empty every hook point's `ctx` dict."""
