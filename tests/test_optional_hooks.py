@@ -248,3 +248,31 @@ def test_patching_them_equals_transformer_lens_s(flags):
             assert got.shape == want.shape == (3, TOKENS.shape[1], 4)
             assert (want - base).abs().max() > 1e-3, name  # (the patches move the metric)
             assert rel_err(got, want) <= TOL, name
+
+
+@pytest.mark.parametrize("flags", [("llama", ("use_split_qkv_input",))], indirect=True)
+def test_patching_key_inputs_counts_key_value_heads(flags):
+    """Under grouped-query attention hook_k_input has a slice per key-value head, and a sweep over its heads
+    counts those (TransformerLens's axis would count query heads: its own sweep is given the indices)."""
+    import pandas as pd
+    from transformer_lens import patching as theirs
+
+    from vlens import patching as ours
+
+    hooked, reference = flags
+    corrupted = TOKENS.clone()
+    corrupted[0, 2], corrupted[1, 5] = 98, 40
+    weights = torch.randn(*TOKENS.shape, hooked.cfg.d_vocab, generator=torch.Generator().manual_seed(0))
+
+    def metric(logits):
+        return (logits * weights).sum()
+
+    with torch.no_grad():
+        caches = [m.run_with_cache(TOKENS, names_filter=lambda n: n.endswith("k_input"))[1] for m in flags]
+        got = ours.generic_activation_patch(hooked, corrupted, caches[0], metric, ours.layer_head_vector_patch_setter,
+                                            "k_input", ["layer", "head"])  # fmt: skip
+        index_df = pd.DataFrame({"layer": [0, 0, 1, 1, 2, 2], "head": [0, 1, 0, 1, 0, 1]})
+        want = theirs.generic_activation_patch(reference, corrupted, caches[1], metric,
+                                               theirs.layer_head_vector_patch_setter, "k_input", index_df=index_df)  # fmt: skip
+    assert got.shape == (3, 2) and rel_err(got.flatten(), want) <= TOL
+    assert (want - metric(reference(corrupted))).abs().max() > 1e-3

@@ -233,7 +233,7 @@ def _axis_range(model: HookedLM, tokens: torch.Tensor, activation_name: str, axi
     if axis in ("pos", "src_pos", "dest_pos"):
         return tokens.shape[-1]
     if axis in ("head_index", "head"):
-        return cfg.num_kv_heads if activation_name in ("k", "v") else cfg.num_heads
+        return cfg.num_kv_heads if activation_name in ("k", "v", "k_input", "v_input") else cfg.num_heads
     raise ValueError(f"index_axis_names: {axis!r} is not one of layer, pos, head_index, head, src_pos, dest_pos")
 
 
