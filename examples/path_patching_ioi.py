@@ -1,5 +1,6 @@
 """Which of SmolLM2's heads move the indirect object's name to the logits, and which heads tell them where to
-look? Path patching, as ARENA's IOI exercises do it (the same two functions), every sender of a layer at once.
+look? Path patching, as ARENA's IOI exercises do it (the same two functions), every sender of a layer at once;
+then edge attribution patching, every edge of the graph from one forward and backward.
 
     .venv/bin/python examples/path_patching_ioi.py
 
@@ -9,6 +10,7 @@ output comes from the new run and every other head is frozen (-1: the lead gone,
 """
 
 from vlens import HookedLM, patching
+from vlens.edge_attribution import edge_attribution_patching
 
 model = HookedLM(dtype="float32", device="cpu")
 orig = model.to_tokens("When Mary and John went to the store, John gave a drink to")
@@ -40,3 +42,9 @@ to_queries = patching.get_path_patch_head_to_heads(model, orig, new_cache, effec
 order = to_queries.flatten().abs().argsort(descending=True)[:5].tolist()
 senders = [divmod(i, model.cfg.n_heads) for i in order]
 print("heads -> queries: " + "  ".join(f"L{layer}H{head} {to_queries[layer, head]:+.3f}" for layer, head in senders))
+# every edge at once, to first order: the heads' edges to the logits it ranks first are the heads above
+scores, upstream, downstream = edge_attribution_patching(model, orig, new, logit_diff)
+direct = scores[:, downstream.index("logits")]
+heads = [i for i, label in enumerate(upstream) if label.startswith("L")]
+order = sorted(heads, key=lambda i: -abs(direct[i]))[:5]
+print("edges -> logits:  " + "  ".join(f"{upstream[i]} {direct[i]:+.3f}" for i in order))

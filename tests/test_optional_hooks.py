@@ -276,3 +276,79 @@ def test_patching_key_inputs_counts_key_value_heads(flags):
                                                theirs.layer_head_vector_patch_setter, "k_input", index_df=index_df)  # fmt: skip
     assert got.shape == (3, 2) and rel_err(got.flatten(), want) <= TOL
     assert (want - metric(reference(corrupted))).abs().max() > 1e-3
+
+
+def _transformer_lens_edges(reference, clean, corrupted, metric) -> dict[tuple[str, str], float]:
+    """Edge attribution patching on TransformerLens's own model, edge by edge (its optional hooks, its backward
+    hooks): the reference."""
+    cfg, saved, grads, flags = reference.cfg, {}, {}, FLAGS[:2] + FLAGS[3:]
+    _use([reference], flags)
+    try:
+        up = lambda name: name == "hook_embed" or name.endswith(("hook_pos_embed", "hook_result", "hook_mlp_out"))  # noqa: E731
+        _, clean_cache = reference.run_with_cache(clean, names_filter=up)
+        down = lambda name: name.endswith(("_input", "hook_mlp_in", f"{cfg.n_layers - 1}.hook_resid_post"))  # noqa: E731
+        fwd = [(up, lambda value, hook: saved.__setitem__(hook.name, value.detach()))]
+        bwd = [(down, lambda grad, hook: grads.__setitem__(hook.name, grad.detach()))]
+        with reference.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
+            metric(reference(corrupted)).backward()
+    finally:
+        _use([reference], flags, on=False)
+    delta = {name: clean_cache[name] - saved[name] for name in saved}
+    writes = {"embed": (sum(v for k, v in delta.items() if "embed" in k), -1, 9)}
+    reads = {"logits": (grads[f"blocks.{cfg.n_layers - 1}.hook_resid_post"], cfg.n_layers, 0)}
+    for layer in range(cfg.n_layers):
+        for h in range(cfg.n_heads):
+            writes[f"L{layer}H{h}"] = (delta[f"blocks.{layer}.attn.hook_result"][:, :, h], layer, 0)
+            reads[f"L{layer}H{h}.q"] = (grads[f"blocks.{layer}.hook_q_input"][:, :, h], layer, 0)
+        for h in range(grads[f"blocks.{layer}.hook_k_input"].shape[2]):
+            for part in "kv":
+                reads[f"L{layer}H{h}.{part}"] = (grads[f"blocks.{layer}.hook_{part}_input"][:, :, h], layer, 0)
+        writes[f"M{layer}"] = (delta[f"blocks.{layer}.hook_mlp_out"], layer, 1)
+        reads[f"M{layer}"] = (grads[f"blocks.{layer}.hook_mlp_in"], layer, 1)
+    return {
+        (u, d): float((value * grad).sum()) if (at, after) < (layer, stage) else 0.0
+        for u, (value, at, after) in writes.items()
+        for d, (grad, layer, stage) in reads.items()
+    }
+
+
+@pytest.mark.parametrize("pair", ["gpt2", "llama"])
+def test_edge_attribution_equals_transformer_lens_s_edge_by_edge(pair, request):
+    """Every edge's score (embeddings, heads and MLPs to later heads' q/k/v inputs, MLP inputs and the logits;
+    key-value heads under grouped-query attention) equals the dot product TransformerLens's own hooks give, and
+    the flags are as they were after."""
+    from vlens.edge_attribution import edge_attribution_patching
+
+    hooked, reference = request.getfixturevalue(pair)
+    corrupted = TOKENS.clone()
+    corrupted[0, 2], corrupted[1, 5] = 98, 40
+    weights = torch.randn(*TOKENS.shape, hooked.cfg.d_vocab, generator=torch.Generator().manual_seed(0))
+
+    def metric(logits):
+        return (logits * weights).sum()
+
+    scores, upstream, downstream = edge_attribution_patching(hooked, TOKENS, corrupted, metric)
+    want = _transformer_lens_edges(reference, TOKENS, corrupted, metric)
+    got = {(u, d): float(scores[i, j]) for i, u in enumerate(upstream) for j, d in enumerate(downstream)}
+    assert got.keys() == want.keys() and len(upstream) == 1 + 3 * 5
+    ref = torch.tensor(list(want.values()))
+    assert rel_err(torch.tensor([got[k] for k in want]), ref) <= TOL and (ref != 0).sum() > 0.4 * len(ref)
+    assert not any(getattr(hooked.cfg, flag) for flag in FLAGS)
+
+
+def test_edge_attribution_under_a_parallel_residual_and_its_refusal_for_post_norms(tmp_path):
+    """GPT-NeoX's MLP reads the layer's input: no edge from a layer's heads to its own MLP, one to the next layer's.
+    Gemma's post-norms stand between every node and the stream: refused by name."""
+    from vlens.edge_attribution import edge_attribution_patching
+
+    neox = HookedLM(build(GPTNeoXConfig(**COMMON, rotary_pct=0.5, use_parallel_residual=True), tmp_path, "neox"),
+                    dtype="float32", device="cpu")  # fmt: skip
+    corrupted = TOKENS.clone()
+    corrupted[:, 1] = 7
+    scores, upstream, downstream = edge_attribution_patching(neox, TOKENS, corrupted, lambda logits: logits[:, -1].sum())
+    at = lambda u, d: float(scores[upstream.index(u), downstream.index(d)])  # noqa: E731
+    assert at("L0H1", "M0") == 0.0 and at("L0H1", "M1") != 0.0 and at("M0", "L1H2.k") != 0.0 and at("M1", "L1H2.q") == 0.0
+    gemma = HookedLM(build(Gemma3TextConfig(**COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16),
+                           tmp_path, "gemma"), dtype="float32", device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^Gemma3ForCausalLM: a norm stands between each head"):
+        edge_attribution_patching(gemma, TOKENS, corrupted, lambda logits: logits.sum())

@@ -244,7 +244,8 @@ def test_path_patching_to_key_value_heads_under_grouped_query_attention(tmp_path
 def test_the_path_patching_example_measures_the_paths_it_names(smol_path, capsys):
     """examples/path_patching_ioi.py on SmolLM2: the head it puts first moves a fifth of the answer's lead or more
     by its paths to the logits alone, as one forward with ARENA's hooks says (that head from the ABC run, every
-    other frozen); its senders to the receivers' queries are the layers below the last receiver."""
+    other frozen); its senders to the receivers' queries are the layers below the last receiver; edge attribution
+    ranks the same heads first."""
     import runpy
     from pathlib import Path
 
@@ -263,3 +264,6 @@ def test_the_path_patching_example_measures_the_paths_it_names(smol_path, capsys
     last = max(receiver_layer for receiver_layer, _ in run["receivers"])
     assert run["to_queries"].shape == (last, model.cfg.n_heads)
     assert f"L{layer}H{head} {want:+.3f}" in capsys.readouterr().out
+    # edge attribution's first-order ranking of the heads' direct edges to the logits names the same five heads
+    ranked, movers = [run["upstream"][i] for i in run["order"]], [f"L{layer}H{head}" for layer, head in run["movers"]]
+    assert ranked[0] == movers[0] and set(ranked) == set(movers)
