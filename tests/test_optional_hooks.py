@@ -17,6 +17,7 @@ from vlens.capture.names import HookSpecError
 TOL = 1e-5
 TOKENS = torch.tensor([[5, 17, 99, 230, 3, 41, 7, 250, 12], [60, 22, 140, 33, 290, 11, 12, 8, 1]])
 FLAGS = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+STREAM = "blocks.0.hook_resid_pre"
 OPTIONAL = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_result", "hook_mlp_in")
 
 
@@ -278,22 +279,25 @@ def test_patching_key_inputs_counts_key_value_heads(flags):
     assert (want - metric(reference(corrupted))).abs().max() > 1e-3
 
 
-def _transformer_lens_edges(reference, clean, corrupted, metric) -> dict[tuple[str, str], float]:
+def _transformer_lens_edges(reference, clean, corrupted, metric, steps: int = 1) -> dict[tuple[str, str], float]:
     """Edge attribution patching on TransformerLens's own model, edge by edge (its optional hooks, its backward
-    hooks): the reference."""
+    hooks; EAP-IG's steps as its authors' code takes them, at blocks.0.hook_resid_pre): the reference."""
     cfg, saved, grads, flags = reference.cfg, {}, {}, FLAGS[:2] + FLAGS[3:]
     _use([reference], flags)
     try:
         up = lambda name: name == "hook_embed" or name.endswith(("hook_pos_embed", "hook_result", "hook_mlp_out"))  # noqa: E731
-        _, clean_cache = reference.run_with_cache(clean, names_filter=up)
         down = lambda name: name.endswith(("_input", "hook_mlp_in", f"{cfg.n_layers - 1}.hook_resid_post"))  # noqa: E731
-        fwd = [(up, lambda value, hook: saved.__setitem__(hook.name, value.detach()))]
-        bwd = [(down, lambda grad, hook: grads.__setitem__(hook.name, grad.detach()))]
-        with reference.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
-            metric(reference(corrupted)).backward()
+        _, clean_cache = reference.run_with_cache(clean, names_filter=lambda name: up(name) or name == STREAM)
+        bwd = [(down, lambda grad, hook: grads.__setitem__(hook.name, grads.get(hook.name, 0) + grad.detach() / steps))]
+        for k in range(steps):
+            fwd = [(up, lambda value, hook: saved.__setitem__(hook.name, value.detach()))] if k == 0 else []
+            if k:
+                fwd.append((STREAM, lambda value, hook, k=k: value + k / steps * (clean_cache[STREAM] - value)))
+            with reference.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
+                metric(reference(corrupted)).backward()
     finally:
         _use([reference], flags, on=False)
-    delta = {name: clean_cache[name] - saved[name] for name in saved}
+    delta = {name: clean_cache[name] - saved[name] for name in saved if name != STREAM}
     writes = {"embed": (sum(v for k, v in delta.items() if "embed" in k), -1, 9)}
     reads = {"logits": (grads[f"blocks.{cfg.n_layers - 1}.hook_resid_post"], cfg.n_layers, 0)}
     for layer in range(cfg.n_layers):
@@ -312,11 +316,11 @@ def _transformer_lens_edges(reference, clean, corrupted, metric) -> dict[tuple[s
     }
 
 
-@pytest.mark.parametrize("pair", ["gpt2", "llama"])
-def test_edge_attribution_equals_transformer_lens_s_edge_by_edge(pair, request):
+@pytest.mark.parametrize("pair, steps", [("gpt2", 1), ("llama", 1), ("gpt2", 3), ("llama", 3)])
+def test_edge_attribution_equals_transformer_lens_s_edge_by_edge(pair, steps, request):
     """Every edge's score (embeddings, heads and MLPs to later heads' q/k/v inputs, MLP inputs and the logits;
-    key-value heads under grouped-query attention) equals the dot product TransformerLens's own hooks give, and
-    the flags are as they were after."""
+    key-value heads under grouped-query attention), by EAP and by EAP-IG, equals the dot product TransformerLens's
+    own hooks give, and the flags are as they were after."""
     from vlens.edge_attribution import edge_attribution_patching
 
     hooked, reference = request.getfixturevalue(pair)
@@ -327,13 +331,18 @@ def test_edge_attribution_equals_transformer_lens_s_edge_by_edge(pair, request):
     def metric(logits):
         return (logits * weights).sum()
 
-    scores, upstream, downstream = edge_attribution_patching(hooked, TOKENS, corrupted, metric)
-    want = _transformer_lens_edges(reference, TOKENS, corrupted, metric)
+    scores, upstream, downstream = edge_attribution_patching(hooked, TOKENS, corrupted, metric, steps)
+    want = _transformer_lens_edges(reference, TOKENS, corrupted, metric, steps)
     got = {(u, d): float(scores[i, j]) for i, u in enumerate(upstream) for j, d in enumerate(downstream)}
     assert got.keys() == want.keys() and len(upstream) == 1 + 3 * 5
     ref = torch.tensor(list(want.values()))
     assert rel_err(torch.tensor([got[k] for k in want]), ref) <= TOL and (ref != 0).sum() > 0.4 * len(ref)
     assert not any(getattr(hooked.cfg, flag) for flag in FLAGS)
+    if steps > 1:  # (the interpolation moved the gradients: not plain EAP's)
+        plain, _, _ = edge_attribution_patching(hooked, TOKENS, corrupted, metric)
+        assert rel_err(scores, plain) > 1e-3
+    with pytest.raises(ValueError, match=r"^steps: 0 is not an int >= 1"):
+        edge_attribution_patching(hooked, TOKENS, corrupted, metric, 0)
 
 
 def test_edge_attribution_under_a_parallel_residual_and_its_refusal_for_post_norms(tmp_path):
