@@ -5,7 +5,9 @@ the sweep (one forward and one backward of the corrupted run, gradients at vlens
 patching from every head to the logits (ARENA's get_path_patch_head_to_final_resid_post: the clean run with one
 sender head's output from the corrupted run and every other head frozen): vlens.patching (a layer's senders
 packed into forwards) against ARENA's loop over vlens's HookedLM and an HF forward per sender (forward pre-hooks
-on each o_proj put the frozen and patched head outputs in).
+on each o_proj put the frozen and patched head outputs in). Then edge attribution patching (EAP, and EAP-IG with 5
+steps) over every edge of the model, timed against one HF forward of the batch; which heads its strongest edges
+to the logits name, beside path patching's.
 
     .venv/bin/python benchmarks/bench_patching.py [--repeats 2]
 
@@ -24,6 +26,7 @@ from bench_generate import best_alternating
 from transformers import AutoModelForCausalLM
 
 from vlens import HookedLM, patching
+from vlens.edge_attribution import edge_attribution_patching
 from vlens.loader import resolve_model_path
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
@@ -164,6 +167,34 @@ def path_patching(hooked: HookedLM, hf: torch.nn.Module, orig: torch.Tensor, new
     print(f"{'HF, a forward per sender (o_proj pre-hooks)':<58}{t_hf:>8.2f}{1.0:>9.2f}x")
     print(f"{'ARENA loop over vlens HookedLM (a forward per sender)':<58}{t_arena:>8.2f}{t_arena / t_hf:>9.2f}x")
     print(f"{'vlens.patching (senders packed into forwards)':<58}{t_vlens:>8.2f}{t_vlens / t_hf:>9.2f}x")
+    edge_attribution(hooked, hf, orig, new, metric, results["vlens"], repeats)
+
+
+def edge_attribution(hooked: HookedLM, hf: torch.nn.Module, orig: torch.Tensor, new: torch.Tensor, metric,
+                     path: torch.Tensor, repeats: int) -> None:  # fmt: skip
+    """Every edge scored from the orig (clean) and new (corrupted) runs, timed against an HF forward."""
+    out = {}
+
+    def hf_forward():
+        with torch.inference_mode():
+            hf(new)
+
+    def eap(steps: int):
+        out[steps] = edge_attribution_patching(hooked, orig, new, metric, steps)
+
+    t_hf, t_eap, t_ig = best_alternating([hf_forward, partial(eap, 1), partial(eap, 5)], repeats)
+    scores, upstream, downstream = out[1]
+    heads = [i for i, label in enumerate(upstream) if label.startswith("L")]
+    direct = scores[heads, downstream.index("logits")].abs()
+    top = {upstream[heads[i]] for i in direct.argsort(descending=True)[:5].tolist()}
+    moved = {f"L{i // path.shape[1]}H{i % path.shape[1]}" for i in path.flatten().sub(path.median()).abs().argsort(
+        descending=True)[:5].tolist()}  # fmt: skip
+    print(f"\nedge attribution patching: {scores.numel()} node pairs ({int((scores != 0).sum())} edges scored); "
+          f"its five strongest head -> logits edges, {len(top & moved)} of path patching's five heads")
+    print(f"{'case':<58}{'s':>8}{'vs HF':>10}")
+    print(f"{'HF, one forward of the batch':<58}{t_hf:>8.2f}{1.0:>9.2f}x")
+    print(f"{'vlens EAP (a clean forward, a corrupted forward and backward)':<58}{t_eap:>8.2f}{t_eap / t_hf:>9.2f}x")
+    print(f"{'vlens EAP-IG, 5 steps':<58}{t_ig:>8.2f}{t_ig / t_hf:>9.2f}x")
 
 
 if __name__ == "__main__":
