@@ -1,7 +1,8 @@
 """TransformerLens's optional hooks — set_use_attn_result, set_use_split_qkv_input, set_use_attn_in,
 set_use_hook_mlp_in — against TransformerLens with the same flags: their values, the logits after editing
 them and the gradients at them, on a tiny GPT-2 and a tiny Llama with grouped-query attention; reading them
-changes no number; the families without a TransformerLens twin here take the per-head path exactly."""
+changes no number; the families without a TransformerLens twin here take the per-head path exactly. Then what
+is built on them: patching at them, and edge attribution patching (vlens.edge_attribution), edge by edge."""
 
 from __future__ import annotations
 
