@@ -120,6 +120,7 @@ class ResidualBlock(nn.Module):
         self.hook_resid_pre, self.hook_ln1 = p + "hook_resid_pre", NormHooks.at(p + "ln1")
         self.hook_attn_in = p + "hook_attn_in"
         self.hook_qkv_inputs = (p + "hook_q_input", p + "hook_k_input", p + "hook_v_input")
+        self.hook_inputs = (self.hook_attn_in, *self.hook_qkv_inputs)
         self.hook_attn_out, self.hook_resid_mid = p + "hook_attn_out", p + "hook_resid_mid"
         self.hook_mlp_in, self.hook_ln2 = p + "hook_mlp_in", NormHooks.at(p + "ln2")
         self.hook_mlp_out = p + "hook_mlp_out"
@@ -155,7 +156,7 @@ class ResidualBlock(nn.Module):
         input, head by head (ln1's taps see `x` as it came). hook_attn_in, where the model has it, is what the
         other three start from; under grouped-query attention keys and values start from `x`, one copy per
         key-value head."""
-        if not any(map(tapped, (self.hook_attn_in, *self.hook_qkv_inputs))):
+        if not any(map(tapped, self.hook_inputs)):
             return h
         heads = self.attn_heads
         plain = x.unsqueeze(1).expand(-1, heads.heads, -1)
