@@ -259,11 +259,11 @@ class _Copy:
 def _copies(patch: int, changes: dict[str, tuple[torch.Tensor, torch.Tensor]], lens: list[int]) -> list[_Copy]:
     """The copies of the texts a patch changes; `changes`: by tap, (the patched values, which elements they
     change), packed rows of the whole batch."""
-    out = []
+    out, by_text = [], {tap: (after.split(lens), changed.split(lens)) for tap, (after, changed) in changes.items()}
     for text in range(len(lens)):
         edits = {}
-        for tap, (after, changed) in changes.items():
-            values, where = after.split(lens)[text], changed.split(lens)[text]
+        for tap, (afters, changed) in by_text.items():
+            values, where = afters[text], changed[text]
             rows = where.reshape(len(where), -1).any(1).nonzero().squeeze(1)
             if len(rows):
                 edits[tap] = _Edit(rows, values[rows], where[rows])
