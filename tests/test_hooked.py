@@ -410,6 +410,19 @@ def test_added_hooks_last_until_reset_and_permanent_ones_until_asked(hooked):
         hooked.add_hook("blocks.0.hook_resid_post", note("x"), dir="both")
 
 
+def test_run_with_cache_can_give_a_plain_dict(hooked):
+    """TransformerLens's return_cache_object=False: the tensors by name (one text's without the batch dimension
+    under remove_batch_dim), the same as the cache object's."""
+    names = ["blocks.2.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    for remove in (False, True):
+        logits, plain = hooked.run_with_cache(TEXTS[0], names_filter=names, remove_batch_dim=remove,
+                                              return_cache_object=False)  # fmt: skip
+        _, cache = hooked.run_with_cache(TEXTS[0], names_filter=names, remove_batch_dim=remove)
+        assert type(plain) is dict and plain.keys() == set(names)
+        assert all(torch.equal(plain[name], cache[name]) for name in names)
+        assert plain[names[0]].dim() == 3 - remove and logits.dim() == 3
+
+
 def test_a_hook_point_adds_and_removes_its_own_hooks(hooked):
     """TransformerLens's `model.hook_dict[name].add_hook(fn)` and `.remove_hooks()`: the model's hooks at that
     name (a glob's hook stays; a permanent one stays unless asked)."""

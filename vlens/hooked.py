@@ -363,9 +363,10 @@ class HookedLM(ModelWeights):
         prepend_bos: bool | None = None,
         incl_bwd: bool = False,
         device: str | torch.device | None = None,
-    ) -> tuple[Any, ActivationCache]:
+        return_cache_object: bool = True,
+    ) -> tuple[Any, ActivationCache | dict[str, torch.Tensor]]:
         """(output, cache), both on the model's device (`device`: the cache on that one instead, as
-        TransformerLens's). names_filter: a name, glob, list of them, or a function of the name (None:
+        TransformerLens's; return_cache_object=False: the cache as a plain dict of its tensors). names_filter: a name, glob, list of them, or a function of the name (None:
         every hook); stop_at_layer: run only the layers below it and return the residual entering it
         ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
         each text, counted from its own start (negative: from its own end); remove_batch_dim: a cache of
@@ -381,9 +382,11 @@ class HookedLM(ModelWeights):
         stop_at_layer = self._stop_layer(stop_at_layer)
         if stop_at_layer is not None:
             names = {n: t for n, t in names.items() if layers_needed(t, self.cfg) <= stop_at_layer}
-        return self._run(input, attention_mask, names, stop_at_layer=stop_at_layer, pos_slice=pos_slice,
-                         return_type=return_type, loss_per_token=loss_per_token, remove_batch_dim=remove_batch_dim,
-                         prepend_bos=prepend_bos, incl_bwd=incl_bwd, device=device)  # fmt: skip
+        out, cache = self._run(input, attention_mask, names, stop_at_layer=stop_at_layer, pos_slice=pos_slice,
+                               return_type=return_type, loss_per_token=loss_per_token,
+                               remove_batch_dim=remove_batch_dim, prepend_bos=prepend_bos, incl_bwd=incl_bwd,
+                               device=device)  # fmt: skip
+        return out, cache if return_cache_object else {name: cache[name] for name in cache}
 
     def run_with_hooks(
         self,
