@@ -12,7 +12,7 @@ of a forward hook's that requires grad) and nothing before it is recorded.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +84,7 @@ class TapHooks:
             x = x.detach().requires_grad_()  # so what the forward hooks get is on it too
         if self.fwd:
             value = self.padding.pad(x)
-            x = self.padding.pack(self._through(self.fwd, value, "fwd_hooks")).to(x.dtype)
+            x = self.padding.pack(through(self.fwd, value, self.point, "fwd_hooks")).to(x.dtype)
         if backward:
             # A new tensor: where a model computes on from a tap's value only when the tap returned another (a
             # norm's scale), the gradient then flows through it.
@@ -96,22 +96,24 @@ class TapHooks:
 
     def _backward(self, grad: torch.Tensor) -> torch.Tensor | None:
         value = self.padding.pad(grad)
-        out = self._through(self.bwd, value, "bwd_hooks")
+        out = through(self.bwd, value, self.point, "bwd_hooks")
         return None if out is value else self.padding.pack(out).to(grad.dtype)
 
-    def _through(self, fns: list[HookFn], value: torch.Tensor, field: str) -> torch.Tensor:
-        for fn in fns:
-            out = fn(value, hook=self.point)
-            if out is None:
-                continue
-            if not isinstance(out, torch.Tensor) or out.shape != value.shape:
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(
-                    f"{field}: the function at {self.point.name} returned {got}; a hook returns None or a "
-                    f"tensor of the shape it was given, {tuple(value.shape)}"
-                )
-            value = out
-        return value
+
+def through(fns: Sequence[HookFn], value: torch.Tensor, point: HookPoint, field: str) -> torch.Tensor:
+    """`value` after the hook functions at `point`, in order: each one's returned tensor replaces it."""
+    for fn in fns:
+        out = fn(value, hook=point)
+        if out is None:
+            continue
+        if not isinstance(out, torch.Tensor) or out.shape != value.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"{field}: the function at {point.name} returned {got}; a hook returns None or a "
+                f"tensor of the shape it was given, {tuple(value.shape)}"
+            )
+        value = out
+    return value
 
 
 class PatternGrads:

@@ -15,7 +15,8 @@ then the outputs keep its layout (left-padded in, left-padded out).
 Hook functions are the one place vlens runs user Python inside a forward: an eager path over one packed
 forward (or, in generate, over steps of the engine's KV cache), for notebooks, not the engine; backward hooks
 and `run_with_cache(incl_bwd=True)` give gradients at hooks (vlens.hook_points says how). The cache and
-TransformerLens's short names are in vlens.activation_cache, activation patching in vlens.patching.
+TransformerLens's short names are in vlens.activation_cache, activation patching in vlens.patching, SAELens's
+HookedSAETransformer calls (SAEs spliced in at their hooks) in vlens.hooked_saes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from vlens.capture.rows import widen
 from vlens.config import ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.hook_points import DIRECTIONS, Hook, HookFn, HookPoint, PatternGrads, TapHooks
+from vlens.hooked_saes import SAEMethods, Splice
 from vlens.hooked_weights import ModelWeights
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
@@ -118,7 +120,7 @@ class HookedConfig(ModelConfig):
         return cls(**values, device=device, dtype=dtype, default_prepend_bos=adds_bos)
 
 
-class HookedLM(ModelWeights):
+class HookedLM(ModelWeights, SAEMethods):
     """A vlens model with TransformerLens's calls (see the module doc). `model` and `settings` are
     those of `vlens.LLM`. Weight attributes (W_U, W_O, W_in, blocks[L].attn.W_Q, accumulated_bias, ...) are
     in vlens.hooked_weights."""
@@ -127,16 +129,21 @@ class HookedLM(ModelWeights):
         self.llm = LLM(model, **settings)
         self.tokenizer = self.llm.tokenizer
         self.cfg = HookedConfig.of(self.llm.config, self.llm.runner.device, self.llm.runner.dtype, self.tokenizer)
-        self._name_tables()
         # in the order they run: until reset_hooks or the end of their `with`, the permanent ones until
         # reset_hooks(including_permanent=True)
         self._hooks: list[Hook] = []
         self._points: dict[str, HookPoint] = {}  # by name, made when first named: what hooks get as `hook`
+        self._saes: dict[str, Splice] = {}  # the SAEs spliced in, by hook (vlens.hooked_saes)
+        self._name_tables()
 
     def _name_tables(self) -> None:
-        """The hook names of the model as configured (the optional ones turned on among them), and every one
-        of them but the hidden_states.i aliases, which only a name asks for."""
-        self._shapes = hook_shapes(self.cfg, [flag for flag in OPTIONAL_HOOKS if getattr(self.cfg, flag)])
+        """The hook names of the model as configured (the optional ones turned on among them, the steps of the
+        SAEs attached), and every one of them but the hidden_states.i aliases, which only a name asks for."""
+        self._shapes = {}
+        for name, shape in hook_shapes(self.cfg, [flag for flag in OPTIONAL_HOOKS if getattr(self.cfg, flag)]).items():
+            self._shapes[name] = shape
+            if name in self._saes:  # an attached SAE's steps, after its hook (vlens.hooked_saes)
+                self._shapes |= self._saes[name].shapes(shape)
         self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
 
     from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
@@ -537,8 +544,16 @@ class HookedLM(ModelWeights):
         fwd: dict[str, list[HookFn]] = {}
         bwd: dict[str, list[HookFn]] = {}
         at_patterns: dict[int, dict[str, list[HookFn]]] = {}
+        steps = self._sae_steps()
+        for splice in self._saes.values():
+            splice.fns = {}
         for h in self._hooks:
             chosen = list(self._names(h.where).values())
+            for step in (t for t in chosen if t in steps):  # an attached SAE's: its splice runs them
+                if h.dir == "bwd":
+                    raise ValueError(f"bwd_hooks: {step} is a step of an attached SAE, which takes forward hooks only")
+                steps[step].fns.setdefault(step, []).append(h.fn)
+            chosen = [t for t in chosen if t not in steps]
             off_path = [t for t in chosen if is_pattern(t)]
             if off_path and h.dir == "fwd" and readers is None:
                 raise ValueError(
@@ -553,7 +568,7 @@ class HookedLM(ModelWeights):
                     at_patterns.setdefault(_layer(tap), {}).setdefault(tap, []).append(h.fn)
                 else:
                     (fwd if h.dir == "fwd" else bwd).setdefault(tap, []).append(h.fn)
-        for tap in saved:
+        for tap in (t for t in saved if t not in steps):
             if is_pattern(tap):
                 at_patterns.setdefault(_layer(tap), {})
             else:
@@ -562,8 +577,14 @@ class HookedLM(ModelWeights):
             mine = {t for t in saved if is_pattern(t) and _layer(t) == layer}
             points = {t: self._point(t) for t in fns.keys() | mine}
             bwd.setdefault(f"blocks.{layer}.attn.hook_z", []).append(PatternGrads(layer, fns, values, grads, mine, points))
+        for hook, splice in self._saes.items():  # after the hooks at its hook, which see the model's own value
+            fwd.setdefault(hook, []).append(splice)
         taps = [*fwd, *(t for t in bwd if t not in fwd), *([keep] if keep is not None and keep not in fwd | bwd else [])]
         return {t: TapHooks(self._point(t), fwd.get(t, []), bwd.get(t, []), padding, keep=t == keep) for t in taps}
+
+    def _sae_steps(self) -> dict[str, Splice]:
+        """The attached SAEs' steps (hook names that are no tap of the model) and whose they are."""
+        return {name: splice for splice in self._saes.values() for name in splice.names.values()}
 
     def _run(
         self, input: Any, attention_mask: torch.Tensor | None, names: dict[str, str], *, stop_at_layer: int | None = None,
@@ -583,10 +604,14 @@ class HookedLM(ModelWeights):
             output = LOGITS if return_type is not None else None
         # A forward that keeps a graph returns the value leaving the output's tap; else it is captured like any tap.
         grad = self._keeps_graph(incl_bwd)
-        taps = set(names.values()) | ({output} if output is not None and not grad else set())
+        steps = self._sae_steps()
+        for splice in self._saes.values():  # the SAEs' steps asked for: their splices keep them
+            splice.record = dict.fromkeys(t for t in names.values() if steps.get(t) is splice)
+        tapped = {t for t in names.values() if t not in steps}
+        taps = tapped | ({output} if output is not None and not grad else set())
         grads: dict[str, torch.Tensor] = {}
         values: dict[str, torch.Tensor] = {}
-        saved = sorted(set(names.values())) if incl_bwd else []
+        saved = sorted(tapped) if incl_bwd else []
         readers: dict[str, list[HookFn]] = {}
         hooks = self._tap_hooks(padding, output if grad else None, grads, saved, values, readers)
         needed = (_values_needed(hooks) if grad else set()) | readers.keys()
@@ -598,8 +623,11 @@ class HookedLM(ModelWeights):
         # Captures reach the host (the engine's way); a notebook's values are where the model is, as in
         # TransformerLens (`cache[...] @ model.W_U`; the gradients, and what PatternGrads reads, are there too).
         on = self.cfg.device
-        laid_out = set(names.values()) | needed  # (the output is read apart)
+        laid_out = tapped | needed  # (the output is read apart)
         padded = {t: padding.pad(torch.cat(_keys_in_layout(t, rows[t], padding))).to(on) for t in laid_out}
+        for splice in self._saes.values():
+            padded |= splice.record
+            splice.record = {}
         values.update({t: _heads_first(t, padded[t]) for t in needed})
         for tap in sorted(readers, key=_layer):  # in the order the forward reached them
             for fn in readers[tap]:
@@ -703,7 +731,7 @@ class HookedLM(ModelWeights):
         ]
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         fill = stops[0] if stops else eos if eos is not None else min(self.llm.engine.eos_ids, default=self._pad_id())
-        if any(h.dir == "fwd" for h in self._hooks):
+        if self._saes or any(h.dir == "fwd" for h in self._hooks):
             new = self._generate_with_hooks(seqs, params, fill, verbose, use_past_kv_cache)
         else:
             new = [list(o.outputs[0].token_ids) for o in self.llm.generate(seqs, params, use_tqdm=verbose)]

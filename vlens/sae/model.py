@@ -99,13 +99,26 @@ class SAE:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Latent activations [rows, d_sae] of rows [rows, d_in]."""
+        return self.activate(self.pre_acts(x))
+
+    def decode(self, acts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The reconstruction of rows `x` from their latents `acts` (x gives the run-time normalisation)."""
+        return self.denormalise(self.recons(acts), x)
+
+    # (the steps SAELens hooks between: hook_sae_acts_pre after pre_acts, hook_sae_acts_post after activate,
+    # hook_sae_recons after recons; vlens.hooked_saes runs them one by one)
+
+    def pre_acts(self, x: torch.Tensor) -> torch.Tensor:
         normalised, _ = self._normalise(x)
         if self.apply_b_dec_to_input:
             normalised = normalised - self.b_dec
         pre = normalised @ self.W_enc + self.b_enc
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            pre = pre * self.W_dec.norm(dim=-1)
+        return pre
+
+    def activate(self, pre: torch.Tensor) -> torch.Tensor:
         if self.architecture == "topk":
-            if self.rescale_acts_by_decoder_norm:
-                pre = pre * self.W_dec.norm(dim=-1)
             values, ids = torch.topk(pre, k=self.k, dim=-1, sorted=False)
             return torch.zeros_like(pre).scatter_(-1, ids, values.relu())
         acts = pre.relu()
@@ -113,11 +126,13 @@ class SAE:
             acts = acts * (pre > self.threshold).to(acts.dtype)
         return acts
 
-    def decode(self, acts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The reconstruction of rows `x` from their latents `acts` (x gives the run-time normalisation)."""
+    def recons(self, acts: torch.Tensor) -> torch.Tensor:
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
             acts = acts * (1 / self.W_dec.norm(dim=-1))
-        out = acts @ self.W_dec + self.b_dec
+        return acts @ self.W_dec + self.b_dec
+
+    def denormalise(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Undo the run-time normalisation of `x` on `out`."""
         _, stats = self._normalise(x)
         if self.normalize_activations == "layer_norm":
             std, mean = stats

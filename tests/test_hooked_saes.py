@@ -1,0 +1,101 @@
+"""SAELens's HookedSAETransformer calls on HookedLM (vlens.hooked_saes) against SAELens's own HookedSAETransformer
+on the same GPT-2 weights and the same SAEs (a residual one, and an attention one reading hook_z with its heads
+flattened): logits with the SAEs spliced in, with the error term, every step's cached value, a latent ablated
+by a hook at its step, and greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import transformer_lens_gpt2
+from sae_helpers import save_saelens
+
+from vlens import SAE, HookedLM
+
+TOL = 1e-5
+TOKENS = torch.tensor([[5, 17, 99, 230, 3, 41, 7, 250, 12], [60, 22, 140, 33, 290, 11, 12, 8, 1]])
+RESID, Z = "blocks.1.hook_resid_post", "blocks.0.attn.hook_z"
+STEPS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error",
+         "hook_sae_output")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(HookedLM, SAELens's HookedSAETransformer, vlens's SAEs, SAELens's) on the same weights."""
+    from sae_lens import SAE as SAELensSAE
+    from sae_lens import HookedSAETransformer
+
+    root = tmp_path_factory.mktemp("saes")
+    path, reference = transformer_lens_gpt2(root, initializer_range=0.1)
+    theirs = HookedSAETransformer(reference.cfg)
+    theirs.load_state_dict(reference.state_dict())
+    dirs = [save_saelens(root / "resid", d_in=64, d_sae=96, hook=RESID)[0],
+            save_saelens(root / "z", "topk", d_in=64, d_sae=80, seed=1, hook=Z, k=8, reshape_activations="hook_z")[0]]  # fmt: skip
+    return (
+        HookedLM(path, dtype="float32", device="cpu"),
+        theirs,
+        [SAE.load(d) for d in dirs],
+        [SAELensSAE.load_from_disk(str(d)) for d in dirs],
+    )
+
+
+def test_spliced_logits_and_the_error_term_equal_saelens_s(pair):
+    hooked, theirs, ours, saes = pair
+    plain = hooked(TOKENS)
+    with torch.no_grad():
+        for use_error_term in (False, True):
+            got = hooked.run_with_saes(TOKENS, saes=ours, use_error_term=use_error_term)
+            want = theirs.run_with_saes(TOKENS, saes=saes, use_error_term=use_error_term)
+            assert rel_err(got, want) <= TOL, use_error_term
+            assert (rel_err(got, plain) <= TOL) == use_error_term  # (the error term gives the model's forward back)
+    assert not hooked._saes and torch.equal(hooked(TOKENS), plain)  # (reset at the end)
+
+
+def test_every_step_is_cached_as_saelens_caches_it(pair):
+    hooked, theirs, ours, saes = pair
+    names = [f"{hook}.{step}" for hook in (RESID, Z) for step in STEPS]
+    with torch.no_grad():
+        _, cache = hooked.run_with_cache_with_saes(TOKENS, saes=ours, use_error_term=True, names_filter=names)
+        _, ref = theirs.run_with_cache_with_saes(TOKENS, saes=saes, use_error_term=True, names_filter=names)
+    for name in names:
+        assert cache[name].shape == ref[name].shape and rel_err(cache[name], ref[name]) <= TOL, name
+    _, everything = hooked.run_with_cache_with_saes(TOKENS, saes=ours[:1])  # (no filter: the steps are hooks too)
+    assert [n for n in everything if ".hook_sae_" in n] == [f"{RESID}.{step}" for step in STEPS[:4] + STEPS[5:]]
+
+
+def test_a_latent_ablated_at_its_step_and_generation_equal_saelens_s(pair):
+    hooked, theirs, ours, saes = pair
+
+    def ablate(acts, hook):
+        acts[:, :, 3] = 0.0
+
+    hooks = [(f"{RESID}.hook_sae_acts_post", ablate)]
+    with torch.no_grad():
+        got = hooked.run_with_hooks_with_saes(TOKENS, saes=ours[:1], fwd_hooks=hooks)
+        assert rel_err(got, theirs.run_with_hooks_with_saes(TOKENS, saes=saes[:1], fwd_hooks=hooks)) <= TOL
+        assert rel_err(got, hooked.run_with_saes(TOKENS, saes=ours[:1])) > 1e-4  # (the latent mattered)
+        # with the error term, the ablation is all that changes the forward (the error is made without hooks)
+        with hooked.saes(ours[:1], use_error_term=True), theirs.saes(saes[:1], use_error_term=True):
+            assert (
+                rel_err(hooked.run_with_hooks(TOKENS, fwd_hooks=hooks), theirs.run_with_hooks(TOKENS, fwd_hooks=hooks))
+                <= TOL
+            )
+        settings = {"max_new_tokens": 5, "do_sample": False, "stop_at_eos": False, "verbose": False}
+        with hooked.saes(ours), theirs.saes(saes):
+            assert torch.equal(hooked.generate(TOKENS, **settings), theirs.generate(TOKENS, **settings))
+
+
+def test_what_cannot_be_spliced_is_refused_by_name(pair, tmp_path):
+    hooked, *_ = pair
+    wide = SAE.load(save_saelens(tmp_path / "wide", d_in=32, d_sae=16, hook=RESID)[0])
+    with pytest.raises(ValueError, match=r"^sae: d_in 32 does not match blocks\.1\.hook_resid_post, 64 wide"):
+        hooked.add_sae(wide)
+    with pytest.raises(ValueError, match=r"^sae: its hook 'blocks\.9\.hook_resid_post' is not a hook"):
+        hooked.add_sae(SAE.load(save_saelens(tmp_path / "far", d_in=64, d_sae=16, hook="blocks.9.hook_resid_post")[0]))
+    with pytest.raises(TypeError, match=r"^sae: expected a vlens\.SAE"):
+        hooked.add_sae("sae")
+    _, _, ours, _ = pair
+    with hooked.saes(ours[:1]), pytest.raises(ValueError, match=r"^bwd_hooks: .*hook_sae_acts_post is a step of an"):
+        hooked.run_with_hooks(TOKENS, bwd_hooks=[(f"{RESID}.hook_sae_acts_post", lambda grad, hook: None)])
+    assert not hooked._saes and not hooked._hooks
