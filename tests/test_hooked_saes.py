@@ -95,7 +95,24 @@ def test_what_cannot_be_spliced_is_refused_by_name(pair, tmp_path):
         hooked.add_sae(SAE.load(save_saelens(tmp_path / "far", d_in=64, d_sae=16, hook="blocks.9.hook_resid_post")[0]))
     with pytest.raises(TypeError, match=r"^sae: expected a vlens\.SAE"):
         hooked.add_sae("sae")
-    _, _, ours, _ = pair
-    with hooked.saes(ours[:1]), pytest.raises(ValueError, match=r"^bwd_hooks: .*hook_sae_acts_post is a step of an"):
-        hooked.run_with_hooks(TOKENS, bwd_hooks=[(f"{RESID}.hook_sae_acts_post", lambda grad, hook: None)])
     assert not hooked._saes and not hooked._hooks
+
+
+def test_gradients_at_the_steps_equal_saelens_s(pair):
+    """run_with_cache_with_saes(incl_bwd=True): every step's gradient of the loss (the error term, made without a
+    graph, has none, as in SAELens), and a backward hook at a latent's step sees the same gradient."""
+    hooked, theirs, ours, saes = pair
+    names = [f"{hook}.{step}" for hook in (RESID, Z) for step in STEPS if step != "hook_sae_error"]
+    options = {"use_error_term": True, "names_filter": names, "return_type": "loss", "incl_bwd": True}
+    _, cache = hooked.run_with_cache_with_saes(TOKENS, saes=ours, **options)
+    _, ref = theirs.run_with_cache_with_saes(TOKENS, saes=saes, **options)
+    for name in names:
+        assert rel_err(cache[f"{name}_grad"], ref[f"{name}_grad"]) <= TOL, name
+    seen = []
+    with hooked.saes(ours[:1]):
+        hooked.run_with_hooks(TOKENS, bwd_hooks=[(names[2], lambda grad, hook: seen.append(grad))], return_type="loss",
+                              reset_hooks_end=False).backward()  # fmt: skip
+        hooked.reset_hooks()
+    with theirs.saes(saes[:1]):
+        _, want = theirs.run_with_cache(TOKENS, names_filter=names[2], return_type="loss", incl_bwd=True)
+    assert len(seen) == 1 and rel_err(seen[0], want[f"{names[2]}_grad"]) <= TOL

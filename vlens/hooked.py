@@ -546,13 +546,11 @@ class HookedLM(ModelWeights, SAEMethods):
         at_patterns: dict[int, dict[str, list[HookFn]]] = {}
         steps = self._sae_steps()
         for splice in self._saes.values():
-            splice.fns = {}
+            splice.fns, splice.bwd = {}, {}
         for h in self._hooks:
             chosen = list(self._names(h.where).values())
             for step in (t for t in chosen if t in steps):  # an attached SAE's: its splice runs them
-                if h.dir == "bwd":
-                    raise ValueError(f"bwd_hooks: {step} is a step of an attached SAE, which takes forward hooks only")
-                steps[step].fns.setdefault(step, []).append(h.fn)
+                (steps[step].fns if h.dir == "fwd" else steps[step].bwd).setdefault(step, []).append(h.fn)
             chosen = [t for t in chosen if t not in steps]
             off_path = [t for t in chosen if is_pattern(t)]
             if off_path and h.dir == "fwd" and readers is None:
@@ -568,6 +566,8 @@ class HookedLM(ModelWeights, SAEMethods):
                     at_patterns.setdefault(_layer(tap), {}).setdefault(tap, []).append(h.fn)
                 else:
                     (fwd if h.dir == "fwd" else bwd).setdefault(tap, []).append(h.fn)
+        for step in (t for t in saved if t in steps):
+            steps[step].bwd.setdefault(step, []).append(partial(_save_grad, grads))
         for tap in (t for t in saved if t not in steps):
             if is_pattern(tap):
                 at_patterns.setdefault(_layer(tap), {})
@@ -611,7 +611,7 @@ class HookedLM(ModelWeights, SAEMethods):
         taps = tapped | ({output} if output is not None and not grad else set())
         grads: dict[str, torch.Tensor] = {}
         values: dict[str, torch.Tensor] = {}
-        saved = sorted(tapped) if incl_bwd else []
+        saved = sorted(set(names.values())) if incl_bwd else []
         readers: dict[str, list[HookFn]] = {}
         hooks = self._tap_hooks(padding, output if grad else None, grads, saved, values, readers)
         needed = (_values_needed(hooks) if grad else set()) | readers.keys()

@@ -6,15 +6,16 @@ value minus the reconstruction the SAE makes without hook functions, with `use_e
 unchanged unless a hook edits a latent), and names its steps as SAELens does, after the hook:
 `<hook>.hook_sae_input`, `.hook_sae_acts_pre`, `.hook_sae_acts_post`, `.hook_sae_recons` (before the run-time
 normalisation is undone), `.hook_sae_error`, `.hook_sae_output`. Hook functions there run as at any hook (on
-[batch, pos, ...], a returned tensor replacing the value) and run_with_cache caches them. Attention SAEs read
-hook_z with its heads flattened, and give it back unflattened. Forward hooks only: the gradients at an SAE's
-steps are not offered (a backward hook there is refused by name).
+[batch, pos, ...], a returned tensor replacing the value; backward hooks on the gradient there, the graph starting
+at the SAE's input where nothing before asks for one) and run_with_cache caches them (with incl_bwd, their
+gradients too). Attention SAEs read hook_z with its heads flattened, and give it back unflattened.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,14 +32,15 @@ STEPS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_
 
 
 class Splice:
-    """One attached SAE as a forward hook at its tap. `fns`: the hook functions at its steps, by step name, for the
-    forward about to run; `record`: the steps whose values that forward keeps (by name)."""
+    """One attached SAE as a forward hook at its tap. `fns` and `bwd`: the forward and backward hook functions at
+    its steps, by step name, for the forward about to run; `record`: the steps whose values that forward keeps."""
 
     def __init__(self, sae: SAE, use_error_term: bool, point: Callable[[str], HookPoint]):
         self.sae, self.use_error_term, self.point = sae, use_error_term, point
         # (the error term's step only where there is one)
         self.names = {step: f"{sae.hook}.{step}" for step in STEPS if use_error_term or step != "hook_sae_error"}
         self.fns: dict[str, list[HookFn]] = {}
+        self.bwd: dict[str, list[HookFn]] = {}
         self.record: dict[str, torch.Tensor | None] = {}
 
     def shapes(self, value: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -49,14 +51,16 @@ class Splice:
 
     def __call__(self, value: torch.Tensor, hook: HookPoint) -> torch.Tensor:
         sae = self.sae.placed(value.device, value.dtype)
+        if any(self.bwd.values()) and torch.is_grad_enabled() and not value.requires_grad:
+            value = value.detach().requires_grad_()  # (nothing before is differentiated: the graph starts here)
         x = self._at("hook_sae_input", value.flatten(2))
         pre = self._at("hook_sae_acts_pre", sae.pre_acts(x))
         acts = self._at("hook_sae_acts_post", sae.activate(pre))
         out = sae.denormalise(self._at("hook_sae_recons", sae.recons(acts)), x).view_as(value)
         if self.use_error_term:
-            with torch.no_grad():
-                clean = sae.decode(sae.encode(value.flatten(2)), value.flatten(2)).view_as(value)
-            out = out + self._at("hook_sae_error", value - clean)
+            with torch.no_grad():  # (a constant, as SAELens has it: gradients flow through the reconstruction)
+                error = value - sae.decode(sae.encode(value.flatten(2)), value.flatten(2)).view_as(value)
+            out = out + self._at("hook_sae_error", error)
         return self._at("hook_sae_output", out)
 
     def _at(self, step: str, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +68,14 @@ class Splice:
         x = through(self.fns.get(name, ()), x, self.point(name), "fwd_hooks")
         if name in self.record:
             self.record[name] = x.detach()
+        if self.bwd.get(name) and x.requires_grad:
+            x = x.view_as(x)  # (a tensor of its own to hook, as TapHooks does)
+            x.register_hook(partial(self._backward, name))
         return x
+
+    def _backward(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+        out = through(self.bwd[name], grad, self.point(name), "bwd_hooks")
+        return None if out is grad else out
 
 
 class SAEMethods:
