@@ -50,6 +50,9 @@ def test_spliced_logits_and_the_error_term_equal_saelens_s(pair):
             assert rel_err(got, want) <= TOL, use_error_term
             assert (rel_err(got, plain) <= TOL) == use_error_term  # (the error term gives the model's forward back)
     assert not hooked._saes and torch.equal(hooked(TOKENS), plain)  # (reset at the end)
+    # SAELens's own SAE objects (sae_lens.SAE.from_pretrained's) splice in as they are: read into vlens SAEs once
+    assert torch.equal(hooked.run_with_saes(TOKENS, saes=saes), hooked.run_with_saes(TOKENS, saes=ours))
+    assert SAE.from_saelens(saes[1]).k == 8 and SAE.from_saelens(saes[1]).hook == Z
 
 
 def test_every_step_is_cached_as_saelens_caches_it(pair):
@@ -93,7 +96,7 @@ def test_what_cannot_be_spliced_is_refused_by_name(pair, tmp_path):
         hooked.add_sae(wide)
     with pytest.raises(ValueError, match=r"^sae: its hook 'blocks\.9\.hook_resid_post' is not a hook"):
         hooked.add_sae(SAE.load(save_saelens(tmp_path / "far", d_in=64, d_sae=16, hook="blocks.9.hook_resid_post")[0]))
-    with pytest.raises(TypeError, match=r"^sae: expected a vlens\.SAE"):
+    with pytest.raises(TypeError, match=r"^sae: expected a vlens\.SAE or a SAELens SAE, got str"):
         hooked.add_sae("sae")
     assert not hooked._saes and not hooked._hooks
 

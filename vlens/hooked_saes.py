@@ -14,6 +14,7 @@ gradients too). Attention SAEs read hook_z with its heads flattened, and give it
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from vlens.sae.model import SAE
 if TYPE_CHECKING:
     from vlens.hook_points import HookFn, HookPoint
 
+_FROM_SAELENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SAELens SAE -> vlens SAE, read once
 STEPS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error",
          "hook_sae_output")  # fmt: skip
 
@@ -84,10 +86,15 @@ class SAEMethods:
 
     _saes: dict[str, Splice]
 
-    def add_sae(self, sae: SAE, use_error_term: bool | None = None) -> None:
-        """Splice `sae` in at its hook (replacing one attached there) until reset_saes."""
+    def add_sae(self, sae: Any, use_error_term: bool | None = None) -> None:
+        """Splice `sae` (a vlens SAE, or a SAELens one: SAE.from_saelens reads it) in at its hook, replacing one
+        attached there, until reset_saes."""
         if not isinstance(sae, SAE):
-            raise TypeError(f"sae: expected a vlens.SAE (SAE.load reads SAELens's files), got {type(sae).__name__}")
+            if type(sae).__module__.split(".")[0] != "sae_lens":
+                raise TypeError(f"sae: expected a vlens.SAE or a SAELens SAE, got {type(sae).__name__}")
+            if sae not in _FROM_SAELENS:
+                _FROM_SAELENS[sae] = SAE.from_saelens(sae)
+            sae = _FROM_SAELENS[sae]
         shapes = self._shapes
         if sae.hook not in shapes or ".hook_sae_" in sae.hook or is_pattern(sae.hook):
             raise ValueError(f"sae: its hook {sae.hook!r} is not a hook of this model it can read (SAE.load(path, "
@@ -106,9 +113,9 @@ class SAEMethods:
         self._name_tables()
 
     @contextlib.contextmanager
-    def saes(self, saes: SAE | Sequence[SAE] = (), reset_saes_end: bool = True, use_error_term: bool | None = None):
+    def saes(self, saes: Any = (), reset_saes_end: bool = True, use_error_term: bool | None = None):
         """These SAEs attached inside the `with` block (the ones they displace back after it)."""
-        saes = [saes] if isinstance(saes, SAE) else list(saes)
+        saes = list(saes) if isinstance(saes, (list, tuple)) else [saes]
         before = dict(self._saes)
         for sae in saes:
             self.add_sae(sae, use_error_term)
@@ -119,17 +126,17 @@ class SAEMethods:
                 self._saes = before
                 self._name_tables()
 
-    def run_with_saes(self, *args: Any, saes: SAE | Sequence[SAE] = (), reset_saes_end: bool = True,
+    def run_with_saes(self, *args: Any, saes: Any = (), reset_saes_end: bool = True,
                       use_error_term: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         with self.saes(saes, reset_saes_end, use_error_term):
             return self(*args, **kwargs)
 
-    def run_with_cache_with_saes(self, *args: Any, saes: SAE | Sequence[SAE] = (), reset_saes_end: bool = True,
+    def run_with_cache_with_saes(self, *args: Any, saes: Any = (), reset_saes_end: bool = True,
                                  use_error_term: bool | None = None, **kwargs: Any) -> Any:  # fmt: skip
         with self.saes(saes, reset_saes_end, use_error_term):
             return self.run_with_cache(*args, **kwargs)
 
-    def run_with_hooks_with_saes(self, *args: Any, saes: SAE | Sequence[SAE] = (), reset_saes_end: bool = True,
+    def run_with_hooks_with_saes(self, *args: Any, saes: Any = (), reset_saes_end: bool = True,
                                  **kwargs: Any) -> Any:  # fmt: skip
         with self.saes(saes, reset_saes_end):
             return self.run_with_hooks(*args, **kwargs)

@@ -53,6 +53,14 @@ def read_sae(path: Any) -> dict[str, Any]:
     raise ValueError(f"sae: {str(p)!r} {what}; expected {_FORMS}")
 
 
+def from_saelens_object(sae: Any) -> dict[str, Any]:
+    """The `SAE` keyword arguments of a SAELens SAE in memory (its config and weights, read as its files would be)."""
+    where = Path(f"<SAELens {type(sae).__name__} object>")
+    fields = _tensors({k: v.detach().float().cpu() for k, v in sae.state_dict().items()}, where)
+    fields.update(_config(sae.cfg.to_dict(), where))
+    return fields
+
+
 def _saelens(directory: Path) -> dict[str, Any]:
     config_path, weights_path = directory / CONFIG, directory / WEIGHTS
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vlens.sae.files import read_sae
+from vlens.sae.files import from_saelens_object, read_sae
 
 ARCHITECTURES = ("standard", "jumprelu", "topk")
 RUNTIME_NORMS = ("none", "layer_norm", "constant_norm_rescale")
@@ -64,6 +64,11 @@ class SAE:
         if hook is not None:
             fields["hook"] = hook
         return cls(**fields)
+
+    @classmethod
+    def from_saelens(cls, sae: Any) -> SAE:
+        """The same SAE as a SAELens `SAE` object in memory (`sae_lens.SAE.from_pretrained(...)`'s)."""
+        return cls(**from_saelens_object(sae))
 
     @property
     def d_in(self) -> int:
