@@ -373,8 +373,8 @@ class HookedLM(ModelWeights, SAEMethods):
         return_cache_object: bool = True,
     ) -> tuple[Any, ActivationCache | dict[str, torch.Tensor]]:
         """(output, cache), both on the model's device (`device`: the cache on that one instead, as
-        TransformerLens's; return_cache_object=False: the cache as a plain dict of its tensors). names_filter: a name, glob, list of them, or a function of the name (None:
-        every hook); stop_at_layer: run only the layers below it and return the residual entering it
+        TransformerLens's; return_cache_object=False: the cache as a plain dict of its tensors). names_filter: a
+        name, glob, list of them, or a function of the name (None: every hook); stop_at_layer: run only the layers below it and return the residual entering it
         ([batch, positions, d]; negative counts from the last layer); pos_slice: keep these positions of
         each text, counted from its own start (negative: from its own end); remove_batch_dim: a cache of
         one text without the batch dimension (the output keeps it, as in TransformerLens); prepend_bos: as

@@ -55,13 +55,14 @@ class Splice:
         sae = self.sae.placed(value.device, value.dtype)
         if any(self.bwd.values()) and torch.is_grad_enabled() and not value.requires_grad:
             value = value.detach().requires_grad_()  # (nothing before is differentiated: the graph starts here)
-        x = self._at("hook_sae_input", value.flatten(2))
+        flat = value.flatten(2)  # (an attention SAE reads hook_z's heads flattened)
+        x = self._at("hook_sae_input", flat)
         pre = self._at("hook_sae_acts_pre", sae.pre_acts(x))
         acts = self._at("hook_sae_acts_post", sae.activate(pre))
         out = sae.denormalise(self._at("hook_sae_recons", sae.recons(acts)), x).view_as(value)
         if self.use_error_term:
             with torch.no_grad():  # (a constant, as SAELens has it: gradients flow through the reconstruction)
-                error = value - sae.decode(sae.encode(value.flatten(2)), value.flatten(2)).view_as(value)
+                error = value - sae.decode(sae.encode(flat), flat).view_as(value)
             out = out + self._at("hook_sae_error", error)
         return self._at("hook_sae_output", out)
 
