@@ -140,10 +140,11 @@ class HookedLM(ModelWeights, SAEMethods):
         """The hook names of the model as configured (the optional ones turned on among them, the steps of the
         SAEs attached), and every one of them but the hidden_states.i aliases, which only a name asks for."""
         self._shapes = {}
+        writing = {splice.at: splice for splice in self._saes.values()}
         for name, shape in hook_shapes(self.cfg, [flag for flag in OPTIONAL_HOOKS if getattr(self.cfg, flag)]).items():
             self._shapes[name] = shape
-            if name in self._saes:  # an attached SAE's steps, after its hook (vlens.hooked_saes)
-                self._shapes |= self._saes[name].shapes(shape)
+            if name in writing:  # an attached SAE's steps, after the hook it writes (vlens.hooked_saes)
+                self._shapes |= writing[name].shapes(shape)
         self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
 
     from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
@@ -546,7 +547,7 @@ class HookedLM(ModelWeights, SAEMethods):
         at_patterns: dict[int, dict[str, list[HookFn]]] = {}
         steps = self._sae_steps()
         for splice in self._saes.values():
-            splice.fns, splice.bwd = {}, {}
+            splice.fns, splice.bwd, splice.input = {}, {}, None
         for h in self._hooks:
             chosen = list(self._names(h.where).values())
             for step in (t for t in chosen if t in steps):  # an attached SAE's: its splice runs them
@@ -577,8 +578,10 @@ class HookedLM(ModelWeights, SAEMethods):
             mine = {t for t in saved if is_pattern(t) and _layer(t) == layer}
             points = {t: self._point(t) for t in fns.keys() | mine}
             bwd.setdefault(f"blocks.{layer}.attn.hook_z", []).append(PatternGrads(layer, fns, values, grads, mine, points))
-        for hook, splice in self._saes.items():  # after the hooks at its hook, which see the model's own value
-            fwd.setdefault(hook, []).append(splice)
+        for splice in self._saes.values():  # after the hooks at its hooks, which see the model's own values
+            if splice.reads != splice.at:
+                fwd.setdefault(splice.reads, []).append(splice.take)
+            fwd.setdefault(splice.at, []).append(splice)
         taps = [*fwd, *(t for t in bwd if t not in fwd), *([keep] if keep is not None and keep not in fwd | bwd else [])]
         return {t: TapHooks(self._point(t), fwd.get(t, []), bwd.get(t, []), padding, keep=t == keep) for t in taps}
 

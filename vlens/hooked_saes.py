@@ -9,6 +9,12 @@ normalisation is undone), `.hook_sae_error`, `.hook_sae_output`. Hook functions 
 [batch, pos, ...], a returned tensor replacing the value; backward hooks on the gradient there, the graph starting
 at the SAE's input where nothing before asks for one) and run_with_cache caches them (with incl_bwd, their
 gradients too). Attention SAEs read hook_z with its heads flattened, and give it back unflattened.
+
+A transcoder reads one hook and writes another (`sae.hook_out`, SAELens's hook_name_out): it takes the value
+leaving the hook it reads and replaces the one at the hook it writes, its steps named after that one, as
+SAELens names them (`blocks.L.hook_mlp_out.hook_sae_acts_post` for an MLP transcoder); the error term is the
+written hook's value minus the transcoder's output. A skip transcoder's output includes its skip connection,
+x @ W_skip.T (its forward); SAELens's HookedSAETransformer splices in encode and decode alone, without it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlens.capture.names import is_pattern
+from vlens.capture.names import from_saelens, is_pattern
 from vlens.hook_points import through
 from vlens.sae.model import SAE
 
@@ -34,32 +40,41 @@ STEPS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_
 
 
 class Splice:
-    """One attached SAE as a forward hook at its tap. `fns` and `bwd`: the forward and backward hook functions at
-    its steps, by step name, for the forward about to run; `record`: the steps whose values that forward keeps."""
+    """One attached SAE as a forward hook at the tap it writes (`at`; a transcoder's `take` at the tap it reads,
+    `reads`, keeps the input for it). `fns` and `bwd`: the forward and backward hook functions at its steps, by
+    step name, for the forward about to run; `record`: the steps whose values that forward keeps."""
 
     def __init__(self, sae: SAE, use_error_term: bool, point: Callable[[str], HookPoint]):
         self.sae, self.use_error_term, self.point = sae, use_error_term, point
+        self.reads, self.at = sae.hook, sae.writes
         # (the error term's step only where there is one)
-        self.names = {step: f"{sae.hook}.{step}" for step in STEPS if use_error_term or step != "hook_sae_error"}
+        self.names = {step: f"{self.at}.{step}" for step in STEPS if use_error_term or step != "hook_sae_error"}
         self.fns: dict[str, list[HookFn]] = {}
         self.bwd: dict[str, list[HookFn]] = {}
         self.record: dict[str, torch.Tensor | None] = {}
+        self.input: torch.Tensor | None = None  # a transcoder's, from the tap it reads, until the one it writes
 
     def shapes(self, value: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-        """Its steps as hook names with their per-token shapes, at a hook of per-token shape `value`."""
-        flat, latents = (self.sae.d_in,), (self.sae.d_sae,)
-        widths = dict(zip(STEPS, (flat, latents, latents, flat, value, value)))
+        """Its steps as hook names with their per-token shapes, after the hook it writes, of per-token shape
+        `value`."""
+        sae = self.sae
+        widths = dict(zip(STEPS, ((sae.d_in,), (sae.d_sae,), (sae.d_sae,), (sae.d_out,), value, value)))
         return {name: widths[step] for step, name in self.names.items()}
+
+    def take(self, value: torch.Tensor, hook: HookPoint) -> None:
+        """A transcoder's input, as the hooks at the tap it reads leave it."""
+        self.input = value
 
     def __call__(self, value: torch.Tensor, hook: HookPoint) -> torch.Tensor:
         sae = self.sae.placed(value.device, value.dtype)
-        if any(self.bwd.values()) and torch.is_grad_enabled() and not value.requires_grad:
-            value = value.detach().requires_grad_()  # (nothing before is differentiated: the graph starts here)
-        flat = value.flatten(2)  # (an attention SAE reads hook_z's heads flattened)
+        source, self.input = (value if self.input is None else self.input), None
+        if any(self.bwd.values()) and torch.is_grad_enabled() and not source.requires_grad:
+            source = source.detach().requires_grad_()  # (nothing before is differentiated: the graph starts here)
+        flat = source.flatten(2)  # (an attention SAE reads hook_z's heads flattened)
         x = self._at("hook_sae_input", flat)
         pre = self._at("hook_sae_acts_pre", sae.pre_acts(x))
         acts = self._at("hook_sae_acts_post", sae.activate(pre))
-        out = sae.denormalise(self._at("hook_sae_recons", sae.recons(acts)), x).view_as(value)
+        out = sae.skip(sae.denormalise(self._at("hook_sae_recons", sae.recons(acts)), x), x).view_as(value)
         if self.use_error_term:
             with torch.no_grad():  # (a constant, as SAELens has it: gradients flow through the reconstruction)
                 error = value - sae.decode(sae.encode(flat), flat).view_as(value)
@@ -88,29 +103,36 @@ class SAEMethods:
     _saes: dict[str, Splice]
 
     def add_sae(self, sae: Any, use_error_term: bool | None = None) -> None:
-        """Splice `sae` (a vlens SAE, or a SAELens one: SAE.from_saelens reads it) in at its hook, replacing one
-        attached there, until reset_saes."""
+        """Splice `sae` (a vlens SAE, or a SAELens one: SAE.from_saelens reads it; a transcoder too) in at the
+        hook it writes, replacing one attached at the hook it reads or writing there, until reset_saes."""
         if not isinstance(sae, SAE):
             if type(sae).__module__.split(".")[0] != "sae_lens":
                 raise TypeError(f"sae: expected a vlens.SAE or a SAELens SAE, got {type(sae).__name__}")
             if sae not in _FROM_SAELENS:
                 _FROM_SAELENS[sae] = SAE.from_saelens(sae)
             sae = _FROM_SAELENS[sae]
-        shapes = self._shapes
-        if sae.hook not in shapes or ".hook_sae_" in sae.hook or is_pattern(sae.hook):
-            raise ValueError(f"sae: its hook {sae.hook!r} is not a hook of this model it can read (SAE.load(path, "
-                             "hook=...) names one)")  # fmt: skip
-        width = int(torch.Size(shapes[sae.hook]).numel())
-        if width != sae.d_in:
-            raise ValueError(f"sae: d_in {sae.d_in} does not match {sae.hook}, {width} wide")
-        self._saes[sae.hook] = Splice(sae, bool(use_error_term), self._point)
+        self._check_hook(sae.hook, sae.d_in, "hook", "d_in")
+        if sae.transcoder:
+            self._check_hook(sae.hook_out, sae.d_out, "hook_out", "d_out")
+        splice = Splice(sae, bool(use_error_term), self._point)
+        self._saes = {k: s for k, s in self._saes.items() if k != splice.reads and s.at != splice.at}
+        self._saes[splice.reads] = splice
         self._name_tables()
 
+    def _check_hook(self, hook: str | None, width: int, option: str, size: str) -> None:
+        shapes = self._shapes
+        if hook not in shapes or ".hook_sae_" in hook or is_pattern(hook):
+            raise ValueError(f"sae: its {option} {hook!r} is not a hook of this model it can use (SAE.load(path, "
+                             f"{option}=...) names one)")  # fmt: skip
+        got = int(torch.Size(shapes[hook]).numel())
+        if got != width:
+            raise ValueError(f"sae: {size} {width} does not match {hook}, {got} wide")
+
     def reset_saes(self, act_names: str | Sequence[str] | None = None) -> None:
-        """Take the SAEs at these hooks out (None: every one)."""
+        """Take the SAEs reading these hooks out (None: every one)."""
         names = list(self._saes) if act_names is None else [act_names] if isinstance(act_names, str) else act_names
         for name in names:
-            self._saes.pop(name, None)
+            self._saes.pop(from_saelens(name), None)
         self._name_tables()
 
     @contextlib.contextmanager

@@ -143,32 +143,37 @@ def result_parts(capture: Capture, tap: str, shape: tuple[int | str, ...], model
     return (Part(shape, dtype),)
 
 
-def sae_tap(sae: SAE, cfg: ModelConfig, shapes: dict[str, tuple[int | str, ...]], field: str) -> str:
-    """The tap an SAE reads in this model: its hook must name one hook whose rows have d_in elements."""
-    if sae.hook is None:
+def sae_tap(
+    sae: SAE, cfg: ModelConfig, shapes: dict[str, tuple[int | str, ...]], field: str, writes: bool = False
+) -> str:
+    """The tap an SAE reads in this model (`writes`: the one it writes, a transcoder's hook_out): its hook must
+    name one hook whose rows are d_in (d_out) wide."""
+    hook, width, option = (sae.writes, sae.d_out, "hook_out") if writes else (sae.hook, sae.d_in, "hook")
+    if hook is None:
         raise ValueError(f"{field}: this SAE names no hook (a Gemma Scope params.npz does not); load it with "
                          "SAE.load(path, hook=...)")  # fmt: skip
     try:
-        taps = set(resolve_hooks(sae.hook, cfg, shapes).values())
+        taps = set(resolve_hooks(hook, cfg, shapes).values())
     except ValueError as e:
-        raise ValueError(f"{field}: the SAE's hook {sae.hook!r} is not in this model: {e}") from None
+        raise ValueError(f"{field}: the SAE's {option} {hook!r} is not in this model: {e}") from None
     if len(taps) != 1:
-        raise ValueError(f"{field}: the SAE's hook {sae.hook!r} names {len(taps)} hooks; an SAE reads one")
+        raise ValueError(f"{field}: the SAE's {option} {hook!r} names {len(taps)} hooks; an SAE uses one")
     tap = taps.pop()
     shape = shapes[tap]
-    if CTX in shape or math.prod(shape) != sae.d_in:
+    if CTX in shape or math.prod(shape) != width:
         raise ValueError(
-            f"{field}: the SAE's d_in is {sae.d_in} but its hook {sae.hook} has rows of {shape} in this model; "
-            "load it with SAE.load(path, hook=...) to read a hook of its width"
+            f"{field}: the SAE's {'d_out' if writes else 'd_in'} is {width} but its {option} {hook} has rows of "
+            f"{shape} in this model; load it with SAE.load(path, {option}=...) to use a hook of its width"
         )
     return tap
 
 
-def _elsewhere(field: str, given: object, sae: SAE) -> ValueError:
-    """Requests use an SAE where it reads: at the tap of its hook and nowhere else."""
+def _elsewhere(field: str, given: object, sae: SAE, writes: bool = False) -> ValueError:
+    """Requests use an SAE where it reads (a steer along a latent: where it writes) and nowhere else."""
+    hook, option = (sae.writes, "hook_out") if writes else (sae.hook, "hook")
     return ValueError(
-        f"{field}: {given!r} is not the hook this SAE reads ({sae.hook}); load it with SAE.load(path, hook=...) "
-        "to use it at another hook of its width"
+        f"{field}: {given!r} is not the hook this SAE {'writes' if writes else 'reads'} ({hook}); load it with "
+        f"SAE.load(path, {option}=...) to use it at another hook of its width"
     )
 
 
@@ -238,8 +243,9 @@ def _check_heads(heads: list[int], count: int, field: str, tap: str) -> None:
 def _intervention(
     iv: Intervention, where: str, prompt_len: int, max_rows: int, model: DecoderLM, shapes: dict
 ) -> BoundIntervention:
-    sae = getattr(iv, "sae", None)  # Steer(sae=...) and Clamp act where the SAE reads
-    sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae")
+    sae = getattr(iv, "sae", None)  # Clamp acts where the SAE reads, Steer(sae=...) where it writes
+    writes = isinstance(iv, Steer)
+    sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae", writes)
     try:
         taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))
     except HookSpecError as e:  # its message names `hooks`, a capture's field: name this intervention's
@@ -251,7 +257,7 @@ def _intervention(
         raise ValueError(f"{where}.hook: {iv.hook!r} holds the chosen experts' ids (integers), which cannot be "
                          "edited; steer or patch mlp.hook_router_logits instead")  # fmt: skip
     if sae_at is not None and taps != [sae_at]:
-        raise _elsewhere(f"{where}.hook", iv.hook, sae)
+        raise _elsewhere(f"{where}.hook", iv.hook, sae, writes)
     shape_set = {shapes[t] for t in taps}
     if len(shape_set) > 1:
         raise ValueError(f"{where}.hook: {iv.hook!r} matches taps of different shapes {sorted(shape_set)}")

@@ -31,7 +31,7 @@ class Steer:
     """Add scale * vector to the tapped value at the chosen positions. With `heads` (at a per-head tap
     such as attn.hook_z), add to those heads only: a vector [d_head] for each, or [len(heads), d_head].
     With `sae` and `feature` instead of a vector, the vector is that latent's decoder row W_dec[feature]
-    (at the hook the SAE reads)."""
+    (at the hook the SAE writes: the one it reads, or a transcoder's hook_out)."""
 
     hook: str
     vector: Any = None
@@ -120,6 +120,12 @@ class Clamp:
 
     def __post_init__(self) -> None:
         _check_sae(self.sae, "clamp")
+        if self.sae.transcoder:
+            raise ValueError(
+                f"clamp.sae: a transcoder's latent is read at {self.sae.hook} and written at {self.sae.hook_out}, so no "
+                "one tap can clamp it; Steer(sae=, feature=) adds its decoder row at its output, and HookedLM's "
+                "add_sae with a hook at hook_sae_acts_post sets it"
+            )
         if self.sae.architecture == "topk":
             raise ValueError(
                 "clamp.sae: a topk SAE's latent is nonzero only while it ranks among the top k of all d_sae, so a "

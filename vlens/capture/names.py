@@ -64,6 +64,10 @@ OPTIONAL_HOOKS = {
     "use_attn_result": ("attn.hook_result",),
     "use_hook_mlp_in": ("hook_mlp_in",),
 }
+# SAELens's HookedSAETransformer gives every MLP a hook at its input, `blocks.L.mlp.hook_in`, which circuit-tracer's
+# transcoders read: vlens's name for that value is `blocks.L.ln2.hook_out` (one name per value, so globs stay
+# the size they were); SAEs that name the former read the latter (from_saelens).
+_SAELENS_MLP_IN = re.compile(r"^(blocks\.\d+\.)mlp\.hook_in$")
 # A layer's taps with the optional ones in forward order (which layer_hooks keeps of them).
 _WITH_OPTIONAL = (
     "hook_resid_pre", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", *LAYER_HOOKS[1:10],
@@ -136,6 +140,11 @@ def canonical(name: str, cfg: ModelConfig) -> str:
         return name
     i = int(name.split(".")[1])
     return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
+
+
+def from_saelens(name: str | None) -> str | None:
+    """A hook as an SAE's config names it, in vlens's names (SAELens's `mlp.hook_in` is `ln2.hook_out`)."""
+    return None if name is None else _SAELENS_MLP_IN.sub(r"\1ln2.hook_out", name)
 
 
 def is_pattern(tap: str) -> bool:
@@ -213,6 +222,8 @@ def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpe
     flag = next((f for f, hooks in OPTIONAL_HOOKS.items() if leaf in hooks), None)
     if flag is not None and name in hook_shapes(cfg, OPTIONAL_HOOKS):
         hint = f"; it is one of TransformerLens's optional hooks, which HookedLM.set_{flag}(True) turns on"
+    elif from_saelens(name) in valid:
+        hint = f"; SAELens's name for the MLP's input, which vlens calls {from_saelens(name)}"
     where = f"{name!r}" if name == pattern else f"{name!r} (from {pattern!r})"
     return HookSpecError(
         f"hooks: {where} matches no hook of this model ({cfg.architecture}, "

@@ -11,6 +11,9 @@ is a fine-tuning factor SAELens's current SAEs refuse too); a `log_threshold` be
 (JumpReLUSAE.process_state_dict_for_loading). Gemma Scope (`gemma_2_sae_huggingface_loader`): the
 arrays of params.npz, `w_*` renamed `W_*`, a JumpReLU SAE that does not subtract b_dec from its input;
 an embedding SAE (by its folder's name) reads hook_embed, its weights rescaled by sqrt(d_in).
+Transcoders (`architecture` transcoder, skip_transcoder, jumprelu_transcoder, jumprelu_skip_transcoder) write
+`metadata.hook_name_out`. SAELens's HookedSAETransformer adds `blocks.L.mlp.hook_in`, the MLP's input, which
+circuit-tracer's transcoders read: vlens's name for it, `blocks.L.ln2.hook_out`, is what the SAE gets.
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from vlens.capture.names import from_saelens
+
 CONFIG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
 GEMMA_SCOPE = "params.npz"
-TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")
+# SAELens's transcoder architectures, by the activation each encodes with (the skip ones have W_skip)
+TRANSCODERS = {"transcoder": "standard", "skip_transcoder": "standard", "jumprelu_transcoder": "jumprelu",
+               "jumprelu_skip_transcoder": "jumprelu"}  # fmt: skip
 # SAELens's inference SAE normalises at run time only for these; the others are folded into saved weights.
 _FOLDED_NORMS = ("none", "expected_average_only_in", "covariance_whitening")
 # TransformerLens weight processing that changes what a hook reads (SAELens trains without it by default;
@@ -57,7 +65,7 @@ def from_saelens_object(sae: Any) -> dict[str, Any]:
     """The `SAE` keyword arguments of a SAELens SAE in memory (its config and weights, read as its files would be)."""
     where = Path(f"<SAELens {type(sae).__name__} object>")
     fields = _tensors({k: v.detach().float().cpu() for k, v in sae.state_dict().items()}, where)
-    fields.update(_config(sae.cfg.to_dict(), where))
+    fields.update(_config(sae.cfg.to_dict(), where, "W_skip" in fields))
     return fields
 
 
@@ -77,22 +85,33 @@ def _saelens(directory: Path) -> dict[str, Any]:
     except (SafetensorError, OSError) as e:
         raise ValueError(f"sae: {str(weights_path)!r} is not a readable safetensors file ({e})") from None
     fields = _tensors(tensors, weights_path)
-    fields.update(_config(cfg, config_path))
+    fields.update(_config(cfg, config_path, "W_skip" in fields))
     fields["path"] = str(directory)
-    for key, size in (("d_in", fields["W_enc"].shape[0]), ("d_sae", fields["W_enc"].shape[1])):
+    sizes = {"d_in": fields["W_enc"].shape[0], "d_sae": fields["W_enc"].shape[1]}
+    if fields["hook_out"] is not None:
+        sizes["d_out"] = fields["W_dec"].shape[-1]
+    for key, size in sizes.items():
         if key in cfg and cfg[key] != size:
             raise ValueError(f"sae: {str(config_path)!r} says {key}={cfg[key]} but W_enc in {WEIGHTS} has {key}={size}")
     return fields
 
 
-def _config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
-    """The encoding fields of a SAELens config of any version."""
+def _config(cfg: dict[str, Any], where: Path, skip: bool) -> dict[str, Any]:
+    """The encoding fields of a SAELens config of any version (`skip`: its weights have a W_skip)."""
     metadata = cfg.get("metadata") or {}
     activation = cfg.get("activation_fn", cfg.get("activation_fn_str"))
     if activation not in (None, "relu", "topk"):  # SAELens 6 would load it as ReLU, which encodes otherwise
         raise ValueError(f"sae: activation_fn {activation!r} in {str(where)!r} is not supported; supported: relu, topk")
     # before 6.0 a TopK SAE says activation_fn topk, whatever its `architecture` (often "standard") says
     architecture = "topk" if activation == "topk" else cfg.get("architecture") or "standard"
+    hook = from_saelens(metadata.get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point"))
+    hook_out = None
+    if skip != ("skip_transcoder" in architecture):
+        raise ValueError(f"sae: {str(where)!r} is a {architecture!r} " + ("with a W_skip tensor, which only skip "
+                         "transcoders have" if skip else "without the W_skip tensor it needs"))  # fmt: skip
+    if architecture in TRANSCODERS:  # (SAELens writes a transcoder's output where it reads when no hook_name_out)
+        architecture = TRANSCODERS[architecture]
+        hook_out = from_saelens(metadata.get("hook_name_out") or cfg.get("hook_name_out")) or hook
     norm = cfg.get("normalize_activations")
     norm = {None: "none", False: "none", True: "expected_average_only_in"}.get(norm, norm)
     if norm not in (*_FOLDED_NORMS, "layer_norm", "constant_norm_rescale"):
@@ -117,7 +136,8 @@ def _config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     k = cfg.get("k", (cfg.get("activation_fn_kwargs") or {}).get("k")) if architecture == "topk" else None
     return {
         "architecture": architecture,
-        "hook": metadata.get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point"),
+        "hook": hook,
+        "hook_out": hook_out,
         "k": k,
         "apply_b_dec_to_input": bool(cfg.get("apply_b_dec_to_input", True)),
         "normalize_activations": "none" if norm in _FOLDED_NORMS else norm,
@@ -143,7 +163,7 @@ def _tensors(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, Any]:
             if missing
             else f"has tensors no SAE architecture here uses: {', '.join(unknown)}"
         )
-        raise ValueError(f"sae: {str(where)!r} {problem}; expected {', '.join(TENSORS[:4])} (+ threshold for jumprelu)")
+        raise ValueError(f"sae: {str(where)!r} {problem}; expected {', '.join(TENSORS[:4])} (+ threshold for jumprelu, W_skip for a skip transcoder)")
     return {name: tensors[name] for name in TENSORS if name in tensors}
 
 

@@ -6,6 +6,9 @@ The formulas are those of SAELens (sae_lens/saes/*.py, `encode` and `decode`):
     pre = x' @ W_enc + b_enc (topk with rescale_acts_by_decoder_norm: times each latent's |W_dec| row norm)
     standard: relu(pre); jumprelu: relu(pre) * (pre > threshold); topk: relu of the k largest, 0 elsewhere
     x_hat = norm_out(f @ W_dec + b_dec) (topk with rescale: f / |W_dec| @ W_dec)
+A transcoder (SAELens's Transcoder, SkipTranscoder and their JumpReLU kinds) reads one hook and writes
+another, `hook_out`: the same encoding without b_dec on the input (its b_dec is the output's), and
+y_hat = f @ W_dec + b_dec (+ x @ W_skip.T for a skip transcoder), d_out wide.
 Only two normalisations act at run time in SAELens's inference SAE, and only they do here: layer_norm
 (centre, divide by the unbiased std + 1e-5; undone on the way out) and constant_norm_rescale (scale
 each row to norm sqrt(d_in); undone). The others (expected_average_only_in, covariance_whitening) are
@@ -40,7 +43,9 @@ class SAE:
     b_dec: torch.Tensor  # [d_in]
     architecture: str = "standard"
     hook: str | None = None  # the hook it reads, TransformerLens-style (None: the file does not say)
+    hook_out: str | None = None  # a transcoder's: the hook it writes (None: an SAE, which writes what it reads)
     threshold: torch.Tensor | None = None  # jumprelu [d_sae]
+    W_skip: torch.Tensor | None = None  # a skip transcoder's [d_out, d_in]
     k: int | None = None  # topk
     apply_b_dec_to_input: bool = True
     normalize_activations: str = "none"  # one of RUNTIME_NORMS
@@ -55,14 +60,15 @@ class SAE:
         self._placed: dict[tuple[torch.device, torch.dtype], SAE] = {}
 
     @classmethod
-    def load(cls, path: Any, hook: str | None = None) -> SAE:
-        """An SAE saved in SAELens's layout (a directory with cfg.json and sae_weights.safetensors) or as
-        Gemma Scope's params.npz (a file, or a directory holding one). `hook` overrides the hook the
-        config names (a params.npz names none, so it needs one to be used); the hook is checked against
-        a model when a request uses the SAE. ValueError naming the problem for anything unreadable."""
+    def load(cls, path: Any, hook: str | None = None, hook_out: str | None = None) -> SAE:
+        """An SAE or transcoder saved in SAELens's layout (a directory with cfg.json and
+        sae_weights.safetensors) or as Gemma Scope's params.npz (a file, or a directory holding one). `hook`
+        overrides the hook the config names (a params.npz names none, so it needs one to be used), `hook_out`
+        the hook a transcoder writes (given for a params.npz, it makes one of Gemma Scope's transcoders); the
+        hooks are checked against a model when the SAE is used. ValueError naming the problem for anything
+        unreadable."""
         fields = read_sae(path)
-        if hook is not None:
-            fields["hook"] = hook
+        fields.update({k: v for k, v in (("hook", hook), ("hook_out", hook_out)) if v is not None})
         return cls(**fields)
 
     @classmethod
@@ -78,8 +84,23 @@ class SAE:
     def d_sae(self) -> int:
         return self.W_enc.shape[1]
 
+    @property
+    def d_out(self) -> int:
+        return self.W_dec.shape[1]
+
+    @property
+    def transcoder(self) -> bool:
+        return self.hook_out is not None
+
+    @property
+    def writes(self) -> str | None:
+        """The hook its output (and a steer along a latent) goes to."""
+        return self.hook_out if self.transcoder else self.hook
+
     def __repr__(self) -> str:  # also what salts the prefix cache of a request that clamps with it
         extra = f", k={self.k}" if self.k is not None else ""
+        if self.transcoder:
+            extra += f", hook_out={self.hook_out!r}, d_out={self.d_out}" + (", skip" if self.W_skip is not None else "")
         return (
             f"SAE({self.path!r}, hook={self.hook!r}, architecture={self.architecture!r}, d_in={self.d_in}, "
             f"d_sae={self.d_sae}{extra}, sha256={self.sha256!r})"
@@ -107,8 +128,13 @@ class SAE:
         return self.activate(self.pre_acts(x))
 
     def decode(self, acts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The reconstruction of rows `x` from their latents `acts` (x gives the run-time normalisation)."""
-        return self.denormalise(self.recons(acts), x)
+        """The reconstruction of rows `x` from their latents `acts` (x gives the run-time normalisation), or a
+        transcoder's output for its input rows `x` (a skip transcoder's skip connection included)."""
+        return self.skip(self.denormalise(self.recons(acts), x), x)
+
+    def skip(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`out` plus a skip transcoder's affine path from its input, x @ W_skip.T (nothing for the others)."""
+        return out if self.W_skip is None else out + x @ self.W_skip.T
 
     # (the steps SAELens hooks between: hook_sae_acts_pre after pre_acts, hook_sae_acts_post after activate,
     # hook_sae_recons after recons; vlens.hooked_saes runs them one by one)
@@ -173,7 +199,14 @@ class SAE:
         if self.W_enc.dim() != 2:
             raise ValueError(f"sae: W_enc{where} must be [d_in, d_sae], got shape {tuple(self.W_enc.shape)}")
         d_in, d_sae = self.W_enc.shape
-        expected = {"b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+        d_out = self.W_dec.shape[-1] if self.transcoder else d_in
+        expected = {"b_enc": (d_sae,), "W_dec": (d_sae, d_out), "b_dec": (d_out,)}
+        if self.transcoder:
+            self._check_transcoder(where)
+            if self.W_skip is not None:
+                expected["W_skip"] = (d_out, d_in)
+        elif self.W_skip is not None:
+            raise ValueError(f"sae: a W_skip tensor{where} but no hook_out; only a skip transcoder has one")
         if self.architecture == "jumprelu":
             expected["threshold"] = (d_sae,)
             if self.threshold is None:
@@ -190,13 +223,25 @@ class SAE:
         if self.architecture == "topk" and not (isinstance(self.k, int) and 1 <= self.k <= d_sae):
             raise ValueError(f"sae: a topk SAE needs k, an int in 1..d_sae={d_sae}; got {self.k!r}{where}")
 
+    def _check_transcoder(self, where: str) -> None:
+        """What SAELens's transcoders refuse or leave undone: b_dec is the output's, so it cannot be subtracted
+        from the input, and the output is not put back through a run-time normalisation of the input."""
+        if self.apply_b_dec_to_input:
+            raise ValueError(f"sae: a transcoder{where} with apply_b_dec_to_input; its b_dec is its output's "
+                             "(SAELens refuses it too)")  # fmt: skip
+        if self.normalize_activations != "none":
+            raise ValueError(
+                f"sae: a transcoder{where} with normalize_activations {self.normalize_activations!r}; transcoders "
+                "here normalise nothing at run time (none)"
+            )
+
     def _digest(self) -> str:
         """sha256 of what decides the encoding: the config fields, then each tensor's float32 bytes."""
         digest = hashlib.sha256()
         config = (self.architecture, self.k, self.apply_b_dec_to_input, self.normalize_activations,
                   self.rescale_acts_by_decoder_norm)  # fmt: skip
         digest.update(repr(config).encode())
-        for t in (self.W_enc, self.b_enc, self.W_dec, self.b_dec, self.threshold):
+        for t in (self.W_enc, self.b_enc, self.W_dec, self.b_dec, self.threshold, self.W_skip):
             if t is not None:
                 digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy())
         return digest.hexdigest()

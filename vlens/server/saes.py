@@ -23,6 +23,8 @@ def load_saes(specs: tuple[str, ...] | None, cfg: ModelConfig, shapes: dict[str,
         try:
             sae = SAE.load(path, hook=hook)
             sae_tap(sae, cfg, shapes, "sae")
+            if sae.transcoder:
+                sae_tap(sae, cfg, shapes, "sae", writes=True)
         except ValueError as e:
             raise ValueError(f"saes: {name}: {e}") from None
         saes[name] = sae
@@ -31,7 +33,7 @@ def load_saes(specs: tuple[str, ...] | None, cfg: ModelConfig, shapes: dict[str,
 
 def describe(saes: dict[str, SAE]) -> list[dict[str, Any]]:
     """The GET /v1/saes entries."""
-    fields = ("hook", "architecture", "d_in", "d_sae", "k", "sha256")
+    fields = ("hook", "hook_out", "architecture", "d_in", "d_sae", "d_out", "k", "sha256")
     return [{"name": name, **{f: getattr(sae, f) for f in fields}} for name, sae in saes.items()]
 
 
