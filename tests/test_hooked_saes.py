@@ -120,3 +120,31 @@ def test_gradients_at_the_steps_equal_saelens_s(pair):
     with theirs.saes(saes[:1]):
         _, want = theirs.run_with_cache(TOKENS, names_filter=names[2], return_type="loss", incl_bwd=True)
     assert len(seen) == 1 and rel_err(seen[0], want[f"{names[2]}_grad"]) <= TOL
+
+
+def test_excluded_tokens_bypass_the_saes_as_in_saelens(pair):
+    """exclude_special_tokens=[ids]: the value at those tokens passes as it came (no error term there either), as
+    SAELens's HookedSAETransformer bypasses them; every step cached equal to its, and generation."""
+    hooked, theirs, ours, saes = pair
+    skip = [12, 5, 290]  # (in both texts, at the first, last and middle positions)
+    with torch.no_grad():
+        for use_error_term in (False, True):
+            names = [f"{hook}.{step}" for hook in (RESID, Z) for step in STEPS if use_error_term or "error" not in step]
+            options = {"use_error_term": use_error_term, "exclude_special_tokens": skip}
+            got, cache = hooked.run_with_cache_with_saes(TOKENS, saes=ours, names_filter=names, **options)
+            want, ref = theirs.run_with_cache_with_saes(TOKENS, saes=saes, names_filter=names, **options)
+            assert rel_err(got, want) <= TOL and rel_err(got, hooked.run_with_saes(TOKENS, saes=ours)) > 1e-4
+            for name in cache:
+                assert rel_err(cache[name], ref[name]) <= TOL, (use_error_term, name)
+        # generation: each step's forward is the one above (SAELens's own generate hands its forward embeddings,
+        # which it then masks as if they were tokens), with the KV cache as without it
+        settings = {"max_new_tokens": 4, "do_sample": False, "stop_at_eos": False, "verbose": False}
+        with hooked.saes(ours, exclude_special_tokens=skip), theirs.saes(saes, exclude_special_tokens=skip):
+            tokens = hooked.generate(TOKENS, **settings)
+            assert torch.equal(tokens, hooked.generate(TOKENS, use_past_kv_cache=False, **settings))
+            assert torch.equal(tokens[:, 9:], torch.stack([theirs(tokens[:, :n])[:, -1].argmax(-1) for n in range(9, 13)], 1))
+    with pytest.raises(ValueError, match=r"^exclude_special_tokens: True takes the tokenizer's special ids, and this"):
+        hooked.add_sae(ours[0], exclude_special_tokens=True)
+    with pytest.raises(ValueError, match=r"^exclude_special_tokens: expected True, False or token ids in 0\.\.299"):
+        hooked.add_sae(ours[0], exclude_special_tokens=[5, 300])
+    assert not hooked._saes

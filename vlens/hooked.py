@@ -533,11 +533,12 @@ class HookedLM(ModelWeights, SAEMethods):
         return resolve_hooks(names_filter, self.cfg, self._shapes)
 
     def _tap_hooks(
-        self, padding: Padding, keep: str | None = None, grads: dict[str, torch.Tensor] | None = None,
+        self, padding: Padding, fed: list[list[int]], keep: str | None = None, grads: dict[str, torch.Tensor] | None = None,
         saved: Sequence[str] = (), values: dict[str, torch.Tensor] | None = None,
         readers: dict[str, list[HookFn]] | None = None,
     ) -> dict[str, TapHooks]:  # fmt: skip
-        """The hooks in force, by tap; `keep`: that tap's value is kept; `saved` taps put their gradient in
+        """The hooks in force, by tap, for a forward of the token ids `fed` (each text's, laid out by `padding`);
+        `keep`: that tap's value is kept; `saved` taps put their gradient in
         `grads` after the hooks' own have run (run_with_cache's incl_bwd). Backward hooks at attention scores
         and patterns (and saved ones) become a PatternGrads at their layer's hook_z, reading the layer's
         values from `values`, which the caller fills after the forward (`_values_needed`). Forward hooks there
@@ -546,8 +547,12 @@ class HookedLM(ModelWeights, SAEMethods):
         bwd: dict[str, list[HookFn]] = {}
         at_patterns: dict[int, dict[str, list[HookFn]]] = {}
         steps = self._sae_steps()
+        def tokens() -> torch.Tensor:  # (made only for an SAE that excludes some)
+            return padding.pad(torch.tensor([t for ids in fed for t in ids]))
+
         for splice in self._saes.values():
             splice.fns, splice.bwd, splice.input = {}, {}, None
+            splice.bypassing(tokens)
         for h in self._hooks:
             chosen = list(self._names(h.where).values())
             for step in (t for t in chosen if t in steps):  # an attached SAE's: its splice runs them
@@ -616,7 +621,7 @@ class HookedLM(ModelWeights, SAEMethods):
         values: dict[str, torch.Tensor] = {}
         saved = sorted(set(names.values())) if incl_bwd else []
         readers: dict[str, list[HookFn]] = {}
-        hooks = self._tap_hooks(padding, output if grad else None, grads, saved, values, readers)
+        hooks = self._tap_hooks(padding, seqs, output if grad else None, grads, saved, values, readers)
         needed = (_values_needed(hooks) if grad else set()) | readers.keys()
         taps |= needed
         captured = self.llm.runner.packed(seqs, sorted(taps), hooks=hooks, grad=grad)
@@ -672,7 +677,7 @@ class HookedLM(ModelWeights, SAEMethods):
         the batch left-padded, as TransformerLens lays out a batch it generates for (`value[:, -1]` is each
         sequence's last token)."""
         last = [torch.tensor([len(s) - 1]) for s in seqs]
-        hooks = self._tap_hooks(Padding.left(list(map(len, seqs))))
+        hooks = self._tap_hooks(Padding.left(list(map(len, seqs))), seqs)
         captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=hooks)
         logits: list[torch.Tensor] = [None] * len(seqs)
         for i, _, value in captured.pieces():
@@ -760,7 +765,8 @@ class HookedLM(ModelWeights, SAEMethods):
                     logits = self._last_logits(fed)
                 else:  # (a sequence at the length limit feeds its last token again, at the same position)
                     starts = [min(c, len(f) - 1) for c, f in zip(computed, fed)]
-                    hooks = self._tap_hooks(Padding.left([len(f) - b for f, b in zip(fed, starts)]))
+                    rows = [f[b:] for f, b in zip(fed, starts)]
+                    hooks = self._tap_hooks(Padding.left(list(map(len, rows))), rows)
                     logits = self.llm.runner.extend(fed, starts, tables, hooks).cpu()  # (sampled as _last_logits's)
                     computed = list(map(len, fed))
                 sampled = sample(logits, _sampling(params, fed)).tolist()
