@@ -53,6 +53,11 @@ def test_spliced_logits_and_the_error_term_equal_saelens_s(pair):
     # SAELens's own SAE objects (sae_lens.SAE.from_pretrained's) splice in as they are: read into vlens SAEs once
     assert torch.equal(hooked.run_with_saes(TOKENS, saes=saes), hooked.run_with_saes(TOKENS, saes=ours))
     assert SAE.from_saelens(saes[1]).k == 8 and SAE.from_saelens(saes[1]).hook == Z
+    saes[0].use_error_term = True  # (use_error_term None: a SAELens SAE's own setting, as SAELens takes it)
+    try:
+        assert rel_err(hooked.run_with_saes(TOKENS, saes=saes[:1]), plain) <= TOL
+    finally:
+        saes[0].use_error_term = False
 
 
 def test_every_step_is_cached_as_saelens_caches_it(pair):
