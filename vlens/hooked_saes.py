@@ -109,6 +109,17 @@ class Splice:
         return None if out is grad else out
 
 
+def as_vlens_sae(sae: Any) -> SAE:
+    """A vlens SAE as it is; a SAELens SAE (or transcoder) object read by SAE.from_saelens, once per object."""
+    if isinstance(sae, SAE):
+        return sae
+    if type(sae).__module__.split(".")[0] != "sae_lens":
+        raise TypeError(f"sae: expected a vlens.SAE or a SAELens SAE, got {type(sae).__name__}")
+    if sae not in _FROM_SAELENS:
+        _FROM_SAELENS[sae] = SAE.from_saelens(sae)
+    return _FROM_SAELENS[sae]
+
+
 class SAEMethods:
     """SAELens's HookedSAETransformer calls, mixed into HookedLM (which keeps the attached SAEs in `_saes`, by
     hook, and builds the hook functions of a forward from them: vlens.hooked)."""
@@ -125,12 +136,7 @@ class SAEMethods:
         there passes as it came; the SAE's steps are still computed), as SAELens does."""
         if use_error_term is None:
             use_error_term = getattr(sae, "use_error_term", False)
-        if not isinstance(sae, SAE):
-            if type(sae).__module__.split(".")[0] != "sae_lens":
-                raise TypeError(f"sae: expected a vlens.SAE or a SAELens SAE, got {type(sae).__name__}")
-            if sae not in _FROM_SAELENS:
-                _FROM_SAELENS[sae] = SAE.from_saelens(sae)
-            sae = _FROM_SAELENS[sae]
+        sae = as_vlens_sae(sae)
         self._check_hook(sae.hook, sae.d_in, "hook", "d_in")
         if sae.transcoder:
             self._check_hook(sae.hook_out, sae.d_out, "hook_out", "d_out")

@@ -1,0 +1,168 @@
+"""Attribution graphs (vlens.attribution_graph) against circuit-tracer's own `attribute`, `prune_graph` and
+`compute_graph_scores` on TransformerLens models with the same weights and the same per-layer transcoders: every
+edge, the active features and their values, the logit nodes, the feature nodes kept under max_feature_nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import transformer_lens_gpt2, transformer_lens_llama
+
+from vlens import SAE, HookedLM
+from vlens.attribution_graph import attribute, graph_scores, prune_graph
+
+PROMPT = torch.tensor([0, 17, 99, 230, 3, 41, 7, 250, 12, 33])  # (0: the stand-in tokenizer's special token)
+
+
+class SpecialFirst:
+    """What circuit-tracer asks of a tokenizer for token-id prompts: its special ids (0 here) and decode."""
+
+    all_special_ids = [0]
+    bos_token_id = pad_token_id = eos_token_id = 0
+    padding_side = "right"
+    vocab_size = 300
+
+    def decode(self, ids):
+        return " ".join(map(str, ids if isinstance(ids, list) else [ids]))
+
+
+def circuit_tracer():
+    import huggingface_hub.constants
+
+    # (circuit-tracer 0.5 imports a constant huggingface_hub 1.x no longer has; nothing here downloads)
+    huggingface_hub.constants.HF_HUB_ENABLE_HF_TRANSFER = False
+    import circuit_tracer
+
+    return circuit_tracer
+
+
+def transcoders(d_model: int, d_sae: int, layers: int, skip: bool, jumprelu: bool, seed: int = 0):
+    """circuit-tracer's SingleLayerTranscoders with random weights, and the same as vlens SAEs."""
+    from circuit_tracer.transcoder.activation_functions import JumpReLU
+    from circuit_tracer.transcoder.single_layer_transcoder import SingleLayerTranscoder
+
+    g = torch.Generator().manual_seed(seed)
+    theirs, ours = {}, []
+    for layer in range(layers):
+        threshold = torch.rand(d_sae, generator=g) * 0.3
+        act = JumpReLU(threshold, 0.1) if jumprelu else torch.nn.ReLU()
+        tc = SingleLayerTranscoder(d_model, d_sae, act, layer, skip_connection=skip, device=torch.device("cpu"),
+                                   dtype=torch.float32)  # fmt: skip
+        with torch.no_grad():
+            for name, p in tc.named_parameters():
+                if name != "activation_function.threshold":
+                    p.copy_(torch.randn(p.shape, generator=g) * (0.05 if name == "W_skip" else 0.3))
+        theirs[layer] = tc
+        ours.append(SAE(
+            W_enc=tc.W_enc.detach().T.clone(), b_enc=tc.b_enc.detach().clone(), W_dec=tc.W_dec.detach().clone(),
+            b_dec=tc.b_dec.detach().clone(), W_skip=None if tc.W_skip is None else tc.W_skip.detach().clone(),
+            threshold=threshold if jumprelu else None, architecture="jumprelu" if jumprelu else "standard",
+            apply_b_dec_to_input=False, hook=f"blocks.{layer}.ln2.hook_out", hook_out=f"blocks.{layer}.hook_mlp_out",
+        ))  # fmt: skip
+    return theirs, ours
+
+
+def saelens_transcoder(tc: SAE, layer: int):
+    """The same transcoder as SAELens's Transcoder object, reading its blocks.L.mlp.hook_in."""
+    from sae_lens import Transcoder, TranscoderConfig
+    from sae_lens.saes.sae import SAEMetadata
+
+    metadata = SAEMetadata(hook_name=f"blocks.{layer}.mlp.hook_in", hook_name_out=f"blocks.{layer}.hook_mlp_out")
+    theirs = Transcoder(TranscoderConfig(d_in=tc.d_in, d_sae=tc.d_sae, d_out=tc.d_out, apply_b_dec_to_input=False,
+                                         metadata=metadata))  # fmt: skip
+    theirs.load_state_dict({"W_enc": tc.W_enc, "b_enc": tc.b_enc, "W_dec": tc.W_dec, "b_dec": tc.b_dec})
+    return theirs
+
+
+def replacement_model(reference, theirs):
+    circuit_tracer()
+    from circuit_tracer.replacement_model.replacement_model_transformerlens import TransformerLensReplacementModel
+    from circuit_tracer.transcoder import TranscoderSet
+
+    model = TransformerLensReplacementModel(reference.cfg)
+    model.load_state_dict(reference.state_dict(), strict=False)
+    model._configure_replacement_model(TranscoderSet(theirs, feature_input_hook="mlp.hook_in",
+                                                     feature_output_hook="mlp.hook_out"))  # fmt: skip
+    model.tokenizer = SpecialFirst()
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    gpt2, gpt2_ref = transformer_lens_gpt2(root / "gpt2", initializer_range=0.1)
+    llama, llama_ref = transformer_lens_llama(root / "llama")
+    return {"gpt2": (HookedLM(gpt2, dtype="float32", device="cpu"), gpt2_ref),
+            "llama": (HookedLM(llama, dtype="float32", device="cpu"), llama_ref)}  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "skip", "jumprelu"), [("gpt2", False, False), ("gpt2", True, True),
+                                                           ("llama", True, False)])  # fmt: skip
+def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
+    hooked, reference = models[family]
+    theirs, ours = transcoders(64, 48, 3, skip, jumprelu)
+    want = circuit_tracer().attribute(PROMPT, replacement_model(reference, theirs), batch_size=32)
+    got = attribute(hooked, PROMPT, ours, batch_size=32)
+    assert torch.equal(got.active_features, want.active_features.long()) and len(got.active_features) > 100
+    assert rel_err(got.activation_values, want.activation_values) <= 1e-5
+    assert got.logit_tokens.tolist() == [t.vocab_idx for t in want.logit_targets]
+    assert rel_err(got.logit_probabilities, want.logit_probabilities) <= 1e-5
+    assert got.adjacency_matrix.shape == want.adjacency_matrix.shape
+    assert rel_err(got.adjacency_matrix, want.adjacency_matrix) <= 1e-4
+    assert (got.adjacency_matrix[got.n_features :] != 0).sum() == (want.adjacency_matrix[got.n_features :] != 0).sum()
+
+
+def test_kept_feature_nodes_pruning_and_scores_equal_circuit_tracer_s(models):
+    """max_feature_nodes keeps the features circuit-tracer's ranking keeps (by influence, in rounds); pruning and the
+    replacement / completeness scores of the same graph agree."""
+    from circuit_tracer.graph import compute_graph_scores
+    from circuit_tracer.graph import prune_graph as their_prune
+
+    hooked, reference = models["gpt2"]
+    theirs, ours = transcoders(64, 48, 3, skip=True, jumprelu=False, seed=3)
+    model = replacement_model(reference, theirs)
+    want = circuit_tracer().attribute(PROMPT, model, batch_size=16, max_feature_nodes=100)
+    got = attribute(hooked, PROMPT, ours, batch_size=16, max_feature_nodes=100)
+    assert torch.equal(got.selected_features, want.selected_features) and got.n_features == 100
+    assert rel_err(got.adjacency_matrix, want.adjacency_matrix) <= 1e-4
+    full = circuit_tracer().attribute(PROMPT, model, batch_size=64)
+    graph = attribute(hooked, PROMPT, ours, batch_size=64)
+    for thresholds in ((0.8, 0.98), (0.5, 0.9)):
+        nodes, edges, cumulative = prune_graph(graph, *thresholds)
+        ref = their_prune(full, *thresholds)
+        assert torch.equal(nodes, ref.node_mask) and torch.equal(edges, ref.edge_mask)
+        assert rel_err(cumulative, ref.cumulative_scores) <= 1e-5 and 0 < nodes.sum() < len(nodes)
+    assert graph_scores(graph) == pytest.approx(compute_graph_scores(full), rel=1e-5)
+
+
+def test_the_graph_s_layout_and_what_is_refused(models):
+    """Node helpers index the adjacency as circuit-tracer lays it out; position 0 has no feature or error nodes; bad
+    transcoder sets, prompts and options are refused by name."""
+    hooked, _ = models["gpt2"]
+    _, ours = transcoders(64, 48, 3, skip=False, jumprelu=False)
+    graph = attribute(hooked, PROMPT, ours, max_n_logits=3, desired_logit_prob=1.0)
+    n = graph.n_features + 4 * graph.n_pos + 3
+    assert graph.adjacency_matrix.shape == (n, n) and graph.logit_node(2) == n - 1 and graph.token_node(0) == n - 3 - 10
+    assert (graph.active_features[:, 1] > 0).all() and not graph.adjacency_matrix[:, graph.error_node(1, 0)].any()
+    assert graph.adjacency_matrix[graph.logit_node(0), graph.token_node(9)] != 0  # (the last token reaches the logit)
+    assert not graph.adjacency_matrix[: graph.n_features, graph.token_node(9)][graph.active_features[:, 1] < 9].any()
+    saelens = [saelens_transcoder(tc, layer) for layer, tc in enumerate(ours)]  # (reading SAELens's mlp.hook_in)
+    again = attribute(hooked, PROMPT, saelens, max_n_logits=3, desired_logit_prob=1.0)
+    assert rel_err(again.adjacency_matrix, graph.adjacency_matrix) <= 1e-6  # (their weights' layout: not bit for bit)
+    with pytest.raises(ValueError, match=r"^transcoders: 2 given; an attribution graph needs one per layer, 3"):
+        attribute(hooked, PROMPT, ours[:2])
+    sae = SAE(ours[1].W_enc, ours[1].b_enc, ours[1].W_dec, ours[1].b_dec, hook="blocks.1.hook_resid_post")
+    with pytest.raises(ValueError, match=r"^transcoders\[1\]: an SAE \(it writes where it reads\)"):
+        attribute(hooked, PROMPT, [ours[0], sae, ours[2]])
+    w = ours[2]
+    late = SAE(w.W_enc, w.b_enc, w.W_dec, w.b_dec, apply_b_dec_to_input=False, hook="blocks.2.mlp.hook_post",
+               hook_out="blocks.2.hook_mlp_out")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^transcoders\[2\]: reads 'blocks\.2\.mlp\.hook_post'; layer 2's must read"):
+        attribute(hooked, PROMPT, [*ours[:2], late])
+    with pytest.raises(ValueError, match=r"^prompt: token ids in 0\.\.299"):
+        attribute(hooked, [5, 300], ours)
+    with pytest.raises(ValueError, match=r"^desired_logit_prob: 0 is not in \(0, 1\]"):
+        attribute(hooked, PROMPT, ours, desired_logit_prob=0)
+    with pytest.raises(ValueError, match=r"^node_threshold: 1\.5 is not in \[0, 1\]"):
+        prune_graph(graph, node_threshold=1.5)

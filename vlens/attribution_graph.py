@@ -1,0 +1,392 @@
+"""Attribution graphs (Ameisen et al., 2025, "Circuit Tracing"; the circuit-tracer library's `attribute`): the direct,
+linear effect of every active transcoder feature, every transcoder error and every input token on every active
+feature and on the likeliest next-token logits of one prompt, in the prompt's local replacement model.
+
+The replacement model is the model with each layer's MLP read through a per-layer transcoder (vlens.SAE with
+`hook_out`, one per layer) and, for this prompt, its attention patterns and every norm's divisor frozen at their
+values on the prompt: then the residual stream is linear from each writer to each reader. A feature's activation
+a_s writes a_s W_dec[s] into its layer's MLP output; what the transcoders miss there is an error node (the MLP's
+output minus the transcoder's, skip connection included); the tokens write their embeddings. A target reads the
+stream: a feature through its encoder row at its transcoder's input (its pre-activation), a logit through its
+unembedding column minus the mean column, after the final norm. The edge s -> t is the gradient of the target's
+reading with respect to the source's write, dotted with the write — one backward pass per target, many targets at
+once over copies of the prompt (`batch_size`). Position 0 (a special token, put first where a text lacks one) has
+no feature or error nodes, as in circuit-tracer: its features are zeroed and its MLP output is part of no node.
+
+`tests/test_attribution_graph.py` checks every edge against circuit-tracer's own `attribute` (and `prune_graph`,
+`compute_graph_scores`) on the same weights and transcoders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from vlens.capture.names import FINAL_NORM, layer_hooks
+from vlens.hooked_saes import as_vlens_sae
+from vlens.sae.model import SAE
+
+if TYPE_CHECKING:
+    from vlens.hooked import HookedLM
+
+ZERO_POSITIONS = 1  # positions from 0 without feature or error nodes
+
+
+@dataclass
+class Graph:
+    """An attribution graph. Nodes, in order: the selected features (`active_features[selected_features]`), the
+    error nodes (layer by layer, position by position), the tokens (by position), the logits. `adjacency_matrix`
+    [nodes, nodes]: row t, column s holds the direct effect of s on t (rows of errors and tokens are 0)."""
+
+    input_tokens: torch.Tensor  # [n_pos]
+    active_features: torch.Tensor  # [n_active, 3]: layer, position, feature
+    activation_values: torch.Tensor  # [n_active]
+    selected_features: torch.Tensor  # indices into active_features of the feature nodes, ascending
+    adjacency_matrix: torch.Tensor
+    logit_tokens: torch.Tensor  # [n_logits] ids, the likeliest first
+    logit_probabilities: torch.Tensor  # [n_logits]
+    n_layers: int
+
+    @property
+    def n_pos(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def n_features(self) -> int:
+        return len(self.selected_features)
+
+    def error_node(self, layer: int, position: int) -> int:
+        return self.n_features + layer * self.n_pos + position
+
+    def token_node(self, position: int) -> int:
+        return self.n_features + self.n_layers * self.n_pos + position
+
+    def logit_node(self, i: int) -> int:
+        return self.n_features + (self.n_layers + 1) * self.n_pos + i
+
+
+def attribute(
+    model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Sequence[Any], *, max_n_logits: int = 10,
+    desired_logit_prob: float = 0.95, batch_size: int = 256, max_feature_nodes: int | None = None,
+) -> Graph:  # fmt: skip
+    """The attribution graph of `prompt` (a text, or token ids) through `transcoders` (one per layer, in layer
+    order: vlens SAEs with hook_out, or SAELens transcoder objects), its logit nodes the likeliest next tokens until
+    their probabilities sum to `desired_logit_prob` (at most `max_n_logits`). `max_feature_nodes`: keep only that
+    many feature nodes, chosen as circuit-tracer chooses them (by their influence on the logits so far, in rounds
+    of 4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
+    prompt in its forward)."""
+    layers = model._model().layers
+    if any(layer.post_norms for layer in layers):
+        raise ValueError(f"{model.cfg.architecture}: a norm stands between each MLP and the residual stream; "
+                         "attribution graphs need MLP outputs that add to it")  # fmt: skip
+    counts = {"max_n_logits": max_n_logits, "batch_size": batch_size, "max_feature_nodes": max_feature_nodes or 1}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {value!r} is not an int >= 1" + (" (or None)" if name == "max_feature_nodes" else ""))
+    if not 0.0 < desired_logit_prob <= 1.0:
+        raise ValueError(f"desired_logit_prob: {desired_logit_prob!r} is not in (0, 1]")
+    tcs = _transcoders(model, transcoders)
+    tokens = _tokens(model, prompt)
+    setup = _Setup(model, tcs, tokens)
+    n_layers, n_pos, n_active = len(tcs), len(tokens), len(setup.active)
+    ids, probs, logit_vectors = _logit_targets(model, setup.last_logits, max_n_logits, desired_logit_prob)
+    wanted = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
+
+    rows = _Rows(model, tcs, tokens, setup, min(batch_size, max(len(ids), wanted, 1)))
+    sources = n_active + (n_layers + 1) * n_pos
+    edges = torch.zeros(len(ids) + wanted, sources + len(ids))  # (a column per node: the logits' stay 0)
+    row_node = torch.zeros(len(ids) + wanted, dtype=torch.long)  # each row's target: a logit's node, or a feature
+    for start in range(0, len(ids), rows.batch):
+        chunk = slice(start, min(start + rows.batch, len(ids)))
+        n = chunk.stop - chunk.start
+        edges[chunk, :sources] = rows(torch.full((n,), n_layers), torch.full((n,), n_pos - 1), logit_vectors[chunk])
+        row_node[chunk] = torch.arange(chunk.start, chunk.stop) + sources
+    done, filled = torch.zeros(n_active, dtype=torch.bool), len(ids)
+    while filled < len(ids) + wanted:
+        if wanted == n_active:
+            pending = torch.arange(n_active)
+        else:
+            weights = torch.cat([torch.zeros(sources), probs])
+            influence = _influence(_normalised(edges[:filled], 1e-8), weights, row_node[:filled])
+            rank = influence[:n_active].argsort(descending=True)
+            pending = rank[~done[rank]][: min(4 * rows.batch, len(ids) + wanted - filled)]
+        for chunk in pending.split(rows.batch):
+            at = setup.active[chunk]
+            edges[filled : filled + len(chunk), :sources] = rows(at[:, 0], at[:, 1], setup.encoders[chunk])
+            row_node[filled : filled + len(chunk)] = chunk
+            done[chunk] = True
+            filled += len(chunk)
+
+    selected = done.nonzero().squeeze(1)
+    return Graph(tokens, setup.active, setup.values, selected, _adjacency(edges, row_node, selected, n_active), ids,
+                 probs, n_layers)  # fmt: skip
+
+
+def _logit_targets(
+    model: HookedLM, logits: torch.Tensor, most: int, probability: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The likeliest next tokens until their probabilities reach `probability` (at most `most`): their ids, their
+    probabilities, and the vectors their logits read the final norm's output with (unembedding columns minus the
+    mean column, circuit-tracer's)."""
+    probs, ids = torch.softmax(logits, -1).topk(min(most, len(logits)))
+    cutoff = int(torch.searchsorted(probs.cumsum(0), torch.tensor(probability))) + 1
+    W_U = model.W_U.float()
+    return ids[:cutoff], probs[:cutoff], (W_U[:, ids[:cutoff]] - W_U.mean(-1, keepdim=True)).T
+
+
+def _adjacency(edges: torch.Tensor, row_node: torch.Tensor, selected: torch.Tensor, n_active: int) -> torch.Tensor:
+    """The rows computed (logits' and features', each row's target in `row_node`) laid out as the graph's nodes: the
+    selected features' rows and columns, the error and token columns, the logits' rows last."""
+    n_logits = len(row_node) - len(selected)
+    columns = torch.cat([selected, torch.arange(n_active, edges.shape[1] - n_logits)])
+    n_nodes = len(columns) + n_logits
+    adjacency = torch.zeros(n_nodes, n_nodes)
+    order = row_node.argsort()  # features in index order, then the logits
+    adjacency[: len(selected), : len(columns)] = edges[order[: len(selected)]][:, columns]
+    adjacency[len(columns) :, : len(columns)] = edges[order[len(selected) :]][:, columns]
+    return adjacency
+
+
+def _transcoders(model: HookedLM, transcoders: Sequence[Any]) -> list[SAE]:
+    """One transcoder per layer, each reading a hook of its layer before the MLP and writing the MLP's output."""
+    n = model.cfg.num_layers
+    tcs = [as_vlens_sae(t) for t in transcoders]
+    if len(tcs) != n:
+        raise ValueError(f"transcoders: {len(tcs)} given; an attribution graph needs one per layer, {n}")
+    for layer, tc in enumerate(tcs):
+        where = f"transcoders[{layer}]"
+        if not tc.transcoder:
+            raise ValueError(f"{where}: an SAE (it writes where it reads); an attribution graph needs transcoders")
+        if tc.hook_out != f"blocks.{layer}.hook_mlp_out":
+            raise ValueError(f"{where}: writes {tc.hook_out!r}; layer {layer}'s must write blocks.{layer}.hook_mlp_out")
+        before_mlp = layer_hooks(model.cfg, layer)
+        before_mlp = before_mlp[: before_mlp.index("ln2.hook_out") + 1]
+        if tc.hook not in {f"blocks.{layer}.{hook}" for hook in before_mlp}:
+            raise ValueError(f"{where}: reads {tc.hook!r}; layer {layer}'s must read a hook of its layer up to the "
+                             f"MLP's input, blocks.{layer}.ln2.hook_out")  # fmt: skip
+        model._check_hook(tc.hook, tc.d_in, "hook", "d_in")
+        model._check_hook(tc.hook_out, tc.d_out, "hook_out", "d_out")
+    return tcs
+
+
+def _tokens(model: HookedLM, prompt: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """The prompt's token ids, a special token first (BOS, else PAD, else EOS) where the tokenizer knows one and
+    the prompt does not start with one."""
+    tokenizer = model.tokenizer
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: a text needs a tokenizer, and this model has none; pass token ids")
+        ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    else:
+        ids = torch.as_tensor(prompt).reshape(-1).long().cpu()
+    if not len(ids) or not bool(((ids >= 0) & (ids < model.cfg.vocab_size)).all()):
+        raise ValueError(f"prompt: token ids in 0..{model.cfg.vocab_size - 1}, at least one; got {ids.tolist()[:8]}")
+    if tokenizer is not None and int(ids[0]) not in tokenizer.all_special_ids:
+        first = next((t for t in (tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), None)
+        if first is not None:
+            ids = torch.cat([torch.tensor([first]), ids])
+    return ids
+
+
+class _Setup:
+    """The prompt's forward: each layer's active features (zeroed at the first positions), their encoder rows and
+    activation-scaled decoder rows, the error at each MLP output, the token embeddings, the last logits."""
+
+    def __init__(self, model: HookedLM, tcs: list[SAE], tokens: torch.Tensor):
+        names = [n for tc in tcs for n in (tc.hook, tc.hook_out)] + ["hook_embed"]
+        with torch.no_grad():
+            logits, cache = model.run_with_cache(tokens[None], names_filter=names)
+        self.last_logits = logits[0, -1].float()
+        active, values, encoders, decoders, errors = [], [], [], [], []
+        for layer, tc in enumerate(tcs):
+            tc = tc.placed("cpu", torch.float32)
+            x, out = cache[tc.hook][0].flatten(1).float().cpu(), cache[tc.hook_out][0].flatten(1).float().cpu()
+            acts = tc.encode(x)
+            acts[:ZERO_POSITIONS] = 0
+            at = acts.nonzero()
+            active.append(torch.cat([torch.full((len(at), 1), layer), at], 1))
+            values.append(acts[at[:, 0], at[:, 1]])
+            encoders.append(tc.W_enc[:, at[:, 1]].T)
+            decoders.append(values[-1][:, None] * tc.W_dec[at[:, 1]])
+            error = out - tc.decode(acts, x)
+            error[:ZERO_POSITIONS] = 0
+            errors.append(error)
+        self.active, self.values = torch.cat(active), torch.cat(values)
+        self.encoders, self.decoders = torch.cat(encoders), torch.cat(decoders)
+        self.errors = torch.stack(errors)  # [n_layers, n_pos, d_model]
+        self.embeddings = cache["hook_embed"][0].float().cpu()
+
+
+class _Rows:
+    """The replacement model's forward over `batch` copies of the prompt, kept with its graph: patterns and norm
+    divisors frozen (detached), each MLP output detached but for a skip transcoder's skip connection, the stream
+    each target reads kept; backward hooks at each MLP output and the embeddings dot the gradient with what each
+    node wrote there. Called with targets (their layer: n_layers for the logits, their position, the vector they
+    read with), it returns their rows of direct effects [targets, sources]."""
+
+    def __init__(self, model: HookedLM, tcs: list[SAE], tokens: torch.Tensor, setup: _Setup, batch: int):
+        self.batch, self.n_layers, self.n_pos, self.n_active = batch, len(tcs), len(tokens), len(setup.active)
+        n, device = self.n_layers, model.cfg.device
+        # (what each node wrote, on the model's device in float32: the rows are summed there, then copied off once)
+        self.positions = setup.active[:, 1].to(device)
+        self.decoders, self.errors = setup.decoders.to(device), setup.errors.to(device)
+        self.embeddings = setup.embeddings.to(device)
+        self.reads: list[torch.Tensor | None] = [None] * (n + 1)  # each layer's transcoder input, the final norm's output
+        self.buffer: torch.Tensor | None = None  # [sources, batch] of the backward pass running
+        layer_of = setup.active[:, 0]
+        self.offsets = [int((layer_of < layer).sum()) for layer in range(n + 1)]  # each layer's first feature row
+
+        def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
+            return value.detach()
+
+        def keep(layer: int, value: torch.Tensor, hook: Any) -> None:
+            self.reads[layer] = value
+
+        def skip_only(layer: int, value: torch.Tensor, hook: Any) -> torch.Tensor:
+            x = self.reads[layer].flatten(2)
+            tc = tcs[layer].placed(value.device, value.dtype)
+            skip = (x @ tc.W_skip.T).view_as(value) if tc.W_skip is not None else x[..., :1] * 0  # (0, on the graph)
+            return skip + (value - skip).detach()
+
+        frozen = [f"blocks.{layer}.{hook}" for layer in range(n) for hook in
+                  ("attn.hook_q", "attn.hook_k", "ln1.hook_scale", "ln2.hook_scale")] + ["ln_final.hook_scale"]  # fmt: skip
+        fwd = [(name, freeze) for name in frozen]
+        fwd += [(tc.hook, partial(keep, layer)) for layer, tc in enumerate(tcs)]
+        fwd += [(tc.hook_out, partial(skip_only, layer)) for layer, tc in enumerate(tcs)]
+        fwd.append((FINAL_NORM, partial(keep, n)))
+        bwd = [(tc.hook_out, partial(self._written, layer)) for layer, tc in enumerate(tcs)]
+        bwd.append(("hook_embed", self._embedded))
+        with torch.enable_grad(), model.hooks(fwd, bwd):
+            model(tokens[None].expand(batch, -1), return_type=None)
+
+    def _written(self, layer: int, grad: torch.Tensor, hook: Any) -> None:
+        """At layer `layer`'s MLP output: the rows of its features and its error nodes."""
+        grad = grad.float().flatten(2)  # [batch, pos, d_model]
+        lo, hi = self.offsets[layer], self.offsets[layer + 1]
+        self.buffer[lo:hi] += torch.einsum("bfd,fd->fb", grad[:, self.positions[lo:hi]], self.decoders[lo:hi])
+        start = self.n_active + layer * self.n_pos
+        self.buffer[start : start + self.n_pos] += torch.einsum("bpd,pd->pb", grad, self.errors[layer])
+
+    def _embedded(self, grad: torch.Tensor, hook: Any) -> None:
+        start = self.n_active + self.n_layers * self.n_pos
+        self.buffer[start:] += torch.einsum("bpd,pd->pb", grad.float(), self.embeddings)
+
+    def __call__(self, layers: torch.Tensor, positions: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        n_sources = self.n_active + (self.n_layers + 1) * self.n_pos
+        self.buffer = torch.zeros(n_sources, self.batch, device=self.embeddings.device)
+        targets = torch.arange(len(layers))
+        handles = []
+        for layer in layers.unique().tolist():
+            mine = layers == layer
+            read = self.reads[layer]
+            values = vectors[mine].to(read.device, read.dtype).view(-1, *read.shape[2:])
+            handles.append(read.register_hook(partial(_inject, targets[mine], positions[mine], values)))
+        try:
+            last = self.reads[int(layers.max())]
+            last.backward(torch.zeros_like(last), retain_graph=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        rows, self.buffer = self.buffer.T[: len(layers)].cpu(), None
+        return rows
+
+
+def _inject(targets: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient at a stream some targets read: each target's own vector at its copy and position."""
+    grad = grad.clone()
+    grad[targets, positions] = values
+    return grad
+
+
+# -- reading a graph: what carries the logits ------------------------------------------------------------------
+
+
+class Pruned(NamedTuple):
+    node_mask: torch.Tensor  # [nodes] bool
+    edge_mask: torch.Tensor  # [nodes, nodes] bool, as the adjacency: target row, source column
+    cumulative_scores: torch.Tensor  # [nodes]
+
+
+def prune_graph(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> Pruned:
+    """circuit-tracer's pruning: which nodes and edges carry most of the influence on the logits. A node's
+    influence is its total effect on the logits (weighted by their probabilities) through paths of absolute,
+    row-normalised edges; the nodes holding `node_threshold` of all influence are kept (tokens and logits always),
+    then of the edges among them those holding `edge_threshold` of the edge influence, then, until nothing
+    changes, features and errors with no kept edge out and features with no kept edge in are dropped.
+    cumulative_scores: the share of all influence of the nodes at least as influential as each."""
+    for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}: {value!r} is not in [0, 1]")
+    A, fixed = graph.adjacency_matrix, len(graph.logit_tokens) + graph.n_pos  # (tokens and logits: the last nodes)
+    weights = _logit_weights(graph)
+    influence = _influence(_normalised(A), weights)
+    nodes = influence >= _keeping(influence, node_threshold)
+    nodes[-fixed:] = True
+    pruned = A * nodes[:, None] * nodes[None, :]
+    normalised = _normalised(pruned)
+    edge_scores = normalised * (_influence(normalised, weights) + weights)[:, None]
+    edges = edge_scores >= _keeping(edge_scores.flatten(), edge_threshold)
+    n_features = graph.n_features
+    while True:
+        before = nodes.clone()
+        nodes[:-fixed] &= edges[:, :-fixed].any(0)  # (features and errors write to something kept)
+        nodes[:n_features] &= edges[:n_features].any(1)  # (features read from something kept)
+        edges &= nodes[:, None] & nodes[None, :]
+        if torch.equal(nodes, before):
+            break
+    scores, order = influence.sort(descending=True)
+    cumulative = torch.empty_like(influence)
+    cumulative[order] = scores.cumsum(0) / scores.sum()
+    return Pruned(nodes, edges, cumulative)
+
+
+def graph_scores(graph: Graph) -> tuple[float, float]:
+    """circuit-tracer's (replacement score, completeness score): the share of the tokens' and errors' influence on
+    the logits that is the tokens' (reaching the logits through features alone), and the influence-weighted
+    share of every node's inputs that comes from features and tokens rather than errors."""
+    errors = slice(graph.n_features, graph.n_features + graph.n_layers * graph.n_pos)
+    tokens = slice(errors.stop, errors.stop + graph.n_pos)
+    weights = _logit_weights(graph)
+    normalised = _normalised(graph.adjacency_matrix)
+    influence = _influence(normalised, weights)
+    from_tokens, from_errors = influence[tokens].sum(), influence[errors].sum()
+    replacement = from_tokens / (from_tokens + from_errors)
+    outputs = influence + weights
+    completeness = ((1 - normalised[:, errors].sum(-1)) * outputs).sum() / outputs.sum()
+    return replacement.item(), completeness.item()
+
+
+def _logit_weights(graph: Graph) -> torch.Tensor:
+    weights = torch.zeros(len(graph.adjacency_matrix))
+    weights[len(weights) - len(graph.logit_tokens) :] = graph.logit_probabilities
+    return weights
+
+
+def _normalised(A: torch.Tensor, floor: float = 1e-10) -> torch.Tensor:
+    """|A| with each row summing to 1 (a row summing to less than `floor` is divided by the floor)."""
+    A = A.abs()
+    return A / A.sum(1, keepdim=True).clamp(min=floor)
+
+
+def _influence(normalised: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """w A + w A² + ... over nodes: the influence on the logits (weighted `weights`) of each node through paths of
+    `normalised` edges; `rows`: the node each row is the target of, where only some rows are known (attribute's
+    feature ranking, circuit-tracer's partial influence). Edges point back in the forward, so the series ends."""
+    total, step = torch.zeros_like(weights), weights
+    for _ in range(len(weights) + 1):
+        step = (step if rows is None else step[rows]) @ normalised
+        if not step.any():
+            return total
+        total += step
+    raise RuntimeError("attribution graph: its edges form a cycle; their influence does not end")
+
+
+def _keeping(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The score above which (inclusive) the highest scores hold `fraction` of their sum."""
+    ordered = scores.sort(descending=True).values
+    shares = ordered.cumsum(0) / ordered.sum()
+    return ordered[min(int(torch.searchsorted(shares, torch.tensor(fraction))), len(ordered) - 1)]
