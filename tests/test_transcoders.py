@@ -14,7 +14,7 @@ from family_parity import transformer_lens_gpt2
 from sae_helpers import save_gemma_scope
 
 from vlens import SAE, Capture, Clamp, HookedLM, SamplingParams, Steer
-from vlens.capture.names import hook_shapes
+from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.server.saes import describe, load_saes
 
 TOL = 1e-5
@@ -199,6 +199,8 @@ def test_what_a_transcoder_cannot_do_is_refused_by_name(pair, tmp_path):
     with pytest.raises(ValueError, match=r"^sae: its hook_out 'blocks\.0\.attn\.hook_pattern' is not a hook"):
         hooked.add_sae(far)
     assert not hooked._saes
+    with pytest.raises(ValueError, match=r"SAELens's name for the MLP's input, which vlens calls blocks\.0\.ln2\.hook_out"):
+        resolve_hooks("blocks.0.mlp.hook_in", hooked.cfg)
     with pytest.raises(ValueError, match=r"^sae: a transcoder with apply_b_dec_to_input"):
         SAE(sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec, hook=sae.hook, hook_out=sae.hook_out)
     with pytest.raises(ValueError, match=r"^sae: a W_skip tensor but no hook_out"):

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlens.capture.names import from_saelens, is_pattern
+from vlens.capture.names import is_pattern
 from vlens.hook_points import through
+from vlens.sae.files import from_saelens
 from vlens.sae.model import SAE
 
 if TYPE_CHECKING:

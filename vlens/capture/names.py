@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vlens.config import ModelConfig
+from vlens.sae.files import from_saelens
 
 # Per-layer taps of a dense layer, in the order the forward reaches them.
 LAYER_HOOKS = (
@@ -64,10 +65,6 @@ OPTIONAL_HOOKS = {
     "use_attn_result": ("attn.hook_result",),
     "use_hook_mlp_in": ("hook_mlp_in",),
 }
-# SAELens's HookedSAETransformer gives every MLP a hook at its input, `blocks.L.mlp.hook_in`, which circuit-tracer's
-# transcoders read: vlens's name for that value is `blocks.L.ln2.hook_out` (one name per value, so globs stay
-# the size they were); SAEs that name the former read the latter (from_saelens).
-_SAELENS_MLP_IN = re.compile(r"^(blocks\.\d+\.)mlp\.hook_in$")
 # A layer's taps with the optional ones in forward order (which layer_hooks keeps of them).
 _WITH_OPTIONAL = (
     "hook_resid_pre", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", *LAYER_HOOKS[1:10],
@@ -140,11 +137,6 @@ def canonical(name: str, cfg: ModelConfig) -> str:
         return name
     i = int(name.split(".")[1])
     return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
-
-
-def from_saelens(name: str | None) -> str | None:
-    """A hook as an SAE's config names it, in vlens's names (SAELens's `mlp.hook_in` is `ln2.hook_out`)."""
-    return None if name is None else _SAELENS_MLP_IN.sub(r"\1ln2.hook_out", name)
 
 
 def is_pattern(tap: str) -> bool:

@@ -19,14 +19,13 @@ circuit-tracer's transcoders read: vlens's name for it, `blocks.L.ln2.hook_out`,
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-
-from vlens.capture.names import from_saelens
 
 CONFIG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
@@ -41,6 +40,17 @@ _FOLDED_NORMS = ("none", "expected_average_only_in", "covariance_whitening")
 # fold_ln and center_unembed leave the hooks SAEs read as they are)
 _TL_PROCESSING = ("center_writing_weights", "fold_value_biases", "refactor_factored_attn_matrices")
 _FORMS = f"a SAELens directory ({CONFIG} + {WEIGHTS}) or a Gemma Scope {GEMMA_SCOPE}"
+
+
+# SAELens's HookedSAETransformer gives every MLP a hook at its input, `blocks.L.mlp.hook_in`, which circuit-tracer's
+# transcoders read: vlens's name for that value is `blocks.L.ln2.hook_out` (one name per value, so globs stay
+# the size they were); SAEs that name the former read the latter.
+_SAELENS_MLP_IN = re.compile(r"^(blocks\.\d+\.)mlp\.hook_in$")
+
+
+def from_saelens(name: str | None) -> str | None:
+    """A hook as an SAE's config names it, in vlens's names (SAELens's `mlp.hook_in` is `ln2.hook_out`)."""
+    return None if name is None else _SAELENS_MLP_IN.sub(r"\1ln2.hook_out", name)
 
 
 def read_sae(path: Any) -> dict[str, Any]:
