@@ -10,7 +10,7 @@ from conftest import rel_err
 from family_parity import transformer_lens_gpt2, transformer_lens_llama
 
 from vlens import SAE, HookedLM
-from vlens.attribution_graph import attribute, graph_scores, prune_graph
+from vlens.attribution_graph import attribute, graph_scores, prune_graph, to_circuit_tracer
 
 PROMPT = torch.tensor([0, 17, 99, 230, 3, 41, 7, 250, 12, 33])  # (0: the stand-in tokenizer's special token)
 
@@ -166,3 +166,42 @@ def test_the_graph_s_layout_and_what_is_refused(models):
         attribute(hooked, PROMPT, ours, desired_logit_prob=0)
     with pytest.raises(ValueError, match=r"^node_threshold: 1\.5 is not in \[0, 1\]"):
         prune_graph(graph, node_threshold=1.5)
+
+
+def test_a_smollm2_graph_draws_in_circuit_tracer_s_viewer(smol_path, tmp_path):
+    """On SmolLM2 (random sparse transcoders: none trained exist here), the graph converts to circuit-tracer's Graph,
+    whose create_graph_files writes the viewer's JSON: the pruned graph's nodes and edges, with vlens's weights."""
+    import json
+
+    from circuit_tracer.graph import Graph as TracerGraph
+    from circuit_tracer.utils.create_graph_files import create_graph_files
+
+    model = HookedLM(str(smol_path), dtype="float32")
+    text = "The capital of the state containing Dallas is"
+    tokens = model.to_tokens(text, prepend_bos=True)[0]
+    _, cache = model.run_with_cache(tokens[None], names_filter=lambda name: name.endswith("ln2.hook_out"))
+    g, d, ours = torch.Generator().manual_seed(0), model.cfg.hidden_size, []
+    for layer in range(model.cfg.num_layers):
+        W_enc = torch.randn(d, 256, generator=g) / d**0.5
+        cut = (cache[f"blocks.{layer}.ln2.hook_out"][0, 1:] @ W_enc).flatten().quantile(0.97)
+        ours.append(SAE(W_enc, -cut.expand(256).clone(), torch.randn(256, d, generator=g) * 0.02, torch.zeros(d),
+                        apply_b_dec_to_input=False, hook=f"blocks.{layer}.ln2.hook_out",
+                        hook_out=f"blocks.{layer}.hook_mlp_out"))  # fmt: skip
+    graph = attribute(model, text, ours, max_feature_nodes=48, batch_size=48)
+    assert torch.equal(graph.input_tokens, tokens)  # (a special token put first: SmolLM2's texts have none)
+    theirs = to_circuit_tracer(graph, model, scan="random-smollm2")
+    theirs.to_pt(tmp_path / "graph.pt")
+    again = TracerGraph.from_pt(tmp_path / "graph.pt")
+    assert torch.equal(again.adjacency_matrix, graph.adjacency_matrix) and again.cfg.n_layers == 30
+    create_graph_files(again, "dallas", tmp_path / "viewer", node_threshold=0.8, edge_threshold=0.98)
+    drawn = json.loads((tmp_path / "viewer" / "dallas.json").read_text())
+    assert drawn["metadata"]["prompt_tokens"][0] == model.tokenizer.decode([int(tokens[0])])
+    pruned = prune_graph(graph)
+    kept = pruned.edge_mask.nonzero().tolist()
+    assert sorted(link["weight"] for link in drawn["links"]) == sorted(graph.adjacency_matrix[t, s].item() for t, s in kept)
+    kinds = [node["feature_type"] for node in drawn["nodes"]]
+    assert kinds.count("embedding") == len(tokens) and kinds.count("logit") == len(graph.logit_tokens)
+    connected = {node for edge in kept for node in edge}  # (the viewer draws the nodes some kept edge touches)
+    assert kinds.count("cross layer transcoder") == sum(node < graph.n_features for node in connected)
+    errors = range(graph.error_node(0, 0), graph.token_node(0))
+    assert kinds.count("mlp reconstruction error") == sum(node in errors for node in connected) > 0

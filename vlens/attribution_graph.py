@@ -302,6 +302,31 @@ def _inject(targets: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     return grad
 
 
+def to_circuit_tracer(graph: Graph, model: HookedLM, scan: str | list[str] | None = None) -> Any:
+    """`graph` as circuit-tracer's own Graph (circuit_tracer installed), for its tools: `create_graph_files(graph,
+    slug, output_path)` writes the JSON its viewer and Neuronpedia draw, `graph.to_pt(path)` saves it. `scan`
+    names the transcoders (circuit-tracer's; needed to upload). Its config names the model's checkpoint
+    directory as the tokenizer to decode tokens with."""
+    from circuit_tracer.attribution.targets import LogitTarget
+    from circuit_tracer.graph import Graph as TracerGraph
+    from circuit_tracer.utils.tl_nnsight_mapping import UnifiedConfig
+
+    cfg, path = model.cfg, str(model.llm.model_path)
+    config = UnifiedConfig(
+        n_layers=cfg.num_layers, d_model=cfg.hidden_size, d_head=cfg.head_dim, n_heads=cfg.num_heads,
+        d_mlp=cfg.intermediate_size, d_vocab=cfg.vocab_size, tokenizer_name=path, model_name=model.llm.model_name,
+        original_architecture=cfg.architecture, n_key_value_heads=cfg.num_kv_heads,
+    )  # fmt: skip
+    decode = model.tokenizer.decode if model.tokenizer is not None else str
+    targets = [LogitTarget(token_str=decode([t]), vocab_idx=t) for t in graph.logit_tokens.tolist()]
+    return TracerGraph(
+        input_string=decode(graph.input_tokens.tolist()), input_tokens=graph.input_tokens,
+        active_features=graph.active_features, adjacency_matrix=graph.adjacency_matrix, cfg=config,
+        selected_features=graph.selected_features, activation_values=graph.activation_values,
+        logit_targets=targets, logit_probabilities=graph.logit_probabilities, scan=scan,
+    )  # fmt: skip
+
+
 # -- reading a graph: what carries the logits ------------------------------------------------------------------
 
 
