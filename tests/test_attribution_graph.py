@@ -111,6 +111,10 @@ def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
     assert got.adjacency_matrix.shape == want.adjacency_matrix.shape
     assert rel_err(got.adjacency_matrix, want.adjacency_matrix) <= 1e-4
     assert (got.adjacency_matrix[got.n_features :] != 0).sum() == (want.adjacency_matrix[got.n_features :] != 0).sum()
+    if skip:  # circuit-tracer's own transcoders, as its TranscoderSet holds them, give the same graph
+        their_set = replacement_model(reference, theirs).transcoders
+        same = attribute(hooked, PROMPT, their_set, batch_size=32)
+        assert rel_err(same.adjacency_matrix, got.adjacency_matrix) <= 1e-6
 
 
 def test_kept_feature_nodes_pruning_and_scores_equal_circuit_tracer_s(models):
@@ -160,6 +164,15 @@ def test_the_graph_s_layout_and_what_is_refused(models):
                hook_out="blocks.2.hook_mlp_out")  # fmt: skip
     with pytest.raises(ValueError, match=r"^transcoders\[2\]: reads 'blocks\.2\.mlp\.hook_post'; layer 2's must read"):
         attribute(hooked, PROMPT, [*ours[:2], late])
+    from circuit_tracer.transcoder.activation_functions import JumpReLU, TopK
+
+    tc = transcoders(64, 48, 1, skip=False, jumprelu=True)[0][0]
+    tc.activation_function = JumpReLU(torch.full((48,), -0.1))
+    with pytest.raises(ValueError, match=r"has negative JumpReLU thresholds, which vlens's JumpReLU does not take"):
+        SAE.from_circuit_tracer(tc, "blocks.0.ln2.hook_out", "blocks.0.hook_mlp_out")
+    tc.activation_function = TopK(4)
+    with pytest.raises(ValueError, match=r"activation TopK is not supported; supported: ReLU, JumpReLU"):
+        SAE.from_circuit_tracer(tc, "blocks.0.ln2.hook_out", "blocks.0.hook_mlp_out")
     with pytest.raises(ValueError, match=r"^prompt: token ids in 0\.\.299"):
         attribute(hooked, [5, 300], ours)
     with pytest.raises(ValueError, match=r"^desired_logit_prob: 0 is not in \(0, 1\]"):

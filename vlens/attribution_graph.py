@@ -74,7 +74,7 @@ def attribute(
     desired_logit_prob: float = 0.95, batch_size: int = 256, max_feature_nodes: int | None = None,
 ) -> Graph:  # fmt: skip
     """The attribution graph of `prompt` (a text, or token ids) through `transcoders` (one per layer, in layer
-    order: vlens SAEs with hook_out, or SAELens transcoder objects), its logit nodes the likeliest next tokens until
+    order: vlens SAEs with hook_out, or SAELens transcoder objects; or circuit-tracer's TranscoderSet), its logit nodes the likeliest next tokens until
     their probabilities sum to `desired_logit_prob` (at most `max_n_logits`). `max_feature_nodes`: keep only that
     many feature nodes, chosen as circuit-tracer chooses them (by their influence on the logits so far, in rounds
     of 4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
@@ -151,9 +151,19 @@ def _adjacency(edges: torch.Tensor, row_node: torch.Tensor, selected: torch.Tens
     return adjacency
 
 
+# circuit-tracer's hooks, relative to a TransformerLens block, in vlens's names (its ReplacementMLP's input and
+# output: without post-norms, what the MLP reads and what the layer adds)
+CIRCUIT_TRACER_HOOKS = {"mlp.hook_in": "ln2.hook_out", "mlp.hook_out": "hook_mlp_out"}
+
+
 def _transcoders(model: HookedLM, transcoders: Sequence[Any]) -> list[SAE]:
     """One transcoder per layer, each reading a hook of its layer before the MLP and writing the MLP's output."""
     n = model.cfg.num_layers
+    if hasattr(transcoders, "feature_input_hook"):  # circuit-tracer's TranscoderSet: its hooks name every layer's
+        reads, writes = (CIRCUIT_TRACER_HOOKS.get(h, h) for h in (transcoders.feature_input_hook,
+                                                                   transcoders.feature_output_hook))  # fmt: skip
+        transcoders = [SAE.from_circuit_tracer(tc, f"blocks.{layer}.{reads}", f"blocks.{layer}.{writes}")
+                       for layer, tc in enumerate(transcoders)]  # fmt: skip
     tcs = [as_vlens_sae(t) for t in transcoders]
     if len(tcs) != n:
         raise ValueError(f"transcoders: {len(tcs)} given; an attribution graph needs one per layer, {n}")

@@ -79,6 +79,31 @@ def from_saelens_object(sae: Any) -> dict[str, Any]:
     return fields
 
 
+def from_circuit_tracer_object(transcoder: Any) -> dict[str, Any]:
+    """The `SAE` keyword arguments of one of circuit-tracer's SingleLayerTranscoders (W_enc and W_dec [d_sae, d]; a
+    ReLU or a JumpReLU), without hooks: its TranscoderSet names them per layer."""
+    where = f"<circuit-tracer {type(transcoder).__name__} object>"
+    act = transcoder.activation_function
+    fields: dict[str, Any] = {
+        "W_enc": transcoder.W_enc.detach().float().cpu().T.contiguous(),
+        "b_enc": transcoder.b_enc.detach().float().cpu(),
+        "W_dec": transcoder.W_dec.detach().float().cpu().contiguous(),
+        "b_dec": transcoder.b_dec.detach().float().cpu(),
+        "apply_b_dec_to_input": False,
+        "path": where,
+    }
+    if transcoder.W_skip is not None:
+        fields["W_skip"] = transcoder.W_skip.detach().float().cpu()
+    if type(act).__name__ == "JumpReLU":
+        threshold = act.threshold.detach().float().cpu().expand(fields["b_enc"].shape).clone()
+        if (threshold < 0).any():  # (its x * (x > t) keeps negative values above a negative threshold; vlens's ReLU does not)
+            raise ValueError(f"sae: {where} has negative JumpReLU thresholds, which vlens's JumpReLU does not take")
+        fields.update(architecture="jumprelu", threshold=threshold)
+    elif not isinstance(act, torch.nn.ReLU):
+        raise ValueError(f"sae: {where}'s activation {type(act).__name__} is not supported; supported: ReLU, JumpReLU")
+    return fields
+
+
 def _saelens(directory: Path) -> dict[str, Any]:
     config_path, weights_path = directory / CONFIG, directory / WEIGHTS
     try:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vlens.sae.files import from_saelens_object, read_sae
+from vlens.sae.files import from_circuit_tracer_object, from_saelens_object, read_sae
 
 ARCHITECTURES = ("standard", "jumprelu", "topk")
 RUNTIME_NORMS = ("none", "layer_norm", "constant_norm_rescale")
@@ -75,6 +75,12 @@ class SAE:
     def from_saelens(cls, sae: Any) -> SAE:
         """The same SAE as a SAELens `SAE` object in memory (`sae_lens.SAE.from_pretrained(...)`'s)."""
         return cls(**from_saelens_object(sae))
+
+    @classmethod
+    def from_circuit_tracer(cls, transcoder: Any, hook: str, hook_out: str) -> SAE:
+        """One of circuit-tracer's per-layer transcoders (a SingleLayerTranscoder: ReLU or JumpReLU, with or without
+        a skip connection), reading `hook` and writing `hook_out` (vlens's names: its TranscoderSet says which)."""
+        return cls(**from_circuit_tracer_object(transcoder), hook=hook, hook_out=hook_out)
 
     @property
     def d_in(self) -> int:
