@@ -94,6 +94,28 @@ def transformer_lens_llama(root: Path) -> tuple[str, torch.nn.Module]:
     return path, reference
 
 
+def transformer_lens_gemma2(root: Path) -> tuple[str, torch.nn.Module]:
+    """A tiny Gemma 2 (grouped-query attention, both soft-caps, post-norms; a window longer than the tests' texts)
+    saved for vlens, and TransformerLens's HookedTransformer with the same weights."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gemma_weights
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, sliding_window=128, query_pre_attn_scalar=16,
+                          attn_logit_softcapping=20.0, final_logit_softcapping=10.0, rms_norm_eps=1e-6)  # fmt: skip
+    path = build(config, root, "gemma2")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, n_key_value_heads=2, d_mlp=96,
+                                  d_vocab=VOCAB, n_ctx=128, act_fn="gelu_pytorch_tanh", normalization_type="RMS",
+                                  eps=1e-6, positional_embedding_type="rotary", rotary_dim=16, rotary_base=10000.0,
+                                  use_attn_scale=True, attn_scores_soft_cap=20.0, output_logits_soft_cap=10.0,
+                                  gated_mlp=True, final_rms=True, use_normalization_before_and_after=True,
+                                  original_architecture="Gemma2ForCausalLM")  # fmt: skip
+    reference = HookedTransformer(cfg)
+    reference.load_state_dict(convert_gemma_weights(hf, cfg), strict=False)
+    return path, reference
+
+
 def load_pair(path: str) -> tuple[LLM, torch.nn.Module]:
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

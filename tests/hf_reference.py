@@ -53,6 +53,7 @@ class Family:
     qkv: str  # module whose output holds the projections (v, and q/k for GPT-2)
     final_norm: str  # path from the CausalLM to the final norm
     extra: dict[str, str] = field(default_factory=dict)  # model-level taps: name -> module output
+    post_norms: dict[str, str] = field(default_factory=dict)  # Gemma: ln1_post / ln2_post -> norm module
 
 
 LLAMA = Family(
@@ -93,6 +94,7 @@ FAMILIES = {
         },
         qkv="self_attn.v_proj",
         final_norm="model.norm",
+        post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
     ),
     "gpt2": Family(
         layers="transformer.h",
@@ -238,6 +240,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
                 norms[p + kind.split(".")[0]] = block.get_submodule(path)
+        for norm, path in fam.post_norms.items():  # (their outputs are hook_attn_out and hook_mlp_out)
+            norms[p + norm] = block.get_submodule(path)
         parallel = getattr(cfg, "use_parallel_residual", False)
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import transformer_lens_gpt2, transformer_lens_llama
+from family_parity import transformer_lens_gemma2, transformer_lens_gpt2, transformer_lens_llama
 
 from vlens import SAE, HookedLM
 from vlens.attribution_graph import attribute, graph_scores, prune_graph, to_circuit_tracer
@@ -75,7 +75,7 @@ def saelens_transcoder(tc: SAE, layer: int):
     return theirs
 
 
-def replacement_model(reference, theirs):
+def replacement_model(reference, theirs, writes: str = "mlp.hook_out"):
     circuit_tracer()
     from circuit_tracer.replacement_model.replacement_model_transformerlens import TransformerLensReplacementModel
     from circuit_tracer.transcoder import TranscoderSet
@@ -83,7 +83,7 @@ def replacement_model(reference, theirs):
     model = TransformerLensReplacementModel(reference.cfg)
     model.load_state_dict(reference.state_dict(), strict=False)
     model._configure_replacement_model(TranscoderSet(theirs, feature_input_hook="mlp.hook_in",
-                                                     feature_output_hook="mlp.hook_out"))  # fmt: skip
+                                                     feature_output_hook=writes))  # fmt: skip
     model.tokenizer = SpecialFirst()
     return model
 
@@ -93,16 +93,21 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
     gpt2, gpt2_ref = transformer_lens_gpt2(root / "gpt2", initializer_range=0.1)
     llama, llama_ref = transformer_lens_llama(root / "llama")
+    gemma2, gemma2_ref = transformer_lens_gemma2(root / "gemma2")
     return {"gpt2": (HookedLM(gpt2, dtype="float32", device="cpu"), gpt2_ref),
-            "llama": (HookedLM(llama, dtype="float32", device="cpu"), llama_ref)}  # fmt: skip
+            "llama": (HookedLM(llama, dtype="float32", device="cpu"), llama_ref),
+            "gemma2": (HookedLM(gemma2, dtype="float32", device="cpu"), gemma2_ref)}  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "skip", "jumprelu"), [("gpt2", False, False), ("gpt2", True, True),
-                                                           ("llama", True, False)])  # fmt: skip
+                                                           ("llama", True, False), ("gemma2", False, True)])  # fmt: skip
 def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
+    """Gemma 2 (post-norms, soft-caps): its transcoders write hook_mlp_out, after the MLP's post-norm, as Gemma
+    Scope's do; the post-norms' scales are frozen with the others."""
     hooked, reference = models[family]
     theirs, ours = transcoders(64, 48, 3, skip, jumprelu)
-    want = circuit_tracer().attribute(PROMPT, replacement_model(reference, theirs), batch_size=32)
+    writes = "hook_mlp_out" if family == "gemma2" else "mlp.hook_out"
+    want = circuit_tracer().attribute(PROMPT, replacement_model(reference, theirs, writes), batch_size=32)
     got = attribute(hooked, PROMPT, ours, batch_size=32)
     assert torch.equal(got.active_features, want.active_features.long()) and len(got.active_features) > 100
     assert rel_err(got.activation_values, want.activation_values) <= 1e-5

@@ -254,7 +254,7 @@ class Attribution:
         """The model, where layer `layer`'s attention ("attn") or MLP ("mlp") output is the sum of its heads' or
         neurons' shares, which a norm between it and the residual add (Gemma) makes it not."""
         model = self.model._model()
-        if model.layers[layer].post_norms:
+        if model.cfg.post_norms:
             what, norm, summed, one = POST_NORMS[kind]
             raise ValueError(
                 f"{model.cfg.architecture}: {what} are not defined: its {norm} normalises the {summed} before it "

@@ -79,10 +79,7 @@ def attribute(
     many feature nodes, chosen as circuit-tracer chooses them (by their influence on the logits so far, in rounds
     of 4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
     prompt in its forward)."""
-    layers = model._model().layers
-    if any(layer.post_norms for layer in layers):
-        raise ValueError(f"{model.cfg.architecture}: a norm stands between each MLP and the residual stream; "
-                         "attribution graphs need MLP outputs that add to it")  # fmt: skip
+    model._model()  # (one process: refused under tensor parallelism)
     counts = {"max_n_logits": max_n_logits, "batch_size": batch_size, "max_feature_nodes": max_feature_nodes or 1}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -160,8 +157,11 @@ def _transcoders(model: HookedLM, transcoders: Sequence[Any]) -> list[SAE]:
     """One transcoder per layer, each reading a hook of its layer before the MLP and writing the MLP's output."""
     n = model.cfg.num_layers
     if hasattr(transcoders, "feature_input_hook"):  # circuit-tracer's TranscoderSet: its hooks name every layer's
-        reads, writes = (CIRCUIT_TRACER_HOOKS.get(h, h) for h in (transcoders.feature_input_hook,
-                                                                   transcoders.feature_output_hook))  # fmt: skip
+        reads, writes = transcoders.feature_input_hook, transcoders.feature_output_hook
+        if model.cfg.post_norms and writes == "mlp.hook_out":
+            raise ValueError(f"transcoders: write mlp.hook_out, {model.cfg.architecture}'s MLP output before its "
+                             "post-norm, which no vlens tap holds; transcoders writing hook_mlp_out work")  # fmt: skip
+        reads, writes = CIRCUIT_TRACER_HOOKS.get(reads, reads), CIRCUIT_TRACER_HOOKS.get(writes, writes)
         transcoders = [SAE.from_circuit_tracer(tc, f"blocks.{layer}.{reads}", f"blocks.{layer}.{writes}")
                        for layer, tc in enumerate(transcoders)]  # fmt: skip
     tcs = [as_vlens_sae(t) for t in transcoders]
@@ -262,8 +262,9 @@ class _Rows:
             skip = (x @ tc.W_skip.T).view_as(value) if tc.W_skip is not None else x[..., :1] * 0  # (0, on the graph)
             return skip + (value - skip).detach()
 
-        frozen = [f"blocks.{layer}.{hook}" for layer in range(n) for hook in
-                  ("attn.hook_q", "attn.hook_k", "ln1.hook_scale", "ln2.hook_scale")] + ["ln_final.hook_scale"]  # fmt: skip
+        norms = ("ln1", "ln2", *(("ln1_post", "ln2_post") if model.cfg.post_norms else ()))
+        kinds = ("attn.hook_q", "attn.hook_k", *(f"{norm}.hook_scale" for norm in norms))
+        frozen = [f"blocks.{layer}.{kind}" for layer in range(n) for kind in kinds] + ["ln_final.hook_scale"]
         fwd = [(name, freeze) for name in frozen]
         fwd += [(tc.hook, partial(keep, layer)) for layer, tc in enumerate(tcs)]
         fwd += [(tc.hook_out, partial(skip_only, layer)) for layer, tc in enumerate(tcs)]

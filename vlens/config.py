@@ -89,7 +89,7 @@ class Architecture:
     windowed: bool = True
 
 
-GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True}
+GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True, "post_norms": True}
 LAYER_NORM = {"norm": "layer", "mlp_bias": True}
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 
@@ -157,6 +157,7 @@ class ModelConfig:
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
+    post_norms: bool = False  # Gemma: each sublayer's output normalised before the residual add (ln1_post, ln2_post)
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask

@@ -40,6 +40,9 @@ LAYER_HOOKS = (
     "hook_mlp_out",
     "hook_resid_post",
 )
+# Gemma's post-norms (TransformerLens's names): the attention output's and the MLP's, whose outputs are the layer's
+# hook_attn_out and hook_mlp_out, so only their scale and normalised input are taps of their own.
+POST_NORM_HOOKS = (("ln1_post.hook_scale", "ln1_post.hook_normalized"), ("ln2_post.hook_scale", "ln2_post.hook_normalized"))
 # What an MoE layer has in place of mlp.hook_post: the router's logits, the chosen experts (int64)
 # and, in Qwen2-MoE, the shared expert's hidden activation.
 MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")
@@ -81,7 +84,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     parallel residual nothing is ever the residual plus the attention output alone, so there is no
     hook_resid_mid; an MoE layer has router taps instead of one MLP hidden activation (each expert has its
     own). hook_attn_in, one input per query head for keys and values too, exists only where every query
-    head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention)."""
+    head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention). Gemma's
+    post-norms add their scale and normalised input (POST_NORM_HOOKS) before the output each one makes."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.num_kv_heads != cfg.num_heads:
         chosen.discard("hook_attn_in")
@@ -92,6 +96,10 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         moe = MOE_HOOKS if cfg.shared_expert_intermediate_size else MOE_HOOKS[:2]
         at = hooks.index("mlp.hook_post")
         hooks[at : at + 1] = moe
+    if cfg.post_norms:
+        for post, before in zip(POST_NORM_HOOKS, ("hook_attn_out", "hook_mlp_out")):
+            at = hooks.index(before)
+            hooks[at:at] = post
     return tuple(hooks)
 
 
@@ -102,6 +110,8 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
     per_layer = {
         "ln1.hook_scale": (1,),
         "ln2.hook_scale": (1,),
+        "ln1_post.hook_scale": (1,),
+        "ln2_post.hook_scale": (1,),
         "attn.hook_q": (heads, dh),
         "attn.hook_k": (kv, dh),
         "attn.hook_v": (kv, dh),

@@ -110,7 +110,6 @@ class ResidualBlock(nn.Module):
     its post-norms inside, so there the heads' and the MLP's outputs are not what the layer adds)."""
 
     parallel = False
-    post_norms = False  # Gemma: a norm between each sublayer and the residual add, inside attn_out / mlp_out
     attn_heads: AttentionHeads
     mlp: nn.Module
 

@@ -18,17 +18,19 @@ from torch import nn
 
 from vlens.config import ModelConfig
 from vlens.layers.mlp import GatedMLP
-from vlens.layers.norm import make_norm
+from vlens.layers.norm import NormHooks, make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import DecoderLM, ResidualBlock, Rope
 from vlens.models.llama import SelfAttention
 
 
 class GemmaDecoderLayer(ResidualBlock):
-    post_norms = True
-
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
+        p = f"blocks.{layer}."  # (the post-norms' taps as TransformerLens names them; their outputs are the layer's
+        # hook_attn_out and hook_mlp_out)
+        self.hook_ln1_post = NormHooks(p + "ln1_post.hook_scale", p + "ln1_post.hook_normalized")
+        self.hook_ln2_post = NormHooks(p + "ln2_post.hook_scale", p + "ln2_post.hook_normalized")
         self.input_layernorm = make_norm(cfg)
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = make_norm(cfg)
@@ -42,10 +44,10 @@ class GemmaDecoderLayer(ResidualBlock):
     attn_heads = property(lambda self: self.self_attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return self.post_attention_layernorm(self.self_attn(h, rope))  # sandwich norm: inside the tap
+        return self.post_attention_layernorm(self.self_attn(h, rope), self.hook_ln1_post)  # sandwich norm: inside the tap
 
     def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm(self.mlp(h))
+        return self.post_feedforward_layernorm(self.mlp(h), self.hook_ln2_post)
 
 
 class GemmaModel(nn.Module):
