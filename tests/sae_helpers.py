@@ -89,3 +89,16 @@ def saelens_decode(w: dict[str, torch.Tensor], cfg: dict, acts: torch.Tensor, x:
     if cfg["normalize_activations"] == "constant_norm_rescale":
         return out * (x.norm(dim=-1, keepdim=True) / x.shape[-1] ** 0.5)
     return out
+
+
+def spliced_like_saelens(hooked, theirs, ours: list, saes: list, tokens: torch.Tensor, tol: float) -> None:
+    """HookedLM.run_with_saes with vlens's SAEs (or transcoders) `ours` equals SAELens's HookedSAETransformer's with
+    the same `saes`, with and without the error term; with it, it is the model's own forward (the error term gives
+    the forward back)."""
+    plain = hooked(tokens)
+    with torch.no_grad():
+        for use_error_term in (False, True):
+            got = hooked.run_with_saes(tokens, saes=ours, use_error_term=use_error_term)
+            want = theirs.run_with_saes(tokens, saes=saes, use_error_term=use_error_term)
+            assert ((got - want).norm() / want.norm()).item() <= tol, use_error_term
+            assert (((got - plain).norm() / plain.norm()).item() <= tol) == use_error_term

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import transformer_lens_gpt2
-from sae_helpers import save_saelens
+from sae_helpers import save_saelens, spliced_like_saelens
 
 from vlens import SAE, HookedLM
 
@@ -43,12 +43,7 @@ def pair(tmp_path_factory):
 def test_spliced_logits_and_the_error_term_equal_saelens_s(pair):
     hooked, theirs, ours, saes = pair
     plain = hooked(TOKENS)
-    with torch.no_grad():
-        for use_error_term in (False, True):
-            got = hooked.run_with_saes(TOKENS, saes=ours, use_error_term=use_error_term)
-            want = theirs.run_with_saes(TOKENS, saes=saes, use_error_term=use_error_term)
-            assert rel_err(got, want) <= TOL, use_error_term
-            assert (rel_err(got, plain) <= TOL) == use_error_term  # (the error term gives the model's forward back)
+    spliced_like_saelens(hooked, theirs, ours, saes, TOKENS, TOL)
     assert not hooked._saes and torch.equal(hooked(TOKENS), plain)  # (reset at the end)
     # SAELens's own SAE objects (sae_lens.SAE.from_pretrained's) splice in as they are: read into vlens SAEs once
     assert torch.equal(hooked.run_with_saes(TOKENS, saes=saes), hooked.run_with_saes(TOKENS, saes=ours))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import transformer_lens_gpt2
-from sae_helpers import save_gemma_scope
+from sae_helpers import save_gemma_scope, spliced_like_saelens
 
 from vlens import SAE, Capture, Clamp, HookedLM, SamplingParams, Steer
 from vlens.capture.names import hook_shapes, resolve_hooks
@@ -91,12 +91,8 @@ def test_spliced_transcoders_equal_saelens_s(pair):
     hooked, theirs, transcoders = pair
     tcs = [transcoders["transcoder"], transcoders["jumprelu"]]
     plain = hooked(TOKENS)
+    spliced_like_saelens(hooked, theirs, tcs, tcs, TOKENS, TOL)
     with torch.no_grad():
-        for use_error_term in (False, True):
-            got = hooked.run_with_saes(TOKENS, saes=tcs, use_error_term=use_error_term)
-            want = theirs.run_with_saes(TOKENS, saes=tcs, use_error_term=use_error_term)
-            assert rel_err(got, want) <= TOL, use_error_term
-            assert (rel_err(got, plain) <= TOL) == use_error_term
         names = [f"blocks.{layer}.hook_mlp_out.{step}" for layer in (0, 1) for step in STEPS]
         _, cache = hooked.run_with_cache_with_saes(TOKENS, saes=tcs, use_error_term=True, names_filter=names)
         _, ref = theirs.run_with_cache_with_saes(TOKENS, saes=tcs, use_error_term=True, names_filter=names)
