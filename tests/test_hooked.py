@@ -444,6 +444,35 @@ def test_a_hook_point_adds_and_removes_its_own_hooks(hooked):
         hooked.reset_hooks(including_permanent=True)
 
 
+def test_hook_points_sit_where_transformer_lens_s_module_tree_has_them(tmp_path):
+    """`model.blocks[L].attn.hook_z`, `.ln1.hook_scale`, `.mlp.hook_post`, `.hook_resid_pre`, `model.hook_embed`:
+    the hook points (add_hook on them gives TransformerLens's logits with the same hooks added the same way), also
+    as a names_filter; beside the weights of the same objects; unknown names are AttributeErrors listing what is
+    there."""
+    path, reference = transformer_lens_gpt2(tmp_path)
+    model = HookedLM(path, dtype="float32", device="cpu")
+    tokens = torch.tensor([[5, 17, 99, 230, 3, 41, 7]])
+    halve = lambda value, hook: value * 0.5  # noqa: E731
+    with torch.no_grad():
+        for m in (model, reference):
+            for point in (m.blocks[1].attn.hook_z, m.blocks[0].ln1.hook_scale, m.blocks[2].mlp.hook_post,
+                          m.blocks[1].hook_resid_pre, m.hook_embed):  # fmt: skip
+                point.add_hook(halve)
+        try:
+            got, want = model(tokens), reference(tokens)
+        finally:
+            model.reset_hooks(), reference.reset_hooks()
+        assert rel_err(got, want) <= 1e-5 and rel_err(got, model(tokens)) > 1e-2
+        _, cache = model.run_with_cache(tokens, names_filter=model.blocks[2].ln2.hook_normalized)
+    assert list(cache) == ["blocks.2.ln2.hook_normalized"] and model.blocks[2].ln2.hook_normalized.layer() == 2
+    assert model.blocks[1].attn.W_O.shape == (4, 16, 64) and model.blocks[1].mlp.W_out.shape == (256, 64)
+    with pytest.raises(AttributeError, match=r"^blocks\.0\.attn\.hook_zz: no hook point of this model; under "
+                                             r"blocks\.0\.attn\.: hook_attn_scores, hook_k, hook_pattern, hook_q"):  # fmt: skip
+        model.blocks[0].attn.hook_zz
+    with pytest.raises(AttributeError, match=r"no attribute 'W_X'"):
+        model.W_X
+
+
 def test_token_positions_and_hook_names_as_transformer_lens_gives_them(hooked):
     """get_token_position (TransformerLens's own method, run on this model, gives the same), to_single_str_token,
     hook_dict; a token that is not there, or a batch, named."""

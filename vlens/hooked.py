@@ -46,7 +46,7 @@ from vlens.config import ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.hook_points import DIRECTIONS, Hook, HookFn, HookPoint, PatternGrads, TapHooks
 from vlens.hooked_saes import SAEMethods, Splice
-from vlens.hooked_weights import ModelWeights
+from vlens.hooked_weights import HookTree, ModelWeights
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
 from vlens.sampling_params import SamplingParams
@@ -195,6 +195,13 @@ class HookedLM(ModelWeights, SAEMethods):
         if not at:
             raise ValueError(f"single_token: {single_token!r} (id {token}) does not occur in the input")
         return at[0] if mode == "first" else at[-1]
+
+    def __getattr__(self, name: str) -> Any:
+        """TransformerLens's model-level hook points as attributes: `model.hook_embed` (the layers' are under
+        `model.blocks[L]`)."""
+        if name.startswith("hook_") and "_shapes" in self.__dict__:
+            return getattr(HookTree(self, ""), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:
@@ -526,6 +533,8 @@ class HookedLM(ModelWeights, SAEMethods):
     def _names(self, names_filter: NamesFilter) -> dict[str, str]:
         """Requested name -> tap, for a filter in any TransformerLens form (aliases like hidden_states.i
         only when asked for by name)."""
+        if isinstance(names_filter, HookPoint):  # (`model.blocks[3].attn.hook_z` itself)
+            names_filter = names_filter.name
         if names_filter is None:
             return {n: n for n in self._names_in_order}
         if callable(names_filter):

@@ -1,5 +1,6 @@
 """TransformerLens's weight attributes over a vlens model (`model.W_U`, `model.W_O`, `model.blocks[L].attn.W_Q`,
-`model.tokens_to_residual_directions(...)`), for direct logit attribution and circuit notebooks.
+`model.tokens_to_residual_directions(...)`), for direct logit attribution and circuit notebooks; and its hook
+points where its module tree has them (`model.blocks[L].attn.hook_z`: HookTree).
 
 The weights are HF's as the checkpoint holds them: no LayerNorm folding, no weight centring, which is what
 TransformerLens's `from_pretrained_no_processing` gives (its `from_pretrained` folds each norm's weight into
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +37,24 @@ if TYPE_CHECKING:
     from vlens.llm import LLM
 
 Tokens = int | str | Sequence[int] | torch.Tensor  # token ids, or a text that is one token
+
+
+class HookTree:
+    """TransformerLens's module paths to hook points (`model.blocks[3].attn.hook_z`, `model.blocks[3].ln1.hook_scale`):
+    each attribute under `prefix` is a hook point of `model` (a HookedLM) or, where names go on, another HookTree."""
+
+    def __init__(self, model: Any, prefix: str):
+        self._model, self._prefix = model, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        full, names = self._prefix + name, self._model._shapes
+        if full in names:
+            return self._model._point(full)
+        if not name.startswith("_") and any(n.startswith(full + ".") for n in names):
+            return HookTree(self._model, full + ".")
+        under = sorted({n[len(self._prefix) :].split(".")[0] for n in names if n.startswith(self._prefix)})
+        raise AttributeError(f"{self._prefix}{name}: no hook point of this model; under {self._prefix or 'the model'}: "
+                             f"{', '.join(under)}")  # fmt: skip
 
 
 def factored(left: torch.Tensor, right: torch.Tensor):
@@ -89,9 +108,15 @@ class AttentionWeights:
     _b_K: torch.Tensor  # [n_key_value_heads, d_head]
     _b_V: torch.Tensor
     b_O: torch.Tensor  # [d_model]
+    hooks: HookTree | None = field(default=None, repr=False, compare=False)  # its layer's attn.* hook points
+
+    def __getattr__(self, name: str) -> object:  # (`blocks[L].attn.hook_z`: what no weight attribute is)
+        if name.startswith("__") or self.__dict__.get("hooks") is None:
+            raise AttributeError(name)
+        return getattr(self.hooks, name)
 
     @classmethod
-    def of(cls, heads: AttentionHeads) -> AttentionWeights:
+    def of(cls, heads: AttentionHeads, hooks: HookTree | None = None) -> AttentionWeights:
         """Read from a layer's attention module: its fused q/k/v projection cut into heads, its output
         projection's columns per head."""
         d_head, qkv, out = heads.head_dim, heads.qkv, heads.out
@@ -106,7 +131,7 @@ class AttentionWeights:
             b_Q, b_K, b_V = (b.reshape(n, d_head) for b, n in zip(biases, counts))
         W_O = out.weight.detach().T.reshape(heads.heads, d_head, -1)
         b_O = out.weight.new_zeros(out.out_features) if out.bias is None else out.bias.detach()
-        return cls(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O)
+        return cls(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, hooks)
 
     @property
     def _repeats(self) -> int:
@@ -131,9 +156,12 @@ class MLPWeights:
     b_out: torch.Tensor  # [d_model]
     _b_in: torch.Tensor | None  # HF's bias of x @ W_in (a gated MLP's gate has one too), None where it has none
     architecture: str
+    hooks: HookTree | None = field(default=None, repr=False, compare=False)  # its layer's mlp.* hook points
+
+    __getattr__ = AttentionWeights.__getattr__  # (`blocks[L].mlp.hook_post`)
 
     @classmethod
-    def of(cls, model: DecoderLM, layer: int) -> MLPWeights:
+    def of(cls, model: DecoderLM, layer: int, hooks: HookTree | None = None) -> MLPWeights:
         """Read from a layer's dense MLP: fc_in's rows cut into its parts (gate, then up; or the one input
         projection), fc_out's columns per neuron."""
         cfg = model.cfg
@@ -150,7 +178,7 @@ class MLPWeights:
         *gate, W_in = (w.T for w in fc_in.weight.detach().split(parts))
         b_in = None if fc_in.bias is None else fc_in.bias.detach().split(parts)[-1]
         b_out = fc_out.weight.new_zeros(fc_out.out_features) if fc_out.bias is None else fc_out.bias.detach()
-        return cls(W_in, gate[0] if gate else None, fc_out.weight.detach().T, b_out, b_in, cfg.architecture)
+        return cls(W_in, gate[0] if gate else None, fc_out.weight.detach().T, b_out, b_in, cfg.architecture, hooks)
 
     @property
     def b_in(self) -> torch.Tensor:
@@ -170,13 +198,23 @@ class MLPWeights:
 @dataclass(frozen=True)
 class Block:
     """What `model.blocks[L]` offers: its attention weights (`.attn`) and its MLP's (`.mlp`), each read when
-    asked, so that an MoE layer refuses `.mlp` alone."""
+    asked, so that an MoE layer refuses `.mlp` alone; and its hook points as TransformerLens's module tree has
+    them (`.hook_resid_pre`, `.ln1.hook_scale`, `.attn.hook_z`, `.mlp.hook_post`: HookPoints, `add_hook` and all)."""
 
     model: DecoderLM = field(repr=False)
     index: int
+    hooked: object = field(default=None, repr=False)  # the HookedLM whose hook points these are
 
-    attn = property(lambda self: AttentionWeights.of(self.model.layers[self.index].attn_heads))
-    mlp = property(lambda self: MLPWeights.of(self.model, self.index))
+    def _hooks(self, part: str = "") -> HookTree:
+        return HookTree(self.hooked, f"blocks.{self.index}.{part}")
+
+    attn = property(lambda self: AttentionWeights.of(self.model.layers[self.index].attn_heads, self._hooks("attn.")))
+    mlp = property(lambda self: MLPWeights.of(self.model, self.index, self._hooks("mlp.")))
+
+    def __getattr__(self, name: str) -> object:  # (hook_* and the norms' trees: ln1, ln2, ...)
+        if name.startswith("__") or self.__dict__.get("hooked") is None:
+            raise AttributeError(name)
+        return getattr(self._hooks(), name)
 
 
 class ModelWeights:
@@ -202,7 +240,7 @@ class ModelWeights:
         """`model.blocks[L].attn.W_O`, `model.blocks[L].mlp.W_out` and the rest, per layer (read afresh from the
         live weights)."""
         model = self._model()
-        return [Block(model, i) for i in range(len(model.layers))]
+        return [Block(model, i, self) for i in range(len(model.layers))]
 
     def _stacked(self, part: str, name: str) -> torch.Tensor:
         return torch.stack([getattr(getattr(block, part), name) for block in self.blocks])
