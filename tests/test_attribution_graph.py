@@ -63,6 +63,21 @@ def transcoders(d_model: int, d_sae: int, layers: int, skip: bool, jumprelu: boo
     return theirs, ours
 
 
+def cross_layer_transcoder(jumprelu: bool, skip: bool, seed: int = 0):
+    """circuit-tracer's CrossLayerTranscoder over the tiny models' 3 layers, random weights (thresholds >= 0)."""
+    from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
+
+    clt = CrossLayerTranscoder(3, 32, 64, "jump_relu" if jumprelu else "relu", skip_connection=skip, lazy_decoder=False,
+                               feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out",
+                               device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in clt.named_parameters():
+            scale = 0.3 if "threshold" in name else 0.05 if name == "W_skip" else 0.25
+            p.copy_((torch.rand if "threshold" in name else torch.randn)(p.shape, generator=g) * scale)
+    return clt
+
+
 def saelens_transcoder(tc: SAE, layer: int):
     """The same transcoder as SAELens's Transcoder object, reading its blocks.L.mlp.hook_in."""
     from sae_lens import Transcoder, TranscoderConfig
@@ -76,14 +91,17 @@ def saelens_transcoder(tc: SAE, layer: int):
 
 
 def replacement_model(reference, theirs, writes: str = "mlp.hook_out"):
+    """circuit-tracer's TransformerLens replacement model of `reference` with per-layer transcoders `theirs` (by
+    layer) or a cross-layer transcoder."""
     circuit_tracer()
     from circuit_tracer.replacement_model.replacement_model_transformerlens import TransformerLensReplacementModel
     from circuit_tracer.transcoder import TranscoderSet
 
     model = TransformerLensReplacementModel(reference.cfg)
     model.load_state_dict(reference.state_dict(), strict=False)
-    model._configure_replacement_model(TranscoderSet(theirs, feature_input_hook="mlp.hook_in",
-                                                     feature_output_hook=writes))  # fmt: skip
+    if isinstance(theirs, dict):
+        theirs = TranscoderSet(theirs, feature_input_hook="mlp.hook_in", feature_output_hook=writes)
+    model._configure_replacement_model(theirs)
     model.tokenizer = SpecialFirst()
     return model
 
@@ -120,6 +138,29 @@ def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
         their_set = replacement_model(reference, theirs).transcoders
         same = attribute(hooked, PROMPT, their_set, batch_size=32)
         assert rel_err(same.adjacency_matrix, got.adjacency_matrix) <= 1e-6
+
+
+@pytest.mark.parametrize(("family", "jumprelu", "skip"), [("gpt2", False, True), ("llama", True, False)])
+def test_cross_layer_transcoders_edges_equal_circuit_tracer_s(models, family, jumprelu, skip):
+    """A cross-layer transcoder: each feature writes to its layer's MLP output and every later one's."""
+    hooked, reference = models[family]
+    clt = cross_layer_transcoder(jumprelu, skip)
+    want = circuit_tracer().attribute(PROMPT, replacement_model(reference, clt), batch_size=32)
+    got = attribute(hooked, PROMPT, clt, batch_size=32)
+    assert torch.equal(got.active_features, want.active_features.long()) and len(got.active_features) > 50
+    assert rel_err(got.activation_values, want.activation_values) <= 1e-5
+    assert got.logit_tokens.tolist() == [t.vocab_idx for t in want.logit_targets]
+    assert rel_err(got.adjacency_matrix, want.adjacency_matrix) <= 1e-4
+    # its writes to later layers count: the same features writing to their own layer alone make another graph
+    alone = [SAE(W_enc=clt.W_enc[layer].detach().T.contiguous(), b_enc=clt.b_enc[layer].detach(),
+                 W_dec=clt.W_dec[layer][:, 0].detach().contiguous(), b_dec=clt.b_dec[layer].detach(),
+                 W_skip=None if clt.W_skip is None else clt.W_skip[layer].detach().T.contiguous(),
+                 threshold=clt.activation_function.threshold[layer, 0].detach() if jumprelu else None,
+                 architecture="jumprelu" if jumprelu else "standard", apply_b_dec_to_input=False,
+                 hook=f"blocks.{layer}.ln2.hook_out", hook_out=f"blocks.{layer}.hook_mlp_out") for layer in range(3)]  # fmt: skip
+    own_layer = attribute(hooked, PROMPT, alone, batch_size=32)
+    assert torch.equal(own_layer.active_features, got.active_features)
+    assert rel_err(own_layer.adjacency_matrix, got.adjacency_matrix) > 1e-2
 
 
 def test_kept_feature_nodes_pruning_and_scores_equal_circuit_tracer_s(models):

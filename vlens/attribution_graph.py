@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from vlens.capture.names import FINAL_NORM, layer_hooks
-from vlens.hooked_saes import as_vlens_sae
-from vlens.sae.model import SAE
+from vlens.capture.names import FINAL_NORM
+from vlens.replacement import CrossLayer, PerLayer, replacement
 
 if TYPE_CHECKING:
     from vlens.hooked import HookedLM
@@ -86,10 +85,10 @@ def attribute(
             raise ValueError(f"{name}: {value!r} is not an int >= 1" + (" (or None)" if name == "max_feature_nodes" else ""))
     if not 0.0 < desired_logit_prob <= 1.0:
         raise ValueError(f"desired_logit_prob: {desired_logit_prob!r} is not in (0, 1]")
-    tcs = _transcoders(model, transcoders)
+    tcs = replacement(model, transcoders)
     tokens = _tokens(model, prompt)
     setup = _Setup(model, tcs, tokens)
-    n_layers, n_pos, n_active = len(tcs), len(tokens), len(setup.active)
+    n_layers, n_pos, n_active = model.cfg.num_layers, len(tokens), len(setup.active)
     ids, probs, logit_vectors = _logit_targets(model, setup.last_logits, max_n_logits, desired_logit_prob)
     wanted = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
 
@@ -148,41 +147,6 @@ def _adjacency(edges: torch.Tensor, row_node: torch.Tensor, selected: torch.Tens
     return adjacency
 
 
-# circuit-tracer's hooks, relative to a TransformerLens block, in vlens's names (its ReplacementMLP's input and
-# output: without post-norms, what the MLP reads and what the layer adds)
-CIRCUIT_TRACER_HOOKS = {"mlp.hook_in": "ln2.hook_out", "mlp.hook_out": "hook_mlp_out"}
-
-
-def _transcoders(model: HookedLM, transcoders: Sequence[Any]) -> list[SAE]:
-    """One transcoder per layer, each reading a hook of its layer before the MLP and writing the MLP's output."""
-    n = model.cfg.num_layers
-    if hasattr(transcoders, "feature_input_hook"):  # circuit-tracer's TranscoderSet: its hooks name every layer's
-        reads, writes = transcoders.feature_input_hook, transcoders.feature_output_hook
-        if model.cfg.post_norms and writes == "mlp.hook_out":
-            raise ValueError(f"transcoders: write mlp.hook_out, {model.cfg.architecture}'s MLP output before its "
-                             "post-norm, which no vlens tap holds; transcoders writing hook_mlp_out work")  # fmt: skip
-        reads, writes = CIRCUIT_TRACER_HOOKS.get(reads, reads), CIRCUIT_TRACER_HOOKS.get(writes, writes)
-        transcoders = [SAE.from_circuit_tracer(tc, f"blocks.{layer}.{reads}", f"blocks.{layer}.{writes}")
-                       for layer, tc in enumerate(transcoders)]  # fmt: skip
-    tcs = [as_vlens_sae(t) for t in transcoders]
-    if len(tcs) != n:
-        raise ValueError(f"transcoders: {len(tcs)} given; an attribution graph needs one per layer, {n}")
-    for layer, tc in enumerate(tcs):
-        where = f"transcoders[{layer}]"
-        if not tc.transcoder:
-            raise ValueError(f"{where}: an SAE (it writes where it reads); an attribution graph needs transcoders")
-        if tc.hook_out != f"blocks.{layer}.hook_mlp_out":
-            raise ValueError(f"{where}: writes {tc.hook_out!r}; layer {layer}'s must write blocks.{layer}.hook_mlp_out")
-        before_mlp = layer_hooks(model.cfg, layer)
-        before_mlp = before_mlp[: before_mlp.index("ln2.hook_out") + 1]
-        if tc.hook not in {f"blocks.{layer}.{hook}" for hook in before_mlp}:
-            raise ValueError(f"{where}: reads {tc.hook!r}; layer {layer}'s must read a hook of its layer up to the "
-                             f"MLP's input, blocks.{layer}.ln2.hook_out")  # fmt: skip
-        model._check_hook(tc.hook, tc.d_in, "hook", "d_in")
-        model._check_hook(tc.hook_out, tc.d_out, "hook_out", "d_out")
-    return tcs
-
-
 def _tokens(model: HookedLM, prompt: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
     """The prompt's token ids, a special token first (BOS, else PAD, else EOS) where the tokenizer knows one and
     the prompt does not start with one."""
@@ -203,52 +167,57 @@ def _tokens(model: HookedLM, prompt: str | Sequence[int] | torch.Tensor) -> torc
 
 
 class _Setup:
-    """The prompt's forward: each layer's active features (zeroed at the first positions), their encoder rows and
-    activation-scaled decoder rows, the error at each MLP output, the token embeddings, the last logits."""
+    """The prompt's forward: each layer's active features (zeroed at the first positions), their encoder rows, what
+    they write to each layer's MLP output (activation-scaled decoder rows), the error there, the token embeddings,
+    the last logits."""
 
-    def __init__(self, model: HookedLM, tcs: list[SAE], tokens: torch.Tensor):
-        names = [n for tc in tcs for n in (tc.hook, tc.hook_out)] + ["hook_embed"]
+    def __init__(self, model: HookedLM, tcs: PerLayer | CrossLayer, tokens: torch.Tensor):
         with torch.no_grad():
-            logits, cache = model.run_with_cache(tokens[None], names_filter=names)
+            logits, cache = model.run_with_cache(tokens[None], names_filter=[*tcs.reads, *tcs.writes, "hook_embed"])
         self.last_logits = logits[0, -1].float()
-        active, values, encoders, decoders, errors = [], [], [], [], []
-        for layer, tc in enumerate(tcs):
-            tc = tc.placed("cpu", torch.float32)
-            x, out = cache[tc.hook][0].flatten(1).float().cpu(), cache[tc.hook_out][0].flatten(1).float().cpu()
-            acts = tc.encode(x)
+        inputs = [cache[name][0].flatten(1).float().cpu() for name in tcs.reads]
+        active, values, encoders = [], [], []
+        for layer, x in enumerate(inputs):
+            acts = tcs.encode(layer, x)
             acts[:ZERO_POSITIONS] = 0
             at = acts.nonzero()
             active.append(torch.cat([torch.full((len(at), 1), layer), at], 1))
             values.append(acts[at[:, 0], at[:, 1]])
-            encoders.append(tc.W_enc[:, at[:, 1]].T)
-            decoders.append(values[-1][:, None] * tc.W_dec[at[:, 1]])
-            error = out - tc.decode(acts, x)
+            encoders.append(tcs.encoder_rows(layer, at[:, 1]))
+        self.active, self.values, self.encoders = torch.cat(active), torch.cat(values), torch.cat(encoders)
+        first = [0, *torch.bincount(self.active[:, 0], minlength=len(inputs)).cumsum(0).tolist()]
+        self.writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: the features writing there, what
+        errors = []
+        for out, x in enumerate(inputs):
+            ids = torch.cat([torch.arange(first[src], first[src + 1]) for src in tcs.sources(out)])
+            layer, positions, features = self.active[ids].unbind(1)
+            vectors = torch.cat([tcs.decoder_rows(src, features[layer == src], out) for src in tcs.sources(out)])
+            vectors = self.values[ids, None] * vectors
+            self.writes.append((ids, vectors))
+            written = tcs.constant(out, x).index_add(0, positions, vectors)
+            error = cache[tcs.writes[out]][0].flatten(1).float().cpu() - written
             error[:ZERO_POSITIONS] = 0
             errors.append(error)
-        self.active, self.values = torch.cat(active), torch.cat(values)
-        self.encoders, self.decoders = torch.cat(encoders), torch.cat(decoders)
         self.errors = torch.stack(errors)  # [n_layers, n_pos, d_model]
         self.embeddings = cache["hook_embed"][0].float().cpu()
 
 
 class _Rows:
     """The replacement model's forward over `batch` copies of the prompt, kept with its graph: patterns and norm
-    divisors frozen (detached), each MLP output detached but for a skip transcoder's skip connection, the stream
-    each target reads kept; backward hooks at each MLP output and the embeddings dot the gradient with what each
-    node wrote there. Called with targets (their layer: n_layers for the logits, their position, the vector they
-    read with), it returns their rows of direct effects [targets, sources]."""
+    divisors frozen (detached), each MLP output detached but for a skip connection, the stream each target reads
+    kept; backward hooks at each MLP output and the embeddings dot the gradient with what each node wrote there.
+    Called with targets (their layer: n_layers for the logits, their position, the vector they read with), it
+    returns their rows of direct effects [targets, sources]."""
 
-    def __init__(self, model: HookedLM, tcs: list[SAE], tokens: torch.Tensor, setup: _Setup, batch: int):
-        self.batch, self.n_layers, self.n_pos, self.n_active = batch, len(tcs), len(tokens), len(setup.active)
-        n, device = self.n_layers, model.cfg.device
+    def __init__(self, model: HookedLM, tcs: PerLayer | CrossLayer, tokens: torch.Tensor, setup: _Setup, batch: int):
+        n, device = len(tcs.reads), model.cfg.device
+        self.batch, self.n_layers, self.n_pos, self.n_active = batch, n, len(tokens), len(setup.active)
         # (what each node wrote, on the model's device in float32: the rows are summed there, then copied off once)
-        self.positions = setup.active[:, 1].to(device)
-        self.decoders, self.errors = setup.decoders.to(device), setup.errors.to(device)
-        self.embeddings = setup.embeddings.to(device)
+        positions = setup.active[:, 1]
+        self.writes = [(ids.to(device), positions[ids].to(device), v.to(device)) for ids, v in setup.writes]
+        self.errors, self.embeddings = setup.errors.to(device), setup.embeddings.to(device)
         self.reads: list[torch.Tensor | None] = [None] * (n + 1)  # each layer's transcoder input, the final norm's output
         self.buffer: torch.Tensor | None = None  # [sources, batch] of the backward pass running
-        layer_of = setup.active[:, 0]
-        self.offsets = [int((layer_of < layer).sum()) for layer in range(n + 1)]  # each layer's first feature row
 
         def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
             return value.detach()
@@ -258,27 +227,27 @@ class _Rows:
 
         def skip_only(layer: int, value: torch.Tensor, hook: Any) -> torch.Tensor:
             x = self.reads[layer].flatten(2)
-            tc = tcs[layer].placed(value.device, value.dtype)
-            skip = (x @ tc.W_skip.T).view_as(value) if tc.W_skip is not None else x[..., :1] * 0  # (0, on the graph)
+            skip = tcs.skip(layer, x)
+            skip = x[..., :1] * 0 if skip is None else skip.view_as(value)  # (no skip: 0, on the graph)
             return skip + (value - skip).detach()
 
         norms = ("ln1", "ln2", *(("ln1_post", "ln2_post") if model.cfg.post_norms else ()))
         kinds = ("attn.hook_q", "attn.hook_k", *(f"{norm}.hook_scale" for norm in norms))
         frozen = [f"blocks.{layer}.{kind}" for layer in range(n) for kind in kinds] + ["ln_final.hook_scale"]
         fwd = [(name, freeze) for name in frozen]
-        fwd += [(tc.hook, partial(keep, layer)) for layer, tc in enumerate(tcs)]
-        fwd += [(tc.hook_out, partial(skip_only, layer)) for layer, tc in enumerate(tcs)]
+        fwd += [(hook, partial(keep, layer)) for layer, hook in enumerate(tcs.reads)]
+        fwd += [(hook, partial(skip_only, layer)) for layer, hook in enumerate(tcs.writes)]
         fwd.append((FINAL_NORM, partial(keep, n)))
-        bwd = [(tc.hook_out, partial(self._written, layer)) for layer, tc in enumerate(tcs)]
+        bwd = [(hook, partial(self._written, layer)) for layer, hook in enumerate(tcs.writes)]
         bwd.append(("hook_embed", self._embedded))
         with torch.enable_grad(), model.hooks(fwd, bwd):
             model(tokens[None].expand(batch, -1), return_type=None)
 
     def _written(self, layer: int, grad: torch.Tensor, hook: Any) -> None:
-        """At layer `layer`'s MLP output: the rows of its features and its error nodes."""
+        """At layer `layer`'s MLP output: the rows of the features writing there and of its error nodes."""
         grad = grad.float().flatten(2)  # [batch, pos, d_model]
-        lo, hi = self.offsets[layer], self.offsets[layer + 1]
-        self.buffer[lo:hi] += torch.einsum("bfd,fd->fb", grad[:, self.positions[lo:hi]], self.decoders[lo:hi])
+        ids, positions, vectors = self.writes[layer]
+        self.buffer.index_add_(0, ids, torch.einsum("bfd,fd->fb", grad[:, positions], vectors))
         start = self.n_active + layer * self.n_pos
         self.buffer[start : start + self.n_pos] += torch.einsum("bpd,pd->pb", grad, self.errors[layer])
 

@@ -1,0 +1,145 @@
+"""The transcoders an attribution graph reads a model through (vlens.attribution_graph), behind one interface:
+per-layer transcoders (a vlens SAE with `hook_out` for each layer, SAELens's transcoder objects, circuit-tracer's
+TranscoderSet) or circuit-tracer's cross-layer transcoder, whose features read one layer's input and write to the
+MLP outputs of that layer and every later one.
+
+Each layer L's transcoder reads `reads[L]` and what its features write lands in `writes[L]` (the layer's
+hook_mlp_out); `sources(L)` are the layers whose features write there. All of it float32 on the host, but
+`skip`, which the replacement model's forward calls on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vlens.capture.names import layer_hooks
+from vlens.hooked_saes import as_vlens_sae
+from vlens.sae.model import SAE
+
+if TYPE_CHECKING:
+    from vlens.hooked import HookedLM
+
+# circuit-tracer's hooks, relative to a TransformerLens block, in vlens's names (its ReplacementMLP's input and
+# output: without post-norms, what the MLP reads and what the layer adds)
+CIRCUIT_TRACER_HOOKS = {"mlp.hook_in": "ln2.hook_out", "mlp.hook_out": "hook_mlp_out"}
+
+
+class PerLayer:
+    """One transcoder per layer: layer L's features write to layer L alone."""
+
+    def __init__(self, transcoders: list[SAE]):
+        self.tcs = [tc.placed("cpu", torch.float32) for tc in transcoders]
+        self.reads, self.writes = [tc.hook for tc in transcoders], [tc.hook_out for tc in transcoders]
+        self.d_in = [tc.d_in for tc in transcoders]
+        self.d_out = [tc.d_out for tc in transcoders]
+
+    def sources(self, layer: int) -> range:
+        return range(layer, layer + 1)
+
+    def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.tcs[layer].encode(x)
+
+    def encoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
+        return self.tcs[layer].W_enc[:, features].T
+
+    def decoder_rows(self, layer: int, features: torch.Tensor, out: int) -> torch.Tensor:
+        return self.tcs[layer].W_dec[features]
+
+    def constant(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """What layer `layer`'s output has beside its features' writes: b_dec, and the skip connection from `x`."""
+        tc = self.tcs[layer]
+        return tc.skip(tc.b_dec.expand(len(x), -1), x)
+
+    def skip(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        W_skip = self.tcs[layer].W_skip
+        return None if W_skip is None else x @ W_skip.to(x.device, x.dtype).T
+
+
+class CrossLayer:
+    """circuit-tracer's CrossLayerTranscoder: layer L's features write W_dec[L][f, L' - L] to each layer L' >= L;
+    ReLU or its JumpReLU (x * (x > threshold)); a skip connection per layer (x @ W_skip[L])."""
+
+    def __init__(self, clt: Any, reads: list[str], writes: list[str]):
+        n = clt.n_layers
+        self.reads, self.writes = reads, writes
+        self.W_enc = clt._get_encoder_weights().detach().float().cpu()  # [n, d_sae, d]
+        self.W_dec = [clt._get_decoder_vectors(layer).detach().float().cpu() for layer in range(n)]  # [d_sae, n - L, d]
+        self.b_enc, self.b_dec = clt.b_enc.detach().float().cpu(), clt.b_dec.detach().float().cpu()
+        self.W_skip = None if clt.W_skip is None else clt.W_skip.detach().float().cpu()
+        act = clt.activation_function
+        self.threshold = act.threshold.detach().float().cpu() if type(act).__name__ == "JumpReLU" else None
+        self.d_in = self.d_out = [clt.d_model] * n
+
+    def sources(self, layer: int) -> range:
+        return range(layer + 1)
+
+    def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        pre = x @ self.W_enc[layer].T + self.b_enc[layer]
+        return pre.relu() if self.threshold is None else pre * (pre > self.threshold[layer])
+
+    def encoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
+        return self.W_enc[layer][features]
+
+    def decoder_rows(self, layer: int, features: torch.Tensor, out: int) -> torch.Tensor:
+        return self.W_dec[layer][features, out - layer]
+
+    def constant(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        out = self.b_dec[layer].expand(len(x), -1)
+        return out if self.W_skip is None else out + x @ self.W_skip[layer]
+
+    def skip(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.W_skip is None else x @ self.W_skip[layer].to(x.device, x.dtype)
+
+
+def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
+    """The transcoders an attribution graph of `model` reads (see attribute), checked: one per layer (or a
+    cross-layer one spanning them), each reading a hook of its layer up to the MLP's input and writing
+    blocks.L.hook_mlp_out, of the widths those hooks have."""
+    n = model.cfg.num_layers
+    if hasattr(transcoders, "feature_input_hook"):  # circuit-tracer's: its hooks name every layer's
+        reads, writes = (_from_circuit_tracer(model, hook) for hook in (transcoders.feature_input_hook,
+                                                                         transcoders.feature_output_hook))  # fmt: skip
+        reads, writes = [f"blocks.{layer}.{reads}" for layer in range(n)], [f"blocks.{layer}.{writes}" for layer in range(n)]
+        if type(transcoders).__name__ == "CrossLayerTranscoder":
+            if transcoders.n_layers != n:
+                raise ValueError(f"transcoders: a cross-layer transcoder of {transcoders.n_layers} layers; this model "
+                                 f"has {n}")  # fmt: skip
+            chosen: PerLayer | CrossLayer = CrossLayer(transcoders, reads, writes)
+        else:
+            chosen = PerLayer([SAE.from_circuit_tracer(tc, r, w) for tc, r, w in zip(transcoders, reads, writes)])
+    else:
+        chosen = PerLayer(_per_layer(list(transcoders)))
+    if len(chosen.reads) != n:
+        raise ValueError(f"transcoders: {len(chosen.reads)} given; an attribution graph needs one per layer, {n}")
+    for layer in range(n):
+        where = f"transcoders[{layer}]"
+        if chosen.writes[layer] != f"blocks.{layer}.hook_mlp_out":
+            raise ValueError(f"{where}: writes {chosen.writes[layer]!r}; layer {layer}'s must write "
+                             f"blocks.{layer}.hook_mlp_out")  # fmt: skip
+        before_mlp = layer_hooks(model.cfg, layer)
+        before_mlp = before_mlp[: before_mlp.index("ln2.hook_out") + 1]
+        if chosen.reads[layer] not in {f"blocks.{layer}.{hook}" for hook in before_mlp}:
+            raise ValueError(f"{where}: reads {chosen.reads[layer]!r}; layer {layer}'s must read a hook of its layer up "
+                             f"to the MLP's input, blocks.{layer}.ln2.hook_out")  # fmt: skip
+        model._check_hook(chosen.reads[layer], chosen.d_in[layer], "hook", "d_in")
+        model._check_hook(chosen.writes[layer], chosen.d_out[layer], "hook_out", "d_out")
+    return chosen
+
+
+def _per_layer(transcoders: Sequence[Any]) -> list[SAE]:
+    tcs = [as_vlens_sae(t) for t in transcoders]
+    for layer, tc in enumerate(tcs):
+        if not tc.transcoder:
+            raise ValueError(f"transcoders[{layer}]: an SAE (it writes where it reads); an attribution graph needs "
+                             "transcoders")  # fmt: skip
+    return tcs
+
+
+def _from_circuit_tracer(model: HookedLM, hook: str) -> str:
+    if model.cfg.post_norms and hook == "mlp.hook_out":
+        raise ValueError(f"transcoders: write mlp.hook_out, {model.cfg.architecture}'s MLP output before its "
+                         "post-norm, which no vlens tap holds; transcoders writing hook_mlp_out work")  # fmt: skip
+    return CIRCUIT_TRACER_HOOKS.get(hook, hook)
