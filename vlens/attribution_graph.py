@@ -130,8 +130,8 @@ def _logit_targets(
     mean column, circuit-tracer's)."""
     probs, ids = torch.softmax(logits, -1).topk(min(most, len(logits)))
     cutoff = int(torch.searchsorted(probs.cumsum(0), torch.tensor(probability))) + 1
-    W_U = model.W_U.float()
-    return ids[:cutoff], probs[:cutoff], (W_U[:, ids[:cutoff]] - W_U.mean(-1, keepdim=True)).T
+    W_U, ids = model.W_U, ids[:cutoff]  # (no float32 copy of the whole unembedding)
+    return ids, probs[:cutoff], (W_U[:, ids].float() - W_U.mean(-1, keepdim=True, dtype=torch.float32)).T
 
 
 def _adjacency(edges: torch.Tensor, row_node: torch.Tensor, selected: torch.Tensor, n_active: int) -> torch.Tensor:
