@@ -2,11 +2,11 @@
 linear effect of every active transcoder feature, every transcoder error and every input token on every active
 feature and on the likeliest next-token logits of one prompt, in the prompt's local replacement model.
 
-The replacement model is the model with each layer's MLP read through a per-layer transcoder (vlens.SAE with
-`hook_out`, one per layer) and, for this prompt, its attention patterns and every norm's divisor frozen at their
-values on the prompt: then the residual stream is linear from each writer to each reader. A feature's activation
-a_s writes a_s W_dec[s] into its layer's MLP output; what the transcoders miss there is an error node (the MLP's
-output minus the transcoder's, skip connection included); the tokens write their embeddings. A target reads the
+The replacement model is the model with its MLPs read through transcoders (one per layer, or a cross-layer one:
+vlens.replacement) and, for this prompt, its attention patterns and every norm's divisor frozen at their values on
+the prompt: then the residual stream is linear from each writer to each reader. A feature's activation a_s writes
+a_s W_dec[s] into the MLP outputs it decodes to; what the transcoders miss there is an error node (the MLP's
+output minus what they write, skip connection included); the tokens write their embeddings. A target reads the
 stream: a feature through its encoder row at its transcoder's input (its pre-activation), a logit through its
 unembedding column minus the mean column, after the final norm. The edge s -> t is the gradient of the target's
 reading with respect to the source's write, dotted with the write — one backward pass per target, many targets at
@@ -69,14 +69,15 @@ class Graph:
 
 
 def attribute(
-    model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Sequence[Any], *, max_n_logits: int = 10,
+    model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Any, *, max_n_logits: int = 10,
     desired_logit_prob: float = 0.95, batch_size: int = 256, max_feature_nodes: int | None = None,
 ) -> Graph:  # fmt: skip
-    """The attribution graph of `prompt` (a text, or token ids) through `transcoders` (one per layer, in layer
-    order: vlens SAEs with hook_out, or SAELens transcoder objects; or circuit-tracer's TranscoderSet), its logit nodes the likeliest next tokens until
-    their probabilities sum to `desired_logit_prob` (at most `max_n_logits`). `max_feature_nodes`: keep only that
-    many feature nodes, chosen as circuit-tracer chooses them (by their influence on the logits so far, in rounds
-    of 4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
+    """The attribution graph of `prompt` (a text, or token ids) through `transcoders`: one per layer, in layer order
+    (vlens SAEs with hook_out, SAELens's transcoder objects), or circuit-tracer's TranscoderSet or
+    CrossLayerTranscoder (vlens.replacement). Its logit nodes are the likeliest next tokens until their
+    probabilities sum to `desired_logit_prob` (at most `max_n_logits`). `max_feature_nodes`: keep only that many
+    feature nodes, chosen as circuit-tracer chooses them (by their influence on the logits so far, in rounds of
+    4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
     prompt in its forward)."""
     model._model()  # (one process: refused under tensor parallelism)
     counts = {"max_n_logits": max_n_logits, "batch_size": batch_size, "max_feature_nodes": max_feature_nodes or 1}
