@@ -11,6 +11,7 @@ from family_parity import transformer_lens_gemma2, transformer_lens_gpt2, transf
 
 from vlens import SAE, HookedLM
 from vlens.attribution_graph import attribute, graph_scores, prune_graph, to_circuit_tracer
+from vlens.feature_intervention import feature_intervention
 
 PROMPT = torch.tensor([0, 17, 99, 230, 3, 41, 7, 250, 12, 33])  # (0: the stand-in tokenizer's special token)
 
@@ -264,3 +265,30 @@ def test_a_smollm2_graph_draws_in_circuit_tracer_s_viewer(smol_path, tmp_path):
     assert kinds.count("cross layer transcoder") == sum(node < graph.n_features for node in connected)
     errors = range(graph.error_node(0, 0), graph.token_node(0))
     assert kinds.count("mlp reconstruction error") == sum(node in errors for node in connected) > 0
+
+
+@pytest.mark.parametrize(("family", "kind", "freeze"), [("gpt2", "per-layer", True), ("gpt2", "per-layer", False),
+                                                         ("llama", "cross-layer", True), ("gemma2", "per-layer", True)])  # fmt: skip
+def test_feature_interventions_equal_circuit_tracer_s(models, family, kind, freeze):
+    """Features set (one off, one up, at two layers and positions; one at position 0): the logits and every layer's
+    features on the intervened run equal circuit-tracer's feature_intervention's, with attention frozen or not."""
+    hooked, reference = models[family]
+    if kind == "cross-layer":
+        theirs = ours = cross_layer_transcoder(jumprelu=False, skip=True)
+    else:
+        per_layer, ours = transcoders(64, 48, 3, skip=True, jumprelu=False)
+    writes = "hook_mlp_out" if family == "gemma2" else "mlp.hook_out"
+    model = replacement_model(reference, theirs if kind == "cross-layer" else per_layer, writes)
+    graph = attribute(hooked, PROMPT, ours, batch_size=64)
+    (l1, p1, f1), (l2, p2, f2) = graph.active_features[0].tolist(), graph.active_features[-1].tolist()
+    interventions = [(l1, p1, f1, 0.0), (l2, p2, f2, 3.0 * graph.activation_values[-1].item()), (1, 0, 5, 2.0)]
+    with torch.no_grad():
+        want_logits, want_acts = model.feature_intervention(PROMPT, interventions, freeze_attention=freeze)
+    logits, acts = feature_intervention(hooked, PROMPT, ours, interventions, freeze_attention=freeze)
+    assert rel_err(logits, want_logits[0]) <= 1e-5 and rel_err(acts, want_acts) <= 1e-5
+    plain, plain_acts = feature_intervention(hooked, PROMPT, ours, [])
+    # (a feature set at layer 0 changes what later transcoders read; the one set is reported as its transcoder reads it)
+    assert rel_err(logits, plain) > 1e-3 and rel_err(acts[l2], plain_acts[l2]) > 1e-3 and acts[l1, p1, f1] > 0
+    assert rel_err(plain, hooked(PROMPT[None])[0]) <= 1e-6  # (no interventions: the model's own forward)
+    with pytest.raises(ValueError, match=r"^interventions\[0\]: \(3, 0, 0, 1\.0\) is not \(layer in 0\.\.2"):
+        feature_intervention(hooked, PROMPT, ours, [(3, 0, 0, 1.0)])

@@ -87,7 +87,7 @@ def attribute(
     if not 0.0 < desired_logit_prob <= 1.0:
         raise ValueError(f"desired_logit_prob: {desired_logit_prob!r} is not in (0, 1]")
     tcs = replacement(model, transcoders)
-    tokens = _tokens(model, prompt)
+    tokens = prompt_tokens(model, prompt)
     setup = _Setup(model, tcs, tokens)
     n_layers, n_pos, n_active = model.cfg.num_layers, len(tokens), len(setup.active)
     ids, probs, logit_vectors = _logit_targets(model, setup.last_logits, max_n_logits, desired_logit_prob)
@@ -148,7 +148,7 @@ def _adjacency(edges: torch.Tensor, row_node: torch.Tensor, selected: torch.Tens
     return adjacency
 
 
-def _tokens(model: HookedLM, prompt: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
+def prompt_tokens(model: HookedLM, prompt: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
     """The prompt's token ids, a special token first (BOS, else PAD, else EOS) where the tokenizer knows one and
     the prompt does not start with one."""
     tokenizer = model.tokenizer

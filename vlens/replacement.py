@@ -35,6 +35,7 @@ class PerLayer:
         self.reads, self.writes = [tc.hook for tc in transcoders], [tc.hook_out for tc in transcoders]
         self.d_in = [tc.d_in for tc in transcoders]
         self.d_out = [tc.d_out for tc in transcoders]
+        self.d_sae = [tc.d_sae for tc in transcoders]
 
     def sources(self, layer: int) -> range:
         return range(layer, layer + 1)
@@ -72,6 +73,7 @@ class CrossLayer:
         act = clt.activation_function
         self.threshold = act.threshold.detach().float().cpu() if type(act).__name__ == "JumpReLU" else None
         self.d_in = self.d_out = [clt.d_model] * n
+        self.d_sae = [clt.d_transcoder] * n
 
     def sources(self, layer: int) -> range:
         return range(layer + 1)

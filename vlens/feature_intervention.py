@@ -1,0 +1,94 @@
+"""Setting transcoder features and running the model on (circuit-tracer's `feature_intervention`): the check of
+what an attribution graph claims — turn a feature off, or up, and see the logits move.
+
+Each intervention (layer, position, feature, value) sets that feature's activation, on the prompt as the
+interventions themselves change it, to `value`: the MLP outputs it decodes to (its layer's; a cross-layer
+transcoder's, every later one's too) get W_dec[feature] times (value minus its activation there) added. The MLPs
+stay the model's own, so everything else the change sets off propagates through them. `freeze_attention` keeps
+every attention pattern at its value on the untouched prompt (each layer's queries and keys are put back to that
+run's, which makes the same scores), as circuit-tracer does by default. Position 0 has no features (zeroed, as
+in attribute), so an intervention there adds value times the decoder row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vlens.attribution_graph import ZERO_POSITIONS, prompt_tokens
+from vlens.replacement import CrossLayer, PerLayer, replacement
+
+if TYPE_CHECKING:
+    from vlens.hooked import HookedLM
+
+Intervention = tuple[int, int, int, float]  # layer, position, feature, value
+
+
+def feature_intervention(
+    model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Any, interventions: Sequence[Intervention],
+    freeze_attention: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(logits [positions, vocab], activations [layers, positions, d_sae]) of `prompt` (tokenized as attribute
+    tokenizes it: prompt_tokens) with the `interventions` in force; the activations are every layer's transcoder
+    features as its transcoder reads them on the intervened run (a feature set shows what it reads there, not
+    the value set: the change is in what it writes), as circuit-tracer returns them."""
+    tcs = replacement(model, transcoders)
+    tokens = prompt_tokens(model, prompt)
+    n, n_pos = model.cfg.num_layers, len(tokens)
+    changes = _checked(interventions, n, n_pos, tcs)
+    hooks = []
+    if freeze_attention and changes:
+        names = [f"blocks.{layer}.attn.hook_{qk}" for layer in range(n) for qk in "qk"]
+        with torch.no_grad():
+            _, clean = model.run_with_cache(tokens[None], names_filter=names)
+        hooks += [(name, partial(_put, clean[name])) for name in names]
+    acts: list[torch.Tensor | None] = [None] * n
+    deltas: list[torch.Tensor | None] = [None] * n  # what each MLP output gets added, [positions, d_model]
+
+    def read(layer: int, value: torch.Tensor, hook: Any) -> None:
+        x = value[0].flatten(1).float().cpu()
+        acts[layer] = tcs.encode(layer, x)
+        acts[layer][:ZERO_POSITIONS] = 0
+        for position, feature, target in changes.get(layer, ()):
+            delta = target - acts[layer][position, feature]
+            ids = torch.tensor([feature])
+            for out in range(layer, n):
+                if layer in tcs.sources(out):
+                    row = delta * tcs.decoder_rows(layer, ids, out)[0]
+                    deltas[out] = (torch.zeros(n_pos, len(row)) if deltas[out] is None else deltas[out])
+                    deltas[out][position] += row
+
+    def write(layer: int, value: torch.Tensor, hook: Any) -> torch.Tensor | None:
+        if deltas[layer] is None:
+            return None
+        return value + deltas[layer].to(value.device, value.dtype).view_as(value[0])
+
+    hooks += [(name, partial(read, layer)) for layer, name in enumerate(tcs.reads)]
+    hooks += [(name, partial(write, layer)) for layer, name in enumerate(tcs.writes)]
+    with torch.no_grad():
+        logits = model.run_with_hooks(tokens[None], fwd_hooks=hooks)
+    return logits[0], torch.stack(acts)
+
+
+def _put(fixed: torch.Tensor, value: torch.Tensor, hook: Any) -> torch.Tensor:
+    return fixed.to(value.device, value.dtype)
+
+
+def _checked(
+    interventions: Sequence[Intervention], n_layers: int, n_pos: int, tcs: PerLayer | CrossLayer
+) -> dict[int, list[tuple[int, int, float]]]:
+    """The interventions by layer, each (layer, position, feature, value) in range."""
+    by_layer: dict[int, list[tuple[int, int, float]]] = {}
+    for i, item in enumerate(interventions):
+        ok = isinstance(item, (tuple, list)) and len(item) == 4
+        layer, position, feature, value = item if ok else (None,) * 4
+        ints = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in (layer, position, feature))
+        if not (ints and 0 <= layer < n_layers and -n_pos <= position < n_pos and 0 <= feature < tcs.d_sae[layer]
+                and isinstance(value, (int, float)) and not isinstance(value, bool)):  # fmt: skip
+            raise ValueError(f"interventions[{i}]: {item!r} is not (layer in 0..{n_layers - 1}, position in "
+                             f"0..{n_pos - 1}, a feature of that layer's transcoder, value: a number)")  # fmt: skip
+        by_layer.setdefault(layer, []).append((position % n_pos, feature, float(value)))
+    return by_layer
