@@ -9,7 +9,7 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, build, transformer_lens_gpt2
 from hf_reference import hf_taps, same
-from transformers import Gemma2Config, GPT2Config
+from transformers import Gemma2Config, GPT2Config, LlamaConfig
 
 import vlens.hooked as utils
 from vlens import ActivationCache, HookedLM
@@ -469,8 +469,8 @@ def test_hook_points_sit_where_transformer_lens_s_module_tree_has_them(tmp_path)
     with pytest.raises(AttributeError, match=r"^blocks\.0\.attn\.hook_zz: no hook point of this model; under "
                                              r"blocks\.0\.attn\.: hook_attn_scores, hook_k, hook_pattern, hook_q"):  # fmt: skip
         model.blocks[0].attn.hook_zz
-    with pytest.raises(AttributeError, match=r"no attribute 'W_X'"):
-        model.W_X
+    with pytest.raises(AttributeError, match=r"^hook_pos_embed: no hook point of this model"):
+        HookedLM(build(LlamaConfig(**COMMON), tmp_path, "llama"), dtype="float32", device="cpu").hook_pos_embed
 
 
 def test_token_positions_and_hook_names_as_transformer_lens_gives_them(hooked):

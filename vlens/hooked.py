@@ -196,12 +196,9 @@ class HookedLM(ModelWeights, SAEMethods):
             raise ValueError(f"single_token: {single_token!r} (id {token}) does not occur in the input")
         return at[0] if mode == "first" else at[-1]
 
-    def __getattr__(self, name: str) -> Any:
-        """TransformerLens's model-level hook points as attributes: `model.hook_embed` (the layers' are under
-        `model.blocks[L]`)."""
-        if name.startswith("hook_") and "_shapes" in self.__dict__:
-            return getattr(HookTree(self, ""), name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # TransformerLens's model-level hook points as attributes (the layers' are under `model.blocks[L]`)
+    hook_embed = property(lambda self: HookTree(self, "").hook_embed)
+    hook_pos_embed = property(lambda self: HookTree(self, "").hook_pos_embed)
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:
