@@ -52,13 +52,13 @@ def feature_intervention(
         x = value[0].flatten(1).float().cpu()
         acts[layer] = tcs.encode(layer, x)
         acts[layer][:ZERO_POSITIONS] = 0
-        for position, feature, target in changes.get(layer, ()):
+        for (position, feature), target in changes.get(layer, {}).items():
             delta = target - acts[layer][position, feature]
             ids = torch.tensor([feature])
             for out in range(layer, n):
                 if layer in tcs.sources(out):
                     row = delta * tcs.decoder_rows(layer, ids, out)[0]
-                    deltas[out] = (torch.zeros(n_pos, len(row)) if deltas[out] is None else deltas[out])
+                    deltas[out] = torch.zeros(n_pos, len(row)) if deltas[out] is None else deltas[out]
                     deltas[out][position] += row
 
     def write(layer: int, value: torch.Tensor, hook: Any) -> torch.Tensor | None:
@@ -79,9 +79,10 @@ def _put(fixed: torch.Tensor, value: torch.Tensor, hook: Any) -> torch.Tensor:
 
 def _checked(
     interventions: Sequence[Intervention], n_layers: int, n_pos: int, tcs: PerLayer | CrossLayer
-) -> dict[int, list[tuple[int, int, float]]]:
-    """The interventions by layer, each (layer, position, feature, value) in range."""
-    by_layer: dict[int, list[tuple[int, int, float]]] = {}
+) -> dict[int, dict[tuple[int, int], float]]:
+    """The interventions by layer: {(position, feature): value}, each in range (of two on one feature, the later
+    one, as in circuit-tracer)."""
+    by_layer: dict[int, dict[tuple[int, int], float]] = {}
     for i, item in enumerate(interventions):
         ok = isinstance(item, (tuple, list)) and len(item) == 4
         layer, position, feature, value = item if ok else (None,) * 4
@@ -90,5 +91,5 @@ def _checked(
                 and isinstance(value, (int, float)) and not isinstance(value, bool)):  # fmt: skip
             raise ValueError(f"interventions[{i}]: {item!r} is not (layer in 0..{n_layers - 1}, position in "
                              f"0..{n_pos - 1}, a feature of that layer's transcoder, value: a number)")  # fmt: skip
-        by_layer.setdefault(layer, []).append((position % n_pos, feature, float(value)))
+        by_layer.setdefault(layer, {})[position % n_pos, feature] = float(value)
     return by_layer
