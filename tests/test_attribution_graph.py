@@ -142,7 +142,7 @@ def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
 
 
 @pytest.mark.parametrize(("family", "jumprelu", "skip"), [("gpt2", False, True), ("llama", True, False)])
-def test_cross_layer_transcoders_edges_equal_circuit_tracer_s(models, family, jumprelu, skip):
+def test_cross_layer_transcoders_edges_equal_circuit_tracer_s(models, family, jumprelu, skip, tmp_path):
     """A cross-layer transcoder: each feature writes to its layer's MLP output and every later one's."""
     hooked, reference = models[family]
     clt = cross_layer_transcoder(jumprelu, skip)
@@ -162,6 +162,16 @@ def test_cross_layer_transcoders_edges_equal_circuit_tracer_s(models, family, ju
     own_layer = attribute(hooked, PROMPT, alone, batch_size=32)
     assert torch.equal(own_layer.active_features, got.active_features)
     assert rel_err(own_layer.adjacency_matrix, got.adjacency_matrix) > 1e-2
+    if skip:  # (circuit-tracer's to_safetensors does not save W_skip)
+        return
+    # saved as circuit-tracer saves it and loaded with its decoders left on disk: the same graph
+    from circuit_tracer.transcoder.cross_layer_transcoder import load_clt
+
+    clt.to_safetensors(str(tmp_path / "clt"))
+    lazy = load_clt(str(tmp_path / "clt"), "mlp.hook_in", "mlp.hook_out", device=torch.device("cpu"),
+                    dtype=torch.float32, lazy_decoder=True)  # fmt: skip
+    assert lazy.W_dec is None
+    assert rel_err(attribute(hooked, PROMPT, lazy, batch_size=32).adjacency_matrix, got.adjacency_matrix) <= 1e-6
 
 
 def test_kept_feature_nodes_pruning_and_scores_equal_circuit_tracer_s(models):

@@ -187,15 +187,18 @@ class _Setup:
             encoders.append(tcs.encoder_rows(layer, at[:, 1]))
         self.active, self.values, self.encoders = torch.cat(active), torch.cat(values), torch.cat(encoders)
         first = [0, *torch.bincount(self.active[:, 0], minlength=len(inputs)).cumsum(0).tolist()]
-        self.writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: the features writing there, what
+        writing: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in inputs]
+        for layer in range(len(inputs)):  # (each layer's features' decoders read once, for all they write to)
+            ids = torch.arange(first[layer], first[layer + 1])
+            rows = self.values[ids, None, None] * tcs.decoder_rows(layer, self.active[ids, 2])
+            for j, out in enumerate(tcs.targets(layer)):
+                writing[out].append((ids, rows[:, j]))
+        # per layer: the features writing there and what they write
+        self.writes = [(torch.cat([i for i, _ in w]), torch.cat([v for _, v in w])) for w in writing]
         errors = []
         for out, x in enumerate(inputs):
-            ids = torch.cat([torch.arange(first[src], first[src + 1]) for src in tcs.sources(out)])
-            layer, positions, features = self.active[ids].unbind(1)
-            vectors = torch.cat([tcs.decoder_rows(src, features[layer == src], out) for src in tcs.sources(out)])
-            vectors = self.values[ids, None] * vectors
-            self.writes.append((ids, vectors))
-            written = tcs.constant(out, x).index_add(0, positions, vectors)
+            ids, vectors = self.writes[out]
+            written = tcs.constant(out, x).index_add(0, self.active[ids, 1], vectors)
             error = cache[tcs.writes[out]][0].flatten(1).float().cpu() - written
             error[:ZERO_POSITIONS] = 0
             errors.append(error)

@@ -53,13 +53,10 @@ def feature_intervention(
         acts[layer] = tcs.encode(layer, x)
         acts[layer][:ZERO_POSITIONS] = 0
         for (position, feature), target in changes.get(layer, {}).items():
-            delta = target - acts[layer][position, feature]
-            ids = torch.tensor([feature])
-            for out in range(layer, n):
-                if layer in tcs.sources(out):
-                    row = delta * tcs.decoder_rows(layer, ids, out)[0]
-                    deltas[out] = torch.zeros(n_pos, len(row)) if deltas[out] is None else deltas[out]
-                    deltas[out][position] += row
+            rows = (target - acts[layer][position, feature]) * tcs.decoder_rows(layer, torch.tensor([feature]))[0]
+            for row, out in zip(rows, tcs.targets(layer)):
+                deltas[out] = torch.zeros(n_pos, len(row)) if deltas[out] is None else deltas[out]
+                deltas[out][position] += row
 
     def write(layer: int, value: torch.Tensor, hook: Any) -> torch.Tensor | None:
         if deltas[layer] is None:

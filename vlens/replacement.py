@@ -4,8 +4,9 @@ TranscoderSet) or circuit-tracer's cross-layer transcoder, whose features read o
 MLP outputs of that layer and every later one.
 
 Each layer L's transcoder reads `reads[L]` and what its features write lands in `writes[L]` (the layer's
-hook_mlp_out); `sources(L)` are the layers whose features write there. All of it float32 on the host, but
-`skip`, which the replacement model's forward calls on the device.
+hook_mlp_out) of each layer in `targets(L)`. All of it float32 on the host, but `skip`, which the replacement
+model's forward calls on the device. A cross-layer transcoder's decoders are read for the features asked for only
+(circuit-tracer's lazy decoders stay on disk but for those).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class PerLayer:
         self.d_out = [tc.d_out for tc in transcoders]
         self.d_sae = [tc.d_sae for tc in transcoders]
 
-    def sources(self, layer: int) -> range:
+    def targets(self, layer: int) -> range:
         return range(layer, layer + 1)
 
     def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +47,9 @@ class PerLayer:
     def encoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
         return self.tcs[layer].W_enc[:, features].T
 
-    def decoder_rows(self, layer: int, features: torch.Tensor, out: int) -> torch.Tensor:
-        return self.tcs[layer].W_dec[features]
+    def decoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
+        """[features, targets, d]: what each feature writes to each layer it writes to."""
+        return self.tcs[layer].W_dec[features][:, None]
 
     def constant(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """What layer `layer`'s output has beside its features' writes: b_dec, and the skip connection from `x`."""
@@ -65,9 +67,8 @@ class CrossLayer:
 
     def __init__(self, clt: Any, reads: list[str], writes: list[str]):
         n = clt.n_layers
-        self.reads, self.writes = reads, writes
+        self.clt, self.reads, self.writes = clt, reads, writes
         self.W_enc = clt._get_encoder_weights().detach().float().cpu()  # [n, d_sae, d]
-        self.W_dec = [clt._get_decoder_vectors(layer).detach().float().cpu() for layer in range(n)]  # [d_sae, n - L, d]
         self.b_enc, self.b_dec = clt.b_enc.detach().float().cpu(), clt.b_dec.detach().float().cpu()
         self.W_skip = None if clt.W_skip is None else clt.W_skip.detach().float().cpu()
         act = clt.activation_function
@@ -75,8 +76,8 @@ class CrossLayer:
         self.d_in = self.d_out = [clt.d_model] * n
         self.d_sae = [clt.d_transcoder] * n
 
-    def sources(self, layer: int) -> range:
-        return range(layer + 1)
+    def targets(self, layer: int) -> range:
+        return range(layer, len(self.reads))
 
     def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         pre = x @ self.W_enc[layer].T + self.b_enc[layer]
@@ -85,8 +86,11 @@ class CrossLayer:
     def encoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
         return self.W_enc[layer][features]
 
-    def decoder_rows(self, layer: int, features: torch.Tensor, out: int) -> torch.Tensor:
-        return self.W_dec[layer][features, out - layer]
+    def decoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
+        """[features, targets, d]: what each feature writes to each layer it writes to."""
+        if not len(features):  # (a lazy decoder's file is not read for nothing)
+            return torch.zeros(0, len(self.targets(layer)), self.d_out[layer])
+        return self.clt._get_decoder_vectors(layer, features).detach().float().cpu()
 
     def constant(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         out = self.b_dec[layer].expand(len(x), -1)
