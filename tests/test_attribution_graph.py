@@ -174,6 +174,32 @@ def test_cross_layer_transcoders_edges_equal_circuit_tracer_s(models, family, ju
     assert rel_err(attribute(hooked, PROMPT, lazy, batch_size=32).adjacency_matrix, got.adjacency_matrix) <= 1e-6
 
 
+def test_chosen_logit_targets_equal_circuit_tracer_s(models):
+    """attribution_targets: token ids (their probabilities whatever they are), and a custom target (a logit
+    difference: the difference of two unembedding columns, weight 1)."""
+    hooked, reference = models["gpt2"]
+    theirs, ours = transcoders(64, 48, 3, skip=False, jumprelu=False)
+    model = replacement_model(reference, theirs)
+    ids = torch.tensor([7, 250, 33])
+    W_U = hooked.W_U
+    custom = [("250 - 7", 1.0, W_U[:, 250] - W_U[:, 7]), ("33", 0.5, W_U[:, 33] - W_U.mean(-1))]
+    for targets in (ids, custom):
+        want = circuit_tracer().attribute(PROMPT, model, attribution_targets=targets, batch_size=32)
+        got = attribute(hooked, PROMPT, ours, attribution_targets=targets, batch_size=32)
+        assert got.logit_tokens.tolist() == [t.vocab_idx for t in want.logit_targets]
+        assert got.logit_names[0] == want.logit_targets[0].token_str or targets is ids
+        assert rel_err(got.logit_probabilities, want.logit_probabilities) <= 1e-6
+        assert rel_err(got.adjacency_matrix, want.adjacency_matrix) <= 1e-4
+    # the custom difference's row is the difference of the two tokens' rows (their means cancel)
+    by_ids = attribute(hooked, PROMPT, ours, attribution_targets=[250, 7], batch_size=32)
+    rows = by_ids.adjacency_matrix[-2:]
+    assert rel_err(got.adjacency_matrix[-2], rows[0] - rows[1]) <= 1e-5
+    with pytest.raises(ValueError, match=r"^attribution_targets: \[300\] is not None, token ids in 0\.\.299"):
+        attribute(hooked, PROMPT, ours, attribution_targets=[300])
+    with pytest.raises(ValueError, match=r"^attribution_targets\[0\]: a custom target is \(name, weight, vector \[64\]\)"):
+        attribute(hooked, PROMPT, ours, attribution_targets=[("x", 1.0, torch.zeros(3))])
+
+
 def test_kept_feature_nodes_pruning_and_scores_equal_circuit_tracer_s(models):
     """max_feature_nodes keeps the features circuit-tracer's ranking keeps (by influence, in rounds); pruning and the
     replacement / completeness scores of the same graph agree."""
@@ -275,6 +301,12 @@ def test_a_smollm2_graph_draws_in_circuit_tracer_s_viewer(smol_path, tmp_path):
     assert kinds.count("cross layer transcoder") == sum(node < graph.n_features for node in connected)
     errors = range(graph.error_node(0, 0), graph.token_node(0))
     assert kinds.count("mlp reconstruction error") == sum(node in errors for node in connected) > 0
+    # logit nodes named by their texts (one token each)
+    chosen = attribute(model, text, ours, attribution_targets=[" Austin", " Texas"], max_feature_nodes=8)
+    assert chosen.logit_names == [" Austin", " Texas"]
+    assert chosen.logit_tokens.tolist() == [model.to_single_token(" Austin"), model.to_single_token(" Texas")]
+    with pytest.raises(ValueError, match=r"^attribution_targets: ' Austin, Texas' is \d tokens"):
+        attribute(model, text, ours, attribution_targets=[" Austin, Texas"])
 
 
 @pytest.mark.parametrize(("family", "kind", "freeze"), [("gpt2", "per-layer", True), ("gpt2", "per-layer", False),

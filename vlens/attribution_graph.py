@@ -46,9 +46,10 @@ class Graph:
     activation_values: torch.Tensor  # [n_active]
     selected_features: torch.Tensor  # indices into active_features of the feature nodes, ascending
     adjacency_matrix: torch.Tensor
-    logit_tokens: torch.Tensor  # [n_logits] ids, the likeliest first
-    logit_probabilities: torch.Tensor  # [n_logits]
+    logit_tokens: torch.Tensor  # [n_logits] ids, the likeliest first (a custom target: vocab_size + its index)
+    logit_probabilities: torch.Tensor  # [n_logits]: their weights in the influence on the logits
     n_layers: int
+    logit_names: list[str]  # each logit node's token as text (a custom target: its name)
 
     @property
     def n_pos(self) -> int:
@@ -71,11 +72,14 @@ class Graph:
 def attribute(
     model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Any, *, max_n_logits: int = 10,
     desired_logit_prob: float = 0.95, batch_size: int = 256, max_feature_nodes: int | None = None,
+    attribution_targets: Any = None,
 ) -> Graph:  # fmt: skip
     """The attribution graph of `prompt` (a text, or token ids) through `transcoders`: one per layer, in layer order
     (vlens SAEs with hook_out, SAELens's transcoder objects), or circuit-tracer's TranscoderSet or
     CrossLayerTranscoder (vlens.replacement). Its logit nodes are the likeliest next tokens until their
-    probabilities sum to `desired_logit_prob` (at most `max_n_logits`). `max_feature_nodes`: keep only that many
+    probabilities sum to `desired_logit_prob` (at most `max_n_logits`), or `attribution_targets` (circuit-tracer's):
+    token ids, one-token texts, or custom targets (name, weight, vector [d_model]) whose node reads the final norm's
+    output with that vector (a logit difference: the difference of two unembedding columns). `max_feature_nodes`: keep only that many
     feature nodes, chosen as circuit-tracer chooses them (by their influence on the logits so far, in rounds of
     4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
     prompt in its forward)."""
@@ -90,7 +94,8 @@ def attribute(
     tokens = prompt_tokens(model, prompt)
     setup = _Setup(model, tcs, tokens)
     n_layers, n_pos, n_active = model.cfg.num_layers, len(tokens), len(setup.active)
-    ids, probs, logit_vectors = _logit_targets(model, setup.last_logits, max_n_logits, desired_logit_prob)
+    ids, probs, logit_vectors, names = _logit_targets(model, setup.last_logits, max_n_logits, desired_logit_prob,
+                                                      attribution_targets)  # fmt: skip
     wanted = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
 
     rows = _Rows(model, tcs, tokens, setup, min(batch_size, max(len(ids), wanted, 1)))
@@ -120,19 +125,53 @@ def attribute(
 
     selected = done.nonzero().squeeze(1)
     return Graph(tokens, setup.active, setup.values, selected, _adjacency(edges, row_node, selected, n_active), ids,
-                 probs, n_layers)  # fmt: skip
+                 probs, n_layers, names)  # fmt: skip
 
 
 def _logit_targets(
-    model: HookedLM, logits: torch.Tensor, most: int, probability: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The likeliest next tokens until their probabilities reach `probability` (at most `most`): their ids, their
-    probabilities, and the vectors their logits read the final norm's output with (unembedding columns minus the
-    mean column, circuit-tracer's)."""
-    probs, ids = torch.softmax(logits, -1).topk(min(most, len(logits)))
-    cutoff = int(torch.searchsorted(probs.cumsum(0), torch.tensor(probability))) + 1
-    W_U, ids = model.W_U, ids[:cutoff]  # (no float32 copy of the whole unembedding)
-    return ids, probs[:cutoff], (W_U[:, ids].float() - W_U.mean(-1, keepdim=True, dtype=torch.float32)).T
+    model: HookedLM, logits: torch.Tensor, most: int, probability: float, targets: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """The logit nodes (see attribute): their ids, weights (probabilities), the vectors they read the final norm's
+    output with (a token's: its unembedding column minus the mean column, circuit-tracer's), and their names."""
+    vocab, tokenizer = len(logits), model.tokenizer
+    probabilities = torch.softmax(logits, -1)
+    field = "attribution_targets"
+    if targets is None:
+        probs, ids = probabilities.topk(min(most, vocab))
+        ids = ids[: int(torch.searchsorted(probs.cumsum(0), torch.tensor(probability))) + 1]
+    elif isinstance(targets, (list, tuple)) and targets and all(isinstance(t, tuple) for t in targets):
+        return _custom_targets(targets, vocab, model.cfg.hidden_size)
+    elif isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) for t in targets):
+        if tokenizer is None:
+            raise ValueError(f"{field}: texts need a tokenizer, and this model has none; give token ids")
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in targets]
+        bad = [(t, i) for t, i in zip(targets, ids) if len(i) != 1]
+        if bad:
+            raise ValueError(f"{field}: {bad[0][0]!r} is {len(bad[0][1])} tokens ({bad[0][1]}); each must be one token")
+        ids = torch.tensor([i[0] for i in ids])
+    else:
+        ids = torch.as_tensor(targets).reshape(-1) if isinstance(targets, (torch.Tensor, list, tuple)) else None
+        if ids is None or not len(ids) or ids.is_floating_point() or not bool(((ids >= 0) & (ids < vocab)).all()):
+            raise ValueError(f"{field}: {targets!r} is not None, token ids in 0..{vocab - 1}, one-token texts, or "
+                             "(name, weight, vector) custom targets")  # fmt: skip
+        ids = ids.long().cpu()
+    W_U = model.W_U  # (no float32 copy of the whole unembedding)
+    vectors = (W_U[:, ids].float() - W_U.mean(-1, keepdim=True, dtype=torch.float32)).T
+    names = [tokenizer.decode([i]) if tokenizer is not None else str(i) for i in ids.tolist()]
+    return ids, probabilities[ids], vectors, names
+
+
+def _custom_targets(
+    targets: Sequence[tuple], vocab: int, d_model: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """circuit-tracer's custom targets: (name, weight, vector [d_model]) each, given ids past the vocabulary."""
+    for i, target in enumerate(targets):
+        ok = len(target) == 3 and isinstance(target[0], str) and isinstance(target[1], (int, float))
+        if not ok or not isinstance(target[2], torch.Tensor) or target[2].shape != (d_model,):
+            raise ValueError(f"attribution_targets[{i}]: a custom target is (name, weight, vector [{d_model}])")
+    names = [t[0] for t in targets]
+    ids = torch.arange(vocab, vocab + len(targets))
+    return ids, torch.tensor([float(t[1]) for t in targets]), torch.stack([t[2].float().cpu() for t in targets]), names
 
 
 def _adjacency(edges: torch.Tensor, row_node: torch.Tensor, selected: torch.Tensor, n_active: int) -> torch.Tensor:
@@ -302,7 +341,7 @@ def to_circuit_tracer(graph: Graph, model: HookedLM, scan: str | list[str] | Non
         original_architecture=cfg.architecture, n_key_value_heads=cfg.num_kv_heads,
     )  # fmt: skip
     decode = model.tokenizer.decode if model.tokenizer is not None else str
-    targets = [LogitTarget(token_str=decode([t]), vocab_idx=t) for t in graph.logit_tokens.tolist()]
+    targets = [LogitTarget(token_str=name, vocab_idx=t) for name, t in zip(graph.logit_names, graph.logit_tokens.tolist())]
     return TracerGraph(
         input_string=decode(graph.input_tokens.tolist()), input_tokens=graph.input_tokens,
         active_features=graph.active_features, adjacency_matrix=graph.adjacency_matrix, cfg=config,
