@@ -116,6 +116,8 @@ def attribute(
             influence = _influence(_normalised(edges[:filled], 1e-8), weights, row_node[:filled])
             rank = influence[:n_active].argsort(descending=True)
             pending = rank[~done[rank]][: min(4 * rows.batch, len(ids) + wanted - filled)]
+            # (a round's features by layer: a batch's backward pass starts at its deepest feature's layer)
+            pending = pending[setup.active[pending, 0].argsort(stable=True)]
         for chunk in pending.split(rows.batch):
             at = setup.active[chunk]
             edges[filled : filled + len(chunk), :sources] = rows(at[:, 0], at[:, 1], setup.encoders[chunk])
