@@ -118,8 +118,10 @@ def models(tmp_path_factory):
             "gemma2": (HookedLM(gemma2, dtype="float32", device="cpu"), gemma2_ref)}  # fmt: skip
 
 
-@pytest.mark.parametrize(("family", "skip", "jumprelu"), [("gpt2", False, False), ("gpt2", True, True),
-                                                           ("llama", True, False), ("gemma2", False, True)])  # fmt: skip
+EDGE_CASES = [("gpt2", False, False), ("gpt2", True, True), ("llama", True, False), ("gemma2", False, True)]
+
+
+@pytest.mark.parametrize(("family", "skip", "jumprelu"), EDGE_CASES)
 def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
     """Gemma 2 (post-norms, soft-caps): its transcoders write hook_mlp_out, after the MLP's post-norm, as Gemma
     Scope's do; the post-norms' scales are frozen with the others."""
@@ -158,7 +160,8 @@ def test_cross_layer_transcoders_edges_equal_circuit_tracer_s(models, family, ju
                  W_skip=None if clt.W_skip is None else clt.W_skip[layer].detach().T.contiguous(),
                  threshold=clt.activation_function.threshold[layer, 0].detach() if jumprelu else None,
                  architecture="jumprelu" if jumprelu else "standard", apply_b_dec_to_input=False,
-                 hook=f"blocks.{layer}.ln2.hook_out", hook_out=f"blocks.{layer}.hook_mlp_out") for layer in range(3)]  # fmt: skip
+                 hook=f"blocks.{layer}.ln2.hook_out", hook_out=f"blocks.{layer}.hook_mlp_out")
+             for layer in range(3)]  # fmt: skip
     own_layer = attribute(hooked, PROMPT, alone, batch_size=32)
     assert torch.equal(own_layer.active_features, got.active_features)
     assert rel_err(own_layer.adjacency_matrix, got.adjacency_matrix) > 1e-2
@@ -196,7 +199,7 @@ def test_chosen_logit_targets_equal_circuit_tracer_s(models):
     assert rel_err(got.adjacency_matrix[-2], rows[0] - rows[1]) <= 1e-5
     with pytest.raises(ValueError, match=r"^attribution_targets: \[300\] is not None, token ids in 0\.\.299"):
         attribute(hooked, PROMPT, ours, attribution_targets=[300])
-    with pytest.raises(ValueError, match=r"^attribution_targets\[0\]: a custom target is \(name, weight, vector \[64\]\)"):
+    with pytest.raises(ValueError, match=r"^attribution_targets\[0\]: a custom target is \(name, weight, vector"):
         attribute(hooked, PROMPT, ours, attribution_targets=[("x", 1.0, torch.zeros(3))])
 
 
@@ -294,7 +297,8 @@ def test_a_smollm2_graph_draws_in_circuit_tracer_s_viewer(smol_path, tmp_path):
     assert drawn["metadata"]["prompt_tokens"][0] == model.tokenizer.decode([int(tokens[0])])
     pruned = prune_graph(graph)
     kept = pruned.edge_mask.nonzero().tolist()
-    assert sorted(link["weight"] for link in drawn["links"]) == sorted(graph.adjacency_matrix[t, s].item() for t, s in kept)
+    weights = sorted(graph.adjacency_matrix[t, s].item() for t, s in kept)
+    assert sorted(link["weight"] for link in drawn["links"]) == weights
     kinds = [node["feature_type"] for node in drawn["nodes"]]
     assert kinds.count("embedding") == len(tokens) and kinds.count("logit") == len(graph.logit_tokens)
     connected = {node for edge in kept for node in edge}  # (the viewer draws the nodes some kept edge touches)
@@ -309,8 +313,11 @@ def test_a_smollm2_graph_draws_in_circuit_tracer_s_viewer(smol_path, tmp_path):
         attribute(model, text, ours, attribution_targets=[" Austin, Texas"])
 
 
-@pytest.mark.parametrize(("family", "kind", "freeze"), [("gpt2", "per-layer", True), ("gpt2", "per-layer", False),
-                                                         ("llama", "cross-layer", True), ("gemma2", "per-layer", True)])  # fmt: skip
+INTERVENTION_CASES = [("gpt2", "per-layer", True), ("gpt2", "per-layer", False), ("llama", "cross-layer", True),
+                      ("gemma2", "per-layer", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "kind", "freeze"), INTERVENTION_CASES)
 def test_feature_interventions_equal_circuit_tracer_s(models, family, kind, freeze):
     """Features set (one off, one up, at two layers and positions; one at position 0): the logits and every layer's
     features on the intervened run equal circuit-tracer's feature_intervention's, with attention frozen or not."""

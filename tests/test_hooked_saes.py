@@ -142,7 +142,8 @@ def test_excluded_tokens_bypass_the_saes_as_in_saelens(pair):
         with hooked.saes(ours, exclude_special_tokens=skip), theirs.saes(saes, exclude_special_tokens=skip):
             tokens = hooked.generate(TOKENS, **settings)
             assert torch.equal(tokens, hooked.generate(TOKENS, use_past_kv_cache=False, **settings))
-            assert torch.equal(tokens[:, 9:], torch.stack([theirs(tokens[:, :n])[:, -1].argmax(-1) for n in range(9, 13)], 1))
+            steps = [theirs(tokens[:, :n])[:, -1].argmax(-1) for n in range(9, 13)]
+            assert torch.equal(tokens[:, 9:], torch.stack(steps, 1))
     with pytest.raises(ValueError, match=r"^exclude_special_tokens: True takes the tokenizer's special ids, and this"):
         hooked.add_sae(ours[0], exclude_special_tokens=True)
     with pytest.raises(ValueError, match=r"^exclude_special_tokens: expected True, False or token ids in 0\.\.299"):

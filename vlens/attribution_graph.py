@@ -79,15 +79,16 @@ def attribute(
     CrossLayerTranscoder (vlens.replacement). Its logit nodes are the likeliest next tokens until their
     probabilities sum to `desired_logit_prob` (at most `max_n_logits`), or `attribution_targets` (circuit-tracer's):
     token ids, one-token texts, or custom targets (name, weight, vector [d_model]) whose node reads the final norm's
-    output with that vector (a logit difference: the difference of two unembedding columns). `max_feature_nodes`: keep only that many
-    feature nodes, chosen as circuit-tracer chooses them (by their influence on the logits so far, in rounds of
-    4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
+    output with that vector (a logit difference: the difference of two unembedding columns).
+    `max_feature_nodes`: keep only that many feature nodes, chosen as circuit-tracer chooses them (by their
+    influence on the logits so far, in rounds of 4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
     prompt in its forward)."""
     model._model()  # (one process: refused under tensor parallelism)
     counts = {"max_n_logits": max_n_logits, "batch_size": batch_size, "max_feature_nodes": max_feature_nodes or 1}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {value!r} is not an int >= 1" + (" (or None)" if name == "max_feature_nodes" else ""))
+            none = " (or None)" if name == "max_feature_nodes" else ""
+            raise ValueError(f"{name}: {value!r} is not an int >= 1{none}")
     if not 0.0 < desired_logit_prob <= 1.0:
         raise ValueError(f"desired_logit_prob: {desired_logit_prob!r} is not in (0, 1]")
     tcs = replacement(model, transcoders)
@@ -202,7 +203,8 @@ def prompt_tokens(model: HookedLM, prompt: str | Sequence[int] | torch.Tensor) -
     if not len(ids) or not bool(((ids >= 0) & (ids < model.cfg.vocab_size)).all()):
         raise ValueError(f"prompt: token ids in 0..{model.cfg.vocab_size - 1}, at least one; got {ids.tolist()[:8]}")
     if tokenizer is not None and int(ids[0]) not in tokenizer.all_special_ids:
-        first = next((t for t in (tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), None)
+        special = (tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        first = next((t for t in special if t is not None), None)
         if first is not None:
             ids = torch.cat([torch.tensor([first]), ids])
     return ids
@@ -261,7 +263,8 @@ class _Rows:
         positions = setup.active[:, 1]
         self.writes = [(ids.to(device), positions[ids].to(device), v.to(device)) for ids, v in setup.writes]
         self.errors, self.embeddings = setup.errors.to(device), setup.embeddings.to(device)
-        self.reads: list[torch.Tensor | None] = [None] * (n + 1)  # each layer's transcoder input, the final norm's output
+        # each layer's transcoder input, then the final norm's output: what the targets read
+        self.reads: list[torch.Tensor | None] = [None] * (n + 1)
         self.buffer: torch.Tensor | None = None  # [sources, batch] of the backward pass running
 
         def freeze(value: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -343,7 +346,8 @@ def to_circuit_tracer(graph: Graph, model: HookedLM, scan: str | list[str] | Non
         original_architecture=cfg.architecture, n_key_value_heads=cfg.num_kv_heads,
     )  # fmt: skip
     decode = model.tokenizer.decode if model.tokenizer is not None else str
-    targets = [LogitTarget(token_str=name, vocab_idx=t) for name, t in zip(graph.logit_names, graph.logit_tokens.tolist())]
+    ids = graph.logit_tokens.tolist()
+    targets = [LogitTarget(token_str=name, vocab_idx=t) for name, t in zip(graph.logit_names, ids)]
     return TracerGraph(
         input_string=decode(graph.input_tokens.tolist()), input_tokens=graph.input_tokens,
         active_features=graph.active_features, adjacency_matrix=graph.adjacency_matrix, cfg=config,

@@ -28,8 +28,8 @@ Intervention = tuple[int, int, int, float]  # layer, position, feature, value
 
 
 def feature_intervention(
-    model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Any, interventions: Sequence[Intervention],
-    freeze_attention: bool = True,
+    model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Any,
+    interventions: Sequence[Intervention], freeze_attention: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(logits [positions, vocab], activations [layers, positions, d_sae]) of `prompt` (tokenized as attribute
     tokenizes it: prompt_tokens) with the `interventions` in force; the activations are every layer's transcoder

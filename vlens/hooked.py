@@ -539,9 +539,9 @@ class HookedLM(ModelWeights, SAEMethods):
         return resolve_hooks(names_filter, self.cfg, self._shapes)
 
     def _tap_hooks(
-        self, padding: Padding, fed: list[list[int]], keep: str | None = None, grads: dict[str, torch.Tensor] | None = None,
-        saved: Sequence[str] = (), values: dict[str, torch.Tensor] | None = None,
-        readers: dict[str, list[HookFn]] | None = None,
+        self, padding: Padding, fed: list[list[int]], keep: str | None = None,
+        grads: dict[str, torch.Tensor] | None = None, saved: Sequence[str] = (),
+        values: dict[str, torch.Tensor] | None = None, readers: dict[str, list[HookFn]] | None = None,
     ) -> dict[str, TapHooks]:  # fmt: skip
         """The hooks in force, by tap, for a forward of the token ids `fed` (each text's, laid out by `padding`);
         `keep`: that tap's value is kept; `saved` taps put their gradient in

@@ -76,7 +76,9 @@ class Splice:
 
     def __call__(self, value: torch.Tensor, hook: HookPoint) -> torch.Tensor:
         sae = self.sae.placed(value.device, value.dtype)
-        bypass = None if self.bypass is None else self.bypass.to(value.device).view(*value.shape[:2], *[1] * (value.dim() - 2))
+        bypass = self.bypass
+        if bypass is not None:  # ([batch, pos], against values of any per-token shape)
+            bypass = bypass.to(value.device).view(*value.shape[:2], *[1] * (value.dim() - 2))
         source, self.input = (value if self.input is None else self.input), None
         if any(self.bwd.values()) and torch.is_grad_enabled() and not source.requires_grad:
             source = source.detach().requires_grad_()  # (nothing before is differentiated: the graph starts here)
@@ -200,13 +202,15 @@ class SAEMethods:
             return self(*args, **kwargs)
 
     def run_with_cache_with_saes(self, *args: Any, saes: Any = (), reset_saes_end: bool = True,
-                                 use_error_term: bool | None = None, exclude_special_tokens: bool | Sequence[int] = False,
+                                 use_error_term: bool | None = None,
+                                 exclude_special_tokens: bool | Sequence[int] = False,
                                  **kwargs: Any) -> Any:  # fmt: skip
         with self.saes(saes, reset_saes_end, use_error_term, exclude_special_tokens):
             return self.run_with_cache(*args, **kwargs)
 
     def run_with_hooks_with_saes(self, *args: Any, saes: Any = (), reset_saes_end: bool = True,
-                                 exclude_special_tokens: bool | Sequence[int] = False, **kwargs: Any) -> Any:  # fmt: skip
+                                 exclude_special_tokens: bool | Sequence[int] = False,
+                                 **kwargs: Any) -> Any:  # fmt: skip
         with self.saes(saes, reset_saes_end, exclude_special_tokens=exclude_special_tokens):
             return self.run_with_hooks(*args, **kwargs)
 

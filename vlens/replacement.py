@@ -108,7 +108,7 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
     if hasattr(transcoders, "feature_input_hook"):  # circuit-tracer's: its hooks name every layer's
         reads, writes = (_from_circuit_tracer(model, hook) for hook in (transcoders.feature_input_hook,
                                                                          transcoders.feature_output_hook))  # fmt: skip
-        reads, writes = [f"blocks.{layer}.{reads}" for layer in range(n)], [f"blocks.{layer}.{writes}" for layer in range(n)]
+        reads, writes = ([f"blocks.{layer}.{hook}" for layer in range(n)] for hook in (reads, writes))
         if type(transcoders).__name__ == "CrossLayerTranscoder":
             if transcoders.n_layers != n:
                 raise ValueError(f"transcoders: a cross-layer transcoder of {transcoders.n_layers} layers; this model "
@@ -128,8 +128,8 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
         before_mlp = layer_hooks(model.cfg, layer)
         before_mlp = before_mlp[: before_mlp.index("ln2.hook_out") + 1]
         if chosen.reads[layer] not in {f"blocks.{layer}.{hook}" for hook in before_mlp}:
-            raise ValueError(f"{where}: reads {chosen.reads[layer]!r}; layer {layer}'s must read a hook of its layer up "
-                             f"to the MLP's input, blocks.{layer}.ln2.hook_out")  # fmt: skip
+            raise ValueError(f"{where}: reads {chosen.reads[layer]!r}; layer {layer}'s must read a hook of its "
+                             f"layer up to the MLP's input, blocks.{layer}.ln2.hook_out")  # fmt: skip
         model._check_hook(chosen.reads[layer], chosen.d_in[layer], "hook", "d_in")
         model._check_hook(chosen.writes[layer], chosen.d_out[layer], "hook_out", "d_out")
     return chosen

@@ -122,9 +122,9 @@ class Clamp:
         _check_sae(self.sae, "clamp")
         if self.sae.transcoder:
             raise ValueError(
-                f"clamp.sae: a transcoder's latent is read at {self.sae.hook} and written at {self.sae.hook_out}, so no "
-                "one tap can clamp it; Steer(sae=, feature=) adds its decoder row at its output, and HookedLM's "
-                "add_sae with a hook at hook_sae_acts_post sets it"
+                f"clamp.sae: a transcoder's latent is read at {self.sae.hook} and written at {self.sae.hook_out}, "
+                "so no one tap can clamp it; Steer(sae=, feature=) adds its decoder row at its output, and "
+                "HookedLM's add_sae with a hook at hook_sae_acts_post sets it"
             )
         if self.sae.architecture == "topk":
             raise ValueError(

@@ -42,7 +42,10 @@ LAYER_HOOKS = (
 )
 # Gemma's post-norms (TransformerLens's names): the attention output's and the MLP's, whose outputs are the layer's
 # hook_attn_out and hook_mlp_out, so only their scale and normalised input are taps of their own.
-POST_NORM_HOOKS = (("ln1_post.hook_scale", "ln1_post.hook_normalized"), ("ln2_post.hook_scale", "ln2_post.hook_normalized"))
+POST_NORM_HOOKS = (
+    ("ln1_post.hook_scale", "ln1_post.hook_normalized"),
+    ("ln2_post.hook_scale", "ln2_post.hook_normalized"),
+)
 # What an MoE layer has in place of mlp.hook_post: the router's logits, the chosen experts (int64)
 # and, in Qwen2-MoE, the shared expert's hidden activation.
 MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")

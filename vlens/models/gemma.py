@@ -44,7 +44,8 @@ class GemmaDecoderLayer(ResidualBlock):
     attn_heads = property(lambda self: self.self_attn)
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return self.post_attention_layernorm(self.self_attn(h, rope), self.hook_ln1_post)  # sandwich norm: inside the tap
+        # (the sandwich norm: inside the tap)
+        return self.post_attention_layernorm(self.self_attn(h, rope), self.hook_ln1_post)
 
     def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
         return self.post_feedforward_layernorm(self.mlp(h), self.hook_ln2_post)

@@ -96,7 +96,8 @@ def from_circuit_tracer_object(transcoder: Any) -> dict[str, Any]:
         fields["W_skip"] = transcoder.W_skip.detach().float().cpu()
     if type(act).__name__ == "JumpReLU":
         threshold = act.threshold.detach().float().cpu().expand(fields["b_enc"].shape).clone()
-        if (threshold < 0).any():  # (its x * (x > t) keeps negative values above a negative threshold; vlens's ReLU does not)
+        # (its x * (x > t) keeps negative values above a negative threshold; vlens's JumpReLU, ReLU first, does not)
+        if (threshold < 0).any():
             raise ValueError(f"sae: {where} has negative JumpReLU thresholds, which vlens's JumpReLU does not take")
         fields.update(architecture="jumprelu", threshold=threshold)
     elif not isinstance(act, torch.nn.ReLU):
@@ -198,7 +199,8 @@ def _tensors(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, Any]:
             if missing
             else f"has tensors no SAE architecture here uses: {', '.join(unknown)}"
         )
-        raise ValueError(f"sae: {str(where)!r} {problem}; expected {', '.join(TENSORS[:4])} (+ threshold for jumprelu, W_skip for a skip transcoder)")
+        raise ValueError(f"sae: {str(where)!r} {problem}; expected {', '.join(TENSORS[:4])} (+ threshold for "
+                         "jumprelu, W_skip for a skip transcoder)")  # fmt: skip
     return {name: tensors[name] for name in TENSORS if name in tensors}
 
 
