@@ -341,3 +341,33 @@ def test_feature_interventions_equal_circuit_tracer_s(models, family, kind, free
     assert rel_err(plain, hooked(PROMPT[None])[0]) <= 1e-6  # (no interventions: the model's own forward)
     with pytest.raises(ValueError, match=r"^interventions\[0\]: \(3, 0, 0, 1\.0\) is not \(layer in 0\.\.2"):
         feature_intervention(hooked, PROMPT, ours, [(3, 0, 0, 1.0)])
+
+
+@pytest.mark.parametrize(("kind", "layers"), [("per-layer", range(3)), ("per-layer", range(1, 3)),
+                                              ("cross-layer", range(3))])  # fmt: skip
+def test_constrained_interventions_equal_circuit_tracer_s_and_the_graph_s_edges(models, kind, layers):
+    """constrained_layers: circuit-tracer's logits and features; and with every layer constrained, a feature turned
+    off moves each logit node's reading (its logit minus the mean logit) by minus its edge to it: the graph's
+    direct effects, computed by a forward instead of a gradient."""
+    hooked, reference = models["gpt2"]
+    if kind == "cross-layer":
+        theirs = ours = cross_layer_transcoder(jumprelu=False, skip=True, seed=2)
+    else:
+        per_layer, ours = transcoders(64, 48, 3, skip=True, jumprelu=False, seed=2)
+        theirs = per_layer
+    model = replacement_model(reference, theirs)
+    graph = attribute(hooked, PROMPT, ours, max_n_logits=3, desired_logit_prob=1.0, batch_size=64)
+    (layer, position, feature), node = graph.active_features[5].tolist(), 5
+    off = [(layer, position, feature, 0.0)]
+    with torch.no_grad():
+        want_logits, want_acts = model.feature_intervention(PROMPT, off, constrained_layers=layers)
+    logits, acts = feature_intervention(hooked, PROMPT, ours, off, constrained_layers=layers)
+    assert rel_err(logits, want_logits[0]) <= 1e-5 and rel_err(acts, want_acts) <= 1e-5
+    if layers == range(3):
+        plain = hooked(PROMPT[None])[0, -1]
+        reading = lambda row: row[graph.logit_tokens] - row.mean()  # noqa: E731
+        moved = reading(logits[-1]) - reading(plain)
+        edges = graph.adjacency_matrix[[graph.logit_node(i) for i in range(3)], node]
+        assert rel_err(moved, -edges) <= 1e-4 and edges.abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"^constrained_layers: range\(0, 4\) is not layers in 0\.\.2"):
+        feature_intervention(hooked, PROMPT, ours, off, constrained_layers=range(4))

@@ -29,38 +29,56 @@ Intervention = tuple[int, int, int, float]  # layer, position, feature, value
 
 def feature_intervention(
     model: HookedLM, prompt: str | Sequence[int] | torch.Tensor, transcoders: Any,
-    interventions: Sequence[Intervention], freeze_attention: bool = True,
+    interventions: Sequence[Intervention], freeze_attention: bool = True, constrained_layers: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(logits [positions, vocab], activations [layers, positions, d_sae]) of `prompt` (tokenized as attribute
     tokenizes it: prompt_tokens) with the `interventions` in force; the activations are every layer's transcoder
     features as its transcoder reads them on the intervened run (a feature set shows what it reads there, not
-    the value set: the change is in what it writes), as circuit-tracer returns them."""
+    the value set: the change is in what it writes), as circuit-tracer returns them.
+
+    `constrained_layers` (circuit-tracer's; a range of layers): the changes are those of the untouched run's
+    activations, written to those layers only, whose MLP outputs are frozen at the untouched run's (but for what a
+    skip connection passes on) and attention with them; with every layer constrained the norms' divisors are too,
+    so what an intervention does is its direct effect alone — the attribution graph's edges."""
     tcs = replacement(model, transcoders)
     tokens = prompt_tokens(model, prompt)
     n, n_pos = model.cfg.num_layers, len(tokens)
     changes = _checked(interventions, n, n_pos, tcs)
-    hooks = []
-    if freeze_attention and changes:
-        names = [f"blocks.{layer}.attn.hook_{qk}" for layer in range(n) for qk in "qk"]
+    constrained = _constrained(constrained_layers, n)
+    hooks, clean, frozen_out = [], {}, {}
+    if (freeze_attention or constrained) and changes:
+        frozen = [f"blocks.{layer}.attn.hook_{qk}" for layer in range(n) for qk in "qk"]
+        if constrained == list(range(n)):
+            frozen += [name for name in model._shapes if name.endswith(".hook_scale")]
+        frozen_out = {layer: tcs.writes[layer] for layer in constrained}
         with torch.no_grad():
-            _, clean = model.run_with_cache(tokens[None], names_filter=names)
-        hooks += [(name, partial(_put, clean[name])) for name in names]
+            _, clean = model.run_with_cache(tokens[None], names_filter=[*frozen, *frozen_out.values(), *tcs.reads])
+        hooks += [(name, partial(_put, clean[name])) for name in frozen]
+    inputs: list[torch.Tensor | None] = [None] * n  # each transcoder's input on this run, on the device
     acts: list[torch.Tensor | None] = [None] * n
     deltas: list[torch.Tensor | None] = [None] * n  # what each MLP output gets added, [positions, d_model]
 
     def read(layer: int, value: torch.Tensor, hook: Any) -> None:
-        x = value[0].flatten(1).float().cpu()
-        acts[layer] = tcs.encode(layer, x)
-        acts[layer][:ZERO_POSITIONS] = 0
+        inputs[layer] = value[0].flatten(1)
+        acts[layer] = _encoded(tcs, layer, inputs[layer])
+        base = _encoded(tcs, layer, clean[tcs.reads[layer]][0].flatten(1)) if constrained and changes else acts[layer]
         for (position, feature), target in changes.get(layer, {}).items():
-            rows = (target - acts[layer][position, feature]) * tcs.decoder_rows(layer, torch.tensor([feature]))[0]
+            rows = (target - base[position, feature]) * tcs.decoder_rows(layer, torch.tensor([feature]))[0]
             for row, out in zip(rows, tcs.targets(layer)):
                 deltas[out] = torch.zeros(n_pos, len(row)) if deltas[out] is None else deltas[out]
                 deltas[out][position] += row
 
     def write(layer: int, value: torch.Tensor, hook: Any) -> torch.Tensor | None:
-        if deltas[layer] is None:
+        if not changes or (constrained and layer not in frozen_out):
             return None
+        if constrained:  # (the untouched run's output, and what the skip connection passes on of this run's input)
+            x, x_clean = inputs[layer], clean[tcs.reads[layer]][0].flatten(1).to(value.device, value.dtype)
+            skip, skip_clean = tcs.skip(layer, x), tcs.skip(layer, x_clean)
+            value = clean[frozen_out[layer]].to(value.device, value.dtype)
+            if skip is not None:
+                value = value + (skip - skip_clean).view_as(value[0])
+        if deltas[layer] is None:
+            return value
         return value + deltas[layer].to(value.device, value.dtype).view_as(value[0])
 
     hooks += [(name, partial(read, layer)) for layer, name in enumerate(tcs.reads)]
@@ -68,6 +86,20 @@ def feature_intervention(
     with torch.no_grad():
         logits = model.run_with_hooks(tokens[None], fwd_hooks=hooks)
     return logits[0], torch.stack(acts)
+
+
+def _encoded(tcs: PerLayer | CrossLayer, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """Layer `layer`'s features of rows `x` (none at the first positions, as attribute has them)."""
+    acts = tcs.encode(layer, x.float().cpu())
+    acts[:ZERO_POSITIONS] = 0
+    return acts
+
+
+def _constrained(layers: Sequence[int] | None, n: int) -> list[int]:
+    chosen = sorted(set(layers or ()))
+    if not all(isinstance(layer, int) and 0 <= layer < n for layer in chosen):
+        raise ValueError(f"constrained_layers: {layers!r} is not layers in 0..{n - 1} (a range of them)")
+    return chosen
 
 
 def _put(fixed: torch.Tensor, value: torch.Tensor, hook: Any) -> torch.Tensor:
