@@ -131,6 +131,13 @@ def attribute(
                  probs, n_layers, names)  # fmt: skip
 
 
+def features_of(tcs: PerLayer | CrossLayer, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """Layer `layer`'s features of rows `x` (float32, on the host), none at the first positions."""
+    acts = tcs.encode(layer, x.float().cpu())
+    acts[:ZERO_POSITIONS] = 0
+    return acts
+
+
 def _logit_targets(
     model: HookedLM, logits: torch.Tensor, most: int, probability: float, targets: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
@@ -222,8 +229,7 @@ class _Setup:
         inputs = [cache[name][0].flatten(1).float().cpu() for name in tcs.reads]
         active, values, encoders = [], [], []
         for layer, x in enumerate(inputs):
-            acts = tcs.encode(layer, x)
-            acts[:ZERO_POSITIONS] = 0
+            acts = features_of(tcs, layer, x)
             at = acts.nonzero()
             active.append(torch.cat([torch.full((len(at), 1), layer), at], 1))
             values.append(acts[at[:, 0], at[:, 1]])

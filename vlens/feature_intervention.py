@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlens.attribution_graph import ZERO_POSITIONS, prompt_tokens
+from vlens.attribution_graph import features_of, prompt_tokens
 from vlens.replacement import CrossLayer, PerLayer, replacement
 
 if TYPE_CHECKING:
@@ -60,9 +60,11 @@ def feature_intervention(
 
     def read(layer: int, value: torch.Tensor, hook: Any) -> None:
         inputs[layer] = value[0].flatten(1)
-        acts[layer] = _encoded(tcs, layer, inputs[layer])
-        base = _encoded(tcs, layer, clean[tcs.reads[layer]][0].flatten(1)) if constrained and changes else acts[layer]
-        for (position, feature), target in changes.get(layer, {}).items():
+        acts[layer] = features_of(tcs, layer, inputs[layer])
+        if layer not in changes:
+            return
+        base = features_of(tcs, layer, clean[tcs.reads[layer]][0].flatten(1)) if constrained else acts[layer]
+        for (position, feature), target in changes[layer].items():
             rows = (target - base[position, feature]) * tcs.decoder_rows(layer, torch.tensor([feature]))[0]
             for row, out in zip(rows, tcs.targets(layer)):
                 deltas[out] = torch.zeros(n_pos, len(row)) if deltas[out] is None else deltas[out]
@@ -86,13 +88,6 @@ def feature_intervention(
     with torch.no_grad():
         logits = model.run_with_hooks(tokens[None], fwd_hooks=hooks)
     return logits[0], torch.stack(acts)
-
-
-def _encoded(tcs: PerLayer | CrossLayer, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """Layer `layer`'s features of rows `x` (none at the first positions, as attribute has them)."""
-    acts = tcs.encode(layer, x.float().cpu())
-    acts[:ZERO_POSITIONS] = 0
-    return acts
 
 
 def _constrained(layers: Sequence[int] | None, n: int) -> list[int]:

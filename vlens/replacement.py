@@ -18,15 +18,11 @@ import torch
 
 from vlens.capture.names import layer_hooks
 from vlens.hooked_saes import as_vlens_sae
+from vlens.sae.files import from_saelens
 from vlens.sae.model import SAE
 
 if TYPE_CHECKING:
     from vlens.hooked import HookedLM
-
-# circuit-tracer's hooks, relative to a TransformerLens block, in vlens's names (its ReplacementMLP's input and
-# output: without post-norms, what the MLP reads and what the layer adds)
-CIRCUIT_TRACER_HOOKS = {"mlp.hook_in": "ln2.hook_out", "mlp.hook_out": "hook_mlp_out"}
-
 
 class PerLayer:
     """One transcoder per layer: layer L's features write to layer L alone."""
@@ -106,9 +102,8 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
     blocks.L.hook_mlp_out, of the widths those hooks have."""
     n = model.cfg.num_layers
     if hasattr(transcoders, "feature_input_hook"):  # circuit-tracer's: its hooks name every layer's
-        reads, writes = (_from_circuit_tracer(model, hook) for hook in (transcoders.feature_input_hook,
-                                                                         transcoders.feature_output_hook))  # fmt: skip
-        reads, writes = ([f"blocks.{layer}.{hook}" for layer in range(n)] for hook in (reads, writes))
+        reads = [from_saelens(f"blocks.{layer}.{transcoders.feature_input_hook}") for layer in range(n)]
+        writes = [f"blocks.{layer}.{_written(model, transcoders.feature_output_hook)}" for layer in range(n)]
         if type(transcoders).__name__ == "CrossLayerTranscoder":
             if transcoders.n_layers != n:
                 raise ValueError(f"transcoders: a cross-layer transcoder of {transcoders.n_layers} layers; this model "
@@ -144,8 +139,13 @@ def _per_layer(transcoders: Sequence[Any]) -> list[SAE]:
     return tcs
 
 
-def _from_circuit_tracer(model: HookedLM, hook: str) -> str:
-    if model.cfg.post_norms and hook == "mlp.hook_out":
+def _written(model: HookedLM, hook: str) -> str:
+    """The hook a circuit-tracer transcoder set writes (relative to a block) in vlens's names: its ReplacementMLP's
+    output, `mlp.hook_out`, is what the layer adds (hook_mlp_out), but where a post-norm follows the MLP (Gemma).
+    (What it reads, `mlp.hook_in`, SAELens's name too, from_saelens translates.)"""
+    if hook != "mlp.hook_out":
+        return hook
+    if model.cfg.post_norms:
         raise ValueError(f"transcoders: write mlp.hook_out, {model.cfg.architecture}'s MLP output before its "
                          "post-norm, which no vlens tap holds; transcoders writing hook_mlp_out work")  # fmt: skip
-    return CIRCUIT_TRACER_HOOKS.get(hook, hook)
+    return "hook_mlp_out"
