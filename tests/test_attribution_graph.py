@@ -261,6 +261,8 @@ def test_the_graph_s_layout_and_what_is_refused(models):
         SAE.from_circuit_tracer(tc, "blocks.0.ln2.hook_out", "blocks.0.hook_mlp_out")
     with pytest.raises(ValueError, match=r"^prompt: token ids in 0\.\.299"):
         attribute(hooked, [5, 300], ours)
+    with pytest.raises(ValueError, match=r"^max_feature_nodes: 0 is not an int >= 1 \(or None\)"):
+        attribute(hooked, PROMPT, ours, max_feature_nodes=0)
     with pytest.raises(ValueError, match=r"^desired_logit_prob: 0 is not in \(0, 1\]"):
         attribute(hooked, PROMPT, ours, desired_logit_prob=0)
     with pytest.raises(ValueError, match=r"^node_threshold: 1\.5 is not in \[0, 1\]"):

@@ -81,10 +81,11 @@ def attribute(
     token ids, one-token texts, or custom targets (name, weight, vector [d_model]) whose node reads the final norm's
     output with that vector (a logit difference: the difference of two unembedding columns).
     `max_feature_nodes`: keep only that many feature nodes, chosen as circuit-tracer chooses them (by their
-    influence on the logits so far, in rounds of 4 x batch_size); None keeps every active feature. `batch_size`: targets per backward pass (copies of the
-    prompt in its forward)."""
+    influence on the logits so far, in rounds of 4 x batch_size); None keeps every active feature.
+    `batch_size`: targets per backward pass (copies of the prompt in its forward)."""
     model._model()  # (one process: refused under tensor parallelism)
-    counts = {"max_n_logits": max_n_logits, "batch_size": batch_size, "max_feature_nodes": max_feature_nodes or 1}
+    counts = {"max_n_logits": max_n_logits, "batch_size": batch_size,
+              "max_feature_nodes": 1 if max_feature_nodes is None else max_feature_nodes}  # fmt: skip
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             none = " (or None)" if name == "max_feature_nodes" else ""
