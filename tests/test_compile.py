@@ -77,6 +77,16 @@ def _sae(g: torch.Generator) -> SAE:
     )  # fmt: skip
 
 
+def _transcoder(g: torch.Generator) -> SAE:
+    """A small transcoder from blocks.0.ln2.hook_out to blocks.0.hook_mlp_out."""
+    d_sae = 32
+    return SAE(
+        W_enc=torch.randn(D, d_sae, generator=g), b_enc=torch.randn(d_sae, generator=g), W_dec=torch.randn(d_sae, D, generator=g),
+        b_dec=torch.randn(D, generator=g), hook="blocks.0.ln2.hook_out", hook_out="blocks.0.hook_mlp_out",
+        apply_b_dec_to_input=False,
+    )  # fmt: skip
+
+
 def _mixed_step(llm: LLM, forward: CompiledForward, seed: int, tapped: bool) -> None:
     """Prefill two requests eagerly, then run one compiled step in which they decode while two new
     requests prefill. With `tapped`, three requests capture at mixed positions, one steers, one
@@ -97,7 +107,8 @@ def _mixed_step(llm: LLM, forward: CompiledForward, seed: int, tapped: bool) -> 
         at = [seed % 3, 3]  # other rows in each round, the same number of them
         second = [
             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture(["blocks.0.attn.hook_z", "hook_embed"], positions=at),
-                           interventions=[Clamp("blocks.1.hook_resid_post", sae, seed % 4, float(seed))]),
+                           interventions=[Clamp("blocks.1.hook_resid_post", sae, seed % 4, float(seed)),
+                                          Clamp("blocks.0.hook_mlp_out", _transcoder(g), seed % 4, float(seed))]),
             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, capture=Capture(llm.mlp_hook, positions="all"),
                            interventions=[Ablate("blocks.1.hook_attn_out", vector(), positions=[1, 2])]),
         ]  # fmt: skip
@@ -135,5 +146,6 @@ def test_compile_whole_forward_no_recompile(llm, tapped):
     assert forward.compiles == 1, "a step with other requests, rows and vectors recompiled"
     assert max(forward.errors) < 1e-5
     tapped_sites = ["blocks.0.attn.hook_z", "blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern",
-                    "blocks.1.hook_attn_out", "blocks.1.hook_resid_post", llm.mlp_hook, "hook_embed"]  # fmt: skip
+                    "blocks.1.hook_attn_out", "blocks.1.hook_resid_post", llm.mlp_hook, "hook_embed",
+                    "blocks.0.ln2.hook_out", "blocks.0.hook_mlp_out"]  # fmt: skip  (a transcoder reads, then writes)
     assert forward.taps == [sorted(tapped_sites) if tapped else []] * 2

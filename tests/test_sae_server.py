@@ -17,6 +17,7 @@ from vlens.server.app import create_app
 from vlens.server.config import ServerConfig
 
 PROMPT = "The capital of France is"
+TC_IN, TC_OUT = "blocks.4.mlp.hook_in", "blocks.4.hook_mlp_out"  # (a transcoder: SAELens's names)
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +25,14 @@ def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("saes")
     jump = save_saelens(root / "jump", architecture="jumprelu", d_sae=512, seed=1)[0]
     scope = save_gemma_scope(root / "scope" / "params.npz", seed=2)[0]
-    return jump, scope
+    tc = save_saelens(root / "tc", "transcoder", seed=3, hook=TC_IN, apply_b_dec_to_input=False, hook_name_out=TC_OUT)[0]
+    return jump, scope, tc
 
 
 @pytest.fixture(scope="module")
 def server(served_smol, paths):
-    config = ServerConfig(enable_capture=True, saes=(f"jump={paths[0]}", f"scope={paths[1]}@{HOOK}"))
+    saes = (f"jump={paths[0]}", f"scope={paths[1]}@{HOOK}", f"tc={paths[2]}")
+    config = ServerConfig(enable_capture=True, saes=saes)
     with running_server(served_smol, config) as url:
         yield url
 
@@ -44,7 +47,9 @@ def test_saes_are_listed(server, paths):
     assert [(s["name"], s["hook"], s["architecture"], s["d_sae"]) for s in data] == [
         ("jump", HOOK, "jumprelu", 512),
         ("scope", HOOK, "jumprelu", 256),
+        ("tc", "blocks.4.ln2.hook_out", "standard", 512),
     ]
+    assert data[2]["hook_out"] == TC_OUT
     assert data[0]["sha256"] == SAE.load(paths[0]).sha256
 
 
@@ -73,16 +78,17 @@ def test_steering_and_clamping_by_name_equal_offline(server, smol, paths):
     interventions = [
         {"type": "clamp", "hook": HOOK, "sae": "jump", "feature": 5, "value": 40.0, "positions": "all"},
         {"type": "steer", "hook": HOOK, "sae": "scope", "feature": 9, "scale": 25.0},
+        {"type": "clamp", "hook": TC_OUT, "sae": "tc", "feature": 3, "value": 30.0},  # (read at its input)
     ]
     r = _complete(server, {"interventions": interventions}, max_tokens=8)
     assert r.status_code == 200, r.text
-    jump, scope = SAE.load(paths[0]), SAE.load(paths[1], hook=HOOK)
-    offline = SamplingParams(
-        max_tokens=8,
-        temperature=0,
-        interventions=[Clamp(HOOK, jump, 5, 40.0), Steer(HOOK, sae=scope, feature=9, scale=25.0)],
-    )
-    assert r.json()["choices"][0]["text"] == smol.generate(PROMPT, offline, use_tqdm=False)[0].outputs[0].text
+    jump, scope, tc = SAE.load(paths[0]), SAE.load(paths[1], hook=HOOK), SAE.load(paths[2])
+    clamps = [Clamp(HOOK, jump, 5, 40.0), Steer(HOOK, sae=scope, feature=9, scale=25.0)]
+    texts = [
+        smol.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, interventions=ivs), use_tqdm=False)[0]
+        .outputs[0].text for ivs in (clamps + [Clamp(TC_OUT, tc, 3, 30.0)], clamps)
+    ]  # fmt: skip
+    assert r.json()["choices"][0]["text"] == texts[0] != texts[1]
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,11 @@ def _requests(seed: int, head_dim: int) -> list[tuple[list[int], SamplingParams]
         W_enc=torch.randn(D, 32, generator=g), b_enc=torch.randn(32, generator=g), W_dec=torch.randn(32, D, generator=g),
         b_dec=torch.randn(D, generator=g), architecture="standard", hook="blocks.1.hook_resid_post",
     )  # fmt: skip
+    tc = SAE(
+        W_enc=torch.randn(D, 32, generator=g), b_enc=torch.randn(32, generator=g), W_dec=torch.randn(32, D, generator=g),
+        b_dec=torch.randn(D, generator=g), architecture="standard", hook="blocks.0.ln2.hook_out",
+        hook_out="blocks.0.hook_mlp_out", apply_b_dec_to_input=False,
+    )  # fmt: skip
     common = dict(max_tokens=12, temperature=0, ignore_eos=True)
     params = [
         SamplingParams(**common),
@@ -85,8 +90,9 @@ def _requests(seed: int, head_dim: int) -> list[tuple[list[int], SamplingParams]
         SamplingParams(**common, interventions=[Steer("blocks.1.attn.hook_z", torch.randn(head_dim, generator=g),
                                                       heads=[1], scale=8.0)]),  # fmt: skip
         SamplingParams(**common, interventions=[Clamp("blocks.1.hook_resid_post", sae, 3, 5.0)], capture=Capture(sae=sae, top_k=4)),
+        SamplingParams(**common, interventions=[Clamp(tc.writes, tc, 2, 3.0)], capture=Capture(["blocks.1.hook_resid_pre"])),
     ]
-    lengths = [5, 9, 3, 14, 7, 4, 11]  # crosses block boundaries; one prompt shorter than a block
+    lengths = [5, 9, 3, 14, 7, 4, 11, 6]  # crosses block boundaries; one prompt shorter than a block
     return [(torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist(), p) for n, p in zip(lengths, params)]
 
 

@@ -574,6 +574,33 @@ def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path
     assert not same(unclamped[0].activations[z].double(), a[0].activations[z].double(), 1e-3)  # the clamp took
 
 
+def test_transcoder_clamps_read_where_they_read_also_from_a_sharded_hook(pair):
+    """Clamps of two transcoders — ln2.hook_out to hook_mlp_out, and hook_z (split by heads: its latent is read
+    from the whole gathered row) to hook_attn_out — with a plain request beside them: as in one process."""
+    _, one, two = pair
+    shapes = one.hook_names()
+    g = torch.Generator().manual_seed(3)
+    d, z = shapes["blocks.1.hook_resid_post"][0], "blocks.1.attn.hook_z"
+
+    def transcoder(hook: str, hook_out: str, d_in: int) -> SAE:
+        return SAE(W_enc=torch.randn(d_in, 32, generator=g) * 0.3, b_enc=torch.randn(32, generator=g) * 0.1,
+                   W_dec=torch.randn(32, d, generator=g), b_dec=torch.zeros(d), hook=hook, hook_out=hook_out,
+                   apply_b_dec_to_input=False)  # fmt: skip
+
+    mlp = transcoder("blocks.0.ln2.hook_out", "blocks.0.hook_mlp_out", d)
+    attn = transcoder(z, "blocks.1.hook_attn_out", math.prod(shapes[z]))
+    hooks = ["blocks.0.hook_mlp_out", "blocks.1.hook_attn_out", "blocks.2.hook_resid_post"]
+    common = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "capture": Capture(hooks=hooks)}
+    clamps = [Clamp(mlp.writes, mlp, 3, 4.0), Clamp(attn.writes, attn, 5, -2.0, positions=[1, 2, 6])]
+    params = [SamplingParams(**common, interventions=clamps), SamplingParams(**common)]
+    prompts = sequences((9, 6))
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    _check_outputs(a, b)
+    plain = _generate(one, prompts[:1], params[1:])
+    for hook in hooks:
+        assert not same(plain[0].activations[hook].double(), a[0].activations[hook].double(), 1e-3)  # they took
+
+
 def test_heads_chosen_from_both_ranks(pair):
     """Capture(heads=...) keeps the named heads, in that order, from whichever rank holds each."""
     _, one, two = pair

@@ -32,14 +32,14 @@ KINDS = {
 }
 
 
-def saelens_transcoder(kind: str, seed: int):
+def saelens_transcoder(kind: str, seed: int, d_in: int = 64):
     """A SAELens transcoder of this kind on the tiny GPT-2 (d 64), with random weights, biases and thresholds."""
     import sae_lens
     from sae_lens.saes.sae import SAEMetadata
 
     name, hook, _, hook_out = KINDS[kind]
     config = getattr(sae_lens, name + "Config")(
-        d_in=64, d_sae=96, d_out=64, apply_b_dec_to_input=False,
+        d_in=d_in, d_sae=96, d_out=64, apply_b_dec_to_input=False,
         metadata=SAEMetadata(hook_name=hook, hook_name_out=hook_out),
     )  # fmt: skip
     transcoder = getattr(sae_lens, name)(config)
@@ -62,6 +62,9 @@ def pair(tmp_path_factory):
     theirs.load_state_dict(reference.state_dict(), strict=False)
     theirs.setup()
     transcoders = {kind: saelens_transcoder(kind, i) for i, kind in enumerate(KINDS)}
+    transcoders["wide"] = saelens_transcoder("transcoder", 7, d_in=256)  # (reads the MLP's hidden layer)
+    transcoders["wide"].cfg.metadata.hook_name = "blocks.1.mlp.hook_post"
+    transcoders["wide"].cfg.metadata.hook_name_out = "blocks.1.hook_mlp_out"
     return HookedLM(path, dtype="float32", device="cpu"), theirs, transcoders
 
 
@@ -71,6 +74,8 @@ def test_files_and_objects_read_as_saelens_computes(pair, tmp_path):
     *_, transcoders = pair
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
     for kind, theirs in transcoders.items():
+        if kind == "wide":
+            continue
         theirs.save_model(tmp_path / kind)
         loaded, from_object = SAE.load(tmp_path / kind), SAE.from_saelens(theirs)
         assert loaded.sha256 == from_object.sha256
@@ -177,11 +182,72 @@ def test_engine_reads_latents_at_the_input_and_steers_at_the_output(pair, tmp_pa
     assert (listed["hook"], listed["hook_out"], listed["d_out"]) == (sae.hook, sae.hook_out, 64)
 
 
+def _saelens_with_latents_set(theirs, tcs, sets, tokens, new_tokens, watch):
+    """SAELens's HookedSAETransformer with the transcoders spliced (error term on) and latent f of the i-th set to v
+    for each (i, f, v) in `sets`: its greedy tokens (recomputed each step) and its rows at `watch` over them."""
+
+    def setter(f, v):
+        def hook(acts, hook):
+            acts[..., f] = v
+
+        return hook
+
+    hooks = [(f"{tcs[i].cfg.metadata.hook_name_out}.hook_sae_acts_post", setter(f, v)) for i, f, v in sets]
+    with torch.no_grad(), theirs.saes(tcs, use_error_term=True):
+        with theirs.hooks(fwd_hooks=hooks):
+            out = theirs.generate(tokens, max_new_tokens=new_tokens, do_sample=False, stop_at_eos=False,
+                                  use_past_kv_cache=False, verbose=False)  # fmt: skip
+            _, cache = theirs.run_with_cache(out[:, :-1], names_filter=watch)
+    return out[:, tokens.shape[1] :], cache[watch]
+
+
+def test_engine_clamps_a_transcoder_latent_as_saelens_sets_it(pair):
+    """Clamp(sae=transcoder) sets a latent read where the transcoder reads, where it writes: greedy tokens and every
+    row captured downstream equal SAELens's HookedSAETransformer with the transcoder spliced (its error term on)
+    and the latent set at hook_sae_acts_post — one clamp, two at different layers, a latent turned off — with a
+    plain request and another request's other clamp in the same batch, each as it runs alone."""
+    hooked, theirs, transcoders = pair
+    llm = hooked.llm
+    watch, new = "blocks.2.hook_resid_post", 4
+    cases = [
+        (["transcoder"], [(0, 5, 3.0)]),
+        (["jumprelu", "jumprelu_skip"], [(0, 9, 2.0), (1, 11, 2.5)]),  # (reads resid_mid 1, writes resid_pre 2)
+        (["skip", "wide"], [(0, 0, 0.0), (1, 4, 6.0)]),  # (the wide one reads 256-wide rows, writes 64)
+    ]
+    greedy = {"max_tokens": new, "temperature": 0, "ignore_eos": True}
+    plain = llm.generate(TOKENS.tolist(), SamplingParams(**greedy, capture=Capture(hooks=watch)), use_tqdm=False)
+    for kinds, sets in cases:
+        tcs = [transcoders[k] for k in kinds]
+        saes = [SAE.from_saelens(tc) for tc in tcs]
+        want_tokens, want_rows = _saelens_with_latents_set(theirs, tcs, sets, TOKENS, new, watch)
+        clamps = [Clamp(saes[i].writes, saes[i], f, v) for i, f, v in sets]
+        other = [Clamp(saes[0].writes, saes[0], 1, 4.0, positions=[2, 3])]
+        params = [SamplingParams(**greedy, capture=Capture(hooks=watch), interventions=ivs)
+                  for ivs in (clamps, clamps, [], other)]  # fmt: skip
+        p0, p1 = TOKENS.tolist()
+        outs = llm.generate([p0, p1, p1, p0], params, use_tqdm=False)
+        for i in (0, 1):
+            assert outs[i].outputs[0].token_ids == want_tokens[i].tolist(), kinds
+            assert rel_err(outs[i].activations[watch], want_rows[i]) <= TOL, kinds
+        assert outs[2].outputs[0].token_ids == plain[1].outputs[0].token_ids
+        assert rel_err(outs[2].activations[watch], plain[1].activations[watch]) <= TOL
+        assert rel_err(outs[0].activations[watch], plain[0].activations[watch]) > 1e-3, kinds  # (the clamp mattered)
+        [alone] = llm.generate([p0], params[3], use_tqdm=False)
+        assert alone.outputs[0].token_ids == outs[3].outputs[0].token_ids
+        assert rel_err(alone.activations[watch], outs[3].activations[watch]) <= TOL
+
+
 def test_what_a_transcoder_cannot_do_is_refused_by_name(pair, tmp_path):
     hooked, _, transcoders = pair
     sae = SAE.from_saelens(transcoders["jumprelu"])
-    with pytest.raises(ValueError, match=r"^clamp\.sae: a transcoder's latent is read at blocks\.1\.ln2\.hook_norm"):
-        Clamp(sae.hook, sae, 3, 1.0)
+    with pytest.raises(ValueError, match=r"^interventions\[0\]\.hook: 'blocks\.1\.ln2\.hook_normalized' is not the hook "
+                       r"this SAE writes \(blocks\.1\.hook_mlp_out\)"):  # fmt: skip
+        hooked.llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, interventions=[Clamp(sae.hook, sae, 3, 1.0)]))
+    back = SAE.from_saelens(transcoders["transcoder"])
+    back.hook, back.hook_out = "blocks.1.hook_resid_post", "blocks.1.hook_resid_mid"
+    with pytest.raises(ValueError, match=r"^interventions\[0\]\.sae: the transcoder reads blocks\.1\.hook_resid_post, "
+                       r"which the forward reaches after blocks\.1\.hook_resid_mid"):  # fmt: skip
+        hooked.llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, interventions=[Clamp(back.writes, back, 3, 1.0)]))
     with pytest.raises(ValueError, match=r"^capture\.sae_error: a transcoder's error compares its output with"):
         Capture(sae=sae, sae_error=True)
     far = SAE.from_saelens(transcoders["transcoder"])

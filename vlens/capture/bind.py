@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from vlens.models.base import DecoderLM
     from vlens.sampling_params import SamplingParams
 
-# What an edit does to a row x with vector v (runtime.Tap applies it).
-STEER, ABLATE, PATCH, CLAMP = 1, 2, 3, 4
+# What an edit does to a row x with vector v (runtime.Tap applies it); a transcoder's clamp is computed
+# where it reads and applied where it writes.
+STEER, ABLATE, PATCH, CLAMP, TRANSCODER_CLAMP = 1, 2, 3, 4, 5
 KINDS = {Steer: STEER, Ablate: ABLATE, Patch: PATCH}
 
 
@@ -49,7 +50,7 @@ KINDS = {Steer: STEER, Ablate: ABLATE, Patch: PATCH}
 class BoundIntervention:
     """An intervention bound to the model: its taps, and its vectors as rows of the runtime's vector table."""
 
-    kind: int  # STEER | ABLATE | PATCH | CLAMP
+    kind: int  # STEER | ABLATE | PATCH | CLAMP | TRANSCODER_CLAMP
     taps: list[str]
     positions: Positions
     prompt_len: int
@@ -59,6 +60,7 @@ class BoundIntervention:
     table_rows: list[int] | None = None  # where the runtime stored each row of `data` (set on upload)
     encoder: torch.Tensor | None = None  # a clamp: [1, width] W_enc[:, f] (see vlens.sae.clamp)
     params: torch.Tensor | None = None  # a clamp: [1, PARAMS] its bias, floor, value and normalisation
+    reads: str | None = None  # a transcoder's clamp: the tap its latent is read at (before `taps`)
 
     def __post_init__(self) -> None:
         self.window = self.positions.window(self.prompt_len)  # its rows as one run, when they are (most are)
@@ -243,8 +245,8 @@ def _check_heads(heads: list[int], count: int, field: str, tap: str) -> None:
 def _intervention(
     iv: Intervention, where: str, prompt_len: int, max_rows: int, model: DecoderLM, shapes: dict
 ) -> BoundIntervention:
-    sae = getattr(iv, "sae", None)  # Clamp acts where the SAE reads, Steer(sae=...) where it writes
-    writes = isinstance(iv, Steer)
+    sae = getattr(iv, "sae", None)  # Clamp acts where the SAE reads, Steer(sae=...) where it writes (and both
+    writes = isinstance(iv, Steer) or (sae is not None and sae.transcoder)  # where a transcoder writes)
     sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae", writes)
     try:
         taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))
@@ -265,7 +267,13 @@ def _intervention(
     if isinstance(iv, Clamp):
         _check_listed(iv.positions, max_rows, where)
         decoder, encoder, params = clamp_rows(sae, iv.feature, iv.value)
-        return BoundIntervention(CLAMP, taps, iv.positions, prompt_len, decoder, encoder=encoder, params=params)
+        reads = sae_tap(sae, model.cfg, shapes, f"{where}.sae") if sae.transcoder else None
+        if reads is not None and list(shapes).index(reads) >= list(shapes).index(sae_at):
+            raise ValueError(f"{where}.sae: the transcoder reads {sae.hook}, which the forward reaches after "
+                             f"{sae.hook_out}, the hook it writes; a clamp needs its latent first")  # fmt: skip
+        kind = CLAMP if reads is None else TRANSCODER_CLAMP
+        return BoundIntervention(kind, taps, iv.positions, prompt_len, decoder, encoder=encoder, params=params,
+                                 reads=reads)  # fmt: skip
     kind, data = KINDS[type(iv)], _data(iv, shape)
     if iv.heads is not None:
         if not all(t.endswith(PER_HEAD) for t in taps):

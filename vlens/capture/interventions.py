@@ -110,7 +110,10 @@ class Clamp:
     """Set latent `feature` of `sae` to `value` at the chosen positions, keeping what the SAE does not
     reconstruct: x + (value − f(x)) · W_dec[feature] (scaled back through the SAE's run-time
     normalisation, if any), with f(x) the latent of the row as it reaches the tap. Standard and
-    JumpReLU SAEs; a topk SAE's latent depends on all the others, so clamping one is refused."""
+    JumpReLU SAEs; a topk SAE's latent depends on all the others, so clamping one is refused. A
+    transcoder's latent is read where it reads and set where it writes (`hook` names its hook_out): the
+    output gains (value − f(x)) · W_dec[feature], f(x) from the row where it reads (circuit-tracer's
+    feature interventions; SAELens's spliced transcoder with its error term and the latent set)."""
 
     hook: str
     sae: SAE
@@ -120,12 +123,6 @@ class Clamp:
 
     def __post_init__(self) -> None:
         _check_sae(self.sae, "clamp")
-        if self.sae.transcoder:
-            raise ValueError(
-                f"clamp.sae: a transcoder's latent is read at {self.sae.hook} and written at {self.sae.hook_out}, "
-                "so no one tap can clamp it; Steer(sae=, feature=) adds its decoder row at its output, and "
-                "HookedLM's add_sae with a hook at hook_sae_acts_post sets it"
-            )
         if self.sae.architecture == "topk":
             raise ValueError(
                 "clamp.sae: a topk SAE's latent is nonzero only while it ranks among the top k of all d_sae, so a "

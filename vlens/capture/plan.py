@@ -51,11 +51,13 @@ class Chunk:
 
 @dataclass
 class Edit:
-    """One pass of edits at a tap: distinct packed rows, each with a vector-table row and a kind."""
+    """One pass of edits at a tap: distinct packed rows, each with a vector-table row and a kind, and the taps
+    where its transcoder clamps read their latents."""
 
     rows: list[int] = field(default_factory=list)
     vectors: list[int] = field(default_factory=list)
     kinds: list[int] = field(default_factory=list)
+    reads: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -217,3 +219,5 @@ def _plan_edits(plan: StepPlan, interventions: list, start: int, end: int, offse
             passes[p].rows += rows
             passes[p].vectors += vectors
             passes[p].kinds += [iv.kind] * len(rows)
+            if iv.reads is not None:
+                passes[p].reads.add(iv.reads)

@@ -22,26 +22,30 @@ import numpy as np
 import torch
 
 from vlens.attention.metadata import Put
-from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, BoundIntervention
+from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, TRANSCODER_CLAMP, BoundIntervention
 from vlens.capture.names import is_pattern, tap_dtype
 from vlens.capture.plan import Collected, StepPlan
 from vlens.capture.rows import Batch, RowStream
-from vlens.sae.clamp import PARAMS, clamped
+from vlens.sae.clamp import PARAMS, clamp_coefficient, clamped
 from vlens.sae.readout import SAEReadout, read_group
 
 # new = a * x + b * v + c * (x . v) v, per edit kind: a steer adds v, an ablation takes the component
 # along the unit vector v out, a patch replaces the row. Each is exact: the zero terms add exact zeros.
 # A clamp keeps x here and is computed apart (vlens.sae.clamp), in the steps that have one.
-_COEFFICIENTS = {STEER: (1.0, 1.0, 0.0), ABLATE: (1.0, 0.0, -1.0), PATCH: (0.0, 1.0, 0.0), CLAMP: (1.0, 0.0, 0.0)}
+_COEFFICIENTS = {
+    STEER: (1.0, 1.0, 0.0), ABLATE: (1.0, 0.0, -1.0), PATCH: (0.0, 1.0, 0.0), CLAMP: (1.0, 0.0, 0.0),
+    TRANSCODER_CLAMP: (1.0, 0.0, 0.0),
+}  # fmt: skip
 
 
 class Tap:
-    """One tap site's work in one step: edit passes, then a gather of rows into a static buffer (or,
-    at an attention-pattern tap, the scores of the gathered query rows over their keys)."""
+    """One tap site's work in one step: edit passes, the coefficients of the transcoder clamps of later taps
+    that read their latents here, then a gather of rows into a static buffer (or, at an attention-pattern
+    tap, the scores of the gathered query rows over their keys)."""
 
     __slots__ = (
         "gather_index", "gather_out", "key_index", "row_positions", "softmax", "edit_rows", "edit_vectors",
-        "edit_kinds", "clamps", "table", "coefficients",
+        "edit_kinds", "clamps", "table", "coefficients", "latch", "feeds", "source",
     )  # fmt: skip  (what a captured graph or a compiled forward bakes in: vlens.engine.model_runner._signature)
 
     def __init__(self) -> None:
@@ -56,10 +60,15 @@ class Tap:
         self.clamps = False  # some edit of this step is a CLAMP
         self.table: VectorTable | None = None
         self.coefficients: torch.Tensor | None = None  # [kinds, 3]: (a, b, c) of each kind
+        self.latch: torch.Tensor | None = None  # [P, E] transcoder clamps' coefficients, from where they read
+        self.feeds: tuple[Tap, ...] = ()  # the taps whose transcoder clamps read their latents here ...
+        self.source: int | None = None  # ... those whose vector-table rows name this source
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.edit_rows is not None:
             x = self._edit(x)
+        if self.feeds:
+            self._feed(x)
         if self.gather_index is not None:
             # (what a capture gathers is seen, not differentiated: a forward with a graph, HookedLM's backward hooks)
             torch.index_select(x.detach() if x.requires_grad else x, 0, self.gather_index, out=self.gather_out)
@@ -78,13 +87,30 @@ class Tap:
             dot = (old * v).sum(1)
             new = a[:, None] * old + b[:, None] * v + (c * dot)[:, None] * v
             if self.clamps:
-                encoder = self.table.encoder.index_select(0, vectors).to(x.dtype)
+                encoder = self.table.encoder.index_select(0, vectors)[:, : flat.shape[1]].to(x.dtype)
                 params = self.table.params.index_select(0, vectors).to(x.dtype)
                 is_clamp = (self.edit_kinds[p] == CLAMP)[:, None]
                 new = torch.where(is_clamp, clamped(old, v, encoder, params), new)
+            if self.latch is not None:
+                latched = self.edit_kinds[p] == TRANSCODER_CLAMP
+                new = new + torch.where(latched, self.latch[p].to(x.dtype), 0.0)[:, None] * v
             new = torch.where(self.table.mask.index_select(0, vectors), new, old)
             flat = flat.index_copy(0, rows, new)
         return flat.view(x.shape)
+
+    def _feed(self, x: torch.Tensor) -> None:
+        """Each fed tap's pass p gets, for its edits whose rows come from this source, the coefficient of the
+        clamp on these rows (as this tap leaves them); its other entries keep what they hold."""
+        flat = x.reshape(x.shape[0], -1)
+        for fed in self.feeds:
+            table = fed.table
+            for p in range(fed.edit_rows.shape[0]):
+                vectors = fed.edit_vectors[p]
+                encoder = table.encoder.index_select(0, vectors)[:, : flat.shape[1]].to(x.dtype)
+                params = table.params.index_select(0, vectors).to(x.dtype)
+                coefficient = clamp_coefficient(flat.index_select(0, fed.edit_rows[p]), encoder, params)
+                mine = table.sources.index_select(0, vectors) == self.source
+                fed.latch[p].copy_(torch.where(mine, coefficient.to(fed.latch.dtype), fed.latch[p]))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, attn) -> None:
         """Scores [R, heads, K] of the gathered query rows over their sequence's keys, as HF's eager
@@ -106,19 +132,21 @@ class Tap:
 
 class VectorTable:
     """Intervention vectors of one row width on the device, with the mask of the elements each one
-    edits (all of them, or the heads it names) and, for a clamp, its SAE encoder row and parameters;
-    a request's rows stay until it ends."""
+    edits (all of them, or the heads it names) and, for a clamp, its SAE encoder row and parameters (for a
+    transcoder's, the source id of the tap it reads at, -1 for the rest; its encoder row is as wide as the rows
+    there, so the encoders are as wide as the widest, zero-padded); a request's rows stay until it ends."""
 
     def __init__(self, width: int, device: torch.device, dtype: torch.dtype):
         self.data = torch.zeros(16, width, device=device, dtype=dtype)
         self.mask = torch.ones(16, width, device=device, dtype=torch.bool)
         self.encoder = torch.zeros(16, width, device=device, dtype=dtype)
         self.params = torch.zeros(16, PARAMS, device=device, dtype=dtype)
+        self.sources = torch.full((16,), -1, device=device, dtype=torch.long)
         self.free = list(range(16))
 
     def put(
         self, rows: torch.Tensor, mask: torch.Tensor | None, encoder: torch.Tensor | None = None,
-        params: torch.Tensor | None = None,
+        params: torch.Tensor | None = None, source: int = -1,
     ) -> list[int]:  # fmt: skip
         if len(rows) > len(self.free):
             n = len(self.data)
@@ -127,13 +155,19 @@ class VectorTable:
                 torch.cat([t, t.new_zeros(grown - n, t.shape[1])]) for t in (self.data, self.encoder, self.params)
             )
             self.mask = torch.cat([self.mask, self.mask.new_ones(grown - n, self.mask.shape[1])])
+            self.sources = torch.cat([self.sources, self.sources.new_full((grown - n,), -1)])
             self.free += range(n, grown)
         ids, self.free = self.free[: len(rows)], self.free[len(rows) :]
         index = torch.tensor(ids, dtype=torch.long, device=self.data.device)
         self.data[index] = rows.to(self.data.device, self.data.dtype)
         self.mask[index] = True if mask is None else mask.to(self.mask.device)
+        self.sources[index] = source
         if encoder is not None:
-            self.encoder[index] = encoder.to(self.encoder.device, self.encoder.dtype)
+            extra = encoder.shape[1] - self.encoder.shape[1]
+            if extra > 0:
+                self.encoder = torch.cat([self.encoder, self.encoder.new_zeros(len(self.encoder), extra)], 1)
+            self.encoder[index] = 0.0
+            self.encoder[index, : encoder.shape[1]] = encoder.to(self.encoder.device, self.encoder.dtype)
             self.params[index] = params.to(self.params.device, self.params.dtype)
         return ids
 
@@ -160,6 +194,8 @@ class TapRuntime:
         self._armed: tuple[tuple, dict[str, Tap]] | None = None  # the last gathers armed, and their taps
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # device-to-host copies
         self.tables: dict[int, VectorTable] = {}
+        self._sources: dict[str, int] = {}  # taps where transcoder clamps read -> their id in the tables
+        self._latches: dict[str, torch.Tensor] = {}  # taps with transcoder clamps -> their coefficients' buffer
         kinds = max(_COEFFICIENTS) + 1
         coefficients = torch.zeros(kinds, 3)
         for kind, abc in _COEFFICIENTS.items():
@@ -173,7 +209,8 @@ class TapRuntime:
             table = self.tables.get(iv.width)
             if table is None:
                 table = self.tables[iv.width] = VectorTable(iv.width, self.device, self.dtype)
-            iv.table_rows = table.put(iv.data, iv.mask, iv.encoder, iv.params)
+            source = -1 if iv.reads is None else self._sources.setdefault(iv.reads, len(self._sources))
+            iv.table_rows = table.put(iv.data, iv.mask, iv.encoder, iv.params, source)
 
     def release(self, interventions: list[BoundIntervention]) -> None:
         for iv in interventions:
@@ -252,6 +289,13 @@ class TapRuntime:
         for tap, passes in plan.edits.items():
             taps[tap].table, taps[tap].coefficients = self.tables[math.prod(self.shapes[tap])], self._coefficients
             taps[tap].clamps = any(CLAMP in e.kinds for e in passes)
+            reads = set().union(*(e.reads for e in passes))
+            if reads:  # its transcoder clamps' coefficients come from the taps where they read
+                fed = taps[tap]
+                fed.latch = self._latch(tap, fed.edit_rows.shape)
+                for source in sorted(reads):
+                    t = taps[source] = taps.get(source) or self._reset(source)
+                    t.feeds, t.source = (*t.feeds, fed), self._sources[source]
         if key is not None:
             self._armed = (key, dict(taps))
         return taps
@@ -261,9 +305,18 @@ class TapRuntime:
         if t is None:
             t = self._taps[tap] = Tap()
         t.gather_index = t.gather_out = t.key_index = t.row_positions = None
-        t.edit_rows = t.edit_vectors = t.edit_kinds = t.table = None
-        t.clamps = False
+        t.edit_rows = t.edit_vectors = t.edit_kinds = t.table = t.latch = t.source = None
+        t.clamps, t.feeds = False, ()
         return t
+
+    def _latch(self, tap: str, shape: tuple[int, int]) -> torch.Tensor:
+        """A view of the tap's buffer of transcoder-clamp coefficients for `shape` [passes, edits]; it only grows."""
+        buf = self._latches.get(tap)
+        if buf is None or shape[0] > buf.shape[0] or shape[1] > buf.shape[1]:
+            grown = shape if buf is None else (max(shape[0], buf.shape[0]), max(shape[1], buf.shape[1]))
+            with torch.inference_mode(False):  # (as a gather buffer: a forward keeping a graph writes it too)
+                buf = self._latches[tap] = torch.zeros(grown, dtype=self.dtype, device=self.device)
+        return buf[: shape[0], : shape[1]]
 
     def _gather_buffer(self, tap: str, rows: int, width: int | None) -> torch.Tensor:
         """A view of the tap's buffer for `rows` rows (pattern taps: `width` keys each); buffers only grow."""

@@ -159,6 +159,7 @@ class Executor:
         the armed taps go along where they edit (every rank edits) or gather at a sharded site; a gather
         of a tap every rank holds whole is read on rank 0 alone."""
         cfg, armed, hooks = self.model.cfg, {}, []
+        names = {id(t): name for name, t in taps.items()}
         for name, t in taps.items():
             if name == LOGITS:  # the whole logits are rank 0's alone: so are their taps
                 continue
@@ -166,8 +167,8 @@ class Executor:
                 hooks.append(name)
                 continue
             sharded = sharded_units(name, cfg) is not None
-            if sharded or t.edit_rows is not None:
-                armed[name] = worker.ArmedTap.of(t, sharded)
+            if sharded or t.edit_rows is not None or t.feeds:
+                armed[name] = worker.ArmedTap.of(t, sharded, names)
         rows = logit_rows.clone() if isinstance(logit_rows, torch.Tensor) else logit_rows
         plain = {name: t for name, t in taps.items() if isinstance(t, Tap)}
         vectors = worker.table_rows(plain)

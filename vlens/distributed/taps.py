@@ -140,8 +140,8 @@ class ShardedTap:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tap = self.tap
-        if tap.edit_rows is not None:
-            edited = tap(self._whole(x))  # edits, then the capture, on the whole rows as in one process
+        if tap.edit_rows is not None or tap.feeds:
+            edited = tap(self._whole(x))  # edits, clamps' latents, the capture: on the whole rows as in one process
             return edited.narrow(self.DIM, self.mine.start, len(self.mine)).contiguous()
         if tap.gather_index is not None:
             tap.gather_out.copy_(self._whole(x.index_select(0, tap.gather_index)))

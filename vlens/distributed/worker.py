@@ -39,13 +39,16 @@ class Mirrored:
     mask: torch.Tensor
     encoder: torch.Tensor
     params: torch.Tensor
+    sources: torch.Tensor
 
     def write(self, ids: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> None:
         need = int(ids.max()) + 1
-        for name, values in zip(("data", "mask", "encoder", "params"), rows):
+        for name, values in zip(("data", "mask", "encoder", "params", "sources"), rows):
             table = getattr(self, name)
-            if need > len(table):
-                table = torch.cat([table, table.new_zeros(need - len(table), *table.shape[1:])])
+            if need > len(table) or table.shape[1:] != values.shape[1:]:  # (rank 0's encoders grow wider too)
+                grown = table.new_zeros(max(need, len(table)), *values.shape[1:])
+                grown[tuple(slice(0, n) for n in table.shape)] = table
+                table = grown
                 setattr(self, name, table)
             table[ids.to(table.device)] = values.to(table.device, table.dtype)
 
@@ -57,7 +60,8 @@ INDEX_FIELDS = ("gather_index", "key_index", "row_positions", "edit_rows", "edit
 @dataclass
 class ArmedTap:
     """What a worker needs of one of rank 0's armed taps: its indices, the shape of what it gathers (None:
-    it gathers nothing here), and for edits the width of its vector table and the edit coefficients."""
+    it gathers nothing here), for edits the width of its vector table and the edit coefficients, and for
+    transcoder clamps the taps it feeds (by name) with its source id, or the shape of its own coefficients."""
 
     index: dict[str, torch.Tensor]
     softmax: bool
@@ -65,16 +69,23 @@ class ArmedTap:
     clamps: bool
     width: int | None
     coefficients: torch.Tensor | None
+    feeds: tuple[str, ...] = ()
+    source: int | None = None
+    latch: tuple[int, ...] | None = None
 
     @classmethod
-    def of(cls, t: Tap, gathers: bool) -> ArmedTap:
+    def of(cls, t: Tap, gathers: bool, names: dict[int, str]) -> ArmedTap:
+        """`names`: the step's site of each armed tap, by id (what a feeding tap's `feeds` are)."""
         index = {f: getattr(t, f).clone() for f in INDEX_FIELDS if getattr(t, f) is not None}
         if not gathers:
             index = {f: v for f, v in index.items() if f.startswith("edit_")}
         gather = (tuple(t.gather_out.shape), t.gather_out.dtype) if gathers and t.gather_index is not None else None
         edits = t.edit_rows is not None
         width = t.table.data.shape[1] if edits else None
-        return cls(index, t.softmax, gather, t.clamps, width, t.coefficients.cpu() if edits else None)
+        feeds = tuple(names[id(fed)] for fed in t.feeds)
+        latch = None if t.latch is None else tuple(t.latch.shape)
+        coefficients = t.coefficients.cpu() if edits else None
+        return cls(index, t.softmax, gather, t.clamps, width, coefficients, feeds, t.source, latch)
 
 
 @dataclass
@@ -123,7 +134,7 @@ def table_rows(taps: dict[str, Tap]) -> dict[int, tuple[torch.Tensor, ...]]:
     out = {}
     for width, (table, ids) in wanted.items():
         index = torch.tensor(sorted(ids), dtype=torch.long)
-        tensors = (table.data, table.mask, table.encoder, table.params)
+        tensors = (table.data, table.mask, table.encoder, table.params, table.sources)
         rows = (t.index_select(0, index.to(t.device)).cpu() for t in tensors)
         out[width] = (index, *rows)
     return out
@@ -153,6 +164,10 @@ class Worker:
                 t.gather_out = torch.empty(shape, dtype=dtype, device=self.device)
             if armed.width is not None:
                 t.table, t.coefficients = self.tables[armed.width], armed.coefficients.to(self.device)
+            if armed.latch is not None:
+                t.latch = torch.zeros(armed.latch, dtype=self.dtype, device=self.device)
+        for name, armed in work.taps.items():
+            taps[name].feeds, taps[name].source = tuple(taps[fed] for fed in armed.feeds), armed.source
         cfg = self.runner.cfg
         taps.update({name: RankZeroHook(None, sharded_units(name, cfg), cfg.parallel) for name in work.hooks})
         return taps

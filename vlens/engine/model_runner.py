@@ -519,9 +519,11 @@ def _signature(taps: dict[str, Tap], addresses: bool = True) -> tuple:
                 where = value.data_ptr() if addresses else value.dtype
                 out.append((name, attr, where, tuple(value.shape), value.stride()))
             elif attr == "table" and value is not None:
-                tensors = (value.data, value.mask, value.encoder, value.params)
+                tensors = (value.data, value.mask, value.encoder, value.params, value.sources)
                 out.append((name, attr, *(x.data_ptr() if addresses else tuple(x.shape) for x in tensors)))
-            elif isinstance(value, bool):
+            elif attr == "feeds" and value:  # (the taps it feeds are the runtime's: one object per site)
+                out.append((name, attr, tuple(id(fed) for fed in value)))
+            elif isinstance(value, (bool, int)):  # (`clamps`, `softmax`, a feeding tap's `source`)
                 out.append((name, attr, value))
     return tuple(out)
 

@@ -1,6 +1,8 @@
 """Clamping an SAE latent inside the forward: x + s(x)·(v − f(x))·W_dec[f], which sets latent f of
 the row to v and keeps everything else, the SAE's reconstruction error included (s(x) is what the
-SAE's run-time normalisation multiplies a decoded row by: 1, the row's std, or ‖x‖/√d_in).
+SAE's run-time normalisation multiplies a decoded row by: 1, the row's std, or ‖x‖/√d_in). A
+transcoder's latent is read at one tap and written at another: y + s(x)·(v − f(x))·W_dec[f], with x the
+row where it reads and y where it writes, the coefficient computed at the first (`clamp_coefficient`).
 
 A tap evaluates f(x) for each clamped row with fixed shapes: the encoder column W_enc[:, f] is stored
 beside W_dec[f] in the runtime's vector table when the request arrives, and four numbers per row
@@ -36,6 +38,11 @@ def clamp_rows(sae: SAE, feature: int, value: float) -> tuple[torch.Tensor, torc
 
 def clamped(x: torch.Tensor, decoder: torch.Tensor, encoder: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Rows x [E, d] with their latent set (see the module doc); each row brings its own SAE's rows."""
+    return x + clamp_coefficient(x, encoder, params)[:, None] * decoder
+
+
+def clamp_coefficient(x: torch.Tensor, encoder: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """s(x)·(v − f(x)) [E] of rows x [E, d_in]: what the latent's decoder row is added times."""
     bias, floor, value, code = params.unbind(1)
     dot = (x * encoder).sum(1)
     mean, std, norm = x.mean(1), x.std(1), x.norm(dim=1)
@@ -49,4 +56,4 @@ def clamped(x: torch.Tensor, decoder: torch.Tensor, encoder: torch.Tensor, param
     pre = projected + bias
     latent = torch.where(pre > floor, pre, torch.zeros_like(pre))
     scale = torch.where(layer_norm, std, torch.where(rescale, norm / root, torch.ones_like(norm)))
-    return x + (scale * (value - latent))[:, None] * decoder
+    return scale * (value - latent)
