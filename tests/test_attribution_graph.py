@@ -11,7 +11,7 @@ from family_parity import transformer_lens_gemma2, transformer_lens_gpt2, transf
 
 from vlens import SAE, HookedLM
 from vlens.attribution_graph import attribute, graph_scores, prune_graph, to_circuit_tracer
-from vlens.feature_intervention import feature_intervention
+from vlens.feature_intervention import feature_intervention, feature_intervention_generate
 
 PROMPT = torch.tensor([0, 17, 99, 230, 3, 41, 7, 250, 12, 33])  # (0: the stand-in tokenizer's special token)
 
@@ -343,6 +343,37 @@ def test_feature_interventions_equal_circuit_tracer_s(models, family, kind, free
     assert rel_err(plain, hooked(PROMPT[None])[0]) <= 1e-6  # (no interventions: the model's own forward)
     with pytest.raises(ValueError, match=r"^interventions\[0\]: \(3, 0, 0, 1\.0\) is not \(layer in 0\.\.2"):
         feature_intervention(hooked, PROMPT, ours, [(3, 0, 0, 1.0)])
+
+
+GENERATE_CASES = [("gpt2", "per-layer", None), ("gpt2", "per-layer", range(3)), ("llama", "cross-layer", None),
+                  ("gemma2", "per-layer", range(1, 3))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "kind", "layers"), GENERATE_CASES)
+def test_feature_intervention_generate_equals_circuit_tracer_s(models, family, kind, layers):
+    """Features set on the prompt (attention frozen, or constrained layers, on its forward), one open-ended from a
+    prompt position on (slice(p, None): every generated token's too): the tokens, each step's logits and the features
+    of every position fed equal circuit-tracer's feature_intervention_generate's (over TransformerLens's KV cache)."""
+    hooked, reference = models[family]
+    if kind == "cross-layer":
+        theirs = ours = cross_layer_transcoder(jumprelu=False, skip=True, seed=4)
+    else:
+        theirs, ours = transcoders(64, 48, 3, skip=True, jumprelu=False, seed=4)
+    model = replacement_model(reference, theirs, "hook_mlp_out" if family == "gemma2" else "mlp.hook_out")
+    interventions = [(0, 3, 5, 0.0), (1, slice(6, None), 7, 4.0), (2, 0, 3, 2.0), (2, slice(2, 5), 9, 1.5)]
+    options = {"max_new_tokens": 5, "do_sample": False, "stop_at_eos": False, "verbose": False}
+    with torch.no_grad():
+        want = model.feature_intervention_generate(PROMPT[None], interventions, constrained_layers=layers, **options)
+    tokens, logits, acts = feature_intervention_generate(hooked, PROMPT, ours, interventions, constrained_layers=layers,
+                                                         **options)  # fmt: skip
+    assert tokens.tolist() == want[0].tolist() and logits.shape == (5, 300) and acts.shape[:2] == (3, 14)
+    assert rel_err(logits, want[1]) <= 1e-5 and rel_err(acts, want[2]) <= 1e-5
+    prompt_only = [iv for iv in interventions if not isinstance(iv[1], slice) or iv[1].stop is not None]
+    _, plain_logits, _ = feature_intervention_generate(hooked, PROMPT, ours, prompt_only, constrained_layers=layers,
+                                                       **options)  # fmt: skip
+    assert rel_err(logits[0], plain_logits[0]) > 1e-4 and rel_err(logits[1:], plain_logits[1:]) > 1e-4
+    with pytest.raises(ValueError, match=r"^use_past_kv_cache: feature_intervention_generate runs each new token"):
+        feature_intervention_generate(hooked, PROMPT, ours, interventions, use_past_kv_cache=False)
 
 
 @pytest.mark.parametrize(("kind", "layers"), [("per-layer", range(3)), ("per-layer", range(1, 3)),

@@ -339,6 +339,25 @@ def test_remove_batch_dim(hooked):
         hooked.run_with_cache(TEXTS[:2], remove_batch_dim=True)
 
 
+def test_generate_with_a_hook_at_the_logits_samples_what_it_returns(hooked):
+    """A hook at unembed.hook_out in generate sees every position a step feeds ([batch, positions, vocab], then
+    [batch, 1, vocab] over the KV cache), as at every other hook, and the step samples from what it returns."""
+    prompts = ["Once upon a time there was a", "The capital of France is"]
+    for cached in (True, False):
+        seen = []
+
+        def favour(logits, hook):
+            seen.append(tuple(logits.shape[:2]))
+            return logits.index_add(-1, torch.tensor([42]), torch.full((*logits.shape[:2], 1), 1e4))
+
+        with hooked.hooks([("unembed.hook_out", favour)]):
+            tokens = hooked.generate(prompts, max_new_tokens=3, do_sample=False, return_type="tokens",
+                                     use_past_kv_cache=cached, verbose=False)  # fmt: skip
+        width = tokens.shape[1] - 3
+        assert tokens[:, -3:].tolist() == [[42] * 3] * 2
+        assert seen == ([(2, width), (2, 1), (2, 1)] if cached else [(2, width), (2, width + 1), (2, width + 2)])
+
+
 def test_generate_with_hooks_equals_hf_with_the_same_edit(hooked, hf_smol):
     """generate inside `with model.hooks(...)` runs the hook at every step (it had no generate): greedy tokens
     equal HF's generate with the head zeroed in a forward hook, texts of different lengths in one batch; the

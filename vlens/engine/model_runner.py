@@ -480,9 +480,14 @@ class ModelRunner:
             source, target = (np.asarray(slots, np.int64) for slots in kv_copy)
             meta.kv_copy = (put("kv_copy_from", source), put("kv_copy_to", target))
         ids = put("input_ids", np.fromiter(chain.from_iterable(s[b:] for s, b in zip(sequences, starts)), np.int64))
-        rows = None if num_layers is not None else slice(None) if every_row else put("logit_rows", np.cumsum(new) - 1)
+        last = np.cumsum(new) - 1
+        # (a hook at the logits sees every new token's, as at every other tap: the last ones are picked after it)
+        every = every_row or LOGITS in hooks
+        rows = None if num_layers is not None else slice(None) if every else put("logit_rows", last)
         forward = None if resume is None else partial(self.model, start=resume, num_layers=num_layers)
         _, logits = self._forward(meta, ids, dict(hooks), num_layers, rows, forward=forward)
+        if every and not every_row and logits is not None:
+            logits = logits.index_select(0, torch.as_tensor(last, device=logits.device))
         return logits
 
     # -- the memory profile --------------------------------------------------------------------------
