@@ -6,14 +6,17 @@ is built on them: patching at them, and edge attribution patching (vlens.edge_at
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build, transformer_lens_gpt2, transformer_lens_llama
 from transformers import Gemma3TextConfig, GPTNeoXConfig
 
-from vlens import HookedLM
-from vlens.capture.names import HookSpecError
+from vlens import Capture, HookedLM, SamplingParams, Steer
+from vlens.capture.names import HookSpecError, resolve_hooks
+from vlens.distributed.parallel import Parallel
 
 TOL = 1e-5
 TOKENS = torch.tensor([[5, 17, 99, 230, 3, 41, 7, 250, 12], [60, 22, 140, 33, 290, 11, 12, 8, 1]])
@@ -179,10 +182,61 @@ def test_a_name_of_a_flag_that_is_off_says_which_turns_it_on(gpt2):
         hooked.run_with_cache(TOKENS, names_filter="blocks.1.attn.hook_result")
     with pytest.raises(HookSpecError, match=r"set_use_hook_mlp_in\(True\)"):
         hooked.add_hook("blocks.0.hook_mlp_in", lambda value, hook: None)
-    # the engine's requests do not name them
-    with pytest.raises(HookSpecError, match=r"set_use_split_qkv_input\(True\)"):
-        hooked.llm.trace([[1, 2, 3]], hooks=["blocks.0.hook_q_input"])
-    assert "blocks.0.hook_q_input" not in hooked.llm.hook_names()
+    assert "blocks.0.hook_q_input" not in hooked.llm.hook_names()  # (the engine's requests name them in full)
+
+
+@pytest.mark.parametrize("pair", ["gpt2", "llama"])
+def test_engine_requests_name_them_in_full(pair, request):
+    """LLM.trace and generate's captures and interventions take them by their full names (a glob spelling one out
+    too; `blocks.1.*` leaves them out): values equal HookedLM's with the flags on (TransformerLens's, above), heads
+    chosen; a steer of one head's result equals that edit as a HookedLM hook, a plain request beside it as alone."""
+    hooked, _ = request.getfixturevalue(pair)
+    llm, cfg = hooked.llm, hooked.llm.config
+    flags = FLAGS if pair == "gpt2" else FLAGS[:2] + FLAGS[3:]
+    _use([hooked], flags)
+    try:
+        names = _names(hooked)
+        _, cache = hooked.run_with_cache(TOKENS, names_filter=names)
+    finally:
+        _use([hooked], flags, on=False)
+    traced = llm.trace(TOKENS.tolist(), hooks=names)
+    for i, row in enumerate(traced):
+        assert sorted(row) == sorted(names)
+        for name in names:
+            assert rel_err(row[name], cache[name][i]) <= TOL, name
+    assert not [n for n in resolve_hooks("blocks.1.*", cfg) if n.split(".", 2)[-1] in OPTIONAL]
+    assert list(resolve_hooks("blocks.*.attn.hook_result", cfg)) == [f"blocks.{i}.attn.hook_result" for i in range(3)]
+    if pair == "llama":  # (no hook_attn_in under grouped-query attention)
+        with pytest.raises(HookSpecError, match=r"'blocks\.0\.hook_attn_in' matches no hook"):
+            llm.trace([[1, 2, 3]], hooks="blocks.0.hook_attn_in")
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    result, watch = "blocks.1.attn.hook_result", "blocks.2.hook_resid_post"
+    [heads] = llm.generate(TOKENS.tolist()[:1], SamplingParams(**greedy, capture=Capture(hooks=result, heads=[2, 0],
+                                                                                           positions="prompt")),
+                           use_tqdm=False)  # fmt: skip
+    assert rel_err(heads.activations[result], cache[result][0][:, [2, 0]]) <= TOL
+    vector = torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    steer = Steer(result, vector, heads=[2])
+    capture = Capture(hooks=watch, positions="prompt")
+    outs = llm.generate(TOKENS.tolist(), [SamplingParams(**greedy, capture=capture, interventions=[steer]),
+                                          SamplingParams(**greedy, capture=capture)], use_tqdm=False)  # fmt: skip
+    _use([hooked], ("use_attn_result",))
+    try:
+        edit = [(result, on_head(2, lambda v: v + vector))]
+        with hooked.hooks(fwd_hooks=edit):
+            _, ref = hooked.run_with_cache(TOKENS, names_filter=watch)
+            tokens = hooked.generate(TOKENS[:1], max_new_tokens=4, do_sample=False, stop_at_eos=False, verbose=False)
+    finally:
+        _use([hooked], ("use_attn_result",), on=False)
+    assert rel_err(outs[0].activations[watch], ref[watch][0]) <= TOL
+    assert outs[0].outputs[0].token_ids == tokens[0, TOKENS.shape[1] :].tolist()
+    [alone] = llm.generate(TOKENS.tolist()[1:], SamplingParams(**greedy, capture=capture), use_tqdm=False)
+    assert rel_err(outs[1].activations[watch], alone.activations[watch]) <= TOL
+    _, plain = hooked.run_with_cache(TOKENS, names_filter=watch)
+    assert rel_err(outs[0].activations[watch], plain[watch][0]) > 1e-3  # (the steer mattered)
+    split = dataclasses.replace(cfg, parallel=Parallel(0, 2))
+    with pytest.raises(HookSpecError, match=r"optional hooks, which run in one process \(tensor_parallel_size=1\)"):
+        resolve_hooks(result, split)
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,8 @@ def test_health_models_hooks(server, client):
     shapes = {h["name"]: h["shape"] for h in hooks["data"]}
     assert hooks["capture_enabled"] is True
     assert shapes["blocks.3.hook_resid_post"] == [576] and shapes["blocks.0.attn.hook_z"] == [9, 64]
+    optional = {h["name"] for h in hooks["data"] if h["optional"]}  # (TransformerLens's, named in full)
+    assert shapes["blocks.3.attn.hook_result"] == [9, 576] and len(optional) == 30 * 5  # (GQA: no hook_attn_in)
 
 
 def test_completion(client):

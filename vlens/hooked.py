@@ -536,7 +536,7 @@ class HookedLM(ModelWeights, SAEMethods):
             return {n: n for n in self._names_in_order}
         if callable(names_filter):
             return {n: n for n in self._names_in_order if names_filter(n)}
-        return resolve_hooks(names_filter, self.cfg, self._shapes)
+        return resolve_hooks(names_filter, self.cfg, self._shapes, optional_by_glob=True)
 
     def _tap_hooks(
         self, padding: Padding, fed: list[list[int]], keep: str | None = None,

@@ -277,7 +277,8 @@ def _intervention(
     kind, data = KINDS[type(iv)], _data(iv, shape)
     if iv.heads is not None:
         if not all(t.endswith(PER_HEAD) for t in taps):
-            raise ValueError(f"{where}.heads: {iv.hook!r} has no heads; heads apply at attn.hook_q/k/v/z")
+            raise ValueError(f"{where}.heads: {iv.hook!r} has no heads; heads apply at attn.hook_q/k/v/z, "
+                             "attn.hook_result and the per-head inputs")  # fmt: skip
         _check_heads(iv.heads, shape[0], f"{where}.heads", taps[0])
         if isinstance(iv, Ablate):
             kind = PATCH  # a head ablation sets the heads' values

@@ -57,14 +57,17 @@ LOGITS = "unembed.hook_out"
 # position + 1), so their per-token shape is [heads, CTX]; they are computed only for the rows asked for.
 PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
 CTX = "ctx"
-# Taps with one slice per attention head, which Capture(heads=...) and per-head interventions select.
-PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", *PATTERNS, "attn.hook_z")
+# Taps with one slice per attention head, which Capture(heads=...) and per-head interventions select (with
+# TransformerLens's optional per-head ones).
+PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", *PATTERNS, "attn.hook_z", "attn.hook_result", "hook_attn_in",
+            "hook_q_input", "hook_k_input", "hook_v_input")  # fmt: skip
 # TransformerLens's optional taps, by the config flag that turns them on (HookedLM's set_use_*): the input of
 # every head to its query, key and value projections, together (hook_attn_in) or apart (hook_q_input, ...);
 # each head's share of the attention output, before the heads are summed (attn.hook_result, without b_O);
 # the MLP's input. A forward computes a per-head one only where a tap is armed, and takes the per-head path
 # only where an armed one hands back another value, so reading them changes no number. The engine's requests
-# do not name them (a glob like `blocks.3.*` would then cost a [heads, d_model] tensor per token per name).
+# name them in full (resolve_hooks): a glob like `blocks.3.*` leaves them out, or it would cost a [heads, d_model]
+# tensor per token per name.
 OPTIONAL_HOOKS = {
     "use_attn_in": ("hook_attn_in",),
     "use_split_qkv_input": ("hook_q_input", "hook_k_input", "hook_v_input"),
@@ -223,7 +226,7 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpecError:
     close = difflib.get_close_matches(name, list(valid), n=5, cutoff=0.5)
     hint = f"; closest valid names: {', '.join(close)}" if close else ""
-    leaf = name.split(".", 2)[-1]
+    leaf = _leaf(name)
     flag = next((f for f, hooks in OPTIONAL_HOOKS.items() if leaf in hooks), None)
     if flag is not None and name in hook_shapes(cfg, OPTIONAL_HOOKS):
         hint = f"; it is one of TransformerLens's optional hooks, which HookedLM.set_{flag}(True) turns on"
@@ -238,17 +241,21 @@ def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpe
 
 
 def resolve_hooks(
-    spec: str | Iterable[str], cfg: ModelConfig, valid: dict[str, tuple[int | str, ...]] | None = None
+    spec: str | Iterable[str], cfg: ModelConfig, valid: dict[str, tuple[int | str, ...]] | None = None,
+    optional_by_glob: bool = False,
 ) -> dict[str, str]:
     """Requested name -> canonical tap, in forward order, for a name/glob or list of them. `valid`:
-    `hook_shapes(cfg)` where the caller keeps it (the engine, per request: building it is most of the cost).
+    `request_shapes(cfg)` where the caller keeps it (the engine, per request: building it is most of the cost).
 
+    TransformerLens's optional hooks (OPTIONAL_HOOKS) are matched where a spec spells their name out —
+    `blocks.3.attn.hook_result`, `blocks.*.attn.hook_result` — and not by a wildcard standing for it
+    (`blocks.3.*` keeps its size), unless `optional_by_glob` (HookedLM, whose set_use_* turned them on).
     Raises HookSpecError naming the closest valid names when a pattern, or one of its brace
     alternatives without wildcards, matches nothing."""
     patterns = [spec] if isinstance(spec, str) else list(spec)
     if not patterns:
         raise HookSpecError("hooks: empty spec; give at least one hook name or glob (see `vlens hooks`)")
-    valid = hook_shapes(cfg) if valid is None else valid
+    valid = request_shapes(cfg) if valid is None else valid
     chosen: set[str] = set()
     for pattern in patterns:
         if not isinstance(pattern, str):
@@ -256,6 +263,8 @@ def resolve_hooks(
         found: list[str] = []
         for expanded in _expand_braces(pattern):
             matches = [expanded] if expanded in valid else fnmatch.filter(valid, expanded)
+            if not optional_by_glob:
+                matches = [m for m in matches if not _optional(m) or expanded.endswith("." + _leaf(m))]
             # A brace alternative spelled out in full (`blocks.{3,40}...`) names one hook: if the model
             # lacks it, say so rather than silently return the others. Wildcards may match nothing.
             if not matches and not _GLOB_CHARS.search(expanded):
@@ -264,4 +273,24 @@ def resolve_hooks(
         if not found:
             raise _no_match(pattern, pattern, valid, cfg)
         chosen.update(found)
+    optional = sorted(name for name in chosen if _optional(name))
+    if optional and cfg.parallel.size > 1:
+        raise HookSpecError(f"hooks: {optional[0]} is one of TransformerLens's optional hooks, which run in one "
+                            "process (tensor_parallel_size=1)")  # fmt: skip
     return {name: canonical(name, cfg) for name in valid if name in chosen}
+
+
+def request_shapes(cfg: ModelConfig) -> dict[str, tuple[int | str, ...]]:
+    """The hooks a request may name (hook_shapes with TransformerLens's optional ones, which it names in full)."""
+    return hook_shapes(cfg, OPTIONAL_HOOKS)
+
+
+_OPTIONAL_LEAVES = frozenset(h for hooks in OPTIONAL_HOOKS.values() for h in hooks)
+
+
+def _leaf(name: str) -> str:
+    return name.split(".", 2)[-1]
+
+
+def _optional(name: str) -> bool:
+    return name.startswith("blocks.") and _leaf(name) in _OPTIONAL_LEAVES

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlens.capture.bind import bind_request
-from vlens.capture.names import FINAL_NORM, hook_shapes
+from vlens.capture.names import FINAL_NORM, request_shapes
 from vlens.capture.plan import StepPlan
 from vlens.capture.positions import rows_of
 from vlens.capture.runtime import Collection
@@ -97,7 +97,7 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.shapes = hook_shapes(cfg)
+        self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []

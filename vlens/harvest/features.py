@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlens.capture.bind import sae_tap
-from vlens.capture.names import hook_shapes
+from vlens.capture.names import request_shapes
 from vlens.sae.model import SAE
 from vlens.sae.readout import SAEReadout, read_group
 
@@ -54,7 +54,7 @@ def feature_harvest(config: HarvestConfig, model_config: Any) -> FeatureHarvest 
         sae = config.sae if config.sae_hook is None else dataclasses.replace(config.sae, hook=config.sae_hook)
     else:
         sae = SAE.load(config.sae, hook=config.sae_hook)
-    tap = sae_tap(sae, model_config, hook_shapes(model_config), "sae")
+    tap = sae_tap(sae, model_config, request_shapes(model_config), "sae")
     if config.top_k > sae.d_sae:
         raise ValueError(f"top_k: {config.top_k} is more than the SAE's d_sae={sae.d_sae}")
     return FeatureHarvest(sae, tap, config.top_k)

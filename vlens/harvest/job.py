@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vlens.capture.names import hook_shapes, is_pattern, resolve_hooks, tap_dtype
+from vlens.capture.names import is_pattern, request_shapes, resolve_hooks, tap_dtype
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import PackedCapture
 from vlens.harvest.config import HarvestConfig
@@ -128,7 +128,7 @@ class Job:
         if existing is not None:
             _check_same(existing, header, store)
         manifest = existing or {**header, "shards": [], "stats": {}, "totals": _totals([]), "complete": False}
-        shapes = hook_shapes(cfg)
+        shapes = request_shapes(cfg)
         width = {name: math.prod(shapes[name]) for name in wanted}
         row_bytes = sum(w * tap_dtype(wanted[name], out_dtype).itemsize for name, w in width.items())
         row_bytes += sum(b for _, b in _META_KEYS.values())
@@ -223,7 +223,7 @@ def header(
 ) -> dict[str, Any]:  # fmt: skip
     """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
     param = next(loaded.model.parameters())
-    shapes = hook_shapes(loaded.config)
+    shapes = request_shapes(loaded.config)
     model = {
         "id": loaded.name,
         "architecture": loaded.config.architecture,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vlens.capture.names import hook_shapes
+from vlens.capture.names import request_shapes
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.features import feature_harvest
 from vlens.harvest.job import (
@@ -93,7 +93,7 @@ class ShardWorker:
         with self.device_lock:  # one task's forwards at a time; the other task meanwhile writes
             if self.stage is None:
                 self.stage = DeviceRows(
-                    self.runner, self.wanted, hook_shapes(self.loaded.config), self.config.out_dtype,
+                    self.runner, self.wanted, request_shapes(self.loaded.config), self.config.out_dtype,
                     self.excluded, batch_tokens, self.features, buffer_sets=_TASKS_PER_ACTOR,
                 )  # fmt: skip
             shard = self.stage.shard(index, first, shard_windows)

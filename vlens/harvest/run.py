@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from vlens.capture.names import hook_shapes
+from vlens.capture.names import request_shapes
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.job import HarvestSummary, Job, choose_batch_tokens, header, plan, source_of, window_stream
 from vlens.harvest.model import resolve_model, runner_for
@@ -78,7 +78,7 @@ def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, src: Source, sta
     token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size)
     pipelined = config.pipelined(next(loaded.model.parameters()).device)
     stage = DeviceRows(
-        runner, wanted, hook_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features,
+        runner, wanted, request_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features,
         buffer_sets=2 if pipelined else 1,
     )  # fmt: skip
     with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
-from vlens.capture.names import hook_shapes
+from vlens.capture.names import hook_shapes, request_shapes
 from vlens.llm import LLM
 from vlens.server.activations import ActivationStore, Download, owner_of
 from vlens.server.admission import Admission
@@ -42,7 +42,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     if config.enable_capture and not engine.enable_capture:
         raise ValueError("enable_capture: the server allows capture but the LLM was built with enable_capture=False")
     model_name = config.served_model_name or llm.model_name
-    shapes = hook_shapes(llm.config)
+    shapes = request_shapes(llm.config)
+    always = hook_shapes(llm.config)
     saes = load_saes(config.saes, llm.config, shapes)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
@@ -126,7 +127,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/hooks")
     async def hooks() -> dict:
-        data = [{"name": name, "shape": list(shape)} for name, shape in shapes.items()]
+        # (TransformerLens's optional hooks flagged: a request names them in full, a glob leaves them out)
+        data = [{"name": name, "shape": list(shape), "optional": name not in always} for name, shape in shapes.items()]
         return {"object": "list", "capture_enabled": config.enable_capture, "data": data}
 
     @app.get("/v1/saes")

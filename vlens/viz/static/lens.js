@@ -677,7 +677,7 @@
     const [models, hooks, saes] = await Promise.all([server.json("GET", "v1/models"), server.json("GET", "v1/hooks"),
       server.json("GET", "v1/saes")]);
     const layers = 1 + Math.max(...hooks.data.map((h) => Number((/^blocks\.(\d+)\./.exec(h.name) || [0, -1])[1])));
-    const residual = hooks.data.filter((h) => h.shape.length === 1 && h.shape[0] > 1).map((h) => h.name);
+    const residual = hooks.data.filter((h) => !h.optional && h.shape.length === 1 && h.shape[0] > 1).map((h) => h.name);
     info = { model: models.data[0].id, layers, residual, saes: saes.data };
     fillLayers(range(layers));
     const hookSelect = byId("steer-hook");
