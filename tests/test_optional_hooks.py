@@ -6,8 +6,6 @@ is built on them: patching at them, and edge attribution patching (vlens.edge_at
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import rel_err
@@ -16,7 +14,6 @@ from transformers import Gemma3TextConfig, GPTNeoXConfig
 
 from vlens import Capture, HookedLM, SamplingParams, Steer
 from vlens.capture.names import HookSpecError, resolve_hooks
-from vlens.distributed.parallel import Parallel
 
 TOL = 1e-5
 TOKENS = torch.tensor([[5, 17, 99, 230, 3, 41, 7, 250, 12], [60, 22, 140, 33, 290, 11, 12, 8, 1]])
@@ -234,9 +231,6 @@ def test_engine_requests_name_them_in_full(pair, request):
     assert rel_err(outs[1].activations[watch], alone.activations[watch]) <= TOL
     _, plain = hooked.run_with_cache(TOKENS, names_filter=watch)
     assert rel_err(outs[0].activations[watch], plain[watch][0]) > 1e-3  # (the steer mattered)
-    split = dataclasses.replace(cfg, parallel=Parallel(0, 2))
-    with pytest.raises(HookSpecError, match=r"optional hooks, which run in one process \(tensor_parallel_size=1\)"):
-        resolve_hooks(result, split)
 
 
 @pytest.mark.parametrize(

@@ -196,9 +196,28 @@ def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
         assert all(same(cache_b[n].double(), cache_a[n].double(), TOL) for n in names)
         with pytest.raises(ValueError, match=r"^gradients: .* one process \(tensor_parallel_size=1\)"):
             three.run_with_cache(texts, names_filter=names, return_type="loss", incl_bwd=True)
-        with pytest.raises(ValueError, match=r"^use_attn_result: .* one process \(tensor_parallel_size=1\)"):
-            three.set_use_attn_result(True)
         assert same(three.run_with_hooks(texts, fwd_hooks=hooks).double(), a.double(), TOL)  # the group goes on
+        # TransformerLens's optional hooks, whole on rank 0: a head of the middle rank's output and query input
+        for model in (one, three):
+            model.set_use_attn_result(True)
+            model.set_use_split_qkv_input(True)
+        def on_head(head: int, change):
+            def fn(value, hook):
+                value = value.clone()
+                value[:, :, head] = change(value[:, :, head])
+                return value
+
+            return fn
+
+        optional = [("blocks.1.attn.hook_result", on_head(4, lambda v: 3 * v)),
+                    ("blocks.2.hook_q_input", on_head(5, lambda v: v + vector)),
+                    ("blocks.0.hook_k_input", on_head(2, torch.zeros_like))]  # fmt: skip
+        a, b = one.run_with_hooks(texts, fwd_hooks=optional), three.run_with_hooks(texts, fwd_hooks=optional)
+        assert same(b.double(), a.double(), TOL) and not same(one.run_with_hooks(texts).double(), a.double(), 1e-3)
+        names = ["blocks.1.attn.hook_result", "blocks.2.hook_q_input", "blocks.0.hook_v_input"]
+        (_, cache_a), (_, cache_b) = (model.run_with_cache(texts, names_filter=names) for model in (one, three))
+        assert all(cache_b[n].shape == cache_a[n].shape and same(cache_b[n].double(), cache_a[n].double(), TOL)
+                   for n in names)  # fmt: skip
     finally:
         three.llm.close()
 
@@ -599,6 +618,24 @@ def test_transcoder_clamps_read_where_they_read_also_from_a_sharded_hook(pair):
     plain = _generate(one, prompts[:1], params[1:])
     for hook in hooks:
         assert not same(plain[0].activations[hook].double(), a[0].activations[hook].double(), 1e-3)  # they took
+
+
+def test_optional_hooks_named_in_requests_read_and_steered(pair):
+    """TransformerLens's optional hooks in engine requests: read (heads chosen from both ranks) and steered at one
+    head's output and one key-value head's input, with a plain request beside them: as in one process."""
+    _, one, two = pair
+    cfg, g = one.config, torch.Generator().manual_seed(5)
+    hooks = ["blocks.0.attn.hook_result", "blocks.1.hook_q_input", "blocks.2.hook_mlp_in", "blocks.2.hook_resid_post"]
+    steers = [Steer("blocks.0.attn.hook_result", torch.randn(cfg.hidden_size, generator=g), heads=[cfg.num_heads - 1]),
+              Steer("blocks.1.hook_v_input", torch.randn(cfg.hidden_size, generator=g), heads=[0], scale=2.0)]  # fmt: skip
+    common = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    params = [SamplingParams(**common, capture=Capture(hooks=hooks, heads=[cfg.num_heads - 1, 0]), interventions=steers),
+              SamplingParams(**common, capture=Capture(hooks=[*hooks, "blocks.1.hook_k_input"]))]  # fmt: skip
+    prompts = sequences((9, 6))
+    a, b = _generate(one, prompts, params), _generate(two, prompts, params)
+    _check_outputs(a, b)
+    plain = _generate(one, prompts[:1], params[1:])
+    assert not same(plain[0].activations[hooks[-1]].double(), a[0].activations[hooks[-1]].double(), 1e-3)  # they took
 
 
 def test_heads_chosen_from_both_ranks(pair):

@@ -349,8 +349,6 @@ class HookedLM(ModelWeights, SAEMethods):
         forward computes one only where a hook or the cache asks for it, and reading it changes no number."""
         if not isinstance(on, bool):
             raise TypeError(f"{flag}: expected True or False, got {on!r}")
-        if on and self.llm.runner.model.executor is not None:
-            raise ValueError(f"{flag}: TransformerLens's optional hooks run in one process (tensor_parallel_size=1)")
         cfg = self.cfg
         if on and flag == "use_attn_in" and cfg.num_kv_heads != cfg.num_heads:
             raise ValueError(

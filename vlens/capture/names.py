@@ -273,10 +273,6 @@ def resolve_hooks(
         if not found:
             raise _no_match(pattern, pattern, valid, cfg)
         chosen.update(found)
-    optional = sorted(name for name in chosen if _optional(name))
-    if optional and cfg.parallel.size > 1:
-        raise HookSpecError(f"hooks: {optional[0]} is one of TransformerLens's optional hooks, which run in one "
-                            "process (tensor_parallel_size=1)")  # fmt: skip
     return {name: canonical(name, cfg) for name in valid if name in chosen}
 
 

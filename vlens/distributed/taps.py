@@ -44,6 +44,11 @@ def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
         "attn.hook_pattern": cfg.num_heads,
         "attn.hook_k": cfg.num_kv_heads,
         "attn.hook_v": cfg.num_kv_heads,
+        "attn.hook_result": cfg.num_heads,  # (TransformerLens's optional per-head hooks)
+        "hook_attn_in": cfg.num_heads,
+        "hook_q_input": cfg.num_heads,
+        "hook_k_input": cfg.num_kv_heads,
+        "hook_v_input": cfg.num_kv_heads,
         "mlp.hook_post": cfg.intermediate_size,
         "mlp.shared_expert.hook_post": cfg.shared_expert_intermediate_size,
     }.get(site)

@@ -17,6 +17,7 @@ from torch import nn
 from vlens.capture.names import LOGITS
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context, tap, tapped
+from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
 from vlens.layers.attention import Attention
 from vlens.layers.norm import NormHooks, make_norm
@@ -69,7 +70,7 @@ class AttentionHeads(nn.Module):
         edited = tap(self.hook_result, result)
         if edited is result:  # read, not edited: the output as HF computes it
             return self.out(z)
-        out = edited.sum(1)
+        out = all_reduce(edited.sum(1), self.out.parallel)  # (this rank's heads: summed over the ranks, as out's)
         return out if self.out.bias is None else out + self.out.bias
 
     def _project(self, part: str, x: torch.Tensor) -> torch.Tensor:
