@@ -83,6 +83,24 @@ def best_alternating(fns: list, repeats: int) -> list[float]:
     return times
 
 
+def print_rows(rows: list[tuple[str, float, float | None, str]], width: int) -> None:
+    """A table of (case, tok/s, ratio or None, target) rows under its header."""
+    print(f"{'case':<{width}}{'tok/s':>10}{'ratio':>10}  target")
+    for name, rate, ratio, target in rows:
+        print(f"{name:<{width}}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
+
+
+def print_versus(tokens: int, times: tuple[float, float, float, float], cases: tuple[str, ...], target: str) -> None:
+    """The table of a feature against no feature in vlens and in HF with a hook doing it: `times` of (vlens plain,
+    vlens with it, HF plain, HF with the hook) for `tokens` tokens each, `cases` naming the five rows."""
+    plain, with_it, hf, hf_with_it = times
+    print_rows([
+        (cases[0], tokens / plain, None, ""), (cases[1], tokens / with_it, with_it / plain, target),
+        (cases[2], tokens / hf, None, ""), (cases[3], tokens / hf_with_it, hf_with_it / hf, "(peer)"),
+        (cases[4], tokens / with_it, hf_with_it / with_it, "(no target)"),
+    ], max(map(len, cases)) + 4)  # fmt: skip
+
+
 def best(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -175,7 +193,6 @@ def smol(args: argparse.Namespace) -> None:
     tps["hf_mixed"] = sum(mixed) / results["hf_mixed"]
     tps["vlens_mixed"] = sum(mixed) / results["vlens_mixed"]
     print(f"\nSmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.tokens} new tokens")
-    print(f"{'case':<44}{'tok/s':>10}{'ratio':>10}  target")
     rows = [
         ("HF generate, no capture", tps["hf"], None, ""),
         ("vlens, no capture", tps["vlens"], tps["vlens"] / tps["hf"], ">= 3x HF"),
@@ -189,8 +206,7 @@ def smol(args: argparse.Namespace) -> None:
         ("vlens, 2 patterns at last position (time)", tps["pattern"], results["pattern"] / results["vlens"], "<= 1.10x"),
         ("HF generate, output_attentions (time)", tps["hf_attentions"], results["hf_attentions"] / results["hf"], "(peer)"),
     ]
-    for name, rate, ratio, target in rows:
-        print(f"{name:<44}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
+    print_rows(rows, 44)
 
 
 def random_llama(prefix_caching: bool = False, **sizes) -> tuple[LLM, torch.nn.Module]:

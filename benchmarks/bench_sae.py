@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_generate import best, prompts
+from bench_generate import best, print_versus, prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vlens import LLM, SAE, Capture, SamplingParams
@@ -79,19 +79,11 @@ def main() -> None:
 
     t_hf = best(lambda: hf_generate(False), args.repeats)
     t_hf_sae = best(lambda: hf_generate(True), args.repeats)
-    tokens = args.prompts * args.tokens
     print(f"\nSmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.tokens} "
           f"new tokens; SAE d_sae={args.d_sae} at blocks.{LAYER}.hook_resid_post, top-{args.top_k} at generated rows")  # fmt: skip
-    print(f"{'case':<46}{'tok/s':>10}{'ratio':>10}  target")
-    rows = [
-        ("vlens, no features", tokens / t_plain, None, ""),
-        ("vlens, top-k features (time vs no features)", tokens / t_sae, t_sae / t_plain, "<= 1.15x"),
-        ("HF generate, no hook", tokens / t_hf, None, ""),
-        ("HF generate + per-step encoding hook (time)", tokens / t_hf_sae, t_hf_sae / t_hf, "(peer)"),
-        ("vlens features vs HF hook (speed)", tokens / t_sae, t_hf_sae / t_sae, "(no target)"),
-    ]
-    for name, rate, ratio, target in rows:
-        print(f"{name:<46}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
+    cases = ("vlens, no features", "vlens, top-k features (time vs no features)", "HF generate, no hook",
+             "HF generate + per-step encoding hook (time)", "vlens features vs HF hook (speed)")  # fmt: skip
+    print_versus(args.prompts * args.tokens, (t_plain, t_sae, t_hf, t_hf_sae), cases, "<= 1.15x")
 
 
 if __name__ == "__main__":

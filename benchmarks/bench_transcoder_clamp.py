@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_generate import best_alternating, prompts
+from bench_generate import best_alternating, print_versus, prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vlens import LLM, SAE, Clamp, SamplingParams
@@ -84,19 +84,11 @@ def main() -> None:
         lambda: llm.generate(texts, plain, use_tqdm=False), lambda: llm.generate(texts, clamped, use_tqdm=False),
         lambda: hf_generate(False), lambda: hf_generate(True),
     ], args.repeats)  # fmt: skip
-    tokens = args.prompts * args.tokens
     print(f"\nSmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.tokens} "
           f"new tokens; transcoder d_sae={args.d_sae} at layer {LAYER}, a different latent clamped per request")  # fmt: skip
-    print(f"{'case':<50}{'tok/s':>10}{'ratio':>10}  target")
-    rows = [
-        ("vlens, nothing clamped", tokens / t_plain, None, ""),
-        ("vlens, a latent clamped per request (time)", tokens / t_clamp, t_clamp / t_plain, "<= 1.15x"),
-        ("HF generate, no hook", tokens / t_hf, None, ""),
-        ("HF generate + clamping hooks on the MLP (time)", tokens / t_hf_clamp, t_hf_clamp / t_hf, "(peer)"),
-        ("vlens clamping vs HF clamping (speed)", tokens / t_clamp, t_hf_clamp / t_clamp, "(no target)"),
-    ]
-    for name, rate, ratio, target in rows:
-        print(f"{name:<50}{rate:>10.1f}{'' if ratio is None else f'{ratio:>9.2f}x':>10}  {target}")
+    cases = ("vlens, nothing clamped", "vlens, a latent clamped per request (time)", "HF generate, no hook",
+             "HF generate + clamping hooks on the MLP (time)", "vlens clamping vs HF clamping (speed)")  # fmt: skip
+    print_versus(args.prompts * args.tokens, (t_plain, t_clamp, t_hf, t_hf_clamp), cases, "<= 1.15x")
 
 
 if __name__ == "__main__":
