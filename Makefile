@@ -34,8 +34,9 @@ $(STAMP): pyproject.toml Makefile
 
 # circuit-tracer: the reference tests/test_attribution_graph.py compares vlens's attribution graphs with; its
 # declared pins (transformers<=4.57, huggingface-hub<1) would replace the ones vlens runs on, and its
-# TransformerLens path needs none of them, hence --no-deps.
+# TransformerLens path needs none of them, hence --no-deps. tuned-lens: tests/test_tuned_lens.py's reference; its
+# lenses need torch and transformers alone (its training tools bring wandb, datasets, torchdata), hence --no-deps.
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,ray]'
-	$(BIN)/python -m pip install -q --no-deps circuit-tracer==0.5.0
+	$(BIN)/python -m pip install -q --no-deps circuit-tracer==0.5.0 tuned-lens==0.2.0
 	touch $@

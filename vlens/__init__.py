@@ -2,7 +2,7 @@
 
 from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 from vlens.activation_cache import ActivationCache
-from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer
+from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer, TunedLens
 from vlens.engine.config import EngineConfig
 from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
 from vlens.hooked import HookedLM
@@ -27,6 +27,7 @@ __all__ = [
     "Patch",
     "Clamp",
     "SAE",
+    "TunedLens",
     "RequestOutput",
     "RequestDelta",
     "CompletionOutput",

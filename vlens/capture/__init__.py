@@ -9,5 +9,6 @@ Tap.__call__ in the forward (runtime) -> TapRuntime.collect -> RowStream.add (ro
 from vlens.capture.interventions import Ablate, Clamp, Patch, Steer
 from vlens.capture.positions import Positions
 from vlens.capture.spec import Capture
+from vlens.capture.tuned_lens import TunedLens
 
-__all__ = ["Ablate", "Capture", "Clamp", "Patch", "Positions", "Steer"]
+__all__ = ["Ablate", "Capture", "Clamp", "Patch", "Positions", "Steer", "TunedLens"]

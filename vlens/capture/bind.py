@@ -220,7 +220,13 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
             )
         if capture.logit_lens > cfg.vocab_size:  # else the step's topk fails, and every request in it
             raise ValueError(f"capture.logit_lens: {capture.logit_lens} is more than the vocabulary's {cfg.vocab_size}")
-        readout = partial(logit_lens, model=model, k=capture.logit_lens)
+        translators = None
+        if capture.tuned_lens is not None:
+            translators = {
+                tap: None if t is None else (t[0].to(weight.device, weight.dtype), t[1].to(weight.device, weight.dtype))
+                for tap, t in capture.tuned_lens.translators(sorted(taps), cfg).items()
+            }  # fmt: skip
+        readout = partial(logit_lens, model=model, k=capture.logit_lens, translators=translators)
     if capture.sae is not None:
         device, dtype = weight.device, weight.dtype
         features = None if capture.features is None else torch.tensor(capture.features, device=device)

@@ -434,7 +434,7 @@ def _shared_readouts(owners: list[object], pieces: tuple[torch.Tensor, ...]) -> 
 def _read_out(stream: RowStream, tap: str, chunk: torch.Tensor):
     if tap in stream.head_taps:
         chunk = chunk.index_select(1, stream.heads.to(chunk.device))
-    result = stream.readout(chunk) if stream.readout is not None else chunk
+    result = stream.readout(chunk, tap) if stream.readout is not None else chunk
     if stream.sums_on_device:  # in float32, cast once at the end: a sum rounded each step depends on the steps
         return result.sum(0, keepdim=True, dtype=torch.float32)
     if stream.dtype is not None and isinstance(result, torch.Tensor):

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from vlens.capture.positions import Positions
+from vlens.capture.tuned_lens import TunedLens
 from vlens.sae.model import SAE
 
 CAPTURE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -41,7 +42,9 @@ class Capture:
     `project=W` ([d, k], or a pair (W, bias [k])) returns x @ W (+ bias) per row (linear probes);
     `reduce="mean"` returns the mean over the selected rows as one row (after any projection);
     `logit_lens=k` returns, per row of a residual-stream tap, the top-k token ids and log-probabilities
-    through the final norm and unembedding, in RequestOutput.logit_lens instead of activations.
+    through the final norm and unembedding, in RequestOutput.logit_lens instead of activations;
+    `tuned_lens=TunedLens.load(path)` with it puts each row through its layer's translator first (a tuned lens,
+    at a layer's input or output: vlens.capture.tuned_lens).
     `heads=[h, ...]` keeps those heads (in that order) at the per-head taps: attn.hook_q/k/v/z and the
     attention scores and patterns (for hook_k/v of a model with fewer KV heads, those KV heads).
     `sae=SAE` reads the rows through a sparse autoencoder at the hook it was trained on (`hooks` may
@@ -58,6 +61,7 @@ class Capture:
     reduce: str = "none"
     project: Any = None
     logit_lens: int | None = None
+    tuned_lens: TunedLens | None = None
     heads: Sequence[int] | None = None
     sae: SAE | None = None
     top_k: int | None = None
@@ -98,6 +102,12 @@ class Capture:
                 raise ValueError(f"capture.logit_lens: expected an int >= 1 (top-k), got {self.logit_lens!r}")
             if self.project is not None or self.reduce != "none":
                 raise ValueError("capture.logit_lens: cannot be combined with project or reduce")
+        if self.tuned_lens is not None:
+            if not isinstance(self.tuned_lens, TunedLens):
+                raise ValueError(f"capture.tuned_lens: expected a vlens.TunedLens (TunedLens.load(path)), got "
+                                 f"{type(self.tuned_lens).__name__}")  # fmt: skip
+            if self.logit_lens is None:
+                raise ValueError("capture.tuned_lens: with logit_lens=k, the top-k tokens it reads each row as")
         if self.heads is not None:
             self.heads = check_heads(self.heads, "capture.heads")
 
