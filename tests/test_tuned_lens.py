@@ -5,13 +5,17 @@ generation and beside other requests; the taps it cannot translate are refused b
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
+from server_helpers import decode_activations, running_server
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from vlens import LLM, Capture, SamplingParams, TunedLens
+from vlens.server.config import ServerConfig
+from vlens.server.specs import CaptureSpec
 
 K = 5
 PROMPT = [5, 17, 99, 230, 3, 41, 7, 250, 12]
@@ -72,3 +76,24 @@ def test_what_a_tuned_lens_cannot_read_is_refused_by_name(setup, tmp_path):
         llm.generate([PROMPT], params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^tuned_lens: .* is not a tuned-lens directory"):
         TunedLens.load(tmp_path)
+
+
+def test_a_server_reads_its_tuned_lens_when_a_capture_asks(setup):
+    """`vlens serve --tuned-lens PATH`: /v1/models says so, and capture.tuned_lens: true gives what LLM.generate
+    gives with the same lens; a server without one refuses it by name."""
+    llm, *_, where = setup
+    hook = "blocks.1.hook_resid_post"
+    with running_server(llm, ServerConfig(enable_capture=True, tuned_lens=str(where))) as url:
+        assert httpx.get(url + "/v1/models").json()["data"][0]["tuned_lens"] is True
+        body = {"model": llm.model_name, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                "vlens": {"capture": {"hooks": hook, "logit_lens": K, "tuned_lens": True}}}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = decode_activations(r.json()["vlens"]["activations"], url, {})
+    capture = Capture(hooks=hook, logit_lens=K, tuned_lens=TunedLens.load(where))
+    [ref] = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, capture=capture), use_tqdm=False)
+    ids, logprobs = ref.logit_lens[hook]
+    assert torch.equal(got[f"{hook}.logit_lens.token_ids"], ids)
+    assert rel_err(got[f"{hook}.logit_lens.logprobs"], logprobs) <= 1e-5
+    with pytest.raises(ValueError, match=r"^capture\.tuned_lens: this server has no tuned lens; .* --tuned-lens PATH"):
+        CaptureSpec.model_validate({"hooks": hook, "logit_lens": K, "tuned_lens": True}).to_capture({}, None)

@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
+from vlens.capture import TunedLens
 from vlens.capture.names import hook_shapes, request_shapes
 from vlens.llm import LLM
 from vlens.server.activations import ActivationStore, Download, owner_of
@@ -45,6 +47,10 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     shapes = request_shapes(llm.config)
     always = hook_shapes(llm.config)
     saes = load_saes(config.saes, llm.config, shapes)
+    tuned_lens = None
+    if config.tuned_lens is not None:
+        tuned_lens = TunedLens.load(Path(config.tuned_lens).expanduser())
+        tuned_lens.translators([], llm.config)  # (its size checked at start, not at the first request)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
     loop = EngineLoop(engine)
@@ -62,6 +68,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         metrics,
         saes,
         admission,
+        tuned_lens,
     )
     embedder = Embedder(generator)
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len)
@@ -122,6 +129,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             "created": created,
             "owned_by": "vlens",
             "max_model_len": engine.max_model_len,
+            "tuned_lens": tuned_lens is not None,  # (capture.tuned_lens: true reads the logit lens through it)
         }
         return {"object": "list", "data": [card]}
 

@@ -44,6 +44,10 @@ def _named_saes(specs: tuple[str, ...] | None) -> str | None:
     return f"{', '.join(missing)}: no such file or directory" if missing else None
 
 
+def _directory(path: str | None) -> str | None:
+    return None if path is None or Path(path).expanduser().is_dir() else f"{path}: no such directory"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = setting("127.0.0.1", "address to bind (default: 127.0.0.1, loopback only)")
@@ -72,6 +76,10 @@ class ServerConfig:
         None, "an SAE to load at start, as NAME=PATH (a SAELens directory or a Gemma Scope params.npz; "
         "NAME=PATH@HOOK names the hook it reads); repeat the flag for more; requests name them in the vlens "
         "extension and GET /v1/saes lists them", flag="--sae", repeat=True, check=_named_saes,
+    )  # fmt: skip
+    tuned_lens: str | None = setting(
+        None, "a tuned lens to load at start (a directory as the tuned-lens package saves one); a capture with a "
+        "logit_lens asks for it with tuned_lens: true", check=_directory,
     )  # fmt: skip
     # Overload: beyond these a request gets 429 with Retry-After instead of growing the server's memory.
     max_pending_requests: int = setting(

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from vlens.capture import TunedLens
 from vlens.sae.model import SAE
 from vlens.server.protocol import APIError, from_value_error, schema_error
 from vlens.server.specs import CaptureSpec, InterventionSpec
@@ -31,6 +32,7 @@ class ExtensionContext:
 
     enable_capture: bool
     saes: dict[str, SAE] = field(default_factory=dict)  # what requests may name (vlens serve --sae)
+    tuned_lens: TunedLens | None = None  # what capture.tuned_lens reads through (vlens serve --tuned-lens)
 
 
 def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
@@ -59,7 +61,7 @@ def _require_capture(ctx: ExtensionContext, param: str) -> None:
 def _capture(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
     _require_capture(ctx, "vlens.capture")
     try:
-        return {"capture": CaptureSpec.model_validate(value).to_capture(ctx.saes)}
+        return {"capture": CaptureSpec.model_validate(value).to_capture(ctx.saes, ctx.tuned_lens)}
     except ValidationError as e:
         raise schema_error(e.errors(), 400, ("vlens", "capture")) from None
     except ValueError as e:

@@ -17,6 +17,7 @@ import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from vlens.capture import TunedLens
 from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
 from vlens.engine.logprobs import TokenText
@@ -76,12 +77,13 @@ class Generator:
         metrics: Metrics,
         saes: dict[str, SAE],
         admission: Admission,
+        tuned_lens: TunedLens | None = None,
     ):
         self.config, self.engine, self.tokenizer, self.cfg = config, engine, tokenizer, cfg
         self.shapes, self.model_dtype, self.model_name = shapes, model_dtype, model_name
         self.max_model_len, self.store, self.metrics, self.admission = max_model_len, store, metrics, admission
         self.token_text = TokenText(tokenizer)
-        self.extension = ExtensionContext(enable_capture=config.enable_capture, saes=saes)
+        self.extension = ExtensionContext(enable_capture=config.enable_capture, saes=saes, tuned_lens=tuned_lens)
 
     def tokenize(self, value: Any, field: str, add_special_tokens: bool) -> list[list[int]]:
         """A body's prompt or input (text, token ids, or a list of either) as token lists; a 400 naming

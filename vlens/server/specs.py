@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer
+from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer, TunedLens
 from vlens.sae.model import SAE
 from vlens.server.saes import named_sae
 
@@ -44,13 +44,14 @@ class CaptureSpec(BaseModel):
     project: list[list[float]] | None = None  # W [d, k]
     project_bias: list[float] | None = None  # b [k]
     logit_lens: StrictInt | None = None
+    tuned_lens: StrictBool = False  # with logit_lens: through the server's tuned lens (vlens serve --tuned-lens)
     heads: list[StrictInt] | None = None  # at per-head taps (attn.hook_q/k/v/z, scores, patterns)
     sae: StrictStr | None = None  # the name of an SAE of this server (GET /v1/saes): its features, not rows
     top_k: StrictInt | None = None  # with sae: the k largest latents per row
     features: list[StrictInt] | None = None  # with sae: these latents per row
     sae_error: StrictBool = False  # with sae: the reconstruction error per row
 
-    def to_capture(self, saes: dict[str, SAE]) -> Capture:
+    def to_capture(self, saes: dict[str, SAE], tuned_lens: TunedLens | None = None) -> Capture:
         positions = _positions(self.positions, "capture.positions")
         project = self.project if self.project_bias is None else (self.project, self.project_bias)
         if self.project is None and self.project_bias is not None:
@@ -61,6 +62,9 @@ class CaptureSpec(BaseModel):
         if hooks is None and self.sae is None:
             raise ValueError("capture.hooks: required (hook names or globs), unless capture.sae names an SAE")
         sae = None if self.sae is None else named_sae(saes, self.sae, "capture.sae")
+        if self.tuned_lens and tuned_lens is None:
+            raise ValueError("capture.tuned_lens: this server has no tuned lens; the operator loads one with "
+                             "`vlens serve --tuned-lens PATH`")  # fmt: skip
         return Capture(
             hooks=hooks,
             positions=positions,
@@ -69,6 +73,7 @@ class CaptureSpec(BaseModel):
             reduce=self.reduce,
             project=project,
             logit_lens=self.logit_lens,
+            tuned_lens=tuned_lens if self.tuned_lens else None,
             heads=self.heads,
             sae=sae,
             top_k=self.top_k,
