@@ -6,6 +6,7 @@ request leaves the machine. The same page as an offline file (`vlens lens`) rend
 from __future__ import annotations
 
 import colorsys
+import json
 import math
 import re
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from sae_helpers import save_saelens
 from server_helpers import decode_activations, vlens_serve
 
@@ -57,8 +59,21 @@ def sae_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def with_sae(smol4_path, sae_path):
-    args = ["--model", str(smol4_path), *SERVE, "--sae", f"feat={sae_path}"]
+def tuned_path(tmp_path_factory):
+    """A tuned lens for the 4-layer SmolLM2 (d 576) as the tuned-lens package saves one, random translators."""
+    path = tmp_path_factory.mktemp("tuned")
+    g = torch.Generator().manual_seed(7)
+    state = {f"{i}.{name}": torch.randn(shape, generator=g) * 0.05 for i in range(4)
+             for name, shape in (("weight", (576, 576)), ("bias", (576,)))}  # fmt: skip
+    torch.save(state, path / "params.pt")
+    (path / "config.json").write_text(json.dumps({"base_model_name_or_path": "smol4", "d_model": 576,
+                                                  "num_hidden_layers": 4, "bias": True}))  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def with_sae(smol4_path, sae_path, tuned_path):
+    args = ["--model", str(smol4_path), *SERVE, "--sae", f"feat={sae_path}", "--tuned-lens", str(tuned_path)]
     with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as (url, _):
         yield url
 
@@ -126,11 +141,13 @@ def mean_residual(url: str, text: str, hook: str) -> list[float]:
     return acts[hook][0].double().tolist()
 
 
-def check_lens(cells: list[dict], url: str, prompt: str, max_tokens: int, headers: dict | None = None) -> list[int]:
-    """Every heatmap cell is the server's top logit-lens token and its probability at that layer and
-    position; returns the token ids of the prompt and completion. Within 1e-5: the page's request may share
-    its steps with the page's other requests, and a batch of other rows moves float32 sums by ~1e-6."""
-    capture = {"hooks": "blocks.*.hook_resid_post", "logit_lens": K, "positions": "all"}
+def check_lens(
+    cells: list[dict], url: str, prompt: str, max_tokens: int, headers: dict | None = None, tuned: bool = False
+) -> list[int]:
+    """Every heatmap cell is the server's top logit-lens token (`tuned`: through its tuned lens) and its probability
+    at that layer and position; returns the token ids of the prompt and completion. Within 1e-5: the page's request
+    may share its steps with the page's other requests, and a batch of other rows moves float32 sums by ~1e-6."""
+    capture = {"hooks": "blocks.*.hook_resid_post", "logit_lens": K, "positions": "all", "tuned_lens": tuned}
     response = complete(url, prompt, max_tokens, {"capture": capture}, headers)
     acts = decode_activations(response["vlens"]["activations"], url, headers)
     positions = acts["positions"].tolist()
@@ -153,6 +170,7 @@ def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_fac
     visit.run(PROMPT, max_tokens=3)
     tokens = check_lens(visit.cells("#lens-table td[data-prob]"), plain, PROMPT, 3)
     assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == tokens
+    assert page.is_hidden("#tuned-row")  # (a server without a tuned lens: nothing to offer)
     completion = complete(plain, PROMPT, 3)["choices"][0]["text"]
     assert page.text_content("#completion") == f"Completion: {completion}"
     page.focus("#lens-table td[data-prob] >> nth=0")
@@ -253,6 +271,16 @@ def test_lens_page_with_an_sae_and_a_key(with_sae, browser, smol4, tmp_path_fact
     page.wait_for_selector("#sae-table td[data-feature]")
     ids = check_lens(visit.cells("#lens-table td[data-prob]"), with_sae, PROMPT, 0, AUTH)
     assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == ids
+    untuned = visit.cells("#lens-table td[data-prob]")
+
+    # The server has a tuned lens: the page offers it, and its cells are then the server's tuned-lens numbers.
+    page.check("#tuned-lens")
+    visit.run(PROMPT)
+    page.wait_for_selector("#sae-table td[data-feature]")
+    assert page.text_content("#lens-title") == "Tuned lens"
+    check_lens(visit.cells("#lens-table td[data-prob]"), with_sae, PROMPT, 0, AUTH, tuned=True)
+    assert visit.cells("#lens-table td[data-prob]") != untuned
+    page.uncheck("#tuned-lens")
 
     # Each token's top latents are the server's sae_features, those that fired.
     capture = {"sae": "feat", "top_k": K, "positions": "all"}

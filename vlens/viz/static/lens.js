@@ -678,7 +678,8 @@
       server.json("GET", "v1/saes")]);
     const layers = 1 + Math.max(...hooks.data.map((h) => Number((/^blocks\.(\d+)\./.exec(h.name) || [0, -1])[1])));
     const residual = hooks.data.filter((h) => !h.optional && h.shape.length === 1 && h.shape[0] > 1).map((h) => h.name);
-    info = { model: models.data[0].id, layers, residual, saes: saes.data };
+    info = { model: models.data[0].id, layers, residual, saes: saes.data, tuned: models.data[0].tuned_lens === true };
+    byId("tuned-row").hidden = !info.tuned;
     fillLayers(range(layers));
     const hookSelect = byId("steer-hook");
     hookSelect.replaceChildren(...residual.map((h) => el("option", { value: h }, h)));
@@ -717,7 +718,8 @@
     const maxTokens = Number(byId("max-tokens").value || 0);
     try {
       const meta = await serverInfo();
-      const capture = { hooks: "blocks.*.hook_resid_post", logit_lens: K, positions: "all" };
+      const tuned = meta.tuned && byId("tuned-lens").checked;
+      const capture = { hooks: "blocks.*.hook_resid_post", logit_lens: K, positions: "all", ...(tuned ? { tuned_lens: true } : {}) };
       const r = await server.complete(prompt, maxTokens, { capture });
       const t = await server.tensors(r.vlens.activations);
       if (id !== runId) return; // a newer run started meanwhile: this one's answer is stale
@@ -734,6 +736,7 @@
       current = p;
       renderTokens(p);
       renderLens(p);
+      byId("lens-title").textContent = tuned ? "Tuned lens" : "Logit lens";
       byId("attention-section").hidden = false;
       await Promise.all([showAttention(), meta.saes.length ? loadSae(id) : null]);
       if (id === runId) status("Done.");
