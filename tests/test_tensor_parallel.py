@@ -33,7 +33,7 @@ from server_helpers import vlens_serve
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config
 
-from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, harvest
+from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, TunedLens, harvest
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
 from vlens.harvest.stats import ShardStats
@@ -648,11 +648,15 @@ def test_heads_chosen_from_both_ranks(pair):
 
 
 def test_logit_lens_and_logits_cover_the_vocabulary(pair):
+    """The logit lens, plain and tuned (a random tuned lens), and the logits: as in one process."""
     _, one, two = pair
-    params = SamplingParams(
-        max_tokens=3, temperature=0, ignore_eos=True, logprobs=5,
-        capture=Capture(hooks=["blocks.1.hook_resid_post"], logit_lens=5),
-    )  # fmt: skip
+    cfg, g = one.config, torch.Generator().manual_seed(6)
+    lens = TunedLens(torch.randn(cfg.num_layers, cfg.hidden_size, cfg.hidden_size, generator=g) * 0.1,
+                     torch.randn(cfg.num_layers, cfg.hidden_size, generator=g) * 0.1)  # fmt: skip
+    common = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 5}
+    params = [SamplingParams(**common, capture=Capture(hooks=["blocks.1.hook_resid_post"], logit_lens=5)),
+              SamplingParams(**common, capture=Capture(hooks=["blocks.0.hook_resid_post"], logit_lens=5,
+                                                       tuned_lens=lens))]  # fmt: skip
     prompts = sequences((8, 4))
     a, b = _generate(one, prompts, params), _generate(two, prompts, params)
     for x, y in zip(a, b):
