@@ -18,7 +18,7 @@ import torch
 from sae_helpers import save_saelens
 from server_helpers import decode_activations, vlens_serve
 
-from vlens import Capture, SamplingParams, viz
+from vlens import Capture, SamplingParams, TunedLens, viz
 from vlens.cli import main
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; .ci/run installs it where it is missing
@@ -273,14 +273,6 @@ def test_lens_page_with_an_sae_and_a_key(with_sae, browser, smol4, tmp_path_fact
     assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == ids
     untuned = visit.cells("#lens-table td[data-prob]")
 
-    # The server has a tuned lens: the page offers it, and its cells are then the server's tuned-lens numbers.
-    page.check("#tuned-lens")
-    visit.run(PROMPT)
-    page.wait_for_selector("#sae-table td[data-feature]")
-    assert page.text_content("#lens-title") == "Tuned lens"
-    check_lens(visit.cells("#lens-table td[data-prob]"), with_sae, PROMPT, 0, AUTH, tuned=True)
-    assert visit.cells("#lens-table td[data-prob]") != untuned
-    page.uncheck("#tuned-lens")
 
     # Each token's top latents are the server's sae_features, those that fired.
     capture = {"sae": "feat", "top_k": K, "positions": "all"}
@@ -313,18 +305,21 @@ def test_lens_page_with_an_sae_and_a_key(with_sae, browser, smol4, tmp_path_fact
     steered = complete(with_sae, PROMPT, 8, {"interventions": [steer]}, AUTH)["choices"][0]["text"]
     assert page.text_content("#steer-plain") == complete(with_sae, PROMPT, 8, headers=AUTH)["choices"][0]["text"]
     assert page.text_content("#steer-steered") == steered != page.text_content("#steer-plain")
+
+    # The server has a tuned lens: the page offers it, and its cells are then the server's tuned-lens numbers.
+    page.check("#tuned-lens")
+    visit.run(PROMPT)
+    page.wait_for_selector("#sae-table td[data-feature]")
+    assert page.text_content("#lens-title") == "Tuned lens"
+    check_lens(visit.cells("#lens-table td[data-prob]"), with_sae, PROMPT, 0, AUTH, tuned=True)
+    assert visit.cells("#lens-table td[data-prob]") != untuned
     visit.close(tmp_path_factory.mktemp("lens") / "lens-sae.png")
 
 
-def test_lens_file_renders_offline(browser, smol4, smol4_path, sae_path, tmp_path):
-    """`vlens lens` writes one file that the browser draws with no request at all: the same cells, the
-    numbers of the offline engine."""
-    out = tmp_path / "lens.html"
-    args = ["lens", PROMPT, "--model", str(smol4_path), "--max-tokens", "2", "--sae", str(sae_path), "--out", str(out)]
-    assert main(args) == 0
-    visit = Visit(browser, out.as_uri(), out.as_uri())
-    capture = Capture(hooks="blocks.*.hook_resid_post", logit_lens=K)
-    [ref] = smol4.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0, capture=capture), use_tqdm=False)
+def same_cells(visit: Visit, llm, max_tokens: int, tuned_lens: TunedLens | None = None) -> None:
+    """The page's lens cells are the offline engine's (top token and probability at each layer and position)."""
+    capture = Capture(hooks="blocks.*.hook_resid_post", logit_lens=K, tuned_lens=tuned_lens)
+    [ref] = llm.generate(PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, capture=capture), use_tqdm=False)
     cells = visit.cells("#lens-table td[data-prob]")
     got = {(int(c["layer"]), int(c["pos"])): (int(c["tokenId"]), float(c["prob"])) for c in cells}
     positions = ref.activation_positions.tolist()
@@ -334,11 +329,29 @@ def test_lens_file_renders_offline(browser, smol4, smol4_path, sae_path, tmp_pat
         for row, pos in enumerate(positions):
             token, prob = got[(layer, pos)]
             assert token == ids[row, 0].item() and math.isclose(prob, math.exp(logprobs[row, 0].item()), rel_tol=1e-6)
+    assert visit.page.text_content("#lens-title") == ("Logit lens" if tuned_lens is None else "Tuned lens")
+
+
+def test_lens_file_renders_offline(browser, smol4, smol4_path, sae_path, tuned_path, tmp_path):
+    """`vlens lens` writes one file that the browser draws with no request at all: the same cells, the
+    numbers of the offline engine (through a tuned lens too)."""
+    out = tmp_path / "lens.html"
+    args = ["lens", PROMPT, "--model", str(smol4_path), "--max-tokens", "2", "--sae", str(sae_path), "--out", str(out)]
+    assert main(args) == 0
+    visit = Visit(browser, out.as_uri(), out.as_uri())
+    same_cells(visit, smol4, 2)
     assert visit.page.locator("#attention-heads button").count() == 9  # layer 0, every head
     assert visit.page.get_attribute("#attention-canvas", "data-layer") == "0"
     assert visit.page.locator("#sae-table td[data-feature]").count() > 0
     assert len(visit.requests) == 1  # the file itself, nothing else
     visit.close(tmp_path / "lens-file.png")
+    tuned = tmp_path / "tuned.html"
+    args = ["lens", PROMPT, "--model", str(smol4_path), "--attention-layers", "0", "--tuned-lens", str(tuned_path),
+            "--out", str(tuned)]  # fmt: skip
+    assert main(args) == 0
+    visit = Visit(browser, tuned.as_uri(), tuned.as_uri())
+    same_cells(visit, smol4, 0, TunedLens.load(tuned_path))
+    visit.close(tmp_path / "tuned-file.png")
 
 
 def shade(weight: float) -> list[int]:

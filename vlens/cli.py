@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vlens.capture import Capture, Positions
+from vlens.capture import Capture, Positions, TunedLens
 from vlens.capture.names import hook_shapes, is_pattern
 from vlens.capture.rows import widen
 from vlens.engine.config import EngineConfig
@@ -144,13 +144,14 @@ def _cmd_lens(args: argparse.Namespace) -> int:
     _at_least("--max-tokens", args.max_tokens, 0)
     _at_least("--top-k", args.top_k, 1)
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
+    tuned = None if args.tuned_lens is None else TunedLens.load(args.tuned_lens)
     if args.attention_layers:
         layers = read_config(resolve_model_path(args.model)).num_layers
         for layer in args.attention_layers:
             if not 0 <= layer < layers:
                 raise ValueError(f"--attention-layers: {layer} is not a layer of this model (0 .. {layers - 1})")
     llm = _llm(args)
-    view = lens_page(llm, args.prompt, args.max_tokens, args.top_k, sae, args.attention_layers)
+    view = lens_page(llm, args.prompt, args.max_tokens, args.top_k, sae, args.attention_layers, tuned)
     view.save(args.out)
     tokens, layers = len(view.payload["token_ids"]), len(view.payload["attention"])
     print(f"wrote {args.out}: {tokens} tokens, logit lens and attention at {layers} layers{', SAE features' * bool(sae)}")
@@ -247,6 +248,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=5, help="tokens per logit-lens cell, latents per token (default: 5)")
     p.add_argument("--sae", metavar="PATH", help="also show this SAE's top latents per token (SAELens dir or params.npz)")
     p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
+    p.add_argument("--tuned-lens", metavar="DIR", help="read the lens through this tuned lens (the tuned-lens package's "
+                                                       "directory)")  # fmt: skip
     p.add_argument("--attention-layers", metavar="L", type=int, nargs="+",
                    help="the layers whose attention the page carries (default: every layer; each is heads x tokens^2 / 2 "
                         "weights, so a long prompt on a deep model may want a few)")  # fmt: skip

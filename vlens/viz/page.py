@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlens.capture import Capture
+from vlens.capture import Capture, TunedLens
 from vlens.outputs import RequestOutput
 from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
@@ -40,13 +40,13 @@ def sae_features(output: RequestOutput, tokenizer: Any = None, name: str = "sae"
 
 def lens_page(
     llm, prompt: str, max_tokens: int = 0, top_k: int = 5, sae: SAE | None = None,
-    attention_layers: list[int] | None = None,
+    attention_layers: list[int] | None = None, tuned_lens: TunedLens | None = None,
 ) -> View:  # fmt: skip
     """Everything the server's /lens shows for a prompt, as one static view: the logit lens at every
     layer's residual stream, the attention patterns of `attention_layers` (None: every layer; the page
     carries all their heads, [layers, heads, tokens, tokens / 2] weights, so a long prompt on a deep model
-    may want a few) and, with an SAE, its top latents. The prompt is generated from greedily first; the
-    other views read the prompt and its completion."""
+    may want a few) and, with an SAE, its top latents; with a tuned lens, the lens read through it. The prompt is
+    generated from greedily first; the other views read the prompt and its completion."""
     layers = range(llm.config.num_layers)
     for layer in attention_layers or []:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in layers:
@@ -54,10 +54,11 @@ def lens_page(
     [first] = llm.generate(
         prompt,
         SamplingParams(max_tokens=max_tokens, temperature=0,
-                       capture=Capture(hooks="blocks.*.hook_resid_post", logit_lens=top_k)),
+                       capture=Capture(hooks="blocks.*.hook_resid_post", logit_lens=top_k, tuned_lens=tuned_lens)),
         use_tqdm=False,
     )  # fmt: skip
     payload = logit_lens(first, llm.tokenizer).payload
+    payload["lens"]["tuned"] = tuned_lens is not None
     payload["model"] = llm.model_name
     tokens = payload["token_ids"]
     chosen = layers if attention_layers is None else sorted(set(attention_layers))

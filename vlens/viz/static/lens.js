@@ -133,6 +133,7 @@
     byId("lens-detail").replaceChildren();
     const lens = p.lens;
     byId("lens-k").textContent = String(lens.k);
+    byId("lens-title").textContent = lens.tuned ? "Tuned lens" : "Logit lens";
     table.append(tokenHeader(p, lens.layers[0].positions, "layer \\ token"));
     const body = el("tbody");
     for (const layer of lens.layers) {
@@ -727,7 +728,7 @@
       const p = {
         model: meta.model, prompt, token_ids: t.token_ids.data, prompt_tokens: r.usage.prompt_tokens,
         completion: maxTokens > 0 ? r.choices[0].text : null, texts: {}, attention: [], sae: null, feature: null,
-        lens: { k: K, layers: hooks.map((hook) => ({ layer: Number(/^blocks\.(\d+)\./.exec(hook)[1]), hook, positions: t.positions.data,
+        lens: { k: K, tuned, layers: hooks.map((hook) => ({ layer: Number(/^blocks\.(\d+)\./.exec(hook)[1]), hook, positions: t.positions.data,
           ids: nested(t[`${hook}.logit_lens.token_ids`]), logprobs: nested(t[`${hook}.logit_lens.logprobs`]) }))
           .sort((a, b) => a.layer - b.layer) },
       };
@@ -736,7 +737,6 @@
       current = p;
       renderTokens(p);
       renderLens(p);
-      byId("lens-title").textContent = tuned ? "Tuned lens" : "Logit lens";
       byId("attention-section").hidden = false;
       await Promise.all([showAttention(), meta.saes.length ? loadSae(id) : null]);
       if (id === runId) status("Done.");
