@@ -97,3 +97,13 @@ def test_a_server_reads_its_tuned_lens_when_a_capture_asks(setup):
     assert rel_err(got[f"{hook}.logit_lens.logprobs"], logprobs) <= 1e-5
     with pytest.raises(ValueError, match=r"^capture\.tuned_lens: this server has no tuned lens; .* --tuned-lens PATH"):
         CaptureSpec.model_validate({"hooks": hook, "logit_lens": K, "tuned_lens": True}).to_capture({}, None)
+
+
+def test_a_lens_file_that_does_not_fit_is_refused_by_name(setup, tmp_path):
+    *_, where = setup
+    (tmp_path / "config.json").write_text((where / "config.json").read_text())
+    state = torch.load(where / "params.pt", weights_only=True)
+    del state["1.bias"]
+    torch.save(state, tmp_path / "params.pt")
+    with pytest.raises(ValueError, match=r"params\.pt lacks 1\.bias of shape \(64,\) \(a lens of 3 layers of width 64"):
+        TunedLens.load(tmp_path)

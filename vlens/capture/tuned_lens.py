@@ -34,10 +34,20 @@ class TunedLens:
         except (OSError, ValueError) as e:
             raise ValueError(f"tuned_lens: {str(path)!r} is not a tuned-lens directory (config.json, params.pt): {e}") from None
         layers, d = config.get("num_hidden_layers"), config.get("d_model")
-        if config.get("lens_type", "linear_tuned_lens") != "linear_tuned_lens" or not isinstance(layers, int):
+        if config.get("lens_type", "linear_tuned_lens") != "linear_tuned_lens":
             raise ValueError(f"tuned_lens: {str(path)!r} is a {config.get('lens_type')!r} lens; vlens reads linear_tuned_lens")
+        if not (isinstance(layers, int) and isinstance(d, int) and isinstance(state, dict)):
+            raise ValueError(f"tuned_lens: {str(path)!r}: config.json needs num_hidden_layers and d_model, params.pt "
+                             "a state dict")  # fmt: skip
+        expected = {f"{i}.{name}": shape for i in range(layers) for name, shape in (("weight", (d, d)), ("bias", (d,)))}
+        if not config.get("bias", True):
+            state = {**state, **{f"{i}.bias": torch.zeros(d) for i in range(layers)}}
+        bad = [key for key, shape in expected.items() if tuple(getattr(state.get(key), "shape", ())) != shape]
+        if bad:
+            raise ValueError(f"tuned_lens: {str(path)!r}: params.pt lacks {bad[0]} of shape {expected[bad[0]]} (a lens "
+                             f"of {layers} layers of width {d}, as config.json says)")  # fmt: skip
         weight = torch.stack([state[f"{i}.weight"] for i in range(layers)]).float()
-        bias = torch.stack([state.get(f"{i}.bias", torch.zeros(d)) for i in range(layers)]).float()
+        bias = torch.stack([state[f"{i}.bias"] for i in range(layers)]).float()
         return cls(weight, bias)
 
     def __post_init__(self) -> None:
