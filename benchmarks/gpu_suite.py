@@ -47,7 +47,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from vlens import LLM, Capture, SamplingParams, Steer
+from vlens import LLM, SAE, Capture, Clamp, SamplingParams, Steer
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
@@ -180,6 +180,7 @@ def exactness(rows: dict, root: Path, quick: bool, device: str) -> None:
     chunked = None
     exact.update(chunked_vs_whole_max_rel_err=chunked_worst, chunked_greedy_equal=f"{chunked_equal}/{len(prompts)}",
                  chunked_ok=chunked_worst <= 1e-5 and chunked_equal == len(prompts))  # fmt: skip
+    exact.update(interventions_in_graphs(path, prompts, device))
     # bfloat16 prompt rows, whole and in chunks of 64: the chunks after cached keys run Flash Attention's
     # bottom-right causal kernel (float32 takes the memory-efficient one)
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, capture=Capture(hooks, positions="all"))
@@ -193,6 +194,34 @@ def exactness(rows: dict, root: Path, quick: bool, device: str) -> None:
     )  # fmt: skip
     exact.update(bf16_chunked_vs_whole_max_rel_err=bf16_worst, bf16_chunked_ok=bf16_worst <= 1e-2)
     torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def interventions_in_graphs(path: str, prompts: list[list[int]], device: str) -> dict:
+    """Every kind of edit inside the graph-replayed decode step — a steer, an SAE clamp, a transcoder clamp (its
+    coefficient computed at one tap, read at another), a steer of one head's output (an optional hook) — with
+    captures beside them, each request its own, against the same requests with every step eager."""
+    d, g = shape(SMOLLM2, device)["hidden_size"], torch.Generator().manual_seed(1)
+
+    def coder(hook: str, hook_out: str | None = None) -> SAE:
+        return SAE(W_enc=torch.randn(d, 64, generator=g) / d**0.5, b_enc=torch.randn(64, generator=g) * 0.1,
+                   W_dec=torch.randn(64, d, generator=g), b_dec=torch.zeros(d), hook=hook, hook_out=hook_out,
+                   apply_b_dec_to_input=hook_out is None)  # fmt: skip
+
+    sae, tc = coder("blocks.6.hook_resid_post"), coder("blocks.9.ln2.hook_out", "blocks.9.hook_mlp_out")
+    edits = [[Steer("blocks.4.hook_resid_post", torch.randn(d, generator=g), scale=2.0)], [Clamp(sae.hook, sae, 3, 6.0)],
+             [Clamp(tc.writes, tc, 5, 4.0)], [Steer("blocks.2.attn.hook_result", torch.randn(d, generator=g), heads=[1])],
+             []]  # fmt: skip
+    watch = ["blocks.12.hook_resid_post", "blocks.2.attn.hook_result"]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, interventions=edits[i % len(edits)],
+                             capture=Capture(watch, positions="generated")) for i in range(len(prompts))]  # fmt: skip
+    runs = [LLM(path, dtype="float32", device=device, max_num_seqs=16, kv_cache_memory=2 << 30, enforce_eager=eager)
+            for eager in (False, True)]  # fmt: skip
+    graphs, eager = (llm.generate(prompts, params, use_tqdm=False) for llm in runs)
+    worst = max(((a.activations[h].double() - b.activations[h].double()).norm() / b.activations[h].double().norm())
+                .item() for a, b in zip(graphs, eager) for h in watch)  # fmt: skip
+    equal = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(graphs, eager))
+    return {"edits_graph_steps": runs[0].engine.runner.graph_stats.graph_steps, "edits_graphs_vs_eager_max_rel_err": worst,
+            "edits_greedy_equal": f"{equal}/{len(prompts)}", "edits_ok": worst <= 1e-5 and equal == len(prompts)}  # fmt: skip
 
 
 def _workload(n: int) -> list[list[int]]:

@@ -50,7 +50,8 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     """Narrow SmolLM2-shaped layers, float32: every tap of a trace, a paged generation, greedy tokens and
-    chunked prefill against HF, as on the GPU (graphs off: this is the CPU); and the HookedLM section's
+    chunked prefill against HF, as on the GPU (graphs off: this is the CPU), every kind of edit on the decode path
+    against eager steps; and the HookedLM section's
     patching sweeps, steered generate and gradients (the CPU against itself here: the section's code, not its
     numbers)."""
     done = _suite(tmp_path, "--sections", "exact,hooked", "--out", "suite.json")
@@ -59,7 +60,7 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     assert "errors" not in rows, rows["errors"]
     assert (rows["device"], rows["gpu"], set(rows["seconds"])) == ("cpu", None, {"exact", "hooked"})
     exact = rows["exact"]
-    assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"], exact
+    assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"] and exact["edits_ok"], exact
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
     hooked = rows["hooked"]
     assert hooked["tokens_equal"] and hooked["get_act_patch_resid_pre_max_abs_diff"] == 0 < hooked["metric_scale"]
