@@ -229,7 +229,8 @@ def test_harvest_shards_equal_one_process(tmp_path):
     path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
     before = set(multiprocessing.active_children())
     source = write_jsonl(tmp_path / "tok.jsonl", sequences((40, 30, 50)), field="tokens")
-    hooks = ["hook_embed", "blocks.1.hook_resid_post", "blocks.2.attn.hook_z", "blocks.0.mlp.hook_post"]
+    hooks = ["hook_embed", "blocks.1.hook_resid_post", "blocks.2.attn.hook_z", "blocks.0.mlp.hook_post",
+             "blocks.1.attn.hook_result", "blocks.0.hook_mlp_in"]  # fmt: skip  (TransformerLens's optional ones too)
     options = {"context_size": 16, "dtype": "float32", "model_dtype": "float32", "device": "cpu", "progress": False}
     harvest(path, source, hooks, tmp_path / "one", **options)
     harvest(path, source, hooks, tmp_path / "two", tensor_parallel_size=N, **options)
