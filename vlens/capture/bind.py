@@ -251,8 +251,9 @@ def _check_heads(heads: list[int], count: int, field: str, tap: str) -> None:
 def _intervention(
     iv: Intervention, where: str, prompt_len: int, max_rows: int, model: DecoderLM, shapes: dict
 ) -> BoundIntervention:
-    sae = getattr(iv, "sae", None)  # Clamp acts where the SAE reads, Steer(sae=...) where it writes (and both
-    writes = isinstance(iv, Steer) or (sae is not None and sae.transcoder)  # where a transcoder writes)
+    # An SAE's Clamp acts where the SAE reads; Steer(sae=...), and a transcoder's Clamp, where it writes
+    sae = getattr(iv, "sae", None)
+    writes = isinstance(iv, Steer) or (sae is not None and sae.transcoder)
     sae_at = None if sae is None else sae_tap(sae, model.cfg, shapes, f"{where}.sae", writes)
     try:
         taps = sorted(set(resolve_hooks(iv.hook, model.cfg, shapes).values()))

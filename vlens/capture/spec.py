@@ -45,8 +45,9 @@ class Capture:
     through the final norm and unembedding, in RequestOutput.logit_lens instead of activations;
     `tuned_lens=TunedLens.load(path)` with it puts each row through its layer's translator first (a tuned lens,
     at a layer's input or output: vlens.capture.tuned_lens).
-    `heads=[h, ...]` keeps those heads (in that order) at the per-head taps: attn.hook_q/k/v/z and the
-    attention scores and patterns (for hook_k/v of a model with fewer KV heads, those KV heads).
+    `heads=[h, ...]` keeps those heads (in that order) at the per-head taps: attn.hook_q/k/v/z, the
+    attention scores and patterns and TransformerLens's per-head optional hooks (attn.hook_result, the per-head
+    inputs); for hook_k/v (hook_k/v_input) of a model with fewer KV heads, those KV heads.
     `sae=SAE` reads the rows through a sparse autoencoder at the hook it was trained on (`hooks` may
     then be left out), into RequestOutput.sae_features instead of activations: `top_k=k` the k largest
     latents per row as (ids int32, values), or `features=[...]` those latents [rows, n]; `sae_error=True`
