@@ -197,6 +197,16 @@ def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
         with pytest.raises(ValueError, match=r"^gradients: .* one process \(tensor_parallel_size=1\)"):
             three.run_with_cache(texts, names_filter=names, return_type="loss", incl_bwd=True)
         assert same(three.run_with_hooks(texts, fwd_hooks=hooks).double(), a.double(), TOL)  # the group goes on
+        # hook points as attributes (TransformerLens's module tree); the weights there need one process
+        point = three.blocks[1].attn.hook_z
+        point.add_hook(ablate)
+        three.blocks[2].hook_resid_post.add_hook(lambda x, hook: x + vector)
+        try:
+            assert same(three(texts).double(), a.double(), TOL)
+        finally:
+            three.reset_hooks()
+        with pytest.raises(ValueError, match=r"^tensor_parallel_size: 3: the weight attributes \(W_U, W_O, \.\.\.\)"):
+            three.blocks[1].attn.W_O
         # TransformerLens's optional hooks, whole on rank 0: a head of the middle rank's output and query input
         for model in (one, three):
             model.set_use_attn_result(True)

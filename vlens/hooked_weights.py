@@ -24,7 +24,7 @@ the model; edit `model.llm.model`'s modules instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,23 @@ class HookTree:
         under = sorted({n[len(self._prefix) :].split(".")[0] for n in names if n.startswith(self._prefix)})
         raise AttributeError(f"{self._prefix}{name}: no hook point of this model; under {self._prefix or 'the model'}: "
                              f"{', '.join(under)}")  # fmt: skip
+
+
+class HooksOnly:
+    """A layer part's hook points under tensor parallelism: another attribute (a weight) is refused as the
+    weight attributes are there (ModelWeights._model says why)."""
+
+    def __init__(self, tree: HookTree, hooked: Any):
+        self._tree, self._hooked = tree, hooked
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return getattr(self._tree, name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            self._hooked._model()  # (raises: the whole matrices are not in this process)
+            raise
 
 
 def factored(left: torch.Tensor, right: torch.Tensor):
@@ -208,8 +225,16 @@ class Block:
     def _hooks(self, part: str = "") -> HookTree:
         return HookTree(self.hooked, f"blocks.{self.index}.{part}")
 
-    attn = property(lambda self: AttentionWeights.of(self.model.layers[self.index].attn_heads, self._hooks("attn.")))
-    mlp = property(lambda self: MLPWeights.of(self.model, self.index, self._hooks("mlp.")))
+    attn = property(lambda self: self._part("attn.", lambda: AttentionWeights.of(
+        self.model.layers[self.index].attn_heads, self._hooks("attn."))))  # fmt: skip
+    mlp = property(lambda self: self._part("mlp.", lambda: MLPWeights.of(self.model, self.index, self._hooks("mlp."))))
+
+    def _part(self, prefix: str, weights: Callable[[], Any]) -> Any:
+        """Its weights with their hook points; under tensor parallelism (this process holds a slice of each
+        matrix) the hook points alone, a weight asked for refused with the reason."""
+        if self.model.cfg.parallel.size == 1:
+            return weights()
+        return HooksOnly(self._hooks(prefix), self.hooked)
 
     def __getattr__(self, name: str) -> object:  # (hook_* and the norms' trees: ln1, ln2, ...)
         if name.startswith("__") or self.__dict__.get("hooked") is None:
@@ -238,8 +263,8 @@ class ModelWeights:
     @property
     def blocks(self) -> list[Block]:
         """`model.blocks[L].attn.W_O`, `model.blocks[L].mlp.W_out` and the rest, per layer (read afresh from the
-        live weights)."""
-        model = self._model()
+        live weights), and the hook points (under tensor parallelism those alone)."""
+        model = self.llm.model
         return [Block(model, i, self) for i in range(len(model.layers))]
 
     def _stacked(self, part: str, name: str) -> torch.Tensor:
