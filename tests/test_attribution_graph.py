@@ -9,9 +9,9 @@ import torch
 from conftest import rel_err
 from family_parity import transformer_lens_gemma2, transformer_lens_gpt2, transformer_lens_llama
 
-from vlens import SAE, HookedLM
+from vlens import SAE, HookedLM, SamplingParams
 from vlens.attribution_graph import attribute, graph_scores, prune_graph, to_circuit_tracer
-from vlens.feature_intervention import feature_intervention, feature_intervention_generate
+from vlens.feature_intervention import feature_clamps, feature_intervention, feature_intervention_generate
 
 PROMPT = torch.tensor([0, 17, 99, 230, 3, 41, 7, 250, 12, 33])  # (0: the stand-in tokenizer's special token)
 
@@ -374,6 +374,36 @@ def test_feature_intervention_generate_equals_circuit_tracer_s(models, family, k
     assert rel_err(logits[0], plain_logits[0]) > 1e-4 and rel_err(logits[1:], plain_logits[1:]) > 1e-4
     with pytest.raises(ValueError, match=r"^use_past_kv_cache: feature_intervention_generate runs each new token"):
         feature_intervention_generate(hooked, PROMPT, ours, interventions, use_past_kv_cache=False)
+
+
+@pytest.mark.parametrize(("family", "kind"), [("gpt2", "per-layer"), ("llama", "cross-layer")])
+def test_feature_clamps_in_the_engine_equal_feature_intervention_generate(models, family, kind):
+    """feature_clamps: the engine's per-request Clamps (a cross-layer feature's at every layer it writes to) set
+    features at every position from 1 on, beside a plain request in the batch: the greedy tokens and each step's
+    log-probabilities equal feature_intervention_generate's with the features set open-ended, attention free."""
+    hooked, _ = models[family]
+    if kind == "cross-layer":
+        ours = cross_layer_transcoder(jumprelu=True, skip=True, seed=5)
+    else:
+        _, ours = transcoders(64, 48, 3, skip=True, jumprelu=True, seed=5)
+    sets = [(0, 3, 4.0), (1, 7, 0.0), (2, 11, -2.5)]
+    options = {"max_new_tokens": 5, "do_sample": False, "stop_at_eos": False, "verbose": False}
+    open_ended = [(layer, slice(1, None), feature, value) for layer, feature, value in sets]
+    tokens, logits, _ = feature_intervention_generate(hooked, PROMPT, ours, open_ended, freeze_attention=False, **options)
+    clamps = feature_clamps(hooked, ours, sets, positions=slice(1, None))
+    assert len(clamps) == (3 + 2 + 1 if kind == "cross-layer" else 3)
+    greedy = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    out, plain = hooked.llm.generate([PROMPT.tolist()] * 2, [SamplingParams(**greedy, interventions=clamps),
+                                                            SamplingParams(**greedy)], use_tqdm=False)  # fmt: skip
+    assert out.outputs[0].token_ids == tokens[0, len(PROMPT) :].tolist()
+    want = logits.log_softmax(-1)
+    for step, top in enumerate(out.outputs[0].logprobs):
+        for token, logprob in top.items():
+            assert abs(logprob.logprob - want[step, token].item()) <= 1e-5, (step, token)
+    [alone] = hooked.llm.generate([PROMPT.tolist()], SamplingParams(**greedy), use_tqdm=False)
+    assert plain.outputs[0].token_ids == alone.outputs[0].token_ids != out.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"^interventions\[0\]: \(3, 0, 1\.0\) is not \(layer in 0\.\.2"):
+        feature_clamps(hooked, ours, [(3, 0, 1.0)])
 
 
 @pytest.mark.parametrize(("kind", "layers"), [("per-layer", range(3)), ("per-layer", range(1, 3)),

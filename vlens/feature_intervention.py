@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlens.attribution_graph import features_of, prompt_tokens
+from vlens.capture.interventions import Clamp
 from vlens.capture.names import LOGITS
 from vlens.replacement import CrossLayer, PerLayer, replacement
+from vlens.sae.model import SAE
 
 if TYPE_CHECKING:
     from vlens.hooked import HookedLM
@@ -72,6 +74,37 @@ def feature_intervention_generate(
         out = model.generate(run.tokens[None], max_new_tokens=max_new_tokens, return_type=return_type, **generate)
     logits = torch.cat(run.logged)
     return out, logits, torch.stack([torch.cat(acts) for acts in run.acts])
+
+
+def feature_clamps(
+    model: HookedLM, transcoders: Any, interventions: Sequence[tuple[int, int, float]], positions: Any = "all"
+) -> list[Clamp]:
+    """The engine's interventions (SamplingParams(interventions=...), per request, in a batch, graphs kept) that set
+    each (layer, feature, value) at `positions` of the run as it goes: a Clamp wherever the feature writes (a
+    cross-layer transcoder's: its layer's MLP output and every later one's), each of a one-latent transcoder
+    reading where the feature is read. What feature_intervention_generate does with open-ended positions,
+    attention not frozen, with the feature's activation at position 0 its own (not zeroed)."""
+    tcs = replacement(model, transcoders)
+    n = model.cfg.num_layers
+    clamps = []
+    for i, item in enumerate(interventions):
+        ok = isinstance(item, (tuple, list)) and len(item) == 3
+        layer, feature, value = item if ok else (None,) * 3
+        ints = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in (layer, feature))
+        if not (ints and 0 <= layer < n and 0 <= feature < tcs.d_sae[layer]):
+            raise ValueError(f"interventions[{i}]: {item!r} is not (layer in 0..{n - 1}, a feature of that layer's "
+                             "transcoder, value)")  # fmt: skip
+        encoder, bias, threshold = tcs.latent(layer, feature)
+        rows = tcs.decoder_rows(layer, torch.tensor([feature]))[0]
+        for row, target in zip(rows, tcs.targets(layer)):
+            one = SAE(
+                W_enc=encoder[:, None].clone(), b_enc=bias.reshape(1).clone(), W_dec=row[None].clone(),
+                b_dec=torch.zeros(len(row)), threshold=None if threshold is None else threshold.reshape(1).clone(),
+                architecture="standard" if threshold is None else "jumprelu", apply_b_dec_to_input=False,
+                hook=tcs.reads[layer], hook_out=tcs.writes[target],
+            )  # fmt: skip
+            clamps.append(Clamp(one.writes, one, 0, value, positions=positions))
+    return clamps
 
 
 class _Run:

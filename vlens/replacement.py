@@ -43,6 +43,14 @@ class PerLayer:
     def encoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
         return self.tcs[layer].W_enc[:, features].T
 
+    def latent(self, layer: int, feature: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(encoder row [d], bias, JumpReLU threshold or None): how feature `feature` of layer `layer` is read."""
+        tc = self.tcs[layer]
+        if tc.architecture == "topk":
+            raise ValueError(f"transcoders[{layer}]: a topk transcoder's latent depends on all the others, so it is "
+                             "not set from its own row")  # fmt: skip
+        return tc.W_enc[:, feature], tc.b_enc[feature], None if tc.threshold is None else tc.threshold[feature]
+
     def decoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
         """[features, targets, d]: what each feature writes to each layer it writes to."""
         return self.tcs[layer].W_dec[features][:, None]
@@ -81,6 +89,10 @@ class CrossLayer:
 
     def encoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
         return self.W_enc[layer][features]
+
+    def latent(self, layer: int, feature: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        threshold = None if self.threshold is None else self.threshold[layer].reshape(-1)[feature]  # (its [1, d_sae])
+        return self.W_enc[layer][feature], self.b_enc[layer][feature], threshold
 
     def decoder_rows(self, layer: int, features: torch.Tensor) -> torch.Tensor:
         """[features, targets, d]: what each feature writes to each layer it writes to."""
