@@ -107,3 +107,14 @@ def test_a_lens_file_that_does_not_fit_is_refused_by_name(setup, tmp_path):
     torch.save(state, tmp_path / "params.pt")
     with pytest.raises(ValueError, match=r"params\.pt lacks 1\.bias of shape \(64,\) \(a lens of 3 layers of width 64"):
         TunedLens.load(tmp_path)
+
+
+def test_a_server_refuses_a_lens_of_another_model_at_start(setup, tmp_path):
+    from vlens.server.app import create_app
+
+    llm, *_, where = setup
+    state = torch.load(where / "params.pt", weights_only=True)
+    torch.save({k: v for k, v in state.items() if not k.startswith("2.")}, tmp_path / "params.pt")
+    (tmp_path / "config.json").write_text('{"d_model": 64, "num_hidden_layers": 2}')
+    with pytest.raises(ValueError, match=r"^tuned_lens: a lens of 2 layers of width 64; this model has 3 of width 64"):
+        create_app(llm, ServerConfig(enable_capture=True, tuned_lens=str(tmp_path)))

@@ -56,12 +56,17 @@ class TunedLens:
             raise ValueError(f"tuned_lens: weight {tuple(self.weight.shape)} and bias {tuple(self.bias.shape)} are not "
                              "[layers, d, d] and [layers, d]")  # fmt: skip
 
-    def translators(self, taps: list[str], cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Each tap's translator (W, b) by the layer input it is; None for the last layer's output (none needed)."""
+    def check(self, cfg: ModelConfig, field: str = "capture.tuned_lens") -> int:
+        """This lens's number of layers, which must be the model's, as its width."""
         layers, d = self.weight.shape[0], self.weight.shape[-1]
         if (layers, d) != (cfg.num_layers, cfg.hidden_size):
-            raise ValueError(f"capture.tuned_lens: a lens of {layers} layers of width {d}; this model has "
-                             f"{cfg.num_layers} of width {cfg.hidden_size}")  # fmt: skip
+            raise ValueError(f"{field}: a lens of {layers} layers of width {d}; this model has {cfg.num_layers} of "
+                             f"width {cfg.hidden_size}")  # fmt: skip
+        return layers
+
+    def translators(self, taps: list[str], cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each tap's translator (W, b) by the layer input it is; None for the last layer's output (none needed)."""
+        layers = self.check(cfg)
         out: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
         for tap in taps:
             parts = tap.split(".")

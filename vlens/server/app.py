@@ -50,7 +50,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     tuned_lens = None
     if config.tuned_lens is not None:
         tuned_lens = TunedLens.load(Path(config.tuned_lens).expanduser())
-        tuned_lens.translators([], llm.config)  # (its size checked at start, not at the first request)
+        tuned_lens.check(llm.config, "tuned_lens")  # (at start, not at the first request)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
     loop = EngineLoop(engine)
