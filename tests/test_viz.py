@@ -45,6 +45,7 @@ def test_logit_lens_file_holds_the_outputs_numbers(smol4, tmp_path):
     assert payload["completion"] == out.outputs[0].text
     layers = payload["lens"]["layers"]
     assert [entry["layer"] for entry in layers] == [0, 1, 2, 3] and payload["lens"]["k"] == 3
+    assert payload["lens"]["tuned"] is False and payload_of(viz.logit_lens(out, tuned=True).html())["lens"]["tuned"]
     for entry in layers:
         ids, logprobs = out.logit_lens[entry["hook"]]
         assert entry["positions"] == out.activation_positions.tolist()

@@ -12,12 +12,12 @@ from vlens.viz.html import View
 from vlens.viz.payload import attention_part, empty, lens_ids, lens_part, name_tokens, sae_part
 
 
-def logit_lens(output: RequestOutput, tokenizer: Any = None) -> View:
+def logit_lens(output: RequestOutput, tokenizer: Any = None, tuned: bool = False) -> View:
     """The logit-lens heatmap (layer x position, top token and probability; top-k on hover or focus) of
-    an output captured with Capture(hooks='blocks.*.hook_resid_post', logit_lens=k). Without a tokenizer
-    (llm.tokenizer) tokens are named by id."""
+    an output captured with Capture(hooks='blocks.*.hook_resid_post', logit_lens=k) (`tuned`: with tuned_lens=,
+    which the view's title says). Without a tokenizer (llm.tokenizer) tokens are named by id."""
     payload = empty(output, tokenizer)
-    payload["lens"] = lens_part(output)
+    payload["lens"] = {**lens_part(output), "tuned": tuned}
     name_tokens(payload, lens_ids(payload["lens"]), tokenizer)
     return View(payload, "vlens logit lens")
 
@@ -57,8 +57,7 @@ def lens_page(
                        capture=Capture(hooks="blocks.*.hook_resid_post", logit_lens=top_k, tuned_lens=tuned_lens)),
         use_tqdm=False,
     )  # fmt: skip
-    payload = logit_lens(first, llm.tokenizer).payload
-    payload["lens"]["tuned"] = tuned_lens is not None
+    payload = logit_lens(first, llm.tokenizer, tuned_lens is not None).payload
     payload["model"] = llm.model_name
     tokens = payload["token_ids"]
     chosen = layers if attention_layers is None else sorted(set(attention_layers))
