@@ -83,6 +83,28 @@ def best_alternating(fns: list, repeats: int) -> list[float]:
     return times
 
 
+class HFGreedy:
+    """HF `generate` of `texts`, left-padded, greedy, each text exactly `tokens` new tokens (min_new_tokens: the
+    same work as the engine's ignore_eos), with forward hooks registered for a run and removed after it."""
+
+    def __init__(self, path, texts: list[str], tokens: int):
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.batch, self.tokens = self.tok(texts, return_tensors="pt", padding=True), tokens
+
+    def __call__(self, *register) -> None:
+        """One run; each of `register` takes the model and returns the handle of a hook it registered."""
+        handles = [r(self.model) for r in register]
+        try:
+            with torch.inference_mode():
+                self.model.generate(**self.batch, max_new_tokens=self.tokens, min_new_tokens=self.tokens,
+                                    do_sample=False, pad_token_id=self.tok.pad_token_id)  # fmt: skip
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
 def print_rows(rows: list[tuple[str, float, float | None, str]], width: int) -> None:
     """A table of (case, tok/s, ratio or None, target) rows under its header."""
     print(f"{'case':<{width}}{'tok/s':>10}{'ratio':>10}  target")

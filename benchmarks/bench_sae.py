@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_generate import best, print_versus, prompts
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from bench_generate import HFGreedy, best, print_versus, prompts
 
 from vlens import LLM, SAE, Capture, SamplingParams
 from vlens.loader import resolve_model_path
@@ -55,10 +54,7 @@ def main() -> None:
     t_plain = best(lambda: llm.generate(texts, sp(), use_tqdm=False), args.repeats)
     t_sae = best(lambda: llm.generate(texts, features, use_tqdm=False), args.repeats)
 
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    batch = tok(texts, return_tensors="pt", padding=True)
+    hf = HFGreedy(path, texts, args.tokens)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def encode_step(module, args_, output):
@@ -66,19 +62,12 @@ def main() -> None:
             values, ids = sae.encode(output[:, 0]).topk(args.top_k, dim=-1)
             kept.append((ids.to(torch.int32).cpu(), values.cpu()))
 
-    def hf_generate(hooked: bool):
+    def encoding(model):
         kept.clear()
-        handle = hf.model.layers[LAYER].register_forward_hook(encode_step) if hooked else None
-        try:
-            with torch.inference_mode():
-                hf.generate(**batch, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
-                            pad_token_id=tok.pad_token_id)  # fmt: skip
-        finally:
-            if handle is not None:
-                handle.remove()
+        return model.model.layers[LAYER].register_forward_hook(encode_step)
 
-    t_hf = best(lambda: hf_generate(False), args.repeats)
-    t_hf_sae = best(lambda: hf_generate(True), args.repeats)
+    t_hf = best(hf, args.repeats)
+    t_hf_sae = best(lambda: hf(encoding), args.repeats)
     print(f"\nSmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.tokens} "
           f"new tokens; SAE d_sae={args.d_sae} at blocks.{LAYER}.hook_resid_post, top-{args.top_k} at generated rows")  # fmt: skip
     cases = ("vlens, no features", "vlens, top-k features (time vs no features)", "HF generate, no hook",

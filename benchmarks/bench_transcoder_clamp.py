@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_generate import best_alternating, print_versus, prompts
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from bench_generate import HFGreedy, best_alternating, print_versus, prompts
 
 from vlens import LLM, SAE, Clamp, SamplingParams
 from vlens.loader import resolve_model_path
@@ -54,10 +53,7 @@ def main() -> None:
 
     plain, clamped = sp(), [sp([Clamp(tc.writes, tc, f, VALUE)]) for f in features]
 
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    batch = tok(texts, return_tensors="pt", padding=True)
+    hf = HFGreedy(path, texts, args.tokens)
     index = torch.tensor(features)
     encoder, bias, decoder = tc.W_enc[:, index].T.contiguous(), tc.b_enc[index], tc.W_dec[index]  # [batch, ...]
     coefficient: list[torch.Tensor] = []
@@ -69,20 +65,12 @@ def main() -> None:
     def write(module, inputs, output):
         return output + coefficient[0][..., None] * decoder[:, None, :]
 
-    def hf_generate(hooked: bool):
-        mlp = hf.model.layers[LAYER].mlp
-        handles = [mlp.register_forward_pre_hook(read), mlp.register_forward_hook(write)] if hooked else []
-        try:
-            with torch.inference_mode():
-                hf.generate(**batch, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
-                            pad_token_id=tok.pad_token_id)  # fmt: skip
-        finally:
-            for handle in handles:
-                handle.remove()
+    def mlp(model):
+        return model.model.layers[LAYER].mlp
 
     t_plain, t_clamp, t_hf, t_hf_clamp = best_alternating([
         lambda: llm.generate(texts, plain, use_tqdm=False), lambda: llm.generate(texts, clamped, use_tqdm=False),
-        lambda: hf_generate(False), lambda: hf_generate(True),
+        hf, lambda: hf(lambda m: mlp(m).register_forward_pre_hook(read), lambda m: mlp(m).register_forward_hook(write)),
     ], args.repeats)  # fmt: skip
     print(f"\nSmolLM2-135M float32, CPU ({torch.get_num_threads()} threads), {args.prompts} prompts x {args.tokens} "
           f"new tokens; transcoder d_sae={args.d_sae} at layer {LAYER}, a different latent clamped per request")  # fmt: skip
