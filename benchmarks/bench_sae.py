@@ -25,12 +25,13 @@ from vlens.loader import resolve_model_path
 LAYER = 10
 
 
-def random_sae(d_in: int, d_sae: int) -> SAE:
+def random_sae(d_in: int, d_sae: int, hook: str = f"blocks.{LAYER}.hook_resid_post", **config) -> SAE:
+    """A random standard SAE (`config`: SAE's other fields, e.g. hook_out= for a transcoder)."""
     g = torch.Generator().manual_seed(0)
     return SAE(
         W_enc=torch.randn(d_in, d_sae, generator=g) / d_in**0.5, b_enc=torch.randn(d_sae, generator=g) * 0.1,
         W_dec=torch.randn(d_sae, d_in, generator=g) / d_sae**0.5, b_dec=torch.randn(d_in, generator=g) * 0.1,
-        hook=f"blocks.{LAYER}.hook_resid_post",
+        hook=hook, **config,
     )  # fmt: skip
 
 

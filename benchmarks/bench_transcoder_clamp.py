@@ -19,20 +19,12 @@ import argparse
 
 import torch
 from bench_generate import HFGreedy, best_alternating, print_versus, prompts
+from bench_sae import LAYER, random_sae
 
-from vlens import LLM, SAE, Clamp, SamplingParams
+from vlens import LLM, Clamp, SamplingParams
 from vlens.loader import resolve_model_path
 
-LAYER, VALUE = 10, 10.0
-
-
-def random_transcoder(d: int, d_sae: int) -> SAE:
-    g = torch.Generator().manual_seed(0)
-    return SAE(
-        W_enc=torch.randn(d, d_sae, generator=g) / d**0.5, b_enc=torch.randn(d_sae, generator=g) * 0.1,
-        W_dec=torch.randn(d_sae, d, generator=g) / d_sae**0.5, b_dec=torch.randn(d, generator=g) * 0.1,
-        hook=f"blocks.{LAYER}.ln2.hook_out", hook_out=f"blocks.{LAYER}.hook_mlp_out", apply_b_dec_to_input=False,
-    )  # fmt: skip
+VALUE = 10.0
 
 
 def main() -> None:
@@ -44,7 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     path = resolve_model_path(None)
     llm = LLM(model=str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
-    tc = random_transcoder(llm.config.hidden_size, args.d_sae)
+    tc = random_sae(llm.config.hidden_size, args.d_sae, hook=f"blocks.{LAYER}.ln2.hook_out",
+                    hook_out=f"blocks.{LAYER}.hook_mlp_out", apply_b_dec_to_input=False)  # fmt: skip
     texts = prompts(args.prompts)
     features = [(37 * i) % args.d_sae for i in range(args.prompts)]  # one latent per request
 
