@@ -222,10 +222,7 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
             raise ValueError(f"capture.logit_lens: {capture.logit_lens} is more than the vocabulary's {cfg.vocab_size}")
         translators = None
         if capture.tuned_lens is not None:
-            translators = {
-                tap: None if t is None else (t[0].to(weight.device, weight.dtype), t[1].to(weight.device, weight.dtype))
-                for tap, t in capture.tuned_lens.translators(sorted(taps), cfg).items()
-            }  # fmt: skip
+            translators = capture.tuned_lens.placed(weight.device, weight.dtype).translators(sorted(taps), cfg)
         readout = partial(logit_lens, model=model, k=capture.logit_lens, translators=translators)
     if capture.sae is not None:
         device, dtype = weight.device, weight.dtype

@@ -11,7 +11,7 @@ translators for N layers, the last one's output being what the model unembeds)."
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from vlens.config import ModelConfig
 class TunedLens:
     weight: torch.Tensor  # [layers, d, d]: translator i's W (nn.Linear's layout, out x in)
     bias: torch.Tensor  # [layers, d]
+    _placed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | Path) -> TunedLens:
@@ -55,6 +56,13 @@ class TunedLens:
         if self.weight.shape != (layers, d, d) or self.bias.shape != (layers, d):
             raise ValueError(f"tuned_lens: weight {tuple(self.weight.shape)} and bias {tuple(self.bias.shape)} are not "
                              "[layers, d, d] and [layers, d]")  # fmt: skip
+
+    def placed(self, device: torch.device, dtype: torch.dtype) -> TunedLens:
+        """This lens on `device` in `dtype`, copied once per (device, dtype), not per request."""
+        key = (torch.device(device), dtype)
+        if key not in self._placed:
+            self._placed[key] = TunedLens(self.weight.to(device, dtype), self.bias.to(device, dtype))
+        return self._placed[key]
 
     def check(self, cfg: ModelConfig, field: str = "capture.tuned_lens") -> int:
         """This lens's number of layers, which must be the model's, as its width."""
