@@ -139,8 +139,9 @@ class _Run:
         self.values: list[torch.Tensor | None] = [None] * n  # each layer's attention values (patterns frozen)
         self.hooks = [(name, partial(self._put, self.clean[name])) for name in frozen]
         for layer, name in enumerate(patterns):
+            attend = partial(self._attend, self.clean[name][0], layer)
             self.hooks += [(f"blocks.{layer}.attn.hook_v", partial(self._keep_values, layer)),
-                           (f"blocks.{layer}.attn.hook_z", partial(self._attend, self.clean[name][0], layer))]  # fmt: skip
+                           (f"blocks.{layer}.attn.hook_z", attend)]  # fmt: skip
         self.hooks += [(name, partial(self._read, layer)) for layer, name in enumerate(tcs.reads)]
         self.hooks += [(name, partial(self._write, layer)) for layer, name in enumerate(tcs.writes)]
 

@@ -33,10 +33,12 @@ class TunedLens:
             config = json.loads((path / "config.json").read_text())
             state = torch.load(path / "params.pt", map_location="cpu", weights_only=True)
         except (OSError, ValueError) as e:
-            raise ValueError(f"tuned_lens: {str(path)!r} is not a tuned-lens directory (config.json, params.pt): {e}") from None
+            raise ValueError(f"tuned_lens: {str(path)!r} is not a tuned-lens directory (config.json, params.pt): "
+                             f"{e}") from None  # fmt: skip
         layers, d = config.get("num_hidden_layers"), config.get("d_model")
         if config.get("lens_type", "linear_tuned_lens") != "linear_tuned_lens":
-            raise ValueError(f"tuned_lens: {str(path)!r} is a {config.get('lens_type')!r} lens; vlens reads linear_tuned_lens")
+            raise ValueError(f"tuned_lens: {str(path)!r} is a {config.get('lens_type')!r} lens; vlens reads "
+                             "linear_tuned_lens")  # fmt: skip
         if not (isinstance(layers, int) and isinstance(d, int) and isinstance(state, dict)):
             raise ValueError(f"tuned_lens: {str(path)!r}: config.json needs num_hidden_layers and d_model, params.pt "
                              "a state dict")  # fmt: skip
@@ -64,11 +66,11 @@ class TunedLens:
             self._placed[key] = TunedLens(self.weight.to(device, dtype), self.bias.to(device, dtype))
         return self._placed[key]
 
-    def check(self, cfg: ModelConfig, field: str = "capture.tuned_lens") -> int:
+    def check(self, cfg: ModelConfig, option: str = "capture.tuned_lens") -> int:
         """This lens's number of layers, which must be the model's, as its width."""
         layers, d = self.weight.shape[0], self.weight.shape[-1]
         if (layers, d) != (cfg.num_layers, cfg.hidden_size):
-            raise ValueError(f"{field}: a lens of {layers} layers of width {d}; this model has {cfg.num_layers} of "
+            raise ValueError(f"{option}: a lens of {layers} layers of width {d}; this model has {cfg.num_layers} of "
                              f"width {cfg.hidden_size}")  # fmt: skip
         return layers
 
