@@ -182,7 +182,10 @@ def test_requests_without_saes_are_untouched_and_one_encoding_serves_a_step(smol
     mine = together[2]
     assert mine.outputs[0].token_ids == without.outputs[0].token_ids == alone.outputs[0].token_ids
     for name, rows in without.activations.items():
-        assert torch.equal(mine.activations[name], rows), name
+        # (its prompt's logits are a GEMM over other rows here, as the batches capture other positions: on some
+        # CPUs the kernel for that shape sums in another order, 3e-7 off on an AVX-512 Xeon)
+        same = torch.equal if name != "unembed.hook_out" else lambda a, b: rel_err(a, b) < 1e-6
+        assert same(mine.activations[name], rows), name
         assert rel_err(mine.activations[name], alone.activations[name]) < 1e-5, name
     assert not mine.sae_features and not mine.sae_errors
     ids, values = together[4].sae_features[HOOK]
