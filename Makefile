@@ -36,7 +36,8 @@ $(STAMP): pyproject.toml Makefile
 # declared pins (transformers<=4.57, huggingface-hub<1) would replace the ones vlens runs on, and its
 # TransformerLens path needs none of them, hence --no-deps. tuned-lens: tests/test_tuned_lens.py's reference; its
 # lenses need torch and transformers alone (its training tools bring wandb, datasets, torchdata), hence --no-deps.
+# steering-vectors: tests/test_steering.py's reference; it pins transformers<5, which its code does not need.
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,ray]'
-	$(BIN)/python -m pip install -q --no-deps circuit-tracer==0.5.0 tuned-lens==0.2.0
+	$(BIN)/python -m pip install -q --no-deps circuit-tracer==0.5.0 tuned-lens==0.2.0 steering-vectors==0.12.2
 	touch $@

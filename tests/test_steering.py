@@ -1,0 +1,90 @@
+"""Steering vectors from contrastive pairs (vlens.steering) against the steering-vectors library on HF's model:
+the same vectors (mean difference and principal direction, at the residual stream and the MLP's output), and the
+same generation when the vector steers, in a batch beside an unsteered request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from steering_vectors import SteeringVector as LibraryVector
+from steering_vectors import pca_aggregator
+from steering_vectors import train_steering_vector as library_train
+
+from vlens import Capture, SamplingParams
+from vlens.steering import SteeringVector, train_steering_vector
+
+PAIRS = [
+    ("The capital of France is Paris", "The capital of France is Berlin"),
+    ("2 + 2 = 4", "2 + 2 = 7"),
+    ("I love this film, it was wonderful", "I hate this film, it was dreadful"),
+    ("Water boils at 100 degrees Celsius at sea level", "Water boils at 20 degrees Celsius at sea level"),
+    ("She thanked him warmly", "She insulted him coldly"),
+    ("The sun rises in the east", "The sun rises in the west"),
+]
+LAYERS = [3, 9]
+
+
+@pytest.fixture(scope="module")
+def hf(hf_smol, smol):
+    return hf_smol, smol.tokenizer
+
+
+def library(hf, layer_type: str = "decoder_block", **kwargs) -> dict[int, torch.Tensor]:
+    model, tokenizer = hf
+    return library_train(model, tokenizer, PAIRS, layers=LAYERS, layer_type=layer_type, batch_size=1,
+                         **kwargs).layer_activations  # fmt: skip
+
+
+def test_vectors_match_the_library(smol, hf):
+    ours = train_steering_vector(smol, PAIRS, hooks="blocks.{3,9}.hook_resid_post")
+    assert list(ours.vectors) == ["blocks.3.hook_resid_post", "blocks.9.hook_resid_post"]
+    for layer, vector in library(hf).items():
+        assert rel_err(ours.vectors[f"blocks.{layer}.hook_resid_post"], vector) < 1e-5, layer
+    # the MLP's output, read at the second-to-last token, through the principal direction
+    ours = train_steering_vector(smol, PAIRS, hooks="blocks.{3,9}.hook_mlp_out", read_token_index=-2, aggregator="pca")
+    for layer, vector in library(hf, "mlp", read_token_index=-2, aggregator=pca_aggregator()).items():
+        mine = ours.vectors[f"blocks.{layer}.hook_mlp_out"]
+        assert abs(mine.norm().item() - 1) < 1e-5 and rel_err(mine, vector) < 1e-5, layer
+    # any function of the positive and negative rows
+    ours = train_steering_vector(smol, PAIRS[:2], hooks="blocks.3.hook_resid_post", aggregator=lambda p, n: p[0] - n[1])
+    rows = library(hf, aggregator=lambda p, n: p[0] - n[1])
+    assert rel_err(ours.vectors["blocks.3.hook_resid_post"], rows[3]) < 1e-5
+
+
+def test_steering_generates_as_the_library_steers_hf(smol, hf):
+    trained = train_steering_vector(smol, PAIRS, hooks="blocks.{3,9}.hook_resid_post")
+    model, tokenizer = hf
+    prompt = "My opinion of the new restaurant is that"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    vectors = {int(hook.split(".")[1]): v for hook, v in trained.vectors.items()}
+    with torch.inference_mode(), LibraryVector(vectors).apply(model, multiplier=6.0):
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)  # fmt: skip
+    tokens = expected.sequences[0, ids.shape[1] :].tolist()
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    steered = SamplingParams(max_tokens=8, temperature=0, interventions=trained.steers(multiplier=6.0),
+                             capture=Capture(hooks="unembed.hook_out", positions="generated"))  # fmt: skip
+    unsteered, mine = smol.generate([prompt, prompt], [plain, steered], use_tqdm=False)
+    assert mine.outputs[0].token_ids == tokens != unsteered.outputs[0].token_ids
+    [alone] = smol.generate([prompt], [plain], use_tqdm=False)
+    assert unsteered.outputs[0].token_ids == alone.outputs[0].token_ids
+    # the logits each steered token was chosen from (the row before the first generated token is the prompt's)
+    scores = torch.cat(expected.scores[1:])
+    assert rel_err(mine.activations["unembed.hook_out"], scores) < 1e-5
+
+
+def test_bad_input_is_refused_by_name(smol):
+    with pytest.raises(ValueError, match="aggregator: 'median' is not one of mean, pca"):
+        train_steering_vector(smol, PAIRS, aggregator="median")
+    with pytest.raises(ValueError, match="pairs: empty"):
+        train_steering_vector(smol, [])
+    with pytest.raises(ValueError, match=r"pairs: expected a list of \(positive, negative\)"):
+        train_steering_vector(smol, ["just one prompt"])
+    with pytest.raises(ValueError, match="read_token_index: expected an int"):
+        train_steering_vector(smol, PAIRS, read_token_index="last")
+    with pytest.raises(ValueError, match="cannot be steered"):
+        train_steering_vector(smol, PAIRS, hooks="blocks.2.attn.hook_pattern")
+    with pytest.raises(ValueError, match="hooks"):
+        train_steering_vector(smol, PAIRS, hooks="blocks.99.hook_resid_post")
+    assert SteeringVector({"blocks.1.hook_resid_post": torch.ones(576)}).steers(2.0)[0].scale == 2.0
