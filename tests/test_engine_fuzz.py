@@ -2,8 +2,8 @@
 captures at generated / all / last positions, an attention pattern, steered, ablated, log-probabilities of
 samples and of prompts, penalised, prefill-only, seeded samples of one or two sequences, ranked samples
 (best_of), stop tokens and strings, per-head steering and patterns, patched rows, logit lens, a mean probe,
-hidden states, rows left out by token, a transcoder latent clamped, TransformerLens's optional hooks read and
-steered, streamed, aborted) arrives at random steps into an engine whose KV
+hidden states, rows left out by token, a transcoder latent clamped (its latents and error read), TransformerLens's
+optional hooks read and steered, streamed, aborted) arrives at random steps into an engine whose KV
 cache is small enough to preempt, whose prompts share long prefixes (prefix-cache hits mid-run, prefixes
 borrowed within a step), whose prefill is chunked, with async scheduling on the static decode path and
 graphs (emulated: tests/replayed_graphs.py). Every request that ends must end as it does served alone on a
@@ -115,9 +115,9 @@ def _params(kind: str, max_tokens: int, prompt: list[int], g: torch.Generator, a
         "hidden": lambda: dict(max_tokens=max_tokens, temperature=0.7, return_hidden_states=True,
                                seed=int(torch.randint(0, 2**31, (), generator=g))),
         "exclude": lambda: greedy | dict(capture=Capture("blocks.0.hook_mlp_out", exclude_token_ids=prompt[:2])),
-        "transcoder": lambda: greedy | dict(  # (its latent read at ln2's output, set at the MLP's)
+        "transcoder": lambda: greedy | dict(  # (its latent read at ln2's output, set at the MLP's; its error there)
             interventions=[Clamp(TRANSCODER.writes, TRANSCODER, int(torch.randint(0, 16, (), generator=g)), 3.0)],
-            capture=Capture("blocks.1.hook_resid_post", positions="generated")),
+            capture=Capture(sae=TRANSCODER, top_k=3, sae_error=True, positions="generated")),
         "optional": lambda: greedy | dict(  # (TransformerLens's optional hooks, named in full)
             interventions=[Steer("blocks.0.attn.hook_result", torch.randn(D, generator=g), heads=[1])],
             capture=Capture(["blocks.1.attn.hook_result", "blocks.1.hook_k_input"], heads=[0], positions="generated")),
@@ -186,6 +186,10 @@ def _same(got: RequestOutput, want: RequestOutput, what: str) -> None:
     assert got.logit_lens.keys() == want.logit_lens.keys(), what
     for name, (ids, logprobs) in want.logit_lens.items():
         assert torch.equal(got.logit_lens[name][0], ids) and rel_err(got.logit_lens[name][1], logprobs) < 1e-5, what
+    assert got.sae_features.keys() == want.sae_features.keys() and got.sae_errors.keys() == want.sae_errors.keys()
+    for name, (ids, values) in want.sae_features.items():
+        assert torch.equal(got.sae_features[name][0], ids) and rel_err(got.sae_features[name][1], values) < 1e-5, what
+        assert rel_err(got.sae_errors[name], want.sae_errors[name]) < 1e-5, what
     assert (got.hidden_states is None) == (want.hidden_states is None), what
     if want.hidden_states is not None:
         assert rel_err(got.hidden_states, want.hidden_states) < 1e-5, what

@@ -170,7 +170,7 @@ def test_requests_without_saes_are_untouched_and_one_encoding_serves_a_step(smol
     groups = []
     real = runtime.read_group
     monkeypatch.setattr(
-        runtime, "read_group", lambda readouts, chunks: groups.append(len(readouts)) or real(readouts, chunks)
+        runtime, "read_group", lambda readouts, *rest: groups.append(len(readouts)) or real(readouts, *rest)
     )
     prompts = [PROMPT, "Hello there", "The weather today is", PROMPT, "A dog"]
     together = smol.generate(prompts, with_saes, use_tqdm=False)

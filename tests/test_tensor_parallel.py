@@ -606,7 +606,8 @@ def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path
 
 def test_transcoder_clamps_read_where_they_read_also_from_a_sharded_hook(pair):
     """Clamps of two transcoders — ln2.hook_out to hook_mlp_out, and hook_z (split by heads: its latent is read
-    from the whole gathered row) to hook_attn_out — with a plain request beside them: as in one process."""
+    from the whole gathered row) to hook_attn_out — with a plain request beside them, and the second's latents and
+    error read by a third: as in one process."""
     _, one, two = pair
     shapes = one.hook_names()
     g = torch.Generator().manual_seed(3)
@@ -622,11 +623,15 @@ def test_transcoder_clamps_read_where_they_read_also_from_a_sharded_hook(pair):
     hooks = ["blocks.0.hook_mlp_out", "blocks.1.hook_attn_out", "blocks.2.hook_resid_post"]
     common = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "capture": Capture(hooks=hooks)}
     clamps = [Clamp(mlp.writes, mlp, 3, 4.0), Clamp(attn.writes, attn, 5, -2.0, positions=[1, 2, 6])]
-    params = [SamplingParams(**common, interventions=clamps), SamplingParams(**common)]
-    prompts = sequences((9, 6))
+    errors = {**common, "capture": Capture(sae=attn, top_k=3, sae_error=True)}
+    params = [SamplingParams(**common, interventions=clamps), SamplingParams(**common), SamplingParams(**errors)]
+    prompts = sequences((9, 6, 7))
     a, b = _generate(one, prompts, params), _generate(two, prompts, params)
     _check_outputs(a, b)
-    plain = _generate(one, prompts[:1], params[1:])
+    (ids_a, values_a), (ids_b, values_b) = a[2].sae_features[z], b[2].sae_features[z]
+    assert torch.equal(ids_a, ids_b) and same(values_b.double(), values_a.double(), TOL)
+    assert len(a[2].sae_errors[z]) == 10 and same(b[2].sae_errors[z].double(), a[2].sae_errors[z].double(), TOL)
+    plain = _generate(one, prompts[:1], params[1:2])
     for hook in hooks:
         assert not same(plain[0].activations[hook].double(), a[0].activations[hook].double(), 1e-3)  # they took
 

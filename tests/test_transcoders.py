@@ -182,6 +182,42 @@ def test_engine_reads_latents_at_the_input_and_steers_at_the_output(pair, tmp_pa
     assert (listed["hook"], listed["hook_out"], listed["d_out"]) == (sae.hook, sae.hook_out, 64)
 
 
+def test_engine_measures_a_transcoders_error_against_the_rows_it_writes(pair):
+    """Capture(sae=transcoder, sae_error=True): ‖y − ŷ‖²/‖y‖² per row, ŷ SAELens's forward of the rows it reads
+    and y the model's where it writes (as SAELens's HookedSAETransformer has both), beside a request that reads
+    the same transcoder's latents alone (one encoding), a skip transcoder's error at generated rows and a wide
+    one's."""
+    hooked, theirs, transcoders = pair
+    kinds = ("transcoder", "transcoder", "skip", "wide")
+    captures = [
+        Capture(sae=SAE.from_saelens(transcoders["transcoder"]), top_k=5, sae_error=True),
+        Capture(sae=SAE.from_saelens(transcoders["transcoder"]), top_k=5),
+        Capture(sae=SAE.from_saelens(transcoders["skip"]), sae_error=True, positions="generated"),
+        Capture(sae=SAE.from_saelens(transcoders["wide"]), features=[1, 2], sae_error=True),
+    ]
+    captures[1].sae = captures[0].sae  # (the same object: one encoding serves both)
+    prompts = [TOKENS[i // 2].tolist() for i in range(4)]  # (the first two: the same prompt)
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=c) for c in captures]
+    outs = hooked.llm.generate(prompts, params, use_tqdm=False)
+    assert not outs[1].sae_errors
+    for out, kind, capture in zip(outs, kinds, captures):
+        if not capture.sae_error:
+            continue
+        tc, hook = transcoders[kind], capture.sae.hook
+        fed = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids[:-1]])
+        names = [tc.cfg.metadata.hook_name, tc.cfg.metadata.hook_name_out]
+        with torch.no_grad():
+            _, cache = theirs.run_with_cache(fed, names_filter=names)
+            x, y = (cache[name][0, out.activation_positions] for name in names)
+            expected = (y - tc(x)).pow(2).sum(-1) / y.pow(2).sum(-1)
+        assert out.sae_errors[hook].dtype == torch.float32 and rel_err(out.sae_errors[hook], expected) <= TOL, kind
+        if capture.top_k:
+            ids, values = out.sae_features[hook]
+            alone = outs[1].sae_features[hook]
+            assert torch.equal(ids, alone[0]) and torch.equal(values, alone[1])
+    assert len(outs[2].activation_positions) == 3 and outs[3].sae_features[captures[3].sae.hook].shape == (12, 2)
+
+
 def _saelens_with_latents_set(theirs, tcs, sets, tokens, new_tokens, watch):
     """SAELens's HookedSAETransformer with the transcoders spliced (error term on) and latent f of the i-th set to v
     for each (i, f, v) in `sets`: its greedy tokens (recomputed each step) and its rows at `watch` over them."""
@@ -248,8 +284,6 @@ def test_what_a_transcoder_cannot_do_is_refused_by_name(pair, tmp_path):
     with pytest.raises(ValueError, match=r"^interventions\[0\]\.sae: the transcoder reads blocks\.1\.hook_resid_post, "
                        r"which the forward reaches after blocks\.1\.hook_resid_mid"):  # fmt: skip
         hooked.llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, interventions=[Clamp(back.writes, back, 3, 1.0)]))
-    with pytest.raises(ValueError, match=r"^capture\.sae_error: a transcoder's error compares its output with"):
-        Capture(sae=sae, sae_error=True)
     far = SAE.from_saelens(transcoders["transcoder"])
     far.hook_out = "blocks.0.mlp.hook_post"
     with pytest.raises(ValueError, match=r"^sae: d_out 64 does not match blocks\.0\.mlp\.hook_post, 256 wide"):

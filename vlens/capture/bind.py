@@ -182,6 +182,9 @@ def _elsewhere(field: str, given: object, sae: SAE, writes: bool = False) -> Val
 def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes: dict) -> RowStream:
     cfg = model.cfg
     sae_at = None if capture.sae is None else sae_tap(capture.sae, cfg, shapes, "capture.sae")
+    paired = None  # a transcoder's error compares its reconstruction with the rows where it writes
+    if sae_at is not None and capture.sae_error and capture.sae.transcoder:
+        paired = sae_tap(capture.sae, cfg, shapes, "capture.sae", writes=True)
     hooks = resolve_hooks(capture.hooks, cfg, shapes)
     taps = set(hooks.values())
     if sae_at is not None and taps != {sae_at}:
@@ -235,7 +238,7 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
     exclude = torch.tensor(sorted(capture.exclude_token_ids), dtype=torch.long) if capture.exclude_token_ids else None
     return RowStream(
         "capture", hooks, capture.positions, prompt_len, parts, exclude, capture.dtype, readout, capture.reduce,
-        capture.logit_lens, heads, head_taps,
+        capture.logit_lens, heads, head_taps, paired,
     )  # fmt: skip
 
 

@@ -196,7 +196,7 @@ def _plan_chunk(plan: StepPlan, c: Chunk, block_size: int, pages: DecodePages, r
         positions = stream.select(c.token_ids, c.start, end)
         if len(positions):
             keys = cache_slots(c.block_table, block_size, positions[-1] + 1) if stream.patterns else None
-            stream.hold(plan.gather(stream, positions, shift(positions, offset), stream.taps, keys).held)
+            stream.hold(plan.gather(stream, positions, shift(positions, offset), stream.gathered, keys).held)
             if stream.device_taps:
                 plan.readouts |= stream.device_taps
     if c.taps.interventions:

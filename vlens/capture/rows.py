@@ -328,18 +328,22 @@ class RowStream:
     logit_lens: int | None = None  # top-k of the logit lens: rows are (token ids, log-probabilities)
     heads: torch.Tensor | None = None  # the heads kept at the per-head taps in `head_taps`
     head_taps: frozenset[str] = frozenset()
+    # A tap gathered at the same rows for the readout alone, which returns nothing of it: the output of a
+    # transcoder, which its error compares with its reconstruction (vlens.sae.readout)
+    paired: str | None = None
     _offered: int = 0  # positions below this were offered to the stream already (but see `offered_upto`)
     _pieces: list[Held | Run] = field(default_factory=list)  # in the order of their positions
     _run: Run | None = None  # the newest piece, where it is a run that the next decode row may extend
 
     def __post_init__(self) -> None:
         self.taps = sorted(set(self.hooks.values()))
+        self.gathered = self.taps if self.paired is None else [*self.taps, self.paired]
         self.patterns = any(is_pattern(t) for t in self.taps)
         self.first_wanted = self.positions.first_needed(self.prompt_len)
         self._window = self.positions.window(self.prompt_len) if self.exclude is None else None
         # Taps whose rows need work on the device before they leave it (a readout, a mean, a cast, heads)
         on_device = self.readout is not None or self.sums_on_device or self.dtype is not None
-        self.device_taps = frozenset(t for t in self.taps if on_device or t in self.head_taps)
+        self.device_taps = frozenset(t for t in self.gathered if on_device or t in self.head_taps)
         # A step's one row may join the step's batch: one segment of the streams with the same taps
         self.batched = self._window is not None and not self.patterns and not self.device_taps
         self.tap_key = tuple(self.taps)

@@ -363,15 +363,19 @@ class TapRuntime:
                 whole.append((tap, segments, _cast(gathered, casts.pop()), counts))
                 continue
             pieces = gathered.split(counts)
-            shared = _shared_readouts(owners, pieces)  # one encoding per SAE for all its segments
-            values = []
-            for i, (owner, chunk) in enumerate(zip(owners, pieces)):
+            paired = [self._paired_rows(plan, owner, segment, tap) for owner, segment in zip(owners, segments)]
+            shared = _shared_readouts(tap, owners, pieces, paired)  # one encoding per SAE for all its segments
+            values, kept = [], []
+            for i, (segment, owner, chunk) in enumerate(zip(segments, owners, pieces)):
+                if getattr(owner, "paired", None) == tap:  # rows its readout at another tap reads, not its own
+                    continue
+                kept.append(segment)
                 if i in shared:
                     values.append(shared[i])
                 else:
                     reads = owner is not None and tap in owner.device_taps
                     values.append(_read_out(owner, tap, chunk) if reads else chunk.clone())
-            single.append((tap, segments, values))
+            single.append((tap, kept, values))
         event = None
         if self.device.type == "cuda":  # the clones above free the gather buffers for the next forward at once
             self._side.wait_stream(torch.cuda.current_stream(self.device))
@@ -390,6 +394,20 @@ class TapRuntime:
             if is_pattern(c.tap):  # as wide as the segment's own last row's context
                 c.rows = [rows[..., : plan.segments[s].positions[-1] + 1] for s, rows in zip(c.segments, c.rows)]
         return Collection(out, event)
+
+
+    def _paired_rows(self, plan: StepPlan, owner: object, segment: int, at: str) -> torch.Tensor | None:
+        """The rows a stream's segment gathered at its paired tap (RowStream.paired), for its readout at `at`;
+        None where it has none."""
+        tap = getattr(owner, "paired", None)
+        if tap is None or tap == at:
+            return None
+        start = 0
+        for other, rows in plan.gathers[tap]:
+            if other == segment:
+                return self._taps[tap].gather_out[start : start + len(rows)]
+            start += len(rows)
+        raise AssertionError(f"segment {segment} gathered nothing at {tap}")
 
 
 @dataclass
@@ -418,15 +436,19 @@ def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, 
     return keys, positions
 
 
-def _shared_readouts(owners: list[object], pieces: tuple[torch.Tensor, ...]) -> dict[int, tuple]:
-    """Results of the SAE readouts among a tap's segments: all those of one SAE from one encoding."""
+def _shared_readouts(
+    tap: str, owners: list[object], pieces: tuple[torch.Tensor, ...], paired: list[torch.Tensor | None]
+) -> dict[int, tuple]:  # fmt: skip
+    """Results of the SAE readouts among a tap's segments: all those of one SAE from one encoding (`paired`:
+    each segment's rows at its stream's paired tap, a transcoder's output)."""
     groups: dict[int, list[int]] = {}
     for i, owner in enumerate(owners):
-        if isinstance(owner, RowStream) and isinstance(owner.readout, SAEReadout):
+        if isinstance(owner, RowStream) and isinstance(owner.readout, SAEReadout) and owner.paired != tap:
             groups.setdefault(id(owner.readout.sae), []).append(i)
     shared = {}
     for members in groups.values():
-        results = read_group([owners[i].readout for i in members], [pieces[i] for i in members])
+        readouts = [owners[i].readout for i in members]
+        results = read_group(readouts, [pieces[i] for i in members], [paired[i] for i in members])
         shared.update(zip(members, results))
     return shared
 

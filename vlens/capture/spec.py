@@ -51,8 +51,8 @@ class Capture:
     `sae=SAE` reads the rows through a sparse autoencoder at the hook it was trained on (`hooks` may
     then be left out), into RequestOutput.sae_features instead of activations: `top_k=k` the k largest
     latents per row as (ids int32, values), or `features=[...]` those latents [rows, n]; `sae_error=True`
-    adds ‖x − x̂‖²/‖x‖² per row in RequestOutput.sae_errors (an SAE's; a transcoder's latents are read
-    at its input hook, and its error, which needs the hook it writes too, is not offered).
+    adds ‖x − x̂‖²/‖x‖² per row in RequestOutput.sae_errors (a transcoder's latents are read at its input hook,
+    and its error is ‖y − ŷ‖²/‖y‖², y the model's rows at the hook it writes, gathered at the same positions).
     """
 
     hooks: str | Sequence[str] | None = None  # default: the SAE's hook, else "blocks.*.hook_resid_post"
@@ -127,11 +127,6 @@ class Capture:
         if clash:
             raise ValueError(f"capture.{clash[0]}: cannot be combined with capture.sae (the SAE is the readout)")
         d_sae = self.sae.d_sae
-        if self.sae_error and self.sae.transcoder:
-            raise ValueError(
-                f"capture.sae_error: a transcoder's error compares its output with {self.sae.hook_out}, which it "
-                f"does not read; capture that hook too and compare it with sae.decode(sae.encode(x), x)"
-            )
         if self.top_k is not None and self.features is not None:
             raise ValueError("capture.features: give top_k or features, not both")
         if self.top_k is None and self.features is None and not self.sae_error:

@@ -4,6 +4,8 @@ computed on the device so that only its top latents (or the few it names, or one
 All the readouts of one SAE in one engine step share one encoding: the runtime hands `read_group` every
 segment whose stream reads out with that SAE, and its rows go through one matmul with W_enc (in pieces
 of at most `PIECE_ELEMENTS` latents, so a long prefill does not make a [rows, d_sae] tensor of gigabytes).
+A transcoder's error needs the rows where it writes too: its stream gathers them at the same positions
+(`RowStream.paired`) and the runtime hands them in beside the rows it reads.
 """
 
 from __future__ import annotations
@@ -59,15 +61,19 @@ def sae_parts(top_k: int | None, features: int | None, error: bool, dtype: torch
     return tuple(parts)
 
 
-def read_group(readouts: list[SAEReadout], chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """The results of readouts that share one SAE, one per chunk of rows, from one encoding of all the rows."""
+def read_group(
+    readouts: list[SAEReadout], chunks: list[torch.Tensor], outputs: list[torch.Tensor | None] | None = None
+) -> list[tuple[torch.Tensor, ...]]:  # fmt: skip
+    """The results of readouts that share one SAE, one per chunk of rows, from one encoding of all the rows.
+    A transcoder's error compares its reconstruction with what the model wrote where it writes: `outputs`, each
+    chunk's rows there (for the readouts that ask for the error)."""
     sae = readouts[0].sae
     rows = torch.cat(chunks).flatten(1) if len(chunks) > 1 else chunks[0].flatten(1)
     k = max(r.top_k or 0 for r in readouts)
     named = [r.features for r in readouts if r.features is not None]
     columns = torch.cat(named) if named else None
     error = any(r.error for r in readouts)
-    ids, values, dense, errors = [], [], [], []
+    ids, values, dense, fits = [], [], [], []  # fits: an SAE's error per row, a transcoder's reconstruction
     for piece in _pieces(rows, sae):
         acts = sae.encode(piece)
         if k:
@@ -77,10 +83,11 @@ def read_group(readouts: list[SAEReadout], chunks: list[torch.Tensor]) -> list[t
         if columns is not None:
             dense.append(acts.index_select(1, columns))
         if error:
-            errors.append(_error(piece, sae.decode(acts, piece)))
-    ids_all, values_all, dense_all, errors_all = (torch.cat(p) if p else None for p in (ids, values, dense, errors))
+            reconstruction = sae.decode(acts, piece)
+            fits.append(reconstruction if sae.transcoder else _error(piece, reconstruction))
+    ids_all, values_all, dense_all, fits_all = (torch.cat(p) if p else None for p in (ids, values, dense, fits))
     results, start, column = [], 0, 0
-    for readout, chunk in zip(readouts, chunks):
+    for i, (readout, chunk) in enumerate(zip(readouts, chunks)):
         end, parts = start + len(chunk), []
         if readout.top_k is not None:
             parts += [ids_all[start:end, : readout.top_k], values_all[start:end, : readout.top_k].to(readout.dtype)]
@@ -89,7 +96,8 @@ def read_group(readouts: list[SAEReadout], chunks: list[torch.Tensor]) -> list[t
             parts.append(dense_all[start:end, column : column + n].to(readout.dtype))
             column += n
         if readout.error:
-            parts.append(errors_all[start:end])
+            fit = fits_all[start:end]
+            parts.append(_error(outputs[i].flatten(1), fit) if sae.transcoder else fit)
         results.append(tuple(parts))
         start = end
     return results
@@ -100,6 +108,6 @@ def _pieces(rows: torch.Tensor, sae: SAE) -> tuple[torch.Tensor, ...]:
 
 
 def _error(x: torch.Tensor, reconstruction: torch.Tensor) -> torch.Tensor:
-    """‖x − x̂‖² / ‖x‖² per row, in float32."""
+    """‖x − x̂‖² / ‖x‖² per row, in float32 (x: what the SAE reads, or what a transcoder's output stands for)."""
     x = x.float()
     return (x - reconstruction.float()).pow(2).sum(-1) / x.pow(2).sum(-1)
