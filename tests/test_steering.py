@@ -1,17 +1,22 @@
 """Steering vectors from contrastive pairs (vlens.steering) against the steering-vectors library on HF's model:
 the same vectors (mean difference and principal direction, at the residual stream and the MLP's output), and the
-same generation when the vector steers, in a batch beside an unsteered request."""
+same generation when the vector steers, in a batch beside an unsteered request; saved, loaded by `vlens serve
+--steering-vector` and named by requests, which then generate as the same steers do offline."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from conftest import rel_err
+from server_helpers import running_server
 from steering_vectors import SteeringVector as LibraryVector
 from steering_vectors import pca_aggregator
 from steering_vectors import train_steering_vector as library_train
 
-from vlens import Capture, SamplingParams
+from vlens import Capture, SamplingParams, Steer
+from vlens.server.app import create_app
+from vlens.server.config import ServerConfig
 from vlens.steering import SteeringVector, train_steering_vector
 
 PAIRS = [
@@ -88,3 +93,51 @@ def test_bad_input_is_refused_by_name(smol):
     with pytest.raises(ValueError, match="hooks"):
         train_steering_vector(smol, PAIRS, hooks="blocks.99.hook_resid_post")
     assert SteeringVector({"blocks.1.hook_resid_post": torch.ones(576)}).steers(2.0)[0].scale == 2.0
+
+
+def test_the_server_steers_with_the_vectors_it_loaded(smol, served_smol, tmp_path):
+    trained = train_steering_vector(smol, PAIRS, hooks="blocks.{3,9}.hook_resid_post")
+    path = tmp_path / "kind.safetensors"
+    trained.save(path)
+    loaded = SteeringVector.load(path)
+    assert loaded.vectors.keys() == trained.vectors.keys()
+    assert all(torch.equal(loaded.vectors[h], v) for h, v in trained.vectors.items())
+    prompt = "My opinion of the new restaurant is that"
+    extra = torch.randn(576, generator=torch.Generator().manual_seed(2))
+    cases = [  # (the request's vlens object, the same interventions offline)
+        ({"steering": [{"name": "kind", "multiplier": 6.0}]}, trained.steers(6.0)),
+        ({"interventions": [{"type": "steer", "hook": "blocks.5.hook_resid_post", "vector": extra.tolist()}],
+          "steering": [{"name": "kind", "multiplier": -4.0, "positions": "generated"}]},
+         [Steer("blocks.5.hook_resid_post", extra), *trained.steers(-4.0, positions="generated")]),
+    ]  # fmt: skip
+    with running_server(served_smol, ServerConfig(steering_vectors=(f"kind={path}",))) as url:
+        [listed] = httpx.get(url + "/v1/steering_vectors").json()["data"]
+        assert listed["name"] == "kind" and list(listed["hooks"]) == list(trained.vectors)
+        norm = trained.vectors["blocks.9.hook_resid_post"].norm().item()
+        assert listed["hooks"]["blocks.9.hook_resid_post"] == pytest.approx(norm)
+        texts = set()
+        for vlens, interventions in cases:
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "vlens": vlens}
+            got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            [want] = smol.generate(prompt, SamplingParams(max_tokens=8, temperature=0, interventions=interventions),
+                                   use_tqdm=False)  # fmt: skip
+            assert got == want.outputs[0].text
+            texts.add(got)
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+        texts.add(httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"])
+        assert len(texts) == 3  # each steers
+        bad = {**body, "vlens": {"steering": [{"name": "cruel"}]}}
+        answer = httpx.post(url + "/v1/completions", json=bad, timeout=120)
+        assert answer.status_code == 400 and answer.json()["error"]["message"] == (
+            "vlens.steering[0].name: 'cruel' is not a steering vector of this server; loaded: kind")
+        bad = {**body, "vlens": {"steering": [{"name": "kind", "scale": 2}]}}
+        assert httpx.post(url + "/v1/completions", json=bad, timeout=120).status_code == 400
+    # what cannot load stops the server at start, naming the flag and the vector
+    with pytest.raises(ValueError, match=r"^steering_vectors: .*: no such file"):
+        ServerConfig(steering_vectors=(f"kind={tmp_path / 'missing.safetensors'}",))
+    SteeringVector({"blocks.99.hook_resid_post": torch.ones(576)}).save(tmp_path / "deep.safetensors")
+    with pytest.raises(ValueError, match=r"^steering_vectors: deep: hooks: "):
+        create_app(served_smol, ServerConfig(steering_vectors=(f"deep={tmp_path / 'deep.safetensors'}",)))
+    SteeringVector({"blocks.1.hook_resid_post": torch.ones(64)}).save(tmp_path / "narrow.safetensors")
+    with pytest.raises(ValueError, match=r"^steering_vectors: narrow: the vector at blocks\.1\.hook_resid_post has"):
+        create_app(served_smol, ServerConfig(steering_vectors=(f"narrow={tmp_path / 'narrow.safetensors'}",)))

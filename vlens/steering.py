@@ -10,11 +10,16 @@ library's `apply` adds it.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from vlens.capture.interventions import Steer
 from vlens.capture.names import LOGITS, is_pattern, resolve_hooks
@@ -22,6 +27,7 @@ from vlens.capture.spec import Capture
 from vlens.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from vlens.config import ModelConfig
     from vlens.llm import LLM
 
 Aggregator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (positive [n, d], negative [n, d]) -> [d]
@@ -52,8 +58,38 @@ class SteeringVector:
 
     def steers(self, multiplier: float = 1.0, positions="all") -> list[Steer]:
         """The interventions that add `multiplier` times each hook's vector at `positions`, for any request's
-        `SamplingParams(interventions=...)` (or the server's, as lists of floats)."""
+        `SamplingParams(interventions=...)` (the server's: `vlens serve --steering-vector`)."""
         return [Steer(hook, vector, scale=multiplier, positions=positions) for hook, vector in self.vectors.items()]
+
+    def save(self, path: str | Path) -> None:
+        """A safetensors file of the vectors, keyed by hook name (written whole, then renamed into place)."""
+        path = Path(path)
+        partial = path.with_name(path.name + ".partial")
+        save_file({hook: vector.detach().contiguous().cpu() for hook, vector in self.vectors.items()}, str(partial))
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SteeringVector:
+        try:
+            vectors = load_file(str(Path(path).expanduser()))
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"steering_vector: {str(path)!r} is not a readable safetensors file ({e})") from None
+        if not vectors:
+            raise ValueError(f"steering_vector: {str(path)!r} holds no vector")
+        return cls(vectors)
+
+    def check(self, cfg: ModelConfig, shapes: dict[str, tuple], field: str) -> None:
+        """Each hook one steerable hook of this model, each vector one of its rows (at start, not in a request)."""
+        for hook, vector in self.vectors.items():
+            try:
+                taps = set(resolve_hooks(hook, cfg, shapes).values())
+            except ValueError as e:
+                raise ValueError(f"{field}: {e}") from None
+            if len(taps) != 1 or LOGITS in taps or any(is_pattern(t) for t in taps):
+                raise ValueError(f"{field}: {hook!r} is not one hook a steer can edit in this model")
+            shape = shapes[taps.pop()]
+            if tuple(vector.shape) not in (shape, (math.prod(shape),)):
+                raise ValueError(f"{field}: the vector at {hook} has shape {tuple(vector.shape)}, its rows {shape}")
 
 
 def train_steering_vector(

@@ -26,11 +26,14 @@ from vlens.server.auth import BearerAuth, presented_key
 from vlens.server.config import ServerConfig
 from vlens.server.embeddings import Embedder, EmbeddingRequest
 from vlens.server.engine_loop import EngineLoop
+from vlens.server.extension import ExtensionContext
 from vlens.server.generate import Generator
 from vlens.server.limits import BodyLimit
 from vlens.server.metrics import CountRequests, Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.saes import describe, load_saes
+from vlens.server.steering import describe as describe_steering
+from vlens.server.steering import load_steering_vectors
 from vlens.server.tokens import DetokenizeRequest, TokenizeRequest, Tokens
 from vlens.version import __version__
 from vlens.viz.html import page_html
@@ -51,6 +54,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     if config.tuned_lens is not None:
         tuned_lens = TunedLens.load(Path(config.tuned_lens).expanduser())
         tuned_lens.check(llm.config, "tuned_lens")  # (at start, not at the first request)
+    steering_vectors = load_steering_vectors(config.steering_vectors, llm.config, shapes)
+    extension = ExtensionContext(config.enable_capture, saes, tuned_lens, steering_vectors)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
     loop = EngineLoop(engine)
@@ -66,9 +71,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         engine.max_model_len,
         store,
         metrics,
-        saes,
+        extension,
         admission,
-        tuned_lens,
     )
     embedder = Embedder(generator)
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len)
@@ -142,6 +146,10 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     @app.get("/v1/saes")
     async def list_saes() -> dict:
         return {"object": "list", "data": describe(saes)}
+
+    @app.get("/v1/steering_vectors")
+    async def list_steering_vectors() -> dict:
+        return {"object": "list", "data": describe_steering(steering_vectors)}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -44,6 +44,28 @@ def _named_saes(specs: tuple[str, ...] | None) -> str | None:
     return f"{', '.join(missing)}: no such file or directory" if missing else None
 
 
+def split_named_file(spec: str) -> tuple[str, str]:
+    """`NAME=PATH` -> (name, path); ValueError naming the form."""
+    name, equals, path = spec.partition("=")
+    if not (name and equals and path):
+        raise ValueError(f"{spec!r} is not NAME=PATH")
+    return name, path
+
+
+def _named_files(specs: tuple[str, ...] | None) -> str | None:
+    """Form, names and paths of `--steering-vector`s, checked before the model loads."""
+    try:
+        named = [split_named_file(spec) for spec in specs or ()]
+    except ValueError as e:
+        return str(e)
+    names = [name for name, _ in named]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return f"names {', '.join(twice)} more than once; each needs its own name"
+    missing = [f"{name}={path}" for name, path in named if not Path(path).expanduser().is_file()]
+    return f"{', '.join(missing)}: no such file" if missing else None
+
+
 def _directory(path: str | None) -> str | None:
     return None if path is None or Path(path).expanduser().is_dir() else f"{path}: no such directory"
 
@@ -76,6 +98,11 @@ class ServerConfig:
         None, "an SAE to load at start, as NAME=PATH (a SAELens directory or a Gemma Scope params.npz; "
         "NAME=PATH@HOOK names the hook it reads); repeat the flag for more; requests name them in the vlens "
         "extension and GET /v1/saes lists them", flag="--sae", repeat=True, check=_named_saes,
+    )  # fmt: skip
+    steering_vectors: tuple[str, ...] | None = setting(
+        None, "a steering vector to load at start, as NAME=PATH (a file vlens.steering.SteeringVector.save wrote); "
+        "repeat the flag for more; requests add them with the vlens extension's steering and GET "
+        "/v1/steering_vectors lists them", flag="--steering-vector", repeat=True, check=_named_files,
     )  # fmt: skip
     tuned_lens: str | None = setting(
         None, "a tuned lens to load at start (a directory as the tuned-lens package saves one); a capture with a "

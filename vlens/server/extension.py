@@ -1,10 +1,12 @@
 """The `vlens` extension object of a request:
-`{"capture": {...}, "return_hidden_states": bool, "interventions": [{"type": "steer", ...}, ...]}`.
-SAEs are named by the names the server loaded them under (`vlens serve --sae NAME=PATH`).
+`{"capture": {...}, "return_hidden_states": bool, "interventions": [{"type": "steer", ...}, ...],
+"steering": [{"name": ..., "multiplier": ...}, ...]}`. SAEs and steering vectors are named by the names the
+server loaded them under (`vlens serve --sae NAME=PATH`, `--steering-vector NAME=PATH`).
 
 Each key has one parser that turns its JSON value into SamplingParams keyword arguments, listed in
 FIELDS; a new key (interventions, say) is one function and one entry there. Unknown keys are refused
-by name, so a typo never means a silently ignored capture.
+by name, so a typo never means a silently ignored capture. The keys are read in FIELDS' order, and
+interventions they give add up in it (a steering vector's steers after `interventions`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pydantic import ValidationError
 from vlens.capture import TunedLens
 from vlens.sae.model import SAE
 from vlens.server.protocol import APIError, from_value_error, schema_error
-from vlens.server.specs import CaptureSpec, InterventionSpec
+from vlens.server.specs import CaptureSpec, InterventionSpec, SteeringSpec
+from vlens.steering import SteeringVector
 
 ENABLE_CAPTURE_HINT = (
     "activation capture is disabled on this server; the operator enables it by starting "
@@ -33,6 +36,7 @@ class ExtensionContext:
     enable_capture: bool
     saes: dict[str, SAE] = field(default_factory=dict)  # what requests may name (vlens serve --sae)
     tuned_lens: TunedLens | None = None  # what capture.tuned_lens reads through (vlens serve --tuned-lens)
+    steering_vectors: dict[str, SteeringVector] = field(default_factory=dict)  # (vlens serve --steering-vector)
 
 
 def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
@@ -50,6 +54,22 @@ def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
             raise APIError(
                 400, f"vlens.interventions[{i}].{' '.join(str(e).split())}", param=f"vlens.interventions[{i}]"
             ) from None
+    return {"interventions": out}
+
+
+def _steering(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
+    if not isinstance(value, list):
+        raise APIError(400, "vlens.steering: expected a list of {name, multiplier, positions} objects",
+                       param="vlens.steering")  # fmt: skip
+    out = []
+    for i, item in enumerate(value):
+        try:
+            out += SteeringSpec.model_validate(item).to_steers(ctx.steering_vectors)
+        except ValidationError as e:
+            raise schema_error(e.errors(), 400, ("vlens", "steering", i)) from None
+        except ValueError as e:
+            message = f"vlens.steering[{i}].{' '.join(str(e).split())}"
+            raise APIError(400, message, param=f"vlens.steering[{i}]") from None
     return {"interventions": out}
 
 
@@ -80,6 +100,7 @@ FIELDS: dict[str, Callable[[Any, ExtensionContext], dict[str, Any]]] = {
     "capture": _capture,
     "return_hidden_states": _return_hidden_states,
     "interventions": _interventions,
+    "steering": _steering,
 }
 
 
@@ -95,7 +116,8 @@ def parse_extension(raw: dict[str, Any] | None, ctx: ExtensionContext) -> dict[s
             param=f"vlens.{unknown[0]}",
         )
     kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if value is not None:
-            kwargs.update(FIELDS[key](value, ctx))
+    for key, parse in FIELDS.items():
+        if raw.get(key) is not None:
+            for name, value in parse(raw[key], ctx).items():
+                kwargs[name] = kwargs.get(name, []) + value if name == "interventions" else value
     return kwargs

@@ -17,13 +17,11 @@ import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from vlens.capture import TunedLens
 from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
 from vlens.engine.logprobs import TokenText
 from vlens.inputs import to_token_lists
 from vlens.outputs import RequestOutput
-from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
 from vlens.server.admission import Admission
@@ -75,15 +73,14 @@ class Generator:
         max_model_len: int,
         store: ActivationStore,
         metrics: Metrics,
-        saes: dict[str, SAE],
+        extension: ExtensionContext,
         admission: Admission,
-        tuned_lens: TunedLens | None = None,
     ):
         self.config, self.engine, self.tokenizer, self.cfg = config, engine, tokenizer, cfg
         self.shapes, self.model_dtype, self.model_name = shapes, model_dtype, model_name
         self.max_model_len, self.store, self.metrics, self.admission = max_model_len, store, metrics, admission
         self.token_text = TokenText(tokenizer)
-        self.extension = ExtensionContext(enable_capture=config.enable_capture, saes=saes, tuned_lens=tuned_lens)
+        self.extension = extension  # (what requests may name: SAEs, the tuned lens, steering vectors)
 
     def tokenize(self, value: Any, field: str, add_special_tokens: bool) -> list[list[int]]:
         """A body's prompt or input (text, token ids, or a list of either) as token lists; a 400 naming

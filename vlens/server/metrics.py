@@ -16,8 +16,8 @@ from vlens.server.activations import ActivationStore
 from vlens.server.admission import Admission
 
 ROUTES = (
-    "/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/saes", "/v1/completions", "/v1/chat/completions",
-    "/v1/embeddings", "/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json",
+    "/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/saes", "/v1/steering_vectors", "/v1/completions",
+    "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json",
 )  # fmt: skip
 ACTIVATIONS_ROUTE = "/v1/activations/{id}"
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer, TunedLens
 from vlens.sae.model import SAE
 from vlens.server.saes import named_sae
+from vlens.steering import SteeringVector
 
 
 class SliceSpec(BaseModel):
@@ -129,6 +130,21 @@ class InterventionSpec(BaseModel):
         return Patch(self.hook, data, positions=positions, heads=self.heads)
 
 
+class SteeringSpec(BaseModel):
+    """A steering vector of the server (`vlens serve --steering-vector NAME=PATH`), added at every hook it has."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+    multiplier: float = 1.0
+    positions: PositionsJSON = "all"
+
+    def to_steers(self, vectors: dict[str, SteeringVector]) -> list[Steer]:
+        if self.name not in vectors:
+            loaded = f"loaded: {', '.join(vectors)}" if vectors else "none is loaded (vlens serve --steering-vector)"
+            raise ValueError(f"name: {self.name!r} is not a steering vector of this server; {loaded}")
+        return vectors[self.name].steers(self.multiplier, _positions(self.positions, "positions"))
+
+
 class ExtensionSpec(BaseModel):
     """The `vlens` object of a completion or chat request as the OpenAPI document shows it. Requests keep
     it raw and extension.py parses each key on its own (capture refused by name when disabled, errors
@@ -138,3 +154,4 @@ class ExtensionSpec(BaseModel):
     capture: CaptureSpec | None = None
     return_hidden_states: StrictBool | None = None
     interventions: list[InterventionSpec] | None = None
+    steering: list[SteeringSpec] | None = None  # added after the interventions
