@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import rel_err
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import vlens.cli
+from vlens import SamplingParams
 from vlens.cli import main
+from vlens.steering import SteeringVector, train_steering_vector
 
 TEXTS = ["The capital of France is", "Hi"]
 HOOKS = ["blocks.10.hook_resid_post", "blocks.0.attn.hook_*", "hidden_states.0", "ln_final.hook_normalized"]
@@ -117,6 +120,10 @@ def test_hooks_lists_every_name_with_its_shape(smol):
         (["lens", "x", "--out", "{tmp}"], "--out: '{tmp}' is a directory; give the path of the file to write"),
         (["lens", "x", "--out", "{tmp}/a.html", "--attention-layers", "3", "30"],
          "--attention-layers: 30 is not a layer of this model (0 .. 29)"),
+        (["generate", "x", "--multiplier", "2"], "--multiplier: scales --steering-vector; give one"),
+        (["generate", "x", "--steering-vector", "{tmp}/v.st"], "steering_vector: '{tmp}/v.st' is not a readable"),
+        (["steering-vector", "{tmp}/p.jsonl", "--hooks", "hook_embed", "--out", "{tmp}/v.st"],
+         "pairs: '{tmp}/p.jsonl' is not a file"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys, monkeypatch):
@@ -126,6 +133,34 @@ def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys, monk
     assert status == 2
     assert err.startswith("vlens: error: ") and err.count("\n") == 1
     assert message.format(tmp=tmp_path) in err
+
+
+def test_a_steering_vector_trained_from_pairs_then_steers_generate(smol4, smol4_path, tmp_path, capsys):
+    pairs = [("I love this film, it was wonderful", "I hate this film, it was dreadful"),
+             ("She thanked him warmly", "She insulted him coldly"),
+             ("What a great day", "What an awful day")]  # fmt: skip
+    lines = tmp_path / "pairs.jsonl"
+    lines.write_text("\n".join(json.dumps({"positive": p, "negative": n}) for p, n in pairs) + "\n\n")
+    path, model = tmp_path / "kind.safetensors", ["--model", str(smol4_path), "--dtype", "float32"]
+    status, stdout = run_main(["steering-vector", str(lines), "--hooks", "blocks.{1,2}.hook_resid_post", "--out",
+                               str(path), *model])  # fmt: skip
+    assert status == 0 and stdout.endswith(f"wrote {path}: 2 vectors from 3 pairs\n")
+    expected = train_steering_vector(smol4, pairs, "blocks.{1,2}.hook_resid_post")
+    written = SteeringVector.load(path).vectors
+    assert written.keys() == expected.vectors.keys()
+    assert all(rel_err(written[hook], v) < 1e-6 for hook, v in expected.vectors.items())
+    prompt = "My day at work was"
+    status, stdout = run_main(["generate", prompt, "--max-tokens", "6", "--steering-vector", str(path),
+                               "--multiplier", "8", *model])  # fmt: skip
+    [steered, plain] = [
+        smol4.generate(prompt, SamplingParams(max_tokens=6, temperature=0, interventions=ivs), use_tqdm=False)[0]
+        for ivs in (expected.steers(8.0), [])
+    ]
+    text = steered.outputs[0].text
+    assert status == 0 and f": {text!r}" in stdout and text != plain.outputs[0].text
+    lines.write_text('{"positive": "a", "negative": 3}\n')
+    assert main(["steering-vector", str(lines), "--hooks", "hook_embed", "--out", str(path), *model]) == 2
+    assert 'pairs: line 1 of' in capsys.readouterr().err
 
 
 def test_bad_hook_exits_2_naming_the_closest_hooks(smol4_path):

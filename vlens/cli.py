@@ -30,6 +30,7 @@ from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.server import cli as server_cli
 from vlens.settings import add_flags, from_args, values
+from vlens.steering import AGGREGATORS, SteeringVector, train_steering_vector
 
 TRACE_ABOUT = "Run the texts through the model and print, per text, each hook's shape, dtype and mean row norm."
 TRACE_FILE = (
@@ -46,6 +47,12 @@ GENERATE_FILE = (
     "int32 and '{i}/{hook}.sae_values', [rows, top_k]), '{i}/positions' (the sequence position of each row) and "
     "'{i}/token_ids' (prompt then completion); metadata holds the prompts and completions."
 )
+STEERING_ABOUT = (
+    "Train a steering vector from contrastive pairs (vlens.steering.train_steering_vector) and write it as a "
+    "safetensors file, one vector per hook, which `vlens generate --steering-vector` and `vlens serve "
+    "--steering-vector NAME=PATH` read."
+)
+STEERING_PAIRS = 'PAIRS is a JSON-lines file, one pair a line: {"positive": "...", "negative": "..."}.'
 LENS_ABOUT = (
     "Run a prompt (greedy, optionally generating first) and write what `vlens serve`'s /lens page shows for it as "
     "one self-contained HTML file, which opens offline: the tokens, the logit lens at every layer (top token and "
@@ -104,7 +111,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     capture = _generate_capture(args)  # an unreadable SAE fails before the model loads
     if args.out and capture is None:
         raise ValueError("--out: give --capture or --sae too; the file holds the rows they capture")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed)
+    steers = []
+    if args.steering_vector is not None:  # (read before the model loads: a bad file fails at once)
+        steers = SteeringVector.load(args.steering_vector).steers(args.multiplier)
+    elif args.multiplier != 1.0:
+        raise ValueError("--multiplier: scales --steering-vector; give one")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed,
+                            interventions=steers)  # fmt: skip
     llm = _llm(args)  # after the sampling flags are known to be good
     run = llm.chat if args.chat else llm.generate
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
@@ -135,6 +148,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         save_file(tensors, args.out, metadata={"model": llm.model_name, "prompts": json.dumps(args.prompts), "completions": json.dumps(texts)})
         print(f"wrote {args.out}: {len(tensors)} tensors")
     return 0
+
+
+def _cmd_steering_vector(args: argparse.Namespace) -> int:
+    _check_out(args.out)
+    pairs = _read_pairs(Path(args.pairs))
+    vector = train_steering_vector(_llm(args), pairs, args.hooks, args.read_token_index, args.aggregator)
+    vector.save(args.out)
+    _print_table([("hook", "norm")] + [(hook, f"{v.float().norm():.4f}") for hook, v in vector.vectors.items()])
+    print(f"wrote {args.out}: {len(vector.vectors)} vectors from {len(pairs)} pairs")
+    return 0
+
+
+def _read_pairs(path: Path) -> list[tuple[str, str]]:
+    """The (positive, negative) prompts of a JSON-lines file; ValueError naming the line at fault."""
+    if not path.is_file():
+        raise ValueError(f"pairs: {str(path)!r} is not a file")
+    pairs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            pair = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"pairs: line {number} of {str(path)!r} is not JSON ({e})") from None
+        if not (isinstance(pair, dict) and all(isinstance(pair.get(k), str) for k in ("positive", "negative"))):
+            raise ValueError(f'pairs: line {number} of {str(path)!r} is not {{"positive": "...", "negative": "..."}}')
+        pairs.append((pair["positive"], pair["negative"]))
+    return pairs
 
 
 def _cmd_lens(args: argparse.Namespace) -> int:
@@ -236,7 +277,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sae-hook", metavar="HOOK", help="the hook the SAE reads, if its files do not say (params.npz)")
     p.add_argument("--top-k", type=int, default=16, help="latents per row with --sae (default: 16)")
     p.add_argument("--out", metavar="FILE", help="write the activations of --capture or --sae (see below)")
+    p.add_argument("--steering-vector", metavar="FILE", help="steer with this file's vectors (`vlens steering-vector`)")
+    p.add_argument("--multiplier", type=float, default=1.0, help="times the steering vector (default: 1)")
     p.set_defaults(func=_cmd_generate)
+
+    p = commands.add_parser(
+        "steering-vector", help="train a steering vector from contrastive pairs", description=STEERING_ABOUT,
+        epilog=STEERING_PAIRS,
+    )  # fmt: skip
+    p.add_argument("pairs", metavar="PAIRS", help="the pairs, as JSON lines (before --hooks; see below)")
+    p.add_argument("--hooks", nargs="+", required=True, metavar="HOOK",
+                   help="where vectors are read and added (names or globs): 'blocks.{8,10}.hook_resid_post'")
+    p.add_argument("--out", metavar="FILE", required=True, help="the safetensors file to write")
+    p.add_argument("--read-token-index", type=int, default=-1,
+                   help="the token each prompt is read at (default: -1, its last)")  # fmt: skip
+    p.add_argument("--aggregator", choices=sorted(AGGREGATORS), default="mean",
+                   help="mean: the mean difference (default); pca: the differences' principal direction")  # fmt: skip
+    add_flags(p, EngineConfig, only={"model", "dtype", "device"})
+    p.set_defaults(func=_cmd_steering_vector)
 
     p = commands.add_parser(
         "lens", help="write the lens page of a prompt as one offline HTML file", description=LENS_ABOUT
