@@ -38,8 +38,10 @@ def circuit_tracer():
     return circuit_tracer
 
 
-def transcoders(d_model: int, d_sae: int, layers: int, skip: bool, jumprelu: bool, seed: int = 0):
-    """circuit-tracer's SingleLayerTranscoders with random weights, and the same as vlens SAEs."""
+def transcoders(d_model: int, d_sae: int, layers: int, skip: bool, jumprelu: bool, seed: int = 0,
+                hook_out: str = "hook_mlp_out"):  # fmt: skip
+    """circuit-tracer's SingleLayerTranscoders with random weights, and the same as vlens SAEs (writing each
+    layer's `hook_out`)."""
     from circuit_tracer.transcoder.activation_functions import JumpReLU
     from circuit_tracer.transcoder.single_layer_transcoder import SingleLayerTranscoder
 
@@ -59,7 +61,7 @@ def transcoders(d_model: int, d_sae: int, layers: int, skip: bool, jumprelu: boo
             W_enc=tc.W_enc.detach().T.clone(), b_enc=tc.b_enc.detach().clone(), W_dec=tc.W_dec.detach().clone(),
             b_dec=tc.b_dec.detach().clone(), W_skip=None if tc.W_skip is None else tc.W_skip.detach().clone(),
             threshold=threshold if jumprelu else None, architecture="jumprelu" if jumprelu else "standard",
-            apply_b_dec_to_input=False, hook=f"blocks.{layer}.ln2.hook_out", hook_out=f"blocks.{layer}.hook_mlp_out",
+            apply_b_dec_to_input=False, hook=f"blocks.{layer}.ln2.hook_out", hook_out=f"blocks.{layer}.{hook_out}",
         ))  # fmt: skip
     return theirs, ours
 
@@ -118,16 +120,18 @@ def models(tmp_path_factory):
             "gemma2": (HookedLM(gemma2, dtype="float32", device="cpu"), gemma2_ref)}  # fmt: skip
 
 
-EDGE_CASES = [("gpt2", False, False), ("gpt2", True, True), ("llama", True, False), ("gemma2", False, True)]
+EDGE_CASES = [("gpt2", False, False, "mlp.hook_out"), ("gpt2", True, True, "mlp.hook_out"),
+              ("llama", True, False, "mlp.hook_out"), ("gemma2", False, True, "hook_mlp_out"),
+              ("gemma2", True, False, "mlp.hook_out")]  # fmt: skip
 
 
-@pytest.mark.parametrize(("family", "skip", "jumprelu"), EDGE_CASES)
-def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
-    """Gemma 2 (post-norms, soft-caps): its transcoders write hook_mlp_out, after the MLP's post-norm, as Gemma
-    Scope's do; the post-norms' scales are frozen with the others."""
+@pytest.mark.parametrize(("family", "skip", "jumprelu", "writes"), EDGE_CASES)
+def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu, writes):
+    """Gemma 2 (post-norms, soft-caps): transcoders that write hook_mlp_out, after the MLP's post-norm, as Gemma
+    Scope's do, or mlp.hook_out, the MLP's output before it (circuit-tracer's replaced MLP); the post-norms' scales
+    are frozen with the others. (Elsewhere the two are one hook, vlens's hook_mlp_out.)"""
     hooked, reference = models[family]
-    theirs, ours = transcoders(64, 48, 3, skip, jumprelu)
-    writes = "hook_mlp_out" if family == "gemma2" else "mlp.hook_out"
+    theirs, ours = transcoders(64, 48, 3, skip, jumprelu, hook_out=writes if family == "gemma2" else "hook_mlp_out")
     want = circuit_tracer().attribute(PROMPT, replacement_model(reference, theirs, writes), batch_size=32)
     got = attribute(hooked, PROMPT, ours, batch_size=32)
     assert torch.equal(got.active_features, want.active_features.long()) and len(got.active_features) > 100
@@ -138,7 +142,7 @@ def test_every_edge_equals_circuit_tracer_s(models, family, skip, jumprelu):
     assert rel_err(got.adjacency_matrix, want.adjacency_matrix) <= 1e-4
     assert (got.adjacency_matrix[got.n_features :] != 0).sum() == (want.adjacency_matrix[got.n_features :] != 0).sum()
     if skip:  # circuit-tracer's own transcoders, as its TranscoderSet holds them, give the same graph
-        their_set = replacement_model(reference, theirs).transcoders
+        their_set = replacement_model(reference, theirs, writes).transcoders
         same = attribute(hooked, PROMPT, their_set, batch_size=32)
         assert rel_err(same.adjacency_matrix, got.adjacency_matrix) <= 1e-6
 

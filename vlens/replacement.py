@@ -4,9 +4,9 @@ TranscoderSet) or circuit-tracer's cross-layer transcoder, whose features read o
 MLP outputs of that layer and every later one.
 
 Each layer L's transcoder reads `reads[L]` and what its features write lands in `writes[L]` (the layer's
-hook_mlp_out) of each layer in `targets(L)`. All of it float32 on the host, but `skip`, which the replacement
-model's forward calls on the device. A cross-layer transcoder's decoders are read for the features asked for only
-(circuit-tracer's lazy decoders stay on disk but for those).
+hook_mlp_out, or on Gemma the MLP's output before its post-norm) of each layer in `targets(L)`. All of it float32
+on the host, but `skip`, which the replacement model's forward calls on the device. A cross-layer transcoder's
+decoders are read for the features asked for only (circuit-tracer's lazy decoders stay on disk but for those).
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ class CrossLayer:
 def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
     """The transcoders an attribution graph of `model` reads (see attribute), checked: one per layer (or a
     cross-layer one spanning them), each reading a hook of its layer up to the MLP's input and writing
-    blocks.L.hook_mlp_out, of the widths those hooks have."""
+    blocks.L.hook_mlp_out (or, before a post-norm, the MLP's own output, blocks.L.mlp.hook_out), of the widths those
+    hooks have."""
     n = model.cfg.num_layers
     if hasattr(transcoders, "feature_input_hook"):  # circuit-tracer's: its hooks name every layer's
         reads = [from_saelens(f"blocks.{layer}.{transcoders.feature_input_hook}") for layer in range(n)]
@@ -129,9 +130,10 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
         raise ValueError(f"transcoders: {len(chosen.reads)} given; an attribution graph needs one per layer, {n}")
     for layer in range(n):
         where = f"transcoders[{layer}]"
-        if chosen.writes[layer] != f"blocks.{layer}.hook_mlp_out":
+        outputs = [f"blocks.{layer}.hook_mlp_out"] + [f"blocks.{layer}.mlp.hook_out"] * model.cfg.post_norms
+        if chosen.writes[layer] not in outputs:
             raise ValueError(f"{where}: writes {chosen.writes[layer]!r}; layer {layer}'s must write "
-                             f"blocks.{layer}.hook_mlp_out")  # fmt: skip
+                             f"{' or '.join(outputs)}")  # fmt: skip
         before_mlp = layer_hooks(model.cfg, layer)
         before_mlp = before_mlp[: before_mlp.index("ln2.hook_out") + 1]
         if chosen.reads[layer] not in {f"blocks.{layer}.{hook}" for hook in before_mlp}:
@@ -153,11 +155,7 @@ def _per_layer(transcoders: Sequence[Any]) -> list[SAE]:
 
 def _written(model: HookedLM, hook: str) -> str:
     """The hook a circuit-tracer transcoder set writes (relative to a block) in vlens's names: its ReplacementMLP's
-    output, `mlp.hook_out`, is what the layer adds (hook_mlp_out), but where a post-norm follows the MLP (Gemma).
-    (What it reads, `mlp.hook_in`, SAELens's name too, from_saelens translates.)"""
-    if hook != "mlp.hook_out":
-        return hook
-    if model.cfg.post_norms:
-        raise ValueError(f"transcoders: write mlp.hook_out, {model.cfg.architecture}'s MLP output before its "
-                         "post-norm, which no vlens tap holds; transcoders writing hook_mlp_out work")  # fmt: skip
-    return "hook_mlp_out"
+    output, `mlp.hook_out`, is what the layer adds (hook_mlp_out), but where a post-norm follows the MLP (Gemma),
+    whose input vlens taps under that name. (What it reads, `mlp.hook_in`, SAELens's name too, from_saelens
+    translates.)"""
+    return "hook_mlp_out" if hook == "mlp.hook_out" and not model.cfg.post_norms else hook

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
+from vlens.context import tap
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.norm import NormHooks, make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
@@ -31,6 +32,7 @@ class GemmaDecoderLayer(ResidualBlock):
         # hook_attn_out and hook_mlp_out)
         self.hook_ln1_post = NormHooks(p + "ln1_post.hook_scale", p + "ln1_post.hook_normalized")
         self.hook_ln2_post = NormHooks(p + "ln2_post.hook_scale", p + "ln2_post.hook_normalized")
+        self.hook_mlp_raw = p + "mlp.hook_out"  # (the MLP's output before its post-norm)
         self.input_layernorm = make_norm(cfg)
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = make_norm(cfg)
@@ -48,7 +50,7 @@ class GemmaDecoderLayer(ResidualBlock):
         return self.post_attention_layernorm(self.self_attn(h, rope), self.hook_ln1_post)
 
     def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm(self.mlp(h), self.hook_ln2_post)
+        return self.post_feedforward_layernorm(tap(self.hook_mlp_raw, self.mlp(h)), self.hook_ln2_post)
 
 
 class GemmaModel(nn.Module):
