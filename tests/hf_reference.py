@@ -91,6 +91,7 @@ FAMILIES = {
             "hook_resid_mid": "pre_feedforward_layernorm",
             "attn.hook_z": "self_attn.o_proj",
             "mlp.hook_post": "mlp.down_proj",
+            "attn.hook_out": "post_attention_layernorm",
             "mlp.hook_out": "post_feedforward_layernorm",
         },
         qkv="self_attn.v_proj",

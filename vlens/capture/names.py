@@ -41,11 +41,11 @@ LAYER_HOOKS = (
     "hook_resid_post",
 )
 # Gemma's post-norms (TransformerLens's names): the attention output's and the MLP's, whose outputs are the layer's
-# hook_attn_out and hook_mlp_out, so only their scale and normalised input are taps of their own; and the MLP's
-# output before its post-norm, mlp.hook_out (circuit-tracer's name for what its transcoders replace), which
-# elsewhere is hook_mlp_out itself.
+# hook_attn_out and hook_mlp_out, so only their scale and normalised input are taps of their own; and what each
+# norms, the attention's and the MLP's own outputs, attn.hook_out and mlp.hook_out (circuit-tracer's name for what
+# its transcoders replace), which elsewhere are hook_attn_out and hook_mlp_out themselves.
 POST_NORM_HOOKS = (
-    ("ln1_post.hook_scale", "ln1_post.hook_normalized"),
+    ("attn.hook_out", "ln1_post.hook_scale", "ln1_post.hook_normalized"),
     ("mlp.hook_out", "ln2_post.hook_scale", "ln2_post.hook_normalized"),
 )
 # What an MoE layer has in place of mlp.hook_post: the router's logits, the chosen experts (int64)
@@ -93,8 +93,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     hook_resid_mid; an MoE layer has router taps instead of one MLP hidden activation (each expert has its
     own). hook_attn_in, one input per query head for keys and values too, exists only where every query
     head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention). Gemma's
-    post-norms add their scale and normalised input (POST_NORM_HOOKS) before the output each one makes, and the
-    MLP's raw output before its post-norm."""
+    post-norms add what they norm, their scale and normalised input (POST_NORM_HOOKS) before the output each one
+    makes."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.num_kv_heads != cfg.num_heads:
         chosen.discard("hook_attn_in")
@@ -235,8 +235,8 @@ def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpe
         hint = f"; it is one of TransformerLens's optional hooks, which HookedLM.set_{flag}(True) turns on"
     elif from_saelens(name) in valid:
         hint = f"; SAELens's name for the MLP's input, which vlens calls {from_saelens(name)}"
-    elif leaf == "mlp.hook_out" and not cfg.post_norms:  # (a tap of its own only where a post-norm follows)
-        hint = "; the MLP's output, which vlens calls hook_mlp_out where no post-norm follows the MLP"
+    elif leaf in ("attn.hook_out", "mlp.hook_out") and not cfg.post_norms:  # (taps only where a post-norm follows)
+        hint = f"; vlens calls it hook_{leaf.split('.')[0]}_out where no post-norm follows"
     where = f"{name!r}" if name == pattern else f"{name!r} (from {pattern!r})"
     return HookSpecError(
         f"hooks: {where} matches no hook of this model ({cfg.architecture}, "

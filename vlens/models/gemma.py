@@ -32,7 +32,7 @@ class GemmaDecoderLayer(ResidualBlock):
         # hook_attn_out and hook_mlp_out)
         self.hook_ln1_post = NormHooks(p + "ln1_post.hook_scale", p + "ln1_post.hook_normalized")
         self.hook_ln2_post = NormHooks(p + "ln2_post.hook_scale", p + "ln2_post.hook_normalized")
-        self.hook_mlp_raw = p + "mlp.hook_out"  # (the MLP's output before its post-norm)
+        self.hook_attn_raw, self.hook_mlp_raw = p + "attn.hook_out", p + "mlp.hook_out"  # (before their post-norms)
         self.input_layernorm = make_norm(cfg)
         self.self_attn = SelfAttention(cfg, layer)
         self.post_attention_layernorm = make_norm(cfg)
@@ -47,7 +47,7 @@ class GemmaDecoderLayer(ResidualBlock):
 
     def attn_out(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         # (the sandwich norm: inside the tap)
-        return self.post_attention_layernorm(self.self_attn(h, rope), self.hook_ln1_post)
+        return self.post_attention_layernorm(tap(self.hook_attn_raw, self.self_attn(h, rope)), self.hook_ln1_post)
 
     def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
         return self.post_feedforward_layernorm(tap(self.hook_mlp_raw, self.mlp(h)), self.hook_ln2_post)
