@@ -4,7 +4,9 @@ task scored by loglikelihood, a generate_until task), once with the remote token
 /tokenizer_info and /tokenize and tokenizes through the server) and once with a local HF tokenizer.
 
 Every loglikelihood it records equals HF's (a float32 forward of the same tokens, which lm-eval splits
-into context and continuation as below), and every generation equals vlens's offline greedy one.
+into context and continuation as below), and every generation equals vlens's offline greedy one. A third run
+evaluates a steered model, named by the steering vector the server loaded (`--steering-vector`): its
+loglikelihoods are HF's with the vector added by a forward hook.
 Nothing is downloaded: the model is the embedded SmolLM2 cut to four layers (conftest.smol4_path, what
 is checked holds for any model; the server computes a seventh of the full model's work), the tasks read
 local JSONL files.
@@ -24,6 +26,7 @@ from server_helpers import vlens_serve
 from transformers import AutoModelForCausalLM
 
 from vlens import SamplingParams
+from vlens.steering import SteeringVector
 
 ROOT = Path(__file__).resolve().parents[1]
 MC = ROOT / "tests/data/lm_eval/mc.jsonl"
@@ -37,10 +40,20 @@ LM_EVAL = (
 )
 
 
+STEERED = "blocks.2.hook_resid_post"
+
+
 @pytest.fixture(scope="module")
-def server(smol4_path):
+def vector() -> torch.Tensor:
+    return torch.randn(576, generator=torch.Generator().manual_seed(7)) * 2
+
+
+@pytest.fixture(scope="module")
+def server(smol4_path, vector, tmp_path_factory):
+    path = tmp_path_factory.mktemp("steering") / "kind.safetensors"
+    SteeringVector({STEERED: vector}).save(path)
     args = ["--model", str(smol4_path), "--dtype", "float32", "--kv-cache-memory", str(64 << 20)]
-    args += ["--max-model-len", "512"]
+    args += ["--max-model-len", "512", "--steering-vector", f"kind={path}"]
     with vlens_serve(args) as (url, _):
         yield url
 
@@ -51,14 +64,15 @@ def runs(server, smol4_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("lm_eval")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(out / "datasets")}  # fmt: skip
-    backends = {"remote": "", "huggingface": f",tokenizer_backend=huggingface,tokenizer={smol4_path}"}
+    backends = {"remote": "", "huggingface": f",tokenizer_backend=huggingface,tokenizer={smol4_path}",
+                "steered": ",model=kind"}  # fmt: skip
     procs = {}
     for name, extra in backends.items():
         command = [
             sys.executable, "-c", LM_EVAL, "run", "--model", "local-completions",
             "--model_args", f"base_url={server}/v1/completions,num_concurrent=4{extra}",
-            "--tasks", *TASKS, "--include_path", "tests/data/lm_eval", "--batch_size", "8",
-            "--output_path", str(out / name), "--log_samples",
+            "--tasks", *(TASKS[:1] if name == "steered" else TASKS), "--include_path", "tests/data/lm_eval",
+            "--batch_size", "8", "--output_path", str(out / name), "--log_samples",
         ]  # fmt: skip
         procs[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     results = {}
@@ -69,7 +83,7 @@ def runs(server, smol4_path, tmp_path_factory):
             assert "Using remote tokenizer backend" in log, log[-3000:]
         results[name] = {
             task: [json.loads(line) for line in next((out / name).rglob(f"samples_{task}_*.jsonl")).open()]
-            for task in TASKS
+            for task in (TASKS[:1] if name == "steered" else TASKS)
         }
     return results
 
@@ -85,10 +99,9 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return whole[:start], whole[start:]
 
 
-@pytest.fixture(scope="module")
-def hf_scores(runs, smol4, smol4_path) -> dict[tuple[str, str], tuple[float, bool]]:
+def _hf_scores(runs, smol4, smol4_path, steer: torch.Tensor | None = None) -> dict[tuple[str, str], tuple[float, bool]]:
     """(context, continuation) -> HF's (log-likelihood, is greedy), from one right-padded float32
-    forward of every pair the multiple-choice run asked for."""
+    forward of every pair the multiple-choice run asked for (`steer`: added to layer 2's output)."""
     pairs = [(a["arg_0"], a["arg_1"]) for sample in runs["remote"]["vlens_mc"] for a in sample["arguments"].values()]
     split = [encode_pair(smol4.tokenizer, *pair) for pair in pairs]
     width = max(len(c) + len(t) for c, t in split)
@@ -99,6 +112,8 @@ def hf_scores(runs, smol4, smol4_path) -> dict[tuple[str, str], tuple[float, boo
         mask[i, : len(c) + len(t)] = 1
     with torch.inference_mode():
         hf = AutoModelForCausalLM.from_pretrained(smol4_path, dtype=torch.float32).eval()
+        if steer is not None:
+            hf.model.layers[2].register_forward_hook(lambda module, args, out: out + steer)
         logp = hf(ids, attention_mask=mask).logits.float().log_softmax(-1)
     scores = {}
     for i, (pair, (c, t)) in enumerate(zip(pairs, split)):
@@ -108,14 +123,23 @@ def hf_scores(runs, smol4, smol4_path) -> dict[tuple[str, str], tuple[float, boo
     return scores
 
 
-@pytest.mark.parametrize("backend", ["remote", "huggingface"])
+@pytest.fixture(scope="module")
+def hf_scores(runs, smol4, smol4_path, vector) -> dict[str, dict[tuple[str, str], tuple[float, bool]]]:
+    """Per run: HF's scores of its model (the steered run's with the vector added)."""
+    plain = _hf_scores(runs, smol4, smol4_path)
+    return {"remote": plain, "huggingface": plain, "steered": _hf_scores(runs, smol4, smol4_path, vector)}
+
+
+@pytest.mark.parametrize("backend", ["remote", "huggingface", "steered"])
 def test_loglikelihoods_equal_hf(runs, hf_scores, backend):
-    samples = runs[backend]["vlens_mc"]
+    samples, scores = runs[backend]["vlens_mc"], hf_scores[backend]
     assert len(samples) == 20
     resps = [(a["arg_0"], a["arg_1"], r[0]) for s in samples for a, r in zip(s["arguments"].values(), s["resps"])]
-    assert len(resps) == len(hf_scores) == sum(len(json.loads(line)["choices"]) for line in MC.open())
+    assert len(resps) == len(scores) == sum(len(json.loads(line)["choices"]) for line in MC.open())
+    if backend == "steered":  # (the vector moves the scores)
+        assert max(abs(scores[pair][0] - hf_scores["remote"][pair][0]) for pair in scores) > 0.1
     for context, continuation, (logprob, is_greedy) in resps:
-        expected, greedy = hf_scores[context, continuation]
+        expected, greedy = scores[context, continuation]
         assert float(logprob) == pytest.approx(expected, abs=1e-4), (context, continuation)
         assert (is_greedy == "True") == greedy
 

@@ -104,35 +104,54 @@ def test_the_server_steers_with_the_vectors_it_loaded(smol, served_smol, tmp_pat
     assert all(torch.equal(loaded.vectors[h], v) for h, v in trained.vectors.items())
     prompt = "My opinion of the new restaurant is that"
     extra = torch.randn(576, generator=torch.Generator().manual_seed(2))
-    cases = [  # (the request's vlens object, the same interventions offline)
-        ({"steering": [{"name": "kind", "multiplier": 6.0}]}, trained.steers(6.0)),
-        ({"interventions": [{"type": "steer", "hook": "blocks.5.hook_resid_post", "vector": extra.tolist()}],
-          "steering": [{"name": "kind", "multiplier": -4.0, "positions": "generated"}]},
+    trained.scaled(6.0).save(tmp_path / "kind6.safetensors")
+    cases = [  # (the request's model and vlens object, the same interventions offline)
+        (None, {"steering": [{"name": "kind", "multiplier": 6.0}]}, trained.steers(6.0)),
+        (None, {"interventions": [{"type": "steer", "hook": "blocks.5.hook_resid_post", "vector": extra.tolist()}],
+                "steering": [{"name": "kind", "multiplier": -4.0, "positions": "generated"}]},
          [Steer("blocks.5.hook_resid_post", extra), *trained.steers(-4.0, positions="generated")]),
+        ("kind6", None, trained.steers(6.0)),  # (a vector's name as the model: the base model steered by it)
     ]  # fmt: skip
-    with running_server(served_smol, ServerConfig(steering_vectors=(f"kind={path}",))) as url:
-        [listed] = httpx.get(url + "/v1/steering_vectors").json()["data"]
+    vectors = (f"kind={path}", f"kind6={tmp_path / 'kind6.safetensors'}")
+    with running_server(served_smol, ServerConfig(steering_vectors=vectors)) as url:
+        listed, _ = httpx.get(url + "/v1/steering_vectors").json()["data"]
         assert listed["name"] == "kind" and list(listed["hooks"]) == list(trained.vectors)
         norm = trained.vectors["blocks.9.hook_resid_post"].norm().item()
         assert listed["hooks"]["blocks.9.hook_resid_post"] == pytest.approx(norm)
+        models = httpx.get(url + "/v1/models").json()["data"]
+        base = models[0]["id"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(base, None), ("kind", base), ("kind6", base)]
         texts = set()
-        for vlens, interventions in cases:
-            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "vlens": vlens}
-            got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        for model, vlens, interventions in cases:
+            body = {"model": model or base, "prompt": prompt, "max_tokens": 8, "temperature": 0, "vlens": vlens}
+            answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
             [want] = smol.generate(prompt, SamplingParams(max_tokens=8, temperature=0, interventions=interventions),
                                    use_tqdm=False)  # fmt: skip
-            assert got == want.outputs[0].text
-            texts.add(got)
+            assert answer["choices"][0]["text"] == want.outputs[0].text and answer["model"] == body["model"]
+            texts.add(want.outputs[0].text)
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
         texts.add(httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"])
-        assert len(texts) == 3  # each steers
+        assert len(texts) == 3  # each steers (the first and the last alike)
+        # the steered model's embeddings are read with its steering; its tokenizer is the served model's
+        embedded = httpx.post(url + "/v1/embeddings", json={"model": "kind6", "input": prompt}, timeout=120).json()
+        mean = Capture(hooks="ln_final.hook_out", reduce="mean")
+        [want] = smol.generate(prompt, SamplingParams(max_tokens=0, capture=mean, interventions=trained.steers(6.0)),
+                               use_tqdm=False)  # fmt: skip
+        got = torch.tensor(embedded["data"][0]["embedding"])
+        assert embedded["model"] == "kind6" and rel_err(got, want.activations["ln_final.hook_out"][0]) < 1e-5
+        assert httpx.post(url + "/tokenize", json={"model": "kind6", "prompt": prompt}).status_code == 200
+        missing = httpx.post(url + "/v1/completions", json={**body, "model": "cruel"}, timeout=120)
+        assert missing.status_code == 404 and missing.json()["error"]["message"].endswith(
+            "and steered by its vectors: 'kind', 'kind6'")
         bad = {**body, "vlens": {"steering": [{"name": "cruel"}]}}
         answer = httpx.post(url + "/v1/completions", json=bad, timeout=120)
         assert answer.status_code == 400 and answer.json()["error"]["message"] == (
-            "vlens.steering[0].name: 'cruel' is not a steering vector of this server; loaded: kind")
+            "vlens.steering[0].name: 'cruel' is not a steering vector of this server; loaded: kind, kind6")
         bad = {**body, "vlens": {"steering": [{"name": "kind", "scale": 2}]}}
         assert httpx.post(url + "/v1/completions", json=bad, timeout=120).status_code == 400
     # what cannot load stops the server at start, naming the flag and the vector
+    with pytest.raises(ValueError, match=r"^steering_vectors: 'base' is the served model's name"):
+        create_app(served_smol, ServerConfig(steering_vectors=(f"base={path}",), served_model_name="base"))
     with pytest.raises(ValueError, match=r"^steering_vectors: .*: no such file"):
         ServerConfig(steering_vectors=(f"kind={tmp_path / 'missing.safetensors'}",))
     SteeringVector({"blocks.99.hook_resid_post": torch.ones(576)}).save(tmp_path / "deep.safetensors")

@@ -61,6 +61,11 @@ class SteeringVector:
         `SamplingParams(interventions=...)` (the server's: `vlens serve --steering-vector`)."""
         return [Steer(hook, vector, scale=multiplier, positions=positions) for hook, vector in self.vectors.items()]
 
+    def scaled(self, multiplier: float) -> SteeringVector:
+        """The vectors times `multiplier`: what a server steers with at the strength chosen, where a request names
+        the vector as its model (`vlens serve --steering-vector`)."""
+        return SteeringVector({hook: vector * multiplier for hook, vector in self.vectors.items()})
+
     def save(self, path: str | Path) -> None:
         """A safetensors file of the vectors, keyed by hook name (written whole, then renamed into place)."""
         path = Path(path)

@@ -55,6 +55,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         tuned_lens = TunedLens.load(Path(config.tuned_lens).expanduser())
         tuned_lens.check(llm.config, "tuned_lens")  # (at start, not at the first request)
     steering_vectors = load_steering_vectors(config.steering_vectors, llm.config, shapes)
+    if model_name in steering_vectors:  # (a request's model names the base model or a steered one)
+        raise ValueError(f"steering_vectors: {model_name!r} is the served model's name; give the vector another")
     extension = ExtensionContext(config.enable_capture, saes, tuned_lens, steering_vectors)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
@@ -75,7 +77,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         admission,
     )
     embedder = Embedder(generator)
-    tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len)
+    tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len, steering_vectors)
     lens_page = page_html(None)
     created = int(time.time())
 
@@ -135,7 +137,9 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             "max_model_len": engine.max_model_len,
             "tuned_lens": tuned_lens is not None,  # (capture.tuned_lens: true reads the logit lens through it)
         }
-        return {"object": "list", "data": [card]}
+        # each steering vector, a model of its own: the base model steered by it (as vLLM lists LoRA adapters)
+        steered = [{**card, "id": name, "parent": model_name} for name in steering_vectors]
+        return {"object": "list", "data": [card, *steered]}
 
     @app.get("/v1/hooks")
     async def hooks() -> dict:

@@ -22,7 +22,7 @@ from vlens.capture.names import is_pattern, resolve_hooks
 from vlens.engine.llm_engine import NewRequest
 from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
-from vlens.server.protocol import APIError, DocumentedAs, check_model, refuse_unknown, schema_error
+from vlens.server.protocol import APIError, DocumentedAs, refuse_unknown, schema_error
 from vlens.server.responses import usage
 
 POSITIONS = {"mean": "prompt", "last": "last"}
@@ -90,7 +90,7 @@ class Embedder:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         g = self.generator
         refuse_unknown(body.model_extra, EmbeddingRequest.NEUTRAL)
-        check_model(body.model, g.model_name)
+        steers = g.steers_of(body.model)  # (a steered model's embeddings are read with its steering)
         if body.dimensions is not None:
             raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
         hook, pooling = self._options(body.vlens)
@@ -102,7 +102,8 @@ class Embedder:
                     code="context_length_exceeded",
                 )  # fmt: skip
         reduce = "mean" if pooling == "mean" else "none"
-        params = SamplingParams(max_tokens=0, capture=Capture(hooks=hook, positions=POSITIONS[pooling], reduce=reduce))
+        capture = Capture(hooks=hook, positions=POSITIONS[pooling], reduce=reduce)
+        params = SamplingParams(max_tokens=0, capture=capture, interventions=steers)
         ticket = g.admission.admit(len(token_lists), 0, "input")  # a vector per input, JSON: no capture bytes to hold
         try:
             outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
@@ -119,4 +120,5 @@ class Embedder:
             for i, out in enumerate(outputs)
         ]
         tokens = sum(len(ids) for ids in token_lists)
-        return JSONResponse({"object": "list", "data": data, "model": g.model_name, "usage": usage(tokens, 0)})
+        model = body.model or g.model_name
+        return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage(tokens, 0)})

@@ -17,6 +17,7 @@ import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from vlens.capture import Steer
 from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
 from vlens.engine.logprobs import TokenText
@@ -82,6 +83,16 @@ class Generator:
         self.token_text = TokenText(tokenizer)
         self.extension = extension  # (what requests may name: SAEs, the tuned lens, steering vectors)
 
+    def steers_of(self, model: str | None) -> list[Steer]:
+        """What a request's `model` adds: a steering vector's name is the served model steered by it (as vLLM serves
+        a LoRA adapter under its name, so a client that sets only the model, lm-eval's, evaluates it); the served
+        model's name, or none, adds nothing; another is a 404."""
+        vectors = self.extension.steering_vectors
+        if model in vectors:
+            return vectors[model].steers()
+        check_model(model, self.model_name, vectors)
+        return []
+
     def tokenize(self, value: Any, field: str, add_special_tokens: bool) -> list[list[int]]:
         """A body's prompt or input (text, token ids, or a list of either) as token lists; a 400 naming
         `field` when it is neither."""
@@ -119,8 +130,10 @@ class Generator:
     def _prepare(
         self, body, request: Request, prompts, max_tokens: int | None, logprobs: int | None, chat: bool
     ) -> Prepared:
-        check_model(body.model, self.model_name)
+        steers = self.steers_of(body.model)
         extension = parse_extension(body.vlens, self.extension)
+        if steers:
+            extension["interventions"] = steers + extension.get("interventions", [])
         capture = extension.get("capture")
         wants_features = capture is not None and capture.sae is not None
         wants_activations = (capture is not None and not wants_features) or extension.get("return_hidden_states", False)
@@ -137,7 +150,7 @@ class Generator:
         key = presented_key(request.scope) if self.config.api_key else None
         return Prepared(
             requests=list(requests),
-            shape=Shape(chat=chat, model=self.model_name, logprobs=logprobs, text=self.token_text),
+            shape=Shape(chat=chat, model=body.model or self.model_name, logprobs=logprobs, text=self.token_text),
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
             wants_activations=wants_activations,

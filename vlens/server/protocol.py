@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -45,12 +46,14 @@ def from_value_error(e: ValueError, prefix: str = "", code: str | None = None) -
     return APIError(400, message, param=param, code=code)
 
 
-def check_model(asked: str | None, served: str) -> None:
-    """404 naming the model a request asked for, unless it is the one served (or none was named)."""
-    if asked is not None and asked != served:
+def check_model(asked: str | None, served: str, steered: Collection[str] = ()) -> None:
+    """404 naming the model a request asked for, unless it is the one served (or none was named) or one of the
+    `steered` ones (the served model steered by a vector of that name: vlens serve --steering-vector)."""
+    if asked is not None and asked != served and asked not in steered:
+        also = f", and steered by its vectors: {', '.join(map(repr, steered))}" if steered else ""
         raise APIError(
             404,
-            f"model: {asked!r} is not served here; this server serves {served!r}",
+            f"model: {asked!r} is not served here; this server serves {served!r}{also}",
             param="model",
             code="model_not_found",
         )

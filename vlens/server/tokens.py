@@ -4,6 +4,7 @@ need no copy of the tokenizer; and the chat template, which /tokenize and chat c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
@@ -45,13 +46,16 @@ class DetokenizeRequest(BaseModel):
 
 
 class Tokens:
-    def __init__(self, tokenizer: Any, vocab_size: int, model_name: str, max_model_len: int):
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, model_name: str, max_model_len: int, steered: Iterable[str] = ()
+    ):  # fmt: skip
+        """`steered`: the names of the steered models the server serves too (one tokenizer for all)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.model_name, self.max_model_len = model_name, max_model_len
+        self.model_name, self.max_model_len, self.steered = model_name, max_model_len, tuple(steered)
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         refuse_unknown(body.model_extra, TokenizeRequest.NEUTRAL)
-        check_model(body.model, self.model_name)
+        check_model(body.model, self.model_name, self.steered)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt (a text) or messages (a conversation), not both", "prompt")
         if body.messages is not None:
@@ -73,7 +77,7 @@ class Tokens:
         return {"texts": [self.tokenizer.decode([t]) for t in body.tokens]}
 
     def _check(self, body: DetokenizeRequest) -> None:
-        check_model(body.model, self.model_name)
+        check_model(body.model, self.model_name, self.steered)
         bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"tokens: ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})", "tokens")
