@@ -20,6 +20,7 @@ from server_helpers import decode_activations, vlens_serve
 
 from vlens import Capture, SamplingParams, TunedLens, viz
 from vlens.cli import main
+from vlens.steering import SteeringVector
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; .ci/run installs it where it is missing
 KEY = "lens-key-0123456789"
@@ -72,8 +73,12 @@ def tuned_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def with_sae(smol4_path, sae_path, tuned_path):
-    args = ["--model", str(smol4_path), *SERVE, "--sae", f"feat={sae_path}", "--tuned-lens", str(tuned_path)]
+def with_sae(smol4_path, sae_path, tuned_path, tmp_path_factory):
+    vector = tmp_path_factory.mktemp("steering") / "kind.safetensors"
+    g = torch.Generator().manual_seed(5)
+    SteeringVector({"blocks.1.hook_resid_post": torch.randn(576, generator=g)}).save(vector)
+    args = ["--model", str(smol4_path), *SERVE, "--sae", f"feat={sae_path}", "--tuned-lens", str(tuned_path),
+            "--steering-vector", f"kind={vector}"]  # fmt: skip
     with vlens_serve(args, env={"VLENS_API_KEY": KEY}) as (url, _):
         yield url
 
@@ -213,7 +218,7 @@ def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_fac
     page.click("#steer-run")
     page.wait_for_function("() => document.getElementById('steer-steered').textContent !== ''")
     hook = page.input_value("#steer-hook")
-    assert hook == "blocks.2.hook_resid_post"
+    assert hook == "blocks.2.hook_resid_post" and page.is_hidden("#steer-vector-row")  # (this server has none)
     plus, minus = mean_residual(plain, "I love this", hook), mean_residual(plain, "I hate this", hook)
     vector = [a - b for a, b in zip(plus, minus)]
     steer = {"type": "steer", "hook": hook, "vector": vector, "scale": 6.0}
@@ -306,6 +311,16 @@ def test_lens_page_with_an_sae_and_a_key(with_sae, browser, smol4, tmp_path_fact
     steered = complete(with_sae, PROMPT, 8, {"interventions": [steer]}, AUTH)["choices"][0]["text"]
     assert page.text_content("#steer-plain") == complete(with_sae, PROMPT, 8, headers=AUTH)["choices"][0]["text"]
     assert page.text_content("#steer-steered") == steered != page.text_content("#steer-plain")
+
+    # Steering with a vector the server loaded, the scale its multiplier: the API's completion, and it differs.
+    page.check("#steer-by-vector")
+    page.select_option("#steer-vector", "kind")
+    page.fill("#steer-scale", "12")
+    page.evaluate("() => { document.getElementById('steer-steered').textContent = ''; }")
+    page.click("#steer-run")
+    page.wait_for_function("() => document.getElementById('steer-steered').textContent !== ''")
+    steered = complete(with_sae, PROMPT, 8, {"steering": [{"name": "kind", "multiplier": 12.0}]}, AUTH)
+    assert page.text_content("#steer-steered") == steered["choices"][0]["text"] != page.text_content("#steer-plain")
 
     # The server has a tuned lens: the page offers it, and its cells are then the server's tuned-lens numbers.
     page.check("#tuned-lens")

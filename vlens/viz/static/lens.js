@@ -675,8 +675,8 @@
 
   async function serverInfo() {
     if (info) return info;
-    const [models, hooks, saes] = await Promise.all([server.json("GET", "v1/models"), server.json("GET", "v1/hooks"),
-      server.json("GET", "v1/saes")]);
+    const [models, hooks, saes, vectors] = await Promise.all([server.json("GET", "v1/models"),
+      server.json("GET", "v1/hooks"), server.json("GET", "v1/saes"), server.json("GET", "v1/steering_vectors")]);
     const layers = 1 + Math.max(...hooks.data.map((h) => Number((/^blocks\.(\d+)\./.exec(h.name) || [0, -1])[1])));
     const residual = hooks.data.filter((h) => !h.optional && h.shape.length === 1 && h.shape[0] > 1).map((h) => h.name);
     info = { model: models.data[0].id, layers, residual, saes: saes.data, tuned: models.data[0].tuned_lens === true };
@@ -688,6 +688,9 @@
     if (residual.includes(middle)) hookSelect.value = middle;
     byId("sae-name").replaceChildren(...info.saes.map((s) => el("option", { value: s.name }, `${s.name} (${s.hook}, ${s.d_sae} latents)`)));
     byId("steer-sae-row").hidden = info.saes.length === 0;
+    byId("steer-vector").replaceChildren(...vectors.data.map((v) => el("option", { value: v.name },
+      `${v.name} (${Object.keys(v.hooks).join(", ")})`)));
+    byId("steer-vector-row").hidden = vectors.data.length === 0;
     byId("model-line").textContent = `Model: ${info.model}`;
     return info;
   }
@@ -802,16 +805,18 @@
     try {
       const meta = await serverInfo();
       let steering;
-      if (byId("steer-by-sae").checked) {
+      if (byId("steer-by-vector").checked) {
+        steering = { steering: [{ name: byId("steer-vector").value, multiplier: scale }] };
+      } else if (byId("steer-by-sae").checked) {
         const sae = meta.saes.find((s) => s.name === byId("sae-name").value);
-        steering = { type: "steer", hook: sae.hook, sae: sae.name, feature: Number(byId("steer-feature").value), scale };
+        steering = { interventions: [{ type: "steer", hook: sae.hook, sae: sae.name, feature: Number(byId("steer-feature").value), scale }] };
       } else {
         const hook = byId("steer-hook").value;
         const [plus, minus] = await Promise.all([meanResidual(byId("steer-plus").value, hook), meanResidual(byId("steer-minus").value, hook)]);
-        steering = { type: "steer", hook, vector: plus.map((x, i) => x - minus[i]), scale };
+        steering = { interventions: [{ type: "steer", hook, vector: plus.map((x, i) => x - minus[i]), scale }] };
       }
       const [plain, steered] = await Promise.all([server.complete(prompt, maxTokens),
-        server.complete(prompt, maxTokens, { interventions: [steering] })]);
+        server.complete(prompt, maxTokens, steering)]);
       if (id !== steerId) return;
       byId("steer-plain").textContent = plain.choices[0].text;
       byId("steer-steered").textContent = steered.choices[0].text;
