@@ -152,7 +152,7 @@ def test_the_server_steers_with_the_vectors_it_loaded(smol, served_smol, tmp_pat
     # what cannot load stops the server at start, naming the flag and the vector
     with pytest.raises(ValueError, match=r"^steering_vectors: 'base' is the served model's name"):
         create_app(served_smol, ServerConfig(steering_vectors=(f"base={path}",), served_model_name="base"))
-    with pytest.raises(ValueError, match=r"^steering_vectors: .*: no such file"):
+    with pytest.raises(ValueError, match=r"^steering_vectors: .*: no such file or directory"):
         ServerConfig(steering_vectors=(f"kind={tmp_path / 'missing.safetensors'}",))
     SteeringVector({"blocks.99.hook_resid_post": torch.ones(576)}).save(tmp_path / "deep.safetensors")
     with pytest.raises(ValueError, match=r"^steering_vectors: deep: hooks: "):

@@ -395,7 +395,6 @@ class TapRuntime:
                 c.rows = [rows[..., : plan.segments[s].positions[-1] + 1] for s, rows in zip(c.segments, c.rows)]
         return Collection(out, event)
 
-
     def _paired_rows(self, plan: StepPlan, owner: object, segment: int, at: str) -> torch.Tensor | None:
         """The rows a stream's segment gathered at its paired tap (RowStream.paired), for its readout at `at`;
         None where it has none."""

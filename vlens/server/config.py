@@ -33,15 +33,10 @@ def split_named_sae(spec: str) -> tuple[str, str, str | None]:
 def _named_saes(specs: tuple[str, ...] | None) -> str | None:
     """Form, names and paths, checked before the model loads (the files themselves are read after it)."""
     try:
-        named = [split_named_sae(spec) for spec in specs or ()]
+        named = [split_named_sae(spec)[:2] for spec in specs or ()]
     except ValueError as e:
         return str(e).removeprefix("saes: ")
-    names = [name for name, _, _ in named]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        return f"names {', '.join(twice)} more than once; each SAE needs its own name"
-    missing = [f"{name}={path}" for name, path, _ in named if not Path(path).expanduser().exists()]
-    return f"{', '.join(missing)}: no such file or directory" if missing else None
+    return _names_and_paths(named, "SAE")
 
 
 def split_named_file(spec: str) -> tuple[str, str]:
@@ -58,12 +53,17 @@ def _named_files(specs: tuple[str, ...] | None) -> str | None:
         named = [split_named_file(spec) for spec in specs or ()]
     except ValueError as e:
         return str(e)
+    return _names_and_paths(named, "vector")
+
+
+def _names_and_paths(named: list[tuple[str, str]], what: str) -> str | None:
+    """What is wrong with (name, path) pairs: a name given twice, a path that does not exist."""
     names = [name for name, _ in named]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        return f"names {', '.join(twice)} more than once; each needs its own name"
-    missing = [f"{name}={path}" for name, path in named if not Path(path).expanduser().is_file()]
-    return f"{', '.join(missing)}: no such file" if missing else None
+        return f"names {', '.join(twice)} more than once; each {what} needs its own name"
+    missing = [f"{name}={path}" for name, path in named if not Path(path).expanduser().exists()]
+    return f"{', '.join(missing)}: no such file or directory" if missing else None
 
 
 def _directory(path: str | None) -> str | None:
