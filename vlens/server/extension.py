@@ -40,37 +40,32 @@ class ExtensionContext:
 
 
 def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
-    if not isinstance(value, list):
-        raise APIError(
-            400, "vlens.interventions: expected a list of {type, hook, ...} objects", param="vlens.interventions"
-        )
-    out = []
-    for i, item in enumerate(value):
-        try:
-            out.append(InterventionSpec.model_validate(item).to_intervention(ctx.saes))
-        except ValidationError as e:
-            raise schema_error(e.errors(), 400, ("vlens", "interventions", i)) from None
-        except ValueError as e:
-            raise APIError(
-                400, f"vlens.interventions[{i}].{' '.join(str(e).split())}", param=f"vlens.interventions[{i}]"
-            ) from None
-    return {"interventions": out}
+    def parse(item: Any) -> list:
+        return [InterventionSpec.model_validate(item).to_intervention(ctx.saes)]
+
+    return {"interventions": _each(value, "interventions", "{type, hook, ...}", parse)}
 
 
 def _steering(value: Any, ctx: ExtensionContext) -> dict[str, Any]:
+    def parse(item: Any) -> list:
+        return SteeringSpec.model_validate(item).to_steers(ctx.steering_vectors)
+
+    return {"interventions": _each(value, "steering", "{name, multiplier, positions}", parse)}
+
+
+def _each(value: Any, key: str, form: str, parse: Callable[[Any], list]) -> list:
+    """The items of the list at vlens.`key`, each parsed into interventions; an error names its item."""
     if not isinstance(value, list):
-        raise APIError(400, "vlens.steering: expected a list of {name, multiplier, positions} objects",
-                       param="vlens.steering")  # fmt: skip
+        raise APIError(400, f"vlens.{key}: expected a list of {form} objects", param=f"vlens.{key}")
     out = []
     for i, item in enumerate(value):
         try:
-            out += SteeringSpec.model_validate(item).to_steers(ctx.steering_vectors)
+            out += parse(item)
         except ValidationError as e:
-            raise schema_error(e.errors(), 400, ("vlens", "steering", i)) from None
+            raise schema_error(e.errors(), 400, ("vlens", key, i)) from None
         except ValueError as e:
-            message = f"vlens.steering[{i}].{' '.join(str(e).split())}"
-            raise APIError(400, message, param=f"vlens.steering[{i}]") from None
-    return {"interventions": out}
+            raise APIError(400, f"vlens.{key}[{i}].{' '.join(str(e).split())}", param=f"vlens.{key}[{i}]") from None
+    return out
 
 
 def _require_capture(ctx: ExtensionContext, param: str) -> None:
