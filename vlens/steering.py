@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vlens.capture.interventions import Steer
-from vlens.capture.names import LOGITS, is_pattern, resolve_hooks
+from vlens.capture.names import LOGITS, is_pattern, resolve_hooks, tap_dtype
 from vlens.capture.spec import Capture
 from vlens.sampling_params import SamplingParams
 
@@ -90,8 +90,9 @@ class SteeringVector:
                 taps = set(resolve_hooks(hook, cfg, shapes).values())
             except ValueError as e:
                 raise ValueError(f"{field}: {e}") from None
-            if len(taps) != 1 or LOGITS in taps or any(is_pattern(t) for t in taps):
-                raise ValueError(f"{field}: {hook!r} is not one hook a steer can edit in this model")
+            if len(taps) != 1:
+                raise ValueError(f"{field}: {hook!r} names {len(taps)} hooks; a vector is one hook's")
+            _steerable(taps, field)
             shape = shapes[taps.pop()]
             if tuple(vector.shape) not in (shape, (math.prod(shape),)):
                 raise ValueError(f"{field}: the vector at {hook} has shape {tuple(vector.shape)}, its rows {shape}")
@@ -119,10 +120,7 @@ def train_steering_vector(
     if not isinstance(read_token_index, int) or isinstance(read_token_index, bool):
         raise ValueError(f"read_token_index: expected an int (negative counts from the end), got {read_token_index!r}")
     capture = Capture(hooks=hooks, positions=read_token_index)
-    taps = resolve_hooks(capture.hooks, llm.config, llm.engine.shapes).values()
-    fixed = [t for t in taps if t == LOGITS or is_pattern(t)]
-    if fixed:
-        raise ValueError(f"hooks: {fixed} cannot be steered (logits, attention scores and patterns are read-only)")
+    _steerable(resolve_hooks(capture.hooks, llm.config, llm.engine.shapes).values(), "hooks")
     outputs = llm.generate([prompt for pair in pairs for prompt in pair], SamplingParams(max_tokens=0, capture=capture),
                            use_tqdm=False)  # fmt: skip
     vectors = {}
@@ -131,3 +129,11 @@ def train_steering_vector(
         vector = aggregator(rows[0::2].flatten(1), rows[1::2].flatten(1))
         vectors[hook] = vector.reshape(rows.shape[1:])
     return SteeringVector(vectors)
+
+
+def _steerable(taps: Iterable[str], field: str) -> None:
+    """Refuses taps a steer cannot edit: the logits, attention scores and patterns, and the chosen experts' ids."""
+    fixed = [t for t in taps if t == LOGITS or is_pattern(t) or tap_dtype(t, torch.float32) == torch.long]
+    if fixed:
+        raise ValueError(f"{field}: {fixed} cannot be steered (logits, attention scores and patterns and the chosen "
+                         "experts' ids are read-only)")  # fmt: skip
