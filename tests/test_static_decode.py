@@ -115,7 +115,13 @@ def _values(out) -> dict[str, torch.Tensor]:
     return values
 
 
-@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+# Each kernel in the modes it runs in: the C and gathering ones on the CPU's own path (unpadded) and padded (a
+# compiled decode step's); the Triton one padded, as CUDA graphs run it (on CUDA it runs in nothing else).
+MODES = [("gather", True), ("gather", False), ("c", True), ("c", False), ("triton", True)]
+
+
+@pytest.mark.parametrize(("kernel", "padded"), MODES, indirect=["kernel"],
+                         ids=[f"{k}-{'padded' if p else 'unpadded'}" for k, p in MODES])  # fmt: skip
 def test_static_decode_equals_the_ordinary_step(llm, kernel, padded):
     before = llm.runner.graph_stats.static_eager_steps
     eager, static = _run(llm, False, 1), _run(llm, True, 1, padded)
