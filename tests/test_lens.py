@@ -131,8 +131,12 @@ def hover(page, row: int, key: int) -> dict[str, str]:
     return page.eval_on_selector("#attention-tip", "e => ({...e.dataset, text: e.textContent, shown: !e.hidden})")
 
 
-def complete(url: str, prompt, max_tokens: int, vlens: dict | None = None, headers: dict | None = None) -> dict:
+def complete(
+    url: str, prompt, max_tokens: int, vlens: dict | None = None, headers: dict | None = None, model: str | None = None
+) -> dict:  # fmt: skip
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": max_tokens == 0}
+    if model:
+        body["model"] = model
     if vlens:
         body["vlens"] = vlens
     r = httpx.post(url + "/v1/completions", json=body, headers=headers or {}, timeout=120)
@@ -147,13 +151,15 @@ def mean_residual(url: str, text: str, hook: str) -> list[float]:
 
 
 def check_lens(
-    cells: list[dict], url: str, prompt: str, max_tokens: int, headers: dict | None = None, tuned: bool = False
-) -> list[int]:
-    """Every heatmap cell is the server's top logit-lens token (`tuned`: through its tuned lens) and its probability
-    at that layer and position; returns the token ids of the prompt and completion. Within 1e-5: the page's request
-    may share its steps with the page's other requests, and a batch of other rows moves float32 sums by ~1e-6."""
+    cells: list[dict], url: str, prompt: str, max_tokens: int, headers: dict | None = None, tuned: bool = False,
+    model: str | None = None,
+) -> list[int]:  # fmt: skip
+    """Every heatmap cell is the server's top logit-lens token (`tuned`: through its tuned lens; of `model`) and its
+    probability at that layer and position; returns the token ids of the prompt and completion. Within 1e-5: the
+    page's request may share its steps with the page's other requests, and a batch of other rows moves float32 sums
+    by ~1e-6."""
     capture = {"hooks": "blocks.*.hook_resid_post", "logit_lens": K, "positions": "all", "tuned_lens": tuned}
-    response = complete(url, prompt, max_tokens, {"capture": capture}, headers)
+    response = complete(url, prompt, max_tokens, {"capture": capture}, headers, model)
     acts = decode_activations(response["vlens"]["activations"], url, headers)
     positions = acts["positions"].tolist()
     expected = {}
@@ -175,7 +181,7 @@ def test_lens_page_shows_the_servers_numbers(plain, browser, smol4, tmp_path_fac
     visit.run(PROMPT, max_tokens=3)
     tokens = check_lens(visit.cells("#lens-table td[data-prob]"), plain, PROMPT, 3)
     assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == tokens
-    assert page.is_hidden("#tuned-row")  # (a server without a tuned lens: nothing to offer)
+    assert page.is_hidden("#tuned-row") and page.is_hidden("#model-row")  # (no tuned lens, no vector: no choice)
     completion = complete(plain, PROMPT, 3)["choices"][0]["text"]
     assert page.text_content("#completion") == f"Completion: {completion}"
     page.focus("#lens-table td[data-prob] >> nth=0")
@@ -329,6 +335,17 @@ def test_lens_page_with_an_sae_and_a_key(with_sae, browser, smol4, tmp_path_fact
     assert page.text_content("#lens-title") == "Tuned lens"
     check_lens(visit.cells("#lens-table td[data-prob]"), with_sae, PROMPT, 0, AUTH, tuned=True)
     assert visit.cells("#lens-table td[data-prob]") != untuned
+
+    # The steering vector as a model: the page's lens is the steered model's, as the API gives it, and moved.
+    page.uncheck("#tuned-lens")
+    page.select_option("#model", "kind")
+    visit.run(PROMPT, max_tokens=3)
+    page.wait_for_selector("#sae-table td[data-feature]")
+    tokens = check_lens(visit.cells("#lens-table td[data-prob]"), with_sae, PROMPT, 3, AUTH, model="kind")
+    assert [int(c["tokenId"]) for c in visit.cells("#tokens li")] == tokens
+    assert page.text_content("#model-line") == "Model: kind"
+    steered = visit.cells("#lens-table td[data-prob]")
+    assert [c for c in steered if int(c["pos"]) < len(ids)] != untuned
     visit.close(tmp_path_factory.mktemp("lens") / "lens-sae.png")
 
 

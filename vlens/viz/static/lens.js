@@ -650,9 +650,11 @@
     async json(method, path, body) {
       return (await this.call(method, path, body)).json();
     },
+    model: null, // the model of the run on screen: the served one, or one steered by a vector (null: the served)
     // Greedy; max_tokens 0 reads the prompt only (the API asks for echo then).
     complete(prompt, maxTokens, vlens) {
       const body = { prompt, max_tokens: maxTokens, temperature: 0 };
+      if (this.model) body.model = this.model;
       if (maxTokens === 0) body.echo = true;
       if (vlens) body.vlens = vlens;
       return this.json("POST", "v1/completions", body);
@@ -691,6 +693,10 @@
     byId("steer-vector").replaceChildren(...vectors.data.map((v) => el("option", { value: v.name },
       `${v.name} (${Object.keys(v.hooks).join(", ")})`)));
     byId("steer-vector-row").hidden = vectors.data.length === 0;
+    // (the served model, then each steering vector as a model of its own: the served one steered by it)
+    byId("model").replaceChildren(...models.data.map((m) => el("option", { value: m.id },
+      m.parent ? `${m.id} (${m.parent}, steered)` : m.id)));
+    byId("model-row").hidden = models.data.length < 2;
     byId("model-line").textContent = `Model: ${info.model}`;
     return info;
   }
@@ -722,6 +728,7 @@
     const maxTokens = Number(byId("max-tokens").value || 0);
     try {
       const meta = await serverInfo();
+      server.model = byId("model").value || null; // every view of this run asks the same model
       const tuned = meta.tuned && byId("tuned-lens").checked;
       const capture = { hooks: "blocks.*.hook_resid_post", logit_lens: K, positions: "all", ...(tuned ? { tuned_lens: true } : {}) };
       const r = await server.complete(prompt, maxTokens, { capture });
@@ -729,7 +736,7 @@
       if (id !== runId) return; // a newer run started meanwhile: this one's answer is stale
       const hooks = Object.keys(t).filter((n) => n.endsWith(".logit_lens.token_ids")).map((n) => n.slice(0, -".logit_lens.token_ids".length));
       const p = {
-        model: meta.model, prompt, token_ids: t.token_ids.data, prompt_tokens: r.usage.prompt_tokens,
+        model: server.model || meta.model, prompt, token_ids: t.token_ids.data, prompt_tokens: r.usage.prompt_tokens,
         completion: maxTokens > 0 ? r.choices[0].text : null, texts: {}, attention: [], sae: null, feature: null,
         lens: { k: K, tuned, layers: hooks.map((hook) => ({ layer: Number(/^blocks\.(\d+)\./.exec(hook)[1]), hook, positions: t.positions.data,
           ids: nested(t[`${hook}.logit_lens.token_ids`]), logprobs: nested(t[`${hook}.logit_lens.logprobs`]) }))
