@@ -14,7 +14,7 @@ from steering_vectors import SteeringVector as LibraryVector
 from steering_vectors import pca_aggregator
 from steering_vectors import train_steering_vector as library_train
 
-from vlens import Capture, SamplingParams, Steer
+from vlens import Capture, HookedLM, SamplingParams, Steer
 from vlens.server.app import create_app
 from vlens.server.config import ServerConfig
 from vlens.steering import SteeringVector, train_steering_vector
@@ -77,6 +77,25 @@ def test_steering_generates_as_the_library_steers_hf(smol, hf):
     # the logits each steered token was chosen from (the row before the first generated token is the prompt's)
     scores = torch.cat(expected.scores[1:])
     assert rel_err(mine.activations["unembed.hook_out"], scores) < 1e-5
+
+
+def test_hooked_lm_steers_through_the_vectors_fwd_hooks(smol4_path):
+    """TransformerLens's form: HookedLM's forward and its generate with `fwd_hooks` give what the engine gives
+    requests with the same vector's steers."""
+    hooked = HookedLM(str(smol4_path), dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(3)
+    vector = SteeringVector({f"blocks.{layer}.hook_resid_post": torch.randn(576, generator=g) for layer in (1, 2)})
+    ids = hooked.tokenizer("My day at work was")["input_ids"]
+    logits = Capture(hooks="unembed.hook_out")
+    steered = SamplingParams(max_tokens=6, temperature=0, interventions=vector.steers(3.0), capture=logits)
+    plain = SamplingParams(max_tokens=6, temperature=0, capture=logits)
+    want, unsteered = hooked.llm.generate([ids, ids], [steered, plain], use_tqdm=False)
+    with hooked.hooks(fwd_hooks=vector.fwd_hooks(3.0)):
+        got = hooked(torch.tensor([ids]))[0]
+        tokens = hooked.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, verbose=False)[0]
+    rows = want.activations["unembed.hook_out"][: len(ids)]
+    assert rel_err(got, rows) < 1e-5 and rel_err(got, unsteered.activations["unembed.hook_out"][: len(ids)]) > 1e-2
+    assert tokens[len(ids) :].tolist() == want.outputs[0].token_ids != unsteered.outputs[0].token_ids
 
 
 def test_bad_input_is_refused_by_name(smol):

@@ -61,6 +61,15 @@ class SteeringVector:
         `SamplingParams(interventions=...)` (the server's: `vlens serve --steering-vector`)."""
         return [Steer(hook, vector, scale=multiplier, positions=positions) for hook, vector in self.vectors.items()]
 
+    def fwd_hooks(self, multiplier: float = 1.0) -> list[tuple[str, Callable]]:
+        """TransformerLens's form, for HookedLM (`with model.hooks(fwd_hooks=vector.fwd_hooks(4.0)):`): a hook
+        function per hook that adds `multiplier` times its vector at every position, in the value's dtype."""
+
+        def add(vector: torch.Tensor) -> Callable:
+            return lambda value, hook: value + (multiplier * vector.float()).to(value.device, value.dtype)
+
+        return [(hook, add(vector)) for hook, vector in self.vectors.items()]
+
     def scaled(self, multiplier: float) -> SteeringVector:
         """The vectors times `multiplier`: what a server steers with at the strength chosen, where a request names
         the vector as its model (`vlens serve --steering-vector`)."""
