@@ -66,7 +66,8 @@ class SteeringVector:
         function per hook that adds `multiplier` times its vector at every position, in the value's dtype."""
 
         def add(vector: torch.Tensor) -> Callable:
-            return lambda value, hook: value + (multiplier * vector.float()).to(value.device, value.dtype)
+            scaled = multiplier * vector.float()  # (once, not at every call of the hook)
+            return lambda value, hook: value + scaled.to(value.device, value.dtype)
 
         return [(hook, add(vector)) for hook, vector in self.vectors.items()]
 
