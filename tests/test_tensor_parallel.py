@@ -235,13 +235,19 @@ def test_hooked_lm_runs_python_hooks_on_rank_0(smol4_path):
 def test_harvest_shards_equal_one_process(tmp_path):
     """`harvest(path, tensor_parallel_size=2)` starts a group and closes it when done. hook_embed is byte
     for byte the one-process value (the vocabulary shards add exact zeros); the rows behind a row-parallel
-    sum (residual, z) are within 1e-5."""
-    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    sum (residual, z) are within 1e-5, also under a harvest's edits: a steer of the residual, and an ablation of
+    one rank's head at the sharded hook_z that a hook also reads there."""
+    config = CONFIGS["smollm2"]()
+    path = build(config, tmp_path, "smollm2")
     before = set(multiprocessing.active_children())
     source = write_jsonl(tmp_path / "tok.jsonl", sequences((40, 30, 50)), field="tokens")
     hooks = ["hook_embed", "blocks.1.hook_resid_post", "blocks.2.attn.hook_z", "blocks.0.mlp.hook_post",
              "blocks.1.attn.hook_result", "blocks.0.hook_mlp_in"]  # fmt: skip  (TransformerLens's optional ones too)
-    options = {"context_size": 16, "dtype": "float32", "model_dtype": "float32", "device": "cpu", "progress": False}
+    vector = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0))
+    steer = Steer("blocks.0.hook_resid_post", vector)
+    edits = [steer, Ablate("blocks.2.attn.hook_z", heads=[config.num_attention_heads - 1])]
+    options = {"context_size": 16, "dtype": "float32", "model_dtype": "float32", "device": "cpu", "progress": False,
+               "interventions": edits}  # fmt: skip
     harvest(path, source, hooks, tmp_path / "one", **options)
     harvest(path, source, hooks, tmp_path / "two", tensor_parallel_size=N, **options)
     assert set(multiprocessing.active_children()) == before
@@ -250,6 +256,7 @@ def test_harvest_shards_equal_one_process(tmp_path):
     assert torch.equal(one["hook_embed"], two["hook_embed"])
     for hook in hooks[1:]:
         assert same(two[hook].double(), one[hook].double(), TOL), hook
+    assert not two["blocks.2.attn.hook_z"][:, -1].any()
     with pytest.raises(ValueError, match=r"model\.tensor_parallel_size: None on disk, 2 now"):  # not mixed
         harvest(path, source, hooks, tmp_path / "one", tensor_parallel_size=N, **options)
 

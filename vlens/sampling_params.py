@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlens.capture.interventions import Ablate, Clamp, Intervention, Patch, Steer
+from vlens.capture.interventions import Intervention, check_interventions
 from vlens.capture.spec import Capture
 
 NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -73,9 +73,7 @@ class SamplingParams:
             raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or ())
         self.interventions = list(self.interventions or ())
-        for i, iv in enumerate(self.interventions):
-            if not isinstance(iv, (Steer, Ablate, Patch, Clamp)):
-                raise ValueError(f"interventions[{i}]: expected vlens.Steer, Ablate, Patch or Clamp, got {type(iv).__name__}")
+        check_interventions(self.interventions)
         if self.top_k == -1 or self.top_k >= 2**31:  # off (a cut past every vocabulary cuts nothing; packed as int64)
             self.top_k = 0
         if self.temperature < _GREEDY_BELOW:  # greedy, as in vLLM: logits / 1e-45 overflow float32

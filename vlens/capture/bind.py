@@ -123,11 +123,17 @@ def bind_request(
     if params.return_hidden_states:
         parts = {FINAL_NORM: (Part(shapes[FINAL_NORM], model.lm_head.weight.dtype),)}
         streams.append(RowStream("hidden_states", {FINAL_NORM: FINAL_NORM}, Positions("all"), prompt_len, parts))
-    interventions = [
-        _intervention(iv, f"interventions[{i}]", prompt_len, max_rows, model, shapes)
-        for i, iv in enumerate(params.interventions)
+    return RequestTaps(streams, bind_interventions(params.interventions, prompt_len, max_rows, model, shapes))
+
+
+def bind_interventions(
+    interventions: Sequence[Intervention], prompt_len: int, max_rows: int, model: DecoderLM,
+    shapes: dict[str, tuple[int, ...]], field: str = "interventions",
+) -> list[BoundIntervention]:  # fmt: skip
+    """Interventions checked against the model, each named `field[i]` in its errors (a request's, a harvest's)."""
+    return [
+        _intervention(iv, f"{field}[{i}]", prompt_len, max_rows, model, shapes) for i, iv in enumerate(interventions)
     ]
-    return RequestTaps(streams, interventions)
 
 
 def result_parts(capture: Capture, tap: str, shape: tuple[int | str, ...], model_dtype: torch.dtype) -> tuple[Part, ...]:

@@ -153,6 +153,15 @@ def _check_sae(sae: Any, kind: str) -> None:
 Intervention = Steer | Ablate | Patch | Clamp
 
 
+def check_interventions(interventions: Sequence[Any]) -> None:
+    """ValueError naming the first item of a request's (or a harvest's) interventions that is not one."""
+    for i, iv in enumerate(interventions):
+        if not isinstance(iv, (Steer, Ablate, Patch, Clamp)):
+            raise ValueError(
+                f"interventions[{i}]: expected vlens.Steer, Ablate, Patch or Clamp, got {type(iv).__name__}"
+            )
+
+
 def fingerprint(interventions: list[Intervention]) -> str | None:
     """A digest of everything an intervention set does, salting the prefix-cache keys of its KV."""
     if not interventions:

@@ -176,7 +176,7 @@ def plan_decode(seqs: list, positions: list[int], block_size: int, pages: Decode
                     first, end = iv.window
                     steady &= first <= position
                     limit = min(limit, end - position - 1) if position < end else limit
-                _plan_edits(plan, taps.interventions, position, position + 1, row - position)
+                plan_edits(plan, taps.interventions, position, position + 1, row - position)
         elif taps.streams or taps.interventions:
             steady = False
             chunk = Chunk(taps, seq.token_ids, position, 1, row, seq.block_table)
@@ -200,10 +200,10 @@ def _plan_chunk(plan: StepPlan, c: Chunk, block_size: int, pages: DecodePages, r
             if stream.device_taps:
                 plan.readouts |= stream.device_taps
     if c.taps.interventions:
-        _plan_edits(plan, c.taps.interventions, c.start, end, offset)
+        plan_edits(plan, c.taps.interventions, c.start, end, offset)
 
 
-def _plan_edits(plan: StepPlan, interventions: list, start: int, end: int, offset: int) -> None:
+def plan_edits(plan: StepPlan, interventions: list, start: int, end: int, offset: int) -> None:
     """A request's edits of its positions [start, end) (packed rows: + `offset`), in the order it gave them."""
     depth: dict[str, int] = {}  # edits of this request so far at each tap: its next pass
     for iv in interventions:

@@ -41,6 +41,7 @@ import torch
 from vlens.attention import AttentionMetadata, layout
 from vlens.attention.decode import DecodeBackend
 from vlens.attention.sdpa import SdpaBackend
+from vlens.capture.bind import BoundIntervention
 from vlens.capture.names import LOGITS, OPTIONAL_HOOKS, forward_depth, hook_shapes
 from vlens.capture.plan import Chunk, StepPlan, plan_decode, plan_step
 from vlens.capture.rows import DecodePages
@@ -432,21 +433,29 @@ class ModelRunner:
     def packed(
         self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
         hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None, grad: bool = False,
+        interventions: list[BoundIntervention] | None = None,
     ) -> PackedCapture:  # fmt: skip
         """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
         sequence i (default: every position). `hooks` are user functions run at their taps before the
-        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward).
+        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward),
+        and after the edits of `interventions` (uploaded; applied to every sequence, as a harvest's are).
         `grad`: outside inference mode, so what the hooks start an autograd graph from (HookedLM's backward
         hooks) can be differentiated, with the sdpa backend, the exact reference, which has a backward on every
         device (FlashInfer's kernels have none); the captures are detached either way."""
         if grad and self.model.executor is not None:
             raise ValueError("gradients: a forward with an autograd graph runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
-        plan = packed_plan(lens, taps, rows)
+        plan = packed_plan(lens, taps, rows, interventions or ())
         with torch.inference_mode(not grad):
             armed = self.taps.arm(plan)
             for name, fn in (hooks or {}).items():
-                armed[name] = fn if name not in armed else _then(fn, armed[name])
+                tap = armed.get(name)
+                if tap is None:
+                    armed[name] = fn
+                elif name in plan.edits:  # (no caller gathers where it edits and hooks: harvest has no taps)
+                    armed[name] = _then(tap, fn)
+                else:
+                    armed[name] = _then(fn, tap)
             sites = [*taps, *(hooks or {})]
             meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
             ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))

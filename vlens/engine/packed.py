@@ -7,13 +7,15 @@ No KV cache, no sampling, no logits unless a tap asks for them, and no layer pas
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
+from vlens.capture.bind import BoundIntervention
 from vlens.capture.names import is_pattern
-from vlens.capture.plan import StepPlan, shift
+from vlens.capture.plan import StepPlan, plan_edits, shift
 from vlens.capture.runtime import Collection
 
 
@@ -30,15 +32,20 @@ def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def packed_plan(lens: list[int], taps: list[str], rows: list[torch.Tensor] | None) -> StepPlan:
-    """Gather `taps` at `rows[i]` of sequence i (default: every position); the owner of a segment is
-    the index of its sequence."""
+def packed_plan(
+    lens: list[int], taps: list[str], rows: list[torch.Tensor] | None, interventions: Sequence[BoundIntervention] = ()
+) -> StepPlan:  # fmt: skip
+    """Gather `taps` at `rows[i]` of sequence i (default: every position), and apply `interventions` to
+    every sequence, its positions counted from its start; the owner of a segment is the index of its sequence."""
     plan = StepPlan()
     patterns = any(is_pattern(t) for t in taps)
     for i, (start, n) in enumerate(zip(accumulate([0] + lens[:-1]), lens)):
-        positions = range(n) if rows is None else rows[i].tolist()
-        keys = torch.arange(start, start + n) if patterns else None  # packed: key j sits at row start + j
-        plan.gather(i, positions, shift(positions, start), taps, keys)
+        if taps:
+            positions = range(n) if rows is None else rows[i].tolist()
+            keys = torch.arange(start, start + n) if patterns else None  # packed: key j sits at row start + j
+            plan.gather(i, positions, shift(positions, start), taps, keys)
+        if interventions:
+            plan_edits(plan, interventions, 0, n, start)
     return plan
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from vlens.capture.interventions import check_interventions
 from vlens.engine.config import MODEL_HELP
 from vlens.loader import DTYPES, device_problem, dtype_problem
 from vlens.settings import REQUIRED, positive, setting, validate
@@ -91,6 +92,15 @@ class HarvestConfig:
     )  # fmt: skip
     sae_hook: str | None = setting(None, "the hook the SAE reads, if its files do not say (params.npz) or to override")
     top_k: int | None = setting(None, "latents stored per row with --sae", minimum=1)
+    steering_vector: Any = setting(
+        None, "a steering vector file (`vlens steering-vector`; from Python also a vlens.SteeringVector) added at "
+        "every position of every window: the rows stored are the steered model's",
+    )  # fmt: skip
+    multiplier: float | None = setting(None, "times --steering-vector (default: 1)")
+    interventions: tuple[Any, ...] | None = setting(
+        None, "Steer, Ablate, Patch or Clamp objects applied in every window, before a steering vector's, positions "
+        "counted from the window's start (from Python)", flag="",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
@@ -104,6 +114,9 @@ class HarvestConfig:
             raise ValueError("tensor_parallel_size: with the local backend; the Ray backend runs one model per actor")
         if self.sae_hook is not None and self.sae is None:
             raise ValueError("sae_hook: only with sae")
+        check_interventions(self.interventions or ())
+        if self.multiplier is not None and self.steering_vector is None:
+            raise ValueError("multiplier: scales steering_vector; give one")
         if self.pack and self.max_tokens is not None and self.max_tokens < self.context_size:
             raise ValueError(
                 f"max_tokens: {self.max_tokens} is less than one window (context_size={self.context_size})"

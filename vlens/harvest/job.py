@@ -26,6 +26,7 @@ from vlens.capture.names import is_pattern, request_shapes, resolve_hooks, tap_d
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import PackedCapture
 from vlens.harvest.config import HarvestConfig
+from vlens.harvest.edits import HarvestEdits, harvest_edits
 from vlens.harvest.features import FeatureHarvest, feature_harvest
 from vlens.harvest.model import config_hash, tokenizer_info, weights_hash
 from vlens.harvest.sources import Source, open_source
@@ -42,7 +43,7 @@ PROBE_TOKENS = 8192
 MAX_BATCH_TOKENS = 1 << 18
 MEMORY_SHARE = 0.8  # of the free device memory, the rest a margin for the allocator and the statistics
 # Header fields that name things rather than fix the bytes: a re-run may spell them differently.
-_NAMES = {"model.id", "source.location", "tokenizer.name_or_path", "sae.path"}
+_NAMES = {"model.id", "source.location", "tokenizer.name_or_path", "sae.path", "interventions.steering_vector.path"}
 _META_KEYS = {"token_ids": (torch.int32, 4), "window": (torch.int64, 8), "position": (torch.int64, 8)}
 
 
@@ -80,9 +81,11 @@ def source_of(config: HarvestConfig) -> Source:
     return open_source(config.source, config.text_field, config.whole_file, config.split)
 
 
-def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, FeatureHarvest | None]:
-    """Check the options that need the model: the hooks' taps, the packing, and the SAE whose latents to
-    store."""
+def plan(
+    loaded: Any, config: HarvestConfig
+) -> tuple[dict[str, str], Packing, FeatureHarvest | None, HarvestEdits | None]:  # fmt: skip
+    """Check the options that need the model: the hooks' taps, the packing, the SAE whose latents to
+    store, and the interventions."""
     wanted = resolve_hooks(config.hooks, loaded.config) if config.hooks else {}
     patterns = [name for name, tap in wanted.items() if is_pattern(tap)]
     if patterns:
@@ -96,7 +99,7 @@ def plan(loaded: Any, config: HarvestConfig) -> tuple[dict[str, str], Packing, F
         config.exclude_token_ids,
     )  # fmt: skip
     features = feature_harvest(config, loaded.config)
-    return wanted, packing, features
+    return wanted, packing, features, harvest_edits(config, loaded)
 
 
 @dataclass
@@ -219,7 +222,7 @@ def store_shard(
 
 def header(
     loaded: Any, src: Source, wanted: dict[str, str], packing: Packing, config: HarvestConfig, batch_tokens: int,
-    features: FeatureHarvest | None,
+    features: FeatureHarvest | None, edits: HarvestEdits | None,
 ) -> dict[str, Any]:  # fmt: skip
     """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
     param = next(loaded.model.parameters())
@@ -242,6 +245,7 @@ def header(
         "source": src.describe(),
         "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
         "sae": features.describe() if features is not None else None,
+        "interventions": edits.describe() if edits is not None else None,
         "dtype": dtype_name(config.out_dtype),
         "context_size": packing.context_size,
         "max_tokens": config.max_tokens,
@@ -296,10 +300,12 @@ def _shards(
         yield first, group
 
 
-def forward(runner: ModelRunner, sequences: list[list[int]], hooks: dict[str, Callable]) -> PackedCapture:
+def forward(
+    runner: ModelRunner, sequences: list[list[int]], hooks: dict[str, Callable], edits: HarvestEdits | None
+) -> PackedCapture:  # fmt: skip
     """Every forward of a harvest: `sequences` packed, `hooks` at their taps (they take the rows; see
-    vlens.harvest.rows). The one place that names the runner (tests stop a run here)."""
-    return runner.packed(sequences, [], hooks=hooks)
+    vlens.harvest.rows), after the edits. The one place that names the runner (tests stop a run here)."""
+    return runner.packed(sequences, [], hooks=hooks, interventions=edits.bound if edits is not None else None)
 
 
 def choose_batch_tokens(
@@ -326,7 +332,7 @@ def fitting_batch_tokens(runner: ModelRunner, taps: list[str], context_size: int
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    forward(runner, [[0] * context_size] * windows, {tap: _keep for tap in taps})
+    forward(runner, [[0] * context_size] * windows, {tap: _keep for tap in taps}, None)
     torch.cuda.synchronize(device)
     per_token = max(1, torch.cuda.max_memory_allocated(device) - before) / (windows * context_size)
     torch.cuda.empty_cache()

@@ -35,6 +35,7 @@ import torch
 
 from vlens.capture.names import request_shapes
 from vlens.harvest.config import HarvestConfig
+from vlens.harvest.edits import harvest_edits
 from vlens.harvest.features import feature_harvest
 from vlens.harvest.job import (
     HarvestSummary,
@@ -75,6 +76,7 @@ class ShardWorker:
         self.excluded = torch.tensor(excluded, dtype=torch.long)
         self.store = Store.open(config.out_dir)
         self.features = feature_harvest(config, self.loaded.config)
+        self.edits = harvest_edits(config, self.loaded)
         self.taps = sorted({*wanted.values(), *([self.features.tap] if self.features is not None else [])})
         self.stage: DeviceRows | None = None
         self.device_lock = threading.Lock()
@@ -94,8 +96,8 @@ class ShardWorker:
             if self.stage is None:
                 self.stage = DeviceRows(
                     self.runner, self.wanted, request_shapes(self.loaded.config), self.config.out_dtype,
-                    self.excluded, batch_tokens, self.features, buffer_sets=_TASKS_PER_ACTOR,
-                )  # fmt: skip
+                    self.excluded, batch_tokens, self.features, self.edits, buffer_sets=_TASKS_PER_ACTOR,
+                )  # fmt: skip  (never closed: the actor ends with the run)
             shard = self.stage.shard(index, first, shard_windows)
         try:
             shard.ready()
@@ -122,7 +124,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     src = source_of(config)
     loaded = resolve_model(config.model, config.model_dtype, "cpu")
     cfg = loaded.config
-    wanted, packing, features = plan(loaded, config)
+    wanted, packing, features, edits = plan(loaded, config)
     store = Store.open(config.out_dir)
 
     if not ray.is_initialized():
@@ -142,7 +144,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     try:
         info = ray.get(actors[0].info.remote())  # every actor runs the batches the first one chose
         batch_tokens = info["batch_tokens"]
-        run_header = header(loaded, src, wanted, packing, config, batch_tokens, features)
+        run_header = header(loaded, src, wanted, packing, config, batch_tokens, features, edits)
         run_header["model"].update(device=info["device"], dtype=info["dtype"])
         job = Job.open(config.out_dir, run_header, cfg, wanted, config.out_dtype, packing)
         if job.manifest["complete"]:

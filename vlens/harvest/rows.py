@@ -24,6 +24,7 @@ from vlens.capture.names import tap_dtype
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
 from vlens.harvest import job
+from vlens.harvest.edits import HarvestEdits
 from vlens.harvest.features import SAE_KEYS, FeatureHarvest
 from vlens.harvest.stats import Pieces, ShardStats
 
@@ -79,15 +80,19 @@ class BufferPool:
 
 
 class DeviceRows:
-    """Runs shards' windows through the model and sends their kept rows, statistics and SAE latents on
-    their way to host buffers; one per run (it owns the pool and the side stream)."""
+    """Runs shards' windows through the model (edited by `edits`) and sends their kept rows, statistics and
+    SAE latents on their way to host buffers; one per run (it owns the pool, the side stream and, until
+    `close`, the edits' vectors on the device)."""
 
     def __init__(
         self, runner: ModelRunner, wanted: dict[str, str], shapes: dict[str, tuple[int, ...]], out_dtype: torch.dtype,
-        excluded: torch.Tensor, batch_tokens: int, features: FeatureHarvest | None, buffer_sets: int,
+        excluded: torch.Tensor, batch_tokens: int, features: FeatureHarvest | None, edits: HarvestEdits | None,
+        buffer_sets: int,
     ) -> None:  # fmt: skip
         self.runner, self.out_dtype, self.excluded, self.batch_tokens = runner, out_dtype, excluded, batch_tokens
-        self.features = features
+        self.features, self.edits = features, edits
+        if edits is not None:
+            runner.taps.upload(edits.bound)
         self.device = runner.device
         self.widths = {name: math.prod(shapes[name]) for name in wanted}
         self.names_of: dict[str, list[str]] = {}
@@ -131,6 +136,11 @@ class DeviceRows:
         shard.tensors.update(token_ids=flat[keep].to(torch.int32), window=window[keep], position=position[keep])
         return shard
 
+    def close(self) -> None:
+        """Give the runner back the edits' vector rows (the model may serve on: an LLM passed to harvest)."""
+        if self.edits is not None:
+            self.runner.taps.release(self.edits.bound)
+
     def _taps(self) -> list[str]:
         taps = list(self.names_of)
         if self.features is not None and self.features.tap not in self.names_of:
@@ -140,13 +150,13 @@ class DeviceRows:
     def _forward(self, shard: Shard, sequences: list[list[int]], hooks: dict[str, Callable]) -> None:
         if self.side is None:
             started = time.perf_counter()
-            job.forward(self.runner, sequences, hooks)
+            job.forward(self.runner, sequences, hooks, self.edits)
             shard.forward_seconds += time.perf_counter() - started
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream(self.device)
         start.record(stream)
-        job.forward(self.runner, sequences, hooks)
+        job.forward(self.runner, sequences, hooks, self.edits)
         end.record(stream)
         shard.timings.append((start, end))
 

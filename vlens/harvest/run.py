@@ -65,24 +65,25 @@ def _harvest_local(config: HarvestConfig) -> HarvestSummary:
 
 
 def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, src: Source, started: float) -> HarvestSummary:
-    wanted, packing, features = plan(loaded, config)
+    wanted, packing, features, edits = plan(loaded, config)
     taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
     runner = runner_for(config.model, loaded)
     batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))
-    job = Job.open(
-        config.out_dir, header(loaded, src, wanted, packing, config, batch_tokens, features), loaded.config, wanted,
-        config.out_dtype, packing,
-    )  # fmt: skip
+    run_header = header(loaded, src, wanted, packing, config, batch_tokens, features, edits)
+    job = Job.open(config.out_dir, run_header, loaded.config, wanted, config.out_dtype, packing)
     if job.manifest["complete"]:
         return job.report(started, config.progress)
     token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size)
     pipelined = config.pipelined(next(loaded.model.parameters()).device)
     stage = DeviceRows(
-        runner, wanted, request_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features,
+        runner, wanted, request_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features, edits,
         buffer_sets=2 if pipelined else 1,
     )  # fmt: skip
-    with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:
-        tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
-        run_shards(job, stage, tasks, config.seed, bar, pipelined)
-        job.finish()
+    try:
+        with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:
+            tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
+            run_shards(job, stage, tasks, config.seed, bar, pipelined)
+            job.finish()
+    finally:
+        stage.close()
     return job.report(started, config.progress)
