@@ -86,14 +86,29 @@ def dir_bytes(out_dir: Path) -> dict[str, bytes]:
 
 
 SOURCE_KINDS = ["txt", "jsonl", "parquet", "datasets", "datasets_dict", "tokens_jsonl", "tokens_parquet", "tokens_datasets"]
+CHAT_KINDS = ["chat_jsonl", "chat_parquet", "chat_datasets"]  # a "messages" column of conversations
+
+
+def conversations(docs: list[str]) -> list[list[dict[str, str]]]:
+    """Each document as a conversation: its first sentence the user's, the rest the assistant's answer; every
+    third opened by a system message."""
+    convs = []
+    for i, doc in enumerate(docs):
+        head, _, rest = doc.partition(".")
+        conv = [{"role": "user", "content": head + "?"}, {"role": "assistant", "content": rest.strip() or "Yes."}]
+        convs.append(([{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []) + conv)
+    return convs
 
 
 def write_source(kind: str, tmp_path: Path, docs: list[str], token_docs: list[list[int]]) -> tuple[Path, dict]:
-    """`docs` (or their token ids) as a source of `kind`, and the harvest options that read it."""
+    """`docs` (or their token ids, or conversations made of them) as a source of `kind`, and the harvest
+    options that read it."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if kind.startswith("chat_"):  # (the default text field falls back to "messages")
+        return _write_conversations(kind.removeprefix("chat_"), tmp_path, conversations(docs)), {}
     if kind == "txt":
         path = tmp_path / "docs.txt"
         path.write_text("\n".join(docs) + "\n\n")  # a blank line is not a document
@@ -124,3 +139,19 @@ def write_source(kind: str, tmp_path: Path, docs: list[str], token_docs: list[li
         datasets.Dataset.from_dict({"input_ids": token_docs}).save_to_disk(str(path))
         return path, {}
     raise AssertionError(kind)
+
+
+def _write_conversations(form: str, tmp_path: Path, convs: list[list[dict[str, str]]]) -> Path:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if form == "jsonl":
+        return write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
+    if form == "parquet":
+        path = tmp_path / "chats.parquet"
+        pq.write_table(pa.table({"messages": convs}), path, row_group_size=7)
+        return path
+    path = tmp_path / "chats"
+    datasets.Dataset.from_dict({"messages": convs}).save_to_disk(str(path))
+    return path

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_source
+from harvest_helpers import CHAT_KINDS, SOURCE_KINDS, dir_bytes, documents, read_shards, write_source
 
 from vlens import harvest
 from vlens.harvest import job, ray_source
@@ -62,7 +62,7 @@ def _each_window_once(out: Path) -> None:
 DOCS = documents(30, seed=2)
 
 
-@pytest.mark.parametrize("kind", [*SOURCE_KINDS, "txt_whole_file", "txt_odd_newlines"])
+@pytest.mark.parametrize("kind", [*SOURCE_KINDS, *CHAT_KINDS, "txt_whole_file", "txt_odd_newlines"])
 def test_ray_data_reads_the_documents_the_local_reader_reads(smol, tmp_path, monkeypatch, kind):
     """Read and tokenized by Ray Data tasks, each taking a piece of the source, the token lists come in
     source order and equal the local reader's, newline rules included."""

@@ -10,9 +10,11 @@ import sys
 
 import pytest
 import torch
-from harvest_helpers import SOURCE_KINDS, documents, read_shards, write_jsonl, write_source
+from conftest import rel_err
+from harvest_helpers import CHAT_KINDS, SOURCE_KINDS, conversations, documents, read_shards, write_jsonl, write_source
 
 from vlens import harvest
+from vlens.harvest.windows import make_packing, windows
 
 CTX = 32
 DOCS = documents(30, seed=2)
@@ -50,6 +52,51 @@ def test_every_source_gives_the_same_windows(smol, tmp_path, token_docs, referen
         loaded = datasets.load_from_disk(str(path))
         loaded = loaded[kwargs["split"]] if "split" in kwargs else loaded
         assert source["hash"] == loaded._fingerprint
+
+
+@pytest.mark.parametrize("kind", CHAT_KINDS)
+def test_conversations_are_read_through_the_chat_template(smol, tmp_path, token_docs, kind):
+    """A column of conversations (found as "messages" when no text column is named) is each conversation
+    rendered by the model's chat template and tokenized as LLM.chat does, packed as texts are; its rows are
+    the model's on those tokens; the manifest pins the template."""
+    path, kwargs = write_source(kind, tmp_path, DOCS, token_docs)
+    harvest(smol, path, "blocks.2.hook_resid_post", tmp_path / "out", context_size=CTX, dtype="float32", progress=False,
+            **kwargs)  # fmt: skip
+    rows = read_shards(tmp_path / "out")
+    tok = smol.tokenizer
+    rendered = [tok.apply_chat_template(c, tokenize=False) for c in conversations(DOCS)]
+    assert rendered[0].startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\n")
+    docs = [tok(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    packing = make_packing(tok, smol.config, CTX, True, True, True, None)
+    expected = list(windows(docs, packing))
+    assert rows["token_ids"].tolist() == [t for w in expected for t in w]
+    traced = smol.trace(expected[3:4], "blocks.2.hook_resid_post")[0]["blocks.2.hook_resid_post"]
+    assert rel_err(rows["blocks.2.hook_resid_post"][3 * CTX : 4 * CTX], traced) < 1e-5
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["source"]["chat"] and manifest["source"]["field"] == "messages"
+    template = hashlib.sha256(tok.chat_template.encode()).hexdigest()
+    assert manifest["tokenizer"]["chat_template_sha256"] == template
+
+
+def test_conversations_need_a_template_and_messages_and_a_rerun_their_template(smol, tmp_path, monkeypatch):
+    convs = conversations(DOCS[:6])
+    path = write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
+    options = {"context_size": CTX, "progress": False}
+    harvest(smol, path, "hook_embed", tmp_path / "out", **options)
+    monkeypatch.setattr(smol.tokenizer, "chat_template", smol.tokenizer.chat_template + " ")
+    with pytest.raises(ValueError, match=r"tokenizer\.chat_template_sha256: '\w{64}' on disk, '\w{64}' now"):
+        harvest(smol, path, "hook_embed", tmp_path / "out", **options)
+    monkeypatch.setattr(smol.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match=r"source: its documents are conversations, but this model's tokenizer has "
+                                         r"no chat template"):  # fmt: skip
+        harvest(smol, path, "hook_embed", tmp_path / "none", **options)
+    assert not (tmp_path / "none").exists()
+    monkeypatch.undo()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": convs[0]}) + "\n" + json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"text_field: expected a conversation in .*bad\.jsonl' line 2 \(a list "
+                                         r"of messages, each a \{'role', 'content'\} object with text in both\)"):
+        harvest(smol, bad, "hook_embed", tmp_path / "bad", **options)
 
 
 def test_whole_file_is_one_document(smol, tmp_path):

@@ -54,8 +54,9 @@ class HarvestConfig:
         flag="--no-pack", invert=True,
     )  # fmt: skip
     text_field: str = setting(
-        "text", "column with the text or token ids; the default falls back to a tokens or input_ids column"
-    )
+        "text", "column with the text, the token ids, or conversations (lists of {role, content} messages, rendered "
+        "by the model's chat template); the default falls back to a tokens, input_ids or messages column",
+    )  # fmt: skip
     exclude_token_ids: tuple[int, ...] | None = setting(None, "further token ids whose rows are left out")
     whole_file: bool = setting(False, "a .txt source is one document, not one per line")
     split: str | None = setting(None, "split of a datasets directory or hub dataset (default: train)")

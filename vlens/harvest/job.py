@@ -31,7 +31,7 @@ from vlens.harvest.features import FeatureHarvest, feature_harvest
 from vlens.harvest.model import config_hash, tokenizer_info, weights_hash
 from vlens.harvest.sources import Source, open_source
 from vlens.harvest.stats import HookStats, Pieces
-from vlens.harvest.windows import Packing, make_packing, windows
+from vlens.harvest.windows import Packing, check_chat_template, make_packing, windows
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
 from vlens.version import __version__
 
@@ -82,10 +82,12 @@ def source_of(config: HarvestConfig) -> Source:
 
 
 def plan(
-    loaded: Any, config: HarvestConfig
+    loaded: Any, config: HarvestConfig, src: Source
 ) -> tuple[dict[str, str], Packing, FeatureHarvest | None, HarvestEdits | None]:  # fmt: skip
     """Check the options that need the model: the hooks' taps, the packing, the SAE whose latents to
-    store, and the interventions."""
+    store, the interventions, and a chat template for a source of conversations."""
+    if src.form == "chat":
+        check_chat_template(loaded.tokenizer)
     wanted = resolve_hooks(config.hooks, loaded.config) if config.hooks else {}
     patterns = [name for name, tap in wanted.items() if is_pattern(tap)]
     if patterns:
@@ -241,7 +243,7 @@ def header(
         "format": FORMAT,
         "vlens_version": __version__,
         "model": model,
-        "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path),
+        "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path, src.form == "chat"),
         "source": src.describe(),
         "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
         "sae": features.describe() if features is not None else None,

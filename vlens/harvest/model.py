@@ -61,12 +61,16 @@ def config_hash(path: Path) -> str | None:
     return files_hash([config]) if config.exists() else None
 
 
-def tokenizer_info(tokenizer: Any, path: Path) -> dict[str, Any]:
+def tokenizer_info(tokenizer: Any, path: Path, chat: bool = False) -> dict[str, Any]:
+    """The manifest's record of the tokenizer; `chat`: with a hash of the chat template that renders the source."""
     if tokenizer is None:
         return {"name_or_path": None, "vocab_size": None, "hash": None}
     files = [Path(path) / n for n in _TOKENIZER_FILES if (Path(path) / n).exists()]
-    return {
+    info = {
         "name_or_path": os.fspath(tokenizer.name_or_path),
         "vocab_size": len(tokenizer),
         "hash": files_hash(files) if files else None,
     }
+    if chat:
+        info["chat_template_sha256"] = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
+    return info

@@ -124,7 +124,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     src = source_of(config)
     loaded = resolve_model(config.model, config.model_dtype, "cpu")
     cfg = loaded.config
-    wanted, packing, features, edits = plan(loaded, config)
+    wanted, packing, features, edits = plan(loaded, config, src)
     store = Store.open(config.out_dir)
 
     if not ray.is_initialized():

@@ -45,7 +45,7 @@ def ray_token_documents(src: Source, tokenizer: Any, vocab_size: int, concurrenc
         batch_size=_BATCH_ROWS,
         num_cpus=0,
         compute=ray.data.TaskPoolStrategy(size=concurrency),
-        fn_kwargs={"pretokenized": src.pretokenized, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size},
+        fn_kwargs={"form": src.form, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size},
     )
     for batch in tokens.iter_batches(batch_format="pyarrow", batch_size=None):
         yield from batch.column("ids").to_pylist()
@@ -90,7 +90,7 @@ def _read_piece(piece: pa.Table, src: Source) -> Iterator[pa.Table]:
             if src.kind == "txt":
                 docs = text_documents(raw, src.whole_file)
             else:
-                docs = jsonl_documents(raw, src.field, src.pretokenized, repr(src.location))
+                docs = jsonl_documents(raw, src.field, src.form, repr(src.location))
             yield from _tables(docs)
     elif src.kind == "parquet":
         import pyarrow.parquet as pq
@@ -126,7 +126,7 @@ def _load_split(src: Source) -> Any:
     return loaded[src.split] if src.split is not None else loaded
 
 
-def _tokenize(batch: pa.Table, pretokenized: bool, where: str, tokenizer: Any, vocab_size: int) -> pa.Table:
-    docs = [document(value, pretokenized, where) for value in batch.column("doc").to_pylist()]
+def _tokenize(batch: pa.Table, form: str, where: str, tokenizer: Any, vocab_size: int) -> pa.Table:
+    docs = [document(value, form, where) for value in batch.column("doc").to_pylist()]
     ids = list(token_documents(filter(is_content, docs), tokenizer, vocab_size))
     return pa.table({"ids": pa.array(ids, type=pa.list_(pa.int64()))})

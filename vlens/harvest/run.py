@@ -65,7 +65,7 @@ def _harvest_local(config: HarvestConfig) -> HarvestSummary:
 
 
 def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, src: Source, started: float) -> HarvestSummary:
-    wanted, packing, features, edits = plan(loaded, config)
+    wanted, packing, features, edits = plan(loaded, config, src)
     taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
     runner = runner_for(config.model, loaded)
     batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))

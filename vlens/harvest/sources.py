@@ -1,7 +1,8 @@
 """Where harvest's documents come from: text files, JSON lines, Parquet, `datasets` directories, the hub.
 
-Every source streams its documents (a text, or a list of token ids for pre-tokenized data) in a
-fixed order, so the same source always yields the same windows and a resumed run can skip exactly
+Every source streams its documents (a text, a list of token ids for pre-tokenized data, or a
+conversation: a list of {"role", "content"} messages, which the model's chat template renders) in a fixed
+order, so the same source always yields the same windows and a resumed run can skip exactly
 the windows already on disk. Each source also has a content hash, recorded in the manifest, so that
 a re-run over changed data is refused instead of silently mixing two corpora.
 """
@@ -18,12 +19,15 @@ from typing import IO, Any
 
 from vlens.loader import hash_file
 
-Document = str | list[int]
+Document = str | list[int] | list[dict[str, Any]]  # a text, token ids, or a conversation's messages
+FORMS = ("text", "tokens", "chat")  # what a source's documents are
 
-# SAELens reads pre-tokenized data from these columns when the default text column is missing.
-TOKEN_FIELDS = ("tokens", "input_ids")
+# SAELens reads pre-tokenized data from these columns when the default text column is missing; a
+# conversation's messages are in "messages" in Hugging Face's chat datasets.
+FALLBACK_FIELDS = ("tokens", "input_ids", "messages")
 DEFAULT_FIELD = "text"
 _BATCH = 1024  # rows read per step from columnar sources
+_MESSAGE = {"role", "content"}  # the keys of a conversation's messages
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Source:
     kind: str  # txt | jsonl | parquet | datasets | hub
     location: str  # absolute path, or the hub dataset id
     field: str | None  # the column read (None for .txt)
-    pretokenized: bool
+    form: str  # one of FORMS
     whole_file: bool
     split: str | None
     content_hash: str  # sha256 of the file bytes, or the dataset's own fingerprint
@@ -48,7 +52,8 @@ class Source:
             "kind": self.kind,
             "location": self.location,
             "field": self.field,
-            "pretokenized": self.pretokenized,
+            "pretokenized": self.form == "tokens",
+            **({"chat": True} if self.form == "chat" else {}),  # (only then: text runs' manifests stay as they were)
             "whole_file": self.whole_file,
             "split": self.split,
             "hash": self.content_hash,
@@ -104,7 +109,7 @@ def text_documents(raw: IO[bytes], whole_file: bool) -> Iterator[str]:
         yield line.rstrip("\r\n")
 
 
-def jsonl_documents(raw: IO[bytes], field: str, pretokenized: bool, where: str) -> Iterator[Document]:
+def jsonl_documents(raw: IO[bytes], field: str, form: str, where: str) -> Iterator[Document]:
     """The `field` of each JSON line; `where` names the file in errors."""
     for number, line in enumerate(io.TextIOWrapper(raw, encoding="utf-8"), 1):
         if line.strip():
@@ -112,7 +117,7 @@ def jsonl_documents(raw: IO[bytes], field: str, pretokenized: bool, where: str) 
             if field not in record:
                 fields = ", ".join(record)
                 raise ValueError(f"text_field: {field!r} missing from {where} line {number} ({fields})")
-            yield document(record[field], pretokenized, f"{where} line {number}")
+            yield document(record[field], form, f"{where} line {number}")
 
 
 def _txt(path: Path, whole_file: bool) -> Source:
@@ -123,7 +128,7 @@ def _txt(path: Path, whole_file: bool) -> Source:
         with open(path, "rb") as raw:
             yield from text_documents(raw, whole_file)
 
-    return Source("txt", str(path), None, False, whole_file, None, hash_file(path).hexdigest(), documents)
+    return Source("txt", str(path), None, "text", whole_file, None, hash_file(path).hexdigest(), documents)
 
 
 def _jsonl(path: Path, field: str) -> Source:
@@ -136,13 +141,13 @@ def _jsonl(path: Path, field: str) -> Source:
     if first is None:
         raise _empty(path)
     field = _pick_field(field, list(first), f"{str(path)!r} line {number}")
-    pretokenized = _is_token_list(first[field])
+    form = _form_of(first[field])
 
     def documents() -> Iterator[Document]:
         with open(path, "rb") as raw:
-            yield from jsonl_documents(raw, field, pretokenized, repr(str(path)))
+            yield from jsonl_documents(raw, field, form, repr(str(path)))
 
-    return Source("jsonl", str(path), field, pretokenized, False, None, hash_file(path).hexdigest(), documents)
+    return Source("jsonl", str(path), field, form, False, None, hash_file(path).hexdigest(), documents)
 
 
 def _json_record(line: str, where: str, number: int) -> dict:
@@ -164,14 +169,18 @@ def _parquet(path: Path, field: str) -> Source:
         raise _empty(path)
     field = _pick_field(field, meta.schema_arrow.names, repr(str(path)))
     kind = meta.schema_arrow.field(field).type
-    pretokenized = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    form = "text"
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        item = kind.value_type
+        keys = {item.field(i).name for i in range(item.num_fields)} if pa.types.is_struct(item) else set()
+        form = "chat" if _MESSAGE <= keys else "tokens"
 
     def documents() -> Iterator[Document]:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH, columns=[field]):
             for value in batch.column(0).to_pylist():
-                yield document(value, pretokenized, f"{str(path)!r} column {field!r}")
+                yield document(value, form, f"{str(path)!r} column {field!r}")
 
-    return Source("parquet", str(path), field, pretokenized, False, None, hash_file(path).hexdigest(), documents)
+    return Source("parquet", str(path), field, form, False, None, hash_file(path).hexdigest(), documents)
 
 
 def _datasets_dir(path: Path, field: str, split: str) -> Source:
@@ -190,15 +199,18 @@ def _datasets_dir(path: Path, field: str, split: str) -> Source:
     if len(loaded) == 0:
         raise _empty(path)
     field = _pick_field(field, loaded.column_names, repr(str(path)))
-    pretokenized = not _is_text_feature(loaded.features[field])
+    feature = loaded.features[field]
+    item = getattr(feature, "feature", None)  # a list's items
+    chat = isinstance(item, dict) and _MESSAGE <= set(item)
+    form = "text" if _is_text_feature(feature) else "chat" if chat else "tokens"
     column = loaded.select_columns([field])
 
     def documents() -> Iterator[Document]:
         for batch in column.iter(batch_size=_BATCH):
             for value in batch[field]:
-                yield document(value, pretokenized, f"{str(path)!r} column {field!r}")
+                yield document(value, form, f"{str(path)!r} column {field!r}")
 
-    return Source("datasets", str(path), field, pretokenized, False, split, loaded._fingerprint, documents)
+    return Source("datasets", str(path), field, form, False, split, loaded._fingerprint, documents)
 
 
 def _hub(repo_id: str, field: str, split: str) -> Source:
@@ -217,21 +229,21 @@ def _hub(repo_id: str, field: str, split: str) -> Source:
             "it where there is a network and save it with `save_to_disk`, then pass that directory"
         ) from e
     field = _pick_field(field, list(first), f"hub dataset {repo_id!r}")
-    pretokenized = _is_token_list(first[field])
+    form = _form_of(first[field])
 
     def documents() -> Iterator[Document]:
         for record in streamed:
-            yield document(record[field], pretokenized, f"hub dataset {repo_id!r} column {field!r}")
+            yield document(record[field], form, f"hub dataset {repo_id!r} column {field!r}")
 
-    return Source("hub", repo_id, field, pretokenized, False, split, builder.hash, documents)
+    return Source("hub", repo_id, field, form, False, split, builder.hash, documents)
 
 
 def _pick_field(field: str, fields: list[str], where: str) -> str:
-    """The column to read: `field`, or for the default one a token column as SAELens would pick."""
+    """The column to read: `field`, or for the default one a token column as SAELens would pick, or messages."""
     if field in fields:
         return field
     if field == DEFAULT_FIELD:
-        for candidate in TOKEN_FIELDS:
+        for candidate in FALLBACK_FIELDS:
             if candidate in fields:
                 return candidate
     raise ValueError(
@@ -248,12 +260,30 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value[:8])
 
 
-def document(value: Any, pretokenized: bool, where: str) -> Document:
-    """`value` checked to be what the column holds: a text, or a list of token ids."""
-    if pretokenized:
+def _is_conversation(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple)) and bool(value)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)
+    )  # fmt: skip
+
+
+def _form_of(value: Any) -> str:
+    """The form of a source's documents, from its first: token ids, a conversation, or (else) text."""
+    return "tokens" if _is_token_list(value) else "chat" if _is_conversation(value) else "text"
+
+
+def document(value: Any, form: str, where: str) -> Document:
+    """`value` checked to be what the column holds: a text, a list of token ids, or a conversation."""
+    if form == "tokens":
         if not _is_token_list(value):
             raise ValueError(f"text_field: expected a list of token ids in {where}, got {type(value).__name__}")
         return list(value)
+    if form == "chat":
+        if not _is_conversation(value):
+            raise ValueError(f"text_field: expected a conversation in {where} (a list of messages, each a "
+                             f"{{'role', 'content'}} object with text in both), got {str(value)[:80]}")  # fmt: skip
+        return [dict(message) for message in value]
     if not isinstance(value, str):
         raise ValueError(f"text_field: expected text in {where}, got {type(value).__name__}")  # noqa: TRY004
     return value

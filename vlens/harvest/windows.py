@@ -82,13 +82,16 @@ def make_packing(
 
 
 def token_documents(docs: Iterable[Document], tokenizer: Any, vocab_size: int) -> Iterator[list[int]]:
-    """Token ids per document: texts tokenized in batches without special tokens, token lists checked."""
+    """Token ids per document: texts, and conversations rendered by the chat template (whose text holds its
+    special tokens), tokenized in batches without adding special tokens (as LLM.chat does); token lists checked."""
     pending: list[str] = []
     size, limit = 0, _TOKENIZE_CHARS[0]
     for doc in docs:
-        if isinstance(doc, str):
+        if isinstance(doc, str) or isinstance(doc[0], dict):
             if tokenizer is None:
                 raise ValueError("source: this checkpoint has no tokenizer files; give pre-tokenized data")
+            if not isinstance(doc, str):
+                doc = render_conversation(tokenizer, doc)
             pending.append(doc)
             size += len(doc)
             if size >= limit:
@@ -100,6 +103,23 @@ def token_documents(docs: Iterable[Document], tokenizer: Any, vocab_size: int) -
             yield doc
     if pending:
         yield from _tokenize(pending, tokenizer)
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """Before a run whose documents are conversations: the model must have a template to render them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "source: its documents are conversations, but this model's tokenizer has no chat template to render "
+            "them; give texts or token ids"
+        )
+
+
+def render_conversation(tokenizer: Any, conversation: list[dict[str, Any]]) -> str:
+    """A whole conversation through the chat template, as the model reads it (no generation prompt after it)."""
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception as e:  # the template is the model's Jinja code: what it raises is about the data
+        raise ValueError(f"source: the chat template refused a conversation ({e}): {str(conversation)[:120]}") from None
 
 
 def _tokenize(texts: list[str], tokenizer: Any) -> Iterator[list[int]]:
