@@ -49,7 +49,8 @@ def test_rows_are_hf_with_the_vector_added(smol, hf_smol, steered, vector_file):
     shards = read_shards(steered)
     assert len(json.loads((steered / "manifest.json").read_text())["shards"]) > 1
     added = 4.0 * SteeringVector.load(vector_file).vectors[STEERED]
-    handle = hf_smol.model.layers[3].register_forward_hook(lambda module, args, out: out + added)
+    # (prepended: before transformers' own hook that records the layer's output for output_hidden_states)
+    handle = hf_smol.model.layers[3].register_forward_hook(lambda module, args, out: out + added, prepend=True)
     try:
         for w in (0, 3, 5):
             rows = window_rows(shards, w)
