@@ -84,13 +84,15 @@ def test_manifest_records_the_edits_and_resumes_only_with_them(smol, corpus, ste
 
 
 def test_cli_steering_vector_writes_the_same_files(smol_path, corpus, steered, vector_file, tmp_path):
+    """`vlens harvest --steering-vector --multiplier`, here with its reading and writing in threads, writes the
+    shards `harvest(steering_vector=, multiplier=)` wrote."""
     parser = argparse.ArgumentParser(prog="vlens")
     add_parser(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "out"
     args = parser.parse_args(
         ["harvest", "--model", str(smol_path), "--source", str(corpus), "--hooks", *HOOKS, "--out", str(out),
          "--context-size", str(CTX), "--dtype", "float32", "--max-tokens", str(6 * CTX), "--shard-bytes", "60000",
-         "--steering-vector", str(vector_file), "--multiplier", "4", "--quiet"]
+         "--steering-vector", str(vector_file), "--multiplier", "4", "--pipeline", "on", "--quiet"]
     )  # fmt: skip
     assert args.func(args) == 0
     ours, theirs = dir_bytes(out), dir_bytes(steered)
