@@ -94,8 +94,8 @@ class HarvestConfig:
     sae_hook: str | None = setting(None, "the hook the SAE reads, if its files do not say (params.npz) or to override")
     top_k: int | None = setting(None, "latents stored per row with --sae", minimum=1)
     steering_vector: Any = setting(
-        None, "a steering vector file (`vlens steering-vector`; from Python also a vlens.SteeringVector) added at "
-        "every position of every window: the rows stored are the steered model's",
+        None, "a steering vector file (`vlens steering-vector`; from Python also a vlens.steering.SteeringVector) "
+        "added at every position of every window: the rows stored are the steered model's",
     )  # fmt: skip
     multiplier: float | None = setting(None, "times --steering-vector (default: 1)")
     interventions: tuple[Any, ...] | None = setting(
