@@ -14,6 +14,7 @@ from conftest import rel_err
 from harvest_helpers import CHAT_KINDS, SOURCE_KINDS, conversations, documents, read_shards, write_jsonl, write_source
 
 from vlens import harvest
+from vlens.harvest.sources import open_source
 from vlens.harvest.windows import make_packing, windows
 
 CTX = 32
@@ -76,6 +77,23 @@ def test_conversations_are_read_through_the_chat_template(smol, tmp_path, token_
     assert manifest["source"]["chat"] and manifest["source"]["field"] == "messages"
     template = hashlib.sha256(tok.chat_template.encode()).hexdigest()
     assert manifest["tokenizer"]["chat_template_sha256"] == template
+
+
+def test_messages_read_alike_from_every_form(tmp_path):
+    """Columnar storage gives every message every key (None where it had none): the messages are what the
+    JSON lines hold, whichever form the conversations come in, so the template renders the same text."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    convs = conversations(DOCS[:4])
+    convs[1][0]["name"] = "Ada"  # one message with a key the others lack
+    write_jsonl(tmp_path / "c.jsonl", convs, field="messages")
+    pq.write_table(pa.table({"messages": convs}), tmp_path / "c.parquet")
+    datasets.Dataset.from_dict({"messages": convs}).save_to_disk(str(tmp_path / "c"))
+    for path in ("c.jsonl", "c.parquet", "c"):
+        src = open_source(tmp_path / path)
+        assert src.form == "chat" and list(src.documents()) == convs, path
 
 
 def test_conversations_need_a_template_and_messages_and_a_rerun_their_template(smol, tmp_path, monkeypatch):

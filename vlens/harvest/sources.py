@@ -283,7 +283,8 @@ def document(value: Any, form: str, where: str) -> Document:
         if not _is_conversation(value):
             raise ValueError(f"text_field: expected a conversation in {where} (a list of messages, each a "
                              f"{{'role', 'content'}} object with text in both), got {str(value)[:80]}")  # fmt: skip
-        return [dict(message) for message in value]
+        # (keys a message lacks come back as None from columnar storage, where every message has every key)
+        return [{k: v for k, v in message.items() if v is not None} for message in value]
     if not isinstance(value, str):
         raise ValueError(f"text_field: expected text in {where}, got {type(value).__name__}")  # noqa: TRY004
     return value
