@@ -96,7 +96,7 @@ def bench_windows(llm: LLM, source: Path, count: int) -> torch.Tensor:
     """The first `count` windows exactly as harvest cuts them, for the HF runs."""
     packing = make_packing(llm.tokenizer, llm.config, CONTEXT, True, True, True, None)
     docs = token_documents(open_source(source).documents(), llm.tokenizer, llm.config.vocab_size)
-    return torch.tensor(list(islice(windows(docs, packing), count)))
+    return torch.tensor([w.tokens for w in islice(windows(docs, packing), count)])
 
 
 class Stop(Exception):

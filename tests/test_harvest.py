@@ -126,11 +126,11 @@ def test_documents_that_start_with_bos_get_no_second_one():
         expected = concat_and_batch_sequences(
             iter(map(torch.tensor, docs)), 6, begin_batch_token_id=bos, sequence_separator_token_id=separator
         )
-        got = list(windows(docs, Packing(6, True, bos, separator, ())))
+        got = [w.tokens for w in windows(docs, Packing(6, True, bos, separator, ()))]
         assert got == [w.tolist() for w in expected], (bos, separator)
-    with_bos = list(windows(docs, Packing(6, True, 1, 1, ())))
+    with_bos = [w.tokens for w in windows(docs, Packing(6, True, 1, 1, ()))]
     assert with_bos[:2] == [[1, 5, 6, 7, 1, 8], [1, 9, 1, 10, 11, 12]]  # the second window has BOS once
-    assert list(windows(docs[:2], Packing(4, False, 1, 1, ()))) == [[1, 5, 6, 7], [1, 8, 9]]
+    assert [w.tokens for w in windows(docs[:2], Packing(4, False, 1, 1, ()))] == [[1, 5, 6, 7], [1, 8, 9]]
 
 
 def test_max_tokens_and_no_pack(smol, corpus, tmp_path):

@@ -19,6 +19,7 @@ from vlens import SAE, Ablate, Capture, Clamp, Patch, SamplingParams, Steer, har
 from vlens.harvest.cli import add_parser
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.ray_backend import ShardWorker
+from vlens.harvest.windows import Window
 from vlens.steering import SteeringVector
 
 CTX = 24
@@ -141,7 +142,7 @@ def test_a_ray_actor_applies_the_edits(smol_path, corpus, vector_file, tmp_path)
     first = read_shards(tmp_path / "local")
     manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
     start, end = manifest["shards"][0]["windows"]
-    windows = [window_rows(first, w)["token_ids"].tolist() for w in range(start, end)]
+    windows = [Window(window_rows(first, w)["token_ids"].tolist()) for w in range(start, end)]
     config = HarvestConfig(model=str(smol_path), source=corpus, hooks=tuple(HOOKS), out_dir=tmp_path / "ray",
                            steering_vector=str(vector_file), multiplier=4.0, **options)  # fmt: skip
     (tmp_path / "ray").mkdir()

@@ -22,7 +22,7 @@ from vlens import harvest
 from vlens.harvest import job, ray_source
 from vlens.harvest.cli import add_parser
 from vlens.harvest.sources import open_source
-from vlens.harvest.windows import token_documents
+from vlens.harvest.windows import Marked, token_documents
 from vlens.harvest.writer import read_manifest
 
 ray = pytest.importorskip("ray")
@@ -78,7 +78,19 @@ def test_ray_data_reads_the_documents_the_local_reader_reads(smol, tmp_path, mon
     src = open_source(path, **options)
     local = list(token_documents(src.documents(), smol.tokenizer, smol.config.vocab_size))
     assert len(local) == {"txt_whole_file": 1, "txt_odd_newlines": 12}.get(kind, len(DOCS))
-    assert list(ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, concurrency=2)) == local
+    read = ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, None, concurrency=2)
+    assert list(read) == local
+
+
+def test_ray_data_marks_the_roles_the_local_reader_marks(smol, tmp_path, monkeypatch):
+    """With roles, the conversations come Marked from the Ray Data tasks as from the local reader."""
+    monkeypatch.setattr(ray_source, "_PIECE_ROWS", 10)
+    path, _ = write_source("chat_parquet", tmp_path, DOCS, [])
+    src, roles = open_source(path), ("assistant",)
+    local = list(token_documents(src.documents(), smol.tokenizer, smol.config.vocab_size, roles))
+    assert all(isinstance(d, Marked) and any(d.stored) and not all(d.stored) for d in local)
+    read = ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, roles, concurrency=2)
+    assert list(read) == local
 
 
 def test_ray_data_errors_name_the_field_and_line(smol, tmp_path):
@@ -86,7 +98,7 @@ def test_ray_data_errors_name_the_field_and_line(smol, tmp_path):
     path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 7}) + "\n")
     src = open_source(path)
     with pytest.raises(ValueError, match=r"text_field: expected text in .*ragged.jsonl' line 2"):
-        list(ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, concurrency=1))
+        list(ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, None, concurrency=1))
 
 
 def _busy_workers() -> list[int]:

@@ -69,7 +69,7 @@ def test_conversations_are_read_through_the_chat_template(smol, tmp_path, token_
     assert rendered[0].startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\n")
     docs = [tok(r, add_special_tokens=False)["input_ids"] for r in rendered]
     packing = make_packing(tok, smol.config, CTX, True, True, True, None)
-    expected = list(windows(docs, packing))
+    expected = [w.tokens for w in windows(docs, packing)]
     assert rows["token_ids"].tolist() == [t for w in expected for t in w]
     traced = smol.trace(expected[3:4], "blocks.2.hook_resid_post")[0]["blocks.2.hook_resid_post"]
     assert rel_err(rows["blocks.2.hook_resid_post"][3 * CTX : 4 * CTX], traced) < 1e-5
@@ -115,6 +115,65 @@ def test_conversations_need_a_template_and_messages_and_a_rerun_their_template(s
     with pytest.raises(ValueError, match=r"text_field: expected a conversation in .*bad\.jsonl' line 2 \(a list "
                                          r"of messages, each a \{'role', 'content'\} object with text in both\)"):
         harvest(smol, bad, "hook_embed", tmp_path / "bad", **options)
+
+
+def _content_tokens(tok, conversation: list[dict], roles: set[str]) -> list[int]:
+    """The rendered conversation's tokens whose characters overlap the content of a message of `roles`."""
+    text = tok.apply_chat_template(conversation, tokenize=False)
+    spans, at = [], 0
+    for m in conversation:
+        at = text.index(m["content"], at)
+        if m["role"] in roles:
+            spans.append((at, at + len(m["content"])))
+        at += len(m["content"])
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [t for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]) if any(a < e and s < b for a, b in spans)]
+
+
+def test_roles_store_the_rows_of_those_roles_only(smol, tmp_path):
+    """With roles, a conversation's rows are those of its messages' contents in those roles, in order; each is the
+    row of the whole-conversation forward (the dense run's, bit for bit); the manifest records the roles."""
+    convs = conversations(DOCS[:12])
+    path = write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
+    options = {"context_size": CTX, "dtype": "float32", "progress": False}
+    harvest(smol, path, "blocks.2.hook_resid_post", tmp_path / "all", **options)
+    dense = read_shards(tmp_path / "all")
+    at = {(int(w), int(p)): i for i, (w, p) in enumerate(zip(dense["window"], dense["position"]))}
+    for roles in (["assistant"], ["user", "system"]):
+        out = tmp_path / "_".join(roles)
+        harvest(smol, path, "blocks.2.hook_resid_post", out, roles=roles, **options)
+        rows = read_shards(out)
+        expected = [t for c in convs for t in _content_tokens(smol.tokenizer, c, set(roles))]
+        stored = rows["token_ids"].tolist()
+        assert len(stored) > 3 * CTX and stored == expected[: len(stored)]  # (the last, partial window is dropped)
+        same = [at[int(w), int(p)] for w, p in zip(rows["window"], rows["position"])]
+        assert torch.equal(rows["blocks.2.hook_resid_post"], dense["blocks.2.hook_resid_post"][same])
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["packing"]["roles"] == roles and manifest["totals"]["rows"] == len(stored)
+    assert "roles" not in json.loads((tmp_path / "all" / "manifest.json").read_text())["packing"]
+    with pytest.raises(ValueError, match=r"packing\.roles: \['assistant'\] on disk, \['user'\] now"):
+        harvest(smol, path, "blocks.2.hook_resid_post", tmp_path / "assistant", roles=["user"], **options)
+
+
+def test_roles_need_conversations_whose_contents_the_template_writes(smol, tmp_path, monkeypatch):
+    """A template that trims contents is met with the trimmed ones; one that changes them is refused by name, as
+    roles for a source of text are."""
+    convs = [[{"role": "user", "content": "  Hello there "}, {"role": "assistant", "content": "Hi! How are you?"}]] * 4
+    path = write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
+    options = {"context_size": 8, "progress": False, "roles": ["user"]}
+    monkeypatch.setattr(smol.tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | trim }}\n{% endfor %}")  # fmt: skip
+    harvest(smol, path, "hook_embed", tmp_path / "trimmed", **options)
+    stored = read_shards(tmp_path / "trimmed")["token_ids"].tolist()
+    hello_there = smol.tokenizer(" Hello there", add_special_tokens=False)["input_ids"]  # (" Hello": a space, too)
+    assert len(hello_there) == 2 and stored == hello_there * (len(stored) // 2) and len(stored) >= 6
+    monkeypatch.setattr(smol.tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}")  # fmt: skip
+    with pytest.raises(ValueError, match=r"roles: the chat template does not write each message's content as given"):
+        harvest(smol, path, "hook_embed", tmp_path / "upper", **options)
+    text = write_jsonl(tmp_path / "docs.jsonl", DOCS[:4])
+    with pytest.raises(ValueError, match=r"roles: for a source of conversations .* column 'text' holds text"):
+        harvest(smol, text, "hook_embed", tmp_path / "text", **options)
 
 
 def test_whole_file_is_one_document(smol, tmp_path):

@@ -58,6 +58,10 @@ class HarvestConfig:
         "by the model's chat template); the default falls back to a tokens, input_ids or messages column",
     )  # fmt: skip
     exclude_token_ids: tuple[int, ...] | None = setting(None, "further token ids whose rows are left out")
+    roles: tuple[str, ...] | None = setting(
+        None, "with a source of conversations: store only the rows of these roles' messages (their contents' "
+        "tokens, e.g. assistant), not the template's or other roles' (default: every row)",
+    )  # fmt: skip
     whole_file: bool = setting(False, "a .txt source is one document, not one per line")
     split: str | None = setting(None, "split of a datasets directory or hub dataset (default: train)")
     batch_tokens: int | None = setting(

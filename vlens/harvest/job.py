@@ -31,7 +31,15 @@ from vlens.harvest.features import FeatureHarvest, feature_harvest
 from vlens.harvest.model import config_hash, tokenizer_info, weights_hash
 from vlens.harvest.sources import Source, open_source
 from vlens.harvest.stats import HookStats, Pieces
-from vlens.harvest.windows import Packing, check_chat_template, make_packing, windows
+from vlens.harvest.windows import (
+    Packing,
+    TokenDoc,
+    Window,
+    check_chat_template,
+    make_packing,
+    stored_rows,
+    windows,
+)
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
 from vlens.version import __version__
 
@@ -96,9 +104,15 @@ def plan(
             "position; harvest stores fixed-width rows. Capture attention patterns with LLM.trace or "
             "LLM.generate (Capture) instead"
         )
+    if config.roles is not None and src.form != "chat":
+        column = f" column {src.field!r}" if src.field else ""
+        raise ValueError(
+            f"roles: for a source of conversations (lists of {{role, content}} messages); {src.location!r}{column} "
+            f"holds {'token ids' if src.form == 'tokens' else 'text'}"
+        )
     packing = make_packing(
         loaded.tokenizer, loaded.config, config.context_size, config.pack, config.prepend_bos, config.exclude_bos,
-        config.exclude_token_ids,
+        config.exclude_token_ids, config.roles,
     )  # fmt: skip
     features = feature_harvest(config, loaded.config)
     return wanted, packing, features, harvest_edits(config, loaded)
@@ -147,7 +161,7 @@ class Job:
         return cls(store, manifest, stats, excluded, max(1, header["shard_bytes"] // row_bytes),
                    manifest["totals"]["tokens"], manifest["totals"]["bytes"], existing is not None)  # fmt: skip
 
-    def shards(self, stream: Iterator[list[int]], src: Source) -> Iterator[tuple[int, int, list[list[int]]]]:
+    def shards(self, stream: Iterator[Window], src: Source) -> Iterator[tuple[int, int, list[Window]]]:
         """The shards still to do, as (index, first window, windows), cut lazily (the tokenizing of the
         source runs as they are asked for); the directory is cleaned now, before this returns.
 
@@ -205,7 +219,7 @@ class Job:
 
 
 def store_shard(
-    store: Store, index: int, first: int, shard_windows: list[list[int]], tensors: dict[str, torch.Tensor],
+    store: Store, index: int, first: int, shard_windows: list[Window], tensors: dict[str, torch.Tensor],
     seed: int | None,
 ) -> dict[str, Any]:  # fmt: skip
     """Write shard `index` (its rows shuffled when there is a seed) and return its line in the manifest.
@@ -217,7 +231,7 @@ def store_shard(
         "file": shard_name(index),
         "rows": len(tensors["token_ids"]),
         "windows": [first, first + len(shard_windows)],
-        "tokens": sum(len(w) for w in shard_windows),
+        "tokens": sum(len(w.tokens) for w in shard_windows),
         "bytes": write_shard(store, index, tensors),
     }
 
@@ -259,19 +273,19 @@ def header(
     }
 
 
-def window_stream(token_docs: Iterable[list[int]], packing: Packing, max_tokens: int | None) -> Iterator[list[int]]:
+def window_stream(token_docs: Iterable[TokenDoc], packing: Packing, max_tokens: int | None) -> Iterator[Window]:
     """The run's windows, in order, up to the `max_tokens` budget."""
     used = 0
     for window in windows(token_docs, packing):
-        used += len(window)
+        used += len(window.tokens)
         if max_tokens is not None and used > max_tokens:
             return
         yield window
 
 
 def _require_one(
-    stream: Iterator[list[int]], location: str, context_size: int, max_tokens: int | None
-) -> Iterator[list[int]]:
+    stream: Iterator[Window], location: str, context_size: int, max_tokens: int | None
+) -> Iterator[Window]:
     """Fail before anything is written when the source yields no window at all (within the budget, which an
     unpacked first window may exceed)."""
     first = next(stream, None)
@@ -285,13 +299,13 @@ def _require_one(
 
 
 def _shards(
-    stream: Iterable[list[int]], first: int, excluded: torch.Tensor, max_rows: int
-) -> Iterator[tuple[int, list[list[int]]]]:
+    stream: Iterable[Window], first: int, excluded: torch.Tensor, max_rows: int
+) -> Iterator[tuple[int, list[Window]]]:
     """Consecutive runs of whole windows whose kept rows fit `max_rows` (a larger window goes alone)."""
-    group: list[list[int]] = []
+    group: list[Window] = []
     rows = 0
     for window in stream:
-        kept = len(window) - (int(torch.isin(torch.tensor(window), excluded).sum()) if len(excluded) else 0)
+        kept = int(stored_rows([window], excluded)[1].sum()) if len(excluded) or window.dropped else len(window.tokens)
         if group and rows + kept > max_rows:
             yield first, group
             first += len(group)

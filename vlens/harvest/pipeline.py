@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from vlens.harvest.job import Job, store_shard
 from vlens.harvest.rows import DeviceRows, Shard
+from vlens.harvest.windows import Window
 
 T = TypeVar("T")
 AHEAD = 2  # shards the source thread cuts ahead of the forwards
@@ -124,7 +125,7 @@ class Writer:
 
 
 def run_shards(
-    job: Job, stage: DeviceRows, tasks: Iterator[tuple[int, int, list[list[int]]]], seed: int | None, bar,
+    job: Job, stage: DeviceRows, tasks: Iterator[tuple[int, int, list[Window]]], seed: int | None, bar,
     pipeline: bool,
 ) -> None:  # fmt: skip
     """Run, write and commit every shard of `tasks`, pipelined or one step after the other."""

@@ -52,6 +52,7 @@ from vlens.harvest.model import resolve_model, runner_for
 from vlens.harvest.ray_source import ray_token_documents
 from vlens.harvest.rows import DeviceRows
 from vlens.harvest.stats import Pieces
+from vlens.harvest.windows import Window
 from vlens.harvest.writer import Store, read_manifest
 
 # How far (in shards per actor) the tasks handed out may run ahead of the manifest: enough that an actor
@@ -90,7 +91,7 @@ class ShardWorker:
             "batch_tokens": choose_batch_tokens(self.config, self.runner, self.taps, existing),
         }  # fmt: skip
 
-    def run_shard(self, batch_tokens: int, index: int, first: int, shard_windows: list[list[int]]) -> dict[str, Any]:
+    def run_shard(self, batch_tokens: int, index: int, first: int, shard_windows: list[Window]) -> dict[str, Any]:
         """Run, write and describe shard `index`; idempotent, so Ray may retry it after a kill."""
         with self.device_lock:  # one task's forwards at a time; the other task meanwhile writes
             if self.stage is None:
@@ -149,7 +150,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
         job = Job.open(config.out_dir, run_header, cfg, wanted, config.out_dtype, packing)
         if job.manifest["complete"]:
             return job.report(started, config.progress, config.workers)
-        token_docs = ray_token_documents(src, loaded.tokenizer, cfg.vocab_size, concurrency=config.workers)
+        token_docs = ray_token_documents(src, loaded.tokenizer, cfg.vocab_size, packing.roles, config.workers)
         tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
         with job.progress_bar("harvest (ray)", config.max_tokens, config.progress) as bar:
             committed = submitted = len(job.manifest["shards"])

@@ -20,14 +20,17 @@ from typing import Any
 import pyarrow as pa
 
 from vlens.harvest.sources import Source, document, is_content, jsonl_documents, text_documents
-from vlens.harvest.windows import token_documents
+from vlens.harvest.windows import Marked, TokenDoc, token_documents
 
 _BATCH_ROWS = 1024  # documents a tokenizing task takes at once
 _PIECE_ROWS = 1 << 16  # rows one reading task takes, about
 
 
-def ray_token_documents(src: Source, tokenizer: Any, vocab_size: int, concurrency: int) -> Iterator[list[int]]:
-    """The token ids of `src`'s documents, in order, as `token_documents(src.documents(), ...)` gives them.
+def ray_token_documents(
+    src: Source, tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None, concurrency: int
+) -> Iterator[TokenDoc]:  # fmt: skip
+    """The token ids of `src`'s documents, in order, as `token_documents(src.documents(), ...)` gives them
+    (with `roles`, Marked).
 
     Its tasks ask for no CPU of their own: on a CPU cluster the forward actors hold every core, and a
     task waiting for a free one would never run. `concurrency` caps the tokenizing tasks instead."""
@@ -45,10 +48,14 @@ def ray_token_documents(src: Source, tokenizer: Any, vocab_size: int, concurrenc
         batch_size=_BATCH_ROWS,
         num_cpus=0,
         compute=ray.data.TaskPoolStrategy(size=concurrency),
-        fn_kwargs={"form": src.form, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size},
+        fn_kwargs={"form": src.form, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size, "roles": roles},
     )
     for batch in tokens.iter_batches(batch_format="pyarrow", batch_size=None):
-        yield from batch.column("ids").to_pylist()
+        ids = batch.column("ids").to_pylist()
+        if roles is None:
+            yield from ids
+        else:
+            yield from map(Marked, ids, batch.column("stored").to_pylist())
 
 
 def _read(src: Source) -> Any:
@@ -126,7 +133,12 @@ def _load_split(src: Source) -> Any:
     return loaded[src.split] if src.split is not None else loaded
 
 
-def _tokenize(batch: pa.Table, form: str, where: str, tokenizer: Any, vocab_size: int) -> pa.Table:
+def _tokenize(
+    batch: pa.Table, form: str, where: str, tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None
+) -> pa.Table:  # fmt: skip
     docs = [document(value, form, where) for value in batch.column("doc").to_pylist()]
-    ids = list(token_documents(filter(is_content, docs), tokenizer, vocab_size))
-    return pa.table({"ids": pa.array(ids, type=pa.list_(pa.int64()))})
+    token_docs = list(token_documents(filter(is_content, docs), tokenizer, vocab_size, roles))
+    if roles is None:
+        return pa.table({"ids": pa.array(token_docs, type=pa.list_(pa.int64()))})
+    ids, stored = [d.tokens for d in token_docs], [d.stored for d in token_docs]
+    return pa.table({"ids": pa.array(ids, type=pa.list_(pa.int64())), "stored": pa.array(stored, pa.list_(pa.bool_()))})

@@ -16,7 +16,6 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain
 
 import torch
 
@@ -27,6 +26,7 @@ from vlens.harvest import job
 from vlens.harvest.edits import HarvestEdits
 from vlens.harvest.features import SAE_KEYS, FeatureHarvest
 from vlens.harvest.stats import Pieces, ShardStats
+from vlens.harvest.windows import Window, stored_rows
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Shard:
 
     index: int
     first: int  # its first window
-    windows: list[list[int]]
+    windows: list[Window]
     tensors: dict[str, torch.Tensor]  # every key of the shard file; hook rows are views of `buffers`
     stats: dict[str, Pieces]  # per hook, in host memory once `ready` returns
     buffers: dict[str, torch.Tensor]  # to give back to the pool once written
@@ -53,7 +53,7 @@ class Shard:
 
     @property
     def tokens(self) -> int:
-        return sum(len(w) for w in self.windows)
+        return sum(len(w.tokens) for w in self.windows)
 
 
 class BufferPool:
@@ -105,11 +105,10 @@ class DeviceRows:
         self.pool = BufferPool(specs, pinned=cuda, size=buffer_sets)
         self.side = torch.cuda.Stream(self.device) if cuda else None
 
-    def shard(self, index: int, first: int, windows: list[list[int]]) -> Shard:
+    def shard(self, index: int, first: int, windows: list[Window]) -> Shard:
         """Launch the forwards of one shard; its rows are in `Shard.tensors` once `Shard.ready()` returns."""
-        lens = [len(w) for w in windows]
-        flat = torch.tensor(list(chain.from_iterable(windows)), dtype=torch.long)
-        keep = ~torch.isin(flat, self.excluded) if len(self.excluded) else torch.ones(len(flat), dtype=torch.bool)
+        lens = [len(w.tokens) for w in windows]
+        flat, keep = stored_rows(windows, self.excluded)
         kept_before = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(keep, 0)]).tolist()
         kept_at = keep.nonzero().squeeze(1)  # the shard's rows, as positions in its tokens
         n_rows = kept_before[-1]
@@ -124,7 +123,7 @@ class DeviceRows:
                 continue
             rows = (kept_at[out] - lo).to(self.device, non_blocking=True)
             hooks = {tap: self._hook(tap, rows, out, buffers, stats) for tap in self._taps()}
-            self._forward(shard, [windows[i] for i in batch], hooks)
+            self._forward(shard, [windows[i].tokens for i in batch], hooks)
         shard.stats = {name: self._stats_to_host(s.finish()) for name, s in stats.items()}
         if self.side is not None:
             shard.event = torch.cuda.Event()

@@ -73,7 +73,7 @@ def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, src: Source, sta
     job = Job.open(config.out_dir, run_header, loaded.config, wanted, config.out_dtype, packing)
     if job.manifest["complete"]:
         return job.report(started, config.progress)
-    token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size)
+    token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size, packing.roles)
     pipelined = config.pipelined(next(loaded.model.parameters()).device)
     stage = DeviceRows(
         runner, wanted, request_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features, edits,

@@ -12,13 +12,21 @@ share a window (none before a document that opens a window). The separator is BO
 else the tokenizer's EOS (else none). A document that already starts with that token (pre-tokenized rows
 often open with BOS) gets no second one before it, in either place. The last, partial window is dropped
 so every window holds exactly `context_size` tokens. Without packing each document becomes one window of its own, truncated.
+
+Roles. A harvest of conversations may store the rows of some roles only (`roles`, e.g. the assistant's):
+each conversation's tokens are marked by whether they render the content of a message of those roles (the
+character spans the chat template gives each message, through the tokenizer's offsets), and a window lists
+the positions it does not store: the other tokens, and the BOS and separators packing adds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from typing import Any
+
+import torch
 
 from vlens.config import ModelConfig
 from vlens.harvest.sources import Document
@@ -37,13 +45,35 @@ class Packing:
     bos_token_id: int | None  # opens every window; None = no BOS
     separator_token_id: int | None  # between two documents in one window
     excluded_token_ids: tuple[int, ...]  # rows whose token is one of these are not stored
+    roles: tuple[str, ...] | None = None  # conversations: the roles whose content rows are stored (None: all rows)
 
     def describe(self) -> dict[str, Any]:
         return {
             "pack": self.pack,
             "bos_token_id": self.bos_token_id,
             "separator_token_id": self.separator_token_id,
+            **({"roles": list(self.roles)} if self.roles is not None else {}),  # (only then: older manifests match)
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Marked:
+    """A conversation's token ids, and whether each renders the content of a message of the harvest's roles."""
+
+    tokens: list[int]
+    stored: list[bool]
+
+
+TokenDoc = list[int] | Marked
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A window's token ids, and the positions among them whose rows are not stored for its marks (`roles`);
+    the rows left out by token id are the Packing's `excluded_token_ids`."""
+
+    tokens: list[int]
+    dropped: tuple[int, ...] = ()
 
 
 def model_bos(tokenizer: Any) -> int | None:
@@ -62,6 +92,7 @@ def make_packing(
     prepend_bos: bool,
     exclude_bos: bool,
     exclude_token_ids: Iterable[int] | None,
+    roles: Iterable[str] | None = None,
 ) -> Packing:
     """The packing of a run whose options `HarvestConfig` has checked, against what only the model knows."""
     if context_size > cfg.max_position_embeddings:
@@ -78,31 +109,40 @@ def make_packing(
         eos = cfg.eos_token_ids[0]
     if bos is not None and exclude_bos:
         excluded = sorted({*excluded, bos})
-    return Packing(context_size, pack, bos, bos if bos is not None else eos, tuple(excluded))
+    roles = None if roles is None else tuple(roles)
+    return Packing(context_size, pack, bos, bos if bos is not None else eos, tuple(excluded), roles)
 
 
-def token_documents(docs: Iterable[Document], tokenizer: Any, vocab_size: int) -> Iterator[list[int]]:
+def token_documents(
+    docs: Iterable[Document], tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None = None
+) -> Iterator[TokenDoc]:  # fmt: skip
     """Token ids per document: texts, and conversations rendered by the chat template (whose text holds its
-    special tokens), tokenized in batches without adding special tokens (as LLM.chat does); token lists checked."""
+    special tokens), tokenized in batches without adding special tokens (as LLM.chat does); token lists checked.
+    With `roles`, each conversation comes `Marked` (see the module doc)."""
     pending: list[str] = []
+    spans: list[list[tuple[int, int]]] = []  # with roles: each pending conversation's spans of those roles
     size, limit = 0, _TOKENIZE_CHARS[0]
     for doc in docs:
         if isinstance(doc, str) or isinstance(doc[0], dict):
             if tokenizer is None:
                 raise ValueError("source: this checkpoint has no tokenizer files; give pre-tokenized data")
             if not isinstance(doc, str):
-                doc = render_conversation(tokenizer, doc)
+                if roles is not None:
+                    doc, content = role_spans(tokenizer, doc, roles)
+                    spans.append(content)
+                else:
+                    doc = render_conversation(tokenizer, doc)
             pending.append(doc)
             size += len(doc)
             if size >= limit:
-                yield from _tokenize(pending, tokenizer)
-                pending, size, limit = [], 0, min(2 * limit, _TOKENIZE_CHARS[1])
+                yield from _tokenize(pending, tokenizer, spans if roles is not None else None)
+                pending, spans, size, limit = [], [], 0, min(2 * limit, _TOKENIZE_CHARS[1])
         else:
             if min(doc) < 0 or max(doc) >= vocab_size:
                 raise ValueError(f"source: token ids outside the vocabulary [0, {vocab_size}) in a pre-tokenized row")
             yield doc
     if pending:
-        yield from _tokenize(pending, tokenizer)
+        yield from _tokenize(pending, tokenizer, spans if roles is not None else None)
 
 
 def check_chat_template(tokenizer: Any) -> None:
@@ -122,36 +162,104 @@ def render_conversation(tokenizer: Any, conversation: list[dict[str, Any]]) -> s
         raise ValueError(f"source: the chat template refused a conversation ({e}): {str(conversation)[:120]}") from None
 
 
-def _tokenize(texts: list[str], tokenizer: Any) -> Iterator[list[int]]:
-    for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
-        if ids:
+def role_spans(
+    tokenizer: Any, conversation: list[dict[str, Any]], roles: tuple[str, ...]
+) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
+    """The rendered conversation and the character spans of the contents of its messages of `roles`.
+
+    The template renders the conversation once as it is and once with each content replaced by a marker; the
+    text between markers is the template's own, so the spans are exact wherever the template writes each
+    content as given (most do; one that trims it is met with the trimmed content)."""
+    text = render_conversation(tokenizer, conversation)
+    markers = [f"\ue000{i}\ue001" for i in range(len(conversation))]  # (private-use characters)
+    rest = render_conversation(tokenizer, [{**m, "content": k} for m, k in zip(conversation, markers)])
+    pieces = []  # the template's text before each content, then after the last
+    for k in markers:
+        piece, found, rest = rest.partition(k)
+        if not found:
+            break
+        pieces.append(piece)
+    pieces.append(rest)
+    for trimmed in (False, True):
+        contents = [m["content"].strip() if trimmed else m["content"] for m in conversation]
+        if len(pieces) == len(contents) + 1 and "".join(chain(*zip(pieces, contents), pieces[-1:])) == text:
+            spans, at = [], 0
+            for piece, content, message in zip(pieces, contents, conversation):
+                at += len(piece)
+                if message["role"] in roles and content:
+                    spans.append((at, at + len(content)))
+                at += len(content)
+            return text, spans
+    raise ValueError(
+        "roles: the chat template does not write each message's content as given (or drops a message), so the "
+        f"tokens of a role cannot be told apart in {str(conversation)[:120]}; harvest it without roles"
+    )
+
+
+def _tokenize(texts: list[str], tokenizer: Any, spans: list[list[tuple[int, int]]] | None) -> Iterator[TokenDoc]:
+    """Token ids of `texts`; with `spans` (one list per text), Marked: a token is stored when its characters
+    overlap a span."""
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False, return_offsets_mapping=spans is not None)
+    for i, ids in enumerate(encoded["input_ids"]):
+        if not ids:
+            continue
+        if spans is None:
             yield ids
+            continue
+        yield Marked(ids, [any(a < e and s < b for a, b in spans[i]) for s, e in encoded["offset_mapping"][i]])
 
 
-def windows(token_docs: Iterable[list[int]], packing: Packing) -> Iterator[list[int]]:
-    """The windows of a harvest, in order (see the module doc for the packing rules)."""
-    size, separator = packing.context_size, packing.separator_token_id
+def windows(token_docs: Iterable[TokenDoc], packing: Packing) -> Iterator[Window]:
+    """The windows of a harvest, in order (see the module doc for the packing rules). With `roles` every
+    document is Marked, and what packing adds (BOS, separators) is not stored."""
+    size, separator, marked = packing.context_size, packing.separator_token_id, packing.roles is not None
     if not packing.pack:
         for doc in token_docs:
-            prefix = _opening(packing, doc[0])
-            yield prefix + doc[: size - len(prefix)]
+            tokens = doc.tokens if marked else doc
+            prefix = _opening(packing, tokens[0])
+            kept = size - len(prefix)
+            dropped = (*range(len(prefix)), *_unstored(doc.stored[:kept], len(prefix))) if marked else ()
+            yield Window(prefix + tokens[:kept], dropped)
         return
     window: list[int] = []  # empty until its first token is known
+    dropped: list[int] = []
     for doc in token_docs:
-        if window and separator not in (None, doc[0]):
+        tokens = doc.tokens if marked else doc
+        if window and separator not in (None, tokens[0]):
+            dropped += [len(window)] if marked else []
             window.append(separator)
             if len(window) == size:
-                yield window
-                window = []
+                yield Window(window, tuple(dropped))
+                window, dropped = [], []
         start = 0
-        while start < len(doc):
-            window = window or _opening(packing, doc[start])
-            take = min(size - len(window), len(doc) - start)
-            window.extend(doc[start : start + take])
+        while start < len(tokens):
+            if not window:
+                window = _opening(packing, tokens[start])
+                dropped = list(range(len(window))) if marked else []
+            take = min(size - len(window), len(tokens) - start)
+            if marked:
+                dropped += _unstored(doc.stored[start : start + take], len(window))
+            window.extend(tokens[start : start + take])
             start += take
             if len(window) == size:
-                yield window
-                window = []
+                yield Window(window, tuple(dropped))
+                window, dropped = [], []
+
+
+def stored_rows(windows: list[Window], excluded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windows' token ids end to end, and which of their rows are stored: not excluded by token id, nor
+    dropped by the window."""
+    flat = torch.tensor(list(chain.from_iterable(w.tokens for w in windows)), dtype=torch.long)
+    keep = ~torch.isin(flat, excluded) if len(excluded) else torch.ones(len(flat), dtype=torch.bool)
+    if any(w.dropped for w in windows):
+        starts = accumulate([0, *(len(w.tokens) for w in windows[:-1])])
+        keep[[start + p for start, w in zip(starts, windows) for p in w.dropped]] = False
+    return flat, keep
+
+
+def _unstored(stored: list[bool], at: int) -> list[int]:
+    """The positions, counted from `at`, of the tokens not stored."""
+    return [at + i for i, keep in enumerate(stored) if not keep]
 
 
 def _opening(packing: Packing, first: int) -> list[int]:
