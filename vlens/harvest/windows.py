@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from itertools import accumulate, chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlens.config import ModelConfig
@@ -206,7 +207,18 @@ def _tokenize(texts: list[str], tokenizer: Any, spans: list[list[tuple[int, int]
         if spans is None:
             yield ids
             continue
-        yield Marked(ids, [any(a < e and s < b for a, b in spans[i]) for s, e in encoded["offset_mapping"][i]])
+        yield Marked(ids, _overlapping(np.asarray(encoded["offset_mapping"][i]).reshape(-1, 2), spans[i]))
+
+
+def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> list[bool]:
+    """Whether each token's characters [start, end) overlap one of `spans` (ascending, disjoint)."""
+    if not spans:
+        return [False] * len(offsets)
+    first, last = np.asarray(spans).T
+    nearest = np.searchsorted(last, offsets[:, 0], side="right")  # the first span ending after the token starts
+    inside = nearest < len(spans)
+    nearest = np.minimum(nearest, len(spans) - 1)
+    return (inside & (first[nearest] < offsets[:, 1])).tolist()
 
 
 def windows(token_docs: Iterable[TokenDoc], packing: Packing) -> Iterator[Window]:
