@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 import pytest
-from harvest_helpers import dir_bytes, documents, write_jsonl
+from harvest_helpers import conversations, dir_bytes, documents, write_jsonl
 
 from vlens import harvest
 from vlens.harvest import job
@@ -86,12 +86,12 @@ CHILD = textwrap.dedent(
 )
 
 
-def _kill_at(tmp_path, model_path, source, out, point: str, nth: int) -> None:
+def _kill_at(tmp_path, model_path, source, out, point: str, nth: int, options: dict | None = None) -> None:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     run = subprocess.run(
         [sys.executable, str(script), str(model_path), str(source), str(out), point, str(nth),
-         json.dumps(HOOKS), json.dumps(OPTIONS)],
+         json.dumps(HOOKS), json.dumps({**OPTIONS, **(options or {})})],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
@@ -139,6 +139,27 @@ def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, expec
     summary = _run(smol4, source, out)
     assert summary.tokens_this_run == summary.tokens - (done + 1) * 3 * 16
     assert dir_bytes(out) == expected
+
+
+def test_a_steered_harvest_of_one_roles_rows_resumes_byte_identical(smol4, smol4_path, tmp_path):
+    """Conversations read through the chat template, the assistant's rows only, under a steering vector:
+    killed mid-shard and run again, the files are those of an uninterrupted run."""
+    import torch
+
+    from vlens.steering import SteeringVector
+
+    source = write_jsonl(tmp_path / "chats.jsonl", conversations(documents(30, seed=5)), field="messages")
+    vector = tmp_path / "vector.safetensors"
+    steer = torch.randn(576, generator=torch.Generator().manual_seed(0))
+    SteeringVector({"blocks.0.hook_resid_post": steer}).save(vector)
+    options = {"roles": ["assistant"], "steering_vector": str(vector), "multiplier": 2.0, "shard_bytes": 30_000}
+    _run(smol4, source, tmp_path / "whole", pipeline="off", **options)
+    manifest = read_manifest(tmp_path / "whole")
+    assert len(manifest["shards"]) >= 4 and manifest["totals"]["rows_excluded"] > manifest["totals"]["rows"] / 2
+    _kill_at(tmp_path, smol4_path, source, tmp_path / "out", "forward", 5, options)
+    assert 0 < len(read_manifest(tmp_path / "out")["shards"]) < len(manifest["shards"])
+    assert _run(smol4, source, tmp_path / "out", **options).tokens_this_run > 0
+    assert dir_bytes(tmp_path / "out") == dir_bytes(tmp_path / "whole")
 
 
 def test_a_failed_write_stops_the_run_and_the_rerun_completes_it(smol4, source, expected, tmp_path, monkeypatch):
