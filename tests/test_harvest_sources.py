@@ -157,7 +157,7 @@ def test_roles_store_the_rows_of_those_roles_only(smol, tmp_path):
 
 def test_roles_need_conversations_whose_contents_the_template_writes(smol, tmp_path, monkeypatch):
     """A template that trims contents is met with the trimmed ones; one that changes them is refused by name, as
-    roles for a source of text are."""
+    roles for a source of text are, and for a tokenizer without character offsets."""
     convs = [[{"role": "user", "content": "  Hello there "}, {"role": "assistant", "content": "Hi! How are you?"}]] * 4
     path = write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
     options = {"context_size": 8, "progress": False, "roles": ["user"]}
@@ -174,6 +174,9 @@ def test_roles_need_conversations_whose_contents_the_template_writes(smol, tmp_p
     text = write_jsonl(tmp_path / "docs.jsonl", DOCS[:4])
     with pytest.raises(ValueError, match=r"roles: for a source of conversations .* column 'text' holds text"):
         harvest(smol, text, "hook_embed", tmp_path / "text", **options)
+    monkeypatch.setattr(type(smol.tokenizer), "is_fast", property(lambda self: False))
+    with pytest.raises(ValueError, match=r"roles: a token's role is found through its character offsets, which only"):
+        harvest(smol, path, "hook_embed", tmp_path / "slow", **options)
 
 
 def test_whole_file_is_one_document(smol, tmp_path):

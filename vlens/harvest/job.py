@@ -110,6 +110,9 @@ def plan(
             f"roles: for a source of conversations (lists of {{role, content}} messages); {src.location!r}{column} "
             f"holds {'token ids' if src.form == 'tokens' else 'text'}"
         )
+    if config.roles is not None and not getattr(loaded.tokenizer, "is_fast", False):
+        raise ValueError("roles: a token's role is found through its character offsets, which only a fast "
+                         "(Rust) tokenizer gives; this model's is not one")  # fmt: skip
     packing = make_packing(
         loaded.tokenizer, loaded.config, config.context_size, config.pack, config.prepend_bos, config.exclude_bos,
         config.exclude_token_ids, config.roles,
