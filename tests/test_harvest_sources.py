@@ -14,6 +14,7 @@ from conftest import rel_err
 from harvest_helpers import CHAT_KINDS, SOURCE_KINDS, conversations, documents, read_shards, write_jsonl, write_source
 
 from vlens import harvest
+from vlens.harvest import export
 from vlens.harvest.sources import open_source
 from vlens.harvest.windows import make_packing, windows
 
@@ -132,7 +133,8 @@ def _content_tokens(tok, conversation: list[dict], roles: set[str]) -> list[int]
 
 def test_roles_store_the_rows_of_those_roles_only(smol, tmp_path):
     """With roles, a conversation's rows are those of its messages' contents in those roles, in order; each is the
-    row of the whole-conversation forward (the dense run's, bit for bit); the manifest records the roles."""
+    row of the whole-conversation forward (the dense run's, bit for bit); the manifest records the roles, and
+    the SAELens export, which needs whole windows, says why it cannot take them."""
     convs = conversations(DOCS[:12])
     path = write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
     options = {"context_size": CTX, "dtype": "float32", "progress": False}
@@ -153,6 +155,9 @@ def test_roles_store_the_rows_of_those_roles_only(smol, tmp_path):
     assert "roles" not in json.loads((tmp_path / "all" / "manifest.json").read_text())["packing"]
     with pytest.raises(ValueError, match=r"packing\.roles: \['assistant'\] on disk, \['user'\] now"):
         harvest(smol, path, "blocks.2.hook_resid_post", tmp_path / "assistant", roles=["user"], **options)
+    with pytest.raises(ValueError, match=r"rows not of roles \['assistant'\]\); the SAELens layout needs whole "
+                                         r"windows: harvest with --keep-bos and no --exclude-token-ids or --roles"):
+        export(tmp_path / "assistant", tmp_path / "saelens", format="saelens")
 
 
 def test_roles_need_conversations_whose_contents_the_template_writes(smol, tmp_path, monkeypatch):

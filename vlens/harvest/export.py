@@ -84,10 +84,12 @@ def _check_exportable(manifest: dict[str, Any], out_dir: Any) -> None:
             "re-run the same harvest command to finish it"
         )
     if totals["rows_excluded"]:
+        roles = manifest["packing"].get("roles")
+        why = f"token ids {manifest['exclusions']['token_ids']}" + (f"; rows not of roles {roles}" if roles else "")
+        flags = "--exclude-token-ids or --roles" if roles else "--exclude-token-ids"
         raise ValueError(
-            f"out_dir: the harvest in {str(out_dir)!r} left out {totals['rows_excluded']} rows (token ids "
-            f"{manifest['exclusions']['token_ids']}); the SAELens layout needs whole windows: harvest with "
-            "--keep-bos and no --exclude-token-ids"
+            f"out_dir: the harvest in {str(out_dir)!r} left out {totals['rows_excluded']} rows ({why}); the SAELens "
+            f"layout needs whole windows: harvest with --keep-bos and no {flags}"
         )
     if totals["tokens"] != totals["windows"] * ctx:
         raise ValueError(
