@@ -176,6 +176,8 @@ def test_roles_need_conversations_whose_contents_the_template_writes(smol, tmp_p
                         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}")  # fmt: skip
     with pytest.raises(ValueError, match=r"roles: the chat template does not write each message's content as given"):
         harvest(smol, path, "hook_embed", tmp_path / "upper", **options)
+    with pytest.raises(ValueError, match=r"roles: give at least one role \(e\.g\. assistant\)"):
+        harvest(smol, path, "hook_embed", tmp_path / "none", **{**options, "roles": []})
     text = write_jsonl(tmp_path / "docs.jsonl", DOCS[:4])
     with pytest.raises(ValueError, match=r"roles: for a source of conversations .* column 'text' holds text"):
         harvest(smol, text, "hook_embed", tmp_path / "text", **options)

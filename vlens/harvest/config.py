@@ -119,6 +119,8 @@ class HarvestConfig:
             raise ValueError("tensor_parallel_size: with the local backend; the Ray backend runs one model per actor")
         if self.sae_hook is not None and self.sae is None:
             raise ValueError("sae_hook: only with sae")
+        if self.roles is not None and not self.roles:
+            raise ValueError("roles: give at least one role (e.g. assistant) whose rows to store, or none for every row")
         check_interventions(self.interventions or ())
         if self.multiplier is not None and self.steering_vector is None:
             raise ValueError("multiplier: scales steering_vector; give one")
