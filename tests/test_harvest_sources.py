@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ from harvest_helpers import CHAT_KINDS, SOURCE_KINDS, conversations, documents, 
 
 from vlens import harvest
 from vlens.harvest import export
+from vlens.harvest.cli import add_parser
 from vlens.harvest.sources import open_source
 from vlens.harvest.windows import make_packing, windows
 
@@ -176,6 +178,10 @@ def test_roles_need_conversations_whose_contents_the_template_writes(smol, tmp_p
                         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}")  # fmt: skip
     with pytest.raises(ValueError, match=r"roles: the chat template does not write each message's content as given"):
         harvest(smol, path, "hook_embed", tmp_path / "upper", **options)
+    parser = argparse.ArgumentParser(prog="vlens")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["harvest", "--source", "s", "--hooks", "h", "--out", "o", "--roles", "assistant", "user"])
+    assert args.roles == ["assistant", "user"]
     with pytest.raises(ValueError, match=r"roles: give at least one role \(e\.g\. assistant\)"):
         harvest(smol, path, "hook_embed", tmp_path / "none", **{**options, "roles": []})
     text = write_jsonl(tmp_path / "docs.jsonl", DOCS[:4])
