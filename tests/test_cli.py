@@ -124,6 +124,11 @@ def test_hooks_lists_every_name_with_its_shape(smol):
         (["generate", "x", "--steering-vector", "{tmp}/v.st"], "steering_vector: '{tmp}/v.st' is not a readable"),
         (["steering-vector", "{tmp}/p.jsonl", "--hooks", "hook_embed", "--out", "{tmp}/v.st"],
          "pairs: '{tmp}/p.jsonl' is not a file"),
+        (["steering-vector", "--out", "{tmp}/v.st"],
+         "pairs: give PAIRS (a JSON-lines file of contrastive pairs) or --from-harvests POS NEG"),
+        (["steering-vector", "{tmp}/p.jsonl", "--out", "{tmp}/v.st"], "hooks: required with PAIRS"),
+        (["steering-vector", "--from-harvests", "{tmp}", "{tmp}", "--out", "{tmp}/v.st"],
+         "out_dir: '{tmp}' holds no manifest.json; is it a vlens harvest directory?"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys, monkeypatch):

@@ -1,15 +1,19 @@
-"""Reading a harvest: ActivationDataset (indexing, shuffled batches, DataLoader) and the SAELens export."""
+"""Reading a harvest: ActivationDataset (indexing, shuffled batches, DataLoader, the mean row), the SAELens
+export, and a steering vector from two harvests' means."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import rel_err
 from harvest_helpers import documents, read_shards, window_rows, write_jsonl
 from torch.utils.data import DataLoader
 
 from vlens import ActivationDataset, harvest
-from vlens.harvest import export
+from vlens.cli import main
+from vlens.harvest import difference_of_means, export
+from vlens.steering import SteeringVector
 
 HOOKS = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_k"]
 CTX = 16
@@ -121,3 +125,35 @@ def test_saelens_reads_the_export_as_cached_activations(out, rows, tmp_path):
         expect = [window_rows(rows, w) for w in range(windows)]
         assert torch.equal(acts, torch.cat([e[hook].float().reshape(CTX, -1) for e in expect]))
         assert torch.equal(token_ids.long(), torch.cat([e["token_ids"] for e in expect]).long())
+
+
+def test_mean_is_the_mean_stored_row_without_reading_a_shard(out, rows, monkeypatch):
+    expected = {hook: rows[hook].double().mean(0).float() for hook in HOOKS}
+    monkeypatch.setattr(ActivationDataset, "mapped", None)  # (no shard is read)
+    for hook in HOOKS:
+        mean = ActivationDataset(out, hook).mean
+        assert mean.dtype == torch.float32 and mean.shape == rows[hook].shape[1:]
+        assert rel_err(mean, expected[hook]) < 1e-6
+    with pytest.raises(ValueError, match=r"holds no rows of 'token_ids' to average"):
+        ActivationDataset(out, "token_ids").mean
+
+
+def test_difference_of_means_of_two_harvests_is_a_steering_vector(smol, smol4, out, rows, tmp_path):
+    """The positive harvest's mean row minus the negative's, at every hook both stored or at those named (also
+    as `vlens steering-vector --from-harvests`); the harvests must be of one model and hold the hooks."""
+    other = tmp_path / "other"
+    source = write_jsonl(tmp_path / "docs.jsonl", documents(20, seed=9))
+    harvest(smol, source, [HOOKS[0], "blocks.2.hook_resid_post"], other, context_size=CTX, progress=False)
+    theirs = read_shards(other)
+    vector = difference_of_means(out, other)
+    assert list(vector.vectors) == [HOOKS[0]]
+    expected = rows[HOOKS[0]].double().mean(0) - theirs[HOOKS[0]].double().mean(0)
+    assert rel_err(vector.vectors[HOOKS[0]], expected) < 1e-5
+    assert torch.equal(difference_of_means(out, other, [HOOKS[0]]).vectors[HOOKS[0]], vector.vectors[HOOKS[0]])
+    with pytest.raises(ValueError, match=r"hooks: \['blocks\.2\.hook_resid_post'\] not stored by both harvests"):
+        difference_of_means(out, other, ["blocks.2.hook_resid_post"])
+    assert main(["steering-vector", "--from-harvests", str(out), str(other), "--out", str(tmp_path / "v.st")]) == 0
+    assert torch.equal(SteeringVector.load(tmp_path / "v.st").vectors[HOOKS[0]], vector.vectors[HOOKS[0]])
+    harvest(smol4, source, [HOOKS[0]], tmp_path / "smol4", context_size=CTX, progress=False)
+    with pytest.raises(ValueError, match=r"negative: the harvests are of different models"):
+        difference_of_means(out, tmp_path / "smol4")

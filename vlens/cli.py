@@ -23,6 +23,7 @@ from vlens.capture.names import hook_shapes, is_pattern
 from vlens.capture.rows import widen
 from vlens.engine.config import EngineConfig
 from vlens.harvest import cli as harvest_cli
+from vlens.harvest.dataset import difference_of_means
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
 from vlens.loader import read_config, resolve_model_path
@@ -48,9 +49,10 @@ GENERATE_FILE = (
     "'{i}/token_ids' (prompt then completion); metadata holds the prompts and completions."
 )
 STEERING_ABOUT = (
-    "Train a steering vector from contrastive pairs (vlens.steering.train_steering_vector) and write it as a "
-    "safetensors file, one vector per hook, which `vlens generate --steering-vector` and `vlens serve "
-    "--steering-vector NAME=PATH` read."
+    "Train a steering vector from contrastive pairs (vlens.steering.train_steering_vector), or take the difference "
+    "of the mean rows of two harvests (--from-harvests; vlens.harvest.difference_of_means), and write it as a "
+    "safetensors file, one vector per hook, which `vlens generate --steering-vector`, `vlens harvest "
+    "--steering-vector` and `vlens serve --steering-vector NAME=PATH` read."
 )
 STEERING_PAIRS = 'PAIRS is a JSON-lines file, one pair a line: {"positive": "...", "negative": "..."}.'
 LENS_ABOUT = (
@@ -151,12 +153,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_steering_vector(args: argparse.Namespace) -> int:
+    if (args.pairs is None) == (args.from_harvests is None):
+        raise ValueError("pairs: give PAIRS (a JSON-lines file of contrastive pairs) or --from-harvests POS NEG")
     _check_out(args.out)
-    pairs = _read_pairs(Path(args.pairs))
-    vector = train_steering_vector(_llm(args), pairs, args.hooks, args.read_token_index, args.aggregator)
+    if args.from_harvests is not None:
+        vector = difference_of_means(*args.from_harvests, args.hooks)
+        source = "the mean rows of " + " minus ".join(args.from_harvests)
+    else:
+        if args.hooks is None:
+            raise ValueError("hooks: required with PAIRS: where the vectors are read")
+        pairs = _read_pairs(Path(args.pairs))
+        vector = train_steering_vector(_llm(args), pairs, args.hooks, args.read_token_index, args.aggregator)
+        source = f"{len(pairs)} pairs"
     vector.save(args.out)
     _print_table([("hook", "norm")] + [(hook, f"{v.float().norm():.4f}") for hook, v in vector.vectors.items()])
-    print(f"wrote {args.out}: {len(vector.vectors)} vectors from {len(pairs)} pairs")
+    print(f"wrote {args.out}: {len(vector.vectors)} vectors from {source}")
     return 0
 
 
@@ -282,12 +293,16 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     p = commands.add_parser(
-        "steering-vector", help="train a steering vector from contrastive pairs", description=STEERING_ABOUT,
+        "steering-vector", help="a steering vector from contrastive pairs or two harvests", description=STEERING_ABOUT,
         epilog=STEERING_PAIRS,
     )  # fmt: skip
-    p.add_argument("pairs", metavar="PAIRS", help="the pairs, as JSON lines (before --hooks; see below)")
-    p.add_argument("--hooks", nargs="+", required=True, metavar="HOOK",
-                   help="where vectors are read and added (names or globs): 'blocks.{8,10}.hook_resid_post'")
+    p.add_argument("pairs", metavar="PAIRS", nargs="?", help="the pairs, as JSON lines (before --hooks; see below)")
+    p.add_argument("--from-harvests", nargs=2, metavar=("POS", "NEG"),
+                   help="instead of pairs: two harvest directories of one model; the vectors are the differences "
+                        "of their mean rows")  # fmt: skip
+    p.add_argument("--hooks", nargs="+", metavar="HOOK",
+                   help="where vectors are read and added (names or globs): 'blocks.{8,10}.hook_resid_post'; with "
+                        "--from-harvests, hook names (default: every hook both stored)")  # fmt: skip
     p.add_argument("--out", metavar="FILE", required=True, help="the safetensors file to write")
     p.add_argument("--read-token-index", type=int, default=-1,
                    help="the token each prompt is read at (default: -1, its last)")  # fmt: skip

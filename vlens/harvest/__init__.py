@@ -5,9 +5,9 @@ memory), pipeline (the threads), run (the entry and the local backend), ray_back
 writer, stats, features, dataset, export, cli."""
 
 from vlens.harvest.config import HarvestConfig
-from vlens.harvest.dataset import ActivationDataset
+from vlens.harvest.dataset import ActivationDataset, difference_of_means
 from vlens.harvest.export import export
 from vlens.harvest.job import HarvestSummary
 from vlens.harvest.run import harvest
 
-__all__ = ["ActivationDataset", "HarvestConfig", "HarvestSummary", "export", "harvest"]
+__all__ = ["ActivationDataset", "HarvestConfig", "HarvestSummary", "difference_of_means", "export", "harvest"]

@@ -11,7 +11,7 @@ import bisect
 import json
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vlens.capture.names import tap_dtype
 from vlens.harvest.features import SAE_KEYS
 from vlens.harvest.writer import Store, read_manifest
+from vlens.steering import SteeringVector
 
 META_KEYS = ("token_ids", "window", "position")
 _DTYPES = {
@@ -120,6 +121,15 @@ class ActivationDataset(IterableDataset):
 
     def __len__(self) -> int:
         return self.offsets[-1]
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The mean stored row (float32, [*shape]), from the manifest's statistics (float64 sums of the rows
+        as stored): no shard is read."""
+        stats = self.manifest["stats"].get(self.hook)
+        if stats is None or not stats["rows"]:
+            raise ValueError(f"hook: the harvest at {str(self.out_dir)!r} holds no rows of {self.hook!r} to average")
+        return torch.tensor(stats["mean"], dtype=torch.float64).reshape(self.shape).float()
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers map the shards themselves
         return {**self.__dict__, "_mapped": {}}
@@ -259,6 +269,27 @@ def _mix(chunks: Iterator[torch.Tensor], size: int, capacity: int, draws: torch.
     order = torch.randperm(len(remaining), generator=draws)
     for start in range(0, len(remaining), size):
         yield remaining[order[start : start + size]]
+
+
+def difference_of_means(
+    positive: str | os.PathLike, negative: str | os.PathLike, hooks: Iterable[str] | None = None
+) -> SteeringVector:  # fmt: skip
+    """A steering vector at each of `hooks` (default: every hook both harvests stored): the mean row of the
+    `positive` harvest minus that of the `negative` one (e.g. the assistant's rows, `roles`, of conversations
+    with and without a trait), from their manifests' statistics. Both must be of one model."""
+    manifests = [load_manifest(local_dir(d)) for d in (positive, negative)]
+    weights = [m["model"]["weights_sha256"] for m in manifests]
+    if weights[0] != weights[1]:
+        raise ValueError(f"negative: the harvests are of different models (weights {weights[0][:12]}..., "
+                         f"{weights[1][:12]}...)")  # fmt: skip
+    both = [h for h in manifests[0]["hooks"] if h in manifests[1]["hooks"]]
+    hooks = both if hooks is None else list(hooks)
+    missing = [h for h in hooks if h not in both]
+    if missing or not hooks:
+        raise ValueError(f"hooks: {missing or 'none'} not stored by both harvests (both hold: {both})")
+    return SteeringVector(
+        {h: ActivationDataset(positive, h).mean - ActivationDataset(negative, h).mean for h in hooks}
+    )
 
 
 @dataclass(frozen=True)
