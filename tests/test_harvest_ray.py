@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harvest_helpers import CHAT_KINDS, SOURCE_KINDS, dir_bytes, documents, read_shards, write_source
+from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_source
 
 from vlens import harvest
 from vlens.harvest import job, ray_source
@@ -62,10 +62,11 @@ def _each_window_once(out: Path) -> None:
 DOCS = documents(30, seed=2)
 
 
-@pytest.mark.parametrize("kind", [*SOURCE_KINDS, *CHAT_KINDS, "txt_whole_file", "txt_odd_newlines"])
+@pytest.mark.parametrize("kind", [*SOURCE_KINDS, "chat_parquet", "txt_whole_file", "txt_odd_newlines"])
 def test_ray_data_reads_the_documents_the_local_reader_reads(smol, tmp_path, monkeypatch, kind):
     """Read and tokenized by Ray Data tasks, each taking a piece of the source, the token lists come in
-    source order and equal the local reader's, newline rules included."""
+    source order and equal the local reader's, newline rules included; conversations (as Parquet structs,
+    whose other forms are read by the same functions as texts) also with their role marks."""
     monkeypatch.setattr(ray_source, "_PIECE_ROWS", 10)  # parquet and datasets sources in three pieces each
     options: dict = {}
     if kind.startswith("txt_"):
@@ -80,17 +81,12 @@ def test_ray_data_reads_the_documents_the_local_reader_reads(smol, tmp_path, mon
     assert len(local) == {"txt_whole_file": 1, "txt_odd_newlines": 12}.get(kind, len(DOCS))
     read = ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, None, concurrency=2)
     assert list(read) == local
-
-
-def test_ray_data_marks_the_roles_the_local_reader_marks(smol, tmp_path, monkeypatch):
-    """With roles, the conversations come Marked from the Ray Data tasks as from the local reader."""
-    monkeypatch.setattr(ray_source, "_PIECE_ROWS", 10)
-    path, _ = write_source("chat_parquet", tmp_path, DOCS, [])
-    src, roles = open_source(path), ("assistant",)
-    local = list(token_documents(src.documents(), smol.tokenizer, smol.config.vocab_size, roles))
-    assert all(isinstance(d, Marked) and any(d.stored) and not all(d.stored) for d in local)
-    read = ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, roles, concurrency=2)
-    assert list(read) == local
+    if kind.startswith("chat_"):
+        roles = ("assistant",)
+        local = list(token_documents(src.documents(), smol.tokenizer, smol.config.vocab_size, roles))
+        assert all(isinstance(d, Marked) and any(d.stored) and not all(d.stored) for d in local)
+        read = ray_source.ray_token_documents(src, smol.tokenizer, smol.config.vocab_size, roles, concurrency=2)
+        assert list(read) == local
 
 
 def test_ray_data_errors_name_the_field_and_line(smol, tmp_path):
