@@ -1,8 +1,9 @@
 """Activation datasets: `harvest` writes them (resumable safetensors shards + manifest), `ActivationDataset`
-reads them, `export` converts them for SAELens. One job per module: config (the options), sources,
-windows, model, job (what both backends drive), rows (a shard's forwards and its rows' way to host
-memory), pipeline (the threads), run (the entry and the local backend), ray_backend and ray_source,
-writer, stats, features, dataset, export, cli."""
+reads them, `export` converts them for SAELens, `difference_of_means` makes a steering vector of two. One job
+per module: config (the options), sources, windows, model, job (what both backends drive), rows (a shard's
+forwards and its rows' way to host memory), pipeline (the threads), run (the entry and the local backend),
+ray_backend and ray_source, writer, stats, features (SAE latents), edits (interventions), dataset, export,
+cli."""
 
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.dataset import ActivationDataset, difference_of_means
