@@ -14,7 +14,7 @@ from conftest import rel_err
 from harvest_helpers import dir_bytes, documents, read_shards, window_rows, write_jsonl
 
 from vlens import LLM, ActivationDataset, harvest
-from vlens.harvest import export
+from vlens.harvest import difference_of_means, export
 from vlens.harvest.cli import add_parser
 from vlens.harvest.stats import BLOCK, HookStats, ShardStats
 from vlens.harvest.windows import Packing, windows
@@ -364,6 +364,10 @@ def test_integer_hooks_keep_their_ids(tmp_path):
     assert {s["rows"] for s in manifest["shards"]} == {16}  # 3000 B hold 30 rows of 100 B: one window a shard
     dataset = ActivationDataset(tmp_path / "out", hooks[0])
     assert dataset.dtype == torch.int64 and torch.equal(dataset[:], ids) and torch.equal(dataset[[0, 3]], ids[[0, 3]])
+    vector = difference_of_means(tmp_path / "out", tmp_path / "out")  # ids are no direction: the residual's alone
+    assert list(vector.vectors) == [hooks[1]] and not vector.vectors[hooks[1]].any()
+    with pytest.raises(ValueError, match=r"hooks: \['blocks\.0\.mlp\.hook_expert_ids'\] not stored by both"):
+        difference_of_means(tmp_path / "out", tmp_path / "out", hooks[:1])
 
 
 def test_rows_that_overflow_the_dtype_are_a_clear_error(tmp_path):

@@ -150,7 +150,7 @@ def test_difference_of_means_of_two_harvests_is_a_steering_vector(smol, smol4, o
     expected = rows[HOOKS[0]].double().mean(0) - theirs[HOOKS[0]].double().mean(0)
     assert rel_err(vector.vectors[HOOKS[0]], expected) < 1e-5
     assert torch.equal(difference_of_means(out, other, [HOOKS[0]]).vectors[HOOKS[0]], vector.vectors[HOOKS[0]])
-    with pytest.raises(ValueError, match=r"hooks: \['blocks\.2\.hook_resid_post'\] not stored by both harvests"):
+    with pytest.raises(ValueError, match=r"hooks: \['blocks\.2\.hook_resid_post'\] not stored by both harvests as rows a vector can steer"):
         difference_of_means(out, other, ["blocks.2.hook_resid_post"])
     assert main(["steering-vector", "--from-harvests", str(out), str(other), "--out", str(tmp_path / "v.st")]) == 0
     assert torch.equal(SteeringVector.load(tmp_path / "v.st").vectors[HOOKS[0]], vector.vectors[HOOKS[0]])

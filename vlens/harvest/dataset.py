@@ -282,11 +282,14 @@ def difference_of_means(
     if weights[0] != weights[1]:
         raise ValueError(f"negative: the harvests are of different models (weights {weights[0][:12]}..., "
                          f"{weights[1][:12]}...)")  # fmt: skip
-    both = [h for h in manifests[0]["hooks"] if h in manifests[1]["hooks"]]
+    stored = manifests[0]["hooks"]
+    steerable = [h for h in stored if tap_dtype(stored[h]["tap"], torch.float32) != torch.long]  # (not expert ids)
+    both = [h for h in steerable if h in manifests[1]["hooks"]]
     hooks = both if hooks is None else list(hooks)
     missing = [h for h in hooks if h not in both]
     if missing or not hooks:
-        raise ValueError(f"hooks: {missing or 'none'} not stored by both harvests (both hold: {both})")
+        raise ValueError(f"hooks: {missing or 'none'} not stored by both harvests as rows a vector can steer "
+                         f"(these are: {both})")  # fmt: skip
     return SteeringVector(
         {h: ActivationDataset(positive, h).mean - ActivationDataset(negative, h).mean for h in hooks}
     )
