@@ -1,6 +1,7 @@
-"""A persona vector, end to end on SmolLM2: replies generated under two system prompts (one eliciting a trait,
-one not), their assistant tokens harvested (`roles`), the difference of the two harvests' mean rows taken as
-a steering vector, and a plain question answered with it added.
+"""A persona vector, end to end on SmolLM2: questions answered under two system prompts (one eliciting a trait,
+one not) and the answers' rows harvested in one step (`generate_tokens`: the model writes each reply, the
+harvest stores the rows of the tokens it wrote, `roles`), the difference of the two harvests' mean rows taken
+as a steering vector, and a plain question answered with it added.
 
     .venv/bin/python examples/persona_vector.py
 """
@@ -22,17 +23,14 @@ personas = {
 hook = "blocks.16.hook_resid_post"
 
 llm = LLM(dtype="float32", device="cpu")
-greedy = SamplingParams(max_tokens=40, temperature=0)
 with tempfile.TemporaryDirectory() as tmp:
     for name, system in personas.items():
-        conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
-        replies = llm.chat(conversations, greedy, use_tqdm=False)
         with open(Path(tmp) / f"{name}.jsonl", "w") as f:
-            for conversation, reply in zip(conversations, replies):
-                messages = [*conversation, {"role": "assistant", "content": reply.outputs[0].text}]
+            for q in questions:  # (the conversations end with the question: the model writes the replies)
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
                 f.write(json.dumps({"messages": messages}) + "\n")
-        harvest(llm, Path(tmp) / f"{name}.jsonl", hook, Path(tmp) / name, roles=["assistant"], context_size=128,
-                pack=False, dtype="float32", progress=False)  # fmt: skip
+        harvest(llm, Path(tmp) / f"{name}.jsonl", hook, Path(tmp) / name, generate_tokens=40, roles=["assistant"],
+                context_size=128, pack=False, dtype="float32", progress=False)  # fmt: skip
     vector = difference_of_means(Path(tmp) / "cheerful", Path(tmp) / "gloomy")
 
 question = [{"role": "user", "content": "Tell me about your weekend."}]

@@ -35,8 +35,9 @@ CHILD = textwrap.dedent(
     """
     import json, os, signal, sys, threading
     from vlens import harvest
-    from vlens.harvest import job, writer
+    from vlens.harvest import job, replies, writer
 
+    replies.CHUNK = 4  # (continuations generated four documents at a time, as in the parent's reference run)
     model, source, out, point, nth, hooks, options = sys.argv[1:8]
     nth = int(nth)
     calls = {"n": 0}
@@ -63,6 +64,12 @@ CHILD = textwrap.dedent(
     elif point == "after-rename":  # the shard has its name but the manifest does not list it yet
         real = job.write_shard
         job.write_shard = die_on_nth(after=real)
+    elif point == "generate":  # before a chunk of continuations is generated (nothing of it on disk)
+        real = replies._generate
+        replies._generate = die_on_nth()
+    elif point == "replies-written":  # a chunk of continuations is on disk; its windows have not run
+        real = replies.atomic_write
+        replies.atomic_write = die_on_nth(after=real)
     elif point == "writer-holds":  # the writer thread holds shard nth, unwritten, while the forwards go on
         held = threading.Event()
         real_write, real_forward = job.write_shard, job.forward
@@ -160,6 +167,33 @@ def test_a_steered_harvest_of_one_roles_rows_resumes_byte_identical(smol4, smol4
     assert 0 < len(read_manifest(tmp_path / "out")["shards"]) < len(manifest["shards"])
     assert _run(smol4, source, tmp_path / "out", **options).tokens_this_run > 0
     assert dir_bytes(tmp_path / "out") == dir_bytes(tmp_path / "whole")
+
+
+def test_a_generating_harvest_resumes_byte_identical(smol4, smol4_path, tmp_path, monkeypatch):
+    """Texts continued by seeded samples before they are read: killed before a chunk of continuations is
+    generated, right after one is written, and mid-shard, then run again, the directory (continuations and
+    shards) is an uninterrupted run's, and no chunk on disk was generated twice."""
+    from vlens.harvest import replies
+
+    monkeypatch.setattr(replies, "CHUNK", 4)
+    source = write_jsonl(tmp_path / "docs.jsonl", documents(14, seed=6))
+    options = {"generate_tokens": 6, "temperature": 0.8}
+    _run(smol4, source, tmp_path / "whole", **options)
+    assert len(read_manifest(tmp_path / "whole")["shards"]) >= 6
+    out = tmp_path / "out"
+    _kill_at(tmp_path, smol4_path, source, out, "generate", 2, options)
+    assert [p.name for p in out.glob("replies-*")] == ["replies-00000.json"]
+    assert len(read_manifest(out)["shards"]) >= 1
+    _kill_at(tmp_path, smol4_path, source, out, "replies-written", 1, options)
+    assert sorted(p.name for p in out.glob("replies-*")) == ["replies-00000.json", "replies-00001.json"]
+    _kill_at(tmp_path, smol4_path, source, out, "forward", 3, options)
+    on_disk = len(list(out.glob("replies-*")))
+    calls = []
+    real = replies._generate
+    monkeypatch.setattr(replies, "_generate", lambda *args: calls.append(args[2]) or real(*args))
+    assert _run(smol4, source, out, **options).tokens_this_run > 0
+    assert calls == [4 * i for i in range(on_disk, 4)]  # (14 documents: four chunks)
+    assert dir_bytes(out) == dir_bytes(tmp_path / "whole")
 
 
 def test_a_failed_write_stops_the_run_and_the_rerun_completes_it(smol4, source, expected, tmp_path, monkeypatch):

@@ -68,6 +68,11 @@ class LLM:
         """The engine's gauges and counters now (its attention backend among them)."""
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (as vLLM's): later prompts are computed anew, whatever earlier ones left.
+        False, and nothing forgotten, while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def hook_names(self) -> dict[str, tuple[int, ...]]:
         """Every hook name this model has, in forward order, with its per-token shape."""
         return hook_shapes(self.config)

@@ -144,6 +144,16 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so later prompts are computed from scratch; False (and nothing forgotten)
+        while a sequence holds blocks."""
+        if len(self.free) < len(self.blocks):
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        return True
+
     def release(self, seq: Sequence) -> None:
         self.give_back(seq.block_table)
         seq.block_table.clear()

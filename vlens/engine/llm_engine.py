@@ -181,6 +181,9 @@ class LLMEngine:
             self.scheduler.abort(seq)
             self._release(seq)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.blocks.reset_prefix_cache()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -106,6 +106,15 @@ class HarvestConfig:
         None, "Steer, Ablate, Patch or Clamp objects applied in every window, before a steering vector's, positions "
         "counted from the window's start (from Python)", flag="",
     )  # fmt: skip
+    generate_tokens: int | None = setting(
+        None, "first let the model continue each document by up to this many tokens (a conversation: the assistant's "
+        "reply, after the template's generation prompt), then harvest the document with its continuation: rows of "
+        "the model's own text. Kept in out_dir (replies-NNNNN.json): a resumed run reads them", minimum=1,
+    )  # fmt: skip
+    temperature: float = setting(
+        0.0, "with --generate-tokens: sampling temperature (default 0: greedy); document i's samples are seeded by i",
+        minimum=0,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
@@ -122,6 +131,10 @@ class HarvestConfig:
         if self.roles is not None and not self.roles:
             raise ValueError("roles: give at least one role (e.g. assistant) whose rows to store, or none for every row")
         check_interventions(self.interventions or ())
+        if self.temperature and self.generate_tokens is None:
+            raise ValueError("temperature: samples the continuations of generate_tokens; give it too")
+        if self.generate_tokens is not None and self.backend == "ray":
+            raise ValueError("generate_tokens: with the local backend; Ray actors run no generation engine")
         if self.multiplier is not None and self.steering_vector is None:
             raise ValueError("multiplier: scales steering_vector; give one")
         if self.pack and self.max_tokens is not None and self.max_tokens < self.context_size:

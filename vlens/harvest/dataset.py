@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from vlens.capture.names import tap_dtype
 from vlens.harvest.features import SAE_KEYS
-from vlens.harvest.writer import Store, read_manifest
+from vlens.harvest.writer import Store, read_manifest, read_replies
 from vlens.steering import SteeringVector
 
 META_KEYS = ("token_ids", "window", "position")
@@ -130,6 +130,13 @@ class ActivationDataset(IterableDataset):
         if stats is None or not stats["rows"]:
             raise ValueError(f"hook: the harvest at {str(self.out_dir)!r} holds no rows of {self.hook!r} to average")
         return torch.tensor(stats["mean"], dtype=torch.float64).reshape(self.shape).float()
+
+    def replies(self) -> list[list[int]]:
+        """The continuations a generating harvest (`generate_tokens`) wrote, one per document in source order:
+        the token ids the model wrote (its tokenizer decodes them)."""
+        if "generate" not in self.manifest:
+            raise ValueError(f"the harvest at {str(self.out_dir)!r} generated no continuations (generate_tokens)")
+        return read_replies(Store.open(self.out_dir))
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers map the shards themselves
         return {**self.__dict__, "_mapped": {}}

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 class HarvestEdits:
     """A harvest's interventions bound to its model, the steering vector's steers last."""
 
+    given: list[Any]  # the Steer, Ablate, Patch and Clamp objects (what a generation's requests apply)
     bound: list[BoundIntervention]
     kinds: list[str]  # each one's class name, for the manifest
     steering_vector: dict[str, Any] | None  # its file and multiplier, for the manifest
@@ -62,4 +63,4 @@ def harvest_edits(config: HarvestConfig, loaded: LoadedModel) -> HarvestEdits | 
         return None
     window = config.context_size
     bound = bind_interventions(given, window, window, loaded.model, shapes)
-    return HarvestEdits(bound, [type(iv).__name__ for iv in given], described)
+    return HarvestEdits(given, bound, [type(iv).__name__ for iv in given], described)

@@ -70,6 +70,7 @@ class HarvestSummary:
     device_seconds: float  # the forwards' time on the device (on a CPU: their wall time), all workers together
     write_seconds: float  # the time spent storing shards (serialising, writing, syncing, renaming)
     workers: int = 1
+    generate_seconds: float = 0.0  # this call's generation of continuations (generate_tokens)
 
     def __str__(self) -> str:
         rate = self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
@@ -80,8 +81,9 @@ class HarvestSummary:
             f"({self.rows_excluded:,} excluded) in {self.shards} shards, {_human(self.bytes)} at {self.out_dir}; "
             f"this run {self.tokens_this_run:,} tokens in {self.seconds:.1f} s: {rate:,.0f} tokens/s, device busy "
             f"{busy:.0%} of the time, writes {writes:,.0f} MB/s ({_human(self.bytes_this_run)} in "
-            f"{self.write_seconds:.1f} s)"
-        )
+            f"{self.write_seconds:.1f} s)" + (f", {self.generate_seconds:.1f} s generating continuations"
+                                              if self.generate_seconds else "")
+        )  # fmt: skip
 
 
 def source_of(config: HarvestConfig) -> Source:
@@ -138,6 +140,7 @@ class Job:
     resumed: bool  # out_dir held a manifest of this run
     device_seconds: float = 0.0  # this call's forwards (see HarvestSummary)
     write_seconds: float = 0.0  # this call's shard writes
+    generate_seconds: float = 0.0  # this call's continuations (vlens.harvest.replies)
 
     @classmethod
     def open(
@@ -214,7 +217,7 @@ class Job:
             str(self.store), totals["windows"], totals["tokens"], totals["rows"], totals["rows_excluded"],
             len(self.manifest["shards"]), totals["bytes"], time.perf_counter() - started,
             totals["tokens"] - self.tokens_before, totals["bytes"] - self.bytes_before, self.device_seconds,
-            self.write_seconds, workers,
+            self.write_seconds, workers, self.generate_seconds,
         )  # fmt: skip
         if progress:
             print(summary, file=sys.stderr)
@@ -241,7 +244,7 @@ def store_shard(
 
 def header(
     loaded: Any, src: Source, wanted: dict[str, str], packing: Packing, config: HarvestConfig, batch_tokens: int,
-    features: FeatureHarvest | None, edits: HarvestEdits | None,
+    features: FeatureHarvest | None, edits: HarvestEdits | None, generation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
     param = next(loaded.model.parameters())
@@ -265,6 +268,7 @@ def header(
         "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
         "sae": features.describe() if features is not None else None,
         "interventions": edits.describe() if edits is not None else None,
+        **({"generate": generation} if generation is not None else {}),  # (only then: older manifests match)
         "dtype": dtype_name(config.out_dtype),
         "context_size": packing.context_size,
         "max_tokens": config.max_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlens.attention.sdpa import SdpaBackend
 from vlens.distributed.executor import Executor
@@ -13,8 +13,12 @@ from vlens.engine.model_runner import ModelRunner
 from vlens.llm import LLM
 from vlens.loader import LoadedModel, hash_file, load_model, resolve_device
 
+if TYPE_CHECKING:
+    from vlens.harvest.config import HarvestConfig
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 _hashes: dict[tuple, str] = {}
+GENERATION_MEMORY = 0.5  # of a GPU, for a generating harvest's engine (weights and KV cache)
 
 
 def resolve_model(model: Any, model_dtype: str, device: str, tensor_parallel_size: int = 1) -> LoadedModel:
@@ -27,6 +31,20 @@ def resolve_model(model: Any, model_dtype: str, device: str, tensor_parallel_siz
     if tensor_parallel_size > 1:
         return Executor(model, model_dtype, resolve_device(device), tensor_parallel_size, "sdpa").loaded
     return load_model(model, dtype=model_dtype, device=device)
+
+
+def generation_engine(config: HarvestConfig) -> LLM:
+    """The engine that writes a generating harvest's continuations: the caller's `LLM`, else one loaded here
+    (on CUDA within half the GPU's memory, weights and KV cache: the rest is the harvest's forwards')."""
+    if isinstance(config.model, LLM):
+        return config.model
+    if isinstance(config.model, LoadedModel):
+        raise ValueError("model: generate_tokens needs a generation engine: give an LLM or a model path, "
+                         "not a LoadedModel")  # fmt: skip
+    return LLM(
+        config.model, dtype=config.model_dtype, device=config.device, tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=GENERATION_MEMORY,
+    )  # fmt: skip
 
 
 def runner_for(model: Any, loaded: LoadedModel) -> ModelRunner:

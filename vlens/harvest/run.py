@@ -14,8 +14,9 @@ from typing import Any
 from vlens.capture.names import request_shapes
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.job import HarvestSummary, Job, choose_batch_tokens, header, plan, source_of, window_stream
-from vlens.harvest.model import resolve_model, runner_for
+from vlens.harvest.model import generation_engine, resolve_model, runner_for
 from vlens.harvest.pipeline import run_shards
+from vlens.harvest.replies import Generation, run_digest, with_replies
 from vlens.harvest.rows import DeviceRows
 from vlens.harvest.sources import Source
 from vlens.harvest.windows import token_documents
@@ -56,25 +57,36 @@ def harvest_with(config: HarvestConfig) -> HarvestSummary:
 def _harvest_local(config: HarvestConfig) -> HarvestSummary:
     started = time.perf_counter()
     src = source_of(config)
-    loaded = resolve_model(config.model, config.model_dtype, config.device, config.tensor_parallel_size)
+    model = generation_engine(config) if config.generate_tokens is not None else config.model
+    loaded = resolve_model(model, config.model_dtype, config.device, config.tensor_parallel_size)
     try:
-        return _harvest_loaded(config, loaded, src, started)
+        return _harvest_loaded(config, model, loaded, src, started)
     finally:
         if loaded.model.executor is not None and not isinstance(config.model, (LLM, LoadedModel)):
             loaded.model.executor.close()  # the group this harvest started
 
 
-def _harvest_loaded(config: HarvestConfig, loaded: LoadedModel, src: Source, started: float) -> HarvestSummary:
+def _harvest_loaded(
+    config: HarvestConfig, model: Any, loaded: LoadedModel, src: Source, started: float
+) -> HarvestSummary:  # fmt: skip
     wanted, packing, features, edits = plan(loaded, config, src)
+    generation = Generation(config.generate_tokens, config.temperature) if config.generate_tokens else None
     taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
-    runner = runner_for(config.model, loaded)
+    runner = runner_for(model, loaded)
     batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))
-    run_header = header(loaded, src, wanted, packing, config, batch_tokens, features, edits)
+    run_header = header(
+        loaded, src, wanted, packing, config, batch_tokens, features, edits, generation and generation.describe()
+    )  # fmt: skip
     job = Job.open(config.out_dir, run_header, loaded.config, wanted, config.out_dtype, packing)
     if job.manifest["complete"]:
         return job.report(started, config.progress)
-    token_docs = token_documents(src.documents(), loaded.tokenizer, loaded.config.vocab_size, packing.roles)
-    pipelined = config.pipelined(next(loaded.model.parameters()).device)
+    token_docs = token_documents(
+        src.documents(), loaded.tokenizer, loaded.config.vocab_size, packing.roles, generation is not None
+    )  # fmt: skip
+    if generation is not None:
+        token_docs = with_replies(token_docs, model, generation, packing, edits, job, run_digest(run_header))
+    # (a generating run reads its source in this thread: the engine and the harvest share the model's buffers)
+    pipelined = config.pipelined(next(loaded.model.parameters()).device) and generation is None
     stage = DeviceRows(
         runner, wanted, request_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features, edits,
         buffer_sets=2 if pipelined else 1,

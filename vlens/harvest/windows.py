@@ -115,10 +115,12 @@ def make_packing(
 
 
 def token_documents(
-    docs: Iterable[Document], tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None = None
+    docs: Iterable[Document], tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None = None,
+    generation_prompt: bool = False,
 ) -> Iterator[TokenDoc]:  # fmt: skip
     """Token ids per document: texts, and conversations rendered by the chat template (whose text holds its
-    special tokens), tokenized in batches without adding special tokens (as LLM.chat does); token lists checked.
+    special tokens; with `generation_prompt`, ending in the template's opening of the assistant's reply),
+    tokenized in batches without adding special tokens (as LLM.chat does); token lists checked.
     With `roles`, each conversation comes `Marked` (see the module doc)."""
     pending: list[str] = []
     spans: list[list[tuple[int, int]]] = []  # with roles: each pending conversation's spans of those roles
@@ -129,10 +131,10 @@ def token_documents(
                 raise ValueError("source: this checkpoint has no tokenizer files; give pre-tokenized data")
             if not isinstance(doc, str):
                 if roles is not None:
-                    doc, content = role_spans(tokenizer, doc, roles)
+                    doc, content = role_spans(tokenizer, doc, roles, generation_prompt)
                     spans.append(content)
                 else:
-                    doc = render_conversation(tokenizer, doc)
+                    doc = render_conversation(tokenizer, doc, generation_prompt)
             pending.append(doc)
             size += len(doc)
             if size >= limit:
@@ -155,25 +157,27 @@ def check_chat_template(tokenizer: Any) -> None:
         )
 
 
-def render_conversation(tokenizer: Any, conversation: list[dict[str, Any]]) -> str:
-    """A whole conversation through the chat template, as the model reads it (no generation prompt after it)."""
+def render_conversation(tokenizer: Any, conversation: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+    """A whole conversation through the chat template, as the model reads it (with `generation_prompt`, as
+    LLM.chat renders it for a reply)."""
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False)
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # the template is the model's Jinja code: what it raises is about the data
         raise ValueError(f"source: the chat template refused a conversation ({e}): {str(conversation)[:120]}") from None
 
 
 def role_spans(
-    tokenizer: Any, conversation: list[dict[str, Any]], roles: tuple[str, ...]
+    tokenizer: Any, conversation: list[dict[str, Any]], roles: tuple[str, ...], generation_prompt: bool = False
 ) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
     """The rendered conversation and the character spans of the contents of its messages of `roles`.
 
     The template renders the conversation once as it is and once with each content replaced by a marker; the
     text between markers is the template's own, so the spans are exact wherever the template writes each
     content as given (most do; one that trims it is met with the trimmed content)."""
-    text = render_conversation(tokenizer, conversation)
+    text = render_conversation(tokenizer, conversation, generation_prompt)
     markers = [f"\ue000{i}\ue001" for i in range(len(conversation))]  # (private-use characters)
-    rest = render_conversation(tokenizer, [{**m, "content": k} for m, k in zip(conversation, markers)])
+    marked = [{**m, "content": k} for m, k in zip(conversation, markers)]
+    rest = render_conversation(tokenizer, marked, generation_prompt)
     pieces = []  # the template's text before each content, then after the last
     for k in markers:
         piece, found, rest = rest.partition(k)
@@ -228,7 +232,7 @@ def windows(token_docs: Iterable[TokenDoc], packing: Packing) -> Iterator[Window
     if not packing.pack:
         for doc in token_docs:
             tokens = doc.tokens if marked else doc
-            prefix = _opening(packing, tokens[0])
+            prefix = opening(packing, tokens[0])
             kept = size - len(prefix)
             dropped = (*range(len(prefix)), *_unstored(doc.stored[:kept], len(prefix))) if marked else ()
             yield Window(prefix + tokens[:kept], dropped)
@@ -246,7 +250,7 @@ def windows(token_docs: Iterable[TokenDoc], packing: Packing) -> Iterator[Window
         start = 0
         while start < len(tokens):
             if not window:
-                window = _opening(packing, tokens[start])
+                window = opening(packing, tokens[start])
                 dropped = list(range(len(window))) if marked else []
             take = min(size - len(window), len(tokens) - start)
             if marked:
@@ -274,7 +278,7 @@ def _unstored(stored: list[bool], at: int) -> list[int]:
     return [at + i for i, keep in enumerate(stored) if not keep]
 
 
-def _opening(packing: Packing, first: int) -> list[int]:
+def opening(packing: Packing, first: int) -> list[int]:
     """What opens a window whose first document token is `first`: BOS, unless that token already is BOS
     (pre-tokenized rows often start with it; the model never sees BOS twice, as in SAELens)."""
     return [] if packing.bos_token_id in (None, first) else [packing.bos_token_id]

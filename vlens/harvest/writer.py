@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import count
 from typing import Any, BinaryIO
 
 import torch
@@ -29,6 +30,7 @@ TMP_PREFIX = ".tmp-"
 # What a kill left of a shard written by earlier versions, through safetensors' save_file (Rust's tempfile:
 # ".tmp" and six letters or digits, in the same directory)
 SAVE_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+REPLIES = re.compile(r"replies-\d{5}\.json")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class Store:
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def replies_name(index: int) -> str:
+    """Of the continuations a generating run wrote for its documents' chunk `index` (vlens.harvest.replies)."""
+    return f"replies-{index:05d}.json"
 
 
 def atomic_write(store: Store, name: str, data: bytes) -> None:
@@ -125,6 +132,18 @@ def read_manifest(out_dir: Store | str | os.PathLike) -> dict[str, Any] | None:
         raise ValueError(f"out_dir: {path!r} is not a vlens harvest manifest ({e})") from e
 
 
+def read_replies(store: Store) -> list[list[int]]:
+    """The continuations a generating run wrote (vlens.harvest.replies), in document order: its chunks up to
+    the first missing one."""
+    replies: list[list[int]] = []
+    for index in count():
+        path = store.path(replies_name(index))
+        if not store.fs.exists(path):
+            return replies
+        replies += json.loads(store.fs.cat_file(path))["replies"]
+    return replies
+
+
 def prepare_dir(store: Store, manifest: dict[str, Any] | None) -> None:
     """Create the directory, or clean what a killed run left: temporary files and unlisted shards.
 
@@ -134,6 +153,8 @@ def prepare_dir(store: Store, manifest: dict[str, Any] | None) -> None:
     store.fs.makedirs(store.root, exist_ok=True)
     listed = {s["file"] for s in manifest["shards"]} if manifest else set()
     for name in store.names():
+        if REPLIES.fullmatch(name):
+            continue  # kept: a generating run reads the continuations it wrote (a stale one it writes again)
         ours = (
             name.startswith(TMP_PREFIX) or SAVE_TMP.fullmatch(name) is not None
             or (name.startswith("shard-") and name.endswith(".safetensors"))

@@ -1,0 +1,115 @@
+"""On-policy harvests (`generate_tokens`): the model first continues each document — a conversation gets the
+assistant's reply, after the chat template's generation prompt — and the harvest reads the document with its
+continuation, so the rows stored are those of the model's own text (under the harvest's edits, which the
+generation applies too: a steered model's rows over what the steered model wrote).
+
+A document's prompt is what an unpacked window of it holds: BOS where the model uses one, then its tokens;
+edits count positions from there. So with `pack=False` and windows long enough for prompt and reply, each
+stored row is the row the model computed as it wrote (the tests check it against HF). A continuation ends with
+the model's end-of-sequence token, kept (the model wrote it), or after `generate_tokens` tokens. With `roles`,
+a reply is the assistant's.
+
+Resuming. Continuations are generated CHUNK documents at a time, one `LLM.generate` call each, and kept in
+out_dir as replies-NNNNN.json, written whole or not at all. A re-run reads the chunks on disk rather than
+generating them again, so the harvest's bytes do not hang on a generation being repeatable; and each chunk
+is generated from an empty prefix cache, so one lost to a kill comes out as it did in the uninterrupted run.
+A file records the run it belongs to (a digest of the manifest's header): one left by a run with other
+options is generated anew, not read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import count, islice
+from typing import Any
+
+from vlens.harvest.edits import HarvestEdits
+from vlens.harvest.job import Job
+from vlens.harvest.windows import Marked, Packing, TokenDoc, opening
+from vlens.harvest.writer import Store, atomic_write, manifest_bytes, replies_name
+from vlens.llm import LLM
+from vlens.sampling_params import SamplingParams
+
+CHUNK = 256  # documents per generate call: enough to keep a continuous batch full
+REPLY_ROLE = "assistant"  # whose rows a conversation's continuation is, for `roles`
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How a harvest's continuations are generated (the manifest's record of it)."""
+
+    tokens: int  # at most, per document
+    temperature: float  # 0: greedy; else document i's samples are seeded by i
+
+    def describe(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "temperature": self.temperature}
+
+
+def run_digest(header: dict[str, Any]) -> str:
+    """What a replies file names its run by: the sha256 of the manifest's header."""
+    return hashlib.sha256(manifest_bytes(header)).hexdigest()
+
+
+def with_replies(
+    prompts: Iterable[TokenDoc], llm: LLM, generation: Generation, packing: Packing, edits: HarvestEdits | None,
+    job: Job, run: str,
+) -> Iterator[TokenDoc]:  # fmt: skip
+    """`prompts` each followed by the model's continuation: read from the job's directory where this run wrote
+    it, else generated (timed in the job) and written there (see the module doc)."""
+    docs, store = iter(prompts), job.store
+    for index in count():
+        chunk = list(islice(docs, CHUNK))
+        if not chunk:
+            return
+        replies = _read(store, index, run, len(chunk))
+        if replies is None:
+            started = time.perf_counter()
+            replies = _generate(llm, chunk, index * CHUNK, generation, packing, edits)
+            job.generate_seconds += time.perf_counter() - started
+            store.fs.makedirs(store.root, exist_ok=True)  # (the first chunk comes before the run's manifest)
+            record = {"run": run, "documents": [index * CHUNK, index * CHUNK + len(chunk)], "replies": replies}
+            atomic_write(store, replies_name(index), json.dumps(record, separators=(",", ":")).encode())
+        for doc, reply in zip(chunk, replies):
+            if isinstance(doc, Marked):
+                yield Marked(doc.tokens + reply, doc.stored + [REPLY_ROLE in packing.roles] * len(reply))
+            else:
+                yield doc + reply
+
+
+def _read(store: Store, index: int, run: str, documents: int) -> list[list[int]] | None:
+    path = store.path(replies_name(index))
+    if not store.fs.exists(path):
+        return None
+    record = json.loads(store.fs.cat_file(path))
+    if record.get("run") != run or len(record.get("replies", ())) != documents:
+        return None  # another run's (or a run over other data): generated again
+    return record["replies"]
+
+
+def _generate(
+    llm: LLM, chunk: list[TokenDoc], first: int, generation: Generation, packing: Packing, edits: HarvestEdits | None
+) -> list[list[int]]:  # fmt: skip
+    prompts = []
+    limit = llm.engine.max_model_len
+    for i, doc in enumerate(chunk, first):
+        tokens = doc.tokens if isinstance(doc, Marked) else doc
+        prompt = opening(packing, tokens[0]) + tokens
+        if len(prompt) >= limit:
+            raise ValueError(
+                f"generate_tokens: document {i} has {len(prompt)} tokens, which leave no room for a continuation "
+                f"within the model's {limit}; shorten or leave out such documents"
+            )
+        prompts.append(prompt)
+    params = [
+        SamplingParams(
+            max_tokens=generation.tokens, temperature=generation.temperature,
+            seed=i if generation.temperature else None, interventions=edits.given if edits is not None else None,
+        )
+        for i in range(first, first + len(chunk))
+    ]  # fmt: skip
+    llm.reset_prefix_cache()  # (a chunk computes what it computed in the uninterrupted run)
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
