@@ -104,14 +104,16 @@ def test_a_steered_model_writes_the_continuations(smol4, tmp_path):
 
 
 def test_a_rerun_reads_the_replies_it_wrote_and_rewrites_another_run_s(smol4, tmp_path, monkeypatch):
-    """Chunks on disk are read, not generated again: a finished run's directory, its manifest removed, is
+    """Chunks of documents grow to CHUNK; chunks on disk are read, not generated again: a finished run's directory, its manifest removed, is
     redone without one generation; a chunk left by a run with other options is generated anew. A re-run with
     another length is refused by name."""
-    monkeypatch.setattr(replies, "CHUNK", 2)
+    monkeypatch.setattr(replies, "FIRST_CHUNK", 1)
+    monkeypatch.setattr(replies, "CHUNK", 2)  # chunks of 1, 2 and 2 documents
     source = write_jsonl(tmp_path / "docs.jsonl", documents(5, seed=2))
     options = {"context_size": 16, "generate_tokens": 5, "progress": False}
     harvest(smol4, source, [HOOK], tmp_path / "out", **options)
-    assert sorted(p.name for p in (tmp_path / "out").glob("replies-*")) == [f"replies-0000{i}.json" for i in range(3)]
+    chunks = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("replies-*"))]
+    assert [c["documents"] for c in chunks] == [[0, 1], [1, 3], [3, 5]]
     whole = read_shards(tmp_path / "out")
     calls = []
     real = replies._generate
@@ -128,7 +130,7 @@ def test_a_rerun_reads_the_replies_it_wrote_and_rewrites_another_run_s(smol4, tm
     (tmp_path / "stale").mkdir()
     shutil.copy(tmp_path / "other" / "replies-00001.json", tmp_path / "stale" / "replies-00001.json")
     harvest(smol4, source, [HOOK], tmp_path / "stale", **options)
-    assert calls == [0, 2, 4]  # every chunk generated; the stale one too
+    assert calls == [0, 1, 3]  # every chunk generated; the stale one too
     assert read_replies(Store.open(tmp_path / "stale")) == read_replies(Store.open(tmp_path / "out"))
     with pytest.raises(ValueError, match=r"generate\.tokens: 5 on disk, 4 now"):
         harvest(smol4, source, [HOOK], tmp_path / "out", **{**options, "generate_tokens": 4})

@@ -37,6 +37,7 @@ from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingPar
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
 from vlens.harvest.stats import ShardStats
+from vlens.harvest.writer import Store, read_replies
 
 TOL = 1e-5
 N = 2
@@ -259,6 +260,25 @@ def test_harvest_shards_equal_one_process(tmp_path):
     assert not two["blocks.2.attn.hook_z"][:, -1].any()
     with pytest.raises(ValueError, match=r"model\.tensor_parallel_size: None on disk, 2 now"):  # not mixed
         harvest(path, source, hooks, tmp_path / "one", tensor_parallel_size=N, **options)
+
+
+def test_a_generating_harvest_equals_one_process(tmp_path):
+    """`generate_tokens` with tensor_parallel_size=2: the engine the harvest starts (and closes) writes the
+    one-process continuations, greedy token for token, and the rows over them are within 1e-5."""
+    path = build(CONFIGS["smollm2"](), tmp_path, "smollm2")
+    before = set(multiprocessing.active_children())
+    source = write_jsonl(tmp_path / "tok.jsonl", sequences((20, 12, 30)), field="tokens")
+    hooks = ["blocks.1.hook_resid_post", "blocks.2.attn.hook_z"]
+    options = {"context_size": 16, "dtype": "float32", "model_dtype": "float32", "device": "cpu", "progress": False,
+               "generate_tokens": 6}  # fmt: skip
+    harvest(path, source, hooks, tmp_path / "one", **options)
+    harvest(path, source, hooks, tmp_path / "two", tensor_parallel_size=N, **options)
+    assert set(multiprocessing.active_children()) == before
+    replies = read_replies(Store.open(tmp_path / "one"))
+    assert len(replies) == 3 and all(replies) and read_replies(Store.open(tmp_path / "two")) == replies
+    one, two = read_shards(tmp_path / "one"), read_shards(tmp_path / "two")
+    assert torch.equal(one["token_ids"], two["token_ids"])
+    assert all(same(two[h].double(), one[h].double(), TOL) for h in hooks)
 
 
 def test_ray_actors_as_ranks(tmp_path):

@@ -9,10 +9,11 @@ stored row is the row the model computed as it wrote (the tests check it against
 the model's end-of-sequence token, kept (the model wrote it), or after `generate_tokens` tokens. With `roles`,
 a reply is the assistant's.
 
-Resuming. Continuations are generated CHUNK documents at a time, one `LLM.generate` call each, and kept in
-out_dir as replies-NNNNN.json, written whole or not at all. A re-run reads the chunks on disk rather than
-generating them again, so the harvest's bytes do not hang on a generation being repeatable; and each chunk
-is generated from an empty prefix cache, so one lost to a kill comes out as it did in the uninterrupted run.
+Resuming. Continuations are generated in chunks of documents (16, 32, ... up to CHUNK; one `LLM.generate`
+call each, so a run stopped early by `max_tokens` generates at most one chunk in vain) and kept in out_dir
+as replies-NNNNN.json, written whole or not at all. A re-run reads the chunks on disk rather than generating
+them again, so the harvest's bytes do not hang on a generation being repeatable; and each chunk is generated
+from an empty prefix cache, so one lost to a kill comes out as it did in the uninterrupted run.
 A file records the run it belongs to (a digest of the manifest's header): one left by a run with other
 options is generated anew, not read.
 """
@@ -34,7 +35,8 @@ from vlens.harvest.writer import Store, atomic_write, manifest_bytes, replies_na
 from vlens.llm import LLM
 from vlens.sampling_params import SamplingParams
 
-CHUNK = 256  # documents per generate call: enough to keep a continuous batch full
+CHUNK = 256  # documents per generate call, at most: enough to keep a continuous batch full
+FIRST_CHUNK = 16  # the first call's; each next one doubles up to CHUNK (a short run waits on few replies)
 REPLY_ROLE = "assistant"  # whose rows a conversation's continuation is, for `roles`
 
 
@@ -60,19 +62,20 @@ def with_replies(
 ) -> Iterator[TokenDoc]:  # fmt: skip
     """`prompts` each followed by the model's continuation: read from the job's directory where this run wrote
     it, else generated (timed in the job) and written there (see the module doc)."""
-    docs, store = iter(prompts), job.store
+    docs, store, first = iter(prompts), job.store, 0
     for index in count():
-        chunk = list(islice(docs, CHUNK))
+        chunk = list(islice(docs, min(CHUNK, FIRST_CHUNK << index)))
         if not chunk:
             return
         replies = _read(store, index, run, len(chunk))
         if replies is None:
             started = time.perf_counter()
-            replies = _generate(llm, chunk, index * CHUNK, generation, packing, edits)
+            replies = _generate(llm, chunk, first, generation, packing, edits)
             job.generate_seconds += time.perf_counter() - started
             store.fs.makedirs(store.root, exist_ok=True)  # (the first chunk comes before the run's manifest)
-            record = {"run": run, "documents": [index * CHUNK, index * CHUNK + len(chunk)], "replies": replies}
+            record = {"run": run, "documents": [first, first + len(chunk)], "replies": replies}
             atomic_write(store, replies_name(index), json.dumps(record, separators=(",", ":")).encode())
+        first += len(chunk)
         for doc, reply in zip(chunk, replies):
             if isinstance(doc, Marked):
                 yield Marked(doc.tokens + reply, doc.stored + [REPLY_ROLE in packing.roles] * len(reply))
