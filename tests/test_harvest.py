@@ -12,12 +12,13 @@ import pytest
 import torch
 from conftest import rel_err
 from harvest_helpers import dir_bytes, documents, read_shards, window_rows, write_jsonl
+from safetensors.torch import load_file, save_file
 
 from vlens import LLM, ActivationDataset, harvest
 from vlens.harvest import difference_of_means, export
 from vlens.harvest.cli import add_parser
 from vlens.harvest.stats import BLOCK, HookStats, ShardStats
-from vlens.harvest.windows import Packing, windows
+from vlens.harvest.windows import Packing, document_ids, windows
 from vlens.loader import LoadedModel
 
 HOOKS = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_q", "blocks.2.mlp.hook_post", "hidden_states.2"]
@@ -58,7 +59,7 @@ def test_values_equal_trace(smol, f32_run):
     manifest = _manifest(f32_run)
     shards = read_shards(f32_run)
     assert len(manifest["shards"]) > 1 and manifest["complete"]
-    assert set(shards) == {*HOOKS, "token_ids", "window", "position"}
+    assert set(shards) == {*HOOKS, "token_ids", "window", "position", "document"}
     assert shards["token_ids"].dtype == torch.int32 and shards["window"].dtype == torch.int64
     assert shards["position"].dtype == torch.int64
     windows = manifest["totals"]["windows"]
@@ -131,6 +132,37 @@ def test_documents_that_start_with_bos_get_no_second_one():
     with_bos = [w.tokens for w in windows(docs, Packing(6, True, 1, 1, ()))]
     assert with_bos[:2] == [[1, 5, 6, 7, 1, 8], [1, 9, 1, 10, 11, 12]]  # the second window has BOS once
     assert [w.tokens for w in windows(docs[:2], Packing(4, False, 1, 1, ()))] == [[1, 5, 6, 7], [1, 8, 9]]
+
+
+def test_windows_name_each_token_s_document():
+    """Every token of a window belongs to a document, numbered as the records of the source (an empty one
+    counted, and holding no token); a window's BOS, and the separator before a document, are that document's."""
+    docs = [[5, 6, 7], [], [8, 9], [10, 11, 12, 13, 14, 15], [16]]
+    packed = list(windows(docs, Packing(5, True, 1, 1, ())))
+    assert [w.tokens for w in packed] == [[1, 5, 6, 7, 1], [1, 8, 9, 1, 10], [1, 11, 12, 13, 14]]
+    assert document_ids(packed).tolist() == [0, 0, 0, 0, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3]
+    unpacked = list(windows(docs, Packing(4, False, 1, 1, ())))
+    assert document_ids(unpacked).tolist() == [0, 0, 0, 0, 2, 2, 2, 3, 3, 3, 3, 4, 4]
+
+
+def test_rows_name_their_record_in_the_source(smol, tmp_path):
+    """A harvest's `document` key is each row's record in the source, blank lines counted: the rows of a
+    document are its tokens (after the separator before it), in order."""
+    lines = documents(12, seed=4)
+    lines[3:3] = ["", "   "]  # blank records: no tokens, but numbered
+    source = tmp_path / "docs.txt"
+    source.write_text("\n".join(lines) + "\n")
+    harvest(smol, source, "hook_embed", tmp_path / "out", context_size=CTX, progress=False)
+    rows = read_shards(tmp_path / "out")
+    assert ActivationDataset(tmp_path / "out", "document")[:].tolist() == rows["document"].tolist()
+    got: dict[int, list[int]] = {}
+    for document, token in zip(rows["document"].tolist(), rows["token_ids"].tolist()):
+        got.setdefault(document, []).append(token)
+    assert 3 not in got and 4 not in got and len(got) >= 8
+    for document, tokens in got.items():
+        expected = smol.tokenizer(lines[document], add_special_tokens=False)["input_ids"]
+        body = tokens[1:] if document != min(got) else tokens  # (each later one's first row is its separator)
+        assert body == expected[: len(body)] and body, document
 
 
 def test_max_tokens_and_no_pack(smol, corpus, tmp_path):
@@ -421,6 +453,30 @@ def test_an_edited_config_or_an_older_format_is_not_resumed(tmp_path):
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"out_dir: .* a manifest of another format \('vlens-harvest/1'\)"):
         harvest(llm, source, "hook_embed", tmp_path / "out", **kwargs)
+
+
+def test_a_run_begun_before_rows_had_documents_resumes_without_them(tmp_path):
+    """A manifest without `row_keys` (vlens before rows named their documents) resumes as it was begun: its
+    shards keep three row keys, cut at its own row size, and the rows are the new format's less `document`."""
+    llm, source = _tiny_moe(tmp_path)
+    kwargs = dict(context_size=16, shard_bytes=4100, progress=False)  # (48 rows a shard without documents, 44 with)
+    harvest(llm, source, "hook_embed", tmp_path / "new", **kwargs)
+    harvest(llm, source, "hook_embed", tmp_path / "old", max_tokens=32, **kwargs)  # (its first shards)
+    manifest = _manifest(tmp_path / "old")
+    del manifest["row_keys"]
+    for entry in manifest["shards"]:
+        shard = load_file(tmp_path / "old" / entry["file"])
+        del shard["document"]
+        save_file(shard, tmp_path / "old" / entry["file"])
+        entry["bytes"] = (tmp_path / "old" / entry["file"]).stat().st_size
+    manifest["totals"]["bytes"] = sum(entry["bytes"] for entry in manifest["shards"])
+    manifest["max_tokens"], manifest["complete"] = None, False
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(manifest))
+    assert harvest(llm, source, "hook_embed", tmp_path / "old", **kwargs).tokens_this_run > 0
+    old, new = read_shards(tmp_path / "old"), read_shards(tmp_path / "new")
+    assert set(old) == set(new) - {"document"} and all(torch.equal(old[k], new[k]) for k in old)
+    assert "row_keys" not in _manifest(tmp_path / "old")
+    assert len(_manifest(tmp_path / "old")["shards"]) < len(_manifest(tmp_path / "new")["shards"])  # (smaller rows)
 
 
 def test_a_missing_source_fails_before_the_model_loads(tmp_path):

@@ -142,14 +142,21 @@ def test_a_ray_actor_applies_the_edits(smol_path, corpus, vector_file, tmp_path)
     first = read_shards(tmp_path / "local")
     manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
     start, end = manifest["shards"][0]["windows"]
-    windows = [Window(window_rows(first, w)["token_ids"].tolist()) for w in range(start, end)]
+    windows = [_window(window_rows(first, w)) for w in range(start, end)]
     config = HarvestConfig(model=str(smol_path), source=corpus, hooks=tuple(HOOKS), out_dir=tmp_path / "ray",
                            steering_vector=str(vector_file), multiplier=4.0, **options)  # fmt: skip
     (tmp_path / "ray").mkdir()
     worker = ShardWorker(config, {hook: hook for hook in HOOKS}, [])
-    worker.run_shard(manifest["batch_tokens"], 0, start, windows)
+    worker.run_shard(manifest["batch_tokens"], tuple(manifest["row_keys"]), 0, start, windows)
     name = manifest["shards"][0]["file"]
     assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+
+
+def _window(rows: dict[str, torch.Tensor]) -> Window:
+    """The window whose every row is `rows` (in position order), with its documents."""
+    documents = rows["document"].tolist()
+    starts = tuple((p, d) for p, d in enumerate(documents) if p == 0 or d != documents[p - 1])
+    return Window(rows["token_ids"].tolist(), (), starts)
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from vlens.capture.names import tap_dtype
 from vlens.harvest.features import SAE_KEYS
+from vlens.harvest.job import LEGACY_ROW_KEYS
 from vlens.harvest.writer import Store, read_manifest, read_replies
 from vlens.steering import SteeringVector
 
-META_KEYS = ("token_ids", "window", "position")
 _DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -77,8 +77,9 @@ def load_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 class ActivationDataset(IterableDataset):
-    """The rows of one key of a harvest: a hook name, or `token_ids`, `window` or `position` (and
-    `sae_ids`, `sae_values` [rows, top_k] in a harvest with an SAE).
+    """The rows of one key of a harvest: a hook name, or `token_ids`, `window`, `position` or `document` (the
+    index of the row's record in the source; not in runs begun before it was stored), and `sae_ids`,
+    `sae_values` [rows, top_k] in a harvest with an SAE.
 
     `len(ds)` counts rows; `ds[i]`, `ds[a:b]` and `ds[index_tensor]` return new tensors in the stored
     dtype. Iterating (directly or through a torch DataLoader, with workers splitting the shards) yields
@@ -99,7 +100,8 @@ class ActivationDataset(IterableDataset):
         super().__init__()
         self.out_dir = local_dir(out_dir)
         self.manifest = load_manifest(self.out_dir)
-        keys = [*self.manifest["hooks"], *META_KEYS, *(SAE_KEYS if self.manifest.get("sae") else ())]
+        row_keys = self.manifest.get("row_keys", LEGACY_ROW_KEYS)
+        keys = [*self.manifest["hooks"], *row_keys, *(SAE_KEYS if self.manifest.get("sae") else ())]
         if hook not in keys:
             raise ValueError(f"hook: {hook!r} is not in the harvest at {str(out_dir)!r} (keys: {', '.join(keys)})")
         if batch_size < 1 or shuffle_buffer < 0:

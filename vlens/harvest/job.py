@@ -52,7 +52,13 @@ MAX_BATCH_TOKENS = 1 << 18
 MEMORY_SHARE = 0.8  # of the free device memory, the rest a margin for the allocator and the statistics
 # Header fields that name things rather than fix the bytes: a re-run may spell them differently.
 _NAMES = {"model.id", "source.location", "tokenizer.name_or_path", "sae.path", "interventions.steering_vector.path"}
-_META_KEYS = {"token_ids": (torch.int32, 4), "window": (torch.int64, 8), "position": (torch.int64, 8)}
+# What each stored row has beside the hooks' values (dtype, bytes): its token, window, position in the window and
+# document (the index of its record in the source). A run begun before rows had documents resumes without them.
+ROW_KEYS = {
+    "token_ids": (torch.int32, 4), "window": (torch.int64, 8), "position": (torch.int64, 8),
+    "document": (torch.int64, 8),
+}  # fmt: skip
+LEGACY_ROW_KEYS = ("token_ids", "window", "position")
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ class Job:
     tokens_before: int  # tokens already on disk when this call started
     bytes_before: int
     resumed: bool  # out_dir held a manifest of this run
+    row_keys: tuple[str, ...]  # of ROW_KEYS, those this run stores
     device_seconds: float = 0.0  # this call's forwards (see HarvestSummary)
     write_seconds: float = 0.0  # this call's shard writes
     generate_seconds: float = 0.0  # this call's continuations (vlens.harvest.replies)
@@ -150,13 +157,16 @@ class Job:
         """The run in `out_dir` to resume (its options checked against `header`), or a new one."""
         store = Store.open(out_dir)
         existing = read_manifest(store)
+        if existing is not None and "row_keys" not in existing:  # begun before rows had documents: as begun
+            header = {key: value for key, value in header.items() if key != "row_keys"}
         if existing is not None:
             _check_same(existing, header, store)
         manifest = existing or {**header, "shards": [], "stats": {}, "totals": _totals([]), "complete": False}
         shapes = request_shapes(cfg)
         width = {name: math.prod(shapes[name]) for name in wanted}
         row_bytes = sum(w * tap_dtype(wanted[name], out_dtype).itemsize for name, w in width.items())
-        row_bytes += sum(b for _, b in _META_KEYS.values())
+        row_keys = tuple(manifest.get("row_keys", LEGACY_ROW_KEYS))
+        row_bytes += sum(ROW_KEYS[key][1] for key in row_keys)
         if header.get("sae"):  # an int32 id and a value per latent
             row_bytes += header["sae"]["top_k"] * (4 + out_dtype.itemsize)
         stats = {
@@ -165,7 +175,7 @@ class Job:
         }
         excluded = torch.tensor(packing.excluded_token_ids, dtype=torch.long)
         return cls(store, manifest, stats, excluded, max(1, header["shard_bytes"] // row_bytes),
-                   manifest["totals"]["tokens"], manifest["totals"]["bytes"], existing is not None)  # fmt: skip
+                   manifest["totals"]["tokens"], manifest["totals"]["bytes"], existing is not None, row_keys)  # fmt: skip
 
     def shards(self, stream: Iterator[Window], src: Source) -> Iterator[tuple[int, int, list[Window]]]:
         """The shards still to do, as (index, first window, windows), cut lazily (the tokenizing of the
@@ -277,6 +287,7 @@ def header(
         "shard_bytes": config.shard_bytes,
         "batch_tokens": batch_tokens,
         "seed": config.seed,
+        "row_keys": list(ROW_KEYS),
     }
 
 

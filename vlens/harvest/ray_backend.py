@@ -91,13 +91,16 @@ class ShardWorker:
             "batch_tokens": choose_batch_tokens(self.config, self.runner, self.taps, existing),
         }  # fmt: skip
 
-    def run_shard(self, batch_tokens: int, index: int, first: int, shard_windows: list[Window]) -> dict[str, Any]:
+    def run_shard(
+        self, batch_tokens: int, row_keys: tuple[str, ...], index: int, first: int, shard_windows: list[Window]
+    ) -> dict[str, Any]:  # fmt: skip
         """Run, write and describe shard `index`; idempotent, so Ray may retry it after a kill."""
         with self.device_lock:  # one task's forwards at a time; the other task meanwhile writes
             if self.stage is None:
                 self.stage = DeviceRows(
                     self.runner, self.wanted, request_shapes(self.loaded.config), self.config.out_dtype,
                     self.excluded, batch_tokens, self.features, self.edits, buffer_sets=_TASKS_PER_ACTOR,
+                    row_keys=row_keys,
                 )  # fmt: skip  (never closed: the actor ends with the run)
             shard = self.stage.shard(index, first, shard_windows)
         try:
@@ -165,7 +168,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
                         task = next(tasks, None)
                         if task is None:
                             return
-                        running[actor.run_shard.remote(batch_tokens, *task)] = actor
+                        running[actor.run_shard.remote(batch_tokens, job.row_keys, *task)] = actor
                         load[actor] += 1
                         submitted += 1
 

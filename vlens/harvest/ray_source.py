@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from vlens.harvest.sources import Source, document, is_content, jsonl_documents, text_documents
+from vlens.harvest.sources import Source, document, jsonl_documents, text_documents
 from vlens.harvest.windows import Marked, TokenDoc, token_documents
 
 _BATCH_ROWS = 1024  # documents a tokenizing task takes at once
@@ -137,7 +137,7 @@ def _tokenize(
     batch: pa.Table, form: str, where: str, tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None
 ) -> pa.Table:  # fmt: skip
     docs = [document(value, form, where) for value in batch.column("doc").to_pylist()]
-    token_docs = list(token_documents(filter(is_content, docs), tokenizer, vocab_size, roles))
+    token_docs = list(token_documents(docs, tokenizer, vocab_size, roles))
     if roles is None:
         return pa.table({"ids": pa.array(token_docs, type=pa.list_(pa.int64()))})
     ids, stored = [d.tokens for d in token_docs], [d.stored for d in token_docs]

@@ -6,8 +6,9 @@ generation applies too: a steered model's rows over what the steered model wrote
 A document's prompt is what an unpacked window of it holds: BOS where the model uses one, then its tokens;
 edits count positions from there. So with `pack=False` and windows long enough for prompt and reply, each
 stored row is the row the model computed as it wrote (the tests check it against HF). A continuation ends with
-the model's end-of-sequence token, kept (the model wrote it), or after `generate_tokens` tokens. With `roles`,
-a reply is the assistant's.
+the model's end-of-sequence token, kept (the model wrote it), or after `generate_tokens` tokens; document i
+(the source's record i) samples with seed i. A blank document gets none. With `roles`, a reply is the
+assistant's.
 
 Resuming. Continuations are generated in chunks of documents (16, 32, ... up to CHUNK; one `LLM.generate`
 call each, so a run stopped early by `max_tokens` generates at most one chunk in vain) and kept in out_dir
@@ -96,10 +97,12 @@ def _read(store: Store, index: int, run: str, documents: int) -> list[list[int]]
 def _generate(
     llm: LLM, chunk: list[TokenDoc], first: int, generation: Generation, packing: Packing, edits: HarvestEdits | None
 ) -> list[list[int]]:  # fmt: skip
-    prompts = []
+    prompts, numbers = [], []  # (of the documents with tokens: a blank one gets no continuation)
     limit = llm.engine.max_model_len
     for i, doc in enumerate(chunk, first):
         tokens = doc.tokens if isinstance(doc, Marked) else doc
+        if not tokens:
+            continue
         prompt = opening(packing, tokens[0]) + tokens
         if len(prompt) >= limit:
             raise ValueError(
@@ -107,12 +110,16 @@ def _generate(
                 f"within the model's {limit}; shorten or leave out such documents"
             )
         prompts.append(prompt)
+        numbers.append(i)
     params = [
         SamplingParams(
             max_tokens=generation.tokens, temperature=generation.temperature,
             seed=i if generation.temperature else None, interventions=edits.given if edits is not None else None,
         )
-        for i in range(first, first + len(chunk))
+        for i in numbers
     ]  # fmt: skip
     llm.reset_prefix_cache()  # (a chunk computes what it computed in the uninterrupted run)
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+    replies: list[list[int]] = [[] for _ in chunk]
+    for i, out in zip(numbers, llm.generate(prompts, params, use_tqdm=False) if prompts else []):
+        replies[i - first] = list(out.outputs[0].token_ids)
+    return replies

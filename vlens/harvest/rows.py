@@ -26,7 +26,7 @@ from vlens.harvest import job
 from vlens.harvest.edits import HarvestEdits
 from vlens.harvest.features import SAE_KEYS, FeatureHarvest
 from vlens.harvest.stats import Pieces, ShardStats
-from vlens.harvest.windows import Window, stored_rows
+from vlens.harvest.windows import Window, document_ids, stored_rows
 
 
 @dataclass
@@ -87,9 +87,10 @@ class DeviceRows:
     def __init__(
         self, runner: ModelRunner, wanted: dict[str, str], shapes: dict[str, tuple[int, ...]], out_dtype: torch.dtype,
         excluded: torch.Tensor, batch_tokens: int, features: FeatureHarvest | None, edits: HarvestEdits | None,
-        buffer_sets: int,
+        buffer_sets: int, row_keys: tuple[str, ...],
     ) -> None:  # fmt: skip
         self.runner, self.out_dtype, self.excluded, self.batch_tokens = runner, out_dtype, excluded, batch_tokens
+        self.row_keys = row_keys
         self.features, self.edits = features, edits
         if edits is not None:
             runner.taps.upload(edits.bound)
@@ -132,7 +133,10 @@ class DeviceRows:
         position = torch.arange(len(flat)) - torch.repeat_interleave(torch.tensor(starts[:-1]), lens_t)
         window = torch.repeat_interleave(torch.arange(first, first + len(windows)), lens_t)
         shard.tensors = {key: buffer[:n_rows] for key, buffer in buffers.items()}
-        shard.tensors.update(token_ids=flat[keep].to(torch.int32), window=window[keep], position=position[keep])
+        rows = {"token_ids": flat.to(torch.int32), "window": window, "position": position}
+        if "document" in self.row_keys:
+            rows["document"] = document_ids(windows)
+        shard.tensors.update({key: rows[key][keep] for key in self.row_keys})
         return shard
 
     def close(self) -> None:

@@ -44,8 +44,9 @@ class Source:
     _documents: Callable[[], Iterator[Document]]
 
     def documents(self) -> Iterator[Document]:
-        """The documents, in order; blank texts and empty token lists are skipped."""
-        return filter(is_content, self._documents())
+        """The documents, in order, one per record: blank texts and empty token lists too (they make no tokens,
+        and numbering every record lets a row name its document as the source's record index)."""
+        return self._documents()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -93,10 +94,6 @@ def open_source(
 
 def _empty(path: Path) -> ValueError:
     return ValueError(f"source: {str(path)!r} is empty (no documents)")
-
-
-def is_content(doc: Document) -> bool:
-    return bool(doc.strip() if isinstance(doc, str) else doc)
 
 
 def text_documents(raw: IO[bytes], whole_file: bool) -> Iterator[str]:

@@ -70,11 +70,13 @@ TokenDoc = list[int] | Marked
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """A window's token ids, and the positions among them whose rows are not stored for its marks (`roles`);
-    the rows left out by token id are the Packing's `excluded_token_ids`."""
+    """A window's token ids; the positions among them whose rows are not stored for its marks (`roles`; the
+    rows left out by token id are the Packing's `excluded_token_ids`); and where each document's part of it
+    begins, as (position, document index), the BOS or separator before a document counted as its own."""
 
     tokens: list[int]
     dropped: tuple[int, ...] = ()
+    documents: tuple[tuple[int, int], ...] = ()
 
 
 def model_bos(tokenizer: Any) -> int | None:
@@ -126,22 +128,23 @@ def token_documents(
     spans: list[list[tuple[int, int]]] = []  # with roles: each pending conversation's spans of those roles
     size, limit = 0, _TOKENIZE_CHARS[0]
     for doc in docs:
-        if isinstance(doc, str) or isinstance(doc[0], dict):
+        if isinstance(doc, str) or (doc and isinstance(doc[0], dict)):
             if tokenizer is None:
                 raise ValueError("source: this checkpoint has no tokenizer files; give pre-tokenized data")
-            if not isinstance(doc, str):
-                if roles is not None:
-                    doc, content = role_spans(tokenizer, doc, roles, generation_prompt)
-                    spans.append(content)
-                else:
-                    doc = render_conversation(tokenizer, doc, generation_prompt)
+            if isinstance(doc, str):
+                doc = doc if doc.strip() else ""  # (a blank text stays in the stream as no tokens: see `windows`)
+            elif roles is not None:
+                doc, content = role_spans(tokenizer, doc, roles, generation_prompt)
+                spans.append(content)
+            else:
+                doc = render_conversation(tokenizer, doc, generation_prompt)
             pending.append(doc)
             size += len(doc)
             if size >= limit:
                 yield from _tokenize(pending, tokenizer, spans if roles is not None else None)
                 pending, spans, size, limit = [], [], 0, min(2 * limit, _TOKENIZE_CHARS[1])
         else:
-            if min(doc) < 0 or max(doc) >= vocab_size:
+            if doc and (min(doc) < 0 or max(doc) >= vocab_size):
                 raise ValueError(f"source: token ids outside the vocabulary [0, {vocab_size}) in a pre-tokenized row")
             yield doc
     if pending:
@@ -206,8 +209,6 @@ def _tokenize(texts: list[str], tokenizer: Any, spans: list[list[tuple[int, int]
     overlap a span."""
     encoded = tokenizer(texts, add_special_tokens=False, verbose=False, return_offsets_mapping=spans is not None)
     for i, ids in enumerate(encoded["input_ids"]):
-        if not ids:
-            continue
         if spans is None:
             yield ids
             continue
@@ -226,40 +227,49 @@ def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> list[bool
 
 
 def windows(token_docs: Iterable[TokenDoc], packing: Packing) -> Iterator[Window]:
-    """The windows of a harvest, in order (see the module doc for the packing rules). With `roles` every
-    document is Marked, and what packing adds (BOS, separators) is not stored."""
+    """The windows of a harvest, in order (see the module doc for the packing rules); documents are numbered
+    in `token_docs`' order, the empty ones (blank texts) counted and skipped. With `roles` every document is
+    Marked, and what packing adds (BOS, separators) is not stored."""
     size, separator, marked = packing.context_size, packing.separator_token_id, packing.roles is not None
     if not packing.pack:
-        for doc in token_docs:
+        for index, doc in enumerate(token_docs):
             tokens = doc.tokens if marked else doc
+            if not tokens:
+                continue
             prefix = opening(packing, tokens[0])
             kept = size - len(prefix)
             dropped = (*range(len(prefix)), *_unstored(doc.stored[:kept], len(prefix))) if marked else ()
-            yield Window(prefix + tokens[:kept], dropped)
+            yield Window(prefix + tokens[:kept], dropped, ((0, index),))
         return
     window: list[int] = []  # empty until its first token is known
     dropped: list[int] = []
-    for doc in token_docs:
+    starts: list[tuple[int, int]] = []
+    for index, doc in enumerate(token_docs):
         tokens = doc.tokens if marked else doc
-        if window and separator not in (None, tokens[0]):
-            dropped += [len(window)] if marked else []
-            window.append(separator)
-            if len(window) == size:
-                yield Window(window, tuple(dropped))
-                window, dropped = [], []
+        if not tokens:
+            continue
+        if window:
+            starts.append((len(window), index))
+            if separator not in (None, tokens[0]):
+                dropped += [len(window)] if marked else []
+                window.append(separator)
+                if len(window) == size:
+                    yield Window(window, tuple(dropped), tuple(starts))
+                    window, dropped, starts = [], [], []
         start = 0
         while start < len(tokens):
             if not window:
                 window = opening(packing, tokens[start])
                 dropped = list(range(len(window))) if marked else []
+                starts = [(0, index)]
             take = min(size - len(window), len(tokens) - start)
             if marked:
                 dropped += _unstored(doc.stored[start : start + take], len(window))
             window.extend(tokens[start : start + take])
             start += take
             if len(window) == size:
-                yield Window(window, tuple(dropped))
-                window, dropped = [], []
+                yield Window(window, tuple(dropped), tuple(starts))
+                window, dropped, starts = [], [], []
 
 
 def stored_rows(windows: list[Window], excluded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +281,16 @@ def stored_rows(windows: list[Window], excluded: torch.Tensor) -> tuple[torch.Te
         starts = accumulate([0, *(len(w.tokens) for w in windows[:-1])])
         keep[[start + p for start, w in zip(starts, windows) for p in w.dropped]] = False
     return flat, keep
+
+
+def document_ids(windows: list[Window]) -> torch.Tensor:
+    """The document index of each of the windows' tokens, end to end (-1 in a window that lists none)."""
+    index, count = [], []
+    for w in windows:
+        marks = w.documents or ((0, -1),)
+        index += [i for _, i in marks]
+        count += [end - p for (p, _), end in zip(marks, [*(p for p, _ in marks[1:]), len(w.tokens)])]
+    return torch.repeat_interleave(torch.tensor(index, dtype=torch.long), torch.tensor(count, dtype=torch.long))
 
 
 def _unstored(stored: list[bool], at: int) -> list[int]:
