@@ -3,6 +3,10 @@ export, and a steering vector from two harvests' means."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -157,3 +161,15 @@ def test_difference_of_means_of_two_harvests_is_a_steering_vector(smol, smol4, o
     harvest(smol4, source, [HOOKS[0]], tmp_path / "smol4", context_size=CTX, progress=False)
     with pytest.raises(ValueError, match=r"negative: the harvests are of different models"):
         difference_of_means(out, tmp_path / "smol4")
+
+
+def test_the_probe_example_joins_labels_by_document():
+    """examples/probe_from_harvest.py: labels joined to harvested rows by `document`, a probe trained on some words
+    generalises to words it never saw, and the same probe run in the engine equals it on the pooled rows."""
+    script = Path(__file__).parent.parent / "examples" / "probe_from_harvest.py"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=True)
+    lines = run.stdout.splitlines()
+    assert lines[0] == "accuracy on 80 texts with words it was not trained on: 1.00"
+    assert float(lines[1].rsplit(" ", 1)[1]) < 1e-4
+    scores = [float(line.split()[1].rstrip(":")) for line in lines[2:]]
+    assert scores[0] > 0.5 > max(scores[1:3]) and scores[3] > 0.5
