@@ -82,14 +82,14 @@ class HarvestSummary:
         rate = self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
         busy = self.device_seconds / (self.seconds * self.workers) if self.seconds > 0 else 0.0
         writes = self.bytes_this_run / self.write_seconds / 1e6 if self.write_seconds > 0 else 0.0
+        generating = f", {self.generate_seconds:.1f} s generating continuations" if self.generate_seconds else ""
         return (
             f"harvest: {self.windows:,} windows, {self.tokens:,} tokens -> {self.rows:,} rows "
             f"({self.rows_excluded:,} excluded) in {self.shards} shards, {_human(self.bytes)} at {self.out_dir}; "
             f"this run {self.tokens_this_run:,} tokens in {self.seconds:.1f} s: {rate:,.0f} tokens/s, device busy "
             f"{busy:.0%} of the time, writes {writes:,.0f} MB/s ({_human(self.bytes_this_run)} in "
-            f"{self.write_seconds:.1f} s)" + (f", {self.generate_seconds:.1f} s generating continuations"
-                                              if self.generate_seconds else "")
-        )  # fmt: skip
+            f"{self.write_seconds:.1f} s){generating}"
+        )
 
 
 def source_of(config: HarvestConfig) -> Source:

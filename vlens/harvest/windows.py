@@ -13,6 +13,9 @@ else the tokenizer's EOS (else none). A document that already starts with that t
 often open with BOS) gets no second one before it, in either place. The last, partial window is dropped
 so every window holds exactly `context_size` tokens. Without packing each document becomes one window of its own, truncated.
 
+Documents are numbered as the source's records, blank ones (which make no tokens) counted, and a window
+says where each of its documents begins, so every row names its record in the source.
+
 Roles. A harvest of conversations may store the rows of some roles only (`roles`, e.g. the assistant's):
 each conversation's tokens are marked by whether they render the content of a message of those roles (the
 character spans the chat template gives each message, through the tokenizer's offsets), and a window lists
