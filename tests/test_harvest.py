@@ -18,7 +18,7 @@ from vlens import LLM, ActivationDataset, harvest
 from vlens.harvest import difference_of_means, export
 from vlens.harvest.cli import add_parser
 from vlens.harvest.stats import BLOCK, HookStats, ShardStats
-from vlens.harvest.windows import Packing, document_ids, windows
+from vlens.harvest.windows import Packing, Window, document_ids, windows
 from vlens.loader import LoadedModel
 
 HOOKS = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_q", "blocks.2.mlp.hook_post", "hidden_states.2"]
@@ -495,3 +495,52 @@ def test_an_export_past_float16s_range_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"dtype: rows of 'hook_embed' in shard-00000\.safetensors are past float16"):
         export(tmp_path / "out", tmp_path / "sae", dtype="float16")
     assert export(tmp_path / "out", tmp_path / "sae32").exists()  # float32 holds them
+
+
+def test_pooled_rows_are_each_document_s_last_or_mean_row(smol, smol_path, corpus, tmp_path):
+    """`pool="last"` stores each unpacked document's last row, bit for bit the row of a harvest of every row;
+    `pool="mean"` the mean of its rows (float32, within 1e-6), with the last row's token and position; shards
+    are cut at one row a window; a Ray actor's shard (run as a plain object) is the local one, byte for byte."""
+    from vlens.harvest.config import HarvestConfig
+    from vlens.harvest.ray_backend import ShardWorker
+
+    hooks = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_z"]
+    options = dict(context_size=CTX, pack=False, dtype="float32", progress=False)
+    harvest(smol, corpus, hooks, tmp_path / "all", **options)
+    every = read_shards(tmp_path / "all")
+    for pool in ("last", "mean"):
+        harvest(smol, corpus, hooks, tmp_path / pool, pool=pool, shard_bytes=40_000, **options)
+        rows, manifest = read_shards(tmp_path / pool), _manifest(tmp_path / pool)
+        assert manifest["pool"] == pool and len(manifest["shards"]) > 1
+        assert rows["window"].tolist() == list(range(40)) == rows["document"].tolist()
+        for w in range(40):
+            window = window_rows(every, w)
+            assert rows["position"][w] == window["position"][-1] and rows["token_ids"][w] == window["token_ids"][-1]
+            for hook in hooks:
+                if pool == "last":
+                    assert torch.equal(rows[hook][w], window[hook][-1])
+                else:
+                    assert rel_err(rows[hook][w], window[hook].double().mean(0)) < 1e-6, (hook, w)
+    config = HarvestConfig(model=str(smol_path), source=corpus, hooks=tuple(hooks), out_dir=tmp_path / "ray",
+                           pool="mean", shard_bytes=40_000, model_dtype="float32", device="cpu", **options)  # fmt: skip
+    (tmp_path / "ray").mkdir()
+    manifest = _manifest(tmp_path / "mean")
+    start, end = manifest["shards"][1]["windows"]
+    docs = [smol.tokenizer(d, add_special_tokens=False)["input_ids"][:CTX] for d in documents(40)]
+    windows_ = [Window(docs[w], (), ((0, w),)) for w in range(start, end)]
+    ShardWorker(config, {hook: hook for hook in hooks}, []).run_shard(
+        manifest["batch_tokens"], tuple(manifest["row_keys"]), 1, start, windows_
+    )  # fmt: skip
+    name = manifest["shards"][1]["file"]
+    assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "mean" / name).read_bytes()
+
+
+def test_pooling_needs_unpacked_documents_and_a_mean_real_rows(smol, corpus, tmp_path):
+    with pytest.raises(ValueError, match=r"pool: 'last' takes one row per document, which needs pack=False"):
+        harvest(smol, corpus, "hook_embed", tmp_path / "out", pool="last", progress=False)
+    with pytest.raises(ValueError, match=r"pool: 'max' is not allowed|pool: .*last, mean"):
+        harvest(smol, corpus, "hook_embed", tmp_path / "out", pool="max", pack=False, progress=False)
+    llm, source = _tiny_moe(tmp_path)
+    with pytest.raises(ValueError, match=r"pool: 'mean' of \['blocks\.0\.mlp\.hook_expert_ids'\]"):
+        harvest(llm, source, "blocks.0.mlp.*", tmp_path / "out", pool="mean", pack=False, progress=False)
+    assert not (tmp_path / "out").exists()

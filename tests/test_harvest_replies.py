@@ -33,7 +33,7 @@ def _questions(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
 def test_replies_are_the_engine_s_and_their_rows_are_hf_s(smol, hf_smol, tmp_path):
     """Unpacked, with the assistant's rows only: each window stores exactly the model's greedy reply (as
     LLM.chat gives it, its end-of-turn token included), and its rows are HF's forward of the conversation
-    rendered for a reply followed by the reply."""
+    rendered for a reply followed by the reply; pooled to the last row, each reply's last."""
     short = ["What is 2+2? Reply with the number only.", "Say yes or no: is the sky blue?"]  # (replies that end)
     convs = _questions(3) + [[{"role": "user", "content": q}] for q in short]
     source = write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
@@ -60,6 +60,11 @@ def test_replies_are_the_engine_s_and_their_rows_are_hf_s(smol, hf_smol, tmp_pat
         with torch.no_grad():
             hidden = hf_smol(torch.tensor([prompt + reply]), output_hidden_states=True).hidden_states[3][0]
         assert rel_err(rows[HOOK], hidden[len(prompt) :]) < 1e-5, w
+    harvest(smol, source, [HOOK], tmp_path / "last", context_size=128, pack=False, roles=["assistant"],
+            generate_tokens=10, dtype="float32", pool="last", progress=False)  # fmt: skip
+    last = read_shards(tmp_path / "last")  # each reply's last row: its end-of-turn token's where it wrote one
+    assert last["token_ids"].tolist() == [reply[-1] for reply in written]
+    assert all(torch.equal(last[HOOK][w], window_rows(shards, w)[HOOK][-1]) for w in range(len(convs)))
 
 
 def test_sampled_continuations_of_texts_are_packed_with_them(smol4, tmp_path):

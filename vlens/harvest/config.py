@@ -62,6 +62,12 @@ class HarvestConfig:
         None, "with a source of conversations: store only the rows of these roles' messages (their contents' "
         "tokens, e.g. assistant), not the template's or other roles' (default: every row)",
     )  # fmt: skip
+    pool: str | None = setting(
+        None, "store one row per document (with --no-pack: one window each): last (its last stored row: the last "
+        "token, or with --roles the role's last) or mean (the mean of its stored rows, taken in float32 on the "
+        "device); the row's token_ids and position are its last stored row's (default: every row)",
+        choices=("last", "mean"),
+    )  # fmt: skip
     whole_file: bool = setting(False, "a .txt source is one document, not one per line")
     split: str | None = setting(None, "split of a datasets directory or hub dataset (default: train)")
     batch_tokens: int | None = setting(
@@ -131,6 +137,9 @@ class HarvestConfig:
         if self.roles is not None and not self.roles:
             raise ValueError("roles: give at least one role (e.g. assistant) whose rows to store, or none for every row")
         check_interventions(self.interventions or ())
+        if self.pool is not None and self.pack:
+            raise ValueError(f"pool: {self.pool!r} takes one row per document, which needs pack=False (--no-pack): "
+                             "packed windows cut documents apart")  # fmt: skip
         if self.temperature and self.generate_tokens is None:
             raise ValueError("temperature: samples the continuations of generate_tokens; give it too")
         if self.generate_tokens is not None and self.backend == "ray":

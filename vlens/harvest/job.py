@@ -118,6 +118,10 @@ def plan(
             f"roles: for a source of conversations (lists of {{role, content}} messages); {src.location!r}{column} "
             f"holds {'token ids' if src.form == 'tokens' else 'text'}"
         )
+    integer = [name for name, tap in wanted.items() if not tap_dtype(tap, torch.float32).is_floating_point]
+    if config.pool == "mean" and integer:
+        raise ValueError(f"pool: 'mean' of {integer} (integer ids: MoE experts) has no meaning; leave them out or "
+                         "pool 'last'")  # fmt: skip
     if config.roles is not None and not getattr(loaded.tokenizer, "is_fast", False):
         raise ValueError("roles: a token's role is found through its character offsets, which only a fast "
                          "(Rust) tokenizer gives; this model's is not one")  # fmt: skip
@@ -187,7 +191,8 @@ class Job:
             stream = _require_one(stream, src.location, self.manifest["context_size"], self.manifest["max_tokens"])
         prepare_dir(self.store, self.manifest if self.resumed else None)
         write_manifest(self.store, self.manifest)
-        groups = _shards(islice(stream, done, None), done, self.excluded, self.max_rows)
+        pooled = self.manifest.get("pool") is not None
+        groups = _shards(islice(stream, done, None), done, self.excluded, self.max_rows, pooled)
         return ((index, first, group) for index, (first, group) in enumerate(groups, len(self.manifest["shards"])))
 
     def commit(self, entry: dict[str, Any], stats: dict[str, Pieces], bar: tqdm) -> None:
@@ -279,6 +284,7 @@ def header(
         "sae": features.describe() if features is not None else None,
         "interventions": edits.describe() if edits is not None else None,
         **({"generate": generation} if generation is not None else {}),  # (only then: older manifests match)
+        **({"pool": config.pool} if config.pool is not None else {}),
         "dtype": dtype_name(config.out_dtype),
         "context_size": packing.context_size,
         "max_tokens": config.max_tokens,
@@ -317,13 +323,15 @@ def _require_one(
 
 
 def _shards(
-    stream: Iterable[Window], first: int, excluded: torch.Tensor, max_rows: int
+    stream: Iterable[Window], first: int, excluded: torch.Tensor, max_rows: int, pooled: bool
 ) -> Iterator[tuple[int, list[Window]]]:
-    """Consecutive runs of whole windows whose kept rows fit `max_rows` (a larger window goes alone)."""
+    """Consecutive runs of whole windows whose kept rows (`pooled`: one a window that keeps any) fit `max_rows`
+    (a larger window goes alone)."""
     group: list[Window] = []
     rows = 0
     for window in stream:
         kept = int(stored_rows([window], excluded)[1].sum()) if len(excluded) or window.dropped else len(window.tokens)
+        kept = min(kept, 1) if pooled else kept
         if group and rows + kept > max_rows:
             yield first, group
             first += len(group)

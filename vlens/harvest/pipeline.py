@@ -138,7 +138,7 @@ def run_shards(
         job.write_seconds += time.perf_counter() - started
         job.device_seconds += shard.forward_seconds
 
-    writer = Writer(store, lambda shard: stage.pool.give(shard.buffers), threaded=pipeline)
+    writer = Writer(store, lambda shard: stage.buffers.give(shard.buffers), threaded=pipeline)
     if pipeline:
         tasks = ahead(tasks, AHEAD)
     try:

@@ -100,7 +100,7 @@ class ShardWorker:
                 self.stage = DeviceRows(
                     self.runner, self.wanted, request_shapes(self.loaded.config), self.config.out_dtype,
                     self.excluded, batch_tokens, self.features, self.edits, buffer_sets=_TASKS_PER_ACTOR,
-                    row_keys=row_keys,
+                    row_keys=row_keys, pool=self.config.pool,
                 )  # fmt: skip  (never closed: the actor ends with the run)
             shard = self.stage.shard(index, first, shard_windows)
         try:
@@ -109,7 +109,7 @@ class ShardWorker:
             entry = store_shard(self.store, index, first, shard_windows, shard.tensors, self.config.seed)
             written = time.perf_counter() - started
         finally:
-            self.stage.pool.give(shard.buffers)
+            self.stage.buffers.give(shard.buffers)
         stats = {name: Pieces(p.values.clone(), p.rows) for name, p in shard.stats.items()}  # out of pinned memory
         return {"index": index, "entry": entry, "stats": stats, "device_seconds": shard.forward_seconds,
                 "write_seconds": written}  # fmt: skip

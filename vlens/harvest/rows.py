@@ -26,7 +26,7 @@ from vlens.harvest import job
 from vlens.harvest.edits import HarvestEdits
 from vlens.harvest.features import SAE_KEYS, FeatureHarvest
 from vlens.harvest.stats import Pieces, ShardStats
-from vlens.harvest.windows import Window, document_ids, stored_rows
+from vlens.harvest.windows import Window, document_ids, last_rows, stored_rows
 
 
 @dataclass
@@ -87,10 +87,10 @@ class DeviceRows:
     def __init__(
         self, runner: ModelRunner, wanted: dict[str, str], shapes: dict[str, tuple[int, ...]], out_dtype: torch.dtype,
         excluded: torch.Tensor, batch_tokens: int, features: FeatureHarvest | None, edits: HarvestEdits | None,
-        buffer_sets: int, row_keys: tuple[str, ...],
+        buffer_sets: int, row_keys: tuple[str, ...], pool: str | None = None,
     ) -> None:  # fmt: skip
         self.runner, self.out_dtype, self.excluded, self.batch_tokens = runner, out_dtype, excluded, batch_tokens
-        self.row_keys = row_keys
+        self.row_keys, self.pool = row_keys, pool
         self.features, self.edits = features, edits
         if edits is not None:
             runner.taps.upload(edits.bound)
@@ -103,40 +103,47 @@ class DeviceRows:
         if features is not None:
             specs.update(zip(SAE_KEYS, (((features.top_k,), torch.int32), ((features.top_k,), out_dtype))))
         cuda = self.device.type == "cuda"
-        self.pool = BufferPool(specs, pinned=cuda, size=buffer_sets)
+        self.buffers = BufferPool(specs, pinned=cuda, size=buffer_sets)
         self.side = torch.cuda.Stream(self.device) if cuda else None
 
     def shard(self, index: int, first: int, windows: list[Window]) -> Shard:
         """Launch the forwards of one shard; its rows are in `Shard.tensors` once `Shard.ready()` returns."""
         lens = [len(w.tokens) for w in windows]
         flat, keep = stored_rows(windows, self.excluded)
-        kept_before = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(keep, 0)]).tolist()
-        kept_at = keep.nonzero().squeeze(1)  # the shard's rows, as positions in its tokens
+        # The rows stored; pooled, one a window, standing at its last stored row. Read: those, or for a mean
+        # every stored row (averaged per window by one matrix product a batch).
+        stored = last_rows(keep, lens) if self.pool is not None else keep
+        read = keep if self.pool == "mean" else stored
+        kept_before = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(stored, 0)]).tolist()
+        read_before = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(read, 0)]).tolist()
+        read_at = read.nonzero().squeeze(1)  # the rows read, as positions in the shard's tokens
         n_rows = kept_before[-1]
-        buffers = self.pool.take(n_rows)
+        buffers = self.buffers.take(n_rows)
         stats = {name: ShardStats(width, self.device) for name, width in self.widths.items()}
         shard = Shard(index, first, windows, {}, {}, buffers, None)
         starts = [0, *torch.cumsum(torch.tensor(lens), 0).tolist()]
+        lens_t = torch.tensor(lens)
+        window = torch.repeat_interleave(torch.arange(len(windows)), lens_t)
         for batch in token_batches(lens, self.batch_tokens):
             lo, hi = starts[batch[0]], starts[batch[-1] + 1]  # the batch's tokens in the shard
             out = slice(kept_before[lo], kept_before[hi])  # and its rows
             if out.start == out.stop:
                 continue
-            rows = (kept_at[out] - lo).to(self.device, non_blocking=True)
-            hooks = {tap: self._hook(tap, rows, out, buffers, stats) for tap in self._taps()}
+            at = read_at[read_before[lo] : read_before[hi]]
+            mean = _averaging(window[at]).to(self.device, non_blocking=True) if self.pool == "mean" else None
+            rows = (at - lo).to(self.device, non_blocking=True)
+            hooks = {tap: self._hook(tap, rows, out, buffers, stats, mean) for tap in self._taps()}
             self._forward(shard, [windows[i].tokens for i in batch], hooks)
         shard.stats = {name: self._stats_to_host(s.finish()) for name, s in stats.items()}
         if self.side is not None:
             shard.event = torch.cuda.Event()
             shard.event.record(self.side)
-        lens_t = torch.tensor(lens)
         position = torch.arange(len(flat)) - torch.repeat_interleave(torch.tensor(starts[:-1]), lens_t)
-        window = torch.repeat_interleave(torch.arange(first, first + len(windows)), lens_t)
         shard.tensors = {key: buffer[:n_rows] for key, buffer in buffers.items()}
-        rows = {"token_ids": flat.to(torch.int32), "window": window, "position": position}
+        rows = {"token_ids": flat.to(torch.int32), "window": window + first, "position": position}
         if "document" in self.row_keys:
             rows["document"] = document_ids(windows)
-        shard.tensors.update({key: rows[key][keep] for key in self.row_keys})
+        shard.tensors.update({key: rows[key][stored] for key in self.row_keys})
         return shard
 
     def close(self) -> None:
@@ -165,12 +172,15 @@ class DeviceRows:
 
     def _hook(
         self, tap: str, rows: torch.Tensor, out: slice, buffers: dict[str, torch.Tensor],
-        stats: dict[str, ShardStats],
+        stats: dict[str, ShardStats], mean: torch.Tensor | None,
     ) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
-        """The tap hook of one batch: its kept rows of `tap` into rows `out` of the shard's buffers."""
+        """The tap hook of one batch: its kept rows of `tap` (averaged by `mean` per window) into rows `out` of
+        the shard's buffers."""
 
         def take(x: torch.Tensor) -> torch.Tensor:
             kept = x.index_select(0, rows)
+            if mean is not None:
+                kept = (mean @ kept.flatten(1).float()).reshape(len(mean), *kept.shape[1:])
             if tap in self.names_of:
                 stored = kept.to(tap_dtype(tap, self.out_dtype))  # integer taps (MoE expert ids) keep their ids
                 for name in self.names_of[tap]:
@@ -199,3 +209,13 @@ class DeviceRows:
         host = torch.empty(pieces.values.shape, dtype=pieces.values.dtype, pin_memory=True)
         self._to_host(pieces.values, host)
         return Pieces(host, pieces.rows)
+
+
+def _averaging(window: torch.Tensor) -> torch.Tensor:
+    """[windows, rows] float32: row i of `window` (each row's window, ascending) weighted 1 / its window's count in
+    its window's line, so that a product with the rows is each window's mean row (a product, not a scatter: the
+    same sums in the same order on every device and run)."""
+    _, line, counts = torch.unique_consecutive(window, return_inverse=True, return_counts=True)
+    weights = torch.zeros(len(counts), len(window))
+    weights[line, torch.arange(len(window))] = 1 / counts[line].float()
+    return weights

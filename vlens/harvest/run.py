@@ -89,7 +89,7 @@ def _harvest_loaded(
     pipelined = config.pipelined(next(loaded.model.parameters()).device) and generation is None
     stage = DeviceRows(
         runner, wanted, request_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features, edits,
-        buffer_sets=2 if pipelined else 1, row_keys=job.row_keys,
+        buffer_sets=2 if pipelined else 1, row_keys=job.row_keys, pool=config.pool,
     )  # fmt: skip
     try:
         with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:

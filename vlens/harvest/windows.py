@@ -286,6 +286,15 @@ def stored_rows(windows: list[Window], excluded: torch.Tensor) -> tuple[torch.Te
     return flat, keep
 
 
+def last_rows(keep: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Of the rows `keep` stores (windows of `lens` tokens, end to end), only each window's last."""
+    at = keep.nonzero().squeeze(1)
+    window = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[at]
+    last = torch.zeros_like(keep)
+    last[at[torch.cat([window[1:] != window[:-1], torch.ones(min(1, len(at)), dtype=torch.bool)])]] = True
+    return last
+
+
 def document_ids(windows: list[Window]) -> torch.Tensor:
     """The document index of each of the windows' tokens, end to end (-1 in a window that lists none)."""
     index, count = [], []
