@@ -1,5 +1,5 @@
-"""A linear probe, end to end on SmolLM2: labeled texts harvested at one layer (each row names its source record,
-`document`, which is how the labels join the rows), the rows mean-pooled per text, a logistic-regression
+"""A linear probe, end to end on SmolLM2: labeled texts harvested at one layer as one mean row each (`pool="mean"`;
+each row names its source record, `document`, which is how the labels join the rows), a logistic-regression
 probe trained on some words and tested on others, then run inside the engine on new prompts
 (`Capture(project=(W, b), reduce="mean")`: the probe of the mean row, computed on the device).
 
@@ -29,19 +29,17 @@ llm = LLM(dtype="float32", device="cpu")
 with tempfile.TemporaryDirectory() as tmp:
     source = Path(tmp) / "labeled.jsonl"
     source.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y, _ in texts))
-    harvest(llm, source, HOOK, Path(tmp) / "acts", context_size=32, pack=False, dtype="float32", progress=False)
-    rows = ActivationDataset(Path(tmp) / "acts", HOOK)[:]
-    document = ActivationDataset(Path(tmp) / "acts", "document")[:]
+    harvest(llm, source, HOOK, Path(tmp) / "acts", context_size=32, pack=False, pool="mean", dtype="float32",
+            progress=False)  # fmt: skip
+    pooled = ActivationDataset(Path(tmp) / "acts", HOOK)[:]  # a text's mean row each
+    document = ActivationDataset(Path(tmp) / "acts", "document")[:]  # whose: the labels join by it
 
-# Mean-pool each text's rows (the `document` key says whose they are), and join the labels by it.
-pooled = torch.zeros(len(texts), rows.shape[1]).index_add_(0, document, rows)
-pooled /= torch.bincount(document, minlength=len(texts))[:, None]
-labels = torch.tensor([y for _, y, _ in texts], dtype=torch.float32)
-test = torch.tensor([held_out for _, _, held_out in texts])
+labels = torch.tensor([texts[d][1] for d in document], dtype=torch.float32)
+test = torch.tensor([texts[d][2] for d in document])
 train = ~test
 
 mean, std = pooled[train].mean(0), pooled[train].std(0) + 1e-6
-w = torch.zeros(rows.shape[1], requires_grad=True)
+w = torch.zeros(pooled.shape[1], requires_grad=True)
 b = torch.zeros((), requires_grad=True)
 optimizer = torch.optim.LBFGS([w, b], max_iter=200)
 
@@ -63,7 +61,7 @@ with torch.no_grad():
     bias = (b - (mean / std) @ w).reshape(1)
 
 probe = Capture(hooks=HOOK, positions="prompt", project=(W, bias), reduce="mean")
-outs = llm.generate([t for t, _, _ in texts[:4]], SamplingParams(max_tokens=1, capture=probe), use_tqdm=False)
+outs = llm.generate([texts[d][0] for d in document[:4]], SamplingParams(max_tokens=1, capture=probe), use_tqdm=False)
 engine = torch.stack([o.activations[HOOK][0, 0] for o in outs])
 gap = (engine - (pooled[:4] @ W + bias)[:, 0]).abs().max()
 print(f"the probe in the engine vs on the harvest's pooled rows: {gap:.1e}")

@@ -164,8 +164,8 @@ def test_difference_of_means_of_two_harvests_is_a_steering_vector(smol, smol4, o
 
 
 def test_the_probe_example_joins_labels_by_document():
-    """examples/probe_from_harvest.py: labels joined to harvested rows by `document`, a probe trained on some words
-    generalises to words it never saw, and the same probe run in the engine equals it on the pooled rows."""
+    """examples/probe_from_harvest.py: labels joined to pooled harvested rows by `document`, a probe trained on
+    some words generalises to words it never saw, and the same probe run in the engine equals it on those rows."""
     script = Path(__file__).parent.parent / "examples" / "probe_from_harvest.py"
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=True)
     lines = run.stdout.splitlines()
