@@ -72,7 +72,7 @@ class HarvestConfig:
     split: str | None = setting(None, "split of a datasets directory or hub dataset (default: train)")
     batch_tokens: int | None = setting(
         None, "tokens per forward (default: on CUDA as many as fit in the free memory, measured by a probe forward; "
-        "4096 on a CPU; a resumed run keeps its own)", minimum=1,
+        "1024 on a CPU; a resumed run keeps its own)", minimum=1,
     )  # fmt: skip
     pipeline: str = setting(
         "auto", "overlap the forwards, the shard writes and the reading of the source in threads of their own: on, "

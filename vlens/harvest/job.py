@@ -44,7 +44,10 @@ from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, 
 from vlens.version import __version__
 
 FORMAT = "vlens-harvest/2"  # 2: expert ids stored as int64; a document led by BOS gets no second one
-CPU_BATCH_TOKENS = 4096  # tokens per forward on a CPU when the caller sets none: past these, throughput stops growing
+# Tokens per forward on a CPU when the caller sets none: a forward's activations then stay in the caches (SmolLM2's
+# MLP rows of 1,024 tokens are 6 MB), which the elementwise work between GEMMs reads; 4,096 measured 0.8-1.0x the
+# speed, with no gain past 1,024 from the GEMMs (benchmarks/bench_embeddings.py, --batch-tokens).
+CPU_BATCH_TOKENS = 1024
 # On CUDA the default is what fits: the free memory after a probe forward of PROBE_TOKENS, up to MAX_BATCH_TOKENS
 # (a shard of 1 GiB holds about that many rows at d = 2048 in bf16, and no forward crosses a shard).
 PROBE_TOKENS = 8192
