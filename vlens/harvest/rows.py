@@ -15,8 +15,8 @@ import math
 import queue
 import time
 from collections.abc import Callable
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
