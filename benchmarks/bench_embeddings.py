@@ -10,7 +10,7 @@ which run from a few tokens to a few hundred), each cut to CONTEXT tokens.
   HF sorted      the same with the documents sorted by length first (less padding: what a careful user does)
 The script checks the rows agree and prints the times and ratios.
 
-Run:  PYTHONPATH=benchmarks .venv/bin/python benchmarks/bench_embeddings.py [--documents 1024] [--batch 32]
+Run:  .venv/bin/python benchmarks/bench_embeddings.py [--documents 1024] [--batch 32]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_harvest import HOOK, LAYER, Stop, corpus
+from bench_harvest import HOOK, LAYER, corpus, stopped_at
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -44,30 +44,17 @@ def paragraphs(n: int) -> list[str]:
 
 def hf_means(model, docs: list[list[int]], batch: int, out: Path, order: list[int]) -> torch.Tensor:
     """HF's way, batches taken in `order`; the rows come back in document order."""
-    saved, rows = {}, [None] * len(docs)
-
-    def keep(module, args, output):
-        saved["x"] = output[0] if isinstance(output, tuple) else output
-        raise Stop
-
-    handle = model.model.layers[LAYER].register_forward_hook(keep)
-    try:
-        with torch.inference_mode():
-            for i, start in enumerate(range(0, len(docs), batch)):
-                picked = order[start : start + batch]
-                width = max(len(docs[j]) for j in picked)
-                ids = torch.tensor([docs[j] + [0] * (width - len(docs[j])) for j in picked])
-                mask = torch.tensor([[1] * len(docs[j]) + [0] * (width - len(docs[j])) for j in picked])
-                try:
-                    model(input_ids=ids, attention_mask=mask, use_cache=False)
-                except Stop:
-                    pass
-                means = (saved["x"].float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-                save_file({HOOK: means.to(torch.bfloat16)}, out / f"{i:05d}.st")
-                for j, row in zip(picked, means):
-                    rows[j] = row
-    finally:
-        handle.remove()
+    rows = [None] * len(docs)
+    for i, start in enumerate(range(0, len(docs), batch)):
+        picked = order[start : start + batch]
+        width = max(len(docs[j]) for j in picked)
+        ids = torch.tensor([docs[j] + [0] * (width - len(docs[j])) for j in picked])
+        mask = torch.tensor([[1] * len(docs[j]) + [0] * (width - len(docs[j])) for j in picked])
+        x = stopped_at(model, LAYER, input_ids=ids, attention_mask=mask)
+        means = (x.float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        save_file({HOOK: means.to(torch.bfloat16)}, out / f"{i:05d}.st")
+        for j, row in zip(picked, means):
+            rows[j] = row
     return torch.stack(rows)
 
 

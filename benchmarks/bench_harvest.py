@@ -100,30 +100,38 @@ def bench_windows(llm: LLM, source: Path, count: int) -> torch.Tensor:
 
 
 class Stop(Exception):
-    """Raised by the layer-15 hook: nothing after it is needed."""
+    """Raised by the hook at the layer a stopped forward needs: nothing after it is needed."""
 
 
-def hf_hook_stop(model, ids: torch.Tensor, out: Path, batch: int, steer: torch.Tensor | None = None) -> None:
-    """`steer`: added to the output of layer STEER_LAYER by a forward hook."""
+def stopped_at(model, layer: int, **inputs) -> torch.Tensor:
+    """The output of HF decoder layer `layer` from a forward that stops there (a hook raises once it is known)."""
     saved = {}
 
     def keep(module, args, output):
         saved["x"] = output[0] if isinstance(output, tuple) else output
         raise Stop
 
-    handles = [model.model.layers[LAYER].register_forward_hook(keep)]
-    if steer is not None:
-        handles.append(model.model.layers[STEER_LAYER].register_forward_hook(lambda module, args, out: out + steer))
+    handle = model.model.layers[layer].register_forward_hook(keep)
     try:
         with torch.inference_mode():
-            for i, start in enumerate(range(0, len(ids), batch)):
-                try:
-                    model(ids[start : start + batch], use_cache=False)
-                except Stop:
-                    pass
-                save_file({HOOK: saved["x"].reshape(-1, saved["x"].shape[-1]).to(torch.bfloat16)}, out / f"{i:05d}.st")
+            model(**inputs, use_cache=False)
+    except Stop:
+        pass
     finally:
-        for handle in handles:
+        handle.remove()
+    return saved["x"]
+
+
+def hf_hook_stop(model, ids: torch.Tensor, out: Path, batch: int, steer: torch.Tensor | None = None) -> None:
+    """`steer`: added to the output of layer STEER_LAYER by a forward hook."""
+    add = lambda module, args, output: output + steer  # noqa: E731
+    handle = model.model.layers[STEER_LAYER].register_forward_hook(add) if steer is not None else None
+    try:
+        for i, start in enumerate(range(0, len(ids), batch)):
+            x = stopped_at(model, LAYER, input_ids=ids[start : start + batch])
+            save_file({HOOK: x.reshape(-1, x.shape[-1]).to(torch.bfloat16)}, out / f"{i:05d}.st")
+    finally:
+        if handle is not None:
             handle.remove()
 
 

@@ -22,22 +22,17 @@ import time
 from pathlib import Path
 
 import torch
+from bench_harvest import HOOK, LAYER, stopped_at
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from vlens import LLM, harvest
 from vlens.harvest import ActivationDataset
 
-LAYER = 15
-HOOK = f"blocks.{LAYER}.hook_resid_post"
 TOPICS = ["rivers", "bread", "chess", "volcanoes", "bees", "the moon", "trains", "glass", "tea", "maps", "snow",
           "violins", "salt", "owls", "bridges", "paper"]  # fmt: skip
 ASKS = ["What are {} and why do they matter?", "Tell me one surprising fact about {}.",
         "How would you explain {} to a child?", "Write two sentences about {}."]  # fmt: skip
-
-
-class Stop(Exception):
-    """Raised by the hook at LAYER: nothing after it is needed."""
 
 
 def questions(n: int) -> list[list[dict[str, str]]]:
@@ -61,28 +56,14 @@ def hf_on_policy(model, tokenizer, convs, tokens: int, batch: int, out: Path) ->
                                      eos_token_id=eos, pad_token_id=pad)  # fmt: skip
             for row in out_ids[:, width:].tolist():
                 replies.append(row[: row.index(eos) + 1] if eos in row else row)
-    saved = {}
-
-    def keep(module, args, output):
-        saved["x"] = output[0] if isinstance(output, tuple) else output
-        raise Stop
-
-    handle = model.model.layers[LAYER].register_forward_hook(keep)
-    try:
-        with torch.inference_mode():
-            for i, start in enumerate(range(0, len(prompts), batch)):
-                seqs = [p + r for p, r in zip(prompts[start : start + batch], replies[start : start + batch])]
-                width = max(map(len, seqs))
-                ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-                mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-                try:
-                    model(input_ids=ids, attention_mask=mask, use_cache=False)
-                except Stop:
-                    pass
-                rows = [saved["x"][j, len(p) : len(s)] for j, (p, s) in enumerate(zip(prompts[start:], seqs))]
-                save_file({HOOK: torch.cat(rows).to(torch.bfloat16)}, out / f"{i:05d}.st")
-    finally:
-        handle.remove()
+    for i, start in enumerate(range(0, len(prompts), batch)):
+        seqs = [p + r for p, r in zip(prompts[start : start + batch], replies[start : start + batch])]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        x = stopped_at(model, LAYER, input_ids=ids, attention_mask=mask)
+        rows = [x[j, len(p) : len(s)] for j, (p, s) in enumerate(zip(prompts[start:], seqs))]
+        save_file({HOOK: torch.cat(rows).to(torch.bfloat16)}, out / f"{i:05d}.st")
     return replies
 
 
