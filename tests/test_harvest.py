@@ -533,6 +533,8 @@ def test_pooled_rows_are_each_document_s_last_or_mean_row(smol, smol_path, corpu
     )  # fmt: skip
     name = manifest["shards"][1]["file"]
     assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "mean" / name).read_bytes()
+    with pytest.raises(ValueError, match=r"stored one row per document \(pool='mean'\); the SAELens layout"):
+        export(tmp_path / "mean", tmp_path / "exported")
 
 
 def test_pooling_needs_unpacked_documents_and_a_mean_real_rows(smol, corpus, tmp_path):

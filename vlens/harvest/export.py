@@ -83,6 +83,11 @@ def _check_exportable(manifest: dict[str, Any], out_dir: Any) -> None:
             f"out_dir: the harvest in {str(out_dir)!r} is not complete ({len(manifest['shards'])} shards so far); "
             "re-run the same harvest command to finish it"
         )
+    if manifest.get("pool"):
+        raise ValueError(
+            f"out_dir: the harvest in {str(out_dir)!r} stored one row per document (pool={manifest['pool']!r}); the "
+            "SAELens layout holds every row of full windows: harvest without --pool"
+        )
     if totals["rows_excluded"]:
         roles = manifest["packing"].get("roles")
         why = f"token ids {manifest['exclusions']['token_ids']}" + (f"; rows not of roles {roles}" if roles else "")
