@@ -498,14 +498,15 @@ def test_an_export_past_float16s_range_is_refused(tmp_path):
 
 
 def test_pooled_rows_are_each_document_s_last_or_mean_row(smol, smol_path, corpus, tmp_path):
-    """`pool="last"` stores each unpacked document's last row, bit for bit the row of a harvest of every row;
+    """`pool="last"` stores each unpacked document's last row, bit for bit the row of a harvest of every row
+    batched alike;
     `pool="mean"` the mean of its rows (float32, within 1e-6), with the last row's token and position; shards
     are cut at one row a window; a Ray actor's shard (run as a plain object) is the local one, byte for byte."""
     from vlens.harvest.config import HarvestConfig
     from vlens.harvest.ray_backend import ShardWorker
 
     hooks = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_z"]
-    options = dict(context_size=CTX, pack=False, dtype="float32", progress=False)
+    options = dict(context_size=CTX, pack=False, dtype="float32", batch_tokens=CTX, progress=False)  # (a forward a window)
     harvest(smol, corpus, hooks, tmp_path / "all", **options)
     every = read_shards(tmp_path / "all")
     for pool in ("last", "mean"):
