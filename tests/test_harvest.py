@@ -499,9 +499,9 @@ def test_an_export_past_float16s_range_is_refused(tmp_path):
 
 def test_pooled_rows_are_each_document_s_last_or_mean_row(smol, smol_path, corpus, tmp_path):
     """`pool="last"` stores each unpacked document's last row, bit for bit the row of a harvest of every row
-    batched alike;
-    `pool="mean"` the mean of its rows (float32, within 1e-6), with the last row's token and position; shards
-    are cut at one row a window; a Ray actor's shard (run as a plain object) is the local one, byte for byte."""
+    batched alike; `pool="mean"` the mean of its rows (float32, within 1e-6), with the last row's token and
+    position; shards are cut at one row a window; a Ray actor's shard (run as a plain object) is the local one,
+    byte for byte; the SAELens export refuses it."""
     from vlens.harvest.config import HarvestConfig
     from vlens.harvest.ray_backend import ShardWorker
 
