@@ -171,8 +171,8 @@ def test_a_steered_harvest_of_one_roles_rows_resumes_byte_identical(smol4, smol4
 
 def test_a_generating_harvest_resumes_byte_identical(smol4, smol4_path, tmp_path, monkeypatch):
     """Texts continued by seeded samples before they are read: killed before a chunk of continuations is
-    generated, right after one is written, and mid-shard, then run again, the directory (continuations and
-    shards) is an uninterrupted run's, and no chunk on disk was generated twice."""
+    generated, right after one is written, and mid-shard, then run again (its source copied to another path):
+    the directory (continuations and shards) is an uninterrupted run's, and no chunk on disk was generated twice."""
     from vlens.harvest import replies
 
     monkeypatch.setattr(replies, "CHUNK", 4)
@@ -191,7 +191,9 @@ def test_a_generating_harvest_resumes_byte_identical(smol4, smol4_path, tmp_path
     calls = []
     real = replies._generate
     monkeypatch.setattr(replies, "_generate", lambda *args: calls.append(args[2]) or real(*args))
-    assert _run(smol4, source, out, **options).tokens_this_run > 0
+    moved = tmp_path / "moved.jsonl"  # (the same data at another path: the run's replies are still its own)
+    moved.write_bytes(source.read_bytes())
+    assert _run(smol4, moved, out, **options).tokens_this_run > 0
     assert calls == [4 * i for i in range(on_disk, 4)]  # (14 documents: four chunks)
     assert dir_bytes(out) == dir_bytes(tmp_path / "whole")
 

@@ -62,6 +62,7 @@ ROW_KEYS = {
     "document": (torch.int64, 8),
 }  # fmt: skip
 LEGACY_ROW_KEYS = ("token_ids", "window", "position")
+_PROGRESS = ("shards", "stats", "totals", "complete")  # what a manifest adds to its header as the run goes
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,11 @@ class Job:
         pooled = self.manifest.get("pool") is not None
         groups = _shards(islice(stream, done, None), done, self.excluded, self.max_rows, pooled)
         return ((index, first, group) for index, (first, group) in enumerate(groups, len(self.manifest["shards"])))
+
+    def run_header(self) -> dict[str, Any]:
+        """The manifest without what the run adds as it goes: the options it was begun with, as first written
+        (a re-run that names its model or source otherwise finds the same)."""
+        return {key: value for key, value in self.manifest.items() if key not in _PROGRESS}
 
     def commit(self, entry: dict[str, Any], stats: dict[str, Pieces], bar: tqdm) -> None:
         """List a written shard in the manifest, its statistics folded into the run's. A shard with rows that

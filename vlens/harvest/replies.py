@@ -15,8 +15,8 @@ call each, so a run stopped early by `max_tokens` generates at most one chunk in
 as replies-NNNNN.json, written whole or not at all. A re-run reads the chunks on disk rather than generating
 them again, so the harvest's bytes do not hang on a generation being repeatable; and each chunk is generated
 from an empty prefix cache, so one lost to a kill comes out as it did in the uninterrupted run.
-A file records the run it belongs to (a digest of the manifest's header): one left by a run with other
-options is generated anew, not read.
+A file records the run it belongs to (a digest of the manifest's header as the run first wrote it): one left
+by a run with other options is generated anew, not read.
 """
 
 from __future__ import annotations
@@ -52,18 +52,14 @@ class Generation:
         return {"tokens": self.tokens, "temperature": self.temperature}
 
 
-def run_digest(header: dict[str, Any]) -> str:
-    """What a replies file names its run by: the sha256 of the manifest's header."""
-    return hashlib.sha256(manifest_bytes(header)).hexdigest()
-
-
 def with_replies(
     prompts: Iterable[TokenDoc], llm: LLM, generation: Generation, packing: Packing, edits: HarvestEdits | None,
-    job: Job, run: str,
+    job: Job,
 ) -> Iterator[TokenDoc]:  # fmt: skip
     """`prompts` each followed by the model's continuation: read from the job's directory where this run wrote
     it, else generated (timed in the job) and written there (see the module doc)."""
     docs, store, first = iter(prompts), job.store, 0
+    run = hashlib.sha256(manifest_bytes(job.run_header())).hexdigest()  # (what the run's replies files name)
     for index in count():
         chunk = list(islice(docs, min(CHUNK, FIRST_CHUNK << index)))
         if not chunk:
