@@ -129,6 +129,12 @@ def test_hooks_lists_every_name_with_its_shape(smol):
         (["steering-vector", "{tmp}/p.jsonl", "--out", "{tmp}/v.st"], "hooks: required with PAIRS"),
         (["steering-vector", "--from-harvests", "{tmp}", "{tmp}", "--out", "{tmp}/v.st"],
          "out_dir: '{tmp}' holds no manifest.json; is it a vlens harvest directory?"),
+        (["harvest", "--source", "{tmp}/a.txt", "--hooks", "hook_embed", "--out", "{tmp}/o", "--pool", "last"],
+         "pool: 'last' takes one row per document, which needs pack=False (--no-pack)"),
+        (["harvest", "--source", "{tmp}/a.txt", "--hooks", "hook_embed", "--out", "{tmp}/o", "--temperature", "1"],
+         "temperature: samples the continuations of generate_tokens; give it too"),
+        (["harvest", "--source", "{tmp}/a.txt", "--hooks", "hook_embed", "--out", "{tmp}/o", "--generate-tokens",
+          "8", "--ray"], "generate_tokens: with the local backend"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys, monkeypatch):
