@@ -141,12 +141,12 @@ class DeviceRows:
         if self.side is not None:
             shard.event = torch.cuda.Event()
             shard.event.record(self.side)
-        position = torch.arange(len(flat)) - torch.repeat_interleave(torch.tensor(starts[:-1]), lens_t)
+        position = torch.arange(len(flat)) - torch.repeat_interleave(starts_t[:-1], lens_t)
         shard.tensors = {key: buffer[:n_rows] for key, buffer in buffers.items()}
-        rows = {"token_ids": flat.to(torch.int32), "window": window + first, "position": position}
+        meta = {"token_ids": flat.to(torch.int32), "window": window + first, "position": position}
         if "document" in self.row_keys:
-            rows["document"] = document_ids(windows)
-        shard.tensors.update({key: rows[key][stored] for key in self.row_keys})
+            meta["document"] = document_ids(windows)
+        shard.tensors.update({key: meta[key][stored] for key in self.row_keys})
         return shard
 
     def close(self) -> None:
