@@ -55,6 +55,16 @@ def test_shards_hold_the_top_latents_of_their_rows(run, sae_path):
     assert torch.equal(ActivationDataset(out, "sae_ids")[3:9], rows["sae_ids"][3:9])
 
 
+def test_a_pooled_row_carries_the_latents_of_the_pooled_row(smol, texts, sae_path, tmp_path):
+    """`pool="mean"` with an SAE: each document's latents are the SAE's top k of its mean row."""
+    harvest(smol, texts, [HOOK], tmp_path / "out", context_size=CTX, pack=False, pool="mean", dtype="float32",
+            sae=str(sae_path), top_k=K, progress=False)  # fmt: skip
+    rows = read_shards(tmp_path / "out")
+    expected = SAE.load(sae_path).encode(rows[HOOK]).topk(K)
+    assert len(rows[HOOK]) == 30 and torch.equal(rows["sae_ids"].long(), expected.indices)
+    assert rel_err(rows["sae_values"], expected.values) < 1e-6
+
+
 def test_max_activating_finds_a_latents_strongest_rows_with_context(run):
     out, rows = run
     ds = ActivationDataset(out, HOOK)
