@@ -506,7 +506,7 @@ def test_pooled_rows_are_each_document_s_last_or_mean_row(smol, smol_path, corpu
     from vlens.harvest.ray_backend import ShardWorker
 
     hooks = ["blocks.3.hook_resid_post", "blocks.1.attn.hook_z"]
-    options = dict(context_size=CTX, pack=False, dtype="float32", batch_tokens=CTX, progress=False)  # (a forward a window)
+    options = dict(context_size=CTX, pack=False, dtype="float32", batch_tokens=CTX, progress=False)  # (a window a forward)
     harvest(smol, corpus, hooks, tmp_path / "all", **options)
     every = read_shards(tmp_path / "all")
     for pool in ("last", "mean"):

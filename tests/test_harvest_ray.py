@@ -65,8 +65,8 @@ DOCS = documents(30, seed=2)
 @pytest.mark.parametrize("kind", [*SOURCE_KINDS, "chat_parquet", "txt_whole_file", "txt_odd_newlines"])
 def test_ray_data_reads_the_documents_the_local_reader_reads(smol, tmp_path, monkeypatch, kind):
     """Read and tokenized by Ray Data tasks, each taking a piece of the source, the token lists come in
-    source order and equal the local reader's, newline rules and blank records included; conversations (as Parquet structs,
-    whose other forms are read by the same functions as texts) also with their role marks."""
+    source order and equal the local reader's, newline rules and blank records included; conversations (as
+    Parquet structs, whose other forms are read by the same functions as texts) also with their role marks."""
     monkeypatch.setattr(ray_source, "_PIECE_ROWS", 10)  # parquet and datasets sources in three pieces each
     options: dict = {}
     if kind.startswith("txt_"):

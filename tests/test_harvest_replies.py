@@ -46,7 +46,7 @@ def test_replies_are_the_engine_s_and_their_rows_are_hf_s(smol, hf_smol, tmp_pat
     assert any(reply[-1] == smol.tokenizer.eos_token_id and len(reply) < 10 for reply in written)
     assert ActivationDataset(out, HOOK).replies() == written
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["generate"] == {"tokens": 10, "temperature": 0.0}
+    assert manifest["generate"] == {"tokens": 10, "temperature": 0.0, "samples": 1}
     assert manifest["totals"]["rows"] == sum(map(len, written))
     shards = read_shards(out)
     for w, (conv, reply) in enumerate(zip(convs, written)):
@@ -92,6 +92,26 @@ def test_sampled_continuations_of_texts_are_packed_with_them(smol4, tmp_path):
     assert read_replies(Store.open(tmp_path / "b")) == sampled
 
 
+def test_several_samples_of_a_document_are_documents_of_their_own(smol4, tmp_path):
+    """`samples=3`: the engine's three seeded samples of each text (n=3, seed i), each harvested after its text
+    as a window of its own, numbered 3 i + j by the `document` key, which indexes `replies()` too."""
+    docs = documents(4, seed=7)
+    source = write_jsonl(tmp_path / "docs.jsonl", docs)
+    harvest(smol4, source, [HOOK], tmp_path / "out", context_size=64, pack=False, generate_tokens=5, temperature=1.0,
+            samples=3, progress=False)  # fmt: skip
+    prompts = [smol4.tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+    params = [SamplingParams(max_tokens=5, temperature=1.0, n=3, seed=i) for i in range(len(docs))]
+    sampled = [list(s.token_ids) for o in smol4.generate(prompts, params, use_tqdm=False) for s in o.outputs]
+    written = ActivationDataset(tmp_path / "out", HOOK).replies()
+    assert written == sampled and len({tuple(r) for r in written}) > len(docs)
+    rows = read_shards(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["generate"]["samples"] == 3
+    for w in range(3 * len(docs)):
+        window = window_rows(rows, w)
+        assert window["token_ids"].tolist() == prompts[w // 3] + written[w]
+        assert set(window["document"].tolist()) == {w}
+
+
 def test_a_steered_model_writes_the_continuations(smol4, tmp_path):
     """With a steering vector the continuations are the steered model's, as the engine's steered requests."""
     docs = documents(4, seed=1)
@@ -109,9 +129,9 @@ def test_a_steered_model_writes_the_continuations(smol4, tmp_path):
 
 
 def test_a_rerun_reads_the_replies_it_wrote_and_rewrites_another_run_s(smol4, tmp_path, monkeypatch):
-    """Chunks of documents grow to CHUNK; chunks on disk are read, not generated again: a finished run's directory, its manifest removed, is
-    redone without one generation; a chunk left by a run with other options is generated anew. A re-run with
-    another length is refused by name."""
+    """Chunks of documents grow to CHUNK; chunks on disk are read, not generated again: a finished run's
+    directory, its manifest removed, is redone without one generation; a chunk left by a run with other options
+    is generated anew. A re-run with another length is refused by name."""
     monkeypatch.setattr(replies, "FIRST_CHUNK", 1)
     monkeypatch.setattr(replies, "CHUNK", 2)  # chunks of 1, 2 and 2 documents
     source = write_jsonl(tmp_path / "docs.jsonl", documents(5, seed=2))
@@ -161,6 +181,8 @@ def test_bad_generation_options_are_refused_before_any_work(smol4, tmp_path):
     base = {"source": tmp_path / "none.jsonl", "hooks": (HOOK,), "out_dir": tmp_path / "out"}
     with pytest.raises(ValueError, match=r"temperature: samples the continuations of generate_tokens"):
         HarvestConfig(**base, temperature=0.7)
+    with pytest.raises(ValueError, match=r"samples: 2 continuations of a document need a temperature"):
+        HarvestConfig(**base, generate_tokens=8, samples=2)
     with pytest.raises(ValueError, match=r"generate_tokens: with the local backend"):
         HarvestConfig(**base, generate_tokens=8, backend="ray")
     with pytest.raises(ValueError, match=r"generate_tokens: must be an integer >= 1, got 0"):

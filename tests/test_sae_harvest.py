@@ -105,7 +105,8 @@ def test_latents_only_from_the_command_line_and_what_is_refused(smol, smol_path,
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     rows = read_shards(out)
-    assert set(rows) == {"sae_ids", "sae_values", "token_ids", "window", "position", "document"} and rows["sae_ids"].shape[1] == 4
+    assert set(rows) == {"sae_ids", "sae_values", "token_ids", "window", "position", "document"}
+    assert rows["sae_ids"].shape[1] == 4
     with pytest.raises(ValueError, match="stored SAE latents only"):
         export(out, tmp_path / "sae")
     other = save_saelens(tmp_path / "other", architecture="jumprelu", d_sae=512, seed=9)[0]

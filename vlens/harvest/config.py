@@ -121,6 +121,10 @@ class HarvestConfig:
         0.0, "with --generate-tokens: sampling temperature (default 0: greedy); document i's samples are seeded by i",
         minimum=0,
     )  # fmt: skip
+    samples: int = setting(
+        1, "with --generate-tokens and a temperature: continuations per document, each harvested with it as a "
+        "document of its own (row key document = samples x record + sample)", minimum=1,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
@@ -142,6 +146,9 @@ class HarvestConfig:
                              "packed windows cut documents apart")  # fmt: skip
         if self.temperature and self.generate_tokens is None:
             raise ValueError("temperature: samples the continuations of generate_tokens; give it too")
+        if self.samples > 1 and not self.temperature:
+            raise ValueError(f"samples: {self.samples} continuations of a document need a temperature (greedy "
+                             "ones would be the same) and generate_tokens")  # fmt: skip
         if self.generate_tokens is not None and self.backend == "ray":
             raise ValueError("generate_tokens: with the local backend; Ray actors run no generation engine")
         if self.multiplier is not None and self.steering_vector is None:

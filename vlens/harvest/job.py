@@ -182,8 +182,10 @@ class Job:
             for name, w in width.items()
         }
         excluded = torch.tensor(packing.excluded_token_ids, dtype=torch.long)
-        return cls(store, manifest, stats, excluded, max(1, header["shard_bytes"] // row_bytes),
-                   manifest["totals"]["tokens"], manifest["totals"]["bytes"], existing is not None, row_keys)  # fmt: skip
+        return cls(
+            store, manifest, stats, excluded, max(1, header["shard_bytes"] // row_bytes), manifest["totals"]["tokens"],
+            manifest["totals"]["bytes"], existing is not None, row_keys,
+        )  # fmt: skip
 
     def shards(self, stream: Iterator[Window], src: Source) -> Iterator[tuple[int, int, list[Window]]]:
         """The shards still to do, as (index, first window, windows), cut lazily (the tokenizing of the

@@ -7,7 +7,8 @@ A document's prompt is what an unpacked window of it holds: BOS where the model 
 edits count positions from there. So with `pack=False` and windows long enough for prompt and reply, each
 stored row is the row the model computed as it wrote (the tests check it against HF). A continuation ends with
 the model's end-of-sequence token, kept (the model wrote it), or after `generate_tokens` tokens; document i
-(the source's record i) samples with seed i. A blank document gets none. With `roles`, a reply is the
+(the source's record i) samples with seed i; with `samples` k, it is continued k times, each continuation a
+document of the harvest after it, numbered k i + j. A blank document gets none. With `roles`, a reply is the
 assistant's.
 
 Resuming. Continuations are generated in chunks of documents (16, 32, ... up to CHUNK; one `LLM.generate`
@@ -47,9 +48,10 @@ class Generation:
 
     tokens: int  # at most, per document
     temperature: float  # 0: greedy; else document i's samples are seeded by i
+    samples: int = 1  # continuations per document, each a document of the harvest
 
     def describe(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "temperature": self.temperature}
+        return {"tokens": self.tokens, "temperature": self.temperature, "samples": self.samples}
 
 
 def with_replies(
@@ -64,7 +66,7 @@ def with_replies(
         chunk = list(islice(docs, min(CHUNK, FIRST_CHUNK << index)))
         if not chunk:
             return
-        replies = _read(store, index, run, len(chunk))
+        replies = _read(store, index, run, len(chunk) * generation.samples)
         if replies is None:
             started = time.perf_counter()
             replies = _generate(llm, chunk, first, generation, packing, edits)
@@ -73,7 +75,7 @@ def with_replies(
             record = {"run": run, "documents": [first, first + len(chunk)], "replies": replies}
             atomic_write(store, replies_name(index), json.dumps(record, separators=(",", ":")).encode())
         first += len(chunk)
-        for doc, reply in zip(chunk, replies):
+        for doc, reply in zip((doc for doc in chunk for _ in range(generation.samples)), replies):
             if isinstance(doc, Marked):
                 yield Marked(doc.tokens + reply, doc.stored + [REPLY_ROLE in packing.roles] * len(reply))
             else:
@@ -109,13 +111,14 @@ def _generate(
         numbers.append(i)
     params = [
         SamplingParams(
-            max_tokens=generation.tokens, temperature=generation.temperature,
+            max_tokens=generation.tokens, temperature=generation.temperature, n=generation.samples,
             seed=i if generation.temperature else None, interventions=edits.given if edits is not None else None,
         )
         for i in numbers
     ]  # fmt: skip
     llm.reset_prefix_cache()  # (a chunk computes what it computed in the uninterrupted run)
-    replies: list[list[int]] = [[] for _ in chunk]
+    k = generation.samples
+    replies: list[list[int]] = [[] for _ in range(len(chunk) * k)]  # (document-major: a document's k samples)
     for i, out in zip(numbers, llm.generate(prompts, params, use_tqdm=False) if prompts else []):
-        replies[i - first] = list(out.outputs[0].token_ids)
+        replies[(i - first) * k : (i - first + 1) * k] = [list(sample.token_ids) for sample in out.outputs]
     return replies

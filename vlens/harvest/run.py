@@ -70,7 +70,9 @@ def _harvest_loaded(
     config: HarvestConfig, model: Any, loaded: LoadedModel, src: Source, started: float
 ) -> HarvestSummary:  # fmt: skip
     wanted, packing, features, edits = plan(loaded, config, src)
-    generation = Generation(config.generate_tokens, config.temperature) if config.generate_tokens else None
+    generation = None
+    if config.generate_tokens is not None:
+        generation = Generation(config.generate_tokens, config.temperature, config.samples)
     taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
     runner = runner_for(model, loaded)
     batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))
