@@ -53,7 +53,7 @@ class Family:
     qkv: str  # module whose output holds the projections (v, and q/k for GPT-2)
     final_norm: str  # path from the CausalLM to the final norm
     extra: dict[str, str] = field(default_factory=dict)  # model-level taps: name -> module output
-    post_norms: dict[str, str] = field(default_factory=dict)  # Gemma: ln1_post / ln2_post -> norm module
+    post_norms: dict[str, str] = field(default_factory=dict)  # Gemma's ln1_post / ln2_post, OLMo's ln1 / ln2 -> module
 
 
 LLAMA = Family(
@@ -98,6 +98,22 @@ FAMILIES = {
         final_norm="model.norm",
         post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
     ),
+    "olmo": Family(  # OLMo 2 and 3: no pre-norms; TransformerLens calls the post-norms ln1 and ln2
+        layers="model.layers",
+        embed="model.embed_tokens",
+        attn="self_attn",
+        outputs={"hook_attn_out": "post_attention_layernorm", "hook_mlp_out": "post_feedforward_layernorm"},
+        inputs={
+            "hook_resid_mid": "mlp",
+            "attn.hook_z": "self_attn.o_proj",
+            "mlp.hook_post": "mlp.down_proj",
+            "attn.hook_out": "post_attention_layernorm",
+            "mlp.hook_out": "post_feedforward_layernorm",
+        },
+        qkv="self_attn.v_proj",
+        final_norm="model.norm",
+        post_norms={"ln1": "post_attention_layernorm", "ln2": "post_feedforward_layernorm"},
+    ),
     "gpt2": Family(
         layers="transformer.h",
         embed="transformer.wte",
@@ -132,7 +148,8 @@ FAMILIES = {
         final_norm="gpt_neox.final_layer_norm",
     ),
 }
-MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3"}
+MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
+               "olmo2": "olmo", "olmo3": "olmo"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -294,6 +311,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 v = qkv.view(t, heads, 3 * head_dim)[..., 2 * head_dim :]
             else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj
                 v = qkv[:, -kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
+            clip = getattr(cfg, "clip_qkv", None)  # (OLMoE clamps v_proj's output in place, after the hook saw it)
+            v = v if clip is None else v.clamp(-clip, clip)
         got[p + "attn.hook_q"], got[p + "attn.hook_k"], got[p + "attn.hook_v"] = q, k, v
         if patterns:
             scores, probs = (x[0].transpose(0, 1) for x in softmaxes[layer])

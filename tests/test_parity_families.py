@@ -84,8 +84,8 @@ def test_config_is_read_as_intended(family):
         "mistral_window": {"head_dim": 8, "windows": (7, 7, 7)},
         "qwen2_tied": {"qkv_bias": True, "o_bias": False, "windows": (None,) * 3},
         "qwen2_window_layers": {"qkv_bias": True, "windows": (None, 5, 5)},
-        "qwen3_head_dim": {"head_dim": 32, "qk_norm": True, "qkv_bias": False},
-        "qwen3_tied_mqa_bias": {"head_dim": 8, "qk_norm": True, "qkv_bias": True, "o_bias": True},
+        "qwen3_head_dim": {"head_dim": 32, "qk_norm": "head", "qkv_bias": False},
+        "qwen3_tied_mqa_bias": {"head_dim": 8, "qk_norm": "head", "qkv_bias": True, "o_bias": True},
     }[name]
     for key, value in expected.items():
         if key == "rope":

@@ -57,7 +57,7 @@ def test_config_is_read_as_intended(family):
     assert cfg.attn_scale == hf.config.query_pre_attn_scalar**-0.5
     assert cfg.final_softcap == hf.config.final_logit_softcapping
     assert cfg.attn_softcap == (2.0 if name == "gemma2" else None)
-    assert cfg.qk_norm == name.startswith("gemma3")
+    assert cfg.qk_norm == ("head" if name.startswith("gemma3") else "")
     if name == "gemma3":
         assert (cfg.rope_theta, cfg.sliding_rope_theta) == (1000000.0, 100.0)
 

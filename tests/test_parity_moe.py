@@ -1,14 +1,15 @@
-"""Mixtral and Qwen2-MoE against HF on tiny random checkpoints: the router's logits and chosen experts
-as taps (int64 ids, through trace and through generation), per-expert checkpoint tensors loaded into
-stacked weights, Qwen2-MoE's shared expert and dense (mlp_only) layers."""
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE against HF on tiny random checkpoints: the router's logits and chosen
+experts as taps (int64 ids, through trace and through generation), per-expert checkpoint tensors loaded into
+stacked weights, Qwen2-MoE's shared expert and dense (mlp_only) layers, Qwen3-MoE's per-head q/k norm, OLMoE's q/k
+norm over the whole projection and its clamp of q, k and v."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import COMMON, TapParity, check_generation, family_fixture, sequences
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
+from family_parity import COMMON, TapParity, check_feature_matters, check_generation, family_fixture, sequences
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
 
@@ -36,6 +37,18 @@ CONFIGS = {
         norm_topk_prob=True,
         tie_word_embeddings=True,
     ),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    "olmoe_clipped": lambda: OlmoeConfig(**COMMON, num_key_value_heads=2, num_experts=5, num_experts_per_tok=3,
+                                         clip_qkv=0.5),  # fmt: skip
 }
 
 family = family_fixture(CONFIGS)
@@ -59,6 +72,15 @@ def test_config_and_hooks(family):
         assert shapes["blocks.0.mlp.shared_expert.hook_post"] == (48,)
     if name.startswith("mixtral"):
         assert cfg.norm_topk_prob and cfg.moe_layers == (True,) * 3
+    if name == "qwen3_moe":
+        assert cfg.moe_layers == (True, False, True) and cfg.qk_norm == "head" and cfg.round_routing_weights
+        assert shapes["blocks.1.mlp.hook_post"] == (96,) and "blocks.0.mlp.shared_expert.hook_post" not in shapes
+    if name == "olmoe_clipped":
+        assert (cfg.qk_norm, cfg.clip_qkv, cfg.norm_topk_prob, cfg.moe_layers) == ("projection", 0.5, False, (True,) * 3)
+
+
+def test_olmoe_clamp_is_reached(tmp_path):
+    check_feature_matters(CONFIGS["olmoe_clipped"](), tmp_path, clip_qkv=None)
 
 
 def test_generation_matches_hf_and_captures_expert_ids(family):

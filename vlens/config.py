@@ -66,16 +66,31 @@ def _mixtral(hf: Any) -> dict[str, Any]:
     )
 
 
-def _qwen2_moe(hf: Any) -> dict[str, Any]:
+def _qwen_moe(hf: Any) -> dict[str, Any]:
+    """Qwen2-MoE and Qwen3-MoE: experts on every `decoder_sparse_step`-th layer but the `mlp_only_layers`."""
     n, step, dense = hf.num_hidden_layers, hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
     return dict(
-        qkv_bias=bool(hf.qkv_bias),
         num_experts=hf.num_experts,
         experts_per_token=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size,
         norm_topk_prob=bool(hf.norm_topk_prob),
-        shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+        shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0),
         moe_layers=tuple(i not in dense and hf.num_experts > 0 and (i + 1) % step == 0 for i in range(n)),
+    )
+
+
+def _qwen2_moe(hf: Any) -> dict[str, Any]:
+    return _qwen_moe(hf) | dict(qkv_bias=bool(hf.qkv_bias))
+
+
+def _olmoe(hf: Any) -> dict[str, Any]:
+    return dict(
+        clip_qkv=hf.clip_qkv,
+        num_experts=hf.num_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        moe_layers=(True,) * hf.num_hidden_layers,
     )
 
 
@@ -91,6 +106,10 @@ class Architecture:
 
 GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True, "post_norms": True}
 LAYER_NORM = {"norm": "layer", "mlp_bias": True}
+# OLMo 2 and 3: no norm before attention or the MLP, one after each (float32-scaled), q/k norms over the whole projection,
+# rotary in float32.
+OLMO = {"family": "olmo", "norm": "rms_float", "pre_norms": False, "post_norms": True, "qk_norm": "projection",
+        "rope_float32": True}  # fmt: skip
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 
 # HF architecture name -> what sets it apart from plain Llama.
@@ -98,13 +117,17 @@ ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture({}, _llama, windowed=False),
     "MistralForCausalLM": Architecture(NO_BIAS),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
-    "Qwen3ForCausalLM": Architecture({"qk_norm": True}),
+    "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
     "Phi3ForCausalLM": Architecture(NO_BIAS | {"stored_fused": True}),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
+    "Qwen3MoeForCausalLM": Architecture({"qk_norm": "head", "round_routing_weights": True}, _qwen_moe),
+    "OlmoeForCausalLM": Architecture({"qk_norm": "projection", "round_routing_weights": True}, _olmoe),
+    "Olmo2ForCausalLM": Architecture(OLMO),
+    "Olmo3ForCausalLM": Architecture(OLMO),
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
-    "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": True}, _gemma),
+    "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": "head"}, _gemma),
     "GPT2LMHeadModel": Architecture(
         {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM,
         _gpt2,
@@ -122,6 +145,10 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
@@ -146,28 +173,34 @@ class ModelConfig:
     tie_word_embeddings: bool
     family: str = "llama"  # which model code runs it (vlens.models.MODEL_CLASSES)
     hidden_act: str = "silu"
-    norm: str = "rms"  # "rms", "rms_offset" (Gemma: scale 1 + w, in float32) or "layer" (LayerNorm with bias)
+    # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale 1 + w, in
+    # float32) or "layer" (LayerNorm with bias)
+    norm: str = "rms"
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: str = ""  # "head": q and k normalised head by head (Qwen3, Gemma 3); "projection": all heads together (OLMo)
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after the q/k norm
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
     rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi: a fraction); 0 = no rotary
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
-    post_norms: bool = False  # Gemma: each sublayer's output normalised before the residual add (ln1_post, ln2_post)
+    pre_norms: bool = True  # a norm before attention and before the MLP (ln1, ln2); OLMo 2/3 have none
+    post_norms: bool = False  # each sublayer's output normalised before the residual add (Gemma: ln1_post, ln2_post;
+    # OLMo 2/3, without pre-norms: TransformerLens names them ln1, ln2)
+    rope_float32: bool = False  # OLMo 2/3: cos and sin stay float32, so q and k rotate in float32 and round back
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask
     final_softcap: float | None = None  # Gemma 2/3: the same on the logits
     parallel_residual: bool = False  # NeoX: x + attn(ln1(x)) + mlp(ln2(x)); no resid_mid
-    num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE): routed experts per MoE layer
+    num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): routed experts per MoE layer
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to one
-    round_routing_weights: bool = False  # Qwen2-MoE: those weights rounded to the model dtype before use
+    round_routing_weights: bool = False  # Qwen-MoE, OLMoE: those weights rounded to the model dtype before use
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention

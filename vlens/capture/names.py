@@ -40,14 +40,11 @@ LAYER_HOOKS = (
     "hook_mlp_out",
     "hook_resid_post",
 )
-# Gemma's post-norms (TransformerLens's names): the attention output's and the MLP's, whose outputs are the layer's
-# hook_attn_out and hook_mlp_out, so only their scale and normalised input are taps of their own; and what each
-# norms, the attention's and the MLP's own outputs, attn.hook_out and mlp.hook_out (circuit-tracer's name for what
-# its transcoders replace), which elsewhere are hook_attn_out and hook_mlp_out themselves.
-POST_NORM_HOOKS = (
-    ("attn.hook_out", "ln1_post.hook_scale", "ln1_post.hook_normalized"),
-    ("mlp.hook_out", "ln2_post.hook_scale", "ln2_post.hook_normalized"),
-)
+# Post-norms: the attention output's and the MLP's, whose outputs are the layer's hook_attn_out and hook_mlp_out,
+# so only their scale and normalised input are taps of their own; and what each norms, the attention's and the
+# MLP's own outputs, attn.hook_out and mlp.hook_out (circuit-tracer's name for what its transcoders replace), which
+# elsewhere are hook_attn_out and hook_mlp_out themselves. post_norm_names says what TransformerLens calls them.
+POST_NORMED = (("attn.hook_out", "hook_attn_out"), ("mlp.hook_out", "hook_mlp_out"))
 # What an MoE layer has in place of mlp.hook_post: the router's logits, the chosen experts (int64)
 # and, in Qwen2-MoE, the shared expert's hidden activation.
 MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")
@@ -92,9 +89,9 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     parallel residual nothing is ever the residual plus the attention output alone, so there is no
     hook_resid_mid; an MoE layer has router taps instead of one MLP hidden activation (each expert has its
     own). hook_attn_in, one input per query head for keys and values too, exists only where every query
-    head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention). Gemma's
-    post-norms add what they norm, their scale and normalised input (POST_NORM_HOOKS) before the output each one
-    makes."""
+    head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention). OLMo 2
+    has no pre-norms; post-norms (Gemma's, OLMo's) add what they norm, their scale and normalised input
+    (POST_NORMED) before the output each one makes."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.num_kv_heads != cfg.num_heads:
         chosen.discard("hook_attn_in")
@@ -105,11 +102,24 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         moe = MOE_HOOKS if cfg.shared_expert_intermediate_size else MOE_HOOKS[:2]
         at = hooks.index("mlp.hook_post")
         hooks[at : at + 1] = moe
+    if not cfg.pre_norms:
+        hooks = [h for h in hooks if not h.startswith(("ln1.", "ln2."))]
     if cfg.post_norms:
-        for post, before in zip(POST_NORM_HOOKS, ("hook_attn_out", "hook_mlp_out")):
-            at = hooks.index(before)
-            hooks[at:at] = post
+        for norm, (raw, out) in zip(post_norm_names(cfg), POST_NORMED):
+            at = hooks.index(out)
+            hooks[at:at] = (raw, f"{norm}.hook_scale", f"{norm}.hook_normalized")
     return tuple(hooks)
+
+
+def post_norm_names(cfg: ModelConfig) -> tuple[str, str]:
+    """TransformerLens's names for the norms after attention and after the MLP: ln1_post and ln2_post beside
+    pre-norms (Gemma), ln1 and ln2 where they are the layer's only norms (OLMo 2)."""
+    return ("ln1_post", "ln2_post") if cfg.pre_norms else ("ln1", "ln2")
+
+
+def mlp_input(cfg: ModelConfig) -> str:
+    """The tap (of a layer) whose value the MLP reads: its pre-norm's output, or, with none, the stream itself."""
+    return "ln2.hook_out" if cfg.pre_norms else "hook_resid_mid"
 
 
 def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, tuple[int | str, ...]]:

@@ -46,13 +46,18 @@ class Fusable:
         return self.compiled is not None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32; Llama-style casts back then scales, Gemma scales by (1 + w) in
-    float32 and casts last."""
-    dtype = x.dtype
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, then scale as `kind` says (`scaled`)."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).to(dtype) if offset else weight * h.to(dtype)
+    return scaled(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), weight, kind, x.dtype)
+
+
+def scaled(h: torch.Tensor, weight: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """A normalised float32 `h` times an RMSNorm's weight, in `dtype`: "rms" (Llama) casts back then scales,
+    "rms_float" (OLMo 2) scales by w in float32 and casts last, "rms_offset" (Gemma) the same with 1 + w."""
+    if kind == "rms":
+        return weight * h.to(dtype)
+    return (h * (1.0 + weight.float() if kind == "rms_offset" else weight.float())).to(dtype)
 
 
 def _gated(act: Callable, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -83,7 +88,7 @@ def fuse(device: torch.device, dtype: torch.dtype, act: Callable) -> bool:
     heads = torch.randn(3, 2, 64, device=device, dtype=dtype)
     angles = torch.randn(3, 1, 64, device=device, dtype=dtype)
     done = [
-        rms_norm.fuse(x, torch.ones(64, device=device, dtype=dtype), 1e-6, False), gated.fuse(act, x, x),
+        rms_norm.fuse(x, torch.ones(64, device=device, dtype=dtype), 1e-6, "rms"), gated.fuse(act, x, x),
         rotate.fuse(heads, angles, angles),
     ]  # fmt: skip
     return any(done)

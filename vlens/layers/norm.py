@@ -1,7 +1,7 @@
 """The norms of the supported families, with HF's numerics, and their taps as TransformerLens names them.
 
-RMSNorm normalises in float32. Llama-style models cast back and then scale; Gemma scales by
-(1 + w) while still in float32 and casts last. In float32 the two orders agree; in bfloat16 they
+RMSNorm normalises in float32. Llama-style models cast back and then scale; OLMo 2 scales by w and
+Gemma by (1 + w) while still in float32, and cast last. In float32 the orders agree; in bfloat16 they
 round differently, so each family gets its own. LayerNorm (GPT-2, NeoX) is torch's fused kernel, as
 in HF, unless a tap needs its inner values.
 
@@ -23,7 +23,9 @@ from torch import nn
 
 from vlens.config import ModelConfig
 from vlens.context import tap, tapped
+from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
+from vlens.layers.checkpoint import Slot
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,15 @@ NO_HOOKS = NormHooks()  # names no tap ever has
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: bool = False):
+    def __init__(self, dim: int, eps: float, kind: str = "rms"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.offset = offset  # Gemma: the weight is stored as w with the scale 1 + w
+        self.kind = kind  # ModelConfig.norm: "rms", "rms_float" or "rms_offset" (Gemma: w stored, 1 + w the scale)
 
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         if not (tapped(hooks.scale) or tapped(hooks.normalized)):  # nothing asks for its inner values
-            return tap(hooks.out, fused.rms_norm(x, self.weight, self.eps, self.offset))
+            return tap(hooks.out, fused.rms_norm(x, self.weight, self.eps, self.kind))
         dtype = x.dtype
         h = x.float()
         variance = h.pow(2).mean(-1, keepdim=True) + self.eps
@@ -64,16 +66,38 @@ class RMSNorm(nn.Module):
             edited = tap(hooks.normalized, normalized)
             if edited is not normalized:
                 h = edited.float()
-        out = (h * (1.0 + self.weight.float())).to(dtype) if self.offset else self.weight * h.to(dtype)
+        out = fused.scaled(h, self.weight, self.kind, dtype)
         return tap(hooks.out, out)
 
     def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """This norm with its divisor given, not computed from x: x / scale times the weight. Linear in x,
         so parts of a stream, each put through with the whole stream's scale (its hook_scale), sum to the
         norm's output: what direct logit attribution needs."""
-        if self.offset:
-            return (x.float() / scale.float() * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * (x / scale)
+        return fused.scaled(x.float() / scale.float(), self.weight, self.kind, x.dtype)
+
+
+class ProjectionNorm(nn.Module):
+    """OLMo's q/k norm: an RMSNorm over all the heads' queries (or keys) of a token together, before they are split
+    into heads. Under tensor parallelism a rank holds its heads' share of the weight and the sum of squares is added
+    up over the ranks (where ranks share a key-value head, each counts it: the divisor counts it as often)."""
+
+    def __init__(self, cfg: ModelConfig, heads: int):
+        super().__init__()
+        units, d, p = cfg.parallel.units(heads), cfg.head_dim, cfg.parallel
+        self.weight = nn.Parameter(torch.ones(len(units) * d))
+        self.eps, self.kind, self.parallel = cfg.norm_eps, cfg.norm, p
+        self.rows = slice(units.start * d, units.stop * d)  # this rank's share of the stored weight
+        self.width = heads * d * max(1, p.size // heads)
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        return {f"{path}.weight": Slot(self.weight, source=(self.rows,) if self.parallel.size > 1 else None)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return fused.rms_norm(x, self.weight, self.eps, self.kind)
+        h = x.float()
+        squares = all_reduce(h.pow(2).sum(-1, keepdim=True), self.parallel)
+        return fused.scaled(h * torch.rsqrt(squares / self.width + self.eps), self.weight, self.kind, x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -106,4 +130,4 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = cfg.hidden_size if dim is None else dim
     if cfg.norm == "layer":
         return LayerNorm(dim, cfg.norm_eps)
-    return RMSNorm(dim, cfg.norm_eps, offset=cfg.norm == "rms_offset")
+    return RMSNorm(dim, cfg.norm_eps, cfg.norm)

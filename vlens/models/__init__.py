@@ -11,12 +11,14 @@ from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.llama import CausalLM
+from vlens.models.olmo import OlmoForCausalLM
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
     "gemma": GemmaForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gpt_neox": GPTNeoXForCausalLM,
+    "olmo": OlmoForCausalLM,
 }
 
 

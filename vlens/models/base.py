@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.capture.names import LOGITS
+from vlens.capture.names import LOGITS, post_norm_names
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context, tap, tapped
 from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
 from vlens.layers.attention import Attention
-from vlens.layers.norm import NormHooks, make_norm
+from vlens.layers.norm import NormHooks, ProjectionNorm, make_norm
 from vlens.layers.rotary import Rotary
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope kind -> (cos, sin), from Rotary.cos_sin
@@ -29,7 +29,8 @@ FINAL_NORM_HOOKS = NormHooks.at("ln_final")
 
 class AttentionHeads(nn.Module):
     """Projections are the family's (and named as its checkpoints name them); the forward is the same in
-    every family: q, k, v from one fused projection, split into heads, q/k norm where the model has one,
+    every family: q, k, v from one fused projection, q/k norm where the model has one (OLMo's over the whole
+    projection, then a clamp where it clips; Qwen3's and Gemma 3's head by head, after the split into heads),
     rotary, taps, the attention backend, the output projection. Subclasses build the projections and name
     them `qkv` (a FusedLinear of parts q, k, v) and `out` (the output projection), whatever the checkpoint
     calls them, so that the forward and weight views (vlens.hooked_weights) read every family alike."""
@@ -49,10 +50,11 @@ class AttentionHeads(nn.Module):
         p = f"blocks.{layer}.attn."
         patterns = (p + "hook_attn_scores", p + "hook_pattern")
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            self.q_norm = make_norm(cfg, cfg.head_dim)
-            self.k_norm = make_norm(cfg, cfg.head_dim)
+        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
+        elif cfg.qk_norm == "projection":
+            self.q_norm, self.k_norm = ProjectionNorm(cfg, cfg.num_heads), ProjectionNorm(cfg, cfg.num_kv_heads)
         self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
         self.hook_result = p + "hook_result"
@@ -85,15 +87,20 @@ class AttentionHeads(nn.Module):
         return (y if b is None else y + b.view(heads, -1)).flatten(1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]."""
+        """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]. Rotary tables in
+        float32 (ModelConfig.rope_float32) rotate in float32, the result rounded back to q's dtype, as HF's OLMo 2."""
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (x.clamp(-self.clip, self.clip) for x in (q, k, v))
         q = q.reshape(-1, self.heads, self.head_dim)
         k = k.reshape(-1, self.kv_heads, self.head_dim)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_kind is not None:
             cos, sin = rope[self.rope_kind]
-            q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
+            q, k = fused.rotate(q, cos, sin).to(q.dtype), fused.rotate(k, cos, sin).to(k.dtype)
         q = tap(self.hook_q, q)
         k = tap(self.hook_k, k)
         v = tap(self.hook_v, v)
@@ -108,9 +115,11 @@ class ResidualBlock(nn.Module):
     is no hook_resid_mid. Families keep their checkpoint's module names and map them onto `ln1`,
     `ln2`, `attn_heads` (the AttentionHeads) and `mlp` (a dense MLP with `fc_in` / `fc_out`, or routed
     experts); what the sublayers add is `attn_out` and `mlp_out`, their outputs (Gemma overrides both to put
-    its post-norms inside, so there the heads' and the MLP's outputs are not what the layer adds)."""
+    its post-norms inside, so there the heads' and the MLP's outputs are not what the layer adds; OLMo 2 has no
+    pre-norms, `pre_norms` False: its sublayers read the stream itself)."""
 
     parallel = False
+    pre_norms = True
     attn_heads: AttentionHeads
     mlp: nn.Module
 
@@ -128,7 +137,7 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = tap(self.hook_resid_pre, x)
-        h = self.ln1(x, self.hook_ln1)
+        h = self.ln1(x, self.hook_ln1) if self.pre_norms else x
         a = self.attn_out(self.attention_input(x, h), rope)
         a = tap(self.hook_attn_out, a)
         if self.parallel:
@@ -136,7 +145,8 @@ class ResidualBlock(nn.Module):
         else:
             mid = x + a
             mid = tap(self.hook_resid_mid, mid)
-        h = self.ln2(tap(self.hook_mlp_in, mid), self.hook_ln2)
+        h = tap(self.hook_mlp_in, mid)
+        h = self.ln2(h, self.hook_ln2) if self.pre_norms else h
         m = self.mlp_out(h)
         m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
@@ -167,7 +177,31 @@ class ResidualBlock(nn.Module):
         unedited = [y is p for y, p in zip(inputs, (plain, kv_plain, kv_plain))]
         if all(unedited):
             return h
-        return tuple(h if same else self.ln1(y) for y, same in zip(inputs, unedited))
+        return tuple(h if same else self.ln1(y) if self.pre_norms else y for y, same in zip(inputs, unedited))
+
+
+class PostNormBlock(ResidualBlock):
+    """A layer whose attention and MLP outputs are normalised before the residual add (Gemma's sandwich norms,
+    OLMo 2's post-norms): hook_attn_out and hook_mlp_out are after the norms, attn.hook_out and mlp.hook_out
+    before; the norms' taps take TransformerLens's names (vlens.capture.names.post_norm_names). A family builds
+    `post_attention_layernorm` and `post_feedforward_layernorm`, HF's names for them in both."""
+
+    post_attention_layernorm: nn.Module
+    post_feedforward_layernorm: nn.Module
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(layer)
+        p = f"blocks.{layer}."
+        self.hook_attn_norm, self.hook_mlp_norm = (
+            NormHooks(p + norm + ".hook_scale", p + norm + ".hook_normalized") for norm in post_norm_names(cfg)
+        )  # (no hook_out: their outputs are hook_attn_out and hook_mlp_out)
+        self.hook_attn_raw, self.hook_mlp_raw = p + "attn.hook_out", p + "mlp.hook_out"
+
+    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
+        return self.post_attention_layernorm(tap(self.hook_attn_raw, self.attn_heads(h, rope)), self.hook_attn_norm)
+
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(tap(self.hook_mlp_raw, self.mlp(h)), self.hook_mlp_norm)
 
 
 class DecoderLM(nn.Module):
@@ -213,7 +247,7 @@ class DecoderLM(nn.Module):
         this forward need not run again (vlens.patching: a patch changes nothing before its layer)."""
         ctx = get_context()
         first, x = (0, self.embed(input_ids, ctx)) if start is None else start
-        rope = self.rotary.cos_sin(ctx, x.dtype)
+        rope = self.rotary.cos_sin(ctx, torch.float32 if self.cfg.rope_float32 else x.dtype)
         # (a ModuleList slice builds a module, ~50 us: the whole model's forward takes the list as it is)
         layers = self.layers if first == 0 and num_layers is None else self.layers[first:num_layers]
         for layer in layers:

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2), Phi-3 (the same layer with q/k/v and
-gate/up fused in its checkpoints) and the MoE variants Mixtral and Qwen2-MoE (the same layer with
-routed experts for its MLP), with every tap written out.
+gate/up fused in its checkpoints) and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (the same
+layer with routed experts for its MLP), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
 `x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
@@ -16,7 +16,7 @@ from vlens.config import ModelConfig
 from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.moe import SparseMoE
-from vlens.layers.norm import RMSNorm
+from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 
@@ -24,6 +24,8 @@ from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 MOE_CHECKPOINT_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
     "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "OlmoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -55,9 +57,9 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
 class DecoderLayer(ResidualBlock):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.input_layernorm = make_norm(cfg)
         self.self_attn = SelfAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = make_norm(cfg)
         self.mlp = mlp_for(cfg, layer)
 
     ln1 = property(lambda self: self.input_layernorm)
@@ -66,20 +68,23 @@ class DecoderLayer(ResidualBlock):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_class: type[ResidualBlock]):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg)
 
 
 class CausalLM(DecoderLM):
     """forward() runs the layers a batch needs and returns the residual stream; logits are separate,
-    so callers pay for the unembedding only on the rows they sample or capture."""
+    so callers pay for the unembedding only on the rows they sample or capture. Families laid out as
+    Llama's, whose layers differ (Gemma, OLMo 2), name their own `layer_class`."""
+
+    layer_class: type[ResidualBlock] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, self.layer_class)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.model.embed_tokens)

@@ -1,0 +1,101 @@
+"""OLMo 2 and OLMo 3 against HF on tiny random checkpoints: every tap (no pre-norms; the post-norms under
+TransformerLens's names ln1 and ln2; q and k normalised over the whole projection), packed against alone, greedy
+generation through the paged cache, OLMo 3's sliding windows reached, bfloat16 rotary as HF rounds it, and the
+names and values TransformerLens gives the same weights."""
+
+from __future__ import annotations
+
+import torch
+from conftest import rel_err
+from family_parity import COMMON, VOCAB, GenerationParity, TapParity, build, check_feature_matters, family_fixture, sequences
+from hf_reference import hf_taps, same
+from transformers import AutoModelForCausalLM, Olmo2Config, Olmo3Config
+
+from vlens import LLM, HookedLM
+
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+OLMO3 = dict(COMMON, num_key_value_heads=2, sliding_window=7, layer_types=LAYER_TYPES,
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})  # fmt: skip
+CONFIGS = {
+    "olmo2": lambda: Olmo2Config(**COMMON),  # every head its own keys, as OLMo 2 7B and 13B
+    "olmo2_gqa_bias_tied": lambda: Olmo2Config(
+        **COMMON, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True
+    ),
+    "olmo3": lambda: Olmo3Config(**OLMO3),
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    """Generation: prompts longer than OLMo 3's 7-token window, 4-token cache blocks, so the window is applied over
+    the paged cache, across block boundaries, in prefill and decode."""
+
+    def required_hooks(self, llm):
+        kinds = ("attn.hook_out", "ln1.hook_scale", "ln1.hook_normalized", "hook_attn_out", "hook_resid_mid",
+                 "mlp.hook_out", "ln2.hook_scale", "ln2.hook_normalized", "hook_mlp_out")  # fmt: skip
+        return [f"blocks.{layer}.{kind}" for layer in range(3) for kind in kinds]
+
+
+def test_config_and_hook_names(family):
+    name, _, llm, _ = family
+    cfg = llm.config
+    assert (cfg.family, cfg.norm, cfg.qk_norm) == ("olmo", "rms_float", "projection")
+    assert not cfg.pre_norms and cfg.post_norms and cfg.rope_float32
+    assert cfg.sliding_windows == ((7, None, 7) if name == "olmo3" else (None,) * 3)
+    layer = [h.removeprefix("blocks.1.") for h in llm.hook_names() if h.startswith("blocks.1.")]
+    assert layer == [
+        "hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern",
+        "attn.hook_z", "attn.hook_out", "ln1.hook_scale", "ln1.hook_normalized", "hook_attn_out", "hook_resid_mid",
+        "mlp.hook_post", "mlp.hook_out", "ln2.hook_scale", "ln2.hook_normalized", "hook_mlp_out", "hook_resid_post",
+    ]  # fmt: skip
+
+
+def test_sliding_windows_and_their_rope_are_reached(tmp_path):
+    check_feature_matters(Olmo3Config(**OLMO3), tmp_path, layer_types=["full_attention"] * 3)
+    one_rope = {kind: {"rope_type": "default", "rope_theta": 100.0} for kind in set(LAYER_TYPES)}
+    check_feature_matters(Olmo3Config(**OLMO3), tmp_path, rope_parameters=one_rope)
+
+
+def test_bfloat16_rotary_and_norms_round_as_hf_rounds_them(family):
+    """HF's OLMo 2 keeps cos and sin in float32, so q and k rotate in float32 and round once, and its norms scale in
+    float32: rotating in bfloat16 (Llama's order) put hook_q 0.3% off HF's."""
+    _, path, _, _ = family
+    llm = LLM(model=path, dtype="bfloat16", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = sequences()[-1]
+    hooks = ["blocks.0.attn.hook_q", "blocks.0.attn.hook_k", "blocks.0.hook_attn_out"]
+    got, ref = llm.trace([ids], hooks=hooks)[0], hf_taps(hf, ids, [0], patterns=False)
+    for hook in hooks:
+        assert rel_err(got[hook].float(), ref[hook].float()) <= 1e-3, hook
+
+
+def test_transformer_lens_names_the_same_values(tmp_path):
+    """TransformerLens's OLMo 2 (its ln1 and ln2 are the post-norms, hook_attn_out and hook_mlp_out after them; its
+    hook_rot_q / hook_rot_k are vlens's hook_q / hook_k, after the q/k norm and rotary) on the same weights:
+    HookedLM's cache holds the same values under the same names."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_olmo2_weights
+
+    path = build(Olmo2Config(**COMMON), tmp_path, "olmo2")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=96, d_vocab=VOCAB, n_ctx=128,
+                                  act_fn="silu", normalization_type="RMS", eps=hf.config.rms_norm_eps,
+                                  positional_embedding_type="rotary", rotary_dim=16, rotary_base=10000,
+                                  final_rms=True, gated_mlp=True, original_architecture="Olmo2ForCausalLM")  # fmt: skip
+    reference = HookedTransformer(cfg)
+    reference.load_state_dict(convert_olmo2_weights(hf, cfg), strict=False)
+    tokens = torch.tensor([sequences()[-1]])
+    logits, cache = HookedLM(path, dtype="float32", device="cpu").run_with_cache(tokens)
+    with torch.no_grad():
+        ref_logits, ref_cache = reference.run_with_cache(tokens)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    renamed = {name.replace("hook_rot_", "hook_"): name for name in ref_cache if "hook_q" not in name
+               and "hook_k" not in name}  # fmt: skip (TransformerLens's hook_q / hook_k: before the q/k norm)
+    common = sorted(set(renamed) & set(cache))
+    kinds = {name.split(".", 2)[-1] for name in common if name.startswith("blocks.")}
+    assert {"ln1.hook_scale", "ln1.hook_normalized", "ln2.hook_normalized", "hook_attn_out", "hook_mlp_out",
+            "attn.hook_q", "attn.hook_k", "attn.hook_pattern", "hook_resid_mid", "mlp.hook_post"} <= kinds  # fmt: skip
+    for name in common:
+        assert same(cache[name], ref_cache[renamed[name]], 1e-5), name  # (masked scores: -inf in both)
