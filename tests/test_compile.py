@@ -14,15 +14,16 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
-from transformers import LlamaConfig, MixtralConfig
+from transformers import LlamaConfig, OlmoeConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.context import get_context
 
 FAMILIES = {  # family -> (config, a hook of its MLP to capture)
     "llama": (lambda: LlamaConfig(**COMMON, num_key_value_heads=2), "blocks.2.mlp.hook_post"),
-    "mixtral": (
-        lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    # routed experts (as Mixtral's), q/k normalised over the whole projection, q/k/v clamped
+    "olmoe": (
+        lambda: OlmoeConfig(**COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=0.5),
         "blocks.2.mlp.hook_expert_ids",  # int64 rows
     ),
 }

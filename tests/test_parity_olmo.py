@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import torch
 from conftest import rel_err
-from family_parity import COMMON, VOCAB, GenerationParity, TapParity, build, check_feature_matters, family_fixture, sequences
+from family_parity import (
+    COMMON,
+    VOCAB,
+    GenerationParity,
+    TapParity,
+    build,
+    check_feature_matters,
+    family_fixture,
+    sequences,
+)
 from hf_reference import hf_taps, same
 from transformers import AutoModelForCausalLM, Olmo2Config, Olmo3Config
 

@@ -31,9 +31,10 @@ from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from test_parity_moe import CONFIGS as MOE_CONFIGS
-from transformers import Gemma2Config, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config
+from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, Qwen2Config
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, TunedLens, harvest
+from vlens.capture.names import mlp_input
 from vlens.distributed.parallel import GroupError
 from vlens.engine.llm_engine import NewRequest
 from vlens.harvest.stats import ShardStats
@@ -64,6 +65,9 @@ CONFIGS = {
     "qwen2_moe": MOE_CONFIGS["qwen2_moe"],
     # q/k/v and gate/up stored fused: each rank reads its rows of one checkpoint tensor
     "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # q and k normalised over all heads at once: each rank's sum of squares added to the other's (the one KV head
+    # on both ranks counted once), post-norms only
+    "olmo2_mqa": lambda: Olmo2Config(**COMMON, num_key_value_heads=1),
 }
 
 
@@ -632,7 +636,7 @@ def test_sae_clamp_on_a_sharded_hook_and_features_of_the_residual(pair, tmp_path
 
 
 def test_transcoder_clamps_read_where_they_read_also_from_a_sharded_hook(pair):
-    """Clamps of two transcoders — ln2.hook_out to hook_mlp_out, and hook_z (split by heads: its latent is read
+    """Clamps of two transcoders — the MLP's input (ln2.hook_out; OLMo's hook_resid_mid) to hook_mlp_out, and hook_z (split by heads: its latent is read
     from the whole gathered row) to hook_attn_out — with a plain request beside them, and the second's latents and
     error read by a third: as in one process."""
     _, one, two = pair
@@ -645,7 +649,7 @@ def test_transcoder_clamps_read_where_they_read_also_from_a_sharded_hook(pair):
                    W_dec=torch.randn(32, d, generator=g), b_dec=torch.zeros(d), hook=hook, hook_out=hook_out,
                    apply_b_dec_to_input=False)  # fmt: skip
 
-    mlp = transcoder("blocks.0.ln2.hook_out", "blocks.0.hook_mlp_out", d)
+    mlp = transcoder(f"blocks.0.{mlp_input(one.config)}", "blocks.0.hook_mlp_out", d)
     attn = transcoder(z, "blocks.1.hook_attn_out", math.prod(shapes[z]))
     hooks = ["blocks.0.hook_mlp_out", "blocks.1.hook_attn_out", "blocks.2.hook_resid_post"]
     common = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "capture": Capture(hooks=hooks)}

@@ -213,6 +213,8 @@ class Attribution:
             )
         if layer == n:
             norm, hook = model.final_norm, "ln_final.hook_scale"
+        elif not model.cfg.pre_norms:  # (OLMo 2: the layer's attention and MLP read the stream itself)
+            return residual_stack
         else:
             ln = "ln2" if mlp_input else "ln1"
             norm, hook = getattr(model.layers[layer], ln), f"blocks.{layer}.{ln}.hook_scale"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from vlens.capture.names import FINAL_NORM
+from vlens.capture.names import FINAL_NORM, layer_norms
 from vlens.replacement import CrossLayer, PerLayer, replacement
 
 if TYPE_CHECKING:
@@ -286,8 +286,7 @@ class _Rows:
             skip = x[..., :1] * 0 if skip is None else skip.view_as(value)  # (no skip: 0, on the graph)
             return skip + (value - skip).detach()
 
-        norms = ("ln1", "ln2", *(("ln1_post", "ln2_post") if model.cfg.post_norms else ()))
-        kinds = ("attn.hook_q", "attn.hook_k", *(f"{norm}.hook_scale" for norm in norms))
+        kinds = ("attn.hook_q", "attn.hook_k", *(f"{norm}.hook_scale" for norm in layer_norms(model.cfg)))
         frozen = [f"blocks.{layer}.{kind}" for layer in range(n) for kind in kinds] + ["ln_final.hook_scale"]
         fwd = [(name, freeze) for name in frozen]
         fwd += [(hook, partial(keep, layer)) for layer, hook in enumerate(tcs.reads)]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlens.capture.names import layer_hooks
+from vlens.capture.names import layer_hooks, mlp_input
 from vlens.hooked_saes import as_vlens_sae
 from vlens.sae.files import from_saelens
 from vlens.sae.model import SAE
@@ -134,11 +134,11 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
         if chosen.writes[layer] not in outputs:
             raise ValueError(f"{where}: writes {chosen.writes[layer]!r}; layer {layer}'s must write "
                              f"{' or '.join(outputs)}")  # fmt: skip
-        before_mlp = layer_hooks(model.cfg, layer)
-        before_mlp = before_mlp[: before_mlp.index("ln2.hook_out") + 1]
+        before_mlp, read = layer_hooks(model.cfg, layer), mlp_input(model.cfg)
+        before_mlp = before_mlp[: before_mlp.index(read) + 1]
         if chosen.reads[layer] not in {f"blocks.{layer}.{hook}" for hook in before_mlp}:
             raise ValueError(f"{where}: reads {chosen.reads[layer]!r}; layer {layer}'s must read a hook of its "
-                             f"layer up to the MLP's input, blocks.{layer}.ln2.hook_out")  # fmt: skip
+                             f"layer up to the MLP's input, blocks.{layer}.{read}")  # fmt: skip
         model._check_hook(chosen.reads[layer], chosen.d_in[layer], "hook", "d_in")
         model._check_hook(chosen.writes[layer], chosen.d_out[layer], "hook_out", "d_out")
     return chosen

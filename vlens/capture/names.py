@@ -117,6 +117,11 @@ def post_norm_names(cfg: ModelConfig) -> tuple[str, str]:
     return ("ln1_post", "ln2_post") if cfg.pre_norms else ("ln1", "ln2")
 
 
+def layer_norms(cfg: ModelConfig) -> tuple[str, ...]:
+    """A layer's norms by TransformerLens's names: its pre-norms, then its post-norms."""
+    return (("ln1", "ln2") if cfg.pre_norms else ()) + (post_norm_names(cfg) if cfg.post_norms else ())
+
+
 def mlp_input(cfg: ModelConfig) -> str:
     """The tap (of a layer) whose value the MLP reads: its pre-norm's output, or, with none, the stream itself."""
     return "ln2.hook_out" if cfg.pre_norms else "hook_resid_mid"
