@@ -3,7 +3,7 @@
 Each config turns on something the SmolLM2 test cannot reach: rope scaling (llama3, linear), sliding
 windows shorter than the test sequences (Mistral everywhere, Qwen2 on layers >= max_window_layers),
 q/k/v biases (Qwen2), q/k norm (Qwen3), tied and untied embeddings, GQA and MQA, head_dim unlike
-hidden/heads. HF initialises norms to one and biases to zero, which would let a model that ignores
+hidden/heads, and Gemma 1 (the Llama layer with Gemma's (1 + w) norms and scaled embedding). HF initialises norms to one and biases to zero, which would let a model that ignores
 them pass; the checkpoints are re-saved with those weights randomised.
 """
 
@@ -17,7 +17,7 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, TOL, TapParity, build, check_feature_matters, family_fixture, sequences
 from hf_reference import hf_taps, layer_hooks
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from vlens import LLM
 
@@ -50,6 +50,10 @@ CONFIGS = {
     "qwen3_head_dim": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32),
     "qwen3_tied_mqa_bias": lambda: Qwen3Config(
         **COMMON, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, attention_bias=True
+    ),
+    # "gelu": what Gemma 1's own configs say, which HF reads as the tanh approximation
+    "gemma1_mqa_bias": lambda: GemmaConfig(
+        **COMMON, num_key_value_heads=1, head_dim=24, attention_bias=True, hidden_act="gelu"
     ),
 }
 
@@ -86,6 +90,8 @@ def test_config_is_read_as_intended(family):
         "qwen2_window_layers": {"qkv_bias": True, "windows": (None, 5, 5)},
         "qwen3_head_dim": {"head_dim": 32, "qk_norm": "head", "qkv_bias": False},
         "qwen3_tied_mqa_bias": {"head_dim": 8, "qk_norm": "head", "qkv_bias": True, "o_bias": True},
+        "gemma1_mqa_bias": {"head_dim": 24, "norm": "rms_offset", "embed_scale": True, "o_bias": True,
+                            "hidden_act": "gelu_pytorch_tanh", "windows": (None,) * 3},  # fmt: skip
     }[name]
     for key, value in expected.items():
         if key == "rope":

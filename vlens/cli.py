@@ -33,6 +33,7 @@ from vlens.server import cli as server_cli
 from vlens.settings import add_flags, from_args, values
 from vlens.steering import AGGREGATORS, SteeringVector, train_steering_vector
 
+MODEL_FLAGS = {"model", "revision"}  # what names the model, in every command that loads one
 TRACE_ABOUT = "Run the texts through the model and print, per text, each hook's shape, dtype and mean row norm."
 TRACE_FILE = (
     "--out writes one safetensors file with the texts packed back to back, one row per token: a tensor "
@@ -64,7 +65,7 @@ LENS_ABOUT = (
 
 def _cmd_hooks(args: argparse.Namespace) -> int:
     # Only the config is read: listing the hooks of a large model should not load its weights.
-    shapes = hook_shapes(read_config(resolve_model_path(args.model)))
+    shapes = hook_shapes(read_config(resolve_model_path(args.model, args.revision)))
     width = max(map(len, shapes))
     for name, shape in shapes.items():
         print(f"{name:<{width}}  {shape}")
@@ -198,7 +199,7 @@ def _cmd_lens(args: argparse.Namespace) -> int:
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
     tuned = None if args.tuned_lens is None else TunedLens.load(args.tuned_lens)
     if args.attention_layers:
-        layers = read_config(resolve_model_path(args.model)).num_layers
+        layers = read_config(resolve_model_path(args.model, args.revision)).num_layers
         for layer in args.attention_layers:
             if not 0 <= layer < layers:
                 raise ValueError(f"--attention-layers: {layer} is not a layer of this model (0 .. {layers - 1})")
@@ -253,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = commands.add_parser("hooks", help="list the model's hook names with their per-token shapes")
-    add_flags(p, EngineConfig, only={"model"})
+    add_flags(p, EngineConfig, only=MODEL_FLAGS)
     p.set_defaults(func=_cmd_hooks)
 
     p = commands.add_parser(
@@ -267,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOOK",
         help="hook names or globs (quoted), e.g. blocks.10.hook_resid_post 'blocks.{0..3}.hook_attn_out'",
     )
-    add_flags(p, EngineConfig, only={"model", "dtype", "device", "tensor_parallel_size"})
+    add_flags(p, EngineConfig, only=MODEL_FLAGS | {"dtype", "device", "tensor_parallel_size"})
     p.add_argument("--out", metavar="FILE", help="also write the activations and token ids to FILE (see below)")
     p.set_defaults(func=_cmd_trace)
 
@@ -276,7 +277,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=GENERATE_FILE,
     )  # fmt: skip
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    add_flags(p, EngineConfig, only={"model", "dtype", "device", "seed", "tensor_parallel_size", "compile_decode"})
+    add_flags(p, EngineConfig, only=MODEL_FLAGS | {"dtype", "device", "seed", "tensor_parallel_size", "compile_decode"})
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -308,7 +309,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the token each prompt is read at (default: -1, its last)")  # fmt: skip
     p.add_argument("--aggregator", choices=sorted(AGGREGATORS), default="mean",
                    help="mean: the mean difference (default); pca: the differences' principal direction")  # fmt: skip
-    add_flags(p, EngineConfig, only={"model", "dtype", "device"})
+    add_flags(p, EngineConfig, only=MODEL_FLAGS | {"dtype", "device"})
     p.set_defaults(func=_cmd_steering_vector)
 
     p = commands.add_parser(
@@ -316,7 +317,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--out", metavar="FILE", required=True, help="the HTML file to write")
-    add_flags(p, EngineConfig, only={"model", "dtype", "device"})
+    add_flags(p, EngineConfig, only=MODEL_FLAGS | {"dtype", "device"})
     p.add_argument("--max-tokens", type=int, default=0, help="tokens to generate greedily first (default: 0)")
     p.add_argument("--top-k", type=int, default=5, help="tokens per logit-lens cell, latents per token (default: 5)")
     p.add_argument("--sae", metavar="PATH", help="also show this SAE's top latents per token (SAELens dir or params.npz)")

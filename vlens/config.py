@@ -125,6 +125,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "OlmoeForCausalLM": Architecture({"qk_norm": "projection", "round_routing_weights": True}, _olmoe),
     "Olmo2ForCausalLM": Architecture(OLMO),
     "Olmo3ForCausalLM": Architecture(OLMO),
+    # Gemma 1: Llama's layer with Gemma's norms and embedding scale (no sandwich norms, windows or soft-caps)
+    "GemmaForCausalLM": Architecture({"norm": "rms_offset", "embed_scale": True}, windowed=False),
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": "head"}, _gemma),
@@ -149,6 +151,7 @@ MODEL_TYPES = {
     "olmoe": "OlmoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",

@@ -120,6 +120,26 @@ class HookedConfig(ModelConfig):
         return cls(**values, device=device, dtype=dtype, default_prepend_bos=adds_bos)
 
 
+# Pythia's training checkpoints as TransformerLens lists them (its checkpoint_index counts in this list).
+PYTHIA_CHECKPOINTS = (0, *(2**i for i in range(10)), *range(1000, 143001, 1000))
+
+
+def _pythia_revision(model: str | None, index: int | None, value: int | None, settings: dict[str, Any]) -> str:
+    if not str(model).startswith("EleutherAI/pythia"):
+        raise ValueError(f"checkpoint_index / checkpoint_value: training checkpoints by number are Pythia's "
+                         f"(EleutherAI/pythia-*); for {model!r} name the hub revision: revision='...'")  # fmt: skip
+    if index is not None and value is not None or "revision" in settings:
+        raise ValueError("checkpoint_index, checkpoint_value, revision: give one of them")
+    if index is not None:
+        if not -len(PYTHIA_CHECKPOINTS) <= index < len(PYTHIA_CHECKPOINTS):
+            raise ValueError(f"checkpoint_index: {index} is not in 0..{len(PYTHIA_CHECKPOINTS) - 1}")
+        value = PYTHIA_CHECKPOINTS[index]
+    if value not in PYTHIA_CHECKPOINTS:
+        raise ValueError(f"checkpoint_value: {value} is not one of Pythia's checkpoints (0, 1, 2, 4, ..., 512, then "
+                         "every 1000 steps to 143000)")  # fmt: skip
+    return f"step{value}"
+
+
 class HookedLM(ModelWeights, SAEMethods):
     """A vlens model with TransformerLens's calls (see the module doc). `model` and `settings` are
     those of `vlens.LLM`. Weight attributes (W_U, W_O, W_in, blocks[L].attn.W_Q, accumulated_bias, ...) are
@@ -147,7 +167,18 @@ class HookedLM(ModelWeights, SAEMethods):
                 self._shapes |= writing[name].shapes(shape)
         self._names_in_order = [n for n in self._shapes if not n.startswith("hidden_states.")]
 
-    from_pretrained = classmethod(lambda cls, model=None, **settings: cls(model, **settings))
+    @classmethod
+    def from_pretrained(
+        cls, model: str | None = None, checkpoint_index: int | None = None, checkpoint_value: int | None = None,
+        **settings: Any,
+    ) -> HookedLM:  # fmt: skip
+        """TransformerLens's: a Pythia training checkpoint by `checkpoint_value` (its step) or `checkpoint_index`
+        (its place in TransformerLens's list of them) is the hub revision `step{value}`; any model's other
+        versions are `revision=` (HF's and vLLM's setting)."""
+        if checkpoint_index is not None or checkpoint_value is not None:
+            settings["revision"] = _pythia_revision(model, checkpoint_index, checkpoint_value, settings)
+        return cls(model, **settings)
+
     from_pretrained_no_processing = from_pretrained  # (vlens never folds or centres: the values are HF's)
 
     # -- tokens ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""One way in for every checkpoint: a local HF directory, a hub id, a GGUF file, or the embedded default.
+"""One way in for every checkpoint: a local HF directory, a hub id (at a revision), a GGUF file, or the default.
 
 Everything ends as a safetensors directory read by name into vlens's own model; transformers is used
 only to parse configs, build tokenizers and (once per file) dequantise GGUF.
@@ -173,25 +173,33 @@ def _hub_environment() -> tuple[str, bool]:
     return os.path.expandvars(os.path.expanduser(cache)), flag.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _hub_snapshot(repo_id: str) -> Path:
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
     cache, offline = _hub_environment()
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache, local_files_only=offline))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache,
+                                      local_files_only=offline))  # fmt: skip
     except LocalEntryNotFoundError as e:
+        at, fetch = ("", "") if revision is None else (f" at revision {revision!r}", f" --revision {revision}")
         raise ModelLoadError(
-            f"model {repo_id!r} is not in the Hugging Face cache and the hub cannot be reached; fetch it "
-            f"where there is a network with `hf download {repo_id}` (same HF_HOME), or pass a local directory"
+            f"model {repo_id!r}{at} is not in the Hugging Face cache and the hub cannot be reached; fetch it where "
+            f"there is a network with `hf download {repo_id}{fetch}` (same HF_HOME), or pass a local directory"
         ) from e
+    except RevisionNotFoundError as e:
+        raise ModelLoadError(f"revision: {revision!r} is no branch, tag or commit of {repo_id!r}") from e
     except RepositoryNotFoundError as e:
         raise ModelLoadError(f"model {repo_id!r}: no such repository on the Hugging Face hub") from e
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """Where the safetensors directory for `model` lies, converting or downloading as needed."""
+def resolve_model_path(model: str | os.PathLike | None, revision: str | None = None) -> Path:
+    """Where the safetensors directory for `model` lies, converting or downloading as needed; `revision`: a branch,
+    tag or commit of a hub model (a training checkpoint: Pythia's "step1000"), as HF's from_pretrained takes it."""
+    if revision is not None and not _is_hub_id(model):
+        what = "the embedded default" if model is None else repr(str(model))
+        raise ModelLoadError(f"revision: {revision!r} picks a version of a hub model (org/name); the model is {what}")
     if model is None:
         return convert_gguf(default_gguf())
     path = Path(model).expanduser()
@@ -203,10 +211,16 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         return path
     if path.exists():
         raise ModelLoadError(f"model: {str(path)!r} is neither a checkpoint directory nor a .gguf file")
-    looks_like_repo = str(model).count("/") == 1 and not str(model).startswith((".", "/", "~"))
-    if not looks_like_repo:
+    if not _is_hub_id(model):
         raise ModelLoadError(f"model: {str(model)!r} does not exist (expected a directory, .gguf file or hub id)")
-    return _hub_snapshot(str(model))
+    return _hub_snapshot(str(model), revision)
+
+
+def _is_hub_id(model: str | os.PathLike | None) -> bool:
+    """An org/name that is not a local file or directory."""
+    if model is None or Path(model).expanduser().exists():
+        return False
+    return str(model).count("/") == 1 and not str(model).startswith((".", "/", "~"))
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -289,13 +303,13 @@ def _tokenizer(path: Path) -> Any | None:
 
 def load_model(
     model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", device: str = "auto",
-    parallel: Parallel = SINGLE,
+    parallel: Parallel = SINGLE, revision: str | None = None,
 ) -> LoadedModel:
-    """Load model, config and tokenizer from any source vlens accepts (see module doc); with `parallel`,
-    only that rank's shard of the weights (vlens.distributed)."""
+    """Load model, config and tokenizer from any source vlens accepts (see module doc; `revision`: of a hub
+    model); with `parallel`, only that rank's shard of the weights (vlens.distributed)."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, revision)
     cfg = dataclasses.replace(read_config(path), parallel=parallel)
     with torch.device("meta"):
         net = build_model(cfg, device=dev)

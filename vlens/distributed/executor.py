@@ -75,9 +75,9 @@ class Executor:
 
     def __init__(
         self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp",
-        compiled: bool = False, block_size: int = 16,
+        compiled: bool = False, block_size: int = 16, revision: str | None = None,
     ):  # fmt: skip
-        path = resolve_model_path(model)  # converted or downloaded once, here, for every rank
+        path = resolve_model_path(model, revision)  # converted or downloaded once, here, for every rank
         check_parallel(read_config(path), size, device, local=backend != "ray")
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise ValueError(
@@ -100,7 +100,7 @@ class Executor:
             self.ranks = ProcessRanks(size, f"tcp://127.0.0.1:{_free_port()}", spec)
         try:
             self._join(spec["group"], size)
-            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=Parallel(0, size))
+            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=Parallel(0, size), revision=revision)
             self.ranks.wait_ready(time.monotonic() + STARTUP_S)
         except BaseException:
             self.close()

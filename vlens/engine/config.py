@@ -11,11 +11,13 @@ from vlens.loader import DEFAULT_MODEL, device_problem, dtype_problem
 from vlens.settings import from_kwargs, setting, validate
 
 MODEL_HELP = f"HF checkpoint directory, .gguf file or hub id (default: the embedded {DEFAULT_MODEL})"
+REVISION_HELP = "branch, tag or commit of a hub model, e.g. a training checkpoint (Pythia's step1000)"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = setting(None, MODEL_HELP)
+    revision: str | None = setting(None, REVISION_HELP)
     dtype: str = setting(
         "auto", "auto (bfloat16 on CUDA, else float32), float32, float16 or bfloat16", check=dtype_problem
     )

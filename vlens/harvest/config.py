@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from vlens.capture.interventions import check_interventions
-from vlens.engine.config import MODEL_HELP
+from vlens.engine.config import MODEL_HELP, REVISION_HELP
 from vlens.loader import DTYPES, device_problem, dtype_problem
 from vlens.settings import REQUIRED, positive, setting, validate
 
@@ -23,6 +23,7 @@ class HarvestConfig:
         None,
         MODEL_HELP + "; from Python also an LLM or LoadedModel to reuse (device and model_dtype then do not apply)",
     )
+    revision: str | None = setting(None, REVISION_HELP)
     source: str | os.PathLike = setting(
         REQUIRED,
         ".txt (one document per line), .jsonl, .parquet, a `datasets` save_to_disk directory or a hub dataset id",
@@ -136,6 +137,9 @@ class HarvestConfig:
             raise ValueError("top_k: give it with sae, and only with sae: how many latents to store per row")
         if self.tensor_parallel_size > 1 and self.backend == "ray":
             raise ValueError("tensor_parallel_size: with the local backend; the Ray backend runs one model per actor")
+        if self.revision is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError("revision: picks a version of a hub model named by `model`; the LLM or LoadedModel given "
+                             "is loaded already")  # fmt: skip
         if self.sae_hook is not None and self.sae is None:
             raise ValueError("sae_hook: only with sae")
         if self.roles is not None and not self.roles:

@@ -283,6 +283,8 @@ def header(
         "dtype": dtype_name(param.dtype),
         "device": param.device.type,
     }
+    if config.revision is not None:  # (only then: older manifests match)
+        model["revision"] = config.revision
     if config.tensor_parallel_size > 1:  # split sums round otherwise than one process's: other bytes, not to mix
         model["tensor_parallel_size"] = config.tensor_parallel_size
     return {

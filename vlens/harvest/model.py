@@ -21,16 +21,18 @@ _hashes: dict[tuple, str] = {}
 GENERATION_MEMORY = 0.5  # of a GPU, for a generating harvest's engine (weights and KV cache)
 
 
-def resolve_model(model: Any, model_dtype: str, device: str, tensor_parallel_size: int = 1) -> LoadedModel:
-    """Reuse an `LLM` or `LoadedModel` the caller already holds (tests, notebooks); else load `model`
-    (split across `tensor_parallel_size` ranks: the caller closes `model.executor` when done)."""
+def resolve_model(model: Any, config: HarvestConfig, device: str) -> LoadedModel:
+    """Reuse an `LLM` or `LoadedModel` the caller already holds (tests, notebooks); else load `model` (the
+    config's, or a generation engine's) on `device`, split across the config's `tensor_parallel_size` ranks
+    (the caller closes `model.executor` when done)."""
     if isinstance(model, LoadedModel):
         return model
     if isinstance(model, LLM):
         return LoadedModel(model.model, model.config, model.tokenizer, model.model_path, model.model_name)
-    if tensor_parallel_size > 1:
-        return Executor(model, model_dtype, resolve_device(device), tensor_parallel_size, "sdpa").loaded
-    return load_model(model, dtype=model_dtype, device=device)
+    dtype, size, revision = config.model_dtype, config.tensor_parallel_size, config.revision
+    if size > 1:
+        return Executor(model, dtype, resolve_device(device), size, "sdpa", revision=revision).loaded
+    return load_model(model, dtype=dtype, device=device, revision=revision)
 
 
 def generation_engine(config: HarvestConfig) -> LLM:
@@ -42,8 +44,8 @@ def generation_engine(config: HarvestConfig) -> LLM:
         raise ValueError("model: generate_tokens needs a generation engine: give an LLM or a model path, "
                          "not a LoadedModel")  # fmt: skip
     return LLM(
-        config.model, dtype=config.model_dtype, device=config.device, tensor_parallel_size=config.tensor_parallel_size,
-        gpu_memory_utilization=GENERATION_MEMORY,
+        config.model, revision=config.revision, dtype=config.model_dtype, device=config.device,
+        tensor_parallel_size=config.tensor_parallel_size, gpu_memory_utilization=GENERATION_MEMORY,
     )  # fmt: skip
 
 

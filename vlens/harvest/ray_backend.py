@@ -71,7 +71,7 @@ class ShardWorker:
 
     def __init__(self, config: HarvestConfig, wanted: dict[str, str], excluded: list[int]) -> None:
         self.config = config
-        self.loaded = resolve_model(config.model, config.model_dtype, config.device)
+        self.loaded = resolve_model(config.model, config, config.device)
         self.runner = runner_for(config.model, self.loaded)
         self.wanted = wanted
         self.excluded = torch.tensor(excluded, dtype=torch.long)
@@ -126,7 +126,7 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
 
     started = time.perf_counter()
     src = source_of(config)
-    loaded = resolve_model(config.model, config.model_dtype, "cpu")
+    loaded = resolve_model(config.model, config, "cpu")
     cfg = loaded.config
     wanted, packing, features, edits = plan(loaded, config, src)
     store = Store.open(config.out_dir)

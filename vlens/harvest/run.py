@@ -58,7 +58,7 @@ def _harvest_local(config: HarvestConfig) -> HarvestSummary:
     started = time.perf_counter()
     src = source_of(config)
     model = generation_engine(config) if config.generate_tokens is not None else config.model
-    loaded = resolve_model(model, config.model_dtype, config.device, config.tensor_parallel_size)
+    loaded = resolve_model(model, config, config.device)
     try:
         return _harvest_loaded(config, model, loaded, src, started)
     finally:
