@@ -100,7 +100,8 @@ class Executor:
             self.ranks = ProcessRanks(size, f"tcp://127.0.0.1:{_free_port()}", spec)
         try:
             self._join(spec["group"], size)
-            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=Parallel(0, size), revision=revision)
+            parallel = Parallel(0, size)
+            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=parallel, revision=revision)
             self.ranks.wait_ready(time.monotonic() + STARTUP_S)
         except BaseException:
             self.close()
