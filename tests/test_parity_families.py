@@ -4,7 +4,8 @@ Each config turns on something the SmolLM2 test cannot reach: rope scaling (llam
 windows shorter than the test sequences (Mistral everywhere, Qwen2 on layers >= max_window_layers),
 q/k/v biases (Qwen2), q/k norm (Qwen3), tied and untied embeddings, GQA and MQA, head_dim unlike
 hidden/heads, and Gemma 1 (the Llama layer with Gemma's (1 + w) norms and scaled embedding). HF initialises
-norms to one and biases to zero, which would let a model that ignores them pass; the checkpoints are re-saved with those weights randomised.
+norms to one and biases to zero, which would let a model that ignores them pass; the checkpoints are re-saved
+with those weights randomised.
 """
 
 from __future__ import annotations
