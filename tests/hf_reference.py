@@ -166,9 +166,9 @@ def norm_inner(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hook_scale, hook_normalized) of a norm from its input, as TransformerLens defines them: the
     divisor, and the input normalised before the weight (LayerNorm: centred first)."""
     h = x.float()
-    if isinstance(module, torch.nn.LayerNorm):
+    if isinstance(module, torch.nn.LayerNorm) or type(module).__name__ == "OlmoLayerNorm":
         h = h - h.mean(-1, keepdim=True)
-        eps = module.eps
+        eps = getattr(module, "eps", 1e-5)  # (OLMo 1's has no weight, no bias and a fixed eps)
     else:  # the RMS norms of Llama, Gemma and the rest
         eps = getattr(module, "variance_epsilon", None) or module.eps
     scale = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()

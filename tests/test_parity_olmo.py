@@ -1,7 +1,8 @@
-"""OLMo 2 and OLMo 3 against HF on tiny random checkpoints: every tap (no pre-norms; the post-norms under
-TransformerLens's names ln1 and ln2; q and k normalised over the whole projection), packed against alone, greedy
-generation through the paged cache, OLMo 3's sliding windows reached, bfloat16 rotary as HF rounds it, and the
-names and values TransformerLens gives the same weights."""
+"""OLMo 1, 2 and 3 against HF on tiny random checkpoints: every tap (OLMo 1: LayerNorms with no weight or bias,
+q/k/v clamped; OLMo 2 and 3: no pre-norms, the post-norms under TransformerLens's names ln1 and ln2, q and k
+normalised over the whole projection), packed against alone, greedy generation through the paged cache, the clamp
+and OLMo 3's sliding windows reached, bfloat16 norms and rotary as HF rounds them, and the names and values
+TransformerLens gives OLMo 2's weights."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from family_parity import (
     family_fixture,
     sequences,
 )
-from hf_reference import hf_taps, same
-from transformers import AutoModelForCausalLM, Olmo2Config, Olmo3Config
+from hf_reference import LAYER_KINDS, hf_taps, same
+from transformers import AutoModelForCausalLM, Olmo2Config, Olmo3Config, OlmoConfig
 
 from vlens import LLM, HookedLM
 
@@ -27,6 +28,7 @@ OLMO3 = dict(COMMON, num_key_value_heads=2, sliding_window=7, layer_types=LAYER_
              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})  # fmt: skip
 CONFIGS = {
+    "olmo1_clipped_tied": lambda: OlmoConfig(**COMMON, clip_qkv=0.5, tie_word_embeddings=True),
     "olmo2": lambda: Olmo2Config(**COMMON),  # every head its own keys, as OLMo 2 7B and 13B
     "olmo2_gqa_bias_tied": lambda: Olmo2Config(
         **COMMON, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True
@@ -42,6 +44,8 @@ class TestParity(TapParity, GenerationParity):
     the paged cache, across block boundaries, in prefill and decode."""
 
     def required_hooks(self, llm):
+        if llm.config.pre_norms:  # OLMo 1: Llama's
+            return [f"blocks.{layer}.{kind}" for layer in range(3) for kind in LAYER_KINDS]
         kinds = ("attn.hook_out", "ln1.hook_scale", "ln1.hook_normalized", "hook_attn_out", "hook_resid_mid",
                  "mlp.hook_out", "ln2.hook_scale", "ln2.hook_normalized", "hook_mlp_out")  # fmt: skip
         return [f"blocks.{layer}.{kind}" for layer in range(3) for kind in kinds]
@@ -50,6 +54,10 @@ class TestParity(TapParity, GenerationParity):
 def test_config_and_hook_names(family):
     name, _, llm, _ = family
     cfg = llm.config
+    if name.startswith("olmo1"):
+        assert (cfg.family, cfg.norm, cfg.norm_eps, cfg.clip_qkv, cfg.qk_norm) == ("llama", "layer_plain", 1e-5, 0.5, "")
+        assert cfg.pre_norms and not cfg.post_norms and cfg.rope_float32 and not list(llm.model.final_norm.parameters())
+        return
     assert (cfg.family, cfg.norm, cfg.qk_norm) == ("olmo", "rms_float", "projection")
     assert not cfg.pre_norms and cfg.post_norms and cfg.rope_float32
     assert cfg.sliding_windows == ((7, None, 7) if name == "olmo3" else (None,) * 3)
@@ -61,6 +69,10 @@ def test_config_and_hook_names(family):
     ]  # fmt: skip
 
 
+def test_olmo1_clamp_is_reached(tmp_path):
+    check_feature_matters(CONFIGS["olmo1_clipped_tied"](), tmp_path, clip_qkv=None)
+
+
 def test_sliding_windows_and_their_rope_are_reached(tmp_path):
     check_feature_matters(Olmo3Config(**OLMO3), tmp_path, layer_types=["full_attention"] * 3)
     one_rope = {kind: {"rope_type": "default", "rope_theta": 100.0} for kind in set(LAYER_TYPES)}
@@ -68,8 +80,8 @@ def test_sliding_windows_and_their_rope_are_reached(tmp_path):
 
 
 def test_bfloat16_rotary_and_norms_round_as_hf_rounds_them(family):
-    """HF's OLMo 2 keeps cos and sin in float32, so q and k rotate in float32 and round once, and its norms scale in
-    float32: rotating in bfloat16 (Llama's order) put hook_q 0.3% off HF's."""
+    """HF's OLMo keeps cos and sin in float32, so q and k rotate in float32 and round once, and its norms compute
+    in float32 (OLMo 2's scale there too): rotating in bfloat16 (Llama's order) put hook_q 0.3% off HF's."""
     _, path, _, _ = family
     llm = LLM(model=path, dtype="bfloat16", device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

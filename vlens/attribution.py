@@ -218,7 +218,7 @@ class Attribution:
         else:
             ln = "ln2" if mlp_input else "ln1"
             norm, hook = getattr(model.layers[layer], ln), f"blocks.{layer}.{ln}.hook_scale"
-        weight = norm.weight
+        weight = model.lm_head.weight  # (the model's device and dtype)
         x = residual_stack.to(weight.device, weight.dtype)
         with torch.no_grad():
             if recompute_ln:

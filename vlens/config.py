@@ -83,9 +83,12 @@ def _qwen2_moe(hf: Any) -> dict[str, Any]:
     return _qwen_moe(hf) | dict(qkv_bias=bool(hf.qkv_bias))
 
 
+def _olmo(hf: Any) -> dict[str, Any]:
+    return dict(clip_qkv=hf.clip_qkv)
+
+
 def _olmoe(hf: Any) -> dict[str, Any]:
-    return dict(
-        clip_qkv=hf.clip_qkv,
+    return _olmo(hf) | dict(
         num_experts=hf.num_experts,
         experts_per_token=hf.num_experts_per_tok,
         moe_intermediate_size=hf.intermediate_size,
@@ -125,6 +128,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "OlmoeForCausalLM": Architecture({"qk_norm": "projection", "round_routing_weights": True}, _olmoe),
     "Olmo2ForCausalLM": Architecture(OLMO),
     "Olmo3ForCausalLM": Architecture(OLMO),
+    # OLMo 1: Llama's layer with LayerNorms of no weight or bias (eps fixed at 1e-5), float32 rotary, clip_qkv
+    "OlmoForCausalLM": Architecture(
+        {"norm": "layer_plain", "norm_eps": 1e-5, "rope_float32": True}, _olmo, windowed=False
+    ),
     # Gemma 1: Llama's layer with Gemma's norms and embedding scale (no sandwich norms, windows or soft-caps)
     "GemmaForCausalLM": Architecture({"norm": "rms_offset", "embed_scale": True}, windowed=False),
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
@@ -148,6 +155,7 @@ MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmo": "OlmoForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
@@ -177,13 +185,13 @@ class ModelConfig:
     family: str = "llama"  # which model code runs it (vlens.models.MODEL_CLASSES)
     hidden_act: str = "silu"
     # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale 1 + w, in
-    # float32) or "layer" (LayerNorm with bias)
+    # float32), "layer" (LayerNorm with bias) or "layer_plain" (OLMo 1: LayerNorm with no weight or bias, in float32)
     norm: str = "rms"
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: str = ""  # "head": q and k normalised head by head (Qwen3, Gemma 3); "projection": all heads together (OLMo)
-    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after the q/k norm
+    clip_qkv: float | None = None  # OLMo 1, OLMoE: q, k and v clamped to [-clip, clip] (after the q/k norm)
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
     rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi: a fraction); 0 = no rotary
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base

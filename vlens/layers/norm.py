@@ -125,9 +125,38 @@ class LayerNorm(nn.Module):
         return (x - x.mean(-1, keepdim=True)) / scale * self.weight
 
 
+class PlainLayerNorm(nn.Module):
+    """OLMo 1's: a LayerNorm with no weight or bias, computed in float32 and rounded to the input's dtype, as HF's.
+    Its output is its normalised input, so `hook_out` and `hook_normalized` hold one value."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
+        h = x.float()
+        out = F.layer_norm(h, h.shape[-1:], None, None, self.eps).to(x.dtype)
+        if tapped(hooks.scale) or tapped(hooks.normalized):
+            centred = h - h.mean(-1, keepdim=True)
+            scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt().to(x.dtype)
+            edited_scale = tap(hooks.scale, scale)
+            normalized = (centred / edited_scale.float()).to(x.dtype)
+            edited = tap(hooks.normalized, normalized)
+            if edited_scale is not scale or edited is not normalized:
+                out = edited
+        return tap(hooks.out, out)
+
+    def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """This norm with its divisor given (see RMSNorm.apply_scale): x centred, over scale."""
+        h = x.float()
+        return ((h - h.mean(-1, keepdim=True)) / scale.float()).to(x.dtype)
+
+
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     """The model's norm over `dim` features (default: the residual width)."""
     dim = cfg.hidden_size if dim is None else dim
     if cfg.norm == "layer":
         return LayerNorm(dim, cfg.norm_eps)
+    if cfg.norm == "layer_plain":
+        return PlainLayerNorm(cfg.norm_eps)
     return RMSNorm(dim, cfg.norm_eps, cfg.norm)
