@@ -133,8 +133,8 @@ def test_hooks_lists_every_name_with_its_shape(smol):
          "pool: 'last' takes one row per document, which needs pack=False (--no-pack)"),
         (["harvest", "--source", "{tmp}/a.txt", "--hooks", "hook_embed", "--out", "{tmp}/o", "--temperature", "1"],
          "temperature: samples the continuations of generate_tokens; give it too"),
-        (["harvest", "--source", "{tmp}/a.txt", "--hooks", "hook_embed", "--out", "{tmp}/o", "--generate-tokens",
-          "8", "--ray"], "generate_tokens: with the local backend"),
+        (["hooks", "--revision", "step1000"],
+         "revision: 'step1000' picks a version of a hub model (org/name); the model is the embedded default"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, tmp_path, capsys, monkeypatch):

@@ -1,6 +1,6 @@
 """The Ray backend of vlens.harvest on a local 2-CPU cluster: the same files as the single-machine run,
-also when an actor is SIGKILLed mid-shard (Ray restarts it and retries the task) and when the driver
-stops after some shards and is run again."""
+also when an actor is SIGKILLed mid-shard (Ray restarts it and retries the task), when the driver
+stops after some shards and is run again, and when the actors generate the continuations of an on-policy run."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_source
+from harvest_helpers import SOURCE_KINDS, dir_bytes, documents, read_shards, write_jsonl, write_source
 
-from vlens import harvest
-from vlens.harvest import job, ray_source
+from vlens import Steer, harvest
+from vlens.harvest import job, ray_source, replies
 from vlens.harvest.cli import add_parser
 from vlens.harvest.sources import open_source
 from vlens.harvest.windows import Marked, token_documents
@@ -37,9 +37,15 @@ WINDOWS = 24
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
+    """A local cluster of two CPUs, and one torch thread here: an actor of one CPU runs one (Ray's OMP_NUM_THREADS),
+    and the single-machine runs whose bytes the actors' must equal take as many (a GEMM's sums may group otherwise
+    on two threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +169,22 @@ def test_same_files_as_single_machine_after_a_driver_stop_and_an_actor_kill(
     assert summary.shards == len(read_manifest(local_run)["shards"]) == 6
     assert dir_bytes(tmp_path / "out") == dir_bytes(local_run)  # shards and manifest, byte for byte
     _each_window_once(tmp_path / "out")
+
+
+def test_a_generating_harvest_writes_the_single_machine_files(smol4_path, tmp_path, monkeypatch):
+    """generate_tokens on Ray: the actors write the continuations, a chunk each in turn (sampled, seeded by
+    document, two samples each, under the run's steer), and the replies files, shards and manifest are the
+    single-machine run's, byte for byte."""
+    monkeypatch.setattr(replies, "FIRST_CHUNK", 2)
+    monkeypatch.setattr(replies, "CHUNK", 4)  # chunks of 2, 4, 4 documents: on both actors
+    source = write_jsonl(tmp_path / "docs.jsonl", documents(10, seed=4))
+    steer = Steer("blocks.1.hook_resid_post", torch.randn(576, generator=torch.Generator().manual_seed(0)))
+    options = OPTIONS | {"generate_tokens": 6, "temperature": 0.9, "samples": 2, "interventions": [steer]}
+    local = harvest(str(smol4_path), source, HOOKS, tmp_path / "local", **options)
+    on_ray = harvest(str(smol4_path), source, HOOKS, tmp_path / "ray", backend="ray", workers=2, **options)
+    assert sorted(p.name for p in (tmp_path / "ray").glob("replies-*")) == [f"replies-0000{i}.json" for i in range(3)]
+    assert dir_bytes(tmp_path / "ray") == dir_bytes(tmp_path / "local")
+    assert on_ray.tokens == local.tokens and on_ray.generate_seconds > 0
 
 
 def test_cli_flags_and_no_ray_import_in_core():

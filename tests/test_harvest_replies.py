@@ -141,8 +141,8 @@ def test_a_rerun_reads_the_replies_it_wrote_and_rewrites_another_run_s(smol4, tm
     assert [c["documents"] for c in chunks] == [[0, 1], [1, 3], [3, 5]]
     whole = read_shards(tmp_path / "out")
     calls = []
-    real = replies._generate
-    monkeypatch.setattr(replies, "_generate", lambda *args: calls.append(args[2]) or real(*args))
+    real = replies.generate_replies
+    monkeypatch.setattr(replies, "generate_replies", lambda *args: calls.append(args[4]) or real(*args))
     (tmp_path / "out" / "manifest.json").unlink()
     for p in (tmp_path / "out").glob("shard-*"):
         p.unlink()
@@ -183,8 +183,6 @@ def test_bad_generation_options_are_refused_before_any_work(smol4, tmp_path):
         HarvestConfig(**base, temperature=0.7)
     with pytest.raises(ValueError, match=r"samples: 2 continuations of a document need a temperature"):
         HarvestConfig(**base, generate_tokens=8, samples=2)
-    with pytest.raises(ValueError, match=r"generate_tokens: with the local backend"):
-        HarvestConfig(**base, generate_tokens=8, backend="ray")
     with pytest.raises(ValueError, match=r"generate_tokens: must be an integer >= 1, got 0"):
         HarvestConfig(**base, generate_tokens=0)
     source = write_jsonl(tmp_path / "docs.jsonl", documents(2))

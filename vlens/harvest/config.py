@@ -153,8 +153,6 @@ class HarvestConfig:
         if self.samples > 1 and not self.temperature:
             raise ValueError(f"samples: {self.samples} continuations of a document need a temperature (greedy "
                              "ones would be the same) and generate_tokens")  # fmt: skip
-        if self.generate_tokens is not None and self.backend == "ray":
-            raise ValueError("generate_tokens: with the local backend; Ray actors run no generation engine")
         if self.multiplier is not None and self.steering_vector is None:
             raise ValueError("multiplier: scales steering_vector; give one")
         if self.pack and self.max_tokens is not None and self.max_tokens < self.context_size:

@@ -16,6 +16,11 @@ same file a single-machine run would have at that shard, and a re-run after the 
 through the single-machine logic: shard files ahead of the manifest are deleted and redone. At the end the shard
 files and the manifest are byte-identical to a single-machine run on the same device and dtype.
 
+A generating run (`generate_tokens`, vlens.harvest.replies) makes each actor's model an engine: the driver
+hands the chunks of documents to the actors in turn, one each in flight ahead of the windows it packs, and
+writes their continuations' files itself; an actor's generation and its shard forwards take turns on its device
+(they share the model's buffers). Each document's sample is seeded by its number, whichever actor draws it.
+
 Fault tolerance comes from Ray: actors are created with unlimited restarts and task retries, so a
 killed actor is started again (reloading the model) and its shard task re-runs; the re-run writes the
 same bytes under the same name, so nothing is lost or doubled.
@@ -26,9 +31,11 @@ Ray is imported only when this backend runs: it is an optional extra (`pip insta
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,8 +55,9 @@ from vlens.harvest.job import (
     store_shard,
     window_stream,
 )
-from vlens.harvest.model import resolve_model, runner_for
+from vlens.harvest.model import generation_engine, resolve_model, runner_for
 from vlens.harvest.ray_source import ray_token_documents
+from vlens.harvest.replies import Generation, Start, generate_replies, with_replies
 from vlens.harvest.rows import DeviceRows
 from vlens.harvest.stats import Pieces
 from vlens.harvest.windows import Window
@@ -71,8 +79,11 @@ class ShardWorker:
 
     def __init__(self, config: HarvestConfig, wanted: dict[str, str], excluded: list[int]) -> None:
         self.config = config
-        self.loaded = resolve_model(config.model, config, config.device)
-        self.runner = runner_for(config.model, self.loaded)
+        # (a generating run's engine: its model is the one the forwards run, and it takes the device lock too)
+        self.llm = generation_engine(config) if config.generate_tokens is not None else None
+        model = config.model if self.llm is None else self.llm
+        self.loaded = resolve_model(model, config, config.device)
+        self.runner = runner_for(model, self.loaded)
         self.wanted = wanted
         self.excluded = torch.tensor(excluded, dtype=torch.long)
         self.store = Store.open(config.out_dir)
@@ -90,6 +101,14 @@ class ShardWorker:
             "device": param.device.type, "dtype": dtype_name(param.dtype),
             "batch_tokens": choose_batch_tokens(self.config, self.runner, self.taps, existing),
         }  # fmt: skip
+
+    def replies(
+        self, prompts: list[list[int]], numbers: list[int], documents: int, first: int, generation: Generation
+    ) -> list[list[int]]:  # fmt: skip
+        """The continuations of one chunk of a generating run (vlens.harvest.replies), under the run's edits."""
+        with self.device_lock:  # (the engine's forwards and a shard's share the model's buffers)
+            given = self.edits.given if self.edits is not None else None
+            return generate_replies(self.llm, prompts, numbers, documents, first, generation, given)
 
     def run_shard(
         self, batch_tokens: int, row_keys: tuple[str, ...], index: int, first: int, shard_windows: list[Window]
@@ -113,6 +132,19 @@ class ShardWorker:
         stats = {name: Pieces(p.values.clone(), p.rows) for name, p in shard.stats.items()}  # out of pinned memory
         return {"index": index, "entry": entry, "stats": stats, "device_seconds": shard.forward_seconds,
                 "write_seconds": written}  # fmt: skip
+
+
+def _actor_start(actors: list[Any], generation: Generation) -> Start:
+    """`with_replies`'s start on the actors: each chunk on the next actor in turn."""
+    import ray
+
+    turn = itertools.cycle(actors)
+
+    def start(prompts: list[list[int]], numbers: list[int], documents: int, first: int) -> Callable[[], Any]:
+        ref = next(turn).replies.remote(prompts, numbers, documents, first, generation)
+        return lambda: ray.get(ref)
+
+    return start
 
 
 def harvest_ray(config: HarvestConfig) -> HarvestSummary:
@@ -148,12 +180,21 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
     try:
         info = ray.get(actors[0].info.remote())  # every actor runs the batches the first one chose
         batch_tokens = info["batch_tokens"]
-        run_header = header(loaded, src, wanted, packing, config, batch_tokens, features, edits)
+        generation = None
+        if config.generate_tokens is not None:
+            generation = Generation(config.generate_tokens, config.temperature, config.samples)
+        described = generation and generation.describe()
+        run_header = header(loaded, src, wanted, packing, config, batch_tokens, features, edits, described)
         run_header["model"].update(device=info["device"], dtype=info["dtype"])
         job = Job.open(config.out_dir, run_header, cfg, wanted, config.out_dtype, packing)
         if job.manifest["complete"]:
             return job.report(started, config.progress, config.workers)
-        token_docs = ray_token_documents(src, loaded.tokenizer, cfg.vocab_size, packing.roles, config.workers)
+        token_docs = ray_token_documents(
+            src, loaded.tokenizer, cfg.vocab_size, packing.roles, config.workers, generation is not None
+        )  # fmt: skip
+        if generation is not None:  # the actors generate, a chunk each at a time
+            token_docs = with_replies(token_docs, generation, packing, job, _actor_start(actors, generation),
+                                      ahead=config.workers)  # fmt: skip
         tasks = job.shards(window_stream(token_docs, packing, config.max_tokens), src)
         with job.progress_bar("harvest (ray)", config.max_tokens, config.progress) as bar:
             committed = submitted = len(job.manifest["shards"])

@@ -27,10 +27,11 @@ _PIECE_ROWS = 1 << 16  # rows one reading task takes, about
 
 
 def ray_token_documents(
-    src: Source, tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None, concurrency: int
+    src: Source, tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None, concurrency: int,
+    generation_prompt: bool = False,
 ) -> Iterator[TokenDoc]:  # fmt: skip
     """The token ids of `src`'s documents, in order, as `token_documents(src.documents(), ...)` gives them
-    (with `roles`, Marked).
+    (with `roles`, Marked; with `generation_prompt`, conversations end in the template's opening of a reply).
 
     Its tasks ask for no CPU of their own: on a CPU cluster the forward actors hold every core, and a
     task waiting for a free one would never run. `concurrency` caps the tokenizing tasks instead."""
@@ -48,7 +49,8 @@ def ray_token_documents(
         batch_size=_BATCH_ROWS,
         num_cpus=0,
         compute=ray.data.TaskPoolStrategy(size=concurrency),
-        fn_kwargs={"form": src.form, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size, "roles": roles},
+        fn_kwargs={"form": src.form, "where": where, "tokenizer": tokenizer, "vocab_size": vocab_size, "roles": roles,
+                   "generation_prompt": generation_prompt},  # fmt: skip
     )
     for batch in tokens.iter_batches(batch_format="pyarrow", batch_size=None):
         ids = batch.column("ids").to_pylist()
@@ -134,10 +136,11 @@ def _load_split(src: Source) -> Any:
 
 
 def _tokenize(
-    batch: pa.Table, form: str, where: str, tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None
+    batch: pa.Table, form: str, where: str, tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None,
+    generation_prompt: bool,
 ) -> pa.Table:  # fmt: skip
     docs = [document(value, form, where) for value in batch.column("doc").to_pylist()]
-    token_docs = list(token_documents(docs, tokenizer, vocab_size, roles))
+    token_docs = list(token_documents(docs, tokenizer, vocab_size, roles, generation_prompt))
     if roles is None:
         return pa.table({"ids": pa.array(token_docs, type=pa.list_(pa.int64()))})
     ids, stored = [d.tokens for d in token_docs], [d.stored for d in token_docs]

@@ -16,7 +16,7 @@ from vlens.harvest.config import HarvestConfig
 from vlens.harvest.job import HarvestSummary, Job, choose_batch_tokens, header, plan, source_of, window_stream
 from vlens.harvest.model import generation_engine, resolve_model, runner_for
 from vlens.harvest.pipeline import run_shards
-from vlens.harvest.replies import Generation, with_replies
+from vlens.harvest.replies import Generation, local_start, with_replies
 from vlens.harvest.rows import DeviceRows
 from vlens.harvest.sources import Source
 from vlens.harvest.windows import token_documents
@@ -86,7 +86,7 @@ def _harvest_loaded(
         src.documents(), loaded.tokenizer, loaded.config.vocab_size, packing.roles, generation is not None
     )  # fmt: skip
     if generation is not None:
-        token_docs = with_replies(token_docs, model, generation, packing, edits, job)
+        token_docs = with_replies(token_docs, generation, packing, job, local_start(model, generation, edits))
     # (a generating run reads its source in this thread: the engine and the harvest share the model's buffers)
     pipelined = config.pipelined(next(loaded.model.parameters()).device) and generation is None
     stage = DeviceRows(
