@@ -65,8 +65,8 @@ CHILD = textwrap.dedent(
         real = job.write_shard
         job.write_shard = die_on_nth(after=real)
     elif point == "generate":  # before a chunk of continuations is generated (nothing of it on disk)
-        real = replies._generate
-        replies._generate = die_on_nth()
+        real = replies.generate_replies
+        replies.generate_replies = die_on_nth()
     elif point == "replies-written":  # a chunk of continuations is on disk; its windows have not run
         real = replies.atomic_write
         replies.atomic_write = die_on_nth(after=real)
@@ -189,8 +189,8 @@ def test_a_generating_harvest_resumes_byte_identical(smol4, smol4_path, tmp_path
     _kill_at(tmp_path, smol4_path, source, out, "forward", 3, options)
     on_disk = len(list(out.glob("replies-*")))
     calls = []
-    real = replies._generate
-    monkeypatch.setattr(replies, "_generate", lambda *args: calls.append(args[2]) or real(*args))
+    real = replies.generate_replies
+    monkeypatch.setattr(replies, "generate_replies", lambda *args: calls.append(args[4]) or real(*args))
     moved = tmp_path / "moved.jsonl"  # (the same data at another path: the run's replies are still its own)
     moved.write_bytes(source.read_bytes())
     assert _run(smol4, moved, out, **options).tokens_this_run > 0
