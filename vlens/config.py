@@ -109,8 +109,8 @@ class Architecture:
 
 GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True, "post_norms": True}
 LAYER_NORM = {"norm": "layer", "mlp_bias": True}
-# OLMo 2 and 3: no norm before attention or the MLP, one after each (float32-scaled), q/k norms over the whole projection,
-# rotary in float32.
+# OLMo 2 and 3: no norm before attention or the MLP, one after each (float32-scaled), q/k norms over the whole
+# projection, rotary in float32.
 OLMO = {"family": "olmo", "norm": "rms_float", "pre_norms": False, "post_norms": True, "qk_norm": "projection",
         "rope_float32": True}  # fmt: skip
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
@@ -201,7 +201,7 @@ class ModelConfig:
     pre_norms: bool = True  # a norm before attention and before the MLP (ln1, ln2); OLMo 2/3 have none
     post_norms: bool = False  # each sublayer's output normalised before the residual add (Gemma: ln1_post, ln2_post;
     # OLMo 2/3, without pre-norms: TransformerLens names them ln1, ln2)
-    rope_float32: bool = False  # OLMo 2/3: cos and sin stay float32, so q and k rotate in float32 and round back
+    rope_float32: bool = False  # OLMo: cos and sin stay float32, so q and k rotate in float32 and round back
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask

@@ -128,7 +128,7 @@ def _pythia_revision(model: str | None, index: int | None, value: int | None, se
     if not str(model).startswith("EleutherAI/pythia"):
         raise ValueError(f"checkpoint_index / checkpoint_value: training checkpoints by number are Pythia's "
                          f"(EleutherAI/pythia-*); for {model!r} name the hub revision: revision='...'")  # fmt: skip
-    if index is not None and value is not None or "revision" in settings:
+    if (index is not None and value is not None) or "revision" in settings:
         raise ValueError("checkpoint_index, checkpoint_value, revision: give one of them")
     if index is not None:
         if not -len(PYTHIA_CHECKPOINTS) <= index < len(PYTHIA_CHECKPOINTS):

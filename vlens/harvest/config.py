@@ -137,7 +137,7 @@ class HarvestConfig:
             raise ValueError("top_k: give it with sae, and only with sae: how many latents to store per row")
         if self.tensor_parallel_size > 1 and self.backend == "ray":
             raise ValueError("tensor_parallel_size: with the local backend; the Ray backend runs one model per actor")
-        if self.revision is not None and not isinstance(self.model, (str, os.PathLike)):
+        if self.revision is not None and self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError("revision: picks a version of a hub model named by `model`; the LLM or LoadedModel given "
                              "is loaded already")  # fmt: skip
         if self.sae_hook is not None and self.sae is None:

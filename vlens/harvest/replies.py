@@ -13,8 +13,7 @@ assistant's.
 
 Resuming. Continuations are generated in chunks of documents (64, 128, then CHUNK; one `LLM.generate`
 call each, so a run stopped early by `max_tokens` generates at most one chunk in vain, on Ray at most one an
-actor) and kept in out_dir
-as replies-NNNNN.json, written whole or not at all. A re-run reads the chunks on disk rather than generating
+actor) and kept in out_dir as replies-NNNNN.json, written whole or not at all. A re-run reads the chunks on disk rather than generating
 them again, so the harvest's bytes do not hang on a generation being repeatable; and each chunk is generated
 from an empty prefix cache, so one lost to a kill comes out as it did in the uninterrupted run.
 A file records the run it belongs to (a digest of the manifest's header as the run first wrote it): one left

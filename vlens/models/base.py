@@ -50,7 +50,7 @@ class AttentionHeads(nn.Module):
         p = f"blocks.{layer}.attn."
         patterns = (p + "hook_attn_scores", p + "hook_pattern")
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns)
-        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
         elif cfg.qk_norm == "projection":
@@ -100,7 +100,9 @@ class AttentionHeads(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_kind is not None:
             cos, sin = rope[self.rope_kind]
-            q, k = fused.rotate(q, cos, sin).to(q.dtype), fused.rotate(k, cos, sin).to(k.dtype)
+            q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
+            if self.rope_float32:  # (float32 tables: back to the model's dtype, which v keeps)
+                q, k = q.to(v.dtype), k.to(v.dtype)
         q = tap(self.hook_q, q)
         k = tap(self.hook_k, k)
         v = tap(self.hook_v, v)
@@ -114,9 +116,9 @@ class ResidualBlock(nn.Module):
     x + attn(ln1(x)), then + mlp(ln2(x)); under a parallel residual (GPT-NeoX) both read x and there
     is no hook_resid_mid. Families keep their checkpoint's module names and map them onto `ln1`,
     `ln2`, `attn_heads` (the AttentionHeads) and `mlp` (a dense MLP with `fc_in` / `fc_out`, or routed
-    experts); what the sublayers add is `attn_out` and `mlp_out`, their outputs (Gemma overrides both to put
-    its post-norms inside, so there the heads' and the MLP's outputs are not what the layer adds; OLMo 2 has no
-    pre-norms, `pre_norms` False: its sublayers read the stream itself)."""
+    experts); what the sublayers add is `attn_out` and `mlp_out`, their outputs (PostNormBlock puts Gemma's and
+    OLMo 2's post-norms inside both, so there the heads' and the MLP's outputs are not what the layer adds; OLMo 2
+    has no pre-norms, `pre_norms` False: its sublayers read the stream itself)."""
 
     parallel = False
     pre_norms = True
