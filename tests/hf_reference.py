@@ -74,44 +74,36 @@ LLAMA = Family(
     qkv="self_attn.v_proj",
     final_norm="model.norm",
 )
+GEMMA = Family(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    attn="self_attn",
+    outputs={
+        "ln1.hook_out": "input_layernorm",
+        "hook_attn_out": "post_attention_layernorm",
+        "ln2.hook_out": "pre_feedforward_layernorm",
+        "hook_mlp_out": "post_feedforward_layernorm",
+    },
+    inputs={
+        "hook_resid_mid": "pre_feedforward_layernorm",
+        "attn.hook_z": "self_attn.o_proj",
+        "mlp.hook_post": "mlp.down_proj",
+        "attn.hook_out": "post_attention_layernorm",
+        "mlp.hook_out": "post_feedforward_layernorm",
+    },
+    qkv="self_attn.v_proj",
+    final_norm="model.norm",
+    post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
+)
 FAMILIES = {
     "llama": LLAMA,
     "phi3": replace(LLAMA, qkv="self_attn.qkv_proj"),
-    "gemma": Family(
-        layers="model.layers",
-        embed="model.embed_tokens",
-        attn="self_attn",
-        outputs={
-            "ln1.hook_out": "input_layernorm",
-            "hook_attn_out": "post_attention_layernorm",
-            "ln2.hook_out": "pre_feedforward_layernorm",
-            "hook_mlp_out": "post_feedforward_layernorm",
-        },
-        inputs={
-            "hook_resid_mid": "pre_feedforward_layernorm",
-            "attn.hook_z": "self_attn.o_proj",
-            "mlp.hook_post": "mlp.down_proj",
-            "attn.hook_out": "post_attention_layernorm",
-            "mlp.hook_out": "post_feedforward_layernorm",
-        },
-        qkv="self_attn.v_proj",
-        final_norm="model.norm",
-        post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
-    ),
-    "olmo": Family(  # OLMo 2 and 3: no pre-norms; TransformerLens calls the post-norms ln1 and ln2
-        layers="model.layers",
-        embed="model.embed_tokens",
-        attn="self_attn",
+    "gemma": GEMMA,
+    # OLMo 2 and 3: Gemma's post-norms without its pre-norms; TransformerLens calls the post-norms ln1 and ln2
+    "olmo": replace(
+        GEMMA,
         outputs={"hook_attn_out": "post_attention_layernorm", "hook_mlp_out": "post_feedforward_layernorm"},
-        inputs={
-            "hook_resid_mid": "mlp",
-            "attn.hook_z": "self_attn.o_proj",
-            "mlp.hook_post": "mlp.down_proj",
-            "attn.hook_out": "post_attention_layernorm",
-            "mlp.hook_out": "post_feedforward_layernorm",
-        },
-        qkv="self_attn.v_proj",
-        final_norm="model.norm",
+        inputs=GEMMA.inputs | {"hook_resid_mid": "mlp"},
         post_norms={"ln1": "post_attention_layernorm", "ln2": "post_feedforward_layernorm"},
     ),
     "gpt2": Family(
