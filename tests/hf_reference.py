@@ -229,6 +229,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
+    rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
     handles = []
@@ -247,6 +248,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
         on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
+        if not rope[layer]:
+            on_output(block.get_submodule(fam.attn).q_proj, p + "q", raw)
+            on_output(block.get_submodule(fam.attn).k_proj, p + "k", raw)
         for kind, path in fam.outputs.items():
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
@@ -298,7 +302,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if name == "gpt2":
             q, k, v = (x.view(t, heads, head_dim) for x in qkv.split(cfg.hidden_size, dim=-1))
         else:
-            q, k = (x[0].transpose(0, 1) for x in rotated[layer])
+            if rope[layer]:  # (the rotary calls of the layers that have one, in order)
+                q, k = (x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
+            else:  # (SmolLM3's NoPE layers call no rotary: q and k are the projections)
+                q, k = raw[p + "q"].view(t, heads, head_dim), raw[p + "k"].view(t, kv_heads, head_dim)
             if name == "gpt_neox":
                 v = qkv.view(t, heads, 3 * head_dim)[..., 2 * head_dim :]
             else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj

@@ -3,7 +3,8 @@
 Each config turns on something the SmolLM2 test cannot reach: rope scaling (llama3, linear), sliding
 windows shorter than the test sequences (Mistral everywhere, Qwen2 on layers >= max_window_layers),
 q/k/v biases (Qwen2), q/k norm (Qwen3), tied and untied embeddings, GQA and MQA, head_dim unlike
-hidden/heads, and Gemma 1 (the Llama layer with Gemma's (1 + w) norms and scaled embedding). HF initialises
+hidden/heads, SmolLM3's layers without rotary (NoPE), and Gemma 1 (the Llama layer with Gemma's (1 + w) norms and
+scaled embedding). HF initialises
 norms to one and biases to zero, which would let a model that ignores them pass; the checkpoints are re-saved
 with those weights randomised.
 """
@@ -18,7 +19,15 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, TOL, TapParity, build, check_feature_matters, family_fixture, sequences
 from hf_reference import hf_taps, layer_hooks
-from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 from vlens import LLM
 
@@ -51,6 +60,11 @@ CONFIGS = {
     "qwen3_head_dim": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32),
     "qwen3_tied_mqa_bias": lambda: Qwen3Config(
         **COMMON, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, attention_bias=True
+    ),
+    # NoPE on every second layer (SmolLM3's default is every fourth), a window on those, biases
+    "smollm3_nope_swa": lambda: SmolLM3Config(
+        **COMMON, num_key_value_heads=2, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=7,
+        attention_bias=True, mlp_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     ),
     # "gelu": what Gemma 1's own configs say, which HF reads as the tanh approximation
     "gemma1_mqa_bias": lambda: GemmaConfig(
@@ -91,6 +105,7 @@ def test_config_is_read_as_intended(family):
         "qwen2_window_layers": {"qkv_bias": True, "windows": (None, 5, 5)},
         "qwen3_head_dim": {"head_dim": 32, "qk_norm": "head", "qkv_bias": False},
         "qwen3_tied_mqa_bias": {"head_dim": 8, "qk_norm": "head", "qkv_bias": True, "o_bias": True},
+        "smollm3_nope_swa": {"nope_layers": (False, True, False), "windows": (None, 7, None), "mlp_bias": True},
         "gemma1_mqa_bias": {"head_dim": 24, "norm": "rms_offset", "embed_scale": True, "o_bias": True,
                             "hidden_act": "gelu_pytorch_tanh", "windows": (None,) * 3},  # fmt: skip
     }[name]
@@ -119,6 +134,7 @@ FEATURE_OFF = {
     "llama_linear_tied_mha": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     "mistral_window": {"sliding_window": None},
     "qwen2_window_layers": {"layer_types": ["full_attention"] * 3},
+    "smollm3_nope_swa": {"no_rope_layers": [1, 1, 1]},  # (its window: below)
 }
 
 

@@ -56,6 +56,14 @@ def _llama(hf: Any) -> dict[str, Any]:
     return dict(mlp_bias=bool(hf.mlp_bias))  # the one family whose HF MLP reads it
 
 
+def _smollm3(hf: Any) -> dict[str, Any]:
+    """SmolLM3: rotary only on the layers `no_rope_layers` marks 1 (every fourth has none, by default); windows only
+    with use_sliding_window."""
+    windows = _sliding_windows(hf) if hf.use_sliding_window else (None,) * hf.num_hidden_layers
+    return dict(mlp_bias=bool(hf.mlp_bias), nope_layers=tuple(not rope for rope in hf.no_rope_layers),
+                sliding_windows=windows)  # fmt: skip
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -121,6 +129,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(NO_BIAS),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
+    "SmolLM3ForCausalLM": Architecture({}, _smollm3),
     "Phi3ForCausalLM": Architecture(NO_BIAS | {"stored_fused": True}),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
@@ -151,6 +160,7 @@ MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -194,6 +204,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMo 1, OLMoE: q, k and v clamped to [-clip, clip] (after the q/k norm)
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
     rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi: a fraction); 0 = no rotary
+    nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, True where no rotary is applied (NoPE); () = none
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding

@@ -55,7 +55,8 @@ class AttentionHeads(nn.Module):
             self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
         elif cfg.qk_norm == "projection":
             self.q_norm, self.k_norm = ProjectionNorm(cfg, cfg.num_heads), ProjectionNorm(cfg, cfg.num_kv_heads)
-        self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim else None
+        nope = bool(cfg.nope_layers) and cfg.nope_layers[layer]  # (SmolLM3's layers without positions)
+        self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim and not nope else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
         self.hook_result = p + "hook_result"
 
