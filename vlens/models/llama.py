@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3; Gemma 1, with its own norm and embedding
-scale; OLMo 1, with LayerNorms of no weight), Phi-3 (the same layer with q/k/v and gate/up fused in its checkpoints) and the MoE variants Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE (the same layer with routed experts for its MLP), with every tap written out.
+scale; OLMo 1, with LayerNorms of no weight), Phi-3 (the same layer with q/k/v and gate/up fused in its
+checkpoints) and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (the same layer with routed experts for
+its MLP), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
 `x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
