@@ -13,7 +13,15 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
-from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MixtralConfig,
+    OlmoConfig,
+)
 from transformers.activations import ACT2FN
 
 from vlens import HookedLM
@@ -28,6 +36,7 @@ FAMILIES = {
     "pythia_parallel": lambda: GPTNeoXConfig(**COMMON),
     "gemma2": lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
                                    attn_logit_softcapping=30.0, final_logit_softcapping=20.0),
+    "olmo1": lambda: OlmoConfig(**COMMON, clip_qkv=0.5),  # LayerNorms of no weight or bias
 }  # fmt: skip
 
 

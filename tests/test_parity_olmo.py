@@ -6,6 +6,7 @@ TransformerLens gives OLMo 2's weights."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import rel_err
 from family_parity import (
@@ -120,3 +121,22 @@ def test_transformer_lens_names_the_same_values(tmp_path):
             "attn.hook_q", "attn.hook_k", "attn.hook_pattern", "hook_resid_mid", "mlp.hook_post"} <= kinds  # fmt: skip
     for name in common:
         assert same(cache[name], ref_cache[renamed[name]], 1e-5), name  # (masked scores: -inf in both)
+
+
+def test_transformer_lens_tools_on_a_layer_without_pre_norms(tmp_path):
+    """OLMo 2's sublayers read the stream itself: apply_ln_to_stack at a layer's input leaves the stack as it is,
+    decompose_resid's pieces sum to the stream, and per-head results and edge attribution, which a post-norm
+    leaves undefined, are refused by name (as for Gemma)."""
+    from vlens.edge_attribution import edge_attribution_patching
+
+    hooked = HookedLM(build(Olmo2Config(**COMMON), tmp_path, "olmo2"), dtype="float32", device="cpu")
+    tokens = torch.tensor([sequences()[-1]])
+    _, cache = hooked.run_with_cache(tokens)
+    stack = cache.decompose_resid(layer=2)
+    assert rel_err(stack.sum(0), cache["resid_pre", 2]) <= 1e-5
+    assert torch.equal(cache.apply_ln_to_stack(stack, 2), stack) and torch.equal(cache.apply_ln_to_stack(stack, 2,
+                                                                                    mlp_input=True), stack)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^Olmo2ForCausalLM: per-head results are not defined: its post-attention"):
+        cache.stack_head_results()
+    with pytest.raises(ValueError, match=r"^Olmo2ForCausalLM: a norm stands between each head"):
+        edge_attribution_patching(hooked, tokens, tokens.flip(-1), lambda logits: logits[0, -1, 0])
