@@ -172,19 +172,22 @@ def test_same_files_as_single_machine_after_a_driver_stop_and_an_actor_kill(
 
 
 def test_a_generating_harvest_writes_the_single_machine_files(smol4_path, tmp_path, monkeypatch):
-    """generate_tokens on Ray: the actors write the continuations, a chunk each in turn (sampled, seeded by
-    document, two samples each, under the run's steer), and the replies files, shards and manifest are the
-    single-machine run's, byte for byte."""
+    """generate_tokens on Ray: the actors write the replies to questions, a chunk each in turn (Ray Data's tasks
+    render the template's generation prompt; sampled, seeded by document, two samples each, under the run's steer,
+    the assistant's rows stored), and the replies files, shards and manifest are the single-machine run's, byte
+    for byte."""
     monkeypatch.setattr(replies, "FIRST_CHUNK", 2)
     monkeypatch.setattr(replies, "CHUNK", 4)  # chunks of 2, 4, 4 documents: on both actors
-    source = write_jsonl(tmp_path / "docs.jsonl", documents(10, seed=4))
+    questions = [[{"role": "user", "content": doc}] for doc in documents(10, seed=4)]
+    source = write_jsonl(tmp_path / "chats.jsonl", questions, field="messages")
     steer = Steer("blocks.1.hook_resid_post", torch.randn(576, generator=torch.Generator().manual_seed(0)))
-    options = OPTIONS | {"generate_tokens": 6, "temperature": 0.9, "samples": 2, "interventions": [steer]}
+    options = OPTIONS | {"generate_tokens": 6, "temperature": 0.9, "samples": 2, "interventions": [steer],
+                         "roles": ["assistant"]}  # fmt: skip
     local = harvest(str(smol4_path), source, HOOKS, tmp_path / "local", **options)
     on_ray = harvest(str(smol4_path), source, HOOKS, tmp_path / "ray", backend="ray", workers=2, **options)
     assert sorted(p.name for p in (tmp_path / "ray").glob("replies-*")) == [f"replies-0000{i}.json" for i in range(3)]
     assert dir_bytes(tmp_path / "ray") == dir_bytes(tmp_path / "local")
-    assert on_ray.tokens == local.tokens and on_ray.generate_seconds > 0
+    assert on_ray.rows == local.rows > 0 and on_ray.generate_seconds > 0
 
 
 def test_cli_flags_and_no_ray_import_in_core():
