@@ -106,6 +106,16 @@ FAMILIES = {
         inputs=GEMMA.inputs | {"hook_resid_mid": "mlp"},
         post_norms={"ln1": "post_attention_layernorm", "ln2": "post_feedforward_layernorm"},
     ),
+    "phi": Family(  # one norm for both sublayers (TransformerLens's ln2 is ln1, read again); no resid_mid
+        layers="model.layers",
+        embed="model.embed_tokens",
+        attn="self_attn",
+        outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attn", "ln2.hook_out": "input_layernorm",
+                 "hook_mlp_out": "mlp"},  # fmt: skip
+        inputs={"attn.hook_z": "self_attn.dense", "mlp.hook_post": "mlp.fc2"},
+        qkv="self_attn.v_proj",
+        final_norm="model.final_layernorm",
+    ),
     "gpt2": Family(
         layers="transformer.h",
         embed="transformer.wte",
@@ -141,7 +151,7 @@ FAMILIES = {
     ),
 }
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
-               "olmo2": "olmo", "olmo3": "olmo"}  # fmt: skip
+               "olmo2": "olmo", "olmo3": "olmo", "phi": "phi"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -248,7 +258,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
         on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
-        if not rope[layer]:
+        if not rope[layer] or name == "phi":  # (the projections: NoPE's q and k, Phi's parts past its rotary)
             on_output(block.get_submodule(fam.attn).q_proj, p + "q", raw)
             on_output(block.get_submodule(fam.attn).k_proj, p + "k", raw)
         for kind, path in fam.outputs.items():
@@ -304,6 +314,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         else:
             if rope[layer]:  # (the rotary calls of the layers that have one, in order)
                 q, k = (x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
+                if name == "phi":  # Phi rotates the leading dims alone: the rest as projected
+                    dim = q.shape[-1]
+                    q = torch.cat([q, raw[p + "q"].view(t, heads, head_dim)[..., dim:]], -1)
+                    k = torch.cat([k, raw[p + "k"].view(t, kv_heads, head_dim)[..., dim:]], -1)
             else:  # (SmolLM3's NoPE layers call no rotary: q and k are the projections)
                 q, k = raw[p + "q"].view(t, heads, head_dim), raw[p + "k"].view(t, kv_heads, head_dim)
             if name == "gpt_neox":

@@ -31,7 +31,7 @@ from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from test_parity_moe import CONFIGS as MOE_CONFIGS
-from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, Qwen2Config
+from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, TunedLens, harvest
 from vlens.capture.names import mlp_input
@@ -68,6 +68,8 @@ CONFIGS = {
     # q and k normalised over all heads at once: each rank's sum of squares added to the other's (the one KV head
     # on both ranks counted once), post-norms only
     "olmo2_mqa": lambda: Olmo2Config(**COMMON, num_key_value_heads=1),
+    # the unembedding's bias split by vocabulary rows as its weight is; one norm for both sublayers
+    "phi": lambda: PhiConfig(**COMMON, hidden_act="gelu_new", pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 

@@ -9,8 +9,9 @@ scale, which is right only where its `fold_ln` moved the weight into W_U; here t
 that the components, unembedded (`logit_attrs`, with W_U as HF holds it), sum to the model's logit:
 
     logit[token] = sum of logit_attrs over the components of decompose_resid()
-                   (+ the final LayerNorm's bias @ W_U[:, token] on GPT-2 and GPT-NeoX: a constant of the
-                   norm, no component's; Gemma: the logit before its final soft-capping, cap·tanh(x/cap))
+                   (+ the final LayerNorm's bias @ W_U[:, token] on GPT-2, GPT-NeoX and Phi: a constant of the
+                   norm, no component's, and Phi's b_U[token]; Gemma: the logit before its final soft-capping,
+                   cap·tanh(x/cap))
 
 Per-head results (`hook_result`) are z_h @ W_O[h], without b_O, which belongs to no head: the heads of a
 layer plus b_O sum to its hook_attn_out. Per-neuron results are hook_post_n * W_out[n], without b_out: a

@@ -52,6 +52,12 @@ def _gpt_neox(hf: Any) -> dict[str, Any]:
     )
 
 
+def _phi(hf: Any) -> dict[str, Any]:
+    if hf.qk_layernorm:
+        raise UnsupportedModelError("qk_layernorm=True is not supported for PhiForCausalLM (no Phi-1, 1.5 or 2 has it)")
+    return dict(norm_eps=hf.layer_norm_eps)
+
+
 def _llama(hf: Any) -> dict[str, Any]:
     return dict(mlp_bias=bool(hf.mlp_bias))  # the one family whose HF MLP reads it
 
@@ -130,6 +136,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
     "SmolLM3ForCausalLM": Architecture({}, _smollm3),
+    # Phi-1/1.5/2: GPT-NeoX's parallel residual with one LayerNorm, biases everywhere (the unembedding's too)
+    "PhiForCausalLM": Architecture(
+        {"family": "phi", "parallel_residual": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _phi,
+        windowed=False,
+    ),
     "Phi3ForCausalLM": Architecture(NO_BIAS | {"stored_fused": True}),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
@@ -161,6 +172,7 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi": "PhiForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -194,13 +206,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     family: str = "llama"  # which model code runs it (vlens.models.MODEL_CLASSES)
     hidden_act: str = "silu"
-    # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale 1 + w, in
-    # float32), "layer" (LayerNorm with bias) or "layer_plain" (OLMo 1: LayerNorm with no weight or bias, in float32)
+    # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale
+    # 1 + w, in float32), "layer" (LayerNorm with bias) or "layer_plain" (OLMo 1: no weight or bias, in float32)
     norm: str = "rms"
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: str = ""  # "head": q and k normalised head by head (Qwen3, Gemma 3); "projection": all heads together (OLMo)
+    # q and k normalised: "head" head by head (Qwen3, Gemma 3), "projection" all heads together (OLMo), "" not
+    qk_norm: str = ""
     clip_qkv: float | None = None  # OLMo 1, OLMoE: q, k and v clamped to [-clip, clip] (after the q/k norm)
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
     rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi: a fraction); 0 = no rotary

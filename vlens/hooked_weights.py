@@ -317,9 +317,9 @@ class ModelWeights:
 
     @property
     def b_U(self) -> torch.Tensor:
-        """[d_vocab] zeros: no supported model has an unembedding bias (TransformerLens's, unfolded)."""
-        weight = self._model().lm_head.weight
-        return weight.new_zeros(weight.shape[0])
+        """[d_vocab]: the unembedding's bias (Phi's; zeros where the model has none, as TransformerLens's)."""
+        head = self._model().lm_head
+        return head.weight.new_zeros(head.weight.shape[0]) if head.bias is None else head.bias.detach()
 
     @property
     def ln_final(self) -> torch.nn.Module:

@@ -1,5 +1,6 @@
-"""Activations by their HF config names, and the gated MLP (act(gate) * up, then down) that the
-Llama, Gemma, Phi-3 and Qwen2-MoE (dense layers, shared expert) families share."""
+"""Activations by their HF config names, the gated MLP (act(gate) * up, then down) that the Llama, Gemma, Phi-3
+and Qwen2-MoE (dense layers, shared expert) families share, and the plain one (act(fc_in(x)), then fc_out) of
+GPT-NeoX and Phi."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.config import UnsupportedModelError
+from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.context import tap
 from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers import fused
-from vlens.layers.linear import FusedLinear, RowLinear
+from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -61,3 +62,26 @@ class GatedMLP(nn.Module):
         h = fused.gated(self.act, gate, up)
         h = tap(self.hook_post, h)
         return self.down_proj(h)
+
+
+class DenseMLP(nn.Module):
+    """act(fc_in(x)), then fc_out, with the projections under the names the family's checkpoints give them
+    (`names`: fc_in's, fc_out's); under tensor parallelism each rank holds its columns of fc_in and the matching
+    rows of fc_out."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, names: tuple[str, str]):
+        super().__init__()
+        sizes, p = (cfg.hidden_size, cfg.intermediate_size), cfg.parallel
+        self.names = names
+        setattr(self, names[0], ColumnLinear(*sizes, cfg.mlp_bias, p))
+        setattr(self, names[1], RowLinear(*reversed(sizes), cfg.mlp_bias, p))
+        self.act = activation(cfg.hidden_act)
+        self.hook_post = f"blocks.{layer}.mlp.hook_post"
+
+    fc_in = property(lambda self: getattr(self, self.names[0]))  # (as GatedMLP's, for vlens.hooked_weights)
+    fc_out = property(lambda self: getattr(self, self.names[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc_in(x))
+        h = tap(self.hook_post, h)
+        return self.fc_out(h)

@@ -6,7 +6,7 @@ ranks' lookups are summed, which adds exact zeros, so hook_embed is the unsharde
 where every consumer of logits (sampling, the logits hook, the logit lens) runs and sees all of it; the
 other ranks send their piece and receive nothing. Each rank allocates
 ceil(V / size) rows; the last rank's rows past V are never read. In one process both are the plain
-nn.Embedding / bias-free nn.Linear they replace.
+nn.Embedding / nn.Linear they replace (the head's bias, where the model has one, split by rows too: Phi's).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ class _VocabRows(nn.Module):
         self.weight = nn.Parameter(torch.empty(allocated, hidden_size))
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        params = {name: p for name, p in self.named_parameters(recurse=False)}  # weight (and the head's bias)
         if self.parallel.size == 1:
-            return {f"{path}.weight": Slot(self.weight)}
+            return {f"{path}.{name}": Slot(p) for name, p in params.items()}
         rows = slice(self.rows.start, self.rows.stop)
-        return {f"{path}.weight": Slot(self.weight, slice(0, len(self.rows)), None, (rows,))}
+        return {f"{path}.{name}": Slot(p, slice(0, len(self.rows)), None, (rows,)) for name, p in params.items()}
 
 
 class VocabEmbedding(_VocabRows):
@@ -44,11 +45,12 @@ class VocabEmbedding(_VocabRows):
 
 
 class LMHead(_VocabRows):
-    def __init__(self, hidden_size: int, vocab_size: int, parallel: Parallel = SINGLE):
+    def __init__(self, hidden_size: int, vocab_size: int, parallel: Parallel = SINGLE, bias: bool = False):
         super().__init__(vocab_size, hidden_size, parallel)
+        self.bias = nn.Parameter(torch.empty(self.weight.shape[0])) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
         if self.parallel.size == 1:
             return logits
         return gather_to_first(logits, -1, self.parallel)[..., : self.vocab_size]

@@ -12,6 +12,7 @@ from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.llama import CausalLM
 from vlens.models.olmo import OlmoForCausalLM
+from vlens.models.phi import PhiForCausalLM
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
@@ -19,6 +20,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "gpt2": GPT2LMHeadModel,
     "gpt_neox": GPTNeoXForCausalLM,
     "olmo": OlmoForCausalLM,
+    "phi": PhiForCausalLM,
 }
 
 

@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.context import tap
 from vlens.layers.checkpoint import Transform
-from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
-from vlens.layers.mlp import activation
+from vlens.layers.linear import FusedLinear, RowLinear
+from vlens.layers.mlp import DenseMLP
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
@@ -44,24 +43,6 @@ class GPTNeoXAttention(AttentionHeads):
     out = property(lambda self: self.dense)
 
 
-class GPTNeoXMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        sizes, p = (cfg.hidden_size, cfg.intermediate_size), cfg.parallel
-        self.dense_h_to_4h = ColumnLinear(*sizes, cfg.mlp_bias, p)
-        self.dense_4h_to_h = RowLinear(*reversed(sizes), cfg.mlp_bias, p)
-        self.act = activation(cfg.hidden_act)
-        self.hook_post = f"blocks.{layer}.mlp.hook_post"
-
-    fc_in = property(lambda self: self.dense_h_to_4h)  # as GatedMLP names its projections, for vlens.hooked_weights
-    fc_out = property(lambda self: self.dense_4h_to_h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.dense_h_to_4h(x))
-        h = tap(self.hook_post, h)
-        return self.dense_4h_to_h(h)
-
-
 class GPTNeoXLayer(ResidualBlock):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
@@ -69,7 +50,7 @@ class GPTNeoXLayer(ResidualBlock):
         self.input_layernorm = make_norm(cfg)
         self.post_attention_layernorm = make_norm(cfg)
         self.attention = GPTNeoXAttention(cfg, layer)
-        self.mlp = GPTNeoXMLP(cfg, layer)
+        self.mlp = DenseMLP(cfg, layer, ("dense_h_to_4h", "dense_4h_to_h"))
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
