@@ -8,9 +8,10 @@ in HF, unless a tap needs its inner values.
 Taps (`NormHooks`): `hook_scale` is the divisor ([1] per token: sqrt(mean(x²) + eps), or for LayerNorm
 sqrt(var + eps)), `hook_normalized` the input normalised *before* the weight (x / scale; LayerNorm
 centres first) — TransformerLens's meaning — and `hook_out` the norm's output after weight and bias,
-the module output HF reports. A norm with no hooks (q/k norms, Gemma's post-norms) has no taps. A tap that only captures returns
-the very tensor it was given, and then the output is computed exactly as without it; an edited scale
-or normalized value is carried on through the weight (and bias).
+the module output HF reports; a post-norm (Gemma's, OLMo 2's) has no `hook_out`, its output being the layer's
+hook_attn_out or hook_mlp_out, and a q/k norm no taps. A tap that only captures returns the very tensor it
+was given, and then the output is computed exactly as without it; an edited scale or normalized value is
+carried on through the weight (and bias).
 """
 
 from __future__ import annotations
