@@ -218,7 +218,7 @@ def test_ctrl_c_is_one_line_with_the_status_of_sigint(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(vlens.cli, "read_config", interrupted)
+    monkeypatch.setattr(vlens.cli, "model_config", interrupted)
     assert main(["hooks"]) == 130
     assert capsys.readouterr().err == "vlens: interrupted\n"
 

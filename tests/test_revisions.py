@@ -100,6 +100,23 @@ def test_the_command_line_takes_a_revision(two_versions, capsys):
     assert "blocks.2.hook_resid_post" not in capsys.readouterr().out
 
 
+def test_listing_a_hub_model_s_hooks_fetches_its_config_alone(offline_hub, tmp_path, monkeypatch, capsys):
+    """`vlens hooks` reads the config: of a hub model it asks the hub for config.json only (a 70B model's hooks
+    cost no weight download); here the cache holds nothing else."""
+    import huggingface_hub
+
+    config = tmp_path / "config-only"
+    config.mkdir()
+    LlamaConfig(**SIZES, num_hidden_layers=5).save_pretrained(config)
+    cache_repo(offline_hub, "vlens-test/big", {"main": config})
+    asked = []
+    real = huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: asked.append(kw["allow_patterns"])
+                        or real(*a, **kw))  # fmt: skip
+    assert vlens.cli.main(["hooks", "--model", "vlens-test/big"]) == 0
+    assert "blocks.4.hook_resid_post" in capsys.readouterr().out and asked == [["config.json"]]
+
+
 def test_pythia_checkpoints_by_transformer_lens_s_numbers(offline_hub, tmp_path):
     """HookedTransformer.from_pretrained(name, checkpoint_value=1000) or checkpoint_index=11 (the twelfth in its list
     of Pythia checkpoints: 0, 1, 2, 4, ..., 512, 1000, ...) is the hub revision step1000."""

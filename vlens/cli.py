@@ -26,7 +26,7 @@ from vlens.harvest import cli as harvest_cli
 from vlens.harvest.dataset import difference_of_means
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
-from vlens.loader import read_config, resolve_model_path
+from vlens.loader import model_config
 from vlens.sae.model import SAE
 from vlens.sampling_params import SamplingParams
 from vlens.server import cli as server_cli
@@ -65,7 +65,7 @@ LENS_ABOUT = (
 
 def _cmd_hooks(args: argparse.Namespace) -> int:
     # Only the config is read: listing the hooks of a large model should not load its weights.
-    shapes = hook_shapes(read_config(resolve_model_path(args.model, args.revision)))
+    shapes = hook_shapes(model_config(args.model, args.revision))
     width = max(map(len, shapes))
     for name, shape in shapes.items():
         print(f"{name:<{width}}  {shape}")
@@ -199,7 +199,7 @@ def _cmd_lens(args: argparse.Namespace) -> int:
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
     tuned = None if args.tuned_lens is None else TunedLens.load(args.tuned_lens)
     if args.attention_layers:
-        layers = read_config(resolve_model_path(args.model, args.revision)).num_layers
+        layers = model_config(args.model, args.revision).num_layers
         for layer in args.attention_layers:
             if not 0 <= layer < layers:
                 raise ValueError(f"--attention-layers: {layer} is not a layer of this model (0 .. {layers - 1})")

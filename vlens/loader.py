@@ -173,11 +173,13 @@ def _hub_environment() -> tuple[str, bool]:
     return os.path.expandvars(os.path.expanduser(cache)), flag.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
+CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str] = CHECKPOINT_FILES) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
     cache, offline = _hub_environment()
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache,
@@ -221,6 +223,14 @@ def _is_hub_id(model: str | os.PathLike | None) -> bool:
     if model is None or Path(model).expanduser().exists():
         return False
     return str(model).count("/") == 1 and not str(model).startswith((".", "/", "~"))
+
+
+def model_config(model: str | os.PathLike | None, revision: str | None = None) -> ModelConfig:
+    """The description of `model` without its weights: of a hub model only config.json is fetched (listing the
+    hooks of a 70B model downloads no weight)."""
+    if _is_hub_id(model):
+        return read_config(_hub_snapshot(str(model), revision, ["config.json"]))
+    return read_config(resolve_model_path(model, revision))
 
 
 def read_config(path: Path) -> ModelConfig:
