@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import COMMON, TOL, TapParity, build, check_feature_matters, family_fixture, sequences
+from family_parity import (
+    COMMON,
+    TOL,
+    TapParity,
+    build,
+    check_feature_matters,
+    check_generation,
+    family_fixture,
+    sequences,
+)
 from hf_reference import hf_taps, layer_hooks
 from transformers import (
     AutoModelForCausalLM,
@@ -136,6 +145,16 @@ FEATURE_OFF = {
     "qwen2_window_layers": {"layer_types": ["full_attention"] * 3},
     "smollm3_nope_swa": {"no_rope_layers": [1, 1, 1]},  # (its window: below)
 }
+
+
+generating = family_fixture({name: CONFIGS[name] for name in ("smollm3_nope_swa", "gemma1_mqa_bias")}, "generating")
+
+
+def test_generation_of_layers_the_smollm2_test_does_not_run(generating):
+    """Greedy generation through the paged cache against HF generate, decode steps included, for the layers the
+    SmolLM2 test does not run: without rotary (SmolLM3, a window on them) and with Gemma 1's norms."""
+    _, _, llm, hf = generating
+    check_generation(llm, hf, sequences((20, 9, 3)))
 
 
 @pytest.mark.parametrize("name", list(FEATURE_OFF))
