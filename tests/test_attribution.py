@@ -21,6 +21,7 @@ from transformers import (
     LlamaConfig,
     MixtralConfig,
     OlmoConfig,
+    PhiConfig,
 )
 from transformers.activations import ACT2FN
 
@@ -37,7 +38,11 @@ FAMILIES = {
     "gemma2": lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
                                    attn_logit_softcapping=30.0, final_logit_softcapping=20.0),
     "olmo1": lambda: OlmoConfig(**COMMON, clip_qkv=0.5),  # LayerNorms of no weight or bias
+    # the parallel residual with one norm for both sublayers; biases everywhere, the unembedding's too
+    "phi": lambda: PhiConfig(**COMMON, hidden_act="gelu_new", pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }  # fmt: skip
+PARALLEL = ("pythia_parallel", "phi")  # the MLP reads the layer's input: no "MLP input" stream to decompose
+DENSE = ("gpt2", "pythia_parallel", "phi")  # act(x @ W_in + b_in), no W_gate
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -62,12 +67,13 @@ def _bias_term(norm: torch.nn.Module, directions: torch.Tensor) -> torch.Tensor:
 
 
 def _attributable_logit(hooked: HookedLM, cache, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The logit of `tokens` that the components' attributions sum to: less what the final LayerNorm's bias adds,
-    and before Gemma's soft-cap."""
+    """The logit of `tokens` that the components' attributions sum to: less what the final LayerNorm's bias and
+    the unembedding's (Phi's b_U) add, and before Gemma's soft-cap."""
     if hooked.cfg.final_softcap is not None:
-        logits = cache["ln_final.hook_out"] @ hooked.W_U
+        logits = cache["ln_final.hook_out"] @ hooked.W_U + hooked.b_U
     directions = hooked.tokens_to_residual_directions(tokens)
-    return logits.gather(-1, tokens[..., None])[..., 0] - _bias_term(hooked.llm.model.final_norm, directions)
+    constant = _bias_term(hooked.llm.model.final_norm, directions) + hooked.b_U[tokens]
+    return logits.gather(-1, tokens[..., None])[..., 0] - constant
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -117,15 +123,15 @@ def test_the_stack_through_a_layers_norms(family):
     pre = cache.decompose_resid(layer=1)
     assert rel_err(pre.sum(0), cache["resid_pre", 1]) <= 1e-5
     for norm, stack, mlp_input, hook in ((block.ln1, pre, False, "ln1"), (block.ln2, pre, True, "ln2")):
-        if hook == "ln2" and name != "pythia_parallel":
+        if hook == "ln2" and name not in PARALLEL:
             stack = cache.decompose_resid(layer=1, mlp_input=True)
             assert rel_err(stack.sum(0), cache["resid_mid", 1]) <= 1e-5
         normed = cache.apply_ln_to_stack(stack, 1, mlp_input=mlp_input).sum(0)
         if hasattr(norm, "bias"):  # LayerNorm's bias is a constant of the norm, no component's
             normed = normed + norm.bias.detach()
         assert rel_err(normed[mask], cache[f"blocks.1.{hook}.hook_out"][mask]) <= 1e-5, hook
-    if name == "pythia_parallel":
-        with pytest.raises(ValueError, match=r"^mlp_input: GPTNeoXForCausalLM with use_parallel_residual runs"):
+    if name in PARALLEL:
+        with pytest.raises(ValueError, match=r"^mlp_input: \w+ForCausalLM with a parallel residual runs"):
             cache.decompose_resid(layer=1, mlp_input=True)
 
 
@@ -146,7 +152,7 @@ def test_mlp_weights_give_the_mlp_by_transformer_lens_equations(family):
         return
     d_mlp = hooked.cfg.d_mlp
     assert hooked.W_in.shape == (3, 64, d_mlp) and hooked.W_out.shape == (3, d_mlp, 64)
-    assert (hooked.W_gate is None) == (name in ("gpt2", "pythia_parallel"))  # as TransformerLens's W_gate
+    assert (hooked.W_gate is None) == (name in DENSE)  # as TransformerLens's W_gate
     x, mlp, act = cache["blocks.1.ln2.hook_out"], hooked.blocks[1].mlp, ACT2FN[hooked.cfg.hidden_act]
     if mlp.W_gate is None:
         post = act(x @ mlp.W_in + mlp.b_in)
@@ -193,8 +199,8 @@ def test_full_resid_decomposition_sums_to_the_stream_and_the_logit(family):
     assert _close(cache.logit_attrs(stack, targets).sum(0), _attributable_logit(hooked, cache, logits, targets), mask)
     block = hooked.llm.model.layers[1]
     for mlp_input, hook, norm in ((False, "resid_pre", "ln1"), (True, "resid_mid", "ln2")):
-        if mlp_input and name == "pythia_parallel":
-            with pytest.raises(ValueError, match=r"^mlp_input: GPTNeoXForCausalLM with use_parallel_residual runs"):
+        if mlp_input and name in PARALLEL:
+            with pytest.raises(ValueError, match=r"^mlp_input: \w+ForCausalLM with a parallel residual runs"):
                 cache.get_full_resid_decomposition(1, mlp_input=True)
             continue
         part = cache.get_full_resid_decomposition(1, mlp_input, expand_neurons=expand)

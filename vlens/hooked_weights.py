@@ -108,7 +108,7 @@ def check_mlp_input(cfg: ModelConfig, layer: int, mlp_input: bool, as_sum: bool 
                          f"mlp_input=True goes with a layer in 0..{n - 1}")  # fmt: skip
     if mlp_input and as_sum and cfg.parallel_residual:
         raise ValueError(
-            f"mlp_input: {cfg.architecture} with use_parallel_residual runs attention and MLP side by side: "
+            f"mlp_input: {cfg.architecture} with a parallel residual runs attention and MLP side by side: "
             f"layer {layer}'s MLP reads the layer's input (mlp_input=False), not it plus the layer's attn_out"
         )
 
