@@ -10,6 +10,8 @@ unembedding and the taps around them live here once.
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,10 +121,12 @@ class ResidualBlock(nn.Module):
     `ln2`, `attn_heads` (the AttentionHeads) and `mlp` (a dense MLP with `fc_in` / `fc_out`, or routed
     experts); what the sublayers add is `attn_out` and `mlp_out`, their outputs (PostNormBlock puts Gemma's and
     OLMo 2's post-norms inside both, so there the heads' and the MLP's outputs are not what the layer adds; OLMo 2
-    has no pre-norms, `pre_norms` False: its sublayers read the stream itself)."""
+    has no pre-norms, `pre_norms` False: its sublayers read the stream itself; Phi's ln2 is its ln1, `shared_norm`:
+    the MLP takes the attention's normalised input unless a tap asks for ln2's values or edits either norm's)."""
 
     parallel = False
     pre_norms = True
+    shared_norm = False
     attn_heads: AttentionHeads
     mlp: nn.Module
 
@@ -135,12 +139,13 @@ class ResidualBlock(nn.Module):
         self.hook_inputs = (self.hook_attn_in, *self.hook_qkv_inputs)
         self.hook_attn_out, self.hook_resid_mid = p + "hook_attn_out", p + "hook_resid_mid"
         self.hook_mlp_in, self.hook_ln2 = p + "hook_mlp_in", NormHooks.at(p + "ln2")
+        self.hook_norms = (*astuple(self.hook_ln1), *astuple(self.hook_ln2))
         self.hook_mlp_out = p + "hook_mlp_out"
         self.hook_resid_post = p + "hook_resid_post"
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = tap(self.hook_resid_pre, x)
-        h = self.ln1(x, self.hook_ln1) if self.pre_norms else x
+        h = normed = self.ln1(x, self.hook_ln1) if self.pre_norms else x
         a = self.attn_out(self.attention_input(x, h), rope)
         a = tap(self.hook_attn_out, a)
         if self.parallel:
@@ -149,7 +154,10 @@ class ResidualBlock(nn.Module):
             mid = x + a
             mid = tap(self.hook_resid_mid, mid)
         h = tap(self.hook_mlp_in, mid)
-        h = self.ln2(h, self.hook_ln2) if self.pre_norms else h
+        if self.shared_norm and h is x and not any(map(tapped, self.hook_norms)):
+            h = normed  # (the one norm of the same input, computed once)
+        elif self.pre_norms:
+            h = self.ln2(h, self.hook_ln2)
         m = self.mlp_out(h)
         m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums

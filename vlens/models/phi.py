@@ -2,8 +2,9 @@
 x + attn(ln(x)) + mlp(ln(x)), biases on every projection and on the unembedding, partial rotary (the first
 partial_rotary_factor of each head rotates) and a plain GELU MLP (fc1, fc2).
 
-TransformerLens's Phi ties ln2 to ln1, so `ln2`'s taps here are the same norm's, read again; under the parallel
-residual there is no hook_resid_mid (vlens.capture.names.layer_hooks).
+TransformerLens's Phi ties ln2 to ln1, so `ln2`'s taps here are the same norm's, computed again only when a tap
+asks (ResidualBlock.shared_norm); under the parallel residual there is no hook_resid_mid
+(vlens.capture.names.layer_hooks).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class PhiAttention(AttentionHeads):
 
 
 class PhiDecoderLayer(ResidualBlock):
-    parallel = True
+    parallel = shared_norm = True
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
