@@ -159,6 +159,12 @@ def family_of(hf_model) -> tuple[str, Family]:
     return name, FAMILIES[name]
 
 
+def hf_attention(hf_model, layer: int) -> str:
+    """The path of layer `layer`'s attention module in `hf_model`."""
+    _, fam = family_of(hf_model)
+    return f"{fam.layers}.{layer}.{fam.attn}"
+
+
 def _first(x):
     """Modules return a tensor or a tuple whose first item is the tensor; either way the tensor."""
     return x[0] if isinstance(x, (tuple, list)) else x
@@ -275,8 +281,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 continue
             on_input(block.get_submodule(path), p + kind)
         if hasattr(block.mlp, "experts"):
-            on_output(block.mlp.gate, p + "mlp.hook_router_logits", pick=lambda o: o[0])
-            on_output(block.mlp.gate, p + "mlp.hook_expert_ids", pick=lambda o: o[2])
+            router = getattr(block.mlp, "router", None) or block.mlp.gate  # (gpt-oss: router)
+            on_output(router, p + "mlp.hook_router_logits", pick=lambda o: o[0])
+            on_output(router, p + "mlp.hook_expert_ids", pick=lambda o: o[2])
             if hasattr(block.mlp, "shared_expert"):
                 on_input(block.mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
     for prefix, module in norms.items():
@@ -329,6 +336,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         got[p + "attn.hook_q"], got[p + "attn.hook_k"], got[p + "attn.hook_v"] = q, k, v
         if patterns:
             scores, probs = (x[0].transpose(0, 1) for x in softmaxes[layer])
+            sinks = getattr(blocks[layer].get_submodule(fam.attn), "sinks", None)
+            if sinks is not None:  # gpt-oss: the softmax saw [scores, sink] less their maximum, sink - maximum last
+                scores = scores[..., :-1] + (sinks - scores[..., -1]).unsqueeze(-1)
+                probs = probs[..., :-1]
             got[p + "attn.hook_attn_scores"] = scores.masked_fill(scores < -1e30, float("-inf"))  # masked: -inf
             got[p + "attn.hook_pattern"] = probs.to(q.dtype)
     return got

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
-from transformers import LlamaConfig, OlmoeConfig
+from transformers import GptOssConfig, LlamaConfig, OlmoeConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.context import get_context
@@ -25,6 +25,12 @@ FAMILIES = {  # family -> (config, a hook of its MLP to capture)
     "olmoe": (
         lambda: OlmoeConfig(**COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=0.5),
         "blocks.2.mlp.hook_expert_ids",  # int64 rows
+    ),
+    # attention sinks in the softmax, experts with biases and a clamped SwiGLU, YaRN
+    "gpt_oss": (
+        lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=7),
+        "blocks.2.mlp.hook_router_logits",
     ),
 }
 D = COMMON["hidden_size"]

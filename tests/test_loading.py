@@ -386,7 +386,7 @@ def test_options_are_checked_before_anything_is_read(monkeypatch):
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
         ({"hidden_act": "relu"}, "hidden_act 'relu'"),
     ],
 )

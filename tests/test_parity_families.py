@@ -67,6 +67,12 @@ CONFIGS = {
         **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1
     ),
     "qwen3_head_dim": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32),
+    # YaRN as long-context Qwen configs set it (gpt-oss's: test_parity_gpt_oss.py), and DeepSeek's two mscales
+    "qwen3_yarn": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama_yarn_mscale": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0}),
     "qwen3_tied_mqa_bias": lambda: Qwen3Config(
         **COMMON, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, attention_bias=True
     ),
@@ -113,6 +119,8 @@ def test_config_is_read_as_intended(family):
         "qwen2_tied": {"qkv_bias": True, "o_bias": False, "windows": (None,) * 3},
         "qwen2_window_layers": {"qkv_bias": True, "windows": (None, 5, 5)},
         "qwen3_head_dim": {"head_dim": 32, "qk_norm": "head", "qkv_bias": False},
+        "qwen3_yarn": {"rope": ("yarn", 4.0), "qk_norm": "head"},
+        "llama_yarn_mscale": {"rope": ("yarn", 4.0)},
         "qwen3_tied_mqa_bias": {"head_dim": 8, "qk_norm": "head", "qkv_bias": True, "o_bias": True},
         "smollm3_nope_swa": {"nope_layers": (False, True, False), "windows": (None, 7, None), "mlp_bias": True},
         "gemma1_mqa_bias": {"head_dim": 24, "norm": "rms_offset", "embed_scale": True, "o_bias": True,
@@ -141,6 +149,9 @@ class TestParity(TapParity):
 FEATURE_OFF = {
     "llama_llama3_gqa": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
     "llama_linear_tied_mha": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "qwen3_yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "llama_yarn_mscale": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 16, "beta_fast": 16.0}},
     "mistral_window": {"sliding_window": None},
     "qwen2_window_layers": {"layer_types": ["full_attention"] * 3},
     "smollm3_nope_swa": {"no_rope_layers": [1, 1, 1]},  # (its window: below)

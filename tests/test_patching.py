@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build, transformer_lens_gpt2, transformer_lens_llama
-from transformers import LlamaConfig
+from transformers import GptOssConfig, LlamaConfig
 
 from vlens import HookedLM
 from vlens import patching as ours
@@ -86,6 +86,23 @@ def test_score_patches_equal_transformer_lens_s(tmp_path):
         got = ours.generic_activation_patch(hooked, CORRUPTED, caches[hooked], weighted, getattr(ours, setter),
                                             "attn_scores", index_axis_names=axes)  # fmt: skip
         assert_same_effects(got, want, base, 1e-2, f"scores {axes}")
+
+
+def test_a_score_patch_softmaxes_over_the_sinks(tmp_path):
+    """gpt-oss: a head's patched scores make the pattern a softmax over its sink too, so patching whole score
+    rows from the clean run has the very effect of patching the clean run's pattern rows."""
+    config = GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=5)  # fmt: skip
+    hooked = HookedLM(build(config, tmp_path, "gpt_oss"), dtype="float32", device="cpu")
+    assert hooked.blocks[1].attn.sinks.shape == (COMMON["num_attention_heads"],)
+    _, clean = hooked.run_with_cache(CLEAN)
+    axes = ["layer", "head_index"]
+    scores = ours.generic_activation_patch(hooked, CORRUPTED, clean, weighted, ours.layer_head_pattern_patch_setter,
+                                           "attn_scores", index_axis_names=axes)  # fmt: skip
+    patterns = ours.generic_activation_patch(hooked, CORRUPTED, clean, weighted, ours.layer_head_pattern_patch_setter,
+                                             "pattern", index_axis_names=axes)  # fmt: skip
+    assert rel_err(scores, patterns) <= 1e-5
+    assert (patterns - weighted(hooked(CORRUPTED))).abs().max() > 1e-3
 
 
 # all copies in one forward; a few rows a forward; a KV cache of 24 blocks (20 free beside the corrupted run's)

@@ -12,13 +12,14 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, VOCAB, build
-from hf_reference import hf_taps, same
+from hf_reference import hf_attention, hf_taps, same
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
     GPTNeoXConfig,
+    GptOssConfig,
     LlamaConfig,
     MixtralConfig,
     Phi3Config,
@@ -39,6 +40,8 @@ FAMILIES = {
     "phi3": lambda: Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0),
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2),
+    "gpt_oss": lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=6),  # (attention sinks)
 }  # fmt: skip
 # Layer 0 of the Gemma configs has a sliding window (6, shorter than the prompts), layer 1 full attention.
 PATTERN = ["blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
@@ -74,9 +77,15 @@ def test_generated_and_prompt_rows_equal_hf(family):
                 assert same(out.activations[name], ref[name], 1e-5), name
             pattern, scores = out.activations[PATTERN[1]], out.activations[PATTERN[0]]
             allowed = ~torch.isinf(scores)
-            assert torch.allclose(pattern.sum(-1), torch.ones(rows, HEADS), atol=1e-5)
             assert torch.equal(pattern[~allowed], torch.zeros(int((~allowed).sum())))
-            assert rel_err(pattern, scores.softmax(-1)) <= 1e-6
+            sinks = getattr(hf.get_submodule(hf_attention(hf, 0)), "sinks", None)
+            if sinks is None:  # a row's weights sum to one ...
+                assert torch.allclose(pattern.sum(-1), torch.ones(rows, HEADS), atol=1e-5)
+                assert rel_err(pattern, scores.softmax(-1)) <= 1e-6
+            else:  # ... but for the share of gpt-oss's sink, one more logit that weighs no value
+                logits = torch.cat([scores, sinks.detach().expand(rows, HEADS)[..., None]], dim=-1)
+                assert (pattern.sum(-1) < 1).all()
+                assert rel_err(pattern, logits.softmax(-1)[..., :-1]) <= 1e-6
             window = llm.config.sliding_windows[0]
             if window is not None:  # a row past the window sees only the last `window` keys
                 p = rows - 1

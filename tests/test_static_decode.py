@@ -17,10 +17,10 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, build
 from replayed_graphs import replay_graphs
-from transformers import Gemma2Config, LlamaConfig
+from transformers import Gemma2Config, GptOssConfig, LlamaConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
-from vlens.attention.decode import DecodeBackend
+from vlens.attention.decode import DecodeBackend, kernel_layer
 from vlens.attention.metadata import LayerKind
 from vlens.attention.paged_decode_cpu import paged_decode_cpu
 from vlens.layers import fused
@@ -34,6 +34,9 @@ FAMILIES = {
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),  # fmt: skip
+    # attention sinks in every kernel's softmax, routed experts with biases
+    "gpt_oss": lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=7),  # fmt: skip
 }
 
 
@@ -226,10 +229,11 @@ def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_grap
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim, window, softcap", [(8, 2, 24, None, None), (4, 4, 64, 7, None), (9, 3, 64, None, 2.0), (8, 2, 32, 5, 3.0)]
+    "heads, kv_heads, dim, window, softcap, sinks",
+    [(8, 2, 24, None, None, False), (4, 4, 64, 7, None, True), (9, 3, 64, None, 2.0, False), (8, 2, 32, 5, 3.0, True)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads, dim, window, softcap, dtype):
+def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads, dim, window, softcap, sinks, dtype):
     """Keys read through shuffled block tables, contexts from one key to the whole table, the splits of one
     row merged: float32 within 1e-5 of the gathering kernel; float16 within its rounding. (bfloat16 takes
     float16's path; the interpreter's tl.dot misreads bfloat16, so a GPU checks it: DecodeBackend.for_device.)"""
@@ -239,8 +243,8 @@ def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads
     tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(rows)])
     context = torch.tensor([1, 2, 70, 130, width * bs])
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
-    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap)
-    layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
+    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap, sinks)
+    layer = kernel_layer(kind, cache[0], cache[1], 3 * torch.randn(heads, generator=g).to(dtype) if sinks else None)
     meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
     want = DecodeBackend().forward(q, None, None, layer, DecodeBackend().prepare(meta, {kind}, dtype))
     for programs in (1, 16, 400):  # one split per row, 2 or more, one per key tile (a windowed row's first
@@ -264,19 +268,20 @@ def test_the_cpu_decodes_on_the_static_path_with_the_c_kernel(llm):
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim, window, softcap",
-    [(8, 2, 24, None, None), (4, 4, 64, 7, None), (9, 3, 64, None, 2.0), (8, 2, 32, 5, 3.0), (2, 1, 5, None, None)],
-)
+    "heads, kv_heads, dim, window, softcap, sinks",
+    [(8, 2, 24, None, None, False), (4, 4, 64, 7, None, True), (9, 3, 64, None, 2.0, False), (8, 2, 32, 5, 3.0, True),
+     (2, 1, 5, None, None, False)],
+)  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2])
-def test_c_kernel_matches_the_gathering_kernel(heads, kv_heads, dim, window, softcap, threads):
+def test_c_kernel_matches_the_gathering_kernel(heads, kv_heads, dim, window, softcap, sinks, threads):
     """Keys read through shuffled block tables, contexts from one key to the whole table, a batch of one whose
     keys split across threads (splits past its last key weighed 0), head sizes with and without a tail of
     fewer than 8 values: within 1e-5 of the gathering kernel."""
     g = torch.Generator().manual_seed(heads * dim)
     bs, blocks, width = 4, 300, 250
     cache = torch.randn(2, blocks * bs, kv_heads, dim, generator=g)
-    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap)
-    layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
+    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap, sinks)
+    layer = kernel_layer(kind, cache[0], cache[1], 3 * torch.randn(heads, generator=g) if sinks else None)
     default = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

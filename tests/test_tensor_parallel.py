@@ -30,6 +30,7 @@ from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
+from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
 
@@ -70,6 +71,8 @@ CONFIGS = {
     "olmo2_mqa": lambda: Olmo2Config(**COMMON, num_key_value_heads=1),
     # the unembedding's bias split by vocabulary rows as its weight is; one norm for both sublayers
     "phi": lambda: PhiConfig(**COMMON, hidden_act="gelu_new", pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # each rank's heads' sinks; experts' interleaved gate/up columns split, their down bias added once
+    "gpt_oss": GPT_OSS_CONFIGS["gpt_oss"],
 }
 
 

@@ -111,6 +111,16 @@ def _olmoe(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gpt_oss(hf: Any) -> dict[str, Any]:
+    return dict(
+        num_experts=hf.num_local_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        moe_layers=(True,) * hf.num_hidden_layers,
+        swiglu_clamp=(hf.swiglu_alpha, hf.swiglu_limit),
+    )
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one HF architecture maps onto vlens: fixed flags, and a reader for flags its config holds."""
@@ -157,6 +167,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": "head"}, _gemma),
+    # gpt-oss: a sink logit per head in every softmax; routed experts with biases, a router with a bias that
+    # weighs the top k by their softmax, and a clamped SwiGLU; norms scaled in float32; YaRN rotary
+    "GptOssForCausalLM": Architecture(
+        {"norm": "rms_float", "attn_sinks": True, "router_bias": True, "softmax_after_topk": True,
+         "norm_topk_prob": False},
+        _gpt_oss,
+    ),
     "GPT2LMHeadModel": Architecture(
         {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM,
         _gpt2,
@@ -184,6 +201,7 @@ MODEL_TYPES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
 }
@@ -229,12 +247,17 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask
+    attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, learned, that weighs no value
     final_softcap: float | None = None  # Gemma 2/3: the same on the logits
     parallel_residual: bool = False  # NeoX: x + attn(ln1(x)) + mlp(ln2(x)); no resid_mid
-    num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): routed experts per MoE layer
+    num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): routed experts per MoE layer
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to one
+    softmax_after_topk: bool = False  # gpt-oss: the weights are the softmax of the chosen k logits alone
+    router_bias: bool = False  # gpt-oss: the router's linear has a bias
+    swiglu_clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its experts' clamped SwiGLU (and
+    # their biases)
     round_routing_weights: bool = False  # Qwen-MoE, OLMoE: those weights rounded to the model dtype before use
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
@@ -324,7 +347,7 @@ def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:
     if params.get("rope_type", "default") == "default":
         return theta, None
     scaling = dict(params)
-    if scaling["rope_type"] == "longrope":
+    if scaling["rope_type"] in ("longrope", "yarn"):
         original = scaling.get("original_max_position_embeddings") or hf.original_max_position_embeddings
         scaling["original_max_position_embeddings"] = original
         if scaling.get("factor") is None:

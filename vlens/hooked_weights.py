@@ -125,6 +125,7 @@ class AttentionWeights:
     _b_K: torch.Tensor  # [n_key_value_heads, d_head]
     _b_V: torch.Tensor
     b_O: torch.Tensor  # [d_model]
+    sinks: torch.Tensor | None = None  # [n_heads] gpt-oss's sink logits (TransformerLens has none); None: no sinks
     hooks: HookTree | None = field(default=None, repr=False, compare=False)  # its layer's attn.* hook points
 
     def __getattr__(self, name: str) -> object:  # (`blocks[L].attn.hook_z`: what no weight attribute is)
@@ -148,7 +149,8 @@ class AttentionWeights:
             b_Q, b_K, b_V = (b.reshape(n, d_head) for b, n in zip(biases, counts))
         W_O = out.weight.detach().T.reshape(heads.heads, d_head, -1)
         b_O = out.weight.new_zeros(out.out_features) if out.bias is None else out.bias.detach()
-        return cls(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, hooks)
+        sinks = None if heads.attn.sinks is None else heads.attn.sinks.detach()
+        return cls(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, sinks, hooks)
 
     @property
     def _repeats(self) -> int:

@@ -1,7 +1,8 @@
 """One way in for every checkpoint: a local HF directory, a hub id (at a revision), a GGUF file, or the default.
 
 Everything ends as a safetensors directory read by name into vlens's own model; transformers is used
-only to parse configs, build tokenizers and (once per file) dequantise GGUF.
+only to parse configs, build tokenizers and (once per file) dequantise GGUF. Tensors a checkpoint stores as
+MXFP4 (gpt-oss's experts: `NAME_blocks` and `NAME_scales`) are dequantised as they load.
 """
 
 from __future__ import annotations
@@ -268,21 +269,23 @@ def checkpoint_layout(model: DecoderLM) -> dict[str, Slot]:
 def load_weights(model: DecoderLM, path: Path) -> None:
     layout = checkpoint_layout(model)
     loaded: set[str] = set()
-    for file in _weight_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key not in layout:
-                    continue
-                slot = layout[key]
-                target = slot.target()
-                tensor = _read(f, key, slot)
-                if tensor.shape != target.shape:  # copy_ would broadcast some mismatches silently
-                    raise ModelLoadError(
-                        f"model: weight {key!r} in {str(file)!r} has shape {tuple(tensor.shape)}, but the "
-                        f"config implies {tuple(target.shape)}; config.json and weights disagree"
-                    )
-                target.copy_(tensor)
-                loaded.add(key)
+    with contextlib.ExitStack() as files:
+        stored: dict[str, Any] = {}  # tensor name -> its open file
+        for file in _weight_files(path):
+            f = files.enter_context(safe_open(file, framework="pt", device="cpu"))
+            stored |= dict.fromkeys(f.keys(), f)
+        for key, slot in layout.items():
+            if key not in stored and f"{key}_blocks" not in stored:
+                continue
+            target = slot.target()
+            tensor = _read(stored, key, slot)
+            if tensor.shape != target.shape:  # copy_ would broadcast some mismatches silently
+                raise ModelLoadError(
+                    f"model: weight {key!r} in {str(path)!r} has shape {tuple(tensor.shape)}, but the "
+                    f"config implies {tuple(target.shape)}; config.json and weights disagree"
+                )
+            target.copy_(tensor)
+            loaded.add(key)
     if model.cfg.tie_word_embeddings:
         model.tie_weights()
     missing = sorted(set(layout) - loaded)
@@ -290,16 +293,35 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         raise ModelLoadError(f"model: checkpoint {str(path)!r} lacks weights {missing[:5]} ({len(missing)} in all)")
 
 
-def _read(f: Any, key: str, slot: Slot) -> torch.Tensor:
+def _read(stored: dict[str, Any], key: str, slot: Slot) -> torch.Tensor:
     """The checkpoint tensor `key` as its slot takes it: this rank's rows or columns read straight from
-    the file where the stored layout is vlens's, else the whole tensor transformed, then cut."""
-    plain = slot.transform is None and slot.source is not None and all(isinstance(i, slice) for i in slot.source)
-    if plain:
-        return f.get_slice(key)[slot.source]
-    tensor = f.get_tensor(key)
+    the file where the stored layout is vlens's, else the whole tensor (dequantised from MXFP4 where it is
+    stored so) transformed, then cut."""
+    if key not in stored:
+        blocks, scales = f"{key}_blocks", f"{key}_scales"
+        tensor = dequantize_mxfp4(stored[blocks].get_tensor(blocks), stored[scales].get_tensor(scales))
+    elif slot.transform is None and slot.source is not None and all(isinstance(i, slice) for i in slot.source):
+        return stored[key].get_slice(key)[slot.source]
+    else:
+        tensor = stored[key].get_tensor(key)
     if slot.transform is not None:
         tensor = slot.transform(tensor)
     return tensor if slot.source is None else tensor[slot.source]
+
+
+# The 16 values of an FP4 (E2M1) code, by its 4 bits.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[E, rows, groups, 16] bytes of two FP4 codes each (low nibble first) and [E, rows, groups] power-of-two
+    scales (biased by 127) -> float32 [E, groups * 32, rows]: the layout of the same tensor unquantised in
+    gpt-oss's checkpoints (input dimension first). Exact: each value is a code's value times its scale."""
+    values = torch.tensor(FP4_VALUES)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [E, rows, groups, 16, 2]
+    exponents = (scales.to(torch.int32) - 127)[..., None, None]
+    out = torch.ldexp(values[codes], exponents)
+    return out.reshape(*blocks.shape[:2], -1).transpose(1, 2).contiguous()
 
 
 def _tokenizer(path: Path) -> Any | None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlens.activation_cache import ActivationCache, get_act_name
+from vlens.attention.sdpa import probabilities
 from vlens.capture.names import is_pattern
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ def generic_activation_patch(
                     after = patch_setter(before.clone(), index, clean_cache[name])
                     if through_values:
                         rows = (after != before).any(-1)  # [batch, heads, dest]: the rows a patch changed
-                        pattern = after if taps[name].endswith("hook_pattern") else _softmax(after)
+                        sinks = model.blocks[layer].attn.sinks if model.cfg.attn_sinks else None
+                        pattern = after if taps[name].endswith("hook_pattern") else _softmax(after, sinks)
                         after, changed = _through_values(pattern, rows, corrupted[values[layer]], group)
                     else:
                         changed = after != before
@@ -406,10 +408,11 @@ def _through_values(
     return z, rows.transpose(1, 2)[..., None].expand_as(z)
 
 
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """The pattern of attention scores (HF's: softmax in float32, in the scores' dtype). A row with no key (a
-    query past its text's end, which nothing reads) stays zeros rather than NaN."""
-    return torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(scores.dtype)
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The pattern of [batch, heads, dest, src] attention scores (HF's: softmax in float32, over each head's sink
+    too where the model has them, in the scores' dtype). A row with no key (a query past its text's end, which
+    nothing reads) stays zeros rather than NaN."""
+    return probabilities(scores, None if sinks is None else sinks.view(-1, 1)).nan_to_num(0.0).to(scores.dtype)
 
 
 def _replace(rows: torch.Tensor, values: torch.Tensor, where: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

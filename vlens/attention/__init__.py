@@ -79,7 +79,7 @@ def choose(device: torch.device, kinds: set[LayerKind], dtype: torch.dtype, bloc
     if dtype == torch.float32:
         return "sdpa", "float32: Flash Attention and FlashInfer take only float16/bfloat16"
     here = available_backends(device)
-    if "flashinfer" in here:
+    if "flashinfer" in here and flashinfer_problem(kinds, dtype) is None:
         return "flashinfer", "installed; paged kernels planned once per step"
     if "varlen" not in here:
         return "sdpa", "this torch has no varlen_attn"
@@ -117,7 +117,7 @@ def make_backend(
     if name == "flashinfer":
         from vlens.attention.flashinfer import FlashInferBackend
 
-        why_not = flashinfer_problem(dtype)
+        why_not = flashinfer_problem(kinds, dtype)
         if why_not is not None:
             raise ValueError(f"attention_backend: 'flashinfer' {why_not}; use sdpa")
         return FlashInferBackend(device)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind
-from vlens.attention.sdpa import capped_attention, gather, sdpa
+from vlens.attention.sdpa import gather, sdpa, written, written_attention
 
 log = logging.getLogger("vlens.engine")
 
@@ -89,8 +89,8 @@ class DecodeBackend:
         keys = gather(layer.k_cache, state.key_slots).transpose(1, 2)  # [B, H_kv, keys, d]
         values = gather(layer.v_cache, state.key_slots).transpose(1, 2)
         mask = state.masks[layer.window]
-        if layer.softcap is not None:
-            return capped_attention(q[:, :, None, :], keys, values, mask, layer)[:, :, 0, :]
+        if written(layer.kind):
+            return written_attention(q[:, :, None, :], keys, values, mask, layer)[:, :, 0, :]
         # The query heads of one KV head share its keys and the row's mask: as that head's queries they need
         # no GQA support from the kernel, which lets SDPA take its memory-efficient (masked) kernel on CUDA.
         rows, heads, dim = q.shape
@@ -99,12 +99,20 @@ class DecodeBackend:
         return out.reshape(rows, heads, dim)
 
 
+def kernel_layer(
+    kind: LayerKind, k_cache: torch.Tensor, v_cache: torch.Tensor, sinks: torch.Tensor | None = None
+) -> SimpleNamespace:
+    """What a decode kernel reads of an attention layer, for trials and tests: its kind, the kind's fields, its
+    caches and its sinks."""
+    return SimpleNamespace(**{**kind._asdict(), "sinks": sinks}, kind=kind, k_cache=k_cache, v_cache=v_cache)
+
+
 def _trial(
     paged: DecodeBackend, gathering: DecodeBackend, device: torch.device, dtypes: tuple[torch.dtype, ...]
 ) -> None:
     """Raise unless both kernels agree on random pages, contexts 1 .. 96 (two key tiles, so a row's keys
-    split and merge), with and without a window and a soft cap, in each of `dtypes`: float32 within 1e-5,
-    bfloat16 within its rounding."""
+    split and merge), with and without a window, a soft cap and sinks, in each of `dtypes`: float32 within
+    1e-5, bfloat16 within its rounding."""
     g = torch.Generator(device="cpu").manual_seed(0)
     bs, rows, width, kv_heads, dim = 16, 6, 6, 2, 64
     tables = torch.randperm(rows * width, generator=g).view(rows, width).to(device)
@@ -114,9 +122,10 @@ def _trial(
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         cache = torch.randn(2, rows * width * bs, kv_heads, dim, generator=g).to(device, dtype)
         q = torch.randn(rows, 8, dim, generator=g).to(device, dtype)
-        for window, softcap in ((None, None), (7, 30.0)):
-            kind = LayerKind(8, kv_heads, dim, window, dim**-0.5, softcap)
-            layer = SimpleNamespace(**kind._asdict(), k_cache=cache[0], v_cache=cache[1])
+        sinks = torch.randn(8, generator=g).to(device, dtype)
+        for window, softcap, sinked in ((None, None, False), (7, 30.0, True)):
+            kind = LayerKind(8, kv_heads, dim, window, dim**-0.5, softcap, sinked)
+            layer = kernel_layer(kind, cache[0], cache[1], sinks if sinked else None)
             got, want = (
                 b.forward(q, None, None, layer, b.prepare(meta, {kind}, dtype)).float() for b in (paged, gathering)
             )

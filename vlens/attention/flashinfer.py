@@ -18,12 +18,14 @@ from vlens.attention.metadata import AttentionMetadata, LayerKind
 WORKSPACE_BYTES = 128 << 20
 
 
-def problem(dtype: torch.dtype) -> str | None:
-    """Why FlashInfer cannot run a model at `dtype`, or None: its prefill kernels, which every step here
-    plans (decode rows are queries of length 1), load 16-bit tiles only, so float32 fails only at the first
-    step's plan, after the model has loaded."""
+def problem(kinds: set[LayerKind], dtype: torch.dtype) -> str | None:
+    """Why FlashInfer cannot run a model with these layers at `dtype`, or None: its prefill kernels, which every
+    step here plans (decode rows are queries of length 1), load 16-bit tiles only, so float32 fails only at the
+    first step's plan, after the model has loaded; the wrappers vlens plans take no attention sinks."""
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs float16 or bfloat16 (its prefill kernels), not {str(dtype).removeprefix('torch.')}"
+    if any(kind.sinks for kind in kinds):
+        return "(as vlens plans it) has no attention sinks, which this model's layers have"
     return None
 
 

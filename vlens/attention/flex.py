@@ -5,7 +5,8 @@ back like the queries (key j of sequence i at cu_seqlens_k[i] + j): with a cache
 their block tables name, so a block that several sequences hold (a cached or borrowed prefix) is read once
 for each of them and no sequence ever sees another's; without one (trace, harvest), the forward's own keys.
 Query row r (sequence s, position p) may see key c when c is s's, at a position j <= p (and p - window < j
-for a sliding-window layer). Soft-capping (Gemma 2) is a score mod.
+for a sliding-window layer). Soft-capping (Gemma 2) is a score mod; a sink (gpt-oss) rescales each row's output
+by the share of its softmax that the keys hold, from the log-sum-exp flex returns: sigmoid(lse - sink).
 
 The block mask is built from that structure and never by evaluating the mask over every (row, key) pair,
 let alone over every slot of the cache: the rows of one 128-row block belong to consecutive sequences,
@@ -110,7 +111,11 @@ class FlexBackend:
             scale=layer.scale,
             enable_gqa=layer.num_kv_heads != layer.num_heads,
             kernel_options=kernel_options(q.device, layer.head_dim, q.dtype),
+            return_lse=layer.sinks is not None,
         )
+        if layer.sinks is not None:
+            out, lse = out
+            out = (out.float() * torch.sigmoid(lse - layer.sinks.float()[:, None])[..., None]).to(q.dtype)
         return out[0].transpose(0, 1)[: state.rows]
 
     def _softcap(self, cap: float | None):

@@ -28,6 +28,7 @@ class LayerKind(NamedTuple):
     window: int | None  # sliding window (HF's: keys p - window < j <= p); None: full causal
     scale: float
     softcap: float | None  # Gemma 2: cap * tanh(score / cap)
+    sinks: bool = False  # gpt-oss: a learned logit per head (the layer's `sinks`) joins each softmax
 
 
 Put = Callable[[str, "torch.Tensor | np.ndarray"], torch.Tensor]  # host values -> the runner's device buffer

@@ -13,7 +13,7 @@ splits. The split count depends only on the batch and page buckets, so a CUDA gr
 Both products run on tensor cores (tl.dot; a KV head's query heads padded to 16 rows), accumulating in
 float32; float32 caches multiply in full float32 (no TF32). Scores and the softmax are float32 and the
 probabilities meet the values in the cache's dtype, as in HF's eager attention; soft-capping (Gemma 2) and
-sliding windows are applied per key, as HF does.
+sliding windows are applied per key, as HF does; a sink (gpt-oss) joins the merge as one more key with no value.
 
 Tested on the CPU by Triton's interpreter (TRITON_INTERPRET=1) against the portable kernel.
 """
@@ -83,16 +83,21 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, splits,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, splits, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
     row, head = tl.program_id(0), tl.program_id(1)
     s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     s_ok, d_ok = s < splits, d < HEAD_DIM
     part = (row * tl.num_programs(1) + head) * splits + s
     m = tl.load(m_ptr + part, s_ok, other=float("-inf"))
     top = tl.max(m, axis=0)
+    if SINKS:  # (gpt-oss: the head's sink logit is one more key, with no value)
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     w = tl.where(s_ok & (m > float("-inf")), tl.exp(m - top), 0.0)
     total = tl.sum(w * tl.load(l_ptr + part, s_ok, other=0.0), axis=0)
+    if SINKS:
+        total += tl.exp(sink - top)
     acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(w[:, None] * acc, axis=0) / total
     tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), d_ok)
@@ -130,7 +135,7 @@ def paged_decode(
     )  # fmt: skip
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(rows, heads)](
-        m, s_sum, acc, out, out.stride(0), out.stride(1), splits, HEAD_DIM=dim, BLOCK_D=block_d,
-        BLOCK_S=max(2, _pow2(splits)),
+        m, s_sum, acc, m if layer.sinks is None else layer.sinks, out, out.stride(0), out.stride(1), splits,
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=max(2, _pow2(splits)), SINKS=layer.sinks is not None,
     )  # fmt: skip
     return out

@@ -8,7 +8,8 @@
  * row's maximum. Scores, softmax and sums are float32.
  *
  * Layouts (contiguous): q and out [rows, heads, dim]; caches [slots, kv_heads, dim]; tables [rows, pages];
- * context [rows]. window 0: none; softcap 0: none. Returns 0, or 1 when out of memory.
+ * context [rows]; sinks [heads] or NULL (gpt-oss: a logit per head that joins the softmax as a key with no
+ * value; the merge starts from it). window 0: none; softcap 0: none. Returns 0, or 1 when out of memory.
  */
 #include <math.h>
 #include <stdint.h>
@@ -58,9 +59,9 @@ static inline float exp_nonpositive(float x)
 }
 
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
-                     const int64_t *context, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
-                     int64_t dim, int64_t pages, int64_t block_size, int64_t window, float scale, float softcap,
-                     int threads)
+                     const int64_t *context, float *out, const float *sinks, int64_t rows, int64_t heads,
+                     int64_t kv_heads, int64_t dim, int64_t pages, int64_t block_size, int64_t window, float scale,
+                     float softcap, int threads)
 {
     const int64_t group = heads / kv_heads, slot_stride = kv_heads * dim;
     int64_t longest = 1;
@@ -137,7 +138,7 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
 #pragma omp for schedule(static) /* (after the tasks: omp for ends on a barrier) */
             for (int64_t row = 0; row < rows; row++) {
                 for (int64_t h = 0; h < heads; h++) {
-                    float m = -INFINITY, sum = 0.0f, *o = out + (row * heads + h) * dim;
+                    float m = sinks ? sinks[h] : -INFINITY, sum = 0.0f, *o = out + (row * heads + h) * dim;
                     for (int64_t s = 0; s < splits; s++)
                         m = top[(row * splits + s) * heads + h] > m ? top[(row * splits + s) * heads + h] : m;
                     for (int64_t d = 0; d < dim; d++)
@@ -152,6 +153,8 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                         for (int64_t d = 0; d < dim; d++)
                             o[d] += w * acc[part * dim + d];
                     }
+                    if (sinks)
+                        sum += expf(sinks[h] - m);
                     for (int64_t d = 0; d < dim; d++)
                         o[d] /= sum;
                 }

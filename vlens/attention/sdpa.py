@@ -13,8 +13,9 @@ would need 3 GiB for it on CUDA, as the memory-efficient kernel takes one) and F
 A sliding-window layer gathers and masks only the keys from its grid's first visible one on (on the CPU,
 decodes of a 4,000-token context through 256-token windows: 9.9 ms a step instead of 24.7).
 
-SDPA cannot soft-cap scores (Gemma 2), so a layer with a softcap takes a written-out path that does
-what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32 softmax.
+SDPA cannot soft-cap scores (Gemma 2) or add a sink to the softmax (gpt-oss), so such a layer takes a
+written-out path that does what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32
+softmax with the sink logit as one more key (`written_attention`); it holds every score of its call.
 
 On CUDA, SDPA never runs cuDNN's kernel: cuDNN builds an execution plan for each new shape (6.2 ms of host
 time a call on an H200, and the grids change shape every step). It runs Flash Attention where there is no
@@ -74,7 +75,7 @@ class AttentionGroup:
 
     def masked(self, kind: LayerKind) -> bool:
         """Whether layers of `kind` read a mask built for this grid."""
-        return not (self.chunk_after_cache and kind.window is None and kind.softcap is None)
+        return not (self.chunk_after_cache and kind.window is None and not written(kind))
 
     def first_key(self, window: int | None) -> int:
         """The first cached key a query of the grid may see through `window`: those before it are neither
@@ -97,7 +98,7 @@ class SdpaBackend:
                 group.masks[window] = _mask(group, window)
             if group.key_slots is not None and group.key_slots.is_cuda:
                 for kind in masked:
-                    if kind.softcap is None:
+                    if not written(kind):
                         heads = kind.num_heads // kind.num_kv_heads
                         group.stacked_masks[kind.window, heads] = _stacked_mask(group.masks[kind.window], heads, dtype)
             groups.append(group)
@@ -202,8 +203,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         return out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
     mask = g.masks[layer.window]
     stacked = g.stacked_masks.get((layer.window, layer.num_heads // layer.num_kv_heads))
-    if layer.softcap is not None:
-        out = capped_attention(q, keys, values, mask, layer)
+    if written(layer.kind):
+        out = written_attention(q, keys, values, mask, layer)
     elif stacked is not None:
         out = _stacked(q, keys, values, stacked, layer)
     elif g.max_q == 1 and layer.num_kv_heads != layer.num_heads:
@@ -276,17 +277,38 @@ def _stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return sdpa(stacked, k, v, attn_mask=mask, scale=layer.scale).reshape(batch, num_heads, rows, dim)
 
 
-def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer) -> torch.Tensor:
-    """[B, H, q, d] attention with soft-capped scores."""
+def written(kind: LayerKind) -> bool:
+    """Whether layers of `kind` need the written-out attention: SDPA has no soft-cap and no sinks."""
+    return kind.softcap is not None or kind.sinks
+
+
+def written_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer
+) -> torch.Tensor:
+    """[B, H, q, d] attention as HF's eager attention computes it: scores scaled, soft-capped, masked, a float32
+    softmax (over the sinks too), probabilities in the model's dtype times the values."""
     group = layer.num_heads // layer.num_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * layer.scale
-    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    sinks = None if layer.sinks is None else layer.sinks.view(-1, 1)  # [H, 1]: against [B, H, q]
+    return torch.matmul(probabilities(scores, sinks).to(q.dtype), v)
+
+
+def probabilities(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The float32 softmax of [..., heads, (queries,) keys] scores over the keys; with `sinks` (a logit per head,
+    shaped to broadcast against the scores without their keys), over the keys and the head's sink, whose weight
+    is then dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    # HF's order: the maximum taken off in the scores' dtype (in bfloat16 that rounds), then the softmax
+    logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1]).unsqueeze(-1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1]
 
 
 def _to_grid(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vlens.attention.metadata import Put
+from vlens.attention.sdpa import probabilities
 from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, TRANSCODER_CLAMP, BoundIntervention
 from vlens.capture.names import is_pattern, tap_dtype
 from vlens.capture.plan import Collected, StepPlan
@@ -115,8 +116,8 @@ class Tap:
     def attend(self, q: torch.Tensor, keys: torch.Tensor, attn) -> None:
         """Scores [R, heads, K] of the gathered query rows over their sequence's keys, as HF's eager
         attention has them before its softmax: scaled, soft-capped, -inf where the causal mask or the
-        sliding window forbids; at hook_pattern their float32 softmax, in the model's dtype (seen, not
-        differentiated, as every capture)."""
+        sliding window forbids; at hook_pattern their float32 softmax (over the sinks too, whose weight is not a
+        key's), in the model's dtype (seen, not differentiated, as every capture)."""
         q, keys = q.detach(), keys.detach()
         rows, width = self.key_index.shape
         k = keys.index_select(0, self.key_index.reshape(-1)).view(rows, width, attn.num_kv_heads, attn.head_dim)
@@ -127,7 +128,7 @@ class Tap:
         j, p = torch.arange(width, device=q.device), self.row_positions[:, None]
         allowed = j <= p if attn.window is None else (j <= p) & (j > p - attn.window)
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-        self.gather_out.copy_(torch.softmax(scores, dim=-1, dtype=torch.float32) if self.softmax else scores)
+        self.gather_out.copy_(probabilities(scores, attn.sinks) if self.softmax else scores)
 
 
 class VectorTable:

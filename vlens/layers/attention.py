@@ -1,6 +1,10 @@
 """The attention layer: it writes the new keys and values into its slice of the KV cache, computes the
 attention scores and patterns a request asked for, and leaves the attention itself to the step's
-backend (vlens.attention), which alone knows how the batch is laid out."""
+backend (vlens.attention), which alone knows how the batch is laid out.
+
+gpt-oss's sinks are the layer's: one learned logit per head that joins every softmax as a key that holds no
+value, so a head can attend to nothing (a row's weights then sum to less than one). HF keeps them beside the
+projections (`self_attn.sinks`), where the checkpoint slot looks for them."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from torch import nn
 
 from vlens.attention.metadata import LayerKind
 from vlens.context import attention_tap, get_context
+from vlens.layers.checkpoint import Slot
 
 
 class Attention(nn.Module):
@@ -21,16 +26,27 @@ class Attention(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         patterns: tuple[str, str] = ("", ""),
+        sinks: bool = False,
+        heads: range | None = None,
     ):
+        """`heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
         self.softcap = softcap
-        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap)
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        self.heads = heads
+        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks)
         self.hook_attn_scores, self.hook_pattern = patterns
         # Bound by the engine to [num_slots, num_kv_heads, head_dim] views of its cache.
         self.k_cache = self.v_cache = torch.empty(0)
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        if self.sinks is None:
+            return {}
+        rows = None if self.heads is None else (slice(self.heads.start, self.heads.stop),)
+        return {f"{path.rpartition('.')[0]}.sinks": Slot(self.sinks, source=rows)}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()

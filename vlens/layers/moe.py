@@ -1,6 +1,7 @@
-"""Routed experts (Mixtral, Qwen2-MoE): a linear router picks the top-k of E gated experts per token,
-weighted by their softmax probabilities (renormalised over the chosen k where the model says so);
-Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate.
+"""Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): a linear router picks the top-k of E gated
+experts per token, weighted by their softmax probabilities (renormalised over the chosen k where the model says
+so; gpt-oss: the softmax of the chosen k logits alone); Qwen2-MoE adds an always-on shared expert scaled by a
+sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU (`ClampedExperts`).
 
 Taps: the router's logits [E] and the chosen experts [k] (int64, in descending weight order, as
 torch.topk gives them) — which experts ran is the first thing one asks of an MoE activation.
@@ -26,13 +27,15 @@ from vlens.layers.mlp import GatedMLP, activation
 class Experts(nn.Module):
     def __init__(
         self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str],
-        parallel: Parallel = SINGLE,
+        parallel: Parallel = SINGLE, bias: bool = False,
     ):  # fmt: skip
         super().__init__()
         columns = parallel.units(intermediate)
         n = len(columns)
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * n, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, n))
+        self.gate_up_bias = nn.Parameter(torch.empty(num, 2 * n)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(num, hidden)) if bias else None
         self.act = activation(act)
         self.columns, self.parallel = slice(columns.start, columns.stop), parallel
         self.names = names  # the checkpoint's names for each expert's gate, up and down projections
@@ -58,22 +61,68 @@ class Experts(nn.Module):
         MoE output 0.3% off HF's. The price is num_experts / experts_per_token times the expert FLOPs (a
         grouped GEMM would not pay it)."""
         out = torch.zeros_like(x, dtype=torch.float32)
+        first = self.parallel.rank == 0  # (a bias after a split sum is added by one rank)
         for e in range(self.gate_up_proj.shape[0]):
             weight = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]; a token picks an expert once
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            out += F.linear(self.act(gate) * up, self.down_proj[e]) * weight
+            gate_up_bias, down_bias = (None if b is None else b[e] for b in (self.gate_up_bias, self.down_bias))
+            gate, up = _linear(x, self.gate_up_proj[e], gate_up_bias).chunk(2, dim=-1)
+            out += _linear(self.glu(gate, up), self.down_proj[e], down_bias if first else None) * weight
         return all_reduce(out.to(x.dtype), self.parallel)
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
+
+class ClampedExperts(Experts):
+    """gpt-oss's experts: biases, and a SwiGLU whose gate is clamped above and up both sides at `limit`, with
+    a sigmoid of gain `alpha` and up + 1. Its checkpoints hold all experts in one tensor per projection, the
+    input dimension first and gate and up columns interleaved ([E, d, 2I]: gate, up, gate, ...)."""
+
+    def __init__(self, cfg: ModelConfig):
+        sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+        super().__init__(*sizes, ("", "", ""), cfg.parallel, bias=True)
+        self.alpha, self.limit = cfg.swiglu_clamp
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        columns = self.columns
+
+        def gate_up(stored: torch.Tensor) -> torch.Tensor:  # [E, (d,) 2I] interleaved -> [E, 2n(, d)]
+            w = stored if stored.dim() == 2 else stored.transpose(1, 2)
+            return torch.cat([w[:, 0::2][:, columns], w[:, 1::2][:, columns]], dim=1)
+
+        return {
+            f"{path}.gate_up_proj": Slot(self.gate_up_proj, transform=gate_up),
+            f"{path}.gate_up_proj_bias": Slot(self.gate_up_bias, transform=gate_up),
+            f"{path}.down_proj": Slot(self.down_proj, transform=lambda w: w[:, columns].transpose(1, 2)),
+            f"{path}.down_proj_bias": Slot(self.down_bias),
+        }
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b with the product rounded before the bias is added, as HF's grouped experts add it (in bfloat16 a
+    fused addmm, rounding once, put gpt-oss's MoE outputs 0.5% off HF's)."""
+    y = F.linear(x, weight)
+    return y if bias is None else y + bias
 
 
 class SparseMoE(nn.Module):
-    """`stored_as`: this block's name in checkpoints (Mixtral: block_sparse_moe; HF 5 calls it mlp)."""
+    """`stored_as`: this block's name in checkpoints (Mixtral: block_sparse_moe; HF 5 calls it mlp), and its
+    router's (gpt-oss: router; the rest: gate)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, stored_as: str, expert_names: tuple[str, str, str]):
+    def __init__(self, cfg: ModelConfig, layer: int, stored_as: tuple[str, str], expert_names: tuple[str, str, str]):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        experts = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, expert_names)
-        self.experts = Experts(*experts, cfg.parallel)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
+        if cfg.swiglu_clamp is not None:
+            self.experts = ClampedExperts(cfg)
+        else:
+            experts = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, expert_names)
+            self.experts = Experts(*experts, cfg.parallel)
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
+        self.softmax_after_topk = cfg.softmax_after_topk
         self.round_weights = cfg.round_routing_weights
         self.stored_as = stored_as
         p = f"blocks.{layer}.mlp."
@@ -86,16 +135,21 @@ class SparseMoE(nn.Module):
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
-        stored = f"{path.rpartition('.')[0]}.{self.stored_as}"
+        block, router = self.stored_as
+        stored = f"{path.rpartition('.')[0]}.{block}"
         slots: dict[str, Slot] = {}
         for name, child in self.named_children():
-            slots |= checkpoint_slots(child, f"{stored}.{name}")
+            slots |= checkpoint_slots(child, f"{stored}.{router if name == 'gate' else name}")
         return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         logits = tap(self.hook_router_logits, logits)
-        weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
+            top, ids = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.round_weights:

@@ -15,7 +15,7 @@ import torch
 from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.context import ForwardContext
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 FULL, SLIDING = "full", "sliding"
 
 
@@ -44,17 +44,46 @@ def inverse_frequencies(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn(theta**exponents, dim, theta, scaling)
     raise UnsupportedModelError(f"rope_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
+def _yarn(divisors: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (gpt-oss, long-context Qwen): frequencies that turn fewer than `beta_slow` times over the original
+    context are divided by `factor`, those that turn more than `beta_fast` times are kept, a linear ramp between
+    (`divisors`: theta ** (2i / dim), whose inverses are the plain frequencies; HF's order of operations)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dimension(turns: float) -> float:  # the dimension whose frequency turns `turns` times over `original`
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.get("beta_fast") or 32), dimension(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=divisors.device) - low) / (high - low)
+    kept = 1 - torch.clamp(ramp, 0, 1)
+    return 1.0 / (factor * divisors) * (1 - kept) + 1.0 / divisors * kept
+
+
 def _attention_factor(scaling: dict | None) -> float:
-    """LongRoPE scales cos and sin by this (HF's default when the config gives none)."""
-    if not scaling or scaling.get("rope_type") != "longrope":
+    """LongRoPE and YaRN scale cos and sin by this (HF's default when the config gives none)."""
+    kind = (scaling or {}).get("rope_type")
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]
-    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factor = scaling["factor"]
+    if factor <= 1.0:
+        return 1.0
+    if kind == "yarn":
+        mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and all_dims:
+            return (0.1 * mscale * math.log(factor) + 1) / (0.1 * all_dims * math.log(factor) + 1)
+        return 0.1 * math.log(factor) + 1
+    return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
 
 
 class RopeTable:

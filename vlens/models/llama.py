@@ -1,7 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3; Gemma 1, with its own norm and embedding
 scale; OLMo 1, with LayerNorms of no weight), Phi-3 (the same layer with q/k/v and gate/up fused in its
-checkpoints) and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (the same layer with routed experts for
-its MLP), with every tap written out.
+checkpoints) and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (the same layer with routed
+experts for its MLP; gpt-oss's attention has sinks), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
 `x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
@@ -21,12 +21,14 @@ from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 
-# MoE checkpoints name their block and each expert's gate/up/down projections differently.
+# MoE checkpoints name their block, its router and each expert's gate/up/down projections differently (gpt-oss
+# keeps all experts in one tensor per projection: vlens.layers.moe.ClampedExperts).
 MOE_CHECKPOINT_NAMES = {
-    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
-    "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "OlmoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": (("block_sparse_moe", "gate"), ("w1", "w3", "w2")),
+    "Qwen2MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
+    "OlmoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
+    "GptOssForCausalLM": (("mlp", "router"), ("", "", "")),
 }
 
 
