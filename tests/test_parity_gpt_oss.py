@@ -24,6 +24,7 @@ from family_parity import (
 )
 from hf_reference import hf_taps, same
 from safetensors.torch import load_file, save_file
+from test_parity_moe import check_expert_paths
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
 from vlens import LLM, Capture, SamplingParams, Steer
@@ -91,6 +92,11 @@ def test_steering_and_capture_in_a_mixed_batch(family):
     assert mixed.outputs[0].token_ids == alone.outputs[0].token_ids
     for hook in capture.hooks:
         assert rel_err(mixed.activations[hook], alone.activations[hook]) <= 1e-5, hook
+
+
+def test_grouped_gemm_equals_every_expert(family):
+    """Biases and the clamped SwiGLU on both of the experts' paths."""
+    check_expert_paths(family[2].model.layers[0].mlp.experts)
 
 
 def _in_bfloat16(path: Path) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from family_parity import COMMON, TapParity, check_feature_matters, check_genera
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
+from vlens.layers.moe import grouped_gemm_runs
 
 CONFIGS = {
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
@@ -131,3 +132,23 @@ def test_bfloat16_experts_are_summed_as_hf_sums_them(family):
     with torch.no_grad():
         got, ref = llm.model.layers[0].mlp(x), hf.model.layers[0].mlp(x[None])[0]
     assert rel_err(got, ref) <= 5e-4  # it was 2e-3 to 4e-3; on this CPU it is now 0
+
+
+def check_expert_paths(experts) -> None:
+    """The two ways routed experts run give the same sums (float32, within 1e-6): torch's grouped GEMM over the
+    (token, choice) pairs sorted by expert, and every expert on every token (what a compiled float32 forward and
+    cards before sm90 take). Experts nobody chose, and a token's choices in any order, included."""
+    g = torch.Generator().manual_seed(3)
+    num, k = experts.gate_up_proj.shape[0], 2 if experts.gate_up_proj.shape[0] > 2 else 1
+    x = torch.randn(33, experts.gate_up_proj.shape[-1], generator=g)
+    logits = torch.randn(33, num, generator=g)
+    logits[:, 0] = -1e9  # (expert 0 chosen by no token)
+    weights, ids = logits.softmax(-1).topk(k)
+    assert grouped_gemm_runs(x, experts.gate_up_proj.shape[1] // 2)
+    with torch.no_grad():
+        grouped, every = experts._grouped(x, ids, weights), experts._every_expert(x, ids, weights)
+    assert rel_err(grouped, every) <= 1e-6
+
+
+def test_grouped_gemm_equals_every_expert(family):
+    check_expert_paths(family[2].model.layers[0].mlp.experts)

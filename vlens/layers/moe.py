@@ -13,6 +13,8 @@ experts' summed partial outputs are added across the ranks once; the router runs
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,14 +54,39 @@ class Experts(nn.Module):
         return slots
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts of weight * expert(x), experts taken in index order.
+        """Sum over each token's chosen experts of weight * expert(x), kept in float32 and rounded once, as HF's
+        (grouped_mm) experts sum a token's k weighted outputs (in bfloat16 a rounding per expert put every MoE
+        output 0.3% off HF's). Which tokens an expert takes is data, not shape, so no host sync (and no graph
+        break) decides it either way: torch's grouped GEMM where it runs (`grouped_gemm_runs`), else every
+        expert on every token."""
+        grouped = grouped_gemm_runs(x, self.gate_up_proj.shape[1] // 2)
+        out = self._grouped(x, ids, weights) if grouped else self._every_expert(x, ids, weights)
+        return all_reduce(out.to(x.dtype), self.parallel)
 
-        Every expert runs on every token and the weights of the tokens that did not choose it are zero:
-        which tokens an expert takes is data, not shape, so no host sync (and no graph break) decides
-        it. An unchosen expert adds an exact zero. The sum is kept in float32 and rounded once, as HF's
-        (grouped_mm) experts sum a token's k weighted outputs; in bfloat16 a rounding per expert put every
-        MoE output 0.3% off HF's. The price is num_experts / experts_per_token times the expert FLOPs (a
-        grouped GEMM would not pay it)."""
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """HF's way: the (token, choice) pairs sorted by expert, one grouped GEMM per projection over them (each
+        expert's rows a contiguous group; an expert nobody chose, an empty one), then back in token order and the
+        k outputs of a token summed."""
+        tokens, k = ids.shape
+        chosen = ids.reshape(-1)
+        order = torch.argsort(chosen, stable=True)
+        experts = chosen.index_select(0, order)
+        ends = (chosen[:, None] == torch.arange(self.gate_up_proj.shape[0], device=x.device)).sum(0).cumsum(0)
+        ends = ends.to(torch.int32)  # (a fixed [E] however the tokens chose: no shape depends on the data)
+        rows = x.index_select(0, order // k)
+        gate_up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias.index_select(0, experts)
+        out = F.grouped_mm(self.glu(*gate_up.chunk(2, dim=-1)), self.down_proj.transpose(1, 2), offs=ends)
+        if self.down_bias is not None and self.parallel.rank == 0:  # (a bias after a split sum: added once)
+            out = out + self.down_bias.index_select(0, experts)
+        out = out * weights.reshape(-1).index_select(0, order)[:, None]
+        out = torch.empty_like(out).index_copy_(0, order, out)
+        return out.view(tokens, k, -1).sum(dim=1, dtype=torch.float32)
+
+    def _every_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, the weights of the tokens that did not choose it zero (an exact zero
+        added); num_experts / experts_per_token times the expert FLOPs."""
         out = torch.zeros_like(x, dtype=torch.float32)
         first = self.parallel.rank == 0  # (a bias after a split sum is added by one rank)
         for e in range(self.gate_up_proj.shape[0]):
@@ -67,7 +94,7 @@ class Experts(nn.Module):
             gate_up_bias, down_bias = (None if b is None else b[e] for b in (self.gate_up_bias, self.down_bias))
             gate, up = _linear(x, self.gate_up_proj[e], gate_up_bias).chunk(2, dim=-1)
             out += _linear(self.glu(gate, up), self.down_proj[e], down_bias if first else None) * weight
-        return all_reduce(out.to(x.dtype), self.parallel)
+        return out
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
@@ -100,6 +127,23 @@ class ClampedExperts(Experts):
             f"{path}.down_proj": Slot(self.down_proj, transform=lambda w: w[:, columns].transpose(1, 2)),
             f"{path}.down_proj_bias": Slot(self.down_bias),
         }
+
+
+def grouped_gemm_runs(x: torch.Tensor, intermediate: int) -> bool:
+    """Whether torch's grouped GEMM (F.grouped_mm) takes these experts' products: in bfloat16 on the CPU or a
+    CUDA card of sm90 on (H100, H200); in float32 on the CPU, uncompiled (a compiled one asks for bfloat16);
+    every row of the inputs and weights a multiple of 16 bytes. A host-side decision on dtype, device and
+    sizes alone, the same for every step of a model."""
+    if not hasattr(F, "grouped_mm") or any(n * x.element_size() % 16 for n in (x.shape[-1], intermediate)):
+        return False
+    if x.dtype == torch.bfloat16:
+        return x.device.type == "cpu" or (x.device.type == "cuda" and _capability(x.device) >= (9, 0))
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
