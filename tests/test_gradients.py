@@ -1,6 +1,6 @@
 """Gradients at hooks (HookedLM's backward hooks and run_with_cache(incl_bwd=True)) against TransformerLens's own
-autograd on the same GPT-2 weights, and against HF's autograd through its own modules on a grouped-query Llama
-and on Gemma 2, each text run packed with texts of other lengths."""
+autograd on the same GPT-2 weights, and against HF's autograd through its own modules on a grouped-query Llama,
+on Gemma 2 and on gpt-oss, each text run packed with texts of other lengths."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, build, transformer_lens_gpt2
 from hf_reference import family_of
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig
 
 from vlens import HookedLM
 
@@ -273,12 +273,14 @@ def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
         for kind, path in family.outputs.items():
             keep(block.get_submodule(path), p + kind, True)
         for kind, path in family.inputs.items():
-            keep(block.get_submodule(path), p + kind, False)
+            if not (kind == "mlp.hook_post" and hasattr(block.mlp, "experts")):  # (routed experts: no one MLP)
+                keep(block.get_submodule(path), p + kind, False)
     scores = []
     softmax = torch.nn.functional.softmax
 
     def recording(x, dim=None, *args, **kwargs):
-        scores.append(x)
+        if x.dim() == 4:  # (attention's; an MoE router's softmax is 2-d)
+            scores.append(x)
         return softmax(x, dim, *args, **kwargs)
 
     hf.set_attn_implementation("eager")
@@ -295,7 +297,9 @@ def _hf_grads(hf, ids: list[int], metric) -> dict[str, torch.Tensor]:
         seen[f"blocks.{layer}.attn.hook_attn_scores"], seen[f"blocks.{layer}.attn.hook_pattern"] = s, a
     names = list(seen)
     grads = torch.autograd.grad(metric(out.logits[0]), [seen[n] for n in names])
-    return {n: g[0] for n, g in zip(names, grads)}
+    # (gpt-oss's softmax reads [scores, sink] less their maximum, which moves no gradient: the scores' are its first)
+    width = out.attentions[0].shape[-1]
+    return {n: g[0][..., :width] if n.endswith("hook_attn_scores") else g[0] for n, g in zip(names, grads)}
 
 
 GRADIENT_FAMILIES = {
@@ -303,6 +307,9 @@ GRADIENT_FAMILIES = {
     "gemma2": lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, sliding_window=6,
                                    query_pre_attn_scalar=16, attn_logit_softcapping=30.0,
                                    final_logit_softcapping=20.0),
+    # attention sinks, routed experts (through the grouped GEMM's backward)
+    "gpt_oss": lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=6),
 }  # fmt: skip
 
 
@@ -327,6 +334,7 @@ def test_gradients_of_packed_texts_equal_hf_s_autograd_text_by_text(family, tmp_
     names = [f"blocks.{L}.{k}" for L in range(3) for k in (
         "hook_resid_pre", "ln1.hook_out", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z",
         "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]  # fmt: skip
+    names = [name for name in names if name in hooked.llm.hook_names()]  # (routed experts: no mlp.hook_post)
     widths = torch.tensor([len(t) for t in texts])
     tokens = torch.zeros(3, 11, dtype=torch.long)
     for i, t in enumerate(texts):
