@@ -28,6 +28,7 @@ from test_parity_moe import check_expert_paths
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
 from vlens import LLM, Capture, SamplingParams, Steer
+from vlens.attention import sdpa
 from vlens.loader import dequantize_mxfp4
 
 SIZES = COMMON | {"intermediate_size": 32}
@@ -70,6 +71,18 @@ def test_sinks_take_weight_from_the_keys(family):
         layer.self_attn.sinks.data.fill_(float("-inf"))
     with torch.no_grad():
         assert rel_err(out["unembed.hook_out"], sinkless(torch.tensor([ids])).logits[0]) > FEATURE_TOL
+
+
+def test_long_prompts_take_their_queries_in_chunks(family, monkeypatch):
+    """The written-out attention (sinks, soft-caps) holds at most WRITTEN_SCORES scores at once: with room for a
+    row or two, a packed trace equals the one that held every score."""
+    llm = family[2]
+    hooks = ["blocks.1.attn.hook_z", "blocks.2.attn.hook_pattern", "unembed.hook_out"]
+    whole = llm.trace(sequences(), hooks=hooks)
+    monkeypatch.setattr(sdpa, "WRITTEN_SCORES", 2 * 4 * 40)
+    for a, b in zip(whole, llm.trace(sequences(), hooks=hooks)):
+        for hook in hooks:
+            assert rel_err(b[hook], a[hook]) <= 1e-6, hook
 
 
 def test_the_clamp_and_yarn_are_reached(tmp_path):

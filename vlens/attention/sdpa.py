@@ -40,6 +40,8 @@ from vlens.attention.metadata import AttentionMetadata, LayerKind
 
 # Padded keys a group of decodes may read whatever its real keys: a split costs a call and two gathers.
 MIN_PADDED_KEYS = 1024
+# Scores the written-out attention holds at once (float32: 256 MiB); longer calls take their queries in chunks
+WRITTEN_SCORES = 1 << 26
 # Elements of the [B, queries, keys] mask a prefill call over cached keys may build (on CUDA it is repeated
 # for the query heads of a KV head, in the model's dtype: 256 MiB at 4 heads in bfloat16)
 MAX_MASK = 1 << 25
@@ -286,14 +288,31 @@ def written_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer
 ) -> torch.Tensor:
     """[B, H, q, d] attention as HF's eager attention computes it: scores scaled, soft-capped, masked, a float32
-    softmax (over the sinks too), probabilities in the model's dtype times the values."""
+    softmax (over the sinks too), probabilities in the model's dtype times the values. The queries are taken in
+    chunks of rows whose scores stay within WRITTEN_SCORES (each row's softmax is its own: the same values), so a
+    long prompt does not hold all its scores at once (32k tokens of gpt-oss's 64 heads: 256 GiB in float32)."""
     group = layer.num_heads // layer.num_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    batch, heads, rows, _ = q.shape
+    step = max(1, WRITTEN_SCORES // (batch * heads * k.shape[2]))
+    chunks = []
+    for first in range(0, rows, step):
+        part = slice(first, first + step)
+        rows_mask = mask if mask is None or mask.shape[2] == 1 else mask[:, :, part]
+        chunks.append(_written_rows(q[:, :, part], k, v, rows_mask, layer, first))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+
+
+def _written_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer, first: int
+) -> torch.Tensor:
+    """Query rows first .. of `written_attention` over all the keys (mask None: the keys are the queries, causal)."""
     scores = torch.matmul(q, k.transpose(2, 3)) * layer.scale
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
     if mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        rows = torch.arange(first, first + q.shape[2], device=q.device)
+        mask = torch.arange(k.shape[2], device=q.device) <= rows[:, None]
     scores = scores.masked_fill(~mask, float("-inf"))
     sinks = None if layer.sinks is None else layer.sinks.view(-1, 1)  # [H, 1]: against [B, H, q]
     return torch.matmul(probabilities(scores, sinks).to(q.dtype), v)
