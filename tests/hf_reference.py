@@ -284,6 +284,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             router = getattr(block.mlp, "router", None) or block.mlp.gate  # (gpt-oss: router)
             on_output(router, p + "mlp.hook_router_logits", pick=lambda o: o[0])
             on_output(router, p + "mlp.hook_expert_ids", pick=lambda o: o[2])
+            on_output(router, p + "mlp.hook_expert_indices", pick=lambda o: o[2])
+            handles.append(router.register_forward_hook(  # (logits, weights of the chosen, chosen)
+                lambda m, a, o, key=p + "router": raw.__setitem__(key, tuple(_rows(x).clone() for x in o))))
             if hasattr(block.mlp, "shared_expert"):
                 on_input(block.mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
     for prefix, module in norms.items():
@@ -305,6 +308,13 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
 
     for prefix, module in norms.items():
         got[prefix + ".hook_scale"], got[prefix + ".hook_normalized"] = norm_inner(module, raw[prefix])
+    for layer in layers:  # TransformerLens's expert weights [E]: gpt-oss's chosen weights (zeros elsewhere), or the
+        # softmax over every expert where the router takes the top k of it
+        if f"blocks.{layer}.router" in raw:
+            logits, scores, ids = raw.pop(f"blocks.{layer}.router")
+            softmax_first = getattr(blocks[layer].mlp, "router", None) is None
+            weights = logits.float().softmax(-1) if softmax_first else torch.zeros_like(logits).scatter(-1, ids, scores)
+            got[f"blocks.{layer}.mlp.hook_expert_weights"] = weights.to(logits.dtype)
     t = len(ids)
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]

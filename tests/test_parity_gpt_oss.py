@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from test_parity_moe import check_expert_paths
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
-from vlens import LLM, Capture, SamplingParams, Steer
+from vlens import LLM, Capture, HookedLM, SamplingParams, Steer
 from vlens.attention import sdpa
 from vlens.loader import dequantize_mxfp4
 
@@ -112,6 +112,35 @@ def test_grouped_gemm_equals_every_expert(family):
     check_expert_paths(family[2].model.layers[0].mlp.experts)
 
 
+def test_transformer_lens_names_the_same_values(tmp_path):
+    """TransformerLens's own gpt-oss (its config read from the checkpoint, its weight conversion) on the same weights:
+    HookedLM's cache holds the same values under every name both have, the sinks' patterns and the routers' expert
+    weights and indices among them (TransformerLens's hook_rot_q / hook_rot_k are vlens's hook_q / hook_k)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.loading_from_pretrained import convert_hf_model_config
+    from transformer_lens.pretrained.weight_conversions import convert_gpt_oss_weights
+
+    path = build(CONFIGS["gpt_oss"](), tmp_path, "gpt_oss")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    settings = convert_hf_model_config(path) | {"dtype": torch.float32, "tokenizer_name": None}
+    reference = HookedTransformer(HookedTransformerConfig(**settings))
+    reference.load_state_dict(convert_gpt_oss_weights(hf, reference.cfg), strict=False)
+    tokens = torch.tensor([sequences()[-1]])
+    logits, cache = HookedLM(path, dtype="float32", device="cpu").run_with_cache(tokens)
+    with torch.no_grad():
+        ref_logits, ref_cache = reference.run_with_cache(tokens)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    renamed = {name.replace("hook_rot_", "hook_"): name for name in ref_cache if "hook_q" not in name
+               and "hook_k" not in name}  # fmt: skip (TransformerLens's hook_q / hook_k: before rotary)
+    common = sorted(set(renamed) & set(cache))
+    kinds = {name.split(".", 2)[-1] for name in common if name.startswith("blocks.")}
+    assert {"attn.hook_q", "attn.hook_k", "attn.hook_attn_scores", "attn.hook_pattern", "mlp.hook_expert_weights",
+            "mlp.hook_expert_indices", "hook_mlp_out", "ln2.hook_normalized"} <= kinds  # fmt: skip
+    for name in common:
+        ours, theirs = cache[name], ref_cache[renamed[name]]
+        assert same(ours.reshape(theirs.shape).float(), theirs.float(), 1e-5), name  # (MoE taps: [pos, ...] there)
+
+
 def _in_bfloat16(path: Path) -> dict[str, torch.Tensor]:
     """Rewrite the checkpoint in bfloat16, as gpt-oss's releases are (HF keeps the norms' weights in float32, vlens
     in the model's dtype: the same numbers once they are bfloat16's); returns its tensors."""
@@ -131,7 +160,7 @@ def test_bfloat16_taps_match_hf(tmp_path):
     ids = sequences()[-1]
     # (HF's scores are read back from its softmax's input, the maximum already taken off: in bfloat16 that cannot
     # be undone exactly; the patterns are compared)
-    hooks = [h for h in llm.hook_names() if not h.endswith(("hook_expert_ids", "hook_attn_scores"))]
+    hooks = [h for h in llm.hook_names() if not h.endswith(("hook_expert_ids", "hook_expert_indices", "hook_attn_scores"))]
     got, ref = llm.trace([ids], hooks=hooks)[0], hf_taps(hf, ids, range(3))
     compared = [h for h in hooks if h in ref]
     assert len(compared) >= 60

@@ -36,6 +36,7 @@ from vlens.capture.names import (
     LOGITS,
     OPTIONAL_HOOKS,
     HookSpecError,
+    canonical,
     hook_shapes,
     is_pattern,
     layers_needed,
@@ -158,7 +159,8 @@ class HookedLM(ModelWeights, SAEMethods):
 
     def _name_tables(self) -> None:
         """The hook names of the model as configured (the optional ones turned on among them, the steps of the
-        SAEs attached), and every one of them but the hidden_states.i aliases, which only a name asks for."""
+        SAEs attached), and every one of them but the hidden_states.i aliases, which only a name asks for (the
+        aliases that are TransformerLens's names are in it, as in its caches)."""
         self._shapes = {}
         writing = {splice.at: splice for splice in self._saes.values()}
         for name, shape in hook_shapes(self.cfg, [flag for flag in OPTIONAL_HOOKS if getattr(self.cfg, flag)]).items():
@@ -562,9 +564,9 @@ class HookedLM(ModelWeights, SAEMethods):
         if isinstance(names_filter, HookPoint):  # (`model.blocks[3].attn.hook_z` itself)
             names_filter = names_filter.name
         if names_filter is None:
-            return {n: n for n in self._names_in_order}
+            return {n: canonical(n, self.cfg) for n in self._names_in_order}
         if callable(names_filter):
-            return {n: n for n in self._names_in_order if names_filter(n)}
+            return {n: canonical(n, self.cfg) for n in self._names_in_order if names_filter(n)}
         return resolve_hooks(names_filter, self.cfg, self._shapes, optional_by_glob=True)
 
     def _tap_hooks(

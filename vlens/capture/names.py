@@ -45,9 +45,14 @@ LAYER_HOOKS = (
 # MLP's own outputs, attn.hook_out and mlp.hook_out (circuit-tracer's name for what its transcoders replace), which
 # elsewhere are hook_attn_out and hook_mlp_out themselves. post_norm_names says what TransformerLens calls them.
 POST_NORMED = (("attn.hook_out", "hook_attn_out"), ("mlp.hook_out", "hook_mlp_out"))
-# What an MoE layer has in place of mlp.hook_post: the router's logits, the chosen experts (int64)
-# and, in Qwen2-MoE, the shared expert's hidden activation.
-MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")
+# What an MoE layer has in place of mlp.hook_post: the router's logits, TransformerLens's expert weights [E] (the
+# softmax over every expert where the router takes the top k of it; gpt-oss: the chosen k's weights, zeros
+# elsewhere), the chosen experts (int64; TransformerLens's name for them is an alias) and, in Qwen2-MoE, the shared
+# expert's hidden activation.
+MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_ids", "mlp.hook_expert_indices")
+SHARED_EXPERT = "mlp.shared_expert.hook_post"
+# Layer hooks that are other names of a tap (TransformerLens's), as hidden_states.{i} are of the residual stream's.
+LAYER_ALIASES = {"mlp.hook_expert_indices": "mlp.hook_expert_ids"}
 # The final norm's taps; its output (after the weight) is HF's last hidden state, hidden_states.{N}.
 FINAL_NORM_TAPS = ("ln_final.hook_scale", "ln_final.hook_normalized", "ln_final.hook_out")
 FINAL_NORM = FINAL_NORM_TAPS[-1]
@@ -99,7 +104,7 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     if cfg.parallel_residual:
         hooks.remove("hook_resid_mid")
     if cfg.is_moe_layer(layer):
-        moe = MOE_HOOKS if cfg.shared_expert_intermediate_size else MOE_HOOKS[:2]
+        moe = MOE_HOOKS + (SHARED_EXPERT,) if cfg.shared_expert_intermediate_size else MOE_HOOKS
         at = hooks.index("mlp.hook_post")
         hooks[at : at + 1] = moe
     if not cfg.pre_norms:
@@ -148,7 +153,9 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
         "hook_k_input": (kv, d),
         "hook_v_input": (kv, d),
         "mlp.hook_router_logits": (cfg.num_experts,),
+        "mlp.hook_expert_weights": (cfg.num_experts,),
         "mlp.hook_expert_ids": (cfg.experts_per_token,),
+        "mlp.hook_expert_indices": (cfg.experts_per_token,),
         "mlp.hook_post": (cfg.intermediate_size,),
         "mlp.shared_expert.hook_post": (cfg.shared_expert_intermediate_size,),
     }
@@ -167,10 +174,12 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
 
 def canonical(name: str, cfg: ModelConfig) -> str:
     """The tap behind a (valid) name: aliases map to the tap with the same values."""
-    if not name.startswith("hidden_states."):
-        return name
-    i = int(name.split(".")[1])
-    return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
+    if name.startswith("hidden_states."):
+        i = int(name.split(".")[1])
+        return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
+    block, _, kind = name.partition(".")[2].partition(".")
+    return f"blocks.{block}.{LAYER_ALIASES[kind]}" if name.startswith("blocks.") and kind in LAYER_ALIASES else name
+
 
 
 def is_pattern(tap: str) -> bool:

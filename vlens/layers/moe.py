@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.context import tap
+from vlens.context import tap, tapped
 from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.layers.mlp import GatedMLP, activation
@@ -177,6 +177,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(cfg.hidden_size, size, cfg.hidden_act, False, hook, parallel=cfg.parallel)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
+        self.hook_expert_weights = p + "hook_expert_weights"
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         block, router = self.stored_as
@@ -192,8 +193,12 @@ class SparseMoE(nn.Module):
         if self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
             top, ids = logits.topk(self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
+            if tapped(self.hook_expert_weights):  # (TransformerLens's [E]: the chosen k's weights, zeros elsewhere)
+                every = torch.zeros_like(logits).scatter(-1, ids, weights)
+                weights = tap(self.hook_expert_weights, every).gather(-1, ids)
         else:
-            weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+            probabilities = tap(self.hook_expert_weights, torch.softmax(logits, dim=-1, dtype=torch.float32))
+            weights, ids = probabilities.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.round_weights:
