@@ -116,6 +116,34 @@ def transformer_lens_gemma2(root: Path) -> tuple[str, torch.nn.Module]:
     return path, reference
 
 
+def check_transformer_lens_names(path: str, convert, kinds: set[str]) -> None:
+    """TransformerLens's own model of the checkpoint at `path` (its config read from the checkpoint, its weight
+    conversion `convert`) on the same weights: logits within 1e-5, and HookedLM's cache holds the same values
+    under every name both have, `kinds` of layer hooks among them (TransformerLens's hook_rot_q / hook_rot_k are
+    vlens's hook_q / hook_k; its MoE taps are [pos, ...] of the batch's one text)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.loading_from_pretrained import convert_hf_model_config
+
+    from vlens import HookedLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    settings = convert_hf_model_config(path) | {"dtype": torch.float32, "tokenizer_name": None}
+    reference = HookedTransformer(HookedTransformerConfig(**settings))
+    reference.load_state_dict(convert(hf, reference.cfg), strict=False)
+    tokens = torch.tensor([sequences()[-1]])
+    logits, cache = HookedLM(path, dtype="float32", device="cpu").run_with_cache(tokens)
+    with torch.no_grad():
+        ref_logits, ref_cache = reference.run_with_cache(tokens)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    renamed = {name.replace("hook_rot_", "hook_"): name for name in ref_cache if "hook_q" not in name
+               and "hook_k" not in name}  # fmt: skip (TransformerLens's hook_q / hook_k: before rotary)
+    common = sorted(set(renamed) & set(cache))
+    assert kinds <= {name.split(".", 2)[-1] for name in common if name.startswith("blocks.")}
+    for name in common:
+        ours, theirs = cache[name], ref_cache[renamed[name]]
+        assert same(ours.reshape(theirs.shape).float(), theirs.float(), 1e-5), name
+
+
 def load_pair(path: str) -> tuple[LLM, torch.nn.Module]:
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -19,6 +19,7 @@ from family_parity import (
     TapParity,
     build,
     check_feature_matters,
+    check_transformer_lens_names,
     family_fixture,
     sequences,
 )
@@ -27,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from test_parity_moe import check_expert_paths
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
-from vlens import LLM, Capture, HookedLM, SamplingParams, Steer
+from vlens import LLM, Capture, SamplingParams, Steer
 from vlens.attention import sdpa
 from vlens.loader import dequantize_mxfp4
 
@@ -113,32 +114,14 @@ def test_grouped_gemm_equals_every_expert(family):
 
 
 def test_transformer_lens_names_the_same_values(tmp_path):
-    """TransformerLens's own gpt-oss (its config read from the checkpoint, its weight conversion) on the same weights:
-    HookedLM's cache holds the same values under every name both have, the sinks' patterns and the routers' expert
-    weights and indices among them (TransformerLens's hook_rot_q / hook_rot_k are vlens's hook_q / hook_k)."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.loading_from_pretrained import convert_hf_model_config
+    """TransformerLens's own gpt-oss on the same weights: the same values under every name both have, the sinks'
+    patterns and the routers' expert weights and indices among them."""
     from transformer_lens.pretrained.weight_conversions import convert_gpt_oss_weights
 
     path = build(CONFIGS["gpt_oss"](), tmp_path, "gpt_oss")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    settings = convert_hf_model_config(path) | {"dtype": torch.float32, "tokenizer_name": None}
-    reference = HookedTransformer(HookedTransformerConfig(**settings))
-    reference.load_state_dict(convert_gpt_oss_weights(hf, reference.cfg), strict=False)
-    tokens = torch.tensor([sequences()[-1]])
-    logits, cache = HookedLM(path, dtype="float32", device="cpu").run_with_cache(tokens)
-    with torch.no_grad():
-        ref_logits, ref_cache = reference.run_with_cache(tokens)
-    assert rel_err(logits, ref_logits) <= 1e-5
-    renamed = {name.replace("hook_rot_", "hook_"): name for name in ref_cache if "hook_q" not in name
-               and "hook_k" not in name}  # fmt: skip (TransformerLens's hook_q / hook_k: before rotary)
-    common = sorted(set(renamed) & set(cache))
-    kinds = {name.split(".", 2)[-1] for name in common if name.startswith("blocks.")}
-    assert {"attn.hook_q", "attn.hook_k", "attn.hook_attn_scores", "attn.hook_pattern", "mlp.hook_expert_weights",
-            "mlp.hook_expert_indices", "hook_mlp_out", "ln2.hook_normalized"} <= kinds  # fmt: skip
-    for name in common:
-        ours, theirs = cache[name], ref_cache[renamed[name]]
-        assert same(ours.reshape(theirs.shape).float(), theirs.float(), 1e-5), name  # (MoE taps: [pos, ...] there)
+    check_transformer_lens_names(path, convert_gpt_oss_weights, {
+        "attn.hook_q", "attn.hook_k", "attn.hook_attn_scores", "attn.hook_pattern", "mlp.hook_expert_weights",
+        "mlp.hook_expert_indices", "hook_mlp_out", "ln2.hook_normalized"})  # fmt: skip
 
 
 def _in_bfloat16(path: Path) -> dict[str, torch.Tensor]:

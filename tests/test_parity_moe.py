@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from family_parity import COMMON, TapParity, check_feature_matters, check_generation, family_fixture, sequences
+from family_parity import (
+    COMMON,
+    TapParity,
+    build,
+    check_feature_matters,
+    check_generation,
+    check_transformer_lens_names,
+    family_fixture,
+    sequences,
+)
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
@@ -78,6 +87,16 @@ def test_config_and_hooks(family):
         assert shapes["blocks.1.mlp.hook_post"] == (96,) and "blocks.0.mlp.shared_expert.hook_post" not in shapes
     if name == "olmoe_clipped":
         assert (cfg.qk_norm, cfg.clip_qkv, cfg.norm_topk_prob, cfg.moe_layers) == ("projection", 0.5, False, (True,) * 3)
+
+
+def test_transformer_lens_names_the_same_values(tmp_path):
+    """TransformerLens's own Mixtral on the same weights: the same values under every name both have, its expert
+    weights (the softmax over every expert) and indices among them."""
+    from transformer_lens.pretrained.weight_conversions import convert_mixtral_weights
+
+    path = build(CONFIGS["mixtral"](), tmp_path, "mixtral")
+    check_transformer_lens_names(path, convert_mixtral_weights, {
+        "attn.hook_q", "attn.hook_pattern", "mlp.hook_expert_weights", "mlp.hook_expert_indices", "hook_mlp_out"})
 
 
 def test_olmoe_clamp_is_reached(tmp_path):
