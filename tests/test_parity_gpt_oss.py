@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from test_parity_moe import check_expert_paths
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
-from vlens import LLM, Capture, SamplingParams, Steer
+from vlens import LLM, Ablate, Capture, SamplingParams, Steer
 from vlens.attention import sdpa
 from vlens.loader import dequantize_mxfp4
 
@@ -149,6 +149,36 @@ def test_bfloat16_taps_match_hf(tmp_path):
     assert len(compared) >= 60
     for hook in compared:
         assert same(got[hook].float(), ref[hook].float(), 1e-3), (hook, rel_err(got[hook].float(), ref[hook].float()))
+
+
+def test_an_expert_ablated_through_its_routing_weight(family):
+    """Ablate(hook_expert_weights, direction=expert e) sets e's weight to zero at every token of a layer: its output
+    is dropped, the other chosen experts' weights kept; HF's logits with its router's weight for e zeroed. A plain
+    request in the same batch gets its own logits."""
+    _, _, llm, hf = family
+    expert, prompts = 1, sequences((23, 9))
+    ablate = Ablate("blocks.0.mlp.hook_expert_weights", direction=torch.eye(llm.config.num_experts)[expert])
+    logits = Capture("unembed.hook_out", positions="all")
+    common = dict(max_tokens=1, temperature=0, ignore_eos=True, capture=logits)
+    ablated, plain = llm.generate(prompts, [SamplingParams(**common, interventions=[ablate]), SamplingParams(**common)],
+                                  use_tqdm=False)  # fmt: skip
+
+    def drop(module, args, out):
+        scores, ids = out[1], out[2]
+        return out[0], scores.masked_fill(ids == expert, 0.0), ids
+
+    handle = hf.model.layers[0].mlp.router.register_forward_hook(drop)
+    try:
+        with torch.no_grad():
+            want = hf(torch.tensor([prompts[0]])).logits[0]
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        untouched = hf(torch.tensor([prompts[0]])).logits[0]
+        plain_want = hf(torch.tensor([prompts[1]])).logits[0]
+    assert rel_err(ablated.activations["unembed.hook_out"], want) <= 1e-5
+    assert rel_err(want, untouched) > FEATURE_TOL  # (the expert was chosen, and mattered)
+    assert rel_err(plain.activations["unembed.hook_out"], plain_want) <= 1e-5
 
 
 def _as_mxfp4(path: Path) -> None:
