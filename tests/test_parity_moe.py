@@ -171,3 +171,32 @@ def check_expert_paths(experts) -> None:
 
 def test_grouped_gemm_equals_every_expert(family):
     check_expert_paths(family[2].model.layers[0].mlp.experts)
+
+
+mixtral = family_fixture({name: CONFIGS[name] for name in CONFIGS if name.startswith("mixtral")}, "mixtral")
+
+
+def test_an_expert_ablated_through_its_routing_weight_is_routed_around(mixtral):
+    """Ablate(hook_expert_weights, direction=expert e) on Mixtral: e's probability is zero, so each token's top k are
+    the next experts, renormalised: HF's logits with its router so changed."""
+    _, _, llm, hf = mixtral
+    expert, prompt = 1, sequences((23,))[0]
+    ablate = Ablate("blocks.0.mlp.hook_expert_weights", direction=torch.eye(llm.config.num_experts)[expert])
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, interventions=[ablate],
+                            capture=Capture("unembed.hook_out", positions="all"))  # fmt: skip
+    [out] = llm.generate([prompt], params, use_tqdm=False)
+
+    def route_around(module, args, output):
+        probabilities = output[0].float().softmax(-1).index_fill(-1, torch.tensor([expert]), 0.0)
+        top, ids = probabilities.topk(llm.config.experts_per_token, dim=-1)
+        return output[0], top / top.sum(-1, keepdim=True), ids
+
+    handle = hf.model.layers[0].mlp.gate.register_forward_hook(route_around)
+    try:
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0]
+    finally:
+        handle.remove()
+    assert rel_err(out.activations["unembed.hook_out"], want) <= 1e-5
+    with torch.no_grad():
+        assert rel_err(want, hf(torch.tensor([prompt])).logits[0]) > 1e-3
