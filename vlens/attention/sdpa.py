@@ -15,7 +15,8 @@ decodes of a 4,000-token context through 256-token windows: 9.9 ms a step instea
 
 SDPA cannot soft-cap scores (Gemma 2) or add a sink to the softmax (gpt-oss), so such a layer takes a
 written-out path that does what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32
-softmax with the sink logit as one more key (`written_attention`); it holds every score of its call.
+softmax with the sink logit as one more key (`written_attention`), in chunks of query rows whose scores fit
+WRITTEN_SCORES.
 
 On CUDA, SDPA never runs cuDNN's kernel: cuDNN builds an execution plan for each new shape (6.2 ms of host
 time a call on an H200, and the grids change shape every step). It runs Flash Attention where there is no

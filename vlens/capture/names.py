@@ -181,7 +181,6 @@ def canonical(name: str, cfg: ModelConfig) -> str:
     return f"blocks.{block}.{LAYER_ALIASES[kind]}" if name.startswith("blocks.") and kind in LAYER_ALIASES else name
 
 
-
 def is_pattern(tap: str) -> bool:
     return tap.endswith(PATTERNS)
 

@@ -27,16 +27,16 @@ class Attention(nn.Module):
         softcap: float | None = None,
         patterns: tuple[str, str] = ("", ""),
         sinks: bool = False,
-        heads: range | None = None,
+        rank_heads: range | None = None,
     ):
-        """`heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them)."""
+        """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
         self.softcap = softcap
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
-        self.heads = heads
+        self.rank_heads = rank_heads
         self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks)
         self.hook_attn_scores, self.hook_pattern = patterns
         # Bound by the engine to [num_slots, num_kv_heads, head_dim] views of its cache.
@@ -45,7 +45,7 @@ class Attention(nn.Module):
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         if self.sinks is None:
             return {}
-        rows = None if self.heads is None else (slice(self.heads.start, self.heads.stop),)
+        rows = None if self.rank_heads is None else (slice(self.rank_heads.start, self.rank_heads.stop),)
         return {f"{path.rpartition('.')[0]}.sinks": Slot(self.sinks, source=rows)}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

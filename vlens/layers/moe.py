@@ -3,8 +3,9 @@ experts per token, weighted by their softmax probabilities (renormalised over th
 so; gpt-oss: the softmax of the chosen k logits alone); Qwen2-MoE adds an always-on shared expert scaled by a
 sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU (`ClampedExperts`).
 
-Taps: the router's logits [E] and the chosen experts [k] (int64, in descending weight order, as
-torch.topk gives them) — which experts ran is the first thing one asks of an MoE activation.
+Taps: the router's logits [E], TransformerLens's expert weights [E] (an edit there reroutes) and the chosen
+experts [k] (int64, in descending weight order, as torch.topk gives them) — which experts ran is the first thing
+one asks of an MoE activation.
 The experts' weights are stacked ([E, 2I, d] and [E, d, I], as HF 5 holds them); checkpoints keep
 one tensor per expert, which loads into its slice. Under tensor parallelism every rank holds every
 expert's share of the intermediate columns (gate, up and the matching columns of down) and the

@@ -51,9 +51,10 @@ class AttentionHeads(nn.Module):
         window = cfg.sliding_windows[layer]
         p = f"blocks.{layer}.attn."
         patterns = (p + "hook_attn_scores", p + "hook_pattern")
-        heads = cfg.parallel.units(cfg.num_heads) if cfg.parallel.size > 1 else None
+        rank_heads = cfg.parallel.units(cfg.num_heads) if cfg.parallel.size > 1 else None
         self.attn = Attention(
-            self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks, heads
+            self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
+            rank_heads,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         if cfg.qk_norm == "head":
