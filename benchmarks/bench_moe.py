@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from bench_generate import best
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig
 
 from vlens import LLM, SamplingParams
@@ -31,15 +31,6 @@ MODELS = {
     "gpt-oss 32 x top-4": lambda: GptOssConfig(**SIZES, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
                                                sliding_window=128),  # fmt: skip
 }
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def run(name: str, config, root: Path, repeats: int) -> None:

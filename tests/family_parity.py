@@ -116,9 +116,10 @@ def transformer_lens_gemma2(root: Path) -> tuple[str, torch.nn.Module]:
     return path, reference
 
 
-def check_transformer_lens_names(path: str, convert, kinds: set[str]) -> None:
-    """TransformerLens's own model of the checkpoint at `path` (its config read from the checkpoint, its weight
-    conversion `convert`) on the same weights: logits within 1e-5, and HookedLM's cache holds the same values
+def check_transformer_lens_names(path: str, convert, kinds: set[str], settings: dict | None = None) -> None:
+    """TransformerLens's own model of the checkpoint at `path` (its config `settings`, or read from the checkpoint
+    where TransformerLens can; its weight conversion `convert`) on the same weights: logits within 1e-5, and
+    HookedLM's cache holds the same values
     under every name both have, `kinds` of layer hooks among them (TransformerLens's hook_rot_q / hook_rot_k are
     vlens's hook_q / hook_k; its MoE taps are [pos, ...] of the batch's one text)."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -127,7 +128,8 @@ def check_transformer_lens_names(path: str, convert, kinds: set[str]) -> None:
     from vlens import HookedLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    settings = convert_hf_model_config(path) | {"dtype": torch.float32, "tokenizer_name": None}
+    if settings is None:
+        settings = convert_hf_model_config(path) | {"dtype": torch.float32, "tokenizer_name": None}
     reference = HookedTransformer(HookedTransformerConfig(**settings))
     reference.load_state_dict(convert(hf, reference.cfg), strict=False)
     tokens = torch.tensor([sequences()[-1]])

@@ -16,10 +16,11 @@ from family_parity import (
     TapParity,
     build,
     check_feature_matters,
+    check_transformer_lens_names,
     family_fixture,
     sequences,
 )
-from hf_reference import LAYER_KINDS, hf_taps, same
+from hf_reference import LAYER_KINDS, hf_taps
 from transformers import AutoModelForCausalLM, Olmo2Config, Olmo3Config, OlmoConfig
 
 from vlens import LLM, HookedLM
@@ -97,30 +98,17 @@ def test_transformer_lens_names_the_same_values(tmp_path):
     """TransformerLens's OLMo 2 (its ln1 and ln2 are the post-norms, hook_attn_out and hook_mlp_out after them; its
     hook_rot_q / hook_rot_k are vlens's hook_q / hook_k, after the q/k norm and rotary) on the same weights:
     HookedLM's cache holds the same values under the same names."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_olmo2_weights
 
-    path = build(Olmo2Config(**COMMON), tmp_path, "olmo2")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cfg = HookedTransformerConfig(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=96, d_vocab=VOCAB, n_ctx=128,
-                                  act_fn="silu", normalization_type="RMS", eps=hf.config.rms_norm_eps,
-                                  positional_embedding_type="rotary", rotary_dim=16, rotary_base=10000,
-                                  final_rms=True, gated_mlp=True, original_architecture="Olmo2ForCausalLM")  # fmt: skip
-    reference = HookedTransformer(cfg)
-    reference.load_state_dict(convert_olmo2_weights(hf, cfg), strict=False)
-    tokens = torch.tensor([sequences()[-1]])
-    logits, cache = HookedLM(path, dtype="float32", device="cpu").run_with_cache(tokens)
-    with torch.no_grad():
-        ref_logits, ref_cache = reference.run_with_cache(tokens)
-    assert rel_err(logits, ref_logits) <= 1e-5
-    renamed = {name.replace("hook_rot_", "hook_"): name for name in ref_cache if "hook_q" not in name
-               and "hook_k" not in name}  # fmt: skip (TransformerLens's hook_q / hook_k: before the q/k norm)
-    common = sorted(set(renamed) & set(cache))
-    kinds = {name.split(".", 2)[-1] for name in common if name.startswith("blocks.")}
-    assert {"ln1.hook_scale", "ln1.hook_normalized", "ln2.hook_normalized", "hook_attn_out", "hook_mlp_out",
-            "attn.hook_q", "attn.hook_k", "attn.hook_pattern", "hook_resid_mid", "mlp.hook_post"} <= kinds  # fmt: skip
-    for name in common:
-        assert same(cache[name], ref_cache[renamed[name]], 1e-5), name  # (masked scores: -inf in both)
+    config = Olmo2Config(**COMMON)
+    path = build(config, tmp_path, "olmo2")
+    settings = dict(n_layers=3, d_model=64, d_head=16, n_heads=4, d_mlp=96, d_vocab=VOCAB, n_ctx=128, act_fn="silu",
+                    normalization_type="RMS", eps=config.rms_norm_eps, positional_embedding_type="rotary",
+                    rotary_dim=16, rotary_base=10000, final_rms=True, gated_mlp=True,
+                    original_architecture="Olmo2ForCausalLM")  # fmt: skip (TransformerLens reads no OLMo 2 config)
+    check_transformer_lens_names(path, convert_olmo2_weights, settings=settings, kinds={
+        "ln1.hook_scale", "ln1.hook_normalized", "ln2.hook_normalized", "hook_attn_out", "hook_mlp_out", "attn.hook_q",
+        "attn.hook_k", "attn.hook_pattern", "hook_resid_mid", "mlp.hook_post"})  # fmt: skip
 
 
 def test_transformer_lens_tools_on_a_layer_without_pre_norms(tmp_path):
