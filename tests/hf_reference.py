@@ -106,6 +106,9 @@ FAMILIES = {
         inputs=GEMMA.inputs | {"hook_resid_mid": "mlp"},
         post_norms={"ln1": "post_attention_layernorm", "ln2": "post_feedforward_layernorm"},
     ),
+    # Gemma 3's multimodal checkpoints (4B, 12B, 27B): its text model, beside the vision tower
+    "gemma3_multimodal": replace(GEMMA, layers="model.language_model.layers", embed="model.language_model.embed_tokens",
+                                 final_norm="model.language_model.norm"),
     "phi": Family(  # one norm for both sublayers (TransformerLens's ln2 is ln1, read again); no resid_mid
         layers="model.layers",
         embed="model.embed_tokens",
@@ -151,7 +154,7 @@ FAMILIES = {
     ),
 }
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
-               "olmo2": "olmo", "olmo3": "olmo", "phi": "phi"}  # fmt: skip
+               "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -237,7 +240,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     `layers`, every tap kind that layer has in HF (MoE layers: router logits and chosen experts). The
     attention scores and patterns come from a forward in HF's eager attention (`patterns=False` keeps the
     model's own attention implementation and leaves them out)."""
-    cfg = hf_model.config
+    cfg = hf_model.config.get_text_config()  # (a multimodal model's: its text model's)
     name, fam = family_of(hf_model)
     n = cfg.num_hidden_layers
     heads = cfg.num_attention_heads

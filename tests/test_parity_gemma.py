@@ -14,7 +14,7 @@ from family_parity import (
     family_fixture,
     sequences,
 )
-from transformers import Gemma2Config, Gemma3TextConfig
+from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
 from vlens import LLM
 
@@ -39,6 +39,13 @@ CONFIGS = {
     "gemma3_mqa_tied_bias": lambda: Gemma3TextConfig(
         **(GEMMA | {"num_key_value_heads": 1, "head_dim": 16}), attention_bias=True, tie_word_embeddings=True
     ),
+    # Gemma 3 4B, 12B and 27B are multimodal checkpoints: their text model (under language_model.), text in
+    "gemma3_multimodal": lambda: Gemma3Config(
+        text_config=Gemma3TextConfig(**GEMMA, query_pre_attn_scalar=32).to_dict(),
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14).to_dict(),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298, eos_token_id=[1, 106],
+    ),  # fmt: skip
 }
 
 family = family_fixture(CONFIGS)
@@ -54,12 +61,16 @@ def test_config_is_read_as_intended(family):
     cfg = llm.config
     assert cfg.family == "gemma" and cfg.norm == "rms_offset" and cfg.embed_scale
     assert cfg.sliding_windows == (7, None, 7)
-    assert cfg.attn_scale == hf.config.query_pre_attn_scalar**-0.5
-    assert cfg.final_softcap == hf.config.final_logit_softcapping
+    text = getattr(hf.config, "text_config", hf.config)  # (a multimodal checkpoint's: its text model's)
+    assert cfg.attn_scale == text.query_pre_attn_scalar**-0.5
+    assert cfg.final_softcap == text.final_logit_softcapping
     assert cfg.attn_softcap == (2.0 if name == "gemma2" else None)
     assert cfg.qk_norm == ("head" if name.startswith("gemma3") else "")
     if name == "gemma3":
         assert (cfg.rope_theta, cfg.sliding_rope_theta) == (1000000.0, 100.0)
+    if name == "gemma3_multimodal":  # (the tensors under language_model., the checkpoint's own eos)
+        assert cfg.architecture == "Gemma3ForCausalLM" and cfg.weights_prefix == "language_model."
+        assert cfg.eos_token_ids == (1, 106)
 
 
 def test_chunked_prefill_past_the_window_matches_hf(family):

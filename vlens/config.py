@@ -7,6 +7,7 @@ model code reads only this dataclass, never the HF config object.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +183,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
 }
 
+# Multimodal checkpoints whose text model vlens runs (token ids in, no images; its config is their text_config) -> what
+# the names of its tensors start with in them (Gemma 3 4B, 12B and 27B; their vision tower is left unread).
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "language_model."}
+
 # model_type -> architecture, for configs that carry no `architectures` list.
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -201,6 +206,7 @@ MODEL_TYPES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -264,6 +270,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    weights_prefix: str = ""  # what the checkpoint's tensor names start with ("language_model.": a multimodal one's)
     parallel: Parallel = SINGLE  # this process's share of a tensor-parallel model (vlens.distributed)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -283,6 +290,10 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers config object (parsed by AutoConfig, never run)."""
         arch = supported_architecture(getattr(hf, "architectures", None), getattr(hf, "model_type", None))
+        if arch in TEXT_MODELS:  # (the text model of a multimodal checkpoint; its own eos where it gives one)
+            text = cls.from_hf(hf.text_config)
+            eos = _token_ids(getattr(hf, "eos_token_id", None)) or text.eos_token_ids
+            return dataclasses.replace(text, weights_prefix=TEXT_MODELS[arch], eos_token_ids=eos)
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
         if "qkv_bias" not in flags:
@@ -297,8 +308,7 @@ class ModelConfig:
             rope = dict(rope["full_attention"] or {})
         theta, scaling = _rope(rope, hf)
         partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
-        eos = hf.eos_token_id
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        eos = _token_ids(hf.eos_token_id)
         fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -331,13 +341,17 @@ def supported_architecture(architectures: list[str] | None, model_type: str | No
     arch = (architectures or [None])[0]
     if arch is None:
         arch = MODEL_TYPES.get(model_type)
-    if arch not in ARCHITECTURES:
-        supported = ", ".join(sorted(ARCHITECTURES))
+    if arch not in ARCHITECTURES and arch not in TEXT_MODELS:
+        supported = ", ".join(sorted([*ARCHITECTURES, *TEXT_MODELS]))
         raise UnsupportedModelError(
             f"architecture {arch!r} (model_type {model_type!r}) is not supported by vlens; "
             f"supported architectures: {supported}"
         )
     return arch
+
+
+def _token_ids(ids: int | list[int] | None) -> tuple[int, ...]:
+    return () if ids is None else tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
 
 
 def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:

@@ -267,7 +267,8 @@ def checkpoint_layout(model: DecoderLM) -> dict[str, Slot]:
 
 
 def load_weights(model: DecoderLM, path: Path) -> None:
-    layout = checkpoint_layout(model)
+    # (a multimodal checkpoint keeps its text model's tensors under a prefix: language_model.)
+    layout = {model.cfg.weights_prefix + key: slot for key, slot in checkpoint_layout(model).items()}
     loaded: set[str] = set()
     with contextlib.ExitStack() as files:
         stored: dict[str, Any] = {}  # tensor name -> its open file
