@@ -166,12 +166,18 @@ def served_smol(smol_path) -> LLM:
 # --- tiny checkpoints --------------------------------------------------------------------------------
 
 
+def hf_auto_class(config):
+    """The transformers Auto class of a config: a multimodal one's (with a vision tower) builds its ...Conditional-
+    Generation model, as the causal-LM class does not for every family."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
 def save_tiny(config, path) -> str:
     """Random weights for `config` (a transformers config object), saved like a real checkpoint."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = hf_auto_class(config).from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     return str(path)
 

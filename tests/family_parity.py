@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rel_err, save_tiny
+from conftest import hf_auto_class, rel_err, save_tiny
 from hf_reference import hf_taps, rows_shape, same
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from vlens import LLM, Capture, SamplingParams
 
@@ -148,7 +148,7 @@ def check_transformer_lens_names(path: str, convert, kinds: set[str], settings: 
 
 def load_pair(path: str) -> tuple[LLM, torch.nn.Module]:
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_auto_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
     return llm, hf
 
 

@@ -95,6 +95,9 @@ GEMMA = Family(
     final_norm="model.norm",
     post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
 )
+# Where a multimodal model (Gemma 3 4B-27B, Mistral 3, Llava) keeps its text model's modules
+TEXT_MODEL = dict(layers="model.language_model.layers", embed="model.language_model.embed_tokens",
+                  final_norm="model.language_model.norm")  # fmt: skip
 FAMILIES = {
     "llama": LLAMA,
     "phi3": replace(LLAMA, qkv="self_attn.qkv_proj"),
@@ -106,9 +109,9 @@ FAMILIES = {
         inputs=GEMMA.inputs | {"hook_resid_mid": "mlp"},
         post_norms={"ln1": "post_attention_layernorm", "ln2": "post_feedforward_layernorm"},
     ),
-    # Gemma 3's multimodal checkpoints (4B, 12B, 27B): its text model, beside the vision tower
-    "gemma3_multimodal": replace(GEMMA, layers="model.language_model.layers", embed="model.language_model.embed_tokens",
-                                 final_norm="model.language_model.norm"),
+    # multimodal models (Gemma 3 4B-27B, Mistral 3, Llava): their text model, beside the vision tower
+    "gemma3_multimodal": replace(GEMMA, **TEXT_MODEL),
+    "llama_multimodal": replace(LLAMA, **TEXT_MODEL),
     "phi": Family(  # one norm for both sublayers (TransformerLens's ln2 is ln1, read again); no resid_mid
         layers="model.layers",
         embed="model.embed_tokens",
@@ -154,7 +157,8 @@ FAMILIES = {
     ),
 }
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
-               "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal"}  # fmt: skip
+               "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
+               "mistral3": "llama_multimodal", "llava": "llama_multimodal"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:

@@ -183,9 +183,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
 }
 
-# Multimodal checkpoints whose text model vlens runs (token ids in, no images; its config is their text_config) -> what
-# the names of its tensors start with in them (Gemma 3 4B, 12B and 27B; their vision tower is left unread).
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": "language_model."}
+# Multimodal checkpoints whose text model vlens runs (token ids in, no images; its config is their text_config, one
+# of ARCHITECTURES) -> what the names of its tensors start with in them (their vision tower is left unread).
+TEXT_MODELS = {
+    "Gemma3ForConditionalGeneration": "language_model.",
+    "Mistral3ForConditionalGeneration": "language_model.",  # Mistral Small 3.1 and 3.2
+    "LlavaForConditionalGeneration": "language_model.",
+}
 
 # model_type -> architecture, for configs that carry no `architectures` list.
 MODEL_TYPES = {
@@ -207,6 +211,8 @@ MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
     "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -290,10 +296,13 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers config object (parsed by AutoConfig, never run)."""
         arch = supported_architecture(getattr(hf, "architectures", None), getattr(hf, "model_type", None))
-        if arch in TEXT_MODELS:  # (the text model of a multimodal checkpoint; its own eos where it gives one)
+        if arch in TEXT_MODELS:  # (the text model of a multimodal checkpoint; its eos where it gives one, and its
+            # tying, which is what HF follows)
             text = cls.from_hf(hf.text_config)
             eos = _token_ids(getattr(hf, "eos_token_id", None)) or text.eos_token_ids
-            return dataclasses.replace(text, weights_prefix=TEXT_MODELS[arch], eos_token_ids=eos)
+            tied = bool(getattr(hf, "tie_word_embeddings", text.tie_word_embeddings))
+            return dataclasses.replace(text, weights_prefix=TEXT_MODELS[arch], eos_token_ids=eos,
+                                       tie_word_embeddings=tied)  # fmt: skip
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
         if "qkv_bias" not in flags:

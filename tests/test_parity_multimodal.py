@@ -1,0 +1,41 @@
+"""The text model of multimodal checkpoints (Mistral Small 3.1/3.2's Mistral3ForConditionalGeneration, Llava's
+LlavaForConditionalGeneration; Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone,
+on tiny random checkpoints: every tap, packed against alone, greedy generation; the text model's tensors read from
+under language_model. (the vision tower left unread), and the composite config's tying and eos followed."""
+
+from __future__ import annotations
+
+from family_parity import COMMON, GenerationParity, TapParity, family_fixture
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig, PixtralVisionConfig
+
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)  # fmt: skip
+CONFIGS = {
+    # the composite config ties the unembedding (HF follows it, not the text config's False); its own eos
+    "mistral3": lambda: Mistral3Config(
+        text_config=MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None).to_dict(),
+        vision_config=PixtralVisionConfig(**VISION, head_dim=16).to_dict(), image_token_index=299, eos_token_id=[2, 7],
+    ),
+    "llava_untied": lambda: LlavaConfig(
+        text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
+        vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, tie_word_embeddings=False,
+    ),
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    pass
+
+
+def test_config_is_the_text_models(family):
+    name, _, llm, hf = family
+    cfg = llm.config
+    assert cfg.weights_prefix == "language_model." and cfg.num_layers == 3
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert (llm.model.lm_head.weight is llm.model.model.embed_tokens.weight) == cfg.tie_word_embeddings
+    if name == "mistral3":
+        assert cfg.architecture == "MistralForCausalLM" and cfg.tie_word_embeddings and cfg.eos_token_ids == (2, 7)
+    else:
+        assert cfg.architecture == "LlamaForCausalLM" and cfg.qkv_bias and not cfg.tie_word_embeddings
