@@ -137,6 +137,15 @@ FAMILIES = {
         final_norm="transformer.ln_f",
         extra={"hook_pos_embed": "transformer.wpe"},
     ),
+    "gptj": Family(  # Phi's layer under GPT-2's names: one norm for both sublayers, no resid_mid
+        layers="transformer.h",
+        embed="transformer.wte",
+        attn="attn",
+        outputs={"ln1.hook_out": "ln_1", "hook_attn_out": "attn", "ln2.hook_out": "ln_1", "hook_mlp_out": "mlp"},
+        inputs={"attn.hook_z": "attn.out_proj", "mlp.hook_post": "mlp.fc_out"},
+        qkv="attn.v_proj",
+        final_norm="transformer.ln_f",
+    ),
     "gpt_neox": Family(
         layers="gpt_neox.layers",
         embed="gpt_neox.embed_in",
@@ -158,7 +167,8 @@ FAMILIES = {
 }
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
                "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
-               "mistral3": "llama_multimodal", "llava": "llama_multimodal"}  # fmt: skip
+               "mistral3": "llama_multimodal", "llava": "llama_multimodal",
+               "gptj": "gptj"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -204,8 +214,17 @@ def _recording_rotary(attn_module, store: list):
         yield
         return
 
+    pending: list[torch.Tensor] = []
+
     def recording(*args, **kwargs):
-        q, k = original(*args, **kwargs)
+        out = original(*args, **kwargs)
+        if isinstance(out, torch.Tensor):  # GPT-J: one tensor a call, [B, T, H, rotary_dim], the keys then the queries
+            pending.append(out.clone().transpose(1, 2))
+            if len(pending) == 2:
+                store.append((pending[1], pending[0]))
+                pending.clear()
+            return out
+        q, k = out
         store.append((q.clone(), k.clone()))
         return q, k
 
@@ -271,7 +290,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
         on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
-        if not rope[layer] or name == "phi":  # (the projections: NoPE's q and k, Phi's parts past its rotary)
+        if not rope[layer] or name in ("phi", "gptj"):  # (the projections: NoPE's q and k, the parts past a
+            # partial rotary)
             on_output(block.get_submodule(fam.attn).q_proj, p + "q", raw)
             on_output(block.get_submodule(fam.attn).k_proj, p + "k", raw)
         for kind, path in fam.outputs.items():
@@ -338,7 +358,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         else:
             if rope[layer]:  # (the rotary calls of the layers that have one, in order)
                 q, k = (x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
-                if name == "phi":  # Phi rotates the leading dims alone: the rest as projected
+                if name in ("phi", "gptj"):  # they rotate the leading dims alone: the rest as projected
                     dim = q.shape[-1]
                     q = torch.cat([q, raw[p + "q"].view(t, heads, head_dim)[..., dim:]], -1)
                     k = torch.cat([k, raw[p + "k"].view(t, kv_heads, head_dim)[..., dim:]], -1)

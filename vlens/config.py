@@ -53,6 +53,16 @@ def _gpt_neox(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gptj(hf: Any) -> dict[str, Any]:
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    return dict(
+        intermediate_size=hf.n_inner or 4 * hf.hidden_size,
+        hidden_act=hf.activation_function,
+        norm_eps=hf.layer_norm_epsilon,
+        rotary_dim=hf.rotary_dim or head_dim,
+    )
+
+
 def _phi(hf: Any) -> dict[str, Any]:
     if hf.qk_layernorm:
         raise UnsupportedModelError("qk_layernorm=True is not supported for PhiForCausalLM (no Phi-1, 1.5 or 2 has it)")
@@ -181,6 +191,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         windowed=False,
     ),
     "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
+    # GPT-J: Phi's parallel residual with one LayerNorm, rotary by pairs over the leading rotary_dim dims, no
+    # attention biases, a biased unembedding
+    "GPTJForCausalLM": Architecture(
+        {"family": "gptj", "parallel_residual": True, "qkv_bias": False, "o_bias": False, "rotary_pairs": True}
+        | LAYER_NORM, _gptj, windowed=False,
+    ),  # fmt: skip
 }
 
 # Multimodal checkpoints whose text model vlens runs (token ids in, no images; its config is their text_config, one
@@ -216,6 +232,7 @@ MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "gptj": "GPTJForCausalLM",
 }
 
 
@@ -246,7 +263,8 @@ class ModelConfig:
     qk_norm: str = ""
     clip_qkv: float | None = None  # OLMo 1, OLMoE: q, k and v clamped to [-clip, clip] (after the q/k norm)
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
-    rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi: a fraction); 0 = no rotary
+    rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi, GPT-J: a fraction); 0 = no rotary
+    rotary_pairs: bool = False  # GPT-J: dims 2i and 2i + 1 rotate together (else i and i + rotary_dim / 2)
     nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, True where no rotary is applied (NoPE); () = none
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None

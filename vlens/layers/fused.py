@@ -1,4 +1,5 @@
-"""Elementwise chains that run between the GEMMs of every layer — RMSNorm, act(gate) * up, rotary — as
+"""Elementwise chains that run between the GEMMs of every layer — RMSNorm, act(gate) * up, rotary (by halves or,
+GPT-J's, by pairs) — as
 one kernel each on CUDA.
 
 Each is written once here as plain torch ops, which is what runs everywhere by default. A runner that
@@ -73,7 +74,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
 
 
-rms_norm, gated, rotate = Fusable(_rms_norm), Fusable(_gated), Fusable(_rotate)
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's leading cos.shape[-1] dims pair by pair, (2i, 2i + 1) by angle i (GPT-J's
+    rotate_every_two; cos and sin hold each angle twice, side by side)."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    pairs = rot.unflatten(-1, (-1, 2))
+    rotated = rot * cos + torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2) * sin
+    return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
+
+
+rms_norm, gated = Fusable(_rms_norm), Fusable(_gated)
+rotate, rotate_pairs = Fusable(_rotate), Fusable(_rotate_pairs)
 
 
 def fuse(device: torch.device, dtype: torch.dtype, act: Callable) -> bool:
@@ -89,6 +101,6 @@ def fuse(device: torch.device, dtype: torch.dtype, act: Callable) -> bool:
     angles = torch.randn(3, 1, 64, device=device, dtype=dtype)
     done = [
         rms_norm.fuse(x, torch.ones(64, device=device, dtype=dtype), 1e-6, "rms"), gated.fuse(act, x, x),
-        rotate.fuse(heads, angles, angles),
+        rotate.fuse(heads, angles, angles), rotate_pairs.fuse(heads, angles, angles),
     ]  # fmt: skip
     return any(done)

@@ -78,8 +78,9 @@ class DenseMLP(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
-    fc_in = property(lambda self: getattr(self, self.names[0]))  # (as GatedMLP's, for vlens.hooked_weights)
-    fc_out = property(lambda self: getattr(self, self.names[1]))
+    # (as GatedMLP's, for vlens.hooked_weights; read from the registry, as GPT-J's own names are these)
+    fc_in = property(lambda self: self._modules[self.names[0]])
+    fc_out = property(lambda self: self._modules[self.names[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.fc_in(x))

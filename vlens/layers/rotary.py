@@ -2,8 +2,8 @@
 
 The frequencies follow HF's rope types; cos/sin are computed in float32 and cast to the activation
 dtype exactly as HF does, so q and k match bit for bit in float32. A model may have two ropes (Gemma
-3: one base for sliding-window layers, one for global ones), and may rotate only the leading
-`rotary_dim` dims of each head (NeoX, Phi).
+3: one base for sliding-window layers, one for global ones), may rotate only the leading
+`rotary_dim` dims of each head (NeoX, Phi, GPT-J), and may rotate them pair by pair (GPT-J).
 """
 
 from __future__ import annotations
@@ -87,8 +87,12 @@ def _attention_factor(scaling: dict | None) -> float:
 
 
 class RopeTable:
-    def __init__(self, dim: int, theta: float, scaling: dict | None, device: torch.device | str):
+    def __init__(
+        self, dim: int, theta: float, scaling: dict | None, device: torch.device | str, pairs: bool = False
+    ):  # fmt: skip
+        """`pairs`: each angle rotates dims 2i and 2i + 1 (GPT-J), not i and i + dim / 2."""
         self.inv_freq = inverse_frequencies(dim, theta, scaling, device)
+        self.pairs = pairs
         self.factor = _attention_factor(scaling)
         # LongRoPE switches to its long factors once a forward reaches past the original context
         # (HF decides per forward; vlens per sequence of the batch, which is the same for one sequence).
@@ -100,7 +104,7 @@ class RopeTable:
         if self.switch_at is not None:
             inv_freq = inv_freq[(ctx.attention.sequence_ends >= self.switch_at).long()]  # [T, dim / 2]
         freqs = ctx.positions[:, None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        emb = (freqs.repeat_interleave(2, dim=-1) if self.pairs else torch.cat((freqs, freqs), dim=-1))[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         if self.factor != 1.0:
             cos, sin = cos * self.factor, sin * self.factor
@@ -114,7 +118,7 @@ class Rotary:
     def __init__(self, cfg: ModelConfig, device: torch.device | str):
         self.tables: dict[str, RopeTable] = {}
         if cfg.rotary_dim:
-            self.tables[FULL] = RopeTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, device)
+            self.tables[FULL] = RopeTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, device, cfg.rotary_pairs)
             if cfg.sliding_rope_theta is not None:
                 table = RopeTable(cfg.rotary_dim, cfg.sliding_rope_theta, cfg.sliding_rope_scaling, device)
                 self.tables[SLIDING] = table

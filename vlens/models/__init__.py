@@ -10,6 +10,7 @@ from vlens.models.base import DecoderLM
 from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
+from vlens.models.gptj import GPTJForCausalLM
 from vlens.models.llama import CausalLM
 from vlens.models.olmo import OlmoForCausalLM
 from vlens.models.phi import PhiForCausalLM
@@ -19,6 +20,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "gemma": GemmaForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gpt_neox": GPTNeoXForCausalLM,
+    "gptj": GPTJForCausalLM,
     "olmo": OlmoForCausalLM,
     "phi": PhiForCausalLM,
 }

@@ -57,6 +57,7 @@ class AttentionHeads(nn.Module):
             rank_heads,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
+        self.rotary_pairs = cfg.rotary_pairs
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
         elif cfg.qk_norm == "projection":
@@ -107,7 +108,8 @@ class AttentionHeads(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_kind is not None:
             cos, sin = rope[self.rope_kind]
-            q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
+            rotate = fused.rotate_pairs if self.rotary_pairs else fused.rotate
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             if self.rope_float32:  # (float32 tables: back to the model's dtype, which v keeps)
                 q, k = q.to(v.dtype), k.to(v.dtype)
         q = tap(self.hook_q, q)

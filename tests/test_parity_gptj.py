@@ -1,0 +1,53 @@
+"""GPT-J (the model of ROME, MEMIT and much knowledge-editing work) against HF on tiny random checkpoints: rotary by
+pairs over the leading rotary_dim dims of each head (or all of them), one LayerNorm for both sublayers under the
+parallel residual, the biased unembedding; every tap, packed against alone, greedy generation; and TransformerLens's
+own GPT-J on the same weights."""
+
+from __future__ import annotations
+
+from family_parity import (
+    VOCAB,
+    GenerationParity,
+    TapParity,
+    build,
+    check_feature_matters,
+    check_transformer_lens_names,
+    family_fixture,
+)
+from transformers import GPTJConfig
+
+GPTJ = dict(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128, initializer_range=0.1)
+CONFIGS = {
+    "gptj_partial": lambda: GPTJConfig(**GPTJ, rotary_dim=8),  # (GPT-J 6B rotates 64 of its 256)
+    "gptj_full_rotary": lambda: GPTJConfig(**GPTJ, rotary_dim=16, activation_function="gelu"),
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    pass
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, _ = family
+    cfg = llm.config
+    assert cfg.family == "gptj" and cfg.parallel_residual and cfg.rotary_pairs and not cfg.tie_word_embeddings
+    assert (cfg.rotary_dim, cfg.head_dim, cfg.intermediate_size) == (8 if name == "gptj_partial" else 16, 16, 256)
+    assert not (cfg.qkv_bias or cfg.o_bias) and cfg.mlp_bias and llm.model.lm_head.bias is not None
+
+
+def test_rotation_by_pairs_is_reached(tmp_path):
+    """HF's GPT-J rotating one pair of dims a head, not four, differs: the sequences reach the rotation the parity
+    checks (which, by halves instead of pairs, would put every q and k elsewhere)."""
+    check_feature_matters(CONFIGS["gptj_partial"](), tmp_path, rotary_dim=2)
+
+
+def test_transformer_lens_names_the_same_values(tmp_path):
+    """TransformerLens's own GPT-J on the same weights: the same values under every name both have."""
+    from transformer_lens.pretrained.weight_conversions import convert_gptj_weights
+
+    path = build(CONFIGS["gptj_partial"](), tmp_path, "gptj")
+    check_transformer_lens_names(path, convert_gptj_weights, {
+        "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_pattern",
+        "attn.hook_z", "hook_attn_out", "mlp.hook_post", "hook_mlp_out", "hook_resid_post"})  # fmt: skip
