@@ -26,7 +26,7 @@ family = family_fixture(CONFIGS)
 
 
 class TestParity(TapParity, GenerationParity):
-    pass
+    """Every tap of the text model against HF's multimodal model given text, packed against alone, generation."""
 
 
 def test_config_is_the_text_models(family):
