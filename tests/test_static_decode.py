@@ -17,7 +17,7 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, build
 from replayed_graphs import replay_graphs
-from transformers import Gemma2Config, GptOssConfig, LlamaConfig
+from transformers import Gemma2Config, LlamaConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.attention.decode import DecodeBackend, kernel_layer
@@ -34,9 +34,6 @@ FAMILIES = {
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),  # fmt: skip
-    # attention sinks in every kernel's softmax, routed experts with biases
-    "gpt_oss": lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                    num_experts_per_tok=2, sliding_window=7),  # fmt: skip
 }
 
 
