@@ -31,7 +31,6 @@ from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
-from test_parity_gptj import CONFIGS as GPTJ_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
 
@@ -74,8 +73,6 @@ CONFIGS = {
     "phi": lambda: PhiConfig(**COMMON, hidden_act="gelu_new", pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # each rank's heads' sinks; experts' interleaved gate/up columns split, their down bias added once
     "gpt_oss": GPT_OSS_CONFIGS["gpt_oss"],
-    # rotary by pairs over part of each head; one norm, the parallel residual, a biased unembedding
-    "gptj": GPTJ_CONFIGS["gptj_partial"],
 }
 
 
