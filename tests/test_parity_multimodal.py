@@ -1,13 +1,24 @@
-"""The text model of multimodal checkpoints (Mistral Small 3.1/3.2's Mistral3ForConditionalGeneration, Llava's
-LlavaForConditionalGeneration; Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone,
+"""The text model of multimodal checkpoints (Mistral Small 3.1/3.2's and Ministral 3's Mistral3ForConditionalGeneration,
+Llava's LlavaForConditionalGeneration; Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone,
 on tiny random checkpoints: every tap, packed against alone, greedy generation; the text model's tensors read from
 under language_model. (the vision tower left unread), and the composite config's tying and eos followed."""
 
 from __future__ import annotations
 
-from family_parity import COMMON, GenerationParity, TapParity, family_fixture
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig, PixtralVisionConfig
+from family_parity import COMMON, GenerationParity, TapParity, check_feature_matters, family_fixture
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    Ministral3Config,
+    Mistral3Config,
+    MistralConfig,
+    PixtralVisionConfig,
+)
 
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                   "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.5}  # fmt: skip
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)  # fmt: skip
 CONFIGS = {
@@ -15,6 +26,12 @@ CONFIGS = {
     "mistral3": lambda: Mistral3Config(
         text_config=MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None).to_dict(),
         vision_config=PixtralVisionConfig(**VISION, head_dim=16).to_dict(), image_token_index=299, eos_token_id=[2, 7],
+    ),
+    # Ministral 3 (3B, 8B, 14B): YaRN and Llama 4's attention temperature over an original context of 16 (the
+    # sequences reach 40: q scaled by 1 + 0.5 * log(1 + floor(position / 16)))
+    "ministral3": lambda: Mistral3Config(
+        text_config=Ministral3Config(**COMMON, num_key_value_heads=2, rope_parameters=MINISTRAL3_ROPE).to_dict(),
+        vision_config=PixtralVisionConfig(**VISION, head_dim=16).to_dict(), image_token_index=299,
     ),
     "llava_untied": lambda: LlavaConfig(
         text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
@@ -37,5 +54,14 @@ def test_config_is_the_text_models(family):
     assert (llm.model.lm_head.weight is llm.model.model.embed_tokens.weight) == cfg.tie_word_embeddings
     if name == "mistral3":
         assert cfg.architecture == "MistralForCausalLM" and cfg.tie_word_embeddings and cfg.eos_token_ids == (2, 7)
+    elif name == "ministral3":
+        assert cfg.architecture == "Ministral3ForCausalLM" and cfg.attn_temperature == (0.5, 16)
+        assert cfg.rope_scaling["rope_type"] == "yarn"
     else:
         assert cfg.architecture == "LlamaForCausalLM" and cfg.qkv_bias and not cfg.tie_word_embeddings
+
+
+def test_ministral3_temperature_is_reached(tmp_path):
+    """HF's Ministral 3 without the attention temperature differs: the sequences reach past its original context."""
+    config = Ministral3Config(**COMMON, num_key_value_heads=2, rope_parameters=MINISTRAL3_ROPE)
+    check_feature_matters(config, tmp_path, rope_parameters=MINISTRAL3_ROPE | {"llama_4_scaling_beta": 0.0})

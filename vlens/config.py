@@ -81,6 +81,13 @@ def _smollm3(hf: Any) -> dict[str, Any]:
                 sliding_windows=windows)  # fmt: skip
 
 
+def _ministral3(hf: Any) -> dict[str, Any]:
+    """Ministral 3: Llama 4's attention temperature, q scaled by 1 + beta * log(1 + floor(position / original))."""
+    rope = hf.rope_parameters or {}
+    beta = rope.get("llama_4_scaling_beta")
+    return dict(attn_temperature=(beta, rope["original_max_position_embeddings"]) if beta else None)
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -154,6 +161,7 @@ NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whate
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture({}, _llama, windowed=False),
     "MistralForCausalLM": Architecture(NO_BIAS),
+    "Ministral3ForCausalLM": Architecture(NO_BIAS, _ministral3),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
     "SmolLM3ForCausalLM": Architecture({}, _smollm3),
@@ -211,6 +219,7 @@ TEXT_MODELS = {
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
@@ -278,6 +287,9 @@ class ModelConfig:
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask
     attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, learned, that weighs no value
+    # Ministral 3 (Llama 4's attention temperature): (beta, original context); q times 1 + beta * log(1 + floor(
+    # position / original)) after rotary
+    attn_temperature: tuple[float, int] | None = None
     final_softcap: float | None = None  # Gemma 2/3: the same on the logits
     parallel_residual: bool = False  # NeoX: x + attn(ln1(x)) + mlp(ln2(x)); no resid_mid
     num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): routed experts per MoE layer

@@ -57,7 +57,7 @@ class AttentionHeads(nn.Module):
             rank_heads,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
-        self.rotary_pairs = cfg.rotary_pairs
+        self.rotary_pairs, self.temperature = cfg.rotary_pairs, cfg.attn_temperature
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
         elif cfg.qk_norm == "projection":
@@ -115,6 +115,10 @@ class AttentionHeads(nn.Module):
         q = tap(self.hook_q, q)
         k = tap(self.hook_k, k)
         v = tap(self.hook_v, v)
+        if self.temperature is not None:  # (Ministral 3: after hook_q, as HF scales what its rotary returns)
+            beta, original = self.temperature
+            scale = 1 + beta * torch.log(1 + torch.floor(get_context().positions / original))
+            q = q * scale[:, None, None].to(q.dtype)
         z = self.attn(q, k, v)
         z = tap(self.hook_z, z)
         return z.flatten(1)
