@@ -101,6 +101,13 @@ TEXT_MODEL = dict(layers="model.language_model.layers", embed="model.language_mo
 FAMILIES = {
     "llama": LLAMA,
     "phi3": replace(LLAMA, qkv="self_attn.qkv_proj"),
+    # Cohere 1 and 2: Llama's names, one norm for both sublayers (TransformerLens's ln2 is ln1), no resid_mid
+    "cohere": replace(
+        LLAMA,
+        outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attn", "ln2.hook_out": "input_layernorm",
+                 "hook_mlp_out": "mlp"},  # fmt: skip
+        inputs={"attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "mlp.down_proj"},
+    ),
     "gemma": GEMMA,
     # OLMo 2 and 3: Gemma's post-norms without its pre-norms; TransformerLens calls the post-norms ln1 and ln2
     "olmo": replace(
@@ -168,7 +175,7 @@ FAMILIES = {
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
                "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
-               "gptj": "gptj"}  # fmt: skip
+               "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -191,9 +198,11 @@ def norm_inner(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hook_scale, hook_normalized) of a norm from its input, as TransformerLens defines them: the
     divisor, and the input normalised before the weight (LayerNorm: centred first)."""
     h = x.float()
-    if isinstance(module, torch.nn.LayerNorm) or type(module).__name__ == "OlmoLayerNorm":
+    if isinstance(module, torch.nn.LayerNorm) or type(module).__name__ in ("OlmoLayerNorm", "CohereLayerNorm",
+                                                                           "Cohere2LayerNorm"):
         h = h - h.mean(-1, keepdim=True)
-        eps = getattr(module, "eps", 1e-5)  # (OLMo 1's has no weight, no bias and a fixed eps)
+        # (OLMo 1's has no weight, no bias and a fixed eps; Cohere's calls its eps variance_epsilon)
+        eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", 1e-5)
     else:  # the RMS norms of Llama, Gemma and the rest
         eps = getattr(module, "variance_epsilon", None) or module.eps
     scale = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
@@ -272,6 +281,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
+    if cfg.model_type == "cohere2":  # (rotary on the sliding-window layers alone)
+        rope = [kind == "sliding_attention" for kind in cfg.layer_types]
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
     handles = []

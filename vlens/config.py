@@ -88,6 +88,17 @@ def _ministral3(hf: Any) -> dict[str, Any]:
     return dict(attn_temperature=(beta, rope["original_max_position_embeddings"]) if beta else None)
 
 
+def _cohere(hf: Any) -> dict[str, Any]:
+    if getattr(hf, "use_qk_norm", False):  # (a LayerNorm of its own for every head: Command R+)
+        raise UnsupportedModelError("use_qk_norm=True is not supported for CohereForCausalLM (per-head q/k LayerNorms)")
+    return dict(norm_eps=hf.layer_norm_eps, logit_scale=hf.logit_scale)
+
+
+def _cohere2(hf: Any) -> dict[str, Any]:
+    """Cohere 2 (Command R7B, Command A): rotary only on the sliding-window layers; the others have none (NoPE)."""
+    return _cohere(hf) | dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -156,6 +167,7 @@ LAYER_NORM = {"norm": "layer", "mlp_bias": True}
 OLMO = {"family": "olmo", "norm": "rms_float", "pre_norms": False, "post_norms": True, "qk_norm": "projection",
         "rope_float32": True}  # fmt: skip
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
+COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True, "rotary_pairs": True}
 
 # HF architecture name -> what sets it apart from plain Llama.
 ARCHITECTURES: dict[str, Architecture] = {
@@ -193,6 +205,10 @@ ARCHITECTURES: dict[str, Architecture] = {
          "norm_topk_prob": False},
         _gpt_oss,
     ),
+    # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
+    # without a bias, rotary by pairs, scaled logits
+    "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
+    "Cohere2ForCausalLM": Architecture(COHERE, _cohere2),
     "GPT2LMHeadModel": Architecture(
         {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM,
         _gpt2,
@@ -242,6 +258,8 @@ MODEL_TYPES = {
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
     "gptj": "GPTJForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 
 
@@ -263,7 +281,8 @@ class ModelConfig:
     family: str = "llama"  # which model code runs it (vlens.models.MODEL_CLASSES)
     hidden_act: str = "silu"
     # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale
-    # 1 + w, in float32), "layer" (LayerNorm with bias) or "layer_plain" (OLMo 1: no weight or bias, in float32)
+    # 1 + w, in float32), "layer" (LayerNorm with bias), "layer_plain" (OLMo 1: no weight or bias, in float32) or
+    # "layer_nobias" (Cohere: a weight and no bias, in float32)
     norm: str = "rms"
     qkv_bias: bool = False
     o_bias: bool = False
@@ -291,6 +310,7 @@ class ModelConfig:
     # position / original)) after rotary
     attn_temperature: tuple[float, int] | None = None
     final_softcap: float | None = None  # Gemma 2/3: the same on the logits
+    logit_scale: float = 1.0  # Cohere: the logits times this
     parallel_residual: bool = False  # NeoX: x + attn(ln1(x)) + mlp(ln2(x)); no resid_mid
     num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): routed experts per MoE layer
     experts_per_token: int = 0

@@ -127,16 +127,19 @@ class LayerNorm(nn.Module):
 
 
 class PlainLayerNorm(nn.Module):
-    """OLMo 1's: a LayerNorm with no weight or bias, computed in float32 and rounded to the input's dtype, as HF's.
-    Its output is its normalised input, so `hook_out` and `hook_normalized` hold one value."""
+    """A LayerNorm without a bias, computed in float32 and rounded to the input's dtype, as HF's: OLMo 1's, with no
+    weight either (its output is its normalised input: `hook_out` and `hook_normalized` hold one value), and
+    Cohere's, with a weight (`dim`) applied in float32."""
 
-    def __init__(self, eps: float):
+    def __init__(self, eps: float, dim: int | None = None):
         super().__init__()
         self.eps = eps
+        self.weight = None if dim is None else nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         h = x.float()
-        out = F.layer_norm(h, h.shape[-1:], None, None, self.eps).to(x.dtype)
+        weight = None if self.weight is None else self.weight.float()
+        out = F.layer_norm(h, h.shape[-1:], weight, None, self.eps).to(x.dtype)
         if tapped(hooks.scale) or tapped(hooks.normalized):
             centred = h - h.mean(-1, keepdim=True)
             scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt().to(x.dtype)
@@ -144,13 +147,14 @@ class PlainLayerNorm(nn.Module):
             normalized = (centred / edited_scale.float()).to(x.dtype)
             edited = tap(hooks.normalized, normalized)
             if edited_scale is not scale or edited is not normalized:
-                out = edited
+                out = edited if weight is None else (edited.float() * weight).to(x.dtype)
         return tap(hooks.out, out)
 
     def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """This norm with its divisor given (see RMSNorm.apply_scale): x centred, over scale."""
+        """This norm with its divisor given (see RMSNorm.apply_scale): x centred, over scale (times the weight)."""
         h = x.float()
-        return ((h - h.mean(-1, keepdim=True)) / scale.float()).to(x.dtype)
+        h = (h - h.mean(-1, keepdim=True)) / scale.float()
+        return (h if self.weight is None else h * self.weight.float()).to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -158,6 +162,6 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = cfg.hidden_size if dim is None else dim
     if cfg.norm == "layer":
         return LayerNorm(dim, cfg.norm_eps)
-    if cfg.norm == "layer_plain":
-        return PlainLayerNorm(cfg.norm_eps)
+    if cfg.norm in ("layer_plain", "layer_nobias"):
+        return PlainLayerNorm(cfg.norm_eps, dim if cfg.norm == "layer_nobias" else None)
     return RMSNorm(dim, cfg.norm_eps, cfg.norm)

@@ -7,6 +7,7 @@ import torch
 
 from vlens.config import ModelConfig
 from vlens.models.base import DecoderLM
+from vlens.models.cohere import CohereForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "gpt2": GPT2LMHeadModel,
     "gpt_neox": GPTNeoXForCausalLM,
     "gptj": GPTJForCausalLM,
+    "cohere": CohereForCausalLM,
     "olmo": OlmoForCausalLM,
     "phi": PhiForCausalLM,
 }

@@ -294,6 +294,8 @@ class DecoderLM(nn.Module):
 
     def _unembed(self, normed: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(normed)
+        if self.cfg.logit_scale != 1.0:  # (Cohere)
+            logits = logits * self.cfg.logit_scale
         cap = self.cfg.final_softcap
         if cap is not None:  # Gemma 2/3: cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
