@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
-from transformers import GptOssConfig, LlamaConfig, OlmoeConfig
+from transformers import Cohere2Config, GptOssConfig, LlamaConfig, OlmoeConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.context import get_context
@@ -31,6 +31,12 @@ FAMILIES = {  # family -> (config, a hook of its MLP to capture)
         lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                              sliding_window=7),
         "blocks.2.mlp.hook_router_logits",
+    ),
+    # rotary by pairs on the windowed layers, none on the other; one bias-free LayerNorm, the parallel residual
+    "cohere2": (
+        lambda: Cohere2Config(**COMMON, num_key_value_heads=2, sliding_window=7, logit_scale=0.25,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        "blocks.2.mlp.hook_post",
     ),
 }
 D = COMMON["hidden_size"]
