@@ -175,7 +175,8 @@ FAMILIES = {
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
                "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
-               "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere"}  # fmt: skip
+               "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
+               "exaone4": "olmo"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -281,8 +282,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if cfg.model_type == "cohere2":  # (rotary on the sliding-window layers alone)
-        rope = [kind == "sliding_attention" for kind in cfg.layer_types]
+    if cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
+        rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
     handles = []
@@ -303,8 +304,14 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
         if not rope[layer] or name in ("phi", "gptj"):  # (the projections: NoPE's q and k, the parts past a
             # partial rotary)
-            on_output(block.get_submodule(fam.attn).q_proj, p + "q", raw)
-            on_output(block.get_submodule(fam.attn).k_proj, p + "k", raw)
+            attn = block.get_submodule(fam.attn)
+            if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
+                heads_first = lambda o: o.transpose(1, 2)  # noqa: E731 - reads [B, H, T, d])
+                on_output(attn.q_norm, p + "q", raw, pick=heads_first)
+                on_output(attn.k_norm, p + "k", raw, pick=heads_first)
+            else:
+                on_output(attn.q_proj, p + "q", raw)
+                on_output(attn.k_proj, p + "k", raw)
         for kind, path in fam.outputs.items():
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
@@ -374,7 +381,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                     q = torch.cat([q, raw[p + "q"].view(t, heads, head_dim)[..., dim:]], -1)
                     k = torch.cat([k, raw[p + "k"].view(t, kv_heads, head_dim)[..., dim:]], -1)
             else:  # (SmolLM3's NoPE layers call no rotary: q and k are the projections)
-                q, k = raw[p + "q"].view(t, heads, head_dim), raw[p + "k"].view(t, kv_heads, head_dim)
+                q, k = raw[p + "q"].reshape(t, heads, head_dim), raw[p + "k"].reshape(t, kv_heads, head_dim)
             if name == "gpt_neox":
                 v = qkv.view(t, heads, 3 * head_dim)[..., 2 * head_dim :]
             else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj

@@ -21,7 +21,7 @@ from family_parity import (
     sequences,
 )
 from hf_reference import LAYER_KINDS, hf_taps
-from transformers import AutoModelForCausalLM, Olmo2Config, Olmo3Config, OlmoConfig
+from transformers import AutoModelForCausalLM, Exaone4Config, Olmo2Config, Olmo3Config, OlmoConfig
 
 from vlens import LLM, HookedLM
 
@@ -36,6 +36,11 @@ CONFIGS = {
         **COMMON, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True
     ),
     "olmo3": lambda: Olmo3Config(**OLMO3),
+    # EXAONE 4: OLMo 2's layer with Llama's norm and rotary, q/k norms head by head, NoPE on its global layers
+    "exaone4_windows": lambda: Exaone4Config(
+        **COMMON, num_key_value_heads=2, sliding_window=7, sliding_window_pattern="LLG",
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),  # fmt: skip
 }
 
 family = family_fixture(CONFIGS)
@@ -60,9 +65,13 @@ def test_config_and_hook_names(family):
         assert (cfg.family, cfg.norm, cfg.norm_eps, cfg.clip_qkv, cfg.qk_norm) == ("llama", "layer_plain", 1e-5, 0.5, "")
         assert cfg.pre_norms and not cfg.post_norms and cfg.rope_float32 and not list(llm.model.final_norm.parameters())
         return
-    assert (cfg.family, cfg.norm, cfg.qk_norm) == ("olmo", "rms_float", "projection")
-    assert not cfg.pre_norms and cfg.post_norms and cfg.rope_float32
-    assert cfg.sliding_windows == ((7, None, 7) if name == "olmo3" else (None,) * 3)
+    if name.startswith("exaone4"):
+        assert (cfg.family, cfg.norm, cfg.qk_norm, cfg.rope_float32) == ("olmo", "rms", "head", False)
+        assert cfg.sliding_windows == (7, 7, None) and cfg.nope_layers == (False, False, True)
+    else:
+        assert (cfg.family, cfg.norm, cfg.qk_norm) == ("olmo", "rms_float", "projection") and cfg.rope_float32
+        assert cfg.sliding_windows == ((7, None, 7) if name == "olmo3" else (None,) * 3)
+    assert not cfg.pre_norms and cfg.post_norms
     layer = [h.removeprefix("blocks.1.") for h in llm.hook_names() if h.startswith("blocks.1.")]
     assert layer == [
         "hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_attn_scores", "attn.hook_pattern",

@@ -99,6 +99,13 @@ def _cohere2(hf: Any) -> dict[str, Any]:
     return _cohere(hf) | dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
 
 
+def _exaone4(hf: Any) -> dict[str, Any]:
+    """EXAONE 4: with sliding windows, rotary only on the windowed layers (the others NoPE)."""
+    if hf.sliding_window is None:
+        return {}
+    return dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -189,6 +196,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "OlmoeForCausalLM": Architecture({"qk_norm": "projection", "round_routing_weights": True}, _olmoe),
     "Olmo2ForCausalLM": Architecture(OLMO),
     "Olmo3ForCausalLM": Architecture(OLMO),
+    # EXAONE 4: OLMo 2's post-norms only, Llama's norm and rotary, q/k norms head by head, NoPE global layers
+    "Exaone4ForCausalLM": Architecture(
+        {"family": "olmo", "pre_norms": False, "post_norms": True, "qk_norm": "head"}, _exaone4
+    ),
     # OLMo 1: Llama's layer with LayerNorms of no weight or bias (eps fixed at 1e-5), float32 rotary, clip_qkv
     "OlmoForCausalLM": Architecture(
         {"norm": "layer_plain", "norm_eps": 1e-5, "rope_float32": True}, _olmo, windowed=False
@@ -248,6 +259,7 @@ MODEL_TYPES = {
     "olmoe": "OlmoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
