@@ -208,6 +208,22 @@ def test_token_ids_outside_the_vocabulary_are_refused(smol, tmp_path):
         harvest(smol, path, "hook_embed", tmp_path / "out", context_size=CTX, progress=False)
 
 
+def test_a_config_whose_eos_is_outside_the_vocabulary_is_refused_before_a_forward(tmp_path):
+    """A tiny checkpoint keeping its family's real eos id (Cohere's 255001 in a vocabulary of 300): the separator
+    of packed documents would fail in the embedding mid-run; the harvest says why before it starts."""
+    from family_parity import COMMON, build
+    from transformers import CohereConfig
+
+    from vlens import LLM
+
+    llm = LLM(model=build(CohereConfig(**COMMON, eos_token_id=255001), tmp_path, "cohere"), dtype="float32",
+              device="cpu")  # fmt: skip
+    path = write_jsonl(tmp_path / "ids.jsonl", [[5, 6, 7], [8, 9]], field="tokens")
+    with pytest.raises(ValueError, match=r"model: its eos_token_id 255001 is outside its vocabulary \[0, 300\)"):
+        harvest(llm, path, "hook_embed", tmp_path / "out", context_size=CTX, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_field_in_a_later_row_names_the_line(smol, tmp_path):
     path = tmp_path / "ragged.jsonl"
     path.write_text(json.dumps({"text": DOCS[0] * 3}) + "\n" + json.dumps({"body": "x"}) + "\n")

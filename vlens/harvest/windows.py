@@ -113,6 +113,12 @@ def make_packing(
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if eos is None and cfg.eos_token_ids:
         eos = cfg.eos_token_ids[0]
+    for name, token in (("bos_token_id", bos), ("eos_token_id", eos)):  # (the embedding would fail mid-run)
+        if token is not None and not 0 <= token < cfg.vocab_size:
+            raise ValueError(
+                f"model: its {name} {token} is outside its vocabulary [0, {cfg.vocab_size}), and a harvest puts it "
+                "in the windows (to open one, or between packed documents); fix the checkpoint's config"
+            )
     if bos is not None and exclude_bos:
         excluded = sorted({*excluded, bos})
     roles = None if roles is None else tuple(roles)
