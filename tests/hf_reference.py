@@ -176,7 +176,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
-               "exaone4": "olmo"}  # fmt: skip
+               "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal"}  # fmt: skip
 
 
 def family_of(hf_model) -> tuple[str, Family]:

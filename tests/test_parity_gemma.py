@@ -69,7 +69,7 @@ def test_config_is_read_as_intended(family):
     if name == "gemma3":
         assert (cfg.rope_theta, cfg.sliding_rope_theta) == (1000000.0, 100.0)
     if name == "gemma3_multimodal":  # (the tensors under language_model., the checkpoint's own eos)
-        assert cfg.architecture == "Gemma3ForCausalLM" and cfg.weights_prefix == "language_model."
+        assert cfg.architecture == "Gemma3ForCausalLM" and cfg.stored_as == ("language_model.model.", "language_model.lm_head.")
         assert cfg.eos_token_ids == (1, 106)
 
 

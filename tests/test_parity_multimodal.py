@@ -1,5 +1,5 @@
 """The text model of multimodal checkpoints (Mistral Small 3.1/3.2's and Ministral 3's Mistral3ForConditionalGeneration,
-Llava's LlavaForConditionalGeneration; Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone,
+Llava's LlavaForConditionalGeneration, Qwen2.5-VL's and Qwen3-VL's; Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone,
 on tiny random checkpoints: every tap, packed against alone, greedy generation; the text model's tensors read from
 under language_model. (the vision tower left unread), and the composite config's tying and eos followed."""
 
@@ -14,6 +14,8 @@ from transformers import (
     Mistral3Config,
     MistralConfig,
     PixtralVisionConfig,
+    Qwen2_5_VLConfig,
+    Qwen3VLConfig,
 )
 
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
@@ -33,6 +35,22 @@ CONFIGS = {
         text_config=Ministral3Config(**COMMON, num_key_value_heads=2, rope_parameters=MINISTRAL3_ROPE).to_dict(),
         vision_config=PixtralVisionConfig(**VISION, head_dim=16).to_dict(), image_token_index=299,
     ),
+    # Qwen2.5-VL and Qwen3-VL: their multimodal rotary, given text alone, is the plain one; Qwen2.5-VL stores its text
+    # model as a causal LM does, Qwen3-VL under model.language_model. (as transformers 5 saves)
+    "qwen2_5_vl": lambda: Qwen2_5_VLConfig(
+        text_config=dict(COMMON, num_key_value_heads=2, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[0]),
+        image_token_id=299, video_token_id=298, vision_start_token_id=297, eos_token_id=2, bos_token_id=1,
+    ),
+    "qwen3_vl": lambda: Qwen3VLConfig(
+        text_config=dict(COMMON, num_key_value_heads=2, head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], num_position_embeddings=16),
+        image_token_id=299, video_token_id=298, vision_start_token_id=297, eos_token_id=2,
+    ),
     "llava_untied": lambda: LlavaConfig(
         text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
         vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, tie_word_embeddings=False,
@@ -49,11 +67,14 @@ class TestParity(TapParity, GenerationParity):
 def test_config_is_the_text_models(family):
     name, _, llm, hf = family
     cfg = llm.config
-    assert cfg.weights_prefix == "language_model." and cfg.num_layers == 3
+    assert cfg.stored_as is not None and cfg.num_layers == 3
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert (llm.model.lm_head.weight is llm.model.model.embed_tokens.weight) == cfg.tie_word_embeddings
     if name == "mistral3":
         assert cfg.architecture == "MistralForCausalLM" and cfg.tie_word_embeddings and cfg.eos_token_ids == (2, 7)
+    elif name.startswith("qwen"):
+        assert cfg.architecture == ("Qwen2ForCausalLM" if name == "qwen2_5_vl" else "Qwen3ForCausalLM")
+        assert cfg.stored_as == (("model.", "lm_head.") if name == "qwen2_5_vl" else ("model.language_model.", "lm_head."))
     elif name == "ministral3":
         assert cfg.architecture == "Ministral3ForCausalLM" and cfg.attn_temperature == (0.5, 16)
         assert cfg.rope_scaling["rope_type"] == "yarn"

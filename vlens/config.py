@@ -235,11 +235,16 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 # Multimodal checkpoints whose text model vlens runs (token ids in, no images; its config is their text_config, one
-# of ARCHITECTURES) -> what the names of its tensors start with in them (their vision tower is left unread).
+# of ARCHITECTURES) -> where they keep what a causal LM names model.* and lm_head.* (their vision tower is left
+# unread): under language_model. in most (as transformers 4 saved them), Qwen2.5-VL's as a causal LM's, Qwen3-VL's
+# decoder under model.language_model. (as transformers 5 saves them).
+LEGACY = ("language_model.model.", "language_model.lm_head.")
 TEXT_MODELS = {
-    "Gemma3ForConditionalGeneration": "language_model.",
-    "Mistral3ForConditionalGeneration": "language_model.",  # Mistral Small 3.1 and 3.2
-    "LlavaForConditionalGeneration": "language_model.",
+    "Gemma3ForConditionalGeneration": LEGACY,
+    "Mistral3ForConditionalGeneration": LEGACY,  # Mistral Small 3.1 and 3.2, Ministral 3
+    "LlavaForConditionalGeneration": LEGACY,
+    "Qwen2_5_VLForConditionalGeneration": ("model.", "lm_head."),
+    "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -266,6 +271,11 @@ MODEL_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "qwen3_vl_text": "Qwen3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -338,7 +348,8 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    weights_prefix: str = ""  # what the checkpoint's tensor names start with ("language_model.": a multimodal one's)
+    # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
+    stored_as: tuple[str, str] | None = None
     parallel: Parallel = SINGLE  # this process's share of a tensor-parallel model (vlens.distributed)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -363,7 +374,7 @@ class ModelConfig:
             text = cls.from_hf(hf.text_config)
             eos = _token_ids(getattr(hf, "eos_token_id", None)) or text.eos_token_ids
             tied = bool(getattr(hf, "tie_word_embeddings", text.tie_word_embeddings))
-            return dataclasses.replace(text, weights_prefix=TEXT_MODELS[arch], eos_token_ids=eos,
+            return dataclasses.replace(text, stored_as=TEXT_MODELS[arch], eos_token_ids=eos,
                                        tie_word_embeddings=tied)  # fmt: skip
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
@@ -379,7 +390,7 @@ class ModelConfig:
             rope = dict(rope["full_attention"] or {})
         theta, scaling = _rope(rope, hf)
         partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
-        eos = _token_ids(hf.eos_token_id)
+        eos = _token_ids(getattr(hf, "eos_token_id", None))  # (a multimodal text config may have none)
         fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,

@@ -266,9 +266,19 @@ def checkpoint_layout(model: DecoderLM) -> dict[str, Slot]:
     return layout
 
 
+def stored_name(key: str, cfg: ModelConfig) -> str:
+    """The checkpoint's name of vlens's tensor `key`: itself, but in a multimodal checkpoint, whose text model's
+    model.* and lm_head.* are stored under other prefixes (ModelConfig.stored_as)."""
+    if cfg.stored_as is None:
+        return key
+    for prefix, stored in zip(("model.", "lm_head."), cfg.stored_as):
+        if key.startswith(prefix):
+            return stored + key.removeprefix(prefix)
+    return key
+
+
 def load_weights(model: DecoderLM, path: Path) -> None:
-    # (a multimodal checkpoint keeps its text model's tensors under a prefix: language_model.)
-    layout = {model.cfg.weights_prefix + key: slot for key, slot in checkpoint_layout(model).items()}
+    layout = {stored_name(key, model.cfg): slot for key, slot in checkpoint_layout(model).items()}
     loaded: set[str] = set()
     with contextlib.ExitStack() as files:
         stored: dict[str, Any] = {}  # tensor name -> its open file
