@@ -33,12 +33,18 @@ def _gemma2(hf: Any) -> dict[str, Any]:
     return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
 
 
-def _gpt2(hf: Any) -> dict[str, Any]:
-    head_dim = hf.hidden_size // hf.num_attention_heads
+def _gpt2_spelling(hf: Any) -> dict[str, Any]:
+    """The fields GPT-2's config (and GPT-J's) names its own way."""
     return dict(
         intermediate_size=hf.n_inner or 4 * hf.hidden_size,
         hidden_act=hf.activation_function,
         norm_eps=hf.layer_norm_epsilon,
+    )
+
+
+def _gpt2(hf: Any) -> dict[str, Any]:
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    return _gpt2_spelling(hf) | dict(
         attn_scale=head_dim**-0.5 if hf.scale_attn_weights else 1.0,
         attn_scale_inverse_layer=bool(hf.scale_attn_by_inverse_layer_idx),
     )
@@ -54,13 +60,7 @@ def _gpt_neox(hf: Any) -> dict[str, Any]:
 
 
 def _gptj(hf: Any) -> dict[str, Any]:
-    head_dim = hf.hidden_size // hf.num_attention_heads
-    return dict(
-        intermediate_size=hf.n_inner or 4 * hf.hidden_size,
-        hidden_act=hf.activation_function,
-        norm_eps=hf.layer_norm_epsilon,
-        rotary_dim=hf.rotary_dim or head_dim,
-    )
+    return _gpt2_spelling(hf) | dict(rotary_dim=hf.rotary_dim or hf.hidden_size // hf.num_attention_heads)
 
 
 def _phi(hf: Any) -> dict[str, Any]:
