@@ -101,6 +101,7 @@ TEXT_MODEL = dict(layers="model.language_model.layers", embed="model.language_mo
 FAMILIES = {
     "llama": LLAMA,
     "phi3": replace(LLAMA, qkv="self_attn.qkv_proj"),
+    "stablelm": LLAMA,  # (its rotary returns the leading partial_rotary_factor of each head alone)
     # Cohere 1 and 2: Llama's names, one norm for both sublayers (TransformerLens's ln2 is ln1), no resid_mid
     "cohere": replace(
         LLAMA,
@@ -176,7 +177,10 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
-               "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal"}  # fmt: skip
+               "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
+               "stablelm": "stablelm"}  # fmt: skip
+# Families whose rotary returns the leading dims of each head alone (the rest are as projected)
+PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -302,7 +306,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
         on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
-        if not rope[layer] or name in ("phi", "gptj"):  # (the projections: NoPE's q and k, the parts past a
+        if not rope[layer] or name in PARTIAL_ROTARY:  # (the projections: NoPE's q and k, the parts past a
             # partial rotary)
             attn = block.get_submodule(fam.attn)
             if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
@@ -376,7 +380,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         else:
             if rope[layer]:  # (the rotary calls of the layers that have one, in order)
                 q, k = (x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
-                if name in ("phi", "gptj"):  # they rotate the leading dims alone: the rest as projected
+                if name in PARTIAL_ROTARY:  # they rotate the leading dims alone: the rest as projected
                     dim = q.shape[-1]
                     q = torch.cat([q, raw[p + "q"].view(t, heads, head_dim)[..., dim:]], -1)
                     k = torch.cat([k, raw[p + "k"].view(t, kv_heads, head_dim)[..., dim:]], -1)

@@ -36,9 +36,11 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
+    StableLmConfig,
 )
 
 from vlens import LLM
+from vlens.config import UnsupportedModelError
 
 CONFIGS = {
     # rope_parameters spelled the transformers-5 way
@@ -67,6 +69,9 @@ CONFIGS = {
         **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1
     ),
     "qwen3_head_dim": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32),
+    # StableLM 2: LayerNorms with biases, a quarter of each head rotated, q/k/v biases
+    "stablelm_partial_bias": lambda: StableLmConfig(**COMMON, num_key_value_heads=2, use_qkv_bias=True,
+                                                    partial_rotary_factor=0.25),  # fmt: skip
     # YaRN as long-context Qwen configs set it (gpt-oss's: test_parity_gpt_oss.py), and DeepSeek's two mscales
     "qwen3_yarn": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
@@ -119,6 +124,8 @@ def test_config_is_read_as_intended(family):
         "qwen2_tied": {"qkv_bias": True, "o_bias": False, "windows": (None,) * 3},
         "qwen2_window_layers": {"qkv_bias": True, "windows": (None, 5, 5)},
         "qwen3_head_dim": {"head_dim": 32, "qk_norm": "head", "qkv_bias": False},
+        "stablelm_partial_bias": {"norm": "layer", "rotary_dim": 4, "qkv_bias": True, "o_bias": False,
+                                  "mlp_bias": False},  # fmt: skip
         "qwen3_yarn": {"rope": ("yarn", 4.0), "qk_norm": "head"},
         "llama_yarn_mscale": {"rope": ("yarn", 4.0)},
         "qwen3_tied_mqa_bias": {"head_dim": 8, "qk_norm": "head", "qkv_bias": True, "o_bias": True},
@@ -158,12 +165,15 @@ FEATURE_OFF = {
 }
 
 
-generating = family_fixture({name: CONFIGS[name] for name in ("smollm3_nope_swa", "gemma1_mqa_bias")}, "generating")
+generating = family_fixture(
+    {name: CONFIGS[name] for name in ("smollm3_nope_swa", "gemma1_mqa_bias", "stablelm_partial_bias")}, "generating"
+)
 
 
 def test_generation_of_layers_the_smollm2_test_does_not_run(generating):
     """Greedy generation through the paged cache against HF generate, decode steps included, for the layers the
-    SmolLM2 test does not run: without rotary (SmolLM3, a window on them) and with Gemma 1's norms."""
+    SmolLM2 test does not run: without rotary (SmolLM3, a window on them), with Gemma 1's norms, with StableLM's
+    LayerNorms and partial rotary."""
     _, _, llm, hf = generating
     check_generation(llm, hf, sequences((20, 9, 3)))
 
@@ -205,3 +215,10 @@ def test_config_without_architectures_falls_back_on_model_type(tmp_path):
     ids = sequences()[1]
     got = llm.trace([ids], hooks="unembed.hook_out")[0]["unembed.hook_out"]
     assert rel_err(got, hf_taps(hf, ids, [])["unembed.hook_out"]) <= TOL
+
+
+@pytest.mark.parametrize("flag", ["use_parallel_residual", "qk_layernorm"])
+def test_stablelm_variants_vlens_does_not_run_are_refused_by_name(flag, tmp_path):
+    path = build(StableLmConfig(**COMMON, **{flag: True}), tmp_path, flag)
+    with pytest.raises(UnsupportedModelError, match=f"{flag}=True is not supported for StableLmForCausalLM"):
+        LLM(model=path, dtype="float32", device="cpu")

@@ -106,6 +106,13 @@ def _exaone4(hf: Any) -> dict[str, Any]:
     return dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
 
 
+def _stablelm(hf: Any) -> dict[str, Any]:
+    for flag in ("use_parallel_residual", "qk_layernorm"):  # (StableLM 2 12B: a parallel block, a LayerNorm per head)
+        if getattr(hf, flag, False):
+            raise UnsupportedModelError(f"{flag}=True is not supported for StableLmForCausalLM")
+    return dict(norm_eps=hf.layer_norm_eps, qkv_bias=bool(hf.use_qkv_bias))
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -184,6 +191,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
     "SmolLM3ForCausalLM": Architecture({}, _smollm3),
+    # StableLM (2 1.6B, 3B-4E1T): Llama's layer with LayerNorms (biased) and partial rotary
+    "StableLmForCausalLM": Architecture({"norm": "layer", "o_bias": False}, _stablelm, windowed=False),
     # Phi-1/1.5/2: GPT-NeoX's parallel residual with one LayerNorm, biases everywhere (the unembedding's too)
     "PhiForCausalLM": Architecture(
         {"family": "phi", "parallel_residual": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _phi,
@@ -255,6 +264,7 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "stablelm": "StableLmForCausalLM",
     "phi": "PhiForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
