@@ -98,12 +98,12 @@ def generic_activation_patch(
         for layer, name in names.items():
             entering = padding.pack(corrupted[streams[layer]]).split(lens)  # what every copy's layer reads
             before, copies = corrupted[name], []
+            sinks = model.blocks[layer].attn.sinks if through_values and model.cfg.attn_sinks else None  # (gpt-oss)
             for i, index in enumerate(indices):
                 if index[0] == layer:
                     after = patch_setter(before.clone(), index, clean_cache[name])
                     if through_values:
                         rows = (after != before).any(-1)  # [batch, heads, dest]: the rows a patch changed
-                        sinks = model.blocks[layer].attn.sinks if model.cfg.attn_sinks else None
                         pattern = after if taps[name].endswith("hook_pattern") else _softmax(after, sinks)
                         after, changed = _through_values(pattern, rows, corrupted[values[layer]], group)
                     else:
