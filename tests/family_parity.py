@@ -116,12 +116,15 @@ def transformer_lens_gemma2(root: Path) -> tuple[str, torch.nn.Module]:
     return path, reference
 
 
-def check_transformer_lens_names(path: str, convert, kinds: set[str], settings: dict | None = None) -> None:
+def check_transformer_lens_names(
+    path: str, convert, kinds: set[str], settings: dict | None = None, weights: tuple[str, ...] = ()
+) -> None:
     """TransformerLens's own model of the checkpoint at `path` (its config `settings`, or read from the checkpoint
     where TransformerLens can; its weight conversion `convert`) on the same weights: logits within 1e-5, and
     HookedLM's cache holds the same values
     under every name both have, `kinds` of layer hooks among them (TransformerLens's hook_rot_q / hook_rot_k are
-    vlens's hook_q / hook_k; its MoE taps are [pos, ...] of the batch's one text)."""
+    vlens's hook_q / hook_k where it has them; its MoE taps are [pos, ...] of the batch's one text); and HookedLM's
+    `weights` (W_Q, b_O, ...) are TransformerLens's."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.loading_from_pretrained import convert_hf_model_config
 
@@ -133,12 +136,16 @@ def check_transformer_lens_names(path: str, convert, kinds: set[str], settings: 
     reference = HookedTransformer(HookedTransformerConfig(**settings))
     reference.load_state_dict(convert(hf, reference.cfg), strict=False)
     tokens = torch.tensor([sequences()[-1]])
-    logits, cache = HookedLM(path, dtype="float32", device="cpu").run_with_cache(tokens)
+    hooked = HookedLM(path, dtype="float32", device="cpu")
+    for weight in weights:
+        assert torch.equal(getattr(hooked, weight), getattr(reference, weight)), weight
+    logits, cache = hooked.run_with_cache(tokens)
     with torch.no_grad():
         ref_logits, ref_cache = reference.run_with_cache(tokens)
     assert rel_err(logits, ref_logits) <= 1e-5
-    renamed = {name.replace("hook_rot_", "hook_"): name for name in ref_cache if "hook_q" not in name
-               and "hook_k" not in name}  # fmt: skip (TransformerLens's hook_q / hook_k: before rotary)
+    rotary = any("hook_rot_" in name for name in ref_cache)  # (then TransformerLens's hook_q / hook_k: before it)
+    renamed = {name.replace("hook_rot_", "hook_"): name for name in ref_cache
+               if not rotary or ("hook_q" not in name and "hook_k" not in name)}  # fmt: skip
     common = sorted(set(renamed) & set(cache))
     assert kinds <= {name.split(".", 2)[-1] for name in common if name.startswith("blocks.")}
     for name in common:

@@ -145,6 +145,16 @@ FAMILIES = {
         final_norm="transformer.ln_f",
         extra={"hook_pos_embed": "transformer.wpe"},
     ),
+    "gpt_neo": Family(  # GPT-2's layer, its attention one module deeper, q/k/v projected apart
+        layers="transformer.h",
+        embed="transformer.wte",
+        attn="attn.attention",
+        outputs={"ln1.hook_out": "ln_1", "hook_attn_out": "attn", "ln2.hook_out": "ln_2", "hook_mlp_out": "mlp"},
+        inputs={"hook_resid_mid": "ln_2", "attn.hook_z": "attn.attention.out_proj", "mlp.hook_post": "mlp.c_proj"},
+        qkv="attn.attention.v_proj",
+        final_norm="transformer.ln_f",
+        extra={"hook_pos_embed": "transformer.wpe"},
+    ),
     "gptj": Family(  # Phi's layer under GPT-2's names: one norm for both sublayers, no resid_mid
         layers="transformer.h",
         embed="transformer.wte",
@@ -178,7 +188,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
-               "stablelm": "stablelm"}  # fmt: skip
+               "stablelm": "stablelm", "gpt_neo": "gpt_neo"}  # fmt: skip
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 
@@ -286,7 +296,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
+    if name == "gpt_neo":  # (learned positions: q and k are the projections)
+        rope = [False] * n
+    elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}

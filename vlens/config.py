@@ -50,6 +50,17 @@ def _gpt2(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gpt_neo(hf: Any) -> dict[str, Any]:
+    """GPT-Neo: unscaled scores; a window on the layers `attention_types` marks local."""
+    return dict(
+        intermediate_size=hf.intermediate_size or 4 * hf.hidden_size,
+        hidden_act=hf.activation_function,
+        norm_eps=hf.layer_norm_epsilon,
+        attn_scale=1.0,
+        sliding_windows=tuple(hf.window_size if kind == "local" else None for kind in hf.attention_layers),
+    )
+
+
 def _gpt_neox(hf: Any) -> dict[str, Any]:
     return dict(
         norm_eps=hf.layer_norm_eps,
@@ -234,6 +245,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         _gpt2,
         windowed=False,
     ),
+    # GPT-Neo (and TinyStories): GPT-2's model; q, k, v apart without biases, unscaled scores, local layers
+    "GPTNeoForCausalLM": Architecture(
+        {"family": "gpt_neo", "learned_positions": True, "qkv_bias": False, "o_bias": True} | LAYER_NORM, _gpt_neo,
+        windowed=False,
+    ),
     "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
     # GPT-J: Phi's parallel residual with one LayerNorm, rotary by pairs over the leading rotary_dim dims, no
     # attention biases, a biased unembedding
@@ -288,6 +304,7 @@ MODEL_TYPES = {
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "gpt_neo": "GPTNeoForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "gptj": "GPTJForCausalLM",
     "cohere": "CohereForCausalLM",

@@ -10,6 +10,7 @@ from vlens.models.base import DecoderLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
+from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
 from vlens.models.llama import CausalLM
@@ -20,6 +21,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
     "gemma": GemmaForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "gpt_neo": GPTNeoForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "gptj": GPTJForCausalLM,
     "cohere": CohereForCausalLM,

@@ -63,18 +63,20 @@ class GPT2Block(ResidualBlock):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, block: type[ResidualBlock]):
         super().__init__()
         self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
+        self.h = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = make_norm(cfg)
 
 
 class GPT2LMHeadModel(DecoderLM):
+    block: type[ResidualBlock] = GPT2Block  # (GPT-Neo: its own layer in GPT-2's model)
+
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
-        self.transformer = GPT2Model(cfg)
+        self.transformer = GPT2Model(cfg, self.block)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.transformer.wte)
