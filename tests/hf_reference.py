@@ -95,6 +95,8 @@ GEMMA = Family(
     final_norm="model.norm",
     post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
 )
+# Gemma 4: Gemma's names; the values are v_norm's output (its full layers have no v_proj where keys are values)
+GEMMA4 = replace(GEMMA, qkv="self_attn.v_norm")
 # Where a multimodal model (Gemma 3 4B-27B, Mistral 3, Llava) keeps its text model's modules
 TEXT_MODEL = dict(layers="model.language_model.layers", embed="model.language_model.embed_tokens",
                   final_norm="model.language_model.norm")  # fmt: skip
@@ -119,6 +121,8 @@ FAMILIES = {
     ),
     # multimodal models (Gemma 3 4B-27B, Mistral 3, Llava): their text model, beside the vision tower
     "gemma3_multimodal": replace(GEMMA, **TEXT_MODEL),
+    "gemma4": GEMMA4,
+    "gemma4_multimodal": replace(GEMMA4, **TEXT_MODEL),
     "llama_multimodal": replace(LLAMA, **TEXT_MODEL),
     "phi": Family(  # one norm for both sublayers (TransformerLens's ln2 is ln1, read again); no resid_mid
         layers="model.layers",
@@ -188,7 +192,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
-               "stablelm": "stablelm", "gpt_neo": "gpt_neo"}  # fmt: skip
+               "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
+               "gemma4": "gemma4_multimodal"}  # fmt: skip
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 
@@ -230,8 +235,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _recording_rotary(attn_module, store: list):
-    """Record what HF's apply_rotary_pos_emb returns, call by call (one call per layer, in order)."""
+def _recording_rotary(attn_module, store: list, keys_first: bool = True):
+    """Record what HF's apply_rotary_pos_emb returns, call by call (one call per layer, in order); where it rotates
+    one tensor a call, two calls make a layer's pair, the keys first unless `keys_first` is False (Gemma 4)."""
     module = sys.modules[type(attn_module).__module__]
     original = getattr(module, "apply_rotary_pos_emb", None)
     if original is None:  # no rotary (GPT-2)
@@ -242,10 +248,10 @@ def _recording_rotary(attn_module, store: list):
 
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
-        if isinstance(out, torch.Tensor):  # GPT-J: one tensor a call, [B, T, H, rotary_dim], the keys then the queries
+        if isinstance(out, torch.Tensor):  # GPT-J, Gemma 4: one tensor a call, [B, T, H, rotary_dim]
             pending.append(out.clone().transpose(1, 2))
             if len(pending) == 2:
-                store.append((pending[1], pending[0]))
+                store.append((pending[1], pending[0]) if keys_first else (pending[0], pending[1]))
                 pending.clear()
             return out
         q, k = out
@@ -291,8 +297,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     name, fam = family_of(hf_model)
     n = cfg.num_hidden_layers
     heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4: read per layer, below)
+        kv_heads = head_dim = None
+    else:
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
@@ -360,7 +369,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     if patterns:
         hf_model.set_attn_implementation("eager")  # the attention whose scores can be recorded
     try:
-        with _recording_rotary(blocks[0].get_submodule(fam.attn), rotated), _recording_softmax(softmaxes):
+        with (_recording_rotary(blocks[0].get_submodule(fam.attn), rotated, keys_first=not name.startswith("gemma4")),
+              _recording_softmax(softmaxes)):  # fmt: skip
             out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
@@ -383,6 +393,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     got["unembed.hook_out"] = out.logits[0]
     for layer in layers:
         p = f"blocks.{layer}."
+        if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
+            head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
         got[p + "hook_resid_pre"] = out.hidden_states[layer][0]
         got[p + "hook_resid_post"] = raw[p + "raw_resid_post"]
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, head_dim)
@@ -400,6 +412,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 q, k = raw[p + "q"].reshape(t, heads, head_dim), raw[p + "k"].reshape(t, kv_heads, head_dim)
             if name == "gpt_neox":
                 v = qkv.view(t, heads, 3 * head_dim)[..., 2 * head_dim :]
+            elif name.startswith("gemma4"):  # (v_norm's output, [1, T, H_kv, d])
+                v = qkv[0]
             else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj
                 v = qkv[:, -kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
             clip = getattr(cfg, "clip_qkv", None)  # (OLMoE clamps v_proj's output in place, after the hook saw it)

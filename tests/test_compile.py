@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
+from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from transformers import Cohere2Config, GptOssConfig, LlamaConfig, OlmoeConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
@@ -38,6 +39,8 @@ FAMILIES = {  # family -> (config, a hook of its MLP to capture)
                               layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
         "blocks.2.mlp.hook_post",
     ),
+    # layers of two head sizes (their caches apart), keys that are values, values normalised, layer scalars
+    "gemma4": (GEMMA4_CONFIGS["gemma4_keys_are_values"], "blocks.2.mlp.hook_post"),
 }
 D = COMMON["hidden_size"]
 

@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GPT2Config,
     GPTNeoXConfig,
     GptOssConfig,
@@ -42,6 +43,11 @@ FAMILIES = {
     "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2),
     "gpt_oss": lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                     num_experts_per_tok=2, sliding_window=6),  # (attention sinks)
+    # unscaled scores of normalised q and k; the full layers' heads twice the size, keys their values
+    "gemma4": lambda: Gemma4TextConfig(**COMMON, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+                                       sliding_window=6, layer_types=["sliding_attention", "full_attention",
+                                       "full_attention"], attention_k_eq_v=True, num_global_key_value_heads=1,
+                                       hidden_size_per_layer_input=0),
 }  # fmt: skip
 # Layer 0 of the Gemma configs has a sliding window (6, shorter than the prompts), layer 1 full attention.
 PATTERN = ["blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]

@@ -30,6 +30,7 @@ from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
+from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
@@ -73,6 +74,8 @@ CONFIGS = {
     "phi": lambda: PhiConfig(**COMMON, hidden_act="gelu_new", pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # each rank's heads' sinks; experts' interleaved gate/up columns split, their down bias added once
     "gpt_oss": GPT_OSS_CONFIGS["gpt_oss"],
+    # layers of two head sizes: the sliding ones' two key-value heads split, the full ones' one replicated
+    "gemma4": GEMMA4_CONFIGS["gemma4_keys_are_values"],
 }
 
 

@@ -29,6 +29,33 @@ def _gemma(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gemma4(hf: Any) -> dict[str, Any]:
+    """Gemma 4: its full-attention layers have heads of their own size (`global_head_dim`) and, where keys are
+    values (`attention_k_eq_v`), their own number of key-value heads; scores are not scaled (q/k norms take the
+    place of 1/sqrt(d)); the full layers' rotary turns a fraction of each head's frequency pairs ("proportional"
+    rope). Per-layer embeddings, key-value sharing between layers and the parallel MoE block are refused by name."""
+    for flag, value in (("hidden_size_per_layer_input", hf.hidden_size_per_layer_input),
+                        ("num_kv_shared_layers", hf.num_kv_shared_layers), ("enable_moe_block", hf.enable_moe_block),
+                        ("use_bidirectional_attention", "all" if hf.use_bidirectional_attention == "all" else None),
+                        ):  # fmt: skip
+        if value:  # ("vision": images attend both ways, text causally, as vlens runs it)
+            raise UnsupportedModelError(
+                f"{flag}={value!r} is not supported for Gemma 4 (vlens runs its dense causal text model without "
+                "per-layer embeddings or shared key-value layers)"
+            )
+    layers = [hf.per_layer_config[i] for i in range(hf.num_hidden_layers)]
+    return dict(
+        hidden_act=hf.hidden_activation,
+        attn_scale=1.0,
+        final_softcap=hf.final_logit_softcapping,
+        layer_head_dims=tuple(c.head_dim for c in layers),
+        layer_kv_heads=tuple(c.num_key_value_heads for c in layers),
+        keys_are_values=tuple(hf.attention_k_eq_v and kind == "full_attention" for kind in hf.layer_types),
+        rotary_dim=_global(hf, "head_dim"),  # (each layer rotates its whole head; the full layers' rope zeroes some
+        # of its frequencies)
+    )
+
+
 def _gemma2(hf: Any) -> dict[str, Any]:
     return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
 
@@ -229,6 +256,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": "head"}, _gemma),
+    # Gemma 4: Gemma 3's layer with norms that scale by w (not 1 + w), values normalised too, a learned scalar
+    # on each layer's output, and full-attention layers with heads of their own size
+    "Gemma4ForCausalLM": Architecture(
+        GEMMA | {"family": "gemma4", "norm": "rms_float", "qk_norm": "head", "v_norm": True}, _gemma4
+    ),
     # gpt-oss: a sink logit per head in every softmax; routed experts with biases, a router with a bias that
     # weighs the top k by their softmax, and a clamped SwiGLU; norms scaled in float32; YaRN rotary
     "GptOssForCausalLM": Architecture(
@@ -270,6 +302,7 @@ TEXT_MODELS = {
     "LlavaForConditionalGeneration": LEGACY,
     "Qwen2_5_VLForConditionalGeneration": ("model.", "lm_head."),
     "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
+    "Gemma4ForConditionalGeneration": ("model.language_model.", "lm_head."),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -295,6 +328,8 @@ MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -373,6 +408,12 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
+    # Gemma 4, per layer: head size and key-value heads (its full-attention layers' differ; () = head_dim and
+    # num_kv_heads everywhere), and where the keys are the values (one projection, before the key norm)
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    keys_are_values: tuple[bool, ...] = ()
+    v_norm: bool = False  # Gemma 4: values RMS-normalised head by head (no weight)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
@@ -381,6 +422,16 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def head_dim_at(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_at(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def rotary_dim_at(self, layer: int) -> int:
+        """The leading dims of each of the layer's heads that rotate: the same fraction of every layer's heads."""
+        return self.rotary_dim * self.head_dim_at(layer) // self.head_dim
 
     # TransformerLens's names for the same numbers: ported notebooks read `model.cfg.n_layers` (HookedLM.cfg)
     n_layers = property(lambda self: self.num_layers)
@@ -409,7 +460,7 @@ class ModelConfig:
             bias = bool(getattr(hf, "attention_bias", False))
             flags.update(qkv_bias=bias, o_bias=flags.get("o_bias", bias))
         heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        head_dim = _global(hf, "head_dim") or hf.hidden_size // heads
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         if "full_attention" in rope:  # Gemma 3: one rope per layer type
             sliding_theta, sliding_scaling = _rope(rope.get("sliding_attention") or {}, hf)
@@ -425,7 +476,7 @@ class ModelConfig:
             intermediate_size=getattr(hf, "intermediate_size", None),
             num_layers=hf.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            num_kv_heads=_global(hf, "num_key_value_heads") or heads,
             head_dim=head_dim,
             norm_eps=getattr(hf, "rms_norm_eps", None),
             rope_theta=theta,
@@ -457,6 +508,15 @@ def supported_architecture(architectures: list[str] | None, model_type: str | No
             f"supported architectures: {supported}"
         )
     return arch
+
+
+def _global(hf: Any, name: str) -> Any:
+    """`hf.<name>` or None; where the config's layers differ in it (Gemma 4's head_dim), the value of the layers no
+    override changes, which transformers refuses to read as the model's (vlens reads each layer's from
+    `hf.per_layer_config`)."""
+    if name in (getattr(hf, "per_layer_attributes", None) or ()):
+        return vars(hf).get(name)
+    return getattr(hf, name, None)
 
 
 def _token_ids(ids: int | list[int] | None) -> tuple[int, ...]:

@@ -140,12 +140,16 @@ class AttentionWeights:
         d_head, qkv, out = heads.head_dim, heads.qkv, heads.out
         d_model = qkv.in_features
         counts = (heads.heads, heads.kv_heads, heads.kv_heads)
+        # (where keys are values (Gemma 4's full layers), W_V is W_K: the values' norm differs, not their weights)
+        value = (1,) if heads.keys_are_values else ()
         weights = qkv.weight.detach().split(list(qkv.parts.values()))
+        weights = (*weights, *(weights[i] for i in value))
         W_Q, W_K, W_V = (w.reshape(n, d_head, d_model).transpose(1, 2) for w, n in zip(weights, counts))
         if qkv.bias is None:
             b_Q, b_K, b_V = (qkv.weight.new_zeros(n, d_head) for n in counts)
         else:
             biases = qkv.bias.detach().split(list(qkv.parts.values()))
+            biases = (*biases, *(biases[i] for i in value))
             b_Q, b_K, b_V = (b.reshape(n, d_head) for b, n in zip(biases, counts))
         W_O = out.weight.detach().T.reshape(heads.heads, d_head, -1)
         b_O = out.weight.new_zeros(out.out_features) if out.bias is None else out.bias.detach()
@@ -270,7 +274,13 @@ class ModelWeights:
         return [Block(model, i, self) for i in range(len(model.layers))]
 
     def _stacked(self, part: str, name: str) -> torch.Tensor:
-        return torch.stack([getattr(getattr(block, part), name) for block in self.blocks])
+        per_layer = [getattr(getattr(block, part), name) for block in self.blocks]
+        shapes = sorted({tuple(w.shape) for w in per_layer})
+        if len(shapes) > 1:
+            raise ValueError(f"{name}: {self.cfg.architecture}'s layers differ in shape ("
+                             f"{', '.join(map(str, shapes))}: heads of two sizes), so no one [n_layers, ...] tensor "
+                             f"holds them; read model.blocks[L].{part}.{name} layer by layer")  # fmt: skip
+        return torch.stack(per_layer)
 
     W_Q = property(lambda self: self._stacked("attn", "W_Q"))
     W_K = property(lambda self: self._stacked("attn", "W_K"))

@@ -92,7 +92,6 @@ def generic_activation_patch(
                              f"{tuple(corrupted[name].shape)} in the corrupted run; patching needs clean and "
                              "corrupted tokens of one shape")  # fmt: skip
     metrics = [0.0] * len(indices)
-    group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key-value head (pattern patches)
     sweep = _Sweep(model, seqs, padding, patching_metric)
     try:
         for layer, name in names.items():
@@ -105,6 +104,7 @@ def generic_activation_patch(
                     if through_values:
                         rows = (after != before).any(-1)  # [batch, heads, dest]: the rows a patch changed
                         pattern = after if taps[name].endswith("hook_pattern") else _softmax(after, sinks)
+                        group = model.cfg.num_heads // model.cfg.kv_heads_at(layer)  # (query heads a value's)
                         after, changed = _through_values(pattern, rows, corrupted[values[layer]], group)
                     else:
                         changed = after != before
@@ -148,10 +148,11 @@ def get_path_patch_head_to_heads(
     only the receivers' inputs patched to those values. ARENA's function of this name."""
     if receiver_input not in ("q", "k", "v"):
         raise ValueError(f"receiver_input: {receiver_input!r} is not one of q, k, v")
-    heads = model.cfg.num_heads if receiver_input == "q" else model.cfg.num_kv_heads
     receivers: dict[str, list[int]] = {}
     for layer, head in receiver_heads:
-        if not (0 <= layer < model.cfg.num_layers and 0 <= head < heads):
+        valid = 0 <= layer < model.cfg.num_layers
+        heads = model.cfg.kv_heads_at(layer) if receiver_input != "q" and valid else model.cfg.num_heads
+        if not (valid and 0 <= head < heads):
             raise ValueError(f"receiver_heads: ({layer}, {head}) is not a (layer, head) of this model: layers 0.."
                              f"{model.cfg.num_layers - 1}, heads 0..{heads - 1} at {receiver_input}")  # fmt: skip
         receivers.setdefault(get_act_name(receiver_input, layer), []).append(head)
@@ -235,7 +236,14 @@ def _axis_range(model: HookedLM, tokens: torch.Tensor, activation_name: str, axi
     if axis in ("pos", "src_pos", "dest_pos"):
         return tokens.shape[-1]
     if axis in ("head_index", "head"):
-        return cfg.num_kv_heads if activation_name in ("k", "v", "k_input", "v_input") else cfg.num_heads
+        if activation_name not in ("k", "v", "k_input", "v_input"):
+            return cfg.num_heads
+        counts = sorted({cfg.kv_heads_at(layer) for layer in range(cfg.num_layers)})
+        if len(counts) > 1:
+            raise ValueError(f"index_axis_names: {cfg.architecture}'s layers have {' or '.join(map(str, counts))} "
+                             f"key-value heads, so {activation_name} has no one head axis; give index_df with "
+                             "each layer's own heads")  # fmt: skip
+        return counts[0]
     raise ValueError(f"index_axis_names: {axis!r} is not one of layer, pos, head_index, head, src_pos, dest_pos")
 
 

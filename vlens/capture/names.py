@@ -98,7 +98,7 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     has no pre-norms; post-norms (Gemma's, OLMo's) add what they norm, their scale and normalised input
     (POST_NORMED) before the output each one makes."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
-    if cfg.num_kv_heads != cfg.num_heads:
+    if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
     hooks = [h for h in _WITH_OPTIONAL if h in LAYER_HOOKS or h in chosen]
     if cfg.parallel_residual:
@@ -135,8 +135,25 @@ def mlp_input(cfg: ModelConfig) -> str:
 def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, tuple[int | str, ...]]:
     """Every hook name of the model, in forward order, with its per-token shape (CTX: as wide as the row's
     context); `optional`: flags of OPTIONAL_HOOKS whose taps are included (the runner's table has them all)."""
-    d, heads, kv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = {
+    d, heads = cfg.hidden_size, cfg.num_heads
+    shapes: dict[str, tuple[int | str, ...]] = {"hook_embed": (d,)}
+    if cfg.learned_positions:
+        shapes["hook_pos_embed"] = (d,)
+    for layer in range(cfg.num_layers):
+        per_layer = _layer_shapes(cfg, heads, cfg.kv_heads_at(layer), cfg.head_dim_at(layer))
+        for hook in layer_hooks(cfg, layer, optional):
+            shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
+    shapes.update(dict(zip(FINAL_NORM_TAPS, [(1,), (d,), (d,)])))
+    shapes[LOGITS] = (cfg.vocab_size,)
+    for i in range(cfg.num_layers + 1):
+        shapes[f"hidden_states.{i}"] = (d,)
+    return shapes
+
+
+def _layer_shapes(cfg: ModelConfig, heads: int, kv: int, dh: int) -> dict[str, tuple[int | str, ...]]:
+    """The per-token shapes of a layer's taps other than (d_model,), for its numbers of heads and head size."""
+    d = cfg.hidden_size
+    return {
         "ln1.hook_scale": (1,),
         "ln2.hook_scale": (1,),
         "ln1_post.hook_scale": (1,),
@@ -159,17 +176,6 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
         "mlp.hook_post": (cfg.intermediate_size,),
         "mlp.shared_expert.hook_post": (cfg.shared_expert_intermediate_size,),
     }
-    shapes: dict[str, tuple[int | str, ...]] = {"hook_embed": (d,)}
-    if cfg.learned_positions:
-        shapes["hook_pos_embed"] = (d,)
-    for layer in range(cfg.num_layers):
-        for hook in layer_hooks(cfg, layer, optional):
-            shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
-    shapes.update(dict(zip(FINAL_NORM_TAPS, [(1,), (d,), (d,)])))
-    shapes[LOGITS] = (cfg.vocab_size,)
-    for i in range(cfg.num_layers + 1):
-        shapes[f"hidden_states.{i}"] = (d,)
-    return shapes
 
 
 def canonical(name: str, cfg: ModelConfig) -> str:

@@ -55,9 +55,9 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     for name, n in sizes.items():
         if n and n % size:
             return f"does not divide {name}={n}"
-    kv = cfg.num_kv_heads
-    if kv % size and size % kv:  # fewer KV heads than ranks: each is replicated on size / kv ranks
-        return f"neither divides nor is a multiple of num_key_value_heads={kv}"
+    for kv in sorted({cfg.kv_heads_at(layer) for layer in range(cfg.num_layers)}):
+        if kv % size and size % kv:  # fewer KV heads than ranks: each is replicated on size / kv ranks
+            return f"neither divides nor is a multiple of num_key_value_heads={kv}"
     return None
 
 

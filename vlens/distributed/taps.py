@@ -36,19 +36,20 @@ def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
     a tap every rank holds whole."""
     if not tap.startswith("blocks."):
         return None
-    site = tap.split(".", 2)[2]
+    _, layer, site = tap.split(".", 2)
+    kv_heads = cfg.kv_heads_at(int(layer))
     return {
         "attn.hook_q": cfg.num_heads,
         "attn.hook_z": cfg.num_heads,
         "attn.hook_attn_scores": cfg.num_heads,
         "attn.hook_pattern": cfg.num_heads,
-        "attn.hook_k": cfg.num_kv_heads,
-        "attn.hook_v": cfg.num_kv_heads,
+        "attn.hook_k": kv_heads,
+        "attn.hook_v": kv_heads,
         "attn.hook_result": cfg.num_heads,  # (TransformerLens's optional per-head hooks)
         "hook_attn_in": cfg.num_heads,
         "hook_q_input": cfg.num_heads,
-        "hook_k_input": cfg.num_kv_heads,
-        "hook_v_input": cfg.num_kv_heads,
+        "hook_k_input": kv_heads,
+        "hook_v_input": kv_heads,
         "mlp.hook_post": cfg.intermediate_size,
         "mlp.shared_expert.hook_post": cfg.shared_expert_intermediate_size,
     }.get(site)

@@ -139,7 +139,7 @@ class ModelRunner:
         # (every tap the model has, TransformerLens's optional ones too: HookedLM arms those it turned on)
         self.taps = TapRuntime(hook_shapes(self.cfg, OPTIONAL_HOOKS), self.device, self.dtype, self.buffers.put)
         self.pages = DecodePages()  # where decode steps' batched rows land on the host, across steps
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: list[torch.Tensor] = []
         self.block_size = self.num_slots = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
         # signature (its taps then need `self.taps.fixed_shapes`).
@@ -164,19 +164,20 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
-        cfg = model.cfg
+        """Keys and values of `block_size` tokens in every layer, as this rank caches them (its heads)."""
         itemsize = model.lm_head.weight.element_size()
-        return 2 * cfg.num_layers * block_size * _kv_heads(cfg) * cfg.head_dim * itemsize
+        return sum(2 * block_size * a.num_kv_heads * a.head_dim for a in model.attention_layers()) * itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
         a static decode step write and read it. Graphs of the plain decode step are captured here."""
         self.block_size, self.scratch_block = block_size, num_blocks
         self.num_slots = (num_blocks + 1) * block_size
-        shape = (self.cfg.num_layers, 2, self.num_slots, _kv_heads(self.cfg), self.cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        # one [2, slots, kv_heads, head_dim] a layer: Gemma 4's full layers have heads of their own size
+        self.kv_cache = [torch.zeros((2, self.num_slots, attn.num_kv_heads, attn.head_dim), dtype=self.dtype,
+                                     device=self.device) for attn in self.model.attention_layers()]  # fmt: skip
+        for attn, cache in zip(self.model.attention_layers(), self.kv_cache):
+            attn.k_cache, attn.v_cache = cache[0], cache[1]
         self.max_pages = bucket(max(MIN_PAGES, -(-max_model_len // block_size)))
         self.buffers.reserve("block_tables", self.max_bucket * self.max_pages, torch.long)
         self.buffers.reserve("context_lens", self.max_bucket, torch.long)
@@ -508,11 +509,6 @@ class ModelRunner:
         meta = layout([0], [tokens], [tokens], None, 0, 0, self.buffers.put)
         ids = self.buffers.put("input_ids", np.zeros(tokens, np.int64))
         self._forward(meta, ids, {}, None, slice(-logit_rows, None))
-
-
-def _kv_heads(cfg) -> int:
-    """KV heads this rank caches (all of them in one process; vlens.distributed)."""
-    return len(cfg.parallel.units(cfg.num_kv_heads))
 
 
 def _decodes(seq: Sequence, n: int) -> bool:

@@ -101,6 +101,18 @@ class ProjectionNorm(nn.Module):
         return fused.scaled(h * torch.rsqrt(squares / self.width + self.eps), self.weight, self.kind, x.dtype)
 
 
+class UnscaledRMSNorm(nn.Module):
+    """Gemma 4's value norm: an RMSNorm in float32 with no weight, rounded last."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -15,7 +15,7 @@ import torch
 from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.context import ForwardContext
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 FULL, SLIDING = "full", "sliding"
 
 
@@ -46,6 +46,11 @@ def inverse_frequencies(
         return torch.where(medium, smoothed, scaled)
     if kind == "yarn":
         return _yarn(theta**exponents, dim, theta, scaling)
+    if kind == "proportional":  # Gemma 4's full layers: the first partial_rotary_factor of the pairs turn, the rest
+        # have frequency 0 (cos 1, sin 0: left as they are)
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * dim // 2)
+        inv_freq[turning:] = 0
+        return inv_freq / scaling.get("factor", 1.0)
     raise UnsupportedModelError(f"rope_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
@@ -118,9 +123,12 @@ class Rotary:
     def __init__(self, cfg: ModelConfig, device: torch.device | str):
         self.tables: dict[str, RopeTable] = {}
         if cfg.rotary_dim:
-            self.tables[FULL] = RopeTable(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, device, cfg.rotary_pairs)
+            # each kind's rotary width (Gemma 4's full layers have larger heads than its sliding ones)
+            dims = {self.kind(cfg, layer): cfg.rotary_dim_at(layer) for layer in range(cfg.num_layers)}
+            full = dims.get(FULL, cfg.rotary_dim)
+            self.tables[FULL] = RopeTable(full, cfg.rope_theta, cfg.rope_scaling, device, cfg.rotary_pairs)
             if cfg.sliding_rope_theta is not None:
-                table = RopeTable(cfg.rotary_dim, cfg.sliding_rope_theta, cfg.sliding_rope_scaling, device)
+                table = RopeTable(dims.get(SLIDING, full), cfg.sliding_rope_theta, cfg.sliding_rope_scaling, device)
                 self.tables[SLIDING] = table
 
     @staticmethod

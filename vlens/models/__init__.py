@@ -9,6 +9,7 @@ from vlens.config import ModelConfig
 from vlens.models.base import DecoderLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
+from vlens.models.gemma4 import Gemma4ForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
@@ -20,6 +21,7 @@ from vlens.models.phi import PhiForCausalLM
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
     "gemma": GemmaForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gpt_neo": GPTNeoForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,

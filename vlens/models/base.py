@@ -22,7 +22,7 @@ from vlens.context import ForwardContext, get_context, tap, tapped
 from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
 from vlens.layers.attention import Attention
-from vlens.layers.norm import NormHooks, ProjectionNorm, make_norm
+from vlens.layers.norm import NormHooks, ProjectionNorm, UnscaledRMSNorm, make_norm
 from vlens.layers.rotary import Rotary
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope kind -> (cos, sin), from Rotary.cos_sin
@@ -42,10 +42,11 @@ class AttentionHeads(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        # this rank's heads (all of them in one process; vlens.distributed.parallel)
-        self.heads, self.kv_heads = len(cfg.parallel.units(cfg.num_heads)), len(cfg.parallel.units(cfg.num_kv_heads))
-        self.head_dim = cfg.head_dim
-        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        # this rank's heads (all of them in one process; vlens.distributed.parallel), of this layer's size
+        kv_heads = cfg.kv_heads_at(layer)
+        self.heads, self.kv_heads = len(cfg.parallel.units(cfg.num_heads)), len(cfg.parallel.units(kv_heads))
+        self.head_dim = cfg.head_dim_at(layer)
+        scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
         if cfg.attn_scale_inverse_layer:
             scale /= layer + 1
         window = cfg.sliding_windows[layer]
@@ -58,10 +59,13 @@ class AttentionHeads(nn.Module):
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         self.rotary_pairs, self.temperature = cfg.rotary_pairs, cfg.attn_temperature
+        # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
+        self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer]
         if cfg.qk_norm == "head":
-            self.q_norm, self.k_norm = make_norm(cfg, cfg.head_dim), make_norm(cfg, cfg.head_dim)
+            self.q_norm, self.k_norm = make_norm(cfg, self.head_dim), make_norm(cfg, self.head_dim)
         elif cfg.qk_norm == "projection":
             self.q_norm, self.k_norm = ProjectionNorm(cfg, cfg.num_heads), ProjectionNorm(cfg, cfg.num_kv_heads)
+        self.v_norm = UnscaledRMSNorm(cfg.norm_eps) if cfg.v_norm else None
         nope = bool(cfg.nope_layers) and cfg.nope_layers[layer]  # (SmolLM3's layers without positions)
         self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim and not nope else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
@@ -70,8 +74,12 @@ class AttentionHeads(nn.Module):
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
         """`x`: the normalised layer input [T, d] all three projections read, or (ResidualBlock.attention_input)
         one input each for q, k and v, that input [T, d] or one per head [T, heads, d]."""
-        q, k, v = self.qkv.split(self.qkv(x)) if isinstance(x, torch.Tensor) else map(self._project, self.qkv.parts, x)
-        z = self.attend(q, k, v, rope)
+        if isinstance(x, torch.Tensor):
+            q, k, *v = self.qkv.split(self.qkv(x))
+        else:  # (where keys are values, the values are the key projection of the values' own input)
+            parts = [*self.qkv.parts, *([list(self.qkv.parts)[1]] if self.keys_are_values else [])]
+            q, k, *v = map(self._project, parts, x)
+        z = self.attend(q, k, v[0] if v else k, rope)
         if not tapped(self.hook_result):
             return self.out(z)
         # TransformerLens's attn.hook_result: each head's z times its columns of W_O, before the heads are summed
@@ -106,6 +114,8 @@ class AttentionHeads(nn.Module):
         v = v.reshape(-1, self.kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         if self.rope_kind is not None:
             cos, sin = rope[self.rope_kind]
             rotate = fused.rotate_pairs if self.rotary_pairs else fused.rotate
@@ -152,6 +162,8 @@ class ResidualBlock(nn.Module):
         self.hook_norms = (*astuple(self.hook_ln1), *astuple(self.hook_ln2))
         self.hook_mlp_out = p + "hook_mlp_out"
         self.hook_resid_post = p + "hook_resid_post"
+        # Gemma 4: the layer's output times this learned scalar, before hook_resid_post (a Parameter there)
+        self.layer_scalar: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = tap(self.hook_resid_pre, x)
@@ -171,6 +183,8 @@ class ResidualBlock(nn.Module):
         m = self.mlp_out(h)
         m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar
         x = tap(self.hook_resid_post, x)
         return x
 

@@ -33,13 +33,16 @@ MOE_CHECKPOINT_NAMES = {
 
 
 class SelfAttention(AttentionHeads):
-    """q_proj/k_proj/v_proj (fused into qkv_proj) and o_proj: Llama's, and Gemma's."""
+    """q_proj/k_proj/v_proj (fused into qkv_proj) and o_proj: Llama's, and Gemma's (Gemma 4's full layers have no
+    v_proj: their keys are their values)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
-        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, kv, d = cfg.num_heads, cfg.kv_heads_at(layer), self.head_dim
         parts = {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d}
         units, p = {"q_proj": h, "k_proj": kv, "v_proj": kv}, cfg.parallel
+        if self.keys_are_values:
+            del parts["v_proj"], units["v_proj"]
         self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, cfg.stored_fused, parallel=p, units=units)
         self.o_proj = RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h)
 

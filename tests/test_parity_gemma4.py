@@ -1,0 +1,106 @@
+"""Gemma 4 (its text model) against HF on tiny random checkpoints: full-attention layers with heads of their own size
+and, where keys are values, their own number of key-value heads and no v_proj; values normalised; unscaled scores;
+the full layers' proportional rotary; norms that scale by w; each layer's output times its learned scalar; sliding
+windows the test sequences outrun; every tap, packed against alone, greedy generation through the paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_parity import (
+    COMMON,
+    GenerationParity,
+    TapParity,
+    build,
+    check_feature_matters,
+    family_fixture,
+    sequences,
+)
+from hf_reference import hf_taps
+from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4TextConfig
+
+from vlens import LLM, HookedLM
+from vlens.config import UnsupportedModelError
+
+LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+GEMMA4 = COMMON | dict(num_hidden_layers=5, num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=8,
+                       layer_types=LAYERS, hidden_size_per_layer_input=0, final_logit_softcapping=30.0)  # fmt: skip
+MEDIA_TOKENS = ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id", "boa_token_id", "eoa_token_index",
+                "audio_token_id")
+CONFIGS = {
+    # the larger models' layout: keys are values on the full layers, which have one key-value head of size 16
+    "gemma4_keys_are_values": lambda: Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
+    # the smaller ones': a v_proj everywhere, the full layers' heads of size 16 over the model's 2 key-value heads
+    "gemma4_untied": lambda: Gemma4TextConfig(**GEMMA4, tie_word_embeddings=False),
+    # the released checkpoints: Gemma4ForConditionalGeneration, its text model under model.language_model.
+    "gemma4_multimodal": lambda: Gemma4Config(
+        text_config=Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1).to_dict(),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4),
+        audio_config=None, **dict(zip(MEDIA_TOKENS, range(1000, 1007))),
+    ),  # fmt: skip (HF embeds the media tokens as padding: ids past the test sequences')
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    pass
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, _ = family
+    cfg = llm.config
+    assert cfg.family == "gemma4" and cfg.norm == "rms_float" and cfg.v_norm and cfg.attn_scale == 1.0
+    assert cfg.layer_head_dims == (8, 8, 16, 8, 16) and cfg.sliding_windows == (8, 8, None, 8, None)
+    keys_are_values = name != "gemma4_untied"
+    assert cfg.architecture == "Gemma4ForCausalLM"
+    assert cfg.stored_as == (("model.language_model.", "lm_head.") if name == "gemma4_multimodal" else None)
+    assert cfg.layer_kv_heads == ((2, 2, 1, 2, 1) if keys_are_values else (2,) * 5)
+    assert cfg.keys_are_values == (False, False, keys_are_values, False, keys_are_values)
+    assert cfg.rope_scaling["rope_type"] == "proportional" and cfg.sliding_rope_theta == 10000.0
+    shapes = llm.hook_names()
+    assert shapes["blocks.2.attn.hook_q"] == (4, 16) and shapes["blocks.1.attn.hook_k"] == (2, 8)
+    assert shapes["blocks.2.attn.hook_v"] == ((1, 16) if keys_are_values else (2, 16))
+
+
+def test_layer_scalar_and_proportional_rotary_are_reached(tmp_path):
+    """HF's Gemma 4 turning every frequency pair of its full layers' heads differs: the sequences reach the
+    proportional rotary the parity checks (and build() perturbs each layer's scalar, which the parity reads)."""
+    config = CONFIGS["gemma4_keys_are_values"]()
+    rope = dict(config.rope_parameters, full_attention=dict(config.rope_parameters["full_attention"],
+                                                            partial_rotary_factor=1.0))  # fmt: skip
+    check_feature_matters(config, tmp_path, rope_parameters=rope)
+
+
+def test_weights_per_layer_and_refusals(tmp_path):
+    """HookedLM's W_V where keys are values is W_K; a stack over layers of two head sizes is refused with the
+    per-layer way, as is a decomposition of the stream the layer scalars make no sum; per-layer embeddings and
+    shared key-value layers are refused by name."""
+    path = build(CONFIGS["gemma4_keys_are_values"](), tmp_path, "gemma4")
+    model = HookedLM(path, dtype="float32", device="cpu")
+    full, sliding = model.blocks[2].attn, model.blocks[0].attn
+    assert full.W_Q.shape == (4, 64, 16) and sliding.W_Q.shape == (4, 64, 8)
+    assert torch.equal(full.W_V, full.W_K) and not torch.equal(sliding.W_V, sliding.W_K)
+    with pytest.raises(ValueError, match=r"W_Q: Gemma4ForCausalLM's layers differ in shape.*blocks\[L\].attn.W_Q"):
+        model.W_Q
+    _, cache = model.run_with_cache(torch.tensor([[1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="layer_scalar"):
+        cache.decompose_resid()
+    for flag, value in (("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2)):
+        config = Gemma4TextConfig(**(GEMMA4 | {flag: value}))
+        with pytest.raises(UnsupportedModelError, match=f"{flag}={value}"):
+            HookedLM(build(config, tmp_path / flag, "gemma4"), dtype="float32", device="cpu")
+
+
+def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
+    """In bfloat16 every tap equals HF's (its default attention, SDPA) bit for bit: the norms scale in float32 and
+    round last, the values' norm too, the layer scalar after the sums."""
+    path = build(CONFIGS["gemma4_keys_are_values"](), tmp_path, "bf16")
+    llm = LLM(model=path, dtype="bfloat16", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = sequences()[-1]
+    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(5), patterns=False)
+    compared = [hook for hook in got if hook in ref]
+    assert len(compared) >= 120
+    assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []
