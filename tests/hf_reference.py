@@ -235,24 +235,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _recording_rotary(attn_module, store: list, keys_first: bool = True):
-    """Record what HF's apply_rotary_pos_emb returns, call by call (one call per layer, in order); where it rotates
-    one tensor a call, two calls make a layer's pair, the keys first unless `keys_first` is False (Gemma 4)."""
+def _recording_rotary(attn_module, store: list):
+    """Record what HF's apply_rotary_pos_emb returns, call by call: a (q, k) pair a layer, in order, or where it
+    rotates one tensor a call (GPT-J, Gemma 4) each of them ([B, H, T, d]; _pair_rotations makes the pairs)."""
     module = sys.modules[type(attn_module).__module__]
     original = getattr(module, "apply_rotary_pos_emb", None)
     if original is None:  # no rotary (GPT-2)
         yield
         return
 
-    pending: list[torch.Tensor] = []
-
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
         if isinstance(out, torch.Tensor):  # GPT-J, Gemma 4: one tensor a call, [B, T, H, rotary_dim]
-            pending.append(out.clone().transpose(1, 2))
-            if len(pending) == 2:
-                store.append((pending[1], pending[0]) if keys_first else (pending[0], pending[1]))
-                pending.clear()
+            store.append(out.clone().transpose(1, 2))
             return out
         q, k = out
         store.append((q.clone(), k.clone()))
@@ -263,6 +258,21 @@ def _recording_rotary(attn_module, store: list, keys_first: bool = True):
         yield
     finally:
         module.apply_rotary_pos_emb = original
+
+
+def _pair_rotations(calls: list, name: str, own_kv: list[bool]) -> list:
+    """(q, k) per rotating layer from one tensor a call: GPT-J rotates the keys then the queries, Gemma 4 the queries
+    then the keys, and in a layer that attends to an earlier layer's keys the queries alone (k None)."""
+    if not calls or not isinstance(calls[0], torch.Tensor):
+        return calls
+    it, pairs = iter(calls), []
+    for own in own_kv:
+        if name == "gptj":
+            k, q = next(it), next(it)
+        else:
+            q, k = next(it), next(it) if own else None
+        pairs.append((q, k))
+    return pairs
 
 
 @contextlib.contextmanager
@@ -309,6 +319,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         rope = [False] * n
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
+    # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
+    own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
     handles = []
@@ -326,7 +338,14 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     for layer in layers:
         block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
-        on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
+        if own_kv[layer]:
+            on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
+        if getattr(block, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer embeddings: the layer's own input
+            # (its second argument), the branch's hidden activation, what it adds
+            handles.append(block.register_forward_pre_hook(
+                lambda m, a, key=p + "hook_per_layer_input": got.__setitem__(key, _rows(a[1]).clone())))
+            on_input(block.per_layer_projection, p + "per_layer.hook_post")
+            on_output(block.post_per_layer_input_norm, p + "hook_per_layer_out")
         if not rope[layer] or name in PARTIAL_ROTARY:  # (the projections: NoPE's q and k, the parts past a
             # partial rotary)
             attn = block.get_submodule(fam.attn)
@@ -369,8 +388,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     if patterns:
         hf_model.set_attn_implementation("eager")  # the attention whose scores can be recorded
     try:
-        with (_recording_rotary(blocks[0].get_submodule(fam.attn), rotated, keys_first=not name.startswith("gemma4")),
-              _recording_softmax(softmaxes)):  # fmt: skip
+        with _recording_rotary(blocks[0].get_submodule(fam.attn), rotated), _recording_softmax(softmaxes):
             out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
@@ -387,6 +405,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             weights = logits.float().softmax(-1) if softmax_first else torch.zeros_like(logits).scatter(-1, ids, scores)
             got[f"blocks.{layer}.mlp.hook_expert_weights"] = weights.to(logits.dtype)
     t = len(ids)
+    rotated = _pair_rotations(rotated, name, [own for own, r in zip(own_kv, rope) if r])
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]
     got["ln_final.hook_out"] = out.hidden_states[n][0]
@@ -398,19 +417,21 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         got[p + "hook_resid_pre"] = out.hidden_states[layer][0]
         got[p + "hook_resid_post"] = raw[p + "raw_resid_post"]
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, head_dim)
-        qkv = raw[p + "qkv"]
+        qkv = raw.get(p + "qkv")  # (none in a layer that attends to an earlier layer's keys and values)
         if name == "gpt2":
             q, k, v = (x.view(t, heads, head_dim) for x in qkv.split(cfg.hidden_size, dim=-1))
         else:
             if rope[layer]:  # (the rotary calls of the layers that have one, in order)
-                q, k = (x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
+                q, k = (None if x is None else x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
                 if name in PARTIAL_ROTARY:  # they rotate the leading dims alone: the rest as projected
                     dim = q.shape[-1]
                     q = torch.cat([q, raw[p + "q"].view(t, heads, head_dim)[..., dim:]], -1)
                     k = torch.cat([k, raw[p + "k"].view(t, kv_heads, head_dim)[..., dim:]], -1)
             else:  # (SmolLM3's NoPE layers call no rotary: q and k are the projections)
                 q, k = raw[p + "q"].reshape(t, heads, head_dim), raw[p + "k"].reshape(t, kv_heads, head_dim)
-            if name == "gpt_neox":
+            if qkv is None:
+                v = None
+            elif name == "gpt_neox":
                 v = qkv.view(t, heads, 3 * head_dim)[..., 2 * head_dim :]
             elif name.startswith("gemma4"):  # (v_norm's output, [1, T, H_kv, d])
                 v = qkv[0]
@@ -418,7 +439,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 v = qkv[:, -kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
             clip = getattr(cfg, "clip_qkv", None)  # (OLMoE clamps v_proj's output in place, after the hook saw it)
             v = v if clip is None else v.clamp(-clip, clip)
-        got[p + "attn.hook_q"], got[p + "attn.hook_k"], got[p + "attn.hook_v"] = q, k, v
+        got[p + "attn.hook_q"] = q
+        if own_kv[layer]:
+            got[p + "attn.hook_k"], got[p + "attn.hook_v"] = k, v
         if patterns:
             scores, probs = (x[0].transpose(0, 1) for x in softmaxes[layer])
             sinks = getattr(blocks[layer].get_submodule(fam.attn), "sinks", None)

@@ -39,8 +39,9 @@ FAMILIES = {  # family -> (config, a hook of its MLP to capture)
                               layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
         "blocks.2.mlp.hook_post",
     ),
-    # layers of two head sizes (their caches apart), keys that are values, values normalised, layer scalars
-    "gemma4": (GEMMA4_CONFIGS["gemma4_keys_are_values"], "blocks.2.mlp.hook_post"),
+    # layers of two head sizes (their caches apart), keys that are values, values normalised, layer scalars,
+    # per-layer embeddings, layers that attend to an earlier layer's keys and values
+    "gemma4": (GEMMA4_CONFIGS["gemma4_per_layer_shared_kv"], "blocks.2.mlp.hook_post"),
 }
 D = COMMON["hidden_size"]
 

@@ -25,6 +25,9 @@ from vlens.config import UnsupportedModelError
 LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 GEMMA4 = COMMON | dict(num_hidden_layers=5, num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=8,
                        layer_types=LAYERS, hidden_size_per_layer_input=0, final_logit_softcapping=30.0)  # fmt: skip
+PER_LAYER = dict(num_hidden_layers=6, layer_types=LAYERS[:4] + ["sliding_attention", "full_attention"],
+                 hidden_size_per_layer_input=8, vocab_size_per_layer_input=COMMON["vocab_size"], num_kv_shared_layers=2,
+                 use_double_wide_mlp=True)  # fmt: skip
 MEDIA_TOKENS = ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id", "boa_token_id", "eoa_token_index",
                 "audio_token_id")
 CONFIGS = {
@@ -32,6 +35,10 @@ CONFIGS = {
     "gemma4_keys_are_values": lambda: Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
     # the smaller ones': a v_proj everywhere, the full layers' heads of size 16 over the model's 2 key-value heads
     "gemma4_untied": lambda: Gemma4TextConfig(**GEMMA4, tie_word_embeddings=False),
+    # E2B's and E4B's: per-layer embeddings, and the last two layers attend to the keys and values of layers 3
+    # (sliding) and 2 (full; keys that are values here too), with MLPs twice as wide
+    "gemma4_per_layer_shared_kv": lambda: Gemma4TextConfig(**(GEMMA4 | PER_LAYER), attention_k_eq_v=True,
+                                                           num_global_key_value_heads=1),  # fmt: skip
     # the released checkpoints: Gemma4ForConditionalGeneration, its text model under model.language_model.
     "gemma4_multimodal": lambda: Gemma4Config(
         text_config=Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1).to_dict(),
@@ -52,16 +59,24 @@ def test_config_is_read_as_intended(family):
     name, _, llm, _ = family
     cfg = llm.config
     assert cfg.family == "gemma4" and cfg.norm == "rms_float" and cfg.v_norm and cfg.attn_scale == 1.0
-    assert cfg.layer_head_dims == (8, 8, 16, 8, 16) and cfg.sliding_windows == (8, 8, None, 8, None)
-    keys_are_values = name != "gemma4_untied"
     assert cfg.architecture == "Gemma4ForCausalLM"
     assert cfg.stored_as == (("model.language_model.", "lm_head.") if name == "gemma4_multimodal" else None)
-    assert cfg.layer_kv_heads == ((2, 2, 1, 2, 1) if keys_are_values else (2,) * 5)
-    assert cfg.keys_are_values == (False, False, keys_are_values, False, keys_are_values)
     assert cfg.rope_scaling["rope_type"] == "proportional" and cfg.sliding_rope_theta == 10000.0
     shapes = llm.hook_names()
     assert shapes["blocks.2.attn.hook_q"] == (4, 16) and shapes["blocks.1.attn.hook_k"] == (2, 8)
+    if name == "gemma4_per_layer_shared_kv":
+        assert cfg.layer_head_dims == (8, 8, 16, 8, 8, 16) and cfg.kv_layers == (0, 1, 2, 3, 3, 2)
+        assert cfg.layer_kv_heads == (2, 2, 1, 2, 2, 1)
+        assert cfg.layer_intermediate_sizes == (96,) * 4 + (192,) * 2 and cfg.per_layer_input_size == 8
+        assert "blocks.4.attn.hook_k" not in shapes and "blocks.5.attn.hook_v" not in shapes
+        assert shapes["blocks.5.mlp.hook_post"] == (192,) and shapes["blocks.0.hook_per_layer_input"] == (8,)
+        return
+    keys_are_values = name != "gemma4_untied"
+    assert cfg.layer_head_dims == (8, 8, 16, 8, 16) and cfg.sliding_windows == (8, 8, None, 8, None)
+    assert cfg.layer_kv_heads == ((2, 2, 1, 2, 1) if keys_are_values else (2,) * 5)
+    assert cfg.keys_are_values == (False, False, keys_are_values, False, keys_are_values)
     assert shapes["blocks.2.attn.hook_v"] == ((1, 16) if keys_are_values else (2, 16))
+    assert "blocks.0.hook_per_layer_input" not in shapes
 
 
 def test_layer_scalar_and_proportional_rotary_are_reached(tmp_path):
@@ -74,9 +89,10 @@ def test_layer_scalar_and_proportional_rotary_are_reached(tmp_path):
 
 
 def test_weights_per_layer_and_refusals(tmp_path):
-    """HookedLM's W_V where keys are values is W_K; a stack over layers of two head sizes is refused with the
-    per-layer way, as is a decomposition of the stream the layer scalars make no sum; per-layer embeddings and
-    shared key-value layers are refused by name."""
+    """HookedLM's W_V where keys are values is W_K, and a shared layer's W_K, W_V, b_K, b_V are those of the layer
+    whose keys it reads; a stack over layers of two head sizes is refused with the per-layer way, as is a
+    decomposition of the stream the layer scalars make no sum; the MoE block is refused by name, and so is tensor
+    parallelism of per-layer embeddings."""
     path = build(CONFIGS["gemma4_keys_are_values"](), tmp_path, "gemma4")
     model = HookedLM(path, dtype="float32", device="cpu")
     full, sliding = model.blocks[2].attn, model.blocks[0].attn
@@ -87,20 +103,29 @@ def test_weights_per_layer_and_refusals(tmp_path):
     _, cache = model.run_with_cache(torch.tensor([[1, 2, 3, 4]]))
     with pytest.raises(ValueError, match="layer_scalar"):
         cache.decompose_resid()
-    for flag, value in (("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2)):
-        config = Gemma4TextConfig(**(GEMMA4 | {flag: value}))
-        with pytest.raises(UnsupportedModelError, match=f"{flag}={value}"):
-            HookedLM(build(config, tmp_path / flag, "gemma4"), dtype="float32", device="cpu")
+    moe = Gemma4TextConfig(**GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    with pytest.raises(UnsupportedModelError, match="enable_moe_block=True"):
+        HookedLM(build(moe, tmp_path / "moe", "gemma4"), dtype="float32", device="cpu")
+    per_layer = build(CONFIGS["gemma4_per_layer_shared_kv"](), tmp_path / "per_layer", "gemma4")
+    shared = HookedLM(per_layer, dtype="float32", device="cpu").blocks  # (layers 4 and 5 read 3's and 2's keys)
+    for layer, source in ((4, 3), (5, 2)):
+        for weight in ("W_K", "W_V", "b_K", "b_V"):
+            assert torch.equal(getattr(shared[layer].attn, weight), getattr(shared[source].attn, weight))
+        assert not torch.equal(shared[layer].attn.W_Q, shared[source].attn.W_Q)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 .*per-layer embeddings.*allowed .*: \[1\]"):
+        LLM(model=per_layer, dtype="float32", device="cpu", tensor_parallel_size=2)
 
 
-def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("name", ["gemma4_keys_are_values", "gemma4_per_layer_shared_kv"])
+def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path, name):
     """In bfloat16 every tap equals HF's (its default attention, SDPA) bit for bit: the norms scale in float32 and
-    round last, the values' norm too, the layer scalar after the sums."""
-    path = build(CONFIGS["gemma4_keys_are_values"](), tmp_path, "bf16")
+    round last, the values' norm too, the layer scalar after the sums, the per-layer inputs as HF sums them."""
+    path = build(CONFIGS[name](), tmp_path, "bf16")
     llm = LLM(model=path, dtype="bfloat16", device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ids = sequences()[-1]
-    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(5), patterns=False)
+    layers = range(llm.config.num_layers)
+    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, layers, patterns=False)
     compared = [hook for hook in got if hook in ref]
-    assert len(compared) >= 120
+    assert len(compared) == len(got) - 2 * len(layers)  # (all but the patterns)
     assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []

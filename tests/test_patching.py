@@ -284,3 +284,21 @@ def test_the_path_patching_example_measures_the_paths_it_names(smol_path, capsys
     # edge attribution's first-order ranking of the heads' direct edges to the logits names the same five heads
     ranked, movers = [run["upstream"][i] for i in run["order"]], [f"L{layer}H{head}" for layer, head in run["movers"]]
     assert ranked[0] == movers[0] and set(ranked) == set(movers)
+
+
+def test_patching_gemma4_from_the_layer_that_makes_the_shared_keys(tmp_path):
+    """Gemma 4 (E2B's layout): a patch at a layer that attends to an earlier layer's keys and values runs its
+    copies from that earlier layer, which makes them, and per-layer embeddings feed every copy; TransformerLens's
+    patching module looping over the same HookedLM (a forward per index) gives the same metric."""
+    from test_parity_gemma4 import CONFIGS
+    from transformer_lens import patching as theirs
+
+    path = build(CONFIGS["gemma4_per_layer_shared_kv"](), tmp_path, "gemma4")
+    hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4)
+    assert [hooked.llm.model.resume_layer(layer) for layer in range(6)] == [0, 1, 2, 2, 2, 2]
+    _, cache = hooked.run_with_cache(CLEAN)
+    base = weighted(hooked(CORRUPTED))
+    for name in ("get_act_patch_resid_pre", "get_act_patch_attn_head_out_by_pos", "get_act_patch_mlp_out"):
+        want = getattr(theirs, name)(hooked, CORRUPTED, cache, weighted)
+        got = getattr(ours, name)(hooked, CORRUPTED, cache, weighted)
+        assert_same_effects(got, want, base, 1e-4, name)

@@ -173,7 +173,7 @@ class Attribution:
         cfg = self.model.cfg
         layer = resolve_layer(layer, cfg.num_layers)
         check_mlp_input(cfg, layer, mlp_input)
-        if any(block.layer_scalar is not None for block in self.model.llm.model.layers[:layer]):
+        if any(getattr(block, "layer_scalar", None) is not None for block in self.model.llm.model.layers[:layer]):
             raise ValueError(f"{cfg.architecture}: each layer multiplies the stream by a learned scalar "
                              "(layer_scalar), so the stream is not the sum of the layers' outputs; accumulated_resid "
                              "is exact")  # fmt: skip

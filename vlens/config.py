@@ -33,18 +33,32 @@ def _gemma4(hf: Any) -> dict[str, Any]:
     """Gemma 4: its full-attention layers have heads of their own size (`global_head_dim`) and, where keys are
     values (`attention_k_eq_v`), their own number of key-value heads; scores are not scaled (q/k norms take the
     place of 1/sqrt(d)); the full layers' rotary turns a fraction of each head's frequency pairs ("proportional"
-    rope). Per-layer embeddings, key-value sharing between layers and the parallel MoE block are refused by name."""
-    for flag, value in (("hidden_size_per_layer_input", hf.hidden_size_per_layer_input),
-                        ("num_kv_shared_layers", hf.num_kv_shared_layers), ("enable_moe_block", hf.enable_moe_block),
+    rope). E2B and E4B: per-layer embeddings, and the last `num_kv_shared_layers` layers attend to the keys and
+    values of the last earlier layer of their kind (with MLPs twice as wide where `use_double_wide_mlp`). The MoE
+    block beside the MLP (26B-A4B) is refused by name."""
+    for flag, value in (("enable_moe_block", hf.enable_moe_block),
                         ("use_bidirectional_attention", "all" if hf.use_bidirectional_attention == "all" else None),
                         ):  # fmt: skip
         if value:  # ("vision": images attend both ways, text causally, as vlens runs it)
             raise UnsupportedModelError(
-                f"{flag}={value!r} is not supported for Gemma 4 (vlens runs its dense causal text model without "
-                "per-layer embeddings or shared key-value layers)"
+                f"{flag}={value!r} is not supported for Gemma 4 (vlens runs its causal text model, without the MoE "
+                "block)"
             )
-    layers = [hf.per_layer_config[i] for i in range(hf.num_hidden_layers)]
+    n = hf.num_hidden_layers
+    layers = [hf.per_layer_config[i] for i in range(n)]
+    modes = hf.kv_sharing_modes
+    first_shared = n - hf.num_kv_shared_layers
+    # (the layer whose keys and values each layer reads: its own, or for a shared one the last unshared layer of
+    # its kind, as HF's KVSharingDict keeps them)
+    sources = {kind: max(i for i in range(first_shared) if hf.layer_types[i] == kind) for kind in set(hf.layer_types)
+               if first_shared > 0}  # fmt: skip
+    double = hf.use_double_wide_mlp
     return dict(
+        kv_layers=tuple(sources[hf.layer_types[i]] if modes[i] == "reuse" else i for i in range(n)),
+        layer_intermediate_sizes=tuple(hf.intermediate_size * (2 if double and modes[i] == "reuse" else 1)
+                                       for i in range(n)),  # fmt: skip
+        per_layer_input_size=hf.hidden_size_per_layer_input or 0,
+        per_layer_vocab_size=hf.vocab_size_per_layer_input if hf.hidden_size_per_layer_input else 0,
         hidden_act=hf.hidden_activation,
         attn_scale=1.0,
         final_softcap=hf.final_logit_softcapping,
@@ -414,6 +428,14 @@ class ModelConfig:
     layer_kv_heads: tuple[int, ...] = ()
     keys_are_values: tuple[bool, ...] = ()
     v_norm: bool = False  # Gemma 4: values RMS-normalised head by head (no weight)
+    # Gemma 4 E2B/E4B, per layer: the layer whose keys and values it attends to (its own, but in the last
+    # num_kv_shared_layers); () = each its own
+    kv_layers: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()  # per layer, where they differ (Gemma 4's double-wide MLPs)
+    # Gemma 4 E2B/E4B: each layer's own input of this size, from a second embedding of the tokens and a projection of
+    # the first, added through a gated branch after the MLP (per-layer embeddings); 0 = none
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
@@ -428,6 +450,12 @@ class ModelConfig:
 
     def kv_heads_at(self, layer: int) -> int:
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_layer_at(self, layer: int) -> int:
+        return self.kv_layers[layer] if self.kv_layers else layer
+
+    def intermediate_size_at(self, layer: int) -> int:
+        return self.layer_intermediate_sizes[layer] if self.layer_intermediate_sizes else self.intermediate_size
 
     def rotary_dim_at(self, layer: int) -> int:
         """The leading dims of each of the layer's heads that rotate: the same fraction of every layer's heads."""

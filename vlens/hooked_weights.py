@@ -134,24 +134,15 @@ class AttentionWeights:
         return getattr(self.hooks, name)
 
     @classmethod
-    def of(cls, heads: AttentionHeads, hooks: HookTree | None = None) -> AttentionWeights:
+    def of(cls, heads: AttentionHeads, hooks: HookTree | None = None, keys: AttentionHeads | None = None
+           ) -> AttentionWeights:  # fmt: skip
         """Read from a layer's attention module: its fused q/k/v projection cut into heads, its output
-        projection's columns per head."""
-        d_head, qkv, out = heads.head_dim, heads.qkv, heads.out
-        d_model = qkv.in_features
-        counts = (heads.heads, heads.kv_heads, heads.kv_heads)
-        # (where keys are values (Gemma 4's full layers), W_V is W_K: the values' norm differs, not their weights)
-        value = (1,) if heads.keys_are_values else ()
-        weights = qkv.weight.detach().split(list(qkv.parts.values()))
-        weights = (*weights, *(weights[i] for i in value))
-        W_Q, W_K, W_V = (w.reshape(n, d_head, d_model).transpose(1, 2) for w, n in zip(weights, counts))
-        if qkv.bias is None:
-            b_Q, b_K, b_V = (qkv.weight.new_zeros(n, d_head) for n in counts)
-        else:
-            biases = qkv.bias.detach().split(list(qkv.parts.values()))
-            biases = (*biases, *(biases[i] for i in value))
-            b_Q, b_K, b_V = (b.reshape(n, d_head) for b, n in zip(biases, counts))
-        W_O = out.weight.detach().T.reshape(heads.heads, d_head, -1)
+        projection's columns per head. `keys`: the earlier layer whose keys and values this one attends to
+        (Gemma 4's shared layers): W_K, W_V, b_K and b_V are that layer's, which made them from its own input."""
+        (W_Q, b_Q), *kv = _projections(heads)
+        (W_K, b_K), (W_V, b_V) = kv if keys is None else _projections(keys)[1:]
+        out = heads.out
+        W_O = out.weight.detach().T.reshape(heads.heads, heads.head_dim, -1)
         b_O = out.weight.new_zeros(out.out_features) if out.bias is None else out.bias.detach()
         sinks = None if heads.attn.sinks is None else heads.attn.sinks.detach()
         return cls(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, sinks, hooks)
@@ -167,6 +158,21 @@ class AttentionWeights:
     # each head's bilinear maps, [n_heads, d_model, d_model] factored: queries against keys, values to outputs
     QK = property(lambda self: factored(self.W_Q, self.W_K.transpose(-2, -1)))
     OV = property(lambda self: factored(self.W_V, self.W_O))
+
+
+def _projections(heads: AttentionHeads) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(W [n, d_model, d_head], b [n, d_head]) of each of q, k and v the layer projects: q alone where it attends
+    to an earlier layer's keys and values; where keys are values (Gemma 4's full layers) W_V is W_K, the values'
+    norm differing, not their weights."""
+    qkv, sizes = heads.qkv, list(heads.qkv.parts.values())
+    weights = list(qkv.weight.detach().split(sizes))
+    biases = [None] * len(sizes) if qkv.bias is None else list(qkv.bias.detach().split(sizes))
+    if heads.keys_are_values:
+        weights.append(weights[1])
+        biases.append(biases[1])
+    counts, d = (heads.heads, heads.kv_heads, heads.kv_heads), heads.head_dim
+    return [(w.reshape(n, d, -1).transpose(1, 2), w.new_zeros(n, d) if b is None else b.reshape(n, d))
+            for w, b, n in zip(weights, biases, counts)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,15 @@ class Block:
         return HookTree(self.hooked, f"blocks.{self.index}.{part}")
 
     attn = property(lambda self: self._part("attn.", lambda: AttentionWeights.of(
-        self.model.layers[self.index].attn_heads, self._hooks("attn."))))  # fmt: skip
+        self._heads(self.index), self._hooks("attn."), self._keys())))  # fmt: skip
+
+    def _heads(self, layer: int) -> AttentionHeads:
+        return self.model.layers[layer].attn_heads
+
+    def _keys(self) -> AttentionHeads | None:
+        """The earlier layer whose keys and values this one attends to (Gemma 4's shared layers), or None."""
+        heads = self._heads(self.index)
+        return None if heads.own_kv else self._heads(heads.kv_layer)
     mlp = property(lambda self: self._part("mlp.", lambda: MLPWeights.of(self.model, self.index, self._hooks("mlp."))))
 
     def _part(self, prefix: str, weights: Callable[[], Any]) -> Any:

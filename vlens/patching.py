@@ -79,11 +79,13 @@ def generic_activation_patch(
     # where the patch goes in: a pattern's rows (a patched score row's softmax), times the corrupted run's values,
     # are the heads' outputs (hook_z)
     targets = {layer: get_act_name("z", layer=layer) if through_values else names[layer] for layer in layers}
-    values = {layer: get_act_name("v", layer=layer) for layer in layers} if through_values else {}
+    # (the values a layer attends to: its own, or the earlier layer's it shares, Gemma 4's)
+    values = {layer: get_act_name("v", layer=model.cfg.kv_layer_at(layer)) for layer in layers if through_values}
     taps |= {name: tap for name in targets.values() for tap in model._names(name).values()}
     seqs, padding = model._sequences(corrupted_tokens, None)
     lens = [len(s) for s in seqs]
-    streams = {layer: get_act_name("resid_pre", layer) for layer in names}
+    starts = {layer: model.llm.model.resume_layer(layer) for layer in names}  # (where a forward redoing it starts)
+    streams = {layer: get_act_name("resid_pre", starts[layer]) for layer in names}
     wanted = sorted({*taps, *streams.values(), *values.values()})
     _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=wanted, return_type=None)
     for name in names.values():
@@ -110,7 +112,7 @@ def generic_activation_patch(
                         changed = after != before
                     copies += _copies(i, {taps[targets[layer]]: (padding.pack(after), padding.pack(changed))}, lens)
                     metrics[i] = sweep.unpatched  # (unless it changed something)
-            sweep.metrics(layer, entering, copies, metrics)
+            sweep.metrics(starts[layer], entering, copies, metrics)
     finally:
         sweep.close()
     out = torch.tensor(metrics)
@@ -199,9 +201,10 @@ def _path_patch(
                     values = packed[tap].split(lens)[copy.text][copy.first :]
                     rows = torch.arange(copy.first, lens[copy.text])
                     copy.edits[tap] = _Edit(rows, values, torch.ones_like(values, dtype=torch.bool))
-            entering = packed[streams[layer]].split(lens)
+            start = model.llm.model.resume_layer(layer)
+            entering = packed[streams[start]].split(lens)
             if not receivers:
-                sweep.metrics(layer, entering, copies, flat)
+                sweep.metrics(start, entering, copies, flat)
                 continue
             # what each sender makes of the inputs of the receivers after its layer (rows before a copy's first, and
             # every receiver before, are the orig run's)
@@ -209,7 +212,7 @@ def _path_patch(
             if not later:
                 continue
             made: dict[int, dict[str, torch.Tensor]] = {}
-            for copy, _, seen in sweep.run(layer, entering, copies, read=later):
+            for copy, _, seen in sweep.run(start, entering, copies, read=later):
                 inputs = made.setdefault(copy.patch, {tap: packed[tap].clone() for tap in later})
                 for tap, rows in seen.items():
                     start = sum(lens[: copy.text]) + copy.first
@@ -219,7 +222,8 @@ def _path_patch(
                 for c in _copies(patch, {tap: (v, v != packed[tap]) for tap, v in inputs.items()}, lens)
             )  # fmt: skip
         for first, copies in patched.items():  # every sender's copies that run from one layer, together
-            sweep.metrics(first, packed[streams[first]].split(lens), copies, flat)
+            start = model.llm.model.resume_layer(first)
+            sweep.metrics(start, packed[streams[start]].split(lens), copies, flat)
     finally:
         sweep.close()
     return results

@@ -51,6 +51,11 @@ POST_NORMED = (("attn.hook_out", "hook_attn_out"), ("mlp.hook_out", "hook_mlp_ou
 # expert's hidden activation.
 MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_ids", "mlp.hook_expert_indices")
 SHARED_EXPERT = "mlp.shared_expert.hook_post"
+# Gemma 4 E2B/E4B's per-layer embeddings, after the MLP: the layer's own input (of per_layer_input_size), the gated
+# branch's hidden activation act(gate(x)) * that input, and what the branch adds to the stream (after its norm).
+PER_LAYER_HOOKS = ("hook_per_layer_input", "per_layer.hook_post", "hook_per_layer_out")
+# What a layer that attends to another layer's keys and values (Gemma 4's shared layers) has none of.
+OWN_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "hook_k_input", "hook_v_input")
 # Layer hooks that are other names of a tap (TransformerLens's), as hidden_states.{i} are of the residual stream's.
 LAYER_ALIASES = {"mlp.hook_expert_indices": "mlp.hook_expert_ids"}
 # The final norm's taps; its output (after the weight) is HF's last hidden state, hidden_states.{N}.
@@ -96,11 +101,17 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     own). hook_attn_in, one input per query head for keys and values too, exists only where every query
     head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention). OLMo 2
     has no pre-norms; post-norms (Gemma's, OLMo's) add what they norm, their scale and normalised input
-    (POST_NORMED) before the output each one makes."""
+    (POST_NORMED) before the output each one makes. A layer that attends to another's keys and values (Gemma 4's
+    shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
     hooks = [h for h in _WITH_OPTIONAL if h in LAYER_HOOKS or h in chosen]
+    if cfg.kv_layer_at(layer) != layer:
+        hooks = [h for h in hooks if h not in OWN_KV_HOOKS]
+    if cfg.per_layer_input_size:
+        at = hooks.index("hook_resid_post")
+        hooks[at:at] = PER_LAYER_HOOKS
     if cfg.parallel_residual:
         hooks.remove("hook_resid_mid")
     if cfg.is_moe_layer(layer):
@@ -140,7 +151,7 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
     if cfg.learned_positions:
         shapes["hook_pos_embed"] = (d,)
     for layer in range(cfg.num_layers):
-        per_layer = _layer_shapes(cfg, heads, cfg.kv_heads_at(layer), cfg.head_dim_at(layer))
+        per_layer = _layer_shapes(cfg, layer, heads, cfg.kv_heads_at(layer), cfg.head_dim_at(layer))
         for hook in layer_hooks(cfg, layer, optional):
             shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
     shapes.update(dict(zip(FINAL_NORM_TAPS, [(1,), (d,), (d,)])))
@@ -150,8 +161,8 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
     return shapes
 
 
-def _layer_shapes(cfg: ModelConfig, heads: int, kv: int, dh: int) -> dict[str, tuple[int | str, ...]]:
-    """The per-token shapes of a layer's taps other than (d_model,), for its numbers of heads and head size."""
+def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) -> dict[str, tuple[int | str, ...]]:
+    """The per-token shapes of layer `layer`'s taps other than (d_model,), for its numbers of heads and head size."""
     d = cfg.hidden_size
     return {
         "ln1.hook_scale": (1,),
@@ -173,8 +184,10 @@ def _layer_shapes(cfg: ModelConfig, heads: int, kv: int, dh: int) -> dict[str, t
         "mlp.hook_expert_weights": (cfg.num_experts,),
         "mlp.hook_expert_ids": (cfg.experts_per_token,),
         "mlp.hook_expert_indices": (cfg.experts_per_token,),
-        "mlp.hook_post": (cfg.intermediate_size,),
+        "mlp.hook_post": (cfg.intermediate_size_at(layer),),
         "mlp.shared_expert.hook_post": (cfg.shared_expert_intermediate_size,),
+        "hook_per_layer_input": (cfg.per_layer_input_size,),
+        "per_layer.hook_post": (cfg.per_layer_input_size,),
     }
 
 

@@ -45,10 +45,13 @@ def check_parallel(cfg: ModelConfig, size: int, device: torch.device, local: boo
 
 def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     """What in the model a split in `size` ranks cannot cut evenly, or None."""
+    if cfg.per_layer_input_size and size > 1:  # (a second embedding as wide as every layer's inputs together)
+        return "is more than one process, and Gemma 4's per-layer embeddings run in one"
     dense = not cfg.moe_layers or not all(cfg.moe_layers)
     sizes = {
         "num_attention_heads": cfg.num_heads,
         "intermediate_size": cfg.intermediate_size if dense else 0,
+        **{f"intermediate_size (layer {i})": n for i, n in enumerate(cfg.layer_intermediate_sizes)},
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
     }

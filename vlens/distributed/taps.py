@@ -50,7 +50,7 @@ def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
         "hook_q_input": cfg.num_heads,
         "hook_k_input": kv_heads,
         "hook_v_input": kv_heads,
-        "mlp.hook_post": cfg.intermediate_size,
+        "mlp.hook_post": cfg.intermediate_size_at(int(layer)),
         "mlp.shared_expert.hook_post": cfg.shared_expert_intermediate_size,
     }.get(site)
 

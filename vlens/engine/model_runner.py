@@ -166,18 +166,23 @@ class ModelRunner:
     def bytes_per_block(model: DecoderLM, block_size: int) -> int:
         """Keys and values of `block_size` tokens in every layer, as this rank caches them (its heads)."""
         itemsize = model.lm_head.weight.element_size()
-        return sum(2 * block_size * a.num_kv_heads * a.head_dim for a in model.attention_layers()) * itemsize
+        owners = [a for a in model.attention_layers() if a.reads_kv_of is None]  # (shared layers cache nothing)
+        return sum(2 * block_size * a.num_kv_heads * a.head_dim for a in owners) * itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
         a static decode step write and read it. Graphs of the plain decode step are captured here."""
         self.block_size, self.scratch_block = block_size, num_blocks
         self.num_slots = (num_blocks + 1) * block_size
-        # one [2, slots, kv_heads, head_dim] a layer: Gemma 4's full layers have heads of their own size
-        self.kv_cache = [torch.zeros((2, self.num_slots, attn.num_kv_heads, attn.head_dim), dtype=self.dtype,
-                                     device=self.device) for attn in self.model.attention_layers()]  # fmt: skip
-        for attn, cache in zip(self.model.attention_layers(), self.kv_cache):
-            attn.k_cache, attn.v_cache = cache[0], cache[1]
+        # one [2, slots, kv_heads, head_dim] a layer (Gemma 4's full layers have heads of their own size), bound to
+        # that layer and to the later ones that attend to its keys and values (Gemma 4's shared layers)
+        caches: dict[int, torch.Tensor] = {}
+        for i, attn in enumerate(self.model.attention_layers()):
+            if attn.reads_kv_of is None:
+                shape = (2, self.num_slots, attn.num_kv_heads, attn.head_dim)
+                caches[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache, attn.v_cache = caches[i if attn.reads_kv_of is None else attn.reads_kv_of]
+        self.kv_cache = list(caches.values())
         self.max_pages = bucket(max(MIN_PAGES, -(-max_model_len // block_size)))
         self.buffers.reserve("block_tables", self.max_bucket * self.max_pages, torch.long)
         self.buffers.reserve("context_lens", self.max_bucket, torch.long)

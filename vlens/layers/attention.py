@@ -28,9 +28,13 @@ class Attention(nn.Module):
         patterns: tuple[str, str] = ("", ""),
         sinks: bool = False,
         rank_heads: range | None = None,
+        reads_kv_of: int | None = None,
     ):
-        """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them)."""
+        """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them).
+        `reads_kv_of`: the earlier layer whose keys and values this one attends to (Gemma 4's shared layers: the
+        engine binds that layer's cache here, and this layer never writes it); None: its own."""
         super().__init__()
+        self.reads_kv_of = reads_kv_of
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
@@ -51,7 +55,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         slots = ctx.attention.slot_mapping
-        if slots is not None:
+        if slots is not None and self.reads_kv_of is None:
             self.k_cache.index_copy_(0, slots, k)
             self.v_cache.index_copy_(0, slots, v)
             if ctx.attention.kv_copy is not None:

@@ -55,17 +55,24 @@ class AttentionHeads(nn.Module):
         rank_heads = cfg.parallel.units(cfg.num_heads) if cfg.parallel.size > 1 else None
         self.attn = Attention(
             self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
-            rank_heads,
+            rank_heads, None if cfg.kv_layer_at(layer) == layer else cfg.kv_layer_at(layer),
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         self.rotary_pairs, self.temperature = cfg.rotary_pairs, cfg.attn_temperature
+        # Gemma 4 E2B/E4B: its last layers attend to an earlier layer's keys and values (and have no k, v or their
+        # norms), which that layer leaves in the forward's context for them
+        self.layer, self.kv_layer = layer, cfg.kv_layer_at(layer)
+        self.own_kv = self.kv_layer == layer
         # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
-        self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer]
+        self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer] and self.own_kv
+        self.kv_shared = any(cfg.kv_layer_at(i) == layer for i in range(layer + 1, cfg.num_layers))
         if cfg.qk_norm == "head":
-            self.q_norm, self.k_norm = make_norm(cfg, self.head_dim), make_norm(cfg, self.head_dim)
+            self.q_norm = make_norm(cfg, self.head_dim)
+            if self.own_kv:
+                self.k_norm = make_norm(cfg, self.head_dim)
         elif cfg.qk_norm == "projection":
             self.q_norm, self.k_norm = ProjectionNorm(cfg, cfg.num_heads), ProjectionNorm(cfg, cfg.num_kv_heads)
-        self.v_norm = UnscaledRMSNorm(cfg.norm_eps) if cfg.v_norm else None
+        self.v_norm = UnscaledRMSNorm(cfg.norm_eps) if cfg.v_norm and self.own_kv else None
         nope = bool(cfg.nope_layers) and cfg.nope_layers[layer]  # (SmolLM3's layers without positions)
         self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim and not nope else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
@@ -75,11 +82,13 @@ class AttentionHeads(nn.Module):
         """`x`: the normalised layer input [T, d] all three projections read, or (ResidualBlock.attention_input)
         one input each for q, k and v, that input [T, d] or one per head [T, heads, d]."""
         if isinstance(x, torch.Tensor):
-            q, k, *v = self.qkv.split(self.qkv(x))
+            q, *kv = self.qkv.split(self.qkv(x))
         else:  # (where keys are values, the values are the key projection of the values' own input)
             parts = [*self.qkv.parts, *([list(self.qkv.parts)[1]] if self.keys_are_values else [])]
-            q, k, *v = map(self._project, parts, x)
-        z = self.attend(q, k, v[0] if v else k, rope)
+            q, *kv = map(self._project, parts, x)
+        # (none where the layer reads another's; the keys themselves where they are the values)
+        k = kv[0] if kv else None
+        z = self.attend(q, k, kv[1] if len(kv) > 1 else k, rope)
         if not tapped(self.hook_result):
             return self.out(z)
         # TransformerLens's attn.hook_result: each head's z times its columns of W_O, before the heads are summed
@@ -102,29 +111,25 @@ class AttentionHeads(nn.Module):
         y = torch.einsum("thm,hdm->thd", x, w.view(heads, -1, x.shape[-1]))
         return (y if b is None else y + b.view(heads, -1)).flatten(1)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]. Rotary tables in
-        float32 (ModelConfig.rope_float32) rotate in float32, the result rounded back to q's dtype, as HF's OLMo 2."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rope: Rope) -> torch.Tensor:
+        """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]; `k` and `v` None where
+        the layer attends to an earlier layer's (Gemma 4's shared layers: those as that layer left them, taps and
+        all). Rotary tables in float32 (ModelConfig.rope_float32) rotate in float32, the result rounded back to the
+        model's dtype, as HF's OLMo 2."""
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
             q, k, v = (x.clamp(-self.clip, self.clip) for x in (q, k, v))
-        q = q.reshape(-1, self.heads, self.head_dim)
-        k = k.reshape(-1, self.kv_heads, self.head_dim)
-        v = v.reshape(-1, self.kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.v_norm is not None:
-            v = self.v_norm(v)
-        if self.rope_kind is not None:
-            cos, sin = rope[self.rope_kind]
-            rotate = fused.rotate_pairs if self.rotary_pairs else fused.rotate
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            if self.rope_float32:  # (float32 tables: back to the model's dtype, which v keeps)
-                q, k = q.to(v.dtype), k.to(v.dtype)
-        q = tap(self.hook_q, q)
-        k = tap(self.hook_k, k)
-        v = tap(self.hook_v, v)
+        dtype = q.dtype
+        q = tap(self.hook_q, self._positioned(self._heads(q, self.heads, "q_norm"), rope, dtype))
+        if k is None:
+            k, v = get_context().shared_kv[self.kv_layer]
+        else:
+            k = tap(self.hook_k, self._positioned(self._heads(k, self.kv_heads, "k_norm"), rope, dtype))
+            v = v.reshape(-1, self.kv_heads, self.head_dim)
+            v = tap(self.hook_v, v if self.v_norm is None else self.v_norm(v))
+            if self.kv_shared:
+                get_context().shared_kv[self.layer] = k, v
         if self.temperature is not None:  # (Ministral 3: after hook_q, as HF scales what its rotary returns)
             beta, original = self.temperature
             scale = 1 + beta * torch.log(1 + torch.floor(get_context().positions / original))
@@ -132,6 +137,19 @@ class AttentionHeads(nn.Module):
         z = self.attn(q, k, v)
         z = tap(self.hook_z, z)
         return z.flatten(1)
+
+    def _heads(self, x: torch.Tensor, heads: int, norm: str) -> torch.Tensor:
+        """[T, heads * d] -> [T, heads, d], through its per-head norm (`norm`: q_norm or k_norm) where there is one."""
+        x = x.reshape(-1, heads, self.head_dim)
+        return getattr(self, norm)(x) if self.qk_norm == "head" else x
+
+    def _positioned(self, x: torch.Tensor, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
+        """Queries or keys [T, heads, d] rotated by their positions, in `dtype` (where the layer has rotary)."""
+        if self.rope_kind is None:
+            return x
+        cos, sin = rope[self.rope_kind]
+        x = (fused.rotate_pairs if self.rotary_pairs else fused.rotate)(x, cos, sin)
+        return x.to(dtype) if self.rope_float32 else x  # (float32 tables: back to the model's dtype)
 
 
 class ResidualBlock(nn.Module):
@@ -162,8 +180,6 @@ class ResidualBlock(nn.Module):
         self.hook_norms = (*astuple(self.hook_ln1), *astuple(self.hook_ln2))
         self.hook_mlp_out = p + "hook_mlp_out"
         self.hook_resid_post = p + "hook_resid_post"
-        # Gemma 4: the layer's output times this learned scalar, before hook_resid_post (a Parameter there)
-        self.layer_scalar: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = tap(self.hook_resid_pre, x)
@@ -183,9 +199,13 @@ class ResidualBlock(nn.Module):
         m = self.mlp_out(h)
         m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
-        if self.layer_scalar is not None:
-            x = x * self.layer_scalar
+        x = self.finish(x)
         x = tap(self.hook_resid_post, x)
+        return x
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """What the family does to the layer's sums before hook_resid_post (Gemma 4: per-layer embeddings and a
+        learned scalar)."""
         return x
 
     def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
@@ -261,14 +281,24 @@ class DecoderLM(nn.Module):
     executor = None
 
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Token ids -> the residual stream entering layer 0, firing hook_embed. Gemma scales the
-        embedding by sqrt(d), the factor rounded to the model dtype first as HF does; families with
-        learned positions override this."""
+        """Token ids -> the residual stream entering layer 0, firing hook_embed; families with learned positions
+        override this."""
+        x = tap("hook_embed", self.embedding(input_ids))
+        return x
+
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding, no tap fired. Gemma scales it by sqrt(d), the factor rounded to the model dtype
+        first as HF does."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale:
             x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
-        x = tap("hook_embed", x)
         return x
+
+    def resume_layer(self, layer: int) -> int:
+        """The first layer a forward must run to redo layer `layer` and those after it: `layer`, or an earlier one
+        whose keys and values a later layer attends to (Gemma 4's shared layers), which a forward from `layer` on
+        would not make."""
+        return min([layer, *(self.cfg.kv_layer_at(i) for i in range(layer, self.cfg.num_layers))])
 
     # -- shared ---------------------------------------------------------------------------------------
 

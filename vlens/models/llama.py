@@ -34,7 +34,7 @@ MOE_CHECKPOINT_NAMES = {
 
 class SelfAttention(AttentionHeads):
     """q_proj/k_proj/v_proj (fused into qkv_proj) and o_proj: Llama's, and Gemma's (Gemma 4's full layers have no
-    v_proj: their keys are their values)."""
+    v_proj where their keys are their values, and its shared layers q_proj alone)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -43,6 +43,8 @@ class SelfAttention(AttentionHeads):
         units, p = {"q_proj": h, "k_proj": kv, "v_proj": kv}, cfg.parallel
         if self.keys_are_values:
             del parts["v_proj"], units["v_proj"]
+        if not self.own_kv:  # (Gemma 4's shared layers: an earlier layer's keys and values, no projections of them)
+            parts, units = {"q_proj": parts["q_proj"]}, {"q_proj": h}
         self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, cfg.stored_fused, parallel=p, units=units)
         self.o_proj = RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h)
 
@@ -56,7 +58,7 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
         return SparseMoE(cfg, layer, stored_as, expert_names)
     hook = f"blocks.{layer}.mlp.hook_post"
-    sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+    sizes = (cfg.hidden_size, cfg.intermediate_size_at(layer), cfg.hidden_act, cfg.mlp_bias)
     return GatedMLP(*sizes, hook, cfg.stored_fused, cfg.parallel)
 
 
@@ -87,10 +89,11 @@ class CausalLM(DecoderLM):
     Llama's, whose layers differ (Gemma, OLMo 2), name their own `layer_class`."""
 
     layer_class: type[ResidualBlock] = DecoderLayer
+    model_class: type[DecoderModel] = DecoderModel  # (Gemma 4's holds its per-layer embeddings too)
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
-        self.model = DecoderModel(cfg, self.layer_class)
+        self.model = self.model_class(cfg, self.layer_class)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.model.embed_tokens)
