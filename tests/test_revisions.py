@@ -1,7 +1,7 @@
 """A hub model's other versions: `revision=` (a branch, tag or commit, as HF's from_pretrained and vLLM take it) in
-`LLM`, tensor parallelism, harvest and the command line, and TransformerLens's Pythia checkpoint numbers in
-`HookedLM.from_pretrained`; each read from an offline HF cache that holds two versions, so nothing touches the
-network."""
+`LLM`, tensor parallelism, harvest and the command line, and TransformerLens's model names and Pythia checkpoint
+numbers in `HookedLM.from_pretrained`; each read from an offline HF cache that holds two versions, so nothing
+touches the network."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err, save_tiny
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, GPTNeoConfig, GPTNeoXConfig, LlamaConfig
 
 import vlens.cli
 from vlens import LLM, HookedLM, harvest
 from vlens.harvest.model import weights_hash
+from vlens.hooked import hub_id
 from vlens.loader import ModelLoadError
 
 IDS = [[5, 17, 42, 99, 7, 250, 3, 3, 8], [11, 12]]
@@ -138,6 +139,24 @@ def test_pythia_checkpoints_by_transformer_lens_s_numbers(offline_hub, tmp_path)
             HookedLM.from_pretrained("EleutherAI/pythia-vlens-test", **numbers)
     with pytest.raises(ValueError, match=r"^checkpoint_index / checkpoint_value: .* are Pythia's .*revision='...'"):
         HookedLM.from_pretrained("vlens-test/tiny", checkpoint_value=1000)
+
+
+def test_transformer_lens_model_names(offline_hub, tmp_path):
+    """HookedTransformer.from_pretrained("pythia-70m", checkpoint_index=11) and ("tiny-stories-1M"): TransformerLens's
+    names of hub models, read from its own table, load the models they stand for (here from an offline hub cache);
+    a path, an org/name id or a name it does not know is left as it is."""
+    neox = dict(SIZES, num_hidden_layers=2, rotary_pct=0.25)
+    versions = {"main": save_tiny(GPTNeoXConfig(**neox), tmp_path / "main"),
+                "step1000": save_tiny(GPTNeoXConfig(**(neox | {"num_hidden_layers": 3})), tmp_path / "step1000")}
+    pythia = cache_repo(offline_hub, "EleutherAI/pythia-70m", versions)
+    check_logits(HookedLM.from_pretrained("pythia-70m", checkpoint_index=11, dtype="float32", device="cpu").llm,
+                 pythia["step1000"])  # fmt: skip
+    neo = GPTNeoConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64,
+                       attention_types=[[["global", "local"], 1]], window_size=4)  # fmt: skip
+    stories = cache_repo(offline_hub, "roneneldan/TinyStories-1M", {"main": save_tiny(neo, tmp_path / "neo")})
+    check_logits(HookedLM.from_pretrained("tiny-stories-1M", dtype="float32", device="cpu").llm, stories["main"])
+    assert [hub_id(name) for name in ("gpt2-small", "gemma-2-2b", "org/name", "no-such-model", str(tmp_path))] == [
+        "gpt2", "google/gemma-2-2b", "org/name", "no-such-model", str(tmp_path)]  # fmt: skip
 
 
 def test_a_revision_that_cannot_be_had_is_named(two_versions, tmp_path):

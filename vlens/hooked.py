@@ -25,6 +25,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,6 +122,22 @@ class HookedConfig(ModelConfig):
         return cls(**values, device=device, dtype=dtype, default_prepend_bos=adds_bos)
 
 
+def hub_id(model: str | None) -> str | None:
+    """The hub id a TransformerLens model name stands for ("gpt2-small": "gpt2", "pythia-70m":
+    "EleutherAI/pythia-70m"), by TransformerLens's own table where it is installed; a path, an org/name id or a
+    name it does not know, as it is."""
+    if model is None or "/" in model or Path(model).exists():
+        return model
+    try:
+        from transformer_lens.loading_from_pretrained import get_official_model_name
+    except ImportError:
+        return model
+    try:
+        return get_official_model_name(model)
+    except ValueError:
+        return model
+
+
 # Pythia's training checkpoints as TransformerLens lists them (its checkpoint_index counts in this list).
 PYTHIA_CHECKPOINTS = (0, *(2**i for i in range(10)), *range(1000, 143001, 1000))
 
@@ -174,9 +191,11 @@ class HookedLM(ModelWeights, SAEMethods):
         cls, model: str | None = None, checkpoint_index: int | None = None, checkpoint_value: int | None = None,
         **settings: Any,
     ) -> HookedLM:  # fmt: skip
-        """TransformerLens's: a Pythia training checkpoint by `checkpoint_value` (its step) or `checkpoint_index`
-        (its place in TransformerLens's list of them) is the hub revision `step{value}`; any model's other
-        versions are `revision=` (HF's and vLLM's setting)."""
+        """TransformerLens's: `model` may be one of its names ("gpt2-small", "pythia-70m", "tiny-stories-33M",
+        "gemma-2-2b"; read where TransformerLens is installed, from its own table), a Pythia training checkpoint by
+        `checkpoint_value` (its step) or `checkpoint_index` (its place in TransformerLens's list of them) is the
+        hub revision `step{value}`; any model's other versions are `revision=` (HF's and vLLM's setting)."""
+        model = hub_id(model)
         if checkpoint_index is not None or checkpoint_value is not None:
             settings["revision"] = _pythia_revision(model, checkpoint_index, checkpoint_value, settings)
         return cls(model, **settings)
