@@ -378,6 +378,12 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, o, key=p + "router": raw.__setitem__(key, tuple(_rows(x).clone() for x in o))))
             if hasattr(block.mlp, "shared_expert"):
                 on_input(block.mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
+        if hasattr(block, "router"):  # Gemma 4 26B-A4B: experts beside the MLP, each output normed
+            on_output(block.router.proj, p + "mlp.hook_router_logits")
+            for kind, at in (("hook_expert_weights", 0), ("hook_expert_ids", 2), ("hook_expert_indices", 2)):
+                on_output(block.router, p + "mlp." + kind, pick=lambda o, at=at: o[at])
+            on_output(block.post_feedforward_layernorm_1, p + "mlp.hook_dense_out")
+            on_output(block.post_feedforward_layernorm_2, p + "mlp.hook_experts_out")
     for prefix, module in norms.items():
         handles.append(
             module.register_forward_hook(lambda m, a, o, prefix=prefix: raw.__setitem__(prefix, _rows(a[0]).clone()))

@@ -39,6 +39,10 @@ CONFIGS = {
     # (sliding) and 2 (full; keys that are values here too), with MLPs twice as wide
     "gemma4_per_layer_shared_kv": lambda: Gemma4TextConfig(**(GEMMA4 | PER_LAYER), attention_k_eq_v=True,
                                                            num_global_key_value_heads=1),  # fmt: skip
+    # 26B-A4B's: routed experts (top 2 of 4) beside every layer's MLP
+    "gemma4_experts": lambda: Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                               enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                               moe_intermediate_size=32),  # fmt: skip
     # the released checkpoints: Gemma4ForConditionalGeneration, its text model under model.language_model.
     "gemma4_multimodal": lambda: Gemma4Config(
         text_config=Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1).to_dict(),
@@ -72,6 +76,9 @@ def test_config_is_read_as_intended(family):
         assert shapes["blocks.5.mlp.hook_post"] == (192,) and shapes["blocks.0.hook_per_layer_input"] == (8,)
         return
     keys_are_values = name != "gemma4_untied"
+    experts = name == "gemma4_experts"
+    assert cfg.experts_beside_mlp == experts and cfg.num_experts == (4 if experts else 0)
+    assert ("blocks.3.mlp.hook_experts_out" in shapes) == experts and shapes["blocks.3.mlp.hook_post"] == (96,)
     assert cfg.layer_head_dims == (8, 8, 16, 8, 16) and cfg.sliding_windows == (8, 8, None, 8, None)
     assert cfg.layer_kv_heads == ((2, 2, 1, 2, 1) if keys_are_values else (2,) * 5)
     assert cfg.keys_are_values == (False, False, keys_are_values, False, keys_are_values)
@@ -91,8 +98,8 @@ def test_layer_scalar_and_proportional_rotary_are_reached(tmp_path):
 def test_weights_per_layer_and_refusals(tmp_path):
     """HookedLM's W_V where keys are values is W_K, and a shared layer's W_K, W_V, b_K, b_V are those of the layer
     whose keys it reads; a stack over layers of two head sizes is refused with the per-layer way, as is a
-    decomposition of the stream the layer scalars make no sum; the MoE block is refused by name, and so is tensor
-    parallelism of per-layer embeddings."""
+    decomposition of the stream the layer scalars make no sum; attention both ways is refused by name, and so is
+    tensor parallelism of per-layer embeddings."""
     path = build(CONFIGS["gemma4_keys_are_values"](), tmp_path, "gemma4")
     model = HookedLM(path, dtype="float32", device="cpu")
     full, sliding = model.blocks[2].attn, model.blocks[0].attn
@@ -103,9 +110,9 @@ def test_weights_per_layer_and_refusals(tmp_path):
     _, cache = model.run_with_cache(torch.tensor([[1, 2, 3, 4]]))
     with pytest.raises(ValueError, match="layer_scalar"):
         cache.decompose_resid()
-    moe = Gemma4TextConfig(**GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    with pytest.raises(UnsupportedModelError, match="enable_moe_block=True"):
-        HookedLM(build(moe, tmp_path / "moe", "gemma4"), dtype="float32", device="cpu")
+    both_ways = Gemma4TextConfig(**GEMMA4, use_bidirectional_attention="all")  # (an encoder: not a causal LM)
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention='all' is not supported"):
+        HookedLM(build(both_ways, tmp_path / "both_ways", "gemma4"), dtype="float32", device="cpu")
     per_layer = build(CONFIGS["gemma4_per_layer_shared_kv"](), tmp_path / "per_layer", "gemma4")
     shared = HookedLM(per_layer, dtype="float32", device="cpu").blocks  # (layers 4 and 5 read 3's and 2's keys)
     for layer, source in ((4, 3), (5, 2)):
@@ -116,7 +123,7 @@ def test_weights_per_layer_and_refusals(tmp_path):
         LLM(model=per_layer, dtype="float32", device="cpu", tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("name", ["gemma4_keys_are_values", "gemma4_per_layer_shared_kv"])
+@pytest.mark.parametrize("name", ["gemma4_keys_are_values", "gemma4_per_layer_shared_kv", "gemma4_experts"])
 def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path, name):
     """In bfloat16 every tap equals HF's (its default attention, SDPA) bit for bit: the norms scale in float32 and
     round last, the values' norm too, the layer scalar after the sums, the per-layer inputs as HF sums them."""
@@ -128,4 +135,6 @@ def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path, name):
     got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, layers, patterns=False)
     compared = [hook for hook in got if hook in ref]
     assert len(compared) == len(got) - 2 * len(layers)  # (all but the patterns)
+    # (the router's softmax is float32 in HF; vlens's taps are of the model's dtype)
+    ref = {hook: value.to(got[hook].dtype) for hook, value in ref.items() if hook in got}
     assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []

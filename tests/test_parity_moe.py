@@ -153,6 +153,20 @@ def test_bfloat16_experts_are_summed_as_hf_sums_them(family):
     assert rel_err(got, ref) <= 5e-4  # it was 2e-3 to 4e-3; on this CPU it is now 0
 
 
+def test_bfloat16_expert_weights_are_captured_in_bfloat16(family):
+    """TransformerLens's expert weights (the router's float32 softmax, from which HF picks the experts) are captured
+    in the model's dtype, as every tap but the expert ids (a bfloat16 model's capture of them failed: float32 rows
+    for a bfloat16 buffer); the experts are still chosen from the float32 values."""
+    _, path, _, _ = family
+    llm = LLM(model=path, dtype="bfloat16", device="cpu")
+    hooks = ["blocks.0.mlp.hook_router_logits", "blocks.0.mlp.hook_expert_weights", "blocks.0.mlp.hook_expert_ids"]
+    got = llm.trace([list(range(1, 30))], hooks=hooks)[0]
+    logits, weights, ids = (got[hook] for hook in hooks)
+    assert weights.dtype == torch.bfloat16
+    assert torch.equal(weights, logits.float().softmax(-1).to(torch.bfloat16))
+    assert torch.equal(ids, logits.float().softmax(-1).topk(ids.shape[-1]).indices)
+
+
 def check_expert_paths(experts) -> None:
     """The two ways routed experts run give the same sums (float32, within 1e-6): torch's grouped GEMM over the
     (token, choice) pairs sorted by expert, and every expert on every token (what a compiled float32 forward and

@@ -74,8 +74,9 @@ CONFIGS = {
     "phi": lambda: PhiConfig(**COMMON, hidden_act="gelu_new", pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # each rank's heads' sinks; experts' interleaved gate/up columns split, their down bias added once
     "gpt_oss": GPT_OSS_CONFIGS["gpt_oss"],
-    # layers of two head sizes: the sliding ones' two key-value heads split, the full ones' one replicated
-    "gemma4": GEMMA4_CONFIGS["gemma4_keys_are_values"],
+    # layers of two head sizes: the sliding ones' two key-value heads split, the full ones' one replicated; experts
+    # beside the MLP, each rank its columns of their stacked checkpoint tensors
+    "gemma4": GEMMA4_CONFIGS["gemma4_experts"],
 }
 
 

@@ -34,16 +34,11 @@ def _gemma4(hf: Any) -> dict[str, Any]:
     values (`attention_k_eq_v`), their own number of key-value heads; scores are not scaled (q/k norms take the
     place of 1/sqrt(d)); the full layers' rotary turns a fraction of each head's frequency pairs ("proportional"
     rope). E2B and E4B: per-layer embeddings, and the last `num_kv_shared_layers` layers attend to the keys and
-    values of the last earlier layer of their kind (with MLPs twice as wide where `use_double_wide_mlp`). The MoE
-    block beside the MLP (26B-A4B) is refused by name."""
-    for flag, value in (("enable_moe_block", hf.enable_moe_block),
-                        ("use_bidirectional_attention", "all" if hf.use_bidirectional_attention == "all" else None),
-                        ):  # fmt: skip
-        if value:  # ("vision": images attend both ways, text causally, as vlens runs it)
-            raise UnsupportedModelError(
-                f"{flag}={value!r} is not supported for Gemma 4 (vlens runs its causal text model, without the MoE "
-                "block)"
-            )
+    values of the last earlier layer of their kind (with MLPs twice as wide where `use_double_wide_mlp`). 26B-A4B:
+    routed experts beside each layer's MLP."""
+    if hf.use_bidirectional_attention == "all":  # ("vision": images attend both ways, text causally, as vlens runs it)
+        raise UnsupportedModelError("use_bidirectional_attention='all' is not supported for Gemma 4: vlens runs its "
+                                    "causal text model")  # fmt: skip
     n = hf.num_hidden_layers
     layers = [hf.per_layer_config[i] for i in range(n)]
     modes = hf.kv_sharing_modes
@@ -59,6 +54,9 @@ def _gemma4(hf: Any) -> dict[str, Any]:
                                        for i in range(n)),  # fmt: skip
         per_layer_input_size=hf.hidden_size_per_layer_input or 0,
         per_layer_vocab_size=hf.vocab_size_per_layer_input if hf.hidden_size_per_layer_input else 0,
+        **(dict(num_experts=hf.num_experts, experts_per_token=hf.top_k_experts, moe_layers=(True,) * n,
+                moe_intermediate_size=hf.moe_intermediate_size, experts_beside_mlp=True)
+           if hf.enable_moe_block else {}),  # fmt: skip
         hidden_act=hf.hidden_activation,
         attn_scale=1.0,
         final_softcap=hf.final_logit_softcapping,
@@ -421,6 +419,9 @@ class ModelConfig:
     round_routing_weights: bool = False  # Qwen-MoE, OLMoE: those weights rounded to the model dtype before use
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
+    # Gemma 4 26B-A4B: the routed experts run beside a dense MLP (both read the stream, each output normed, their
+    # sum normed again), their router reading the stream normed, scaled and with a scale per expert
+    experts_beside_mlp: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
     # Gemma 4, per layer: head size and key-value heads (its full-attention layers' differ; () = head_dim and
     # num_kv_heads everywhere), and where the keys are the values (one projection, before the key norm)

@@ -194,7 +194,7 @@ class MLPWeights:
         """Read from a layer's dense MLP: fc_in's rows cut into its parts (gate, then up; or the one input
         projection), fc_out's columns per neuron."""
         cfg = model.cfg
-        if cfg.is_moe_layer(layer):
+        if cfg.is_moe_layer(layer) and not cfg.experts_beside_mlp:  # (Gemma 4's: the dense MLP beside them)
             raise ValueError(
                 f"{cfg.architecture}: layer {layer}'s MLP is {cfg.num_experts} routed experts, chosen per token: it "
                 "has no one W_in / W_gate / W_out / b_in / b_out (TransformerLens's MoE keeps them per expert) and no "

@@ -51,6 +51,9 @@ POST_NORMED = (("attn.hook_out", "hook_attn_out"), ("mlp.hook_out", "hook_mlp_ou
 # expert's hidden activation.
 MOE_HOOKS = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_ids", "mlp.hook_expert_indices")
 SHARED_EXPERT = "mlp.shared_expert.hook_post"
+# Gemma 4 26B-A4B, whose experts run beside a dense MLP: each one's output after its own norm (their sum is
+# mlp.hook_out), the router's taps between them.
+BESIDE_MLP = ("mlp.hook_dense_out", *MOE_HOOKS, "mlp.hook_experts_out")
 # Gemma 4 E2B/E4B's per-layer embeddings, after the MLP: the layer's own input (of per_layer_input_size), the gated
 # branch's hidden activation act(gate(x)) * that input, and what the branch adds to the stream (after its norm).
 PER_LAYER_HOOKS = ("hook_per_layer_input", "per_layer.hook_post", "hook_per_layer_out")
@@ -117,7 +120,7 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     if cfg.is_moe_layer(layer):
         moe = MOE_HOOKS + (SHARED_EXPERT,) if cfg.shared_expert_intermediate_size else MOE_HOOKS
         at = hooks.index("mlp.hook_post")
-        hooks[at : at + 1] = moe
+        hooks[at : at + 1] = ("mlp.hook_post", *BESIDE_MLP) if cfg.experts_beside_mlp else moe
     if not cfg.pre_norms:
         hooks = [h for h in hooks if not h.startswith(("ln1.", "ln2."))]
     if cfg.post_norms:

@@ -1,15 +1,17 @@
-"""Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): a linear router picks the top-k of E gated
-experts per token, weighted by their softmax probabilities (renormalised over the chosen k where the model says
-so; gpt-oss: the softmax of the chosen k logits alone); Qwen2-MoE adds an always-on shared expert scaled by a
-sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU (`ClampedExperts`).
+"""Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B): a linear router picks the top-k
+of E gated experts per token, weighted by their softmax probabilities (renormalised over the chosen k where the
+model says so; gpt-oss: the softmax of the chosen k logits alone); Qwen2-MoE adds an always-on shared expert
+scaled by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU
+(`ClampedExperts`); Gemma 4's router reads a normed, scaled stream and scales each expert's weight
+(`NormedRouter`), and its experts run beside a dense MLP (vlens.models.gemma4).
 
 Taps: the router's logits [E], TransformerLens's expert weights [E] (an edit there reroutes) and the chosen
 experts [k] (int64, in descending weight order, as torch.topk gives them) — which experts ran is the first thing
 one asks of an MoE activation.
 The experts' weights are stacked ([E, 2I, d] and [E, d, I], as HF 5 holds them); checkpoints keep
-one tensor per expert, which loads into its slice. Under tensor parallelism every rank holds every
-expert's share of the intermediate columns (gate, up and the matching columns of down) and the
-experts' summed partial outputs are added across the ranks once; the router runs whole on every rank.
+one tensor per expert, which loads into its slice (Gemma 4's keep them stacked too). Under tensor parallelism
+every rank holds every expert's share of the intermediate columns (gate, up and the matching columns of down)
+and the experts' summed partial outputs are added across the ranks once; the router runs whole on every rank.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from vlens.context import tap, tapped
 from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.layers.mlp import GatedMLP, activation
+from vlens.layers.norm import UnscaledRMSNorm
 
 
 class Experts(nn.Module):
     def __init__(
-        self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str],
+        self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str] | None,
         parallel: Parallel = SINGLE, bias: bool = False,
     ):  # fmt: skip
         super().__init__()
@@ -41,11 +44,20 @@ class Experts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(num, hidden)) if bias else None
         self.act = activation(act)
         self.columns, self.parallel = slice(columns.start, columns.stop), parallel
-        self.names = names  # the checkpoint's names for each expert's gate, up and down projections
+        self.names = names  # the checkpoint's names for each expert's gate, up and down projections (None: fused)
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
-        gate, up, down = self.names
         n = self.columns.stop - self.columns.start
+        if self.names is None:  # (all experts in one tensor per projection, in vlens's own layout: Gemma 4's)
+            columns = self.columns
+
+            def gate_up(w: torch.Tensor) -> torch.Tensor:  # [E, 2I, d] -> this rank's gate rows, then its up rows
+                gate, up = w.chunk(2, dim=1)
+                return torch.cat([gate[:, columns], up[:, columns]], dim=1)
+
+            return {f"{path}.gate_up_proj": Slot(self.gate_up_proj, transform=gate_up),
+                    f"{path}.down_proj": Slot(self.down_proj, transform=lambda w: w[..., columns])}  # fmt: skip
+        gate, up, down = self.names
         rows, cols = ((self.columns,), (slice(None), self.columns)) if self.parallel.size > 1 else (None, None)
         slots = {}
         for e in range(self.gate_up_proj.shape[0]):
@@ -154,6 +166,60 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return y if bias is None else y + bias
 
 
+class Routing:
+    """How a router's logits [T, E] become each token's k experts and their weights, with the taps there: the
+    softmax over every expert, its top k (renormalised where the model says so; gpt-oss: the softmax of the top k
+    logits alone), rounded to the logits' dtype where the model does (Qwen-MoE, OLMoE)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
+        self.softmax_after_topk = cfg.softmax_after_topk
+        self.round_weights = cfg.round_routing_weights
+        p = f"blocks.{layer}.mlp."
+        self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
+        self.hook_expert_weights = p + "hook_expert_weights"
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k])."""
+        logits = tap(self.hook_router_logits, logits)
+        if self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
+            top, ids = logits.topk(self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+            if tapped(self.hook_expert_weights):  # (TransformerLens's [E]: the chosen k's weights, zeros elsewhere)
+                every = torch.zeros_like(logits).scatter(-1, ids, weights)
+                weights = tap(self.hook_expert_weights, every).gather(-1, ids)
+        else:
+            probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            if tapped(self.hook_expert_weights):  # (seen in the model's dtype, as every tap but the ids are; the
+                # experts chosen from the float32 values, as HF chooses, unless an edit gives others)
+                seen = probabilities.to(logits.dtype)
+                edited = tap(self.hook_expert_weights, seen)
+                probabilities = probabilities if edited is seen else edited.float()
+            weights, ids = probabilities.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(logits.dtype)
+        return weights, tap(self.hook_expert_ids, ids)
+
+
+class NormedRouter(nn.Module):
+    """Gemma 4's router: it reads the stream RMS-normalised (no weight), times a learned scale and 1/sqrt(d), and
+    the chosen experts' renormalised weights are multiplied by a learned scale per expert."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.norm = UnscaledRMSNorm(cfg.norm_eps)
+        self.routing = Routing(cfg, layer)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self.routing(self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5))
+        return weights * self.per_expert_scale[ids], ids
+
+
 class SparseMoE(nn.Module):
     """`stored_as`: this block's name in checkpoints (Mixtral: block_sparse_moe; HF 5 calls it mlp), and its
     router's (gpt-oss: router; the rest: gate)."""
@@ -166,9 +232,7 @@ class SparseMoE(nn.Module):
         else:
             experts = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, expert_names)
             self.experts = Experts(*experts, cfg.parallel)
-        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
-        self.softmax_after_topk = cfg.softmax_after_topk
-        self.round_weights = cfg.round_routing_weights
+        self.routing = Routing(cfg, layer)
         self.stored_as = stored_as
         p = f"blocks.{layer}.mlp."
         self.shared = cfg.shared_expert_intermediate_size > 0
@@ -177,8 +241,6 @@ class SparseMoE(nn.Module):
             hook = p + "shared_expert.hook_post"
             self.shared_expert = GatedMLP(cfg.hidden_size, size, cfg.hidden_act, False, hook, parallel=cfg.parallel)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
-        self.hook_expert_weights = p + "hook_expert_weights"
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         block, router = self.stored_as
@@ -189,22 +251,7 @@ class SparseMoE(nn.Module):
         return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        logits = tap(self.hook_router_logits, logits)
-        if self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
-            top, ids = logits.topk(self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
-            if tapped(self.hook_expert_weights):  # (TransformerLens's [E]: the chosen k's weights, zeros elsewhere)
-                every = torch.zeros_like(logits).scatter(-1, ids, weights)
-                weights = tap(self.hook_expert_weights, every).gather(-1, ids)
-        else:
-            probabilities = tap(self.hook_expert_weights, torch.softmax(logits, dim=-1, dtype=torch.float32))
-            weights, ids = probabilities.topk(self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.round_weights:
-            weights = weights.to(logits.dtype)
-        ids = tap(self.hook_expert_ids, ids)
+        weights, ids = self.routing(self.gate(x))
         out = self.experts(x, ids, weights)
         if self.shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -191,12 +191,12 @@ class ResidualBlock(nn.Module):
         else:
             mid = x + a
             mid = tap(self.hook_resid_mid, mid)
-        h = tap(self.hook_mlp_in, mid)
+        h = stream = tap(self.hook_mlp_in, mid)
         if self.shared_norm and h is x and not any(map(tapped, self.hook_norms)):
             h = normed  # (the one norm of the same input, computed once)
         elif self.pre_norms:
             h = self.ln2(h, self.hook_ln2)
-        m = self.mlp_out(h)
+        m = self.mlp_out(h, stream)
         m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
         x = self.finish(x)
@@ -211,7 +211,9 @@ class ResidualBlock(nn.Module):
     def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
         return self.attn_heads(h, rope)
 
-    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp_out(self, h: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds, from `h`, the MLP norm's output (`stream`: that norm's input, which Gemma 4's experts
+        beside the MLP read)."""
         return self.mlp(h)
 
     def attention_input(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -255,8 +257,12 @@ class PostNormBlock(ResidualBlock):
     def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
         return self.post_attention_layernorm(tap(self.hook_attn_raw, self.attn_heads(h, rope)), self.hook_attn_norm)
 
-    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm(tap(self.hook_mlp_raw, self.mlp(h)), self.hook_mlp_norm)
+    def mlp_out(self, h: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(tap(self.hook_mlp_raw, self.mlp_block(h, stream)), self.hook_mlp_norm)
+
+    def mlp_block(self, h: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """What the post-MLP norm normalises: the MLP's output (Gemma 4 26B-A4B: plus its experts')."""
+        return self.mlp(h)
 
 
 class DecoderLM(nn.Module):

@@ -14,7 +14,10 @@ embedding times sqrt(d), soft-capped logits) with what changes the activations i
   of the first, from which each layer gets an input of its own that gates a small branch after its MLP
   (hook_per_layer_input, per_layer.hook_post, hook_per_layer_out); and their last `num_kv_shared_layers` layers
   attend to the keys and values of the last earlier layer of their kind (models/base.AttentionHeads), with MLPs
-  twice as wide where `use_double_wide_mlp` says.
+  twice as wide where `use_double_wide_mlp` says;
+- 26B-A4B: routed experts beside each layer's MLP, reading the stream the MLP's norm reads through a norm of their
+  own, with a router of its own kind (layers/moe.NormedRouter); each output normed (mlp.hook_dense_out,
+  mlp.hook_experts_out), their sum (mlp.hook_out) normed again as the MLP's alone is elsewhere.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context, tap
 from vlens.layers.mlp import activation
+from vlens.layers.moe import Experts, NormedRouter
 from vlens.layers.norm import make_norm
 from vlens.models.gemma import GemmaDecoderLayer
 from vlens.models.llama import CausalLM, DecoderModel
@@ -44,6 +48,24 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
             p = f"blocks.{layer}."
             self.hook_per_layer_input, self.hook_per_layer_post = p + "hook_per_layer_input", p + "per_layer.hook_post"
             self.hook_per_layer_out = p + "hook_per_layer_out"
+        self.experts_beside_mlp = cfg.experts_beside_mlp
+        if cfg.experts_beside_mlp:
+            self.router = NormedRouter(cfg, layer)
+            sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+            self.experts = Experts(*sizes, None, cfg.parallel)
+            self.pre_feedforward_layernorm_2 = make_norm(cfg)
+            self.post_feedforward_layernorm_1 = make_norm(cfg)
+            self.post_feedforward_layernorm_2 = make_norm(cfg)
+            p = f"blocks.{layer}.mlp."
+            self.hook_dense_out, self.hook_experts_out = p + "hook_dense_out", p + "hook_experts_out"
+
+    def mlp_block(self, h: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        if not self.experts_beside_mlp:
+            return super().mlp_block(h, stream)
+        dense = tap(self.hook_dense_out, self.post_feedforward_layernorm_1(self.mlp(h)))
+        weights, ids = self.router(stream)
+        experts = self.experts(self.pre_feedforward_layernorm_2(stream), ids, weights)
+        return dense + tap(self.hook_experts_out, self.post_feedforward_layernorm_2(experts))
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         if self.per_layer:

@@ -54,7 +54,7 @@ class SelfAttention(AttentionHeads):
 
 def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
     """The layer's MLP: routed experts on MoE layers, else the gated MLP."""
-    if cfg.is_moe_layer(layer):
+    if cfg.is_moe_layer(layer) and not cfg.experts_beside_mlp:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
         return SparseMoE(cfg, layer, stored_as, expert_names)
     hook = f"blocks.{layer}.mlp.hook_post"
