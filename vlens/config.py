@@ -39,33 +39,32 @@ def _gemma4(hf: Any) -> dict[str, Any]:
     if hf.use_bidirectional_attention == "all":  # ("vision": images attend both ways, text causally, as vlens runs it)
         raise UnsupportedModelError("use_bidirectional_attention='all' is not supported for Gemma 4: vlens runs its "
                                     "causal text model")  # fmt: skip
-    n = hf.num_hidden_layers
+    n, kinds = hf.num_hidden_layers, hf.layer_types
     layers = [hf.per_layer_config[i] for i in range(n)]
-    modes = hf.kv_sharing_modes
-    first_shared = n - hf.num_kv_shared_layers
-    # (the layer whose keys and values each layer reads: its own, or for a shared one the last unshared layer of
-    # its kind, as HF's KVSharingDict keeps them)
-    sources = {kind: max(i for i in range(first_shared) if hf.layer_types[i] == kind) for kind in set(hf.layer_types)
-               if first_shared > 0}  # fmt: skip
-    double = hf.use_double_wide_mlp
-    return dict(
-        kv_layers=tuple(sources[hf.layer_types[i]] if modes[i] == "reuse" else i for i in range(n)),
-        layer_intermediate_sizes=tuple(hf.intermediate_size * (2 if double and modes[i] == "reuse" else 1)
-                                       for i in range(n)),  # fmt: skip
-        per_layer_input_size=hf.hidden_size_per_layer_input or 0,
-        per_layer_vocab_size=hf.vocab_size_per_layer_input if hf.hidden_size_per_layer_input else 0,
-        **(dict(num_experts=hf.num_experts, experts_per_token=hf.top_k_experts, moe_layers=(True,) * n,
-                moe_intermediate_size=hf.moe_intermediate_size, experts_beside_mlp=True)
-           if hf.enable_moe_block else {}),  # fmt: skip
+    shared = [mode == "reuse" for mode in hf.kv_sharing_modes]
+    # (a shared layer reads the keys and values of the last unshared layer of its kind, as HF's KVSharingDict keeps
+    # them)
+    source = {kind: max(i for i in range(n) if kinds[i] == kind and not shared[i]) for kind in set(kinds)}
+    fields = dict(
         hidden_act=hf.hidden_activation,
         attn_scale=1.0,
         final_softcap=hf.final_logit_softcapping,
         layer_head_dims=tuple(c.head_dim for c in layers),
         layer_kv_heads=tuple(c.num_key_value_heads for c in layers),
-        keys_are_values=tuple(hf.attention_k_eq_v and kind == "full_attention" for kind in hf.layer_types),
-        rotary_dim=_global(hf, "head_dim"),  # (each layer rotates its whole head; the full layers' rope zeroes some
-        # of its frequencies)
+        keys_are_values=tuple(hf.attention_k_eq_v and kind == "full_attention" for kind in kinds),
+        # (each layer rotates its whole head; the full layers' rope gives some of its frequency pairs none)
+        rotary_dim=_global(hf, "head_dim"),
+        kv_layers=tuple(source[kinds[i]] if shared[i] else i for i in range(n)),
     )
+    if hf.use_double_wide_mlp and any(shared):
+        fields["layer_intermediate_sizes"] = tuple(hf.intermediate_size * (2 if s else 1) for s in shared)
+    if hf.hidden_size_per_layer_input:
+        fields |= dict(per_layer_input_size=hf.hidden_size_per_layer_input,
+                       per_layer_vocab_size=hf.vocab_size_per_layer_input)  # fmt: skip
+    if hf.enable_moe_block:
+        fields |= dict(num_experts=hf.num_experts, experts_per_token=hf.top_k_experts, moe_layers=(True,) * n,
+                       moe_intermediate_size=hf.moe_intermediate_size, experts_beside_mlp=True)  # fmt: skip
+    return fields
 
 
 def _gemma2(hf: Any) -> dict[str, Any]:

@@ -53,16 +53,16 @@ class AttentionHeads(nn.Module):
         p = f"blocks.{layer}.attn."
         patterns = (p + "hook_attn_scores", p + "hook_pattern")
         rank_heads = cfg.parallel.units(cfg.num_heads) if cfg.parallel.size > 1 else None
-        self.attn = Attention(
-            self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
-            rank_heads, None if cfg.kv_layer_at(layer) == layer else cfg.kv_layer_at(layer),
-        )
-        self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
-        self.rotary_pairs, self.temperature = cfg.rotary_pairs, cfg.attn_temperature
         # Gemma 4 E2B/E4B: its last layers attend to an earlier layer's keys and values (and have no k, v or their
         # norms), which that layer leaves in the forward's context for them
         self.layer, self.kv_layer = layer, cfg.kv_layer_at(layer)
         self.own_kv = self.kv_layer == layer
+        self.attn = Attention(
+            self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
+            rank_heads, None if self.own_kv else self.kv_layer,
+        )
+        self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
+        self.rotary_pairs, self.temperature = cfg.rotary_pairs, cfg.attn_temperature
         # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
         self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer] and self.own_kv
         self.kv_shared = any(cfg.kv_layer_at(i) == layer for i in range(layer + 1, cfg.num_layers))
