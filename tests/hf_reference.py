@@ -159,6 +159,17 @@ FAMILIES = {
         final_norm="transformer.ln_f",
         extra={"hook_pos_embed": "transformer.wpe"},
     ),
+    "opt": Family(  # GPT-2's layer under its own names, its MLP's projections on the layer itself
+        layers="model.decoder.layers",
+        embed="model.decoder.embed_tokens",
+        attn="self_attn",
+        outputs={"ln1.hook_out": "self_attn_layer_norm", "hook_attn_out": "self_attn",
+                 "ln2.hook_out": "final_layer_norm", "hook_mlp_out": "fc2"},  # fmt: skip
+        inputs={"hook_resid_mid": "final_layer_norm", "attn.hook_z": "self_attn.out_proj", "mlp.hook_post": "fc2"},
+        qkv="self_attn.v_proj",
+        final_norm="model.decoder.final_layer_norm",
+        extra={"hook_pos_embed": "model.decoder.embed_positions"},
+    ),
     "gptj": Family(  # Phi's layer under GPT-2's names: one norm for both sublayers, no resid_mid
         layers="transformer.h",
         embed="transformer.wte",
@@ -193,7 +204,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
-               "gemma4": "gemma4_multimodal"}  # fmt: skip
+               "gemma4": "gemma4_multimodal", "opt": "opt"}  # fmt: skip
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 
@@ -315,7 +326,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if name == "gpt_neo":  # (learned positions: q and k are the projections)
+    if name in ("gpt_neo", "opt"):  # (learned positions: q and k are the projections)
         rope = [False] * n
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
@@ -362,22 +373,23 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 norms[p + kind.split(".")[0]] = block.get_submodule(path)
         for norm, path in fam.post_norms.items():  # (their outputs are hook_attn_out and hook_mlp_out)
             norms[p + norm] = block.get_submodule(path)
+        mlp = getattr(block, "mlp", None)  # (OPT keeps its MLP's projections on the layer)
         parallel = getattr(cfg, "use_parallel_residual", False)
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:
                 continue  # under the parallel residual the norm reads resid_pre: no resid_mid in HF
-            if kind == "mlp.hook_post" and hasattr(block.mlp, "experts"):
+            if kind == "mlp.hook_post" and hasattr(mlp, "experts"):
                 continue
             on_input(block.get_submodule(path), p + kind)
-        if hasattr(block.mlp, "experts"):
-            router = getattr(block.mlp, "router", None) or block.mlp.gate  # (gpt-oss: router)
+        if hasattr(mlp, "experts"):
+            router = getattr(mlp, "router", None) or mlp.gate  # (gpt-oss: router)
             on_output(router, p + "mlp.hook_router_logits", pick=lambda o: o[0])
             on_output(router, p + "mlp.hook_expert_ids", pick=lambda o: o[2])
             on_output(router, p + "mlp.hook_expert_indices", pick=lambda o: o[2])
             handles.append(router.register_forward_hook(  # (logits, weights of the chosen, chosen)
                 lambda m, a, o, key=p + "router": raw.__setitem__(key, tuple(_rows(x).clone() for x in o))))
-            if hasattr(block.mlp, "shared_expert"):
-                on_input(block.mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
+            if hasattr(mlp, "shared_expert"):
+                on_input(mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
         if hasattr(block, "router"):  # Gemma 4 26B-A4B: experts beside the MLP, each output normed
             on_output(block.router.proj, p + "mlp.hook_router_logits")
             for kind, at in (("hook_expert_weights", 0), ("hook_expert_ids", 2), ("hook_expert_indices", 2)):

@@ -99,6 +99,29 @@ def _gpt_neo(hf: Any) -> dict[str, Any]:
     )
 
 
+def _opt(hf: Any) -> dict[str, Any]:
+    """OPT: queries scaled after their projection (the scores then unscaled); OPT-350M's norms after each sublayer
+    and its projected embeddings are refused by name, as are LayerNorms without weights."""
+    for flag, value in (("do_layer_norm_before", hf.do_layer_norm_before is False),
+                        ("word_embed_proj_dim", (hf.word_embed_proj_dim or hf.hidden_size) != hf.hidden_size),
+                        ("layer_norm_elementwise_affine", hf.layer_norm_elementwise_affine is False),
+                        ("_remove_final_layer_norm", hf._remove_final_layer_norm)):  # fmt: skip
+        if value:
+            raise UnsupportedModelError(f"{flag}={getattr(hf, flag)!r} is not supported for OPTForCausalLM (OPT-350M's "
+                                        "layout; vlens runs the pre-norm OPT models)")  # fmt: skip
+    bias = bool(hf.enable_bias)
+    return dict(
+        intermediate_size=hf.ffn_dim,
+        hidden_act=hf.activation_function,
+        norm_eps=1e-5,  # (torch's LayerNorm default, which HF's OPT keeps)
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bias,
+        attn_scale=1.0,
+        query_scale=(hf.hidden_size // hf.num_attention_heads) ** -0.5,
+    )
+
+
 def _gpt_neox(hf: Any) -> dict[str, Any]:
     return dict(
         norm_eps=hf.layer_norm_eps,
@@ -294,6 +317,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         windowed=False,
     ),
     "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
+    # OPT: GPT-2's layer under its own names, positions two rows down their table, queries scaled as projected
+    "OPTForCausalLM": Architecture({"family": "opt", "learned_positions": True, "norm": "layer"}, _opt, windowed=False),
     # GPT-J: Phi's parallel residual with one LayerNorm, rotary by pairs over the leading rotary_dim dims, no
     # attention biases, a biased unembedding
     "GPTJForCausalLM": Architecture(
@@ -353,6 +378,7 @@ MODEL_TYPES = {
     "gpt_neo": "GPTNeoForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "gptj": "GPTJForCausalLM",
+    "opt": "OPTForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
 }
@@ -398,6 +424,7 @@ class ModelConfig:
     # OLMo 2/3, without pre-norms: TransformerLens names them ln1, ln2)
     rope_float32: bool = False  # OLMo: cos and sin stay float32, so q and k rotate in float32 and round back
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    query_scale: float | None = None  # OPT: q times this after hook_q (its scores then unscaled), as HF scales them
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask
     attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, learned, that weighs no value

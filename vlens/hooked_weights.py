@@ -366,12 +366,12 @@ class ModelWeights:
 
     @property
     def W_pos(self) -> torch.Tensor:
-        """[n_ctx, d_model]: the learned position embedding (GPT-2)."""
+        """[n_ctx, d_model]: the learned position embedding (GPT-2, GPT-Neo, OPT: from position 0 on)."""
         model = self._model()
         if not model.cfg.learned_positions:
             raise AttributeError(f"W_pos: {model.cfg.architecture} has no learned position embedding (its "
                                  "positions are rotary)")  # fmt: skip
-        return model.transformer.wpe.weight.detach()
+        return model.position_embeddings.detach()
 
     def tokens_to_residual_directions(self, tokens: Tokens) -> torch.Tensor:
         """TransformerLens's: the unembedding vector of each token, W_U[:, token], the direction the final

@@ -1,6 +1,6 @@
 """Activations by their HF config names, the gated MLP (act(gate) * up, then down) that the Llama, Gemma, Phi-3
 and Qwen2-MoE (dense layers, shared expert) families share, and the plain one (act(fc_in(x)), then fc_out) of
-GPT-NeoX and Phi."""
+GPT-NeoX, Phi, GPT-J, GPT-Neo and OPT."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": _gelu_new,
+    "relu": F.relu,  # (OPT)
 }
 
 

@@ -123,13 +123,9 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         out = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         if tapped(hooks.scale) or tapped(hooks.normalized):
-            centred = x - x.mean(-1, keepdim=True)
-            scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
-            edited_scale = tap(hooks.scale, scale)
-            h = centred / edited_scale
-            edited = tap(hooks.normalized, h)
-            if edited_scale is not scale or edited is not h:
-                out = edited * self.weight + self.bias
+            edited = _centred_taps(x, self.eps, hooks)
+            if edited is not None:
+                out = (edited.float() * self.weight.float() + self.bias.float()).to(x.dtype)
         return tap(hooks.out, out)
 
     def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -153,12 +149,8 @@ class PlainLayerNorm(nn.Module):
         weight = None if self.weight is None else self.weight.float()
         out = F.layer_norm(h, h.shape[-1:], weight, None, self.eps).to(x.dtype)
         if tapped(hooks.scale) or tapped(hooks.normalized):
-            centred = h - h.mean(-1, keepdim=True)
-            scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt().to(x.dtype)
-            edited_scale = tap(hooks.scale, scale)
-            normalized = (centred / edited_scale.float()).to(x.dtype)
-            edited = tap(hooks.normalized, normalized)
-            if edited_scale is not scale or edited is not normalized:
+            edited = _centred_taps(x, self.eps, hooks)
+            if edited is not None:
                 out = edited if weight is None else (edited.float() * weight).to(x.dtype)
         return tap(hooks.out, out)
 
@@ -167,6 +159,20 @@ class PlainLayerNorm(nn.Module):
         h = x.float()
         h = (h - h.mean(-1, keepdim=True)) / scale.float()
         return (h if self.weight is None else h * self.weight.float()).to(x.dtype)
+
+
+def _centred_taps(x: torch.Tensor, eps: float, hooks: NormHooks) -> torch.Tensor | None:
+    """A LayerNorm's inner taps of `x`: its divisor sqrt(var + eps) and its input centred and divided by it, computed
+    in float32 and rounded last (as torch's kernel and TransformerLens's LayerNorm compute them). The normalised
+    input as the taps leave it, or None where they only read (the norm's output is then its own)."""
+    h = x.float()
+    centred = h - h.mean(-1, keepdim=True)
+    divisor = (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    scale = divisor.to(x.dtype)
+    edited_scale = tap(hooks.scale, scale)
+    normalized = (centred / (divisor if edited_scale is scale else edited_scale.float())).to(x.dtype)
+    edited = tap(hooks.normalized, normalized)
+    return None if edited_scale is scale and edited is normalized else edited
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:

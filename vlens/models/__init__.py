@@ -16,6 +16,7 @@ from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
 from vlens.models.llama import CausalLM
 from vlens.models.olmo import OlmoForCausalLM
+from vlens.models.opt import OPTForCausalLM
 from vlens.models.phi import PhiForCausalLM
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
@@ -28,6 +29,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "gptj": GPTJForCausalLM,
     "cohere": CohereForCausalLM,
     "olmo": OlmoForCausalLM,
+    "opt": OPTForCausalLM,
     "phi": PhiForCausalLM,
 }
 

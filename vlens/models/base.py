@@ -62,7 +62,7 @@ class AttentionHeads(nn.Module):
             rank_heads, None if self.own_kv else self.kv_layer,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
-        self.rotary_pairs, self.temperature = cfg.rotary_pairs, cfg.attn_temperature
+        self.rotary_pairs, self.temperature, self.query_scale = cfg.rotary_pairs, cfg.attn_temperature, cfg.query_scale
         # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
         self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer] and self.own_kv
         self.kv_shared = any(cfg.kv_layer_at(i) == layer for i in range(layer + 1, cfg.num_layers))
@@ -134,6 +134,8 @@ class AttentionHeads(nn.Module):
             beta, original = self.temperature
             scale = 1 + beta * torch.log(1 + torch.floor(get_context().positions / original))
             q = q * scale[:, None, None].to(q.dtype)
+        if self.query_scale is not None:  # (OPT: after hook_q, as HF scales its projection's output)
+            q = q * self.query_scale
         z = self.attn(q, k, v)
         z = tap(self.hook_z, z)
         return z.flatten(1)

@@ -82,6 +82,7 @@ class GPT2LMHeadModel(DecoderLM):
     embed_tokens = property(lambda self: self.transformer.wte)
     layers = property(lambda self: self.transformer.h)
     final_norm = property(lambda self: self.transformer.ln_f)
+    position_embeddings = property(lambda self: self.transformer.wpe.weight)  # (TransformerLens's W_pos)
 
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.transformer.wte(input_ids)

@@ -1,0 +1,79 @@
+"""OPT (125M to 66B; the model of much work on outlier features and massive activations) against HF on tiny random
+checkpoints: GPT-2's layer under OPT's names, learned positions two rows down their table, queries scaled after
+their projection, a ReLU MLP on the layer itself; every tap, packed against alone, greedy generation through the
+paged cache, bfloat16 bit for bit; and TransformerLens's own OPT on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_parity import (
+    VOCAB,
+    GenerationParity,
+    TapParity,
+    build,
+    check_transformer_lens_names,
+    family_fixture,
+    sequences,
+)
+from hf_reference import hf_taps
+from transformers import AutoModelForCausalLM, OPTConfig
+
+from vlens import LLM
+from vlens.config import UnsupportedModelError
+
+OPT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, ffn_dim=96,
+           max_position_embeddings=128, init_std=0.1, pad_token_id=1, bos_token_id=2, eos_token_id=2)  # fmt: skip
+CONFIGS = {
+    "opt": lambda: OPTConfig(**OPT),
+    "opt_untied_gelu_no_bias": lambda: OPTConfig(**OPT, tie_word_embeddings=False, activation_function="gelu",
+                                                 enable_bias=False),  # fmt: skip
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    generation_hooks = ("hook_pos_embed",)
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, hf = family
+    cfg = llm.config
+    assert cfg.family == "opt" and cfg.norm == "layer" and cfg.learned_positions and cfg.rotary_dim == 0
+    assert cfg.attn_scale == 1.0 and cfg.query_scale == 16**-0.5 and cfg.intermediate_size == 96
+    assert (llm.model.lm_head.weight is llm.model.embed_tokens.weight) == hf.config.tie_word_embeddings
+    biased = name == "opt"
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.hidden_act) == (biased,) * 3 + ("relu" if biased else "gelu",)
+
+
+def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
+    """In bfloat16 every tap equals HF's (SDPA) bit for bit: the queries rounded after their scale, as HF's."""
+    path = build(CONFIGS["opt"](), tmp_path, "bf16")
+    llm = LLM(model=path, dtype="bfloat16", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = sequences()[-1]
+    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(3), patterns=False)
+    compared = [hook for hook in got if hook in ref]
+    assert len(compared) == len(got) - 6  # (all but the patterns)
+    assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []
+
+
+def test_transformer_lens_names_the_same_values(tmp_path):
+    """TransformerLens's own OPT on the same weights: the same values under every name both have, and the same
+    weight matrices (its W_pos from position 0 on)."""
+    from transformer_lens.pretrained.weight_conversions import convert_opt_weights
+
+    path = build(CONFIGS["opt"](), tmp_path, "opt")
+    check_transformer_lens_names(path, convert_opt_weights, {
+        "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_pattern",
+        "attn.hook_z", "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out", "hook_resid_post"},
+        weights=("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "W_in", "b_in", "W_out", "b_out", "W_E",
+                 "W_pos", "W_U"))  # fmt: skip
+
+
+def test_opt_350m_layout_is_refused_by_name(tmp_path):
+    for flag, value in (("do_layer_norm_before", False), ("word_embed_proj_dim", 32)):
+        path = build(OPTConfig(**OPT, **{flag: value}), tmp_path / flag, "opt")
+        with pytest.raises(UnsupportedModelError, match=f"{flag}={value}.*OPT-350M"):
+            LLM(model=path, dtype="float32", device="cpu")
