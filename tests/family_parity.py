@@ -42,14 +42,14 @@ COMMON = {  # sizes every tiny config shares (GPT-2 spells them its own way)
 
 
 def perturb_norms_and_biases(path: Path, seed: int = 1) -> None:
-    """Rewrite the checkpoint with every 1-d weight (norm scales), every bias, every sink and every layer scalar and
-    router scale (Gemma 4's) moved off its init."""
+    """Rewrite the checkpoint with every 1-d weight (norm scales), every bias, every sink, every layer scalar and
+    router scale (Gemma 4's) and every xIELU alpha (Apertus's) moved off its init."""
     file = path / "model.safetensors"
     weights = load_file(file)
     g = torch.Generator().manual_seed(seed)
     for key, w in weights.items():
         if (key.endswith(".weight") and w.dim() == 1) or key.endswith(("bias", ".sinks", ".layer_scalar", ".scale",
-                                                                          ".per_expert_scale")):
+                                                                          ".per_expert_scale", ".alpha_p", ".alpha_n")):
             weights[key] = w + 0.3 * torch.randn(w.shape, generator=g)
     save_file(weights, file, metadata={"format": "pt"})
 

@@ -104,6 +104,11 @@ FAMILIES = {
     "llama": LLAMA,
     "phi3": replace(LLAMA, qkv="self_attn.qkv_proj"),
     "stablelm": LLAMA,  # (its rotary returns the leading partial_rotary_factor of each head alone)
+    "apertus": replace(  # Llama's layer, its norms of their own names
+        LLAMA,
+        outputs=LLAMA.outputs | {"ln1.hook_out": "attention_layernorm", "ln2.hook_out": "feedforward_layernorm"},
+        inputs=LLAMA.inputs | {"hook_resid_mid": "feedforward_layernorm"},
+    ),
     # Cohere 1 and 2: Llama's names, one norm for both sublayers (TransformerLens's ln2 is ln1), no resid_mid
     "cohere": replace(
         LLAMA,
@@ -204,7 +209,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
-               "gemma4": "gemma4_multimodal", "opt": "opt"}  # fmt: skip
+               "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus"}  # fmt: skip
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 

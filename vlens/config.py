@@ -262,6 +262,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Ministral3ForCausalLM": Architecture(NO_BIAS, _ministral3),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
+    # Apertus: Qwen3's attention (q/k norms head by head), norms of its own names, an MLP not gated, with xIELU
+    "ApertusForCausalLM": Architecture({"family": "apertus", "qk_norm": "head"}, windowed=False),
     "SmolLM3ForCausalLM": Architecture({}, _smollm3),
     # StableLM (2 1.6B, 3B-4E1T): Llama's layer with LayerNorms (biased) and partial rotary
     "StableLmForCausalLM": Architecture({"norm": "layer", "o_bias": False}, _stablelm, windowed=False),
@@ -348,6 +350,7 @@ MODEL_TYPES = {
     "ministral3": "Ministral3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "apertus": "ApertusForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi": "PhiForCausalLM",

@@ -1,6 +1,6 @@
 """Activations by their HF config names, the gated MLP (act(gate) * up, then down) that the Llama, Gemma, Phi-3
 and Qwen2-MoE (dense layers, shared expert) families share, and the plain one (act(fc_in(x)), then fc_out) of
-GPT-NeoX, Phi, GPT-J, GPT-Neo and OPT."""
+GPT-NeoX, Phi, GPT-J, GPT-Neo, OPT and Apertus (whose xIELU has weights)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ class DenseMLP(nn.Module):
         self.names = names
         setattr(self, names[0], ColumnLinear(*sizes, cfg.mlp_bias, p))
         setattr(self, names[1], RowLinear(*reversed(sizes), cfg.mlp_bias, p))
-        self.act = activation(cfg.hidden_act)
+        # (Apertus's xIELU has weights of its own in each layer, under HF's name for it)
+        self.act_fn = XIELU() if cfg.hidden_act == "xielu" else activation(cfg.hidden_act)
         self.hook_post = f"blocks.{layer}.mlp.hook_post"
 
     # (as GatedMLP's, for vlens.hooked_weights; read from the registry, as GPT-J's own names are these)
@@ -84,6 +85,22 @@ class DenseMLP(nn.Module):
     fc_out = property(lambda self: self._modules[self.names[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.fc_in(x))
+        h = self.act_fn(self.fc_in(x))
         h = tap(self.hook_post, h)
         return self.fc_out(h)
+
+
+class XIELU(nn.Module):
+    """Apertus's activation (xIELU): a learned quadratic for positive inputs, a learned expm1 for negative ones, with
+    HF's parametrisation (softplus of the stored alphas; beta and eps stored too) and its order of operations."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p, self.alpha_n = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+        self.beta, self.eps = nn.Parameter(torch.zeros(())), nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        negative = (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x, negative)

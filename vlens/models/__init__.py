@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlens.config import ModelConfig
+from vlens.models.apertus import ApertusForCausalLM
 from vlens.models.base import DecoderLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
@@ -21,6 +22,7 @@ from vlens.models.phi import PhiForCausalLM
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
+    "apertus": ApertusForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
     "gpt2": GPT2LMHeadModel,
