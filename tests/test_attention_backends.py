@@ -368,11 +368,18 @@ def test_prompts_beside_a_long_cached_prefix_equal_each_served_alone(tmp_path, m
         assert rel_err(b.activations["blocks.1.hook_resid_post"], a.activations["blocks.1.hook_resid_post"]) <= 1e-5
 
 
-def test_flashinfer_refuses_float32_by_name(monkeypatch):
-    """FlashInfer's prefill kernels take 16-bit tiles only: naming it for a float32 model is a ValueError
-    saying so, not a dispatch error from its first plan (nor an ImportError here, where it is not installed)."""
+def test_flashinfer_refuses_float32_and_its_missing_head_sizes_by_name(monkeypatch):
+    """FlashInfer's prefill kernels take 16-bit tiles and a few head sizes only: naming it for a float32 model (or
+    one with heads of another size) is a ValueError saying so, not a dispatch error from its first plan (nor an
+    ImportError here, where it is not installed)."""
     import vlens.attention
 
     monkeypatch.setattr(vlens.attention, "available_backends", lambda device: ["sdpa", "flex", "flashinfer"])
     with pytest.raises(ValueError, match=r"^attention_backend: 'flashinfer' needs float16 or bfloat16 .*not float32"):
         make_backend("flashinfer", torch.device("cuda"), False, {KIND}, torch.float32, 16)
+    # Gemma 4's full layers have heads of 512 dims, which neither FlashInfer nor Flash Attention (varlen) takes:
+    # "auto" runs such a model on sdpa
+    gemma4 = {KIND._replace(head_dim=256), KIND._replace(head_dim=512, num_kv_heads=1)}
+    with pytest.raises(ValueError, match=r"'flashinfer' takes heads of 64, 128, 256 dims, not \[512\]"):
+        make_backend("flashinfer", torch.device("cuda"), False, gemma4, torch.bfloat16, 16)
+    assert choose(torch.device("cuda"), gemma4, torch.bfloat16, 256)[0] == "sdpa"

@@ -51,20 +51,22 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     """Narrow SmolLM2-shaped layers, float32: every tap of a trace, a paged generation, greedy tokens and
     chunked prefill against HF, as on the GPU (graphs off: this is the CPU), every kind of edit on the decode path
-    against eager steps; and the HookedLM section's
+    against eager steps; the HookedLM section's
     patching sweeps, steered generate and gradients (the CPU against itself here: the section's code, not its
-    numbers)."""
-    done = _suite(tmp_path, "--sections", "exact,hooked", "--out", "suite.json")
+    numbers); and Gemma 4 in E2B's layout against HF."""
+    done = _suite(tmp_path, "--sections", "exact,hooked,gemma4", "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
     assert "errors" not in rows, rows["errors"]
-    assert (rows["device"], rows["gpu"], set(rows["seconds"])) == ("cpu", None, {"exact", "hooked"})
+    assert (rows["device"], rows["gpu"], set(rows["seconds"])) == ("cpu", None, {"exact", "hooked", "gemma4"})
     exact = rows["exact"]
     assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"] and exact["edits_ok"], exact
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
     hooked = rows["hooked"]
     assert hooked["tokens_equal"] and hooked["get_act_patch_resid_pre_max_abs_diff"] == 0 < hooked["metric_scale"]
     assert [v for k, v in hooked.items() if k.endswith("_grad_rel_err")] == [0.0] * 3
+    gemma4 = rows["gemma4"]  # (Gemma 4 in E2B's layout: every tap, a shared layer's rows through generation)
+    assert gemma4["ok"] and gemma4["trace_taps"] > 150 and gemma4["greedy_equal"] == "2/2", gemma4
 
 
 def test_an_unknown_section_is_refused(tmp_path):

@@ -18,14 +18,21 @@ from vlens.attention.metadata import AttentionMetadata, LayerKind
 WORKSPACE_BYTES = 128 << 20
 
 
+HEAD_SIZES = (64, 128, 256)  # the head sizes its kernels are built for
+
+
 def problem(kinds: set[LayerKind], dtype: torch.dtype) -> str | None:
     """Why FlashInfer cannot run a model with these layers at `dtype`, or None: its prefill kernels, which every
     step here plans (decode rows are queries of length 1), load 16-bit tiles only, so float32 fails only at the
-    first step's plan, after the model has loaded; the wrappers vlens plans take no attention sinks."""
+    first step's plan, after the model has loaded; the wrappers vlens plans take no attention sinks; its kernels
+    are built for a few head sizes."""
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs float16 or bfloat16 (its prefill kernels), not {str(dtype).removeprefix('torch.')}"
     if any(kind.sinks for kind in kinds):
         return "(as vlens plans it) has no attention sinks, which this model's layers have"
+    sizes = sorted({kind.head_dim for kind in kinds} - set(HEAD_SIZES))
+    if sizes:  # (Gemma 4's full layers: 512)
+        return f"takes heads of {', '.join(map(str, HEAD_SIZES))} dims, not {sizes}"
     return None
 
 
