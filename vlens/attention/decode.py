@@ -14,7 +14,7 @@ attend to the scratch slot they wrote.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -44,10 +44,11 @@ class DecodeBackend:
         self.paged, self.programs = paged, programs  # the paged kernel, and the programs Triton's aims for
 
     @classmethod
-    def for_device(cls, device: torch.device, dtype: torch.dtype) -> DecodeBackend:
+    def for_device(cls, device: torch.device, dtype: torch.dtype, head_dims: Collection[int] = (64,)) -> DecodeBackend:
         """With a kernel that reads the paged cache in place where one runs here and agrees with the gathering
-        kernel on a trial problem (GQA, a window, a soft cap): Triton's on CUDA, the C one on the CPU (float32);
-        without one otherwise, saying why once."""
+        kernel on a trial problem (GQA, a window, a soft cap) at each of the model's head sizes (`head_dims`: Gemma
+        4's are 256 and 512): Triton's on CUDA, the C one on the CPU (float32); without one otherwise, saying why
+        once."""
         if device.type == "cpu" and dtype != torch.float32:
             return cls()
         try:
@@ -60,7 +61,8 @@ class DecodeBackend:
                 from vlens.attention.paged_decode_cpu import paged_decode_cpu
 
                 paged, dtypes = cls(paged_decode_cpu), (torch.float32,)
-            _trial(paged, cls(), device, dtypes)
+            for dim in sorted(head_dims):
+                _trial(paged, cls(), device, dtypes, dim)
             return paged
         except Exception as e:  # noqa: BLE001 - no compiler or Triton, or a kernel that cannot build or run right
             log.warning("decode attention gathers keys (the paged kernel is not used: %s)", e)
@@ -108,7 +110,7 @@ def kernel_layer(
 
 
 def _trial(
-    paged: DecodeBackend, gathering: DecodeBackend, device: torch.device, dtypes: tuple[torch.dtype, ...]
+    paged: DecodeBackend, gathering: DecodeBackend, device: torch.device, dtypes: tuple[torch.dtype, ...], dim: int
 ) -> None:
     """Raise unless both kernels agree on random pages, contexts 1 .. 96 (two key tiles, so a row's keys
     split and merge), with and without a window, a soft cap and sinks, in each of `dtypes`: float32 within
@@ -116,7 +118,7 @@ def _trial(
     process in ten that had built an HF model first, the gathering kernel's first call came out up to 1e-4 off
     its later ones (on this CPU, not reproduced in isolation), which refused the C kernel for a whole engine."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    bs, rows, width, kv_heads, dim = 16, 6, 6, 2, 64
+    bs, rows, width, kv_heads = 16, 6, 6, 2
     tables = torch.randperm(rows * width, generator=g).view(rows, width).to(device)
     context = torch.tensor([1, 5, 17, 40, 70, 96], device=device)
     meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
@@ -139,5 +141,5 @@ def _trial(
             else:
                 raise RuntimeError(
                     f"the paged kernel differs from the gathering kernel by {errors[0]:.1e}, then {errors[1]:.1e}, in "
-                    f"{dtype}"
+                    f"{dtype} at heads of {dim}"
                 )
