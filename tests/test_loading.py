@@ -16,12 +16,12 @@ from conftest import rel_err, save_tiny, weight_digests
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
+    FalconConfig,
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
-    OPTConfig,
     Phi3Config,
     Qwen2Config,
 )
@@ -223,18 +223,7 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("config", "arch"),
     [
-        (
-            OPTConfig(
-                vocab_size=300,
-                hidden_size=32,
-                word_embed_proj_dim=32,
-                ffn_dim=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                max_position_embeddings=64,
-            ),
-            "OPTForCausalLM",
-        ),
+        (FalconConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2), "FalconForCausalLM"),
         (BloomConfig(vocab_size=300, hidden_size=32, n_layer=1, n_head=2), "BloomForCausalLM"),
     ],
 )
@@ -289,7 +278,7 @@ def test_architecture_transformers_does_not_know(extra, tiny, tmp_path, monkeypa
     path = copy_checkpoint(tiny, tmp_path / "ckpt")
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(raw | {"model_type": "mine", "architectures": ["MyLM"]} | extra))
-    refusal = "architecture 'MyLM' (model_type 'mine') is not supported by vlens; supported architectures: Cohere"
+    refusal = "architecture 'MyLM' (model_type 'mine') is not supported by vlens; supported architectures: Apertus"
     with pytest.raises(UnsupportedModelError) as err:
         LLM(model=str(path), dtype="float32", device="cpu")
     assert refusal in str(err.value)
@@ -387,7 +376,7 @@ def test_options_are_checked_before_anything_is_read(monkeypatch):
     ("overrides", "named"),
     [
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
-        ({"hidden_act": "relu"}, "hidden_act 'relu'"),
+        ({"hidden_act": "quick_gelu"}, "hidden_act 'quick_gelu'"),
     ],
 )
 def test_unsupported_variant_of_a_supported_architecture(overrides, named, tmp_path):
