@@ -81,7 +81,8 @@ class Gemma4Model(DecoderModel):
 
     def __init__(self, cfg: ModelConfig, layer_class: type[Gemma4DecoderLayer]):
         super().__init__(cfg, layer_class)
-        size, n = cfg.per_layer_input_size, cfg.num_layers
+        self.per_layer_size = size = cfg.per_layer_input_size
+        n = cfg.num_layers
         if size:
             self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, n * size)
             self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n * size, bias=False)
@@ -91,7 +92,7 @@ class Gemma4Model(DecoderModel):
         """[T, layers, size]: each layer's own input, from the tokens' second embedding (times sqrt(size), the
         factor rounded to the model's dtype) and the normed projection of their first (`embedded`, after
         hook_embed), as HF sums them."""
-        n, size = len(self.layers), self.per_layer_projection_norm.weight.shape[0]
+        n, size = len(self.layers), self.per_layer_size
         tokens = self.embed_tokens_per_layer(input_ids)
         tokens = (tokens * torch.tensor(size**0.5, dtype=tokens.dtype)).view(-1, n, size)
         projected = self.per_layer_model_projection(embedded) * embedded.shape[-1] ** -0.5
