@@ -209,7 +209,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
-               "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus"}  # fmt: skip
+               "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
+               "gemma4_unified": "gemma4_multimodal"}  # fmt: skip
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 

@@ -17,7 +17,13 @@ from family_parity import (
     sequences,
 )
 from hf_reference import hf_taps
-from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4TextConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma4Config,
+    Gemma4TextConfig,
+    Gemma4UnifiedConfig,
+    Gemma4UnifiedTextConfig,
+)
 
 from vlens import LLM, HookedLM
 from vlens.config import UnsupportedModelError
@@ -39,6 +45,13 @@ CONFIGS = {
     # (sliding) and 2 (full; keys that are values here too), with MLPs twice as wide
     "gemma4_per_layer_shared_kv": lambda: Gemma4TextConfig(**(GEMMA4 | PER_LAYER), attention_k_eq_v=True,
                                                            num_global_key_value_heads=1),  # fmt: skip
+    # 12B's: Gemma4UnifiedForConditionalGeneration, an encoder-free multimodal model whose text model is Gemma 4's
+    # layers without per-layer embeddings or experts
+    "gemma4_unified": lambda: Gemma4UnifiedConfig(
+        text_config=Gemma4UnifiedTextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1).to_dict(),
+        vision_config=dict(patch_size=4, mm_embed_dim=32, output_proj_dims=64), audio_config=None,
+        **dict(zip(MEDIA_TOKENS, range(1000, 1007))),
+    ),  # fmt: skip
     # 26B-A4B's: routed experts (top 2 of 4) beside every layer's MLP
     "gemma4_experts": lambda: Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1,
                                                enable_moe_block=True, num_experts=4, top_k_experts=2,
@@ -63,8 +76,9 @@ def test_config_is_read_as_intended(family):
     name, _, llm, _ = family
     cfg = llm.config
     assert cfg.family == "gemma4" and cfg.norm == "rms_float" and cfg.v_norm and cfg.attn_scale == 1.0
-    assert cfg.architecture == "Gemma4ForCausalLM"
-    assert cfg.stored_as == (("model.language_model.", "lm_head.") if name == "gemma4_multimodal" else None)
+    assert cfg.architecture == ("Gemma4UnifiedForCausalLM" if name == "gemma4_unified" else "Gemma4ForCausalLM")
+    multimodal = name in ("gemma4_multimodal", "gemma4_unified")
+    assert cfg.stored_as == (("model.language_model.", "lm_head.") if multimodal else None)
     assert cfg.rope_scaling["rope_type"] == "proportional" and cfg.sliding_rope_theta == 10000.0
     shapes = llm.hook_names()
     assert shapes["blocks.2.attn.hook_q"] == (4, 16) and shapes["blocks.1.attn.hook_k"] == (2, 8)

@@ -58,10 +58,11 @@ def _gemma4(hf: Any) -> dict[str, Any]:
     )
     if hf.use_double_wide_mlp and any(shared):
         fields["layer_intermediate_sizes"] = tuple(hf.intermediate_size * (2 if s else 1) for s in shared)
-    if hf.hidden_size_per_layer_input:
+    # (the 12B's config, Gemma4UnifiedTextConfig, has no per-layer embeddings and no MoE fields at all)
+    if getattr(hf, "hidden_size_per_layer_input", 0):
         fields |= dict(per_layer_input_size=hf.hidden_size_per_layer_input,
                        per_layer_vocab_size=hf.vocab_size_per_layer_input)  # fmt: skip
-    if hf.enable_moe_block:
+    if getattr(hf, "enable_moe_block", False):
         fields |= dict(num_experts=hf.num_experts, experts_per_token=hf.top_k_experts, moe_layers=(True,) * n,
                        moe_intermediate_size=hf.moe_intermediate_size, experts_beside_mlp=True)  # fmt: skip
     return fields
@@ -248,6 +249,7 @@ class Architecture:
 
 GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True, "post_norms": True}
 LAYER_NORM = {"norm": "layer", "mlp_bias": True}
+GEMMA4 = GEMMA | {"family": "gemma4", "norm": "rms_float", "qk_norm": "head", "v_norm": True}
 # OLMo 2 and 3: no norm before attention or the MLP, one after each (float32-scaled), q/k norms over the whole
 # projection, rotary in float32.
 OLMO = {"family": "olmo", "norm": "rms_float", "pre_norms": False, "post_norms": True, "qk_norm": "projection",
@@ -294,9 +296,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": "head"}, _gemma),
     # Gemma 4: Gemma 3's layer with norms that scale by w (not 1 + w), values normalised too, a learned scalar
     # on each layer's output, and full-attention layers with heads of their own size
-    "Gemma4ForCausalLM": Architecture(
-        GEMMA | {"family": "gemma4", "norm": "rms_float", "qk_norm": "head", "v_norm": True}, _gemma4
-    ),
+    "Gemma4ForCausalLM": Architecture(GEMMA4, _gemma4),
+    "Gemma4UnifiedForCausalLM": Architecture(GEMMA4, _gemma4),  # (the 12B's text model: Gemma 4's layers)
     # gpt-oss: a sink logit per head in every softmax; routed experts with biases, a router with a bias that
     # weighs the top k by their softmax, and a clamped SwiGLU; norms scaled in float32; YaRN rotary
     "GptOssForCausalLM": Architecture(
@@ -341,6 +342,7 @@ TEXT_MODELS = {
     "Qwen2_5_VLForConditionalGeneration": ("model.", "lm_head."),
     "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Gemma4ForConditionalGeneration": ("model.language_model.", "lm_head."),
+    "Gemma4UnifiedForConditionalGeneration": ("model.language_model.", "lm_head."),  # (Gemma 4 12B)
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -369,6 +371,8 @@ MODEL_TYPES = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
+    "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
+    "gemma4_unified": "Gemma4UnifiedForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
