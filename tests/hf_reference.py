@@ -175,6 +175,17 @@ FAMILIES = {
         final_norm="model.decoder.final_layer_norm",
         extra={"hook_pos_embed": "model.decoder.embed_positions"},
     ),
+    "bloom": Family(  # GPT-NeoX's fused q/k/v; its attention and MLP modules return their sum with the residual
+        layers="transformer.h",
+        embed="transformer.word_embeddings_layernorm",  # (hook_embed after the embedding's LayerNorm, as TL's)
+        attn="self_attention",
+        outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attention.dense",
+                 "ln2.hook_out": "post_attention_layernorm", "hook_mlp_out": "mlp.dense_4h_to_h"},  # fmt: skip
+        inputs={"hook_resid_mid": "post_attention_layernorm", "attn.hook_z": "self_attention.dense",
+                "mlp.hook_post": "mlp.dense_4h_to_h"},  # fmt: skip
+        qkv="self_attention.query_key_value",
+        final_norm="transformer.ln_f",
+    ),
     "gptj": Family(  # Phi's layer under GPT-2's names: one norm for both sublayers, no resid_mid
         layers="transformer.h",
         embed="transformer.wte",
@@ -210,7 +221,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
-               "gemma4_unified": "gemma4_multimodal"}  # fmt: skip
+               "gemma4_unified": "gemma4_multimodal", "bloom": "bloom"}  # fmt: skip
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 
@@ -332,7 +343,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if name in ("gpt_neo", "opt"):  # (learned positions: q and k are the projections)
+    if name in ("gpt_neo", "opt", "bloom"):  # (learned positions, ALiBi: q and k are the projections)
         rope = [False] * n
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
@@ -363,8 +374,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, key=p + "hook_per_layer_input": got.__setitem__(key, _rows(a[1]).clone())))
             on_input(block.per_layer_projection, p + "per_layer.hook_post")
             on_output(block.post_per_layer_input_norm, p + "hook_per_layer_out")
-        if not rope[layer] or name in PARTIAL_ROTARY:  # (the projections: NoPE's q and k, the parts past a
-            # partial rotary)
+        if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom":  # (the projections: NoPE's q and k,
+            # the parts past a partial rotary; BLOOM's are in its fused qkv)
             attn = block.get_submodule(fam.attn)
             if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
                 heads_first = lambda o: o.transpose(1, 2)  # noqa: E731 - reads [B, H, T, d])
@@ -444,6 +455,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         qkv = raw.get(p + "qkv")  # (none in a layer that attends to an earlier layer's keys and values)
         if name == "gpt2":
             q, k, v = (x.view(t, heads, head_dim) for x in qkv.split(cfg.hidden_size, dim=-1))
+        elif name == "bloom":  # (per head: q, k, v)
+            q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)
         else:
             if rope[layer]:  # (the rotary calls of the layers that have one, in order)
                 q, k = (None if x is None else x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])

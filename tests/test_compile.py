@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
+from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from transformers import Cohere2Config, GptOssConfig, LlamaConfig, OlmoeConfig
 
@@ -42,6 +43,8 @@ FAMILIES = {  # family -> (config, a hook of its MLP to capture)
     # layers of two head sizes (their caches apart), keys that are values, values normalised, layer scalars,
     # per-layer embeddings, layers that attend to an earlier layer's keys and values
     "gemma4": (GEMMA4_CONFIGS["gemma4_per_layer_shared_kv"], "blocks.2.mlp.hook_post"),
+    # ALiBi's biases made on the device in the forward, the written-out attention
+    "bloom": (BLOOM_CONFIGS["bloom"], "blocks.2.mlp.hook_post"),
 }
 D = COMMON["hidden_size"]
 

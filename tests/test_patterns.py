@@ -15,6 +15,7 @@ from family_parity import COMMON, VOCAB, build
 from hf_reference import hf_attention, hf_taps, same
 from transformers import (
     AutoModelForCausalLM,
+    BloomConfig,
     Gemma2Config,
     Gemma3TextConfig,
     Gemma4TextConfig,
@@ -43,6 +44,8 @@ FAMILIES = {
     "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2),
     "gpt_oss": lambda: GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                     num_experts_per_tok=2, sliding_window=6),  # (attention sinks)
+    # ALiBi's per-head biases on every score
+    "bloom": lambda: BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=3, n_head=HEADS, initializer_range=0.1),
     # unscaled scores of normalised q and k; the full layers' heads twice the size, keys their values
     "gemma4": lambda: Gemma4TextConfig(**COMMON, num_key_value_heads=2, head_dim=8, global_head_dim=16,
                                        sliding_window=6, layer_types=["sliding_attention", "full_attention",

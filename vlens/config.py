@@ -123,6 +123,21 @@ def _opt(hf: Any) -> dict[str, Any]:
     )
 
 
+def _bloom(hf: Any) -> dict[str, Any]:
+    """BLOOM: ALiBi for positions (no limit but the 2,048 tokens it was trained on, which vlens takes for its
+    max_position_embeddings), a GELU of its own; its Megatron-era options are refused by name."""
+    for flag in ("apply_residual_connection_post_layernorm", "slow_but_exact"):
+        if getattr(hf, flag):
+            raise UnsupportedModelError(f"{flag}=True is not supported for BloomForCausalLM (no released BLOOM has it)")
+    return dict(
+        intermediate_size=4 * hf.hidden_size,
+        hidden_act="bloom_gelu",
+        rotary_dim=0,
+        norm_eps=hf.layer_norm_epsilon,
+        max_position_embeddings=2048,
+    )
+
+
 def _gpt_neox(hf: Any) -> dict[str, Any]:
     return dict(
         norm_eps=hf.layer_norm_eps,
@@ -320,6 +335,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         windowed=False,
     ),
     "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
+    # BLOOM: GPT-NeoX's fused per-head q/k/v in a sequential layer, a LayerNorm after the embedding, ALiBi
+    "BloomForCausalLM": Architecture(
+        {"family": "bloom", "alibi": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _bloom, windowed=False
+    ),
     # OPT: GPT-2's layer under its own names, positions two rows down their table, queries scaled as projected
     "OPTForCausalLM": Architecture({"family": "opt", "learned_positions": True, "norm": "layer"}, _opt, windowed=False),
     # GPT-J: Phi's parallel residual with one LayerNorm, rotary by pairs over the leading rotary_dim dims, no
@@ -386,6 +405,7 @@ MODEL_TYPES = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "gptj": "GPTJForCausalLM",
     "opt": "OPTForCausalLM",
+    "bloom": "BloomForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
 }
@@ -425,6 +445,7 @@ class ModelConfig:
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
+    alibi: bool = False  # BLOOM: no position embedding; each head's scores plus its slope times the key's position
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
     pre_norms: bool = True  # a norm before attention and before the MLP (ln1, ln2); OLMo 2/3 have none
     post_norms: bool = False  # each sublayer's output normalised before the residual add (Gemma: ln1_post, ln2_post;
@@ -544,7 +565,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             rotary_dim=0 if flags.get("learned_positions") else int(head_dim * partial),
-            max_position_embeddings=hf.max_position_embeddings,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", None),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             hidden_act=getattr(hf, "hidden_act", None),
             sliding_windows=_sliding_windows(hf) if spec.windowed else (None,) * hf.num_hidden_layers,

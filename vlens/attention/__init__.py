@@ -113,6 +113,10 @@ def make_backend(
     if name == "flex":
         from vlens.attention.flex import FlexBackend
 
+        if any(kind.alibi for kind in kinds):
+            raise ValueError("attention_backend: 'flex' (as vlens builds its scores) adds no ALiBi biases, which this "
+                             "model's layers have; use sdpa")  # fmt: skip
+
         return FlexBackend(compiled)
     if name == "flashinfer":
         from vlens.attention.flashinfer import FlashInferBackend

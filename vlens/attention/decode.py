@@ -44,12 +44,12 @@ class DecodeBackend:
         self.paged, self.programs = paged, programs  # the paged kernel, and the programs Triton's aims for
 
     @classmethod
-    def for_device(cls, device: torch.device, dtype: torch.dtype, head_dims: Collection[int] = (64,)) -> DecodeBackend:
+    def for_device(cls, device: torch.device, dtype: torch.dtype, kinds: Collection[LayerKind] = ()) -> DecodeBackend:
         """With a kernel that reads the paged cache in place where one runs here and agrees with the gathering
-        kernel on a trial problem (GQA, a window, a soft cap) at each of the model's head sizes (`head_dims`: Gemma
-        4's are 256 and 512): Triton's on CUDA, the C one on the CPU (float32); without one otherwise, saying why
-        once."""
-        if device.type == "cpu" and dtype != torch.float32:
+        kernel on a trial problem (GQA, a window, a soft cap) at each of the model's head sizes (its layers'
+        `kinds`; Gemma 4's heads are of 256 and 512): Triton's on CUDA, the C one on the CPU (float32); without one
+        otherwise (and for ALiBi, BLOOM's, which they do not add), saying why once."""
+        if (device.type == "cpu" and dtype != torch.float32) or any(kind.alibi for kind in kinds):
             return cls()
         try:
             if device.type == "cuda":
@@ -61,7 +61,7 @@ class DecodeBackend:
                 from vlens.attention.paged_decode_cpu import paged_decode_cpu
 
                 paged, dtypes = cls(paged_decode_cpu), (torch.float32,)
-            for dim in sorted(head_dims):
+            for dim in sorted({kind.head_dim for kind in kinds} or {64}):
                 _trial(paged, cls(), device, dtypes, dim)
             return paged
         except Exception as e:  # noqa: BLE001 - no compiler or Triton, or a kernel that cannot build or run right

@@ -30,6 +30,8 @@ def problem(kinds: set[LayerKind], dtype: torch.dtype) -> str | None:
         return f"needs float16 or bfloat16 (its prefill kernels), not {str(dtype).removeprefix('torch.')}"
     if any(kind.sinks for kind in kinds):
         return "(as vlens plans it) has no attention sinks, which this model's layers have"
+    if any(kind.alibi for kind in kinds):
+        return "(as vlens plans it) adds no ALiBi biases, which this model's layers have"
     sizes = sorted({kind.head_dim for kind in kinds} - set(HEAD_SIZES))
     if sizes:  # (Gemma 4's full layers: 512)
         return f"takes heads of {', '.join(map(str, HEAD_SIZES))} dims, not {sizes}"

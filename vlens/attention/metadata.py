@@ -29,6 +29,7 @@ class LayerKind(NamedTuple):
     scale: float
     softcap: float | None  # Gemma 2: cap * tanh(score / cap)
     sinks: bool = False  # gpt-oss: a learned logit per head (the layer's `sinks`) joins each softmax
+    alibi: bool = False  # BLOOM: each head's scores plus its slope times the key's position (Attention.alibi_bias)
 
 
 Put = Callable[[str, "torch.Tensor | np.ndarray"], torch.Tensor]  # host values -> the runner's device buffer

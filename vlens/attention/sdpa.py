@@ -13,10 +13,10 @@ would need 3 GiB for it on CUDA, as the memory-efficient kernel takes one) and F
 A sliding-window layer gathers and masks only the keys from its grid's first visible one on (on the CPU,
 decodes of a 4,000-token context through 256-token windows: 9.9 ms a step instead of 24.7).
 
-SDPA cannot soft-cap scores (Gemma 2) or add a sink to the softmax (gpt-oss), so such a layer takes a
-written-out path that does what HF's eager attention does: scale, cap * tanh(scores / cap), mask, float32
-softmax with the sink logit as one more key (`written_attention`), in chunks of query rows whose scores fit
-WRITTEN_SCORES.
+SDPA cannot soft-cap scores (Gemma 2) or add a sink to the softmax (gpt-oss), and vlens gives it no per-head
+bias (BLOOM's ALiBi), so such a layer takes a written-out path that does what HF's eager attention does: scale,
+ALiBi's bias, cap * tanh(scores / cap), mask, float32 softmax with the sink logit as one more key
+(`written_attention`), in chunks of query rows whose scores fit WRITTEN_SCORES.
 
 On CUDA, SDPA never runs cuDNN's kernel: cuDNN builds an execution plan for each new shape (6.2 ms of host
 time a call on an H200, and the grids change shape every step). It runs Flash Attention where there is no
@@ -281,8 +281,9 @@ def _stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 
 def written(kind: LayerKind) -> bool:
-    """Whether layers of `kind` need the written-out attention: SDPA has no soft-cap and no sinks."""
-    return kind.softcap is not None or kind.sinks
+    """Whether layers of `kind` need the written-out attention: SDPA has no soft-cap, no sinks and (as vlens
+    calls it) no per-head biases."""
+    return kind.softcap is not None or kind.sinks or kind.alibi
 
 
 def written_attention(
@@ -309,6 +310,8 @@ def _written_rows(
 ) -> torch.Tensor:
     """Query rows first .. of `written_attention` over all the keys (mask None: the keys are the queries, causal)."""
     scores = torch.matmul(q, k.transpose(2, 3)) * layer.scale
+    if layer.alibi:  # (BLOOM's; key j sits at position j, for its layers have no window)
+        scores = scores + layer.alibi_bias(k.shape[2], q.device).to(scores.dtype)
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
     if mask is None:

@@ -115,14 +115,16 @@ class Tap:
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, attn) -> None:
         """Scores [R, heads, K] of the gathered query rows over their sequence's keys, as HF's eager
-        attention has them before its softmax: scaled, soft-capped, -inf where the causal mask or the
-        sliding window forbids; at hook_pattern their float32 softmax (over the sinks too, whose weight is not a
-        key's), in the model's dtype (seen, not differentiated, as every capture)."""
+        attention has them before its softmax: scaled, ALiBi's biases added, soft-capped, -inf where the causal
+        mask or the sliding window forbids; at hook_pattern their float32 softmax (over the sinks too, whose weight
+        is not a key's), in the model's dtype (seen, not differentiated, as every capture)."""
         q, keys = q.detach(), keys.detach()
         rows, width = self.key_index.shape
         k = keys.index_select(0, self.key_index.reshape(-1)).view(rows, width, attn.num_kv_heads, attn.head_dim)
         k = k.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=2)
         scores = torch.einsum("rhd,rkhd->rhk", q.index_select(0, self.gather_index), k) * attn.scale
+        if attn.alibi:  # (BLOOM's: key j sits at position j)
+            scores = scores + attn.alibi_bias(width, q.device).transpose(0, 1).to(scores.dtype)
         if attn.softcap is not None:
             scores = torch.tanh(scores / attn.softcap) * attn.softcap
         j, p = torch.arange(width, device=q.device), self.row_positions[:, None]

@@ -8,12 +8,30 @@ projections (`self_attn.sinks`), where the checkpoint slot looks for them."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from vlens.attention.metadata import LayerKind
 from vlens.context import attention_tap, get_context
 from vlens.layers.checkpoint import Slot
+
+
+def alibi_slopes(total: int, heads: range, device: torch.device) -> torch.Tensor:
+    """ALiBi's slope of each of `heads` of a model with `total` heads, as HF's BLOOM computes them: powers of
+    2^(-8/n) for the largest power of two n <= total, then odd powers of 2^(-4/n) for the rest."""
+    n = 2 ** math.floor(math.log2(total))
+
+    def powers(base: float, stop: int, step: int) -> torch.Tensor:  # (filled on the device: no copy from the host,
+        # which a CUDA graph's capture would refuse)
+        exponents = torch.arange(1, stop, step, device=device, dtype=torch.int32)
+        return torch.pow(torch.full((), base, device=device, dtype=torch.float32), exponents)
+
+    slopes = powers(2 ** (-(2 ** -(math.log2(n) - 3))), 1 + n, 1)
+    if n != total:
+        slopes = torch.cat([slopes, powers(2 ** (-(2 ** -(math.log2(2 * n) - 3))), 1 + 2 * min(n, total - n), 2)])
+    return slopes[heads.start : heads.stop]
 
 
 class Attention(nn.Module):
@@ -29,22 +47,34 @@ class Attention(nn.Module):
         sinks: bool = False,
         rank_heads: range | None = None,
         reads_kv_of: int | None = None,
+        alibi_heads: int = 0,
     ):
         """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them).
         `reads_kv_of`: the earlier layer whose keys and values this one attends to (Gemma 4's shared layers: the
-        engine binds that layer's cache here, and this layer never writes it); None: its own."""
+        engine binds that layer's cache here, and this layer never writes it); None: its own. `alibi_heads`: the
+        model's heads, where its scores have ALiBi's biases (BLOOM); 0: none."""
         super().__init__()
         self.reads_kv_of = reads_kv_of
+        self.alibi, self.alibi_heads = alibi_heads > 0, alibi_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
         self.softcap = softcap
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.rank_heads = rank_heads
-        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks)
+        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks, self.alibi)
         self.hook_attn_scores, self.hook_pattern = patterns
         # Bound by the engine to [num_slots, num_kv_heads, head_dim] views of its cache.
         self.k_cache = self.v_cache = torch.empty(0)
+
+    def alibi_bias(self, keys: int, device: torch.device) -> torch.Tensor:
+        """[heads, 1, keys]: what ALiBi adds to this layer's (this rank's) heads' scores of keys 0 .. keys - 1, each
+        head's slope times the key's position, as HF's BLOOM builds it (in float32; the rows' scores differ from
+        relative distances by a constant per row, which the softmax ignores). Made on the device per call: a few
+        small kernels, no buffer for the meta-device build to leave empty."""
+        heads = self.rank_heads if self.rank_heads is not None else range(self.num_heads)
+        return (alibi_slopes(self.alibi_heads, heads, device)[:, None, None] *
+                torch.arange(keys, device=device, dtype=torch.float32))  # fmt: skip
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         if self.sinks is None:

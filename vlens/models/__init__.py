@@ -8,6 +8,7 @@ import torch
 from vlens.config import ModelConfig
 from vlens.models.apertus import ApertusForCausalLM
 from vlens.models.base import DecoderLM
+from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
@@ -23,6 +24,7 @@ from vlens.models.phi import PhiForCausalLM
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
     "apertus": ApertusForCausalLM,
+    "bloom": BloomForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
     "gpt2": GPT2LMHeadModel,
