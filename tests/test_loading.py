@@ -15,7 +15,6 @@ import torch
 from conftest import rel_err, save_tiny, weight_digests
 from transformers import (
     AutoModelForCausalLM,
-    BloomConfig,
     FalconConfig,
     GPT2Config,
     GPTNeoXConfig,
@@ -24,6 +23,7 @@ from transformers import (
     MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Starcoder2Config,
 )
 
 import vlens
@@ -224,7 +224,8 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
     ("config", "arch"),
     [
         (FalconConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2), "FalconForCausalLM"),
-        (BloomConfig(vocab_size=300, hidden_size=32, n_layer=1, n_head=2), "BloomForCausalLM"),
+        (Starcoder2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1), "Starcoder2ForCausalLM"),  # fmt: skip
     ],
 )
 def test_unsupported_architecture(config, arch, tmp_path):

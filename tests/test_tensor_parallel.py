@@ -30,6 +30,7 @@ from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
+from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
@@ -77,6 +78,8 @@ CONFIGS = {
     # layers of two head sizes: the sliding ones' two key-value heads split, the full ones' one replicated; experts
     # beside the MLP, each rank its columns of their stacked checkpoint tensors
     "gemma4": GEMMA4_CONFIGS["gemma4_experts"],
+    # each rank's heads' ALiBi slopes (six heads: both of HF's slope schemes, split three and three)
+    "bloom": BLOOM_CONFIGS["bloom_six_heads"],
 }
 
 
