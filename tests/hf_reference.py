@@ -104,6 +104,7 @@ FAMILIES = {
     "llama": LLAMA,
     "phi3": replace(LLAMA, qkv="self_attn.qkv_proj"),
     "stablelm": LLAMA,  # (its rotary returns the leading partial_rotary_factor of each head alone)
+    "starcoder2": replace(LLAMA, inputs=LLAMA.inputs | {"mlp.hook_post": "mlp.c_proj"}),  # (an MLP not gated)
     "apertus": replace(  # Llama's layer, its norms of their own names
         LLAMA,
         outputs=LLAMA.outputs | {"ln1.hook_out": "attention_layernorm", "ln2.hook_out": "feedforward_layernorm"},
@@ -221,7 +222,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
-               "gemma4_unified": "gemma4_multimodal", "bloom": "bloom"}  # fmt: skip
+               "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2"}  # fmt: skip
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 

@@ -21,9 +21,9 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    MptConfig,
     Phi3Config,
     Qwen2Config,
-    Starcoder2Config,
 )
 
 import vlens
@@ -224,8 +224,7 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
     ("config", "arch"),
     [
         (FalconConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2), "FalconForCausalLM"),
-        (Starcoder2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                          num_key_value_heads=1), "Starcoder2ForCausalLM"),  # fmt: skip
+        (MptConfig(vocab_size=300, d_model=32, n_heads=2, n_layers=1), "MptForCausalLM"),
     ],
 )
 def test_unsupported_architecture(config, arch, tmp_path):

@@ -194,6 +194,11 @@ def _exaone4(hf: Any) -> dict[str, Any]:
     return dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
 
 
+def _starcoder2(hf: Any) -> dict[str, Any]:
+    bias = bool(hf.use_bias)
+    return dict(norm_eps=hf.norm_epsilon, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
 def _stablelm(hf: Any) -> dict[str, Any]:
     for flag in ("use_parallel_residual", "qk_layernorm"):  # (StableLM 2 12B: a parallel block, a LayerNorm per head)
         if getattr(hf, flag, False):
@@ -281,6 +286,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
     # Apertus: Qwen3's attention (q/k norms head by head), norms of its own names, an MLP not gated, with xIELU
     "ApertusForCausalLM": Architecture({"family": "apertus", "qk_norm": "head"}, windowed=False),
+    # StarCoder2: Mistral's attention (biases, windows) with LayerNorms and an MLP not gated
+    "Starcoder2ForCausalLM": Architecture({"family": "starcoder2", "norm": "layer"}, _starcoder2),
     "SmolLM3ForCausalLM": Architecture({}, _smollm3),
     # StableLM (2 1.6B, 3B-4E1T): Llama's layer with LayerNorms (biased) and partial rotary
     "StableLmForCausalLM": Architecture({"norm": "layer", "o_bias": False}, _stablelm, windowed=False),
@@ -372,6 +379,7 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi": "PhiForCausalLM",

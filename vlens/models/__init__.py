@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from vlens.config import ModelConfig
-from vlens.models.apertus import ApertusForCausalLM
 from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
@@ -16,7 +15,7 @@ from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
-from vlens.models.llama import CausalLM
+from vlens.models.llama import ApertusForCausalLM, CausalLM, Starcoder2ForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
 from vlens.models.opt import OPTForCausalLM
 from vlens.models.phi import PhiForCausalLM
@@ -24,6 +23,7 @@ from vlens.models.phi import PhiForCausalLM
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
     "apertus": ApertusForCausalLM,
+    "starcoder2": Starcoder2ForCausalLM,
     "bloom": BloomForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,

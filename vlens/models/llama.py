@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3; Gemma 1, with its own norm and embedding
 scale; OLMo 1, with LayerNorms of no weight), Phi-3 (the same layer with q/k/v and gate/up fused in its
-checkpoints) and the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (the same layer with routed
-experts for its MLP; gpt-oss's attention has sinks), with every tap written out.
+checkpoints), the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (the same layer with routed
+experts for its MLP; gpt-oss's attention has sinks), and Apertus and StarCoder2 (the same attention with an MLP that
+is not gated), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
 `x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
@@ -15,7 +16,7 @@ from torch import nn
 
 from vlens.config import ModelConfig
 from vlens.layers.linear import FusedLinear, RowLinear
-from vlens.layers.mlp import GatedMLP
+from vlens.layers.mlp import DenseMLP, GatedMLP
 from vlens.layers.moe import SparseMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
@@ -75,6 +76,37 @@ class DecoderLayer(ResidualBlock):
     attn_heads = property(lambda self: self.self_attn)
 
 
+class DenseMLPLayer(ResidualBlock):
+    """Llama's attention with an MLP that is not gated (act(fc_in(x)), then fc_out), its norms and projections under
+    the names the family's checkpoints give them (`names`: ln1's, ln2's, fc_in's, fc_out's)."""
+
+    names: tuple[str, str, str, str]
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(layer)
+        ln1, ln2, fc_in, fc_out = self.names
+        setattr(self, ln1, make_norm(cfg))
+        self.self_attn = SelfAttention(cfg, layer)
+        setattr(self, ln2, make_norm(cfg))
+        self.mlp = DenseMLP(cfg, layer, (fc_in, fc_out))
+
+    ln1 = property(lambda self: self._modules[self.names[0]])
+    ln2 = property(lambda self: self._modules[self.names[1]])
+    attn_heads = property(lambda self: self.self_attn)
+
+
+class ApertusDecoderLayer(DenseMLPLayer):
+    """Apertus: q/k norms head by head (its config's flag), xIELU with learned weights (layers/mlp.XIELU)."""
+
+    names = ("attention_layernorm", "feedforward_layernorm", "up_proj", "down_proj")
+
+
+class Starcoder2DecoderLayer(DenseMLPLayer):
+    """StarCoder2: LayerNorms, biases everywhere, a tanh-GELU MLP, sliding windows."""
+
+    names = ("input_layernorm", "post_attention_layernorm", "c_fc", "c_proj")
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_class: type[ResidualBlock]):
         super().__init__()
@@ -99,3 +131,11 @@ class CausalLM(DecoderLM):
     embed_tokens = property(lambda self: self.model.embed_tokens)
     layers = property(lambda self: self.model.layers)
     final_norm = property(lambda self: self.model.norm)
+
+
+class ApertusForCausalLM(CausalLM):
+    layer_class = ApertusDecoderLayer
+
+
+class Starcoder2ForCausalLM(CausalLM):
+    layer_class = Starcoder2DecoderLayer
