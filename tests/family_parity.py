@@ -241,6 +241,20 @@ def check_generation(llm: LLM, hf, prompts: list[list[int]], max_tokens: int = 8
     return outs
 
 
+def check_bfloat16_taps(config, root: Path) -> None:
+    """On a checkpoint of `config` in bfloat16, every tap with an HF counterpart equals HF's (its default attention,
+    SDPA) bit for bit; the patterns, which HF's eager attention gives, are not compared."""
+    path = build(config, root, "bf16")
+    llm = LLM(model=path, dtype="bfloat16", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids, layers = sequences()[-1], llm.config.num_layers
+    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(layers), patterns=False)
+    compared = [hook for hook in got if hook in ref]
+    assert len(compared) == len(got) - 2 * layers  # (all but the patterns)
+    # (an MoE router's softmax is float32 in HF; vlens's taps are of the model's dtype)
+    assert [hook for hook in compared if not torch.equal(got[hook], ref[hook].to(got[hook].dtype))] == []
+
+
 def check_feature_matters(config, root: Path, **hf_overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """On a checkpoint of `config`, vlens's logits for the longest test sequence differ from HF's with a
     feature turned off (`hf_overrides` for from_pretrained): else the sequences would not reach the feature

@@ -11,12 +11,12 @@ from family_parity import (
     GenerationParity,
     TapParity,
     build,
+    check_bfloat16_taps,
     check_feature_matters,
     check_transformer_lens_names,
     family_fixture,
     sequences,
 )
-from hf_reference import hf_taps
 from transformers import ApertusConfig, AutoModelForCausalLM
 
 from vlens import LLM
@@ -64,14 +64,7 @@ def test_llama3_rope_is_reached(tmp_path):
 
 
 def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
-    path = build(CONFIGS["apertus"](), tmp_path, "bf16")
-    llm = LLM(model=path, dtype="bfloat16", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = sequences()[-1]
-    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(3), patterns=False)
-    compared = [hook for hook in got if hook in ref]
-    assert len(compared) == len(got) - 6  # (all but the patterns)
-    assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []
+    check_bfloat16_taps(CONFIGS["apertus"](), tmp_path)
 
 
 def test_transformer_lens_names_the_same_values(tmp_path):

@@ -12,13 +12,11 @@ from family_parity import (
     GenerationParity,
     TapParity,
     build,
+    check_bfloat16_taps,
     check_feature_matters,
     family_fixture,
-    sequences,
 )
-from hf_reference import hf_taps
 from transformers import (
-    AutoModelForCausalLM,
     Gemma4Config,
     Gemma4TextConfig,
     Gemma4UnifiedConfig,
@@ -141,14 +139,4 @@ def test_weights_per_layer_and_refusals(tmp_path):
 def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path, name):
     """In bfloat16 every tap equals HF's (its default attention, SDPA) bit for bit: the norms scale in float32 and
     round last, the values' norm too, the layer scalar after the sums, the per-layer inputs as HF sums them."""
-    path = build(CONFIGS[name](), tmp_path, "bf16")
-    llm = LLM(model=path, dtype="bfloat16", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = sequences()[-1]
-    layers = range(llm.config.num_layers)
-    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, layers, patterns=False)
-    compared = [hook for hook in got if hook in ref]
-    assert len(compared) == len(got) - 2 * len(layers)  # (all but the patterns)
-    # (the router's softmax is float32 in HF; vlens's taps are of the model's dtype)
-    ref = {hook: value.to(got[hook].dtype) for hook, value in ref.items() if hook in got}
-    assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []
+    check_bfloat16_taps(CONFIGS[name](), tmp_path)

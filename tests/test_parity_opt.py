@@ -6,18 +6,16 @@ paged cache, bfloat16 bit for bit; and TransformerLens's own OPT on the same wei
 from __future__ import annotations
 
 import pytest
-import torch
 from family_parity import (
     VOCAB,
     GenerationParity,
     TapParity,
     build,
+    check_bfloat16_taps,
     check_transformer_lens_names,
     family_fixture,
-    sequences,
 )
-from hf_reference import hf_taps
-from transformers import AutoModelForCausalLM, OPTConfig
+from transformers import OPTConfig
 
 from vlens import LLM
 from vlens.config import UnsupportedModelError
@@ -49,14 +47,7 @@ def test_config_is_read_as_intended(family):
 
 def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
     """In bfloat16 every tap equals HF's (SDPA) bit for bit: the queries rounded after their scale, as HF's."""
-    path = build(CONFIGS["opt"](), tmp_path, "bf16")
-    llm = LLM(model=path, dtype="bfloat16", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = sequences()[-1]
-    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(3), patterns=False)
-    compared = [hook for hook in got if hook in ref]
-    assert len(compared) == len(got) - 6  # (all but the patterns)
-    assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []
+    check_bfloat16_taps(CONFIGS["opt"](), tmp_path)
 
 
 def test_transformer_lens_names_the_same_values(tmp_path):

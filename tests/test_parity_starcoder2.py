@@ -4,12 +4,15 @@ tap, packed against alone, greedy generation through the paged cache, bfloat16 b
 
 from __future__ import annotations
 
-import torch
-from family_parity import COMMON, GenerationParity, TapParity, build, check_feature_matters, family_fixture, sequences
-from hf_reference import hf_taps
-from transformers import AutoModelForCausalLM, Starcoder2Config
-
-from vlens import LLM
+from family_parity import (
+    COMMON,
+    GenerationParity,
+    TapParity,
+    check_bfloat16_taps,
+    check_feature_matters,
+    family_fixture,
+)
+from transformers import Starcoder2Config
 
 CONFIGS = {
     "starcoder2": lambda: Starcoder2Config(**COMMON, num_key_value_heads=2, sliding_window=8),
@@ -39,11 +42,4 @@ def test_window_is_reached(tmp_path):
 
 
 def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
-    path = build(CONFIGS["starcoder2"](), tmp_path, "bf16")
-    llm = LLM(model=path, dtype="bfloat16", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = sequences()[-1]
-    got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(3), patterns=False)
-    compared = [hook for hook in got if hook in ref]
-    assert len(compared) == len(got) - 6  # (all but the patterns)
-    assert [hook for hook in compared if not torch.equal(got[hook], ref[hook])] == []
+    check_bfloat16_taps(CONFIGS["starcoder2"](), tmp_path)

@@ -9,22 +9,11 @@ from __future__ import annotations
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import DenseMLP
 from vlens.layers.norm import make_norm
-from vlens.models.base import AttentionHeads, ResidualBlock
+from vlens.models.base import ResidualBlock
 from vlens.models.gpt2 import GPT2LMHeadModel
-
-
-class GPTNeoSelfAttention(AttentionHeads):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
-        d, h, p, names = cfg.hidden_size, cfg.num_heads, cfg.parallel, ("q_proj", "k_proj", "v_proj")
-        self.qkv_proj = FusedLinear(d, dict.fromkeys(names, d), cfg.qkv_bias, parallel=p, units=dict.fromkeys(names, h))
-        self.out_proj = RowLinear(d, d, cfg.o_bias, p, units=h)
-
-    qkv = property(lambda self: self.qkv_proj)
-    out = property(lambda self: self.out_proj)
+from vlens.models.llama import OutProjAttention
 
 
 class GPTNeoAttention(nn.Module):
@@ -32,7 +21,7 @@ class GPTNeoAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attention = GPTNeoSelfAttention(cfg, layer)
+        self.attention = OutProjAttention(cfg, layer)
 
 
 class GPTNeoBlock(ResidualBlock):

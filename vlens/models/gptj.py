@@ -1,6 +1,7 @@
 """GPT-J: Phi's layer under other names — GPT-NeoX's parallel residual with one LayerNorm for both sublayers,
 x + attn(ln_1(x)) + mlp(ln_1(x)) — with rotary by pairs (dims 2i and 2i + 1) over the leading rotary_dim dims
-of each head, no attention biases, a plain GELU MLP with biases (fc_in, fc_out) and a biased unembedding.
+of each head, no attention biases (q_proj, k_proj, v_proj, out_proj), a plain GELU MLP with biases (fc_in, fc_out)
+and a biased unembedding.
 
 As for Phi, TransformerLens ties ln2 to ln1: `ln2`'s taps read the one norm again (ResidualBlock.shared_norm).
 """
@@ -11,25 +12,11 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import DenseMLP
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
-
-
-class GPTJAttention(AttentionHeads):
-    """q_proj/k_proj/v_proj (fused into qkv_proj) and out_proj, none with a bias."""
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
-        h, d, p, names = cfg.num_heads, cfg.head_dim, cfg.parallel, ("q_proj", "k_proj", "v_proj")
-        parts, units = dict.fromkeys(names, h * d), dict.fromkeys(names, h)
-        self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, parallel=p, units=units)
-        self.out_proj = RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h)
-
-    qkv = property(lambda self: self.qkv_proj)
-    out = property(lambda self: self.out_proj)
+from vlens.models.base import DecoderLM, ResidualBlock
+from vlens.models.llama import OutProjAttention
 
 
 class GPTJBlock(ResidualBlock):
@@ -38,7 +25,7 @@ class GPTJBlock(ResidualBlock):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.ln_1 = make_norm(cfg)
-        self.attn = GPTJAttention(cfg, layer)
+        self.attn = OutProjAttention(cfg, layer)
         self.mlp = DenseMLP(cfg, layer, ("fc_in", "fc_out"))
 
     ln1 = property(lambda self: self.ln_1)

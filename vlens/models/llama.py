@@ -35,7 +35,10 @@ MOE_CHECKPOINT_NAMES = {
 
 class SelfAttention(AttentionHeads):
     """q_proj/k_proj/v_proj (fused into qkv_proj) and o_proj: Llama's, and Gemma's (Gemma 4's full layers have no
-    v_proj where their keys are their values, and its shared layers q_proj alone)."""
+    v_proj where their keys are their values, and its shared layers q_proj alone); GPT-J, GPT-Neo and OPT name the
+    output projection out_proj (`out_name`)."""
+
+    out_name = "o_proj"
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -47,10 +50,14 @@ class SelfAttention(AttentionHeads):
         if not self.own_kv:  # (Gemma 4's shared layers: an earlier layer's keys and values, no projections of them)
             parts, units = {"q_proj": parts["q_proj"]}, {"q_proj": h}
         self.qkv_proj = FusedLinear(cfg.hidden_size, parts, cfg.qkv_bias, cfg.stored_fused, parallel=p, units=units)
-        self.o_proj = RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h)
+        setattr(self, self.out_name, RowLinear(h * d, cfg.hidden_size, cfg.o_bias, p, units=h))
 
     qkv = property(lambda self: self.qkv_proj)
-    out = property(lambda self: self.o_proj)
+    out = property(lambda self: self._modules[self.out_name])
+
+
+class OutProjAttention(SelfAttention):
+    out_name = "out_proj"
 
 
 def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:

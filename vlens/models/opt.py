@@ -12,24 +12,13 @@ from torch import nn
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, tap
 from vlens.layers.checkpoint import Slot, checkpoint_slots
-from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import DenseMLP
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
+from vlens.models.base import DecoderLM, ResidualBlock
+from vlens.models.llama import OutProjAttention
 
 POSITION_OFFSET = 2  # (OPT's table has two rows before position 0's)
-
-
-class OPTAttention(AttentionHeads):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
-        d, h, p, names = cfg.hidden_size, cfg.num_heads, cfg.parallel, ("q_proj", "k_proj", "v_proj")
-        self.qkv_proj = FusedLinear(d, dict.fromkeys(names, d), cfg.qkv_bias, parallel=p, units=dict.fromkeys(names, h))
-        self.out_proj = RowLinear(d, d, cfg.o_bias, p, units=h)
-
-    qkv = property(lambda self: self.qkv_proj)
-    out = property(lambda self: self.out_proj)
 
 
 class LayerMLP(DenseMLP):
@@ -45,7 +34,7 @@ class OPTDecoderLayer(ResidualBlock):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.self_attn_layer_norm = make_norm(cfg)
-        self.self_attn = OPTAttention(cfg, layer)
+        self.self_attn = OutProjAttention(cfg, layer)
         self.final_layer_norm = make_norm(cfg)
         self.mlp = LayerMLP(cfg, layer, ("fc1", "fc2"))
 
