@@ -147,8 +147,9 @@ class ModelRunner:
         self.graphs = graphs and self.device.type == "cuda"
         # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations
         self.fused = self.graphs and fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
-        decode = DecodeBackend.for_device(self.device, self.dtype, self.kinds) if kernels else DecodeBackend()
-        self.decode_backend = decode
+        self.decode_backend = (
+            DecodeBackend.for_device(self.device, self.dtype, self.kinds) if kernels else DecodeBackend()
+        )
         self.compile_decode = compile_decode
         # on the CPU the static path pays when its attention reads the cache in place (no graphs to replay)
         reads_in_place = self.device.type == "cpu" and self.decode_backend.paged is not None
