@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
+from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from transformers import LlamaConfig
 
 from vlens import LLM, Capture, SamplingParams, Steer
@@ -26,8 +27,17 @@ def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
     return [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (6, 9)], params
 
 
-def test_compiled_decode_steps_equal_the_eager_engine(tmp_path):
-    path = build(LlamaConfig(**COMMON, num_key_value_heads=2), tmp_path, "llama")
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**COMMON, num_key_value_heads=2),
+    # a family whose forward calls super() (a closure cell in the code each compiled forward copies), keys shared
+    # between layers and per-layer inputs left in the forward's context
+    "gemma4": GEMMA4_CONFIGS["gemma4_per_layer_shared_kv"],
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compiled_decode_steps_equal_the_eager_engine(tmp_path, family):
+    path = build(FAMILIES[family](), tmp_path, family)
     prompts, params = _requests()
     eager = LLM(model=path, dtype="float32", device="cpu", block_size=4, enforce_eager=True)
     compiled = LLM(model=path, dtype="float32", device="cpu", block_size=4, compile_decode=True)

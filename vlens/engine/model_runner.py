@@ -391,7 +391,8 @@ class ModelRunner:
         started, new = time.perf_counter(), forward is None
         if new:
             method = type(self.model).forward
-            copy = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__)
+            copy = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__,
+                                      method.__closure__)  # fmt: skip (a family's forward may call super(): a cell)
             forward = self._compiled[key] = torch.compile(
                 types.MethodType(copy, self.model), fullgraph=True, dynamic=False,
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
