@@ -222,7 +222,9 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
-               "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2"}  # fmt: skip
+               "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
+               "qwen3_5": "llama_multimodal"}  # fmt: skip
+GATED_ATTENTION = ("qwen3_5_text",)  # model types whose q_proj gives each head's query, then its output gate
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 
@@ -305,6 +307,28 @@ def _pair_rotations(calls: list, name: str, own_kv: list[bool]) -> list:
 
 
 @contextlib.contextmanager
+def _recording_delta_rule(block, store: list):
+    """Record what HF's chunked gated delta rule (Qwen 3.5's linear attention) is given and returns, call by call:
+    (q, k, v, g, beta, output), [B, T, ...] each."""
+    module = sys.modules[type(block).__module__]
+    original = getattr(module, "torch_chunk_gated_delta_rule", None)
+    if original is None:
+        yield
+        return
+
+    def recording(q, k, v, g, beta, *args, **kwargs):
+        out = original(q, k, v, g, beta, *args, **kwargs)
+        store.append(tuple(x.clone() for x in (q, k, v, g, beta, out[0])))
+        return out
+
+    module.torch_chunk_gated_delta_rule = recording
+    try:
+        yield
+    finally:
+        module.torch_chunk_gated_delta_rule = original
+
+
+@contextlib.contextmanager
 def _recording_softmax(store: list):
     """Record the input and output of every attention softmax ([B, heads, q, k]), call by call: HF's eager
     attention scores (scaled, soft-capped, the additive mask's huge negatives where keys are forbidden)
@@ -350,6 +374,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
     # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
     own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]
+    # (per layer: a linear-attention layer, Qwen 3.5's, in place of attention)
+    linear = [kind == "linear_attention" for kind in getattr(cfg, "layer_types", None) or [None] * n]
+    rope = [r and not lin for r, lin in zip(rope, linear)]
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
     handles = []
@@ -367,7 +394,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     for layer in layers:
         block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
-        if own_kv[layer]:
+        if linear[layer]:  # (the rest from the delta rule's calls, below)
+            on_output(block.linear_attn, p + "hook_attn_out")
+            on_output(block.linear_attn.in_proj_z, p + "linear_attn.hook_gate")
+            on_input(block.linear_attn.out_proj, p + "linear_attn.hook_z")
+        elif own_kv[layer]:
             on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
         if getattr(block, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer embeddings: the layer's own input
             # (its second argument), the branch's hidden activation, what it adds
@@ -375,8 +406,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, key=p + "hook_per_layer_input": got.__setitem__(key, _rows(a[1]).clone())))
             on_input(block.per_layer_projection, p + "per_layer.hook_post")
             on_output(block.post_per_layer_input_norm, p + "hook_per_layer_out")
-        if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom":  # (the projections: NoPE's q and k,
-            # the parts past a partial rotary; BLOOM's are in its fused qkv)
+        if cfg.model_type in GATED_ATTENTION and not linear[layer]:  # (each head's query, then its gate)
+            on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
+        if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom" and not linear[layer]:
+            # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's are in its fused qkv)
             attn = block.get_submodule(fam.attn)
             if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
                 heads_first = lambda o: o.transpose(1, 2)  # noqa: E731 - reads [B, H, T, d])
@@ -386,6 +419,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(attn.q_proj, p + "q", raw)
                 on_output(attn.k_proj, p + "k", raw)
         for kind, path in fam.outputs.items():
+            if linear[layer] and kind == "hook_attn_out":
+                continue
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
                 norms[p + kind.split(".")[0]] = block.get_submodule(path)
@@ -396,7 +431,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:
                 continue  # under the parallel residual the norm reads resid_pre: no resid_mid in HF
-            if kind == "mlp.hook_post" and hasattr(mlp, "experts"):
+            if kind == "mlp.hook_post" and hasattr(mlp, "experts") or linear[layer] and kind.startswith("attn."):
                 continue
             on_input(block.get_submodule(path), p + kind)
         if hasattr(mlp, "experts"):
@@ -420,11 +455,16 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         )
     rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
     softmaxes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    deltas: list[tuple[torch.Tensor, ...]] = []
     implementation = hf_model.config._attn_implementation
     if patterns:
         hf_model.set_attn_implementation("eager")  # the attention whose scores can be recorded
     try:
-        with _recording_rotary(blocks[0].get_submodule(fam.attn), rotated), _recording_softmax(softmaxes):
+        with (
+            _recording_rotary(blocks[linear.index(False)].get_submodule(fam.attn), rotated),
+            _recording_softmax(softmaxes),
+            _recording_delta_rule(blocks[0], deltas),
+        ):
             out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
@@ -448,10 +488,18 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     got["unembed.hook_out"] = out.logits[0]
     for layer in layers:
         p = f"blocks.{layer}."
-        if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
-            head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
         got[p + "hook_resid_pre"] = out.hidden_states[layer][0]
         got[p + "hook_resid_post"] = raw[p + "raw_resid_post"]
+        if linear[layer]:
+            kinds = ("hook_q", "hook_k", "hook_v", "hook_decay", "hook_beta", "hook_core_out")
+            for kind, x in zip(kinds, deltas[sum(linear[:layer])]):
+                got[p + "linear_attn." + kind] = x[0]
+            heads, dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+            for kind in ("hook_gate", "hook_z"):
+                got[p + "linear_attn." + kind] = got[p + "linear_attn." + kind].reshape(t, heads, dim)
+            continue
+        if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
+            head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, head_dim)
         qkv = raw.get(p + "qkv")  # (none in a layer that attends to an earlier layer's keys and values)
         if name == "gpt2":
@@ -478,10 +526,12 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             clip = getattr(cfg, "clip_qkv", None)  # (OLMoE clamps v_proj's output in place, after the hook saw it)
             v = v if clip is None else v.clamp(-clip, clip)
         got[p + "attn.hook_q"] = q
+        if p + "q_and_gate" in raw:
+            got[p + "attn.hook_gate"] = raw[p + "q_and_gate"].view(t, heads, 2 * head_dim)[..., head_dim:]
         if own_kv[layer]:
             got[p + "attn.hook_k"], got[p + "attn.hook_v"] = k, v
         if patterns:
-            scores, probs = (x[0].transpose(0, 1) for x in softmaxes[layer])
+            scores, probs = (x[0].transpose(0, 1) for x in softmaxes[layer - sum(linear[:layer])])
             sinks = getattr(blocks[layer].get_submodule(fam.attn), "sinks", None)
             if sinks is not None:  # gpt-oss: the softmax saw [scores, sink] less their maximum, sink - maximum last
                 scores = scores[..., :-1] + (sinks - scores[..., -1]).unsqueeze(-1)

@@ -60,11 +60,17 @@ class Attribution:
             self._head_results(layer)
 
     def _head_results(self, layer: int) -> torch.Tensor:
-        name = f"blocks.{layer}.attn.hook_result"
+        """A linear-attention layer's (Qwen 3.5's) heads are its value heads: its hook_z through out_proj's columns."""
+        part = "linear_attn" if self.model.cfg.is_linear_layer(layer) else "attn"
+        name = f"blocks.{layer}.{part}.hook_result"
         if name not in self._tensors:
             model = self._shares_of(layer, "attn")
-            z = self._cached(f"blocks.{layer}.attn.hook_z", "per-head results")
-            W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
+            z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
+            if part == "attn":
+                W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
+            else:
+                net = model.layers[layer].linear_attn
+                W_O = net.out_proj.weight.detach().T.reshape(net.value_heads, net.value_dim, -1)
             self._tensors[name] = torch.einsum("...hd,hdm->...hm", z, W_O.to(z.device, z.dtype))
         return self._tensors[name]
 

@@ -68,6 +68,19 @@ def _gemma4(hf: Any) -> dict[str, Any]:
     return fields
 
 
+def _qwen3_5(hf: Any) -> dict[str, Any]:
+    """Qwen 3.5: three layers in four a gated delta net (linear attention over a recurrent state, after a short
+    causal convolution), the fourth gated full attention over a quarter-rotary head."""
+    return dict(
+        linear_layers=tuple(kind == "linear_attention" for kind in hf.layer_types),
+        linear_key_heads=hf.linear_num_key_heads,
+        linear_value_heads=hf.linear_num_value_heads,
+        linear_key_dim=hf.linear_key_head_dim,
+        linear_value_dim=hf.linear_value_head_dim,
+        linear_conv_kernel=hf.linear_conv_kernel_dim,
+    )
+
+
 def _gemma2(hf: Any) -> dict[str, Any]:
     return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
 
@@ -327,6 +340,11 @@ ARCHITECTURES: dict[str, Architecture] = {
          "norm_topk_prob": False},
         _gpt_oss,
     ),
+    # Qwen 3.5: Gemma's (1 + w) norms, Qwen3's q/k norms, an output gate on each attention head, and gated delta
+    # nets for most layers' attention
+    "Qwen3_5ForCausalLM": Architecture(
+        {"family": "qwen3_5", "norm": "rms_offset", "qk_norm": "head", "attn_output_gate": True}, _qwen3_5
+    ),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -369,6 +387,7 @@ TEXT_MODELS = {
     "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Gemma4ForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Gemma4UnifiedForConditionalGeneration": ("model.language_model.", "lm_head."),  # (Gemma 4 12B)
+    "Qwen3_5ForConditionalGeneration": ("model.language_model.", "lm_head."),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -404,6 +423,8 @@ MODEL_TYPES = {
     "llava": "LlavaForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
@@ -464,6 +485,9 @@ class ModelConfig:
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask
     attn_sinks: bool = False  # gpt-oss: each head's softmax has one more logit, learned, that weighs no value
+    # Qwen 3.5: q_proj also gives a gate for each head (its rows per head: q, then gate), the attention output times
+    # its sigmoid before o_proj
+    attn_output_gate: bool = False
     # Ministral 3 (Llama 4's attention temperature): (beta, original context); q times 1 + beta * log(1 + floor(
     # position / original)) after rotary
     attn_temperature: tuple[float, int] | None = None
@@ -499,6 +523,15 @@ class ModelConfig:
     # the first, added through a gated branch after the MLP (per-layer embeddings); 0 = none
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # Qwen 3.5, per layer: True where a gated delta net (linear attention over a recurrent state per sequence, after
+    # a causal convolution) stands in for attention; () = none. Its heads: query/key heads and size, value heads and
+    # size, and the convolution's width
+    linear_layers: tuple[bool, ...] = ()
+    linear_key_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_heads: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
@@ -507,6 +540,9 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
 
     def head_dim_at(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim

@@ -171,6 +171,9 @@ def _projections(heads: AttentionHeads) -> list[tuple[torch.Tensor, torch.Tensor
         weights.append(weights[1])
         biases.append(biases[1])
     counts, d = (heads.heads, heads.kv_heads, heads.kv_heads), heads.head_dim
+    if heads.output_gate:  # (Qwen 3.5: each head's rows are its query's, then its output gate's)
+        weights[0] = weights[0].view(heads.heads, 2, d, -1)[:, 0].flatten(0, 1)
+        biases[0] = None if biases[0] is None else biases[0].view(heads.heads, 2, d)[:, 0].flatten()
     return [(w.reshape(n, d, -1).transpose(1, 2), w.new_zeros(n, d) if b is None else b.reshape(n, d))
             for w, b, n in zip(weights, biases, counts)]  # fmt: skip
 
@@ -241,6 +244,11 @@ class Block:
         self._heads(self.index), self._hooks("attn."), self._keys())))  # fmt: skip
 
     def _heads(self, layer: int) -> AttentionHeads:
+        cfg = self.model.cfg
+        if cfg.is_linear_layer(layer):
+            raise ValueError(f"blocks[{layer}].attn: {cfg.architecture}'s layer {layer} is linear attention (a gated "
+                             "delta net), which has no attention heads and no W_Q, W_K, W_V or W_O; its hook points "
+                             f"are under blocks[{layer}].linear_attn")  # fmt: skip
         return self.model.layers[layer].attn_heads
 
     def _keys(self) -> AttentionHeads | None:
@@ -288,6 +296,11 @@ class ModelWeights:
         return [Block(model, i, self) for i in range(len(model.layers))]
 
     def _stacked(self, part: str, name: str) -> torch.Tensor:
+        cfg = self.cfg
+        if part == "attn" and any(cfg.linear_layers):
+            full = [i for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)]
+            raise ValueError(f"{name}: {cfg.architecture}'s layers but {full} are linear attention (gated delta nets), "
+                             f"without attention heads; read model.blocks[L].attn.{name} of those layers")  # fmt: skip
         per_layer = [getattr(getattr(block, part), name) for block in self.blocks]
         shapes = sorted({tuple(w.shape) for w in per_layer})
         if len(shapes) > 1:
@@ -326,13 +339,14 @@ class ModelWeights:
         model = self._model()
         layer = resolve_layer(layer, model.cfg.num_layers)
         check_mlp_input(model.cfg, layer, mlp_input)
-        blocks = self.blocks
+        blocks, linear = self.blocks, model.cfg.is_linear_layer  # (a linear-attention layer's out_proj: no bias)
         bias = model.lm_head.weight.new_zeros(model.cfg.hidden_size)
         for block in blocks[:layer]:
-            bias += block.attn.b_O
+            if not linear(block.index):
+                bias += block.attn.b_O
             if include_mlp_biases:
                 bias += block.mlp.b_out
-        if mlp_input:
+        if mlp_input and not linear(layer):
             bias += blocks[layer].attn.b_O
         return bias
 

@@ -32,6 +32,7 @@ class LayerKind(NamedTuple):
     alibi: bool = False  # BLOOM: each head's scores plus its slope times the key's position (Attention.alibi_bias)
 
 
+CHUNK = 64  # rows a linear-attention layer solves together (vlens.layers.gated_delta; HF's chunk size)
 Put = Callable[[str, "torch.Tensor | np.ndarray"], torch.Tensor]  # host values -> the runner's device buffer
 
 
@@ -58,6 +59,9 @@ class AttentionMetadata:
     # (from, to) [C] cache slots whose keys and values are copied once the step's new ones are written:
     # a prompt prefix one sequence computes for another in the same step (vlens.engine.sequence.Borrow)
     kv_copy: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [B] (device): each sequence's state slot, where a linear-attention layer keeps its recurrent state (Qwen 3.5);
+    # None: no states (a cache-less forward, or a model without such layers)
+    state_slots: torch.Tensor | None = None
 
     @property
     def paged(self) -> bool:
@@ -104,6 +108,25 @@ class AttentionMetadata:
         slots = self.block_tables[seq, j // self.block_size] * self.block_size + j % self.block_size
         return slots.to(self.positions.device, non_blocking=True)
 
+    @cached_property
+    def linear_chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(device) How linear-attention layers lay out the rows in chunks of CHUNK, each sequence's from its first
+        row: [N, CHUNK] the row at each place of each chunk (T past the sequence's last), [B, most chunks] each
+        sequence's chunks in order (N past its last) and [T] each row's place in the N * CHUNK places."""
+        lens = np.asarray(self.query_lens, dtype=np.int64)
+        counts = -(-lens // CHUNK)
+        first_chunk, first_row = np.cumsum(counts) - counts, np.cumsum(lens) - lens
+        seq = np.repeat(np.arange(len(lens)), counts)
+        nth = np.arange(len(seq)) - first_chunk[seq]
+        offsets = nth[:, None] * CHUNK + np.arange(CHUNK)
+        rows = np.where(offsets < lens[seq, None], first_row[seq, None] + offsets, lens.sum())
+        table = np.full((len(lens), counts.max()), len(seq), dtype=np.int64)
+        table[seq, nth] = np.arange(len(seq))
+        row_seq = np.repeat(np.arange(len(lens)), lens)
+        place = first_chunk[row_seq] * CHUNK + np.arange(len(row_seq)) - first_row[row_seq]
+        device = self.positions.device
+        return tuple(torch.from_numpy(x).to(device, non_blocking=True) for x in (rows, table, place))
+
     def key_slots(self, first: int, stop: int) -> np.ndarray:
         """[stop - first, keys] (host): the cache slot of key j of sequences first .. stop - 1, for j up to
         the longest of their contexts (slots past a shorter context are block 0's, never meant to be read)."""
@@ -114,12 +137,13 @@ class AttentionMetadata:
 
 def layout(
     starts: list[int], query_lens: list[int], sequence_lens: list[int], block_tables: list[list[int]] | None,
-    block_size: int, num_slots: int, put: Put, table_width: int | None = None,
+    block_size: int, num_slots: int, put: Put, table_width: int | None = None, state_slots: list[int] | None = None,
 ) -> AttentionMetadata:
     """The metadata of one forward: sequence i (sequence_lens[i] tokens so far) feeds query_lens[i] tokens from
     position starts[i], over its block table (None: a cache-less forward of whole sequences packed back to
     back, whose keys are its queries). Host arithmetic in numpy, one `put` per device field. `table_width`:
-    the block tables also go to the device, that many pages wide (the static decode step's page bucket)."""
+    the block tables also go to the device, that many pages wide (the static decode step's page bucket).
+    `state_slots`: each sequence's state slot, for a model with linear-attention layers."""
     n = len(query_lens)
     lens = np.asarray(query_lens, dtype=np.int64)
     begin = np.asarray(starts, dtype=np.int64)
@@ -137,6 +161,7 @@ def layout(
         query_lens=list(query_lens), context_lens=context_lens, block_size=block_size,
         positions=put("positions", positions), sequence_ends=put("sequence_ends", ends),
         token_seq=put("token_seq", seq), cu_seqlens_q=put("cu_seqlens_q", cu),
+        state_slots=None if state_slots is None else put("state_slots", np.asarray(state_slots, np.int64)),
     )  # fmt: skip
     if block_tables is None:
         return AttentionMetadata(pages=[0] * n, block_tables=None, **common)

@@ -59,6 +59,13 @@ BESIDE_MLP = ("mlp.hook_dense_out", *MOE_HOOKS, "mlp.hook_experts_out")
 PER_LAYER_HOOKS = ("hook_per_layer_input", "per_layer.hook_post", "hook_per_layer_out")
 # What a layer that attends to another layer's keys and values (Gemma 4's shared layers) has none of.
 OWN_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "hook_k_input", "hook_v_input")
+# Qwen 3.5's gated delta nets, which have these in place of attention's taps (vlens.layers.gated_delta): queries,
+# keys and values after the convolution, the update's rate and log decay per value head, what the queries read, the
+# output gate's input, and the output projection's input (as attn.hook_z is).
+LINEAR_ATTN_HOOKS = tuple(
+    f"linear_attn.hook_{name}" for name in ("q", "k", "v", "beta", "decay", "core_out", "gate", "z")
+)
+ATTN_INPUT_HOOKS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 # Layer hooks that are other names of a tap (TransformerLens's), as hidden_states.{i} are of the residual stream's.
 LAYER_ALIASES = {"mlp.hook_expert_indices": "mlp.hook_expert_ids"}
 # The final norm's taps; its output (after the weight) is HF's last hidden state, hidden_states.{N}.
@@ -71,8 +78,8 @@ PATTERNS = ("attn.hook_attn_scores", "attn.hook_pattern")
 CTX = "ctx"
 # Taps with one slice per attention head, which Capture(heads=...) and per-head interventions select (with
 # TransformerLens's optional per-head ones).
-PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", *PATTERNS, "attn.hook_z", "attn.hook_result", "hook_attn_in",
-            "hook_q_input", "hook_k_input", "hook_v_input")  # fmt: skip
+PER_HEAD = ("attn.hook_q", "attn.hook_k", "attn.hook_v", *PATTERNS, "attn.hook_gate", "attn.hook_z", "attn.hook_result",
+            *ATTN_INPUT_HOOKS)  # fmt: skip
 # TransformerLens's optional taps, by the config flag that turns them on (HookedLM's set_use_*): the input of
 # every head to its query, key and value projections, together (hook_attn_in) or apart (hook_q_input, ...);
 # each head's share of the attention output, before the heads are summed (attn.hook_result, without b_O);
@@ -105,13 +112,22 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention). OLMo 2
     has no pre-norms; post-norms (Gemma's, OLMo's) add what they norm, their scale and normalised input
     (POST_NORMED) before the output each one makes. A layer that attends to another's keys and values (Gemma 4's
-    shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post."""
+    shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post. A
+    linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's; a gated attention head its
+    gate's input before hook_z."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
     hooks = [h for h in _WITH_OPTIONAL if h in LAYER_HOOKS or h in chosen]
     if cfg.kv_layer_at(layer) != layer:
         hooks = [h for h in hooks if h not in OWN_KV_HOOKS]
+    if cfg.is_linear_layer(layer):
+        at = hooks.index("attn.hook_q")
+        hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(LINEAR_ATTN_HOOKS) + [
+            h for h in hooks[at:] if not h.startswith("attn.")
+        ]
+    elif cfg.attn_output_gate:
+        hooks.insert(hooks.index("attn.hook_z"), "attn.hook_gate")
     if cfg.per_layer_input_size:
         at = hooks.index("hook_resid_post")
         hooks[at:at] = PER_LAYER_HOOKS
@@ -177,7 +193,14 @@ def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) ->
         "attn.hook_v": (kv, dh),
         "attn.hook_attn_scores": (heads, CTX),
         "attn.hook_pattern": (heads, CTX),
+        "attn.hook_gate": (heads, dh),
         "attn.hook_z": (heads, dh),
+        "linear_attn.hook_q": (cfg.linear_key_heads, cfg.linear_key_dim),
+        "linear_attn.hook_k": (cfg.linear_key_heads, cfg.linear_key_dim),
+        **{f"linear_attn.hook_{name}": (cfg.linear_value_heads, cfg.linear_value_dim)
+           for name in ("v", "core_out", "gate", "z")},  # fmt: skip
+        "linear_attn.hook_beta": (cfg.linear_value_heads,),
+        "linear_attn.hook_decay": (cfg.linear_value_heads,),
         "attn.hook_result": (heads, d),
         "hook_attn_in": (heads, d),
         "hook_q_input": (heads, d),

@@ -3,6 +3,10 @@
 A full block is identified by the hash of (previous block's hash, its tokens, the sequence's cache
 salt), so a block is reused only behind an identical prefix computed under identical conditions.
 Freed blocks keep their hash until handed out again, so a preempted or repeated prompt finds them.
+
+A model with linear-attention layers (Qwen 3.5) also keeps a recurrent state per sequence, in one of `num_states`
+state slots: each block table holds one from its first block on (`state_of`: first block -> slot) until that block
+is freed. Such a state is of a whole prefix and cannot be rebuilt from blocks, so such models cache no prefixes.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_states: int = 0):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching and not num_states
+        self.num_states = num_states
+        self.free_states = list(range(num_states))[::-1]  # (popped from the end: slot 0 first)
+        self.state_of: dict[int, int] = {}  # a block table's first block -> the table's state slot
 
     def usage(self) -> float:
         return 1 - len(self.free) / len(self.blocks)
@@ -84,12 +91,16 @@ class BlockManager:
         seq.num_computed = length
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make the sequence's blocks cover `num_tokens` tokens; False (nothing taken) if too few are free."""
+        """Make the sequence's blocks cover `num_tokens` tokens; False (nothing taken) if too few are free (or,
+        for a sequence's first block, no state slot)."""
         need = -(-num_tokens // self.block_size) - len(seq.block_table)
-        if need > len(self.free):
+        first = need > 0 and not seq.block_table and self.num_states
+        if need > len(self.free) or (first and not self.free_states):
             return False
         for _ in range(need):
             seq.block_table.append(self._fresh())
+        if first:
+            self.state_of[seq.block_table[0]] = self.free_states.pop()
         return True
 
     def reserve_next(self, seqs: list[Sequence]) -> bool:
@@ -132,9 +143,13 @@ class BlockManager:
         model beside an idle engine (HookedLM.generate's steps with hook functions, vlens.patching's copies);
         None, taking nothing, when too few are free."""
         need = [-(-n // self.block_size) for n in num_tokens]
-        if sum(need) > len(self.free):
+        if sum(need) > len(self.free) or (self.num_states and len(need) > len(self.free_states)):
             return None
-        return [[self._fresh() for _ in range(k)] for k in need]
+        tables = [[self._fresh() for _ in range(k)] for k in need]
+        if self.num_states:
+            for table in tables:
+                self.state_of[table[0]] = self.free_states.pop()
+        return tables
 
     def give_back(self, table: list[int]) -> None:
         """Drop one reference to each block of `table` (last first: the oldest freed is handed out first)."""
@@ -143,6 +158,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if block_id in self.state_of:
+                    self.free_states.append(self.state_of.pop(block_id))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, so later prompts are computed from scratch; False (and nothing forgotten)

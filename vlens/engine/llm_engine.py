@@ -77,7 +77,9 @@ class LLMEngine:
         block_size, max_model_len = config.block_size, config.max_model_len
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
-        budget = kv_cache_bytes(runner, config)
+        # (linear-attention layers: a state slot for each sequence that may run, and a scratch one, first)
+        num_states = config.max_num_seqs if runner.recurrent else 0
+        budget = kv_cache_bytes(runner, config) - (num_states + 1) * ModelRunner.bytes_per_state(model)
         num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 blocks of {per_block} bytes")
@@ -94,8 +96,11 @@ class LLMEngine:
                  num_blocks, block_size, num_blocks * per_block, self.max_model_len)  # fmt: skip
         self.enable_capture = config.enable_capture
         self.runner = runner
-        runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len)
-        self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len, num_states)
+        self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_states)
+        runner.state_of = self.blocks.state_of
+        if num_states and config.enable_prefix_caching:
+            log.info("prefix caching is off: %s keeps a recurrent state per sequence", cfg.architecture)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)

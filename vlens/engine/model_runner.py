@@ -54,6 +54,7 @@ from vlens.engine.packed import PackedCapture, packed_plan
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 from vlens.layers import fused
+from vlens.layers.gated_delta import GatedDeltaNet
 from vlens.layers.mlp import activation
 from vlens.models.base import DecoderLM
 
@@ -133,6 +134,7 @@ class ModelRunner:
                 "logit_rows": (tokens, long), "sample_index": (seqs, long), "kv_copy_from": (tokens, long),
                 "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
                 "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long), "ahead_rows": (seqs, long),
+                "state_slots": (seqs, long),
             },
             self.device,
         )  # fmt: skip
@@ -141,6 +143,11 @@ class ModelRunner:
         self.pages = DecodePages()  # where decode steps' batched rows land on the host, across steps
         self.kv_cache: list[torch.Tensor] = []
         self.block_size = self.num_slots = 0
+        # Linear-attention layers (Qwen 3.5): their state slots, one per sequence the engine runs, plus a scratch one
+        # for a static decode step's padding rows; which slot a block table's first block holds (the BlockManager's)
+        self.recurrent = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.state_of: dict[int, int] = {}
+        self.scratch_state = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
         # signature (its taps then need `self.taps.fixed_shapes`).
         self.forward = model
@@ -171,9 +178,18 @@ class ModelRunner:
         owners = [a for a in model.attention_layers() if a.reads_kv_of is None]  # (shared layers cache nothing)
         return sum(2 * block_size * a.num_kv_heads * a.head_dim for a in owners) * itemsize
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    @staticmethod
+    def bytes_per_state(model: DecoderLM) -> int:
+        """A state slot of every linear-attention layer: its convolution's last inputs and its recurrent state."""
+        itemsize = model.lm_head.weight.element_size()
+        layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        return sum((m.kernel - 1) * m.conv1d.weight.shape[0] * itemsize + m.value_heads * m.key_dim * m.value_dim * 4
+                   for m in layers)  # fmt: skip
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int, num_states: int = 0) -> None:
         """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
-        a static decode step write and read it. Graphs of the plain decode step are captured here."""
+        a static decode step write and read it; and `num_states` state slots of the linear-attention layers, plus
+        a scratch one. Graphs of the plain decode step are captured here."""
         self.block_size, self.scratch_block = block_size, num_blocks
         self.num_slots = (num_blocks + 1) * block_size
         # one [2, slots, kv_heads, head_dim] a layer (Gemma 4's full layers have heads of their own size), bound to
@@ -185,6 +201,12 @@ class ModelRunner:
                 caches[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.k_cache, attn.v_cache = caches[i if attn.reads_kv_of is None else attn.reads_kv_of]
         self.kv_cache = list(caches.values())
+        self.scratch_state = num_states
+        for m in self.recurrent:
+            channels = m.conv1d.weight.shape[0]
+            m.conv_state = torch.zeros(num_states + 1, m.kernel - 1, channels, dtype=self.dtype, device=self.device)
+            shape = (num_states + 1, m.value_heads, m.key_dim, m.value_dim)
+            m.state = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.max_pages = bucket(max(MIN_PAGES, -(-max_model_len // block_size)))
         self.buffers.reserve("block_tables", self.max_bucket * self.max_pages, torch.long)
         self.buffers.reserve("context_lens", self.max_bucket, torch.long)
@@ -248,9 +270,10 @@ class ModelRunner:
         # stay dense (vlens.attention.sdpa._group; a fresh prompt's context is its length)
         order = sorted(((s, n) for s, n in scheduled if n == 1), key=lambda c: -c[0].num_computed)
         order += sorted(((s, n) for s, n in scheduled if n > 1), key=lambda c: -c[0].num_computed - c[1])
+        tables = [s.block_table for s, _ in order]
         meta = layout(
             [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
-            [s.block_table for s, _ in order], self.block_size, self.num_slots, put,
+            tables, self.block_size, self.num_slots, put, state_slots=self._state_slots(tables),
         )  # fmt: skip
         fed = chain.from_iterable(s.token_ids[s.num_computed : s.num_computed + n] for s, n in order)  # (in C)
         ids = put("input_ids", np.fromiter(fed, np.int64))
@@ -339,9 +362,11 @@ class ModelRunner:
         """Logits [size, vocab] of the static decode step of `seqs` at positions `last`, padded to `size`
         rows and `pages` pages."""
         put, pad, generation = self.buffers.put, size - len(seqs), self.buffers.generation
+        tables = [s.block_table for s in seqs]
+        states = None if not self.recurrent else self._state_slots(tables) + [self.scratch_state] * pad
         meta = layout(
-            last + [0] * pad, [1] * size, [p + 1 for p in last] + [1] * pad,
-            [s.block_table for s in seqs] + [[self.scratch_block]] * pad, self.block_size, self.num_slots, put, pages,
+            last + [0] * pad, [1] * size, [p + 1 for p in last] + [1] * pad, tables + [[self.scratch_block]] * pad,
+            self.block_size, self.num_slots, put, pages, states,
         )  # fmt: skip
         if ahead is None:
             ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
@@ -493,7 +518,7 @@ class ModelRunner:
         lens = [len(s) for s in sequences]
         new = [n - b for n, b in zip(lens, starts)]
         put = self.buffers.put
-        meta = layout(starts, new, lens, tables, self.block_size, self.num_slots, put)
+        meta = layout(starts, new, lens, tables, self.block_size, self.num_slots, put, None, self._state_slots(tables))
         if kv_copy is not None:
             source, target = (np.asarray(slots, np.int64) for slots in kv_copy)
             meta.kv_copy = (put("kv_copy_from", source), put("kv_copy_to", target))
@@ -517,6 +542,12 @@ class ModelRunner:
         meta = layout([0], [tokens], [tokens], None, 0, 0, self.buffers.put)
         ids = self.buffers.put("input_ids", np.zeros(tokens, np.int64))
         self._forward(meta, ids, {}, None, slice(-logit_rows, None))
+
+
+    def _state_slots(self, tables: list[list[int]]) -> list[int] | None:
+        """The state slot of each sequence (of each block table: its first block's), where the model has
+        linear-attention layers."""
+        return [self.state_of[table[0]] for table in tables] if self.recurrent else None
 
 
 def _decodes(seq: Sequence, n: int) -> bool:

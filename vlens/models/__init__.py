@@ -19,6 +19,7 @@ from vlens.models.llama import ApertusForCausalLM, CausalLM, Starcoder2ForCausal
 from vlens.models.olmo import OlmoForCausalLM
 from vlens.models.opt import OPTForCausalLM
 from vlens.models.phi import PhiForCausalLM
+from vlens.models.qwen3_5 import Qwen3_5ForCausalLM
 
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "olmo": OlmoForCausalLM,
     "opt": OPTForCausalLM,
     "phi": PhiForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
 }
 
 

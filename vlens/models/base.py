@@ -76,7 +76,8 @@ class AttentionHeads(nn.Module):
         nope = bool(cfg.nope_layers) and cfg.nope_layers[layer]  # (SmolLM3's layers without positions)
         self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim and not nope else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
-        self.hook_result = p + "hook_result"
+        self.hook_result, self.hook_gate = p + "hook_result", p + "hook_gate"
+        self.output_gate = cfg.attn_output_gate
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
         """`x`: the normalised layer input [T, d] all three projections read, or (ResidualBlock.attention_input)
@@ -86,9 +87,13 @@ class AttentionHeads(nn.Module):
         else:  # (where keys are values, the values are the key projection of the values' own input)
             parts = [*self.qkv.parts, *([list(self.qkv.parts)[1]] if self.keys_are_values else [])]
             q, *kv = map(self._project, parts, x)
+        gate = None
+        if self.output_gate:  # (Qwen 3.5: each head's rows of q_proj give its query, then its gate)
+            q, gate = q.view(-1, self.heads, 2, self.head_dim).unbind(2)
+            q = q.reshape(-1, self.heads * self.head_dim)
         # (none where the layer reads another's; the keys themselves where they are the values)
         k = kv[0] if kv else None
-        z = self.attend(q, k, kv[1] if len(kv) > 1 else k, rope)
+        z = self.attend(q, k, kv[1] if len(kv) > 1 else k, rope, gate)
         if not tapped(self.hook_result):
             return self.out(z)
         # TransformerLens's attn.hook_result: each head's z times its columns of W_O, before the heads are summed
@@ -111,11 +116,15 @@ class AttentionHeads(nn.Module):
         y = torch.einsum("thm,hdm->thd", x, w.view(heads, -1, x.shape[-1]))
         return (y if b is None else y + b.view(heads, -1)).flatten(1)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rope: Rope) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rope: Rope,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]; `k` and `v` None where
         the layer attends to an earlier layer's (Gemma 4's shared layers: those as that layer left them, taps and
         all). Rotary tables in float32 (ModelConfig.rope_float32) rotate in float32, the result rounded back to the
-        model's dtype, as HF's OLMo 2."""
+        model's dtype, as HF's OLMo 2. `gate` [T, H, d] (Qwen 3.5): the output times its sigmoid, before hook_z,
+        which is the output projection's input in every family."""
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -137,6 +146,8 @@ class AttentionHeads(nn.Module):
         if self.query_scale is not None:  # (OPT: after hook_q, as HF scales its projection's output)
             q = q * self.query_scale
         z = self.attn(q, k, v)
+        if gate is not None:
+            z = z * torch.sigmoid(tap(self.hook_gate, gate))
         z = tap(self.hook_z, z)
         return z.flatten(1)
 

@@ -43,7 +43,8 @@ class SelfAttention(AttentionHeads):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
         h, kv, d = cfg.num_heads, cfg.kv_heads_at(layer), self.head_dim
-        parts = {"q_proj": h * d, "k_proj": kv * d, "v_proj": kv * d}
+        gated = 2 if cfg.attn_output_gate else 1  # (Qwen 3.5: each head's query rows, then its gate's)
+        parts = {"q_proj": h * d * gated, "k_proj": kv * d, "v_proj": kv * d}
         units, p = {"q_proj": h, "k_proj": kv, "v_proj": kv}, cfg.parallel
         if self.keys_are_values:
             del parts["v_proj"], units["v_proj"]

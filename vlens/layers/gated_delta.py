@@ -1,0 +1,198 @@
+"""Gated delta nets: the linear attention of Qwen 3.5's layers, with HF's numerics and its taps.
+
+A layer keeps, per sequence, a recurrent state S [value heads, key dim, value dim] (float32) and the last inputs of a
+short causal convolution. Each token, after the convolution: S decays by exp(g), the value S predicts for the key
+moves towards the token's value by beta (the delta rule), and the query reads S. Prompts run chunk by chunk (HF's
+chunked form: 64 tokens a chunk, from each sequence's first row of the forward, so a sequence computes as it does
+alone); a step in which every sequence feeds one token runs the recurrence itself, in fixed shapes, which is what
+a decode step's CUDA graph captures. The states live in the runner's state slots (ModelRunner.allocate_kv_cache): a
+sequence's slot is read where it continues (its first position in the forward is past 0) and written back after;
+a cache-less forward (trace, harvest) starts from zeros and keeps nothing.
+
+Taps, under `blocks.L.linear_attn.`: hook_q, hook_k [key heads, key dim] and hook_v [value heads, value dim] (after
+the convolution, before the delta rule's L2 norm), hook_beta and hook_decay (g, the log of the decay) [value heads],
+hook_core_out (what the queries read) and hook_gate (the gate's input) [value heads, value dim], and hook_z, the
+output projection's input (the gated norm's output), as an attention layer's attn.hook_z is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlens.attention.metadata import CHUNK, AttentionMetadata
+from vlens.config import ModelConfig
+from vlens.context import get_context, tap, tapped
+from vlens.layers.mlp import activation
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS-normalised per head, scaled by w after the cast back, times silu(gate) in float32 (HF's order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen 3.5's `linear_attn`, its parameters named as HF's."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.key_heads, self.key_dim = cfg.linear_key_heads, cfg.linear_key_dim
+        self.value_heads, self.value_dim = cfg.linear_value_heads, cfg.linear_value_dim
+        keys, values, d = self.key_heads * self.key_dim, self.value_heads * self.value_dim, cfg.hidden_size
+        self.split = (keys, keys, values)
+        self.kernel = cfg.linear_conv_kernel
+        channels = 2 * keys + values
+        self.in_proj_qkv = nn.Linear(d, channels, bias=False)
+        self.in_proj_z = nn.Linear(d, values, bias=False)
+        self.in_proj_b = nn.Linear(d, self.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(d, self.value_heads, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.value_heads))
+        self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
+        self.out_proj = nn.Linear(values, d, bias=False)
+        self.act = activation(cfg.hidden_act)
+        p = f"blocks.{layer}.linear_attn."
+        self.hook_q, self.hook_k, self.hook_v = p + "hook_q", p + "hook_k", p + "hook_v"
+        self.hook_beta, self.hook_decay, self.hook_core_out = p + "hook_beta", p + "hook_decay", p + "hook_core_out"
+        self.hook_gate, self.hook_z = p + "hook_gate", p + "hook_z"
+        # Every sequence's state, by state slot (bound by the runner; None: no cache): the convolution's last inputs
+        # [slots, kernel - 1, channels] and the recurrent state [slots, value heads, key dim, value dim], float32.
+        self.conv_state: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        meta = get_context().attention
+        slots = meta.state_slots if self.state is not None else None
+        # (per sequence: whether it continues a state, i.e. starts past position 0 in this forward)
+        kept = None if slots is None else meta.positions[meta.cu_seqlens_q[:-1].long()] > 0
+        t = x.shape[0]
+        q, k, v = self.convolve(self.in_proj_qkv(x), meta, slots, kept).split(self.split, -1)
+        q = tap(self.hook_q, q.reshape(t, self.key_heads, self.key_dim))
+        k = tap(self.hook_k, k.reshape(t, self.key_heads, self.key_dim))
+        v = tap(self.hook_v, v.reshape(t, self.value_heads, self.value_dim))
+        beta = tap(self.hook_beta, self.in_proj_b(x).sigmoid())
+        decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (float32)
+        if tapped(self.hook_decay):  # (its rows in the model's dtype, as every tap's; an edit carried on in float32)
+            rounded = decay.to(x.dtype)
+            edited = tap(self.hook_decay, rounded)
+            decay = decay if edited is rounded else edited.float()
+        out = tap(self.hook_core_out, self.delta_rule(q, k, v, decay, beta, meta, slots, kept).to(x.dtype))
+        gate = tap(self.hook_gate, self.in_proj_z(x).view(t, self.value_heads, self.value_dim))
+        z = tap(self.hook_z, self.norm(out, gate))
+        return self.out_proj(z.flatten(1))
+
+    def convolve(
+        self, x: torch.Tensor, meta: AttentionMetadata, slots: torch.Tensor | None, kept: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The depthwise causal convolution [T, channels] of each sequence's inputs, then the activation: the
+        kernel - 1 inputs before a sequence's first row here are its saved ones (zeros where it starts), and its
+        last kernel - 1 are saved for its next forward. Summed in float32, rounded once."""
+        t, width = x.shape[0], self.kernel - 1
+        rows = torch.arange(t, device=x.device)
+        starts = meta.cu_seqlens_q.long()
+        at = rows - starts[meta.token_seq]  # each row's index among its sequence's rows here
+        prior = None if slots is None else self.conv_state[slots] * kept[:, None, None].to(x.dtype)
+        weight = self.conv1d.weight[:, 0].float()  # [channels, kernel]: the last tap reads the row itself
+        out = x.float() * weight[:, -1]
+        for back in range(1, self.kernel):
+            earlier = x[(rows - back).clamp(min=0)]
+            saved = 0 if prior is None else prior[meta.token_seq, (at - back + width).clamp(0, width - 1)]
+            earlier = torch.where((at >= back)[:, None], earlier, saved)
+            out = out + earlier.float() * weight[:, -1 - back]
+        if slots is not None:  # (the last `width` inputs of each sequence: its rows', then its saved ones before)
+            counts = starts[1:] - starts[:-1]
+            index = counts[:, None] - width + torch.arange(width, device=x.device)  # [B, width], < 0: saved
+            mine = x[(starts[:-1, None] + index).clamp(0, t - 1)]
+            before = prior[torch.arange(len(counts), device=x.device)[:, None], (index + width).clamp(0, width - 1)]
+            self.conv_state[slots] = torch.where((index >= 0)[..., None], mine, before)
+        return self.act(out.to(x.dtype))
+
+    def delta_rule(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+        meta: AttentionMetadata, slots: torch.Tensor | None, kept: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """What each row's query reads [T, value heads, value dim] (float32), from the sequences' saved states (or
+        zeros), which are saved again after."""
+        groups = self.value_heads // self.key_heads  # (each query/key head serves that many value heads)
+        q, k = (x.float().repeat_interleave(groups, 1) if groups > 1 else x.float() for x in (q, k))
+        q, k, v, beta = _l2norm(q), _l2norm(k), v.float(), beta.float()
+        batch = len(meta.query_lens)
+        shape = (batch, self.value_heads, self.key_dim, self.value_dim)
+        if slots is None:
+            state = q.new_zeros(shape)
+        else:
+            state = self.state[slots] * kept[:, None, None, None]
+        if max(meta.query_lens) == 1:  # (a row per sequence: the recurrence itself, as HF decodes)
+            out, state = _recurrent_step(q / self.key_dim**0.5, k, v, decay, beta, state)
+        else:
+            out, state = _chunked(q * self.key_dim**-0.5, k, v, decay, beta, state, meta)
+        if slots is not None:
+            self.state[slots] = state
+        return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _recurrent_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each sequence (row b of sequence b): the state decays, learns the token's value for its key by
+    beta, and the query reads it."""
+    state = state * decay.exp()[..., None, None]
+    predicted = (state * k[..., None]).sum(-2)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def _chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The same recurrence over each sequence's rows, CHUNK at a time (HF's chunked form): within a chunk, the
+    delta rule's updates solved together as one triangular system; across chunks, the state carried sequence by
+    sequence. Every chunk of every sequence is computed at once; the scan runs as many times as the longest
+    sequence has chunks, each sequence reading a zero chunk (which leaves its state as it is) past its last."""
+    rows, table, place = meta.linear_chunks
+    heads_first = lambda x: x.transpose(1, 2)  # noqa: E731 - [N, CHUNK, H, ...] -> [N, H, CHUNK, ...]
+    q, k, v, beta, decay = (heads_first(_in_chunks(x, rows)) for x in (q, k, v, beta, decay))
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    total = decay.cumsum(-1)  # the log decay from the chunk's start to each position
+    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    between = (total[..., :, None] - total[..., None, :]).masked_fill(later, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * between
+    within = (q @ k.transpose(-1, -2)) * between
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, k_beta * total.exp()[..., None], upper=False, unitriangular=True)
+    q = q * total.exp()[..., None]
+    k = k * (total[..., -1:] - total).exp()[..., None]
+    chunk_decay = total[..., -1].exp()[..., None, None]
+    # (chunk N: zeros, which change no state: what a sequence reads past its last chunk)
+    values, reads, q, k, within = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (values, reads, q, k, within))
+    chunk_decay = torch.cat([chunk_decay, chunk_decay.new_ones(1, *chunk_decay.shape[1:])])
+    out = values.new_empty(values.shape)
+    for s in range(table.shape[1]):
+        i = table[:, s]
+        new = values[i] - reads[i] @ state
+        out[i] = q[i] @ state + within[i] @ new
+        state = state * chunk_decay[i] + k[i].transpose(-1, -2) @ new
+    out = out[:-1].transpose(1, 2).flatten(0, 1)  # [N * CHUNK, H, value dim]
+    return out[place], state
+
+
+def _in_chunks(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[T, ...] -> [N, CHUNK, ...]: the rows of each chunk, zeros past a sequence's last row (index T)."""
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows]
