@@ -35,6 +35,10 @@ Then sliding windows at a long context (--workload window, or all): a random Gem
 256), 8 prompts of 4,000 tokens; decode ms per step of vlens (local layers read their window's keys), of
 vlens reading every key under the mask (in the SDPA backend, which decodes now leave on the CPU), and of HF's
 forward step over its cache.
+Then a hybrid model (--workload hybrid, or all): a random Qwen 3.5 of 8 layers (6 gated delta nets, 2 gated
+attention), d=256, 32 prompts of 16-200 tokens x 32 new tokens, greedy: vlens against HF generate (left-padded
+batch, its recurrent states in its cache), output tokens/s, and vlens capturing a linear layer's hook_z at the
+generated rows against none.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
@@ -47,7 +51,7 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig
 
 from vlens import LLM, Capture, SamplingParams, Steer
 from vlens.engine.llm_engine import NewRequest
@@ -138,7 +142,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", "all"], default="all")
+    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", "hybrid", "all"], default="all")
     args = ap.parse_args()
     if args.workload in ("smol", "all"):
         smol(args)
@@ -146,6 +150,8 @@ def main() -> None:
         host_overhead(args)
     if args.workload in ("spread", "all"):
         spread(args)
+    if args.workload in ("hybrid", "all"):
+        hybrid(args.repeats)
     if args.workload in ("window", "all"):
         window(args.repeats)
 
@@ -231,13 +237,13 @@ def smol(args: argparse.Namespace) -> None:
     print_rows(rows, 44)
 
 
-def random_llama(prefix_caching: bool = False, **sizes) -> tuple[LLM, torch.nn.Module]:
-    """A random Llama of these sizes (vocabulary 512), loaded by vlens and by HF, float32 on the CPU. Without
-    a prefix cache unless asked: the runs repeat their prompts, which HF computes every time. Its checkpoint
-    stays for the run (`llm.model_path`: other engines of the same model)."""
+def random_llama(prefix_caching: bool = False, config=LlamaConfig, **sizes) -> tuple[LLM, torch.nn.Module]:
+    """A random Llama (or another `config` class) of these sizes (vocabulary 512), loaded by vlens and by HF, float32
+    on the CPU. Without a prefix cache unless asked: the runs repeat their prompts, which HF computes every time.
+    Its checkpoint stays for the run (`llm.model_path`: other engines of the same model)."""
     torch.manual_seed(0)
     path = tempfile.mkdtemp(dir=CHECKPOINTS.name)
-    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, **sizes)).save_pretrained(path)
+    AutoModelForCausalLM.from_config(config(vocab_size=512, **sizes)).save_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return LLM(model=path, dtype="float32", device="cpu", enable_prefix_caching=prefix_caching), hf
 
@@ -470,3 +476,33 @@ def window(repeats: int, batch: int = 8, context: int = 4000, steps: int = 30) -
 
 if __name__ == "__main__":
     main()
+
+
+def hybrid(repeats: int, steps: int = 32) -> None:
+    """A model whose layers are mostly linear attention: vlens's prompts in chunks and decode steps over its state
+    slots against HF generate over its cache of recurrent states."""
+    llm, hf = random_llama(config=Qwen3_5TextConfig, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                           linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+                           max_position_embeddings=1024)  # fmt: skip
+    ids = random_prompts(32, 16, 200)
+    padded, mask = left_padded(ids)
+
+    def hf_run():
+        with torch.inference_mode():
+            hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                        do_sample=False, pad_token_id=0)  # fmt: skip
+
+    def vlens_run(capture=None):
+        llm.generate(ids, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=capture),
+                     use_tqdm=False)  # fmt: skip
+
+    one = Capture(hooks="blocks.1.linear_attn.hook_z", positions="generated")
+    t_hf, t_v, t_cap = best_alternating([hf_run, vlens_run, lambda: vlens_run(one)], repeats)
+    tokens = len(ids) * steps
+    print(f"\nhybrid: random Qwen 3.5, 8 layers (6 linear attention), d=256; {len(ids)} prompts of 16-200 tokens x "
+          f"{steps} new tokens, greedy")  # fmt: skip
+    print(f"{'case':<44}{'tokens/s':>10}{'ratio':>10}")
+    print(f"{'HF generate (left-padded batch)':<44}{tokens / t_hf:>10.1f}")
+    print(f"{'vlens':<44}{tokens / t_v:>10.1f}{t_hf / t_v:>9.2f}x")
+    print(f"{'vlens, a linear layer at generated rows':<44}{tokens / t_cap:>10.1f}{t_cap / t_v:>9.2f}x  (time vs none)")

@@ -25,6 +25,8 @@ slow section costs only itself. Sections:
             them; run_with_cache(incl_bwd=True)): the metrics, tokens and gradients, and the seconds each took
   gemma4    Gemma 4 in E2B's layout, narrow, its heads of 256 and 512 dims, float32: every tap vs HF on the CPU,
             greedy generation through the graphs (a shared key-value layer's rows captured) vs HF
+  qwen3_5   Qwen 3.5 in 0.8B's layout, narrow, its heads of 256 (attention) and 128 (linear attention): the same,
+            a linear layer's rows captured through its state slots
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -404,18 +406,13 @@ def hooked(rows: dict, root: Path, quick: bool, device: str) -> None:
 def gemma4(rows: dict, root: Path, quick: bool, device: str) -> None:
     """Gemma 4 in E2B's layout (per-layer embeddings, the last two layers reading earlier layers' keys and values),
     narrow, with the released head sizes on CUDA (256 on the sliding layers, 512 on the full ones: the decode
-    kernels and the cache at both), float32, TF32 off: every tap of a packed trace vs HF on the CPU (the patterns of
-    its unscaled scores apart, within 1e-4), and greedy generation through the paged cache (graphs on CUDA)
-    capturing a shared layer's rows and the logits, vs HF's forward of prompt + output and HF generate."""
+    kernels and the cache at both): `family_check`, capturing a shared layer's rows (layer 4 reads layer 3's keys
+    and values)."""
     try:
         from transformers import Gemma4TextConfig
     except ImportError:
         rows["gemma4"] = {"skipped": f"transformers {transformers.__version__} has no Gemma 4"}
         return
-    torch.backends.cuda.matmul.allow_tf32 = False
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from hf_reference import hf_taps
-
     wide = device == "cuda"
     kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
     config = Gemma4TextConfig(
@@ -425,45 +422,75 @@ def gemma4(rows: dict, root: Path, quick: bool, device: str) -> None:
         vocab_size_per_layer_input=8192, num_kv_shared_layers=2, final_logit_softcapping=30.0,
         max_position_embeddings=2048,
     )  # fmt: skip
-    path = random_checkpoint(config, root, "gemma4-e2b-layout", torch.float32)
+    rows["gemma4"] = family_check(config, "gemma4-e2b-layout", ["blocks.4.hook_resid_post"], root, quick, device)
+
+
+def qwen3_5(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """Qwen 3.5 in 0.8B's layout (three gated delta nets, then gated attention, twice), narrow, with the released
+    head sizes on CUDA (256 on the attention layers, 128 on the linear ones): `family_check`, capturing a linear
+    layer's output through its state slots, in the decode steps' graphs."""
+    try:
+        from transformers import Qwen3_5TextConfig
+    except ImportError:
+        rows["qwen3_5"] = {"skipped": f"transformers {transformers.__version__} has no Qwen 3.5"}
+        return
+    wide = device == "cuda"
+    config = Qwen3_5TextConfig(
+        vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=256 if wide else 16, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=128 if wide else 8, linear_value_head_dim=128 if wide else 8,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+    rows["qwen3_5"] = family_check(config, "qwen3_5-0.8b-layout", ["blocks.2.linear_attn.hook_z"], root, quick, device)
+
+
+def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str) -> dict:
+    """A random checkpoint of `config` in float32, TF32 off: every tap of a packed trace vs HF on the CPU (patterns
+    within 1e-4), and greedy generation through the paged cache (graphs on CUDA) capturing `hooks` and the logits
+    at every row, vs HF's forward of prompt + output and HF generate."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_reference import hf_taps
+
+    path = random_checkpoint(config, root, name, torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", device=device, max_num_seqs=8, kv_cache_memory=1 << 30)
-    rng = random.Random(1)
+    rng, layers = random.Random(1), config.num_hidden_layers
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         masked = torch.isinf(b)
         a, b = a[~masked].double(), b[~masked].double()
         return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
-    ids = [rng.randrange(10, 8000) for _ in range(80)]  # (past the 32-token windows)
+    ids = [rng.randrange(10, 8000) for _ in range(80)]  # (past the windows, past a 64-token chunk)
     got = llm.trace([ids], list(llm.hook_names()))[0]
-    ref = {k: v.cpu() for k, v in hf_taps(hf, ids, range(6)).items()}
+    ref = {k: v.cpu() for k, v in hf_taps(hf, ids, range(layers)).items()}
     errs = {k: rel(got[k], ref[k]) for k in got if k in ref}
     taps = [e for k, e in errs.items() if not k.endswith(("hook_pattern", "hook_attn_scores"))]
     patterns = [e for k, e in errs.items() if k.endswith(("hook_pattern", "hook_attn_scores"))]
     prompts = [[rng.randrange(10, 8000) for _ in range(n)] for n in (7, 40, 90)][: 2 if quick else 3]
-    hooks = ["blocks.4.hook_resid_post", "unembed.hook_out"]  # (layer 4 reads layer 3's keys and values)
+    hooks = [*hooks, "unembed.hook_out"]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, capture=Capture(hooks, positions="all"))
     worst, equal = 0.0, 0
     with torch.inference_mode():
         for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
             seq = p + o.outputs[0].token_ids
-            out = hf(torch.tensor([seq]), output_hidden_states=True)
             n = len(seq) - 1  # the last sampled token is never fed
-            want = {hooks[0]: out.hidden_states[5][0, :n], hooks[1]: out.logits[0, :n]}
+            want = {k: v[:n] for k, v in hf_taps(hf, seq, range(layers), patterns=False).items() if k in hooks}
             worst = max(worst, *(rel(o.activations[h], want[h]) for h in hooks))
             equal += hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist() == \
                 o.outputs[0].token_ids  # fmt: skip
-    rows["gemma4"] = {
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return {
         "trace_taps": len(taps), "trace_max_rel_err": max(taps), "pattern_max_rel_err": max(patterns),
         "decode_max_rel_err": worst, "greedy_equal": f"{equal}/{len(prompts)}",
         "graph_steps": llm.engine.runner.graph_stats.graph_steps,
         "ok": max(taps) <= 1e-5 and max(patterns) <= 1e-4 and worst <= 1e-5 and equal == len(prompts),
     }  # fmt: skip
-    torch.backends.cuda.matmul.allow_tf32 = True
 
 
-SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60}
+SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
+            "qwen3_5": 60}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -502,7 +529,7 @@ def main() -> None:
     for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
-    for name, fn in (("hooked", hooked), ("gemma4", gemma4)):
+    for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))

@@ -223,8 +223,9 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
-               "qwen3_5": "llama_multimodal"}  # fmt: skip
-GATED_ATTENTION = ("qwen3_5_text",)  # model types whose q_proj gives each head's query, then its output gate
+               "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal"}  # fmt: skip
+# model types whose q_proj gives each head's query, then its output gate
+GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
 
@@ -396,7 +397,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         on_output(block, p + "raw_resid_post", raw)
         if linear[layer]:  # (the rest from the delta rule's calls, below)
             on_output(block.linear_attn, p + "hook_attn_out")
-            on_output(block.linear_attn.in_proj_z, p + "linear_attn.hook_gate")
+            handles.append(block.linear_attn.norm.register_forward_hook(  # (its second input: the gate's, z)
+                lambda m, a, o, key=p + "linear_attn.hook_gate": got.__setitem__(key, a[1].clone())))
             on_input(block.linear_attn.out_proj, p + "linear_attn.hook_z")
         elif own_kv[layer]:
             on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
@@ -494,9 +496,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             kinds = ("hook_q", "hook_k", "hook_v", "hook_decay", "hook_beta", "hook_core_out")
             for kind, x in zip(kinds, deltas[sum(linear[:layer])]):
                 got[p + "linear_attn." + kind] = x[0]
-            heads, dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+            value_heads, value_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
             for kind in ("hook_gate", "hook_z"):
-                got[p + "linear_attn." + kind] = got[p + "linear_attn." + kind].reshape(t, heads, dim)
+                got[p + "linear_attn." + kind] = got[p + "linear_attn." + kind].reshape(t, value_heads, value_dim)
             continue
         if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads

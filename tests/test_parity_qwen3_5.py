@@ -1,8 +1,9 @@
-"""Qwen 3.5 against HF on tiny random checkpoints: gated delta nets (linear attention over a recurrent state, after a
-causal convolution; grouped value heads) on most layers, gated full attention with a quarter-rotary head on the
-others, (1 + w) norms; every tap, packed against alone (sequences longer than one 64-row chunk), greedy generation
-through the paged cache and the state slots, chunked prefill, the static decode step; the text model of the
-multimodal checkpoint."""
+"""Qwen 3.5 (dense and MoE) and Qwen3-Next against HF on tiny random checkpoints: gated delta nets (linear attention
+over a recurrent state, after a causal convolution; grouped value heads) on most layers, gated full attention with a
+quarter-rotary head on the others, (1 + w) norms, experts beside a gated shared expert, Qwen3-Next's projections
+grouped by key head; every tap, packed against alone (sequences longer than one 64-row chunk), greedy generation
+through the paged cache and the state slots, chunked prefill, the static decode step, preemption; the text model of
+the multimodal checkpoints; capture and steering in a batch; HookedLM's TransformerLens calls and patching."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from family_parity import (
     load_pair,
     sequences,
 )
-from transformers import Qwen3_5Config, Qwen3_5TextConfig
+from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
 from vlens import LLM, Capture, SamplingParams
 
@@ -34,8 +35,26 @@ def text_config(**overrides) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(**(TEXT | LINEAR | dict(linear_num_value_heads=4, layer_types=layers) | overrides))
 
 
+def moe_config() -> Qwen3_5MoeTextConfig:
+    """Qwen 3.5's MoE layout: experts on every layer (top 2 of 4, renormalised) beside a gated shared expert."""
+    layers = ["linear_attention", "linear_attention", "full_attention"]
+    sizes = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return Qwen3_5MoeTextConfig(**(TEXT | LINEAR | sizes | dict(linear_num_value_heads=4, layer_types=layers)))
+
+
+def next_config() -> Qwen3NextConfig:
+    """Qwen3-Next: Qwen 3.5's layers, the checkpoint's linear projections grouped by key head (two value heads each),
+    experts (not renormalised) beside a shared expert on every layer but a dense one."""
+    sizes = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 mlp_only_layers=[1], norm_topk_prob=False)  # fmt: skip
+    layers = ["linear_attention", "full_attention", "linear_attention"]
+    return Qwen3NextConfig(**(TEXT | LINEAR | sizes | dict(linear_num_value_heads=4, layer_types=layers)))
+
+
 CONFIGS = {
     "qwen3_5": text_config,
+    "qwen3_5_moe": moe_config,
+    "qwen3_next": next_config,
     # (value heads as many as key heads; full attention first, tied)
     "qwen3_5_mha_tied": lambda: text_config(linear_num_value_heads=2, num_key_value_heads=4, tie_word_embeddings=True,
                                             layer_types=["full_attention", "linear_attention", "linear_attention"]),
@@ -46,19 +65,28 @@ family = family_fixture(CONFIGS)
 
 
 class TestParity(TapParity, GenerationParity):
-    generation_hooks = ("blocks.2.linear_attn.hook_core_out", "blocks.*.attn.hook_gate")
+    generation_hooks = ("blocks.*.linear_attn.hook_core_out", "blocks.*.attn.hook_gate")
 
     def required_hooks(self, llm):
-        linear = [i for i in range(3) if llm.config.is_linear_layer(i)]
-        full = [i for i in range(3) if not llm.config.is_linear_layer(i)]
+        cfg = llm.config
+        linear = [i for i in range(3) if cfg.is_linear_layer(i)]
+        full = [i for i in range(3) if not cfg.is_linear_layer(i)]
         kinds = ("q", "k", "v", "beta", "decay", "core_out", "gate", "z")
-        return [f"blocks.{linear[0]}.linear_attn.hook_{k}" for k in kinds] + [f"blocks.{full[0]}.attn.hook_gate"]
+        hooks = [f"blocks.{linear[0]}.linear_attn.hook_{k}" for k in kinds] + [f"blocks.{full[0]}.attn.hook_gate"]
+        moe = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")
+        return hooks + [f"blocks.{layer}.{kind}" for layer in range(3) for kind in moe if cfg.is_moe_layer(layer)]
 
 
 def test_config_is_read_as_intended(family):
     name, _, llm, hf = family
     cfg = llm.config
     assert cfg.family == "qwen3_5" and cfg.norm == "rms_offset" and cfg.qk_norm == "head" and cfg.attn_output_gate
+    moe = name in ("qwen3_5_moe", "qwen3_next")
+    layers = {"qwen3_5_moe": (True,) * 3, "qwen3_next": (True, False, True)}.get(name, ())
+    assert cfg.moe_layers == layers and cfg.norm_topk_prob == (name != "qwen3_next")
+    assert cfg.linear_stored_grouped == (name == "qwen3_next")
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.shared_expert_intermediate_size) == ((4, 2, 48) if moe else
+                                                                                            (0, 0, 0))  # fmt: skip
     assert cfg.rotary_dim == 4  # (a quarter of each 16-wide head)
     assert (cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_kernel) == (2, 8, 8, 4)
     assert cfg.linear_layers == tuple(kind == "linear_attention" for kind in hf.config.layer_types)
@@ -103,13 +131,16 @@ def test_state_slots_are_reused_and_preemption_recomputes(tmp_path):
     assert sorted(blocks.free_states) == [0, 1] and not blocks.state_of
 
 
-def test_multimodal_text_model(tmp_path):
-    """Qwen3_5ForConditionalGeneration's text model (under model.language_model.) against HF's model given text."""
-    config = Qwen3_5Config(text_config=text_config().to_dict(), vision_config=dict(depth=1, hidden_size=32,
-                           intermediate_size=32, num_heads=2, out_hidden_size=64))  # fmt: skip
+@pytest.mark.parametrize("multimodal, text", [(Qwen3_5Config, text_config), (Qwen3_5MoeConfig, moe_config)])
+def test_multimodal_text_model(tmp_path, multimodal, text):
+    """Qwen3_5ForConditionalGeneration's (and the MoE's) text model, under model.language_model., against HF's model
+    given text."""
+    config = multimodal(text_config=text().to_dict(), vision_config=dict(depth=1, hidden_size=32, intermediate_size=32,
+                                                                         num_heads=2, out_hidden_size=64))  # fmt: skip
     path = build(config, tmp_path, "qwen3_5_vl")
     llm, hf = load_pair(path)
-    assert llm.config.architecture == "Qwen3_5ForCausalLM" and llm.config.stored_as[0] == "model.language_model."
+    assert llm.config.architecture == multimodal.__name__.replace("Config", "ForCausalLM")
+    assert llm.config.stored_as[0] == "model.language_model."
     check_every_tap(llm, hf, sequences())
 
 
@@ -225,3 +256,8 @@ def test_compiled_decode_steps_equal_eager_ones(tmp_path):
         for hook, rows in a.activations.items():
             assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
     assert compiled.runner.graph_stats.compiled_steps > 0
+
+
+@pytest.mark.parametrize("config", [moe_config, next_config])
+def test_moe_bfloat16_taps(tmp_path, config):
+    check_bfloat16_taps(config(), tmp_path)

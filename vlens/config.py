@@ -81,6 +81,25 @@ def _qwen3_5(hf: Any) -> dict[str, Any]:
     )
 
 
+def _qwen3_5_moe(hf: Any) -> dict[str, Any]:
+    """Qwen 3.5's MoE models (35B-A3B, 122B-A10B, 397B-A17B): its layers with Qwen2-MoE's experts on every layer,
+    the top k of the router's softmax renormalised, beside a shared expert behind a sigmoid gate."""
+    return _qwen3_5(hf) | dict(
+        intermediate_size=hf.moe_intermediate_size,  # (no dense MLP; TransformerLens's d_mlp of an MoE is an expert's)
+        num_experts=hf.num_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+        moe_layers=(True,) * hf.num_hidden_layers,
+    )
+
+
+def _qwen3_next(hf: Any) -> dict[str, Any]:
+    """Qwen3-Next (80B-A3B): Qwen 3.5's layers, with Qwen2-MoE's experts and their checkpoint's projections of a
+    linear layer fused and grouped by key head (`linear_stored_grouped`)."""
+    return _qwen3_5(hf) | _qwen_moe(hf) | dict(linear_stored_grouped=True)
+
+
 def _gemma2(hf: Any) -> dict[str, Any]:
     return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
 
@@ -287,6 +306,7 @@ GEMMA4 = GEMMA | {"family": "gemma4", "norm": "rms_float", "qk_norm": "head", "v
 # projection, rotary in float32.
 OLMO = {"family": "olmo", "norm": "rms_float", "pre_norms": False, "post_norms": True, "qk_norm": "projection",
         "rope_float32": True}  # fmt: skip
+QWEN3_5 = {"family": "qwen3_5", "norm": "rms_offset", "qk_norm": "head", "attn_output_gate": True}
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True, "rotary_pairs": True}
 
@@ -342,9 +362,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     # Qwen 3.5: Gemma's (1 + w) norms, Qwen3's q/k norms, an output gate on each attention head, and gated delta
     # nets for most layers' attention
-    "Qwen3_5ForCausalLM": Architecture(
-        {"family": "qwen3_5", "norm": "rms_offset", "qk_norm": "head", "attn_output_gate": True}, _qwen3_5
-    ),
+    "Qwen3_5ForCausalLM": Architecture(QWEN3_5, _qwen3_5),
+    "Qwen3_5MoeForCausalLM": Architecture(QWEN3_5 | {"round_routing_weights": True}, _qwen3_5_moe),
+    "Qwen3NextForCausalLM": Architecture(QWEN3_5 | {"round_routing_weights": True}, _qwen3_next),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -388,6 +408,7 @@ TEXT_MODELS = {
     "Gemma4ForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Gemma4UnifiedForConditionalGeneration": ("model.language_model.", "lm_head."),  # (Gemma 4 12B)
     "Qwen3_5ForConditionalGeneration": ("model.language_model.", "lm_head."),
+    "Qwen3_5MoeForConditionalGeneration": ("model.language_model.", "lm_head."),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -425,6 +446,9 @@ MODEL_TYPES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
@@ -532,6 +556,9 @@ class ModelConfig:
     linear_value_heads: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    # Qwen3-Next: the checkpoint keeps q, k, v and the gate's input in one in_proj_qkvz, beta's and the decay's inputs
+    # in one in_proj_ba, each grouped by key head (each key head's rows, then its value heads')
+    linear_stored_grouped: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names

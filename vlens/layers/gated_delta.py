@@ -17,6 +17,8 @@ output projection's input (the gated norm's output), as an attention layer's att
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +26,9 @@ from torch import nn
 from vlens.attention.metadata import CHUNK, AttentionMetadata
 from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tapped
+from vlens.layers import checkpoint
+from vlens.layers.checkpoint import Slot
+from vlens.layers.linear import FusedLinear
 from vlens.layers.mlp import activation
 
 
@@ -52,10 +57,11 @@ class GatedDeltaNet(nn.Module):
         self.split = (keys, keys, values)
         self.kernel = cfg.linear_conv_kernel
         channels = 2 * keys + values
-        self.in_proj_qkv = nn.Linear(d, channels, bias=False)
-        self.in_proj_z = nn.Linear(d, values, bias=False)
-        self.in_proj_b = nn.Linear(d, self.value_heads, bias=False)
-        self.in_proj_a = nn.Linear(d, self.value_heads, bias=False)
+        # (one GEMM; the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a load into its rows)
+        heads = self.value_heads
+        self.in_proj = FusedLinear(d, {"in_proj_qkv": channels, "in_proj_z": values, "in_proj_b": heads,
+                                       "in_proj_a": heads}, bias=False)  # fmt: skip
+        self.stored_grouped = cfg.linear_stored_grouped
         self.conv1d = nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
@@ -71,24 +77,49 @@ class GatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
 
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        """Qwen3-Next's checkpoints fuse the projections in two tensors grouped by key head: each loads into its rows
+        of `in_proj`, regrouped (q, k, v, z; b, a) as it loads."""
+        slots = {f"{path}.{leaf}": Slot(p) for leaf, p in self.named_parameters(recurse=False)}
+        for name, child in self.named_children():
+            slots |= checkpoint.checkpoint_slots(child, f"{path}.{name}")
+        weight = self.in_proj.weight
+        if not self.stored_grouped:
+            return slots
+        slots = {name: slot for name, slot in slots.items() if slot.param is not weight}
+        qkvz = slice(0, self.in_proj.part_rows()["in_proj_z"].stop)
+        return slots | {
+            f"{path}.in_proj_qkvz.weight": Slot(weight, qkvz, partial(self._ungroup, (self.key_dim, self.key_dim))),
+            f"{path}.in_proj_ba.weight": Slot(weight, slice(qkvz.stop, None), partial(self._ungroup, ())),
+        }
+
+    def _ungroup(self, keys: tuple[int, ...], w: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by key head (each key head's `keys` parts, then two of its value heads') -> each part's rows
+        for every head together, in order."""
+        per_value = self.value_heads // self.key_heads * (self.value_dim if keys else 1)
+        sizes = [*keys, per_value, per_value]
+        parts = w.view(self.key_heads, sum(sizes), -1).split(sizes, 1)
+        return torch.cat([part.flatten(0, 1) for part in parts])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         meta = get_context().attention
         slots = meta.state_slots if self.state is not None else None
         # (per sequence: whether it continues a state, i.e. starts past position 0 in this forward)
         kept = None if slots is None else meta.positions[meta.cu_seqlens_q[:-1].long()] > 0
         t = x.shape[0]
-        q, k, v = self.convolve(self.in_proj_qkv(x), meta, slots, kept).split(self.split, -1)
+        qkv, gate, b, a = self.in_proj.split(self.in_proj(x))
+        q, k, v = self.convolve(qkv, meta, slots, kept).split(self.split, -1)
         q = tap(self.hook_q, q.reshape(t, self.key_heads, self.key_dim))
         k = tap(self.hook_k, k.reshape(t, self.key_heads, self.key_dim))
         v = tap(self.hook_v, v.reshape(t, self.value_heads, self.value_dim))
-        beta = tap(self.hook_beta, self.in_proj_b(x).sigmoid())
-        decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (float32)
+        beta = tap(self.hook_beta, b.sigmoid())
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (float32)
         if tapped(self.hook_decay):  # (its rows in the model's dtype, as every tap's; an edit carried on in float32)
             rounded = decay.to(x.dtype)
             edited = tap(self.hook_decay, rounded)
             decay = decay if edited is rounded else edited.float()
         out = tap(self.hook_core_out, self.delta_rule(q, k, v, decay, beta, meta, slots, kept).to(x.dtype))
-        gate = tap(self.hook_gate, self.in_proj_z(x).view(t, self.value_heads, self.value_dim))
+        gate = tap(self.hook_gate, gate.reshape(t, self.value_heads, self.value_dim))
         z = tap(self.hook_z, self.norm(out, gate))
         return self.out_proj(z.flatten(1))
 

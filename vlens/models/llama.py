@@ -30,6 +30,8 @@ MOE_CHECKPOINT_NAMES = {
     "Qwen3MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "OlmoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "GptOssForCausalLM": (("mlp", "router"), ("", "", "")),
+    "Qwen3_5MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3NextForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
 }
 
 

@@ -1,6 +1,7 @@
-"""Qwen 3.5 (dense): Qwen3's layer with Gemma's (1 + w) norms, a gate on each attention head's output, and on
-three layers in four (`linear_layers`) a gated delta net in place of attention (vlens.layers.gated_delta), whose
-recurrent state per sequence the runner keeps in state slots beside the paged KV cache of the attention layers.
+"""Qwen 3.5 (dense and MoE) and Qwen3-Next: Qwen3's layer with Gemma's (1 + w) norms, a gate on each attention
+head's output, and on three layers in four (`linear_layers`) a gated delta net in place of attention
+(vlens.layers.gated_delta), whose recurrent state per sequence the runner keeps in state slots beside the paged KV
+cache of the attention layers; the MLP is Llama's, or Qwen2-MoE's experts beside a gated shared expert.
 
 A linear-attention layer's taps are under `blocks.L.linear_attn.`; its hook_attn_out, hook_resid_mid, norms and MLP
 are every layer's.
