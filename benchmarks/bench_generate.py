@@ -474,10 +474,6 @@ def window(repeats: int, batch: int = 8, context: int = 4000, steps: int = 30) -
     print(f"{'vlens, every key read under the mask':<44}{1000 * t_whole:>10.2f}{t_whole / t_hf:>9.2f}x")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def hybrid(repeats: int, steps: int = 32) -> None:
     """A model whose layers are mostly linear attention: vlens's prompts in chunks and decode steps over its state
     slots against HF generate over its cache of recurrent states."""
@@ -506,3 +502,7 @@ def hybrid(repeats: int, steps: int = 32) -> None:
     print(f"{'HF generate (left-padded batch)':<44}{tokens / t_hf:>10.1f}")
     print(f"{'vlens':<44}{tokens / t_v:>10.1f}{t_hf / t_v:>9.2f}x")
     print(f"{'vlens, a linear layer at generated rows':<44}{tokens / t_cap:>10.1f}{t_cap / t_v:>9.2f}x  (time vs none)")
+
+
+if __name__ == "__main__":
+    main()
