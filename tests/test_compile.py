@@ -16,10 +16,12 @@ from conftest import rel_err
 from family_parity import COMMON, build
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
+from test_parity_qwen3_5 import text_config as qwen3_5_config
 from transformers import Cohere2Config, GptOssConfig, LlamaConfig, OlmoeConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.context import get_context
+from vlens.layers.gated_delta import GatedDeltaNet
 
 FAMILIES = {  # family -> (config, a hook of its MLP to capture)
     "llama": (lambda: LlamaConfig(**COMMON, num_key_value_heads=2), "blocks.2.mlp.hook_post"),
@@ -45,6 +47,12 @@ FAMILIES = {  # family -> (config, a hook of its MLP to capture)
     "gemma4": (GEMMA4_CONFIGS["gemma4_per_layer_shared_kv"], "blocks.2.mlp.hook_post"),
     # ALiBi's biases made on the device in the forward, the written-out attention
     "bloom": (BLOOM_CONFIGS["bloom"], "blocks.2.mlp.hook_post"),
+    # a gated delta net (its chunks' layout planned by the runner, its states read and written through index
+    # buffers) after two gated attention layers
+    "qwen3_5": (
+        lambda: qwen3_5_config(layer_types=["full_attention", "full_attention", "linear_attention"]),
+        "blocks.2.linear_attn.hook_z",
+    ),
 }
 D = COMMON["hidden_size"]
 
@@ -77,10 +85,16 @@ class CompiledForward:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.taps.append(sorted(get_context().taps))
+        # (linear-attention layers update their sequences' states: each run of the step starts from the same ones)
+        nets = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        states = [(m, m.state.clone(), m.conv_state.clone()) for m in nets]
+        again = lambda: [(m.state.copy_(s), m.conv_state.copy_(c)) for m, s, c in states]  # noqa: E731
         eager = self.model(ids)
         eager_rows = self._gathered()
         if not self.breaks:  # explain() resets dynamo's caches: only before the first compiled call
+            again()
             self.breaks.append(torch._dynamo.explain(self.model.forward)(ids).graph_break_count)
+        again()
         out = self.compiled(ids)  # fullgraph=True: a graph break in any step would raise here
         rows = self._gathered()
         self.errors.append(max([rel_err(out, eager)] + [rel_err(rows[n].float(), eager_rows[n].float()) for n in rows]))

@@ -261,3 +261,12 @@ def test_compiled_decode_steps_equal_eager_ones(tmp_path):
 @pytest.mark.parametrize("config", [moe_config, next_config])
 def test_moe_bfloat16_taps(tmp_path, config):
     check_bfloat16_taps(config(), tmp_path)
+
+
+def test_attribution_graphs_are_refused(hooked):
+    """An attribution graph freezes attention patterns, which a linear-attention layer has none of: refused by name
+    before any forward."""
+    from vlens.attribution_graph import attribute
+
+    with pytest.raises(ValueError, match=r"an attribution graph: freezes attention patterns, .* layers \[0, 2\]"):
+        attribute(hooked, sequences((5,))[0], transcoders=[])

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from vlens.capture.names import FINAL_NORM, layer_norms
-from vlens.replacement import CrossLayer, PerLayer, replacement
+from vlens.replacement import CrossLayer, PerLayer, check_frozen_attention, replacement
 
 if TYPE_CHECKING:
     from vlens.hooked import HookedLM
@@ -92,6 +92,7 @@ def attribute(
             raise ValueError(f"{name}: {value!r} is not an int >= 1{none}")
     if not 0.0 < desired_logit_prob <= 1.0:
         raise ValueError(f"desired_logit_prob: {desired_logit_prob!r} is not in (0, 1]")
+    check_frozen_attention(model.cfg, "an attribution graph")
     tcs = replacement(model, transcoders)
     tokens = prompt_tokens(model, prompt)
     setup = _Setup(model, tcs, tokens)

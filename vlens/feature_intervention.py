@@ -22,7 +22,7 @@ import torch
 from vlens.attribution_graph import features_of, prompt_tokens
 from vlens.capture.interventions import Clamp
 from vlens.capture.names import LOGITS
-from vlens.replacement import CrossLayer, PerLayer, replacement
+from vlens.replacement import CrossLayer, PerLayer, check_frozen_attention, replacement
 from vlens.sae.model import SAE
 
 if TYPE_CHECKING:
@@ -124,6 +124,7 @@ class _Run:
         self.clean: dict[str, torch.Tensor] = {}
         frozen, patterns, self.frozen_out = [], [], {}
         if (freeze_attention or self.constrained) and self.changes:
+            check_frozen_attention(model.cfg, "freeze_attention (and constrained_layers)")
             patterns = [f"blocks.{layer}.attn.hook_pattern" for layer in range(n)]
             if self.constrained == list(range(n)):
                 frozen += [name for name in model._shapes if name.endswith(".hook_scale")]

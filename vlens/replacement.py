@@ -22,6 +22,7 @@ from vlens.sae.files import from_saelens
 from vlens.sae.model import SAE
 
 if TYPE_CHECKING:
+    from vlens.config import ModelConfig
     from vlens.hooked import HookedLM
 
 class PerLayer:
@@ -142,6 +143,16 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
         model._check_hook(chosen.reads[layer], chosen.d_in[layer], "hook", "d_in")
         model._check_hook(chosen.writes[layer], chosen.d_out[layer], "hook_out", "d_out")
     return chosen
+
+
+def check_frozen_attention(cfg: ModelConfig, what: str) -> None:
+    """Refuse to freeze the attention of a model with linear-attention layers: a gated delta net has no patterns to
+    freeze (its output is its recurrent state read by its queries, which its queries, keys, rates and decays make
+    together)."""
+    linear = [layer for layer in range(cfg.num_layers) if cfg.is_linear_layer(layer)]
+    if linear:
+        raise ValueError(f"{what}: freezes attention patterns, and {cfg.architecture}'s layers {linear} are linear "
+                         "attention (gated delta nets), which have none; it runs on models whose layers all attend")
 
 
 def _per_layer(transcoders: Sequence[Any]) -> list[SAE]:

@@ -62,6 +62,9 @@ class AttentionMetadata:
     # [B] (device): each sequence's state slot, where a linear-attention layer keeps its recurrent state (Qwen 3.5);
     # None: no states (a cache-less forward, or a model without such layers)
     state_slots: torch.Tensor | None = None
+    # (device) how linear-attention layers lay out a forward's rows in chunks (`chunk_layout`), where some sequence
+    # feeds several rows; None: none does, or no such layers
+    linear_chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def paged(self) -> bool:
@@ -108,31 +111,30 @@ class AttentionMetadata:
         slots = self.block_tables[seq, j // self.block_size] * self.block_size + j % self.block_size
         return slots.to(self.positions.device, non_blocking=True)
 
-    @cached_property
-    def linear_chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(device) How linear-attention layers lay out the rows in chunks of CHUNK, each sequence's from its first
-        row: [N, CHUNK] the row at each place of each chunk (T past the sequence's last), [B, most chunks] each
-        sequence's chunks in order (N past its last) and [T] each row's place in the N * CHUNK places."""
-        lens = np.asarray(self.query_lens, dtype=np.int64)
-        counts = -(-lens // CHUNK)
-        first_chunk, first_row = np.cumsum(counts) - counts, np.cumsum(lens) - lens
-        seq = np.repeat(np.arange(len(lens)), counts)
-        nth = np.arange(len(seq)) - first_chunk[seq]
-        offsets = nth[:, None] * CHUNK + np.arange(CHUNK)
-        rows = np.where(offsets < lens[seq, None], first_row[seq, None] + offsets, lens.sum())
-        table = np.full((len(lens), counts.max()), len(seq), dtype=np.int64)
-        table[seq, nth] = np.arange(len(seq))
-        row_seq = np.repeat(np.arange(len(lens)), lens)
-        place = first_chunk[row_seq] * CHUNK + np.arange(len(row_seq)) - first_row[row_seq]
-        device = self.positions.device
-        return tuple(torch.from_numpy(x).to(device, non_blocking=True) for x in (rows, table, place))
-
     def key_slots(self, first: int, stop: int) -> np.ndarray:
         """[stop - first, keys] (host): the cache slot of key j of sequences first .. stop - 1, for j up to
         the longest of their contexts (slots past a shorter context are block 0's, never meant to be read)."""
         keys, bs = max(self.context_lens[first:stop]), self.block_size
         j = np.arange(keys)
         return self.block_tables.numpy()[first:stop, j // bs] * bs + j % bs
+
+
+def chunk_layout(query_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How linear-attention layers lay out the rows in chunks of CHUNK, each sequence's from its first row (on the
+    device): [N, CHUNK] the row at each place of each chunk (T past the sequence's last), [B, most chunks] each
+    sequence's chunks in order (N past its last) and [T] each row's place in the N * CHUNK places."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    counts = -(-lens // CHUNK)
+    first_chunk, first_row = np.cumsum(counts) - counts, np.cumsum(lens) - lens
+    seq = np.repeat(np.arange(len(lens)), counts)
+    nth = np.arange(len(seq)) - first_chunk[seq]
+    offsets = nth[:, None] * CHUNK + np.arange(CHUNK)
+    rows = np.where(offsets < lens[seq, None], first_row[seq, None] + offsets, lens.sum())
+    table = np.full((len(lens), counts.max()), len(seq), dtype=np.int64)
+    table[seq, nth] = np.arange(len(seq))
+    row_seq = np.repeat(np.arange(len(lens)), lens)
+    place = first_chunk[row_seq] * CHUNK + np.arange(len(row_seq)) - first_row[row_seq]
+    return tuple(torch.from_numpy(x).to(device, non_blocking=True) for x in (rows, table, place))
 
 
 def layout(

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from vlens.attention import AttentionMetadata, layout
+from vlens.attention.metadata import chunk_layout
 from vlens.attention.decode import DecodeBackend
 from vlens.attention.sdpa import SdpaBackend
 from vlens.capture.bind import BoundIntervention
@@ -232,6 +233,8 @@ class ModelRunner:
         backend = backend or self.backend
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
+        if self.recurrent and ids.shape[0] > len(meta.query_lens):  # (some sequence feeds several rows)
+            meta.linear_chunks = chunk_layout(meta.query_lens, self.device)
         if forward is None:
             forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
         failed = None

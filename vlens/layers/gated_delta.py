@@ -164,7 +164,7 @@ class GatedDeltaNet(nn.Module):
             state = q.new_zeros(shape)
         else:
             state = self.state[slots] * kept[:, None, None, None]
-        if max(meta.query_lens) == 1:  # (a row per sequence: the recurrence itself, as HF decodes)
+        if meta.linear_chunks is None:  # (a row per sequence: the recurrence itself, as HF decodes)
             out, state = _recurrent_step(q / self.key_dim**0.5, k, v, decay, beta, state)
         else:
             out, state = _chunked(q * self.key_dim**-0.5, k, v, decay, beta, state, meta)
