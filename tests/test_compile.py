@@ -21,7 +21,7 @@ from transformers import Cohere2Config, GptOssConfig, LlamaConfig, OlmoeConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, SamplingParams, Steer
 from vlens.context import get_context
-from vlens.layers.gated_delta import GatedDeltaNet
+from vlens.layers.slot_states import SlotStates
 
 FAMILIES = {  # family -> (config, a hook of its MLP to capture)
     "llama": (lambda: LlamaConfig(**COMMON, num_key_value_heads=2), "blocks.2.mlp.hook_post"),
@@ -86,9 +86,8 @@ class CompiledForward:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.taps.append(sorted(get_context().taps))
         # (linear-attention layers update their sequences' states: each run of the step starts from the same ones)
-        nets = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
-        states = [(m, m.state.clone(), m.conv_state.clone()) for m in nets]
-        again = lambda: [(m.state.copy_(s), m.conv_state.copy_(c)) for m, s, c in states]  # noqa: E731
+        states = [(m.state, m.state.clone()) for m in self.model.modules() if isinstance(m, SlotStates)]
+        again = lambda: [state.copy_(saved) for state, saved in states]  # noqa: E731
         eager = self.model(ids)
         eager_rows = self._gathered()
         if not self.breaks:  # explain() resets dynamo's caches: only before the first compiled call

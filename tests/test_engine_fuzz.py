@@ -12,7 +12,9 @@ streaming): the same tokens, text and finish, log-probability ranks equal and va
 rows at the same positions within 1e-5; streamed deltas add up to the output. Each session preempts, hits
 the prefix cache, borrows, chunks, queues steps ahead and replays graphs (the test checks), so a row that
 lands in another request, a recompute that captures twice, KV reused across interventions, or a queued step
-that reads a stale input shows up as a difference from the request alone."""
+that reads a stale input shows up as a difference from the request alone. The same sessions run on a Qwen 3.5
+(a linear-attention layer after two attention layers), whose states per sequence live in state slots and which
+caches and borrows no prefix: a state read from another sequence's slot, or advanced twice, shows up the same way."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 from conftest import rel_err
 from family_parity import COMMON, build
 from replayed_graphs import replay_graphs
+from test_parity_qwen3_5 import text_config as qwen3_5_config
 from transformers import LlamaConfig
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, Logprob, Patch, RequestOutput, SamplingParams, Steer
@@ -43,10 +46,18 @@ TRANSCODER = SAE(W_enc=torch.randn(D, 16, generator=_g), b_enc=torch.randn(16, g
                  apply_b_dec_to_input=False)  # fmt: skip
 
 
+# a tiny GQA Llama; and Qwen 3.5's layers, two of gated attention, then a gated delta net (states per sequence in
+# state slots, no prefix cache)
+MODELS = {
+    "llama": lambda: LlamaConfig(**COMMON, num_key_value_heads=2),
+    "qwen3_5": lambda: qwen3_5_config(layer_types=["full_attention", "full_attention", "linear_attention"]),
+}
+
+
 @pytest.fixture(scope="module")
-def path(tmp_path_factory, smol_path) -> str:
-    """A tiny GQA Llama with SmolLM2's tokenizer (for streamed requests, whose text grows step by step)."""
-    out = build(LlamaConfig(**COMMON, num_key_value_heads=2), tmp_path_factory.mktemp("fuzz"), "llama")
+def path(request, tmp_path_factory, smol_path) -> str:
+    """A tiny model with SmolLM2's tokenizer (for streamed requests, whose text grows step by step)."""
+    out = build(MODELS[request.param](), tmp_path_factory.mktemp("fuzz"), request.param)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol_path / name, Path(out) / name)
     return out
@@ -224,9 +235,12 @@ def _count(llm: LLM) -> Counter:
     return counts
 
 
+@pytest.mark.parametrize("path", list(MODELS), indirect=True)
 @pytest.mark.parametrize("seed", [4, 9, 29])  # sessions that do all of it (the last asserts check)
 def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
+    stateful = bool(alone.runner.stateful)
     kv_bytes = NUM_BLOCKS * ModelRunner.bytes_per_block(alone.model, ENGINE["block_size"])
+    kv_bytes += (ENGINE["max_num_seqs"] + 1) * ModelRunner.bytes_per_state(alone.model)  # (their slots, first)
     llm = LLM(model=path, kv_cache_memory=kv_bytes, **ENGINE)
     replay_graphs(llm.runner)
     engine, counts = llm.engine, _count(llm)
@@ -265,5 +279,7 @@ def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
             _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)})")
     graphs = llm.runner.graph_stats
     assert stats.num_preemptions > 0 and graphs.ahead_steps > 0 and graphs.graph_steps > 0
-    assert counts["reused"] > 0 and counts["borrowed by captures"] > 0 and counts["chunks"] > 0
+    # (a model with states per sequence caches and borrows no prefix: each recomputes its own)
+    shared = counts["reused"] > 0 and counts["borrowed by captures"] > 0
+    assert shared != stateful and counts["chunks"] > 0
     assert any(c.finish_reason == "stop" for out in done.values() for c in out.outputs)

@@ -270,3 +270,25 @@ def test_attribution_graphs_are_refused(hooked):
 
     with pytest.raises(ValueError, match=r"an attribution graph: freezes attention patterns, .* layers \[0, 2\]"):
         attribute(hooked, sequences((5,))[0], transcoders=[])
+
+
+def test_decode_graphs_replay_from_the_states_their_capture_found(tmp_path):
+    """A decode step's graph is captured by running the step once, then replayed: the states that run advanced go
+    back first, so the graphs' tokens and rows are the eager engine's (CUDA graphs' semantics on the CPU:
+    tests/replayed_graphs.py)."""
+    from replayed_graphs import replay_graphs
+
+    path = build(text_config(), tmp_path, "qwen3_5")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                            capture=Capture(hooks=["blocks.0.linear_attn.hook_z", "unembed.hook_out"]))  # fmt: skip
+    prompts = sequences((9, 14, 3))
+    graphed = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+    replay_graphs(graphed.runner)
+    eager = LLM(model=path, dtype="float32", device="cpu", block_size=4, enforce_eager=True)
+    outs = graphed.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for hook, rows in a.activations.items():
+            assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
+    stats = graphed.runner.graph_stats
+    assert stats.graphs_captured > 0 and stats.graph_steps > 0

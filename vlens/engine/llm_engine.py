@@ -78,7 +78,7 @@ class LLMEngine:
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
         # (linear-attention layers: a state slot for each sequence that may run, and a scratch one, first)
-        num_states = config.max_num_seqs if runner.recurrent else 0
+        num_states = config.max_num_seqs if runner.stateful else 0
         budget = kv_cache_bytes(runner, config) - (num_states + 1) * ModelRunner.bytes_per_state(model)
         num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
         if num_blocks < 2:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 import types
 from collections.abc import Callable
@@ -39,8 +40,8 @@ import numpy as np
 import torch
 
 from vlens.attention import AttentionMetadata, layout
-from vlens.attention.metadata import chunk_layout
 from vlens.attention.decode import DecodeBackend
+from vlens.attention.metadata import chunk_layout
 from vlens.attention.sdpa import SdpaBackend
 from vlens.capture.bind import BoundIntervention
 from vlens.capture.names import LOGITS, OPTIONAL_HOOKS, forward_depth, hook_shapes
@@ -55,8 +56,8 @@ from vlens.engine.packed import PackedCapture, packed_plan
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 from vlens.layers import fused
-from vlens.layers.gated_delta import GatedDeltaNet
 from vlens.layers.mlp import activation
+from vlens.layers.slot_states import SlotStates
 from vlens.models.base import DecoderLM
 
 log = logging.getLogger("vlens.engine")
@@ -144,9 +145,10 @@ class ModelRunner:
         self.pages = DecodePages()  # where decode steps' batched rows land on the host, across steps
         self.kv_cache: list[torch.Tensor] = []
         self.block_size = self.num_slots = 0
-        # Linear-attention layers (Qwen 3.5): their state slots, one per sequence the engine runs, plus a scratch one
-        # for a static decode step's padding rows; which slot a block table's first block holds (the BlockManager's)
-        self.recurrent = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        # Layers that keep a state per sequence (vlens.layers.slot_states: Qwen 3.5's linear attention): their state
+        # slots, one per sequence the engine runs, plus a scratch one for a static decode step's padding rows; which
+        # slot a block table's first block holds (the BlockManager's)
+        self.stateful = [m for m in model.modules() if isinstance(m, SlotStates)]
         self.state_of: dict[int, int] = {}
         self.scratch_state = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
@@ -181,11 +183,11 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_state(model: DecoderLM) -> int:
-        """A state slot of every linear-attention layer: its convolution's last inputs and its recurrent state."""
-        itemsize = model.lm_head.weight.element_size()
-        layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
-        return sum((m.kernel - 1) * m.conv1d.weight.shape[0] * itemsize + m.value_heads * m.key_dim * m.value_dim * 4
-                   for m in layers)  # fmt: skip
+        """One state slot of every layer that keeps states (a linear-attention layer's recurrent state and its
+        convolution's last inputs)."""
+        dtype = model.lm_head.weight.dtype
+        shapes = [s for m in model.modules() if isinstance(m, SlotStates) for s in m.slot_shapes().values()]
+        return sum(math.prod(shape) * (kind or dtype).itemsize for shape, kind in shapes)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int, num_states: int = 0) -> None:
         """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
@@ -203,11 +205,9 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = caches[i if attn.reads_kv_of is None else attn.reads_kv_of]
         self.kv_cache = list(caches.values())
         self.scratch_state = num_states
-        for m in self.recurrent:
-            channels = m.conv1d.weight.shape[0]
-            m.conv_state = torch.zeros(num_states + 1, m.kernel - 1, channels, dtype=self.dtype, device=self.device)
-            shape = (num_states + 1, m.value_heads, m.key_dim, m.value_dim)
-            m.state = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        for m in self.stateful:
+            for name, (shape, dtype) in m.slot_shapes().items():
+                setattr(m, name, torch.zeros(num_states + 1, *shape, dtype=dtype or self.dtype, device=self.device))
         self.max_pages = bucket(max(MIN_PAGES, -(-max_model_len // block_size)))
         self.buffers.reserve("block_tables", self.max_bucket * self.max_pages, torch.long)
         self.buffers.reserve("context_lens", self.max_bucket, torch.long)
@@ -233,7 +233,8 @@ class ModelRunner:
         backend = backend or self.backend
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
-        if self.recurrent and ids.shape[0] > len(meta.query_lens):  # (some sequence feeds several rows)
+        if self.stateful and ids.shape[0] > len(meta.query_lens):  # (linear attention's chunks: some sequence feeds
+            # several rows)
             meta.linear_chunks = chunk_layout(meta.query_lens, self.device)
         if forward is None:
             forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
@@ -366,7 +367,7 @@ class ModelRunner:
         rows and `pages` pages."""
         put, pad, generation = self.buffers.put, size - len(seqs), self.buffers.generation
         tables = [s.block_table for s in seqs]
-        states = None if not self.recurrent else self._state_slots(tables) + [self.scratch_state] * pad
+        states = None if not self.stateful else self._state_slots(tables) + [self.scratch_state] * pad
         meta = layout(
             last + [0] * pad, [1] * size, [p + 1 for p in last] + [1] * pad, tables + [[self.scratch_block]] * pad,
             self.block_size, self.num_slots, put, pages, states,
@@ -389,11 +390,15 @@ class ModelRunner:
                     del self._graphs[stale]
                 if len(self._graphs) >= MAX_GRAPHS:  # the least recently used goes; its memory returns to the pool
                     del self._graphs[next(iter(self._graphs))]
+                # (a capture runs the step once before its replay does: the states that run advances go back)
+                held = [(state, state[meta.state_slots].clone()) for state in self._states()]
                 try:
                     entry = self._capture(meta, ids, taps)
                 except RuntimeError as e:  # what a graph cannot hold runs as it would without graphs
                     log.warning("CUDA graph capture failed, decode steps run eagerly from now on: %s", e)
                     self.graphs = False
+                for state, before in held:
+                    state[meta.state_slots] = before
             if entry is not None:
                 self._graphs[key] = entry
                 graph, logits = entry
@@ -547,10 +552,14 @@ class ModelRunner:
         self._forward(meta, ids, {}, None, slice(-logit_rows, None))
 
 
+    def _states(self) -> list[torch.Tensor]:
+        """Every state tensor of the layers that keep states per sequence (none before the cache is allocated)."""
+        return [getattr(m, name) for m in self.stateful for name in m.slot_shapes() if getattr(m, name) is not None]
+
     def _state_slots(self, tables: list[list[int]]) -> list[int] | None:
         """The state slot of each sequence (of each block table: its first block's), where the model has
         linear-attention layers."""
-        return [self.state_of[table[0]] for table in tables] if self.recurrent else None
+        return [self.state_of[table[0]] for table in tables] if self.stateful else None
 
 
 def _decodes(seq: Sequence, n: int) -> bool:

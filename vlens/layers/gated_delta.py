@@ -1,13 +1,12 @@
-"""Gated delta nets: the linear attention of Qwen 3.5's layers, with HF's numerics and its taps.
+"""Gated delta nets: the linear attention of Qwen 3.5's layers (and Qwen3-Next's), with HF's numerics and its taps.
 
 A layer keeps, per sequence, a recurrent state S [value heads, key dim, value dim] (float32) and the last inputs of a
-short causal convolution. Each token, after the convolution: S decays by exp(g), the value S predicts for the key
-moves towards the token's value by beta (the delta rule), and the query reads S. Prompts run chunk by chunk (HF's
-chunked form: 64 tokens a chunk, from each sequence's first row of the forward, so a sequence computes as it does
-alone); a step in which every sequence feeds one token runs the recurrence itself, in fixed shapes, which is what
-a decode step's CUDA graph captures. The states live in the runner's state slots (ModelRunner.allocate_kv_cache): a
-sequence's slot is read where it continues (its first position in the forward is past 0) and written back after;
-a cache-less forward (trace, harvest) starts from zeros and keeps nothing.
+short causal convolution (vlens.layers.causal_conv), both in the runner's state slots (vlens.layers.slot_states).
+Each token, after the convolution: S decays by exp(g), the value S predicts for the key moves towards the token's
+value by beta (the delta rule), and the query reads S. Prompts run chunk by chunk (HF's chunked form: 64 tokens a
+chunk, from each sequence's first row of the forward, so a sequence computes as it does alone; the runner plans the
+chunks' layout, vlens.attention.metadata.chunk_layout); a step in which every sequence feeds one token runs the
+recurrence itself, in fixed shapes, which is what a decode step's CUDA graph captures.
 
 Taps, under `blocks.L.linear_attn.`: hook_q, hook_k [key heads, key dim] and hook_v [value heads, value dim] (after
 the convolution, before the delta rule's L2 norm), hook_beta and hook_decay (g, the log of the decay) [value heads],
@@ -27,9 +26,11 @@ from vlens.attention.metadata import CHUNK, AttentionMetadata
 from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tapped
 from vlens.layers import checkpoint
+from vlens.layers.causal_conv import CausalConv
 from vlens.layers.checkpoint import Slot
 from vlens.layers.linear import FusedLinear
 from vlens.layers.mlp import activation
+from vlens.layers.slot_states import Shapes, SlotStates, step_slots
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,8 +47,9 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * h.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
-    """Qwen 3.5's `linear_attn`, its parameters named as HF's."""
+class GatedDeltaNet(SlotStates):
+    """Qwen 3.5's and Qwen3-Next's `linear_attn`, its parameters named as HF's (Qwen 3.5's: vlens/config.py's
+    `linear_stored_grouped` says how Qwen3-Next's load)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -55,14 +57,13 @@ class GatedDeltaNet(nn.Module):
         self.value_heads, self.value_dim = cfg.linear_value_heads, cfg.linear_value_dim
         keys, values, d = self.key_heads * self.key_dim, self.value_heads * self.value_dim, cfg.hidden_size
         self.split = (keys, keys, values)
-        self.kernel = cfg.linear_conv_kernel
         channels = 2 * keys + values
         # (one GEMM; the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a load into its rows)
         heads = self.value_heads
         self.in_proj = FusedLinear(d, {"in_proj_qkv": channels, "in_proj_z": values, "in_proj_b": heads,
                                        "in_proj_a": heads}, bias=False)  # fmt: skip
         self.stored_grouped = cfg.linear_stored_grouped
-        self.conv1d = nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=False)
+        self.conv1d = CausalConv(channels, cfg.linear_conv_kernel, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
@@ -72,10 +73,10 @@ class GatedDeltaNet(nn.Module):
         self.hook_q, self.hook_k, self.hook_v = p + "hook_q", p + "hook_k", p + "hook_v"
         self.hook_beta, self.hook_decay, self.hook_core_out = p + "hook_beta", p + "hook_decay", p + "hook_core_out"
         self.hook_gate, self.hook_z = p + "hook_gate", p + "hook_z"
-        # Every sequence's state, by state slot (bound by the runner; None: no cache): the convolution's last inputs
-        # [slots, kernel - 1, channels] and the recurrent state [slots, value heads, key dim, value dim], float32.
-        self.conv_state: torch.Tensor | None = None
-        self.state: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None  # [slots, value heads, key dim, value dim]: the recurrent states
+
+    def slot_shapes(self) -> Shapes:
+        return {"state": ((self.value_heads, self.key_dim, self.value_dim), torch.float32)}
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         """Qwen3-Next's checkpoints fuse the projections in two tensors grouped by key head: each loads into its rows
@@ -103,12 +104,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         meta = get_context().attention
-        slots = meta.state_slots if self.state is not None else None
-        # (per sequence: whether it continues a state, i.e. starts past position 0 in this forward)
-        kept = None if slots is None else meta.positions[meta.cu_seqlens_q[:-1].long()] > 0
         t = x.shape[0]
         qkv, gate, b, a = self.in_proj.split(self.in_proj(x))
-        q, k, v = self.convolve(qkv, meta, slots, kept).split(self.split, -1)
+        q, k, v = self.act(self.conv1d(qkv, meta)).split(self.split, -1)
         q = tap(self.hook_q, q.reshape(t, self.key_heads, self.key_dim))
         k = tap(self.hook_k, k.reshape(t, self.key_heads, self.key_dim))
         v = tap(self.hook_v, v.reshape(t, self.value_heads, self.value_dim))
@@ -118,43 +116,18 @@ class GatedDeltaNet(nn.Module):
             rounded = decay.to(x.dtype)
             edited = tap(self.hook_decay, rounded)
             decay = decay if edited is rounded else edited.float()
-        out = tap(self.hook_core_out, self.delta_rule(q, k, v, decay, beta, meta, slots, kept).to(x.dtype))
+        out = tap(self.hook_core_out, self.delta_rule(q, k, v, decay, beta, meta).to(x.dtype))
         gate = tap(self.hook_gate, gate.reshape(t, self.value_heads, self.value_dim))
         z = tap(self.hook_z, self.norm(out, gate))
         return self.out_proj(z.flatten(1))
 
-    def convolve(
-        self, x: torch.Tensor, meta: AttentionMetadata, slots: torch.Tensor | None, kept: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The depthwise causal convolution [T, channels] of each sequence's inputs, then the activation: the
-        kernel - 1 inputs before a sequence's first row here are its saved ones (zeros where it starts), and its
-        last kernel - 1 are saved for its next forward. Summed in float32, rounded once."""
-        t, width = x.shape[0], self.kernel - 1
-        rows = torch.arange(t, device=x.device)
-        starts = meta.cu_seqlens_q.long()
-        at = rows - starts[meta.token_seq]  # each row's index among its sequence's rows here
-        prior = None if slots is None else self.conv_state[slots] * kept[:, None, None].to(x.dtype)
-        weight = self.conv1d.weight[:, 0].float()  # [channels, kernel]: the last tap reads the row itself
-        out = x.float() * weight[:, -1]
-        for back in range(1, self.kernel):
-            earlier = x[(rows - back).clamp(min=0)]
-            saved = 0 if prior is None else prior[meta.token_seq, (at - back + width).clamp(0, width - 1)]
-            earlier = torch.where((at >= back)[:, None], earlier, saved)
-            out = out + earlier.float() * weight[:, -1 - back]
-        if slots is not None:  # (the last `width` inputs of each sequence: its rows', then its saved ones before)
-            counts = starts[1:] - starts[:-1]
-            index = counts[:, None] - width + torch.arange(width, device=x.device)  # [B, width], < 0: saved
-            mine = x[(starts[:-1, None] + index).clamp(0, t - 1)]
-            before = prior[torch.arange(len(counts), device=x.device)[:, None], (index + width).clamp(0, width - 1)]
-            self.conv_state[slots] = torch.where((index >= 0)[..., None], mine, before)
-        return self.act(out.to(x.dtype))
-
     def delta_rule(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-        meta: AttentionMetadata, slots: torch.Tensor | None, kept: torch.Tensor | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
         """What each row's query reads [T, value heads, value dim] (float32), from the sequences' saved states (or
         zeros), which are saved again after."""
+        slots = step_slots(self, "state", meta)
         groups = self.value_heads // self.key_heads  # (each query/key head serves that many value heads)
         q, k = (x.float().repeat_interleave(groups, 1) if groups > 1 else x.float() for x in (q, k))
         q, k, v, beta = _l2norm(q), _l2norm(k), v.float(), beta.float()
@@ -163,13 +136,13 @@ class GatedDeltaNet(nn.Module):
         if slots is None:
             state = q.new_zeros(shape)
         else:
-            state = self.state[slots] * kept[:, None, None, None]
+            state = self.state[slots[0]] * slots[1][:, None, None, None]
         if meta.linear_chunks is None:  # (a row per sequence: the recurrence itself, as HF decodes)
             out, state = _recurrent_step(q / self.key_dim**0.5, k, v, decay, beta, state)
         else:
             out, state = _chunked(q * self.key_dim**-0.5, k, v, decay, beta, state, meta)
         if slots is not None:
-            self.state[slots] = state
+            self.state[slots[0]] = state
         return out
 
 
