@@ -140,6 +140,13 @@ FAMILIES = {
         qkv="self_attn.v_proj",
         final_norm="model.final_layernorm",
     ),
+    "lfm2": replace(  # Llama's layer under LFM2's names (its final norm embedding_norm); short convolutions beside
+        LLAMA,
+        outputs={"ln1.hook_out": "operator_norm", "hook_attn_out": "self_attn", "ln2.hook_out": "ffn_norm",
+                 "hook_mlp_out": "feed_forward"},  # fmt: skip
+        inputs={"hook_resid_mid": "ffn_norm", "attn.hook_z": "self_attn.out_proj", "mlp.hook_post": "feed_forward.w2"},
+        final_norm="model.embedding_norm",
+    ),
     "gpt2": Family(
         layers="transformer.h",
         embed="transformer.wte",
@@ -223,7 +230,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
-               "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal"}  # fmt: skip
+               "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2"}  # fmt: skip
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
@@ -330,6 +337,27 @@ def _recording_delta_rule(block, store: list):
 
 
 @contextlib.contextmanager
+def _recording_convolutions(block, store: list):
+    """Record what HF's causal_conv1d_forward (LFM2's short convolutions) returns, call by call: [B, d, T]."""
+    module = sys.modules[type(block).__module__]
+    original = getattr(module, "causal_conv1d_forward", None)
+    if original is None:
+        yield
+        return
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        store.append(out.clone())
+        return out
+
+    module.causal_conv1d_forward = recording
+    try:
+        yield
+    finally:
+        module.causal_conv1d_forward = original
+
+
+@contextlib.contextmanager
 def _recording_softmax(store: list):
     """Record the input and output of every attention softmax ([B, heads, q, k]), call by call: HF's eager
     attention scores (scaled, soft-capped, the additive mask's huge negatives where keys are forbidden)
@@ -375,9 +403,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
     # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
     own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]
-    # (per layer: a linear-attention layer, Qwen 3.5's, in place of attention)
-    linear = [kind == "linear_attention" for kind in getattr(cfg, "layer_types", None) or [None] * n]
-    rope = [r and not lin for r, lin in zip(rope, linear)]
+    # (per layer: a linear-attention layer, Qwen 3.5's, or a short convolution, LFM2's, in place of attention)
+    layer_types = getattr(cfg, "layer_types", None) or [None] * n
+    linear, conv = [kind == "linear_attention" for kind in layer_types], [kind == "conv" for kind in layer_types]
+    attends = [not (lin or c) for lin, c in zip(linear, conv)]
+    rope = [r and a for r, a in zip(rope, attends)]
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
     handles = []
@@ -400,6 +430,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             handles.append(block.linear_attn.norm.register_forward_hook(  # (its second input: the gate's, z)
                 lambda m, a, o, key=p + "linear_attn.hook_gate": got.__setitem__(key, a[1].clone())))
             on_input(block.linear_attn.out_proj, p + "linear_attn.hook_z")
+        elif conv[layer]:  # (its convolution's output from HF's conv calls, below)
+            on_output(block.conv, p + "hook_attn_out")
+            on_output(block.conv.in_proj, p + "conv.bcx", raw)
+            on_input(block.conv.out_proj, p + "conv.hook_z")
         elif own_kv[layer]:
             on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
         if getattr(block, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer embeddings: the layer's own input
@@ -408,9 +442,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, key=p + "hook_per_layer_input": got.__setitem__(key, _rows(a[1]).clone())))
             on_input(block.per_layer_projection, p + "per_layer.hook_post")
             on_output(block.post_per_layer_input_norm, p + "hook_per_layer_out")
-        if cfg.model_type in GATED_ATTENTION and not linear[layer]:  # (each head's query, then its gate)
+        if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
-        if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom" and not linear[layer]:
+        if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom" and attends[layer]:
             # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's are in its fused qkv)
             attn = block.get_submodule(fam.attn)
             if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
@@ -421,7 +455,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(attn.q_proj, p + "q", raw)
                 on_output(attn.k_proj, p + "k", raw)
         for kind, path in fam.outputs.items():
-            if linear[layer] and kind == "hook_attn_out":
+            if not attends[layer] and kind == "hook_attn_out":
                 continue
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
@@ -433,7 +467,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:
                 continue  # under the parallel residual the norm reads resid_pre: no resid_mid in HF
-            if kind == "mlp.hook_post" and hasattr(mlp, "experts") or linear[layer] and kind.startswith("attn."):
+            if kind == "mlp.hook_post" and hasattr(mlp, "experts") or not attends[layer] and kind.startswith("attn."):
                 continue
             on_input(block.get_submodule(path), p + kind)
         if hasattr(mlp, "experts"):
@@ -458,14 +492,16 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
     softmaxes: list[tuple[torch.Tensor, torch.Tensor]] = []
     deltas: list[tuple[torch.Tensor, ...]] = []
+    convolved: list[torch.Tensor] = []
     implementation = hf_model.config._attn_implementation
     if patterns:
         hf_model.set_attn_implementation("eager")  # the attention whose scores can be recorded
     try:
         with (
-            _recording_rotary(blocks[linear.index(False)].get_submodule(fam.attn), rotated),
+            _recording_rotary(blocks[attends.index(True)].get_submodule(fam.attn), rotated),
             _recording_softmax(softmaxes),
             _recording_delta_rule(blocks[0], deltas),
+            _recording_convolutions(blocks[0], convolved),
         ):
             out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
@@ -500,6 +536,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             for kind in ("hook_gate", "hook_z"):
                 got[p + "linear_attn." + kind] = got[p + "linear_attn." + kind].reshape(t, value_heads, value_dim)
             continue
+        if conv[layer]:  # (in_proj's output: B, C, x)
+            for kind, x in zip(("hook_b", "hook_c", "hook_x"), raw[p + "conv.bcx"].chunk(3, -1)):
+                got[p + "conv." + kind] = x
+            got[p + "conv.hook_conv_out"] = convolved[sum(conv[:layer])][0].T
+            continue
         if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, head_dim)
@@ -533,7 +574,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if own_kv[layer]:
             got[p + "attn.hook_k"], got[p + "attn.hook_v"] = k, v
         if patterns:
-            scores, probs = (x[0].transpose(0, 1) for x in softmaxes[layer - sum(linear[:layer])])
+            scores, probs = (x[0].transpose(0, 1) for x in softmaxes[sum(attends[:layer])])
             sinks = getattr(blocks[layer].get_submodule(fam.attn), "sinks", None)
             if sinks is not None:  # gpt-oss: the softmax saw [scores, sink] less their maximum, sink - maximum last
                 scores = scores[..., :-1] + (sinks - scores[..., -1]).unsqueeze(-1)

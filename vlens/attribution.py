@@ -60,12 +60,17 @@ class Attribution:
             self._head_results(layer)
 
     def _head_results(self, layer: int) -> torch.Tensor:
-        """A linear-attention layer's (Qwen 3.5's) heads are its value heads: its hook_z through out_proj's columns."""
-        part = "linear_attn" if self.model.cfg.is_linear_layer(layer) else "attn"
+        """A linear-attention layer's (Qwen 3.5's) heads are its value heads: its hook_z through out_proj's columns; a
+        short convolution (LFM2's) has none."""
+        cfg = self.model.cfg
+        part = "linear_attn" if cfg.is_linear_layer(layer) else "conv" if cfg.is_conv_layer(layer) else "attn"
         name = f"blocks.{layer}.{part}.hook_result"
         if name not in self._tensors:
             model = self._shares_of(layer, "attn")
             z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
+            if part == "conv":  # (no heads: [..., 0, d_model])
+                self._tensors[name] = z.new_zeros(*z.shape[:-1], 0, cfg.hidden_size)
+                return self._tensors[name]
             if part == "attn":
                 W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
             else:

@@ -100,6 +100,24 @@ def _qwen3_next(hf: Any) -> dict[str, Any]:
     return _qwen3_5(hf) | _qwen_moe(hf) | dict(linear_stored_grouped=True)
 
 
+def _lfm2(hf: Any) -> dict[str, Any]:
+    """LFM2 (Liquid): gated short convolutions on most layers, attention on the others (`layer_types`); the MLP's
+    width adjusted from the config's as HF adjusts it (two thirds, times a multiplier, rounded up to a multiple)."""
+    size = hf.intermediate_size
+    if hf.block_auto_adjust_ff_dim:
+        size = int(2 * size / 3)
+        if hf.block_ffn_dim_multiplier is not None:
+            size = int(hf.block_ffn_dim_multiplier * size)
+            size = hf.block_multiple_of * -(-size // hf.block_multiple_of)
+    return dict(
+        intermediate_size=size,
+        norm_eps=hf.norm_eps,
+        conv_layers=tuple(kind == "conv" for kind in hf.layer_types),
+        conv_kernel=hf.conv_L_cache,
+        conv_bias=bool(hf.conv_bias),
+    )
+
+
 def _gemma2(hf: Any) -> dict[str, Any]:
     return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
 
@@ -365,6 +383,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5ForCausalLM": Architecture(QWEN3_5, _qwen3_5),
     "Qwen3_5MoeForCausalLM": Architecture(QWEN3_5 | {"round_routing_weights": True}, _qwen3_5_moe),
     "Qwen3NextForCausalLM": Architecture(QWEN3_5 | {"round_routing_weights": True}, _qwen3_next),
+    # LFM2: Llama's attention (q/k norms head by head, out_proj) on a few layers, gated short convolutions on the rest
+    "Lfm2ForCausalLM": Architecture(
+        {"family": "lfm2", "qk_norm": "head", "qkv_bias": False, "o_bias": False, "hidden_act": "silu"}, _lfm2
+    ),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -449,6 +471,7 @@ MODEL_TYPES = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
@@ -559,6 +582,11 @@ class ModelConfig:
     # Qwen3-Next: the checkpoint keeps q, k, v and the gate's input in one in_proj_qkvz, beta's and the decay's inputs
     # in one in_proj_ba, each grouped by key head (each key head's rows, then its value heads')
     linear_stored_grouped: bool = False
+    # LFM2, per layer: True where a gated short convolution (its input's last `conv_kernel` - 1 rows kept per sequence)
+    # stands in for attention; () = none
+    conv_layers: tuple[bool, ...] = ()
+    conv_kernel: int = 0
+    conv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
@@ -570,6 +598,19 @@ class ModelConfig:
 
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]
+
+    def is_conv_layer(self, layer: int) -> bool:
+        return bool(self.conv_layers) and self.conv_layers[layer]
+
+    def attends(self, layer: int) -> bool:
+        """Whether the layer mixes its tokens by attention (else a linear-attention layer or a short convolution,
+        which keep a state per sequence)."""
+        return not (self.is_linear_layer(layer) or self.is_conv_layer(layer))
+
+    @property
+    def keeps_states(self) -> bool:
+        """Whether some layer keeps a state per sequence between forwards (vlens.layers.slot_states)."""
+        return any(self.linear_layers) or any(self.conv_layers)
 
     def head_dim_at(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim

@@ -245,10 +245,12 @@ class Block:
 
     def _heads(self, layer: int) -> AttentionHeads:
         cfg = self.model.cfg
-        if cfg.is_linear_layer(layer):
-            raise ValueError(f"blocks[{layer}].attn: {cfg.architecture}'s layer {layer} is linear attention (a gated "
-                             "delta net), which has no attention heads and no W_Q, W_K, W_V or W_O; its hook points "
-                             f"are under blocks[{layer}].linear_attn")  # fmt: skip
+        if not cfg.attends(layer):
+            what, part = ("linear attention (a gated delta net)", "linear_attn") if cfg.is_linear_layer(layer) else (
+                "a gated short convolution", "conv")  # fmt: skip
+            raise ValueError(f"blocks[{layer}].attn: {cfg.architecture}'s layer {layer} is {what}, which has no "
+                             f"attention heads and no W_Q, W_K, W_V or W_O; its hook points are under "
+                             f"blocks[{layer}].{part}")  # fmt: skip
         return self.model.layers[layer].attn_heads
 
     def _keys(self) -> AttentionHeads | None:
@@ -297,10 +299,11 @@ class ModelWeights:
 
     def _stacked(self, part: str, name: str) -> torch.Tensor:
         cfg = self.cfg
-        if part == "attn" and any(cfg.linear_layers):
-            full = [i for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)]
-            raise ValueError(f"{name}: {cfg.architecture}'s layers but {full} are linear attention (gated delta nets), "
-                             f"without attention heads; read model.blocks[L].attn.{name} of those layers")  # fmt: skip
+        if part == "attn" and cfg.keeps_states:
+            full = [i for i in range(cfg.num_layers) if cfg.attends(i)]
+            raise ValueError(f"{name}: {cfg.architecture}'s layers but {full} are linear attention or short "
+                             f"convolutions, without attention heads; read model.blocks[L].attn.{name} of those "
+                             "layers")  # fmt: skip
         per_layer = [getattr(getattr(block, part), name) for block in self.blocks]
         shapes = sorted({tuple(w.shape) for w in per_layer})
         if len(shapes) > 1:
@@ -339,14 +342,15 @@ class ModelWeights:
         model = self._model()
         layer = resolve_layer(layer, model.cfg.num_layers)
         check_mlp_input(model.cfg, layer, mlp_input)
-        blocks, linear = self.blocks, model.cfg.is_linear_layer  # (a linear-attention layer's out_proj: no bias)
+        blocks, attends = self.blocks, model.cfg.attends  # (a layer that keeps states: no b_O; LFM2's convolution's
+        # out_proj bias is in its hook_attn_out, as a whole)
         bias = model.lm_head.weight.new_zeros(model.cfg.hidden_size)
         for block in blocks[:layer]:
-            if not linear(block.index):
+            if attends(block.index):
                 bias += block.attn.b_O
             if include_mlp_biases:
                 bias += block.mlp.b_out
-        if mlp_input and not linear(layer):
+        if mlp_input and attends(layer):
             bias += blocks[layer].attn.b_O
         return bias
 

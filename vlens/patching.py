@@ -311,7 +311,7 @@ class _Sweep:
     def run(self, layer: int, entering: Sequence[torch.Tensor], copies: list[_Copy], read: Sequence[str] = ()):
         """(copy, its logits from its first changed position on, its rows at the taps `read` by tap), copy by copy;
         with taps to read, the forwards stop once those have fired, and there are no logits (None)."""
-        if self.runner.stateful:  # (a linear-attention layer's state is of a whole prefix, which the corrupted run
+        if self.runner.stateful:  # (a state per sequence is of a whole prefix, which the corrupted run
             # keeps at no copy's first position: each copy runs from position 0, rows before its first unchanged)
             copies = [replace(copy, first=0) for copy in copies]
         for chunk in _chunks(copies, self.lens, self.limit, self.blocks):

@@ -146,13 +146,13 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
 
 
 def check_frozen_attention(cfg: ModelConfig, what: str) -> None:
-    """Refuse to freeze the attention of a model with linear-attention layers: a gated delta net has no patterns to
-    freeze (its output is its recurrent state read by its queries, which its queries, keys, rates and decays make
-    together)."""
-    linear = [layer for layer in range(cfg.num_layers) if cfg.is_linear_layer(layer)]
-    if linear:
-        raise ValueError(f"{what}: freezes attention patterns, and {cfg.architecture}'s layers {linear} are linear "
-                         "attention (gated delta nets), which have none; it runs on models whose layers all attend")
+    """Refuse to freeze the attention of a model with layers that mix tokens otherwise: a gated delta net has no
+    patterns to freeze (its output is its recurrent state read by its queries, which its queries, keys, rates and
+    decays make together), nor a gated short convolution (its gates multiply what it mixes)."""
+    others = [layer for layer in range(cfg.num_layers) if not cfg.attends(layer)]
+    if others:
+        raise ValueError(f"{what}: freezes attention patterns, and {cfg.architecture}'s layers {others} are linear "
+                         "attention or short convolutions, which have none; it runs on models whose layers all attend")
 
 
 def _per_layer(transcoders: Sequence[Any]) -> list[SAE]:

@@ -59,8 +59,8 @@ class AttentionMetadata:
     # (from, to) [C] cache slots whose keys and values are copied once the step's new ones are written:
     # a prompt prefix one sequence computes for another in the same step (vlens.engine.sequence.Borrow)
     kv_copy: tuple[torch.Tensor, torch.Tensor] | None = None
-    # [B] (device): each sequence's state slot, where a linear-attention layer keeps its recurrent state (Qwen 3.5);
-    # None: no states (a cache-less forward, or a model without such layers)
+    # [B] (device): each sequence's state slot, where layers that keep states per sequence keep them (Qwen 3.5's linear
+    # attention, LFM2's short convolutions); None: no states (a cache-less forward, or a model without such layers)
     state_slots: torch.Tensor | None = None
     # (device) how linear-attention layers lay out a forward's rows in chunks (`chunk_layout`), where some sequence
     # feeds several rows; None: none does, or no such layers
@@ -145,7 +145,7 @@ def layout(
     position starts[i], over its block table (None: a cache-less forward of whole sequences packed back to
     back, whose keys are its queries). Host arithmetic in numpy, one `put` per device field. `table_width`:
     the block tables also go to the device, that many pages wide (the static decode step's page bucket).
-    `state_slots`: each sequence's state slot, for a model with linear-attention layers."""
+    `state_slots`: each sequence's state slot, for a model whose layers keep states (vlens.layers.slot_states)."""
     n = len(query_lens)
     lens = np.asarray(query_lens, dtype=np.int64)
     begin = np.asarray(starts, dtype=np.int64)

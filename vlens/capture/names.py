@@ -65,6 +65,9 @@ OWN_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "hook_k_input", "hook_v_input")
 LINEAR_ATTN_HOOKS = tuple(
     f"linear_attn.hook_{name}" for name in ("q", "k", "v", "beta", "decay", "core_out", "gate", "z")
 )
+# LFM2's gated short convolutions, in place of attention's: the input projection's three parts (HF's B, C and x), the
+# convolution of B * x, and C times it, the output projection's input.
+CONV_HOOKS = tuple(f"conv.hook_{name}" for name in ("b", "c", "x", "conv_out", "z"))
 ATTN_INPUT_HOOKS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 # Layer hooks that are other names of a tap (TransformerLens's), as hidden_states.{i} are of the residual stream's.
 LAYER_ALIASES = {"mlp.hook_expert_indices": "mlp.hook_expert_ids"}
@@ -113,17 +116,17 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     has no pre-norms; post-norms (Gemma's, OLMo's) add what they norm, their scale and normalised input
     (POST_NORMED) before the output each one makes. A layer that attends to another's keys and values (Gemma 4's
     shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post. A
-    linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's; a gated attention head its
-    gate's input before hook_z."""
+    linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's, a short convolution (LFM2's)
+    CONV_HOOKS; a gated attention head its gate's input before hook_z."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
     hooks = [h for h in _WITH_OPTIONAL if h in LAYER_HOOKS or h in chosen]
     if cfg.kv_layer_at(layer) != layer:
         hooks = [h for h in hooks if h not in OWN_KV_HOOKS]
-    if cfg.is_linear_layer(layer):
-        at = hooks.index("attn.hook_q")
-        hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(LINEAR_ATTN_HOOKS) + [
+    if not cfg.attends(layer):
+        at, mixer = hooks.index("attn.hook_q"), LINEAR_ATTN_HOOKS if cfg.is_linear_layer(layer) else CONV_HOOKS
+        hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(mixer) + [
             h for h in hooks[at:] if not h.startswith("attn.")
         ]
     elif cfg.attn_output_gate:

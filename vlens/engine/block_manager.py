@@ -4,9 +4,9 @@ A full block is identified by the hash of (previous block's hash, its tokens, th
 salt), so a block is reused only behind an identical prefix computed under identical conditions.
 Freed blocks keep their hash until handed out again, so a preempted or repeated prompt finds them.
 
-A model with linear-attention layers (Qwen 3.5) also keeps a recurrent state per sequence, in one of `num_states`
-state slots: each block table holds one from its first block on (`state_of`: first block -> slot) until that block
-is freed. Such a state is of a whole prefix and cannot be rebuilt from blocks, so such models cache no prefixes.
+A model with layers that keep a state per sequence (Qwen 3.5's linear attention, LFM2's short convolutions;
+vlens.layers.slot_states) keeps it in one of `num_states` state slots: each block table holds one from its first
+block on (`state_of`: first block -> slot) until that block is freed. Such a state is of a whole prefix and cannot be rebuilt from blocks, so such models cache no prefixes.
 """
 
 from __future__ import annotations

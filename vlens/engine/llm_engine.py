@@ -77,7 +77,7 @@ class LLMEngine:
         block_size, max_model_len = config.block_size, config.max_model_len
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
-        # (linear-attention layers: a state slot for each sequence that may run, and a scratch one, first)
+        # (layers that keep states per sequence: a state slot for each sequence that may run, and a scratch one, first)
         num_states = config.max_num_seqs if runner.stateful else 0
         budget = kv_cache_bytes(runner, config) - (num_states + 1) * ModelRunner.bytes_per_state(model)
         num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
@@ -100,7 +100,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_states)
         runner.state_of = self.blocks.state_of
         if num_states and config.enable_prefix_caching:
-            log.info("prefix caching is off: %s keeps a recurrent state per sequence", cfg.architecture)
+            log.info("prefix caching is off: %s keeps a state per sequence in some layers", cfg.architecture)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)

@@ -145,9 +145,9 @@ class ModelRunner:
         self.pages = DecodePages()  # where decode steps' batched rows land on the host, across steps
         self.kv_cache: list[torch.Tensor] = []
         self.block_size = self.num_slots = 0
-        # Layers that keep a state per sequence (vlens.layers.slot_states: Qwen 3.5's linear attention): their state
-        # slots, one per sequence the engine runs, plus a scratch one for a static decode step's padding rows; which
-        # slot a block table's first block holds (the BlockManager's)
+        # Layers that keep a state per sequence (vlens.layers.slot_states: linear attention, short convolutions): their
+        # state slots, one per sequence the engine runs, plus a scratch one for a static decode step's padding rows;
+        # which slot a block table's first block holds (the BlockManager's)
         self.stateful = [m for m in model.modules() if isinstance(m, SlotStates)]
         self.state_of: dict[int, int] = {}
         self.scratch_state = 0
@@ -183,7 +183,7 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_state(model: DecoderLM) -> int:
-        """One state slot of every layer that keeps states (a linear-attention layer's recurrent state and its
+        """One state slot of every layer that keeps states (a linear-attention layer's recurrent state, a
         convolution's last inputs)."""
         dtype = model.lm_head.weight.dtype
         shapes = [s for m in model.modules() if isinstance(m, SlotStates) for s in m.slot_shapes().values()]
@@ -191,7 +191,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: int, num_states: int = 0) -> None:
         """The cache of `num_blocks` blocks, plus one scratch block that no sequence owns: the padding rows of
-        a static decode step write and read it; and `num_states` state slots of the linear-attention layers, plus
+        a static decode step write and read it; and `num_states` state slots of the layers that keep states, plus
         a scratch one. Graphs of the plain decode step are captured here."""
         self.block_size, self.scratch_block = block_size, num_blocks
         self.num_slots = (num_blocks + 1) * block_size
@@ -558,7 +558,7 @@ class ModelRunner:
 
     def _state_slots(self, tables: list[list[int]]) -> list[int] | None:
         """The state slot of each sequence (of each block table: its first block's), where the model has
-        linear-attention layers."""
+        layers that keep states."""
         return [self.state_of[table[0]] for table in tables] if self.stateful else None
 
 

@@ -113,7 +113,7 @@ class Scheduler:
         the same keys; or no intervention yet, before the first row either's change), and rows it captures
         it computes itself; one that wants prompt log-probabilities borrows only from one that computes
         the same ones."""
-        if not _fresh(seq) or self.blocks.num_states:  # (a recurrent state is of the whole prefix: none to borrow)
+        if not _fresh(seq) or self.blocks.num_states:  # (a state per sequence is of its whole prefix: none to borrow)
             return None
         best, length = None, seq.num_computed
         wanted_from = seq.taps.reusable_prefix(len(seq.token_ids))

@@ -47,23 +47,26 @@ class GatedMLP(nn.Module):
 
     def __init__(
         self, hidden: int, intermediate: int, act: str, bias: bool, hook_post: str, stored_fused: bool = False,
-        parallel: Parallel = SINGLE,
+        parallel: Parallel = SINGLE, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     ):  # fmt: skip
+        """`names`: the checkpoint's names of gate, up and down (LFM2's: w1, w3, w2)."""
         super().__init__()
-        parts = {"gate_proj": intermediate, "up_proj": intermediate}
-        self.gate_up_proj = FusedLinear(hidden, parts, bias, stored_fused=stored_fused, parallel=parallel)
-        self.down_proj = RowLinear(intermediate, hidden, bias, parallel)
+        gate, up, down = names
+        self.gate_up_proj = FusedLinear(hidden, {gate: intermediate, up: intermediate}, bias, stored_fused=stored_fused,
+                                        parallel=parallel)  # fmt: skip
+        setattr(self, down, RowLinear(intermediate, hidden, bias, parallel))
+        self.down = down
         self.act = activation(act)
         self.hook_post = hook_post
 
     fc_in = property(lambda self: self.gate_up_proj)
-    fc_out = property(lambda self: self.down_proj)
+    fc_out = property(lambda self: self._modules[self.down])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         h = fused.gated(self.act, gate, up)
         h = tap(self.hook_post, h)
-        return self.down_proj(h)
+        return self.fc_out(h)
 
 
 class DenseMLP(nn.Module):

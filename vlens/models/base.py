@@ -39,6 +39,7 @@ class AttentionHeads(nn.Module):
 
     qkv: nn.Module
     out: nn.Module
+    head_norms = ("q_norm", "k_norm")  # the checkpoint's names of the norms of each head's q and k (LFM2's differ)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -67,9 +68,9 @@ class AttentionHeads(nn.Module):
         self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer] and self.own_kv
         self.kv_shared = any(cfg.kv_layer_at(i) == layer for i in range(layer + 1, cfg.num_layers))
         if cfg.qk_norm == "head":
-            self.q_norm = make_norm(cfg, self.head_dim)
+            setattr(self, self.head_norms[0], make_norm(cfg, self.head_dim))
             if self.own_kv:
-                self.k_norm = make_norm(cfg, self.head_dim)
+                setattr(self, self.head_norms[1], make_norm(cfg, self.head_dim))
         elif cfg.qk_norm == "projection":
             self.q_norm, self.k_norm = ProjectionNorm(cfg, cfg.num_heads), ProjectionNorm(cfg, cfg.num_kv_heads)
         self.v_norm = UnscaledRMSNorm(cfg.norm_eps) if cfg.v_norm and self.own_kv else None
@@ -130,11 +131,11 @@ class AttentionHeads(nn.Module):
         if self.clip is not None:
             q, k, v = (x.clamp(-self.clip, self.clip) for x in (q, k, v))
         dtype = q.dtype
-        q = tap(self.hook_q, self._positioned(self._heads(q, self.heads, "q_norm"), rope, dtype))
+        q = tap(self.hook_q, self._positioned(self._heads(q, self.heads, self.head_norms[0]), rope, dtype))
         if k is None:
             k, v = get_context().shared_kv[self.kv_layer]
         else:
-            k = tap(self.hook_k, self._positioned(self._heads(k, self.kv_heads, "k_norm"), rope, dtype))
+            k = tap(self.hook_k, self._positioned(self._heads(k, self.kv_heads, self.head_norms[1]), rope, dtype))
             v = v.reshape(-1, self.kv_heads, self.head_dim)
             v = tap(self.hook_v, v if self.v_norm is None else self.v_norm(v))
             if self.kv_shared:
@@ -152,7 +153,7 @@ class AttentionHeads(nn.Module):
         return z.flatten(1)
 
     def _heads(self, x: torch.Tensor, heads: int, norm: str) -> torch.Tensor:
-        """[T, heads * d] -> [T, heads, d], through its per-head norm (`norm`: q_norm or k_norm) where there is one."""
+        """[T, heads * d] -> [T, heads, d], through its per-head norm (`norm`: one of head_norms) where there is one."""
         x = x.reshape(-1, heads, self.head_dim)
         return getattr(self, norm)(x) if self.qk_norm == "head" else x
 

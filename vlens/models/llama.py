@@ -118,11 +118,13 @@ class Starcoder2DecoderLayer(DenseMLPLayer):
 
 
 class DecoderModel(nn.Module):
+    norm_name = "norm"  # the final norm's name in the checkpoints (LFM2's: embedding_norm)
+
     def __init__(self, cfg: ModelConfig, layer_class: type[ResidualBlock]):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
-        self.norm = make_norm(cfg)
+        setattr(self, self.norm_name, make_norm(cfg))
 
 
 class CausalLM(DecoderLM):
@@ -140,7 +142,7 @@ class CausalLM(DecoderLM):
 
     embed_tokens = property(lambda self: self.model.embed_tokens)
     layers = property(lambda self: self.model.layers)
-    final_norm = property(lambda self: self.model.norm)
+    final_norm = property(lambda self: self.model._modules[self.model.norm_name])
 
 
 class ApertusForCausalLM(CausalLM):

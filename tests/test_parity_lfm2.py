@@ -1,0 +1,99 @@
+"""LFM2 (Liquid) against HF on tiny random checkpoints: gated short convolutions (B, C, x from one projection, B * x
+convolved over 3 rows, each sequence's last inputs kept in state slots) on most layers, Llama's attention with q/k
+norms on the others, the MLP's width as HF adjusts it, the final norm named embedding_norm; every tap, packed
+against alone, greedy generation through the paged cache and the state slots (chunked prefill, preemption); a
+decode step's graph replayed from the states its capture found; bfloat16 tap by tap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import (
+    COMMON,
+    GenerationParity,
+    TapParity,
+    build,
+    check_bfloat16_taps,
+    check_generation,
+    family_fixture,
+    load_pair,
+    sequences,
+)
+from transformers import Lfm2Config
+
+from vlens import LLM
+
+
+def lfm2_config(**overrides) -> Lfm2Config:
+    sizes = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+    layers = ["conv", "full_attention", "conv"]
+    return Lfm2Config(**(sizes | dict(num_key_value_heads=2, block_ff_dim=144, block_multiple_of=16,
+                                      layer_types=layers, tie_embedding=True) | overrides))  # fmt: skip
+
+
+CONFIGS = {
+    "lfm2": lfm2_config,
+    # (biased convolutions, no width adjustment, attention first, untied)
+    "lfm2_conv_bias": lambda: lfm2_config(conv_bias=True, block_auto_adjust_ff_dim=False, tie_embedding=False,
+                                          layer_types=["full_attention", "conv", "conv"]),
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    generation_hooks = ("blocks.2.conv.hook_conv_out", "blocks.*.attn.hook_z")
+
+    def required_hooks(self, llm):
+        conv = [i for i in range(3) if llm.config.is_conv_layer(i)]
+        return [f"blocks.{conv[0]}.conv.hook_{kind}" for kind in ("b", "c", "x", "conv_out", "z")]
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, hf = family
+    cfg = llm.config
+    assert cfg.family == "lfm2" and cfg.norm == "rms" and cfg.qk_norm == "head"
+    assert cfg.conv_layers == tuple(kind == "conv" for kind in hf.config.layer_types) and cfg.conv_kernel == 3
+    assert cfg.conv_bias == (name == "lfm2_conv_bias")
+    # (HF's MLP: two thirds of 144, rounded up to a multiple of 16; or 144 as configured)
+    assert cfg.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == (144 if cfg.conv_bias else 96)
+    assert (llm.model.lm_head.weight is llm.model.embed_tokens.weight) == hf.config.tie_word_embeddings
+    assert len(llm.runner.kv_cache) == 1 and not llm.engine.blocks.enable_prefix_caching
+
+
+def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
+    """Prompts fed 8 tokens a step (each chunk continuing its convolutions' inputs), a cache small enough to preempt,
+    decode steps replayed from emulated CUDA graphs: HF generate's tokens and hidden states."""
+    from replayed_graphs import replay_graphs
+
+    path = build(lfm2_config(), tmp_path, "lfm2")
+    _, hf = load_pair(path)
+    # (10 blocks of 4 tokens of the attention layer's keys and values, 1 KiB each, after 3 state slots of the two
+    # convolutions' last inputs, 1 KiB each)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8, max_num_seqs=2,
+              kv_cache_memory=3 * 1024 + 10 * 1024)  # fmt: skip
+    replay_graphs(llm.runner)
+    check_generation(llm, hf, sequences((21, 9, 13)), max_tokens=10, extra_hooks=("blocks.0.conv.hook_z",))
+    stats = llm.runner.graph_stats
+    assert stats.graph_steps > 0 and stats.eager_steps > 3 and llm.engine.scheduler.num_preemptions > 0
+
+
+def test_transformer_lens_calls(tmp_path):
+    """A short convolution has no heads (stack_head_results: none of its layer; the remainder keeps its output) and
+    no attention weights (refused by name); the MLP's weights read LFM2's w1, w3, w2."""
+    from vlens import HookedLM
+
+    hooked = HookedLM(build(lfm2_config(), tmp_path, "lfm2"), dtype="float32", device="cpu")
+    _, cache = hooked.run_with_cache(torch.tensor([sequences((12,))[0]]))
+    heads, labels = cache.stack_head_results(layer=-1, return_labels=True, incl_remainder=True)
+    assert labels == [f"L1H{h}" for h in range(4)] + ["remainder"]
+    assert rel_err(heads.sum(0), cache["blocks.2.hook_resid_post"]) <= 1e-5
+    w1 = hooked.llm.model.layers[0].feed_forward.fc_in.weight[:96]
+    assert torch.equal(hooked.blocks[0].mlp.W_gate, w1.T)
+    with pytest.raises(ValueError, match="layer 0 is a gated short convolution"):
+        hooked.blocks[0].attn.W_O
+
+
+def test_bfloat16_taps(tmp_path):
+    check_bfloat16_taps(lfm2_config(conv_bias=True), tmp_path)
