@@ -97,6 +97,14 @@ GEMMA = Family(
 )
 # Gemma 4: Gemma's names; the values are v_norm's output (its full layers have no v_proj where keys are values)
 GEMMA4 = replace(GEMMA, qkv="self_attn.v_norm")
+# LFM2: Llama's layer under its own names (its final norm embedding_norm); short convolutions beside
+LFM2 = replace(
+    LLAMA,
+    outputs={"ln1.hook_out": "operator_norm", "hook_attn_out": "self_attn", "ln2.hook_out": "ffn_norm",
+             "hook_mlp_out": "feed_forward"},  # fmt: skip
+    inputs={"hook_resid_mid": "ffn_norm", "attn.hook_z": "self_attn.out_proj", "mlp.hook_post": "feed_forward.w2"},
+    final_norm="model.embedding_norm",
+)
 # Where a multimodal model (Gemma 3 4B-27B, Mistral 3, Llava) keeps its text model's modules
 TEXT_MODEL = dict(layers="model.language_model.layers", embed="model.language_model.embed_tokens",
                   final_norm="model.language_model.norm")  # fmt: skip
@@ -140,13 +148,8 @@ FAMILIES = {
         qkv="self_attn.v_proj",
         final_norm="model.final_layernorm",
     ),
-    "lfm2": replace(  # Llama's layer under LFM2's names (its final norm embedding_norm); short convolutions beside
-        LLAMA,
-        outputs={"ln1.hook_out": "operator_norm", "hook_attn_out": "self_attn", "ln2.hook_out": "ffn_norm",
-                 "hook_mlp_out": "feed_forward"},  # fmt: skip
-        inputs={"hook_resid_mid": "ffn_norm", "attn.hook_z": "self_attn.out_proj", "mlp.hook_post": "feed_forward.w2"},
-        final_norm="model.embedding_norm",
-    ),
+    "lfm2": LFM2,
+    "lfm2_multimodal": replace(LFM2, **TEXT_MODEL | dict(final_norm="model.language_model.embedding_norm")),
     "gpt2": Family(
         layers="transformer.h",
         embed="transformer.wte",
@@ -230,7 +233,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
-               "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2"}  # fmt: skip
+               "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2",
+               "lfm2_vl": "lfm2_multimodal"}  # fmt: skip
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)

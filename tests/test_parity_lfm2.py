@@ -15,6 +15,7 @@ from family_parity import (
     TapParity,
     build,
     check_bfloat16_taps,
+    check_every_tap,
     check_generation,
     family_fixture,
     load_pair,
@@ -93,6 +94,18 @@ def test_transformer_lens_calls(tmp_path):
     assert torch.equal(hooked.blocks[0].mlp.W_gate, w1.T)
     with pytest.raises(ValueError, match="layer 0 is a gated short convolution"):
         hooked.blocks[0].attn.W_O
+
+
+def test_multimodal_text_model(tmp_path):
+    """Lfm2VlForConditionalGeneration's text model (LFM2-VL), under model.language_model., against HF's model given
+    text."""
+    from transformers import Lfm2VlConfig
+
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    path = build(Lfm2VlConfig(text_config=lfm2_config().to_dict(), vision_config=vision), tmp_path, "lfm2_vl")
+    llm, hf = load_pair(path)
+    assert llm.config.architecture == "Lfm2ForCausalLM" and llm.config.stored_as[0] == "model.language_model."
+    check_every_tap(llm, hf, sequences())
 
 
 def test_bfloat16_taps(tmp_path):

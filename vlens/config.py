@@ -431,6 +431,7 @@ TEXT_MODELS = {
     "Gemma4UnifiedForConditionalGeneration": ("model.language_model.", "lm_head."),  # (Gemma 4 12B)
     "Qwen3_5ForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Qwen3_5MoeForConditionalGeneration": ("model.language_model.", "lm_head."),
+    "Lfm2VlForConditionalGeneration": ("model.language_model.", "lm_head."),
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -472,6 +473,7 @@ MODEL_TYPES = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
