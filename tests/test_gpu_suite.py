@@ -58,7 +58,8 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
     assert "errors" not in rows, rows["errors"]
-    assert (rows["device"], rows["gpu"], set(rows["seconds"])) == ("cpu", None, {"exact", "hooked", "gemma4", "qwen3_5"})
+    assert (rows["device"], rows["gpu"]) == ("cpu", None)
+    assert set(rows["seconds"]) == {"exact", "hooked", "gemma4", "qwen3_5"}
     exact = rows["exact"]
     assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"] and exact["edits_ok"], exact
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"

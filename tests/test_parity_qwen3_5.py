@@ -73,7 +73,8 @@ class TestParity(TapParity, GenerationParity):
         full = [i for i in range(3) if not cfg.is_linear_layer(i)]
         kinds = ("q", "k", "v", "beta", "decay", "core_out", "gate", "z")
         hooks = [f"blocks.{linear[0]}.linear_attn.hook_{k}" for k in kinds] + [f"blocks.{full[0]}.attn.hook_gate"]
-        moe = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_ids", "mlp.shared_expert.hook_post")
+        moe = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_ids",
+               "mlp.shared_expert.hook_post")  # fmt: skip
         return hooks + [f"blocks.{layer}.{kind}" for layer in range(3) for kind in moe if cfg.is_moe_layer(layer)]
 
 

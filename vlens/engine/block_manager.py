@@ -6,7 +6,8 @@ Freed blocks keep their hash until handed out again, so a preempted or repeated 
 
 A model with layers that keep a state per sequence (Qwen 3.5's linear attention, LFM2's short convolutions;
 vlens.layers.slot_states) keeps it in one of `num_states` state slots: each block table holds one from its first
-block on (`state_of`: first block -> slot) until that block is freed. Such a state is of a whole prefix and cannot be rebuilt from blocks, so such models cache no prefixes.
+block on (`state_of`: first block -> slot) until that block is freed. Such a state is of a whole prefix and cannot
+be rebuilt from blocks, so such models cache no prefixes.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from torch import nn
 
 from vlens.attention.metadata import AttentionMetadata
 
-Shapes = dict[str, tuple[tuple[int, ...], torch.dtype | None]]  # attribute -> (one slot's shape, dtype; None: the model's)
+# attribute -> (one slot's shape, its dtype; None: the model's)
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype | None]]
 
 
 class SlotStates(nn.Module):
