@@ -293,3 +293,21 @@ def test_decode_graphs_replay_from_the_states_their_capture_found(tmp_path):
             assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
     stats = graphed.runner.graph_stats
     assert stats.graphs_captured > 0 and stats.graph_steps > 0
+
+
+def test_fewer_state_slots_than_sequences_run_fewer_at_once(tmp_path):
+    """States take at most half the cache's memory: with room for 3 slots (and the scratch one) of 8 sequences, the
+    engine runs 3 at once, each as alone; a budget without room for one sequence's states is refused by name."""
+    path = build(text_config(), tmp_path, "qwen3_5")
+    prompts = sequences((12, 30, 5, 17, 25, 8))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+    expected = [alone.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    per_state = 3584  # (two linear layers: a convolution's 3 inputs of 64 channels and a 4 x 8 x 8 state, float32)
+    # (32 KiB: half of it holds 4 slots, 3 and the scratch one; the rest holds 18 blocks of 1 KiB)
+    tight = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_seqs=8, kv_cache_memory=32 * 1024)
+    assert tight.engine.blocks.num_states == 3
+    assert [out.outputs[0].token_ids for out in tight.generate(prompts, params, use_tqdm=False)] == expected
+    small = LLM(model=path, dtype="float32", device="cpu", kv_cache_memory=3 * per_state)
+    with pytest.raises(ValueError, match="kv_cache_memory: .* half of which must hold the states of two sequences"):
+        small.generate(prompts, params, use_tqdm=False)  # (the engine is made for the first request)

@@ -77,9 +77,19 @@ class LLMEngine:
         block_size, max_model_len = config.block_size, config.max_model_len
         per_block = ModelRunner.bytes_per_block(model, block_size)
         wanted_len = max_model_len or cfg.max_position_embeddings
-        # (layers that keep states per sequence: a state slot for each sequence that may run, and a scratch one, first)
-        num_states = config.max_num_seqs if runner.stateful else 0
-        budget = kv_cache_bytes(runner, config) - (num_states + 1) * ModelRunner.bytes_per_state(model)
+        budget = kv_cache_bytes(runner, config)
+        num_states = 0
+        if runner.stateful:  # (layers that keep states per sequence: a slot for each sequence that may run, and a
+            # scratch one, from at most half the budget: fewer slots than max_num_seqs run fewer sequences at once)
+            per_state = ModelRunner.bytes_per_state(model)
+            num_states = min(config.max_num_seqs, budget // 2 // per_state - 1)
+            if num_states < 1:
+                raise ValueError(f"kv_cache_memory: {budget} bytes, half of which must hold the states of two "
+                                 f"sequences ({per_state} bytes each) beside the KV cache")  # fmt: skip
+            budget -= (num_states + 1) * per_state
+            if num_states < config.max_num_seqs:
+                log.info("state slots for %d sequences at once (max_num_seqs %d): %d bytes each", num_states,
+                         config.max_num_seqs, per_state)  # fmt: skip
         num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 blocks of {per_block} bytes")
