@@ -103,8 +103,8 @@ def test_chunks_match_hf(family):
 
 
 def test_generation_through_chunked_prefill_and_static_decode(tmp_path):
-    """Prompts fed 16 tokens a step (each chunk continuing its states), decodes on the static path, prompts of
-    more than a chunk: HF generate's tokens and hidden states."""
+    """Prompts fed 16 tokens a step (each chunk continuing its states; decodes beside them in the same steps, by the
+    recurrence), decodes on the static path, prompts of more than a chunk: HF generate's tokens and hidden states."""
     path = build(text_config(), tmp_path, "qwen3_5")
     _, hf = load_pair(path)
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)

@@ -62,9 +62,9 @@ class AttentionMetadata:
     # [B] (device): each sequence's state slot, where layers that keep states per sequence keep them (Qwen 3.5's linear
     # attention, LFM2's short convolutions); None: no states (a cache-less forward, or a model without such layers)
     state_slots: torch.Tensor | None = None
-    # (device) how linear-attention layers lay out a forward's rows in chunks (`chunk_layout`), where some sequence
-    # feeds several rows; None: none does, or no such layers
-    linear_chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # how linear-attention layers lay out a forward's rows where some sequence feeds several (`chunk_layout`); None:
+    # none does, or no such layers
+    linear_chunks: LinearChunks | None = None
 
     @property
     def paged(self) -> bool:
@@ -119,22 +119,40 @@ class AttentionMetadata:
         return self.block_tables.numpy()[first:stop, j // bs] * bs + j % bs
 
 
-def chunk_layout(query_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How linear-attention layers lay out the rows in chunks of CHUNK, each sequence's from its first row (on the
-    device): [N, CHUNK] the row at each place of each chunk (T past the sequence's last), [B, most chunks] each
-    sequence's chunks in order (N past its last) and [T] each row's place in the N * CHUNK places."""
+class LinearChunks(NamedTuple):
+    """(device) How a forward's rows go through linear-attention layers where some sequence feeds several: those
+    sequences' rows in chunks of CHUNK, each sequence's from its first row (vlens.layers.gated_delta), and the rows of
+    sequences that feed one each (decodes beside a prompt) through the recurrence itself."""
+
+    rows: torch.Tensor  # [N, CHUNK] the row at each place of each chunk (T past its sequence's last row)
+    table: torch.Tensor  # [Bc, most chunks] each chunked sequence's chunks in order (N past its last)
+    place: torch.Tensor  # [Tc] each chunked row's place among the N * CHUNK
+    chunked_rows: torch.Tensor  # [Tc] which rows those are
+    chunked_seqs: torch.Tensor  # [Bc] ... and which sequences
+    single_rows: torch.Tensor  # [Bs] the row of each sequence that feeds one
+    single_seqs: torch.Tensor  # [Bs] ... and which sequence it is
+
+
+def chunk_layout(query_lens: list[int], device: torch.device) -> LinearChunks:
+    """The LinearChunks of a forward whose sequences feed `query_lens` rows each, on `device`."""
     lens = np.asarray(query_lens, dtype=np.int64)
-    counts = -(-lens // CHUNK)
-    first_chunk, first_row = np.cumsum(counts) - counts, np.cumsum(lens) - lens
-    seq = np.repeat(np.arange(len(lens)), counts)
+    first_row = np.cumsum(lens) - lens
+    chunked, single = np.flatnonzero(lens > 1), np.flatnonzero(lens == 1)
+    mine, start = lens[chunked], first_row[chunked]
+    counts = -(-mine // CHUNK)
+    first_chunk = np.cumsum(counts) - counts
+    seq = np.repeat(np.arange(len(chunked)), counts)  # each chunk's sequence, among the chunked ones
     nth = np.arange(len(seq)) - first_chunk[seq]
     offsets = nth[:, None] * CHUNK + np.arange(CHUNK)
-    rows = np.where(offsets < lens[seq, None], first_row[seq, None] + offsets, lens.sum())
-    table = np.full((len(lens), counts.max()), len(seq), dtype=np.int64)
+    rows = np.where(offsets < mine[seq, None], start[seq, None] + offsets, lens.sum())
+    table = np.full((len(chunked), counts.max(initial=0)), len(seq), dtype=np.int64)
     table[seq, nth] = np.arange(len(seq))
-    row_seq = np.repeat(np.arange(len(lens)), lens)
-    place = first_chunk[row_seq] * CHUNK + np.arange(len(row_seq)) - first_row[row_seq]
-    return tuple(torch.from_numpy(x).to(device, non_blocking=True) for x in (rows, table, place))
+    row_seq = np.repeat(np.arange(len(chunked)), mine)
+    within = np.arange(len(row_seq)) - (np.cumsum(mine) - mine)[row_seq]  # each chunked row's index in its sequence
+    parts = (rows, table, first_chunk[row_seq] * CHUNK + within, start[row_seq] + within, chunked, first_row[single],
+             single)  # fmt: skip
+    return LinearChunks(*(torch.from_numpy(np.ascontiguousarray(x, np.int64)).to(device, non_blocking=True)
+                          for x in parts))  # fmt: skip
 
 
 def layout(

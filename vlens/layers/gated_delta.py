@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlens.attention.metadata import CHUNK, AttentionMetadata
+from vlens.attention.metadata import CHUNK, AttentionMetadata, LinearChunks
 from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tapped
 from vlens.layers import checkpoint
@@ -137,10 +137,20 @@ class GatedDeltaNet(SlotStates):
             state = q.new_zeros(shape)
         else:
             state = self.state[slots[0]] * slots[1][:, None, None, None]
-        if meta.linear_chunks is None:  # (a row per sequence: the recurrence itself, as HF decodes)
+        chunks = meta.linear_chunks
+        if chunks is None:  # (a row per sequence: the recurrence itself, as HF decodes)
             out, state = _recurrent_step(q / self.key_dim**0.5, k, v, decay, beta, state)
-        else:
-            out, state = _chunked(q * self.key_dim**-0.5, k, v, decay, beta, state, meta)
+        else:  # (the sequences that feed several rows in chunks, HF's chunked form; the others by the recurrence)
+            out, before, state = q.new_empty(v.shape), state, state.clone()
+            rows, seqs = chunks.single_rows, chunks.single_seqs
+            if len(rows):
+                out[rows], state[seqs] = _recurrent_step(
+                    q[rows] / self.key_dim**0.5, k[rows], v[rows], decay[rows], beta[rows], before[seqs]
+                )  # fmt: skip
+            seqs = chunks.chunked_seqs
+            out[chunks.chunked_rows], state[seqs] = _chunked(
+                q * self.key_dim**-0.5, k, v, decay, beta, before[seqs], chunks
+            )  # fmt: skip
         if slots is not None:
             self.state[slots[0]] = state
         return out
@@ -164,13 +174,14 @@ def _recurrent_step(
 
 def _chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    meta: AttentionMetadata,
+    chunks: LinearChunks,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The same recurrence over each sequence's rows, CHUNK at a time (HF's chunked form): within a chunk, the
-    delta rule's updates solved together as one triangular system; across chunks, the state carried sequence by
-    sequence. Every chunk of every sequence is computed at once; the scan runs as many times as the longest
-    sequence has chunks, each sequence reading a zero chunk (which leaves its state as it is) past its last."""
-    rows, table, place = meta.linear_chunks
+    """The same recurrence over the chunked sequences' rows (of all T rows), CHUNK at a time (HF's chunked form):
+    within a chunk, the delta rule's updates solved together as one triangular system; across chunks, the state
+    carried sequence by sequence. Every chunk of every sequence is computed at once; the scan runs as many times as
+    the longest sequence has chunks, each sequence reading a zero chunk (which leaves its state as it is) past its
+    last. Returns their rows' outputs (in `chunks.chunked_rows`' order) and their states."""
+    rows, table, place = chunks.rows, chunks.table, chunks.place
     heads_first = lambda x: x.transpose(1, 2)  # noqa: E731 - [N, CHUNK, H, ...] -> [N, H, CHUNK, ...]
     q, k, v, beta, decay = (heads_first(_in_chunks(x, rows)) for x in (q, k, v, beta, decay))
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
