@@ -108,5 +108,12 @@ def test_multimodal_text_model(tmp_path):
     check_every_tap(llm, hf, sequences())
 
 
+def test_tensor_parallel_is_refused(tmp_path):
+    """Before any weight loads, naming the layers that run in one process."""
+    path = build(lfm2_config(), tmp_path, "lfm2")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 is more than one process, and LFM2's short conv"):
+        LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=2)
+
+
 def test_bfloat16_taps(tmp_path):
     check_bfloat16_taps(lfm2_config(conv_bias=True), tmp_path)

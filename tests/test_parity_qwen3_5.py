@@ -42,13 +42,13 @@ def moe_config() -> Qwen3_5MoeTextConfig:
     return Qwen3_5MoeTextConfig(**(TEXT | LINEAR | sizes | dict(linear_num_value_heads=4, layer_types=layers)))
 
 
-def next_config() -> Qwen3NextConfig:
+def next_config(**overrides) -> Qwen3NextConfig:
     """Qwen3-Next: Qwen 3.5's layers, the checkpoint's linear projections grouped by key head (two value heads each),
     experts (not renormalised) beside a shared expert on every layer but a dense one."""
     sizes = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                  mlp_only_layers=[1], norm_topk_prob=False)  # fmt: skip
     layers = ["linear_attention", "full_attention", "linear_attention"]
-    return Qwen3NextConfig(**(TEXT | LINEAR | sizes | dict(linear_num_value_heads=4, layer_types=layers)))
+    return Qwen3NextConfig(**(TEXT | LINEAR | sizes | dict(linear_num_value_heads=4, layer_types=layers) | overrides))
 
 
 CONFIGS = {
@@ -175,10 +175,11 @@ def test_capture_and_steer_in_a_mixed_batch(tmp_path):
     assert rel_err(want, hooked(torch.tensor([steered]))[0]) > 1e-3
 
 
-def test_tensor_parallel_is_refused(tmp_path):
-    """Before any weight loads, naming the layers that run in one process."""
-    path = build(text_config(), tmp_path, "qwen3_5")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 .* layers that keep states .* model: \[1\]"):
+def test_a_split_of_fewer_key_heads_than_ranks_is_refused(tmp_path):
+    """A linear layer splits by key heads (tests/test_tensor_parallel.py): with one key head, two ranks are refused
+    before any weight loads."""
+    path = build(text_config(linear_num_key_heads=1, linear_num_value_heads=2), tmp_path, "qwen3_5")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 does not divide linear_num_key_heads=1; allowed"):
         LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=2)
 
 

@@ -34,6 +34,8 @@ from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
+from test_parity_qwen3_5 import next_config
+from test_parity_qwen3_5 import text_config as qwen3_5_config
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
 
 from vlens import LLM, SAE, Ablate, Capture, Clamp, HookedLM, Patch, SamplingParams, Steer, TunedLens, harvest
@@ -46,6 +48,7 @@ from vlens.harvest.writer import Store, read_replies
 TOL = 1e-5
 N = 2
 GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+QWEN_LAYERS = ["full_attention"] * 3 + ["linear_attention"]
 GPT2 = {"vocab_size": VOCAB + 1, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 128, "initializer_range": 0.1}
 
 CONFIGS = {
@@ -80,6 +83,11 @@ CONFIGS = {
     "gemma4": GEMMA4_CONFIGS["gemma4_experts"],
     # each rank's heads' ALiBi slopes (six heads: both of HF's slope schemes, split three and three)
     "bloom": BLOOM_CONFIGS["bloom_six_heads"],
+    # gated attention heads (each head's query and gate rows split together), then a gated delta net: each rank its
+    # key heads and the value heads they serve, their rows of every projection and of the convolution, their states
+    "qwen3_5": lambda: qwen3_5_config(num_hidden_layers=4, layer_types=QWEN_LAYERS),
+    # the same with experts, a dense layer among them, and the linear layer's projections stored grouped by key head
+    "qwen3_next": lambda: next_config(num_hidden_layers=4, layer_types=QWEN_LAYERS),
 }
 
 
@@ -724,3 +732,19 @@ def test_logit_lens_and_logits_cover_the_vocabulary(pair):
             ids_a, values_a = x.logit_lens[key]
             ids_b, values_b = y.logit_lens[key]
             assert torch.equal(ids_a, ids_b) and same(values_b.double(), values_a.double(), TOL)
+
+
+
+@pytest.mark.parametrize("pair", ["qwen3_5", "qwen3_next"], indirect=True)
+def test_linear_attention_steered_by_value_heads(pair):
+    """A steer of some value heads of a linear-attention layer (one on each rank) and an ablation of its keys: the
+    edited layer's rows and the tokens after, as in one process."""
+    _, one, two = pair
+    hook = "blocks.3.linear_attn.hook_v"
+    g = torch.Generator().manual_seed(0)
+    edits = [Steer(hook, torch.randn(2, 8, generator=g), heads=[0, 3]),
+             Ablate("blocks.3.linear_attn.hook_k", torch.randn(16, generator=g))]  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, interventions=edits,
+                            capture=Capture(hooks=["blocks.3.linear_attn.hook_*", "blocks.3.hook_resid_post"]))
+    prompts = sequences((20, 9, 3))
+    _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))

@@ -62,6 +62,7 @@ class AttentionMetadata:
     # [B] (device): each sequence's state slot, where layers that keep states per sequence keep them (Qwen 3.5's linear
     # attention, LFM2's short convolutions); None: no states (a cache-less forward, or a model without such layers)
     state_slots: torch.Tensor | None = None
+    num_states: int = 0  # ... of how many slots (and a scratch one after them): what the other ranks allocate
     # how linear-attention layers lay out a forward's rows where some sequence feeds several (`chunk_layout`); None:
     # none does, or no such layers
     linear_chunks: LinearChunks | None = None

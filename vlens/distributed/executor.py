@@ -47,8 +47,8 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     """What in the model a split in `size` ranks cannot cut evenly, or None."""
     if cfg.per_layer_input_size and size > 1:  # (a second embedding as wide as every layer's inputs together)
         return "is more than one process, and Gemma 4's per-layer embeddings run in one"
-    if cfg.keeps_states and size > 1:
-        return "is more than one process, and layers that keep states (linear attention, short convolutions) run in one"
+    if any(cfg.conv_layers) and size > 1:
+        return "is more than one process, and LFM2's short convolutions run in one"
     dense = not cfg.moe_layers or not all(cfg.moe_layers) or cfg.experts_beside_mlp
     sizes = {
         "num_attention_heads": cfg.num_heads,
@@ -56,6 +56,7 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
         **{f"intermediate_size (layer {i})": n for i, n in enumerate(cfg.layer_intermediate_sizes)},
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+        "linear_num_key_heads": cfg.linear_key_heads,  # (each rank the value heads its key heads serve)
     }
     for name, n in sizes.items():
         if n and n % size:

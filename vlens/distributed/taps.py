@@ -50,8 +50,14 @@ def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
         "hook_q_input": cfg.num_heads,
         "hook_k_input": kv_heads,
         "hook_v_input": kv_heads,
+        "attn.hook_gate": cfg.num_heads,
         "mlp.hook_post": cfg.intermediate_size_at(int(layer)),
         "mlp.shared_expert.hook_post": cfg.shared_expert_intermediate_size,
+        # (a linear-attention layer's key heads, and the value heads they serve)
+        "linear_attn.hook_q": cfg.linear_key_heads,
+        "linear_attn.hook_k": cfg.linear_key_heads,
+        **{f"linear_attn.hook_{name}": cfg.linear_value_heads
+           for name in ("v", "beta", "decay", "core_out", "gate", "z")},  # fmt: skip
     }.get(site)
 
 

@@ -120,8 +120,10 @@ def _moved(value, device):
 
 
 def portable(meta: AttentionMetadata) -> AttentionMetadata:
-    """The layout with every tensor a compact host copy (its device fields are views of rank 0's buffers)."""
-    return dataclasses.replace(meta, **{f.name: _moved(getattr(meta, f.name), "cpu") for f in dataclasses.fields(meta)})
+    """The layout with every tensor a compact host copy (its device fields are views of rank 0's buffers); without
+    the linear-attention chunks, which each rank plans from the query lengths (ModelRunner._forward)."""
+    fields = {f.name: _moved(getattr(meta, f.name), "cpu") for f in dataclasses.fields(meta)}
+    return dataclasses.replace(meta, **fields | {"linear_chunks": None})
 
 
 def table_rows(taps: dict[str, Tap]) -> dict[int, tuple[torch.Tensor, ...]]:
@@ -182,9 +184,9 @@ class Worker:
             f.name: _moved(getattr(work.meta, f.name), self.device)
             for f in dataclasses.fields(work.meta) if f.name not in HOST_FIELDS
         })  # fmt: skip
-        if meta.paged and runner.num_slots != meta.num_slots:  # rank 0's cache, this rank's KV heads
+        if meta.paged and runner.num_slots != meta.num_slots:  # rank 0's cache, this rank's KV heads (and states)
             blocks = meta.num_slots // meta.block_size - 1  # less the scratch block
-            runner.allocate_kv_cache(blocks, meta.block_size, meta.block_size)
+            runner.allocate_kv_cache(blocks, meta.block_size, meta.block_size, meta.num_states)
         rows = work.logit_rows.to(self.device) if isinstance(work.logit_rows, torch.Tensor) else work.logit_rows
         backend = runner.decode_backend if work.decode else None
         # rank 0's function at a hook may raise: every rank leaves the forward there, and rank 0 reports it

@@ -233,9 +233,11 @@ class ModelRunner:
         backend = backend or self.backend
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
-        if self.stateful and ids.shape[0] > len(meta.query_lens):  # (linear attention's chunks: some sequence feeds
-            # several rows)
-            meta.linear_chunks = chunk_layout(meta.query_lens, self.device)
+        if self.stateful:  # (the other ranks allocate as many slots; linear attention's chunks, where some sequence
+            # feeds several rows)
+            meta.num_states = self.scratch_state
+            if ids.shape[0] > len(meta.query_lens):
+                meta.linear_chunks = chunk_layout(meta.query_lens, self.device)
         if forward is None:
             forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
         failed = None

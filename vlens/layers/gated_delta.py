@@ -25,10 +25,9 @@ from torch import nn
 from vlens.attention.metadata import CHUNK, AttentionMetadata, LinearChunks
 from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tapped
-from vlens.layers import checkpoint
 from vlens.layers.causal_conv import CausalConv
 from vlens.layers.checkpoint import Slot
-from vlens.layers.linear import FusedLinear
+from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import activation
 from vlens.layers.slot_states import Shapes, SlotStates, step_slots
 
@@ -49,12 +48,17 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(SlotStates):
     """Qwen 3.5's and Qwen3-Next's `linear_attn`, its parameters named as HF's (Qwen 3.5's: vlens/config.py's
-    `linear_stored_grouped` says how Qwen3-Next's load)."""
+    `linear_stored_grouped` says how Qwen3-Next's load). Under tensor parallelism each rank holds its share of the
+    key heads and the value heads they serve: their rows of every projection and of the convolution, their states,
+    and out_proj's matching columns (summed over the ranks)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.key_heads, self.key_dim = cfg.linear_key_heads, cfg.linear_key_dim
-        self.value_heads, self.value_dim = cfg.linear_value_heads, cfg.linear_value_dim
+        self.key_dim, self.value_dim, p = cfg.linear_key_dim, cfg.linear_value_dim, cfg.parallel
+        self.all_key_heads, self.all_value_heads = cfg.linear_key_heads, cfg.linear_value_heads
+        self.mine = p.units(self.all_key_heads)  # this rank's key heads, and the value heads they serve
+        self.per_key = self.all_value_heads // self.all_key_heads
+        self.key_heads, self.value_heads = len(self.mine), len(self.mine) * self.per_key
         keys, values, d = self.key_heads * self.key_dim, self.value_heads * self.value_dim, cfg.hidden_size
         self.split = (keys, keys, values)
         channels = 2 * keys + values
@@ -67,7 +71,7 @@ class GatedDeltaNet(SlotStates):
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
-        self.out_proj = nn.Linear(values, d, bias=False)
+        self.out_proj = RowLinear(self.all_value_heads * self.value_dim, d, False, p, units=self.all_value_heads)
         self.act = activation(cfg.hidden_act)
         p = f"blocks.{layer}.linear_attn."
         self.hook_q, self.hook_k, self.hook_v = p + "hook_q", p + "hook_k", p + "hook_v"
@@ -79,27 +83,51 @@ class GatedDeltaNet(SlotStates):
         return {"state": ((self.value_heads, self.key_dim, self.value_dim), torch.float32)}
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
-        """Qwen3-Next's checkpoints fuse the projections in two tensors grouped by key head: each loads into its rows
-        of `in_proj`, regrouped (q, k, v, z; b, a) as it loads."""
-        slots = {f"{path}.{leaf}": Slot(p) for leaf, p in self.named_parameters(recurse=False)}
-        for name, child in self.named_children():
-            slots |= checkpoint.checkpoint_slots(child, f"{path}.{name}")
-        weight = self.in_proj.weight
-        if not self.stored_grouped:
-            return slots
-        slots = {name: slot for name, slot in slots.items() if slot.param is not weight}
-        qkvz = slice(0, self.in_proj.part_rows()["in_proj_z"].stop)
-        return slots | {
-            f"{path}.in_proj_qkvz.weight": Slot(weight, qkvz, partial(self._ungroup, (self.key_dim, self.key_dim))),
-            f"{path}.in_proj_ba.weight": Slot(weight, slice(qkvz.stop, None), partial(self._ungroup, ())),
+        """Each stored tensor into its rows of `in_proj` (this rank's heads' rows of it: `_rows`); Qwen3-Next's
+        checkpoints fuse the projections in two tensors grouped by key head, regrouped (q, k, v, z; b, a) as they
+        load."""
+        rows, weight = self.in_proj.part_rows(), self.in_proj.weight
+        kd, vd, n_keys, n_values = self.key_dim, self.value_dim, self.all_key_heads, self.all_value_heads
+        q, v, z = self._rows(kd, self.mine), self._rows(vd, self._values), self._rows(vd, self._values)
+        qkv = [*q, *(r + n_keys * kd for r in q), *(r + 2 * n_keys * kd for r in v)]  # (in in_proj_qkv, stored)
+        channels = (torch.tensor(qkv),)
+        b = self._rows(1, self._values)
+        slots = {
+            f"{path}.conv1d.weight": Slot(self.conv1d.weight, source=channels),
+            f"{path}.dt_bias": Slot(self.dt_bias, source=(torch.tensor(b),)),
+            f"{path}.A_log": Slot(self.A_log, source=(torch.tensor(b),)),
+            f"{path}.norm.weight": Slot(self.norm.weight),
+            **self.out_proj.checkpoint_slots(f"{path}.out_proj"),
         }
+        if not self.stored_grouped:
+            parts = {"in_proj_qkv": qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": b}
+            return slots | {f"{path}.{name}.weight": Slot(weight, rows[name], source=(torch.tensor(parts[name]),))
+                            for name in parts}  # fmt: skip
+        ungrouped_z = [r + 2 * n_keys * kd + n_values * vd for r in z]  # (in in_proj_qkvz, regrouped: q, k, v, z)
+        qkvz = slice(0, rows["in_proj_z"].stop)
+        return slots | {
+            f"{path}.in_proj_qkvz.weight": Slot(weight, qkvz, partial(self._ungroup, (kd, kd)),
+                                                (torch.tensor(qkv + ungrouped_z),)),
+            f"{path}.in_proj_ba.weight": Slot(weight, slice(qkvz.stop, None), partial(self._ungroup, ()),
+                                              (torch.tensor(b + [r + n_values for r in b]),)),
+        }  # fmt: skip
+
+    @property
+    def _values(self) -> range:
+        """This rank's value heads: those its key heads serve."""
+        return range(self.mine.start * self.per_key, self.mine.stop * self.per_key)
+
+    @staticmethod
+    def _rows(size: int, heads: range) -> list[int]:
+        """The rows of `heads` heads of `size` rows each, in a tensor of every head's, head after head."""
+        return list(range(heads.start * size, heads.stop * size))
 
     def _ungroup(self, keys: tuple[int, ...], w: torch.Tensor) -> torch.Tensor:
         """Rows grouped by key head (each key head's `keys` parts, then two of its value heads') -> each part's rows
         for every head together, in order."""
-        per_value = self.value_heads // self.key_heads * (self.value_dim if keys else 1)
+        per_value = self.per_key * (self.value_dim if keys else 1)
         sizes = [*keys, per_value, per_value]
-        parts = w.view(self.key_heads, sum(sizes), -1).split(sizes, 1)
+        parts = w.view(self.all_key_heads, sum(sizes), -1).split(sizes, 1)
         return torch.cat([part.flatten(0, 1) for part in parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
