@@ -225,12 +225,19 @@ def test_generate_with_hooks_runs_its_own_state_slots(hooked):
     assert len(blocks.free_states) == blocks.num_states and not blocks.state_of
 
 
-def test_patching_equals_transformer_lens_looping_over_vlens(hooked):
+@pytest.mark.parametrize("slots", [None, 3], ids=["slots_enough", "one_copy_a_forward"])
+def test_patching_equals_transformer_lens_looping_over_vlens(hooked, tmp_path, slots):
     """Copies of a text run from position 0 (a linear layer's state at a copy's first changed position is not
-    kept): vlens's patching module gives what TransformerLens's, one run_with_hooks per patch, gives."""
+    kept): vlens's patching module gives what TransformerLens's, one run_with_hooks per patch, gives; with 3 state
+    slots, 2 held by the corrupted run, the copies run one a forward."""
     from transformer_lens import patching as theirs
 
+    from vlens import HookedLM
     from vlens import patching as ours
+
+    if slots is not None:
+        path = build(text_config(), tmp_path, "qwen3_5")
+        hooked = HookedLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=slots)
 
     clean = torch.tensor(sequences((9, 9)))
     corrupted = clean.clone()
