@@ -233,7 +233,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
-               "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2",
+               "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "lfm2_vl": "lfm2_multimodal"}  # fmt: skip
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -466,7 +466,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 norms[p + kind.split(".")[0]] = block.get_submodule(path)
         for norm, path in fam.post_norms.items():  # (their outputs are hook_attn_out and hook_mlp_out)
             norms[p + norm] = block.get_submodule(path)
-        mlp = getattr(block, "mlp", None)  # (OPT keeps its MLP's projections on the layer)
+        mlp = getattr(block, "mlp", None) or getattr(block, "feed_forward", None)  # (OPT keeps its MLP's projections
+        # on the layer; LFM2 names it feed_forward)
         parallel = getattr(cfg, "use_parallel_residual", False)
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:
@@ -515,12 +516,17 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
 
     for prefix, module in norms.items():
         got[prefix + ".hook_scale"], got[prefix + ".hook_normalized"] = norm_inner(module, raw[prefix])
-    for layer in layers:  # TransformerLens's expert weights [E]: gpt-oss's chosen weights (zeros elsewhere), or the
-        # softmax over every expert where the router takes the top k of it
+    for layer in layers:  # TransformerLens's expert weights [E]: gpt-oss's chosen weights (zeros elsewhere), LFM2-MoE's
+        # sigmoid of every logit, or the softmax over every expert where the router takes the top k of it
         if f"blocks.{layer}.router" in raw:
             logits, scores, ids = raw.pop(f"blocks.{layer}.router")
-            softmax_first = getattr(blocks[layer].mlp, "router", None) is None
-            weights = logits.float().softmax(-1) if softmax_first else torch.zeros_like(logits).scatter(-1, ids, scores)
+            moe = getattr(blocks[layer], "mlp", None) or blocks[layer].feed_forward
+            if hasattr(moe, "use_expert_bias"):
+                weights = logits.sigmoid()
+            elif getattr(moe, "router", None) is None:
+                weights = logits.float().softmax(-1)
+            else:
+                weights = torch.zeros_like(logits).scatter(-1, ids, scores)
             got[f"blocks.{layer}.mlp.hook_expert_weights"] = weights.to(logits.dtype)
     t = len(ids)
     rotated = _pair_rotations(rotated, name, [own for own, r in zip(own_kv, rope) if r])

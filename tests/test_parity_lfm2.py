@@ -21,7 +21,7 @@ from family_parity import (
     load_pair,
     sequences,
 )
-from transformers import Lfm2Config
+from transformers import Lfm2Config, Lfm2MoeConfig
 
 from vlens import LLM
 
@@ -33,8 +33,17 @@ def lfm2_config(**overrides) -> Lfm2Config:
                                       layer_types=layers, tie_embedding=True) | overrides))  # fmt: skip
 
 
+def lfm2_moe_config() -> Lfm2MoeConfig:
+    """LFM2-MoE: the first layer's MLP dense, then experts (top 2 of 4) scored by sigmoids, chosen with a bias."""
+    sizes = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+    return Lfm2MoeConfig(**(sizes | dict(num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32,
+                                         num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+                                         routed_scaling_factor=1.5, layer_types=["conv", "full_attention", "conv"])))
+
+
 CONFIGS = {
     "lfm2": lfm2_config,
+    "lfm2_moe": lfm2_moe_config,
     # (biased convolutions, no width adjustment, attention first, untied)
     "lfm2_conv_bias": lambda: lfm2_config(conv_bias=True, block_auto_adjust_ff_dim=False, tie_embedding=False,
                                           layer_types=["full_attention", "conv", "conv"]),
@@ -55,6 +64,9 @@ def test_config_is_read_as_intended(family):
     name, _, llm, hf = family
     cfg = llm.config
     assert cfg.family == "lfm2" and cfg.norm == "rms" and cfg.qk_norm == "head"
+    moe = name == "lfm2_moe"
+    assert cfg.moe_layers == ((False, True, True) if moe else ()) and cfg.sigmoid_routing == cfg.expert_bias == moe
+    assert cfg.routed_scaling == (1.5 if moe else 1.0)
     assert cfg.conv_layers == tuple(kind == "conv" for kind in hf.config.layer_types) and cfg.conv_kernel == 3
     assert cfg.conv_bias == (name == "lfm2_conv_bias")
     # (HF's MLP: two thirds of 144, rounded up to a multiple of 16; or 144 as configured)
@@ -115,5 +127,6 @@ def test_tensor_parallel_is_refused(tmp_path):
         LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=2)
 
 
-def test_bfloat16_taps(tmp_path):
-    check_bfloat16_taps(lfm2_config(conv_bias=True), tmp_path)
+@pytest.mark.parametrize("config", [lambda: lfm2_config(conv_bias=True), lfm2_moe_config], ids=["lfm2", "lfm2_moe"])
+def test_bfloat16_taps(tmp_path, config):
+    check_bfloat16_taps(config(), tmp_path)

@@ -109,12 +109,31 @@ def _lfm2(hf: Any) -> dict[str, Any]:
         if hf.block_ffn_dim_multiplier is not None:
             size = int(hf.block_ffn_dim_multiplier * size)
             size = hf.block_multiple_of * -(-size // hf.block_multiple_of)
+    return _lfm2_layers(hf) | dict(intermediate_size=size)
+
+
+def _lfm2_layers(hf: Any) -> dict[str, Any]:
     return dict(
-        intermediate_size=size,
         norm_eps=hf.norm_eps,
         conv_layers=tuple(kind == "conv" for kind in hf.layer_types),
         conv_kernel=hf.conv_L_cache,
         conv_bias=bool(hf.conv_bias),
+    )
+
+
+def _lfm2_moe(hf: Any) -> dict[str, Any]:
+    """LFM2's MoE models (8B-A1B): LFM2's layers, the first `num_dense_layers` with its MLP, the others routed experts
+    scored by the sigmoid of the router's logits, chosen by the score plus a learned bias per expert."""
+    n = hf.num_hidden_layers
+    return _lfm2_layers(hf) | dict(
+        num_experts=hf.num_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        moe_layers=tuple(i >= hf.num_dense_layers for i in range(n)),
+        sigmoid_routing=True,
+        expert_bias=bool(hf.use_expert_bias),
+        routed_scaling=float(hf.routed_scaling_factor),
     )
 
 
@@ -324,6 +343,7 @@ GEMMA4 = GEMMA | {"family": "gemma4", "norm": "rms_float", "qk_norm": "head", "v
 # projection, rotary in float32.
 OLMO = {"family": "olmo", "norm": "rms_float", "pre_norms": False, "post_norms": True, "qk_norm": "projection",
         "rope_float32": True}  # fmt: skip
+LFM2 = {"family": "lfm2", "qk_norm": "head", "qkv_bias": False, "o_bias": False, "hidden_act": "silu"}
 QWEN3_5 = {"family": "qwen3_5", "norm": "rms_offset", "qk_norm": "head", "attn_output_gate": True}
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True, "rotary_pairs": True}
@@ -384,9 +404,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5MoeForCausalLM": Architecture(QWEN3_5 | {"round_routing_weights": True}, _qwen3_5_moe),
     "Qwen3NextForCausalLM": Architecture(QWEN3_5 | {"round_routing_weights": True}, _qwen3_next),
     # LFM2: Llama's attention (q/k norms head by head, out_proj) on a few layers, gated short convolutions on the rest
-    "Lfm2ForCausalLM": Architecture(
-        {"family": "lfm2", "qk_norm": "head", "qkv_bias": False, "o_bias": False, "hidden_act": "silu"}, _lfm2
-    ),
+    "Lfm2ForCausalLM": Architecture(LFM2, _lfm2),
+    "Lfm2MoeForCausalLM": Architecture(LFM2, _lfm2_moe),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -473,6 +492,7 @@ MODEL_TYPES = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
@@ -552,6 +572,11 @@ class ModelConfig:
     swiglu_clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its experts' clamped SwiGLU (and
     # their biases)
     round_routing_weights: bool = False  # Qwen-MoE, OLMoE: those weights rounded to the model dtype before use
+    # LFM2-MoE: each expert's score is the sigmoid of its logit (not a softmax), the top k chosen by score plus a
+    # learned bias per expert (`expert_bias`), their scores renormalised (plus 1e-6) and times `routed_scaling`
+    sigmoid_routing: bool = False
+    expert_bias: bool = False
+    routed_scaling: float = 1.0
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     # Gemma 4 26B-A4B: the routed experts run beside a dense MLP (both read the stream, each output normed, their

@@ -1,7 +1,7 @@
-"""Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B): a linear router picks the top-k
-of E gated experts per token, weighted by their softmax probabilities (renormalised over the chosen k where the
-model says so; gpt-oss: the softmax of the chosen k logits alone); Qwen2-MoE adds an always-on shared expert
-scaled by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU
+"""Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B, Qwen 3.5's, LFM2-MoE): a linear
+router picks the top-k of E gated experts per token, weighted by their softmax probabilities (renormalised over the
+chosen k where the model says so; gpt-oss: the softmax of the chosen k logits alone; LFM2-MoE: sigmoids, chosen with
+a learned bias per expert); Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU
 (`ClampedExperts`); Gemma 4's router reads a normed, scaled stream and scales each expert's weight
 (`NormedRouter`), and its experts run beside a dense MLP (vlens.models.gemma4).
 
@@ -169,20 +169,26 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class Routing:
     """How a router's logits [T, E] become each token's k experts and their weights, with the taps there: the
     softmax over every expert, its top k (renormalised where the model says so; gpt-oss: the softmax of the top k
-    logits alone), rounded to the logits' dtype where the model does (Qwen-MoE, OLMoE)."""
+    logits alone; LFM2-MoE: each expert's sigmoid, the top k of it plus a learned bias), rounded to the logits' dtype
+    where the model does (Qwen-MoE, OLMoE)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
-        self.softmax_after_topk = cfg.softmax_after_topk
+        self.softmax_after_topk, self.sigmoid = cfg.softmax_after_topk, cfg.sigmoid_routing
+        self.scaling = cfg.routed_scaling
         self.round_weights = cfg.round_routing_weights
         p = f"blocks.{layer}.mlp."
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
         self.hook_expert_weights = p + "hook_expert_weights"
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], expert ids [T, k])."""
+    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]); `bias` [E]: what the choice adds to each expert's score (LFM2-MoE)."""
         logits = tap(self.hook_router_logits, logits)
-        if self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
+        if self.sigmoid:  # (TransformerLens's expert weights: every expert's score)
+            scores = tap(self.hook_expert_weights, logits.sigmoid())
+            ids = (scores if bias is None else scores + bias.float()).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, ids)
+        elif self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
             top, ids = logits.topk(self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
             if tapped(self.hook_expert_weights):  # (TransformerLens's [E]: the chosen k's weights, zeros elsewhere)
@@ -197,7 +203,9 @@ class Routing:
                 probabilities = probabilities if edited is seen else edited.float()
             weights, ids = probabilities.topk(self.top_k, dim=-1)
         if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-6 if self.sigmoid else 0))
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         if self.round_weights:
             weights = weights.to(logits.dtype)
         return weights, tap(self.hook_expert_ids, ids)
@@ -233,6 +241,7 @@ class SparseMoE(nn.Module):
             experts = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, expert_names)
             self.experts = Experts(*experts, cfg.parallel)
         self.routing = Routing(cfg, layer)
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None  # (LFM2-MoE's)
         self.stored_as = stored_as
         p = f"blocks.{layer}.mlp."
         self.shared = cfg.shared_expert_intermediate_size > 0
@@ -248,10 +257,12 @@ class SparseMoE(nn.Module):
         slots: dict[str, Slot] = {}
         for name, child in self.named_children():
             slots |= checkpoint_slots(child, f"{stored}.{router if name == 'gate' else name}")
+        if self.expert_bias is not None:
+            slots[f"{stored}.expert_bias"] = Slot(self.expert_bias)
         return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.routing(self.gate(x))
+        weights, ids = self.routing(self.gate(x), self.expert_bias)
         out = self.experts(x, ids, weights)
         if self.shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,7 +1,8 @@
 """LFM2 (Liquid): Llama's layer (its attention's output projection named out_proj, its q/k norms q_layernorm and
 k_layernorm, its MLP's projections w1, w3, w2) on a few layers, and on the others (`conv_layers`) a gated short
 convolution in place of attention (vlens.layers.short_conv), whose last inputs per sequence the runner keeps in
-state slots; its final norm is named embedding_norm."""
+state slots; its final norm is named embedding_norm. LFM2-MoE: routed experts, scored by sigmoids, on its later
+layers' MLPs."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import torch
 
 from vlens.config import ModelConfig
 from vlens.layers.mlp import GatedMLP
+from vlens.layers.moe import SparseMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.short_conv import GatedShortConv
 from vlens.models.base import ResidualBlock, Rope
-from vlens.models.llama import CausalLM, DecoderModel, OutProjAttention
+from vlens.models.llama import MOE_CHECKPOINT_NAMES, CausalLM, DecoderModel, OutProjAttention
 
 
 class Lfm2Attention(OutProjAttention):
@@ -29,9 +31,12 @@ class Lfm2DecoderLayer(ResidualBlock):
         else:
             self.self_attn = Lfm2Attention(cfg, layer)
         self.ffn_norm = make_norm(cfg)
-        hook = f"blocks.{layer}.mlp.hook_post"
-        self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, hook,
-                                     parallel=cfg.parallel, names=("w1", "w3", "w2"))  # fmt: skip
+        if cfg.is_moe_layer(layer):  # (LFM2-MoE)
+            self.feed_forward = SparseMoE(cfg, layer, *MOE_CHECKPOINT_NAMES[cfg.architecture])
+        else:
+            hook = f"blocks.{layer}.mlp.hook_post"
+            self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, False, hook,
+                                         parallel=cfg.parallel, names=("w1", "w3", "w2"))  # fmt: skip
 
     ln1 = property(lambda self: self.operator_norm)
     ln2 = property(lambda self: self.ffn_norm)

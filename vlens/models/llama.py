@@ -32,6 +32,7 @@ MOE_CHECKPOINT_NAMES = {
     "GptOssForCausalLM": (("mlp", "router"), ("", "", "")),
     "Qwen3_5MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Qwen3NextForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
+    "Lfm2MoeForCausalLM": (("feed_forward", "gate"), ("w1", "w3", "w2")),
 }
 
 
