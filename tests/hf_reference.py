@@ -149,6 +149,12 @@ FAMILIES = {
         final_norm="model.final_layernorm",
     ),
     "lfm2": LFM2,
+    "bamba": replace(  # Llama's layer under Bamba's names (its final norm final_layernorm); Mamba 2 mixers beside
+        LLAMA,
+        outputs=LLAMA.outputs | {"ln2.hook_out": "pre_ff_layernorm", "hook_mlp_out": "feed_forward"},
+        inputs=LLAMA.inputs | {"hook_resid_mid": "pre_ff_layernorm", "mlp.hook_post": "feed_forward.down_proj"},
+        final_norm="model.final_layernorm",
+    ),
     "lfm2_multimodal": replace(LFM2, **TEXT_MODEL | dict(final_norm="model.language_model.embedding_norm")),
     "gpt2": Family(
         layers="transformer.h",
@@ -234,6 +240,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
+               "bamba": "bamba",
                "lfm2_vl": "lfm2_multimodal"}  # fmt: skip
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -362,6 +369,29 @@ def _recording_convolutions(block, store: list):
 
 
 @contextlib.contextmanager
+def _recording_scans(block, store: list):
+    """Record each call of HF's Mamba 2 chunked scan (Bamba's): (its time steps after dt_bias and softplus, as the
+    scan computes them, [B, T, heads]; its output [B, T, heads, head dim])."""
+    module = sys.modules[type(block).__module__]
+    original = getattr(module, "mamba2_chunk_scan", None)
+    if original is None:
+        yield
+        return
+
+    def recording(hidden_states, dt, *args, dt_bias=None, **kwargs):
+        out = original(hidden_states, dt, *args, dt_bias=dt_bias, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        store.append((torch.nn.functional.softplus(dt + dt_bias.to(dt.dtype)), y.clone()))
+        return out
+
+    module.mamba2_chunk_scan = recording
+    try:
+        yield
+    finally:
+        module.mamba2_chunk_scan = original
+
+
+@contextlib.contextmanager
 def _recording_softmax(store: list):
     """Record the input and output of every attention softmax ([B, heads, q, k]), call by call: HF's eager
     attention scores (scaled, soft-capped, the additive mask's huge negatives where keys are forbidden)
@@ -407,10 +437,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
     # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
     own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]
-    # (per layer: a linear-attention layer, Qwen 3.5's, or a short convolution, LFM2's, in place of attention)
-    layer_types = getattr(cfg, "layer_types", None) or [None] * n
-    linear, conv = [kind == "linear_attention" for kind in layer_types], [kind == "conv" for kind in layer_types]
-    attends = [not (lin or c) for lin, c in zip(linear, conv)]
+    # (per layer: a linear-attention layer, Qwen 3.5's, a short convolution, LFM2's, or a Mamba 2 mixer, Bamba's, in
+    # place of attention)
+    linear, ssm = [hasattr(b, "linear_attn") for b in blocks], [hasattr(b, "mamba") for b in blocks]
+    conv = [hasattr(b, "conv") and not hasattr(b, "self_attn") for b in blocks]
+    attends = [not (lin or c or s) for lin, c, s in zip(linear, conv, ssm)]
     rope = [r and a for r, a in zip(rope, attends)]
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
@@ -434,6 +465,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             handles.append(block.linear_attn.norm.register_forward_hook(  # (its second input: the gate's, z)
                 lambda m, a, o, key=p + "linear_attn.hook_gate": got.__setitem__(key, a[1].clone())))
             on_input(block.linear_attn.out_proj, p + "linear_attn.hook_z")
+        elif ssm[layer]:  # (the rest from HF's conv and scan calls, below)
+            on_output(block.mamba, p + "hook_attn_out")
+            handles.append(block.mamba.norm.register_forward_hook(  # (its second input: the gate's, z)
+                lambda m, a, o, key=p + "mamba.hook_gate": got.__setitem__(key, a[1][0].clone())))
+            on_input(block.mamba.out_proj, p + "mamba.hook_z")
         elif conv[layer]:  # (its convolution's output from HF's conv calls, below)
             on_output(block.conv, p + "hook_attn_out")
             on_output(block.conv.in_proj, p + "conv.bcx", raw)
@@ -498,6 +534,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     softmaxes: list[tuple[torch.Tensor, torch.Tensor]] = []
     deltas: list[tuple[torch.Tensor, ...]] = []
     convolved: list[torch.Tensor] = []
+    scans: list[tuple[torch.Tensor, torch.Tensor]] = []
     implementation = hf_model.config._attn_implementation
     if patterns:
         hf_model.set_attn_implementation("eager")  # the attention whose scores can be recorded
@@ -507,6 +544,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             _recording_softmax(softmaxes),
             _recording_delta_rule(blocks[0], deltas),
             _recording_convolutions(blocks[0], convolved),
+            _recording_scans(blocks[0], scans),
         ):
             out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     finally:
@@ -550,6 +588,14 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             for kind, x in zip(("hook_b", "hook_c", "hook_x"), raw[p + "conv.bcx"].chunk(3, -1)):
                 got[p + "conv." + kind] = x
             got[p + "conv.hook_conv_out"] = convolved[sum(conv[:layer])][0].T
+            continue
+        if ssm[layer]:  # (the convolution's output, after its activation: x, B, C; the scan's time steps and output)
+            mixer, nth = blocks[layer].mamba, sum(ssm[:layer])
+            groups = (mixer.n_groups, mixer.ssm_state_size)
+            x, b, c = convolved[nth][0].T.split([mixer.intermediate_size, *(groups[0] * groups[1],) * 2], -1)
+            got[p + "mamba.hook_x"] = x.reshape(t, mixer.num_heads, mixer.head_dim)
+            got[p + "mamba.hook_b"], got[p + "mamba.hook_c"] = b.reshape(t, *groups), c.reshape(t, *groups)
+            got[p + "mamba.hook_dt"], got[p + "mamba.hook_ssm_out"] = (v[0] for v in scans[nth])
             continue
         if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import COMMON, build
+from test_parity_bamba import bamba_config
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_qwen3_5 import text_config as qwen3_5_config
@@ -53,6 +54,8 @@ FAMILIES = {  # family -> (config, a hook of its MLP to capture)
         lambda: qwen3_5_config(layer_types=["full_attention", "full_attention", "linear_attention"]),
         "blocks.2.linear_attn.hook_z",
     ),
+    # a Mamba 2 mixer (its chunked scan and its SSM states through the same buffers) after two attention layers
+    "bamba": (lambda: bamba_config(attn_layer_indices=[0, 1]), "blocks.2.mamba.hook_ssm_out"),
 }
 D = COMMON["hidden_size"]
 

@@ -137,6 +137,22 @@ def _lfm2_moe(hf: Any) -> dict[str, Any]:
     )
 
 
+def _bamba(hf: Any) -> dict[str, Any]:
+    """Bamba (IBM): Mamba 2 mixers on most layers, attention over half-rotary heads on `attn_layer_indices`."""
+    return dict(
+        ssm_layers=tuple(kind == "linear_attention" for kind in hf.layers_block_type),
+        ssm_heads=hf.mamba_n_heads,
+        ssm_head_dim=hf.mamba_d_head,
+        ssm_groups=hf.mamba_n_groups,
+        ssm_state_size=hf.mamba_d_state,
+        ssm_conv_kernel=hf.mamba_d_conv,
+        ssm_conv_bias=bool(hf.mamba_conv_bias),
+        ssm_proj_bias=bool(hf.mamba_proj_bias),
+        ssm_dt_limit=tuple(hf.time_step_limit or (0.0, float("inf"))),
+        mlp_bias=bool(hf.mlp_bias),
+    )
+
+
 def _gemma2(hf: Any) -> dict[str, Any]:
     return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
 
@@ -406,6 +422,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # LFM2: Llama's attention (q/k norms head by head, out_proj) on a few layers, gated short convolutions on the rest
     "Lfm2ForCausalLM": Architecture(LFM2, _lfm2),
     "Lfm2MoeForCausalLM": Architecture(LFM2, _lfm2_moe),
+    # Bamba: Llama's layer under its own norm names (pre_ff_layernorm, final_layernorm), Mamba 2 mixers on most layers
+    "BambaForCausalLM": Architecture({"family": "bamba"}, _bamba, windowed=False),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -493,6 +511,7 @@ MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
+    "bamba": "BambaForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
@@ -614,6 +633,18 @@ class ModelConfig:
     conv_layers: tuple[bool, ...] = ()
     conv_kernel: int = 0
     conv_bias: bool = False
+    # Bamba, per layer: True where a Mamba 2 mixer (an SSM state per head, after a causal convolution) stands in for
+    # attention; () = none. Its heads, their size, the groups B and C are shared by, the state size, the convolution's
+    # width and biases, and the time step's clamp
+    ssm_layers: tuple[bool, ...] = ()
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_groups: int = 0
+    ssm_state_size: int = 0
+    ssm_conv_kernel: int = 0
+    ssm_conv_bias: bool = False
+    ssm_proj_bias: bool = False
+    ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
@@ -629,15 +660,18 @@ class ModelConfig:
     def is_conv_layer(self, layer: int) -> bool:
         return bool(self.conv_layers) and self.conv_layers[layer]
 
+    def is_ssm_layer(self, layer: int) -> bool:
+        return bool(self.ssm_layers) and self.ssm_layers[layer]
+
     def attends(self, layer: int) -> bool:
-        """Whether the layer mixes its tokens by attention (else a linear-attention layer or a short convolution,
-        which keep a state per sequence)."""
-        return not (self.is_linear_layer(layer) or self.is_conv_layer(layer))
+        """Whether the layer mixes its tokens by attention (else a linear-attention layer, a short convolution or a
+        Mamba 2 mixer, which keep a state per sequence)."""
+        return not (self.is_linear_layer(layer) or self.is_conv_layer(layer) or self.is_ssm_layer(layer))
 
     @property
     def keeps_states(self) -> bool:
         """Whether some layer keeps a state per sequence between forwards (vlens.layers.slot_states)."""
-        return any(self.linear_layers) or any(self.conv_layers)
+        return any(self.linear_layers) or any(self.conv_layers) or any(self.ssm_layers)
 
     def head_dim_at(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim

@@ -65,6 +65,18 @@ def tap(name: str, x: torch.Tensor) -> torch.Tensor:
     return x if t is None else t(x)
 
 
+def tap_widened(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x`, kept in a wider dtype than the model's (HF's float32 decays and scans), as the tap at `name` leaves it: the
+    tap sees it in `dtype`, as every tap's rows are of the model's dtype; `x` itself unless an edit gives another
+    value, which is carried on in x's dtype."""
+    t = _taps.get(name)
+    if t is None:
+        return x
+    rounded = x.to(dtype)
+    edited = t(rounded)
+    return x if edited is rounded else edited.to(x.dtype)
+
+
 def tapped(name: str) -> bool:
     """Whether some request uses site `name` in this forward (for taps whose value costs work to make)."""
     return name in _taps

@@ -68,6 +68,9 @@ LINEAR_ATTN_HOOKS = tuple(
 # LFM2's gated short convolutions, in place of attention's: the input projection's three parts (HF's B, C and x), the
 # convolution of B * x, and C times it, the output projection's input.
 CONV_HOOKS = tuple(f"conv.hook_{name}" for name in ("b", "c", "x", "conv_out", "z"))
+# Bamba's Mamba 2 mixers, in place of attention's: x, B, C after the convolution, the time step (after its bias and
+# softplus), the scan's output, the gate's input, and the gated norm's output, the output projection's input.
+MAMBA_HOOKS = tuple(f"mamba.hook_{name}" for name in ("x", "b", "c", "dt", "ssm_out", "gate", "z"))
 ATTN_INPUT_HOOKS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 # Layer hooks that are other names of a tap (TransformerLens's), as hidden_states.{i} are of the residual stream's.
 LAYER_ALIASES = {"mlp.hook_expert_indices": "mlp.hook_expert_ids"}
@@ -117,7 +120,7 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     (POST_NORMED) before the output each one makes. A layer that attends to another's keys and values (Gemma 4's
     shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post. A
     linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's, a short convolution (LFM2's)
-    CONV_HOOKS; a gated attention head its gate's input before hook_z."""
+    CONV_HOOKS, a Mamba 2 mixer (Bamba's) MAMBA_HOOKS; a gated attention head its gate's input before hook_z."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
@@ -125,7 +128,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     if cfg.kv_layer_at(layer) != layer:
         hooks = [h for h in hooks if h not in OWN_KV_HOOKS]
     if not cfg.attends(layer):
-        at, mixer = hooks.index("attn.hook_q"), LINEAR_ATTN_HOOKS if cfg.is_linear_layer(layer) else CONV_HOOKS
+        at = hooks.index("attn.hook_q")
+        mixer = MAMBA_HOOKS if cfg.is_ssm_layer(layer) else CONV_HOOKS if cfg.is_conv_layer(layer) else LINEAR_ATTN_HOOKS
         hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(mixer) + [
             h for h in hooks[at:] if not h.startswith("attn.")
         ]
@@ -202,6 +206,13 @@ def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) ->
         "linear_attn.hook_k": (cfg.linear_key_heads, cfg.linear_key_dim),
         **{f"linear_attn.hook_{name}": (cfg.linear_value_heads, cfg.linear_value_dim)
            for name in ("v", "core_out", "gate", "z")},  # fmt: skip
+        "mamba.hook_x": (cfg.ssm_heads, cfg.ssm_head_dim),
+        "mamba.hook_b": (cfg.ssm_groups, cfg.ssm_state_size),
+        "mamba.hook_c": (cfg.ssm_groups, cfg.ssm_state_size),
+        "mamba.hook_dt": (cfg.ssm_heads,),
+        "mamba.hook_ssm_out": (cfg.ssm_heads, cfg.ssm_head_dim),
+        "mamba.hook_gate": (cfg.ssm_heads * cfg.ssm_head_dim,),
+        "mamba.hook_z": (cfg.ssm_heads * cfg.ssm_head_dim,),
         "linear_attn.hook_beta": (cfg.linear_value_heads,),
         "linear_attn.hook_decay": (cfg.linear_value_heads,),
         "attn.hook_result": (heads, d),

@@ -47,8 +47,8 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     """What in the model a split in `size` ranks cannot cut evenly, or None."""
     if cfg.per_layer_input_size and size > 1:  # (a second embedding as wide as every layer's inputs together)
         return "is more than one process, and Gemma 4's per-layer embeddings run in one"
-    if any(cfg.conv_layers) and size > 1:
-        return "is more than one process, and LFM2's short convolutions run in one"
+    if (any(cfg.conv_layers) or any(cfg.ssm_layers)) and size > 1:
+        return "is more than one process, and LFM2's short convolutions and Bamba's Mamba 2 mixers run in one"
     dense = not cfg.moe_layers or not all(cfg.moe_layers) or cfg.experts_beside_mlp
     sizes = {
         "num_attention_heads": cfg.num_heads,

@@ -24,7 +24,7 @@ from torch import nn
 
 from vlens.attention.metadata import CHUNK, AttentionMetadata, LinearChunks
 from vlens.config import ModelConfig
-from vlens.context import get_context, tap, tapped
+from vlens.context import get_context, tap, tap_widened
 from vlens.layers.causal_conv import CausalConv
 from vlens.layers.checkpoint import Slot
 from vlens.layers.linear import FusedLinear, RowLinear
@@ -139,11 +139,7 @@ class GatedDeltaNet(SlotStates):
         k = tap(self.hook_k, k.reshape(t, self.key_heads, self.key_dim))
         v = tap(self.hook_v, v.reshape(t, self.value_heads, self.value_dim))
         beta = tap(self.hook_beta, b.sigmoid())
-        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (float32)
-        if tapped(self.hook_decay):  # (its rows in the model's dtype, as every tap's; an edit carried on in float32)
-            rounded = decay.to(x.dtype)
-            edited = tap(self.hook_decay, rounded)
-            decay = decay if edited is rounded else edited.float()
+        decay = tap_widened(self.hook_decay, -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), x.dtype)
         out = tap(self.hook_core_out, self.delta_rule(q, k, v, decay, beta, meta).to(x.dtype))
         gate = tap(self.hook_gate, gate.reshape(t, self.value_heads, self.value_dim))
         z = tap(self.hook_z, self.norm(out, gate))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlens.config import ModelConfig
+from vlens.models.bamba import BambaForCausalLM
 from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
@@ -39,6 +40,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "phi": PhiForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "bamba": BambaForCausalLM,
 }
 
 

@@ -1,0 +1,90 @@
+"""Bamba (IBM) against HF on tiny random checkpoints: Mamba 2 mixers (x, B, C after a biased causal convolution; an
+SSM state per head; B and C shared by a group of heads; D's skip; the output gated and normed by groups) on most
+layers, attention over half-rotary heads on the others; every tap, packed against alone (sequences past one 64-row
+chunk), greedy generation through the paged cache and the state slots (chunked prefill, preemption, emulated decode
+graphs); bfloat16 bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+from family_parity import (
+    COMMON,
+    GenerationParity,
+    TapParity,
+    build,
+    check_bfloat16_taps,
+    check_every_tap,
+    check_generation,
+    family_fixture,
+    load_pair,
+    sequences,
+)
+from transformers import BambaConfig
+
+from vlens import LLM
+
+
+def bamba_config(**overrides) -> BambaConfig:
+    sizes = dict(num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=8,
+                 mamba_expand=2, attn_layer_indices=[1], mamba_chunk_size=64)  # fmt: skip
+    return BambaConfig(**(COMMON | sizes | overrides))
+
+
+CONFIGS = {
+    "bamba": bamba_config,
+    # (one group of B and C for all heads, attention first, biased projections)
+    "bamba_one_group": lambda: bamba_config(mamba_n_groups=1, attn_layer_indices=[0], mamba_proj_bias=True,
+                                            mamba_conv_bias=False),  # fmt: skip
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    generation_hooks = ("blocks.2.mamba.hook_ssm_out", "blocks.2.mamba.hook_z")
+
+    def required_hooks(self, llm):
+        return [f"blocks.2.mamba.hook_{kind}" for kind in ("x", "b", "c", "dt", "ssm_out", "gate", "z")]
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, hf = family
+    cfg = llm.config
+    assert cfg.family == "bamba" and cfg.rotary_dim == 8  # (half of each 16-wide head)
+    assert cfg.ssm_layers == tuple(kind == "linear_attention" for kind in hf.config.layers_block_type)
+    assert (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_conv_kernel) == (4, 32, 8, 4)
+    assert cfg.ssm_groups == (1 if name == "bamba_one_group" else 2)
+    assert len(llm.runner.kv_cache) == 1 and not llm.engine.blocks.enable_prefix_caching
+
+
+def test_chunks_match_hf(family):
+    _, _, llm, hf = family
+    check_every_tap(llm, hf, sequences((1, 64, 65, 127)))
+
+
+def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
+    """Prompts fed 32 tokens a step (each chunk continuing its convolutions' inputs and SSM states), a cache small
+    enough to preempt, decode steps replayed from emulated CUDA graphs: HF generate's tokens and hidden states."""
+    from replayed_graphs import replay_graphs
+
+    path = build(bamba_config(), tmp_path, "bamba")
+    _, hf = load_pair(path)
+    # (94 KiB: half of it holds 4 state slots of the two mixers, 11.75 KiB each; the rest 47 blocks of 4 tokens of the
+    # attention layer's keys and values, 1 KiB each, fewer than the three sequences need together)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=3,
+              kv_cache_memory=94 * 1024)  # fmt: skip
+    assert llm.engine.blocks.num_states == 3 and len(llm.engine.blocks.blocks) == 47
+    replay_graphs(llm.runner)
+    check_generation(llm, hf, sequences((100, 90, 80)), max_tokens=10, extra_hooks=("blocks.0.mamba.hook_z",))
+    stats = llm.runner.graph_stats
+    assert stats.graph_steps > 0 and stats.eager_steps > 3 and llm.engine.scheduler.num_preemptions > 0
+
+
+def test_tensor_parallel_is_refused(tmp_path):
+    path = build(bamba_config(), tmp_path, "bamba")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 is more than one process, .* Mamba 2 mixers"):
+        LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=2)
+
+
+def test_bfloat16_taps(tmp_path):
+    check_bfloat16_taps(bamba_config(), tmp_path)

@@ -1,0 +1,161 @@
+"""Mamba 2 mixers (state space duality, SSD): the token mixer of Bamba's layers, with HF's numerics and its taps.
+
+One projection gives the gate z, the convolution's input (x, B and C together) and each head's time step dt. After
+the causal convolution (vlens.layers.causal_conv) and its activation, each head h keeps a state S [head dim, state
+size] (float32, in the runner's state slots: vlens.layers.slot_states); per token, with dt = softplus(dt + dt_bias)
+and A = -exp(A_log): S = exp(dt * A) S + dt * x Bᵀ, and the output is S C + D x (B and C shared by the heads of a
+group). Prompts run chunk by chunk (HF's chunked form, SSD's: within a chunk an attention-like product of C and B
+under the decays, across chunks the states carried sequence by sequence; the chunks' layout is linear attention's,
+vlens.attention.metadata.chunk_layout); a step in which every sequence feeds one token runs the recurrence itself.
+The output, gated by silu(z), is RMS-normalised group by group and projected back.
+
+Taps, under `blocks.L.mamba.`: hook_x [heads, head dim], hook_b and hook_c [groups, state size] (after the
+convolution), hook_dt [heads] (after dt_bias and softplus), hook_ssm_out [heads, head dim] (the scan's output, D's
+skip included), hook_gate [inner] (z) and hook_z [inner] (the gated norm's output, the output projection's input, as
+attn.hook_z is).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlens.attention.metadata import CHUNK, AttentionMetadata, LinearChunks
+from vlens.config import ModelConfig
+from vlens.context import get_context, tap, tap_widened
+from vlens.layers.causal_conv import CausalConv
+from vlens.layers.mlp import activation
+from vlens.layers.slot_states import Shapes, SlotStates, step_slots
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """x times silu(gate) in float32, RMS-normalised group by group, cast back to x's dtype and scaled by w (HF's
+    order: Mamba 2's norm after the gate)."""
+
+    def __init__(self, dim: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        h = h.view(*h.shape[:-1], self.groups, -1)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return self.weight * h.to(x.dtype)
+
+
+class Mamba2Mixer(SlotStates):
+    """Bamba's `mamba`, its parameters named as HF's."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.heads, self.head_dim, self.groups = cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_groups
+        self.state_size, self.dt_limit = cfg.ssm_state_size, cfg.ssm_dt_limit
+        inner, d = self.heads * self.head_dim, cfg.hidden_size
+        channels = inner + 2 * self.groups * self.state_size
+        self.split = (inner, channels, self.heads)
+        self.in_proj = nn.Linear(d, sum(self.split), bias=cfg.ssm_proj_bias)
+        self.conv1d = CausalConv(channels, cfg.ssm_conv_kernel, bias=cfg.ssm_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GroupGatedRMSNorm(inner, self.groups, cfg.norm_eps)
+        self.out_proj = nn.Linear(inner, d, bias=cfg.ssm_proj_bias)
+        self.act = activation(cfg.hidden_act)
+        p = f"blocks.{layer}.mamba."
+        self.hook_x, self.hook_b, self.hook_c, self.hook_dt = p + "hook_x", p + "hook_b", p + "hook_c", p + "hook_dt"
+        self.hook_ssm_out, self.hook_gate, self.hook_z = p + "hook_ssm_out", p + "hook_gate", p + "hook_z"
+        self.state: torch.Tensor | None = None  # [slots, heads, head dim, state size]: the SSM states
+
+    def slot_shapes(self) -> Shapes:
+        return {"state": ((self.heads, self.head_dim, self.state_size), torch.float32)}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        meta, t = get_context().attention, h.shape[0]
+        gate, xbc, dt = self.in_proj(h).split(self.split, -1)
+        x, b, c = self.act(self.conv1d(xbc, meta)).split((self.split[0], *(self.groups * self.state_size,) * 2), -1)
+        x = tap(self.hook_x, x.reshape(t, self.heads, self.head_dim))
+        b = tap(self.hook_b, b.reshape(t, self.groups, self.state_size))
+        c = tap(self.hook_c, c.reshape(t, self.groups, self.state_size))
+        dt = tap(self.hook_dt, F.softplus(dt + self.dt_bias))
+        y = tap_widened(self.hook_ssm_out, self.scan(x, b, c, dt, meta), h.dtype)
+        gate = tap(self.hook_gate, gate)
+        z = tap_widened(self.hook_z, self.norm(y.flatten(1), gate), h.dtype)  # (float32 after a chunked scan)
+        return self.out_proj(z.to(h.dtype))
+
+    def scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, meta: AttentionMetadata):
+        """The scan's output [T, heads, head dim] (D's skip included): float32 where prompts run in chunks, the
+        model's dtype where every sequence feeds one token (as HF's two forms give it), from the sequences' saved
+        states (or zeros), which are saved again after."""
+        slots = step_slots(self, "state", meta)
+        a = -torch.exp(self.A_log.float())
+        per_group = self.heads // self.groups
+        b, c = (v.repeat_interleave(per_group, 1) for v in (b, c))  # [T, heads, state size]
+        batch = len(meta.query_lens)
+        shape = (batch, self.heads, self.head_dim, self.state_size)
+        state = x.new_zeros(shape, dtype=torch.float32) if slots is None else self.state[slots[0]] * slots[1][
+            :, None, None, None]  # fmt: skip
+        chunks = meta.linear_chunks
+        if chunks is None:  # (a row per sequence)
+            y, state = _recurrent_step(x, b, c, dt, a, self.D, state)
+        else:
+            dt = dt.clamp(*self.dt_limit)
+            y, before, state = x.new_empty(x.shape, dtype=torch.float32), state, state.clone()
+            rows, seqs = chunks.single_rows, chunks.single_seqs
+            if len(rows):
+                single, state[seqs] = _recurrent_step(x[rows], b[rows], c[rows], dt[rows], a, self.D, before[seqs])
+                y[rows] = single.float()
+            seqs = chunks.chunked_seqs
+            y[chunks.chunked_rows], state[seqs] = _chunked(x, b, c, dt, a, self.D, before[seqs], chunks)
+        if slots is not None:
+            self.state[slots[0]] = state
+        return y
+
+
+def _recurrent_step(
+    x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, d: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One token of each sequence (row i of sequence i), as HF's selective state update computes it."""
+    decay = torch.exp(dt.float()[..., None, None] * a[:, None, None])  # [B, heads, 1, 1]
+    state = state * decay + ((dt[..., None] * b)[:, :, None, :] * x[..., None])
+    y = (state.to(c.dtype) @ c[..., None])[..., 0]
+    return (y + x * d[:, None]).to(x.dtype), state
+
+
+def _chunked(
+    x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, d: torch.Tensor,
+    state: torch.Tensor, chunks: LinearChunks,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The same recurrence over the chunked sequences' rows (of all T rows), CHUNK at a time (SSD's chunked form, as
+    HF's chunk scan computes within a chunk): the rows' outputs (in `chunks.chunked_rows`' order, float32) and the
+    sequences' states after them."""
+    x, b, c = x.float(), b.float(), c.float()
+    skip = x * d.float()[:, None]
+    x = x * dt.float()[..., None]
+    log_decay = a * dt.float()  # [T, heads]
+    x, b, c, log_decay = (_in_chunks(v, chunks.rows) for v in (x, b, c, log_decay))  # [N, CHUNK, ...]
+    total = log_decay.cumsum(1)  # [N, CHUNK, heads]: from the chunk's start to each row
+    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=x.device).triu(1)
+    between = (total[:, :, None] - total[:, None]).masked_fill(later[..., None], float("-inf")).exp()  # [N, l, s, h]
+    within = torch.einsum("nlhs,nmhs->nlmh", c, b) * between
+    y = torch.einsum("nlmh,nmhp->nlhp", within, x)
+    to_end = torch.exp(total[:, -1:] - total)  # [N, CHUNK, heads]
+    made = torch.einsum("nlhs,nlh,nlhp->nhps", b, to_end, x)  # each chunk's own contribution to the state
+    chunk_decay = total[:, -1].exp()[..., None, None]  # [N, heads, 1, 1]
+    # (chunk N: zeros, which change no state: what a sequence reads past its last chunk)
+    c, total, made = (torch.cat([v, v.new_zeros(1, *v.shape[1:])]) for v in (c, total, made))
+    chunk_decay = torch.cat([chunk_decay, chunk_decay.new_ones(1, *chunk_decay.shape[1:])])
+    reads = y.new_empty(len(c), *y.shape[1:])
+    for s in range(chunks.table.shape[1]):
+        i = chunks.table[:, s]
+        reads[i] = torch.einsum("blhs,bhps->blhp", c[i], state) * total[i].exp()[..., None]
+        state = state * chunk_decay[i] + made[i]
+    y = (y + reads[:-1]).flatten(0, 1)[chunks.place]  # [Tc, heads, head dim]
+    return y + skip[chunks.chunked_rows], state
+
+
+def _in_chunks(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[T, ...] -> [N, CHUNK, ...]: the rows of each chunk, zeros past a sequence's last row (index T)."""
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows]

@@ -1,0 +1,47 @@
+"""Bamba (IBM): Llama's layer (half-rotary heads; its norms input_layernorm and pre_ff_layernorm, its MLP
+feed_forward, its final norm final_layernorm) on the layers `attn_layer_indices` names, and on the others
+(`ssm_layers`) a Mamba 2 mixer in place of attention (vlens.layers.mamba2), whose SSM states per sequence the runner
+keeps in state slots."""
+
+from __future__ import annotations
+
+import torch
+
+from vlens.config import ModelConfig
+from vlens.layers.mamba2 import Mamba2Mixer
+from vlens.layers.mlp import GatedMLP
+from vlens.layers.norm import make_norm
+from vlens.models.base import ResidualBlock, Rope
+from vlens.models.llama import CausalLM, DecoderModel, SelfAttention
+
+
+class BambaDecoderLayer(ResidualBlock):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(layer)
+        self.input_layernorm = make_norm(cfg)
+        self.is_ssm = cfg.is_ssm_layer(layer)
+        if self.is_ssm:
+            self.mamba = Mamba2Mixer(cfg, layer)
+        else:
+            self.self_attn = SelfAttention(cfg, layer)
+        self.pre_ff_layernorm = make_norm(cfg)
+        hook = f"blocks.{layer}.mlp.hook_post"
+        self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, hook,
+                                     parallel=cfg.parallel)  # fmt: skip
+
+    ln1 = property(lambda self: self.input_layernorm)
+    ln2 = property(lambda self: self.pre_ff_layernorm)
+    attn_heads = property(lambda self: self.self_attn)
+    mlp = property(lambda self: self.feed_forward)
+
+    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
+        return self.mamba(h) if self.is_ssm else self.self_attn(h, rope)
+
+
+class BambaModel(DecoderModel):
+    norm_name = "final_layernorm"
+
+
+class BambaForCausalLM(CausalLM):
+    layer_class = BambaDecoderLayer
+    model_class = BambaModel
