@@ -128,8 +128,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     if cfg.kv_layer_at(layer) != layer:
         hooks = [h for h in hooks if h not in OWN_KV_HOOKS]
     if not cfg.attends(layer):
-        at = hooks.index("attn.hook_q")
-        mixer = MAMBA_HOOKS if cfg.is_ssm_layer(layer) else CONV_HOOKS if cfg.is_conv_layer(layer) else LINEAR_ATTN_HOOKS
+        at, linear = hooks.index("attn.hook_q"), cfg.is_linear_layer(layer)
+        mixer = LINEAR_ATTN_HOOKS if linear else CONV_HOOKS if cfg.is_conv_layer(layer) else MAMBA_HOOKS
         hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(mixer) + [
             h for h in hooks[at:] if not h.startswith("attn.")
         ]
