@@ -568,6 +568,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             got[f"blocks.{layer}.mlp.hook_expert_weights"] = weights.to(logits.dtype)
     t = len(ids)
     rotated = _pair_rotations(rotated, name, [own for own, r in zip(own_kv, rope) if r])
+    # (Granite: what the stream gets is the embedding and each sublayer's output times their multipliers)
+    got["hook_embed"] = got["hook_embed"] * getattr(cfg, "embedding_multiplier", 1.0)
+    for layer in layers:
+        for kind in ("hook_attn_out", "hook_mlp_out"):
+            got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * getattr(cfg, "residual_multiplier", 1.0)
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]
     got["ln_final.hook_out"] = out.hidden_states[n][0]

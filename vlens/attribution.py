@@ -15,7 +15,8 @@ that the components, unembedded (`logit_attrs`, with W_U as HF holds it), sum to
 
 Per-head results (`hook_result`) are z_h @ W_O[h], without b_O, which belongs to no head: the heads of a
 layer plus b_O sum to its hook_attn_out. Per-neuron results are hook_post_n * W_out[n], without b_out: a
-layer's neurons plus b_out sum to its hook_mlp_out. Where a piece is not defined the call is refused:
+layer's neurons plus b_out sum to its hook_mlp_out. (Granite scales each sublayer's output, biases included, by its
+residual_multiplier: its heads' and neurons' results are scaled too.) Where a piece is not defined the call is refused:
 Gemma's post-attention and post-feedforward norms normalise the heads' and the neurons' summed outputs
 before they join the stream, so no head or neuron has a share of them; routed experts (MoE) have no one
 W_out; GPT-NeoX's parallel residual has no "MLP input = layer input + attn_out".
@@ -76,6 +77,7 @@ class Attribution:
             else:
                 net = model.layers[layer].linear_attn
                 W_O = net.out_proj.weight.detach().T.reshape(net.value_heads, net.value_dim, -1)
+            W_O = W_O * cfg.residual_multiplier  # (Granite's scale of what the stream gets)
             self._tensors[name] = torch.einsum("...hd,hdm->...hm", z, W_O.to(z.device, z.dtype))
         return self._tensors[name]
 
@@ -107,7 +109,8 @@ class Attribution:
         layer = resolve_layer(layer, self.model.cfg.num_layers)
         neurons = self._neurons(neuron_slice)
         names = [f"blocks.{i}.mlp.hook_post" for i in range(layer)]
-        W_out = [MLPWeights.of(self._shares_of(i, "mlp"), i).W_out[neurons] for i in range(layer)]
+        W_out = [MLPWeights.of(self._shares_of(i, "mlp"), i).W_out[neurons] * self.model.cfg.residual_multiplier
+                 for i in range(layer)]  # fmt: skip
         posts = self._stack([self._cached(name, "per-neuron results")[..., neurons] for name in names], pos_slice)
         parts = [(post[..., None] * w.to(post.device, post.dtype)).movedim(-2, 0) for post, w in zip(posts, W_out)]
         stack = torch.cat(parts) if parts else posts  # no layer below `layer`: _stack's [0, ..., d_model]
@@ -129,6 +132,7 @@ class Attribution:
         neurons = self._neurons(neuron_slice)
         post = self._select(self._cached(f"blocks.{layer}.mlp.hook_post", "per-neuron results")[..., neurons], pos_slice)
         W_out = MLPWeights.of(self._shares_of(layer, "mlp"), layer).W_out[neurons].to(post.device, post.dtype)
+        W_out = W_out * self.model.cfg.residual_multiplier
         if project_output_onto is not None:
             W_out = W_out @ project_output_onto.to(post.device, post.dtype)
         result = post * W_out if W_out.dim() == 1 else post[..., None] * W_out

@@ -153,6 +153,18 @@ def _bamba(hf: Any) -> dict[str, Any]:
     )
 
 
+def _granite(hf: Any) -> dict[str, Any]:
+    """Granite (IBM, 3.x): Llama's layer with four multipliers (on the embeddings, the attention scores in place of
+    1/sqrt(d), each sublayer's output, and the logits, which are divided by theirs)."""
+    return dict(
+        mlp_bias=bool(hf.mlp_bias),
+        attn_scale=float(hf.attention_multiplier),
+        embedding_multiplier=float(hf.embedding_multiplier),
+        residual_multiplier=float(hf.residual_multiplier),
+        logits_scaling=float(hf.logits_scaling),
+    )
+
+
 def _gemma2(hf: Any) -> dict[str, Any]:
     return _gemma(hf) | dict(attn_softcap=hf.attn_logit_softcapping)
 
@@ -371,6 +383,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Ministral3ForCausalLM": Architecture(NO_BIAS, _ministral3),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
+    "GraniteForCausalLM": Architecture({"family": "granite"}, _granite, windowed=False),
     # Apertus: Qwen3's attention (q/k norms head by head), norms of its own names, an MLP not gated, with xIELU
     "ApertusForCausalLM": Architecture({"family": "apertus", "qk_norm": "head"}, windowed=False),
     # StarCoder2: Mistral's attention (biases, windows) with LayerNorms and an MLP not gated
@@ -512,6 +525,7 @@ MODEL_TYPES = {
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "bamba": "BambaForCausalLM",
+    "granite": "GraniteForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
@@ -581,6 +595,12 @@ class ModelConfig:
     attn_temperature: tuple[float, int] | None = None
     final_softcap: float | None = None  # Gemma 2/3: the same on the logits
     logit_scale: float = 1.0  # Cohere: the logits times this
+    # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times `residual_multiplier` before
+    # the residual add (hook_attn_out and hook_mlp_out are after it: what the stream gets), the logits divided by
+    # `logits_scaling`
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     parallel_residual: bool = False  # NeoX: x + attn(ln1(x)) + mlp(ln2(x)); no resid_mid
     num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): routed experts per MoE layer
     experts_per_token: int = 0

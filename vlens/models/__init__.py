@@ -17,7 +17,7 @@ from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
 from vlens.models.lfm2 import Lfm2ForCausalLM
-from vlens.models.llama import ApertusForCausalLM, CausalLM, Starcoder2ForCausalLM
+from vlens.models.llama import ApertusForCausalLM, CausalLM, GraniteForCausalLM, Starcoder2ForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
 from vlens.models.opt import OPTForCausalLM
 from vlens.models.phi import PhiForCausalLM
@@ -41,6 +41,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "qwen3_5": Qwen3_5ForCausalLM,
     "lfm2": Lfm2ForCausalLM,
     "bamba": BambaForCausalLM,
+    "granite": GraniteForCausalLM,
 }
 
 

@@ -179,6 +179,7 @@ class ResidualBlock(nn.Module):
     parallel = False
     pre_norms = True
     shared_norm = False
+    residual_multiplier = 1.0  # (Granite's: each sublayer's output scaled before the add)
     attn_heads: AttentionHeads
     mlp: nn.Module
 
@@ -199,6 +200,8 @@ class ResidualBlock(nn.Module):
         x = tap(self.hook_resid_pre, x)
         h = normed = self.ln1(x, self.hook_ln1) if self.pre_norms else x
         a = self.attn_out(self.attention_input(x, h), rope)
+        if self.residual_multiplier != 1.0:  # (Granite: what the stream gets is the output scaled)
+            a = a * self.residual_multiplier
         a = tap(self.hook_attn_out, a)
         if self.parallel:
             mid = x
@@ -211,6 +214,8 @@ class ResidualBlock(nn.Module):
         elif self.pre_norms:
             h = self.ln2(h, self.hook_ln2)
         m = self.mlp_out(h, stream)
+        if self.residual_multiplier != 1.0:
+            m = m * self.residual_multiplier
         m = tap(self.hook_mlp_out, m)
         x = m + a + x if self.parallel else mid + m  # HF's order of the sums
         x = self.finish(x)
@@ -312,6 +317,8 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale:
             x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:  # (Granite)
+            x = x * self.cfg.embedding_multiplier
         return x
 
     def resume_layer(self, layer: int) -> int:
@@ -360,6 +367,8 @@ class DecoderLM(nn.Module):
         logits = self.lm_head(normed)
         if self.cfg.logit_scale != 1.0:  # (Cohere)
             logits = logits * self.cfg.logit_scale
+        if self.cfg.logits_scaling != 1.0:  # (Granite)
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_softcap
         if cap is not None:  # Gemma 2/3: cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap

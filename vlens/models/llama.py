@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3; Gemma 1, with its own norm and embedding
-scale; OLMo 1, with LayerNorms of no weight), Phi-3 (the same layer with q/k/v and gate/up fused in its
+scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers), Phi-3 (the same layer with q/k/v and gate/up fused in its
 checkpoints), the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (the same layer with routed
 experts for its MLP; gpt-oss's attention has sinks), and Apertus and StarCoder2 (the same attention with an MLP that
 is not gated), with every tap written out.
@@ -87,6 +87,14 @@ class DecoderLayer(ResidualBlock):
     attn_heads = property(lambda self: self.self_attn)
 
 
+class GraniteDecoderLayer(DecoderLayer):
+    """Granite: Llama's layer, each sublayer's output scaled by residual_multiplier before the add."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.residual_multiplier = cfg.residual_multiplier
+
+
 class DenseMLPLayer(ResidualBlock):
     """Llama's attention with an MLP that is not gated (act(fc_in(x)), then fc_out), its norms and projections under
     the names the family's checkpoints give them (`names`: ln1's, ln2's, fc_in's, fc_out's)."""
@@ -148,6 +156,10 @@ class CausalLM(DecoderLM):
 
 class ApertusForCausalLM(CausalLM):
     layer_class = ApertusDecoderLayer
+
+
+class GraniteForCausalLM(CausalLM):
+    layer_class = GraniteDecoderLayer
 
 
 class Starcoder2ForCausalLM(CausalLM):
