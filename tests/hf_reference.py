@@ -149,6 +149,12 @@ FAMILIES = {
         final_norm="model.final_layernorm",
     ),
     "lfm2": LFM2,
+    "granite_hybrid": replace(  # no one MLP module: the experts' and the shared MLP's outputs, summed (below)
+        LLAMA,
+        outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attn",
+                 "ln2.hook_out": "post_attention_layernorm"},  # fmt: skip
+        inputs=LLAMA.inputs | {"mlp.hook_post": "shared_mlp.output_linear"},
+    ),
     "bamba": replace(  # Llama's layer under Bamba's names (its final norm final_layernorm); Mamba 2 mixers beside
         LLAMA,
         outputs=LLAMA.outputs | {"ln2.hook_out": "pre_ff_layernorm", "hook_mlp_out": "feed_forward"},
@@ -240,7 +246,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
-               "bamba": "bamba",
+               "bamba": "bamba", "granitemoehybrid": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal"}  # fmt: skip
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -431,16 +437,17 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if name in ("gpt_neo", "opt", "bloom"):  # (learned positions, ALiBi: q and k are the projections)
-        rope = [False] * n
+    if name in ("gpt_neo", "opt", "bloom") or getattr(cfg, "position_embedding_type", "rope") != "rope":
+        rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
     # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
     own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]
     # (per layer: a linear-attention layer, Qwen 3.5's, a short convolution, LFM2's, or a Mamba 2 mixer, Bamba's, in
     # place of attention)
-    linear, ssm = [hasattr(b, "linear_attn") for b in blocks], [hasattr(b, "mamba") for b in blocks]
-    conv = [hasattr(b, "conv") and not hasattr(b, "self_attn") for b in blocks]
+    has = lambda block, name: getattr(block, name, None) is not None  # noqa: E731 - (Granite 4's layers hold None)
+    linear, ssm = [has(b, "linear_attn") for b in blocks], [has(b, "mamba") for b in blocks]
+    conv = [has(b, "conv") and not has(b, "self_attn") for b in blocks]
     attends = [not (lin or c or s) for lin, c, s in zip(linear, conv, ssm)]
     rope = [r and a for r, a in zip(rope, attends)]
     got: dict[str, torch.Tensor] = {}
@@ -502,8 +509,15 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 norms[p + kind.split(".")[0]] = block.get_submodule(path)
         for norm, path in fam.post_norms.items():  # (their outputs are hook_attn_out and hook_mlp_out)
             norms[p + norm] = block.get_submodule(path)
-        mlp = getattr(block, "mlp", None) or getattr(block, "feed_forward", None)  # (OPT keeps its MLP's projections
-        # on the layer; LFM2 names it feed_forward)
+        # (OPT keeps its MLP's projections on the layer; LFM2 names it feed_forward; Granite 4 has experts beside a
+        # shared MLP, whose outputs are summed)
+        mlp = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(block, "block_sparse_moe",
+                                                                                              None)  # fmt: skip
+        if name == "granite_hybrid":
+            on_output(block.shared_mlp, p + "shared", raw)
+            if mlp is not None:
+                on_output(mlp, p + "routed", raw)
+                on_input(block.shared_mlp.output_linear, p + "mlp.shared_expert.hook_post")
         parallel = getattr(cfg, "use_parallel_residual", False)
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:
@@ -558,7 +572,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         # sigmoid of every logit, or the softmax over every expert where the router takes the top k of it
         if f"blocks.{layer}.router" in raw:
             logits, scores, ids = raw.pop(f"blocks.{layer}.router")
-            moe = getattr(blocks[layer], "mlp", None) or blocks[layer].feed_forward
+            block = blocks[layer]
+            moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or block.block_sparse_moe
             if hasattr(moe, "use_expert_bias"):
                 weights = logits.sigmoid()
             elif getattr(moe, "router", None) is None:
@@ -571,6 +586,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     # (Granite: what the stream gets is the embedding and each sublayer's output times their multipliers)
     got["hook_embed"] = got["hook_embed"] * getattr(cfg, "embedding_multiplier", 1.0)
     for layer in layers:
+        if f"blocks.{layer}.shared" in raw:  # (Granite 4: the experts' output plus the shared MLP's, as HF sums them)
+            routed = raw.get(f"blocks.{layer}.routed")
+            shared = raw[f"blocks.{layer}.shared"]
+            got[f"blocks.{layer}.hook_mlp_out"] = shared if routed is None else routed + shared
         for kind in ("hook_attn_out", "hook_mlp_out"):
             got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * getattr(cfg, "residual_multiplier", 1.0)
     for i, h in enumerate(out.hidden_states):

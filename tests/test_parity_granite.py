@@ -1,10 +1,12 @@
 """Granite (IBM, 3.x) against HF on tiny random checkpoints: Llama's layer with four multipliers (the embeddings, the
 attention scores in place of 1/sqrt(d), each sublayer's output before the residual add, the logits divided); every
 tap, packed against alone, greedy generation through the paged cache; TransformerLens's head results, scaled as the
-stream gets them."""
+stream gets them. And Granite 4.0 (GraniteMoeHybrid): the multipliers, Mamba 2 mixers beside attention without
+positions, a shared MLP with routed experts beside it or alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import rel_err
 from family_parity import (
@@ -59,3 +61,40 @@ def test_head_and_neuron_results_sum_to_what_the_stream_gets(tmp_path):
 
 def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
     check_bfloat16_taps(CONFIGS["granite"](), tmp_path)
+
+
+def hybrid_config(**overrides):
+    """Granite 4.0's layout: Mamba 2 mixers and attention (no positions), a shared MLP, Granite's multipliers."""
+    from transformers import GraniteMoeHybridConfig
+
+    sizes = dict(num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8,
+                 mamba_chunk_size=64, shared_intermediate_size=80, num_local_experts=0,
+                 layer_types=["linear_attention", "full_attention", "linear_attention"])  # fmt: skip
+    return GraniteMoeHybridConfig(**(COMMON | MULTIPLIERS | sizes | overrides))
+
+
+HYBRID = {
+    "granite_hybrid_dense": hybrid_config,
+    # (routed experts, the top 2 of 4 softmaxed, beside the shared MLP; rotary positions; attention first)
+    "granite_hybrid_moe": lambda: hybrid_config(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                                position_embedding_type="rope",
+                                                layer_types=["full_attention", "linear_attention", "linear_attention"]),
+}
+hybrid = family_fixture(HYBRID, name="hybrid")
+
+
+class TestHybridParity(TapParity, GenerationParity):
+    @pytest.fixture
+    def family(self, hybrid):
+        return hybrid
+
+
+def test_hybrid_config_is_read_as_intended(hybrid):
+    name, _, llm, hf = hybrid
+    cfg = llm.config
+    assert cfg.family == "granite_hybrid" and cfg.residual_multiplier == 0.22
+    assert cfg.ssm_layers == tuple(kind == "linear_attention" for kind in hf.config.layer_types)
+    moe = name == "granite_hybrid_moe"
+    assert cfg.rotary_dim == (16 if moe else 0) and cfg.moe_layers == ((True,) * 3 if moe else ())
+    assert (cfg.shared_expert_intermediate_size, cfg.intermediate_size) == ((80, 32) if moe else (0, 80))
+    assert cfg.softmax_after_topk == moe

@@ -139,8 +139,28 @@ def _lfm2_moe(hf: Any) -> dict[str, Any]:
 
 def _bamba(hf: Any) -> dict[str, Any]:
     """Bamba (IBM): Mamba 2 mixers on most layers, attention over half-rotary heads on `attn_layer_indices`."""
+    return _mamba2(hf) | dict(mlp_bias=bool(hf.mlp_bias))
+
+
+def _granite_hybrid(hf: Any) -> dict[str, Any]:
+    """Granite 4.0 (GraniteMoeHybrid): Granite's multipliers, Mamba 2 mixers on the layers `layer_types` marks
+    "mamba", attention without positions unless `position_embedding_type` is "rope", a shared MLP on every layer and
+    routed experts beside it where `num_local_experts`."""
+    n, experts = hf.num_hidden_layers, hf.num_local_experts
+    fields = _granite_multipliers(hf) | _mamba2(hf) | dict(intermediate_size=hf.shared_intermediate_size)
+    if hf.position_embedding_type != "rope":
+        fields["rotary_dim"] = 0
+    if experts:  # (the shared MLP beside them, as Qwen2-MoE's shared expert; TransformerLens's d_mlp an expert's)
+        fields |= dict(num_experts=experts, experts_per_token=hf.num_experts_per_tok, moe_layers=(True,) * n,
+                       moe_intermediate_size=hf.intermediate_size, intermediate_size=hf.intermediate_size,
+                       shared_expert_intermediate_size=hf.shared_intermediate_size, softmax_after_topk=True)  # fmt: skip
+    return fields
+
+
+def _mamba2(hf: Any) -> dict[str, Any]:
+    """The Mamba 2 mixers' fields (Bamba's and Granite 4's configs spell them alike)."""
     return dict(
-        ssm_layers=tuple(kind == "linear_attention" for kind in hf.layers_block_type),
+        ssm_layers=tuple(kind in ("linear_attention", "mamba") for kind in hf.layers_block_type),
         ssm_heads=hf.mamba_n_heads,
         ssm_head_dim=hf.mamba_d_head,
         ssm_groups=hf.mamba_n_groups,
@@ -149,15 +169,17 @@ def _bamba(hf: Any) -> dict[str, Any]:
         ssm_conv_bias=bool(hf.mamba_conv_bias),
         ssm_proj_bias=bool(hf.mamba_proj_bias),
         ssm_dt_limit=tuple(hf.time_step_limit or (0.0, float("inf"))),
-        mlp_bias=bool(hf.mlp_bias),
     )
 
 
 def _granite(hf: Any) -> dict[str, Any]:
     """Granite (IBM, 3.x): Llama's layer with four multipliers (on the embeddings, the attention scores in place of
     1/sqrt(d), each sublayer's output, and the logits, which are divided by theirs)."""
+    return _granite_multipliers(hf) | dict(mlp_bias=bool(hf.mlp_bias))
+
+
+def _granite_multipliers(hf: Any) -> dict[str, Any]:
     return dict(
-        mlp_bias=bool(hf.mlp_bias),
         attn_scale=float(hf.attention_multiplier),
         embedding_multiplier=float(hf.embedding_multiplier),
         residual_multiplier=float(hf.residual_multiplier),
@@ -437,6 +459,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Lfm2MoeForCausalLM": Architecture(LFM2, _lfm2_moe),
     # Bamba: Llama's layer under its own norm names (pre_ff_layernorm, final_layernorm), Mamba 2 mixers on most layers
     "BambaForCausalLM": Architecture({"family": "bamba"}, _bamba, windowed=False),
+    # Granite 4.0: Granite's multipliers, Bamba's Mamba 2 mixers, a shared MLP beside routed experts
+    "GraniteMoeHybridForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_hybrid, windowed=False),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -526,6 +550,7 @@ MODEL_TYPES = {
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "bamba": "BambaForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",

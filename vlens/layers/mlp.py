@@ -40,7 +40,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
-    """`stored_fused`: the checkpoint keeps gate and up as one `gate_up_proj` tensor (Phi-3).
+    """`stored_fused`: the checkpoint keeps gate and up as one tensor, named `fused` (Phi-3's gate_up_proj, Granite
+    4's input_linear).
     `parallel`: each rank holds its columns of gate and up and the matching ones of down. `fc_in` (parts gate,
     then up) and `fc_out` name the projections as every dense MLP does, so that weight views
     (vlens.hooked_weights) read every family alike."""
@@ -48,22 +49,23 @@ class GatedMLP(nn.Module):
     def __init__(
         self, hidden: int, intermediate: int, act: str, bias: bool, hook_post: str, stored_fused: bool = False,
         parallel: Parallel = SINGLE, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        fused: str = "gate_up_proj",
     ):  # fmt: skip
         """`names`: the checkpoint's names of gate, up and down (LFM2's: w1, w3, w2)."""
         super().__init__()
         gate, up, down = names
-        self.gate_up_proj = FusedLinear(hidden, {gate: intermediate, up: intermediate}, bias, stored_fused=stored_fused,
-                                        parallel=parallel)  # fmt: skip
+        parts = {gate: intermediate, up: intermediate}
+        setattr(self, fused, FusedLinear(hidden, parts, bias, stored_fused=stored_fused, parallel=parallel))
         setattr(self, down, RowLinear(intermediate, hidden, bias, parallel))
-        self.down = down
+        self.fused, self.down = fused, down
         self.act = activation(act)
         self.hook_post = hook_post
 
-    fc_in = property(lambda self: self.gate_up_proj)
+    fc_in = property(lambda self: self._modules[self.fused])
     fc_out = property(lambda self: self._modules[self.down])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate, up = self.fc_in.split(self.fc_in(x))
         h = fused.gated(self.act, gate, up)
         h = tap(self.hook_post, h)
         return self.fc_out(h)

@@ -16,6 +16,7 @@ from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
+from vlens.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from vlens.models.lfm2 import Lfm2ForCausalLM
 from vlens.models.llama import ApertusForCausalLM, CausalLM, GraniteForCausalLM, Starcoder2ForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
@@ -42,6 +43,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "lfm2": Lfm2ForCausalLM,
     "bamba": BambaForCausalLM,
     "granite": GraniteForCausalLM,
+    "granite_hybrid": GraniteMoeHybridForCausalLM,
 }
 
 
