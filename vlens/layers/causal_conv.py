@@ -1,5 +1,6 @@
-"""A depthwise causal convolution over packed sequences, each sequence's last inputs kept between its forwards
-(Qwen 3.5's linear attention convolves its queries, keys and values before the delta rule)."""
+"""A depthwise causal convolution over packed sequences, each sequence's last inputs kept between its forwards:
+Qwen 3.5's linear attention convolves its queries, keys and values before the delta rule, a Mamba 2 mixer its x, B
+and C before the scan, LFM2's short convolution B·x."""
 
 from __future__ import annotations
 

@@ -54,9 +54,9 @@ class GatedDeltaNet(SlotStates):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.key_dim, self.value_dim, p = cfg.linear_key_dim, cfg.linear_value_dim, cfg.parallel
+        self.key_dim, self.value_dim, parallel = cfg.linear_key_dim, cfg.linear_value_dim, cfg.parallel
         self.all_key_heads, self.all_value_heads = cfg.linear_key_heads, cfg.linear_value_heads
-        self.mine = p.units(self.all_key_heads)  # this rank's key heads, and the value heads they serve
+        self.mine = parallel.units(self.all_key_heads)  # this rank's key heads, and the value heads they serve
         self.per_key = self.all_value_heads // self.all_key_heads
         self.key_heads, self.value_heads = len(self.mine), len(self.mine) * self.per_key
         keys, values, d = self.key_heads * self.key_dim, self.value_heads * self.value_dim, cfg.hidden_size
@@ -71,7 +71,7 @@ class GatedDeltaNet(SlotStates):
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
-        self.out_proj = RowLinear(self.all_value_heads * self.value_dim, d, False, p, units=self.all_value_heads)
+        self.out_proj = RowLinear(self.all_value_heads * self.value_dim, d, False, parallel, units=self.all_value_heads)
         self.act = activation(cfg.hidden_act)
         p = f"blocks.{layer}.linear_attn."
         self.hook_q, self.hook_k, self.hook_v = p + "hook_q", p + "hook_k", p + "hook_v"
@@ -88,7 +88,7 @@ class GatedDeltaNet(SlotStates):
         load."""
         rows, weight = self.in_proj.part_rows(), self.in_proj.weight
         kd, vd, n_keys, n_values = self.key_dim, self.value_dim, self.all_key_heads, self.all_value_heads
-        q, v, z = self._rows(kd, self.mine), self._rows(vd, self._values), self._rows(vd, self._values)
+        q, v = self._rows(kd, self.mine), self._rows(vd, self._values)  # (z's rows are v's)
         qkv = [*q, *(r + n_keys * kd for r in q), *(r + 2 * n_keys * kd for r in v)]  # (in in_proj_qkv, stored)
         channels = (torch.tensor(qkv),)
         b = self._rows(1, self._values)
@@ -100,10 +100,10 @@ class GatedDeltaNet(SlotStates):
             **self.out_proj.checkpoint_slots(f"{path}.out_proj"),
         }
         if not self.stored_grouped:
-            parts = {"in_proj_qkv": qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": b}
+            parts = {"in_proj_qkv": qkv, "in_proj_z": v, "in_proj_b": b, "in_proj_a": b}
             return slots | {f"{path}.{name}.weight": Slot(weight, rows[name], source=(torch.tensor(parts[name]),))
                             for name in parts}  # fmt: skip
-        ungrouped_z = [r + 2 * n_keys * kd + n_values * vd for r in z]  # (in in_proj_qkvz, regrouped: q, k, v, z)
+        ungrouped_z = [r + 2 * n_keys * kd + n_values * vd for r in v]  # (in in_proj_qkvz, regrouped: q, k, v, z)
         qkvz = slice(0, rows["in_proj_z"].stop)
         return slots | {
             f"{path}.in_proj_qkvz.weight": Slot(weight, qkvz, partial(self._ungroup, (kd, kd)),
