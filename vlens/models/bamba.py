@@ -5,25 +5,21 @@ keeps in state slots."""
 
 from __future__ import annotations
 
-import torch
-
 from vlens.config import ModelConfig
 from vlens.layers.mamba2 import Mamba2Mixer
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.norm import make_norm
-from vlens.models.base import ResidualBlock, Rope
+from vlens.models.base import MixerBlock
 from vlens.models.llama import CausalLM, DecoderModel, SelfAttention
 
 
-class BambaDecoderLayer(ResidualBlock):
+class BambaDecoderLayer(MixerBlock):
+    mixer_name = "mamba"
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.input_layernorm = make_norm(cfg)
-        self.is_ssm = cfg.is_ssm_layer(layer)
-        if self.is_ssm:
-            self.mamba = Mamba2Mixer(cfg, layer)
-        else:
-            self.self_attn = SelfAttention(cfg, layer)
+        self.add_mixer(cfg, layer, SelfAttention, Mamba2Mixer)
         self.pre_ff_layernorm = make_norm(cfg)
         hook = f"blocks.{layer}.mlp.hook_post"
         self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, hook,
@@ -31,11 +27,7 @@ class BambaDecoderLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.pre_ff_layernorm)
-    attn_heads = property(lambda self: self.self_attn)
     mlp = property(lambda self: self.feed_forward)
-
-    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
-        return self.mamba(h) if self.is_ssm else self.self_attn(h, rope)
 
 
 class BambaModel(DecoderModel):

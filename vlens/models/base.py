@@ -256,6 +256,26 @@ class ResidualBlock(nn.Module):
         return tuple(h if same else self.ln1(y) if self.pre_norms else y for y, same in zip(inputs, unedited))
 
 
+class MixerBlock(ResidualBlock):
+    """A layer of a model whose layers mix their tokens by attention on some layers and another mixer on the others
+    (Qwen 3.5's linear attention, LFM2's short convolution, a Mamba 2 mixer), each under its checkpoint's name: the
+    mixer's (`mixer_name`) or `self_attn`. The layer's hook_attn_out is either one's output."""
+
+    mixer_name: str
+
+    def add_mixer(self, cfg: ModelConfig, layer: int, attention: type[nn.Module], mixer: type[nn.Module]) -> None:
+        self.attends = cfg.attends(layer)
+        if self.attends:
+            self.self_attn = attention(cfg, layer)
+        else:
+            setattr(self, self.mixer_name, mixer(cfg, layer))
+
+    attn_heads = property(lambda self: self.self_attn)
+
+    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
+        return self.self_attn(h, rope) if self.attends else self._modules[self.mixer_name](h)
+
+
 class PostNormBlock(ResidualBlock):
     """A layer whose attention and MLP outputs are normalised before the residual add (Gemma's sandwich norms,
     OLMo 2's post-norms): hook_attn_out and hook_mlp_out are after the norms, attn.hook_out and mlp.hook_out

@@ -15,7 +15,7 @@ from vlens.layers.mamba2 import Mamba2Mixer
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.moe import Experts, Routing
 from vlens.layers.norm import make_norm
-from vlens.models.base import ResidualBlock, Rope
+from vlens.models.base import MixerBlock
 from vlens.models.llama import CausalLM, SelfAttention
 
 SHARED_MLP_NAMES = dict(names=("gate", "up", "output_linear"), fused="input_linear", stored_fused=True)
@@ -47,16 +47,14 @@ class GraniteMoE(nn.Module):
         return self.experts(x, ids, weights) + self.shared_mlp(x)
 
 
-class GraniteHybridDecoderLayer(ResidualBlock):
+class GraniteHybridDecoderLayer(MixerBlock):
+    mixer_name = "mamba"
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.residual_multiplier = cfg.residual_multiplier
         self.input_layernorm = make_norm(cfg)
-        self.is_ssm = cfg.is_ssm_layer(layer)
-        if self.is_ssm:
-            self.mamba = Mamba2Mixer(cfg, layer)
-        else:
-            self.self_attn = SelfAttention(cfg, layer)
+        self.add_mixer(cfg, layer, SelfAttention, Mamba2Mixer)
         self.post_attention_layernorm = make_norm(cfg)
         if cfg.is_moe_layer(layer):
             self.block_sparse_moe = GraniteMoE(cfg, layer)
@@ -67,11 +65,7 @@ class GraniteHybridDecoderLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
-    attn_heads = property(lambda self: self.self_attn)
     mlp = property(lambda self: self._modules.get("block_sparse_moe") or self.shared_mlp)
-
-    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
-        return self.mamba(h) if self.is_ssm else self.self_attn(h, rope)
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):

@@ -6,14 +6,12 @@ layers' MLPs."""
 
 from __future__ import annotations
 
-import torch
-
 from vlens.config import ModelConfig
 from vlens.layers.mlp import GatedMLP
 from vlens.layers.moe import SparseMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.short_conv import GatedShortConv
-from vlens.models.base import ResidualBlock, Rope
+from vlens.models.base import MixerBlock
 from vlens.models.llama import MOE_CHECKPOINT_NAMES, CausalLM, DecoderModel, OutProjAttention
 
 
@@ -21,15 +19,13 @@ class Lfm2Attention(OutProjAttention):
     head_norms = ("q_layernorm", "k_layernorm")
 
 
-class Lfm2DecoderLayer(ResidualBlock):
+class Lfm2DecoderLayer(MixerBlock):
+    mixer_name = "conv"
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.operator_norm = make_norm(cfg)
-        self.is_conv = cfg.is_conv_layer(layer)
-        if self.is_conv:
-            self.conv = GatedShortConv(cfg, layer)
-        else:
-            self.self_attn = Lfm2Attention(cfg, layer)
+        self.add_mixer(cfg, layer, Lfm2Attention, GatedShortConv)
         self.ffn_norm = make_norm(cfg)
         if cfg.is_moe_layer(layer):  # (LFM2-MoE)
             self.feed_forward = SparseMoE(cfg, layer, *MOE_CHECKPOINT_NAMES[cfg.architecture])
@@ -40,11 +36,7 @@ class Lfm2DecoderLayer(ResidualBlock):
 
     ln1 = property(lambda self: self.operator_norm)
     ln2 = property(lambda self: self.ffn_norm)
-    attn_heads = property(lambda self: self.self_attn)
     mlp = property(lambda self: self.feed_forward)
-
-    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
-        return self.conv(h) if self.is_conv else self.self_attn(h, rope)
 
 
 class Lfm2Model(DecoderModel):

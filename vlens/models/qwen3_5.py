@@ -9,33 +9,25 @@ are every layer's.
 
 from __future__ import annotations
 
-import torch
-
 from vlens.config import ModelConfig
 from vlens.layers.gated_delta import GatedDeltaNet
 from vlens.layers.norm import make_norm
-from vlens.models.base import ResidualBlock, Rope
+from vlens.models.base import MixerBlock
 from vlens.models.llama import CausalLM, SelfAttention, mlp_for
 
 
-class Qwen3_5DecoderLayer(ResidualBlock):
+class Qwen3_5DecoderLayer(MixerBlock):
+    mixer_name = "linear_attn"
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.input_layernorm = make_norm(cfg)
-        self.is_linear = cfg.is_linear_layer(layer)
-        if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, layer)
-        else:
-            self.self_attn = SelfAttention(cfg, layer)
+        self.add_mixer(cfg, layer, SelfAttention, GatedDeltaNet)
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = mlp_for(cfg, layer)
 
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
-    attn_heads = property(lambda self: self.self_attn)
-
-    def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
-        return self.linear_attn(h) if self.is_linear else self.self_attn(h, rope)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
