@@ -843,11 +843,11 @@ class HookedLM(ModelWeights, SAEMethods):
         if tables is None:
             need = sum(-(-n // blocks.block_size) for n in lengths)
             free = len(blocks.free_states)
-            states = f" and state slots for {len(lengths)} ({free} free)" if blocks.num_states else ""
+            states = f", and state slots for {len(lengths)} ({free} free)" if blocks.num_states else ""
             raise ValueError(
                 f"use_past_kv_cache: {len(lengths)} texts of up to {max(lengths)} tokens need {need} KV cache blocks "
-                f"of {blocks.block_size} tokens ({len(blocks.free)} free){states}; generate fewer texts or tokens at "
-                "once, or pass use_past_kv_cache=False (every step runs every position again, needing no cache)"
+                f"of {blocks.block_size} tokens and {len(blocks.free)} are free{states}; generate fewer texts or tokens "
+                "at once, or pass use_past_kv_cache=False (every step runs every position again, needing no cache)"
             )
         return tables
 
