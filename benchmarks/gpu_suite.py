@@ -27,6 +27,8 @@ slow section costs only itself. Sections:
             greedy generation through the graphs (a shared key-value layer's rows captured) vs HF
   qwen3_5   Qwen 3.5 in 0.8B's layout, narrow, its heads of 256 (attention) and 128 (linear attention): the same,
             a linear layer's rows captured through its state slots
+  bamba     Bamba's layout (Mamba 2 mixers), narrow, its released SSM head and state sizes: the same, a Mamba 2
+            layer's scan output captured through its state slots
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -444,6 +446,24 @@ def qwen3_5(rows: dict, root: Path, quick: bool, device: str) -> None:
     rows["qwen3_5"] = family_check(config, "qwen3_5-0.8b-layout", ["blocks.2.linear_attn.hook_z"], root, quick, device)
 
 
+def bamba(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """Bamba's layout (Mamba 2 mixers, an attention layer among them), narrow, with the released head sizes on CUDA
+    (64-dim SSM heads, a 128-wide state, 128-dim attention heads): `family_check`, capturing a Mamba 2 layer's scan
+    output through its state slots, in the decode steps' graphs."""
+    try:
+        from transformers import BambaConfig
+    except ImportError:
+        rows["bamba"] = {"skipped": f"transformers {transformers.__version__} has no Bamba"}
+        return
+    wide = device == "cuda"
+    config = BambaConfig(
+        vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=16 if wide else 4, mamba_d_head=64 if wide else 32,
+        mamba_n_groups=1, mamba_d_state=128 if wide else 8, attn_layer_indices=[2], max_position_embeddings=2048,
+    )  # fmt: skip
+    rows["bamba"] = family_check(config, "bamba-layout", ["blocks.1.mamba.hook_ssm_out"], root, quick, device)
+
+
 def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str) -> dict:
     """A random checkpoint of `config` in float32, TF32 off: every tap of a packed trace vs HF on the CPU (patterns
     within 1e-4), and greedy generation through the paged cache (graphs on CUDA) capturing `hooks` and the logits
@@ -490,7 +510,7 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
-            "qwen3_5": 60}  # fmt: skip
+            "qwen3_5": 60, "bamba": 60}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -529,7 +549,7 @@ def main() -> None:
     for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
-    for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5)):
+    for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))
