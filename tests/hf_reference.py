@@ -246,7 +246,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
-               "bamba": "bamba", "granitemoehybrid": "granite_hybrid",
+               "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
+               "granitemoeshared": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal"}  # fmt: skip
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -513,11 +514,13 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         # shared MLP, whose outputs are summed)
         mlp = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(block, "block_sparse_moe",
                                                                                               None)  # fmt: skip
-        if name == "granite_hybrid":
-            on_output(block.shared_mlp, p + "shared", raw)
+        if name == "granite_hybrid":  # (the shared MLP where the model has one, the experts where it has them)
+            if getattr(block, "shared_mlp", None) is not None:
+                on_output(block.shared_mlp, p + "shared", raw)
             if mlp is not None:
                 on_output(mlp, p + "routed", raw)
-                on_input(block.shared_mlp.output_linear, p + "mlp.shared_expert.hook_post")
+                if getattr(block, "shared_mlp", None) is not None:
+                    on_input(block.shared_mlp.output_linear, p + "mlp.shared_expert.hook_post")
         parallel = getattr(cfg, "use_parallel_residual", False)
         for kind, path in fam.inputs.items():
             if kind == "hook_resid_mid" and parallel:
@@ -586,10 +589,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     # (Granite: what the stream gets is the embedding and each sublayer's output times their multipliers)
     got["hook_embed"] = got["hook_embed"] * getattr(cfg, "embedding_multiplier", 1.0)
     for layer in layers:
-        if f"blocks.{layer}.shared" in raw:  # (Granite 4: the experts' output plus the shared MLP's, as HF sums them)
-            routed = raw.get(f"blocks.{layer}.routed")
-            shared = raw[f"blocks.{layer}.shared"]
-            got[f"blocks.{layer}.hook_mlp_out"] = shared if routed is None else routed + shared
+        parts = [raw.get(f"blocks.{layer}.{part}") for part in ("routed", "shared")]
+        if any(x is not None for x in parts):  # (Granite's: the experts' output plus the shared MLP's, as HF sums)
+            got[f"blocks.{layer}.hook_mlp_out"] = sum(x for x in parts if x is not None)
         for kind in ("hook_attn_out", "hook_mlp_out"):
             got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * getattr(cfg, "residual_multiplier", 1.0)
     for i, h in enumerate(out.hidden_states):

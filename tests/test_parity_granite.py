@@ -2,7 +2,8 @@
 attention scores in place of 1/sqrt(d), each sublayer's output before the residual add, the logits divided); every
 tap, packed against alone, greedy generation through the paged cache; TransformerLens's head results, scaled as the
 stream gets them. And Granite 4.0 (GraniteMoeHybrid): the multipliers, Mamba 2 mixers beside attention without
-positions, a shared MLP with routed experts beside it or alone."""
+positions, a shared MLP with routed experts beside it or alone; Granite 3.x's MoE models (GraniteMoe,
+GraniteMoeShared)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,20 @@ HYBRID = {
                                                 position_embedding_type="rope",
                                                 layer_types=["full_attention", "linear_attention", "linear_attention"]),
 }
+
+
+
+def moe_config(shared: int = 0):
+    """Granite 3.x's MoE (GraniteMoe; GraniteMoeShared with a shared MLP beside the experts)."""
+    from transformers import GraniteMoeConfig, GraniteMoeSharedConfig
+
+    sizes = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    if shared:
+        return GraniteMoeSharedConfig(**(COMMON | MULTIPLIERS | sizes), shared_intermediate_size=shared)
+    return GraniteMoeConfig(**(COMMON | MULTIPLIERS | sizes))
+
+
+HYBRID |= {"granite_moe": moe_config, "granite_moe_shared": lambda: moe_config(shared=48)}
 hybrid = family_fixture(HYBRID, name="hybrid")
 
 
@@ -93,8 +108,10 @@ def test_hybrid_config_is_read_as_intended(hybrid):
     name, _, llm, hf = hybrid
     cfg = llm.config
     assert cfg.family == "granite_hybrid" and cfg.residual_multiplier == 0.22
-    assert cfg.ssm_layers == tuple(kind == "linear_attention" for kind in hf.config.layer_types)
-    moe = name == "granite_hybrid_moe"
-    assert cfg.rotary_dim == (16 if moe else 0) and cfg.moe_layers == ((True,) * 3 if moe else ())
-    assert (cfg.shared_expert_intermediate_size, cfg.intermediate_size) == ((80, 32) if moe else (0, 80))
+    layer_types = getattr(hf.config, "layer_types", None) or ["full_attention"] * 3
+    assert [cfg.is_ssm_layer(i) for i in range(3)] == [kind == "linear_attention" for kind in layer_types]
+    moe, rope = name != "granite_hybrid_dense", name != "granite_hybrid_dense"
+    shared = {"granite_hybrid_dense": 0, "granite_hybrid_moe": 80, "granite_moe": 0, "granite_moe_shared": 48}[name]
+    assert cfg.rotary_dim == (16 if rope else 0) and cfg.moe_layers == ((True,) * 3 if moe else ())
+    assert (cfg.shared_expert_intermediate_size, cfg.intermediate_size) == (shared, 32 if moe else 80)
     assert cfg.softmax_after_topk == moe

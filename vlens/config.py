@@ -146,15 +146,26 @@ def _granite_hybrid(hf: Any) -> dict[str, Any]:
     """Granite 4.0 (GraniteMoeHybrid): Granite's multipliers, Mamba 2 mixers on the layers `layer_types` marks
     "mamba", attention without positions unless `position_embedding_type` is "rope", a shared MLP on every layer and
     routed experts beside it where `num_local_experts`."""
-    n, experts = hf.num_hidden_layers, hf.num_local_experts
+    experts = hf.num_local_experts
     fields = _granite_multipliers(hf) | _mamba2(hf) | dict(intermediate_size=hf.shared_intermediate_size)
     if hf.position_embedding_type != "rope":
         fields["rotary_dim"] = 0
     if experts:  # (the shared MLP beside them, as Qwen2-MoE's shared expert; TransformerLens's d_mlp an expert's)
-        fields |= dict(num_experts=experts, experts_per_token=hf.num_experts_per_tok, moe_layers=(True,) * n,
-                       moe_intermediate_size=hf.intermediate_size, intermediate_size=hf.intermediate_size,
-                       shared_expert_intermediate_size=hf.shared_intermediate_size, softmax_after_topk=True)  # fmt: skip
+        fields |= _granite_moe(hf) | dict(intermediate_size=hf.intermediate_size)
     return fields
+
+
+def _granite_moe(hf: Any) -> dict[str, Any]:
+    """Granite 3.0/3.1's MoE models (GraniteMoe; GraniteMoeShared with a shared MLP beside the experts): Granite's
+    multipliers, the top k of the router's logits softmaxed, on every layer."""
+    return _granite_multipliers(hf) | dict(
+        num_experts=hf.num_local_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_layers=(True,) * hf.num_hidden_layers,
+        moe_intermediate_size=hf.intermediate_size,
+        softmax_after_topk=True,
+        shared_expert_intermediate_size=getattr(hf, "shared_intermediate_size", 0),
+    )
 
 
 def _mamba2(hf: Any) -> dict[str, Any]:
@@ -461,6 +472,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BambaForCausalLM": Architecture({"family": "bamba"}, _bamba, windowed=False),
     # Granite 4.0: Granite's multipliers, Bamba's Mamba 2 mixers, a shared MLP beside routed experts
     "GraniteMoeHybridForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_hybrid, windowed=False),
+    # Granite 3.x's MoE models: Granite 4.0's layer with attention alone and rotary positions
+    "GraniteMoeForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
+    "GraniteMoeSharedForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -551,6 +565,8 @@ MODEL_TYPES = {
     "bamba": "BambaForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",

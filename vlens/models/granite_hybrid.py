@@ -1,8 +1,9 @@
-"""Granite 4.0 (IBM's GraniteMoeHybrid: the H models and their all-attention siblings): Granite's multipliers (vlens.config
-`_granite`), attention with no rotary unless `position_embedding_type` is "rope", on some layers a Mamba 2 mixer in
-place of attention (vlens.layers.mamba2, Bamba's), and for the MLP a gated `shared_mlp` (gate and up in one stored
-`input_linear`) beside routed experts where the model has them (a router that softmaxes its top k logits; the
-experts stacked in `input_linear` / `output_linear`)."""
+"""Granite 4.0 (IBM's GraniteMoeHybrid: the H models and their all-attention siblings) and Granite 3.x's MoE models
+(GraniteMoe, GraniteMoeShared): Granite's multipliers (vlens.config `_granite`), attention with no rotary unless
+`position_embedding_type` is "rope", on some layers a Mamba 2 mixer in place of attention (vlens.layers.mamba2,
+Bamba's), and for the MLP a gated `shared_mlp` (gate and up in one stored `input_linear`) beside routed experts
+where the model has them (a router that softmaxes its top k logits; the experts stacked in `input_linear` /
+`output_linear`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ SHARED_MLP_NAMES = dict(names=("gate", "up", "output_linear"), fused="input_line
 
 
 class GraniteMoE(nn.Module):
-    """Routed experts plus the shared MLP, their outputs summed (the layer's MLP output); `block_sparse_moe` in the
-    checkpoints, its router's weight under `router.layer`."""
+    """Routed experts plus, where the model has one, the shared MLP, their outputs summed (the layer's MLP output);
+    `block_sparse_moe` in the checkpoints, its router's weight under `router.layer`."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -32,19 +33,21 @@ class GraniteMoE(nn.Module):
                                cfg.parallel)  # fmt: skip
         self.routing = Routing(cfg, layer)
         hook = f"blocks.{layer}.mlp.shared_expert.hook_post"
-        self.shared_mlp = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, False, hook,
-                                   parallel=cfg.parallel, **SHARED_MLP_NAMES)  # fmt: skip
+        size = cfg.shared_expert_intermediate_size
+        self.shared_mlp = None if not size else GatedMLP(cfg.hidden_size, size, cfg.hidden_act, False, hook,
+                                                         parallel=cfg.parallel, **SHARED_MLP_NAMES)  # fmt: skip
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         layer = path.rpartition(".")[0]
         stored = {f"{layer}.block_sparse_moe.{'input' if k.endswith('gate_up_proj') else 'output'}_linear.weight": s
                   for k, s in self.experts.checkpoint_slots("experts").items()}  # fmt: skip
-        return stored | {f"{layer}.block_sparse_moe.router.layer.weight": Slot(self.gate.weight),
-                         **checkpoint_slots(self.shared_mlp, f"{layer}.shared_mlp")}  # fmt: skip
+        stored[f"{layer}.block_sparse_moe.router.layer.weight"] = Slot(self.gate.weight)
+        return stored if self.shared_mlp is None else stored | checkpoint_slots(self.shared_mlp, f"{layer}.shared_mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.routing(self.gate(x))
-        return self.experts(x, ids, weights) + self.shared_mlp(x)
+        out = self.experts(x, ids, weights)
+        return out if self.shared_mlp is None else out + self.shared_mlp(x)
 
 
 class GraniteHybridDecoderLayer(MixerBlock):
