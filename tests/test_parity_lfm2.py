@@ -120,13 +120,6 @@ def test_multimodal_text_model(tmp_path):
     check_every_tap(llm, hf, sequences())
 
 
-def test_tensor_parallel_is_refused(tmp_path):
-    """Before any weight loads, naming the layers that run in one process."""
-    path = build(lfm2_config(), tmp_path, "lfm2")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 is more than one process, and LFM2's short conv"):
-        LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=2)
-
-
 @pytest.mark.parametrize("config", [lambda: lfm2_config(conv_bias=True), lfm2_moe_config], ids=["lfm2", "lfm2_moe"])
 def test_bfloat16_taps(tmp_path, config):
     check_bfloat16_taps(config(), tmp_path)

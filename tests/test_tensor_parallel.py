@@ -33,6 +33,7 @@ from server_helpers import vlens_serve
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
+from test_parity_lfm2 import lfm2_config
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from test_parity_qwen3_5 import next_config
 from test_parity_qwen3_5 import text_config as qwen3_5_config
@@ -88,6 +89,8 @@ CONFIGS = {
     "qwen3_5": lambda: qwen3_5_config(num_hidden_layers=4, layer_types=QWEN_LAYERS),
     # the same with experts, a dense layer among them, and the linear layer's projections stored grouped by key head
     "qwen3_next": lambda: next_config(num_hidden_layers=4, layer_types=QWEN_LAYERS),
+    # LFM2: a short convolution after three attention layers, each rank its channels of B, C, x and the convolution
+    "lfm2": lambda: lfm2_config(num_hidden_layers=4, layer_types=["full_attention"] * 3 + ["conv"]),
 }
 
 

@@ -47,8 +47,8 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     """What in the model a split in `size` ranks cannot cut evenly, or None."""
     if cfg.per_layer_input_size and size > 1:  # (a second embedding as wide as every layer's inputs together)
         return "is more than one process, and Gemma 4's per-layer embeddings run in one"
-    if (any(cfg.conv_layers) or any(cfg.ssm_layers)) and size > 1:
-        return "is more than one process, and LFM2's short convolutions and Bamba's Mamba 2 mixers run in one"
+    if any(cfg.ssm_layers) and size > 1:
+        return "is more than one process, and Mamba 2 mixers (Bamba's, Granite 4.0's) run in one"
     dense = not cfg.moe_layers or not all(cfg.moe_layers) or cfg.experts_beside_mlp
     sizes = {
         "num_attention_heads": cfg.num_heads,
@@ -57,6 +57,7 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
         "moe_intermediate_size": cfg.moe_intermediate_size,
         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
         "linear_num_key_heads": cfg.linear_key_heads,  # (each rank the value heads its key heads serve)
+        "hidden_size (short convolutions' channels)": cfg.hidden_size if any(cfg.conv_layers) else 0,
     }
     for name, n in sizes.items():
         if n and n % size:

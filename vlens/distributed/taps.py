@@ -53,6 +53,7 @@ def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
         "attn.hook_gate": cfg.num_heads,
         "mlp.hook_post": cfg.intermediate_size_at(int(layer)),
         "mlp.shared_expert.hook_post": cfg.shared_expert_intermediate_size,
+        **{f"conv.hook_{name}": cfg.hidden_size for name in ("b", "c", "x", "conv_out", "z")},  # (LFM2's channels)
         # (a linear-attention layer's key heads, and the value heads they serve)
         "linear_attn.hook_q": cfg.linear_key_heads,
         "linear_attn.hook_k": cfg.linear_key_heads,
