@@ -81,10 +81,12 @@ def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
     assert stats.graph_steps > 0 and stats.eager_steps > 3 and llm.engine.scheduler.num_preemptions > 0
 
 
-def test_tensor_parallel_is_refused(tmp_path):
-    path = build(bamba_config(), tmp_path, "bamba")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 is more than one process, .* Mamba 2 mixers"):
-        LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=2)
+def test_a_split_of_fewer_mamba_heads_than_ranks_is_refused(tmp_path):
+    """A Mamba 2 mixer splits by heads (tests/test_tensor_parallel.py): 8 ranks for its 4 heads are refused before any
+    weight loads (the 8 attention heads would split)."""
+    path = build(bamba_config(num_attention_heads=8), tmp_path, "bamba")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 8 does not divide mamba_n_heads=4; allowed"):
+        LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=8)
 
 
 def test_bfloat16_taps(tmp_path):

@@ -30,9 +30,11 @@ from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
+from test_parity_bamba import bamba_config
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
+from test_parity_granite import hybrid_config as granite_hybrid_config
 from test_parity_lfm2 import lfm2_config
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from test_parity_qwen3_5 import next_config
@@ -91,6 +93,10 @@ CONFIGS = {
     "qwen3_next": lambda: next_config(num_hidden_layers=4, layer_types=QWEN_LAYERS),
     # LFM2: a short convolution after three attention layers, each rank its channels of B, C, x and the convolution
     "lfm2": lambda: lfm2_config(num_hidden_layers=4, layer_types=["full_attention"] * 3 + ["conv"]),
+    # a Mamba 2 mixer after three attention layers: each rank its heads and its one of the two groups of B and C
+    "bamba": lambda: bamba_config(num_hidden_layers=4, attn_layer_indices=[0, 1, 2]),
+    # Granite 4.0: the same with one group, which both ranks hold, its norm's sums of squares added over the ranks
+    "granite_hybrid": lambda: granite_hybrid_config(num_hidden_layers=4, layer_types=QWEN_LAYERS),
 }
 
 

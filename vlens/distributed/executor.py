@@ -47,8 +47,6 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     """What in the model a split in `size` ranks cannot cut evenly, or None."""
     if cfg.per_layer_input_size and size > 1:  # (a second embedding as wide as every layer's inputs together)
         return "is more than one process, and Gemma 4's per-layer embeddings run in one"
-    if any(cfg.ssm_layers) and size > 1:
-        return "is more than one process, and Mamba 2 mixers (Bamba's, Granite 4.0's) run in one"
     dense = not cfg.moe_layers or not all(cfg.moe_layers) or cfg.experts_beside_mlp
     sizes = {
         "num_attention_heads": cfg.num_heads,
@@ -58,6 +56,7 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
         "linear_num_key_heads": cfg.linear_key_heads,  # (each rank the value heads its key heads serve)
         "hidden_size (short convolutions' channels)": cfg.hidden_size if any(cfg.conv_layers) else 0,
+        "mamba_n_heads": cfg.ssm_heads,
     }
     for name, n in sizes.items():
         if n and n % size:
@@ -65,6 +64,8 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     for kv in sorted({cfg.kv_heads_at(layer) for layer in range(cfg.num_layers)}):
         if kv % size and size % kv:  # fewer KV heads than ranks: each is replicated on size / kv ranks
             return f"neither divides nor is a multiple of num_key_value_heads={kv}"
+    if cfg.ssm_groups and cfg.ssm_groups % size and size % cfg.ssm_groups:  # (the same of B and C's groups)
+        return f"neither divides nor is a multiple of mamba_n_groups={cfg.ssm_groups}"
     return None
 
 

@@ -24,33 +24,46 @@ from torch import nn
 from vlens.attention.metadata import CHUNK, AttentionMetadata, LinearChunks
 from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tap_widened
+from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.causal_conv import CausalConv
+from vlens.layers.checkpoint import Slot
+from vlens.layers.linear import RowLinear
 from vlens.layers.mlp import activation
 from vlens.layers.slot_states import Shapes, SlotStates, step_slots
 
 
 class GroupGatedRMSNorm(nn.Module):
     """x times silu(gate) in float32, RMS-normalised group by group, cast back to x's dtype and scaled by w (HF's
-    order: Mamba 2's norm after the gate)."""
+    order: Mamba 2's norm after the gate). `spread`: this rank holds a 1 / spread share of its one group (tensor
+    parallelism over fewer groups than ranks), whose sum of squares the ranks add up."""
 
-    def __init__(self, dim: int, groups: int, eps: float):
+    def __init__(self, dim: int, groups: int, eps: float, parallel: Parallel = SINGLE, spread: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.parallel, self.spread = groups, eps, parallel, spread
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = x.float() * F.silu(gate.float())
         h = h.view(*h.shape[:-1], self.groups, -1)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.spread == 1:
+            variance = h.pow(2).mean(-1, keepdim=True)
+        else:
+            variance = all_reduce(h.pow(2).sum(-1, keepdim=True), self.parallel) / (h.shape[-1] * self.spread)
+        h = (h * torch.rsqrt(variance + self.eps)).flatten(-2)
         return self.weight * h.to(x.dtype)
 
 
 class Mamba2Mixer(SlotStates):
-    """Bamba's `mamba`, its parameters named as HF's."""
+    """Bamba's and Granite 4.0's `mamba`, its parameters named as HF's. Under tensor parallelism each rank holds its
+    share of the heads (their rows of z, x and dt, of the convolution, their states, out_proj's matching columns) and
+    of the groups of B and C (where there are fewer groups than ranks, the one its heads read: replicated)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.heads, self.head_dim, self.groups = cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_groups
+        parallel = cfg.parallel
+        self.all_heads, self.all_groups = cfg.ssm_heads, cfg.ssm_groups
+        self.mine, self.my_groups = parallel.units(self.all_heads), parallel.units(self.all_groups)
+        self.heads, self.groups, self.head_dim = len(self.mine), len(self.my_groups), cfg.ssm_head_dim
         self.state_size, self.dt_limit = cfg.ssm_state_size, cfg.ssm_dt_limit
         inner, d = self.heads * self.head_dim, cfg.hidden_size
         channels = inner + 2 * self.groups * self.state_size
@@ -60,8 +73,9 @@ class Mamba2Mixer(SlotStates):
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
-        self.norm = GroupGatedRMSNorm(inner, self.groups, cfg.norm_eps)
-        self.out_proj = nn.Linear(inner, d, bias=cfg.ssm_proj_bias)
+        spread = max(1, parallel.size // self.all_groups)  # (ranks a group's heads are spread over)
+        self.norm = GroupGatedRMSNorm(inner, self.groups, cfg.norm_eps, parallel, spread)
+        self.out_proj = RowLinear(self.all_heads * self.head_dim, d, cfg.ssm_proj_bias, parallel, units=self.all_heads)
         self.act = activation(cfg.hidden_act)
         p = f"blocks.{layer}.mamba."
         self.hook_x, self.hook_b, self.hook_c, self.hook_dt = p + "hook_x", p + "hook_b", p + "hook_c", p + "hook_dt"
@@ -70,6 +84,24 @@ class Mamba2Mixer(SlotStates):
 
     def slot_shapes(self) -> Shapes:
         return {"state": ((self.heads, self.head_dim, self.state_size), torch.float32)}
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        """This rank's rows of each stored tensor (all of them in one process): in_proj's z, x, B, C and dt (their
+        stored order), the convolution's x, B and C, the heads' own parameters."""
+        p, n, inner = self.head_dim, self.state_size, self.all_heads * self.head_dim
+        heads = list(range(self.mine.start * p, self.mine.stop * p))
+        groups = list(range(self.my_groups.start * n, self.my_groups.stop * n))
+        spans = self.all_groups * n
+        xbc = heads + [inner + r for r in groups] + [inner + spans + r for r in groups]  # (the convolution's channels)
+        dt = [2 * inner + 2 * spans + h for h in self.mine]
+        rows = (torch.tensor(heads + [inner + r for r in xbc] + dt),)
+        own = (torch.tensor(list(self.mine)),)
+        slots = {f"{path}.in_proj.{leaf}": Slot(t, source=rows) for leaf, t in self.in_proj.named_parameters()}
+        slots |= {f"{path}.conv1d.{leaf}": Slot(t, source=(torch.tensor(xbc),))
+                  for leaf, t in self.conv1d.named_parameters()}  # fmt: skip
+        slots |= {f"{path}.{name}": Slot(getattr(self, name), source=own) for name in ("dt_bias", "A_log", "D")}
+        slots[f"{path}.norm.weight"] = Slot(self.norm.weight, source=(torch.tensor(heads),))
+        return slots | self.out_proj.checkpoint_slots(f"{path}.out_proj")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         meta, t = get_context().attention, h.shape[0]
