@@ -39,6 +39,9 @@ Then a hybrid model (--workload hybrid, or all): a random Qwen 3.5 of 8 layers (
 attention), d=256, 32 prompts of 16-200 tokens x 32 new tokens, greedy: vlens against HF generate (left-padded
 batch, its recurrent states in its cache), output tokens/s, and vlens capturing a linear layer's hook_z at the
 generated rows against none.
+Then a Mamba (--workload mamba, or all): a random Mamba of 8 layers, d=256, 16 states a channel, the same prompts and
+steps, against HF generate (its left padding zeroed before the convolution and scan, as HF's mask does); and vlens
+capturing a Mamba layer's hook_z at the generated rows against none.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
@@ -51,7 +54,14 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MambaConfig,
+    Qwen3_5TextConfig,
+)
 
 from vlens import LLM, Capture, SamplingParams, Steer
 from vlens.engine.llm_engine import NewRequest
@@ -142,7 +152,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", "hybrid", "all"], default="all")
+    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", *RECURRENT, "all"], default="all")
     args = ap.parse_args()
     if args.workload in ("smol", "all"):
         smol(args)
@@ -150,8 +160,9 @@ def main() -> None:
         host_overhead(args)
     if args.workload in ("spread", "all"):
         spread(args)
-    if args.workload in ("hybrid", "all"):
-        hybrid(args.repeats)
+    for workload in RECURRENT:
+        if args.workload in (workload, "all"):
+            recurrent(workload, args.repeats)
     if args.workload in ("window", "all"):
         window(args.repeats)
 
@@ -474,13 +485,25 @@ def window(repeats: int, batch: int = 8, context: int = 4000, steps: int = 30) -
     print(f"{'vlens, every key read under the mask':<44}{1000 * t_whole:>10.2f}{t_whole / t_hf:>9.2f}x")
 
 
-def hybrid(repeats: int, steps: int = 32) -> None:
-    """A model whose layers are mostly linear attention: vlens's prompts in chunks and decode steps over its state
-    slots against HF generate over its cache of recurrent states."""
-    llm, hf = random_llama(config=Qwen3_5TextConfig, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-                           linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-                           max_position_embeddings=1024)  # fmt: skip
+# workload -> (what it runs, its model, a tap of a layer that keeps a state, what that layer is)
+RECURRENT = {
+    "hybrid": ("random Qwen 3.5, 8 layers (6 linear attention), d=256",
+               lambda: random_llama(config=Qwen3_5TextConfig, hidden_size=256, intermediate_size=768,
+                                    num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                                    linear_value_head_dim=32, max_position_embeddings=1024),
+               "blocks.1.linear_attn.hook_z", "a linear layer"),
+    "mamba": ("random Mamba, 8 layers, d=256, 16 states a channel", lambda: random_llama(
+        config=MambaConfig, hidden_size=256, num_hidden_layers=8, state_size=16), "blocks.1.mamba.hook_z",
+              "a Mamba layer"),
+}  # fmt: skip
+
+
+def recurrent(workload: str, repeats: int, steps: int = 32) -> None:
+    """A model whose layers are mostly linear attention, or Mamba's: vlens's prompts in chunks and decode steps over
+    its state slots against HF generate over its cache of recurrent states."""
+    what, make, hook, layer = RECURRENT[workload]
+    llm, hf = make()
     ids = random_prompts(32, 16, 200)
     padded, mask = left_padded(ids)
 
@@ -493,15 +516,14 @@ def hybrid(repeats: int, steps: int = 32) -> None:
         llm.generate(ids, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=capture),
                      use_tqdm=False)  # fmt: skip
 
-    one = Capture(hooks="blocks.1.linear_attn.hook_z", positions="generated")
+    one = Capture(hooks=hook, positions="generated")
     t_hf, t_v, t_cap = best_alternating([hf_run, vlens_run, lambda: vlens_run(one)], repeats)
     tokens = len(ids) * steps
-    print(f"\nhybrid: random Qwen 3.5, 8 layers (6 linear attention), d=256; {len(ids)} prompts of 16-200 tokens x "
-          f"{steps} new tokens, greedy")  # fmt: skip
+    print(f"\n{workload}: {what}; {len(ids)} prompts of 16-200 tokens x {steps} new tokens, greedy")
     print(f"{'case':<44}{'tokens/s':>10}{'ratio':>10}")
     print(f"{'HF generate (left-padded batch)':<44}{tokens / t_hf:>10.1f}")
     print(f"{'vlens':<44}{tokens / t_v:>10.1f}{t_hf / t_v:>9.2f}x")
-    print(f"{'vlens, a linear layer at generated rows':<44}{tokens / t_cap:>10.1f}{t_cap / t_v:>9.2f}x  (time vs none)")
+    print(f"{f'vlens, {layer} at generated rows':<44}{tokens / t_cap:>10.1f}{t_cap / t_v:>9.2f}x  (time vs none)")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,9 @@ FAMILIES = {
         inputs=LLAMA.inputs | {"hook_resid_mid": "pre_ff_layernorm", "mlp.hook_post": "feed_forward.down_proj"},
         final_norm="model.final_layernorm",
     ),
+    # Mamba, Falcon Mamba, Mamba 2: a norm and a mixer a layer (its taps from HF's conv and scan calls, below)
+    "mamba": Family(layers="backbone.layers", embed="backbone.embeddings", attn="mixer",
+                    outputs={"ln1.hook_out": "norm"}, inputs={}, qkv="", final_norm="backbone.norm_f"),  # fmt: skip
     "lfm2_multimodal": replace(LFM2, **TEXT_MODEL | dict(final_norm="model.language_model.embedding_norm")),
     "gpt2": Family(
         layers="transformer.h",
@@ -248,7 +251,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
                "granitemoeshared": "granite_hybrid",
-               "lfm2_vl": "lfm2_multimodal"}  # fmt: skip
+               "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba"}  # fmt: skip
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
@@ -399,6 +402,32 @@ def _recording_scans(block, store: list):
 
 
 @contextlib.contextmanager
+def _recording_selective_scans(block, store: list):
+    """Record each call of HF's Mamba selective scan (Mamba's, Falcon Mamba's): (x [B, channels, T], its time steps
+    after their bias (in their dtype) and softplus, as the scan computes them, B and C [B, state size, T], the output
+    before the gate [B, channels, T], the gate's input z), the output computed without the gate and gated after, as
+    HF gates it."""
+    module = sys.modules[type(block).__module__]
+    original = getattr(module, "mamba_selective_scan", None)
+    if original is None:
+        yield
+        return
+
+    def recording(x, dt, a, b, c, *args, z=None, delta_bias=None, **kwargs):  # (HF passes them by keyword)
+        out = original(x, dt, a, b, c, *args, z=None, delta_bias=delta_bias, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        store.append((x, torch.nn.functional.softplus(dt + delta_bias.to(dt.dtype)[..., None]), b, c, y.clone(), z))
+        gated = y * torch.nn.functional.silu(z)
+        return (gated, *out[1:]) if isinstance(out, tuple) else gated
+
+    module.mamba_selective_scan = recording
+    try:
+        yield
+    finally:
+        module.mamba_selective_scan = original
+
+
+@contextlib.contextmanager
 def _recording_softmax(store: list):
     """Record the input and output of every attention softmax ([B, heads, q, k]), call by call: HF's eager
     attention scores (scaled, soft-capped, the additive mask's huge negatives where keys are forbidden)
@@ -429,8 +458,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     cfg = hf_model.config.get_text_config()  # (a multimodal model's: its text model's)
     name, fam = family_of(hf_model)
     n = cfg.num_hidden_layers
-    heads = cfg.num_attention_heads
-    if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4: read per layer, below)
+    heads = getattr(cfg, "num_attention_heads", 0)  # (none in a Mamba)
+    if getattr(cfg, "is_heterogeneous", False) or not heads:  # (Gemma 4: read per layer, below)
         kv_heads = head_dim = None
     else:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -447,7 +476,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     # (per layer: a linear-attention layer, Qwen 3.5's, a short convolution, LFM2's, or a Mamba 2 mixer, Bamba's, in
     # place of attention)
     has = lambda block, name: getattr(block, name, None) is not None  # noqa: E731 - (Granite 4's layers hold None)
-    linear, ssm = [has(b, "linear_attn") for b in blocks], [has(b, "mamba") for b in blocks]
+    mamba = [getattr(b, "mamba", None) or getattr(b, "mixer", None) for b in blocks]  # (a Mamba's: mixer)
+    linear, ssm = [has(b, "linear_attn") for b in blocks], [m is not None for m in mamba]
     conv = [has(b, "conv") and not has(b, "self_attn") for b in blocks]
     attends = [not (lin or c or s) for lin, c, s in zip(linear, conv, ssm)]
     rope = [r and a for r, a in zip(rope, attends)]
@@ -474,10 +504,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, o, key=p + "linear_attn.hook_gate": got.__setitem__(key, a[1].clone())))
             on_input(block.linear_attn.out_proj, p + "linear_attn.hook_z")
         elif ssm[layer]:  # (the rest from HF's conv and scan calls, below)
-            on_output(block.mamba, p + "hook_attn_out")
-            handles.append(block.mamba.norm.register_forward_hook(  # (its second input: the gate's, z)
-                lambda m, a, o, key=p + "mamba.hook_gate": got.__setitem__(key, a[1][0].clone())))
-            on_input(block.mamba.out_proj, p + "mamba.hook_z")
+            on_output(mamba[layer], p + "hook_attn_out")
+            if hasattr(mamba[layer], "norm"):  # (a Mamba 2 mixer's: its second input is the gate's, z)
+                handles.append(mamba[layer].norm.register_forward_hook(
+                    lambda m, a, o, key=p + "mamba.hook_gate": got.__setitem__(key, a[1][0].clone())))
+            on_input(mamba[layer].out_proj, p + "mamba.hook_z")
         elif conv[layer]:  # (its convolution's output from HF's conv calls, below)
             on_output(block.conv, p + "hook_attn_out")
             on_output(block.conv.in_proj, p + "conv.bcx", raw)
@@ -552,12 +583,14 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     deltas: list[tuple[torch.Tensor, ...]] = []
     convolved: list[torch.Tensor] = []
     scans: list[tuple[torch.Tensor, torch.Tensor]] = []
+    selective: list[tuple[torch.Tensor, ...]] = []
     implementation = hf_model.config._attn_implementation
     if patterns:
         hf_model.set_attn_implementation("eager")  # the attention whose scores can be recorded
     try:
         with (
-            _recording_rotary(blocks[attends.index(True)].get_submodule(fam.attn), rotated),
+            _recording_rotary(blocks[attends.index(True)].get_submodule(fam.attn) if any(attends) else None, rotated),
+            _recording_selective_scans(blocks[0], selective),
             _recording_softmax(softmaxes),
             _recording_delta_rule(blocks[0], deltas),
             _recording_convolutions(blocks[0], convolved),
@@ -593,14 +626,18 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if any(x is not None for x in parts):  # (Granite's: the experts' output plus the shared MLP's, as HF sums)
             got[f"blocks.{layer}.hook_mlp_out"] = sum(x for x in parts if x is not None)
         for kind in ("hook_attn_out", "hook_mlp_out"):
-            got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * getattr(cfg, "residual_multiplier", 1.0)
+            if f"blocks.{layer}.{kind}" in got:  # (a Mamba layer has no MLP)
+                got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * getattr(cfg, "residual_multiplier", 1.0)
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]
     got["ln_final.hook_out"] = out.hidden_states[n][0]
     got["unembed.hook_out"] = out.logits[0]
     for layer in layers:
         p = f"blocks.{layer}."
-        got[p + "hook_resid_pre"] = out.hidden_states[layer][0]
+        if cfg.model_type in ("mamba", "falcon_mamba"):  # (their hidden_states are the layers' outputs)
+            got[p + "hook_resid_pre"] = got["hook_embed"] if layer == 0 else raw[f"blocks.{layer - 1}.raw_resid_post"]
+        else:
+            got[p + "hook_resid_pre"] = out.hidden_states[layer][0]
         got[p + "hook_resid_post"] = raw[p + "raw_resid_post"]
         if linear[layer]:
             kinds = ("hook_q", "hook_k", "hook_v", "hook_decay", "hook_beta", "hook_core_out")
@@ -615,8 +652,13 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 got[p + "conv." + kind] = x
             got[p + "conv.hook_conv_out"] = convolved[sum(conv[:layer])][0].T
             continue
+        if ssm[layer] and selective:  # (Mamba's: the scan's inputs and output)
+            x, dt, b, c, y, z = (v[0].T for v in selective[sum(ssm[:layer])])
+            for kind, v in zip(("x", "dt", "b", "c", "ssm_out", "gate"), (x, dt, b, c, y, z)):
+                got[p + "mamba.hook_" + kind] = v
+            continue
         if ssm[layer]:  # (the convolution's output, after its activation: x, B, C; the scan's time steps and output)
-            mixer, nth = blocks[layer].mamba, sum(ssm[:layer])
+            mixer, nth = mamba[layer], sum(ssm[:layer])
             groups = (mixer.n_groups, mixer.ssm_state_size)
             x, b, c = convolved[nth][0].T.split([mixer.intermediate_size, *(groups[0] * groups[1],) * 2], -1)
             got[p + "mamba.hook_x"] = x.reshape(t, mixer.num_heads, mixer.head_dim)

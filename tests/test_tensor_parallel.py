@@ -36,6 +36,7 @@ from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_granite import hybrid_config as granite_hybrid_config
 from test_parity_lfm2 import lfm2_config
+from test_parity_mamba import mamba2_config
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from test_parity_qwen3_5 import next_config
 from test_parity_qwen3_5 import text_config as qwen3_5_config
@@ -522,6 +523,24 @@ def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
     if hook.endswith(("hook_expert_ids", "hook_expert_indices")):
         return torch.equal(a, b)
     return same(a.double(), b.double(), TOL)
+
+
+def test_a_model_without_attention_splits_by_mamba_heads(tmp_path, one_thread):
+    """Mamba 2 (no attention, no MLP, no KV cache: its blocks hold state slots alone) on two ranks, each its heads
+    and one of the two groups of B and C: every hook of a packed trace, and a greedy generation's tokens and rows, as
+    in one process."""
+    path = build(mamba2_config(), tmp_path, "mamba2")
+    one, two = _open(path), _open(path, tensor_parallel_size=N)
+    try:
+        every, seqs = list(one.hook_names()), sequences()
+        for a, b in zip(one.trace(seqs, every), two.trace(seqs, every)):
+            assert [hook for hook in every if not _equal(b[hook], a[hook], hook)] == []
+        hooks = ["blocks.1.mamba.hook_*", "blocks.2.hook_resid_post"]
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
+        prompts = sequences((20, 9, 3))
+        _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))
+    finally:
+        two.close()
 
 
 def test_shards_are_halves(pair):

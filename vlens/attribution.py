@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlens.hooked_weights import AttentionWeights, MLPWeights, ModelWeights, Tokens, check_mlp_input, resolve_layer
+from vlens.hooked_weights import (
+    AttentionWeights,
+    MLPWeights,
+    ModelWeights,
+    Tokens,
+    check_mlp_input,
+    mixer_of,
+    resolve_layer,
+)
 
 if TYPE_CHECKING:
     from vlens.models.base import DecoderLM
@@ -61,19 +69,24 @@ class Attribution:
             self._head_results(layer)
 
     def _head_results(self, layer: int) -> torch.Tensor:
-        """A linear-attention layer's (Qwen 3.5's) heads are its value heads: its hook_z through out_proj's columns; a
-        short convolution (LFM2's) has none."""
+        """A linear-attention layer's (Qwen 3.5's) heads are its value heads: its hook_z through out_proj's columns, as
+        a Mamba 2 mixer's are its heads; a short convolution (LFM2's) and Mamba's mixer (channels, not heads) have
+        none."""
         cfg = self.model.cfg
-        part = "linear_attn" if cfg.is_linear_layer(layer) else "conv" if cfg.is_conv_layer(layer) else "attn"
+        part = "attn" if cfg.attends(layer) else mixer_of(cfg, layer)[1]
         name = f"blocks.{layer}.{part}.hook_result"
         if name not in self._tensors:
             model = self._shares_of(layer, "attn")
             z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
-            if part == "conv":  # (no heads: [..., 0, d_model])
+            if part == "conv" or cfg.ssm_dt_rank:  # (no heads: [..., 0, d_model])
                 self._tensors[name] = z.new_zeros(*z.shape[:-1], 0, cfg.hidden_size)
                 return self._tensors[name]
             if part == "attn":
                 W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
+            elif part == "mamba":  # (its hook_z [..., heads * head dim])
+                mixer = model.layers[layer]._modules[model.layers[layer].mixer_name]
+                W_O = mixer.out_proj.weight.detach().T.reshape(mixer.heads, mixer.head_dim, -1)
+                z = z.unflatten(-1, (mixer.heads, mixer.head_dim))
             else:
                 net = model.layers[layer].linear_attn
                 W_O = net.out_proj.weight.detach().T.reshape(net.value_heads, net.value_dim, -1)
@@ -186,6 +199,11 @@ class Attribution:
         if kinds is None:
             raise ValueError(f"mode: {mode!r} is not one of all, attn, mlp")
         cfg = self.model.cfg
+        if cfg.mixer_only:  # (Mamba: what each layer adds is its mixer's output, hook_attn_out)
+            if mode == "mlp":
+                raise ValueError(f"mode: 'mlp': {cfg.architecture}'s layers have no MLP (a Mamba mixer alone); "
+                                 "mode 'all' or 'attn' gives each layer's mixer output, '{L}_attn_out'")  # fmt: skip
+            kinds = ("attn_out",)
         layer = resolve_layer(layer, cfg.num_layers)
         check_mlp_input(cfg, layer, mlp_input)
         if any(getattr(block, "layer_scalar", None) is not None for block in self.model.llm.model.layers[:layer]):

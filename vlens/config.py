@@ -183,6 +183,58 @@ def _mamba2(hf: Any) -> dict[str, Any]:
     )
 
 
+def _mamba(hf: Any) -> dict[str, Any]:
+    """Mamba (state-spaces/mamba-*): every layer a Mamba mixer alone, no attention and no MLP: its selective scan
+    keeps a state per channel and state dimension, the time step made by a low-rank projection. No position limit
+    but the 2,048 tokens it was trained on (max_model_len raises it)."""
+    n = hf.num_hidden_layers
+    return _mixer_only(hf) | dict(
+        hidden_states_after_layers=True,
+        ssm_inner=hf.intermediate_size,
+        ssm_dt_rank=int(hf.time_step_rank),
+        ssm_state_size=hf.state_size,
+        ssm_conv_kernel=hf.conv_kernel,
+        ssm_conv_bias=bool(hf.use_conv_bias),
+        ssm_proj_bias=bool(hf.use_bias),
+        ssm_layers=(True,) * n,
+    )
+
+
+def _falcon_mamba(hf: Any) -> dict[str, Any]:
+    """Falcon Mamba: Mamba's layers, the time step's low-rank input, B and C RMS-normalised without weights."""
+    return _mamba(hf) | dict(ssm_bcdt_norm_eps=hf.mixer_rms_eps)
+
+
+def _mamba2_only(hf: Any) -> dict[str, Any]:
+    """Mamba 2 (Mamba-Codestral, mamba2-*): every layer a Mamba 2 mixer alone (Bamba's), no attention and no MLP."""
+    return _mixer_only(hf) | dict(
+        ssm_layers=(True,) * hf.num_hidden_layers,
+        ssm_heads=hf.num_heads,
+        ssm_head_dim=hf.head_dim,
+        ssm_groups=hf.n_groups,
+        ssm_state_size=hf.state_size,
+        ssm_conv_kernel=hf.conv_kernel,
+        ssm_conv_bias=bool(hf.use_conv_bias),
+        ssm_proj_bias=bool(hf.use_bias),
+        ssm_dt_limit=tuple(hf.time_step_limit or (0.0, float("inf"))),
+    )
+
+
+def _mixer_only(hf: Any) -> dict[str, Any]:
+    """What the Mamba models share: a layer is its mixer alone, no attention heads, no rotary, RMS norms."""
+    return dict(
+        mixer_only=True,
+        residual_float32=bool(hf.residual_in_fp32),
+        intermediate_size=0,
+        num_heads=0,
+        num_kv_heads=0,
+        head_dim=0,
+        rotary_dim=0,
+        norm_eps=hf.layer_norm_epsilon,
+        max_position_embeddings=2048,
+    )
+
+
 def _granite(hf: Any) -> dict[str, Any]:
     """Granite (IBM, 3.x): Llama's layer with four multipliers (on the embeddings, the attention scores in place of
     1/sqrt(d), each sublayer's output, and the logits, which are divided by theirs)."""
@@ -475,6 +527,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Granite 3.x's MoE models: Granite 4.0's layer with attention alone and rotary positions
     "GraniteMoeForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
     "GraniteMoeSharedForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
+    # Mamba, Falcon Mamba and Mamba 2: a layer is a norm and a Mamba mixer, nothing else (no attention, no MLP)
+    "MambaForCausalLM": Architecture({"family": "mamba"}, _mamba, windowed=False),
+    "FalconMambaForCausalLM": Architecture({"family": "mamba"}, _falcon_mamba, windowed=False),
+    "Mamba2ForCausalLM": Architecture({"family": "mamba"}, _mamba2_only, windowed=False),
     # Cohere (Command R, Aya Expanse) and Cohere 2 (Command R7B, Command A): a parallel residual with one LayerNorm
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
@@ -567,6 +623,9 @@ MODEL_TYPES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "falcon_mamba": "FalconMambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
@@ -706,6 +765,20 @@ class ModelConfig:
     ssm_conv_bias: bool = False
     ssm_proj_bias: bool = False
     ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # Mamba (1): its mixer's channels and the time step's low rank (> 0: Mamba's selective scan, a state per channel
+    # and state dimension, in place of Mamba 2's heads); Falcon Mamba: the eps of the weightless RMS norms of its time
+    # step's input, B and C (None: not normed)
+    ssm_inner: int = 0
+    ssm_dt_rank: int = 0
+    ssm_bcdt_norm_eps: float | None = None
+    # Mamba, Mamba 2: a layer is x + mixer(norm(x)) alone: no MLP, no second norm, no hook_resid_mid
+    mixer_only: bool = False
+    # Mamba (1) and Falcon Mamba in HF: output_hidden_states[i] is layer i's output (no embedding; the last is the
+    # final norm's), so vlens's hidden_states.{i} alias is blocks.{i}.hook_resid_post there
+    hidden_states_after_layers: bool = False
+    # Mamba's residual_in_fp32: the stream between layers kept in float32 (each layer's norm reads it rounded to the
+    # model's dtype; its taps' rows are of the model's dtype, as every tap's)
+    residual_float32: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
@@ -776,8 +849,8 @@ class ModelConfig:
         if "qkv_bias" not in flags:
             bias = bool(getattr(hf, "attention_bias", False))
             flags.update(qkv_bias=bias, o_bias=flags.get("o_bias", bias))
-        heads = hf.num_attention_heads
-        head_dim = _global(hf, "head_dim") or hf.hidden_size // heads
+        heads = getattr(hf, "num_attention_heads", 0)  # (none in a Mamba: its reader says so)
+        head_dim = (_global(hf, "head_dim") or hf.hidden_size // heads) if heads else 0
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         if "full_attention" in rope:  # Gemma 3: one rope per layer type
             sliding_theta, sliding_scaling = _rope(rope.get("sliding_attention") or {}, hf)

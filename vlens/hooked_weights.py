@@ -103,6 +103,8 @@ def check_mlp_input(cfg: ModelConfig, layer: int, mlp_input: bool, as_sum: bool 
     the sum of what wrote it), one that reads the layer's input plus its attn_out, which GPT-NeoX's parallel
     residual does not (its pre-MLP norm of the layer input is defined: apply_ln_to_stack passes False)."""
     n = cfg.num_layers
+    if mlp_input and cfg.mixer_only:
+        raise ValueError(f"mlp_input: {cfg.architecture}'s layers have no MLP (a Mamba mixer alone); mlp_input=False")
     if mlp_input and layer == n:
         raise ValueError(f"mlp_input: layer {n} (-1, None) is the final norm's input, which no MLP reads; "
                          f"mlp_input=True goes with a layer in 0..{n - 1}")  # fmt: skip
@@ -178,6 +180,15 @@ def _projections(heads: AttentionHeads) -> list[tuple[torch.Tensor, torch.Tensor
             for w, b, n in zip(weights, biases, counts)]  # fmt: skip
 
 
+def mixer_of(cfg: ModelConfig, layer: int) -> tuple[str, str]:
+    """(what mixes layer `layer`'s tokens in place of attention, where its hook points are)."""
+    if cfg.is_linear_layer(layer):
+        return "linear attention (a gated delta net)", "linear_attn"
+    if cfg.is_conv_layer(layer):
+        return "a gated short convolution", "conv"
+    return ("a Mamba mixer" if cfg.ssm_dt_rank else "a Mamba 2 mixer"), "mamba"
+
+
 @dataclass(frozen=True)
 class MLPWeights:
     """One layer's MLP weights as TransformerLens's `blocks[L].mlp` holds them (equations: module doc)."""
@@ -204,6 +215,9 @@ class MLPWeights:
                 "per-neuron results; its mlp_out is one component (decompose_resid, get_full_resid_decomposition("
                 "expand_neurons=False), accumulated_bias(include_mlp_biases=False))"
             )
+        if cfg.mixer_only:
+            raise ValueError(f"blocks[{layer}].mlp: {cfg.architecture}'s layers are a Mamba mixer alone, with no MLP; "
+                             f"its hook points are under blocks[{layer}].mamba")  # fmt: skip
         mlp = model.layers[layer].mlp
         fc_in, fc_out = mlp.fc_in, mlp.fc_out
         parts = list(fc_in.parts.values())
@@ -246,8 +260,7 @@ class Block:
     def _heads(self, layer: int) -> AttentionHeads:
         cfg = self.model.cfg
         if not cfg.attends(layer):
-            what, part = ("linear attention (a gated delta net)", "linear_attn") if cfg.is_linear_layer(layer) else (
-                "a gated short convolution", "conv")  # fmt: skip
+            what, part = mixer_of(cfg, layer)
             raise ValueError(f"blocks[{layer}].attn: {cfg.architecture}'s layer {layer} is {what}, which has no "
                              f"attention heads and no W_Q, W_K, W_V or W_O; its hook points are under "
                              f"blocks[{layer}].{part}")  # fmt: skip
@@ -301,9 +314,12 @@ class ModelWeights:
         cfg = self.cfg
         if part == "attn" and cfg.keeps_states:
             full = [i for i in range(cfg.num_layers) if cfg.attends(i)]
-            raise ValueError(f"{name}: {cfg.architecture}'s layers but {full} are linear attention or short "
-                             f"convolutions, without attention heads; read model.blocks[L].attn.{name} of those "
-                             "layers")  # fmt: skip
+            if not full:
+                raise ValueError(f"{name}: {cfg.architecture} has no attention (its layers are Mamba mixers), so no "
+                                 f"{name}; their hook points are under model.blocks[L].mamba")  # fmt: skip
+            raise ValueError(f"{name}: {cfg.architecture}'s layers but {full} are linear attention, short "
+                             f"convolutions or Mamba mixers, without attention heads; read model.blocks[L].attn.{name} "
+                             "of those layers")  # fmt: skip
         per_layer = [getattr(getattr(block, part), name) for block in self.blocks]
         shapes = sorted({tuple(w.shape) for w in per_layer})
         if len(shapes) > 1:
@@ -348,7 +364,7 @@ class ModelWeights:
         for block in blocks[:layer]:
             if attends(block.index):
                 bias += block.attn.b_O
-            if include_mlp_biases:
+            if include_mlp_biases and not model.cfg.mixer_only:
                 bias += block.mlp.b_out
         if mlp_input and attends(layer):
             bias += blocks[layer].attn.b_O

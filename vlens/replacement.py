@@ -152,7 +152,8 @@ def check_frozen_attention(cfg: ModelConfig, what: str) -> None:
     others = [layer for layer in range(cfg.num_layers) if not cfg.attends(layer)]
     if others:
         raise ValueError(f"{what}: freezes attention patterns, and {cfg.architecture}'s layers {others} are linear "
-                         "attention or short convolutions, which have none; it runs on models whose layers all attend")
+                         "attention, short convolutions or Mamba mixers, which have none; it runs on models whose "
+                         "layers all attend")  # fmt: skip
 
 
 def _per_layer(transcoders: Sequence[Any]) -> list[SAE]:

@@ -74,6 +74,8 @@ def choose(device: torch.device, kinds: set[LayerKind], dtype: torch.dtype, bloc
       noise; 42 vs 48 us of host time a call), as close to a float32 reference as each other, so without
       paging there is no reason to leave the reference kernel.
     """
+    if not kinds:
+        return "sdpa", "no layer attends (a Mamba): no attention kernel runs"
     if device.type != "cuda":
         return "sdpa", "the exact reference; the other kernels are CUDA-only or compile per shape"
     if dtype == torch.float32:

@@ -133,6 +133,10 @@ class LinearChunks(NamedTuple):
     single_rows: torch.Tensor  # [Bs] the row of each sequence that feeds one
     single_seqs: torch.Tensor  # [Bs] ... and which sequence it is
 
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [N, CHUNK, ...]: the rows of each chunk, zeros past a sequence's last row (index T)."""
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.rows]
+
 
 def chunk_layout(query_lens: list[int], device: torch.device) -> LinearChunks:
     """The LinearChunks of a forward whose sequences feed `query_lens` rows each, on `device`."""

@@ -2,7 +2,8 @@
 
 A spec is a name, a glob (`blocks.*.hook_resid_post`, `blocks.{3,7}.hook_attn_out`,
 `blocks.{0..5}.ln1.hook_normalized`) or a list of them. Resolution maps every requested name to the
-canonical tap that produces it: `hidden_states.{i}` are aliases with HF's index meaning.
+canonical tap that produces it: `hidden_states.{i}` are aliases with HF's index meaning (the stream entering layer
+i; HF's Mamba and Falcon Mamba: the stream leaving it).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ CONV_HOOKS = tuple(f"conv.hook_{name}" for name in ("b", "c", "x", "conv_out", "
 # Bamba's Mamba 2 mixers, in place of attention's: x, B, C after the convolution, the time step (after its bias and
 # softplus), the scan's output, the gate's input, and the gated norm's output, the output projection's input.
 MAMBA_HOOKS = tuple(f"mamba.hook_{name}" for name in ("x", "b", "c", "dt", "ssm_out", "gate", "z"))
+# What a layer without an MLP (Mamba's) has none of, besides the MLP's and its norm's own taps.
+MLP_PART = ("hook_resid_mid", "hook_mlp_in", "hook_mlp_out")
 ATTN_INPUT_HOOKS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 # Layer hooks that are other names of a tap (TransformerLens's), as hidden_states.{i} are of the residual stream's.
 LAYER_ALIASES = {"mlp.hook_expert_indices": "mlp.hook_expert_ids"}
@@ -120,7 +123,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     (POST_NORMED) before the output each one makes. A layer that attends to another's keys and values (Gemma 4's
     shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post. A
     linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's, a short convolution (LFM2's)
-    CONV_HOOKS, a Mamba 2 mixer (Bamba's) MAMBA_HOOKS; a gated attention head its gate's input before hook_z."""
+    CONV_HOOKS, a Mamba or Mamba 2 mixer MAMBA_HOOKS; a gated attention head its gate's input before hook_z. A layer
+    that is its mixer alone (Mamba's) has no MLP, no second norm and no hook_resid_mid."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
@@ -140,6 +144,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         hooks[at:at] = PER_LAYER_HOOKS
     if cfg.parallel_residual:
         hooks.remove("hook_resid_mid")
+    if cfg.mixer_only:  # (Mamba: the layer is its mixer alone)
+        return tuple(h for h in hooks if h not in MLP_PART and not h.startswith(("ln2.", "mlp.")))
     if cfg.is_moe_layer(layer):
         moe = MOE_HOOKS + (SHARED_EXPERT,) if cfg.shared_expert_intermediate_size else MOE_HOOKS
         at = hooks.index("mlp.hook_post")
@@ -206,13 +212,15 @@ def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) ->
         "linear_attn.hook_k": (cfg.linear_key_heads, cfg.linear_key_dim),
         **{f"linear_attn.hook_{name}": (cfg.linear_value_heads, cfg.linear_value_dim)
            for name in ("v", "core_out", "gate", "z")},  # fmt: skip
-        "mamba.hook_x": (cfg.ssm_heads, cfg.ssm_head_dim),
-        "mamba.hook_b": (cfg.ssm_groups, cfg.ssm_state_size),
-        "mamba.hook_c": (cfg.ssm_groups, cfg.ssm_state_size),
-        "mamba.hook_dt": (cfg.ssm_heads,),
-        "mamba.hook_ssm_out": (cfg.ssm_heads, cfg.ssm_head_dim),
-        "mamba.hook_gate": (cfg.ssm_heads * cfg.ssm_head_dim,),
-        "mamba.hook_z": (cfg.ssm_heads * cfg.ssm_head_dim,),
+        **(_mamba_shapes(cfg) if cfg.ssm_dt_rank else {
+            "mamba.hook_x": (cfg.ssm_heads, cfg.ssm_head_dim),
+            "mamba.hook_b": (cfg.ssm_groups, cfg.ssm_state_size),
+            "mamba.hook_c": (cfg.ssm_groups, cfg.ssm_state_size),
+            "mamba.hook_dt": (cfg.ssm_heads,),
+            "mamba.hook_ssm_out": (cfg.ssm_heads, cfg.ssm_head_dim),
+            "mamba.hook_gate": (cfg.ssm_heads * cfg.ssm_head_dim,),
+            "mamba.hook_z": (cfg.ssm_heads * cfg.ssm_head_dim,),
+        }),  # fmt: skip
         "linear_attn.hook_beta": (cfg.linear_value_heads,),
         "linear_attn.hook_decay": (cfg.linear_value_heads,),
         "attn.hook_result": (heads, d),
@@ -231,11 +239,20 @@ def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) ->
     }
 
 
+def _mamba_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Mamba's mixer (vlens.layers.mamba1): one state per channel, B and C shared by all of them."""
+    channels = (cfg.ssm_inner,)
+    return {"mamba.hook_b": (cfg.ssm_state_size,), "mamba.hook_c": (cfg.ssm_state_size,)} | {
+        f"mamba.hook_{name}": channels for name in ("x", "dt", "ssm_out", "gate", "z")}  # fmt: skip
+
+
 def canonical(name: str, cfg: ModelConfig) -> str:
     """The tap behind a (valid) name: aliases map to the tap with the same values."""
     if name.startswith("hidden_states."):
         i = int(name.split(".")[1])
-        return FINAL_NORM if i == cfg.num_layers else f"blocks.{i}.hook_resid_pre"
+        if i == cfg.num_layers:
+            return FINAL_NORM
+        return f"blocks.{i}.hook_resid_post" if cfg.hidden_states_after_layers else f"blocks.{i}.hook_resid_pre"
     block, _, kind = name.partition(".")[2].partition(".")
     return f"blocks.{block}.{LAYER_ALIASES[kind]}" if name.startswith("blocks.") and kind in LAYER_ALIASES else name
 

@@ -80,17 +80,23 @@ class LLMEngine:
         budget = kv_cache_bytes(runner, config)
         num_states = 0
         if runner.stateful:  # (layers that keep states per sequence: a slot for each sequence that may run, and a
-            # scratch one, from at most half the budget: fewer slots than max_num_seqs run fewer sequences at once)
+            # scratch one, from at most half the budget, all of it where no layer caches keys: fewer slots than
+            # max_num_seqs run fewer sequences at once)
             per_state = ModelRunner.bytes_per_state(model)
-            num_states = min(config.max_num_seqs, budget // 2 // per_state - 1)
+            share = 2 if per_block else 1
+            num_states = min(config.max_num_seqs, budget // share // per_state - 1)
             if num_states < 1:
-                raise ValueError(f"kv_cache_memory: {budget} bytes, half of which must hold the states of two "
-                                 f"sequences ({per_state} bytes each) beside the KV cache")  # fmt: skip
+                where = "half of which" if per_block else "which"
+                raise ValueError(f"kv_cache_memory: {budget} bytes, {where} must hold the states of two sequences "
+                                 f"({per_state} bytes each)" + (" beside the KV cache" if per_block else ""))
             budget -= (num_states + 1) * per_state
             if num_states < config.max_num_seqs:
                 log.info("state slots for %d sequences at once (max_num_seqs %d): %d bytes each", num_states,
                          config.max_num_seqs, per_state)  # fmt: skip
-        num_blocks = min(budget // per_block, config.max_num_seqs * -(-wanted_len // block_size))
+        num_blocks = config.max_num_seqs * -(-wanted_len // block_size)
+        if per_block:  # (a model without attention, Mamba's, caches no keys: its blocks cost nothing, and only hold
+            # its sequences' state slots)
+            num_blocks = min(budget // per_block, num_blocks)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold fewer than 2 blocks of {per_block} bytes")
         capacity = num_blocks * block_size

@@ -157,12 +157,13 @@ class ModelRunner:
         self.graphs = graphs and self.device.type == "cuda"
         # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations
         self.fused = self.graphs and fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
-        self.decode_backend = (
-            DecodeBackend.for_device(self.device, self.dtype, self.kinds) if kernels else DecodeBackend()
+        self.decode_backend = (  # (no kinds: no layer attends, a Mamba's: no kernel to try)
+            DecodeBackend.for_device(self.device, self.dtype, self.kinds) if kernels and self.kinds else DecodeBackend()
         )
         self.compile_decode = compile_decode
-        # on the CPU the static path pays when its attention reads the cache in place (no graphs to replay)
-        reads_in_place = self.device.type == "cpu" and self.decode_backend.paged is not None
+        # on the CPU the static path pays when its attention reads the cache in place, or reads none (no graphs to
+        # replay)
+        reads_in_place = self.device.type == "cpu" and (self.decode_backend.paged is not None or not self.kinds)
         self.static_decode = self.graphs or compile_decode or reads_in_place
         # Batch and pages padded to power-of-two buckets: one graph or compile serves many steps. Not otherwise:
         # on the CPU a padding row costs what a real one does (a batch of 33 would compute 64 rows).

@@ -205,9 +205,9 @@ def _chunked(
     carried sequence by sequence. Every chunk of every sequence is computed at once; the scan runs as many times as
     the longest sequence has chunks, each sequence reading a zero chunk (which leaves its state as it is) past its
     last. Returns their rows' outputs (in `chunks.chunked_rows`' order) and their states."""
-    rows, table, place = chunks.rows, chunks.table, chunks.place
+    table, place = chunks.table, chunks.place
     heads_first = lambda x: x.transpose(1, 2)  # noqa: E731 - [N, CHUNK, H, ...] -> [N, H, CHUNK, ...]
-    q, k, v, beta, decay = (heads_first(_in_chunks(x, rows)) for x in (q, k, v, beta, decay))
+    q, k, v, beta, decay = (heads_first(chunks.of(x)) for x in (q, k, v, beta, decay))
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
     total = decay.cumsum(-1)  # the log decay from the chunk's start to each position
     later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
@@ -230,8 +230,3 @@ def _chunked(
         state = state * chunk_decay[i] + k[i].transpose(-1, -2) @ new
     out = out[:-1].transpose(1, 2).flatten(0, 1)  # [N * CHUNK, H, value dim]
     return out[place], state
-
-
-def _in_chunks(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[T, ...] -> [N, CHUNK, ...]: the rows of each chunk, zeros past a sequence's last row (index T)."""
-    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows]

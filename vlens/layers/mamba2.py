@@ -167,7 +167,7 @@ def _chunked(
     skip = x * d.float()[:, None]
     x = x * dt.float()[..., None]
     log_decay = a * dt.float()  # [T, heads]
-    x, b, c, log_decay = (_in_chunks(v, chunks.rows) for v in (x, b, c, log_decay))  # [N, CHUNK, ...]
+    x, b, c, log_decay = (chunks.of(v) for v in (x, b, c, log_decay))  # [N, CHUNK, ...]
     total = log_decay.cumsum(1)  # [N, CHUNK, heads]: from the chunk's start to each row
     later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=x.device).triu(1)
     between = (total[:, :, None] - total[:, None]).masked_fill(later[..., None], float("-inf")).exp()  # [N, l, s, h]
@@ -186,8 +186,3 @@ def _chunked(
         state = state * chunk_decay[i] + made[i]
     y = (y + reads[:-1]).flatten(0, 1)[chunks.place]  # [Tc, heads, head dim]
     return y + skip[chunks.chunked_rows], state
-
-
-def _in_chunks(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[T, ...] -> [N, CHUNK, ...]: the rows of each chunk, zeros past a sequence's last row (index T)."""
-    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.context import tap, tapped
+from vlens.context import tap, tap_widened, tapped
 from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
 from vlens.layers.checkpoint import Slot
@@ -51,24 +51,27 @@ class RMSNorm(nn.Module):
         self.kind = kind  # ModelConfig.norm: "rms", "rms_float" or "rms_offset" (Gemma: w stored, 1 + w the scale)
 
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
+        """x's norm, in x's dtype; its taps' rows in the weight's (the model's: Mamba's final norm reads a float32
+        stream in a bfloat16 model)."""
+        rows = self.weight.dtype
         if not (tapped(hooks.scale) or tapped(hooks.normalized)):  # nothing asks for its inner values
-            return tap(hooks.out, fused.rms_norm(x, self.weight, self.eps, self.kind))
+            return tap_widened(hooks.out, fused.rms_norm(x, self.weight, self.eps, self.kind), rows)
         dtype = x.dtype
         h = x.float()
         variance = h.pow(2).mean(-1, keepdim=True) + self.eps
         h = h * torch.rsqrt(variance)
         if tapped(hooks.scale):
             scale = variance.sqrt().to(dtype)
-            edited = tap(hooks.scale, scale)
+            edited = tap_widened(hooks.scale, scale, rows)
             if edited is not scale:
                 h = x.float() / edited.float()
         if tapped(hooks.normalized):
             normalized = h.to(dtype)
-            edited = tap(hooks.normalized, normalized)
+            edited = tap_widened(hooks.normalized, normalized, rows)
             if edited is not normalized:
                 h = edited.float()
         out = fused.scaled(h, self.weight, self.kind, dtype)
-        return tap(hooks.out, out)
+        return tap_widened(hooks.out, out, rows)
 
     def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """This norm with its divisor given, not computed from x: x / scale times the weight. Linear in x,

@@ -19,6 +19,7 @@ from vlens.models.gptj import GPTJForCausalLM
 from vlens.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from vlens.models.lfm2 import Lfm2ForCausalLM
 from vlens.models.llama import ApertusForCausalLM, CausalLM, GraniteForCausalLM, Starcoder2ForCausalLM
+from vlens.models.mamba import MambaForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
 from vlens.models.opt import OPTForCausalLM
 from vlens.models.phi import PhiForCausalLM
@@ -44,6 +45,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "bamba": BambaForCausalLM,
     "granite": GraniteForCausalLM,
     "granite_hybrid": GraniteMoeHybridForCausalLM,
+    "mamba": MambaForCausalLM,
 }
 
 

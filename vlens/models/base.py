@@ -18,7 +18,7 @@ from torch import nn
 
 from vlens.capture.names import LOGITS, post_norm_names
 from vlens.config import ModelConfig
-from vlens.context import ForwardContext, get_context, tap, tapped
+from vlens.context import ForwardContext, get_context, tap, tap_widened, tapped
 from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
 from vlens.layers.attention import Attention
@@ -369,9 +369,10 @@ class DecoderLM(nn.Module):
                 # The input tap of the first layer not run lives in that layer's forward: fire it here,
                 # else a trace of blocks.{num_layers}.hook_resid_pre would capture nothing.
                 hook = self.layers[num_layers].hook_resid_pre
-                x = tap(hook, x)
+                x = tap_widened(hook, x, self.lm_head.weight.dtype)
             return x
-        return self.final_norm(x, FINAL_NORM_HOOKS)
+        # (a stream kept in float32, Mamba's: normed so, then rounded, as HF's lm_head reads it)
+        return self.final_norm(x, FINAL_NORM_HOOKS).to(self.lm_head.weight.dtype)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         return tap(LOGITS, self._unembed(normed))
