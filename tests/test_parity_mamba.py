@@ -194,14 +194,14 @@ def test_a_capturing_step_compiles_whole(tmp_path, name):
     taps and one steering its scan's output: no graph break, one compile, the eager step's stream and rows."""
     from test_compile import CompiledForward
 
-    config = (mamba_config if name == "mamba" else mamba2_config)(num_hidden_layers=2)  # (its compile unrolls steps)
+    config = (mamba_config if name == "mamba" else mamba2_config)(num_hidden_layers=1)  # (its compile unrolls steps)
     llm = LLM(model=build(config, tmp_path, name), dtype="float32", device="cpu", block_size=4)
     g = torch.Generator().manual_seed(0)
+    hook = "blocks.0.mamba.hook_ssm_out"
     params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
-                             capture=Capture(["blocks.1.mamba.hook_ssm_out", "blocks.1.hook_resid_post"])),
+                             capture=Capture([hook, "blocks.0.hook_resid_post"])),
               SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, interventions=[
-                  Steer("blocks.1.mamba.hook_ssm_out", torch.randn(llm.hook_names()["blocks.1.mamba.hook_ssm_out"],
-                                                                   generator=g))])]  # fmt: skip
+                  Steer(hook, torch.randn(llm.hook_names()[hook], generator=g))])]  # fmt: skip
     engine = llm.engine
     engine.runner.taps.fixed_shapes = True
     try:
