@@ -42,6 +42,8 @@ generated rows against none.
 Then a Mamba (--workload mamba, or all): a random Mamba of 8 layers, d=256, 16 states a channel, the same prompts and
 steps, against HF generate (its left padding zeroed before the convolution and scan, as HF's mask does); and vlens
 capturing a Mamba layer's hook_z at the generated rows against none.
+Then a Nemotron-H (--workload nemotron, or all): a random one of 8 layers, each one part alone (3 Mamba 2 mixers, an
+attention layer, 4 MLPs), d=256, the same prompts and steps, against HF generate; and a Mamba 2 layer's hook_z.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
@@ -60,6 +62,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MambaConfig,
+    NemotronHConfig,
     Qwen3_5TextConfig,
 )
 
@@ -496,6 +499,11 @@ RECURRENT = {
     "mamba": ("random Mamba, 8 layers, d=256, 16 states a channel", lambda: random_llama(
         config=MambaConfig, hidden_size=256, num_hidden_layers=8, state_size=16), "blocks.1.mamba.hook_z",
               "a Mamba layer"),
+    "nemotron": ("random Nemotron-H, 8 layers (3 Mamba 2, 1 attention, 4 MLP), d=256", lambda: random_llama(
+        config=NemotronHConfig, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, ssm_state_size=64, max_position_embeddings=1024,
+        layers_block_type=["linear_attention", "mlp"] * 2 + ["full_attention", "mlp", "linear_attention", "mlp"]),
+                 "blocks.2.mamba.hook_z", "a Mamba 2 layer"),
 }  # fmt: skip
 
 

@@ -31,6 +31,8 @@ slow section costs only itself. Sections:
             layer's scan output captured through its state slots
   mamba     Mamba in mamba-130m's layout (no attention, no MLP), its released state size: the same, a layer's scan
             output captured through its state slots
+  nemotron_h  Nemotron-H with Nemotron Nano 2's head sizes and Nemotron 3's experts, narrow: the same, a Mamba 2
+            layer's scan output and an MoE layer's chosen experts captured
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -475,6 +477,28 @@ def mamba(rows: dict, root: Path, quick: bool, device: str) -> None:
     rows["mamba"] = family_check(config, "mamba-130m-layout", ["blocks.1.mamba.hook_ssm_out"], root, quick, device)
 
 
+def nemotron_h(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """Nemotron-H with Nemotron Nano 2's head sizes on CUDA (Mamba 2 heads of 80 dims over 8 groups, a 128-wide state,
+    attention heads of 128) and Nemotron 3's experts, narrow: `family_check`, capturing a Mamba 2 layer's scan output
+    and an MoE layer's chosen experts through the graphs."""
+    try:
+        from transformers import NemotronHConfig
+    except ImportError:
+        rows["nemotron_h"] = {"skipped": f"transformers {transformers.__version__} has no Nemotron-H"}
+        return
+    wide = device == "cuda"
+    config = NemotronHConfig(
+        vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 96,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128 if wide else 16, mamba_num_heads=16 if wide else 4,
+        mamba_head_dim=80 if wide else 32, n_groups=8 if wide else 2, ssm_state_size=128 if wide else 8,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256 if wide else 32,
+        moe_shared_expert_intermediate_size=256 if wide else 48, max_position_embeddings=2048,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+    )  # fmt: skip
+    hooks = ["blocks.0.mamba.hook_ssm_out", "blocks.1.mlp.hook_expert_ids"]
+    rows["nemotron_h"] = family_check(config, "nemotron-h-layout", hooks, root, quick, device)
+
+
 def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str) -> dict:
     """A random checkpoint of `config` in float32, TF32 off: every tap of a packed trace vs HF on the CPU (patterns
     within 1e-4), and greedy generation through the paged cache (graphs on CUDA) capturing `hooks` and the logits
@@ -521,7 +545,7 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
-            "qwen3_5": 60, "bamba": 60, "mamba": 60}  # fmt: skip
+            "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -560,7 +584,8 @@ def main() -> None:
     for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
-    for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba)):
+    for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
+                     ("nemotron_h", nemotron_h)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))

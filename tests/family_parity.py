@@ -23,7 +23,7 @@ from hf_reference import hf_taps, rows_shape, same
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from vlens import LLM, Capture, SamplingParams
+from vlens import LLM, Capture, SamplingParams, Steer
 from vlens.capture.names import is_pattern
 
 TOL = 1e-5  # forward, float32
@@ -297,3 +297,29 @@ class GenerationParity:
     def test_generation_matches_hf(self, family):
         _, _, llm, hf = family
         check_generation(llm, hf, sequences(self.generation_lengths), extra_hooks=self.generation_hooks)
+
+
+def check_capturing_step_compiles(path: str, hook: str) -> None:
+    """torch.compile(fullgraph=True) of a mixed step of the checkpoint at `path` (two sequences decode while two
+    prefill), one request capturing `hook` and the last layer's stream, one steering `hook`: no graph break, one
+    compile, the eager step's stream and rows (test_compile.py's CompiledForward checks them)."""
+    from test_compile import CompiledForward
+
+    from vlens.engine.llm_engine import NewRequest
+
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+    last = f"blocks.{llm.config.num_layers - 1}.hook_resid_post"
+    vector = torch.randn(llm.hook_names()[hook], generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=Capture([hook, last])),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, interventions=[Steer(hook, vector)])]
+    engine = llm.engine
+    engine.runner.taps.fixed_shapes = True
+    try:
+        engine.add_requests([NewRequest(ids, p) for ids, p in zip(sequences((5, 7)), params)])
+        engine.step()  # (their prefill, eager)
+        forward = engine.runner.forward = CompiledForward(llm.model)
+        engine.add_requests([NewRequest(ids, p) for ids, p in zip(sequences((70, 9)), params)])
+        engine.step()
+    finally:
+        engine.runner.taps.fixed_shapes = False
+    assert forward.breaks == [0] and forward.compiles == 1 and max(forward.errors) < 1e-5

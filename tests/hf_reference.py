@@ -164,6 +164,9 @@ FAMILIES = {
     # Mamba, Falcon Mamba, Mamba 2: a norm and a mixer a layer (its taps from HF's conv and scan calls, below)
     "mamba": Family(layers="backbone.layers", embed="backbone.embeddings", attn="mixer",
                     outputs={"ln1.hook_out": "norm"}, inputs={}, qkv="", final_norm="backbone.norm_f"),  # fmt: skip
+    # Nemotron-H: a norm and one part a layer (NEMOTRON_PARTS: each part's taps)
+    "nemotron_h": Family(layers="model.layers", embed="model.embeddings", attn="mixer", outputs={}, inputs={},
+                         qkv="mixer.v_proj", final_norm="model.norm_f"),  # fmt: skip
     "lfm2_multimodal": replace(LFM2, **TEXT_MODEL | dict(final_norm="model.language_model.embedding_norm")),
     "gpt2": Family(
         layers="transformer.h",
@@ -251,7 +254,15 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
                "granitemoeshared": "granite_hybrid",
-               "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba"}  # fmt: skip
+               "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
+               "nemotron_h": "nemotron_h"}  # fmt: skip
+# Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
+NEMOTRON_PARTS = {
+    "linear_attention": ({"ln1.hook_out": "norm"}, {}),
+    "full_attention": ({"ln1.hook_out": "norm", "hook_attn_out": "mixer"}, {"attn.hook_z": "mixer.o_proj"}),
+    "mlp": ({"ln2.hook_out": "norm", "hook_mlp_out": "mixer"}, {"mlp.hook_post": "mixer.down_proj"}),
+    "moe": ({"ln2.hook_out": "norm", "hook_mlp_out": "mixer"}, {}),
+}
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
@@ -467,7 +478,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if name in ("gpt_neo", "opt", "bloom") or getattr(cfg, "position_embedding_type", "rope") != "rope":
+    if name in ("gpt_neo", "opt", "bloom", "nemotron_h") or getattr(cfg, "position_embedding_type", "rope") != "rope":
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
@@ -476,10 +487,13 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     # (per layer: a linear-attention layer, Qwen 3.5's, a short convolution, LFM2's, or a Mamba 2 mixer, Bamba's, in
     # place of attention)
     has = lambda block, name: getattr(block, name, None) is not None  # noqa: E731 - (Granite 4's layers hold None)
-    mamba = [getattr(b, "mamba", None) or getattr(b, "mixer", None) for b in blocks]  # (a Mamba's: mixer)
+    mixers = [getattr(b, "mixer", None) for b in blocks]  # (a Mamba's, Nemotron-H's: its one part)
+    mamba = [getattr(b, "mamba", None) or (m if type(m).__name__.endswith("Mixer") else None)
+             for b, m in zip(blocks, mixers)]  # fmt: skip
     linear, ssm = [has(b, "linear_attn") for b in blocks], [m is not None for m in mamba]
     conv = [has(b, "conv") and not has(b, "self_attn") for b in blocks]
-    attends = [not (lin or c or s) for lin, c, s in zip(linear, conv, ssm)]
+    mlp_only = [getattr(b, "block_type", None) in ("mlp", "moe") for b in blocks]  # (Nemotron-H's MLP layers)
+    attends = [not (lin or c or s or m) for lin, c, s, m in zip(linear, conv, ssm, mlp_only)]
     rope = [r and a for r, a in zip(rope, attends)]
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
@@ -513,7 +527,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             on_output(block.conv, p + "hook_attn_out")
             on_output(block.conv.in_proj, p + "conv.bcx", raw)
             on_input(block.conv.out_proj, p + "conv.hook_z")
-        elif own_kv[layer]:
+        elif own_kv[layer] and attends[layer]:
             on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
         if getattr(block, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer embeddings: the layer's own input
             # (its second argument), the branch's hidden activation, what it adds
@@ -533,7 +547,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             else:
                 on_output(attn.q_proj, p + "q", raw)
                 on_output(attn.k_proj, p + "k", raw)
-        for kind, path in fam.outputs.items():
+        outputs, inputs = NEMOTRON_PARTS[block.block_type] if name == "nemotron_h" else (fam.outputs, fam.inputs)
+        for kind, path in outputs.items():
             if not attends[layer] and kind == "hook_attn_out":
                 continue
             on_output(block.get_submodule(path), p + kind)
@@ -545,6 +560,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         # shared MLP, whose outputs are summed)
         mlp = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(block, "block_sparse_moe",
                                                                                               None)  # fmt: skip
+        if mlp_only[layer]:  # (Nemotron-H's: its one part)
+            mlp = block.mixer
         if name == "granite_hybrid":  # (the shared MLP where the model has one, the experts where it has them)
             if getattr(block, "shared_mlp", None) is not None:
                 on_output(block.shared_mlp, p + "shared", raw)
@@ -553,7 +570,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 if getattr(block, "shared_mlp", None) is not None:
                     on_input(block.shared_mlp.output_linear, p + "mlp.shared_expert.hook_post")
         parallel = getattr(cfg, "use_parallel_residual", False)
-        for kind, path in fam.inputs.items():
+        for kind, path in inputs.items():
             if kind == "hook_resid_mid" and parallel:
                 continue  # under the parallel residual the norm reads resid_pre: no resid_mid in HF
             if kind == "mlp.hook_post" and hasattr(mlp, "experts") or not attends[layer] and kind.startswith("attn."):
@@ -568,6 +585,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, o, key=p + "router": raw.__setitem__(key, tuple(_rows(x).clone() for x in o))))
             if hasattr(mlp, "shared_expert"):
                 on_input(mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
+            elif hasattr(mlp, "shared_experts"):  # (Nemotron 3's)
+                on_input(mlp.shared_experts.down_proj, p + "mlp.shared_expert.hook_post")
         if hasattr(block, "router"):  # Gemma 4 26B-A4B: experts beside the MLP, each output normed
             on_output(block.router.proj, p + "mlp.hook_router_logits")
             for kind, at in (("hook_expert_weights", 0), ("hook_expert_ids", 2), ("hook_expert_indices", 2)):
@@ -609,8 +628,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if f"blocks.{layer}.router" in raw:
             logits, scores, ids = raw.pop(f"blocks.{layer}.router")
             block = blocks[layer]
-            moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or block.block_sparse_moe
-            if hasattr(moe, "use_expert_bias"):
+            moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(
+                block, "block_sparse_moe", None) or block.mixer  # fmt: skip
+            if hasattr(moe, "use_expert_bias") or hasattr(moe.gate, "e_score_correction_bias"):  # (sigmoids)
                 weights = logits.sigmoid()
             elif getattr(moe, "router", None) is None:
                 weights = logits.float().softmax(-1)
@@ -664,6 +684,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             got[p + "mamba.hook_x"] = x.reshape(t, mixer.num_heads, mixer.head_dim)
             got[p + "mamba.hook_b"], got[p + "mamba.hook_c"] = b.reshape(t, *groups), c.reshape(t, *groups)
             got[p + "mamba.hook_dt"], got[p + "mamba.hook_ssm_out"] = (v[0] for v in scans[nth])
+            continue
+        if not attends[layer]:  # (Nemotron-H's MLP layers)
             continue
         if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads

@@ -18,6 +18,7 @@ from family_parity import (
     TapParity,
     build,
     check_bfloat16_taps,
+    check_capturing_step_compiles,
     check_every_tap,
     check_generation,
     family_fixture,
@@ -28,7 +29,6 @@ from family_parity import (
 from transformers import FalconMambaConfig, Mamba2Config, MambaConfig
 
 from vlens import LLM, Capture, HookedLM, SamplingParams, Steer
-from vlens.engine.llm_engine import NewRequest
 
 SIZES = dict(vocab_size=300, hidden_size=64, num_hidden_layers=3, initializer_range=0.1, state_size=8, expand=2)
 
@@ -64,7 +64,7 @@ class TestParity(TapParity, GenerationParity):
 def test_config_is_read_as_intended(family):
     name, _, llm, hf = family
     cfg = llm.config
-    assert cfg.family == "mamba" and cfg.mixer_only and cfg.num_heads == 0 and cfg.residual_float32
+    assert cfg.family == "mamba" and cfg.layer_parts == ("mixer",) * 3 and cfg.num_heads == 0 and cfg.residual_float32
     assert cfg.ssm_layers == (True,) * 3 and not any(map(cfg.attends, range(3)))
     if name == "mamba2":
         assert (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_groups, cfg.ssm_dt_rank) == (4, 32, 2, 0)
@@ -189,27 +189,8 @@ def test_mamba_runs_in_one_process(tmp_path):
 
 @pytest.mark.parametrize("name", ["mamba", "mamba2"])
 def test_a_capturing_step_compiles_whole(tmp_path, name):
-    """torch.compile(fullgraph=True) of a step in which two sequences decode while two prefill (the chunks' layout
+    """torch.compile(fullgraph=True) of a mixed step (two sequences decode while two prefill: the chunks' layout
     planned by the runner, the states read and written through index buffers), one request capturing a Mamba layer's
     taps and one steering its scan's output: no graph break, one compile, the eager step's stream and rows."""
-    from test_compile import CompiledForward
-
     config = (mamba_config if name == "mamba" else mamba2_config)(num_hidden_layers=1)  # (its compile unrolls steps)
-    llm = LLM(model=build(config, tmp_path, name), dtype="float32", device="cpu", block_size=4)
-    g = torch.Generator().manual_seed(0)
-    hook = "blocks.0.mamba.hook_ssm_out"
-    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
-                             capture=Capture([hook, "blocks.0.hook_resid_post"])),
-              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, interventions=[
-                  Steer(hook, torch.randn(llm.hook_names()[hook], generator=g))])]  # fmt: skip
-    engine = llm.engine
-    engine.runner.taps.fixed_shapes = True
-    try:
-        engine.add_requests([NewRequest(ids, p) for ids, p in zip(sequences((5, 7)), params)])
-        engine.step()  # (their prefill, eager)
-        forward = engine.runner.forward = CompiledForward(llm.model)
-        engine.add_requests([NewRequest(ids, p) for ids, p in zip(sequences((70, 9)), params)])
-        engine.step()
-    finally:
-        engine.runner.taps.fixed_shapes = False
-    assert forward.breaks == [0] and forward.compiles == 1 and max(forward.errors) < 1e-5
+    check_capturing_step_compiles(build(config, tmp_path, name), "blocks.0.mamba.hook_ssm_out")

@@ -38,6 +38,7 @@ from test_parity_granite import hybrid_config as granite_hybrid_config
 from test_parity_lfm2 import lfm2_config
 from test_parity_mamba import mamba2_config
 from test_parity_moe import CONFIGS as MOE_CONFIGS
+from test_parity_nemotron_h import nemotron_3_config
 from test_parity_qwen3_5 import next_config
 from test_parity_qwen3_5 import text_config as qwen3_5_config
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
@@ -525,17 +526,20 @@ def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
     return same(a.double(), b.double(), TOL)
 
 
-def test_a_model_without_attention_splits_by_mamba_heads(tmp_path, one_thread):
-    """Mamba 2 (no attention, no MLP, no KV cache: its blocks hold state slots alone) on two ranks, each its heads
-    and one of the two groups of B and C: every hook of a packed trace, and a greedy generation's tokens and rows, as
-    in one process."""
-    path = build(mamba2_config(), tmp_path, "mamba2")
+@pytest.mark.parametrize("name", ["mamba2", "nemotron_3"])
+def test_models_of_one_part_a_layer(tmp_path, one_thread, name):
+    """Mamba 2 (no attention, no MLP, no KV cache: its blocks hold state slots alone) and Nemotron 3 (layers of a
+    Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone) on two ranks, each its heads, one of
+    the two groups of B and C, its columns of every MLP and expert: every hook of a packed trace, and a greedy
+    generation's tokens and rows, as in one process."""
+    path = build(mamba2_config() if name == "mamba2" else nemotron_3_config(), tmp_path, name)
     one, two = _open(path), _open(path, tensor_parallel_size=N)
     try:
         every, seqs = list(one.hook_names()), sequences()
         for a, b in zip(one.trace(seqs, every), two.trace(seqs, every)):
             assert [hook for hook in every if not _equal(b[hook], a[hook], hook)] == []
-        hooks = ["blocks.1.mamba.hook_*", "blocks.2.hook_resid_post"]
+        hooks = ["blocks.0.mamba.hook_*", "blocks.1.hook_attn_out" if name == "mamba2" else "blocks.1.mlp.*",
+                 "blocks.2.hook_resid_post"]  # fmt: skip
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
         prompts = sequences((20, 9, 3))
         _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))

@@ -70,17 +70,18 @@ class Attribution:
 
     def _head_results(self, layer: int) -> torch.Tensor:
         """A linear-attention layer's (Qwen 3.5's) heads are its value heads: its hook_z through out_proj's columns, as
-        a Mamba 2 mixer's are its heads; a short convolution (LFM2's) and Mamba's mixer (channels, not heads) have
-        none."""
+        a Mamba 2 mixer's are its heads; a short convolution (LFM2's), Mamba's mixer (channels, not heads) and a layer
+        that is an MLP alone (Nemotron-H's) have none."""
         cfg = self.model.cfg
         part = "attn" if cfg.attends(layer) else mixer_of(cfg, layer)[1]
         name = f"blocks.{layer}.{part}.hook_result"
         if name not in self._tensors:
             model = self._shares_of(layer, "attn")
-            z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
-            if part == "conv" or cfg.ssm_dt_rank:  # (no heads: [..., 0, d_model])
-                self._tensors[name] = z.new_zeros(*z.shape[:-1], 0, cfg.hidden_size)
+            if part in ("conv", "mlp") or (part == "mamba" and cfg.ssm_dt_rank):  # (no heads: [..., 0, d_model])
+                x = self._cached(f"blocks.{layer}.hook_resid_pre", "per-head results")
+                self._tensors[name] = x.new_zeros(*x.shape[:-1], 0, cfg.hidden_size)
                 return self._tensors[name]
+            z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
             if part == "attn":
                 W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
             elif part == "mamba":  # (its hook_z [..., heads * head dim])
@@ -199,11 +200,9 @@ class Attribution:
         if kinds is None:
             raise ValueError(f"mode: {mode!r} is not one of all, attn, mlp")
         cfg = self.model.cfg
-        if cfg.mixer_only:  # (Mamba: what each layer adds is its mixer's output, hook_attn_out)
-            if mode == "mlp":
-                raise ValueError(f"mode: 'mlp': {cfg.architecture}'s layers have no MLP (a Mamba mixer alone); "
-                                 "mode 'all' or 'attn' gives each layer's mixer output, '{L}_attn_out'")  # fmt: skip
-            kinds = ("attn_out",)
+        if mode == "mlp" and not any(map(cfg.has_mlp, range(cfg.num_layers))):
+            raise ValueError(f"mode: 'mlp': {cfg.architecture}'s layers have no MLP (a Mamba mixer alone); mode "
+                             "'all' or 'attn' gives each layer's mixer output, '{L}_attn_out'")  # fmt: skip
         layer = resolve_layer(layer, cfg.num_layers)
         check_mlp_input(cfg, layer, mlp_input)
         if any(getattr(block, "layer_scalar", None) is not None for block in self.model.llm.model.layers[:layer]):
@@ -217,9 +216,10 @@ class Attribution:
             if cfg.learned_positions:
                 names.append("hook_pos_embed")
                 labels.append("pos_embed")
-        for i in range(layer):
-            names += [f"blocks.{i}.hook_{kind}" for kind in kinds]
-            labels += [f"{i}_{kind}" for kind in kinds]
+        for i in range(layer):  # (a layer that is one part alone, Mamba's or Nemotron-H's, adds that part's output)
+            mine = [kind for kind in kinds if cfg.part_at(i) in ("both", "mlp" if kind == "mlp_out" else "mixer")]
+            names += [f"blocks.{i}.hook_{kind}" for kind in mine]
+            labels += [f"{i}_{kind}" for kind in mine]
         if mlp_input and mode != "mlp":
             names.append(f"blocks.{layer}.hook_attn_out")
             labels.append(f"{layer}_attn_out")
@@ -254,7 +254,7 @@ class Attribution:
         elif not model.cfg.pre_norms:  # (OLMo 2: the layer's attention and MLP read the stream itself)
             return residual_stack
         else:
-            ln = "ln2" if mlp_input else "ln1"
+            ln = "ln2" if mlp_input or model.cfg.part_at(layer) == "mlp" else "ln1"  # (Nemotron-H: an MLP alone)
             norm, hook = getattr(model.layers[layer], ln), f"blocks.{layer}.{ln}.hook_scale"
         weight = model.lm_head.weight  # (the model's device and dtype)
         x = residual_stack.to(weight.device, weight.dtype)

@@ -220,10 +220,47 @@ def _mamba2_only(hf: Any) -> dict[str, Any]:
     )
 
 
+def _nemotron_h(hf: Any) -> dict[str, Any]:
+    """Nemotron-H (NVIDIA: Nemotron-H 8B-56B, Nemotron Nano 2): each layer one part alone after its norm (`layer_types`
+    or the checkpoint's `hybrid_override_pattern`): a Mamba 2 mixer (M), attention without positions (*) or an MLP of
+    squared ReLUs, not gated (-), or (E, Nemotron 3) routed experts of the same kind beside a shared one, chosen by
+    the sigmoids of a float32 router plus a correction bias per expert; norms that scale in float32."""
+    kinds = hf.layers_block_type
+    fields: dict[str, Any] = {}
+    if "moe" in kinds:
+        for flag, value in (("moe_latent_size", hf.moe_latent_size is not None),
+                            ("n_group", hf.topk_group < hf.n_group)):  # fmt: skip
+            if value:  # (latent projections around the experts; routing limited to the best groups of experts)
+                raise UnsupportedModelError(f"{flag}={getattr(hf, flag)!r} is not supported for NemotronHForCausalLM "
+                                            "(no Nemotron 3 that vlens was checked against has it)")  # fmt: skip
+        fields = dict(num_experts=hf.n_routed_experts, experts_per_token=hf.num_experts_per_tok,
+                      moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+                      shared_expert_intermediate_size=hf.moe_shared_expert_intermediate_size * hf.n_shared_experts,
+                      moe_layers=tuple(kind == "moe" for kind in kinds), sigmoid_routing=True, expert_bias=True,
+                      routed_scaling=float(hf.routed_scaling_factor), sigmoid_norm_eps=1e-20)  # fmt: skip
+    return fields | dict(
+        layer_parts=tuple("mlp" if kind in ("mlp", "moe") else "mixer" for kind in kinds),
+        ssm_layers=tuple(kind == "linear_attention" for kind in kinds),
+        ssm_heads=hf.mamba_num_heads,
+        ssm_head_dim=hf.mamba_head_dim,
+        ssm_groups=hf.n_groups,
+        ssm_state_size=hf.ssm_state_size,
+        ssm_conv_kernel=hf.conv_kernel,
+        ssm_conv_bias=bool(hf.use_conv_bias),
+        ssm_proj_bias=bool(hf.use_bias),
+        ssm_dt_limit=tuple(hf.time_step_limit or (0.0, float("inf"))),
+        ssm_hidden_act=hf.mamba_hidden_act,
+        hidden_act=hf.mlp_hidden_act,
+        mlp_bias=bool(hf.mlp_bias),
+        norm_eps=hf.layer_norm_epsilon,
+        rotary_dim=0,
+    )
+
+
 def _mixer_only(hf: Any) -> dict[str, Any]:
     """What the Mamba models share: a layer is its mixer alone, no attention heads, no rotary, RMS norms."""
     return dict(
-        mixer_only=True,
+        layer_parts=("mixer",) * hf.num_hidden_layers,
         residual_float32=bool(hf.residual_in_fp32),
         intermediate_size=0,
         num_heads=0,
@@ -527,6 +564,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Granite 3.x's MoE models: Granite 4.0's layer with attention alone and rotary positions
     "GraniteMoeForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
     "GraniteMoeSharedForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
+    # Nemotron-H: a layer is a norm and one part alone (a Mamba 2 mixer, attention without positions or an MLP)
+    "NemotronHForCausalLM": Architecture({"family": "nemotron_h", "norm": "rms_float"} | NO_BIAS, _nemotron_h,
+                                         windowed=False),  # fmt: skip
     # Mamba, Falcon Mamba and Mamba 2: a layer is a norm and a Mamba mixer, nothing else (no attention, no MLP)
     "MambaForCausalLM": Architecture({"family": "mamba"}, _mamba, windowed=False),
     "FalconMambaForCausalLM": Architecture({"family": "mamba"}, _falcon_mamba, windowed=False),
@@ -626,6 +666,7 @@ MODEL_TYPES = {
     "mamba": "MambaForCausalLM",
     "falcon_mamba": "FalconMambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
@@ -712,10 +753,12 @@ class ModelConfig:
     # their biases)
     round_routing_weights: bool = False  # Qwen-MoE, OLMoE: those weights rounded to the model dtype before use
     # LFM2-MoE: each expert's score is the sigmoid of its logit (not a softmax), the top k chosen by score plus a
-    # learned bias per expert (`expert_bias`), their scores renormalised (plus 1e-6) and times `routed_scaling`
+    # learned bias per expert (`expert_bias`), their scores renormalised (plus `sigmoid_norm_eps`) and times
+    # `routed_scaling`; Nemotron 3's the same, its router in float32
     sigmoid_routing: bool = False
     expert_bias: bool = False
     routed_scaling: float = 1.0
+    sigmoid_norm_eps: float = 1e-6
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     # Gemma 4 26B-A4B: the routed experts run beside a dense MLP (both read the stream, each output normed, their
@@ -765,14 +808,17 @@ class ModelConfig:
     ssm_conv_bias: bool = False
     ssm_proj_bias: bool = False
     ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    ssm_hidden_act: str | None = None  # Nemotron-H: the Mamba mixers' activation, where it is not hidden_act
     # Mamba (1): its mixer's channels and the time step's low rank (> 0: Mamba's selective scan, a state per channel
     # and state dimension, in place of Mamba 2's heads); Falcon Mamba: the eps of the weightless RMS norms of its time
     # step's input, B and C (None: not normed)
     ssm_inner: int = 0
     ssm_dt_rank: int = 0
     ssm_bcdt_norm_eps: float | None = None
-    # Mamba, Mamba 2: a layer is x + mixer(norm(x)) alone: no MLP, no second norm, no hook_resid_mid
-    mixer_only: bool = False
+    # Mamba, Mamba 2, Nemotron-H, per layer: "mixer" where the layer is x + mixer(norm(x)) alone (its token mixer:
+    # attention or a Mamba mixer; no MLP, no ln2, no hook_resid_mid), "mlp" where it is x + mlp(norm(x)) alone (no
+    # ln1, no token mixer); () = every layer both
+    layer_parts: tuple[str, ...] = ()
     # Mamba (1) and Falcon Mamba in HF: output_hidden_states[i] is layer i's output (no embedding; the last is the
     # final norm's), so vlens's hidden_states.{i} alias is blocks.{i}.hook_resid_post there
     hidden_states_after_layers: bool = False
@@ -797,10 +843,18 @@ class ModelConfig:
     def is_ssm_layer(self, layer: int) -> bool:
         return bool(self.ssm_layers) and self.ssm_layers[layer]
 
+    def part_at(self, layer: int) -> str:
+        """"both" (a token mixer, then an MLP), "mixer" (the token mixer alone) or "mlp" (the MLP alone)."""
+        return self.layer_parts[layer] if self.layer_parts else "both"
+
+    def has_mlp(self, layer: int) -> bool:
+        return self.part_at(layer) != "mixer"
+
     def attends(self, layer: int) -> bool:
         """Whether the layer mixes its tokens by attention (else a linear-attention layer, a short convolution or a
-        Mamba 2 mixer, which keep a state per sequence)."""
-        return not (self.is_linear_layer(layer) or self.is_conv_layer(layer) or self.is_ssm_layer(layer))
+        Mamba mixer, which keep a state per sequence, or no mixer at all: Nemotron-H's MLP layers)."""
+        mixer = not (self.is_linear_layer(layer) or self.is_conv_layer(layer) or self.is_ssm_layer(layer))
+        return mixer and self.part_at(layer) != "mlp"
 
     @property
     def keeps_states(self) -> bool:

@@ -103,11 +103,12 @@ def check_mlp_input(cfg: ModelConfig, layer: int, mlp_input: bool, as_sum: bool 
     the sum of what wrote it), one that reads the layer's input plus its attn_out, which GPT-NeoX's parallel
     residual does not (its pre-MLP norm of the layer input is defined: apply_ln_to_stack passes False)."""
     n = cfg.num_layers
-    if mlp_input and cfg.mixer_only:
-        raise ValueError(f"mlp_input: {cfg.architecture}'s layers have no MLP (a Mamba mixer alone); mlp_input=False")
     if mlp_input and layer == n:
         raise ValueError(f"mlp_input: layer {n} (-1, None) is the final norm's input, which no MLP reads; "
                          f"mlp_input=True goes with a layer in 0..{n - 1}")  # fmt: skip
+    if mlp_input and cfg.part_at(layer) != "both":
+        raise ValueError(f"mlp_input: {cfg.architecture}'s layer {layer} is one part alone (a token mixer or an MLP), "
+                         "whose input is the layer's: mlp_input=False")  # fmt: skip
     if mlp_input and as_sum and cfg.parallel_residual:
         raise ValueError(
             f"mlp_input: {cfg.architecture} with a parallel residual runs attention and MLP side by side: "
@@ -181,7 +182,9 @@ def _projections(heads: AttentionHeads) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def mixer_of(cfg: ModelConfig, layer: int) -> tuple[str, str]:
-    """(what mixes layer `layer`'s tokens in place of attention, where its hook points are)."""
+    """(what layer `layer` has in place of attention, where its hook points are)."""
+    if cfg.part_at(layer) == "mlp":
+        return "an MLP alone", "mlp"
     if cfg.is_linear_layer(layer):
         return "linear attention (a gated delta net)", "linear_attn"
     if cfg.is_conv_layer(layer):
@@ -215,9 +218,10 @@ class MLPWeights:
                 "per-neuron results; its mlp_out is one component (decompose_resid, get_full_resid_decomposition("
                 "expand_neurons=False), accumulated_bias(include_mlp_biases=False))"
             )
-        if cfg.mixer_only:
-            raise ValueError(f"blocks[{layer}].mlp: {cfg.architecture}'s layers are a Mamba mixer alone, with no MLP; "
-                             f"its hook points are under blocks[{layer}].mamba")  # fmt: skip
+        if not cfg.has_mlp(layer):
+            what, part = mixer_of(cfg, layer) if not cfg.attends(layer) else ("attention", "attn")
+            raise ValueError(f"blocks[{layer}].mlp: {cfg.architecture}'s layer {layer} is {what} alone, with no MLP; "
+                             f"its hook points are under blocks[{layer}].{part}")  # fmt: skip
         mlp = model.layers[layer].mlp
         fc_in, fc_out = mlp.fc_in, mlp.fc_out
         parts = list(fc_in.parts.values())
@@ -364,7 +368,7 @@ class ModelWeights:
         for block in blocks[:layer]:
             if attends(block.index):
                 bias += block.attn.b_O
-            if include_mlp_biases and not model.cfg.mixer_only:
+            if include_mlp_biases and model.cfg.has_mlp(block.index):
                 bias += block.mlp.b_out
         if mlp_input and attends(layer):
             bias += blocks[layer].attn.b_O

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from vlens.config import ModelConfig, supported_architecture
 from vlens.distributed.parallel import SINGLE, Parallel
@@ -344,6 +345,15 @@ def _tokenizer(path: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
+def keep_float32(net: nn.Module) -> nn.Module:
+    """`net` with the parameters its modules name in `float32_params` back in float32 whatever the model's dtype, as
+    HF keeps them (Nemotron 3's router: its weight and score bias)."""
+    for module in net.modules():
+        for name in getattr(module, "float32_params", ()):
+            setattr(module, name, nn.Parameter(getattr(module, name).float(), requires_grad=False))
+    return net
+
+
 def load_model(
     model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", device: str = "auto",
     parallel: Parallel = SINGLE, revision: str | None = None,
@@ -356,7 +366,7 @@ def load_model(
     cfg = dataclasses.replace(read_config(path), parallel=parallel)
     with torch.device("meta"):
         net = build_model(cfg, device=dev)
-    net = net.to(torch_dtype).to_empty(device=dev)
+    net = keep_float32(net.to(torch_dtype)).to_empty(device=dev)
     load_weights(net, path)
     net.eval().requires_grad_(False)
     tokenizer = _tokenizer(path)

@@ -124,14 +124,15 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post. A
     linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's, a short convolution (LFM2's)
     CONV_HOOKS, a Mamba or Mamba 2 mixer MAMBA_HOOKS; a gated attention head its gate's input before hook_z. A layer
-    that is its mixer alone (Mamba's) has no MLP, no second norm and no hook_resid_mid."""
+    that is its token mixer alone (Mamba's, some of Nemotron-H's) has no MLP, no ln2 and no hook_resid_mid; one that
+    is its MLP alone (Nemotron-H's) has no ln1 and no token mixer's taps."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
     hooks = [h for h in _WITH_OPTIONAL if h in LAYER_HOOKS or h in chosen]
     if cfg.kv_layer_at(layer) != layer:
         hooks = [h for h in hooks if h not in OWN_KV_HOOKS]
-    if not cfg.attends(layer):
+    if not cfg.attends(layer) and cfg.part_at(layer) != "mlp":
         at, linear = hooks.index("attn.hook_q"), cfg.is_linear_layer(layer)
         mixer = LINEAR_ATTN_HOOKS if linear else CONV_HOOKS if cfg.is_conv_layer(layer) else MAMBA_HOOKS
         hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(mixer) + [
@@ -144,8 +145,6 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         hooks[at:at] = PER_LAYER_HOOKS
     if cfg.parallel_residual:
         hooks.remove("hook_resid_mid")
-    if cfg.mixer_only:  # (Mamba: the layer is its mixer alone)
-        return tuple(h for h in hooks if h not in MLP_PART and not h.startswith(("ln2.", "mlp.")))
     if cfg.is_moe_layer(layer):
         moe = MOE_HOOKS + (SHARED_EXPERT,) if cfg.shared_expert_intermediate_size else MOE_HOOKS
         at = hooks.index("mlp.hook_post")
@@ -156,6 +155,12 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         for norm, (raw, out) in zip(post_norm_names(cfg), POST_NORMED):
             at = hooks.index(out)
             hooks[at:at] = (raw, f"{norm}.hook_scale", f"{norm}.hook_normalized")
+    part = cfg.part_at(layer)
+    if part == "mixer":  # (Mamba, Nemotron-H: the layer is its token mixer alone)
+        return tuple(h for h in hooks if h not in MLP_PART and not h.startswith(("ln2.", "mlp.")))
+    if part == "mlp":  # (Nemotron-H: its MLP alone)
+        return tuple(h for h in hooks if h in ("hook_resid_pre", *MLP_PART[1:], "hook_resid_post")
+                     or h.startswith(("ln2.", "mlp.")))  # fmt: skip
     return tuple(hooks)
 
 

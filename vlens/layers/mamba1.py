@@ -49,7 +49,7 @@ class MambaMixer(SlotStates):
         self.A_log = nn.Parameter(torch.zeros(inner, n))
         self.D = nn.Parameter(torch.ones(inner))
         self.out_proj = nn.Linear(inner, d, bias=cfg.ssm_proj_bias)
-        self.act = activation(cfg.hidden_act)
+        self.act = activation(cfg.ssm_hidden_act or cfg.hidden_act)
         self.norm_eps = cfg.ssm_bcdt_norm_eps
         p = f"blocks.{layer}.mamba."
         self.hook_x, self.hook_b, self.hook_c, self.hook_dt = p + "hook_x", p + "hook_b", p + "hook_c", p + "hook_dt"

@@ -76,7 +76,7 @@ class Mamba2Mixer(SlotStates):
         spread = max(1, parallel.size // self.all_groups)  # (ranks a group's heads are spread over)
         self.norm = GroupGatedRMSNorm(inner, self.groups, cfg.norm_eps, parallel, spread)
         self.out_proj = RowLinear(self.all_heads * self.head_dim, d, cfg.ssm_proj_bias, parallel, units=self.all_heads)
-        self.act = activation(cfg.hidden_act)
+        self.act = activation(cfg.ssm_hidden_act or cfg.hidden_act)
         p = f"blocks.{layer}.mamba."
         self.hook_x, self.hook_b, self.hook_c, self.hook_dt = p + "hook_x", p + "hook_b", p + "hook_c", p + "hook_dt"
         self.hook_ssm_out, self.hook_gate, self.hook_z = p + "hook_ssm_out", p + "hook_gate", p + "hook_z"

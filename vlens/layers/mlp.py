@@ -29,6 +29,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": _gelu_new,
     "relu": F.relu,  # (OPT)
+    "relu2": lambda x: torch.square(F.relu(x)),  # (Nemotron-H's squared ReLU)
     "bloom_gelu": lambda x: x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))),  # (HF's BLOOM's)
 }
 
@@ -74,17 +75,19 @@ class GatedMLP(nn.Module):
 class DenseMLP(nn.Module):
     """act(fc_in(x)), then fc_out, with the projections under the names the family's checkpoints give them
     (`names`: fc_in's, fc_out's); under tensor parallelism each rank holds its columns of fc_in and the matching
-    rows of fc_out."""
+    rows of fc_out. `shared`: Nemotron 3's shared expert, of shared_expert_intermediate_size, its hook_post
+    mlp.shared_expert.hook_post."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, names: tuple[str, str]):
+    def __init__(self, cfg: ModelConfig, layer: int, names: tuple[str, str], shared: bool = False):
         super().__init__()
-        sizes, p = (cfg.hidden_size, cfg.intermediate_size), cfg.parallel
+        width = cfg.shared_expert_intermediate_size if shared else cfg.intermediate_size
+        sizes, p = (cfg.hidden_size, width), cfg.parallel
         self.names = names
         setattr(self, names[0], ColumnLinear(*sizes, cfg.mlp_bias, p))
         setattr(self, names[1], RowLinear(*reversed(sizes), cfg.mlp_bias, p))
         # (Apertus's xIELU has weights of its own in each layer, under HF's name for it)
         self.act_fn = XIELU() if cfg.hidden_act == "xielu" else activation(cfg.hidden_act)
-        self.hook_post = f"blocks.{layer}.mlp.hook_post"
+        self.hook_post = f"blocks.{layer}.mlp.{'shared_expert.' if shared else ''}hook_post"
 
     # (as GatedMLP's, for vlens.hooked_weights; read from the registry, as GPT-J's own names are these)
     fc_in = property(lambda self: self._modules[self.names[0]])

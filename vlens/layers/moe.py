@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.context import tap, tapped
+from vlens.context import tap, tap_widened, tapped
 from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.layers.mlp import GatedMLP, activation
@@ -33,12 +33,14 @@ from vlens.layers.norm import UnscaledRMSNorm
 class Experts(nn.Module):
     def __init__(
         self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str] | None,
-        parallel: Parallel = SINGLE, bias: bool = False,
+        parallel: Parallel = SINGLE, bias: bool = False, gated: bool = True,
     ):  # fmt: skip
         super().__init__()
         columns = parallel.units(intermediate)
         n = len(columns)
-        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * n, hidden))
+        # (`gated` False, Nemotron 3's: act(up), no gate; the one projection in gate_up_proj's place)
+        self.gated = gated
+        self.gate_up_proj = nn.Parameter(torch.empty(num, (2 if gated else 1) * n, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, n))
         self.gate_up_bias = nn.Parameter(torch.empty(num, 2 * n)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(num, hidden)) if bias else None
@@ -60,9 +62,11 @@ class Experts(nn.Module):
         gate, up, down = self.names
         rows, cols = ((self.columns,), (slice(None), self.columns)) if self.parallel.size > 1 else (None, None)
         slots = {}
+        ups = slice(n, 2 * n) if self.gated else slice(0, n)  # (not gated, Nemotron 3's: up alone)
         for e in range(self.gate_up_proj.shape[0]):
-            slots[f"{path}.{e}.{gate}.weight"] = Slot(self.gate_up_proj, (e, slice(0, n)), None, rows)
-            slots[f"{path}.{e}.{up}.weight"] = Slot(self.gate_up_proj, (e, slice(n, 2 * n)), None, rows)
+            if self.gated:
+                slots[f"{path}.{e}.{gate}.weight"] = Slot(self.gate_up_proj, (e, slice(0, n)), None, rows)
+            slots[f"{path}.{e}.{up}.weight"] = Slot(self.gate_up_proj, (e, ups), None, rows)
             slots[f"{path}.{e}.{down}.weight"] = Slot(self.down_proj, (e,), None, cols)
         return slots
 
@@ -72,7 +76,7 @@ class Experts(nn.Module):
         output 0.3% off HF's). Which tokens an expert takes is data, not shape, so no host sync (and no graph
         break) decides it either way: torch's grouped GEMM where it runs (`grouped_gemm_runs`), else every
         expert on every token."""
-        grouped = grouped_gemm_runs(x, self.gate_up_proj.shape[1] // 2)
+        grouped = grouped_gemm_runs(x, self.columns.stop - self.columns.start)
         out = self._grouped(x, ids, weights) if grouped else self._every_expert(x, ids, weights)
         return all_reduce(out.to(x.dtype), self.parallel)
 
@@ -90,7 +94,7 @@ class Experts(nn.Module):
         gate_up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends)
         if self.gate_up_bias is not None:
             gate_up = gate_up + self.gate_up_bias.index_select(0, experts)
-        out = F.grouped_mm(self.glu(*gate_up.chunk(2, dim=-1)), self.down_proj.transpose(1, 2), offs=ends)
+        out = F.grouped_mm(self.hidden(gate_up), self.down_proj.transpose(1, 2), offs=ends)
         if self.down_bias is not None and self.parallel.rank == 0:  # (a bias after a split sum: added once)
             out = out + self.down_bias.index_select(0, experts)
         out = out * weights.reshape(-1).index_select(0, order)[:, None]
@@ -105,9 +109,13 @@ class Experts(nn.Module):
         for e in range(self.gate_up_proj.shape[0]):
             weight = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]; a token picks an expert once
             gate_up_bias, down_bias = (None if b is None else b[e] for b in (self.gate_up_bias, self.down_bias))
-            gate, up = _linear(x, self.gate_up_proj[e], gate_up_bias).chunk(2, dim=-1)
-            out += _linear(self.glu(gate, up), self.down_proj[e], down_bias if first else None) * weight
+            h = self.hidden(_linear(x, self.gate_up_proj[e], gate_up_bias))
+            out += _linear(h, self.down_proj[e], down_bias if first else None) * weight
         return out
+
+    def hidden(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' hidden activation from their first projection's output."""
+        return self.glu(*gate_up.chunk(2, dim=-1)) if self.gated else self.act(gate_up)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
@@ -175,17 +183,21 @@ class Routing:
     def __init__(self, cfg: ModelConfig, layer: int):
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
         self.softmax_after_topk, self.sigmoid = cfg.softmax_after_topk, cfg.sigmoid_routing
-        self.scaling = cfg.routed_scaling
+        self.scaling, self.eps = cfg.routed_scaling, cfg.sigmoid_norm_eps
         self.round_weights = cfg.round_routing_weights
         p = f"blocks.{layer}.mlp."
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
         self.hook_expert_weights = p + "hook_expert_weights"
 
-    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], expert ids [T, k]); `bias` [E]: what the choice adds to each expert's score (LFM2-MoE)."""
-        logits = tap(self.hook_router_logits, logits)
+    def __call__(
+        self, logits: torch.Tensor, bias: torch.Tensor | None = None, rows: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]); `bias` [E]: what the choice adds to each expert's score (LFM2-MoE);
+        `rows`: the taps' dtype, the model's, where the logits are wider (Nemotron 3's float32 router)."""
+        rows = rows or logits.dtype
+        logits = tap_widened(self.hook_router_logits, logits, rows)
         if self.sigmoid:  # (TransformerLens's expert weights: every expert's score)
-            scores = tap(self.hook_expert_weights, logits.sigmoid())
+            scores = tap_widened(self.hook_expert_weights, logits.sigmoid(), rows)
             ids = (scores if bias is None else scores + bias.float()).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, ids)
         elif self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
@@ -203,7 +215,7 @@ class Routing:
                 probabilities = probabilities if edited is seen else edited.float()
             weights, ids = probabilities.topk(self.top_k, dim=-1)
         if self.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-6 if self.sigmoid else 0))
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (self.eps if self.sigmoid else 0))
         if self.scaling != 1.0:
             weights = weights * self.scaling
         if self.round_weights:

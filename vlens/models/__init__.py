@@ -20,6 +20,7 @@ from vlens.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from vlens.models.lfm2 import Lfm2ForCausalLM
 from vlens.models.llama import ApertusForCausalLM, CausalLM, GraniteForCausalLM, Starcoder2ForCausalLM
 from vlens.models.mamba import MambaForCausalLM
+from vlens.models.nemotron_h import NemotronHForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
 from vlens.models.opt import OPTForCausalLM
 from vlens.models.phi import PhiForCausalLM
@@ -46,6 +47,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "granite": GraniteForCausalLM,
     "granite_hybrid": GraniteMoeHybridForCausalLM,
     "mamba": MambaForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
 }
 
 

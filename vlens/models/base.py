@@ -276,6 +276,39 @@ class MixerBlock(ResidualBlock):
         return self.self_attn(h, rope) if self.attends else self._modules[self.mixer_name](h)
 
 
+class SublayerBlock(ResidualBlock):
+    """A layer that is one sublayer alone after its one norm, x + sublayer(norm(x)) (Mamba's layers, Nemotron-H's):
+    its token mixer (`mixer`: attention or a Mamba mixer; what it adds is hook_attn_out, its norm ln1) or its MLP
+    (`mixer` too, HF's name for either; hook_mlp_out, its norm ln2), as `cfg.part_at(layer)` says. Where the stream
+    is kept in float32 (residual_float32: Mamba's residual_in_fp32), the norm reads it rounded to the model's dtype
+    and the sum is float32, as HF adds the residual; the taps' rows are of the model's dtype."""
+
+    mixer_name = "mixer"  # (as a hybrid layer's mixer_name says where its mixer is)
+
+    def __init__(self, cfg: ModelConfig, layer: int, norm: nn.Module, mixer: nn.Module):
+        super().__init__(layer)
+        self.norm, self.mixer = norm, mixer
+        self.part, self.attends, self.float32_stream = cfg.part_at(layer), cfg.attends(layer), cfg.residual_float32
+
+    ln1 = property(lambda self: self.norm)
+    ln2 = property(lambda self: self.norm)
+    attn_heads = property(lambda self: self.mixer)
+    mlp = property(lambda self: self.mixer)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        dtype = self.norm.weight.dtype
+        x = tap_widened(self.hook_resid_pre, x, dtype)
+        if self.part == "mlp":
+            out = tap(self.hook_mlp_out, self.mixer(self.norm(x.to(dtype), self.hook_ln2)))
+        else:
+            h = self.norm(x.to(dtype), self.hook_ln1)
+            out = self.mixer(self.attention_input(x, h), rope) if self.attends else self.mixer(h)
+            out = tap(self.hook_attn_out, out)
+        if self.float32_stream:
+            x = x.float()
+        return tap_widened(self.hook_resid_post, x + out, dtype)
+
+
 class PostNormBlock(ResidualBlock):
     """A layer whose attention and MLP outputs are normalised before the residual add (Gemma's sandwich norms,
     OLMo 2's post-norms): hook_attn_out and hook_mlp_out are after the norms, attn.hook_out and mlp.hook_out

@@ -1,7 +1,7 @@
-"""Mamba, Falcon Mamba and Mamba 2: models with neither attention nor MLPs. A layer is x + mixer(norm(x)), the mixer
-Mamba's selective scan (vlens.layers.mamba1) or a Mamba 2 mixer (vlens.layers.mamba2, Bamba's), whose states per
-sequence the runner keeps in state slots; the model's modules are HF's (`backbone.embeddings`, `backbone.layers`,
-`backbone.norm_f`).
+"""Mamba, Falcon Mamba and Mamba 2: models with neither attention nor MLPs. A layer is x + mixer(norm(x))
+(vlens.models.base.SublayerBlock), the mixer Mamba's selective scan (vlens.layers.mamba1) or a Mamba 2 mixer
+(vlens.layers.mamba2, Bamba's), whose states per sequence the runner keeps in state slots; the model's modules are
+HF's (`backbone.embeddings`, `backbone.layers`, `backbone.norm_f`).
 
 Taps, by TransformerLens's names where they have a meaning: hook_resid_pre, ln1 (the layer's one norm), the mixer's
 under `mamba.` (as a hybrid's Mamba layers), hook_attn_out for what the mixer adds (as in every layer whose mixer is
@@ -16,39 +16,19 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
-from vlens.context import tap, tap_widened
 from vlens.layers.mamba1 import MambaMixer
 from vlens.layers.mamba2 import Mamba2Mixer
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import DecoderLM, ResidualBlock, Rope
-
-
-class MambaBlock(ResidualBlock):
-    mixer_name = "mixer"  # (HF's, as a hybrid layer's mixer_name says where its mixer is)
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(layer)
-        self.norm = make_norm(cfg)
-        self.mixer = (MambaMixer if cfg.ssm_dt_rank else Mamba2Mixer)(cfg, layer)
-        self.float32_stream = cfg.residual_float32
-
-    ln1 = property(lambda self: self.norm)
-
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        dtype = self.norm.weight.dtype
-        x = tap_widened(self.hook_resid_pre, x, dtype)
-        a = tap(self.hook_attn_out, self.mixer(self.norm(x.to(dtype), self.hook_ln1)))
-        if self.float32_stream:  # (residual_in_fp32: the sum in float32, as HF adds the residual)
-            x = x.float()
-        return tap_widened(self.hook_resid_post, x + a, dtype)
+from vlens.models.base import DecoderLM, SublayerBlock
 
 
 class MambaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
-        self.layers = nn.ModuleList(MambaBlock(cfg, i) for i in range(cfg.num_layers))
+        mixer = MambaMixer if cfg.ssm_dt_rank else Mamba2Mixer
+        self.layers = nn.ModuleList(SublayerBlock(cfg, i, make_norm(cfg), mixer(cfg, i)) for i in range(cfg.num_layers))
         self.norm_f = make_norm(cfg)
 
 
