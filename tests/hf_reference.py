@@ -255,7 +255,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
                "granitemoeshared": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
-               "nemotron_h": "nemotron_h"}  # fmt: skip
+               "nemotron_h": "nemotron_h", "jamba": "bamba"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
     "linear_attention": ({"ln1.hook_out": "norm"}, {}),
@@ -296,8 +296,9 @@ def norm_inner(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", 1e-5)
     else:  # the RMS norms of Llama, Gemma and the rest
         eps = getattr(module, "variance_epsilon", None) or module.eps
-    scale = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    return scale.to(x.dtype), (h / scale).to(x.dtype)
+    variance = h.pow(2).mean(-1, keepdim=True) + eps
+    # (times rsqrt, as HF's norms compute it: a quotient rounds otherwise, a bfloat16 ulp apart now and then)
+    return variance.sqrt().to(x.dtype), (h * torch.rsqrt(variance)).to(x.dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -478,7 +479,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if name in ("gpt_neo", "opt", "bloom", "nemotron_h") or getattr(cfg, "position_embedding_type", "rope") != "rope":
+    if (name in ("gpt_neo", "opt", "bloom", "nemotron_h") or cfg.model_type == "jamba"
+            or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
@@ -630,9 +632,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             block = blocks[layer]
             moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(
                 block, "block_sparse_moe", None) or block.mixer  # fmt: skip
-            if hasattr(moe, "use_expert_bias") or hasattr(moe.gate, "e_score_correction_bias"):  # (sigmoids)
+            if hasattr(moe, "use_expert_bias") or hasattr(getattr(moe, "gate", None), "e_score_correction_bias"):
                 weights = logits.sigmoid()
-            elif getattr(moe, "router", None) is None:
+            elif getattr(moe, "router", None) is None or cfg.model_type == "jamba":  # (the softmax's top k)
                 weights = logits.float().softmax(-1)
             else:
                 weights = torch.zeros_like(logits).scatter(-1, ids, scores)

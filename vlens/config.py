@@ -205,6 +205,32 @@ def _falcon_mamba(hf: Any) -> dict[str, Any]:
     return _mamba(hf) | dict(ssm_bcdt_norm_eps=hf.mixer_rms_eps)
 
 
+def _jamba(hf: Any) -> dict[str, Any]:
+    """Jamba (AI21): Bamba's layer with Mamba's selective scan (its time step's input, B and C RMS-normed with weights)
+    on most layers, attention without positions on every `attn_layer_period`-th, and routed experts (the top k of the
+    router's softmax, not renormalised, rounded to the model's dtype) in place of the MLP on every
+    `expert_layer_period`-th."""
+    n = hf.num_hidden_layers
+    return dict(
+        ssm_layers=tuple(kind == "mamba" for kind in hf.layers_block_type),
+        ssm_inner=hf.mamba_expand * hf.hidden_size,
+        ssm_dt_rank=int(hf.mamba_dt_rank),
+        ssm_state_size=hf.mamba_d_state,
+        ssm_conv_kernel=hf.mamba_d_conv,
+        ssm_conv_bias=bool(hf.mamba_conv_bias),
+        ssm_proj_bias=bool(hf.mamba_proj_bias),
+        ssm_bcdt_norm_eps=hf.rms_norm_eps,
+        ssm_bcdt_norm_weights=True,
+        rotary_dim=0,
+        num_experts=hf.num_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        norm_topk_prob=False,
+        round_routing_weights=True,
+        moe_layers=tuple(hf.layers_num_experts[i] > 1 for i in range(n)),
+    )
+
+
 def _mamba2_only(hf: Any) -> dict[str, Any]:
     """Mamba 2 (Mamba-Codestral, mamba2-*): every layer a Mamba 2 mixer alone (Bamba's), no attention and no MLP."""
     return _mixer_only(hf) | dict(
@@ -564,6 +590,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Granite 3.x's MoE models: Granite 4.0's layer with attention alone and rotary positions
     "GraniteMoeForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
     "GraniteMoeSharedForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
+    # Jamba: Bamba's layer with Mamba's mixers (their time steps, B and C normed) and routed experts every other layer
+    "JambaForCausalLM": Architecture({"family": "bamba"} | NO_BIAS, _jamba, windowed=False),
     # Nemotron-H: a layer is a norm and one part alone (a Mamba 2 mixer, attention without positions or an MLP)
     "NemotronHForCausalLM": Architecture({"family": "nemotron_h", "norm": "rms_float"} | NO_BIAS, _nemotron_h,
                                          windowed=False),  # fmt: skip
@@ -667,6 +695,7 @@ MODEL_TYPES = {
     "falcon_mamba": "FalconMambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "jamba": "JambaForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
@@ -815,6 +844,7 @@ class ModelConfig:
     ssm_inner: int = 0
     ssm_dt_rank: int = 0
     ssm_bcdt_norm_eps: float | None = None
+    ssm_bcdt_norm_weights: bool = False  # Jamba: those norms have weights (the model's RMS norm)
     # Mamba, Mamba 2, Nemotron-H, per layer: "mixer" where the layer is x + mixer(norm(x)) alone (its token mixer:
     # attention or a Mamba mixer; no MLP, no ln2, no hook_resid_mid), "mlp" where it is x + mlp(norm(x)) alone (no
     # ln1, no token mixer); () = every layer both

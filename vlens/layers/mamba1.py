@@ -5,7 +5,7 @@ activation, then a second projection gives each token's B and C [state size] and
 which dt_proj widens to one time step per channel (dt = softplus(dt + bias)). Each channel c keeps a state [state
 size] (float32, in the runner's state slots: vlens.layers.slot_states), A = -exp(A_log) [channels, state size]; per
 token: S = exp(dt * A) S + dt * B x, and the output is S·C + D x, gated by silu(z) and projected back. Falcon Mamba
-RMS-normalises the time step's input, B and C (without weights) first.
+RMS-normalises the time step's input, B and C (without weights) first, Jamba the same with weights.
 
 Unlike Mamba 2, A differs per state dimension, so there is no attention-like form to run a chunk at once: a prompt's
 rows run the recurrence itself, every chunk of CHUNK rows of every sequence at once, twice — first from zeros, for
@@ -31,12 +31,13 @@ from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tap_widened
 from vlens.layers.causal_conv import CausalConv
 from vlens.layers.mlp import activation
+from vlens.layers.norm import make_norm
 from vlens.layers.slot_states import Shapes, SlotStates, step_slots
 
 
 class MambaMixer(SlotStates):
-    """Mamba's and Falcon Mamba's `mixer`, its parameters named as HF's (one process: tensor parallelism is refused
-    for it by vlens.distributed.executor)."""
+    """Mamba's and Falcon Mamba's `mixer`, Jamba's `mamba`, its parameters named as HF's (one process: tensor
+    parallelism is refused for it by vlens.distributed.executor)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -51,6 +52,8 @@ class MambaMixer(SlotStates):
         self.out_proj = nn.Linear(inner, d, bias=cfg.ssm_proj_bias)
         self.act = activation(cfg.ssm_hidden_act or cfg.hidden_act)
         self.norm_eps = cfg.ssm_bcdt_norm_eps
+        if cfg.ssm_bcdt_norm_weights:  # (Jamba's norms of the time step's input, B and C have weights)
+            self.dt_layernorm, self.b_layernorm, self.c_layernorm = (make_norm(cfg, dim) for dim in self.split)
         p = f"blocks.{layer}.mamba."
         self.hook_x, self.hook_b, self.hook_c, self.hook_dt = p + "hook_x", p + "hook_b", p + "hook_c", p + "hook_dt"
         self.hook_ssm_out, self.hook_gate, self.hook_z = p + "hook_ssm_out", p + "hook_gate", p + "hook_z"
@@ -64,7 +67,9 @@ class MambaMixer(SlotStates):
         x, gate = self.in_proj(h).chunk(2, -1)
         x = tap(self.hook_x, self.act(self.conv1d(x, meta)))
         dt, b, c = self.x_proj(x).split(self.split, -1)
-        if self.norm_eps is not None:  # (Falcon Mamba)
+        if hasattr(self, "dt_layernorm"):  # (Jamba)
+            dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
+        elif self.norm_eps is not None:  # (Falcon Mamba)
             dt, b, c = (_weightless_rms(v, self.norm_eps) for v in (dt, b, c))
         b, c = tap(self.hook_b, b), tap(self.hook_c, c)
         dt = tap(self.hook_dt, F.softplus(F.linear(dt, self.dt_proj.weight) + self.dt_proj.bias.to(dtype)))
