@@ -147,6 +147,28 @@ def test_lens_page_carries_the_attention_of_the_layers_asked_for(smol4):
             viz.lens_page(smol4, "x", attention_layers=[odd])
 
 
+def test_lens_page_of_a_hybrid_carries_the_layers_that_attend(smol_path, tmp_path):
+    """Nemotron-H (Mamba 2, MLP and attention layers, each alone) with SmolLM2's tokenizer: the page's attention is
+    its attention layer's; a layer without patterns asked for by name is refused, naming those with them."""
+    import shutil
+
+    from family_parity import build
+    from test_parity_nemotron_h import nemotron_config
+
+    from vlens import LLM
+
+    path = build(nemotron_config(vocab_size=49152), tmp_path, "nemotron_h")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_path / name, f"{path}/{name}")
+    llm = LLM(model=path, dtype="float32", device="cpu")
+    page = viz.lens_page(llm, "The capital of France is")
+    assert [part["layer"] for part in page.payload["attention"]] == [2]
+    assert len(page.payload["lens"]["layers"]) == 5
+    with pytest.raises(ValueError, match=r"layer 0 of NemotronHForCausalLM does not attend .*; the layers that do: "
+                                         r"\[2\]"):  # fmt: skip
+        viz.lens_page(llm, "x", attention_layers=[0])
+
+
 def test_page_text_cannot_break_out_of_its_script():
     """A prompt is data: '</script>' or a template slot in it stays inside the payload."""
     prompt = "</script><script>alert(1)</script> {{js}} <!--"

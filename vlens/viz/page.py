@@ -43,14 +43,18 @@ def lens_page(
     attention_layers: list[int] | None = None, tuned_lens: TunedLens | None = None,
 ) -> View:  # fmt: skip
     """Everything the server's /lens shows for a prompt, as one static view: the logit lens at every
-    layer's residual stream, the attention patterns of `attention_layers` (None: every layer; the page
+    layer's residual stream, the attention patterns of `attention_layers` (None: every layer that attends; the page
     carries all their heads, [layers, heads, tokens, tokens / 2] weights, so a long prompt on a deep model
     may want a few) and, with an SAE, its top latents; with a tuned lens, the lens read through it. The prompt is
     generated from greedily first; the other views read the prompt and its completion."""
     layers = range(llm.config.num_layers)
+    attending = [layer for layer in layers if llm.config.attends(layer)]  # (a hybrid's others have no patterns)
     for layer in attention_layers or []:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer not in layers:
             raise ValueError(f"attention_layers: {layer!r} is not a layer of this model (0 .. {len(layers) - 1})")
+        if layer not in attending:
+            raise ValueError(f"attention_layers: layer {layer} of {llm.config.architecture} does not attend (it has "
+                             f"no attention pattern); the layers that do: {attending}")  # fmt: skip
     [first] = llm.generate(
         prompt,
         SamplingParams(max_tokens=max_tokens, temperature=0,
@@ -60,7 +64,7 @@ def lens_page(
     payload = logit_lens(first, llm.tokenizer, tuned_lens is not None).payload
     payload["model"] = llm.model_name
     tokens = payload["token_ids"]
-    chosen = layers if attention_layers is None else sorted(set(attention_layers))
+    chosen = attending if attention_layers is None else sorted(set(attention_layers))
     patterns = [f"blocks.{layer}.attn.hook_pattern" for layer in chosen]
     captures = [Capture(hooks=patterns, dtype="float32")] if chosen else []
     if sae is not None:
