@@ -323,3 +323,18 @@ def check_capturing_step_compiles(path: str, hook: str) -> None:
     finally:
         engine.runner.taps.fixed_shapes = False
     assert forward.breaks == [0] and forward.compiles == 1 and max(forward.errors) < 1e-5
+
+
+def check_compiled_decode(path: str, hooks: list[str]) -> None:
+    """compile_decode on the checkpoint at `path`: the decode steps (a stateful layer's states read and written
+    through index buffers) compiled by inductor, capturing `hooks`: the eager engine's tokens and rows."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
+    prompts = sequences((9, 14, 3))
+    compiled = LLM(model=path, dtype="float32", device="cpu", compile_decode=True)
+    eager = LLM(model=path, dtype="float32", device="cpu", enforce_eager=True)
+    outs = compiled.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for hook, rows in a.activations.items():
+            assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
+    assert compiled.runner.graph_stats.compiled_steps > 0

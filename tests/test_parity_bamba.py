@@ -7,13 +7,13 @@ graphs); bfloat16 bit for bit."""
 from __future__ import annotations
 
 import pytest
-from conftest import rel_err
 from family_parity import (
     COMMON,
     GenerationParity,
     TapParity,
     build,
     check_bfloat16_taps,
+    check_compiled_decode,
     check_every_tap,
     check_generation,
     family_fixture,
@@ -22,7 +22,7 @@ from family_parity import (
 )
 from transformers import BambaConfig
 
-from vlens import LLM, Capture, SamplingParams
+from vlens import LLM
 
 
 def bamba_config(**overrides) -> BambaConfig:
@@ -96,15 +96,5 @@ def test_bfloat16_taps(tmp_path):
 def test_compiled_decode_steps_equal_eager_ones(tmp_path):
     """compile_decode: the decode steps, the SSM states read and written through index buffers, compiled (inductor)
     with the capture of a Mamba 2 layer's taps: the eager engine's tokens and rows."""
-    path = build(bamba_config(), tmp_path, "bamba")
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                            capture=Capture(hooks=["blocks.0.mamba.hook_ssm_out", "blocks.2.mamba.hook_dt"]))
-    prompts = sequences((9, 14, 3))
-    compiled = LLM(model=path, dtype="float32", device="cpu", compile_decode=True)
-    eager = LLM(model=path, dtype="float32", device="cpu", enforce_eager=True)
-    outs = compiled.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(*outs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for hook, rows in a.activations.items():
-            assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
-    assert compiled.runner.graph_stats.compiled_steps > 0
+    hooks = ["blocks.0.mamba.hook_ssm_out", "blocks.2.mamba.hook_dt"]
+    check_compiled_decode(build(bamba_config(), tmp_path, "bamba"), hooks)

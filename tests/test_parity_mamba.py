@@ -12,13 +12,13 @@ import multiprocessing
 
 import pytest
 import torch
-from conftest import rel_err
 from family_parity import (
     GenerationParity,
     TapParity,
     build,
     check_bfloat16_taps,
     check_capturing_step_compiles,
+    check_compiled_decode,
     check_every_tap,
     check_generation,
     family_fixture,
@@ -28,7 +28,7 @@ from family_parity import (
 )
 from transformers import FalconMambaConfig, Mamba2Config, MambaConfig
 
-from vlens import LLM, Capture, HookedLM, SamplingParams, Steer
+from vlens import LLM, HookedLM, SamplingParams, Steer
 
 SIZES = dict(vocab_size=300, hidden_size=64, num_hidden_layers=3, initializer_range=0.1, state_size=8, expand=2)
 
@@ -126,18 +126,8 @@ def test_bfloat16_taps(tmp_path, name):
 def test_compiled_decode_steps_equal_eager_ones(tmp_path):
     """compile_decode: the decode steps, the SSM states read and written through index buffers, compiled (inductor)
     with the capture of a Mamba layer's taps: the eager engine's tokens and rows."""
-    path = build(mamba_config(), tmp_path, "mamba")
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                            capture=Capture(hooks=["blocks.0.mamba.hook_ssm_out", "blocks.2.mamba.hook_dt"]))
-    prompts = sequences((9, 14, 3))
-    compiled = LLM(model=path, dtype="float32", device="cpu", compile_decode=True)
-    eager = LLM(model=path, dtype="float32", device="cpu", enforce_eager=True)
-    outs = compiled.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(*outs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for hook, rows in a.activations.items():
-            assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
-    assert compiled.runner.graph_stats.compiled_steps > 0
+    hooks = ["blocks.0.mamba.hook_ssm_out", "blocks.2.mamba.hook_dt"]
+    check_compiled_decode(build(mamba_config(), tmp_path, "mamba"), hooks)
 
 
 def test_steering_a_mamba_layer_leaves_the_others_in_its_batch(family):

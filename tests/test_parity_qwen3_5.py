@@ -16,6 +16,7 @@ from family_parity import (
     TapParity,
     build,
     check_bfloat16_taps,
+    check_compiled_decode,
     check_every_tap,
     check_generation,
     family_fixture,
@@ -253,18 +254,8 @@ def test_patching_equals_transformer_lens_looping_over_vlens(hooked, tmp_path, s
 def test_compiled_decode_steps_equal_eager_ones(tmp_path):
     """compile_decode: the decode steps, states read and written through index buffers, compiled (inductor) with
     the capture of a linear layer's taps: the eager engine's tokens and rows."""
-    path = build(text_config(), tmp_path, "qwen3_5")
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                            capture=Capture(hooks=["blocks.0.linear_attn.hook_z", "blocks.2.linear_attn.hook_decay"]))
-    prompts = sequences((9, 14, 3))
-    compiled = LLM(model=path, dtype="float32", device="cpu", compile_decode=True)
-    eager = LLM(model=path, dtype="float32", device="cpu", enforce_eager=True)
-    outs = compiled.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(*outs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for hook, rows in a.activations.items():
-            assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
-    assert compiled.runner.graph_stats.compiled_steps > 0
+    hooks = ["blocks.0.linear_attn.hook_z", "blocks.2.linear_attn.hook_decay"]
+    check_compiled_decode(build(text_config(), tmp_path, "qwen3_5"), hooks)
 
 
 @pytest.mark.parametrize("config", [moe_config, next_config])

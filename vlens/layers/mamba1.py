@@ -30,9 +30,10 @@ from vlens.attention.metadata import CHUNK, AttentionMetadata, LinearChunks
 from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tap_widened
 from vlens.layers.causal_conv import CausalConv
+from vlens.layers.mamba2 import scan_sequences
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
-from vlens.layers.slot_states import Shapes, SlotStates, step_slots
+from vlens.layers.slot_states import Shapes, SlotStates
 
 
 class MambaMixer(SlotStates):
@@ -78,28 +79,10 @@ class MambaMixer(SlotStates):
         return self.out_proj(z.to(dtype))
 
     def scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, meta: AttentionMetadata):
-        """The scan's output [T, channels] (D's skip included): float32 where prompts run in chunks, the model's
-        dtype where every sequence feeds one token (as HF's two forms give it), from the sequences' saved states
-        (or zeros), which are saved again after."""
-        slots = step_slots(self, "state", meta)
+        """The scan's output [T, channels] (D's skip included): float32 where prompts run in chunks, the model's dtype
+        where every sequence feeds one token (as HF's two forms give it)."""
         a = -torch.exp(self.A_log.float())
-        shape = (len(meta.query_lens), *self.A_log.shape)
-        state = x.new_zeros(shape, dtype=torch.float32) if slots is None else self.state[slots[0]] * slots[1][
-            :, None, None]  # fmt: skip
-        chunks = meta.linear_chunks
-        if chunks is None:  # (a row per sequence)
-            y, state = _recurrent_step(x, b, c, dt, a, self.D, state)
-        else:
-            y, before, state = x.new_empty(x.shape, dtype=torch.float32), state, state.clone()
-            rows, seqs = chunks.single_rows, chunks.single_seqs
-            if len(rows):
-                single, state[seqs] = _recurrent_step(x[rows], b[rows], c[rows], dt[rows], a, self.D, before[seqs])
-                y[rows] = single.float()
-            seqs = chunks.chunked_seqs
-            y[chunks.chunked_rows], state[seqs] = _chunked(x, b, c, dt, a, self.D, before[seqs], chunks)
-        if slots is not None:
-            self.state[slots[0]] = state
-        return y
+        return scan_sequences(self, (_recurrent_step, _chunked), (x, b, c, dt), a, self.D, meta)
 
 
 def _weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

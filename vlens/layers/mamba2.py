@@ -17,6 +17,8 @@ attn.hook_z is).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,31 +120,44 @@ class Mamba2Mixer(SlotStates):
 
     def scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, meta: AttentionMetadata):
         """The scan's output [T, heads, head dim] (D's skip included): float32 where prompts run in chunks, the
-        model's dtype where every sequence feeds one token (as HF's two forms give it), from the sequences' saved
-        states (or zeros), which are saved again after."""
-        slots = step_slots(self, "state", meta)
-        a = -torch.exp(self.A_log.float())
+        model's dtype where every sequence feeds one token (as HF's two forms give it)."""
         per_group = self.heads // self.groups
         b, c = (v.repeat_interleave(per_group, 1) for v in (b, c))  # [T, heads, state size]
-        batch = len(meta.query_lens)
-        shape = (batch, self.heads, self.head_dim, self.state_size)
-        state = x.new_zeros(shape, dtype=torch.float32) if slots is None else self.state[slots[0]] * slots[1][
-            :, None, None, None]  # fmt: skip
-        chunks = meta.linear_chunks
-        if chunks is None:  # (a row per sequence)
-            y, state = _recurrent_step(x, b, c, dt, a, self.D, state)
-        else:
+        if meta.linear_chunks is not None:  # (HF's chunked scan clamps the time steps)
             dt = dt.clamp(*self.dt_limit)
-            y, before, state = x.new_empty(x.shape, dtype=torch.float32), state, state.clone()
-            rows, seqs = chunks.single_rows, chunks.single_seqs
-            if len(rows):
-                single, state[seqs] = _recurrent_step(x[rows], b[rows], c[rows], dt[rows], a, self.D, before[seqs])
-                y[rows] = single.float()
-            seqs = chunks.chunked_seqs
-            y[chunks.chunked_rows], state[seqs] = _chunked(x, b, c, dt, a, self.D, before[seqs], chunks)
-        if slots is not None:
-            self.state[slots[0]] = state
-        return y
+        return scan_sequences(self, (_recurrent_step, _chunked), (x, b, c, dt), -torch.exp(self.A_log.float()),
+                              self.D, meta)  # fmt: skip
+
+
+def scan_sequences(
+    layer: SlotStates, forms: tuple[Callable, Callable], rows: tuple[torch.Tensor, ...], a: torch.Tensor,
+    d: torch.Tensor, meta: AttentionMetadata,
+) -> torch.Tensor:  # fmt: skip
+    """A Mamba mixer's scan over each sequence's `rows` (x, B, C, dt: [T, ...] each), from its saved state (or zeros),
+    which is saved again after (`layer.state`): by the recurrence (`forms[0]`) where every sequence feeds one row,
+    else the chunked form (`forms[1]`) for the sequences that feed several and the recurrence for the others. The
+    output [T, ...], x's shape: float32 but where the recurrence alone ran (the model's dtype)."""
+    recurrent, chunked = forms
+    slots = step_slots(layer, "state", meta)
+    shape, _ = layer.slot_shapes()["state"]
+    x = rows[0]
+    if slots is None:
+        state = x.new_zeros((len(meta.query_lens), *shape), dtype=torch.float32)
+    else:
+        state = layer.state[slots[0]] * slots[1].view(-1, *(1,) * len(shape))
+    chunks = meta.linear_chunks
+    if chunks is None:  # (a row per sequence)
+        y, state = recurrent(*rows, a, d, state)
+    else:
+        y, before, state = x.new_empty(x.shape, dtype=torch.float32), state, state.clone()
+        single, seqs = chunks.single_rows, chunks.single_seqs
+        if len(single):
+            y[single], state[seqs] = recurrent(*(v[single] for v in rows), a, d, before[seqs])
+        seqs = chunks.chunked_seqs
+        y[chunks.chunked_rows], state[seqs] = chunked(*rows, a, d, before[seqs], chunks)
+    if slots is not None:
+        layer.state[slots[0]] = state
+    return y
 
 
 def _recurrent_step(
