@@ -338,3 +338,23 @@ def check_compiled_decode(path: str, hooks: list[str]) -> None:
         for hook, rows in a.activations.items():
             assert rel_err(rows, b.activations[hook]) <= 1e-5, hook
     assert compiled.runner.graph_stats.compiled_steps > 0
+
+
+def check_generation_under_pressure(
+    path: str, kv_cache_memory: int, hook: str, lengths=(100, 90, 80), batched: int = 32, max_num_seqs: int = 3,
+    preempts: bool = True,
+) -> LLM:  # fmt: skip
+    """Greedy generation (check_generation, capturing `hook`) of prompts of `lengths` fed `batched` tokens a step,
+    with `kv_cache_memory` bytes for keys and state slots (small enough to preempt where `preempts`), the decode steps
+    replayed from emulated CUDA graphs (replayed_graphs.py). Returns the engine for the test's own checks."""
+    from replayed_graphs import replay_graphs
+
+    _, hf = load_pair(path)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=batched,
+              max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory)  # fmt: skip
+    replay_graphs(llm.runner)
+    check_generation(llm, hf, sequences(lengths), max_tokens=10, extra_hooks=(hook,))
+    stats = llm.runner.graph_stats
+    assert stats.graph_steps > 0 and stats.eager_steps > 3
+    assert (llm.engine.scheduler.num_preemptions > 0) == preempts
+    return llm

@@ -15,9 +15,8 @@ from family_parity import (
     check_bfloat16_taps,
     check_compiled_decode,
     check_every_tap,
-    check_generation,
+    check_generation_under_pressure,
     family_fixture,
-    load_pair,
     sequences,
 )
 from transformers import BambaConfig
@@ -66,19 +65,11 @@ def test_chunks_match_hf(family):
 def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
     """Prompts fed 32 tokens a step (each chunk continuing its convolutions' inputs and SSM states), a cache small
     enough to preempt, decode steps replayed from emulated CUDA graphs: HF generate's tokens and hidden states."""
-    from replayed_graphs import replay_graphs
-
-    path = build(bamba_config(), tmp_path, "bamba")
-    _, hf = load_pair(path)
     # (94 KiB: half of it holds 4 state slots of the two mixers, 11.75 KiB each; the rest 47 blocks of 4 tokens of the
     # attention layer's keys and values, 1 KiB each, fewer than the three sequences need together)
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=3,
-              kv_cache_memory=94 * 1024)  # fmt: skip
+    path = build(bamba_config(), tmp_path, "bamba")
+    llm = check_generation_under_pressure(path, 94 * 1024, "blocks.0.mamba.hook_z")
     assert llm.engine.blocks.num_states == 3 and len(llm.engine.blocks.blocks) == 47
-    replay_graphs(llm.runner)
-    check_generation(llm, hf, sequences((100, 90, 80)), max_tokens=10, extra_hooks=("blocks.0.mamba.hook_z",))
-    stats = llm.runner.graph_stats
-    assert stats.graph_steps > 0 and stats.eager_steps > 3 and llm.engine.scheduler.num_preemptions > 0
 
 
 def test_a_split_of_fewer_mamba_heads_than_ranks_is_refused(tmp_path):

@@ -13,8 +13,8 @@ from family_parity import (
     check_bfloat16_taps,
     check_every_tap,
     check_generation,
+    check_generation_under_pressure,
     family_fixture,
-    load_pair,
     sequences,
 )
 from transformers import JambaConfig
@@ -83,13 +83,4 @@ def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
     Mamba layers, 11.25 KiB each, and a scratch one; the rest 47 blocks of the two attention layers' keys and values, 4
     tokens and 2 KiB each, fewer than the three sequences need together), decode steps replayed from emulated CUDA
     graphs: HF generate's tokens and hidden states."""
-    from replayed_graphs import replay_graphs
-
-    path = build(jamba_config(), tmp_path, "jamba")
-    _, hf = load_pair(path)
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=3,
-              kv_cache_memory=140 * 1024)  # fmt: skip
-    replay_graphs(llm.runner)
-    check_generation(llm, hf, sequences((100, 90, 80)), max_tokens=10, extra_hooks=("blocks.0.mamba.hook_z",))
-    stats = llm.runner.graph_stats
-    assert stats.graph_steps > 0 and stats.eager_steps > 3 and llm.engine.scheduler.num_preemptions > 0
+    check_generation_under_pressure(build(jamba_config(), tmp_path, "jamba"), 140 * 1024, "blocks.0.mamba.hook_z")

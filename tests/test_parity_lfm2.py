@@ -16,14 +16,12 @@ from family_parity import (
     build,
     check_bfloat16_taps,
     check_every_tap,
-    check_generation,
+    check_generation_under_pressure,
     family_fixture,
     load_pair,
     sequences,
 )
 from transformers import Lfm2Config, Lfm2MoeConfig
-
-from vlens import LLM
 
 
 def lfm2_config(**overrides) -> Lfm2Config:
@@ -78,18 +76,11 @@ def test_config_is_read_as_intended(family):
 def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
     """Prompts fed 8 tokens a step (each chunk continuing its convolutions' inputs), a cache small enough to preempt,
     decode steps replayed from emulated CUDA graphs: HF generate's tokens and hidden states."""
-    from replayed_graphs import replay_graphs
-
-    path = build(lfm2_config(), tmp_path, "lfm2")
-    _, hf = load_pair(path)
     # (10 blocks of 4 tokens of the attention layer's keys and values, 1 KiB each, after 3 state slots of the two
     # convolutions' last inputs, 1 KiB each)
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8, max_num_seqs=2,
-              kv_cache_memory=3 * 1024 + 10 * 1024)  # fmt: skip
-    replay_graphs(llm.runner)
-    check_generation(llm, hf, sequences((21, 9, 13)), max_tokens=10, extra_hooks=("blocks.0.conv.hook_z",))
-    stats = llm.runner.graph_stats
-    assert stats.graph_steps > 0 and stats.eager_steps > 3 and llm.engine.scheduler.num_preemptions > 0
+    path = build(lfm2_config(), tmp_path, "lfm2")
+    check_generation_under_pressure(path, 3 * 1024 + 10 * 1024, "blocks.0.conv.hook_z", lengths=(21, 9, 13), batched=8,
+                                    max_num_seqs=2)  # fmt: skip
 
 
 def test_transformer_lens_calls(tmp_path):

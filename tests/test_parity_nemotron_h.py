@@ -18,8 +18,8 @@ from family_parity import (
     check_capturing_step_compiles,
     check_every_tap,
     check_generation,
+    check_generation_under_pressure,
     family_fixture,
-    load_pair,
     same,
     sequences,
 )
@@ -103,16 +103,8 @@ def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
     the two Mamba layers, 12 KiB each, and a scratch one; the rest 62 blocks of the attention layer's keys and values,
     4 tokens and 1 KiB each, fewer than the three sequences need together), decode steps replayed from emulated CUDA graphs: HF
     generate's tokens and hidden states."""
-    from replayed_graphs import replay_graphs
-
     path = build(nemotron_3_config(), tmp_path, "nemotron_3")
-    _, hf = load_pair(path)
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32, max_num_seqs=3,
-              kv_cache_memory=110 * 1024)  # fmt: skip
-    replay_graphs(llm.runner)
-    check_generation(llm, hf, sequences((100, 90, 80)), max_tokens=10, extra_hooks=("blocks.1.mlp.hook_expert_ids",))
-    stats = llm.runner.graph_stats
-    assert stats.graph_steps > 0 and stats.eager_steps > 3 and llm.engine.scheduler.num_preemptions > 0
+    check_generation_under_pressure(path, 110 * 1024, "blocks.1.mlp.hook_expert_ids")
 
 
 def test_a_capturing_step_compiles_whole(tmp_path):
