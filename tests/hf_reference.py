@@ -255,7 +255,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
                "granitemoeshared": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
-               "nemotron_h": "nemotron_h", "jamba": "bamba"}  # fmt: skip
+               "nemotron_h": "nemotron_h", "jamba": "bamba",
+               "falcon_h1": "bamba"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
     "linear_attention": ({"ln1.hook_out": "norm"}, {}),
@@ -495,7 +496,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     linear, ssm = [has(b, "linear_attn") for b in blocks], [m is not None for m in mamba]
     conv = [has(b, "conv") and not has(b, "self_attn") for b in blocks]
     mlp_only = [getattr(b, "block_type", None) in ("mlp", "moe") for b in blocks]  # (Nemotron-H's MLP layers)
-    attends = [not (lin or c or s or m) for lin, c, s, m in zip(linear, conv, ssm, mlp_only)]
+    side_by_side = cfg.model_type == "falcon_h1"  # (attention beside a Mamba 2 mixer in every layer)
+    attends = [side_by_side or not (lin or c or s or m) for lin, c, s, m in zip(linear, conv, ssm, mlp_only)]
     rope = [r and a for r, a in zip(rope, attends)]
     got: dict[str, torch.Tensor] = {}
     raw: dict[str, object] = {}
@@ -520,16 +522,21 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, o, key=p + "linear_attn.hook_gate": got.__setitem__(key, a[1].clone())))
             on_input(block.linear_attn.out_proj, p + "linear_attn.hook_z")
         elif ssm[layer]:  # (the rest from HF's conv and scan calls, below)
-            on_output(mamba[layer], p + "hook_attn_out")
-            if hasattr(mamba[layer], "norm"):  # (a Mamba 2 mixer's: its second input is the gate's, z)
+            on_output(mamba[layer], p + ("mamba.hook_out" if side_by_side else "hook_attn_out"))
+            norm = getattr(mamba[layer], "norm", None)  # (Falcon-H1's may be an Identity, not called)
+            if isinstance(norm, torch.nn.Module) and not isinstance(norm, torch.nn.Identity):  # (its gate: z)
                 handles.append(mamba[layer].norm.register_forward_hook(
                     lambda m, a, o, key=p + "mamba.hook_gate": got.__setitem__(key, a[1][0].clone())))
+            elif side_by_side:  # (Falcon-H1 without the norm: z as projected, times its multiplier)
+                on_output(mamba[layer].in_proj, p + "in_proj", raw)
             on_input(mamba[layer].out_proj, p + "mamba.hook_z")
+            if side_by_side:
+                on_output(block.self_attn, p + "attn.hook_out")
         elif conv[layer]:  # (its convolution's output from HF's conv calls, below)
             on_output(block.conv, p + "hook_attn_out")
             on_output(block.conv.in_proj, p + "conv.bcx", raw)
             on_input(block.conv.out_proj, p + "conv.hook_z")
-        elif own_kv[layer] and attends[layer]:
+        if own_kv[layer] and attends[layer] and not (linear[layer] or conv[layer] or (ssm[layer] and not side_by_side)):
             on_output(block.get_submodule(fam.qkv), p + "qkv", raw)
         if getattr(block, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer embeddings: the layer's own input
             # (its second argument), the branch's hidden activation, what it adds
@@ -551,7 +558,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(attn.k_proj, p + "k", raw)
         outputs, inputs = NEMOTRON_PARTS[block.block_type] if name == "nemotron_h" else (fam.outputs, fam.inputs)
         for kind, path in outputs.items():
-            if not attends[layer] and kind == "hook_attn_out":
+            if (not attends[layer] or side_by_side) and kind == "hook_attn_out":
                 continue
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
@@ -679,6 +686,12 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             for kind, v in zip(("x", "dt", "b", "c", "ssm_out", "gate"), (x, dt, b, c, y, z)):
                 got[p + "mamba.hook_" + kind] = v
             continue
+        if side_by_side:  # (what the stream gets: each output times its multiplier)
+            got[p + "hook_attn_out"] = (got[p + "mamba.hook_out"] * cfg.ssm_out_multiplier
+                                        + got[p + "attn.hook_out"] * cfg.attention_out_multiplier)  # fmt: skip
+            if p + "in_proj" in raw:
+                got[p + "mamba.hook_gate"] = raw[p + "in_proj"][:, : mamba[layer].intermediate_size] * \
+                    cfg.ssm_multipliers[0]  # fmt: skip
         if ssm[layer]:  # (the convolution's output, after its activation: x, B, C; the scan's time steps and output)
             mixer, nth = mamba[layer], sum(ssm[:layer])
             groups = (mixer.n_groups, mixer.ssm_state_size)
@@ -686,7 +699,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             got[p + "mamba.hook_x"] = x.reshape(t, mixer.num_heads, mixer.head_dim)
             got[p + "mamba.hook_b"], got[p + "mamba.hook_c"] = b.reshape(t, *groups), c.reshape(t, *groups)
             got[p + "mamba.hook_dt"], got[p + "mamba.hook_ssm_out"] = (v[0] for v in scans[nth])
-            continue
+            if not side_by_side:
+                continue
         if not attends[layer]:  # (Nemotron-H's MLP layers)
             continue
         if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)

@@ -32,6 +32,7 @@ from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from test_parity_bamba import bamba_config
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
+from test_parity_falcon_h1 import falcon_h1_config
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_granite import hybrid_config as granite_hybrid_config
@@ -526,13 +527,15 @@ def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
     return same(a.double(), b.double(), TOL)
 
 
-@pytest.mark.parametrize("name", ["mamba2", "nemotron_3"])
-def test_models_of_one_part_a_layer(tmp_path, one_thread, name):
-    """Mamba 2 (no attention, no MLP, no KV cache: its blocks hold state slots alone) and Nemotron 3 (layers of a
-    Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone) on two ranks, each its heads, one of
-    the two groups of B and C, its columns of every MLP and expert: every hook of a packed trace, and a greedy
-    generation's tokens and rows, as in one process."""
-    path = build(mamba2_config() if name == "mamba2" else nemotron_3_config(), tmp_path, name)
+@pytest.mark.parametrize("name", ["mamba2", "nemotron_3", "falcon_h1"])
+def test_more_hybrid_layouts(tmp_path, one_thread, name):
+    """Mamba 2 (no attention, no MLP, no KV cache: its blocks hold state slots alone), Nemotron 3 (layers of a Mamba 2
+    mixer, attention, an MLP or experts beside a shared one, each alone) and Falcon-H1 (attention and a Mamba 2 mixer
+    side by side, µP multipliers: the projections' per part) on two ranks, each its heads, one of the two groups of B
+    and C, its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens and
+    rows, as in one process."""
+    configs = {"mamba2": mamba2_config, "nemotron_3": nemotron_3_config, "falcon_h1": falcon_h1_config}
+    path = build(configs[name](), tmp_path, name)
     one, two = _open(path), _open(path, tensor_parallel_size=N)
     try:
         every, seqs = list(one.hook_names()), sequences()

@@ -71,29 +71,40 @@ class Attribution:
     def _head_results(self, layer: int) -> torch.Tensor:
         """A linear-attention layer's (Qwen 3.5's) heads are its value heads: its hook_z through out_proj's columns, as
         a Mamba 2 mixer's are its heads; a short convolution (LFM2's), Mamba's mixer (channels, not heads) and a layer
-        that is an MLP alone (Nemotron-H's) have none."""
+        that is an MLP alone (Nemotron-H's) have none; Falcon-H1's layers have the attention heads, then the Mamba 2
+        mixer's, each times its output multiplier."""
         cfg = self.model.cfg
         part = "attn" if cfg.attends(layer) else mixer_of(cfg, layer)[1]
         name = f"blocks.{layer}.{part}.hook_result"
         if name not in self._tensors:
-            model = self._shares_of(layer, "attn")
             if part in ("conv", "mlp") or (part == "mamba" and cfg.ssm_dt_rank):  # (no heads: [..., 0, d_model])
                 x = self._cached(f"blocks.{layer}.hook_resid_pre", "per-head results")
                 self._tensors[name] = x.new_zeros(*x.shape[:-1], 0, cfg.hidden_size)
-                return self._tensors[name]
-            z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
-            if part == "attn":
-                W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
-            elif part == "mamba":  # (its hook_z [..., heads * head dim])
-                mixer = model.layers[layer]._modules[model.layers[layer].mixer_name]
-                W_O = mixer.out_proj.weight.detach().T.reshape(mixer.heads, mixer.head_dim, -1)
-                z = z.unflatten(-1, (mixer.heads, mixer.head_dim))
+            elif cfg.parallel_mixers:
+                _, attn_out, _, ssm_out = cfg.mixer_multipliers
+                parts = [self._heads(layer, "attn") * attn_out, self._heads(layer, "mamba") * ssm_out]
+                self._tensors[name] = torch.cat(parts, dim=-2)
             else:
-                net = model.layers[layer].linear_attn
-                W_O = net.out_proj.weight.detach().T.reshape(net.value_heads, net.value_dim, -1)
-            W_O = W_O * cfg.residual_multiplier  # (Granite's scale of what the stream gets)
-            self._tensors[name] = torch.einsum("...hd,hdm->...hm", z, W_O.to(z.device, z.dtype))
+                self._tensors[name] = self._heads(layer, part)
         return self._tensors[name]
+
+    def _heads(self, layer: int, part: str) -> torch.Tensor:
+        """Each head's hook_z of layer `layer`'s `part` (attn, mamba or linear_attn) through its columns of the output
+        projection, times the model's residual multiplier (Granite's): [..., heads, d_model]."""
+        model, cfg = self._shares_of(layer, "attn"), self.model.cfg
+        z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
+        if part == "attn":
+            W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
+        elif part == "mamba":  # (its hook_z [..., heads * head dim])
+            block = model.layers[layer]
+            mixer = block.mamba if cfg.parallel_mixers else block._modules[block.mixer_name]
+            W_O = mixer.out_proj.weight.detach().T.reshape(mixer.heads, mixer.head_dim, -1)
+            z = z.unflatten(-1, (mixer.heads, mixer.head_dim))
+        else:
+            net = model.layers[layer].linear_attn
+            W_O = net.out_proj.weight.detach().T.reshape(net.value_heads, net.value_dim, -1)
+        W_O = W_O * cfg.residual_multiplier  # (Granite's scale of what the stream gets)
+        return torch.einsum("...hd,hdm->...hm", z, W_O.to(z.device, z.dtype))
 
     def stack_head_results(
         self, layer: int | None = -1, return_labels: bool = False, incl_remainder: bool = False,
@@ -123,8 +134,8 @@ class Attribution:
         layer = resolve_layer(layer, self.model.cfg.num_layers)
         neurons = self._neurons(neuron_slice)
         names = [f"blocks.{i}.mlp.hook_post" for i in range(layer)]
-        W_out = [MLPWeights.of(self._shares_of(i, "mlp"), i).W_out[neurons] * self.model.cfg.residual_multiplier
-                 for i in range(layer)]  # fmt: skip
+        scale = self.model.cfg.residual_multiplier * self.model.cfg.mlp_multipliers[1]  # (Granite's, Falcon-H1's)
+        W_out = [MLPWeights.of(self._shares_of(i, "mlp"), i).W_out[neurons] * scale for i in range(layer)]
         posts = self._stack([self._cached(name, "per-neuron results")[..., neurons] for name in names], pos_slice)
         parts = [(post[..., None] * w.to(post.device, post.dtype)).movedim(-2, 0) for post, w in zip(posts, W_out)]
         stack = torch.cat(parts) if parts else posts  # no layer below `layer`: _stack's [0, ..., d_model]
@@ -146,7 +157,7 @@ class Attribution:
         neurons = self._neurons(neuron_slice)
         post = self._select(self._cached(f"blocks.{layer}.mlp.hook_post", "per-neuron results")[..., neurons], pos_slice)
         W_out = MLPWeights.of(self._shares_of(layer, "mlp"), layer).W_out[neurons].to(post.device, post.dtype)
-        W_out = W_out * self.model.cfg.residual_multiplier
+        W_out = W_out * self.model.cfg.residual_multiplier * self.model.cfg.mlp_multipliers[1]
         if project_output_onto is not None:
             W_out = W_out @ project_output_onto.to(post.device, post.dtype)
         result = post * W_out if W_out.dim() == 1 else post[..., None] * W_out

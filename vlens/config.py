@@ -231,6 +231,33 @@ def _jamba(hf: Any) -> dict[str, Any]:
     )
 
 
+def _falcon_h1(hf: Any) -> dict[str, Any]:
+    """Falcon-H1 (TII): Bamba's layer with attention and a Mamba 2 mixer side by side on every layer (their outputs
+    summed), and µP multipliers throughout (see ModelConfig: mixer_multipliers and the rest); rotary attention."""
+    return dict(
+        parallel_mixers=True,
+        ssm_heads=hf.mamba_n_heads,
+        ssm_head_dim=hf.mamba_d_head,
+        ssm_groups=hf.mamba_n_groups,
+        ssm_state_size=hf.mamba_d_state,
+        ssm_conv_kernel=hf.mamba_d_conv,
+        ssm_conv_bias=bool(hf.mamba_conv_bias),
+        ssm_proj_bias=bool(hf.mamba_proj_bias),
+        ssm_out_bias=bool(hf.projectors_bias),
+        ssm_dt_limit=tuple(hf.time_step_limit or (0.0, float("inf"))),
+        ssm_norm=("norm_then_gate" if hf.mamba_norm_before_gate else "gate_then_norm_float") if hf.mamba_rms_norm
+        else "gate",
+        mixer_multipliers=(float(hf.attention_in_multiplier), float(hf.attention_out_multiplier),
+                           float(hf.ssm_in_multiplier), float(hf.ssm_out_multiplier)),
+        key_multiplier=float(hf.key_multiplier),
+        ssm_multipliers=tuple(map(float, hf.ssm_multipliers)),
+        mlp_multipliers=tuple(map(float, hf.mlp_multipliers)),
+        embedding_multiplier=float(hf.embedding_multiplier),
+        logit_scale=float(hf.lm_head_multiplier),
+        mlp_bias=bool(hf.mlp_bias),
+    )  # fmt: skip
+
+
 def _mamba2_only(hf: Any) -> dict[str, Any]:
     """Mamba 2 (Mamba-Codestral, mamba2-*): every layer a Mamba 2 mixer alone (Bamba's), no attention and no MLP."""
     return _mixer_only(hf) | dict(
@@ -590,6 +617,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Granite 3.x's MoE models: Granite 4.0's layer with attention alone and rotary positions
     "GraniteMoeForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
     "GraniteMoeSharedForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
+    # Falcon-H1: Bamba's layer with attention and a Mamba 2 mixer side by side on every layer, µP multipliers
+    "FalconH1ForCausalLM": Architecture({"family": "falcon_h1"}, _falcon_h1, windowed=False),
     # Jamba: Bamba's layer with Mamba's mixers (their time steps, B and C normed) and routed experts every other layer
     "JambaForCausalLM": Architecture({"family": "bamba"} | NO_BIAS, _jamba, windowed=False),
     # Nemotron-H: a layer is a norm and one part alone (a Mamba 2 mixer, attention without positions or an MLP)
@@ -696,6 +725,7 @@ MODEL_TYPES = {
     "mamba2": "Mamba2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "jamba": "JambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
@@ -838,6 +868,20 @@ class ModelConfig:
     ssm_proj_bias: bool = False
     ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
     ssm_hidden_act: str | None = None  # Nemotron-H: the Mamba mixers' activation, where it is not hidden_act
+    # The Mamba 2 mixer's gated norm: "gate_then_norm" (Bamba's, Mamba 2's: y·silu(z), normed by groups, cast, times
+    # w), "norm_then_gate" or "gate_then_norm_float" (Falcon-H1's: times w in float32, before the cast), "gate" (none:
+    # y·silu(z)); its output projection's bias where it is not ssm_proj_bias (Falcon-H1's projectors_bias)
+    ssm_norm: str = "gate_then_norm"
+    ssm_out_bias: bool | None = None
+    # Falcon-H1: every layer's attention and Mamba 2 mixer side by side on the same normed input, their outputs summed
+    # (hook_attn_out; each its own as attn.hook_out and mamba.hook_out); the µP multipliers of attention's input and
+    # output, the mixer's input and output (`mixer_multipliers`), the keys, the mixer's projections z, x, B, C and dt
+    # (`ssm_multipliers`) and the MLP's gate (inside its activation) and output (`mlp_multipliers`)
+    parallel_mixers: bool = False
+    mixer_multipliers: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)
+    key_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = ()
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)
     # Mamba (1): its mixer's channels and the time step's low rank (> 0: Mamba's selective scan, a state per channel
     # and state dimension, in place of Mamba 2's heads); Falcon Mamba: the eps of the weightless RMS norms of its time
     # step's input, B and C (None: not normed)
@@ -889,7 +933,7 @@ class ModelConfig:
     @property
     def keeps_states(self) -> bool:
         """Whether some layer keeps a state per sequence between forwards (vlens.layers.slot_states)."""
-        return any(self.linear_layers) or any(self.conv_layers) or any(self.ssm_layers)
+        return any(self.linear_layers) or any(self.conv_layers) or any(self.ssm_layers) or self.parallel_mixers
 
     def head_dim_at(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim

@@ -316,8 +316,8 @@ class ModelWeights:
 
     def _stacked(self, part: str, name: str) -> torch.Tensor:
         cfg = self.cfg
-        if part == "attn" and cfg.keeps_states:
-            full = [i for i in range(cfg.num_layers) if cfg.attends(i)]
+        full = [i for i in range(cfg.num_layers) if cfg.attends(i)]
+        if part == "attn" and len(full) < cfg.num_layers:
             if not full:
                 raise ValueError(f"{name}: {cfg.architecture} has no attention (its layers are Mamba mixers), so no "
                                  f"{name}; their hook points are under model.blocks[L].mamba")  # fmt: skip

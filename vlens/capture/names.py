@@ -125,7 +125,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's, a short convolution (LFM2's)
     CONV_HOOKS, a Mamba or Mamba 2 mixer MAMBA_HOOKS; a gated attention head its gate's input before hook_z. A layer
     that is its token mixer alone (Mamba's, some of Nemotron-H's) has no MLP, no ln2 and no hook_resid_mid; one that
-    is its MLP alone (Nemotron-H's) has no ln1 and no token mixer's taps."""
+    is its MLP alone (Nemotron-H's) has no ln1 and no token mixer's taps. Falcon-H1's layers have a Mamba 2 mixer's taps
+    beside attention's, and each one's output (mamba.hook_out, attn.hook_out) before their sum, hook_attn_out."""
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
@@ -140,6 +141,10 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         ]
     elif cfg.attn_output_gate:
         hooks.insert(hooks.index("attn.hook_z"), "attn.hook_gate")
+    if cfg.parallel_mixers:  # (Falcon-H1: a Mamba 2 mixer beside attention, run first; each one's output)
+        at = hooks.index("attn.hook_q")
+        hooks[at:at] = [*MAMBA_HOOKS, "mamba.hook_out"]
+        hooks.insert(hooks.index("hook_attn_out"), "attn.hook_out")
     if cfg.per_layer_input_size:
         at = hooks.index("hook_resid_post")
         hooks[at:at] = PER_LAYER_HOOKS

@@ -36,23 +36,33 @@ from vlens.layers.slot_states import Shapes, SlotStates, step_slots
 
 class GroupGatedRMSNorm(nn.Module):
     """x times silu(gate) in float32, RMS-normalised group by group, cast back to x's dtype and scaled by w (HF's
-    order: Mamba 2's norm after the gate). `spread`: this rank holds a 1 / spread share of its one group (tensor
-    parallelism over fewer groups than ranks), whose sum of squares the ranks add up."""
+    order: Mamba 2's norm after the gate); `kind` (ModelConfig.ssm_norm) "gate_then_norm_float" scales by w in float32
+    before the cast, "norm_then_gate" the same with the gate last (Falcon-H1's). `spread`: this rank holds a 1 /
+    spread share of its one group (tensor parallelism over fewer groups than ranks), whose sum of squares the ranks
+    add up."""
 
-    def __init__(self, dim: int, groups: int, eps: float, parallel: Parallel = SINGLE, spread: int = 1):
+    def __init__(
+        self, dim: int, groups: int, eps: float, parallel: Parallel = SINGLE, spread: int = 1,
+        kind: str = "gate_then_norm",
+    ):  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.groups, self.eps, self.parallel, self.spread = groups, eps, parallel, spread
+        self.groups, self.eps, self.parallel, self.spread, self.kind = groups, eps, parallel, spread, kind
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * F.silu(gate.float())
+        h = x.float()
+        if self.kind != "norm_then_gate":
+            h = h * F.silu(gate.float())
         h = h.view(*h.shape[:-1], self.groups, -1)
         if self.spread == 1:
             variance = h.pow(2).mean(-1, keepdim=True)
         else:
             variance = all_reduce(h.pow(2).sum(-1, keepdim=True), self.parallel) / (h.shape[-1] * self.spread)
         h = (h * torch.rsqrt(variance + self.eps)).flatten(-2)
-        return self.weight * h.to(x.dtype)
+        if self.kind == "gate_then_norm":
+            return self.weight * h.to(x.dtype)
+        h = self.weight * h  # (Falcon-H1: in float32)
+        return (h * F.silu(gate.float()) if self.kind == "norm_then_gate" else h).to(x.dtype)
 
 
 class Mamba2Mixer(SlotStates):
@@ -76,8 +86,11 @@ class Mamba2Mixer(SlotStates):
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
         spread = max(1, parallel.size // self.all_groups)  # (ranks a group's heads are spread over)
-        self.norm = GroupGatedRMSNorm(inner, self.groups, cfg.norm_eps, parallel, spread)
-        self.out_proj = RowLinear(self.all_heads * self.head_dim, d, cfg.ssm_proj_bias, parallel, units=self.all_heads)
+        if cfg.ssm_norm != "gate":  # (Falcon-H1's may have none: y times silu(z))
+            self.norm = GroupGatedRMSNorm(inner, self.groups, cfg.norm_eps, parallel, spread, cfg.ssm_norm)
+        out_bias = cfg.ssm_proj_bias if cfg.ssm_out_bias is None else cfg.ssm_out_bias
+        self.out_proj = RowLinear(self.all_heads * self.head_dim, d, out_bias, parallel, units=self.all_heads)
+        self.multipliers = cfg.ssm_multipliers  # (Falcon-H1's µP: z, x, B, C and dt as projected)
         self.act = activation(cfg.ssm_hidden_act or cfg.hidden_act)
         p = f"blocks.{layer}.mamba."
         self.hook_x, self.hook_b, self.hook_c, self.hook_dt = p + "hook_x", p + "hook_b", p + "hook_c", p + "hook_dt"
@@ -102,20 +115,28 @@ class Mamba2Mixer(SlotStates):
         slots |= {f"{path}.conv1d.{leaf}": Slot(t, source=(torch.tensor(xbc),))
                   for leaf, t in self.conv1d.named_parameters()}  # fmt: skip
         slots |= {f"{path}.{name}": Slot(getattr(self, name), source=own) for name in ("dt_bias", "A_log", "D")}
-        slots[f"{path}.norm.weight"] = Slot(self.norm.weight, source=(torch.tensor(heads),))
+        if hasattr(self, "norm"):
+            slots[f"{path}.norm.weight"] = Slot(self.norm.weight, source=(torch.tensor(heads),))
         return slots | self.out_proj.checkpoint_slots(f"{path}.out_proj")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         meta, t = get_context().attention, h.shape[0]
         gate, xbc, dt = self.in_proj(h).split(self.split, -1)
-        x, b, c = self.act(self.conv1d(xbc, meta)).split((self.split[0], *(self.groups * self.state_size,) * 2), -1)
+        parts = (self.split[0], *(self.groups * self.state_size,) * 2)
+        if self.multipliers:  # (Falcon-H1's, in the model's dtype, as HF's mup_vector holds them)
+            z, xm, bm, cm, dm = (torch.tensor(m, dtype=h.dtype) for m in self.multipliers)
+            gate, dt = gate * z, dt * dm
+            xbc = torch.cat([v * m for v, m in zip(xbc.split(parts, -1), (xm, bm, cm))], -1)
+        x, b, c = self.act(self.conv1d(xbc, meta)).split(parts, -1)
         x = tap(self.hook_x, x.reshape(t, self.heads, self.head_dim))
         b = tap(self.hook_b, b.reshape(t, self.groups, self.state_size))
         c = tap(self.hook_c, c.reshape(t, self.groups, self.state_size))
         dt = tap(self.hook_dt, F.softplus(dt + self.dt_bias))
         y = tap_widened(self.hook_ssm_out, self.scan(x, b, c, dt, meta), h.dtype)
         gate = tap(self.hook_gate, gate)
-        z = tap_widened(self.hook_z, self.norm(y.flatten(1), gate), h.dtype)  # (float32 after a chunked scan)
+        y = y.flatten(1)
+        z = self.norm(y, gate) if hasattr(self, "norm") else y * F.silu(gate)
+        z = tap_widened(self.hook_z, z, h.dtype)  # (float32 after a chunked scan)
         return self.out_proj(z.to(h.dtype))
 
     def scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, meta: AttentionMetadata):

@@ -50,9 +50,10 @@ class GatedMLP(nn.Module):
     def __init__(
         self, hidden: int, intermediate: int, act: str, bias: bool, hook_post: str, stored_fused: bool = False,
         parallel: Parallel = SINGLE, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-        fused: str = "gate_up_proj",
+        fused: str = "gate_up_proj", multipliers: tuple[float, float] = (1.0, 1.0),
     ):  # fmt: skip
-        """`names`: the checkpoint's names of gate, up and down (LFM2's: w1, w3, w2)."""
+        """`names`: the checkpoint's names of gate, up and down (LFM2's: w1, w3, w2). `multipliers` (Falcon-H1's µP):
+        the gate's, inside the activation, and the output's."""
         super().__init__()
         gate, up, down = names
         parts = {gate: intermediate, up: intermediate}
@@ -61,15 +62,18 @@ class GatedMLP(nn.Module):
         self.fused, self.down = fused, down
         self.act = activation(act)
         self.hook_post = hook_post
+        self.multipliers = multipliers
 
     fc_in = property(lambda self: self._modules[self.fused])
     fc_out = property(lambda self: self._modules[self.down])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc_in.split(self.fc_in(x))
-        h = fused.gated(self.act, gate, up)
+        into, out = self.multipliers
+        h = fused.gated(self.act, gate if into == 1.0 else gate * into, up)
         h = tap(self.hook_post, h)
-        return self.fc_out(h)
+        h = self.fc_out(h)
+        return h if out == 1.0 else h * out
 
 
 class DenseMLP(nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlens.config import ModelConfig
-from vlens.models.bamba import BambaForCausalLM
+from vlens.models.bamba import BambaForCausalLM, FalconH1ForCausalLM
 from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
@@ -44,6 +44,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "qwen3_5": Qwen3_5ForCausalLM,
     "lfm2": Lfm2ForCausalLM,
     "bamba": BambaForCausalLM,
+    "falcon_h1": FalconH1ForCausalLM,
     "granite": GraniteForCausalLM,
     "granite_hybrid": GraniteMoeHybridForCausalLM,
     "mamba": MambaForCausalLM,

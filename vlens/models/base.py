@@ -64,6 +64,7 @@ class AttentionHeads(nn.Module):
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         self.rotary_pairs, self.temperature, self.query_scale = cfg.rotary_pairs, cfg.attn_temperature, cfg.query_scale
+        self.key_scale = cfg.key_multiplier  # (Falcon-H1's µP: the keys as projected, before rotary)
         # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
         self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer] and self.own_kv
         self.kv_shared = any(cfg.kv_layer_at(i) == layer for i in range(layer + 1, cfg.num_layers))
@@ -135,6 +136,8 @@ class AttentionHeads(nn.Module):
         if k is None:
             k, v = get_context().shared_kv[self.kv_layer]
         else:
+            if self.key_scale != 1.0:
+                k = k * self.key_scale
             k = tap(self.hook_k, self._positioned(self._heads(k, self.kv_heads, self.head_norms[1]), rope, dtype))
             v = v.reshape(-1, self.kv_heads, self.head_dim)
             v = tap(self.hook_v, v if self.v_norm is None else self.v_norm(v))
@@ -199,7 +202,7 @@ class ResidualBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = tap(self.hook_resid_pre, x)
         h = normed = self.ln1(x, self.hook_ln1) if self.pre_norms else x
-        a = self.attn_out(self.attention_input(x, h), rope)
+        a = self.mix(x, h, rope)
         if self.residual_multiplier != 1.0:  # (Granite: what the stream gets is the output scaled)
             a = a * self.residual_multiplier
         a = tap(self.hook_attn_out, a)
@@ -221,6 +224,11 @@ class ResidualBlock(nn.Module):
         x = self.finish(x)
         x = tap(self.hook_resid_post, x)
         return x
+
+    def mix(self, x: torch.Tensor, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """What the token mixer adds, from the layer's input `x` and its norm `h` (Falcon-H1: attention and a Mamba
+        mixer side by side)."""
+        return self.attn_out(self.attention_input(x, h), rope)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """What the family does to the layer's sums before hook_resid_post (Gemma 4: per-layer embeddings and a
