@@ -44,6 +44,8 @@ steps, against HF generate (its left padding zeroed before the convolution and s
 capturing a Mamba layer's hook_z at the generated rows against none.
 Then a Nemotron-H (--workload nemotron, or all): a random one of 8 layers, each one part alone (3 Mamba 2 mixers, an
 attention layer, 4 MLPs), d=256, the same prompts and steps, against HF generate; and a Mamba 2 layer's hook_z.
+Then a Falcon-H1 (--workload falcon_h1, or all): a random one of 8 layers, attention beside a Mamba 2 mixer in each,
+d=256, the same prompts and steps, against HF generate; and a layer's Mamba 2 hook_z.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
@@ -59,6 +61,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    FalconH1Config,
     Gemma3TextConfig,
     LlamaConfig,
     MambaConfig,
@@ -504,6 +507,10 @@ RECURRENT = {
         head_dim=64, mamba_num_heads=8, mamba_head_dim=64, n_groups=2, ssm_state_size=64, max_position_embeddings=1024,
         layers_block_type=["linear_attention", "mlp"] * 2 + ["full_attention", "mlp", "linear_attention", "mlp"]),
                  "blocks.2.mamba.hook_z", "a Mamba 2 layer"),
+    "falcon_h1": ("random Falcon-H1, 8 layers (attention beside a Mamba 2 mixer in each), d=256", lambda: random_llama(
+        config=FalconH1Config, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
+        max_position_embeddings=1024), "blocks.2.mamba.hook_z", "a Mamba 2 mixer"),
 }  # fmt: skip
 
 

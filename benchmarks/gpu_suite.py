@@ -33,6 +33,7 @@ slow section costs only itself. Sections:
             output captured through its state slots
   nemotron_h  Nemotron-H with Nemotron Nano 2's head sizes and Nemotron 3's experts, narrow: the same, a Mamba 2
             layer's scan output and an MoE layer's chosen experts captured
+  falcon_h1 Falcon-H1 with its 0.5B's head sizes and µP multipliers, narrow: the same, a layer's two mixers' outputs
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -499,6 +500,27 @@ def nemotron_h(rows: dict, root: Path, quick: bool, device: str) -> None:
     rows["nemotron_h"] = family_check(config, "nemotron-h-layout", hooks, root, quick, device)
 
 
+def falcon_h1(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """Falcon-H1 with Falcon-H1-0.5B's head sizes on CUDA (Mamba 2 heads of 64 over one group, a 128-wide state,
+    attention heads of 64), its µP multipliers off one, narrow: `family_check`, capturing a layer's two mixers'
+    outputs through the graphs."""
+    try:
+        from transformers import FalconH1Config
+    except ImportError:
+        rows["falcon_h1"] = {"skipped": f"transformers {transformers.__version__} has no Falcon-H1"}
+        return
+    wide = device == "cuda"
+    config = FalconH1Config(
+        vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 96, num_hidden_layers=4,
+        num_attention_heads=8 if wide else 4, num_key_value_heads=2, mamba_d_ssm=1024 if wide else 128,
+        mamba_n_heads=16 if wide else 4, mamba_d_head=64 if wide else 32, mamba_n_groups=1,
+        mamba_d_state=128 if wide else 8, max_position_embeddings=2048, key_multiplier=0.9,
+        attention_out_multiplier=0.6, ssm_out_multiplier=0.8, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9],
+    )  # fmt: skip
+    hooks = ["blocks.1.mamba.hook_out", "blocks.1.attn.hook_out"]
+    rows["falcon_h1"] = family_check(config, "falcon-h1-layout", hooks, root, quick, device)
+
+
 def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str) -> dict:
     """A random checkpoint of `config` in float32, TF32 off: every tap of a packed trace vs HF on the CPU (patterns
     within 1e-4), and greedy generation through the paged cache (graphs on CUDA) capturing `hooks` and the logits
@@ -545,7 +567,7 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
-            "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60}  # fmt: skip
+            "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -585,7 +607,7 @@ def main() -> None:
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
     for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
-                     ("nemotron_h", nemotron_h)):
+                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))
