@@ -157,14 +157,14 @@ def test_transformer_lens_style_calls(tmp_path):
                 call()
 
 
-def test_mamba_runs_in_one_process(tmp_path):
-    """Mamba's mixer (its time step's low-rank projection reads every channel) is not split: refused by name before
-    any worker starts."""
+def test_a_split_the_channels_cannot_take_is_refused(tmp_path):
+    """Mamba's mixer splits by channels (tests/test_tensor_parallel.py): 3 ranks for its 128 are refused, naming the
+    sizes that divide them, before any worker starts."""
     path = build(mamba_config(), tmp_path, "mamba")
     before = set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 is more than one process, and MambaForCausalLM's "
-                                         r"Mamba mixers run in one; allowed for this model: \[1\]"):  # fmt: skip
-        LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide the Mamba mixers' channels "
+                                         r"\(intermediate_size\)=128; allowed for this model: \[1, 2, 4, 8, 16,"):  # fmt: skip
+        LLM(model=path, dtype="float32", device="cpu", tensor_parallel_size=3)
     assert set(multiprocessing.active_children()) == before
 
 

@@ -36,8 +36,9 @@ from test_parity_falcon_h1 import falcon_h1_config
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_granite import hybrid_config as granite_hybrid_config
+from test_parity_jamba import jamba_config
 from test_parity_lfm2 import lfm2_config
-from test_parity_mamba import mamba2_config
+from test_parity_mamba import mamba2_config, mamba_config
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from test_parity_nemotron_h import nemotron_3_config
 from test_parity_qwen3_5 import next_config
@@ -527,21 +528,24 @@ def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
     return same(a.double(), b.double(), TOL)
 
 
-@pytest.mark.parametrize("name", ["mamba2", "nemotron_3", "falcon_h1"])
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"])
 def test_more_hybrid_layouts(tmp_path, one_thread, name):
-    """Mamba 2 (no attention, no MLP, no KV cache: its blocks hold state slots alone), Nemotron 3 (layers of a Mamba 2
-    mixer, attention, an MLP or experts beside a shared one, each alone) and Falcon-H1 (attention and a Mamba 2 mixer
-    side by side, µP multipliers: the projections' per part) on two ranks, each its heads, one of the two groups of B
-    and C, its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens and
-    rows, as in one process."""
-    configs = {"mamba2": mamba2_config, "nemotron_3": nemotron_3_config, "falcon_h1": falcon_h1_config}
+    """Mamba and Mamba 2 (no attention, no MLP, no KV cache: their blocks hold state slots alone), Nemotron 3 (layers
+    of a Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone), Falcon-H1 (attention and a
+    Mamba 2 mixer side by side, µP multipliers: the projections' per part) and Jamba (Mamba's mixers, experts) on two
+    ranks, each its heads, one of the two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial
+    sums added up: B, C and the time step whole), its columns of every MLP and expert: every hook of a packed trace,
+    and a greedy generation's tokens and rows, as in one process."""
+    configs = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": nemotron_3_config,
+               "falcon_h1": falcon_h1_config, "jamba": jamba_config}  # fmt: skip
     path = build(configs[name](), tmp_path, name)
     one, two = _open(path), _open(path, tensor_parallel_size=N)
     try:
         every, seqs = list(one.hook_names()), sequences()
         for a, b in zip(one.trace(seqs, every), two.trace(seqs, every)):
             assert [hook for hook in every if not _equal(b[hook], a[hook], hook)] == []
-        hooks = ["blocks.0.mamba.hook_*", "blocks.1.hook_attn_out" if name == "mamba2" else "blocks.1.mlp.*",
+        mlp = name in ("nemotron_3", "falcon_h1", "jamba")
+        hooks = ["blocks.0.mamba.hook_*", "blocks.1.mlp.*" if mlp else "blocks.1.hook_attn_out",
                  "blocks.2.hook_resid_post"]  # fmt: skip
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
         prompts = sequences((20, 9, 3))

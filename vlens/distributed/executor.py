@@ -39,7 +39,8 @@ def check_parallel(cfg: ModelConfig, size: int, device: torch.device, local: boo
         )
     problem = _split_problem(cfg, size)
     if problem:
-        allowed = [n for n in range(1, max(cfg.num_heads, cfg.ssm_heads, 1) + 1) if _split_problem(cfg, n) is None]
+        most = min(128, max(cfg.num_heads, cfg.ssm_heads, cfg.ssm_inner, 1))  # (more ranks than that: no model here)
+        allowed = [n for n in range(1, most + 1) if _split_problem(cfg, n) is None]
         raise ValueError(f"tensor_parallel_size: {size} {problem}; allowed for this model: {allowed}")
 
 
@@ -47,8 +48,6 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
     """What in the model a split in `size` ranks cannot cut evenly, or None."""
     if cfg.per_layer_input_size and size > 1:  # (a second embedding as wide as every layer's inputs together)
         return "is more than one process, and Gemma 4's per-layer embeddings run in one"
-    if cfg.ssm_dt_rank and size > 1:
-        return f"is more than one process, and {cfg.architecture}'s Mamba mixers run in one"
     dense = not cfg.moe_layers or not all(cfg.moe_layers) or cfg.experts_beside_mlp
     sizes = {
         "num_attention_heads": cfg.num_heads,
@@ -59,6 +58,7 @@ def _split_problem(cfg: ModelConfig, size: int) -> str | None:
         "linear_num_key_heads": cfg.linear_key_heads,  # (each rank the value heads its key heads serve)
         "hidden_size (short convolutions' channels)": cfg.hidden_size if any(cfg.conv_layers) else 0,
         "mamba_n_heads": cfg.ssm_heads,
+        "the Mamba mixers' channels (intermediate_size)": cfg.ssm_inner,
     }
     for name, n in sizes.items():
         if n and n % size:

@@ -54,10 +54,10 @@ def sharded_units(tap: str, cfg: ModelConfig) -> int | None:
         "mlp.hook_post": cfg.intermediate_size_at(int(layer)),
         "mlp.shared_expert.hook_post": cfg.shared_expert_intermediate_size,
         **{f"conv.hook_{name}": cfg.hidden_size for name in ("b", "c", "x", "conv_out", "z")},  # (LFM2's channels)
-        # (a Mamba 2 mixer's heads, and the groups of B and C they read)
-        **{f"mamba.hook_{name}": cfg.ssm_heads for name in ("x", "dt", "ssm_out", "gate", "z")},
-        "mamba.hook_b": cfg.ssm_groups,
-        "mamba.hook_c": cfg.ssm_groups,
+        # (a Mamba 2 mixer's heads, and the groups of B and C they read; Mamba's channels, B and C whole)
+        **{f"mamba.hook_{name}": cfg.ssm_inner or cfg.ssm_heads for name in ("x", "dt", "ssm_out", "gate", "z")},
+        "mamba.hook_b": cfg.ssm_groups or None,
+        "mamba.hook_c": cfg.ssm_groups or None,
         # (a linear-attention layer's key heads, and the value heads they serve)
         "linear_attn.hook_q": cfg.linear_key_heads,
         "linear_attn.hook_k": cfg.linear_key_heads,

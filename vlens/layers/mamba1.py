@@ -30,6 +30,8 @@ from vlens.attention.metadata import CHUNK, AttentionMetadata, LinearChunks
 from vlens.config import ModelConfig
 from vlens.context import get_context, tap, tap_widened
 from vlens.layers.causal_conv import CausalConv
+from vlens.layers.checkpoint import Slot, checkpoint_slots
+from vlens.layers.linear import ColumnLinear, RowLinear
 from vlens.layers.mamba2 import scan_sequences
 from vlens.layers.mlp import activation
 from vlens.layers.norm import make_norm
@@ -37,20 +39,24 @@ from vlens.layers.slot_states import Shapes, SlotStates
 
 
 class MambaMixer(SlotStates):
-    """Mamba's and Falcon Mamba's `mixer`, Jamba's `mamba`, its parameters named as HF's (one process: tensor
-    parallelism is refused for it by vlens.distributed.executor)."""
+    """Mamba's and Falcon Mamba's `mixer`, Jamba's `mamba`, its parameters named as HF's. Under tensor parallelism
+    each rank holds its share of the channels (their rows of x and z, of the convolution, of dt_proj, A and D, their
+    states; x_proj's and out_proj's matching columns, whose partial sums the ranks add up: B, C and the time step's
+    low-rank input are whole on every rank)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        inner, n, rank, d = cfg.ssm_inner, cfg.ssm_state_size, cfg.ssm_dt_rank, cfg.hidden_size
+        inner, n, rank, d, parallel = cfg.ssm_inner, cfg.ssm_state_size, cfg.ssm_dt_rank, cfg.hidden_size, cfg.parallel
+        self.all_channels, self.mine = inner, parallel.units(inner)
+        channels = len(self.mine)
         self.split = (rank, n, n)
-        self.in_proj = nn.Linear(d, 2 * inner, bias=cfg.ssm_proj_bias)
-        self.conv1d = CausalConv(inner, cfg.ssm_conv_kernel, bias=cfg.ssm_conv_bias)
-        self.x_proj = nn.Linear(inner, rank + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(rank, inner, bias=True)
-        self.A_log = nn.Parameter(torch.zeros(inner, n))
-        self.D = nn.Parameter(torch.ones(inner))
-        self.out_proj = nn.Linear(inner, d, bias=cfg.ssm_proj_bias)
+        self.in_proj = nn.Linear(d, 2 * channels, bias=cfg.ssm_proj_bias)
+        self.conv1d = CausalConv(channels, cfg.ssm_conv_kernel, bias=cfg.ssm_conv_bias)
+        self.x_proj = RowLinear(inner, rank + 2 * n, False, parallel)
+        self.dt_proj = ColumnLinear(rank, inner, True, parallel)
+        self.A_log = nn.Parameter(torch.zeros(channels, n))
+        self.D = nn.Parameter(torch.ones(channels))
+        self.out_proj = RowLinear(inner, d, cfg.ssm_proj_bias, parallel)
         self.act = activation(cfg.ssm_hidden_act or cfg.hidden_act)
         self.norm_eps = cfg.ssm_bcdt_norm_eps
         if cfg.ssm_bcdt_norm_weights:  # (Jamba's norms of the time step's input, B and C have weights)
@@ -62,6 +68,20 @@ class MambaMixer(SlotStates):
 
     def slot_shapes(self) -> Shapes:
         return {"state": (tuple(self.A_log.shape), torch.float32)}
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        """This rank's rows of each stored tensor (all of them in one process): in_proj's x and z (their stored
+        order), the convolution's, the channels' own parameters; the other projections their own (row- or
+        column-parallel)."""
+        mine = list(self.mine)
+        rows, own = (torch.tensor(mine + [self.all_channels + c for c in mine]),), (torch.tensor(mine),)
+        slots = {f"{path}.in_proj.{leaf}": Slot(t, source=rows) for leaf, t in self.in_proj.named_parameters()}
+        slots |= {f"{path}.conv1d.{leaf}": Slot(t, source=own) for leaf, t in self.conv1d.named_parameters()}
+        slots |= {f"{path}.{name}": Slot(getattr(self, name), source=own) for name in ("A_log", "D")}
+        for name, child in self.named_children():
+            if name not in ("in_proj", "conv1d"):
+                slots |= checkpoint_slots(child, f"{path}.{name}")
+        return slots
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         meta, dtype = get_context().attention, h.dtype
