@@ -644,7 +644,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             elif getattr(moe, "router", None) is None or cfg.model_type == "jamba":  # (the softmax's top k)
                 weights = logits.float().softmax(-1)
             else:
-                weights = torch.zeros_like(logits).scatter(-1, ids, scores)
+                weights = torch.zeros_like(logits).scatter(-1, ids, scores.to(logits.dtype))
             got[f"blocks.{layer}.mlp.hook_expert_weights"] = weights.to(logits.dtype)
     t = len(ids)
     rotated = _pair_rotations(rotated, name, [own for own, r in zip(own_kv, rope) if r])

@@ -115,3 +115,9 @@ def test_hybrid_config_is_read_as_intended(hybrid):
     assert cfg.rotary_dim == (16 if rope else 0) and cfg.moe_layers == ((True,) * 3 if moe else ())
     assert (cfg.shared_expert_intermediate_size, cfg.intermediate_size) == (shared, 32 if moe else 80)
     assert cfg.softmax_after_topk == moe
+
+
+def test_bfloat16_taps_of_the_moe_models_are_hfs_bit_for_bit(tmp_path):
+    """Granite 3.x's MoE: the router's top k softmaxed (HF in float32, then rounded; vlens in bfloat16, whose softmax
+    computes in float32 and rounds once: the same numbers), the experts' taps, bit for bit."""
+    check_bfloat16_taps(HYBRID["granite_moe"](), tmp_path)
