@@ -95,6 +95,15 @@ GEMMA = Family(
     final_norm="model.norm",
     post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"},
 )
+# GLM-4: Gemma's sandwich under its own names (its post_attention_layernorm is the pre-MLP norm)
+GLM4 = replace(
+    GEMMA,
+    outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "post_self_attn_layernorm",
+             "ln2.hook_out": "post_attention_layernorm", "hook_mlp_out": "post_mlp_layernorm"},
+    inputs={"hook_resid_mid": "post_attention_layernorm", "attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "mlp.down_proj",
+            "attn.hook_out": "post_self_attn_layernorm", "mlp.hook_out": "post_mlp_layernorm"},
+    post_norms={"ln1_post": "post_self_attn_layernorm", "ln2_post": "post_mlp_layernorm"},
+)  # fmt: skip
 # Gemma 4: Gemma's names; the values are v_norm's output (its full layers have no v_proj where keys are values)
 GEMMA4 = replace(GEMMA, qkv="self_attn.v_norm")
 # LFM2: Llama's layer under its own names (its final norm embedding_norm); short convolutions beside
@@ -149,6 +158,7 @@ FAMILIES = {
         final_norm="model.final_layernorm",
     ),
     "lfm2": LFM2,
+    "glm4": GLM4,
     "granite_hybrid": replace(  # no one MLP module: the experts' and the shared MLP's outputs, summed (below)
         LLAMA,
         outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attn",
@@ -256,7 +266,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "granitemoeshared": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
                "nemotron_h": "nemotron_h", "jamba": "bamba",
-               "falcon_h1": "bamba"}  # fmt: skip
+               "falcon_h1": "bamba", "glm4": "glm4"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
     "linear_attention": ({"ln1.hook_out": "norm"}, {}),

@@ -549,6 +549,7 @@ OLMO = {"family": "olmo", "norm": "rms_float", "pre_norms": False, "post_norms":
 LFM2 = {"family": "lfm2", "qk_norm": "head", "qkv_bias": False, "o_bias": False, "hidden_act": "silu"}
 QWEN3_5 = {"family": "qwen3_5", "norm": "rms_offset", "qk_norm": "head", "attn_output_gate": True}
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
+GLM = {"o_bias": False, "rotary_pairs": True, "gate_up_stored_fused": True}
 COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True, "rotary_pairs": True}
 
 # HF architecture name -> what sets it apart from plain Llama.
@@ -572,6 +573,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         windowed=False,
     ),
     "Phi3ForCausalLM": Architecture(NO_BIAS | {"stored_fused": True}),
+    # GLM (GLM-4-9B-0614, GLM-Edge): Llama's layer with q/k/v biases (none on o), rotary by pairs over half of each
+    # head, gate and up stored as one gate_up_proj; GLM-4 (0414, Z1) the same in Gemma 2's sandwich of norms
+    "GlmForCausalLM": Architecture(GLM),
+    "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Qwen3MoeForCausalLM": Architecture({"qk_norm": "head", "round_routing_weights": True}, _qwen_moe),
@@ -688,6 +693,8 @@ MODEL_TYPES = {
     "stablelm": "StableLmForCausalLM",
     "phi": "PhiForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -770,6 +777,7 @@ class ModelConfig:
     qk_norm: str = ""
     clip_qkv: float | None = None  # OLMo 1, OLMoE: q, k and v clamped to [-clip, clip] (after the q/k norm)
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
+    gate_up_stored_fused: bool = False  # GLM: gate_up_proj alone fused (q, k and v apart)
     rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi, GPT-J: a fraction); 0 = no rotary
     rotary_pairs: bool = False  # GPT-J: dims 2i and 2i + 1 rotate together (else i and i + rotary_dim / 2)
     nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, True where no rotary is applied (NoPE); () = none

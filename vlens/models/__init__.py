@@ -12,6 +12,7 @@ from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
+from vlens.models.glm import Glm4ForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
 from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
@@ -33,6 +34,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "bloom": BloomForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
+    "glm4": Glm4ForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gpt_neo": GPTNeoForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,

@@ -325,6 +325,9 @@ class PostNormBlock(ResidualBlock):
 
     post_attention_layernorm: nn.Module
     post_feedforward_layernorm: nn.Module
+    # (the post-norms, which GLM-4 names otherwise: its post_attention_layernorm is its pre-MLP norm)
+    attn_post_norm = property(lambda self: self.post_attention_layernorm)
+    mlp_post_norm = property(lambda self: self.post_feedforward_layernorm)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
@@ -335,10 +338,10 @@ class PostNormBlock(ResidualBlock):
         self.hook_attn_raw, self.hook_mlp_raw = p + "attn.hook_out", p + "mlp.hook_out"
 
     def attn_out(self, h: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
-        return self.post_attention_layernorm(tap(self.hook_attn_raw, self.attn_heads(h, rope)), self.hook_attn_norm)
+        return self.attn_post_norm(tap(self.hook_attn_raw, self.attn_heads(h, rope)), self.hook_attn_norm)
 
     def mlp_out(self, h: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm(tap(self.hook_mlp_raw, self.mlp_block(h, stream)), self.hook_mlp_norm)
+        return self.mlp_post_norm(tap(self.hook_mlp_raw, self.mlp_block(h, stream)), self.hook_mlp_norm)
 
     def mlp_block(self, h: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """What the post-MLP norm normalises: the MLP's output (Gemma 4 26B-A4B: plus its experts')."""

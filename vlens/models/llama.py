@@ -71,7 +71,7 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
         return SparseMoE(cfg, layer, stored_as, expert_names)
     hook = f"blocks.{layer}.mlp.hook_post"
     sizes = (cfg.hidden_size, cfg.intermediate_size_at(layer), cfg.hidden_act, cfg.mlp_bias)
-    return GatedMLP(*sizes, hook, cfg.stored_fused, cfg.parallel)
+    return GatedMLP(*sizes, hook, cfg.stored_fused or cfg.gate_up_stored_fused, cfg.parallel)
 
 
 class DecoderLayer(ResidualBlock):
