@@ -290,7 +290,8 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
                       moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
                       shared_expert_intermediate_size=hf.moe_shared_expert_intermediate_size * hf.n_shared_experts,
                       moe_layers=tuple(kind == "moe" for kind in kinds), sigmoid_routing=True, expert_bias=True,
-                      routed_scaling=float(hf.routed_scaling_factor), sigmoid_norm_eps=1e-20)  # fmt: skip
+                      routed_scaling=float(hf.routed_scaling_factor), sigmoid_norm_eps=1e-20,
+                      corrected_routing=True)  # fmt: skip
     return fields | dict(
         layer_parts=tuple("mlp" if kind in ("mlp", "moe") else "mixer" for kind in kinds),
         ssm_layers=tuple(kind == "linear_attention" for kind in kinds),
@@ -307,6 +308,29 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
         mlp_bias=bool(hf.mlp_bias),
         norm_eps=hf.layer_norm_epsilon,
         rotary_dim=0,
+    )
+
+
+def _glm4_moe(hf: Any) -> dict[str, Any]:
+    """GLM-4.5, 4.6, 4.7 (Glm4Moe): GLM's attention (q/k/v biases, rotary over half of each head, by halves here, not
+    pairs), q/k norms head by head where `use_qk_norm`, a dense MLP on the first `first_k_dense_replace` layers and on
+    the rest routed experts chosen as DeepSeek-V3 chooses (vlens.layers.moe.CorrectedMoE) beside a shared expert."""
+    if hf.topk_group < hf.n_group:  # (routing limited to the best groups of experts)
+        raise UnsupportedModelError(f"n_group={hf.n_group} with topk_group={hf.topk_group} is not supported for "
+                                    "Glm4MoeForCausalLM (the released GLM-4.5 to 4.7 route over one group)")  # fmt: skip
+    return dict(
+        qk_norm="head" if hf.use_qk_norm else "",
+        num_experts=hf.n_routed_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,
+        moe_layers=tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers)),
+        sigmoid_routing=True,
+        expert_bias=True,
+        routed_scaling=float(hf.routed_scaling_factor),
+        sigmoid_norm_eps=1e-20,
+        corrected_routing=True,
     )
 
 
@@ -577,6 +601,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # head, gate and up stored as one gate_up_proj; GLM-4 (0414, Z1) the same in Gemma 2's sandwich of norms
     "GlmForCausalLM": Architecture(GLM),
     "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
+    # GLM-4.5 to 4.7: Llama's layer with GLM's attention (rotary by halves), DeepSeek-V3's experts after dense layers
+    "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Qwen3MoeForCausalLM": Architecture({"qk_norm": "head", "round_routing_weights": True}, _qwen_moe),
@@ -695,6 +721,7 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -826,6 +853,9 @@ class ModelConfig:
     expert_bias: bool = False
     routed_scaling: float = 1.0
     sigmoid_norm_eps: float = 1e-6
+    # Nemotron 3, GLM-4.5: DeepSeek-V3's routing, the router (and its correction bias, expert_bias's place) in float32,
+    # beside a shared expert without a gate (vlens.layers.moe.CorrectedMoE)
+    corrected_routing: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     # Gemma 4 26B-A4B: the routed experts run beside a dense MLP (both read the stream, each output normed, their

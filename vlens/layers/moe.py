@@ -1,7 +1,8 @@
 """Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B, Qwen 3.5's, LFM2-MoE): a linear
 router picks the top-k of E gated experts per token, weighted by their softmax probabilities (renormalised over the
 chosen k where the model says so; gpt-oss: the softmax of the chosen k logits alone; LFM2-MoE: sigmoids, chosen with
-a learned bias per expert); Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU
+a learned bias per expert; Nemotron 3, GLM-4.5: DeepSeek-V3's, `CorrectedMoE`); Qwen2-MoE adds an always-on shared
+expert scaled by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU
 (`ClampedExperts`); Gemma 4's router reads a normed, scaled stream and scales each expert's weight
 (`NormedRouter`), and its experts run beside a dense MLP (vlens.models.gemma4).
 
@@ -279,3 +280,37 @@ class SparseMoE(nn.Module):
         if self.shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+class CorrectedRouter(nn.Module):
+    """DeepSeek-V3's router (Nemotron 3's, GLM-4.5's), in float32 whatever the model's dtype, as HF keeps it: its
+    weight and each expert's correction bias, which the choice adds to the expert's score."""
+
+    float32_params = ("weight", "e_score_correction_bias")  # (vlens.loader.keep_float32)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+class CorrectedMoE(nn.Module):
+    """Routed experts chosen as DeepSeek-V3 chooses them (Nemotron 3, GLM-4.5): each token's top k by the sigmoid of a
+    float32 router's logits plus a correction bias per expert, their scores renormalised and scaled (cfg's
+    sigmoid_routing flags), beside `shared`, the always-on expert (`shared_experts`); the experts' gate, up and down
+    one tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down alone)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shared: nn.Module, gated: bool = True):
+        super().__init__()
+        self.gate = CorrectedRouter(cfg)
+        sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+        self.experts = Experts(*sizes, ("gate_proj", "up_proj", "down_proj"), cfg.parallel, gated=gated)
+        self.shared_experts = shared
+        self.routing = Routing(cfg, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.routing(self.gate(x), self.gate.e_score_correction_bias, x.dtype)
+        return self.experts(x, ids, weights) + self.shared_experts(x)

@@ -13,50 +13,16 @@ mlp.shared_expert.hook_post), hook_mlp_out and hook_resid_post (vlens.capture.na
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlens.config import ModelConfig
 from vlens.layers.mamba2 import Mamba2Mixer
 from vlens.layers.mlp import DenseMLP
-from vlens.layers.moe import Experts, Routing
+from vlens.layers.moe import CorrectedMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import DecoderLM, SublayerBlock
 from vlens.models.llama import SelfAttention
-
-
-class Router(nn.Module):
-    """Nemotron 3's router, in float32 whatever the model's dtype (as HF keeps it): its weight and each expert's
-    correction bias, which the choice adds to the expert's score."""
-
-    float32_params = ("weight", "e_score_correction_bias")  # (vlens.loader.keep_float32)
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
-
-
-class NemotronHMoE(nn.Module):
-    """Nemotron 3's MLP layers: routed experts of squared ReLUs, not gated (one tensor each in the checkpoint), each token's
-    top k by the sigmoid of the router's logits plus a correction bias, their scores renormalised and scaled, beside a
-    shared expert of the same kind (`shared_experts`)."""
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.gate = Router(cfg)
-        sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
-        self.experts = Experts(*sizes, ("", "up_proj", "down_proj"), cfg.parallel, gated=False)
-        self.shared_experts = DenseMLP(cfg, layer, ("up_proj", "down_proj"), shared=True)
-        self.routing = Routing(cfg, layer)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.routing(self.gate(x), self.gate.e_score_correction_bias, x.dtype)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
 
 
 def _part(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -64,8 +30,8 @@ def _part(cfg: ModelConfig, layer: int) -> nn.Module:
         return Mamba2Mixer(cfg, layer)
     if cfg.attends(layer):
         return SelfAttention(cfg, layer)
-    if cfg.is_moe_layer(layer):
-        return NemotronHMoE(cfg, layer)
+    if cfg.is_moe_layer(layer):  # (Nemotron 3's experts and shared expert: squared ReLUs, not gated)
+        return CorrectedMoE(cfg, layer, DenseMLP(cfg, layer, ("up_proj", "down_proj"), shared=True), gated=False)
     return DenseMLP(cfg, layer, ("up_proj", "down_proj"))
 
 
