@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_parity import COMMON, GenerationParity, TapParity, check_bfloat16_taps, family_fixture
+from family_parity import COMMON, GenerationParity, TapParity, build, check_bfloat16_taps, family_fixture
 from transformers import Glm4Config, Glm4MoeConfig, GlmConfig
+
+from vlens import LLM
+from vlens.config import UnsupportedModelError
 
 SIZES = COMMON | dict(num_key_value_heads=2, head_dim=16, pad_token_id=0)
 EXPERTS = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -54,3 +57,9 @@ def test_config_is_read_as_intended(family):
 @pytest.mark.parametrize("name", ["glm", "glm4", "glm4_moe"])
 def test_bfloat16_taps(tmp_path, name):
     check_bfloat16_taps(CONFIGS[name](), tmp_path)
+
+
+def test_routing_limited_to_groups_of_experts_is_refused(tmp_path):
+    path = build(Glm4MoeConfig(**(SIZES | EXPERTS | dict(n_group=2, topk_group=1))), tmp_path, "grouped")
+    with pytest.raises(UnsupportedModelError, match=r"n_group=2 with topk_group=1 is not supported for Glm4Moe"):
+        LLM(model=path, dtype="float32", device="cpu")
