@@ -490,6 +490,17 @@ def _exaone4(hf: Any) -> dict[str, Any]:
     return dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
 
 
+def _seed_oss(hf: Any) -> dict[str, Any]:
+    """Seed-OSS (ByteDance): Llama's layer, the output projection's bias its own flag."""
+    return dict(o_bias=bool(hf.attention_out_bias), mlp_bias=bool(hf.mlp_bias))
+
+
+def _ernie4_5(hf: Any) -> dict[str, Any]:
+    """ERNIE 4.5 (Baidu, dense): one flag for every projection's bias."""
+    bias = bool(hf.use_bias)
+    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
 def _starcoder2(hf: Any) -> dict[str, Any]:
     bias = bool(hf.use_bias)
     return dict(norm_eps=hf.norm_epsilon, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
@@ -600,6 +611,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     # GLM (GLM-4-9B-0614, GLM-Edge): Llama's layer with q/k/v biases (none on o), rotary by pairs over half of each
     # head, gate and up stored as one gate_up_proj; GLM-4 (0414, Z1) the same in Gemma 2's sandwich of norms
     "GlmForCausalLM": Architecture(GLM),
+    # Helium (Kyutai): Llama's layer, rotary by pairs, norms scaled in float32; Seed-OSS: its own o bias; ERNIE 4.5:
+    # rotary by pairs in float32; Arcee (AFM): an MLP not gated, of squared ReLUs
+    "HeliumForCausalLM": Architecture({"rotary_pairs": True, "norm": "rms_float", "o_bias": False}, _llama),
+    "SeedOssForCausalLM": Architecture({}, _seed_oss),
+    "Ernie4_5ForCausalLM": Architecture({"rotary_pairs": True, "rope_float32": True}, _ernie4_5, windowed=False),
+    "ArceeForCausalLM": Architecture({"family": "arcee"}, _llama),
     "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
     # GLM-4.5 to 4.7: Llama's layer with GLM's attention (rotary by halves), DeepSeek-V3's experts after dense layers
     "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
@@ -720,6 +737,10 @@ MODEL_TYPES = {
     "phi": "PhiForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm": "GlmForCausalLM",
+    "helium": "HeliumForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "arcee": "ArceeForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",

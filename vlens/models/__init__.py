@@ -19,7 +19,13 @@ from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
 from vlens.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from vlens.models.lfm2 import Lfm2ForCausalLM
-from vlens.models.llama import ApertusForCausalLM, CausalLM, GraniteForCausalLM, Starcoder2ForCausalLM
+from vlens.models.llama import (
+    ApertusForCausalLM,
+    ArceeForCausalLM,
+    CausalLM,
+    GraniteForCausalLM,
+    Starcoder2ForCausalLM,
+)
 from vlens.models.mamba import MambaForCausalLM
 from vlens.models.nemotron_h import NemotronHForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
@@ -30,6 +36,7 @@ from vlens.models.qwen3_5 import Qwen3_5ForCausalLM
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
     "apertus": ApertusForCausalLM,
+    "arcee": ArceeForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "bloom": BloomForCausalLM,
     "gemma": GemmaForCausalLM,

@@ -124,6 +124,12 @@ class ApertusDecoderLayer(DenseMLPLayer):
     names = ("attention_layernorm", "feedforward_layernorm", "up_proj", "down_proj")
 
 
+class ArceeDecoderLayer(DenseMLPLayer):
+    """Arcee (AFM): Llama's layer with an MLP not gated (up, then down), of squared ReLUs."""
+
+    names = ("input_layernorm", "post_attention_layernorm", "up_proj", "down_proj")
+
+
 class Starcoder2DecoderLayer(DenseMLPLayer):
     """StarCoder2: LayerNorms, biases everywhere, a tanh-GELU MLP, sliding windows."""
 
@@ -164,6 +170,10 @@ class ApertusForCausalLM(CausalLM):
 
 class GraniteForCausalLM(CausalLM):
     layer_class = GraniteDecoderLayer
+
+
+class ArceeForCausalLM(CausalLM):
+    layer_class = ArceeDecoderLayer
 
 
 class Starcoder2ForCausalLM(CausalLM):
