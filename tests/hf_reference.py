@@ -554,6 +554,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, key=p + "hook_per_layer_input": got.__setitem__(key, _rows(a[1]).clone())))
             on_input(block.per_layer_projection, p + "per_layer.hook_post")
             on_output(block.post_per_layer_input_norm, p + "hook_per_layer_out")
+        if hasattr(getattr(block, "self_attn", None), "query_layernorm"):  # (Hunyuan: q, k as its norms leave them)
+            on_output(block.self_attn.query_layernorm, p + "q_normed", raw, pick=lambda o: o)
+            on_output(block.self_attn.key_layernorm, p + "k_normed", raw, pick=lambda o: o)
         if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
         if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom" and attends[layer]:
@@ -722,7 +725,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         elif name == "bloom":  # (per head: q, k, v)
             q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)
         else:
-            if rope[layer]:  # (the rotary calls of the layers that have one, in order)
+            if p + "q_normed" in raw:  # (Hunyuan: its q/k norms after rotary)
+                q, k = (raw[p + f"{x}_normed"][0].transpose(0, 1) for x in ("q", "k"))
+            elif rope[layer]:  # (the rotary calls of the layers that have one, in order)
                 q, k = (None if x is None else x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
                 if name in PARTIAL_ROTARY:  # they rotate the leading dims alone: the rest as projected
                     dim = q.shape[-1]

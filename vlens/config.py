@@ -501,6 +501,16 @@ def _ernie4_5(hf: Any) -> dict[str, Any]:
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
 
 
+def _hunyuan(hf: Any) -> dict[str, Any]:
+    """Hunyuan (Tencent, dense): q/k RMS-normed head by head after rotary; its "dynamic" rope with a fixed `alpha` is a
+    larger base (NTK alpha), not HF's length-dependent dynamic rope (which stays refused by name)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    fields: dict[str, Any] = {}
+    if rope.get("rope_type") == "dynamic" and rope.get("alpha"):
+        fields["rope_scaling"] = {"rope_type": "ntk_alpha", "alpha": float(rope["alpha"])}
+    return fields
+
+
 def _starcoder2(hf: Any) -> dict[str, Any]:
     bias = bool(hf.use_bias)
     return dict(norm_eps=hf.norm_epsilon, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
@@ -617,6 +627,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "SeedOssForCausalLM": Architecture({}, _seed_oss),
     "Ernie4_5ForCausalLM": Architecture({"rotary_pairs": True, "rope_float32": True}, _ernie4_5, windowed=False),
     "ArceeForCausalLM": Architecture({"family": "arcee"}, _llama),
+    # Hunyuan (dense): q/k norms head by head after rotary (query_layernorm, key_layernorm), NTK-alpha rope
+    "HunYuanDenseV1ForCausalLM": Architecture({"family": "hunyuan", "qk_norm": "head_after_rotary"}, _hunyuan,
+                                              windowed=False),  # fmt: skip
     "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
     # GLM-4.5 to 4.7: Llama's layer with GLM's attention (rotary by halves), DeepSeek-V3's experts after dense layers
     "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
@@ -741,6 +754,7 @@ MODEL_TYPES = {
     "seed_oss": "SeedOssForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "arcee": "ArceeForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -821,7 +835,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    # q and k normalised: "head" head by head (Qwen3, Gemma 3), "projection" all heads together (OLMo), "" not
+    # q and k normalised: "head" head by head (Qwen3, Gemma 3), "head_after_rotary" the same after rotary (Hunyuan),
+    # "projection" all heads together (OLMo), "" not
     qk_norm: str = ""
     clip_qkv: float | None = None  # OLMo 1, OLMoE: q, k and v clamped to [-clip, clip] (after the q/k norm)
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)

@@ -15,7 +15,7 @@ import torch
 from vlens.config import ModelConfig, UnsupportedModelError
 from vlens.context import ForwardContext
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional", "ntk_alpha")
 FULL, SLIDING = "full", "sliding"
 
 
@@ -26,6 +26,9 @@ def inverse_frequencies(
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = scaling or {}
     kind = scaling.get("rope_type", "default")
+    if kind == "ntk_alpha":  # (Hunyuan's "dynamic" with a fixed alpha: a larger base, the same for every length)
+        theta = theta * scaling["alpha"] ** (dim / (dim - 2))
+        kind = "default"
     if kind == "longrope":
         factors = torch.tensor([scaling["short_factor"], scaling["long_factor"]], dtype=torch.float32, device=device)
         return 1.0 / (factors * theta**exponents)

@@ -24,6 +24,7 @@ from vlens.models.llama import (
     ArceeForCausalLM,
     CausalLM,
     GraniteForCausalLM,
+    HunYuanForCausalLM,
     Starcoder2ForCausalLM,
 )
 from vlens.models.mamba import MambaForCausalLM
@@ -37,6 +38,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM,
     "apertus": ApertusForCausalLM,
     "arcee": ArceeForCausalLM,
+    "hunyuan": HunYuanForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "bloom": BloomForCausalLM,
     "gemma": GemmaForCausalLM,

@@ -68,7 +68,7 @@ class AttentionHeads(nn.Module):
         # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
         self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer] and self.own_kv
         self.kv_shared = any(cfg.kv_layer_at(i) == layer for i in range(layer + 1, cfg.num_layers))
-        if cfg.qk_norm == "head":
+        if cfg.qk_norm in ("head", "head_after_rotary"):
             setattr(self, self.head_norms[0], make_norm(cfg, self.head_dim))
             if self.own_kv:
                 setattr(self, self.head_norms[1], make_norm(cfg, self.head_dim))
@@ -132,13 +132,13 @@ class AttentionHeads(nn.Module):
         if self.clip is not None:
             q, k, v = (x.clamp(-self.clip, self.clip) for x in (q, k, v))
         dtype = q.dtype
-        q = tap(self.hook_q, self._positioned(self._heads(q, self.heads, self.head_norms[0]), rope, dtype))
+        q = tap(self.hook_q, self._positioned(q, self.heads, self.head_norms[0], rope, dtype))
         if k is None:
             k, v = get_context().shared_kv[self.kv_layer]
         else:
             if self.key_scale != 1.0:
                 k = k * self.key_scale
-            k = tap(self.hook_k, self._positioned(self._heads(k, self.kv_heads, self.head_norms[1]), rope, dtype))
+            k = tap(self.hook_k, self._positioned(k, self.kv_heads, self.head_norms[1], rope, dtype))
             v = v.reshape(-1, self.kv_heads, self.head_dim)
             v = tap(self.hook_v, v if self.v_norm is None else self.v_norm(v))
             if self.kv_shared:
@@ -155,18 +155,18 @@ class AttentionHeads(nn.Module):
         z = tap(self.hook_z, z)
         return z.flatten(1)
 
-    def _heads(self, x: torch.Tensor, heads: int, norm: str) -> torch.Tensor:
-        """[T, heads * d] -> [T, heads, d], through its per-head norm (`norm`: one of head_norms) where there is one."""
+    def _positioned(self, x: torch.Tensor, heads: int, norm: str, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
+        """Queries or keys [T, heads * d] -> [T, heads, d], through their per-head norm (`norm`: one of head_norms)
+        where there is one and rotated by their positions, in `dtype` (where the layer has rotary); the norm first, or
+        (Hunyuan, "head_after_rotary") last."""
         x = x.reshape(-1, heads, self.head_dim)
-        return getattr(self, norm)(x) if self.qk_norm == "head" else x
-
-    def _positioned(self, x: torch.Tensor, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
-        """Queries or keys [T, heads, d] rotated by their positions, in `dtype` (where the layer has rotary)."""
-        if self.rope_kind is None:
-            return x
-        cos, sin = rope[self.rope_kind]
-        x = (fused.rotate_pairs if self.rotary_pairs else fused.rotate)(x, cos, sin)
-        return x.to(dtype) if self.rope_float32 else x  # (float32 tables: back to the model's dtype)
+        if self.qk_norm == "head":
+            x = getattr(self, norm)(x)
+        if self.rope_kind is not None:
+            cos, sin = rope[self.rope_kind]
+            x = (fused.rotate_pairs if self.rotary_pairs else fused.rotate)(x, cos, sin)
+            x = x.to(dtype) if self.rope_float32 else x  # (float32 tables: back to the model's dtype)
+        return getattr(self, norm)(x) if self.qk_norm == "head_after_rotary" else x
 
 
 class ResidualBlock(nn.Module):

@@ -79,10 +79,12 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class DecoderLayer(ResidualBlock):
+    attention: type[SelfAttention] = SelfAttention  # (Hunyuan's: its q/k norms' names)
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
         self.input_layernorm = make_norm(cfg)
-        self.self_attn = SelfAttention(cfg, layer)
+        self.self_attn = self.attention(cfg, layer)
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = mlp_for(cfg, layer)
 
@@ -170,6 +172,20 @@ class ApertusForCausalLM(CausalLM):
 
 class GraniteForCausalLM(CausalLM):
     layer_class = GraniteDecoderLayer
+
+
+class HunYuanAttention(SelfAttention):
+    head_norms = ("query_layernorm", "key_layernorm")  # (HF's names; applied after rotary)
+
+
+class HunYuanDecoderLayer(DecoderLayer):
+    """Hunyuan (dense): Llama's layer, its q/k norms under their own names, after rotary."""
+
+    attention = HunYuanAttention
+
+
+class HunYuanForCausalLM(CausalLM):
+    layer_class = HunYuanDecoderLayer
 
 
 class ArceeForCausalLM(CausalLM):
