@@ -100,8 +100,9 @@ GLM4 = replace(
     GEMMA,
     outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "post_self_attn_layernorm",
              "ln2.hook_out": "post_attention_layernorm", "hook_mlp_out": "post_mlp_layernorm"},
-    inputs={"hook_resid_mid": "post_attention_layernorm", "attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "mlp.down_proj",
-            "attn.hook_out": "post_self_attn_layernorm", "mlp.hook_out": "post_mlp_layernorm"},
+    inputs={"hook_resid_mid": "post_attention_layernorm", "attn.hook_z": "self_attn.o_proj",
+            "mlp.hook_post": "mlp.down_proj", "attn.hook_out": "post_self_attn_layernorm",
+            "mlp.hook_out": "post_mlp_layernorm"},
     post_norms={"ln1_post": "post_self_attn_layernorm", "ln2_post": "post_mlp_layernorm"},
 )  # fmt: skip
 # Gemma 4: Gemma's names; the values are v_norm's output (its full layers have no v_proj where keys are values)

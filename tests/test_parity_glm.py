@@ -1,4 +1,5 @@
-"""GLM (GLM-4-9B-0614, GLM-Edge), GLM-4 (0414, GLM-Z1) and GLM-4.5 to 4.7 (MoE) against HF on tiny random checkpoints: q/k/v biases (none on
+"""GLM (GLM-4-9B-0614, GLM-Edge), GLM-4 (0414, GLM-Z1) and GLM-4.5 to 4.7 (MoE) against HF on tiny random
+checkpoints: q/k/v biases (none on
 o), rotary by pairs over the leading half of each head (or all of it), gate and up stored as one gate_up_proj; GLM-4's
 sandwich of norms under its own names (its post_attention_layernorm is the pre-MLP norm: ln2; the post-norms
 TransformerLens's ln1_post and ln2_post); GLM-4.5's experts chosen as DeepSeek-V3 chooses (a float32 router's

@@ -62,7 +62,8 @@ class TestParity(TapParity, GenerationParity):
         cfg = llm.config
         kinds = ["mamba.hook_ssm_out" if cfg.is_ssm_layer(i) else "attn.hook_pattern" if cfg.attends(i) else
                  "hook_mlp_out" for i in range(cfg.num_layers)]  # fmt: skip
-        return [f"blocks.{i}.{kind}" for i, kind in enumerate(kinds)] + ["blocks.0.ln1.hook_out", "blocks.1.ln2.hook_out"]
+        norms = ["blocks.0.ln1.hook_out", "blocks.1.ln2.hook_out"]
+        return [f"blocks.{i}.{kind}" for i, kind in enumerate(kinds)] + norms
 
     def test_generation_matches_hf(self, family):
         _, _, llm, hf = family
@@ -101,8 +102,8 @@ def test_bfloat16_taps(tmp_path, name):
 def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):
     """Prompts fed 32 tokens a step, a KV cache small enough to preempt (110 KiB: half for three sequences' states in
     the two Mamba layers, 12 KiB each, and a scratch one; the rest 62 blocks of the attention layer's keys and values,
-    4 tokens and 1 KiB each, fewer than the three sequences need together), decode steps replayed from emulated CUDA graphs: HF
-    generate's tokens and hidden states."""
+    4 tokens and 1 KiB each, fewer than the three sequences need together), decode steps replayed from emulated CUDA
+    graphs: HF generate's tokens and hidden states."""
     path = build(nemotron_3_config(), tmp_path, "nemotron_3")
     check_generation_under_pressure(path, 110 * 1024, "blocks.1.mlp.hook_expert_ids")
 
@@ -129,10 +130,11 @@ def test_transformer_lens_style_calls(tmp_path):
     neurons = cache.get_neuron_results(1)  # [batch, pos, d_mlp, d_model]
     assert same(neurons.sum(-2), cache["blocks.1.hook_mlp_out"], 1e-5)
     assert model.blocks[1].mlp.W_in.shape == (64, 96) and model.blocks[2].attn.W_Q.shape == (4, 64, 16)
-    for call, message in ((lambda: model.blocks[0].mlp, "a Mamba 2 mixer alone, with no MLP"),
-                          (lambda: model.blocks[1].attn, "an MLP alone"), (lambda: model.blocks[2].mlp, "attention alone"),
-                          (lambda: model.W_Q, "Mamba mixers"), (lambda: cache.decompose_resid(1, mlp_input=True),
-                                                                "one part alone")):  # fmt: skip
+    refused = ((lambda: model.blocks[0].mlp, "a Mamba 2 mixer alone, with no MLP"),
+               (lambda: model.blocks[1].attn, "an MLP alone"), (lambda: model.blocks[2].mlp, "attention alone"),
+               (lambda: model.W_Q, "Mamba mixers"),
+               (lambda: cache.decompose_resid(1, mlp_input=True), "one part alone"))
+    for call, message in refused:
         with pytest.raises(ValueError, match=message):
             call()
 

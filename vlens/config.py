@@ -317,7 +317,7 @@ def _glm4_moe(hf: Any) -> dict[str, Any]:
     the rest routed experts chosen as DeepSeek-V3 chooses (vlens.layers.moe.CorrectedMoE) beside a shared expert."""
     if hf.topk_group < hf.n_group:  # (routing limited to the best groups of experts)
         raise UnsupportedModelError(f"n_group={hf.n_group} with topk_group={hf.topk_group} is not supported for "
-                                    "Glm4MoeForCausalLM (the released GLM-4.5 to 4.7 route over one group)")  # fmt: skip
+                                    "Glm4MoeForCausalLM (the released GLM-4.5 to 4.7 route over one group)")
     return dict(
         qk_norm="head" if hf.use_qk_norm else "",
         num_experts=hf.n_routed_experts,

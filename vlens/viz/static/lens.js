@@ -684,7 +684,8 @@
     info = { model: models.data[0].id, layers, residual, saes: saes.data, tuned: models.data[0].tuned_lens === true };
     byId("tuned-row").hidden = !info.tuned;
     // (the layers that attend: a hybrid's others, a Mamba's all, have no pattern)
-    fillLayers(hooks.data.filter((h) => h.name.endsWith(".attn.hook_pattern")).map((h) => Number(h.name.split(".")[1])));
+    const patterns = hooks.data.filter((h) => h.name.endsWith(".attn.hook_pattern"));
+    fillLayers(patterns.map((h) => Number(h.name.split(".")[1])));
     const hookSelect = byId("steer-hook");
     hookSelect.replaceChildren(...residual.map((h) => el("option", { value: h }, h)));
     const middle = `blocks.${Math.floor(layers / 2)}.hook_resid_post`;
