@@ -34,6 +34,8 @@ slow section costs only itself. Sections:
   nemotron_h  Nemotron-H with Nemotron Nano 2's head sizes and Nemotron 3's experts, narrow: the same, a Mamba 2
             layer's scan output and an MoE layer's chosen experts captured
   falcon_h1 Falcon-H1 with its 0.5B's head sizes and µP multipliers, narrow: the same, a layer's two mixers' outputs
+  deepseek  DeepSeek-V3 with its released latent and head sizes (q and k 192, v 128), grouped experts, narrow: the
+            same, a layer's hook_z and chosen experts
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -521,6 +523,27 @@ def falcon_h1(rows: dict, root: Path, quick: bool, device: str) -> None:
     rows["falcon_h1"] = family_check(config, "falcon-h1-layout", hooks, root, quick, device)
 
 
+def deepseek(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """DeepSeek-V3 with its released latent attention sizes on CUDA (a 1536-rank query LoRA, a 512-dim latent, heads of
+    128 + 64 dims for queries and keys, 128 for values: padded to 192 in the cache) and grouped routing, narrow:
+    `family_check`, capturing a layer's hook_z and an MoE layer's chosen experts through the graphs."""
+    try:
+        from transformers import DeepseekV3Config
+    except ImportError:
+        rows["deepseek"] = {"skipped": f"transformers {transformers.__version__} has no DeepSeek-V3"}
+        return
+    wide = device == "cuda"
+    config = DeepseekV3Config(
+        vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=1536 if wide else 24, kv_lora_rank=512 if wide else 16,
+        qk_nope_head_dim=128 if wide else 12, qk_rope_head_dim=64 if wide else 8, v_head_dim=128 if wide else 10,
+        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=256 if wide else 32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=2048,
+    )  # fmt: skip
+    hooks = ["blocks.1.attn.hook_z", "blocks.1.mlp.hook_expert_ids"]
+    rows["deepseek"] = family_check(config, "deepseek-v3-layout", hooks, root, quick, device)
+
+
 def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str) -> dict:
     """A random checkpoint of `config` in float32, TF32 off: every tap of a packed trace vs HF on the CPU (patterns
     within 1e-4), and greedy generation through the paged cache (graphs on CUDA) capturing `hooks` and the logits
@@ -567,7 +590,7 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
-            "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60}  # fmt: skip
+            "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60, "deepseek": 60}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -607,7 +630,7 @@ def main() -> None:
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
     for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
-                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1)):
+                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))

@@ -160,6 +160,9 @@ FAMILIES = {
     ),
     "lfm2": LFM2,
     "glm4": GLM4,
+    # DeepSeek-V2/V3: Llama's layer; each head's key part without positions and its value from kv_b_proj, the queries
+    # from q_b_proj (or q_proj), the rotating parts from the rotary call
+    "deepseek": replace(LLAMA, qkv="self_attn.kv_b_proj"),
     "granite_hybrid": replace(  # no one MLP module: the experts' and the shared MLP's outputs, summed (below)
         LLAMA,
         outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attn",
@@ -267,7 +270,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "granitemoeshared": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
                "nemotron_h": "nemotron_h", "jamba": "bamba",
-               "falcon_h1": "bamba", "glm4": "glm4"}  # fmt: skip
+               "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
     "linear_attention": ({"ln1.hook_out": "norm"}, {}),
@@ -279,6 +282,7 @@ NEMOTRON_PARTS = {
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
 PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
+ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 
 
 def family_of(hf_model) -> tuple[str, Family]:
@@ -320,28 +324,32 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _recording_rotary(attn_module, store: list):
-    """Record what HF's apply_rotary_pos_emb returns, call by call: a (q, k) pair a layer, in order, or where it
-    rotates one tensor a call (GPT-J, Gemma 4) each of them ([B, H, T, d]; _pair_rotations makes the pairs)."""
+    """Record what HF's rotary function returns, call by call: a (q, k) pair a layer, in order, or where it rotates
+    one tensor a call (GPT-J, Gemma 4) each of them ([B, H, T, d]; _pair_rotations makes the pairs). The function is
+    apply_rotary_pos_emb, or DeepSeek's: V3's apply_rotary_pos_emb_interleave, V2's apply_rotary_emb."""
     module = sys.modules[type(attn_module).__module__]
-    original = getattr(module, "apply_rotary_pos_emb", None)
-    if original is None:  # no rotary (GPT-2)
-        yield
-        return
+    names = [name for name in ROTARY_FUNCTIONS if hasattr(module, name)]  # (none: no rotary, GPT-2)
+    originals = {name: getattr(module, name) for name in names}
 
-    def recording(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if isinstance(out, torch.Tensor):  # GPT-J, Gemma 4: one tensor a call, [B, T, H, rotary_dim]
-            store.append(out.clone().transpose(1, 2))
-            return out
-        q, k = out
-        store.append((q.clone(), k.clone()))
-        return q, k
+    def recording(original):
+        def record(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if isinstance(out, torch.Tensor):  # GPT-J, Gemma 4: one tensor a call, [B, T, H, rotary_dim]
+                store.append(out.clone().transpose(1, 2))
+                return out
+            q, k = out
+            store.append((q.clone(), k.clone()))
+            return q, k
 
-    module.apply_rotary_pos_emb = recording
+        return record
+
+    for name, original in originals.items():
+        setattr(module, name, recording(original))
     try:
         yield
     finally:
-        module.apply_rotary_pos_emb = original
+        for name, original in originals.items():
+            setattr(module, name, original)
 
 
 def _pair_rotations(calls: list, name: str, own_kv: list[bool]) -> list:
@@ -558,6 +566,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if hasattr(getattr(block, "self_attn", None), "query_layernorm"):  # (Hunyuan: q, k as its norms leave them)
             on_output(block.self_attn.query_layernorm, p + "q_normed", raw, pick=lambda o: o)
             on_output(block.self_attn.key_layernorm, p + "k_normed", raw, pick=lambda o: o)
+        if name == "deepseek":  # (its queries as projected: their no-position dims)
+            on_output(getattr(block.self_attn, "q_b_proj", None) or block.self_attn.q_proj, p + "q", raw)
         if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
         if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom" and attends[layer]:
@@ -649,7 +659,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     for layer in layers:  # TransformerLens's expert weights [E]: gpt-oss's chosen weights (zeros elsewhere), LFM2-MoE's
         # sigmoid of every logit, or the softmax over every expert where the router takes the top k of it
         if f"blocks.{layer}.router" in raw:
-            logits, scores, ids = raw.pop(f"blocks.{layer}.router")
+            logits, scores, experts = raw.pop(f"blocks.{layer}.router")
             block = blocks[layer]
             moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(
                 block, "block_sparse_moe", None) or block.mixer  # fmt: skip
@@ -658,8 +668,14 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             elif getattr(moe, "router", None) is None or cfg.model_type == "jamba":  # (the softmax's top k)
                 weights = logits.float().softmax(-1)
             else:
-                weights = torch.zeros_like(logits).scatter(-1, ids, scores.to(logits.dtype))
+                weights = torch.zeros_like(logits).scatter(-1, experts, scores.to(logits.dtype))
             got[f"blocks.{layer}.mlp.hook_expert_weights"] = weights.to(logits.dtype)
+            bias = getattr(getattr(moe, "gate", None), "e_score_correction_bias", None)
+            if bias is not None or cfg.model_type == "deepseek_v2":  # (DeepSeek's routers take an unsorted top k:
+                # its experts in vlens's order, by what chose them, their sigmoid plus the bias or their softmax)
+                chosen = (weights if bias is None else weights + bias).gather(-1, experts)
+                experts = experts.gather(-1, torch.argsort(chosen, dim=-1, descending=True, stable=True))
+                got[f"blocks.{layer}.mlp.hook_expert_ids"] = got[f"blocks.{layer}.mlp.hook_expert_indices"] = experts
     t = len(ids)
     rotated = _pair_rotations(rotated, name, [own for own, r in zip(own_kv, rope) if r])
     # (Granite: what the stream gets is the embedding and each sublayer's output times their multipliers)
@@ -719,9 +735,15 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             continue
         if getattr(cfg, "is_heterogeneous", False):  # (Gemma 4's full layers: heads of their own size and number)
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
-        got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, head_dim)
+        got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, -1)  # (DeepSeek's: of the values' size)
         qkv = raw.get(p + "qkv")  # (none in a layer that attends to an earlier layer's keys and values)
-        if name == "gpt2":
+        if name == "deepseek":  # (each head's part without positions, then the rotating part, the keys' shared)
+            nope = cfg.qk_nope_head_dim
+            q_rot, k_rot = (x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
+            q = torch.cat([raw[p + "q"].view(t, heads, -1)[..., :nope], q_rot], -1)
+            kv = qkv.view(t, heads, nope + cfg.v_head_dim)
+            k, v = torch.cat([kv[..., :nope], k_rot.expand(-1, heads, -1)], -1), kv[..., nope:]
+        elif name == "gpt2":
             q, k, v = (x.view(t, heads, head_dim) for x in qkv.split(cfg.hidden_size, dim=-1))
         elif name == "bloom":  # (per head: q, k, v)
             q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)

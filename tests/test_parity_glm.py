@@ -4,17 +4,24 @@ o), rotary by pairs over the leading half of each head (or all of it), gate and 
 sandwich of norms under its own names (its post_attention_layernorm is the pre-MLP norm: ln2; the post-norms
 TransformerLens's ln1_post and ln2_post); GLM-4.5's experts chosen as DeepSeek-V3 chooses (a float32 router's
 sigmoids plus a correction bias) beside a shared expert, after a dense layer, q/k norms or none; every tap, packed
-against alone, greedy generation; bfloat16 bit for bit."""
+against alone, greedy generation; bfloat16 bit for bit; routing limited to groups of experts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_parity import COMMON, GenerationParity, TapParity, build, check_bfloat16_taps, family_fixture
+from family_parity import (
+    COMMON,
+    GenerationParity,
+    TapParity,
+    build,
+    check_bfloat16_taps,
+    check_every_tap,
+    family_fixture,
+    load_pair,
+    sequences,
+)
 from transformers import Glm4Config, Glm4MoeConfig, GlmConfig
-
-from vlens import LLM
-from vlens.config import UnsupportedModelError
 
 SIZES = COMMON | dict(num_key_value_heads=2, head_dim=16, pad_token_id=0)
 EXPERTS = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -45,7 +52,7 @@ def test_config_is_read_as_intended(family):
     name, _, llm, _ = family
     cfg = llm.config
     if name.startswith("glm4_moe"):  # (rotary by halves, q/k/v apart, gate and up apart)
-        assert not (cfg.rotary_pairs or cfg.gate_up_stored_fused) and cfg.rotary_dim == 8 and cfg.corrected_routing
+        assert not (cfg.rotary_pairs or cfg.gate_up_stored_fused) and cfg.rotary_dim == 8 and cfg.deepseek_moe
         assert cfg.moe_layers == (False, True, True) and cfg.shared_expert_intermediate_size == 32
         assert cfg.qk_norm == ("head" if name == "glm4_moe_qk_norm" else "") and cfg.routed_scaling == 2.5
         assert llm.model.layers[1].mlp.gate.weight.dtype == torch.float32
@@ -60,7 +67,8 @@ def test_bfloat16_taps(tmp_path, name):
     check_bfloat16_taps(CONFIGS[name](), tmp_path)
 
 
-def test_routing_limited_to_groups_of_experts_is_refused(tmp_path):
-    path = build(Glm4MoeConfig(**(SIZES | EXPERTS | dict(n_group=2, topk_group=1))), tmp_path, "grouped")
-    with pytest.raises(UnsupportedModelError, match=r"n_group=2 with topk_group=1 is not supported for Glm4Moe"):
-        LLM(model=path, dtype="float32", device="cpu")
+def test_routing_limited_to_groups_of_experts(tmp_path):
+    """Each token's experts from its best group of two (DeepSeek-V3's group-limited routing): every tap as HF's."""
+    llm, hf = load_pair(build(Glm4MoeConfig(**(SIZES | EXPERTS | dict(n_group=2, topk_group=1))), tmp_path, "grouped"))
+    assert llm.config.expert_groups == (2, 1)
+    check_every_tap(llm, hf, sequences()[1:])

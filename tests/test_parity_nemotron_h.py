@@ -3,8 +3,8 @@ one part each after one norm — Mamba 2 mixers, attention without positions (gr
 (Nemotron 3) routed experts beside a shared one, chosen by a float32 router's sigmoids plus a correction bias; every
 tap (an MLP layer's norm is ln2, a mixer layer's ln1), packed against alone on sequences past one 64-row chunk,
 greedy generation through the paged cache and the state slots (chunked prefill, preemption, emulated decode graphs);
-bfloat16 bit for bit (the router kept in float32, as HF keeps it); TransformerLens-style calls; what vlens does not
-run refused by name."""
+bfloat16 bit for bit (the router kept in float32, as HF keeps it); routing limited to groups of experts;
+TransformerLens-style calls; what vlens does not run refused by name."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from family_parity import (
     check_generation,
     check_generation_under_pressure,
     family_fixture,
+    load_pair,
     same,
     sequences,
 )
@@ -139,8 +140,14 @@ def test_transformer_lens_style_calls(tmp_path):
             call()
 
 
-@pytest.mark.parametrize("setting", [{"moe_latent_size": 16}, {"n_group": 2, "topk_group": 1}])
-def test_what_vlens_does_not_run_is_refused(tmp_path, setting):
-    path = build(nemotron_3_config(**setting), tmp_path, "refused")
-    with pytest.raises(UnsupportedModelError, match=f"{next(iter(setting))}=.* is not supported for NemotronH"):
+def test_what_vlens_does_not_run_is_refused(tmp_path):
+    path = build(nemotron_3_config(moe_latent_size=16), tmp_path, "refused")
+    with pytest.raises(UnsupportedModelError, match="moe_latent_size=16 is not supported for NemotronH"):
         LLM(model=path, dtype="float32", device="cpu")
+
+
+def test_routing_limited_to_groups_of_experts(tmp_path):
+    """Each token's experts from its best group of two (DeepSeek-V3's group-limited routing): every tap as HF's."""
+    llm, hf = load_pair(build(nemotron_3_config(n_group=2, topk_group=1), tmp_path, "grouped"))
+    assert llm.config.expert_groups == (2, 1)
+    check_every_tap(llm, hf, sequences()[1:])

@@ -32,6 +32,7 @@ from sae_helpers import save_saelens
 from server_helpers import vlens_serve
 from test_parity_bamba import bamba_config
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
+from test_parity_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_parity_falcon_h1 import falcon_h1_config
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_glm import CONFIGS as GLM_CONFIGS
@@ -529,27 +530,31 @@ def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
     return same(a.double(), b.double(), TOL)
 
 
-@pytest.mark.parametrize("name", ["mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba", "glm4", "glm4_moe"])
+@pytest.mark.parametrize(
+    "name", ["mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba", "glm4", "glm4_moe", "deepseek_v3", "deepseek_v2"]
+)
 def test_more_layouts(tmp_path, one_thread, name):
     """Mamba and Mamba 2 (no attention, no MLP, no KV cache: their blocks hold state slots alone), Nemotron 3 (layers
     of a Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone), Falcon-H1 (attention and a
     Mamba 2 mixer side by side, µP multipliers: the projections' per part), Jamba (Mamba's mixers, experts) and GLM-4
-    (its sandwich of norms, rotary by pairs, gate and up stored as one tensor) and GLM-4.5 (DeepSeek-V3's experts, the
-    float32 router whole on each rank) on two ranks, each its heads, one of the
+    (its sandwich of norms, rotary by pairs, gate and up stored as one tensor), GLM-4.5 (DeepSeek-V3's experts, the
+    float32 router whole on each rank) and DeepSeek-V3 and V2 (latent attention: the latents whole on each rank, the
+    heads' projections from them split; groups of experts) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""
     configs = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": nemotron_3_config,
                "falcon_h1": falcon_h1_config, "jamba": jamba_config, "glm4": GLM_CONFIGS["glm4"],
-               "glm4_moe": GLM_CONFIGS["glm4_moe"]}  # fmt: skip
+               "glm4_moe": GLM_CONFIGS["glm4_moe"], "deepseek_v3": DEEPSEEK_CONFIGS["deepseek_v3"],
+               "deepseek_v2": DEEPSEEK_CONFIGS["deepseek_v2_grouped"]}  # fmt: skip
     path = build(configs[name](), tmp_path, name)
     one, two = _open(path), _open(path, tensor_parallel_size=N)
     try:
         every, seqs = list(one.hook_names()), sequences()
         for a, b in zip(one.trace(seqs, every), two.trace(seqs, every)):
             assert [hook for hook in every if not _equal(b[hook], a[hook], hook)] == []
-        mlp = name in ("nemotron_3", "falcon_h1", "jamba", "glm4", "glm4_moe")
-        hooks = ["blocks.0.attn.hook_z" if name.startswith("glm") else "blocks.0.mamba.hook_*",
+        mlp = name in ("nemotron_3", "falcon_h1", "jamba", "glm4", "glm4_moe", "deepseek_v3", "deepseek_v2")
+        hooks = ["blocks.0.attn.hook_z" if name.startswith(("glm", "deepseek")) else "blocks.0.mamba.hook_*",
                  "blocks.1.mlp.*" if mlp else "blocks.1.hook_attn_out", "blocks.2.hook_resid_post"]  # fmt: skip
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
         prompts = sequences((20, 9, 3))

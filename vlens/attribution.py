@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlens.hooked_weights import (
-    AttentionWeights,
     MLPWeights,
     ModelWeights,
     Tokens,
+    attention_weights,
     check_mlp_input,
     mixer_of,
     resolve_layer,
@@ -94,7 +94,7 @@ class Attribution:
         model, cfg = self._shares_of(layer, "attn"), self.model.cfg
         z = self._cached(f"blocks.{layer}.{part}.hook_z", "per-head results")
         if part == "attn":
-            W_O = AttentionWeights.of(model.layers[layer].attn_heads).W_O
+            W_O = attention_weights(model.layers[layer].attn_heads).W_O
         elif part == "mamba":  # (its hook_z [..., heads * head dim])
             block = model.layers[layer]
             mixer = block.mamba if cfg.parallel_mixers else block._modules[block.mixer_name]

@@ -8,6 +8,7 @@ model code reads only this dataclass, never the HF config object.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -281,17 +282,11 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
     kinds = hf.layers_block_type
     fields: dict[str, Any] = {}
     if "moe" in kinds:
-        for flag, value in (("moe_latent_size", hf.moe_latent_size is not None),
-                            ("n_group", hf.topk_group < hf.n_group)):  # fmt: skip
-            if value:  # (latent projections around the experts; routing limited to the best groups of experts)
-                raise UnsupportedModelError(f"{flag}={getattr(hf, flag)!r} is not supported for NemotronHForCausalLM "
-                                            "(no Nemotron 3 that vlens was checked against has it)")  # fmt: skip
-        fields = dict(num_experts=hf.n_routed_experts, experts_per_token=hf.num_experts_per_tok,
-                      moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
-                      shared_expert_intermediate_size=hf.moe_shared_expert_intermediate_size * hf.n_shared_experts,
-                      moe_layers=tuple(kind == "moe" for kind in kinds), sigmoid_routing=True, expert_bias=True,
-                      routed_scaling=float(hf.routed_scaling_factor), sigmoid_norm_eps=1e-20,
-                      corrected_routing=True)  # fmt: skip
+        if hf.moe_latent_size is not None:  # (latent projections around the experts)
+            raise UnsupportedModelError(f"moe_latent_size={hf.moe_latent_size!r} is not supported for "
+                                        "NemotronHForCausalLM (no Nemotron 3 that vlens was checked against has it)")
+        fields = _sigmoid_experts(hf, hf.moe_shared_expert_intermediate_size * hf.n_shared_experts)
+        fields["moe_layers"] = tuple(kind == "moe" for kind in kinds)
     return fields | dict(
         layer_parts=tuple("mlp" if kind in ("mlp", "moe") else "mixer" for kind in kinds),
         ssm_layers=tuple(kind == "linear_attention" for kind in kinds),
@@ -314,24 +309,75 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
 def _glm4_moe(hf: Any) -> dict[str, Any]:
     """GLM-4.5, 4.6, 4.7 (Glm4Moe): GLM's attention (q/k/v biases, rotary over half of each head, by halves here, not
     pairs), q/k norms head by head where `use_qk_norm`, a dense MLP on the first `first_k_dense_replace` layers and on
-    the rest routed experts chosen as DeepSeek-V3 chooses (vlens.layers.moe.CorrectedMoE) beside a shared expert."""
-    if hf.topk_group < hf.n_group:  # (routing limited to the best groups of experts)
-        raise UnsupportedModelError(f"n_group={hf.n_group} with topk_group={hf.topk_group} is not supported for "
-                                    "Glm4MoeForCausalLM (the released GLM-4.5 to 4.7 route over one group)")
-    return dict(
+    the rest DeepSeek-V3's routed experts beside a shared expert."""
+    return _sigmoid_experts(hf, hf.moe_intermediate_size * hf.n_shared_experts) | dict(
         qk_norm="head" if hf.use_qk_norm else "",
+        moe_layers=tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers)),
+    )
+
+
+def _sigmoid_experts(hf: Any, shared_size: int) -> dict[str, Any]:
+    """DeepSeek-V3's routed experts (GLM-4.5's, Nemotron 3's; vlens.layers.moe.DeepseekMoE): each token's top k by
+    the sigmoid of a float32 router's logits plus a correction bias per expert, within its best groups of experts,
+    their sigmoids renormalised and scaled, beside a shared expert of `shared_size`."""
+    return dict(
         num_experts=hf.n_routed_experts,
         experts_per_token=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size,
         norm_topk_prob=bool(hf.norm_topk_prob),
-        shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,
-        moe_layers=tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers)),
+        shared_expert_intermediate_size=shared_size,
         sigmoid_routing=True,
         expert_bias=True,
         routed_scaling=float(hf.routed_scaling_factor),
         sigmoid_norm_eps=1e-20,
-        corrected_routing=True,
+        deepseek_moe=True,
+        expert_groups=_expert_groups(hf),
     )
+
+
+def _expert_groups(hf: Any) -> tuple[int, int]:
+    """(groups, the best of them a token's experts come from); (1, 1) where routing is not limited to some."""
+    groups, kept = hf.n_group or 1, hf.topk_group or 1
+    return (groups, kept) if kept < groups else (1, 1)
+
+
+def _deepseek(hf: Any) -> dict[str, Any]:
+    """DeepSeek-V2 and V3 (V3.1, R1, Kimi K2, Moonlight): Llama's layer with multi-head latent attention (queries and
+    keys of their no-position dims, then the rotating ones; values of their own size; the softmax scale YaRN's
+    mscale_all_dim squared times 1/sqrt(q's head size)) and, past the first `first_k_dense_replace` layers,
+    DeepSeek's routed experts beside shared ones: V3's by sigmoids (_sigmoid_experts),
+    V2's by a float32 softmax, neither renormalised (HF's V2 never renormalises), scaled by routed_scaling_factor;
+    V2 rotates by pairs in float32 (HF's complex product), V3 by pairs laid out by halves (rope_interleave) or by
+    halves."""
+    v3 = hf.model_type != "deepseek_v2"
+    head_dim = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+    if hf.v_head_dim > head_dim:  # (the values are padded to the keys' size, vlens.layers.attention)
+        raise UnsupportedModelError(f"v_head_dim={hf.v_head_dim} larger than qk_nope_head_dim + qk_rope_head_dim="
+                                    f"{head_dim} is not supported for {hf.architectures[0]}")
+    scale, rope = head_dim**-0.5, dict(hf.rope_parameters or {})
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1 if rope["factor"] > 1 else 1.0
+        scale *= mscale * mscale
+    fields = dict(head_dim=head_dim, rotary_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+                  kv_lora_rank=hf.kv_lora_rank, q_lora_rank=hf.q_lora_rank or 0, num_kv_heads=hf.num_attention_heads,
+                  attn_scale=scale)  # fmt: skip
+    if v3:
+        fields |= dict(rotary_interleaved=bool(hf.rope_interleave))
+    else:
+        fields |= dict(rotary_pairs=True, rope_float32=True)
+    if not hf.n_routed_experts:
+        return fields
+    shared = hf.moe_intermediate_size * hf.n_shared_experts
+    if v3:
+        fields |= _sigmoid_experts(hf, shared)
+    else:  # (V2's "greedy" or "group_limited_greedy": the groups' scores their best softmax)
+        fields |= dict(num_experts=hf.n_routed_experts, experts_per_token=hf.num_experts_per_tok,
+                       moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=False,
+                       shared_expert_intermediate_size=shared, routed_scaling=float(hf.routed_scaling_factor),
+                       deepseek_moe=True,
+                       expert_groups=_expert_groups(hf) if hf.topk_method == "group_limited_greedy" else (1, 1))
+    fields["moe_layers"] = tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers))
+    return fields
 
 
 def _mixer_only(hf: Any) -> dict[str, Any]:
@@ -633,6 +679,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
     # GLM-4.5 to 4.7: Llama's layer with GLM's attention (rotary by halves), DeepSeek-V3's experts after dense layers
     "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
+    # DeepSeek-V2, V3 (R1, V3.1, Kimi K2, Moonlight): multi-head latent attention, DeepSeek's experts after dense layers
+    "DeepseekV2ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
+    "DeepseekV3ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Qwen3MoeForCausalLM": Architecture({"qk_norm": "head", "round_routing_weights": True}, _qwen_moe),
@@ -757,6 +806,8 @@ MODEL_TYPES = {
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -854,6 +905,15 @@ class ModelConfig:
     # OLMo 2/3, without pre-norms: TransformerLens names them ln1, ln2)
     rope_float32: bool = False  # OLMo: cos and sin stay float32, so q and k rotate in float32 and round back
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    # DeepSeek-V2/V3 (multi-head latent attention): the queries through a low-rank projection and its norm
+    # (`q_lora_rank`; 0: one projection), each head's keys (their no-position part) and values from one normed latent
+    # of `kv_lora_rank` dims a token, the keys' rotating part (their last rotary_dim of head_dim) one for every head;
+    # values of their own size, `v_head_dim` (0: head_dim); V3's `rotary_interleaved`: dims 2i and 2i + 1 rotate
+    # together and come out by halves (evens, then odds), as HF's rope_interleave
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
+    rotary_interleaved: bool = False
     query_scale: float | None = None  # OPT: q times this after hook_q (its scores then unscaled), as HF scales them
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)
     attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the mask
@@ -889,9 +949,11 @@ class ModelConfig:
     expert_bias: bool = False
     routed_scaling: float = 1.0
     sigmoid_norm_eps: float = 1e-6
-    # Nemotron 3, GLM-4.5: DeepSeek-V3's routing, the router (and its correction bias, expert_bias's place) in float32,
-    # beside a shared expert without a gate (vlens.layers.moe.CorrectedMoE)
-    corrected_routing: bool = False
+    # DeepSeek-V2/V3, Nemotron 3, GLM-4.5: DeepSeek's routed experts, the router (and V3's correction bias,
+    # expert_bias's place) in float32, beside a shared expert without a gate (vlens.layers.moe.DeepseekMoE); routing
+    # limited to each token's best `expert_groups[1]` of `expert_groups[0]` groups of experts
+    deepseek_moe: bool = False
+    expert_groups: tuple[int, int] = (1, 1)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     # Gemma 4 26B-A4B: the routed experts run beside a dense MLP (both read the stream, each output normed, their

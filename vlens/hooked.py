@@ -409,6 +409,12 @@ class HookedLM(ModelWeights, SAEMethods):
                 "attention); set_use_split_qkv_input(True) gives hook_q_input per query head and hook_k_input / "
                 "hook_v_input per key-value head"
             )
+        if on and flag in ("use_attn_in", "use_split_qkv_input") and cfg.kv_lora_rank:
+            raise ValueError(
+                f"{flag}: {cfg.architecture}'s latent attention makes every head's keys and values from one latent of "
+                "the layer's input, their rotating part one for all heads (kv_a_proj_with_mqa), so no input is one "
+                "head's; blocks.L.ln1.hook_out is what the attention reads"
+            )
         self.cfg = replace(cfg, **{flag: on})
         self._name_tables()
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vlens.models.base import AttentionHeads, DecoderLM
+from vlens.models.deepseek import LatentAttention
 
 if TYPE_CHECKING:
     from vlens.config import ModelConfig
@@ -144,10 +145,8 @@ class AttentionWeights:
         (Gemma 4's shared layers): W_K, W_V, b_K and b_V are that layer's, which made them from its own input."""
         (W_Q, b_Q), *kv = _projections(heads)
         (W_K, b_K), (W_V, b_V) = kv if keys is None else _projections(keys)[1:]
-        out = heads.out
-        W_O = out.weight.detach().T.reshape(heads.heads, heads.head_dim, -1)
-        b_O = out.weight.new_zeros(out.out_features) if out.bias is None else out.bias.detach()
         sinks = None if heads.attn.sinks is None else heads.attn.sinks.detach()
+        W_O, b_O = _output(heads)
         return cls(W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O, sinks, hooks)
 
     @property
@@ -161,6 +160,43 @@ class AttentionWeights:
     # each head's bilinear maps, [n_heads, d_model, d_model] factored: queries against keys, values to outputs
     QK = property(lambda self: factored(self.W_Q, self.W_K.transpose(-2, -1)))
     OV = property(lambda self: factored(self.W_V, self.W_O))
+
+
+@dataclass(frozen=True)
+class LatentAttentionWeights:
+    """A layer of DeepSeek's latent attention, as far as TransformerLens's weights describe it: W_O and b_O. Its
+    queries, keys and values come through low-rank projections with a norm between, so no matrix is W_Q, W_K or
+    W_V; asking for one says so."""
+
+    W_O: torch.Tensor  # [n_heads, d_head_v, d_model]
+    b_O: torch.Tensor  # [d_model]
+    hooks: HookTree | None = field(default=None, repr=False, compare=False)
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "QK", "OV"):
+            raise ValueError(
+                f"attn.{name}: DeepSeek's latent attention makes its queries, keys and values through "
+                "low-rank projections with a norm between (q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, "
+                f"kv_a_layernorm, kv_b_proj), so no one matrix is {name}; W_O and b_O are its output's, and the "
+                "projections are model.llm.model's modules"
+            )
+        return AttentionWeights.__getattr__(self, name)
+
+
+def attention_weights(
+    heads: AttentionHeads, hooks: HookTree | None = None, keys: AttentionHeads | None = None
+) -> AttentionWeights | LatentAttentionWeights:
+    """A layer's attention weights (`keys`: AttentionWeights.of's)."""
+    if isinstance(heads, LatentAttention):
+        return LatentAttentionWeights(*_output(heads), hooks)
+    return AttentionWeights.of(heads, hooks, keys)
+
+
+def _output(heads: AttentionHeads) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_O [n_heads, d_head_v, d_model], b_O [d_model]): the output projection's columns per head, its bias."""
+    out = heads.out
+    W_O = out.weight.detach().T.reshape(heads.heads, heads.value_dim, -1)
+    return W_O, out.weight.new_zeros(out.out_features) if out.bias is None else out.bias.detach()
 
 
 def _projections(heads: AttentionHeads) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -258,7 +294,7 @@ class Block:
     def _hooks(self, part: str = "") -> HookTree:
         return HookTree(self.hooked, f"blocks.{self.index}.{part}")
 
-    attn = property(lambda self: self._part("attn.", lambda: AttentionWeights.of(
+    attn = property(lambda self: self._part("attn.", lambda: attention_weights(
         self._heads(self.index), self._hooks("attn."), self._keys())))  # fmt: skip
 
     def _heads(self, layer: int) -> AttentionHeads:

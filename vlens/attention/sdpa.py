@@ -135,7 +135,7 @@ class SdpaBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, groups: list[AttentionGroup]) -> torch.Tensor:
         if len(groups) == 1:
             return _attend(q, k, v, layer, groups[0])
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], layer.value_dim)
         for g in groups:
             out[g.rows] = _attend(q[g.rows], k[g.rows], v[g.rows], layer, g)
         return out
@@ -199,11 +199,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         keys, values = gather(layer.k_cache, slots), gather(layer.v_cache, slots)
     else:
         keys, values = _to_grid(k, g), _to_grid(v, g)
+    if layer.value_pad:  # (DeepSeek's values, padded to the keys' size: at their own, as HF hands SDPA them, which
+        values = values[..., : -layer.value_pad]  # then takes the kernel HF's call takes)
     q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    width = values.shape[-1]
     if not g.masked(layer.kind):  # (a 4,096-token chunk after 100k keys: no 3 GiB mask; Flash Attention on CUDA)
         causal = causal_lower_right(g.max_q, keys.shape[-2])
         out = sdpa(q, keys, values, attn_mask=causal, scale=layer.scale, enable_gqa=layer.num_kv_heads != layer.num_heads)
-        return out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
+        return out.transpose(1, 2).reshape(-1, layer.num_heads, width)
     mask = g.masks[layer.window]
     stacked = g.stacked_masks.get((layer.window, layer.num_heads // layer.num_kv_heads))
     if written(layer.kind):
@@ -215,13 +218,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         # the row's mask, so SDPA needs no grouped-query mode (on the CPU ~10% faster than enable_gqa).
         batch, heads, _, dim = q.shape
         grouped = q.reshape(batch, layer.num_kv_heads, heads // layer.num_kv_heads, dim)
-        out = sdpa(grouped, keys, values, attn_mask=mask, scale=layer.scale).reshape(batch, heads, 1, dim)
+        out = sdpa(grouped, keys, values, attn_mask=mask, scale=layer.scale).reshape(batch, heads, 1, width)
     else:
         out = sdpa(
             q, keys, values, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
             enable_gqa=layer.num_kv_heads != layer.num_heads,
         )  # fmt: skip
-    out = out.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)
+    out = out.transpose(1, 2).reshape(-1, layer.num_heads, width)
     return out if g.q_index is None else out.index_select(0, g.q_index)
 
 
@@ -277,7 +280,7 @@ def _stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     grouped-query mode reads each key once; `mask` is `_stacked_mask`'s."""
     batch, num_heads, rows, dim = q.shape
     stacked = q.reshape(batch, layer.num_kv_heads, num_heads // layer.num_kv_heads * rows, dim)
-    return sdpa(stacked, k, v, attn_mask=mask, scale=layer.scale).reshape(batch, num_heads, rows, dim)
+    return sdpa(stacked, k, v, attn_mask=mask, scale=layer.scale).reshape(batch, num_heads, rows, v.shape[-1])
 
 
 def written(kind: LayerKind) -> bool:

@@ -118,7 +118,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     parallel residual nothing is ever the residual plus the attention output alone, so there is no
     hook_resid_mid; an MoE layer has router taps instead of one MLP hidden activation (each expert has its
     own). hook_attn_in, one input per query head for keys and values too, exists only where every query
-    head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention). OLMo 2
+    head has keys and values of its own (TransformerLens's has no meaning under grouped-query attention), and none
+    of the inputs per head where the heads' keys share their rotating part (DeepSeek's latent attention). OLMo 2
     has no pre-norms; post-norms (Gemma's, OLMo's) add what they norm, their scale and normalised input
     (POST_NORMED) before the output each one makes. A layer that attends to another's keys and values (Gemma 4's
     shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post. A
@@ -130,6 +131,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     chosen = {h for flag in optional for h in OPTIONAL_HOOKS[flag]}
     if cfg.kv_heads_at(layer) != cfg.num_heads:
         chosen.discard("hook_attn_in")
+    if cfg.kv_lora_rank:  # (DeepSeek's keys share one rotating part, of one input: no input per head)
+        chosen -= set(ATTN_INPUT_HOOKS)
     hooks = [h for h in _WITH_OPTIONAL if h in LAYER_HOOKS or h in chosen]
     if cfg.kv_layer_at(layer) != layer:
         hooks = [h for h in hooks if h not in OWN_KV_HOOKS]
@@ -213,11 +216,11 @@ def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) ->
         "ln2_post.hook_scale": (1,),
         "attn.hook_q": (heads, dh),
         "attn.hook_k": (kv, dh),
-        "attn.hook_v": (kv, dh),
+        "attn.hook_v": (kv, cfg.v_head_dim or dh),
         "attn.hook_attn_scores": (heads, CTX),
         "attn.hook_pattern": (heads, CTX),
         "attn.hook_gate": (heads, dh),
-        "attn.hook_z": (heads, dh),
+        "attn.hook_z": (heads, cfg.v_head_dim or dh),
         "linear_attn.hook_q": (cfg.linear_key_heads, cfg.linear_key_dim),
         "linear_attn.hook_k": (cfg.linear_key_heads, cfg.linear_key_dim),
         **{f"linear_attn.hook_{name}": (cfg.linear_value_heads, cfg.linear_value_dim)

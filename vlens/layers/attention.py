@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlens.attention.metadata import LayerKind
@@ -48,15 +49,21 @@ class Attention(nn.Module):
         rank_heads: range | None = None,
         reads_kv_of: int | None = None,
         alibi_heads: int = 0,
+        value_dim: int | None = None,
     ):
         """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them).
         `reads_kv_of`: the earlier layer whose keys and values this one attends to (Gemma 4's shared layers: the
         engine binds that layer's cache here, and this layer never writes it); None: its own. `alibi_heads`: the
-        model's heads, where its scores have ALiBi's biases (BLOOM); 0: none."""
+        model's heads, where its scores have ALiBi's biases (BLOOM); 0: none. `value_dim`: the values' head size where
+        it is less than the queries' and keys' (DeepSeek's latent attention): the values are padded with zeros to
+        theirs, in the cache and for the backends, and the output cut back, as HF pads them for flash attention (the
+        SDPA backend cuts them back first, as HF's SDPA takes them)."""
         super().__init__()
         self.reads_kv_of = reads_kv_of
         self.alibi, self.alibi_heads = alibi_heads > 0, alibi_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.value_dim = value_dim or head_dim
+        self.value_pad = head_dim - self.value_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
         self.softcap = softcap
@@ -84,6 +91,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
+        if self.value_pad:
+            v = F.pad(v, (0, self.value_pad))
         slots = ctx.attention.slot_mapping
         if slots is not None and self.reads_kv_of is None:
             self.k_cache.index_copy_(0, slots, k)
@@ -99,4 +108,5 @@ class Attention(nn.Module):
             t = attention_tap(site)
             if t is not None:
                 t.attend(q, keys, self)
-        return ctx.backend.forward(q, k, v, self, ctx.backend_state)
+        out = ctx.backend.forward(q, k, v, self, ctx.backend_state)
+        return out[..., : self.value_dim] if out.shape[-1] != self.value_dim else out

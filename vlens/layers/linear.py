@@ -96,13 +96,15 @@ class FusedLinear(StoredLinear):
 
 
 class ColumnLinear(FusedLinear):
-    """One projection whose output rows are split across ranks (GPT-2's c_fc, NeoX's dense_h_to_4h)."""
+    """One projection whose output rows are split across ranks (GPT-2's c_fc, NeoX's dense_h_to_4h); `units`: its
+    heads, where it projects heads (default: one per row)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, parallel: Parallel = SINGLE,
-        transforms: Mapping[str, Transform] | None = None,
+        transforms: Mapping[str, Transform] | None = None, units: int | None = None,
     ):  # fmt: skip
-        super().__init__(in_features, {"out": out_features}, bias, True, transforms, parallel)
+        units_of = None if units is None else {"out": units}
+        super().__init__(in_features, {"out": out_features}, bias, True, transforms, parallel, units_of)
 
 
 class RowLinear(StoredLinear):

@@ -1,7 +1,7 @@
 """Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B, Qwen 3.5's, LFM2-MoE): a linear
 router picks the top-k of E gated experts per token, weighted by their softmax probabilities (renormalised over the
 chosen k where the model says so; gpt-oss: the softmax of the chosen k logits alone; LFM2-MoE: sigmoids, chosen with
-a learned bias per expert; Nemotron 3, GLM-4.5: DeepSeek-V3's, `CorrectedMoE`); Qwen2-MoE adds an always-on shared
+a learned bias per expert; DeepSeek-V2 and V3, Nemotron 3, GLM-4.5: DeepSeek's, `DeepseekMoE`); Qwen2-MoE adds an always-on shared
 expert scaled by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU
 (`ClampedExperts`); Gemma 4's router reads a normed, scaled stream and scales each expert's weight
 (`NormedRouter`), and its experts run beside a dense MLP (vlens.models.gemma4).
@@ -186,6 +186,7 @@ class Routing:
         self.softmax_after_topk, self.sigmoid = cfg.softmax_after_topk, cfg.sigmoid_routing
         self.scaling, self.eps = cfg.routed_scaling, cfg.sigmoid_norm_eps
         self.round_weights = cfg.round_routing_weights
+        self.groups = cfg.expert_groups
         p = f"blocks.{layer}.mlp."
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
         self.hook_expert_weights = p + "hook_expert_weights"
@@ -199,7 +200,8 @@ class Routing:
         logits = tap_widened(self.hook_router_logits, logits, rows)
         if self.sigmoid:  # (TransformerLens's expert weights: every expert's score)
             scores = tap_widened(self.hook_expert_weights, logits.sigmoid(), rows)
-            ids = (scores if bias is None else scores + bias.float()).topk(self.top_k, dim=-1).indices
+            choice = self._in_best_groups(scores if bias is None else scores + bias.float(), float("-inf"))
+            ids = choice.topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, ids)
         elif self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
             top, ids = logits.topk(self.top_k, dim=-1)
@@ -211,10 +213,10 @@ class Routing:
             probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
             if tapped(self.hook_expert_weights):  # (seen in the model's dtype, as every tap but the ids are; the
                 # experts chosen from the float32 values, as HF chooses, unless an edit gives others)
-                seen = probabilities.to(logits.dtype)
+                seen = probabilities.to(rows)
                 edited = tap(self.hook_expert_weights, seen)
                 probabilities = probabilities if edited is seen else edited.float()
-            weights, ids = probabilities.topk(self.top_k, dim=-1)
+            weights, ids = self._in_best_groups(probabilities, 0.0).topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + (self.eps if self.sigmoid else 0))
         if self.scaling != 1.0:
@@ -222,6 +224,18 @@ class Routing:
         if self.round_weights:
             weights = weights.to(logits.dtype)
         return weights, tap(self.hook_expert_ids, ids)
+
+    def _in_best_groups(self, scores: torch.Tensor, fill: float) -> torch.Tensor:
+        """`scores` [T, E], those of the experts outside each token's best groups set to `fill` (DeepSeek's
+        group-limited routing, `cfg.expert_groups`: a group scored by its best two scores under sigmoid routing, by
+        its best one under a softmax, as HF's DeepSeek-V3 and V2); `scores` itself where routing is not limited."""
+        groups, kept = self.groups
+        if kept == groups:
+            return scores
+        grouped = scores.view(-1, groups, scores.shape[-1] // groups)
+        score = grouped.topk(2, dim=-1).values.sum(-1) if self.sigmoid else grouped.amax(-1)
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter(1, score.topk(kept, dim=-1).indices, True)
+        return grouped.masked_fill(~keep[..., None], fill).flatten(1)
 
 
 class NormedRouter(nn.Module):
@@ -282,30 +296,31 @@ class SparseMoE(nn.Module):
         return out
 
 
-class CorrectedRouter(nn.Module):
-    """DeepSeek-V3's router (Nemotron 3's, GLM-4.5's), in float32 whatever the model's dtype, as HF keeps it: its
-    weight and each expert's correction bias, which the choice adds to the expert's score."""
+class Float32Router(nn.Module):
+    """DeepSeek's router (Nemotron 3's, GLM-4.5's), in float32 whatever the model's dtype, as HF keeps it: its weight
+    and, where the model has them (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction bias, which the choice
+    adds to the expert's score."""
 
     float32_params = ("weight", "e_score_correction_bias")  # (vlens.loader.keep_float32)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
 
 
-class CorrectedMoE(nn.Module):
-    """Routed experts chosen as DeepSeek-V3 chooses them (Nemotron 3, GLM-4.5): each token's top k by the sigmoid of a
-    float32 router's logits plus a correction bias per expert, their scores renormalised and scaled (cfg's
-    sigmoid_routing flags), beside `shared`, the always-on expert (`shared_experts`); the experts' gate, up and down
-    one tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down alone)."""
+class DeepseekMoE(nn.Module):
+    """Routed experts chosen as DeepSeek chooses them (V2: a softmax; V3, Nemotron 3, GLM-4.5: sigmoids plus a
+    correction bias per expert; their top k renormalised and scaled as cfg's routing flags say) from a float32
+    router's logits, beside `shared`, the always-on expert (`shared_experts`); the experts' gate, up and down one
+    tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down alone)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, shared: nn.Module, gated: bool = True):
         super().__init__()
-        self.gate = CorrectedRouter(cfg)
+        self.gate = Float32Router(cfg)
         sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         self.experts = Experts(*sizes, ("gate_proj", "up_proj", "down_proj"), cfg.parallel, gated=gated)
         self.shared_experts = shared

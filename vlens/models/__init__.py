@@ -10,6 +10,7 @@ from vlens.models.bamba import BambaForCausalLM, FalconH1ForCausalLM
 from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
+from vlens.models.deepseek import DeepseekForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
 from vlens.models.glm import Glm4ForCausalLM
@@ -49,6 +50,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "gpt_neox": GPTNeoXForCausalLM,
     "gptj": GPTJForCausalLM,
     "cohere": CohereForCausalLM,
+    "deepseek": DeepseekForCausalLM,
     "olmo": OlmoForCausalLM,
     "opt": OPTForCausalLM,
     "phi": PhiForCausalLM,

@@ -47,6 +47,7 @@ class AttentionHeads(nn.Module):
         kv_heads = cfg.kv_heads_at(layer)
         self.heads, self.kv_heads = len(cfg.parallel.units(cfg.num_heads)), len(cfg.parallel.units(kv_heads))
         self.head_dim = cfg.head_dim_at(layer)
+        self.value_dim = cfg.v_head_dim or self.head_dim  # (DeepSeek's values are of their own size)
         scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
         if cfg.attn_scale_inverse_layer:
             scale /= layer + 1
@@ -60,7 +61,7 @@ class AttentionHeads(nn.Module):
         self.own_kv = self.kv_layer == layer
         self.attn = Attention(
             self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
-            rank_heads, None if self.own_kv else self.kv_layer, cfg.num_heads if cfg.alibi else 0,
+            rank_heads, None if self.own_kv else self.kv_layer, cfg.num_heads if cfg.alibi else 0, self.value_dim,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         self.rotary_pairs, self.temperature, self.query_scale = cfg.rotary_pairs, cfg.attn_temperature, cfg.query_scale
@@ -84,6 +85,13 @@ class AttentionHeads(nn.Module):
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
         """`x`: the normalised layer input [T, d] all three projections read, or (ResidualBlock.attention_input)
         one input each for q, k and v, that input [T, d] or one per head [T, heads, d]."""
+        return self.output(self.attend(*self.project(x, rope), rope))
+
+    def project(
+        self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(q [T, H*d], k and v [T, H_kv*d] or None, the output gate [T, H, d] or None), as projected: `attend` puts
+        q and k through their norms and rotary (DeepSeek's latent attention rotates their parts itself)."""
         if isinstance(x, torch.Tensor):
             q, *kv = self.qkv.split(self.qkv(x))
         else:  # (where keys are values, the values are the key projection of the values' own input)
@@ -95,12 +103,15 @@ class AttentionHeads(nn.Module):
             q = q.reshape(-1, self.heads * self.head_dim)
         # (none where the layer reads another's; the keys themselves where they are the values)
         k = kv[0] if kv else None
-        z = self.attend(q, k, kv[1] if len(kv) > 1 else k, rope, gate)
+        return q, k, kv[1] if len(kv) > 1 else k, gate
+
+    def output(self, z: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' outputs z [T, H*d_v], through each head's result where a tap asks."""
         if not tapped(self.hook_result):
             return self.out(z)
         # TransformerLens's attn.hook_result: each head's z times its columns of W_O, before the heads are summed
-        w = self.out.weight.view(-1, self.heads, self.head_dim)
-        result = torch.einsum("thd,mhd->thm", z.view(-1, self.heads, self.head_dim), w)
+        w = self.out.weight.view(-1, self.heads, self.value_dim)
+        result = torch.einsum("thd,mhd->thm", z.view(-1, self.heads, self.value_dim), w)
         edited = tap(self.hook_result, result)
         if edited is result:  # read, not edited: the output as HF computes it
             return self.out(z)
@@ -119,8 +130,7 @@ class AttentionHeads(nn.Module):
         return (y if b is None else y + b.view(heads, -1)).flatten(1)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rope: Rope,
-        gate: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, gate: torch.Tensor | None, rope: Rope,
     ) -> torch.Tensor:  # fmt: skip
         """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]; `k` and `v` None where
         the layer attends to an earlier layer's (Gemma 4's shared layers: those as that layer left them, taps and
@@ -139,7 +149,7 @@ class AttentionHeads(nn.Module):
             if self.key_scale != 1.0:
                 k = k * self.key_scale
             k = tap(self.hook_k, self._positioned(k, self.kv_heads, self.head_norms[1], rope, dtype))
-            v = v.reshape(-1, self.kv_heads, self.head_dim)
+            v = v.reshape(-1, self.kv_heads, self.value_dim)
             v = tap(self.hook_v, v if self.v_norm is None else self.v_norm(v))
             if self.kv_shared:
                 get_context().shared_kv[self.layer] = k, v

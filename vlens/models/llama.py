@@ -17,7 +17,7 @@ from torch import nn
 from vlens.config import ModelConfig
 from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import DenseMLP, GatedMLP
-from vlens.layers.moe import CorrectedMoE, SparseMoE
+from vlens.layers.moe import DeepseekMoE, SparseMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
@@ -66,10 +66,10 @@ class OutProjAttention(SelfAttention):
 
 def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
     """The layer's MLP: routed experts on MoE layers, else the gated MLP."""
-    if cfg.is_moe_layer(layer) and cfg.corrected_routing:  # (GLM-4.5's: its shared expert gated as its MLP)
+    if cfg.is_moe_layer(layer) and cfg.deepseek_moe:  # (GLM-4.5's: its shared expert gated as its MLP)
         hook = f"blocks.{layer}.mlp.shared_expert.hook_post"
         sizes = (cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, cfg.mlp_bias)
-        return CorrectedMoE(cfg, layer, GatedMLP(*sizes, hook, parallel=cfg.parallel))
+        return DeepseekMoE(cfg, layer, GatedMLP(*sizes, hook, parallel=cfg.parallel))
     if cfg.is_moe_layer(layer) and not cfg.experts_beside_mlp:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
         return SparseMoE(cfg, layer, stored_as, expert_names)

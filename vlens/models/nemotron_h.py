@@ -18,7 +18,7 @@ from torch import nn
 from vlens.config import ModelConfig
 from vlens.layers.mamba2 import Mamba2Mixer
 from vlens.layers.mlp import DenseMLP
-from vlens.layers.moe import CorrectedMoE
+from vlens.layers.moe import DeepseekMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import DecoderLM, SublayerBlock
@@ -31,7 +31,7 @@ def _part(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.attends(layer):
         return SelfAttention(cfg, layer)
     if cfg.is_moe_layer(layer):  # (Nemotron 3's experts and shared expert: squared ReLUs, not gated)
-        return CorrectedMoE(cfg, layer, DenseMLP(cfg, layer, ("up_proj", "down_proj"), shared=True), gated=False)
+        return DeepseekMoE(cfg, layer, DenseMLP(cfg, layer, ("up_proj", "down_proj"), shared=True), gated=False)
     return DenseMLP(cfg, layer, ("up_proj", "down_proj"))
 
 

@@ -1,0 +1,85 @@
+"""DeepSeek-V2 and V3 (V3.1, R1, Kimi K2, Moonlight): Llama's layer with multi-head latent attention (MLA) and, past
+the first dense layers, DeepSeek's routed experts beside shared ones (vlens.layers.moe.DeepseekMoE, via mlp_for).
+
+MLA makes what a token gives every head's keys and values from one latent of the layer's input (kv_lora_rank dims,
+normed): each head's key is its own part without positions (from the latent) and one rotating part shared by all
+heads; its value is of its own size, smaller than the keys'. Queries come through a low-rank projection and its norm
+(or one projection, V2-Lite's). The engine caches the keys and values the latent expands to, which is what HF's
+attention reads too (HF caches the latent and expands it each step: the same numbers); the values are padded to the
+keys' size there (vlens.layers.attention). The taps are TransformerLens's: hook_q and hook_k per head after rotary,
+their no-position dims first, hook_v and hook_z of the values' size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlens.config import ModelConfig
+from vlens.layers import fused
+from vlens.layers.linear import ColumnLinear, RowLinear
+from vlens.layers.norm import RMSNorm
+from vlens.models.base import AttentionHeads, Rope
+from vlens.models.llama import CausalLM, DecoderLayer
+
+LATENT_NORM_EPS = 1e-6  # (HF builds the latents' norms with its RMS norm's default eps, not rms_norm_eps)
+
+
+class LatentAttention(AttentionHeads):
+    """q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa (the latent, then the shared rotating part of
+    the keys), kv_a_layernorm, kv_b_proj (each head's key part without positions, then its value) and o_proj, as HF
+    names them. Under tensor parallelism q_b_proj, kv_b_proj and o_proj are split by heads; the latents' projections
+    are small and every rank computes them whole."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        h, d, p = cfg.num_heads, cfg.hidden_size, cfg.parallel
+        self.rope_dim, self.latent_dim = cfg.rotary_dim, cfg.kv_lora_rank
+        self.nope_dim = self.head_dim - self.rope_dim
+        # (rotated here, the rotating parts alone: `attend` takes q and k as they come)
+        self.rope_table, self.rope_kind = self.rope_kind, None
+        self.interleaved = cfg.rotary_interleaved
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, cfg.norm)
+            self.q_b_proj = ColumnLinear(cfg.q_lora_rank, h * self.head_dim, False, p, units=h)
+        else:
+            self.q_proj = ColumnLinear(d, h * self.head_dim, False, p, units=h)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.latent_dim + self.rope_dim, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS, cfg.norm)
+        self.kv_b_proj = ColumnLinear(self.latent_dim, h * (self.nope_dim + self.value_dim), False, p, units=h)
+        self.o_proj = RowLinear(h * self.value_dim, d, cfg.o_bias, p, units=h)
+
+    out = property(lambda self: self.o_proj)
+
+    def project(
+        self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        """q and k [T, H*d] after rotary, v [T, H*d_v] (`x` [T, d]: no input per head, vlens.capture.names)."""
+        if "q_proj" in self._modules:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(-1, self.heads, self.head_dim).split([self.nope_dim, self.rope_dim], -1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(-1, self.heads, self.nope_dim + self.value_dim)
+        k_nope, v = kv.split([self.nope_dim, self.value_dim], -1)
+        q = torch.cat([q_nope, self._rotated(q_rot, rope)], -1)
+        k = torch.cat([k_nope, self._rotated(k_rot[:, None], rope).expand(-1, self.heads, -1)], -1)
+        return q.flatten(1), k.flatten(1), v.flatten(1), None
+
+    def _rotated(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """[T, heads, rotary_dim] rotated by position: V3's pairs (2i, 2i + 1) laid out by halves first, as HF's
+        rope_interleave rotates them; V2's by pairs in float32 tables, rounded back (HF's complex product)."""
+        cos, sin = rope[self.rope_table]
+        if self.interleaved:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+        return (fused.rotate_pairs if self.rotary_pairs else fused.rotate)(x, cos, sin).to(x.dtype)
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    attention = LatentAttention
+
+
+class DeepseekForCausalLM(CausalLM):
+    layer_class = DeepseekDecoderLayer
