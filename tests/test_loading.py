@@ -342,6 +342,56 @@ def test_config_and_weights_disagree_on_a_shape(tiny, tmp_path):
     assert "mlp" in str(err.value)
 
 
+def _as_fp8(src: Path, dst: Path, block: tuple[int, int]) -> Path:
+    """A copy of the checkpoint as DeepSeek-V3's releases store one: each layer's projection in float8 (E4M3), one
+    float32 scale_inv a block of `block` (the last of a side partial where the block does not divide it), config.json
+    saying so; its dequantised weights, as HF's dequantize=True makes them, in `dst`/"dequantised", unquantised."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_checkpoint(src, dst)
+    weights, plain = load_file(path / "model.safetensors"), {}
+    for key, w in list(weights.items()):
+        if ".layers." not in key or w.dim() != 2:
+            continue
+        (rows, cols), (bm, bn) = w.shape, block
+        grid = torch.nn.functional.pad(w, (0, -cols % bn, 0, -rows % bm)).unflatten(0, (-1, bm)).unflatten(2, (-1, bn))
+        scale = grid.abs().amax(dim=(1, 3)) / 448  # (E4M3's largest)
+        weights[key] = (w / scale.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]).to(
+            torch.float8_e4m3fn)  # fmt: skip
+        weights[key + "_scale_inv"] = scale
+        plain[key] = weights[key].float() * scale.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    dequantised = copy_checkpoint(src, dst / "dequantised")
+    save_file(load_file(src / "model.safetensors") | plain, dequantised / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_fp8_checkpoint_in_blocks_is_dequantised(tiny, tmp_path):
+    """Blocks of 24 x 40 (64 and 96 rows and columns: partial last blocks): the model of the dequantised weights,
+    tap for tap; the weights moved from the originals, as FP8 rounds them."""
+    path = _as_fp8(tiny, tmp_path / "fp8", (24, 40))
+    fp8, plain = LLM(model=str(path), dtype="float32", device="cpu"), LLM(model=str(path / "dequantised"),
+                                                                          dtype="float32", device="cpu")  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(logits(fp8), logits(plain)))
+    original = LLM(model=str(tiny), dtype="float32", device="cpu").model.layers[0].mlp.down_proj.weight
+    moved = (fp8.model.layers[0].mlp.down_proj.weight - original).abs().max()
+    assert 0 < moved < 0.1 * original.abs().max()
+
+
+@pytest.mark.parametrize(("quant", "named"), [({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+                                              ({"quant_method": "fp8"}, "'fp8' without weight_block_size")])
+def test_checkpoint_quantised_otherwise_is_refused(tiny, tmp_path, quant, named):
+    path = copy_checkpoint(tiny, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
+    with pytest.raises(UnsupportedModelError, match=named):
+        vlens.load_model(str(path), dtype="float32", device="cpu")
+
+
 @pytest.mark.parametrize("dtype", ["float64", "fp32", "int8", torch.float64, None])
 def test_bad_dtype(dtype, tiny):
     with pytest.raises(ValueError, match="dtype") as err:

@@ -2,7 +2,9 @@
 
 Everything ends as a safetensors directory read by name into vlens's own model; transformers is used
 only to parse configs, build tokenizers and (once per file) dequantise GGUF. Tensors a checkpoint stores as
-MXFP4 (gpt-oss's experts: `NAME_blocks` and `NAME_scales`) are dequantised as they load.
+MXFP4 (gpt-oss's experts: `NAME_blocks` and `NAME_scales`) or as FP8 in blocks (DeepSeek-V3's, Kimi K2's, the
+"-FP8" releases': `NAME` in float8 and `NAME_scale_inv`, one scale a block of `weight_block_size`) are dequantised as
+they load, as HF's `dequantize=True` does; a checkpoint quantised otherwise is refused by name.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from vlens.config import ModelConfig, supported_architecture
+from vlens.config import ModelConfig, UnsupportedModelError, supported_architecture
 from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers.checkpoint import Slot, checkpoint_slots
 from vlens.models import DecoderLM, build_model
@@ -243,7 +245,25 @@ def read_config(path: Path) -> ModelConfig:
 
     raw = json.loads((path / "config.json").read_text())
     supported_architecture(raw.get("architectures"), raw.get("model_type"))
+    fp8_block(raw)  # (a quantisation vlens does not read: refused before transformers parses anything)
     return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+
+
+def fp8_block(raw: dict) -> tuple[int, int] | None:
+    """The block (rows, columns) of one FP8 scale where config.json's quantization_config says the checkpoint is FP8
+    in blocks; None where it is not quantised or is MXFP4; else an UnsupportedModelError naming what it is."""
+    quant = raw.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method in (None, "mxfp4"):
+        return None
+    if method == "fp8" and quant.get("weight_block_size"):
+        rows, cols = quant["weight_block_size"]
+        return int(rows), int(cols)
+    raise UnsupportedModelError(
+        f"quantization_config: quant_method {method!r}{' without weight_block_size' if method == 'fp8' else ''} is "
+        "not supported; vlens dequantises MXFP4 (gpt-oss) and FP8 in blocks (weight_block_size: DeepSeek-V3's, "
+        "Kimi K2's, the -FP8 releases') as they load; load the unquantised weights otherwise"
+    )
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -280,6 +300,7 @@ def stored_name(key: str, cfg: ModelConfig) -> str:
 
 def load_weights(model: DecoderLM, path: Path) -> None:
     layout = {stored_name(key, model.cfg): slot for key, slot in checkpoint_layout(model).items()}
+    block = fp8_block(json.loads((path / "config.json").read_text()))
     loaded: set[str] = set()
     with contextlib.ExitStack() as files:
         stored: dict[str, Any] = {}  # tensor name -> its open file
@@ -290,7 +311,7 @@ def load_weights(model: DecoderLM, path: Path) -> None:
             if key not in stored and f"{key}_blocks" not in stored:
                 continue
             target = slot.target()
-            tensor = _read(stored, key, slot)
+            tensor = _read(stored, key, slot, block)
             if tensor.shape != target.shape:  # copy_ would broadcast some mismatches silently
                 raise ModelLoadError(
                     f"model: weight {key!r} in {str(path)!r} has shape {tuple(tensor.shape)}, but the "
@@ -305,13 +326,16 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         raise ModelLoadError(f"model: checkpoint {str(path)!r} lacks weights {missing[:5]} ({len(missing)} in all)")
 
 
-def _read(stored: dict[str, Any], key: str, slot: Slot) -> torch.Tensor:
+def _read(stored: dict[str, Any], key: str, slot: Slot, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The checkpoint tensor `key` as its slot takes it: this rank's rows or columns read straight from
-    the file where the stored layout is vlens's, else the whole tensor (dequantised from MXFP4 where it is
-    stored so) transformed, then cut."""
+    the file where the stored layout is vlens's, else the whole tensor (dequantised from MXFP4, or from FP8 in
+    `block`s, where it is stored so) transformed, then cut."""
+    scale = f"{key}_scale_inv"
     if key not in stored:
         blocks, scales = f"{key}_blocks", f"{key}_scales"
         tensor = dequantize_mxfp4(stored[blocks].get_tensor(blocks), stored[scales].get_tensor(scales))
+    elif block is not None and scale in stored:
+        tensor = dequantize_fp8(stored[key].get_tensor(key), stored[scale].get_tensor(scale), block)
     elif slot.transform is None and slot.source is not None and all(isinstance(i, slice) for i in slot.source):
         return stored[key].get_slice(key)[slot.source]
     else:
@@ -336,6 +360,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return out.reshape(*blocks.shape[:2], -1).transpose(1, 2).contiguous()
 
 
+def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[..., rows, cols] FP8 values and [..., ceil(rows / block rows), ceil(cols / block cols)] scales (float, or
+    E8M0 exponents as bytes, biased by 127) -> float32: each value times its block's scale (the last blocks of a
+    side that the block does not divide are partial, as DeepSeek-V3's kv_a_proj_with_mqa, 576 rows)."""
+    s = torch.ldexp(torch.ones(()), scales.to(torch.int32) - 127) if scales.dtype == torch.uint8 else scales.float()
+    rows, cols = weight.shape[-2:]
+    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return weight.float() * s
+
+
 def _tokenizer(path: Path) -> Any | None:
     """The checkpoint's HF tokenizer, or None for weights-only checkpoints (token ids in, ids out)."""
     from transformers import AutoTokenizer
@@ -350,7 +384,8 @@ def keep_float32(net: nn.Module) -> nn.Module:
     HF keeps them (Nemotron 3's router: its weight and score bias)."""
     for module in net.modules():
         for name in getattr(module, "float32_params", ()):
-            setattr(module, name, nn.Parameter(getattr(module, name).float(), requires_grad=False))
+            if getattr(module, name) is not None:  # (DeepSeek-V2's router: no score bias)
+                setattr(module, name, nn.Parameter(getattr(module, name).float(), requires_grad=False))
     return net
 
 
