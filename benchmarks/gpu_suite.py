@@ -417,14 +417,11 @@ def gemma4(rows: dict, root: Path, quick: bool, device: str) -> None:
     narrow, with the released head sizes on CUDA (256 on the sliding layers, 512 on the full ones: the decode
     kernels and the cache at both): `family_check`, capturing a shared layer's rows (layer 4 reads layer 3's keys
     and values)."""
-    try:
-        from transformers import Gemma4TextConfig
-    except ImportError:
-        rows["gemma4"] = {"skipped": f"transformers {transformers.__version__} has no Gemma 4"}
+    if (config_class := _config_class(rows, "gemma4", "Gemma4TextConfig", "Gemma 4")) is None:
         return
     wide = device == "cuda"
     kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    config = Gemma4TextConfig(
+    config = config_class(
         vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 128, num_hidden_layers=6,
         num_attention_heads=2, num_key_value_heads=1, head_dim=256 if wide else 16, global_head_dim=512 if wide else 32,
         sliding_window=32, layer_types=kinds, hidden_size_per_layer_input=64 if wide else 8,
@@ -438,13 +435,10 @@ def qwen3_5(rows: dict, root: Path, quick: bool, device: str) -> None:
     """Qwen 3.5 in 0.8B's layout (three gated delta nets, then gated attention, twice), narrow, with the released
     head sizes on CUDA (256 on the attention layers, 128 on the linear ones): `family_check`, capturing a linear
     layer's output through its state slots, in the decode steps' graphs."""
-    try:
-        from transformers import Qwen3_5TextConfig
-    except ImportError:
-        rows["qwen3_5"] = {"skipped": f"transformers {transformers.__version__} has no Qwen 3.5"}
+    if (config_class := _config_class(rows, "qwen3_5", "Qwen3_5TextConfig", "Qwen 3.5")) is None:
         return
     wide = device == "cuda"
-    config = Qwen3_5TextConfig(
+    config = config_class(
         vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 128, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=256 if wide else 16, linear_num_key_heads=4,
         linear_num_value_heads=8, linear_key_head_dim=128 if wide else 8, linear_value_head_dim=128 if wide else 8,
@@ -457,13 +451,10 @@ def bamba(rows: dict, root: Path, quick: bool, device: str) -> None:
     """Bamba's layout (Mamba 2 mixers, an attention layer among them), narrow, with the released head sizes on CUDA
     (64-dim SSM heads, a 128-wide state, 128-dim attention heads): `family_check`, capturing a Mamba 2 layer's scan
     output through its state slots, in the decode steps' graphs."""
-    try:
-        from transformers import BambaConfig
-    except ImportError:
-        rows["bamba"] = {"skipped": f"transformers {transformers.__version__} has no Bamba"}
+    if (config_class := _config_class(rows, "bamba", "BambaConfig", "Bamba")) is None:
         return
     wide = device == "cuda"
-    config = BambaConfig(
+    config = config_class(
         vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=16 if wide else 4, mamba_d_head=64 if wide else 32,
         mamba_n_groups=1, mamba_d_state=128 if wide else 8, attn_layer_indices=[2], max_position_embeddings=2048,
@@ -484,13 +475,10 @@ def nemotron_h(rows: dict, root: Path, quick: bool, device: str) -> None:
     """Nemotron-H with Nemotron Nano 2's head sizes on CUDA (Mamba 2 heads of 80 dims over 8 groups, a 128-wide state,
     attention heads of 128) and Nemotron 3's experts, narrow: `family_check`, capturing a Mamba 2 layer's scan output
     and an MoE layer's chosen experts through the graphs."""
-    try:
-        from transformers import NemotronHConfig
-    except ImportError:
-        rows["nemotron_h"] = {"skipped": f"transformers {transformers.__version__} has no Nemotron-H"}
+    if (config_class := _config_class(rows, "nemotron_h", "NemotronHConfig", "Nemotron-H")) is None:
         return
     wide = device == "cuda"
-    config = NemotronHConfig(
+    config = config_class(
         vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 96,
         num_attention_heads=4, num_key_value_heads=2, head_dim=128 if wide else 16, mamba_num_heads=16 if wide else 4,
         mamba_head_dim=80 if wide else 32, n_groups=8 if wide else 2, ssm_state_size=128 if wide else 8,
@@ -506,13 +494,10 @@ def falcon_h1(rows: dict, root: Path, quick: bool, device: str) -> None:
     """Falcon-H1 with Falcon-H1-0.5B's head sizes on CUDA (Mamba 2 heads of 64 over one group, a 128-wide state,
     attention heads of 64), its µP multipliers off one, narrow: `family_check`, capturing a layer's two mixers'
     outputs through the graphs."""
-    try:
-        from transformers import FalconH1Config
-    except ImportError:
-        rows["falcon_h1"] = {"skipped": f"transformers {transformers.__version__} has no Falcon-H1"}
+    if (config_class := _config_class(rows, "falcon_h1", "FalconH1Config", "Falcon-H1")) is None:
         return
     wide = device == "cuda"
-    config = FalconH1Config(
+    config = config_class(
         vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 96, num_hidden_layers=4,
         num_attention_heads=8 if wide else 4, num_key_value_heads=2, mamba_d_ssm=1024 if wide else 128,
         mamba_n_heads=16 if wide else 4, mamba_d_head=64 if wide else 32, mamba_n_groups=1,
@@ -527,13 +512,10 @@ def deepseek(rows: dict, root: Path, quick: bool, device: str) -> None:
     """DeepSeek-V3 with its released latent attention sizes on CUDA (a 1536-rank query LoRA, a 512-dim latent, heads of
     128 + 64 dims for queries and keys, 128 for values: padded to 192 in the cache) and grouped routing, narrow:
     `family_check`, capturing a layer's hook_z and an MoE layer's chosen experts through the graphs."""
-    try:
-        from transformers import DeepseekV3Config
-    except ImportError:
-        rows["deepseek"] = {"skipped": f"transformers {transformers.__version__} has no DeepSeek-V3"}
+    if (config_class := _config_class(rows, "deepseek", "DeepseekV3Config", "DeepSeek-V3")) is None:
         return
     wide = device == "cuda"
-    config = DeepseekV3Config(
+    config = config_class(
         vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=1024 if wide else 96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=1536 if wide else 24, kv_lora_rank=512 if wide else 16,
         qk_nope_head_dim=128 if wide else 12, qk_rope_head_dim=64 if wide else 8, v_head_dim=128 if wide else 10,
@@ -542,6 +524,15 @@ def deepseek(rows: dict, root: Path, quick: bool, device: str) -> None:
     )  # fmt: skip
     hooks = ["blocks.1.attn.hook_z", "blocks.1.mlp.hook_expert_ids"]
     rows["deepseek"] = family_check(config, "deepseek-v3-layout", hooks, root, quick, device)
+
+
+def _config_class(rows: dict, section: str, name: str, family: str) -> type | None:
+    """transformers' config class `name`, or None, the section's row saying it was skipped, where this transformers
+    has no `family`."""
+    found = getattr(transformers, name, None)
+    if found is None:
+        rows[section] = {"skipped": f"transformers {transformers.__version__} has no {family}"}
+    return found
 
 
 def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str) -> dict:

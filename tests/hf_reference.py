@@ -663,14 +663,15 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             block = blocks[layer]
             moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(
                 block, "block_sparse_moe", None) or block.mixer  # fmt: skip
-            if hasattr(moe, "use_expert_bias") or hasattr(getattr(moe, "gate", None), "e_score_correction_bias"):
-                weights = logits.sigmoid()
+            bias = getattr(getattr(moe, "gate", None), "e_score_correction_bias", None)  # (MiniMax-M2's: the block's)
+            bias = getattr(moe, "e_score_correction_bias", bias)
+            if hasattr(moe, "use_expert_bias") or bias is not None:
+                weights = logits.float().sigmoid() if cfg.model_type == "minimax_m2" else logits.sigmoid()
             elif getattr(moe, "router", None) is None or cfg.model_type == "jamba":  # (the softmax's top k)
                 weights = logits.float().softmax(-1)
             else:
                 weights = torch.zeros_like(logits).scatter(-1, experts, scores.to(logits.dtype))
             got[f"blocks.{layer}.mlp.hook_expert_weights"] = weights.to(logits.dtype)
-            bias = getattr(getattr(moe, "gate", None), "e_score_correction_bias", None)
             if bias is not None or cfg.model_type == "deepseek_v2":  # (DeepSeek's routers take an unsorted top k:
                 # its experts in vlens's order, by what chose them, their sigmoid plus the bias or their softmax)
                 chosen = (weights if bias is None else weights + bias).gather(-1, experts)

@@ -41,6 +41,7 @@ from test_parity_granite import hybrid_config as granite_hybrid_config
 from test_parity_jamba import jamba_config
 from test_parity_lfm2 import lfm2_config
 from test_parity_mamba import mamba2_config, mamba_config
+from test_parity_minimax_m2 import CONFIGS as MINIMAX_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from test_parity_nemotron_h import nemotron_3_config
 from test_parity_qwen3_5 import next_config
@@ -530,32 +531,35 @@ def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
     return same(a.double(), b.double(), TOL)
 
 
-@pytest.mark.parametrize(
-    "name", ["mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba", "glm4", "glm4_moe", "deepseek_v3", "deepseek_v2"]
-)
+# Layouts test_more_layouts runs (name -> config), and those whose layer 0 is a Mamba mixer and have no MLP
+MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": nemotron_3_config,
+                "falcon_h1": falcon_h1_config, "jamba": jamba_config, "glm4": GLM_CONFIGS["glm4"],
+                "glm4_moe": GLM_CONFIGS["glm4_moe"], "deepseek_v3": DEEPSEEK_CONFIGS["deepseek_v3"],
+                "deepseek_v2": DEEPSEEK_CONFIGS["deepseek_v2_grouped"],
+                "minimax_m2": MINIMAX_CONFIGS["minimax_m2"]}  # fmt: skip
+MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
+
+
+@pytest.mark.parametrize("name", list(MORE_LAYOUTS))
 def test_more_layouts(tmp_path, one_thread, name):
     """Mamba and Mamba 2 (no attention, no MLP, no KV cache: their blocks hold state slots alone), Nemotron 3 (layers
     of a Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone), Falcon-H1 (attention and a
     Mamba 2 mixer side by side, µP multipliers: the projections' per part), Jamba (Mamba's mixers, experts) and GLM-4
     (its sandwich of norms, rotary by pairs, gate and up stored as one tensor), GLM-4.5 (DeepSeek-V3's experts, the
-    float32 router whole on each rank) and DeepSeek-V3 and V2 (latent attention: the latents whole on each rank, the
-    heads' projections from them split; groups of experts) on two ranks, each its heads, one of the
+    float32 router whole on each rank), DeepSeek-V3 and V2 (latent attention: the latents whole on each rank, the
+    heads' projections from them split; groups of experts) and MiniMax-M2 (q/k norms over whole projections, their
+    sums of squares added over the ranks) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""
-    configs = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": nemotron_3_config,
-               "falcon_h1": falcon_h1_config, "jamba": jamba_config, "glm4": GLM_CONFIGS["glm4"],
-               "glm4_moe": GLM_CONFIGS["glm4_moe"], "deepseek_v3": DEEPSEEK_CONFIGS["deepseek_v3"],
-               "deepseek_v2": DEEPSEEK_CONFIGS["deepseek_v2_grouped"]}  # fmt: skip
-    path = build(configs[name](), tmp_path, name)
+    path = build(MORE_LAYOUTS[name](), tmp_path, name)
     one, two = _open(path), _open(path, tensor_parallel_size=N)
     try:
         every, seqs = list(one.hook_names()), sequences()
         for a, b in zip(one.trace(seqs, every), two.trace(seqs, every)):
             assert [hook for hook in every if not _equal(b[hook], a[hook], hook)] == []
-        mlp = name in ("nemotron_3", "falcon_h1", "jamba", "glm4", "glm4_moe", "deepseek_v3", "deepseek_v2")
-        hooks = ["blocks.0.attn.hook_z" if name.startswith(("glm", "deepseek")) else "blocks.0.mamba.hook_*",
-                 "blocks.1.mlp.*" if mlp else "blocks.1.hook_attn_out", "blocks.2.hook_resid_post"]  # fmt: skip
+        hooks = ["blocks.0.mamba.hook_*" if name in MAMBA_FIRST else "blocks.0.attn.hook_z",
+                 "blocks.1.hook_attn_out" if name in NO_MLP else "blocks.1.mlp.*", "blocks.2.hook_resid_post"]  # fmt: skip
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
         prompts = sequences((20, 9, 3))
         _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))

@@ -310,10 +310,14 @@ def _glm4_moe(hf: Any) -> dict[str, Any]:
     """GLM-4.5, 4.6, 4.7 (Glm4Moe): GLM's attention (q/k/v biases, rotary over half of each head, by halves here, not
     pairs), q/k norms head by head where `use_qk_norm`, a dense MLP on the first `first_k_dense_replace` layers and on
     the rest DeepSeek-V3's routed experts beside a shared expert."""
-    return _sigmoid_experts(hf, hf.moe_intermediate_size * hf.n_shared_experts) | dict(
-        qk_norm="head" if hf.use_qk_norm else "",
-        moe_layers=tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers)),
-    )
+    return _dense_then_experts(hf) | dict(qk_norm="head" if hf.use_qk_norm else "")
+
+
+def _dense_then_experts(hf: Any) -> dict[str, Any]:
+    """A dense MLP on the first `first_k_dense_replace` layers, DeepSeek-V3's routed experts beside shared ones (of
+    `n_shared_experts` times an expert's width) on the rest (GLM-4.5, DeepSeek-V3, dots.llm1)."""
+    moe_layers = tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers))
+    return _sigmoid_experts(hf, hf.moe_intermediate_size * hf.n_shared_experts) | dict(moe_layers=moe_layers)
 
 
 def _sigmoid_experts(hf: Any, shared_size: int) -> dict[str, Any]:
@@ -367,17 +371,21 @@ def _deepseek(hf: Any) -> dict[str, Any]:
         fields |= dict(rotary_pairs=True, rope_float32=True)
     if not hf.n_routed_experts:
         return fields
-    shared = hf.moe_intermediate_size * hf.n_shared_experts
-    if v3:
-        fields |= _sigmoid_experts(hf, shared)
-    else:  # (V2's "greedy" or "group_limited_greedy": the groups' scores their best softmax)
-        fields |= dict(num_experts=hf.n_routed_experts, experts_per_token=hf.num_experts_per_tok,
-                       moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=False,
-                       shared_expert_intermediate_size=shared, routed_scaling=float(hf.routed_scaling_factor),
-                       deepseek_moe=True,
-                       expert_groups=_expert_groups(hf) if hf.topk_method == "group_limited_greedy" else (1, 1))
-    fields["moe_layers"] = tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers))
-    return fields
+    experts = _dense_then_experts(hf)
+    if not v3:  # (V2's "greedy" or "group_limited_greedy": the groups' scores their best softmax)
+        experts |= dict(sigmoid_routing=False, expert_bias=False, norm_topk_prob=False,
+                        expert_groups=_expert_groups(hf) if hf.topk_method == "group_limited_greedy" else (1, 1))
+    return fields | experts
+
+
+def _minimax_m2(hf: Any) -> dict[str, Any]:
+    """MiniMax-M2 (M2, M2.1, M2.5): Llama's layer with q/k norms over each whole projection, partial rotary, and on every
+    layer routed experts alone (no shared one) chosen by the float32 sigmoids of the router's logits plus a correction
+    bias per expert, those sigmoids renormalised."""
+    return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True, sigmoid_routing=True,
+                sigmoid_float32=True, expert_bias=True, sigmoid_norm_eps=0.0,
+                moe_layers=(True,) * hf.num_hidden_layers)  # fmt: skip
 
 
 def _mixer_only(hf: Any) -> dict[str, Any]:
@@ -679,6 +687,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
     # GLM-4.5 to 4.7: Llama's layer with GLM's attention (rotary by halves), DeepSeek-V3's experts after dense layers
     "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
+    # MiniMax-M2: OLMoE's q/k norms over the whole projections, partial rotary, experts by float32 sigmoids
+    "MiniMaxM2ForCausalLM": Architecture({"qk_norm": "projection"}, _minimax_m2),
+    # dots.llm1 (rednote): Qwen3's attention, DeepSeek-V3's experts after dense layers
+    "Dots1ForCausalLM": Architecture({"qk_norm": "head"}, _dense_then_experts),
     # DeepSeek-V2, V3 (R1, V3.1, Kimi K2, Moonlight): multi-head latent attention, DeepSeek's experts after dense layers
     "DeepseekV2ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
     "DeepseekV3ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
@@ -806,6 +818,8 @@ MODEL_TYPES = {
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -946,6 +960,7 @@ class ModelConfig:
     # learned bias per expert (`expert_bias`), their scores renormalised (plus `sigmoid_norm_eps`) and times
     # `routed_scaling`; Nemotron 3's the same, its router in float32
     sigmoid_routing: bool = False
+    sigmoid_float32: bool = False  # MiniMax-M2: those sigmoids of the logits (of the model's dtype) in float32
     expert_bias: bool = False
     routed_scaling: float = 1.0
     sigmoid_norm_eps: float = 1e-6

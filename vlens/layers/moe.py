@@ -178,12 +178,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class Routing:
     """How a router's logits [T, E] become each token's k experts and their weights, with the taps there: the
     softmax over every expert, its top k (renormalised where the model says so; gpt-oss: the softmax of the top k
-    logits alone; LFM2-MoE: each expert's sigmoid, the top k of it plus a learned bias), rounded to the logits' dtype
-    where the model does (Qwen-MoE, OLMoE)."""
+    logits alone; LFM2-MoE: each expert's sigmoid, the top k of it plus a learned bias; MiniMax-M2 the same, its
+    sigmoids in float32), rounded to the logits' dtype where the model does (Qwen-MoE, OLMoE)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
-        self.softmax_after_topk, self.sigmoid = cfg.softmax_after_topk, cfg.sigmoid_routing
+        self.softmax_after_topk, self.sigmoid, self.sigmoid_float32 = (cfg.softmax_after_topk, cfg.sigmoid_routing,
+                                                                       cfg.sigmoid_float32)  # fmt: skip
         self.scaling, self.eps = cfg.routed_scaling, cfg.sigmoid_norm_eps
         self.round_weights = cfg.round_routing_weights
         self.groups = cfg.expert_groups
@@ -199,7 +200,8 @@ class Routing:
         rows = rows or logits.dtype
         logits = tap_widened(self.hook_router_logits, logits, rows)
         if self.sigmoid:  # (TransformerLens's expert weights: every expert's score)
-            scores = tap_widened(self.hook_expert_weights, logits.sigmoid(), rows)
+            scores = (logits.float() if self.sigmoid_float32 else logits).sigmoid()
+            scores = tap_widened(self.hook_expert_weights, scores, rows)
             choice = self._in_best_groups(scores if bias is None else scores + bias.float(), float("-inf"))
             ids = choice.topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, ids)
@@ -256,10 +258,10 @@ class NormedRouter(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """`stored_as`: this block's name in checkpoints (Mixtral: block_sparse_moe; HF 5 calls it mlp), and its
-    router's (gpt-oss: router; the rest: gate)."""
+    """`stored_as`: this block's name in checkpoints (Mixtral: block_sparse_moe; HF 5 calls it mlp), its
+    router's (gpt-oss: router; the rest: gate) and, where it is not expert_bias, its bias per expert's."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, stored_as: tuple[str, str], expert_names: tuple[str, str, str]):
+    def __init__(self, cfg: ModelConfig, layer: int, stored_as: tuple[str, ...], expert_names: tuple[str, str, str]):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         if cfg.swiglu_clamp is not None:
@@ -279,13 +281,13 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
-        block, router = self.stored_as
+        block, router, *bias = self.stored_as
         stored = f"{path.rpartition('.')[0]}.{block}"
         slots: dict[str, Slot] = {}
         for name, child in self.named_children():
             slots |= checkpoint_slots(child, f"{stored}.{router if name == 'gate' else name}")
         if self.expert_bias is not None:
-            slots[f"{stored}.expert_bias"] = Slot(self.expert_bias)
+            slots[f"{stored}.{bias[0] if bias else 'expert_bias'}"] = Slot(self.expert_bias)
         return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,9 @@ from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 
-# MoE checkpoints name their block, its router and each expert's gate/up/down projections differently (gpt-oss
-# keeps all experts in one tensor per projection: vlens.layers.moe.ClampedExperts).
+# MoE checkpoints name their block, its router (and, where the block keeps one, its bias per expert: LFM2-MoE's
+# expert_bias, the default, MiniMax-M2's e_score_correction_bias) and each expert's gate/up/down projections
+# differently (gpt-oss keeps all experts in one tensor per projection: vlens.layers.moe.ClampedExperts).
 MOE_CHECKPOINT_NAMES = {
     "MixtralForCausalLM": (("block_sparse_moe", "gate"), ("w1", "w3", "w2")),
     "Qwen2MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
@@ -33,6 +34,7 @@ MOE_CHECKPOINT_NAMES = {
     "Qwen3_5MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Qwen3NextForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Lfm2MoeForCausalLM": (("feed_forward", "gate"), ("w1", "w3", "w2")),
+    "MiniMaxM2ForCausalLM": (("block_sparse_moe", "gate", "e_score_correction_bias"), ("w1", "w3", "w2")),
 }
 
 
