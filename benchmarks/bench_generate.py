@@ -46,6 +46,9 @@ Then a Nemotron-H (--workload nemotron, or all): a random one of 8 layers, each 
 attention layer, 4 MLPs), d=256, the same prompts and steps, against HF generate; and a Mamba 2 layer's hook_z.
 Then a Falcon-H1 (--workload falcon_h1, or all): a random one of 8 layers, attention beside a Mamba 2 mixer in each,
 d=256, the same prompts and steps, against HF generate; and a layer's Mamba 2 hook_z.
+Then a DeepSeek-V3 (--workload deepseek, or all): a random one of 8 layers (latent attention, 4 of 16 experts after a
+dense layer), d=256, the same prompts and steps, against HF generate (which caches the latents and expands them each
+step); and a layer's hook_z.
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
@@ -61,6 +64,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV3Config,
     FalconH1Config,
     Gemma3TextConfig,
     LlamaConfig,
@@ -158,7 +162,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", *RECURRENT, "all"], default="all")
+    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", *FAMILIES, "all"], default="all")
     args = ap.parse_args()
     if args.workload in ("smol", "all"):
         smol(args)
@@ -166,9 +170,9 @@ def main() -> None:
         host_overhead(args)
     if args.workload in ("spread", "all"):
         spread(args)
-    for workload in RECURRENT:
+    for workload in FAMILIES:
         if args.workload in (workload, "all"):
-            recurrent(workload, args.repeats)
+            family_workload(workload, args.repeats)
     if args.workload in ("window", "all"):
         window(args.repeats)
 
@@ -491,8 +495,8 @@ def window(repeats: int, batch: int = 8, context: int = 4000, steps: int = 30) -
     print(f"{'vlens, every key read under the mask':<44}{1000 * t_whole:>10.2f}{t_whole / t_hf:>9.2f}x")
 
 
-# workload -> (what it runs, its model, a tap of a layer that keeps a state, what that layer is)
-RECURRENT = {
+# workload -> (what it runs, its model, a tap of one of its layers, what that layer is)
+FAMILIES = {
     "hybrid": ("random Qwen 3.5, 8 layers (6 linear attention), d=256",
                lambda: random_llama(config=Qwen3_5TextConfig, hidden_size=256, intermediate_size=768,
                                     num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -511,13 +515,19 @@ RECURRENT = {
         config=FalconH1Config, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
         max_position_embeddings=1024), "blocks.2.mamba.hook_z", "a Mamba 2 mixer"),
+    "deepseek": ("random DeepSeek-V3, 8 layers (latent attention; 4 of 16 experts), d=256", lambda: random_llama(
+        config=DeepseekV3Config, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=4, topk_group=2, max_position_embeddings=1024), "blocks.2.attn.hook_z",
+                 "a latent attention layer"),
 }  # fmt: skip
 
 
-def recurrent(workload: str, repeats: int, steps: int = 32) -> None:
-    """A model whose layers are mostly linear attention, or Mamba's: vlens's prompts in chunks and decode steps over
-    its state slots against HF generate over its cache of recurrent states."""
-    what, make, hook, layer = RECURRENT[workload]
+def family_workload(workload: str, repeats: int, steps: int = 32) -> None:
+    """A family's model (layers that keep a state: linear attention, Mamba's; DeepSeek's latent attention): vlens's
+    prompts in chunks and decode steps over its KV cache and state slots against HF generate over its cache."""
+    what, make, hook, layer = FAMILIES[workload]
     llm, hf = make()
     ids = random_prompts(32, 16, 200)
     padded, mask = left_padded(ids)
