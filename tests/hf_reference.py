@@ -115,6 +115,9 @@ LFM2 = replace(
     inputs={"hook_resid_mid": "ffn_norm", "attn.hook_z": "self_attn.out_proj", "mlp.hook_post": "feed_forward.w2"},
     final_norm="model.embedding_norm",
 )
+# Llama 4: Llama's layer, its MLP or experts under feed_forward
+LLAMA4 = replace(LLAMA, outputs=LLAMA.outputs | {"hook_mlp_out": "feed_forward"},
+                 inputs=LLAMA.inputs | {"mlp.hook_post": "feed_forward.down_proj"})  # fmt: skip
 # Where a multimodal model (Gemma 3 4B-27B, Mistral 3, Llava) keeps its text model's modules
 TEXT_MODEL = dict(layers="model.language_model.layers", embed="model.language_model.embed_tokens",
                   final_norm="model.language_model.norm")  # fmt: skip
@@ -160,6 +163,9 @@ FAMILIES = {
     ),
     "lfm2": LFM2,
     "glm4": GLM4,
+    "llama4": LLAMA4,
+    "llama4_multimodal": replace(LLAMA4, layers="language_model.model.layers", embed="language_model.model.embed_tokens",
+                                 final_norm="language_model.model.norm"),  # fmt: skip
     # DeepSeek-V2/V3: Llama's layer; each head's key part without positions and its value from kv_b_proj, the queries
     # from q_b_proj (or q_proj), the rotating parts from the rotary call
     "deepseek": replace(LLAMA, qkv="self_attn.kv_b_proj"),
@@ -270,7 +276,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "granitemoeshared": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
                "nemotron_h": "nemotron_h", "jamba": "bamba",
-               "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}  # fmt: skip
+               "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek",
+               "llama4_text": "llama4", "llama4": "llama4_multimodal"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
     "linear_attention": ({"ln1.hook_out": "norm"}, {}),
@@ -563,6 +570,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, key=p + "hook_per_layer_input": got.__setitem__(key, _rows(a[1]).clone())))
             on_input(block.per_layer_projection, p + "per_layer.hook_post")
             on_output(block.post_per_layer_input_norm, p + "hook_per_layer_out")
+        if name.startswith("llama4") and hasattr(block.self_attn, "qk_norm"):  # (one weightless norm, of q then k)
+            handles.append(block.self_attn.qk_norm.register_forward_hook(
+                lambda m, a, o, key=p + "qk_normed": raw.setdefault(key, []).append(o[0].clone())))
         if hasattr(getattr(block, "self_attn", None), "query_layernorm"):  # (Hunyuan: q, k as its norms leave them)
             on_output(block.self_attn.query_layernorm, p + "q_normed", raw, pick=lambda o: o)
             on_output(block.self_attn.key_layernorm, p + "k_normed", raw, pick=lambda o: o)
@@ -609,7 +619,18 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             if kind == "mlp.hook_post" and hasattr(mlp, "experts") or not attends[layer] and kind.startswith("attn."):
                 continue
             on_input(block.get_submodule(path), p + kind)
-        if hasattr(mlp, "experts"):
+        if hasattr(mlp, "experts") and name.startswith("llama4"):  # (its router gives every expert's score, zeros
+            # but the chosen, then the logits, whose top k chose)
+            def llama4_router(m, a, o, p=p, k=cfg.num_experts_per_tok):
+                scores, logits = _rows(o[0]), _rows(o[1])
+                ids = logits.topk(k, dim=-1).indices
+                raw[p + "router"] = (logits.clone(), scores.gather(-1, ids), ids)
+                got[p + "mlp.hook_router_logits"] = logits.clone()
+                got[p + "mlp.hook_expert_ids"] = got[p + "mlp.hook_expert_indices"] = ids
+
+            handles.append(mlp.router.register_forward_hook(llama4_router))
+            on_input(mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
+        elif hasattr(mlp, "experts"):
             router = getattr(mlp, "router", None) or mlp.gate  # (gpt-oss: router)
             on_output(router, p + "mlp.hook_router_logits", pick=lambda o: o[0])
             on_output(router, p + "mlp.hook_expert_ids", pick=lambda o: o[2])
@@ -751,6 +772,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         else:
             if p + "q_normed" in raw:  # (Hunyuan: its q/k norms after rotary)
                 q, k = (raw[p + f"{x}_normed"][0].transpose(0, 1) for x in ("q", "k"))
+            elif p + "qk_normed" in raw:  # (Llama 4: its norm's two calls, [T, H, d])
+                q, k = raw[p + "qk_normed"]
+            elif rope[layer] and name.startswith("llama4"):  # (its rotary's [B, T, H, d])
+                q, k = (x[0] for x in rotated[sum(rope[:layer])])
             elif rope[layer]:  # (the rotary calls of the layers that have one, in order)
                 q, k = (None if x is None else x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])
                 if name in PARTIAL_ROTARY:  # they rotate the leading dims alone: the rest as projected

@@ -40,6 +40,7 @@ from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_granite import hybrid_config as granite_hybrid_config
 from test_parity_jamba import jamba_config
 from test_parity_lfm2 import lfm2_config
+from test_parity_llama4 import CONFIGS as LLAMA4_CONFIGS
 from test_parity_mamba import mamba2_config, mamba_config
 from test_parity_minimax_m2 import CONFIGS as MINIMAX_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
@@ -536,7 +537,7 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "falcon_h1": falcon_h1_config, "jamba": jamba_config, "glm4": GLM_CONFIGS["glm4"],
                 "glm4_moe": GLM_CONFIGS["glm4_moe"], "deepseek_v3": DEEPSEEK_CONFIGS["deepseek_v3"],
                 "deepseek_v2": DEEPSEEK_CONFIGS["deepseek_v2_grouped"],
-                "minimax_m2": MINIMAX_CONFIGS["minimax_m2"]}  # fmt: skip
+                "minimax_m2": MINIMAX_CONFIGS["minimax_m2"], "llama4": LLAMA4_CONFIGS["llama4"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 
 
@@ -547,8 +548,8 @@ def test_more_layouts(tmp_path, one_thread, name):
     Mamba 2 mixer side by side, µP multipliers: the projections' per part), Jamba (Mamba's mixers, experts) and GLM-4
     (its sandwich of norms, rotary by pairs, gate and up stored as one tensor), GLM-4.5 (DeepSeek-V3's experts, the
     float32 router whole on each rank), DeepSeek-V3 and V2 (latent attention: the latents whole on each rank, the
-    heads' projections from them split; groups of experts) and MiniMax-M2 (q/k norms over whole projections, their
-    sums of squares added over the ranks) on two ranks, each its heads, one of the
+    heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections, their
+    sums of squares added over the ranks) and Llama 4 (experts that read their input weighed) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

@@ -526,6 +526,30 @@ def _ministral3(hf: Any) -> dict[str, Any]:
     return dict(attn_temperature=(beta, rope["original_max_position_embeddings"]) if beta else None)
 
 
+def _llama4(hf: Any) -> dict[str, Any]:
+    """Llama 4 (Scout, Maverick): Llama's layer, rotary by pairs in float32 (HF's complex product) with q/k normed
+    after it (no weight) on the layers that rotate, and on every fourth layer no rotary but a temperature on q; routed
+    experts (the top k logits' sigmoids scaling what each chosen expert reads) beside a shared expert on the
+    `moe_layers`, a wider dense MLP on the rest. Its layers that rotate attend within chunks of `attention_chunk_size`
+    tokens, which vlens does not: its length is capped there (8,192 tokens in the released configs), where chunked and
+    causal attention are the same."""
+    rotating = [bool(r) for r in hf.no_rope_layers]
+    chunk = getattr(hf, "attention_chunk_size", None) if any(rotating) else None
+    return dict(
+        nope_layers=tuple(not r for r in rotating),
+        qk_norm="l2_after_rotary" if hf.use_qk_norm else "",
+        nope_temperature=(float(hf.attn_scale), int(hf.floor_scale)) if hf.attn_temperature_tuning else None,
+        intermediate_size=hf.intermediate_size_mlp,
+        num_experts=hf.num_local_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        shared_expert_intermediate_size=hf.intermediate_size,
+        norm_topk_prob=False,
+        moe_layers=tuple(i in hf.moe_layers for i in range(hf.num_hidden_layers)),
+        max_position_embeddings=min(hf.max_position_embeddings, chunk or hf.max_position_embeddings),
+    )
+
+
 def _cohere(hf: Any) -> dict[str, Any]:
     if getattr(hf, "use_qk_norm", False):  # (a LayerNorm of its own for every head: Command R+)
         raise UnsupportedModelError("use_qk_norm=True is not supported for CohereForCausalLM (per-head q/k LayerNorms)")
@@ -689,6 +713,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
     # MiniMax-M2: OLMoE's q/k norms over the whole projections, partial rotary, experts by float32 sigmoids
     "MiniMaxM2ForCausalLM": Architecture({"qk_norm": "projection"}, _minimax_m2),
+    # Llama 4: rotary by pairs in float32, weightless q/k norms after it, NoPE layers with a temperature, experts that
+    # read their input scaled beside a shared one
+    "Llama4ForCausalLM": Architecture({"family": "llama4", "rotary_pairs": True, "rope_float32": True,
+                                       "sigmoid_after_topk": True, "expert_weights_on_inputs": True}, _llama4,
+                                      windowed=False),  # fmt: skip
     # dots.llm1 (rednote): Qwen3's attention, DeepSeek-V3's experts after dense layers
     "Dots1ForCausalLM": Architecture({"qk_norm": "head"}, _dense_then_experts),
     # DeepSeek-V2, V3 (R1, V3.1, Kimi K2, Moonlight): multi-head latent attention, DeepSeek's experts after dense layers
@@ -795,6 +824,7 @@ TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Qwen3_5MoeForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Lfm2VlForConditionalGeneration": ("model.language_model.", "lm_head."),
+    "Llama4ForConditionalGeneration": ("language_model.model.", "language_model.lm_head."),  # (Scout, Maverick)
 }
 
 # model_type -> architecture, for configs that carry no `architectures` list.
@@ -819,6 +849,7 @@ MODEL_TYPES = {
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -861,6 +892,7 @@ MODEL_TYPES = {
     "jamba": "JambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
+    "llama4": "Llama4ForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
@@ -901,7 +933,8 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     # q and k normalised: "head" head by head (Qwen3, Gemma 3), "head_after_rotary" the same after rotary (Hunyuan),
-    # "projection" all heads together (OLMo), "" not
+    # "l2_after_rotary" head by head with no weight after rotary, on the layers that rotate (Llama 4), "projection" all
+    # heads together (OLMo), "" not
     qk_norm: str = ""
     clip_qkv: float | None = None  # OLMo 1, OLMoE: q, k and v clamped to [-clip, clip] (after the q/k norm)
     stored_fused: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
@@ -938,6 +971,9 @@ class ModelConfig:
     # Ministral 3 (Llama 4's attention temperature): (beta, original context); q times 1 + beta * log(1 + floor(
     # position / original)) after rotary
     attn_temperature: tuple[float, int] | None = None
+    # Llama 4 (attn_temperature_tuning): (attn_scale, floor_scale); on its layers without rotary, q times 1 +
+    # attn_scale * log(1 + floor((position + 1) / floor_scale)) after hook_q, in float32
+    nope_temperature: tuple[float, int] | None = None
     final_softcap: float | None = None  # Gemma 2/3: the same on the logits
     logit_scale: float = 1.0  # Cohere: the logits times this
     # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times `residual_multiplier` before
@@ -952,6 +988,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to one
     softmax_after_topk: bool = False  # gpt-oss: the weights are the softmax of the chosen k logits alone
+    # Llama 4: the weights are the sigmoids of the chosen k logits (in float32, rounded back), and they scale what each
+    # chosen expert reads, not what it gives
+    sigmoid_after_topk: bool = False
+    expert_weights_on_inputs: bool = False
     router_bias: bool = False  # gpt-oss: the router's linear has a bias
     swiglu_clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its experts' clamped SwiGLU (and
     # their biases)

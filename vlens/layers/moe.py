@@ -34,9 +34,11 @@ from vlens.layers.norm import UnscaledRMSNorm
 class Experts(nn.Module):
     def __init__(
         self, num: int, hidden: int, intermediate: int, act: str, names: tuple[str, str, str] | None,
-        parallel: Parallel = SINGLE, bias: bool = False, gated: bool = True,
+        parallel: Parallel = SINGLE, bias: bool = False, gated: bool = True, weigh_inputs: bool = False,
     ):  # fmt: skip
         super().__init__()
+        # (Llama 4's: a chosen expert reads the token times its weight and gives its output as it is)
+        self.weigh_inputs = weigh_inputs
         columns = parallel.units(intermediate)
         n = len(columns)
         # (`gated` False, Nemotron 3's: act(up), no gate; the one projection in gate_up_proj's place)
@@ -91,14 +93,17 @@ class Experts(nn.Module):
         experts = chosen.index_select(0, order)
         ends = (chosen[:, None] == torch.arange(self.gate_up_proj.shape[0], device=x.device)).sum(0).cumsum(0)
         ends = ends.to(torch.int32)  # (a fixed [E] however the tokens chose: no shape depends on the data)
-        rows = x.index_select(0, order // k)
+        rows, weights = x.index_select(0, order // k), weights.reshape(-1).index_select(0, order)[:, None]
+        if self.weigh_inputs:
+            rows = rows * weights
         gate_up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends)
         if self.gate_up_bias is not None:
             gate_up = gate_up + self.gate_up_bias.index_select(0, experts)
         out = F.grouped_mm(self.hidden(gate_up), self.down_proj.transpose(1, 2), offs=ends)
         if self.down_bias is not None and self.parallel.rank == 0:  # (a bias after a split sum: added once)
             out = out + self.down_bias.index_select(0, experts)
-        out = out * weights.reshape(-1).index_select(0, order)[:, None]
+        if not self.weigh_inputs:
+            out = out * weights
         out = torch.empty_like(out).index_copy_(0, order, out)
         return out.view(tokens, k, -1).sum(dim=1, dtype=torch.float32)
 
@@ -110,6 +115,9 @@ class Experts(nn.Module):
         for e in range(self.gate_up_proj.shape[0]):
             weight = (weights * (ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]; a token picks an expert once
             gate_up_bias, down_bias = (None if b is None else b[e] for b in (self.gate_up_bias, self.down_bias))
+            if self.weigh_inputs:  # (an expert not chosen reads zeros, and without biases gives zeros)
+                out += _linear(self.hidden(_linear(x * weight, self.gate_up_proj[e], None)), self.down_proj[e], None)
+                continue
             h = self.hidden(_linear(x, self.gate_up_proj[e], gate_up_bias))
             out += _linear(h, self.down_proj[e], down_bias if first else None) * weight
         return out
@@ -178,13 +186,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class Routing:
     """How a router's logits [T, E] become each token's k experts and their weights, with the taps there: the
     softmax over every expert, its top k (renormalised where the model says so; gpt-oss: the softmax of the top k
-    logits alone; LFM2-MoE: each expert's sigmoid, the top k of it plus a learned bias; MiniMax-M2 the same, its
-    sigmoids in float32), rounded to the logits' dtype where the model does (Qwen-MoE, OLMoE)."""
+    logits alone, Llama 4: their sigmoids; LFM2-MoE: each expert's sigmoid, the top k of it plus a learned bias;
+    MiniMax-M2 the same, its sigmoids in float32), rounded to the logits' dtype where the model does (Qwen-MoE,
+    OLMoE)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
-        self.softmax_after_topk, self.sigmoid, self.sigmoid_float32 = (cfg.softmax_after_topk, cfg.sigmoid_routing,
-                                                                       cfg.sigmoid_float32)  # fmt: skip
+        self.softmax_after_topk, self.sigmoid_after_topk = cfg.softmax_after_topk, cfg.sigmoid_after_topk
+        self.sigmoid, self.sigmoid_float32 = cfg.sigmoid_routing, cfg.sigmoid_float32
         self.scaling, self.eps = cfg.routed_scaling, cfg.sigmoid_norm_eps
         self.round_weights = cfg.round_routing_weights
         self.groups = cfg.expert_groups
@@ -205,9 +214,9 @@ class Routing:
             choice = self._in_best_groups(scores if bias is None else scores + bias.float(), float("-inf"))
             ids = choice.topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, ids)
-        elif self.softmax_after_topk:  # (in the logits' dtype, as HF's gpt-oss)
-            top, ids = logits.topk(self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
+        elif self.softmax_after_topk or self.sigmoid_after_topk:  # (in the logits' dtype, as HF's gpt-oss; Llama 4's
+            top, ids = logits.topk(self.top_k, dim=-1)  # sigmoids in float32, rounded back)
+            weights = torch.softmax(top, dim=-1) if self.softmax_after_topk else top.float().sigmoid().to(top.dtype)
             if tapped(self.hook_expert_weights):  # (TransformerLens's [E]: the chosen k's weights, zeros elsewhere)
                 every = torch.zeros_like(logits).scatter(-1, ids, weights)
                 weights = tap(self.hook_expert_weights, every).gather(-1, ids)

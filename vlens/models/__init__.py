@@ -28,6 +28,7 @@ from vlens.models.llama import (
     HunYuanForCausalLM,
     Starcoder2ForCausalLM,
 )
+from vlens.models.llama4 import Llama4ForCausalLM
 from vlens.models.mamba import MambaForCausalLM
 from vlens.models.nemotron_h import NemotronHForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
@@ -60,6 +61,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "falcon_h1": FalconH1ForCausalLM,
     "granite": GraniteForCausalLM,
     "granite_hybrid": GraniteMoeHybridForCausalLM,
+    "llama4": Llama4ForCausalLM,
     "mamba": MambaForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
 }

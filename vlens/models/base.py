@@ -69,15 +69,21 @@ class AttentionHeads(nn.Module):
         # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
         self.keys_are_values = bool(cfg.keys_are_values) and cfg.keys_are_values[layer] and self.own_kv
         self.kv_shared = any(cfg.kv_layer_at(i) == layer for i in range(layer + 1, cfg.num_layers))
+        nope = bool(cfg.nope_layers) and cfg.nope_layers[layer]  # (SmolLM3's layers without positions)
+        self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim and not nope else None
         if cfg.qk_norm in ("head", "head_after_rotary"):
             setattr(self, self.head_norms[0], make_norm(cfg, self.head_dim))
             if self.own_kv:
                 setattr(self, self.head_norms[1], make_norm(cfg, self.head_dim))
         elif cfg.qk_norm == "projection":
             self.q_norm, self.k_norm = ProjectionNorm(cfg, cfg.num_heads), ProjectionNorm(cfg, cfg.num_kv_heads)
+        elif cfg.qk_norm == "l2_after_rotary" and self.rope_kind is not None:  # (Llama 4: its layers that rotate)
+            self.q_norm, self.k_norm = UnscaledRMSNorm(cfg.norm_eps), UnscaledRMSNorm(cfg.norm_eps)
+        self.norm_after_rotary = cfg.qk_norm == "head_after_rotary" or hasattr(self, "q_norm") and cfg.qk_norm == \
+            "l2_after_rotary"  # fmt: skip
+        # (Llama 4's layers without rotary: q times a temperature that grows with the position)
+        self.nope_temperature = cfg.nope_temperature if nope else None
         self.v_norm = UnscaledRMSNorm(cfg.norm_eps) if cfg.v_norm and self.own_kv else None
-        nope = bool(cfg.nope_layers) and cfg.nope_layers[layer]  # (SmolLM3's layers without positions)
-        self.rope_kind = Rotary.kind(cfg, layer) if cfg.rotary_dim and not nope else None
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
         self.hook_result, self.hook_gate = p + "hook_result", p + "hook_gate"
         self.output_gate = cfg.attn_output_gate
@@ -157,6 +163,10 @@ class AttentionHeads(nn.Module):
             beta, original = self.temperature
             scale = 1 + beta * torch.log(1 + torch.floor(get_context().positions / original))
             q = q * scale[:, None, None].to(q.dtype)
+        if self.nope_temperature is not None:  # (Llama 4: in float32, rounded back, as HF scales its query states)
+            beta, floor_scale = self.nope_temperature
+            scale = torch.log1p(torch.floor((get_context().positions.float() + 1) / floor_scale)) * beta + 1
+            q = (q * scale[:, None, None]).to(q.dtype)
         if self.query_scale is not None:  # (OPT: after hook_q, as HF scales its projection's output)
             q = q * self.query_scale
         z = self.attn(q, k, v)
@@ -168,7 +178,7 @@ class AttentionHeads(nn.Module):
     def _positioned(self, x: torch.Tensor, heads: int, norm: str, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
         """Queries or keys [T, heads * d] -> [T, heads, d], through their per-head norm (`norm`: one of head_norms)
         where there is one and rotated by their positions, in `dtype` (where the layer has rotary); the norm first, or
-        (Hunyuan, "head_after_rotary") last."""
+        (Hunyuan's, "head_after_rotary"; Llama 4's weightless one, "l2_after_rotary") last."""
         x = x.reshape(-1, heads, self.head_dim)
         if self.qk_norm == "head":
             x = getattr(self, norm)(x)
@@ -176,7 +186,7 @@ class AttentionHeads(nn.Module):
             cos, sin = rope[self.rope_kind]
             x = (fused.rotate_pairs if self.rotary_pairs else fused.rotate)(x, cos, sin)
             x = x.to(dtype) if self.rope_float32 else x  # (float32 tables: back to the model's dtype)
-        return getattr(self, norm)(x) if self.qk_norm == "head_after_rotary" else x
+        return getattr(self, norm)(x) if self.norm_after_rotary else x
 
 
 class ResidualBlock(nn.Module):

@@ -1,0 +1,64 @@
+"""Llama 4 (Scout, Maverick: their text model) against HF on tiny random checkpoints: rotary by pairs in float32,
+weightless q/k norms after it on the layers that rotate, every fourth layer without rotary and with its temperature
+on q, routed experts (the top k logits' sigmoids scaling what each chosen expert reads) beside a shared expert on
+every other layer, a wider dense MLP on the rest; the text model of Llama4ForConditionalGeneration; every tap, packed
+against alone, greedy generation; bfloat16; lengths capped at the attention chunk, where chunked attention is causal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_parity import COMMON, GenerationParity, TapParity, build, check_bfloat16_taps, family_fixture, sequences
+from transformers import Llama4Config, Llama4TextConfig
+
+from vlens import LLM
+
+TEXT = COMMON | dict(num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+                     num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, num_hidden_layers=4,
+                     attention_chunk_size=64, floor_scale=4, attn_scale=0.5, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2)  # fmt: skip
+VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vision_output_dim=64,
+              projector_input_dim=64, projector_output_dim=64, image_size=28, patch_size=14)  # fmt: skip
+CONFIGS = {
+    "llama4": lambda: Llama4TextConfig(**TEXT),
+    # (no q/k norms, two experts a token, every layer's experts, no temperature)
+    "llama4_plain": lambda: Llama4TextConfig(**(TEXT | dict(use_qk_norm=False, num_experts_per_tok=2,
+                                                            interleave_moe_layer_step=1,
+                                                            attn_temperature_tuning=False))),  # fmt: skip
+    "llama4_multimodal": lambda: Llama4Config(text_config=TEXT, vision_config=VISION),
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    generation_hooks = ("blocks.1.mlp.hook_expert_ids", "blocks.3.attn.hook_q")
+
+    def required_hooks(self, llm):
+        dense = [] if llm.config.moe_layers[0] else ["blocks.0.mlp.hook_post"]
+        return ["blocks.1.mlp.hook_expert_weights", "blocks.1.mlp.shared_expert.hook_post", *dense]
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, _ = family
+    cfg = llm.config
+    assert cfg.nope_layers == (False, False, False, True) and cfg.rotary_pairs and cfg.rope_float32
+    assert cfg.qk_norm == ("" if name == "llama4_plain" else "l2_after_rotary")
+    assert cfg.nope_temperature == (None if name == "llama4_plain" else (0.5, 4))
+    assert cfg.moe_layers == ((True,) * 4 if name == "llama4_plain" else (False, True, False, True))
+    assert cfg.intermediate_size == 96 and cfg.moe_intermediate_size == cfg.shared_expert_intermediate_size == 32
+    assert cfg.max_position_embeddings == 64 and not cfg.norm_topk_prob
+
+
+def test_bfloat16_taps(tmp_path):
+    check_bfloat16_taps(CONFIGS["llama4"](), tmp_path)
+
+
+def test_past_the_attention_chunk_is_refused(tmp_path):
+    """Chunked attention (the rotating layers' past attention_chunk_size) is not causal attention: the length stops
+    at the chunk, and a longer text is refused by name."""
+    llm = LLM(model=build(CONFIGS["llama4"](), tmp_path, "llama4"), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="65 tokens exceed this model's length, max_model_len=64"):
+        llm.trace(sequences((65,)), hooks="blocks.0.hook_resid_post")
+    rows = llm.trace(sequences((64,)), hooks="blocks.0.hook_resid_post")[0]["blocks.0.hook_resid_post"]
+    assert rows.shape == (64, 64) and torch.isfinite(rows).all()
