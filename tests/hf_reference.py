@@ -164,8 +164,8 @@ FAMILIES = {
     "lfm2": LFM2,
     "glm4": GLM4,
     "llama4": LLAMA4,
-    "llama4_multimodal": replace(LLAMA4, layers="language_model.model.layers", embed="language_model.model.embed_tokens",
-                                 final_norm="language_model.model.norm"),  # fmt: skip
+    "llama4_multimodal": replace(LLAMA4, layers="language_model.model.layers",
+                                 embed="language_model.model.embed_tokens", final_norm="language_model.model.norm"),
     # DeepSeek-V2/V3: Llama's layer; each head's key part without positions and its value from kv_b_proj, the queries
     # from q_b_proj (or q_proj), the rotating parts from the rotary call
     "deepseek": replace(LLAMA, qkv="self_attn.kv_b_proj"),
@@ -639,7 +639,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 lambda m, a, o, key=p + "router": raw.__setitem__(key, tuple(_rows(x).clone() for x in o))))
             if hasattr(mlp, "shared_expert"):
                 on_input(mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
-            elif hasattr(mlp, "shared_experts"):  # (Nemotron 3's)
+            elif getattr(mlp, "shared_experts", None) is not None:  # (Nemotron 3's; ERNIE 4.5's may have none)
                 on_input(mlp.shared_experts.down_proj, p + "mlp.shared_expert.hook_post")
         if hasattr(block, "router"):  # Gemma 4 26B-A4B: experts beside the MLP, each output normed
             on_output(block.router.proj, p + "mlp.hook_router_logits")

@@ -379,9 +379,9 @@ def _deepseek(hf: Any) -> dict[str, Any]:
 
 
 def _minimax_m2(hf: Any) -> dict[str, Any]:
-    """MiniMax-M2 (M2, M2.1, M2.5): Llama's layer with q/k norms over each whole projection, partial rotary, and on every
-    layer routed experts alone (no shared one) chosen by the float32 sigmoids of the router's logits plus a correction
-    bias per expert, those sigmoids renormalised."""
+    """MiniMax-M2 (M2, M2.1, M2.5): Llama's layer with q/k norms over each whole projection, partial rotary, and on
+    every layer routed experts alone (no shared one) chosen by the float32 sigmoids of the router's logits plus a
+    correction bias per expert, those sigmoids renormalised."""
     return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
                 moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True, sigmoid_routing=True,
                 sigmoid_float32=True, expert_bias=True, sigmoid_norm_eps=0.0,
@@ -579,6 +579,22 @@ def _ernie4_5(hf: Any) -> dict[str, Any]:
     return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
 
 
+def _ernie4_5_moe(hf: Any) -> dict[str, Any]:
+    """ERNIE 4.5's MoE models (21B-A3B, 300B-A47B): the dense model's layer with, on every `moe_layer_interval`-th layer
+    from `moe_layer_start_index` to `moe_layer_end_index`, routed experts beside shared ones, chosen by a float32
+    router's softmax plus a correction bias per expert, that softmax's top k renormalised (by at least
+    `moe_norm_min`) and rounded to the model's dtype; `use_bias` gives the unembedding a bias too (not the dense
+    model's)."""
+    start, end, every = hf.moe_layer_start_index, hf.moe_layer_end_index, hf.moe_layer_interval
+    return _ernie4_5(hf) | dict(
+        num_experts=hf.moe_num_experts, experts_per_token=hf.moe_k, moe_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_intermediate_size=hf.moe_intermediate_size * hf.moe_num_shared_experts, deepseek_moe=True,
+        expert_bias=True, routing_norm_min=float(hf.moe_norm_min), round_routing_weights=True,
+        lm_head_bias=bool(hf.use_bias),
+        moe_layers=tuple((i + 1) % every == 0 and start <= i <= end for i in range(hf.num_hidden_layers)),
+    )  # fmt: skip
+
+
 def _hunyuan(hf: Any) -> dict[str, Any]:
     """Hunyuan (Tencent, dense): q/k RMS-normed head by head after rotary; its "dynamic" rope with a fixed `alpha` is a
     larger base (NTK alpha), not HF's length-dependent dynamic rope (which stays refused by name)."""
@@ -704,6 +720,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "HeliumForCausalLM": Architecture({"rotary_pairs": True, "norm": "rms_float", "o_bias": False}, _llama),
     "SeedOssForCausalLM": Architecture({}, _seed_oss),
     "Ernie4_5ForCausalLM": Architecture({"rotary_pairs": True, "rope_float32": True}, _ernie4_5, windowed=False),
+    # ERNIE 4.5's MoE models: its dense layer, experts by a float32 router's softmax plus a correction bias
+    "Ernie4_5_MoeForCausalLM": Architecture({"rotary_pairs": True, "rope_float32": True}, _ernie4_5_moe,
+                                            windowed=False),  # fmt: skip
     "ArceeForCausalLM": Architecture({"family": "arcee"}, _llama),
     # Hunyuan (dense): q/k norms head by head after rotary (query_layernorm, key_layernorm), NTK-alpha rope
     "HunYuanDenseV1ForCausalLM": Architecture({"family": "hunyuan", "qk_norm": "head_after_rotary"}, _hunyuan,
@@ -844,6 +863,7 @@ MODEL_TYPES = {
     "helium": "HeliumForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "arcee": "ArceeForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
@@ -976,6 +996,7 @@ class ModelConfig:
     nope_temperature: tuple[float, int] | None = None
     final_softcap: float | None = None  # Gemma 2/3: the same on the logits
     logit_scale: float = 1.0  # Cohere: the logits times this
+    lm_head_bias: bool = False  # ERNIE 4.5's MoE models (use_bias): the unembedding has a bias
     # Granite: the embeddings times `embedding_multiplier`, each sublayer's output times `residual_multiplier` before
     # the residual add (hook_attn_out and hook_mlp_out are after it: what the stream gets), the logits divided by
     # `logits_scaling`
@@ -996,6 +1017,7 @@ class ModelConfig:
     swiglu_clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its experts' clamped SwiGLU (and
     # their biases)
     round_routing_weights: bool = False  # Qwen-MoE, OLMoE: those weights rounded to the model dtype before use
+    routing_norm_min: float = 0.0  # ERNIE 4.5: the weights renormalised by their sum clamped to at least this
     # LFM2-MoE: each expert's score is the sigmoid of its logit (not a softmax), the top k chosen by score plus a
     # learned bias per expert (`expert_bias`), their scores renormalised (plus `sigmoid_norm_eps`) and times
     # `routed_scaling`; Nemotron 3's the same, its router in float32

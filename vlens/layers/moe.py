@@ -1,10 +1,11 @@
 """Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B, Qwen 3.5's, LFM2-MoE): a linear
 router picks the top-k of E gated experts per token, weighted by their softmax probabilities (renormalised over the
 chosen k where the model says so; gpt-oss: the softmax of the chosen k logits alone; LFM2-MoE: sigmoids, chosen with
-a learned bias per expert; DeepSeek-V2 and V3, Nemotron 3, GLM-4.5: DeepSeek's, `DeepseekMoE`); Qwen2-MoE adds an always-on shared
-expert scaled by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU
-(`ClampedExperts`); Gemma 4's router reads a normed, scaled stream and scales each expert's weight
-(`NormedRouter`), and its experts run beside a dense MLP (vlens.models.gemma4).
+a learned bias per expert; DeepSeek-V2 and V3, Nemotron 3, GLM-4.5, ERNIE 4.5: DeepSeek's, `DeepseekMoE`; Llama 4:
+vlens.models.llama4); Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate. gpt-oss's router and
+experts have biases, and its experts a clamped SwiGLU (`ClampedExperts`); Gemma 4's router reads a normed, scaled
+stream and scales each expert's weight (`NormedRouter`), and its experts run beside a dense MLP
+(vlens.models.gemma4).
 
 Taps: the router's logits [E], TransformerLens's expert weights [E] (an edit there reroutes) and the chosen
 experts [k] (int64, in descending weight order, as torch.topk gives them) — which experts ran is the first thing
@@ -194,7 +195,7 @@ class Routing:
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
         self.softmax_after_topk, self.sigmoid_after_topk = cfg.softmax_after_topk, cfg.sigmoid_after_topk
         self.sigmoid, self.sigmoid_float32 = cfg.sigmoid_routing, cfg.sigmoid_float32
-        self.scaling, self.eps = cfg.routed_scaling, cfg.sigmoid_norm_eps
+        self.scaling, self.eps, self.norm_min = cfg.routed_scaling, cfg.sigmoid_norm_eps, cfg.routing_norm_min
         self.round_weights = cfg.round_routing_weights
         self.groups = cfg.expert_groups
         p = f"blocks.{layer}.mlp."
@@ -227,13 +228,17 @@ class Routing:
                 seen = probabilities.to(rows)
                 edited = tap(self.hook_expert_weights, seen)
                 probabilities = probabilities if edited is seen else edited.float()
-            weights, ids = self._in_best_groups(probabilities, 0.0).topk(self.top_k, dim=-1)
+            choice = self._in_best_groups(probabilities, 0.0)  # (ERNIE 4.5: plus its bias per expert)
+            ids = (choice if bias is None else choice + bias.float()).topk(self.top_k, dim=-1).indices
+            weights = probabilities.gather(-1, ids)
         if self.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (self.eps if self.sigmoid else 0))
+            total = weights.sum(dim=-1, keepdim=True)  # (ERNIE 4.5's: at least norm_min)
+            weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + (self.eps if self.sigmoid
+                                                                                                 else 0))  # fmt: skip
         if self.scaling != 1.0:
             weights = weights * self.scaling
         if self.round_weights:
-            weights = weights.to(logits.dtype)
+            weights = weights.to(rows)
         return weights, tap(self.hook_expert_ids, ids)
 
     def _in_best_groups(self, scores: torch.Tensor, fill: float) -> torch.Tensor:
@@ -308,16 +313,25 @@ class SparseMoE(nn.Module):
 
 
 class Float32Router(nn.Module):
-    """DeepSeek's router (Nemotron 3's, GLM-4.5's), in float32 whatever the model's dtype, as HF keeps it: its weight
-    and, where the model has them (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction bias, which the choice
-    adds to the expert's score."""
+    """DeepSeek's router (Nemotron 3's, GLM-4.5's, ERNIE 4.5's), in float32 whatever the model's dtype, as HF keeps
+    it: its weight and, where the model has them (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction bias,
+    which the choice adds to the expert's score; `bias_stored_as`: the bias's checkpoint name beside the router's (ERNIE
+    4.5 keeps it [1, E] in its block's moe_statics)."""
 
     float32_params = ("weight", "e_score_correction_bias")  # (vlens.loader.keep_float32)
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, bias_stored_as: str = "gate.e_score_correction_bias"):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None
+        self.bias_stored_as = bias_stored_as
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        slots = {f"{path}.weight": Slot(self.weight)}
+        if self.e_score_correction_bias is not None:
+            stored = f"{path.rpartition('.')[0]}.{self.bias_stored_as}"
+            slots[stored] = Slot(self.e_score_correction_bias, transform=lambda t: t.reshape(-1))
+        return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
@@ -325,13 +339,17 @@ class Float32Router(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Routed experts chosen as DeepSeek chooses them (V2: a softmax; V3, Nemotron 3, GLM-4.5: sigmoids plus a
-    correction bias per expert; their top k renormalised and scaled as cfg's routing flags say) from a float32
-    router's logits, beside `shared`, the always-on expert (`shared_experts`); the experts' gate, up and down one
-    tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down alone)."""
+    correction bias per expert; ERNIE 4.5: a softmax plus one; their top k renormalised and scaled as cfg's routing
+    flags say) from a float32 router's logits, beside `shared`, the always-on expert (`shared_experts`; None: none);
+    the experts' gate, up and down one tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down
+    alone). `bias_stored_as`: Float32Router's."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, shared: nn.Module, gated: bool = True):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, shared: nn.Module | None, gated: bool = True,
+        bias_stored_as: str = "gate.e_score_correction_bias",
+    ):  # fmt: skip
         super().__init__()
-        self.gate = Float32Router(cfg)
+        self.gate = Float32Router(cfg, bias_stored_as)
         sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         self.experts = Experts(*sizes, ("gate_proj", "up_proj", "down_proj"), cfg.parallel, gated=gated)
         self.shared_experts = shared
@@ -339,4 +357,5 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.routing(self.gate(x), self.gate.e_score_correction_bias, x.dtype)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
+        out = self.experts(x, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

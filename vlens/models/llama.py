@@ -37,6 +37,9 @@ MOE_CHECKPOINT_NAMES = {
     "MiniMaxM2ForCausalLM": (("block_sparse_moe", "gate", "e_score_correction_bias"), ("w1", "w3", "w2")),
 }
 
+# Where a float32 router's correction bias is stored, relative to its MoE block, where not at gate.* (ERNIE 4.5's)
+ROUTER_BIAS_NAMES = {"Ernie4_5_MoeForCausalLM": "moe_statics.e_score_correction_bias"}
+
 
 class SelfAttention(AttentionHeads):
     """q_proj/k_proj/v_proj (fused into qkv_proj) and o_proj: Llama's, and Gemma's (Gemma 4's full layers have no
@@ -71,7 +74,9 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe_layer(layer) and cfg.deepseek_moe:  # (GLM-4.5's: its shared expert gated as its MLP)
         hook = f"blocks.{layer}.mlp.shared_expert.hook_post"
         sizes = (cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, cfg.mlp_bias)
-        return DeepseekMoE(cfg, layer, GatedMLP(*sizes, hook, parallel=cfg.parallel))
+        shared = GatedMLP(*sizes, hook, parallel=cfg.parallel) if cfg.shared_expert_intermediate_size else None
+        bias = ROUTER_BIAS_NAMES.get(cfg.architecture, "gate.e_score_correction_bias")
+        return DeepseekMoE(cfg, layer, shared, bias_stored_as=bias)
     if cfg.is_moe_layer(layer) and not cfg.experts_beside_mlp:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
         return SparseMoE(cfg, layer, stored_as, expert_names)
@@ -161,7 +166,7 @@ class CausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
         self.model = self.model_class(cfg, self.layer_class)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel, cfg.lm_head_bias)
 
     embed_tokens = property(lambda self: self.model.embed_tokens)
     layers = property(lambda self: self.model.layers)

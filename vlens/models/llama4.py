@@ -33,8 +33,8 @@ class Llama4Experts(Experts):
             gate, up = stored.transpose(1, 2).chunk(2, dim=1)
             return torch.cat([gate[:, columns], up[:, columns]], dim=1)
 
-        return {f"{path}.gate_up_proj": Slot(self.gate_up_proj, transform=gate_up),
-                f"{path}.down_proj": Slot(self.down_proj, transform=lambda w: w[:, columns].transpose(1, 2))}  # fmt: skip
+        down = Slot(self.down_proj, transform=lambda w: w[:, columns].transpose(1, 2))  # [E, I, d] -> [E, d, n]
+        return {f"{path}.gate_up_proj": Slot(self.gate_up_proj, transform=gate_up), f"{path}.down_proj": down}
 
 
 class Llama4MoE(nn.Module):
