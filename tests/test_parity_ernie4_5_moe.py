@@ -23,7 +23,7 @@ family = family_fixture(CONFIGS)
 
 
 class TestParity(TapParity, GenerationParity):
-    generation_hooks = ("blocks.1.mlp.hook_expert_ids", "blocks.1.mlp.hook_expert_weights")
+    generation_hooks = ("blocks.1.mlp.hook_router_logits", "blocks.1.hook_mlp_out")
 
 
 def test_config_is_read_as_intended(family):
