@@ -264,7 +264,7 @@ FAMILIES = {
     ),
 }
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
-               "olmo2": "olmo", "olmo3": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
+               "olmo2": "olmo", "olmo3": "olmo", "flex_olmo": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",

@@ -32,6 +32,7 @@ from transformers import (
     AutoModelForCausalLM,
     GemmaConfig,
     LlamaConfig,
+    MinistralConfig,
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
@@ -64,6 +65,10 @@ CONFIGS = {
         **COMMON, num_key_value_heads=1, head_dim=24, attention_bias=True, mlp_bias=True
     ),
     "mistral_window": lambda: MistralConfig(**COMMON, num_key_value_heads=2, head_dim=8, sliding_window=7),
+    # (Ministral 8B: windows on the first and last layers alone)
+    "ministral_window_layers": lambda: MinistralConfig(**COMMON, num_key_value_heads=2, head_dim=8, sliding_window=7,
+                                                       layer_types=["sliding_attention", "full_attention",
+                                                                    "sliding_attention"]),  # fmt: skip
     "qwen2_tied": lambda: Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2_window_layers": lambda: Qwen2Config(
         **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1
@@ -121,6 +126,7 @@ def test_config_is_read_as_intended(family):
         "llama_linear_tied_mha": {"rope": ("linear", 4.0), "windows": (None,) * 3},
         "llama_mqa_head_dim_biases": {"head_dim": 24, "qkv_bias": True, "o_bias": True, "mlp_bias": True},
         "mistral_window": {"head_dim": 8, "windows": (7, 7, 7)},
+        "ministral_window_layers": {"head_dim": 8, "windows": (7, None, 7)},
         "qwen2_tied": {"qkv_bias": True, "o_bias": False, "windows": (None,) * 3},
         "qwen2_window_layers": {"qkv_bias": True, "windows": (None, 5, 5)},
         "qwen3_head_dim": {"head_dim": 32, "qk_norm": "head", "qkv_bias": False},

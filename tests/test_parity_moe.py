@@ -1,7 +1,7 @@
-"""Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE against HF on tiny random checkpoints: the router's logits and chosen
-experts as taps (int64 ids, through trace and through generation), per-expert checkpoint tensors loaded into
+"""Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and FlexOlmo against HF on tiny random checkpoints: the router's logits and
+chosen experts as taps (int64 ids, through trace and through generation), per-expert checkpoint tensors loaded into
 stacked weights, Qwen2-MoE's shared expert and dense (mlp_only) layers, Qwen3-MoE's per-head q/k norm, OLMoE's q/k
-norm over the whole projection and its clamp of q, k and v."""
+norm over the whole projection and its clamp of q, k and v, FlexOlmo's OLMo 2 post-norms around the experts."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from family_parity import (
     family_fixture,
     sequences,
 )
-from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    FlexOlmoConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from vlens import LLM, Ablate, Capture, Patch, SamplingParams, Steer
 from vlens.layers.moe import grouped_gemm_runs
@@ -59,6 +66,9 @@ CONFIGS = {
     ),
     "olmoe_clipped": lambda: OlmoeConfig(**COMMON, num_key_value_heads=2, num_experts=5, num_experts_per_tok=3,
                                          clip_qkv=0.5),  # fmt: skip
+    # (FlexOlmo: OLMo 2's post-norms around OLMoE's experts)
+    "flex_olmo": lambda: FlexOlmoConfig(**COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                        norm_topk_prob=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 family = family_fixture(CONFIGS)
@@ -85,6 +95,10 @@ def test_config_and_hooks(family):
     if name == "qwen3_moe":
         assert cfg.moe_layers == (True, False, True) and cfg.qk_norm == "head" and cfg.round_routing_weights
         assert shapes["blocks.1.mlp.hook_post"] == (96,) and "blocks.0.mlp.shared_expert.hook_post" not in shapes
+    if name == "flex_olmo":
+        assert (cfg.qk_norm, cfg.post_norms, cfg.pre_norms, cfg.norm, cfg.norm_topk_prob) == ("projection", True, False,
+                                                                                             "rms_float", True)
+        assert cfg.round_routing_weights and "blocks.0.ln1_post.hook_scale" not in shapes
     if name == "olmoe_clipped":
         assert (cfg.qk_norm, cfg.clip_qkv, cfg.norm_topk_prob, cfg.moe_layers) == ("projection", 0.5, False, (True,) * 3)
 

@@ -658,6 +658,13 @@ def _olmoe(hf: Any) -> dict[str, Any]:
     )
 
 
+def _flex_olmo(hf: Any) -> dict[str, Any]:
+    """FlexOlmo (AI2): OLMo 2's layer with OLMoE's experts on every layer (no clamp)."""
+    return dict(num_experts=hf.num_experts, experts_per_token=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
+                moe_layers=(True,) * hf.num_hidden_layers)  # fmt: skip
+
+
 def _gpt_oss(hf: Any) -> dict[str, Any]:
     return dict(
         num_experts=hf.num_local_experts,
@@ -695,6 +702,7 @@ COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True,
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture({}, _llama, windowed=False),
     "MistralForCausalLM": Architecture(NO_BIAS),
+    "MinistralForCausalLM": Architecture(NO_BIAS),  # (Ministral 8B: Mistral's layer, windows on some layers)
     "Ministral3ForCausalLM": Architecture(NO_BIAS, _ministral3),
     "Qwen2ForCausalLM": Architecture({"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": Architecture({"qk_norm": "head"}),
@@ -748,6 +756,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "OlmoeForCausalLM": Architecture({"qk_norm": "projection", "round_routing_weights": True}, _olmoe),
     "Olmo2ForCausalLM": Architecture(OLMO),
     "Olmo3ForCausalLM": Architecture(OLMO),
+    # FlexOlmo: OLMo 2's layer with OLMoE's routed experts
+    "FlexOlmoForCausalLM": Architecture(OLMO | {"round_routing_weights": True}, _flex_olmo),
     # EXAONE 4: OLMo 2's post-norms only, Llama's norm and rotary, q/k norms head by head, NoPE global layers
     "Exaone4ForCausalLM": Architecture(
         {"family": "olmo", "pre_norms": False, "post_norms": True, "qk_norm": "head"}, _exaone4
@@ -850,6 +860,7 @@ TEXT_MODELS = {
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -880,6 +891,7 @@ MODEL_TYPES = {
     "olmoe": "OlmoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "flex_olmo": "FlexOlmoForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",

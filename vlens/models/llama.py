@@ -30,6 +30,7 @@ MOE_CHECKPOINT_NAMES = {
     "Qwen2MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Qwen3MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "OlmoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
+    "FlexOlmoForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "GptOssForCausalLM": (("mlp", "router"), ("", "", "")),
     "Qwen3_5MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Qwen3NextForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
