@@ -268,7 +268,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "mistral3": "llama_multimodal", "llava": "llama_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
-               "stablelm": "stablelm", "gpt_neo": "gpt_neo", "gemma4_text": "gemma4",
+               "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal", "gemma4_text": "gemma4",
                "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",

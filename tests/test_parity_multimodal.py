@@ -1,11 +1,15 @@
-"""The text model of multimodal checkpoints (Mistral Small 3.1/3.2's and Ministral 3's Mistral3ForConditionalGeneration,
-Llava's LlavaForConditionalGeneration, Qwen2.5-VL's and Qwen3-VL's; Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone,
-on tiny random checkpoints: every tap, packed against alone, greedy generation; the text model's tensors read from
-under language_model. (the vision tower left unread), and the composite config's tying and eos followed."""
+"""The text model of multimodal checkpoints (Mistral Small 3.1/3.2's and Ministral 3's
+Mistral3ForConditionalGeneration, Llava's LlavaForConditionalGeneration, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's;
+Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone, on tiny random checkpoints: every
+tap, packed against alone, greedy generation; the text model's tensors read from under language_model. (the vision
+tower left unread), and the composite config's tying and eos followed."""
 
 from __future__ import annotations
 
-from family_parity import COMMON, GenerationParity, TapParity, check_feature_matters, family_fixture
+from pathlib import Path
+
+import torch
+from family_parity import COMMON, GenerationParity, TapParity, build, check_feature_matters, family_fixture, sequences
 from transformers import (
     CLIPVisionConfig,
     LlamaConfig,
@@ -16,7 +20,10 @@ from transformers import (
     PixtralVisionConfig,
     Qwen2_5_VLConfig,
     Qwen3VLConfig,
+    Qwen3VLMoeConfig,
 )
+
+from vlens import LLM
 
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                    "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -51,6 +58,16 @@ CONFIGS = {
                            deepstack_visual_indexes=[0], num_position_embeddings=16),
         image_token_id=299, video_token_id=298, vision_start_token_id=297, eos_token_id=2,
     ),
+    # Qwen3-VL-MoE: Qwen3-MoE's layer, all experts in one tensor per projection (experts 48 wide: 2I = 96, not d = 64,
+    # so the two layouts of the tensors differ in shape); `released` below stores them as the releases do
+    "qwen3_vl_moe": lambda: Qwen3VLMoeConfig(
+        text_config=dict(COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1], rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], num_position_embeddings=16),
+        image_token_id=299, video_token_id=298, vision_start_token_id=297, eos_token_id=2,
+    ),
     "llava_untied": lambda: LlavaConfig(
         text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
         vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, tie_word_embeddings=False,
@@ -72,9 +89,14 @@ def test_config_is_the_text_models(family):
     assert (llm.model.lm_head.weight is llm.model.model.embed_tokens.weight) == cfg.tie_word_embeddings
     if name == "mistral3":
         assert cfg.architecture == "MistralForCausalLM" and cfg.tie_word_embeddings and cfg.eos_token_ids == (2, 7)
+    elif name == "qwen3_vl_moe":
+        assert cfg.architecture == "Qwen3VLMoeTextModel" and cfg.moe_layers == (True, False, True)
+        assert cfg.norm_topk_prob and cfg.round_routing_weights
+        assert cfg.stored_as == ("model.language_model.", "lm_head.")
     elif name.startswith("qwen"):
         assert cfg.architecture == ("Qwen2ForCausalLM" if name == "qwen2_5_vl" else "Qwen3ForCausalLM")
-        assert cfg.stored_as == (("model.", "lm_head.") if name == "qwen2_5_vl" else ("model.language_model.", "lm_head."))
+        text = ("model.", "lm_head.") if name == "qwen2_5_vl" else ("model.language_model.", "lm_head.")
+        assert cfg.stored_as == text
     elif name == "ministral3":
         assert cfg.architecture == "Ministral3ForCausalLM" and cfg.attn_temperature == (0.5, 16)
         assert cfg.rope_scaling["rope_type"] == "yarn"
@@ -86,3 +108,18 @@ def test_ministral3_temperature_is_reached(tmp_path):
     """HF's Ministral 3 without the attention temperature differs: the sequences reach past its original context."""
     config = Ministral3Config(**COMMON, num_key_value_heads=2, rope_parameters=MINISTRAL3_ROPE)
     check_feature_matters(config, tmp_path, rope_parameters=MINISTRAL3_ROPE | {"llama_4_scaling_beta": 0.0})
+
+
+def test_qwen3_vl_moe_experts_as_the_releases_store_them(tmp_path):
+    """Qwen3-VL-MoE's releases keep each projection's experts with the input dimension first ([E, d, 2I], [E, I, d]);
+    transformers 5 saves them the other way round: both load to the same model."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(build(CONFIGS["qwen3_vl_moe"](), tmp_path, "qwen3_vl_moe"))
+    saved = LLM(model=str(path), dtype="float32", device="cpu").trace(sequences()[1:], hooks="unembed.hook_out")
+    weights = load_file(path / "model.safetensors")
+    for key in [k for k in weights if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weights[key] = weights[key].transpose(1, 2).contiguous()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    released = LLM(model=str(path), dtype="float32", device="cpu").trace(sequences()[1:], hooks="unembed.hook_out")
+    assert all(torch.equal(a["unembed.hook_out"], b["unembed.hook_out"]) for a, b in zip(saved, released))

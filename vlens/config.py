@@ -628,13 +628,14 @@ def _mixtral(hf: Any) -> dict[str, Any]:
 
 
 def _qwen_moe(hf: Any) -> dict[str, Any]:
-    """Qwen2-MoE and Qwen3-MoE: experts on every `decoder_sparse_step`-th layer but the `mlp_only_layers`."""
+    """Qwen2-MoE, Qwen3-MoE and Qwen3-VL-MoE's text model: experts on every `decoder_sparse_step`-th layer but the
+    `mlp_only_layers` (Qwen3-VL-MoE's router renormalises its top k always, and has no flag for it)."""
     n, step, dense = hf.num_hidden_layers, hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
     return dict(
         num_experts=hf.num_experts,
         experts_per_token=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size,
-        norm_topk_prob=bool(hf.norm_topk_prob),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
         shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0),
         moe_layers=tuple(i not in dense and hf.num_experts > 0 and (i + 1) % step == 0 for i in range(n)),
     )
@@ -753,6 +754,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Qwen3MoeForCausalLM": Architecture({"qk_norm": "head", "round_routing_weights": True}, _qwen_moe),
+    # Qwen3-VL-MoE's text model (30B-A3B, 235B-A22B): Qwen3-MoE's layer, all experts in one tensor per projection
+    "Qwen3VLMoeTextModel": Architecture({"qk_norm": "head", "round_routing_weights": True}, _qwen_moe),
     "OlmoeForCausalLM": Architecture({"qk_norm": "projection", "round_routing_weights": True}, _olmoe),
     "Olmo2ForCausalLM": Architecture(OLMO),
     "Olmo3ForCausalLM": Architecture(OLMO),
@@ -848,6 +851,7 @@ TEXT_MODELS = {
     "LlavaForConditionalGeneration": LEGACY,
     "Qwen2_5_VLForConditionalGeneration": ("model.", "lm_head."),
     "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
+    "Qwen3VLMoeForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Gemma4ForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Gemma4UnifiedForConditionalGeneration": ("model.language_model.", "lm_head."),  # (Gemma 4 12B)
     "Qwen3_5ForConditionalGeneration": ("model.language_model.", "lm_head."),
@@ -905,6 +909,7 @@ MODEL_TYPES = {
     "llava": "LlavaForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -928,6 +933,7 @@ MODEL_TYPES = {
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe_text": "Qwen3VLMoeTextModel",
     "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neo": "GPTNeoForCausalLM",

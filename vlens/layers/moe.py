@@ -50,19 +50,25 @@ class Experts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(num, hidden)) if bias else None
         self.act = activation(act)
         self.columns, self.parallel = slice(columns.start, columns.stop), parallel
+        self.intermediate = intermediate
         self.names = names  # the checkpoint's names for each expert's gate, up and down projections (None: fused)
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         n = self.columns.stop - self.columns.start
-        if self.names is None:  # (all experts in one tensor per projection, in vlens's own layout: Gemma 4's)
-            columns = self.columns
+        if self.names is None:  # (all experts in one tensor per projection, in vlens's own layout, [E, 2I, d] and
+            # [E, d, I], as Gemma 4's and transformers 5 save them, or the input dimension first, as Qwen3-VL-MoE's
+            # releases hold them; where d = 2I (d = I) the two look alike, and vlens's is taken)
+            columns, full, hidden = self.columns, self.intermediate, self.down_proj.shape[1]
 
-            def gate_up(w: torch.Tensor) -> torch.Tensor:  # [E, 2I, d] -> this rank's gate rows, then its up rows
-                gate, up = w.chunk(2, dim=1)
+            def gate_up(w: torch.Tensor) -> torch.Tensor:  # -> this rank's gate rows, then its up rows
+                gate, up = (w if w.shape[1] == 2 * full else w.transpose(1, 2)).chunk(2, dim=1)
                 return torch.cat([gate[:, columns], up[:, columns]], dim=1)
 
+            def down(w: torch.Tensor) -> torch.Tensor:
+                return (w if w.shape[1] == hidden else w.transpose(1, 2))[..., columns]
+
             return {f"{path}.gate_up_proj": Slot(self.gate_up_proj, transform=gate_up),
-                    f"{path}.down_proj": Slot(self.down_proj, transform=lambda w: w[..., columns])}  # fmt: skip
+                    f"{path}.down_proj": Slot(self.down_proj, transform=down)}  # fmt: skip
         gate, up, down = self.names
         rows, cols = ((self.columns,), (slice(None), self.columns)) if self.parallel.size > 1 else (None, None)
         slots = {}

@@ -29,6 +29,7 @@ MOE_CHECKPOINT_NAMES = {
     "MixtralForCausalLM": (("block_sparse_moe", "gate"), ("w1", "w3", "w2")),
     "Qwen2MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Qwen3MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
+    "Qwen3VLMoeTextModel": (("mlp", "gate"), None),  # (all experts in one tensor per projection)
     "OlmoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "FlexOlmoForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "GptOssForCausalLM": (("mlp", "router"), ("", "", "")),
