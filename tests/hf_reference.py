@@ -641,6 +641,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_input(mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
             elif getattr(mlp, "shared_experts", None) is not None:  # (Nemotron 3's; ERNIE 4.5's may have none)
                 on_input(mlp.shared_experts.down_proj, p + "mlp.shared_expert.hook_post")
+            elif hasattr(mlp, "shared_mlp"):  # (Hunyuan's)
+                on_input(mlp.shared_mlp.down_proj, p + "mlp.shared_expert.hook_post")
         if hasattr(block, "router"):  # Gemma 4 26B-A4B: experts beside the MLP, each output normed
             on_output(block.router.proj, p + "mlp.hook_router_logits")
             for kind, at in (("hook_expert_weights", 0), ("hook_expert_ids", 2), ("hook_expert_indices", 2)):

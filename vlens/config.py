@@ -605,6 +605,19 @@ def _hunyuan(hf: Any) -> dict[str, Any]:
     return fields
 
 
+def _hunyuan_moe(hf: Any) -> dict[str, Any]:
+    """Hunyuan's MoE models (Hunyuan-A13B): the dense model's layer with, on every layer, routed experts chosen by a
+    float32 router's softmax (`gate.wg`), their top k renormalised, beside a shared MLP (`shared_mlp`), all as wide."""
+    if not isinstance(hf.num_experts, int) or not isinstance(hf.moe_topk, int):
+        raise UnsupportedModelError(f"num_experts={hf.num_experts!r}, moe_topk={hf.moe_topk!r}: a number per layer is "
+                                    "not supported for HunYuanMoEV1ForCausalLM (one for every layer is)")  # fmt: skip
+    return _hunyuan(hf) | dict(
+        num_experts=hf.num_experts, experts_per_token=hf.moe_topk, moe_intermediate_size=hf.intermediate_size,
+        shared_expert_intermediate_size=hf.intermediate_size, deepseek_moe=True,
+        moe_layers=(True,) * hf.num_hidden_layers,
+    )
+
+
 def _starcoder2(hf: Any) -> dict[str, Any]:
     bias = bool(hf.use_bias)
     return dict(norm_eps=hf.norm_epsilon, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
@@ -736,6 +749,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Hunyuan (dense): q/k norms head by head after rotary (query_layernorm, key_layernorm), NTK-alpha rope
     "HunYuanDenseV1ForCausalLM": Architecture({"family": "hunyuan", "qk_norm": "head_after_rotary"}, _hunyuan,
                                               windowed=False),  # fmt: skip
+    "HunYuanMoEV1ForCausalLM": Architecture({"family": "hunyuan", "qk_norm": "head_after_rotary"}, _hunyuan_moe,
+                                            windowed=False),  # fmt: skip
     "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
     # GLM-4.5 to 4.7: Llama's layer with GLM's attention (rotary by halves), DeepSeek-V3's experts after dense layers
     "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
@@ -881,6 +896,7 @@ MODEL_TYPES = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "arcee": "ArceeForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",

@@ -19,6 +19,7 @@ and the experts' summed partial outputs are added across the ranks once; the rou
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -319,24 +320,21 @@ class SparseMoE(nn.Module):
 
 
 class Float32Router(nn.Module):
-    """DeepSeek's router (Nemotron 3's, GLM-4.5's, ERNIE 4.5's), in float32 whatever the model's dtype, as HF keeps
-    it: its weight and, where the model has them (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction bias,
-    which the choice adds to the expert's score; `bias_stored_as`: the bias's checkpoint name beside the router's (ERNIE
-    4.5 keeps it [1, E] in its block's moe_statics)."""
+    """DeepSeek's router (Nemotron 3's, GLM-4.5's, ERNIE 4.5's, Hunyuan's), in float32 whatever the model's dtype, as
+    HF keeps it: its weight and, where the model has them (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction
+    bias, which the choice adds to the expert's score (ERNIE 4.5 stores it [1, E])."""
 
     float32_params = ("weight", "e_score_correction_bias")  # (vlens.loader.keep_float32)
 
-    def __init__(self, cfg: ModelConfig, bias_stored_as: str = "gate.e_score_correction_bias"):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None
-        self.bias_stored_as = bias_stored_as
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         slots = {f"{path}.weight": Slot(self.weight)}
         if self.e_score_correction_bias is not None:
-            stored = f"{path.rpartition('.')[0]}.{self.bias_stored_as}"
-            slots[stored] = Slot(self.e_score_correction_bias, transform=lambda t: t.reshape(-1))
+            slots[f"{path}.e_score_correction_bias"] = Slot(self.e_score_correction_bias, transform=torch.ravel)
         return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,18 +346,28 @@ class DeepseekMoE(nn.Module):
     correction bias per expert; ERNIE 4.5: a softmax plus one; their top k renormalised and scaled as cfg's routing
     flags say) from a float32 router's logits, beside `shared`, the always-on expert (`shared_experts`; None: none);
     the experts' gate, up and down one tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down
-    alone). `bias_stored_as`: Float32Router's."""
+    alone). `stored_as`: the checkpoint's names, within the block, of those of its tensors it names otherwise (by
+    vlens's name or a module's: ERNIE 4.5's correction bias in `moe_statics`, Hunyuan's router `gate.wg`)."""
 
     def __init__(
         self, cfg: ModelConfig, layer: int, shared: nn.Module | None, gated: bool = True,
-        bias_stored_as: str = "gate.e_score_correction_bias",
+        stored_as: Mapping[str, str] | None = None,
     ):  # fmt: skip
         super().__init__()
-        self.gate = Float32Router(cfg, bias_stored_as)
+        self.gate = Float32Router(cfg)
+        self.stored_as = dict(stored_as or {})
         sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
         self.experts = Experts(*sizes, ("gate_proj", "up_proj", "down_proj"), cfg.parallel, gated=gated)
         self.shared_experts = shared
         self.routing = Routing(cfg, layer)
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        slots = {}
+        for name, child in self.named_children():
+            for key, slot in checkpoint_slots(child, name).items():
+                ours = next((o for o in self.stored_as if key == o or key.startswith(o + ".")), None)
+                slots[f"{path}.{key if ours is None else self.stored_as[ours] + key[len(ours):]}"] = slot
+        return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.routing(self.gate(x), self.gate.e_score_correction_bias, x.dtype)

@@ -39,8 +39,11 @@ MOE_CHECKPOINT_NAMES = {
     "MiniMaxM2ForCausalLM": (("block_sparse_moe", "gate", "e_score_correction_bias"), ("w1", "w3", "w2")),
 }
 
-# Where a float32 router's correction bias is stored, relative to its MoE block, where not at gate.* (ERNIE 4.5's)
-ROUTER_BIAS_NAMES = {"Ernie4_5_MoeForCausalLM": "moe_statics.e_score_correction_bias"}
+# DeepSeek-style MoE blocks whose checkpoints name some of their tensors otherwise (vlens.layers.moe.DeepseekMoE)
+DEEPSEEK_MOE_NAMES = {
+    "Ernie4_5_MoeForCausalLM": {"gate.e_score_correction_bias": "moe_statics.e_score_correction_bias"},
+    "HunYuanMoEV1ForCausalLM": {"gate.weight": "gate.wg.weight", "shared_experts": "shared_mlp"},
+}
 
 
 class SelfAttention(AttentionHeads):
@@ -77,8 +80,7 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
         hook = f"blocks.{layer}.mlp.shared_expert.hook_post"
         sizes = (cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, cfg.mlp_bias)
         shared = GatedMLP(*sizes, hook, parallel=cfg.parallel) if cfg.shared_expert_intermediate_size else None
-        bias = ROUTER_BIAS_NAMES.get(cfg.architecture, "gate.e_score_correction_bias")
-        return DeepseekMoE(cfg, layer, shared, bias_stored_as=bias)
+        return DeepseekMoE(cfg, layer, shared, stored_as=DEEPSEEK_MOE_NAMES.get(cfg.architecture))
     if cfg.is_moe_layer(layer) and not cfg.experts_beside_mlp:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
         return SparseMoE(cfg, layer, stored_as, expert_names)
