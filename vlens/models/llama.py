@@ -1,8 +1,10 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3; Gemma 1, with its own norm and embedding
-scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers), Phi-3 (the same layer with q/k/v and gate/up fused in its
-checkpoints), the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (the same layer with routed
-experts for its MLP; gpt-oss's attention has sinks), and Apertus and StarCoder2 (the same attention with an MLP that
-is not gated), with every tap written out.
+scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers; Helium, Seed-OSS, ERNIE 4.5, Hunyuan and
+the rest of the variants config flags describe), Phi-3 (the same layer with q/k/v and gate/up fused in its
+checkpoints), the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, MiniMax-M2 and those with DeepSeek's
+experts (GLM-4.5, dots.llm1, ERNIE 4.5's and Hunyuan's MoE models; the same layer with routed experts for its MLP;
+gpt-oss's attention has sinks), and Apertus, Arcee and StarCoder2 (the same attention with an MLP that is not
+gated), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
 `x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
