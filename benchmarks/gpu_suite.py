@@ -36,6 +36,8 @@ slow section costs only itself. Sections:
   falcon_h1 Falcon-H1 with its 0.5B's head sizes and µP multipliers, narrow: the same, a layer's two mixers' outputs
   deepseek  DeepSeek-V3 with its released latent and head sizes (q and k 192, v 128), grouped experts, narrow: the
             same, a layer's hook_z and chosen experts
+  llama4    Llama 4 in Scout's layout (heads of 128, a NoPE layer in four with its temperature, experts that read
+            their input weighed beside a shared one), narrow: the same, a NoPE layer's q and an MoE layer's experts
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -526,6 +528,24 @@ def deepseek(rows: dict, root: Path, quick: bool, device: str) -> None:
     rows["deepseek"] = family_check(config, "deepseek-v3-layout", hooks, root, quick, device)
 
 
+def llama4(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """Llama 4 in Scout's layout on CUDA (heads of 128, rotary by pairs in float32 with weightless q/k norms, every
+    fourth layer without rotary and with its temperature, one of 16 experts a token reading its input weighed, beside
+    a shared one), narrow: `family_check`, capturing a NoPE layer's q and an MoE layer's chosen experts through the
+    graphs."""
+    if (config_class := _config_class(rows, "llama4", "Llama4TextConfig", "Llama 4")) is None:
+        return
+    wide = device == "cuda"
+    config = config_class(
+        vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=256 if wide else 32,
+        intermediate_size_mlp=1024 if wide else 96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=128 if wide else 16, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        attention_chunk_size=2048, floor_scale=64, attn_scale=0.1, max_position_embeddings=2048,
+    )  # fmt: skip
+    hooks = ["blocks.3.attn.hook_q", "blocks.1.mlp.hook_expert_ids"]
+    rows["llama4"] = family_check(config, "llama4-scout-layout", hooks, root, quick, device)
+
+
 def _config_class(rows: dict, section: str, name: str, family: str) -> type | None:
     """transformers' config class `name`, or None, the section's row saying it was skipped, where this transformers
     has no `family`."""
@@ -581,7 +601,8 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
-            "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60, "deepseek": 60}  # fmt: skip
+            "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60, "deepseek": 60,
+            "llama4": 60}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -621,7 +642,7 @@ def main() -> None:
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
     for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
-                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek)):
+                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek), ("llama4", llama4)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))

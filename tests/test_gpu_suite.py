@@ -53,16 +53,16 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     chunked prefill against HF, as on the GPU (graphs off: this is the CPU), every kind of edit on the decode path
     against eager steps; the HookedLM section's
     patching sweeps, steered generate and gradients (the CPU against itself here: the section's code, not its
-    numbers); and Gemma 4 in E2B's layout, Qwen 3.5 in 0.8B's, Bamba's, mamba-130m's, Nemotron-H's, Falcon-H1's and
-    DeepSeek-V3's against HF."""
-    sections = "exact,hooked,gemma4,qwen3_5,bamba,mamba,nemotron_h,falcon_h1,deepseek"
+    numbers); and Gemma 4 in E2B's layout, Qwen 3.5 in 0.8B's, Bamba's, mamba-130m's, Nemotron-H's, Falcon-H1's,
+    DeepSeek-V3's and Llama 4 Scout's against HF."""
+    sections = "exact,hooked,gemma4,qwen3_5,bamba,mamba,nemotron_h,falcon_h1,deepseek,llama4"
     done = _suite(tmp_path, "--sections", sections, "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
     assert "errors" not in rows, rows["errors"]
     assert (rows["device"], rows["gpu"]) == ("cpu", None)
     assert set(rows["seconds"]) == {"exact", "hooked", "gemma4", "qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1",
-                                    "deepseek"}
+                                    "deepseek", "llama4"}
     exact = rows["exact"]
     assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"] and exact["edits_ok"], exact
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
@@ -71,8 +71,8 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     assert [v for k, v in hooked.items() if k.endswith("_grad_rel_err")] == [0.0] * 3
     gemma4 = rows["gemma4"]  # (Gemma 4 in E2B's layout: every tap, a shared layer's rows through generation)
     assert gemma4["ok"] and gemma4["trace_taps"] > 150 and gemma4["greedy_equal"] == "2/2", gemma4
-    for name in ("qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1", "deepseek"):  # (every tap, a linear, Mamba
-        # or latent attention layer's rows through generation)
+    # (every tap; a linear, Mamba, latent attention or NoPE layer's rows through generation)
+    for name in ("qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1", "deepseek", "llama4"):
         assert rows[name]["ok"] and rows[name]["trace_taps"] > 60 and rows[name]["greedy_equal"] == "2/2", rows[name]
 
 
