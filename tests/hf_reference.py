@@ -576,8 +576,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if hasattr(getattr(block, "self_attn", None), "query_layernorm"):  # (Hunyuan: q, k as its norms leave them)
             on_output(block.self_attn.query_layernorm, p + "q_normed", raw, pick=lambda o: o)
             on_output(block.self_attn.key_layernorm, p + "k_normed", raw, pick=lambda o: o)
-        if name == "deepseek":  # (its queries as projected: their no-position dims)
+        if name == "deepseek":  # (its queries as projected: their no-position dims; the latents, normed)
             on_output(getattr(block.self_attn, "q_b_proj", None) or block.self_attn.q_proj, p + "q", raw)
+            on_output(block.self_attn.kv_a_layernorm, p + "attn.hook_kv_latent")
+            if block.self_attn.q_a_layernorm is not None:
+                on_output(block.self_attn.q_a_layernorm, p + "attn.hook_q_latent")
         if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
         if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom" and attends[layer]:

@@ -51,8 +51,9 @@ family = family_fixture(CONFIGS)
 class TestParity(TapParity, GenerationParity):
     generation_hooks = ("blocks.1.mlp.hook_expert_ids", "blocks.2.attn.hook_v")
 
-    def required_hooks(self, llm):
-        return [f"blocks.1.{hook}" for hook in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z",
+    def required_hooks(self, llm):  # (the latents where the model has them: V2-Lite's queries have none)
+        latents = ("attn.hook_q_latent",) * bool(llm.config.q_lora_rank) + ("attn.hook_kv_latent",)
+        return [f"blocks.1.{hook}" for hook in (*latents, "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z",
                                                 "mlp.hook_expert_weights", "mlp.shared_expert.hook_post")]  # fmt: skip
 
 

@@ -60,6 +60,9 @@ BESIDE_MLP = ("mlp.hook_dense_out", *MOE_HOOKS, "mlp.hook_experts_out")
 PER_LAYER_HOOKS = ("hook_per_layer_input", "per_layer.hook_post", "hook_per_layer_out")
 # What a layer that attends to another layer's keys and values (Gemma 4's shared layers) has none of.
 OWN_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "hook_k_input", "hook_v_input")
+# DeepSeek's latent attention: the normed low-rank latents its queries and its keys and values come from (the
+# first where the queries have one), before attn.hook_q
+LATENT_HOOKS = ("attn.hook_q_latent", "attn.hook_kv_latent")
 # Qwen 3.5's gated delta nets, which have these in place of attention's taps (vlens.layers.gated_delta): queries,
 # keys and values after the convolution, the update's rate and log decay per value head, what the queries read, the
 # output gate's input, and the output projection's input (as attn.hook_z is).
@@ -124,7 +127,8 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     (POST_NORMED) before the output each one makes. A layer that attends to another's keys and values (Gemma 4's
     shared layers) has none of its own to tap; per-layer embeddings add their taps before hook_resid_post. A
     linear-attention layer (Qwen 3.5's) has LINEAR_ATTN_HOOKS in place of attention's, a short convolution (LFM2's)
-    CONV_HOOKS, a Mamba or Mamba 2 mixer MAMBA_HOOKS; a gated attention head its gate's input before hook_z. A layer
+    CONV_HOOKS, a Mamba or Mamba 2 mixer MAMBA_HOOKS; a gated attention head its gate's input before hook_z; latent
+    attention (DeepSeek's) its latents, LATENT_HOOKS, before hook_q. A layer
     that is its token mixer alone (Mamba's, some of Nemotron-H's) has no MLP, no ln2 and no hook_resid_mid; one that
     is its MLP alone (Nemotron-H's) has no ln1 and no token mixer's taps. Falcon-H1's layers have a Mamba 2 mixer's taps
     beside attention's, and each one's output (mamba.hook_out, attn.hook_out) before their sum, hook_attn_out."""
@@ -144,6 +148,9 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         ]
     elif cfg.attn_output_gate:
         hooks.insert(hooks.index("attn.hook_z"), "attn.hook_gate")
+    elif cfg.kv_lora_rank:
+        at = hooks.index("attn.hook_q")
+        hooks[at:at] = LATENT_HOOKS if cfg.q_lora_rank else LATENT_HOOKS[1:]
     if cfg.parallel_mixers:  # (Falcon-H1: a Mamba 2 mixer beside attention, run first; each one's output)
         at = hooks.index("attn.hook_q")
         hooks[at:at] = [*MAMBA_HOOKS, "mamba.hook_out"]
@@ -220,6 +227,8 @@ def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) ->
         "attn.hook_attn_scores": (heads, CTX),
         "attn.hook_pattern": (heads, CTX),
         "attn.hook_gate": (heads, dh),
+        "attn.hook_q_latent": (cfg.q_lora_rank,),
+        "attn.hook_kv_latent": (cfg.kv_lora_rank,),
         "attn.hook_z": (heads, cfg.v_head_dim or dh),
         "linear_attn.hook_q": (cfg.linear_key_heads, cfg.linear_key_dim),
         "linear_attn.hook_k": (cfg.linear_key_heads, cfg.linear_key_dim),

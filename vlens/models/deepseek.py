@@ -7,7 +7,9 @@ heads; its value is of its own size, smaller than the keys'. Queries come throug
 (or one projection, V2-Lite's). The engine caches the keys and values the latent expands to, which is what HF's
 attention reads too (HF caches the latent and expands it each step: the same numbers); the values are padded to the
 keys' size there (vlens.layers.attention). The taps are TransformerLens's: hook_q and hook_k per head after rotary,
-their no-position dims first, hook_v and hook_z of the values' size.
+their no-position dims first, hook_v and hook_z of the values' size; and the latents themselves, after their norms
+(attn.hook_q_latent, attn.hook_kv_latent: what a KV cache of MLA would hold, and what an edit there changes in every
+head at once).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlens.capture.names import LATENT_HOOKS
 from vlens.config import ModelConfig
+from vlens.context import tap
 from vlens.layers import fused
 from vlens.layers.linear import ColumnLinear, RowLinear
 from vlens.layers.norm import RMSNorm
@@ -49,6 +53,7 @@ class LatentAttention(AttentionHeads):
         self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS, cfg.norm)
         self.kv_b_proj = ColumnLinear(self.latent_dim, h * (self.nope_dim + self.value_dim), False, p, units=h)
         self.o_proj = RowLinear(h * self.value_dim, d, cfg.o_bias, p, units=h)
+        self.hook_q_latent, self.hook_kv_latent = (f"blocks.{layer}.{hook}" for hook in LATENT_HOOKS)
 
     out = property(lambda self: self.o_proj)
 
@@ -59,10 +64,11 @@ class LatentAttention(AttentionHeads):
         if "q_proj" in self._modules:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(tap(self.hook_q_latent, self.q_a_layernorm(self.q_a_proj(x))))
         q_nope, q_rot = q.view(-1, self.heads, self.head_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(-1, self.heads, self.nope_dim + self.value_dim)
+        latent = tap(self.hook_kv_latent, self.kv_a_layernorm(latent))
+        kv = self.kv_b_proj(latent).view(-1, self.heads, self.nope_dim + self.value_dim)
         k_nope, v = kv.split([self.nope_dim, self.value_dim], -1)
         q = torch.cat([q_nope, self._rotated(q_rot, rope)], -1)
         k = torch.cat([k_nope, self._rotated(k_rot[:, None], rope).expand(-1, self.heads, -1)], -1)
