@@ -2,13 +2,24 @@
 weightless q/k norms after it on the layers that rotate, every fourth layer without rotary and with its temperature
 on q, routed experts (the top k logits' sigmoids scaling what each chosen expert reads) beside a shared expert on
 every other layer, a wider dense MLP on the rest; the text model of Llama4ForConditionalGeneration; every tap, packed
-against alone, greedy generation; bfloat16; lengths capped at the attention chunk, where chunked attention is causal."""
+against alone, greedy generation (under memory pressure too); bfloat16; one compiled graph of a capturing step; lengths
+capped at the attention chunk, where chunked attention is causal."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_parity import COMMON, GenerationParity, TapParity, build, check_bfloat16_taps, family_fixture, sequences
+from family_parity import (
+    COMMON,
+    GenerationParity,
+    TapParity,
+    build,
+    check_bfloat16_taps,
+    check_capturing_step_compiles,
+    check_generation_under_pressure,
+    family_fixture,
+    sequences,
+)
 from transformers import Llama4Config, Llama4TextConfig
 
 from vlens import LLM
@@ -62,3 +73,16 @@ def test_past_the_attention_chunk_is_refused(tmp_path):
         llm.trace(sequences((65,)), hooks="blocks.0.hook_resid_post")
     rows = llm.trace(sequences((64,)), hooks="blocks.0.hook_resid_post")[0]["blocks.0.hook_resid_post"]
     assert rows.shape == (64, 64) and torch.isfinite(rows).all()
+
+
+def test_generation_under_pressure(tmp_path):
+    """Chunked prefill, preemption and emulated decode graphs: the NoPE layers' temperature from the step's positions
+    buffer, the experts' weighed inputs in fixed shapes."""
+    path = build(CONFIGS["llama4"](), tmp_path, "pressure")
+    check_generation_under_pressure(path, 96 * 2 * 2 * 16 * 4 * 4, "blocks.3.attn.hook_q", lengths=(50, 45, 40))
+
+
+def test_a_capturing_step_compiles_whole(tmp_path):
+    """(a chunk of 128: the step's 70-token prompt fits)"""
+    config = Llama4TextConfig(**(TEXT | dict(attention_chunk_size=128)))
+    check_capturing_step_compiles(build(config, tmp_path, "compiled"), "blocks.3.attn.hook_z")
