@@ -202,7 +202,8 @@ class Routing:
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
         self.softmax_after_topk, self.sigmoid_after_topk = cfg.softmax_after_topk, cfg.sigmoid_after_topk
         self.sigmoid, self.sigmoid_float32 = cfg.sigmoid_routing, cfg.sigmoid_float32
-        self.scaling, self.eps, self.norm_min = cfg.routed_scaling, cfg.sigmoid_norm_eps, cfg.routing_norm_min
+        self.scaling, self.norm_min = cfg.routed_scaling, cfg.routing_norm_min
+        self.norm_eps = cfg.sigmoid_norm_eps if cfg.sigmoid_routing else 0.0  # (added to the sum of the top k)
         self.round_weights = cfg.round_routing_weights
         self.groups = cfg.expert_groups
         p = f"blocks.{layer}.mlp."
@@ -240,8 +241,7 @@ class Routing:
             weights = probabilities.gather(-1, ids)
         if self.norm_topk:
             total = weights.sum(dim=-1, keepdim=True)  # (ERNIE 4.5's: at least norm_min)
-            weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + (self.eps if self.sigmoid
-                                                                                                 else 0))  # fmt: skip
+            weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + self.norm_eps)
         if self.scaling != 1.0:
             weights = weights * self.scaling
         if self.round_weights:

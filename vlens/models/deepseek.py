@@ -42,8 +42,8 @@ class LatentAttention(AttentionHeads):
         self.nope_dim = self.head_dim - self.rope_dim
         # (rotated here, the rotating parts alone: `attend` takes q and k as they come)
         self.rope_table, self.rope_kind = self.rope_kind, None
-        self.interleaved = cfg.rotary_interleaved
-        if cfg.q_lora_rank:
+        self.interleaved, self.q_lora = cfg.rotary_interleaved, bool(cfg.q_lora_rank)
+        if self.q_lora:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, cfg.norm)
             self.q_b_proj = ColumnLinear(cfg.q_lora_rank, h * self.head_dim, False, p, units=h)
@@ -61,10 +61,10 @@ class LatentAttention(AttentionHeads):
         self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """q and k [T, H*d] after rotary, v [T, H*d_v] (`x` [T, d]: no input per head, vlens.capture.names)."""
-        if "q_proj" in self._modules:
-            q = self.q_proj(x)
-        else:
+        if self.q_lora:
             q = self.q_b_proj(tap(self.hook_q_latent, self.q_a_layernorm(self.q_a_proj(x))))
+        else:
+            q = self.q_proj(x)
         q_nope, q_rot = q.view(-1, self.heads, self.head_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], -1)
         latent = tap(self.hook_kv_latent, self.kv_a_layernorm(latent))
