@@ -269,7 +269,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal", "gemma4_text": "gemma4",
-               "gemma4": "gemma4_multimodal", "opt": "opt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
+               "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2", "apertus": "apertus",
+               "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
@@ -770,9 +771,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             q = torch.cat([raw[p + "q"].view(t, heads, -1)[..., :nope], q_rot], -1)
             kv = qkv.view(t, heads, nope + cfg.v_head_dim)
             k, v = torch.cat([kv[..., :nope], k_rot.expand(-1, heads, -1)], -1), kv[..., nope:]
-        elif name == "gpt2":
-            q, k, v = (x.view(t, heads, head_dim) for x in qkv.split(cfg.hidden_size, dim=-1))
-        elif name == "bloom":  # (per head: q, k, v)
+        elif name == "gpt2" and getattr(cfg, "multi_query", True):  # ([q | k | v]; multi-query GPTBigCode's k, v
+            sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]  # one head each)
+            q, k, v = (x.view(t, -1, head_dim) for x in qkv.split(sizes, dim=-1))
+        elif name in ("bloom", "gpt2"):  # (per head: q, k, v; GPTBigCode's without multi_query too)
             q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)
         else:
             if p + "q_normed" in raw:  # (Hunyuan: its q/k norms after rotary)

@@ -435,7 +435,8 @@ def _gpt2(hf: Any) -> dict[str, Any]:
     head_dim = hf.hidden_size // hf.num_attention_heads
     return _gpt2_spelling(hf) | dict(
         attn_scale=head_dim**-0.5 if hf.scale_attn_weights else 1.0,
-        attn_scale_inverse_layer=bool(hf.scale_attn_by_inverse_layer_idx),
+        # (GPTBigCode's config has no such flag)
+        attn_scale_inverse_layer=bool(getattr(hf, "scale_attn_by_inverse_layer_idx", False)),
     )
 
 
@@ -835,6 +836,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         _gpt2,
         windowed=False,
     ),
+    # GPTBigCode (SantaCoder, StarCoder 1): GPT-2's model in nn.Linear's layout, one key-value head (multi_query)
+    "GPTBigCodeForCausalLM": Architecture(
+        {"family": "gpt_bigcode", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _gpt2,
+        windowed=False,
+    ),
     # GPT-Neo (and TinyStories): GPT-2's model; q, k, v apart without biases, unscaled scores, local layers
     "GPTNeoForCausalLM": Architecture(
         {"family": "gpt_neo", "learned_positions": True, "qkv_bias": False, "o_bias": True} | LAYER_NORM, _gpt_neo,
@@ -953,6 +959,7 @@ MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_neo": "GPTNeoForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "gptj": "GPTJForCausalLM",
     "opt": "OPTForCausalLM",

@@ -15,6 +15,7 @@ from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
 from vlens.models.glm import Glm4ForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
+from vlens.models.gpt_bigcode import GPTBigCodeForCausalLM
 from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
@@ -48,6 +49,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "glm4": Glm4ForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "gpt_neo": GPTNeoForCausalLM,
+    "gpt_bigcode": GPTBigCodeForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "gptj": GPTJForCausalLM,
     "cohere": CohereForCausalLM,
