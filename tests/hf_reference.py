@@ -244,6 +244,18 @@ FAMILIES = {
         qkv="attn.v_proj",
         final_norm="transformer.ln_f",
     ),
+    # Falcon: its sequential layer under GPT-NeoX's names (family_of: the parallel layers' norms)
+    "falcon": Family(
+        layers="transformer.h",
+        embed="transformer.word_embeddings",
+        attn="self_attention",
+        outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attention",
+                 "ln2.hook_out": "post_attention_layernorm", "hook_mlp_out": "mlp"},  # fmt: skip
+        inputs={"hook_resid_mid": "post_attention_layernorm", "attn.hook_z": "self_attention.dense",
+                "mlp.hook_post": "mlp.dense_4h_to_h"},  # fmt: skip
+        qkv="self_attention.query_key_value",
+        final_norm="transformer.ln_f",
+    ),
     "gpt_neox": Family(
         layers="gpt_neox.layers",
         embed="gpt_neox.embed_in",
@@ -270,7 +282,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
-               "apertus": "apertus", "gemma4_unified_text": "gemma4",
+               "falcon": "falcon", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
@@ -294,7 +306,13 @@ ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "
 
 
 def family_of(hf_model) -> tuple[str, Family]:
-    name = MODEL_TYPES.get(hf_model.config.model_type, "llama")
+    cfg = hf_model.config
+    name = MODEL_TYPES.get(cfg.model_type, "llama")
+    if name == "falcon" and (cfg.parallel_attn or cfg.new_decoder_architecture):  # (no resid_mid; one norm or two)
+        norms = ("ln_attn", "ln_mlp") if (cfg.num_ln_in_parallel_attn or 1) == 2 else ("input_layernorm",) * 2
+        fam = FAMILIES[name]
+        return name, replace(fam, outputs=fam.outputs | {"ln1.hook_out": norms[0], "ln2.hook_out": norms[1]},
+                             inputs={k: v for k, v in fam.inputs.items() if k != "hook_resid_mid"})  # fmt: skip
     return name, FAMILIES[name]
 
 
@@ -793,8 +811,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 q, k = raw[p + "q"].reshape(t, heads, head_dim), raw[p + "k"].reshape(t, kv_heads, head_dim)
             if qkv is None:
                 v = None
-            elif name == "gpt_neox":
-                v = qkv.view(t, heads, 3 * head_dim)[..., 2 * head_dim :]
+            elif name in ("gpt_neox", "falcon"):  # (grouped by key-value head: its queries, its key, its value)
+                v = qkv.view(t, kv_heads, -1, head_dim)[:, :, -1]
             elif name.startswith("gemma4"):  # (v_norm's output, [1, T, H_kv, d])
                 v = qkv[0]
             else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj

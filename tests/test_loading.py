@@ -15,13 +15,13 @@ import torch
 from conftest import rel_err, save_tiny, weight_digests
 from transformers import (
     AutoModelForCausalLM,
-    FalconConfig,
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
     MptConfig,
+    PersimmonConfig,
     Phi3Config,
     Qwen2Config,
 )
@@ -223,7 +223,8 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("config", "arch"),
     [
-        (FalconConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2), "FalconForCausalLM"),
+        (PersimmonConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
+         "PersimmonForCausalLM"),
         (MptConfig(vocab_size=300, d_model=32, n_heads=2, n_layers=1), "MptForCausalLM"),
     ],
 )

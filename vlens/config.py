@@ -502,6 +502,29 @@ def _gptj(hf: Any) -> dict[str, Any]:
     return _gpt2_spelling(hf) | dict(rotary_dim=hf.rotary_dim or hf.hidden_size // hf.num_attention_heads)
 
 
+def _falcon(hf: Any) -> dict[str, Any]:
+    """Falcon: a parallel residual (the new decoder architecture's always) with one norm or two, or a sequential layer;
+    ALiBi (Falcon-RW) and layouts HF cannot run are refused by name."""
+    norms = hf.num_ln_in_parallel_attn or (2 if hf.new_decoder_architecture else 1)
+    for flag, refused in (("alibi", hf.alibi),
+                          ("parallel_attn", not hf.parallel_attn and hf.new_decoder_architecture),
+                          ("num_ln_in_parallel_attn", norms != 1 and not hf.new_decoder_architecture)):  # fmt: skip
+        if refused:
+            raise UnsupportedModelError(f"{flag}={getattr(hf, flag)!r} is not supported for FalconForCausalLM (vlens "
+                                        "runs Falcon 7B's, 40B's, 180B's and Falcon 2's layouts)")  # fmt: skip
+    bias, parallel = bool(hf.bias), bool(hf.parallel_attn or hf.new_decoder_architecture)
+    return dict(
+        intermediate_size=hf.ffn_hidden_size,
+        hidden_act=hf.activation,
+        norm_eps=hf.layer_norm_epsilon,
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bias,
+        parallel_residual=parallel,
+        shared_norm=parallel and norms == 1,
+    )
+
+
 def _phi(hf: Any) -> dict[str, Any]:
     if hf.qk_layernorm:
         raise UnsupportedModelError("qk_layernorm=True is not supported for PhiForCausalLM (no Phi-1, 1.5 or 2 has it)")
@@ -853,6 +876,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     # OPT: GPT-2's layer under its own names, positions two rows down their table, queries scaled as projected
     "OPTForCausalLM": Architecture({"family": "opt", "learned_positions": True, "norm": "layer"}, _opt, windowed=False),
+    # Falcon: GPT-NeoX's parallel residual (one norm or two) with one key-value head or grouped ones, no biases
+    "FalconForCausalLM": Architecture({"family": "falcon"} | LAYER_NORM, _falcon, windowed=False),
     # GPT-J: Phi's parallel residual with one LayerNorm, rotary by pairs over the leading rotary_dim dims, no
     # attention biases, a biased unembedding
     "GPTJForCausalLM": Architecture(
@@ -963,6 +988,7 @@ MODEL_TYPES = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "gptj": "GPTJForCausalLM",
     "opt": "OPTForCausalLM",
+    "falcon": "FalconForCausalLM",
     "bloom": "BloomForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -1045,6 +1071,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     parallel_residual: bool = False  # NeoX: x + attn(ln1(x)) + mlp(ln2(x)); no resid_mid
+    # one norm for both sublayers of that residual (ln2 is ln1): Falcon 7B's and Falcon 2's, as their configs say
+    # (Phi's, GPT-J's and Cohere's layers always have one)
+    shared_norm: bool = False
     num_experts: int = 0  # MoE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss): routed experts per MoE layer
     experts_per_token: int = 0
     moe_intermediate_size: int = 0

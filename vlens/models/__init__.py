@@ -11,6 +11,7 @@ from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.deepseek import DeepseekForCausalLM
+from vlens.models.falcon import FalconForCausalLM
 from vlens.models.gemma import GemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
 from vlens.models.glm import Glm4ForCausalLM
@@ -44,6 +45,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "hunyuan": HunYuanForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "bloom": BloomForCausalLM,
+    "falcon": FalconForCausalLM,
     "gemma": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
     "glm4": Glm4ForCausalLM,

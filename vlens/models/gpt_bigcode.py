@@ -19,8 +19,8 @@ class GPTBigCodeAttention(AttentionHeads):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
         d, h, kv, p = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.parallel
-        order = deinterleave_heads(h) if kv == h else None  # (multi-query: stored as vlens lays it out)
-        transforms = {} if order is None else {"weight": order, "bias": order}
+        order = deinterleave_heads(h, kv)  # (multi-query: one group, [q | k | v] as stored)
+        transforms = {"weight": order, "bias": order}
         parts, units = {"q": d, "k": kv * cfg.head_dim, "v": kv * cfg.head_dim}, {"q": h, "k": kv, "v": kv}
         self.c_attn = FusedLinear(d, parts, cfg.qkv_bias, True, transforms, p, units)
         self.c_proj = RowLinear(d, d, cfg.o_bias, p, units=h)

@@ -20,11 +20,16 @@ from vlens.layers.vocab import LMHead, VocabEmbedding
 from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 
 
-def deinterleave_heads(heads: int) -> Transform:
-    """Rows [h0: q k v, h1: q k v, ...] -> [q: h0 h1 ..., k: ..., v: ...] (weight or bias)."""
+def deinterleave_heads(heads: int, kv_heads: int | None = None) -> Transform:
+    """Rows grouped by key-value head, [g0: its query heads, k, v; g1: ...] -> [q: h0 h1 ..., k: ..., v: ...] (weight
+    or bias): NeoX's [h0: q k v, h1: q k v, ...] where every query head has its own (`kv_heads` None), Falcon's
+    groups where they share one."""
+    groups = kv_heads or heads
+    per = heads // groups  # (query heads a group)
 
     def transform(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        g = t.reshape(groups, per + 2, -1, *t.shape[1:])
+        return torch.cat([g[:, :per].flatten(0, 2), g[:, per].flatten(0, 1), g[:, per + 1].flatten(0, 1)])
 
     return transform
 

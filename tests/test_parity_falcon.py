@@ -1,0 +1,55 @@
+"""Falcon (TII) against HF on tiny random checkpoints, in each of its layouts: the 7B's (a parallel residual with one
+LayerNorm, one key-value head), the 40B's and 180B's (the new decoder architecture: grouped key-value heads, a norm
+for each sublayer), Falcon 2 11B's (the same with one norm) and a sequential layer with biases; every tap, packed
+against alone, greedy generation through the paged cache, bfloat16 bit for bit; ALiBi (Falcon-RW) refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from family_parity import VOCAB, GenerationParity, TapParity, build, check_bfloat16_taps, family_fixture
+from transformers import FalconConfig
+
+from vlens import LLM
+from vlens.config import UnsupportedModelError
+
+FALCON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, ffn_hidden_size=96,
+              max_position_embeddings=128, initializer_range=0.1)  # fmt: skip
+NEW = dict(new_decoder_architecture=True, num_kv_heads=2)
+CONFIGS = {
+    "falcon_7b": lambda: FalconConfig(**FALCON),
+    "falcon_40b": lambda: FalconConfig(**FALCON, **NEW, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "falcon2_11b": lambda: FalconConfig(**FALCON, **NEW, num_ln_in_parallel_attn=1, tie_word_embeddings=False),
+    "sequential_biased": lambda: FalconConfig(**FALCON, parallel_attn=False, multi_query=False, bias=True),
+}
+
+family = family_fixture(CONFIGS)
+
+
+class TestParity(TapParity, GenerationParity):
+    pass
+
+
+def test_config_is_read_as_intended(family):
+    name, _, llm, hf = family
+    cfg = llm.config
+    assert cfg.family == "falcon" and cfg.norm == "layer" and cfg.rotary_dim == 16 and cfg.hidden_act == "gelu"
+    kv = {"falcon_7b": 1, "falcon_40b": 2, "falcon2_11b": 2, "sequential_biased": 4}[name]
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (4, kv, 16, 96)
+    assert cfg.parallel_residual == (name != "sequential_biased")
+    assert cfg.shared_norm == (name in ("falcon_7b", "falcon2_11b"))
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) == (name == "sequential_biased",) * 3
+    assert cfg.rope_theta == (500.0 if name == "falcon_40b" else 10000.0)
+    layer = llm.model.layers[0]
+    assert (layer.ln1 is layer.ln2) == cfg.shared_norm
+    assert (llm.model.lm_head.weight is llm.model.embed_tokens.weight) == hf.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("name", ["falcon_7b", "falcon_40b"])
+def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path, name):
+    check_bfloat16_taps(CONFIGS[name](), tmp_path)
+
+
+def test_alibi_is_refused_by_name(tmp_path):
+    path = build(FalconConfig(**FALCON, alibi=True, parallel_attn=False, multi_query=False), tmp_path, "falcon_rw")
+    with pytest.raises(UnsupportedModelError, match="alibi=True.*FalconForCausalLM"):
+        LLM(model=path, dtype="float32", device="cpu")
