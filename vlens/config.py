@@ -535,6 +535,10 @@ def _llama(hf: Any) -> dict[str, Any]:
     return dict(mlp_bias=bool(hf.mlp_bias))  # the one family whose HF MLP reads it
 
 
+def _nemotron(hf: Any) -> dict[str, Any]:
+    return dict(norm_eps=hf.norm_eps, mlp_bias=bool(hf.mlp_bias))
+
+
 def _smollm3(hf: Any) -> dict[str, Any]:
     """SmolLM3: rotary only on the layers `no_rope_layers` marks 1 (every fourth has none, by default); windows only
     with use_sliding_window."""
@@ -770,6 +774,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Ernie4_5_MoeForCausalLM": Architecture({"rotary_pairs": True, "rope_float32": True}, _ernie4_5_moe,
                                             windowed=False),  # fmt: skip
     "ArceeForCausalLM": Architecture({"family": "arcee"}, _llama),
+    # Nemotron (Minitron 4B and 8B, Nemotron-Mini): Arcee's layer with LayerNorms that scale by 1 + w, partial rotary
+    "NemotronForCausalLM": Architecture({"family": "arcee", "norm": "layer_offset"}, _nemotron, windowed=False),
     # Hunyuan (dense): q/k norms head by head after rotary (query_layernorm, key_layernorm), NTK-alpha rope
     "HunYuanDenseV1ForCausalLM": Architecture({"family": "hunyuan", "qk_norm": "head_after_rotary"}, _hunyuan,
                                               windowed=False),  # fmt: skip
@@ -926,6 +932,7 @@ MODEL_TYPES = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "arcee": "ArceeForCausalLM",
+    "nemotron": "NemotronForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
@@ -1014,7 +1021,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale
     # 1 + w, in float32), "layer" (LayerNorm with bias), "layer_plain" (OLMo 1: no weight or bias, in float32) or
-    # "layer_nobias" (Cohere: a weight and no bias, in float32)
+    # "layer_nobias" (Cohere: a weight and no bias, in float32) or "layer_offset" (Nemotron: LayerNorm scaling by 1 + w)
     norm: str = "rms"
     qkv_bias: bool = False
     o_bias: bool = False

@@ -117,24 +117,30 @@ class UnscaledRMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """`offset` (Nemotron's LayerNorm1P): the scale is 1 + w, w as stored, added in the weight's dtype as HF adds it."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
+
+    def scale_weight(self) -> torch.Tensor:
+        return self.weight + 1.0 if self.offset else self.weight
 
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
-        out = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        weight = self.scale_weight()
+        out = F.layer_norm(x, x.shape[-1:], weight, self.bias, self.eps)
         if tapped(hooks.scale) or tapped(hooks.normalized):
             edited = _centred_taps(x, self.eps, hooks)
             if edited is not None:
-                out = (edited.float() * self.weight.float() + self.bias.float()).to(x.dtype)
+                out = (edited.float() * weight.float() + self.bias.float()).to(x.dtype)
         return tap(hooks.out, out)
 
     def apply_scale(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """This norm with its divisor given (see RMSNorm.apply_scale): x centred, over scale, times the
         weight, without the bias, which is a constant of the norm and belongs to no part of the stream."""
-        return (x - x.mean(-1, keepdim=True)) / scale * self.weight
+        return (x - x.mean(-1, keepdim=True)) / scale * self.scale_weight()
 
 
 class PlainLayerNorm(nn.Module):
@@ -181,8 +187,8 @@ def _centred_taps(x: torch.Tensor, eps: float, hooks: NormHooks) -> torch.Tensor
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     """The model's norm over `dim` features (default: the residual width)."""
     dim = cfg.hidden_size if dim is None else dim
-    if cfg.norm == "layer":
-        return LayerNorm(dim, cfg.norm_eps)
+    if cfg.norm in ("layer", "layer_offset"):
+        return LayerNorm(dim, cfg.norm_eps, cfg.norm == "layer_offset")
     if cfg.norm in ("layer_plain", "layer_nobias"):
         return PlainLayerNorm(cfg.norm_eps, dim if cfg.norm == "layer_nobias" else None)
     return RMSNorm(dim, cfg.norm_eps, cfg.norm)

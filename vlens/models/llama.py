@@ -3,7 +3,7 @@ scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers; Heli
 the rest of the variants config flags describe), Phi-3 (the same layer with q/k/v and gate/up fused in its
 checkpoints), the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, MiniMax-M2 and those with DeepSeek's
 experts (GLM-4.5, dots.llm1, ERNIE 4.5's and Hunyuan's MoE models; the same layer with routed experts for its MLP;
-gpt-oss's attention has sinks), and Apertus, Arcee and StarCoder2 (the same attention with an MLP that is not
+gpt-oss's attention has sinks), and Apertus, Arcee, Nemotron and StarCoder2 (the same attention with an MLP that is not
 gated), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
@@ -140,7 +140,8 @@ class ApertusDecoderLayer(DenseMLPLayer):
 
 
 class ArceeDecoderLayer(DenseMLPLayer):
-    """Arcee (AFM): Llama's layer with an MLP not gated (up, then down), of squared ReLUs."""
+    """Arcee (AFM) and Nemotron: Llama's layer with an MLP not gated (up, then down), of squared ReLUs (Nemotron's
+    norms are LayerNorms that scale by 1 + w, its rotary partial: config flags)."""
 
     names = ("input_layernorm", "post_attention_layernorm", "up_proj", "down_proj")
 
