@@ -525,7 +525,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if (name in ("gpt_neo", "opt", "bloom", "nemotron_h") or cfg.model_type == "jamba"
+    if (name in ("gpt_neo", "opt", "bloom", "nemotron_h") or cfg.model_type == "jamba" or getattr(cfg, "alibi", False)
             or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
@@ -602,8 +602,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(block.self_attn.q_a_layernorm, p + "attn.hook_q_latent")
         if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
-        if (not rope[layer] or name in PARTIAL_ROTARY) and name != "bloom" and attends[layer]:
-            # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's are in its fused qkv)
+        if (not rope[layer] or name in PARTIAL_ROTARY) and name not in ("bloom", "falcon") and attends[layer]:
+            # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's and Falcon's are in its fused
+            # qkv)
             attn = block.get_submodule(fam.attn)
             if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
                 heads_first = lambda o: o.transpose(1, 2)  # noqa: E731 - reads [B, H, T, d])
@@ -792,8 +793,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         elif name == "gpt2" and getattr(cfg, "multi_query", True):  # ([q | k | v]; multi-query GPTBigCode's k, v
             sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]  # one head each)
             q, k, v = (x.view(t, -1, head_dim) for x in qkv.split(sizes, dim=-1))
-        elif name in ("bloom", "gpt2"):  # (per head: q, k, v; GPTBigCode's without multi_query too)
-            q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)
+        elif name in ("bloom", "gpt2") or name == "falcon" and not rope[layer]:  # (per head: q, k, v; GPTBigCode's
+            q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)  # without multi_query too, Falcon-RW's)
         else:
             if p + "q_normed" in raw:  # (Hunyuan: its q/k norms after rotary)
                 q, k = (raw[p + f"{x}_normed"][0].transpose(0, 1) for x in ("q", "k"))

@@ -33,9 +33,11 @@ from server_helpers import vlens_serve
 from test_parity_bamba import bamba_config
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_deepseek import CONFIGS as DEEPSEEK_CONFIGS
+from test_parity_falcon import CONFIGS as FALCON_CONFIGS
 from test_parity_falcon_h1 import falcon_h1_config
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
 from test_parity_glm import CONFIGS as GLM_CONFIGS
+from test_parity_gpt_bigcode import CONFIGS as BIGCODE_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_granite import hybrid_config as granite_hybrid_config
 from test_parity_jamba import jamba_config
@@ -537,7 +539,9 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "falcon_h1": falcon_h1_config, "jamba": jamba_config, "glm4": GLM_CONFIGS["glm4"],
                 "glm4_moe": GLM_CONFIGS["glm4_moe"], "deepseek_v3": DEEPSEEK_CONFIGS["deepseek_v3"],
                 "deepseek_v2": DEEPSEEK_CONFIGS["deepseek_v2_grouped"],
-                "minimax_m2": MINIMAX_CONFIGS["minimax_m2"], "llama4": LLAMA4_CONFIGS["llama4"]}  # fmt: skip
+                "minimax_m2": MINIMAX_CONFIGS["minimax_m2"], "llama4": LLAMA4_CONFIGS["llama4"],
+                "gpt_bigcode": BIGCODE_CONFIGS["multi_query"], "falcon_40b": FALCON_CONFIGS["falcon_40b"],
+                "falcon_rw": FALCON_CONFIGS["falcon_rw"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 
 
@@ -549,7 +553,9 @@ def test_more_layouts(tmp_path, one_thread, name):
     (its sandwich of norms, rotary by pairs, gate and up stored as one tensor), GLM-4.5 (DeepSeek-V3's experts, the
     float32 router whole on each rank), DeepSeek-V3 and V2 (latent attention: the latents whole on each rank, the
     heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections, their
-    sums of squares added over the ranks) and Llama 4 (experts that read their input weighed) on two ranks, each its heads, one of the
+    sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one key-value
+    head, on every rank), Falcon 40B (query_key_value's groups) and Falcon-RW (ALiBi's rounded slopes, three heads'
+    a rank) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

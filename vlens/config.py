@@ -504,14 +504,13 @@ def _gptj(hf: Any) -> dict[str, Any]:
 
 def _falcon(hf: Any) -> dict[str, Any]:
     """Falcon: a parallel residual (the new decoder architecture's always) with one norm or two, or a sequential layer;
-    ALiBi (Falcon-RW) and layouts HF cannot run are refused by name."""
+    rotary positions or (Falcon-RW) ALiBi; layouts HF cannot run are refused by name."""
     norms = hf.num_ln_in_parallel_attn or (2 if hf.new_decoder_architecture else 1)
-    for flag, refused in (("alibi", hf.alibi),
-                          ("parallel_attn", not hf.parallel_attn and hf.new_decoder_architecture),
+    for flag, refused in (("parallel_attn", not hf.parallel_attn and hf.new_decoder_architecture),
                           ("num_ln_in_parallel_attn", norms != 1 and not hf.new_decoder_architecture)):  # fmt: skip
         if refused:
             raise UnsupportedModelError(f"{flag}={getattr(hf, flag)!r} is not supported for FalconForCausalLM (vlens "
-                                        "runs Falcon 7B's, 40B's, 180B's and Falcon 2's layouts)")  # fmt: skip
+                                        "runs Falcon 7B's, 40B's, 180B's, Falcon 2's and Falcon-RW's layouts)")
     bias, parallel = bool(hf.bias), bool(hf.parallel_attn or hf.new_decoder_architecture)
     return dict(
         intermediate_size=hf.ffn_hidden_size,
@@ -522,6 +521,9 @@ def _falcon(hf: Any) -> dict[str, Any]:
         mlp_bias=bias,
         parallel_residual=parallel,
         shared_norm=parallel and norms == 1,
+        alibi=bool(hf.alibi),
+        alibi_rounded=bool(hf.alibi),
+        rotary_dim=0 if hf.alibi else hf.hidden_size // hf.num_attention_heads,
     )
 
 
@@ -1040,6 +1042,7 @@ class ModelConfig:
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
     alibi: bool = False  # BLOOM: no position embedding; each head's scores plus its slope times the key's position
+    alibi_rounded: bool = False  # Falcon-RW: those products rounded to bfloat16, over sqrt(head_dim), as HF's
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
     pre_norms: bool = True  # a norm before attention and before the MLP (ln1, ln2); OLMo 2/3 have none
     post_norms: bool = False  # each sublayer's output normalised before the residual add (Gemma: ln1_post, ln2_post;

@@ -50,17 +50,19 @@ class Attention(nn.Module):
         reads_kv_of: int | None = None,
         alibi_heads: int = 0,
         value_dim: int | None = None,
+        alibi_rounded: bool = False,
     ):
         """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them).
         `reads_kv_of`: the earlier layer whose keys and values this one attends to (Gemma 4's shared layers: the
         engine binds that layer's cache here, and this layer never writes it); None: its own. `alibi_heads`: the
-        model's heads, where its scores have ALiBi's biases (BLOOM); 0: none. `value_dim`: the values' head size where
-        it is less than the queries' and keys' (DeepSeek's latent attention): the values are padded with zeros to
-        theirs, in the cache and for the backends, and the output cut back, as HF pads them for flash attention (the
-        SDPA backend cuts them back first, as HF's SDPA takes them)."""
+        model's heads, where its scores have ALiBi's biases (BLOOM); 0: none; `alibi_rounded`: Falcon-RW's, the slopes
+        and their products rounded to bfloat16, over sqrt(head_dim), as HF's Falcon builds them. `value_dim`: the
+        values' head size where it is less than the queries' and keys' (DeepSeek's latent attention): the values are
+        padded with zeros to theirs, in the cache and for the backends, and the output cut back, as HF pads them for
+        flash attention (the SDPA backend cuts them back first, as HF's SDPA takes them)."""
         super().__init__()
         self.reads_kv_of = reads_kv_of
-        self.alibi, self.alibi_heads = alibi_heads > 0, alibi_heads
+        self.alibi, self.alibi_heads, self.alibi_rounded = alibi_heads > 0, alibi_heads, alibi_rounded
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.value_dim = value_dim or head_dim
         self.value_pad = head_dim - self.value_dim
@@ -77,11 +79,14 @@ class Attention(nn.Module):
     def alibi_bias(self, keys: int, device: torch.device) -> torch.Tensor:
         """[heads, 1, keys]: what ALiBi adds to this layer's (this rank's) heads' scores of keys 0 .. keys - 1, each
         head's slope times the key's position, as HF's BLOOM builds it (in float32; the rows' scores differ from
-        relative distances by a constant per row, which the softmax ignores). Made on the device per call: a few
-        small kernels, no buffer for the meta-device build to leave empty."""
+        relative distances by a constant per row, which the softmax ignores) or Falcon-RW's (`alibi_rounded`). Made on
+        the device per call: a few small kernels, no buffer for the meta-device build to leave empty."""
         heads = self.rank_heads if self.rank_heads is not None else range(self.num_heads)
-        return (alibi_slopes(self.alibi_heads, heads, device)[:, None, None] *
-                torch.arange(keys, device=device, dtype=torch.float32))  # fmt: skip
+        slopes = alibi_slopes(self.alibi_heads, heads, device)[:, None, None]
+        if self.alibi_rounded:
+            products = slopes.bfloat16() * torch.arange(keys, device=device)  # (bfloat16, as HF's product is)
+            return products.float() / math.sqrt(self.head_dim)
+        return slopes * torch.arange(keys, device=device, dtype=torch.float32)
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         if self.sinks is None:

@@ -62,6 +62,7 @@ class AttentionHeads(nn.Module):
         self.attn = Attention(
             self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
             rank_heads, None if self.own_kv else self.kv_layer, cfg.num_heads if cfg.alibi else 0, self.value_dim,
+            cfg.alibi_rounded,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         self.rotary_pairs, self.temperature, self.query_scale = cfg.rotary_pairs, cfg.attn_temperature, cfg.query_scale
