@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
+from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 from vlens.capture.names import CTX
 
@@ -244,6 +245,16 @@ FAMILIES = {
         qkv="attn.v_proj",
         final_norm="transformer.ln_f",
     ),
+    "mpt": Family(  # GPT-2's layer under MPT's names; its MLP module returns its output summed with the residual
+        layers="transformer.blocks",
+        embed="transformer.wte",
+        attn="attn",
+        outputs={"ln1.hook_out": "norm_1", "hook_attn_out": "attn", "ln2.hook_out": "norm_2",
+                 "hook_mlp_out": "ffn.down_proj"},  # fmt: skip
+        inputs={"hook_resid_mid": "norm_2", "attn.hook_z": "attn.out_proj", "mlp.hook_post": "ffn.down_proj"},
+        qkv="attn.Wqkv",
+        final_norm="transformer.norm_f",
+    ),
     # Falcon: its sequential layer under GPT-NeoX's names (family_of: the parallel layers' norms)
     "falcon": Family(
         layers="transformer.h",
@@ -282,7 +293,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
-               "falcon": "falcon", "apertus": "apertus", "gemma4_unified_text": "gemma4",
+               "falcon": "falcon", "mpt": "mpt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
@@ -525,8 +536,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
-    if (name in ("gpt_neo", "opt", "bloom", "nemotron_h") or cfg.model_type == "jamba" or getattr(cfg, "alibi", False)
-            or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
+    if (name in ("gpt_neo", "opt", "bloom", "nemotron_h", "mpt") or cfg.model_type == "jamba"
+            or getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
     elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
@@ -602,7 +613,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(block.self_attn.q_a_layernorm, p + "attn.hook_q_latent")
         if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
-        if (not rope[layer] or name in PARTIAL_ROTARY) and name not in ("bloom", "falcon") and attends[layer]:
+        if (not rope[layer] or name in PARTIAL_ROTARY) and name not in ("bloom", "falcon", "mpt") and attends[layer]:
             # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's and Falcon's are in its fused
             # qkv)
             attn = block.get_submodule(fam.attn)
@@ -790,9 +801,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             q = torch.cat([raw[p + "q"].view(t, heads, -1)[..., :nope], q_rot], -1)
             kv = qkv.view(t, heads, nope + cfg.v_head_dim)
             k, v = torch.cat([kv[..., :nope], k_rot.expand(-1, heads, -1)], -1), kv[..., nope:]
-        elif name == "gpt2" and getattr(cfg, "multi_query", True):  # ([q | k | v]; multi-query GPTBigCode's k, v
-            sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]  # one head each)
+        elif name in ("gpt2", "mpt") and getattr(cfg, "multi_query", True):  # ([q | k | v]; multi-query GPTBigCode's
+            sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]  # k, v one head each)
             q, k, v = (x.view(t, -1, head_dim) for x in qkv.split(sizes, dim=-1))
+            clip = getattr(cfg, "attn_config", None) and cfg.attn_config.clip_qkv  # (MPT clamps Wqkv's output)
+            q, k, v = (x.clamp(-clip, clip) for x in (q, k, v)) if clip else (q, k, v)
         elif name in ("bloom", "gpt2") or name == "falcon" and not rope[layer]:  # (per head: q, k, v; GPTBigCode's
             q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)  # without multi_query too, Falcon-RW's)
         else:
@@ -831,6 +844,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             if sinks is not None:  # gpt-oss: the softmax saw [scores, sink] less their maximum, sink - maximum last
                 scores = scores[..., :-1] + (sinks - scores[..., -1]).unsqueeze(-1)
                 probs = probs[..., :-1]
+            if name == "mpt":  # (HF measures its ALiBi from the forward's last key, vlens's taps from each query:
+                slopes = -build_mpt_alibi_tensor(heads, 2)[:, 0, 0]  # a constant a row, which the softmax ignores)
+                scores = scores + (t - 1 - torch.arange(t))[:, None, None] * slopes[:, None]
             got[p + "attn.hook_attn_scores"] = scores.masked_fill(scores < -1e30, float("-inf"))  # masked: -inf
             got[p + "attn.hook_pattern"] = probs.to(q.dtype)
     return got

@@ -15,12 +15,12 @@ import torch
 from conftest import rel_err, save_tiny, weight_digests
 from transformers import (
     AutoModelForCausalLM,
+    CodeGenConfig,
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
-    MptConfig,
     PersimmonConfig,
     Phi3Config,
     Qwen2Config,
@@ -225,7 +225,7 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
     [
         (PersimmonConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
          "PersimmonForCausalLM"),
-        (MptConfig(vocab_size=300, d_model=32, n_heads=2, n_layers=1), "MptForCausalLM"),
+        (CodeGenConfig(vocab_size=300, n_embd=32, n_layer=1, n_head=2, rotary_dim=8), "CodeGenForCausalLM"),
     ],
 )
 def test_unsupported_architecture(config, arch, tmp_path):

@@ -14,7 +14,7 @@ from transformers import FalconConfig
 
 from vlens import LLM
 from vlens.config import UnsupportedModelError
-from vlens.layers.attention import Attention
+from vlens.layers.attention import Alibi, Attention
 
 FALCON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, ffn_hidden_size=96,
               max_position_embeddings=128, initializer_range=0.1)  # fmt: skip
@@ -40,7 +40,7 @@ def test_config_is_read_as_intended(family):
     name, _, llm, hf = family
     cfg = llm.config
     assert cfg.family == "falcon" and cfg.norm == "layer" and cfg.hidden_act == "gelu"
-    assert cfg.alibi == cfg.alibi_rounded == (name == "falcon_rw") and cfg.rotary_dim == (0 if cfg.alibi else 16)
+    assert cfg.alibi == ("falcon" if name == "falcon_rw" else "") and cfg.rotary_dim == (0 if cfg.alibi else 16)
     heads = 6 if cfg.alibi else 4
     kv = {"falcon_7b": 1, "falcon_40b": 2, "falcon2_11b": 2}.get(name, heads)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (heads, kv, 16, 96)
@@ -70,7 +70,7 @@ def test_alibi_bias_is_hfs_where_bfloat16_rounds():
     to the bit (over sqrt(head_dim) in float32) at every key of a 600-token context."""
     from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
-    attn = Attention(6, 6, 16, None, alibi_heads=6, alibi_rounded=True)
+    attn = Attention(6, 6, 16, None, alibi=Alibi(6, "falcon"))
     ref = build_alibi_tensor(torch.ones(1, 600, dtype=torch.long), 6, torch.float32) / math.sqrt(16)
-    exact = Attention(6, 6, 16, None, alibi_heads=6).alibi_bias(600, torch.device("cpu")) / math.sqrt(16)
+    exact = Attention(6, 6, 16, None, alibi=Alibi(6)).alibi_bias(600, torch.device("cpu")) / math.sqrt(16)
     assert torch.equal(attn.alibi_bias(600, torch.device("cpu")), ref) and not torch.equal(exact, ref)

@@ -521,9 +521,27 @@ def _falcon(hf: Any) -> dict[str, Any]:
         mlp_bias=bias,
         parallel_residual=parallel,
         shared_norm=parallel and norms == 1,
-        alibi=bool(hf.alibi),
-        alibi_rounded=bool(hf.alibi),
+        alibi="falcon" if hf.alibi else "",
         rotary_dim=0 if hf.alibi else hf.hidden_size // hf.num_attention_heads,
+    )
+
+
+def _mpt(hf: Any) -> dict[str, Any]:
+    """MPT: its attention options HF's MPT does not apply are refused by name (it ignores them, running multi-head
+    attention without q/k norms, ALiBi always, at MPT's default slopes)."""
+    attn = hf.attn_config
+    for flag, refused in (("qk_ln", attn.qk_ln), ("attn_type", attn.attn_type != "multihead_attention"),
+                          ("alibi", not attn.alibi), ("expansion_ratio", hf.expansion_ratio != 4)):  # fmt: skip
+        if refused:
+            value = getattr(attn, flag, None) if flag != "expansion_ratio" else hf.expansion_ratio
+            raise UnsupportedModelError(f"{flag}={value!r} is not supported for MptForCausalLM (HF's MPT runs "
+                                        "multi-head attention with ALiBi, no q/k norms, an MLP 4x wide)")  # fmt: skip
+    return dict(
+        intermediate_size=4 * hf.d_model,
+        norm_eps=hf.layer_norm_epsilon,
+        max_position_embeddings=hf.max_seq_len,
+        clip_qkv=attn.clip_qkv,
+        attn_scale=attn.softmax_scale,
     )
 
 
@@ -880,8 +898,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GPTNeoXForCausalLM": Architecture({"family": "gpt_neox"} | LAYER_NORM, _gpt_neox, windowed=False),
     # BLOOM: GPT-NeoX's fused per-head q/k/v in a sequential layer, a LayerNorm after the embedding, ALiBi
     "BloomForCausalLM": Architecture(
-        {"family": "bloom", "alibi": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _bloom, windowed=False
+        {"family": "bloom", "alibi": "bloom", "qkv_bias": True, "o_bias": True} | LAYER_NORM, _bloom, windowed=False
     ),
+    # MPT (MosaicML): GPT-2's layer with ALiBi (MPT's slopes), LayerNorms without biases, no biases anywhere, an exact
+    # GELU MLP, q/k/v clipped where clip_qkv says
+    "MptForCausalLM": Architecture({"family": "mpt", "alibi": "mpt", "norm": "layer_nobias", "hidden_act": "gelu",
+                                    "rotary_dim": 0} | NO_BIAS, _mpt, windowed=False),  # fmt: skip
     # OPT: GPT-2's layer under its own names, positions two rows down their table, queries scaled as projected
     "OPTForCausalLM": Architecture({"family": "opt", "learned_positions": True, "norm": "layer"}, _opt, windowed=False),
     # Falcon: GPT-NeoX's parallel residual (one norm or two) with one key-value head or grouped ones, no biases
@@ -998,6 +1020,7 @@ MODEL_TYPES = {
     "gptj": "GPTJForCausalLM",
     "opt": "OPTForCausalLM",
     "falcon": "FalconForCausalLM",
+    "mpt": "MptForCausalLM",
     "bloom": "BloomForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -1041,8 +1064,9 @@ class ModelConfig:
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
-    alibi: bool = False  # BLOOM: no position embedding; each head's scores plus its slope times the key's position
-    alibi_rounded: bool = False  # Falcon-RW: those products rounded to bfloat16, over sqrt(head_dim), as HF's
+    # "bloom", "falcon" (Falcon-RW) or "mpt": no position embedding, each head's scores plus its slope times the key's
+    # position, as that family's HF code builds them (vlens.layers.attention.Alibi); "": none
+    alibi: str = ""
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
     pre_norms: bool = True  # a norm before attention and before the MLP (ln1, ln2); OLMo 2/3 have none
     post_norms: bool = False  # each sublayer's output normalised before the residual add (Gemma: ln1_post, ln2_post;

@@ -313,7 +313,7 @@ def _written_rows(
 ) -> torch.Tensor:
     """Query rows first .. of `written_attention` over all the keys (mask None: the keys are the queries, causal)."""
     scores = torch.matmul(q, k.transpose(2, 3)) * layer.scale
-    if layer.alibi:  # (BLOOM's; key j sits at position j, for its layers have no window)
+    if layer.alibi:  # (key j sits at position j, for ALiBi's layers have no window)
         scores = scores + layer.alibi_bias(k.shape[2], q.device).to(scores.dtype)
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap

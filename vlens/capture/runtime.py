@@ -123,8 +123,8 @@ class Tap:
         k = keys.index_select(0, self.key_index.reshape(-1)).view(rows, width, attn.num_kv_heads, attn.head_dim)
         k = k.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=2)
         scores = torch.einsum("rhd,rkhd->rhk", q.index_select(0, self.gather_index), k) * attn.scale
-        if attn.alibi:  # (BLOOM's: key j sits at position j)
-            scores = scores + attn.alibi_bias(width, q.device).transpose(0, 1).to(scores.dtype)
+        if attn.alibi:  # (BLOOM's, Falcon's: key j sits at position j; MPT's relative to the query)
+            scores = scores + attn.alibi_bias(width, q.device, self.row_positions).transpose(0, 1).to(scores.dtype)
         if attn.softcap is not None:
             scores = torch.tanh(scores / attn.softcap) * attn.softcap
         j, p = torch.arange(width, device=q.device), self.row_positions[:, None]

@@ -9,6 +9,7 @@ projections (`self_attn.sinks`), where the checkpoint slot looks for them."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,28 @@ def alibi_slopes(total: int, heads: range, device: torch.device) -> torch.Tensor
     return slopes[heads.start : heads.stop]
 
 
+@dataclass(frozen=True)
+class Alibi:
+    """ALiBi (no position embedding: each head's scores plus its slope times the key's position) as a family's HF code
+    builds it, `kind`: BLOOM's (`alibi_slopes`, the products in float32), Falcon-RW's (those slopes and their products
+    rounded to bfloat16, over sqrt(head_dim)) or MPT's (2^(-8i/n) for the next power of two n of heads, where the model
+    has fewer every other one first; HF's MPT reads no alibi_bias_max). The scores a tap reads (Attention.alibi_bias's `rows`) are MPT's
+    relative to the query, as HF's are at a decode step (its prefill's are a constant apart in each row: HF measures
+    from the forward's last key); BLOOM's and Falcon's from the sequence's start, as HF's always are."""
+
+    heads: int  # (the model's, all ranks')
+    kind: str = "bloom"
+
+    def slopes(self, heads: range, device: torch.device) -> torch.Tensor:
+        if self.kind != "mpt":
+            return alibi_slopes(self.heads, heads, device)
+        n = 2 ** math.ceil(math.log2(self.heads))
+        slopes = 1.0 / torch.pow(2, torch.arange(1, n + 1, device=device).float() * (8 / n))
+        if n != self.heads:
+            slopes = torch.cat([slopes[1::2], slopes[::2]])[: self.heads]
+        return slopes[heads.start : heads.stop]
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -48,21 +71,19 @@ class Attention(nn.Module):
         sinks: bool = False,
         rank_heads: range | None = None,
         reads_kv_of: int | None = None,
-        alibi_heads: int = 0,
+        alibi: Alibi | None = None,
         value_dim: int | None = None,
-        alibi_rounded: bool = False,
     ):
         """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them).
         `reads_kv_of`: the earlier layer whose keys and values this one attends to (Gemma 4's shared layers: the
-        engine binds that layer's cache here, and this layer never writes it); None: its own. `alibi_heads`: the
-        model's heads, where its scores have ALiBi's biases (BLOOM); 0: none; `alibi_rounded`: Falcon-RW's, the slopes
-        and their products rounded to bfloat16, over sqrt(head_dim), as HF's Falcon builds them. `value_dim`: the
+        engine binds that layer's cache here, and this layer never writes it); None: its own. `alibi`: where the
+        scores have ALiBi's biases (BLOOM, Falcon-RW, MPT), how the family builds them. `value_dim`: the
         values' head size where it is less than the queries' and keys' (DeepSeek's latent attention): the values are
         padded with zeros to theirs, in the cache and for the backends, and the output cut back, as HF pads them for
         flash attention (the SDPA backend cuts them back first, as HF's SDPA takes them)."""
         super().__init__()
         self.reads_kv_of = reads_kv_of
-        self.alibi, self.alibi_heads, self.alibi_rounded = alibi_heads > 0, alibi_heads, alibi_rounded
+        self.alibi = alibi
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.value_dim = value_dim or head_dim
         self.value_pad = head_dim - self.value_dim
@@ -71,22 +92,24 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.rank_heads = rank_heads
-        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks, self.alibi)
+        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks, alibi is not None)
         self.hook_attn_scores, self.hook_pattern = patterns
         # Bound by the engine to [num_slots, num_kv_heads, head_dim] views of its cache.
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def alibi_bias(self, keys: int, device: torch.device) -> torch.Tensor:
+    def alibi_bias(self, keys: int, device: torch.device, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[heads, 1, keys]: what ALiBi adds to this layer's (this rank's) heads' scores of keys 0 .. keys - 1, each
-        head's slope times the key's position, as HF's BLOOM builds it (in float32; the rows' scores differ from
-        relative distances by a constant per row, which the softmax ignores) or Falcon-RW's (`alibi_rounded`). Made on
-        the device per call: a few small kernels, no buffer for the meta-device build to leave empty."""
+        head's slope times the key's position, as the family's HF code builds it (the rows' scores differ from
+        relative distances by a constant per row, which the softmax ignores); given the positions of the query rows
+        [R], [heads, R, keys] as a tap reads them (`Alibi`: MPT's relative to each query). Made on the device per call:
+        a few small kernels, no buffer for the meta-device build to leave empty."""
         heads = self.rank_heads if self.rank_heads is not None else range(self.num_heads)
-        slopes = alibi_slopes(self.alibi_heads, heads, device)[:, None, None]
-        if self.alibi_rounded:
+        slopes = self.alibi.slopes(heads, device)[:, None, None]
+        if self.alibi.kind == "falcon":
             products = slopes.bfloat16() * torch.arange(keys, device=device)  # (bfloat16, as HF's product is)
             return products.float() / math.sqrt(self.head_dim)
-        return slopes * torch.arange(keys, device=device, dtype=torch.float32)
+        bias = slopes * torch.arange(keys, device=device, dtype=torch.float32)
+        return bias - slopes * rows.float()[:, None] if rows is not None and self.alibi.kind == "mpt" else bias
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         if self.sinks is None:

@@ -32,6 +32,7 @@ from vlens.models.llama import (
 )
 from vlens.models.llama4 import Llama4ForCausalLM
 from vlens.models.mamba import MambaForCausalLM
+from vlens.models.mpt import MptForCausalLM
 from vlens.models.nemotron_h import NemotronHForCausalLM
 from vlens.models.olmo import OlmoForCausalLM
 from vlens.models.opt import OPTForCausalLM
@@ -67,6 +68,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "granite_hybrid": GraniteMoeHybridForCausalLM,
     "llama4": Llama4ForCausalLM,
     "mamba": MambaForCausalLM,
+    "mpt": MptForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
 }
 

@@ -21,7 +21,7 @@ from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context, tap, tap_widened, tapped
 from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
-from vlens.layers.attention import Attention
+from vlens.layers.attention import Alibi, Attention
 from vlens.layers.norm import NormHooks, ProjectionNorm, UnscaledRMSNorm, make_norm
 from vlens.layers.rotary import Rotary
 
@@ -61,8 +61,8 @@ class AttentionHeads(nn.Module):
         self.own_kv = self.kv_layer == layer
         self.attn = Attention(
             self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
-            rank_heads, None if self.own_kv else self.kv_layer, cfg.num_heads if cfg.alibi else 0, self.value_dim,
-            cfg.alibi_rounded,
+            rank_heads, None if self.own_kv else self.kv_layer,
+            Alibi(cfg.num_heads, cfg.alibi) if cfg.alibi else None, self.value_dim,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         self.rotary_pairs, self.temperature, self.query_scale = cfg.rotary_pairs, cfg.attn_temperature, cfg.query_scale
