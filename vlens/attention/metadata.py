@@ -29,7 +29,7 @@ class LayerKind(NamedTuple):
     scale: float
     softcap: float | None  # Gemma 2: cap * tanh(score / cap)
     sinks: bool = False  # gpt-oss: a learned logit per head (the layer's `sinks`) joins each softmax
-    alibi: bool = False  # BLOOM: each head's scores plus its slope times the key's position (Attention.alibi_bias)
+    alibi: bool = False  # BLOOM, Falcon-RW, MPT: ALiBi's biases on the scores (Attention.alibi_bias)
 
 
 CHUNK = 64  # rows a linear-attention layer solves together (vlens.layers.gated_delta; HF's chunk size)
