@@ -48,6 +48,7 @@ from test_parity_minimax_m2 import CONFIGS as MINIMAX_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
 from test_parity_mpt import CONFIGS as MPT_CONFIGS
 from test_parity_nemotron_h import nemotron_3_config
+from test_parity_phimoe import CONFIGS as PHIMOE_CONFIGS
 from test_parity_qwen3_5 import next_config
 from test_parity_qwen3_5 import text_config as qwen3_5_config
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
@@ -542,7 +543,8 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "deepseek_v2": DEEPSEEK_CONFIGS["deepseek_v2_grouped"],
                 "minimax_m2": MINIMAX_CONFIGS["minimax_m2"], "llama4": LLAMA4_CONFIGS["llama4"],
                 "gpt_bigcode": BIGCODE_CONFIGS["multi_query"], "falcon_40b": FALCON_CONFIGS["falcon_40b"],
-                "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"]}  # fmt: skip
+                "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
+                "phimoe": PHIMOE_CONFIGS["phimoe_longrope"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 
 
@@ -556,7 +558,8 @@ def test_more_layouts(tmp_path, one_thread, name):
     heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections, their
     sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one key-value
     head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three heads
-    a rank) and MPT (its own slopes, three heads a rank) on two ranks, each its heads, one of the
+    a rank), MPT (its own slopes, three heads a rank) and Phi-3.5-MoE (SparseMixer's choice on every rank) on two
+    ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

@@ -688,6 +688,25 @@ def _mixtral(hf: Any) -> dict[str, Any]:
     )
 
 
+def _phimoe(hf: Any) -> dict[str, Any]:
+    """Phi-3.5-MoE: Mixtral's experts chosen by SparseMixer (two, each by its own masked softmax), LayerNorms, the
+    unembedding's bias; LongRoPE as HF's Phimoe runs it: the short factors at every length (it computes them without
+    the length), cos and sin times short_mscale (long_mscale past the original context: where they differ, refused
+    by name, as a scale that depends on the batch's longest sequence)."""
+    if hf.num_experts_per_tok != 2:
+        raise UnsupportedModelError(f"num_experts_per_tok={hf.num_experts_per_tok} is not supported for "
+                                    "PhimoeForCausalLM (SparseMixer chooses two experts)")  # fmt: skip
+    theta, scaling = _rope(dict(hf.rope_parameters), hf)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        short, long = scaling.get("short_mscale"), scaling.get("long_mscale")
+        if short != long:
+            raise UnsupportedModelError(f"long_mscale={long!r} is not supported for PhimoeForCausalLM where it is "
+                                        f"not short_mscale ({short!r}): HF scales by the batch's longest sequence")
+        scaling |= {"long_factor": scaling["short_factor"]} | ({} if short is None else {"attention_factor": short})
+    return _mixtral(hf) | dict(norm_eps=hf.rms_norm_eps, lm_head_bias=bool(hf.lm_head_bias), rope_scaling=scaling,
+                               norm_topk_prob=False, sparsemixer_eps=hf.router_jitter_noise)  # fmt: skip
+
+
 def _qwen_moe(hf: Any) -> dict[str, Any]:
     """Qwen2-MoE, Qwen3-MoE and Qwen3-VL-MoE's text model: experts on every `decoder_sparse_step`-th layer but the
     `mlp_only_layers` (Qwen3-VL-MoE's router renormalises its top k always, and has no flag for it)."""
@@ -817,6 +836,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "DeepseekV2ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
     "DeepseekV3ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
+    # Phi-3.5-MoE (Phi-mini-MoE): Mixtral's layer with LayerNorms, attention biases and experts chosen by SparseMixer
+    "PhimoeForCausalLM": Architecture({"norm": "layer"}, _phimoe),
     "Qwen2MoeForCausalLM": Architecture({"o_bias": False, "round_routing_weights": True}, _qwen2_moe),
     "Qwen3MoeForCausalLM": Architecture({"qk_norm": "head", "round_routing_weights": True}, _qwen_moe),
     # Qwen3-VL-MoE's text model (30B-A3B, 235B-A22B): Qwen3-MoE's layer, all experts in one tensor per projection
@@ -967,6 +988,7 @@ MODEL_TYPES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmo": "OlmoForCausalLM",
@@ -1121,6 +1143,9 @@ class ModelConfig:
     swiglu_clamp: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its experts' clamped SwiGLU (and
     # their biases)
     round_routing_weights: bool = False  # Qwen-MoE, OLMoE: those weights rounded to the model dtype before use
+    # Phi-3.5-MoE: SparseMixer's two experts, the best logit's and the best of the rest, each weighed by its softmax
+    # over the logits within this (relative) jitter of its own; None: the top k of one softmax
+    sparsemixer_eps: float | None = None
     routing_norm_min: float = 0.0  # ERNIE 4.5: the weights renormalised by their sum clamped to at least this
     # LFM2-MoE: each expert's score is the sigmoid of its logit (not a softmax), the top k chosen by score plus a
     # learned bias per expert (`expert_bias`), their scores renormalised (plus `sigmoid_norm_eps`) and times

@@ -1,8 +1,8 @@
 """Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B, Qwen 3.5's, LFM2-MoE): a linear
 router picks the top-k of E gated experts per token, weighted by their softmax probabilities (renormalised over the
-chosen k where the model says so; gpt-oss: the softmax of the chosen k logits alone; LFM2-MoE: sigmoids, chosen with
-a learned bias per expert; DeepSeek-V2 and V3, Nemotron 3, GLM-4.5, ERNIE 4.5: DeepSeek's, `DeepseekMoE`; Llama 4:
-vlens.models.llama4); Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate. gpt-oss's router and
+chosen k where the model says so; gpt-oss: the softmax of the chosen k logits alone; Phi-3.5-MoE: SparseMixer's
+two; LFM2-MoE: sigmoids, chosen with a learned bias per expert; DeepSeek-V2 and V3, Nemotron 3, GLM-4.5, ERNIE 4.5:
+DeepSeek's, `DeepseekMoE`; Llama 4: vlens.models.llama4); Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate. gpt-oss's router and
 experts have biases, and its experts a clamped SwiGLU (`ClampedExperts`); Gemma 4's router reads a normed, scaled
 stream and scales each expert's weight (`NormedRouter`), and its experts run beside a dense MLP
 (vlens.models.gemma4).
@@ -206,6 +206,7 @@ class Routing:
         self.norm_eps = cfg.sigmoid_norm_eps if cfg.sigmoid_routing else 0.0  # (added to the sum of the top k)
         self.round_weights = cfg.round_routing_weights
         self.groups = cfg.expert_groups
+        self.sparsemixer_eps = cfg.sparsemixer_eps
         p = f"blocks.{layer}.mlp."
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
         self.hook_expert_weights = p + "hook_expert_weights"
@@ -223,9 +224,12 @@ class Routing:
             choice = self._in_best_groups(scores if bias is None else scores + bias.float(), float("-inf"))
             ids = choice.topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, ids)
-        elif self.softmax_after_topk or self.sigmoid_after_topk:  # (in the logits' dtype, as HF's gpt-oss; Llama 4's
-            top, ids = logits.topk(self.top_k, dim=-1)  # sigmoids in float32, rounded back)
-            weights = torch.softmax(top, dim=-1) if self.softmax_after_topk else top.float().sigmoid().to(top.dtype)
+        elif self.softmax_after_topk or self.sigmoid_after_topk or self.sparsemixer_eps is not None:
+            if self.sparsemixer_eps is not None:
+                weights, ids = sparsemixer(logits, self.sparsemixer_eps)
+            else:  # (in the logits' dtype, as HF's gpt-oss; Llama 4's sigmoids in float32, rounded back)
+                top, ids = logits.topk(self.top_k, dim=-1)
+                weights = torch.softmax(top, dim=-1) if self.softmax_after_topk else top.float().sigmoid().to(top.dtype)
             if tapped(self.hook_expert_weights):  # (TransformerLens's [E]: the chosen k's weights, zeros elsewhere)
                 every = torch.zeros_like(logits).scatter(-1, ids, weights)
                 weights = tap(self.hook_expert_weights, every).gather(-1, ids)
@@ -259,6 +263,21 @@ class Routing:
         score = grouped.topk(2, dim=-1).values.sum(-1) if self.sigmoid else grouped.amax(-1)
         keep = torch.zeros_like(score, dtype=torch.bool).scatter(1, score.topk(kept, dim=-1).indices, True)
         return grouped.masked_fill(~keep[..., None], fill).flatten(1)
+
+
+def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's choice of two experts, as HF's SparseMixer makes it at inference, in the logits' dtype: the best
+    logit's expert, weighed by the softmax of the logits within `2 eps` (relative) of it; then the best of the rest's,
+    weighed by the softmax of the rest within `2 eps` of theirs. (weights [T, 2], ids [T, 2])."""
+
+    def pick(rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best, chosen = rest.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * eps
+        return torch.softmax(rest.masked_fill(far, float("-inf")), dim=-1).gather(-1, chosen), chosen
+
+    first, ids = pick(logits)
+    second, other = pick(logits.scatter(-1, ids, float("-inf")))
+    return torch.cat([first, second], dim=-1), torch.cat([ids, other], dim=-1)
 
 
 class NormedRouter(nn.Module):

@@ -1,10 +1,10 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3; Gemma 1, with its own norm and embedding
 scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers; Helium, Seed-OSS, ERNIE 4.5, Hunyuan and
 the rest of the variants config flags describe), Phi-3 (the same layer with q/k/v and gate/up fused in its
-checkpoints), the MoE variants Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, MiniMax-M2 and those with DeepSeek's
-experts (GLM-4.5, dots.llm1, ERNIE 4.5's and Hunyuan's MoE models; the same layer with routed experts for its MLP;
-gpt-oss's attention has sinks), and Apertus, Arcee, Nemotron and StarCoder2 (the same attention with an MLP that is not
-gated), with every tap written out.
+checkpoints), the MoE variants Mixtral, Phi-3.5-MoE, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, MiniMax-M2 and those with
+DeepSeek's experts (GLM-4.5, dots.llm1, ERNIE 4.5's and Hunyuan's MoE models; the same layer with routed experts for
+its MLP; gpt-oss's attention has sinks), and Apertus, Arcee, Nemotron and StarCoder2 (the same attention with an MLP
+that is not gated), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
 `x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
@@ -29,6 +29,7 @@ from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
 # differently (gpt-oss keeps all experts in one tensor per projection: vlens.layers.moe.ClampedExperts).
 MOE_CHECKPOINT_NAMES = {
     "MixtralForCausalLM": (("block_sparse_moe", "gate"), ("w1", "w3", "w2")),
+    "PhimoeForCausalLM": (("block_sparse_moe", "gate"), ("w1", "w3", "w2")),
     "Qwen2MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Qwen3MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Qwen3VLMoeTextModel": (("mlp", "gate"), None),  # (all experts in one tensor per projection)
