@@ -286,9 +286,15 @@ FAMILIES = {
         final_norm="gpt_neox.final_layer_norm",
     ),
 }
+# Idefics3 and SmolVLM keep their text model under model.text_model; Aya Vision's is Cohere 2
+FAMILIES["idefics3_multimodal"] = replace(LLAMA, layers="model.text_model.layers", embed="model.text_model.embed_tokens",
+                                          final_norm="model.text_model.norm")  # fmt: skip
+FAMILIES["cohere_multimodal"] = replace(FAMILIES["cohere"], **TEXT_MODEL)
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
                "olmo2": "olmo", "olmo3": "olmo", "flex_olmo": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
-               "mistral3": "llama_multimodal", "llava": "llama_multimodal",
+               "mistral3": "llama_multimodal", "llava": "llama_multimodal", "llava_next": "llama_multimodal",
+               "llava_onevision": "llama_multimodal", "internvl": "llama_multimodal", "qwen2_vl": "llama_multimodal",
+               "idefics3": "idefics3_multimodal", "smolvlm": "idefics3_multimodal", "aya_vision": "cohere_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",

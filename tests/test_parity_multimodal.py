@@ -1,6 +1,7 @@
 """The text model of multimodal checkpoints (Mistral Small 3.1/3.2's and Ministral 3's
-Mistral3ForConditionalGeneration, Llava's LlavaForConditionalGeneration, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's;
-Gemma 3's is in test_parity_gemma.py) against HF's multimodal model given text alone, on tiny random checkpoints: every
+Mistral3ForConditionalGeneration, Llava's LlavaForConditionalGeneration, LLaVA-NeXT's, LLaVA-OneVision's, InternVL's,
+Aya Vision's, Idefics3's, SmolVLM's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's; Gemma 3's is in
+test_parity_gemma.py) against HF's multimodal model given text alone, on tiny random checkpoints: every
 tap, packed against alone, greedy generation; the text model's tensors read from under language_model. (the vision
 tower left unread), and the composite config's tying and eos followed."""
 
@@ -11,19 +12,30 @@ from pathlib import Path
 import torch
 from family_parity import COMMON, GenerationParity, TapParity, build, check_feature_matters, family_fixture, sequences
 from transformers import (
+    AyaVisionConfig,
     CLIPVisionConfig,
+    Cohere2Config,
+    Idefics3Config,
+    InternVLConfig,
     LlamaConfig,
     LlavaConfig,
+    LlavaNextConfig,
+    LlavaOnevisionConfig,
     Ministral3Config,
     Mistral3Config,
     MistralConfig,
     PixtralVisionConfig,
     Qwen2_5_VLConfig,
+    Qwen2Config,
+    Qwen2VLConfig,
     Qwen3VLConfig,
     Qwen3VLMoeConfig,
+    SiglipVisionConfig,
+    SmolVLMConfig,
 )
 
 from vlens import LLM
+from vlens.config import LEGACY
 
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                    "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -68,6 +80,35 @@ CONFIGS = {
                            deepstack_visual_indexes=[0], num_position_embeddings=16),
         image_token_id=299, video_token_id=298, vision_start_token_id=297, eos_token_id=2,
     ),
+    # Qwen2-VL: Qwen2.5-VL's layout, its own configs
+    "qwen2_vl": lambda: Qwen2VLConfig(
+        text_config=dict(COMMON, num_key_value_heads=2, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
+        image_token_id=299, video_token_id=298, vision_start_token_id=297, eos_token_id=2, bos_token_id=1,
+    ),
+    "llava_next": lambda: LlavaNextConfig(
+        text_config=MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None).to_dict(),
+        vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, image_grid_pinpoints=[[28, 28]],
+    ),
+    "llava_onevision": lambda: LlavaOnevisionConfig(
+        text_config=Qwen2Config(**COMMON, num_key_value_heads=2).to_dict(),
+        vision_config=SiglipVisionConfig(**VISION).to_dict(), image_token_index=299, image_grid_pinpoints=[[28, 28]],
+    ),
+    "internvl": lambda: InternVLConfig(
+        text_config=Qwen2Config(**COMMON, num_key_value_heads=2).to_dict(),
+        vision_config=dict(VISION, image_size=[28, 28], patch_size=[14, 14]), image_token_id=299,
+    ),
+    # Aya Vision: Cohere 2's text model (its parallel layer, rotary on the windowed layers alone)
+    "aya_vision": lambda: AyaVisionConfig(
+        text_config=Cohere2Config(**COMMON, num_key_value_heads=2, sliding_window=8).to_dict(),
+        vision_config=SiglipVisionConfig(**VISION).to_dict(), image_token_index=299,
+    ),
+    # Idefics3 and SmolVLM: Llama's text model under model.text_model
+    "idefics3": lambda: Idefics3Config(text_config=LlamaConfig(**COMMON, num_key_value_heads=2).to_dict(),
+                                       vision_config=VISION, image_token_id=299),  # fmt: skip
+    "smolvlm": lambda: SmolVLMConfig(text_config=LlamaConfig(**COMMON, num_key_value_heads=1).to_dict(),
+                                     vision_config=VISION, image_token_id=299, tie_word_embeddings=True),  # fmt: skip
     "llava_untied": lambda: LlavaConfig(
         text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
         vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, tie_word_embeddings=False,
@@ -94,9 +135,14 @@ def test_config_is_the_text_models(family):
         assert cfg.norm_topk_prob and cfg.round_routing_weights
         assert cfg.stored_as == ("model.language_model.", "lm_head.")
     elif name.startswith("qwen"):
-        assert cfg.architecture == ("Qwen2ForCausalLM" if name == "qwen2_5_vl" else "Qwen3ForCausalLM")
-        text = ("model.", "lm_head.") if name == "qwen2_5_vl" else ("model.language_model.", "lm_head.")
-        assert cfg.stored_as == text
+        qwen2 = name in ("qwen2_5_vl", "qwen2_vl")
+        assert cfg.architecture == ("Qwen2ForCausalLM" if qwen2 else "Qwen3ForCausalLM")
+        assert cfg.stored_as == (("model.", "lm_head.") if qwen2 else ("model.language_model.", "lm_head."))
+    elif name in ("idefics3", "smolvlm"):
+        assert cfg.architecture == "LlamaForCausalLM" and cfg.stored_as == ("model.text_model.", "lm_head.")
+    elif name in ("llava_next", "llava_onevision", "internvl", "aya_vision"):
+        text = {"llava_next": "Mistral", "llava_onevision": "Qwen2", "internvl": "Qwen2", "aya_vision": "Cohere2"}
+        assert cfg.architecture == text[name] + "ForCausalLM" and cfg.stored_as == LEGACY
     elif name == "ministral3":
         assert cfg.architecture == "Ministral3ForCausalLM" and cfg.attn_temperature == (0.5, 16)
         assert cfg.rope_scaling["rope_type"] == "yarn"

@@ -939,13 +939,21 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 # Multimodal checkpoints whose text model vlens runs (token ids in, no images; its config is their text_config, one
 # of ARCHITECTURES) -> where they keep what a causal LM names model.* and lm_head.* (their vision tower is left
-# unread): under language_model. in most (as transformers 4 saved them), Qwen2.5-VL's as a causal LM's, Qwen3-VL's
-# decoder under model.language_model. (as transformers 5 saves them).
+# unread): under language_model. in most (as transformers 4 saved them), Qwen2-VL's and Qwen2.5-VL's as a causal LM's,
+# Idefics3's and SmolVLM's under model.text_model., Qwen3-VL's decoder under model.language_model. (as transformers 5
+# saves them).
 LEGACY = ("language_model.model.", "language_model.lm_head.")
 TEXT_MODELS = {
     "Gemma3ForConditionalGeneration": LEGACY,
     "Mistral3ForConditionalGeneration": LEGACY,  # Mistral Small 3.1 and 3.2, Ministral 3
     "LlavaForConditionalGeneration": LEGACY,
+    "LlavaNextForConditionalGeneration": LEGACY,  # (LLaVA-NeXT, LLaVA 1.6)
+    "LlavaOnevisionForConditionalGeneration": LEGACY,
+    "InternVLForConditionalGeneration": LEGACY,  # (InternVL 3 and 3.5, as the "-hf" releases hold them)
+    "AyaVisionForConditionalGeneration": LEGACY,
+    "Idefics3ForConditionalGeneration": ("model.text_model.", "lm_head."),
+    "SmolVLMForConditionalGeneration": ("model.text_model.", "lm_head."),  # (SmolVLM, SmolVLM2)
+    "Qwen2VLForConditionalGeneration": ("model.", "lm_head."),
     "Qwen2_5_VLForConditionalGeneration": ("model.", "lm_head."),
     "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Qwen3VLMoeForConditionalGeneration": ("model.language_model.", "lm_head."),
@@ -1007,6 +1015,13 @@ MODEL_TYPES = {
     "gemma4_unified": "Gemma4UnifiedForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+    "aya_vision": "AyaVisionForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
@@ -1031,6 +1046,7 @@ MODEL_TYPES = {
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
     "llama4": "Llama4ForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
+    "qwen2_vl_text": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe_text": "Qwen3VLMoeTextModel",
