@@ -140,6 +140,9 @@ FAMILIES = {
         inputs={"attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "mlp.down_proj"},
     ),
     "gemma": GEMMA,
+    # VaultGemma: Gemma 2's layer without its post-norms, Llama's with Gemma's name for the pre-MLP norm
+    "vaultgemma": replace(LLAMA, outputs=LLAMA.outputs | {"ln2.hook_out": "pre_feedforward_layernorm"},
+                          inputs=LLAMA.inputs | {"hook_resid_mid": "pre_feedforward_layernorm"}),  # fmt: skip
     # OLMo 2 and 3: Gemma's post-norms without its pre-norms; TransformerLens calls the post-norms ln1 and ln2
     "olmo": replace(
         GEMMA,
@@ -287,8 +290,9 @@ FAMILIES = {
     ),
 }
 # Idefics3 and SmolVLM keep their text model under model.text_model; Aya Vision's is Cohere 2
-FAMILIES["idefics3_multimodal"] = replace(LLAMA, layers="model.text_model.layers", embed="model.text_model.embed_tokens",
-                                          final_norm="model.text_model.norm")  # fmt: skip
+FAMILIES["idefics3_multimodal"] = replace(
+    LLAMA, layers="model.text_model.layers", embed="model.text_model.embed_tokens", final_norm="model.text_model.norm"
+)
 FAMILIES["cohere_multimodal"] = replace(FAMILIES["cohere"], **TEXT_MODEL)
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
                "olmo2": "olmo", "olmo3": "olmo", "flex_olmo": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
@@ -299,7 +303,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
-               "falcon": "falcon", "mpt": "mpt", "apertus": "apertus", "gemma4_unified_text": "gemma4",
+               "falcon": "falcon", "mpt": "mpt", "vaultgemma": "vaultgemma", "apertus": "apertus",
+               "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",

@@ -559,6 +559,17 @@ def _nemotron(hf: Any) -> dict[str, Any]:
     return dict(norm_eps=hf.norm_eps, mlp_bias=bool(hf.mlp_bias))
 
 
+def _jais2(hf: Any) -> dict[str, Any]:
+    return dict(norm_eps=hf.layer_norm_eps, mlp_bias=bool(hf.mlp_bias))
+
+
+def _solar_open(hf: Any) -> dict[str, Any]:
+    """Solar Open: DeepSeek-V3's routed experts beside a shared one on every layer (no dense MLP)."""
+    shared = hf.moe_intermediate_size * hf.n_shared_experts
+    return _sigmoid_experts(hf, shared) | dict(intermediate_size=hf.moe_intermediate_size,
+                                               moe_layers=(True,) * hf.num_hidden_layers)  # fmt: skip
+
+
 def _smollm3(hf: Any) -> dict[str, Any]:
     """SmolLM3: rotary only on the layers `no_rope_layers` marks 1 (every fourth has none, by default); windows only
     with use_sliding_window."""
@@ -815,6 +826,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "ArceeForCausalLM": Architecture({"family": "arcee"}, _llama),
     # Nemotron (Minitron 4B and 8B, Nemotron-Mini): Arcee's layer with LayerNorms that scale by 1 + w, partial rotary
     "NemotronForCausalLM": Architecture({"family": "arcee", "norm": "layer_offset"}, _nemotron, windowed=False),
+    # Jais 2 (Inception): Arcee's layer with LayerNorms and biases everywhere
+    "Jais2ForCausalLM": Architecture({"family": "arcee", "norm": "layer"}, _jais2, windowed=False),
+    # CWM (Meta's Code World Model): Mistral's layer, windows on the layers layer_types marks
+    "CwmForCausalLM": Architecture(NO_BIAS),
     # Hunyuan (dense): q/k norms head by head after rotary (query_layernorm, key_layernorm), NTK-alpha rope
     "HunYuanDenseV1ForCausalLM": Architecture({"family": "hunyuan", "qk_norm": "head_after_rotary"}, _hunyuan,
                                               windowed=False),  # fmt: skip
@@ -830,6 +845,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Llama4ForCausalLM": Architecture({"family": "llama4", "rotary_pairs": True, "rope_float32": True,
                                        "sigmoid_after_topk": True, "expert_weights_on_inputs": True}, _llama4,
                                       windowed=False),  # fmt: skip
+    # Solar Open (Upstage): Llama's attention (no o bias), DeepSeek-V3's experts on every layer
+    "SolarOpenForCausalLM": Architecture({"o_bias": False}, _solar_open, windowed=False),
     # dots.llm1 (rednote): Qwen3's attention, DeepSeek-V3's experts after dense layers
     "Dots1ForCausalLM": Architecture({"qk_norm": "head"}, _dense_then_experts),
     # DeepSeek-V2, V3 (R1, V3.1, Kimi K2, Moonlight): multi-head latent attention, DeepSeek's experts after dense layers
@@ -858,6 +875,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Gemma 1: Llama's layer with Gemma's norms and embedding scale (no sandwich norms, windows or soft-caps)
     "GemmaForCausalLM": Architecture({"norm": "rms_offset", "embed_scale": True}, windowed=False),
     "Gemma2ForCausalLM": Architecture(GEMMA, _gemma2),
+    # VaultGemma (Google's differentially private Gemma): Gemma 2 without its post-norms
+    "VaultGemmaForCausalLM": Architecture(GEMMA | {"family": "vaultgemma", "post_norms": False}, _gemma2),
     # Gemma 3's HF attention never passes attn_logit_softcapping on, whatever the config says.
     "Gemma3ForCausalLM": Architecture(GEMMA | {"qk_norm": "head"}, _gemma),
     # Gemma 4: Gemma 3's layer with norms that scale by w (not 1 + w), values normalised too, a learned scalar
@@ -986,6 +1005,10 @@ MODEL_TYPES = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "arcee": "ArceeForCausalLM",
     "nemotron": "NemotronForCausalLM",
+    "jais2": "Jais2ForCausalLM",
+    "cwm": "CwmForCausalLM",
+    "solar_open": "SolarOpenForCausalLM",
+    "vaultgemma": "VaultGemmaForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "glm4": "Glm4ForCausalLM",

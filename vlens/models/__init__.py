@@ -12,7 +12,7 @@ from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.deepseek import DeepseekForCausalLM
 from vlens.models.falcon import FalconForCausalLM
-from vlens.models.gemma import GemmaForCausalLM
+from vlens.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
 from vlens.models.glm import Glm4ForCausalLM
 from vlens.models.gpt2 import GPT2LMHeadModel
@@ -48,6 +48,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "bloom": BloomForCausalLM,
     "falcon": FalconForCausalLM,
     "gemma": GemmaForCausalLM,
+    "vaultgemma": VaultGemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
     "glm4": Glm4ForCausalLM,
     "gpt2": GPT2LMHeadModel,
