@@ -140,6 +140,7 @@ FAMILIES = {
         inputs={"attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "mlp.down_proj"},
     ),
     "gemma": GEMMA,
+    "nanochat": replace(LLAMA, inputs=LLAMA.inputs | {"mlp.hook_post": "mlp.fc2"}),  # (CLIP's MLP names)
     # VaultGemma: Gemma 2's layer without its post-norms, Llama's with Gemma's name for the pre-MLP norm
     "vaultgemma": replace(LLAMA, outputs=LLAMA.outputs | {"ln2.hook_out": "pre_feedforward_layernorm"},
                           inputs=LLAMA.inputs | {"hook_resid_mid": "pre_feedforward_layernorm"}),  # fmt: skip
@@ -303,7 +304,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
-               "falcon": "falcon", "mpt": "mpt", "vaultgemma": "vaultgemma", "apertus": "apertus",
+               "falcon": "falcon", "mpt": "mpt", "vaultgemma": "vaultgemma", "nanochat": "nanochat",
+               "apertus": "apertus",
                "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
@@ -617,6 +619,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if hasattr(getattr(block, "self_attn", None), "query_layernorm"):  # (Hunyuan: q, k as its norms leave them)
             on_output(block.self_attn.query_layernorm, p + "q_normed", raw, pick=lambda o: o)
             on_output(block.self_attn.key_layernorm, p + "k_normed", raw, pick=lambda o: o)
+        elif name == "nanochat":  # (its weightless q/k norms after rotary)
+            on_output(block.self_attn.q_norm, p + "q_normed", raw, pick=lambda o: o)
+            on_output(block.self_attn.k_norm, p + "k_normed", raw, pick=lambda o: o)
         if name == "deepseek":  # (its queries as projected: their no-position dims; the latents, normed)
             on_output(getattr(block.self_attn, "q_b_proj", None) or block.self_attn.q_proj, p + "q", raw)
             on_output(block.self_attn.kv_a_layernorm, p + "attn.hook_kv_latent")
@@ -758,6 +763,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * getattr(cfg, "residual_multiplier", 1.0)
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]
+    if name == "nanochat":  # (its embedding normed, by the final norm's module: what enters layer 0)
+        got["hook_embed"] = got["hidden_states.0"]
     got["ln_final.hook_out"] = out.hidden_states[n][0]
     got["unembed.hook_out"] = out.logits[0]
     for layer in layers:
@@ -820,7 +827,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         elif name in ("bloom", "gpt2") or name == "falcon" and not rope[layer]:  # (per head: q, k, v; GPTBigCode's
             q, k, v = qkv.view(t, heads, 3, head_dim).unbind(2)  # without multi_query too, Falcon-RW's)
         else:
-            if p + "q_normed" in raw:  # (Hunyuan: its q/k norms after rotary)
+            if p + "q_normed" in raw:  # (Hunyuan, nanochat: their q/k norms after rotary)
                 q, k = (raw[p + f"{x}_normed"][0].transpose(0, 1) for x in ("q", "k"))
             elif p + "qk_normed" in raw:  # (Llama 4: its norm's two calls, [T, H, d])
                 q, k = raw[p + "qk_normed"]

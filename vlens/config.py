@@ -563,6 +563,10 @@ def _jais2(hf: Any) -> dict[str, Any]:
     return dict(norm_eps=hf.layer_norm_eps, mlp_bias=bool(hf.mlp_bias))
 
 
+def _nanochat(hf: Any) -> dict[str, Any]:
+    return dict(final_softcap=hf.final_logit_softcapping)
+
+
 def _solar_open(hf: Any) -> dict[str, Any]:
     """Solar Open: DeepSeek-V3's routed experts beside a shared one on every layer (no dense MLP)."""
     shared = hf.moe_intermediate_size * hf.n_shared_experts
@@ -828,6 +832,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "NemotronForCausalLM": Architecture({"family": "arcee", "norm": "layer_offset"}, _nemotron, windowed=False),
     # Jais 2 (Inception): Arcee's layer with LayerNorms and biases everywhere
     "Jais2ForCausalLM": Architecture({"family": "arcee", "norm": "layer"}, _jais2, windowed=False),
+    # nanochat (Karpathy's): Arcee's layer with RMS norms without weights (one more after the embedding), rotary by
+    # minus the angle, weightless q/k norms after it (Llama 4's), soft-capped logits
+    "NanoChatForCausalLM": Architecture({"family": "nanochat", "norm": "rms_unweighted", "qk_norm": "l2_after_rotary",
+                                         "rotary_reversed": True} | NO_BIAS, _nanochat, windowed=False),  # fmt: skip
     # CWM (Meta's Code World Model): Mistral's layer, windows on the layers layer_types marks
     "CwmForCausalLM": Architecture(NO_BIAS),
     # Hunyuan (dense): q/k norms head by head after rotary (query_layernorm, key_layernorm), NTK-alpha rope
@@ -1006,6 +1014,7 @@ MODEL_TYPES = {
     "arcee": "ArceeForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "jais2": "Jais2ForCausalLM",
+    "nanochat": "NanoChatForCausalLM",
     "cwm": "CwmForCausalLM",
     "solar_open": "SolarOpenForCausalLM",
     "vaultgemma": "VaultGemmaForCausalLM",
@@ -1107,7 +1116,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale
     # 1 + w, in float32), "layer" (LayerNorm with bias), "layer_plain" (OLMo 1: no weight or bias, in float32) or
-    # "layer_nobias" (Cohere: a weight and no bias, in float32) or "layer_offset" (Nemotron: LayerNorm scaling by 1 + w)
+    # "layer_nobias" (Cohere: a weight and no bias, in float32), "layer_offset" (Nemotron: LayerNorm scaling by 1 + w)
+    # or "rms_unweighted" (nanochat: RMSNorm without a weight)
     norm: str = "rms"
     qkv_bias: bool = False
     o_bias: bool = False
@@ -1121,6 +1131,7 @@ class ModelConfig:
     gate_up_stored_fused: bool = False  # GLM: gate_up_proj alone fused (q, k and v apart)
     rotary_dim: int = 0  # leading dims of each head that rotate (NeoX, Phi, GPT-J: a fraction); 0 = no rotary
     rotary_pairs: bool = False  # GPT-J: dims 2i and 2i + 1 rotate together (else i and i + rotary_dim / 2)
+    rotary_reversed: bool = False  # nanochat: each pair turns by minus its angle (its rotate_half is HF's negated)
     nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, True where no rotary is applied (NoPE); () = none
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None

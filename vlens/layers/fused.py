@@ -47,15 +47,18 @@ class Fusable:
         return self.compiled is not None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: str) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, then scale as `kind` says (`scaled`)."""
     h = x.float()
     return scaled(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), weight, kind, x.dtype)
 
 
-def scaled(h: torch.Tensor, weight: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+def scaled(h: torch.Tensor, weight: torch.Tensor | None, kind: str, dtype: torch.dtype) -> torch.Tensor:
     """A normalised float32 `h` times an RMSNorm's weight, in `dtype`: "rms" (Llama) casts back then scales,
-    "rms_float" (OLMo 2) scales by w in float32 and casts last, "rms_offset" (Gemma) the same with 1 + w."""
+    "rms_float" (OLMo 2) scales by w in float32 and casts last, "rms_offset" (Gemma) the same with 1 + w;
+    "rms_unweighted" (nanochat: no weight) casts back alone."""
+    if weight is None:
+        return h.to(dtype)
     if kind == "rms":
         return weight * h.to(dtype)
     return (h * (1.0 + weight.float() if kind == "rms_offset" else weight.float())).to(dtype)

@@ -46,14 +46,16 @@ NO_HOOKS = NormHooks()  # names no tap ever has
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, kind: str = "rms"):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        # (nanochat's norms have no weight: their output is their normalised input)
+        self.weight = None if kind == "rms_unweighted" else nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kind = kind  # ModelConfig.norm: "rms", "rms_float" or "rms_offset" (Gemma: w stored, 1 + w the scale)
+        # ModelConfig.norm: "rms", "rms_float", "rms_offset" (Gemma: w stored, 1 + w the scale) or "rms_unweighted"
+        self.kind = kind
 
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         """x's norm, in x's dtype; its taps' rows in the weight's (the model's: Mamba's final norm reads a float32
         stream in a bfloat16 model)."""
-        rows = self.weight.dtype
+        rows = x.dtype if self.weight is None else self.weight.dtype
         if not (tapped(hooks.scale) or tapped(hooks.normalized)):  # nothing asks for its inner values
             return tap_widened(hooks.out, fused.rms_norm(x, self.weight, self.eps, self.kind), rows)
         dtype = x.dtype

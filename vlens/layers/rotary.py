@@ -96,11 +96,13 @@ def _attention_factor(scaling: dict | None) -> float:
 
 class RopeTable:
     def __init__(
-        self, dim: int, theta: float, scaling: dict | None, device: torch.device | str, pairs: bool = False
+        self, dim: int, theta: float, scaling: dict | None, device: torch.device | str, pairs: bool = False,
+        reversed: bool = False,
     ):  # fmt: skip
-        """`pairs`: each angle rotates dims 2i and 2i + 1 (GPT-J), not i and i + dim / 2."""
+        """`pairs`: each angle rotates dims 2i and 2i + 1 (GPT-J), not i and i + dim / 2; `reversed` (nanochat):
+        by minus the angle, as its rotate_half (HF's negated) turns them: sin negated, the same numbers."""
         self.inv_freq = inverse_frequencies(dim, theta, scaling, device)
-        self.pairs = pairs
+        self.pairs, self.reversed = pairs, reversed
         self.factor = _attention_factor(scaling)
         # LongRoPE switches to its long factors once a forward reaches past the original context
         # (HF decides per forward; vlens per sequence of the batch, which is the same for one sequence).
@@ -116,7 +118,7 @@ class RopeTable:
         cos, sin = emb.cos(), emb.sin()
         if self.factor != 1.0:
             cos, sin = cos * self.factor, sin * self.factor
-        return cos.to(dtype), sin.to(dtype)
+        return cos.to(dtype), (-sin if self.reversed else sin).to(dtype)
 
 
 class Rotary:
@@ -129,7 +131,8 @@ class Rotary:
             # each kind's rotary width (Gemma 4's full layers have larger heads than its sliding ones)
             dims = {self.kind(cfg, layer): cfg.rotary_dim_at(layer) for layer in range(cfg.num_layers)}
             full = dims.get(FULL, cfg.rotary_dim)
-            self.tables[FULL] = RopeTable(full, cfg.rope_theta, cfg.rope_scaling, device, cfg.rotary_pairs)
+            self.tables[FULL] = RopeTable(full, cfg.rope_theta, cfg.rope_scaling, device, cfg.rotary_pairs,
+                                          cfg.rotary_reversed)  # fmt: skip
             if cfg.sliding_rope_theta is not None:
                 table = RopeTable(dims.get(SLIDING, full), cfg.sliding_rope_theta, cfg.sliding_rope_scaling, device)
                 self.tables[SLIDING] = table

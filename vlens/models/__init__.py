@@ -28,6 +28,7 @@ from vlens.models.llama import (
     CausalLM,
     GraniteForCausalLM,
     HunYuanForCausalLM,
+    NanoChatForCausalLM,
     Starcoder2ForCausalLM,
 )
 from vlens.models.llama4 import Llama4ForCausalLM
@@ -44,6 +45,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "apertus": ApertusForCausalLM,
     "arcee": ArceeForCausalLM,
     "hunyuan": HunYuanForCausalLM,
+    "nanochat": NanoChatForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "bloom": BloomForCausalLM,
     "falcon": FalconForCausalLM,

@@ -3,8 +3,8 @@ scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers; Heli
 the rest of the variants config flags describe), Phi-3 (the same layer with q/k/v and gate/up fused in its
 checkpoints), the MoE variants Mixtral, Phi-3.5-MoE, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, MiniMax-M2 and those with
 DeepSeek's experts (GLM-4.5, dots.llm1, ERNIE 4.5's and Hunyuan's MoE models; the same layer with routed experts for
-its MLP; gpt-oss's attention has sinks), and Apertus, Arcee, Nemotron and StarCoder2 (the same attention with an MLP
-that is not gated), with every tap written out.
+its MLP; gpt-oss's attention has sinks), and Apertus, Arcee, Nemotron, nanochat and StarCoder2 (the same attention
+with an MLP that is not gated), with every tap written out.
 
 Parameter names mirror HF's so checkpoints load by name. Each tap is an explicit line
 `x = tap(NAME, x)` (vlens.context): a dict lookup when nobody asked, and plain code that survives
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from vlens.config import ModelConfig
+from vlens.context import ForwardContext, tap
 from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.mlp import DenseMLP, GatedMLP
 from vlens.layers.moe import DeepseekMoE, SparseMoE
@@ -209,3 +210,19 @@ class ArceeForCausalLM(CausalLM):
 
 class Starcoder2ForCausalLM(CausalLM):
     layer_class = Starcoder2DecoderLayer
+
+
+class NanoChatDecoderLayer(DenseMLPLayer):
+    """nanochat: Arcee's layer (an MLP of squared ReLUs, not gated) under CLIP's MLP names, norms without weights."""
+
+    names = ("input_layernorm", "post_attention_layernorm", "fc1", "fc2")
+
+
+class NanoChatForCausalLM(CausalLM):
+    """nanochat's final norm (it has no weight) also normalises the embedding: hook_embed is after it, what enters
+    layer 0 (as BLOOM's)."""
+
+    layer_class = NanoChatDecoderLayer
+
+    def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return tap("hook_embed", self.final_norm(self.embedding(input_ids)))

@@ -1,4 +1,6 @@
-"""Jais 2 (Inception: Arcee's layer with LayerNorms and biases everywhere), CWM (Meta's Code World Model: Mistral's
+"""Jais 2 (Inception: Arcee's layer with LayerNorms and biases everywhere), nanochat (Karpathy's: Arcee's layer with
+norms without weights, one after the embedding too, rotary by minus the angle, weightless q/k norms after it,
+soft-capped logits), CWM (Meta's Code World Model: Mistral's
 layer, windows on three of every four layers), VaultGemma (Google's differentially private Gemma: Gemma 2 without its
 post-norms) and Solar Open (Upstage: Llama's attention, DeepSeek-V3's experts on every layer) against HF on tiny random
 checkpoints: every tap, packed against alone, greedy generation through the paged cache, bfloat16 bit for bit."""
@@ -14,12 +16,13 @@ from family_parity import (
     check_feature_matters,
     family_fixture,
 )
-from transformers import CwmConfig, Jais2Config, SolarOpenConfig, VaultGemmaConfig
+from transformers import CwmConfig, Jais2Config, NanoChatConfig, SolarOpenConfig, VaultGemmaConfig
 
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1, n_group=2,
            topk_group=1, routed_scaling_factor=2.5)  # fmt: skip
 CONFIGS = {
     "jais2": lambda: Jais2Config(**COMMON, num_key_value_heads=2),
+    "nanochat": lambda: NanoChatConfig(**COMMON, num_key_value_heads=2, final_logit_softcapping=3.0),
     "cwm": lambda: CwmConfig(**COMMON, num_key_value_heads=2, sliding_window=8),
     "vaultgemma": lambda: VaultGemmaConfig(**COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
                                            sliding_window=8, attn_logit_softcapping=2.0,
@@ -41,6 +44,10 @@ def test_config_is_read_as_intended(family):
     if name == "jais2":
         assert cfg.family == "arcee" and cfg.norm == "layer" and cfg.hidden_act == "relu2"
         assert cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias
+    elif name == "nanochat":
+        assert cfg.family == "nanochat" and cfg.norm == "rms_unweighted" and cfg.qk_norm == "l2_after_rotary"
+        assert cfg.rotary_reversed and cfg.final_softcap == 3.0 and not cfg.tie_word_embeddings
+        assert llm.model.final_norm.weight is None and llm.model.layers[0].ln1.weight is None
     elif name == "cwm":
         assert cfg.family == "llama" and not cfg.qkv_bias and cfg.sliding_windows == (None, 8, 8)
         assert cfg.rope_scaling["rope_type"] == "llama3"
