@@ -168,10 +168,12 @@ def served_smol(smol_path) -> LLM:
 
 def hf_auto_class(config):
     """The transformers Auto class of a config: a multimodal one's (with a vision tower) builds its ...Conditional-
-    Generation model, as the causal-LM class does not for every family."""
+    Generation model, as the causal-LM class does not for every family; the image-text one also builds the causal LMs
+    transformers leaves out of its causal-LM table (Mistral 4's)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    causal = type(config) in AutoModelForCausalLM._model_mapping and not hasattr(config, "vision_config")
+    return AutoModelForCausalLM if causal else AutoModelForImageTextToText
 
 
 def save_tiny(config, path) -> str:

@@ -247,7 +247,7 @@ def check_bfloat16_taps(config, root: Path) -> None:
     SDPA) bit for bit; the patterns, which HF's eager attention gives, are not compared."""
     path = build(config, root, "bf16")
     llm = LLM(model=path, dtype="bfloat16", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = hf_auto_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.bfloat16).eval()
     ids, layers = sequences()[-1], llm.config.num_layers
     got, ref = llm.trace([ids], hooks=list(llm.hook_names()))[0], hf_taps(hf, ids, range(layers), patterns=False)
     compared = [hook for hook in got if hook in ref]
@@ -262,7 +262,8 @@ def check_feature_matters(config, root: Path, **hf_overrides) -> tuple[torch.Ten
     and the parity would prove nothing about it. Returns both."""
     path = build(config, root, "feature")
     llm = LLM(model=path, dtype="float32", device="cpu")
-    without = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hf_overrides).eval()
+    auto = hf_auto_class(AutoConfig.from_pretrained(path))
+    without = auto.from_pretrained(path, dtype=torch.float32, **hf_overrides).eval()
     ids = sequences()[-1]
     got = llm.trace([ids], hooks="unembed.hook_out")[0]["unembed.hook_out"]
     with torch.no_grad():

@@ -314,6 +314,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
                "nemotron_h": "nemotron_h", "jamba": "bamba",
                "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek",
+               "glm4_moe_lite": "deepseek", "youtu": "deepseek", "mistral4": "deepseek",
                "llama4_text": "llama4", "llama4": "llama4_multimodal"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {

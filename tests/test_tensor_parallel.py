@@ -41,6 +41,7 @@ from test_parity_gpt_bigcode import CONFIGS as BIGCODE_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_granite import hybrid_config as granite_hybrid_config
 from test_parity_jamba import jamba_config
+from test_parity_latent_families import CONFIGS as LATENT_CONFIGS
 from test_parity_lfm2 import lfm2_config
 from test_parity_llama4 import CONFIGS as LLAMA4_CONFIGS
 from test_parity_mamba import mamba2_config, mamba_config
@@ -544,7 +545,7 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "minimax_m2": MINIMAX_CONFIGS["minimax_m2"], "llama4": LLAMA4_CONFIGS["llama4"],
                 "gpt_bigcode": BIGCODE_CONFIGS["multi_query"], "falcon_40b": FALCON_CONFIGS["falcon_40b"],
                 "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
-                "phimoe": PHIMOE_CONFIGS["phimoe_longrope"]}  # fmt: skip
+                "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 
 
@@ -558,8 +559,8 @@ def test_more_layouts(tmp_path, one_thread, name):
     heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections, their
     sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one key-value
     head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three heads
-    a rank), MPT (its own slopes, three heads a rank) and Phi-3.5-MoE (SparseMixer's choice on every rank) on two
-    ranks, each its heads, one of the
+    a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank) and Mistral 4
+    (its router in the model's dtype, its experts fused in the checkpoint) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

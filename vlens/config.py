@@ -314,9 +314,12 @@ def _glm4_moe(hf: Any) -> dict[str, Any]:
 
 
 def _dense_then_experts(hf: Any) -> dict[str, Any]:
-    """A dense MLP on the first `first_k_dense_replace` layers, DeepSeek-V3's routed experts beside shared ones (of
-    `n_shared_experts` times an expert's width) on the rest (GLM-4.5, DeepSeek-V3, dots.llm1)."""
-    moe_layers = tuple(i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers))
+    """A dense MLP on the first `first_k_dense_replace` layers (or those `mlp_layer_types` calls "dense":
+    GLM-4.7-Flash), DeepSeek-V3's routed experts beside shared ones (of `n_shared_experts` times an expert's width) on
+    the rest (GLM-4.5, DeepSeek-V3, dots.llm1)."""
+    types = getattr(hf, "mlp_layer_types", None)
+    moe_layers = tuple(t == "sparse" for t in types) if types else tuple(
+        i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers))  # fmt: skip
     return _sigmoid_experts(hf, hf.moe_intermediate_size * hf.n_shared_experts) | dict(moe_layers=moe_layers)
 
 
@@ -336,6 +339,7 @@ def _sigmoid_experts(hf: Any, shared_size: int) -> dict[str, Any]:
         sigmoid_norm_eps=1e-20,
         deepseek_moe=True,
         expert_groups=_expert_groups(hf),
+        group_scores_top2=True,
     )
 
 
@@ -369,13 +373,23 @@ def _deepseek(hf: Any) -> dict[str, Any]:
         fields |= dict(rotary_interleaved=bool(hf.rope_interleave))
     else:
         fields |= dict(rotary_pairs=True, rope_float32=True)
-    if not hf.n_routed_experts:
+    if not getattr(hf, "n_routed_experts", 0):  # (Youtu-LLM: a dense MLP on every layer)
         return fields
     experts = _dense_then_experts(hf)
     if not v3:  # (V2's "greedy" or "group_limited_greedy": the groups' scores their best softmax)
-        experts |= dict(sigmoid_routing=False, expert_bias=False, norm_topk_prob=False,
+        experts |= dict(sigmoid_routing=False, expert_bias=False, norm_topk_prob=False, group_scores_top2=False,
                         expert_groups=_expert_groups(hf) if hf.topk_method == "group_limited_greedy" else (1, 1))
     return fields | experts
+
+
+def _mistral4(hf: Any) -> dict[str, Any]:
+    """Mistral 4: DeepSeek-V3's latent attention with Llama 4's attention temperature on q (Ministral 3's), and
+    DeepSeek's experts chosen by the softmax of the router's logits (no correction bias; both in the model's dtype),
+    within each token's best groups of experts, a group scored by its best two."""
+    rope = hf.rope_parameters or {}
+    beta = rope.get("llama_4_scaling_beta")
+    return _deepseek(hf) | dict(sigmoid_routing=False, expert_bias=False, router_model_dtype=True,
+                                attn_temperature=(beta, rope["original_max_position_embeddings"]) if beta else None)
 
 
 def _minimax_m2(hf: Any) -> dict[str, Any]:
@@ -860,6 +874,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     # DeepSeek-V2, V3 (R1, V3.1, Kimi K2, Moonlight): multi-head latent attention, DeepSeek's experts after dense layers
     "DeepseekV2ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
     "DeepseekV3ForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
+    # GLM-4.7-Flash (Glm4MoeLite): DeepSeek-V3's layer, its dense and expert layers by mlp_layer_types; Youtu-LLM: V3's
+    # latent attention with a dense MLP on every layer
+    "Glm4MoeLiteForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
+    "YoutuForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
+    # Mistral 4: DeepSeek-V3's layer, Llama 4's attention temperature, experts by a softmax in groups
+    "Mistral4ForCausalLM": Architecture({"family": "deepseek"}, _mistral4, windowed=False),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
     # Phi-3.5-MoE (Phi-mini-MoE): Mixtral's layer with LayerNorms, attention biases and experts chosen by SparseMixer
     "PhimoeForCausalLM": Architecture({"norm": "layer"}, _phimoe),
@@ -1027,6 +1047,9 @@ MODEL_TYPES = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "youtu": "YoutuForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -1210,6 +1233,8 @@ class ModelConfig:
     # limited to each token's best `expert_groups[1]` of `expert_groups[0]` groups of experts
     deepseek_moe: bool = False
     expert_groups: tuple[int, int] = (1, 1)
+    group_scores_top2: bool = False  # DeepSeek-V3, Mistral 4: a group scored by its best two experts (V2: its best one)
+    router_model_dtype: bool = False  # Mistral 4: that router and its softmax in the model's dtype (else float32)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     # Gemma 4 26B-A4B: the routed experts run beside a dense MLP (both read the stream, each output normed, their

@@ -1,11 +1,11 @@
 """Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, Gemma 4 26B-A4B, Qwen 3.5's, LFM2-MoE): a linear
 router picks the top-k of E gated experts per token, weighted by their softmax probabilities (renormalised over the
 chosen k where the model says so; gpt-oss: the softmax of the chosen k logits alone; Phi-3.5-MoE: SparseMixer's
-two; LFM2-MoE: sigmoids, chosen with a learned bias per expert; DeepSeek-V2 and V3, Nemotron 3, GLM-4.5, ERNIE 4.5:
-DeepSeek's, `DeepseekMoE`; Llama 4: vlens.models.llama4); Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate. gpt-oss's router and
-experts have biases, and its experts a clamped SwiGLU (`ClampedExperts`); Gemma 4's router reads a normed, scaled
-stream and scales each expert's weight (`NormedRouter`), and its experts run beside a dense MLP
-(vlens.models.gemma4).
+two; LFM2-MoE: sigmoids, chosen with a learned bias per expert; DeepSeek-V2 and V3, Nemotron 3, GLM-4.5, ERNIE 4.5,
+Mistral 4: DeepSeek's, `DeepseekMoE`; Llama 4: vlens.models.llama4); Qwen2-MoE adds an always-on shared expert scaled
+by a sigmoid gate. gpt-oss's router and experts have biases, and its experts a clamped SwiGLU (`ClampedExperts`); Gemma
+4's router reads a normed, scaled stream and scales each expert's weight (`NormedRouter`), and its experts run beside a
+dense MLP (vlens.models.gemma4).
 
 Taps: the router's logits [E], TransformerLens's expert weights [E] (an edit there reroutes) and the chosen
 experts [k] (int64, in descending weight order, as torch.topk gives them) — which experts ran is the first thing
@@ -205,7 +205,8 @@ class Routing:
         self.scaling, self.norm_min = cfg.routed_scaling, cfg.routing_norm_min
         self.norm_eps = cfg.sigmoid_norm_eps if cfg.sigmoid_routing else 0.0  # (added to the sum of the top k)
         self.round_weights = cfg.round_routing_weights
-        self.groups = cfg.expert_groups
+        self.groups, self.group_top2 = cfg.expert_groups, cfg.group_scores_top2
+        self.softmax_dtype = None if cfg.router_model_dtype else torch.float32
         self.sparsemixer_eps = cfg.sparsemixer_eps
         p = f"blocks.{layer}.mlp."
         self.hook_router_logits, self.hook_expert_ids = p + "hook_router_logits", p + "hook_expert_ids"
@@ -234,7 +235,8 @@ class Routing:
                 every = torch.zeros_like(logits).scatter(-1, ids, weights)
                 weights = tap(self.hook_expert_weights, every).gather(-1, ids)
         else:
-            probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            # (float32, as HF's softmaxes are; Mistral 4's in its logits' dtype)
+            probabilities = torch.softmax(logits, dim=-1, dtype=self.softmax_dtype)
             if tapped(self.hook_expert_weights):  # (seen in the model's dtype, as every tap but the ids are; the
                 # experts chosen from the float32 values, as HF chooses, unless an edit gives others)
                 seen = probabilities.to(rows)
@@ -254,13 +256,13 @@ class Routing:
 
     def _in_best_groups(self, scores: torch.Tensor, fill: float) -> torch.Tensor:
         """`scores` [T, E], those of the experts outside each token's best groups set to `fill` (DeepSeek's
-        group-limited routing, `cfg.expert_groups`: a group scored by its best two scores under sigmoid routing, by
-        its best one under a softmax, as HF's DeepSeek-V3 and V2); `scores` itself where routing is not limited."""
+        group-limited routing, `cfg.expert_groups`: a group scored by its best two scores, as HF's DeepSeek-V3 and
+        Mistral 4 score them, or by its best one, as V2); `scores` itself where routing is not limited."""
         groups, kept = self.groups
         if kept == groups:
             return scores
         grouped = scores.view(-1, groups, scores.shape[-1] // groups)
-        score = grouped.topk(2, dim=-1).values.sum(-1) if self.sigmoid else grouped.amax(-1)
+        score = grouped.topk(2, dim=-1).values.sum(-1) if self.group_top2 else grouped.amax(-1)
         keep = torch.zeros_like(score, dtype=torch.bool).scatter(1, score.topk(kept, dim=-1).indices, True)
         return grouped.masked_fill(~keep[..., None], fill).flatten(1)
 
@@ -338,10 +340,11 @@ class SparseMoE(nn.Module):
         return out
 
 
-class Float32Router(nn.Module):
+class DeepseekRouter(nn.Module):
     """DeepSeek's router (Nemotron 3's, GLM-4.5's, ERNIE 4.5's, Hunyuan's), in float32 whatever the model's dtype, as
-    HF keeps it: its weight and, where the model has them (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction
-    bias, which the choice adds to the expert's score (ERNIE 4.5 stores it [1, E])."""
+    HF keeps it (Mistral 4's, `cfg.router_model_dtype`, in the model's): its weight and, where the model has them
+    (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction bias, which the choice adds to the expert's score
+    (ERNIE 4.5 stores it [1, E])."""
 
     float32_params = ("weight", "e_score_correction_bias")  # (vlens.loader.keep_float32)
 
@@ -349,6 +352,9 @@ class Float32Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None
+        self.float32 = not cfg.router_model_dtype
+        if not self.float32:
+            self.float32_params = ()
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         slots = {f"{path}.weight": Slot(self.weight)}
@@ -357,26 +363,30 @@ class Float32Router(nn.Module):
         return slots
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        return F.linear(x.float() if self.float32 else x, self.weight)
 
 
 class DeepseekMoE(nn.Module):
     """Routed experts chosen as DeepSeek chooses them (V2: a softmax; V3, Nemotron 3, GLM-4.5: sigmoids plus a
-    correction bias per expert; ERNIE 4.5: a softmax plus one; their top k renormalised and scaled as cfg's routing
-    flags say) from a float32 router's logits, beside `shared`, the always-on expert (`shared_experts`; None: none);
-    the experts' gate, up and down one tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down
-    alone). `stored_as`: the checkpoint's names, within the block, of those of its tensors it names otherwise (by
-    vlens's name or a module's: ERNIE 4.5's correction bias in `moe_statics`, Hunyuan's router `gate.wg`)."""
+    correction bias per expert; ERNIE 4.5: a softmax plus one; Mistral 4: a softmax in the model's dtype; their top k
+    renormalised and scaled as cfg's routing flags say) from a float32 router's logits (Mistral 4's: the model's
+    dtype), beside `shared`, the always-on expert (`shared_experts`; None: none); the experts' gate, up and down one
+    tensor each in the checkpoint (`gated` False, Nemotron 3's: up and down alone). `stored_as`: the checkpoint's
+    names, within the block, of those of its tensors it names otherwise (by vlens's name or a module's: ERNIE 4.5's
+    correction bias in `moe_statics`, Hunyuan's router `gate.wg`)."""
 
     def __init__(
         self, cfg: ModelConfig, layer: int, shared: nn.Module | None, gated: bool = True,
         stored_as: Mapping[str, str] | None = None,
+        expert_names: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj"),
     ):  # fmt: skip
+        """`expert_names`: each expert's projections' names in the checkpoint; None where it holds all experts in
+        one tensor per projection (Mistral 4's)."""
         super().__init__()
-        self.gate = Float32Router(cfg)
+        self.gate = DeepseekRouter(cfg)
         self.stored_as = dict(stored_as or {})
         sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
-        self.experts = Experts(*sizes, ("gate_proj", "up_proj", "down_proj"), cfg.parallel, gated=gated)
+        self.experts = Experts(*sizes, expert_names, cfg.parallel, gated=gated)
         self.shared_experts = shared
         self.routing = Routing(cfg, layer)
 

@@ -48,6 +48,8 @@ DEEPSEEK_MOE_NAMES = {
     "Ernie4_5_MoeForCausalLM": {"gate.e_score_correction_bias": "moe_statics.e_score_correction_bias"},
     "HunYuanMoEV1ForCausalLM": {"gate.weight": "gate.wg.weight", "shared_experts": "shared_mlp"},
 }
+# ... and those whose checkpoints hold all experts in one tensor per projection, as transformers 5 saves them
+FUSED_DEEPSEEK_EXPERTS = ("Mistral4ForCausalLM",)
 
 
 class SelfAttention(AttentionHeads):
@@ -84,7 +86,8 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
         hook = f"blocks.{layer}.mlp.shared_expert.hook_post"
         sizes = (cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, cfg.mlp_bias)
         shared = GatedMLP(*sizes, hook, parallel=cfg.parallel) if cfg.shared_expert_intermediate_size else None
-        return DeepseekMoE(cfg, layer, shared, stored_as=DEEPSEEK_MOE_NAMES.get(cfg.architecture))
+        names = None if cfg.architecture in FUSED_DEEPSEEK_EXPERTS else ("gate_proj", "up_proj", "down_proj")
+        return DeepseekMoE(cfg, layer, shared, stored_as=DEEPSEEK_MOE_NAMES.get(cfg.architecture), expert_names=names)
     if cfg.is_moe_layer(layer) and not cfg.experts_beside_mlp:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
         return SparseMoE(cfg, layer, stored_as, expert_names)
