@@ -106,6 +106,15 @@ GLM4 = replace(
             "mlp.hook_out": "post_mlp_layernorm"},
     post_norms={"ln1_post": "post_self_attn_layernorm", "ln2_post": "post_mlp_layernorm"},
 )  # fmt: skip
+# AFMoE: Gemma's sandwich under its own names
+AFMOE = replace(
+    GEMMA,
+    outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "post_attention_layernorm",
+             "ln2.hook_out": "pre_mlp_layernorm", "hook_mlp_out": "post_mlp_layernorm"},
+    inputs={"hook_resid_mid": "pre_mlp_layernorm", "attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "mlp.down_proj",
+            "attn.hook_out": "post_attention_layernorm", "mlp.hook_out": "post_mlp_layernorm"},
+    post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_mlp_layernorm"},
+)  # fmt: skip
 # Gemma 4: Gemma's names; the values are v_norm's output (its full layers have no v_proj where keys are values)
 GEMMA4 = replace(GEMMA, qkv="self_attn.v_norm")
 # LFM2: Llama's layer under its own names (its final norm embedding_norm); short convolutions beside
@@ -140,6 +149,7 @@ FAMILIES = {
         inputs={"attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "mlp.down_proj"},
     ),
     "gemma": GEMMA,
+    "afmoe": AFMOE,
     "nanochat": replace(LLAMA, inputs=LLAMA.inputs | {"mlp.hook_post": "mlp.fc2"}),  # (CLIP's MLP names)
     # VaultGemma: Gemma 2's layer without its post-norms, Llama's with Gemma's name for the pre-MLP norm
     "vaultgemma": replace(LLAMA, outputs=LLAMA.outputs | {"ln2.hook_out": "pre_feedforward_layernorm"},
@@ -304,7 +314,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
-               "falcon": "falcon", "mpt": "mpt", "vaultgemma": "vaultgemma", "nanochat": "nanochat",
+               "falcon": "falcon", "mpt": "mpt", "vaultgemma": "vaultgemma", "nanochat": "nanochat", "afmoe": "afmoe",
                "apertus": "apertus",
                "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
@@ -553,8 +563,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     if (name in ("gpt_neo", "opt", "bloom", "nemotron_h", "mpt") or cfg.model_type == "jamba"
             or getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
-    elif cfg.model_type == "cohere2" or (cfg.model_type == "exaone4" and cfg.sliding_window):  # (rotary on the
-        rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # sliding-window layers alone)
+    elif cfg.model_type in ("cohere2", "afmoe") or (cfg.model_type == "exaone4" and cfg.sliding_window):
+        rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # (rotary on the sliding-window layers alone)
     # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
     own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]
     # (per layer: a linear-attention layer, Qwen 3.5's, a short convolution, LFM2's, or a Mamba 2 mixer, Bamba's, in
@@ -630,12 +640,15 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(block.self_attn.q_a_layernorm, p + "attn.hook_q_latent")
         if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
+        if hasattr(getattr(block, "self_attn", None), "gate_proj"):  # (AFMoE's gate, of its own projection)
+            on_output(block.self_attn.gate_proj, p + "attn.hook_gate")
         if (not rope[layer] or name in PARTIAL_ROTARY) and name not in ("bloom", "falcon", "mpt") and attends[layer]:
             # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's and Falcon's are in its fused
             # qkv)
             attn = block.get_submodule(fam.attn)
             if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
-                heads_first = lambda o: o.transpose(1, 2)  # noqa: E731 - reads [B, H, T, d])
+                # reads [B, H, T, d]; AFMoE's [B, T, H, d])
+                heads_first = (lambda o: o) if name == "afmoe" else (lambda o: o.transpose(1, 2))
                 on_output(attn.q_norm, p + "q", raw, pick=heads_first)
                 on_output(attn.k_norm, p + "k", raw, pick=heads_first)
             else:
@@ -738,7 +751,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(
                 block, "block_sparse_moe", None) or block.mixer  # fmt: skip
             bias = getattr(getattr(moe, "gate", None), "e_score_correction_bias", None)  # (MiniMax-M2's: the block's)
-            bias = getattr(moe, "e_score_correction_bias", bias)
+            bias = getattr(moe, "e_score_correction_bias", getattr(moe, "expert_bias", bias))  # (AFMoE's: expert_bias)
             if hasattr(moe, "use_expert_bias") or bias is not None:
                 weights = logits.float().sigmoid() if cfg.model_type == "minimax_m2" else logits.sigmoid()
             elif getattr(moe, "router", None) is None or cfg.model_type == "jamba":  # (the softmax's top k)
@@ -754,7 +767,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     t = len(ids)
     rotated = _pair_rotations(rotated, name, [own for own, r in zip(own_kv, rope) if r])
     # (Granite: what the stream gets is the embedding and each sublayer's output times their multipliers)
-    got["hook_embed"] = got["hook_embed"] * getattr(cfg, "embedding_multiplier", 1.0)
+    mup = cfg.hidden_size**0.5 if getattr(cfg, "mup_enabled", False) else 1.0  # (AFMoE's µP: the same, by another name)
+    got["hook_embed"] = got["hook_embed"] * getattr(cfg, "embedding_multiplier", mup)
     for layer in layers:
         parts = [raw.get(f"blocks.{layer}.{part}") for part in ("routed", "shared")]
         if any(x is not None for x in parts):  # (Granite's: the experts' output plus the shared MLP's, as HF sums)
@@ -855,6 +869,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         got[p + "attn.hook_q"] = q
         if p + "q_and_gate" in raw:
             got[p + "attn.hook_gate"] = raw[p + "q_and_gate"].view(t, heads, 2 * head_dim)[..., head_dim:]
+        elif p + "attn.hook_gate" in got:
+            got[p + "attn.hook_gate"] = got[p + "attn.hook_gate"].view(t, heads, head_dim)
         if own_kv[layer]:
             got[p + "attn.hook_k"], got[p + "attn.hook_v"] = k, v
         if patterns:

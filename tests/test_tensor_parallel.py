@@ -30,6 +30,7 @@ from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
+from test_parity_afmoe import CONFIGS as AFMOE_CONFIGS
 from test_parity_bamba import bamba_config
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
 from test_parity_deepseek import CONFIGS as DEEPSEEK_CONFIGS
@@ -545,7 +546,8 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "minimax_m2": MINIMAX_CONFIGS["minimax_m2"], "llama4": LLAMA4_CONFIGS["llama4"],
                 "gpt_bigcode": BIGCODE_CONFIGS["multi_query"], "falcon_40b": FALCON_CONFIGS["falcon_40b"],
                 "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
-                "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"]}  # fmt: skip
+                "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"],
+                "afmoe": AFMOE_CONFIGS["afmoe"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 
 
@@ -559,8 +561,9 @@ def test_more_layouts(tmp_path, one_thread, name):
     heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections, their
     sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one key-value
     head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three heads
-    a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank) and Mistral 4
-    (its router in the model's dtype, its experts fused in the checkpoint) on two ranks, each its heads, one of the
+    a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank), Mistral 4
+    (its router in the model's dtype, its experts fused in the checkpoint) and AFMoE (its output gate's projection
+    split by heads) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

@@ -577,6 +577,29 @@ def _jais2(hf: Any) -> dict[str, Any]:
     return dict(norm_eps=hf.layer_norm_eps, mlp_bias=bool(hf.mlp_bias))
 
 
+def _afmoe(hf: Any) -> dict[str, Any]:
+    """AFMoE: rotary on the sliding-window layers alone; µP's embedding scale where mup_enabled; DeepSeek's experts
+    after `num_dense_layers` dense ones, chosen by the float32 sigmoids of the router's logits (the router in the
+    model's dtype) plus a bias per expert (the block's expert_bias), renormalised, times route_scale."""
+    n = hf.num_hidden_layers
+    return dict(
+        nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types),
+        embedding_multiplier=hf.hidden_size**0.5 if hf.mup_enabled else 1.0,
+        num_experts=hf.num_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_intermediate_size=hf.moe_intermediate_size * hf.num_shared_experts,
+        moe_layers=tuple(i >= hf.num_dense_layers for i in range(n)),
+        sigmoid_routing=True,
+        sigmoid_float32=True,
+        expert_bias=True,
+        routed_scaling=float(hf.route_scale),
+        sigmoid_norm_eps=1e-20,
+        deepseek_moe=True,
+        router_model_dtype=True,
+    )
+
+
 def _nanochat(hf: Any) -> dict[str, Any]:
     return dict(final_softcap=hf.final_logit_softcapping)
 
@@ -867,6 +890,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Llama4ForCausalLM": Architecture({"family": "llama4", "rotary_pairs": True, "rope_float32": True,
                                        "sigmoid_after_topk": True, "expert_weights_on_inputs": True}, _llama4,
                                       windowed=False),  # fmt: skip
+    # AFMoE (Arcee's Trinity): Gemma's sandwich of OLMo 2's norms, q/k norms, an output gate of its own projection,
+    # rotary on the sliding-window layers alone, DeepSeek's experts by sigmoids plus a bias
+    "AfmoeForCausalLM": Architecture({"family": "afmoe", "norm": "rms_float", "qk_norm": "head", "post_norms": True,
+                                      "attn_gate_proj": True} | NO_BIAS, _afmoe),  # fmt: skip
     # Solar Open (Upstage): Llama's attention (no o bias), DeepSeek-V3's experts on every layer
     "SolarOpenForCausalLM": Architecture({"o_bias": False}, _solar_open, windowed=False),
     # dots.llm1 (rednote): Qwen3's attention, DeepSeek-V3's experts after dense layers
@@ -1037,6 +1064,7 @@ MODEL_TYPES = {
     "nanochat": "NanoChatForCausalLM",
     "cwm": "CwmForCausalLM",
     "solar_open": "SolarOpenForCausalLM",
+    "afmoe": "AfmoeForCausalLM",
     "vaultgemma": "VaultGemmaForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
@@ -1184,6 +1212,7 @@ class ModelConfig:
     # Qwen 3.5: q_proj also gives a gate for each head (its rows per head: q, then gate), the attention output times
     # its sigmoid before o_proj
     attn_output_gate: bool = False
+    attn_gate_proj: bool = False  # AFMoE: that gate from a projection of its own (gate_proj) of the layer's input
     # Ministral 3 (Llama 4's attention temperature): (beta, original context); q times 1 + beta * log(1 + floor(
     # position / original)) after rotary
     attn_temperature: tuple[float, int] | None = None

@@ -146,7 +146,7 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(mixer) + [
             h for h in hooks[at:] if not h.startswith("attn.")
         ]
-    elif cfg.attn_output_gate:
+    elif cfg.attn_output_gate or cfg.attn_gate_proj:
         hooks.insert(hooks.index("attn.hook_z"), "attn.hook_gate")
     elif cfg.kv_lora_rank:
         at = hooks.index("attn.hook_q")

@@ -342,9 +342,9 @@ class SparseMoE(nn.Module):
 
 class DeepseekRouter(nn.Module):
     """DeepSeek's router (Nemotron 3's, GLM-4.5's, ERNIE 4.5's, Hunyuan's), in float32 whatever the model's dtype, as
-    HF keeps it (Mistral 4's, `cfg.router_model_dtype`, in the model's): its weight and, where the model has them
-    (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction bias, which the choice adds to the expert's score
-    (ERNIE 4.5 stores it [1, E])."""
+    HF keeps it (Mistral 4's and AFMoE's, `cfg.router_model_dtype`, in the model's): its weight and, where the model
+    has them (`cfg.expert_bias`: DeepSeek-V3's), each expert's correction bias, which the choice adds to the expert's
+    score (ERNIE 4.5 stores it [1, E])."""
 
     float32_params = ("weight", "e_score_correction_bias")  # (vlens.loader.keep_float32)
 
@@ -353,8 +353,8 @@ class DeepseekRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None
         self.float32 = not cfg.router_model_dtype
-        if not self.float32:
-            self.float32_params = ()
+        if not self.float32:  # (AFMoE's bias stays float32, as HF keeps it)
+            self.float32_params = ("e_score_correction_bias",)
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         slots = {f"{path}.weight": Slot(self.weight)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlens.config import ModelConfig
+from vlens.models.afmoe import AfmoeForCausalLM
 from vlens.models.bamba import BambaForCausalLM, FalconH1ForCausalLM
 from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
@@ -48,6 +49,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "nanochat": NanoChatForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "bloom": BloomForCausalLM,
+    "afmoe": AfmoeForCausalLM,
     "falcon": FalconForCausalLM,
     "gemma": GemmaForCausalLM,
     "vaultgemma": VaultGemmaForCausalLM,
