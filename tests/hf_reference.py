@@ -563,7 +563,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     if (name in ("gpt_neo", "opt", "bloom", "nemotron_h", "mpt") or cfg.model_type == "jamba"
             or getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
-    elif cfg.model_type in ("cohere2", "afmoe") or (cfg.model_type == "exaone4" and cfg.sliding_window):
+    elif cfg.model_type in ("cohere2", "afmoe") or (cfg.model_type in ("exaone4", "exaone_moe") and cfg.sliding_window):
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # (rotary on the sliding-window layers alone)
     # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
     own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]

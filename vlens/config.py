@@ -320,15 +320,18 @@ def _dense_then_experts(hf: Any) -> dict[str, Any]:
     types = getattr(hf, "mlp_layer_types", None)
     moe_layers = tuple(t == "sparse" for t in types) if types else tuple(
         i >= hf.first_k_dense_replace for i in range(hf.num_hidden_layers))  # fmt: skip
-    return _sigmoid_experts(hf, hf.moe_intermediate_size * hf.n_shared_experts) | dict(moe_layers=moe_layers)
+    # (K-EXAONE's config names the shared experts and the routed ones num_shared_experts and num_experts)
+    shared = hf.n_shared_experts if hasattr(hf, "n_shared_experts") else hf.num_shared_experts
+    return _sigmoid_experts(hf, hf.moe_intermediate_size * shared) | dict(moe_layers=moe_layers)
 
 
 def _sigmoid_experts(hf: Any, shared_size: int) -> dict[str, Any]:
-    """DeepSeek-V3's routed experts (GLM-4.5's, Nemotron 3's; vlens.layers.moe.DeepseekMoE): each token's top k by
-    the sigmoid of a float32 router's logits plus a correction bias per expert, within its best groups of experts,
-    their sigmoids renormalised and scaled, beside a shared expert of `shared_size`."""
+    """DeepSeek-V3's routed experts (GLM-4.5's, Nemotron 3's, K-EXAONE's, whose config calls them num_experts;
+    vlens.layers.moe.DeepseekMoE): each token's top k by the sigmoid of a float32 router's logits plus a correction bias
+    per expert, within its best groups of experts, their sigmoids renormalised and scaled, beside a shared expert of
+    `shared_size`."""
     return dict(
-        num_experts=hf.n_routed_experts,
+        num_experts=hf.n_routed_experts if hasattr(hf, "n_routed_experts") else hf.num_experts,
         experts_per_token=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size,
         norm_topk_prob=bool(hf.norm_topk_prob),
@@ -668,6 +671,12 @@ def _exaone4(hf: Any) -> dict[str, Any]:
     return dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
 
 
+def _exaone_moe(hf: Any) -> dict[str, Any]:
+    """K-EXAONE (ExaoneMoe): EXAONE 4's attention in a pre-norm layer, DeepSeek-V3's experts where mlp_layer_types
+    says "sparse"."""
+    return _exaone4(hf) | _dense_then_experts(hf)
+
+
 def _seed_oss(hf: Any) -> dict[str, Any]:
     """Seed-OSS (ByteDance): Llama's layer, the output projection's bias its own flag."""
     return dict(o_bias=bool(hf.attention_out_bias), mlp_bias=bool(hf.mlp_bias))
@@ -919,6 +928,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Olmo3ForCausalLM": Architecture(OLMO),
     # FlexOlmo: OLMo 2's layer with OLMoE's routed experts
     "FlexOlmoForCausalLM": Architecture(OLMO | {"round_routing_weights": True}, _flex_olmo),
+    # K-EXAONE: EXAONE 4's attention in Llama's pre-norm layer, DeepSeek-V3's experts
+    "ExaoneMoeForCausalLM": Architecture({"qk_norm": "head"} | NO_BIAS, _exaone_moe),
     # EXAONE 4: OLMo 2's post-norms only, Llama's norm and rotary, q/k norms head by head, NoPE global layers
     "Exaone4ForCausalLM": Architecture(
         {"family": "olmo", "pre_norms": False, "post_norms": True, "qk_norm": "head"}, _exaone4
@@ -1088,6 +1099,7 @@ MODEL_TYPES = {
     "olmo3": "Olmo3ForCausalLM",
     "flex_olmo": "FlexOlmoForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

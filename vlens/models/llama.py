@@ -48,6 +48,7 @@ DEEPSEEK_MOE_NAMES = {
     "Ernie4_5_MoeForCausalLM": {"gate.e_score_correction_bias": "moe_statics.e_score_correction_bias"},
     "HunYuanMoEV1ForCausalLM": {"gate.weight": "gate.wg.weight", "shared_experts": "shared_mlp"},
     "AfmoeForCausalLM": {"gate.weight": "router.gate.weight", "gate.e_score_correction_bias": "expert_bias"},
+    "ExaoneMoeForCausalLM": {"gate.e_score_correction_bias": "e_score_correction_bias"},
 }
 # ... and those whose checkpoints hold all experts in one tensor per projection, as transformers 5 saves them
 FUSED_DEEPSEEK_EXPERTS = ("Mistral4ForCausalLM",)
