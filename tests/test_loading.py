@@ -279,7 +279,7 @@ def test_architecture_transformers_does_not_know(extra, tiny, tmp_path, monkeypa
     path = copy_checkpoint(tiny, tmp_path / "ckpt")
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(raw | {"model_type": "mine", "architectures": ["MyLM"]} | extra))
-    refusal = "architecture 'MyLM' (model_type 'mine') is not supported by vlens; supported architectures: Apertus"
+    refusal = "architecture 'MyLM' (model_type 'mine') is not supported by vlens; supported architectures: Afmoe"
     with pytest.raises(UnsupportedModelError) as err:
         LLM(model=str(path), dtype="float32", device="cpu")
     assert refusal in str(err.value)
