@@ -30,27 +30,13 @@ from harvest_helpers import read_shards, write_jsonl
 from hf_reference import same
 from sae_helpers import save_saelens
 from server_helpers import vlens_serve
-from test_parity_afmoe import CONFIGS as AFMOE_CONFIGS
 from test_parity_bamba import bamba_config
 from test_parity_bloom import CONFIGS as BLOOM_CONFIGS
-from test_parity_deepseek import CONFIGS as DEEPSEEK_CONFIGS
-from test_parity_falcon import CONFIGS as FALCON_CONFIGS
-from test_parity_falcon_h1 import falcon_h1_config
 from test_parity_gemma4 import CONFIGS as GEMMA4_CONFIGS
-from test_parity_glm import CONFIGS as GLM_CONFIGS
-from test_parity_gpt_bigcode import CONFIGS as BIGCODE_CONFIGS
 from test_parity_gpt_oss import CONFIGS as GPT_OSS_CONFIGS
 from test_parity_granite import hybrid_config as granite_hybrid_config
-from test_parity_jamba import jamba_config
-from test_parity_latent_families import CONFIGS as LATENT_CONFIGS
 from test_parity_lfm2 import lfm2_config
-from test_parity_llama4 import CONFIGS as LLAMA4_CONFIGS
-from test_parity_mamba import mamba2_config, mamba_config
-from test_parity_minimax_m2 import CONFIGS as MINIMAX_CONFIGS
 from test_parity_moe import CONFIGS as MOE_CONFIGS
-from test_parity_mpt import CONFIGS as MPT_CONFIGS
-from test_parity_nemotron_h import nemotron_3_config
-from test_parity_phimoe import CONFIGS as PHIMOE_CONFIGS
 from test_parity_qwen3_5 import next_config
 from test_parity_qwen3_5 import text_config as qwen3_5_config
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Olmo2Config, Phi3Config, PhiConfig, Qwen2Config
@@ -536,50 +522,6 @@ def _equal(a: torch.Tensor, b: torch.Tensor, hook: str) -> bool:
     if hook.endswith(("hook_expert_ids", "hook_expert_indices")):
         return torch.equal(a, b)
     return same(a.double(), b.double(), TOL)
-
-
-# Layouts test_more_layouts runs (name -> config), and those whose layer 0 is a Mamba mixer and have no MLP
-MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": nemotron_3_config,
-                "falcon_h1": falcon_h1_config, "jamba": jamba_config, "glm4": GLM_CONFIGS["glm4"],
-                "glm4_moe": GLM_CONFIGS["glm4_moe"], "deepseek_v3": DEEPSEEK_CONFIGS["deepseek_v3"],
-                "deepseek_v2": DEEPSEEK_CONFIGS["deepseek_v2_grouped"],
-                "minimax_m2": MINIMAX_CONFIGS["minimax_m2"], "llama4": LLAMA4_CONFIGS["llama4"],
-                "gpt_bigcode": BIGCODE_CONFIGS["multi_query"], "falcon_40b": FALCON_CONFIGS["falcon_40b"],
-                "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
-                "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"],
-                "afmoe": AFMOE_CONFIGS["afmoe"]}  # fmt: skip
-MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
-
-
-@pytest.mark.parametrize("name", list(MORE_LAYOUTS))
-def test_more_layouts(tmp_path, one_thread, name):
-    """Mamba and Mamba 2 (no attention, no MLP, no KV cache: their blocks hold state slots alone), Nemotron 3 (layers
-    of a Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone), Falcon-H1 (attention and a
-    Mamba 2 mixer side by side, µP multipliers: the projections' per part), Jamba (Mamba's mixers, experts) and GLM-4
-    (its sandwich of norms, rotary by pairs, gate and up stored as one tensor), GLM-4.5 (DeepSeek-V3's experts, the
-    float32 router whole on each rank), DeepSeek-V3 and V2 (latent attention: the latents whole on each rank, the
-    heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections, their
-    sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one key-value
-    head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three heads
-    a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank), Mistral 4
-    (its router in the model's dtype, its experts fused in the checkpoint) and AFMoE (its output gate's projection
-    split by heads) on two ranks, each its heads, one of the
-    two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
-    step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
-    and rows, as in one process."""
-    path = build(MORE_LAYOUTS[name](), tmp_path, name)
-    one, two = _open(path), _open(path, tensor_parallel_size=N)
-    try:
-        every, seqs = list(one.hook_names()), sequences()
-        for a, b in zip(one.trace(seqs, every), two.trace(seqs, every)):
-            assert [hook for hook in every if not _equal(b[hook], a[hook], hook)] == []
-        hooks = ["blocks.0.mamba.hook_*" if name in MAMBA_FIRST else "blocks.0.attn.hook_z",
-                 "blocks.1.hook_attn_out" if name in NO_MLP else "blocks.1.mlp.*", "blocks.2.hook_resid_post"]  # fmt: skip
-        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
-        prompts = sequences((20, 9, 3))
-        _check_outputs(_generate(one, prompts, params), _generate(two, prompts, params))
-    finally:
-        two.close()
 
 
 def test_shards_are_halves(pair):
