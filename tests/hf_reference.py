@@ -320,7 +320,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
-               "granitemoeshared": "granite_hybrid",
+               "granitemoeshared": "granite_hybrid", "granitemoe_swa": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
                "nemotron_h": "nemotron_h", "jamba": "bamba",
                "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek",
@@ -559,7 +559,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     blocks = hf_model.get_submodule(fam.layers)
     layers = list(layers)
-    rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or [1] * n]  # (per layer: 1 where it rotates)
+    # (per layer: 1 where it rotates; GraniteSWA's rope bases, 0 where it does not)
+    rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or getattr(cfg, "layer_rope_theta", None) or [1] * n]
     if (name in ("gpt_neo", "opt", "bloom", "nemotron_h", "mpt") or cfg.model_type == "jamba"
             or getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
@@ -876,7 +877,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if patterns:
             scores, probs = (x[0].transpose(0, 1) for x in softmaxes[sum(attends[:layer])])
             sinks = getattr(blocks[layer].get_submodule(fam.attn), "sinks", None)
-            if sinks is not None:  # gpt-oss: the softmax saw [scores, sink] less their maximum, sink - maximum last
+            if sinks is not None and cfg.model_type in ("granite_swa", "granitemoe_swa"):  # (its softmax has no sink:
+                # the output is scaled by sigmoid(logsumexp(scores) - sink), the weights' sum a sink would leave)
+                probs = probs * torch.sigmoid(torch.logsumexp(scores, -1) - sinks).unsqueeze(-1)
+            elif sinks is not None:  # gpt-oss: the softmax saw [scores, sink] less their maximum, sink - maximum last
                 scores = scores[..., :-1] + (sinks - scores[..., -1]).unsqueeze(-1)
                 probs = probs[..., :-1]
             if name == "mpt":  # (HF measures its ALiBi from the forward's last key, vlens's taps from each query:

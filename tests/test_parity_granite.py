@@ -121,3 +121,52 @@ def test_bfloat16_taps_of_the_moe_models_are_hfs_bit_for_bit(tmp_path):
     """Granite 3.x's MoE: the router's top k softmaxed (HF in float32, then rounded; vlens in bfloat16, whose softmax
     computes in float32 and rounds once: the same numbers), the experts' taps, bit for bit."""
     check_bfloat16_taps(HYBRID["granite_moe"](), tmp_path)
+
+
+# GraniteSWA and its MoE: windows on the layers layer_types marks (every fourth full: layers 1 and 2 windowed), a sink
+# per head (HF scales the output by sigmoid(logsumexp(scores) - sink); vlens's softmax takes the sink in: the same),
+# a rope base per layer: none on the first, one shared, or one for the windowed layers and another for the full one
+SWA = dict(num_key_value_heads=2, sliding_window=8, **MULTIPLIERS)
+
+
+def swa_config(bases: list[float], moe: bool = False):
+    from transformers import GraniteMoeSWAConfig, GraniteSWAConfig
+
+    if moe:
+        sizes = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=48)
+        return GraniteMoeSWAConfig(**(COMMON | SWA | sizes), layer_rope_theta=bases)
+    return GraniteSWAConfig(**COMMON, **SWA, layer_rope_theta=bases)
+
+
+SWA_CONFIGS = {
+    "granite_swa_nope_first": lambda: swa_config([0, 500.0, 500.0]),
+    "granite_swa_two_bases": lambda: swa_config([10000.0, 500.0, 500.0]),
+    "granite_moe_swa": lambda: swa_config([0, 10000.0, 10000.0], moe=True),
+}
+swa = family_fixture(SWA_CONFIGS, name="swa")
+
+
+class TestSwaParity(TapParity, GenerationParity):
+    @pytest.fixture
+    def family(self, swa):
+        return swa
+
+
+def test_swa_config_is_read_as_intended(swa):
+    name, _, llm, hf = swa
+    cfg = llm.config
+    assert cfg.attn_sinks and cfg.sliding_windows == (None, 8, 8) and cfg.residual_multiplier == 0.22
+    assert cfg.family == ("granite_hybrid" if name == "granite_moe_swa" else "granite")
+    assert cfg.nope_layers == (name != "granite_swa_two_bases", False, False)
+    two = name == "granite_swa_two_bases"
+    assert (cfg.rope_theta, cfg.sliding_rope_theta) == ((10000.0, 500.0) if two else (
+        500.0 if name == "granite_swa_nope_first" else 10000.0, None))  # fmt: skip
+
+
+def test_rope_bases_vlens_cannot_hold_are_refused_by_name(tmp_path):
+    from vlens import LLM
+    from vlens.config import UnsupportedModelError
+
+    path = build(swa_config([0, 500.0, 600.0]), tmp_path, "granite_swa")
+    with pytest.raises(UnsupportedModelError, match="layer_rope_theta=.*GraniteSWAForCausalLM"):
+        LLM(model=path, dtype="float32", device="cpu")

@@ -426,6 +426,33 @@ def _granite(hf: Any) -> dict[str, Any]:
     return _granite_multipliers(hf) | dict(mlp_bias=bool(hf.mlp_bias))
 
 
+def _granite_swa(hf: Any) -> dict[str, Any]:
+    """GraniteSWA: Granite's layer with windows on the layers layer_types marks, a sink per head, a rope base per
+    layer."""
+    return _granite(hf) | _layer_rope_bases(hf)
+
+
+def _granite_moe_swa(hf: Any) -> dict[str, Any]:
+    return _granite_moe(hf) | _layer_rope_bases(hf)
+
+
+def _layer_rope_bases(hf: Any) -> dict[str, Any]:
+    """GraniteSWA's rope base per layer (`layer_rope_theta`; 0: no positions), as vlens's two ropes hold them: one
+    base, or one for the windowed layers and one for the rest (Gemma 3's pair); any other mix is refused by name."""
+    bases = {kind: {theta for theta, k in zip(hf.layer_rope_theta, hf.layer_types) if theta and k == kind}
+             for kind in ("sliding_attention", "full_attention")}  # fmt: skip
+    if any(len(b) > 1 for b in bases.values()):
+        raise UnsupportedModelError(f"layer_rope_theta={list(hf.layer_rope_theta)!r} is not supported for "
+                                    f"{hf.architectures[0]}: vlens takes one rope base for the windowed layers and one "
+                                    "for the rest")  # fmt: skip
+    windowed, full = (next(iter(bases[kind]), None) for kind in ("sliding_attention", "full_attention"))
+    theta, scaling = _rope(dict(hf.rope_parameters), hf)
+    fields = dict(nope_layers=tuple(not theta for theta in hf.layer_rope_theta), rope_theta=full or windowed or theta)
+    if windowed and full and windowed != full:
+        fields |= dict(sliding_rope_theta=float(windowed), sliding_rope_scaling=scaling)
+    return fields
+
+
 def _granite_multipliers(hf: Any) -> dict[str, Any]:
     return dict(
         attn_scale=float(hf.attention_multiplier),
@@ -968,6 +995,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BambaForCausalLM": Architecture({"family": "bamba"}, _bamba, windowed=False),
     # Granite 4.0: Granite's multipliers, Bamba's Mamba 2 mixers, a shared MLP beside routed experts
     "GraniteMoeHybridForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_hybrid, windowed=False),
+    # GraniteSWA (and its MoE): Granite's layers with windows by layer_types, a sink per head, a rope base per layer
+    "GraniteSWAForCausalLM": Architecture({"family": "granite", "attn_sinks": True}, _granite_swa),
+    "GraniteMoeSWAForCausalLM": Architecture({"family": "granite_hybrid", "attn_sinks": True}, _granite_moe_swa),
     # Granite 3.x's MoE models: Granite 4.0's layer with attention alone and rotary positions
     "GraniteMoeForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
     "GraniteMoeSharedForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_moe, windowed=False),
@@ -1132,6 +1162,8 @@ MODEL_TYPES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "granitemoe_swa": "GraniteMoeSWAForCausalLM",
     "mamba": "MambaForCausalLM",
     "falcon_mamba": "FalconMambaForCausalLM",
     "mamba2": "Mamba2ForCausalLM",

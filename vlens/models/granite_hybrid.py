@@ -24,10 +24,15 @@ SHARED_MLP_NAMES = dict(names=("gate", "up", "output_linear"), fused="input_line
 
 class GraniteMoE(nn.Module):
     """Routed experts plus, where the model has one, the shared MLP, their outputs summed (the layer's MLP output);
-    `block_sparse_moe` in the checkpoints, its router's weight under `router.layer`."""
+    `block_sparse_moe` in the checkpoints, its router's weight under `router.layer`, the experts' stacks under
+    `input_linear` and `output_linear` (GraniteMoeSWA's, `NATIVE_NAMES`: transformers 5's own, `router.weight` and
+    `experts.gate_up_proj`, `experts.down_proj`)."""
+
+    NATIVE_NAMES = ("GraniteMoeSWAForCausalLM",)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.native = cfg.architecture in self.NATIVE_NAMES
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act, None,
                                cfg.parallel)  # fmt: skip
@@ -39,9 +44,13 @@ class GraniteMoE(nn.Module):
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         layer = path.rpartition(".")[0]
-        stored = {f"{layer}.block_sparse_moe.{'input' if k.endswith('gate_up_proj') else 'output'}_linear.weight": s
-                  for k, s in self.experts.checkpoint_slots("experts").items()}  # fmt: skip
-        stored[f"{layer}.block_sparse_moe.router.layer.weight"] = Slot(self.gate.weight)
+        block, experts = f"{layer}.block_sparse_moe", self.experts.checkpoint_slots("experts")
+        if self.native:
+            stored = {f"{block}.{k}": s for k, s in experts.items()}
+        else:
+            stored = {f"{block}.{'input' if k.endswith('gate_up_proj') else 'output'}_linear.weight": s
+                      for k, s in experts.items()}  # fmt: skip
+        stored[f"{block}.router.{'weight' if self.native else 'layer.weight'}"] = Slot(self.gate.weight)
         return stored if self.shared_mlp is None else stored | checkpoint_slots(self.shared_mlp, f"{layer}.shared_mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
