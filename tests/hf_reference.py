@@ -177,6 +177,12 @@ FAMILIES = {
         final_norm="model.final_layernorm",
     ),
     "lfm2": LFM2,
+    "olmo_hybrid": replace(  # (its attention layers: OLMo's; its linear layers Llama's names, as Qwen 3.5's)
+        GEMMA,
+        outputs={"hook_attn_out": "post_attention_layernorm", "hook_mlp_out": "post_feedforward_layernorm"},
+        inputs=GEMMA.inputs | {"hook_resid_mid": "mlp"},
+        post_norms={"ln1": "post_attention_layernorm", "ln2": "post_feedforward_layernorm"},
+    ),
     "glm4": GLM4,
     "llama4": LLAMA4,
     "llama4_multimodal": replace(LLAMA4, layers="language_model.model.layers",
@@ -306,7 +312,8 @@ FAMILIES["idefics3_multimodal"] = replace(
 )
 FAMILIES["cohere_multimodal"] = replace(FAMILIES["cohere"], **TEXT_MODEL)
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
-               "olmo2": "olmo", "olmo3": "olmo", "flex_olmo": "olmo", "phi": "phi", "gemma3": "gemma3_multimodal",
+               "olmo2": "olmo", "olmo3": "olmo", "flex_olmo": "olmo", "olmo_hybrid": "olmo_hybrid", "phi": "phi",
+               "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal", "llava_next": "llama_multimodal",
                "llava_onevision": "llama_multimodal", "internvl": "llama_multimodal", "qwen2_vl": "llama_multimodal",
                "idefics3": "idefics3_multimodal", "smolvlm": "idefics3_multimodal", "aya_vision": "cohere_multimodal",
@@ -341,6 +348,7 @@ ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "
 
 
 def family_of(hf_model) -> tuple[str, Family]:
+    """(name, Family); OLMo Hybrid's the family of its attention layers (OLMo's: LLAMA is its linear layers')."""
     cfg = hf_model.config
     name = MODEL_TYPES.get(cfg.model_type, "llama")
     if name == "falcon" and (cfg.parallel_attn or cfg.new_decoder_architecture):  # (no resid_mid; one norm or two)
@@ -599,9 +607,11 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         on_output(block, p + "raw_resid_post", raw)
         if linear[layer]:  # (the rest from the delta rule's calls, below)
             on_output(block.linear_attn, p + "hook_attn_out")
-            handles.append(block.linear_attn.norm.register_forward_hook(  # (its second input: the gate's, z)
+            net = block.linear_attn  # (OLMo Hybrid's norm and output projection: o_norm, o_proj)
+            norm, out_proj = getattr(net, "norm", None) or net.o_norm, getattr(net, "out_proj", None) or net.o_proj
+            handles.append(norm.register_forward_hook(  # (its second input: the gate's, z)
                 lambda m, a, o, key=p + "linear_attn.hook_gate": got.__setitem__(key, a[1].clone())))
-            on_input(block.linear_attn.out_proj, p + "linear_attn.hook_z")
+            on_input(out_proj, p + "linear_attn.hook_z")
         elif ssm[layer]:  # (the rest from HF's conv and scan calls, below)
             on_output(mamba[layer], p + ("mamba.hook_out" if side_by_side else "hook_attn_out"))
             norm = getattr(mamba[layer], "norm", None)  # (Falcon-H1's may be an Identity, not called)
@@ -656,13 +666,16 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(attn.q_proj, p + "q", raw)
                 on_output(attn.k_proj, p + "k", raw)
         outputs, inputs = NEMOTRON_PARTS[block.block_type] if name == "nemotron_h" else (fam.outputs, fam.inputs)
+        layer_post_norms = fam.post_norms
+        if name == "olmo_hybrid" and linear[layer]:  # (Llama's layer)
+            outputs, inputs, layer_post_norms = LLAMA.outputs, LLAMA.inputs, {}
         for kind, path in outputs.items():
             if (not attends[layer] or side_by_side) and kind == "hook_attn_out":
                 continue
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
                 norms[p + kind.split(".")[0]] = block.get_submodule(path)
-        for norm, path in fam.post_norms.items():  # (their outputs are hook_attn_out and hook_mlp_out)
+        for norm, path in layer_post_norms.items():  # (their outputs are hook_attn_out and hook_mlp_out)
             norms[p + norm] = block.get_submodule(path)
         # (OPT keeps its MLP's projections on the layer; LFM2 names it feed_forward; Granite 4 has experts beside a
         # shared MLP, whose outputs are summed)

@@ -678,7 +678,7 @@ def test_transcoder_clamps_read_where_they_read_also_from_a_sharded_hook(pair):
                    W_dec=torch.randn(32, d, generator=g), b_dec=torch.zeros(d), hook=hook, hook_out=hook_out,
                    apply_b_dec_to_input=False)  # fmt: skip
 
-    mlp = transcoder(f"blocks.0.{mlp_input(one.config)}", "blocks.0.hook_mlp_out", d)
+    mlp = transcoder(f"blocks.0.{mlp_input(one.config, 0)}", "blocks.0.hook_mlp_out", d)
     attn = transcoder(z, "blocks.1.hook_attn_out", math.prod(shapes[z]))
     hooks = ["blocks.0.hook_mlp_out", "blocks.1.hook_attn_out", "blocks.2.hook_resid_post"]
     common = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "capture": Capture(hooks=hooks)}

@@ -19,6 +19,7 @@ from test_parity_mamba import mamba2_config, mamba_config
 from test_parity_minimax_m2 import CONFIGS as MINIMAX_CONFIGS
 from test_parity_mpt import CONFIGS as MPT_CONFIGS
 from test_parity_nemotron_h import nemotron_3_config
+from test_parity_olmo_hybrid import SQUARE as olmo_hybrid_config
 from test_parity_phimoe import CONFIGS as PHIMOE_CONFIGS
 from test_tensor_parallel import N, _check_outputs, _equal, _generate, _open, one_thread  # noqa: F401 - (autouse)
 
@@ -33,8 +34,10 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "gpt_bigcode": BIGCODE_CONFIGS["multi_query"], "falcon_40b": FALCON_CONFIGS["falcon_40b"],
                 "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
                 "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"],
-                "afmoe": AFMOE_CONFIGS["afmoe"]}  # fmt: skip
+                "afmoe": AFMOE_CONFIGS["afmoe"], "olmo_hybrid": olmo_hybrid_config}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
+# (layer 0's hooks a generation captures: its token mixer's)
+FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybrid": "blocks.0.linear_attn.hook_*"}
 
 
 @pytest.mark.parametrize("name", list(MORE_LAYOUTS))
@@ -48,8 +51,9 @@ def test_more_layouts(tmp_path, name):
     sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one key-value
     head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three heads
     a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank), Mistral 4
-    (its router in the model's dtype, its experts fused in the checkpoint) and AFMoE (its output gate's projection
-    split by heads) on two ranks, each its heads, one of the
+    (its router in the model's dtype, its experts fused in the checkpoint) AFMoE (its output gate's projection
+    split by heads) and OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions, stored apart)
+    on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""
@@ -59,7 +63,7 @@ def test_more_layouts(tmp_path, name):
         every, seqs = list(one.hook_names()), sequences()
         for a, b in zip(one.trace(seqs, every), two.trace(seqs, every)):
             assert [hook for hook in every if not _equal(b[hook], a[hook], hook)] == []
-        hooks = ["blocks.0.mamba.hook_*" if name in MAMBA_FIRST else "blocks.0.attn.hook_z",
+        hooks = [FIRST_HOOKS.get(name, "blocks.0.attn.hook_z"),
                  "blocks.1.hook_attn_out" if name in NO_MLP else "blocks.1.mlp.*",
                  "blocks.2.hook_resid_post"]  # fmt: skip
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))

@@ -262,7 +262,7 @@ class Attribution:
             )
         if layer == n:
             norm, hook = model.final_norm, "ln_final.hook_scale"
-        elif not model.cfg.pre_norms:  # (OLMo 2: the layer's attention and MLP read the stream itself)
+        elif not model.cfg.pre_norms_at(layer):  # (OLMo 2: the layer's attention and MLP read the stream itself)
             return residual_stack
         else:
             ln = "ln2" if mlp_input or model.cfg.part_at(layer) == "mlp" else "ln1"  # (Nemotron-H: an MLP alone)
@@ -305,7 +305,7 @@ class Attribution:
         """The model, where layer `layer`'s attention ("attn") or MLP ("mlp") output is the sum of its heads' or
         neurons' shares, which a norm between it and the residual add (Gemma) makes it not."""
         model = self.model._model()
-        if model.cfg.post_norms:
+        if model.cfg.post_norms_at(layer):
             what, norm, summed, one = POST_NORMS[kind]
             raise ValueError(
                 f"{model.cfg.architecture}: {what} are not defined: its {norm} normalises the {summed} before it "

@@ -287,8 +287,9 @@ class _Rows:
             skip = x[..., :1] * 0 if skip is None else skip.view_as(value)  # (no skip: 0, on the graph)
             return skip + (value - skip).detach()
 
-        kinds = ("attn.hook_q", "attn.hook_k", *(f"{norm}.hook_scale" for norm in layer_norms(model.cfg)))
-        frozen = [f"blocks.{layer}.{kind}" for layer in range(n) for kind in kinds] + ["ln_final.hook_scale"]
+        kinds = lambda layer: ("attn.hook_q", "attn.hook_k",  # noqa: E731 - (each layer's norms)
+                               *(f"{norm}.hook_scale" for norm in layer_norms(model.cfg, layer)))
+        frozen = [f"blocks.{layer}.{kind}" for layer in range(n) for kind in kinds(layer)] + ["ln_final.hook_scale"]
         fwd = [(name, freeze) for name in frozen]
         fwd += [(hook, partial(keep, layer)) for layer, hook in enumerate(tcs.reads)]
         fwd += [(hook, partial(skip_only, layer)) for layer, hook in enumerate(tcs.writes)]

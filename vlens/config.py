@@ -95,6 +95,24 @@ def _qwen3_5_moe(hf: Any) -> dict[str, Any]:
     )
 
 
+def _olmo_hybrid(hf: Any) -> dict[str, Any]:
+    """OLMo Hybrid: OLMo 3's attention layers (post-norms alone) among gated delta nets in Llama's layer (pre-norms
+    alone); rotary on the attention layers where the config has a base (none: no positions)."""
+    linear = tuple(kind == "linear_attention" for kind in hf.layer_types)
+    theta = (hf.rope_parameters or {}).get("rope_theta")
+    return dict(
+        linear_layers=linear,
+        post_norm_layers=tuple(not x for x in linear),
+        linear_key_heads=hf.linear_num_key_heads,
+        linear_key_dim=hf.linear_key_head_dim,
+        linear_value_heads=hf.linear_num_value_heads,
+        linear_value_dim=hf.linear_value_head_dim,
+        linear_conv_kernel=hf.linear_conv_kernel_dim,
+        linear_beta_scale=2.0 if hf.linear_allow_neg_eigval else 1.0,
+        **({} if theta is not None else dict(rotary_dim=0)),
+    )
+
+
 def _qwen3_next(hf: Any) -> dict[str, Any]:
     """Qwen3-Next (80B-A3B): Qwen 3.5's layers, with Qwen2-MoE's experts and their checkpoint's projections of a
     linear layer fused and grouped by key head (`linear_stored_grouped`)."""
@@ -953,6 +971,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "OlmoeForCausalLM": Architecture({"qk_norm": "projection", "round_routing_weights": True}, _olmoe),
     "Olmo2ForCausalLM": Architecture(OLMO),
     "Olmo3ForCausalLM": Architecture(OLMO),
+    # OLMo Hybrid: OLMo 3's attention layers (no windows) among gated delta nets in Llama's pre-norm layer
+    "OlmoHybridForCausalLM": Architecture(OLMO | {"family": "olmo_hybrid", "pre_norms": True, "post_norms": False},
+                                          _olmo_hybrid, windowed=False),  # fmt: skip
     # FlexOlmo: OLMo 2's layer with OLMoE's routed experts
     "FlexOlmoForCausalLM": Architecture(OLMO | {"round_routing_weights": True}, _flex_olmo),
     # K-EXAONE: EXAONE 4's attention in Llama's pre-norm layer, DeepSeek-V3's experts
@@ -1127,6 +1148,7 @@ MODEL_TYPES = {
     "olmoe": "OlmoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
     "flex_olmo": "FlexOlmoForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
@@ -1238,6 +1260,9 @@ class ModelConfig:
     pre_norms: bool = True  # a norm before attention and before the MLP (ln1, ln2); OLMo 2/3 have none
     post_norms: bool = False  # each sublayer's output normalised before the residual add (Gemma: ln1_post, ln2_post;
     # OLMo 2/3, without pre-norms: TransformerLens names them ln1, ln2)
+    # OLMo Hybrid, per layer: True where the layer is OLMo 2's (post-norms alone), False where it is Llama's (pre-norms
+    # alone); () = every layer as pre_norms and post_norms say (pre_norms_at, post_norms_at)
+    post_norm_layers: tuple[bool, ...] = ()
     rope_float32: bool = False  # OLMo: cos and sin stay float32, so q and k rotate in float32 and round back
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     # DeepSeek-V2/V3 (multi-head latent attention): the queries through a low-rank projection and its norm
@@ -1340,6 +1365,7 @@ class ModelConfig:
     # Qwen3-Next: the checkpoint keeps q, k, v and the gate's input in one in_proj_qkvz, beta's and the decay's inputs
     # in one in_proj_ba, each grouped by key head (each key head's rows, then its value heads')
     linear_stored_grouped: bool = False
+    linear_beta_scale: float = 1.0  # OLMo Hybrid (linear_allow_neg_eigval): the delta rule's beta times 2, in [0, 2]
     # LFM2, per layer: True where a gated short convolution (its input's last `conv_kernel` - 1 rows kept per sequence)
     # stands in for attention; () = none
     conv_layers: tuple[bool, ...] = ()
@@ -1424,6 +1450,17 @@ class ModelConfig:
     def keeps_states(self) -> bool:
         """Whether some layer keeps a state per sequence between forwards (vlens.layers.slot_states)."""
         return any(self.linear_layers) or any(self.conv_layers) or any(self.ssm_layers) or self.parallel_mixers
+
+    def pre_norms_at(self, layer: int) -> bool:
+        return not self.post_norm_layers[layer] if self.post_norm_layers else self.pre_norms
+
+    def post_norms_at(self, layer: int) -> bool:
+        return self.post_norm_layers[layer] if self.post_norm_layers else self.post_norms
+
+    @property
+    def any_post_norms(self) -> bool:
+        """Whether some layer normalises a sublayer's output before the residual add."""
+        return any(map(self.post_norms_at, range(self.num_layers)))
 
     def head_dim_at(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim

@@ -42,7 +42,7 @@ def edge_attribution_patching(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: {steps!r} is not an int >= 1 (1: EAP; more: EAP-IG's interpolation steps)")
     cfg = model.cfg
-    if cfg.post_norms:
+    if cfg.any_post_norms:
         raise ValueError(f"{cfg.architecture}: a norm stands between each head (each MLP) and the residual stream, "
                          "so no edge carries one node's output alone")  # fmt: skip
     n = cfg.num_layers

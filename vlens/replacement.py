@@ -131,11 +131,11 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
         raise ValueError(f"transcoders: {len(chosen.reads)} given; an attribution graph needs one per layer, {n}")
     for layer in range(n):
         where = f"transcoders[{layer}]"
-        outputs = [f"blocks.{layer}.hook_mlp_out"] + [f"blocks.{layer}.mlp.hook_out"] * model.cfg.post_norms
+        outputs = [f"blocks.{layer}.hook_mlp_out"] + [f"blocks.{layer}.mlp.hook_out"] * model.cfg.post_norms_at(layer)
         if chosen.writes[layer] not in outputs:
             raise ValueError(f"{where}: writes {chosen.writes[layer]!r}; layer {layer}'s must write "
                              f"{' or '.join(outputs)}")  # fmt: skip
-        before_mlp, read = layer_hooks(model.cfg, layer), mlp_input(model.cfg)
+        before_mlp, read = layer_hooks(model.cfg, layer), mlp_input(model.cfg, layer)
         before_mlp = before_mlp[: before_mlp.index(read) + 1]
         if chosen.reads[layer] not in {f"blocks.{layer}.{hook}" for hook in before_mlp}:
             raise ValueError(f"{where}: reads {chosen.reads[layer]!r}; layer {layer}'s must read a hook of its "
@@ -170,4 +170,4 @@ def _written(model: HookedLM, hook: str) -> str:
     output, `mlp.hook_out`, is what the layer adds (hook_mlp_out), but where a post-norm follows the MLP (Gemma),
     whose input vlens taps under that name. (What it reads, `mlp.hook_in`, SAELens's name too, from_saelens
     translates.)"""
-    return "hook_mlp_out" if hook == "mlp.hook_out" and not model.cfg.post_norms else hook
+    return "hook_mlp_out" if hook == "mlp.hook_out" and not model.cfg.any_post_norms else hook

@@ -164,10 +164,10 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         moe = MOE_HOOKS + (SHARED_EXPERT,) if cfg.shared_expert_intermediate_size else MOE_HOOKS
         at = hooks.index("mlp.hook_post")
         hooks[at : at + 1] = ("mlp.hook_post", *BESIDE_MLP) if cfg.experts_beside_mlp else moe
-    if not cfg.pre_norms:
+    if not cfg.pre_norms_at(layer):
         hooks = [h for h in hooks if not h.startswith(("ln1.", "ln2."))]
-    if cfg.post_norms:
-        for norm, (raw, out) in zip(post_norm_names(cfg), POST_NORMED):
+    if cfg.post_norms_at(layer):
+        for norm, (raw, out) in zip(post_norm_names(cfg, layer), POST_NORMED):
             at = hooks.index(out)
             hooks[at:at] = (raw, f"{norm}.hook_scale", f"{norm}.hook_normalized")
     part = cfg.part_at(layer)
@@ -179,20 +179,21 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
     return tuple(hooks)
 
 
-def post_norm_names(cfg: ModelConfig) -> tuple[str, str]:
-    """TransformerLens's names for the norms after attention and after the MLP: ln1_post and ln2_post beside
-    pre-norms (Gemma), ln1 and ln2 where they are the layer's only norms (OLMo 2)."""
-    return ("ln1_post", "ln2_post") if cfg.pre_norms else ("ln1", "ln2")
+def post_norm_names(cfg: ModelConfig, layer: int) -> tuple[str, str]:
+    """TransformerLens's names for layer `layer`'s norms after attention and after the MLP: ln1_post and ln2_post
+    beside pre-norms (Gemma), ln1 and ln2 where they are the layer's only norms (OLMo 2)."""
+    return ("ln1_post", "ln2_post") if cfg.pre_norms_at(layer) else ("ln1", "ln2")
 
 
-def layer_norms(cfg: ModelConfig) -> tuple[str, ...]:
-    """A layer's norms by TransformerLens's names: its pre-norms, then its post-norms."""
-    return (("ln1", "ln2") if cfg.pre_norms else ()) + (post_norm_names(cfg) if cfg.post_norms else ())
+def layer_norms(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """Layer `layer`'s norms by TransformerLens's names: its pre-norms, then its post-norms."""
+    pre, post = cfg.pre_norms_at(layer), cfg.post_norms_at(layer)
+    return (("ln1", "ln2") if pre else ()) + (post_norm_names(cfg, layer) if post else ())
 
 
-def mlp_input(cfg: ModelConfig) -> str:
-    """The tap (of a layer) whose value the MLP reads: its pre-norm's output, or, with none, the stream itself."""
-    return "ln2.hook_out" if cfg.pre_norms else "hook_resid_mid"
+def mlp_input(cfg: ModelConfig, layer: int) -> str:
+    """The tap of layer `layer` whose value its MLP reads: its pre-norm's output, or, with none, the stream itself."""
+    return "ln2.hook_out" if cfg.pre_norms_at(layer) else "hook_resid_mid"
 
 
 def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, tuple[int | str, ...]]:
@@ -356,7 +357,7 @@ def _no_match(name: str, pattern: str, valid: dict, cfg: ModelConfig) -> HookSpe
         hint = f"; it is one of TransformerLens's optional hooks, which HookedLM.set_{flag}(True) turns on"
     elif from_saelens(name) in valid:
         hint = f"; SAELens's name for the MLP's input, which vlens calls {from_saelens(name)}"
-    elif leaf in ("attn.hook_out", "mlp.hook_out") and not cfg.post_norms:  # (taps only where a post-norm follows)
+    elif leaf in ("attn.hook_out", "mlp.hook_out") and not cfg.any_post_norms:  # (taps only where a post-norm follows)
         hint = f"; vlens calls it hook_{leaf.split('.')[0]}_out where no post-norm follows"
     where = f"{name!r}" if name == pattern else f"{name!r} (from {pattern!r})"
     return HookSpecError(

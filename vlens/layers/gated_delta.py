@@ -48,11 +48,14 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(SlotStates):
     """Qwen 3.5's and Qwen3-Next's `linear_attn`, its parameters named as HF's (Qwen 3.5's: vlens/config.py's
-    `linear_stored_grouped` says how Qwen3-Next's load). Under tensor parallelism each rank holds its share of the
-    key heads and the value heads they serve: their rows of every projection and of the convolution, their states,
-    and out_proj's matching columns (summed over the ranks)."""
+    `linear_stored_grouped` says how Qwen3-Next's load; OLMo Hybrid's: `OlmoHybridGatedDeltaNet`). Under tensor
+    parallelism each rank holds its share of the key heads and the value heads they serve: their rows of every
+    projection and of the convolution, their states, and out_proj's matching columns (summed over the ranks)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    norm_name, out_name = "norm", "out_proj"  # (the checkpoint's names of the gated norm and the output projection)
+
+    def __init__(self, cfg: ModelConfig, layer: int, norm_eps: float | None = None):
+        """`norm_eps`: the gated norm's (default the model's norm_eps)."""
         super().__init__()
         self.key_dim, self.value_dim, parallel = cfg.linear_key_dim, cfg.linear_value_dim, cfg.parallel
         self.all_key_heads, self.all_value_heads = cfg.linear_key_heads, cfg.linear_value_heads
@@ -70,7 +73,8 @@ class GatedDeltaNet(SlotStates):
         self.conv1d = CausalConv(channels, cfg.linear_conv_kernel, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
-        self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
+        self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps if norm_eps is None else norm_eps)
+        self.beta_scale = cfg.linear_beta_scale
         self.out_proj = RowLinear(self.all_value_heads * self.value_dim, d, False, parallel, units=self.all_value_heads)
         self.act = activation(cfg.hidden_act)
         p = f"blocks.{layer}.linear_attn."
@@ -86,8 +90,7 @@ class GatedDeltaNet(SlotStates):
         """Each stored tensor into its rows of `in_proj` (this rank's heads' rows of it: `_rows`); Qwen3-Next's
         checkpoints fuse the projections in two tensors grouped by key head, regrouped (q, k, v, z; b, a) as they
         load."""
-        rows, weight = self.in_proj.part_rows(), self.in_proj.weight
-        kd, vd, n_keys, n_values = self.key_dim, self.value_dim, self.all_key_heads, self.all_value_heads
+        kd, vd, n_keys = self.key_dim, self.value_dim, self.all_key_heads
         q, v = self._rows(kd, self.mine), self._rows(vd, self._values)  # (z's rows are v's)
         qkv = [*q, *(r + n_keys * kd for r in q), *(r + 2 * n_keys * kd for r in v)]  # (in in_proj_qkv, stored)
         channels = (torch.tensor(qkv),)
@@ -96,16 +99,25 @@ class GatedDeltaNet(SlotStates):
             f"{path}.conv1d.weight": Slot(self.conv1d.weight, source=channels),
             f"{path}.dt_bias": Slot(self.dt_bias, source=(torch.tensor(b),)),
             f"{path}.A_log": Slot(self.A_log, source=(torch.tensor(b),)),
-            f"{path}.norm.weight": Slot(self.norm.weight),
-            **self.out_proj.checkpoint_slots(f"{path}.out_proj"),
+            f"{path}.{self.norm_name}.weight": Slot(self.norm.weight),
+            **self.out_proj.checkpoint_slots(f"{path}.{self.out_name}"),
         }
+        return slots | self.projection_slots(path, qkv, q, v, b)
+
+    def projection_slots(
+        self, path: str, qkv: list[int], q: list[int], v: list[int], b: list[int]
+    ) -> dict[str, Slot]:  # fmt: skip
+        """The stored projections into `in_proj`'s rows, from this rank's rows of them: `qkv` in the q, k, v
+        projection, `q` (`k`'s alike) and `v` in one head kind's own, `b` in beta's and the decay's."""
+        rows, weight = self.in_proj.part_rows(), self.in_proj.weight
+        kd, vd, n_keys, n_values = self.key_dim, self.value_dim, self.all_key_heads, self.all_value_heads
         if not self.stored_grouped:
             parts = {"in_proj_qkv": qkv, "in_proj_z": v, "in_proj_b": b, "in_proj_a": b}
-            return slots | {f"{path}.{name}.weight": Slot(weight, rows[name], source=(torch.tensor(parts[name]),))
-                            for name in parts}  # fmt: skip
+            return {f"{path}.{name}.weight": Slot(weight, rows[name], source=(torch.tensor(parts[name]),))
+                    for name in parts}  # fmt: skip
         ungrouped_z = [r + 2 * n_keys * kd + n_values * vd for r in v]  # (in in_proj_qkvz, regrouped: q, k, v, z)
         qkvz = slice(0, rows["in_proj_z"].stop)
-        return slots | {
+        return {
             f"{path}.in_proj_qkvz.weight": Slot(weight, qkvz, partial(self._ungroup, (kd, kd)),
                                                 (torch.tensor(qkv + ungrouped_z),)),
             f"{path}.in_proj_ba.weight": Slot(weight, slice(qkvz.stop, None), partial(self._ungroup, ()),
@@ -138,7 +150,8 @@ class GatedDeltaNet(SlotStates):
         q = tap(self.hook_q, q.reshape(t, self.key_heads, self.key_dim))
         k = tap(self.hook_k, k.reshape(t, self.key_heads, self.key_dim))
         v = tap(self.hook_v, v.reshape(t, self.value_heads, self.value_dim))
-        beta = tap(self.hook_beta, b.sigmoid())
+        beta = b.sigmoid() if self.beta_scale == 1.0 else b.sigmoid() * self.beta_scale  # (OLMo Hybrid's: [0, 2])
+        beta = tap(self.hook_beta, beta)
         decay = tap_widened(self.hook_decay, -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), x.dtype)
         out = tap(self.hook_core_out, self.delta_rule(q, k, v, decay, beta, meta).to(x.dtype))
         gate = tap(self.hook_gate, gate.reshape(t, self.value_heads, self.value_dim))
@@ -178,6 +191,39 @@ class GatedDeltaNet(SlotStates):
         if slots is not None:
             self.state[slots[0]] = state
         return out
+
+
+class OlmoHybridGatedDeltaNet(GatedDeltaNet):
+    """OLMo Hybrid's `linear_attn`: Qwen 3.5's net, each projection stored apart (q_proj, k_proj, v_proj, g_proj: the
+    gate's, a_proj, b_proj; o_proj) and the convolution's channels too (q_conv1d, k_conv1d, v_conv1d), its gated norm
+    `o_norm` of eps 1e-5 whatever the model's, beta in [0, 2] where linear_allow_neg_eigval (cfg.linear_beta_scale)."""
+
+    norm_name, out_name = "o_norm", "o_proj"
+    float32_params = ("A_log",)  # (HF keeps it in float32 whatever the model's dtype; vlens.loader.keep_float32)
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer, norm_eps=1e-5)
+
+    def checkpoint_slots(self, path: str) -> dict[str, Slot]:
+        slots = super().checkpoint_slots(path)
+        del slots[f"{path}.conv1d.weight"]
+        q, v = self._rows(self.key_dim, self.mine), self._rows(self.value_dim, self._values)
+        keys, _, values = self.split
+        parts = {"q": (slice(0, keys), q), "k": (slice(keys, 2 * keys), q),
+                 "v": (slice(2 * keys, 2 * keys + values), v)}  # fmt: skip
+        return slots | {f"{path}.{part}_conv1d.weight": Slot(self.conv1d.weight, into, source=(torch.tensor(rows),))
+                        for part, (into, rows) in parts.items()}  # fmt: skip
+
+    def projection_slots(
+        self, path: str, qkv: list[int], q: list[int], v: list[int], b: list[int]
+    ) -> dict[str, Slot]:  # fmt: skip
+        rows, (keys, _, values) = self.in_proj.part_rows(), self.split
+        start = rows["in_proj_qkv"].start
+        parts = {"q_proj": (slice(start, start + keys), q), "k_proj": (slice(start + keys, start + 2 * keys), q),
+                 "v_proj": (slice(start + 2 * keys, start + 2 * keys + values), v), "g_proj": (rows["in_proj_z"], v),
+                 "b_proj": (rows["in_proj_b"], b), "a_proj": (rows["in_proj_a"], b)}  # fmt: skip
+        return {f"{path}.{name}.weight": Slot(self.in_proj.weight, into, source=(torch.tensor(source),))
+                for name, (into, source) in parts.items()}  # fmt: skip
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

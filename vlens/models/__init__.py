@@ -36,7 +36,7 @@ from vlens.models.llama4 import Llama4ForCausalLM
 from vlens.models.mamba import MambaForCausalLM
 from vlens.models.mpt import MptForCausalLM
 from vlens.models.nemotron_h import NemotronHForCausalLM
-from vlens.models.olmo import OlmoForCausalLM
+from vlens.models.olmo import OlmoForCausalLM, OlmoHybridForCausalLM
 from vlens.models.opt import OPTForCausalLM
 from vlens.models.phi import PhiForCausalLM
 from vlens.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -63,6 +63,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "cohere": CohereForCausalLM,
     "deepseek": DeepseekForCausalLM,
     "olmo": OlmoForCausalLM,
+    "olmo_hybrid": OlmoHybridForCausalLM,
     "opt": OPTForCausalLM,
     "phi": PhiForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,

@@ -354,7 +354,7 @@ class PostNormBlock(ResidualBlock):
         super().__init__(layer)
         p = f"blocks.{layer}."
         self.hook_attn_norm, self.hook_mlp_norm = (
-            NormHooks(p + norm + ".hook_scale", p + norm + ".hook_normalized") for norm in post_norm_names(cfg)
+            NormHooks(p + norm + ".hook_scale", p + norm + ".hook_normalized") for norm in post_norm_names(cfg, layer)
         )  # (no hook_out: their outputs are hook_attn_out and hook_mlp_out)
         self.hook_attn_raw, self.hook_mlp_raw = p + "attn.hook_out", p + "mlp.hook_out"
 
