@@ -125,6 +125,19 @@ LFM2 = replace(
     inputs={"hook_resid_mid": "ffn_norm", "attn.hook_z": "self_attn.out_proj", "mlp.hook_post": "feed_forward.w2"},
     final_norm="model.embedding_norm",
 )
+# LFM3: LFM2's names (Qwen3's in its attention) in Gemma's sandwich
+LFM3 = Family(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    attn="self_attn",
+    outputs={"ln1.hook_out": "operator_norm", "hook_attn_out": "post_operator_norm", "ln2.hook_out": "ffn_norm",
+             "hook_mlp_out": "post_ffn_norm"},
+    inputs={"hook_resid_mid": "ffn_norm", "attn.hook_z": "self_attn.o_proj", "mlp.hook_post": "feed_forward.w2",
+            "attn.hook_out": "post_operator_norm", "mlp.hook_out": "post_ffn_norm"},
+    qkv="self_attn.v_proj",
+    final_norm="model.embedding_norm",
+    post_norms={"ln1_post": "post_operator_norm", "ln2_post": "post_ffn_norm"},
+)  # fmt: skip
 # Llama 4: Llama's layer, its MLP or experts under feed_forward
 LLAMA4 = replace(LLAMA, outputs=LLAMA.outputs | {"hook_mlp_out": "feed_forward"},
                  inputs=LLAMA.inputs | {"mlp.hook_post": "feed_forward.down_proj"})  # fmt: skip
@@ -177,6 +190,7 @@ FAMILIES = {
         final_norm="model.final_layernorm",
     ),
     "lfm2": LFM2,
+    "lfm3": LFM3,
     "olmo_hybrid": replace(  # (its attention layers: OLMo's; its linear layers Llama's names, as Qwen 3.5's)
         GEMMA,
         outputs={"hook_attn_out": "post_attention_layernorm", "hook_mlp_out": "post_feedforward_layernorm"},
@@ -326,6 +340,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
                "qwen3_5": "llama_multimodal", "qwen3_5_moe": "llama_multimodal", "lfm2": "lfm2", "lfm2_moe": "lfm2",
+               "lfm3": "lfm3",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
                "granitemoeshared": "granite_hybrid", "granitemoe_swa": "granite_hybrid",
                "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
@@ -351,6 +366,11 @@ def family_of(hf_model) -> tuple[str, Family]:
     """(name, Family); OLMo Hybrid's the family of its attention layers (OLMo's: LLAMA is its linear layers')."""
     cfg = hf_model.config
     name = MODEL_TYPES.get(cfg.model_type, "llama")
+    if name == "lfm3" and not cfg.use_sandwich_norm:  # (its post-norms Identities: LFM2's layer)
+        fam = FAMILIES[name]
+        return name, replace(fam, post_norms={}, outputs=fam.outputs | {"hook_attn_out": "self_attn",
+                                                                         "hook_mlp_out": "feed_forward"},
+                             inputs={k: v for k, v in fam.inputs.items() if not k.endswith(".hook_out")})  # fmt: skip
     if name == "falcon" and (cfg.parallel_attn or cfg.new_decoder_architecture):  # (no resid_mid; one norm or two)
         norms = ("ln_attn", "ln_mlp") if (cfg.num_ln_in_parallel_attn or 1) == 2 else ("input_layernorm",) * 2
         fam = FAMILIES[name]
@@ -623,8 +643,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             on_input(mamba[layer].out_proj, p + "mamba.hook_z")
             if side_by_side:
                 on_output(block.self_attn, p + "attn.hook_out")
-        elif conv[layer]:  # (its convolution's output from HF's conv calls, below)
-            on_output(block.conv, p + "hook_attn_out")
+        elif conv[layer]:  # (its convolution's output from HF's conv calls, below; LFM3's before its post-norm)
+            on_output(block.conv, p + ("attn.hook_out" if fam.post_norms else "hook_attn_out"))
             on_output(block.conv.in_proj, p + "conv.bcx", raw)
             on_input(block.conv.out_proj, p + "conv.hook_z")
         if own_kv[layer] and attends[layer] and not (linear[layer] or conv[layer] or (ssm[layer] and not side_by_side)):
@@ -651,8 +671,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 on_output(block.self_attn.q_a_layernorm, p + "attn.hook_q_latent")
         if cfg.model_type in GATED_ATTENTION and attends[layer]:  # (each head's query, then its gate)
             on_output(block.self_attn.q_proj, p + "q_and_gate", raw)
-        if hasattr(getattr(block, "self_attn", None), "gate_proj"):  # (AFMoE's gate, of its own projection)
-            on_output(block.self_attn.gate_proj, p + "attn.hook_gate")
+        gate_proj = getattr(getattr(block, "self_attn", None), "g_proj", None) or getattr(
+            getattr(block, "self_attn", None), "gate_proj", None)  # (LFM3's gate, AFMoE's: of their own projection)
+        if gate_proj is not None:
+            on_output(gate_proj, p + "attn.hook_gate")
         if (not rope[layer] or name in PARTIAL_ROTARY) and name not in ("bloom", "falcon", "mpt") and attends[layer]:
             # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's and Falcon's are in its fused
             # qkv)
@@ -670,7 +692,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if name == "olmo_hybrid" and linear[layer]:  # (Llama's layer)
             outputs, inputs, layer_post_norms = LLAMA.outputs, LLAMA.inputs, {}
         for kind, path in outputs.items():
-            if (not attends[layer] or side_by_side) and kind == "hook_attn_out":
+            skip = (not attends[layer] or side_by_side) and not (conv[layer] and fam.post_norms)  # (LFM3's: normed)
+            if skip and kind == "hook_attn_out":
                 continue
             on_output(block.get_submodule(path), p + kind)
             if kind.endswith(".hook_out"):  # a norm: its inner values are computed from its input
@@ -884,7 +907,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         if p + "q_and_gate" in raw:
             got[p + "attn.hook_gate"] = raw[p + "q_and_gate"].view(t, heads, 2 * head_dim)[..., head_dim:]
         elif p + "attn.hook_gate" in got:
-            got[p + "attn.hook_gate"] = got[p + "attn.hook_gate"].view(t, heads, head_dim)
+            got[p + "attn.hook_gate"] = got[p + "attn.hook_gate"].view(t, heads, -1)
         if own_kv[layer]:
             got[p + "attn.hook_k"], got[p + "attn.hook_v"] = k, v
         if patterns:

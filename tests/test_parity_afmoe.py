@@ -29,7 +29,7 @@ class TestParity(TapParity, GenerationParity):
 def test_config_is_read_as_intended(family):
     name, _, llm, hf = family
     cfg = llm.config
-    assert cfg.family == "afmoe" and cfg.norm == "rms_float" and cfg.post_norms and cfg.attn_gate_proj
+    assert cfg.family == "afmoe" and cfg.norm == "rms_float" and cfg.post_norms and cfg.attn_gate_width == 16
     assert cfg.sliding_windows == (8, None, 8) and cfg.nope_layers == (False, True, False)
     mup = name == "afmoe_mup_all_experts"
     assert cfg.moe_layers == ((True,) * 3 if mup else (False, True, True)) and cfg.routed_scaling == 2.5

@@ -14,6 +14,7 @@ from test_parity_glm import CONFIGS as GLM_CONFIGS
 from test_parity_gpt_bigcode import CONFIGS as BIGCODE_CONFIGS
 from test_parity_jamba import jamba_config
 from test_parity_latent_families import CONFIGS as LATENT_CONFIGS
+from test_parity_lfm3 import CONFIGS as LFM3_CONFIGS
 from test_parity_llama4 import CONFIGS as LLAMA4_CONFIGS
 from test_parity_mamba import mamba2_config, mamba_config
 from test_parity_minimax_m2 import CONFIGS as MINIMAX_CONFIGS
@@ -34,10 +35,12 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "gpt_bigcode": BIGCODE_CONFIGS["multi_query"], "falcon_40b": FALCON_CONFIGS["falcon_40b"],
                 "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
                 "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"],
-                "afmoe": AFMOE_CONFIGS["afmoe"], "olmo_hybrid": olmo_hybrid_config}  # fmt: skip
+                "afmoe": AFMOE_CONFIGS["afmoe"], "olmo_hybrid": olmo_hybrid_config,
+                "lfm3": LFM3_CONFIGS["lfm3"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 # (layer 0's hooks a generation captures: its token mixer's)
-FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybrid": "blocks.0.linear_attn.hook_*"}
+FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybrid": "blocks.0.linear_attn.hook_*",
+                                                                     "lfm3": "blocks.0.conv.hook_*"}
 
 
 @pytest.mark.parametrize("name", list(MORE_LAYOUTS))
@@ -52,8 +55,8 @@ def test_more_layouts(tmp_path, name):
     head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three heads
     a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank), Mistral 4
     (its router in the model's dtype, its experts fused in the checkpoint) AFMoE (its output gate's projection
-    split by heads) and OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions, stored apart)
-    on two ranks, each its heads, one of the
+    split by heads) OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions, stored apart)
+    and LFM3 (a gate a head, each rank its heads') on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

@@ -140,6 +140,15 @@ def _lfm2_layers(hf: Any) -> dict[str, Any]:
     )
 
 
+def _lfm3(hf: Any) -> dict[str, Any]:
+    """LFM3 (Liquid): LFM2's layers, attention with a gate a head (use_attention_gate), windows on its
+    sliding-attention layers, each layer kind its rope (the full layers' proportional: every head rotates, some of its
+    pairs at frequency 0; cos and sin in float32), each sublayer's output normed before the add (use_sandwich_norm)."""
+    head_dim = _global(hf, "head_dim") or hf.hidden_size // hf.num_attention_heads
+    return _lfm2_layers(hf) | dict(post_norms=bool(hf.use_sandwich_norm), rotary_dim=head_dim,
+                                   attn_gate_width=1 if hf.use_attention_gate else 0)  # fmt: skip
+
+
 def _lfm2_moe(hf: Any) -> dict[str, Any]:
     """LFM2's MoE models (8B-A1B): LFM2's layers, the first `num_dense_layers` with its MLP, the others routed experts
     scored by the sigmoid of the router's logits, chosen by the score plus a learned bias per expert."""
@@ -631,6 +640,7 @@ def _afmoe(hf: Any) -> dict[str, Any]:
     model's dtype) plus a bias per expert (the block's expert_bias), renormalised, times route_scale."""
     n = hf.num_hidden_layers
     return dict(
+        attn_gate_width=hf.head_dim,
         nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types),
         embedding_multiplier=hf.hidden_size**0.5 if hf.mup_enabled else 1.0,
         num_experts=hf.num_experts,
@@ -946,8 +956,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                       windowed=False),  # fmt: skip
     # AFMoE (Arcee's Trinity): Gemma's sandwich of OLMo 2's norms, q/k norms, an output gate of its own projection,
     # rotary on the sliding-window layers alone, DeepSeek's experts by sigmoids plus a bias
-    "AfmoeForCausalLM": Architecture({"family": "afmoe", "norm": "rms_float", "qk_norm": "head", "post_norms": True,
-                                      "attn_gate_proj": True} | NO_BIAS, _afmoe),  # fmt: skip
+    "AfmoeForCausalLM": Architecture({"family": "afmoe", "norm": "rms_float", "qk_norm": "head", "post_norms": True}
+                                     | NO_BIAS, _afmoe),  # fmt: skip
     # Solar Open (Upstage): Llama's attention (no o bias), DeepSeek-V3's experts on every layer
     "SolarOpenForCausalLM": Architecture({"o_bias": False}, _solar_open, windowed=False),
     # dots.llm1 (rednote): Qwen3's attention, DeepSeek-V3's experts after dense layers
@@ -1012,6 +1022,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     # LFM2: Llama's attention (q/k norms head by head, out_proj) on a few layers, gated short convolutions on the rest
     "Lfm2ForCausalLM": Architecture(LFM2, _lfm2),
     "Lfm2MoeForCausalLM": Architecture(LFM2, _lfm2_moe),
+    # LFM3: LFM2's layers with Qwen3's attention names and a gate a head, windows, two ropes, sandwich norms
+    "Lfm3ForCausalLM": Architecture({"family": "lfm3", "qk_norm": "head", "hidden_act": "silu", "rope_float32": True},
+                                    _lfm3),  # fmt: skip
     # Bamba: Llama's layer under its own norm names (pre_ff_layernorm, final_layernorm), Mamba 2 mixers on most layers
     "BambaForCausalLM": Architecture({"family": "bamba"}, _bamba, windowed=False),
     # Granite 4.0: Granite's multipliers, Bamba's Mamba 2 mixers, a shared MLP beside routed experts
@@ -1179,6 +1192,7 @@ MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
+    "lfm3": "Lfm3ForCausalLM",
     "bamba": "BambaForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
@@ -1281,7 +1295,9 @@ class ModelConfig:
     # Qwen 3.5: q_proj also gives a gate for each head (its rows per head: q, then gate), the attention output times
     # its sigmoid before o_proj
     attn_output_gate: bool = False
-    attn_gate_proj: bool = False  # AFMoE: that gate from a projection of its own (gate_proj) of the layer's input
+    # AFMoE (head_dim: a gate per channel) and LFM3 (1: one per head): that gate from a projection of its own
+    # (gate_proj) of the layer's input, this wide a head; 0: none
+    attn_gate_width: int = 0
     # Ministral 3 (Llama 4's attention temperature): (beta, original context); q times 1 + beta * log(1 + floor(
     # position / original)) after rotary
     attn_temperature: tuple[float, int] | None = None

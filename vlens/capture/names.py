@@ -146,7 +146,7 @@ def layer_hooks(cfg: ModelConfig, layer: int, optional: Collection[str] = ()) ->
         hooks = [h for h in hooks[:at] if h not in ATTN_INPUT_HOOKS] + list(mixer) + [
             h for h in hooks[at:] if not h.startswith("attn.")
         ]
-    elif cfg.attn_output_gate or cfg.attn_gate_proj:
+    elif cfg.attn_output_gate or cfg.attn_gate_width:
         hooks.insert(hooks.index("attn.hook_z"), "attn.hook_gate")
     elif cfg.kv_lora_rank:
         at = hooks.index("attn.hook_q")
@@ -227,7 +227,7 @@ def _layer_shapes(cfg: ModelConfig, layer: int, heads: int, kv: int, dh: int) ->
         "attn.hook_v": (kv, cfg.v_head_dim or dh),
         "attn.hook_attn_scores": (heads, CTX),
         "attn.hook_pattern": (heads, CTX),
-        "attn.hook_gate": (heads, dh),
+        "attn.hook_gate": (heads, cfg.attn_gate_width or dh),  # (LFM3: one a head)
         "attn.hook_q_latent": (cfg.q_lora_rank,),
         "attn.hook_kv_latent": (cfg.kv_lora_rank,),
         "attn.hook_z": (heads, cfg.v_head_dim or dh),

@@ -22,7 +22,7 @@ from vlens.models.gpt_neo import GPTNeoForCausalLM
 from vlens.models.gpt_neox import GPTNeoXForCausalLM
 from vlens.models.gptj import GPTJForCausalLM
 from vlens.models.granite_hybrid import GraniteMoeHybridForCausalLM
-from vlens.models.lfm2 import Lfm2ForCausalLM
+from vlens.models.lfm2 import Lfm2ForCausalLM, Lfm3ForCausalLM
 from vlens.models.llama import (
     ApertusForCausalLM,
     ArceeForCausalLM,
@@ -68,6 +68,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "phi": PhiForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "lfm3": Lfm3ForCausalLM,
     "bamba": BambaForCausalLM,
     "falcon_h1": FalconH1ForCausalLM,
     "granite": GraniteForCausalLM,

@@ -6,41 +6,17 @@ router in the model's dtype) plus a bias per expert, renormalised and scaled, be
 
 from __future__ import annotations
 
-import torch
-
 from vlens.config import ModelConfig
-from vlens.layers.linear import ColumnLinear
 from vlens.layers.norm import make_norm
-from vlens.models.base import PostNormBlock, Rope
-from vlens.models.llama import CausalLM, SelfAttention, mlp_for
-
-
-class AfmoeAttention(SelfAttention):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
-        self.gate_proj = ColumnLinear(cfg.hidden_size, cfg.num_heads * self.head_dim, False, cfg.parallel,
-                                      units=cfg.num_heads)  # fmt: skip
-
-    def project(
-        self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """q, k, v as Llama's; the gate [T, H, d] from the layer's input (where q, k and v read their own,
-        TransformerLens's split inputs, q's: each head's gate from its own)."""
-        q, k, v, _ = super().project(x, rope)
-        source = x if isinstance(x, torch.Tensor) else x[0]
-        if source.dim() == 2:
-            gate = self.gate_proj(source)
-        else:
-            w = self.gate_proj.weight.view(self.heads, self.head_dim, source.shape[-1])
-            gate = torch.einsum("thm,hdm->thd", source, w)
-        return q, k, v, gate.reshape(-1, self.heads, self.head_dim)
+from vlens.models.base import PostNormBlock
+from vlens.models.llama import CausalLM, OwnGateAttention, mlp_for
 
 
 class AfmoeDecoderLayer(PostNormBlock):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
         self.input_layernorm = make_norm(cfg)
-        self.self_attn = AfmoeAttention(cfg, layer)
+        self.self_attn = OwnGateAttention(cfg, layer)
         self.post_attention_layernorm = make_norm(cfg)
         self.pre_mlp_layernorm = make_norm(cfg)
         self.mlp = mlp_for(cfg, layer)

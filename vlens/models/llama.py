@@ -18,12 +18,12 @@ from torch import nn
 
 from vlens.config import ModelConfig
 from vlens.context import ForwardContext, tap
-from vlens.layers.linear import FusedLinear, RowLinear
+from vlens.layers.linear import ColumnLinear, FusedLinear, RowLinear
 from vlens.layers.mlp import DenseMLP, GatedMLP
 from vlens.layers.moe import DeepseekMoE, SparseMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
+from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
 
 # MoE checkpoints name their block, its router (and, where the block keeps one, its bias per expert: LFM2-MoE's
 # expert_bias, the default, MiniMax-M2's e_score_correction_bias) and each expert's gate/up/down projections
@@ -80,6 +80,35 @@ class SelfAttention(AttentionHeads):
 
 class OutProjAttention(SelfAttention):
     out_name = "out_proj"
+
+
+class OwnGateAttention(SelfAttention):
+    """Llama's attention with a gate on each head's output from a projection of its own of the layer's input,
+    `gate_proj` (AFMoE's a gate per channel, LFM3's one per head: `cfg.attn_gate_width` a head): z times the gate's
+    sigmoid, as Qwen 3.5's gate from q_proj."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.gate_width = cfg.attn_gate_width  # (0: no gate, Llama's attention: LFM3 without use_attention_gate)
+        if self.gate_width:
+            self.gate_proj = ColumnLinear(cfg.hidden_size, cfg.num_heads * self.gate_width, False, cfg.parallel,
+                                          units=cfg.num_heads)  # fmt: skip
+
+    def project(
+        self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """q, k, v as Llama's; the gate [T, H, gate width] from the layer's input (where q, k and v read their own,
+        TransformerLens's split inputs, q's: each head's gate from its own)."""
+        q, k, v, gate = super().project(x, rope)
+        if not self.gate_width:
+            return q, k, v, gate
+        source = x if isinstance(x, torch.Tensor) else x[0]
+        if source.dim() == 2:
+            gate = self.gate_proj(source)
+        else:
+            w = self.gate_proj.weight.view(self.heads, self.gate_width, source.shape[-1])
+            gate = torch.einsum("thm,hdm->thd", source, w)
+        return q, k, v, gate.reshape(-1, self.heads, self.gate_width)
 
 
 def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
