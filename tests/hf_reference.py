@@ -222,6 +222,7 @@ FAMILIES = {
     # Nemotron-H: a norm and one part a layer (NEMOTRON_PARTS: each part's taps)
     "nemotron_h": Family(layers="model.layers", embed="model.embeddings", attn="mixer", outputs={}, inputs={},
                          qkv="mixer.v_proj", final_norm="model.norm_f"),  # fmt: skip
+    "glm4_multimodal": replace(GLM4, **TEXT_MODEL),
     "lfm2_multimodal": replace(LFM2, **TEXT_MODEL | dict(final_norm="model.language_model.embedding_norm")),
     "gpt2": Family(
         layers="transformer.h",
@@ -330,6 +331,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal", "llava_next": "llama_multimodal",
                "llava_onevision": "llama_multimodal", "internvl": "llama_multimodal", "qwen2_vl": "llama_multimodal",
+               "glm4v": "glm4_multimodal", "glm4v_moe": "llama_multimodal",
                "idefics3": "idefics3_multimodal", "smolvlm": "idefics3_multimodal", "aya_vision": "cohere_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",

@@ -15,6 +15,8 @@ from transformers import (
     AyaVisionConfig,
     CLIPVisionConfig,
     Cohere2Config,
+    Glm4vConfig,
+    Glm4vMoeConfig,
     Idefics3Config,
     InternVLConfig,
     LlamaConfig,
@@ -42,6 +44,9 @@ MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "o
                    "llama_4_scaling_beta": 0.5}  # fmt: skip
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)  # fmt: skip
+GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
+GLM_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, image_size=28,
+                  patch_size=14)  # fmt: skip
 CONFIGS = {
     # the composite config ties the unembedding (HF follows it, not the text config's False); its own eos
     "mistral3": lambda: Mistral3Config(
@@ -109,6 +114,15 @@ CONFIGS = {
                                        vision_config=VISION, image_token_id=299),  # fmt: skip
     "smolvlm": lambda: SmolVLMConfig(text_config=LlamaConfig(**COMMON, num_key_value_heads=1).to_dict(),
                                      vision_config=VISION, image_token_id=299, tie_word_embeddings=True),  # fmt: skip
+    # GLM-4.1V and GLM-4.5V: GLM-4's text model and GLM-4.5's, their multimodal rotary (by pairs, over half of each
+    # head) given text alone the plain one
+    "glm4v": lambda: Glm4vConfig(text_config=dict(COMMON, num_key_value_heads=2, rope_parameters=GLM_ROPE),
+                                 vision_config=GLM_VISION, image_token_id=299, video_token_id=298),  # fmt: skip
+    "glm4v_moe": lambda: Glm4vMoeConfig(
+        text_config=dict(COMMON, num_key_value_heads=2, moe_intermediate_size=32, n_routed_experts=4,
+                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, rope_parameters=GLM_ROPE),
+        vision_config=GLM_VISION, image_token_id=299, video_token_id=298,
+    ),
     "llava_untied": lambda: LlavaConfig(
         text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
         vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, tie_word_embeddings=False,
@@ -138,6 +152,9 @@ def test_config_is_the_text_models(family):
         qwen2 = name in ("qwen2_5_vl", "qwen2_vl")
         assert cfg.architecture == ("Qwen2ForCausalLM" if qwen2 else "Qwen3ForCausalLM")
         assert cfg.stored_as == (("model.", "lm_head.") if qwen2 else ("model.language_model.", "lm_head."))
+    elif name.startswith("glm4v"):
+        assert cfg.architecture == ("Glm4MoeForCausalLM" if name == "glm4v_moe" else "Glm4vTextModel")
+        assert cfg.stored_as == ("model.language_model.", "lm_head.") and cfg.rotary_dim == 8
     elif name in ("idefics3", "smolvlm"):
         assert cfg.architecture == "LlamaForCausalLM" and cfg.stored_as == ("model.text_model.", "lm_head.")
     elif name in ("llava_next", "llava_onevision", "internvl", "aya_vision"):

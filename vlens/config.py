@@ -337,7 +337,8 @@ def _glm4_moe(hf: Any) -> dict[str, Any]:
     """GLM-4.5, 4.6, 4.7 (Glm4Moe): GLM's attention (q/k/v biases, rotary over half of each head, by halves here, not
     pairs), q/k norms head by head where `use_qk_norm`, a dense MLP on the first `first_k_dense_replace` layers and on
     the rest DeepSeek-V3's routed experts beside a shared expert."""
-    return _dense_then_experts(hf) | dict(qk_norm="head" if hf.use_qk_norm else "")
+    # (GLM-4.5V's text config has no use_qk_norm: none)
+    return _dense_then_experts(hf) | dict(qk_norm="head" if getattr(hf, "use_qk_norm", False) else "")
 
 
 def _dense_then_experts(hf: Any) -> dict[str, Any]:
@@ -945,6 +946,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "HunYuanMoEV1ForCausalLM": Architecture({"family": "hunyuan", "qk_norm": "head_after_rotary"}, _hunyuan_moe,
                                             windowed=False),  # fmt: skip
     "Glm4ForCausalLM": Architecture(GLM | {"family": "glm4", "post_norms": True}),
+    # GLM-4.1V's text model: GLM-4's, its q/k/v biased whatever (its config has no attention_bias)
+    "Glm4vTextModel": Architecture(GLM | {"family": "glm4", "post_norms": True, "qkv_bias": True}),
     # GLM-4.5 to 4.7: Llama's layer with GLM's attention (rotary by halves), DeepSeek-V3's experts after dense layers
     "Glm4MoeForCausalLM": Architecture({"o_bias": False}, _glm4_moe),
     # MiniMax-M2: OLMoE's q/k norms over the whole projections, partial rotary, experts by float32 sigmoids
@@ -1103,6 +1106,8 @@ TEXT_MODELS = {
     "Idefics3ForConditionalGeneration": ("model.text_model.", "lm_head."),
     "SmolVLMForConditionalGeneration": ("model.text_model.", "lm_head."),  # (SmolVLM, SmolVLM2)
     "Qwen2VLForConditionalGeneration": ("model.", "lm_head."),
+    "Glm4vForConditionalGeneration": ("model.language_model.", "lm_head."),  # (GLM-4.1V, GLM-4.6V-Flash)
+    "Glm4vMoeForConditionalGeneration": ("model.language_model.", "lm_head."),  # (GLM-4.5V, GLM-4.6V)
     "Qwen2_5_VLForConditionalGeneration": ("model.", "lm_head."),
     "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Qwen3VLMoeForConditionalGeneration": ("model.language_model.", "lm_head."),
@@ -1182,6 +1187,11 @@ MODEL_TYPES = {
     "idefics3": "Idefics3ForConditionalGeneration",
     "smolvlm": "SmolVLMForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "glm4v": "Glm4vForConditionalGeneration",
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
+    # (their text models: GLM-4's layer and GLM-4.5's, their multimodal rotary given text alone the plain one)
+    "glm4v_text": "Glm4vTextModel",
+    "glm4v_moe_text": "Glm4MoeForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
