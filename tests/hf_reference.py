@@ -326,12 +326,13 @@ FAMILIES["idefics3_multimodal"] = replace(
     LLAMA, layers="model.text_model.layers", embed="model.text_model.embed_tokens", final_norm="model.text_model.norm"
 )
 FAMILIES["cohere_multimodal"] = replace(FAMILIES["cohere"], **TEXT_MODEL)
+FAMILIES["olmo_multimodal"] = replace(FAMILIES["olmo"], **TEXT_MODEL)  # (EXAONE 4.5's: EXAONE 4's)
 MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_neox": "gpt_neox", "phi3": "phi3",
                "olmo2": "olmo", "olmo3": "olmo", "flex_olmo": "olmo", "olmo_hybrid": "olmo_hybrid", "phi": "phi",
                "gemma3": "gemma3_multimodal",
                "mistral3": "llama_multimodal", "llava": "llama_multimodal", "llava_next": "llama_multimodal",
                "llava_onevision": "llama_multimodal", "internvl": "llama_multimodal", "qwen2_vl": "llama_multimodal",
-               "glm4v": "glm4_multimodal", "glm4v_moe": "llama_multimodal",
+               "glm4v": "glm4_multimodal", "glm4v_moe": "llama_multimodal", "exaone4_5": "olmo_multimodal",
                "idefics3": "idefics3_multimodal", "smolvlm": "idefics3_multimodal", "aya_vision": "cohere_multimodal",
                "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",

@@ -35,6 +35,7 @@ from transformers import (
     SiglipVisionConfig,
     SmolVLMConfig,
 )
+from transformers.models.exaone4_5.configuration_exaone4_5 import Exaone4_5_Config
 
 from vlens import LLM
 from vlens.config import LEGACY
@@ -123,6 +124,13 @@ CONFIGS = {
                          num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, rope_parameters=GLM_ROPE),
         vision_config=GLM_VISION, image_token_id=299, video_token_id=298,
     ),
+    # EXAONE 4.5: EXAONE 4's text model (OLMo 2's post-norms; rotary on its windowed layers alone)
+    "exaone4_5": lambda: Exaone4_5_Config(
+        text_config=dict(COMMON, model_type="exaone4", num_key_value_heads=2, head_dim=16, sliding_window=8,
+                         sliding_window_pattern=2),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        image_token_id=299, video_token_id=298,
+    ),
     "llava_untied": lambda: LlavaConfig(
         text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
         vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, tie_word_embeddings=False,
@@ -155,6 +163,9 @@ def test_config_is_the_text_models(family):
     elif name.startswith("glm4v"):
         assert cfg.architecture == ("Glm4MoeForCausalLM" if name == "glm4v_moe" else "Glm4vTextModel")
         assert cfg.stored_as == ("model.language_model.", "lm_head.") and cfg.rotary_dim == 8
+    elif name == "exaone4_5":
+        assert cfg.architecture == "Exaone4ForCausalLM" and cfg.stored_as == ("model.language_model.", "lm_head.")
+        assert cfg.post_norms and cfg.nope_layers == (False, True, False)
     elif name in ("idefics3", "smolvlm"):
         assert cfg.architecture == "LlamaForCausalLM" and cfg.stored_as == ("model.text_model.", "lm_head.")
     elif name in ("llava_next", "llava_onevision", "internvl", "aya_vision"):

@@ -1107,6 +1107,7 @@ TEXT_MODELS = {
     "SmolVLMForConditionalGeneration": ("model.text_model.", "lm_head."),  # (SmolVLM, SmolVLM2)
     "Qwen2VLForConditionalGeneration": ("model.", "lm_head."),
     "Glm4vForConditionalGeneration": ("model.language_model.", "lm_head."),  # (GLM-4.1V, GLM-4.6V-Flash)
+    "Exaone4_5_ForConditionalGeneration": ("model.language_model.", "lm_head."),  # (EXAONE 4.5: EXAONE 4's text model)
     "Glm4vMoeForConditionalGeneration": ("model.language_model.", "lm_head."),  # (GLM-4.5V, GLM-4.6V)
     "Qwen2_5_VLForConditionalGeneration": ("model.", "lm_head."),
     "Qwen3VLForConditionalGeneration": ("model.language_model.", "lm_head."),
@@ -1188,6 +1189,7 @@ MODEL_TYPES = {
     "smolvlm": "SmolVLMForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "glm4v": "Glm4vForConditionalGeneration",
+    "exaone4_5": "Exaone4_5_ForConditionalGeneration",
     "glm4v_moe": "Glm4vMoeForConditionalGeneration",
     # (their text models: GLM-4's layer and GLM-4.5's, their multimodal rotary given text alone the plain one)
     "glm4v_text": "Glm4vTextModel",
