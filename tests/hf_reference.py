@@ -224,6 +224,7 @@ FAMILIES = {
                          qkv="mixer.v_proj", final_norm="model.norm_f"),  # fmt: skip
     "glm4_multimodal": replace(GLM4, **TEXT_MODEL),
     "lfm2_multimodal": replace(LFM2, **TEXT_MODEL | dict(final_norm="model.language_model.embedding_norm")),
+    "lfm3_multimodal": replace(LFM3, **TEXT_MODEL | dict(final_norm="model.language_model.embedding_norm")),
     "gpt2": Family(
         layers="transformer.h",
         embed="transformer.wte",
@@ -346,7 +347,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "lfm3": "lfm3",
                "bamba": "bamba", "granitemoehybrid": "granite_hybrid", "granitemoe": "granite_hybrid",
                "granitemoeshared": "granite_hybrid", "granitemoe_swa": "granite_hybrid",
-               "lfm2_vl": "lfm2_multimodal", "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba",
+               "lfm2_vl": "lfm2_multimodal", "lfm3_vl": "lfm3_multimodal", "mamba": "mamba", "falcon_mamba": "mamba",
+               "mamba2": "mamba",
                "nemotron_h": "nemotron_h", "jamba": "bamba",
                "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek",
                "glm4_moe_lite": "deepseek", "youtu": "deepseek", "mistral4": "deepseek",

@@ -10,9 +10,13 @@ from family_parity import (
     COMMON,
     GenerationParity,
     TapParity,
+    build,
     check_bfloat16_taps,
+    check_every_tap,
     check_feature_matters,
     family_fixture,
+    load_pair,
+    sequences,
 )
 from transformers import Lfm3Config
 
@@ -46,3 +50,14 @@ def test_window_is_reached(tmp_path):
 
 def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
     check_bfloat16_taps(CONFIGS["lfm3"](), tmp_path)
+
+
+def test_multimodal_text_model(tmp_path):
+    """Lfm3VlForConditionalGeneration's text model (LFM3-VL), under model.language_model., against HF's model given
+    text."""
+    from transformers.models.lfm3_vl.configuration_lfm3_vl import Lfm3VlConfig
+
+    path = build(Lfm3VlConfig(text_config=CONFIGS["lfm3"]().to_dict(), image_token_id=299), tmp_path, "lfm3_vl")
+    llm, hf = load_pair(path)
+    assert llm.config.architecture == "Lfm3ForCausalLM" and llm.config.stored_as[0] == "model.language_model."
+    check_every_tap(llm, hf, sequences())

@@ -1117,6 +1117,7 @@ TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Qwen3_5MoeForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Lfm2VlForConditionalGeneration": ("model.language_model.", "lm_head."),
+    "Lfm3VlForConditionalGeneration": ("model.language_model.", "lm_head."),
     "Llama4ForConditionalGeneration": ("language_model.model.", "language_model.lm_head."),  # (Scout, Maverick)
 }
 
@@ -1219,6 +1220,7 @@ MODEL_TYPES = {
     "jamba": "JambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
+    "lfm3_vl": "Lfm3VlForConditionalGeneration",
     "llama4": "Llama4ForConditionalGeneration",
     # their text models: Qwen2's and Qwen3's layers (their multimodal rotary, given text alone, is the plain one)
     "qwen2_vl_text": "Qwen2ForCausalLM",
