@@ -354,19 +354,19 @@ def _dense_then_experts(hf: Any) -> dict[str, Any]:
 
 
 def _sigmoid_experts(hf: Any, shared_size: int) -> dict[str, Any]:
-    """DeepSeek-V3's routed experts (GLM-4.5's, Nemotron 3's, K-EXAONE's, whose config calls them num_experts;
-    vlens.layers.moe.DeepseekMoE): each token's top k by the sigmoid of a float32 router's logits plus a correction bias
-    per expert, within its best groups of experts, their sigmoids renormalised and scaled, beside a shared expert of
-    `shared_size`."""
+    """DeepSeek-V3's routed experts (GLM-4.5's, Nemotron 3's, K-EXAONE's and AFMoE's, whose configs call them
+    num_experts, AFMoE's scale route_scale, renormalising always; vlens.layers.moe.DeepseekMoE): each token's top k by
+    the sigmoid of a float32 router's logits plus a correction bias per expert, within its best groups of experts, their
+    sigmoids renormalised and scaled, beside a shared expert of `shared_size`."""
     return dict(
         num_experts=hf.n_routed_experts if hasattr(hf, "n_routed_experts") else hf.num_experts,
         experts_per_token=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size,
-        norm_topk_prob=bool(hf.norm_topk_prob),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
         shared_expert_intermediate_size=shared_size,
         sigmoid_routing=True,
         expert_bias=True,
-        routed_scaling=float(hf.routed_scaling_factor),
+        routed_scaling=float(hf.route_scale if hasattr(hf, "route_scale") else hf.routed_scaling_factor),
         sigmoid_norm_eps=1e-20,
         deepseek_moe=True,
         expert_groups=_expert_groups(hf),
@@ -376,7 +376,7 @@ def _sigmoid_experts(hf: Any, shared_size: int) -> dict[str, Any]:
 
 def _expert_groups(hf: Any) -> tuple[int, int]:
     """(groups, the best of them a token's experts come from); (1, 1) where routing is not limited to some."""
-    groups, kept = hf.n_group or 1, hf.topk_group or 1
+    groups, kept = getattr(hf, "n_group", None) or 1, getattr(hf, "topk_group", None) or 1
     return (groups, kept) if kept < groups else (1, 1)
 
 
@@ -639,22 +639,13 @@ def _afmoe(hf: Any) -> dict[str, Any]:
     """AFMoE: rotary on the sliding-window layers alone; µP's embedding scale where mup_enabled; DeepSeek's experts
     after `num_dense_layers` dense ones, chosen by the float32 sigmoids of the router's logits (the router in the
     model's dtype) plus a bias per expert (the block's expert_bias), renormalised, times route_scale."""
-    n = hf.num_hidden_layers
-    return dict(
+    shared = hf.moe_intermediate_size * hf.num_shared_experts
+    return _sigmoid_experts(hf, shared) | dict(
         attn_gate_width=hf.head_dim,
         nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types),
         embedding_multiplier=hf.hidden_size**0.5 if hf.mup_enabled else 1.0,
-        num_experts=hf.num_experts,
-        experts_per_token=hf.num_experts_per_tok,
-        moe_intermediate_size=hf.moe_intermediate_size,
-        shared_expert_intermediate_size=hf.moe_intermediate_size * hf.num_shared_experts,
-        moe_layers=tuple(i >= hf.num_dense_layers for i in range(n)),
-        sigmoid_routing=True,
+        moe_layers=tuple(i >= hf.num_dense_layers for i in range(hf.num_hidden_layers)),
         sigmoid_float32=True,
-        expert_bias=True,
-        routed_scaling=float(hf.route_scale),
-        sigmoid_norm_eps=1e-20,
-        deepseek_moe=True,
         router_model_dtype=True,
     )
 
