@@ -9,7 +9,15 @@ import math
 
 import pytest
 import torch
-from family_parity import VOCAB, GenerationParity, TapParity, build, check_bfloat16_taps, family_fixture
+from family_parity import (
+    VOCAB,
+    GenerationParity,
+    TapParity,
+    build,
+    check_bfloat16_taps,
+    check_capturing_step_compiles,
+    family_fixture,
+)
 from transformers import FalconConfig
 
 from vlens import LLM
@@ -74,3 +82,8 @@ def test_alibi_bias_is_hfs_where_bfloat16_rounds():
     ref = build_alibi_tensor(torch.ones(1, 600, dtype=torch.long), 6, torch.float32) / math.sqrt(16)
     exact = Attention(6, 6, 16, None, alibi=Alibi(6)).alibi_bias(600, torch.device("cpu")) / math.sqrt(16)
     assert torch.equal(attn.alibi_bias(600, torch.device("cpu")), ref) and not torch.equal(exact, ref)
+
+
+def test_a_capturing_step_compiles_whole(tmp_path):
+    """Falcon-RW's ALiBi (its bfloat16 products) in one graph of a mixed step, captures and steering."""
+    check_capturing_step_compiles(build(CONFIGS["falcon_rw"](), tmp_path, "compiled"), "blocks.1.attn.hook_z")

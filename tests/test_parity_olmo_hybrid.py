@@ -20,6 +20,7 @@ from family_parity import (
     TapParity,
     build,
     check_bfloat16_taps,
+    check_capturing_step_compiles,
     check_feature_matters,
     load_pair,
 )
@@ -84,3 +85,8 @@ def test_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
 def test_negative_eigenvalues_are_reached(tmp_path):
     """HF without beta's doubling differs: the sequences reach the delta rule's second half of beta."""
     check_feature_matters(SQUARE(), tmp_path, linear_allow_neg_eigval=False)
+
+
+def test_a_capturing_step_compiles_whole(tmp_path):
+    """Both kinds of layer (their norms where each has them) in one graph of a mixed step, captures and steering."""
+    check_capturing_step_compiles(build(SQUARE(), tmp_path, "compiled"), "blocks.1.attn.hook_z")

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_parity import COMMON, GenerationParity, TapParity, build, check_bfloat16_taps, family_fixture
+from family_parity import (
+    COMMON,
+    GenerationParity,
+    TapParity,
+    build,
+    check_bfloat16_taps,
+    check_capturing_step_compiles,
+    family_fixture,
+)
 from transformers import PhimoeConfig
 
 from vlens import LLM
@@ -64,3 +72,8 @@ def test_length_dependent_scale_is_refused_by_name(tmp_path):
     path = build(PhimoeConfig(**COMMON, **MOE, rope_parameters=LONGROPE | {"long_mscale": 1.5}), tmp_path, "phimoe")
     with pytest.raises(UnsupportedModelError, match="long_mscale=1.5.*PhimoeForCausalLM"):
         LLM(model=path, dtype="float32", device="cpu")
+
+
+def test_a_capturing_step_compiles_whole(tmp_path):
+    """SparseMixer's two choices in fixed shapes: one graph of a mixed step, captures and steering."""
+    check_capturing_step_compiles(build(CONFIGS["phimoe"](), tmp_path, "compiled"), "blocks.1.hook_mlp_out")
