@@ -41,9 +41,7 @@ class Alibi:
     """ALiBi (no position embedding: each head's scores plus its slope times the key's position) as a family's HF code
     builds it, `kind`: BLOOM's (`alibi_slopes`, the products in float32), Falcon-RW's (those slopes and their products
     rounded to bfloat16, over sqrt(head_dim)) or MPT's (2^(-8i/n) for the next power of two n of heads, where the model
-    has fewer every other one first; HF's MPT reads no alibi_bias_max). The scores a tap reads (Attention.alibi_bias's `rows`) are MPT's
-    relative to the query, as HF's are at a decode step (its prefill's are a constant apart in each row: HF measures
-    from the forward's last key); BLOOM's and Falcon's from the sequence's start, as HF's always are."""
+    has fewer every other one first; HF's MPT reads no alibi_bias_max)."""
 
     heads: int  # (the model's, all ranks')
     kind: str = "bloom"
@@ -56,6 +54,21 @@ class Alibi:
         if n != self.heads:
             slopes = torch.cat([slopes[1::2], slopes[::2]])[: self.heads]
         return slopes[heads.start : heads.stop]
+
+    def bias(
+        self, keys: int, heads: range, head_dim: int, device: torch.device, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:  # fmt: skip
+        """[heads, 1, keys] (float32): what `heads`' scores of keys 0 .. keys - 1 get, each head's slope times the
+        key's position (the rows' scores differ from relative distances by a constant per row, which the softmax
+        ignores); given the query rows' positions [R], [heads, R, keys] as a tap reads the scores: MPT's relative to
+        each query, as HF's are at a decode step (its prefill's are a constant apart in each row: HF measures from the
+        forward's last key); BLOOM's and Falcon's from the sequence's start, as HF's always are."""
+        slopes = self.slopes(heads, device)[:, None, None]
+        if self.kind == "falcon":
+            products = slopes.bfloat16() * torch.arange(keys, device=device)  # (bfloat16, as HF's product is)
+            return products.float() / math.sqrt(head_dim)
+        bias = slopes * torch.arange(keys, device=device, dtype=torch.float32)
+        return bias - slopes * rows.float()[:, None] if rows is not None and self.kind == "mpt" else bias
 
 
 class Attention(nn.Module):
@@ -98,18 +111,10 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
 
     def alibi_bias(self, keys: int, device: torch.device, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[heads, 1, keys]: what ALiBi adds to this layer's (this rank's) heads' scores of keys 0 .. keys - 1, each
-        head's slope times the key's position, as the family's HF code builds it (the rows' scores differ from
-        relative distances by a constant per row, which the softmax ignores); given the positions of the query rows
-        [R], [heads, R, keys] as a tap reads them (`Alibi`: MPT's relative to each query). Made on the device per call:
-        a few small kernels, no buffer for the meta-device build to leave empty."""
+        """What ALiBi adds to this layer's (this rank's) heads' scores (`Alibi.bias`). Made on the device per call: a
+        few small kernels, no buffer for the meta-device build to leave empty."""
         heads = self.rank_heads if self.rank_heads is not None else range(self.num_heads)
-        slopes = self.alibi.slopes(heads, device)[:, None, None]
-        if self.alibi.kind == "falcon":
-            products = slopes.bfloat16() * torch.arange(keys, device=device)  # (bfloat16, as HF's product is)
-            return products.float() / math.sqrt(self.head_dim)
-        bias = slopes * torch.arange(keys, device=device, dtype=torch.float32)
-        return bias - slopes * rows.float()[:, None] if rows is not None and self.alibi.kind == "mpt" else bias
+        return self.alibi.bias(keys, heads, self.head_dim, device, rows)
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         if self.sinks is None:
