@@ -62,8 +62,7 @@ class Lfm2ForCausalLM(CausalLM):
 
 class Lfm3DecoderLayer(MixerBlock, PostNormBlock):
     """LFM3: LFM2's layer (Qwen3's attention names, a gate a head, `gate_proj`; or its short convolution) with each
-    sublayer's
-    output normed before the add (post_operator_norm, post_ffn_norm: Gemma's sandwich)."""
+    sublayer's output normed before the add (post_operator_norm, post_ffn_norm: Gemma's sandwich)."""
 
     mixer_name = "conv"
 
