@@ -115,6 +115,15 @@ AFMOE = replace(
             "attn.hook_out": "post_attention_layernorm", "mlp.hook_out": "post_mlp_layernorm"},
     post_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_mlp_layernorm"},
 )  # fmt: skip
+# HyperCLOVA X: Granite's layer in Gemma's sandwich under its own names
+HYPERCLOVAX = replace(
+    GEMMA,
+    outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "post_norm1",
+             "ln2.hook_out": "post_attention_layernorm", "hook_mlp_out": "post_norm2"},
+    inputs={"hook_resid_mid": "post_attention_layernorm", "attn.hook_z": "self_attn.o_proj",
+            "mlp.hook_post": "mlp.down_proj", "attn.hook_out": "post_norm1", "mlp.hook_out": "post_norm2"},
+    post_norms={"ln1_post": "post_norm1", "ln2_post": "post_norm2"},
+)  # fmt: skip
 # Gemma 4: Gemma's names; the values are v_norm's output (its full layers have no v_proj where keys are values)
 GEMMA4 = replace(GEMMA, qkv="self_attn.v_norm")
 # LFM2: Llama's layer under its own names (its final norm embedding_norm); short convolutions beside
@@ -163,6 +172,7 @@ FAMILIES = {
     ),
     "gemma": GEMMA,
     "afmoe": AFMOE,
+    "hyperclovax": HYPERCLOVAX,
     "nanochat": replace(LLAMA, inputs=LLAMA.inputs | {"mlp.hook_post": "mlp.fc2"}),  # (CLIP's MLP names)
     # VaultGemma: Gemma 2's layer without its post-norms, Llama's with Gemma's name for the pre-MLP norm
     "vaultgemma": replace(LLAMA, outputs=LLAMA.outputs | {"ln2.hook_out": "pre_feedforward_layernorm"},
@@ -340,6 +350,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
                "falcon": "falcon", "mpt": "mpt", "vaultgemma": "vaultgemma", "nanochat": "nanochat", "afmoe": "afmoe",
+               "hyperclovax": "hyperclovax",
                "apertus": "apertus",
                "gemma4_unified_text": "gemma4",
                "gemma4_unified": "gemma4_multimodal", "bloom": "bloom", "starcoder2": "starcoder2",
@@ -371,6 +382,8 @@ def family_of(hf_model) -> tuple[str, Family]:
     """(name, Family); OLMo Hybrid's the family of its attention layers (OLMo's: LLAMA is its linear layers')."""
     cfg = hf_model.config
     name = MODEL_TYPES.get(cfg.model_type, "llama")
+    if name == "hyperclovax" and not cfg.use_post_norm:  # (its post-norms Identities: Granite's layer)
+        return "llama", LLAMA
     if name == "lfm3" and not cfg.use_sandwich_norm:  # (its post-norms Identities: LFM2's layer)
         fam = FAMILIES[name]
         return name, replace(fam, post_norms={}, outputs=fam.outputs | {"hook_attn_out": "self_attn",

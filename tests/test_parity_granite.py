@@ -3,7 +3,8 @@ attention scores in place of 1/sqrt(d), each sublayer's output before the residu
 tap, packed against alone, greedy generation through the paged cache; TransformerLens's head results, scaled as the
 stream gets them. And Granite 4.0 (GraniteMoeHybrid): the multipliers, Mamba 2 mixers beside attention without
 positions, a shared MLP with routed experts beside it or alone; Granite 3.x's MoE models (GraniteMoe,
-GraniteMoeShared)."""
+GraniteMoeShared); GraniteSWA and its MoE (windows, sinks, a rope base per layer); HyperCLOVA X (Granite's layer with
+post-norms, its logits multiplied)."""
 
 from __future__ import annotations
 
@@ -170,3 +171,32 @@ def test_rope_bases_vlens_cannot_hold_are_refused_by_name(tmp_path):
     path = build(swa_config([0, 500.0, 600.0]), tmp_path, "granite_swa")
     with pytest.raises(UnsupportedModelError, match="layer_rope_theta=.*GraniteSWAForCausalLM"):
         LLM(model=path, dtype="float32", device="cpu")
+
+
+# HyperCLOVA X (Naver's SEED models): Granite's multipliers, each sublayer's output normed before its multiplier and
+# the add (use_post_norm), the logits times logits_scaling (not divided)
+def hyperclovax_config(**overrides):
+    from transformers import HyperCLOVAXConfig
+
+    return HyperCLOVAXConfig(**COMMON | dict(num_key_value_heads=2) | MULTIPLIERS | overrides)
+
+
+CLOVA = {"hyperclovax": hyperclovax_config, "hyperclovax_no_post_norm": lambda: hyperclovax_config(use_post_norm=False)}
+clova = family_fixture(CLOVA, name="clova")
+
+
+class TestHyperClovaxParity(TapParity, GenerationParity):
+    @pytest.fixture
+    def family(self, clova):
+        return clova
+
+
+def test_hyperclovax_config_is_read_as_intended(clova):
+    name, _, llm, _ = clova
+    cfg = llm.config
+    assert cfg.family == "hyperclovax" and cfg.post_norms == (name == "hyperclovax")
+    assert (cfg.logit_scale, cfg.logits_scaling, cfg.residual_multiplier, cfg.attn_scale) == (8.0, 1.0, 0.22, 0.05)
+
+
+def test_hyperclovax_bfloat16_taps_are_hfs_bit_for_bit(tmp_path):
+    check_bfloat16_taps(hyperclovax_config(), tmp_path)

@@ -454,6 +454,13 @@ def _granite(hf: Any) -> dict[str, Any]:
     return _granite_multipliers(hf) | dict(mlp_bias=bool(hf.mlp_bias))
 
 
+def _hyperclovax(hf: Any) -> dict[str, Any]:
+    """HyperCLOVA X (Naver): Granite's multipliers, its logits times logits_scaling (not divided by it), its sublayers'
+    outputs normed before the add where use_post_norm."""
+    return _granite(hf) | dict(logits_scaling=1.0, logit_scale=float(hf.logits_scaling),
+                               post_norms=bool(hf.use_post_norm))  # fmt: skip
+
+
 def _granite_swa(hf: Any) -> dict[str, Any]:
     """GraniteSWA: Granite's layer with windows on the layers layer_types marks, a sink per head, a rope base per
     layer."""
@@ -1023,6 +1030,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BambaForCausalLM": Architecture({"family": "bamba"}, _bamba, windowed=False),
     # Granite 4.0: Granite's multipliers, Bamba's Mamba 2 mixers, a shared MLP beside routed experts
     "GraniteMoeHybridForCausalLM": Architecture({"family": "granite_hybrid"}, _granite_hybrid, windowed=False),
+    # HyperCLOVA X (Naver's SEED models): Granite's layer with post-norms, its logits multiplied
+    "HyperCLOVAXForCausalLM": Architecture({"family": "hyperclovax"}, _hyperclovax, windowed=False),
     # GraniteSWA (and its MoE): Granite's layers with windows by layer_types, a sink per head, a rope base per layer
     "GraniteSWAForCausalLM": Architecture({"family": "granite", "attn_sinks": True}, _granite_swa),
     "GraniteMoeSWAForCausalLM": Architecture({"family": "granite_hybrid", "attn_sinks": True}, _granite_moe_swa),
@@ -1203,6 +1212,7 @@ MODEL_TYPES = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
+    "hyperclovax": "HyperCLOVAXForCausalLM",
     "granitemoe_swa": "GraniteMoeSWAForCausalLM",
     "mamba": "MambaForCausalLM",
     "falcon_mamba": "FalconMambaForCausalLM",

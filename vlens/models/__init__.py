@@ -29,6 +29,7 @@ from vlens.models.llama import (
     CausalLM,
     GraniteForCausalLM,
     HunYuanForCausalLM,
+    HyperClovaxForCausalLM,
     NanoChatForCausalLM,
     Starcoder2ForCausalLM,
 )
@@ -72,6 +73,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "bamba": BambaForCausalLM,
     "falcon_h1": FalconH1ForCausalLM,
     "granite": GraniteForCausalLM,
+    "hyperclovax": HyperClovaxForCausalLM,
     "granite_hybrid": GraniteMoeHybridForCausalLM,
     "llama4": Llama4ForCausalLM,
     "mamba": MambaForCausalLM,

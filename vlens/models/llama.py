@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3; Gemma 1, with its own norm and embedding
-scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers; Helium, Seed-OSS, ERNIE 4.5, Hunyuan and
-the rest of the variants config flags describe), Phi-3 (the same layer with q/k/v and gate/up fused in its
+scale; OLMo 1, with LayerNorms of no weight; Granite, with its multipliers, and HyperCLOVA X, the same with
+post-norms; Helium, Seed-OSS, ERNIE 4.5, Hunyuan and the rest of the variants config flags describe), Phi-3 (the same layer with q/k/v and gate/up fused in its
 checkpoints), the MoE variants Mixtral, Phi-3.5-MoE, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, MiniMax-M2 and those with
 DeepSeek's experts (GLM-4.5, dots.llm1, ERNIE 4.5's and Hunyuan's MoE models; the same layer with routed experts for
 its MLP; gpt-oss's attention has sinks), and Apertus, Arcee, Nemotron, nanochat and StarCoder2 (the same attention
@@ -23,7 +23,7 @@ from vlens.layers.mlp import DenseMLP, GatedMLP
 from vlens.layers.moe import DeepseekMoE, SparseMoE
 from vlens.layers.norm import make_norm
 from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock, Rope
+from vlens.models.base import AttentionHeads, DecoderLM, PostNormBlock, ResidualBlock, Rope
 
 # MoE checkpoints name their block, its router (and, where the block keeps one, its bias per expert: LFM2-MoE's
 # expert_bias, the default, MiniMax-M2's e_score_correction_bias) and each expert's gate/up/down projections
@@ -150,6 +150,32 @@ class GraniteDecoderLayer(DecoderLayer):
         self.residual_multiplier = cfg.residual_multiplier
 
 
+class HyperClovaxDecoderLayer(PostNormBlock):
+    """HyperCLOVA X: Granite's layer with each sublayer's output normed (post_norm1, post_norm2) before its residual
+    multiplier and the add (Gemma's sandwich)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.residual_multiplier = cfg.residual_multiplier
+        self.input_layernorm = make_norm(cfg)
+        self.self_attn = SelfAttention(cfg, layer)
+        self.post_norm1 = make_norm(cfg)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.mlp = mlp_for(cfg, layer)
+        self.post_norm2 = make_norm(cfg)
+
+    ln1 = property(lambda self: self.input_layernorm)
+    ln2 = property(lambda self: self.post_attention_layernorm)
+    attn_heads = property(lambda self: self.self_attn)
+    attn_post_norm = property(lambda self: self.post_norm1)
+    mlp_post_norm = property(lambda self: self.post_norm2)
+
+
+def hyperclovax_layer(cfg: ModelConfig, layer: int) -> ResidualBlock:
+    """HyperCLOVA X's layer: with its post-norms (use_post_norm) or, without, Granite's."""
+    return (HyperClovaxDecoderLayer if cfg.post_norms else GraniteDecoderLayer)(cfg, layer)
+
+
 class DenseMLPLayer(ResidualBlock):
     """Llama's attention with an MLP that is not gated (act(fc_in(x)), then fc_out), its norms and projections under
     the names the family's checkpoints give them (`names`: ln1's, ln2's, fc_in's, fc_out's)."""
@@ -222,6 +248,10 @@ class ApertusForCausalLM(CausalLM):
 
 class GraniteForCausalLM(CausalLM):
     layer_class = GraniteDecoderLayer
+
+
+class HyperClovaxForCausalLM(CausalLM):
+    layer_class = staticmethod(hyperclovax_layer)
 
 
 class HunYuanAttention(SelfAttention):
