@@ -362,7 +362,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "mamba2": "mamba",
                "nemotron_h": "nemotron_h", "jamba": "bamba",
                "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek",
-               "glm4_moe_lite": "deepseek", "youtu": "deepseek", "mistral4": "deepseek",
+               "glm4_moe_lite": "deepseek", "youtu": "deepseek", "mistral4": "deepseek", "minicpm3": "deepseek",
                "llama4_text": "llama4", "llama4": "llama4_multimodal"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
@@ -828,9 +828,12 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         parts = [raw.get(f"blocks.{layer}.{part}") for part in ("routed", "shared")]
         if any(x is not None for x in parts):  # (Granite's: the experts' output plus the shared MLP's, as HF sums)
             got[f"blocks.{layer}.hook_mlp_out"] = sum(x for x in parts if x is not None)
+        # (MiniCPM3's: scale_depth / sqrt(layers))
+        depth = cfg.scale_depth / cfg.num_hidden_layers**0.5 if cfg.model_type == "minicpm3" else 1.0
+        scale = getattr(cfg, "residual_multiplier", depth)
         for kind in ("hook_attn_out", "hook_mlp_out"):
             if f"blocks.{layer}.{kind}" in got:  # (a Mamba layer has no MLP)
-                got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * getattr(cfg, "residual_multiplier", 1.0)
+                got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * scale
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]
     if name == "nanochat":  # (its embedding normed, by the final norm's module: what enters layer 0)

@@ -1,6 +1,7 @@
 """The other models built on DeepSeek-V3's multi-head latent attention, against HF on tiny random checkpoints:
 GLM-4.7-Flash (Glm4MoeLite: DeepSeek-V3's layer, its dense and expert layers as mlp_layer_types lists them) and
-Youtu-LLM (Tencent's: the latent attention with a dense MLP on every layer, tied) and Mistral 4 (the latent attention
+Youtu-LLM (Tencent's: the latent attention with a dense MLP on every layer, tied), MiniCPM3 (OpenBMB's: V2's latent
+attention by halves with µP's scales) and Mistral 4 (the latent attention
 with Llama 4's attention temperature on q, DeepSeek's experts by a softmax within the best groups, a group scored by
 its best two); every tap, packed against alone,
 greedy generation through the paged cache, bfloat16 bit for bit."""
@@ -17,7 +18,7 @@ from family_parity import (
     family_fixture,
 )
 from test_parity_deepseek import LATENT
-from transformers import Glm4MoeLiteConfig, Mistral4Config, YoutuConfig
+from transformers import Glm4MoeLiteConfig, MiniCPM3Config, Mistral4Config, YoutuConfig
 
 EXPERTS = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                routed_scaling_factor=1.8, n_group=4, topk_group=2)  # fmt: skip
@@ -28,6 +29,8 @@ CONFIGS = {
     "glm4_moe_lite": lambda: Glm4MoeLiteConfig(**(COMMON | LATENT | EXPERTS),
                                                mlp_layer_types=["sparse", "dense", "sparse"]),  # fmt: skip
     "youtu": lambda: YoutuConfig(**(COMMON | LATENT), rope_interleave=False),
+    # MiniCPM3: V2's latent attention by halves, µP's scales on the embedding, each sublayer's output and the logits
+    "minicpm3": lambda: MiniCPM3Config(**(COMMON | LATENT), scale_emb=6.0, scale_depth=1.4, dim_model_base=16),
     # (HF's rotary is head_dim (16) times partial_rotary_factor wide: the rotating part's 8; YaRN, the temperature's
     # original context 16: the sequences reach past it twice)
     "mistral4": lambda: Mistral4Config(**(COMMON | LATENT | EXPERTS | dict(qk_nope_head_dim=8)),
@@ -49,6 +52,10 @@ def test_config_is_read_as_intended(family):
     if name == "mistral4":
         assert cfg.moe_layers == (False, True, True) and not cfg.sigmoid_routing and not cfg.expert_bias
         assert cfg.expert_groups == (4, 2) and cfg.group_scores_top2 and cfg.attn_temperature == (0.5, 16)
+    elif name == "minicpm3":
+        assert not cfg.moe_layers and not cfg.rotary_interleaved and not cfg.rotary_pairs
+        assert (cfg.embedding_multiplier, cfg.logits_scaling) == (6.0, 4.0)
+        assert abs(cfg.residual_multiplier - 1.4 / 3**0.5) < 1e-12
     elif name == "glm4_moe_lite":
         assert cfg.moe_layers == (True, False, True) and cfg.deepseek_moe and cfg.sigmoid_routing
         assert cfg.expert_groups == (4, 2) and cfg.rotary_interleaved

@@ -400,8 +400,8 @@ def _deepseek(hf: Any) -> dict[str, Any]:
     fields = dict(head_dim=head_dim, rotary_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
                   kv_lora_rank=hf.kv_lora_rank, q_lora_rank=hf.q_lora_rank or 0, num_kv_heads=hf.num_attention_heads,
                   attn_scale=scale)  # fmt: skip
-    if v3:
-        fields |= dict(rotary_interleaved=bool(hf.rope_interleave))
+    if v3:  # (MiniCPM3's config has no rope_interleave: by halves)
+        fields |= dict(rotary_interleaved=bool(getattr(hf, "rope_interleave", False)))
     else:
         fields |= dict(rotary_pairs=True, rope_float32=True)
     if not getattr(hf, "n_routed_experts", 0):  # (Youtu-LLM: a dense MLP on every layer)
@@ -411,6 +411,15 @@ def _deepseek(hf: Any) -> dict[str, Any]:
         experts |= dict(sigmoid_routing=False, expert_bias=False, norm_topk_prob=False, group_scores_top2=False,
                         expert_groups=_expert_groups(hf) if hf.topk_method == "group_limited_greedy" else (1, 1))
     return fields | experts
+
+
+def _minicpm3(hf: Any) -> dict[str, Any]:
+    """MiniCPM3 (OpenBMB): DeepSeek-V2's latent attention (its rotary by halves) in Llama's layer with µP's scales:
+    the embedding times scale_emb, each sublayer's output times scale_depth / sqrt(layers), the logits divided by
+    hidden_size / dim_model_base."""
+    return _deepseek(hf) | dict(embedding_multiplier=float(hf.scale_emb),
+                                residual_multiplier=hf.scale_depth / math.sqrt(hf.num_hidden_layers),
+                                logits_scaling=hf.hidden_size / hf.dim_model_base)  # fmt: skip
 
 
 def _mistral4(hf: Any) -> dict[str, Any]:
@@ -970,6 +979,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # latent attention with a dense MLP on every layer
     "Glm4MoeLiteForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
     "YoutuForCausalLM": Architecture({"family": "deepseek"}, _deepseek, windowed=False),
+    # MiniCPM3: DeepSeek-V2's latent attention (rotary by halves) with µP's scales
+    "MiniCPM3ForCausalLM": Architecture({"family": "deepseek"}, _minicpm3, windowed=False),
     # Mistral 4: DeepSeek-V3's layer, Llama 4's attention temperature, experts by a softmax in groups
     "Mistral4ForCausalLM": Architecture({"family": "deepseek"}, _mistral4, windowed=False),
     "MixtralForCausalLM": Architecture(NO_BIAS, _mixtral),
@@ -1160,6 +1171,7 @@ MODEL_TYPES = {
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "youtu": "YoutuForCausalLM",
     "mistral4": "Mistral4ForCausalLM",
+    "minicpm3": "MiniCPM3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",

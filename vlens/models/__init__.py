@@ -27,7 +27,6 @@ from vlens.models.llama import (
     ApertusForCausalLM,
     ArceeForCausalLM,
     CausalLM,
-    GraniteForCausalLM,
     HunYuanForCausalLM,
     HyperClovaxForCausalLM,
     NanoChatForCausalLM,
@@ -72,7 +71,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "lfm3": Lfm3ForCausalLM,
     "bamba": BambaForCausalLM,
     "falcon_h1": FalconH1ForCausalLM,
-    "granite": GraniteForCausalLM,
+    "granite": CausalLM,  # (Llama's layer with its multipliers: config flags)
     "hyperclovax": HyperClovaxForCausalLM,
     "granite_hybrid": GraniteMoeHybridForCausalLM,
     "llama4": Llama4ForCausalLM,

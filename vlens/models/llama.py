@@ -128,10 +128,13 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class DecoderLayer(ResidualBlock):
+    """Llama's layer (Granite's, MiniCPM3's: each sublayer's output times residual_multiplier before the add)."""
+
     attention: type[SelfAttention] = SelfAttention  # (Hunyuan's: its q/k norms' names)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(layer)
+        self.residual_multiplier = cfg.residual_multiplier
         self.input_layernorm = make_norm(cfg)
         self.self_attn = self.attention(cfg, layer)
         self.post_attention_layernorm = make_norm(cfg)
@@ -140,14 +143,6 @@ class DecoderLayer(ResidualBlock):
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.post_attention_layernorm)
     attn_heads = property(lambda self: self.self_attn)
-
-
-class GraniteDecoderLayer(DecoderLayer):
-    """Granite: Llama's layer, each sublayer's output scaled by residual_multiplier before the add."""
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
-        self.residual_multiplier = cfg.residual_multiplier
 
 
 class HyperClovaxDecoderLayer(PostNormBlock):
@@ -172,8 +167,8 @@ class HyperClovaxDecoderLayer(PostNormBlock):
 
 
 def hyperclovax_layer(cfg: ModelConfig, layer: int) -> ResidualBlock:
-    """HyperCLOVA X's layer: with its post-norms (use_post_norm) or, without, Granite's."""
-    return (HyperClovaxDecoderLayer if cfg.post_norms else GraniteDecoderLayer)(cfg, layer)
+    """HyperCLOVA X's layer: with its post-norms (use_post_norm) or, without, Granite's (Llama's)."""
+    return (HyperClovaxDecoderLayer if cfg.post_norms else DecoderLayer)(cfg, layer)
 
 
 class DenseMLPLayer(ResidualBlock):
@@ -244,10 +239,6 @@ class CausalLM(DecoderLM):
 
 class ApertusForCausalLM(CausalLM):
     layer_class = ApertusDecoderLayer
-
-
-class GraniteForCausalLM(CausalLM):
-    layer_class = GraniteDecoderLayer
 
 
 class HyperClovaxForCausalLM(CausalLM):
