@@ -506,15 +506,16 @@ def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(tmp_path):
     body = {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
     with vlens_serve(args, env={"OMP_NUM_THREADS": "1"}) as (url, proc):
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        children = psutil.Process(proc.pid).children()
-        (worker,) = [c for c in children if "spawn_main" in " ".join(c.cmdline())]  # not the resource tracker
+        children = psutil.Process(proc.pid).children()  # the fork server, multiprocessing's resource tracker
+        (server,) = [c for c in children if "forkserver" in " ".join(c.cmdline())]
+        (worker,) = server.children()
         worker.kill()
         while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:  # the server reaps it later
             time.sleep(0.05)
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], r.text
         assert proc.wait(timeout=60) == 1, proc.output()
-    _, alive = psutil.wait_procs(children, timeout=30)  # the worker, and multiprocessing's resource tracker
+    _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
 
 

@@ -122,7 +122,7 @@ class Executor:
     def _join(self, group: str, size: int) -> None:
         """Join the group as rank 0 while watching the workers: the rendezvous waits for every rank until
         worker.TIMEOUT, so a worker that dies before it joins (an import that fails, a script without an
-        `if __name__ == "__main__":` guard, which each spawned worker re-runs) fails the start here, by name."""
+        `if __name__ == "__main__":` guard, which each worker re-runs) fails the start here, by name."""
         failed: list[BaseException] = []
 
         def join() -> None:

@@ -1,26 +1,40 @@
 """Ranks 1.. of a tensor-parallel group as processes started on this machine (the default
-`distributed_executor_backend`, "mp"): spawned, each fed over its own pipe, which only it reads, so
-a dead worker's pipe breaks at the next send. `ray_ranks.RayRanks` offers the same four calls with Ray
-actors, which may run on other machines."""
+`distributed_executor_backend`, "mp"), each fed over its own pipe, which only it reads, so a dead worker's
+pipe breaks at the next send. `ray_ranks.RayRanks` offers the same four calls with Ray actors, which may run
+on other machines.
+
+On the CPU the workers fork from multiprocessing's fork server, which has imported what a worker runs (torch,
+vlens, transformers' configs: seconds a worker would spend importing each time) once per process; each takes
+the caller's working directory and environment as they are when it starts, as a spawned one does (a variable
+read at import is the fork server's). CUDA workers are spawned: fresh interpreters, whatever the fork server's
+torch may have touched of the driver."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import time
 
 from vlens.distributed import worker
 from vlens.distributed.parallel import GroupError
 
+PRELOAD = ["vlens.distributed.worker", "transformers.models.auto.configuration_auto"]  # (the fork server's)
+
 
 class ProcessRanks:
     def __init__(self, size: int, init: str, spec: dict):
-        context = mp.get_context("spawn")
+        spec = spec | {"device_per_rank": True}
+        if spec["device"] == "cuda":
+            context = mp.get_context("spawn")
+        else:
+            context = mp.get_context("forkserver")
+            context.set_forkserver_preload(PRELOAD)
+            spec["environ"] = dict(os.environ)
         self.init, self.procs, self.conns = init, [], []
         for rank in range(1, size):
             parent, child = context.Pipe()
-            proc = context.Process(target=worker.main, args=(rank, size, init, spec | {"device_per_rank": True}, child),
-                                   daemon=True)  # fmt: skip
+            proc = context.Process(target=worker.main, args=(rank, size, init, spec, child), daemon=True)
             proc.start()
             child.close()  # only the worker holds its end: a dead worker's pipe breaks
             self.procs.append(proc)

@@ -11,6 +11,7 @@ engine has nothing to do; the collectives happen inside the forward, where the l
 from __future__ import annotations
 
 import dataclasses
+import os
 import traceback
 from contextlib import suppress
 from dataclasses import dataclass
@@ -196,7 +197,11 @@ class Worker:
 
 def start(rank: int, size: int, init: str, spec: dict) -> Worker:
     """Join the group as `rank` and load this rank's shard (`spec`: what the executor says of the model and
-    the machine; `spec["device_per_rank"]`: cuda:rank, else the one device this process sees)."""
+    the machine; `spec["device_per_rank"]`: cuda:rank, else the one device this process sees; `spec["environ"]`,
+    where given: rank 0's environment, which a forked worker takes in place of its fork server's)."""
+    if "environ" in spec:
+        os.environ.clear()
+        os.environ.update(spec["environ"])
     torch.set_num_threads(spec["threads"])
     device = torch.device("cpu")
     if spec["device"] == "cuda":
