@@ -9,16 +9,16 @@ the previous kill left. The reference is an uninterrupted run without the pipeli
 
 from __future__ import annotations
 
-import json
+import multiprocessing
+import os
 import signal
-import subprocess
-import sys
-import textwrap
+import threading
 
 import pytest
 from harvest_helpers import conversations, dir_bytes, documents, write_jsonl
 
 from vlens import harvest
+from vlens.distributed.ranks import PRELOAD
 from vlens.harvest import job
 from vlens.harvest.writer import read_manifest
 
@@ -31,18 +31,15 @@ OPTIONS = {
 }
 HOOKS = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_v"]
 
-CHILD = textwrap.dedent(
-    """
-    import json, os, signal, sys, threading
-    from vlens import harvest
-    from vlens.harvest import job, replies, writer
+def _harvest_dying_at(model: str, source: str, out: str, point: str, nth: int, options: dict) -> None:
+    """A harvest that SIGKILLs its own process at the `nth` time it reaches `point` (the target of `_kill_at`'s
+    process: this module's state there is the fork server's, untouched by the test's patches)."""
+    from vlens.harvest import replies
 
     replies.CHUNK = 4  # (continuations generated four documents at a time, as in the parent's reference run)
-    model, source, out, point, nth, hooks, options = sys.argv[1:8]
-    nth = int(nth)
     calls = {"n": 0}
 
-    def die_on_nth(before=None, after=None):
+    def die_on_nth(real, before=None, after=None):
         def wrapped(*args, **kwargs):
             hit = before is None or before(*args)
             if hit:
@@ -53,23 +50,19 @@ CHILD = textwrap.dedent(
             if hit and calls["n"] == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
+
         return wrapped
 
     if point == "forward":  # mid-shard: some batches of the shard have run
-        real = job.forward
-        job.forward = die_on_nth()
+        job.forward = die_on_nth(job.forward)
     elif point == "before-rename":  # the shard is whole and fsynced under its temporary name
-        real = os.replace
-        os.replace = die_on_nth(before=lambda src, dst: "shard-" in str(dst))
+        os.replace = die_on_nth(os.replace, before=lambda src, dst: "shard-" in str(dst))
     elif point == "after-rename":  # the shard has its name but the manifest does not list it yet
-        real = job.write_shard
-        job.write_shard = die_on_nth(after=real)
+        job.write_shard = die_on_nth(job.write_shard, after=job.write_shard)
     elif point == "generate":  # before a chunk of continuations is generated (nothing of it on disk)
-        real = replies.generate_replies
-        replies.generate_replies = die_on_nth()
+        replies.generate_replies = die_on_nth(replies.generate_replies)
     elif point == "replies-written":  # a chunk of continuations is on disk; its windows have not run
-        real = replies.atomic_write
-        replies.atomic_write = die_on_nth(after=real)
+        replies.atomic_write = die_on_nth(replies.atomic_write, after=replies.atomic_write)
     elif point == "writer-holds":  # the writer thread holds shard nth, unwritten, while the forwards go on
         held = threading.Event()
         real_write, real_forward = job.write_shard, job.forward
@@ -88,20 +81,20 @@ CHILD = textwrap.dedent(
             return real_forward(*args, **kwargs)
 
         job.write_shard, job.forward = write, forward
-    harvest(model, source, json.loads(hooks), out, **json.loads(options))
-    """
-)
+    harvest(model, source, HOOKS, out, **options)
 
 
-def _kill_at(tmp_path, model_path, source, out, point: str, nth: int, options: dict | None = None) -> None:
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    run = subprocess.run(
-        [sys.executable, str(script), str(model_path), str(source), str(out), point, str(nth),
-         json.dumps(HOOKS), json.dumps({**OPTIONS, **(options or {})})],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+def _kill_at(model_path, source, out, point: str, nth: int, options: dict | None = None) -> None:
+    """`_harvest_dying_at` in a process of its own, forked from multiprocessing's fork server, which has vlens
+    imported (a fresh interpreter would spend seconds importing it each time; the server is the one
+    tensor-parallel groups start their workers from)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    options = {**OPTIONS, **(options or {})}
+    child = context.Process(target=_harvest_dying_at, args=(str(model_path), str(source), str(out), point, nth, options))
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == -signal.SIGKILL, child.exitcode
 
 
 def _run(model, source, out, **options):
@@ -127,19 +120,19 @@ def test_resume_after_sigkill_is_byte_identical(smol4, smol4_path, source, expec
     assert dir_bytes(tmp_path / "pipelined") == expected
 
     out = tmp_path / "killed"
-    _kill_at(tmp_path, smol4_path, source, out, "writer-holds", 1)
+    _kill_at(smol4_path, source, out, "writer-holds", 1)
     assert len(read_manifest(out)["shards"]) == 1  # shard 0 committed; shard 1 held, never written
     assert not (out / "shard-00001.safetensors").exists() and not (out / ".tmp-shard-00001.safetensors").exists()
 
-    _kill_at(tmp_path, smol4_path, source, out, "forward", 3)  # in the second shard's first forward of this run
+    _kill_at(smol4_path, source, out, "forward", 3)  # in the second shard's first forward of this run
     done = len(read_manifest(out)["shards"])  # the writer thread may or may not have committed the first
     assert done in (1, 2)
 
-    _kill_at(tmp_path, smol4_path, source, out, "before-rename", 2)  # the second shard this run writes
+    _kill_at(smol4_path, source, out, "before-rename", 2)  # the second shard this run writes
     assert len(read_manifest(out)["shards"]) == done + 1
     assert (out / f".tmp-shard-{done + 1:05d}.safetensors").exists()
 
-    _kill_at(tmp_path, smol4_path, source, out, "after-rename", 1)
+    _kill_at(smol4_path, source, out, "after-rename", 1)
     assert len(read_manifest(out)["shards"]) == done + 1
     assert (out / f"shard-{done + 1:05d}.safetensors").exists()  # on disk, but not in the manifest: redone
 
@@ -163,7 +156,7 @@ def test_a_steered_harvest_of_one_roles_rows_resumes_byte_identical(smol4, smol4
     _run(smol4, source, tmp_path / "whole", pipeline="off", **options)
     manifest = read_manifest(tmp_path / "whole")
     assert len(manifest["shards"]) >= 4 and manifest["totals"]["rows_excluded"] > manifest["totals"]["rows"] / 2
-    _kill_at(tmp_path, smol4_path, source, tmp_path / "out", "forward", 5, options)
+    _kill_at(smol4_path, source, tmp_path / "out", "forward", 5, options)
     assert 0 < len(read_manifest(tmp_path / "out")["shards"]) < len(manifest["shards"])
     assert _run(smol4, source, tmp_path / "out", **options).tokens_this_run > 0
     assert dir_bytes(tmp_path / "out") == dir_bytes(tmp_path / "whole")
@@ -181,12 +174,12 @@ def test_a_generating_harvest_resumes_byte_identical(smol4, smol4_path, tmp_path
     _run(smol4, source, tmp_path / "whole", **options)
     assert len(read_manifest(tmp_path / "whole")["shards"]) >= 6
     out = tmp_path / "out"
-    _kill_at(tmp_path, smol4_path, source, out, "generate", 2, options)
+    _kill_at(smol4_path, source, out, "generate", 2, options)
     assert [p.name for p in out.glob("replies-*")] == ["replies-00000.json"]
     assert len(read_manifest(out)["shards"]) >= 1
-    _kill_at(tmp_path, smol4_path, source, out, "replies-written", 1, options)
+    _kill_at(smol4_path, source, out, "replies-written", 1, options)
     assert sorted(p.name for p in out.glob("replies-*")) == ["replies-00000.json", "replies-00001.json"]
-    _kill_at(tmp_path, smol4_path, source, out, "forward", 3, options)
+    _kill_at(smol4_path, source, out, "forward", 3, options)
     on_disk = len(list(out.glob("replies-*")))
     calls = []
     real = replies.generate_replies

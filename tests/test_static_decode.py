@@ -135,8 +135,11 @@ def test_static_decode_equals_the_ordinary_step(llm, kernel, padded):
             assert rel_err(vb[name], va[name]) < 1e-5, name
 
 
+@pytest.mark.parametrize("kernel", ["gather", "c"], indirect=True)
 def test_static_decode_batches_other_sizes_and_preempts(llm, kernel):
-    """Batches of every bucket up to max_num_seqs, sequences joining and finishing between steps."""
+    """Batches of every bucket up to max_num_seqs, sequences joining and finishing between steps. (Not the Triton
+    kernel: the interpreter takes seconds a step; test_paged_kernel_matches_the_gathering_kernel checks its rows,
+    test_static_decode_equals_the_ordinary_step its padded batches in the engine.)"""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, COMMON["vocab_size"], (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (11,), generator=g)]
     params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in torch.randint(1, 15, (11,), generator=g)]
