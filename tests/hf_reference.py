@@ -291,6 +291,16 @@ FAMILIES = {
         qkv="attn.v_proj",
         final_norm="transformer.ln_f",
     ),
+    # CodeGen: GPT-J's, q, k and v in one projection (rows in four shards, each [q, v, k] of a quarter of the heads)
+    "codegen": Family(
+        layers="transformer.h",
+        embed="transformer.wte",
+        attn="attn",
+        outputs={"ln1.hook_out": "ln_1", "hook_attn_out": "attn", "ln2.hook_out": "ln_1", "hook_mlp_out": "mlp"},
+        inputs={"attn.hook_z": "attn.out_proj", "mlp.hook_post": "mlp.fc_out"},
+        qkv="attn.qkv_proj",
+        final_norm="transformer.ln_f",
+    ),
     "mpt": Family(  # GPT-2's layer under MPT's names; its MLP module returns its output summed with the residual
         layers="transformer.blocks",
         embed="transformer.wte",
@@ -345,7 +355,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "llava_onevision": "llama_multimodal", "internvl": "llama_multimodal", "qwen2_vl": "llama_multimodal",
                "glm4v": "glm4_multimodal", "glm4v_moe": "llama_multimodal", "exaone4_5": "olmo_multimodal",
                "idefics3": "idefics3_multimodal", "smolvlm": "idefics3_multimodal", "aya_vision": "cohere_multimodal",
-               "gptj": "gptj", "cohere": "cohere", "cohere2": "cohere",
+               "gptj": "gptj", "codegen": "codegen", "cohere": "cohere", "cohere2": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
@@ -374,7 +384,7 @@ NEMOTRON_PARTS = {
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
-PARTIAL_ROTARY = ("phi", "gptj", "stablelm")
+PARTIAL_ROTARY = ("phi", "gptj", "codegen", "stablelm")
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 
 
@@ -460,13 +470,13 @@ def _recording_rotary(attn_module, store: list):
 
 
 def _pair_rotations(calls: list, name: str, own_kv: list[bool]) -> list:
-    """(q, k) per rotating layer from one tensor a call: GPT-J rotates the keys then the queries, Gemma 4 the queries
+    """(q, k) per rotating layer from one tensor a call: GPT-J and CodeGen rotate the keys then the queries, Gemma 4 the queries
     then the keys, and in a layer that attends to an earlier layer's keys the queries alone (k None)."""
     if not calls or not isinstance(calls[0], torch.Tensor):
         return calls
     it, pairs = iter(calls), []
     for own in own_kv:
-        if name == "gptj":
+        if name in ("gptj", "codegen"):
             k, q = next(it), next(it)
         else:
             q, k = next(it), next(it) if own else None
@@ -693,9 +703,10 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             getattr(block, "self_attn", None), "gate_proj", None)  # (LFM3's gate, AFMoE's: of their own projection)
         if gate_proj is not None:
             on_output(gate_proj, p + "attn.hook_gate")
-        if (not rope[layer] or name in PARTIAL_ROTARY) and name not in ("bloom", "falcon", "mpt") and attends[layer]:
-            # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's and Falcon's are in its fused
-            # qkv)
+        fused = ("bloom", "falcon", "mpt", "codegen")
+        if (not rope[layer] or name in PARTIAL_ROTARY) and name not in fused and attends[layer]:
+            # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's, Falcon's and CodeGen's are in
+            # their fused qkv)
             attn = block.get_submodule(fam.attn)
             if not rope[layer] and hasattr(attn, "q_norm"):  # (EXAONE 4's NoPE layers: after the q/k norm, which
                 # reads [B, H, T, d]; AFMoE's [B, T, H, d])
@@ -886,6 +897,9 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, -1)  # (DeepSeek's: of the values' size)
         qkv = raw.get(p + "qkv")  # (none in a layer that attends to an earlier layer's keys and values)
+        if name == "codegen":  # (its four shards of rows, [q, v, k] each: as q, k and v projected apart)
+            q_rows, v_rows, k_rows = (x.reshape(t, -1) for x in qkv.view(t, 4, 3, -1).unbind(2))
+            raw[p + "q"], raw[p + "k"], qkv = q_rows, k_rows, torch.cat([q_rows, k_rows, v_rows], -1)
         if name == "deepseek":  # (each head's part without positions, then the rotating part, the keys' shared)
             nope = cfg.qk_nope_head_dim
             q_rot, k_rot = (x[0].transpose(0, 1) for x in rotated[sum(rope[:layer])])

@@ -15,7 +15,6 @@ import torch
 from conftest import rel_err, save_tiny, weight_digests
 from transformers import (
     AutoModelForCausalLM,
-    CodeGenConfig,
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
@@ -24,6 +23,7 @@ from transformers import (
     PersimmonConfig,
     Phi3Config,
     Qwen2Config,
+    XGLMConfig,
 )
 
 import vlens
@@ -225,7 +225,7 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
     [
         (PersimmonConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
          "PersimmonForCausalLM"),
-        (CodeGenConfig(vocab_size=300, n_embd=32, n_layer=1, n_head=2, rotary_dim=8), "CodeGenForCausalLM"),
+        (XGLMConfig(vocab_size=300, d_model=32, num_layers=1, attention_heads=2, ffn_dim=64), "XGLMForCausalLM"),
     ],
 )
 def test_unsupported_architecture(config, arch, tmp_path):

@@ -12,6 +12,7 @@ from test_parity_falcon import CONFIGS as FALCON_CONFIGS
 from test_parity_falcon_h1 import falcon_h1_config
 from test_parity_glm import CONFIGS as GLM_CONFIGS
 from test_parity_gpt_bigcode import CONFIGS as BIGCODE_CONFIGS
+from test_parity_gptj import CONFIGS as GPTJ_CONFIGS
 from test_parity_jamba import jamba_config
 from test_parity_latent_families import CONFIGS as LATENT_CONFIGS
 from test_parity_lfm3 import CONFIGS as LFM3_CONFIGS
@@ -36,7 +37,7 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
                 "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"],
                 "afmoe": AFMOE_CONFIGS["afmoe"], "olmo_hybrid": olmo_hybrid_config,
-                "lfm3": LFM3_CONFIGS["lfm3"]}  # fmt: skip
+                "lfm3": LFM3_CONFIGS["lfm3"], "codegen": GPTJ_CONFIGS["codegen"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 # (layer 0's hooks a generation captures: its token mixer's)
 FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybrid": "blocks.0.linear_attn.hook_*",
@@ -56,7 +57,8 @@ def test_more_layouts(tmp_path, name):
     a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank), Mistral 4
     (its router in the model's dtype, its experts fused in the checkpoint) AFMoE (its output gate's projection
     split by heads) OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions, stored apart)
-    and LFM3 (a gate a head, each rank its heads') on two ranks, each its heads, one of the
+    and LFM3 (a gate a head, each rank its heads'), CodeGen (qkv_proj's shards of rows put in order, then split by
+    heads) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

@@ -1098,6 +1098,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         {"family": "gptj", "parallel_residual": True, "qkv_bias": False, "o_bias": False, "rotary_pairs": True}
         | LAYER_NORM, _gptj, windowed=False,
     ),  # fmt: skip
+    # CodeGen: GPT-J's layer with q, k and v in one projection, in its model-parallel layout, rotary in float32
+    "CodeGenForCausalLM": Architecture(
+        {"family": "codegen", "parallel_residual": True, "qkv_bias": False, "o_bias": False, "rotary_pairs": True,
+         "rope_float32": True} | LAYER_NORM, _gptj, windowed=False,
+    ),  # fmt: skip
 }
 
 # Multimodal checkpoints whose text model vlens runs (token ids in, no images; its config is their text_config, one
@@ -1246,6 +1251,7 @@ MODEL_TYPES = {
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "gptj": "GPTJForCausalLM",
+    "codegen": "CodeGenForCausalLM",
     "opt": "OPTForCausalLM",
     "falcon": "FalconForCausalLM",
     "mpt": "MptForCausalLM",

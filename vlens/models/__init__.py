@@ -60,6 +60,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "gpt_bigcode": GPTBigCodeForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "gptj": GPTJForCausalLM,
+    "codegen": GPTJForCausalLM,
     "cohere": CohereForCausalLM,
     "deepseek": DeepseekForCausalLM,
     "olmo": OlmoForCausalLM,
