@@ -342,6 +342,13 @@ FAMILIES = {
         final_norm="gpt_neox.final_layer_norm",
     ),
 }
+# XGLM and BioGPT: OPT's layer under their models' own names (XGLM's positions a module without weights)
+FAMILIES["xglm"] = replace(FAMILIES["opt"], layers="model.layers", embed="model.embed_tokens",
+                           final_norm="model.layer_norm",
+                           extra={"hook_pos_embed": "model.embed_positions"})  # fmt: skip
+FAMILIES["biogpt"] = replace(FAMILIES["opt"], layers="biogpt.layers", embed="biogpt.embed_tokens",
+                             final_norm="biogpt.layer_norm",
+                             extra={"hook_pos_embed": "biogpt.embed_positions"})  # fmt: skip
 # Idefics3 and SmolVLM keep their text model under model.text_model; Aya Vision's is Cohere 2
 FAMILIES["idefics3_multimodal"] = replace(
     LLAMA, layers="model.text_model.layers", embed="model.text_model.embed_tokens", final_norm="model.text_model.norm"
@@ -373,7 +380,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "nemotron_h": "nemotron_h", "jamba": "bamba",
                "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek",
                "glm4_moe_lite": "deepseek", "youtu": "deepseek", "mistral4": "deepseek", "minicpm3": "deepseek",
-               "llama4_text": "llama4", "llama4": "llama4_multimodal"}  # fmt: skip
+               "llama4_text": "llama4", "llama4": "llama4_multimodal", "xglm": "xglm", "biogpt": "biogpt"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
     "linear_attention": ({"ln1.hook_out": "norm"}, {}),
@@ -577,16 +584,18 @@ def _recording_selective_scans(block, store: list):
 
 
 @contextlib.contextmanager
-def _recording_softmax(store: list):
+def _recording_softmax(store: list, heads_flat: bool = False):
     """Record the input and output of every attention softmax ([B, heads, q, k]), call by call: HF's eager
     attention scores (scaled, soft-capped, the additive mask's huge negatives where keys are forbidden)
-    and probabilities."""
+    and probabilities. `heads_flat`: the model's attention softmaxes [B * heads, q, k] (XGLM's), a batch of one."""
     original = torch.nn.functional.softmax
 
     def recording(x, dim=None, *args, **kwargs):
         out = original(x, dim, *args, **kwargs)
         if x.dim() == 4 and dim in (-1, 3):
             store.append((x.clone(), out.clone()))
+        elif heads_flat and x.dim() == 3 and dim in (-1, 2):
+            store.append((x.clone().unsqueeze(0), out.clone().unsqueeze(0)))
         return out
 
     torch.nn.functional.softmax = recording
@@ -617,7 +626,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
     layers = list(layers)
     # (per layer: 1 where it rotates; GraniteSWA's rope bases, 0 where it does not)
     rope = [bool(r) for r in getattr(cfg, "no_rope_layers", None) or getattr(cfg, "layer_rope_theta", None) or [1] * n]
-    if (name in ("gpt_neo", "opt", "bloom", "nemotron_h", "mpt") or cfg.model_type == "jamba"
+    if (name in ("gpt_neo", "opt", "xglm", "biogpt", "bloom", "nemotron_h", "mpt") or cfg.model_type == "jamba"
             or getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "rope") != "rope"):  # fmt: skip
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
     elif cfg.model_type in ("cohere2", "afmoe") or (cfg.model_type in ("exaone4", "exaone_moe") and cfg.sliding_window):
@@ -796,7 +805,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
         with (
             _recording_rotary(blocks[attends.index(True)].get_submodule(fam.attn) if any(attends) else None, rotated),
             _recording_selective_scans(blocks[0], selective),
-            _recording_softmax(softmaxes),
+            _recording_softmax(softmaxes, heads_flat=cfg.model_type == "xglm"),
             _recording_delta_rule(blocks[0], deltas),
             _recording_convolutions(blocks[0], convolved),
             _recording_scans(blocks[0], scans),

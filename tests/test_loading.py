@@ -20,10 +20,10 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    OpenAIGPTConfig,
     PersimmonConfig,
     Phi3Config,
     Qwen2Config,
-    XGLMConfig,
 )
 
 import vlens
@@ -225,7 +225,7 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
     [
         (PersimmonConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
          "PersimmonForCausalLM"),
-        (XGLMConfig(vocab_size=300, d_model=32, num_layers=1, attention_heads=2, ffn_dim=64), "XGLMForCausalLM"),
+        (OpenAIGPTConfig(vocab_size=300, n_embd=32, n_layer=1, n_head=2), "OpenAIGPTLMHeadModel"),
     ],
 )
 def test_unsupported_architecture(config, arch, tmp_path):

@@ -22,6 +22,7 @@ from test_parity_minimax_m2 import CONFIGS as MINIMAX_CONFIGS
 from test_parity_mpt import CONFIGS as MPT_CONFIGS
 from test_parity_nemotron_h import nemotron_3_config
 from test_parity_olmo_hybrid import SQUARE as olmo_hybrid_config
+from test_parity_opt import CONFIGS as OPT_CONFIGS
 from test_parity_phimoe import CONFIGS as PHIMOE_CONFIGS
 from test_tensor_parallel import N, _check_outputs, _equal, _generate, _open, one_thread  # noqa: F401 - (autouse)
 
@@ -37,7 +38,8 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "falcon_rw": FALCON_CONFIGS["falcon_rw"], "mpt": MPT_CONFIGS["mpt_six_heads_clipped"],
                 "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"],
                 "afmoe": AFMOE_CONFIGS["afmoe"], "olmo_hybrid": olmo_hybrid_config,
-                "lfm3": LFM3_CONFIGS["lfm3"], "codegen": GPTJ_CONFIGS["codegen"]}  # fmt: skip
+                "lfm3": LFM3_CONFIGS["lfm3"], "codegen": GPTJ_CONFIGS["codegen"],
+                "xglm": OPT_CONFIGS["xglm"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 # (layer 0's hooks a generation captures: its token mixer's)
 FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybrid": "blocks.0.linear_attn.hook_*",
@@ -58,7 +60,7 @@ def test_more_layouts(tmp_path, name):
     (its router in the model's dtype, its experts fused in the checkpoint) AFMoE (its output gate's projection
     split by heads) OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions, stored apart)
     and LFM3 (a gate a head, each rank its heads'), CodeGen (qkv_proj's shards of rows put in order, then split by
-    heads) on two ranks, each its heads, one of the
+    heads) and XGLM (its computed positions on every rank) on two ranks, each its heads, one of the
     two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
     step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
     and rows, as in one process."""

@@ -562,6 +562,28 @@ def _opt(hf: Any) -> dict[str, Any]:
     )
 
 
+def _xglm(hf: Any) -> dict[str, Any]:
+    """XGLM: OPT's layer (queries scaled after their projection), the embedding times sqrt(d) where scale_embedding."""
+    return dict(
+        intermediate_size=hf.ffn_dim,
+        hidden_act=hf.activation_function,
+        norm_eps=1e-5,  # (torch's LayerNorm default, which HF's XGLM keeps)
+        attn_scale=1.0,
+        query_scale=(hf.d_model // hf.attention_heads) ** -0.5,
+        embedding_multiplier=math.sqrt(hf.d_model) if hf.scale_embedding else 1.0,
+    )
+
+
+def _biogpt(hf: Any) -> dict[str, Any]:
+    """BioGPT: OPT's layer with the scores scaled, the embedding times sqrt(d) where scale_embedding."""
+    return dict(
+        intermediate_size=hf.intermediate_size,
+        hidden_act=hf.hidden_act,
+        norm_eps=1e-5,  # (torch's LayerNorm default: HF's BioGPT does not read layer_norm_eps)
+        embedding_multiplier=math.sqrt(hf.hidden_size) if hf.scale_embedding else 1.0,
+    )
+
+
 def _bloom(hf: Any) -> dict[str, Any]:
     """BLOOM: ALiBi for positions (no limit but the 2,048 tokens it was trained on, which vlens takes for its
     max_position_embeddings), a GELU of its own; its Megatron-era options are refused by name."""
@@ -892,6 +914,7 @@ class Architecture:
 
 GEMMA = {"family": "gemma", "norm": "rms_offset", "embed_scale": True, "post_norms": True}
 LAYER_NORM = {"norm": "layer", "mlp_bias": True}
+FAIRSEQ = {"learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM  # (positions added, not rotary)
 GEMMA4 = GEMMA | {"family": "gemma4", "norm": "rms_float", "qk_norm": "head", "v_norm": True}
 # OLMo 2 and 3: no norm before attention or the MLP, one after each (float32-scaled), q/k norms over the whole
 # projection, rotary in float32.
@@ -1090,6 +1113,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                                     "rotary_dim": 0} | NO_BIAS, _mpt, windowed=False),  # fmt: skip
     # OPT: GPT-2's layer under its own names, positions two rows down their table, queries scaled as projected
     "OPTForCausalLM": Architecture({"family": "opt", "learned_positions": True, "norm": "layer"}, _opt, windowed=False),
+    # XGLM and BioGPT: OPT's layer from the same fairseq decoder, the embedding scaled; XGLM's positions computed
+    "XGLMForCausalLM": Architecture(FAIRSEQ | {"family": "xglm"}, _xglm, windowed=False),
+    "BioGptForCausalLM": Architecture(FAIRSEQ | {"family": "biogpt"}, _biogpt, windowed=False),
     # Falcon: GPT-NeoX's parallel residual (one norm or two) with one key-value head or grouped ones, no biases
     "FalconForCausalLM": Architecture({"family": "falcon"} | LAYER_NORM, _falcon, windowed=False),
     # GPT-J: Phi's parallel residual with one LayerNorm, rotary by pairs over the leading rotary_dim dims, no
@@ -1253,6 +1279,8 @@ MODEL_TYPES = {
     "gptj": "GPTJForCausalLM",
     "codegen": "CodeGenForCausalLM",
     "opt": "OPTForCausalLM",
+    "xglm": "XGLMForCausalLM",
+    "biogpt": "BioGptForCausalLM",
     "falcon": "FalconForCausalLM",
     "mpt": "MptForCausalLM",
     "bloom": "BloomForCausalLM",

@@ -37,7 +37,7 @@ from vlens.models.mamba import MambaForCausalLM
 from vlens.models.mpt import MptForCausalLM
 from vlens.models.nemotron_h import NemotronHForCausalLM
 from vlens.models.olmo import OlmoForCausalLM, OlmoHybridForCausalLM
-from vlens.models.opt import OPTForCausalLM
+from vlens.models.opt import BioGptForCausalLM, OPTForCausalLM, XGLMForCausalLM
 from vlens.models.phi import PhiForCausalLM
 from vlens.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -66,6 +66,8 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "olmo": OlmoForCausalLM,
     "olmo_hybrid": OlmoHybridForCausalLM,
     "opt": OPTForCausalLM,
+    "xglm": XGLMForCausalLM,
+    "biogpt": BioGptForCausalLM,
     "phi": PhiForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,
     "lfm2": Lfm2ForCausalLM,

@@ -2,9 +2,16 @@
 names — LayerNorms before attention and before the MLP (`self_attn_layer_norm`, `final_layer_norm`, the latter
 the MLP's), q, k and v projected apart with biases, a ReLU MLP whose `fc1` and `fc2` sit on the layer itself — with
 learned positions read two rows down their table (HF's offset), and queries scaled by 1/sqrt(d_head) after their
-projection, as HF scales them (hook_q is the projection, TransformerLens's q; the scores are the same numbers)."""
+projection, as HF scales them (hook_q is the projection, TransformerLens's q; the scores are the same numbers).
+
+XGLM (Meta's multilingual models, 564M to 7.5B) and BioGPT (Microsoft's biomedical GPT, 347M and 1.5B) come from the
+same fairseq decoder: OPT's layer, their embedding scaled by sqrt(d) (`scale_embedding`), positions two rows down
+their table, learned (BioGPT) or fairseq's sines and cosines, computed (XGLM; no checkpoint stores them). BioGPT
+scales its scores rather than its queries, as Llama does."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -58,7 +65,20 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(cfg)
 
 
-class OPTForCausalLM(DecoderLM):
+class OffsetPositionsLM(DecoderLM):
+    """A fairseq decoder's model: its token embedding, then its position's row two rows down the table
+    (`position_rows`)."""
+
+    def position_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = tap("hook_embed", self.embedding(input_ids))
+        pos = tap("hook_pos_embed", self.position_rows(ctx.positions + POSITION_OFFSET).to(x.dtype))
+        return x + pos
+
+
+class OPTForCausalLM(OffsetPositionsLM):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
         self.model = OPTModel(cfg)
@@ -70,7 +90,63 @@ class OPTForCausalLM(DecoderLM):
     # (the learned positions from position 0 on: TransformerLens's W_pos)
     position_embeddings = property(lambda self: self.model.decoder.embed_positions.weight[POSITION_OFFSET:])
 
-    def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = tap("hook_embed", self.embed_tokens(input_ids))
-        pos = tap("hook_pos_embed", self.model.decoder.embed_positions(ctx.positions + POSITION_OFFSET))
-        return x + pos
+    def position_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.decoder.embed_positions(rows)
+
+
+def sinusoidal_positions(rows: int, dim: int) -> torch.Tensor:
+    """fairseq's table (XGLM's), as HF computes it on the host in float32: each row the sines, then the cosines, of
+    its position times dim // 2 frequencies from 1 down to 1/10,000 (a zero column more for an odd `dim`)."""
+    half = dim // 2
+    step = math.log(10000) / (half - 1)
+    frequencies = torch.exp(torch.arange(half, dtype=torch.int64, device="cpu").float() * -step)
+    angles = torch.arange(rows, dtype=torch.int64, device="cpu").float().unsqueeze(1) * frequencies.unsqueeze(0)
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    return torch.cat([table, torch.zeros(rows, 1)], dim=1) if dim % 2 else table
+
+
+class XGLMModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layer_norm = make_norm(cfg)
+
+
+class XGLMForCausalLM(OffsetPositionsLM):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__(cfg, device)
+        self.model = XGLMModel(cfg)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
+        # (float32, cast to the stream's dtype as its rows are read: HF's table, cast once, holds the same numbers)
+        self.positions = sinusoidal_positions(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size).to(device)
+
+    embed_tokens = property(lambda self: self.model.embed_tokens)
+    layers = property(lambda self: self.model.layers)
+    final_norm = property(lambda self: self.model.layer_norm)
+    position_embeddings = property(lambda self: self.positions[POSITION_OFFSET:].to(self.lm_head.weight.dtype))
+
+    def position_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.positions[rows]
+
+
+class BioGptModel(XGLMModel):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size)
+
+
+class BioGptForCausalLM(OffsetPositionsLM):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__(cfg, device)
+        self.biogpt = BioGptModel(cfg)
+        self.output_projection = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
+
+    embed_tokens = property(lambda self: self.biogpt.embed_tokens)
+    layers = property(lambda self: self.biogpt.layers)
+    final_norm = property(lambda self: self.biogpt.layer_norm)
+    lm_head = property(lambda self: self.output_projection)  # HF's name for the unembedding here
+    position_embeddings = property(lambda self: self.biogpt.embed_positions.weight[POSITION_OFFSET:])
+
+    def position_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.biogpt.embed_positions(rows)
