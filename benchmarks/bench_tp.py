@@ -8,6 +8,8 @@ temporary directory; every process gets --threads threads. Rows:
   communication             ms per step that rank 0 spends inside collectives (all-reduce after each
                             row-parallel projection and the embedding, the LM head's gather to rank 0), which
                             includes waiting for the other rank, and its share of the two-rank step
+  group start / stop        seconds to open an LLM (one process; two ranks: the first group of the process,
+                            whose worker the fork server starts cold, then a later one) and to close it
 On two cores the two ranks compete with each other and with nothing to gain: the split does not make a
 step faster here; what the numbers show is what the collectives cost. On a machine with several GPUs
 (NCCL), tokens/s against one GPU is the figure to read (`benchmarks/gpu_suite.py` style runs).
@@ -96,7 +98,15 @@ def main() -> None:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.float32).save_pretrained(tmp)
         settings = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 256 << 20, "max_num_batched_tokens": 4096}
+        start = time.perf_counter()
         one = LLM(tmp, **settings)
+        opened = [(time.perf_counter() - start, 0.0)]
+        for _ in range(2):  # the first group of this process, then a later one
+            start = time.perf_counter()
+            group = LLM(tmp, tensor_parallel_size=2, **settings)
+            up = time.perf_counter()
+            group.close()
+            opened.append((up - start, time.perf_counter() - up))
         steps(one, prompts[:2], 2)  # warm-up
         single = steps(one, prompts, args.tokens)
         two = LLM(tmp, tensor_parallel_size=2, **settings)
@@ -109,6 +119,9 @@ def main() -> None:
     for name, a, b in (("prefill step (ms)", single[:1], split[:1]), ("decode step (ms)", single[1:], split[1:])):
         t1, t2, comm = _mean([t for t, _ in a]), _mean([t for t, _ in b]), _mean([c for _, c in b])
         print(f"{name:20}{t1:12.2f}{t2:12.2f}{t2 / t1:8.2f}{comm:10.2f}{comm / t2:12.1%}")
+    (alone, _), (first, first_stop), (later, later_stop) = opened
+    print(f"group start (s): 1 process {alone:.2f}; 2 ranks, the process's first {first:.2f}, a later one {later:.2f} "
+          f"({later / first:.2f}x the first); stop {first_stop:.2f} / {later_stop:.2f}")
 
 
 if __name__ == "__main__":
