@@ -291,16 +291,6 @@ FAMILIES = {
         qkv="attn.v_proj",
         final_norm="transformer.ln_f",
     ),
-    # CodeGen: GPT-J's, q, k and v in one projection (rows in four shards, each [q, v, k] of a quarter of the heads)
-    "codegen": Family(
-        layers="transformer.h",
-        embed="transformer.wte",
-        attn="attn",
-        outputs={"ln1.hook_out": "ln_1", "hook_attn_out": "attn", "ln2.hook_out": "ln_1", "hook_mlp_out": "mlp"},
-        inputs={"attn.hook_z": "attn.out_proj", "mlp.hook_post": "mlp.fc_out"},
-        qkv="attn.qkv_proj",
-        final_norm="transformer.ln_f",
-    ),
     "mpt": Family(  # GPT-2's layer under MPT's names; its MLP module returns its output summed with the residual
         layers="transformer.blocks",
         embed="transformer.wte",
@@ -342,6 +332,8 @@ FAMILIES = {
         final_norm="gpt_neox.final_layer_norm",
     ),
 }
+# CodeGen: GPT-J's, q, k and v in one projection (rows in four shards, each [q, v, k] of a quarter of the heads)
+FAMILIES["codegen"] = replace(FAMILIES["gptj"], qkv="attn.qkv_proj")
 # XGLM and BioGPT: OPT's layer under their models' own names (XGLM's positions a module without weights)
 FAMILIES["xglm"] = replace(FAMILIES["opt"], layers="model.layers", embed="model.embed_tokens",
                            final_norm="model.layer_norm",
