@@ -332,6 +332,17 @@ FAMILIES = {
         final_norm="gpt_neox.final_layer_norm",
     ),
 }
+# Persimmon: GPT-NeoX's attention (a LayerNorm a head over q and over k) in Llama's sequential layer
+FAMILIES["persimmon"] = replace(
+    FAMILIES["gpt_neox"], layers="model.layers", embed="model.embed_tokens", attn="self_attn",
+    outputs={"ln1.hook_out": "input_layernorm", "hook_attn_out": "self_attn",
+             "ln2.hook_out": "post_attention_layernorm", "hook_mlp_out": "mlp"},
+    inputs={"hook_resid_mid": "post_attention_layernorm", "attn.hook_z": "self_attn.dense",
+            "mlp.hook_post": "mlp.dense_4h_to_h"},
+    qkv="self_attn.query_key_value", final_norm="model.final_layernorm",
+)  # fmt: skip
+FAMILIES["persimmon_multimodal"] = replace(FAMILIES["persimmon"], **TEXT_MODEL | {
+    "final_norm": "model.language_model.final_layernorm"})  # (Fuyu's)
 # CodeGen: GPT-J's, q, k and v in one projection (rows in four shards, each [q, v, k] of a quarter of the heads)
 FAMILIES["codegen"] = replace(FAMILIES["gptj"], qkv="attn.qkv_proj")
 # XGLM and BioGPT: OPT's layer under their models' own names (XGLM's positions a module without weights)
@@ -372,7 +383,8 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "nemotron_h": "nemotron_h", "jamba": "bamba",
                "falcon_h1": "bamba", "glm4": "glm4", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek",
                "glm4_moe_lite": "deepseek", "youtu": "deepseek", "mistral4": "deepseek", "minicpm3": "deepseek",
-               "llama4_text": "llama4", "llama4": "llama4_multimodal", "xglm": "xglm", "biogpt": "biogpt"}  # fmt: skip
+               "llama4_text": "llama4", "llama4": "llama4_multimodal", "xglm": "xglm", "biogpt": "biogpt",
+               "persimmon": "persimmon", "fuyu": "persimmon_multimodal"}  # fmt: skip
 # Nemotron-H's layers by their block type: (tap kind -> module whose output it is, ... whose first input it is)
 NEMOTRON_PARTS = {
     "linear_attention": ({"ln1.hook_out": "norm"}, {}),
@@ -383,7 +395,7 @@ NEMOTRON_PARTS = {
 # model types whose q_proj gives each head's query, then its output gate
 GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Families whose rotary returns the leading dims of each head alone (the rest are as projected)
-PARTIAL_ROTARY = ("phi", "gptj", "codegen", "stablelm")
+PARTIAL_ROTARY = ("phi", "gptj", "codegen", "stablelm", "persimmon", "persimmon_multimodal")
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 
 
@@ -704,7 +716,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             getattr(block, "self_attn", None), "gate_proj", None)  # (LFM3's gate, AFMoE's: of their own projection)
         if gate_proj is not None:
             on_output(gate_proj, p + "attn.hook_gate")
-        fused = ("bloom", "falcon", "mpt", "codegen")
+        fused = ("bloom", "falcon", "mpt", "codegen", "persimmon", "persimmon_multimodal")
         if (not rope[layer] or name in PARTIAL_ROTARY) and name not in fused and attends[layer]:
             # (the projections: NoPE's q and k, the parts past a partial rotary; BLOOM's, Falcon's and CodeGen's are in
             # their fused qkv)
@@ -898,7 +910,12 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, -1)  # (DeepSeek's: of the values' size)
         qkv = raw.get(p + "qkv")  # (none in a layer that attends to an earlier layer's keys and values)
-        if name == "codegen":  # (its four shards of rows, [q, v, k] each: as q, k and v projected apart)
+        if name.startswith("persimmon"):  # (each head's [q k v] rows together; q and k normed head by head where it norms)
+            q_rows, k_rows = (x.reshape(t, -1) for x in qkv.view(t, heads, 3, head_dim).unbind(2)[:2])
+            attn = blocks[layer].self_attn
+            raw[p + "q"], raw[p + "k"] = (q_rows, k_rows) if not attn.qk_layernorm else (
+                attn.q_layernorm(q_rows.view(t, heads, head_dim)), attn.k_layernorm(k_rows.view(t, heads, head_dim)))
+        elif name == "codegen":  # (its four shards of rows, [q, v, k] each: as q, k and v projected apart)
             q_rows, v_rows, k_rows = (x.reshape(t, -1) for x in qkv.view(t, 4, 3, -1).unbind(2))
             raw[p + "q"], raw[p + "k"], qkv = q_rows, k_rows, torch.cat([q_rows, k_rows, v_rows], -1)
         if name == "deepseek":  # (each head's part without positions, then the rotating part, the keys' shared)
@@ -931,7 +948,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 q, k = raw[p + "q"].reshape(t, heads, head_dim), raw[p + "k"].reshape(t, kv_heads, head_dim)
             if qkv is None:
                 v = None
-            elif name in ("gpt_neox", "falcon"):  # (grouped by key-value head: its queries, its key, its value)
+            elif name in ("gpt_neox", "falcon") or name.startswith("persimmon"):  # (grouped by key-value head: its
+                # queries, its key, its value)
                 v = qkv.view(t, kv_heads, -1, head_dim)[:, :, -1]
             elif name.startswith("gemma4"):  # (v_norm's output, [1, T, H_kv, d])
                 v = qkv[0]

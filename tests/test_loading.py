@@ -15,13 +15,13 @@ import torch
 from conftest import rel_err, save_tiny, weight_digests
 from transformers import (
     AutoModelForCausalLM,
+    BitNetConfig,
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
     OpenAIGPTConfig,
-    PersimmonConfig,
     Phi3Config,
     Qwen2Config,
 )
@@ -223,8 +223,8 @@ def test_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("config", "arch"),
     [
-        (PersimmonConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
-         "PersimmonForCausalLM"),
+        (BitNetConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2), "BitNetForCausalLM"),  # fmt: skip
         (OpenAIGPTConfig(vocab_size=300, n_embd=32, n_layer=1, n_head=2), "OpenAIGPTLMHeadModel"),
     ],
 )

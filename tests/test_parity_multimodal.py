@@ -1,6 +1,6 @@
 """The text model of multimodal checkpoints (Mistral Small 3.1/3.2's and Ministral 3's
 Mistral3ForConditionalGeneration, Llava's LlavaForConditionalGeneration, LLaVA-NeXT's, LLaVA-OneVision's, InternVL's,
-Aya Vision's, Idefics3's, SmolVLM's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's; Gemma 3's is in
+Aya Vision's, Fuyu's, Idefics3's, SmolVLM's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen3-VL-MoE's; Gemma 3's is in
 test_parity_gemma.py) against HF's multimodal model given text alone, on tiny random checkpoints: every
 tap, packed against alone, greedy generation; the text model's tensors read from under language_model. (the vision
 tower left unread), and the composite config's tying and eos followed."""
@@ -15,6 +15,7 @@ from transformers import (
     AyaVisionConfig,
     CLIPVisionConfig,
     Cohere2Config,
+    FuyuConfig,
     Glm4vConfig,
     Glm4vMoeConfig,
     Idefics3Config,
@@ -26,6 +27,7 @@ from transformers import (
     Ministral3Config,
     Mistral3Config,
     MistralConfig,
+    PersimmonConfig,
     PixtralVisionConfig,
     Qwen2_5_VLConfig,
     Qwen2Config,
@@ -131,6 +133,8 @@ CONFIGS = {
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
         image_token_id=299, video_token_id=298,
     ),
+    # Fuyu: Persimmon's text model (a LayerNorm a head over q and over k), its images fed as patches
+    "fuyu": lambda: FuyuConfig(text_config=PersimmonConfig(**COMMON).to_dict(), image_token_id=299),
     "llava_untied": lambda: LlavaConfig(
         text_config=LlamaConfig(**COMMON, num_key_value_heads=1, attention_bias=True).to_dict(),
         vision_config=CLIPVisionConfig(**VISION).to_dict(), image_token_index=299, tie_word_embeddings=False,
@@ -168,8 +172,9 @@ def test_config_is_the_text_models(family):
         assert cfg.post_norms and cfg.nope_layers == (False, True, False)
     elif name in ("idefics3", "smolvlm"):
         assert cfg.architecture == "LlamaForCausalLM" and cfg.stored_as == ("model.text_model.", "lm_head.")
-    elif name in ("llava_next", "llava_onevision", "internvl", "aya_vision"):
-        text = {"llava_next": "Mistral", "llava_onevision": "Qwen2", "internvl": "Qwen2", "aya_vision": "Cohere2"}
+    elif name in ("llava_next", "llava_onevision", "internvl", "aya_vision", "fuyu"):
+        text = {"llava_next": "Mistral", "llava_onevision": "Qwen2", "internvl": "Qwen2", "aya_vision": "Cohere2",
+                "fuyu": "Persimmon"}  # fmt: skip
         assert cfg.architecture == text[name] + "ForCausalLM" and cfg.stored_as == LEGACY
     elif name == "ministral3":
         assert cfg.architecture == "Ministral3ForCausalLM" and cfg.attn_temperature == (0.5, 16)

@@ -23,6 +23,7 @@ from test_parity_mpt import CONFIGS as MPT_CONFIGS
 from test_parity_nemotron_h import nemotron_3_config
 from test_parity_olmo_hybrid import SQUARE as olmo_hybrid_config
 from test_parity_opt import CONFIGS as OPT_CONFIGS
+from test_parity_persimmon import CONFIGS as PERSIMMON_CONFIGS
 from test_parity_phimoe import CONFIGS as PHIMOE_CONFIGS
 from test_tensor_parallel import N, _check_outputs, _equal, _generate, _open, one_thread  # noqa: F401 - (autouse)
 
@@ -39,7 +40,7 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "phimoe": PHIMOE_CONFIGS["phimoe_longrope"], "mistral4": LATENT_CONFIGS["mistral4"],
                 "afmoe": AFMOE_CONFIGS["afmoe"], "olmo_hybrid": olmo_hybrid_config,
                 "lfm3": LFM3_CONFIGS["lfm3"], "codegen": GPTJ_CONFIGS["codegen"],
-                "xglm": OPT_CONFIGS["xglm"]}  # fmt: skip
+                "xglm": OPT_CONFIGS["xglm"], "persimmon": PERSIMMON_CONFIGS["persimmon"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 # (layer 0's hooks a generation captures: its token mixer's)
 FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybrid": "blocks.0.linear_attn.hook_*",
@@ -48,22 +49,22 @@ FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybri
 
 @pytest.mark.parametrize("name", list(MORE_LAYOUTS))
 def test_more_layouts(tmp_path, name):
-    """Mamba and Mamba 2 (no attention, no MLP, no KV cache: their blocks hold state slots alone), Nemotron 3 (layers
-    of a Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone), Falcon-H1 (attention and a
-    Mamba 2 mixer side by side, µP multipliers: the projections' per part), Jamba (Mamba's mixers, experts) and GLM-4
-    (its sandwich of norms, rotary by pairs, gate and up stored as one tensor), GLM-4.5 (DeepSeek-V3's experts, the
-    float32 router whole on each rank), DeepSeek-V3 and V2 (latent attention: the latents whole on each rank, the
-    heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections, their
-    sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one key-value
-    head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three heads
-    a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank), Mistral 4
-    (its router in the model's dtype, its experts fused in the checkpoint) AFMoE (its output gate's projection
-    split by heads) OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions, stored apart)
-    and LFM3 (a gate a head, each rank its heads'), CodeGen (qkv_proj's shards of rows put in order, then split by
-    heads) and XGLM (its computed positions on every rank) on two ranks, each its heads, one of the
-    two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and the time
-    step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's tokens
-    and rows, as in one process."""
+    """Mamba and Mamba 2 (no attention, no MLP, no KV cache: their blocks hold state slots alone), Nemotron 3
+    (layers of a Mamba 2 mixer, attention, an MLP or experts beside a shared one, each alone), Falcon-H1 (attention
+    and a Mamba 2 mixer side by side, µP multipliers: the projections' per part), Jamba (Mamba's mixers, experts)
+    and GLM-4 (its sandwich of norms, rotary by pairs, gate and up stored as one tensor), GLM-4.5 (DeepSeek-V3's
+    experts, the float32 router whole on each rank), DeepSeek-V3 and V2 (latent attention: the latents whole on each
+    rank, the heads' projections from them split; groups of experts), MiniMax-M2 (q/k norms over whole projections,
+    their sums of squares added over the ranks), Llama 4 (experts that read their input weighed), GPTBigCode (one
+    key-value head, on every rank), Falcon 40B (query_key_value's groups), Falcon-RW (ALiBi's rounded slopes, three
+    heads a rank), MPT (its own slopes, three heads a rank), Phi-3.5-MoE (SparseMixer's choice on every rank),
+    Mistral 4 (its router in the model's dtype, its experts fused in the checkpoint) AFMoE (its output gate's
+    projection split by heads) OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions,
+    stored apart) and LFM3 (a gate a head, each rank its heads'), CodeGen (qkv_proj's shards of rows put in order,
+    then split by heads), XGLM (its computed positions on every rank) and Persimmon (a LayerNorm a head, with its
+    head) on two ranks, each its heads, one of the two groups of B and C, its half of a Mamba mixer's channels
+    (x_proj's partial sums added up: B, C and the time step whole), its columns of every MLP and expert: every hook
+    of a packed trace, and a greedy generation's tokens and rows, as in one process."""
     path = build(MORE_LAYOUTS[name](), tmp_path, name)
     one, two = _open(path), _open(path, tensor_parallel_size=N)
     try:

@@ -824,6 +824,10 @@ def _stablelm(hf: Any) -> dict[str, Any]:
     return dict(norm_eps=hf.layer_norm_eps, qkv_bias=bool(hf.use_qkv_bias))
 
 
+def _persimmon(hf: Any) -> dict[str, Any]:
+    return dict(norm_eps=hf.layer_norm_eps, qk_norm="head" if hf.qk_layernorm else "")
+
+
 def _mixtral(hf: Any) -> dict[str, Any]:
     n = hf.num_hidden_layers
     return dict(
@@ -942,6 +946,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "SmolLM3ForCausalLM": Architecture({}, _smollm3),
     # StableLM (2 1.6B, 3B-4E1T): Llama's layer with LayerNorms (biased) and partial rotary
     "StableLmForCausalLM": Architecture({"norm": "layer", "o_bias": False}, _stablelm, windowed=False),
+    # Persimmon: GPT-NeoX's attention with a LayerNorm a head over q and over k, in Llama's sequential layer
+    "PersimmonForCausalLM": Architecture(
+        {"family": "persimmon", "qkv_bias": True, "o_bias": True} | LAYER_NORM, _persimmon, windowed=False
+    ),
     # Phi-1/1.5/2: GPT-NeoX's parallel residual with one LayerNorm, biases everywhere (the unembedding's too)
     "PhiForCausalLM": Architecture(
         {"family": "phi", "parallel_residual": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM, _phi,
@@ -1145,6 +1153,7 @@ TEXT_MODELS = {
     "LlavaOnevisionForConditionalGeneration": LEGACY,
     "InternVLForConditionalGeneration": LEGACY,  # (InternVL 3 and 3.5, as the "-hf" releases hold them)
     "AyaVisionForConditionalGeneration": LEGACY,
+    "FuyuForCausalLM": LEGACY,  # (Fuyu-8B: Persimmon's text model)
     "Idefics3ForConditionalGeneration": ("model.text_model.", "lm_head."),
     "SmolVLMForConditionalGeneration": ("model.text_model.", "lm_head."),  # (SmolVLM, SmolVLM2)
     "Qwen2VLForConditionalGeneration": ("model.", "lm_head."),
@@ -1175,6 +1184,7 @@ MODEL_TYPES = {
     "starcoder2": "Starcoder2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "persimmon": "PersimmonForCausalLM",
     "phi": "PhiForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm": "GlmForCausalLM",

@@ -38,6 +38,7 @@ from vlens.models.mpt import MptForCausalLM
 from vlens.models.nemotron_h import NemotronHForCausalLM
 from vlens.models.olmo import OlmoForCausalLM, OlmoHybridForCausalLM
 from vlens.models.opt import BioGptForCausalLM, OPTForCausalLM, XGLMForCausalLM
+from vlens.models.persimmon import PersimmonForCausalLM
 from vlens.models.phi import PhiForCausalLM
 from vlens.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -66,6 +67,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "olmo": OlmoForCausalLM,
     "olmo_hybrid": OlmoHybridForCausalLM,
     "opt": OPTForCausalLM,
+    "persimmon": PersimmonForCausalLM,
     "xglm": XGLMForCausalLM,
     "biogpt": BioGptForCausalLM,
     "phi": PhiForCausalLM,
