@@ -13,6 +13,7 @@ from family_parity import (
     TapParity,
     build,
     check_bfloat16_taps,
+    check_capturing_step_compiles,
     check_feature_matters,
     check_transformer_lens_names,
     family_fixture,
@@ -99,3 +100,9 @@ def test_opt_350m_layout_is_refused_by_name(tmp_path):
         path = build(OPTConfig(**OPT, **{flag: value}), tmp_path / flag, "opt")
         with pytest.raises(UnsupportedModelError, match=f"{flag}={value}.*OPT-350M"):
             LLM(model=path, dtype="float32", device="cpu")
+
+
+def test_a_capturing_step_compiles_whole(tmp_path):
+    """XGLM's positions, a table of the model's own (no module's weight), read by index inside the step: a
+    capturing, steering step of it compiles whole."""
+    check_capturing_step_compiles(build(CONFIGS["xglm"](), tmp_path, "compiled"), "hook_pos_embed")
