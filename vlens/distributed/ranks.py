@@ -25,7 +25,7 @@ PRELOAD = ["vlens.distributed.worker", "transformers.models.auto.configuration_a
 class ProcessRanks:
     def __init__(self, size: int, init: str, spec: dict):
         spec = spec | {"device_per_rank": True}
-        if spec["device"] == "cuda":
+        if spec["device"] == "cuda" or "forkserver" not in mp.get_all_start_methods():  # (Windows has none)
             context = mp.get_context("spawn")
         else:
             context = mp.get_context("forkserver")
