@@ -481,8 +481,8 @@ def _recording_rotary(attn_module, store: list):
 
 
 def _pair_rotations(calls: list, name: str, own_kv: list[bool]) -> list:
-    """(q, k) per rotating layer from one tensor a call: GPT-J and CodeGen rotate the keys then the queries, Gemma 4 the queries
-    then the keys, and in a layer that attends to an earlier layer's keys the queries alone (k None)."""
+    """(q, k) per rotating layer from one tensor a call: GPT-J and CodeGen rotate the keys then the queries, Gemma 4 the
+    queries then the keys, and in a layer that attends to an earlier layer's keys the queries alone (k None)."""
     if not calls or not isinstance(calls[0], torch.Tensor):
         return calls
     it, pairs = iter(calls), []
@@ -910,7 +910,7 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             head_dim, kv_heads = cfg.per_layer_config[layer].head_dim, cfg.per_layer_config[layer].num_key_value_heads
         got[p + "attn.hook_z"] = got[p + "attn.hook_z"].view(t, heads, -1)  # (DeepSeek's: of the values' size)
         qkv = raw.get(p + "qkv")  # (none in a layer that attends to an earlier layer's keys and values)
-        if name.startswith("persimmon"):  # (each head's [q k v] rows together; q and k normed head by head where it norms)
+        if name.startswith("persimmon"):  # (each head's [q k v] rows together; q and k normed head by head, if at all)
             q_rows, k_rows = (x.reshape(t, -1) for x in qkv.view(t, heads, 3, head_dim).unbind(2)[:2])
             attn = blocks[layer].self_attn
             raw[p + "q"], raw[p + "k"] = (q_rows, k_rows) if not attn.qk_layernorm else (

@@ -91,7 +91,8 @@ def _kill_at(model_path, source, out, point: str, nth: int, options: dict | None
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     options = {**OPTIONS, **(options or {})}
-    child = context.Process(target=_harvest_dying_at, args=(str(model_path), str(source), str(out), point, nth, options))
+    args = (str(model_path), str(source), str(out), point, nth, options)
+    child = context.Process(target=_harvest_dying_at, args=args)
     child.start()
     child.join(timeout=300)
     assert child.exitcode == -signal.SIGKILL, child.exitcode
