@@ -613,13 +613,13 @@ def _version(package: str) -> str | None:
         return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="gpu_suite.json")
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test over narrow layers")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     wanted = args.sections.split(",")
     if unknown := set(wanted) - set(SECTIONS):
         ap.error(f"--sections: {', '.join(sorted(unknown))} not among {', '.join(SECTIONS)}")

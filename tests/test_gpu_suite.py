@@ -12,15 +12,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-from gpu_suite import Guard  # noqa: E402
+import gpu_suite  # noqa: E402
 
 
 def test_a_failed_or_slow_section_is_recorded_and_the_suite_goes_on(tmp_path):
     out = tmp_path / "suite.json"
     rows: dict = {"gpu": None}
-    guard = Guard(out, rows)
+    guard = gpu_suite.Guard(out, rows)
 
     def fails(rows):
         raise RuntimeError("no such kernel")
@@ -76,6 +78,9 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
         assert rows[name]["ok"] and rows[name]["trace_taps"] > 60 and rows[name]["greedy_equal"] == "2/2", rows[name]
 
 
-def test_an_unknown_section_is_refused(tmp_path):
-    done = _suite(tmp_path, "--sections", "exact,latency")
-    assert done.returncode == 2 and "--sections: latency not among generate, exact, profile, harvest" in done.stderr
+def test_an_unknown_section_is_refused(capsys):
+    """Before any work (in this process: the script's own argument check)."""
+    with pytest.raises(SystemExit) as stopped:
+        gpu_suite.main(["--device", "cpu", "--sections", "exact,latency"])
+    assert stopped.value.code == 2
+    assert "--sections: latency not among generate, exact, profile, harvest" in capsys.readouterr().err
