@@ -41,7 +41,7 @@ family = family_fixture(CONFIGS)
 
 
 class TestParity(TapParity, GenerationParity):
-    pass
+    """Every tap against HF, packed against alone, greedy generation through the paged cache."""
 
 
 def test_config_is_read_as_intended(family):

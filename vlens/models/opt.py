@@ -12,6 +12,7 @@ scales its scores rather than its queries, as Llama does."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -66,11 +67,9 @@ class OPTModel(nn.Module):
 
 
 class OffsetPositionsLM(DecoderLM):
-    """A fairseq decoder's model: its token embedding, then its position's row two rows down the table
-    (`position_rows`)."""
+    """A fairseq decoder's model: its token embedding, then its position's row two rows down the table."""
 
-    def position_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    position_rows: Callable[[torch.Tensor], torch.Tensor]  # the table's rows at these indices (each family's own)
 
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = tap("hook_embed", self.embedding(input_ids))
