@@ -610,8 +610,11 @@ def _recording_softmax(store: list, heads_flat: bool = False):
 
 
 @torch.no_grad()
-def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = True) -> dict[str, torch.Tensor]:
-    """vlens hook name -> HF's value [T, ...] for the token ids `ids` (batch of one, no padding).
+def hf_taps(
+    hf_model, ids: list[int], layers: Iterable[int], patterns: bool = True, pixels: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """vlens hook name -> HF's value [T, ...] for the token ids `ids` (batch of one, no padding); `pixels`: a
+    multimodal model's other inputs (its processor's pixel_values, image_sizes, ...).
 
     Covers hidden_states.{i}, hook_embed (and hook_pos_embed), ln_final, logits and, for each layer in
     `layers`, every tap kind that layer has in HF (MoE layers: router logits and chosen experts). The
@@ -814,12 +817,14 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
             _recording_convolutions(blocks[0], convolved),
             _recording_scans(blocks[0], scans),
         ):
-            out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+            out = hf_model(torch.tensor([ids]), **(pixels or {}), output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
             h.remove()
         hf_model.set_attn_implementation(implementation)
 
+    if pixels:  # (the vision tower's softmaxes came first)
+        softmaxes = softmaxes[len(softmaxes) - sum(attends) :]
     for prefix, module in norms.items():
         got[prefix + ".hook_scale"], got[prefix + ".hook_normalized"] = norm_inner(module, raw[prefix])
     for layer in layers:  # TransformerLens's expert weights [E]: gpt-oss's chosen weights (zeros elsewhere), LFM2-MoE's
@@ -860,7 +865,8 @@ def hf_taps(hf_model, ids: list[int], layers: Iterable[int], patterns: bool = Tr
                 got[f"blocks.{layer}.{kind}"] = got[f"blocks.{layer}.{kind}"] * scale
     for i, h in enumerate(out.hidden_states):
         got[f"hidden_states.{i}"] = h[0]
-    if name == "nanochat":  # (its embedding normed, by the final norm's module: what enters layer 0)
+    if name == "nanochat" or pixels:  # (nanochat's embedding normed, by the final norm's module; an image's rows:
+        # its features, HF's inputs_embeds there. hook_embed is what enters layer 0)
         got["hook_embed"] = got["hidden_states.0"]
     got["ln_final.hook_out"] = out.hidden_states[n][0]
     got["unembed.hook_out"] = out.logits[0]

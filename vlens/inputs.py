@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """vLLM's {"prompt": text, "multi_modal_data": {"image": an image or a list}}: a text whose image placeholders
+    the images fill (vlens.images)."""
+
+    text: str
+    images: list[Any]
 
 
 def to_token_lists(
@@ -28,6 +38,9 @@ def to_token_lists(
                 raise ValueError(f"{field}[{i}]: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
         elif isinstance(p, Sequence) and len(p) == 0:
             raise ValueError(f"{field}[{i}]: empty token-id list; give at least one token")
+        elif isinstance(p, ImagePrompt):
+            raise ValueError(f"{field}[{i}]: multi_modal_data is taken by LLM.generate and LLM.chat; "
+                             "this call reads texts and token ids")  # fmt: skip
         else:
             raise ValueError(f"{field}[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
         if not ids:
@@ -39,20 +52,36 @@ def to_token_lists(
 def prompt_list(prompts: Any, field: str = "prompts") -> list[Any]:
     """The prompts as a list of texts and token-id lists: one prompt becomes a list of one, and vLLM's prompt
     dicts, {"prompt": text} and {"prompt_token_ids": ids}, their text or ids (so a vLLM script that passes
-    TextPrompt or TokensPrompt runs unchanged)."""
+    TextPrompt or TokensPrompt runs unchanged); a text with images, an ImagePrompt."""
     if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"{field}: expected a string, a list of strings or a list of token-id lists, got {prompts!r}")
     out = list(prompts)
     for i, p in enumerate(out):
-        if isinstance(p, Mapping):
+        if isinstance(p, Mapping) and "multi_modal_data" in p:
+            out[i] = _image_prompt(p, f"{field}[{i}]")
+        elif isinstance(p, Mapping):
             keys = [k for k in PROMPT_KEYS if k in p]
             if len(keys) != 1 or len(p) != 1:
                 raise ValueError(f"{field}[{i}]: a prompt dict holds one of {', '.join(PROMPT_KEYS)} and nothing else; "
                                  f"got the keys {sorted(map(str, p))}")  # fmt: skip
             out[i] = p[keys[0]]
     return out
+
+
+def _image_prompt(p: Mapping, field: str) -> ImagePrompt:
+    if set(p) != {"prompt", "multi_modal_data"} or not isinstance(p["prompt"], str) or not p["prompt"]:
+        raise ValueError(f"{field}: a prompt with multi_modal_data gives its text as 'prompt' (a non-empty string) "
+                         f"and nothing else; got the keys {sorted(map(str, p))}")  # fmt: skip
+    data = p["multi_modal_data"]
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        kinds = sorted(map(str, data)) if isinstance(data, Mapping) else type(data).__name__
+        raise ValueError(f"{field}.multi_modal_data: vlens takes {{'image': an image or a list of them}}; got {kinds}")
+    images = list(data["image"]) if isinstance(data["image"], (list, tuple)) else [data["image"]]
+    if not images:
+        raise ValueError(f"{field}.multi_modal_data.image: an empty list; give at least one image")
+    return ImagePrompt(p["prompt"], images)
 
 
 def _is_token_list(x: Any) -> bool:

@@ -19,7 +19,8 @@ from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
-from vlens.inputs import prompt_list, to_token_lists
+from vlens.images import ImageEncoder, PromptImages
+from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class LLM:
             kernels=not config.enforce_eager, compile_decode=config.compile_decode,
         )
         self._engine: LLMEngine | None = None
+        self._image_encoder: ImageEncoder | None = None  # (built for the first prompt with images)
 
     @property
     def engine(self) -> LLMEngine:
@@ -91,8 +93,11 @@ class LLM:
 
         Every request is validated before any runs, so a bad one fails the call without side effects."""
         prompts = prompt_list(prompts)
-        token_lists = to_token_lists(prompts, self.tokenizer, self.config.vocab_size)
-        return self._run(token_lists, [p if isinstance(p, str) else None for p in prompts], sampling_params, use_tqdm)
+        encoded = self._images(prompts)
+        token_lists = to_token_lists([p if e is None else e[0] for p, e in zip(prompts, encoded)], self.tokenizer,
+                                     self.config.vocab_size)  # fmt: skip
+        texts = [p.text if isinstance(p, ImagePrompt) else p if isinstance(p, str) else None for p in prompts]
+        return self._run(token_lists, texts, sampling_params, use_tqdm, [e and e[1] for e in encoded])
 
     def chat(
         self,
@@ -112,14 +117,29 @@ class LLM:
         token_lists = [self.tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
         return self._run(token_lists, rendered, sampling_params, use_tqdm)
 
-    def _run(self, token_lists, texts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _images(self, prompts: list) -> list[tuple[list[int], PromptImages] | None]:
+        """Each ImagePrompt's token ids and image rows (vlens.images), the others None: every image is
+        encoded before any request is queued, so a bad one fails the call without side effects."""
+        if not any(isinstance(p, ImagePrompt) for p in prompts):
+            return [None] * len(prompts)
+        if self.engine_config.tensor_parallel_size > 1:
+            raise ValueError("multi_modal_data: images are taken with tensor_parallel_size=1 only (the other ranks "
+                             "do not receive their rows yet)")  # fmt: skip
+        if self._image_encoder is None:
+            self._image_encoder = ImageEncoder(self.model_path, self.dtype, self.device)
+        return [self._image_encoder.encode(p.text, p.images, f"prompts[{i}]") if isinstance(p, ImagePrompt) else None
+                for i, p in enumerate(prompts)]  # fmt: skip
+
+    def _run(self, token_lists, texts, sampling_params, use_tqdm: bool, images=None) -> list[RequestOutput]:
         engine = self.engine
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(token_lists) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params: got {len(params)} for {len(token_lists)} prompts; give one, or one per prompt")
-        ids = engine.add_requests([NewRequest(t, p, text) for t, p, text in zip(token_lists, params, texts)])
+        images = images or [None] * len(token_lists)
+        ids = engine.add_requests([NewRequest(t, p, text, images=i)
+                                   for t, p, text, i in zip(token_lists, params, texts, images)])  # fmt: skip
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         try:

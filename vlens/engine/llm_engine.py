@@ -27,6 +27,7 @@ from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner, StepOutput
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
+from vlens.images import PromptImages
 from vlens.outputs import CompletionOutput, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -68,6 +69,7 @@ class NewRequest:
     params: SamplingParams
     prompt: str | None = None  # the text, when the request came as one
     stream: bool = False  # report text as it grows, not only at the end
+    images: PromptImages | None = None  # the rows its images give (vlens.images)
 
 
 class LLMEngine:
@@ -187,7 +189,7 @@ class LLMEngine:
         max_rows = min(rows_of(len(prompt_ids), params.max_tokens), self.max_model_len - 1)
         taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index)
+        seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index, r.images)
         seq.settle(self.long_rope_at, self.cfg, self.max_model_len)
         return seq
 

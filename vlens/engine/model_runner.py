@@ -136,7 +136,7 @@ class ModelRunner:
                 "logit_rows": (tokens, long), "sample_index": (seqs, long), "kv_copy_from": (tokens, long),
                 "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
                 "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long), "ahead_rows": (seqs, long),
-                "state_slots": (seqs, long),
+                "state_slots": (seqs, long), "image_rows": (tokens, long),
             },
             self.device,
         )  # fmt: skip
@@ -228,9 +228,10 @@ class ModelRunner:
     def _forward(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
         logit_rows: torch.Tensor | slice | None = None, backend=None, forward: Callable | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set.
-        `forward`: what stands in for the model's (a compiled decode step's)."""
+        `forward`: what stands in for the model's (a compiled decode step's); `embeds`: ForwardContext's."""
         backend = backend or self.backend
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
@@ -246,7 +247,7 @@ class ModelRunner:
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
                 self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
             fused = self.fused and not torch.is_grad_enabled()  # (a forward keeping a graph runs unfused: eager)
-            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused))
+            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused, embeds=embeds))
             hidden = forward(ids)
             logits = None
             if isinstance(logit_rows, slice):
@@ -288,7 +289,7 @@ class ModelRunner:
         if borrows:
             src = put("kv_copy_from", np.array([slot for b in borrows for slot in b.copy_from], np.int64))
             meta.kv_copy = (src, put("kv_copy_to", np.array([slot for b in borrows for slot in b.copy_to], np.int64)))
-        chunks, sample_rows, sampled, prompt_rows, row = [], [], [], PromptRows(), 0
+        chunks, sample_rows, sampled, prompt_rows, images, row = [], [], [], PromptRows(), [], 0
         for seq, n in order:
             if seq.num_computed + n == len(seq.token_ids) and not seq.prefill_only:
                 sample_rows.append(row + n - 1)
@@ -296,7 +297,13 @@ class ModelRunner:
             prompt_rows.add(seq, n, row)
             if seq.taps.streams or seq.taps.interventions:
                 chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table))
+            given = seq.images.within(seq.num_computed, n) if seq.images is not None else None
+            if given is not None:
+                images.append((given[0] + row, given[1]))
             row += n
+        embeds = None
+        if images:  # (the step's image rows: what the model reads there in place of their tokens' embedding)
+            embeds = (put("image_rows", np.concatenate([at for at, _ in images])), torch.cat([f for _, f in images]))
         plan = plan_step(chunks, self.block_size, self.pages)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
         depths = [s.depth for s, _ in order]
@@ -305,7 +312,7 @@ class ModelRunner:
         rows = put("logit_rows", np.array(logit_rows, np.int64)) if logit_rows else None
         index = put("sample_index", np.array(sample_index, np.int64)) if sample_index is not None else None
         batch = SamplingBatch.of(sampled, put, self.device) if sampled else None
-        _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows)
+        _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows, embeds=embeds)
         if index is not None:
             logits = logits.index_select(0, index)
         collection = self.taps.collect(plan) if plan.gathers else None

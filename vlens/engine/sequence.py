@@ -12,6 +12,7 @@ from vlens.capture.names import forward_depth
 from vlens.capture.runtime import TapRuntime
 from vlens.config import ModelConfig
 from vlens.engine.detokenizer import Detokenizer
+from vlens.images import PromptImages
 from vlens.outputs import Logprob
 from vlens.sampling_params import SamplingParams
 
@@ -45,8 +46,10 @@ class Sequence:
         taps: RequestTaps,
         prompt: str | None = None,
         index: int = 0,
+        images: PromptImages | None = None,
     ):
         self.request_id, self.prompt = request_id, prompt
+        self.images = images  # what its prompt's image rows read in place of their tokens' embedding
         self.index = index  # which sample of its request (n, best_of) it is
         self.token_ids = list(prompt_token_ids)
         self.num_prompt = len(prompt_token_ids)
@@ -108,10 +111,13 @@ class Sequence:
         if any(iv.positions.follows_prompt for iv in self.params.interventions):
             salt = ("prompt of", self.num_prompt, salt)  # which rows they change depends on where the prompt ends
         # A key or value depends on the rows at and before its own (the model is causal): those before the
-        # first row an intervention may change are the same as without it, and key the prefix cache so
-        # (a steer of the generated rows shares its prompt's KV with unsteered requests).
+        # first row an intervention (or an image) may change are the same as without it, and key the prefix cache
+        # so (a steer of the generated rows shares its prompt's KV with unsteered requests).
         self.edits_from = min((iv.positions.first_needed(self.num_prompt) for iv in self.taps.interventions),
                               default=math.inf)  # fmt: skip
+        if self.images is not None:
+            salt = ("images", self.images.digest, salt)
+            self.edits_from = min(self.edits_from, int(self.images.positions[0]))
         salts = [salt, None]
         if long_rope_at is not None and self.num_prompt - 1 >= long_rope_at:
             salts = [("long rope", s) for s in salts]

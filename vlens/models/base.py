@@ -392,9 +392,12 @@ class DecoderLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Token ids -> the residual stream entering layer 0, firing hook_embed; families with learned positions
-        override this."""
-        x = tap("hook_embed", self.embedding(input_ids))
-        return x
+        override this. An image's rows read its features instead (HF's masked_scatter before its language model):
+        hook_embed is what the language model reads, there as elsewhere."""
+        x = self.embedding(input_ids)
+        if ctx.embeds is not None:
+            x = x.index_copy(0, *ctx.embeds)
+        return tap("hook_embed", x)
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embedding, no tap fired. Gemma scales it by sqrt(d), the factor rounded to the model dtype

@@ -1,0 +1,217 @@
+"""Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's and Aya Vision's tiny random checkpoints, each with its
+processor (SmolLM2's tokenizer and an image placeholder token), against HF's multimodal model given the same pixels:
+every tap of the language model, greedy generation, a mixed batch with text prompts and other images through
+chunked prefill, the prefix cache kept apart by the pixels, and the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import build
+from hf_reference import hf_taps, same
+from PIL import Image
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    AyaVisionConfig,
+    AyaVisionProcessor,
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    Cohere2Config,
+    GotOcr2ImageProcessor,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaNextConfig,
+    LlavaNextImageProcessor,
+    LlavaNextProcessor,
+    LlavaProcessor,
+    MistralConfig,
+    SiglipVisionConfig,
+)
+
+from vlens import LLM, Capture, SamplingParams
+from vlens.capture.names import is_pattern
+from vlens.images import PromptImages
+
+TOL = 1e-5
+AYA_TOKENS = ["<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, initializer_range=0.1)  # fmt: skip
+CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+            patch_size=14, projection_dim=32)  # fmt: skip
+
+
+def _llava(tok):
+    image_id = tok.convert_tokens_to_ids("<image>")
+    config = LlavaConfig(text_config=LlamaConfig(**TEXT, vocab_size=len(tok)).to_dict(),
+                         vision_config=CLIPVisionConfig(**CLIP).to_dict(), image_token_index=image_id,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")  # fmt: skip
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tok, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token="<image>",
+    )  # fmt: skip
+    return config, processor
+
+
+def _llava_next(tok):
+    """LLaVA-NeXT's any-resolution tiling: a grid of 28-pixel tiles by the image's shape, a newline row a line."""
+    image_id = tok.convert_tokens_to_ids("<image>")
+    grid = [[28, 28], [28, 56], [56, 28]]
+    config = LlavaNextConfig(text_config=MistralConfig(**TEXT, vocab_size=len(tok), sliding_window=None).to_dict(),
+                             vision_config=CLIPVisionConfig(**CLIP).to_dict(), image_token_index=image_id,
+                             image_grid_pinpoints=grid, vision_feature_layer=-1)  # fmt: skip
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                image_grid_pinpoints=grid),
+        tokenizer=tok, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token="<image>",
+    )  # fmt: skip
+    return config, processor
+
+
+def _aya_vision(tok):
+    """Aya Vision: SigLIP, its rows shuffled down by 2 into a SwiGLU projector; Cohere 2's text model. Its processor
+    writes an image as patch tokens between start and end tokens."""
+    image_id = tok.convert_tokens_to_ids("<|IMG_PATCH|>")
+    text = Cohere2Config(**TEXT, vocab_size=len(tok), sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=56, patch_size=14)  # fmt: skip
+    config = AyaVisionConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=image_id,
+                             downsample_factor=2, adapter_layer_norm_eps=1e-5, vision_feature_layer=-1)  # fmt: skip
+    processor = AyaVisionProcessor(
+        image_processor=GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=False),
+        tokenizer=tok, patch_size=14, img_size=56, downsample_factor=2, image_token="<image>",
+    )  # fmt: skip
+    return config, processor
+
+
+FAMILIES = {"llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision}
+
+
+def image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, smol_path, tmp_path_factory):
+    """(name, LLM with 4-token blocks and 16-token steps, HF model, processor) of a checkpoint saved with its
+    processor."""
+    tok = AutoTokenizer.from_pretrained(smol_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS]})
+    config, processor = FAMILIES[request.param](tok)
+    path = build(config, tmp_path_factory.mktemp(request.param), request.param)
+    processor.save_pretrained(path)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, llm, hf, AutoProcessor.from_pretrained(path)
+
+
+def prompts() -> list[tuple[str, list[Image.Image]]]:
+    """A text around one image; another image of another shape (LLaVA-NeXT tiles it otherwise); two images."""
+    return [("USER: <image>\nWhat is shown here? ASSISTANT:", [image(0)]),
+            ("Describe <image> briefly.", [image(1, 60, 30)]),
+            ("Compare <image> with <image>:", [image(2), image(3, 30, 60)])]  # fmt: skip
+
+
+def hf_inputs(processor, text: str, images: list) -> dict:
+    return dict(processor(text=text, images=images, return_tensors="pt"))
+
+
+def request(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images if len(images) > 1 else images[0]}}
+
+
+def test_every_tap_is_hfs(family):
+    """Each prompt alone, prefill only: every hook of the language model at every prompt row (the image rows among
+    them) against HF's multimodal forward given the same pixels."""
+    _, llm, hf, processor = family
+    hooks = list(llm.hook_names())
+    for text, images in prompts():
+        inputs = hf_inputs(processor, text, images)
+        ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask")
+        assert sum(t == hf.config.image_token_id for t in ids) > 0
+        out = llm.generate(request(text, images), SamplingParams(max_tokens=0, capture=Capture(hooks=hooks)),
+                           use_tqdm=False)[0]  # fmt: skip
+        assert out.prompt_token_ids == ids
+        ref = hf_taps(hf, ids, range(llm.config.num_layers), pixels=inputs)
+        compared = [hook for hook in hooks if hook in ref]
+        assert "hook_embed" in compared and "blocks.1.attn.hook_pattern" in compared
+        bad = [hook for hook in compared if not same(out.activations[hook].reshape(ref[hook].shape), ref[hook], TOL)]
+        assert bad == [], (text, bad)
+        assert compared == [hook for hook in hooks if not is_pattern(hook) or hook in ref]
+
+
+def test_generation_in_a_mixed_batch(family, monkeypatch):
+    """Every image prompt beside text prompts in one batch of 16-token steps (prefill chunks end inside an image's
+    rows), twice over: greedy tokens and every row of the last hidden
+    state as HF generates each prompt alone."""
+    _, llm, hf, processor = family
+    split = []  # (prefill chunks that took some of an image's rows, not all)
+    within = PromptImages.within
+    monkeypatch.setattr(PromptImages, "within", lambda self, start, n: split.append(
+        0 < ((self.positions >= start) & (self.positions < start + n)).sum() < len(self.positions)
+    ) or within(self, start, n))  # fmt: skip
+    texts = ["Once upon a time", "The capital of France is"]
+    batch = [request(t, i) for t, i in prompts()] + texts
+    hook = f"hidden_states.{llm.config.num_layers}"
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=[hook]))
+    for _ in range(2):
+        outs = llm.generate(batch, params, use_tqdm=False)
+        for (text, images), out in zip(prompts(), outs):
+            inputs = hf_inputs(processor, text, images)
+            with torch.inference_mode():
+                g = hf.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                output_hidden_states=True, return_dict_in_generate=True)  # fmt: skip
+            n = inputs["input_ids"].shape[1]
+            assert out.outputs[0].token_ids == g.sequences[0, n:].tolist(), text
+            ref = torch.cat([step[-1][0] for step in g.hidden_states])
+            assert rel_err(out.activations[hook], ref) <= 1e-5, text
+        for text, out in zip(texts, outs[len(prompts()) :]):
+            alone = llm.generate(text, params, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert any(split)
+
+
+def test_prefix_cache_keeps_images_apart(family):
+    """One text with two images, one after the other: the second is computed anew from its first image row (the
+    rows before it come from the cache), and is what it is alone in a fresh engine."""
+    name, llm, hf, processor = family
+    text = "USER: <image>\nWhat is shown here? ASSISTANT:"
+    params = SamplingParams(max_tokens=1, temperature=0, capture=Capture(hooks=["ln_final.hook_out"], positions="last"))
+    inputs = hf_inputs(processor, text, [image(11)])
+    start = inputs["input_ids"][0].tolist().index(hf.config.image_token_id)
+    ends = []
+    for seed in (10, 11):
+        before = llm.stats().tokens_computed
+        out = llm.generate(request(text, [image(seed)]), params, use_tqdm=False)[0]
+        ends.append(out.activations["ln_final.hook_out"])
+        computed = llm.stats().tokens_computed - before
+    assert computed == inputs["input_ids"].shape[1] - start // 4 * 4  # (the blocks before the image's from the cache)
+    assert not torch.allclose(ends[0], ends[1])
+    ref = hf_taps(hf, inputs.pop("input_ids")[0].tolist(), [], patterns=False,
+                  pixels={k: v for k, v in inputs.items() if k != "attention_mask"})["ln_final.hook_out"]  # fmt: skip
+    assert same(ends[1], ref[-1:], TOL)
+
+
+def test_refusals(family, smol4):
+    name, llm, _, _ = family
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM takes no images .*LlavaForConditionalGeneration"):
+        smol4.generate(request("a <image>", [image(0)]), use_tqdm=False)
+    bad = [
+        ({"prompt": "a <image>", "multi_modal_data": {"audio": 1}}, r"prompts\[1\]\.multi_modal_data: .*\['audio'\]"),
+        ({"prompt": "a <image>", "multi_modal_data": {"image": []}}, r"multi_modal_data\.image: an empty list"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": image(0)}}, r"gives its text as 'prompt'"),
+        ({"prompt": "no placeholder", "multi_modal_data": {"image": image(0)}}, r"prompts\[1\]: the processor refused"),
+    ]
+    for prompt, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["fine", prompt], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"texts\[0\]: multi_modal_data is taken by LLM.generate"):
+        llm.trace([request("a <image>", [image(0)])], hooks="hook_embed")
+    assert not llm.engine.has_work()

@@ -1,0 +1,121 @@
+"""Images in a prompt, as vLLM takes them: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}`.
+
+The checkpoint's own HF processor expands each image's placeholder into its tokens and makes the pixels; HF's own
+vision tower and projector (its model's `get_image_features`, built from the checkpoint without the language model)
+turn them into the rows the language model reads at those tokens. That is HF's model up to its `masked_scatter`, so
+the language model's input is HF's by construction, and vlens's taps from `hook_embed` on are exact against HF's
+multimodal forward. The features are made once, when the request is admitted; the engine then feeds a prefill
+chunk's share of them in place of the placeholders' embedding (vlens.models.base.DecoderLM.embed).
+
+Only the families whose language model reads those rows with plain causal attention and 1-D positions take images;
+the others' text models still run on text (vlens.config.TEXT_MODELS)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# HF architecture -> True where images are taken, else why not (the text model still runs on text)
+IMAGE_ARCHITECTURES: dict[str, bool | str] = {
+    "LlavaForConditionalGeneration": True,
+    "LlavaNextForConditionalGeneration": True,
+    "LlavaOnevisionForConditionalGeneration": True,
+    "Mistral3ForConditionalGeneration": True,
+    "AyaVisionForConditionalGeneration": True,
+    "InternVLForConditionalGeneration": True,
+    "Gemma3ForConditionalGeneration": "an image's tokens attend to each other both ways there, vlens's causally",
+    "Qwen2VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
+    "Qwen2_5_VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
+    "Qwen3VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
+    "Qwen3VLMoeForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
+}
+IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok is True)
+_TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """The rows a prompt's images give its language model: at `positions` (prompt positions, ascending) the
+    `features` [len(positions), hidden] (the model's dtype, on its device) in place of the placeholders' embedding.
+    `digest` names the pixels: it keys the prefix cache, so two prompts of the same tokens and other images never
+    share keys and values past their first image row."""
+
+    positions: np.ndarray
+    features: torch.Tensor
+    digest: str
+
+    def within(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The image rows among prompt positions [start, start + n) (a prefill chunk's): their offsets in the chunk
+        and their features, or None."""
+        lo, hi = np.searchsorted(self.positions, [start, start + n])
+        return None if lo == hi else (self.positions[lo:hi] - start, self.features[lo:hi])
+
+
+class ImageEncoder:
+    """A checkpoint's processor and its vision tower and projector (HF's), on the engine's device and dtype."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device):
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+        from transformers.utils import logging
+
+        config = AutoConfig.from_pretrained(path)
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        ok = IMAGE_ARCHITECTURES.get(arch, False)
+        if ok is not True:
+            why = ok or "it has no vision tower vlens can run"
+            raise ValueError(f"multi_modal_data: {arch} takes no images in vlens ({why}); images are taken by "
+                             f"{', '.join(IMAGE_FAMILIES)}")  # fmt: skip
+        try:
+            self.processor = AutoProcessor.from_pretrained(path)
+        except (OSError, ValueError, ImportError) as e:
+            raise ValueError(f"multi_modal_data: the checkpoint's image processor cannot be built ({e}); images need "
+                             "its processor files (preprocessor_config.json, processor_config.json) and Pillow "
+                             "(pip install 'vlens[vision]')") from e  # fmt: skip
+        # The language model's layers are not built (it is vlens's to run): what loads is the vision tower, the
+        # projector and the embedding HF's class keeps beside them, which is then dropped too.
+        text = config.text_config
+        text.num_hidden_layers = 0
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = []
+        verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+        logging.set_verbosity_error()  # (its load report lists the layers' tensors as unexpected: they are)
+        logging.disable_progress_bar()
+        try:
+            hf = AutoModelForImageTextToText.from_pretrained(path, config=config, dtype=dtype, device_map=device)
+        finally:
+            logging.set_verbosity(verbosity)
+            if bars:
+                logging.enable_progress_bar()
+        self.model = hf.model
+        self.model.language_model = None
+        self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
+        self.model.eval().requires_grad_(False)
+
+    @torch.inference_mode()
+    def encode(self, text: str, images: Sequence[Any], field: str) -> tuple[list[int], PromptImages]:
+        """The prompt's token ids, each image's placeholder expanded, and its images' rows."""
+        try:
+            inputs = self.processor(text=text, images=list(images), return_tensors="pt")
+        except Exception as e:  # (the processor's own: a count of placeholders and images that differ, a bad image)
+            raise ValueError(f"{field}: the processor refused the prompt and its images: {e}") from e
+        ids = inputs["input_ids"][0]
+        vision = {k: v.to(self.model.device) for k, v in inputs.items() if k not in _TEXT_INPUTS}
+        if "pixel_values" in vision:
+            vision["pixel_values"] = vision["pixel_values"].to(self.model.dtype)
+        pooled = self.model.get_image_features(**vision, return_dict=True).pooler_output
+        features = torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
+        features = features.reshape(-1, features.shape[-1]).to(self.model.dtype)
+        positions = (ids == self.image_token_id).nonzero().flatten().numpy()
+        if len(positions) != len(features):
+            raise ValueError(f"{field}: {len(positions)} image tokens in the prompt for {len(features)} image rows; "
+                             "give each image its placeholder once")  # fmt: skip
+        digest = hashlib.blake2b(digest_size=16)
+        for value in vision.values():
+            digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return ids.tolist(), PromptImages(positions, features.contiguous(), digest.hexdigest())
