@@ -304,6 +304,8 @@ def test_a_vllm_script_ports_unchanged(smol, hf_smol):
     for e in entries:
         assert all(lp.decoded_token == smol.tokenizer.decode([t]) for t, lp in e.items())
     with pytest.raises(ValueError, match=r"prompts\[0\]: a prompt dict holds one of prompt, prompt_token_ids"):
+        smol.generate([{"prompt": "hi", "mm_processor_kwargs": {}}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[0\]\.multi_modal_data: vlens takes \{'image'"):  # (test_images.py)
         smol.generate([{"prompt": "hi", "multi_modal_data": {}}], params, use_tqdm=False)
 
 

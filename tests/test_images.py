@@ -5,6 +5,9 @@ chunked prefill, the prefix cache kept apart by the pixels, and the refusals."""
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -91,6 +94,12 @@ def _aya_vision(tok):
 
 
 FAMILIES = {"llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision}
+# (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
 
 
 def image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
@@ -104,6 +113,7 @@ def family(request, smol_path, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(smol_path)
     tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS]})
     config, processor = FAMILIES[request.param](tok)
+    processor.chat_template = CHAT_TEMPLATE
     path = build(config, tmp_path_factory.mktemp(request.param), request.param)
     processor.save_pretrained(path)
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
@@ -199,10 +209,80 @@ def test_prefix_cache_keeps_images_apart(family):
     assert same(ends[1], ref[-1:], TOL)
 
 
+def test_chat_with_image_parts(family, tmp_path):
+    """LLM.chat with vLLM's image parts (a PIL image; a PNG as a data: URL; a file) renders through the processor's
+    chat template and generates what HF generates from the processor's own rendering of the conversation."""
+    _, llm, hf, processor = family
+    first, second = image(20), image(21, 30, 60)
+    second.save(tmp_path / "second.png")
+    png = io.BytesIO()
+    second.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    question = [{"type": "text", "text": "What differs between"}, {"type": "image_pil", "image_pil": first},
+                {"type": "text", "text": " and "}]  # fmt: skip
+    conversations = [[{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": question + [{"type": "image_url", "image_url": {"url": source}}]}]
+                     for source in (url, str(tmp_path / "second.png"))]  # fmt: skip
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    hf_conversation = [conversations[0][0], {"role": "user", "content": [
+        {"type": "text", "text": "What differs between"}, {"type": "image", "image": first}, {"type": "text", "text": " and "},
+        {"type": "image", "image": second}]}]  # fmt: skip
+    inputs = processor.apply_chat_template(hf_conversation, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")  # fmt: skip
+    with torch.inference_mode():
+        g = hf.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    n = inputs["input_ids"].shape[1]
+    for out in outs:
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == g[0, n:].tolist()
+    bad = [({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, r"vlens fetches no images"),
+           ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, r"not an image vlens can read"),
+           ({"type": "audio_url", "audio_url": {}}, r"messages\[0\]\.content\[1\]: a part's type is one of")]
+    for part, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": first}, part]}], use_tqdm=False)
+
+
+def test_served_chat_with_an_image(family):
+    """vlens serve's chat completions take an image as OpenAI's image_url part (a data: URL) and answer as LLM.chat
+    does, with the request's activations; a file path, which a server must not read, and /tokenize's messages with
+    an image are 400s naming messages."""
+    import httpx
+    from server_helpers import decode_activations, running_server
+
+    from vlens.server.config import ServerConfig
+
+    _, llm, _, _ = family
+    png = io.BytesIO()
+    image(30).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": url}}]
+    messages = [{"role": "user", "content": content}]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                            capture=Capture(hooks=["hook_embed"], positions="prompt"))  # fmt: skip
+    expected = llm.chat(messages, params, use_tqdm=False)[0]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "vlens": {"capture": {"hooks": ["hook_embed"], "positions": "prompt"}}}  # fmt: skip
+    with running_server(llm, ServerConfig(enable_capture=True)) as base:
+        reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["message"]["content"] == expected.outputs[0].text
+        got = decode_activations(reply.json()["vlens"]["activations"], base)["hook_embed"]
+        assert torch.equal(got, expected.activations["hook_embed"])  # (the image's rows among them)
+        content[1]["image_url"]["url"] = "/etc/hostname"
+        for route, sent in (("/v1/chat/completions", body), ("/tokenize", {"messages": messages})):
+            refused = httpx.post(f"{base}{route}", json=sent, timeout=60)
+            assert refused.status_code == 400 and "messages" in refused.json()["error"]["message"], refused.text
+
+
 def test_refusals(family, smol4):
     name, llm, _, _ = family
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM takes no images .*LlavaForConditionalGeneration"):
+    with pytest.raises(ValueError, match=r"^multi_modal_data: LlamaForCausalLM takes no images .*LlavaForConditional"):
         smol4.generate(request("a <image>", [image(0)]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages: LlamaForCausalLM takes no images"):
+        smol4.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image(0)}]}], use_tqdm=False)
     bad = [
         ({"prompt": "a <image>", "multi_modal_data": {"audio": 1}}, r"prompts\[1\]\.multi_modal_data: .*\['audio'\]"),
         ({"prompt": "a <image>", "multi_modal_data": {"image": []}}, r"multi_modal_data\.image: an empty list"),

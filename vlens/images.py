@@ -12,7 +12,10 @@ the others' text models still run on text (vlens.config.TEXT_MODELS)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +63,8 @@ class PromptImages:
 class ImageEncoder:
     """A checkpoint's processor and its vision tower and projector (HF's), on the engine's device and dtype."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device):
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device, field: str = "multi_modal_data"):
+        """`field`: what the request that needs it calls its images, which its errors name."""
         from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
         from transformers.utils import logging
 
@@ -69,12 +73,12 @@ class ImageEncoder:
         ok = IMAGE_ARCHITECTURES.get(arch, False)
         if ok is not True:
             why = ok or "it has no vision tower vlens can run"
-            raise ValueError(f"multi_modal_data: {arch} takes no images in vlens ({why}); images are taken by "
+            raise ValueError(f"{field}: {arch} takes no images in vlens ({why}); images are taken by "
                              f"{', '.join(IMAGE_FAMILIES)}")  # fmt: skip
         try:
             self.processor = AutoProcessor.from_pretrained(path)
         except (OSError, ValueError, ImportError) as e:
-            raise ValueError(f"multi_modal_data: the checkpoint's image processor cannot be built ({e}); images need "
+            raise ValueError(f"{field}: the checkpoint's image processor cannot be built ({e}); images need "
                              "its processor files (preprocessor_config.json, processor_config.json) and Pillow "
                              "(pip install 'vlens[vision]')") from e  # fmt: skip
         # The language model's layers are not built (it is vlens's to run): what loads is the vision tower, the
@@ -97,11 +101,22 @@ class ImageEncoder:
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.model.eval().requires_grad_(False)
 
+    def render_chat(self, conversation: list[dict], field: str) -> str:
+        """A conversation with images (as chat_images leaves it) through the processor's chat template."""
+        if not getattr(self.processor, "chat_template", None):
+            raise ValueError(f"{field}: this checkpoint's processor has no chat template; use generate() with the "
+                             "prompt written out")  # fmt: skip
+        return self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
     @torch.inference_mode()
-    def encode(self, text: str, images: Sequence[Any], field: str) -> tuple[list[int], PromptImages]:
-        """The prompt's token ids, each image's placeholder expanded, and its images' rows."""
+    def encode(
+        self, text: str, images: Sequence[Any], field: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], PromptImages]:
+        """The prompt's token ids, each image's placeholder expanded, and its images' rows (a chat template's text
+        holds its special tokens already: add_special_tokens=False)."""
         try:
-            inputs = self.processor(text=text, images=list(images), return_tensors="pt")
+            inputs = self.processor(text=text, images=list(images), return_tensors="pt",
+                                    add_special_tokens=add_special_tokens)  # fmt: skip
         except Exception as e:  # (the processor's own: a count of placeholders and images that differ, a bad image)
             raise ValueError(f"{field}: the processor refused the prompt and its images: {e}") from e
         ids = inputs["input_ids"][0]
@@ -119,3 +134,63 @@ class ImageEncoder:
         for value in vision.values():
             digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return ids.tolist(), PromptImages(positions, features.contiguous(), digest.hexdigest())
+
+
+def chat_images(conversation: list[dict], field: str, local_files: bool) -> tuple[list[dict], list[Any]] | None:
+    """A conversation whose contents hold images, as the processor's chat template takes it ({"type": "image"} where
+    each was) and its images in order; None when it holds none. The parts taken are vLLM's: {"type": "text"},
+    {"type": "image_url", "image_url": {"url": a data: URL (or, with `local_files`, a file path or file:// URL)}},
+    {"type": "image_pil", "image_pil": a PIL image}."""
+    if not any(isinstance(m.get("content"), list) and any(_is_image(p) for p in m["content"]) for m in conversation):
+        return None
+    images, rendered = [], []
+    for i, message in enumerate(conversation):
+        content = message.get("content")
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"{field}[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_pil":
+                images.append(part["image_pil"])
+                parts.append({"type": "image"})
+            elif kind == "image_url":
+                url = part["image_url"]["url"] if isinstance(part.get("image_url"), dict) else part.get("image_url")
+                images.append(load_image(url, where, local_files))
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(f"{where}: a part's type is one of text, image_url, image_pil; got {kind!r}")
+        rendered.append({**message, "content": parts})
+    return rendered, images
+
+
+def load_image(url: Any, field: str, local_files: bool) -> Any:
+    """A PIL image from a data: URL (base64), or with `local_files` a path or file:// URL. vlens fetches nothing
+    from the network: a client sends the bytes."""
+    from PIL import Image
+
+    if not isinstance(url, str):
+        raise ValueError(f"{field}.image_url.url: expected a string, got {type(url).__name__}")
+    try:
+        if url.startswith("data:"):
+            header, _, payload = url.partition(",")
+            if not header.endswith(";base64"):
+                raise ValueError("a data: URL of an image is base64 (data:image/png;base64,...)")
+            image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        elif local_files and not url.startswith(("http://", "https://")):
+            image = Image.open(url.removeprefix("file://"))
+        else:
+            allowed = "a data: URL, a file path or a file:// URL" if local_files else "a data: URL (base64)"
+            raise ValueError(f"vlens fetches no images; give {allowed}")
+        image.load()
+    except (OSError, ValueError, binascii.Error) as e:
+        raise ValueError(f"{field}.image_url.url: not an image vlens can read: {e}") from None
+    return image
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image_url", "image_pil")

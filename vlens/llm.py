@@ -7,6 +7,7 @@ the KV cache); trace() runs one cache-less packed forward per batch of texts.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,7 @@ from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
-from vlens.images import ImageEncoder, PromptImages
+from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
 from vlens.outputs import RequestOutput
@@ -58,7 +59,8 @@ class LLM:
             kernels=not config.enforce_eager, compile_decode=config.compile_decode,
         )
         self._engine: LLMEngine | None = None
-        self._image_encoder: ImageEncoder | None = None  # (built for the first prompt with images)
+        self._images_encoder: ImageEncoder | None = None  # (see image_encoder)
+        self._images_lock = threading.Lock()
 
     @property
     def engine(self) -> LLMEngine:
@@ -105,30 +107,46 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the tokenizer's chat template."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template; use generate()")
+        """Generate replies to conversations rendered with the tokenizer's chat template; one whose contents hold
+        images (vLLM's image_url or image_pil parts) through the processor's, its images read as generate() reads
+        multi_modal_data."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages: expected a conversation (list of {'role', 'content'} dicts) or a list of them")
-        rendered = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False) for c in conversations
-        ]
-        token_lists = [self.tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
-        return self._run(token_lists, rendered, sampling_params, use_tqdm)
+        token_lists, texts, images = [], [], []
+        for i, conversation in enumerate(conversations):
+            field = "messages" if len(conversations) == 1 else f"messages[{i}]"
+            with_images = chat_images(list(conversation), field, local_files=True)
+            if with_images is None:
+                if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError(f"{field}: this model's tokenizer has no chat template; use generate()")
+                text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
+                ids, rows = self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+            else:
+                encoder = self.image_encoder(field)
+                text = encoder.render_chat(with_images[0], field)
+                ids, rows = encoder.encode(text, with_images[1], field, add_special_tokens=False)
+            token_lists.append(ids)
+            texts.append(text)
+            images.append(rows)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images)
 
     def _images(self, prompts: list) -> list[tuple[list[int], PromptImages] | None]:
         """Each ImagePrompt's token ids and image rows (vlens.images), the others None: every image is
         encoded before any request is queued, so a bad one fails the call without side effects."""
-        if not any(isinstance(p, ImagePrompt) for p in prompts):
-            return [None] * len(prompts)
+        return [self.image_encoder().encode(p.text, p.images, f"prompts[{i}]") if isinstance(p, ImagePrompt)
+                else None for i, p in enumerate(prompts)]  # fmt: skip
+
+    def image_encoder(self, field: str = "multi_modal_data") -> ImageEncoder:
+        """The checkpoint's processor and vision tower, built for the first prompt with images (vlens.images; the
+        server's requests may ask for it at once, from threads). `field`: what the asking request's errors name."""
         if self.engine_config.tensor_parallel_size > 1:
-            raise ValueError("multi_modal_data: images are taken with tensor_parallel_size=1 only (the other ranks "
-                             "do not receive their rows yet)")  # fmt: skip
-        if self._image_encoder is None:
-            self._image_encoder = ImageEncoder(self.model_path, self.dtype, self.device)
-        return [self._image_encoder.encode(p.text, p.images, f"prompts[{i}]") if isinstance(p, ImagePrompt) else None
-                for i, p in enumerate(prompts)]  # fmt: skip
+            raise ValueError(f"{field}: images are taken with tensor_parallel_size=1 only (the other ranks do not "
+                             "receive their rows yet)")  # fmt: skip
+        with self._images_lock:
+            if self._images_encoder is None:
+                self._images_encoder = ImageEncoder(self.model_path, self.dtype, self.device, field)
+        return self._images_encoder
 
     def _run(self, token_lists, texts, sampling_params, use_tqdm: bool, images=None) -> list[RequestOutput]:
         engine = self.engine

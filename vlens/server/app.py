@@ -75,6 +75,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         metrics,
         extension,
         admission,
+        llm.image_encoder,
     )
     embedder = Embedder(generator)
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len, steering_vectors)

@@ -21,6 +21,7 @@ from vlens.capture import Steer
 from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
 from vlens.engine.logprobs import TokenText
+from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import to_token_lists
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
@@ -76,8 +77,10 @@ class Generator:
         metrics: Metrics,
         extension: ExtensionContext,
         admission: Admission,
+        image_encoder: Callable[[str], ImageEncoder],
     ):
         self.config, self.engine, self.tokenizer, self.cfg = config, engine, tokenizer, cfg
+        self.image_encoder = image_encoder  # (the served LLM's, built at the first image)
         self.shapes, self.model_dtype, self.model_name = shapes, model_dtype, model_name
         self.max_model_len, self.store, self.metrics, self.admission = max_model_len, store, metrics, admission
         self.token_text = TokenText(tokenizer)
@@ -118,18 +121,36 @@ class Generator:
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         body.check(self.config.max_n)
-        rendered = render_chat(self.tokenizer, body.messages)
-        ids = self.tokenizer(rendered, add_special_tokens=body.add_special_tokens)["input_ids"]
+        images = None
+        if any(m.has_images() for m in body.messages):
+            ids, rendered, images = await asyncio.to_thread(self._chat_with_images, body)
+        else:
+            rendered = render_chat(self.tokenizer, body.messages)
+            ids = self.tokenizer(rendered, add_special_tokens=body.add_special_tokens)["input_ids"]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = self._prepare(body, request, [(ids, rendered)], max_tokens, top, chat=True)
+        prepared = self._prepare(body, request, [(ids, rendered)], max_tokens, top, chat=True, images=images)
         return await self._run(prepared, request)
+
+    def _chat_with_images(self, body: ChatRequest) -> tuple[list[int], str, PromptImages]:
+        """A conversation with image parts through the processor's chat template and the vision tower (vlens.images),
+        off the event loop (the first builds the tower). Their URLs are data: URLs: a server reads no files."""
+        try:
+            conversation, images = chat_images([m.model_dump(exclude_none=True) for m in body.messages], "messages",
+                                               local_files=False)  # fmt: skip
+            encoder = self.image_encoder("messages")
+            text = encoder.render_chat(conversation, "messages")
+            ids, rows = encoder.encode(text, images, "messages", add_special_tokens=body.add_special_tokens)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        return ids, text, rows
 
     # -- before the engine --------------------------------------------------------------------------
 
     def _prepare(
-        self, body, request: Request, prompts, max_tokens: int | None, logprobs: int | None, chat: bool
-    ) -> Prepared:
+        self, body, request: Request, prompts, max_tokens: int | None, logprobs: int | None, chat: bool,
+        images: PromptImages | None = None,
+    ) -> Prepared:  # fmt: skip
         steers = self.steers_of(body.model)
         extension = parse_extension(body.vlens, self.extension)
         if steers:
@@ -145,7 +166,7 @@ class Generator:
                 param="prompt",
             )
         requests, bounds = zip(
-            *(self._request(body, ids, text, max_tokens, logprobs, extension, chat) for ids, text in prompts)
+            *(self._request(body, ids, text, max_tokens, logprobs, extension, chat, images) for ids, text in prompts)
         )
         key = presented_key(request.scope) if self.config.api_key else None
         return Prepared(
@@ -170,8 +191,10 @@ class Generator:
         logprobs: int | None,
         extension: dict[str, Any],
         chat: bool,
+        images: PromptImages | None = None,
     ) -> tuple[NewRequest, int]:
-        """The engine request of one prompt and the bound on the activation bytes it can return."""
+        """The engine request of one prompt (with its images' rows: a chat's) and the bound on the activation bytes it
+        can return."""
         prompt_param = "messages" if chat else "prompt"
         room = self.max_model_len - len(ids)
         if room < 1:
@@ -213,7 +236,7 @@ class Generator:
                 param="vlens.capture",
                 code="capture_too_large",
             )
-        return NewRequest(ids, params, text, stream=body.stream), bound
+        return NewRequest(ids, params, text, stream=body.stream, images=images), bound
 
     # -- with the engine ----------------------------------------------------------------------------
 

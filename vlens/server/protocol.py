@@ -243,11 +243,23 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: StrictStr  # a data: URL (base64): vlens fetches nothing
+    detail: Literal["auto", "low", "high"] | None = None  # (OpenAI's; the checkpoint's processor sets the resolution)
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     # Extra keys are ignored: clients pass back assistant messages with refusal/tool_calls set to None.
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
 
     def text(self) -> str:
         """The content as one text; a list's parts joined by newlines, as vLLM joins them, so that a client
@@ -255,6 +267,9 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(part, ImagePart) for part in self.content)
 
 
 class ChatRequest(_GenerationRequest):

@@ -16,6 +16,8 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     """The conversation through the model's chat template; a 400 naming `messages` if it cannot be."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
+    if any(m.has_images() for m in messages):  # (a chat completion takes them: vlens.server.generate)
+        raise APIError(400, "messages: image_url parts are taken by /v1/chat/completions only", "messages")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
