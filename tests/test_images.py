@@ -277,6 +277,28 @@ def test_served_chat_with_an_image(family):
             assert refused.status_code == 400 and "messages" in refused.json()["error"]["message"], refused.text
 
 
+def test_command_line_generate_with_an_image(family, tmp_path, capsys):
+    """`vlens generate PROMPT --image FILE` completes as LLM.generate does with the image; with --chat the image
+    goes before the message's text; a file that is no image is a one-line error before the model loads."""
+    from vlens.cli import main
+
+    _, llm, _, _ = family
+    image(40).save(tmp_path / "a.png")
+    text = "USER: <image>\nWhat is it? ASSISTANT:"
+    expected = llm.generate(request(text, [image(40)]), SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    flags = ["--model", str(llm.model_path), "--dtype", "float32", "--device", "cpu", "--max-tokens", "3"]
+    assert main(["generate", text, "--image", str(tmp_path / "a.png"), *flags]) == 0
+    assert f"completion (3 tokens, length): {expected[0].outputs[0].text!r}" in capsys.readouterr().out
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image(40)},
+                                                  {"type": "text", "text": "What is it?"}]}],
+                    SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)  # fmt: skip
+    assert main(["generate", "What is it?", "--chat", "--image", str(tmp_path / "a.png"), *flags]) == 0
+    assert f"completion (3 tokens, length): {chat[0].outputs[0].text!r}" in capsys.readouterr().out
+    (tmp_path / "b.png").write_text("not an image")
+    assert main(["generate", text, "--image", str(tmp_path / "b.png"), *flags]) == 2
+    assert capsys.readouterr().err.startswith("vlens: error: --image: not an image vlens can read")
+
+
 def test_refusals(family, smol4):
     name, llm, _, _ = family
     with pytest.raises(ValueError, match=r"^multi_modal_data: LlamaForCausalLM takes no images .*LlavaForConditional"):

@@ -24,6 +24,7 @@ from vlens.capture.rows import widen
 from vlens.engine.config import EngineConfig
 from vlens.harvest import cli as harvest_cli
 from vlens.harvest.dataset import difference_of_means
+from vlens.images import load_image
 from vlens.inputs import to_token_lists
 from vlens.llm import LLM
 from vlens.loader import model_config
@@ -121,9 +122,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--multiplier: scales --steering-vector; give one")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, capture=capture, seed=args.seed,
                             interventions=steers)  # fmt: skip
-    llm = _llm(args)  # after the sampling flags are known to be good
+    images = [load_image(path, "--image", local_files=True) for path in args.image or []]
+    llm = _llm(args)  # after the sampling flags and the images are known to be good
     run = llm.chat if args.chat else llm.generate
-    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
+    if args.chat:
+        parts = [{"type": "image_pil", "image_pil": image} for image in images]
+        prompts = [[{"role": "user", "content": [*parts, {"type": "text", "text": p}] if parts else p}]
+                   for p in args.prompts]  # fmt: skip
+    else:
+        prompts = [{"prompt": p, "multi_modal_data": {"image": images}} if images else p for p in args.prompts]
     outputs = run(prompts, params, use_tqdm=False)
     for i, out in enumerate(outputs):
         completion = out.outputs[0]
@@ -281,6 +288,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--image", action="append", metavar="FILE",
+                   help="an image of every prompt (repeat for several; LLaVA-style checkpoints): with --chat before the "
+                        "message's text, else where the prompt writes the checkpoint's placeholder (LLaVA's <image>)")
     p.add_argument("--capture", nargs="+", metavar="HOOK", help="hook names or globs to capture")
     p.add_argument(
         "--positions", help="all | prompt | generated | last | 0,3,-1 | start:stop[:step] (default: all; generated with --sae)"
