@@ -1,0 +1,126 @@
+"""Prompts with images: vlens against Hugging Face `generate` on a LLaVA checkpoint, in one run, as ratios.
+
+    .venv/bin/python benchmarks/bench_images.py [--prompts 32] [--tokens 32] [--repeats 1]
+
+A random LLaVA (the processor's own expansion of <image>, SmolLM2's tokenizer): a text model of SmolLM2's widths,
+8 layers, and a CLIP tower of 4 layers, d=256, 224-pixel images in 16-pixel patches (196 image rows a prompt),
+float32, this machine's CPU. Each prompt is a question of 8-24 words about its own image; both sides generate
+exactly --tokens new tokens per prompt, greedy, vlens without its prefix cache (the timed runs repeat the warm-up's
+prompts). HF runs the processor on the whole batch (left-padded) and one
+`generate`; vlens's LLM.generate takes vLLM's multi_modal_data, each prompt's images through the processor and
+the tower at admission (their time included). Rows:
+  no capture          output tokens/s, vlens vs HF
+  capture 3 layers    vlens capturing blocks.{1,4,7}.hook_resid_post at every prompt row (the image's among them)
+                      against HF with output_hidden_states=True (every layer, every step)
+Timings are the best of --repeats runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaProcessor,
+)
+
+from vlens import LLM, Capture, SamplingParams
+from vlens.loader import resolve_model_path
+
+WORDS = "what is shown in this picture and how many colours does it hold near the top left corner".split()
+
+
+def checkpoint(root: Path) -> Path:
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=len(tok), max_position_embeddings=2048)  # fmt: skip
+    vision = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                              image_size=224, patch_size=16, projection_dim=256)  # fmt: skip
+    config = LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                         image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(root)
+    LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 224}), tokenizer=tok, patch_size=16,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   image_token="<image>").save_pretrained(root)  # fmt: skip
+    return root
+
+
+def workload(n: int) -> tuple[list[str], list[Image.Image]]:
+    rng = random.Random(0)
+    texts = [f"USER: <image>\n{' '.join(rng.choices(WORDS, k=rng.randint(8, 24)))}? ASSISTANT:" for _ in range(n)]
+    images = [Image.fromarray(np.random.RandomState(i).randint(0, 255, (rng.randint(200, 400), 300, 3), np.uint8))
+              for i in range(n)]  # fmt: skip
+    return texts, images
+
+
+def best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint(Path(tmp))
+        texts, images = workload(args.prompts)
+        hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(path)
+        processor.tokenizer.padding_side = "left"
+        # (no prefix cache: the timed runs repeat the warm-up's prompts, whose blocks it would serve)
+        llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
+        prompts = [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in zip(texts, images)]
+        n_out = args.prompts * args.tokens
+        layers = [f"blocks.{i}.hook_resid_post" for i in (1, 4, 7)]
+
+        def hf_run(hidden: bool) -> None:
+            inputs = processor(text=texts, images=images, return_tensors="pt", padding=True)
+            with torch.inference_mode():
+                hf.generate(**inputs, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+                            pad_token_id=0, output_hidden_states=hidden, return_dict_in_generate=hidden)  # fmt: skip
+
+        def vlens_run(capture: Capture | None) -> None:
+            params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, capture=capture)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == args.tokens for o in outs)
+
+        rows = [("case", "HF tok/s", "vlens tok/s", "vlens / HF")]
+        for name, hf_fn, vlens_fn in (
+            ("no capture", lambda: hf_run(False), lambda: vlens_run(None)),
+            ("capture 3 layers", lambda: hf_run(True), lambda: vlens_run(Capture(hooks=layers, positions="prompt"))),
+        ):
+            t_hf, t_vlens = best(hf_fn, args.repeats), best(vlens_fn, args.repeats)
+            rows.append((name, f"{n_out / t_hf:.1f}", f"{n_out / t_vlens:.1f}", f"{t_hf / t_vlens:.2f}x"))
+        print(f"{args.prompts} prompts with a 224-pixel image (196 image rows) x {args.tokens} new tokens, float32, "
+              f"{torch.get_num_threads()} threads")  # fmt: skip
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        for r in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()
