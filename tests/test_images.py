@@ -38,6 +38,7 @@ from transformers import (
 from vlens import LLM, Capture, SamplingParams
 from vlens.capture.names import is_pattern
 from vlens.images import PromptImages
+from vlens.inputs import prompt_list, to_token_lists
 
 TOL = 1e-5
 AYA_TOKENS = ["<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]
@@ -155,6 +156,23 @@ def test_every_tap_is_hfs(family):
         bad = [hook for hook in compared if not same(out.activations[hook].reshape(ref[hook].shape), ref[hook], TOL)]
         assert bad == [], (text, bad)
         assert compared == [hook for hook in hooks if not is_pattern(hook) or hook in ref]
+
+
+def test_trace_packs_image_prompts_with_text(family):
+    """LLM.trace of the image prompts and a text in one packed forward: each prompt's rows are HF's given its
+    pixels alone (the image rows at their offsets in the pack)."""
+    _, llm, hf, processor = family
+    hooks = ["hook_embed", "blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "ln_final.hook_out"]
+    texts = [request(t, i) for t, i in prompts()] + ["The capital of France is"]
+    traced = llm.trace(texts, hooks=hooks)
+    for (text, images), got in zip(prompts(), traced):
+        inputs = hf_inputs(processor, text, images)
+        ids = inputs.pop("input_ids")[0].tolist()
+        ref = hf_taps(hf, ids, range(2), patterns=False, pixels={k: v for k, v in inputs.items() if k != "attention_mask"})
+        for hook in hooks:
+            assert same(got[hook].reshape(ref[hook].shape), ref[hook], TOL), (text, hook)
+    alone = llm.trace(texts[-1], hooks=hooks)[0]
+    assert all(same(traced[-1][hook], alone[hook], TOL) for hook in hooks)
 
 
 def test_generation_in_a_mixed_batch(family, monkeypatch):
@@ -314,6 +332,6 @@ def test_refusals(family, smol4):
     for prompt, message in bad:
         with pytest.raises(ValueError, match=message):
             llm.generate(["fine", prompt], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"texts\[0\]: multi_modal_data is taken by LLM.generate"):
-        llm.trace([request("a <image>", [image(0)])], hooks="hook_embed")
+    with pytest.raises(ValueError, match=r"input\[1\]: multi_modal_data is taken by LLM.generate, LLM.chat and LLM.tr"):
+        to_token_lists(prompt_list(["a", request("a <image>", [image(0)])]), llm.tokenizer, 10, field="input")
     assert not llm.engine.has_work()

@@ -95,11 +95,9 @@ class LLM:
 
         Every request is validated before any runs, so a bad one fails the call without side effects."""
         prompts = prompt_list(prompts)
-        encoded = self._images(prompts)
-        token_lists = to_token_lists([p if e is None else e[0] for p, e in zip(prompts, encoded)], self.tokenizer,
-                                     self.config.vocab_size)  # fmt: skip
+        token_lists, images = self._tokens(prompts, "prompts")
         texts = [p.text if isinstance(p, ImagePrompt) else p if isinstance(p, str) else None for p in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, [e and e[1] for e in encoded])
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images)
 
     def chat(
         self,
@@ -131,11 +129,15 @@ class LLM:
             images.append(rows)
         return self._run(token_lists, texts, sampling_params, use_tqdm, images)
 
-    def _images(self, prompts: list) -> list[tuple[list[int], PromptImages] | None]:
-        """Each ImagePrompt's token ids and image rows (vlens.images), the others None: every image is
-        encoded before any request is queued, so a bad one fails the call without side effects."""
-        return [self.image_encoder().encode(p.text, p.images, f"prompts[{i}]") if isinstance(p, ImagePrompt)
-                else None for i, p in enumerate(prompts)]  # fmt: skip
+    def _tokens(self, prompts, field: str) -> tuple[list[list[int]], list[PromptImages | None]]:
+        """Each prompt's token ids, and the rows of its images (an ImagePrompt's: vlens.images) or None. Every image
+        is encoded before anything runs, so a bad one fails the call without side effects."""
+        prompts = prompt_list(prompts, field)
+        encoded = [self.image_encoder().encode(p.text, p.images, f"{field}[{i}]") if isinstance(p, ImagePrompt)
+                   else None for i, p in enumerate(prompts)]  # fmt: skip
+        token_lists = to_token_lists([p if e is None else e[0] for p, e in zip(prompts, encoded)], self.tokenizer,
+                                     self.config.vocab_size, field=field)  # fmt: skip
+        return token_lists, [None if e is None else e[1] for e in encoded]
 
     def image_encoder(self, field: str = "multi_modal_data") -> ImageEncoder:
         """The checkpoint's processor and vision tower, built for the first prompt with images (vlens.images; the
@@ -175,19 +177,20 @@ class LLM:
 
     @torch.inference_mode()
     def trace(
-        self, texts: str | Sequence[str] | Sequence[Sequence[int]], hooks: str | Sequence[str]
+        self, texts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hooks: str | Sequence[str]
     ) -> list[dict[str, torch.Tensor]]:
         """One forward per text (packed together), every position: per text a dict hook -> CPU [tokens, ...].
 
         Texts are tokenized as the model's HF tokenizer does by default (special tokens included);
-        token-id lists are taken as they are. The forward stops after the deepest requested layer."""
+        token-id lists are taken as they are, and prompts with images as generate() takes them. The forward stops
+        after the deepest requested layer."""
         wanted = resolve_hooks(hooks, self.config)
         taps = sorted(set(wanted.values()))
-        token_lists = to_token_lists(texts, self.tokenizer, self.config.vocab_size, field="texts")
+        token_lists, images = self._tokens(texts, "texts")
         self.check_fits(token_lists, "texts")
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
         for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
-            plan = self.runner.packed([token_lists[i] for i in batch], taps)
+            plan = self.runner.packed([token_lists[i] for i in batch], taps, images=[images[i] for i in batch])
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]

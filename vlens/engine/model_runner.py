@@ -55,6 +55,7 @@ from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
 from vlens.engine.packed import PackedCapture, packed_plan
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
+from vlens.images import PromptImages
 from vlens.layers import fused
 from vlens.layers.mlp import activation
 from vlens.layers.slot_states import SlotStates
@@ -297,13 +298,9 @@ class ModelRunner:
             prompt_rows.add(seq, n, row)
             if seq.taps.streams or seq.taps.interventions:
                 chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table))
-            given = seq.images.within(seq.num_computed, n) if seq.images is not None else None
-            if given is not None:
-                images.append((given[0] + row, given[1]))
+            images.append((seq.images, seq.num_computed, n, row))
             row += n
-        embeds = None
-        if images:  # (the step's image rows: what the model reads there in place of their tokens' embedding)
-            embeds = (put("image_rows", np.concatenate([at for at, _ in images])), torch.cat([f for _, f in images]))
+        embeds = self._image_rows(images)
         plan = plan_step(chunks, self.block_size, self.pages)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
         depths = [s.depth for s, _ in order]
@@ -321,6 +318,18 @@ class ModelRunner:
             prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
         out = StepOutput(scheduled, sampled, None, None, plan, collection, prompt_rows, prompt_logprobs)
         return self._sample(out, logits[: len(sample_rows)], batch) if sampled else out
+
+    def _image_rows(
+        self, pieces: list[tuple[PromptImages | None, int, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """ForwardContext.embeds of a forward: its rows that are an image's (vlens.images) and what the model reads
+        there in place of their tokens' embedding; None without any. `pieces`: per sequence, (its images or None,
+        the prompt position its rows start at, how many, the forward's row they start at)."""
+        found = [(images.within(start, n), row) for images, start, n, row in pieces if images is not None]
+        found = [(at + row, features) for given, row in found if given is not None for at, features in [given]]
+        if not found:
+            return None
+        return self.buffers.put("image_rows", np.concatenate([at for at, _ in found])), torch.cat([f for _, f in found])
 
     def _sample(self, out: StepOutput, logits: torch.Tensor, batch: SamplingBatch) -> StepOutput:
         """`batch` was put before the forward, so the step's inputs went to the device in one copy."""
@@ -485,10 +494,10 @@ class ModelRunner:
     def packed(
         self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
         hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None, grad: bool = False,
-        interventions: list[BoundIntervention] | None = None,
+        interventions: list[BoundIntervention] | None = None, images: list[PromptImages | None] | None = None,
     ) -> PackedCapture:  # fmt: skip
         """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
-        sequence i (default: every position). `hooks` are user functions run at their taps before the
+        sequence i (default: every position); `images[i]`: the rows sequence i's images give (vlens.images). `hooks` are user functions run at their taps before the
         capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward),
         and after the edits of `interventions` (uploaded; applied to every sequence, as a harvest's are).
         `grad`: outside inference mode, so what the hooks start an autograd graph from (HookedLM's backward
@@ -513,7 +522,9 @@ class ModelRunner:
             ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
             backend = SdpaBackend() if grad and not isinstance(self.backend, SdpaBackend) else None
             logit_rows = slice(None) if LOGITS in sites else None
-            self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend)
+            starts = np.cumsum([0, *lens[:-1]]).tolist()
+            embeds = self._image_rows([(i, 0, n, row) for i, n, row in zip(images, lens, starts)]) if images else None
+            self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend, embeds=embeds)
             return PackedCapture(plan, self.taps.collect(plan))
 
     @torch.inference_mode()
