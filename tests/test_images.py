@@ -107,16 +107,22 @@ def image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
     return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8))
 
 
+def checkpoint(name: str, smol_path, root) -> str:
+    """A tiny random checkpoint of family `name`, saved with its processor."""
+    tok = AutoTokenizer.from_pretrained(smol_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS]})
+    config, processor = FAMILIES[name](tok)
+    processor.chat_template = CHAT_TEMPLATE
+    path = build(config, root, name)
+    processor.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, smol_path, tmp_path_factory):
     """(name, LLM with 4-token blocks and 16-token steps, HF model, processor) of a checkpoint saved with its
     processor."""
-    tok = AutoTokenizer.from_pretrained(smol_path)
-    tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS]})
-    config, processor = FAMILIES[request.param](tok)
-    processor.chat_template = CHAT_TEMPLATE
-    path = build(config, tmp_path_factory.mktemp(request.param), request.param)
-    processor.save_pretrained(path)
+    path = checkpoint(request.param, smol_path, tmp_path_factory.mktemp(request.param))
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     return request.param, llm, hf, AutoProcessor.from_pretrained(path)
@@ -315,6 +321,28 @@ def test_command_line_generate_with_an_image(family, tmp_path, capsys):
     (tmp_path / "b.png").write_text("not an image")
     assert main(["generate", text, "--image", str(tmp_path / "b.png"), *flags]) == 2
     assert capsys.readouterr().err.startswith("vlens: error: --image: not an image vlens can read")
+
+
+def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path):
+    """Under tensor parallelism (2 ranks, gloo) rank 0 alone runs the vision tower and sends each forward's image
+    rows with it: generation in a mixed batch and a trace equal one process's."""
+    path = checkpoint("llava", smol_path, tmp_path)
+    batch = [request(t, i) for t, i in prompts()] + ["Once upon a time"]
+    hooks = ["hook_embed", "blocks.1.hook_resid_post", "ln_final.hook_out"]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (the workers take rank 0's)
+    try:
+        one = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
+        with LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
+                 tensor_parallel_size=2) as two:  # fmt: skip
+            for a, b in zip(one.generate(batch, params, use_tqdm=False), two.generate(batch, params, use_tqdm=False)):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert all(same(b.activations[h], a.activations[h], TOL) for h in hooks)
+            for a, b in zip(one.trace(batch, hooks), two.trace(batch, hooks)):
+                assert all(same(b[h], a[h], TOL) for h in hooks)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_refusals(family, smol4):

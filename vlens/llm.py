@@ -141,10 +141,8 @@ class LLM:
 
     def image_encoder(self, field: str = "multi_modal_data") -> ImageEncoder:
         """The checkpoint's processor and vision tower, built for the first prompt with images (vlens.images; the
-        server's requests may ask for it at once, from threads). `field`: what the asking request's errors name."""
-        if self.engine_config.tensor_parallel_size > 1:
-            raise ValueError(f"{field}: images are taken with tensor_parallel_size=1 only (the other ranks do not "
-                             "receive their rows yet)")  # fmt: skip
+        server's requests may ask for it at once, from threads). `field`: what the asking request's errors name.
+        Under tensor parallelism rank 0 alone runs the tower, and its rows go to the other ranks with each forward."""
         with self._images_lock:
             if self._images_encoder is None:
                 self._images_encoder = ImageEncoder(self.model_path, self.dtype, self.device, field)

@@ -164,7 +164,7 @@ class Executor:
 
     def launch(
         self, meta, ids: torch.Tensor, taps: dict, num_layers: int | None, logit_rows: torch.Tensor | slice | None,
-        decode: bool,
+        decode: bool, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         """Run on the other ranks the forward rank 0 is about to run (`ModelRunner._forward`'s arguments):
         the armed taps go along where they edit (every rank edits) or gather at a sharded site; a gather
@@ -183,7 +183,10 @@ class Executor:
         rows = logit_rows.clone() if isinstance(logit_rows, torch.Tensor) else logit_rows
         plain = {name: t for name, t in taps.items() if isinstance(t, Tap)}
         vectors = worker.table_rows(plain)
-        work = worker.Forward(ids.clone(), worker.portable(meta), armed, hooks, vectors, num_layers, rows, decode)
+        # (copies, as of ids: a tensor sent moves its storage to shared memory, and these are views of rank 0's buffers)
+        given = None if embeds is None else tuple(t.to("cpu", copy=True) for t in embeds)
+        meta = worker.portable(meta)
+        work = worker.Forward(ids.clone(), meta, armed, hooks, vectors, num_layers, rows, decode, given)
         self._send(work)
 
     def lens(self, residual: torch.Tensor) -> None:

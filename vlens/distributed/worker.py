@@ -94,7 +94,7 @@ class Forward:
     """One forward as rank 0 runs it: the packed token ids over the layout `meta` (tensors compacted to the
     host), the taps the other ranks need (edits everywhere, gathers only at sharded sites), the sites of
     rank 0's Python hooks, the vector rows the edits read, how deep to run, whose logits (the LM head
-    gathers over the ranks) and which backend."""
+    gathers over the ranks), which backend, and the rows images give (rank 0 alone runs the vision tower)."""
 
     ids: torch.Tensor
     meta: AttentionMetadata
@@ -104,6 +104,7 @@ class Forward:
     num_layers: int | None
     logit_rows: torch.Tensor | slice | None
     decode: bool  # the static decode step's backend (vlens.attention.decode), not the engine's
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # an image's rows and what they read (ForwardContext's)
 
 
 @dataclass
@@ -191,8 +192,10 @@ class Worker:
         rows = work.logit_rows.to(self.device) if isinstance(work.logit_rows, torch.Tensor) else work.logit_rows
         backend = runner.decode_backend if work.decode else None
         # rank 0's function at a hook may raise: every rank leaves the forward there, and rank 0 reports it
+        embeds = None if work.embeds is None else tuple(t.to(self.device) for t in work.embeds)
         with suppress(HookFailed):
-            runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend)
+            runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend,
+                            embeds=embeds)  # fmt: skip
 
 
 def start(rank: int, size: int, init: str, spec: dict) -> Worker:

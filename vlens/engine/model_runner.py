@@ -246,7 +246,8 @@ class ModelRunner:
         failed = None
         try:  # from the launch on: the other ranks may be in the forward's collectives
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
-                self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend)
+                self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend,
+                                           embeds)  # fmt: skip
             fused = self.fused and not torch.is_grad_enabled()  # (a forward keeping a graph runs unfused: eager)
             set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused, embeds=embeds))
             hidden = forward(ids)
