@@ -45,12 +45,13 @@ UNTESTED = {"LlavaOnevisionForConditionalGeneration", "Mistral3ForConditionalGen
             "InternVLForConditionalGeneration"}  # fmt: skip
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
 
 
 @dataclass(frozen=True)
 class PromptImages:
     """The rows a prompt's images give its language model: at `positions` (prompt positions, ascending) the
-    `features` [len(positions), hidden] (the model's dtype, on its device) in place of the placeholders' embedding.
+    `features` [len(positions), hidden] (the model's dtype, on the host) in place of the placeholders' embedding.
     `digest` names the pixels: it keys the prefix cache, so two prompts of the same tokens and other images never
     share keys and values past their first image row."""
 
@@ -118,30 +119,61 @@ class ImageEncoder:
 
     @torch.inference_mode()
     def encode(
-        self, text: str, images: Sequence[Any], field: str, add_special_tokens: bool = True
-    ) -> tuple[list[int], PromptImages]:
-        """The prompt's token ids, each image's placeholder expanded, and its images' rows (a chat template's text
-        holds its special tokens already: add_special_tokens=False)."""
+        self, prompts: Sequence[tuple[str, Sequence[Any]]], fields: Sequence[str], add_special_tokens: bool = True
+    ) -> list[tuple[list[int], PromptImages]]:
+        """Each prompt's token ids, each image's placeholder expanded, and its images' rows (a chat template's text
+        holds its special tokens already: add_special_tokens=False). The prompts' images go through the tower
+        together, TOWER_BATCH prompts at a time of those whose pixel tensors have the same shape (LLaVA-NeXT's tile
+        count follows the image's); each prompt's rows are what it alone would give, up to the tower's float
+        rounding at another batch size."""
+        prepared = [self._prepare(text, images, field, add_special_tokens)
+                    for (text, images), field in zip(prompts, fields)]  # fmt: skip
+        alike: dict[tuple, list[int]] = {}
+        for i, (_, vision) in enumerate(prepared):
+            alike.setdefault(tuple((k, v.shape[1:]) for k, v in vision.items()), []).append(i)
+        rows: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
+        for group in alike.values():
+            for start in range(0, len(group), TOWER_BATCH):
+                members = group[start : start + TOWER_BATCH]
+                vision = {k: torch.cat([prepared[i][1][k] for i in members]) for k in prepared[members[0]][1]}
+                features = self._features(vision)
+                counts = [int((prepared[i][0] == self.image_token_id).sum()) for i in members]
+                if sum(counts) != len(features):
+                    raise ValueError(f"{fields[members[0]]}: {sum(counts)} image tokens in the prompt for {len(features)} "
+                                     "image rows; give each image its placeholder once")  # fmt: skip
+                for i, part in zip(members, features.split(counts)):
+                    rows[i] = part
+        out = []
+        for (ids, vision), features in zip(prepared, rows):
+            digest = hashlib.blake2b(digest_size=16)
+            for value in vision.values():
+                digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+            positions = (ids == self.image_token_id).nonzero().flatten().numpy()
+            out.append((ids.tolist(), PromptImages(positions, features, digest.hexdigest())))
+        return out
+
+    def _prepare(
+        self, text: str, images: Sequence[Any], field: str, add_special_tokens: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The processor's token ids [T] and vision inputs (on the host) of one prompt."""
         try:
             inputs = self.processor(text=text, images=list(images), return_tensors="pt",
                                     add_special_tokens=add_special_tokens)  # fmt: skip
         except Exception as e:  # (the processor's own: a count of placeholders and images that differ, a bad image)
             raise ValueError(f"{field}: the processor refused the prompt and its images: {e}") from e
-        ids = inputs["input_ids"][0]
-        vision = {k: v.to(self.model.device) for k, v in inputs.items() if k not in _TEXT_INPUTS}
+        return inputs["input_ids"][0], {k: v for k, v in inputs.items() if k not in _TEXT_INPUTS}
+
+    def _features(self, vision: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tower's rows [images' tokens, hidden] of a batch of vision inputs, on the host (pinned beside a GPU,
+        so a step's share goes to the device without a sync): a call's images may be many, the device's memory is
+        the KV cache's."""
+        vision = {k: v.to(self.model.device) for k, v in vision.items()}
         if "pixel_values" in vision:
             vision["pixel_values"] = vision["pixel_values"].to(self.model.dtype)
         pooled = self.model.get_image_features(**vision, return_dict=True).pooler_output
         features = torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
-        features = features.reshape(-1, features.shape[-1]).to(self.model.dtype)
-        positions = (ids == self.image_token_id).nonzero().flatten().numpy()
-        if len(positions) != len(features):
-            raise ValueError(f"{field}: {len(positions)} image tokens in the prompt for {len(features)} image rows; "
-                             "give each image its placeholder once")  # fmt: skip
-        digest = hashlib.blake2b(digest_size=16)
-        for value in vision.values():
-            digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return ids.tolist(), PromptImages(positions, features.contiguous(), digest.hexdigest())
+        features = features.reshape(-1, features.shape[-1]).to("cpu", self.model.dtype)
+        return features.pin_memory() if self.model.device.type == "cuda" else features
 
 
 def chat_images(conversation: list[dict], field: str, local_files: bool) -> tuple[list[dict], list[Any]] | None:

@@ -111,33 +111,35 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages: expected a conversation (list of {'role', 'content'} dicts) or a list of them")
-        token_lists, texts, images = [], [], []
+        prompts = []
         for i, conversation in enumerate(conversations):
             field = "messages" if len(conversations) == 1 else f"messages[{i}]"
-            with_images = chat_images(list(conversation), field, local_files=True)
-            if with_images is None:
+            found = chat_images(list(conversation), field, local_files=True)
+            if found is None:
                 if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
                     raise ValueError(f"{field}: this model's tokenizer has no chat template; use generate()")
-                text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
-                ids, rows = self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+                prompts.append(self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
+                                                                  tokenize=False))  # fmt: skip
             else:
-                encoder = self.image_encoder(field)
-                text = encoder.render_chat(with_images[0], field)
-                ids, rows = encoder.encode(text, with_images[1], field, add_special_tokens=False)
-            token_lists.append(ids)
-            texts.append(text)
-            images.append(rows)
+                prompts.append(ImagePrompt(self.image_encoder(field).render_chat(found[0], field), found[1]))
+        token_lists, images = self._tokens(prompts, "messages", add_special_tokens=False)  # (the template holds them)
+        texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
         return self._run(token_lists, texts, sampling_params, use_tqdm, images)
 
-    def _tokens(self, prompts, field: str) -> tuple[list[list[int]], list[PromptImages | None]]:
+    def _tokens(
+        self, prompts, field: str, add_special_tokens: bool = True
+    ) -> tuple[list[list[int]], list[PromptImages | None]]:
         """Each prompt's token ids, and the rows of its images (an ImagePrompt's: vlens.images) or None. Every image
         is encoded before anything runs, so a bad one fails the call without side effects."""
         prompts = prompt_list(prompts, field)
-        encoded = [self.image_encoder().encode(p.text, p.images, f"{field}[{i}]") if isinstance(p, ImagePrompt)
-                   else None for i, p in enumerate(prompts)]  # fmt: skip
-        token_lists = to_token_lists([p if e is None else e[0] for p, e in zip(prompts, encoded)], self.tokenizer,
-                                     self.config.vocab_size, field=field)  # fmt: skip
-        return token_lists, [None if e is None else e[1] for e in encoded]
+        at = [i for i, p in enumerate(prompts) if isinstance(p, ImagePrompt)]
+        if at:
+            pieces = self.image_encoder().encode([(prompts[i].text, prompts[i].images) for i in at],
+                                                 [f"{field}[{i}]" for i in at], add_special_tokens)  # fmt: skip
+        encoded = dict(zip(at, pieces)) if at else {}
+        token_lists = to_token_lists([encoded[i][0] if i in encoded else p for i, p in enumerate(prompts)],
+                                     self.tokenizer, self.config.vocab_size, field, add_special_tokens)  # fmt: skip
+        return token_lists, [encoded[i][1] if i in encoded else None for i in range(len(prompts))]
 
     def image_encoder(self, field: str = "multi_modal_data") -> ImageEncoder:
         """The checkpoint's processor and vision tower, built for the first prompt with images (vlens.images; the

@@ -330,7 +330,8 @@ class ModelRunner:
         found = [(at + row, features) for given, row in found if given is not None for at, features in [given]]
         if not found:
             return None
-        return self.buffers.put("image_rows", np.concatenate([at for at, _ in found])), torch.cat([f for _, f in found])
+        features = torch.cat([f for _, f in found]).to(self.device, non_blocking=True)  # (from the host: pinned)
+        return self.buffers.put("image_rows", np.concatenate([at for at, _ in found])), features
 
     def _sample(self, out: StepOutput, logits: torch.Tensor, batch: SamplingBatch) -> StepOutput:
         """`batch` was put before the forward, so the step's inputs went to the device in one copy."""
