@@ -7,8 +7,8 @@ A random LLaVA (the processor's own expansion of <image>, SmolLM2's tokenizer): 
 float32, this machine's CPU. Each prompt is a question of 8-24 words about its own image; both sides generate
 exactly --tokens new tokens per prompt, greedy, vlens without its prefix cache (the timed runs repeat the warm-up's
 prompts). HF runs the processor on the whole batch (left-padded) and one
-`generate`; vlens's LLM.generate takes vLLM's multi_modal_data, each prompt's images through the processor and
-the tower at admission (their time included). Rows:
+`generate`; vlens's LLM.generate takes vLLM's multi_modal_data, each prompt through the processor and the images
+through the tower 32 prompts at a time before the requests are queued (their time included). Rows:
   no capture          output tokens/s, vlens vs HF
   capture 3 layers    vlens capturing blocks.{1,4,7}.hook_resid_post at every prompt row (the image's among them)
                       against HF with output_hidden_states=True (every layer, every step)
