@@ -1,7 +1,7 @@
-"""Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's and Aya Vision's tiny random checkpoints, each with its
-processor (SmolLM2's tokenizer and an image placeholder token), against HF's multimodal model given the same pixels:
-every tap of the language model, greedy generation, a mixed batch with text prompts and other images through
-chunked prefill, the prefix cache kept apart by the pixels, and the refusals."""
+"""Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's, Aya Vision's and Idefics3's tiny random checkpoints, each
+with its processor (SmolLM2's tokenizer and the image tokens), against HF's multimodal model given the same pixels:
+every tap of the language model, traces, greedy generation, a mixed batch with text prompts and other images through
+chunked prefill, the prefix cache kept apart by the pixels, chat and serving, two ranks, and the refusals."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ from transformers import (
     CLIPVisionConfig,
     Cohere2Config,
     GotOcr2ImageProcessor,
+    Idefics3Config,
+    Idefics3ImageProcessor,
+    Idefics3Processor,
     LlamaConfig,
     LlavaConfig,
     LlavaNextConfig,
@@ -41,7 +44,7 @@ from vlens.images import PromptImages
 from vlens.inputs import prompt_list, to_token_lists
 
 TOL = 1e-5
-AYA_TOKENS = ["<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]
+AYA_TOKENS = ["<fake_token_around_image>", "<global-img>", "<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, initializer_range=0.1)  # fmt: skip
 CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
@@ -94,7 +97,19 @@ def _aya_vision(tok):
     return config, processor
 
 
-FAMILIES = {"llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision}
+def _idefics3(tok):
+    """Idefics3: an image cut into crops plus a global view, each crop's SigLIP rows shuffled down by 2 (4 rows a
+    crop), written between fake tokens with its row and column named in text. (SmolVLM's is the same model; its
+    processor needs torchvision, which this machine lacks.)"""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14)  # fmt: skip
+    config = Idefics3Config(text_config=LlamaConfig(**TEXT, vocab_size=len(tok)).to_dict(), vision_config=vision,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)  # fmt: skip
+    images = Idefics3ImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    return config, Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+
+
+FAMILIES = {"llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision, "idefics3": _idefics3}
 # (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"

@@ -30,7 +30,9 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "LlavaForConditionalGeneration": True,
     "LlavaNextForConditionalGeneration": True,
     "AyaVisionForConditionalGeneration": True,
+    "Idefics3ForConditionalGeneration": True,
     # (the same path, but their processors need torchvision, which vlens's tests lack: a warning says so)
+    "SmolVLMForConditionalGeneration": True,
     "LlavaOnevisionForConditionalGeneration": True,
     "Mistral3ForConditionalGeneration": True,
     "InternVLForConditionalGeneration": True,
@@ -41,8 +43,8 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "Qwen3VLMoeForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
 }
 IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok is True)
-UNTESTED = {"LlavaOnevisionForConditionalGeneration", "Mistral3ForConditionalGeneration",
-            "InternVLForConditionalGeneration"}  # fmt: skip
+UNTESTED = {"SmolVLMForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
+            "Mistral3ForConditionalGeneration", "InternVLForConditionalGeneration"}  # fmt: skip
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
@@ -82,8 +84,8 @@ class ImageEncoder:
             raise ValueError(f"{field}: {arch} takes no images in vlens ({why}); images are taken by "
                              f"{', '.join(IMAGE_FAMILIES)}")  # fmt: skip
         if arch in UNTESTED:
-            log.warning("images on %s take the path tests/test_images.py checks on LLaVA, LLaVA-NeXT and Aya Vision, "
-                        "but are not themselves checked against HF there", arch)  # fmt: skip
+            log.warning("images on %s take the path tests/test_images.py checks on LLaVA, LLaVA-NeXT, Aya Vision and "
+                        "Idefics3, but are not themselves checked against HF there", arch)  # fmt: skip
         try:
             self.processor = AutoProcessor.from_pretrained(path)
         except (OSError, ValueError, ImportError) as e:
@@ -106,7 +108,9 @@ class ImageEncoder:
             if bars:
                 logging.enable_progress_bar()
         self.model = hf.model
-        self.model.language_model = None
+        for name in ("language_model", "text_model"):  # (Idefics3's and SmolVLM's name for it)
+            if hasattr(self.model, name):
+                setattr(self.model, name, None)
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.model.eval().requires_grad_(False)
 
