@@ -38,6 +38,9 @@ slow section costs only itself. Sections:
             same, a layer's hook_z and chosen experts
   llama4    Llama 4 in Scout's layout (heads of 128, a NoPE layer in four with its temperature, experts that read
             their input weighed beside a shared one), narrow: the same, a NoPE layer's q and an MoE layer's experts
+  images    a LLaVA (CLIP tower, Llama text model) with its processor and a word-level tokenizer made here, float32:
+            every tap at every row of two image prompts traced beside a text vs HF's multimodal forward on the CPU
+            given the same pixels, greedy generation vs HF generate (needs Pillow)
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -60,7 +63,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig
 
 from vlens import LLM, SAE, Capture, Clamp, SamplingParams, Steer
 
@@ -126,11 +129,13 @@ def timed(fn, runs: int = 1) -> float:
 
 
 def random_checkpoint(config, root: Path, name: str, dtype: torch.dtype, device: str = "cpu") -> str:
-    """A checkpoint of random weights, initialised on `device` (the 1B shape initialises fast on the GPU)."""
+    """A checkpoint of random weights, initialised on `device` (the 1B shape initialises fast on the GPU); a
+    multimodal config's, its vision tower's too."""
     path = root / name
     torch.manual_seed(0)
+    kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = kind.from_config(config, dtype=dtype)
     with torch.no_grad():  # random norms too, so a tap that skipped a weight would show
         for n, p in model.named_parameters():
             if p.ndim == 1:
@@ -600,9 +605,72 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
     }  # fmt: skip
 
 
+def images(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """LLaVA with images (vlens.images): the tower runs on the device as the model does. No tokenizer files travel,
+    so the processor's is word-level, made from the prompts' words."""
+    import numpy as np
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_reference import hf_taps
+
+    texts = ["USER: <image>\nwhat is in this picture ? ASSISTANT:", "compare <image> with <image> please",
+             "a text without a picture"]  # fmt: skip
+    words = sorted({w for t in texts for w in t.split()} - {"<image>"})
+    words = words + [f"w{i}" for i in range(500 - len(words))]  # (a vocabulary the random model generates into)
+    backend = Tokenizer(models.WordLevel({w: i + 1 for i, w in enumerate(words)} | {"<unk>": 0}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = LlamaConfig(**{**shape(dict(SMOLLM2, num_hidden_layers=4), device), "vocab_size": len(tok)})
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=56, patch_size=14)  # fmt: skip
+    config = LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                         image_token_index=tok.convert_tokens_to_ids("<image>"))  # fmt: skip
+    path = random_checkpoint(config, root, "llava", torch.float32)
+    processor = LlavaProcessor(CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+                               tok, patch_size=14, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
+    processor.save_pretrained(path)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", device=device, max_num_seqs=8, kv_cache_memory=1 << 30)
+    pictures = [[Image.fromarray(np.random.RandomState(i).randint(0, 255, (60 + 20 * i, 80, 3), np.uint8))
+                 for i in range(n)] for n in (1, 2)]  # fmt: skip
+    prompts = [{"prompt": t, "multi_modal_data": {"image": p}} for t, p in zip(texts, pictures)] + texts[2:]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        masked = torch.isinf(b)
+        a, b = a.cpu()[~masked].double(), b[~masked].double()
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    traced = llm.trace(prompts, list(llm.hook_names()))
+    taps, patterns, equal = [], [], 0
+    for t, p, got in zip(texts, pictures, traced):
+        inputs = dict(processor(text=t, images=p, return_tensors="pt"))
+        ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask")
+        ref = hf_taps(hf, ids, range(text.num_hidden_layers), pixels=inputs)
+        for k in got:
+            if k in ref:
+                (patterns if k.endswith(("hook_pattern", "hook_attn_scores")) else taps).append(rel(got[k], ref[k]))
+        with torch.inference_mode():
+            want = hf.generate(**processor(text=t, images=p, return_tensors="pt"), max_new_tokens=8, do_sample=False)
+        params = SamplingParams(max_tokens=8, temperature=0)
+        out = llm.generate({"prompt": t, "multi_modal_data": {"image": p}}, params, use_tqdm=False)[0]
+        equal += want[0, len(ids) :].tolist() == out.outputs[0].token_ids
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows["images"] = {
+        "trace_taps": len(taps), "trace_max_rel_err": max(taps), "pattern_max_rel_err": max(patterns),
+        "greedy_equal": f"{equal}/2", "ok": max(taps) <= 1e-5 and max(patterns) <= 1e-4 and equal == 2,
+    }  # fmt: skip
+
+
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
             "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60, "deepseek": 60,
-            "llama4": 60}  # fmt: skip
+            "llama4": 60, "images": 60}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -642,7 +710,8 @@ def main(argv: list[str] | None = None) -> None:
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
     for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
-                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek), ("llama4", llama4)):
+                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek), ("llama4", llama4),
+                     ("images", images)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))

@@ -56,15 +56,15 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     against eager steps; the HookedLM section's
     patching sweeps, steered generate and gradients (the CPU against itself here: the section's code, not its
     numbers); and Gemma 4 in E2B's layout, Qwen 3.5 in 0.8B's, Bamba's, mamba-130m's, Nemotron-H's, Falcon-H1's,
-    DeepSeek-V3's and Llama 4 Scout's against HF."""
-    sections = "exact,hooked,gemma4,qwen3_5,bamba,mamba,nemotron_h,falcon_h1,deepseek,llama4"
+    DeepSeek-V3's and Llama 4 Scout's against HF; and a LLaVA given images."""
+    sections = "exact,hooked,gemma4,qwen3_5,bamba,mamba,nemotron_h,falcon_h1,deepseek,llama4,images"
     done = _suite(tmp_path, "--sections", sections, "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
     assert "errors" not in rows, rows["errors"]
     assert (rows["device"], rows["gpu"]) == ("cpu", None)
     assert set(rows["seconds"]) == {"exact", "hooked", "gemma4", "qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1",
-                                    "deepseek", "llama4"}
+                                    "deepseek", "llama4", "images"}
     exact = rows["exact"]
     assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"] and exact["edits_ok"], exact
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
@@ -76,6 +76,7 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     # (every tap; a linear, Mamba, latent attention or NoPE layer's rows through generation)
     for name in ("qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1", "deepseek", "llama4"):
         assert rows[name]["ok"] and rows[name]["trace_taps"] > 60 and rows[name]["greedy_equal"] == "2/2", rows[name]
+    assert rows["images"]["ok"] and rows["images"]["trace_taps"] > 100, rows["images"]  # (every tap, two prompts)
 
 
 def test_an_unknown_section_is_refused(capsys):
