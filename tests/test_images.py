@@ -171,6 +171,10 @@ def test_every_tap_is_hfs(family):
         out = llm.generate(request(text, images), SamplingParams(max_tokens=0, capture=Capture(hooks=hooks)),
                            use_tqdm=False)[0]  # fmt: skip
         assert out.prompt_token_ids == ids
+        ranges = out.multi_modal_placeholders["image"]  # (vLLM's: where the image rows are, run by run)
+        assert [p for r in ranges for p in range(r.offset, r.offset + r.length)] == \
+            [p for p, t in enumerate(ids) if t == hf.config.image_token_id]  # fmt: skip
+        assert len(ranges) >= len(images)
         ref = hf_taps(hf, ids, range(llm.config.num_layers), pixels=inputs)
         compared = [hook for hook in hooks if hook in ref]
         assert "hook_embed" in compared and "blocks.1.attn.hook_pattern" in compared

@@ -61,6 +61,11 @@ class PromptImages:
     features: torch.Tensor
     digest: str
 
+    def placeholders(self) -> list[tuple[int, int]]:
+        """(offset, length) of each run of consecutive image positions (an image's tokens, between its text ones)."""
+        breaks = np.flatnonzero(np.diff(self.positions) != 1) + 1
+        return [(int(run[0]), len(run)) for run in np.split(self.positions, breaks)]
+
     def within(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor] | None:
         """The image rows among prompt positions [start, start + n) (a prefill chunk's): their offsets in the chunk
         and their features, or None."""

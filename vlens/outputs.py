@@ -33,6 +33,14 @@ class CompletionOutput:
         return sum(step[token].logprob for token, step in zip(self.token_ids, self.logprobs))
 
 
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """vLLM's: `length` prompt positions from `offset` that an image's rows fill (an image's tokens, consecutive)."""
+
+    offset: int
+    length: int
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -47,6 +55,9 @@ class RequestOutput:
     # Capture(sae=...): hook -> (ids int32, values) [rows, top_k], or the named latents [rows, n]
     sae_features: dict[str, tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = field(default_factory=dict)
     sae_errors: dict[str, torch.Tensor] = field(default_factory=dict)  # sae_error=True: hook -> [rows]
+    # vLLM's: where its images' rows are in the prompt ({"image": [ranges]}; empty without images), so that their
+    # activations can be picked from out.activations by activation_positions
+    multi_modal_placeholders: dict[str, list[PlaceholderRange]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

@@ -28,7 +28,7 @@ from vlens.engine.model_runner import ModelRunner, StepOutput
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
 from vlens.images import PromptImages
-from vlens.outputs import CompletionOutput, RequestDelta, RequestOutput
+from vlens.outputs import CompletionOutput, PlaceholderRange, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
 log = logging.getLogger("vlens.engine")
@@ -404,6 +404,8 @@ class LLMEngine:
         out = RequestOutput(
             group.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], completions, seq.prompt_logprobs
         )
+        if seq.images is not None:
+            out.multi_modal_placeholders = {"image": [PlaceholderRange(*run) for run in seq.images.placeholders()]}
         num_rows = rows_of(seq.num_prompt, seq.num_generated)
         for stream in seq.taps.streams:
             positions, tensors = stream.result(num_rows, self.runner.dtype)
