@@ -15,6 +15,7 @@ from conftest import rel_err
 from family_parity import build
 from hf_reference import hf_taps, same
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
@@ -24,6 +25,10 @@ from transformers import (
     CLIPImageProcessor,
     CLIPVisionConfig,
     Cohere2Config,
+    Gemma3Config,
+    Gemma3ImageProcessor,
+    Gemma3Processor,
+    Gemma3TextConfig,
     GotOcr2ImageProcessor,
     Idefics3Config,
     Idefics3ImageProcessor,
@@ -44,7 +49,9 @@ from vlens.images import PromptImages
 from vlens.inputs import prompt_list, to_token_lists
 
 TOL = 1e-5
-AYA_TOKENS = ["<fake_token_around_image>", "<global-img>", "<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+AYA_TOKENS = ["<fake_token_around_image>", "<global-img>", "<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>",
+              "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]  # fmt: skip
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, initializer_range=0.1)  # fmt: skip
 CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
@@ -109,13 +116,36 @@ def _idefics3(tok):
     return config, Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
 
 
-FAMILIES = {"llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision, "idefics3": _idefics3}
+def _gemma3(tok):
+    """Gemma 3: SigLIP's rows pooled to 4 a picture between its start and end tokens, which attend to each other both
+    ways in the prefill (HF's mask given token_type_ids); a text model of sliding-window layers (8 tokens) and a
+    global one."""
+    text = Gemma3TextConfig(**TEXT, vocab_size=len(tok), head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                            layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=56, patch_size=14)  # fmt: skip
+    ids = {key: tok.convert_tokens_to_ids(token) for key, token in GEMMA3_TOKENS.items()}
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                          image_token_index=ids["image_token"])  # fmt: skip
+    images = Gemma3ImageProcessor(size={"height": 56, "width": 56})
+    return config, Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
+
+
+FAMILIES = {"gemma3": _gemma3, "llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision,
+            "idefics3": _idefics3}  # fmt: skip
 # (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
     "{% endif %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+PLACEHOLDERS = {"gemma3": "<start_of_image>"}  # (where a prompt puts an image; the others' is <image>)
+
+
+def at(name: str, text: str) -> str:
+    """`text` with family `name`'s image placeholder for each <image>."""
+    return text.replace("<image>", PLACEHOLDERS.get(name, "<image>"))
 
 
 def image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
@@ -124,11 +154,18 @@ def image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
 
 def checkpoint(name: str, smol_path, root) -> str:
     """A tiny random checkpoint of family `name`, saved with its processor."""
-    tok = AutoTokenizer.from_pretrained(smol_path)
+    # (Gemma 3's processor reads its image tokens from the tokenizer; LLaVA's would take its image_token too)
+    extra = {"extra_special_tokens": GEMMA3_TOKENS} if name == "gemma3" else {}
+    tok = AutoTokenizer.from_pretrained(smol_path, **extra)
     tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS]})
     config, processor = FAMILIES[name](tok)
-    processor.chat_template = CHAT_TEMPLATE
+    processor.chat_template = at(name, CHAT_TEMPLATE)
     path = build(config, root, name)
+    if name == "gemma3":  # (HF starts its projection at zeros: every image's rows would be zeros)
+        weights = load_file(f"{path}/model.safetensors")
+        key = next(k for k in weights if k.endswith("mm_input_projection_weight"))
+        weights[key] = torch.randn(weights[key].shape, generator=torch.Generator().manual_seed(2))
+        save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
     processor.save_pretrained(path)
     return path
 
@@ -143,11 +180,11 @@ def family(request, smol_path, tmp_path_factory):
     return request.param, llm, hf, AutoProcessor.from_pretrained(path)
 
 
-def prompts() -> list[tuple[str, list[Image.Image]]]:
+def prompts(name: str) -> list[tuple[str, list[Image.Image]]]:
     """A text around one image; another image of another shape (LLaVA-NeXT tiles it otherwise); two images."""
-    return [("USER: <image>\nWhat is shown here? ASSISTANT:", [image(0)]),
-            ("Describe <image> briefly.", [image(1, 60, 30)]),
-            ("Compare <image> with <image>:", [image(2), image(3, 30, 60)])]  # fmt: skip
+    return [(at(name, "USER: <image>\nWhat is shown here? ASSISTANT:"), [image(0)]),
+            (at(name, "Describe <image> briefly."), [image(1, 60, 30)]),
+            (at(name, "Compare <image> with <image>:"), [image(2), image(3, 30, 60)])]  # fmt: skip
 
 
 def hf_inputs(processor, text: str, images: list) -> dict:
@@ -161,9 +198,9 @@ def request(text: str, images: list) -> dict:
 def test_every_tap_is_hfs(family):
     """Each prompt alone, prefill only: every hook of the language model at every prompt row (the image rows among
     them) against HF's multimodal forward given the same pixels."""
-    _, llm, hf, processor = family
+    name, llm, hf, processor = family
     hooks = list(llm.hook_names())
-    for text, images in prompts():
+    for text, images in prompts(name):
         inputs = hf_inputs(processor, text, images)
         ids = inputs.pop("input_ids")[0].tolist()
         inputs.pop("attention_mask")
@@ -186,14 +223,15 @@ def test_every_tap_is_hfs(family):
 def test_trace_packs_image_prompts_with_text(family):
     """LLM.trace of the image prompts and a text in one packed forward: each prompt's rows are HF's given its
     pixels alone (the image rows at their offsets in the pack)."""
-    _, llm, hf, processor = family
+    name, llm, hf, processor = family
     hooks = ["hook_embed", "blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "ln_final.hook_out"]
-    texts = [request(t, i) for t, i in prompts()] + ["The capital of France is"]
+    texts = [request(t, i) for t, i in prompts(name)] + ["The capital of France is"]
     traced = llm.trace(texts, hooks=hooks)
-    for (text, images), got in zip(prompts(), traced):
+    for (text, images), got in zip(prompts(name), traced):
         inputs = hf_inputs(processor, text, images)
         ids = inputs.pop("input_ids")[0].tolist()
-        ref = hf_taps(hf, ids, range(2), patterns=False, pixels={k: v for k, v in inputs.items() if k != "attention_mask"})
+        inputs.pop("attention_mask")
+        ref = hf_taps(hf, ids, range(2), patterns=False, pixels=inputs)
         for hook in hooks:
             assert same(got[hook].reshape(ref[hook].shape), ref[hook], TOL), (text, hook)
     alone = llm.trace(texts[-1], hooks=hooks)[0]
@@ -204,19 +242,19 @@ def test_generation_in_a_mixed_batch(family, monkeypatch):
     """Every image prompt beside text prompts in one batch of 16-token steps (prefill chunks end inside an image's
     rows), twice over: greedy tokens and every row of the last hidden
     state as HF generates each prompt alone."""
-    _, llm, hf, processor = family
+    name, llm, hf, processor = family
     split = []  # (prefill chunks that took some of an image's rows, not all)
     within = PromptImages.within
     monkeypatch.setattr(PromptImages, "within", lambda self, start, n: split.append(
         0 < ((self.positions >= start) & (self.positions < start + n)).sum() < len(self.positions)
     ) or within(self, start, n))  # fmt: skip
     texts = ["Once upon a time", "The capital of France is"]
-    batch = [request(t, i) for t, i in prompts()] + texts
+    batch = [request(t, i) for t, i in prompts(name)] + texts
     hook = f"hidden_states.{llm.config.num_layers}"
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=[hook]))
     for _ in range(2):
         outs = llm.generate(batch, params, use_tqdm=False)
-        for (text, images), out in zip(prompts(), outs):
+        for (text, images), out in zip(prompts(name), outs):
             inputs = hf_inputs(processor, text, images)
             with torch.inference_mode():
                 g = hf.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -225,7 +263,7 @@ def test_generation_in_a_mixed_batch(family, monkeypatch):
             assert out.outputs[0].token_ids == g.sequences[0, n:].tolist(), text
             ref = torch.cat([step[-1][0] for step in g.hidden_states])
             assert rel_err(out.activations[hook], ref) <= 1e-5, text
-        for text, out in zip(texts, outs[len(prompts()) :]):
+        for text, out in zip(texts, outs[len(prompts(name)) :]):
             alone = llm.generate(text, params, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     assert any(split)
@@ -235,7 +273,7 @@ def test_prefix_cache_keeps_images_apart(family):
     """One text with two images, one after the other: the second is computed anew from its first image row (the
     rows before it come from the cache), and is what it is alone in a fresh engine."""
     name, llm, hf, processor = family
-    text = "USER: <image>\nWhat is shown here? ASSISTANT:"
+    text = at(name, "USER: <image>\nWhat is shown here? ASSISTANT:")
     params = SamplingParams(max_tokens=1, temperature=0, capture=Capture(hooks=["ln_final.hook_out"], positions="last"))
     inputs = hf_inputs(processor, text, [image(11)])
     start = inputs["input_ids"][0].tolist().index(hf.config.image_token_id)
@@ -255,7 +293,7 @@ def test_prefix_cache_keeps_images_apart(family):
 def test_chat_with_image_parts(family, tmp_path):
     """LLM.chat with vLLM's image parts (a PIL image; a PNG as a data: URL; a file) renders through the processor's
     chat template and generates what HF generates from the processor's own rendering of the conversation."""
-    _, llm, hf, processor = family
+    name, llm, hf, processor = family
     first, second = image(20), image(21, 30, 60)
     second.save(tmp_path / "second.png")
     png = io.BytesIO()
@@ -269,7 +307,8 @@ def test_chat_with_image_parts(family, tmp_path):
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     outs = llm.chat(conversations, params, use_tqdm=False)
     hf_conversation = [conversations[0][0], {"role": "user", "content": [
-        {"type": "text", "text": "What differs between"}, {"type": "image", "image": first}, {"type": "text", "text": " and "},
+        {"type": "text", "text": "What differs between"}, {"type": "image", "image": first},
+        {"type": "text", "text": " and "},
         {"type": "image", "image": second}]}]  # fmt: skip
     inputs = processor.apply_chat_template(hf_conversation, add_generation_prompt=True, tokenize=True, return_dict=True,
                                            return_tensors="pt")  # fmt: skip
@@ -296,7 +335,7 @@ def test_served_chat_with_an_image(family):
 
     from vlens.server.config import ServerConfig
 
-    _, llm, _, _ = family
+    name, llm, _, _ = family
     png = io.BytesIO()
     image(30).save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
@@ -325,9 +364,9 @@ def test_command_line_generate_with_an_image(family, tmp_path, capsys):
     goes before the message's text; a file that is no image is a one-line error before the model loads."""
     from vlens.cli import main
 
-    _, llm, _, _ = family
+    name, llm, _, _ = family
     image(40).save(tmp_path / "a.png")
-    text = "USER: <image>\nWhat is it? ASSISTANT:"
+    text = at(name, "USER: <image>\nWhat is it? ASSISTANT:")
     expected = llm.generate(request(text, [image(40)]), SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     flags = ["--model", str(llm.model_path), "--dtype", "float32", "--device", "cpu", "--max-tokens", "3"]
     assert main(["generate", text, "--image", str(tmp_path / "a.png"), *flags]) == 0
@@ -344,10 +383,11 @@ def test_command_line_generate_with_an_image(family, tmp_path, capsys):
 
 def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path):
     """Under tensor parallelism (2 ranks, gloo) rank 0 alone runs the vision tower and sends each forward's image
-    rows with it: generation in a mixed batch and a trace equal one process's."""
-    path = checkpoint("llava", smol_path, tmp_path)
-    batch = [request(t, i) for t, i in prompts()] + ["Once upon a time"]
-    hooks = ["hook_embed", "blocks.1.hook_resid_post", "ln_final.hook_out"]
+    rows with it, and how far each row sees (Gemma 3's images attend both ways, the patterns' heads on both ranks):
+    generation in a mixed batch and a trace equal one process's."""
+    path = checkpoint("gemma3", smol_path, tmp_path)
+    batch = [request(t, i) for t, i in prompts("gemma3")] + ["Once upon a time"]
+    hooks = ["hook_embed", "blocks.0.attn.hook_pattern", "blocks.1.hook_resid_post", "ln_final.hook_out"]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the workers take rank 0's)
@@ -362,6 +402,38 @@ def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path):
                 assert all(same(b[h], a[h], TOL) for h in hooks)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_gemma3_images_attend_both_ways(smol_path, tmp_path, monkeypatch):
+    """Gemma 3's image tokens see each other both ways in the prefill (HF's mask given token_type_ids): its causal
+    mask alone gives other rows, vlens's are the both-ways ones; prefill chunks of 6 tokens end in no image's middle
+    (its 4 tokens take one step) and generate HF's tokens; chunks shorter than an image are refused by name."""
+    path = checkpoint("gemma3", smol_path, tmp_path)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    text, images = prompts("gemma3")[2]
+    inputs = hf_inputs(processor, text, images)
+    ids = inputs.pop("input_ids")[0].tolist()
+    pixels = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    both = hf_taps(hf, ids, [], patterns=False, pixels=pixels)["ln_final.hook_out"]
+    causal = hf_taps(hf, ids, [], patterns=False, pixels={"pixel_values": pixels["pixel_values"]})["ln_final.hook_out"]
+    runs = [(offset, offset + 4) for offset, t in enumerate(ids) if t == hf.config.boi_token_index]
+    assert not same(causal[runs[0][0] + 1 : runs[0][1] + 1], both[runs[0][0] + 1 : runs[0][1] + 1], 1e-3)
+    chunks = []
+    within = PromptImages.within
+    monkeypatch.setattr(PromptImages, "within",
+                        lambda self, start, n: chunks.append((start, n)) or within(self, start, n))  # fmt: skip
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=6)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=["ln_final.hook_out"]))
+    out = llm.generate(request(text, images), params, use_tqdm=False)[0]
+    assert same(out.activations["ln_final.hook_out"][: len(ids)], both, TOL)
+    with torch.inference_mode():
+        g = hf.generate(**hf_inputs(processor, text, images), max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert out.outputs[0].token_ids == g[0, len(ids) :].tolist()
+    image_runs = [(r.offset, r.offset + r.length) for r in out.multi_modal_placeholders["image"]]
+    assert len(image_runs) == 2 and all(not lo < start + n < hi for start, n in chunks for lo, hi in image_runs)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens: 3 is less than an image's 4 tokens"):
+        LLM(model=path, dtype="float32", device="cpu", max_num_batched_tokens=3).generate(request(text, images))
 
 
 def test_refusals(family, smol4):

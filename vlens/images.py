@@ -7,8 +7,10 @@ the language model's input is HF's by construction, and vlens's taps from `hook_
 multimodal forward. The features are made once, when the request is admitted; the engine then feeds a prefill
 chunk's share of them in place of the placeholders' embedding (vlens.models.base.DecoderLM.embed).
 
-Only the families whose language model reads those rows with plain causal attention and 1-D positions take images;
-the others' text models still run on text (vlens.config.TEXT_MODELS)."""
+Only the families whose language model reads those rows with 1-D positions take images; Gemma 3's image tokens also
+attend to each other both ways in the prefill (`PromptImages.both_ways`: the scheduler ends no chunk in an image's
+middle, AttentionMetadata.key_limits says how far each row sees). The others' text models still run on text
+(vlens.config.TEXT_MODELS)."""
 
 from __future__ import annotations
 
@@ -31,12 +33,12 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "LlavaNextForConditionalGeneration": True,
     "AyaVisionForConditionalGeneration": True,
     "Idefics3ForConditionalGeneration": True,
+    "Gemma3ForConditionalGeneration": True,  # (its image tokens attend to each other both ways: PromptImages)
     # (the same path, but their processors need torchvision, which vlens's tests lack: a warning says so)
     "SmolVLMForConditionalGeneration": True,
     "LlavaOnevisionForConditionalGeneration": True,
     "Mistral3ForConditionalGeneration": True,
     "InternVLForConditionalGeneration": True,
-    "Gemma3ForConditionalGeneration": "an image's tokens attend to each other both ways there, vlens's causally",
     "Qwen2VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
     "Qwen2_5_VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
     "Qwen3VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
@@ -45,6 +47,7 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
 IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok is True)
 UNTESTED = {"SmolVLMForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
             "Mistral3ForConditionalGeneration", "InternVLForConditionalGeneration"}  # fmt: skip
+BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to each other both ways
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
@@ -55,16 +58,45 @@ class PromptImages:
     """The rows a prompt's images give its language model: at `positions` (prompt positions, ascending) the
     `features` [len(positions), hidden] (the model's dtype, on the host) in place of the placeholders' embedding.
     `digest` names the pixels: it keys the prefix cache, so two prompts of the same tokens and other images never
-    share keys and values past their first image row."""
+    share keys and values past their first image row. `both_ways`: each run of image rows attends to itself both
+    ways in the prefill (Gemma 3's: HF's mask with token_type_ids), so a prefill chunk ends at none's middle and
+    its rows see keys up to their run's end (`limits`)."""
 
     positions: np.ndarray
     features: torch.Tensor
     digest: str
+    both_ways: bool = False
 
     def placeholders(self) -> list[tuple[int, int]]:
         """(offset, length) of each run of consecutive image positions (an image's tokens, between its text ones)."""
         breaks = np.flatnonzero(np.diff(self.positions) != 1) + 1
         return [(int(run[0]), len(run)) for run in np.split(self.positions, breaks)]
+
+    def chunk(self, start: int, n: int) -> int:
+        """How many of the n prompt positions from `start` a prefill chunk may take: n, or up to the start of the
+        run it would end inside (0: none this step) where the runs attend both ways."""
+        if self.both_ways:
+            for offset, length in self.placeholders():
+                if offset < start + n < offset + length:
+                    return max(0, offset - start)
+        return n
+
+    def longest_run(self) -> int:
+        return max(length for _, length in self.placeholders()) if self.both_ways else 0
+
+    def limits(self, start: int, n: int) -> np.ndarray | None:
+        """Positions [start, start + n): the last key position each may see (its own, or its run's last where the
+        runs attend both ways); None where every one sees up to its own."""
+        if not self.both_ways:
+            return None
+        limits = np.arange(start, start + n)
+        touched = False
+        for offset, length in self.placeholders():
+            lo, hi = max(offset, start), min(offset + length, start + n)
+            if lo < hi:
+                limits[lo - start : hi - start] = offset + length - 1
+                touched = True
+        return limits if touched else None
 
     def within(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor] | None:
         """The image rows among prompt positions [start, start + n) (a prefill chunk's): their offsets in the chunk
@@ -117,6 +149,7 @@ class ImageEncoder:
             if hasattr(self.model, name):
                 setattr(self.model, name, None)
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
+        self.both_ways = arch in BOTH_WAYS
         self.model.eval().requires_grad_(False)
 
     def render_chat(self, conversation: list[dict], field: str) -> str:
@@ -148,8 +181,8 @@ class ImageEncoder:
                 features = self._features(vision)
                 counts = [int((prepared[i][0] == self.image_token_id).sum()) for i in members]
                 if sum(counts) != len(features):
-                    raise ValueError(f"{fields[members[0]]}: {sum(counts)} image tokens in the prompt for {len(features)} "
-                                     "image rows; give each image its placeholder once")  # fmt: skip
+                    raise ValueError(f"{fields[members[0]]}: {sum(counts)} image tokens in the prompts for "
+                                     f"{len(features)} image rows; give each image its placeholder once")  # fmt: skip
                 for i, part in zip(members, features.split(counts)):
                     rows[i] = part
         out = []
@@ -158,7 +191,7 @@ class ImageEncoder:
             for value in vision.values():
                 digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
             positions = (ids == self.image_token_id).nonzero().flatten().numpy()
-            out.append((ids.tolist(), PromptImages(positions, features, digest.hexdigest())))
+            out.append((ids.tolist(), PromptImages(positions, features, digest.hexdigest(), self.both_ways)))
         return out
 
     def _prepare(

@@ -66,6 +66,9 @@ class AttentionMetadata:
     # how linear-attention layers lay out a forward's rows where some sequence feeds several (`chunk_layout`); None:
     # none does, or no such layers
     linear_chunks: LinearChunks | None = None
+    # [T] (host): the last key position each query sees, where some see past their own (the tokens of an image that
+    # attend to each other both ways, Gemma 3's: vlens.images); None: every query sees up to its own position
+    key_limits: np.ndarray | None = None
 
     @property
     def paged(self) -> bool:

@@ -58,6 +58,8 @@ class AttentionGroup:
     first_query: int = 0  # the smallest query position of the grid
     q_index: torch.Tensor | None = None  # [rows] slot of each token in the flattened grid; None = identity
     key_slots: torch.Tensor | None = None  # [B, Lk] cache slot of key j of each sequence; None = no cache
+    # [B, max_q] the last key position each slot sees, where some see past their own (AttentionMetadata.key_limits)
+    query_limits: torch.Tensor | None = None
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, 1, max_q, Lk]
     # (window, query heads per KV head) -> [B, 1, group * max_q, Lk] additive mask of stacked heads (CUDA)
     stacked_masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
@@ -78,7 +80,8 @@ class AttentionGroup:
 
     def masked(self, kind: LayerKind) -> bool:
         """Whether layers of `kind` read a mask built for this grid."""
-        return not (self.chunk_after_cache and kind.window is None and not written(kind))
+        plain = self.chunk_after_cache and kind.window is None and not written(kind)
+        return self.query_limits is not None or not plain
 
     def first_key(self, window: int | None) -> int:
         """The first cached key a query of the grid may see through `window`: those before it are neither
@@ -124,12 +127,21 @@ class SdpaBackend:
         key_slots = None
         if meta.paged and starts.any():  # (fresh prompts' keys are their queries' rows: no gather, no mask)
             key_slots = torch.from_numpy(meta.key_slots(first, stop)).to(device, non_blocking=True)
+        limits = None
+        if meta.key_limits is not None:  # (each token's slot in the grid: its sequence's row, its column)
+            grid_limits = query_positions.copy()
+            seq = np.repeat(np.arange(len(lens)), lens)
+            column = np.arange(rows) - (np.cumsum(lens) - lens)[seq]
+            grid_limits[seq, column] = meta.key_limits[first_row : first_row + rows]
+            if (grid_limits > query_positions).any():
+                limits = torch.from_numpy(grid_limits).to(device, non_blocking=True)
         return AttentionGroup(
             rows=slice(first_row, first_row + rows),
             query_positions=torch.from_numpy(query_positions).to(device, non_blocking=True),
             first_query=int(starts.min()),
             q_index=None if q_index is None else q_index.to(device, non_blocking=True),
             key_slots=key_slots,
+            query_limits=limits,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, groups: list[AttentionGroup]) -> torch.Tensor:
@@ -180,13 +192,14 @@ def _group(query_lens: list[int], context_lens: list[int] | None) -> list[list[i
 def _mask(g: AttentionGroup, window: int | None) -> torch.Tensor | None:
     """Boolean [B, 1, max_q, keys from first_key(window) on] (None: plain causal over keys that are the
     queries, SDPA's is_causal). Key j of a sequence sits at position j, so query position p may see keys
-    p - window < j <= p, as in HF's sliding-window mask."""
-    if g.key_slots is None and window is None:
+    p - window < j <= p, as in HF's sliding-window mask; j <= its limit in place of j <= p where the grid has limits
+    (an image's tokens that see each other both ways: HF's OR of the causal and the image's block)."""
+    if g.key_slots is None and window is None and g.query_limits is None:
         return None
     num_keys = g.max_q if g.key_slots is None else g.key_slots.shape[1]
     key_pos = torch.arange(g.first_key(window), num_keys, device=g.query_positions.device)
     q = g.query_positions[:, None, :, None]
-    allowed = key_pos <= q
+    allowed = key_pos <= (q if g.query_limits is None else g.query_limits[:, None, :, None])
     if window is not None:
         allowed &= key_pos > q - window
     return allowed

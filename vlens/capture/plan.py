@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vlens.capture.bind import RequestTaps
@@ -35,6 +36,9 @@ class Segment:
     positions: Sequence[int]  # the sequence position of each row, ascending (a batch's: one per stream)
     held: Held | Batch  # where streams find the rows once delivered
     keys: torch.Tensor | None = None  # pattern taps: where key j of the sequence is, for j up to the last row
+    # pattern taps: the last key each row sees, where some see past their own position (an image's tokens that attend
+    # to each other both ways: vlens.images); None: each its own
+    limits: Sequence[int] | None = None
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class Chunk:
     count: int
     row: int
     block_table: list[int] | None = None  # where the sequence's KV lives (pattern taps read its keys)
+    limits: np.ndarray | None = None  # the last key each position sees, where some see past their own (Segment's)
 
 
 @dataclass
@@ -85,10 +90,10 @@ class StepPlan:
 
     def gather(
         self, owner: object, positions: Sequence[int], rows: Sequence[int], taps: Sequence[str],
-        keys: torch.Tensor | None = None, held: Batch | None = None,
+        keys: torch.Tensor | None = None, held: Batch | None = None, limits: Sequence[int] | None = None,
     ) -> Segment:  # fmt: skip
         """Gather `rows` (packed) at `taps` for `owner` (None: a batch, which its streams hold already)."""
-        segment = Segment(owner, positions, held or Held(positions), keys)
+        segment = Segment(owner, positions, held or Held(positions), keys, limits)
         index = len(self.segments)
         self.segments.append(segment)
         for tap in taps:
@@ -195,8 +200,12 @@ def _plan_chunk(plan: StepPlan, c: Chunk, block_size: int, pages: DecodePages, r
             continue
         positions = stream.select(c.token_ids, c.start, end)
         if len(positions):
-            keys = cache_slots(c.block_table, block_size, positions[-1] + 1) if stream.patterns else None
-            stream.hold(plan.gather(stream, positions, shift(positions, offset), stream.gathered, keys).held)
+            keys = limits = None
+            if stream.patterns:
+                limits = None if c.limits is None else c.limits[np.asarray(positions) - c.start].tolist()
+                keys = cache_slots(c.block_table, block_size, (limits or positions)[-1] + 1)
+            segment = plan.gather(stream, positions, shift(positions, offset), stream.gathered, keys, limits=limits)
+            stream.hold(segment.held)
             if stream.device_taps:
                 plan.readouts |= stream.device_taps
     if c.taps.interventions:

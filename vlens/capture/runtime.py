@@ -45,8 +45,8 @@ class Tap:
     tap, the scores of the gathered query rows over their keys)."""
 
     __slots__ = (
-        "gather_index", "gather_out", "key_index", "row_positions", "softmax", "edit_rows", "edit_vectors",
-        "edit_kinds", "clamps", "table", "coefficients", "latch", "feeds", "source",
+        "gather_index", "gather_out", "key_index", "row_positions", "row_limits", "softmax", "edit_rows",
+        "edit_vectors", "edit_kinds", "clamps", "table", "coefficients", "latch", "feeds", "source",
     )  # fmt: skip  (what a captured graph or a compiled forward bakes in: vlens.engine.model_runner._signature)
 
     def __init__(self) -> None:
@@ -54,6 +54,8 @@ class Tap:
         self.gather_out: torch.Tensor | None = None  # [R, *shape] where they land
         self.key_index: torch.Tensor | None = None  # patterns: [R, K] each row's keys, key j at column j
         self.row_positions: torch.Tensor | None = None  # patterns: [R] each row's position: keys past it are masked
+        # patterns: [R] the last key each row sees, where some see past their own (an image's tokens, both ways)
+        self.row_limits: torch.Tensor | None = None
         self.softmax = False  # hook_pattern (probabilities) rather than hook_attn_scores
         self.edit_rows: torch.Tensor | None = None  # [P, E]: pass p edits rows edit_rows[p], distinct within a pass
         self.edit_vectors: torch.Tensor | None = None  # [P, E] rows of `table`
@@ -128,7 +130,9 @@ class Tap:
         if attn.softcap is not None:
             scores = torch.tanh(scores / attn.softcap) * attn.softcap
         j, p = torch.arange(width, device=q.device), self.row_positions[:, None]
-        allowed = j <= p if attn.window is None else (j <= p) & (j > p - attn.window)
+        allowed = j <= (p if self.row_limits is None else self.row_limits[:, None])
+        if attn.window is not None:
+            allowed &= j > p - attn.window
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
         self.gather_out.copy_(probabilities(scores, attn.sinks) if self.softmax else scores)
 
@@ -267,10 +271,12 @@ class TapRuntime:
                 indices[lists] = layout[-1][2:]
             if is_pattern(tap):
                 segments = [plan.segments[s] for s, _ in parts]
-                widths[tap] = size(max(seg.positions[-1] for seg in segments) + 1)
+                widths[tap] = size(max((seg.limits or seg.positions)[-1] for seg in segments) + 1)
                 keys, positions = _pattern_rows(segments, layout[-1][3][0], widths[tap])
                 add(tap, "key_index", keys.numpy())
                 add(tap, "row_positions", positions.numpy())
+                if any(seg.limits is not None for seg in segments):
+                    add(tap, "row_limits", _row_limits(segments, len(positions)))
         for tap, passes in plan.edits.items():
             edits_padded = size(max(len(e.rows) for e in passes))
             for name, column in (("edit_rows", "rows"), ("edit_vectors", "vectors"), ("edit_kinds", "kinds")):
@@ -307,7 +313,7 @@ class TapRuntime:
         t = self._taps.get(tap)
         if t is None:
             t = self._taps[tap] = Tap()
-        t.gather_index = t.gather_out = t.key_index = t.row_positions = None
+        t.gather_index = t.gather_out = t.key_index = t.row_positions = t.row_limits = None
         t.edit_rows = t.edit_vectors = t.edit_kinds = t.table = t.latch = t.source = None
         t.clamps, t.feeds = False, ()
         return t
@@ -436,6 +442,17 @@ def _pattern_rows(segments: list, rows: int, width: int) -> tuple[torch.Tensor, 
         positions[at : at + n] = torch.as_tensor(seg.positions)
         at += n
     return keys, positions
+
+
+def _row_limits(segments: list, rows: int) -> np.ndarray:
+    """[rows] the last key each row sees: its segment's limits, else its position (padding rows: 0)."""
+    limits = np.zeros(rows, dtype=np.int64)
+    at = 0
+    for seg in segments:
+        n = len(seg.positions)
+        limits[at : at + n] = seg.positions if seg.limits is None else seg.limits
+        at += n
+    return limits
 
 
 def _shared_readouts(

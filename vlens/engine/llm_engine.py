@@ -167,6 +167,11 @@ class LLMEngine:
             field = "stream" if r.stream else "stop"
             raise ValueError(f"{field}: works on text, and this checkpoint has no tokenizer files; "
                              "use stop_token_ids and token ids")  # fmt: skip
+        budget = self.scheduler.max_num_batched_tokens
+        if r.images is not None and r.images.longest_run() > budget:
+            raise ValueError(f"max_num_batched_tokens: {budget} is less than an image's "
+                             f"{r.images.longest_run()} tokens, which attend to each other both ways and so take one "
+                             "step together")  # fmt: skip
         bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")

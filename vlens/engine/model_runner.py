@@ -170,6 +170,7 @@ class ModelRunner:
         # on the CPU a padding row costs what a real one does (a batch of 33 would compute 64 rows).
         self.pad_decode = self.graphs or compile_decode
         self.graph_stats = GraphStats()
+        self._sdpa = SdpaBackend()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: dict[tuple, Callable] = {}
         self._pool = None
@@ -234,6 +235,8 @@ class ModelRunner:
         """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set.
         `forward`: what stands in for the model's (a compiled decode step's); `embeds`: ForwardContext's."""
         backend = backend or self.backend
+        if meta.key_limits is not None and not isinstance(backend, SdpaBackend):  # (the one backend whose masks
+            backend = self._sdpa  # take keys past a query's position: a prefill step with a both-ways image)
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         state = backend.prepare(meta, self.kinds, self.dtype)
         if self.stateful:  # (the other ranks allocate as many slots; linear attention's chunks, where some sequence
@@ -298,10 +301,11 @@ class ModelRunner:
                 sampled.append(seq)
             prompt_rows.add(seq, n, row)
             if seq.taps.streams or seq.taps.interventions:
-                chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table))
+                limits = None if seq.images is None else seq.images.limits(seq.num_computed, n)
+                chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table, limits))
             images.append((seq.images, seq.num_computed, n, row))
             row += n
-        embeds = self._image_rows(images)
+        embeds = self._image_rows(meta, images)
         plan = plan_step(chunks, self.block_size, self.pages)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
         depths = [s.depth for s, _ in order]
@@ -321,15 +325,22 @@ class ModelRunner:
         return self._sample(out, logits[: len(sample_rows)], batch) if sampled else out
 
     def _image_rows(
-        self, pieces: list[tuple[PromptImages | None, int, int, int]]
+        self, meta: AttentionMetadata, pieces: list[tuple[PromptImages | None, int, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """ForwardContext.embeds of a forward: its rows that are an image's (vlens.images) and what the model reads
         there in place of their tokens' embedding; None without any. `pieces`: per sequence, (its images or None,
-        the prompt position its rows start at, how many, the forward's row they start at)."""
+        the prompt position its rows start at, how many, the forward's row they start at). Where an image's tokens
+        attend to each other both ways (Gemma 3's), `meta.key_limits` says how far each row sees."""
         found = [(images.within(start, n), row) for images, start, n, row in pieces if images is not None]
         found = [(at + row, features) for given, row in found if given is not None for at, features in [given]]
         if not found:
             return None
+        limits = [(row, images.limits(start, n)) for images, start, n, row in pieces if images is not None]
+        if any(lim is not None for _, lim in limits):
+            meta.key_limits = np.concatenate([np.arange(start, start + n) for _, start, n, _ in pieces])
+            for row, lim in limits:
+                if lim is not None:
+                    meta.key_limits[row : row + len(lim)] = lim
         features = torch.cat([f for _, f in found]).to(self.device, non_blocking=True)  # (from the host: pinned)
         return self.buffers.put("image_rows", np.concatenate([at for at, _ in found])), features
 
@@ -508,7 +519,8 @@ class ModelRunner:
         if grad and self.model.executor is not None:
             raise ValueError("gradients: a forward with an autograd graph runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
-        plan = packed_plan(lens, taps, rows, interventions or ())
+        limits = [None if i is None else i.limits(0, n) for i, n in zip(images, lens)] if images else None
+        plan = packed_plan(lens, taps, rows, interventions or (), limits)
         with torch.inference_mode(not grad):
             armed = self.taps.arm(plan)
             for name, fn in (hooks or {}).items():
@@ -525,7 +537,8 @@ class ModelRunner:
             backend = SdpaBackend() if grad and not isinstance(self.backend, SdpaBackend) else None
             logit_rows = slice(None) if LOGITS in sites else None
             starts = np.cumsum([0, *lens[:-1]]).tolist()
-            embeds = self._image_rows([(i, 0, n, row) for i, n, row in zip(images, lens, starts)]) if images else None
+            pieces = [(i, 0, n, row) for i, n, row in zip(images, lens, starts)]
+            embeds = self._image_rows(meta, pieces) if images else None
             self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend, embeds=embeds)
             return PackedCapture(plan, self.taps.collect(plan))
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from vlens.capture.bind import BoundIntervention
@@ -35,17 +36,21 @@ def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def packed_plan(
-    lens: list[int], taps: list[str], rows: list[torch.Tensor] | None, interventions: Sequence[BoundIntervention] = ()
+    lens: list[int], taps: list[str], rows: list[torch.Tensor] | None, interventions: Sequence[BoundIntervention] = (),
+    limits: Sequence[np.ndarray | None] | None = None,
 ) -> StepPlan:  # fmt: skip
     """Gather `taps` at `rows[i]` of sequence i (default: every position), and apply `interventions` to
-    every sequence, its positions counted from its start; the owner of a segment is the index of its sequence."""
+    every sequence, its positions counted from its start; the owner of a segment is the index of its sequence.
+    `limits[i]`: the last key each position of sequence i sees, where some see past their own (Segment's)."""
     plan = StepPlan()
     patterns = any(is_pattern(t) for t in taps)
     for i, (start, n) in enumerate(zip(accumulate([0] + lens[:-1]), lens)):
         if taps:
             positions = range(n) if rows is None else rows[i].tolist()
             keys = torch.arange(start, start + n) if patterns else None  # packed: key j sits at row start + j
-            plan.gather(i, positions, shift(positions, start), taps, keys)
+            seen = limits[i] if limits is not None and patterns else None
+            plan.gather(i, positions, shift(positions, start), taps, keys,
+                        limits=None if seen is None else seen[list(positions)].tolist())  # fmt: skip
         if interventions:
             plan_edits(plan, interventions, 0, n, start)
     return plan

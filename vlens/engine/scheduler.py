@@ -67,7 +67,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
+            if n == 0:  # (an image whose tokens attend both ways does not fit what is left of the budget)
+                continue
             while not self.blocks.reserve(seq, seq.num_computed + n):
                 preempted = True
                 victim = self.running[-1]
@@ -86,8 +88,8 @@ class Scheduler:
             lender = self._lender(seq, lenders)
             if lender is not None:
                 self.blocks.share(seq, *lender)
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
-            if not self.blocks.reserve(seq, seq.num_computed + n):
+            n = self._chunk(seq, budget)
+            if n == 0 or not self.blocks.reserve(seq, seq.num_computed + n):
                 self.blocks.release(seq)
                 break
             if lender is not None:
@@ -101,6 +103,13 @@ class Scheduler:
             budget -= n
             self.tokens_computed += n
         return scheduled
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """The tokens `seq` computes this step: all it has left, within the budget, ending in the middle of no image
+        whose tokens attend both ways (Gemma 3's: vlens.images.PromptImages.chunk)."""
+        n = min(len(seq.token_ids) - seq.num_computed, budget)
+        return n if seq.images is None else seq.images.chunk(seq.num_computed, n)
 
     def _lender(
         self, seq: Sequence, lenders: dict[tuple[int, ...], list[tuple[Sequence, int]]]
