@@ -38,9 +38,10 @@ slow section costs only itself. Sections:
             same, a layer's hook_z and chosen experts
   llama4    Llama 4 in Scout's layout (heads of 128, a NoPE layer in four with its temperature, experts that read
             their input weighed beside a shared one), narrow: the same, a NoPE layer's q and an MoE layer's experts
-  images    a LLaVA (CLIP tower, Llama text model) with its processor and a word-level tokenizer made here, float32:
-            every tap at every row of two image prompts traced beside a text vs HF's multimodal forward on the CPU
-            given the same pixels, greedy generation vs HF generate (needs Pillow)
+  images    a LLaVA (CLIP tower, Llama text model) and a Gemma 3 (SigLIP, its images' tokens attending to each other
+            both ways) with their processors and a word-level tokenizer made here, float32: every tap at every row of
+            two image prompts traced beside a text vs HF's multimodal forward on the CPU given the same pixels,
+            greedy generation vs HF generate (needs Pillow)
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -136,10 +137,12 @@ def random_checkpoint(config, root: Path, name: str, dtype: torch.dtype, device:
     kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device(device):
         model = kind.from_config(config, dtype=dtype)
-    with torch.no_grad():  # random norms too, so a tap that skipped a weight would show
-        for n, p in model.named_parameters():
+    with torch.no_grad():  # random norms too, so a tap that skipped a weight would show; and no matrix of zeros
+        for n, p in model.named_parameters():  # (Gemma 3's image projection starts so: every image would be zeros)
             if p.ndim == 1:
                 p.uniform_(0.5, 1.5)
+            elif not p.any():
+                p.normal_(0.0, 0.02)
     model.save_pretrained(path)
     return str(path)
 
@@ -606,34 +609,71 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 
 def images(rows: dict, root: Path, quick: bool, device: str) -> None:
-    """LLaVA with images (vlens.images): the tower runs on the device as the model does. No tokenizer files travel,
-    so the processor's is word-level, made from the prompts' words."""
+    """Prompts with images (vlens.images), the tower on the device as the model: a LLaVA, and a Gemma 3 (its images'
+    tokens attend to each other both ways in the prefill). No tokenizer files travel, so the processors' are
+    word-level, made from the prompts' words."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows["images"] = {name: _image_check(name, root, device) for name in ("llava", "gemma3")}
+    rows["images"]["ok"] = all(r["ok"] for r in rows["images"].values())
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def _image_check(name: str, root: Path, device: str) -> dict:
+    """Every tap at every row of two image prompts traced beside a text vs HF's multimodal forward on the CPU given
+    the same pixels, and greedy generation vs HF generate, on a random checkpoint of `name` (llava, gemma3)."""
     import numpy as np
     from PIL import Image
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        Gemma3Config,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        LlavaConfig,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,  # fmt: skip
+        SiglipVisionConfig,
+    )
 
-    torch.backends.cuda.matmul.allow_tf32 = False
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_reference import hf_taps
 
-    texts = ["USER: <image>\nwhat is in this picture ? ASSISTANT:", "compare <image> with <image> please",
+    gemma = name == "gemma3"
+    mark = "<start_of_image>" if gemma else "<image>"  # (where a prompt puts an image)
+    texts = [f"USER: {mark} what is in this picture ? ASSISTANT:", f"compare {mark} with {mark} please",
              "a text without a picture"]  # fmt: skip
-    words = sorted({w for t in texts for w in t.split()} - {"<image>"})
+    words = sorted({w for t in texts for w in t.split()} - {mark})
     words = words + [f"w{i}" for i in range(500 - len(words))]  # (a vocabulary the random model generates into)
     backend = Tokenizer(models.WordLevel({w: i + 1 for i, w in enumerate(words)} | {"<unk>": 0}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>")
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    text = LlamaConfig(**{**shape(dict(SMOLLM2, num_hidden_layers=4), device), "vocab_size": len(tok)})
-    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=56, patch_size=14)  # fmt: skip
-    config = LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                         image_token_index=tok.convert_tokens_to_ids("<image>"))  # fmt: skip
-    path = random_checkpoint(config, root, "llava", torch.float32)
-    processor = LlavaProcessor(CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
-                               tok, patch_size=14, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
+    specials = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>",
+                                  **({"extra_special_tokens": specials} if gemma else {}))  # fmt: skip
+    if not gemma:
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    layers = shape(dict(SMOLLM2, num_hidden_layers=4), device) | {"vocab_size": len(tok)}
+    if gemma:
+        text = Gemma3TextConfig(**layers | {"head_dim": layers.get("head_dim", 64)}, sliding_window=8,
+                                layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                             "full_attention"])  # fmt: skip
+        vision = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    image_size=56, patch_size=14)  # fmt: skip
+        ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
+        config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                              boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                              image_token_index=ids["image_token"])  # fmt: skip
+        processor = Gemma3Processor(Gemma3ImageProcessor(size={"height": 56, "width": 56}), tok, image_seq_length=4)
+    else:
+        vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=56, patch_size=14)  # fmt: skip
+        config = LlavaConfig(text_config=LlamaConfig(**layers).to_dict(), vision_config=vision.to_dict(),
+                             image_token_index=tok.convert_tokens_to_ids("<image>"))  # fmt: skip
+        pixels = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+        processor = LlavaProcessor(pixels, tok, patch_size=14, vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
+    path = random_checkpoint(config, root, name, torch.float32)
     processor.save_pretrained(path)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", device=device, max_num_seqs=8, kv_cache_memory=1 << 30)
@@ -652,7 +692,7 @@ def images(rows: dict, root: Path, quick: bool, device: str) -> None:
         inputs = dict(processor(text=t, images=p, return_tensors="pt"))
         ids = inputs.pop("input_ids")[0].tolist()
         inputs.pop("attention_mask")
-        ref = hf_taps(hf, ids, range(text.num_hidden_layers), pixels=inputs)
+        ref = hf_taps(hf, ids, range(config.get_text_config().num_hidden_layers), pixels=inputs)
         for k in got:
             if k in ref:
                 (patterns if k.endswith(("hook_pattern", "hook_attn_scores")) else taps).append(rel(got[k], ref[k]))
@@ -661,8 +701,7 @@ def images(rows: dict, root: Path, quick: bool, device: str) -> None:
         params = SamplingParams(max_tokens=8, temperature=0)
         out = llm.generate({"prompt": t, "multi_modal_data": {"image": p}}, params, use_tqdm=False)[0]
         equal += want[0, len(ids) :].tolist() == out.outputs[0].token_ids
-    torch.backends.cuda.matmul.allow_tf32 = True
-    rows["images"] = {
+    return {
         "trace_taps": len(taps), "trace_max_rel_err": max(taps), "pattern_max_rel_err": max(patterns),
         "greedy_equal": f"{equal}/2", "ok": max(taps) <= 1e-5 and max(patterns) <= 1e-4 and equal == 2,
     }  # fmt: skip

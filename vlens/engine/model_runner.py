@@ -537,8 +537,7 @@ class ModelRunner:
             backend = SdpaBackend() if grad and not isinstance(self.backend, SdpaBackend) else None
             logit_rows = slice(None) if LOGITS in sites else None
             starts = np.cumsum([0, *lens[:-1]]).tolist()
-            pieces = [(i, 0, n, row) for i, n, row in zip(images, lens, starts)]
-            embeds = self._image_rows(meta, pieces) if images else None
+            embeds = self._image_rows(meta, list(zip(images, [0] * len(lens), lens, starts))) if images else None
             self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend, embeds=embeds)
             return PackedCapture(plan, self.taps.collect(plan))
 
