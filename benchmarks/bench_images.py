@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench_generate import best
 from PIL import Image
 from transformers import (
     AutoModelForImageTextToText,
@@ -65,16 +65,6 @@ def workload(n: int) -> tuple[list[str], list[Image.Image]]:
     images = [Image.fromarray(np.random.RandomState(i).randint(0, 255, (rng.randint(200, 400), 300, 3), np.uint8))
               for i in range(n)]  # fmt: skip
     return texts, images
-
-
-def best(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
