@@ -140,7 +140,8 @@ CHAT_TEMPLATE = (
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
     "{% endif %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
-PLACEHOLDERS = {"gemma3": "<start_of_image>"}  # (where a prompt puts an image; the others' is <image>)
+PLACEHOLDERS = {"gemma3": "<start_of_image>"}
+PLUMBING = ["llava", "gemma3"]  # (the families of the tests of a route, not of the numbers: two placeholders)  # (where a prompt puts an image; the others' is <image>)
 
 
 def at(name: str, text: str) -> str:
@@ -326,6 +327,7 @@ def test_chat_with_image_parts(family, tmp_path):
             llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": first}, part]}], use_tqdm=False)
 
 
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
 def test_served_chat_with_an_image(family):
     """vlens serve's chat completions take an image as OpenAI's image_url part (a data: URL) and answer as LLM.chat
     does, with the request's activations; a file path, which a server must not read, and /tokenize's messages with
@@ -359,6 +361,7 @@ def test_served_chat_with_an_image(family):
             assert refused.status_code == 400 and "messages" in refused.json()["error"]["message"], refused.text
 
 
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
 def test_command_line_generate_with_an_image(family, tmp_path, capsys):
     """`vlens generate PROMPT --image FILE` completes as LLM.generate does with the image; with --chat the image
     goes before the message's text; a file that is no image is a one-line error before the model loads."""
