@@ -268,6 +268,9 @@ def test_generation_in_a_mixed_batch(family, monkeypatch):
             alone = llm.generate(text, params, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     assert any(split)
+    # two samples of one image prompt (the second takes the first's prompt blocks): both the greedy tokens
+    [pair] = llm.generate(batch[:1], SamplingParams(n=2, max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in pair.outputs] == [outs[0].outputs[0].token_ids] * 2
 
 
 def test_prefix_cache_keeps_images_apart(family):
