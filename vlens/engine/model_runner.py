@@ -303,9 +303,10 @@ class ModelRunner:
             if seq.taps.streams or seq.taps.interventions:
                 limits = None if seq.images is None else seq.images.limits(seq.num_computed, n)
                 chunks.append(Chunk(seq.taps, seq.token_ids, seq.num_computed, n, row, seq.block_table, limits))
-            images.append((seq.images, seq.num_computed, n, row))
+            if seq.images is not None:
+                images.append((seq.images, seq.num_computed, n, row))
             row += n
-        embeds = self._image_rows(meta, images)
+        embeds = self._image_rows(meta, images, lambda: [(s.num_computed, n) for s, n in order]) if images else None
         plan = plan_step(chunks, self.block_size, self.pages)
         logit_rows, sample_index = plan.logit_rows(sample_rows + prompt_rows.rows)  # sampled rows, then prompt rows
         depths = [s.depth for s, _ in order]
@@ -325,19 +326,21 @@ class ModelRunner:
         return self._sample(out, logits[: len(sample_rows)], batch) if sampled else out
 
     def _image_rows(
-        self, meta: AttentionMetadata, pieces: list[tuple[PromptImages | None, int, int, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self, meta: AttentionMetadata, pieces: list[tuple[PromptImages, int, int, int]],
+        spans: Callable[[], list[tuple[int, int]]],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """ForwardContext.embeds of a forward: its rows that are an image's (vlens.images) and what the model reads
-        there in place of their tokens' embedding; None without any. `pieces`: per sequence, (its images or None,
-        the prompt position its rows start at, how many, the forward's row they start at). Where an image's tokens
-        attend to each other both ways (Gemma 3's), `meta.key_limits` says how far each row sees."""
-        found = [(images.within(start, n), row) for images, start, n, row in pieces if images is not None]
+        there in place of their tokens' embedding; None without any. `pieces`: per sequence with images, (its
+        images, the prompt position its rows start at, how many, the forward's row they start at). Where an image's
+        tokens attend to each other both ways (Gemma 3's), `meta.key_limits` says how far each row sees (`spans`:
+        every sequence's (first position, rows) in the forward, asked for then alone)."""
+        found = [(images.within(start, n), row) for images, start, n, row in pieces]
         found = [(at + row, features) for given, row in found if given is not None for at, features in [given]]
         if not found:
             return None
-        limits = [(row, images.limits(start, n)) for images, start, n, row in pieces if images is not None]
+        limits = [(row, images.limits(start, n)) for images, start, n, row in pieces]
         if any(lim is not None for _, lim in limits):
-            meta.key_limits = np.concatenate([np.arange(start, start + n) for _, start, n, _ in pieces])
+            meta.key_limits = np.concatenate([np.arange(start, start + n) for start, n in spans()])
             for row, lim in limits:
                 if lim is not None:
                     meta.key_limits[row : row + len(lim)] = lim
@@ -537,7 +540,8 @@ class ModelRunner:
             backend = SdpaBackend() if grad and not isinstance(self.backend, SdpaBackend) else None
             logit_rows = slice(None) if LOGITS in sites else None
             starts = np.cumsum([0, *lens[:-1]]).tolist()
-            embeds = self._image_rows(meta, list(zip(images, [0] * len(lens), lens, starts))) if images else None
+            pieces = [(i, 0, n, row) for i, n, row in zip(images or [], lens, starts) if i is not None]
+            embeds = self._image_rows(meta, pieces, lambda: [(0, n) for n in lens]) if pieces else None
             self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend, embeds=embeds)
             return PackedCapture(plan, self.taps.collect(plan))
 
