@@ -111,7 +111,7 @@ class ImageEncoder:
     def __init__(self, path: Path, dtype: torch.dtype, device: torch.device, field: str = "multi_modal_data"):
         """`field`: what the request that needs it calls its images, which its errors name."""
         from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
-        from transformers.utils import logging
+        from transformers.utils import logging as hf_logging
 
         config = AutoConfig.from_pretrained(path)
         arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
@@ -121,8 +121,8 @@ class ImageEncoder:
             raise ValueError(f"{field}: {arch} takes no images in vlens ({why}); images are taken by "
                              f"{', '.join(IMAGE_FAMILIES)}")  # fmt: skip
         if arch in UNTESTED:
-            log.warning("images on %s take the path tests/test_images.py checks on LLaVA, LLaVA-NeXT, Aya Vision and "
-                        "Idefics3, but are not themselves checked against HF there", arch)  # fmt: skip
+            log.warning("images on %s take the path tests/test_images.py checks on LLaVA, LLaVA-NeXT, Aya Vision, "
+                        "Idefics3 and Gemma 3, but are not themselves checked against HF there", arch)  # fmt: skip
         try:
             self.processor = AutoProcessor.from_pretrained(path)
         except (OSError, ValueError, ImportError) as e:
@@ -135,15 +135,15 @@ class ImageEncoder:
         text.num_hidden_layers = 0
         if getattr(text, "layer_types", None) is not None:
             text.layer_types = []
-        verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
-        logging.set_verbosity_error()  # (its load report lists the layers' tensors as unexpected: they are)
-        logging.disable_progress_bar()
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()  # (its load report lists the layers' tensors as unexpected: they are)
+        hf_logging.disable_progress_bar()
         try:
             hf = AutoModelForImageTextToText.from_pretrained(path, config=config, dtype=dtype, device_map=device)
         finally:
-            logging.set_verbosity(verbosity)
+            hf_logging.set_verbosity(verbosity)
             if bars:
-                logging.enable_progress_bar()
+                hf_logging.enable_progress_bar()
         self.model = hf.model
         for name in ("language_model", "text_model"):  # (Idefics3's and SmolVLM's name for it)
             if hasattr(self.model, name):
