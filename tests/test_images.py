@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import io
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,8 +142,8 @@ CHAT_TEMPLATE = (
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
     "{% endif %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
-PLACEHOLDERS = {"gemma3": "<start_of_image>"}
-PLUMBING = ["llava", "gemma3"]  # (the families of the tests of a route, not of the numbers: two placeholders)  # (where a prompt puts an image; the others' is <image>)
+PLACEHOLDERS = {"gemma3": "<start_of_image>"}  # (where a prompt puts an image; the others' is <image>)
+PLUMBING = ["llava", "gemma3"]  # (the families of the tests of a route, not of the numbers: two placeholders)
 
 
 def at(name: str, text: str) -> str:
@@ -328,6 +330,37 @@ def test_chat_with_image_parts(family, tmp_path):
     for part, message in bad:
         with pytest.raises(ValueError, match=message):
             llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": first}, part]}], use_tqdm=False)
+
+
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
+def test_the_image_logit_lens_example(family, tmp_path, capsys):
+    """examples/image_logit_lens.py: per layer, the top-1 logit-lens words over the image's rows, as HF's residual
+    stream at those rows through HF's final norm and unembedding gives them."""
+    import runpy
+
+    name, llm, hf, processor = family
+    image(50).save(tmp_path / "a.png")
+    text = at(name, "USER: <image>\nWhat is this? ASSISTANT:")
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "image_logit_lens.py"))
+    table = example["image_lens"](llm, text, image(50), top=3)
+    inputs = hf_inputs(processor, text, [image(50)])
+    ids = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask")
+    ref = hf_taps(hf, ids, [], patterns=False, pixels=inputs)
+    rows = [p for p, t in enumerate(ids) if t == hf.config.image_token_id]
+    model = hf.model.language_model
+    for layer, words in table:
+        hidden = ref[f"hidden_states.{layer + 1}"][rows]
+        with torch.no_grad():  # (HF's last hidden state is normed already)
+            logits = hf.lm_head(hidden if layer + 1 == len(table) else model.norm(hidden))
+        cap = getattr(hf.config.get_text_config(), "final_logit_softcapping", None)  # (Gemma 3's)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        want = Counter(llm.tokenizer.decode([t]) for t in logits.argmax(-1).tolist()).most_common(3)
+        assert [n for _, n in words] == [n for _, n in want] and dict(words) == dict(want), (layer, words, want)
+    flags = ["--image", str(tmp_path / "a.png"), "--prompt", text, "--top", "2"]
+    example["main"](["--model", str(llm.model_path), *flags])
+    assert capsys.readouterr().out.count("layer ") == llm.config.num_layers
 
 
 @pytest.mark.parametrize("family", PLUMBING, indirect=True)
