@@ -289,8 +289,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--image", action="append", metavar="FILE",
-                   help="an image of every prompt (repeat for several; LLaVA-style checkpoints): with --chat before the "
-                        "message's text, else where the prompt writes the checkpoint's placeholder (LLaVA's <image>)")
+                   help="an image of every prompt (repeat for several; vision-language checkpoints): with --chat "
+                        "before the message's text, else where the prompt writes the checkpoint's placeholder "
+                        "(LLaVA's <image>, Gemma 3's <start_of_image>)")  # fmt: skip
     p.add_argument("--capture", nargs="+", metavar="HOOK", help="hook names or globs to capture")
     p.add_argument(
         "--positions", help="all | prompt | generated | last | 0,3,-1 | start:stop[:step] (default: all; generated with --sae)"

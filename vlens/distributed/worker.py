@@ -55,7 +55,9 @@ class Mirrored:
 
 
 # The fields of an armed `Tap` that are index tensors (views of rank 0's index buffer), sent as copies.
-INDEX_FIELDS = ("gather_index", "key_index", "row_positions", "row_limits", "edit_rows", "edit_vectors", "edit_kinds")
+INDEX_FIELDS = (
+    "gather_index", "key_index", "row_positions", "row_limits", "edit_rows", "edit_vectors", "edit_kinds",
+)  # fmt: skip
 
 
 @dataclass

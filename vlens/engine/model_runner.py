@@ -344,7 +344,7 @@ class ModelRunner:
             for row, lim in limits:
                 if lim is not None:
                     meta.key_limits[row : row + len(lim)] = lim
-        features = torch.cat([f for _, f in found]).to(self.device, non_blocking=True)  # (from the host: pinned)
+        features = torch.cat([f for _, f in found]).to(self.device, non_blocking=True)  # (from the host)
         return self.buffers.put("image_rows", np.concatenate([at for at, _ in found])), features
 
     def _sample(self, out: StepOutput, logits: torch.Tensor, batch: SamplingBatch) -> StepOutput:
@@ -513,8 +513,9 @@ class ModelRunner:
         interventions: list[BoundIntervention] | None = None, images: list[PromptImages | None] | None = None,
     ) -> PackedCapture:  # fmt: skip
         """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
-        sequence i (default: every position); `images[i]`: the rows sequence i's images give (vlens.images). `hooks` are user functions run at their taps before the
-        capture sees the value (HookedLM.run_with_hooks: the one eager path that runs user Python in a forward),
+        sequence i (default: every position); `images[i]`: the rows sequence i's images give (vlens.images).
+        `hooks` are user functions run at their taps before the capture sees the value (HookedLM.run_with_hooks:
+        the one eager path that runs user Python in a forward),
         and after the edits of `interventions` (uploaded; applied to every sequence, as a harvest's are).
         `grad`: outside inference mode, so what the hooks start an autograd graph from (HookedLM's backward
         hooks) can be differentiated, with the sdpa backend, the exact reference, which has a backward on every
