@@ -128,15 +128,17 @@ class LLM:
 
     def _tokens(
         self, prompts, field: str, add_special_tokens: bool = True
-    ) -> tuple[list[list[int]], list[PromptImages | None]]:
-        """Each prompt's token ids, and the rows of its images (an ImagePrompt's: vlens.images) or None. Every image
-        is encoded before anything runs, so a bad one fails the call without side effects."""
+    ) -> tuple[list[list[int]], list[PromptImages | None] | None]:
+        """Each prompt's token ids, and the rows of its images (an ImagePrompt's: vlens.images) or None (all None:
+        no prompt has images). Every image is encoded before anything runs, so a bad one fails the call without
+        side effects."""
         prompts = prompt_list(prompts, field)
         at = [i for i, p in enumerate(prompts) if isinstance(p, ImagePrompt)]
-        if at:
-            pieces = self.image_encoder().encode([(prompts[i].text, prompts[i].images) for i in at],
-                                                 [f"{field}[{i}]" for i in at], add_special_tokens)  # fmt: skip
-        encoded = dict(zip(at, pieces)) if at else {}
+        if not at:
+            return to_token_lists(prompts, self.tokenizer, self.config.vocab_size, field, add_special_tokens), None
+        pieces = self.image_encoder().encode([(prompts[i].text, prompts[i].images) for i in at],
+                                             [f"{field}[{i}]" for i in at], add_special_tokens)  # fmt: skip
+        encoded = dict(zip(at, pieces))
         token_lists = to_token_lists([encoded[i][0] if i in encoded else p for i, p in enumerate(prompts)],
                                      self.tokenizer, self.config.vocab_size, field, add_special_tokens)  # fmt: skip
         return token_lists, [encoded[i][1] if i in encoded else None for i in range(len(prompts))]
@@ -190,7 +192,8 @@ class LLM:
         self.check_fits(token_lists, "texts")
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
         for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
-            plan = self.runner.packed([token_lists[i] for i in batch], taps, images=[images[i] for i in batch])
+            given = None if images is None else [images[i] for i in batch]
+            plan = self.runner.packed([token_lists[i] for i in batch], taps, images=given)
             for owner, tap, rows in plan.pieces():
                 captured[batch[owner]][tap] = rows.clone()
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]
