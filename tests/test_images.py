@@ -420,6 +420,171 @@ def test_command_line_generate_with_an_image(family, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("vlens: error: --image: not an image vlens can read")
 
 
+def hf_layer_hook(hf, layer: int, edit):
+    """A forward hook on HF's language-model layer `layer` that edits its output [1, T, d] with `edit`."""
+
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            return (edit(output[0]), *output[1:])
+        return edit(output)
+
+    return hf.model.language_model.layers[layer].register_forward_hook(hook)
+
+
+@pytest.fixture(scope="module")
+def hooked_family(family):
+    """(name, HookedLM over the family's checkpoint, its LLM, HF model, processor)."""
+    from vlens import HookedLM
+
+    name, llm, hf, processor = family
+    return name, HookedLM(str(llm.model_path), dtype="float32", device="cpu", block_size=4), llm, hf, processor
+
+
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
+def test_hooked_lm_caches_and_edits_image_prompts(hooked_family):
+    """HookedLM (TransformerLens's calls) takes vLLM's image prompts beside texts: run_with_cache's rows of each
+    image prompt are HF's given its pixels, a text's its own; to_str_tokens lists the expanded placeholders at
+    the cache's positions; run_with_hooks zeroing the image rows of layer 0's output gives the logits HF gives with
+    the same edit; prepend_bos is refused for them by name."""
+    name, model, llm, hf, processor = hooked_family
+    (text, images), _, (text2, images2) = prompts(name)
+    batch = [request(text, images), "The capital of France is", request(text2, images2)]
+    hooks = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_pattern", "ln_final.hook_out"]
+    logits, cache = model.run_with_cache(batch, names_filter=hooks)
+    alone = llm.trace(batch[1], hooks=hooks)[0]
+    for i, (t, imgs) in ((0, (text, images)), (2, (text2, images2))):
+        inputs = hf_inputs(processor, t, imgs)
+        ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask")
+        ref = hf_taps(hf, ids, range(2), pixels=inputs)
+        n = len(ids)
+        assert cache.mask[i].sum() == n
+        assert same(logits[i, :n], ref["unembed.hook_out"], TOL)
+        assert same(cache["blocks.0.hook_resid_post"][i, :n], ref["blocks.0.hook_resid_post"], TOL)
+        assert same(cache["ln_final.hook_out"][i, :n], ref["ln_final.hook_out"], TOL)
+        pattern = cache["blocks.1.attn.hook_pattern"][i, :, :n, :n]  # ([heads, query, key]: TransformerLens's)
+        assert same(pattern.transpose(0, 1), ref["blocks.1.attn.hook_pattern"], TOL)
+        words = model.to_str_tokens(batch[i])
+        assert len(words) == n
+        assert [w for w, t in zip(words, ids) if t == hf.config.image_token_id] == \
+            [llm.tokenizer.decode([hf.config.image_token_id])] * ids.count(hf.config.image_token_id)  # fmt: skip
+    n = len(alone["ln_final.hook_out"])
+    assert same(cache["ln_final.hook_out"][1, :n], alone["ln_final.hook_out"], TOL)
+
+    inputs = hf_inputs(processor, text, images)
+    ids = inputs.pop("input_ids")[0].tolist()
+    rows = torch.tensor([p for p, t in enumerate(ids) if t == hf.config.image_token_id])
+
+    def zero_rows(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        x[:, rows] = 0
+        return x
+
+    edited = model.run_with_hooks(batch[0], fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: zero_rows(x))])
+    handle = hf_layer_hook(hf, 0, zero_rows)
+    try:
+        with torch.inference_mode():
+            want = hf(input_ids=torch.tensor([ids]), **inputs).logits
+    finally:
+        handle.remove()
+    assert same(edited[0], want[0], TOL)
+    assert not same(edited[0], logits[0, : len(ids)], 1e-3)
+    with pytest.raises(ValueError, match=r"^prepend_bos: True is for texts; prompts with images"):
+        model.run_with_cache(batch, prepend_bos=True)
+
+
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
+def test_hooked_lm_generates_from_an_image_prompt(hooked_family):
+    """HookedLM.generate of an image prompt: on the engine, and step by step with a hook in force over the KV cache
+    and without it (the prompt's image rows read in the first step), HF's greedy tokens; a hook that edits the
+    image rows changes them alike with and without the cache."""
+    name, model, llm, hf, processor = hooked_family
+    text, images = prompts(name)[0]
+    inputs = hf_inputs(processor, text, images)
+    with torch.inference_mode():
+        g = hf.generate(**inputs, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = g[0].tolist()
+    prompt = request(text, images)
+    kwargs = dict(max_new_tokens=4, do_sample=False, stop_at_eos=False, verbose=False, return_type="tokens")
+    assert model.generate(prompt, **kwargs)[0].tolist() == want
+    with model.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x)]):
+        for cached in (True, False):
+            assert model.generate(prompt, use_past_kv_cache=cached, **kwargs)[0].tolist() == want
+    n = inputs["input_ids"].shape[1]
+    rows = (inputs["input_ids"][0] == hf.config.image_token_id).nonzero().squeeze(1)
+
+    def scale(x, hook):  # (the prompt's image rows, in the step that runs them)
+        if x.shape[1] == n:
+            x = x.clone()
+            x[:, rows] *= 3
+        return x
+
+    with model.hooks(fwd_hooks=[("blocks.0.hook_resid_post", scale)]):
+        runs = [model.generate(prompt, use_past_kv_cache=cached, **kwargs)[0].tolist() for cached in (True, False)]
+    assert runs[0] == runs[1]
+    text_out = model.generate(prompt, max_new_tokens=4, do_sample=False, stop_at_eos=False, verbose=False)
+    assert isinstance(text_out, str) and text_out == llm.tokenizer.decode(want)
+
+
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
+def test_activation_patching_from_one_image_to_another(hooked_family):
+    """vlens.patching between two images in the same text: each patch's metric is what run_with_hooks gives with
+    that one patch put in (TransformerLens's definition, a forward per patch), the image rows among the
+    positions (Gemma 3's: a patched image row changes the rows of its image before it, which see it both ways)."""
+    from vlens import patching
+
+    name, model, llm, hf, processor = hooked_family
+    text = at(name, "USER: <image>\nWhat is it? ASSISTANT:")
+    clean, corrupted = request(text, [image(60)]), request(text, [image(61)])
+    _, clean_cache = model.run_with_cache(clean)
+    weights = torch.randn(llm.config.vocab_size, generator=torch.Generator().manual_seed(3))
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return (logits[0] * weights).sum()
+
+    got = patching.get_act_patch_resid_pre(model, corrupted, clean_cache, metric)
+    base = float(metric(model(corrupted)))
+    layers, width = got.shape
+    assert (layers, width) == (llm.config.num_layers, len(model.to_str_tokens(corrupted)))
+    want = torch.empty(layers, width)
+    for layer in range(layers):
+        for pos in range(width):
+            def put(x, hook, pos=pos):
+                x = x.clone()
+                x[:, pos] = clean_cache[hook.name][:, pos]
+                return x
+
+            want[layer, pos] = float(metric(model.run_with_hooks(corrupted, fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", put)])))
+    assert (want - base).abs().max() > 1e-3
+    assert (got - want).abs().max() <= 1e-4 * (want - base).abs().max()
+
+
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
+def test_command_line_trace_with_an_image(family, tmp_path, capsys):
+    """`vlens trace TEXT --image FILE --hooks ... --out F`: the rows LLM.trace gives the image prompt, its token ids
+    with the placeholders expanded, and the image's file in the metadata."""
+    import json
+
+    from safetensors import safe_open
+
+    from vlens.cli import main
+
+    name, llm, _, processor = family
+    image(70).save(tmp_path / "a.png")
+    text = at(name, "USER: <image>\nWhat is it? ASSISTANT:")
+    hooks = ["hook_embed", "blocks.1.hook_resid_post"]
+    flags = ["--model", str(llm.model_path), "--dtype", "float32", "--device", "cpu"]
+    out = tmp_path / "acts.safetensors"
+    assert main(["trace", text, "--image", str(tmp_path / "a.png"), "--hooks", *hooks, "--out", str(out), *flags]) == 0
+    ids = hf_inputs(processor, text, [image(70)])["input_ids"][0].tolist()
+    assert f"({len(ids)} tokens)" in capsys.readouterr().out
+    want = llm.trace(request(text, [image(70)]), hooks=hooks)[0]
+    with safe_open(str(out), "pt") as f:
+        assert f.get_tensor("token_ids").tolist() == ids
+        assert all(same(f.get_tensor(h), want[h], TOL) for h in hooks)
+        assert json.loads(f.metadata()["images"]) == [str(tmp_path / "a.png")]
+
+
 def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path):
     """Under tensor parallelism (2 ranks, gloo) rank 0 alone runs the vision tower and sends each forward's image
     rows with it, and how far each row sees (Gemma 3's images attend both ways, the patterns' heads on both ranks):
@@ -490,6 +655,6 @@ def test_refusals(family, smol4):
     for prompt, message in bad:
         with pytest.raises(ValueError, match=message):
             llm.generate(["fine", prompt], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"input\[1\]: multi_modal_data is taken by LLM.generate, LLM.chat and LLM.tr"):
+    with pytest.raises(ValueError, match=r"input\[1\]: multi_modal_data is taken by LLM.generate, LLM.chat, LLM.trac"):
         to_token_lists(prompt_list(["a", request("a <image>", [image(0)])]), llm.tokenizer, 10, field="input")
     assert not llm.engine.has_work()

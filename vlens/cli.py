@@ -25,7 +25,7 @@ from vlens.engine.config import EngineConfig
 from vlens.harvest import cli as harvest_cli
 from vlens.harvest.dataset import difference_of_means
 from vlens.images import load_image
-from vlens.inputs import to_token_lists
+from vlens.inputs import ImagePrompt, to_token_lists
 from vlens.llm import LLM
 from vlens.loader import model_config
 from vlens.sae.model import SAE
@@ -39,8 +39,9 @@ TRACE_ABOUT = "Run the texts through the model and print, per text, each hook's 
 TRACE_FILE = (
     "--out writes one safetensors file with the texts packed back to back, one row per token: a tensor "
     "per hook, keyed by the hook name, [rows, *per-token shape]; token_ids, sequence (index of the text) "
-    "and position (within its text), each [rows] int64; metadata 'model' and 'texts' (a JSON list). "
-    "Text i's rows of a hook are acts[hook][acts['sequence'] == i]."
+    "and position (within its text), each [rows] int64; metadata 'model', 'texts' (a JSON list) and, with --image, "
+    "'images' (their files, a JSON list). Text i's rows of a hook are acts[hook][acts['sequence'] == i]; with "
+    "--image its image tokens' rows are among them (the placeholders expanded, token_ids says which)."
 )
 GENERATE_ABOUT = (
     "Generate a completion per prompt (greedy unless --temperature) and print a table of the captured tensors."
@@ -75,9 +76,16 @@ def _cmd_hooks(args: argparse.Namespace) -> int:
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     _check_out(args.out)
-    llm = _llm(args)
-    token_lists = to_token_lists(args.texts, llm.tokenizer, llm.config.vocab_size, field="texts")
-    results = llm.trace(token_lists, args.hooks)
+    images = [load_image(path, "--image", local_files=True) for path in args.image or []]
+    llm = _llm(args)  # after the images are known to be good
+    if images:  # (each text's token ids with its images' placeholders expanded: the processor's, no tower)
+        encoder = llm.image_encoder("--image")
+        token_lists = [encoder.token_ids(ImagePrompt(text, images), "--image") for text in args.texts]
+        results = llm.trace([{"prompt": text, "multi_modal_data": {"image": images}} for text in args.texts],
+                            args.hooks)  # fmt: skip
+    else:
+        token_lists = to_token_lists(args.texts, llm.tokenizer, llm.config.vocab_size, field="texts")
+        results = llm.trace(token_lists, args.hooks)
     for i, (text, ids, acts) in enumerate(zip(args.texts, token_lists, results)):
         print(f"text {i}: {text!r} ({len(ids)} token{'s' * (len(ids) != 1)})")
         rows = [("hook", "shape", "dtype", "mean row norm")]
@@ -94,7 +102,8 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         tensors["token_ids"] = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64)
         tensors["sequence"] = torch.cat([torch.full((len(ids),), i) for i, ids in enumerate(token_lists)])
         tensors["position"] = torch.cat([torch.arange(len(ids)) for ids in token_lists])
-        save_file(tensors, args.out, metadata={"model": llm.model_name, "texts": json.dumps(args.texts)})
+        metadata = {"model": llm.model_name, "texts": json.dumps(args.texts)}
+        save_file(tensors, args.out, metadata=metadata | ({"images": json.dumps(args.image)} if images else {}))
         print(f"wrote {args.out}: {len(results[0])} hooks, {len(tensors['token_ids'])} rows")
     return 0
 
@@ -276,6 +285,8 @@ def _parser() -> argparse.ArgumentParser:
         help="hook names or globs (quoted), e.g. blocks.10.hook_resid_post 'blocks.{0..3}.hook_attn_out'",
     )
     add_flags(p, EngineConfig, only=MODEL_FLAGS | {"dtype", "device", "tensor_parallel_size"})
+    p.add_argument("--image", action="append", metavar="FILE", help="an image of every text (repeat for several; "
+                   "vision-language checkpoints), where the text writes the checkpoint's placeholder")  # fmt: skip
     p.add_argument("--out", metavar="FILE", help="also write the activations and token ids to FILE (see below)")
     p.set_defaults(func=_cmd_trace)
 

@@ -22,7 +22,7 @@ HookedSAETransformer calls (SAEs spliced in at their hooks) in vlens.hooked_saes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
@@ -49,13 +49,15 @@ from vlens.engine.sampler import SamplingBatch, sample
 from vlens.hook_points import DIRECTIONS, Hook, HookFn, HookPoint, PatternGrads, TapHooks
 from vlens.hooked_saes import SAEMethods, Splice
 from vlens.hooked_weights import HookTree, ModelWeights
-from vlens.inputs import to_token_lists
+from vlens.images import PromptImages
+from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 from vlens.llm import LLM
 from vlens.sampling_params import SamplingParams
 
 __all__ = ["ActivationCache", "HookPoint", "HookedLM", "get_act_name", "test_prompt"]  # (a notebook's `utils` too)
 
 NamesFilter = "str | Sequence[str] | Callable[[str], bool] | None"
+Images = list[PromptImages | None] | None  # the rows each text's images give (vlens.images), None: no images
 
 
 def test_prompt(
@@ -277,16 +279,22 @@ class HookedLM(ModelWeights, SAEMethods):
         return self.tokenizer.decode(tokens.tolist())
 
     def to_str_tokens(self, input: Any, prepend_bos: bool | None = None) -> list[str] | list[list[str]]:
-        """Each token as text, of a text (tokenized as to_tokens does), a list of token ids, or a token tensor
-        ([positions], or [batch, positions]: a list per row, one row squeezed away as TransformerLens does); a
-        list of texts gives a list per text."""
+        """Each token as text, of a text (tokenized as to_tokens does), a list of token ids, a token tensor
+        ([positions], or [batch, positions]: a list per row, one row squeezed away as TransformerLens does), or a
+        prompt with images (its placeholders expanded as the processor expands them, so the list's places are
+        the cache's positions); a list of texts gives a list per text."""
         if isinstance(input, torch.Tensor):
             tokens = input.squeeze(0) if input.dim() == 2 and input.shape[0] == 1 else input
             if tokens.dim() > 1:
                 return [self.to_str_tokens(row) for row in tokens]
             ids = tokens.reshape(-1).tolist()
-        elif not isinstance(input, str) and isinstance(input, Sequence) and input and all(isinstance(t, str) for t in input):
+        elif not isinstance(input, str) and isinstance(input, Sequence) and input and all(
+            isinstance(t, (str, Mapping)) for t in input
+        ):  # fmt: skip
             return [self.to_str_tokens(text, prepend_bos) for text in input]
+        elif isinstance(input, Mapping) and "multi_modal_data" in input:
+            [prompt] = prompt_list(input, "input")
+            ids = self.llm.image_encoder("input").token_ids(prompt, "input")
         else:
             ids = self._token_lists([input], prepend_bos)[0]
         return [self.tokenizer.decode([t]) for t in ids]
@@ -302,16 +310,21 @@ class HookedLM(ModelWeights, SAEMethods):
 
     def _sequences(
         self, input: Any, attention_mask: torch.Tensor | None, prepend_bos: bool | None = None
-    ) -> tuple[list[list[int]], Padding]:
-        """The token ids of each text (tokenized as to_tokens does), and where its rows go in the output: from
-        position 0 for texts and a token tensor (taken whole), at the positions `attention_mask` marks when it
-        comes with one (so a left-padded batch comes back left-padded, each text's last position last)."""
+    ) -> tuple[list[list[int]], Padding, Images]:
+        """The token ids of each text (tokenized as to_tokens does; a prompt with images, vLLM's {"prompt",
+        "multi_modal_data"}, by the checkpoint's processor, as LLM.generate takes it), where its rows go in the
+        output (from position 0 for texts and a token tensor taken whole, at the positions `attention_mask`
+        marks when it comes with one: a left-padded batch comes back left-padded, each text's last position
+        last), and the rows its images
+        give (vlens.images; None where no text has any)."""
         if not isinstance(input, torch.Tensor):
             if attention_mask is not None:
                 raise ValueError("attention_mask: goes with a [batch, positions] token tensor; texts are run packed, "
                                  "never padded, so they need none")  # fmt: skip
-            seqs = self._token_lists([input] if isinstance(input, str) else list(input), prepend_bos)
-            return seqs, Padding.right([len(s) for s in seqs])
+            seqs, images = self._with_images(input, prepend_bos)
+            if images is None:
+                seqs = self._token_lists(seqs, prepend_bos)
+            return seqs, Padding.right([len(s) for s in seqs]), images
         rows = (input[None] if input.dim() == 1 else input).cpu()
         if attention_mask is None:
             padding = Padding.right([rows.shape[1]] * rows.shape[0])
@@ -322,7 +335,18 @@ class HookedLM(ModelWeights, SAEMethods):
                 raise ValueError(f"attention_mask: shape {tuple(mask.shape)} differs from the tokens' {tuple(rows.shape)}")
             padding = Padding(mask)
         seqs = [r[m].tolist() for r, m in zip(rows, padding.mask)]
-        return to_token_lists(seqs, None, self.cfg.vocab_size, field="input"), padding
+        return to_token_lists(seqs, None, self.cfg.vocab_size, field="input"), padding, None
+
+    def _with_images(self, input: Any, prepend_bos: bool | None) -> tuple[list[Any], Images]:
+        """The prompts of `input` (texts, token-id lists), or where some have images the token ids of each (its
+        images' placeholders expanded) and their images' rows, encoded before anything runs."""
+        prompts = prompt_list(input, "input")
+        if not any(isinstance(p, ImagePrompt) for p in prompts):
+            return prompts, None
+        if prepend_bos is not None:
+            raise ValueError(f"prepend_bos: {prepend_bos!r} is for texts; prompts with images are tokenized by the "
+                             "checkpoint's processor as HF's model takes them, so leave it None")  # fmt: skip
+        return self.llm._tokens(prompts, "input")
 
     # -- forwards -------------------------------------------------------------------------------------
 
@@ -663,7 +687,7 @@ class HookedLM(ModelWeights, SAEMethods):
     ) -> tuple[Any, ActivationCache]:  # fmt: skip
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type: {return_type!r} is not one of logits, loss, both, None")
-        seqs, padding = self._sequences(input, attention_mask, prepend_bos)
+        seqs, padding, images = self._sequences(input, attention_mask, prepend_bos)
         self.llm.check_fits(seqs, "input")
         if remove_batch_dim:
             one_text(len(seqs))
@@ -686,7 +710,7 @@ class HookedLM(ModelWeights, SAEMethods):
         hooks = self._tap_hooks(padding, seqs, output if grad else None, grads, saved, values, readers)
         needed = (_values_needed(hooks) if grad else set()) | readers.keys()
         taps |= needed
-        captured = self.llm.runner.packed(seqs, sorted(taps), hooks=hooks, grad=grad)
+        captured = self.llm.runner.packed(seqs, sorted(taps), hooks=hooks, grad=grad, images=images)
         rows: dict[str, list[torch.Tensor]] = {t: [None] * len(seqs) for t in taps}
         for i, tap, value in captured.pieces():
             rows[tap][i] = value
@@ -734,13 +758,13 @@ class HookedLM(ModelWeights, SAEMethods):
             return True
         return bool(self._hooks) and self.llm.runner.model.executor is None
 
-    def _last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
+    def _last_logits(self, seqs: list[list[int]], images: Images = None) -> torch.Tensor:
         """[batch, vocab]: each sequence's logits at its last position, with the hook functions in force run over
         the batch left-padded, as TransformerLens lays out a batch it generates for (`value[:, -1]` is each
         sequence's last token)."""
         last = [torch.tensor([len(s) - 1]) for s in seqs]
         hooks = self._tap_hooks(Padding.left(list(map(len, seqs))), seqs)
-        captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=hooks)
+        captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=hooks, images=images)
         logits: list[torch.Tensor] = [None] * len(seqs)
         for i, _, value in captured.pieces():
             logits[i] = value[0]
@@ -787,7 +811,7 @@ class HookedLM(ModelWeights, SAEMethods):
             raise ValueError(f"return_type: {return_type!r} is not one of input, str, tokens")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {max_new_tokens!r} is not allowed; expected an int >= 1")
-        seqs, _ = self._sequences(input, None, prepend_bos)
+        seqs, _, images = self._sequences(input, None, prepend_bos)
         self.llm.check_fits(seqs, "input")
         stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ())
         seed = int(torch.randint(2**31, ())) if do_sample and temperature > 0 else None
@@ -802,14 +826,16 @@ class HookedLM(ModelWeights, SAEMethods):
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         fill = stops[0] if stops else eos if eos is not None else min(self.llm.engine.eos_ids, default=self._pad_id())
         if self._saes or any(h.dir == "fwd" for h in self._hooks):
-            new = self._generate_with_hooks(seqs, params, fill, verbose, use_past_kv_cache)
+            new = self._generate_with_hooks(seqs, params, fill, verbose, use_past_kv_cache, images)
         else:
-            new = [list(o.outputs[0].token_ids) for o in self.llm.generate(seqs, params, use_tqdm=verbose)]
+            outs = self.llm._run(seqs, [None] * len(seqs), params, verbose, images)
+            new = [list(o.outputs[0].token_ids) for o in outs]
         return self._generated(input, seqs, new, return_type, fill)
 
     def _generate_with_hooks(
-        self, seqs: list[list[int]], params: list[SamplingParams], fill: int, verbose: bool, cached: bool
-    ) -> list[list[int]]:
+        self, seqs: list[list[int]], params: list[SamplingParams], fill: int, verbose: bool, cached: bool,
+        images: Images = None,
+    ) -> list[list[int]]:  # fmt: skip
         """The tokens generated after each sequence, one forward of the whole batch a step with the hooks in force
         (a sequence that stopped goes on with `fill`, as in TransformerLens, until every one has stopped);
         `cached`: over blocks of the engine's KV cache, lent for the call."""
@@ -824,12 +850,12 @@ class HookedLM(ModelWeights, SAEMethods):
             for step in tqdm(range(steps), disable=not verbose, desc="generate"):
                 fed = [(s + n + [fill] * (step - len(n)))[:limit] for s, n in zip(seqs, new)]
                 if tables is None:
-                    logits = self._last_logits(fed)
+                    logits = self._last_logits(fed, images)
                 else:  # (a sequence at the length limit feeds its last token again, at the same position)
                     starts = [min(c, len(f) - 1) for c, f in zip(computed, fed)]
                     rows = [f[b:] for f, b in zip(fed, starts)]
                     hooks = self._tap_hooks(Padding.left(list(map(len, rows))), rows)
-                    logits = self.llm.runner.extend(fed, starts, tables, hooks).cpu()  # (sampled as _last_logits's)
+                    logits = self.llm.runner.extend(fed, starts, tables, hooks, images=images).cpu()  # (as _last_logits's)
                     computed = list(map(len, fed))
                 sampled = sample(logits, _sampling(params, fed)).tolist()
                 for i, token in enumerate(sampled):
@@ -861,7 +887,7 @@ class HookedLM(ModelWeights, SAEMethods):
         """generate's result in TransformerLens's forms (see generate)."""
         if return_type == "str" or (return_type == "input" and not isinstance(input, torch.Tensor)):
             texts = [self.tokenizer.decode(s + n) for s, n in zip(seqs, new)]
-            return texts[0] if isinstance(input, str) else texts
+            return texts[0] if isinstance(input, (str, Mapping)) else texts
         steps = max(map(len, new))
         rows = [s + n + [fill] * (steps - len(n)) for s, n in zip(seqs, new)]
         out = torch.full((len(rows), max(map(len, rows))), self._pad_id(), dtype=torch.long)

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlens.inputs import ImagePrompt
+
 # HF architecture -> True where images are taken, else why not (the text model still runs on text)
 IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "LlavaForConditionalGeneration": True,
@@ -80,6 +82,15 @@ class PromptImages:
                 if offset < start + n < offset + length:
                     return max(0, offset - start)
         return n
+
+    def opening(self, position: int) -> int:
+        """Where a forward that changes the rows from `position` on starts: at the first row of the image run it
+        falls in where the runs attend both ways (the run's earlier rows see it), else at `position`."""
+        if self.both_ways:
+            for offset, length in self.placeholders():
+                if offset <= position < offset + length:
+                    return offset
+        return position
 
     def longest_run(self) -> int:
         return max(length for _, length in self.placeholders()) if self.both_ways else 0
@@ -158,6 +169,10 @@ class ImageEncoder:
             raise ValueError(f"{field}: this checkpoint's processor has no chat template; use generate() with the "
                              "prompt written out")  # fmt: skip
         return self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+    def token_ids(self, prompt: ImagePrompt, field: str) -> list[int]:
+        """The prompt's token ids, its images' placeholders expanded (the processor's alone: no tower runs)."""
+        return self._prepare(prompt.text, prompt.images, field, True)[0].tolist()
 
     @torch.inference_mode()
     def encode(

@@ -39,8 +39,8 @@ def to_token_lists(
         elif isinstance(p, Sequence) and len(p) == 0:
             raise ValueError(f"{field}[{i}]: empty token-id list; give at least one token")
         elif isinstance(p, ImagePrompt):
-            raise ValueError(f"{field}[{i}]: multi_modal_data is taken by LLM.generate, LLM.chat and LLM.trace; "
-                             "this call reads texts and token ids")  # fmt: skip
+            raise ValueError(f"{field}[{i}]: multi_modal_data is taken by LLM.generate, LLM.chat, LLM.trace and "
+                             "HookedLM's forwards and generate; this call reads texts and token ids")  # fmt: skip
         else:
             raise ValueError(f"{field}[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
         if not ids:

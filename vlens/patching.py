@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vlens.engine.block_manager import BlockManager
     from vlens.engine.model_runner import ModelRunner
     from vlens.hooked import HookedLM
+    from vlens.images import PromptImages
 
 PatchSetter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
 LOGIT_BYTES = 256 << 20  # the logits of one packed forward of copies, at most (but one copy's, if more)
@@ -67,8 +68,9 @@ def generic_activation_patch(
     index, clean)` edits `corrupted` [batch, pos, ...] where `index` says and returns it."""
     if (index_axis_names is None) == (index_df is None):
         raise ValueError("index_axis_names / index_df: give exactly one (axis names, or a DataFrame of indices)")
+    seqs, padding, images = model._sequences(corrupted_tokens, None)
     if index_df is None:
-        ranges = [_axis_range(model, corrupted_tokens, activation_name, axis) for axis in index_axis_names]
+        ranges = [_axis_range(model, padding.width, activation_name, axis) for axis in index_axis_names]
         indices = [list(index) for index in itertools.product(*map(range, ranges))]
     else:
         indices = [[int(i) for i in row] for row in index_df.itertuples(index=False)]
@@ -82,7 +84,6 @@ def generic_activation_patch(
     # (the values a layer attends to: its own, or the earlier layer's it shares, Gemma 4's)
     values = {layer: get_act_name("v", layer=model.cfg.kv_layer_at(layer)) for layer in layers if through_values}
     taps |= {name: tap for name in targets.values() for tap in model._names(name).values()}
-    seqs, padding = model._sequences(corrupted_tokens, None)
     lens = [len(s) for s in seqs]
     starts = {layer: model.llm.model.resume_layer(layer) for layer in names}  # (where a forward redoing it starts)
     streams = {layer: get_act_name("resid_pre", starts[layer]) for layer in names}
@@ -94,7 +95,7 @@ def generic_activation_patch(
                              f"{tuple(corrupted[name].shape)} in the corrupted run; patching needs clean and "
                              "corrupted tokens of one shape")  # fmt: skip
     metrics = [0.0] * len(indices)
-    sweep = _Sweep(model, seqs, padding, patching_metric)
+    sweep = _Sweep(model, seqs, padding, patching_metric, images)
     try:
         for layer, name in names.items():
             entering = padding.pack(corrupted[streams[layer]]).split(lens)  # what every copy's layer reads
@@ -174,7 +175,7 @@ def _path_patch(
     z = [get_act_name("z", layer) for layer in range(senders)]
     streams = [get_act_name("resid_pre", layer) for layer in range(n)]
     attn_out = [get_act_name("attn_out", layer) for layer in range(n)]
-    seqs, padding = model._sequences(tokens, None)
+    seqs, padding, images = model._sequences(tokens, None)
     lens = [len(s) for s in seqs]
     wanted = sorted({*z, *streams, *attn_out, *receivers})
     _, orig = model.run_with_cache(tokens, names_filter=wanted, return_type=None)
@@ -186,7 +187,7 @@ def _path_patch(
     results = torch.empty(senders, heads)
     flat = results.view(-1)  # patch i: sender layer i // heads, head i % heads
     patched: dict[int, list[_Copy]] = {}  # to receivers: the orig run's copies, by the layer they run from
-    sweep = _Sweep(model, seqs, padding, metric)
+    sweep = _Sweep(model, seqs, padding, metric, images)
     try:
         results[:] = sweep.unpatched  # (where a patch changes nothing)
         for layer in range(senders):
@@ -233,12 +234,12 @@ def _layer_of(name: str) -> int:
     return int(name.split(".")[1])
 
 
-def _axis_range(model: HookedLM, tokens: torch.Tensor, activation_name: str, axis: str) -> int:
+def _axis_range(model: HookedLM, width: int, activation_name: str, axis: str) -> int:
     cfg = model.cfg
     if axis == "layer":
         return cfg.num_layers
     if axis in ("pos", "src_pos", "dest_pos"):
-        return tokens.shape[-1]
+        return width
     if axis in ("head_index", "head"):
         if activation_name not in ("k", "v", "k_input", "v_input"):
             return cfg.num_heads
@@ -290,19 +291,26 @@ class _Sweep:
     """Copies of one batch run a forward at a time over the engine's KV cache: the batch's own run first (its
     keys and values, which every copy reads before its first changed position, and its logits, which a copy's
     rows before that position and every text a patch leaves alone keep), then the copies; `close` gives the
-    blocks back."""
+    blocks back. `images`: the rows each text's images give (vlens.images), which the batch's own run reads."""
 
-    def __init__(self, model: HookedLM, seqs: list[list[int]], padding, metric: Callable[[torch.Tensor], Any]):
+    def __init__(
+        self, model: HookedLM, seqs: list[list[int]], padding, metric: Callable[[torch.Tensor], Any],
+        images: list[PromptImages | None] | None = None,
+    ):  # fmt: skip
         self.runner, self.blocks = model.llm.runner, model.llm.engine.blocks
         if self.runner.model.executor is not None:
             raise ValueError("model: vlens.patching runs a model in one process (tensor_parallel_size=1); "
                              "TransformerLens's patching module runs on any HookedLM, a forward per patch")  # fmt: skip
         self.seqs, self.padding, self.metric = seqs, padding, metric
+        # (the copies start at a layer, past the embedding; they need a text's images only where its image tokens
+        # attend to each other both ways, Gemma 3's: for the rows' key limits)
+        self.images = images if images and any(i is not None and i.both_ways for i in images) else None
         self.lens = [len(s) for s in seqs]
         self.limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
         self.base = _lend(self.blocks, self.lens)
         try:
-            self.plain = self.runner.extend(seqs, [0] * len(seqs), self.base, {}, every_row=True).split(self.lens)
+            self.plain = self.runner.extend(seqs, [0] * len(seqs), self.base, {}, every_row=True,
+                                            images=images).split(self.lens)  # fmt: skip
             self.unpatched = float(metric(padding.pad(torch.cat(self.plain))))
         except BaseException:
             self.close()
@@ -314,8 +322,13 @@ class _Sweep:
         if self.runner.stateful:  # (a state per sequence is of a whole prefix, which the corrupted run
             # keeps at no copy's first position: each copy runs from position 0, rows before its first unchanged)
             copies = [replace(copy, first=0) for copy in copies]
+        elif self.images is not None:  # (a changed image row changes the rows of its image before it too)
+            copies = [copy if (i := self.images[copy.text]) is None else replace(copy, first=i.opening(copy.first))
+                      for copy in copies]  # fmt: skip
         for chunk in _chunks(copies, self.lens, self.limit, self.blocks):
-            logits, seen = _run_copies(self.runner, self.blocks, self.seqs, self.base, layer, entering, chunk, read)
+            images = None if self.images is None else [self.images[c.text] for c in chunk]
+            logits, seen = _run_copies(self.runner, self.blocks, self.seqs, self.base, layer, entering, chunk, read,
+                                       images)  # fmt: skip
             for i, copy in enumerate(chunk):
                 yield copy, None if logits is None else logits[i], {tap: rows[i] for tap, rows in seen.items()}
 
@@ -367,6 +380,7 @@ def _lend(blocks: BlockManager, lengths: list[int]) -> list[list[int]]:
 def _run_copies(
     runner: ModelRunner, blocks: BlockManager, seqs: list[list[int]], base: list[list[int]], layer: int,
     entering: Sequence[torch.Tensor], copies: list[_Copy], read: Sequence[str] = (),
+    images: list[PromptImages | None] | None = None,
 ) -> tuple[list[torch.Tensor] | None, dict[str, list[torch.Tensor]]]:  # fmt: skip
     """Each copy's logits from its first changed position on, in one forward from `layer`: its keys and
     values before that position are the corrupted run's (`base`'s blocks, and slots of the block it starts
@@ -397,7 +411,8 @@ def _run_copies(
         kv_copy = (source, target) if source else None
         until = max(map(_layer_of, read)) + 1 if read else None
         logits = runner.extend([seqs[c.text] for c in copies], [c.first for c in copies], tables, hooks,
-                               every_row=True, resume=(layer, stream), kv_copy=kv_copy, num_layers=until)  # fmt: skip
+                               every_row=True, resume=(layer, stream), kv_copy=kv_copy, num_layers=until,
+                               images=images)  # fmt: skip
     finally:
         for table in fresh:
             blocks.give_back(table)

@@ -551,7 +551,7 @@ class ModelRunner:
         self, sequences: list[list[int]], starts: list[int], tables: list[list[int]],
         hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]], every_row: bool = False,
         resume: tuple[int, torch.Tensor] | None = None, kv_copy: tuple[list[int], list[int]] | None = None,
-        num_layers: int | None = None,
+        num_layers: int | None = None, images: list[PromptImages | None] | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Logits [B, vocab] of each sequence's last token (`every_row`: [new tokens, vocab], of each one),
         from a forward of its tokens after `starts[i]` whose keys and values go to the cache blocks
@@ -560,7 +560,8 @@ class ModelRunner:
         use_past_kv_cache does; and vlens.patching's copies of a run, which also start at a layer (`resume`:
         the layer and the stream entering it, DecoderLM.forward's `start`) and first copy cache slots
         (`kv_copy`: from, to) where a copy's first block shares keys of the run it copies. `num_layers`: run
-        that many layers and no unembedding (None back): a forward only its hooks read (path patching's)."""
+        that many layers and no unembedding (None back): a forward only its hooks read (path patching's).
+        `images[i]`: the rows sequence i's images give, read where its new tokens reach them (vlens.images)."""
         if resume is not None and self.model.executor is not None:
             raise ValueError("resume: a forward from a layer on runs in one process (tensor_parallel_size=1)")
         lens = [len(s) for s in sequences]
@@ -576,7 +577,10 @@ class ModelRunner:
         every = every_row or LOGITS in hooks
         rows = None if num_layers is not None else slice(None) if every else put("logit_rows", last)
         forward = None if resume is None else partial(self.model, start=resume, num_layers=num_layers)
-        _, logits = self._forward(meta, ids, dict(hooks), num_layers, rows, forward=forward)
+        rows_from = np.cumsum([0, *new[:-1]]).tolist()
+        pieces = [(i, b, n, row) for i, b, n, row in zip(images or [], starts, new, rows_from) if i is not None]
+        embeds = self._image_rows(meta, pieces, lambda: list(zip(starts, new))) if pieces else None
+        _, logits = self._forward(meta, ids, dict(hooks), num_layers, rows, forward=forward, embeds=embeds)
         if every and not every_row and logits is not None:
             logits = logits.index_select(0, torch.as_tensor(last, device=logits.device))
         return logits
