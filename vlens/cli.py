@@ -80,7 +80,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     llm = _llm(args)  # after the images are known to be good
     if images:  # (each text's token ids with its images' placeholders expanded: the processor's, no tower)
         encoder = llm.image_encoder("--image")
-        token_lists = [encoder.token_ids(ImagePrompt(text, images), "--image") for text in args.texts]
+        token_lists = [encoder.prepare(ImagePrompt(text, images), "--image").ids.tolist() for text in args.texts]
         results = llm.trace([{"prompt": text, "multi_modal_data": {"image": images}} for text in args.texts],
                             args.hooks)  # fmt: skip
     else:

@@ -294,7 +294,7 @@ class HookedLM(ModelWeights, SAEMethods):
             return [self.to_str_tokens(text, prepend_bos) for text in input]
         elif isinstance(input, Mapping) and "multi_modal_data" in input:
             [prompt] = prompt_list(input, "input")
-            ids = self.llm.image_encoder("input").token_ids(prompt, "input")
+            ids = self.llm.image_encoder("input").prepare(prompt, "input").ids.tolist()
         else:
             ids = self._token_lists([input], prepend_bos)[0]
         return [self.tokenizer.decode([t]) for t in ids]

@@ -116,6 +116,15 @@ class PromptImages:
         return None if lo == hi else (self.positions[lo:hi] - start, self.features[lo:hi])
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A prompt as the processor leaves it: its token ids [T], each image's placeholder expanded, and its images'
+    vision inputs (pixels, sizes, ...: what the tower reads), on the host."""
+
+    ids: torch.Tensor
+    vision: dict[str, torch.Tensor]
+
+
 class ImageEncoder:
     """A checkpoint's processor and its vision tower and projector (HF's), on the engine's device and dtype."""
 
@@ -170,55 +179,52 @@ class ImageEncoder:
                              "prompt written out")  # fmt: skip
         return self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
 
-    def token_ids(self, prompt: ImagePrompt, field: str) -> list[int]:
-        """The prompt's token ids, its images' placeholders expanded (the processor's alone: no tower runs)."""
-        return self._prepare(prompt.text, prompt.images, field, True)[0].tolist()
-
-    @torch.inference_mode()
     def encode(
-        self, prompts: Sequence[tuple[str, Sequence[Any]]], fields: Sequence[str], add_special_tokens: bool = True
+        self, prompts: Sequence[ImagePrompt], fields: Sequence[str], add_special_tokens: bool = True
     ) -> list[tuple[list[int], PromptImages]]:
         """Each prompt's token ids, each image's placeholder expanded, and its images' rows (a chat template's text
-        holds its special tokens already: add_special_tokens=False). The prompts' images go through the tower
-        together, TOWER_BATCH prompts at a time of those whose pixel tensors have the same shape (LLaVA-NeXT's tile
-        count follows the image's); each prompt's rows are what it alone would give, up to the tower's float
-        rounding at another batch size."""
-        prepared = [self._prepare(text, images, field, add_special_tokens)
-                    for (text, images), field in zip(prompts, fields)]  # fmt: skip
+        holds its special tokens already: add_special_tokens=False)."""
+        prepared = [self.prepare(prompt, field, add_special_tokens) for prompt, field in zip(prompts, fields)]
+        return [(p.ids.tolist(), images) for p, images in zip(prepared, self.rows(prepared, fields))]
+
+    def prepare(self, prompt: ImagePrompt, field: str, add_special_tokens: bool = True) -> Prepared:
+        """What the processor makes of one prompt (its own work alone: no tower runs)."""
+        try:
+            inputs = self.processor(text=prompt.text, images=list(prompt.images), return_tensors="pt",
+                                    add_special_tokens=add_special_tokens)  # fmt: skip
+        except Exception as e:  # (the processor's own: a count of placeholders and images that differ, a bad image)
+            raise ValueError(f"{field}: the processor refused the prompt and its images: {e}") from e
+        return Prepared(inputs["input_ids"][0], {k: v for k, v in inputs.items() if k not in _TEXT_INPUTS})
+
+    @torch.inference_mode()
+    def rows(self, prepared: Sequence[Prepared], fields: Sequence[str]) -> list[PromptImages]:
+        """The rows each prepared prompt's images give its language model (`fields`: what each one's errors name).
+        The images go through the tower together, TOWER_BATCH prompts at a time of those whose pixel tensors have
+        the same shape (LLaVA-NeXT's tile count follows the image's); each prompt's rows are what it alone would
+        give, up to the tower's float rounding at another batch size."""
         alike: dict[tuple, list[int]] = {}
-        for i, (_, vision) in enumerate(prepared):
-            alike.setdefault(tuple((k, v.shape[1:]) for k, v in vision.items()), []).append(i)
+        for i, p in enumerate(prepared):
+            alike.setdefault(tuple((k, v.shape[1:]) for k, v in p.vision.items()), []).append(i)
         rows: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
         for group in alike.values():
             for start in range(0, len(group), TOWER_BATCH):
                 members = group[start : start + TOWER_BATCH]
-                vision = {k: torch.cat([prepared[i][1][k] for i in members]) for k in prepared[members[0]][1]}
+                vision = {k: torch.cat([prepared[i].vision[k] for i in members]) for k in prepared[members[0]].vision}
                 features = self._features(vision)
-                counts = [int((prepared[i][0] == self.image_token_id).sum()) for i in members]
+                counts = [int((prepared[i].ids == self.image_token_id).sum()) for i in members]
                 if sum(counts) != len(features):
                     raise ValueError(f"{fields[members[0]]}: {sum(counts)} image tokens in the prompts for "
                                      f"{len(features)} image rows; give each image its placeholder once")  # fmt: skip
                 for i, part in zip(members, features.split(counts)):
                     rows[i] = part
         out = []
-        for (ids, vision), features in zip(prepared, rows):
+        for p, features in zip(prepared, rows):
             digest = hashlib.blake2b(digest_size=16)
-            for value in vision.values():
+            for value in p.vision.values():
                 digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
-            positions = (ids == self.image_token_id).nonzero().flatten().numpy()
-            out.append((ids.tolist(), PromptImages(positions, features, digest.hexdigest(), self.both_ways)))
+            positions = (p.ids == self.image_token_id).nonzero().flatten().numpy()
+            out.append(PromptImages(positions, features, digest.hexdigest(), self.both_ways))
         return out
-
-    def _prepare(
-        self, text: str, images: Sequence[Any], field: str, add_special_tokens: bool
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The processor's token ids [T] and vision inputs (on the host) of one prompt."""
-        try:
-            inputs = self.processor(text=text, images=list(images), return_tensors="pt",
-                                    add_special_tokens=add_special_tokens)  # fmt: skip
-        except Exception as e:  # (the processor's own: a count of placeholders and images that differ, a bad image)
-            raise ValueError(f"{field}: the processor refused the prompt and its images: {e}") from e
-        return inputs["input_ids"][0], {k: v for k, v in inputs.items() if k not in _TEXT_INPUTS}
 
     def _features(self, vision: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tower's rows [images' tokens, hidden] of a batch of vision inputs, on the host (pinned beside a GPU,
@@ -266,17 +272,19 @@ def chat_images(conversation: list[dict], field: str, local_files: bool) -> tupl
 
 
 def load_image(url: Any, field: str, local_files: bool) -> Any:
-    """A PIL image from a data: URL (base64), or with `local_files` a path or file:// URL (`field`: what errors
-    name). vlens fetches nothing from the network: a client sends the bytes."""
+    """A PIL image from a data: URL (base64) or a file's bytes, or with `local_files` a path or file:// URL (`field`:
+    what errors name). vlens fetches nothing from the network: a client sends the bytes."""
     try:
         from PIL import Image
     except ImportError:
         raise ValueError(f"{field}: reading images needs Pillow: pip install 'vlens[vision]'") from None
 
-    if not isinstance(url, str):
+    if not isinstance(url, (str, bytes, bytearray)):
         raise ValueError(f"{field}: expected a string, got {type(url).__name__}")
     try:
-        if url.startswith("data:"):
+        if isinstance(url, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(url))
+        elif url.startswith("data:"):
             header, _, payload = url.partition(",")
             if not header.endswith(";base64"):
                 raise ValueError("a data: URL of an image is base64 (data:image/png;base64,...)")

@@ -58,6 +58,12 @@ class HarvestConfig:
         "text", "column with the text, the token ids, or conversations (lists of {role, content} messages, rendered "
         "by the model's chat template); the default falls back to a tokens, input_ids or messages column",
     )  # fmt: skip
+    image_field: str | None = setting(
+        None, "column of each record's images, for a vision-language checkpoint (one or a list: a file path, relative "
+        "ones from a .jsonl or .parquet source's directory; a data: URL; bytes; a `datasets` Image): the record's text "
+        "holds their placeholders, the checkpoint's processor expands them, and each record is one window (needs "
+        "--no-pack), its image rows stored with the others (the manifest's image_token_id says which)",
+    )  # fmt: skip
     exclude_token_ids: tuple[int, ...] | None = setting(None, "further token ids whose rows are left out")
     roles: tuple[str, ...] | None = setting(
         None, "with a source of conversations: store only the rows of these roles' messages (their contents' "
@@ -148,6 +154,15 @@ class HarvestConfig:
         if self.pool is not None and self.pack:
             raise ValueError(f"pool: {self.pool!r} takes one row per document, which needs pack=False (--no-pack): "
                              "packed windows cut documents apart")  # fmt: skip
+        if self.image_field is not None:
+            if self.pack:
+                raise ValueError("image_field: a record with images is one window of its own, which needs pack=False "
+                                 "(--no-pack): packing would cut images apart")  # fmt: skip
+            for name, value, default in (("backend", self.backend, "local"), ("generate_tokens", self.generate_tokens,
+                                                                             None)):  # fmt: skip
+                if value != default:
+                    raise ValueError(f"{name}: {value!r} does not go with image_field; a harvest of images runs on the "
+                                     "local backend and stores the records' own text")  # fmt: skip
         if self.temperature and self.generate_tokens is None:
             raise ValueError("temperature: samples the continuations of generate_tokens; give it too")
         if self.samples > 1 and not self.temperature:

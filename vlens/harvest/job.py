@@ -41,6 +41,7 @@ from vlens.harvest.windows import (
     windows,
 )
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
+from vlens.images import PromptImages
 from vlens.version import __version__
 
 FORMAT = "vlens-harvest/2"  # 2: expert ids stored as int64; a document led by BOS gets no second one
@@ -98,7 +99,7 @@ class HarvestSummary:
 
 def source_of(config: HarvestConfig) -> Source:
     """The run's source, opened before the model loads: a typo in its path fails at once."""
-    return open_source(config.source, config.text_field, config.whole_file, config.split)
+    return open_source(config.source, config.text_field, config.whole_file, config.split, config.image_field)
 
 
 def plan(
@@ -271,6 +272,7 @@ def store_shard(
 def header(
     loaded: Any, src: Source, wanted: dict[str, str], packing: Packing, config: HarvestConfig, batch_tokens: int,
     features: FeatureHarvest | None, edits: HarvestEdits | None, generation: dict[str, Any] | None = None,
+    image_token_id: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
     param = next(loaded.model.parameters())
@@ -298,6 +300,7 @@ def header(
         "interventions": edits.describe() if edits is not None else None,
         **({"generate": generation} if generation is not None else {}),  # (only then: older manifests match)
         **({"pool": config.pool} if config.pool is not None else {}),
+        **({"image_token_id": image_token_id} if image_token_id is not None else {}),  # (a harvest of images)
         "dtype": dtype_name(config.out_dtype),
         "context_size": packing.context_size,
         "max_tokens": config.max_tokens,
@@ -356,11 +359,14 @@ def _shards(
 
 
 def forward(
-    runner: ModelRunner, sequences: list[list[int]], hooks: dict[str, Callable], edits: HarvestEdits | None
+    runner: ModelRunner, sequences: list[list[int]], hooks: dict[str, Callable], edits: HarvestEdits | None,
+    images: list[PromptImages | None] | None = None,
 ) -> PackedCapture:  # fmt: skip
-    """Every forward of a harvest: `sequences` packed, `hooks` at their taps (they take the rows; see
-    vlens.harvest.rows), after the edits. The one place that names the runner (tests stop a run here)."""
-    return runner.packed(sequences, [], hooks=hooks, interventions=edits.bound if edits is not None else None)
+    """Every forward of a harvest: `sequences` packed (with the rows their `images` give), `hooks` at their taps
+    (they take the rows; see vlens.harvest.rows), after the edits. The one place that names the runner (tests stop
+    a run here)."""
+    return runner.packed(sequences, [], hooks=hooks, interventions=edits.bound if edits is not None else None,
+                         images=images)  # fmt: skip
 
 
 def choose_batch_tokens(

@@ -28,6 +28,7 @@ from vlens.harvest.edits import HarvestEdits
 from vlens.harvest.features import SAE_KEYS, FeatureHarvest
 from vlens.harvest.stats import Pieces, ShardStats
 from vlens.harvest.windows import Window, document_ids, last_rows, stored_rows
+from vlens.images import ImageEncoder, PromptImages
 
 
 @dataclass
@@ -88,10 +89,11 @@ class DeviceRows:
     def __init__(
         self, runner: ModelRunner, wanted: dict[str, str], shapes: dict[str, tuple[int, ...]], out_dtype: torch.dtype,
         excluded: torch.Tensor, batch_tokens: int, features: FeatureHarvest | None, edits: HarvestEdits | None,
-        buffer_sets: int, row_keys: tuple[str, ...], pool: str | None = None,
+        buffer_sets: int, row_keys: tuple[str, ...], pool: str | None = None, encoder: ImageEncoder | None = None,
     ) -> None:  # fmt: skip
+        """`encoder`: the vision tower of a run whose windows have images (vlens.harvest.windows)."""
         self.runner, self.out_dtype, self.excluded, self.batch_tokens = runner, out_dtype, excluded, batch_tokens
-        self.row_keys, self.pool = row_keys, pool
+        self.row_keys, self.pool, self.encoder = row_keys, pool, encoder
         self.features, self.edits = features, edits
         if edits is not None:
             runner.taps.upload(edits.bound)
@@ -136,7 +138,7 @@ class DeviceRows:
             mean = _averaging(window[at]).to(self.device, non_blocking=True) if self.pool == "mean" else None
             rows = (at - lo + moved[window[at]]).to(self.device, non_blocking=True)
             hooks = {tap: self._hook(tap, rows, out, buffers, stats, mean) for tap in self._taps()}
-            self._forward(shard, [windows[i].tokens for i in batch], hooks)
+            self._forward(shard, [windows[i] for i in batch], hooks)
         shard.stats = {name: self._stats_to_host(s.finish()) for name, s in stats.items()}
         if self.side is not None:
             shard.event = torch.cuda.Event()
@@ -160,18 +162,27 @@ class DeviceRows:
             taps.append(self.features.tap)
         return taps
 
-    def _forward(self, shard: Shard, sequences: list[list[int]], hooks: dict[str, Callable]) -> None:
+    def _forward(self, shard: Shard, windows: list[Window], hooks: dict[str, Callable]) -> None:
+        """The forward of `windows`, after the vision tower has made their images' rows (timed with it)."""
         if self.side is None:
             started = time.perf_counter()
-            job.forward(self.runner, sequences, hooks, self.edits)
+            job.forward(self.runner, [w.tokens for w in windows], hooks, self.edits, self._images(windows))
             shard.forward_seconds += time.perf_counter() - started
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream(self.device)
         start.record(stream)
-        job.forward(self.runner, sequences, hooks, self.edits)
+        job.forward(self.runner, [w.tokens for w in windows], hooks, self.edits, self._images(windows))
         end.record(stream)
         shard.timings.append((start, end))
+
+    def _images(self, windows: list[Window]) -> list[PromptImages | None] | None:
+        """The rows each window's images give (None for a window of none; None for a forward without any)."""
+        given = [w.images for w in windows if w.images is not None]
+        if not given:
+            return None
+        rows = iter(self.encoder.rows(given, ["image_field"] * len(given)))
+        return [None if w.images is None else next(rows) for w in windows]
 
     def _hook(
         self, tap: str, rows: torch.Tensor, out: slice, buffers: dict[str, torch.Tensor],

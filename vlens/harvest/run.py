@@ -21,6 +21,7 @@ from vlens.harvest.rows import DeviceRows
 from vlens.harvest.sources import Source
 from vlens.harvest.windows import token_documents
 from vlens.harvest.writer import read_manifest
+from vlens.images import ImageEncoder
 from vlens.llm import LLM
 from vlens.loader import LoadedModel
 from vlens.settings import from_kwargs
@@ -76,14 +77,19 @@ def _harvest_loaded(
     taps = sorted({*wanted.values(), *([features.tap] if features is not None else [])})
     runner = runner_for(model, loaded)
     batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))
+    encoder = None  # (a checkpoint whose images cannot be read fails here, before anything is written)
+    if src.image_field is not None:
+        param = next(loaded.model.parameters())
+        encoder = ImageEncoder(loaded.path, param.dtype, param.device, "image_field")
     run_header = header(
-        loaded, src, wanted, packing, config, batch_tokens, features, edits, generation and generation.describe()
+        loaded, src, wanted, packing, config, batch_tokens, features, edits, generation and generation.describe(),
+        encoder and encoder.image_token_id,
     )  # fmt: skip
     job = Job.open(config.out_dir, run_header, loaded.config, wanted, config.out_dtype, packing)
     if job.manifest["complete"]:
         return job.report(started, config.progress)
     token_docs = token_documents(
-        src.documents(), loaded.tokenizer, loaded.config.vocab_size, packing.roles, generation is not None
+        src.documents(), loaded.tokenizer, loaded.config.vocab_size, packing.roles, generation is not None, encoder
     )  # fmt: skip
     if generation is not None:
         token_docs = with_replies(token_docs, generation, packing, job, local_start(model, generation, edits))
@@ -91,7 +97,7 @@ def _harvest_loaded(
     pipelined = config.pipelined(next(loaded.model.parameters()).device) and generation is None
     stage = DeviceRows(
         runner, wanted, request_shapes(loaded.config), config.out_dtype, job.excluded, batch_tokens, features, edits,
-        buffer_sets=2 if pipelined else 1, row_keys=job.row_keys, pool=config.pool,
+        buffer_sets=2 if pipelined else 1, row_keys=job.row_keys, pool=config.pool, encoder=encoder,
     )  # fmt: skip
     try:
         with job.progress_bar("harvest", config.max_tokens, config.progress) as bar:

@@ -1,8 +1,8 @@
 """Where harvest's documents come from: text files, JSON lines, Parquet, `datasets` directories, the hub.
 
-Every source streams its documents (a text, a list of token ids for pre-tokenized data, or a
-conversation: a list of {"role", "content"} messages, which the model's chat template renders) in a fixed
-order, so the same source always yields the same windows and a resumed run can skip exactly
+Every source streams its documents (a text, a list of token ids for pre-tokenized data, a
+conversation: a list of {"role", "content"} messages, which the model's chat template renders, or with an
+`image_field` a text and its images, for a vision-language checkpoint) in a fixed order, so the same source always yields the same windows and a resumed run can skip exactly
 the windows already on disk. Each source also has a content hash, recorded in the manifest, so that
 a re-run over changed data is refused instead of silently mixing two corpora.
 """
@@ -17,9 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from vlens.images import load_image
 from vlens.loader import hash_file
 
-Document = str | list[int] | list[dict[str, Any]]  # a text, token ids, or a conversation's messages
+
+@dataclass(frozen=True)
+class Pictures:
+    """A record's text and its images (PIL images, read by `pictures`); `where` names the record in errors."""
+
+    text: str
+    images: list[Any]
+    where: str
+
+
+Document = str | list[int] | list[dict[str, Any]] | Pictures  # a text, token ids, a conversation's messages, images
 FORMS = ("text", "tokens", "chat")  # what a source's documents are
 
 # SAELens reads pre-tokenized data from these columns when the default text column is missing; a
@@ -40,8 +51,9 @@ class Source:
     form: str  # one of FORMS
     whole_file: bool
     split: str | None
-    content_hash: str  # sha256 of the file bytes, or the dataset's own fingerprint
+    content_hash: str  # sha256 of the file bytes, or the dataset's own fingerprint (not the image files it names)
     _documents: Callable[[], Iterator[Document]]
+    image_field: str | None = None  # the column of each record's images (its documents are then Pictures)
 
     def documents(self) -> Iterator[Document]:
         """The documents, in order, one per record: blank texts and empty token lists too (they make no tokens,
@@ -58,30 +70,36 @@ class Source:
             "whole_file": self.whole_file,
             "split": self.split,
             "hash": self.content_hash,
+            **({"image_field": self.image_field} if self.image_field else {}),  # (only then: older manifests match)
         }
 
 
 def open_source(
-    source: str | os.PathLike, text_field: str = DEFAULT_FIELD, whole_file: bool = False, split: str | None = None
-) -> Source:
+    source: str | os.PathLike, text_field: str = DEFAULT_FIELD, whole_file: bool = False, split: str | None = None,
+    image_field: str | None = None,
+) -> Source:  # fmt: skip
     """Recognise `source` by what it is on disk (file suffix, `datasets` directory) or else as a hub id.
-    `split` (default train) is for a `datasets` directory or a hub dataset; a file has none to choose."""
+    `split` (default train) is for a `datasets` directory or a hub dataset; a file has none to choose.
+    `image_field`: each record's text comes with the images of that column (its documents are Pictures)."""
     path = Path(source).expanduser()
     if path.is_dir():
-        return _datasets_dir(path.resolve(), text_field, split or "train")
+        return _datasets_dir(path.resolve(), text_field, split or "train", image_field)
     if path.is_file():
         if split is not None:
             raise ValueError(f"split: {split!r} given, but {str(path)!r} is a file, which has no splits "
                              "(a split is for a datasets directory or a hub dataset)")  # fmt: skip
         suffix = path.suffix.lower()
         if suffix == ".txt":
+            if image_field is not None:
+                raise ValueError(f"image_field: {image_field!r} names a column, and a .txt file has none; give "
+                                 ".jsonl, .parquet, a `datasets` directory or a hub dataset")  # fmt: skip
             return _txt(path.resolve(), whole_file)
         if whole_file:
             raise ValueError(f"whole_file: only for .txt sources, not {str(path)!r}")
         if suffix == ".jsonl":
-            return _jsonl(path.resolve(), text_field)
+            return _jsonl(path.resolve(), text_field, image_field)
         if suffix == ".parquet":
-            return _parquet(path.resolve(), text_field)
+            return _parquet(path.resolve(), text_field, image_field)
         raise ValueError(
             f"source: {str(path)!r} has an unknown suffix {suffix!r}; expected .txt, .jsonl, .parquet, "
             "a `datasets` directory (save_to_disk) or a hub dataset id"
@@ -89,7 +107,7 @@ def open_source(
     looks_local = str(source).startswith((".", "/", "~")) or str(source).count("/") > 1
     if path.exists() or looks_local or path.suffix.lower() in (".txt", ".jsonl", ".parquet"):
         raise ValueError(f"source: {str(source)!r} does not exist (expected a file, a directory or a hub dataset id)")
-    return _hub(str(source), text_field, split or "train")
+    return _hub(str(source), text_field, split or "train", image_field)
 
 
 def _empty(path: Path) -> ValueError:
@@ -106,15 +124,19 @@ def text_documents(raw: IO[bytes], whole_file: bool) -> Iterator[str]:
         yield line.rstrip("\r\n")
 
 
-def jsonl_documents(raw: IO[bytes], field: str, form: str, where: str) -> Iterator[Document]:
-    """The `field` of each JSON line; `where` names the file in errors."""
+def jsonl_documents(
+    raw: IO[bytes], field: str, form: str, where: str, image_field: str | None = None, base: Path | None = None
+) -> Iterator[Document]:  # fmt: skip
+    """The `field` of each JSON line (with `image_field`'s images, their relative paths from `base`); `where`
+    names the file in errors."""
     for number, line in enumerate(io.TextIOWrapper(raw, encoding="utf-8"), 1):
         if line.strip():
             record = _json_record(line, where, number)
-            if field not in record:
-                fields = ", ".join(record)
-                raise ValueError(f"text_field: {field!r} missing from {where} line {number} ({fields})")
-            yield document(record[field], form, f"{where} line {number}")
+            for name, flag in ((field, "text_field"), (image_field, "image_field")):
+                if name is not None and name not in record:
+                    raise ValueError(f"{flag}: {name!r} missing from {where} line {number} ({', '.join(record)})")
+            value = document(record[field], form, f"{where} line {number}")
+            yield value if image_field is None else pictures(value, record[image_field], base, f"{where} line {number}")
 
 
 def _txt(path: Path, whole_file: bool) -> Source:
@@ -128,7 +150,7 @@ def _txt(path: Path, whole_file: bool) -> Source:
     return Source("txt", str(path), None, "text", whole_file, None, hash_file(path).hexdigest(), documents)
 
 
-def _jsonl(path: Path, field: str) -> Source:
+def _jsonl(path: Path, field: str, image_field: str | None) -> Source:
     first = None
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -138,13 +160,13 @@ def _jsonl(path: Path, field: str) -> Source:
     if first is None:
         raise _empty(path)
     field = _pick_field(field, list(first), f"{str(path)!r} line {number}")
-    form = _form_of(first[field])
+    form = _image_form(_form_of(first[field]), field, image_field)
 
     def documents() -> Iterator[Document]:
         with open(path, "rb") as raw:
-            yield from jsonl_documents(raw, field, form, repr(str(path)))
+            yield from jsonl_documents(raw, field, form, repr(str(path)), image_field, path.parent)
 
-    return Source("jsonl", str(path), field, form, False, None, hash_file(path).hexdigest(), documents)
+    return Source("jsonl", str(path), field, form, False, None, hash_file(path).hexdigest(), documents, image_field)
 
 
 def _json_record(line: str, where: str, number: int) -> dict:
@@ -157,7 +179,7 @@ def _json_record(line: str, where: str, number: int) -> dict:
     return record
 
 
-def _parquet(path: Path, field: str) -> Source:
+def _parquet(path: Path, field: str, image_field: str | None) -> Source:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -171,16 +193,22 @@ def _parquet(path: Path, field: str) -> Source:
         item = kind.value_type
         keys = {item.field(i).name for i in range(item.num_fields)} if pa.types.is_struct(item) else set()
         form = "chat" if _MESSAGE <= keys else "tokens"
+    form = _image_form(form, field, image_field)
+    columns = [field, *_image_column(image_field, meta.schema_arrow.names, repr(str(path)))]
+    where = f"{str(path)!r} column {field!r}"
 
     def documents() -> Iterator[Document]:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH, columns=[field]):
-            for value in batch.column(0).to_pylist():
-                yield document(value, form, f"{str(path)!r} column {field!r}")
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH, columns=columns):
+            texts = (document(value, form, where) for value in batch.column(0).to_pylist())
+            if image_field is None:
+                yield from texts
+            else:
+                yield from _with_pictures(texts, batch.column(1).to_pylist(), path.parent, where)
 
-    return Source("parquet", str(path), field, form, False, None, hash_file(path).hexdigest(), documents)
+    return Source("parquet", str(path), field, form, False, None, hash_file(path).hexdigest(), documents, image_field)
 
 
-def _datasets_dir(path: Path, field: str, split: str) -> Source:
+def _datasets_dir(path: Path, field: str, split: str, image_field: str | None) -> Source:
     import datasets
 
     try:
@@ -199,18 +227,22 @@ def _datasets_dir(path: Path, field: str, split: str) -> Source:
     feature = loaded.features[field]
     item = getattr(feature, "feature", None)  # a list's items
     chat = isinstance(item, dict) and _MESSAGE <= set(item)
-    form = "text" if _is_text_feature(feature) else "chat" if chat else "tokens"
-    column = loaded.select_columns([field])
+    form = _image_form("text" if _is_text_feature(feature) else "chat" if chat else "tokens", field, image_field)
+    column = loaded.select_columns([field, *_image_column(image_field, loaded.column_names, repr(str(path)))])
+    where = f"{str(path)!r} column {field!r}"
 
     def documents() -> Iterator[Document]:
         for batch in column.iter(batch_size=_BATCH):
-            for value in batch[field]:
-                yield document(value, form, f"{str(path)!r} column {field!r}")
+            texts = (document(value, form, where) for value in batch[field])
+            if image_field is None:
+                yield from texts
+            else:
+                yield from _with_pictures(texts, batch[image_field], None, where)
 
-    return Source("datasets", str(path), field, form, False, split, loaded._fingerprint, documents)
+    return Source("datasets", str(path), field, form, False, split, loaded._fingerprint, documents, image_field)
 
 
-def _hub(repo_id: str, field: str, split: str) -> Source:
+def _hub(repo_id: str, field: str, split: str, image_field: str | None) -> Source:
     """A hub dataset, streamed (SAE corpora are far larger than a disk cache should hold)."""
     import datasets
 
@@ -226,13 +258,55 @@ def _hub(repo_id: str, field: str, split: str) -> Source:
             "it where there is a network and save it with `save_to_disk`, then pass that directory"
         ) from e
     field = _pick_field(field, list(first), f"hub dataset {repo_id!r}")
-    form = _form_of(first[field])
+    form = _image_form(_form_of(first[field]), field, image_field)
+    _image_column(image_field, list(first), f"hub dataset {repo_id!r}")
+    where = f"hub dataset {repo_id!r} column {field!r}"
 
     def documents() -> Iterator[Document]:
         for record in streamed:
-            yield document(record[field], form, f"hub dataset {repo_id!r} column {field!r}")
+            value = document(record[field], form, where)
+            yield value if image_field is None else pictures(value, record[image_field], None, where)
 
-    return Source("hub", repo_id, field, form, False, split, builder.hash, documents)
+    return Source("hub", repo_id, field, form, False, split, builder.hash, documents, image_field)
+
+
+def _image_form(form: str, field: str, image_field: str | None) -> str:
+    """The form of a source of images: text, which holds their placeholders."""
+    if image_field is not None and form != "text":
+        raise ValueError(f"image_field: goes with a column of text that holds the images' placeholders; {field!r} "
+                         f"holds {'token ids' if form == 'tokens' else 'conversations'}")  # fmt: skip
+    return form
+
+
+def _image_column(image_field: str | None, fields: list[str], where: str) -> list[str]:
+    if image_field is not None and image_field not in fields:
+        raise ValueError(f"image_field: {image_field!r} not found in {where} (fields: {', '.join(map(str, fields))})")
+    return [] if image_field is None else [image_field]
+
+
+def _with_pictures(texts: Iterator[str], images: list[Any], base: Path | None, where: str) -> Iterator[Pictures]:
+    for number, (text, value) in enumerate(zip(texts, images)):
+        yield pictures(text, value, base, f"{where} row {number}")
+
+
+def pictures(text: str, value: Any, base: Path | None, where: str) -> Pictures:
+    """A record's text and its images: `value` one image or a list (None or []: none). An image is a PIL image (a
+    `datasets` Image column), a {"bytes", "path"} dict (the same column in Parquet), bytes, a data: URL, or a file
+    path (relative ones from `base`, the source file's directory)."""
+    values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    return Pictures(text, [_picture(v, base, f"image_field of {where}") for v in values], where)
+
+
+def _picture(value: Any, base: Path | None, where: str) -> Any:
+    if isinstance(value, dict) and value.get("bytes") is not None:
+        value = value["bytes"]
+    elif isinstance(value, dict) and value.get("path"):
+        value = value["path"]
+    if isinstance(value, str) and not value.startswith("data:") and base is not None:
+        value = str(base / Path(value).expanduser())
+    if hasattr(value, "convert") and hasattr(value, "size"):  # (a PIL image)
+        return value
+    return load_image(value, where, local_files=True)
 
 
 def _pick_field(field: str, fields: list[str], where: str) -> str:

@@ -16,6 +16,11 @@ so every window holds exactly `context_size` tokens. Without packing each docume
 Documents are numbered as the source's records, blank ones (which make no tokens) counted, and a window
 says where each of its documents begins, so every row names its record in the source.
 
+Images. A record with images (a source's `image_field`, for a vision-language checkpoint) is tokenized by the
+checkpoint's processor, its placeholders expanded to the image's tokens, and is a window of its own (packing is
+off); past `context_size` its text is cut after its last image token, never inside an image. The window keeps the
+processor's vision inputs, which the vision tower turns into the image rows when the window runs.
+
 Roles. A harvest of conversations may store the rows of some roles only (`roles`, e.g. the assistant's):
 each conversation's tokens are marked by whether they render the content of a message of those roles (the
 character spans the chat template gives each message, through the tokenizer's offsets), and a window lists
@@ -33,7 +38,9 @@ import numpy as np
 import torch
 
 from vlens.config import ModelConfig
-from vlens.harvest.sources import Document
+from vlens.harvest.sources import Document, Pictures
+from vlens.images import ImageEncoder, Prepared
+from vlens.inputs import ImagePrompt
 
 # Texts tokenized together per call (the fast tokenizer batches them): the first call takes few, so
 # the first windows (and a short run's only ones) do not wait on a megabyte of text; later calls, more.
@@ -68,7 +75,17 @@ class Marked:
     stored: list[bool]
 
 
-TokenDoc = list[int] | Marked
+@dataclass(frozen=True, slots=True)
+class Pictured:
+    """A document with images: its token ids (each image's placeholder expanded) and the processor's vision inputs."""
+
+    tokens: list[int]
+    vision: dict[str, torch.Tensor]
+    images_end: int  # one past its last image token
+    where: str
+
+
+TokenDoc = list[int] | Marked | Pictured
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +97,7 @@ class Window:
     tokens: list[int]
     dropped: tuple[int, ...] = ()
     documents: tuple[tuple[int, int], ...] = ()
+    images: Prepared | None = None  # a window of a document with images: what the vision tower reads (see above)
 
 
 def model_bos(tokenizer: Any) -> int | None:
@@ -127,16 +145,27 @@ def make_packing(
 
 def token_documents(
     docs: Iterable[Document], tokenizer: Any, vocab_size: int, roles: tuple[str, ...] | None = None,
-    generation_prompt: bool = False,
+    generation_prompt: bool = False, encoder: ImageEncoder | None = None,
 ) -> Iterator[TokenDoc]:  # fmt: skip
     """Token ids per document: texts, and conversations rendered by the chat template (whose text holds its
     special tokens; with `generation_prompt`, ending in the template's opening of the assistant's reply),
     tokenized in batches without adding special tokens (as LLM.chat does); token lists checked.
-    With `roles`, each conversation comes `Marked` (see the module doc)."""
+    With `roles`, each conversation comes `Marked` (see the module doc); a text with images, `Pictured` by the
+    `encoder`'s processor (a text with none is a text)."""
     pending: list[str] = []
     spans: list[list[tuple[int, int]]] = []  # with roles: each pending conversation's spans of those roles
     size, limit = 0, _TOKENIZE_CHARS[0]
     for doc in docs:
+        if isinstance(doc, Pictures) and doc.images:
+            if pending:  # (the documents keep their order)
+                yield from _tokenize(pending, tokenizer, None)
+                pending, size = [], 0
+            prepared = encoder.prepare(ImagePrompt(doc.text, doc.images), doc.where, add_special_tokens=False)
+            end = int((prepared.ids == encoder.image_token_id).nonzero().max()) + 1
+            yield Pictured(prepared.ids.tolist(), prepared.vision, end, doc.where)
+            continue
+        if isinstance(doc, Pictures):
+            doc = doc.text
         if isinstance(doc, str) or (doc and isinstance(doc[0], dict)):
             if tokenizer is None:
                 raise ValueError("source: this checkpoint has no tokenizer files; give pre-tokenized data")
@@ -242,6 +271,9 @@ def windows(token_docs: Iterable[TokenDoc], packing: Packing) -> Iterator[Window
     size, separator, marked = packing.context_size, packing.separator_token_id, packing.roles is not None
     if not packing.pack:
         for index, doc in enumerate(token_docs):
+            if isinstance(doc, Pictured):
+                yield _pictured(doc, packing, index)
+                continue
             tokens = doc.tokens if marked else doc
             if not tokens:
                 continue
@@ -279,6 +311,19 @@ def windows(token_docs: Iterable[TokenDoc], packing: Packing) -> Iterator[Window
             if len(window) == size:
                 yield Window(window, tuple(dropped), tuple(starts))
                 window, dropped, starts = [], [], []
+
+
+def _pictured(doc: Pictured, packing: Packing, index: int) -> Window:
+    """The window of a document with images: opened as any, its text past `context_size` cut after its last image
+    token (a cut inside an image is refused: raise context_size)."""
+    prefix = opening(packing, doc.tokens[0])
+    if len(prefix) + doc.images_end > packing.context_size:
+        raise ValueError(f"context_size: {doc.where} has {doc.images_end} tokens up to its last image's end "
+                         f"({len(doc.tokens)} in all), more than a window of {packing.context_size} holds; a "
+                         f"document's images are never cut: raise context_size to at least "
+                         f"{len(prefix) + doc.images_end}")  # fmt: skip
+    tokens = (prefix + doc.tokens)[: packing.context_size]
+    return Window(tokens, (), ((0, index),), Prepared(torch.tensor(tokens), doc.vision))
 
 
 def stored_rows(windows: list[Window], excluded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

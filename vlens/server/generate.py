@@ -22,7 +22,7 @@ from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
 from vlens.engine.logprobs import TokenText
 from vlens.images import ImageEncoder, PromptImages, chat_images
-from vlens.inputs import to_token_lists
+from vlens.inputs import ImagePrompt, to_token_lists
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
@@ -140,7 +140,7 @@ class Generator:
                                                local_files=False)  # fmt: skip
             encoder = self.image_encoder("messages")
             text = encoder.render_chat(conversation, "messages")
-            [(ids, rows)] = encoder.encode([(text, images)], ["messages"], add_special_tokens=body.add_special_tokens)
+            [(ids, rows)] = encoder.encode([ImagePrompt(text, images)], ["messages"], add_special_tokens=body.add_special_tokens)
         except ValueError as e:
             raise from_value_error(e) from None
         return ids, text, rows
