@@ -14,7 +14,7 @@ import pytest
 import torch
 from harvest_helpers import dir_bytes, read_shards, window_rows
 from hf_reference import same
-from test_images import PLUMBING, at, checkpoint, image
+from test_images import KV, PLUMBING, at, checkpoint, image
 
 from vlens import LLM, harvest
 from vlens.harvest import job
@@ -27,7 +27,8 @@ OPTIONS = dict(context_size=64, pack=False, dtype="float32", image_field="images
 @pytest.fixture(scope="module", params=PLUMBING)
 def vlm(request, smol_path, tmp_path_factory) -> tuple[str, LLM]:
     name = request.param
-    return name, LLM(model=checkpoint(name, smol_path, tmp_path_factory.mktemp(name)), dtype="float32", device="cpu")
+    path = checkpoint(name, smol_path, tmp_path_factory.mktemp(name))
+    return name, LLM(model=path, dtype="float32", device="cpu", kv_cache_memory=KV)
 
 
 def records(name: str, root: Path) -> list[dict]:

@@ -48,9 +48,10 @@ from transformers import (
 from vlens import LLM, Capture, SamplingParams
 from vlens.capture.names import is_pattern
 from vlens.images import PromptImages
-from vlens.inputs import prompt_list, to_token_lists
+from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 
 TOL = 1e-5
+KV = 64 << 20  # bytes of KV cache an engine of these tiny models takes (the CPU default, 2 GiB, is resident)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 AYA_TOKENS = ["<fake_token_around_image>", "<global-img>", "<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>",
               "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]  # fmt: skip
@@ -178,7 +179,7 @@ def family(request, smol_path, tmp_path_factory):
     """(name, LLM with 4-token blocks and 16-token steps, HF model, processor) of a checkpoint saved with its
     processor."""
     path = checkpoint(request.param, smol_path, tmp_path_factory.mktemp(request.param))
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, kv_cache_memory=KV)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     return request.param, llm, hf, AutoProcessor.from_pretrained(path)
 
@@ -420,6 +421,36 @@ def test_command_line_generate_with_an_image(family, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("vlens: error: --image: not an image vlens can read")
 
 
+@pytest.mark.parametrize("family", PLUMBING, indirect=True)
+def test_images_seen_lately_skip_the_tower(family, monkeypatch):
+    """An image prompt's rows are cached by its pixels: the same pixels twice in a call, or in a later call (a chat's
+    next turn), go through the vision tower once and give the same rows and tokens; the least recently used go
+    first when the cache is full."""
+    from vlens import images as module
+
+    name, llm, _, _ = family
+    encoder = llm.image_encoder()
+    text = at(name, "USER: <image>\nWhat is it? ASSISTANT:")
+    params = SamplingParams(max_tokens=3, temperature=0, capture=Capture(hooks=["hook_embed"]))
+    before = encoder.tower_prompts
+    first = llm.generate([request(text, [image(80)]), request(text, [image(80)]), request(text, [image(81)])], params,
+                         use_tqdm=False)  # fmt: skip
+    assert encoder.tower_prompts == before + 2
+    again = llm.generate(request(text, [image(80)]), params, use_tqdm=False)[0]
+    assert encoder.tower_prompts == before + 2
+    assert again.outputs[0].token_ids == first[0].outputs[0].token_ids == first[1].outputs[0].token_ids
+    assert torch.equal(again.activations["hook_embed"], first[0].activations["hook_embed"])
+    llm.generate(request(text, [image(82)]), params, use_tqdm=False)  # (cached, least recently used first: 81, 80, 82)
+    rows = encoder.rows([encoder.prepare(ImagePrompt(text, [image(82)]), "x")], ["x"])[0].features  # (from the cache)
+    monkeypatch.setattr(module, "CACHE_BYTES", rows.numel() * rows.element_size() * 7 // 2)  # (room for three)
+    llm.generate(request(text, [image(83)]), params, use_tqdm=False)  # (the least recently used out: 81's, older ones)
+    count = encoder.tower_prompts
+    llm.generate([request(text, [image(80)]), request(text, [image(83)])], params, use_tqdm=False)
+    assert encoder.tower_prompts == count
+    llm.generate(request(text, [image(81)]), params, use_tqdm=False)
+    assert encoder.tower_prompts == count + 1
+
+
 def hf_layer_hook(hf, layer: int, edit):
     """A forward hook on HF's language-model layer `layer` that edits its output [1, T, d] with `edit`."""
 
@@ -437,7 +468,8 @@ def hooked_family(family):
     from vlens import HookedLM
 
     name, llm, hf, processor = family
-    return name, HookedLM(str(llm.model_path), dtype="float32", device="cpu", block_size=4), llm, hf, processor
+    return name, HookedLM(str(llm.model_path), dtype="float32", device="cpu", block_size=4, kv_cache_memory=KV), llm, \
+        hf, processor
 
 
 @pytest.mark.parametrize("family", PLUMBING, indirect=True)
@@ -554,7 +586,8 @@ def test_activation_patching_from_one_image_to_another(hooked_family):
                 x[:, pos] = clean_cache[hook.name][:, pos]
                 return x
 
-            want[layer, pos] = float(metric(model.run_with_hooks(corrupted, fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", put)])))
+            hooks = [(f"blocks.{layer}.hook_resid_pre", put)]
+            want[layer, pos] = float(metric(model.run_with_hooks(corrupted, fwd_hooks=hooks)))
     assert (want - base).abs().max() > 1e-3
     assert (got - want).abs().max() <= 1e-4 * (want - base).abs().max()
 
@@ -596,9 +629,9 @@ def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the workers take rank 0's)
     try:
-        one = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
-        with LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
-                 tensor_parallel_size=2) as two:  # fmt: skip
+        settings = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, kv_cache_memory=KV)
+        one = LLM(model=path, **settings)
+        with LLM(model=path, **settings, tensor_parallel_size=2) as two:
             for a, b in zip(one.generate(batch, params, use_tqdm=False), two.generate(batch, params, use_tqdm=False)):
                 assert a.outputs[0].token_ids == b.outputs[0].token_ids
                 assert all(same(b.activations[h], a.activations[h], TOL) for h in hooks)
@@ -627,7 +660,7 @@ def test_gemma3_images_attend_both_ways(smol_path, tmp_path, monkeypatch):
     within = PromptImages.within
     monkeypatch.setattr(PromptImages, "within",
                         lambda self, start, n: chunks.append((start, n)) or within(self, start, n))  # fmt: skip
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=6)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=6, kv_cache_memory=KV)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, capture=Capture(hooks=["ln_final.hook_out"]))
     out = llm.generate(request(text, images), params, use_tqdm=False)[0]
     assert same(out.activations["ln_final.hook_out"][: len(ids)], both, TOL)

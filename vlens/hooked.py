@@ -855,7 +855,8 @@ class HookedLM(ModelWeights, SAEMethods):
                     starts = [min(c, len(f) - 1) for c, f in zip(computed, fed)]
                     rows = [f[b:] for f, b in zip(fed, starts)]
                     hooks = self._tap_hooks(Padding.left(list(map(len, rows))), rows)
-                    logits = self.llm.runner.extend(fed, starts, tables, hooks, images=images).cpu()  # (as _last_logits's)
+                    # (sampled as _last_logits's)
+                    logits = self.llm.runner.extend(fed, starts, tables, hooks, images=images).cpu()
                     computed = list(map(len, fed))
                 sampled = sample(logits, _sampling(params, fed)).tolist()
                 for i, token in enumerate(sampled):

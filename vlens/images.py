@@ -19,6 +19,8 @@ import binascii
 import hashlib
 import io
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,9 @@ BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
+# A prompt's image rows kept on the host, by its pixels' digest, up to this many bytes (least recently used out
+# first): a chat sends its images again with every turn, a served image is often asked about again.
+CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,10 @@ class ImageEncoder:
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.both_ways = arch in BOTH_WAYS
         self.model.eval().requires_grad_(False)
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest -> rows, least recently used first
+        self._cached_bytes = 0
+        self._lock = threading.Lock()  # (the server encodes from threads)
+        self.tower_prompts = 0  # prompts whose images went through the tower (not from the cache)
 
     def render_chat(self, conversation: list[dict], field: str) -> str:
         """A conversation with images (as chat_images leaves it) through the processor's chat template."""
@@ -199,13 +208,17 @@ class ImageEncoder:
     @torch.inference_mode()
     def rows(self, prepared: Sequence[Prepared], fields: Sequence[str]) -> list[PromptImages]:
         """The rows each prepared prompt's images give its language model (`fields`: what each one's errors name).
-        The images go through the tower together, TOWER_BATCH prompts at a time of those whose pixel tensors have
-        the same shape (LLaVA-NeXT's tile count follows the image's); each prompt's rows are what it alone would
-        give, up to the tower's float rounding at another batch size."""
+        Pixels seen lately are read from the cache (CACHE_BYTES); the others go through the tower together,
+        TOWER_BATCH prompts at a time of those whose pixel tensors have the same shape (LLaVA-NeXT's tile count
+        follows the image's); each prompt's rows are what it alone would give, up to the tower's float rounding at
+        another batch size."""
+        digests = [_digest(p.vision) for p in prepared]
+        rows: list[torch.Tensor | None] = [self._cached(d) for d in digests]
         alike: dict[tuple, list[int]] = {}
+        first = {}  # digest -> the one prompt of this call whose images the tower runs
         for i, p in enumerate(prepared):
-            alike.setdefault(tuple((k, v.shape[1:]) for k, v in p.vision.items()), []).append(i)
-        rows: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
+            if rows[i] is None and first.setdefault(digests[i], i) == i:
+                alike.setdefault(tuple((k, v.shape[1:]) for k, v in p.vision.items()), []).append(i)
         for group in alike.values():
             for start in range(0, len(group), TOWER_BATCH):
                 members = group[start : start + TOWER_BATCH]
@@ -217,14 +230,36 @@ class ImageEncoder:
                                      f"{len(features)} image rows; give each image its placeholder once")  # fmt: skip
                 for i, part in zip(members, features.split(counts)):
                     rows[i] = part
+                    self._keep(digests[i], part)
+                self.tower_prompts += len(members)
         out = []
-        for p, features in zip(prepared, rows):
-            digest = hashlib.blake2b(digest_size=16)
-            for value in p.vision.values():
-                digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+        for p, features, digest in zip(prepared, rows, digests):
             positions = (p.ids == self.image_token_id).nonzero().flatten().numpy()
-            out.append(PromptImages(positions, features, digest.hexdigest(), self.both_ways))
+            features = rows[first[digest]] if features is None else features  # (the same pixels twice in a call)
+            out.append(PromptImages(positions, features, digest, self.both_ways))
         return out
+
+    def _cached(self, digest: str) -> torch.Tensor | None:
+        with self._lock:
+            rows = self._cache.get(digest)
+            if rows is not None:
+                self._cache.move_to_end(digest)
+            return rows
+
+    def _keep(self, digest: str, rows: torch.Tensor) -> None:
+        """Cache a copy of `rows` (a view would keep its whole tower batch alive)."""
+        size = rows.numel() * rows.element_size()
+        if size > CACHE_BYTES:
+            return
+        rows = rows.clone().pin_memory() if self.model.device.type == "cuda" else rows.clone()
+        with self._lock:
+            if digest in self._cache:
+                return
+            self._cache[digest] = rows
+            self._cached_bytes += size
+            while self._cached_bytes > CACHE_BYTES:
+                _, dropped = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped.numel() * dropped.element_size()
 
     def _features(self, vision: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tower's rows [images' tokens, hidden] of a batch of vision inputs, on the host (pinned beside a GPU,
@@ -237,6 +272,15 @@ class ImageEncoder:
         features = torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
         features = features.reshape(-1, features.shape[-1]).to("cpu", self.model.dtype)
         return features.pin_memory() if self.model.device.type == "cuda" else features
+
+
+def _digest(vision: dict[str, torch.Tensor]) -> str:
+    """What names a prompt's images: a hash of its vision inputs' bytes (pixels, sizes)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, value in vision.items():
+        digest.update(name.encode())
+        digest.update(value.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def chat_images(conversation: list[dict], field: str, local_files: bool) -> tuple[list[dict], list[Any]] | None:

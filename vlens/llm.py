@@ -136,7 +136,8 @@ class LLM:
         at = [i for i, p in enumerate(prompts) if isinstance(p, ImagePrompt)]
         if not at:
             return to_token_lists(prompts, self.tokenizer, self.config.vocab_size, field, add_special_tokens), None
-        pieces = self.image_encoder().encode([prompts[i] for i in at], [f"{field}[{i}]" for i in at], add_special_tokens)
+        fields = [f"{field}[{i}]" for i in at]
+        pieces = self.image_encoder().encode([prompts[i] for i in at], fields, add_special_tokens)
         encoded = dict(zip(at, pieces))
         token_lists = to_token_lists([encoded[i][0] if i in encoded else p for i, p in enumerate(prompts)],
                                      self.tokenizer, self.config.vocab_size, field, add_special_tokens)  # fmt: skip

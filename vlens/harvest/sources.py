@@ -2,7 +2,8 @@
 
 Every source streams its documents (a text, a list of token ids for pre-tokenized data, a
 conversation: a list of {"role", "content"} messages, which the model's chat template renders, or with an
-`image_field` a text and its images, for a vision-language checkpoint) in a fixed order, so the same source always yields the same windows and a resumed run can skip exactly
+`image_field` a text and its images, for a vision-language checkpoint) in a fixed order, so the same
+source always yields the same windows and a resumed run can skip exactly
 the windows already on disk. Each source also has a content hash, recorded in the manifest, so that
 a re-run over changed data is refused instead of silently mixing two corpora.
 """

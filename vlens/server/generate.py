@@ -140,7 +140,7 @@ class Generator:
                                                local_files=False)  # fmt: skip
             encoder = self.image_encoder("messages")
             text = encoder.render_chat(conversation, "messages")
-            [(ids, rows)] = encoder.encode([ImagePrompt(text, images)], ["messages"], add_special_tokens=body.add_special_tokens)
+            [(ids, rows)] = encoder.encode([ImagePrompt(text, images)], ["messages"], body.add_special_tokens)
         except ValueError as e:
             raise from_value_error(e) from None
         return ids, text, rows
