@@ -104,14 +104,16 @@ class Stop(Exception):
 
 
 def stopped_at(model, layer: int, **inputs) -> torch.Tensor:
-    """The output of HF decoder layer `layer` from a forward that stops there (a hook raises once it is known)."""
+    """The output of HF decoder layer `layer` from a forward that stops there (a hook raises once it is known); a
+    multimodal model's: of its language model's layer."""
     saved = {}
 
     def keep(module, args, output):
         saved["x"] = output[0] if isinstance(output, tuple) else output
         raise Stop
 
-    handle = model.model.layers[layer].register_forward_hook(keep)
+    layers = getattr(model.model, "language_model", model.model).layers
+    handle = layers[layer].register_forward_hook(keep)
     try:
         with torch.inference_mode():
             model(**inputs, use_cache=False)

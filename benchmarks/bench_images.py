@@ -5,27 +5,35 @@
 A random LLaVA (the processor's own expansion of <image>, SmolLM2's tokenizer): a text model of SmolLM2's widths,
 8 layers, and a CLIP tower of 4 layers, d=256, 224-pixel images in 16-pixel patches (196 image rows a prompt),
 float32, this machine's CPU. Each prompt is a question of 8-24 words about its own image; both sides generate
-exactly --tokens new tokens per prompt, greedy, vlens without its prefix cache (the timed runs repeat the warm-up's
-prompts). HF runs the processor on the whole batch (left-padded) and one
+exactly --tokens new tokens per prompt, greedy, vlens without its prefix cache and its cache of image rows (the
+timed runs repeat the warm-up's prompts). HF runs the processor on the whole batch (left-padded) and one
 `generate`; vlens's LLM.generate takes vLLM's multi_modal_data, each prompt through the processor and the images
 through the tower 32 prompts at a time before the requests are queued (their time included). Rows:
   no capture          output tokens/s, vlens vs HF
   capture 3 layers    vlens capturing blocks.{1,4,7}.hook_resid_post at every prompt row (the image's among them)
                       against HF with output_hidden_states=True (every layer, every step)
+  harvest 1 layer     rows/s of an activation dataset of the prompts (records of a text and a PNG file):
+                      `harvest(..., image_field=)` storing blocks.4.hook_resid_post at every row against HF over
+                      --batch prompts at a time (the processor, right-padded), a forward stopped after that layer,
+                      each batch's real rows written to a safetensors file (bench_harvest's "HF hook-stop")
 Timings are the best of --repeats runs after a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from bench_generate import best
+from bench_harvest import stopped_at
 from PIL import Image
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
@@ -36,7 +44,8 @@ from transformers import (
     LlavaProcessor,
 )
 
-from vlens import LLM, Capture, SamplingParams
+from vlens import LLM, Capture, SamplingParams, harvest
+from vlens import images as vlens_images
 from vlens.loader import resolve_model_path
 
 WORDS = "what is shown in this picture and how many colours does it hold near the top left corner".split()
@@ -72,6 +81,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8, help="prompts per HF forward in the harvest row (default: 8)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(Path(tmp))
@@ -81,8 +91,10 @@ def main() -> None:
 
         processor = AutoProcessor.from_pretrained(path)
         processor.tokenizer.padding_side = "left"
-        # (no prefix cache: the timed runs repeat the warm-up's prompts, whose blocks it would serve)
+        # (no prefix cache and no cache of image rows: the timed runs repeat the warm-up's prompts, whose blocks and
+        # image rows they would serve)
         llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
+        vlens_images.CACHE_BYTES = 0
         prompts = [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in zip(texts, images)]
         n_out = args.prompts * args.tokens
         layers = [f"blocks.{i}.hook_resid_post" for i in (1, 4, 7)]
@@ -98,13 +110,42 @@ def main() -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert all(len(o.outputs[0].token_ids) == args.tokens for o in outs)
 
-        rows = [("case", "HF tok/s", "vlens tok/s", "vlens / HF")]
-        for name, hf_fn, vlens_fn in (
-            ("no capture", lambda: hf_run(False), lambda: vlens_run(None)),
-            ("capture 3 layers", lambda: hf_run(True), lambda: vlens_run(Capture(hooks=layers, positions="prompt"))),
-        ):
+        files = []
+        for i, image in enumerate(images):
+            image.save(Path(tmp) / f"{i}.png")
+            files.append(Path(tmp) / f"{i}.png")
+        source = Path(tmp) / "records.jsonl"
+        source.write_text("".join(json.dumps({"text": t, "images": f.name}) + "\n" for t, f in zip(texts, files)))
+        n_rows = sum(len(processor(text=t, images=[i])["input_ids"][0]) for t, i in zip(texts, images))
+
+        def hf_harvest() -> None:
+            out = Path(tmp) / "hf"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            processor.tokenizer.padding_side = "right"
+            for start in range(0, args.prompts, args.batch):
+                batch = [Image.open(f) for f in files[start : start + args.batch]]
+                inputs = processor(text=texts[start : start + args.batch], images=batch, return_tensors="pt",
+                                   padding=True)  # fmt: skip
+                rows = stopped_at(hf, 4, **inputs)[inputs["attention_mask"].bool()]
+                save_file({"blocks.4.hook_resid_post": rows.contiguous()}, out / f"{start}.safetensors")
+            processor.tokenizer.padding_side = "left"
+
+        def vlens_harvest() -> None:
+            out = Path(tmp) / "vlens"
+            shutil.rmtree(out, ignore_errors=True)
+            harvest(llm, source, ["blocks.4.hook_resid_post"], out, context_size=1024, pack=False, dtype="float32",
+                    image_field="images", progress=False)  # fmt: skip
+
+        rows = [("case", "HF per s", "vlens per s", "vlens / HF")]
+        for name, count, hf_fn, vlens_fn in (
+            ("no capture (tokens)", n_out, lambda: hf_run(False), lambda: vlens_run(None)),
+            ("capture 3 layers (tokens)", n_out, lambda: hf_run(True),
+             lambda: vlens_run(Capture(hooks=layers, positions="prompt"))),
+            ("harvest 1 layer (rows)", n_rows, hf_harvest, vlens_harvest),
+        ):  # fmt: skip
             t_hf, t_vlens = best(hf_fn, args.repeats), best(vlens_fn, args.repeats)
-            rows.append((name, f"{n_out / t_hf:.1f}", f"{n_out / t_vlens:.1f}", f"{t_hf / t_vlens:.2f}x"))
+            rows.append((name, f"{count / t_hf:.1f}", f"{count / t_vlens:.1f}", f"{t_hf / t_vlens:.2f}x"))
         print(f"{args.prompts} prompts with a 224-pixel image (196 image rows) x {args.tokens} new tokens, float32, "
               f"{torch.get_num_threads()} threads")  # fmt: skip
         widths = [max(len(r[c]) for r in rows) for c in range(4)]

@@ -770,3 +770,24 @@ def test_the_cache_lives_where_the_model_does_unless_asked(hooked):
     loss, moved = hooked.run_with_cache(TEXTS[:2], names_filter=names, return_type="loss", incl_bwd=True, device="meta")
     assert loss.device == hooked.cfg.device and sorted(moved) == sorted([*names, *(f"{n}_grad" for n in names)])
     assert {moved[n].device.type for n in moved} == {"meta"}
+
+
+def test_a_dropped_model_is_freed_when_the_next_one_loads(smol_path):
+    """An engine moves the objects alive at its start out of the garbage collector's walks (gc.freeze), and a frozen
+    object is never collected: a HookedLM (it and its hook points refer to each other, a cycle only the collector
+    frees) dropped after that would hold its weights and KV cache for the process's life. The next model's loading
+    collects it (vlens.engine.heap)."""
+    import gc
+    import weakref
+
+    from vlens import LLM
+
+    first = HookedLM(str(smol_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
+    first.generate("Hello", max_new_tokens=2, verbose=False)  # (its engine starts: the heap frozen)
+    assert first.hook_dict["blocks.0.hook_resid_post"].name == "blocks.0.hook_resid_post"
+    runner = weakref.ref(first.llm.runner)
+    del first
+    gc.collect()
+    assert runner() is not None  # (frozen: out of the collector's reach)
+    LLM(str(smol_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
+    assert runner() is None
