@@ -29,7 +29,13 @@ from filelock import FileLock  # noqa: E402
 
 import vlens  # noqa: E402
 from vlens import LLM  # noqa: E402
+from vlens.engine import memory  # noqa: E402
 from vlens.loader import LoadedModel, cache_dir, default_gguf, hash_file, resolve_model_path  # noqa: E402
+
+# An engine a test makes without kv_cache_memory takes 512 MiB of KV cache, not the CPU default of 2 GiB: over a file,
+# fresh blocks go first, so the cache's pages all come to be touched, and two workers holding a few such engines (a
+# served one stays alive: the web framework keeps its routes) came near this machine's 24 GiB.
+memory.CPU_DEFAULT_KV_BYTES = 512 << 20
 
 # `make test` runs two pytest-xdist workers: each worker's torch (and every process it starts) gets its
 # share of the cores, as two workers spinning OpenMP threads over all of them run slower than one.

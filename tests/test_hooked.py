@@ -772,22 +772,19 @@ def test_the_cache_lives_where_the_model_does_unless_asked(hooked):
     assert {moved[n].device.type for n in moved} == {"meta"}
 
 
-def test_a_dropped_model_is_freed_when_the_next_one_loads(smol_path):
+def test_a_dropped_hooked_model_is_freed_at_once(smol_path):
     """An engine moves the objects alive at its start out of the garbage collector's walks (gc.freeze), and a frozen
-    object is never collected: a HookedLM (it and its hook points refer to each other, a cycle only the collector
-    frees) dropped after that would hold its weights and KV cache for the process's life. The next model's loading
-    collects it (vlens.engine.heap)."""
+    object is freed only when nothing refers to it: a HookedLM whose hook points referred back to it (a cycle, which
+    only the collector frees) held its weights and KV cache for the process's life once dropped. Its hook points refer
+    to it weakly: dropping it frees its model at once, hooks used or not."""
     import gc
     import weakref
 
-    from vlens import LLM
-
     first = HookedLM(str(smol_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
-    first.generate("Hello", max_new_tokens=2, verbose=False)  # (its engine starts: the heap frozen)
-    assert first.hook_dict["blocks.0.hook_resid_post"].name == "blocks.0.hook_resid_post"
+    with first.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda x, hook: x)]):
+        first.generate("Hello", max_new_tokens=2, verbose=False)  # (its engine starts: the heap frozen)
+    point = first.hook_dict["blocks.0.hook_resid_post"]
+    assert point.model is first and gc.get_freeze_count() > 0
     runner = weakref.ref(first.llm.runner)
     del first
-    gc.collect()
-    assert runner() is not None  # (frozen: out of the collector's reach)
-    LLM(str(smol_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
-    assert runner() is None
+    assert runner() is None and point.model is None

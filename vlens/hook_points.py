@@ -12,6 +12,7 @@ of a forward hook's that requires grad) and nothing before it is recorded.
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +40,16 @@ class HookPoint:
     """What a hook function gets as `hook`, and what `model.hook_dict[name]` is: the name of its tap, `ctx`, a dict
     the hooks at it share (a forward hook can leave there what the backward hook reads) until reset_hooks clears
     it, and TransformerLens's add_hook / remove_hooks, which act on the model's hooks at this name (`model`: the
-    HookedLM)."""
+    HookedLM, which keeps its hook points: they refer to it weakly, so the two make no reference cycle, which under
+    the engine's gc.freeze would keep a dropped model's weights for the life of the process)."""
 
     def __init__(self, name: str, model: Any):
-        self.name, self.model = name, model
+        self.name, self._model = name, weakref.ref(model)
         self.ctx: dict = {}
+
+    @property
+    def model(self) -> Any:
+        return self._model()
 
     def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
         self.model.add_hook(self.name, hook, dir=dir, is_permanent=is_permanent, prepend=prepend)

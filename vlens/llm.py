@@ -16,7 +16,6 @@ from tqdm.auto import tqdm
 from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.distributed.executor import Executor
-from vlens.engine import heap
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.model_runner import ModelRunner
@@ -33,7 +32,6 @@ class LLM:
         """`settings` are those of `EngineConfig` (dtype, device, max_num_seqs, block_size, ...); an unknown
         or invalid one is a ValueError naming it, raised before the model is loaded."""
         config = self.engine_config = EngineConfig.from_kwargs({"model": None if model is None else str(model), **settings})
-        heap.collect()  # (a model dropped before this one is freed before this one loads: vlens.engine.heap)
         device = resolve_device(config.device)
         check_backend(config.attention_backend, device)  # FlashInfer on a CPU: before loading
         if config.compile_decode and device.type != "cpu":

@@ -26,6 +26,7 @@ device runs step N.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -49,7 +50,6 @@ from vlens.capture.rows import DecodePages
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, Tap, set_context
 from vlens.distributed.taps import HookFailed, shard_taps
-from vlens.engine import heap
 from vlens.engine.buffers import StepBuffers
 from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
 from vlens.engine.packed import PackedCapture, packed_plan
@@ -479,7 +479,7 @@ class ModelRunner:
             return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
         if new:  # (the compile happens in the first call)
             stats.compile_seconds += time.perf_counter() - started
-            heap.freeze()  # what the compile made lives as long as the runner: out of the collector's walks
+            gc.freeze()  # what the compile made lives as long as the runner: out of the collector's walks (LLMEngine)
         stats.compiled_steps += 1
         return logits
 
