@@ -16,6 +16,8 @@ through the tower 32 prompts at a time before the requests are queued (their tim
                       `harvest(..., image_field=)` storing blocks.4.hook_resid_post at every row against HF over
                       --batch prompts at a time (the processor, right-padded), a forward stopped after that layer,
                       each batch's real rows written to a safetensors file (bench_harvest's "HF hook-stop")
+  no capture, seen    the no-capture row with vlens's cache of image rows on (256 MiB), every image seen before (a
+                      chat's next turn, an image asked about again): the tower is skipped, HF's runs it again
 Timings are the best of --repeats runs after a warm-up.
 """
 
@@ -94,7 +96,7 @@ def main() -> None:
         # (no prefix cache and no cache of image rows: the timed runs repeat the warm-up's prompts, whose blocks and
         # image rows they would serve)
         llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
-        vlens_images.CACHE_BYTES = 0
+        cache_bytes, vlens_images.CACHE_BYTES = vlens_images.CACHE_BYTES, 0
         prompts = [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in zip(texts, images)]
         n_out = args.prompts * args.tokens
         layers = [f"blocks.{i}.hook_resid_post" for i in (1, 4, 7)]
@@ -105,7 +107,8 @@ def main() -> None:
                 hf.generate(**inputs, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
                             pad_token_id=0, output_hidden_states=hidden, return_dict_in_generate=hidden)  # fmt: skip
 
-        def vlens_run(capture: Capture | None) -> None:
+        def vlens_run(capture: Capture | None, cached: bool = False) -> None:
+            vlens_images.CACHE_BYTES = cache_bytes if cached else 0
             params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, capture=capture)
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert all(len(o.outputs[0].token_ids) == args.tokens for o in outs)
@@ -143,6 +146,8 @@ def main() -> None:
             ("capture 3 layers (tokens)", n_out, lambda: hf_run(True),
              lambda: vlens_run(Capture(hooks=layers, positions="prompt"))),
             ("harvest 1 layer (rows)", n_rows, hf_harvest, vlens_harvest),
+            # (last: from here on the cache holds every image's rows)
+            ("no capture, seen (tokens)", n_out, lambda: hf_run(False), lambda: vlens_run(None, cached=True)),
         ):  # fmt: skip
             t_hf, t_vlens = best(hf_fn, args.repeats), best(vlens_fn, args.repeats)
             rows.append((name, f"{count / t_hf:.1f}", f"{count / t_vlens:.1f}", f"{t_hf / t_vlens:.2f}x"))
