@@ -140,6 +140,27 @@ def test_columnar_sources_give_the_same_rows(vlm, tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), out
 
 
+def test_the_command_line_writes_the_same_shards(vlm, tmp_path):
+    """`vlens harvest --image-field images --no-pack` stores what harvest(..., image_field=, pack=False) stores."""
+    import argparse
+
+    from vlens.harvest.cli import add_parser
+
+    name, llm = vlm
+    source = write_jsonl(tmp_path, records(name, tmp_path))
+    harvest(llm, source, HOOKS, tmp_path / "python", **OPTIONS)
+    parser = argparse.ArgumentParser(prog="vlens")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["harvest", "--model", str(llm.model_path), "--model-dtype", "float32", "--device", "cpu", "--source",
+         str(source), "--hooks", *HOOKS, "--out", str(tmp_path / "cli"), "--context-size", "64", "--no-pack",
+         "--dtype", "float32", "--image-field", "images", "--quiet"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    want, got = read_shards(tmp_path / "python"), read_shards(tmp_path / "cli")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_a_killed_run_resumes_to_the_same_bytes(vlm, tmp_path, monkeypatch):
     """A run killed in its third forward (the source read ahead, a shard written) resumes to the bytes of a run
     that was never stopped."""
