@@ -41,7 +41,8 @@ slow section costs only itself. Sections:
   images    a LLaVA (CLIP tower, Llama text model) and a Gemma 3 (SigLIP, its images' tokens attending to each other
             both ways) with their processors and a word-level tokenizer made here, float32: every tap at every row of
             two image prompts traced beside a text vs HF's multimodal forward on the CPU given the same pixels,
-            greedy generation vs HF generate (needs Pillow)
+            greedy generation vs HF generate, and a harvest of the image prompts as records of a text and PNG
+            files (`image_field`) vs the trace (needs Pillow)
 Timings are the fastest of 2 runs (decode steps: of 3) after a warm-up run.
 --quick shrinks every workload (a smoke test of the script itself). --device cpu (with --quick's workloads,
 the harvest's 4 windows) runs every section on the CPU over narrow layers (NARROW: same vocabularies and
@@ -701,10 +702,40 @@ def _image_check(name: str, root: Path, device: str) -> dict:
         params = SamplingParams(max_tokens=8, temperature=0)
         out = llm.generate({"prompt": t, "multi_modal_data": {"image": p}}, params, use_tqdm=False)[0]
         equal += want[0, len(ids) :].tolist() == out.outputs[0].token_ids
+    harvested = _image_harvest(llm, name, root, texts[:2], pictures, traced)
     return {
         "trace_taps": len(taps), "trace_max_rel_err": max(taps), "pattern_max_rel_err": max(patterns),
-        "greedy_equal": f"{equal}/2", "ok": max(taps) <= 1e-5 and max(patterns) <= 1e-4 and equal == 2,
+        "greedy_equal": f"{equal}/2", "harvest_max_rel_err": harvested,
+        "ok": max(taps) <= 1e-5 and max(patterns) <= 1e-4 and equal == 2 and harvested <= 1e-5,
     }  # fmt: skip
+
+
+def _image_harvest(llm: LLM, name: str, root: Path, texts: list[str], pictures: list, traced: list[dict]) -> float:
+    """A harvest of the image prompts as records of a text and PNG files (`image_field`): the largest relative error
+    of its rows (two hooks, every row) against the trace's."""
+    from safetensors.torch import load_file
+
+    from vlens import harvest
+
+    hooks, records = ["hook_embed", "blocks.1.hook_resid_post"], []
+    for i, (text, images) in enumerate(zip(texts, pictures)):
+        for j, image in enumerate(images):
+            image.save(root / f"{name}-{i}-{j}.png")
+        records.append({"text": text, "images": [f"{name}-{i}-{j}.png" for j in range(len(images))]})
+    (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = root / f"{name}-harvest"
+    harvest(llm, root / f"{name}.jsonl", hooks, out, context_size=256, pack=False, dtype="float32",
+            image_field="images", progress=False)  # fmt: skip
+    shards = [load_file(out / s["file"]) for s in json.loads((out / "manifest.json").read_text())["shards"]]
+    stored = {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+    worst = 0.0
+    for w, want in enumerate(traced[: len(texts)]):
+        at = (stored["window"] == w).nonzero().squeeze(1)
+        at = at[torch.argsort(stored["position"][at])]
+        for hook in hooks:
+            got, ref = stored[hook][at].double(), want[hook].cpu().double()
+            worst = max(worst, ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item())
+    return worst
 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,

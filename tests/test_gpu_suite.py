@@ -78,6 +78,7 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
         assert rows[name]["ok"] and rows[name]["trace_taps"] > 60 and rows[name]["greedy_equal"] == "2/2", rows[name]
     images = rows["images"]  # (every tap of two prompts, a LLaVA's and a Gemma 3's, whose images attend both ways)
     assert images["ok"] and images["llava"]["trace_taps"] > 100 and images["gemma3"]["trace_taps"] > 100, images
+    assert all(images[name]["harvest_max_rel_err"] <= 1e-5 for name in ("llava", "gemma3"))  # (its image records)
 
 
 def test_an_unknown_section_is_refused(capsys):
