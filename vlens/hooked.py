@@ -315,8 +315,7 @@ class HookedLM(ModelWeights, SAEMethods):
         "multi_modal_data"}, by the checkpoint's processor, as LLM.generate takes it), where its rows go in the
         output (from position 0 for texts and a token tensor taken whole, at the positions `attention_mask`
         marks when it comes with one: a left-padded batch comes back left-padded, each text's last position
-        last), and the rows its images
-        give (vlens.images; None where no text has any)."""
+        last), and the rows its images give (vlens.images; None where no text has any)."""
         if not isinstance(input, torch.Tensor):
             if attention_mask is not None:
                 raise ValueError("attention_mask: goes with a [batch, positions] token tensor; texts are run packed, "
