@@ -199,12 +199,14 @@ def _parquet(path: Path, field: str, image_field: str | None) -> Source:
     where = f"{str(path)!r} column {field!r}"
 
     def documents() -> Iterator[Document]:
+        read = 0  # (rows before the batch: a record's number in errors)
         for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH, columns=columns):
             texts = (document(value, form, where) for value in batch.column(0).to_pylist())
             if image_field is None:
                 yield from texts
             else:
-                yield from _with_pictures(texts, batch.column(1).to_pylist(), path.parent, where)
+                yield from _with_pictures(texts, batch.column(1).to_pylist(), path.parent, where, read)
+            read += batch.num_rows
 
     return Source("parquet", str(path), field, form, False, None, hash_file(path).hexdigest(), documents, image_field)
 
@@ -233,12 +235,14 @@ def _datasets_dir(path: Path, field: str, split: str, image_field: str | None) -
     where = f"{str(path)!r} column {field!r}"
 
     def documents() -> Iterator[Document]:
+        read = 0  # (rows before the batch: a record's number in errors)
         for batch in column.iter(batch_size=_BATCH):
             texts = (document(value, form, where) for value in batch[field])
             if image_field is None:
                 yield from texts
             else:
-                yield from _with_pictures(texts, batch[image_field], None, where)
+                yield from _with_pictures(texts, batch[image_field], None, where, read)
+            read += len(batch[field])
 
     return Source("datasets", str(path), field, form, False, split, loaded._fingerprint, documents, image_field)
 
@@ -285,8 +289,11 @@ def _image_column(image_field: str | None, fields: list[str], where: str) -> lis
     return [] if image_field is None else [image_field]
 
 
-def _with_pictures(texts: Iterator[str], images: list[Any], base: Path | None, where: str) -> Iterator[Pictures]:
-    for number, (text, value) in enumerate(zip(texts, images)):
+def _with_pictures(
+    texts: Iterator[str], images: list[Any], base: Path | None, where: str, first: int
+) -> Iterator[Pictures]:  # fmt: skip
+    """A batch of records, numbered from `first` (the rows before it)."""
+    for number, (text, value) in enumerate(zip(texts, images), first):
         yield pictures(text, value, base, f"{where} row {number}")
 
 
