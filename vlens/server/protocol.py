@@ -39,11 +39,13 @@ _FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
 def from_value_error(e: ValueError, prefix: str = "", code: str | None = None) -> APIError:
-    """vlens's ValueErrors start with the field at fault ("capture.positions: ..."); make it `param`."""
+    """vlens's ValueErrors start with the field at fault ("capture.positions: ..."); make it `param`, named
+    in the message as in the request body (under `prefix`), so a client reads the same path in both."""
     message = " ".join(str(e).split())
-    match = _FIELD_PREFIX.match(message)
-    param = f"{prefix}{match.group(1)}" if match else None
-    return APIError(400, message, param=param, code=code)
+    if not _FIELD_PREFIX.match(message):
+        return APIError(400, message, param=None, code=code)
+    message = prefix + message
+    return APIError(400, message, param=_FIELD_PREFIX.match(message).group(1), code=code)
 
 
 def check_model(asked: str | None, served: str, steered: Collection[str] = ()) -> None:
