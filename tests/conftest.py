@@ -20,8 +20,8 @@ import pytest
 import torch
 
 # Triton's kernels (vlens.attention.paged_decode) run on the CPU under its interpreter, which Triton picks
-# when it is first imported: so before anything imports it (vlens does, through torch.nn.attention.bias and
-# torch._dynamo; torch alone does not), and only where there is no GPU to run them.
+# when it is first imported: so before anything imports it (torch._dynamo does, which a test's compile or vlens's
+# flex backend brings in; torch alone does not), and only where there is no GPU to run them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

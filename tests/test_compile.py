@@ -71,10 +71,10 @@ def llm(request, tmp_path_factory) -> LLM:
 
 class CompiledForward:
     """Stands in for the runner's forward: runs the step eagerly, explains and runs it compiled, and
-    records what a test asserts (graph breaks, compiles, differences from eager)."""
+    records what a test asserts (compiles, differences from eager)."""
 
     def __init__(self, model):
-        self.model, self.compiles, self.breaks, self.errors, self.taps = model, 0, [], [], []
+        self.model, self.compiles, self.errors, self.taps = model, 0, [], []
         aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
         def counting(gm, example_inputs):
@@ -93,11 +93,8 @@ class CompiledForward:
         again = lambda: [state.copy_(saved) for state, saved in states]  # noqa: E731
         eager = self.model(ids)
         eager_rows = self._gathered()
-        if not self.breaks:  # explain() resets dynamo's caches: only before the first compiled call
-            again()
-            self.breaks.append(torch._dynamo.explain(self.model.forward)(ids).graph_break_count)
         again()
-        out = self.compiled(ids)  # fullgraph=True: a graph break in any step would raise here
+        out = self.compiled(ids)  # fullgraph=True: a graph break in any step raises here, naming its cause
         rows = self._gathered()
         self.errors.append(max([rel_err(out, eager)] + [rel_err(rows[n].float(), eager_rows[n].float()) for n in rows]))
         return out
@@ -175,7 +172,7 @@ def test_compile_whole_forward_no_recompile(llm, tapped):
     forward = CompiledForward(llm.model)
     try:
         _mixed_step(llm, forward, seed=1, tapped=tapped)
-        assert forward.breaks == [0] and forward.compiles == 1
+        assert forward.compiles == 1
         _mixed_step(llm, forward, seed=2, tapped=tapped)
     finally:
         llm.engine.runner.taps.fixed_shapes = False

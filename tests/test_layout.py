@@ -1,11 +1,14 @@
 """The package's shape: no module of vlens imports itself back through others — counting every import, in
 functions and under `if TYPE_CHECKING:` too, and the package `__init__` an import of a submodule runs — and
-one position parser serves every entry point."""
+one position parser serves every entry point, and importing vlens leaves the compiler out.
+"""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "vlens"
@@ -58,3 +61,12 @@ def test_one_position_parser():
     pattern = re.compile(r"""in \("all", "prompt", "generated", "last"\)|POSITION_KEYWORDS|parse_positions""")
     hits = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if pattern.search(p.read_text())]
     assert hits == [], hits
+
+
+def test_import_leaves_the_compiler_out():
+    """Importing vlens (its CLI, server and harvest too) does not import torch._dynamo (1.4 s of every process's
+    start: the CLI, each tensor-parallel rank, each Ray actor) nor Triton; a compile or the flex backend brings them
+    in when used."""
+    code = "import sys, vlens, vlens.cli, vlens.server.app, vlens.harvest.job; print(*sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert not {"torch._dynamo", "triton"} & set(loaded)

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind
 
@@ -217,6 +216,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
     q, keys, values = _to_grid(q, g).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
     width = values.shape[-1]
     if not g.masked(layer.kind):  # (a 4,096-token chunk after 100k keys: no 3 GiB mask; Flash Attention on CUDA)
+        from torch.nn.attention.bias import causal_lower_right  # (imports torch._dynamo: 1.4 s, here when used)
+
         causal = causal_lower_right(g.max_q, keys.shape[-2])
         out = sdpa(q, keys, values, attn_mask=causal, scale=layer.scale, enable_gqa=layer.num_kv_heads != layer.num_heads)
         return out.transpose(1, 2).reshape(-1, layer.num_heads, width)
@@ -270,6 +271,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.T
 def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> bool:
     """Whether Flash Attention runs this grouped-query call: no mask but a bottom-right causal one, and
     what this card and build take (16-bit, head size, sm80+)."""
+    from torch.nn.attention.bias import CausalBias  # (imports torch._dynamo: 1.4 s, here when used)
+
     mask = kwargs.get("attn_mask")
     if not (mask is None or isinstance(mask, CausalBias)):
         return False
