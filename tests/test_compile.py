@@ -74,6 +74,7 @@ class CompiledForward:
     records what a test asserts (compiles, differences from eager)."""
 
     def __init__(self, model):
+        torch._dynamo.reset()  # (what an earlier test compiled, of another model, would mark shapes dynamic)
         self.model, self.compiles, self.errors, self.taps = model, 0, [], []
         aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
@@ -167,7 +168,6 @@ def _request(ids, params):
 
 @pytest.mark.parametrize("tapped", [False, True], ids=["nothing_captured", "captures_steer_ablate"])
 def test_compile_whole_forward_no_recompile(llm, tapped):
-    torch._dynamo.reset()
     llm.engine.runner.taps.fixed_shapes = True
     forward = CompiledForward(llm.model)
     try:
