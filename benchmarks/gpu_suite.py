@@ -610,18 +610,20 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 
 def images(rows: dict, root: Path, quick: bool, device: str) -> None:
-    """Prompts with images (vlens.images), the tower on the device as the model: a LLaVA, and a Gemma 3 (its images'
-    tokens attend to each other both ways in the prefill). No tokenizer files travel, so the processors' are
-    word-level, made from the prompts' words."""
+    """Prompts with images (vlens.images), the tower on the device as the model: a LLaVA, a Gemma 3 (its images'
+    tokens attend to each other both ways in the prefill) and a Qwen2-VL (its rows' rotary positions are three, a
+    static buffer of the decode step's graphs). No tokenizer files travel, so the processors' are word-level, made
+    from the prompts' words."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    rows["images"] = {name: _image_check(name, root, device) for name in ("llava", "gemma3")}
+    rows["images"] = {name: _image_check(name, root, device) for name in ("llava", "gemma3", "qwen2_vl")}
     rows["images"]["ok"] = all(r["ok"] for r in rows["images"].values())
     torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def _image_check(name: str, root: Path, device: str) -> dict:
     """Every tap at every row of two image prompts traced beside a text vs HF's multimodal forward on the CPU given
-    the same pixels, and greedy generation vs HF generate, on a random checkpoint of `name` (llava, gemma3)."""
+    the same pixels, and greedy generation vs HF generate, on a random checkpoint of `name` (llava, gemma3,
+    qwen2_vl)."""
     import numpy as np
     from PIL import Image
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -635,14 +637,19 @@ def _image_check(name: str, root: Path, device: str) -> dict:
         LlavaConfig,
         LlavaProcessor,
         PreTrainedTokenizerFast,  # fmt: skip
+        Qwen2VLConfig,
+        Qwen2VLImageProcessor,
         SiglipVisionConfig,
     )
+
+    from vlens.images import images_only_processor
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_reference import hf_taps
 
-    gemma = name == "gemma3"
-    mark = "<start_of_image>" if gemma else "<image>"  # (where a prompt puts an image)
+    gemma, qwen = name == "gemma3", name == "qwen2_vl"
+    # (where a prompt puts an image)
+    mark = "<start_of_image>" if gemma else "<|vision_start|><|image_pad|><|vision_end|>" if qwen else "<image>"
     texts = [f"USER: {mark} what is in this picture ? ASSISTANT:", f"compare {mark} with {mark} please",
              "a text without a picture"]  # fmt: skip
     words = sorted({w for t in texts for w in t.split()} - {mark})
@@ -652,10 +659,22 @@ def _image_check(name: str, root: Path, device: str) -> dict:
     specials = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>",
                                   **({"extra_special_tokens": specials} if gemma else {}))  # fmt: skip
+    qwen_tokens = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
     if not gemma:
-        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        tok.add_special_tokens({"additional_special_tokens": qwen_tokens if qwen else ["<image>"]})
     layers = shape(dict(SMOLLM2, num_hidden_layers=4), device) | {"vocab_size": len(tok)}
-    if gemma:
+    if qwen:  # (M-RoPE: a head's frequencies, a quarter by time, the rest by row and column: 8, 12, 12 of 32)
+        ids = dict(zip(["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"],
+                       tok.convert_tokens_to_ids(qwen_tokens)))  # fmt: skip
+        text = dict(layers, bos_token_id=1, eos_token_id=2)  # (Llama's, as LLaVA's text model has them)
+        half = text.get("head_dim", text["hidden_size"] // text["num_attention_heads"]) // 2
+        sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
+                                   "mrope_section": sections}  # fmt: skip
+        vision = dict(depth=2, embed_dim=64, hidden_size=layers["hidden_size"], num_heads=4, mlp_ratio=2)
+        config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids, bos_token_id=1, eos_token_id=2)
+        processor = images_only_processor(Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112), tok)
+    elif gemma:
         text = Gemma3TextConfig(**layers | {"head_dim": layers.get("head_dim", 64)}, sliding_window=8,
                                 layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
                                              "full_attention"])  # fmt: skip
@@ -675,7 +694,8 @@ def _image_check(name: str, root: Path, device: str) -> dict:
         processor = LlavaProcessor(pixels, tok, patch_size=14, vision_feature_select_strategy="default",
                                    num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
     path = random_checkpoint(config, root, name, torch.float32)
-    processor.save_pretrained(path)
+    for part in (processor.image_processor, processor.tokenizer) if qwen else (processor,):  # (Qwen2-VL's: no video
+        part.save_pretrained(path)  # processor, which HF's save asks for)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", device=device, max_num_seqs=8, kv_cache_memory=1 << 30)
     pictures = [[Image.fromarray(np.random.RandomState(i).randint(0, 255, (60 + 20 * i, 80, 3), np.uint8))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,11 @@ from conftest import rel_err
 from family_parity import build
 from hf_reference import hf_taps, same
 from PIL import Image
+from replayed_graphs import replay_graphs
 from safetensors.torch import load_file, save_file
 from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
@@ -42,17 +46,22 @@ from transformers import (
     LlavaNextProcessor,
     LlavaProcessor,
     MistralConfig,
+    Qwen2_5_VLConfig,
+    Qwen2VLConfig,
     SiglipVisionConfig,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlens import LLM, Capture, SamplingParams
 from vlens.capture.names import is_pattern
-from vlens.images import PromptImages
+from vlens.images import PromptImages, images_only_processor
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 
 TOL = 1e-5
 KV = 64 << 20  # bytes of KV cache an engine of these tiny models takes (the CPU default, 2 GiB, is resident)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+               "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 AYA_TOKENS = ["<fake_token_around_image>", "<global-img>", "<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>",
               "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]  # fmt: skip
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -135,16 +144,40 @@ def _gemma3(tok):
     return config, Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
 
 
+def _qwen2_vl(tok, v2_5: bool = False):
+    """Qwen2-VL (Qwen2.5-VL with `v2_5`): patches of 14 pixels, 2x2 of them merged into a row, so an image's rows are a
+    grid by its shape; its rows' rotary positions are their time, row and column in it (M-RoPE, in sections of 2, 3
+    and 3 frequencies), the text after it going on from the largest. Qwen2.5-VL's tower attends in windows of 56
+    pixels but at its last block."""
+    ids = {key: tok.convert_tokens_to_ids(token) for key, token in QWEN_TOKENS.items()}
+    specials = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    text = dict(TEXT, vocab_size=len(tok), **specials, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "mrope_section": [2, 3, 3]})  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if v2_5:
+        vision |= dict(intermediate_size=64, out_hidden_size=TEXT["hidden_size"], window_size=56,
+                       fullatt_block_indexes=[1])  # fmt: skip
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids, **specials)
+    else:
+        vision |= dict(embed_dim=32, hidden_size=TEXT["hidden_size"], mlp_ratio=2)
+        config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids, **specials)
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2)
+    return config, images_only_processor(images, tok)
+
+
 FAMILIES = {"gemma3": _gemma3, "llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision,
-            "idefics3": _idefics3}  # fmt: skip
+            "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": partial(_qwen2_vl, v2_5=True)}  # fmt: skip
 # (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
     "{% endif %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
-PLACEHOLDERS = {"gemma3": "<start_of_image>"}  # (where a prompt puts an image; the others' is <image>)
-PLUMBING = ["llava", "gemma3"]  # (the families of the tests of a route, not of the numbers: two placeholders)
+QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# (where a prompt puts an image; the others' is <image>)
+PLACEHOLDERS = {"gemma3": "<start_of_image>", "qwen2_vl": QWEN_PLACEHOLDER, "qwen2_5_vl": QWEN_PLACEHOLDER}
+# (the families of the tests of a route, not of the numbers: three placeholders, and Qwen2-VL's rotary positions)
+PLUMBING = ["llava", "gemma3", "qwen2_vl"]
 
 
 def at(name: str, text: str) -> str:
@@ -161,7 +194,8 @@ def checkpoint(name: str, smol_path, root) -> str:
     # (Gemma 3's processor reads its image tokens from the tokenizer; LLaVA's would take its image_token too)
     extra = {"extra_special_tokens": GEMMA3_TOKENS} if name == "gemma3" else {}
     tok = AutoTokenizer.from_pretrained(smol_path, **extra)
-    tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS]})
+    qwen = [*QWEN_TOKENS.values()] if name.startswith("qwen") else []
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS, *qwen]})
     config, processor = FAMILIES[name](tok)
     processor.chat_template = at(name, CHAT_TEMPLATE)
     path = build(config, root, name)
@@ -170,8 +204,21 @@ def checkpoint(name: str, smol_path, root) -> str:
         key = next(k for k in weights if k.endswith("mm_input_projection_weight"))
         weights[key] = torch.randn(weights[key].shape, generator=torch.Generator().manual_seed(2))
         save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
-    processor.save_pretrained(path)
+    if getattr(processor, "video_processor", 0) is None:  # (Qwen2-VL's without torchvision: HF saves no such one)
+        processor.image_processor.save_pretrained(path)
+        processor.tokenizer.save_pretrained(path)
+        Path(path, "chat_template.jinja").write_text(processor.chat_template)
+    else:
+        processor.save_pretrained(path)
     return path
+
+
+def load_processor(path: str):
+    """The checkpoint's HF processor (Qwen2-VL's for images alone where torchvision is missing, as vlens builds it)."""
+    if AutoConfig.from_pretrained(path).model_type.startswith("qwen"):
+        return images_only_processor(AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path),
+                                     Path(path, "chat_template.jinja").read_text())  # fmt: skip
+    return AutoProcessor.from_pretrained(path)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -181,7 +228,7 @@ def family(request, smol_path, tmp_path_factory):
     path = checkpoint(request.param, smol_path, tmp_path_factory.mktemp(request.param))
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, kv_cache_memory=KV)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return request.param, llm, hf, AutoProcessor.from_pretrained(path)
+    return request.param, llm, hf, load_processor(path)
 
 
 def prompts(name: str) -> list[tuple[str, list[Image.Image]]]:
@@ -259,13 +306,8 @@ def test_generation_in_a_mixed_batch(family, monkeypatch):
     for _ in range(2):
         outs = llm.generate(batch, params, use_tqdm=False)
         for (text, images), out in zip(prompts(name), outs):
-            inputs = hf_inputs(processor, text, images)
-            with torch.inference_mode():
-                g = hf.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                output_hidden_states=True, return_dict_in_generate=True)  # fmt: skip
-            n = inputs["input_ids"].shape[1]
-            assert out.outputs[0].token_ids == g.sequences[0, n:].tolist(), text
-            ref = torch.cat([step[-1][0] for step in g.hidden_states])
+            tokens, ref = hf_greedy(hf, processor, text, images, 5)
+            assert out.outputs[0].token_ids == tokens, text
             assert rel_err(out.activations[hook], ref) <= 1e-5, text
         for text, out in zip(texts, outs[len(prompts(name)) :]):
             alone = llm.generate(text, params, use_tqdm=False)[0]
@@ -274,6 +316,41 @@ def test_generation_in_a_mixed_batch(family, monkeypatch):
     # two samples of one image prompt (the second takes the first's prompt blocks): both the greedy tokens
     [pair] = llm.generate(batch[:1], SamplingParams(n=2, max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [c.token_ids for c in pair.outputs] == [outs[0].outputs[0].token_ids] * 2
+
+
+def hf_greedy(hf, processor, text: str, images: list, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy tokens for a prompt alone and its last hidden state's rows (the prompt's, then the generated
+    ones but the last)."""
+    inputs = hf_inputs(processor, text, images)
+    with torch.inference_mode():
+        g = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                        output_hidden_states=True, return_dict_in_generate=True)  # fmt: skip
+    return g.sequences[0, inputs["input_ids"].shape[1] :].tolist(), torch.cat([step[-1][0] for step in g.hidden_states])
+
+
+def test_qwen2_vl_decode_graphs_read_each_steps_rotary_positions(smol_path, tmp_path):
+    """Qwen2-VL's decode steps replayed from (emulated) CUDA graphs, padded to their batch buckets, beside a text
+    prompt: a generated token's rotary positions follow its prompt's images (HF's rope delta), which a graph reads
+    from the step's buffer like its other inputs: greedy tokens and rows as HF generates each prompt alone. The
+    decode step compiled (compile_decode, inductor) reads them the same way."""
+    path = checkpoint("qwen2_vl", smol_path, tmp_path)
+    settings = dict(model=path, dtype="float32", device="cpu", block_size=4, kv_cache_memory=KV)
+    llm = LLM(**settings)
+    replay_graphs(llm.runner)
+    hf, processor = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval(), load_processor(path)
+    hook = f"hidden_states.{llm.config.num_layers}"
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=[hook]))
+    batch = [request(t, i) for t, i in prompts("qwen2_vl")] + ["Once upon a time"]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    for (text, images), out in zip(prompts("qwen2_vl"), outs):
+        tokens, ref = hf_greedy(hf, processor, text, images, 6)
+        assert out.outputs[0].token_ids == tokens and rel_err(out.activations[hook], ref) <= 1e-5, text
+    assert llm.runner.graph_stats.graph_steps >= 4
+    compiled = LLM(**settings, compile_decode=True)
+    for a, b in zip(outs, compiled.generate(batch, params, use_tqdm=False)):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert rel_err(b.activations[hook], a.activations[hook]) <= 1e-5
+    assert compiled.runner.graph_stats.compiled_steps >= 4
 
 
 def test_prefix_cache_keeps_images_apart(family):
@@ -618,12 +695,13 @@ def test_command_line_trace_with_an_image(family, tmp_path, capsys):
         assert json.loads(f.metadata()["images"]) == [str(tmp_path / "a.png")]
 
 
-def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path):
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_vl"])
+def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path, name):
     """Under tensor parallelism (2 ranks, gloo) rank 0 alone runs the vision tower and sends each forward's image
-    rows with it, and how far each row sees (Gemma 3's images attend both ways, the patterns' heads on both ranks):
-    generation in a mixed batch and a trace equal one process's."""
-    path = checkpoint("gemma3", smol_path, tmp_path)
-    batch = [request(t, i) for t, i in prompts("gemma3")] + ["Once upon a time"]
+    rows with it, and how far each row sees (Gemma 3's images attend both ways, the patterns' heads on both ranks)
+    or its rotary positions (Qwen2-VL's): generation in a mixed batch and a trace equal one process's."""
+    path = checkpoint(name, smol_path, tmp_path)
+    batch = [request(t, i) for t, i in prompts(name)] + ["Once upon a time"]
     hooks = ["hook_embed", "blocks.0.attn.hook_pattern", "blocks.1.hook_resid_post", "ln_final.hook_out"]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
     threads = torch.get_num_threads()

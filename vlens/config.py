@@ -1335,6 +1335,10 @@ class ModelConfig:
     rotary_pairs: bool = False  # GPT-J: dims 2i and 2i + 1 rotate together (else i and i + rotary_dim / 2)
     rotary_reversed: bool = False  # nanochat: each pair turns by minus its angle (its rotate_half is HF's negated)
     nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, True where no rotary is applied (NoPE); () = none
+    # Qwen2-VL, Qwen2.5-VL (M-RoPE): a row's angles from three positions (time, height, width), these many of the
+    # frequencies from each in turn; a text row's three are its position (plain RoPE), an image row's its place in the
+    # image (vlens.images: AttentionMetadata.rope_positions). () = one position.
+    mrope_section: tuple[int, ...] = ()
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
@@ -1600,6 +1604,8 @@ class ModelConfig:
             rope = dict(rope["full_attention"] or {})
         theta, scaling = _rope(rope, hf)
         partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
+        if getattr(hf, "model_type", None) in M_ROPE:  # (HF's default where the checkpoint names none)
+            flags["mrope_section"] = tuple(rope.get("mrope_section", (16, 24, 24)))
         eos = _token_ids(getattr(hf, "eos_token_id", None))  # (a multimodal text config may have none)
         fields = dict(
             architecture=arch,
@@ -1653,6 +1659,9 @@ def _global(hf: Any, name: str) -> Any:
 
 def _token_ids(ids: int | list[int] | None) -> tuple[int, ...]:
     return () if ids is None else tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
+
+
+M_ROPE = ("qwen2_vl_text", "qwen2_5_vl_text")  # text models whose rotary reads three positions (mrope_section)
 
 
 def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:

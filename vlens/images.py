@@ -7,17 +7,22 @@ the language model's input is HF's by construction, and vlens's taps from `hook_
 multimodal forward. The features are made once, when the request is admitted; the engine then feeds a prefill
 chunk's share of them in place of the placeholders' embedding (vlens.models.base.DecoderLM.embed).
 
-Only the families whose language model reads those rows with 1-D positions take images; Gemma 3's image tokens also
-attend to each other both ways in the prefill (`PromptImages.both_ways`: the scheduler ends no chunk in an image's
-middle, AttentionMetadata.key_limits says how far each row sees). The others' text models still run on text
-(vlens.config.TEXT_MODELS)."""
+Gemma 3's image tokens also attend to each other both ways in the prefill (`PromptImages.both_ways`: the scheduler
+ends no chunk in an image's middle, AttentionMetadata.key_limits says how far each row sees). Qwen2-VL's and
+Qwen2.5-VL's rotary reads three positions a row (M-RoPE): an image row's are its time, row and column in the image,
+and the text after an image goes on from the image's largest; HF's own `get_rope_index` gives them
+(`PromptImages.rope`), and AttentionMetadata.rope_positions carries them to the rotary. Qwen3-VL's language model also
+reads image rows at its first layers (deepstack), which vlens does not: its text model runs on text
+(vlens.config.TEXT_MODELS), as the other multimodal checkpoints' do."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import io
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -43,15 +48,17 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "LlavaOnevisionForConditionalGeneration": True,
     "Mistral3ForConditionalGeneration": True,
     "InternVLForConditionalGeneration": True,
-    "Qwen2VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
-    "Qwen2_5_VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
-    "Qwen3VLForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
-    "Qwen3VLMoeForConditionalGeneration": "its image tokens take 3-D rotary positions (M-RoPE), vlens's text ones 1-D",
+    "Qwen2VLForConditionalGeneration": True,  # (3-D rotary positions: PromptImages.rope)
+    "Qwen2_5_VLForConditionalGeneration": True,
+    "Qwen3VLForConditionalGeneration": "its language model also reads image rows at its first layers (deepstack)",
+    "Qwen3VLMoeForConditionalGeneration": "its language model also reads image rows at its first layers (deepstack)",
 }
 IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok is True)
 UNTESTED = {"SmolVLMForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
             "Mistral3ForConditionalGeneration", "InternVLForConditionalGeneration"}  # fmt: skip
 BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to each other both ways
+# whose rotary reads three positions a row (their models' get_rope_index gives them)
+M_ROPE = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
@@ -67,12 +74,14 @@ class PromptImages:
     `digest` names the pixels: it keys the prefix cache, so two prompts of the same tokens and other images never
     share keys and values past their first image row. `both_ways`: each run of image rows attends to itself both
     ways in the prefill (Gemma 3's: HF's mask with token_type_ids), so a prefill chunk ends at none's middle and
-    its rows see keys up to their run's end (`limits`)."""
+    its rows see keys up to their run's end (`limits`). `rope` [3, prompt length]: each prompt position's three rotary
+    positions (M-RoPE, HF's `get_rope_index`), or None where the model's rotary reads one."""
 
     positions: np.ndarray
     features: torch.Tensor
     digest: str
     both_ways: bool = False
+    rope: np.ndarray | None = None
 
     def placeholders(self) -> list[tuple[int, int]]:
         """(offset, length) of each run of consecutive image positions (an image's tokens, between its text ones)."""
@@ -114,6 +123,18 @@ class PromptImages:
                 touched = True
         return limits if touched else None
 
+    def rope_positions(self, start: int, n: int) -> np.ndarray:
+        """[3, n] rotary positions of positions [start, start + n): the prompt's (`rope`), and past its end each
+        position moved by as much as the prompt's last (HF's rope delta: what generated tokens take)."""
+        at = np.arange(start, start + n)
+        if self.rope is None:
+            return np.broadcast_to(at, (3, n))
+        length = self.rope.shape[1]
+        out = np.broadcast_to(at + int(self.rope.max()) + 1 - length, (3, n)).copy()
+        inside = at < length
+        out[:, inside] = self.rope[:, at[inside]]
+        return out
+
     def within(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor] | None:
         """The image rows among prompt positions [start, start + n) (a prefill chunk's): their offsets in the chunk
         and their features, or None."""
@@ -149,7 +170,7 @@ class ImageEncoder:
             log.warning("images on %s take the path tests/test_images.py checks on LLaVA, LLaVA-NeXT, Aya Vision, "
                         "Idefics3 and Gemma 3, but are not themselves checked against HF there", arch)  # fmt: skip
         try:
-            self.processor = AutoProcessor.from_pretrained(path)
+            self.processor = AutoProcessor.from_pretrained(path) if arch not in M_ROPE else _images_only(path)
         except (OSError, ValueError, ImportError) as e:
             raise ValueError(f"{field}: the checkpoint's image processor cannot be built ({e}); images need "
                              "its processor files (preprocessor_config.json, processor_config.json) and Pillow "
@@ -174,7 +195,7 @@ class ImageEncoder:
             if hasattr(self.model, name):
                 setattr(self.model, name, None)
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
-        self.both_ways = arch in BOTH_WAYS
+        self.both_ways, self.m_rope = arch in BOTH_WAYS, arch in M_ROPE
         self.model.eval().requires_grad_(False)
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # digest -> rows, least recently used first
         self._cached_bytes = 0
@@ -236,8 +257,17 @@ class ImageEncoder:
         for p, features, digest in zip(prepared, rows, digests):
             positions = (p.ids == self.image_token_id).nonzero().flatten().numpy()
             features = rows[first[digest]] if features is None else features  # (the same pixels twice in a call)
-            out.append(PromptImages(positions, features, digest, self.both_ways))
+            out.append(PromptImages(positions, features, digest, self.both_ways, self._rope(p)))
         return out
+
+    def _rope(self, prepared: Prepared) -> np.ndarray | None:
+        """[3, T] HF's rotary positions of a prompt (M-RoPE), or None where the model's rotary reads one."""
+        if not self.m_rope:
+            return None
+        ids = prepared.ids[None].to(self.model.device)
+        grid = prepared.vision["image_grid_thw"].to(self.model.device)
+        rope, _ = self.model.get_rope_index(ids, (ids == self.image_token_id).int(), image_grid_thw=grid)
+        return rope[:, 0].cpu().numpy()
 
     def _cached(self, digest: str) -> torch.Tensor | None:
         with self._lock:
@@ -272,6 +302,38 @@ class ImageEncoder:
         features = torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
         features = features.reshape(-1, features.shape[-1]).to("cpu", self.model.dtype)
         return features.pin_memory() if self.model.device.type == "cuda" else features
+
+
+def _images_only(path: Path) -> Any:
+    """Qwen2-VL's processor from a checkpoint: HF's `AutoProcessor` where it can be built (its video processor needs
+    torchvision), else for images alone (`images_only_processor`), with the checkpoint's chat template."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        with contextlib.suppress(OSError, ValueError, ImportError):
+            return AutoProcessor.from_pretrained(path)
+    template = None
+    for name in ("chat_template.jinja", "chat_template.json"):  # (where HF's processors keep it, newest first)
+        file = Path(path, name)
+        if template is None and file.is_file():
+            template = json.loads(file.read_text())["chat_template"] if name.endswith(".json") else file.read_text()
+    return images_only_processor(AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path),
+                                 template)  # fmt: skip
+
+
+def images_only_processor(image_processor: Any, tokenizer: Any, chat_template: str | None = None) -> Any:
+    """HF's Qwen2-VL processor (Qwen2.5-VL's too) without a video processor, which HF's class insists on: images need
+    none (without torchvision the image processor is HF's PIL one)."""
+    from transformers import Qwen2VLProcessor
+
+    class ImagesOnly(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImagesOnly(image_processor, tokenizer, None, chat_template=chat_template)
 
 
 def _digest(vision: dict[str, torch.Tensor]) -> str:

@@ -303,8 +303,10 @@ class _Sweep:
                              "TransformerLens's patching module runs on any HookedLM, a forward per patch")  # fmt: skip
         self.seqs, self.padding, self.metric = seqs, padding, metric
         # (the copies start at a layer, past the embedding; they need a text's images only where its image tokens
-        # attend to each other both ways, Gemma 3's: for the rows' key limits)
-        self.images = images if images and any(i is not None and i.both_ways for i in images) else None
+        # attend to each other both ways, Gemma 3's: for the rows' key limits; or take rotary positions of their
+        # own, Qwen2-VL's)
+        needed = [i is not None and (i.both_ways or i.rope is not None) for i in images or []]
+        self.images = images if any(needed) else None
         self.lens = [len(s) for s in seqs]
         self.limit = min(model.llm.engine_config.max_num_batched_tokens, LOGIT_BYTES // (4 * model.cfg.vocab_size))
         self.base = _lend(self.blocks, self.lens)

@@ -69,6 +69,10 @@ class AttentionMetadata:
     # [T] (host): the last key position each query sees, where some see past their own (the tokens of an image that
     # attend to each other both ways, Gemma 3's: vlens.images); None: every query sees up to its own position
     key_limits: np.ndarray | None = None
+    # [3, T] (device): each row's three rotary positions (time, height, width) where the model's rotary reads three
+    # (ModelConfig.mrope_section) and some row's differ from its position (an image's, or any row after one:
+    # vlens.images); None: `positions`, thrice
+    rope_positions: torch.Tensor | None = None
 
     @property
     def paged(self) -> bool:
