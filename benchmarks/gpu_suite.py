@@ -673,7 +673,8 @@ def _image_check(name: str, root: Path, device: str) -> dict:
                                    "mrope_section": sections}  # fmt: skip
         vision = dict(depth=2, embed_dim=64, hidden_size=layers["hidden_size"], num_heads=4, mlp_ratio=2)
         config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids, bos_token_id=1, eos_token_id=2)
-        processor = images_only_processor(Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112), tok)
+        pixels = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+        processor = images_only_processor("Qwen2VLProcessor", pixels, tok)
     elif gemma:
         text = Gemma3TextConfig(**layers | {"head_dim": layers.get("head_dim", 64)}, sliding_window=8,
                                 layer_types=["sliding_attention", "sliding_attention", "sliding_attention",

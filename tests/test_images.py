@@ -1,7 +1,8 @@
-"""Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's, Aya Vision's and Idefics3's tiny random checkpoints, each
-with its processor (SmolLM2's tokenizer and the image tokens), against HF's multimodal model given the same pixels:
-every tap of the language model, traces, greedy generation, a mixed batch with text prompts and other images through
-chunked prefill, the prefix cache kept apart by the pixels, chat and serving, two ranks, and the refusals."""
+"""Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's, Aya Vision's, Idefics3's, Gemma 3's, Qwen2-VL's,
+Qwen2.5-VL's, GLM-4.1V's and GLM-4.5V's tiny random checkpoints, each with its processor (SmolLM2's tokenizer and the
+image tokens), against HF's multimodal model given the same pixels: every tap of the language model, traces, greedy
+generation, a mixed batch with text prompts and other images through chunked prefill, the prefix cache kept apart by
+the pixels, chat and serving, two ranks, and the refusals."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from transformers import (
     Gemma3ImageProcessor,
     Gemma3Processor,
     Gemma3TextConfig,
+    Glm4vConfig,
+    Glm4vMoeConfig,
     GotOcr2ImageProcessor,
     Idefics3Config,
     Idefics3ImageProcessor,
@@ -50,11 +53,12 @@ from transformers import (
     Qwen2VLConfig,
     SiglipVisionConfig,
 )
+from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlens import LLM, Capture, SamplingParams
 from vlens.capture.names import is_pattern
-from vlens.images import PromptImages, images_only_processor
+from vlens.images import M_ROPE, PromptImages, images_only_processor
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 
 TOL = 1e-5
@@ -62,6 +66,9 @@ KV = 64 << 20  # bytes of KV cache an engine of these tiny models takes (the CPU
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+GLM_TOKENS = {"image_token_id": "<|image|>", "video_token_id": "<|video|>",
+              "image_start_token_id": "<|begin_of_image|>", "image_end_token_id": "<|end_of_image|>",
+              "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>"}  # fmt: skip
 AYA_TOKENS = ["<fake_token_around_image>", "<global-img>", "<|IMG_PATCH|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>",
               "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]  # fmt: skip
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -162,11 +169,31 @@ def _qwen2_vl(tok, v2_5: bool = False):
         vision |= dict(embed_dim=32, hidden_size=TEXT["hidden_size"], mlp_ratio=2)
         config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids, **specials)
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2)
-    return config, images_only_processor(images, tok)
+    return config, images_only_processor("Qwen2VLProcessor", images, tok)
+
+
+def _glm4v(tok, moe: bool = False):
+    """GLM-4.1V (GLM-4.5V with `moe`): Qwen2-VL's grid of merged patches and its three rotary positions, over half of
+    each head (in sections of 2, 1 and 1 frequencies), by pairs of dims (GLM-4.5V's by halves); GLM-4's sandwich-normed
+    layer (GLM-4.5V's routed experts after a dense layer)."""
+    ids = {key: tok.convert_tokens_to_ids(token) for key, token in GLM_TOKENS.items()}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
+    text = dict(TEXT, vocab_size=len(tok), rope_parameters=rope, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id)  # fmt: skip
+    if moe:
+        text |= dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                     first_k_dense_replace=1)  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+                  image_size=28, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    config = (Glm4vMoeConfig if moe else Glm4vConfig)(text_config=text, vision_config=vision, **ids,
+                                                      eos_token_id=tok.eos_token_id)  # fmt: skip
+    images = Glm4vImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    return config, images_only_processor("Glm4vProcessor", images, tok)
 
 
 FAMILIES = {"gemma3": _gemma3, "llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision,
-            "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": partial(_qwen2_vl, v2_5=True)}  # fmt: skip
+            "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": partial(_qwen2_vl, v2_5=True),
+            "glm4v": _glm4v, "glm4v_moe": partial(_glm4v, moe=True)}  # fmt: skip
 # (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -174,8 +201,10 @@ CHAT_TEMPLATE = (
     "{% endif %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+GLM_PLACEHOLDER = "<|begin_of_image|><|image|><|end_of_image|>"
 # (where a prompt puts an image; the others' is <image>)
-PLACEHOLDERS = {"gemma3": "<start_of_image>", "qwen2_vl": QWEN_PLACEHOLDER, "qwen2_5_vl": QWEN_PLACEHOLDER}
+PLACEHOLDERS = {"gemma3": "<start_of_image>", "qwen2_vl": QWEN_PLACEHOLDER, "qwen2_5_vl": QWEN_PLACEHOLDER,
+                "glm4v": GLM_PLACEHOLDER, "glm4v_moe": GLM_PLACEHOLDER}  # fmt: skip
 # (the families of the tests of a route, not of the numbers: three placeholders, and Qwen2-VL's rotary positions)
 PLUMBING = ["llava", "gemma3", "qwen2_vl"]
 
@@ -194,8 +223,8 @@ def checkpoint(name: str, smol_path, root) -> str:
     # (Gemma 3's processor reads its image tokens from the tokenizer; LLaVA's would take its image_token too)
     extra = {"extra_special_tokens": GEMMA3_TOKENS} if name == "gemma3" else {}
     tok = AutoTokenizer.from_pretrained(smol_path, **extra)
-    qwen = [*QWEN_TOKENS.values()] if name.startswith("qwen") else []
-    tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS, *qwen]})
+    grid = QWEN_TOKENS if name.startswith("qwen") else GLM_TOKENS if name.startswith("glm") else {}
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS, *grid.values()]})
     config, processor = FAMILIES[name](tok)
     processor.chat_template = at(name, CHAT_TEMPLATE)
     path = build(config, root, name)
@@ -215,9 +244,10 @@ def checkpoint(name: str, smol_path, root) -> str:
 
 def load_processor(path: str):
     """The checkpoint's HF processor (Qwen2-VL's for images alone where torchvision is missing, as vlens builds it)."""
-    if AutoConfig.from_pretrained(path).model_type.startswith("qwen"):
-        return images_only_processor(AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path),
-                                     Path(path, "chat_template.jinja").read_text())  # fmt: skip
+    arch = AutoConfig.from_pretrained(path).architectures[0]
+    if arch in M_ROPE:
+        return images_only_processor(M_ROPE[arch], AutoImageProcessor.from_pretrained(path),
+                                     AutoTokenizer.from_pretrained(path), Path(path, "chat_template.jinja").read_text())
     return AutoProcessor.from_pretrained(path)
 
 

@@ -173,6 +173,7 @@ def test_config_is_the_text_models(family):
     elif name.startswith("glm4v"):
         assert cfg.architecture == ("Glm4MoeForCausalLM" if name == "glm4v_moe" else "Glm4vTextModel")
         assert cfg.stored_as == ("model.language_model.", "lm_head.") and cfg.rotary_dim == 8
+        assert cfg.mrope_section == (2, 1, 1)  # (their images: tests/test_images.py)
     elif name == "exaone4_5":
         assert cfg.architecture == "Exaone4ForCausalLM" and cfg.stored_as == ("model.language_model.", "lm_head.")
         assert cfg.post_norms and cfg.nope_layers == (False, True, False)

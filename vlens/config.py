@@ -1335,9 +1335,9 @@ class ModelConfig:
     rotary_pairs: bool = False  # GPT-J: dims 2i and 2i + 1 rotate together (else i and i + rotary_dim / 2)
     rotary_reversed: bool = False  # nanochat: each pair turns by minus its angle (its rotate_half is HF's negated)
     nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, True where no rotary is applied (NoPE); () = none
-    # Qwen2-VL, Qwen2.5-VL (M-RoPE): a row's angles from three positions (time, height, width), these many of the
-    # frequencies from each in turn; a text row's three are its position (plain RoPE), an image row's its place in the
-    # image (vlens.images: AttentionMetadata.rope_positions). () = one position.
+    # Qwen2-VL, Qwen2.5-VL, GLM-4.1V, GLM-4.5V (M-RoPE): a row's angles from three positions (time, height, width),
+    # these many of the frequencies from each in turn; a text row's three are its position (plain RoPE), an image row's
+    # its place in the image (vlens.images: AttentionMetadata.rope_positions). () = one position.
     mrope_section: tuple[int, ...] = ()
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None
@@ -1604,8 +1604,8 @@ class ModelConfig:
             rope = dict(rope["full_attention"] or {})
         theta, scaling = _rope(rope, hf)
         partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
-        if getattr(hf, "model_type", None) in M_ROPE:  # (HF's default where the checkpoint names none)
-            flags["mrope_section"] = tuple(rope.get("mrope_section", (16, 24, 24)))
+        if getattr(hf, "model_type", None) in M_ROPE:
+            flags["mrope_section"] = tuple(rope.get("mrope_section", M_ROPE[hf.model_type]))
         eos = _token_ids(getattr(hf, "eos_token_id", None))  # (a multimodal text config may have none)
         fields = dict(
             architecture=arch,
@@ -1661,7 +1661,9 @@ def _token_ids(ids: int | list[int] | None) -> tuple[int, ...]:
     return () if ids is None else tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
 
 
-M_ROPE = ("qwen2_vl_text", "qwen2_5_vl_text")  # text models whose rotary reads three positions (mrope_section)
+# text models whose rotary reads three positions (mrope_section), with HF's sections where a checkpoint names none
+M_ROPE = {"qwen2_vl_text": (16, 24, 24), "qwen2_5_vl_text": (16, 24, 24), "glm4v_text": (8, 12, 12),
+          "glm4v_moe_text": (8, 12, 12)}  # fmt: skip
 
 
 def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:

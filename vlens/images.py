@@ -7,10 +7,10 @@ the language model's input is HF's by construction, and vlens's taps from `hook_
 multimodal forward. The features are made once, when the request is admitted; the engine then feeds a prefill
 chunk's share of them in place of the placeholders' embedding (vlens.models.base.DecoderLM.embed).
 
-Gemma 3's image tokens also attend to each other both ways in the prefill (`PromptImages.both_ways`: the scheduler
-ends no chunk in an image's middle, AttentionMetadata.key_limits says how far each row sees). Qwen2-VL's and
-Qwen2.5-VL's rotary reads three positions a row (M-RoPE): an image row's are its time, row and column in the image,
-and the text after an image goes on from the image's largest; HF's own `get_rope_index` gives them
+Gemma 3's image tokens also attend to each other both ways in the prefill (`PromptImages.both_ways`: the scheduler ends
+no chunk in an image's middle, AttentionMetadata.key_limits says how far each row sees). Qwen2-VL's, Qwen2.5-VL's,
+GLM-4.1V's and GLM-4.5V's rotary reads three positions a row (M-RoPE): an image row's are its time, row and column in
+the image, and the text after an image goes on from the image's largest; HF's own `get_rope_index` gives them
 (`PromptImages.rope`), and AttentionMetadata.rope_positions carries them to the rotary. Qwen3-VL's language model also
 reads image rows at its first layers (deepstack), which vlens does not: its text model runs on text
 (vlens.config.TEXT_MODELS), as the other multimodal checkpoints' do."""
@@ -50,6 +50,8 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "InternVLForConditionalGeneration": True,
     "Qwen2VLForConditionalGeneration": True,  # (3-D rotary positions: PromptImages.rope)
     "Qwen2_5_VLForConditionalGeneration": True,
+    "Glm4vForConditionalGeneration": True,
+    "Glm4vMoeForConditionalGeneration": True,
     "Qwen3VLForConditionalGeneration": "its language model also reads image rows at its first layers (deepstack)",
     "Qwen3VLMoeForConditionalGeneration": "its language model also reads image rows at its first layers (deepstack)",
 }
@@ -57,8 +59,10 @@ IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok i
 UNTESTED = {"SmolVLMForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
             "Mistral3ForConditionalGeneration", "InternVLForConditionalGeneration"}  # fmt: skip
 BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to each other both ways
-# whose rotary reads three positions a row (their models' get_rope_index gives them)
-M_ROPE = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+# whose rotary reads three positions a row (their models' get_rope_index gives them) -> HF's processor class
+M_ROPE = {"Qwen2VLForConditionalGeneration": "Qwen2VLProcessor",
+          "Qwen2_5_VLForConditionalGeneration": "Qwen2VLProcessor",  # (Qwen2-VL's, to its videos' timing)
+          "Glm4vForConditionalGeneration": "Glm4vProcessor", "Glm4vMoeForConditionalGeneration": "Glm4vProcessor"}
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
@@ -170,7 +174,7 @@ class ImageEncoder:
             log.warning("images on %s take the path tests/test_images.py checks on LLaVA, LLaVA-NeXT, Aya Vision, "
                         "Idefics3 and Gemma 3, but are not themselves checked against HF there", arch)  # fmt: skip
         try:
-            self.processor = AutoProcessor.from_pretrained(path) if arch not in M_ROPE else _images_only(path)
+            self.processor = AutoProcessor.from_pretrained(path) if arch not in M_ROPE else _images_only(path, arch)
         except (OSError, ValueError, ImportError) as e:
             raise ValueError(f"{field}: the checkpoint's image processor cannot be built ({e}); images need "
                              "its processor files (preprocessor_config.json, processor_config.json) and Pillow "
@@ -304,9 +308,10 @@ class ImageEncoder:
         return features.pin_memory() if self.model.device.type == "cuda" else features
 
 
-def _images_only(path: Path) -> Any:
-    """Qwen2-VL's processor from a checkpoint: HF's `AutoProcessor` where it can be built (its video processor needs
-    torchvision), else for images alone (`images_only_processor`), with the checkpoint's chat template."""
+def _images_only(path: Path, arch: str) -> Any:
+    """The processor of a checkpoint of `arch` (Qwen2-VL's, GLM-4.1V's): HF's `AutoProcessor` where it can be built
+    (its video processor needs torchvision), else for images alone (`images_only_processor`), with the checkpoint's
+    chat template."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import is_torchvision_available
 
@@ -318,16 +323,16 @@ def _images_only(path: Path) -> Any:
         file = Path(path, name)
         if template is None and file.is_file():
             template = json.loads(file.read_text())["chat_template"] if name.endswith(".json") else file.read_text()
-    return images_only_processor(AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path),
-                                 template)  # fmt: skip
+    return images_only_processor(M_ROPE[arch], AutoImageProcessor.from_pretrained(path),
+                                 AutoTokenizer.from_pretrained(path), template)  # fmt: skip
 
 
-def images_only_processor(image_processor: Any, tokenizer: Any, chat_template: str | None = None) -> Any:
-    """HF's Qwen2-VL processor (Qwen2.5-VL's too) without a video processor, which HF's class insists on: images need
-    none (without torchvision the image processor is HF's PIL one)."""
-    from transformers import Qwen2VLProcessor
+def images_only_processor(name: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None) -> Any:
+    """HF's processor class `name` (Qwen2VLProcessor, Glm4vProcessor) without a video processor, which HF's class
+    insists on: images need none (without torchvision the image processor is HF's PIL one)."""
+    import transformers
 
-    class ImagesOnly(Qwen2VLProcessor):
+    class ImagesOnly(getattr(transformers, name)):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and argument is None:
                 return None
