@@ -666,9 +666,13 @@ def hf_taps(
     on_output(hf_model.get_submodule(fam.embed), "hook_embed")
     for hook, path in fam.extra.items():
         on_output(hf_model.get_submodule(path), hook)
+    # (Qwen3-VL's deepstack: its first layers' outputs, HF's hidden_states, get more image rows before the next layer)
+    deepstack = bool(getattr(getattr(hf_model.config, "vision_config", None), "deepstack_visual_indexes", None))
     for layer in layers:
         block, p = blocks[layer], f"blocks.{layer}."
         on_output(block, p + "raw_resid_post", raw)
+        if deepstack:
+            on_input(block, p + "hook_resid_pre")
         if linear[layer]:  # (the rest from the delta rule's calls, below)
             on_output(block.linear_attn, p + "hook_attn_out")
             net = block.linear_attn  # (OLMo Hybrid's norm and output projection: o_norm, o_proj)
@@ -874,7 +878,7 @@ def hf_taps(
         p = f"blocks.{layer}."
         if cfg.model_type in ("mamba", "falcon_mamba"):  # (their hidden_states are the layers' outputs)
             got[p + "hook_resid_pre"] = got["hook_embed"] if layer == 0 else raw[f"blocks.{layer - 1}.raw_resid_post"]
-        else:
+        elif not deepstack:
             got[p + "hook_resid_pre"] = out.hidden_states[layer][0]
         got[p + "hook_resid_post"] = raw[p + "raw_resid_post"]
         if linear[layer]:

@@ -51,6 +51,8 @@ from transformers import (
     MistralConfig,
     Qwen2_5_VLConfig,
     Qwen2VLConfig,
+    Qwen3VLConfig,
+    Qwen3VLMoeConfig,
     SiglipVisionConfig,
 )
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
@@ -191,9 +193,28 @@ def _glm4v(tok, moe: bool = False):
     return config, images_only_processor("Glm4vProcessor", images, tok)
 
 
+def _qwen3_vl(tok, moe: bool = False):
+    """Qwen3-VL (Qwen3-VL-MoE with `moe`): Qwen2-VL's grid of merged patches (of 16 pixels), its three rotary positions
+    interleaved over the frequencies, and deepstack: after the language model's first layer, the image rows add what
+    the tower's first layer made of them."""
+    ids = {key: tok.convert_tokens_to_ids(token) for key, token in QWEN_TOKENS.items()}
+    specials = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    text = dict(TEXT, vocab_size=len(tok), head_dim=16, **specials, rope_parameters=rope)
+    if moe:
+        text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+                  deepstack_visual_indexes=[0], num_position_embeddings=16, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2)  # fmt: skip
+    config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(text_config=text, vision_config=vision, **ids, **specials)
+    images = Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16, merge_size=2)
+    return config, images_only_processor("Qwen3VLProcessor", images, tok)
+
+
 FAMILIES = {"gemma3": _gemma3, "llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision,
             "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": partial(_qwen2_vl, v2_5=True),
-            "glm4v": _glm4v, "glm4v_moe": partial(_glm4v, moe=True)}  # fmt: skip
+            "glm4v": _glm4v, "glm4v_moe": partial(_glm4v, moe=True), "qwen3_vl": _qwen3_vl,
+            "qwen3_vl_moe": partial(_qwen3_vl, moe=True)}  # fmt: skip
 # (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -204,9 +225,11 @@ QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 GLM_PLACEHOLDER = "<|begin_of_image|><|image|><|end_of_image|>"
 # (where a prompt puts an image; the others' is <image>)
 PLACEHOLDERS = {"gemma3": "<start_of_image>", "qwen2_vl": QWEN_PLACEHOLDER, "qwen2_5_vl": QWEN_PLACEHOLDER,
+                "qwen3_vl": QWEN_PLACEHOLDER, "qwen3_vl_moe": QWEN_PLACEHOLDER,
                 "glm4v": GLM_PLACEHOLDER, "glm4v_moe": GLM_PLACEHOLDER}  # fmt: skip
-# (the families of the tests of a route, not of the numbers: three placeholders, and Qwen2-VL's rotary positions)
-PLUMBING = ["llava", "gemma3", "qwen2_vl"]
+# (the families of the tests of a route, not of the numbers: three placeholders, and Qwen3-VL's rotary positions and
+# deepstack rows)
+PLUMBING = ["llava", "gemma3", "qwen3_vl"]
 
 
 def at(name: str, text: str) -> str:
@@ -548,8 +571,9 @@ def test_images_seen_lately_skip_the_tower(family, monkeypatch):
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids == first[1].outputs[0].token_ids
     assert torch.equal(again.activations["hook_embed"], first[0].activations["hook_embed"])
     llm.generate(request(text, [image(82)]), params, use_tqdm=False)  # (cached, least recently used first: 81, 80, 82)
-    rows = encoder.rows([encoder.prepare(ImagePrompt(text, [image(82)]), "x")], ["x"])[0].features  # (from the cache)
-    monkeypatch.setattr(module, "CACHE_BYTES", rows.numel() * rows.element_size() * 7 // 2)  # (room for three)
+    rows = encoder.rows([encoder.prepare(ImagePrompt(text, [image(82)]), "x")], ["x"])[0]  # (from the cache)
+    size = sum(t.numel() * t.element_size() for t in (rows.features, rows.deep) if t is not None)  # (deepstack's too)
+    monkeypatch.setattr(module, "CACHE_BYTES", size * 7 // 2)  # (room for three)
     llm.generate(request(text, [image(83)]), params, use_tqdm=False)  # (the least recently used out: 81's, older ones)
     count = encoder.tower_prompts
     llm.generate([request(text, [image(80)]), request(text, [image(83)])], params, use_tqdm=False)
@@ -652,8 +676,8 @@ def test_hooked_lm_generates_from_an_image_prompt(hooked_family):
     n = inputs["input_ids"].shape[1]
     rows = (inputs["input_ids"][0] == hf.config.image_token_id).nonzero().squeeze(1)
 
-    def scale(x, hook):  # (the prompt's image rows, in the step that runs them)
-        if x.shape[1] == n:
+    def scale(x, hook):  # (the prompt's image rows, in every step that runs them: each step without the cache; found
+        if x.shape[1] >= n:  # on Qwen3-VL, whose tokens told the two apart where `== n` edited only the first)
             x = x.clone()
             x[:, rows] *= 3
         return x
@@ -725,11 +749,12 @@ def test_command_line_trace_with_an_image(family, tmp_path, capsys):
         assert json.loads(f.metadata()["images"]) == [str(tmp_path / "a.png")]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen2_vl"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_vl"])
 def test_two_ranks_read_the_images_rank_0_encodes(smol_path, tmp_path, name):
     """Under tensor parallelism (2 ranks, gloo) rank 0 alone runs the vision tower and sends each forward's image
     rows with it, and how far each row sees (Gemma 3's images attend both ways, the patterns' heads on both ranks)
-    or its rotary positions (Qwen2-VL's): generation in a mixed batch and a trace equal one process's."""
+    or its rotary positions and deepstack rows (Qwen3-VL's): generation in a mixed batch and a trace equal one
+    process's."""
     path = checkpoint(name, smol_path, tmp_path)
     batch = [request(t, i) for t, i in prompts(name)] + ["Once upon a time"]
     hooks = ["hook_embed", "blocks.0.attn.hook_pattern", "blocks.1.hook_resid_post", "ln_final.hook_out"]

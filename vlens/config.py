@@ -1339,6 +1339,8 @@ class ModelConfig:
     # these many of the frequencies from each in turn; a text row's three are its position (plain RoPE), an image row's
     # its place in the image (vlens.images: AttentionMetadata.rope_positions). () = one position.
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL: frequency j turns by position j % 3 (within 3 times each section's size), not by runs of sections
+    mrope_interleaved: bool = False
     sliding_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own rope base
     sliding_rope_scaling: dict | None = None
     learned_positions: bool = False  # GPT-2: a position-embedding table added to the token embedding
@@ -1503,6 +1505,9 @@ class ModelConfig:
     # Mamba (1) and Falcon Mamba in HF: output_hidden_states[i] is layer i's output (no embedding; the last is the
     # final norm's), so vlens's hidden_states.{i} alias is blocks.{i}.hook_resid_post there
     hidden_states_after_layers: bool = False
+    # Qwen3-VL: its first layers whose output gets image rows of the tower's inner layers added (deepstack, with
+    # images), so that HF's hidden_states.{i} there is blocks.{i - 1}.hook_resid_post, not blocks.{i}.hook_resid_pre
+    deepstack_layers: int = 0
     # Mamba's residual_in_fp32: the stream between layers kept in float32 (each layer's norm reads it rounded to the
     # model's dtype; its taps' rows are of the model's dtype, as every tap's)
     residual_float32: bool = False
@@ -1588,8 +1593,9 @@ class ModelConfig:
             text = cls.from_hf(hf.text_config)
             eos = _token_ids(getattr(hf, "eos_token_id", None)) or text.eos_token_ids
             tied = bool(getattr(hf, "tie_word_embeddings", text.tie_word_embeddings))
-            return dataclasses.replace(text, stored_as=TEXT_MODELS[arch], eos_token_ids=eos,
-                                       tie_word_embeddings=tied)  # fmt: skip
+            deep = len(getattr(getattr(hf, "vision_config", None), "deepstack_visual_indexes", None) or ())
+            return dataclasses.replace(text, stored_as=TEXT_MODELS[arch], eos_token_ids=eos, tie_word_embeddings=tied,
+                                       deepstack_layers=deep)  # fmt: skip
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
         if "qkv_bias" not in flags:
@@ -1606,6 +1612,7 @@ class ModelConfig:
         partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None) or 1.0)
         if getattr(hf, "model_type", None) in M_ROPE:
             flags["mrope_section"] = tuple(rope.get("mrope_section", M_ROPE[hf.model_type]))
+            flags["mrope_interleaved"] = hf.model_type in INTERLEAVED_M_ROPE
         eos = _token_ids(getattr(hf, "eos_token_id", None))  # (a multimodal text config may have none)
         fields = dict(
             architecture=arch,
@@ -1663,7 +1670,8 @@ def _token_ids(ids: int | list[int] | None) -> tuple[int, ...]:
 
 # text models whose rotary reads three positions (mrope_section), with HF's sections where a checkpoint names none
 M_ROPE = {"qwen2_vl_text": (16, 24, 24), "qwen2_5_vl_text": (16, 24, 24), "glm4v_text": (8, 12, 12),
-          "glm4v_moe_text": (8, 12, 12)}  # fmt: skip
+          "glm4v_moe_text": (8, 12, 12), "qwen3_vl_text": (24, 20, 20), "qwen3_vl_moe_text": (24, 20, 20)}  # fmt: skip
+INTERLEAVED_M_ROPE = ("qwen3_vl_text", "qwen3_vl_moe_text")  # (their frequencies take t, h, w in turn)
 
 
 def _rope(params: dict, hf: Any) -> tuple[float, dict | None]:

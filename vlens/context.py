@@ -34,8 +34,9 @@ class ForwardContext:
     backend_state: Any  # ... and what it planned for this forward
     taps: Mapping[str, Tap] = field(default_factory=dict)  # tap site -> its work this forward; empty = nothing
     fused: bool = False  # run vlens.layers.fused's compiled chains (the runner's choice: CUDA graphs on)
-    # rows of this forward whose embedding is given, not looked up (an image's: vlens.images), and those embeddings
-    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # rows of this forward whose embedding is given, not looked up (an image's: vlens.images), those embeddings, and
+    # (Qwen3-VL's deepstack) what those rows add after each of the first layers [layers, rows, d]
+    embeds: tuple[torch.Tensor, ...] | None = None
     # Gemma 4 E2B/E4B, filled as the forward goes: the keys and values a layer leaves for the later layers that
     # attend to them (by layer), and each layer's own input from the per-layer embeddings [T, layers, size]
     shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)

@@ -9,11 +9,12 @@ chunk's share of them in place of the placeholders' embedding (vlens.models.base
 
 Gemma 3's image tokens also attend to each other both ways in the prefill (`PromptImages.both_ways`: the scheduler ends
 no chunk in an image's middle, AttentionMetadata.key_limits says how far each row sees). Qwen2-VL's, Qwen2.5-VL's,
-GLM-4.1V's and GLM-4.5V's rotary reads three positions a row (M-RoPE): an image row's are its time, row and column in
-the image, and the text after an image goes on from the image's largest; HF's own `get_rope_index` gives them
-(`PromptImages.rope`), and AttentionMetadata.rope_positions carries them to the rotary. Qwen3-VL's language model also
-reads image rows at its first layers (deepstack), which vlens does not: its text model runs on text
-(vlens.config.TEXT_MODELS), as the other multimodal checkpoints' do."""
+GLM-4.1V's, GLM-4.5V's and Qwen3-VL's rotary reads three positions a row (M-RoPE): an image row's are its time, row
+and column in the image, and the text after an image goes on from the image's largest; HF's own `get_rope_index` gives
+them (`PromptImages.rope`), and AttentionMetadata.rope_positions carries them to the rotary. Qwen3-VL's language model
+also adds rows of the tower's inner layers to the image rows after each of its first layers (deepstack:
+`PromptImages.deep`, which DecoderLM.forward reads). The other multimodal checkpoints' text models run on text alone
+(vlens.config.TEXT_MODELS)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "Qwen2_5_VLForConditionalGeneration": True,
     "Glm4vForConditionalGeneration": True,
     "Glm4vMoeForConditionalGeneration": True,
-    "Qwen3VLForConditionalGeneration": "its language model also reads image rows at its first layers (deepstack)",
-    "Qwen3VLMoeForConditionalGeneration": "its language model also reads image rows at its first layers (deepstack)",
+    "Qwen3VLForConditionalGeneration": True,  # (and its deepstack: PromptImages.deep)
+    "Qwen3VLMoeForConditionalGeneration": True,
 }
 IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok is True)
 UNTESTED = {"SmolVLMForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
@@ -62,7 +63,9 @@ BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to
 # whose rotary reads three positions a row (their models' get_rope_index gives them) -> HF's processor class
 M_ROPE = {"Qwen2VLForConditionalGeneration": "Qwen2VLProcessor",
           "Qwen2_5_VLForConditionalGeneration": "Qwen2VLProcessor",  # (Qwen2-VL's, to its videos' timing)
-          "Glm4vForConditionalGeneration": "Glm4vProcessor", "Glm4vMoeForConditionalGeneration": "Glm4vProcessor"}
+          "Glm4vForConditionalGeneration": "Glm4vProcessor", "Glm4vMoeForConditionalGeneration": "Glm4vProcessor",
+          "Qwen3VLForConditionalGeneration": "Qwen3VLProcessor",
+          "Qwen3VLMoeForConditionalGeneration": "Qwen3VLProcessor"}
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
@@ -79,13 +82,16 @@ class PromptImages:
     share keys and values past their first image row. `both_ways`: each run of image rows attends to itself both
     ways in the prefill (Gemma 3's: HF's mask with token_type_ids), so a prefill chunk ends at none's middle and
     its rows see keys up to their run's end (`limits`). `rope` [3, prompt length]: each prompt position's three rotary
-    positions (M-RoPE, HF's `get_rope_index`), or None where the model's rotary reads one."""
+    positions (M-RoPE, HF's `get_rope_index`), or None where the model's rotary reads one. `deep` [layers,
+    len(positions), hidden]: what the image rows add after each of the language model's first layers (Qwen3-VL's
+    deepstack), or None."""
 
     positions: np.ndarray
     features: torch.Tensor
     digest: str
     both_ways: bool = False
     rope: np.ndarray | None = None
+    deep: torch.Tensor | None = None
 
     def placeholders(self) -> list[tuple[int, int]]:
         """(offset, length) of each run of consecutive image positions (an image's tokens, between its text ones)."""
@@ -139,11 +145,13 @@ class PromptImages:
         out[:, inside] = self.rope[:, at[inside]]
         return out
 
-    def within(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor] | None:
-        """The image rows among prompt positions [start, start + n) (a prefill chunk's): their offsets in the chunk
-        and their features, or None."""
+    def within(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor | None] | None:
+        """The image rows among prompt positions [start, start + n) (a prefill chunk's): their offsets in the chunk,
+        their features and their deepstack rows (or None), or None."""
         lo, hi = np.searchsorted(self.positions, [start, start + n])
-        return None if lo == hi else (self.positions[lo:hi] - start, self.features[lo:hi])
+        if lo == hi:
+            return None
+        return self.positions[lo:hi] - start, self.features[lo:hi], None if self.deep is None else self.deep[:, lo:hi]
 
 
 @dataclass(frozen=True)
@@ -250,10 +258,11 @@ class ImageEncoder:
                 vision = {k: torch.cat([prepared[i].vision[k] for i in members]) for k in prepared[members[0]].vision}
                 features = self._features(vision)
                 counts = [int((prepared[i].ids == self.image_token_id).sum()) for i in members]
-                if sum(counts) != len(features):
+                if sum(counts) != features.shape[1]:
                     raise ValueError(f"{fields[members[0]]}: {sum(counts)} image tokens in the prompts for "
-                                     f"{len(features)} image rows; give each image its placeholder once")  # fmt: skip
-                for i, part in zip(members, features.split(counts)):
+                                     f"{features.shape[1]} image rows; give each image its placeholder "
+                                     "once")  # fmt: skip
+                for i, part in zip(members, features.split(counts, dim=1)):
                     rows[i] = part
                     self._keep(digests[i], part)
                 self.tower_prompts += len(members)
@@ -261,7 +270,8 @@ class ImageEncoder:
         for p, features, digest in zip(prepared, rows, digests):
             positions = (p.ids == self.image_token_id).nonzero().flatten().numpy()
             features = rows[first[digest]] if features is None else features  # (the same pixels twice in a call)
-            out.append(PromptImages(positions, features, digest, self.both_ways, self._rope(p)))
+            deep = features[1:] if len(features) > 1 else None
+            out.append(PromptImages(positions, features[0], digest, self.both_ways, self._rope(p), deep))
         return out
 
     def _rope(self, prepared: Prepared) -> np.ndarray | None:
@@ -296,15 +306,17 @@ class ImageEncoder:
                 self._cached_bytes -= dropped.numel() * dropped.element_size()
 
     def _features(self, vision: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The tower's rows [images' tokens, hidden] of a batch of vision inputs, on the host (pinned beside a GPU,
-        so a step's share goes to the device without a sync): a call's images may be many, the device's memory is
-        the KV cache's."""
+        """The tower's rows [1 + deepstack layers, images' tokens, hidden] of a batch of vision inputs: what the
+        language model reads at the image tokens, then what it adds there after each of its first layers (Qwen3-VL's
+        deepstack; none elsewhere). On the host (pinned beside a GPU, so a step's share goes to the device without a
+        sync): a call's images may be many, the device's memory is the KV cache's."""
         vision = {k: v.to(self.model.device) for k, v in vision.items()}
         if "pixel_values" in vision:
             vision["pixel_values"] = vision["pixel_values"].to(self.model.dtype)
-        pooled = self.model.get_image_features(**vision, return_dict=True).pooler_output
-        features = torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled
-        features = features.reshape(-1, features.shape[-1]).to("cpu", self.model.dtype)
+        out = self.model.get_image_features(**vision, return_dict=True)
+        parts = [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())]
+        parts = [torch.cat(list(p)) if isinstance(p, (list, tuple)) else p for p in parts]  # (split by image: joined)
+        features = torch.stack([p.reshape(-1, p.shape[-1]) for p in parts]).to("cpu", self.model.dtype)
         return features.pin_memory() if self.model.device.type == "cuda" else features
 
 

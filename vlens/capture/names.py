@@ -3,7 +3,8 @@
 A spec is a name, a glob (`blocks.*.hook_resid_post`, `blocks.{3,7}.hook_attn_out`,
 `blocks.{0..5}.ln1.hook_normalized`) or a list of them. Resolution maps every requested name to the
 canonical tap that produces it: `hidden_states.{i}` are aliases with HF's index meaning (the stream entering layer
-i; HF's Mamba and Falcon Mamba: the stream leaving it).
+i; HF's Mamba and Falcon Mamba: the stream leaving it; Qwen3-VL's first ones: the stream leaving the layer before,
+before its deepstack rows are added).
 """
 
 from __future__ import annotations
@@ -275,6 +276,8 @@ def canonical(name: str, cfg: ModelConfig) -> str:
         i = int(name.split(".")[1])
         if i == cfg.num_layers:
             return FINAL_NORM
+        if 0 < i <= cfg.deepstack_layers:  # (HF's: the layer before's output, before its deepstack rows are added)
+            return f"blocks.{i - 1}.hook_resid_post"
         return f"blocks.{i}.hook_resid_post" if cfg.hidden_states_after_layers else f"blocks.{i}.hook_resid_pre"
     block, _, kind = name.partition(".")[2].partition(".")
     return f"blocks.{block}.{LAYER_ALIASES[kind]}" if name.startswith("blocks.") and kind in LAYER_ALIASES else name

@@ -230,7 +230,7 @@ class ModelRunner:
     def _forward(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
         logit_rows: torch.Tensor | slice | None = None, backend=None, forward: Callable | None = None,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        embeds: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set.
         `forward`: what stands in for the model's (a compiled decode step's); `embeds`: ForwardContext's."""
@@ -329,14 +329,15 @@ class ModelRunner:
     def _image_rows(
         self, meta: AttentionMetadata, pieces: list[tuple[PromptImages, int, int, int]],
         spans: Callable[[], list[tuple[int, int]]],
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    ) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
         """ForwardContext.embeds of a forward: its rows that are an image's (vlens.images) and what the model reads
-        there in place of their tokens' embedding; None without any. `pieces`: per sequence with images, (its
-        images, the prompt position its rows start at, how many, the forward's row they start at). Where an image's
-        tokens attend to each other both ways (Gemma 3's), `meta.key_limits` says how far each row sees (`spans`:
-        every sequence's (first position, rows) in the forward, asked for then alone)."""
+        there in place of their tokens' embedding (and, Qwen3-VL's, adds after its first layers); None without
+        any. `pieces`: per sequence with images, (its images, the prompt position its rows start at, how many, the
+        forward's row they start at). Where an image's tokens attend to each other both ways (Gemma 3's),
+        `meta.key_limits` says how far each row sees (`spans`: every sequence's (first position, rows) in the
+        forward, asked for then alone)."""
         found = [(images.within(start, n), row) for images, start, n, row in pieces]
-        found = [(at + row, features) for given, row in found if given is not None for at, features in [given]]
+        found = [(at + row, *rest) for given, row in found if given is not None for at, *rest in [given]]
         if not found:
             return None
         limits = [(row, images.limits(start, n)) for images, start, n, row in pieces]
@@ -345,8 +346,11 @@ class ModelRunner:
             for row, lim in limits:
                 if lim is not None:
                     meta.key_limits[row : row + len(lim)] = lim
-        features = torch.cat([f for _, f in found]).to(self.device, non_blocking=True)  # (from the host)
-        return self.buffers.put("image_rows", np.concatenate([at for at, _ in found])), features
+        rows = self.buffers.put("image_rows", np.concatenate([at for at, _, _ in found]))
+        features = torch.cat([f for _, f, _ in found]).to(self.device, non_blocking=True)  # (from the host)
+        if found[0][2] is None:
+            return rows, features
+        return rows, features, torch.cat([deep for _, _, deep in found], dim=1).to(self.device, non_blocking=True)
 
     def _rope_positions(
         self, meta: AttentionMetadata, spans: list[tuple[int, int]], images: list[PromptImages | None],

@@ -97,14 +97,23 @@ def _attention_factor(scaling: dict | None) -> float:
 class RopeTable:
     def __init__(
         self, dim: int, theta: float, scaling: dict | None, device: torch.device | str, pairs: bool = False,
-        reversed: bool = False, sections: tuple[int, ...] = (),
+        reversed: bool = False, sections: tuple[int, ...] = (), interleaved: bool = False,
     ):  # fmt: skip
         """`pairs`: each angle rotates dims 2i and 2i + 1 (GPT-J), not i and i + dim / 2; `reversed` (nanochat):
         by minus the angle, as its rotate_half (HF's negated) turns them: sin negated, the same numbers.
         `sections` (M-RoPE: ModelConfig.mrope_section): how many frequencies each of a row's three positions turns,
-        where the forward gives three (AttentionMetadata.rope_positions)."""
+        in runs or `interleaved` (Qwen3-VL's), where the forward gives three (AttentionMetadata.rope_positions)."""
         self.inv_freq = inverse_frequencies(dim, theta, scaling, device)
-        self.pairs, self.reversed, self.sections = pairs, reversed, list(sections)
+        self.pairs, self.reversed = pairs, reversed
+        self.which = None  # M-RoPE: the position (0, 1, 2: time, height, width) each frequency turns by
+        if sections:
+            cpu = torch.device("cpu")  # (a model is built on the meta device, then loaded)
+            which = torch.arange(len(sections), device=cpu).repeat_interleave(torch.tensor(sections, device=cpu))
+            if interleaved:  # (HF's: t everywhere, then h at 1, 4, 7, ... and w at 2, 5, 8, ... within 3 * size)
+                j = torch.arange(sum(sections), device=cpu)
+                which = torch.where((j % 3 == 1) & (j < 3 * sections[1]), 1,
+                                    torch.where((j % 3 == 2) & (j < 3 * sections[2]), 2, 0))  # fmt: skip
+            self.which = which.to(device)
         self.factor = _attention_factor(scaling)
         # LongRoPE switches to its long factors once a forward reaches past the original context
         # (HF decides per forward; vlens per sequence of the batch, which is the same for one sequence).
@@ -115,12 +124,11 @@ class RopeTable:
         inv_freq = self.inv_freq
         if self.switch_at is not None:
             inv_freq = inv_freq[(ctx.attention.sequence_ends >= self.switch_at).long()]  # [T, dim / 2]
-        three = ctx.attention.rope_positions if self.sections else None
+        three = ctx.attention.rope_positions if self.which is not None else None
         if three is None:
             freqs = ctx.positions[:, None].float() * inv_freq
-        else:  # (HF's order: each position's angles, then each section's from its own position)
-            freqs = three[..., None].float() * inv_freq  # [3, T, dim / 2]
-            freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(self.sections, dim=-1))], dim=-1)
+        else:  # (each frequency's angle from its own position, the product HF takes before it picks)
+            freqs = three.float().index_select(0, self.which).T * inv_freq
         emb = (freqs.repeat_interleave(2, dim=-1) if self.pairs else torch.cat((freqs, freqs), dim=-1))[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         if self.factor != 1.0:
@@ -139,7 +147,7 @@ class Rotary:
             dims = {self.kind(cfg, layer): cfg.rotary_dim_at(layer) for layer in range(cfg.num_layers)}
             full = dims.get(FULL, cfg.rotary_dim)
             self.tables[FULL] = RopeTable(full, cfg.rope_theta, cfg.rope_scaling, device, cfg.rotary_pairs,
-                                          cfg.rotary_reversed, cfg.mrope_section)  # fmt: skip
+                                          cfg.rotary_reversed, cfg.mrope_section, cfg.mrope_interleaved)  # fmt: skip
             if cfg.sliding_rope_theta is not None:
                 table = RopeTable(dims.get(SLIDING, full), cfg.sliding_rope_theta, cfg.sliding_rope_scaling, device)
                 self.tables[SLIDING] = table

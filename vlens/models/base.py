@@ -396,7 +396,7 @@ class DecoderLM(nn.Module):
         hook_embed is what the language model reads, there as elsewhere."""
         x = self.embedding(input_ids)
         if ctx.embeds is not None:
-            x = x.index_copy(0, *ctx.embeds)
+            x = x.index_copy(0, ctx.embeds[0], ctx.embeds[1])
         return tap("hook_embed", x)
 
     def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -430,8 +430,16 @@ class DecoderLM(nn.Module):
         rope = self.rotary.cos_sin(ctx, torch.float32 if self.cfg.rope_float32 else x.dtype)
         # (a ModuleList slice builds a module, ~50 us: the whole model's forward takes the list as it is)
         layers = self.layers if first == 0 and num_layers is None else self.layers[first:num_layers]
-        for layer in layers:
-            x = layer(x, rope)
+        deep = ctx.embeds[2] if ctx.embeds is not None and len(ctx.embeds) > 2 else None
+        if deep is None:
+            for layer in layers:
+                x = layer(x, rope)
+        else:  # (Qwen3-VL's deepstack: after each of the first layers the image rows add a tower layer's rows, as
+            # HF's language model does between its layers: after one's hook_resid_post, before the next's resid_pre)
+            for i, layer in enumerate(layers, first):
+                x = layer(x, rope)
+                if i < len(deep):
+                    x = x.index_add(0, ctx.embeds[0], deep[i])
         if num_layers is not None:
             if num_layers < self.cfg.num_layers:
                 # The input tap of the first layer not run lives in that layer's forward: fire it here,
