@@ -711,7 +711,7 @@ def _image_check(name: str, root: Path, device: str) -> dict:
     traced = llm.trace(prompts, list(llm.hook_names()))
     taps, patterns, equal = [], [], 0
     for t, p, got in zip(texts, pictures, traced):
-        inputs = dict(processor(text=t, images=p, return_tensors="pt"))
+        inputs = dict(processor(text=t, images=[p], return_tensors="pt"))
         ids = inputs.pop("input_ids")[0].tolist()
         inputs.pop("attention_mask")
         ref = hf_taps(hf, ids, range(config.get_text_config().num_hidden_layers), pixels=inputs)
@@ -719,7 +719,7 @@ def _image_check(name: str, root: Path, device: str) -> dict:
             if k in ref:
                 (patterns if k.endswith(("hook_pattern", "hook_attn_scores")) else taps).append(rel(got[k], ref[k]))
         with torch.inference_mode():
-            want = hf.generate(**processor(text=t, images=p, return_tensors="pt"), max_new_tokens=8, do_sample=False)
+            want = hf.generate(**processor(text=t, images=[p], return_tensors="pt"), max_new_tokens=8, do_sample=False)
         params = SamplingParams(max_tokens=8, temperature=0)
         out = llm.generate({"prompt": t, "multi_modal_data": {"image": p}}, params, use_tqdm=False)[0]
         equal += want[0, len(ids) :].tolist() == out.outputs[0].token_ids

@@ -1,13 +1,14 @@
-"""Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's, Aya Vision's, Idefics3's, Gemma 3's, Qwen2-VL's,
-Qwen2.5-VL's, GLM-4.1V's and GLM-4.5V's tiny random checkpoints, each with its processor (SmolLM2's tokenizer and the
-image tokens), against HF's multimodal model given the same pixels: every tap of the language model, traces, greedy
-generation, a mixed batch with text prompts and other images through chunked prefill, the prefix cache kept apart by
-the pixels, chat and serving, two ranks, and the refusals."""
+"""Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's, InternVL's, Aya Vision's, Idefics3's,
+Gemma 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's and GLM-4.5V's tiny random checkpoints, each with its
+processor (SmolLM2's tokenizer and the image tokens), against HF's multimodal model given the same pixels: every tap of
+the language model, traces, greedy generation, a mixed batch with text prompts and other images through chunked prefill,
+the prefix cache kept apart by the pixels, chat and serving, two ranks, and the refusals."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -42,29 +43,36 @@ from transformers import (
     Idefics3Config,
     Idefics3ImageProcessor,
     Idefics3Processor,
+    InternVLConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaNextConfig,
     LlavaNextImageProcessor,
     LlavaNextProcessor,
+    LlavaOnevisionConfig,
     LlavaProcessor,
     MistralConfig,
     Qwen2_5_VLConfig,
+    Qwen2Config,
     Qwen2VLConfig,
     Qwen3VLConfig,
     Qwen3VLMoeConfig,
     SiglipVisionConfig,
 )
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlens import LLM, Capture, SamplingParams
 from vlens.capture.names import is_pattern
-from vlens.images import M_ROPE, PromptImages, images_only_processor
+from vlens.images import VIDEO_PROCESSORS, PromptImages, images_only_processor
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 
 TOL = 1e-5
 KV = 64 << 20  # bytes of KV cache an engine of these tiny models takes (the CPU default, 2 GiB, is resident)
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                   "video_token": "<video>"}  # fmt: skip
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
@@ -211,10 +219,37 @@ def _qwen3_vl(tok, moe: bool = False):
     return config, images_only_processor("Qwen3VLProcessor", images, tok)
 
 
+def _llava_onevision(tok):
+    """LLaVA-OneVision: SigLIP over any-resolution tiles (a base view and a grid of 28-pixel tiles by the image's
+    shape, a newline row a line, pooled when over `anyres_max`), Qwen2's text model."""
+    grid = [[28, 28], [28, 56], [56, 28], [56, 56]]
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=28, patch_size=14)  # fmt: skip
+    config = LlavaOnevisionConfig(text_config=Qwen2Config(**TEXT, vocab_size=len(tok)).to_dict(),
+                                  vision_config=vision.to_dict(), image_grid_pinpoints=grid, vision_feature_layer=-1,
+                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                  vision_aspect_ratio="anyres_max_1")  # fmt: skip
+    images = LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=grid)
+    return config, images_only_processor("LlavaOnevisionProcessor", images, tok, num_image_tokens=4,
+                                         vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_1")
+
+
+def _internvl(tok):
+    """InternVL 3: an image cut into 28-pixel tiles plus a thumbnail, each tile's 16 patches shuffled down by 2 into
+    4 rows, written between its start and end tokens; Qwen2's text model."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[28, 28],
+                  patch_size=[7, 7])  # fmt: skip
+    config = InternVLConfig(text_config=Qwen2Config(**TEXT, vocab_size=len(tok)).to_dict(), vision_config=vision,
+                            image_token_id=tok.context_image_token_id, image_seq_length=4)  # fmt: skip
+    images = GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=True, max_patches=4)
+    return config, images_only_processor("InternVLProcessor", images, tok, image_seq_length=4)
+
+
 FAMILIES = {"gemma3": _gemma3, "llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision,
             "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": partial(_qwen2_vl, v2_5=True),
             "glm4v": _glm4v, "glm4v_moe": partial(_glm4v, moe=True), "qwen3_vl": _qwen3_vl,
-            "qwen3_vl_moe": partial(_qwen3_vl, moe=True)}  # fmt: skip
+            "qwen3_vl_moe": partial(_qwen3_vl, moe=True), "llava_onevision": _llava_onevision,
+            "internvl": _internvl}  # fmt: skip
 # (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -226,7 +261,7 @@ GLM_PLACEHOLDER = "<|begin_of_image|><|image|><|end_of_image|>"
 # (where a prompt puts an image; the others' is <image>)
 PLACEHOLDERS = {"gemma3": "<start_of_image>", "qwen2_vl": QWEN_PLACEHOLDER, "qwen2_5_vl": QWEN_PLACEHOLDER,
                 "qwen3_vl": QWEN_PLACEHOLDER, "qwen3_vl_moe": QWEN_PLACEHOLDER,
-                "glm4v": GLM_PLACEHOLDER, "glm4v_moe": GLM_PLACEHOLDER}  # fmt: skip
+                "glm4v": GLM_PLACEHOLDER, "glm4v_moe": GLM_PLACEHOLDER, "internvl": "<IMG_CONTEXT>"}  # fmt: skip
 # (the families of the tests of a route, not of the numbers: three placeholders, and Qwen3-VL's rotary positions and
 # deepstack rows)
 PLUMBING = ["llava", "gemma3", "qwen3_vl"]
@@ -244,7 +279,8 @@ def image(seed: int, height: int = 40, width: int = 50) -> Image.Image:
 def checkpoint(name: str, smol_path, root) -> str:
     """A tiny random checkpoint of family `name`, saved with its processor."""
     # (Gemma 3's processor reads its image tokens from the tokenizer; LLaVA's would take its image_token too)
-    extra = {"extra_special_tokens": GEMMA3_TOKENS} if name == "gemma3" else {}
+    extra = {"extra_special_tokens": {"gemma3": GEMMA3_TOKENS, "internvl": INTERNVL_TOKENS}[name]} \
+        if name in ("gemma3", "internvl") else {}  # fmt: skip
     tok = AutoTokenizer.from_pretrained(smol_path, **extra)
     grid = QWEN_TOKENS if name.startswith("qwen") else GLM_TOKENS if name.startswith("glm") else {}
     tok.add_special_tokens({"additional_special_tokens": ["<image>", *AYA_TOKENS, *grid.values()]})
@@ -260,6 +296,9 @@ def checkpoint(name: str, smol_path, root) -> str:
         processor.image_processor.save_pretrained(path)
         processor.tokenizer.save_pretrained(path)
         Path(path, "chat_template.jinja").write_text(processor.chat_template)
+        settings = {k: v for k, v in processor.to_dict().items() if not isinstance(v, dict) and v is not None}
+        settings["processor_class"] = type(processor).__mro__[1].__name__  # (HF's class, not the images-only one)
+        Path(path, "processor_config.json").write_text(json.dumps(settings))
     else:
         processor.save_pretrained(path)
     return path
@@ -268,9 +307,12 @@ def checkpoint(name: str, smol_path, root) -> str:
 def load_processor(path: str):
     """The checkpoint's HF processor (Qwen2-VL's for images alone where torchvision is missing, as vlens builds it)."""
     arch = AutoConfig.from_pretrained(path).architectures[0]
-    if arch in M_ROPE:
-        return images_only_processor(M_ROPE[arch], AutoImageProcessor.from_pretrained(path),
-                                     AutoTokenizer.from_pretrained(path), Path(path, "chat_template.jinja").read_text())
+    if arch in VIDEO_PROCESSORS:
+        settings = json.loads(Path(path, "processor_config.json").read_text())
+        settings = {k: v for k, v in settings.items() if k not in ("processor_class", "image_token", "video_token")}
+        return images_only_processor(VIDEO_PROCESSORS[arch], AutoImageProcessor.from_pretrained(path),
+                                     AutoTokenizer.from_pretrained(path), Path(path, "chat_template.jinja").read_text(),
+                                     **settings)  # fmt: skip
     return AutoProcessor.from_pretrained(path)
 
 
@@ -292,7 +334,7 @@ def prompts(name: str) -> list[tuple[str, list[Image.Image]]]:
 
 
 def hf_inputs(processor, text: str, images: list) -> dict:
-    return dict(processor(text=text, images=images, return_tensors="pt"))
+    return dict(processor(text=text, images=[images], return_tensors="pt"))
 
 
 def request(text: str, images: list) -> dict:

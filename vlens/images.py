@@ -44,11 +44,11 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "AyaVisionForConditionalGeneration": True,
     "Idefics3ForConditionalGeneration": True,
     "Gemma3ForConditionalGeneration": True,  # (its image tokens attend to each other both ways: PromptImages)
-    # (the same path, but their processors need torchvision, which vlens's tests lack: a warning says so)
-    "SmolVLMForConditionalGeneration": True,
     "LlavaOnevisionForConditionalGeneration": True,
-    "Mistral3ForConditionalGeneration": True,
     "InternVLForConditionalGeneration": True,
+    # (the same path, but their processors need torchvision or num2words, which vlens's tests lack: a warning says so)
+    "SmolVLMForConditionalGeneration": True,
+    "Mistral3ForConditionalGeneration": True,
     "Qwen2VLForConditionalGeneration": True,  # (3-D rotary positions: PromptImages.rope)
     "Qwen2_5_VLForConditionalGeneration": True,
     "Glm4vForConditionalGeneration": True,
@@ -57,15 +57,23 @@ IMAGE_ARCHITECTURES: dict[str, bool | str] = {
     "Qwen3VLMoeForConditionalGeneration": True,
 }
 IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok is True)
-UNTESTED = {"SmolVLMForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
-            "Mistral3ForConditionalGeneration", "InternVLForConditionalGeneration"}  # fmt: skip
+UNTESTED = {"SmolVLMForConditionalGeneration", "Mistral3ForConditionalGeneration"}
 BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to each other both ways
-# whose rotary reads three positions a row (their models' get_rope_index gives them) -> HF's processor class
-M_ROPE = {"Qwen2VLForConditionalGeneration": "Qwen2VLProcessor",
-          "Qwen2_5_VLForConditionalGeneration": "Qwen2VLProcessor",  # (Qwen2-VL's, to its videos' timing)
-          "Glm4vForConditionalGeneration": "Glm4vProcessor", "Glm4vMoeForConditionalGeneration": "Glm4vProcessor",
-          "Qwen3VLForConditionalGeneration": "Qwen3VLProcessor",
-          "Qwen3VLMoeForConditionalGeneration": "Qwen3VLProcessor"}
+# whose rotary reads three positions a row (their models' get_rope_index gives them)
+M_ROPE = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Glm4vForConditionalGeneration",
+          "Glm4vMoeForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"}
+# HF's processor class of the checkpoints whose AutoProcessor also builds a video processor, which needs torchvision:
+# where it is missing, vlens builds that class for images alone (images_only_processor)
+VIDEO_PROCESSORS = {
+    "Qwen2VLForConditionalGeneration": "Qwen2VLProcessor",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2VLProcessor",  # (Qwen2-VL's, to its videos' timing)
+    "Glm4vForConditionalGeneration": "Glm4vProcessor",
+    "Glm4vMoeForConditionalGeneration": "Glm4vProcessor",
+    "Qwen3VLForConditionalGeneration": "Qwen3VLProcessor",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3VLProcessor",
+    "LlavaOnevisionForConditionalGeneration": "LlavaOnevisionProcessor",
+    "InternVLForConditionalGeneration": "InternVLProcessor",
+}
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 TOWER_BATCH = 32  # prompts whose images go through the vision tower at once
@@ -179,10 +187,11 @@ class ImageEncoder:
             raise ValueError(f"{field}: {arch} takes no images in vlens ({why}); images are taken by "
                              f"{', '.join(IMAGE_FAMILIES)}")  # fmt: skip
         if arch in UNTESTED:
-            log.warning("images on %s take the path tests/test_images.py checks on LLaVA, LLaVA-NeXT, Aya Vision, "
-                        "Idefics3 and Gemma 3, but are not themselves checked against HF there", arch)  # fmt: skip
+            log.warning("images on %s take the path tests/test_images.py checks on LLaVA and the other image families, "
+                        "but are not themselves checked against HF there", arch)  # fmt: skip
         try:
-            self.processor = AutoProcessor.from_pretrained(path) if arch not in M_ROPE else _images_only(path, arch)
+            self.processor = _images_only(path, arch) if arch in VIDEO_PROCESSORS else \
+                AutoProcessor.from_pretrained(path)  # fmt: skip
         except (OSError, ValueError, ImportError) as e:
             raise ValueError(f"{field}: the checkpoint's image processor cannot be built ({e}); images need "
                              "its processor files (preprocessor_config.json, processor_config.json) and Pillow "
@@ -232,7 +241,7 @@ class ImageEncoder:
     def prepare(self, prompt: ImagePrompt, field: str, add_special_tokens: bool = True) -> Prepared:
         """What the processor makes of one prompt (its own work alone: no tower runs)."""
         try:
-            inputs = self.processor(text=prompt.text, images=list(prompt.images), return_tensors="pt",
+            inputs = self.processor(text=prompt.text, images=[list(prompt.images)], return_tensors="pt",
                                     add_special_tokens=add_special_tokens)  # fmt: skip
         except Exception as e:  # (the processor's own: a count of placeholders and images that differ, a bad image)
             raise ValueError(f"{field}: the processor refused the prompt and its images: {e}") from e
@@ -321,9 +330,12 @@ class ImageEncoder:
 
 
 def _images_only(path: Path, arch: str) -> Any:
-    """The processor of a checkpoint of `arch` (Qwen2-VL's, GLM-4.1V's): HF's `AutoProcessor` where it can be built
+    """The processor of a checkpoint of `arch` (VIDEO_PROCESSORS): HF's `AutoProcessor` where it can be built
     (its video processor needs torchvision), else for images alone (`images_only_processor`), with the checkpoint's
-    chat template."""
+    chat template and its processor's settings (processor_config.json: LLaVA-OneVision's image token count, ...)."""
+    import inspect
+
+    import transformers
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import is_torchvision_available
 
@@ -335,13 +347,19 @@ def _images_only(path: Path, arch: str) -> Any:
         file = Path(path, name)
         if template is None and file.is_file():
             template = json.loads(file.read_text())["chat_template"] if name.endswith(".json") else file.read_text()
-    return images_only_processor(M_ROPE[arch], AutoImageProcessor.from_pretrained(path),
-                                 AutoTokenizer.from_pretrained(path), template)  # fmt: skip
+    file, name = Path(path, "processor_config.json"), VIDEO_PROCESSORS[arch]
+    saved = json.loads(file.read_text()) if file.is_file() else {}
+    slots = {"self", "image_processor", "tokenizer", "video_processor", "chat_template", "args", "kwargs"}
+    taken = set(inspect.signature(getattr(transformers, name).__init__).parameters) - slots
+    return images_only_processor(name, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path),
+                                 template, **{k: v for k, v in saved.items() if k in taken})  # fmt: skip
 
 
-def images_only_processor(name: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None) -> Any:
-    """HF's processor class `name` (Qwen2VLProcessor, Glm4vProcessor) without a video processor, which HF's class
-    insists on: images need none (without torchvision the image processor is HF's PIL one)."""
+def images_only_processor(
+    name: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None, **settings: Any
+) -> Any:
+    """HF's processor class `name` (VIDEO_PROCESSORS: Qwen2VLProcessor, ...) without a video processor, which HF's
+    class insists on: images need none (without torchvision the image processor is HF's PIL one)."""
     import transformers
 
     class ImagesOnly(getattr(transformers, name)):
@@ -350,7 +368,7 @@ def images_only_processor(name: str, image_processor: Any, tokenizer: Any, chat_
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    return ImagesOnly(image_processor, tokenizer, None, chat_template=chat_template)
+    return ImagesOnly(image_processor, tokenizer, None, chat_template=chat_template, **settings)
 
 
 def _digest(vision: dict[str, torch.Tensor]) -> str:
