@@ -37,26 +37,17 @@ import torch
 
 from vlens.inputs import ImagePrompt
 
-# HF architecture -> True where images are taken, else why not (the text model still runs on text)
-IMAGE_ARCHITECTURES: dict[str, bool | str] = {
-    "LlavaForConditionalGeneration": True,
-    "LlavaNextForConditionalGeneration": True,
-    "AyaVisionForConditionalGeneration": True,
-    "Idefics3ForConditionalGeneration": True,
-    "Gemma3ForConditionalGeneration": True,  # (its image tokens attend to each other both ways: PromptImages)
-    "LlavaOnevisionForConditionalGeneration": True,
-    "InternVLForConditionalGeneration": True,
+# the HF architectures whose checkpoints take images (the others' text models still run on text)
+IMAGE_FAMILIES = sorted([
+    "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "AyaVisionForConditionalGeneration",
+    "Idefics3ForConditionalGeneration", "LlavaOnevisionForConditionalGeneration", "InternVLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",  # (its image tokens attend to each other both ways: PromptImages)
+    "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",  # (3-D rotary positions: PromptImages)
+    "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",  # (and deepstack: PromptImages.deep)
     # (the same path, but their processors need torchvision or num2words, which vlens's tests lack: a warning says so)
-    "SmolVLMForConditionalGeneration": True,
-    "Mistral3ForConditionalGeneration": True,
-    "Qwen2VLForConditionalGeneration": True,  # (3-D rotary positions: PromptImages.rope)
-    "Qwen2_5_VLForConditionalGeneration": True,
-    "Glm4vForConditionalGeneration": True,
-    "Glm4vMoeForConditionalGeneration": True,
-    "Qwen3VLForConditionalGeneration": True,  # (and its deepstack: PromptImages.deep)
-    "Qwen3VLMoeForConditionalGeneration": True,
-}
-IMAGE_FAMILIES = sorted(arch for arch, ok in IMAGE_ARCHITECTURES.items() if ok is True)
+    "SmolVLMForConditionalGeneration", "Mistral3ForConditionalGeneration",
+])  # fmt: skip
 UNTESTED = {"SmolVLMForConditionalGeneration", "Mistral3ForConditionalGeneration"}
 BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to each other both ways
 # whose rotary reads three positions a row (their models' get_rope_index gives them)
@@ -181,11 +172,9 @@ class ImageEncoder:
 
         config = AutoConfig.from_pretrained(path)
         arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-        ok = IMAGE_ARCHITECTURES.get(arch, False)
-        if ok is not True:
-            why = ok or "it has no vision tower vlens can run"
-            raise ValueError(f"{field}: {arch} takes no images in vlens ({why}); images are taken by "
-                             f"{', '.join(IMAGE_FAMILIES)}")  # fmt: skip
+        if arch not in IMAGE_FAMILIES:
+            raise ValueError(f"{field}: {arch} takes no images in vlens (it has no vision tower vlens can run); images "
+                             f"are taken by {', '.join(IMAGE_FAMILIES)}")  # fmt: skip
         if arch in UNTESTED:
             log.warning("images on %s take the path tests/test_images.py checks on LLaVA and the other image families, "
                         "but are not themselves checked against HF there", arch)  # fmt: skip
