@@ -611,11 +611,11 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
 
 def images(rows: dict, root: Path, quick: bool, device: str) -> None:
     """Prompts with images (vlens.images), the tower on the device as the model: a LLaVA, a Gemma 3 (its images'
-    tokens attend to each other both ways in the prefill) and a Qwen2-VL (its rows' rotary positions are three, a
-    static buffer of the decode step's graphs). No tokenizer files travel, so the processors' are word-level, made
-    from the prompts' words."""
+    tokens attend to each other both ways in the prefill), a Qwen2-VL (its rows' rotary positions are three, a static
+    buffer of the decode step's graphs) and a Qwen3-VL (the same interleaved, and its deepstack rows). No tokenizer
+    files travel, so the processors' are word-level, made from the prompts' words."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    rows["images"] = {name: _image_check(name, root, device) for name in ("llava", "gemma3", "qwen2_vl")}
+    rows["images"] = {name: _image_check(name, root, device) for name in ("llava", "gemma3", "qwen2_vl", "qwen3_vl")}
     rows["images"]["ok"] = all(r["ok"] for r in rows["images"].values())
     torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -623,7 +623,7 @@ def images(rows: dict, root: Path, quick: bool, device: str) -> None:
 def _image_check(name: str, root: Path, device: str) -> dict:
     """Every tap at every row of two image prompts traced beside a text vs HF's multimodal forward on the CPU given
     the same pixels, and greedy generation vs HF generate, on a random checkpoint of `name` (llava, gemma3,
-    qwen2_vl)."""
+    qwen2_vl, qwen3_vl)."""
     import numpy as np
     from PIL import Image
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -639,6 +639,7 @@ def _image_check(name: str, root: Path, device: str) -> dict:
         PreTrainedTokenizerFast,  # fmt: skip
         Qwen2VLConfig,
         Qwen2VLImageProcessor,
+        Qwen3VLConfig,
         SiglipVisionConfig,
     )
 
@@ -647,7 +648,7 @@ def _image_check(name: str, root: Path, device: str) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_reference import hf_taps
 
-    gemma, qwen = name == "gemma3", name == "qwen2_vl"
+    gemma, qwen = name == "gemma3", name in ("qwen2_vl", "qwen3_vl")
     # (where a prompt puts an image)
     mark = "<start_of_image>" if gemma else "<|vision_start|><|image_pad|><|vision_end|>" if qwen else "<image>"
     texts = [f"USER: {mark} what is in this picture ? ASSISTANT:", f"compare {mark} with {mark} please",
@@ -663,18 +664,27 @@ def _image_check(name: str, root: Path, device: str) -> dict:
     if not gemma:
         tok.add_special_tokens({"additional_special_tokens": qwen_tokens if qwen else ["<image>"]})
     layers = shape(dict(SMOLLM2, num_hidden_layers=4), device) | {"vocab_size": len(tok)}
-    if qwen:  # (M-RoPE: a head's frequencies, a quarter by time, the rest by row and column: 8, 12, 12 of 32)
+    if qwen:  # (M-RoPE: a head's frequencies, a quarter by time, the rest by row and column: 8, 12, 12 of 32;
+        # Qwen3-VL's interleaved, and its deepstack rows added after the first layer)
         ids = dict(zip(["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"],
                        tok.convert_tokens_to_ids(qwen_tokens)))  # fmt: skip
         text = dict(layers, bos_token_id=1, eos_token_id=2)  # (Llama's, as LLaVA's text model has them)
         half = text.get("head_dim", text["hidden_size"] // text["num_attention_heads"]) // 2
         sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
-                                   "mrope_section": sections}  # fmt: skip
-        vision = dict(depth=2, embed_dim=64, hidden_size=layers["hidden_size"], num_heads=4, mlp_ratio=2)
-        config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids, bos_token_id=1, eos_token_id=2)
-        pixels = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
-        processor = images_only_processor("Qwen2VLProcessor", pixels, tok)
+                                   "mrope_section": sections, "mrope_interleaved": name == "qwen3_vl"}  # fmt: skip
+        if name == "qwen3_vl":
+            text["head_dim"] = 2 * half
+            vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16,
+                          out_hidden_size=layers["hidden_size"], deepstack_visual_indexes=[0],
+                          num_position_embeddings=16)  # fmt: skip
+            config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids, bos_token_id=1, eos_token_id=2)
+            pixels = Qwen2VLImageProcessor(min_pixels=64 * 64, max_pixels=128 * 128, patch_size=16)
+        else:
+            vision = dict(depth=2, embed_dim=64, hidden_size=layers["hidden_size"], num_heads=4, mlp_ratio=2)
+            config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids, bos_token_id=1, eos_token_id=2)
+            pixels = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+        processor = images_only_processor("Qwen3VLProcessor" if name == "qwen3_vl" else "Qwen2VLProcessor", pixels, tok)
     elif gemma:
         text = Gemma3TextConfig(**layers | {"head_dim": layers.get("head_dim", 64)}, sliding_window=8,
                                 layer_types=["sliding_attention", "sliding_attention", "sliding_attention",

@@ -56,7 +56,7 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     against eager steps; the HookedLM section's
     patching sweeps, steered generate and gradients (the CPU against itself here: the section's code, not its
     numbers); and Gemma 4 in E2B's layout, Qwen 3.5 in 0.8B's, Bamba's, mamba-130m's, Nemotron-H's, Falcon-H1's,
-    DeepSeek-V3's and Llama 4 Scout's against HF; and a LLaVA, a Gemma 3 and a Qwen2-VL given images."""
+    DeepSeek-V3's and Llama 4 Scout's against HF; and a LLaVA, a Gemma 3, a Qwen2-VL and a Qwen3-VL given images."""
     sections = "exact,hooked,gemma4,qwen3_5,bamba,mamba,nemotron_h,falcon_h1,deepseek,llama4,images"
     done = _suite(tmp_path, "--sections", sections, "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,8 +76,9 @@ def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     # (every tap; a linear, Mamba, latent attention or NoPE layer's rows through generation)
     for name in ("qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1", "deepseek", "llama4"):
         assert rows[name]["ok"] and rows[name]["trace_taps"] > 60 and rows[name]["greedy_equal"] == "2/2", rows[name]
-    # (every tap of two prompts: a LLaVA's, a Gemma 3's, whose images attend both ways, a Qwen2-VL's, its M-RoPE)
-    images, families = rows["images"], ("llava", "gemma3", "qwen2_vl")
+    # (every tap of two prompts: a LLaVA's, a Gemma 3's, whose images attend both ways, a Qwen2-VL's, its M-RoPE, a
+    # Qwen3-VL's, its deepstack)
+    images, families = rows["images"], ("llava", "gemma3", "qwen2_vl", "qwen3_vl")
     assert images["ok"] and all(images[name]["trace_taps"] > 100 for name in families), images
     assert all(images[name]["harvest_max_rel_err"] <= 1e-5 for name in families)  # (its image records)
 
