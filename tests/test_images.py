@@ -1,8 +1,8 @@
 """Images in prompts (vlens.images): LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's, InternVL's, Aya Vision's, Idefics3's,
-Gemma 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's and GLM-4.5V's tiny random checkpoints, each with its
-processor (SmolLM2's tokenizer and the image tokens), against HF's multimodal model given the same pixels: every tap of
-the language model, traces, greedy generation, a mixed batch with text prompts and other images through chunked prefill,
-the prefix cache kept apart by the pixels, chat and serving, two ranks, and the refusals."""
+SmolVLM's, Gemma 3's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's and GLM-4.5V's tiny random checkpoints, each with
+its processor (SmolLM2's tokenizer and the image tokens), against HF's multimodal model given the same pixels: every tap
+of the language model, traces, greedy generation, a mixed batch with text prompts and other images through chunked
+prefill, the prefix cache kept apart by the pixels, chat and serving, two ranks, and the refusals."""
 
 from __future__ import annotations
 
@@ -58,11 +58,13 @@ from transformers import (
     Qwen3VLConfig,
     Qwen3VLMoeConfig,
     SiglipVisionConfig,
+    SmolVLMConfig,
 )
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
 from vlens import LLM, Capture, SamplingParams
 from vlens.capture.names import is_pattern
@@ -245,11 +247,22 @@ def _internvl(tok):
     return config, images_only_processor("InternVLProcessor", images, tok, image_seq_length=4)
 
 
+def _smolvlm(tok):
+    """SmolVLM: Idefics3's model and layout (crops and a global view, each crop's rows shuffled down by 2), its
+    processor writing the crops' places in words (num2words)."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14)  # fmt: skip
+    config = SmolVLMConfig(text_config=LlamaConfig(**TEXT, vocab_size=len(tok)).to_dict(), vision_config=vision,
+                           image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)  # fmt: skip
+    images = SmolVLMImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    return config, images_only_processor("SmolVLMProcessor", images, tok, image_seq_len=4)
+
+
 FAMILIES = {"gemma3": _gemma3, "llava": _llava, "llava_next": _llava_next, "aya_vision": _aya_vision,
             "idefics3": _idefics3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": partial(_qwen2_vl, v2_5=True),
             "glm4v": _glm4v, "glm4v_moe": partial(_glm4v, moe=True), "qwen3_vl": _qwen3_vl,
             "qwen3_vl_moe": partial(_qwen3_vl, moe=True), "llava_onevision": _llava_onevision,
-            "internvl": _internvl}  # fmt: skip
+            "internvl": _internvl, "smolvlm": _smolvlm}  # fmt: skip
 # (LLaVA-1.5's conversation format; an image part where the processor's placeholder goes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"

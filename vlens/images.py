@@ -45,10 +45,11 @@ IMAGE_FAMILIES = sorted([
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",  # (3-D rotary positions: PromptImages)
     "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
     "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",  # (and deepstack: PromptImages.deep)
-    # (the same path, but their processors need torchvision or num2words, which vlens's tests lack: a warning says so)
-    "SmolVLMForConditionalGeneration", "Mistral3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
+    # (the same path, but Pixtral's image processor needs torchvision, which vlens's tests lack: a warning says so)
+    "Mistral3ForConditionalGeneration",
 ])  # fmt: skip
-UNTESTED = {"SmolVLMForConditionalGeneration", "Mistral3ForConditionalGeneration"}
+UNTESTED = {"Mistral3ForConditionalGeneration"}
 BOTH_WAYS = {"Gemma3ForConditionalGeneration"}  # whose images' tokens attend to each other both ways
 # whose rotary reads three positions a row (their models' get_rope_index gives them)
 M_ROPE = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Glm4vForConditionalGeneration",
@@ -64,6 +65,7 @@ VIDEO_PROCESSORS = {
     "Qwen3VLMoeForConditionalGeneration": "Qwen3VLProcessor",
     "LlavaOnevisionForConditionalGeneration": "LlavaOnevisionProcessor",
     "InternVLForConditionalGeneration": "InternVLProcessor",
+    "SmolVLMForConditionalGeneration": "SmolVLMProcessor",
 }
 log = logging.getLogger("vlens.images")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -350,12 +352,17 @@ def images_only_processor(
     """HF's processor class `name` (VIDEO_PROCESSORS: Qwen2VLProcessor, ...) without a video processor, which HF's
     class insists on: images need none (without torchvision the image processor is HF's PIL one)."""
     import transformers
+    from transformers.processing_utils import ProcessorMixin
 
     class ImagesOnly(getattr(transformers, name)):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and argument is None:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
+
+        def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+            # (SmolVLM's own reads its video processor's frame counts first; the others have none of their own)
+            return ProcessorMixin.apply_chat_template(self, *args, **kwargs)
 
     return ImagesOnly(image_processor, tokenizer, None, chat_template=chat_template, **settings)
 
