@@ -288,7 +288,8 @@ class ModelRunner:
             [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
             tables, self.block_size, self.num_slots, put, state_slots=self._state_slots(tables),
         )  # fmt: skip
-        self._rope_positions(meta, [(s.num_computed, n) for s, n in order], [s.images for s, _ in order])
+        if self.cfg.mrope_section:
+            self._rope_positions(meta, [(s.num_computed, n) for s, n in order], [s.images for s, _ in order])
         fed = chain.from_iterable(s.token_ids[s.num_computed : s.num_computed + n] for s, n in order)  # (in C)
         ids = put("input_ids", np.fromiter(fed, np.int64))
         borrows = [s.borrow for s, _ in order if s.borrow is not None and s.borrow.copy_to]
@@ -356,10 +357,11 @@ class ModelRunner:
         self, meta: AttentionMetadata, spans: list[tuple[int, int]], images: list[PromptImages | None],
         always: bool = False,
     ) -> None:  # fmt: skip
-        """meta.rope_positions where the model's rotary reads three positions a row (M-RoPE) and a sequence of the
-        forward has images (`spans`: each sequence's first position and rows; `images`: its images or None), or
-        `always` (a static decode step, whose graph or compiled forward reads the buffer whatever its sequences)."""
-        if not self.cfg.mrope_section or not (always or any(i is not None for i in images)):
+        """meta.rope_positions of a model whose rotary reads three positions a row (M-RoPE: its callers ask), where a
+        sequence of the forward has images (`spans`: each sequence's first position and rows; `images`: its images or
+        None), or `always` (a static decode step, whose graph or compiled forward reads the buffer whatever its
+        sequences)."""
+        if not (always or any(i is not None for i in images)):
             return
         starts, lens = (np.fromiter(column, np.int64, len(spans)) for column in zip(*spans))
         first = np.cumsum(lens) - lens  # each sequence's first row
@@ -429,8 +431,9 @@ class ModelRunner:
             last + [0] * pad, [1] * size, [p + 1 for p in last] + [1] * pad, tables + [[self.scratch_block]] * pad,
             self.block_size, self.num_slots, put, pages, states,
         )  # fmt: skip
-        self._rope_positions(meta, [(p, 1) for p in last] + [(0, 1)] * pad, [s.images for s in seqs] + [None] * pad,
-                             always=True)  # fmt: skip
+        if self.cfg.mrope_section:  # (its graph or compiled forward reads the buffer whatever the step's sequences)
+            self._rope_positions(meta, [(p, 1) for p in last] + [(0, 1)] * pad, [s.images for s in seqs] + [None] * pad,
+                                 always=True)  # fmt: skip
         if ahead is None:
             ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
         else:
@@ -561,7 +564,8 @@ class ModelRunner:
                     armed[name] = _then(fn, tap)
             sites = [*taps, *(hooks or {})]
             meta = layout([0] * len(lens), lens, lens, None, 0, 0, self.buffers.put)
-            self._rope_positions(meta, [(0, n) for n in lens], images or [None] * len(lens))
+            if self.cfg.mrope_section and images:
+                self._rope_positions(meta, [(0, n) for n in lens], images)
             ids = self.buffers.put("input_ids", np.fromiter(chain.from_iterable(sequences), np.int64))
             backend = SdpaBackend() if grad and not isinstance(self.backend, SdpaBackend) else None
             logit_rows = slice(None) if LOGITS in sites else None
@@ -593,7 +597,8 @@ class ModelRunner:
         new = [n - b for n, b in zip(lens, starts)]
         put = self.buffers.put
         meta = layout(starts, new, lens, tables, self.block_size, self.num_slots, put, None, self._state_slots(tables))
-        self._rope_positions(meta, list(zip(starts, new)), images or [None] * len(lens))
+        if self.cfg.mrope_section and images:
+            self._rope_positions(meta, list(zip(starts, new)), images)
         if kv_copy is not None:
             source, target = (np.asarray(slots, np.int64) for slots in kv_copy)
             meta.kv_copy = (put("kv_copy_from", source), put("kv_copy_to", target))

@@ -42,10 +42,10 @@ def from_value_error(e: ValueError, prefix: str = "", code: str | None = None) -
     """vlens's ValueErrors start with the field at fault ("capture.positions: ..."); make it `param`, named
     in the message as in the request body (under `prefix`), so a client reads the same path in both."""
     message = " ".join(str(e).split())
-    if not _FIELD_PREFIX.match(message):
+    match = _FIELD_PREFIX.match(message)
+    if match is None:
         return APIError(400, message, param=None, code=code)
-    message = prefix + message
-    return APIError(400, message, param=_FIELD_PREFIX.match(message).group(1), code=code)
+    return APIError(400, prefix + message, param=prefix + match.group(1), code=code)
 
 
 def check_model(asked: str | None, served: str, steered: Collection[str] = ()) -> None:
