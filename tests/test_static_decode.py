@@ -270,13 +270,13 @@ def test_the_cpu_decodes_on_the_static_path_with_the_c_kernel(llm):
 @pytest.mark.parametrize(
     "heads, kv_heads, dim, window, softcap, sinks",
     [(8, 2, 24, None, None, False), (4, 4, 64, 7, None, True), (9, 3, 64, None, 2.0, False), (8, 2, 32, 5, 3.0, True),
-     (2, 1, 5, None, None, False)],
+     (2, 1, 5, None, None, False), (6, 3, 44, None, None, False)],
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2])
 def test_c_kernel_matches_the_gathering_kernel(heads, kv_heads, dim, window, softcap, sinks, threads):
     """Keys read through shuffled block tables, contexts from one key to the whole table, a batch of one whose
     keys split across threads (splits past its last key weighed 0), head sizes with and without a tail of
-    fewer than 8 values: within 1e-5 of the gathering kernel."""
+    fewer than 8 values (44: a run of 32 columns, one of 8, a tail of 4): within 1e-5 of the gathering kernel."""
     g = torch.Generator().manual_seed(heads * dim)
     bs, blocks, width = 4, 300, 250
     cache = torch.randn(2, blocks * bs, kv_heads, dim, generator=g)

@@ -2,10 +2,12 @@
  *
  * Each row's one query per head meets its keys and values where they lie in the paged cache, through the
  * row's block table, only up to the row's context (and within its sliding window). A task is one range of
- * one row's keys ("split-K", so that a batch of one keeps every thread busy) for all heads at once: a key's
- * slot holds every KV head side by side, so the task reads it once, front to back. Each task keeps, per
- * head, its maximum score, its sum of weights and its weighted values; the merge rescales the ranges to the
- * row's maximum. Scores, softmax and sums are float32.
+ * one row's keys ("split-K", so that a batch of one keeps every thread busy) for all heads. It finds the
+ * range's cache slots once; then each KV head's keys, eight at a time, meet the queries of its group (the
+ * eight keys stay in L1 across the group), and each head's weighted values are summed in registers, a few
+ * columns at a time, over the range. Each task keeps, per head, its maximum score, its sum of weights and
+ * its weighted values; the merge rescales the ranges to the row's maximum. Scores, softmax and sums are
+ * float32.
  *
  * Layouts (contiguous): q and out [rows, heads, dim]; caches [slots, kv_heads, dim]; tables [rows, pages];
  * context [rows]; sinks [heads] or NULL (gpt-oss: a logit per head that joins the softmax as a key with no
@@ -18,21 +20,56 @@
 
 typedef float floats8 __attribute__((vector_size(32)));
 
-/* a . b over n floats: eight running sums, added pairwise at the end (`omp simd reduction` left the
- * horizontal sum as a chain of sixteen scalar adds, most of the kernel's time at small head sizes) */
+static inline floats8 load8(const float *p)
+{
+    floats8 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+/* a . b over n floats: eight running sums, added pairwise at the end */
 static inline float dot(const float *a, const float *b, int64_t n)
 {
-    floats8 sums = {0}, x, y;
+    floats8 sums = {0};
     int64_t d = 0;
-    for (; d + 8 <= n; d += 8) {
-        memcpy(&x, a + d, sizeof x);
-        memcpy(&y, b + d, sizeof y);
-        sums += x * y;
-    }
+    for (; d + 8 <= n; d += 8)
+        sums += load8(a + d) * load8(b + d);
     float s = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
     for (; d < n; d++)
         s += a[d] * b[d];
     return s;
+}
+
+/* lanes i of a and b added pairwise: [a0+a1, b0+b1, a2+a3, b2+b3, ...] */
+static inline floats8 pairs(floats8 a, floats8 b)
+{
+    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+/* q . k[i] for eight keys at once: per key eight running sums, then one transposing reduction for all
+ * eight (a key's own horizontal sum was most of the time at small head sizes) */
+static inline floats8 dot8(const float *q, const float *const k[8], int64_t n)
+{
+    floats8 s[8] = {{0}};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+        const floats8 x = load8(q + d);
+        for (int i = 0; i < 8; i++)
+            s[i] += x * load8(k[i] + d);
+    }
+    const floats8 a = pairs(s[0], s[1]), b = pairs(s[2], s[3]), c = pairs(s[4], s[5]), e = pairs(s[6], s[7]);
+    /* [s0, s1, s2, s3 | s4, s5, s6, s7 partial sums of lanes 0-3, then of lanes 4-7] */
+    const floats8 ab = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+                       __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    const floats8 ce = __builtin_shufflevector(c, e, 0, 1, 8, 9, 4, 5, 12, 13) +
+                       __builtin_shufflevector(c, e, 2, 3, 10, 11, 6, 7, 14, 15);
+    floats8 r = __builtin_shufflevector(ab, ce, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(ab, ce, 4, 5, 6, 7, 12, 13, 14, 15);
+    for (; d < n; d++)
+        for (int i = 0; i < 8; i++)
+            r[i] += q[d] * k[i][d];
+    return r;
 }
 
 /* e^x for x <= 0 (a score less its maximum), within 2 ulp of expf: Cody-Waite reduction to r in
@@ -58,6 +95,19 @@ static inline float exp_nonpositive(float x)
     return p * two_to_n.value;
 }
 
+/* acc[0 .. width) = sum over the range's keys i of p[i] * v[i][col .. col + width), width a multiple of 8 up
+ * to 32, in registers */
+static inline void weigh(float *acc, const float *p, const float *const *v, int64_t keys, int64_t col, int width)
+{
+    floats8 a[4] = {{0}};
+    for (int64_t i = 0; i < keys; i++) {
+        const floats8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
+        for (int c = 0; c < width / 8; c++)
+            a[c] += w * load8(v[i] + col + 8 * c);
+    }
+    memcpy(acc + col, a, sizeof(float) * (size_t)width);
+}
+
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                      const int64_t *context, float *out, const float *sinks, int64_t rows, int64_t heads,
                      int64_t kv_heads, int64_t dim, int64_t pages, int64_t block_size, int64_t window, float scale,
@@ -80,11 +130,13 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     if (!failed) {
 #pragma omp parallel num_threads(threads) reduction(| : failed)
         {
-            float *scores = malloc(sizeof(float) * (size_t)(heads * span)); /* one per thread */
-            failed = scores == NULL;
+            /* one per thread: the range's scores per head, and where each key's slot row starts in each cache */
+            float *scores = malloc(sizeof(float) * (size_t)(heads * span));
+            const float **key_rows = malloc(sizeof(float *) * (size_t)(2 * span)), **value_rows = key_rows + span;
+            failed = scores == NULL || key_rows == NULL;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < rows * splits; task++) {
-                if (scores == NULL)
+                if (failed)
                     continue;
                 const int64_t row = task / splits, n = context[row];
                 const int64_t first = (window > 0 && n > window ? n - window : 0) + task % splits * span;
@@ -94,19 +146,30 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                 for (int64_t j = first, slot = 0; j < end; j++, slot++) {
                     if (j == first || j % block_size == 0) /* (one division a block) */
                         slot = table[j / block_size] * block_size + j % block_size;
-                    const float *k = k_cache + slot * slot_stride;
-                    for (int64_t h = 0, kv = 0; kv < kv_heads; kv++) {
-                        for (int64_t g = 0; g < group; g++, h++) {
-                            float s = dot(qr + h * dim, k + kv * dim, dim) * scale;
-                            if (softcap > 0.0f)
-                                s = softcap * tanhf(s / softcap);
-                            scores[h * span + (j - first)] = s;
+                    key_rows[j - first] = k_cache + slot * slot_stride;
+                    value_rows[j - first] = v_cache + slot * slot_stride;
+                }
+                for (int64_t kv = 0; kv < kv_heads; kv++) {
+                    const float *kh[8];
+                    int64_t i = 0;
+                    for (; i + 8 <= keys; i += 8) {
+                        for (int t = 0; t < 8; t++)
+                            kh[t] = key_rows[i + t] + kv * dim;
+                        for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
+                            const floats8 s = dot8(qr + h * dim, kh, dim) * scale;
+                            memcpy(scores + h * span + i, &s, sizeof s);
                         }
                     }
+                    for (; i < keys; i++)
+                        for (int64_t h = kv * group; h < (kv + 1) * group; h++)
+                            scores[h * span + i] = dot(qr + h * dim, key_rows[i] + kv * dim, dim) * scale;
                 }
                 float *tops = top + task * heads, *totals = total + task * heads, *accs = acc + task * heads * dim;
                 for (int64_t h = 0; h < heads; h++) {
                     float *sh = scores + h * span, m = -INFINITY, sum = 0.0f;
+                    if (softcap > 0.0f)
+                        for (int64_t j = 0; j < keys; j++)
+                            sh[j] = softcap * tanhf(sh[j] / softcap);
                     for (int64_t j = 0; j < keys; j++)
                         m = sh[j] > m ? sh[j] : m;
 #pragma omp simd reduction(+ : sum)
@@ -116,25 +179,26 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                     }
                     tops[h] = m;
                     totals[h] = sum;
-                    for (int64_t d = 0; d < dim; d++)
-                        accs[h * dim + d] = 0.0f;
-                }
-                for (int64_t j = first, slot = 0; j < end; j++, slot++) {
-                    if (j == first || j % block_size == 0)
-                        slot = table[j / block_size] * block_size + j % block_size;
-                    const float *v = v_cache + slot * slot_stride;
-                    for (int64_t h = 0, kv = 0; kv < kv_heads; kv++) {
-                        for (int64_t g = 0; g < group; g++, h++) {
-                            const float p = scores[h * span + (j - first)], *vh = v + kv * dim;
-                            float *ah = accs + h * dim;
-#pragma omp simd
-                            for (int64_t d = 0; d < dim; d++)
-                                ah[d] += p * vh[d];
-                        }
+                    /* (the value rows at this head's KV head: key_rows is free once the scores are made) */
+                    const float **vh = key_rows;
+                    for (int64_t i = 0; i < keys; i++)
+                        vh[i] = value_rows[i] + h / group * dim;
+                    float *ah = accs + h * dim;
+                    int64_t col = 0;
+                    for (; col + 32 <= dim; col += 32)
+                        weigh(ah, sh, vh, keys, col, 32);
+                    for (; col + 8 <= dim; col += 8)
+                        weigh(ah, sh, vh, keys, col, 8);
+                    for (; col < dim; col++) {
+                        float a = 0.0f;
+                        for (int64_t i = 0; i < keys; i++)
+                            a += sh[i] * vh[i][col];
+                        ah[col] = a;
                     }
                 }
             }
             free(scores);
+            free(key_rows);
 #pragma omp for schedule(static) /* (after the tasks: omp for ends on a barrier) */
             for (int64_t row = 0; row < rows; row++) {
                 for (int64_t h = 0; h < heads; h++) {
@@ -166,4 +230,3 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     free(acc);
     return failed;
 }
-

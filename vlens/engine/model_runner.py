@@ -230,10 +230,12 @@ class ModelRunner:
     def _forward(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
         logit_rows: torch.Tensor | slice | None = None, backend=None, forward: Callable | None = None,
-        embeds: tuple[torch.Tensor, ...] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        embeds: tuple[torch.Tensor, ...] | None = None, compiled: Callable | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set.
-        `forward`: what stands in for the model's (a compiled decode step's); `embeds`: ForwardContext's."""
+        `forward`: what stands in for the model's (one from a layer on); `embeds`: ForwardContext's; `compiled`:
+        a compiled decode step, ids -> every row's logits, in place of the forward and its unembedding (the
+        hidden is then None)."""
         backend = backend or self.backend
         if meta.key_limits is not None and not isinstance(backend, SdpaBackend):  # (the one backend whose masks
             backend = self._sdpa  # take keys past a query's position: a prefill step with a both-ways image)
@@ -244,8 +246,6 @@ class ModelRunner:
             meta.num_states = self.scratch_state
             if ids.shape[0] > len(meta.query_lens):
                 meta.linear_chunks = chunk_layout(meta.query_lens, self.device)
-        if forward is None:
-            forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
         failed = None
         try:  # from the launch on: the other ranks may be in the forward's collectives
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
@@ -253,12 +253,17 @@ class ModelRunner:
                                            embeds)  # fmt: skip
             fused = self.fused and not torch.is_grad_enabled()  # (a forward keeping a graph runs unfused: eager)
             set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused, embeds=embeds))
-            hidden = forward(ids)
-            logits = None
-            if isinstance(logit_rows, slice):
-                logits = self.model.logits(hidden[logit_rows])
-            elif logit_rows is not None:
-                logits = self.model.logits(hidden.index_select(0, logit_rows))
+            hidden, logits = None, None
+            if compiled is not None:
+                logits = compiled(ids)
+            else:
+                if forward is None:
+                    forward = self.forward if num_layers is None else partial(self.model, num_layers=num_layers)
+                hidden = forward(ids)
+                if isinstance(logit_rows, slice):
+                    logits = self.model.logits(hidden[logit_rows])
+                elif logit_rows is not None:
+                    logits = self.model.logits(hidden.index_select(0, logit_rows))
         except HookFailed as e:  # every rank left the forward at the same hook: the group is in step
             failed = e
         except BaseException:
@@ -482,19 +487,19 @@ class ModelRunner:
         called: dynamo's guards (every weight, buffer and tap, ~60 us a call on a small model) are skipped, so
         each key compiles its own copy of the forward's code (dynamo keeps compiled code per code object, and
         a copy of the code is a new object), never a neighbour's graph."""
-        stats, forward = self.graph_stats, self._compiled.get(key)
-        started, new = time.perf_counter(), forward is None
+        stats, compiled = self.graph_stats, self._compiled.get(key)
+        started, new = time.perf_counter(), compiled is None
         if new:
-            method = type(self.model).forward
+            method = type(self.model).forward_logits
             copy = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__,
                                       method.__closure__)  # fmt: skip (a family's forward may call super(): a cell)
-            forward = self._compiled[key] = torch.compile(
+            compiled = self._compiled[key] = torch.compile(
                 types.MethodType(copy, self.model), fullgraph=True, dynamic=False,
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
             )  # fmt: skip
             stats.compiles += 1
         try:
-            logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, forward)[1]
+            logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, compiled=compiled)[1]
         except Exception as e:  # noqa: BLE001 - (only a first call: a compile this machine cannot make)
             if not new:
                 raise

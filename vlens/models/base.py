@@ -453,6 +453,11 @@ class DecoderLM(nn.Module):
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         return tap(LOGITS, self._unembed(normed))
 
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Every row's logits: the forward and its unembedding in one call, what a compiled decode step compiles
+        (its GEMM and tap beside a compiled forward cost more than inside it)."""
+        return self.logits(self.forward(input_ids))
+
     def lens(self, residual: torch.Tensor) -> torch.Tensor:
         """Logits of arbitrary residual rows through the final norm and unembedding (logit lens);
         no taps fire."""
