@@ -26,7 +26,6 @@ CPU tests use. On CUDA the Triton tiles are chosen to fit the card's shared memo
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from vlens.attention.metadata import AttentionMetadata, LayerKind
+from vlens.own_code import own_copy
 
 BLOCK = 128  # FlexAttention's block of query rows and of keys (the block mask's granularity)
 # Triton tiles, most preferred first: (BLOCK_M, BLOCK_N, num_stages).
@@ -93,7 +93,7 @@ class FlexBackend:
             return flex_attention
         key = (padded_rows, padded_keys)
         if key not in self._compiled:
-            self._compiled[key] = torch.compile(_own_copy(flex_attention), dynamic=False)
+            self._compiled[key] = torch.compile(own_copy(flex_attention), dynamic=False)
         return self._compiled[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, state: FlexState) -> torch.Tensor:
@@ -171,13 +171,6 @@ def _pad(x: torch.Tensor, size: int, value: int) -> torch.Tensor:
 def _pad_rows(x: torch.Tensor, size: int) -> torch.Tensor:
     """[n, h, d] -> [size, h, d], zeros below."""
     return x if len(x) == size else F.pad(x, (0, 0, 0, 0, 0, size - len(x)))
-
-
-def _own_copy(fn: Callable) -> Callable:
-    """`fn` with a code object of its own: torch.compile's caches and size records are per code object."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
 
 
 @functools.cache

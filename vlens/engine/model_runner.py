@@ -60,6 +60,7 @@ from vlens.layers import fused
 from vlens.layers.mlp import activation
 from vlens.layers.slot_states import SlotStates
 from vlens.models.base import DecoderLM
+from vlens.own_code import own_copy
 
 log = logging.getLogger("vlens.engine")
 MIN_PAGES = 16  # the smallest page bucket of the static decode step
@@ -490,11 +491,8 @@ class ModelRunner:
         stats, compiled = self.graph_stats, self._compiled.get(key)
         started, new = time.perf_counter(), compiled is None
         if new:
-            method = type(self.model).forward_logits
-            copy = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__, method.__defaults__,
-                                      method.__closure__)  # fmt: skip (a family's forward may call super(): a cell)
             compiled = self._compiled[key] = torch.compile(
-                types.MethodType(copy, self.model), fullgraph=True, dynamic=False,
+                types.MethodType(own_copy(type(self.model).forward_logits), self.model), fullgraph=True, dynamic=False,
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
             )  # fmt: skip
             stats.compiles += 1
@@ -630,7 +628,6 @@ class ModelRunner:
         meta = layout([0], [tokens], [tokens], None, 0, 0, self.buffers.put)
         ids = self.buffers.put("input_ids", np.zeros(tokens, np.int64))
         self._forward(meta, ids, {}, None, slice(-logit_rows, None))
-
 
     def _states(self) -> list[torch.Tensor]:
         """Every state tensor of the layers that keep states per sequence (none before the cache is allocated)."""
