@@ -20,6 +20,15 @@
 
 typedef float floats8 __attribute__((vector_size(32)));
 
+/* the lanes of a and b picked by eight indices, b's counted from 8 (clang's builtin; GCC's older one, for the
+ * GCC releases before 12 that lack clang's) */
+#if defined(__clang__)
+#define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t ints8 __attribute__((vector_size(32)));
+#define PICK(a, b, ...) __builtin_shuffle(a, b, (ints8){__VA_ARGS__})
+#endif
+
 static inline floats8 load8(const float *p)
 {
     floats8 x;
@@ -43,8 +52,8 @@ static inline float dot(const float *a, const float *b, int64_t n)
 /* lanes i of a and b added pairwise: [a0+a1, b0+b1, a2+a3, b2+b3, ...] */
 static inline floats8 pairs(floats8 a, floats8 b)
 {
-    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
-           __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+    return PICK(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+           PICK(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
 }
 
 /* q . k[i] for eight keys at once: per key eight running sums, then one transposing reduction for all
@@ -60,12 +69,12 @@ static inline floats8 dot8(const float *q, const float *const k[8], int64_t n)
     }
     const floats8 a = pairs(s[0], s[1]), b = pairs(s[2], s[3]), c = pairs(s[4], s[5]), e = pairs(s[6], s[7]);
     /* [s0, s1, s2, s3 | s4, s5, s6, s7 partial sums of lanes 0-3, then of lanes 4-7] */
-    const floats8 ab = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
-                       __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
-    const floats8 ce = __builtin_shufflevector(c, e, 0, 1, 8, 9, 4, 5, 12, 13) +
-                       __builtin_shufflevector(c, e, 2, 3, 10, 11, 6, 7, 14, 15);
-    floats8 r = __builtin_shufflevector(ab, ce, 0, 1, 2, 3, 8, 9, 10, 11) +
-                __builtin_shufflevector(ab, ce, 4, 5, 6, 7, 12, 13, 14, 15);
+    const floats8 ab = PICK(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+                       PICK(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    const floats8 ce = PICK(c, e, 0, 1, 8, 9, 4, 5, 12, 13) +
+                       PICK(c, e, 2, 3, 10, 11, 6, 7, 14, 15);
+    floats8 r = PICK(ab, ce, 0, 1, 2, 3, 8, 9, 10, 11) +
+                PICK(ab, ce, 4, 5, 6, 7, 12, 13, 14, 15);
     for (; d < n; d++)
         for (int i = 0; i < 8; i++)
             r[i] += q[d] * k[i][d];
@@ -132,7 +141,8 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
         {
             /* one per thread: the range's scores per head, and where each key's slot row starts in each cache */
             float *scores = malloc(sizeof(float) * (size_t)(heads * span));
-            const float **key_rows = malloc(sizeof(float *) * (size_t)(2 * span)), **value_rows = key_rows + span;
+            const float **key_rows = malloc(sizeof(float *) * (size_t)(2 * span));
+            const float **value_rows = key_rows ? key_rows + span : NULL;
             failed = scores == NULL || key_rows == NULL;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < rows * splits; task++) {
