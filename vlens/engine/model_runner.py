@@ -117,13 +117,15 @@ class StepOutput:
 class ModelRunner:
     def __init__(
         self, model: DecoderLM, backend, max_tokens: int, max_seqs: int, graphs: bool = False, kernels: bool = False,
-        compile_decode: bool = False,
+        compile_decode: bool = False, prefills: bool = False,
     ):  # fmt: skip
         """`max_tokens` / `max_seqs`: the largest engine step (its buffers are allocated at that size; a
         longer packed forward of trace or harvest grows them). `graphs`: decode steps replay CUDA graphs
         (on CUDA only; `static_decode` is then on). `kernels`: decode attention may read the paged cache with
         a kernel built here (vlens.attention.decode); on the CPU decode steps then take the static path.
-        `compile_decode`: static decode steps run a forward compiled for their shape (`_compiled_step`)."""
+        `compile_decode`: static decode steps run a forward compiled for their shape (`_compiled_step`).
+        `prefills`: its forwards are large prefills (a harvest's), which on CUDA take the fused chains as graphs
+        do (vlens.layers.fused)."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
@@ -157,8 +159,10 @@ class ModelRunner:
         # signature (its taps then need `self.taps.fixed_shapes`).
         self.forward = model
         self.graphs = graphs and self.device.type == "cuda"
-        # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations
-        self.fused = self.graphs and fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
+        # fewer, fused kernels: fewer graph nodes to launch and fewer passes over activations (a prefill's elementwise
+        # kernels were ~35% of an unfused harvest's GPU time, on an H200)
+        chains = self.graphs or (prefills and self.device.type == "cuda")
+        self.fused = chains and fused.fuse(self.device, self.dtype, activation(self.cfg.hidden_act))
         self.decode_backend = (  # (no kinds: no layer attends, a Mamba's: no kernel to try)
             DecodeBackend.for_device(self.device, self.dtype, self.kinds) if kernels and self.kinds else DecodeBackend()
         )

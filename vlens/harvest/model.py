@@ -50,11 +50,11 @@ def generation_engine(config: HarvestConfig) -> LLM:
 
 
 def runner_for(model: Any, loaded: LoadedModel) -> ModelRunner:
-    """The runner of a harvest: an `LLM`'s own, else one over SDPA; every batch of the run reuses its buffers
-    (they grow to the batch size on the first)."""
+    """The runner of a harvest: an `LLM`'s own, else one over SDPA whose forwards on CUDA take the fused chains;
+    every batch of the run reuses its buffers (they grow to the batch size on the first)."""
     if isinstance(model, LLM):
         return model.runner
-    return ModelRunner(loaded.model, SdpaBackend(), max_tokens=4096, max_seqs=1)
+    return ModelRunner(loaded.model, SdpaBackend(), max_tokens=4096, max_seqs=1, prefills=True)
 
 
 def files_hash(files: list[Path]) -> str:

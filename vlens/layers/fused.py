@@ -3,10 +3,11 @@ GPT-J's, by pairs) — as
 one kernel each on CUDA.
 
 Each is written once here as plain torch ops, which is what runs everywhere by default. A runner that
-replays CUDA graphs compiles them once a process (`fuse`, on CUDA only: `torch.compile(fn, dynamic=True)`,
-one Triton kernel instead of 3-8 launches, so a graph has fewer nodes to launch and the GPU fewer passes
-over the activations) and its forwards say so in their context (`vlens.context.fusing`); every other
-forward — another engine with `enforce_eager`, trace on the CPU — runs the plain ops. A chain that fails to
+replays CUDA graphs, or a harvest's on CUDA (large prefills, where a chain's dynamo call costs little beside its
+kernel), compiles them once a process (`fuse`, on CUDA only: `torch.compile(fn, dynamic=True)`, one Triton kernel
+instead of 3-8 launches, so a graph has fewer nodes to launch and the GPU fewer passes over the activations) and its
+forwards say so in their context (`vlens.context.fusing`); every other forward — another engine with
+`enforce_eager`, trace on the CPU — runs the plain ops. A chain that fails to
 compile stays eager. Each compiled chain keeps a few variants (dtype, a batch of one, the strides of
 q and k), so dynamo's recompile limit is raised to hold them rather than fall back to eager silently (an
 H200 profile showed that fallback: 765 device ops a graph step, 290 once they held). Casts are kept where
