@@ -541,7 +541,8 @@ def llama4(rows: dict, root: Path, quick: bool, device: str) -> None:
     """Llama 4 in Scout's layout on CUDA (heads of 128, rotary by pairs in float32 with weightless q/k norms, every
     fourth layer without rotary and with its temperature, one of 16 experts a token reading its input weighed, beside
     a shared one), narrow: `family_check`, capturing a NoPE layer's q and an MoE layer's chosen experts through the
-    graphs."""
+    graphs; its rotating layers attend within chunks of 32 positions (Scout's are 8,192), which the prompts and their
+    generated tokens cross: the prefill's masks and the decode kernel's first keys."""
     if (config_class := _config_class(rows, "llama4", "Llama4TextConfig", "Llama 4")) is None:
         return
     wide = device == "cuda"
@@ -549,7 +550,7 @@ def llama4(rows: dict, root: Path, quick: bool, device: str) -> None:
         vocab_size=8192, hidden_size=512 if wide else 64, intermediate_size=256 if wide else 32,
         intermediate_size_mlp=1024 if wide else 96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=128 if wide else 16, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=2,
-        attention_chunk_size=2048, floor_scale=64, attn_scale=0.1, max_position_embeddings=2048,
+        attention_chunk_size=32, floor_scale=64, attn_scale=0.1, max_position_embeddings=2048,
     )  # fmt: skip
     hooks = ["blocks.3.attn.hook_q", "blocks.1.mlp.hook_expert_ids"]
     rows["llama4"] = family_check(config, "llama4-scout-layout", hooks, root, quick, device)

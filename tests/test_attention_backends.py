@@ -23,6 +23,7 @@ import vlens.attention.varlen
 from vlens import LLM, Capture, SamplingParams
 from vlens.attention import LayerKind, choose, layout, make_backend
 from vlens.attention.flex import FlexBackend, cuda_tiles
+from vlens.attention.metadata import FULL_REACH
 from vlens.attention.sdpa import _stacked, _stacked_mask
 from vlens.attention.varlen import VarlenBackend, keywords, layer_arguments, takes_pages
 from vlens.attention.varlen import problem as varlen_problem
@@ -164,6 +165,7 @@ def test_auto_on_cuda_keeps_sdpa_where_varlen_cannot_page(monkeypatch, fn):
         ({KIND}, torch.float32, "needs float16 or bfloat16 .*, not float32; use sdpa"),
         ({KIND._replace(softcap=50.0)}, torch.float16, "cannot soft-cap attention scores"),
         ({KIND._replace(head_dim=20)}, torch.bfloat16, r"needs head sizes that are multiples of 8 up to 256, not \[20\]"),  # noqa: E501
+        ({KIND._replace(chunk=8192)}, torch.bfloat16, "has no chunked attention, which this model's layers have"),
     ],
 )
 def test_varlen_refuses_models_it_cannot_run(kinds, dtype, message):
@@ -232,14 +234,14 @@ def test_sdpa_reads_fresh_prompts_keys_where_they_are():
     tables = [[3, 1, 5], [0, 2, 6]]
     fresh = layout([0, 0], [5, 4], [5, 4], tables, 4, 64, put)
     (group,) = SdpaBackend().prepare(fresh, {KIND}, torch.float32)
-    assert group.key_slots is None and group.masks == {None: None}
+    assert group.key_slots is None and group.masks == {FULL_REACH: None}
     later = layout([4, 4], [5, 4], [9, 8], tables, 4, 64, put)
     (group,) = SdpaBackend().prepare(later, {KIND}, torch.float32)
     assert group.key_slots.tolist() == [[12, 13, 14, 15, 4, 5, 6, 7, 20], [0, 1, 2, 3, 8, 9, 10, 11, 0]]
-    assert group.masks[None].shape == (2, 1, 5, 9) and not group.chunk_after_cache
+    assert group.masks[FULL_REACH].shape == (2, 1, 5, 9) and not group.chunk_after_cache
     windowed = KIND._replace(window=3)
     alone, fresh_one = SdpaBackend().prepare(layout([4, 0], [5, 4], [9, 4], tables, 4, 64, put), {KIND, windowed}, torch.float32)
-    assert alone.chunk_after_cache and alone.key_slots is not None and set(alone.masks) == {3}  # only the window's
+    assert alone.chunk_after_cache and alone.key_slots is not None and set(alone.masks) == {(3, None)}  # only the window's
     assert fresh_one.key_slots is None
 
 
@@ -383,3 +385,8 @@ def test_flashinfer_refuses_float32_and_its_missing_head_sizes_by_name(monkeypat
     with pytest.raises(ValueError, match=r"'flashinfer' takes heads of 64, 128, 256 dims, not \[512\]"):
         make_backend("flashinfer", torch.device("cuda"), False, gemma4, torch.bfloat16, 16)
     assert choose(torch.device("cuda"), gemma4, torch.bfloat16, 256)[0] == "sdpa"
+    # Llama 4's chunked layers: neither, so "auto" runs it on sdpa too
+    llama4 = {KIND._replace(chunk=8192), KIND}
+    with pytest.raises(ValueError, match=r"'flashinfer' \(as vlens plans it\) has no chunked attention"):
+        make_backend("flashinfer", torch.device("cuda"), False, llama4, torch.bfloat16, 16)
+    assert choose(torch.device("cuda"), llama4, torch.bfloat16, 256)[0] == "sdpa"

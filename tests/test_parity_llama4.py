@@ -2,13 +2,13 @@
 weightless q/k norms after it on the layers that rotate, every fourth layer without rotary and with its temperature
 on q, routed experts (the top k logits' sigmoids scaling what each chosen expert reads) beside a shared expert on
 every other layer, a wider dense MLP on the rest; the text model of Llama4ForConditionalGeneration; every tap, packed
-against alone, greedy generation (under memory pressure too); bfloat16; one compiled graph of a capturing step; lengths
-capped at the attention chunk, where chunked attention is causal."""
+against alone, greedy generation (under memory pressure too); bfloat16; one compiled graph of a capturing step; the
+layers that rotate attending within chunks of 8 positions (HF's chunked attention: the test sequences cross several),
+through every attention backend and decode kernel the CPU runs."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from family_parity import (
     COMMON,
     GenerationParity,
@@ -16,17 +16,23 @@ from family_parity import (
     build,
     check_bfloat16_taps,
     check_capturing_step_compiles,
+    check_compiled_decode,
+    check_every_tap,
+    check_feature_matters,
+    check_generation,
     check_generation_under_pressure,
     family_fixture,
+    load_pair,
     sequences,
 )
 from transformers import Llama4Config, Llama4TextConfig
 
 from vlens import LLM
+from vlens.attention.decode import DecodeBackend
 
 TEXT = COMMON | dict(num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
                      num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, num_hidden_layers=4,
-                     attention_chunk_size=64, floor_scale=4, attn_scale=0.5, pad_token_id=0, bos_token_id=1,
+                     attention_chunk_size=8, floor_scale=4, attn_scale=0.5, pad_token_id=0, bos_token_id=1,
                      eos_token_id=2)  # fmt: skip
 VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vision_output_dim=64,
               projector_input_dim=64, projector_output_dim=64, image_size=28, patch_size=14)  # fmt: skip
@@ -58,21 +64,35 @@ def test_config_is_read_as_intended(family):
     assert cfg.nope_temperature == (None if name == "llama4_plain" else (0.5, 4))
     assert cfg.moe_layers == ((True,) * 4 if name == "llama4_plain" else (False, True, False, True))
     assert cfg.intermediate_size == 96 and cfg.moe_intermediate_size == cfg.shared_expert_intermediate_size == 32
-    assert cfg.max_position_embeddings == 64 and not cfg.norm_topk_prob
+    assert cfg.max_position_embeddings == 128 and not cfg.norm_topk_prob
+    assert cfg.attention_chunks == (8, 8, 8, None)  # (the layers that rotate)
+    assert [attn.kind.chunk for attn in llm.model.attention_layers()] == [8, 8, 8, None]
 
 
 def test_bfloat16_taps(tmp_path):
     check_bfloat16_taps(CONFIGS["llama4"](), tmp_path)
 
 
-def test_past_the_attention_chunk_is_refused(tmp_path):
-    """Chunked attention (the rotating layers' past attention_chunk_size) is not causal attention: the length stops
-    at the chunk, and a longer text is refused by name."""
-    llm = LLM(model=build(CONFIGS["llama4"](), tmp_path, "llama4"), dtype="float32", device="cpu")
-    with pytest.raises(ValueError, match="65 tokens exceed this model's length, max_model_len=64"):
-        llm.trace(sequences((65,)), hooks="blocks.0.hook_resid_post")
-    rows = llm.trace(sequences((64,)), hooks="blocks.0.hook_resid_post")[0]["blocks.0.hook_resid_post"]
-    assert rows.shape == (64, 64) and torch.isfinite(rows).all()
+def test_chunked_attention_matters(tmp_path):
+    """HF's model with every layer attending to every earlier key gives other logits for the 40-token test sequence:
+    the parity above holds because both confine those layers to their chunks."""
+    check_feature_matters(CONFIGS["llama4"](), tmp_path, layer_types=["full_attention"] * 4)
+
+
+@pytest.mark.parametrize("path", ["flex", "sdpa decodes", "gathering kernel"])
+def test_chunks_on_every_attention_path(path, tmp_path):
+    """FlexAttention's block masks (prefill and decode), the SDPA backend's decodes (enforce_eager) and the static
+    decode step's gathering kernel (in place of the C kernel the other tests decode with): every tap of the packed
+    trace, and greedy generation, HF's."""
+    checkpoint = build(CONFIGS["llama4"](), tmp_path, "llama4")
+    _, hf = load_pair(checkpoint)
+    engine = {"flex": dict(attention_backend="flex"), "sdpa decodes": dict(enforce_eager=True)}.get(path, {})
+    llm = LLM(model=checkpoint, dtype="float32", device="cpu", block_size=4, **engine)
+    if path == "gathering kernel":
+        llm.runner.decode_backend = DecodeBackend()
+    assert llm.runner.static_decode == (path != "sdpa decodes")
+    check_every_tap(llm, hf, sequences())
+    check_generation(llm, hf, sequences((20, 9, 3)), max_tokens=10)
 
 
 def test_generation_under_pressure(tmp_path):
@@ -82,7 +102,11 @@ def test_generation_under_pressure(tmp_path):
     check_generation_under_pressure(path, 96 * 2 * 2 * 16 * 4 * 4, "blocks.3.attn.hook_q", lengths=(50, 45, 40))
 
 
+def test_compiled_decode_steps(tmp_path):
+    """compile_decode: the C kernel's chunks inside inductor's decode steps."""
+    check_compiled_decode(build(CONFIGS["llama4"](), tmp_path, "decode"), ["blocks.0.attn.hook_z"])
+
+
 def test_a_capturing_step_compiles_whole(tmp_path):
-    """(a chunk of 128: the step's 70-token prompt fits)"""
-    config = Llama4TextConfig(**(TEXT | dict(attention_chunk_size=128)))
-    check_capturing_step_compiles(build(config, tmp_path, "compiled"), "blocks.3.attn.hook_z")
+    """(the chunks' masks among the step's inputs)"""
+    check_capturing_step_compiles(build(CONFIGS["llama4"](), tmp_path, "compiled"), "blocks.3.attn.hook_z")

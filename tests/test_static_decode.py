@@ -229,21 +229,25 @@ def test_replayed_graphs_equal_the_ordinary_step(tmp_path, monkeypatch, max_grap
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim, window, softcap, sinks",
-    [(8, 2, 24, None, None, False), (4, 4, 64, 7, None, True), (9, 3, 64, None, 2.0, False), (8, 2, 32, 5, 3.0, True)],
-)
+    "heads, kv_heads, dim, window, softcap, sinks, chunk",
+    [(8, 2, 24, None, None, False, None), (4, 4, 64, 7, None, True, None), (9, 3, 64, None, 2.0, False, None),
+     (8, 2, 32, 5, 3.0, True, None), (8, 2, 32, None, None, False, 24)],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_paged_kernel_matches_the_gathering_kernel(paged_kernel, heads, kv_heads, dim, window, softcap, sinks, dtype):
+def test_paged_kernel_matches_the_gathering_kernel(
+    paged_kernel, heads, kv_heads, dim, window, softcap, sinks, chunk, dtype
+):  # fmt: skip
     """Keys read through shuffled block tables, contexts from one key to the whole table, the splits of one
-    row merged: float32 within 1e-5 of the gathering kernel; float16 within its rounding. (bfloat16 takes
-    float16's path; the interpreter's tl.dot misreads bfloat16, so a GPU checks it: DecodeBackend.for_device.)"""
+    row merged, a window or chunks: float32 within 1e-5 of the gathering kernel; float16 within its rounding.
+    (bfloat16 takes float16's path; the interpreter's tl.dot misreads bfloat16, so a GPU checks it:
+    DecodeBackend.for_device.)"""
     g = torch.Generator().manual_seed(heads * dim)
     bs, blocks, width, rows = 4, 64, 48, 5  # up to 192 keys: 3 key tiles of 64
     cache = torch.randn(2, blocks * bs, kv_heads, dim, generator=g).to(dtype)
     tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(rows)])
     context = torch.tensor([1, 2, 70, 130, width * bs])
     q = torch.randn(rows, heads, dim, generator=g).to(dtype)
-    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap, sinks)
+    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap, sinks, chunk=chunk)
     layer = kernel_layer(kind, cache[0], cache[1], 3 * torch.randn(heads, generator=g).to(dtype) if sinks else None)
     meta = SimpleNamespace(block_tables_device=tables, context_lens_device=context, block_size=bs)
     want = DecodeBackend().forward(q, None, None, layer, DecodeBackend().prepare(meta, {kind}, dtype))
@@ -268,19 +272,21 @@ def test_the_cpu_decodes_on_the_static_path_with_the_c_kernel(llm):
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim, window, softcap, sinks",
-    [(8, 2, 24, None, None, False), (4, 4, 64, 7, None, True), (9, 3, 64, None, 2.0, False), (8, 2, 32, 5, 3.0, True),
-     (2, 1, 5, None, None, False), (6, 3, 44, None, None, False)],
+    "heads, kv_heads, dim, window, softcap, sinks, chunk",
+    [(8, 2, 24, None, None, False, None), (4, 4, 64, 7, None, True, None), (9, 3, 64, None, 2.0, False, None),
+     (8, 2, 32, 5, 3.0, True, None), (2, 1, 5, None, None, False, None), (6, 3, 44, None, None, False, None),
+     (8, 2, 32, None, None, True, 48)],
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2])
-def test_c_kernel_matches_the_gathering_kernel(heads, kv_heads, dim, window, softcap, sinks, threads):
+def test_c_kernel_matches_the_gathering_kernel(heads, kv_heads, dim, window, softcap, sinks, chunk, threads):
     """Keys read through shuffled block tables, contexts from one key to the whole table, a batch of one whose
     keys split across threads (splits past its last key weighed 0), head sizes with and without a tail of
-    fewer than 8 values (44: a run of 32 columns, one of 8, a tail of 4): within 1e-5 of the gathering kernel."""
+    fewer than 8 values (44: a run of 32 columns, one of 8, a tail of 4), a window or chunks (a row's keys from its
+    chunk's first on): within 1e-5 of the gathering kernel."""
     g = torch.Generator().manual_seed(heads * dim)
     bs, blocks, width = 4, 300, 250
     cache = torch.randn(2, blocks * bs, kv_heads, dim, generator=g)
-    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap, sinks)
+    kind = LayerKind(heads, kv_heads, dim, window, dim**-0.5, softcap, sinks, chunk=chunk)
     layer = kernel_layer(kind, cache[0], cache[1], 3 * torch.randn(heads, generator=g) if sinks else None)
     default = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -718,11 +718,12 @@ def _llama4(hf: Any) -> dict[str, Any]:
     """Llama 4 (Scout, Maverick): Llama's layer, rotary by pairs in float32 (HF's complex product) with q/k normed
     after it (no weight) on the layers that rotate, and on every fourth layer no rotary but a temperature on q; routed
     experts (the top k logits' sigmoids scaling what each chosen expert reads) beside a shared expert on the
-    `moe_layers`, a wider dense MLP on the rest. Its layers that rotate attend within chunks of `attention_chunk_size`
-    tokens, which vlens does not: its length is capped there (8,192 tokens in the released configs), where chunked and
-    causal attention are the same."""
+    `moe_layers`, a wider dense MLP on the rest. Its layers that rotate (`layer_types` "chunked_attention") attend
+    within chunks of `attention_chunk_size` positions (8,192 in the released configs): a query sees the keys of its own
+    chunk alone."""
     rotating = [bool(r) for r in hf.no_rope_layers]
-    chunk = getattr(hf, "attention_chunk_size", None) if any(rotating) else None
+    chunk = getattr(hf, "attention_chunk_size", None)
+    kinds = getattr(hf, "layer_types", None) or ["chunked_attention" if r else "full_attention" for r in rotating]
     return dict(
         nope_layers=tuple(not r for r in rotating),
         qk_norm="l2_after_rotary" if hf.use_qk_norm else "",
@@ -734,7 +735,7 @@ def _llama4(hf: Any) -> dict[str, Any]:
         shared_expert_intermediate_size=hf.intermediate_size,
         norm_topk_prob=False,
         moe_layers=tuple(i in hf.moe_layers for i in range(hf.num_hidden_layers)),
-        max_position_embeddings=min(hf.max_position_embeddings, chunk or hf.max_position_embeddings),
+        attention_chunks=tuple(chunk if kind == "chunked_attention" else None for kind in kinds) if chunk else (),
     )
 
 
@@ -1432,6 +1433,8 @@ class ModelConfig:
     # sum normed again), their router reading the stream normed, scaled and with a scale per expert
     experts_beside_mlp: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
+    # Llama 4, per layer: the chunk of positions a query's keys are confined to (its own), or None; () = none
+    attention_chunks: tuple[int | None, ...] = ()
     # Gemma 4, per layer: head size and key-value heads (its full-attention layers' differ; () = head_dim and
     # num_kv_heads everywhere), and where the keys are the values (one projection, before the key norm)
     layer_head_dims: tuple[int, ...] = ()

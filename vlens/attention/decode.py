@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vlens.attention.metadata import AttentionMetadata, LayerKind
+from vlens.attention.metadata import AttentionMetadata, LayerKind, Reach, first_visible
 from vlens.attention.sdpa import gather, sdpa, written, written_attention
 
 log = logging.getLogger("vlens.engine")
@@ -31,10 +31,10 @@ class DecodeState:
     tables: torch.Tensor  # [B, pages] each row's KV blocks
     context: torch.Tensor  # [B] each row's keys
     block_size: int
-    # The gathering kernel's: cache slot of key j of each row [B, pages * block size], and per window which
-    # keys each row may see [B, 1, 1, keys]
+    # The gathering kernel's: cache slot of key j of each row [B, pages * block size], and per reach (window,
+    # chunk) which keys each row may see [B, 1, 1, keys]
     key_slots: torch.Tensor | None = None
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    masks: dict[Reach, torch.Tensor] = field(default_factory=dict)
 
 
 class DecodeBackend:
@@ -77,11 +77,9 @@ class DecodeBackend:
         key_slots = tables[:, j // bs] * bs + j % bs
         position = (context - 1)[:, None]  # each row is its sequence's last token
         masks = {}
-        for window in {kind.window for kind in kinds}:
-            allowed = j[None, :] <= position
-            if window is not None:
-                allowed = allowed & (j[None, :] > position - window)
-            masks[window] = allowed[:, None, None, :]
+        for reach in {kind.reach for kind in kinds}:
+            allowed = (j[None, :] <= position) & (j[None, :] >= first_visible(reach, position))
+            masks[reach] = allowed[:, None, None, :]
         return DecodeState(tables, context, bs, key_slots, masks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, state: DecodeState) -> torch.Tensor:
@@ -90,7 +88,7 @@ class DecodeBackend:
             return self.paged(q, layer.k_cache, layer.v_cache, tables, context, state.block_size, layer, self.programs)
         keys = gather(layer.k_cache, state.key_slots).transpose(1, 2)  # [B, H_kv, keys, d]
         values = gather(layer.v_cache, state.key_slots).transpose(1, 2)
-        mask = state.masks[layer.window]
+        mask = state.masks[layer.kind.reach]
         if written(layer.kind):
             return written_attention(q[:, :, None, :], keys, values, mask, layer)[:, :, 0, :]
         # The query heads of one KV head share its keys and the row's mask: as that head's queries they need
@@ -113,8 +111,8 @@ def _trial(
     paged: DecodeBackend, gathering: DecodeBackend, device: torch.device, dtypes: tuple[torch.dtype, ...], dim: int
 ) -> None:
     """Raise unless both kernels agree on random pages, contexts 1 .. 96 (two key tiles, so a row's keys
-    split and merge), with and without a window, a soft cap and sinks, in each of `dtypes`: float32 within
-    1e-5, bfloat16 within its rounding. A disagreement is measured again before it counts: in roughly one
+    split and merge), with and without a window, a soft cap and sinks, and in chunks, in each of `dtypes`: float32
+    within 1e-5, bfloat16 within its rounding. A disagreement is measured again before it counts: in roughly one
     process in ten that had built an HF model first, the gathering kernel's first call came out up to 1e-4 off
     its later ones (on this CPU, not reproduced in isolation), which refused the C kernel for a whole engine."""
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -127,8 +125,9 @@ def _trial(
         cache = torch.randn(2, rows * width * bs, kv_heads, dim, generator=g).to(device, dtype)
         q = torch.randn(rows, 8, dim, generator=g).to(device, dtype)
         sinks = torch.randn(8, generator=g).to(device, dtype)
-        for window, softcap, sinked in ((None, None, False), (7, 30.0, True)):
-            kind = LayerKind(8, kv_heads, dim, window, dim**-0.5, softcap, sinked)
+        trials = ((None, None, False, None), (7, 30.0, True, None), (None, None, False, 32))  # (the last: in chunks)
+        for window, softcap, sinked, chunk in trials:
+            kind = LayerKind(8, kv_heads, dim, window, dim**-0.5, softcap, sinked, chunk=chunk)
             layer = kernel_layer(kind, cache[0], cache[1], sinks if sinked else None)
             errors = []
             for _ in range(2):  # (twice before refusing: see below)

@@ -32,6 +32,8 @@ def problem(kinds: set[LayerKind], dtype: torch.dtype) -> str | None:
         return "(as vlens plans it) has no attention sinks, which this model's layers have"
     if any(kind.alibi for kind in kinds):
         return "(as vlens plans it) adds no ALiBi biases, which this model's layers have"
+    if any(kind.chunk for kind in kinds):
+        return "(as vlens plans it) has no chunked attention, which this model's layers have"
     sizes = sorted({kind.head_dim for kind in kinds} - set(HEAD_SIZES))
     if sizes:  # (Gemma 4's full layers: 512)
         return f"takes heads of {', '.join(map(str, HEAD_SIZES))} dims, not {sizes}"

@@ -5,7 +5,7 @@ back like the queries (key j of sequence i at cu_seqlens_k[i] + j): with a cache
 their block tables name, so a block that several sequences hold (a cached or borrowed prefix) is read once
 for each of them and no sequence ever sees another's; without one (trace, harvest), the forward's own keys.
 Query row r (sequence s, position p) may see key c when c is s's, at a position j <= p (and p - window < j
-for a sliding-window layer). Soft-capping (Gemma 2) is a score mod; a sink (gpt-oss) rescales each row's output
+for a sliding-window layer, j in p's chunk for a chunked one: Llama 4's). Soft-capping (Gemma 2) is a score mod; a sink (gpt-oss) rescales each row's output
 by the share of its softmax that the keys hold, from the log-sum-exp flex returns: sigmoid(lse - sink).
 
 The block mask is built from that structure and never by evaluating the mask over every (row, key) pair,
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from vlens.attention.metadata import AttentionMetadata, LayerKind
+from vlens.attention.metadata import AttentionMetadata, LayerKind, Reach, first_visible
 from vlens.own_code import own_copy
 
 BLOCK = 128  # FlexAttention's block of query rows and of keys (the block mask's granularity)
@@ -46,7 +46,7 @@ SHARED_PER_TILE_BYTE = 3
 
 @dataclass
 class FlexState:
-    masks: dict[int | None, BlockMask]  # window -> block mask over (padded rows, padded keys)
+    masks: dict[Reach, BlockMask]  # reach (window, chunk) -> block mask over (padded rows, padded keys)
     rows: int  # real query rows; the rest of the padded ones are dropped
     padded_rows: int
     padded_keys: int
@@ -77,9 +77,9 @@ class FlexBackend:
         q_seq, q_pos = _pad(q_seq, padded_rows, -1), _pad(q_pos, padded_rows, 0)
         k_seq, k_pos = _pad(k_seq, padded_keys, -2), _pad(k_pos, padded_keys, 0)
         masks = {}
-        for window in {kind.window for kind in kinds}:
-            low = torch.full_like(q_pos, -1) if window is None else q_pos - window
-            masks[window] = BlockMask.from_kv_blocks(
+        for reach in {kind.reach for kind in kinds}:
+            low = first_visible(reach, q_pos) - 1
+            masks[reach] = BlockMask.from_kv_blocks(
                 num_blocks, indices, BLOCK_SIZE=BLOCK, mask_mod=_mask_mod(q_seq, q_pos, low, k_seq, k_pos),
                 seq_lengths=(padded_rows, padded_keys),
             )  # fmt: skip
@@ -107,7 +107,7 @@ class FlexBackend:
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             score_mod=self._softcap(layer.softcap),
-            block_mask=state.masks[layer.window],
+            block_mask=state.masks[layer.kind.reach],
             scale=layer.scale,
             enable_gqa=layer.num_kv_heads != layer.num_heads,
             kernel_options=kernel_options(q.device, layer.head_dim, q.dtype),
@@ -132,7 +132,7 @@ class FlexBackend:
 
 def _mask_mod(q_seq, q_pos, low, k_seq, k_pos) -> Callable:
     """Row q sees key kv when kv is of q's sequence, at a position in (low[q], q_pos[q]]. One function body
-    for every step and window (the window is in `low`), so compiled kernels are reused."""
+    for every step and reach (a window or a chunk is in `low`), so compiled kernels are reused."""
 
     def mask_mod(b, h, q, kv):
         position = k_pos[kv]

@@ -30,6 +30,28 @@ class LayerKind(NamedTuple):
     softcap: float | None  # Gemma 2: cap * tanh(score / cap)
     sinks: bool = False  # gpt-oss: a learned logit per head (the layer's `sinks`) joins each softmax
     alibi: bool = False  # BLOOM, Falcon-RW, MPT: ALiBi's biases on the scores (Attention.alibi_bias)
+    chunk: int | None = None  # Llama 4: keys of the query's own chunk of positions alone (HF's j // chunk == p // chunk)
+
+    @property
+    def reach(self) -> Reach:
+        """(window, chunk): what bounds the keys a query sees from below; layers of one reach share a mask."""
+        return self.window, self.chunk
+
+
+Reach = tuple[int | None, int | None]  # LayerKind.reach
+FULL_REACH: Reach = (None, None)  # every key up to the query's own
+
+
+def first_visible(reach: Reach, p):
+    """The first key position a query at position `p` (an int, or a numpy array or tensor of them) sees under
+    `reach` (LayerKind.reach): p - window + 1 in a sliding window (HF's p - window < j), the first of p's chunk in
+    chunked attention, else 0. A query sees the keys from there to its own position."""
+    window, chunk = reach
+    if window is not None:
+        return p - window + 1
+    if chunk is not None:
+        return p - p % chunk
+    return p * 0
 
 
 CHUNK = 64  # rows a linear-attention layer solves together (vlens.layers.gated_delta; HF's chunk size)

@@ -13,7 +13,8 @@ splits. The split count depends only on the batch and page buckets, so a CUDA gr
 Both products run on tensor cores (tl.dot; a KV head's query heads padded to 16 rows), accumulating in
 float32; float32 caches multiply in full float32 (no TF32). Scores and the softmax are float32 and the
 probabilities meet the values in the cache's dtype, as in HF's eager attention; soft-capping (Gemma 2) and
-sliding windows are applied per key, as HF does; a sink (gpt-oss) joins the merge as one more key with no value.
+sliding windows (and Llama 4's chunks) are applied per key, as HF does; a sink (gpt-oss) joins the merge as one more
+key with no value.
 
 Tested on the CPU by Triton's interpreter (TRITON_INTERPRET=1) against the portable kernel.
 """
@@ -37,9 +38,9 @@ def _tanh(x):
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, context_ptr, m_ptr, l_ptr, acc_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, keys_per_split, scale, softcap, window,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, keys_per_split, scale, softcap, window, chunk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -54,6 +55,8 @@ def _split_kernel(
     hi = tl.minimum(lo + keys_per_split, context)
     if WINDOW:  # HF's sliding window: the query at position context - 1 sees keys j > context - 1 - window
         lo = tl.maximum(lo, context - window)
+    if CHUNK:  # Llama 4's chunks: the query sees the keys of its own chunk of positions
+        lo = tl.maximum(lo, (context - 1) - (context - 1) % chunk)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     s_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -129,8 +132,9 @@ def paged_decode(
     _split_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, tables, context, m, s_sum, acc, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), tables.stride(0), keys_per_split, layer.scale, layer.softcap or 1.0, layer.window or 0,
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SOFTCAP=layer.softcap is not None, WINDOW=layer.window is not None,
+        layer.kind.chunk or 1, GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, SOFTCAP=layer.softcap is not None, WINDOW=layer.window is not None,
+        CHUNK=layer.kind.chunk is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 products in full float32
     )  # fmt: skip
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)

@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: vlens.attention.paged_decode_cpu builds this file and calls it.
  *
  * Each row's one query per head meets its keys and values where they lie in the paged cache, through the
- * row's block table, only up to the row's context (and within its sliding window). A task is one range of
+ * row's block table, only up to the row's context (and within its sliding window, or its chunk). A task is one range of
  * one row's keys ("split-K", so that a batch of one keeps every thread busy) for all heads. It finds the
  * range's cache slots once; then each KV head's keys, eight at a time, meet the queries of its group (the
  * eight keys stay in L1 across the group), and each head's weighted values are summed in registers, a few
@@ -11,7 +11,8 @@
  *
  * Layouts (contiguous): q and out [rows, heads, dim]; caches [slots, kv_heads, dim]; tables [rows, pages];
  * context [rows]; sinks [heads] or NULL (gpt-oss: a logit per head that joins the softmax as a key with no
- * value; the merge starts from it). window 0: none; softcap 0: none. Returns 0, or 1 when out of memory.
+ * value; the merge starts from it). window 0: none; chunk 0: none; softcap 0: none. Returns 0, or 1 when out of
+ * memory.
  */
 #include <math.h>
 #include <stdint.h>
@@ -117,15 +118,24 @@ static inline void weigh(float *acc, const float *p, const float *const *v, int6
     memcpy(acc + col, a, sizeof(float) * (size_t)width);
 }
 
+/* the first key a row of n keys sees, its query at position n - 1: HF's sliding window (keys past n - 1 - window),
+ * Llama 4's chunk (keys of the query's chunk of positions), else 0 */
+static inline int64_t first_key(int64_t n, int64_t window, int64_t chunk)
+{
+    if (window > 0)
+        return n > window ? n - window : 0;
+    return chunk > 0 ? (n - 1) - (n - 1) % chunk : 0;
+}
+
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                      const int64_t *context, float *out, const float *sinks, int64_t rows, int64_t heads,
-                     int64_t kv_heads, int64_t dim, int64_t pages, int64_t block_size, int64_t window, float scale,
-                     float softcap, int threads)
+                     int64_t kv_heads, int64_t dim, int64_t pages, int64_t block_size, int64_t window, int64_t chunk,
+                     float scale, float softcap, int threads)
 {
     const int64_t group = heads / kv_heads, slot_stride = kv_heads * dim;
     int64_t longest = 1;
     for (int64_t row = 0; row < rows; row++) {
-        const int64_t n = context[row], keys = window > 0 && n > window ? window : n;
+        const int64_t keys = context[row] - first_key(context[row], window, chunk);
         longest = keys > longest ? keys : longest;
     }
     /* splits per row: enough tasks for 4 per thread, no range shorter than 64 keys */
@@ -149,7 +159,7 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                 if (failed)
                     continue;
                 const int64_t row = task / splits, n = context[row];
-                const int64_t first = (window > 0 && n > window ? n - window : 0) + task % splits * span;
+                const int64_t first = first_key(n, window, chunk) + task % splits * span;
                 const int64_t end = first + span < n ? first + span : n, keys = end > first ? end - first : 0;
                 const int64_t *table = tables + row * pages;
                 const float *qr = q + row * heads * dim;

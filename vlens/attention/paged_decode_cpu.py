@@ -73,21 +73,21 @@ def _kernel():
             os.replace(partial, library)
         function = ctypes.CDLL(str(library)).paged_decode_f32
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int]
+        function.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2 + [ctypes.c_int]
         return function
     raise RuntimeError(f"{' '.join(compiler)} could not build {SOURCE.name}: {errors[-1]}")
 
 
 def _run(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, context: torch.Tensor,
-    sinks: torch.Tensor | None, kv_heads: int, block_size: int, window: int, scale: float, softcap: float,
+    sinks: torch.Tensor | None, kv_heads: int, block_size: int, window: int, chunk: int, scale: float, softcap: float,
 ) -> torch.Tensor:  # fmt: skip
     out = torch.empty_like(q)
     rows, heads, dim = q.shape
     failed = _kernel()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), context.data_ptr(), out.data_ptr(),
         None if sinks is None else sinks.data_ptr(), rows, heads, kv_heads, dim, tables.shape[1], block_size, window,
-        scale, softcap, torch.get_num_threads(),
+        chunk, scale, softcap, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("paged decode attention: no memory for a row's scores")
@@ -98,7 +98,7 @@ _paged_decode = torch.library.custom_op("vlens::paged_decode_cpu", _run, mutates
 
 
 @_paged_decode.register_fake
-def _(q, k_cache, v_cache, tables, context, sinks, kv_heads, block_size, window, scale, softcap):
+def _(q, k_cache, v_cache, tables, context, sinks, kv_heads, block_size, window, chunk, scale, softcap):
     return torch.empty_like(q)
 
 
@@ -118,5 +118,5 @@ def paged_decode_cpu(
     run = _paged_decode if torch.compiler.is_compiling() else _run
     return run(
         q.contiguous(), k_cache, v_cache, tables, context, sinks, layer.num_kv_heads, block_size, layer.window or 0,
-        layer.scale, layer.softcap or 0.0,
+        layer.kind.chunk or 0, layer.scale, layer.softcap or 0.0,
     )  # fmt: skip

@@ -10,7 +10,8 @@ rows of the step: those are read where they are, under SDPA's own causal mask, a
 after its cached keys (chunked prefill, a prefix-cache hit) is causal from the bottom right of its
 [queries, keys], which SDPA takes as a CausalBias: no mask is built (a 4,096-token chunk after 100k keys
 would need 3 GiB for it on CUDA, as the memory-efficient kernel takes one) and Flash Attention runs it.
-A sliding-window layer gathers and masks only the keys from its grid's first visible one on (on the CPU,
+A sliding-window layer (or a chunked one, Llama 4's) gathers and masks only the keys from its grid's first
+visible one on (on the CPU,
 decodes of a 4,000-token context through 256-token windows: 9.9 ms a step instead of 24.7).
 
 SDPA cannot soft-cap scores (Gemma 2) or add a sink to the softmax (gpt-oss), and vlens gives it no per-head
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-from vlens.attention.metadata import AttentionMetadata, LayerKind
+from vlens.attention.metadata import FULL_REACH, AttentionMetadata, LayerKind, Reach, first_visible
 
 # Padded keys a group of decodes may read whatever its real keys: a split costs a call and two gathers.
 MIN_PADDED_KEYS = 1024
@@ -59,9 +60,9 @@ class AttentionGroup:
     key_slots: torch.Tensor | None = None  # [B, Lk] cache slot of key j of each sequence; None = no cache
     # [B, max_q] the last key position each slot sees, where some see past their own (AttentionMetadata.key_limits)
     query_limits: torch.Tensor | None = None
-    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, 1, max_q, Lk]
-    # (window, query heads per KV head) -> [B, 1, group * max_q, Lk] additive mask of stacked heads (CUDA)
-    stacked_masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+    masks: dict[Reach, torch.Tensor | None] = field(default_factory=dict)  # reach -> [B, 1, max_q, Lk]
+    # (reach, query heads per KV head) -> [B, 1, group * max_q, Lk] additive mask of stacked heads (CUDA)
+    stacked_masks: dict[tuple[Reach, int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
@@ -79,33 +80,34 @@ class AttentionGroup:
 
     def masked(self, kind: LayerKind) -> bool:
         """Whether layers of `kind` read a mask built for this grid."""
-        plain = self.chunk_after_cache and kind.window is None and not written(kind)
+        plain = self.chunk_after_cache and kind.reach == FULL_REACH and not written(kind)
         return self.query_limits is not None or not plain
 
-    def first_key(self, window: int | None) -> int:
-        """The first cached key a query of the grid may see through `window`: those before it are neither
-        gathered nor masked (a decode at position 20,000 of a 512-token window reads 512 keys, not 20,000)."""
-        if window is None or self.key_slots is None:
+    def first_key(self, reach: Reach) -> int:
+        """The first cached key a query of the grid may see within `reach` (a window, a chunk): those before it are
+        neither gathered nor masked (a decode at position 20,000 of a 512-token window reads 512 keys, not 20,000)."""
+        if self.key_slots is None:
             return 0
-        return max(0, self.first_query - window + 1)
+        return max(0, first_visible(reach, self.first_query))
 
 
 class SdpaBackend:
     name = "sdpa"
 
     def prepare(self, meta: AttentionMetadata, kinds: set[LayerKind], dtype: torch.dtype) -> list[AttentionGroup]:
-        """The step's grids and, per window size the layers use, their masks (built once, read by every layer)."""
+        """The step's grids and, per reach the layers have (window, chunk), their masks (built once, read by every
+        layer)."""
         groups, row = [], 0
         for members in _group(meta.query_lens, meta.context_lens if meta.paged else None):
             group = self._group(meta, members, row, meta.positions.device)
             masked = [kind for kind in kinds if group.masked(kind)]
-            for window in {kind.window for kind in masked}:
-                group.masks[window] = _mask(group, window)
+            for reach in {kind.reach for kind in masked}:
+                group.masks[reach] = _mask(group, reach)
             if group.key_slots is not None and group.key_slots.is_cuda:
                 for kind in masked:
                     if not written(kind):
                         heads = kind.num_heads // kind.num_kv_heads
-                        group.stacked_masks[kind.window, heads] = _stacked_mask(group.masks[kind.window], heads, dtype)
+                        group.stacked_masks[kind.reach, heads] = _stacked_mask(group.masks[kind.reach], heads, dtype)
             groups.append(group)
             row = group.rows.stop
         return groups
@@ -188,25 +190,26 @@ def _group(query_lens: list[int], context_lens: list[int] | None) -> list[list[i
     return groups
 
 
-def _mask(g: AttentionGroup, window: int | None) -> torch.Tensor | None:
-    """Boolean [B, 1, max_q, keys from first_key(window) on] (None: plain causal over keys that are the
+def _mask(g: AttentionGroup, reach: Reach) -> torch.Tensor | None:
+    """Boolean [B, 1, max_q, keys from first_key(reach) on] (None: plain causal over keys that are the
     queries, SDPA's is_causal). Key j of a sequence sits at position j, so query position p may see keys
-    p - window < j <= p, as in HF's sliding-window mask; j <= its limit in place of j <= p where the grid has limits
-    (an image's tokens that see each other both ways: HF's OR of the causal and the image's block)."""
-    if g.key_slots is None and window is None and g.query_limits is None:
+    from first_visible(reach, p) to p: p - window < j <= p, as in HF's sliding-window mask, or those of p's chunk; j <=
+    its limit in place of j <= p where the grid has limits (an image's tokens that see each other both ways: HF's OR
+    of the causal and the image's block)."""
+    if g.key_slots is None and reach == FULL_REACH and g.query_limits is None:
         return None
     num_keys = g.max_q if g.key_slots is None else g.key_slots.shape[1]
-    key_pos = torch.arange(g.first_key(window), num_keys, device=g.query_positions.device)
+    key_pos = torch.arange(g.first_key(reach), num_keys, device=g.query_positions.device)
     q = g.query_positions[:, None, :, None]
     allowed = key_pos <= (q if g.query_limits is None else g.query_limits[:, None, :, None])
-    if window is not None:
-        allowed &= key_pos > q - window
+    if reach != FULL_REACH:
+        allowed &= key_pos >= first_visible(reach, q)
     return allowed
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: AttentionGroup) -> torch.Tensor:
     if g.key_slots is not None:
-        first = g.first_key(layer.window)
+        first = g.first_key(layer.kind.reach)
         slots = g.key_slots[:, first:] if first else g.key_slots
         keys, values = gather(layer.k_cache, slots), gather(layer.v_cache, slots)
     else:
@@ -221,8 +224,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, g: Attenti
         causal = causal_lower_right(g.max_q, keys.shape[-2])
         out = sdpa(q, keys, values, attn_mask=causal, scale=layer.scale, enable_gqa=layer.num_kv_heads != layer.num_heads)
         return out.transpose(1, 2).reshape(-1, layer.num_heads, width)
-    mask = g.masks[layer.window]
-    stacked = g.stacked_masks.get((layer.window, layer.num_heads // layer.num_kv_heads))
+    mask = g.masks[layer.kind.reach]
+    stacked = g.stacked_masks.get((layer.kind.reach, layer.num_heads // layer.num_kv_heads))
     if written(layer.kind):
         out = written_attention(q, keys, values, mask, layer)
     elif stacked is not None:

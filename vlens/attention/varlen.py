@@ -62,6 +62,8 @@ def problem(kinds: set[LayerKind], dtype: torch.dtype, fn: Callable | None = Non
         return "has no attention sinks, which this model's layers have"
     if any(kind.alibi for kind in kinds):
         return "adds no ALiBi biases, which this model's layers have"
+    if any(kind.chunk for kind in kinds):
+        return "has no chunked attention, which this model's layers have"
     sizes = sorted({kind.head_dim for kind in kinds if kind.head_dim % 8 or kind.head_dim > 256})
     if sizes:
         return f"needs head sizes that are multiples of 8 up to 256, not {sizes}"

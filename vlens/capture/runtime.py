@@ -21,7 +21,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from vlens.attention.metadata import Put
+from vlens.attention.metadata import FULL_REACH, Put, first_visible
 from vlens.attention.sdpa import probabilities
 from vlens.capture.bind import ABLATE, CLAMP, PATCH, STEER, TRANSCODER_CLAMP, BoundIntervention
 from vlens.capture.names import is_pattern, tap_dtype
@@ -118,7 +118,7 @@ class Tap:
     def attend(self, q: torch.Tensor, keys: torch.Tensor, attn) -> None:
         """Scores [R, heads, K] of the gathered query rows over their sequence's keys, as HF's eager
         attention has them before its softmax: scaled, ALiBi's biases added, soft-capped, -inf where the causal
-        mask or the sliding window forbids; at hook_pattern their float32 softmax (over the sinks too, whose weight
+        mask, the sliding window or the chunk forbids; at hook_pattern their float32 softmax (over the sinks too, whose weight
         is not a key's), in the model's dtype (seen, not differentiated, as every capture)."""
         q, keys = q.detach(), keys.detach()
         rows, width = self.key_index.shape
@@ -131,8 +131,8 @@ class Tap:
             scores = torch.tanh(scores / attn.softcap) * attn.softcap
         j, p = torch.arange(width, device=q.device), self.row_positions[:, None]
         allowed = j <= (p if self.row_limits is None else self.row_limits[:, None])
-        if attn.window is not None:
-            allowed &= j > p - attn.window
+        if attn.kind.reach != FULL_REACH:
+            allowed &= j >= first_visible(attn.kind.reach, p)
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
         self.gather_out.copy_(probabilities(scores, attn.sinks) if self.softmax else scores)
 

@@ -86,6 +86,7 @@ class Attention(nn.Module):
         reads_kv_of: int | None = None,
         alibi: Alibi | None = None,
         value_dim: int | None = None,
+        chunk: int | None = None,
     ):
         """`rank_heads`: which of the model's heads are this rank's (tensor parallelism; None: all of them).
         `reads_kv_of`: the earlier layer whose keys and values this one attends to (Gemma 4's shared layers: the
@@ -93,7 +94,8 @@ class Attention(nn.Module):
         scores have ALiBi's biases (BLOOM, Falcon-RW, MPT), how the family builds them. `value_dim`: the
         values' head size where it is less than the queries' and keys' (DeepSeek's latent attention): the values are
         padded with zeros to theirs, in the cache and for the backends, and the output cut back, as HF pads them for
-        flash attention (the SDPA backend cuts them back first, as HF's SDPA takes them)."""
+        flash attention (the SDPA backend cuts them back first, as HF's SDPA takes them). `chunk`: Llama 4's chunked
+        attention, a query seeing the keys of its own chunk of positions alone (LayerKind.chunk)."""
         super().__init__()
         self.reads_kv_of = reads_kv_of
         self.alibi = alibi
@@ -105,7 +107,8 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.rank_heads = rank_heads
-        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks, alibi is not None)
+        self.kind = LayerKind(num_heads, num_kv_heads, head_dim, window, self.scale, softcap, sinks, alibi is not None,
+                              chunk)  # fmt: skip
         self.hook_attn_scores, self.hook_pattern = patterns
         # Bound by the engine to [num_slots, num_kv_heads, head_dim] views of its cache.
         self.k_cache = self.v_cache = torch.empty(0)

@@ -63,6 +63,7 @@ class AttentionHeads(nn.Module):
             self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
             rank_heads, None if self.own_kv else self.kv_layer,
             Alibi(cfg.num_heads, cfg.alibi) if cfg.alibi else None, self.value_dim,
+            cfg.attention_chunks[layer] if cfg.attention_chunks else None,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
         self.rotary_pairs, self.temperature, self.query_scale = cfg.rotary_pairs, cfg.attn_temperature, cfg.query_scale
