@@ -241,7 +241,8 @@ def test_sdpa_reads_fresh_prompts_keys_where_they_are():
     assert group.masks[FULL_REACH].shape == (2, 1, 5, 9) and not group.chunk_after_cache
     windowed = KIND._replace(window=3)
     alone, fresh_one = SdpaBackend().prepare(layout([4, 0], [5, 4], [9, 4], tables, 4, 64, put), {KIND, windowed}, torch.float32)
-    assert alone.chunk_after_cache and alone.key_slots is not None and set(alone.masks) == {(3, None)}  # only the window's
+    # only the window's
+    assert alone.chunk_after_cache and alone.key_slots is not None and set(alone.masks) == {(3, None)}
     assert fresh_one.key_slots is None
 
 

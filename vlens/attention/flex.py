@@ -5,8 +5,9 @@ back like the queries (key j of sequence i at cu_seqlens_k[i] + j): with a cache
 their block tables name, so a block that several sequences hold (a cached or borrowed prefix) is read once
 for each of them and no sequence ever sees another's; without one (trace, harvest), the forward's own keys.
 Query row r (sequence s, position p) may see key c when c is s's, at a position j <= p (and p - window < j
-for a sliding-window layer, j in p's chunk for a chunked one: Llama 4's). Soft-capping (Gemma 2) is a score mod; a sink (gpt-oss) rescales each row's output
-by the share of its softmax that the keys hold, from the log-sum-exp flex returns: sigmoid(lse - sink).
+for a sliding-window layer, j in p's chunk for a chunked one: Llama 4's). Soft-capping (Gemma 2) is a score mod; a
+sink (gpt-oss) rescales each row's output by the share of its softmax that the keys hold, from the log-sum-exp flex
+returns: sigmoid(lse - sink).
 
 The block mask is built from that structure and never by evaluating the mask over every (row, key) pair,
 let alone over every slot of the cache: the rows of one 128-row block belong to consecutive sequences,

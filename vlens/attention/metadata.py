@@ -30,7 +30,7 @@ class LayerKind(NamedTuple):
     softcap: float | None  # Gemma 2: cap * tanh(score / cap)
     sinks: bool = False  # gpt-oss: a learned logit per head (the layer's `sinks`) joins each softmax
     alibi: bool = False  # BLOOM, Falcon-RW, MPT: ALiBi's biases on the scores (Attention.alibi_bias)
-    chunk: int | None = None  # Llama 4: keys of the query's own chunk of positions alone (HF's j // chunk == p // chunk)
+    chunk: int | None = None  # Llama 4: the keys of the query's own chunk of positions alone (j // chunk == p // chunk)
 
     @property
     def reach(self) -> Reach:

@@ -118,8 +118,8 @@ class Tap:
     def attend(self, q: torch.Tensor, keys: torch.Tensor, attn) -> None:
         """Scores [R, heads, K] of the gathered query rows over their sequence's keys, as HF's eager
         attention has them before its softmax: scaled, ALiBi's biases added, soft-capped, -inf where the causal
-        mask, the sliding window or the chunk forbids; at hook_pattern their float32 softmax (over the sinks too, whose weight
-        is not a key's), in the model's dtype (seen, not differentiated, as every capture)."""
+        mask, the sliding window or the chunk forbids; at hook_pattern their float32 softmax (over the sinks too,
+        whose weight is not a key's), in the model's dtype (seen, not differentiated, as every capture)."""
         q, keys = q.detach(), keys.detach()
         rows, width = self.key_index.shape
         k = keys.index_select(0, self.key_index.reshape(-1)).view(rows, width, attn.num_kv_heads, attn.head_dim)
