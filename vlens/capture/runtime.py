@@ -199,6 +199,7 @@ class TapRuntime:
         self._taps: dict[str, Tap] = {}
         self._out: dict[str, torch.Tensor] = {}
         self._armed: tuple[tuple, dict[str, Tap]] | None = None  # the last gathers armed, and their taps
+        self.armed_version = 0  # counts the times `arm` armed taps anew (a step that repeats the one before does not)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # device-to-host copies
         self.tables: dict[int, VectorTable] = {}
         self._sources: dict[str, int] = {}  # taps where transcoder clamps read -> their id in the tables
@@ -242,6 +243,7 @@ class TapRuntime:
             if self._armed is not None and self._armed[0] == key:  # (the same lists: `is` before `==`)
                 return dict(self._armed[1])  # (a caller may add hooks to its dict)
         self._armed = None
+        self.armed_version += 1
 
         def size(n: int) -> int:
             return 1 << max(0, n - 1).bit_length() if fixed else n

@@ -178,6 +178,7 @@ class ModelRunner:
         self._sdpa = SdpaBackend()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: dict[tuple, Callable] = {}
+        self._signed: tuple[tuple, tuple] = ((), ())  # ((armed version, addresses), the armed taps' _signature)
         self._pool = None
 
     # -- set-up ---------------------------------------------------------------------------------------
@@ -455,7 +456,7 @@ class ModelRunner:
         # A buffer that grew while this step was put moved them all to a new block, and this step's inputs
         # are in the old one, which no graph may capture: later replays would read it after it is freed.
         if self.graphs and self.buffers.generation == generation:
-            key = (size, pages, generation, _signature(taps))
+            key = (size, pages, generation, self._signature(taps))
             entry = self._graphs.pop(key, None)  # (put back last: the dict runs from least to most recently used)
             if entry is None:
                 for stale in [k for k in self._graphs if k[2] != generation]:  # (over buffers since moved)
@@ -478,11 +479,21 @@ class ModelRunner:
                 self.graph_stats.graph_steps += 1
                 return logits
         if self.compile_decode:
-            key = (size, pages, _signature(taps, addresses=False))
+            key = (size, pages, self._signature(taps, addresses=False))
             if key in self._compiled or len(self._compiled) < MAX_GRAPHS:  # (past that, new shapes run eagerly)
                 return self._compiled_step(meta, ids, taps, key)
         self.graph_stats.static_eager_steps += 1
         return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
+
+    def _signature(self, taps: dict[str, Tap], addresses: bool = True) -> tuple:
+        """`_signature` of the static step's armed `taps`, made again only when the runtime armed new ones: a step
+        that repeats the one before has its taps (~10 us a step that captures, in the engine)."""
+        if not taps:
+            return ()
+        key = (self.taps.armed_version, addresses)
+        if self._signed[0] != key:
+            self._signed = (key, _signature(taps, addresses))
+        return self._signed[1]
 
     def _compiled_step(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], key: tuple
