@@ -365,7 +365,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "llava_onevision": "llama_multimodal", "internvl": "llama_multimodal", "qwen2_vl": "llama_multimodal",
                "glm4v": "glm4_multimodal", "glm4v_moe": "llama_multimodal", "exaone4_5": "olmo_multimodal",
                "idefics3": "idefics3_multimodal", "smolvlm": "idefics3_multimodal", "aya_vision": "cohere_multimodal",
-               "gptj": "gptj", "codegen": "codegen", "cohere": "cohere", "cohere2": "cohere",
+               "gptj": "gptj", "codegen": "codegen", "cohere": "cohere", "cohere2": "cohere", "cohere2_moe": "cohere",
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
@@ -434,7 +434,7 @@ def norm_inner(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     divisor, and the input normalised before the weight (LayerNorm: centred first)."""
     h = x.float()
     if isinstance(module, torch.nn.LayerNorm) or type(module).__name__ in ("OlmoLayerNorm", "CohereLayerNorm",
-                                                                           "Cohere2LayerNorm"):
+                                                                           "Cohere2LayerNorm", "Cohere2MoeLayerNorm"):
         h = h - h.mean(-1, keepdim=True)
         # (OLMo 1's has no weight, no bias and a fixed eps; Cohere's calls its eps variance_epsilon)
         eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon", 1e-5)
@@ -638,6 +638,9 @@ def hf_taps(
         rope = [False] * n  # (learned positions, ALiBi, Granite 4's NoPE: q and k are the projections)
     elif cfg.model_type in ("cohere2", "afmoe") or (cfg.model_type in ("exaone4", "exaone_moe") and cfg.sliding_window):
         rope = [kind == "sliding_attention" for kind in cfg.layer_types]  # (rotary on the sliding-window layers alone)
+    elif cfg.model_type == "cohere2_moe":  # (and on the dense layers where HF forces it)
+        rope = [block.self_attn.sliding_window is not None or block.self_attn.force_rope
+                for block in hf_model.get_submodule(fam.layers)]  # fmt: skip
     # (per layer: whether it has keys and values of its own; Gemma 4's shared layers attend to an earlier one's)
     own_kv = [mode != "reuse" for mode in getattr(cfg, "kv_sharing_modes", None) or [None] * n]
     # (per layer: a linear-attention layer, Qwen 3.5's, a short convolution, LFM2's, or a Mamba 2 mixer, Bamba's, in
@@ -842,7 +845,9 @@ def hf_taps(
             bias = getattr(moe, "e_score_correction_bias", getattr(moe, "expert_bias", bias))  # (AFMoE's: expert_bias)
             if hasattr(moe, "use_expert_bias") or bias is not None:
                 weights = logits.float().sigmoid() if cfg.model_type == "minimax_m2" else logits.sigmoid()
-            elif getattr(moe, "router", None) is None or cfg.model_type == "jamba":  # (the softmax's top k)
+            # (the softmax's top k; Cohere 2's MoE: the top k's own softmax or sigmoids, zeros elsewhere)
+            elif cfg.model_type != "cohere2_moe" and (getattr(moe, "router", None) is None
+                                                      or cfg.model_type == "jamba"):  # fmt: skip
                 weights = logits.float().softmax(-1)
             else:
                 weights = torch.zeros_like(logits).scatter(-1, experts, scores.to(logits.dtype))

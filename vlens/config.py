@@ -750,6 +750,40 @@ def _cohere2(hf: Any) -> dict[str, Any]:
     return _cohere(hf) | dict(nope_layers=tuple(kind != "sliding_attention" for kind in hf.layer_types))
 
 
+def _cohere2_moe(hf: Any) -> dict[str, Any]:
+    """Cohere 2's MoE models (Cohere2MoeForCausalLM): Cohere 2's parallel layer, its one norm an RMSNorm where the
+    config gives rms_norm_eps (Cohere's LayerNorm otherwise); routed experts where `mlp_layer_types` says "sparse" —
+    the top k of the router's logits, then their softmax or their sigmoids (renormalised where norm_topk_prob), each
+    chosen expert's output weighed — beside shared experts (one MLP `num_shared_experts` experts wide) summed or
+    averaged in (`shared_expert_combination_strategy`); the other layers a dense MLP of
+    `prefix_dense_intermediate_size`, which rotates where `prefix_dense_sliding_window_pattern` is 1 (HF's
+    force_rope), as the sliding-window layers do."""
+    dense = [kind == "dense" for kind in hf.mlp_layer_types]
+    rotates = [kind == "sliding_attention" or (d and hf.prefix_dense_sliding_window_pattern == 1)
+               for kind, d in zip(hf.layer_types, dense)]  # fmt: skip
+    rms = hf.rms_norm_eps is not None
+    sigmoid = hf.expert_selection_fn == "sigmoid"
+    if hf.expert_selection_fn not in ("softmax", "sigmoid"):
+        raise UnsupportedModelError(f"expert_selection_fn={hf.expert_selection_fn!r} is not supported for "
+                                    "Cohere2MoeForCausalLM; supported: softmax, sigmoid")  # fmt: skip
+    return dict(
+        norm="rms" if rms else "layer_nobias",
+        norm_eps=hf.rms_norm_eps if rms else hf.layer_norm_eps,
+        logit_scale=hf.logit_scale,
+        nope_layers=tuple(not r for r in rotates),
+        intermediate_size=hf.prefix_dense_intermediate_size or hf.intermediate_size,
+        num_experts=hf.num_experts,
+        experts_per_token=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        moe_layers=tuple(not d for d in dense),
+        softmax_after_topk=not sigmoid,
+        sigmoid_after_topk=sigmoid,
+        norm_topk_prob=sigmoid and bool(hf.norm_topk_prob),
+        shared_expert_intermediate_size=hf.intermediate_size * hf.num_shared_experts,
+        shared_expert_mix=hf.shared_expert_combination_strategy,
+    )
+
+
 def _exaone4(hf: Any) -> dict[str, Any]:
     """EXAONE 4: with sliding windows, rotary only on the windowed layers (the others NoPE)."""
     if hf.sliding_window is None:
@@ -929,7 +963,8 @@ LFM2 = {"family": "lfm2", "qk_norm": "head", "qkv_bias": False, "o_bias": False,
 QWEN3_5 = {"family": "qwen3_5", "norm": "rms_offset", "qk_norm": "head", "attn_output_gate": True}
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 GLM = {"o_bias": False, "rotary_pairs": True, "gate_up_stored_fused": True}
-COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True, "rotary_pairs": True}
+COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True, "rotary_pairs": True,
+          "rotate_float32": True}  # fmt: skip
 
 # HF architecture name -> what sets it apart from plain Llama.
 ARCHITECTURES: dict[str, Architecture] = {
@@ -1096,6 +1131,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     # without a bias, rotary by pairs, scaled logits
     "CohereForCausalLM": Architecture(COHERE, _cohere, windowed=False),
     "Cohere2ForCausalLM": Architecture(COHERE, _cohere2),
+    "Cohere2MoeForCausalLM": Architecture(COHERE, _cohere2_moe),
     "GPT2LMHeadModel": Architecture(
         {"family": "gpt2", "learned_positions": True, "qkv_bias": True, "o_bias": True} | LAYER_NORM,
         _gpt2,
@@ -1297,6 +1333,7 @@ MODEL_TYPES = {
     "bloom": "BloomForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "cohere2_moe": "Cohere2MoeForCausalLM",
 }
 
 
@@ -1356,6 +1393,7 @@ class ModelConfig:
     # alone); () = every layer as pre_norms and post_norms say (pre_norms_at, post_norms_at)
     post_norm_layers: tuple[bool, ...] = ()
     rope_float32: bool = False  # OLMo: cos and sin stay float32, so q and k rotate in float32 and round back
+    rotate_float32: bool = False  # Cohere: cos and sin in the model's dtype, q and k rotated in float32, rounded back
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
     # DeepSeek-V2/V3 (multi-head latent attention): the queries through a low-rank projection and its norm
     # (`q_lora_rank`; 0: one projection), each head's keys (their no-position part) and values from one normed latent
@@ -1428,6 +1466,9 @@ class ModelConfig:
     group_scores_top2: bool = False  # DeepSeek-V3, Mistral 4: a group scored by its best two experts (V2: its best one)
     router_model_dtype: bool = False  # Mistral 4: that router and its softmax in the model's dtype (else float32)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate
+    # how the routed experts' output and the shared expert's combine: "gate" (Qwen2-MoE: the shared one's times a
+    # sigmoid gate of the token, added), "sum" or "average" (Cohere 2's MoE models)
+    shared_expert_mix: str = "gate"
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP; () = none
     # Gemma 4 26B-A4B: the routed experts run beside a dense MLP (both read the stream, each output normed, their
     # sum normed again), their router reading the stream normed, scaled and with a scale per expert

@@ -217,7 +217,7 @@ class Routing:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]); `bias` [E]: what the choice adds to each expert's score (LFM2-MoE);
         `rows`: the taps' dtype, the model's, where the logits are wider (Nemotron 3's float32 router)."""
-        rows = rows or logits.dtype
+        rows, normalised = rows or logits.dtype, False
         logits = tap_widened(self.hook_router_logits, logits, rows)
         if self.sigmoid:  # (TransformerLens's expert weights: every expert's score)
             scores = (logits.float() if self.sigmoid_float32 else logits).sigmoid()
@@ -231,6 +231,8 @@ class Routing:
             else:  # (in the logits' dtype, as HF's gpt-oss; Llama 4's sigmoids in float32, rounded back)
                 top, ids = logits.topk(self.top_k, dim=-1)
                 weights = torch.softmax(top, dim=-1) if self.softmax_after_topk else top.float().sigmoid().to(top.dtype)
+                if self.sigmoid_after_topk and self.norm_topk:  # (Cohere 2's MoE: renormalised before they weigh)
+                    weights, normalised = weights / weights.sum(dim=-1, keepdim=True), True
             if tapped(self.hook_expert_weights):  # (TransformerLens's [E]: the chosen k's weights, zeros elsewhere)
                 every = torch.zeros_like(logits).scatter(-1, ids, weights)
                 weights = tap(self.hook_expert_weights, every).gather(-1, ids)
@@ -245,7 +247,7 @@ class Routing:
             choice = self._in_best_groups(probabilities, 0.0)  # (ERNIE 4.5: plus its bias per expert)
             ids = (choice if bias is None else choice + bias.float()).topk(self.top_k, dim=-1).indices
             weights = probabilities.gather(-1, ids)
-        if self.norm_topk:
+        if self.norm_topk and not normalised:
             total = weights.sum(dim=-1, keepdim=True)  # (ERNIE 4.5's: at least norm_min)
             weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + self.norm_eps)
         if self.scaling != 1.0:
@@ -301,9 +303,13 @@ class NormedRouter(nn.Module):
 
 class SparseMoE(nn.Module):
     """`stored_as`: this block's name in checkpoints (Mixtral: block_sparse_moe; HF 5 calls it mlp), its
-    router's (gpt-oss: router; the rest: gate) and, where it is not expert_bias, its bias per expert's."""
+    router's (gpt-oss: router; the rest: gate) and, where it is not expert_bias, its bias per expert's; `shared_as`:
+    its shared expert's (Cohere 2's MoE models: shared_experts)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, stored_as: tuple[str, ...], expert_names: tuple[str, str, str]):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, stored_as: tuple[str, ...], expert_names: tuple[str, str, str] | None,
+        shared_as: str = "shared_expert",
+    ):  # fmt: skip
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         if cfg.swiglu_clamp is not None:
@@ -315,19 +321,22 @@ class SparseMoE(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None  # (LFM2-MoE's)
         self.stored_as = stored_as
         p = f"blocks.{layer}.mlp."
-        self.shared = cfg.shared_expert_intermediate_size > 0
+        self.shared, self.shared_as = cfg.shared_expert_intermediate_size > 0, shared_as
+        self.shared_mix = cfg.shared_expert_mix
         if self.shared:
             size = cfg.shared_expert_intermediate_size
             hook = p + "shared_expert.hook_post"
             self.shared_expert = GatedMLP(cfg.hidden_size, size, cfg.hidden_act, False, hook, parallel=cfg.parallel)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            if self.shared_mix == "gate":
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         block, router, *bias = self.stored_as
         stored = f"{path.rpartition('.')[0]}.{block}"
         slots: dict[str, Slot] = {}
+        renamed = {"gate": router, "shared_expert": self.shared_as}
         for name, child in self.named_children():
-            slots |= checkpoint_slots(child, f"{stored}.{router if name == 'gate' else name}")
+            slots |= checkpoint_slots(child, f"{stored}.{renamed.get(name, name)}")
         if self.expert_bias is not None:
             slots[f"{stored}.{bias[0] if bias else 'expert_bias'}"] = Slot(self.expert_bias)
         return slots
@@ -335,8 +344,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.routing(self.gate(x), self.expert_bias)
         out = self.experts(x, ids, weights)
-        if self.shared:
+        if self.shared_mix == "gate" and self.shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared:  # (Cohere 2's MoE models: their sum, or its half)
+            out = out + self.shared_expert(x)
+            out = out / 2 if self.shared_mix == "average" else out
         return out
 
 

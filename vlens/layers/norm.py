@@ -158,7 +158,11 @@ class PlainLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         h = x.float()
         weight = None if self.weight is None else self.weight.float()
-        out = F.layer_norm(h, h.shape[-1:], weight, None, self.eps).to(x.dtype)
+        if weight is None:  # (OLMo 1's: torch's kernel, as HF calls it)
+            out = F.layer_norm(h, h.shape[-1:], None, None, self.eps).to(x.dtype)
+        else:  # (Cohere's: HF's ops one by one, whose float32 roundings a bfloat16 result can tell from the kernel's)
+            centred = h - h.mean(-1, keepdim=True)
+            out = (weight * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
         if tapped(hooks.scale) or tapped(hooks.normalized):
             edited = _centred_taps(x, self.eps, hooks)
             if edited is not None:

@@ -65,7 +65,7 @@ class AttentionHeads(nn.Module):
             Alibi(cfg.num_heads, cfg.alibi) if cfg.alibi else None, self.value_dim,
             cfg.attention_chunks[layer] if cfg.attention_chunks else None,
         )
-        self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32
+        self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32 or cfg.rotate_float32
         self.rotary_pairs, self.temperature, self.query_scale = cfg.rotary_pairs, cfg.attn_temperature, cfg.query_scale
         self.key_scale = cfg.key_multiplier  # (Falcon-H1's µP: the keys as projected, before rotary)
         # Gemma 4's full layers: one projection gives the keys and, before the key norm, the values
@@ -143,8 +143,9 @@ class AttentionHeads(nn.Module):
         """[T, H*d], [T, H_kv*d] x2 -> the per-head attention output flattened to [T, H*d]; `k` and `v` None where
         the layer attends to an earlier layer's (Gemma 4's shared layers: those as that layer left them, taps and
         all). Rotary tables in float32 (ModelConfig.rope_float32) rotate in float32, the result rounded back to the
-        model's dtype, as HF's OLMo 2. `gate` [T, H, d] (Qwen 3.5): the output times its sigmoid, before hook_z,
-        which is the output projection's input in every family."""
+        model's dtype, as HF's OLMo 2; Cohere's tables, in the model's dtype, rotate so too (`rotate_float32`).
+        `gate` [T, H, d] (Qwen 3.5): the output times its sigmoid, before hook_z, which is the output projection's
+        input in every family."""
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -186,8 +187,10 @@ class AttentionHeads(nn.Module):
             x = getattr(self, norm)(x)
         if self.rope_kind is not None:
             cos, sin = rope[self.rope_kind]
+            if self.rope_float32 and cos.dtype != torch.float32:  # (Cohere: its tables rounded, its rotation float32)
+                x, cos, sin = x.float(), cos.float(), sin.float()
             x = (fused.rotate_pairs if self.rotary_pairs else fused.rotate)(x, cos, sin)
-            x = x.to(dtype) if self.rope_float32 else x  # (float32 tables: back to the model's dtype)
+            x = x.to(dtype) if self.rope_float32 else x  # (a float32 rotation: back to the model's dtype)
         return getattr(self, norm)(x) if self.norm_after_rotary else x
 
 
@@ -242,10 +245,14 @@ class ResidualBlock(nn.Module):
         if self.residual_multiplier != 1.0:
             m = m * self.residual_multiplier
         m = tap(self.hook_mlp_out, m)
-        x = m + a + x if self.parallel else mid + m  # HF's order of the sums
+        x = self.parallel_sum(x, a, m) if self.parallel else mid + m  # HF's order of the sums
         x = self.finish(x)
         x = tap(self.hook_resid_post, x)
         return x
+
+    def parallel_sum(self, x: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """The stream after a parallel residual's sublayers, summed in HF's order (GPT-NeoX's; Cohere's its own)."""
+        return m + a + x
 
     def mix(self, x: torch.Tensor, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """What the token mixer adds, from the layer's input `x` and its norm `h` (Falcon-H1: attention and a Mamba

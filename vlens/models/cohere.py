@@ -8,6 +8,8 @@ As for Phi and GPT-J, TransformerLens's ln2 is ln1: `ln2`'s taps read the one no
 
 from __future__ import annotations
 
+import torch
+
 from vlens.config import ModelConfig
 from vlens.layers.norm import make_norm
 from vlens.models.base import ResidualBlock
@@ -26,6 +28,9 @@ class CohereDecoderLayer(ResidualBlock):
     ln1 = property(lambda self: self.input_layernorm)
     ln2 = property(lambda self: self.input_layernorm)  # (one norm for both sublayers)
     attn_heads = property(lambda self: self.self_attn)
+
+    def parallel_sum(self, x: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return x + a + m  # (HF's Cohere: residual + attention + MLP)
 
 
 class CohereForCausalLM(CausalLM):

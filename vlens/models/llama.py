@@ -41,7 +41,10 @@ MOE_CHECKPOINT_NAMES = {
     "Qwen3NextForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
     "Lfm2MoeForCausalLM": (("feed_forward", "gate"), ("w1", "w3", "w2")),
     "MiniMaxM2ForCausalLM": (("block_sparse_moe", "gate", "e_score_correction_bias"), ("w1", "w3", "w2")),
+    "Cohere2MoeForCausalLM": (("mlp", "gate"), ("gate_proj", "up_proj", "down_proj")),
 }
+# ... and those whose shared expert goes by another name
+SHARED_EXPERT_NAMES = {"Cohere2MoeForCausalLM": "shared_experts"}
 
 # DeepSeek-style MoE blocks whose checkpoints name some of their tensors otherwise (vlens.layers.moe.DeepseekMoE)
 DEEPSEEK_MOE_NAMES = {
@@ -121,7 +124,8 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
         return DeepseekMoE(cfg, layer, shared, stored_as=DEEPSEEK_MOE_NAMES.get(cfg.architecture), expert_names=names)
     if cfg.is_moe_layer(layer) and not cfg.experts_beside_mlp:
         stored_as, expert_names = MOE_CHECKPOINT_NAMES[cfg.architecture]
-        return SparseMoE(cfg, layer, stored_as, expert_names)
+        shared_as = SHARED_EXPERT_NAMES.get(cfg.architecture, "shared_expert")
+        return SparseMoE(cfg, layer, stored_as, expert_names, shared_as)
     hook = f"blocks.{layer}.mlp.hook_post"
     sizes = (cfg.hidden_size, cfg.intermediate_size_at(layer), cfg.hidden_act, cfg.mlp_bias)
     return GatedMLP(*sizes, hook, cfg.stored_fused or cfg.gate_up_stored_fused, cfg.parallel)
