@@ -60,7 +60,7 @@ def test_config_is_read_as_intended(family):
     name, _, llm, _ = family
     cfg = llm.config
     assert cfg.family == "cohere" and cfg.parallel_residual and cfg.rotary_pairs
-    assert cfg.norm == ("rms" if name == "cohere2_moe_sigmoid" else "layer_nobias")
+    assert cfg.norm == ("rms" if name == "cohere2_moe_sigmoid" else "layer_cohere")
     assert cfg.tie_word_embeddings and llm.model.model.norm.weight is not None
     if name.startswith("cohere2_moe"):
         sigmoid = name.endswith("sigmoid")

@@ -767,7 +767,7 @@ def _cohere2_moe(hf: Any) -> dict[str, Any]:
         raise UnsupportedModelError(f"expert_selection_fn={hf.expert_selection_fn!r} is not supported for "
                                     "Cohere2MoeForCausalLM; supported: softmax, sigmoid")  # fmt: skip
     return dict(
-        norm="rms" if rms else "layer_nobias",
+        norm="rms" if rms else "layer_cohere",
         norm_eps=hf.rms_norm_eps if rms else hf.layer_norm_eps,
         logit_scale=hf.logit_scale,
         nope_layers=tuple(not r for r in rotates),
@@ -963,7 +963,7 @@ LFM2 = {"family": "lfm2", "qk_norm": "head", "qkv_bias": False, "o_bias": False,
 QWEN3_5 = {"family": "qwen3_5", "norm": "rms_offset", "qk_norm": "head", "attn_output_gate": True}
 NO_BIAS = {"qkv_bias": False, "o_bias": False}  # HF's attention has none, whatever config.attention_bias says
 GLM = {"o_bias": False, "rotary_pairs": True, "gate_up_stored_fused": True}
-COHERE = {"family": "cohere", "norm": "layer_nobias", "parallel_residual": True, "rotary_pairs": True,
+COHERE = {"family": "cohere", "norm": "layer_cohere", "parallel_residual": True, "rotary_pairs": True,
           "rotate_float32": True}  # fmt: skip
 
 # HF architecture name -> what sets it apart from plain Llama.
@@ -1356,8 +1356,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     # "rms" (scaled after the cast back), "rms_float" (OLMo 2/3: scaled in float32), "rms_offset" (Gemma: scale
     # 1 + w, in float32), "layer" (LayerNorm with bias), "layer_plain" (OLMo 1: no weight or bias, in float32) or
-    # "layer_nobias" (Cohere: a weight and no bias, in float32), "layer_offset" (Nemotron: LayerNorm scaling by 1 + w)
-    # or "rms_unweighted" (nanochat: RMSNorm without a weight)
+    # "layer_nobias" (MPT: a weight and no bias, in float32), "layer_cohere" (the same in HF Cohere's ops one by one),
+    # "layer_offset" (Nemotron: LayerNorm scaling by 1 + w) or "rms_unweighted" (nanochat: RMSNorm without a weight)
     norm: str = "rms"
     qkv_bias: bool = False
     o_bias: bool = False

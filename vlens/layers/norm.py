@@ -147,22 +147,23 @@ class LayerNorm(nn.Module):
 
 class PlainLayerNorm(nn.Module):
     """A LayerNorm without a bias, computed in float32 and rounded to the input's dtype, as HF's: OLMo 1's, with no
-    weight either (its output is its normalised input: `hook_out` and `hook_normalized` hold one value), and
-    Cohere's, with a weight (`dim`) applied in float32."""
+    weight either (its output is its normalised input: `hook_out` and `hook_normalized` hold one value), MPT's, with a
+    weight (`dim`) applied in float32, and Cohere's, `stepwise`: HF's float32 ops one by one (torch's kernel rounds
+    otherwise, which a bfloat16 result can tell)."""
 
-    def __init__(self, eps: float, dim: int | None = None):
+    def __init__(self, eps: float, dim: int | None = None, stepwise: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.stepwise = eps, stepwise
         self.weight = None if dim is None else nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, hooks: NormHooks = NO_HOOKS) -> torch.Tensor:
         h = x.float()
         weight = None if self.weight is None else self.weight.float()
-        if weight is None:  # (OLMo 1's: torch's kernel, as HF calls it)
-            out = F.layer_norm(h, h.shape[-1:], None, None, self.eps).to(x.dtype)
-        else:  # (Cohere's: HF's ops one by one, whose float32 roundings a bfloat16 result can tell from the kernel's)
+        if self.stepwise:
             centred = h - h.mean(-1, keepdim=True)
             out = (weight * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        else:
+            out = F.layer_norm(h, h.shape[-1:], weight, None, self.eps).to(x.dtype)
         if tapped(hooks.scale) or tapped(hooks.normalized):
             edited = _centred_taps(x, self.eps, hooks)
             if edited is not None:
@@ -195,6 +196,6 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = cfg.hidden_size if dim is None else dim
     if cfg.norm in ("layer", "layer_offset"):
         return LayerNorm(dim, cfg.norm_eps, cfg.norm == "layer_offset")
-    if cfg.norm in ("layer_plain", "layer_nobias"):
-        return PlainLayerNorm(cfg.norm_eps, dim if cfg.norm == "layer_nobias" else None)
+    if cfg.norm in ("layer_plain", "layer_nobias", "layer_cohere"):
+        return PlainLayerNorm(cfg.norm_eps, None if cfg.norm == "layer_plain" else dim, cfg.norm == "layer_cohere")
     return RMSNorm(dim, cfg.norm_eps, cfg.norm)
