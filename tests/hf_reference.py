@@ -301,6 +301,17 @@ FAMILIES = {
         qkv="attn.Wqkv",
         final_norm="transformer.norm_f",
     ),
+    # DBRX: Llama's layer with both norms and the attention in norm_attn_norm, q, k and v one clamped projection
+    "dbrx": Family(
+        layers="transformer.blocks",
+        embed="transformer.wte",
+        attn="norm_attn_norm.attn",
+        outputs={"ln1.hook_out": "norm_attn_norm.norm_1", "hook_attn_out": "norm_attn_norm.attn",
+                 "ln2.hook_out": "norm_attn_norm.norm_2", "hook_mlp_out": "ffn"},  # fmt: skip
+        inputs={"hook_resid_mid": "norm_attn_norm.norm_2", "attn.hook_z": "norm_attn_norm.attn.out_proj"},
+        qkv="norm_attn_norm.attn.Wqkv",
+        final_norm="transformer.norm_f",
+    ),
     # Falcon: its sequential layer under GPT-NeoX's names (family_of: the parallel layers' norms)
     "falcon": Family(
         layers="transformer.h",
@@ -369,7 +380,7 @@ MODEL_TYPES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt2": "gpt2", "gpt_n
                "exaone4": "olmo", "qwen2_5_vl": "llama_multimodal", "qwen3_vl": "llama_multimodal",
                "stablelm": "stablelm", "gpt_neo": "gpt_neo", "qwen3_vl_moe": "llama_multimodal",
                "gemma4_text": "gemma4", "gemma4": "gemma4_multimodal", "opt": "opt", "gpt_bigcode": "gpt2",
-               "falcon": "falcon", "mpt": "mpt", "vaultgemma": "vaultgemma", "nanochat": "nanochat", "afmoe": "afmoe",
+               "falcon": "falcon", "mpt": "mpt", "dbrx": "dbrx", "vaultgemma": "vaultgemma", "nanochat": "nanochat", "afmoe": "afmoe",
                "hyperclovax": "hyperclovax",
                "apertus": "apertus",
                "gemma4_unified_text": "gemma4",
@@ -758,6 +769,8 @@ def hf_taps(
                                                                                               None)  # fmt: skip
         if mlp_only[layer]:  # (Nemotron-H's: its one part)
             mlp = block.mixer
+        if name == "dbrx":
+            mlp = block.ffn
         if name == "granite_hybrid":  # (the shared MLP where the model has one, the experts where it has them)
             if getattr(block, "shared_mlp", None) is not None:
                 on_output(block.shared_mlp, p + "shared", raw)
@@ -783,6 +796,16 @@ def hf_taps(
 
             handles.append(mlp.router.register_forward_hook(llama4_router))
             on_input(mlp.shared_expert.down_proj, p + "mlp.shared_expert.hook_post")
+        elif hasattr(mlp, "experts") and name == "dbrx":  # (its router gives the logits alone: their softmax's top k
+            # chose)
+            def dbrx_router(m, a, o, p=p, k=cfg.ffn_config.moe_top_k):
+                logits = _rows(o)
+                ids = logits.softmax(-1).topk(k, dim=-1).indices
+                raw[p + "router"] = (logits.clone(), None, ids)
+                got[p + "mlp.hook_router_logits"] = logits.clone()
+                got[p + "mlp.hook_expert_ids"] = got[p + "mlp.hook_expert_indices"] = ids
+
+            handles.append(mlp.router.register_forward_hook(dbrx_router))
         elif hasattr(mlp, "experts"):
             router = getattr(mlp, "router", None) or mlp.gate  # (gpt-oss: router)
             on_output(router, p + "mlp.hook_router_logits", pick=lambda o: o[0])
@@ -840,14 +863,14 @@ def hf_taps(
             logits, scores, experts = raw.pop(f"blocks.{layer}.router")
             block = blocks[layer]
             moe = getattr(block, "mlp", None) or getattr(block, "feed_forward", None) or getattr(
-                block, "block_sparse_moe", None) or block.mixer  # fmt: skip
+                block, "block_sparse_moe", None) or getattr(block, "ffn", None) or block.mixer  # fmt: skip
             bias = getattr(getattr(moe, "gate", None), "e_score_correction_bias", None)  # (MiniMax-M2's: the block's)
             bias = getattr(moe, "e_score_correction_bias", getattr(moe, "expert_bias", bias))  # (AFMoE's: expert_bias)
             if hasattr(moe, "use_expert_bias") or bias is not None:
                 weights = logits.float().sigmoid() if cfg.model_type == "minimax_m2" else logits.sigmoid()
             # (the softmax's top k; Cohere 2's MoE: the top k's own softmax or sigmoids, zeros elsewhere)
             elif cfg.model_type != "cohere2_moe" and (getattr(moe, "router", None) is None
-                                                      or cfg.model_type == "jamba"):  # fmt: skip
+                                                      or cfg.model_type in ("jamba", "dbrx")):  # fmt: skip
                 weights = logits.float().softmax(-1)
             else:
                 weights = torch.zeros_like(logits).scatter(-1, experts, scores.to(logits.dtype))
@@ -971,6 +994,7 @@ def hf_taps(
             else:  # v_proj's output, or the tail of Phi-3's fused qkv_proj
                 v = qkv[:, -kv_heads * head_dim :].reshape(t, kv_heads, head_dim)
             clip = getattr(cfg, "clip_qkv", None)  # (OLMoE clamps v_proj's output in place, after the hook saw it)
+            clip = cfg.attn_config.clip_qkv if cfg.model_type == "dbrx" else clip  # (DBRX clamps Wqkv's output)
             v = v if clip is None else v.clamp(-clip, clip)
         got[p + "attn.hook_q"] = q
         if p + "q_and_gate" in raw:

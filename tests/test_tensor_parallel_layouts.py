@@ -8,6 +8,7 @@ import pytest
 from family_parity import build, sequences
 from test_parity_afmoe import CONFIGS as AFMOE_CONFIGS
 from test_parity_cohere import CONFIGS as COHERE_CONFIGS
+from test_parity_dbrx import CONFIGS as DBRX_CONFIGS
 from test_parity_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_parity_falcon import CONFIGS as FALCON_CONFIGS
 from test_parity_falcon_h1 import falcon_h1_config
@@ -42,7 +43,7 @@ MORE_LAYOUTS = {"mamba": mamba_config, "mamba2": mamba2_config, "nemotron_3": ne
                 "afmoe": AFMOE_CONFIGS["afmoe"], "olmo_hybrid": olmo_hybrid_config,
                 "lfm3": LFM3_CONFIGS["lfm3"], "codegen": GPTJ_CONFIGS["codegen"],
                 "xglm": OPT_CONFIGS["xglm"], "persimmon": PERSIMMON_CONFIGS["persimmon"],
-                "cohere2_moe": COHERE_CONFIGS["cohere2_moe"]}  # fmt: skip
+                "cohere2_moe": COHERE_CONFIGS["cohere2_moe"], "dbrx": DBRX_CONFIGS["dbrx"]}  # fmt: skip
 MAMBA_FIRST, NO_MLP = ("mamba", "mamba2", "nemotron_3", "falcon_h1", "jamba"), ("mamba", "mamba2")
 # (layer 0's hooks a generation captures: its token mixer's)
 FIRST_HOOKS = dict.fromkeys(MAMBA_FIRST, "blocks.0.mamba.hook_*") | {"olmo_hybrid": "blocks.0.linear_attn.hook_*",
@@ -64,7 +65,8 @@ def test_more_layouts(tmp_path, name):
     projection split by heads) OLMo Hybrid (each rank its key heads' rows of q, k, v and of their convolutions,
     stored apart) and LFM3 (a gate a head, each rank its heads'), CodeGen (qkv_proj's shards of rows put in order,
     then split by heads), XGLM (its computed positions on every rank), Persimmon (a LayerNorm a head, with its
-    head) and Cohere 2's MoE (its shared experts averaged in, each rank its columns) on two ranks, each its heads,
+    head), Cohere 2's MoE (its shared experts averaged in, each rank its columns) and DBRX (its experts' one tensor
+    a projection cut into each rank's columns) on two ranks, each its heads,
     one of the two groups of B and C, its half of a Mamba mixer's channels (x_proj's partial sums added up: B, C and
     the time step whole), its columns of every MLP and expert: every hook of a packed trace, and a greedy generation's
     tokens and rows, as in one process."""

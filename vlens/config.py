@@ -636,6 +636,25 @@ def _falcon(hf: Any) -> dict[str, Any]:
     )
 
 
+def _dbrx(hf: Any) -> dict[str, Any]:
+    """DBRX: its nested attention and MLP configs read; routed experts on every layer, by the softmax (in the model's
+    dtype) of the router's logits, their top k over their p-norm (`moe_normalize_expert_weights`; None: as they are)."""
+    attn, ffn = hf.attn_config, hf.ffn_config
+    return dict(
+        num_kv_heads=attn.kv_n_heads,
+        clip_qkv=attn.clip_qkv,
+        hidden_act=(ffn.ffn_act_fn or {}).get("name", "silu"),
+        intermediate_size=ffn.ffn_hidden_size,
+        num_experts=ffn.moe_num_experts,
+        experts_per_token=ffn.moe_top_k,
+        moe_intermediate_size=ffn.ffn_hidden_size,
+        moe_layers=(True,) * hf.num_hidden_layers,
+        router_model_dtype=True,
+        norm_topk_prob=False,
+        norm_topk_pnorm=ffn.moe_normalize_expert_weights,
+    )
+
+
 def _mpt(hf: Any) -> dict[str, Any]:
     """MPT: its attention options HF's MPT does not apply are refused by name (it ignores them, running multi-head
     attention without q/k norms, ALiBi always, at MPT's default slopes)."""
@@ -1154,6 +1173,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     # MPT (MosaicML): GPT-2's layer with ALiBi (MPT's slopes), LayerNorms without biases, no biases anywhere, an exact
     # GELU MLP, q/k/v clipped where clip_qkv says
+    # DBRX: Llama's layer under DBRX's names (MPT's family), experts on every layer
+    "DbrxForCausalLM": Architecture({"family": "dbrx", "norm": "layer_nobias", "norm_eps": 1e-5} | NO_BIAS, _dbrx,
+                                    windowed=False),  # fmt: skip
     "MptForCausalLM": Architecture({"family": "mpt", "alibi": "mpt", "norm": "layer_nobias", "hidden_act": "gelu",
                                     "rotary_dim": 0} | NO_BIAS, _mpt, windowed=False),  # fmt: skip
     # OPT: GPT-2's layer under its own names, positions two rows down their table, queries scaled as projected
@@ -1330,6 +1352,7 @@ MODEL_TYPES = {
     "biogpt": "BioGptForCausalLM",
     "falcon": "FalconForCausalLM",
     "mpt": "MptForCausalLM",
+    "dbrx": "DbrxForCausalLM",
     "bloom": "BloomForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -1437,6 +1460,7 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to one
+    norm_topk_pnorm: float | None = None  # DBRX: the chosen experts' weights over their p-norm (torch.norm), p this
     softmax_after_topk: bool = False  # gpt-oss: the weights are the softmax of the chosen k logits alone
     # Llama 4: the weights are the sigmoids of the chosen k logits (in float32, rounded back), and they scale what each
     # chosen expert reads, not what it gives

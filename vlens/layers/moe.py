@@ -199,7 +199,7 @@ class Routing:
     OLMoE)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
-        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
+        self.top_k, self.norm_topk, self.pnorm = cfg.experts_per_token, cfg.norm_topk_prob, cfg.norm_topk_pnorm
         self.softmax_after_topk, self.sigmoid_after_topk = cfg.softmax_after_topk, cfg.sigmoid_after_topk
         self.sigmoid, self.sigmoid_float32 = cfg.sigmoid_routing, cfg.sigmoid_float32
         self.scaling, self.norm_min = cfg.routed_scaling, cfg.routing_norm_min
@@ -247,7 +247,9 @@ class Routing:
             choice = self._in_best_groups(probabilities, 0.0)  # (ERNIE 4.5: plus its bias per expert)
             ids = (choice if bias is None else choice + bias.float()).topk(self.top_k, dim=-1).indices
             weights = probabilities.gather(-1, ids)
-        if self.norm_topk and not normalised:
+        if self.pnorm is not None:  # (DBRX's: the top k over their p-norm, as HF divides them)
+            weights = weights / torch.norm(weights, p=self.pnorm, dim=-1, keepdim=True)
+        elif self.norm_topk and not normalised:
             total = weights.sum(dim=-1, keepdim=True)  # (ERNIE 4.5's: at least norm_min)
             weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + self.norm_eps)
         if self.scaling != 1.0:

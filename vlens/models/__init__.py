@@ -12,6 +12,7 @@ from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
 from vlens.models.deepseek import DeepseekForCausalLM
+from vlens.models.dbrx import DbrxForCausalLM
 from vlens.models.falcon import FalconForCausalLM
 from vlens.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
@@ -82,6 +83,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "llama4": Llama4ForCausalLM,
     "mamba": MambaForCausalLM,
     "mpt": MptForCausalLM,
+    "dbrx": DbrxForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
 }
 
