@@ -14,8 +14,11 @@ COMMON = dict(vocab_size=300, d_model=64, n_heads=4, n_layers=3, max_seq_len=128
 CONFIGS = {
     "dbrx": lambda: DbrxConfig(**COMMON, attn_config=ATTENTION, ffn_config=FFN),
     # (one expert a token, p = 2, a clamp nothing reaches, multi-head; HF's DBRX cannot run without one)
-    "dbrx_l2": lambda: DbrxConfig(**COMMON, attn_config=ATTENTION | dict(kv_n_heads=4, clip_qkv=100.0),
-                                  ffn_config=FFN | dict(moe_top_k=1, moe_normalize_expert_weights=2.0)),
+    "dbrx_l2": lambda: DbrxConfig(
+        **COMMON,
+        attn_config=ATTENTION | dict(kv_n_heads=4, clip_qkv=100.0),
+        ffn_config=FFN | dict(moe_top_k=1, moe_normalize_expert_weights=2.0),
+    ),
 }
 
 family = family_fixture(CONFIGS)
@@ -39,4 +42,6 @@ def test_config_is_read_as_intended(family):
 
 def test_the_clamp_and_the_norm_are_reached(tmp_path):
     check_feature_matters(CONFIGS["dbrx"](), tmp_path / "clip", attn_config=ATTENTION | dict(clip_qkv=100.0))
-    check_feature_matters(CONFIGS["dbrx"](), tmp_path / "norm", ffn_config=FFN | dict(moe_normalize_expert_weights=None))
+    check_feature_matters(
+        CONFIGS["dbrx"](), tmp_path / "norm", ffn_config=FFN | dict(moe_normalize_expert_weights=None)
+    )

@@ -11,8 +11,8 @@ from vlens.models.bamba import BambaForCausalLM, FalconH1ForCausalLM
 from vlens.models.base import DecoderLM
 from vlens.models.bloom import BloomForCausalLM
 from vlens.models.cohere import CohereForCausalLM
-from vlens.models.deepseek import DeepseekForCausalLM
 from vlens.models.dbrx import DbrxForCausalLM
+from vlens.models.deepseek import DeepseekForCausalLM
 from vlens.models.falcon import FalconForCausalLM
 from vlens.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
 from vlens.models.gemma4 import Gemma4ForCausalLM
