@@ -15,8 +15,8 @@ from vlens.layers.checkpoint import Slot
 from vlens.layers.linear import FusedLinear, RowLinear
 from vlens.layers.moe import Experts, SparseMoE
 from vlens.layers.norm import make_norm
-from vlens.layers.vocab import LMHead, VocabEmbedding
-from vlens.models.base import AttentionHeads, DecoderLM, ResidualBlock
+from vlens.models.base import AttentionHeads, ResidualBlock
+from vlens.models.mpt import MptForCausalLM
 
 
 class DbrxAttention(AttentionHeads):
@@ -74,20 +74,5 @@ class DbrxBlock(ResidualBlock):
     mlp = property(lambda self: self.ffn)
 
 
-class DbrxModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
-        self.blocks = nn.ModuleList(DbrxBlock(cfg, i) for i in range(cfg.num_layers))
-        self.norm_f = make_norm(cfg)
-
-
-class DbrxForCausalLM(DecoderLM):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
-        super().__init__(cfg, device)
-        self.transformer = DbrxModel(cfg)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
-
-    embed_tokens = property(lambda self: self.transformer.wte)
-    layers = property(lambda self: self.transformer.blocks)
-    final_norm = property(lambda self: self.transformer.norm_f)
+class DbrxForCausalLM(MptForCausalLM):
+    block = DbrxBlock

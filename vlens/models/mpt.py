@@ -43,17 +43,21 @@ class MptBlock(ResidualBlock):
 
 
 class MptModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, block: type[ResidualBlock]):
         super().__init__()
         self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.parallel)
-        self.blocks = nn.ModuleList(MptBlock(cfg, i) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.norm_f = make_norm(cfg)
 
 
 class MptForCausalLM(DecoderLM):
+    """(DBRX's model too, its own layers in the same names: `block`)"""
+
+    block: type[ResidualBlock] = MptBlock
+
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__(cfg, device)
-        self.transformer = MptModel(cfg)
+        self.transformer = MptModel(cfg, self.block)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, cfg.parallel)
 
     embed_tokens = property(lambda self: self.transformer.wte)
