@@ -102,6 +102,24 @@ def test_rows_are_trace_s_and_the_manifest_names_the_image_token(vlm, tmp_path):
     assert all(same(rows[hook], traced[0][hook][: end + 2], 1e-5) for hook in HOOKS)
 
 
+def test_a_harvest_through_an_llm_runs_the_llm_s_tower(vlm, tmp_path):
+    """A harvest given an LLM takes its vision tower (not a second copy loaded from disk), and the cache of image
+    rows with it: three records asking of one image run the tower once, and a later generation about it none."""
+    name, llm = vlm
+    encoder = llm.image_encoder()
+    image(5).save(tmp_path / "five.png")
+    questions = [at(name, f"USER: <image>\nQuestion {i}? ASSISTANT: yes.") for i in range(3)]
+    before = encoder.tower_prompts
+    harvest(llm, write_jsonl(tmp_path, [{"text": q, "images": "five.png"} for q in questions]), HOOKS,
+            tmp_path / "out", **OPTIONS)  # fmt: skip
+    assert llm.image_encoder() is encoder and encoder.tower_prompts == before + 1
+    rows = read_shards(tmp_path / "out")
+    traced = llm.trace([{"prompt": q, "multi_modal_data": {"image": image(5)}} for q in questions], hooks=HOOKS)
+    assert encoder.tower_prompts == before + 1
+    for w, want in enumerate(traced):
+        assert all(same(window_rows(rows, w)[hook], want[hook], 1e-5) for hook in HOOKS), w
+
+
 def ids_of(llm: LLM, prompt: dict) -> list[int]:
     """An image prompt's token ids, its placeholders expanded (the processor's)."""
     image_prompt = ImagePrompt(prompt["prompt"], prompt["multi_modal_data"]["image"])

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from vlens.attention.sdpa import SdpaBackend
 from vlens.distributed.executor import Executor
 from vlens.engine.model_runner import ModelRunner
+from vlens.images import ImageEncoder
 from vlens.llm import LLM
 from vlens.loader import LoadedModel, hash_file, load_model, resolve_device
 
@@ -55,6 +56,16 @@ def runner_for(model: Any, loaded: LoadedModel) -> ModelRunner:
     if isinstance(model, LLM):
         return model.runner
     return ModelRunner(loaded.model, SdpaBackend(), max_tokens=4096, max_seqs=1, prefills=True)
+
+
+def image_encoder(model: Any, loaded: LoadedModel) -> ImageEncoder:
+    """The vision tower of a harvest of records with images: an `LLM`'s own (loaded once, its cache of image rows
+    shared with its generations: a dataset that asks several questions of one image runs the tower once), else one
+    of its own."""
+    if isinstance(model, LLM):
+        return model.image_encoder("image_field")
+    param = next(loaded.model.parameters())
+    return ImageEncoder(loaded.path, param.dtype, param.device, "image_field")
 
 
 def files_hash(files: list[Path]) -> str:

@@ -14,14 +14,13 @@ from typing import Any
 from vlens.capture.names import request_shapes
 from vlens.harvest.config import HarvestConfig
 from vlens.harvest.job import HarvestSummary, Job, choose_batch_tokens, header, plan, source_of, window_stream
-from vlens.harvest.model import generation_engine, resolve_model, runner_for
+from vlens.harvest.model import generation_engine, image_encoder, resolve_model, runner_for
 from vlens.harvest.pipeline import run_shards
 from vlens.harvest.replies import Generation, local_start, with_replies
 from vlens.harvest.rows import DeviceRows
 from vlens.harvest.sources import Source
 from vlens.harvest.windows import token_documents
 from vlens.harvest.writer import read_manifest
-from vlens.images import ImageEncoder
 from vlens.llm import LLM
 from vlens.loader import LoadedModel
 from vlens.settings import from_kwargs
@@ -79,8 +78,7 @@ def _harvest_loaded(
     batch_tokens = choose_batch_tokens(config, runner, taps, read_manifest(config.out_dir))
     encoder = None  # (a checkpoint whose images cannot be read fails here, before anything is written)
     if src.image_field is not None:
-        param = next(loaded.model.parameters())
-        encoder = ImageEncoder(loaded.path, param.dtype, param.device, "image_field")
+        encoder = image_encoder(model, loaded)
     run_header = header(
         loaded, src, wanted, packing, config, batch_tokens, features, edits, generation and generation.describe(),
         encoder and encoder.image_token_id,
