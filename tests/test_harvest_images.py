@@ -6,6 +6,7 @@ gives the record as an image prompt, a killed run resumes to the same bytes, and
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -158,6 +159,70 @@ def test_columnar_sources_give_the_same_rows(vlm, tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), out
 
 
+def conversations(name: str, root: Path) -> list[dict]:
+    """Records as TRL's and Hugging Face's multimodal chat datasets hold them: messages whose {"type": "image"} parts
+    the record's images fill, in order. One image; two, in two turns after a system prompt and a text content; none
+    (text parts alone)."""
+    image(0).save(root / "first.png")
+    image(3, 30, 60).save(root / "third.png")
+
+    def ask(text: str) -> list[dict]:
+        return [{"type": "image"}, {"type": "text", "text": at(name, text)}]
+
+    def say(text: str) -> list[dict]:
+        return [{"type": "text", "text": text}]
+
+    return [
+        {"messages": [{"role": "user", "content": ask("What is shown here?")},
+                      {"role": "assistant", "content": say("A cat.")}], "images": ["first.png"]},
+        {"messages": [{"role": "system", "content": say("Be brief.")}, {"role": "user", "content": ask("And this?")},
+                      {"role": "assistant", "content": say("Noise.")}, {"role": "user", "content": ask("Compare.")}],
+         "images": ["third.png", "first.png"]},
+        {"messages": [{"role": "user", "content": say("No picture today.")},
+                      {"role": "assistant", "content": say("Fine.")}], "images": []},
+    ]  # fmt: skip
+
+
+def test_conversations_with_images_are_rendered_by_the_processor(vlm, tmp_path):
+    """A column of conversations beside the images: each rendered by the processor's chat template as HF's renders
+    it (no generation prompt), its image parts expanded, every stored row trace's of that text and those images;
+    the same from a `datasets` directory (a list of Image and messages of parts, as llava-instruct-mix-vsft); the
+    manifest pins the processor's template."""
+    import datasets
+    from PIL import Image
+    from test_images import load_processor
+
+    name, llm = vlm
+    rows = conversations(name, tmp_path)
+    harvest(llm, write_jsonl(tmp_path, rows), HOOKS, tmp_path / "out", **OPTIONS)
+    processor = load_processor(llm.model_path)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    template = manifest["tokenizer"]["chat_template_sha256"]
+    assert template == hashlib.sha256(processor.chat_template.encode()).hexdigest()
+    shards = read_shards(tmp_path / "out")
+    for w, record in enumerate(rows):
+        text = processor.apply_chat_template(record["messages"], add_generation_prompt=False, tokenize=False)
+        pictures = [Image.open(tmp_path / f) for f in record["images"]]
+        prompt = {"prompt": text, "multi_modal_data": {"image": pictures}} if pictures else text
+        want = llm.trace([prompt], hooks=HOOKS)[0]
+        got = window_rows(shards, w)
+        if pictures:
+            ids = processor(text=text, images=[pictures], return_tensors="pt")["input_ids"][0].tolist()
+            assert got["token_ids"].tolist() == ids and ids.count(llm.image_encoder().image_token_id) > len(pictures)
+        assert all(same(got[hook], want[hook], 1e-5) for hook in HOOKS), w
+    features = datasets.Features({
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+        "images": [datasets.Image()],
+    })  # fmt: skip
+    records = {"messages": [r["messages"] for r in rows],
+               "images": [[str(tmp_path / f) for f in r["images"]] for r in rows]}  # fmt: skip
+    datasets.Dataset.from_dict(records, features=features).save_to_disk(str(tmp_path / "records_ds"))
+    harvest(llm, tmp_path / "records_ds", HOOKS, tmp_path / "datasets", **dict(OPTIONS, text_field="messages"))
+    again = read_shards(tmp_path / "datasets")
+    assert again.keys() == shards.keys() and all(torch.equal(again[k], shards[k]) for k in shards)
+
+
 def test_the_command_line_writes_the_same_shards(vlm, tmp_path):
     """`vlens harvest --image-field images --no-pack` stores what harvest(..., image_field=, pack=False) stores."""
     import argparse
@@ -226,4 +291,14 @@ def test_bad_input_is_refused_by_name(vlm, smol, tmp_path):
         harvest(llm, broken, HOOKS, out, **OPTIONS)
     with pytest.raises(ValueError, match=r"^image_field: LlamaForCausalLM takes no images"):
         harvest(smol, source, HOOKS, out, **OPTIONS)
+    chats = conversations(name, tmp_path)
+    talk = write_jsonl(tmp_path, chats)
+    with pytest.raises(ValueError, match=r"^roles: \('assistant',\) does not go with image_field"):
+        harvest(llm, talk, HOOKS, out, **dict(OPTIONS, roles=["assistant"]))
+    with pytest.raises(ValueError, match=r"^text_field: a message in .* line 1 holds an image part; a source of "
+                                         r"images needs image_field"):  # fmt: skip
+        harvest(llm, talk, HOOKS, out, **dict(OPTIONS, image_field=None))
+    one_too_many = write_jsonl(tmp_path, [dict(chats[0], images=["first.png", "third.png"])])
+    with pytest.raises(ValueError, match=r"^.* line 1: the processor refused the prompt and its images"):
+        harvest(llm, one_too_many, HOOKS, out, **OPTIONS)
     assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.iterdir())

@@ -99,6 +99,25 @@ def test_messages_read_alike_from_every_form(tmp_path):
         assert src.form == "chat" and list(src.documents()) == convs, path
 
 
+def test_contents_of_text_parts_read_as_their_texts_joined(tmp_path):
+    """A message's content as a list of text parts (OpenAI's form) is its texts joined by newlines, as vLLM and vlens's
+    server give a text model's template such a message; an image part (without image_field) or a part of another
+    type is refused by name."""
+    convs = conversations(DOCS[:3])
+    parted = [[dict(m, content=[{"type": "text", "text": t} for t in m["content"].split(" ", 1)]) for m in c]
+              for c in convs]  # fmt: skip
+    write_jsonl(tmp_path / "parts.jsonl", parted, field="messages")
+    joined = [[dict(m, content=m["content"].replace(" ", "\n", 1)) for m in c] for c in convs]
+    assert list(open_source(tmp_path / "parts.jsonl").documents()) == joined
+    for part, message in (({"type": "image"}, r"holds an image part; a source of images needs image_field"),
+                          ({"type": "audio"}, r"holds a part of type 'audio'; parts are of type text or image")):
+        parted[2][0]["content"].append(part)
+        write_jsonl(tmp_path / "bad.jsonl", parted, field="messages")
+        with pytest.raises(ValueError, match=r"^text_field: a message in .*bad\.jsonl' line 3 " + message):
+            list(open_source(tmp_path / "bad.jsonl").documents())
+        parted[2][0]["content"].pop()
+
+
 def test_conversations_need_a_template_and_messages_and_a_rerun_their_template(smol, tmp_path, monkeypatch):
     convs = conversations(DOCS[:6])
     path = write_jsonl(tmp_path / "chats.jsonl", convs, field="messages")
@@ -116,7 +135,8 @@ def test_conversations_need_a_template_and_messages_and_a_rerun_their_template(s
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": convs[0]}) + "\n" + json.dumps({"messages": [{"role": "user"}]}) + "\n")
     with pytest.raises(ValueError, match=r"text_field: expected a conversation in .*bad\.jsonl' line 2 \(a list "
-                                         r"of messages, each a \{'role', 'content'\} object with text in both\)"):
+                                         r"of messages, each a \{'role', 'content'\} object, its content text or a "
+                                         r"list of \{'type', \.\.\.\} parts\)"):
         harvest(smol, bad, "hook_embed", tmp_path / "bad", **options)
 
 

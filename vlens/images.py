@@ -214,12 +214,23 @@ class ImageEncoder:
         self._lock = threading.Lock()  # (the server encodes from threads)
         self.tower_prompts = 0  # prompts whose images went through the tower (not from the cache)
 
-    def render_chat(self, conversation: list[dict], field: str) -> str:
-        """A conversation with images (as chat_images leaves it) through the processor's chat template."""
-        if not getattr(self.processor, "chat_template", None):
-            raise ValueError(f"{field}: this checkpoint's processor has no chat template; use generate() with the "
-                             "prompt written out")  # fmt: skip
-        return self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    def chat_template(self, field: str) -> str:
+        """The processor's chat template, which renders conversations with images."""
+        template = getattr(self.processor, "chat_template", None)
+        if not template:
+            raise ValueError(f"{field}: this checkpoint's processor has no chat template to render a conversation "
+                             "with images; give its text written out, the images' placeholders in it")  # fmt: skip
+        return template
+
+    def render_chat(self, conversation: list[dict], field: str, generation_prompt: bool = True) -> str:
+        """A conversation with images (as chat_images leaves it: {"type": "image"} parts) through the processor's
+        chat template, ending in the opening of the assistant's reply where `generation_prompt`."""
+        self.chat_template(field)
+        try:
+            return self.processor.apply_chat_template(conversation, add_generation_prompt=generation_prompt,
+                                                      tokenize=False)  # fmt: skip
+        except Exception as e:  # (the template is the checkpoint's Jinja code: what it raises is about the data)
+            raise ValueError(f"{field}: the processor's chat template refused the conversation ({e})") from None
 
     def encode(
         self, prompts: Sequence[ImagePrompt], fields: Sequence[str], add_special_tokens: bool = True

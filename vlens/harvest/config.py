@@ -61,7 +61,8 @@ class HarvestConfig:
     image_field: str | None = setting(
         None, "column of each record's images, for a vision-language checkpoint (one or a list: a file path, relative "
         "ones from a .jsonl or .parquet source's directory; a data: URL; bytes; a `datasets` Image): the record's text "
-        "holds their placeholders, the checkpoint's processor expands them, and each record is one window (needs "
+        "holds their placeholders (or its conversation {\"type\": \"image\"} parts, which the processor's chat "
+        "template renders), the checkpoint's processor expands them, and each record is one window (needs "
         "--no-pack), its image rows stored with the others (the manifest's image_token_id says which)",
     )  # fmt: skip
     exclude_token_ids: tuple[int, ...] | None = setting(None, "further token ids whose rows are left out")
@@ -158,8 +159,9 @@ class HarvestConfig:
             if self.pack:
                 raise ValueError("image_field: a record with images is one window of its own, which needs pack=False "
                                  "(--no-pack): packing would cut images apart")  # fmt: skip
-            for name, value, default in (("backend", self.backend, "local"), ("generate_tokens", self.generate_tokens,
-                                                                             None)):  # fmt: skip
+            others = (("backend", self.backend, "local"), ("generate_tokens", self.generate_tokens, None),
+                      ("roles", self.roles, None))  # fmt: skip
+            for name, value, default in others:
                 if value != default:
                     raise ValueError(f"{name}: {value!r} does not go with image_field; a harvest of images runs on the "
                                      "local backend and stores the records' own text")  # fmt: skip

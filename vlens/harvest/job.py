@@ -41,7 +41,7 @@ from vlens.harvest.windows import (
     windows,
 )
 from vlens.harvest.writer import Store, prepare_dir, read_manifest, shard_name, write_manifest, write_shard
-from vlens.images import PromptImages
+from vlens.images import ImageEncoder, PromptImages
 from vlens.version import __version__
 
 FORMAT = "vlens-harvest/2"  # 2: expert ids stored as int64; a document led by BOS gets no second one
@@ -106,8 +106,9 @@ def plan(
     loaded: Any, config: HarvestConfig, src: Source
 ) -> tuple[dict[str, str], Packing, FeatureHarvest | None, HarvestEdits | None]:  # fmt: skip
     """Check the options that need the model: the hooks' taps, the packing, the SAE whose latents to
-    store, the interventions, and a chat template for a source of conversations."""
-    if src.form == "chat":
+    store, the interventions, and a chat template for a source of conversations (with images, the processor's:
+    checked as it loads)."""
+    if src.form == "chat" and src.image_field is None:
         check_chat_template(loaded.tokenizer)
     wanted = resolve_hooks(config.hooks, loaded.config) if config.hooks else {}
     patterns = [name for name, tap in wanted.items() if is_pattern(tap)]
@@ -272,11 +273,16 @@ def store_shard(
 def header(
     loaded: Any, src: Source, wanted: dict[str, str], packing: Packing, config: HarvestConfig, batch_tokens: int,
     features: FeatureHarvest | None, edits: HarvestEdits | None, generation: dict[str, Any] | None = None,
-    image_token_id: int | None = None,
+    encoder: ImageEncoder | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same)."""
+    """Everything that fixes a harvest's bytes (a resumed run must match it; see _check_same). `encoder`: the
+    vision tower of a harvest of images, whose processor's template renders its conversations."""
     param = next(loaded.model.parameters())
     shapes = request_shapes(loaded.config)
+    chat_template = None
+    if src.form == "chat":
+        template = loaded.tokenizer.chat_template
+        chat_template = encoder.chat_template("text_field") if encoder is not None else str(template)
     model = {
         "id": loaded.name,
         "architecture": loaded.config.architecture,
@@ -293,14 +299,14 @@ def header(
         "format": FORMAT,
         "vlens_version": __version__,
         "model": model,
-        "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path, src.form == "chat"),
+        "tokenizer": tokenizer_info(loaded.tokenizer, loaded.path, chat_template),
         "source": src.describe(),
         "hooks": {name: {"tap": tap, "shape": list(shapes[name])} for name, tap in wanted.items()},
         "sae": features.describe() if features is not None else None,
         "interventions": edits.describe() if edits is not None else None,
         **({"generate": generation} if generation is not None else {}),  # (only then: older manifests match)
         **({"pool": config.pool} if config.pool is not None else {}),
-        **({"image_token_id": image_token_id} if image_token_id is not None else {}),  # (a harvest of images)
+        **({"image_token_id": encoder.image_token_id} if encoder is not None else {}),  # (a harvest of images)
         "dtype": dtype_name(config.out_dtype),
         "context_size": packing.context_size,
         "max_tokens": config.max_tokens,

@@ -92,8 +92,9 @@ def config_hash(path: Path) -> str | None:
     return files_hash([config]) if config.exists() else None
 
 
-def tokenizer_info(tokenizer: Any, path: Path, chat: bool = False) -> dict[str, Any]:
-    """The manifest's record of the tokenizer; `chat`: with a hash of the chat template that renders the source."""
+def tokenizer_info(tokenizer: Any, path: Path, chat_template: str | None = None) -> dict[str, Any]:
+    """The manifest's record of the tokenizer, with a hash of the `chat_template` that renders the source's
+    conversations where it has them."""
     if tokenizer is None:
         return {"name_or_path": None, "vocab_size": None, "hash": None}
     files = [Path(path) / n for n in _TOKENIZER_FILES if (Path(path) / n).exists()]
@@ -102,6 +103,6 @@ def tokenizer_info(tokenizer: Any, path: Path, chat: bool = False) -> dict[str, 
         "vocab_size": len(tokenizer),
         "hash": files_hash(files) if files else None,
     }
-    if chat:
-        info["chat_template_sha256"] = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
+    if chat_template is not None:
+        info["chat_template_sha256"] = hashlib.sha256(chat_template.encode()).hexdigest()
     return info

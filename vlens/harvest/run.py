@@ -81,7 +81,7 @@ def _harvest_loaded(
         encoder = image_encoder(model, loaded)
     run_header = header(
         loaded, src, wanted, packing, config, batch_tokens, features, edits, generation and generation.describe(),
-        encoder and encoder.image_token_id,
+        encoder,
     )  # fmt: skip
     job = Job.open(config.out_dir, run_header, loaded.config, wanted, config.out_dtype, packing)
     if job.manifest["complete"]:

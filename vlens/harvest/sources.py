@@ -2,7 +2,7 @@
 
 Every source streams its documents (a text, a list of token ids for pre-tokenized data, a
 conversation: a list of {"role", "content"} messages, which the model's chat template renders, or with an
-`image_field` a text and its images, for a vision-language checkpoint) in a fixed order, so the same
+`image_field` a text or a conversation and its images, for a vision-language checkpoint) in a fixed order, so the same
 source always yields the same windows and a resumed run can skip exactly
 the windows already on disk. Each source also has a content hash, recorded in the manifest, so that
 a re-run over changed data is refused instead of silently mixing two corpora.
@@ -24,9 +24,11 @@ from vlens.loader import hash_file
 
 @dataclass(frozen=True)
 class Pictures:
-    """A record's text and its images (PIL images, read by `pictures`); `where` names the record in errors."""
+    """A record's text and its images (PIL images, read by `pictures`); `where` names the record in errors. The
+    text may be a conversation, whose {"type": "image"} parts stand for the images, in order (TRL's and Hugging
+    Face's multimodal chat datasets), for the processor's chat template to render."""
 
-    text: str
+    text: str | list[dict[str, Any]]
     images: list[Any]
     where: str
 
@@ -136,7 +138,7 @@ def jsonl_documents(
             for name, flag in ((field, "text_field"), (image_field, "image_field")):
                 if name is not None and name not in record:
                     raise ValueError(f"{flag}: {name!r} missing from {where} line {number} ({', '.join(record)})")
-            value = document(record[field], form, f"{where} line {number}")
+            value = document(record[field], form, f"{where} line {number}", image_field is not None)
             yield value if image_field is None else pictures(value, record[image_field], base, f"{where} line {number}")
 
 
@@ -201,7 +203,7 @@ def _parquet(path: Path, field: str, image_field: str | None) -> Source:
     def documents() -> Iterator[Document]:
         read = 0  # (rows before the batch: a record's number in errors)
         for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH, columns=columns):
-            texts = (document(value, form, where) for value in batch.column(0).to_pylist())
+            texts = (document(value, form, where, image_field is not None) for value in batch.column(0).to_pylist())
             if image_field is None:
                 yield from texts
             else:
@@ -237,7 +239,7 @@ def _datasets_dir(path: Path, field: str, split: str, image_field: str | None) -
     def documents() -> Iterator[Document]:
         read = 0  # (rows before the batch: a record's number in errors)
         for batch in column.iter(batch_size=_BATCH):
-            texts = (document(value, form, where) for value in batch[field])
+            texts = (document(value, form, where, image_field is not None) for value in batch[field])
             if image_field is None:
                 yield from texts
             else:
@@ -269,17 +271,18 @@ def _hub(repo_id: str, field: str, split: str, image_field: str | None) -> Sourc
 
     def documents() -> Iterator[Document]:
         for record in streamed:
-            value = document(record[field], form, where)
+            value = document(record[field], form, where, image_field is not None)
             yield value if image_field is None else pictures(value, record[image_field], None, where)
 
     return Source("hub", repo_id, field, form, False, split, builder.hash, documents, image_field)
 
 
 def _image_form(form: str, field: str, image_field: str | None) -> str:
-    """The form of a source of images: text, which holds their placeholders."""
-    if image_field is not None and form != "text":
-        raise ValueError(f"image_field: goes with a column of text that holds the images' placeholders; {field!r} "
-                         f"holds {'token ids' if form == 'tokens' else 'conversations'}")  # fmt: skip
+    """The form of a source of images: text, which holds their placeholders, or conversations, which hold
+    {"type": "image"} parts."""
+    if image_field is not None and form == "tokens":
+        raise ValueError(f"image_field: goes with a column of text that holds the images' placeholders or of "
+                         f"conversations; {field!r} holds token ids")  # fmt: skip
     return form
 
 
@@ -290,14 +293,14 @@ def _image_column(image_field: str | None, fields: list[str], where: str) -> lis
 
 
 def _with_pictures(
-    texts: Iterator[str], images: list[Any], base: Path | None, where: str, first: int
+    texts: Iterator[Document], images: list[Any], base: Path | None, where: str, first: int
 ) -> Iterator[Pictures]:  # fmt: skip
     """A batch of records, numbered from `first` (the rows before it)."""
     for number, (text, value) in enumerate(zip(texts, images), first):
         yield pictures(text, value, base, f"{where} row {number}")
 
 
-def pictures(text: str, value: Any, base: Path | None, where: str) -> Pictures:
+def pictures(text: str | list[dict[str, Any]], value: Any, base: Path | None, where: str) -> Pictures:
     """A record's text and its images: `value` one image or a list (None or []: none). An image is a PIL image (a
     `datasets` Image column), a {"bytes", "path"} dict (the same column in Parquet), bytes, a data: URL, or a file
     path (relative ones from `base`, the source file's directory)."""
@@ -340,11 +343,36 @@ def _is_token_list(value: Any) -> bool:
 
 
 def _is_conversation(value: Any) -> bool:
+    """Messages of a role and a content: text, or a list of parts ({"type": "text", "text"}, {"type": "image"}, ...:
+    the multimodal datasets' form)."""
     return (
         isinstance(value, (list, tuple)) and bool(value)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))
                 for m in value)
     )  # fmt: skip
+
+
+def _is_content(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str)
+        and (p["type"] != "text" or isinstance(p.get("text"), str))
+        for p in value
+    )  # fmt: skip
+
+
+def _present(value: Any) -> Any:
+    """A content with each part's missing keys (None) dropped."""
+    if isinstance(value, list):
+        return [{k: v for k, v in part.items() if v is not None} for part in value]
+    return value
+
+
+def _joined(content: str | list[dict[str, Any]]) -> str:
+    """A content of text parts as one text, joined by newlines: as vLLM and vlens's server give a text model's
+    template such a message."""
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
 
 def _form_of(value: Any) -> str:
@@ -352,8 +380,9 @@ def _form_of(value: Any) -> str:
     return "tokens" if _is_token_list(value) else "chat" if _is_conversation(value) else "text"
 
 
-def document(value: Any, form: str, where: str) -> Document:
-    """`value` checked to be what the column holds: a text, a list of token ids, or a conversation."""
+def document(value: Any, form: str, where: str, images: bool = False) -> Document:
+    """`value` checked to be what the column holds: a text, a list of token ids, or a conversation (with `images`,
+    one whose image parts the record's images fill)."""
     if form == "tokens":
         if not _is_token_list(value):
             raise ValueError(f"text_field: expected a list of token ids in {where}, got {type(value).__name__}")
@@ -361,9 +390,21 @@ def document(value: Any, form: str, where: str) -> Document:
     if form == "chat":
         if not _is_conversation(value):
             raise ValueError(f"text_field: expected a conversation in {where} (a list of messages, each a "
-                             f"{{'role', 'content'}} object with text in both), got {str(value)[:80]}")  # fmt: skip
-        # (keys a message lacks come back as None from columnar storage, where every message has every key)
-        return [{k: v for k, v in message.items() if v is not None} for message in value]
+                             f"{{'role', 'content'}} object, its content text or a list of {{'type', ...}} parts), "
+                             f"got {str(value)[:80]}")  # fmt: skip
+        # (keys a message or a part lacks come back as None from columnar storage, where each has every key)
+        conversation = [{k: _present(v) for k, v in message.items() if v is not None} for message in value]
+        kinds = {p["type"] for m in conversation if isinstance(m["content"], list) for p in m["content"]}
+        if "image" in kinds and not images:
+            raise ValueError(f"text_field: a message in {where} holds an image part; a source of images needs "
+                             "image_field (--image-field), the column of each record's images")  # fmt: skip
+        if kinds - {"text", "image"}:
+            kind = min(kinds - {"text", "image"})
+            raise ValueError(f"text_field: a message in {where} holds a part of type {kind!r}; parts are of type text "
+                             "or image")  # fmt: skip
+        if images:  # (the processor's template renders parts, its images' among them)
+            return conversation
+        return [{**m, "content": _joined(m["content"])} for m in conversation]
     if not isinstance(value, str):
         raise ValueError(f"text_field: expected text in {where}, got {type(value).__name__}")  # noqa: TRY004
     return value

@@ -151,11 +151,14 @@ def token_documents(
     special tokens; with `generation_prompt`, ending in the template's opening of the assistant's reply),
     tokenized in batches without adding special tokens (as LLM.chat does); token lists checked.
     With `roles`, each conversation comes `Marked` (see the module doc); a text with images, `Pictured` by the
-    `encoder`'s processor (a text with none is a text)."""
+    `encoder`'s processor (a text with none is a text), and a conversation beside images rendered by the
+    processor's chat template first."""
     pending: list[str] = []
     spans: list[list[tuple[int, int]]] = []  # with roles: each pending conversation's spans of those roles
     size, limit = 0, _TOKENIZE_CHARS[0]
     for doc in docs:
+        if isinstance(doc, Pictures) and not isinstance(doc.text, str):  # (the processor's template knows its images)
+            doc = Pictures(encoder.render_chat(doc.text, doc.where, generation_prompt), doc.images, doc.where)
         if isinstance(doc, Pictures) and doc.images:
             if pending:  # (the documents keep their order)
                 yield from _tokenize(pending, tokenizer, None)
