@@ -54,7 +54,7 @@ def test_config_is_read_as_intended(family):
     assert cfg.ssm_layers == tuple(kind == "linear_attention" for kind in hf.config.layers_block_type)
     assert (cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_conv_kernel) == (4, 32, 8, 4)
     assert cfg.ssm_groups == (1 if name == "bamba_one_group" else 2)
-    assert len(llm.runner.kv_cache) == 1 and not llm.engine.blocks.enable_prefix_caching
+    assert len(llm.runner.kv_cache) == 1 and llm.engine.blocks.enable_prefix_caching
 
 
 def test_chunks_match_hf(family):

@@ -70,7 +70,7 @@ def test_config_is_read_as_intended(family):
     # (HF's MLP: two thirds of 144, rounded up to a multiple of 16; or 144 as configured)
     assert cfg.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == (144 if cfg.conv_bias else 96)
     assert (llm.model.lm_head.weight is llm.model.embed_tokens.weight) == hf.config.tie_word_embeddings
-    assert len(llm.runner.kv_cache) == 1 and not llm.engine.blocks.enable_prefix_caching
+    assert len(llm.runner.kv_cache) == 1 and llm.engine.blocks.enable_prefix_caching
 
 
 def test_generation_through_chunked_prefill_preemption_and_graphs(tmp_path):

@@ -93,7 +93,7 @@ def test_config_is_read_as_intended(family):
     assert (cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_kernel) == (2, 8, 8, 4)
     assert cfg.linear_layers == tuple(kind == "linear_attention" for kind in hf.config.layer_types)
     assert (llm.model.lm_head.weight is llm.model.embed_tokens.weight) == hf.config.tie_word_embeddings
-    assert not llm.engine.blocks.enable_prefix_caching  # (the engine, and its cache, made here if not before)
+    assert llm.engine.blocks.enable_prefix_caching  # (the engine, and its cache, made here if not before)
     assert len(llm.runner.kv_cache) == 1  # (the one attention layer's; the others keep states)
 
 

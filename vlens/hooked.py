@@ -874,7 +874,7 @@ class HookedLM(ModelWeights, SAEMethods):
         tables = blocks.lend(lengths)
         if tables is None:
             need = sum(-(-n // blocks.block_size) for n in lengths)
-            free = len(blocks.free_states)
+            free = blocks.states_free()
             states = f", and state slots for {len(lengths)} ({free} free)" if blocks.num_states else ""
             raise ValueError(
                 f"use_past_kv_cache: {len(lengths)} texts of up to {max(lengths)} tokens need {need} KV cache blocks "

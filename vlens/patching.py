@@ -356,7 +356,7 @@ def _chunks(copies: list[_Copy], lens: list[int], limit: int, blocks: BlockManag
     """Copies a forward at a time: at most `limit` rows, the KV blocks free and, for a model whose layers keep states,
     a free state slot each (but one copy, if it needs more)."""
     bs, free = blocks.block_size, len(blocks.free)
-    slots = len(blocks.free_states) if blocks.num_states else len(copies)
+    slots = blocks.states_free() if blocks.num_states else len(copies)
     chunk, rows, held = [], 0, 0
     for copy in copies:
         new, fresh = lens[copy.text] - copy.first, -(-lens[copy.text] // bs) - copy.first // bs
@@ -372,7 +372,7 @@ def _chunks(copies: list[_Copy], lens: list[int], limit: int, blocks: BlockManag
 def _lend(blocks: BlockManager, lengths: list[int]) -> list[list[int]]:
     tables = blocks.lend(lengths)
     if tables is None:
-        states = f" (and {len(blocks.free_states)} free state slots)" if blocks.num_states else ""
+        states = f" (and {blocks.states_free()} free state slots)" if blocks.num_states else ""
         raise ValueError(f"kv_cache_memory: the KV cache has {len(blocks.free)} free blocks of {blocks.block_size} "
                          f"tokens{states}, too few for {len(lengths)} texts of up to {max(lengths)} tokens; give the "
                          "engine more (kv_cache_memory=...)")  # fmt: skip

@@ -84,6 +84,12 @@ class AttentionMetadata:
     # [B] (device): each sequence's state slot, where layers that keep states per sequence keep them (Qwen 3.5's linear
     # attention, LFM2's short convolutions); None: no states (a cache-less forward, or a model without such layers)
     state_slots: torch.Tensor | None = None
+    # [B] (device): the slot each sequence's state is read from, where some sequence starts from a cached prefix's
+    # kept state (vlens.engine.block_manager); None: each its own
+    state_sources: torch.Tensor | None = None
+    # (batch rows, slots) [S] (device): sequences whose state after this forward is kept in a second slot too, for
+    # later sequences to start from; None: none
+    state_saves: tuple[torch.Tensor, torch.Tensor] | None = None
     num_states: int = 0  # ... of how many slots (and a scratch one after them): what the other ranks allocate
     # how linear-attention layers lay out a forward's rows where some sequence feeds several (`chunk_layout`); None:
     # none does, or no such layers

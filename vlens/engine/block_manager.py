@@ -4,19 +4,27 @@ A full block is identified by the hash of (previous block's hash, its tokens, th
 salt), so a block is reused only behind an identical prefix computed under identical conditions.
 Freed blocks keep their hash until handed out again, so a preempted or repeated prompt finds them.
 
-A model with layers that keep a state per sequence (Qwen 3.5's linear attention, LFM2's short convolutions;
-vlens.layers.slot_states) keeps it in one of `num_states` state slots: each block table holds one from its first
-block on (`state_of`: first block -> slot) until that block is freed. Such a state is of a whole prefix and cannot
-be rebuilt from blocks, so such models cache no prefixes.
+A model with layers that keep a state per sequence (Qwen 3.5's linear attention, LFM2's short convolutions, Mamba's
+scans; vlens.layers.slot_states) keeps it in one of `num_states` state slots, which a sequence holds from its first
+block on (`Sequence.state_slot`; a lent table: `state_of`). Such a state is of a whole prefix and cannot be rebuilt
+from blocks, so a prefix is cached with its state: a prompt's chunk that ends at its last block boundary (before its
+last token, which must run for its logits) keeps the state there in a slot of its own too (`snapshot_point`), under
+that block's hash (`snapshots`). A later sequence takes cached blocks up to the last one with such a state, and its
+first chunk starts from that state (`Sequence.state_source`). Slots that no sequence holds keep these states, the
+least recently used given up first when a sequence needs a slot.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vlens.engine.sequence import Sequence
+
+# A prompt keeps its state for later prompts only past this many blocks: its chunk is cut there, so its last tokens
+# take a step of their own (a short prompt would pay a step to keep a state that saves little).
+SNAPSHOT_BLOCKS = 4
 
 
 @dataclass
@@ -33,10 +41,13 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.enable_prefix_caching = enable_prefix_caching and not num_states
+        self.enable_prefix_caching = enable_prefix_caching
         self.num_states = num_states
         self.free_states = list(range(num_states))[::-1]  # (popped from the end: slot 0 first)
-        self.state_of: dict[int, int] = {}  # a block table's first block -> the table's state slot
+        self.state_of: dict[int, int] = {}  # a lent table's first block -> the table's state slot (`lend`)
+        # block hash -> the slot holding the state after the tokens up to that block's end (least recently used first)
+        self.snapshots: OrderedDict[int, int] = OrderedDict()
+        self.pinned: Counter[int] = Counter()  # snapshot slots that scheduled chunks start from (not given up)
 
     def usage(self) -> float:
         return 1 - len(self.free) / len(self.blocks)
@@ -70,18 +81,71 @@ class BlockManager:
         reusable = seq.reusable_prefix()
         limit = len(seq.token_ids) - 1 if reusable is None else min(reusable, len(seq.token_ids) - 1)
         limit //= self.block_size
-        prev = None
+        prev, found = None, []
         for i in range(limit):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = self._chain_hash(prev, tokens, seq.salt_until((i + 1) * self.block_size))
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
+            found.append((block_id, h))
+            prev = h
+        if self.num_states:
+            found = self._with_state(seq, found)
+        for block_id, h in found:
             self._take(block_id)
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
-            prev = h
         seq.num_computed = len(seq.block_table) * self.block_size
+
+    def _with_state(self, seq: Sequence, found: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Of the cached blocks found, those up to the last after which a state is kept, which the sequence's
+        first chunk starts from (in a slot of its own, taken now); none where there is no such state or slot."""
+        while found and found[-1][1] not in self.snapshots:
+            found.pop()
+        if not found:
+            return found
+        source = self.snapshots[found[-1][1]]
+        self.snapshots.move_to_end(found[-1][1])
+        self.pinned[source] += 1  # (before a slot is taken: the one to start from is not given up for it)
+        seq.state_slot = self._state()
+        if seq.state_slot is None:
+            self._unpin(source)
+            return []
+        seq.state_source = source
+        return found
+
+    def _state(self) -> int | None:
+        """A state slot: a free one, else the one of the least recently used kept state no chunk starts from."""
+        if self.free_states:
+            return self.free_states.pop()
+        for h, slot in self.snapshots.items():
+            if not self.pinned[slot]:
+                del self.snapshots[h]
+                return slot
+        return None
+
+    def states_free(self) -> int:
+        """State slots that sequences may take: the free ones and those of kept states no chunk starts from."""
+        return len(self.free_states) + sum(1 for slot in self.snapshots.values() if not self.pinned[slot])
+
+    def _unpin(self, slot: int) -> None:
+        self.pinned[slot] -= 1
+        if not self.pinned[slot]:
+            del self.pinned[slot]
+
+    def snapshot_point(self, seq: Sequence) -> int | None:
+        """Where a sequence's state is kept for later sequences (its tokens' last block boundary before its last
+        token), if it has yet to compute that far and it is far enough (SNAPSHOT_BLOCKS); else None."""
+        if not (self.num_states and self.enable_prefix_caching):
+            return None
+        at = (len(seq.token_ids) - 1) // self.block_size * self.block_size
+        return at if at >= SNAPSHOT_BLOCKS * self.block_size and seq.num_computed < at else None
+
+    def keep_state(self, seq: Sequence) -> None:
+        """The sequence's chunk this step ends at its snapshot point: a slot to keep its state in (none, and no
+        state kept, when every slot is a sequence's)."""
+        seq.state_save = self._state()
 
     def share(self, seq: Sequence, lender: Sequence, length: int) -> None:
         """Give `seq` (holding only blocks from the cache) the lender's full blocks up to token `length`,
@@ -95,13 +159,13 @@ class BlockManager:
         """Make the sequence's blocks cover `num_tokens` tokens; False (nothing taken) if too few are free (or,
         for a sequence's first block, no state slot)."""
         need = -(-num_tokens // self.block_size) - len(seq.block_table)
-        first = need > 0 and not seq.block_table and self.num_states
-        if need > len(self.free) or (first and not self.free_states):
+        first = need > 0 and seq.state_slot is None and self.num_states
+        if need > len(self.free) or (first and not self.states_free()):
             return False
         for _ in range(need):
             seq.block_table.append(self._fresh())
         if first:
-            self.state_of[seq.block_table[0]] = self.free_states.pop()
+            seq.state_slot = self._state()
         return True
 
     def reserve_next(self, seqs: list[Sequence]) -> bool:
@@ -123,6 +187,16 @@ class BlockManager:
             full = min(seq.num_computed, len(seq.token_ids)) // bs
             if full > len(seq.block_hashes):  # (most steps fill none)
                 self._publish(seq, full)
+            if seq.state_source is not None:  # (its chunk read the kept state: it may be given up again)
+                self._unpin(seq.state_source)
+                seq.state_source = None
+            if seq.state_save is not None:  # its chunk ended at its snapshot point: a state after a published block
+                h = seq.block_hashes[seq.num_computed // bs - 1]
+                if h in self.snapshots:  # (kept already, by a sequence that ran beside it)
+                    self.free_states.append(seq.state_save)
+                else:
+                    self.snapshots[h] = seq.state_save
+                seq.state_save = None
 
     def _publish(self, seq: Sequence, full: int) -> None:
         """Hash and publish the sequence's blocks before block `full`."""
@@ -144,12 +218,12 @@ class BlockManager:
         model beside an idle engine (HookedLM.generate's steps with hook functions, vlens.patching's copies);
         None, taking nothing, when too few are free."""
         need = [-(-n // self.block_size) for n in num_tokens]
-        if sum(need) > len(self.free) or (self.num_states and len(need) > len(self.free_states)):
+        if sum(need) > len(self.free) or (self.num_states and len(need) > self.states_free()):
             return None
         tables = [[self._fresh() for _ in range(k)] for k in need]
         if self.num_states:
             for table in tables:
-                self.state_of[table[0]] = self.free_states.pop()
+                self.state_of[table[0]] = self._state()
         return tables
 
     def give_back(self, table: list[int]) -> None:
@@ -167,6 +241,8 @@ class BlockManager:
         while a sequence holds blocks."""
         if len(self.free) < len(self.blocks):
             return False
+        self.free_states.extend(self.snapshots.values())
+        self.snapshots.clear()
         self.cached.clear()
         for block in self.blocks:
             block.hash, block.token_ids = None, ()
@@ -177,3 +253,9 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed = 0
+        for slot in (seq.state_slot, seq.state_save):
+            if slot is not None:
+                self.free_states.append(slot)
+        if seq.state_source is not None:
+            self._unpin(seq.state_source)
+        seq.state_slot = seq.state_source = seq.state_save = None

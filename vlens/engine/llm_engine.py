@@ -57,6 +57,7 @@ class EngineStats:
     decode_compile_seconds: float = 0.0
     ahead_steps: int = 0  # decode steps queued before the previous step's ids reached the host
     repeated_steps: int = 0  # decode steps planned as the one before, one position on: no work per request
+    kept_states: int = 0  # prefixes' states kept for later prompts (a model whose layers keep states per sequence)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -81,12 +82,13 @@ class LLMEngine:
         wanted_len = max_model_len or cfg.max_position_embeddings
         budget = kv_cache_bytes(runner, config)
         num_states = 0
-        if runner.stateful:  # (layers that keep states per sequence: a slot for each sequence that may run, and a
-            # scratch one, from at most half the budget, all of it where no layer caches keys: fewer slots than
-            # max_num_seqs run fewer sequences at once)
+        if runner.stateful:  # (layers that keep states per sequence: a slot for each sequence that may run, as many
+            # again for prefixes' kept states with the prefix cache on, and a scratch one, from at most half the
+            # budget, all of it where no layer caches keys: fewer slots than max_num_seqs run fewer sequences at once)
             per_state = ModelRunner.bytes_per_state(model)
             share = 2 if per_block else 1
-            num_states = min(config.max_num_seqs, budget // share // per_state - 1)
+            wanted = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
+            num_states = min(wanted, budget // share // per_state - 1)
             if num_states < 1:
                 where = "half of which" if per_block else "which"
                 raise ValueError(f"kv_cache_memory: {budget} bytes, {where} must hold the states of two sequences "
@@ -117,8 +119,6 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len, num_states)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_states)
         runner.state_of = self.blocks.state_of
-        if num_states and config.enable_prefix_caching:
-            log.info("prefix caching is off: %s keeps a state per sequence in some layers", cfg.architecture)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)
@@ -238,6 +238,7 @@ class LLMEngine:
             decode_compile_seconds=graphs.compile_seconds,
             ahead_steps=graphs.ahead_steps,
             repeated_steps=self.runner.pages.repeats,
+            kept_states=len(self.blocks.snapshots),
         )
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -141,6 +141,7 @@ class ModelRunner:
                 "kv_copy_to": (tokens, long), "sampling_floats": ((3, max_seqs), torch.float32),
                 "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long), "ahead_rows": (seqs, long),
                 "state_slots": (seqs, long), "image_rows": (tokens, long), "rope_positions": ((3, max_tokens), long),
+                "state_sources": (seqs, long), "state_save_rows": (seqs, long), "state_save_slots": (seqs, long),
             },
             self.device,
         )  # fmt: skip
@@ -150,8 +151,8 @@ class ModelRunner:
         self.kv_cache: list[torch.Tensor] = []
         self.block_size = self.num_slots = 0
         # Layers that keep a state per sequence (vlens.layers.slot_states: linear attention, short convolutions): their
-        # state slots, one per sequence the engine runs, plus a scratch one for a static decode step's padding rows;
-        # which slot a block table's first block holds (the BlockManager's)
+        # state slots, one per sequence the engine runs and as many for kept states, plus a scratch one for a static
+        # decode step's padding rows; which slot a lent block table's first block holds (the BlockManager's)
         self.stateful = [m for m in model.modules() if isinstance(m, SlotStates)]
         self.state_of: dict[int, int] = {}
         self.scratch_state = 0
@@ -297,8 +298,10 @@ class ModelRunner:
         tables = [s.block_table for s, _ in order]
         meta = layout(
             [s.num_computed for s, _ in order], [n for _, n in order], [len(s.token_ids) for s, _ in order],
-            tables, self.block_size, self.num_slots, put, state_slots=self._state_slots(tables),
+            tables, self.block_size, self.num_slots, put, state_slots=self._seq_states([s for s, _ in order]),
         )  # fmt: skip
+        if self.stateful:
+            self._kept_states(meta, [s for s, _ in order])
         if self.cfg.mrope_section:
             self._rope_positions(meta, [(s.num_computed, n) for s, n in order], [s.images for s, _ in order])
         fed = chain.from_iterable(s.token_ids[s.num_computed : s.num_computed + n] for s, n in order)  # (in C)
@@ -437,7 +440,7 @@ class ModelRunner:
         rows and `pages` pages."""
         put, pad, generation = self.buffers.put, size - len(seqs), self.buffers.generation
         tables = [s.block_table for s in seqs]
-        states = None if not self.stateful else self._state_slots(tables) + [self.scratch_state] * pad
+        states = None if not self.stateful else self._seq_states(seqs) + [self.scratch_state] * pad
         meta = layout(
             last + [0] * pad, [1] * size, [p + 1 for p in last] + [1] * pad, tables + [[self.scratch_block]] * pad,
             self.block_size, self.num_slots, put, pages, states,
@@ -651,15 +654,34 @@ class ModelRunner:
         return [getattr(m, name) for m in self.stateful for name in m.slot_shapes() if getattr(m, name) is not None]
 
     def _state_slots(self, tables: list[list[int]]) -> list[int] | None:
-        """The state slot of each sequence (of each block table: its first block's), where the model has
-        layers that keep states."""
+        """The state slot of each lent block table (its first block's), where the model has layers that keep
+        states."""
         return [self.state_of[table[0]] for table in tables] if self.stateful else None
+
+    def _seq_states(self, seqs: list[Sequence]) -> list[int] | None:
+        """The state slot of each sequence, where the model has layers that keep states."""
+        return [s.state_slot for s in seqs] if self.stateful else None
+
+    def _kept_states(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
+        """The slots of cached prefixes' states that chunks start from, and those their states are kept in
+        (vlens.engine.block_manager), where a sequence has either."""
+        put = self.buffers.put
+        if any(s.state_source is not None for s in seqs):
+            sources = [s.state_slot if s.state_source is None else s.state_source for s in seqs]
+            meta.state_sources = put("state_sources", np.asarray(sources, np.int64))
+        saves = [(i, s.state_save) for i, s in enumerate(seqs) if s.state_save is not None]
+        if saves:
+            rows, slots = (np.asarray(x, np.int64) for x in zip(*saves))
+            meta.state_saves = (put("state_save_rows", rows), put("state_save_slots", slots))
 
 
 def _decodes(seq: Sequence, n: int) -> bool:
     """Whether a scheduled chunk is a plain decode: its last token, sampled, after it generated before (so
     no prompt rows, no borrowed prefix, the whole model)."""
-    return n == 1 and seq.num_generated > 0 and seq.num_computed + 1 == len(seq.token_ids)
+    return (
+        n == 1 and seq.num_generated > 0 and seq.num_computed + 1 == len(seq.token_ids)
+        and seq.state_source is None  # (a chunk from a cached prefix's state reads another slot: not graph-shaped)
+    )  # fmt: skip
 
 
 def _signature(taps: dict[str, Tap], addresses: bool = True) -> tuple:

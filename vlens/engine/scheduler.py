@@ -77,6 +77,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self._keep_state(seq, n)
                 scheduled.append((seq, n))
                 budget -= n
                 self.tokens_computed += n
@@ -92,6 +93,7 @@ class Scheduler:
             if n == 0 or not self.blocks.reserve(seq, seq.num_computed + n):
                 self.blocks.release(seq)
                 break
+            self._keep_state(seq, n)
             if lender is not None:
                 seq.borrow = self._borrow(seq, *lender)
             if _fresh(seq):
@@ -104,12 +106,20 @@ class Scheduler:
             self.tokens_computed += n
         return scheduled
 
-    @staticmethod
-    def _chunk(seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens `seq` computes this step: all it has left, within the budget, ending in the middle of no image
-        whose tokens attend both ways (Gemma 3's: vlens.images.PromptImages.chunk)."""
+        whose tokens attend both ways (Gemma 3's: vlens.images.PromptImages.chunk), and, for a model that keeps
+        states, not past the point where its state is kept for later prompts (BlockManager.snapshot_point)."""
         n = min(len(seq.token_ids) - seq.num_computed, budget)
+        at = self.blocks.snapshot_point(seq)
+        if at is not None:
+            n = min(n, at - seq.num_computed)
         return n if seq.images is None else seq.images.chunk(seq.num_computed, n)
+
+    def _keep_state(self, seq: Sequence, n: int) -> None:
+        """Where a sequence's chunk ends at its snapshot point, a slot to keep the state there in."""
+        if seq.num_computed + n == self.blocks.snapshot_point(seq):
+            self.blocks.keep_state(seq)
 
     def _lender(
         self, seq: Sequence, lenders: dict[tuple[int, ...], list[tuple[Sequence, int]]]

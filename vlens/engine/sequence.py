@@ -61,6 +61,12 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
+        # A model whose layers keep a state per sequence (vlens.engine.block_manager): the state slot it holds, the
+        # slot of a cached prefix's state its next chunk starts from, and the slot that chunk's state is kept in for
+        # later sequences to start from
+        self.state_slot: int | None = None
+        self.state_source: int | None = None
+        self.state_save: int | None = None
         self.cache_salt: object = None  # what else (besides tokens) the KV depends on
         # ... of the tokens before the first row its interventions may change, the same as without them
         self.plain_salt: object = None

@@ -31,7 +31,7 @@ class CausalConv(nn.Conv1d, SlotStates):
         starts = meta.cu_seqlens_q.long()
         at = rows - starts[meta.token_seq]  # each row's index among its sequence's rows here
         slots = step_slots(self, "state", meta)
-        prior = None if slots is None else self.state[slots[0]] * slots[1][:, None, None].to(x.dtype)
+        prior = None if slots is None else slots.read(self.state)
         weight = self.weight[:, 0].float()  # [channels, kernel]: the last tap reads the row itself
         out = x.float() * weight[:, -1]
         for back in range(1, kernel):
@@ -44,7 +44,7 @@ class CausalConv(nn.Conv1d, SlotStates):
             index = counts[:, None] - width + torch.arange(width, device=x.device)  # [B, width], < 0: saved
             mine = x[(starts[:-1, None] + index).clamp(0, t - 1)]
             before = prior[torch.arange(len(counts), device=x.device)[:, None], (index + width).clamp(0, width - 1)]
-            self.state[slots[0]] = torch.where((index >= 0)[..., None], mine, before)
+            slots.write(self.state, torch.where((index >= 0)[..., None], mine, before))
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype)

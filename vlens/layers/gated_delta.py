@@ -173,7 +173,7 @@ class GatedDeltaNet(SlotStates):
         if slots is None:
             state = q.new_zeros(shape)
         else:
-            state = self.state[slots[0]] * slots[1][:, None, None, None]
+            state = slots.read(self.state)
         chunks = meta.linear_chunks
         if chunks is None:  # (a row per sequence: the recurrence itself, as HF decodes)
             out, state = _recurrent_step(q / self.key_dim**0.5, k, v, decay, beta, state)
@@ -189,7 +189,7 @@ class GatedDeltaNet(SlotStates):
                 q * self.key_dim**-0.5, k, v, decay, beta, before[seqs], chunks
             )  # fmt: skip
         if slots is not None:
-            self.state[slots[0]] = state
+            slots.write(self.state, state)
         return out
 
 

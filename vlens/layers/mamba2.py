@@ -165,7 +165,7 @@ def scan_sequences(
     if slots is None:
         state = x.new_zeros((len(meta.query_lens), *shape), dtype=torch.float32)
     else:
-        state = layer.state[slots[0]] * slots[1].view(-1, *(1,) * len(shape))
+        state = slots.read(layer.state)
     chunks = meta.linear_chunks
     if chunks is None:  # (a row per sequence)
         y, state = recurrent(*rows, a, d, state)
@@ -177,7 +177,7 @@ def scan_sequences(
         seqs = chunks.chunked_seqs
         y[chunks.chunked_rows], state[seqs] = chunked(*rows, a, d, before[seqs], chunks)
     if slots is not None:
-        layer.state[slots[0]] = state
+        slots.write(layer.state, state)
     return y
 
 

@@ -1,0 +1,150 @@
+"""The prefix cache of models whose layers keep a state per sequence (vlens.engine.block_manager): a prompt's state
+at its last block boundary is kept, and a later prompt that starts with those blocks starts there. Qwen 3.5 (gated
+delta nets beside attention), Mamba (no attention: its blocks hold no keys), Bamba (Mamba 2 mixers beside
+attention) and LFM2 (short convolutions beside attention), against the same model with the prefix cache off: the
+same tokens, every captured row within 1e-5, fewer tokens computed; chunked prefill, a cache too small to keep
+states, and two ranks."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+from conftest import rel_err
+from family_parity import build, sequences
+from test_parity_bamba import bamba_config
+from test_parity_lfm2 import lfm2_config
+from test_parity_mamba import mamba_config
+from test_parity_qwen3_5 import text_config
+
+from vlens import LLM, Capture, SamplingParams
+from vlens.engine.block_manager import SNAPSHOT_BLOCKS
+
+CONFIGS = {"qwen3_5": text_config, "mamba": mamba_config, "bamba": bamba_config, "lfm2": lfm2_config}
+BLOCK = 4
+HOOKS = ["blocks.0.hook_resid_post", "blocks.2.hook_resid_post", "ln_final.hook_normalized"]
+
+
+def _open(path: str, **settings) -> LLM:
+    return LLM(model=path, dtype="float32", device="cpu", block_size=BLOCK, **settings)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(path, an engine with the prefix cache, one without)."""
+    path = build(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param), request.param)
+    return path, _open(path), _open(path, enable_prefix_caching=False)
+
+
+def _params(tokens: int = 6) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True,
+                          capture=Capture(hooks=HOOKS, positions="generated"))  # fmt: skip
+
+
+def _same(got: list, want: list) -> None:
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert all(rel_err(a.activations[h], b.activations[h]) <= 1e-5 for h in HOOKS)
+
+
+def _computed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:
+    """The outputs, and how many tokens the engine fed through the model for them."""
+    before = llm.stats().tokens_computed
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, llm.stats().tokens_computed - before
+
+
+def _slots_back(llm: LLM) -> None:
+    """Every state slot free or keeping a prefix's state, none held or pinned."""
+    blocks = llm.engine.blocks
+    assert sorted(blocks.free_states + list(blocks.snapshots.values())) == list(range(blocks.num_states))
+    assert not blocks.pinned and not blocks.state_of
+
+
+def test_a_prompt_again_and_a_chat_s_next_turn_start_from_the_kept_state(pair):
+    """A 30-token prompt keeps its state at token 28: run again, it computes its last 2 tokens; a next turn (the
+    prompt, its reply and a new message) starts there too. Every output is the uncached engine's."""
+    _, cached, plain = pair
+    cached.reset_prefix_cache()
+    prompt = sequences((30,))[0]
+    want = plain.generate([prompt], _params(), use_tqdm=False)
+    first, fed = _computed(cached, [prompt], _params())
+    assert fed == 30 + 5 and cached.stats().kept_states == 1
+    again, fed = _computed(cached, [prompt], _params())
+    assert fed == 2 + 5
+    _same(first + again, want + want)
+    turn = prompt + want[0].outputs[0].token_ids + sequences((9,))[0]
+    want = plain.generate([turn], _params(), use_tqdm=False)
+    got, fed = _computed(cached, [turn], _params())
+    assert fed == len(turn) - 28 + 5
+    _same(got, want)
+    _slots_back(cached)
+
+
+def test_only_prefixes_with_a_kept_state_are_taken(pair):
+    """Prompts that share blocks with a cached one but not the block its state was kept after, or whose own last
+    block boundary is before SNAPSHOT_BLOCKS blocks, compute from the start; with requests mixed in one batch, each
+    output is the uncached engine's."""
+    _, cached, plain = pair
+    cached.reset_prefix_cache()
+    base = sequences((40,))[0]
+    cached.generate([base], _params(2), use_tqdm=False)  # (its state kept after 36 tokens)
+    early = base[:20] + sequences((12,))[0]  # (shares 5 blocks, not the 9 the state is after)
+    short = base[: SNAPSHOT_BLOCKS * BLOCK]  # (its last boundary before its last token: 3 blocks)
+    _, fed = _computed(cached, [early], _params(2))
+    assert fed == len(early) + 1
+    _, fed = _computed(cached, [short], _params(2))
+    assert fed == len(short) + 1
+    mixed = [base, early, base + sequences((5,))[0], short]
+    _same(cached.generate(mixed, _params(), use_tqdm=False), plain.generate(mixed, _params(), use_tqdm=False))
+    _slots_back(cached)
+
+
+def test_chunked_prefill_cuts_a_chunk_where_its_state_is_kept(pair):
+    """Prompts fed 8 tokens a step (a chunk cut at the point its state is kept), and prompts that extend them in
+    the same call: every output is the uncached engine's, and states are kept."""
+    path, _, plain = pair
+    prompts = sequences((30, 22, 41))
+    prompts += [p + sequences((3,))[0] for p in prompts]
+    chunked = _open(path, max_num_batched_tokens=8)
+    _same(chunked.generate(prompts, _params(), use_tqdm=False), plain.generate(prompts, _params(), use_tqdm=False))
+    assert chunked.stats().kept_states > 0
+    _slots_back(chunked)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba"])
+def test_a_cache_with_no_spare_state_slot(tmp_path, name):
+    """State slots for the 2 sequences that run at once and none spare (and so few KV blocks that sequences are
+    preempted): a prompt keeps its state only while a slot is free, a sequence that needs a slot takes a kept
+    state's, and every output is the uncached engine's."""
+    path = build(CONFIGS[name](), tmp_path, name)
+    plain = _open(path, enable_prefix_caching=False)
+    per_state = type(plain.runner).bytes_per_state(plain.model)
+    share = 2 if type(plain.runner).bytes_per_block(plain.model, BLOCK) else 1  # (the states' part of the budget)
+    tight = _open(path, max_num_seqs=2, kv_cache_memory=share * 4 * per_state - 1)
+    assert tight.engine.blocks.num_states == 2
+    prompts = sequences((30, 22, 41))
+    prompts += [p + sequences((3,))[0] for p in prompts]
+    _same(tight.generate(prompts, _params(), use_tqdm=False), plain.generate(prompts, _params(), use_tqdm=False))
+    _slots_back(tight)
+
+
+def test_two_ranks_start_from_the_kept_state(tmp_path):
+    """Under tensor parallelism each rank keeps its share of the state and starts from it: a prompt again computes
+    its last tokens, and every output is one process's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path = build(text_config(), tmp_path, "qwen3_5")
+        one, two = _open(path), _open(path, tensor_parallel_size=2)
+        prompts = sequences((30, 21))
+        want = one.generate(prompts, _params(), use_tqdm=False)
+        first, _ = _computed(two, prompts, _params())
+        again, fed = _computed(two, prompts, _params())
+        assert fed == 2 + 1 + 2 * 5
+        _same(first + again, want + want)
+        two.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert not multiprocessing.active_children()
