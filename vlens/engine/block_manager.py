@@ -160,7 +160,7 @@ class BlockManager:
         for a sequence's first block, no state slot)."""
         need = -(-num_tokens // self.block_size) - len(seq.block_table)
         first = need > 0 and seq.state_slot is None and self.num_states
-        if need > len(self.free) or (first and not self.states_free()):
+        if need > len(self.free) or (first and not (self.free_states or self.states_free())):
             return False
         for _ in range(need):
             seq.block_table.append(self._fresh())
