@@ -49,6 +49,9 @@ d=256, the same prompts and steps, against HF generate; and a layer's Mamba 2 ho
 Then a DeepSeek-V3 (--workload deepseek, or all): a random one of 8 layers (latent attention, 4 of 16 experts after a
 dense layer), d=256, the same prompts and steps, against HF generate (which caches the latents and expands them each
 step); and a layer's hook_z.
+The families whose layers keep states (all but DeepSeek) then time two workloads of their prefix cache: a chat's next
+turn (each prompt, its reply and 16 tokens more, after the first turn) and 32 prompts behind one 128-token system
+prompt, each by HF generate, vlens without the cache and vlens with it (kept states).
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
@@ -550,42 +553,44 @@ def family_workload(workload: str, repeats: int, steps: int = 32) -> None:
     print(f"{'vlens':<44}{tokens / t_v:>10.1f}{t_hf / t_v:>9.2f}x")
     print(f"{f'vlens, {layer} at generated rows':<44}{tokens / t_cap:>10.1f}{t_cap / t_v:>9.2f}x  (time vs none)")
     if llm.runner.stateful:
-        next_turn(llm, hf, ids, steps, repeats)
+        kept_states(llm, hf, ids, steps, repeats)
 
 
-def next_turn(llm: LLM, hf: torch.nn.Module, ids: list[list[int]], steps: int, repeats: int) -> None:
-    """A chat's next turn on a model whose layers keep states: each prompt, its reply and 16 tokens more, generated
-    by vlens from the first turn's kept states (the prefix cache on; the first turn run again, untimed, after the
-    cache is reset before each timed run), by vlens without the cache, and by HF generate (which keeps nothing
-    across calls)."""
-    first = [o.outputs[0].token_ids for o in llm.generate(ids, SamplingParams(max_tokens=steps, temperature=0,
-                                                                              ignore_eos=True), use_tqdm=False)]
-    turns = [p + r + q for p, r, q in zip(ids, first, random_prompts(len(ids), 16, 16))]
-    cached = LLM(model=llm.model_path, dtype="float32", device="cpu")
+def kept_states(llm: LLM, hf: torch.nn.Module, ids: list[list[int]], steps: int, repeats: int) -> None:
+    """Where a model whose layers keep states gains from its prefix cache: a chat's next turn (each prompt, its reply
+    and 16 tokens more), and a batch behind one system prompt (128 tokens, then each prompt's own 16-64). vlens with
+    the cache (reset before each run; the next turn's first turn run again, untimed, for its kept states), vlens
+    without it, and HF generate (which keeps nothing across calls)."""
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    padded, mask = left_padded(turns)
+    first = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
+    turns = [p + r + q for p, r, q in zip(ids, first, random_prompts(len(ids), 16, 16))]
+    system = random_prompts(1, 128, 128)[0]
+    behind = [system + p for p in random_prompts(len(ids), 16, 64)]
+    cached = LLM(model=llm.model_path, dtype="float32", device="cpu")
+    for name, prompts, before in (("next turn", turns, ids), ("one system prompt", behind, None)):
+        padded, mask = left_padded(prompts)
 
-    def hf_run():
-        with torch.inference_mode():
-            hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                        do_sample=False, pad_token_id=0)  # fmt: skip
+        def hf_run():
+            with torch.inference_mode():
+                hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                            do_sample=False, pad_token_id=0)  # fmt: skip
 
-    def from_kept(timed: list[float]) -> None:
-        cached.reset_prefix_cache()
-        cached.generate(ids, params, use_tqdm=False)  # (the first turn: its states kept)
-        start = time.perf_counter()
-        cached.generate(turns, params, use_tqdm=False)
-        timed.append(time.perf_counter() - start)
+        def with_cache(timed: list[float]) -> None:
+            cached.reset_prefix_cache()
+            if before is not None:
+                cached.generate(before, params, use_tqdm=False)
+            start = time.perf_counter()
+            cached.generate(prompts, params, use_tqdm=False)
+            timed.append(time.perf_counter() - start)
 
-    kept: list[float] = []
-    t_hf, t_plain, _ = best_alternating([hf_run, lambda: llm.generate(turns, params, use_tqdm=False),
-                                         lambda: from_kept(kept)], repeats)  # fmt: skip
-    t_kept, tokens = min(kept), len(turns) * steps
-    print(f"{'next turn (prompt + reply + 16 tokens), HF':<44}{tokens / t_hf:>10.1f}")
-    print(f"{'next turn, vlens without the prefix cache':<44}{tokens / t_plain:>10.1f}{t_hf / t_plain:>9.2f}x")
-    print(f"{'next turn, vlens from the kept states':<44}{tokens / t_kept:>10.1f}{t_hf / t_kept:>9.2f}x"
-          f"  ({t_kept / t_plain:.2f}x the time without; {cached.stats().kept_states} states kept)")
-
+        kept: list[float] = []
+        t_hf, t_plain, _ = best_alternating([hf_run, lambda: llm.generate(prompts, params, use_tqdm=False),
+                                             lambda: with_cache(kept)], repeats)  # fmt: skip
+        t_kept, tokens = min(kept), len(prompts) * steps
+        print(f"{f'{name}: HF':<44}{tokens / t_hf:>10.1f}")
+        print(f"{f'{name}: vlens, no prefix cache':<44}{tokens / t_plain:>10.1f}{t_hf / t_plain:>9.2f}x")
+        print(f"{f'{name}: vlens, kept states':<44}{tokens / t_kept:>10.1f}{t_hf / t_kept:>9.2f}x"
+              f"  ({t_kept / t_plain:.2f}x the time without)")
 
 if __name__ == "__main__":
     main()

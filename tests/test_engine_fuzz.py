@@ -236,7 +236,7 @@ def _count(llm: LLM) -> Counter:
 
 
 @pytest.mark.parametrize("path", list(MODELS), indirect=True)
-@pytest.mark.parametrize("seed", [4, 9, 29])  # sessions that do all of it (the last asserts check)
+@pytest.mark.parametrize("seed", [4, 8, 29])  # sessions that do all of it (the last asserts check)
 def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
     stateful = bool(alone.runner.stateful)
     kv_bytes = NUM_BLOCKS * ModelRunner.bytes_per_block(alone.model, ENGINE["block_size"])
@@ -279,7 +279,6 @@ def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
             _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)})")
     graphs = llm.runner.graph_stats
     assert stats.num_preemptions > 0 and graphs.ahead_steps > 0 and graphs.graph_steps > 0
-    # (a model with states per sequence caches and borrows no prefix: each recomputes its own)
-    shared = counts["reused"] > 0 and counts["borrowed by captures"] > 0
-    assert shared != stateful and counts["chunks"] > 0
+    # (a model with states per sequence borrows no prefix in its step: it starts from prefixes' kept states)
+    assert counts["reused"] > 0 and (counts["borrowed by captures"] > 0) != stateful and counts["chunks"] > 0
     assert any(c.finish_reason == "stop" for out in done.values() for c in out.outputs)

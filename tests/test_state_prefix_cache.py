@@ -101,6 +101,25 @@ def test_only_prefixes_with_a_kept_state_are_taken(pair):
     _slots_back(cached)
 
 
+def test_prompts_of_one_step_behind_one_prefix_compute_it_once(pair):
+    """Prompts that share a 25-token prefix, admitted in one step: the first's chunk ends at the prefix's last block
+    boundary (24) with its state kept, and the others wait a step to start there; each output the uncached
+    engine's. A request wanting prompt log-probabilities (which takes nothing from the cache) does not wait."""
+    _, cached, plain = pair
+    cached.reset_prefix_cache()
+    prefix = sequences((25,))[0]
+    prompts = [prefix + tail for tail in sequences((10, 7, 12, 9))]
+    want = plain.generate(prompts, _params(2), use_tqdm=False)
+    got, fed = _computed(cached, prompts, _params(2))
+    assert fed == 24 + sum(len(p) - 24 for p in prompts) + len(prompts)
+    _same(got, want)
+    cached.reset_prefix_cache()
+    logprobs = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    _, fed = _computed(cached, prompts[:2], [_params(2), logprobs])
+    assert fed == sum(map(len, prompts[:2])) + 2
+    _slots_back(cached)
+
+
 def test_chunked_prefill_cuts_a_chunk_where_its_state_is_kept(pair):
     """Prompts fed 8 tokens a step (a chunk cut at the point its state is kept), and prompts that extend them in
     the same call: every output is the uncached engine's, and states are kept."""

@@ -9,14 +9,16 @@ later (its full blocks usually come back from the prefix cache).
 Prompts admitted in one step that start alike (the choices of an lm-eval question, requests behind
 one system prompt) compute their shared prefix once: a later one borrows it from an earlier one, which
 the prefix cache cannot do, as neither has computed it yet (and one that wants prompt log-probabilities
-takes nothing from the cache).
+takes nothing from the cache). A model whose layers keep a state per sequence cannot borrow a state that
+its lender has only at the end of its chunk: there the lender's chunk ends at the last block boundary of
+the prefix they share, its state kept, and the later prompt waits a step to start from it (`_defer`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from vlens.engine.block_manager import BlockManager
+from vlens.engine.block_manager import SNAPSHOT_BLOCKS, BlockManager
 from vlens.engine.sequence import Borrow, Sequence, Status
 
 # A prompt borrows from one of the last _CANDIDATES admitted in its step that start with its _KEY_TOKENS
@@ -83,10 +85,20 @@ class Scheduler:
                 self.tokens_computed += n
         lenders: dict[tuple[int, ...], list[tuple[Sequence, int]]] = {}  # admitted in this step, by their first
         # tokens, with how many tokens they cover by its end
+        deferred: list[Sequence] = []  # (a model that keeps states) waiting a step for a prefix's kept state
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.admit(seq)
             lender = self._lender(seq, lenders)
+            if lender is not None and self.blocks.num_states:
+                freed = self._defer(seq, *lender, lenders, scheduled)
+                if freed is not None:
+                    self.blocks.release(seq)
+                    deferred.append(self.waiting.popleft())
+                    budget += freed
+                    self.tokens_computed -= freed
+                    continue
+                lender = None
             if lender is not None:
                 self.blocks.share(seq, *lender)
             n = self._chunk(seq, budget)
@@ -104,6 +116,7 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
             self.tokens_computed += n
+        self.waiting.extendleft(reversed(deferred))  # (first in the next step, in their order)
         return scheduled
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -132,7 +145,7 @@ class Scheduler:
         the same keys; or no intervention yet, before the first row either's change), and rows it captures
         it computes itself; one that wants prompt log-probabilities borrows only from one that computes
         the same ones."""
-        if not _fresh(seq) or self.blocks.num_states:  # (a state per sequence is of its whole prefix: none to borrow)
+        if not _fresh(seq):
             return None
         best, length = None, seq.num_computed
         wanted_from = seq.taps.reusable_prefix(len(seq.token_ids))
@@ -149,6 +162,30 @@ class Scheduler:
             if shared > length:
                 best, length = lender, shared
         return None if best is None else (best, length)
+
+    def _defer(
+        self, seq: Sequence, lender: Sequence, length: int, lenders: dict[tuple[int, ...], list[tuple[Sequence, int]]],
+        scheduled: list[tuple[Sequence, int]],
+    ) -> int | None:  # fmt: skip
+        """For a model that keeps states: where `seq` shares `length` tokens with a lender admitted in this step, the
+        lender's chunk ends at the last block boundary of those (past SNAPSHOT_BLOCKS blocks) with its state kept,
+        so that `seq` can start there in the next step; the budget that cut frees (None: `seq` runs now, from what
+        the cache gave it). Not for a sequence that takes nothing from the cache (prompt log-probabilities)."""
+        bs = self.blocks.block_size
+        at = length // bs * bs
+        i = next(i for i, (s, _) in enumerate(scheduled) if s is lender)
+        end = lender.num_computed + scheduled[i][1]
+        if at < SNAPSHOT_BLOCKS * bs or at <= seq.num_computed or not lender.num_computed < at <= end \
+                or seq.prompt_logprobs is not None:  # fmt: skip
+            return None
+        if lender.state_save is None:
+            self.blocks.keep_state(lender)
+            if lender.state_save is None:  # (no slot to keep it in)
+                return None
+        scheduled[i] = (lender, at - lender.num_computed)
+        entries = lenders[_key(lender)]
+        entries[next(j for j, (s, _) in enumerate(entries) if s is lender)] = (lender, at)
+        return end - at
 
     def _borrow(self, seq: Sequence, lender: Sequence, length: int) -> Borrow:
         """The slots of the shared partial block, once `seq` has a block of its own for it. A lender may
