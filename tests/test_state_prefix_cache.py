@@ -2,8 +2,8 @@
 at its last block boundary is kept, and a later prompt that starts with those blocks starts there. Qwen 3.5 (gated
 delta nets beside attention), Mamba (no attention: its blocks hold no keys), Bamba (Mamba 2 mixers beside
 attention) and LFM2 (short convolutions beside attention), against the same model with the prefix cache off: the
-same tokens, every captured row within 1e-5, fewer tokens computed; chunked prefill, a cache too small to keep
-states, and two ranks."""
+same tokens, every captured row within 1e-5, fewer tokens computed; prompts of one step behind one prefix, chunked
+prefill, a cache too small to keep states, and two ranks."""
 
 from __future__ import annotations
 
