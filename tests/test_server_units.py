@@ -209,3 +209,27 @@ def test_text_is_cut_at_the_earliest_stop_string(smol_path):
 def test_route_labels_stay_bounded():
     assert route_label("/v1/activations/act-abc") == "/v1/activations/{id}"
     assert route_label("/v1/completions") == "/v1/completions" and route_label("/etc/passwd") == "other"
+
+
+def test_a_dropped_app_frees_its_llm(smol_path):
+    """FastAPI keeps every endpoint it has looked at in a module-level cache, so routes that closed over the LLM held
+    its weights and KV cache for the life of the process once their app was dropped (a notebook's server, a test's):
+    the routes read their app's `Served`, and a dropped app and LLM free the model once collected."""
+    import gc
+    import weakref
+
+    from fastapi.testclient import TestClient
+
+    from vlens import LLM
+    from vlens.server.app import create_app
+    from vlens.server.config import ServerConfig
+
+    llm = LLM(str(smol_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
+    app = create_app(llm, ServerConfig())
+    with TestClient(app) as client:
+        answer = client.post("/v1/completions", json={"model": llm.model_name, "prompt": "Hi", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+    model = weakref.ref(llm.model)
+    del app, client, llm, answer
+    gc.collect()
+    assert model() is None

@@ -9,10 +9,11 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -41,6 +42,31 @@ from vlens.viz.html import page_html
 log = logging.getLogger("vlens.server")
 
 
+@dataclass
+class Served:
+    """What an app serves, made once by `create_app`. Its routes find it at `request.app.state.served` rather than
+    close over it: FastAPI keeps every endpoint it has looked at in a module-level cache, and an endpoint that held the
+    LLM would keep its weights and KV cache after the app is gone (a notebook's server, a test's)."""
+
+    config: ServerConfig
+    model_name: str
+    max_model_len: int
+    shapes: dict[str, tuple[int, ...]]  # every hook a request may name
+    always: dict[str, tuple[int, ...]]  # ... but TransformerLens's optional ones
+    saes: dict
+    tuned_lens: TunedLens | None
+    steering_vectors: dict
+    store: ActivationStore
+    metrics: Metrics
+    loop: EngineLoop
+    admission: Admission
+    generator: Generator
+    embedder: Embedder
+    tokens: Tokens
+    lens_page: str
+    created: int
+
+
 def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     """An app serving `llm`; its engine runs on a background thread from start-up to shutdown."""
     engine = llm.engine
@@ -48,7 +74,6 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         raise ValueError("enable_capture: the server allows capture but the LLM was built with enable_capture=False")
     model_name = config.served_model_name or llm.model_name
     shapes = request_shapes(llm.config)
-    always = hook_shapes(llm.config)
     saes = load_saes(config.saes, llm.config, shapes)
     tuned_lens = None
     if config.tuned_lens is not None:
@@ -77,138 +102,18 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         admission,
         llm.image_encoder,
     )
-    embedder = Embedder(generator)
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len, steering_vectors)
-    lens_page = page_html(None)
-    created = int(time.time())
+    served = Served(
+        config, model_name, engine.max_model_len, shapes, hook_shapes(llm.config), saes, tuned_lens, steering_vectors,
+        store, metrics, loop, admission, generator, Embedder(generator), tokens, page_html(None), int(time.time()),
+    )  # fmt: skip
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        loop.start(asyncio.get_running_loop())
-        sweeper = asyncio.create_task(_sweep(store, config.activation_ttl_s))
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            await asyncio.to_thread(loop.stop)
-
-    app = FastAPI(title="vlens", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
-        error = schema_error(e.errors(), 422)
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        if e.status_code == 400:  # FastAPI's only one: a body it could not decode (not UTF-8, say)
-            error = APIError(
-                400, f"body: {e.detail}; expected a JSON object in UTF-8", param="body", code="json_invalid"
-            )
-        else:
-            error = APIError(
-                e.status_code,
-                f"{request.method} {request.url.path}: {e.detail}",
-                code="not_found" if e.status_code == 404 else None,
-            )
-        return JSONResponse(error.body(), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not loop.alive:
-            return JSONResponse(APIError(503, "the engine thread is not running").body(), status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "vlens",
-            "max_model_len": engine.max_model_len,
-            "tuned_lens": tuned_lens is not None,  # (capture.tuned_lens: true reads the logit lens through it)
-        }
-        # each steering vector, a model of its own: the base model steered by it (as vLLM lists LoRA adapters)
-        steered = [{**card, "id": name, "parent": model_name} for name in steering_vectors]
-        return {"object": "list", "data": [card, *steered]}
-
-    @app.get("/v1/hooks")
-    async def hooks() -> dict:
-        # (TransformerLens's optional hooks flagged: a request names them in full, a glob leaves them out)
-        data = [{"name": name, "shape": list(shape), "optional": name not in always} for name, shape in shapes.items()]
-        return {"object": "list", "capture_enabled": config.enable_capture, "data": data}
-
-    @app.get("/v1/saes")
-    async def list_saes() -> dict:
-        return {"object": "list", "data": describe(saes)}
-
-    @app.get("/v1/steering_vectors")
-    async def list_steering_vectors() -> dict:
-        return {"object": "list", "data": describe_steering(steering_vectors)}
-
-    @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        store.sweep()  # the handle gauges count only what can still be downloaded
-        return PlainTextResponse(metrics.render(loop.stats, store, admission), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/activations/{handle}")
-    async def activations(handle: str, request: Request) -> Response:
-        key = presented_key(request.scope) if config.api_key else None
-        data = store.take(handle, owner_of(key))
-        if data is None:
-            raise APIError(
-                404,
-                f"activations {handle!r}: no such handle (never made, made under another key, "
-                "already downloaded or expired)",
-                param="id",
-                code="not_found",
-            )
-        return Download(data, handle, store)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generator.completions(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Response:
-        return await generator.chat(body, request)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await embedder.embeddings(body, request)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        return tokens.tokenize(body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        return tokens.detokenize(body)
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
-        return tokens.info()
-
-    # The lens page: it asks this API for its data (with the key typed into it), so it is open, and it is
-    # no part of the API's OpenAPI document; nor is /lens/texts, the token texts it names its cells by.
-    @app.get("/lens", include_in_schema=False)
-    async def lens() -> HTMLResponse:
-        return HTMLResponse(lens_page)
-
-    @app.post("/lens/texts", include_in_schema=False)
-    async def lens_texts(body: DetokenizeRequest) -> dict:
-        return tokens.texts(body)
-
+    app = FastAPI(title="vlens", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None)
+    app.state.served = served
+    for kind, handler in ((APIError, _api_error), (RequestValidationError, _invalid_body),
+                          (HTTPException, _http_error), (Exception, _internal_error)):  # fmt: skip
+        app.add_exception_handler(kind, handler)
+    app.include_router(routes)
     # Outermost first on the way in: count every response, then authenticate, then bound the body.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(BearerAuth, api_key=config.api_key)
@@ -233,6 +138,158 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     app.state.drain = drain
     app.state.engine_loop = loop
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    served = app.state.served
+    served.loop.start(asyncio.get_running_loop())
+    sweeper = asyncio.create_task(_sweep(served.store, served.config.activation_ttl_s))
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        await asyncio.to_thread(served.loop.stop)
+
+
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+    error = schema_error(e.errors(), 422)
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    if e.status_code == 400:  # FastAPI's only one: a body it could not decode (not UTF-8, say)
+        error = APIError(400, f"body: {e.detail}; expected a JSON object in UTF-8", param="body", code="json_invalid")
+    else:
+        error = APIError(
+            e.status_code,
+            f"{request.method} {request.url.path}: {e.detail}",
+            code="not_found" if e.status_code == 404 else None,
+        )
+    return JSONResponse(error.body(), status_code=e.status_code)
+
+
+async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
+
+routes = APIRouter()  # (every app's: each route reads its app's Served)
+
+
+def _served(request: Request) -> Served:
+    return request.app.state.served
+
+
+@routes.get("/health")
+async def health(request: Request) -> JSONResponse:
+    if not _served(request).loop.alive:
+        return JSONResponse(APIError(503, "the engine thread is not running").body(), status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict:
+    s = _served(request)
+    card = {
+        "id": s.model_name,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "vlens",
+        "max_model_len": s.max_model_len,
+        "tuned_lens": s.tuned_lens is not None,  # (capture.tuned_lens: true reads the logit lens through it)
+    }
+    # each steering vector, a model of its own: the base model steered by it (as vLLM lists LoRA adapters)
+    steered = [{**card, "id": name, "parent": s.model_name} for name in s.steering_vectors]
+    return {"object": "list", "data": [card, *steered]}
+
+
+@routes.get("/v1/hooks")
+async def hooks(request: Request) -> dict:
+    s = _served(request)
+    # (TransformerLens's optional hooks flagged: a request names them in full, a glob leaves them out)
+    data = [{"name": name, "shape": list(shape), "optional": name not in s.always} for name, shape in s.shapes.items()]
+    return {"object": "list", "capture_enabled": s.config.enable_capture, "data": data}
+
+
+@routes.get("/v1/saes")
+async def list_saes(request: Request) -> dict:
+    return {"object": "list", "data": describe(_served(request).saes)}
+
+
+@routes.get("/v1/steering_vectors")
+async def list_steering_vectors(request: Request) -> dict:
+    return {"object": "list", "data": describe_steering(_served(request).steering_vectors)}
+
+
+@routes.get("/metrics")
+async def prometheus(request: Request) -> PlainTextResponse:
+    s = _served(request)
+    s.store.sweep()  # the handle gauges count only what can still be downloaded
+    return PlainTextResponse(s.metrics.render(s.loop.stats, s.store, s.admission),
+                             media_type="text/plain; version=0.0.4")  # fmt: skip
+
+
+@routes.get("/v1/activations/{handle}")
+async def activations(handle: str, request: Request) -> Response:
+    s = _served(request)
+    key = presented_key(request.scope) if s.config.api_key else None
+    data = s.store.take(handle, owner_of(key))
+    if data is None:
+        raise APIError(
+            404,
+            f"activations {handle!r}: no such handle (never made, made under another key, "
+            "already downloaded or expired)",
+            param="id",
+            code="not_found",
+        )
+    return Download(data, handle, s.store)
+
+
+@routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _served(request).generator.completions(body, request)
+
+
+@routes.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request) -> Response:
+    return await _served(request).generator.chat(body, request)
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    return await _served(request).embedder.embeddings(body, request)
+
+
+@routes.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    return _served(request).tokens.tokenize(body)
+
+
+@routes.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    return _served(request).tokens.detokenize(body)
+
+
+@routes.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict:
+    return _served(request).tokens.info()
+
+
+# The lens page: it asks this API for its data (with the key typed into it), so it is open, and it is
+# no part of the API's OpenAPI document; nor is /lens/texts, the token texts it names its cells by.
+@routes.get("/lens", include_in_schema=False)
+async def lens(request: Request) -> HTMLResponse:
+    return HTMLResponse(_served(request).lens_page)
+
+
+@routes.post("/lens/texts", include_in_schema=False)
+async def lens_texts(body: DetokenizeRequest, request: Request) -> dict:
+    return _served(request).tokens.texts(body)
 
 
 async def _sweep(store: ActivationStore, ttl_s: float) -> None:
