@@ -50,8 +50,9 @@ Then a DeepSeek-V3 (--workload deepseek, or all): a random one of 8 layers (late
 dense layer), d=256, the same prompts and steps, against HF generate (which caches the latents and expands them each
 step); and a layer's hook_z.
 The families whose layers keep states (all but DeepSeek) then time two workloads of their prefix cache: a chat's next
-turn (each prompt, its reply and 16 tokens more, after the first turn) and 32 prompts behind one 128-token system
-prompt, each by HF generate, vlens without the cache and vlens with it (kept states).
+turn (each prompt, its reply and 16 tokens more, after the first turn), 32 prompts behind one 128-token system prompt,
+and 8 multiple-choice questions of 128 tokens x 4 answers scored by their prompt log-probabilities (lm-eval's
+loglikelihood; HF: one forward of the batch), each by HF, vlens without the cache and vlens with it (kept states).
 Timings are the best of --repeats runs after a warm-up (the host-overhead and spread cases run in turn; the
 window case has no warm-up run: the best of --repeats, each timing its steps after an untimed prefill).
 """
@@ -558,39 +559,51 @@ def family_workload(workload: str, repeats: int, steps: int = 32) -> None:
 
 def kept_states(llm: LLM, hf: torch.nn.Module, ids: list[list[int]], steps: int, repeats: int) -> None:
     """Where a model whose layers keep states gains from its prefix cache: a chat's next turn (each prompt, its reply
-    and 16 tokens more), and a batch behind one system prompt (128 tokens, then each prompt's own 16-64). vlens with
-    the cache (reset before each run; the next turn's first turn run again, untimed, for its kept states), vlens
-    without it, and HF generate (which keeps nothing across calls)."""
+    and 16 tokens more), a batch behind one system prompt (128 tokens, then each prompt's own 16-64), and lm-eval's
+    multiple choice (8 questions of 128 tokens x 4 answers of 4-12, scored by their prompt log-probabilities). vlens
+    with the cache (reset before each run; the next turn's first turn run again, untimed, for its kept states), vlens
+    without it, and HF (generate; for the choices one forward of the batch), which keeps nothing across calls."""
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
     turns = [p + r + q for p, r, q in zip(ids, first, random_prompts(len(ids), 16, 16))]
     system = random_prompts(1, 128, 128)[0]
     behind = [system + p for p in random_prompts(len(ids), 16, 64)]
+    choices = [q + a for q in random_prompts(8, 128, 128) for a in random_prompts(4, 4, 12)]
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     cached = LLM(model=llm.model_path, dtype="float32", device="cpu")
-    for name, prompts, before in (("next turn", turns, ids), ("one system prompt", behind, None)):
-        padded, mask = left_padded(prompts)
 
-        def hf_run():
-            with torch.inference_mode():
-                hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                            do_sample=False, pad_token_id=0)  # fmt: skip
+    def hf_generate(padded: torch.Tensor, mask: torch.Tensor) -> None:
+        with torch.inference_mode():
+            hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                        do_sample=False, pad_token_id=0)  # fmt: skip
 
-        def with_cache(timed: list[float]) -> None:
+    def hf_score(padded: torch.Tensor, mask: torch.Tensor) -> None:
+        with torch.inference_mode():
+            hf(input_ids=padded, attention_mask=mask).logits.log_softmax(-1)
+
+    cases = [("next turn (tokens)", turns, ids, params, hf_generate, len(turns) * steps),
+             ("one system prompt (tokens)", behind, None, params, hf_generate, len(behind) * steps),
+             ("multiple choice (answers)", choices, None, scored, hf_score, len(choices))]  # fmt: skip
+    for name, prompts, before, sampling, hf_fn, count in cases:
+        batch = left_padded(prompts)
+
+        def with_cache(timed: list[float], prompts=prompts, before=before, sampling=sampling) -> None:
             cached.reset_prefix_cache()
             if before is not None:
                 cached.generate(before, params, use_tqdm=False)
             start = time.perf_counter()
-            cached.generate(prompts, params, use_tqdm=False)
+            cached.generate(prompts, sampling, use_tqdm=False)
             timed.append(time.perf_counter() - start)
 
         kept: list[float] = []
-        t_hf, t_plain, _ = best_alternating([hf_run, lambda: llm.generate(prompts, params, use_tqdm=False),
-                                             lambda: with_cache(kept)], repeats)  # fmt: skip
-        t_kept, tokens = min(kept), len(prompts) * steps
-        print(f"{f'{name}: HF':<44}{tokens / t_hf:>10.1f}")
-        print(f"{f'{name}: vlens, no prefix cache':<44}{tokens / t_plain:>10.1f}{t_hf / t_plain:>9.2f}x")
-        print(f"{f'{name}: vlens, kept states':<44}{tokens / t_kept:>10.1f}{t_hf / t_kept:>9.2f}x"
+        runs = [lambda: hf_fn(*batch), lambda: llm.generate(prompts, sampling, use_tqdm=False), lambda: with_cache(kept)]
+        t_hf, t_plain, _ = best_alternating(runs, repeats)
+        t_kept = min(kept)
+        print(f"{f'{name}: HF':<44}{count / t_hf:>10.1f}")
+        print(f"{f'{name}: vlens, no prefix cache':<44}{count / t_plain:>10.1f}{t_hf / t_plain:>9.2f}x")
+        print(f"{f'{name}: vlens, kept states':<44}{count / t_kept:>10.1f}{t_hf / t_kept:>9.2f}x"
               f"  ({t_kept / t_plain:.2f}x the time without)")
+
 
 if __name__ == "__main__":
     main()

@@ -88,6 +88,8 @@ class Scheduler:
         deferred: list[Sequence] = []  # (a model that keeps states) waiting a step for a prefix's kept state
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.prefix_of is not None:
+                _take_prompt_logprobs(seq)
             self.blocks.admit(seq)
             lender = self._lender(seq, lenders)
             if lender is not None and self.blocks.num_states:
@@ -169,14 +171,14 @@ class Scheduler:
     ) -> int | None:  # fmt: skip
         """For a model that keeps states: where `seq` shares `length` tokens with a lender admitted in this step, the
         lender's chunk ends at the last block boundary of those (past SNAPSHOT_BLOCKS blocks) with its state kept,
-        so that `seq` can start there in the next step; the budget that cut frees (None: `seq` runs now, from what
-        the cache gave it). Not for a sequence that takes nothing from the cache (prompt log-probabilities)."""
+        so that `seq` can start there in the next step (taking the lender's prompt log-probabilities of those tokens,
+        where it wants them: `_take_prompt_logprobs`); the budget that cut frees (None: `seq` runs now, from what the
+        cache gave it)."""
         bs = self.blocks.block_size
         at = length // bs * bs
         i = next(i for i, (s, _) in enumerate(scheduled) if s is lender)
         end = lender.num_computed + scheduled[i][1]
-        if at < SNAPSHOT_BLOCKS * bs or at <= seq.num_computed or not lender.num_computed < at <= end \
-                or seq.prompt_logprobs is not None:  # fmt: skip
+        if at < SNAPSHOT_BLOCKS * bs or at <= seq.num_computed or not lender.num_computed < at <= end:
             return None
         if lender.state_save is None:
             self.blocks.keep_state(lender)
@@ -185,6 +187,8 @@ class Scheduler:
         scheduled[i] = (lender, at - lender.num_computed)
         entries = lenders[_key(lender)]
         entries[next(j for j, (s, _) in enumerate(entries) if s is lender)] = (lender, at)
+        if seq.prompt_logprobs is not None:  # (`_lender` lends to it only from one that computes the same ones)
+            seq.prefix_of = (lender, at)
         return end - at
 
     def _borrow(self, seq: Sequence, lender: Sequence, length: int) -> Borrow:
@@ -209,6 +213,16 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.blocks.release(seq)
+
+
+def _take_prompt_logprobs(seq: Sequence) -> None:
+    """A sequence that waited a step for a prefix another computed (Scheduler._defer) takes that one's prompt
+    log-probabilities of it, now delivered: the prefix cache then serves those tokens, whose rows it no longer needs
+    (Sequence.reusable_prefix)."""
+    lender, at = seq.prefix_of
+    seq.prefix_of = None
+    if len(seq.prompt_logprobs) == 1 and len(lender.prompt_logprobs) > at:
+        seq.prompt_logprobs = lender.prompt_logprobs[: at + 1]
 
 
 def _fresh(seq: Sequence) -> bool:

@@ -67,6 +67,9 @@ class Sequence:
         self.state_slot: int | None = None
         self.state_source: int | None = None
         self.state_save: int | None = None
+        # ... and, waiting a step for a prefix whose state another sequence keeps (scheduler.Scheduler._defer), that
+        # sequence and how many leading tokens' prompt log-probabilities it takes from it
+        self.prefix_of: tuple[Sequence, int] | None = None
         self.cache_salt: object = None  # what else (besides tokens) the KV depends on
         # ... of the tokens before the first row its interventions may change, the same as without them
         self.plain_salt: object = None
