@@ -112,7 +112,9 @@ def test_prompts_of_one_step_behind_one_prefix_compute_it_once(pair):
     scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     for params, decodes in ((_params(2), len(prompts)), (scored, 0)):
         cached.reset_prefix_cache()
+        steps = plain.stats().eager_steps
         want = plain.generate(prompts, params, use_tqdm=False)
+        assert plain.stats().eager_steps == steps + 1  # (without the cache: all at once, none waits)
         got, fed = _computed(cached, prompts, params)
         assert fed == 24 + sum(len(p) - 24 for p in prompts) + decodes
         if params is scored:

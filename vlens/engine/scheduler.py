@@ -174,6 +174,8 @@ class Scheduler:
         so that `seq` can start there in the next step (taking the lender's prompt log-probabilities of those tokens,
         where it wants them: `_take_prompt_logprobs`); the budget that cut frees (None: `seq` runs now, from what the
         cache gave it)."""
+        if not self.blocks.enable_prefix_caching:  # (nothing kept: each computes its own)
+            return None
         bs = self.blocks.block_size
         at = length // bs * bs
         i = next(i for i, (s, _) in enumerate(scheduled) if s is lender)
