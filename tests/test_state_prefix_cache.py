@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import rel_err
 from family_parity import build, sequences
+from replayed_graphs import replay_graphs
 from test_parity_bamba import bamba_config
 from test_parity_lfm2 import lfm2_config
 from test_parity_mamba import mamba_config
@@ -63,23 +64,39 @@ def _slots_back(llm: LLM) -> None:
 
 
 def test_a_prompt_again_and_a_chat_s_next_turn_start_from_the_kept_state(pair):
-    """A 30-token prompt keeps its state at token 28: run again, it computes its last 2 tokens; a next turn (the
-    prompt, its reply and a new message) starts there too. Every output is the uncached engine's."""
+    """A 30-token prompt keeps its state at token 28, and its sequence, which computes 35 tokens, its state at 32 (the
+    last block boundary a step of it started at): run again, the prompt computes its last 2 tokens; a next turn (the
+    prompt, its reply and a new message) starts at 32, inside the reply. Every output is the uncached engine's."""
     _, cached, plain = pair
     cached.reset_prefix_cache()
     prompt = sequences((30,))[0]
     want = plain.generate([prompt], _params(), use_tqdm=False)
     first, fed = _computed(cached, [prompt], _params())
-    assert fed == 30 + 5 and cached.stats().kept_states == 1
+    assert fed == 30 + 5 and cached.stats().kept_states == 2
     again, fed = _computed(cached, [prompt], _params())
     assert fed == 2 + 5
     _same(first + again, want + want)
     turn = prompt + want[0].outputs[0].token_ids + sequences((9,))[0]
     want = plain.generate([turn], _params(), use_tqdm=False)
     got, fed = _computed(cached, [turn], _params())
-    assert fed == len(turn) - 28 + 5
+    assert fed == len(turn) - 32 + 5
     _same(got, want)
     _slots_back(cached)
+
+
+def test_decode_graphs_copy_the_state_a_next_turn_starts_from(pair):
+    """Decode steps replayed from graphs (emulated here: tests/replayed_graphs.py) copy a sequence's state at block
+    boundaries outside the graph: the next turn starts inside the reply, with the uncached engine's output."""
+    path, _, plain = pair
+    graphs = _open(path)
+    replay_graphs(graphs.runner)
+    prompt = sequences((30,))[0]
+    first = graphs.generate([prompt], _params(), use_tqdm=False)
+    assert graphs.runner.graph_stats.graph_steps > 0
+    turn = prompt + first[0].outputs[0].token_ids + sequences((9,))[0]
+    got, fed = _computed(graphs, [turn], _params())
+    assert fed == len(turn) - 32 + 5
+    _same(got, plain.generate([turn], _params(), use_tqdm=False))
 
 
 def test_only_prefixes_with_a_kept_state_are_taken(pair):
@@ -160,7 +177,7 @@ def test_a_cache_with_no_spare_state_slot(tmp_path, name):
 
 def test_two_ranks_start_from_the_kept_state(tmp_path):
     """Under tensor parallelism each rank keeps its share of the state and starts from it: a prompt again computes
-    its last tokens, and every output is one process's."""
+    its last tokens, a next turn starts inside the reply, and every output is one process's."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -172,6 +189,10 @@ def test_two_ranks_start_from_the_kept_state(tmp_path):
         again, fed = _computed(two, prompts, _params())
         assert fed == 2 + 1 + 2 * 5
         _same(first + again, want + want)
+        turn = prompts[0] + want[0].outputs[0].token_ids + sequences((9,))[0]
+        got, fed = _computed(two, [turn], _params())
+        assert fed == len(turn) - 32 + 5
+        _same(got, one.generate([turn], _params(), use_tqdm=False))
         two.close()
     finally:
         torch.set_num_threads(threads)

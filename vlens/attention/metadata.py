@@ -90,6 +90,9 @@ class AttentionMetadata:
     # (batch rows, slots) [S] (device): sequences whose state after this forward is kept in a second slot too, for
     # later sequences to start from; None: none
     state_saves: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (from, to) [C] (device): state slots copied before the forward advances them (a sequence's state at a block
+    # boundary, kept for when it ends: vlens.engine.block_manager); None: none
+    state_copies: tuple[torch.Tensor, torch.Tensor] | None = None
     num_states: int = 0  # ... of how many slots (and a scratch one after them): what the other ranks allocate
     # how linear-attention layers lay out a forward's rows where some sequence feeds several (`chunk_layout`); None:
     # none does, or no such layers

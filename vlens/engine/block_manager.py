@@ -10,8 +10,10 @@ block on (`Sequence.state_slot`; a lent table: `state_of`). Such a state is of a
 from blocks, so a prefix is cached with its state: a prompt's chunk that ends at its last block boundary (before its
 last token, which must run for its logits) keeps the state there in a slot of its own too (`snapshot_point`), under
 that block's hash (`snapshots`). A later sequence takes cached blocks up to the last one with such a state, and its
-first chunk starts from that state (`Sequence.state_source`). Slots that no sequence holds keep these states, the
-least recently used given up first when a sequence needs a slot.
+first chunk starts from that state (`Sequence.state_source`). A running sequence also copies its state to a second
+slot of its own at each block boundary a step of it starts at (`Sequence.state_mark`), and leaves that state, kept
+likewise, when it ends or is preempted: a chat's next turn starts after the reply. Slots that no sequence holds keep
+these states, the least recently used given up first when a sequence needs a slot, then running sequences' marks.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class BlockManager:
         # block hash -> the slot holding the state after the tokens up to that block's end (least recently used first)
         self.snapshots: OrderedDict[int, int] = OrderedDict()
         self.pinned: Counter[int] = Counter()  # snapshot slots that scheduled chunks start from (not given up)
+        self.marks: dict[int, Sequence] = {}  # a running sequence's mark slot -> the sequence
 
     def usage(self) -> float:
         return 1 - len(self.free) / len(self.blocks)
@@ -113,6 +116,7 @@ class BlockManager:
             self._unpin(source)
             return []
         seq.state_source = source
+        self._mark_slot(seq)
         return found
 
     def _state(self) -> int | None:
@@ -123,11 +127,23 @@ class BlockManager:
             if not self.pinned[slot]:
                 del self.snapshots[h]
                 return slot
+        if self.marks:  # (a running sequence's mark: it leaves no state when it ends)
+            slot, seq = self.marks.popitem()
+            seq.state_mark = None
+            return slot
         return None
 
+    def _mark_slot(self, seq: Sequence) -> None:
+        """A free slot, if there is one, for the sequence's state at block boundaries (`Sequence.state_mark`)."""
+        if self.free_states and self.enable_prefix_caching:
+            seq.state_mark, seq.marked_at = self.free_states.pop(), 0
+            self.marks[seq.state_mark] = seq
+
     def states_free(self) -> int:
-        """State slots that sequences may take: the free ones and those of kept states no chunk starts from."""
-        return len(self.free_states) + sum(1 for slot in self.snapshots.values() if not self.pinned[slot])
+        """State slots that sequences may take: the free ones, those of kept states no chunk starts from and those of
+        running sequences' marks."""
+        kept = sum(1 for slot in self.snapshots.values() if not self.pinned[slot])
+        return len(self.free_states) + kept + len(self.marks)
 
     def _unpin(self, slot: int) -> None:
         self.pinned[slot] -= 1
@@ -166,6 +182,7 @@ class BlockManager:
             seq.block_table.append(self._fresh())
         if first:
             seq.state_slot = self._state()
+            self._mark_slot(seq)
         return True
 
     def reserve_next(self, seqs: list[Sequence]) -> bool:
@@ -249,6 +266,8 @@ class BlockManager:
         return True
 
     def release(self, seq: Sequence) -> None:
+        if seq.state_mark is not None:
+            self._leave_mark(seq)
         self.give_back(seq.block_table)
         seq.block_table.clear()
         seq.block_hashes.clear()
@@ -258,4 +277,15 @@ class BlockManager:
                 self.free_states.append(slot)
         if seq.state_source is not None:
             self._unpin(seq.state_source)
-        seq.state_slot = seq.state_source = seq.state_save = None
+        seq.state_slot = seq.state_source = seq.state_save = seq.state_mark = None
+
+    def _leave_mark(self, seq: Sequence) -> None:
+        """An ending sequence's state at its last block boundary kept for later prompts, where its blocks up to there
+        are published (else its slot goes free)."""
+        del self.marks[seq.state_mark]
+        full = seq.marked_at // self.block_size
+        h = seq.block_hashes[full - 1] if 0 < full <= len(seq.block_hashes) else None
+        if h is None or h in self.snapshots:
+            self.free_states.append(seq.state_mark)
+        else:
+            self.snapshots[h] = seq.state_mark

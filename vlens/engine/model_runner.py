@@ -50,6 +50,7 @@ from vlens.capture.rows import DecodePages
 from vlens.capture.runtime import Collection, TapRuntime
 from vlens.context import ForwardContext, Tap, set_context
 from vlens.distributed.taps import HookFailed, shard_taps
+from vlens.engine.block_manager import SNAPSHOT_BLOCKS
 from vlens.engine.buffers import StepBuffers
 from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
 from vlens.engine.packed import PackedCapture, packed_plan
@@ -142,6 +143,7 @@ class ModelRunner:
                 "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long), "ahead_rows": (seqs, long),
                 "state_slots": (seqs, long), "image_rows": (tokens, long), "rope_positions": ((3, max_tokens), long),
                 "state_sources": (seqs, long), "state_save_rows": (seqs, long), "state_save_slots": (seqs, long),
+                "state_copy_from": (seqs, long), "state_copy_to": (seqs, long),
             },
             self.device,
         )  # fmt: skip
@@ -258,6 +260,7 @@ class ModelRunner:
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
                 self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend,
                                            embeds)  # fmt: skip
+            self._copy_states(meta)
             fused = self.fused and not torch.is_grad_enabled()  # (a forward keeping a graph runs unfused: eager)
             set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused, embeds=embeds))
             hidden, logits = None, None
@@ -302,6 +305,7 @@ class ModelRunner:
         )  # fmt: skip
         if self.stateful:
             self._kept_states(meta, [s for s, _ in order])
+            self._marks(meta, [s for s, _ in order], [s.num_computed for s, _ in order])
         if self.cfg.mrope_section:
             self._rope_positions(meta, [(s.num_computed, n) for s, n in order], [s.images for s, _ in order])
         fed = chain.from_iterable(s.token_ids[s.num_computed : s.num_computed + n] for s, n in order)  # (in C)
@@ -448,6 +452,8 @@ class ModelRunner:
         if self.cfg.mrope_section:  # (its graph or compiled forward reads the buffer whatever the step's sequences)
             self._rope_positions(meta, [(p, 1) for p in last] + [(0, 1)] * pad, [s.images for s in seqs] + [None] * pad,
                                  always=True)  # fmt: skip
+        if self.stateful:
+            self._marks(meta, seqs, last)
         if ahead is None:
             ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
         else:
@@ -459,6 +465,8 @@ class ModelRunner:
         # A buffer that grew while this step was put moved them all to a new block, and this step's inputs
         # are in the old one, which no graph may capture: later replays would read it after it is freed.
         if self.graphs and self.buffers.generation == generation:
+            self._copy_states(meta)  # (outside the graph: which states are copied changes step by step)
+            meta.state_copies = None
             key = (size, pages, generation, self._signature(taps))
             entry = self._graphs.pop(key, None)  # (put back last: the dict runs from least to most recently used)
             if entry is None:
@@ -661,6 +669,27 @@ class ModelRunner:
     def _seq_states(self, seqs: list[Sequence]) -> list[int] | None:
         """The state slot of each sequence, where the model has layers that keep states."""
         return [s.state_slot for s in seqs] if self.stateful else None
+
+    def _marks(self, meta: AttentionMetadata, seqs: list[Sequence], starts: list[int]) -> None:
+        """Each sequence whose step starts at a block boundary (past SNAPSHOT_BLOCKS blocks) copies its state there to
+        its mark slot first, which it leaves as a prefix's kept state when it ends (vlens.engine.block_manager)."""
+        bs, least = self.block_size, SNAPSHOT_BLOCKS * self.block_size
+        moves = []
+        for s, at in zip(seqs, starts):
+            if s.state_mark is not None and at % bs == 0 and at >= least and at > s.marked_at and s.state_source is None:
+                moves.append((s.state_slot, s.state_mark))
+                s.marked_at = at
+        if moves:
+            put = self.buffers.put
+            src, dst = (np.asarray(x, np.int64) for x in zip(*moves))
+            meta.state_copies = (put("state_copy_from", src), put("state_copy_to", dst))
+
+    def _copy_states(self, meta: AttentionMetadata) -> None:
+        """The step's state copies (`_marks`), before its forward advances the states."""
+        if meta.state_copies is not None:
+            src, dst = meta.state_copies
+            for state in self._states():
+                state.index_copy_(0, dst, state.index_select(0, src))
 
     def _kept_states(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
         """The slots of cached prefixes' states that chunks start from, and those their states are kept in

@@ -67,6 +67,10 @@ class Sequence:
         self.state_slot: int | None = None
         self.state_source: int | None = None
         self.state_save: int | None = None
+        # ... and the slot its state is copied to at each block boundary a step starts at, for it to leave as a
+        # prefix's kept state when it ends (and how many tokens that copy covers)
+        self.state_mark: int | None = None
+        self.marked_at = 0
         # ... and, waiting a step for a prefix whose state another sequence keeps (scheduler.Scheduler._defer), that
         # sequence and how many leading tokens' prompt log-probabilities it takes from it
         self.prefix_of: tuple[Sequence, int] | None = None
