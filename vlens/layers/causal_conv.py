@@ -26,25 +26,24 @@ class CausalConv(nn.Conv1d, SlotStates):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kernel, width = self.kernel_size[0], self.kernel_size[0] - 1
-        t = x.shape[0]
-        rows = torch.arange(t, device=x.device)
+        t, batch = x.shape[0], len(meta.query_lens)
         starts = meta.cu_seqlens_q.long()
-        at = rows - starts[meta.token_seq]  # each row's index among its sequence's rows here
+        # Each sequence's `width` inputs before its first row here (its saved ones, or zeros), then its rows, the
+        # sequences one after the other: a row's earlier inputs are the rows just before it there
+        at = torch.arange(t, device=x.device) + (meta.token_seq + 1) * width
         slots = step_slots(self, "state", meta)
-        prior = None if slots is None else slots.read(self.state)
+        padded = x.new_zeros(t + batch * width, x.shape[1])
+        padded[at] = x
+        if slots is not None:
+            saved = (starts[:-1] + torch.arange(batch, device=x.device) * width)[:, None] + torch.arange(width,
+                                                                                                       device=x.device)
+            padded[saved.flatten()] = slots.read(self.state).flatten(0, 1)
         weight = self.weight[:, 0].float()  # [channels, kernel]: the last tap reads the row itself
         out = x.float() * weight[:, -1]
         for back in range(1, kernel):
-            earlier = x[(rows - back).clamp(min=0)]
-            saved = 0 if prior is None else prior[meta.token_seq, (at - back + width).clamp(0, width - 1)]
-            earlier = torch.where((at >= back)[:, None], earlier, saved)
-            out = out + earlier.float() * weight[:, -1 - back]
-        if slots is not None:  # (the last `width` inputs of each sequence: its rows', then its saved ones before)
-            counts = starts[1:] - starts[:-1]
-            index = counts[:, None] - width + torch.arange(width, device=x.device)  # [B, width], < 0: saved
-            mine = x[(starts[:-1, None] + index).clamp(0, t - 1)]
-            before = prior[torch.arange(len(counts), device=x.device)[:, None], (index + width).clamp(0, width - 1)]
-            slots.write(self.state, torch.where((index >= 0)[..., None], mine, before))
+            out = out + padded[at - back].float() * weight[:, -1 - back]
+        if slots is not None:  # (the last `width` inputs of each sequence: of its rows, then of its saved ones)
+            slots.write(self.state, padded[saved + starts[1:, None] - starts[:-1, None]])
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype)
