@@ -673,12 +673,13 @@ class ModelRunner:
     def _marks(self, meta: AttentionMetadata, seqs: list[Sequence], starts: list[int]) -> None:
         """Each sequence whose step starts at a block boundary (past SNAPSHOT_BLOCKS blocks) copies its state there to
         its mark slot first, which it leaves as a prefix's kept state when it ends (vlens.engine.block_manager)."""
-        bs, least = self.block_size, SNAPSHOT_BLOCKS * self.block_size
+        at = np.asarray(starts, np.int64)
         moves = []
-        for s, at in zip(seqs, starts):
-            if s.state_mark is not None and at % bs == 0 and at >= least and at > s.marked_at and s.state_source is None:
+        for i in np.flatnonzero((at % self.block_size == 0) & (at >= SNAPSHOT_BLOCKS * self.block_size)).tolist():
+            s = seqs[i]  # (a step of a sequence at a boundary: one in block_size steps of its decode)
+            if s.state_mark is not None and at[i] > s.marked_at and s.state_source is None:
                 moves.append((s.state_slot, s.state_mark))
-                s.marked_at = at
+                s.marked_at = int(at[i])
         if moves:
             put = self.buffers.put
             src, dst = (np.asarray(x, np.int64) for x in zip(*moves))
