@@ -397,6 +397,13 @@ def test_metrics(server, client):
     client.completions.create(model="smol", prompt=PROMPT, **GREEDY)
     text = httpx.get(server + "/metrics", headers=AUTH).text
     assert metric(server, "vlens_generation_tokens_total", AUTH) == before + 4
+    queries, hits = (metric(server, f"vlens_prefix_cache_{kind}_total", AUTH) for kind in ("queries", "hits"))
+    long = " ".join([PROMPT] * 12)  # (several full blocks, cached by the first request, taken by the second)
+    for _ in range(2):
+        client.completions.create(model="smol", prompt=long, **GREEDY)
+    assert metric(server, "vlens_prefix_cache_hits_total", AUTH) >= hits + 16
+    assert metric(server, "vlens_prefix_cache_queries_total", AUTH) > queries + 2 * 16
+    assert metric(server, "vlens_kept_states", AUTH) == 0  # (a model without states)
     assert 'vlens_http_requests_total{route="/v1/completions",status="200"}' in text
     assert 'vlens_http_requests_total{route="/v1/models",status="401"}' in text
     assert metric(server, "vlens_captured_bytes_total", AUTH) > 0

@@ -58,6 +58,8 @@ class EngineStats:
     ahead_steps: int = 0  # decode steps queued before the previous step's ids reached the host
     repeated_steps: int = 0  # decode steps planned as the one before, one position on: no work per request
     kept_states: int = 0  # prefixes' states kept for later prompts (a model whose layers keep states per sequence)
+    prefix_cache_queries: int = 0  # tokens of sequences admitted so far ...
+    prefix_cache_hits: int = 0  # ... and of those, what the prefix cache gave
 
     @property
     def kv_cache_usage(self) -> float:
@@ -239,6 +241,8 @@ class LLMEngine:
             ahead_steps=graphs.ahead_steps,
             repeated_steps=self.runner.pages.repeats,
             kept_states=len(self.blocks.snapshots),
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
         )
 
     # -- the loop ---------------------------------------------------------------------------------

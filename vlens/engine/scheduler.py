@@ -35,6 +35,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.tokens_computed = 0  # fed to the model so far, recomputed ones included
+        # prompt tokens of admitted sequences, and of those the prefix cache gave (vLLM's prefix cache queries, hits)
+        self.prefix_queries = self.prefix_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,6 +93,7 @@ class Scheduler:
             if seq.prefix_of is not None:
                 _take_prompt_logprobs(seq)
             self.blocks.admit(seq)
+            hit = seq.num_computed
             lender = self._lender(seq, lenders)
             if lender is not None and self.blocks.num_states:
                 freed = self._defer(seq, *lender, lenders, scheduled)
@@ -116,6 +119,8 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
+            self.prefix_queries += len(seq.token_ids)
+            self.prefix_hits += hit
             budget -= n
             self.tokens_computed += n
         self.waiting.extendleft(reversed(deferred))  # (first in the next step, in their order)
