@@ -276,7 +276,7 @@ def test_bad_input_is_refused_by_name(vlm, smol, tmp_path):
     out = tmp_path / "out"
     refusals = [
         (dict(OPTIONS, pack=True), r"^image_field: a record with images is one window of its own, which needs pack"),
-        (dict(OPTIONS, backend="ray"), r"^backend: 'ray' does not go with image_field"),
+        (dict(OPTIONS, generate_tokens=4), r"^generate_tokens: 4 does not go with image_field"),
         (dict(OPTIONS, context_size=4), r"^context_size: .* line 1 has \d+ tokens up to its last image's end"),
         (dict(OPTIONS, image_field="pictures"), r"^image_field: 'pictures' missing from .* line 1"),
     ]

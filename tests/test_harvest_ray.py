@@ -205,3 +205,22 @@ def test_cli_flags_and_no_ray_import_in_core():
 def test_unknown_backend_is_refused(smol4_path, corpus, tmp_path):
     with pytest.raises(ValueError, match="backend"):
         harvest(str(smol4_path), corpus, HOOKS, tmp_path / "out", backend="dask", **OPTIONS)
+
+
+def test_records_with_images_write_the_single_machine_files(smol_path, tmp_path):
+    """Records of a text and its images (LLaVA's tiny checkpoint, tests/test_harvest_images.py's records): the driver
+    expands their placeholders, each actor runs the vision tower beside its model, and the files are the
+    single-machine run's, byte for byte."""
+    from test_harvest_images import OPTIONS as IMAGES
+    from test_harvest_images import records
+    from test_harvest_images import write_jsonl as write_records
+    from test_images import checkpoint
+
+    path = checkpoint("llava", smol_path, tmp_path / "llava")
+    source = write_records(tmp_path, records("llava", tmp_path) * 3)
+    hooks = ["blocks.0.hook_resid_post", "ln_final.hook_out"]
+    options = dict(IMAGES, shard_bytes=40_000, batch_tokens=128)
+    harvest(path, source, hooks, tmp_path / "local", **options)
+    summary = harvest(path, source, hooks, tmp_path / "ray", backend="ray", workers=2, **options)
+    assert summary.windows == 12 and len(read_manifest(tmp_path / "ray")["shards"]) > 2
+    assert dir_bytes(tmp_path / "ray") == dir_bytes(tmp_path / "local")

@@ -159,12 +159,10 @@ class HarvestConfig:
             if self.pack:
                 raise ValueError("image_field: a record with images is one window of its own, which needs pack=False "
                                  "(--no-pack): packing would cut images apart")  # fmt: skip
-            others = (("backend", self.backend, "local"), ("generate_tokens", self.generate_tokens, None),
-                      ("roles", self.roles, None))  # fmt: skip
-            for name, value, default in others:
-                if value != default:
-                    raise ValueError(f"{name}: {value!r} does not go with image_field; a harvest of images runs on the "
-                                     "local backend and stores the records' own text")  # fmt: skip
+            for name, value in (("generate_tokens", self.generate_tokens), ("roles", self.roles)):
+                if value is not None:
+                    raise ValueError(f"{name}: {value!r} does not go with image_field; a harvest of images stores "
+                                     "every row of the records' own text")  # fmt: skip
         if self.temperature and self.generate_tokens is None:
             raise ValueError("temperature: samples the continuations of generate_tokens; give it too")
         if self.samples > 1 and not self.temperature:

@@ -16,6 +16,10 @@ same file a single-machine run would have at that shard, and a re-run after the 
 through the single-machine logic: shard files ahead of the manifest are deleted and redone. At the end the shard
 files and the manifest are byte-identical to a single-machine run on the same device and dtype.
 
+A run of records with images (`image_field`) reads them on the driver, where the checkpoint's processor expands
+their placeholders (as the local run's reading thread does); a window's vision inputs go to its actor with it, and
+each actor runs the vision tower beside its model.
+
 A generating run (`generate_tokens`, vlens.harvest.replies) makes each actor's model an engine: the driver
 hands the chunks of documents to the actors in turn, one each in flight ahead of the windows it packs, and
 writes their continuations' files itself; an actor's generation and its shard forwards take turns on its device
@@ -55,12 +59,12 @@ from vlens.harvest.job import (
     store_shard,
     window_stream,
 )
-from vlens.harvest.model import generation_engine, resolve_model, runner_for
+from vlens.harvest.model import generation_engine, image_encoder, resolve_model, runner_for
 from vlens.harvest.ray_source import ray_token_documents
 from vlens.harvest.replies import Generation, Start, generate_replies, with_replies
 from vlens.harvest.rows import DeviceRows
 from vlens.harvest.stats import Pieces
-from vlens.harvest.windows import Window
+from vlens.harvest.windows import Window, token_documents
 from vlens.harvest.writer import Store, read_manifest
 
 # How far (in shards per actor) the tasks handed out may run ahead of the manifest: enough that an actor
@@ -90,6 +94,7 @@ class ShardWorker:
         self.features = feature_harvest(config, self.loaded.config)
         self.edits = harvest_edits(config, self.loaded)
         self.taps = sorted({*wanted.values(), *([self.features.tap] if self.features is not None else [])})
+        self.encoder = image_encoder(model, self.loaded) if config.image_field is not None else None
         self.stage: DeviceRows | None = None
         self.device_lock = threading.Lock()
 
@@ -119,7 +124,7 @@ class ShardWorker:
                 self.stage = DeviceRows(
                     self.runner, self.wanted, request_shapes(self.loaded.config), self.config.out_dtype,
                     self.excluded, batch_tokens, self.features, self.edits, buffer_sets=_TASKS_PER_ACTOR,
-                    row_keys=row_keys, pool=self.config.pool,
+                    row_keys=row_keys, pool=self.config.pool, encoder=self.encoder,
                 )  # fmt: skip  (never closed: the actor ends with the run)
             shard = self.stage.shard(index, first, shard_windows)
         try:
@@ -184,14 +189,18 @@ def harvest_ray(config: HarvestConfig) -> HarvestSummary:
         if config.generate_tokens is not None:
             generation = Generation(config.generate_tokens, config.temperature, config.samples)
         described = generation and generation.describe()
-        run_header = header(loaded, src, wanted, packing, config, batch_tokens, features, edits, described)
+        encoder = image_encoder(config.model, loaded) if src.image_field is not None else None
+        run_header = header(loaded, src, wanted, packing, config, batch_tokens, features, edits, described, encoder)
         run_header["model"].update(device=info["device"], dtype=info["dtype"])
         job = Job.open(config.out_dir, run_header, cfg, wanted, config.out_dtype, packing)
         if job.manifest["complete"]:
             return job.report(started, config.progress, config.workers)
-        token_docs = ray_token_documents(
-            src, loaded.tokenizer, cfg.vocab_size, packing.roles, config.workers, generation is not None
-        )  # fmt: skip
+        if encoder is not None:  # (its processor on the driver: a record's images travel with its window)
+            token_docs = token_documents(src.documents(), loaded.tokenizer, cfg.vocab_size, encoder=encoder)
+        else:
+            token_docs = ray_token_documents(
+                src, loaded.tokenizer, cfg.vocab_size, packing.roles, config.workers, generation is not None
+            )  # fmt: skip
         if generation is not None:  # the actors generate, a chunk each at a time
             token_docs = with_replies(token_docs, generation, packing, job, _actor_start(actors, generation),
                                       ahead=config.workers)  # fmt: skip
