@@ -593,20 +593,42 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
     hooks = [*hooks, "unembed.hook_out"]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, capture=Capture(hooks, positions="all"))
     worst, equal = 0.0, 0
+
+    def check(prompt: list[int], out, start: int = 0) -> None:
+        """`out`'s rows from position `start` on and its tokens against HF's."""
+        nonlocal worst, equal
+        seq = prompt + out.outputs[0].token_ids
+        n = len(seq) - 1  # the last sampled token is never fed
+        want = {k: v[start:n] for k, v in hf_taps(hf, seq, range(layers), patterns=False).items() if k in hooks}
+        worst = max(worst, *(rel(out.activations[h], want[h]) for h in hooks))
+        equal += hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist() == \
+            out.outputs[0].token_ids  # fmt: skip
+
     with torch.inference_mode():
         for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-            seq = p + o.outputs[0].token_ids
-            n = len(seq) - 1  # the last sampled token is never fed
-            want = {k: v[:n] for k, v in hf_taps(hf, seq, range(layers), patterns=False).items() if k in hooks}
-            worst = max(worst, *(rel(o.activations[h], want[h]) for h in hooks))
-            equal += hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist() == \
-                o.outputs[0].token_ids  # fmt: skip
+            check(p, o)
+        kept = None
+        if llm.runner.stateful:  # a chat's next turn (a 100-token prompt, its reply, a new message): from the state
+            # its sequence left at its last block boundary, copied there outside the decode steps' graphs
+            first = [rng.randrange(10, 8000) for _ in range(100)]
+            reply = llm.generate([first], params, use_tqdm=False)[0]
+            check(first, reply)
+            turn = first + reply.outputs[0].token_ids + [rng.randrange(10, 8000) for _ in range(9)]
+            before = llm.stats().tokens_computed
+            generated = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                       capture=Capture(hooks, positions="generated"))  # (rows it must compute alone)
+            out = llm.generate([turn], generated, use_tqdm=False)[0]
+            kept = {"tokens_computed": llm.stats().tokens_computed - before, "without_the_cache": len(turn) + 15,
+                    "kept_states": llm.stats().kept_states}  # fmt: skip
+            check(turn, out, len(turn))
+            prompts = [*prompts, first, turn]
     torch.backends.cuda.matmul.allow_tf32 = True
     return {
         "trace_taps": len(taps), "trace_max_rel_err": max(taps), "pattern_max_rel_err": max(patterns, default=0.0),
         "decode_max_rel_err": worst, "greedy_equal": f"{equal}/{len(prompts)}",
-        "graph_steps": llm.engine.runner.graph_stats.graph_steps,
-        "ok": max(taps) <= 1e-5 and max(patterns, default=0.0) <= 1e-4 and worst <= 1e-5 and equal == len(prompts),
+        "graph_steps": llm.engine.runner.graph_stats.graph_steps, **({"next_turn": kept} if kept else {}),
+        "ok": max(taps) <= 1e-5 and max(patterns, default=0.0) <= 1e-4 and worst <= 1e-5 and equal == len(prompts)
+        and (kept is None or kept["tokens_computed"] < kept["without_the_cache"]),
     }  # fmt: skip
 
 
