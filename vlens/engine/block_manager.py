@@ -120,7 +120,8 @@ class BlockManager:
         return found
 
     def _state(self) -> int | None:
-        """A state slot: a free one, else the one of the least recently used kept state no chunk starts from."""
+        """A state slot: a free one, else the one of the least recently used kept state no chunk starts from, else a
+        running sequence's mark (which then leaves no state when it ends); None where every slot is a sequence's."""
         if self.free_states:
             return self.free_states.pop()
         for h, slot in self.snapshots.items():
