@@ -146,6 +146,21 @@ def test_prompts_of_one_step_behind_one_prefix_compute_it_once(pair):
     _slots_back(cached)
 
 
+def test_prompts_of_later_steps_behind_one_prefix_compute_it_twice_at_most(pair):
+    """Prompts behind one 26-token prefix, each in a call of its own (a server's requests behind one system prompt):
+    the second finds the first's blocks of it cached without a state at their end (24), computes them and keeps its
+    state there; the third and later start there. Each output the uncached engine's."""
+    _, cached, plain = pair
+    cached.reset_prefix_cache()
+    prefix = sequences((26,))[0]
+    prompts = [prefix + tail for tail in sequences((10, 7, 12, 9))]
+    for i, prompt in enumerate(prompts):
+        got, fed = _computed(cached, [prompt], _params(2))
+        assert fed == (len(prompt) if i < 2 else len(prompt) - 24) + 1, i
+        _same(got, plain.generate([prompt], _params(2), use_tqdm=False))
+    _slots_back(cached)
+
+
 def test_chunked_prefill_cuts_a_chunk_where_its_state_is_kept(pair):
     """Prompts fed 8 tokens a step (a chunk cut at the point its state is kept), and prompts that extend them in
     the same call: every output is the uncached engine's, and states are kept."""

@@ -10,7 +10,9 @@ block on (`Sequence.state_slot`; a lent table: `state_of`). Such a state is of a
 from blocks, so a prefix is cached with its state: a prompt's chunk that ends at its last block boundary (before its
 last token, which must run for its logits) keeps the state there in a slot of its own too (`snapshot_point`), under
 that block's hash (`snapshots`). A later sequence takes cached blocks up to the last one with such a state, and its
-first chunk starts from that state (`Sequence.state_source`). A running sequence also copies its state to a second
+first chunk starts from that state (`Sequence.state_source`); where more of its blocks were cached (a prompt that
+shares only its start with an earlier one: a system prompt), its chunk also ends at their end, its state kept there
+for the prompts after it (`Sequence.uncached_state_at`). A running sequence also copies its state to a second
 slot of its own at each block boundary a step of it starts at (`Sequence.state_mark`), and leaves that state, kept
 likewise, when it ends or is preempted: a chat's next turn starts after the reply. Slots that no sequence holds keep
 these states, the least recently used given up first when a sequence needs a slot, then running sequences' marks.
@@ -103,7 +105,9 @@ class BlockManager:
 
     def _with_state(self, seq: Sequence, found: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Of the cached blocks found, those up to the last after which a state is kept, which the sequence's
-        first chunk starts from (in a slot of its own, taken now); none where there is no such state or slot."""
+        first chunk starts from (in a slot of its own, taken now); none where there is no such state or slot. Where
+        more were found, the sequence keeps its state at their end (`Sequence.uncached_state_at`)."""
+        seq.uncached_state_at = len(found) * self.block_size
         while found and found[-1][1] not in self.snapshots:
             found.pop()
         if not found:
@@ -152,12 +156,14 @@ class BlockManager:
             del self.pinned[slot]
 
     def snapshot_point(self, seq: Sequence) -> int | None:
-        """Where a sequence's state is kept for later sequences (its tokens' last block boundary before its last
-        token), if it has yet to compute that far and it is far enough (SNAPSHOT_BLOCKS); else None."""
+        """Where a sequence's state is kept next for later sequences: the end of its prefix whose blocks are cached
+        without a state, then its tokens' last block boundary before its last token; the first it has yet to compute
+        that is far enough (SNAPSHOT_BLOCKS), else None."""
         if not (self.num_states and self.enable_prefix_caching):
             return None
-        at = (len(seq.token_ids) - 1) // self.block_size * self.block_size
-        return at if at >= SNAPSHOT_BLOCKS * self.block_size and seq.num_computed < at else None
+        last = (len(seq.token_ids) - 1) // self.block_size * self.block_size
+        points = [at for at in (seq.uncached_state_at, last) if at >= SNAPSHOT_BLOCKS * self.block_size]
+        return next((at for at in points if seq.num_computed < at), None)
 
     def keep_state(self, seq: Sequence) -> None:
         """The sequence's chunk this step ends at its snapshot point: a slot to keep its state in (none, and no

@@ -71,6 +71,9 @@ class Sequence:
         # prefix's kept state when it ends (and how many tokens that copy covers)
         self.state_mark: int | None = None
         self.marked_at = 0
+        # ... and how far its prefix's blocks were cached without a state kept at their end (a prompt that shares
+        # only its start with an earlier one): it keeps its state there, for the prompts after it
+        self.uncached_state_at = 0
         # ... and, waiting a step for a prefix whose state another sequence keeps (scheduler.Scheduler._defer), that
         # sequence and how many leading tokens' prompt log-probabilities it takes from it
         self.prefix_of: tuple[Sequence, int] | None = None
