@@ -399,8 +399,8 @@ def test_metrics(server, client):
     assert metric(server, "vlens_generation_tokens_total", AUTH) == before + 4
     queries, hits = (metric(server, f"vlens_prefix_cache_{kind}_total", AUTH) for kind in ("queries", "hits"))
     long = " ".join([PROMPT] * 12)  # (several full blocks, cached by the first request, taken by the second)
-    for _ in range(2):
-        client.completions.create(model="smol", prompt=long, **GREEDY)
+    cached = [client.completions.create(model="smol", prompt=long, **GREEDY).usage for _ in range(2)]
+    assert cached[1].prompt_tokens_details.cached_tokens >= 16 and cached[1].prompt_tokens == cached[0].prompt_tokens
     assert metric(server, "vlens_prefix_cache_hits_total", AUTH) >= hits + 16
     assert metric(server, "vlens_prefix_cache_queries_total", AUTH) > queries + 2 * 16
     assert metric(server, "vlens_kept_states", AUTH) == 0  # (a model without states)

@@ -74,7 +74,7 @@ def test_a_prompt_again_and_a_chat_s_next_turn_start_from_the_kept_state(pair):
     first, fed = _computed(cached, [prompt], _params())
     assert fed == 30 + 5 and cached.stats().kept_states == 2
     again, fed = _computed(cached, [prompt], _params())
-    assert fed == 2 + 5
+    assert fed == 2 + 5 and (first[0].num_cached_tokens, again[0].num_cached_tokens) == (0, 28)
     _same(first + again, want + want)
     turn = prompt + want[0].outputs[0].token_ids + sequences((9,))[0]
     want = plain.generate([turn], _params(), use_tqdm=False)

@@ -58,6 +58,7 @@ class RequestOutput:
     # vLLM's: where its images' rows are in the prompt ({"image": [ranges]}; empty without images), so that their
     # activations can be picked from out.activations by activation_positions
     multi_modal_placeholders: dict[str, list[PlaceholderRange]] = field(default_factory=dict)
+    num_cached_tokens: int | None = None  # vLLM's: prompt tokens the prefix cache gave (of the sample that computed it)
 
     @property
     def finished(self) -> bool:

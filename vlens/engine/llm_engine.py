@@ -413,7 +413,8 @@ class LLMEngine:
         ]
         seq = group.seqs[0]  # the one that computed the prompt's log-probabilities; a capture has only it
         out = RequestOutput(
-            group.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], completions, seq.prompt_logprobs
+            group.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], completions, seq.prompt_logprobs,
+            num_cached_tokens=seq.num_cached,
         )
         if seq.images is not None:
             out.multi_modal_placeholders = {"image": [PlaceholderRange(*run) for run in seq.images.placeholders()]}

@@ -121,6 +121,7 @@ class Scheduler:
             scheduled.append((seq, n))
             self.prefix_queries += len(seq.token_ids)
             self.prefix_hits += hit
+            seq.num_cached = hit
             budget -= n
             self.tokens_computed += n
         self.waiting.extendleft(reversed(deferred))  # (first in the next step, in their order)

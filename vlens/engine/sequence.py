@@ -59,6 +59,7 @@ class Sequence:
         self.taps = taps  # what it captures and changes at the taps
         self.status = Status.WAITING
         self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_cached = 0  # ... of them, those the prefix cache gave at its (last) admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         # A model whose layers keep a state per sequence (vlens.engine.block_manager): the state slot it holds, the

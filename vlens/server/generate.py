@@ -300,16 +300,17 @@ class Generator:
                 choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        cached = sum(out.num_cached_tokens or 0 for out in outputs)
         extra: dict[str, Any] = await self._vlens(outputs[0], prepared)
         if prepared.prompt_logprobs and shape.chat:  # vLLM puts the one prompt's at the top level
             extra["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
-        return shape.body(choices, usage(prompt_tokens, completion_tokens), **extra)
+        return shape.body(choices, usage(prompt_tokens, completion_tokens, cached), **extra)
 
     async def _stream(self, submission: Submission, prepared: Prepared) -> AsyncIterator[str]:
         shape = prepared.shape
         started: set[int] = set()  # choices that sent a chunk (chat's first names the role, echo's holds the prompt)
         prompt_entries: dict[int, list] = {}  # per prompt, from the delta of the sample that computed them
-        remaining, prompt_tokens, completion_tokens = len(prepared.requests), 0, 0
+        remaining, prompt_tokens, completion_tokens, cached = len(prepared.requests), 0, 0, 0
         while remaining:
             event = await submission.next()
             if isinstance(event, Failed):
@@ -331,6 +332,7 @@ class Generator:
                 out = delta.output
                 prompt_tokens += len(out.prompt_token_ids)
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                cached += out.num_cached_tokens or 0
                 extra = await self._vlens(out, prepared)
             if text or delta.finish_reason or extra or (shape.logprobs is not None and tokens):
                 choice = shape.choice(
@@ -341,7 +343,7 @@ class Generator:
                 yield _sse(shape.chunk([choice], **extra))
         submission.done = True
         if prepared.include_usage:
-            yield _sse(shape.chunk([], usage(prompt_tokens, completion_tokens)))
+            yield _sse(shape.chunk([], usage(prompt_tokens, completion_tokens, cached)))
         yield "data: [DONE]\n\n"
 
     async def _vlens(self, output: RequestOutput, prepared: Prepared) -> dict[str, Any]:

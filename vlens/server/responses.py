@@ -15,12 +15,16 @@ from vlens.engine.logprobs import TokenText
 from vlens.outputs import Logprob
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prefix cache's) where given."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
