@@ -84,6 +84,20 @@ def test_a_prompt_again_and_a_chat_s_next_turn_start_from_the_kept_state(pair):
     _slots_back(cached)
 
 
+def test_parallel_samples_start_from_the_first_s_kept_state(pair):
+    """n=3 seeded samples of a 30-token prompt: sample 0 computes the prompt and keeps its state at 28, the others
+    start there (2 tokens each); every sample is the one its seed gives alone."""
+    _, cached, plain = pair
+    cached.reset_prefix_cache()
+    prompt = sequences((30,))[0]
+    got, fed = _computed(cached, [prompt], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7))
+    assert fed == 30 + 5 + 2 * (2 + 5)
+    for i, sample in enumerate(got[0].outputs):
+        alone = plain.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i), use_tqdm=False)
+        assert sample.token_ids == alone[0].outputs[0].token_ids, i
+    _slots_back(cached)
+
+
 def test_decode_graphs_copy_the_state_a_next_turn_starts_from(pair):
     """Decode steps replayed from graphs (emulated here: tests/replayed_graphs.py) copy a sequence's state at block
     boundaries outside the graph: the next turn starts inside the reply, with the uncached engine's output."""
