@@ -596,7 +596,8 @@ def kept_states(llm: LLM, hf: torch.nn.Module, ids: list[list[int]], steps: int,
             timed.append(time.perf_counter() - start)
 
         kept: list[float] = []
-        runs = [lambda: hf_fn(*batch), lambda: llm.generate(prompts, sampling, use_tqdm=False), lambda: with_cache(kept)]
+        runs = [lambda: hf_fn(*batch), lambda: llm.generate(prompts, sampling, use_tqdm=False),
+                lambda: with_cache(kept)]  # fmt: skip
         t_hf, t_plain, _ = best_alternating(runs, repeats)
         t_kept = min(kept)
         print(f"{f'{name}: HF':<44}{count / t_hf:>10.1f}")

@@ -76,8 +76,8 @@ class Metrics:
             "vlens_kv_cache_usage", "gauge", "Fraction of KV-cache blocks in use (0..1).", [("", stats.kv_cache_usage)]
         )
         metric("vlens_preemptions_total", "counter", "Sequences preempted for KV space.", [("", stats.num_preemptions)])
-        metric("vlens_prefix_cache_queries_total", "counter", "Tokens of sequences admitted (vLLM's prefix cache queries).",
-               [("", stats.prefix_cache_queries)])  # fmt: skip
+        metric("vlens_prefix_cache_queries_total", "counter",
+               "Tokens of sequences admitted (vLLM's prefix cache queries).", [("", stats.prefix_cache_queries)])
         metric("vlens_prefix_cache_hits_total", "counter", "Of those tokens, the ones the prefix cache gave.",
                [("", stats.prefix_cache_hits)])  # fmt: skip
         metric("vlens_kept_states", "gauge", "Prefixes' states kept for later prompts (models that keep states).",
