@@ -159,8 +159,8 @@ class BlockManager:
         """Where a sequence's state is kept next for later sequences: the end of its prefix whose blocks are cached
         without a state, then its tokens' last block boundary before its last token; the first it has yet to compute
         that is far enough (SNAPSHOT_BLOCKS), else None."""
-        if not (self.num_states and self.enable_prefix_caching):
-            return None
+        if not (self.num_states and self.enable_prefix_caching) or len(seq.token_ids) - seq.num_computed < 2:
+            return None  # (a decode's one token is past every point: most calls, every step)
         last = (len(seq.token_ids) - 1) // self.block_size * self.block_size
         points = [at for at in (seq.uncached_state_at, last) if at >= SNAPSHOT_BLOCKS * self.block_size]
         return next((at for at in points if seq.num_computed < at), None)
