@@ -42,7 +42,9 @@ def _gemma4(hf: Any) -> dict[str, Any]:
                                     "causal text model")  # fmt: skip
     n, kinds = hf.num_hidden_layers, hf.layer_types
     layers = [hf.per_layer_config[i] for i in range(n)]
-    shared = [mode == "reuse" for mode in hf.kv_sharing_modes]
+    # (the last num_kv_shared_layers layers reuse an earlier layer's keys and values: what newer transformers spell
+    # out as kv_sharing_modes, older ones compute in each layer)
+    shared = [i >= n - hf.num_kv_shared_layers for i in range(n)]
     # (a shared layer reads the keys and values of the last unshared layer of its kind, as HF's KVSharingDict keeps
     # them)
     source = {kind: max(i for i in range(n) if kinds[i] == kind and not shared[i]) for kind in set(kinds)}
