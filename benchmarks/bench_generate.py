@@ -48,7 +48,7 @@ Then a Falcon-H1 (--workload falcon_h1, or all): a random one of 8 layers, atten
 d=256, the same prompts and steps, against HF generate; and a layer's Mamba 2 hook_z.
 Then a DeepSeek-V3 (--workload deepseek, or all): a random one of 8 layers (latent attention, 4 of 16 experts after a
 dense layer), d=256, the same prompts and steps, against HF generate (which caches the latents and expands them each
-step); and a layer's hook_z.
+step); a layer's hook_z; and vlens with latent_kv_cache (its cache's bytes a token against the expanded cache's).
 The families whose layers keep states (all but DeepSeek) then time two workloads of their prefix cache: a chat's next
 turn (each prompt, its reply and 16 tokens more, after the first turn), 32 prompts behind one 128-token system prompt,
 and 8 multiple-choice questions of 128 tokens x 4 answers scored by their prompt log-probabilities (lm-eval's
@@ -541,12 +541,18 @@ def family_workload(workload: str, repeats: int, steps: int = 32) -> None:
             hf.generate(input_ids=padded, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                         do_sample=False, pad_token_id=0)  # fmt: skip
 
-    def vlens_run(capture=None):
-        llm.generate(ids, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=capture),
-                     use_tqdm=False)  # fmt: skip
+    def vlens_run(capture=None, engine: LLM = llm):
+        engine.generate(ids, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=capture),
+                        use_tqdm=False)  # fmt: skip
 
     one = Capture(hooks=hook, positions="generated")
-    t_hf, t_v, t_cap = best_alternating([hf_run, vlens_run, lambda: vlens_run(one)], repeats)
+    runs = [hf_run, vlens_run, lambda: vlens_run(one)]
+    latent = None  # (latent attention: also with its cache of latents, latent_kv_cache)
+    if llm.config.kv_lora_rank:
+        latent = LLM(model=llm.model_path, dtype="float32", device="cpu", enable_prefix_caching=False,
+                     latent_kv_cache=True)  # fmt: skip
+        runs.append(lambda: vlens_run(engine=latent))
+    t_hf, t_v, t_cap, *t_latent = best_alternating(runs, repeats)
     tokens = len(ids) * steps
     print(f"\n{workload}: {what}; {len(ids)} prompts of 16-200 tokens x {steps} new tokens, greedy")
     print(f"{'case':<44}{'tokens/s':>10}{'ratio':>10}")
@@ -555,7 +561,19 @@ def family_workload(workload: str, repeats: int, steps: int = 32) -> None:
     print(f"{f'vlens, {layer} at generated rows':<44}{tokens / t_cap:>10.1f}{t_cap / t_v:>9.2f}x  (time vs none)")
     if llm.runner.stateful:
         kept_states(llm, hf, ids, steps, repeats)
+    if latent is not None:
+        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+        greedy = [[o.outputs[0].token_ids for o in m.generate(ids, params, use_tqdm=False)] for m in (latent, llm)]
+        print(f"{'vlens, latent_kv_cache':<44}{tokens / t_latent[0]:>10.1f}{t_hf / t_latent[0]:>9.2f}x  "
+              f"({t_latent[0] / t_v:.2f}x the expanded cache's time; greedy tokens "
+              f"{'equal' if greedy[0] == greedy[1] else 'DIFFER'})")
+        print(f"KV cache a token: {cache_bytes(latent):,} bytes latent, {cache_bytes(llm):,} expanded "
+              f"({cache_bytes(llm) / cache_bytes(latent):.1f}x)")
 
+
+def cache_bytes(llm: LLM) -> int:
+    """What a token takes in the KV cache (float32), keys and values of every layer."""
+    return sum(2 * a.num_kv_heads * a.head_dim * 4 for a in llm.model.attention_layers())
 
 def kept_states(llm: LLM, hf: torch.nn.Module, ids: list[list[int]], steps: int, repeats: int) -> None:
     """Where a model whose layers keep states gains from its prefix cache: a chat's next turn (each prompt, its reply

@@ -158,21 +158,21 @@ def check_transformer_lens_names(
         assert same(ours.reshape(theirs.shape).float(), theirs.float(), 1e-5), name
 
 
-def load_pair(path: str) -> tuple[LLM, torch.nn.Module]:
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+def load_pair(path: str, **settings) -> tuple[LLM, torch.nn.Module]:
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, **settings)
     hf = hf_auto_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
     return llm, hf
 
 
-def family_fixture(configs: dict, name: str = "family"):
+def family_fixture(configs: dict, name: str = "family", **settings):
     """The module-scoped fixture (`family` unless named otherwise) of a parity file: for each of `configs`
     (name -> a function making the transformers config), (name, checkpoint path, vlens LLM with 4-token
-    blocks, HF model)."""
+    blocks and `settings`, HF model)."""
 
     @pytest.fixture(scope="module", params=list(configs), name=name)
     def family(request, tmp_path_factory):
         path = build(configs[request.param](), tmp_path_factory.mktemp(request.param), request.param)
-        return request.param, path, *load_pair(path)
+        return request.param, path, *load_pair(path, **settings)
 
     return family
 
@@ -300,7 +300,7 @@ class GenerationParity:
         check_generation(llm, hf, sequences(self.generation_lengths), extra_hooks=self.generation_hooks)
 
 
-def check_capturing_step_compiles(path: str, hook: str) -> None:
+def check_capturing_step_compiles(path: str, hook: str, **settings) -> None:
     """torch.compile(fullgraph=True) of a mixed step of the checkpoint at `path` (two sequences decode while two
     prefill), one request capturing `hook` and the last layer's stream, one steering `hook`: no graph break, one
     compile, the eager step's stream and rows (test_compile.py's CompiledForward checks them)."""
@@ -308,7 +308,7 @@ def check_capturing_step_compiles(path: str, hook: str) -> None:
 
     from vlens.engine.llm_engine import NewRequest
 
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, **settings)
     last = f"blocks.{llm.config.num_layers - 1}.hook_resid_post"
     vector = torch.randn(llm.hook_names()[hook], generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, capture=Capture([hook, last])),
@@ -343,7 +343,7 @@ def check_compiled_decode(path: str, hooks: list[str]) -> None:
 
 def check_generation_under_pressure(
     path: str, kv_cache_memory: int, hook: str, lengths=(100, 90, 80), batched: int = 32, max_num_seqs: int = 3,
-    preempts: bool = True,
+    preempts: bool = True, **settings,
 ) -> LLM:  # fmt: skip
     """Greedy generation (check_generation, capturing `hook`) of prompts of `lengths` fed `batched` tokens a step,
     with `kv_cache_memory` bytes for keys and state slots (small enough to preempt where `preempts`), the decode steps
@@ -352,7 +352,7 @@ def check_generation_under_pressure(
 
     _, hf = load_pair(path)
     llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=batched,
-              max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory)  # fmt: skip
+              max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory, **settings)  # fmt: skip
     replay_graphs(llm.runner)
     check_generation(llm, hf, sequences(lengths), max_tokens=10, extra_hooks=(hook,))
     stats = llm.runner.graph_stats

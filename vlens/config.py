@@ -1428,6 +1428,9 @@ class ModelConfig:
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     v_head_dim: int = 0
+    # the KV cache holds each token's normed latent and rotating key part, not every head's keys and values (an
+    # engine setting, EngineConfig.latent_kv_cache; vlens.models.deepseek)
+    latent_kv_cache: bool = False
     rotary_interleaved: bool = False
     query_scale: float | None = None  # OPT: q times this after hook_q (its scores then unscaled), as HF scales them
     attn_scale_inverse_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: scale / (layer + 1)

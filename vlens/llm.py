@@ -41,10 +41,11 @@ class LLM:
             loaded = Executor(
                 model, config.dtype, device, config.tensor_parallel_size,
                 config.attention_backend, config.distributed_executor_backend, compiled=not config.enforce_eager,
-                block_size=config.block_size, revision=config.revision,
+                block_size=config.block_size, revision=config.revision, latent_kv_cache=config.latent_kv_cache,
             ).loaded  # fmt: skip
         else:
-            loaded = load_model(model, dtype=config.dtype, device=config.device, revision=config.revision)
+            loaded = load_model(model, dtype=config.dtype, device=config.device, revision=config.revision,
+                                latent_kv_cache=config.latent_kv_cache)  # fmt: skip
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
         self.device = loaded.model.lm_head.weight.device

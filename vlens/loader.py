@@ -389,16 +389,25 @@ def keep_float32(net: nn.Module) -> nn.Module:
     return net
 
 
+def check_latent_kv_cache(cfg: ModelConfig, latent_kv_cache: bool) -> None:
+    if latent_kv_cache and not cfg.kv_lora_rank:
+        raise ValueError(f"latent_kv_cache: True caches the latents of multi-head latent attention (DeepSeek-V2/V3, "
+                         f"Kimi K2, GLM-4.7-Flash, MiniCPM3, Mistral 4, ...); {cfg.architecture} has none")
+
+
 def load_model(
     model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", device: str = "auto",
-    parallel: Parallel = SINGLE, revision: str | None = None,
+    parallel: Parallel = SINGLE, revision: str | None = None, latent_kv_cache: bool = False,
 ) -> LoadedModel:
     """Load model, config and tokenizer from any source vlens accepts (see module doc; `revision`: of a hub
-    model); with `parallel`, only that rank's shard of the weights (vlens.distributed)."""
+    model); with `parallel`, only that rank's shard of the weights (vlens.distributed); `latent_kv_cache`:
+    EngineConfig's."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(model, revision)
-    cfg = dataclasses.replace(read_config(path), parallel=parallel)
+    cfg = read_config(path)
+    check_latent_kv_cache(cfg, latent_kv_cache)
+    cfg = dataclasses.replace(cfg, parallel=parallel, latent_kv_cache=latent_kv_cache)
     with torch.device("meta"):
         net = build_model(cfg, device=dev)
     net = keep_float32(net.to(torch_dtype)).to_empty(device=dev)

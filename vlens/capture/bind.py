@@ -268,6 +268,10 @@ def _intervention(
     if LOGITS in taps or any(is_pattern(t) for t in taps):
         raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited (logits, attention scores and patterns are "
                          "read-only); steer the residual, or attn.hook_z per head, instead")  # fmt: skip
+    if model.cfg.latent_kv_cache and any(t.endswith(("attn.hook_k", "attn.hook_v")) for t in taps):
+        raise ValueError(f"{where}.hook: {iv.hook!r} cannot be edited with latent_kv_cache=True: the KV cache holds "
+                         "each token's latent, not its keys and values; edit attn.hook_kv_latent, or load the model "
+                         "without latent_kv_cache")  # fmt: skip
     if any(tap_dtype(t, torch.float32) == torch.long for t in taps):  # an edit would make other, invalid ids
         raise ValueError(f"{where}.hook: {iv.hook!r} holds the chosen experts' ids (integers), which cannot be "
                          "edited; steer or patch mlp.hook_router_logits instead")  # fmt: skip

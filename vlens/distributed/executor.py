@@ -25,7 +25,7 @@ from vlens.distributed import worker
 from vlens.distributed.parallel import GroupError, Parallel, on_failure
 from vlens.distributed.ranks import ProcessRanks
 from vlens.distributed.taps import sharded_units
-from vlens.loader import load_model, read_config, resolve_model_path
+from vlens.loader import check_latent_kv_cache, load_model, read_config, resolve_model_path
 
 STARTUP_S = 600  # loading a shard of a large model takes minutes; a worker that says nothing longer is stuck
 
@@ -85,10 +85,12 @@ class Executor:
 
     def __init__(
         self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp",
-        compiled: bool = False, block_size: int = 16, revision: str | None = None,
+        compiled: bool = False, block_size: int = 16, revision: str | None = None, latent_kv_cache: bool = False,
     ):  # fmt: skip
         path = resolve_model_path(model, revision)  # converted or downloaded once, here, for every rank
-        check_parallel(read_config(path), size, device, local=backend != "ray")
+        cfg = read_config(path)
+        check_parallel(cfg, size, device, local=backend != "ray")
+        check_latent_kv_cache(cfg, latent_kv_cache)
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise ValueError(
                 "tensor_parallel_size: this process already leads a tensor-parallel group; close it first "
@@ -99,7 +101,7 @@ class Executor:
             device = torch.device("cuda", 0)
         spec = {
             "model": str(path), "dtype": dtype, "device": device.type, "backend": attention_backend, "compiled": compiled,
-            "block_size": block_size,
+            "block_size": block_size, "latent_kv_cache": latent_kv_cache,
             "group": "nccl" if device.type == "cuda" else "gloo", "threads": torch.get_num_threads(),
         }  # fmt: skip
         if backend == "ray":
@@ -111,7 +113,8 @@ class Executor:
         try:
             self._join(spec["group"], size)
             parallel = Parallel(0, size)
-            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=parallel, revision=revision)
+            self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=parallel, revision=revision,
+                                     latent_kv_cache=latent_kv_cache)  # fmt: skip
             self.ranks.wait_ready(time.monotonic() + STARTUP_S)
         except BaseException:
             self.close()

@@ -59,10 +59,10 @@ class AttentionHeads(nn.Module):
         # norms), which that layer leaves in the forward's context for them
         self.layer, self.kv_layer = layer, cfg.kv_layer_at(layer)
         self.own_kv = self.kv_layer == layer
+        cached_heads, key_dim, value_dim = self.cached_kv(cfg)
         self.attn = Attention(
-            self.heads, self.kv_heads, self.head_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks,
-            rank_heads, None if self.own_kv else self.kv_layer,
-            Alibi(cfg.num_heads, cfg.alibi) if cfg.alibi else None, self.value_dim,
+            self.heads, cached_heads, key_dim, window, scale, cfg.attn_softcap, patterns, cfg.attn_sinks, rank_heads,
+            None if self.own_kv else self.kv_layer, Alibi(cfg.num_heads, cfg.alibi) if cfg.alibi else None, value_dim,
             cfg.attention_chunks[layer] if cfg.attention_chunks else None,
         )
         self.qk_norm, self.clip, self.rope_float32 = cfg.qk_norm, cfg.clip_qkv, cfg.rope_float32 or cfg.rotate_float32
@@ -89,6 +89,11 @@ class AttentionHeads(nn.Module):
         self.hook_q, self.hook_k, self.hook_v, self.hook_z = p + "hook_q", p + "hook_k", p + "hook_v", p + "hook_z"
         self.hook_result, self.hook_gate = p + "hook_result", p + "hook_gate"
         self.output_gate = cfg.attn_output_gate
+
+    def cached_kv(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        """(heads, key size, value size) of what a token leaves in the KV cache: its keys and values as the heads
+        read them (DeepSeek's latent cache: its latent instead)."""
+        return self.kv_heads, self.head_dim, self.value_dim
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
         """`x`: the normalised layer input [T, d] all three projections read, or (ResidualBlock.attention_input)
@@ -162,6 +167,14 @@ class AttentionHeads(nn.Module):
             v = tap(self.hook_v, v if self.v_norm is None else self.v_norm(v))
             if self.kv_shared:
                 get_context().shared_kv[self.layer] = k, v
+        z = self.attn(self.scaled_query(q), k, v)
+        if gate is not None:
+            z = z * torch.sigmoid(tap(self.hook_gate, gate))
+        z = tap(self.hook_z, z)
+        return z.flatten(1)
+
+    def scaled_query(self, q: torch.Tensor) -> torch.Tensor:
+        """hook_q's queries [T, H, d] as the scores take them, where the family scales them after hook_q."""
         if self.temperature is not None:  # (Ministral 3: after hook_q, as HF scales what its rotary returns)
             beta, original = self.temperature
             scale = 1 + beta * torch.log(1 + torch.floor(get_context().positions / original))
@@ -172,11 +185,7 @@ class AttentionHeads(nn.Module):
             q = (q * scale[:, None, None]).to(q.dtype)
         if self.query_scale is not None:  # (OPT: after hook_q, as HF scales its projection's output)
             q = q * self.query_scale
-        z = self.attn(q, k, v)
-        if gate is not None:
-            z = z * torch.sigmoid(tap(self.hook_gate, gate))
-        z = tap(self.hook_z, z)
-        return z.flatten(1)
+        return q
 
     def _positioned(self, x: torch.Tensor, heads: int, norm: str, rope: Rope, dtype: torch.dtype) -> torch.Tensor:
         """Queries or keys [T, heads * d] -> [T, heads, d], through their per-head norm (`norm`: one of head_norms)

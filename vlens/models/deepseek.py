@@ -10,6 +10,15 @@ keys' size there (vlens.layers.attention). The taps are TransformerLens's: hook_
 their no-position dims first, hook_v and hook_z of the values' size; and the latents themselves, after their norms
 (attn.hook_q_latent, attn.hook_kv_latent: what a KV cache of MLA would hold, and what an edit there changes in every
 head at once).
+
+With `latent_kv_cache` (EngineConfig) the cache holds what a token gives every head, its normed latent and its
+rotated key part (kv_lora_rank + rotary dims: V3's 576 against 128 heads x 2 x 192), as DeepSeek's own inference and
+vLLM keep it. The heads then attend as one key-value head does to many queries: each head's query part without
+positions goes through that head's rows of kv_b_proj that make its keys (scores q . (W_k c) = (W_k^T q) . c), its
+rotating part meets the cached one, the values are the latents, and each head's output comes back through its rows
+that make its values. The same sums in another order: float32 within 1e-5 of HF, bfloat16 not bit for bit. hook_k
+and hook_v are HF's keys and values of the step's rows, expanded only where a request reads them; an edit of them
+would have to reach keys the cache no longer holds, and is refused (an edit of attn.hook_kv_latent reaches them all).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from torch import nn
 
 from vlens.capture.names import LATENT_HOOKS
 from vlens.config import ModelConfig
-from vlens.context import tap
+from vlens.context import tap, tapped
 from vlens.layers import fused
 from vlens.layers.linear import ColumnLinear, RowLinear
 from vlens.layers.norm import RMSNorm
@@ -54,13 +63,42 @@ class LatentAttention(AttentionHeads):
         self.kv_b_proj = ColumnLinear(self.latent_dim, h * (self.nope_dim + self.value_dim), False, p, units=h)
         self.o_proj = RowLinear(h * self.value_dim, d, cfg.o_bias, p, units=h)
         self.hook_q_latent, self.hook_kv_latent = (f"blocks.{layer}.{hook}" for hook in LATENT_HOOKS)
+        self.latent_cached = cfg.latent_kv_cache
 
     out = property(lambda self: self.o_proj)
+
+    def cached_kv(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        if cfg.latent_kv_cache:  # (one "head" a token, the latent and the rotating key part; the values its latent)
+            return 1, cfg.kv_lora_rank + cfg.rotary_dim, cfg.kv_lora_rank
+        return super().cached_kv(cfg)
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope) -> torch.Tensor:
+        if not self.latent_cached:
+            return super().forward(x, rope)
+        q, latent, k_rot = self._latents(x, rope)
+        q = tap(self.hook_q, q)
+        if tapped(self.hook_k) or tapped(self.hook_v):  # (HF's keys and values of these rows, for their readers)
+            k, v = self._expanded(latent, k_rot)
+            if tap(self.hook_k, k) is not k or tap(self.hook_v, v) is not v:
+                raise ValueError(f"{self.hook_k} and {self.hook_v} cannot be edited with latent_kv_cache=True: the "
+                                 "cache holds the latents (edit attn.hook_kv_latent instead)")  # fmt: skip
+        w_k, w_v = self.kv_b_proj.weight.view(self.heads, -1, self.latent_dim).split([self.nope_dim, self.value_dim], 1)
+        q_nope, q_rot = self.scaled_query(q).split([self.nope_dim, self.rope_dim], -1)
+        query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_k), q_rot], -1)
+        z = self.attn(query, torch.cat([latent[:, None], k_rot], -1), latent[:, None])
+        return self.output(tap(self.hook_z, torch.einsum("thr,hvr->thv", z, w_v)).flatten(1))
 
     def project(
         self, x: torch.Tensor | tuple[torch.Tensor, ...], rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """q and k [T, H*d] after rotary, v [T, H*d_v] (`x` [T, d]: no input per head, vlens.capture.names)."""
+        q, latent, k_rot = self._latents(x, rope)
+        k, v = self._expanded(latent, k_rot)
+        return q.flatten(1), k.flatten(1), v.flatten(1), None
+
+    def _latents(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the queries [T, H, d] after rotary, the normed latent [T, kv_lora_rank], the rotated key part
+        [T, 1, rotary_dim]) of the layer's input [T, d]."""
         if self.q_lora:
             q = self.q_b_proj(tap(self.hook_q_latent, self.q_a_layernorm(self.q_a_proj(x))))
         else:
@@ -68,11 +106,13 @@ class LatentAttention(AttentionHeads):
         q_nope, q_rot = q.view(-1, self.heads, self.head_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], -1)
         latent = tap(self.hook_kv_latent, self.kv_a_layernorm(latent))
+        return torch.cat([q_nope, self._rotated(q_rot, rope)], -1), latent, self._rotated(k_rot[:, None], rope)
+
+    def _expanded(self, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys [T, H, d] and values [T, H, d_v] of the latents [T, kv_lora_rank] (HF's)."""
         kv = self.kv_b_proj(latent).view(-1, self.heads, self.nope_dim + self.value_dim)
         k_nope, v = kv.split([self.nope_dim, self.value_dim], -1)
-        q = torch.cat([q_nope, self._rotated(q_rot, rope)], -1)
-        k = torch.cat([k_nope, self._rotated(k_rot[:, None], rope).expand(-1, self.heads, -1)], -1)
-        return q.flatten(1), k.flatten(1), v.flatten(1), None
+        return torch.cat([k_nope, k_rot.expand(-1, self.heads, -1)], -1), v
 
     def _rotated(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """[T, heads, rotary_dim] rotated by position: V3's pairs (2i, 2i + 1) laid out by halves first, as HF's
