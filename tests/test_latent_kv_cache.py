@@ -26,7 +26,8 @@ from test_parity_latent_families import CONFIGS as LATENT_FAMILIES
 from test_tensor_parallel import N, _check_outputs, _open, one_thread  # noqa: F401 - (autouse)
 from transformers import LlamaConfig
 
-from vlens import LLM, Capture, SamplingParams, Steer
+from vlens import LLM, Capture, HookedLM, SamplingParams, Steer
+from vlens.replacement import check_frozen_attention
 
 CONFIGS = {name: DEEPSEEK[name] for name in ("deepseek_v3", "deepseek_v2")} | {
     name: LATENT_FAMILIES[name] for name in ("mistral4", "minicpm3")  # (Llama 4's temperature on q; µP's scales)
@@ -116,3 +117,19 @@ def test_two_ranks_as_one_process(v3):
         _check_outputs(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False))
     finally:
         two.close()
+
+
+def test_hooks_that_edit_keys_and_frozen_attention_are_refused(v3):
+    """TransformerLens's route: a hook editing hook_k fails by name (reading it gives HF's keys); what freezes the
+    patterns through q and k (attribution graphs, feature interventions) refuses the model before it runs."""
+    model = HookedLM(v3, dtype="float32", device="cpu", latent_kv_cache=True)
+    expanded = HookedLM(v3, dtype="float32", device="cpu")
+    tokens = torch.tensor([sequences()[-1]])
+    _, cache = model.run_with_cache(tokens, names_filter="blocks.1.attn.hook_k")
+    _, want = expanded.run_with_cache(tokens, names_filter="blocks.1.attn.hook_k")
+    assert same(cache["blocks.1.attn.hook_k"], want["blocks.1.attn.hook_k"], 1e-5)
+    with pytest.raises(ValueError, match="blocks.0.attn.hook_k and blocks.0.attn.hook_v cannot be edited with "
+                                         "latent_kv_cache=True"):  # fmt: skip
+        model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_k", lambda value, hook: value * 2)])
+    with pytest.raises(ValueError, match="an attribution graph: freezes attention patterns through attn.hook_q"):
+        check_frozen_attention(model.cfg, "an attribution graph")

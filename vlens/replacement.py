@@ -148,12 +148,16 @@ def replacement(model: HookedLM, transcoders: Any) -> PerLayer | CrossLayer:
 def check_frozen_attention(cfg: ModelConfig, what: str) -> None:
     """Refuse to freeze the attention of a model with layers that mix tokens otherwise: a gated delta net has no
     patterns to freeze (its output is its recurrent state read by its queries, which its queries, keys, rates and
-    decays make together), nor a gated short convolution (its gates multiply what it mixes)."""
+    decays make together), nor a gated short convolution (its gates multiply what it mixes); nor the latent KV cache's
+    multi-head latent attention."""
     others = [layer for layer in range(cfg.num_layers) if not cfg.attends(layer)]
     if others:
         raise ValueError(f"{what}: freezes attention patterns, and {cfg.architecture}'s layers {others} are linear "
                          "attention, short convolutions or Mamba mixers, which have none; it runs on models whose "
                          "layers all attend")  # fmt: skip
+    if cfg.latent_kv_cache:  # (its scores read the latents, which its values read too: no q and k to freeze)
+        raise ValueError(f"{what}: freezes attention patterns through attn.hook_q and attn.hook_k, which a model "
+                         "loaded with latent_kv_cache=True attends without; load it without latent_kv_cache")
 
 
 def _per_layer(transcoders: Sequence[Any]) -> list[SAE]:
