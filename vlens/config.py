@@ -958,7 +958,8 @@ def _gpt_oss(hf: Any) -> dict[str, Any]:
         experts_per_token=hf.num_experts_per_tok,
         moe_intermediate_size=hf.intermediate_size,
         moe_layers=(True,) * hf.num_hidden_layers,
-        swiglu_clamp=(hf.swiglu_alpha, hf.swiglu_limit),
+        # (older transformers (5.17) have no such fields: their experts use these numbers)
+        swiglu_clamp=(getattr(hf, "swiglu_alpha", 1.702), getattr(hf, "swiglu_limit", 7.0)),
     )
 
 
