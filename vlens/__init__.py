@@ -4,6 +4,7 @@ from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 from vlens.activation_cache import ActivationCache
 from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer, TunedLens
 from vlens.engine.config import EngineConfig
+from vlens.engine.lora import LoRARequest
 from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
 from vlens.hooked import HookedLM
 from vlens.llm import LLM
@@ -21,6 +22,7 @@ __all__ = [
     "Capture",
     "Positions",
     "EngineConfig",
+    "LoRARequest",
     "HarvestConfig",
     "Steer",
     "Ablate",

@@ -41,6 +41,9 @@ class ForwardContext:
     # attend to them (by layer), and each layer's own input from the per-layer embeddings [T, layers, size]
     shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     per_layer_inputs: torch.Tensor | None = None
+    # which LoRA adapter each row's request runs under (vlens.layers.lora): [T, max_loras] one-hot rows, all zero
+    # for a request without one; None: no request of this forward has one
+    lora: torch.Tensor | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -50,11 +53,13 @@ class ForwardContext:
 _context: ForwardContext | None = None
 _taps: Mapping[str, Tap] = {}
 _fused = False
+_lora: torch.Tensor | None = None
 
 
 def set_context(ctx: ForwardContext | None) -> None:
-    global _context, _taps, _fused
+    global _context, _taps, _fused, _lora
     _context, _taps, _fused = ctx, ({} if ctx is None else ctx.taps), ctx is not None and ctx.fused
+    _lora = None if ctx is None else ctx.lora
 
 
 def get_context() -> ForwardContext:
@@ -83,6 +88,11 @@ def tap_widened(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def tapped(name: str) -> bool:
     """Whether some request uses site `name` in this forward (for taps whose value costs work to make)."""
     return name in _taps
+
+
+def lora_rows() -> torch.Tensor | None:
+    """ForwardContext.lora of the forward running (None outside one)."""
+    return _lora
 
 
 def fusing() -> bool:

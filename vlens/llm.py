@@ -18,6 +18,7 @@ from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.distributed.executor import Executor
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
+from vlens.engine.lora import LoRARequest
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
 from vlens.images import ImageEncoder, PromptImages, chat_images
@@ -91,24 +92,27 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt in one continuous batch; outputs come back in prompt order.
+        """Generate for every prompt in one continuous batch; outputs come back in prompt order. `lora_request`: the
+        LoRA adapter they run under, or one per prompt (None: the base model; enable_lora, vlens.engine.lora).
 
         Every request is validated before any runs, so a bad one fails the call without side effects."""
         prompts = prompt_list(prompts)
         token_lists, images = self._tokens(prompts, "prompts")
         texts = [p.text if isinstance(p, ImagePrompt) else p if isinstance(p, str) else None for p in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, images)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request)
 
     def chat(
         self,
         messages: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template; one whose contents hold
         images (vLLM's image_url or image_pil parts) through the processor's, its images read as generate() reads
-        multi_modal_data."""
+        multi_modal_data. `lora_request`: as generate's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages: expected a conversation (list of {'role', 'content'} dicts) or a list of them")
@@ -125,7 +129,7 @@ class LLM:
                 prompts.append(ImagePrompt(self.image_encoder(field).render_chat(found[0], field), found[1]))
         token_lists, images = self._tokens(prompts, "messages", add_special_tokens=False)  # (the template holds them)
         texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, images)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request)
 
     def _tokens(
         self, prompts, field: str, add_special_tokens: bool = True
@@ -153,16 +157,23 @@ class LLM:
                 self._images_encoder = ImageEncoder(self.model_path, self.dtype, self.device, field)
         return self._images_encoder
 
-    def _run(self, token_lists, texts, sampling_params, use_tqdm: bool, images=None) -> list[RequestOutput]:
+    def _run(
+        self, token_lists, texts, sampling_params, use_tqdm: bool, images=None, lora_request=None
+    ) -> list[RequestOutput]:
         engine = self.engine
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(token_lists) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params: got {len(params)} for {len(token_lists)} prompts; give one, or one per prompt")
+        loras = [lora_request] * len(token_lists) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)  # fmt: skip
+        if len(loras) != len(token_lists):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(token_lists)} prompts; give one, or one per "
+                             "prompt")  # fmt: skip
         images = images or [None] * len(token_lists)
-        ids = engine.add_requests([NewRequest(t, p, text, images=i)
-                                   for t, p, text, i in zip(token_lists, params, texts, images)])  # fmt: skip
+        requests = zip(token_lists, params, texts, images, loras)
+        ids = engine.add_requests([NewRequest(t, p, text, images=i, lora=lora) for t, p, text, i, lora in requests])
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         try:

@@ -36,6 +36,11 @@ class EngineConfig:
         "go through the latent's projections instead: float32 within 1e-5 of HF, bfloat16 not bit for bit; edits of "
         "attn.hook_k and attn.hook_v refused)",
     )
+    enable_lora: bool = setting(False, "serve LoRA adapters beside the base model: a request names one "
+                                "(LLM.generate's lora_request; vlens.engine.lora)")  # fmt: skip
+    max_loras: int = setting(1, "LoRA adapters held at once (the requests queued at once may name this many)",
+                             minimum=1)  # fmt: skip
+    max_lora_rank: int = setting(16, "the largest rank of a LoRA adapter", minimum=1)
     enable_capture: bool = setting(True, "allow requests to capture activations", flag="--no-capture", invert=True)
     enable_prefix_caching: bool = setting(
         True, "reuse the KV of identical prompt prefixes", flag="--no-prefix-caching", invert=True
@@ -74,6 +79,8 @@ class EngineConfig:
             raise ValueError("compile_decode: True compiles the decode step, which enforce_eager=True forbids")
         if self.compile_decode and self.tensor_parallel_size > 1:
             raise ValueError("compile_decode: True runs in one process (tensor_parallel_size 1), not across ranks")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: True runs in one process (tensor_parallel_size 1), not across ranks")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:

@@ -23,6 +23,7 @@ from vlens.engine.config import EngineConfig
 from vlens.engine.detokenizer import Detokenizer, text_of
 from vlens.engine.group import SampleGroup
 from vlens.engine.logprobs import TokenText, entry
+from vlens.engine.lora import LoRARequest, LoraSlots
 from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner, StepOutput
 from vlens.engine.scheduler import Scheduler
@@ -73,6 +74,7 @@ class NewRequest:
     prompt: str | None = None  # the text, when the request came as one
     stream: bool = False  # report text as it grows, not only at the end
     images: PromptImages | None = None  # the rows its images give (vlens.images)
+    lora: LoRARequest | None = None  # the LoRA adapter it runs under (vlens.engine.lora)
 
 
 class LLMEngine:
@@ -122,6 +124,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_states)
         runner.state_of = self.blocks.state_of
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        runner.max_loras = config.max_loras if config.enable_lora else 0
         self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
@@ -149,12 +153,20 @@ class LLMEngine:
     def add_requests(self, requests: list[NewRequest]) -> list[str]:
         """Validate every request against the model, then queue all of them (none if any is refused:
         the ValueError names the field). Returns their request ids."""
+        loras = [r.lora for r in requests if r.lora is not None]
+        if loras:
+            if self.loras is None:
+                raise ValueError("lora_request: this engine runs no LoRA adapters; create it with "
+                                 "LLM(..., enable_lora=True)")  # fmt: skip
+            self.loras.check(loras)
         groups = [self._group(r) for r in requests]
         for group, r in zip(groups, requests):
             for seq in group.seqs:
                 if r.stream or seq.params.stop_list:
                     seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)
                 seq.hold_vectors(self.runner.taps)
+                if r.lora is not None:
+                    seq.lora_slot = self.loras.acquire(r.lora.lora_int_id)
             self._requests[group.request_id] = group
             self.prompt_tokens += group.seqs[0].num_prompt
             self.scheduler.add(group.seqs[0])
@@ -197,7 +209,7 @@ class LLMEngine:
         max_rows = min(rows_of(len(prompt_ids), params.max_tokens), self.max_model_len - 1)
         taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index, r.images)
+        seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index, r.images, r.lora)
         seq.settle(self.long_rope_at, self.cfg, self.max_model_len)
         return seq
 
@@ -351,6 +363,9 @@ class LLMEngine:
         """What the runner keeps for a sequence that ends: its vectors, and the last decode step it was in."""
         seq.drop_vectors(self.runner.taps)
         self.runner.pages.forget(seq)
+        if seq.lora_slot is not None:
+            self.loras.release(seq.lora_slot)
+            seq.lora_slot = None
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Whether the token ends the sequence; sets its finish and stop reasons."""

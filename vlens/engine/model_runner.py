@@ -38,6 +38,7 @@ from itertools import chain
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from vlens.attention import AttentionMetadata, layout
 from vlens.attention.decode import DecodeBackend
@@ -143,7 +144,7 @@ class ModelRunner:
                 "sampling_longs": ((3, max_seqs), long), "tap_index": (tokens, long), "ahead_rows": (seqs, long),
                 "state_slots": (seqs, long), "image_rows": (tokens, long), "rope_positions": ((3, max_tokens), long),
                 "state_sources": (seqs, long), "state_save_rows": (seqs, long), "state_save_slots": (seqs, long),
-                "state_copy_from": (seqs, long), "state_copy_to": (seqs, long),
+                "state_copy_from": (seqs, long), "state_copy_to": (seqs, long), "lora_slots": (tokens, long),
             },
             self.device,
         )  # fmt: skip
@@ -157,6 +158,7 @@ class ModelRunner:
         # decode step's padding rows; which slot a lent block table's first block holds (the BlockManager's)
         self.stateful = [m for m in model.modules() if isinstance(m, SlotStates)]
         self.state_of: dict[int, int] = {}
+        self.max_loras = 0  # LoRA slots (the engine's, vlens.engine.lora; 0: none)
         self.scratch_state = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
         # signature (its taps then need `self.taps.fixed_shapes`).
@@ -240,15 +242,18 @@ class ModelRunner:
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
         logit_rows: torch.Tensor | slice | None = None, backend=None, forward: Callable | None = None,
         embeds: tuple[torch.Tensor, ...] | None = None, compiled: Callable | None = None,
+        lora: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """(residual stream or final-normed hidden, logits of `logit_rows` or None), with the context set.
-        `forward`: what stands in for the model's (one from a layer on); `embeds`: ForwardContext's; `compiled`:
-        a compiled decode step, ids -> every row's logits, in place of the forward and its unembedding (the
-        hidden is then None)."""
+        `forward`: what stands in for the model's (one from a layer on); `embeds`: ForwardContext's; `lora`: each
+        row's LoRA slot (max_loras: none), put; `compiled`: a compiled decode step, ids -> every row's logits, in
+        place of the forward and its unembedding (the hidden is then None)."""
         backend = backend or self.backend
         if meta.key_limits is not None and not isinstance(backend, SdpaBackend):  # (the one backend whose masks
             backend = self._sdpa  # take keys past a query's position: a prefill step with a both-ways image)
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
+        if lora is not None:  # (ForwardContext.lora: one-hot rows, all zero where a row's request has no adapter)
+            lora = F.one_hot(lora, self.max_loras + 1)[:, : self.max_loras].to(self.dtype)
         state = backend.prepare(meta, self.kinds, self.dtype)
         if self.stateful:  # (the other ranks allocate as many slots; linear attention's chunks, where some sequence
             # feeds several rows)
@@ -262,7 +267,8 @@ class ModelRunner:
                                            embeds)  # fmt: skip
             self._copy_states(meta)
             fused = self.fused and not torch.is_grad_enabled()  # (a forward keeping a graph runs unfused: eager)
-            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused, embeds=embeds))
+            set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused, embeds=embeds,
+                                       lora=lora))  # fmt: skip
             hidden, logits = None, None
             if compiled is not None:
                 logits = compiled(ids)
@@ -290,7 +296,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
-        if self.static_decode and len(scheduled) <= self.max_bucket and all(_decodes(s, n) for s, n in scheduled):
+        if self.static_decode and len(scheduled) <= self.max_bucket and all(
+            _decodes(s, n) and s.lora_slot is None for s, n in scheduled  # (no graph holds an adapter)
+        ):
             return self._decode(scheduled)
         self.graph_stats.eager_steps += 1
         put = self.buffers.put
@@ -335,7 +343,9 @@ class ModelRunner:
         rows = put("logit_rows", np.array(logit_rows, np.int64)) if logit_rows else None
         index = put("sample_index", np.array(sample_index, np.int64)) if sample_index is not None else None
         batch = SamplingBatch.of(sampled, put, self.device) if sampled else None
-        _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows, embeds=embeds)
+        lora = self._lora_rows(order) if any(s.lora_slot is not None for s, _ in order) else None
+        _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows, embeds=embeds,
+                                  lora=lora)  # fmt: skip
         if index is not None:
             logits = logits.index_select(0, index)
         collection = self.taps.collect(plan) if plan.gathers else None
@@ -344,6 +354,12 @@ class ModelRunner:
             prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
         out = StepOutput(scheduled, sampled, None, None, plan, collection, prompt_rows, prompt_logprobs)
         return self._sample(out, logits[: len(sample_rows)], batch) if sampled else out
+
+    def _lora_rows(self, order: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Each row's LoRA slot (max_loras where its request has no adapter), put for the step's forward."""
+        slots = np.repeat([self.max_loras if s.lora_slot is None else s.lora_slot for s, _ in order],
+                          [n for _, n in order])  # fmt: skip
+        return self.buffers.put("lora_slots", slots.astype(np.int64))
 
     def _image_rows(
         self, meta: AttentionMetadata, pieces: list[tuple[PromptImages, int, int, int]],

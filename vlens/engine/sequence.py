@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vlens.capture.bind import RequestTaps
 from vlens.capture.interventions import fingerprint
@@ -15,6 +16,9 @@ from vlens.engine.detokenizer import Detokenizer
 from vlens.images import PromptImages
 from vlens.outputs import Logprob
 from vlens.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vlens.engine.lora import LoRARequest
 
 
 class Status(enum.Enum):
@@ -47,8 +51,11 @@ class Sequence:
         prompt: str | None = None,
         index: int = 0,
         images: PromptImages | None = None,
+        lora: LoRARequest | None = None,
     ):
         self.request_id, self.prompt = request_id, prompt
+        self.lora = lora  # the LoRA adapter it runs under (vlens.engine.lora), and the slot that holds it
+        self.lora_slot: int | None = None
         self.images = images  # what its prompt's image rows read in place of their tokens' embedding
         self.index = index  # which sample of its request (n, best_of) it is
         self.token_ids = list(prompt_token_ids)
@@ -123,7 +130,8 @@ class Sequence:
         self.long_rope_at = long_rope_at
         # Whether its next decode step can be planned before the host sees its last token (async scheduling):
         # not when a capture skips rows by token, nor where LongRoPE may switch it to recompute.
-        self.plans_ahead = long_rope_at is None and all(stream.exclude is None for stream in self.taps.streams)
+        self.plans_ahead = long_rope_at is None and all(stream.exclude is None for stream in self.taps.streams) and \
+            self.lora is None  # (its steps run eagerly)  # fmt: skip
         salt: object = fingerprint(self.params.interventions)
         if any(iv.positions.follows_prompt for iv in self.params.interventions):
             salt = ("prompt of", self.num_prompt, salt)  # which rows they change depends on where the prompt ends
@@ -136,6 +144,8 @@ class Sequence:
             salt = ("images", self.images.digest, salt)
             self.edits_from = min(self.edits_from, int(self.images.positions[0]))
         salts = [salt, None]
+        if self.lora is not None:  # (every key differs from the base model's)
+            salts = [("lora", self.lora.lora_int_id, s) for s in salts]
         if long_rope_at is not None and self.num_prompt - 1 >= long_rope_at:
             salts = [("long rope", s) for s in salts]
         if self.prefill_only and self.prompt_logprobs is None:

@@ -22,10 +22,14 @@ from torch import nn
 
 from vlens.distributed.parallel import SINGLE, Parallel, all_reduce
 from vlens.layers.checkpoint import Slot, Transform
+from vlens.layers.lora import LoraWeights
 
 
 class StoredLinear(nn.Linear):
-    """nn.Linear whose checkpoint tensors need a transform per leaf ("weight", "bias") to load."""
+    """nn.Linear whose checkpoint tensors need a transform per leaf ("weight", "bias") to load; and which LoRA
+    adapters may update (`lora`, set by vlens.engine.lora once an adapter adapts this projection)."""
+
+    lora: LoraWeights | None = None
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, transforms: Mapping[str, Transform] | None = None
@@ -35,6 +39,10 @@ class StoredLinear(nn.Linear):
 
     def checkpoint_slots(self, path: str) -> dict[str, Slot]:
         return {f"{path}.{leaf}": Slot(p, None, self.transforms.get(leaf)) for leaf, p in self.named_parameters()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class FusedLinear(StoredLinear):

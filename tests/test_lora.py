@@ -1,0 +1,150 @@
+"""LoRA adapters beside the base model (vlens.engine.lora), against PEFT's own models of the same adapters: requests
+under two adapters (attention's projections; the MLP's and k, rsLoRA) and none in one batch give PEFT's greedy tokens
+and rows; a request without one gives the plain engine's; the prefix cache keeps each adapter's blocks
+apart; slots are reused in turns; Phi-3's fused projection; what vlens cannot run is refused by name before any
+request runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from family_parity import COMMON, build, hf_auto_class, same, sequences
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, LlamaConfig, Phi3Config
+
+from vlens import LLM, Capture, LoRARequest, SamplingParams
+
+ADAPTERS = {  # name -> (target modules, rank, alpha, rsLoRA)
+    "attention": (["q_proj", "v_proj", "o_proj"], 4, 8, False),
+    "mlp": (["gate_proj", "up_proj", "down_proj", "k_proj"], 8, 16, True),
+}
+HOOK = "blocks.1.hook_resid_post"
+
+
+def _base(path: str) -> torch.nn.Module:
+    return hf_auto_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _adapter(path: str, root: Path, name: str, targets, rank: int, alpha: int, rslora: bool, seed: int):
+    """A PEFT model of random LoRA weights on the checkpoint at `path`, and the LoRARequest of its saved adapter."""
+    torch.manual_seed(seed)
+    model = get_peft_model(_base(path), LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                                   use_rslora=rslora, init_lora_weights=False))  # fmt: skip
+    model.save_pretrained(root / name)
+    return model.eval(), LoRARequest(name, seed + 1, str(root / name))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    path = build(LlamaConfig(**COMMON), root, "llama")
+    adapters = {name: _adapter(path, root, name, *spec, seed=i) for i, (name, spec) in enumerate(ADAPTERS.items())}
+    return path, _base(path), adapters
+
+
+def _greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """HF's (or PEFT's) greedy tokens, and layer 1's output at every row of prompt + tokens but the last."""
+    with torch.no_grad():
+        seq = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0]  # fmt: skip
+        hidden = model(seq[None, :-1], output_hidden_states=True).hidden_states[2][0]
+    return seq[len(prompt) :].tolist(), hidden
+
+
+def _params(steps: int = 8) -> SamplingParams:
+    return SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, capture=Capture(HOOK, positions="all"))
+
+
+def test_adapters_and_none_in_one_batch(llama):
+    path, base, adapters = llama
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=2)
+    plain = LLM(path, dtype="float32", device="cpu", block_size=4)
+    prompts = sequences((20, 9, 3, 14, 7))
+    names = [None, "attention", "mlp", "attention", None]
+    loras = [None if n is None else adapters[n][1] for n in names]
+    outs = llm.generate(prompts, _params(), use_tqdm=False, lora_request=loras)
+    for prompt, out, name in zip(prompts, outs, names):
+        tokens, hidden = _greedy(base if name is None else adapters[name][0], prompt, 8)
+        assert out.outputs[0].token_ids == tokens, name
+        assert (out.activations[HOOK] - hidden).norm() <= 1e-5 * hidden.norm(), name
+    alone = plain.generate([prompts[0], prompts[4]], _params(), use_tqdm=False)
+    for got, want in zip([outs[0], outs[4]], alone):  # (a request without an adapter: the plain engine's; its steps
+        # ran eagerly here, beside the adapters' requests, and on the static decode path there)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert same(got.activations[HOOK], want.activations[HOOK], 1e-6)
+    assert outs[1].outputs[0].token_ids != outs[0].outputs[0].token_ids or prompts[1] == prompts[0]
+    stats = llm.runner.graph_stats
+    assert stats.eager_steps >= 8  # (every step with an adapter's request)
+
+
+def test_the_prefix_cache_keeps_each_adapters_blocks_apart(llama):
+    path, base, adapters = llama
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True)
+    prompt, params = sequences((23,))[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    runs = [None, adapters["mlp"][1], adapters["mlp"][1], None]
+    outs = [llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0] for lora in runs]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 20, 20]  # (the adapter's blocks, then the base's again)
+    assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids == _greedy(adapters["mlp"][0], prompt, 4)[0]
+    assert outs[0].outputs[0].token_ids == outs[3].outputs[0].token_ids == _greedy(base, prompt, 4)[0]
+
+
+def test_slots_in_turns_and_refusals_before_anything_runs(llama, tmp_path):
+    path, base, adapters = llama
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=1, max_lora_rank=4)
+    prompt = sequences((9,))[0]
+    attention = adapters["attention"][1]
+    with pytest.raises(ValueError, match="max_lora_rank=4; raise max_lora_rank"):
+        llm.generate([prompt], _params(2), use_tqdm=False, lora_request=adapters["mlp"][1])
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=1)
+    both = [attention, adapters["mlp"][1]]
+    with pytest.raises(ValueError, match="max_loras: 1 adapters at once; these requests and those queued need 2"):
+        llm.generate([prompt, prompt], _params(2), use_tqdm=False, lora_request=both)
+    assert not llm.engine.has_work()
+    for name in ("attention", "mlp", "attention"):  # (one slot, its adapter replaced between calls)
+        out = llm.generate([prompt], _params(6), use_tqdm=False, lora_request=adapters[name][1])[0]
+        assert out.outputs[0].token_ids == _greedy(adapters[name][0], prompt, 6)[0], name
+    impostor = LoRARequest("other", attention.lora_int_id, adapters["mlp"][1].lora_path)
+    refusals = [
+        (LLM(path, dtype="float32", device="cpu"), attention, "this engine runs no LoRA adapters; create it with "
+                                                              "LLM\\(..., enable_lora=True\\)"),
+        (llm, LoRARequest("missing", 9, str(tmp_path)), "holds no adapter_config.json and adapter_model.safetensors"),
+        (llm, impostor, "lora_int_id 1 is already 'attention'"),
+        (llm, LoRARequest("zero", 0, attention.lora_path), "lora_int_id 0 is not a positive integer"),
+    ]
+    for engine, request, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            engine.generate([prompt], _params(2), use_tqdm=False, lora_request=request)
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    config = json.loads((Path(attention.lora_path) / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    weights = (Path(attention.lora_path) / "adapter_model.safetensors").read_bytes()
+    (dora / "adapter_model.safetensors").write_bytes(weights)
+    with pytest.raises(ValueError, match="use_dora=True is not supported"):
+        llm.generate([prompt], _params(2), use_tqdm=False, lora_request=LoRARequest("dora", 7, str(dora)))
+    with pytest.raises(ValueError, match="enable_lora: True runs in one process"):
+        LLM(path, dtype="float32", device="cpu", enable_lora=True, tensor_parallel_size=2)
+
+
+def test_an_adapter_of_the_unembedding_is_refused_by_name(llama, tmp_path):
+    path, _, _ = llama
+    _, request = _adapter(path, tmp_path, "head", ["lm_head", "q_proj"], 4, 8, False, seed=5)
+    llm = LLM(path, dtype="float32", device="cpu", enable_lora=True)
+    with pytest.raises(ValueError, match="adapts lm_head, which is not a projection vlens can adapt"):
+        llm.generate([[1, 2, 3]], _params(2), use_tqdm=False, lora_request=request)
+
+
+def test_a_fused_projection(tmp_path):
+    """Phi-3 stores q, k and v as one qkv_proj (and gate and up as one): PEFT adapts the fused module."""
+    path = build(Phi3Config(**(COMMON | dict(pad_token_id=0))), tmp_path, "phi3")
+    model, request = _adapter(path, tmp_path, "fused", ["qkv_proj", "gate_up_proj", "o_proj"], 4, 8, False, seed=3)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True)
+    prompts = sequences((20, 9))
+    outs = llm.generate(prompts, _params(), use_tqdm=False, lora_request=[request, None])
+    for prompt, out, ref in zip(prompts, outs, (model, _base(path))):
+        tokens, hidden = _greedy(ref, prompt, 8)
+        assert out.outputs[0].token_ids == tokens
+        assert (out.activations[HOOK] - hidden).norm() <= 1e-5 * hidden.norm()

@@ -1,0 +1,149 @@
+"""LoRA adapters served beside the base model, as vLLM serves them: a request names a PEFT adapter (`LoRARequest`)
+and runs under it, in the same batch as requests under other adapters or none (`LLM(enable_lora=True)`).
+
+The engine holds up to `max_loras` adapters at once, each in a slot of the stacks of every projection it adapts
+(vlens.layers.lora); an adapter is read when a request first names it, put in a slot when a queued request needs it
+and kept there, least recently used first out, while no queued request holds it. Its blocks in the prefix cache are
+its own (a sequence's cache salt names the adapter: every key differs from the base model's from the first token).
+A step with a request under an adapter runs eagerly: the decode graphs hold the base model alone.
+
+What vlens reads of an adapter is PEFT's LoRA: `adapter_config.json` (r, lora_alpha, use_rslora) and
+`adapter_model.safetensors`, whose `<module>.lora_A.weight` [r, in] and `lora_B.weight` [out, r] adapt the
+projection whose weight the model's checkpoint names `<module>.weight` (q/k/v, o, gate/up and down in most
+families). The rest of what PEFT can save (DoRA, biases, modules saved whole, per-module ranks) is refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vlens.layers.linear import FusedLinear, StoredLinear
+from vlens.layers.lora import LoraWeights
+from vlens.loader import checkpoint_layout, stored_name
+from vlens.models.base import DecoderLM
+
+Update = tuple[slice | None, torch.Tensor, torch.Tensor]  # (rows of the projection's output, None: all; A; scaled B)
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: the adapter's name, an integer id unique to it (> 0), and its directory (PEFT's save_pretrained)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class Adapter:
+    request: LoRARequest
+    updates: dict[StoredLinear, list[Update]]
+
+
+def read_adapter(request: LoRARequest, model: DecoderLM, max_rank: int) -> Adapter:
+    """`request`'s adapter, checked against the model: a ValueError naming what vlens cannot run."""
+    where = f"lora_request {request.lora_name!r}"
+    if not isinstance(request.lora_int_id, int) or request.lora_int_id < 1:
+        raise ValueError(f"{where}: lora_int_id {request.lora_int_id!r} is not a positive integer")
+    path = Path(request.lora_path)
+    files = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not all(f.is_file() for f in files):
+        raise ValueError(f"{where}: lora_path {str(path)!r} holds no adapter_config.json and "
+                         "adapter_model.safetensors (a PEFT adapter's save_pretrained)")  # fmt: skip
+    config = json.loads(files[0].read_text())
+    unsupported = {
+        "peft_type": config.get("peft_type", "LORA") != "LORA", "use_dora": bool(config.get("use_dora")),
+        "bias": config.get("bias", "none") != "none", "modules_to_save": bool(config.get("modules_to_save")),
+        "rank_pattern": bool(config.get("rank_pattern")), "alpha_pattern": bool(config.get("alpha_pattern")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+    }  # fmt: skip
+    refused = [f"{name}={config.get(name)!r}" for name, bad in unsupported.items() if bad]
+    if refused:
+        raise ValueError(f"{where}: {', '.join(refused)} is not supported (vlens runs PEFT's LoRA: peft_type LORA, no "
+                         "DoRA, no biases, no modules saved whole, one rank and alpha for every module)")  # fmt: skip
+    rank = int(config["r"])
+    if rank > max_rank:
+        raise ValueError(f"{where}: rank {rank} is more than max_lora_rank={max_rank}; raise max_lora_rank")
+    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    tensors = load_file(str(files[1]))
+    layout = {stored_name(key, model.cfg): slot for key, slot in checkpoint_layout(model).items()}
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    updates: dict[StoredLinear, list[Update]] = {}
+    for key in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
+        module_path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        slot = layout.get(f"{module_path}.weight")
+        linear = None if slot is None else owners[id(slot.param)]
+        if not isinstance(linear, StoredLinear) or slot.transform is not None:
+            raise ValueError(f"{where}: adapts {module_path}, which is not a projection vlens can adapt in "
+                             f"{model.cfg.architecture} (the attention's and MLP's projections are)")  # fmt: skip
+        a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
+        updates.setdefault(linear, []).append((slot.index, a, b * scaling))
+    if not updates:
+        raise ValueError(f"{where}: {str(files[1])!r} holds no lora_A weights")
+    return Adapter(request, updates)
+
+
+class LoraSlots:
+    """The adapters the engine holds (by lora_int_id) and which slot each takes, and how many live sequences hold
+    each slot: a slot no sequence holds is given to a new adapter, least recently used first."""
+
+    def __init__(self, model: DecoderLM, max_loras: int, max_rank: int):
+        self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.read: dict[int, Adapter] = {}
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self.holders = [0] * max_loras
+        self.stacks: dict[StoredLinear, LoraWeights] = {}
+
+    def check(self, requests: list[LoRARequest]) -> None:
+        """Read (once) each adapter of `requests`, and check that they fit the slots beside those held: a ValueError
+        before any of them is queued."""
+        for request in requests:
+            known = self.read.get(request.lora_int_id)
+            if known is None:
+                self.read[request.lora_int_id] = read_adapter(request, self.model, self.max_rank)
+            elif known.request != request:
+                raise ValueError(f"lora_request {request.lora_name!r}: lora_int_id {request.lora_int_id} is already "
+                                 f"{known.request.lora_name!r} ({known.request.lora_path!r}); give each adapter its "
+                                 "own id")  # fmt: skip
+        wanted = {r.lora_int_id for r in requests}
+        held = {i for i, slot in self.slot_of.items() if self.holders[slot]}
+        if len(wanted | held) > self.max_loras:
+            raise ValueError(f"max_loras: {self.max_loras} adapters at once; these requests and those queued need "
+                             f"{len(wanted | held)}; raise max_loras or send them in turns")  # fmt: skip
+
+    def acquire(self, adapter_id: int) -> int:
+        """The slot of adapter `adapter_id` (checked), loaded there if it is not, held once more."""
+        slot = self.slot_of.get(adapter_id)
+        if slot is None:
+            taken = set(self.slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in taken]
+            if free:
+                slot = free[0]
+            else:  # (check made sure some slot is held by nobody)
+                evicted = next(i for i, s in self.slot_of.items() if not self.holders[s])
+                slot = self.slot_of.pop(evicted)
+            self._load(self.read[adapter_id], slot)
+        self.slot_of[adapter_id] = slot
+        self.slot_of.move_to_end(adapter_id)
+        self.holders[slot] += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.holders[slot] -= 1
+
+    @torch.no_grad()
+    def _load(self, adapter: Adapter, slot: int) -> None:
+        for linear in adapter.updates.keys() - self.stacks.keys():  # (projections no adapter adapted before)
+            parts = len(linear.parts) if isinstance(linear, FusedLinear) and not linear.stored_fused else 1
+            stacks = LoraWeights(linear.in_features, linear.out_features, self.max_loras, parts, self.max_rank,
+                                 linear.weight)  # fmt: skip
+            self.stacks[linear] = linear.lora = stacks
+        for linear, stacks in self.stacks.items():
+            stacks.put(slot, adapter.updates.get(linear, []))
+
