@@ -148,3 +148,40 @@ def test_a_fused_projection(tmp_path):
         tokens, hidden = _greedy(ref, prompt, 8)
         assert out.outputs[0].token_ids == tokens
         assert (out.activations[HOOK] - hidden).norm() <= 1e-5 * hidden.norm()
+
+
+def test_served_under_their_names(smol4_path, tmp_path):
+    """vlens serve --lora-modules NAME=PATH: each adapter a model of its own in /v1/models (vLLM's card: its parent,
+    its root), a request's model picks it (completions, chat), an unknown name is a 404 listing them."""
+    import httpx
+    from server_helpers import running_server
+
+    from vlens.server.app import create_app
+    from vlens.server.config import ServerConfig
+
+    _, request = _adapter(str(smol4_path), tmp_path, "terse", ["q_proj", "v_proj", "down_proj"], 8, 32, False, seed=7)
+    llm = LLM(str(smol4_path), dtype="float32", device="cpu", enable_lora=True)
+    prompt, params = "The capital of France is", SamplingParams(max_tokens=8, temperature=0)
+    want = {name: llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+            for name, lora in (("base", None), ("terse", request))}  # fmt: skip
+    assert want["base"] != want["terse"]
+    chat = [{"role": "user", "content": "Say hi"}]
+    replied = llm.chat(chat, params, use_tqdm=False, lora_request=request)[0].outputs[0].text
+    with running_server(llm, ServerConfig(lora_modules=(f"terse={request.lora_path}",), served_model_name="base")) as url:
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent"), m.get("root")) for m in models] == [
+            ("base", None, None), ("terse", "base", request.lora_path)]  # fmt: skip
+        for model in ("base", "terse"):
+            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+            assert answer["choices"][0]["text"] == want[model] and answer["model"] == model
+        asked = {"model": "terse", "messages": chat, "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(url + "/v1/chat/completions", json=asked, timeout=120).json()
+        assert answer["choices"][0]["message"]["content"] == replied
+        missing = httpx.post(url + "/v1/completions", json={**body, "model": "verbose"}, timeout=120)
+        assert missing.status_code == 404 and missing.json()["error"]["message"].endswith(
+            "and under its LoRA adapters: 'terse'")
+    with pytest.raises(ValueError, match="lora_modules: the model was built without enable_lora=True"):
+        create_app(LLM(str(smol4_path), dtype="float32", device="cpu"), ServerConfig(lora_modules=(f"t={tmp_path}",)))
+    with pytest.raises(ValueError, match="lora_modules: 'base' is the served model's or a steering vector's name"):
+        create_app(llm, ServerConfig(lora_modules=(f"base={request.lora_path}",), served_model_name="base"))

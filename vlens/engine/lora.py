@@ -100,17 +100,21 @@ class LoraSlots:
         self.holders = [0] * max_loras
         self.stacks: dict[StoredLinear, LoraWeights] = {}
 
+    def read_one(self, request: LoRARequest) -> None:
+        """Read `request`'s adapter and check it against the model (once an id)."""
+        known = self.read.get(request.lora_int_id)
+        if known is None:
+            self.read[request.lora_int_id] = read_adapter(request, self.model, self.max_rank)
+        elif known.request != request:
+            raise ValueError(f"lora_request {request.lora_name!r}: lora_int_id {request.lora_int_id} is already "
+                             f"{known.request.lora_name!r} ({known.request.lora_path!r}); give each adapter its own "
+                             "id")  # fmt: skip
+
     def check(self, requests: list[LoRARequest]) -> None:
-        """Read (once) each adapter of `requests`, and check that they fit the slots beside those held: a ValueError
-        before any of them is queued."""
+        """Read each adapter of `requests`, and check that they fit the slots beside those held: a ValueError before
+        any of them is queued."""
         for request in requests:
-            known = self.read.get(request.lora_int_id)
-            if known is None:
-                self.read[request.lora_int_id] = read_adapter(request, self.model, self.max_rank)
-            elif known.request != request:
-                raise ValueError(f"lora_request {request.lora_name!r}: lora_int_id {request.lora_int_id} is already "
-                                 f"{known.request.lora_name!r} ({known.request.lora_path!r}); give each adapter its "
-                                 "own id")  # fmt: skip
+            self.read_one(request)
         wanted = {r.lora_int_id for r in requests}
         held = {i for i, slot in self.slot_of.items() if self.holders[slot]}
         if len(wanted | held) > self.max_loras:

@@ -20,11 +20,13 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 
 from vlens.capture import TunedLens
 from vlens.capture.names import hook_shapes, request_shapes
+from vlens.engine.llm_engine import LLMEngine
+from vlens.engine.lora import LoRARequest
 from vlens.llm import LLM
 from vlens.server.activations import ActivationStore, Download, owner_of
 from vlens.server.admission import Admission
 from vlens.server.auth import BearerAuth, presented_key
-from vlens.server.config import ServerConfig
+from vlens.server.config import ServerConfig, split_named_file
 from vlens.server.embeddings import Embedder, EmbeddingRequest
 from vlens.server.engine_loop import EngineLoop
 from vlens.server.extension import ExtensionContext
@@ -67,6 +69,22 @@ class Served:
     created: int
 
 
+def load_loras(specs: tuple[str, ...] | None, engine: LLMEngine, taken: list[str]) -> dict[str, LoRARequest]:
+    """The LoRA adapters of `--lora-modules` by name, each read and checked against the model now (a bad one stops
+    the server, not a request); ids in the order given."""
+    loras = {}
+    for i, spec in enumerate(specs or ()):
+        name, path = split_named_file(spec)
+        if name in taken:
+            raise ValueError(f"lora_modules: {name!r} is the served model's or a steering vector's name; give the "
+                             "adapter another")  # fmt: skip
+        loras[name] = LoRARequest(name, i + 1, str(Path(path).expanduser()))
+        if engine.loras is None:
+            raise ValueError("lora_modules: the model was built without enable_lora=True")
+        engine.loras.read_one(loras[name])
+    return loras
+
+
 def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     """An app serving `llm`; its engine runs on a background thread from start-up to shutdown."""
     engine = llm.engine
@@ -82,7 +100,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     steering_vectors = load_steering_vectors(config.steering_vectors, llm.config, shapes)
     if model_name in steering_vectors:  # (a request's model names the base model or a steered one)
         raise ValueError(f"steering_vectors: {model_name!r} is the served model's name; give the vector another")
-    extension = ExtensionContext(config.enable_capture, saes, tuned_lens, steering_vectors)
+    loras = load_loras(config.lora_modules, engine, [model_name, *steering_vectors])
+    extension = ExtensionContext(config.enable_capture, saes, tuned_lens, steering_vectors, loras)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
     loop = EngineLoop(engine)
@@ -102,7 +121,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         admission,
         llm.image_encoder,
     )
-    tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len, steering_vectors)
+    tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len, steering_vectors,
+                    loras)  # fmt: skip
     served = Served(
         config, model_name, engine.max_model_len, shapes, hook_shapes(llm.config), saes, tuned_lens, steering_vectors,
         store, metrics, loop, admission, generator, Embedder(generator), tokens, page_html(None), int(time.time()),
@@ -203,9 +223,12 @@ async def models(request: Request) -> dict:
         "max_model_len": s.max_model_len,
         "tuned_lens": s.tuned_lens is not None,  # (capture.tuned_lens: true reads the logit lens through it)
     }
-    # each steering vector, a model of its own: the base model steered by it (as vLLM lists LoRA adapters)
+    # each steering vector, a model of its own: the base model steered by it (as vLLM lists LoRA adapters); and
+    # each LoRA adapter, as vLLM lists it
     steered = [{**card, "id": name, "parent": s.model_name} for name in s.steering_vectors]
-    return {"object": "list", "data": [card, *steered]}
+    adapted = [{**card, "id": name, "root": lora.lora_path, "parent": s.model_name}
+               for name, lora in s.generator.extension.loras.items()]  # fmt: skip
+    return {"object": "list", "data": [card, *steered, *adapted]}
 
 
 @routes.get("/v1/hooks")

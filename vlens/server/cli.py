@@ -35,8 +35,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = from_args(ServerConfig, args, api_key=api_key)
-    # The server refuses capture in requests unless --enable-capture; its engine always can, for /v1/embeddings.
-    engine = from_args(EngineConfig, args, enable_capture=True)
+    # The server refuses capture in requests unless --enable-capture; its engine always can, for /v1/embeddings;
+    # and it runs LoRA adapters where --lora-modules names some.
+    loras = {"enable_lora": True} if config.lora_modules else {}
+    engine = from_args(EngineConfig, args, enable_capture=True, **loras)
     from vlens.llm import LLM  # only once the settings are known to be good
     from vlens.server.app import serve
 

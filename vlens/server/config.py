@@ -5,6 +5,7 @@ Declared once, as settings (see vlens.settings): the flags of `vlens serve` come
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from vlens.settings import positive, setting, validate
@@ -47,13 +48,13 @@ def split_named_file(spec: str) -> tuple[str, str]:
     return name, path
 
 
-def _named_files(specs: tuple[str, ...] | None) -> str | None:
-    """Form, names and paths of `--steering-vector`s, checked before the model loads."""
+def _named_files(specs: tuple[str, ...] | None, what: str = "vector") -> str | None:
+    """Form, names and paths of `--steering-vector`s (or `--lora-modules`), checked before the model loads."""
     try:
         named = [split_named_file(spec) for spec in specs or ()]
     except ValueError as e:
         return str(e)
-    return _names_and_paths(named, "vector")
+    return _names_and_paths(named, what)
 
 
 def _names_and_paths(named: list[tuple[str, str]], what: str) -> str | None:
@@ -103,6 +104,11 @@ class ServerConfig:
         None, "a steering vector to load at start, as NAME=PATH (a file vlens.steering.SteeringVector.save wrote); "
         "repeat the flag for more; requests add them with the vlens extension's steering and GET "
         "/v1/steering_vectors lists them", flag="--steering-vector", repeat=True, check=_named_files,
+    )  # fmt: skip
+    lora_modules: tuple[str, ...] | None = setting(
+        None, "a LoRA adapter served as a model of its own, as NAME=PATH (a PEFT adapter's directory; the model is "
+        "built with enable_lora); repeat the flag for more; a request's model names one, and GET /v1/models lists "
+        "them", flag="--lora-modules", repeat=True, check=partial(_named_files, what="adapter"),
     )  # fmt: skip
     tuned_lens: str | None = setting(
         None, "a tuned lens to load at start (a directory as the tuned-lens package saves one); a capture with a "

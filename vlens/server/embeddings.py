@@ -90,7 +90,8 @@ class Embedder:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         g = self.generator
         refuse_unknown(body.model_extra, EmbeddingRequest.NEUTRAL)
-        steers = g.steers_of(body.model)  # (a steered model's embeddings are read with its steering)
+        # (a steered model's embeddings are read with its steering, an adapter's under it)
+        steers, lora = g.steers_of(body.model), g.lora_of(body.model)
         if body.dimensions is not None:
             raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
         hook, pooling = self._options(body.vlens)
@@ -106,7 +107,7 @@ class Embedder:
         params = SamplingParams(max_tokens=0, capture=capture, interventions=steers)
         ticket = g.admission.admit(len(token_lists), 0, "input")  # a vector per input, JSON: no capture bytes to hold
         try:
-            outputs = await g.outputs([NewRequest(ids, params) for ids in token_lists], request)
+            outputs = await g.outputs([NewRequest(ids, params, lora=lora) for ids in token_lists], request)
         finally:
             g.admission.release(ticket)
         if outputs is None:

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from vlens.capture import TunedLens
+from vlens.engine.lora import LoRARequest
 from vlens.sae.model import SAE
 from vlens.server.protocol import APIError, from_value_error, schema_error
 from vlens.server.specs import CaptureSpec, InterventionSpec, SteeringSpec
@@ -37,6 +38,7 @@ class ExtensionContext:
     saes: dict[str, SAE] = field(default_factory=dict)  # what requests may name (vlens serve --sae)
     tuned_lens: TunedLens | None = None  # what capture.tuned_lens reads through (vlens serve --tuned-lens)
     steering_vectors: dict[str, SteeringVector] = field(default_factory=dict)  # (vlens serve --steering-vector)
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # the LoRA adapters by name (--lora-modules)
 
 
 def _interventions(value: Any, ctx: ExtensionContext) -> dict[str, Any]:

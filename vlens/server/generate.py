@@ -21,6 +21,7 @@ from vlens.capture import Steer
 from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
 from vlens.engine.logprobs import TokenText
+from vlens.engine.lora import LoRARequest
 from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import ImagePrompt, to_token_lists
 from vlens.outputs import RequestOutput
@@ -93,8 +94,12 @@ class Generator:
         vectors = self.extension.steering_vectors
         if model in vectors:
             return vectors[model].steers()
-        check_model(model, self.model_name, vectors)
+        check_model(model, self.model_name, vectors, self.extension.loras)
         return []
+
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (vlens serve --lora-modules), or None."""
+        return self.extension.loras.get(model)
 
     def tokenize(self, value: Any, field: str, add_special_tokens: bool) -> list[list[int]]:
         """A body's prompt or input (text, token ids, or a list of either) as token lists; a 400 naming
@@ -165,9 +170,9 @@ class Generator:
                 "batched together anyway)",
                 param="prompt",
             )
-        requests, bounds = zip(
-            *(self._request(body, ids, text, max_tokens, logprobs, extension, chat, images) for ids, text in prompts)
-        )
+        lora = self.lora_of(body.model)
+        requests, bounds = zip(*(self._request(body, ids, text, max_tokens, logprobs, extension, chat, images, lora)
+                                 for ids, text in prompts))  # fmt: skip
         key = presented_key(request.scope) if self.config.api_key else None
         return Prepared(
             requests=list(requests),
@@ -192,9 +197,10 @@ class Generator:
         extension: dict[str, Any],
         chat: bool,
         images: PromptImages | None = None,
+        lora: LoRARequest | None = None,
     ) -> tuple[NewRequest, int]:
-        """The engine request of one prompt (with its images' rows: a chat's) and the bound on the activation bytes it
-        can return."""
+        """The engine request of one prompt (with its images' rows: a chat's; under its LoRA adapter) and the bound on
+        the activation bytes it can return."""
         prompt_param = "messages" if chat else "prompt"
         room = self.max_model_len - len(ids)
         if room < 1:
@@ -236,7 +242,7 @@ class Generator:
                 param="vlens.capture",
                 code="capture_too_large",
             )
-        return NewRequest(ids, params, text, stream=body.stream, images=images), bound
+        return NewRequest(ids, params, text, stream=body.stream, images=images, lora=lora), bound
 
     # -- with the engine ----------------------------------------------------------------------------
 

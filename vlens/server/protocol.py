@@ -48,11 +48,13 @@ def from_value_error(e: ValueError, prefix: str = "", code: str | None = None) -
     return APIError(400, prefix + message, param=prefix + match.group(1), code=code)
 
 
-def check_model(asked: str | None, served: str, steered: Collection[str] = ()) -> None:
+def check_model(asked: str | None, served: str, steered: Collection[str] = (), adapters: Collection[str] = ()) -> None:
     """404 naming the model a request asked for, unless it is the one served (or none was named) or one of the
-    `steered` ones (the served model steered by a vector of that name: vlens serve --steering-vector)."""
-    if asked is not None and asked != served and asked not in steered:
+    `steered` ones (the served model steered by a vector of that name: vlens serve --steering-vector) or of the
+    `adapters` (the served model under a LoRA adapter of that name: --lora-modules)."""
+    if asked is not None and asked != served and asked not in steered and asked not in adapters:
         also = f", and steered by its vectors: {', '.join(map(repr, steered))}" if steered else ""
+        also += f", and under its LoRA adapters: {', '.join(map(repr, adapters))}" if adapters else ""
         raise APIError(
             404,
             f"model: {asked!r} is not served here; this server serves {served!r}{also}",

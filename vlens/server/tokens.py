@@ -49,15 +49,18 @@ class DetokenizeRequest(BaseModel):
 
 class Tokens:
     def __init__(
-        self, tokenizer: Any, vocab_size: int, model_name: str, max_model_len: int, steered: Iterable[str] = ()
+        self, tokenizer: Any, vocab_size: int, model_name: str, max_model_len: int, steered: Iterable[str] = (),
+        adapters: Iterable[str] = (),
     ):  # fmt: skip
-        """`steered`: the names of the steered models the server serves too (one tokenizer for all)."""
+        """`steered`, `adapters`: the names of the steered models and LoRA adapters the server serves too (one
+        tokenizer for all)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.model_name, self.max_model_len, self.steered = model_name, max_model_len, tuple(steered)
+        self.adapters = tuple(adapters)
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         refuse_unknown(body.model_extra, TokenizeRequest.NEUTRAL)
-        check_model(body.model, self.model_name, self.steered)
+        check_model(body.model, self.model_name, self.steered, self.adapters)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt (a text) or messages (a conversation), not both", "prompt")
         if body.messages is not None:
@@ -79,7 +82,7 @@ class Tokens:
         return {"texts": [self.tokenizer.decode([t]) for t in body.tokens]}
 
     def _check(self, body: DetokenizeRequest) -> None:
-        check_model(body.model, self.model_name, self.steered)
+        check_model(body.model, self.model_name, self.steered, self.adapters)
         bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"tokens: ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})", "tokens")
