@@ -50,7 +50,7 @@ class EngineStats:
     attention_backend: str  # the backend's name (what "auto" chose)
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
     static_eager_steps: int = 0  # decode steps on the static path without a graph (CPU, or graphs off)
-    eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
+    eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities, adapters
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
     compiled_steps: int = 0  # decode steps run by a forward compiled for their shape (compile_decode, CPU)
