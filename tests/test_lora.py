@@ -184,3 +184,20 @@ def test_served_under_their_names(smol4_path, tmp_path):
         create_app(LLM(str(smol4_path), dtype="float32", device="cpu"), ServerConfig(lora_modules=(f"t={tmp_path}",)))
     with pytest.raises(ValueError, match="lora_modules: 'base' is the served model's or a steering vector's name"):
         create_app(llm, ServerConfig(lora_modules=(f"base={request.lora_path}",), served_model_name="base"))
+
+
+def test_a_trace_under_an_adapter(llama):
+    """LLM.trace(lora_request=...): every layer's stream and the logits of PEFT's model, packed beside each other."""
+    path, base, adapters = llama
+    model, request = adapters["mlp"]
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True)
+    hooks = [f"hidden_states.{i}" for i in range(4)] + ["unembed.hook_out"]
+    for ids, got in zip(sequences(), llm.trace(sequences(), hooks, lora_request=request)):
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        want = [h[0] for h in out.hidden_states] + [out.logits[0]]
+        assert all(same(got[hook], w, 1e-5) for hook, w in zip(hooks, want))
+    plain = llm.trace(sequences(), "unembed.hook_out")[-1]["unembed.hook_out"]  # (the slot let go: the base model)
+    with torch.no_grad():
+        assert same(plain, base(torch.tensor([sequences()[-1]])).logits[0], 1e-5)
+    assert llm.engine.loras.holders == [0]

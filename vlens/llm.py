@@ -191,9 +191,11 @@ class LLM:
 
     @torch.inference_mode()
     def trace(
-        self, texts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hooks: str | Sequence[str]
+        self, texts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hooks: str | Sequence[str],
+        lora_request: LoRARequest | None = None,
     ) -> list[dict[str, torch.Tensor]]:
-        """One forward per text (packed together), every position: per text a dict hook -> CPU [tokens, ...].
+        """One forward per text (packed together), every position: per text a dict hook -> CPU [tokens, ...]; under
+        `lora_request`'s adapter where given (as generate's).
 
         Texts are tokenized as the model's HF tokenizer does by default (special tokens included);
         token-id lists are taken as they are, and prompts with images as generate() takes them. The forward stops
@@ -202,12 +204,17 @@ class LLM:
         taps = sorted(set(wanted.values()))
         token_lists, images = self._tokens(texts, "texts")
         self.check_fits(token_lists, "texts")
+        slot = None if lora_request is None else self.engine.hold_lora(lora_request)
         captured: list[dict[str, torch.Tensor]] = [{} for _ in token_lists]
-        for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
-            given = None if images is None else [images[i] for i in batch]
-            plan = self.runner.packed([token_lists[i] for i in batch], taps, images=given)
-            for owner, tap, rows in plan.pieces():
-                captured[batch[owner]][tap] = rows.clone()
+        try:
+            for batch in token_batches([len(t) for t in token_lists], self.engine_config.max_num_batched_tokens):
+                given = None if images is None else [images[i] for i in batch]
+                plan = self.runner.packed([token_lists[i] for i in batch], taps, images=given, lora_slot=slot)
+                for owner, tap, rows in plan.pieces():
+                    captured[batch[owner]][tap] = rows.clone()
+        finally:
+            if slot is not None:
+                self.engine.loras.release(slot)
         return [{name: c[tap] for name, tap in wanted.items()} for c in captured]
 
     def close(self) -> None:

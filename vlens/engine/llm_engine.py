@@ -153,12 +153,7 @@ class LLMEngine:
     def add_requests(self, requests: list[NewRequest]) -> list[str]:
         """Validate every request against the model, then queue all of them (none if any is refused:
         the ValueError names the field). Returns their request ids."""
-        loras = [r.lora for r in requests if r.lora is not None]
-        if loras:
-            if self.loras is None:
-                raise ValueError("lora_request: this engine runs no LoRA adapters; create it with "
-                                 "LLM(..., enable_lora=True)")  # fmt: skip
-            self.loras.check(loras)
+        self._check_loras([r.lora for r in requests if r.lora is not None])
         groups = [self._group(r) for r in requests]
         for group, r in zip(groups, requests):
             for seq in group.seqs:
@@ -171,6 +166,17 @@ class LLMEngine:
             self.prompt_tokens += group.seqs[0].num_prompt
             self.scheduler.add(group.seqs[0])
         return [group.request_id for group in groups]
+
+    def _check_loras(self, loras: list[LoRARequest]) -> None:
+        if loras and self.loras is None:
+            raise ValueError("lora_request: this engine runs no LoRA adapters; create it with LLM(..., enable_lora=True)")
+        if loras:
+            self.loras.check(loras)
+
+    def hold_lora(self, lora: LoRARequest) -> int:
+        """The slot of `lora`'s adapter, held for a forward outside the scheduler's (LLM.trace) until released."""
+        self._check_loras([lora])
+        return self.loras.acquire(lora.lora_int_id)
 
     def _group(self, r: NewRequest) -> SampleGroup:
         prompt_ids, params = r.prompt_token_ids, r.params

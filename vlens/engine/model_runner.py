@@ -585,9 +585,11 @@ class ModelRunner:
         self, sequences: list[list[int]], taps: list[str], rows: list[torch.Tensor] | None = None,
         hooks: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None, grad: bool = False,
         interventions: list[BoundIntervention] | None = None, images: list[PromptImages | None] | None = None,
+        lora_slot: int | None = None,
     ) -> PackedCapture:  # fmt: skip
         """Run `sequences` as one packed batch and capture `taps` (canonical names) at `rows[i]` of
-        sequence i (default: every position); `images[i]`: the rows sequence i's images give (vlens.images).
+        sequence i (default: every position); `images[i]`: the rows sequence i's images give (vlens.images);
+        `lora_slot`: the LoRA adapter's (vlens.engine.lora) every sequence runs under.
         `hooks` are user functions run at their taps before the capture sees the value (HookedLM.run_with_hooks:
         the one eager path that runs user Python in a forward),
         and after the edits of `interventions` (uploaded; applied to every sequence, as a harvest's are).
@@ -619,7 +621,9 @@ class ModelRunner:
             starts = np.cumsum([0, *lens[:-1]]).tolist()
             pieces = [(i, 0, n, row) for i, n, row in zip(images or [], lens, starts) if i is not None]
             embeds = self._image_rows(meta, pieces, lambda: [(0, n) for n in lens]) if pieces else None
-            self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend, embeds=embeds)
+            lora = None if lora_slot is None else self.buffers.put("lora_slots", np.full(sum(lens), lora_slot))
+            self._forward(meta, ids, armed, forward_depth(sites, self.cfg), logit_rows, backend=backend, embeds=embeds,
+                          lora=lora)  # fmt: skip
             return PackedCapture(plan, self.taps.collect(plan))
 
     @torch.inference_mode()
