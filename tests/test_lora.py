@@ -201,3 +201,31 @@ def test_a_trace_under_an_adapter(llama):
     with torch.no_grad():
         assert same(plain, base(torch.tensor([sequences()[-1]])).logits[0], 1e-5)
     assert llm.engine.loras.holders == [0]
+
+
+def test_head_results_of_an_adapted_output_projection_are_refused(llama):
+    """attn.hook_result splits o_proj's product by head, which the adapter's update of o_proj is not part of."""
+    path, _, adapters = llama
+    llm = LLM(path, dtype="float32", device="cpu", enable_lora=True)
+    params = SamplingParams(max_tokens=2, capture=Capture("blocks.1.attn.hook_result"))
+    with pytest.raises(ValueError, match="adapts layer 1's output projection, which blocks.1.attn.hook_result splits"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=adapters["attention"][1])
+    out = llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=adapters["mlp"][1])[0]  # (its o_proj's own)
+    assert out.activations["blocks.1.attn.hook_result"].shape[1:] == (4, 64)
+
+
+def test_latent_attention_with_and_without_the_latent_cache(tmp_path):
+    """DeepSeek-V3: an adapter of its latent attention's projections, PEFT's tokens; with latent_kv_cache, whose
+    heads read kv_b_proj whole, an adapter of kv_b_proj is refused by name."""
+    from test_parity_deepseek import CONFIGS
+
+    path = build(CONFIGS["deepseek_v3"](), tmp_path, "v3")
+    model, request = _adapter(path, tmp_path, "latent", ["q_b_proj", "kv_b_proj", "o_proj"], 4, 8, False, seed=4)
+    prompt = sequences((20,))[0]
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True)
+    assert llm.generate([prompt], _params(), use_tqdm=False, lora_request=request)[0].outputs[0].token_ids == \
+        _greedy(model, prompt, 8)[0]  # fmt: skip
+    latent = LLM(path, dtype="float32", device="cpu", enable_lora=True, latent_kv_cache=True)
+    with pytest.raises(ValueError, match=r"adapts model.layers.0.self_attn.kv_b_proj, which the heads read through "
+                                         r"the latent KV cache"):  # fmt: skip
+        latent.generate([prompt], _params(2), use_tqdm=False, lora_request=request)

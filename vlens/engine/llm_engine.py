@@ -156,6 +156,10 @@ class LLMEngine:
         self._check_loras([r.lora for r in requests if r.lora is not None])
         groups = [self._group(r) for r in requests]
         for group, r in zip(groups, requests):
+            if r.lora is not None:
+                taps = group.seqs[0].taps
+                self.loras.check_taps(r.lora, {t for part in (*taps.streams, *taps.interventions) for t in part.taps})
+        for group, r in zip(groups, requests):
             for seq in group.seqs:
                 if r.stream or seq.params.stop_list:
                     seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)

@@ -82,6 +82,9 @@ def read_adapter(request: LoRARequest, model: DecoderLM, max_rank: int) -> Adapt
         if not isinstance(linear, StoredLinear) or slot.transform is not None:
             raise ValueError(f"{where}: adapts {module_path}, which is not a projection vlens can adapt in "
                              f"{model.cfg.architecture} (the attention's and MLP's projections are)")  # fmt: skip
+        if model.cfg.latent_kv_cache and module_path.endswith(".kv_b_proj"):  # (its weight is read whole there)
+            raise ValueError(f"{where}: adapts {module_path}, which the heads read through the latent KV cache "
+                             "(latent_kv_cache=True) as one matrix; load the model without latent_kv_cache")
         a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
         updates.setdefault(linear, []).append((slot.index, a, b * scaling))
     if not updates:
@@ -120,6 +123,17 @@ class LoraSlots:
         if len(wanted | held) > self.max_loras:
             raise ValueError(f"max_loras: {self.max_loras} adapters at once; these requests and those queued need "
                              f"{len(wanted | held)}; raise max_loras or send them in turns")  # fmt: skip
+
+    def check_taps(self, request: LoRARequest, taps: set[str]) -> None:
+        """Refuse a request's `taps` that its adapter would leave out of what they show: attn.hook_result splits the
+        output projection's product by head, which an adapter's update of that projection is not."""
+        adapted = self.read[request.lora_int_id].updates
+        for layer, block in enumerate(self.model.layers):
+            hook = f"blocks.{layer}.attn.hook_result"
+            if hook in taps and getattr(getattr(block, "attn_heads", None), "out", None) in adapted:
+                raise ValueError(f"lora_request {request.lora_name!r}: adapts layer {layer}'s output projection, "
+                                 f"which {hook} splits by head without the adapter's update; capture or edit "
+                                 f"blocks.{layer}.attn.hook_z instead")  # fmt: skip
 
     def acquire(self, adapter_id: int) -> int:
         """The slot of adapter `adapter_id` (checked), loaded there if it is not, held once more."""
