@@ -15,9 +15,9 @@ class ReplayedCall:
     """Stands in for a captured torch.cuda.CUDAGraph: `replay` runs the captured forward again on the
     captured tensors and updates its output in place."""
 
-    def __init__(self, runner: ModelRunner, meta, ids, taps):
+    def __init__(self, runner: ModelRunner, meta, ids, taps, lora):
         frozen = {name: copy.copy(t) for name, t in taps.items()}  # the views each tap read when captured
-        self.run = partial(runner._forward, meta, ids, frozen, None, slice(None), runner.decode_backend)
+        self.run = partial(runner._forward, meta, ids, frozen, None, slice(None), runner.decode_backend, lora=lora)
         self.logits = self.run()[1].clone()
 
     def replay(self) -> None:
@@ -27,8 +27,8 @@ class ReplayedCall:
 def replay_graphs(runner: ModelRunner) -> None:
     """Turn the runner's graph path on, with ReplayedCall for CUDA's capture."""
 
-    def capture(meta, ids, taps):
-        graph = ReplayedCall(runner, meta, ids, taps)
+    def capture(meta, ids, taps, lora):
+        graph = ReplayedCall(runner, meta, ids, taps, lora)
         runner.graph_stats.graphs_captured += 1
         return graph, graph.logits
 

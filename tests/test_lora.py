@@ -76,7 +76,7 @@ def test_adapters_and_none_in_one_batch(llama):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert same(got.activations[HOOK], want.activations[HOOK], 1e-6)
     assert outs[1].outputs[0].token_ids != outs[0].outputs[0].token_ids or prompts[1] == prompts[0]
-    assert llm.stats().eager_steps >= 8  # (every step with an adapter's request)
+    assert llm.stats().static_eager_steps >= 7  # (the decode steps, adapters' rows and all, on the static path)
 
 
 def test_the_prefix_cache_keeps_each_adapters_blocks_apart(llama):
@@ -229,3 +229,28 @@ def test_latent_attention_with_and_without_the_latent_cache(tmp_path):
     with pytest.raises(ValueError, match=r"adapts model.layers.0.self_attn.kv_b_proj, which the heads read through "
                                          r"the latent KV cache"):  # fmt: skip
         latent.generate([prompt], _params(2), use_tqdm=False, lora_request=request)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["replayed_graphs", "compile_decode"])
+def test_decode_graphs_hold_the_adapters(llama, compiled):
+    """Decode steps under adapters replayed from (emulated) CUDA graphs, or through compile_decode's compiled forward,
+    each row's slot read from the step's buffer: PEFT's tokens and rows; a graph of its own where adapters run."""
+    from replayed_graphs import replay_graphs
+
+    path, base, adapters = llama
+    settings = dict(compile_decode=True) if compiled else {}
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=2, **settings)
+    if not compiled:
+        replay_graphs(llm.runner)
+    prompts = sequences((20, 9, 3))
+    names = ["attention", None, "mlp"]
+    loras = [None if n is None else adapters[n][1] for n in names]
+    llm.generate(prompts, _params(), use_tqdm=False)  # (first the base model's graphs of these shapes)
+    for _ in range(2):  # (the second time, the adapters' graphs are replayed)
+        outs = llm.generate(prompts, _params(), use_tqdm=False, lora_request=loras)
+        for prompt, out, name in zip(prompts, outs, names):
+            tokens, hidden = _greedy(base if name is None else adapters[name][0], prompt, 8)
+            assert out.outputs[0].token_ids == tokens, name
+            assert (out.activations[HOOK] - hidden).norm() <= 1e-5 * hidden.norm(), name
+    stats = llm.runner.graph_stats
+    assert (stats.compiled_steps if compiled else stats.graph_steps) >= 12

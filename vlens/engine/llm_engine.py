@@ -50,7 +50,7 @@ class EngineStats:
     attention_backend: str  # the backend's name (what "auto" chose)
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
     static_eager_steps: int = 0  # decode steps on the static path without a graph (CPU, or graphs off)
-    eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities, adapters
+    eager_steps: int = 0  # steps a graph cannot serve: prefill, chunked prefill, prompt log-probabilities
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
     compiled_steps: int = 0  # decode steps run by a forward compiled for their shape (compile_decode, CPU)
@@ -125,7 +125,7 @@ class LLMEngine:
         runner.state_of = self.blocks.state_of
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
-        runner.max_loras = config.max_loras if config.enable_lora else 0
+        runner.loras = self.loras
         self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(

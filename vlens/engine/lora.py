@@ -5,7 +5,8 @@ The engine holds up to `max_loras` adapters at once, each in a slot of the stack
 (vlens.layers.lora); an adapter is read when a request first names it, put in a slot when a queued request needs it
 and kept there, least recently used first out, while no queued request holds it. Its blocks in the prefix cache are
 its own (a sequence's cache salt names the adapter: every key differs from the base model's from the first token).
-A step with a request under an adapter runs eagerly: the decode graphs hold the base model alone.
+A decode step with requests under adapters takes the static path as any other: its graph (or compiled forward)
+reads each row's slot from the step's buffers, and is one of its own, captured over the stacks the adapters have.
 
 What vlens reads of an adapter is PEFT's LoRA: `adapter_config.json` (r, lora_alpha, use_rslora) and
 `adapter_model.safetensors`, whose `<module>.lora_A.weight` [r, in] and `lora_B.weight` [out, r] adapt the

@@ -54,6 +54,7 @@ from vlens.distributed.taps import HookFailed, shard_taps
 from vlens.engine.block_manager import SNAPSHOT_BLOCKS
 from vlens.engine.buffers import StepBuffers
 from vlens.engine.logprobs import PromptRows, TopLogprobs, to_host, top_logprobs
+from vlens.engine.lora import LoraSlots
 from vlens.engine.packed import PackedCapture, packed_plan
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
@@ -158,7 +159,7 @@ class ModelRunner:
         # decode step's padding rows; which slot a lent block table's first block holds (the BlockManager's)
         self.stateful = [m for m in model.modules() if isinstance(m, SlotStates)]
         self.state_of: dict[int, int] = {}
-        self.max_loras = 0  # LoRA slots (the engine's, vlens.engine.lora; 0: none)
+        self.loras: LoraSlots | None = None  # the engine's LoRA adapters (vlens.engine.lora), where it runs them
         self.scratch_state = 0
         # What runs the model's forward: the module itself (eager), or a compiled stand-in with the same
         # signature (its taps then need `self.taps.fixed_shapes`).
@@ -253,7 +254,7 @@ class ModelRunner:
             backend = self._sdpa  # take keys past a query's position: a prefill step with a both-ways image)
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
         if lora is not None:  # (ForwardContext.lora: one-hot rows, all zero where a row's request has no adapter)
-            lora = F.one_hot(lora, self.max_loras + 1)[:, : self.max_loras].to(self.dtype)
+            lora = F.one_hot(lora, self.loras.max_loras + 1)[:, : self.loras.max_loras].to(self.dtype)
         state = backend.prepare(meta, self.kinds, self.dtype)
         if self.stateful:  # (the other ranks allocate as many slots; linear attention's chunks, where some sequence
             # feeds several rows)
@@ -296,9 +297,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
-        if self.static_decode and len(scheduled) <= self.max_bucket and all(
-            _decodes(s, n) and s.lora_slot is None for s, n in scheduled  # (no graph holds an adapter)
-        ):
+        if self.static_decode and len(scheduled) <= self.max_bucket and all(_decodes(s, n) for s, n in scheduled):
             return self._decode(scheduled)
         self.graph_stats.eager_steps += 1
         put = self.buffers.put
@@ -355,11 +354,12 @@ class ModelRunner:
         out = StepOutput(scheduled, sampled, None, None, plan, collection, prompt_rows, prompt_logprobs)
         return self._sample(out, logits[: len(sample_rows)], batch) if sampled else out
 
-    def _lora_rows(self, order: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Each row's LoRA slot (max_loras where its request has no adapter), put for the step's forward."""
-        slots = np.repeat([self.max_loras if s.lora_slot is None else s.lora_slot for s, _ in order],
-                          [n for _, n in order])  # fmt: skip
-        return self.buffers.put("lora_slots", slots.astype(np.int64))
+    def _lora_rows(self, order: list[tuple[Sequence, int]], pad: int = 0) -> torch.Tensor:
+        """Each row's LoRA slot (max_loras where its request has no adapter, and in `pad` rows more), put for the
+        step's forward."""
+        none = self.loras.max_loras
+        slots = np.repeat([none if s.lora_slot is None else s.lora_slot for s, _ in order], [n for _, n in order])
+        return self.buffers.put("lora_slots", np.concatenate([slots, np.full(pad, none)]).astype(np.int64))
 
     def _image_rows(
         self, meta: AttentionMetadata, pieces: list[tuple[PromptImages, int, int, int]],
@@ -474,6 +474,10 @@ class ModelRunner:
             ids = put("input_ids", np.array([s.token_ids[-1] for s in seqs] + [0] * pad, np.int64))
         else:
             ids, fed = put("input_ids", np.zeros(size, np.int64)), put("ahead_rows", np.array(ahead[1], np.int64))
+        # (an adapter's rows: a graph and a compiled forward of their own, over the LoRA stacks there are then)
+        lora, adapted = None, None
+        if any(s.lora_slot is not None for s in seqs):
+            lora, adapted = self._lora_rows([(s, 1) for s in seqs], pad), len(self.loras.stacks)
         taps = self.taps.arm(plan, fixed_shapes=True if self.pad_decode else None) if plan else {}
         self.buffers.flush()
         if ahead is not None:  # the previous step's samples, copied on the device behind its sampling
@@ -483,7 +487,7 @@ class ModelRunner:
         if self.graphs and self.buffers.generation == generation:
             self._copy_states(meta)  # (outside the graph: which states are copied changes step by step)
             meta.state_copies = None
-            key = (size, pages, generation, self._signature(taps))
+            key = (size, pages, generation, self._signature(taps), adapted)
             entry = self._graphs.pop(key, None)  # (put back last: the dict runs from least to most recently used)
             if entry is None:
                 for stale in [k for k in self._graphs if k[2] != generation]:  # (over buffers since moved)
@@ -493,7 +497,7 @@ class ModelRunner:
                 # (a capture runs the step once before its replay does: the states that run advances go back)
                 held = [(state, state[meta.state_slots].clone()) for state in self._states()]
                 try:
-                    entry = self._capture(meta, ids, taps)
+                    entry = self._capture(meta, ids, taps, lora)
                 except RuntimeError as e:  # what a graph cannot hold runs as it would without graphs
                     log.warning("CUDA graph capture failed, decode steps run eagerly from now on: %s", e)
                     self.graphs = False
@@ -506,11 +510,11 @@ class ModelRunner:
                 self.graph_stats.graph_steps += 1
                 return logits
         if self.compile_decode:
-            key = (size, pages, self._signature(taps, addresses=False))
+            key = (size, pages, self._signature(taps, addresses=False), adapted)
             if key in self._compiled or len(self._compiled) < MAX_GRAPHS:  # (past that, new shapes run eagerly)
-                return self._compiled_step(meta, ids, taps, key)
+                return self._compiled_step(meta, ids, taps, key, lora)
         self.graph_stats.static_eager_steps += 1
-        return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
+        return self._forward(meta, ids, taps, None, slice(None), self.decode_backend, lora=lora)[1]
 
     def _signature(self, taps: dict[str, Tap], addresses: bool = True) -> tuple:
         """`_signature` of the static step's armed `taps`, made again only when the runtime armed new ones: a step
@@ -523,7 +527,7 @@ class ModelRunner:
         return self._signed[1]
 
     def _compiled_step(
-        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], key: tuple
+        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], key: tuple, lora: torch.Tensor | None
     ) -> torch.Tensor:  # fmt: skip
         """Logits of the static decode step through the forward compiled for `key` (shapes and taps), compiled
         at its first step. Like a CUDA graph, each compiled forward serves one key and checks nothing when
@@ -541,7 +545,8 @@ class ModelRunner:
             )  # fmt: skip
             stats.compiles += 1
         try:
-            logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, compiled=compiled)[1]
+            logits = self._forward(meta, ids, taps, None, slice(None), self.decode_backend, compiled=compiled,
+                                   lora=lora)[1]  # fmt: skip
         except Exception as e:  # noqa: BLE001 - (only a first call: a compile this machine cannot make)
             if not new:
                 raise
@@ -550,7 +555,7 @@ class ModelRunner:
             del self._compiled[key]
             self.compile_decode = False
             stats.static_eager_steps += 1
-            return self._forward(meta, ids, taps, None, slice(None), self.decode_backend)[1]
+            return self._forward(meta, ids, taps, None, slice(None), self.decode_backend, lora=lora)[1]
         if new:  # (the compile happens in the first call)
             stats.compile_seconds += time.perf_counter() - started
             gc.freeze()  # what the compile made lives as long as the runner: out of the collector's walks (LLMEngine)
@@ -558,12 +563,12 @@ class ModelRunner:
         return logits
 
     def _capture(
-        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap]
+        self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], lora: torch.Tensor | None
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """A graph of the static forward over these buffers, and its logits (captured in the pool every graph
         of the runner shares)."""
         started = time.perf_counter()
-        run = partial(self._forward, meta, ids, taps, None, slice(None), self.decode_backend)
+        run = partial(self._forward, meta, ids, taps, None, slice(None), self.decode_backend, lora=lora)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, allocator)

@@ -130,8 +130,7 @@ class Sequence:
         self.long_rope_at = long_rope_at
         # Whether its next decode step can be planned before the host sees its last token (async scheduling):
         # not when a capture skips rows by token, nor where LongRoPE may switch it to recompute.
-        self.plans_ahead = long_rope_at is None and all(stream.exclude is None for stream in self.taps.streams) and \
-            self.lora is None  # (its steps run eagerly)  # fmt: skip
+        self.plans_ahead = long_rope_at is None and all(stream.exclude is None for stream in self.taps.streams)
         salt: object = fingerprint(self.params.interventions)
         if any(iv.positions.follows_prompt for iv in self.params.interventions):
             salt = ("prompt of", self.num_prompt, salt)  # which rows they change depends on where the prompt ends
