@@ -132,7 +132,7 @@ def test_an_adapter_of_the_unembedding_is_refused_by_name(llama, tmp_path):
     path, _, _ = llama
     _, request = _adapter(path, tmp_path, "head", ["lm_head", "q_proj"], 4, 8, False, seed=5)
     llm = LLM(path, dtype="float32", device="cpu", enable_lora=True)
-    with pytest.raises(ValueError, match="adapts lm_head, which is not a projection vlens can adapt"):
+    with pytest.raises(ValueError, match=r"holds \['base_model.model.lm_head.base_layer.weight'\], which are no LoRA"):
         llm.generate([[1, 2, 3]], _params(2), use_tqdm=False, lora_request=request)
 
 
@@ -254,3 +254,39 @@ def test_decode_graphs_hold_the_adapters(llama, compiled):
             assert (out.activations[HOOK] - hidden).norm() <= 1e-5 * hidden.norm(), name
     stats = llm.runner.graph_stats
     assert (stats.compiled_steps if compiled else stats.graph_steps) >= 12
+
+
+def test_an_adapters_directory_is_its_base_model_merged(llama, tmp_path):
+    """LLM(adapter directory), as HF's from_pretrained of one runs its base model under it: the adapter merged into
+    the base's weights (PEFT's merge_and_unload): every layer and the logits of PEFT's model within 1e-5, its greedy
+    tokens, on two ranks as in one process; a harvest's manifest records the adapter's hash."""
+    from harvest_helpers import write_jsonl
+    from test_tensor_parallel import _check_outputs
+
+    from vlens import harvest
+
+    path, base, adapters = llama
+    model, request = adapters["attention"]
+    llm = LLM(request.lora_path, dtype="float32", device="cpu", block_size=4)
+    assert llm.adapter_path == Path(request.lora_path) and llm.model_path == Path(path)
+    hooks = [f"hidden_states.{i}" for i in range(4)] + ["unembed.hook_out"]
+    for ids, got in zip(sequences(), llm.trace(sequences(), hooks)):
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        assert all(same(got[h], w, 1e-5) for h, w in zip(hooks, [*(h[0] for h in out.hidden_states), out.logits[0]]))
+    prompts, params = sequences((20, 9)), _params()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_greedy(model, p, 8)[0] for p in prompts]
+    two = LLM(request.lora_path, dtype="float32", device="cpu", block_size=4, tensor_parallel_size=2)
+    try:
+        _check_outputs(outs, two.generate(prompts, params, use_tqdm=False))
+    finally:
+        two.close()
+    source = write_jsonl(tmp_path / "tokens.jsonl", [[(7 * i + j) % 300 for j in range(20)] for i in range(4)], "tokens")
+    harvest(request.lora_path, source, "blocks.1.hook_resid_post", tmp_path / "acts", context_size=16, progress=False)
+    manifest = json.loads((tmp_path / "acts" / "manifest.json").read_text())
+    assert manifest["model"]["adapter_sha256"] and manifest["model"]["weights_sha256"]
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    with pytest.raises(ValueError, match="is a LoRA adapter whose adapter_config.json names no base_model_name_or_path"):
+        LLM(str(tmp_path / "orphan"), dtype="float32", device="cpu")

@@ -49,6 +49,7 @@ class LLM:
                                 latent_kv_cache=config.latent_kv_cache)  # fmt: skip
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
+        self.adapter_path = loaded.adapter  # (a LoRA adapter's directory as the model: the adapter merged in)
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
         kinds = {attn.kind for attn in self.model.attention_layers()}

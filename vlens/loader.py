@@ -31,6 +31,8 @@ from torch import nn
 from vlens.config import ModelConfig, UnsupportedModelError, supported_architecture
 from vlens.distributed.parallel import SINGLE, Parallel
 from vlens.layers.checkpoint import Slot, checkpoint_slots
+from vlens.lora_files import CONFIG as ADAPTER_CONFIG
+from vlens.lora_files import base_model_of, read_lora
 from vlens.models import DecoderLM, build_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -48,6 +50,7 @@ class LoadedModel(NamedTuple):
     tokenizer: Any
     path: Path  # the safetensors directory the weights came from
     name: str  # what the user asked for (or the default's name)
+    adapter: Path | None = None  # the LoRA adapter merged into them, where the model was an adapter's directory
 
 
 def device_problem(device: Any) -> str | None:
@@ -212,9 +215,9 @@ def resolve_model_path(model: str | os.PathLike | None, revision: str | None = N
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
     if path.is_dir():
-        if not (path / "config.json").exists():
+        if not (path / "config.json").exists() and not (path / ADAPTER_CONFIG).exists():
             raise ModelLoadError(f"model: directory {str(path)!r} has no config.json; is it a HF checkpoint?")
-        return path
+        return path  # (a checkpoint, or a LoRA adapter's directory: `checkpoint_of`)
     if path.exists():
         raise ModelLoadError(f"model: {str(path)!r} is neither a checkpoint directory nor a .gguf file")
     if not _is_hub_id(model):
@@ -237,12 +240,24 @@ def model_config(model: str | os.PathLike | None, revision: str | None = None) -
     return read_config(resolve_model_path(model, revision))
 
 
+def checkpoint_of(path: Path) -> tuple[Path, Path | None]:
+    """(the checkpoint directory, the LoRA adapter's directory or None) of a resolved model `path`: a PEFT adapter's
+    directory (adapter_config.json, no config.json) stands for its base model with the adapter merged into its
+    weights, as HF's from_pretrained of it runs the base model under the adapter."""
+    try:
+        base = base_model_of(path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    return (path, None) if base is None else (resolve_model_path(base), path)
+
+
 def read_config(path: Path) -> ModelConfig:
-    """The description of the checkpoint in `path`, its architecture checked in config.json first: for a
-    model type it does not know, AutoConfig advises upgrading transformers, or (custom code) asks on stdin
-    whether to run it and then to pass trust_remote_code, which vlens has no use for."""
+    """The description of the checkpoint in `path` (a LoRA adapter's: of its base model), its architecture checked in
+    config.json first: for a model type it does not know, AutoConfig advises upgrading transformers, or (custom
+    code) asks on stdin whether to run it and then to pass trust_remote_code, which vlens has no use for."""
     from transformers import AutoConfig
 
+    path = checkpoint_of(path)[0]
     raw = json.loads((path / "config.json").read_text())
     supported_architecture(raw.get("architectures"), raw.get("model_type"))
     fp8_block(raw)  # (a quantisation vlens does not read: refused before transformers parses anything)
@@ -370,13 +385,37 @@ def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int,
     return weight.float() * s
 
 
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
 def _tokenizer(path: Path) -> Any | None:
     """The checkpoint's HF tokenizer, or None for weights-only checkpoints (token ids in, ids out)."""
     from transformers import AutoTokenizer
 
-    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+
+
+@torch.no_grad()
+def merge_lora(model: DecoderLM, adapter: Path) -> None:
+    """W + s B A into every weight the LoRA adapter in `adapter` updates (this rank's rows or columns of it), as PEFT's
+    merge_and_unload computes it: the sums in another order than the unmerged forward's, float32 within 1e-5 of
+    it (vlens.lora_files: what is refused)."""
+    layout = {stored_name(key, model.cfg): slot for key, slot in checkpoint_layout(model).items()}
+    for module, (a, b) in read_lora(adapter, "model").items():
+        slot = layout.get(f"{module}.weight")
+        target = None if slot is None or slot.transform is not None else slot.target()
+        if target is not None and target.untyped_storage().data_ptr() != slot.param.untyped_storage().data_ptr():
+            target = None  # (a copy of the weight's rows, not the weight)
+        if model.cfg.tie_word_embeddings and module.endswith("lm_head"):  # (the embedding is the same tensor)
+            target = None
+        delta = b.double() @ a.double()
+        if slot is not None and slot.source is not None:
+            delta = delta[slot.source]
+        if target is None or target.shape != delta.shape:
+            raise ModelLoadError(f"model: the LoRA adapter in {str(adapter)!r} updates {module}, which vlens cannot "
+                                 f"merge in {model.cfg.architecture} (it merges into projections' weights)")
+        target.add_(delta.to(target.dtype))
 
 
 def keep_float32(net: nn.Module) -> nn.Module:
@@ -404,7 +443,7 @@ def load_model(
     EngineConfig's."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    path = resolve_model_path(model, revision)
+    path, adapter = checkpoint_of(resolve_model_path(model, revision))
     cfg = read_config(path)
     check_latent_kv_cache(cfg, latent_kv_cache)
     cfg = dataclasses.replace(cfg, parallel=parallel, latent_kv_cache=latent_kv_cache)
@@ -412,6 +451,8 @@ def load_model(
         net = build_model(cfg, device=dev)
     net = keep_float32(net.to(torch_dtype)).to_empty(device=dev)
     load_weights(net, path)
+    if adapter is not None:
+        merge_lora(net, adapter)
     net.eval().requires_grad_(False)
-    tokenizer = _tokenizer(path)
-    return LoadedModel(net, cfg, tokenizer, path, DEFAULT_MODEL if model is None else str(model))
+    tokenizer = _tokenizer(adapter) if adapter is not None and _has_tokenizer(adapter) else _tokenizer(path)
+    return LoadedModel(net, cfg, tokenizer, path, DEFAULT_MODEL if model is None else str(model), adapter)

@@ -8,25 +8,21 @@ its own (a sequence's cache salt names the adapter: every key differs from the b
 A decode step with requests under adapters takes the static path as any other: its graph (or compiled forward)
 reads each row's slot from the step's buffers, and is one of its own, captured over the stacks the adapters have.
 
-What vlens reads of an adapter is PEFT's LoRA: `adapter_config.json` (r, lora_alpha, use_rslora) and
-`adapter_model.safetensors`, whose `<module>.lora_A.weight` [r, in] and `lora_B.weight` [out, r] adapt the
-projection whose weight the model's checkpoint names `<module>.weight` (q/k/v, o, gate/up and down in most
-families). The rest of what PEFT can save (DoRA, biases, modules saved whole, per-module ranks) is refused by name."""
+What vlens reads of an adapter is PEFT's LoRA (vlens.lora_files); here, the projections it updates must be
+vlens's StoredLinear modules (q/k/v, o, gate/up and down in most families), whose forward adds the update."""
 
 from __future__ import annotations
 
-import json
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from vlens.layers.linear import FusedLinear, StoredLinear
 from vlens.layers.lora import LoraWeights
 from vlens.loader import checkpoint_layout, stored_name
+from vlens.lora_files import read_lora
 from vlens.models.base import DecoderLM
 
 Update = tuple[slice | None, torch.Tensor, torch.Tensor]  # (rows of the projection's output, None: all; A; scaled B)
@@ -52,32 +48,10 @@ def read_adapter(request: LoRARequest, model: DecoderLM, max_rank: int) -> Adapt
     where = f"lora_request {request.lora_name!r}"
     if not isinstance(request.lora_int_id, int) or request.lora_int_id < 1:
         raise ValueError(f"{where}: lora_int_id {request.lora_int_id!r} is not a positive integer")
-    path = Path(request.lora_path)
-    files = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not all(f.is_file() for f in files):
-        raise ValueError(f"{where}: lora_path {str(path)!r} holds no adapter_config.json and "
-                         "adapter_model.safetensors (a PEFT adapter's save_pretrained)")  # fmt: skip
-    config = json.loads(files[0].read_text())
-    unsupported = {
-        "peft_type": config.get("peft_type", "LORA") != "LORA", "use_dora": bool(config.get("use_dora")),
-        "bias": config.get("bias", "none") != "none", "modules_to_save": bool(config.get("modules_to_save")),
-        "rank_pattern": bool(config.get("rank_pattern")), "alpha_pattern": bool(config.get("alpha_pattern")),
-        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
-    }  # fmt: skip
-    refused = [f"{name}={config.get(name)!r}" for name, bad in unsupported.items() if bad]
-    if refused:
-        raise ValueError(f"{where}: {', '.join(refused)} is not supported (vlens runs PEFT's LoRA: peft_type LORA, no "
-                         "DoRA, no biases, no modules saved whole, one rank and alpha for every module)")  # fmt: skip
-    rank = int(config["r"])
-    if rank > max_rank:
-        raise ValueError(f"{where}: rank {rank} is more than max_lora_rank={max_rank}; raise max_lora_rank")
-    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    tensors = load_file(str(files[1]))
     layout = {stored_name(key, model.cfg): slot for key, slot in checkpoint_layout(model).items()}
     owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
     updates: dict[StoredLinear, list[Update]] = {}
-    for key in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
-        module_path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+    for module_path, (a, b) in read_lora(Path(request.lora_path), f"{where}: lora_path", max_rank).items():
         slot = layout.get(f"{module_path}.weight")
         linear = None if slot is None else owners[id(slot.param)]
         if not isinstance(linear, StoredLinear) or slot.transform is not None:
@@ -86,10 +60,7 @@ def read_adapter(request: LoRARequest, model: DecoderLM, max_rank: int) -> Adapt
         if model.cfg.latent_kv_cache and module_path.endswith(".kv_b_proj"):  # (its weight is read whole there)
             raise ValueError(f"{where}: adapts {module_path}, which the heads read through the latent KV cache "
                              "(latent_kv_cache=True) as one matrix; load the model without latent_kv_cache")
-        a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
-        updates.setdefault(linear, []).append((slot.index, a, b * scaling))
-    if not updates:
-        raise ValueError(f"{where}: {str(files[1])!r} holds no lora_A weights")
+        updates.setdefault(linear, []).append((slot.index, a, b))
     return Adapter(request, updates)
 
 

@@ -293,6 +293,8 @@ def header(
     }
     if config.revision is not None:  # (only then: older manifests match)
         model["revision"] = config.revision
+    if loaded.adapter is not None:  # (a LoRA adapter's directory as the model: its weights merged into the base's)
+        model["adapter_sha256"] = weights_hash(loaded.adapter)
     if config.tensor_parallel_size > 1:  # split sums round otherwise than one process's: other bytes, not to mix
         model["tensor_parallel_size"] = config.tensor_parallel_size
     return {

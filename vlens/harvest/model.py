@@ -29,7 +29,8 @@ def resolve_model(model: Any, config: HarvestConfig, device: str) -> LoadedModel
     if isinstance(model, LoadedModel):
         return model
     if isinstance(model, LLM):
-        return LoadedModel(model.model, model.config, model.tokenizer, model.model_path, model.model_name)
+        return LoadedModel(model.model, model.config, model.tokenizer, model.model_path, model.model_name,
+                           model.adapter_path)  # fmt: skip
     dtype, size, revision = config.model_dtype, config.tensor_parallel_size, config.revision
     if size > 1:
         return Executor(model, dtype, resolve_device(device), size, "sdpa", revision=revision).loaded
