@@ -290,3 +290,23 @@ def test_an_adapters_directory_is_its_base_model_merged(llama, tmp_path):
     (tmp_path / "orphan" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
     with pytest.raises(ValueError, match="is a LoRA adapter whose adapter_config.json names no base_model_name_or_path"):
         LLM(str(tmp_path / "orphan"), dtype="float32", device="cpu")
+
+
+def test_an_adapter_beside_the_base_model_as_its_merged_model(llama):
+    """Chunked prefill (16 tokens a step), parallel seeded samples, prompt log-probabilities and a capture under an
+    adapter, beside base requests, against the merged adapter's own engine: the same tokens, log-probabilities and
+    rows (the two sum in other orders: 1e-5)."""
+    path, _, adapters = llama
+    request = adapters["mlp"][1]
+    settings = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
+    beside, merged = LLM(path, enable_lora=True, **settings), LLM(request.lora_path, **settings)
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    captured = SamplingParams(max_tokens=6, temperature=0, capture=Capture(HOOK), ignore_eos=True)
+    prompts, params = sequences((30, 9, 21)), [sampled, sampled, captured]
+    got = beside.generate(prompts, params, use_tqdm=False, lora_request=[request, None, request])
+    want = merged.generate([prompts[0], prompts[2]], [sampled, captured], use_tqdm=False)
+    for a, b in zip([got[0], got[2]], want):
+        assert [s.token_ids for s in a.outputs] == [s.token_ids for s in b.outputs]
+    for x, y in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
+        assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
+    assert same(got[2].activations[HOOK], want[1].activations[HOOK], 1e-5)
