@@ -166,7 +166,8 @@ def test_served_under_their_names(smol4_path, tmp_path):
     assert want["base"] != want["terse"]
     chat = [{"role": "user", "content": "Say hi"}]
     replied = llm.chat(chat, params, use_tqdm=False, lora_request=request)[0].outputs[0].text
-    with running_server(llm, ServerConfig(lora_modules=(f"terse={request.lora_path}",), served_model_name="base")) as url:
+    config = ServerConfig(lora_modules=(f"terse={request.lora_path}",), served_model_name="base")
+    with running_server(llm, config) as url:
         models = httpx.get(url + "/v1/models").json()["data"]
         assert [(m["id"], m.get("parent"), m.get("root")) for m in models] == [
             ("base", None, None), ("terse", "base", request.lora_path)]  # fmt: skip
@@ -282,13 +283,14 @@ def test_an_adapters_directory_is_its_base_model_merged(llama, tmp_path):
         _check_outputs(outs, two.generate(prompts, params, use_tqdm=False))
     finally:
         two.close()
-    source = write_jsonl(tmp_path / "tokens.jsonl", [[(7 * i + j) % 300 for j in range(20)] for i in range(4)], "tokens")
+    documents = [[(7 * i + j) % 300 for j in range(20)] for i in range(4)]
+    source = write_jsonl(tmp_path / "tokens.jsonl", documents, "tokens")
     harvest(request.lora_path, source, "blocks.1.hook_resid_post", tmp_path / "acts", context_size=16, progress=False)
     manifest = json.loads((tmp_path / "acts" / "manifest.json").read_text())
     assert manifest["model"]["adapter_sha256"] and manifest["model"]["weights_sha256"]
     (tmp_path / "orphan").mkdir()
     (tmp_path / "orphan" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
-    with pytest.raises(ValueError, match="is a LoRA adapter whose adapter_config.json names no base_model_name_or_path"):
+    with pytest.raises(ValueError, match="a LoRA adapter whose adapter_config.json names no base_model_name_or_path"):
         LLM(str(tmp_path / "orphan"), dtype="float32", device="cpu")
 
 
