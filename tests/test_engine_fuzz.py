@@ -3,13 +3,15 @@ captures at generated / all / last positions, an attention pattern, steered, abl
 samples and of prompts, penalised, prefill-only, seeded samples of one or two sequences, ranked samples
 (best_of), stop tokens and strings, per-head steering and patterns, patched rows, logit lens, a mean probe,
 hidden states, rows left out by token, a transcoder latent clamped (its latents and error read), TransformerLens's
-optional hooks read and steered, streamed, aborted) arrives at random steps into an engine whose KV
+optional hooks read and steered, streamed, aborted; a third of them under one of two LoRA adapters) arrives at
+random steps into an engine whose KV
 cache is small enough to preempt, whose prompts share long prefixes (prefix-cache hits mid-run, prefixes
 borrowed within a step), whose prefill is chunked, with async scheduling on the static decode path and
 graphs (emulated: tests/replayed_graphs.py). Every request that ends must end as it does served alone on a
 plain engine over the same checkpoint (no prefix cache, no chunking, synchronous, no static path, no
-streaming): the same tokens, text and finish, log-probability ranks equal and values within 1e-5, captured
-rows at the same positions within 1e-5; streamed deltas add up to the output. Each session preempts, hits
+streaming; an adapter's request, on such an engine of the adapter's directory: its weights merged): the same
+tokens, text and finish, log-probability ranks equal and values within 1e-5, captured rows at the same positions
+within 1e-5; streamed deltas add up to the output. Each session preempts, hits
 the prefix cache, borrows, chunks, queues steps ahead and replays graphs (the test checks), so a row that
 lands in another request, a recompute that captures twice, KV reused across interventions, or a queued step
 that reads a stale input shows up as a difference from the request alone. The same sessions run on a Qwen 3.5
@@ -31,7 +33,7 @@ from replayed_graphs import replay_graphs
 from test_parity_qwen3_5 import text_config as qwen3_5_config
 from transformers import LlamaConfig
 
-from vlens import LLM, SAE, Ablate, Capture, Clamp, Logprob, Patch, RequestOutput, SamplingParams, Steer
+from vlens import LLM, SAE, Ablate, Capture, Clamp, Logprob, LoRARequest, Patch, RequestOutput, SamplingParams, Steer
 from vlens.engine.llm_engine import NewRequest
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.sequence import Sequence
@@ -69,14 +71,36 @@ def alone(path) -> LLM:
     return LLM(model=path, dtype="float32", device="cpu", enable_prefix_caching=False, async_scheduling=False)
 
 
+@pytest.fixture(scope="module")
+def adapters(path) -> dict[LoRARequest, LLM]:
+    """Two PEFT adapters of the model (its q and v and its MLPs; not o_proj, whose head results a request reads), each
+    with its reference: the plainest engine of the adapter's directory, the adapter merged into its weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+    for i in range(2):
+        torch.manual_seed(i)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        targets = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+        directory = Path(path).parent / f"adapter{i}"
+        get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)) \
+            .save_pretrained(directory)  # fmt: skip
+        made[LoRARequest(f"adapter{i}", i + 1, str(directory))] = LLM(
+            model=str(directory), dtype="float32", device="cpu", enable_prefix_caching=False, async_scheduling=False)
+    return made
+
+
 @dataclass
 class Arrival:
     prompt: list[int]
     params: SamplingParams
     stream: bool
     kind: str
+    lora: LoRARequest | None = None
 
 
+UNDER = 1  # (the adapters' draws: seeded apart, UNDER after the session's seed)
 KINDS = ("greedy", "generated", "all", "stop", "pattern", "steer", "ablate", "logprobs", "prompt logprobs", "penalised",
          "prefill only", "seeded", "seeded n=2", "stop string", "best of", "heads", "patch", "logit lens", "probe",
          "hidden", "exclude", "transcoder", "optional")  # fmt: skip
@@ -136,12 +160,15 @@ def _params(kind: str, max_tokens: int, prompt: list[int], g: torch.Generator, a
     return SamplingParams(**fields[kind]())
 
 
-def _script(seed: int, alone: LLM, num_requests: int = 30) -> list[tuple[list[Arrival], int | None]]:
+def _script(
+    seed: int, alone: LLM, loras: list[LoRARequest], num_requests: int = 30
+) -> list[tuple[list[Arrival], int | None]]:  # fmt: skip
     """A seeded serving session: per step, the requests that arrive and which earlier request, counted in
     arrival order, is aborted (or None; one of the last six, which may still run). Most prompts are one of
     three long prefixes and a short tail; now and then three requests behind one prefix arrive together
-    (the choices of an lm-eval question), which may borrow it from each other."""
-    g = torch.Generator().manual_seed(seed)
+    (the choices of an lm-eval question), which may borrow it from each other. A third of them run under one of
+    `loras` (drawn apart, so that the sessions are those of the base model's requests alone)."""
+    g, under = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + UNDER)
 
     def randint(low: int, high: int) -> int:
         return int(torch.randint(low, high, (), generator=g))
@@ -149,21 +176,28 @@ def _script(seed: int, alone: LLM, num_requests: int = 30) -> list[tuple[list[Ar
     def tokens(n: int) -> list[int]:
         return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
-    def arrival(prompt: list[int], kind: str) -> Arrival:
+    def adapter() -> LoRARequest | None:
+        pick = int(torch.randint(0, 3 * len(loras), (), generator=under))  # (a third under an adapter)
+        return loras[pick] if pick < len(loras) else None
+
+    def arrival(prompt: list[int], kind: str, lora: LoRARequest | None) -> Arrival:
         params = _params(kind, randint(1, 21), prompt, g, alone)
         streamed = bool(torch.rand((), generator=g) < 0.3) and not params.ranks_samples  # (as the server has it)
-        return Arrival(prompt, params, streamed, kind)
+        if kind.startswith("stop"):  # (its stop is one the base model reaches)
+            lora = None
+        return Arrival(prompt, params, streamed, kind, lora)
 
     prefixes = [tokens(randint(12, 24)) for _ in range(3)]
     script, arrived = [], 0
     while arrived < num_requests:
         if torch.rand((), generator=g) < 0.15:
             prefix = prefixes[randint(0, 3)]
-            new = [arrival(prefix + tokens(randint(1, 6)), KINDS[randint(0, len(KINDS))]) for _ in range(3)]
+            lora = adapter()  # (the choices of one question, under one adapter or none: they may borrow)
+            new = [arrival(prefix + tokens(randint(1, 6)), KINDS[randint(0, len(KINDS))], lora) for _ in range(3)]
         else:
             prompts = [prefixes[randint(0, 3)] + tokens(randint(0, 8)) if torch.rand((), generator=g) < 0.75
                        else tokens(randint(2, 16)) for _ in range(randint(0, 3))]  # fmt: skip
-            new = [arrival(prompt, KINDS[randint(0, len(KINDS))]) for prompt in prompts]
+            new = [arrival(prompt, KINDS[randint(0, len(KINDS))], adapter()) for prompt in prompts]
         new = new[: num_requests - arrived]
         arrived += len(new)
         abort = randint(max(0, arrived - 6), arrived) if arrived and torch.rand((), generator=g) < 0.15 else None
@@ -238,11 +272,11 @@ def _count(llm: LLM) -> Counter:
 
 @pytest.mark.parametrize("path", list(MODELS), indirect=True)
 @pytest.mark.parametrize("seed", [4, 8, 29])  # sessions that do all of it (the last asserts check)
-def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
+def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, adapters, seed):
     stateful = bool(alone.runner.stateful)
     kv_bytes = NUM_BLOCKS * ModelRunner.bytes_per_block(alone.model, ENGINE["block_size"])
     kv_bytes += (ENGINE["max_num_seqs"] + 1) * ModelRunner.bytes_per_state(alone.model)  # (their slots, first)
-    llm = LLM(model=path, kv_cache_memory=kv_bytes, **ENGINE)
+    llm = LLM(model=path, kv_cache_memory=kv_bytes, enable_lora=True, max_loras=2, max_lora_rank=4, **ENGINE)
     replay_graphs(llm.runner)
     engine, counts = llm.engine, _count(llm)
     ids, arrivals, aborted, done, streamed = [], [], set(), {}, {}
@@ -256,8 +290,8 @@ def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
             if delta.output is not None:
                 done[delta.request_id] = delta.output
 
-    for new, abort in _script(seed, alone):
-        ids += engine.add_requests([NewRequest(a.prompt, a.params, stream=a.stream) for a in new])
+    for new, abort in _script(seed, alone, list(adapters)):
+        ids += engine.add_requests([NewRequest(a.prompt, a.params, stream=a.stream, lora=a.lora) for a in new])
         arrivals += new
         if abort is not None and ids[abort] not in done:
             engine.abort(ids[abort])
@@ -276,10 +310,14 @@ def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, seed):
             assert "".join(text) == done[request].outputs[index].text
     for request, arrival in zip(ids, arrivals, strict=True):
         if request in done:
-            want = alone.generate([arrival.prompt], arrival.params, use_tqdm=False)[0]
-            _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)})")
+            reference = alone if arrival.lora is None else adapters[arrival.lora]
+            want = reference.generate([arrival.prompt], arrival.params, use_tqdm=False)[0]
+            under = "" if arrival.lora is None else f", under {arrival.lora.lora_name}"
+            _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)}{under})")
     graphs = llm.runner.graph_stats
     assert stats.num_preemptions > 0 and graphs.ahead_steps > 0 and graphs.graph_steps > 0
     # (a model with states per sequence borrows no prefix in its step: it starts from prefixes' kept states)
     assert counts["reused"] > 0 and (counts["borrowed by captures"] > 0) != stateful and counts["chunks"] > 0
     assert any(c.finish_reason == "stop" for out in done.values() for c in out.outputs)
+    under = Counter(a.lora.lora_name for request, a in zip(ids, arrivals) if request in done and a.lora is not None)
+    assert len(under) == 2  # (both adapters ran)
