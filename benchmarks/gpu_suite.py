@@ -535,6 +535,9 @@ def deepseek(rows: dict, root: Path, quick: bool, device: str) -> None:
     )  # fmt: skip
     hooks = ["blocks.1.attn.hook_z", "blocks.1.mlp.hook_expert_ids"]
     rows["deepseek"] = family_check(config, "deepseek-v3-layout", hooks, root, quick, device)
+    # (the cache of latents: 576 numbers a token and layer, the heads attending through kv_b_proj's rows)
+    rows["deepseek"]["latent_kv_cache"] = family_check(config, "deepseek-v3-layout", hooks, root, quick, device,
+                                                       latent_kv_cache=True)  # fmt: skip
 
 
 def llama4(rows: dict, root: Path, quick: bool, device: str) -> None:
@@ -565,17 +568,17 @@ def _config_class(rows: dict, section: str, name: str, family: str) -> type | No
     return found
 
 
-def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str) -> dict:
+def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, device: str, **settings) -> dict:
     """A random checkpoint of `config` in float32, TF32 off: every tap of a packed trace vs HF on the CPU (patterns
     within 1e-4), and greedy generation through the paged cache (graphs on CUDA) capturing `hooks` and the logits
-    at every row, vs HF's forward of prompt + output and HF generate."""
+    at every row, vs HF's forward of prompt + output and HF generate; `settings`: the engine's."""
     torch.backends.cuda.matmul.allow_tf32 = False
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_reference import hf_taps
 
     path = random_checkpoint(config, root, name, torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, dtype="float32", device=device, max_num_seqs=8, kv_cache_memory=1 << 30)
+    llm = LLM(path, dtype="float32", device=device, max_num_seqs=8, kv_cache_memory=1 << 30, **settings)
     rng, layers = random.Random(1), config.num_hidden_layers
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -652,6 +655,73 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
         "ok": max(taps) <= 1e-5 and max(patterns, default=0.0) <= 1e-4 and worst <= 1e-5 and equal == len(prompts)
         and (kept is None or kept["tokens_computed"] < kept["without_the_cache"]),
     }  # fmt: skip
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """LoRA adapters beside the base model (enable_lora): a random SmolLM2-shape model (8 layers) in float32, two
+    rank-16 adapters of every projection written as PEFT saves them (the device has no PEFT), a third of 24 prompts
+    under each and a third under none in one batch, decode steps through graphs; against HF on the CPU with each
+    adapter merged into its weights: greedy tokens and a layer's rows at every generated row. Then, in bfloat16 on
+    the 1B-ish shape's widths, the time of that mixed batch against the base model's alone (graphs on)."""
+    from safetensors.torch import save_file
+
+    from vlens import LoRARequest
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = LlamaConfig(**shape(SMOLLM2 | dict(num_hidden_layers=8), device))
+    path = random_checkpoint(config, root, "lora-base", torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    merged, requests = [], []
+    for i in range(2):
+        g, tensors = torch.Generator().manual_seed(i), {}
+        adapted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for name, module in adapted.named_modules():
+            if name.endswith(LORA_TARGETS):
+                a = torch.randn(16, module.in_features, generator=g) / module.in_features**0.5
+                b = torch.randn(module.out_features, 16, generator=g) * 0.02
+                tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+                with torch.no_grad():
+                    module.weight += (b @ a) * 2.0  # (lora_alpha 32 / r 16)
+        directory = root / f"lora-{i}"
+        directory.mkdir()
+        save_file(tensors, directory / "adapter_model.safetensors")
+        (directory / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": list(LORA_TARGETS),
+            "base_model_name_or_path": path}))  # fmt: skip
+        merged.append(adapted)
+        requests.append(LoRARequest(f"adapter{i}", i + 1, str(directory)))
+    llm = LLM(path, dtype="float32", device=device, enable_lora=True, max_loras=2, kv_cache_memory=1 << 30)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(10, 8000) for _ in range(rng.randint(8, 64))] for _ in range(12 if quick else 24)]
+    under = [[None, *requests][i % 3] for i in range(len(prompts))]
+    hook = "blocks.4.hook_resid_post"
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, capture=Capture(hook, positions="generated"))
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=under)
+    worst, equal = 0.0, 0
+    for prompt, out, request in zip(prompts, outs, under):
+        model = hf if request is None else merged[request.lora_int_id - 1]
+        with torch.inference_mode():
+            seq = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0]  # fmt: skip
+            want = model(seq[None, :-1], output_hidden_states=True).hidden_states[5][0, len(prompt) :]
+        equal += seq[len(prompt) :].tolist() == out.outputs[0].token_ids
+        got = out.activations[hook].float().cpu()
+        worst = max(worst, ((got - want).norm() / want.norm()).item())
+    result = {"decode_max_rel_err": worst, "greedy_equal": f"{equal}/{len(prompts)}",
+              "graph_steps": llm.runner.graph_stats.graph_steps, "ok": worst <= 1e-5 and equal == len(prompts)}
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if device == "cuda":  # the adapters' cost with graphs on, in bfloat16
+        fast = LLM(path, dtype="bfloat16", device=device, enable_lora=True, max_loras=2, enable_prefix_caching=False)
+        batch = [[rng.randrange(10, 8000) for _ in range(rng.randint(32, 512))] for _ in range(64)]
+        plain = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        mixed = [[None, *requests][i % 3] for i in range(len(batch))]
+        t_base = timed(lambda: fast.generate(batch, plain, use_tqdm=False), 2)
+        t_mixed = timed(lambda: fast.generate(batch, plain, use_tqdm=False, lora_request=mixed), 2)
+        result |= {"base_s": t_base, "mixed_s": t_mixed, "mixed_vs_base": t_mixed / t_base}
+    rows["lora"] = result
 
 
 def images(rows: dict, root: Path, quick: bool, device: str) -> None:
@@ -822,7 +892,7 @@ def _image_harvest(llm: LLM, name: str, root: Path, texts: list[str], pictures: 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
             "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60, "deepseek": 60,
-            "llama4": 60, "images": 60}  # fmt: skip
+            "llama4": 60, "images": 60, "lora": 90}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -863,7 +933,7 @@ def main(argv: list[str] | None = None) -> None:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
     for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
                      ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek), ("llama4", llama4),
-                     ("images", images)):
+                     ("images", images), ("lora", lora)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))
