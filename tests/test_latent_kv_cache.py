@@ -133,3 +133,19 @@ def test_hooks_that_edit_keys_and_frozen_attention_are_refused(v3):
         model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_k", lambda value, hook: value * 2)])
     with pytest.raises(ValueError, match="an attribution graph: freezes attention patterns through attn.hook_q"):
         check_frozen_attention(model.cfg, "an attribution graph")
+
+
+def test_the_triton_decode_kernel_reads_the_latent_cache(v3):
+    """The paged kernel CUDA's decode graphs run (under Triton's interpreter here): one key-value head of the latent
+    and the rotating part for all query heads, the values the latent padded: HF's tokens and rows."""
+    from family_parity import check_generation, hf_auto_class
+    from transformers import AutoConfig
+
+    from vlens.attention.decode import DecodeBackend
+    from vlens.attention.paged_decode import paged_decode
+
+    llm = LLM(v3, dtype="float32", device="cpu", block_size=4, latent_kv_cache=True)
+    llm.runner.decode_backend, llm.runner.pad_decode = DecodeBackend(paged_decode, programs=8), True
+    hf = hf_auto_class(AutoConfig.from_pretrained(v3)).from_pretrained(v3, dtype=torch.float32).eval()
+    check_generation(llm, hf, sequences((20, 9, 3)), extra_hooks=("blocks.1.attn.hook_z", "blocks.2.attn.hook_k"))
+    assert llm.runner.graph_stats.static_eager_steps >= 7
