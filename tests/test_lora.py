@@ -124,8 +124,6 @@ def test_slots_in_turns_and_refusals_before_anything_runs(llama, tmp_path):
     (dora / "adapter_model.safetensors").write_bytes(weights)
     with pytest.raises(ValueError, match="use_dora=True is not supported"):
         llm.generate([prompt], _params(2), use_tqdm=False, lora_request=LoRARequest("dora", 7, str(dora)))
-    with pytest.raises(ValueError, match="enable_lora: True runs in one process"):
-        LLM(path, dtype="float32", device="cpu", enable_lora=True, tensor_parallel_size=2)
 
 
 def test_an_adapter_of_the_unembedding_is_refused_by_name(llama, tmp_path):
@@ -312,3 +310,27 @@ def test_an_adapter_beside_the_base_model_as_its_merged_model(llama):
     for x, y in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
         assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
     assert same(got[2].activations[HOOK], want[1].activations[HOOK], 1e-5)
+
+
+def test_two_ranks_as_one_process(llama):
+    """Tensor parallelism (gloo, one thread a rank): each rank its shard of each adapter (its rows of B where the
+    projection splits its output, its columns of A where it splits its input: a partial update summed with the
+    partial output), in the slots rank 0 put them in: the same tokens and rows as one process."""
+    from test_tensor_parallel import _check_outputs
+
+    path, _, adapters = llama
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (the workers take rank 0's)
+    one = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=2)
+    two = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=2, tensor_parallel_size=2)
+    try:
+        prompts = sequences((20, 9, 3, 14))
+        loras = [adapters["attention"][1], None, adapters["mlp"][1], adapters["attention"][1]]
+        hooks = ["blocks.0.attn.hook_z", "blocks.1.mlp.hook_post", "blocks.2.hook_resid_post"]
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, capture=Capture(hooks=hooks))
+        run = [llm.generate(prompts, params, use_tqdm=False, lora_request=loras) for llm in (one, two)]
+        _check_outputs(*run)
+        assert [o.outputs[0].token_ids for o in run[0]][2] == _greedy(adapters["mlp"][0], prompts[2], 6)[0]
+    finally:
+        two.close()
+        torch.set_num_threads(threads)

@@ -167,7 +167,7 @@ class Executor:
 
     def launch(
         self, meta, ids: torch.Tensor, taps: dict, num_layers: int | None, logit_rows: torch.Tensor | slice | None,
-        decode: bool, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        decode: bool, embeds: tuple[torch.Tensor, torch.Tensor] | None = None, lora: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Run on the other ranks the forward rank 0 is about to run (`ModelRunner._forward`'s arguments):
         the armed taps go along where they edit (every rank edits) or gather at a sharded site; a gather
@@ -189,8 +189,13 @@ class Executor:
         # (copies, as of ids: a tensor sent moves its storage to shared memory, and these are views of rank 0's buffers)
         given = None if embeds is None else tuple(t.to("cpu", copy=True) for t in embeds)
         meta = worker.portable(meta)
-        work = worker.Forward(ids.clone(), meta, armed, hooks, vectors, num_layers, rows, decode, given)
+        work = worker.Forward(ids.clone(), meta, armed, hooks, vectors, num_layers, rows, decode, given,
+                              None if lora is None else lora.clone())  # fmt: skip
         self._send(work)
+
+    def load_lora(self, request, slot: int, max_loras: int, max_rank: int) -> None:
+        """The other ranks put their shards of `request`'s adapter in `slot`, as rank 0 does (vlens.engine.lora)."""
+        self._send(worker.LoadLora(request, slot, max_loras, max_rank))
 
     def lens(self, residual: torch.Tensor) -> None:
         """The other ranks' part of a logit-lens readout of `residual` on rank 0."""

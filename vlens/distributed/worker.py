@@ -25,6 +25,7 @@ from vlens.attention.metadata import AttentionMetadata
 from vlens.capture.runtime import Tap
 from vlens.distributed.parallel import Parallel
 from vlens.distributed.taps import HookFailed, RankZeroHook, sharded_units
+from vlens.engine.lora import LoRARequest, LoraSlots
 from vlens.engine.model_runner import ModelRunner
 from vlens.loader import load_model
 
@@ -107,11 +108,22 @@ class Forward:
     logit_rows: torch.Tensor | slice | None
     decode: bool  # the static decode step's backend (vlens.attention.decode), not the engine's
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # an image's rows and what they read (ForwardContext's)
+    lora: torch.Tensor | None = None  # each row's LoRA slot (ModelRunner._forward's), where some row has one
 
 
 @dataclass
 class Lens:
     residual: torch.Tensor  # rows rank 0 reads through the final norm and unembedding (logit lens)
+
+
+@dataclass
+class LoadLora:
+    """Rank 0 put a LoRA adapter in a slot (vlens.engine.lora): this rank puts its shard of it in the same one."""
+
+    request: LoRARequest
+    slot: int
+    max_loras: int
+    max_rank: int
 
 
 HOST_FIELDS = frozenset({"block_tables"})  # AttentionMetadata's (the layouts derived from it stay on the host too)
@@ -179,10 +191,15 @@ class Worker:
         return taps
 
     @torch.inference_mode()
-    def run(self, work: Forward | Lens) -> None:
+    def run(self, work: Forward | Lens | LoadLora) -> None:
         runner = self.runner
         if isinstance(work, Lens):
             runner.model.lens(work.residual.to(self.device))
+            return
+        if isinstance(work, LoadLora):
+            if runner.loras is None:
+                runner.loras = LoraSlots(runner.model, work.max_loras, work.max_rank)
+            runner.loras.load(work.request, work.slot)
             return
         meta = dataclasses.replace(work.meta, **{
             f.name: _moved(getattr(work.meta, f.name), self.device)
@@ -195,9 +212,10 @@ class Worker:
         backend = runner.decode_backend if work.decode else None
         # rank 0's function at a hook may raise: every rank leaves the forward there, and rank 0 reports it
         embeds = None if work.embeds is None else tuple(t.to(self.device) for t in work.embeds)
+        lora = None if work.lora is None else work.lora.to(self.device)
         with suppress(HookFailed):
             runner._forward(meta, work.ids.to(self.device), self._taps(work), work.num_layers, rows, backend,
-                            embeds=embeds)  # fmt: skip
+                            embeds=embeds, lora=lora)  # fmt: skip
 
 
 def start(rank: int, size: int, init: str, spec: dict) -> Worker:

@@ -79,8 +79,6 @@ class EngineConfig:
             raise ValueError("compile_decode: True compiles the decode step, which enforce_eager=True forbids")
         if self.compile_decode and self.tensor_parallel_size > 1:
             raise ValueError("compile_decode: True runs in one process (tensor_parallel_size 1), not across ranks")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora: True runs in one process (tensor_parallel_size 1), not across ranks")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:

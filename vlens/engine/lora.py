@@ -60,6 +60,9 @@ def read_adapter(request: LoRARequest, model: DecoderLM, max_rank: int) -> Adapt
         if model.cfg.latent_kv_cache and module_path.endswith(".kv_b_proj"):  # (its weight is read whole there)
             raise ValueError(f"{where}: adapts {module_path}, which the heads read through the latent KV cache "
                              "(latent_kv_cache=True) as one matrix; load the model without latent_kv_cache")
+        if slot.source is not None:  # (tensor parallelism: this rank's output rows of B, or input columns of A)
+            rows, *columns = slot.source
+            a, b = (a[:, columns[0]], b) if columns else (a, b[rows])
         updates.setdefault(linear, []).append((slot.index, a, b))
     return Adapter(request, updates)
 
@@ -118,7 +121,9 @@ class LoraSlots:
             else:  # (check made sure some slot is held by nobody)
                 evicted = next(i for i, s in self.slot_of.items() if not self.holders[s])
                 slot = self.slot_of.pop(evicted)
-            self._load(self.read[adapter_id], slot)
+            self.load(self.read[adapter_id].request, slot)
+            if self.model.executor is not None:  # (every rank its shard of it, in the same slot)
+                self.model.executor.load_lora(self.read[adapter_id].request, slot, self.max_loras, self.max_rank)
         self.slot_of[adapter_id] = slot
         self.slot_of.move_to_end(adapter_id)
         self.holders[slot] += 1
@@ -128,7 +133,10 @@ class LoraSlots:
         self.holders[slot] -= 1
 
     @torch.no_grad()
-    def _load(self, adapter: Adapter, slot: int) -> None:
+    def load(self, request: LoRARequest, slot: int) -> None:
+        """Put `request`'s adapter (read here if it was not) in `slot` of every projection's stacks."""
+        self.read_one(request)
+        adapter = self.read[request.lora_int_id]
         for linear in adapter.updates.keys() - self.stacks.keys():  # (projections no adapter adapted before)
             parts = len(linear.parts) if isinstance(linear, FusedLinear) and not linear.stored_fused else 1
             stacks = LoraWeights(linear.in_features, linear.out_features, self.max_loras, parts, self.max_rank,

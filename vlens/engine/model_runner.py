@@ -253,8 +253,9 @@ class ModelRunner:
         if meta.key_limits is not None and not isinstance(backend, SdpaBackend):  # (the one backend whose masks
             backend = self._sdpa  # take keys past a query's position: a prefill step with a both-ways image)
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
-        if lora is not None:  # (ForwardContext.lora: one-hot rows, all zero where a row's request has no adapter)
-            lora = F.one_hot(lora, self.loras.max_loras + 1)[:, : self.loras.max_loras].to(self.dtype)
+        adapted = None  # (ForwardContext.lora: one-hot rows, all zero where a row's request has no adapter)
+        if lora is not None:
+            adapted = F.one_hot(lora, self.loras.max_loras + 1)[:, : self.loras.max_loras].to(self.dtype)
         state = backend.prepare(meta, self.kinds, self.dtype)
         if self.stateful:  # (the other ranks allocate as many slots; linear attention's chunks, where some sequence
             # feeds several rows)
@@ -265,11 +266,11 @@ class ModelRunner:
         try:  # from the launch on: the other ranks may be in the forward's collectives
             if self.model.executor is not None:  # the other tensor-parallel ranks run this same forward
                 self.model.executor.launch(meta, ids, taps, num_layers, logit_rows, backend is self.decode_backend,
-                                           embeds)  # fmt: skip
+                                           embeds, lora)  # fmt: skip
             self._copy_states(meta)
             fused = self.fused and not torch.is_grad_enabled()  # (a forward keeping a graph runs unfused: eager)
             set_context(ForwardContext(meta, backend, state, shard_taps(taps, self.cfg), fused, embeds=embeds,
-                                       lora=lora))  # fmt: skip
+                                       lora=adapted))  # fmt: skip
             hidden, logits = None, None
             if compiled is not None:
                 logits = compiled(ids)

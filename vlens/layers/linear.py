@@ -141,5 +141,8 @@ class RowLinear(StoredLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
             return super().forward(x)
-        y = all_reduce(F.linear(x, self.weight), self.parallel)
+        y = F.linear(x, self.weight)
+        if self.lora is not None:  # (this rank's columns of A: a partial update, summed over the ranks with y)
+            y = self.lora(x, y)
+        y = all_reduce(y, self.parallel)
         return y if self.bias is None else y + self.bias
