@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -334,3 +335,22 @@ def test_two_ranks_as_one_process(llama):
     finally:
         two.close()
         torch.set_num_threads(threads)
+
+
+def test_serve_gives_every_adapter_a_slot_and_its_rank(tmp_path):
+    """`vlens serve --lora-modules a=.. b=..` builds the engine with enable_lora, max_loras 2 and the larger rank (32,
+    past the default 16); an LLM built with fewer slots than adapters is refused by name."""
+    from vlens.server.app import create_app
+    from vlens.server.cli import lora_settings
+    from vlens.server.config import ServerConfig
+
+    for name, rank in (("a", 8), ("b", 32)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 16}))
+    specs = (f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}")
+    flags = SimpleNamespace(max_loras=1, max_lora_rank=16)
+    assert lora_settings(specs, flags) == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 32}
+    assert lora_settings(None, flags) == {}
+    path = build(LlamaConfig(**COMMON), tmp_path, "llama")
+    with pytest.raises(ValueError, match=r"lora_modules: 2 adapters, and the model was built with max_loras=1"):
+        create_app(LLM(path, dtype="float32", device="cpu", enable_lora=True), ServerConfig(lora_modules=specs))

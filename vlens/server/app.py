@@ -71,7 +71,11 @@ class Served:
 
 def load_loras(specs: tuple[str, ...] | None, engine: LLMEngine, taken: list[str]) -> dict[str, LoRARequest]:
     """The LoRA adapters of `--lora-modules` by name, each read and checked against the model now (a bad one stops
-    the server, not a request); ids in the order given."""
+    the server, not a request); ids in the order given. Each has a slot of its own (max_loras), so that no request
+    waits for another adapter's to end."""
+    if specs and engine.loras is not None and engine.loras.max_loras < len(specs):
+        raise ValueError(f"lora_modules: {len(specs)} adapters, and the model was built with max_loras="
+                         f"{engine.loras.max_loras}: give each a slot (LLM(..., max_loras={len(specs)}))")
     loras = {}
     for i, spec in enumerate(specs or ()):
         name, path = split_named_file(spec)

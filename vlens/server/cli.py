@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 from vlens.engine.config import EngineConfig
-from vlens.server.config import API_KEY_ENV, ServerConfig
+from vlens.lora_files import CONFIG as ADAPTER_CONFIG
+from vlens.server.config import API_KEY_ENV, ServerConfig, split_named_file
 from vlens.settings import add_flags, from_args, values
 
 # Settings both configs have, which the server's flags give: capture stays off unless the operator asks.
@@ -32,13 +35,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
+def lora_settings(specs: tuple[str, ...] | None, args: argparse.Namespace) -> dict:
+    """The engine settings `--lora-modules` needs: enable_lora, slots for every adapter at once (a request never waits
+    on another adapter's) and the largest adapter's rank, at least as the flags give them."""
+    if not specs:
+        return {}
+    files = [Path(split_named_file(spec)[1]).expanduser() / ADAPTER_CONFIG for spec in specs]
+    ranks = [json.loads(f.read_text()).get("r", 0) for f in files if f.is_file()]  # (a missing one: create_app's error)
+    return {"enable_lora": True, "max_loras": max(args.max_loras, len(specs)),
+            "max_lora_rank": max([args.max_lora_rank, *ranks])}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = from_args(ServerConfig, args, api_key=api_key)
     # The server refuses capture in requests unless --enable-capture; its engine always can, for /v1/embeddings;
-    # and it runs LoRA adapters where --lora-modules names some.
-    loras = {"enable_lora": True} if config.lora_modules else {}
-    engine = from_args(EngineConfig, args, enable_capture=True, **loras)
+    # and it runs LoRA adapters where --lora-modules names some, all of them at once (lora_settings).
+    engine = from_args(EngineConfig, args, enable_capture=True, **lora_settings(config.lora_modules, args))
     from vlens.llm import LLM  # only once the settings are known to be good
     from vlens.server.app import serve
 
