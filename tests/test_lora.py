@@ -91,7 +91,7 @@ def test_the_prefix_cache_keeps_each_adapters_blocks_apart(llama):
     assert outs[0].outputs[0].token_ids == outs[3].outputs[0].token_ids == _greedy(base, prompt, 4)[0]
 
 
-def test_slots_in_turns_and_refusals_before_anything_runs(llama, tmp_path):
+def test_adapters_in_turns_and_refusals_before_anything_runs(llama, tmp_path):
     path, base, adapters = llama
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=1, max_lora_rank=4)
     prompt = sequences((9,))[0]
@@ -99,10 +99,12 @@ def test_slots_in_turns_and_refusals_before_anything_runs(llama, tmp_path):
     with pytest.raises(ValueError, match="max_lora_rank=4; raise max_lora_rank"):
         llm.generate([prompt], _params(2), use_tqdm=False, lora_request=adapters["mlp"][1])
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, max_loras=1)
-    both = [attention, adapters["mlp"][1]]
-    with pytest.raises(ValueError, match="max_loras: 1 adapters at once; these requests and those queued need 2"):
-        llm.generate([prompt, prompt], _params(2), use_tqdm=False, lora_request=both)
-    assert not llm.engine.has_work()
+    names = ["attention", "mlp", "attention", None, "mlp"]  # (one slot: each adapter's requests in turn, as it frees)
+    outs = llm.generate([prompt] * 5, _params(6), use_tqdm=False,
+                        lora_request=[None if n is None else adapters[n][1] for n in names])  # fmt: skip
+    for out, name in zip(outs, names):
+        assert out.outputs[0].token_ids == _greedy(base if name is None else adapters[name][0], prompt, 6)[0], name
+    assert llm.engine.loras.holders == [0]
     for name in ("attention", "mlp", "attention"):  # (one slot, its adapter replaced between calls)
         out = llm.generate([prompt], _params(6), use_tqdm=False, lora_request=adapters[name][1])[0]
         assert out.outputs[0].token_ids == _greedy(adapters[name][0], prompt, 6)[0], name

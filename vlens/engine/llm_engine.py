@@ -123,8 +123,8 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len, num_states)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_states)
         runner.state_of = self.blocks.state_of
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.loras)
         runner.loras = self.loras
         self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)
@@ -164,8 +164,6 @@ class LLMEngine:
                 if r.stream or seq.params.stop_list:
                     seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)
                 seq.hold_vectors(self.runner.taps)
-                if r.lora is not None:
-                    seq.lora_slot = self.loras.acquire(r.lora.lora_int_id)
             self._requests[group.request_id] = group
             self.prompt_tokens += group.seqs[0].num_prompt
             self.scheduler.add(group.seqs[0])
@@ -174,13 +172,17 @@ class LLMEngine:
     def _check_loras(self, loras: list[LoRARequest]) -> None:
         if loras and self.loras is None:
             raise ValueError("lora_request: this engine runs no LoRA adapters; create it with LLM(..., enable_lora=True)")
-        if loras:
-            self.loras.check(loras)
+        for lora in loras:
+            self.loras.read_one(lora)
 
     def hold_lora(self, lora: LoRARequest) -> int:
         """The slot of `lora`'s adapter, held for a forward outside the scheduler's (LLM.trace) until released."""
         self._check_loras([lora])
-        return self.loras.acquire(lora.lora_int_id)
+        slot = self.loras.acquire(lora.lora_int_id)
+        if slot is None:
+            raise ValueError(f"max_loras: every one of the {self.loras.max_loras} slots holds an adapter that running "
+                             f"requests hold; {lora.lora_name!r} cannot be traced beside them (raise max_loras)")
+        return slot
 
     def _group(self, r: NewRequest) -> SampleGroup:
         prompt_ids, params = r.prompt_token_ids, r.params

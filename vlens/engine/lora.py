@@ -2,8 +2,9 @@
 and runs under it, in the same batch as requests under other adapters or none (`LLM(enable_lora=True)`).
 
 The engine holds up to `max_loras` adapters at once, each in a slot of the stacks of every projection it adapts
-(vlens.layers.lora); an adapter is read when a request first names it, put in a slot when a queued request needs it
-and kept there, least recently used first out, while no queued request holds it. Its blocks in the prefix cache are
+(vlens.layers.lora); an adapter is read (and checked) when a request first names it, and put in a slot when the
+scheduler admits a sequence under it, kept there while sequences under it run, least recently used first out after:
+a sequence whose adapter finds every slot held by others waits, as vLLM's scheduler has it. Its blocks in the prefix cache are
 its own (a sequence's cache salt names the adapter: every key differs from the base model's from the first token).
 A decode step with requests under adapters takes the static path as any other: its graph (or compiled forward)
 reads each row's slot from the step's buffers, and is one of its own, captured over the stacks the adapters have.
@@ -88,16 +89,6 @@ class LoraSlots:
                              f"{known.request.lora_name!r} ({known.request.lora_path!r}); give each adapter its own "
                              "id")  # fmt: skip
 
-    def check(self, requests: list[LoRARequest]) -> None:
-        """Read each adapter of `requests`, and check that they fit the slots beside those held: a ValueError before
-        any of them is queued."""
-        for request in requests:
-            self.read_one(request)
-        wanted = {r.lora_int_id for r in requests}
-        held = {i for i, slot in self.slot_of.items() if self.holders[slot]}
-        if len(wanted | held) > self.max_loras:
-            raise ValueError(f"max_loras: {self.max_loras} adapters at once; these requests and those queued need "
-                             f"{len(wanted | held)}; raise max_loras or send them in turns")  # fmt: skip
 
     def check_taps(self, request: LoRARequest, taps: set[str]) -> None:
         """Refuse a request's `taps` that its adapter would leave out of what they show: attn.hook_result splits the
@@ -110,16 +101,19 @@ class LoraSlots:
                                  f"which {hook} splits by head without the adapter's update; capture or edit "
                                  f"blocks.{layer}.attn.hook_z instead")  # fmt: skip
 
-    def acquire(self, adapter_id: int) -> int:
-        """The slot of adapter `adapter_id` (checked), loaded there if it is not, held once more."""
+    def acquire(self, adapter_id: int) -> int | None:
+        """The slot of adapter `adapter_id` (read), loaded there if it is not, held once more; None while every slot
+        holds another adapter that sequences hold."""
         slot = self.slot_of.get(adapter_id)
         if slot is None:
             taken = set(self.slot_of.values())
             free = [s for s in range(self.max_loras) if s not in taken]
             if free:
                 slot = free[0]
-            else:  # (check made sure some slot is held by nobody)
-                evicted = next(i for i, s in self.slot_of.items() if not self.holders[s])
+            else:
+                evicted = next((i for i, s in self.slot_of.items() if not self.holders[s]), None)
+                if evicted is None:
+                    return None
                 slot = self.slot_of.pop(evicted)
             self.load(self.read[adapter_id].request, slot)
             if self.model.executor is not None:  # (every rank its shard of it, in the same slot)

@@ -17,9 +17,13 @@ the prefix they share, its state kept, and the later prompt waits a step to star
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from vlens.engine.block_manager import SNAPSHOT_BLOCKS, BlockManager
 from vlens.engine.sequence import Borrow, Sequence, Status
+
+if TYPE_CHECKING:
+    from vlens.engine.lora import LoraSlots
 
 # A prompt borrows from one of the last _CANDIDATES admitted in its step that start with its _KEY_TOKENS
 # tokens: the siblings of an lm-eval question come together, and behind one system prompt any will do.
@@ -27,8 +31,12 @@ _KEY_TOKENS, _CANDIDATES = 4, 8
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+        loras: LoraSlots | None = None,
+    ):  # fmt: skip
         self.blocks = block_manager
+        self.loras = loras  # (the engine's LoRA adapters: a sequence under one is admitted with its slot)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -90,6 +98,10 @@ class Scheduler:
         deferred: list[Sequence] = []  # (a model that keeps states) waiting a step for a prefix's kept state
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and seq.lora_slot is None:
+                seq.lora_slot = self.loras.acquire(seq.lora.lora_int_id)
+                if seq.lora_slot is None:  # (every slot holds an adapter running sequences hold: it waits, first)
+                    break
             if seq.prefix_of is not None:
                 _take_prompt_logprobs(seq)
             self.blocks.admit(seq)
