@@ -38,8 +38,7 @@ class EngineConfig:
     )
     enable_lora: bool = setting(False, "serve LoRA adapters beside the base model: a request names one "
                                 "(LLM.generate's lora_request; vlens.engine.lora)")  # fmt: skip
-    max_loras: int = setting(1, "LoRA adapters held at once (the requests queued at once may name this many)",
-                             minimum=1)  # fmt: skip
+    max_loras: int = setting(1, "LoRA adapters held at once (a request under another waits for a slot)", minimum=1)
     max_lora_rank: int = setting(16, "the largest rank of a LoRA adapter", minimum=1)
     enable_capture: bool = setting(True, "allow requests to capture activations", flag="--no-capture", invert=True)
     enable_prefix_caching: bool = setting(
