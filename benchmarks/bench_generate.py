@@ -35,6 +35,9 @@ Then sliding windows at a long context (--workload window, or all): a random Gem
 256), 8 prompts of 4,000 tokens; decode ms per step of vlens (local layers read their window's keys), of
 vlens reading every key under the mask (in the SDPA backend, which decodes now leave on the CPU), and of HF's
 forward step over its cache.
+Then latent attention at a long context (--workload latent, or all): a random DeepSeek-V3 of 4 dense layers with
+V2-Lite's attention (16 heads), 8 prompts of 2,000 tokens; decode ms per step of vlens caching every head's keys and
+values, of vlens with latent_kv_cache, and of HF's forward step over its cache.
 Then a hybrid model (--workload hybrid, or all): a random Qwen 3.5 of 8 layers (6 gated delta nets, 2 gated
 attention), d=256, 32 prompts of 16-200 tokens x 32 new tokens, greedy: vlens against HF generate (left-padded
 batch, its recurrent states in its cache), output tokens/s, and vlens capturing a linear layer's hook_z at the
@@ -166,7 +169,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", *FAMILIES, "all"], default="all")
+    ap.add_argument("--workload", choices=["smol", "tiny", "spread", "window", "latent", *FAMILIES, "all"],
+                    default="all")  # fmt: skip
     args = ap.parse_args()
     if args.workload in ("smol", "all"):
         smol(args)
@@ -179,6 +183,8 @@ def main() -> None:
             family_workload(workload, args.repeats)
     if args.workload in ("window", "all"):
         window(args.repeats)
+    if args.workload in ("latent", "all"):
+        latent_context(args.repeats)
 
 
 def smol(args: argparse.Namespace) -> None:
@@ -442,6 +448,63 @@ def beside_a_cached_prefix(llm: LLM, repeats: int) -> None:
     print(f"{'vlens, grouped by queries alone':<44}{t_queries:>10.3f}")
 
 
+def decode_seconds(llm: LLM, ids: list[list[int]], steps: int) -> float:
+    """Seconds a decode step of `ids` in one batch on `llm`'s engine, the prompts prefilled first (not timed)."""
+    engine = llm.engine
+    engine.add_requests([NewRequest(p, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)) for p in ids])
+    while engine.scheduler.waiting or any(seq.num_generated == 0 for seq in engine.scheduler.running):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = (time.perf_counter() - start) / steps
+    while engine.has_work():
+        engine.step()
+    return seconds
+
+
+def hf_decode_seconds(hf: torch.nn.Module, ids: list[list[int]], steps: int) -> float:
+    """Seconds an HF forward step over its cache, greedy, after the prompts' forward (not timed)."""
+    with torch.inference_mode():
+        out = hf(input_ids=torch.tensor(ids), use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = hf(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return (time.perf_counter() - start) / steps
+
+
+def latent_context(repeats: int, batch: int = 8, context: int = 2000, steps: int = 16) -> None:
+    """Decode ms per step at a long context with multi-head latent attention: a random DeepSeek-V3 of 4 dense layers
+    with V2-Lite's attention (16 heads of 128 + 64 query and key dims, 128 value dims, a 512-dim latent), 8 prompts
+    of 2,000 tokens: vlens's cache of every head's keys and values, against its cache of latents (5.3x fewer bytes a
+    token, ~3x the arithmetic a key), and HF's forward step over its cache."""
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=4,
+                              n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=4096)  # fmt: skip
+    rng = random.Random(0)
+    ids = [[rng.randrange(1, 512) for _ in range(context)] for _ in range(batch)]
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        engines = [LLM(model=tmp, dtype="float32", device="cpu", enable_prefix_caching=False, latent_kv_cache=latent)
+                   for latent in (False, True)]  # fmt: skip
+    t_expanded, t_latent, t_hf = (min(fn() for _ in range(repeats)) for fn in (
+        lambda: decode_seconds(engines[0], ids, steps), lambda: decode_seconds(engines[1], ids, steps),
+        lambda: hf_decode_seconds(hf, ids, steps)))  # fmt: skip
+    sizes = [cache_bytes(llm) for llm in engines]
+    print(f"\nlatent attention at a long context: random DeepSeek-V3, 4 layers of V2-Lite's attention, {batch} prompts of "
+          f"{context} tokens; decode ms/step")  # fmt: skip
+    print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}")
+    print(f"{'HF forward step over its cache':<44}{1000 * t_hf:>10.2f}")
+    print(f"{f'vlens, keys and values ({sizes[0]:,} B a token)':<44}{1000 * t_expanded:>10.2f}{t_expanded / t_hf:>9.2f}x")
+    print(f"{f'vlens, latent_kv_cache ({sizes[1]:,} B a token)':<44}{1000 * t_latent:>10.2f}{t_latent / t_hf:>9.2f}x"
+          f"  ({t_latent / t_expanded:.2f}x the time of keys and values)")
+
+
 def window(repeats: int, batch: int = 8, context: int = 4000, steps: int = 30) -> None:
     """Decode ms per step at a long context on a sliding-window model: a random Gemma 3 of 6 layers, 5 of them
     local with a 256-token window, 8 prompts of 4,000 tokens. vlens gathers a local layer's keys from its
@@ -461,36 +524,16 @@ def window(repeats: int, batch: int = 8, context: int = 4000, steps: int = 30) -
     ids = [[rng.randrange(1, 512) for _ in range(context)] for _ in range(batch)]
 
     def vlens_steps(whole_keys: bool) -> float:
-        """Seconds a decode step, the prompts prefilled first (not timed)."""
-        engine, first_key = llm.engine, sdpa.AttentionGroup.first_key
+        first_key = sdpa.AttentionGroup.first_key
         if whole_keys:
             sdpa.AttentionGroup.first_key = lambda self, window: 0
         try:
-            engine.add_requests([NewRequest(p, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)) for p in ids])
-            while engine.scheduler.waiting or any(seq.num_generated == 0 for seq in engine.scheduler.running):
-                engine.step()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            seconds = (time.perf_counter() - start) / steps
-            while engine.has_work():
-                engine.step()
-            return seconds
+            return decode_seconds(llm, ids, steps)
         finally:
             sdpa.AttentionGroup.first_key = first_key
 
-    def hf_steps() -> float:
-        with torch.inference_mode():
-            out = hf(input_ids=torch.tensor(ids), use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            start = time.perf_counter()
-            for _ in range(steps):
-                out = hf(input_ids=token, past_key_values=cache, use_cache=True)
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-            return (time.perf_counter() - start) / steps
-
     t_window, t_whole, t_hf = (min(fn() for _ in range(repeats)) for fn in (
-        lambda: vlens_steps(False), lambda: vlens_steps(True), hf_steps))  # fmt: skip
+        lambda: vlens_steps(False), lambda: vlens_steps(True), lambda: hf_decode_seconds(hf, ids, steps)))  # fmt: skip
     print(f"\nsliding windows at a long context: random Gemma 3, 6 layers (5 local, window 256), {batch} prompts of "
           f"{context} tokens; decode ms/step")  # fmt: skip
     print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}")
