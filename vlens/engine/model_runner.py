@@ -38,7 +38,6 @@ from itertools import chain
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vlens.attention import AttentionMetadata, layout
 from vlens.attention.decode import DecodeBackend
@@ -253,9 +252,11 @@ class ModelRunner:
         if meta.key_limits is not None and not isinstance(backend, SdpaBackend):  # (the one backend whose masks
             backend = self._sdpa  # take keys past a query's position: a prefill step with a both-ways image)
         self.buffers.flush()  # what the step put, in one copy, before anything on the device reads it
-        adapted = None  # (ForwardContext.lora: one-hot rows, all zero where a row's request has no adapter)
+        adapted = None  # (ForwardContext.lora: one-hot rows, all zero where a row's request has no adapter; made by a
+        # comparison, which no check of the values syncs, inside a graph's capture too)
         if lora is not None:
-            adapted = F.one_hot(lora, self.loras.max_loras + 1)[:, : self.loras.max_loras].to(self.dtype)
+            slots = torch.arange(self.loras.max_loras, device=lora.device)
+            adapted = (lora[:, None] == slots).to(self.dtype)
         state = backend.prepare(meta, self.kinds, self.dtype)
         if self.stateful:  # (the other ranks allocate as many slots; linear attention's chunks, where some sequence
             # feeds several rows)
