@@ -17,6 +17,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, LlamaConfig, Phi3Config
 
 from vlens import LLM, Capture, LoRARequest, SamplingParams
+from vlens.engine.llm_engine import NewRequest
 
 ADAPTERS = {  # name -> (target modules, rank, alpha, rsLoRA)
     "attention": (["q_proj", "v_proj", "o_proj"], 4, 8, False),
@@ -105,6 +106,13 @@ def test_adapters_in_turns_and_refusals_before_anything_runs(llama, tmp_path):
     for out, name in zip(outs, names):
         assert out.outputs[0].token_ids == _greedy(base if name is None else adapters[name][0], prompt, 6)[0], name
     assert llm.engine.loras.holders == [0]
+    engine = llm.engine  # (the same, step by step: the stats name the adapters of running and of waiting requests)
+    engine.add_requests([NewRequest(prompt, _params(6), lora=None if n is None else adapters[n][1]) for n in names])
+    engine.step()
+    stats = engine.stats()
+    assert (stats.max_loras, stats.running_loras, stats.waiting_loras) == (1, ("attention",), ("attention", "mlp"))
+    while engine.has_work():
+        engine.step()
     for name in ("attention", "mlp", "attention"):  # (one slot, its adapter replaced between calls)
         out = llm.generate([prompt], _params(6), use_tqdm=False, lora_request=adapters[name][1])[0]
         assert out.outputs[0].token_ids == _greedy(adapters[name][0], prompt, 6)[0], name
@@ -179,6 +187,8 @@ def test_served_under_their_names(smol4_path, tmp_path):
         asked = {"model": "terse", "messages": chat, "max_tokens": 8, "temperature": 0}
         answer = httpx.post(url + "/v1/chat/completions", json=asked, timeout=120).json()
         assert answer["choices"][0]["message"]["content"] == replied
+        metrics = httpx.get(url + "/metrics").text
+        assert 'vlens_lora_requests_info{running_lora_adapters="",waiting_lora_adapters="",max_lora="1"} 1' in metrics
         missing = httpx.post(url + "/v1/completions", json={**body, "model": "verbose"}, timeout=120)
         assert missing.status_code == 404 and missing.json()["error"]["message"].endswith(
             "and under its LoRA adapters: 'terse'")

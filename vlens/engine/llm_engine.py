@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,10 @@ class EngineStats:
     kept_states: int = 0  # prefixes' states kept for later prompts (a model whose layers keep states per sequence)
     prefix_cache_queries: int = 0  # tokens of sequences admitted so far ...
     prefix_cache_hits: int = 0  # ... and of those, what the prefix cache gave
+    # LoRA adapters (enable_lora): how many slots, and the adapters of running and of waiting requests, by name
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -267,6 +272,9 @@ class LLMEngine:
             kept_states=len(self.blocks.snapshots),
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
+            max_loras=0 if self.loras is None else self.loras.max_loras,
+            running_loras=_adapters(self.scheduler.running),
+            waiting_loras=_adapters(self.scheduler.waiting),
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -460,3 +468,8 @@ def _int64(seed: int) -> int:
     """A seed of any size (and seed + i of a request's samples) wrapped into the int64 the sampler's seed
     tensor holds; its noise hashes those 64 bits, so seeds that fit are unchanged."""
     return (seed + 2**63) % 2**64 - 2**63
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The names of the LoRA adapters `seqs` run under, each once, sorted."""
+    return tuple(sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None}))

@@ -82,6 +82,11 @@ class Metrics:
                [("", stats.prefix_cache_hits)])  # fmt: skip
         metric("vlens_kept_states", "gauge", "Prefixes' states kept for later prompts (models that keep states).",
                [("", stats.kept_states)])  # fmt: skip
+        if stats.max_loras:  # (vLLM's gauge: the adapters by name in its labels)
+            labels = (f'{{running_lora_adapters="{",".join(stats.running_loras)}",'
+                      f'waiting_lora_adapters="{",".join(stats.waiting_loras)}",max_lora="{stats.max_loras}"}}')
+            metric("vlens_lora_requests_info", "gauge", "LoRA adapters of running and waiting requests.",
+                   [(labels, 1)])  # fmt: skip
         metric("vlens_activation_handles", "gauge", "Activation payloads awaiting download.", [("", store.count)])
         metric("vlens_activation_handle_bytes", "gauge", "Bytes held for activation downloads.", [("", store.nbytes)])
         metric(
