@@ -366,3 +366,36 @@ def test_serve_gives_every_adapter_a_slot_and_its_rank(tmp_path):
     path = build(LlamaConfig(**COMMON), tmp_path, "llama")
     with pytest.raises(ValueError, match=r"lora_modules: 2 adapters, and the model was built with max_loras=1"):
         create_app(LLM(path, dtype="float32", device="cpu", enable_lora=True), ServerConfig(lora_modules=specs))
+
+
+def test_adapters_loaded_and_unloaded_while_serving(smol4_path, tmp_path):
+    """--allow-runtime-lora-updating: vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter. A loaded adapter is a
+    model of its own at once (listed, answering as the engine does under it); a bad one is a 400 naming the field; an
+    unloaded one is a 404 again; without the flag the routes are 404."""
+    import httpx
+    from server_helpers import running_server
+
+    from vlens.server.config import ServerConfig
+
+    _, request = _adapter(str(smol4_path), tmp_path, "terse", ["q_proj", "v_proj", "down_proj"], 8, 32, False, seed=7)
+    llm = LLM(str(smol4_path), dtype="float32", device="cpu", enable_lora=True)
+    prompt, params = "The capital of France is", SamplingParams(max_tokens=8, temperature=0)
+    want = llm.generate(prompt, params, use_tqdm=False, lora_request=request)[0].outputs[0].text
+    body = {"model": "terse", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    load = {"lora_name": "terse", "lora_path": request.lora_path}
+    with running_server(llm, ServerConfig(allow_runtime_lora_updating=True, served_model_name="base")) as url:
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 404
+        loaded = httpx.post(url + "/v1/load_lora_adapter", json=load)
+        assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'terse' added successfully."
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["base", "terse"]
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == want
+        again = httpx.post(url + "/v1/load_lora_adapter", json=load)
+        assert again.status_code == 400 and "is served already" in again.json()["error"]["message"]
+        bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "terse"})
+        assert gone.status_code == 200 and httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 404
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "terse"}).status_code == 404
+    with running_server(llm, ServerConfig()) as url:
+        off = httpx.post(url + "/v1/load_lora_adapter", json=load)
+        assert off.status_code == 404 and "--allow-runtime-lora-updating" in off.json()["error"]["message"]

@@ -20,18 +20,17 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 
 from vlens.capture import TunedLens
 from vlens.capture.names import hook_shapes, request_shapes
-from vlens.engine.llm_engine import LLMEngine
-from vlens.engine.lora import LoRARequest
 from vlens.llm import LLM
 from vlens.server.activations import ActivationStore, Download, owner_of
 from vlens.server.admission import Admission
 from vlens.server.auth import BearerAuth, presented_key
-from vlens.server.config import ServerConfig, split_named_file
+from vlens.server.config import ServerConfig
 from vlens.server.embeddings import Embedder, EmbeddingRequest
 from vlens.server.engine_loop import EngineLoop
 from vlens.server.extension import ExtensionContext
 from vlens.server.generate import Generator
 from vlens.server.limits import BodyLimit
+from vlens.server.loras import LoraAdapterRequest, load_adapter, load_loras, unload_adapter
 from vlens.server.metrics import CountRequests, Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.saes import describe, load_saes
@@ -69,26 +68,6 @@ class Served:
     created: int
 
 
-def load_loras(specs: tuple[str, ...] | None, engine: LLMEngine, taken: list[str]) -> dict[str, LoRARequest]:
-    """The LoRA adapters of `--lora-modules` by name, each read and checked against the model now (a bad one stops
-    the server, not a request); ids in the order given. Each has a slot of its own (max_loras), so that no request
-    waits for another adapter's to end."""
-    if specs and engine.loras is not None and engine.loras.max_loras < len(specs):
-        raise ValueError(f"lora_modules: {len(specs)} adapters, and the model was built with max_loras="
-                         f"{engine.loras.max_loras}: give each a slot (LLM(..., max_loras={len(specs)}))")
-    loras = {}
-    for i, spec in enumerate(specs or ()):
-        name, path = split_named_file(spec)
-        if name in taken:
-            raise ValueError(f"lora_modules: {name!r} is the served model's or a steering vector's name; give the "
-                             "adapter another")  # fmt: skip
-        loras[name] = LoRARequest(name, i + 1, str(Path(path).expanduser()))
-        if engine.loras is None:
-            raise ValueError("lora_modules: the model was built without enable_lora=True")
-        engine.loras.read_one(loras[name])
-    return loras
-
-
 def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     """An app serving `llm`; its engine runs on a background thread from start-up to shutdown."""
     engine = llm.engine
@@ -105,6 +84,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
     if model_name in steering_vectors:  # (a request's model names the base model or a steered one)
         raise ValueError(f"steering_vectors: {model_name!r} is the served model's name; give the vector another")
     loras = load_loras(config.lora_modules, engine, [model_name, *steering_vectors])
+    if config.allow_runtime_lora_updating and engine.loras is None:
+        raise ValueError("allow_runtime_lora_updating: the model was built without enable_lora=True")
     extension = ExtensionContext(config.enable_capture, saes, tuned_lens, steering_vectors, loras)
     store = ActivationStore(config.activation_ttl_s)
     metrics = Metrics()
@@ -290,6 +271,27 @@ async def chat(body: ChatRequest, request: Request) -> Response:
 @routes.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     return await _served(request).embedder.embeddings(body, request)
+
+
+@routes.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoraAdapterRequest, request: Request) -> PlainTextResponse:
+    s = _runtime_loras(request)
+    taken = [s.model_name, *s.steering_vectors]
+    loras = s.generator.extension.loras
+    return PlainTextResponse(await asyncio.to_thread(load_adapter, body, s.loop.engine, loras, taken))
+
+
+@routes.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: LoraAdapterRequest, request: Request) -> PlainTextResponse:
+    return PlainTextResponse(unload_adapter(body, _runtime_loras(request).generator.extension.loras))
+
+
+def _runtime_loras(request: Request) -> Served:
+    s = _served(request)
+    if not s.config.allow_runtime_lora_updating:
+        raise APIError(404, "LoRA adapters are loaded at run time only on a server started with "
+                            "--allow-runtime-lora-updating", code="not_found")  # fmt: skip
+    return s
 
 
 @routes.post("/tokenize")

@@ -51,7 +51,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = from_args(ServerConfig, args, api_key=api_key)
     # The server refuses capture in requests unless --enable-capture; its engine always can, for /v1/embeddings;
     # and it runs LoRA adapters where --lora-modules names some, all of them at once (lora_settings).
-    engine = from_args(EngineConfig, args, enable_capture=True, **lora_settings(config.lora_modules, args))
+    loras = lora_settings(config.lora_modules, args) or ({"enable_lora": True} if config.allow_runtime_lora_updating
+                                                         else {})  # fmt: skip
+    engine = from_args(EngineConfig, args, enable_capture=True, **loras)
     from vlens.llm import LLM  # only once the settings are known to be good
     from vlens.server.app import serve
 

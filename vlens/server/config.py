@@ -110,6 +110,10 @@ class ServerConfig:
         "built with enable_lora); repeat the flag for more; a request's model names one, and GET /v1/models lists "
         "them", flag="--lora-modules", repeat=True, check=partial(_named_files, what="adapter"),
     )  # fmt: skip
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): LoRA adapters from directories "
+        "on this machine, loaded while the server runs (the model is built with enable_lora)",
+    )  # fmt: skip
     tuned_lens: str | None = setting(
         None, "a tuned lens to load at start (a directory as the tuned-lens package saves one); a capture with a "
         "logit_lens asks for it with tuned_lens: true", check=_directory,

@@ -4,7 +4,7 @@ need no copy of the tokenizer; and the chat template, which /tokenize and chat c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
@@ -50,13 +50,13 @@ class DetokenizeRequest(BaseModel):
 class Tokens:
     def __init__(
         self, tokenizer: Any, vocab_size: int, model_name: str, max_model_len: int, steered: Iterable[str] = (),
-        adapters: Iterable[str] = (),
+        adapters: Collection[str] = (),
     ):  # fmt: skip
         """`steered`, `adapters`: the names of the steered models and LoRA adapters the server serves too (one
-        tokenizer for all)."""
+        tokenizer for all; `adapters` read as they are when asked: they change at run time)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.model_name, self.max_model_len, self.steered = model_name, max_model_len, tuple(steered)
-        self.adapters = tuple(adapters)
+        self.adapters = adapters
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         refuse_unknown(body.model_extra, TokenizeRequest.NEUTRAL)
