@@ -227,20 +227,26 @@ def test_head_results_of_an_adapted_output_projection_are_refused(llama):
 
 
 def test_latent_attention_with_and_without_the_latent_cache(tmp_path):
-    """DeepSeek-V3: an adapter of its latent attention's projections, PEFT's tokens; with latent_kv_cache, whose
-    heads read kv_b_proj whole, an adapter of kv_b_proj is refused by name."""
+    """DeepSeek-V3: an adapter of every projection of its latent attention, PEFT's tokens; with latent_kv_cache, whose
+    heads read kv_b_proj whole, an adapter of kv_b_proj is refused by name, and one of the latents' projections runs
+    (the cached latents are the adapted ones)."""
     from test_parity_deepseek import CONFIGS
 
     path = build(CONFIGS["deepseek_v3"](), tmp_path, "v3")
-    model, request = _adapter(path, tmp_path, "latent", ["q_b_proj", "kv_b_proj", "o_proj"], 4, 8, False, seed=4)
+    every = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    model, request = _adapter(path, tmp_path, "latent", every, 4, 8, False, seed=4)
     prompt = sequences((20,))[0]
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True)
     assert llm.generate([prompt], _params(), use_tqdm=False, lora_request=request)[0].outputs[0].token_ids == \
         _greedy(model, prompt, 8)[0]  # fmt: skip
-    latent = LLM(path, dtype="float32", device="cpu", enable_lora=True, latent_kv_cache=True)
+    latent = LLM(path, dtype="float32", device="cpu", block_size=4, enable_lora=True, latent_kv_cache=True)
     with pytest.raises(ValueError, match=r"adapts model.layers.0.self_attn.kv_b_proj, which the heads read through "
                                          r"the latent KV cache"):  # fmt: skip
         latent.generate([prompt], _params(2), use_tqdm=False, lora_request=request)
+    model, request = _adapter(path, tmp_path, "latents", ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"], 4, 8, False, 6)
+    out = latent.generate([prompt], _params(), use_tqdm=False, lora_request=request)[0]
+    tokens, hidden = _greedy(model, prompt, 8)
+    assert out.outputs[0].token_ids == tokens and same(out.activations[HOOK], hidden, 1e-5)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["replayed_graphs", "compile_decode"])

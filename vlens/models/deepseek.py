@@ -24,13 +24,12 @@ would have to reach keys the cache no longer holds, and is refused (an edit of a
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from vlens.capture.names import LATENT_HOOKS
 from vlens.config import ModelConfig
 from vlens.context import tap, tapped
 from vlens.layers import fused
-from vlens.layers.linear import ColumnLinear, RowLinear
+from vlens.layers.linear import ColumnLinear, RowLinear, StoredLinear
 from vlens.layers.norm import RMSNorm
 from vlens.models.base import AttentionHeads, Rope
 from vlens.models.llama import CausalLM, DecoderLayer
@@ -53,12 +52,12 @@ class LatentAttention(AttentionHeads):
         self.rope_table, self.rope_kind = self.rope_kind, None
         self.interleaved, self.q_lora = cfg.rotary_interleaved, bool(cfg.q_lora_rank)
         if self.q_lora:
-            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_proj = StoredLinear(d, cfg.q_lora_rank, bias=cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, cfg.norm)
             self.q_b_proj = ColumnLinear(cfg.q_lora_rank, h * self.head_dim, False, p, units=h)
         else:
             self.q_proj = ColumnLinear(d, h * self.head_dim, False, p, units=h)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.latent_dim + self.rope_dim, bias=cfg.qkv_bias)
+        self.kv_a_proj_with_mqa = StoredLinear(d, self.latent_dim + self.rope_dim, bias=cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS, cfg.norm)
         self.kv_b_proj = ColumnLinear(self.latent_dim, h * (self.nope_dim + self.value_dim), False, p, units=h)
         self.o_proj = RowLinear(h * self.value_dim, d, cfg.o_bias, p, units=h)
