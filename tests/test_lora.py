@@ -243,7 +243,8 @@ def test_latent_attention_with_and_without_the_latent_cache(tmp_path):
     with pytest.raises(ValueError, match=r"adapts model.layers.0.self_attn.kv_b_proj, which the heads read through "
                                          r"the latent KV cache"):  # fmt: skip
         latent.generate([prompt], _params(2), use_tqdm=False, lora_request=request)
-    model, request = _adapter(path, tmp_path, "latents", ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"], 4, 8, False, 6)
+    latents = ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"]
+    model, request = _adapter(path, tmp_path, "latents", latents, 4, 8, False, seed=6)
     out = latent.generate([prompt], _params(), use_tqdm=False, lora_request=request)[0]
     tokens, hidden = _greedy(model, prompt, 8)
     assert out.outputs[0].token_ids == tokens and same(out.activations[HOOK], hidden, 1e-5)
