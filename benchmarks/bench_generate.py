@@ -340,9 +340,9 @@ def host_part(llm: LLM, ids: list[list[int]], steps: int, repeats: int, t_hf: fl
     prompts_ = ids[:64]
     runner, forward = llm.runner, llm.runner._forward
 
-    def null_forward(meta, ids, taps, num_layers=None, logit_rows=None, backend=None, embeds=None):
+    def null_forward(meta, ids, taps, num_layers=None, logit_rows=None, backend=None, embeds=None, lora=None):
         if backend is not runner.decode_backend:  # prefill runs for real
-            return forward(meta, ids, taps, num_layers, logit_rows, backend, embeds=embeds)
+            return forward(meta, ids, taps, num_layers, logit_rows, backend, embeds=embeds, lora=lora)
         runner.buffers.flush()
         for t in taps.values():
             if t.gather_out is not None:
