@@ -409,9 +409,10 @@ def test_adapters_loaded_and_unloaded_while_serving(smol4_path, tmp_path):
         assert off.status_code == 404 and "--allow-runtime-lora-updating" in off.json()["error"]["message"]
 
 
-def test_the_model_diff_example(smol_path, tmp_path):
-    """examples/lora_model_diff.py on SmolLM2 with an adapter of its layers 15 on: no change of the residual stream
-    before layer 15, a change from there on; per layer and the next token's KL as PEFT's model computes them."""
+def test_the_model_diff_example(smol4_path, tmp_path):
+    """examples/lora_model_diff.py on SmolLM2's first four layers with an adapter of its layers 2 and 3: no change of
+    the residual stream before layer 2, a change from there on; per layer and the next token's KL as PEFT's model
+    computes them."""
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -422,13 +423,13 @@ def test_the_model_diff_example(smol_path, tmp_path):
     spec.loader.exec_module(example)
     torch.manual_seed(0)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                        layers_to_transform=list(range(15, 30)), init_lora_weights=False)  # fmt: skip
-    model = get_peft_model(_base(str(smol_path)), config).eval()
+                        layers_to_transform=[2, 3], init_lora_weights=False)  # fmt: skip
+    model = get_peft_model(_base(str(smol4_path)), config).eval()
     model.save_pretrained(tmp_path / "late")
-    llm = LLM(str(smol_path), dtype="float32", device="cpu", enable_lora=True)
+    llm = LLM(str(smol4_path), dtype="float32", device="cpu", enable_lora=True)
     change, kl = example.model_diff(llm, LoRARequest("late", 1, str(tmp_path / "late")), example.PROMPTS)
-    assert max(change[:15]) < 1e-6 < min(change[15:])
-    tokenizer = AutoTokenizer.from_pretrained(smol_path)
+    assert max(change[:2]) < 1e-6 < min(change[2:])
+    tokenizer = AutoTokenizer.from_pretrained(smol4_path)
     want, logits = [], []
     for prompt in example.PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -439,7 +440,7 @@ def test_the_model_diff_example(smol_path, tmp_path):
         want.append([((a[0, -1] - b[0, -1]).norm() / b[0, -1].norm()).item()
                      for a, b in zip(after.hidden_states[1:], before.hidden_states[1:])])  # fmt: skip
         logits.append((before.logits[0, -1].double().log_softmax(-1), after.logits[0, -1].double().log_softmax(-1)))
-    want = torch.tensor(want).mean(0)  # (HF's last hidden state is after the final norm: layers 15-28 compared)
+    want = torch.tensor(want).mean(0)  # (HF's last hidden state is after the final norm: layers 0-2 compared)
     want_kl = torch.stack([(p.exp() * (p - q)).sum() for p, q in logits]).mean().item()
-    assert torch.allclose(torch.tensor(change[15:29]), want[15:29], rtol=1e-4)
+    assert torch.allclose(torch.tensor(change[:3]), want[:3], rtol=1e-4, atol=1e-7)
     assert abs(kl - want_kl) < 1e-4 * max(1, want_kl)
