@@ -272,9 +272,9 @@ class LLMEngine:
             kept_states=len(self.blocks.snapshots),
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
-            max_loras=0 if self.loras is None else self.loras.max_loras,
-            running_loras=_adapters(self.scheduler.running),
-            waiting_loras=_adapters(self.scheduler.waiting),
+            **({} if self.loras is None else dict(  # (the server reads the stats every step: no scan without LoRA)
+                max_loras=self.loras.max_loras, running_loras=_adapters(self.scheduler.running),
+                waiting_loras=_adapters(self.scheduler.waiting))),
         )
 
     # -- the loop ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import logging
 import math
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
@@ -344,7 +344,7 @@ class ModelRunner:
         rows = put("logit_rows", np.array(logit_rows, np.int64)) if logit_rows else None
         index = put("sample_index", np.array(sample_index, np.int64)) if sample_index is not None else None
         batch = SamplingBatch.of(sampled, put, self.device) if sampled else None
-        lora = self._lora_rows(order) if any(s.lora_slot is not None for s, _ in order) else None
+        lora = self._lora_rows(order) if self._adapted(s for s, _ in order) else None
         _, logits = self._forward(meta, ids, self.taps.arm(plan) if plan else {}, num_layers, rows, embeds=embeds,
                                   lora=lora)  # fmt: skip
         if index is not None:
@@ -355,6 +355,10 @@ class ModelRunner:
             prompt_logprobs = prompt_rows.compute(logits[len(sample_rows) :], blocking=not sampled)
         out = StepOutput(scheduled, sampled, None, None, plan, collection, prompt_rows, prompt_logprobs)
         return self._sample(out, logits[: len(sample_rows)], batch) if sampled else out
+
+    def _adapted(self, seqs: Iterable[Sequence]) -> bool:
+        """Whether some sequence of a step runs under a LoRA adapter (never asked per sequence without enable_lora)."""
+        return self.loras is not None and any(s.lora_slot is not None for s in seqs)
 
     def _lora_rows(self, order: list[tuple[Sequence, int]], pad: int = 0) -> torch.Tensor:
         """Each row's LoRA slot (max_loras where its request has no adapter, and in `pad` rows more), put for the
@@ -478,7 +482,7 @@ class ModelRunner:
             ids, fed = put("input_ids", np.zeros(size, np.int64)), put("ahead_rows", np.array(ahead[1], np.int64))
         # (an adapter's rows: a graph and a compiled forward of their own, over the LoRA stacks there are then)
         lora, adapted = None, None
-        if any(s.lora_slot is not None for s in seqs):
+        if self._adapted(seqs):
             lora, adapted = self._lora_rows([(s, 1) for s in seqs], pad), len(self.loras.stacks)
         taps = self.taps.arm(plan, fixed_shapes=True if self.pad_decode else None) if plan else {}
         self.buffers.flush()
