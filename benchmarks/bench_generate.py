@@ -451,7 +451,8 @@ def beside_a_cached_prefix(llm: LLM, repeats: int) -> None:
 def decode_seconds(llm: LLM, ids: list[list[int]], steps: int) -> float:
     """Seconds a decode step of `ids` in one batch on `llm`'s engine, the prompts prefilled first (not timed)."""
     engine = llm.engine
-    engine.add_requests([NewRequest(p, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)) for p in ids])
+    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    engine.add_requests([NewRequest(p, params) for p in ids])
     while engine.scheduler.waiting or any(seq.num_generated == 0 for seq in engine.scheduler.running):
         engine.step()
     start = time.perf_counter()
@@ -496,11 +497,12 @@ def latent_context(repeats: int, batch: int = 8, context: int = 2000, steps: int
         lambda: decode_seconds(engines[0], ids, steps), lambda: decode_seconds(engines[1], ids, steps),
         lambda: hf_decode_seconds(hf, ids, steps)))  # fmt: skip
     sizes = [cache_bytes(llm) for llm in engines]
-    print(f"\nlatent attention at a long context: random DeepSeek-V3, 4 layers of V2-Lite's attention, {batch} prompts of "
-          f"{context} tokens; decode ms/step")  # fmt: skip
+    print(f"\nlatent attention at a long context: random DeepSeek-V3, 4 layers of V2-Lite's attention, {batch} prompts "
+          f"of {context} tokens; decode ms/step")  # fmt: skip
     print(f"{'case':<44}{'ms/step':>10}{'ratio':>10}")
     print(f"{'HF forward step over its cache':<44}{1000 * t_hf:>10.2f}")
-    print(f"{f'vlens, keys and values ({sizes[0]:,} B a token)':<44}{1000 * t_expanded:>10.2f}{t_expanded / t_hf:>9.2f}x")
+    expanded = f"vlens, keys and values ({sizes[0]:,} B a token)"
+    print(f"{expanded:<44}{1000 * t_expanded:>10.2f}{t_expanded / t_hf:>9.2f}x")
     print(f"{f'vlens, latent_kv_cache ({sizes[1]:,} B a token)':<44}{1000 * t_latent:>10.2f}{t_latent / t_hf:>9.2f}x"
           f"  ({t_latent / t_expanded:.2f}x the time of keys and values)")
 

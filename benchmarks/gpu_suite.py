@@ -598,7 +598,8 @@ def family_check(config, name: str, hooks: list[str], root: Path, quick: bool, d
             except Exception as e:  # noqa: BLE001 (any failure of the reference's reading of HF's internals)
                 reference = f"HF's hidden states and logits alone (its taps failed: {type(e).__name__}: {e})"[:300]
         out = hf(torch.tensor([seq]), output_hidden_states=True)
-        return {f"hidden_states.{i}": h[0] for i, h in enumerate(out.hidden_states)} | {"unembed.hook_out": out.logits[0]}
+        stream = {f"hidden_states.{i}": h[0] for i, h in enumerate(out.hidden_states)}
+        return stream | {"unembed.hook_out": out.logits[0]}
 
     ids = [rng.randrange(10, 8000) for _ in range(80)]  # (past the windows, past a 64-token chunk)
     got = llm.trace([ids], list(llm.hook_names()))[0]
@@ -682,7 +683,8 @@ def lora(rows: dict, root: Path, quick: bool, device: str) -> None:
             if name.endswith(LORA_TARGETS):
                 a = torch.randn(16, module.in_features, generator=g) / module.in_features**0.5
                 b = torch.randn(module.out_features, 16, generator=g) * 0.02
-                tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+                key = f"base_model.model.{name}"
+                tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
                 with torch.no_grad():
                     module.weight += (b @ a) * 2.0  # (lora_alpha 32 / r 16)
         directory = root / f"lora-{i}"

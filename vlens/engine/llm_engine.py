@@ -176,7 +176,8 @@ class LLMEngine:
 
     def _check_loras(self, loras: list[LoRARequest]) -> None:
         if loras and self.loras is None:
-            raise ValueError("lora_request: this engine runs no LoRA adapters; create it with LLM(..., enable_lora=True)")
+            raise ValueError("lora_request: this engine runs no LoRA adapters; create it with LLM(..., "
+                             "enable_lora=True)")  # fmt: skip
         for lora in loras:
             self.loras.read_one(lora)
 

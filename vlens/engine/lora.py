@@ -4,8 +4,9 @@ and runs under it, in the same batch as requests under other adapters or none (`
 The engine holds up to `max_loras` adapters at once, each in a slot of the stacks of every projection it adapts
 (vlens.layers.lora); an adapter is read (and checked) when a request first names it, and put in a slot when the
 scheduler admits a sequence under it, kept there while sequences under it run, least recently used first out after:
-a sequence whose adapter finds every slot held by others waits, as vLLM's scheduler has it. Its blocks in the prefix cache are
-its own (a sequence's cache salt names the adapter: every key differs from the base model's from the first token).
+a sequence whose adapter finds every slot held by others waits, as vLLM's scheduler has it. Its blocks in the prefix
+cache are its own (a sequence's cache salt names the adapter: every key differs from the base model's from the first
+token).
 A decode step with requests under adapters takes the static path as any other: its graph (or compiled forward)
 reads each row's slot from the step's buffers, and is one of its own, captured over the stacks the adapters have.
 
@@ -88,7 +89,6 @@ class LoraSlots:
             raise ValueError(f"lora_request {request.lora_name!r}: lora_int_id {request.lora_int_id} is already "
                              f"{known.request.lora_name!r} ({known.request.lora_path!r}); give each adapter its own "
                              "id")  # fmt: skip
-
 
     def check_taps(self, request: LoRARequest, taps: set[str]) -> None:
         """Refuse a request's `taps` that its adapter would leave out of what they show: attn.hook_result splits the
