@@ -1,13 +1,12 @@
-"""No cross-talk, with every scheduling feature at once: a seeded stream of requests of mixed kinds (greedy,
-captures at generated / all / last positions, an attention pattern, steered, ablated, log-probabilities of
-samples and of prompts, penalised, prefill-only, seeded samples of one or two sequences, ranked samples
-(best_of), stop tokens and strings, per-head steering and patterns, patched rows, logit lens, a mean probe,
-hidden states, rows left out by token, a transcoder latent clamped (its latents and error read), TransformerLens's
-optional hooks read and steered, streamed, aborted; a third of them under one of two LoRA adapters) arrives at
-random steps into an engine whose KV
-cache is small enough to preempt, whose prompts share long prefixes (prefix-cache hits mid-run, prefixes
-borrowed within a step), whose prefill is chunked, with async scheduling on the static decode path and
-graphs (emulated: tests/replayed_graphs.py). Every request that ends must end as it does served alone on a
+"""No cross-talk, with every scheduling feature at once: a seeded stream of requests of mixed kinds (greedy, captures
+at generated / all / last positions, an attention pattern, steered, ablated, log-probabilities of samples (of
+allowed tokens) and of prompts, penalised, prefill-only, seeded samples of one or two sequences, ranked samples
+(best_of), stop tokens (not before min_tokens) and strings (kept in the text or not), per-head steering and
+patterns, patched rows, logit lens, a mean probe, hidden states, rows left out by token, a transcoder latent clamped
+(its latents and error read), TransformerLens's optional hooks read and steered, streamed, aborted; a third of them
+under one of two LoRA adapters) arrives at random steps into an engine whose KV cache is small enough to preempt,
+whose prompts share long prefixes (prefix-cache hits mid-run, prefixes borrowed within a step), whose prefill is
+chunked, with async scheduling on the static decode path and graphs (emulated: tests/replayed_graphs.py). Every request that ends must end as it does served alone on a
 plain engine over the same checkpoint (no prefix cache, no chunking, synchronous, no static path, no
 streaming; an adapter's request, on such an engine of the adapter's directory: its weights merged): the same
 tokens, text and finish, log-probability ranks equal and values within 1e-5, captured rows at the same positions
@@ -112,7 +111,8 @@ def _params(kind: str, max_tokens: int, prompt: list[int], g: torch.Generator, a
     if kind in ("stop", "stop string"):  # on a token it generates alone, or on text it does
         run = alone.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
         at = int(torch.randint(0, max_tokens, (), generator=g))
-        stop = dict(stop_token_ids=[run.token_ids[at]]) if kind == "stop" else dict(stop=[run.text[at : at + 2] or "."])
+        stop = (dict(stop_token_ids=[run.token_ids[at]], min_tokens=at // 2) if kind == "stop"  # (not before)
+                else dict(stop=[run.text[at : at + 2] or "."], include_stop_str_in_output=at % 2 == 0))
         return SamplingParams(max_tokens=max_tokens, temperature=0, **stop,
                               capture=Capture("blocks.2.hook_resid_pre", positions="last"))  # fmt: skip
     n = len(prompt)
@@ -127,7 +127,7 @@ def _params(kind: str, max_tokens: int, prompt: list[int], g: torch.Generator, a
             capture=Capture("blocks.2.hook_resid_post", positions="generated")),
         "ablate": lambda: greedy | dict(
             interventions=[Ablate("blocks.1.hook_attn_out", torch.randn(D, generator=g))], logprobs=2),
-        "logprobs": lambda: dict(max_tokens=max_tokens, temperature=0, logprobs=3),
+        "logprobs": lambda: dict(max_tokens=max_tokens, temperature=0, logprobs=3, allowed_token_ids=prompt),
         "prompt logprobs": lambda: greedy | dict(prompt_logprobs=2, logprobs=1),  # computes its whole prompt
         "penalised": lambda: greedy | dict(frequency_penalty=0.5),  # no step of it is queued ahead
         "prefill only": lambda: dict(max_tokens=0, capture=Capture("blocks.0.hook_resid_post")),  # one layer run

@@ -130,6 +130,20 @@ def test_penalties_and_logit_bias_equal_offline(client, smol):
     assert chat.choices[0].message.content
 
 
+def test_vllm_token_bans_and_kept_stops_equal_offline(client, smol):
+    options = {"min_tokens": 6, "bad_words": ["Paris"], "allowed_token_ids": None, "include_stop_str_in_output": True}
+    out = client.completions.create(model="smol", prompt=PROMPT, max_tokens=12, temperature=0, stop=["."],
+                                    extra_body=options)  # fmt: skip
+    [ref] = smol.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, stop=["."], **options), use_tqdm=False)
+    assert out.choices[0].text == ref.outputs[0].text and "Paris" not in ref.outputs[0].text
+    allowed, messages = smol.tokenizer.encode(" Lyon.", add_special_tokens=False), [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="smol", messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"allowed_token_ids": allowed})  # fmt: skip
+    [ref] = smol.chat(messages, SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=allowed), use_tqdm=False)
+    assert chat.choices[0].message.content == ref.outputs[0].text
+    assert set(ref.outputs[0].token_ids) <= set(allowed)
+
+
 def test_langchain_style_body(server):
     """The defaults LangChain's OpenAI wrappers send with every request, vLLM's extras included."""
     body = {
@@ -190,6 +204,9 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"49152": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"12": 100.5}}, "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [49152]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "bad_words": [" "]}, "bad_words"),
     ("/v1/completions", {"prompt": PROMPT, "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/completions", {"prompt": PROMPT, "nonsense": 1}, "nonsense"),

@@ -38,6 +38,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
     repetition_penalty: float = 1.0  # vLLM's: logits of prompt and generated tokens divided (> 0) or multiplied by it
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # vLLM's: no EOS or stop token is sampled, and no stop string ends it, before this many
+    allowed_token_ids: Sequence[int] | None = None  # vLLM's: the only tokens that may be sampled
+    bad_words: Sequence[str] | None = None  # vLLM's: words never generated, as spelt with and without a space before
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string (or stop token) that ended it
     capture: Capture | None = None
     return_hidden_states: bool = False  # shortcut: ln_final.hook_out (the final norm's output) at every position
     interventions: Sequence[Intervention] | None = None  # applied in order
@@ -63,6 +67,9 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
             (self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 = off)"),
+            (_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"an int in [0, max_tokens={self.max_tokens}]"),
+            (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a bool"),
             (self.capture is None or isinstance(self.capture, Capture), "capture", "None or a vlens.Capture"),
         ]
         for ok, name, allowed in checks:
@@ -79,6 +86,15 @@ class SamplingParams:
         if self.temperature < _GREEDY_BELOW:  # greedy, as in vLLM: logits / 1e-45 overflow float32
             self.temperature = 0.0
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids: {self.allowed_token_ids!r} is not allowed; expected None or a "
+                                 "non-empty list of token ids (ints >= 0)")  # fmt: skip
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or ())
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words: {self.bad_words!r} is not allowed; expected a list of words (non-blank "
+                             "strings)")  # fmt: skip
         if self.max_tokens == 0 and self.prompt_logprobs is None and self.capture is None and not self.return_hidden_states:
             raise ValueError("max_tokens: 0 generates nothing; it is allowed with prompt_logprobs, capture or return_hidden_states")
         samples = "n" if self.best_of is None else "best_of"  # (the field that asks for the samples)

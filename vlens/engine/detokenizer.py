@@ -8,8 +8,10 @@ request ends is taken as it decodes, U+FFFD), and not inside a run of byte-fallb
 <0xNN>), which the decoder reads as one byte string: one invalid byte turns the whole run into U+FFFDs,
 characters already complete included. Taken at those points only, the pieces add up to the text decoded
 at once. With stop strings, the last (longest stop - 1) characters are held back until the request ends:
-they may be the start of a stop string, which the final text must not contain. A request that neither
-streams nor has stop strings gets the same text in one decode at its end (`text_of`).
+they may be the start of a stop string, which the final text must not contain (unless it keeps the stop string:
+vLLM's include_stop_str_in_output). As in vLLM, no stop string is looked for before min_tokens tokens, and after
+them only in text that ends past them. A request that neither streams nor has stop strings gets the same text in one
+decode at its end (`text_of`).
 """
 
 from __future__ import annotations
@@ -52,20 +54,23 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stops: list[str]):
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stops: list[str], min_tokens: int = 0,
+                 keep_stop: bool = False):  # fmt: skip
         self.tokenizer = tokenizer
         self.ids = _context(tokenizer, prompt_token_ids)
         self.prefix = 0  # window start: decoded only to know where new text begins
         self.read = len(self.ids)  # tokens up to here are already in `text`
         self.in_run = False  # the last tokens are a byte-fallback run, which the next may extend
         self.text = ""
-        self.stops = stops
-        self.hold = max(map(len, stops), default=1) - 1
+        self.stops, self.min_tokens, self.keep_stop = stops, min_tokens, keep_stop
+        self.hold = max(map(len, stops), default=1) - 1  # characters a stop string may reach back into
+        self.added = 0  # tokens added
         self.released = 0  # characters of `text` handed out
 
     def add(self, token: int) -> str | None:
         """Append a token; if the text now contains a stop string, cut the text before it and return it."""
         self.ids.append(token)
+        self.added += 1
         self.in_run = _is_byte(self.tokenizer, token) or (self.in_run and not _decode(self.tokenizer, [token]))
         seen, full = self._window()
         if len(full) <= len(seen) or full.endswith("\ufffd"):
@@ -81,19 +86,21 @@ class Detokenizer:
 
     def _stop_in(self, new: str) -> tuple[int, str] | None:
         """The earliest stop string in the text with `new` appended, and where it begins."""
-        if not self.stops:
+        if not self.stops or self.added <= self.min_tokens:
             return None
-        start = max(0, len(self.text) - self.hold)  # where a new stop string could begin
-        tail = self.text[start:] + new
+        found = []
+        for stop in self.stops:
+            start = max(0, len(self.text) - len(stop) + 1)  # where it could begin and end in the new text
+            if (at := (self.text[start:] + new).find(stop)) >= 0:
+                found.append((start + at, stop))
         # The earliest one, not the first listed: the text is cut before it, so it must hold no other.
-        found = [(start + at, stop) for stop in self.stops if (at := tail.find(stop)) >= 0]
         return min(found, key=lambda f: f[0], default=None)
 
     def _take(self, new: str, found: tuple[int, str] | None) -> None:
         self.prefix, self.read = self.read, len(self.ids)
         self.text += new
         if found is not None:
-            self.text = self.text[: found[0]]
+            self.text = self.text[: found[0] + (len(found[1]) if self.keep_stop else 0)]
 
     def _window(self) -> tuple[str, str]:
         """The window's text without the tokens not yet taken, and with them."""
@@ -108,7 +115,7 @@ class Detokenizer:
             seen, full = self._window()
             new = full[len(seen) :]
             self._take(new, self._stop_in(new))
-        upto = len(self.text) if final else len(self.text) - self.hold
+        upto = len(self.text) if final or self.keep_stop else len(self.text) - self.hold  # (a kept stop cuts nothing)
         if upto <= self.released:
             return ""
         new = self.text[self.released : upto]

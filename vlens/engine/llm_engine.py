@@ -27,6 +27,7 @@ from vlens.engine.logprobs import TokenText, entry
 from vlens.engine.lora import LoRARequest, LoraSlots
 from vlens.engine.memory import kv_cache_bytes
 from vlens.engine.model_runner import ModelRunner, StepOutput
+from vlens.engine.penalties import spell_bad_words
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
 from vlens.images import PromptImages
@@ -167,7 +168,8 @@ class LLMEngine:
         for group, r in zip(groups, requests):
             for seq in group.seqs:
                 if r.stream or seq.params.stop_list:
-                    seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list)
+                    seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list,
+                                                  seq.params.min_tokens, seq.params.include_stop_str_in_output)
                 seq.hold_vectors(self.runner.taps)
             self._requests[group.request_id] = group
             self.prompt_tokens += group.seqs[0].num_prompt
@@ -196,18 +198,19 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        if self.tokenizer is None and (r.stream or params.stop_list):
-            field = "stream" if r.stream else "stop"
+        if self.tokenizer is None and (r.stream or params.stop_list or params.bad_words):
+            field = "stream" if r.stream else "stop" if params.stop_list else "bad_words"
             raise ValueError(f"{field}: works on text, and this checkpoint has no tokenizer files; "
-                             "use stop_token_ids and token ids")  # fmt: skip
+                             "use token ids (stop_token_ids, allowed_token_ids, logit_bias)")  # fmt: skip
         budget = self.scheduler.max_num_batched_tokens
         if r.images is not None and r.images.longest_run() > budget:
             raise ValueError(f"max_num_batched_tokens: {budget} is less than an image's "
                              f"{r.images.longest_run()} tokens, which attend to each other both ways and so take one "
                              "step together")  # fmt: skip
-        bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        for name, tokens in ("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()):
+            bad = [t for t in tokens if t >= self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
         # Checked here, not when a step fails on them: that step's error would end every request in the batch.
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -216,10 +219,12 @@ class LLMEngine:
         request_id = str(self._next_id)
         self._next_id += 1
         first = params.seed if params.seed is not None else None
+        bad_words = spell_bad_words(params.bad_words, self.tokenizer) if params.bad_words else []
         seqs = []
         for i in range(params.samples):
             seed = _int64(first + i) if first is not None else self.rng.randrange(2**31)
             seqs.append(self._sequence(r, request_id, i, seed))
+            seqs[-1].bad_words_ids = bad_words
         return SampleGroup(request_id, seqs, held=seqs[1:])
 
     def _sequence(self, r: NewRequest, request_id: str, index: int, seed: int) -> Sequence:
@@ -393,6 +398,8 @@ class LLMEngine:
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
             seq.stop_reason = None if token in self.eos_ids and token not in seq.params.stop_token_ids else token
+            if seq.detokenizer is not None and seq.params.include_stop_str_in_output:  # (its text, and what it ends)
+                seq.stop_reason = seq.detokenizer.add(token) or seq.stop_reason
             return True
         if seq.detokenizer is not None:
             stop = seq.detokenizer.add(token)
@@ -427,12 +434,14 @@ class LLMEngine:
 
     def _text(self, seq: Sequence) -> str:
         """Its text, the same whether it streamed or not: without a detokenizer, decoded at once as one would
-        have released it, leaving out the stop token that ended it (which a detokenizer never sees)."""
+        have released it, leaving out the stop token that ended it (unless the request keeps it: a detokenizer sees
+        it then)."""
         if seq.detokenizer is not None:
             return seq.detokenizer.text
         if self.tokenizer is None:
             return ""
-        generated = seq.generated[:-1] if seq.finish_reason == "stop" else seq.generated  # (no stop strings here)
+        ended_by_token = seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output
+        generated = seq.generated[:-1] if ended_by_token else seq.generated  # (no stop strings here)
         return text_of(self.tokenizer, seq.token_ids[: seq.num_prompt], generated)
 
     def _output(self, group: SampleGroup) -> RequestOutput:

@@ -1,17 +1,17 @@
-"""Per-request changes to the logits before sampling: OpenAI's `logit_bias`, `presence_penalty` and
-`frequency_penalty`, and vLLM's `repetition_penalty`, applied on the device in vLLM's order (bias, then
-penalties).
+"""Per-request changes to the logits before sampling, applied on the device in vLLM's order: vLLM's
+`allowed_token_ids`, `bad_words` and `min_tokens` (tokens banned), OpenAI's `logit_bias`, then the
+`presence_penalty` and `frequency_penalty` and vLLM's `repetition_penalty`.
 
-The host lists, once per step, which (row, token) pairs each change touches — the bias entries, and
-the prompt and output tokens of penalised rows — and sends them in a few flat tensors; counts and masks
-are scattered on the device, so nothing comes back to the host. Rows without a change are left exactly
-as they were (they add zero and are divided by nothing).
+The host lists, once per step, which (row, token) pairs each change touches — the allowed tokens, the banned
+ones, the bias entries, and the prompt and output tokens of penalised rows — and sends them in a few flat
+tensors; masks and counts are scattered on the device, so nothing comes back to the host. Rows without a
+change are left exactly as they were (they add zero and are divided by nothing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 class LogitAdjustments:
     """One step's adjustments: flat (row, token[, value]) lists as device tensors, per-row penalties."""
 
+    allowed_rows: torch.Tensor | None  # the tokens rows with allowed_token_ids may sample; None: no such row
+    allowed_tokens: torch.Tensor | None
+    restricted: torch.Tensor | None  # [B] bool: the rows with allowed_token_ids
+    banned_rows: torch.Tensor | None  # tokens a row may not sample (bad words, stop tokens before min_tokens)
+    banned_tokens: torch.Tensor | None
     bias_rows: torch.Tensor
     bias_tokens: torch.Tensor
     bias_values: torch.Tensor  # float32
@@ -40,6 +45,9 @@ class LogitAdjustments:
         """The adjustments of a step's sampled rows; None when no row has any (the common case)."""
         if not any(s.adjusts_logits for s in seqs):
             return None
+        restricted = [s.params.allowed_token_ids is not None for s in seqs]
+        allowed = [(i, t) for i, s in enumerate(seqs) if restricted[i] for t in s.params.allowed_token_ids]
+        banned = [(i, t) for i, s in enumerate(seqs) if s.bad_words_ids or s.params.min_tokens for t in _banned(s)]
         biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
         penalties = [i for i, s in enumerate(seqs) if s.params.penalises]
         bias = [(i, t, v) for i in biased for t, v in seqs[i].params.logit_bias.items()]
@@ -54,6 +62,11 @@ class LogitAdjustments:
 
         params = [s.params for s in seqs]
         return cls(
+            allowed_rows=long([i for i, _ in allowed]) if allowed else None,
+            allowed_tokens=long([t for _, t in allowed]) if allowed else None,
+            restricted=torch.tensor(restricted).to(device, non_blocking=True) if allowed else None,
+            banned_rows=long([i for i, _ in banned]) if banned else None,
+            banned_tokens=long([t for _, t in banned]) if banned else None,
             bias_rows=long([i for i, _, _ in bias]),
             bias_tokens=long([t for _, t, _ in bias]),
             bias_values=real([v for _, _, v in bias]),
@@ -69,7 +82,14 @@ class LogitAdjustments:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] logits -> adjusted float32 logits (a new tensor: the raw ones still give logprobs)."""
-        out = logits.float().index_put((self.bias_rows, self.bias_tokens), self.bias_values, accumulate=True)
+        out, never = logits.float(), torch.full((), float("-inf"), device=logits.device)
+        if self.restricted is not None:
+            allowed = torch.zeros_like(out, dtype=torch.bool)
+            allowed[self.allowed_rows, self.allowed_tokens] = True
+            out = torch.where(self.restricted[:, None] & ~allowed, never, out)
+        if self.banned_rows is not None:
+            out = out.index_put((self.banned_rows, self.banned_tokens), never)
+        out = out.index_put((self.bias_rows, self.bias_tokens), self.bias_values, accumulate=True)
         if not self.any_penalty:
             return out
         ones = torch.ones_like(self.output_tokens, dtype=torch.float32)
@@ -79,3 +99,28 @@ class LogitAdjustments:
         rep = self.repetition[:, None]
         out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
         return out - self.frequency[:, None] * counts - self.presence[:, None] * generated
+
+
+def _banned(seq: Sequence) -> list[int]:
+    """The tokens `seq` may not sample next: its stop tokens while it has fewer than min_tokens, and each bad word's
+    last token where its tokens before that end the generated ones (vLLM's rule: the prompt's tokens do not count,
+    so a bad word is its own whole at the start of the output)."""
+    generated = seq.generated
+    banned = list(seq.stop_ids) if len(generated) < seq.params.min_tokens else []
+    for word in seq.bad_words_ids:
+        before = len(word) - 1
+        if before <= len(generated) and generated[len(generated) - before :] == word[:-1]:
+            banned.append(word[-1])
+    return banned
+
+
+def spell_bad_words(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """Each word's tokens as it starts the text and, where they differ, as it follows a space: banned at the start
+    and in the middle of a text. (vLLM keeps the second spelling only when it has as many tokens as the first, so
+    that, with SmolLM2's tokenizer, "pizza" (2 tokens; " pizza" is 1) is not banned in the middle of a text.)"""
+    spelt = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        after_space = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        spelt += [alone] if after_space == alone else [alone, after_space]
+    return spelt

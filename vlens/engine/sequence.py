@@ -96,7 +96,10 @@ class Sequence:
         # The first sample computes the prompt's log-probabilities for its request; entry 0 (token 0) is None.
         wants_prompt = params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
-        self.adjusts_logits = bool(params.logit_bias) or params.penalises  # (read every step)
+        self.bad_words_ids: list[list[int]] = []  # params.bad_words as the engine's tokenizer spells them
+        # Its logits change every step: a bias, penalties, allowed tokens, bad words (min_tokens: adjusts_logits).
+        self.always_adjusts = (bool(params.logit_bias) or params.penalises or params.allowed_token_ids is not None
+                               or bool(params.bad_words))  # fmt: skip
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
         self.long_rope_at: int | None = None  # the position from which LongRoPE's long factors apply
         self.plans_ahead = False  # (settle)
@@ -113,6 +116,11 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.token_ids[self.num_prompt :]
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether its next token's logits change before sampling (min_tokens: while its stop tokens are banned)."""
+        return self.always_adjusts or (self.num_generated < self.params.min_tokens and bool(self.stop_ids))
 
     @property
     def prefill_only(self) -> bool:

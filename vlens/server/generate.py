@@ -42,7 +42,8 @@ CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 # Body fields that are SamplingParams' fields of the same name and meaning.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "best_of",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
+    "bad_words", "include_stop_str_in_output",
 )  # fmt: skip
 
 

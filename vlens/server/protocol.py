@@ -114,13 +114,9 @@ class StreamOptions(BaseModel):
 _NEUTRAL = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "include_stop_str_in_output": (False,),
-    "min_tokens": (0,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "response_format": (None, {"type": "text"}),
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -201,6 +197,10 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float = 1.0
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    include_stop_str_in_output: StrictBool = False
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # as logprobs: each row's entries come as JSON
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(ExtensionSpec)] = None
 
