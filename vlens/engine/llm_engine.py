@@ -168,8 +168,7 @@ class LLMEngine:
         for group, r in zip(groups, requests):
             for seq in group.seqs:
                 if r.stream or seq.params.stop_list:
-                    seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params.stop_list,
-                                                  seq.params.min_tokens, seq.params.include_stop_str_in_output)
+                    seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids, seq.params)
                 seq.hold_vectors(self.runner.taps)
             self._requests[group.request_id] = group
             self.prompt_tokens += group.seqs[0].num_prompt
@@ -442,7 +441,7 @@ class LLMEngine:
             return ""
         ended_by_token = seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output
         generated = seq.generated[:-1] if ended_by_token else seq.generated  # (no stop strings here)
-        return text_of(self.tokenizer, seq.token_ids[: seq.num_prompt], generated)
+        return text_of(self.tokenizer, seq.token_ids[: seq.num_prompt], generated, seq.params.skip_special_tokens)
 
     def _output(self, group: SampleGroup) -> RequestOutput:
         completions = [

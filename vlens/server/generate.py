@@ -43,7 +43,7 @@ CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "best_of",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-    "bad_words", "include_stop_str_in_output",
+    "bad_words", "include_stop_str_in_output", "skip_special_tokens",
 )  # fmt: skip
 
 

@@ -114,7 +114,6 @@ class StreamOptions(BaseModel):
 _NEUTRAL = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (None,),
     "response_format": (None, {"type": "text"}),
@@ -201,6 +200,7 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
     include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # as logprobs: each row's entries come as JSON
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(ExtensionSpec)] = None
 
