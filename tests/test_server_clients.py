@@ -208,7 +208,7 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [49152]}, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "bad_words": [" "]}, "bad_words"),
     ("/v1/completions", {"prompt": PROMPT, "suffix": "!"}, "suffix"),
-    ("/v1/completions", {"prompt": PROMPT, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     ("/v1/completions", {"prompt": PROMPT, "nonsense": 1}, "nonsense"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 9}, "n"),

@@ -11,7 +11,7 @@ from vlens.llm import LLM
 from vlens.loader import load_model
 from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
 from vlens.sae import SAE
-from vlens.sampling_params import SamplingParams
+from vlens.sampling_params import SamplingParams, StructuredOutputsParams
 from vlens.version import __version__
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "HookedLM",
     "ActivationCache",
     "SamplingParams",
+    "StructuredOutputsParams",
     "Capture",
     "Positions",
     "EngineConfig",

@@ -20,6 +20,44 @@ _GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLIN
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the text is held to one of these (vlens.engine.structured)."""
+
+    json: str | Mapping[str, Any] | None = None  # a JSON schema (as a dict, or its text)
+    regex: str | None = None
+    choice: Sequence[str] | None = None  # the text is one of these
+    grammar: str | None = None  # EBNF, as xgrammar reads it (GBNF's dialect)
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURES if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: set one of {', '.join(STRUCTURES)}; "
+                             f"got {', '.join(given) or 'none'}")  # fmt: skip
+        if self.choice is not None:
+            self.choice = [self.choice] if isinstance(self.choice, str) else list(self.choice)
+        checks = {
+            "json": isinstance(self.json, (str, Mapping)),
+            "regex": isinstance(self.regex, str),
+            "choice": bool(self.choice) and all(isinstance(c, str) and c for c in self.choice or ()),
+            "grammar": isinstance(self.grammar, str),
+            "json_object": self.json_object is True,
+        }
+        if not checks[given[0]]:
+            allowed = {"json": "a JSON schema (a dict or its text)", "choice": "a list of non-empty strings",
+                       "json_object": "True"}.get(given[0], "a string")  # fmt: skip
+            raise ValueError(f"structured_outputs.{given[0]}: {getattr(self, given[0])!r} is not allowed; "
+                             f"expected {allowed}")  # fmt: skip
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURES if getattr(self, name) not in (None, False))
+
+
+STRUCTURES = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
@@ -43,6 +81,7 @@ class SamplingParams:
     bad_words: Sequence[str] | None = None  # vLLM's: words never generated, as spelt with and without a space before
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string (or stop token) that ended it
     skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, chat markers) leave no text
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's: a JSON schema, regex, choice or grammar
     capture: Capture | None = None
     return_hidden_states: bool = False  # shortcut: ln_final.hook_out (the final norm's output) at every position
     interventions: Sequence[Intervention] | None = None  # applied in order
@@ -72,6 +111,8 @@ class SamplingParams:
              f"an int in [0, max_tokens={self.max_tokens}]"),
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a bool"),
             (isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "None or a vlens.StructuredOutputsParams"),
             (self.capture is None or isinstance(self.capture, Capture), "capture", "None or a vlens.Capture"),
         ]
         for ok, name, allowed in checks:

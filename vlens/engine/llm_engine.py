@@ -30,6 +30,7 @@ from vlens.engine.model_runner import ModelRunner, StepOutput
 from vlens.engine.penalties import spell_bad_words
 from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
+from vlens.engine.structured import Grammars
 from vlens.images import PromptImages
 from vlens.outputs import CompletionOutput, PlaceholderRange, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
@@ -137,6 +138,7 @@ class LLMEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
         )
+        self.grammars: Grammars | None = None  # (requests' structured outputs: made at the first)
         self._next_id = 0
         self._requests: dict[str, SampleGroup] = {}
         self._pending: tuple[StepPlan, Collection] | None = None  # a step's rows still on their way to the host
@@ -197,8 +199,9 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        if self.tokenizer is None and (r.stream or params.stop_list or params.bad_words):
-            field = "stream" if r.stream else "stop" if params.stop_list else "bad_words"
+        if self.tokenizer is None and (r.stream or params.stop_list or params.bad_words or params.structured_outputs):
+            field = next(name for name, used in [("stream", r.stream), ("stop", params.stop_list),
+                                                 ("bad_words", params.bad_words), ("structured_outputs", True)] if used)
             raise ValueError(f"{field}: works on text, and this checkpoint has no tokenizer files; "
                              "use token ids (stop_token_ids, allowed_token_ids, logit_bias)")  # fmt: skip
         budget = self.scheduler.max_num_batched_tokens
@@ -219,12 +222,21 @@ class LLMEngine:
         self._next_id += 1
         first = params.seed if params.seed is not None else None
         bad_words = spell_bad_words(params.bad_words, self.tokenizer) if params.bad_words else []
+        structure = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
         seqs = []
         for i in range(params.samples):
             seed = _int64(first + i) if first is not None else self.rng.randrange(2**31)
             seqs.append(self._sequence(r, request_id, i, seed))
             seqs[-1].bad_words_ids = bad_words
+            if structure is not None:
+                seqs[-1].grammar = self.grammars.matcher(structure)
         return SampleGroup(request_id, seqs, held=seqs[1:])
+
+    def _grammars(self) -> Grammars:
+        """The grammar compiler, made at the first request with a structure."""
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_ids)
+        return self.grammars
 
     def _sequence(self, r: NewRequest, request_id: str, index: int, seed: int) -> Sequence:
         prompt_ids, params = r.prompt_token_ids, r.params
@@ -399,6 +411,9 @@ class LLMEngine:
             seq.stop_reason = None if token in self.eos_ids and token not in seq.params.stop_token_ids else token
             if seq.detokenizer is not None and seq.params.include_stop_str_in_output:  # (its text, and what it ends)
                 seq.stop_reason = seq.detokenizer.add(token) or seq.stop_reason
+            return True
+        if seq.grammar is not None and not seq.grammar.accept(token):  # its structure is over: nothing may follow
+            seq.finish_reason = "stop"
             return True
         if seq.detokenizer is not None:
             stop = seq.detokenizer.add(token)

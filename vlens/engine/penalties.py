@@ -1,11 +1,11 @@
 """Per-request changes to the logits before sampling, applied on the device in vLLM's order: vLLM's
-`allowed_token_ids`, `bad_words` and `min_tokens` (tokens banned), OpenAI's `logit_bias`, then the
-`presence_penalty` and `frequency_penalty` and vLLM's `repetition_penalty`.
+`allowed_token_ids`, `bad_words`, `min_tokens` and `structured_outputs` (tokens banned), OpenAI's `logit_bias`,
+then the `presence_penalty` and `frequency_penalty` and vLLM's `repetition_penalty`.
 
 The host lists, once per step, which (row, token) pairs each change touches — the allowed tokens, the banned
 ones, the bias entries, and the prompt and output tokens of penalised rows — and sends them in a few flat
-tensors; masks and counts are scattered on the device, so nothing comes back to the host. Rows without a
-change are left exactly as they were (they add zero and are divided by nothing).
+tensors, with the structures' bitmasks; masks and counts are made on the device, so nothing comes back to the
+host. Rows without a change are left exactly as they were (they add zero and are divided by nothing).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from vlens.engine.structured import bitmask_rows, unpack
 
 if TYPE_CHECKING:
     from vlens.engine.sequence import Sequence
@@ -28,6 +30,7 @@ class LogitAdjustments:
     restricted: torch.Tensor | None  # [B] bool: the rows with allowed_token_ids
     banned_rows: torch.Tensor | None  # tokens a row may not sample (bad words, stop tokens before min_tokens)
     banned_tokens: torch.Tensor | None
+    structure: torch.Tensor | None  # [B, words] int32: the tokens each row's structure allows; None: no structure
     bias_rows: torch.Tensor
     bias_tokens: torch.Tensor
     bias_values: torch.Tensor  # float32
@@ -48,6 +51,10 @@ class LogitAdjustments:
         restricted = [s.params.allowed_token_ids is not None for s in seqs]
         allowed = [(i, t) for i, s in enumerate(seqs) if restricted[i] for t in s.params.allowed_token_ids]
         banned = [(i, t) for i, s in enumerate(seqs) if s.bad_words_ids or s.params.min_tokens for t in _banned(s)]
+        structured = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        structure = bitmask_rows(len(seqs), seqs[structured[0]].grammar.vocab_size) if structured else None
+        for i in structured:
+            seqs[i].grammar.fill(structure, i)
         biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
         penalties = [i for i, s in enumerate(seqs) if s.params.penalises]
         bias = [(i, t, v) for i in biased for t, v in seqs[i].params.logit_bias.items()]
@@ -67,6 +74,7 @@ class LogitAdjustments:
             restricted=torch.tensor(restricted).to(device, non_blocking=True) if allowed else None,
             banned_rows=long([i for i, _ in banned]) if banned else None,
             banned_tokens=long([t for _, t in banned]) if banned else None,
+            structure=None if structure is None else structure.to(device, non_blocking=True),
             bias_rows=long([i for i, _, _ in bias]),
             bias_tokens=long([t for _, t, _ in bias]),
             bias_values=real([v for _, _, v in bias]),
@@ -89,6 +97,8 @@ class LogitAdjustments:
             out = torch.where(self.restricted[:, None] & ~allowed, never, out)
         if self.banned_rows is not None:
             out = out.index_put((self.banned_rows, self.banned_tokens), never)
+        if self.structure is not None:
+            out = torch.where(unpack(self.structure, out.shape[-1]), out, never)
         out = out.index_put((self.bias_rows, self.bias_tokens), self.bias_values, accumulate=True)
         if not self.any_penalty:
             return out

@@ -19,6 +19,7 @@ from vlens.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vlens.engine.lora import LoRARequest
+    from vlens.engine.structured import Grammar
 
 
 class Status(enum.Enum):
@@ -97,9 +98,11 @@ class Sequence:
         wants_prompt = params.prompt_logprobs is not None and index == 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if wants_prompt else None
         self.bad_words_ids: list[list[int]] = []  # params.bad_words as the engine's tokenizer spells them
-        # Its logits change every step: a bias, penalties, allowed tokens, bad words (min_tokens: adjusts_logits).
+        self.grammar: Grammar | None = None  # where its text is in params.structured_outputs (engine.structured)
+        # Its logits change every step: a bias, penalties, allowed tokens, bad words, a structure (min_tokens:
+        # adjusts_logits).
         self.always_adjusts = (bool(params.logit_bias) or params.penalises or params.allowed_token_ids is not None
-                               or bool(params.bad_words))  # fmt: skip
+                               or bool(params.bad_words) or params.structured_outputs is not None)  # fmt: skip
         self.depth: int | None = None  # layers a prefill-only request needs; None: the whole model
         self.long_rope_at: int | None = None  # the position from which LongRoPE's long factors apply
         self.plans_ahead = False  # (settle)

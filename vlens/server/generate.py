@@ -229,8 +229,9 @@ class Generator:
         try:
             given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
             params = SamplingParams(
-                max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given, **extension
-            )
+                max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=body.structure(), **given, **extension,
+            )  # fmt: skip
             bound = capture_bound(params, len(ids), self.shapes, self.cfg, self.model_dtype)
         except ValueError as e:
             raise _engine_error(e) from None

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter
 
+from vlens.sampling_params import StructuredOutputsParams
 from vlens.server.specs import ExtensionSpec
 
 
@@ -104,6 +105,32 @@ class DocumentedAs:
         return handler(TypeAdapter(self.model | None).core_schema)
 
 
+class JSONSchemaFormat(BaseModel):
+    name: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no structure), any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs object: one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
@@ -116,14 +143,8 @@ _NEUTRAL = {
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (None,),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
     "logits_processors": (None,),
     "priority": (0,),
     "return_tokens_as_token_ids": (None, False),
@@ -201,6 +222,13 @@ class _GenerationRequest(BaseModel):
     bad_words: list[StrictStr] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # A structure for the text: OpenAI's response_format, vLLM's structured_outputs or its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # as logprobs: each row's entries come as JSON
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(ExtensionSpec)] = None
 
@@ -221,6 +249,32 @@ class _GenerationRequest(BaseModel):
             )
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
+        self.structure()
+
+    def structure(self) -> StructuredOutputsParams | None:
+        """The one structure the body asks for, or None; a 400 naming the fields when it asks for several."""
+        given = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = self.response_format.json_schema
+            if self.response_format.type == "json_schema" and schema is None:
+                raise APIError(400, "response_format.json_schema: required with type json_schema",
+                               param="response_format.json_schema")  # fmt: skip
+            given["response_format"] = dict(json=schema.schema_) if schema is not None else dict(json_object=True)
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{name}") is not None:
+                given[f"guided_{name}"] = {name: getattr(self, f"guided_{name}")}
+        if len(given) > 1:
+            raise APIError(400, f"{list(given)[1]}: one structure per request; this one also sets {list(given)[0]}",
+                           param=list(given)[1])  # fmt: skip
+        if not given:
+            return None
+        [(name, fields)] = given.items()
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise APIError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None
 
 
 class CompletionRequest(_GenerationRequest):

@@ -1,0 +1,161 @@
+"""vLLM's structured outputs on SmolLM2: a JSON schema, any JSON object, a regular expression, a choice and a grammar,
+in one batch with a plain request, each with the greedy tokens of HF's generate under xgrammar's own logits processor
+for the same compiled grammar; the texts held to their structures; seeded samples that keep to theirs, each the
+request alone with its seed; the bitmask unpacked as xgrammar applies it; the server's response_format,
+structured_outputs and guided_* fields equal to the offline requests; bad structures refused by name before any
+work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+import torch
+import xgrammar
+from server_helpers import running_server
+
+from vlens import SamplingParams, StructuredOutputsParams
+from vlens.engine.structured import bitmask_rows, unpack
+from vlens.server.config import ServerConfig
+
+MESSAGES = [{"role": "user", "content": "Describe a person named Ann, aged 31, as JSON with fields name and age."}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}  # fmt: skip
+REGEX = r"[A-Z][a-z]+ is \d{1,3}"
+STRUCTURES = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "json_object": StructuredOutputsParams(json_object=True),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+    "grammar": StructuredOutputsParams(grammar='root ::= ("Ann" | "Bob") " is " [0-9] [0-9]?'),
+}
+
+
+def _holds(kind: str, text: str) -> bool:
+    if kind in ("json", "json_object"):
+        value = json.loads(text)
+        typed = kind == "json_object" or (type(value["name"]), type(value["age"])) == (str, int)
+        return isinstance(value, dict) and typed
+    pattern = {"regex": REGEX, "choice": "yes|no|maybe", "grammar": r"(Ann|Bob) is [0-9]{1,2}"}[kind]
+    return re.fullmatch(pattern, text) is not None
+
+
+def _hf_greedy(hf, prompt_ids: list[int], compiled, max_tokens: int, eos: list[int]) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                          logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)])  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_greedy_tokens_equal_hf_under_xgrammars_processor(smol, hf_smol):
+    params = [SamplingParams(max_tokens=48, temperature=0, structured_outputs=s) for s in STRUCTURES.values()]
+    outs = smol.chat([MESSAGES] * (len(params) + 1), params + [SamplingParams(max_tokens=8, temperature=0)],
+                     use_tqdm=False)  # fmt: skip
+    grammars, eos = smol.engine.grammars, sorted(smol.engine.eos_ids)
+    for (kind, structure), out in zip(STRUCTURES.items(), outs, strict=False):
+        c = out.outputs[0]
+        want = _hf_greedy(hf_smol, out.prompt_token_ids, grammars.compile(structure), 48, eos)
+        assert c.token_ids == want and c.finish_reason == "stop", (kind, c.text)
+        assert _holds(kind, c.text), (kind, c.text)
+    plain = smol.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert outs[-1].outputs[0].token_ids == plain.token_ids  # (the structures' masks stay in their rows)
+    assert outs[2].outputs[0].text != plain.text
+
+
+def test_seeded_samples_keep_to_the_structure_each_as_alone(smol):
+    structure = STRUCTURES["grammar"]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3, structured_outputs=structure)
+    [out] = smol.chat(MESSAGES, params, use_tqdm=False)
+    assert all(_holds("grammar", c.text) for c in out.outputs), [c.text for c in out.outputs]
+    for i, c in enumerate(out.outputs):
+        alone = SamplingParams(max_tokens=12, temperature=1.0, seed=3 + i, structured_outputs=structure)
+        assert smol.chat(MESSAGES, alone, use_tqdm=False)[0].outputs[0].token_ids == c.token_ids
+    ended = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, structured_outputs=STRUCTURES["choice"])
+    c = smol.chat(MESSAGES, ended, use_tqdm=False)[0].outputs[0]  # (its EOS is not a stop: the structure ends it)
+    assert (c.text, c.finish_reason) in {("yes", "stop"), ("no", "stop"), ("maybe", "stop")}
+
+
+def test_the_bitmask_unpacks_as_xgrammar_applies_it():
+    g = torch.Generator().manual_seed(0)
+    vocab = 100
+    bitmask = bitmask_rows(3, vocab)
+    bitmask[1:] = torch.randint(-(2**31), 2**31 - 1, (2, bitmask.shape[1]), generator=g, dtype=torch.int32)
+    logits = torch.randn(3, vocab, generator=g)
+    applied = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(applied, bitmask)
+    assert torch.equal(unpack(bitmask, vocab), applied != float("-inf")) and bool(unpack(bitmask, vocab)[0].all())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "structured_outputs: set one of"),
+        ({"regex": "a", "choice": ["a"]},
+         "structured_outputs: set one of json, regex, choice, grammar, json_object; got regex, choice"),
+        ({"choice": []}, "structured_outputs.choice: [] is not allowed; expected a list of non-empty strings"),
+        ({"choice": ["a", ""]}, "structured_outputs.choice:"),
+        ({"json": 3}, "structured_outputs.json:"),
+        ({"json_object": "yes"}, "structured_outputs.json_object:"),
+    ],
+)  # fmt: skip
+def test_bad_structures(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "structure, field",
+    [(StructuredOutputsParams(regex="(unclosed"), "regex"), (StructuredOutputsParams(grammar="root ::= ("), "grammar"),
+     (StructuredOutputsParams(json={"type": "no such type"}), "json")],
+)  # fmt: skip
+def test_a_structure_that_does_not_compile_fails_before_running(smol, structure, field):
+    with pytest.raises(ValueError, match=f"^structured_outputs.{field}: "):
+        smol.generate(["fine", "not"], [SamplingParams(max_tokens=2), SamplingParams(structured_outputs=structure)],
+                      use_tqdm=False)  # fmt: skip
+    assert not smol.engine.has_work()
+
+
+@pytest.fixture(scope="module")
+def server(served_smol):
+    with running_server(served_smol, ServerConfig(served_model_name="smol")) as url:
+        yield url
+
+
+BODIES = {  # a body's fields -> the structure it asks for
+    "response_format json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "person",
+                                                                                                "schema": SCHEMA}}},
+                                    "json"),
+    "response_format json_object": ({"response_format": {"type": "json_object"}}, "json_object"),
+    "structured_outputs": ({"structured_outputs": {"regex": REGEX}}, "regex"),
+    "guided_choice": ({"guided_choice": ["yes", "no", "maybe"]}, "choice"),
+    "guided_grammar": ({"guided_grammar": STRUCTURES["grammar"].grammar}, "grammar"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, kind", BODIES.values(), ids=list(BODIES))
+def test_the_servers_fields_equal_offline(server, served_smol, fields, kind):
+    body = {"model": "smol", "messages": MESSAGES, "max_tokens": 48, "temperature": 0} | fields
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    params = SamplingParams(max_tokens=48, temperature=0, structured_outputs=STRUCTURES[kind])
+    [ref] = served_smol.chat(MESSAGES, params, use_tqdm=False)
+    assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text and _holds(kind, ref.outputs[0].text)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+     ({"guided_choice": []}, "guided_choice"),
+     ({"guided_regex": "(unclosed"}, "structured_outputs.regex")],
+)  # fmt: skip
+def test_bad_structures_are_400s_naming_the_field(server, fields, param):
+    body = {"model": "smol", "prompt": "Hi", "max_tokens": 4} | fields
+    r = httpx.post(server + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+    assert ok.status_code == 200

@@ -1,0 +1,86 @@
+"""vLLM's structured outputs: a request's text held to a JSON schema, to any JSON object, to a regular expression,
+to one of a list of choices or to a grammar (EBNF), by banning, before each sample, every token that would leave it.
+
+xgrammar does the work, as in vLLM: its compiler turns the request's structure into a grammar over the tokenizer's
+tokens (cached, so requests with one schema compile it once), and a matcher per sequence keeps where its text is in
+that grammar, fills a bitmask of the tokens allowed next (32 tokens a word, on the host) and takes each token the
+engine keeps. The bitmask goes to the device with the step's other logit changes (vlens.engine.penalties), where it
+is unpacked into a mask. Once the structure is complete only the model's end-of-sequence tokens are allowed, which
+end the request. xgrammar is imported when a request first asks for a structure: an engine without such requests
+never loads it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from vlens.sampling_params import StructuredOutputsParams
+
+BITS = 32  # tokens per bitmask word
+
+
+class Grammars:
+    """An engine's grammar compiler, over its tokenizer and vocabulary; EOS ends every structure."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int]):
+        try:
+            import xgrammar
+        except ImportError:
+            raise ValueError("structured_outputs: needs xgrammar (pip install xgrammar)") from None
+        self.xgrammar, self.vocab_size = xgrammar, vocab_size
+        try:
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                           stop_token_ids=sorted(eos_ids))  # fmt: skip
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs: xgrammar cannot read this model's tokenizer: {e}") from None
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """xgrammar's compiled grammar of `spec`; a ValueError naming the field when it is not one."""
+        compiler = self.compiler
+        try:
+            if spec.json is not None:
+                return compiler.compile_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+            if spec.json_object:
+                return compiler.compile_builtin_json_grammar()
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                choices = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
+                return compiler.compile_grammar(f"root ::= {choices}")
+            return compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{spec.kind}: {str(e).strip()}") from None
+
+    def matcher(self, compiled: Any) -> Grammar:
+        return Grammar(self.xgrammar.GrammarMatcher(compiled), self.vocab_size)
+
+
+class Grammar:
+    """Where one sequence's text is in its structure."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of a [B, words] int32 bitmask: the tokens that may come next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        """Take the sampled token; False when the structure is over (its EOS taken) or the token left it (a ban of
+        another option that left no token of the structure's)."""
+        return self.matcher.accept_token(token) and not self.matcher.is_terminated()
+
+
+def bitmask_rows(batch: int, vocab_size: int) -> torch.Tensor:
+    """A [batch, words] bitmask that allows every token (rows without a structure stay so)."""
+    return torch.full((batch, -(-vocab_size // BITS)), -1, dtype=torch.int32)
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, words] int32 -> [B, vocab_size] bool: token t is allowed where bit t % 32 of word t // 32 is set."""
+    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
