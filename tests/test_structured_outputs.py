@@ -1,6 +1,7 @@
 """vLLM's structured outputs on SmolLM2: a JSON schema, any JSON object, a regular expression, a choice and a grammar,
 in one batch with a plain request, each with the greedy tokens of HF's generate under xgrammar's own logits processor
-for the same compiled grammar; the texts held to their structures; seeded samples that keep to theirs, each the
+for the same compiled grammar; the texts held to their structures; a structured request's captured and steered rows
+as any request's; seeded samples that keep to theirs, each the
 request alone with its seed; the bitmask unpacked as xgrammar applies it; the server's response_format,
 structured_outputs and guided_* fields equal to the offline requests; bad structures refused by name before any
 work."""
@@ -14,9 +15,10 @@ import httpx
 import pytest
 import torch
 import xgrammar
+from conftest import rel_err
 from server_helpers import running_server
 
-from vlens import SamplingParams, StructuredOutputsParams
+from vlens import Capture, SamplingParams, Steer, StructuredOutputsParams
 from vlens.engine.structured import bitmask_rows, unpack
 from vlens.server.config import ServerConfig
 
@@ -76,6 +78,22 @@ def test_seeded_samples_keep_to_the_structure_each_as_alone(smol):
     ended = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, structured_outputs=STRUCTURES["choice"])
     c = smol.chat(MESSAGES, ended, use_tqdm=False)[0].outputs[0]  # (its EOS is not a stop: the structure ends it)
     assert (c.text, c.finish_reason) in {("yes", "stop"), ("no", "stop"), ("maybe", "stop")}
+
+
+def test_a_structured_request_captures_and_steers_as_any_other(smol):
+    """The structure only bans tokens: the rows a structured, steered request captures are the rows of its prompt and
+    tokens run again with the same steer."""
+    hook, vector = "blocks.10.hook_resid_post", torch.randn(576, generator=torch.Generator().manual_seed(0))
+    steer = Steer("blocks.5.hook_resid_post", vector, scale=2.0)
+    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs=STRUCTURES["regex"], interventions=[steer],
+                            capture=Capture(hook, positions="generated"))  # fmt: skip
+    [out] = smol.chat(MESSAGES, params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert _holds("regex", out.outputs[0].text)
+    again = SamplingParams(max_tokens=0, interventions=[steer], capture=Capture(hook, positions="all"))
+    [ref] = smol.generate([out.prompt_token_ids + tokens[:-1]], again, use_tqdm=False)
+    rows = ref.activations[hook][len(out.prompt_token_ids) :]
+    assert out.activations[hook].shape == rows.shape and rel_err(out.activations[hook], rows) < 1e-5
 
 
 def test_the_bitmask_unpacks_as_xgrammar_applies_it():
