@@ -1,10 +1,9 @@
 """vLLM's structured outputs on SmolLM2: a JSON schema, any JSON object, a regular expression, a choice and a grammar,
-in one batch with a plain request, each with the greedy tokens of HF's generate under xgrammar's own logits processor
-for the same compiled grammar; the texts held to their structures; a structured request's captured and steered rows
-as any request's; seeded samples that keep to theirs, each the
-request alone with its seed; the bitmask unpacked as xgrammar applies it; the server's response_format,
-structured_outputs and guided_* fields equal to the offline requests; bad structures refused by name before any
-work."""
+in one batch with a plain request, each with the greedy tokens of HF's generate under xgrammar's own logits
+processor for the same compiled grammar; the texts held to their structures; a structured request's captured and
+steered rows as any request's; seeded samples that keep to theirs, each the request alone with its seed; the bitmask
+unpacked as xgrammar applies it; the server's response_format, structured_outputs and guided_* fields equal to the
+offline requests; bad structures refused by name before any work."""
 
 from __future__ import annotations
 
