@@ -123,7 +123,8 @@ class Sequence:
     @property
     def adjusts_logits(self) -> bool:
         """Whether its next token's logits change before sampling (min_tokens: while its stop tokens are banned)."""
-        return self.always_adjusts or (self.num_generated < self.params.min_tokens and bool(self.stop_ids))
+        min_tokens = self.params.min_tokens
+        return self.always_adjusts or (min_tokens > 0 and self.num_generated < min_tokens and bool(self.stop_ids))
 
     @property
     def prefill_only(self) -> bool:
