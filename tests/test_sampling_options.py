@@ -1,16 +1,17 @@
-"""OpenAI's and vLLM's sampling options on the device: logit_bias and the presence, frequency and
-repetition penalties against a written-out reference over the same logits, leaving every other row of
-the batch untouched; parallel samples (n, best_of) reproducible and each equal to the request sent
-alone with its seed, sharing the prompt's blocks. The engine tests run on SmolLM2 cut to four layers
-(conftest.smol4): what they check holds for any model."""
+"""OpenAI's and vLLM's sampling options on the device: logit_bias and the presence, frequency and repetition penalties
+against a written-out reference over the same logits, leaving every other row of the batch untouched; a prompt
+truncated to its last tokens (truncate_prompt_tokens); parallel samples (n, best_of) reproducible and each equal to
+the request sent alone with its seed, sharing the prompt's blocks. The engine tests run on SmolLM2 cut to four
+layers (conftest.smol4): what they check holds for any model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vlens import LLM, SamplingParams
+from vlens import LLM, Capture, SamplingParams
 from vlens.capture.bind import RequestTaps
+from vlens.engine.llm_engine import LLMEngine, NewRequest
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.engine.sequence import Sequence
 
@@ -142,6 +143,7 @@ def test_samples_share_the_prompt_blocks(smol4_path):
         ({"top_p": None}, "top_p"),
         ({"seed": "a"}, "seed"),
         ({"top_k": True}, "top_k"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_values(kwargs, field):
@@ -155,6 +157,22 @@ def test_logit_bias_outside_the_vocabulary_fails_before_running(smol4):
             ["fine", "also fine"], [SamplingParams(max_tokens=2), SamplingParams(logit_bias={49152: 1})], use_tqdm=False
         )
     assert not smol4.engine.has_work()
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(smol4):
+    ids = smol4.tokenizer(PROMPT)["input_ids"]
+    options = dict(max_tokens=4, temperature=0, prompt_logprobs=1, capture=Capture("blocks.1.hook_resid_post"))
+    [cut] = smol4.generate(PROMPT, SamplingParams(truncate_prompt_tokens=5, **options), use_tqdm=False)
+    [ref] = smol4.generate([ids[-5:]], SamplingParams(**options), use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-5:] and cut.prompt == PROMPT  # (its text kept, as vLLM keeps it)
+    assert cut.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert torch.equal(cut.activations["blocks.1.hook_resid_post"], ref.activations["blocks.1.hook_resid_post"])
+    assert [e and {t: p.logprob for t, p in e.items()} for e in cut.prompt_logprobs] == \
+        [e and {t: p.logprob for t, p in e.items()} for e in ref.prompt_logprobs]  # fmt: skip
+    whole = SamplingParams(truncate_prompt_tokens=len(ids), **options)
+    assert smol4.generate(PROMPT, whole, use_tqdm=False)[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens: 3 would cut a prompt with images"):
+        LLMEngine._truncated(NewRequest(ids, SamplingParams(truncate_prompt_tokens=3), images=object()))
 
 
 def _rows(n: int, **options) -> list[Sequence]:

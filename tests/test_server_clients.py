@@ -144,6 +144,18 @@ def test_vllm_token_bans_and_kept_stops_equal_offline(client, smol):
     assert set(ref.outputs[0].token_ids) <= set(allowed)
 
 
+def test_truncate_prompt_tokens_on_completions_and_embeddings(server, smol):
+    ids = smol.tokenizer(PROMPT)["input_ids"]
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "truncate_prompt_tokens": 3}
+    out = post(server, "/v1/completions", body).json()
+    [ref] = smol.generate([ids[-3:]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert out["choices"][0]["text"] == smol.tokenizer.decode(ids[-3:]) + ref.outputs[0].text
+    assert out["usage"]["prompt_tokens"] == 3
+    cut = post(server, "/v1/embeddings", {"input": PROMPT, "truncate_prompt_tokens": 2}).json()
+    alone = post(server, "/v1/embeddings", {"input": [ids[-2:]]}).json()
+    assert cut["data"][0]["embedding"] == alone["data"][0]["embedding"] and cut["usage"]["prompt_tokens"] == 2
+
+
 def test_langchain_style_body(server):
     """The defaults LangChain's OpenAI wrappers send with every request, vLLM's extras included."""
     body = {

@@ -153,12 +153,12 @@ BODIES = {  # a body's fields -> the structure it asks for
 
 
 @pytest.mark.parametrize("fields, kind", BODIES.values(), ids=list(BODIES))
-def test_the_servers_fields_equal_offline(server, served_smol, fields, kind):
+def test_the_servers_fields_equal_offline(server, smol, fields, kind):
     body = {"model": "smol", "messages": MESSAGES, "max_tokens": 48, "temperature": 0} | fields
     r = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     params = SamplingParams(max_tokens=48, temperature=0, structured_outputs=STRUCTURES[kind])
-    [ref] = served_smol.chat(MESSAGES, params, use_tqdm=False)
+    [ref] = smol.chat(MESSAGES, params, use_tqdm=False)  # (not the served LLM: its engine is the server's)
     assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text and _holds(kind, ref.outputs[0].text)
 
 

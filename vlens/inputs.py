@@ -90,3 +90,8 @@ def _is_token_list(x: Any) -> bool:
     return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(
         hasattr(t, "__index__") and not isinstance(t, bool) and getattr(t, "ndim", 0) == 0 for t in x
     )
+
+
+def truncated(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: a prompt's last `keep` tokens (None: all of them)."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]

@@ -82,6 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string (or stop token) that ended it
     skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, chat markers) leave no text
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's: a JSON schema, regex, choice or grammar
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last this many tokens are run
     capture: Capture | None = None
     return_hidden_states: bool = False  # shortcut: ln_final.hook_out (the final norm's output) at every position
     interventions: Sequence[Intervention] | None = None  # applied in order
@@ -111,6 +112,9 @@ class SamplingParams:
              f"an int in [0, max_tokens={self.max_tokens}]"),
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a bool"),
             (isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool"),
+            (self.truncate_prompt_tokens is None or (_int(self.truncate_prompt_tokens)
+                                                     and self.truncate_prompt_tokens >= 1),
+             "truncate_prompt_tokens", "None or an int >= 1 (the prompt's last that many tokens are kept)"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "None or a vlens.StructuredOutputsParams"),
             (self.capture is None or isinstance(self.capture, Capture), "capture", "None or a vlens.Capture"),

@@ -11,7 +11,7 @@ import gc
 import logging
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vlens.capture.bind import bind_request
@@ -32,6 +32,7 @@ from vlens.engine.scheduler import Scheduler
 from vlens.engine.sequence import Sequence, Status
 from vlens.engine.structured import Grammars
 from vlens.images import PromptImages
+from vlens.inputs import truncated
 from vlens.outputs import CompletionOutput, PlaceholderRange, RequestDelta, RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -162,6 +163,7 @@ class LLMEngine:
         """Validate every request against the model, then queue all of them (none if any is refused:
         the ValueError names the field). Returns their request ids."""
         self._check_loras([r.lora for r in requests if r.lora is not None])
+        requests = [self._truncated(r) for r in requests]
         groups = [self._group(r) for r in requests]
         for group, r in zip(groups, requests):
             if r.lora is not None:
@@ -176,6 +178,18 @@ class LLMEngine:
             self.prompt_tokens += group.seqs[0].num_prompt
             self.scheduler.add(group.seqs[0])
         return [group.request_id for group in groups]
+
+    @staticmethod
+    def _truncated(r: NewRequest) -> NewRequest:
+        """The request with only its prompt's last params.truncate_prompt_tokens tokens (its text is kept, as vLLM
+        keeps it)."""
+        ids = truncated(r.prompt_token_ids, r.params.truncate_prompt_tokens)
+        if len(ids) == len(r.prompt_token_ids):
+            return r
+        if r.images is not None:
+            raise ValueError(f"truncate_prompt_tokens: {r.params.truncate_prompt_tokens} would cut a prompt with "
+                             "images, whose rows are placed by position; send it whole")  # fmt: skip
+        return replace(r, prompt_token_ids=ids)
 
     def _check_loras(self, loras: list[LoRARequest]) -> None:
         if loras and self.loras is None:

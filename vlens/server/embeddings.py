@@ -13,13 +13,14 @@ import base64
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vlens.capture import Capture
 from vlens.capture.names import is_pattern, resolve_hooks
 from vlens.engine.llm_engine import NewRequest
+from vlens.inputs import truncated
 from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
 from vlens.server.protocol import APIError, DocumentedAs, refuse_unknown, schema_error
@@ -38,14 +39,15 @@ class EmbeddingOptions(BaseModel):
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"truncate_prompt_tokens": (None,), "priority": (0,), "normalize": (None, False),
-                                           "request_id": (None,), "additional_data": (None,)}  # fmt: skip
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"priority": (0,), "normalize": (None, False), "request_id": (None,),
+                                           "additional_data": (None,)}  # fmt: skip
     model: StrictStr | None = None
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
     add_special_tokens: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)  # vLLM's: each input's last this many tokens
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
 
 
@@ -95,7 +97,8 @@ class Embedder:
         if body.dimensions is not None:
             raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
         hook, pooling = self._options(body.vlens)
-        token_lists = g.tokenize(body.input, "input", body.add_special_tokens)
+        token_lists = [truncated(ids, body.truncate_prompt_tokens)
+                       for ids in g.tokenize(body.input, "input", body.add_special_tokens)]  # fmt: skip
         for i, ids in enumerate(token_lists):
             if len(ids) >= g.max_model_len:
                 raise APIError(

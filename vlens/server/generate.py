@@ -23,7 +23,7 @@ from vlens.engine.llm_engine import NewRequest
 from vlens.engine.logprobs import TokenText
 from vlens.engine.lora import LoRARequest
 from vlens.images import ImageEncoder, PromptImages, chat_images
-from vlens.inputs import ImagePrompt, to_token_lists
+from vlens.inputs import ImagePrompt, to_token_lists, truncated
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
@@ -43,7 +43,7 @@ CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "best_of",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-    "bad_words", "include_stop_str_in_output", "skip_special_tokens",
+    "bad_words", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
 )  # fmt: skip
 
 
@@ -119,7 +119,7 @@ class Generator:
         token_lists = self.tokenize(body.prompt, "prompt", body.add_special_tokens)
         several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
         texts = [p if isinstance(p, str) else None for p in (body.prompt if several else [body.prompt])]
-        prompts = list(zip(token_lists, texts))
+        prompts = _truncated(list(zip(token_lists, texts)), body.truncate_prompt_tokens)
         prepared = self._prepare(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
         if body.echo:
             prepared.echo = [Echo(t if t is not None else self.tokenizer.decode(ids), ids) for ids, t in prompts]
@@ -135,7 +135,10 @@ class Generator:
             ids = self.tokenizer(rendered, add_special_tokens=body.add_special_tokens)["input_ids"]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = self._prepare(body, request, [(ids, rendered)], max_tokens, top, chat=True, images=images)
+        prompts = [(ids, rendered)]
+        if images is None:  # (the engine refuses to cut a prompt with images)
+            prompts = _truncated(prompts, body.truncate_prompt_tokens)
+        prepared = self._prepare(body, request, prompts, max_tokens, top, chat=True, images=images)
         return await self._run(prepared, request)
 
     def _chat_with_images(self, body: ChatRequest) -> tuple[list[int], str, PromptImages]:
@@ -416,6 +419,12 @@ async def _until_disconnect(request: Request) -> None:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _truncated(prompts: list[tuple[list[int], str | None]], keep: int | None) -> list[tuple[list[int], str | None]]:
+    """vLLM's truncate_prompt_tokens on (ids, text) prompts: a cut prompt's text is its kept tokens' (echo's)."""
+    cut = [(truncated(ids, keep), text) for ids, text in prompts]
+    return [(ids, text if len(ids) == len(whole) else None) for (ids, text), (whole, _) in zip(cut, prompts)]
 
 
 def _engine_error(e: ValueError) -> APIError:

@@ -142,7 +142,6 @@ _NEUTRAL = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "logits_processors": (None,),
@@ -222,6 +221,7 @@ class _GenerationRequest(BaseModel):
     bad_words: list[StrictStr] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     # A structure for the text: OpenAI's response_format, vLLM's structured_outputs or its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
