@@ -144,6 +144,14 @@ def test_samples_share_the_prompt_blocks(smol4_path):
         ({"seed": "a"}, "seed"),
         ({"top_k": True}, "top_k"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # (max_tokens is 16)
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": [3]}, "bad_words"),
+        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": 0}, "skip_special_tokens"),
     ],
 )
 def test_bad_values(kwargs, field):

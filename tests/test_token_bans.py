@@ -3,8 +3,8 @@
 logits (other rows untouched), greedy tokens against HF's generate with its own processors for the same bans
 (prefix_allowed_tokens_fn, bad_words_ids, min_new_tokens), every request in a mixed batch as it is alone, stop
 strings held back until min_tokens and kept where asked, special tokens' text where asked, streamed pieces that add
-up, and bad values refused by name. On SmolLM2 cut to four layers (conftest.smol4): what they check holds for any
-model."""
+up (the bad values refused by name are tests/test_sampling_options.py's). On SmolLM2 cut to four layers
+(conftest.smol4): what they check holds for any model."""
 
 from __future__ import annotations
 
@@ -182,24 +182,6 @@ def test_streamed_pieces_add_up_to_vllms_text(smol4, min_tokens, keep):
             break
     assert (stop, "".join(pieces)) == vllms() and streamed.text == "".join(pieces)
     assert len(streamed.text) > len(tok.decode(tokens[:min_tokens])) - len(stop)
-
-
-@pytest.mark.parametrize(
-    "kwargs, field",
-    [
-        ({"min_tokens": 17}, "min_tokens"),  # (max_tokens is 16)
-        ({"min_tokens": -1}, "min_tokens"),
-        ({"allowed_token_ids": []}, "allowed_token_ids"),
-        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
-        ({"bad_words": [""]}, "bad_words"),
-        ({"bad_words": [3]}, "bad_words"),
-        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
-        ({"skip_special_tokens": 0}, "skip_special_tokens"),
-    ],
-)
-def test_bad_values(kwargs, field):
-    with pytest.raises(ValueError, match=f"^{field}:"):
-        SamplingParams(**kwargs)
 
 
 def test_allowed_tokens_outside_the_vocabulary_fail_before_running(smol4):
