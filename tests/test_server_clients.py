@@ -11,6 +11,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
+from conftest import rel_err
 from server_helpers import running_server
 
 from vlens import Capture, SamplingParams
@@ -204,6 +206,29 @@ def test_embeddings(client, server, smol):
     assert np.allclose(last.json()["data"][0]["embedding"], ref.activations["ln_final.hook_out"][0].numpy(), atol=1e-5)
     raw = post(server, "/v1/embeddings", {"input": [[1, 2, 3]], "encoding_format": "base64"}).json()
     assert np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4").shape == (576,)
+
+
+def test_llm_embed_equals_hf_and_the_server(client, smol, hf_smol):
+    """vLLM's LLM.embed on any model: the mean of a layer's stream over the prompt, or the final norm's last row, as
+    HF's hidden states give them and /v1/embeddings returns them."""
+    texts = ["The cat sat on the mat.", "Quantum field theory"]
+    means = smol.embed(texts, hook="blocks.5.hook_resid_post", use_tqdm=False)
+    lasts = smol.embed(texts, pooling="last", use_tqdm=False)  # (ln_final.hook_out, the server's default)
+    served = client.embeddings.create(model="smol", input=texts)
+    for text, mean, last, d in zip(texts, means, lasts, served.data, strict=True):
+        ids = smol.tokenizer(text, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            hidden = hf_smol(ids, output_hidden_states=True).hidden_states
+        assert mean.prompt_token_ids == ids[0].tolist() and mean.outputs.embedding.shape == (576,)
+        assert rel_err(mean.outputs.embedding, hidden[6][0].mean(0)) < 1e-5
+        assert rel_err(last.outputs.embedding, hidden[-1][0, -1]) < 1e-5
+        assert np.allclose(d.embedding, mean.outputs.embedding.numpy(), atol=1e-5)
+    cut = smol.embed(texts[0], truncate_prompt_tokens=2, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == smol.tokenizer(texts[0])["input_ids"][-2:]
+    for kwargs, message in (({"pooling": "max"}, "^pooling: 'max' is not allowed"),
+                            ({"hook": "blocks.*.hook_resid_post"}, "^hook: 'blocks.*.hook_resid_post' matches 30")):
+        with pytest.raises(ValueError, match=message):
+            smol.embed(texts, **kwargs)
 
 
 # -- refusals ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the funct
 from vlens.hooked import HookedLM
 from vlens.llm import LLM
 from vlens.loader import load_model
-from vlens.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
+from vlens.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestDelta, RequestOutput
 from vlens.sae import SAE
 from vlens.sampling_params import SamplingParams, StructuredOutputsParams
 from vlens.version import __version__
@@ -34,6 +34,7 @@ __all__ = [
     "RequestOutput",
     "RequestDelta",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
     "load_model",
     "harvest",

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.distributed.executor import Executor
+from vlens.embedding import DEFAULT_HOOK, embedding_of, embedding_params
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.lora import LoRARequest
@@ -24,7 +25,7 @@ from vlens.engine.packed import token_batches
 from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
-from vlens.outputs import RequestOutput
+from vlens.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
 
 
@@ -189,6 +190,19 @@ class LLM:
                 engine.abort(request_id)
             raise
         return results
+
+    def embed(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hook: str = DEFAULT_HOOK,
+        pooling: str = "mean", truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:  # fmt: skip
+        """vLLM's embed, for any model: one vector per prompt, `hook`'s rows pooled on the device ("mean" over the
+        prompt, or the "last" row), as vlens serve's /v1/embeddings gives them (vlens.embedding). Prefill-only
+        requests: a batch of them stops after the hook's layer."""
+        params = embedding_params(hook, pooling, self.config, truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding_of(o, hook)), o.prompt_token_ids)
+                for o in outputs]  # fmt: skip
 
     @torch.inference_mode()
     def trace(

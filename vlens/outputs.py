@@ -68,6 +68,21 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: torch.Tensor  # [d] float: a hook's rows pooled (vlens.embedding); vLLM's is a list of floats
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's output of LLM.embed."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class RequestDelta:
     """What one step added to one request. Its texts add up to the final text: a streamed request (or
     one with stop strings) gets text as it becomes final, any other the whole text on its last delta."""

@@ -1,9 +1,6 @@
-"""`POST /v1/embeddings`: one vector per input, read from a hook and pooled on the device.
-
-Each input is a prefill-only engine request (max_tokens=0) capturing one hook: `pooling: "mean"` is
-the capture's mean readout over every prompt row (summed on the device step by step), `"last"` the
-last row. A batch of such requests stops its forward after the hook's layer. The hook and pooling
-come from the request's `vlens` object, else from `vlens serve --embedding-hook/--embedding-pooling`.
+"""`POST /v1/embeddings`: one vector per input, read from a hook and pooled on the device (vlens.embedding, as
+`LLM.embed` reads it). The hook and pooling come from the request's `vlens` object, else from `vlens serve
+--embedding-hook/--embedding-pooling`.
 OpenAI's `encoding_format`: "float" (a JSON list) or "base64" (little-endian float32 bytes).
 """
 
@@ -17,16 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vlens.capture import Capture
-from vlens.capture.names import is_pattern, resolve_hooks
+from vlens.embedding import check_hook, embedding_of, embedding_params
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import truncated
-from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
 from vlens.server.protocol import APIError, DocumentedAs, refuse_unknown, schema_error
 from vlens.server.responses import usage
-
-POSITIONS = {"mean": "prompt", "last": "last"}
 
 
 class EmbeddingOptions(BaseModel):
@@ -51,16 +44,6 @@ class EmbeddingRequest(BaseModel):
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
 
 
-def _one_tap(hook: str, cfg) -> None:
-    """Raise unless `hook` names one tap whose rows all have one width (an embedding is one of its rows)."""
-    taps = set(resolve_hooks(hook, cfg).values())
-    if len(taps) != 1:
-        raise ValueError(f"{hook!r} matches {len(taps)} hooks; name one")
-    if is_pattern(*taps):
-        raise ValueError(f"{hook!r} is attention scores or a pattern, whose rows are as wide as their position; "
-                         "embed a hook of fixed width")  # fmt: skip
-
-
 def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
@@ -72,7 +55,7 @@ class Embedder:
         self.generator = generator
         g = generator
         try:  # a bad server default fails at start-up, not in every request
-            _one_tap(g.config.embedding_hook, g.cfg)
+            check_hook(g.config.embedding_hook, g.cfg)
         except ValueError as e:
             raise ValueError(f"embedding_hook: {e}") from None
         self.cfg, self.config = g.cfg, g.config
@@ -84,7 +67,7 @@ class Embedder:
             raise schema_error(e.errors(), 400, ("vlens",)) from None
         hook = options.hook or self.config.embedding_hook
         try:
-            _one_tap(hook, self.cfg)
+            check_hook(hook, self.cfg)
         except ValueError as e:
             raise APIError(400, f"vlens.hook: {' '.join(str(e).split())}", param="vlens.hook") from None
         return hook, options.pooling or self.config.embedding_pooling
@@ -105,9 +88,7 @@ class Embedder:
                     400, f"input[{i}]: {len(ids)} tokens; this server's context is {g.max_model_len}", f"input[{i}]",
                     code="context_length_exceeded",
                 )  # fmt: skip
-        reduce = "mean" if pooling == "mean" else "none"
-        capture = Capture(hooks=hook, positions=POSITIONS[pooling], reduce=reduce)
-        params = SamplingParams(max_tokens=0, capture=capture, interventions=steers)
+        params = embedding_params(hook, pooling, self.cfg, steers)
         ticket = g.admission.admit(len(token_lists), 0, "input")  # a vector per input, JSON: no capture bytes to hold
         try:
             outputs = await g.outputs([NewRequest(ids, params, lora=lora) for ids in token_lists], request)
@@ -119,7 +100,7 @@ class Embedder:
             {
                 "object": "embedding",
                 "index": i,
-                "embedding": _encoded(out.activations[hook][0].flatten(), body.encoding_format),
+                "embedding": _encoded(embedding_of(out, hook), body.encoding_format),
             }
             for i, out in enumerate(outputs)
         ]

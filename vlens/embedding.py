@@ -1,0 +1,53 @@
+"""One vector per prompt, read from any hook: what `LLM.embed` and vlens serve's `/v1/embeddings` return.
+
+A prompt's embedding is a prefill-only engine request capturing one hook: `pooling="mean"` is the capture's mean
+readout over every prompt row (summed on the device step by step), `"last"` the last row. A batch of such requests
+stops its forward after the hook's layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vlens.capture import Capture
+from vlens.capture.interventions import Intervention
+from vlens.capture.names import FINAL_NORM, is_pattern, resolve_hooks
+from vlens.config import ModelConfig
+from vlens.outputs import RequestOutput
+from vlens.sampling_params import SamplingParams
+
+DEFAULT_HOOK = FINAL_NORM  # the final norm's output: what the unembedding reads
+POOLINGS = {"mean": "prompt", "last": "last"}  # pooling -> the rows it reads
+
+
+def check_hook(hook: str, cfg: ModelConfig) -> None:
+    """Raise unless `hook` names one tap whose rows all have one width (an embedding is one of its rows)."""
+    taps = set(resolve_hooks(hook, cfg).values())
+    if len(taps) != 1:
+        raise ValueError(f"{hook!r} matches {len(taps)} hooks; name one")
+    if is_pattern(*taps):
+        raise ValueError(f"{hook!r} is attention scores or a pattern, whose rows are as wide as their position; "
+                         "embed a hook of fixed width")  # fmt: skip
+
+
+def embedding_params(
+    hook: str, pooling: str, cfg: ModelConfig, interventions: Sequence[Intervention] = (),
+    truncate_prompt_tokens: int | None = None,
+) -> SamplingParams:  # fmt: skip
+    """The request that reads a prompt's embedding (under `interventions`: a steered model's)."""
+    try:
+        check_hook(hook, cfg)
+    except ValueError as e:
+        raise ValueError(f"hook: {' '.join(str(e).split())}") from None
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling: {pooling!r} is not allowed; expected one of {', '.join(POOLINGS)}")
+    capture = Capture(hooks=hook, positions=POOLINGS[pooling], reduce="mean" if pooling == "mean" else "none")
+    return SamplingParams(max_tokens=0, capture=capture, interventions=interventions,
+                          truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
+
+
+def embedding_of(output: RequestOutput, hook: str) -> torch.Tensor:
+    """The vector an embedding request read: [d] (a hook with several dims per row, flattened)."""
+    return output.activations[hook][0].flatten()
