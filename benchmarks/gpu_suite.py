@@ -248,6 +248,41 @@ def interventions_in_graphs(path: str, prompts: list[list[int]], device: str) ->
             "edits_greedy_equal": f"{equal}/{len(prompts)}", "edits_ok": worst <= 1e-5 and equal == len(prompts)}  # fmt: skip
 
 
+def sampling(rows: dict, root: Path, quick: bool, device: str) -> None:
+    """vLLM's options that change the logits before sampling, on the device, in one batch with the decode graphs on
+    (allowed_token_ids, min_tokens against a stop token, logit_bias, repetition_penalty), each request's greedy tokens
+    against HF's generate on the CPU with its own processors for the same change."""
+    path = random_checkpoint(LlamaConfig(**shape(SMOLLM2, device)), root, "smollm2-shape-sampling", torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", device=device, max_num_seqs=8, kv_cache_memory=1 << 30)
+    rng = random.Random(2)
+    prompt = [rng.randrange(100, 49000) for _ in range(24)]
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0].token_ids
+    allowed = sorted(set(base[1::2]) | {rng.randrange(100, 49000) for _ in range(20)})
+    cases = [  # (params, HF's generate arguments for the same change)
+        (plain, {}),
+        (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, allowed_token_ids=allowed),
+         {"prefix_allowed_tokens_fn": lambda batch, ids: allowed}),
+        (SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[base[1]], min_tokens=6),
+         {"eos_token_id": base[1], "min_new_tokens": 6}),
+        (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logit_bias={base[0]: -100, base[2]: 5.0}),
+         {"sequence_bias": {(base[0],): -100.0, (base[2],): 5.0}}),
+        (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.5),
+         {"repetition_penalty": 1.5}),
+    ]  # fmt: skip
+    outs = llm.generate([prompt] * len(cases), [p for p, _ in cases], use_tqdm=False)
+    equal = 0
+    with torch.inference_mode():
+        for (_, options), out in zip(cases, outs, strict=True):
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                               **options)[0, len(prompt) :].tolist()  # fmt: skip
+            got = out.outputs[0].token_ids
+            equal += got == want[: len(got)] and (len(got) == 16 or got[-1] == base[1])
+    rows["sampling"] = {"requests": len(cases), "greedy_equal_hf": f"{equal}/{len(cases)}",
+                        "graph_steps": llm.engine.runner.graph_stats.graph_steps, "ok": equal == len(cases)}  # fmt: skip
+
+
 def _workload(n: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(1000, 100000) for _ in range(rng.randint(32, 512))] for _ in range(n)]
@@ -894,7 +929,7 @@ def _image_harvest(llm: LLM, name: str, root: Path, texts: list[str], pictures: 
 
 SECTIONS = {"generate": 200, "exact": 90, "profile": 45, "harvest": 60, "hooked": 60, "gemma4": 60,
             "qwen3_5": 60, "bamba": 60, "mamba": 60, "nemotron_h": 60, "falcon_h1": 60, "deepseek": 60,
-            "llama4": 60, "images": 60, "lora": 90}  # fmt: skip
+            "llama4": 60, "images": 60, "lora": 90, "sampling": 45}  # fmt: skip
 
 
 def _version(package: str) -> str | None:
@@ -933,7 +968,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
-    for name, fn in (("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
+    for name, fn in (("sampling", sampling), ("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
                      ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek), ("llama4", llama4),
                      ("images", images), ("lora", lora)):
         if name in wanted:

@@ -53,21 +53,22 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_the_exactness_sections_run_on_the_cpu(tmp_path):
     """Narrow SmolLM2-shaped layers, float32: every tap of a trace, a paged generation, greedy tokens and
     chunked prefill against HF, as on the GPU (graphs off: this is the CPU), every kind of edit on the decode path
-    against eager steps; the HookedLM section's
+    against eager steps; vLLM's logit changes (bans, a bias, a penalty) against HF's processors; the HookedLM section's
     patching sweeps, steered generate and gradients (the CPU against itself here: the section's code, not its
     numbers); and Gemma 4 in E2B's layout, Qwen 3.5 in 0.8B's, Bamba's, mamba-130m's, Nemotron-H's, Falcon-H1's,
     DeepSeek-V3's and Llama 4 Scout's against HF; and a LLaVA, a Gemma 3, a Qwen2-VL and a Qwen3-VL given images."""
-    sections = "exact,hooked,gemma4,qwen3_5,bamba,mamba,nemotron_h,falcon_h1,deepseek,llama4,images"
+    sections = "exact,sampling,hooked,gemma4,qwen3_5,bamba,mamba,nemotron_h,falcon_h1,deepseek,llama4,images"
     done = _suite(tmp_path, "--sections", sections, "--out", "suite.json")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "suite.json").read_text())
     assert "errors" not in rows, rows["errors"]
     assert (rows["device"], rows["gpu"]) == ("cpu", None)
-    assert set(rows["seconds"]) == {"exact", "hooked", "gemma4", "qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1",
+    assert set(rows["seconds"]) == {"exact", "sampling", "hooked", "gemma4", "qwen3_5", "bamba", "mamba", "nemotron_h", "falcon_h1",
                                     "deepseek", "llama4", "images"}
     exact = rows["exact"]
     assert exact["ok"] and exact["chunked_ok"] and exact["bf16_chunked_ok"] and exact["edits_ok"], exact
     assert exact["trace_taps"] > 500 and exact["greedy_equal"] == "3/3"
+    assert rows["sampling"]["ok"] and rows["sampling"]["greedy_equal_hf"] == "5/5"  # (bans, bias, penalty: HF's)
     hooked = rows["hooked"]
     assert hooked["tokens_equal"] and hooked["get_act_patch_resid_pre_max_abs_diff"] == 0 < hooked["metric_scale"]
     assert [v for k, v in hooked.items() if k.endswith("_grad_rel_err")] == [0.0] * 3
