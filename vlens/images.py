@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlens.chat import ChatOptions
 from vlens.inputs import ImagePrompt
 
 # the HF architectures whose checkpoints take images (the others' text models still run on text)
@@ -222,15 +223,12 @@ class ImageEncoder:
                              "with images; give its text written out, the images' placeholders in it")  # fmt: skip
         return template
 
-    def render_chat(self, conversation: list[dict], field: str, generation_prompt: bool = True) -> str:
+    def render_chat(self, conversation: list[dict], field: str, options: ChatOptions = ChatOptions()) -> str:
         """A conversation with images (as chat_images leaves it: {"type": "image"} parts) through the processor's
-        chat template, ending in the opening of the assistant's reply where `generation_prompt`."""
-        self.chat_template(field)
-        try:
-            return self.processor.apply_chat_template(conversation, add_generation_prompt=generation_prompt,
-                                                      tokenize=False)  # fmt: skip
-        except Exception as e:  # (the template is the checkpoint's Jinja code: what it raises is about the data)
-            raise ValueError(f"{field}: the processor's chat template refused the conversation ({e})") from None
+        chat template (by default ending in the opening of the assistant's reply)."""
+        if options.chat_template is None:
+            self.chat_template(field)
+        return options.render(self.processor, conversation, field)
 
     def encode(
         self, prompts: Sequence[ImagePrompt], fields: Sequence[str], add_special_tokens: bool = True

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from vlens.attention import check_backend, make_backend
 from vlens.capture.names import hook_shapes, resolve_hooks
+from vlens.chat import ChatOptions
 from vlens.distributed.executor import Executor
 from vlens.embedding import DEFAULT_HOOK, embedding_of, embedding_params
 from vlens.engine.config import EngineConfig
@@ -111,10 +112,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template; one whose contents hold
         images (vLLM's image_url or image_pil parts) through the processor's, its images read as generate() reads
-        multi_modal_data. `lora_request`: as generate's."""
+        multi_modal_data. `lora_request`: as generate's. The rest are vLLM's (vlens.chat.ChatOptions): another
+        template, the template's variables, and `continue_final_message=True, add_generation_prompt=False` to have
+        the reply continue a last assistant message (an answer's start written for the model)."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages: expected a conversation (list of {'role', 'content'} dicts) or a list of them")
@@ -123,12 +131,11 @@ class LLM:
             field = "messages" if len(conversations) == 1 else f"messages[{i}]"
             found = chat_images(list(conversation), field, local_files=True)
             if found is None:
-                if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                    raise ValueError(f"{field}: this model's tokenizer has no chat template; use generate()")
-                prompts.append(self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
-                                                                  tokenize=False))  # fmt: skip
+                if self.tokenizer is None:
+                    raise ValueError(f"{field}: this checkpoint has no tokenizer files to render it; use generate()")
+                prompts.append(options.render(self.tokenizer, conversation, field))
             else:
-                prompts.append(ImagePrompt(self.image_encoder(field).render_chat(found[0], field), found[1]))
+                prompts.append(ImagePrompt(self.image_encoder(field).render_chat(found[0], field, options), found[1]))
         token_lists, images = self._tokens(prompts, "messages", add_special_tokens=False)  # (the template holds them)
         texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
         return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request)

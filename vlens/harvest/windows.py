@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlens.chat import ChatOptions
 from vlens.config import ModelConfig
 from vlens.harvest.sources import Document, Pictures
 from vlens.images import ImageEncoder, Prepared
@@ -158,7 +159,8 @@ def token_documents(
     size, limit = 0, _TOKENIZE_CHARS[0]
     for doc in docs:
         if isinstance(doc, Pictures) and not isinstance(doc.text, str):  # (the processor's template knows its images)
-            doc = Pictures(encoder.render_chat(doc.text, doc.where, generation_prompt), doc.images, doc.where)
+            doc = Pictures(encoder.render_chat(doc.text, doc.where, ChatOptions(generation_prompt)), doc.images,
+                           doc.where)  # fmt: skip
         if isinstance(doc, Pictures) and doc.images:
             if pending:  # (the documents keep their order)
                 yield from _tokenize(pending, tokenizer, None)
@@ -205,9 +207,9 @@ def render_conversation(tokenizer: Any, conversation: list[dict[str, Any]], gene
     """A whole conversation through the chat template, as the model reads it (with `generation_prompt`, as
     LLM.chat renders it for a reply)."""
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
-    except Exception as e:  # the template is the model's Jinja code: what it raises is about the data
-        raise ValueError(f"source: the chat template refused a conversation ({e}): {str(conversation)[:120]}") from None
+        return ChatOptions(generation_prompt).render(tokenizer, conversation, "source")
+    except ValueError as e:
+        raise ValueError(f"{e}: {str(conversation)[:120]}") from None
 
 
 def role_spans(

@@ -131,7 +131,7 @@ class Generator:
         if any(m.has_images() for m in body.messages):
             ids, rendered, images = await asyncio.to_thread(self._chat_with_images, body)
         else:
-            rendered = render_chat(self.tokenizer, body.messages)
+            rendered = render_chat(self.tokenizer, body.messages, body.chat_options())
             ids = self.tokenizer(rendered, add_special_tokens=body.add_special_tokens)["input_ids"]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -148,7 +148,7 @@ class Generator:
             conversation, images = chat_images([m.model_dump(exclude_none=True) for m in body.messages], "messages",
                                                local_files=False)  # fmt: skip
             encoder = self.image_encoder("messages")
-            text = encoder.render_chat(conversation, "messages")
+            text = encoder.render_chat(conversation, "messages", body.chat_options())
             [(ids, rows)] = encoder.encode([ImagePrompt(text, images)], ["messages"], body.add_special_tokens)
         except ValueError as e:
             raise from_value_error(e) from None

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter
 
+from vlens.chat import ChatOptions
 from vlens.sampling_params import StructuredOutputsParams
 from vlens.server.specs import ExtensionSpec
 
@@ -156,11 +157,8 @@ _NEUTRAL = {
 }
 _NEUTRAL_CHAT = {
     **_NEUTRAL,
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
     "documents": (None,),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "mm_processor_kwargs": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -330,9 +328,21 @@ class ChatMessage(BaseModel):
         return isinstance(self.content, list) and any(isinstance(part, ImagePart) for part in self.content)
 
 
+def chat_options(body: Any) -> ChatOptions:
+    """A body's chat-template fields (vLLM's: add_generation_prompt, continue_final_message, chat_template_kwargs);
+    a 400 naming the field."""
+    try:
+        return ChatOptions(body.add_generation_prompt, body.continue_final_message, None, body.chat_template_kwargs)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
 class ChatRequest(_GenerationRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = _NEUTRAL_CHAT
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the reply continues the last message (an answer's start)
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -346,3 +356,7 @@ class ChatRequest(_GenerationRequest):
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
         if self.echo:
             raise APIError(400, "echo: not supported on chat completions; use /v1/completions with echo", param="echo")
+        self.chat_options()
+
+    def chat_options(self) -> ChatOptions:
+        return chat_options(self)

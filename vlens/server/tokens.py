@@ -9,20 +9,20 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from vlens.server.protocol import APIError, ChatMessage, check_model, refuse_unknown
+from vlens.chat import ChatOptions
+from vlens.server.protocol import APIError, ChatMessage, chat_options, check_model, from_value_error, refuse_unknown
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions = ChatOptions()) -> str:
     """The conversation through the model's chat template; a 400 naming `messages` if it cannot be."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     if any(m.has_images() for m in messages):  # (a chat completion takes them: vlens.server.generate)
         raise APIError(400, "messages: image_url parts are taken by /v1/chat/completions only", "messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
-    except Exception as e:  # the template is the model's Jinja code: any error it raises is the request's
-        raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        return options.render(tokenizer, [{"role": m.role, "content": m.text()} for m in messages], "messages")
+    except ValueError as e:
+        raise from_value_error(e) from None
 
 
 class TokenizeRequest(BaseModel):
@@ -30,15 +30,19 @@ class TokenizeRequest(BaseModel):
     template, which holds the special tokens)."""
 
     model_config = ConfigDict(extra="allow")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"continue_final_message": (False,), "chat_template": (None,),
-                                           "chat_template_kwargs": (None, {}), "tools": (None, []),
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"chat_template": (None,), "tools": (None, []),
                                            "mm_processor_kwargs": (None,)}  # fmt: skip
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
+
+    def chat_options(self) -> ChatOptions:
+        return chat_options(self)
 
 
 class DetokenizeRequest(BaseModel):
@@ -64,7 +68,7 @@ class Tokens:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt (a text) or messages (a conversation), not both", "prompt")
         if body.messages is not None:
-            text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt)
+            text = render_chat(self.tokenizer, body.messages, body.chat_options())
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False

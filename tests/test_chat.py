@@ -1,0 +1,71 @@
+"""Conversations into prompts, with vLLM's chat options: a reply that continues a last assistant message
+(continue_final_message, add_generation_prompt=False), another template and the template's own variables
+(chat_template, chat_template_kwargs) — offline in LLM.chat, and served: chat completions and /tokenize render
+them as LLM.chat does; bad combinations refused by name."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_helpers import running_server
+
+from vlens import SamplingParams
+from vlens.chat import ChatOptions
+from vlens.server.config import ServerConfig
+
+PREFILLED = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]  # fmt: skip
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}{{ cue }}{% endif %}"
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def test_a_reply_continues_the_last_message(smol):
+    [out] = smol.chat(PREFILLED, GREEDY, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    text = smol.tokenizer.apply_chat_template(PREFILLED, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")  # (open: no end-of-message token after it)
+    assert out.prompt_token_ids == smol.tokenizer(text, add_special_tokens=False)["input_ids"]
+    [alone] = smol.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert out.outputs[0].text.startswith(" Paris")
+    [closed] = smol.chat(PREFILLED, GREEDY, use_tqdm=False)  # (by default: a new assistant message after it)
+    assert len(closed.prompt_token_ids) > len(out.prompt_token_ids)
+
+
+def test_another_template_and_its_variables(smol):
+    [out] = smol.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template=TEMPLATE,
+                      chat_template_kwargs={"cue": "Answer:"}, use_tqdm=False)  # fmt: skip
+    assert out.prompt == "Hi\nAnswer:"
+    assert out.prompt_token_ids == smol.tokenizer("Hi\nAnswer:", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"continue_final_message": True}, "^continue_final_message: leaves the last message open"),
+     ({"chat_template_kwargs": {"tokenize": True}}, "^chat_template_kwargs: tokenize are apply_chat_template's own"),
+     ({"chat_template_kwargs": ["cue"]}, "^chat_template_kwargs: expected a dict"),
+     ({"chat_template": "{% if %}"}, "^messages: the chat template refused the conversation")],
+)  # fmt: skip
+def test_bad_options_are_refused_by_name(smol, options, message):
+    with pytest.raises(ValueError, match=message):
+        smol.chat(PREFILLED, GREEDY, use_tqdm=False, **options)
+    assert not smol.engine.has_work()
+
+
+@pytest.fixture(scope="module")
+def server(served_smol):
+    with running_server(served_smol, ServerConfig(served_model_name="smol")) as url:
+        yield url
+
+
+def test_served_chats_render_as_llm_chat_does(server, smol):
+    fields = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"unused": 1}}
+    body = {"model": "smol", "messages": PREFILLED, "max_tokens": 6, "temperature": 0} | fields
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    [ref] = smol.chat(PREFILLED, GREEDY, use_tqdm=False, **fields)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
+    assert r.json()["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    tokens = httpx.post(server + "/tokenize", json={"messages": PREFILLED} | fields, timeout=120).json()
+    assert tokens["tokens"] == ref.prompt_token_ids
+    assert ChatOptions(**fields).render(smol.tokenizer, PREFILLED, "messages").endswith("France is")
+    bad = httpx.post(server + "/v1/chat/completions", json=body | {"add_generation_prompt": True}, timeout=120)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message", bad.text
