@@ -113,8 +113,8 @@ class LogitAdjustments:
 
 def _banned(seq: Sequence) -> list[int]:
     """The tokens `seq` may not sample next: its stop tokens while it has fewer than min_tokens, and each bad word's
-    last token where its tokens before that end the generated ones (vLLM's rule: the prompt's tokens do not count,
-    so a bad word is its own whole at the start of the output)."""
+    last token where its tokens before that end the generated ones (vLLM's rule: only generated tokens count, so a
+    word that the prompt's last tokens begin may still be completed)."""
     generated = seq.generated
     banned = list(seq.stop_ids) if len(generated) < seq.params.min_tokens else []
     for word in seq.bad_words_ids:
