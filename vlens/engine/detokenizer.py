@@ -67,7 +67,7 @@ class Detokenizer:
         self.text = ""
         self.stops, self.min_tokens = params.stop_list, params.min_tokens
         self.keep_stop = params.include_stop_str_in_output
-        self.hold = max(map(len, self.stops), default=1) - 1  # characters a stop string may reach back into
+        self.hold = max(map(len, self.stops), default=1) - 1  # characters held back: a stop string's start
         self.added = 0  # tokens added
         self.released = 0  # characters of `text` handed out
 
