@@ -6,6 +6,7 @@ build them, and the 400s that name a bad field while the server keeps serving.""
 from __future__ import annotations
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -144,6 +145,29 @@ def test_vllm_token_bans_and_kept_stops_equal_offline(client, smol):
     [ref] = smol.chat(messages, SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=allowed), use_tqdm=False)
     assert chat.choices[0].message.content == ref.outputs[0].text
     assert set(ref.outputs[0].token_ids) <= set(allowed)
+
+
+def test_return_token_ids_streamed_and_not(server, smol):
+    """vLLM's return_token_ids: completions' choices carry the prompt's and their own token ids, a chat's response
+    its prompt's at the top level; streamed, the prompt's come in the first chunk and each chunk its own tokens."""
+    messages = [{"role": "user", "content": "Hi"}]
+    [ref] = smol.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    [chat_ref] = smol.chat(messages, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    for path, body, want in (("/v1/completions", {"prompt": PROMPT}, ref), ("/v1/chat/completions",
+                                                                           {"messages": messages}, chat_ref)):
+        body |= {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
+        out = post(server, path, body).json()
+        prompt_ids = out["prompt_token_ids"] if "messages" in body else out["choices"][0]["prompt_token_ids"]
+        assert (prompt_ids, out["choices"][0]["token_ids"]) == (want.prompt_token_ids, want.outputs[0].token_ids)
+        chunks = []
+        with httpx.stream("POST", server + path, json=body | {"stream": True}, timeout=120) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        first = chunks[0] if "messages" in body else chunks[0]["choices"][0]
+        assert first["prompt_token_ids"] == want.prompt_token_ids
+        assert all("prompt_token_ids" not in c and "prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.outputs[0].token_ids
+    plain = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
 
 
 def test_truncate_prompt_tokens_on_completions_and_embeddings(server, smol):

@@ -62,6 +62,7 @@ class Prepared:
     capture_bytes: int  # the most activation bytes the requests can return (what admission reserves)
     echo: list[Echo] | None = None  # per prompt, what each of its choices starts with
     prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field
+    token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
 
 
 class Generator:
@@ -189,6 +190,7 @@ class Generator:
             n=body.n,
             capture_bytes=sum(bounds),
             prompt_logprobs=body.prompt_logprobs is not None,
+            token_ids=bool(body.return_token_ids),
         )
 
     def _request(
@@ -308,6 +310,9 @@ class Generator:
                 choice = shape.choice(i * prepared.n + c.index, text, tokens, entries, c.finish_reason, c.stop_reason)
                 if prepared.prompt_logprobs and not shape.chat:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                if prepared.token_ids:  # (the generated ones, echo or not; chat's prompt's are at the top level)
+                    choice |= {"token_ids": c.token_ids} if shape.chat else {"prompt_token_ids": out.prompt_token_ids,
+                                                                             "token_ids": c.token_ids}  # fmt: skip
                 choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
@@ -315,6 +320,8 @@ class Generator:
         extra: dict[str, Any] = await self._vlens(outputs[0], prepared)
         if prepared.prompt_logprobs and shape.chat:  # vLLM puts the one prompt's at the top level
             extra["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
+        if prepared.token_ids and shape.chat:
+            extra["prompt_token_ids"] = outputs[0].prompt_token_ids
         return shape.body(choices, usage(prompt_tokens, completion_tokens, cached), **extra)
 
     async def _stream(self, submission: Submission, prepared: Prepared) -> AsyncIterator[str]:
@@ -345,11 +352,17 @@ class Generator:
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
                 cached += out.num_cached_tokens or 0
                 extra = await self._vlens(out, prepared)
-            if text or delta.finish_reason or extra or (shape.logprobs is not None and tokens):
+            if text or delta.finish_reason or extra or ((shape.logprobs is not None or prepared.token_ids) and tokens):
+                first = index not in started
                 choice = shape.choice(
-                    index, text, tokens, entries, delta.finish_reason, delta.stop_reason, delta=True,
-                    first=index not in started,
+                    index, text, tokens, entries, delta.finish_reason, delta.stop_reason, delta=True, first=first,
                 )  # fmt: skip
+                if prepared.token_ids:  # (vLLM's: the prompt's in the first chunk, each chunk's own tokens)
+                    choice["token_ids"] = delta.token_ids
+                    if first and not shape.chat:
+                        choice["prompt_token_ids"] = prepared.requests[i].prompt_token_ids
+                    elif first and not started:
+                        extra["prompt_token_ids"] = prepared.requests[i].prompt_token_ids
                 started.add(index)
                 yield _sse(shape.chunk([choice], **extra))
         submission.done = True
