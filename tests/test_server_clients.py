@@ -149,7 +149,8 @@ def test_vllm_token_bans_and_kept_stops_equal_offline(client, smol):
 
 def test_return_token_ids_streamed_and_not(server, smol):
     """vLLM's return_token_ids: completions' choices carry the prompt's and their own token ids, a chat's response
-    its prompt's at the top level; streamed, the prompt's come in the first chunk and each chunk its own tokens."""
+    its prompt's at the top level; streamed, the prompt's come in the first chunk and each chunk its own tokens. And
+    return_tokens_as_token_ids: log-probabilities name their tokens by id."""
     messages = [{"role": "user", "content": "Hi"}]
     [ref] = smol.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     [chat_ref] = smol.chat(messages, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
@@ -168,6 +169,14 @@ def test_return_token_ids_streamed_and_not(server, smol):
         assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.outputs[0].token_ids
     plain = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    named = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2,
+                                             "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    assert named["tokens"] == [f"token_id:{t}" for t in ref.outputs[0].token_ids]  # (vLLM's names: no text lost)
+    assert all(len(top) == 2 and all(name.startswith("token_id:") for name in top) for top in named["top_logprobs"])
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                 "logprobs": True, "return_tokens_as_token_ids": True}).json()
+    assert [e["token"] for e in chat["choices"][0]["logprobs"]["content"]] == \
+        [f"token_id:{t}" for t in chat_ref.outputs[0].token_ids]  # fmt: skip
 
 
 def test_truncate_prompt_tokens_on_completions_and_embeddings(server, smol):

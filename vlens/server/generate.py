@@ -181,7 +181,8 @@ class Generator:
         key = presented_key(request.scope) if self.config.api_key else None
         return Prepared(
             requests=list(requests),
-            shape=Shape(chat=chat, model=body.model or self.model_name, logprobs=logprobs, text=self.token_text),
+            shape=Shape(chat=chat, model=body.model or self.model_name, logprobs=logprobs,
+                        text=_token_id_text if body.return_tokens_as_token_ids else self.token_text),
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
             wants_activations=wants_activations,
@@ -432,6 +433,11 @@ async def _until_disconnect(request: Request) -> None:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _token_id_text(token: int) -> str:
+    """vLLM's return_tokens_as_token_ids: a log-probability's token named by its id (one no JSON text can lose)."""
+    return f"token_id:{token}"
 
 
 def _truncated(prompts: list[tuple[list[int], str | None]], keep: int | None) -> list[tuple[list[int], str | None]]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlens.engine.logprobs import TokenText
 from vlens.outputs import Logprob
+
+TokenNamer = Callable[[int], str | None]  # a token id -> its name in log-probabilities
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
@@ -32,7 +34,7 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(
-    tokens: list[int], entries: list[dict[int, Logprob] | None], k: int, text: TokenText, offset: int
+    tokens: list[int], entries: list[dict[int, Logprob] | None], k: int, text: TokenNamer, offset: int
 ) -> dict[str, list]:
     """The legacy completions format: parallel lists of tokens, their logprobs, top-k dicts, offsets.
     An echoed prompt's first token has no entry (nothing predicts it): null logprob and top-k."""
@@ -71,7 +73,7 @@ class Echo:
         return self.text + text, self.token_ids + tokens, (entries or [None] * len(self.token_ids)) + logprobs
 
 
-def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int, text: TokenText) -> dict[str, list]:
+def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int, text: TokenNamer) -> dict[str, list]:
     """The chat format: one object per token with its bytes and its top-k alternatives."""
 
     def item(token: int, lp: Logprob) -> dict[str, Any]:
@@ -91,7 +93,7 @@ class Shape:
     chat: bool
     model: str
     logprobs: int | None  # top-k asked for; None = no logprobs
-    text: TokenText
+    text: TokenNamer  # a token's name in logprobs: its text (engine.logprobs.TokenText), or its id
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset per choice
