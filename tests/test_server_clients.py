@@ -179,6 +179,17 @@ def test_return_token_ids_streamed_and_not(server, smol):
         [f"token_id:{t}" for t in chat_ref.outputs[0].token_ids]  # fmt: skip
 
 
+def test_cache_salt_keeps_prefixes_apart(server):
+    """vLLM's cache_salt: a prompt's cached blocks serve only requests with its salt (a tenant's prefixes are not
+    another's to time), and the text is the same either way."""
+    prompt = "The history of the Roman Empire, told briefly: " * 8
+    asked = [post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0} | salt).json()
+             for salt in ({"cache_salt": "a"}, {"cache_salt": "a"}, {"cache_salt": "b"}, {})]  # fmt: skip
+    cached = [out["usage"]["prompt_tokens_details"]["cached_tokens"] for out in asked]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == cached[3] == 0, cached
+    assert len({out["choices"][0]["text"] for out in asked}) == 1
+
+
 def test_truncate_prompt_tokens_on_completions_and_embeddings(server, smol):
     ids = smol.tokenizer(PROMPT)["input_ids"]
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "truncate_prompt_tokens": 3}

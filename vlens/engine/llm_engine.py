@@ -83,6 +83,7 @@ class NewRequest:
     stream: bool = False  # report text as it grows, not only at the end
     images: PromptImages | None = None  # the rows its images give (vlens.images)
     lora: LoRARequest | None = None  # the LoRA adapter it runs under (vlens.engine.lora)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
 
 
 class LLMEngine:
@@ -257,7 +258,8 @@ class LLMEngine:
         max_rows = min(rows_of(len(prompt_ids), params.max_tokens), self.max_model_len - 1)
         taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index, r.images, r.lora)
+        seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index, r.images, r.lora,
+                       r.cache_salt)  # fmt: skip
         seq.settle(self.long_rope_at, self.cfg, self.max_model_len)
         return seq
 

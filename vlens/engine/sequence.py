@@ -53,8 +53,10 @@ class Sequence:
         index: int = 0,
         images: PromptImages | None = None,
         lora: LoRARequest | None = None,
+        salt: str | None = None,
     ):
         self.request_id, self.prompt = request_id, prompt
+        self.salt = salt  # vLLM's cache_salt: only sequences with the same one share cached prefixes
         self.lora = lora  # the LoRA adapter it runs under (vlens.engine.lora), and the slot that holds it
         self.lora_slot: int | None = None
         self.images = images  # what its prompt's image rows read in place of their tokens' embedding
@@ -157,6 +159,8 @@ class Sequence:
         salts = [salt, None]
         if self.lora is not None:  # (every key differs from the base model's)
             salts = [("lora", self.lora.lora_int_id, s) for s in salts]
+        if self.salt is not None:
+            salts = [("salt", self.salt, s) for s in salts]
         if long_rope_at is not None and self.num_prompt - 1 >= long_rope_at:
             salts = [("long rope", s) for s in salts]
         if self.prefill_only and self.prompt_logprobs is None:

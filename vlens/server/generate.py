@@ -250,7 +250,8 @@ class Generator:
                 param="vlens.capture",
                 code="capture_too_large",
             )
-        return NewRequest(ids, params, text, stream=body.stream, images=images, lora=lora), bound
+        return NewRequest(ids, params, text, stream=body.stream, images=images, lora=lora,
+                          cache_salt=body.cache_salt), bound  # fmt: skip
 
     # -- with the engine ----------------------------------------------------------------------------
 
