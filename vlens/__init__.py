@@ -2,6 +2,7 @@
 
 from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 from vlens.activation_cache import ActivationCache
+from vlens.beam_search import BeamSearchParams
 from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer, TunedLens
 from vlens.engine.config import EngineConfig
 from vlens.engine.lora import LoRARequest
@@ -19,6 +20,7 @@ __all__ = [
     "HookedLM",
     "ActivationCache",
     "SamplingParams",
+    "BeamSearchParams",
     "StructuredOutputsParams",
     "Capture",
     "Positions",

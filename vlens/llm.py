@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlens.attention import check_backend, make_backend
+from vlens.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.chat import ChatOptions
 from vlens.distributed.executor import Executor
@@ -197,6 +198,19 @@ class LLM:
                 engine.abort(request_id)
             raise
         return results
+
+    def beam_search(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:  # fmt: skip
+        """vLLM's beam search: per prompt, the params.beam_width likeliest continuations (vlens.beam_search)."""
+        token_lists, images = self._tokens(prompt_list(prompts), "prompts")
+        if images is not None:
+            raise ValueError("prompts: beam search takes texts and token ids; a prompt with images goes to generate()")
+        def generate(ids: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self.generate(ids, step, use_tqdm=False, lora_request=lora_request)
+
+        return beam_search(generate, token_lists, params, self.engine.eos_ids, self.tokenizer)
 
     def embed(
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hook: str = DEFAULT_HOOK,
