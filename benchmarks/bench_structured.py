@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 from vlens import LLM, SamplingParams, StructuredOutputsParams
 from vlens.loader import resolve_model_path
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "city": {"type": "string"}}, "required": ["name", "age", "city"]}  # fmt: skip
+SCHEMA = {"type": "object", "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
 PEOPLE = ["Ann", "Bob", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena", "Mateo",
           "Nora", "Omar", "Priya"]  # fmt: skip
 
@@ -57,8 +57,8 @@ def main() -> None:
         return [[t for t in row if t not in eos] for row in out[:, ids.shape[1] :].tolist()]
 
     hf_tokens = hf_structured()
-    equal = sum([t for t in o.outputs[0].token_ids if t not in eos] == want for o, want in zip(outs, hf_tokens,
-                                                                                                strict=True))  # fmt: skip
+    mine = [[t for t in o.outputs[0].token_ids if t not in eos] for o in outs]
+    equal = sum(a == b for a, b in zip(mine, hf_tokens, strict=True))
     valid = sum(set(json.loads(o.outputs[0].text)) == {"name", "age", "city"} for o in outs)
     times = best_alternating([lambda: llm.generate(prompts, structured, use_tqdm=False),
                               lambda: llm.generate(prompts, same_length, use_tqdm=False), hf_structured],

@@ -280,7 +280,7 @@ def sampling(rows: dict, root: Path, quick: bool, device: str) -> None:
             got = out.outputs[0].token_ids
             equal += got == want[: len(got)] and (len(got) == 16 or got[-1] == base[1])
     rows["sampling"] = {"requests": len(cases), "greedy_equal_hf": f"{equal}/{len(cases)}",
-                        "graph_steps": llm.engine.runner.graph_stats.graph_steps, "ok": equal == len(cases)}  # fmt: skip
+                        "graph_steps": llm.engine.runner.graph_stats.graph_steps, "ok": equal == len(cases)}
 
 
 def _workload(n: int) -> list[list[int]]:
@@ -968,9 +968,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, fn in (("profile", profile), ("harvest", harvesting)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, llama, quick, device)
-    for name, fn in (("sampling", sampling), ("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5), ("bamba", bamba), ("mamba", mamba),
-                     ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1), ("deepseek", deepseek), ("llama4", llama4),
-                     ("images", images), ("lora", lora)):
+    for name, fn in (("sampling", sampling), ("hooked", hooked), ("gemma4", gemma4), ("qwen3_5", qwen3_5),
+                     ("bamba", bamba), ("mamba", mamba), ("nemotron_h", nemotron_h), ("falcon_h1", falcon_h1),
+                     ("deepseek", deepseek), ("llama4", llama4), ("images", images), ("lora", lora)):
         if name in wanted:
             guard.run(name, SECTIONS[name] * slower, fn, root, quick, device)
     print(json.dumps(rows, indent=2, default=str))

@@ -6,16 +6,16 @@ patterns, patched rows, logit lens, a mean probe, hidden states, rows left out b
 (its latents and error read), TransformerLens's optional hooks read and steered, streamed, aborted; a third of them
 under one of two LoRA adapters) arrives at random steps into an engine whose KV cache is small enough to preempt,
 whose prompts share long prefixes (prefix-cache hits mid-run, prefixes borrowed within a step), whose prefill is
-chunked, with async scheduling on the static decode path and graphs (emulated: tests/replayed_graphs.py). Every request that ends must end as it does served alone on a
-plain engine over the same checkpoint (no prefix cache, no chunking, synchronous, no static path, no
-streaming; an adapter's request, on such an engine of the adapter's directory: its weights merged): the same
-tokens, text and finish, log-probability ranks equal and values within 1e-5, captured rows at the same positions
-within 1e-5; streamed deltas add up to the output. Each session preempts, hits
-the prefix cache, borrows, chunks, queues steps ahead and replays graphs (the test checks), so a row that
-lands in another request, a recompute that captures twice, KV reused across interventions, or a queued step
-that reads a stale input shows up as a difference from the request alone. The same sessions run on a Qwen 3.5
-(a linear-attention layer after two attention layers), whose states per sequence live in state slots and which
-caches and borrows no prefix: a state read from another sequence's slot, or advanced twice, shows up the same way."""
+chunked, with async scheduling on the static decode path and graphs (emulated: tests/replayed_graphs.py). Every
+request that ends must end as it does served alone on a plain engine over the same checkpoint (no prefix cache, no
+chunking, synchronous, no static path, no streaming; an adapter's request, on such an engine of the adapter's
+directory: its weights merged): the same tokens, text and finish, log-probability ranks equal and values within
+1e-5, captured rows at the same positions within 1e-5; streamed deltas add up to the output. Each session preempts,
+hits the prefix cache, borrows, chunks, queues steps ahead and replays graphs (the test checks), so a row that lands
+in another request, a recompute that captures twice, KV reused across interventions, or a queued step that reads a
+stale input shows up as a difference from the request alone. The same sessions run on a Qwen 3.5 (a linear-attention
+layer after two attention layers), whose states per sequence live in state slots and which caches and borrows no
+prefix: a state read from another sequence's slot, or advanced twice, shows up the same way."""
 
 from __future__ import annotations
 
