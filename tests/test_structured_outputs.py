@@ -20,6 +20,7 @@ from server_helpers import running_server
 from vlens import Capture, SamplingParams, Steer, StructuredOutputsParams
 from vlens.engine.structured import bitmask_rows, unpack
 from vlens.server.config import ServerConfig
+from vlens.server.protocol import CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "Describe a person named Ann, aged 31, as JSON with fields name and age."}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -145,7 +146,6 @@ BODIES = {  # a body's fields -> the structure it asks for
     "response_format json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "person",
                                                                                                 "schema": SCHEMA}}},
                                     "json"),
-    "response_format json_object": ({"response_format": {"type": "json_object"}}, "json_object"),
     "structured_outputs": ({"structured_outputs": {"regex": REGEX}}, "regex"),
     "guided_choice": ({"guided_choice": ["yes", "no", "maybe"]}, "choice"),
     "guided_grammar": ({"guided_grammar": STRUCTURES["grammar"].grammar}, "grammar"),
@@ -160,6 +160,18 @@ def test_the_servers_fields_equal_offline(server, smol, fields, kind):
     params = SamplingParams(max_tokens=48, temperature=0, structured_outputs=STRUCTURES[kind])
     [ref] = smol.chat(MESSAGES, params, use_tqdm=False)  # (not the served LLM: its engine is the server's)
     assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text and _holds(kind, ref.outputs[0].text)
+
+
+def test_every_body_field_names_its_structure():
+    """Each body field's structure, read without a run (json_object's reply here runs ~46 tokens: it is compared with
+    HF's offline, not served)."""
+    body = {"prompt": "Hi"}
+    for fields, want in [({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+                         ({"response_format": {"type": "text"}}, None),
+                         ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+                         ({"guided_regex": REGEX}, StructuredOutputsParams(regex=REGEX))] + [
+                            (fields, STRUCTURES[kind]) for fields, kind in BODIES.values()]:  # fmt: skip
+        assert CompletionRequest(**body, **fields).structure() == want, fields
 
 
 @pytest.mark.parametrize(
