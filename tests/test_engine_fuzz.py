@@ -214,8 +214,9 @@ def _same_logprobs(got: list[dict[int, Logprob] | None], want: list[dict[int, Lo
         assert all(abs(px[t].logprob - py[t].logprob) <= 1e-5 * max(1.0, abs(py[t].logprob)) for t in px or {}), what
 
 
-def _same(got: RequestOutput, want: RequestOutput, what: str) -> None:
-    """A request's output batched against alone: tokens, texts, ends, log-probabilities, captured rows."""
+def _same(got: RequestOutput, want: RequestOutput, what: str, tol: float = 1e-5) -> None:
+    """A request's output batched against alone: tokens, texts, ends, log-probabilities, captured rows (within
+    `tol`)."""
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], what
     assert [c.text for c in got.outputs] == [c.text for c in want.outputs], what
     assert [(c.finish_reason, c.stop_reason) for c in got.outputs] == [(c.finish_reason, c.stop_reason)
@@ -228,17 +229,17 @@ def _same(got: RequestOutput, want: RequestOutput, what: str) -> None:
     assert got.activations.keys() == want.activations.keys(), what
     for name, rows in want.activations.items():
         assert got.activations[name].shape == rows.shape, (what, name)
-        assert rel_err(got.activations[name], rows) < 1e-5, (what, name)
+        assert rel_err(got.activations[name], rows) < tol, (what, name)
     assert got.logit_lens.keys() == want.logit_lens.keys(), what
     for name, (ids, logprobs) in want.logit_lens.items():
-        assert torch.equal(got.logit_lens[name][0], ids) and rel_err(got.logit_lens[name][1], logprobs) < 1e-5, what
+        assert torch.equal(got.logit_lens[name][0], ids) and rel_err(got.logit_lens[name][1], logprobs) < tol, what
     assert got.sae_features.keys() == want.sae_features.keys() and got.sae_errors.keys() == want.sae_errors.keys()
     for name, (ids, values) in want.sae_features.items():
-        assert torch.equal(got.sae_features[name][0], ids) and rel_err(got.sae_features[name][1], values) < 1e-5, what
-        assert rel_err(got.sae_errors[name], want.sae_errors[name]) < 1e-5, what
+        assert torch.equal(got.sae_features[name][0], ids) and rel_err(got.sae_features[name][1], values) < tol, what
+        assert rel_err(got.sae_errors[name], want.sae_errors[name]) < tol, what
     assert (got.hidden_states is None) == (want.hidden_states is None), what
     if want.hidden_states is not None:
-        assert rel_err(got.hidden_states, want.hidden_states) < 1e-5, what
+        assert rel_err(got.hidden_states, want.hidden_states) < tol, what
     if want.activation_positions is None:
         assert got.activation_positions is None, what
     else:
@@ -313,7 +314,11 @@ def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, adapte
             reference = alone if arrival.lora is None else adapters[arrival.lora]
             want = reference.generate([arrival.prompt], arrival.params, use_tqdm=False)[0]
             under = "" if arrival.lora is None else f", under {arrival.lora.lora_name}"
-            _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)}{under})")
+            # (an adapter's reference has it merged: W + sBA rounds otherwise than xW + s(xA)B, up to ~1e-5 apart a
+            # few layers on; tests/test_lora.py holds the adapter's own path to PEFT's forward within 1e-5)
+            tol = 1e-5 if arrival.lora is None else 2e-5
+            _same(done[request], want, f"request {request} ({arrival.kind}, prompt of {len(arrival.prompt)}{under})",
+                  tol)  # fmt: skip
     graphs = llm.runner.graph_stats
     assert stats.num_preemptions > 0 and graphs.ahead_steps > 0 and graphs.graph_steps > 0
     # (a model with states per sequence borrows no prefix in its step: it starts from prefixes' kept states)
