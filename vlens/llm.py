@@ -207,6 +207,7 @@ class LLM:
         token_lists, images = self._tokens(prompt_list(prompts), "prompts")
         if images is not None:
             raise ValueError("prompts: beam search takes texts and token ids; a prompt with images goes to generate()")
+
         def generate(ids: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
             return self.generate(ids, step, use_tqdm=False, lora_request=lora_request)
 
