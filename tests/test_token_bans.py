@@ -8,10 +8,15 @@ up (the bad values refused by name are tests/test_sampling_options.py's). On Smo
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from family_parity import COMMON, build
+from transformers import LlamaConfig
 
-from vlens import SamplingParams
+from vlens import LLM, SamplingParams
 from vlens.capture.bind import RequestTaps
 from vlens.engine.detokenizer import Detokenizer
 from vlens.engine.penalties import spell_bad_words
@@ -184,8 +189,33 @@ def test_streamed_pieces_add_up_to_vllms_text(smol4, min_tokens, keep):
     assert len(streamed.text) > len(tok.decode(tokens[:min_tokens])) - len(stop)
 
 
-def test_allowed_tokens_outside_the_vocabulary_fail_before_running(smol4):
-    with pytest.raises(ValueError, match=r"^allowed_token_ids: token ids \[49152\]"):
-        smol4.generate(["fine", "not"], [SamplingParams(), SamplingParams(allowed_token_ids=[5, 49152])],
-                       use_tqdm=False)
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"allowed_token_ids": [5, 49152]}, r"^allowed_token_ids: token ids \[49152\]"),
+        # (a stop token is banned until min_tokens: a ban outside the logits failed the step, and so its batch)
+        ({"stop_token_ids": [2, 50000], "min_tokens": 3}, r"^stop_token_ids: token ids \[50000\]"),
+        ({"stop_token_ids": [-1]}, r"^stop_token_ids: \[-1\] is not allowed; expected a list of token ids"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_fail_before_running(smol4, fields, message):
+    with pytest.raises(ValueError, match=message):
+        smol4.generate(["fine", "not"], [SamplingParams(), SamplingParams(**fields)], use_tqdm=False)
     assert not smol4.engine.has_work()
+
+
+def test_texts_spelt_outside_the_logits_fail_before_running(smol_path, tmp_path):
+    """A model of 300 logits under SmolLM2's tokenizer of 49,152: a prompt, or a bad word, it spells with a token
+    past them (an IndexError in the step, and so for its whole batch, before)."""
+    path = build(LlamaConfig(**COMMON), tmp_path, "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_path / name, Path(path) / name)
+    llm = LLM(model=path, dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    [ok] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, bad_words=["e"]), use_tqdm=False)
+    assert len(ok.outputs[0].token_ids) == 4 and not {85, 297} & set(ok.outputs[0].token_ids)  # ("e", " e")
+    spelt = r"^bad_words: token ids \[38066, 4979\] \(as the tokenizer spells \['fine'\]\) outside the vocabulary"
+    with pytest.raises(ValueError, match=spelt):
+        llm.generate([[5, 6], [7, 8]], [SamplingParams(), SamplingParams(bad_words=["fine"])], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: token ids \[38066\] \(the tokenizer's, for this text\)"):
+        llm.generate([[5, 6], "fine"], use_tqdm=False)
+    assert not llm.engine.has_work()

@@ -33,9 +33,6 @@ def to_token_lists(
             ids = tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]
         elif _is_token_list(p):
             ids = [int(t) for t in p]
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"{field}[{i}]: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
         elif isinstance(p, Sequence) and len(p) == 0:
             raise ValueError(f"{field}[{i}]: empty token-id list; give at least one token")
         elif isinstance(p, ImagePrompt):
@@ -45,6 +42,10 @@ def to_token_lists(
             raise ValueError(f"{field}[{i}]: expected a string or a list of token ids, got {type(p).__name__}")
         if not ids:
             raise ValueError(f"{field}[{i}]: empty prompt (no tokens)")
+        bad = [t for t in ids if not 0 <= t < vocab_size]  # (a text's too: a tokenizer may spell past the embedding)
+        if bad:
+            spelt = " (the tokenizer's, for this text)" if isinstance(p, str) else ""
+            raise ValueError(f"{field}[{i}]: token ids {bad[:5]}{spelt} outside the vocabulary [0, {vocab_size})")
         out.append(list(ids))
     return out
 

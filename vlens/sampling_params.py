@@ -126,6 +126,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop_list):
             raise ValueError(f"stop: expected non-empty strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or ())
+        if not all(_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} is not allowed; expected a list of token ids "
+                             "(ints >= 0)")  # fmt: skip
         self.interventions = list(self.interventions or ())
         check_interventions(self.interventions)
         if self.top_k == -1 or self.top_k >= 2**31:  # off (a cut past every vocabulary cuts nothing; packed as int64)

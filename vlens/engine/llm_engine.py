@@ -224,19 +224,23 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens: {budget} is less than an image's "
                              f"{r.images.longest_run()} tokens, which attend to each other both ways and so take one "
                              "step together")  # fmt: skip
-        for name, tokens in ("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()):
-            bad = [t for t in tokens if t >= self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        bad_words = spell_bad_words(params.bad_words, self.tokenizer) if params.bad_words else []
+        vocab = self.cfg.vocab_size
         # Checked here, not when a step fails on them: that step's error would end every request in the batch.
+        checked = [("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
+                   ("stop_token_ids", params.stop_token_ids), ("bad_words", [t for w in bad_words for t in w])]
+        for name, tokens in checked:
+            bad = [t for t in tokens if t >= vocab]
+            if bad:
+                spelt = f" (as the tokenizer spells {params.bad_words!r})" if name == "bad_words" else ""
+                raise ValueError(f"{name}: token ids {bad[:5]}{spelt} outside the vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > self.cfg.vocab_size:
-                raise ValueError(f"{name}: {k} is more than the vocabulary's {self.cfg.vocab_size} tokens")
+            if k is not None and k > vocab:
+                raise ValueError(f"{name}: {k} is more than the vocabulary's {vocab} tokens")
         request_id = str(self._next_id)
         self._next_id += 1
         first = params.seed if params.seed is not None else None
-        bad_words = spell_bad_words(params.bad_words, self.tokenizer) if params.bad_words else []
         structure = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
         seqs = []
         for i in range(params.samples):
