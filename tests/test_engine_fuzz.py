@@ -230,13 +230,18 @@ def _script(
     return script
 
 
-def _same_logprobs(got: list[dict[int, Logprob] | None], want: list[dict[int, Logprob] | None], what: str) -> None:
-    """Per token: the same ranks of the same tokens, values within 1e-5 (relative, past 1: a state restored from a
-    kept prefix sums its chunks otherwise than a run from the start, ~4e-6 of a logprob of -3.6 apart)."""
+def _same_logprobs(
+    got: list[dict[int, Logprob] | None], want: list[dict[int, Logprob] | None], what: str, tol: float = 1e-5
+) -> None:
+    """Per token: the same ranks of the same tokens, values within `tol` (relative, past 1: a state restored from a
+    kept prefix sums its chunks otherwise than a run from the start, ~4e-6 of a logprob of -3.6 apart). Past 1e-5
+    (an adapter's reference, merged) a rank may be one off: two tokens that close may swap."""
+    slack = 0 if tol <= 1e-5 else 1
     for px, py in zip(got, want, strict=True):
         assert (px is None) == (py is None), what
-        assert {t: p.rank for t, p in (px or {}).items()} == {t: p.rank for t, p in (py or {}).items()}, what
-        assert all(abs(px[t].logprob - py[t].logprob) <= 1e-5 * max(1.0, abs(py[t].logprob)) for t in px or {}), what
+        assert (px or {}).keys() == (py or {}).keys(), what
+        assert all(abs(px[t].rank - py[t].rank) <= slack for t in px or {}), what
+        assert all(abs(px[t].logprob - py[t].logprob) <= tol * max(1.0, abs(py[t].logprob)) for t in px or {}), what
 
 
 def _same(got: RequestOutput, want: RequestOutput, what: str, tol: float = 1e-5) -> None:
@@ -248,9 +253,9 @@ def _same(got: RequestOutput, want: RequestOutput, what: str, tol: float = 1e-5)
                                                                       for c in want.outputs], what  # fmt: skip
     for cx, cy in zip(got.outputs, want.outputs, strict=True):
         assert (cx.logprobs is None) == (cy.logprobs is None), what
-        _same_logprobs(cx.logprobs or [], cy.logprobs or [], what)
+        _same_logprobs(cx.logprobs or [], cy.logprobs or [], what, tol)
     assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None), what
-    _same_logprobs(got.prompt_logprobs or [], want.prompt_logprobs or [], what)
+    _same_logprobs(got.prompt_logprobs or [], want.prompt_logprobs or [], what, tol)
     assert got.activations.keys() == want.activations.keys(), what
     for name, rows in want.activations.items():
         assert got.activations[name].shape == rows.shape, (what, name)
@@ -261,7 +266,8 @@ def _same(got: RequestOutput, want: RequestOutput, what: str, tol: float = 1e-5)
     assert got.sae_features.keys() == want.sae_features.keys() and got.sae_errors.keys() == want.sae_errors.keys()
     for name, (ids, values) in want.sae_features.items():
         assert torch.equal(got.sae_features[name][0], ids) and rel_err(got.sae_features[name][1], values) < tol, what
-        assert rel_err(got.sae_errors[name], want.sae_errors[name]) < tol, what
+        # (‖x − x̂‖² / ‖x‖²: squared norms double a row's relative noise, 1.7e-5 seen with a random transcoder)
+        assert rel_err(got.sae_errors[name], want.sae_errors[name]) < 2 * tol, what
     assert (got.hidden_states is None) == (want.hidden_states is None), what
     if want.hidden_states is not None:
         assert rel_err(got.hidden_states, want.hidden_states) < tol, what
