@@ -97,15 +97,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; outputs come back in prompt order. `lora_request`: the
         LoRA adapter they run under, or one per prompt (None: the base model; enable_lora, vlens.engine.lora).
+        `priority`: one per prompt, lower first (vLLM's; an engine made with scheduling_policy="priority").
 
         Every request is validated before any runs, so a bad one fails the call without side effects."""
         prompts = prompt_list(prompts)
         token_lists, images = self._tokens(prompts, "prompts")
         texts = [p.text if isinstance(p, ImagePrompt) else p if isinstance(p, str) else None for p in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request, priority)
 
     def chat(
         self,
@@ -117,12 +119,13 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template; one whose contents hold
         images (vLLM's image_url or image_pil parts) through the processor's, its images read as generate() reads
-        multi_modal_data. `lora_request`: as generate's. The rest are vLLM's (vlens.chat.ChatOptions): another
-        template, the template's variables, and `continue_final_message=True, add_generation_prompt=False` to have
-        the reply continue a last assistant message (an answer's start written for the model)."""
+        multi_modal_data. `lora_request`, `priority`: as generate's. The rest are vLLM's (vlens.chat.ChatOptions):
+        another template, the template's variables, and `continue_final_message=True, add_generation_prompt=False` to
+        have the reply continue a last assistant message (an answer's start written for the model)."""
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
@@ -139,7 +142,7 @@ class LLM:
                 prompts.append(ImagePrompt(self.image_encoder(field).render_chat(found[0], field, options), found[1]))
         token_lists, images = self._tokens(prompts, "messages", add_special_tokens=False)  # (the template holds them)
         texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request, priority)
 
     def _tokens(
         self, prompts, field: str, add_special_tokens: bool = True
@@ -168,7 +171,7 @@ class LLM:
         return self._images_encoder
 
     def _run(
-        self, token_lists, texts, sampling_params, use_tqdm: bool, images=None, lora_request=None
+        self, token_lists, texts, sampling_params, use_tqdm: bool, images=None, lora_request=None, priority=None
     ) -> list[RequestOutput]:
         engine = self.engine
         if sampling_params is None:
@@ -181,9 +184,14 @@ class LLM:
         if len(loras) != len(token_lists):
             raise ValueError(f"lora_request: got {len(loras)} for {len(token_lists)} prompts; give one, or one per "
                              "prompt")  # fmt: skip
+        priorities = [0] * len(token_lists) if priority is None else list(priority)
+        if len(priorities) != len(token_lists) or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                         for p in priorities):  # fmt: skip
+            raise ValueError(f"priority: got {priority!r} for {len(token_lists)} prompts; give one int per prompt")
         images = images or [None] * len(token_lists)
-        requests = zip(token_lists, params, texts, images, loras)
-        ids = engine.add_requests([NewRequest(t, p, text, images=i, lora=lora) for t, p, text, i, lora in requests])
+        requests = zip(token_lists, params, texts, images, loras, priorities)
+        ids = engine.add_requests([NewRequest(t, p, text, images=i, lora=lora, priority=rank)
+                                   for t, p, text, i, lora, rank in requests])  # fmt: skip
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         try:

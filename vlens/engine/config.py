@@ -45,6 +45,11 @@ class EngineConfig:
         True, "reuse the KV of identical prompt prefixes", flag="--no-prefix-caching", invert=True
     )
     seed: int = setting(0, "seed of the samples of requests that give none")
+    scheduling_policy: str = setting(
+        "fcfs", "fcfs (first come, first served) or priority (vLLM's: a request's `priority`, lower first, then "
+        "arrival, orders the waiting queue, and when the KV cache runs out the running sequence that comes last by it "
+        "is preempted)", choices=("fcfs", "priority"),
+    )
     attention_backend: str = setting(
         "auto", "auto (the fastest exact one here, see vlens.attention.choose), sdpa, varlen, flex or flashinfer",
         choices=BACKENDS,

@@ -84,6 +84,7 @@ class NewRequest:
     images: PromptImages | None = None  # the rows its images give (vlens.images)
     lora: LoRARequest | None = None  # the LoRA adapter it runs under (vlens.engine.lora)
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
+    priority: int = 0  # vLLM's: lower runs first, under scheduling_policy="priority"
 
 
 class LLMEngine:
@@ -133,7 +134,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_states)
         runner.state_of = self.blocks.state_of
         self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.loras)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.loras,
+                                   by_priority=config.scheduling_policy == "priority")  # fmt: skip
         runner.loras = self.loras
         self.shapes = request_shapes(cfg)
         self.rng = random.Random(config.seed)
@@ -219,6 +221,10 @@ class LLMEngine:
                                                  ("bad_words", params.bad_words), ("structured_outputs", True)] if used)
             raise ValueError(f"{field}: works on text, and this checkpoint has no tokenizer files; "
                              "use token ids (stop_token_ids, allowed_token_ids, logit_bias)")  # fmt: skip
+        if r.priority and not self.scheduler.by_priority:
+            raise ValueError(f"priority: {r.priority} orders requests under scheduling_policy='priority' (LLM(..., "
+                             "scheduling_policy='priority'), vlens serve --scheduling-policy priority); this engine "
+                             "serves them first come, first served")  # fmt: skip
         budget = self.scheduler.max_num_batched_tokens
         if r.images is not None and r.images.longest_run() > budget:
             raise ValueError(f"max_num_batched_tokens: {budget} is less than an image's "
@@ -263,7 +269,7 @@ class LLMEngine:
         taps = bind_request(params, len(prompt_ids), max_rows, self.model, self.shapes, self.enable_capture)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(request_id, prompt_ids, params, seed, stop_ids, taps, r.prompt, index, r.images, r.lora,
-                       r.cache_salt)  # fmt: skip
+                       r.cache_salt, (r.priority, int(request_id)))  # fmt: skip
         seq.settle(self.long_rope_at, self.cfg, self.max_model_len)
         return seq
 

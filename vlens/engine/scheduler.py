@@ -4,7 +4,9 @@ One rule covers prefill, chunked prefill, decode and recompute: a sequence runs 
 min(uncomputed tokens, budget left) tokens. Running sequences go first (oldest first); waiting ones
 are admitted while the token budget, `max_num_seqs` and free KV blocks allow. When blocks run out,
 the newest running sequence is preempted: its blocks are freed and it recomputes from the start
-later (its full blocks usually come back from the prefix cache).
+later (its full blocks usually come back from the prefix cache). Under the priority policy (vLLM's)
+the waiting queue is kept in the order of (priority, arrival), lower first, and the running sequence
+last in that order is the one preempted.
 
 Prompts admitted in one step that start alike (the choices of an lm-eval question, requests behind
 one system prompt) compute their shared prefix once: a later one borrows it from an earlier one, which
@@ -33,9 +35,10 @@ _KEY_TOKENS, _CANDIDATES = 4, 8
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-        loras: LoraSlots | None = None,
+        loras: LoraSlots | None = None, by_priority: bool = False,
     ):  # fmt: skip
         self.blocks = block_manager
+        self.by_priority = by_priority  # (scheduling_policy="priority": Sequence.order ranks them)
         self.loras = loras  # (the engine's LoRA adapters: a sequence under one is admitted with its slot)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,11 +50,24 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.append(seq)
 
     def add_first(self, seqs: list[Sequence]) -> None:
-        """Queue `seqs` ahead of every waiting sequence, in their order (samples a request releases)."""
-        self.waiting.extendleft(reversed(seqs))
+        """Queue `seqs` ahead of every waiting sequence, in their order (samples a request releases; by priority,
+        ahead of those that come after their request)."""
+        if self.by_priority:
+            for seq in seqs:
+                self._queue(seq)
+        else:
+            self.waiting.extendleft(reversed(seqs))
+
+    def _queue(self, seq: Sequence) -> None:
+        """Wait behind every sequence that comes before it or with it by (priority, arrival)."""
+        at = next((i for i, other in enumerate(self.waiting) if other.order > seq.order), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """A step ran: its tokens' KV is in the cache, and full blocks go into the prefix cache."""
@@ -84,7 +100,7 @@ class Scheduler:
                 continue
             while not self.blocks.reserve(seq, seq.num_computed + n):
                 preempted = True
-                victim = self.running[-1]
+                victim = max(self.running, key=lambda s: s.order) if self.by_priority else self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -225,7 +241,10 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:

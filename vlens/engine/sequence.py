@@ -54,8 +54,10 @@ class Sequence:
         images: PromptImages | None = None,
         lora: LoRARequest | None = None,
         salt: str | None = None,
+        order: tuple[int, int] = (0, 0),
     ):
         self.request_id, self.prompt = request_id, prompt
+        self.order = order  # (priority, arrival): its place in the queue under scheduling_policy="priority"
         self.salt = salt  # vLLM's cache_salt: only sequences with the same one share cached prefixes
         self.lora = lora  # the LoRA adapter it runs under (vlens.engine.lora), and the slot that holds it
         self.lora_slot: int | None = None

@@ -251,7 +251,7 @@ class Generator:
                 code="capture_too_large",
             )
         return NewRequest(ids, params, text, stream=body.stream, images=images, lora=lora,
-                          cache_salt=body.cache_salt), bound  # fmt: skip
+                          cache_salt=body.cache_salt, priority=body.priority), bound  # fmt: skip
 
     # -- with the engine ----------------------------------------------------------------------------
 

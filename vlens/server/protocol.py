@@ -146,7 +146,6 @@ _NEUTRAL = {
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "logits_processors": (None,),
-    "priority": (0,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "prompt_embeds": (None,),
@@ -220,6 +219,7 @@ class _GenerationRequest(BaseModel):
     return_token_ids: StrictBool | None = None  # vLLM's: the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: logprobs name tokens "token_id:{id}"
     cache_salt: StrictStr | None = Field(None, min_length=1)  # vLLM's: only requests with it share cached prefixes
+    priority: StrictInt = 0  # vLLM's: lower first, on a server run with --scheduling-policy priority
     # A structure for the text: OpenAI's response_format, vLLM's structured_outputs or its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
