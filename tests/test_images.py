@@ -877,5 +877,6 @@ def test_refusals(family, smol4):
         with pytest.raises(ValueError, match=message):
             llm.generate(["fine", prompt], use_tqdm=False)
     with pytest.raises(ValueError, match=r"input\[1\]: multi_modal_data is taken by LLM.generate, LLM.chat, LLM.trac"):
-        to_token_lists(prompt_list(["a", request("a <image>", [image(0)])]), llm.tokenizer, 10, field="input")
+        prompts = prompt_list(["a", request("a <image>", [image(0)])])
+        to_token_lists(prompts, llm.tokenizer, llm.config.vocab_size, field="input")
     assert not llm.engine.has_work()

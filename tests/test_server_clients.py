@@ -296,8 +296,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"-3": 1}}, "logit_bias"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]},
-        "tools",
+        {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",  # ("auto", the default with tools: vlens has no parser of tool-call text)
     ),
     ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions"),
     ("/v1/embeddings", {"input": "x", "vlens": {"hook": "blocks.*.hook_resid_post"}}, "vlens.hook"),

@@ -119,14 +119,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template; one whose contents hold
         images (vLLM's image_url or image_pil parts) through the processor's, its images read as generate() reads
         multi_modal_data. `lora_request`, `priority`: as generate's. The rest are vLLM's (vlens.chat.ChatOptions):
-        another template, the template's variables, and `continue_final_message=True, add_generation_prompt=False` to
-        have the reply continue a last assistant message (an answer's start written for the model)."""
-        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs)
+        another template, the template's variables, OpenAI's function `tools` for the template to render, and
+        `continue_final_message=True, add_generation_prompt=False` to have the reply continue a last assistant
+        message (an answer's start written for the model)."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs, tools)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages: expected a conversation (list of {'role', 'content'} dicts) or a list of them")

@@ -182,7 +182,8 @@ class Generator:
         return Prepared(
             requests=list(requests),
             shape=Shape(chat=chat, model=body.model or self.model_name, logprobs=logprobs,
-                        text=_token_id_text if body.return_tokens_as_token_ids else self.token_text),
+                        text=_token_id_text if body.return_tokens_as_token_ids else self.token_text,
+                        tools=body.tool_reply() if chat else None),
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
             wants_activations=wants_activations,

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from vlens.chat import ChatOptions
 from vlens.sampling_params import StructuredOutputsParams
 from vlens.server.specs import ExtensionSpec
+from vlens.server.tools import ToolReply, reply_schema, template_message
 
 
 class APIError(Exception):
@@ -156,9 +157,6 @@ _NEUTRAL_CHAT = {
     "documents": (None,),
     "chat_template": (None,),
     "mm_processor_kwargs": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "reasoning_effort": (None,),
@@ -251,6 +249,20 @@ class _GenerationRequest(BaseModel):
 
     def structure(self) -> StructuredOutputsParams | None:
         """The one structure the body asks for, or None; a 400 naming the fields when it asks for several."""
+        given = self._structures()
+        if len(given) > 1:
+            raise APIError(400, f"{list(given)[1]}: one structure per request; this one also sets {list(given)[0]}",
+                           param=list(given)[1])  # fmt: skip
+        if not given:
+            return None
+        [(name, fields)] = given.items()
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise APIError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None
+
+    def _structures(self) -> dict[str, dict[str, Any]]:
+        """Each field that asks for a structure -> StructuredOutputsParams' fields for it."""
         given = {}
         if self.response_format is not None and self.response_format.type != "text":
             schema = self.response_format.json_schema
@@ -263,16 +275,7 @@ class _GenerationRequest(BaseModel):
         for name in ("json", "regex", "choice", "grammar"):
             if getattr(self, f"guided_{name}") is not None:
                 given[f"guided_{name}"] = {name: getattr(self, f"guided_{name}")}
-        if len(given) > 1:
-            raise APIError(400, f"{list(given)[1]}: one structure per request; this one also sets {list(given)[0]}",
-                           param=list(given)[1])  # fmt: skip
-        if not given:
-            return None
-        [(name, fields)] = given.items()
-        try:
-            return StructuredOutputsParams(**fields)
-        except ValueError as e:
-            raise APIError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None
+        return given
 
 
 class CompletionRequest(_GenerationRequest):
@@ -311,11 +314,51 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class Function(BaseModel):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CallFunction(BaseModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class ChatMessage(BaseModel):
-    # Extra keys are ignored: clients pass back assistant messages with refusal/tool_calls set to None.
+    # Extra keys are ignored: clients pass back assistant messages with refusal and the like set to None.
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's, passed back
+    tool_call_id: StrictStr | None = None  # a tool message's: the call it answers
+    name: StrictStr | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it: its text, and its tool calls or the call it answers."""
+        extra = self.model_dump(include={"tool_calls", "tool_call_id", "name"}, exclude_none=True)
+        return template_message({"role": self.role, "content": self.text(), **extra})
 
     def text(self) -> str:
         """The content as one text; a list's parts joined by newlines, as vLLM joins them, so that a client
@@ -329,10 +372,12 @@ class ChatMessage(BaseModel):
 
 
 def chat_options(body: Any) -> ChatOptions:
-    """A body's chat-template fields (vLLM's: add_generation_prompt, continue_final_message, chat_template_kwargs);
-    a 400 naming the field."""
+    """A body's chat-template fields (vLLM's: add_generation_prompt, continue_final_message, chat_template_kwargs;
+    OpenAI's tools); a 400 naming the field."""
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     try:
-        return ChatOptions(body.add_generation_prompt, body.continue_final_message, None, body.chat_template_kwargs)
+        return ChatOptions(body.add_generation_prompt, body.continue_final_message, None, body.chat_template_kwargs,
+                           tools)  # fmt: skip
     except ValueError as e:
         raise from_value_error(e) from None
 
@@ -349,6 +394,9 @@ class ChatRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False  # vLLM's (repeat the last message): refused when true
     add_special_tokens: StrictBool = False  # vLLM's: the template already holds the special tokens
+    tools: list[Tool] | None = None  # OpenAI's function tools (vlens.server.tools)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     def check(self, max_n: int) -> None:
         super().check(max_n)
@@ -357,6 +405,33 @@ class ChatRequest(_GenerationRequest):
         if self.echo:
             raise APIError(400, "echo: not supported on chat completions; use /v1/completions with echo", param="echo")
         self.chat_options()
+
+    def tool_reply(self) -> ToolReply | None:
+        """How the reply becomes tool calls (tool_choice "required" or a named function), or None (text); a 400
+        naming tool_choice for a choice the tools cannot meet, or "auto" (a tool-call parser's: not here)."""
+        choice = self.tool_choice
+        names = [tool.function.name for tool in self.tools or ()]
+        if choice is None or choice == "auto":
+            if names:  # (OpenAI's default with tools, as vLLM's; without them, "none")
+                raise APIError(400, "tool_choice: \"auto\" (the default with tools) needs a parser of the model's tool "
+                               "calls, which vlens serve does not have; send \"required\", a named function or "
+                               "\"none\"", param="tool_choice")  # fmt: skip
+            return None
+        if choice == "none":
+            return None
+        named = None if choice == "required" else choice.function.name
+        if not names or (named is not None and named not in names):
+            wanted = "tools to choose from" if named is None else f"a tool named {named!r}"
+            raise APIError(400, f"tool_choice: needs {wanted}; the request's tools are {names}", param="tool_choice")
+        return ToolReply(named)
+
+    def _structures(self) -> dict[str, dict[str, Any]]:
+        reply = self.tool_reply()
+        if reply is None:
+            return super()._structures()
+        functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
+        return {"tool_choice": {"json": reply_schema(functions, reply.named, self.parallel_tool_calls)},
+                **super()._structures()}  # fmt: skip
 
     def chat_options(self) -> ChatOptions:
         return chat_options(self)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlens.outputs import Logprob
+from vlens.server.tools import ToolReply
 
 TokenNamer = Callable[[int], str | None]  # a token id -> its name in log-probabilities
 
@@ -97,6 +98,8 @@ class Shape:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset per choice
+    tools: ToolReply | None = None  # a chat's reply read back as tool calls (vlens.server.tools)
+    held: dict[int, str] = field(default_factory=dict)  # ... streamed: each choice's text so far (calls at its end)
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -125,6 +128,8 @@ class Shape:
         choice: dict[str, Any] = {"index": index}
         if not self.chat:
             choice["text"] = text
+        elif self.tools is not None:
+            finish_reason = self._tool_calls(choice, index, text, finish_reason, delta, first)
         elif delta:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
@@ -134,6 +139,27 @@ class Shape:
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason  # as vLLM: the stop string or token id that ended it
         return choice
+
+    def _tool_calls(
+        self, choice: dict, index: int, text: str, finish_reason: str | None, delta: bool, first: bool
+    ) -> str | None:  # fmt: skip
+        """A reply that is tool calls: its message (content "", as vLLM's), or streamed, empty deltas until its end,
+        whose delta holds every call whole. Text it cannot read as calls ("required"'s JSON cut short) stays
+        content. Returns the finish reason (vLLM's: "tool_calls" for "required"'s calls)."""
+        if delta:
+            text = self.held[index] = self.held.get(index, "") + text
+        message: dict[str, Any] = {"role": "assistant"} if first or not delta else {}
+        if delta and finish_reason is None:
+            choice["delta"] = message
+            return None
+        calls = self.tools.calls(text)
+        if calls is None:
+            message["content"] = text
+        else:
+            listed = [{"index": i, **call} for i, call in enumerate(calls)] if delta else calls  # (a delta's: indexed)
+            message |= {"content": "", "tool_calls": listed}
+        choice["delta" if delta else "message"] = message
+        return self.tools.finish(finish_reason, calls is not None)
 
     def body(self, choices: list[dict], usage_: dict | None, **extra: Any) -> dict[str, Any]:
         """A full response (streamed=False) or a chunk, with `extra` top-level keys such as vlens."""

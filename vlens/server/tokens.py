@@ -10,7 +10,15 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from vlens.chat import ChatOptions
-from vlens.server.protocol import APIError, ChatMessage, chat_options, check_model, from_value_error, refuse_unknown
+from vlens.server.protocol import (
+    APIError,
+    ChatMessage,
+    Tool,
+    chat_options,
+    check_model,
+    from_value_error,
+    refuse_unknown,
+)  # fmt: skip
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions = ChatOptions()) -> str:
@@ -20,7 +28,7 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], options: ChatOption
     if any(m.has_images() for m in messages):  # (a chat completion takes them: vlens.server.generate)
         raise APIError(400, "messages: image_url parts are taken by /v1/chat/completions only", "messages")
     try:
-        return options.render(tokenizer, [{"role": m.role, "content": m.text()} for m in messages], "messages")
+        return options.render(tokenizer, [m.for_template() for m in messages], "messages")
     except ValueError as e:
         raise from_value_error(e) from None
 
@@ -30,8 +38,7 @@ class TokenizeRequest(BaseModel):
     template, which holds the special tokens)."""
 
     model_config = ConfigDict(extra="allow")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"chat_template": (None,), "tools": (None, []),
-                                           "mm_processor_kwargs": (None,)}  # fmt: skip
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"chat_template": (None,), "mm_processor_kwargs": (None,)}
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -39,6 +46,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None  # rendered by the template, as a chat completion's
     return_token_strs: StrictBool = False
 
     def chat_options(self) -> ChatOptions:

@@ -1,0 +1,171 @@
+"""OpenAI's function tools on chat completions (vlens.server.tools), on SmolLM2 under a chat template that renders
+tools and tool calls in Hermes' way: the tools, an assistant's calls and the tool messages that answer them go into
+the template as HF's apply_chat_template takes them (LLM.chat's `tools` too); tool_choice "required" or a named
+function makes the reply a structured output read back as tool calls, equal to the offline request with the same
+JSON schema, streamed and not (the openai client's parse); "none" leaves the reply text; "auto" and choices the tools
+cannot meet are 400s naming tool_choice."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import openai
+import pytest
+from server_helpers import running_server
+
+from vlens import LLM, SamplingParams, StructuredOutputsParams
+from vlens.server.config import ServerConfig
+
+TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call these functions:
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Today's weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+REQUIRED = {"type": "array", "minItems": 1, "items": {"anyOf": [  # vLLM's schema of "required"
+    {"type": "object", "properties": {"name": {"type": "string", "enum": ["get_weather"]}, "parameters": WEATHER},
+     "required": ["name", "parameters"]},
+    {"type": "object", "properties": {"name": {"type": "string", "enum": ["get_time"]},
+                                      "parameters": {"type": "object", "properties": {}}},
+     "required": ["name", "parameters"]}]}}  # fmt: skip
+GREEDY = {"max_tokens": 60, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def llm(smol_path, tmp_path_factory) -> LLM:
+    """SmolLM2 (the real one: a cut model's JSON may never end) with TEMPLATE as its chat template."""
+    path = tmp_path_factory.mktemp("tools")
+    for name in os.listdir(smol_path):
+        if name != "chat_template.jinja":
+            os.symlink(smol_path / name, path / name)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with running_server(llm, ServerConfig(served_model_name="smol")) as url:
+        yield url
+
+
+def _offline(llm: LLM, schema: dict) -> str:
+    params = SamplingParams(**GREEDY, structured_outputs=StructuredOutputsParams(json=schema))
+    return llm.chat(MESSAGES, params, tools=TOOLS, use_tqdm=False)[0].outputs[0].text
+
+
+def test_tools_and_calls_render_as_hfs_template_renders_them(llm, server):
+    tok = llm.tokenizer
+
+    def hf(conversation: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(conversation, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    [out] = llm.chat(MESSAGES, SamplingParams(max_tokens=1), tools=TOOLS, use_tqdm=False)
+    assert out.prompt_token_ids == hf(MESSAGES)
+    assert "get_weather" in out.prompt and "Today's weather" in out.prompt
+    with pytest.raises(ValueError, match=r"^tools: expected a list of tools"):
+        llm.chat(MESSAGES, tools=TOOLS[0])
+    # a second turn: the assistant's call (its arguments JSON text, as a client sends them) and the tool's answer
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turns = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]  # fmt: skip
+    got = httpx.post(server + "/tokenize", json={"messages": turns, "tools": TOOLS}, timeout=60).json()["tokens"]
+    as_hf = [*turns[:1], {**turns[1], "tool_calls": [{**call, "function": {**call["function"],
+                                                                           "arguments": {"city": "Paris"}}}]}, turns[2]]
+    assert got == hf(as_hf)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in tok.decode(got)
+
+
+def test_a_named_function_s_call_is_the_structured_reply(llm, server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS, tool_choice=named, **GREEDY)
+    choice = out.choices[0]
+    [call] = choice.message.tool_calls
+    assert (call.type, call.function.name, choice.message.content, choice.finish_reason) == (
+        "function", "get_weather", "", "stop")  # fmt: skip
+    assert call.function.arguments == _offline(llm, WEATHER) and call.id.startswith("chatcmpl-tool-")
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+    streamed = list(client.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                                                   stream=True, **GREEDY))  # fmt: skip
+    assert streamed[0].choices[0].delta.role == "assistant"
+    [last] = [c for c in streamed if c.choices and c.choices[0].finish_reason]
+    [delta] = last.choices[0].delta.tool_calls
+    assert (delta.index, delta.function.name, delta.function.arguments) == (0, "get_weather", call.function.arguments)
+    assert not any(c.choices[0].delta.tool_calls for c in streamed if c is not last)
+
+
+def test_required_calls_are_read_from_their_json_array(llm, server):
+    rome = [{"role": "user", "content": "Weather in Rome, fahrenheit?"}]
+    body = {"model": "smol", "messages": rome, "tools": TOOLS, "tool_choice": "required", **GREEDY}
+    choice = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    params = SamplingParams(**GREEDY, structured_outputs=StructuredOutputsParams(json=REQUIRED))
+    [offline] = llm.chat(rome, params, tools=TOOLS, use_tqdm=False)
+    want = [(c["name"], c["parameters"]) for c in json.loads(offline.outputs[0].text)]
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+    assert got == want and got[0][0] == "get_weather" and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == ""
+    chunks = [json.loads(line[6:]) for line in httpx.post(server + "/v1/chat/completions", json=body | {"stream": True},
+              timeout=120).text.splitlines() if line.startswith("data: {")]  # fmt: skip
+    calls = [call for chunk in chunks for call in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (i, name, parameters) for i, (name, parameters) in enumerate(want)]  # fmt: skip
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # MESSAGES's reply is three calls (the weather in Paris twice, then in Rome); parallel_tool_calls false: one
+    one = body | {"messages": MESSAGES, "parallel_tool_calls": False}
+    choice = httpx.post(server + "/v1/chat/completions", json=one, timeout=120).json()["choices"][0]
+    assert len(choice["message"]["tool_calls"]) == 1 and choice["finish_reason"] == "tool_calls"
+
+
+def test_none_leaves_the_reply_text(llm, server):
+    body = {"model": "smol", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none", "max_tokens": 8,
+            "temperature": 0}  # fmt: skip
+    message = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    [want] = llm.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), tools=TOOLS, use_tqdm=False)
+    assert message["content"] == want.outputs[0].text and "tool_calls" not in message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"tools": TOOLS}, "tool_choice", '"auto" (the default with tools) needs a parser'),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", '"auto"'),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "needs a tool named 'nope'"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools to choose from"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+         "one structure per request; this one also sets tool_choice"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "none"},
+         "tools.0.function.name", "required field missing"),
+    ],
+)
+def test_tool_choices_the_tools_cannot_meet_are_refused_by_name(server, fields, param, message):
+    body = {"model": "smol", "messages": MESSAGES, "max_tokens": 2} | fields
+    out = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert out.status_code == (422 if param.startswith("tools.") else 400), out.text  # (422: the schema's)
+    error = out.json()["error"]
+    assert error["param"] == param and message in error["message"], error

@@ -1,0 +1,81 @@
+"""OpenAI's function tools on chat completions, as vLLM serves them without a tool-call parser.
+
+The tools go into the chat template (which renders them in the model's own format, as it does its assistant
+messages' `tool_calls` and the `tool` messages that answer them). `tool_choice` "required" or a named function
+makes the reply a structured output (vlens.engine.structured): a named function's arguments, or a JSON array of
+{"name", "parameters"} objects, one of the tools each; the text is read back as `tool_calls` (vLLM's layout, finish
+reasons and schema). "none" leaves the reply text. "auto", where the model decides and a parser per model family
+finds its calls in the text, is not here: a 400 names it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def reply_schema(functions: list[dict[str, Any]], named: str | None, parallel: bool) -> dict[str, Any]:
+    """The JSON schema of the reply: the named function's parameters, or (named None: "required") an array of calls
+    of the functions, at least one (only one, `parallel` false). A function's `$defs` move to the array's top, where
+    its `#/$defs/...` references then point."""
+    if named is not None:
+        return next(f for f in functions if f["name"] == named).get("parameters") or _NO_PARAMETERS
+    calls, defs = [], {}
+    for f in functions:
+        parameters = dict(f.get("parameters") or _NO_PARAMETERS)
+        defs |= parameters.pop("$defs", {})
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                      "parameters": parameters}, "required": ["name", "parameters"]})  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclass(frozen=True)
+class ToolReply:
+    """How a reply's text becomes tool calls: `named`, the function tool_choice named; None, "required"."""
+
+    named: str | None
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The reply as OpenAI's tool_calls; None where "required"'s text is not its JSON (cut short by max_tokens)."""
+        if self.named is not None:
+            return [_call(self.named, text)]
+        try:
+            listed = json.loads(text)
+            return [_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in listed]
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def finish(self, reason: str | None, called: bool) -> str | None:
+        """vLLM's: "required"'s calls, complete, end with "tool_calls"; a named function's with the engine's reason."""
+        return "tool_calls" if self.named is None and called and reason == "stop" else reason
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's tool calls with their arguments as objects (HF's
+    convention; a client sends them as JSON text), as vLLM passes them."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        arguments = call["function"]["arguments"]
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = call["function"]["arguments"]  # (not JSON: the template gets the text)
+        out.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return {**message, "tool_calls": out}
