@@ -37,6 +37,7 @@ from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, chec
 from vlens.server.responses import Echo, Shape, prompt_logprobs_json, usage
 from vlens.server.saes import features_json
 from vlens.server.tokens import render_chat
+from vlens.server.tools import template_message
 
 CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 # Body fields that are SamplingParams' fields of the same name and meaning.
@@ -146,8 +147,8 @@ class Generator:
         """A conversation with image parts through the processor's chat template and the vision tower (vlens.images),
         off the event loop (the first builds the tower). Their URLs are data: URLs: a server reads no files."""
         try:
-            conversation, images = chat_images([m.model_dump(exclude_none=True) for m in body.messages], "messages",
-                                               local_files=False)  # fmt: skip
+            messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+            conversation, images = chat_images(messages, "messages", local_files=False)
             encoder = self.image_encoder("messages")
             text = encoder.render_chat(conversation, "messages", body.chat_options())
             [(ids, rows)] = encoder.encode([ImagePrompt(text, images)], ["messages"], body.add_special_tokens)
