@@ -180,7 +180,10 @@ def test_every_body_field_names_its_structure():
      ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
      ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
      ({"guided_choice": []}, "guided_choice"),
-     ({"guided_regex": "(unclosed"}, "structured_outputs.regex")],
+     ({"guided_regex": "(unclosed"}, "guided_regex"),  # (one that does not compile: the field it came from)
+     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+      "response_format")],
 )  # fmt: skip
 def test_bad_structures_are_400s_naming_the_field(server, fields, param):
     body = {"model": "smol", "prompt": "Hi", "max_tokens": 4} | fields

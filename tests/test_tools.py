@@ -161,6 +161,9 @@ def test_none_leaves_the_reply_text(llm, server):
          "one structure per request; this one also sets tool_choice"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "none"},
          "tools.0.function.name", "required field missing"),
+        # (a schema that does not compile: the field it came from, not structured_outputs)
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          "tool_choice": "required"}, "tool_choice", 'Unsupported type "nonsense"'),
     ],
 )
 def test_tool_choices_the_tools_cannot_meet_are_refused_by_name(server, fields, param, message):

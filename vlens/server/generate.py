@@ -64,6 +64,7 @@ class Prepared:
     echo: list[Echo] | None = None  # per prompt, what each of its choices starts with
     prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field
     token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
+    structure_field: str | None = None  # the body field a structured output comes from (response_format, ...)
 
 
 class Generator:
@@ -194,6 +195,7 @@ class Generator:
             capture_bytes=sum(bounds),
             prompt_logprobs=body.prompt_logprobs is not None,
             token_ids=bool(body.return_token_ids),
+            structure_field=body.structure_field(),
         )
 
     def _request(
@@ -262,14 +264,14 @@ class Generator:
         ticket = self.admission.admit(len(prepared.requests), prepared.capture_bytes, "prompt")
         if not prepared.stream:
             try:
-                outputs = await self.outputs(prepared.requests, request)
+                outputs = await self.outputs(prepared.requests, request, prepared.structure_field)
                 if outputs is None:
                     return Response(status_code=CLIENT_CLOSED)
                 return JSONResponse(await self._response(outputs, prepared))
             finally:
                 self.admission.release(ticket)
         try:
-            submission = await self._submit(prepared.requests)
+            submission = await self._submit(prepared.requests, prepared.structure_field)
         except BaseException:
             self.admission.release(ticket)
             raise
@@ -280,16 +282,18 @@ class Generator:
 
         return _EventStream(self._stream(submission, prepared), on_close=close)
 
-    async def _submit(self, requests: list[NewRequest]) -> Submission:
+    async def _submit(self, requests: list[NewRequest], structure_field: str | None = None) -> Submission:
         try:
             return await self.engine.submit(requests)
         except ValueError as e:
-            raise _engine_error(e) from None
+            raise _engine_error(e, structure_field) from None
 
-    async def outputs(self, requests: list[NewRequest], request: Request) -> list[RequestOutput] | None:
+    async def outputs(
+        self, requests: list[NewRequest], request: Request, structure_field: str | None = None
+    ) -> list[RequestOutput] | None:  # fmt: skip
         """Run the requests; their outputs in order, or None when the client left first (the requests
-        are then aborted)."""
-        submission = await self._submit(requests)
+        are then aborted). `structure_field`: the body field a structure that does not compile names."""
+        submission = await self._submit(requests, structure_field)
         collecting = asyncio.ensure_future(_collect(submission, len(requests)))
         watching = asyncio.ensure_future(_until_disconnect(request))
         gone = False
@@ -449,9 +453,12 @@ def _truncated(prompts: list[tuple[list[int], str | None]], keep: int | None) ->
     return [(ids, text if len(ids) == len(whole) else None) for (ids, text), (whole, _) in zip(cut, prompts)]
 
 
-def _engine_error(e: ValueError) -> APIError:
-    """Name the request field behind a vlens ValueError: capture and intervention fields live under `vlens`."""
+def _engine_error(e: ValueError, structure_field: str | None = None) -> APIError:
+    """Name the request field behind a vlens ValueError: capture and intervention fields live under `vlens`; a
+    structure that does not compile, the body field it came from."""
     message = str(e)
+    if structure_field not in (None, "structured_outputs") and message.startswith("structured_outputs."):
+        return from_value_error(ValueError(f"{structure_field}: {message.split(': ', 1)[1]}"))
     if message.startswith("hooks"):
         return from_value_error(e, prefix="vlens.capture.")
     return from_value_error(e, prefix="vlens." if message.startswith(("capture", "interventions")) else "")

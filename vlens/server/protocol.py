@@ -261,6 +261,10 @@ class _GenerationRequest(BaseModel):
         except ValueError as e:
             raise APIError(400, f"{name}: {str(e).split(': ', 1)[1]}", param=name) from None
 
+    def structure_field(self) -> str | None:
+        """The field the structure comes from (checked by structure()): what a structure that does not compile names."""
+        return next(iter(self._structures()), None)
+
     def _structures(self) -> dict[str, dict[str, Any]]:
         """Each field that asks for a structure -> StructuredOutputsParams' fields for it."""
         given = {}
