@@ -5,9 +5,10 @@ allowed tokens) and of prompts, penalised, prefill-only, seeded samples of one o
 patterns, patched rows, logit lens, a mean probe, hidden states, rows left out by token, a transcoder latent clamped
 (its latents and error read), TransformerLens's optional hooks read and steered, seeded samples under a regular
 expression (structured outputs), a word it says alone banned (bad_words), streamed, aborted; a third of them
-under one of two LoRA adapters) arrives at random steps into an engine whose KV cache is small enough to preempt,
-whose prompts share long prefixes (prefix-cache hits mid-run, prefixes borrowed within a step), whose prefill is
-chunked, with async scheduling on the static decode path and graphs (emulated: tests/replayed_graphs.py). Every
+under one of two LoRA adapters; in one session each of a priority) arrives at random steps into an engine whose KV
+cache is small enough to preempt (in that session the last by priority, which may be one scheduled earlier in its
+step), whose prompts share long prefixes (prefix-cache hits mid-run, prefixes borrowed within a step), whose prefill
+is chunked, with async scheduling on the static decode path and graphs (emulated: tests/replayed_graphs.py). Every
 request that ends must end as it does served alone on a plain engine over the same checkpoint (no prefix cache, no
 chunking, synchronous, no static path, no streaming; an adapter's request, on such an engine of the adapter's
 directory: its weights merged): the same tokens, text and finish, log-probability ranks equal and values within
@@ -303,13 +304,17 @@ def _count(llm: LLM) -> Counter:
 
 
 @pytest.mark.parametrize("path", list(MODELS), indirect=True)
-@pytest.mark.parametrize("seed", [12, 17, 19])  # sessions that do all of it (the last asserts check)
+@pytest.mark.parametrize("seed", [12, 17, 19, 8])  # sessions that do all of it (the last asserts check)
 def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, adapters, seed):
     stateful = bool(alone.runner.stateful)
     kv_bytes = NUM_BLOCKS * ModelRunner.bytes_per_block(alone.model, ENGINE["block_size"])
     kv_bytes += (ENGINE["max_num_seqs"] + 1) * ModelRunner.bytes_per_state(alone.model)  # (their slots, first)
-    llm = LLM(model=path, kv_cache_memory=kv_bytes, enable_lora=True, max_loras=2, max_lora_rank=4, **ENGINE)
+    ranked = seed == 8  # (this session schedules by priority, each request's drawn from -2 to 2: preempting a
+    # sequence scheduled earlier in its step, which first come, first served never does)
+    llm = LLM(model=path, kv_cache_memory=kv_bytes, enable_lora=True, max_loras=2, max_lora_rank=4,
+              scheduling_policy="priority" if ranked else "fcfs", **ENGINE)  # fmt: skip
     replay_graphs(llm.runner)
+    ranks = torch.Generator().manual_seed(seed)  # (apart from the script's draws)
     engine, counts = llm.engine, _count(llm)
     ids, arrivals, aborted, done, streamed = [], [], set(), {}, {}
 
@@ -323,7 +328,9 @@ def test_a_mixed_continuous_batch_matches_each_request_alone(path, alone, adapte
                 done[delta.request_id] = delta.output
 
     for new, abort in _script(seed, alone, list(adapters)):
-        ids += engine.add_requests([NewRequest(a.prompt, a.params, stream=a.stream, lora=a.lora) for a in new])
+        priorities = torch.randint(-2, 3, (len(new),), generator=ranks).tolist() if ranked else [0] * len(new)
+        ids += engine.add_requests([NewRequest(a.prompt, a.params, stream=a.stream, lora=a.lora, priority=p)
+                                    for a, p in zip(new, priorities)])  # fmt: skip
         arrivals += new
         if abort is not None and ids[abort] not in done:
             engine.abort(ids[abort])

@@ -61,8 +61,9 @@ def test_requests_run_by_priority_then_arrival(smol4_path, smol4):
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_the_cache_runs_out_and_the_last_by_priority_is_preempted(smol4_path, smol4, policy):
-    """Two sequences that do not both fit the cache: under priority the older one, of the higher number, is
-    preempted, where first come, first served preempts the newer."""
+    """Two sequences that do not both fit the cache, the older of the higher number: under priority it is the one
+    preempted, though the step had scheduled it already (it leaves the step again), where first come, first served
+    preempts the newer."""
     per_block = ModelRunner.bytes_per_block(smol4.model, 16)
     llm = LLM(model=str(smol4_path), dtype="float32", device="cpu", scheduling_policy=policy, max_num_seqs=2,
               kv_cache_memory=6 * per_block, enable_prefix_caching=False)  # fmt: skip  (96 tokens of KV)
@@ -74,15 +75,15 @@ def test_the_cache_runs_out_and_the_last_by_priority_is_preempted(smol4_path, sm
         preempt(seq)
 
     llm.engine.scheduler._preempt = recording
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)  # (each ~50 tokens: 4 blocks)
-    engine, ids = llm.engine, [llm.tokenizer(PROMPTS[i] * 2)["input_ids"] for i in (0, 1)]
-    priority = 1 if policy == "priority" else 0  # (the older one's; the newer one's 0)
-    old, new = engine.add_requests([NewRequest(ids[0], params, priority=priority), NewRequest(ids[1], params)])
-    done = {}
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine, prompts = llm.engine, [list(range(100, 108)), list(range(300, 314))]
+    [old] = engine.add_requests([NewRequest(prompts[0], params, priority=1 if policy == "priority" else 0)])
+    done = {d.request_id: d.output.outputs[0].token_ids for d in engine.step() if d.finished}
+    [new] = engine.add_requests([NewRequest(prompts[1], params)])  # (a step later: running after the old one)
     while engine.has_work():
         done |= {d.request_id: d.output.outputs[0].token_ids for d in engine.step() if d.finished}
     assert preempted and preempted[0] == (old if policy == "priority" else new)
-    alone = smol4.generate([PROMPTS[0] * 2, PROMPTS[1] * 2], params, use_tqdm=False)
+    alone = smol4.generate(prompts, params, use_tqdm=False)
     assert [done[old], done[new]] == [out.outputs[0].token_ids for out in alone]
 
 

@@ -104,6 +104,13 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
+                # (by priority the victim may be one scheduled earlier in this loop: out of the step again)
+                for k, (taken, m) in enumerate(scheduled):
+                    if taken is victim:
+                        del scheduled[k]
+                        budget += m
+                        self.tokens_computed -= m
+                        break
             else:
                 self._keep_state(seq, n)
                 scheduled.append((seq, n))
