@@ -400,7 +400,7 @@ class ChatRequest(_GenerationRequest):
     add_special_tokens: StrictBool = False  # vLLM's: the template already holds the special tokens
     tools: list[Tool] | None = None  # OpenAI's function tools (vlens.server.tools)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: StrictBool | None = None  # (None: true, OpenAI's default)
 
     def check(self, max_n: int) -> None:
         super().check(max_n)
@@ -434,7 +434,7 @@ class ChatRequest(_GenerationRequest):
         if reply is None:
             return super()._structures()
         functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
-        return {"tool_choice": {"json": reply_schema(functions, reply.named, self.parallel_tool_calls)},
+        return {"tool_choice": {"json": reply_schema(functions, reply.named, self.parallel_tool_calls is not False)},
                 **super()._structures()}  # fmt: skip
 
     def chat_options(self) -> ChatOptions:
