@@ -1,7 +1,8 @@
 """Conversations into prompts, with vLLM's chat options: a reply that continues a last assistant message
 (continue_final_message, add_generation_prompt=False), another template and the template's own variables
 (chat_template, chat_template_kwargs) — offline in LLM.chat, and served: chat completions and /tokenize render
-them as LLM.chat does; bad combinations refused by name."""
+them as LLM.chat does, under the server's template (--chat-template) or a request's own where the server trusts
+them; bad combinations refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from server_helpers import running_server
 from vlens import SamplingParams
 from vlens.chat import ChatOptions
 from vlens.server.config import ServerConfig
+from vlens.server.protocol import APIError, ChatRequest, ChatTemplates
 
 PREFILLED = [{"role": "user", "content": "What is the capital of France?"},
              {"role": "assistant", "content": "The capital of France is"}]  # fmt: skip
@@ -52,8 +54,12 @@ def test_bad_options_are_refused_by_name(smol, options, message):
 
 
 @pytest.fixture(scope="module")
-def server(served_smol):
-    with running_server(served_smol, ServerConfig(served_model_name="smol")) as url:
+def server(served_smol, tmp_path_factory):
+    """Served with the checkpoint's own template from a file (--chat-template), trusting requests' templates."""
+    file = tmp_path_factory.mktemp("template") / "chat.jinja"
+    file.write_text(served_smol.tokenizer.chat_template)
+    config = ServerConfig(served_model_name="smol", chat_template=str(file), trust_request_chat_template=True)
+    with running_server(served_smol, config) as url:
         yield url
 
 
@@ -69,3 +75,24 @@ def test_served_chats_render_as_llm_chat_does(server, smol):
     assert ChatOptions(**fields).render(smol.tokenizer, PREFILLED, "messages").endswith("France is")
     bad = httpx.post(server + "/v1/chat/completions", json=body | {"add_generation_prompt": True}, timeout=120)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message", bad.text
+
+
+def test_the_servers_template_and_a_trusted_requests_own(server, smol):
+    assert httpx.get(server + "/tokenizer_info", timeout=60).json()["chat_template"] == smol.tokenizer.chat_template
+    hi = [{"role": "user", "content": "Hi"}]
+    fields = {"chat_template": TEMPLATE, "chat_template_kwargs": {"cue": "Answer:"}}
+    [ref] = smol.chat(hi, GREEDY, use_tqdm=False, **fields)
+    tokens = httpx.post(server + "/tokenize", json={"messages": hi} | fields, timeout=60).json()["tokens"]
+    assert tokens == ref.prompt_token_ids == smol.tokenizer("Hi\nAnswer:", add_special_tokens=False)["input_ids"]
+    body = {"model": "smol", "messages": hi, "max_tokens": 6, "temperature": 0, "return_token_ids": True} | fields
+    choice = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).json()
+    assert choice["prompt_token_ids"] == ref.prompt_token_ids
+    assert choice["choices"][0]["message"]["content"] == ref.outputs[0].text
+    # a server that does not trust requests' templates (vLLM's default) refuses one by name
+    request = ChatRequest(messages=hi, chat_template=TEMPLATE)
+    with pytest.raises(APIError, match="^chat_template: .* --trust-request-chat-template") as e:
+        ChatTemplates("{{ messages }}").options(request)
+    assert e.value.param == "chat_template"
+    assert ChatTemplates("{{ messages }}").options(ChatRequest(messages=hi)).chat_template == "{{ messages }}"
+    with pytest.raises(ValueError, match="^chat_template: nowhere.jinja: no such file, and no Jinja template"):
+        ServerConfig(chat_template="nowhere.jinja")

@@ -107,7 +107,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         llm.image_encoder,
     )
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len, steering_vectors,
-                    loras)  # fmt: skip
+                    loras, generator.templates)  # fmt: skip
     served = Served(
         config, model_name, engine.max_model_len, shapes, hook_shapes(llm.config), saes, tuned_lens, steering_vectors,
         store, metrics, loop, admission, generator, Embedder(generator), tokens, page_html(None), int(time.time()),

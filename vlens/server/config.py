@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from vlens.server.tool_parsers import PARSERS, ToolParser
 from vlens.settings import positive, setting, validate
 
 API_KEY_ENV = "VLENS_API_KEY"  # where `vlens serve` finds the key when --api-key is not given
@@ -65,6 +66,13 @@ def _names_and_paths(named: list[tuple[str, str]], what: str) -> str | None:
         return f"names {', '.join(twice)} more than once; each {what} needs its own name"
     missing = [f"{name}={path}" for name, path in named if not Path(path).expanduser().exists()]
     return f"{', '.join(missing)}: no such file or directory" if missing else None
+
+
+def _template(value: str | None) -> str | None:
+    """vLLM's --chat-template: a file's path, or the template's own text (a Jinja tag in it tells them apart)."""
+    if value is None or "{{" in value or "{%" in value or Path(value).expanduser().is_file():
+        return None
+    return f"{value}: no such file, and no Jinja template ({{{{ ... }}}} or {{% ... %}} in it)"
 
 
 def _directory(path: str | None) -> str | None:
@@ -138,6 +146,36 @@ class ServerConfig:
         "mean", "how /v1/embeddings pools the hook's rows unless a request says: the mean, or the last row",
         choices=("mean", "last"),
     )  # fmt: skip
+    # Chat templates: the server's in place of the checkpoint's, and whether a request may bring its own.
+    chat_template: str | None = setting(
+        None, "the chat template that renders chat requests in place of the checkpoint's: a Jinja file's path, or the "
+        "template itself (vLLM's --chat-template)", check=_template,
+    )  # fmt: skip
+    trust_request_chat_template: bool = setting(
+        False, "render a chat request with the chat_template it brings (a template is code the server runs; "
+        "otherwise such a request is a 400)",
+    )  # fmt: skip
+    # tool_choice "auto" (vLLM's flags): the model's tool calls read out of its text (vlens.server.tool_parsers).
+    enable_auto_tool_choice: bool = setting(
+        False, "serve tool_choice \"auto\" (the default with tools): the model decides whether to call a tool, and "
+        "the --tool-call-parser reads its calls out of the reply",
+    )  # fmt: skip
+    tool_call_parser: str | None = setting(
+        None, "the format of the model's tool calls, as its chat template teaches it: hermes (Hermes, Qwen), "
+        "llama3_json (Llama 3.1, 3.2), pythonic (Llama 3.2, 4)", choices=tuple(PARSERS),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"enable_auto_tool_choice: needs a tool_call_parser, one of {', '.join(PARSERS)}")
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template's template: the file's text, or the flag's own."""
+        if self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template:
+            return self.chat_template
+        return Path(self.chat_template).expanduser().read_text()
+
+    def tool_parser(self) -> ToolParser | None:
+        """The parser of tool_choice "auto"'s replies; None where "auto" is not served."""
+        return PARSERS[self.tool_call_parser] if self.enable_auto_tool_choice else None

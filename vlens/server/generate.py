@@ -33,7 +33,7 @@ from vlens.server.config import ServerConfig
 from vlens.server.engine_loop import EngineLoop, Failed, Progress, Submission
 from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import Metrics
-from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, check_model, from_value_error
+from vlens.server.protocol import APIError, ChatRequest, ChatTemplates, CompletionRequest, check_model, from_value_error
 from vlens.server.responses import Echo, Shape, prompt_logprobs_json, usage
 from vlens.server.saes import features_json
 from vlens.server.tokens import render_chat
@@ -90,6 +90,7 @@ class Generator:
         self.max_model_len, self.store, self.metrics, self.admission = max_model_len, store, metrics, admission
         self.token_text = TokenText(tokenizer)
         self.extension = extension  # (what requests may name: SAEs, the tuned lens, steering vectors)
+        self.templates = ChatTemplates(config.chat_template_text(), config.trust_request_chat_template)
 
     def steers_of(self, model: str | None) -> list[Steer]:
         """What a request's `model` adds: a steering vector's name is the served model steered by it (as vLLM serves
@@ -134,7 +135,7 @@ class Generator:
         if any(m.has_images() for m in body.messages):
             ids, rendered, images = await asyncio.to_thread(self._chat_with_images, body)
         else:
-            rendered = render_chat(self.tokenizer, body.messages, body.chat_options())
+            rendered = render_chat(self.tokenizer, body.messages, self.templates.options(body))
             ids = self.tokenizer(rendered, add_special_tokens=body.add_special_tokens)["input_ids"]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -151,7 +152,7 @@ class Generator:
             messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
             conversation, images = chat_images(messages, "messages", local_files=False)
             encoder = self.image_encoder("messages")
-            text = encoder.render_chat(conversation, "messages", body.chat_options())
+            text = encoder.render_chat(conversation, "messages", self.templates.options(body))
             [(ids, rows)] = encoder.encode([ImagePrompt(text, images)], ["messages"], body.add_special_tokens)
         except ValueError as e:
             raise from_value_error(e) from None
@@ -163,6 +164,7 @@ class Generator:
         self, body, request: Request, prompts, max_tokens: int | None, logprobs: int | None, chat: bool,
         images: PromptImages | None = None,
     ) -> Prepared:  # fmt: skip
+        tools = body.tool_reply(self.config.tool_parser()) if chat else None
         steers = self.steers_of(body.model)
         extension = parse_extension(body.vlens, self.extension)
         if steers:
@@ -185,7 +187,7 @@ class Generator:
             requests=list(requests),
             shape=Shape(chat=chat, model=body.model or self.model_name, logprobs=logprobs,
                         text=_token_id_text if body.return_tokens_as_token_ids else self.token_text,
-                        tools=body.tool_reply() if chat else None),
+                        tools=tools),
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
             wants_activations=wants_activations,

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from vlens.chat import ChatOptions
 from vlens.sampling_params import StructuredOutputsParams
 from vlens.server.specs import ExtensionSpec
+from vlens.server.tool_parsers import PARSERS, ToolParser
 from vlens.server.tools import ToolReply, reply_schema, template_message
 
 
@@ -155,7 +156,6 @@ _NEUTRAL = {
 _NEUTRAL_CHAT = {
     **_NEUTRAL,
     "documents": (None,),
-    "chat_template": (None,),
     "mm_processor_kwargs": (None,),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
@@ -375,15 +375,31 @@ class ChatMessage(BaseModel):
         return isinstance(self.content, list) and any(isinstance(part, ImagePart) for part in self.content)
 
 
-def chat_options(body: Any) -> ChatOptions:
+def chat_options(body: Any, template: str | None = None) -> ChatOptions:
     """A body's chat-template fields (vLLM's: add_generation_prompt, continue_final_message, chat_template_kwargs;
-    OpenAI's tools); a 400 naming the field."""
+    OpenAI's tools) with `template` in place of the checkpoint's (None: the checkpoint's); a 400 naming the field."""
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     try:
-        return ChatOptions(body.add_generation_prompt, body.continue_final_message, None, body.chat_template_kwargs,
+        return ChatOptions(body.add_generation_prompt, body.continue_final_message, template, body.chat_template_kwargs,
                            tools)  # fmt: skip
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+@dataclass(frozen=True)
+class ChatTemplates:
+    """Which chat template renders a request: its own `chat_template` where the server trusts requests' templates
+    (vLLM's --trust-request-chat-template: a template is code the server runs), else the server's (--chat-template),
+    else the checkpoint's."""
+
+    server: str | None = None
+    trust_requests: bool = False
+
+    def options(self, body: Any) -> ChatOptions:
+        if body.chat_template is not None and not self.trust_requests:
+            raise APIError(400, "chat_template: this server renders requests with its own chat template; start it "
+                           "with --trust-request-chat-template to take a request's", param="chat_template")  # fmt: skip
+        return chat_options(body, body.chat_template if body.chat_template is not None else self.server)
 
 
 class ChatRequest(_GenerationRequest):
@@ -392,6 +408,7 @@ class ChatRequest(_GenerationRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the reply continues the last message (an answer's start)
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking, ...)
+    chat_template: StrictStr | None = None  # the request's own (vlens.server.protocol.ChatTemplates)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -408,21 +425,27 @@ class ChatRequest(_GenerationRequest):
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
         if self.echo:
             raise APIError(400, "echo: not supported on chat completions; use /v1/completions with echo", param="echo")
-        self.chat_options()
+        chat_options(self, self.chat_template)
 
-    def tool_reply(self) -> ToolReply | None:
-        """How the reply becomes tool calls (tool_choice "required" or a named function), or None (text); a 400
-        naming tool_choice for a choice the tools cannot meet, or "auto" (a tool-call parser's: not here)."""
+    def tool_reply(self, parser: ToolParser | None = None) -> ToolReply | None:
+        """How the reply becomes tool calls ("auto" through the server's tool-call `parser`, "required", a named
+        function), or None (text); a 400 naming tool_choice for a choice the tools cannot meet, or "auto" on a
+        server without a parser."""
+        if self.tools and self.tool_choice in (None, "auto"):  # (OpenAI's default with tools, as vLLM's)
+            if parser is None:
+                raise APIError(400, "tool_choice: \"auto\" (the default with tools) needs the server started with "
+                               "--enable-auto-tool-choice and --tool-call-parser (one of "
+                               f"{', '.join(PARSERS)}); send \"required\", a named function or \"none\"",
+                               param="tool_choice")  # fmt: skip
+            return ToolReply(None, parser)
+        return self._forced_tools()
+
+    def _forced_tools(self) -> ToolReply | None:
+        """tool_choice "required" or a named function: a reply the tools' schema holds to (None: any other)."""
         choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
         names = [tool.function.name for tool in self.tools or ()]
-        if choice is None or choice == "auto":
-            if names:  # (OpenAI's default with tools, as vLLM's; without them, "none")
-                raise APIError(400, "tool_choice: \"auto\" (the default with tools) needs a parser of the model's tool "
-                               "calls, which vlens serve does not have; send \"required\", a named function or "
-                               "\"none\"", param="tool_choice")  # fmt: skip
-            return None
-        if choice == "none":
-            return None
         named = None if choice == "required" else choice.function.name
         if not names or (named is not None and named not in names):
             wanted = "tools to choose from" if named is None else f"a tool named {named!r}"
@@ -430,12 +453,11 @@ class ChatRequest(_GenerationRequest):
         return ToolReply(named)
 
     def _structures(self) -> dict[str, dict[str, Any]]:
-        reply = self.tool_reply()
-        if reply is None:
+        forced = self._forced_tools()
+        if forced is None:
             return super()._structures()
         functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
-        return {"tool_choice": {"json": reply_schema(functions, reply.named, self.parallel_tool_calls is not False)},
+        return {"tool_choice": {"json": reply_schema(functions, forced.named, self.parallel_tool_calls is not False)},
                 **super()._structures()}  # fmt: skip
 
-    def chat_options(self) -> ChatOptions:
-        return chat_options(self)
+

@@ -100,6 +100,7 @@ class Shape:
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset per choice
     tools: ToolReply | None = None  # a chat's reply read back as tool calls (vlens.server.tools)
     held: dict[int, str] = field(default_factory=dict)  # ... streamed: each choice's text so far (calls at its end)
+    sent: dict[int, int] = field(default_factory=dict)  # ... and how much of it went out as content
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -143,21 +144,24 @@ class Shape:
     def _tool_calls(
         self, choice: dict, index: int, text: str, finish_reason: str | None, delta: bool, first: bool
     ) -> str | None:  # fmt: skip
-        """A reply that is tool calls: its message (content "", as vLLM's), or streamed, empty deltas until its end,
-        whose delta holds every call whole. Text it cannot read as calls ("required"'s JSON cut short) stays
-        content. Returns the finish reason (vLLM's: "tool_calls" for "required"'s calls)."""
+        """A reply read as tool calls: its message (content "" with "required"'s or a named function's, as vLLM's),
+        or streamed, the text the reply surely has before any call as content deltas, then at its end a delta with
+        every call whole. Text it cannot read as calls ("required"'s JSON cut short, an "auto" reply without calls)
+        stays content. Returns the finish reason (vLLM's "tool_calls" where calls were made)."""
+        message: dict[str, Any] = {"role": "assistant"} if first or not delta else {}
+        sent = self.sent.get(index, 0)
         if delta:
             text = self.held[index] = self.held.get(index, "") + text
-        message: dict[str, Any] = {"role": "assistant"} if first or not delta else {}
-        if delta and finish_reason is None:
-            choice["delta"] = message
-            return None
-        calls = self.tools.calls(text)
-        if calls is None:
-            message["content"] = text
-        else:
-            listed = [{"index": i, **call} for i, call in enumerate(calls)] if delta else calls  # (a delta's: indexed)
-            message |= {"content": "", "tool_calls": listed}
+            if finish_reason is None:
+                end = max(sent, self.tools.content_end(text))
+                if end > sent:
+                    message["content"], self.sent[index] = text[sent:end], end
+                choice["delta"] = message
+                return None
+        content, calls = self.tools.read(text)
+        message["content"] = (content or "")[sent:] if delta else content
+        if calls is not None:
+            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)] if delta else calls
         choice["delta" if delta else "message"] = message
         return self.tools.finish(finish_reason, calls is not None)
 

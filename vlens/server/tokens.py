@@ -13,17 +13,18 @@ from vlens.chat import ChatOptions
 from vlens.server.protocol import (
     APIError,
     ChatMessage,
+    ChatTemplates,
     Tool,
-    chat_options,
     check_model,
     from_value_error,
     refuse_unknown,
 )  # fmt: skip
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions = ChatOptions()) -> str:
-    """The conversation through the model's chat template; a 400 naming `messages` if it cannot be."""
-    if not getattr(tokenizer, "chat_template", None):
+def render_chat(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions) -> str:
+    """The conversation through the chat template `options` name, else the model's; a 400 naming `messages` if it
+    cannot be."""
+    if options.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions", "messages")
     if any(m.has_images() for m in messages):  # (a chat completion takes them: vlens.server.generate)
         raise APIError(400, "messages: image_url parts are taken by /v1/chat/completions only", "messages")
@@ -38,7 +39,7 @@ class TokenizeRequest(BaseModel):
     template, which holds the special tokens)."""
 
     model_config = ConfigDict(extra="allow")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"chat_template": (None,), "mm_processor_kwargs": (None,)}
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"mm_processor_kwargs": (None,)}
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -46,11 +47,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: StrictStr | None = None  # (as a chat completion's: vlens.server.protocol.ChatTemplates)
     tools: list[Tool] | None = None  # rendered by the template, as a chat completion's
     return_token_strs: StrictBool = False
-
-    def chat_options(self) -> ChatOptions:
-        return chat_options(self)
 
 
 class DetokenizeRequest(BaseModel):
@@ -62,11 +61,12 @@ class DetokenizeRequest(BaseModel):
 class Tokens:
     def __init__(
         self, tokenizer: Any, vocab_size: int, model_name: str, max_model_len: int, steered: Iterable[str] = (),
-        adapters: Collection[str] = (),
+        adapters: Collection[str] = (), templates: ChatTemplates = ChatTemplates(),
     ):  # fmt: skip
         """`steered`, `adapters`: the names of the steered models and LoRA adapters the server serves too (one
-        tokenizer for all; `adapters` read as they are when asked: they change at run time)."""
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        tokenizer for all; `adapters` read as they are when asked: they change at run time); `templates`, the chat
+        templates of chat requests'."""
+        self.tokenizer, self.vocab_size, self.templates = tokenizer, vocab_size, templates
         self.model_name, self.max_model_len, self.steered = model_name, max_model_len, tuple(steered)
         self.adapters = adapters
 
@@ -76,7 +76,7 @@ class Tokens:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt (a text) or messages (a conversation), not both", "prompt")
         if body.messages is not None:
-            text = render_chat(self.tokenizer, body.messages, body.chat_options())
+            text = render_chat(self.tokenizer, body.messages, self.templates.options(body))
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
@@ -106,7 +106,7 @@ class Tokens:
         return {
             "tokenizer_class": type(t).__name__,
             **{name: None if value is None else str(value) for name, value in special.items()},
-            "chat_template": getattr(t, "chat_template", None),
+            "chat_template": self.templates.server or getattr(t, "chat_template", None),
             "model_max_length": self.max_model_len,
             "vocab_size": self.vocab_size,
         }

@@ -1,11 +1,11 @@
-"""OpenAI's function tools on chat completions, as vLLM serves them without a tool-call parser.
+"""OpenAI's function tools on chat completions, as vLLM serves them.
 
 The tools go into the chat template (which renders them in the model's own format, as it does its assistant
 messages' `tool_calls` and the `tool` messages that answer them). `tool_choice` "required" or a named function
 makes the reply a structured output (vlens.engine.structured): a named function's arguments, or a JSON array of
 {"name", "parameters"} objects, one of the tools each; the text is read back as `tool_calls` (vLLM's layout, finish
-reasons and schema). "none" leaves the reply text. "auto", where the model decides and a parser per model family
-finds its calls in the text, is not here: a 400 names it.
+reasons and schema). "auto" leaves the choice to the model, whose calls in its own format the server's tool-call
+parser finds (vlens.server.tool_parsers; without one, "auto" is a 400 naming the flags). "none" leaves the text.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from vlens.server.tool_parsers import ToolParser
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -40,23 +42,37 @@ def reply_schema(functions: list[dict[str, Any]], named: str | None, parallel: b
 
 @dataclass(frozen=True)
 class ToolReply:
-    """How a reply's text becomes tool calls: `named`, the function tool_choice named; None, "required"."""
+    """How a reply's text becomes tool calls: `named`, the function tool_choice named; None, "required"; with a
+    `parser`, "auto" (the model's own format)."""
 
     named: str | None
+    parser: ToolParser | None = None
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The reply as OpenAI's tool_calls; None where "required"'s text is not its JSON (cut short by max_tokens)."""
+    def read(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """The reply as its content and OpenAI's tool_calls (None: the text is no calls, it stays content; so is
+        "required"'s JSON cut short by max_tokens)."""
+        if self.parser is not None:
+            parsed = self.parser.parse(text)
+            return (text, None) if parsed is None else (parsed.content, [_call(*call) for call in parsed.calls])
         if self.named is not None:
-            return [_call(self.named, text)]
+            return "", [_call(self.named, text)]
         try:
             listed = json.loads(text)
-            return [_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in listed]
+            return "", [_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in listed]
         except (ValueError, TypeError, KeyError):
-            return None
+            return text, None
+
+    def content_end(self, text: str) -> int:
+        """How much of a streamed reply so far goes out as content before its end: under "auto", the text the
+        parser knows is no call; otherwise none (the whole reply is the calls)."""
+        return self.parser.content_end(text) if self.parser is not None else 0
 
     def finish(self, reason: str | None, called: bool) -> str | None:
-        """vLLM's: "required"'s calls, complete, end with "tool_calls"; a named function's with the engine's reason."""
-        return "tool_calls" if self.named is None and called and reason == "stop" else reason
+        """vLLM's: calls the model made under "auto", and "required"'s calls complete, end with "tool_calls"; a
+        named function's with the engine's reason."""
+        if not called:
+            return reason
+        return "tool_calls" if self.parser is not None or (self.named is None and reason == "stop") else reason
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
