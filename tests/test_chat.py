@@ -96,3 +96,13 @@ def test_the_servers_template_and_a_trusted_requests_own(server, smol):
     assert ChatTemplates("{{ messages }}").options(ChatRequest(messages=hi)).chat_template == "{{ messages }}"
     with pytest.raises(ValueError, match="^chat_template: nowhere.jinja: no such file, and no Jinja template"):
         ServerConfig(chat_template="nowhere.jinja")
+
+
+def test_a_served_llm_is_stepped_by_its_server_alone(server, served_smol):
+    """A notebook's LLM.generate on the LLM it serves is refused before any work (stepped from two threads at once,
+    the engine would fail both), and the server goes on."""
+    with pytest.raises(RuntimeError, match="^this LLM is being served"):
+        served_smol.generate(["Hi"], GREEDY, use_tqdm=False)
+    body = {"model": "smol", "prompt": "Hi", "max_tokens": 6, "temperature": 0}
+    assert httpx.post(server + "/v1/completions", json=body, timeout=120).status_code == 200
+    assert not served_smol.engine.has_work()
