@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from vlens.server.reasoning import PARSERS as REASONING_PARSERS
+from vlens.server.reasoning import ThinkTags
 from vlens.server.tool_parsers import PARSERS, ToolParser
 from vlens.settings import positive, setting, validate
 
@@ -165,6 +167,12 @@ class ServerConfig:
         "llama3_json (Llama 3.1, 3.2), pythonic (Llama 3.2, 4)", choices=tuple(PARSERS),
     )  # fmt: skip
 
+    reasoning_parser: str | None = setting(
+        None, "read chat replies as a reasoning model's: the thinking inside <think>...</think> as the message's "
+        "reasoning, the answer after it as its content: deepseek_r1 (DeepSeek-R1, QwQ), qwen3 (Qwen3; its "
+        "enable_thinking=false leaves the reply content)", choices=tuple(REASONING_PARSERS),
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         validate(self)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -175,6 +183,9 @@ class ServerConfig:
         if self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template:
             return self.chat_template
         return Path(self.chat_template).expanduser().read_text()
+
+    def think_tags(self) -> ThinkTags | None:
+        return None if self.reasoning_parser is None else REASONING_PARSERS[self.reasoning_parser]
 
     def tool_parser(self) -> ToolParser | None:
         """The parser of tool_choice "auto"'s replies; None where "auto" is not served."""

@@ -187,7 +187,8 @@ class Generator:
             requests=list(requests),
             shape=Shape(chat=chat, model=body.model or self.model_name, logprobs=logprobs,
                         text=_token_id_text if body.return_tokens_as_token_ids else self.token_text,
-                        tools=tools),
+                        tools=tools, thinking=chat and self._thinking(body),
+                        include_reasoning=not chat or body.include_reasoning),
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
             wants_activations=wants_activations,
@@ -199,6 +200,12 @@ class Generator:
             token_ids=bool(body.return_token_ids),
             structure_field=body.structure_field(),
         )
+
+    def _thinking(self, body: ChatRequest) -> bool:
+        """Whether the reply is read as a reasoning model's: a server with a reasoning parser, thinking asked for
+        (Qwen3's enable_thinking), no structure holding the reply from its first token."""
+        tags = self.config.think_tags()
+        return tags is not None and tags.thinking(body.chat_template_kwargs) and body.structure_field() is None
 
     def _request(
         self,

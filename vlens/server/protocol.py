@@ -160,7 +160,6 @@ _NEUTRAL_CHAT = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "reasoning_effort": (None,),
-    "include_reasoning": (True,),
     "metadata": (None, {}),
     "store": (None, False),
     "service_tier": (None, "auto", "default"),
@@ -418,6 +417,7 @@ class ChatRequest(_GenerationRequest):
     tools: list[Tool] | None = None  # OpenAI's function tools (vlens.server.tools)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # (None: true, OpenAI's default)
+    include_reasoning: StrictBool = True  # vLLM's: a reasoning model's thinking in the reply (vlens.server.reasoning)
 
     def check(self, max_n: int) -> None:
         super().check(max_n)

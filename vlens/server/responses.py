@@ -13,9 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlens.outputs import Logprob
+from vlens.server.reasoning import split
 from vlens.server.tools import ToolReply
 
 TokenNamer = Callable[[int], str | None]  # a token id -> its name in log-probabilities
+
+
+@dataclass
+class _Stream:
+    """A streamed chat choice read through parsers: its text so far, and how much of its reasoning and content
+    went out."""
+
+    text: str = ""
+    reasoning: int = 0
+    content: int = 0
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
@@ -99,8 +110,9 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset per choice
     tools: ToolReply | None = None  # a chat's reply read back as tool calls (vlens.server.tools)
-    held: dict[int, str] = field(default_factory=dict)  # ... streamed: each choice's text so far (calls at its end)
-    sent: dict[int, int] = field(default_factory=dict)  # ... and how much of it went out as content
+    thinking: bool = False  # a chat's reply read as a reasoning model's (vlens.server.reasoning)
+    include_reasoning: bool = True  # ... its reasoning in the response (vLLM's include_reasoning)
+    streams: dict[int, _Stream] = field(default_factory=dict)  # each streamed choice's, read so (by index)
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -129,8 +141,8 @@ class Shape:
         choice: dict[str, Any] = {"index": index}
         if not self.chat:
             choice["text"] = text
-        elif self.tools is not None:
-            finish_reason = self._tool_calls(choice, index, text, finish_reason, delta, first)
+        elif self.tools is not None or self.thinking:
+            finish_reason = self._read(choice, index, text, finish_reason, delta, first)
         elif delta:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
@@ -141,29 +153,37 @@ class Shape:
             choice["stop_reason"] = stop_reason  # as vLLM: the stop string or token id that ended it
         return choice
 
-    def _tool_calls(
+    def _read(
         self, choice: dict, index: int, text: str, finish_reason: str | None, delta: bool, first: bool
     ) -> str | None:  # fmt: skip
-        """A reply read as tool calls: its message (content "" with "required"'s or a named function's, as vLLM's),
-        or streamed, the text the reply surely has before any call as content deltas, then at its end a delta with
-        every call whole. Text it cannot read as calls ("required"'s JSON cut short, an "auto" reply without calls)
-        stays content. Returns the finish reason (vLLM's "tool_calls" where calls were made)."""
+        """A reply read as a reasoning model's (its reasoning apart) and as tool calls (its content): its message,
+        or streamed, the reasoning and the text its content surely has before any call as deltas as they come, and
+        at its end the rest, every call whole. Text that is no calls ("required"'s JSON cut short, an "auto" reply
+        without calls) stays content (content "" beside "required"'s or a named function's calls, as vLLM's).
+        Returns the finish reason (vLLM's "tool_calls" where calls were made)."""
         message: dict[str, Any] = {"role": "assistant"} if first or not delta else {}
-        sent = self.sent.get(index, 0)
-        if delta:
-            text = self.held[index] = self.held.get(index, "") + text
-            if finish_reason is None:
-                end = max(sent, self.tools.content_end(text))
-                if end > sent:
-                    message["content"], self.sent[index] = text[sent:end], end
-                choice["delta"] = message
-                return None
-        content, calls = self.tools.read(text)
-        message["content"] = (content or "")[sent:] if delta else content
+        done = not delta or finish_reason is not None
+        stream = self.streams.setdefault(index, _Stream()) if delta else _Stream()
+        stream.text += text
+        reasoning, content = split(stream.text, done) if self.thinking else (None, stream.text)
+        if reasoning is not None and self.include_reasoning and (len(reasoning) > stream.reasoning or not delta):
+            message["reasoning"] = message["reasoning_content"] = reasoning[stream.reasoning:]
+            stream.reasoning = len(reasoning)
+        calls = None
+        if self.tools is not None and content is not None:
+            if done:
+                content, calls = self.tools.read(content)
+            else:
+                content = content[: self.tools.content_end(content)]
+        if content is not None and (len(content) > stream.content or not delta or calls is not None):
+            message["content"] = content[stream.content:]
+            stream.content = len(content)
+        elif not delta:
+            message["content"] = content
         if calls is not None:
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)] if delta else calls
         choice["delta" if delta else "message"] = message
-        return self.tools.finish(finish_reason, calls is not None)
+        return finish_reason if self.tools is None else self.tools.finish(finish_reason, calls is not None)
 
     def body(self, choices: list[dict], usage_: dict | None, **extra: Any) -> dict[str, Any]:
         """A full response (streamed=False) or a chunk, with `extra` top-level keys such as vlens."""

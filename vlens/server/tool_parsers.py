@@ -42,7 +42,7 @@ def _call(name: Any, arguments: Any) -> tuple[str, str]:
     return name, json.dumps(arguments, ensure_ascii=False)
 
 
-def _unmatched_tail(text: str, marker: str) -> int:
+def unmatched_tail(text: str, marker: str) -> int:
     """Where a suffix of `text` that may grow into `marker` starts (len(text) where none)."""
     for start in range(max(0, len(text) - len(marker) + 1), len(text)):
         if marker.startswith(text[start:]):
@@ -70,7 +70,7 @@ class Hermes:
 
     def content_end(self, text: str) -> int:
         start = text.find(self.START)
-        return start if start >= 0 else _unmatched_tail(text, self.START)
+        return start if start >= 0 else unmatched_tail(text, self.START)
 
 
 class Llama3Json:

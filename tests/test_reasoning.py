@@ -1,0 +1,136 @@
+"""A reasoning model's thinking apart from its answer (vlens.server.reasoning, vLLM's --reasoning-parser): the
+split of reply texts, streamed replies read a piece at a time (with tool calls after the thinking), and SmolLM2
+served with the qwen3 parser, which a few worked examples teach to think inside <think></think> first: the message's
+reasoning and content are its offline reply's two parts, streamed and not; a reply cut short while thinking, one
+with enable_thinking false, and a structured one."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from server_helpers import running_server
+
+from vlens import SamplingParams
+from vlens.server.config import ServerConfig
+from vlens.server.reasoning import PARSERS, split
+from vlens.server.responses import Shape
+from vlens.server.tool_parsers import PARSERS as TOOL_PARSERS
+from vlens.server.tools import ToolReply
+
+SHOTS = [
+    {"role": "system", "content": "Think first inside <think></think>, then answer."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "<think>Two plus two makes four.</think>4"},
+    {"role": "user", "content": "What is 3 + 5?"},
+    {"role": "assistant", "content": "<think>Three plus five makes eight.</think>8"},
+    {"role": "user", "content": "What is 1 + 6?"},
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("<think>Plan.</think>Answer", ("Plan.", "Answer")),
+     ("Plan.</think>Answer", ("Plan.", "Answer")),  # (the opening tag in the prompt: DeepSeek-R1's, Qwen3.5's)
+     ("<think>Plan.</think>", ("Plan.", None)),
+     ("<think>Still thinking", ("Still thinking", None)),  # (cut short: all reasoning)
+     ("</think>Answer", ("", "Answer"))],
+)  # fmt: skip
+def test_a_reply_splits_at_the_end_of_its_thinking(text, want):
+    assert split(text, done=True) == want
+
+
+def test_enable_thinking_false_turns_qwen3s_thinking_off():
+    assert PARSERS["qwen3"].thinking({"enable_thinking": False}) is False
+    assert PARSERS["qwen3"].thinking(None) and PARSERS["qwen3"].thinking({"enable_thinking": True})
+    assert PARSERS["deepseek_r1"].thinking({"enable_thinking": False})  # (DeepSeek-R1 always thinks)
+
+
+def _streamed(shape: Shape, text: str) -> tuple[list[dict], str | None]:
+    """`text` through a streaming Shape a character at a time: each delta, and the last one's finish reason."""
+    deltas = [shape.choice(0, ch, [], [], None, delta=True, first=i == 0)["delta"] for i, ch in enumerate(text)]
+    last = shape.choice(0, "", [], [], "stop", delta=True)
+    return [*deltas, last["delta"]], last["finish_reason"]
+
+
+def _joined(deltas: list[dict], key: str) -> str:
+    return "".join(d.get(key) or "" for d in deltas)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["<think>Plan the sum.</think>The answer is 7.", "Plan.</think>Done", "<think>Cut short, still thinking",
+     "<thin", "No tags at all"],
+)  # fmt: skip
+def test_streamed_thinking_comes_in_order_and_whole(text):
+    """Joined, the deltas are the reply's two parts; no delta before the last carries a piece of a tag (what may be
+    one waits: at the end, "<thin" is text)."""
+    reasoning, content = split(text, done=True)
+    deltas, finish = _streamed(Shape(chat=True, model="m", logprobs=None, text=str, thinking=True), text)
+    assert (_joined(deltas, "reasoning"), _joined(deltas, "content") or None, finish) == (reasoning, content, "stop")
+    assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)  # (vLLM's older name, kept)
+    assert not any("<" in (d.get("reasoning") or "") + (d.get("content") or "") for d in deltas[:-1])
+    hidden = Shape(chat=True, model="m", logprobs=None, text=str, thinking=True, include_reasoning=False)
+    assert not any("reasoning" in d for d in _streamed(hidden, text)[0])
+
+
+def test_tool_calls_after_the_thinking():
+    """With a tool parser too, the calls are read from the content (the text after the thinking)."""
+    text = '<think>Need the weather.</think>Checking.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    tools = ToolReply(None, TOOL_PARSERS["hermes"])
+    shape = Shape(chat=True, model="m", logprobs=None, text=str, tools=tools, thinking=True)
+    full = shape.choice(0, text, [], [], "stop")
+    message = full["message"]
+    assert (message["reasoning"], message["content"], full["finish_reason"]) == (
+        "Need the weather.", "Checking.", "tool_calls")  # fmt: skip
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("f", '{"a": 1}')]
+    deltas, finish = _streamed(Shape(chat=True, model="m", logprobs=None, text=str, tools=tools, thinking=True), text)
+    assert (_joined(deltas, "reasoning"), _joined(deltas, "content"), finish) == (
+        "Need the weather.", "Checking.", "tool_calls")  # fmt: skip
+    [calls] = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "f" and calls[0]["index"] == 0
+
+
+@pytest.fixture(scope="module")
+def server(served_smol):
+    with running_server(served_smol, ServerConfig(served_model_name="smol", reasoning_parser="qwen3")) as url:
+        yield url
+
+
+def _reply(server: str, **fields) -> dict:
+    body = {"model": "smol", "messages": SHOTS, "temperature": 0, "max_tokens": 40} | fields
+    out = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    assert out.status_code == 200, out.text
+    return out.json()["choices"][0]
+
+
+def _chunks(server: str, **fields) -> list[dict]:
+    body = {"model": "smol", "messages": SHOTS, "temperature": 0, "max_tokens": 40, "stream": True} | fields
+    lines = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).text.splitlines()
+    return [json.loads(line[6:])["choices"][0]["delta"] for line in lines if line.startswith("data: {")]
+
+
+def test_the_served_reply_is_its_thinking_and_its_answer(server, smol):
+    [offline] = smol.chat(SHOTS, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
+    thought, _, answer = offline.outputs[0].text.removeprefix("<think>").partition("</think>")
+    assert thought and answer and "<" not in thought + answer  # (SmolLM2 copies the worked examples' form)
+    message = _reply(server)["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == (thought, thought, answer)
+    deltas = _chunks(server)
+    assert (_joined(deltas, "reasoning"), _joined(deltas, "content")) == (thought, answer)
+    assert "reasoning" not in _reply(server, include_reasoning=False)["message"]
+
+
+def test_cut_short_thinking_off_and_structured_replies(server, smol):
+    [cut] = smol.chat(SHOTS, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    message = _reply(server, max_tokens=4)["message"]  # (stopped while thinking: all reasoning, no content)
+    assert (message["reasoning"], message["content"]) == (cut.outputs[0].text.removeprefix("<think>"), None)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}  # (Qwen3's switch: the reply is content)
+    [whole] = smol.chat(SHOTS, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
+    message = _reply(server, **off)["message"]
+    assert message["content"] == whole.outputs[0].text and "reasoning" not in message
+    assert _joined(_chunks(server, **off), "content") == whole.outputs[0].text
+    # a structure holds the reply from its first token: it is content, tags and all
+    structured = _reply(server, structured_outputs={"regex": "<think>[a-z ]+</think>[0-9]"})["message"]
+    assert structured["content"].startswith("<think>") and "reasoning" not in structured
