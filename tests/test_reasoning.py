@@ -2,13 +2,14 @@
 split of reply texts, streamed replies read a piece at a time (with tool calls after the thinking), and SmolLM2
 served with the qwen3 parser, which a few worked examples teach to think inside <think></think> first: the message's
 reasoning and content are its offline reply's two parts, streamed and not; a reply cut short while thinking, one
-with enable_thinking false, and a structured one."""
+with enable_thinking false, and a structured one; through the Responses API, a reasoning item."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import openai
 import pytest
 from server_helpers import running_server
 
@@ -134,3 +135,20 @@ def test_cut_short_thinking_off_and_structured_replies(server, smol):
     # a structure holds the reply from its first token: it is content, tags and all
     structured = _reply(server, structured_outputs={"regex": "<think>[a-z ]+</think>[0-9]"})["message"]
     assert structured["content"].startswith("<think>") and "reasoning" not in structured
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(server, smol):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    [offline] = smol.chat(SHOTS, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
+    thought, _, answer = offline.outputs[0].text.removeprefix("<think>").partition("</think>")
+    response = client.responses.create(model="smol", input=SHOTS, max_output_tokens=40, temperature=0)
+    reasoning, message = response.output
+    assert (reasoning.type, reasoning.content[0].text, response.output_text) == ("reasoning", thought, answer)
+    assert response.status == "completed" and message.status == "completed"
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    events = list(client.responses.create(model="smol", input=SHOTS, max_output_tokens=40, temperature=0,
+                                          stream=True))  # fmt: skip
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    assert events[-1].type == "response.completed"

@@ -33,6 +33,7 @@ from vlens.server.limits import BodyLimit
 from vlens.server.loras import LoraAdapterRequest, load_adapter, load_loras, unload_adapter
 from vlens.server.metrics import CountRequests, Metrics
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
+from vlens.server.responses_api import ResponsesRequest
 from vlens.server.saes import describe, load_saes
 from vlens.server.steering import describe as describe_steering
 from vlens.server.steering import load_steering_vectors
@@ -266,6 +267,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @routes.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request) -> Response:
     return await _served(request).generator.chat(body, request)
+
+
+@routes.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    return await _served(request).generator.respond(body, request)
 
 
 @routes.post("/v1/embeddings")

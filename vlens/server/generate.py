@@ -35,6 +35,7 @@ from vlens.server.extension import ExtensionContext, parse_extension
 from vlens.server.metrics import Metrics
 from vlens.server.protocol import APIError, ChatRequest, ChatTemplates, CompletionRequest, check_model, from_value_error
 from vlens.server.responses import Echo, Shape, prompt_logprobs_json, usage
+from vlens.server.responses_api import ResponseForm, ResponsesRequest, renamed
 from vlens.server.saes import features_json
 from vlens.server.tokens import render_chat
 from vlens.server.tools import template_message
@@ -65,6 +66,7 @@ class Prepared:
     prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field
     token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
     structure_field: str | None = None  # the body field a structured output comes from (response_format, ...)
+    form: ResponseForm | None = None  # a chat's reply as OpenAI's Responses API's (vlens.server.responses_api)
 
 
 class Generator:
@@ -129,7 +131,8 @@ class Generator:
             prepared.echo = [Echo(t if t is not None else self.tokenizer.decode(ids), ids) for ids, t in prompts]
         return await self._run(prepared, request)
 
-    async def chat(self, body: ChatRequest, request: Request) -> Response:
+    async def chat(self, body: ChatRequest, request: Request, form: ResponseForm | None = None) -> Response:
+        """A chat completion; with `form`, presented as a Responses API response (its body a chat request)."""
         body.check(self.config.max_n)
         images = None
         if any(m.has_images() for m in body.messages):
@@ -143,7 +146,20 @@ class Generator:
         if images is None:  # (the engine refuses to cut a prompt with images)
             prompts = _truncated(prompts, body.truncate_prompt_tokens)
         prepared = self._prepare(body, request, prompts, max_tokens, top, chat=True, images=images)
+        prepared.form = form
         return await self._run(prepared, request)
+
+    async def respond(self, body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API: the body run as the chat completion it is, its reply presented as a Response."""
+        chat = body.to_chat()
+        def count(text: str) -> int:
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        form = ResponseForm(body, body.model or self.model_name, count)
+        try:
+            return await self.chat(chat, request, form)
+        except APIError as e:
+            raise renamed(e) from None
 
     def _chat_with_images(self, body: ChatRequest) -> tuple[list[int], str, PromptImages]:
         """A conversation with image parts through the processor's chat template and the vision tower (vlens.images),
@@ -238,11 +254,12 @@ class Generator:
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
             raise APIError(
                 400,
-                f"max_tokens: {max_tokens} plus the {len(ids)}-token prompt exceed this server's "
+                f"{field}: {max_tokens} plus the {len(ids)}-token prompt exceed this server's "
                 f"context of {self.max_model_len} tokens; at most {room}",
-                param="max_tokens",
+                param=field,
                 code="context_length_exceeded",
             )
         try:
@@ -276,7 +293,8 @@ class Generator:
                 outputs = await self.outputs(prepared.requests, request, prepared.structure_field)
                 if outputs is None:
                     return Response(status_code=CLIENT_CLOSED)
-                return JSONResponse(await self._response(outputs, prepared))
+                body = await self._response(outputs, prepared)
+                return JSONResponse(body if prepared.form is None else prepared.form.body(body))
             finally:
                 self.admission.release(ticket)
         try:
@@ -289,7 +307,9 @@ class Generator:
             self._abort_unless_done(submission)
             self.admission.release(ticket)
 
-        return _EventStream(self._stream(submission, prepared), on_close=close)
+        chunks = self._chunks(submission, prepared)
+        events = _sse_events(chunks) if prepared.form is None else prepared.form.events(chunks)
+        return _EventStream(events, on_close=close)
 
     async def _submit(self, requests: list[NewRequest], structure_field: str | None = None) -> Submission:
         try:
@@ -341,7 +361,8 @@ class Generator:
             extra["prompt_token_ids"] = outputs[0].prompt_token_ids
         return shape.body(choices, usage(prompt_tokens, completion_tokens, cached), **extra)
 
-    async def _stream(self, submission: Submission, prepared: Prepared) -> AsyncIterator[str]:
+    async def _chunks(self, submission: Submission, prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks (an error's body, {"error": ...}, ends it early)."""
         shape = prepared.shape
         started: set[int] = set()  # choices that sent a chunk (chat's first names the role, echo's holds the prompt)
         prompt_entries: dict[int, list] = {}  # per prompt, from the delta of the sample that computed them
@@ -350,7 +371,7 @@ class Generator:
             event = await submission.next()
             if isinstance(event, Failed):
                 submission.done = True
-                yield _sse(APIError(event.status, event.message).body())
+                yield APIError(event.status, event.message).body()
                 return
             if not isinstance(event, Progress):
                 continue
@@ -381,11 +402,10 @@ class Generator:
                     elif first and not started:
                         extra["prompt_token_ids"] = prepared.requests[i].prompt_token_ids
                 started.add(index)
-                yield _sse(shape.chunk([choice], **extra))
+                yield shape.chunk([choice], **extra)
         submission.done = True
         if prepared.include_usage:
-            yield _sse(shape.chunk([], usage(prompt_tokens, completion_tokens, cached)))
-        yield "data: [DONE]\n\n"
+            yield shape.chunk([], usage(prompt_tokens, completion_tokens, cached))
 
     async def _vlens(self, output: RequestOutput, prepared: Prepared) -> dict[str, Any]:
         """The `vlens` field of a response (or of the chunk that finishes a stream), if it has one."""
@@ -449,6 +469,16 @@ async def _until_disconnect(request: Request) -> None:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """OpenAI's server-sent events of completions and chat completions: each chunk, then [DONE] (not after an
+    error, which ends the stream)."""
+    async for chunk in chunks:
+        yield _sse(chunk)
+        if "error" in chunk:
+            return
+    yield "data: [DONE]\n\n"
 
 
 def _token_id_text(token: int) -> str:
