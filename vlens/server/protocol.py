@@ -459,5 +459,3 @@ class ChatRequest(_GenerationRequest):
         functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
         return {"tool_choice": {"json": reply_schema(functions, forced.named, self.parallel_tool_calls is not False)},
                 **super()._structures()}  # fmt: skip
-
-
