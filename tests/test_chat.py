@@ -103,6 +103,8 @@ def test_a_served_llm_is_stepped_by_its_server_alone(server, served_smol):
     the engine would fail both), and the server goes on."""
     with pytest.raises(RuntimeError, match="^this LLM is being served"):
         served_smol.generate(["Hi"], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="^this LLM is being served"):  # (a forward outside the engine's steps)
+        served_smol.trace("Hi", "blocks.0.hook_resid_post")
     body = {"model": "smol", "prompt": "Hi", "max_tokens": 6, "temperature": 0}
     assert httpx.post(server + "/v1/completions", json=body, timeout=120).status_code == 200
     assert not served_smol.engine.has_work()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import random
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -131,7 +130,6 @@ class LLMEngine:
                  num_blocks, block_size, num_blocks * per_block, self.max_model_len)  # fmt: skip
         self.enable_capture = config.enable_capture
         self.runner = runner
-        self.served_by: threading.Thread | None = None  # (vlens.server.engine_loop's thread, the only one to step it)
         runner.allocate_kv_cache(num_blocks, block_size, self.max_model_len, num_states)
         self.blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching, num_states)
         runner.state_of = self.blocks.state_of
@@ -167,7 +165,7 @@ class LLMEngine:
     def add_requests(self, requests: list[NewRequest]) -> list[str]:
         """Validate every request against the model, then queue all of them (none if any is refused:
         the ValueError names the field). Returns their request ids."""
-        self._check_thread()
+        self.runner.check_thread()
         self._check_loras([r.lora for r in requests if r.lora is not None])
         requests = [self._truncated(r) for r in requests]
         groups = [self._group(r) for r in requests]
@@ -325,18 +323,11 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def _check_thread(self) -> None:
-        """A served engine is stepped by the server's thread alone: a step from another thread at the same time
-        (a notebook's LLM.generate on the LLM it serves) would break both."""
-        if self.served_by is not None and threading.current_thread() is not self.served_by:
-            raise RuntimeError("this LLM is being served (vlens.server): its requests go through the server; "
-                               "build another LLM to run requests here meanwhile")  # fmt: skip
-
     def step(self) -> list[RequestDelta]:
         """Run one step; a delta for every sample that ended in it, and for every streamed one (whose text
         grows as it goes) that got a token. A step queued ahead by the last call is this one; before this
         one's ids reach the host, the next may be queued behind it."""
-        self._check_thread()
+        self.runner.check_thread()
         out, self._ahead = self._ahead, None
         if out is None or not any(seq.status is Status.RUNNING for seq in out.sampled):
             scheduled = self.scheduler.schedule()

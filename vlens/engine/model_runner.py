@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import threading
 import time
 import types
 from collections.abc import Callable, Iterable
@@ -129,6 +130,7 @@ class ModelRunner:
         `prefills`: its forwards are large prefills (a harvest's), which on CUDA take the fused chains as graphs
         do (vlens.layers.fused)."""
         self.model, self.cfg, self.backend = model, model.cfg, backend
+        self.served_by: threading.Thread | None = None  # (vlens.server.engine_loop's thread: the only one to run it)
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.kinds = {attn.kind for attn in model.attention_layers()}
@@ -238,6 +240,14 @@ class ModelRunner:
 
     # -- the one forward -------------------------------------------------------------------------------
 
+    def check_thread(self) -> None:
+        """A served model runs from the server's thread alone: a forward from another thread at the same time (a
+        notebook's LLM.generate or trace on the LLM it serves) would break both (they share the step's buffers and
+        the forward context)."""
+        if self.served_by is not None and threading.current_thread() is not self.served_by:
+            raise RuntimeError("this LLM is being served (vlens.server): its requests go through the server; "
+                               "build another LLM to run requests here meanwhile")  # fmt: skip
+
     def _forward(
         self, meta: AttentionMetadata, ids: torch.Tensor, taps: dict[str, Tap], num_layers: int | None = None,
         logit_rows: torch.Tensor | slice | None = None, backend=None, forward: Callable | None = None,
@@ -248,6 +258,7 @@ class ModelRunner:
         `forward`: what stands in for the model's (one from a layer on); `embeds`: ForwardContext's; `lora`: each
         row's LoRA slot (max_loras: none), put; `compiled`: a compiled decode step, ids -> every row's logits, in
         place of the forward and its unembedding (the hidden is then None)."""
+        self.check_thread()
         backend = backend or self.backend
         if meta.key_limits is not None and not isinstance(backend, SdpaBackend):  # (the one backend whose masks
             backend = self._sdpa  # take keys past a query's position: a prefill step with a both-ways image)

@@ -103,15 +103,15 @@ class EngineLoop:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        if self.engine.served_by is not None:
+        if self.engine.runner.served_by is not None:
             raise RuntimeError("this LLM is being served already: stop that server first, or build another LLM")
-        self.engine.served_by = self._thread
+        self.engine.runner.served_by = self._thread
         self._thread.start()
 
     def stop(self) -> None:
         self._commands.put(_Stop())
         self._thread.join()
-        self.engine.served_by = None
+        self.engine.runner.served_by = None
 
     @property
     def alive(self) -> bool:
