@@ -103,7 +103,11 @@ def test_the_servers_priority_field(smol4_path, smol4):
     with running_server(_engine(smol4_path, kv_cache_memory=16 << 20), ServerConfig()) as url:
         out = httpx.post(url + "/v1/completions", json=body | {"priority": -3}, timeout=60)
         assert out.status_code == 200 and out.json()["choices"][0]["text"] == want.outputs[0].text
+        embedded = httpx.post(url + "/v1/embeddings", json={"input": "Hi", "priority": -3}, timeout=60)
+        assert embedded.status_code == 200, embedded.text
     with running_server(smol4, ServerConfig()) as url:
         refused = httpx.post(url + "/v1/completions", json=body | {"priority": 2}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
         assert httpx.post(url + "/v1/completions", json=body | {"priority": 0}, timeout=60).status_code == 200
+        refused = httpx.post(url + "/v1/embeddings", json={"input": "Hi", "priority": 2}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text

@@ -250,6 +250,13 @@ def test_embeddings(client, server, smol):
     assert np.allclose(last.json()["data"][0]["embedding"], ref.activations["ln_final.hook_out"][0].numpy(), atol=1e-5)
     raw = post(server, "/v1/embeddings", {"input": [[1, 2, 3]], "encoding_format": "base64"}).json()
     assert np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4").shape == (576,)
+    # vLLM's normalize: unit vectors, the same directions (LLM.embed's too)
+    unit = post(server, "/v1/embeddings", {"input": texts, "normalize": True}).json()["data"]
+    offline = smol.embed(texts, hook="blocks.5.hook_resid_post", normalize=True, use_tqdm=False)
+    for d, raw_vector, o in zip(unit, out.data, offline, strict=True):
+        vector = np.asarray(d["embedding"])
+        assert abs(np.linalg.norm(vector) - 1) < 1e-5 and np.allclose(vector, o.outputs.embedding.numpy(), atol=1e-6)
+        assert np.allclose(vector, np.asarray(raw_vector.embedding) / np.linalg.norm(raw_vector.embedding), atol=1e-6)
 
 
 def test_llm_embed_equals_hf_and_the_server(client, smol, hf_smol):

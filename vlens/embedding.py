@@ -48,6 +48,8 @@ def embedding_params(
                           truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
 
 
-def embedding_of(output: RequestOutput, hook: str) -> torch.Tensor:
-    """The vector an embedding request read: [d] (a hook with several dims per row, flattened)."""
-    return output.activations[hook][0].flatten()
+def embedding_of(output: RequestOutput, hook: str, normalize: bool = False) -> torch.Tensor:
+    """The vector an embedding request read: [d] (a hook with several dims per row, flattened); `normalize`: scaled
+    to unit length (vLLM's normalize, for cosine similarities by dot products)."""
+    vector = output.activations[hook][0].flatten()
+    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector

@@ -226,15 +226,17 @@ class LLM:
     def embed(
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hook: str = DEFAULT_HOOK,
         pooling: str = "mean", truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool = False,
     ) -> list[EmbeddingRequestOutput]:  # fmt: skip
         """vLLM's embed, for any model: one vector per prompt, `hook`'s rows pooled on the device ("mean" over the
-        prompt, or the "last" row), as vlens serve's /v1/embeddings gives them (vlens.embedding). Prefill-only
-        requests: a batch of them stops after the hook's layer."""
+        prompt, or the "last" row), as vlens serve's /v1/embeddings gives them (vlens.embedding); `normalize`: of
+        unit length. Prefill-only requests: a batch of them stops after the hook's layer."""
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize: {normalize!r} is not allowed; expected a bool")
         params = embedding_params(hook, pooling, self.config, truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding_of(o, hook)), o.prompt_token_ids)
-                for o in outputs]  # fmt: skip
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding_of(o, hook, normalize)),
+                                       o.prompt_token_ids) for o in outputs]  # fmt: skip
 
     @torch.inference_mode()
     def trace(

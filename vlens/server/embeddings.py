@@ -32,8 +32,7 @@ class EmbeddingOptions(BaseModel):
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"priority": (0,), "normalize": (None, False), "request_id": (None,),
-                                           "additional_data": (None,)}  # fmt: skip
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,), "additional_data": (None,)}
     model: StrictStr | None = None
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -41,6 +40,8 @@ class EmbeddingRequest(BaseModel):
     user: StrictStr | None = None
     add_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)  # vLLM's: each input's last this many tokens
+    normalize: StrictBool | None = None  # vLLM's: true, vectors of unit length (None, false: as the hook has them)
+    priority: StrictInt = 0  # vLLM's: lower first, on a server run with --scheduling-policy priority
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
 
 
@@ -91,7 +92,8 @@ class Embedder:
         params = embedding_params(hook, pooling, self.cfg, steers)
         ticket = g.admission.admit(len(token_lists), 0, "input")  # a vector per input, JSON: no capture bytes to hold
         try:
-            outputs = await g.outputs([NewRequest(ids, params, lora=lora) for ids in token_lists], request)
+            requests = [NewRequest(ids, params, lora=lora, priority=body.priority) for ids in token_lists]
+            outputs = await g.outputs(requests, request)
         finally:
             g.admission.release(ticket)
         if outputs is None:
@@ -100,7 +102,7 @@ class Embedder:
             {
                 "object": "embedding",
                 "index": i,
-                "embedding": _encoded(embedding_of(out, hook), body.encoding_format),
+                "embedding": _encoded(embedding_of(out, hook, bool(body.normalize)), body.encoding_format),
             }
             for i, out in enumerate(outputs)
         ]
