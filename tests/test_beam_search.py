@@ -1,18 +1,22 @@
 """vLLM's LLM.beam_search: on SmolLM2 cut to four layers, the beams and their cumulative log-probabilities equal HF's
 beam search (no EOS: every beam as long), two prompts at once as each alone; on a scripted model, a beam ending in
-EOS is complete and ranked by vLLM's score (its EOS not counted in its length); bad parameters refused by name."""
+EOS is complete and ranked by vLLM's score (its EOS not counted in its length); bad parameters refused by name; the
+server's use_beam_search (completions and chat) gives LLM.beam_search's beams."""
 
 from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 import torch
+from server_helpers import running_server
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from vlens import BeamSearchParams, Logprob
 from vlens.beam_search import beam_search
 from vlens.outputs import CompletionOutput, RequestOutput
+from vlens.server.config import ServerConfig
 
 PROMPTS = ["My favourite colour is blue, and my favourite food is", "The quick brown fox"]
 
@@ -70,3 +74,32 @@ def test_a_beam_ending_in_eos_is_complete_and_ranked_by_vllms_score():
 def test_bad_parameters(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         BeamSearchParams(**kwargs)
+
+
+def test_the_servers_use_beam_search(smol4):
+    """vLLM's use_beam_search, n the width: completions' choices are each prompt's beams in order, chat's the
+    conversation's; what beam search leaves out (streams, logprobs) is refused by name."""
+    tok = smol4.tokenizer
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    want = smol4.beam_search(PROMPTS, params)
+    chat = [{"role": "user", "content": "Name a colour."}]
+    chat_ids = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"]  # fmt: skip
+    [chat_want] = smol4.beam_search([chat_ids], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+
+    def texts(out, prompt_ids: list[int]) -> list[str]:
+        return [tok.decode(s.tokens[len(prompt_ids):]) for s in out.sequences]
+
+    with running_server(smol4, ServerConfig()) as url:
+        body = {"prompt": PROMPTS, "use_beam_search": True, "n": 3, "max_tokens": 5, "ignore_eos": True}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        beams = [text for prompt, found in zip(PROMPTS, want) for text in texts(found, tok(prompt)["input_ids"])]
+        assert [c["text"] for c in out["choices"]] == beams
+        assert [c["index"] for c in out["choices"]] == list(range(6)) and out["usage"]["completion_tokens"] == 30
+        assert {c["finish_reason"] for c in out["choices"]} == {"length"}
+        chat_body = {"messages": chat, "use_beam_search": True, "n": 2, "max_tokens": 4, "ignore_eos": True}
+        out = httpx.post(url + "/v1/chat/completions", json=chat_body, timeout=120).json()
+        assert [c["message"]["content"] for c in out["choices"]] == texts(chat_want, chat_ids)
+        for field, value in (("stream", True), ("logprobs", 2)):
+            refused = httpx.post(url + "/v1/completions", json=body | {field: value}, timeout=60)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text

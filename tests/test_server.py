@@ -284,7 +284,7 @@ BAD = [
     ({"presence_penalty": 3}, 400, "presence_penalty", None),
     ({"repetition_penalty": 0}, 400, "repetition_penalty", None),
     ({"suffix": "x"}, 400, "suffix", None),
-    ({"use_beam_search": True}, 400, "use_beam_search", None),
+    ({"use_beam_search": True, "vlens": {"capture": CAPTURE}}, 400, "vlens", None),  # (beams: texts alone)
     ({"temperature": -1}, 422, "temperature", "greater_than_equal"),
     ({"max_tokens": 0}, 400, "max_tokens", None),  # allowed only with echo
     ({"prompt": None}, 422, "prompt", None),

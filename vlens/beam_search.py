@@ -47,43 +47,64 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # the best beam_width, best first
 
 
-def beam_search(
-    generate: Callable[[list[list[int]], SamplingParams], list[RequestOutput]], prompts: Sequence[list[int]],
-    params: BeamSearchParams, eos: frozenset[int], tokenizer: Any,
-) -> list[BeamSearchOutput]:  # fmt: skip
-    """`generate`: an engine's, the prompts in one batch (LLM.generate's)."""
+class BeamSearch:
+    """One search over prompts, a step at a time, for whoever runs the steps (LLM.beam_search through
+    LLM.generate; vlens serve through its engine thread): `beams()` are the token lists to run one token further,
+    each as the request `step`; `take(outputs)` pools their candidates; `results()` ranks what is left."""
 
-    def score(beam: BeamSearchSequence) -> float:
-        length = len(beam.tokens) - (beam.tokens[-1] in eos)
-        return beam.cum_logprob / length**params.length_penalty
+    def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams, eos: frozenset[int]):
+        self.params, self.eos, self.steps = params, eos, 0
+        self.step = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * params.beam_width, ignore_eos=True)
+        self.live = [[BeamSearchSequence(list(ids))] for ids in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
 
-    step = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * params.beam_width, ignore_eos=True)
-    live = [[BeamSearchSequence(list(ids))] for ids in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        beams = [beam for group in live for beam in group]
-        if not beams:
-            break
-        outputs = iter(generate([beam.tokens for beam in beams], step))
-        for i, group in enumerate(live):
+    def score(self, beam: BeamSearchSequence) -> float:
+        length = len(beam.tokens) - (beam.tokens[-1] in self.eos)
+        return beam.cum_logprob / length**self.params.length_penalty
+
+    def beams(self) -> list[list[int]]:
+        """The token lists this step runs (none: the search is over)."""
+        if self.steps == self.params.max_tokens:
+            return []
+        return [beam.tokens for group in self.live for beam in group]
+
+    def take(self, outputs: Sequence[RequestOutput]) -> None:
+        """The step's outputs, one per beam of beams() in its order."""
+        self.steps += 1
+        outputs = iter(outputs)
+        for i, group in enumerate(self.live):
             candidates = []
             for beam in group:
                 entry = next(outputs).outputs[0].logprobs[0]
                 for token, logprob in entry.items():
                     new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry],
                                              beam.cum_logprob + logprob.logprob)  # fmt: skip
-                    if token in eos and not params.ignore_eos:
+                    if token in self.eos and not self.params.ignore_eos:
                         new.finish_reason = "stop"
-                        done[i].append(new)
+                        self.done[i].append(new)
                     else:
                         candidates.append(new)
-            live[i] = sorted(candidates, key=score, reverse=True)[: params.beam_width]
-    results = []
-    for group, complete in zip(live, done, strict=True):
-        for beam in group:
-            beam.finish_reason = "length"
-        best = sorted(complete + group, key=score, reverse=True)[: params.beam_width]
-        for beam in best:
-            beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)  # (vLLM's: all of it)
-        results.append(BeamSearchOutput(best))
-    return results
+            self.live[i] = sorted(candidates, key=self.score, reverse=True)[: self.params.beam_width]
+
+    def results(self, tokenizer: Any) -> list[BeamSearchOutput]:
+        """Per prompt, the best beam_width beams, complete or not, best first; each one's text all its tokens'."""
+        results = []
+        for group, complete in zip(self.live, self.done, strict=True):
+            for beam in group:
+                beam.finish_reason = "length"
+            best = sorted(complete + group, key=self.score, reverse=True)[: self.params.beam_width]
+            for beam in best:
+                beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)  # (vLLM's: all of it)
+            results.append(BeamSearchOutput(best))
+        return results
+
+
+def beam_search(
+    generate: Callable[[list[list[int]], SamplingParams], list[RequestOutput]], prompts: Sequence[list[int]],
+    params: BeamSearchParams, eos: frozenset[int], tokenizer: Any,
+) -> list[BeamSearchOutput]:  # fmt: skip
+    """`generate`: an engine's, the prompts in one batch (LLM.generate's)."""
+    search = BeamSearch(prompts, params, eos)
+    while beams := search.beams():
+        search.take(generate(beams, search.step))
+    return search.results(tokenizer)

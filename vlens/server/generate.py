@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from vlens.beam_search import BeamSearch, BeamSearchParams
 from vlens.capture import Steer
 from vlens.config import ModelConfig
 from vlens.engine.llm_engine import NewRequest
@@ -127,6 +128,8 @@ class Generator:
         texts = [p if isinstance(p, str) else None for p in (body.prompt if several else [body.prompt])]
         prompts = _truncated(list(zip(token_lists, texts)), body.truncate_prompt_tokens)
         prepared = self._prepare(body, request, prompts, body.max_tokens, body.logprobs, chat=False)
+        if body.use_beam_search:
+            return await self._beam_search(prepared, body, request)
         if body.echo:
             prepared.echo = [Echo(t if t is not None else self.tokenizer.decode(ids), ids) for ids, t in prompts]
         return await self._run(prepared, request)
@@ -147,6 +150,11 @@ class Generator:
             prompts = _truncated(prompts, body.truncate_prompt_tokens)
         prepared = self._prepare(body, request, prompts, max_tokens, top, chat=True, images=images)
         prepared.form = form
+        if body.use_beam_search:
+            if images is not None:
+                raise APIError(400, "use_beam_search: takes conversations of text; one with images goes without it",
+                               param="use_beam_search")  # fmt: skip
+            return await self._beam_search(prepared, body, request)
         return await self._run(prepared, request)
 
     async def respond(self, body: ResponsesRequest, request: Request) -> Response:
@@ -254,7 +262,7 @@ class Generator:
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
-            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+            field = "max_tokens" if getattr(body, "max_completion_tokens", None) is None else "max_completion_tokens"
             raise APIError(
                 400,
                 f"{field}: {max_tokens} plus the {len(ids)}-token prompt exceed this server's "
@@ -310,6 +318,41 @@ class Generator:
         chunks = self._chunks(submission, prepared)
         events = _sse_events(chunks) if prepared.form is None else prepared.form.events(chunks)
         return _EventStream(events, on_close=close)
+
+    async def _beam_search(self, prepared: Prepared, body, request: Request) -> Response:
+        """vLLM's use_beam_search: per prompt its n best beams (vlens.beam_search), each step's beams one batch of
+        one-token requests through the engine thread (their prefixes from the prefix cache), under the request's
+        adapter or steering; a beam's text is its tokens' (an ending EOS's left out, as vLLM's)."""
+        first = prepared.requests[0]
+        try:
+            params = BeamSearchParams(body.n, min(r.params.max_tokens for r in prepared.requests), body.ignore_eos,
+                                      body.length_penalty)  # fmt: skip
+        except ValueError as e:
+            raise from_value_error(e) from None
+        search = BeamSearch([r.prompt_token_ids for r in prepared.requests], params, self.engine.engine.eos_ids)
+        step = replace(search.step, interventions=first.params.interventions)
+        field = "messages" if prepared.shape.chat else "prompt"
+        ticket = self.admission.admit(len(prepared.requests) * body.n, 0, field)
+        try:
+            while beams := search.beams():
+                requests = [replace(first, prompt_token_ids=ids, params=step, prompt=None) for ids in beams]
+                outputs = await self.outputs(requests, request)
+                if outputs is None:
+                    return Response(status_code=CLIENT_CLOSED)
+                search.take(outputs)
+        finally:
+            self.admission.release(ticket)
+        choices, generated_tokens = [], 0
+        for i, (result, prompt) in enumerate(zip(search.results(None), prepared.requests, strict=True)):
+            for j, beam in enumerate(result.sequences):
+                generated = beam.tokens[len(prompt.prompt_token_ids):]
+                shown = generated[:-1] if beam.finish_reason == "stop" else generated
+                text = self.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens)
+                choices.append(prepared.shape.choice(i * body.n + j, text, generated, [], beam.finish_reason))
+                generated_tokens += len(generated)
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.requests)
+        out = prepared.shape.body(choices, usage(prompt_tokens, generated_tokens))
+        return JSONResponse(out if prepared.form is None else prepared.form.body(out))
 
     async def _submit(self, requests: list[NewRequest], structure_field: str | None = None) -> Submission:
         try:

@@ -142,8 +142,6 @@ class StreamOptions(BaseModel):
 # Fields of vLLM's (and OpenAI's) requests that vlens serve does not implement -> the values at which
 # they change nothing. Keys a client sends that are neither declared nor listed here are unknown.
 _NEUTRAL = {
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
@@ -225,6 +223,8 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # as logprobs: each row's entries come as JSON
+    use_beam_search: StrictBool = False  # vLLM's: the n likeliest continuations (vlens.beam_search), n the width
+    length_penalty: float = 1.0  # ... a beam's score: cumulative log-probability / length ** length_penalty
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(ExtensionSpec)] = None
 
     def check(self, max_n: int) -> None:
@@ -245,6 +245,19 @@ class _GenerationRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
         self.structure()
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """What beam search leaves out, by name: it ranks whole beams by the model's own log-probabilities."""
+        asked = {"stream": self.stream, "logprobs": getattr(self, "logprobs", None) not in (None, False),
+                 "prompt_logprobs": self.prompt_logprobs is not None, "echo": getattr(self, "echo", False),
+                 "best_of": self.best_of is not None, "vlens": bool(self.vlens),
+                 self.structure_field() or "": self.structure_field() is not None}  # fmt: skip
+        for name, given in asked.items():
+            if given:
+                raise APIError(400, f"{name}: not with use_beam_search, which returns the n best beams' texts "
+                               "whole, ranked by the model's log-probabilities", param=name)  # fmt: skip
 
     def structure(self) -> StructuredOutputsParams | None:
         """The one structure the body asks for, or None; a 400 naming the fields when it asks for several."""
