@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, ValidationError
 
-from vlens.server.protocol import APIError, ChatRequest, DocumentedAs, refuse_unknown
+from vlens.server.protocol import APIError, ChatRequest, DocumentedAs, refuse_unknown, schema_error
 from vlens.server.specs import ExtensionSpec
 
 # Chat completion fields -> the Responses fields they come from, for the errors the chat path raises
@@ -177,7 +177,10 @@ class ResponsesRequest(BaseModel):
                 raise APIError(400, "text.format.schema: required with type json_schema", param="text.format.schema")
             schema = form.model_dump(include={"name", "description", "strict"}, exclude_none=True)
             fields["response_format"] = {"type": "json_schema", "json_schema": {**schema, "schema": form.schema_}}
-        return ChatRequest.model_validate(fields)
+        try:
+            return ChatRequest.model_validate(fields)
+        except ValidationError as e:  # (what the Responses schema lets through and the chat one does not)
+            raise renamed(schema_error(e.errors(), 422)) from None
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation: the instructions as a system message, then the input's items, a run of function
