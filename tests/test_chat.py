@@ -6,6 +6,8 @@ them; bad combinations refused by name."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from server_helpers import running_server
@@ -13,6 +15,7 @@ from server_helpers import running_server
 from vlens import SamplingParams
 from vlens.chat import ChatOptions
 from vlens.server.config import ServerConfig
+from vlens.server.engine_loop import EngineLoop
 from vlens.server.protocol import APIError, ChatRequest, ChatTemplates
 
 PREFILLED = [{"role": "user", "content": "What is the capital of France?"},
@@ -105,6 +108,8 @@ def test_a_served_llm_is_stepped_by_its_server_alone(server, served_smol):
         served_smol.generate(["Hi"], GREEDY, use_tqdm=False)
     with pytest.raises(RuntimeError, match="^this LLM is being served"):  # (a forward outside the engine's steps)
         served_smol.trace("Hi", "blocks.0.hook_resid_post")
+    with pytest.raises(RuntimeError, match="^this LLM is being served already"):  # (a second server on it)
+        EngineLoop(served_smol.engine).start(asyncio.new_event_loop())
     body = {"model": "smol", "prompt": "Hi", "max_tokens": 6, "temperature": 0}
     assert httpx.post(server + "/v1/completions", json=body, timeout=120).status_code == 200
     assert not served_smol.engine.has_work()
