@@ -21,7 +21,7 @@ from vlens.server.protocol import (
 )  # fmt: skip
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions) -> str:
+def render_chat(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions = ChatOptions()) -> str:
     """The conversation through the chat template `options` name, else the model's; a 400 naming `messages` if it
     cannot be."""
     if options.chat_template is None and not getattr(tokenizer, "chat_template", None):
