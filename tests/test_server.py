@@ -394,9 +394,18 @@ def test_disconnect_while_waiting_for_a_full_response(server):
 
 def test_metrics(server, client):
     before = metric(server, "vlens_generation_tokens_total", AUTH)
+    names = [f"vlens_{name}_seconds" for name in ("time_to_first_token", "e2e_request_latency")]
+    latencies = [(metric(server, name + "_count", AUTH), metric(server, name + "_sum", AUTH)) for name in names]
+    started = time.time()
     client.completions.create(model="smol", prompt=PROMPT, **GREEDY)
+    took = time.time() - started
     text = httpx.get(server + "/metrics", headers=AUTH).text
     assert metric(server, "vlens_generation_tokens_total", AUTH) == before + 4
+    # vLLM's latency histograms: one more request in each, which took no longer than the client waited
+    for name, (count, total) in zip(names, latencies, strict=True):
+        assert metric(server, name + "_count", AUTH) == count + 1 and f'{name}_bucket{{le="+Inf"}}' in text
+        assert 0 < metric(server, name + "_sum", AUTH) - total <= took
+    assert metric(server, 'vlens_request_success_total{finished_reason="length"}', AUTH) >= 1
     queries, hits = (metric(server, f"vlens_prefix_cache_{kind}_total", AUTH) for kind in ("queries", "hits"))
     long = " ".join([PROMPT] * 12)  # (several full blocks, cached by the first request, taken by the second)
     cached = [client.completions.create(model="smol", prompt=long, **GREEDY).usage for _ in range(2)]

@@ -34,6 +34,16 @@ class CompletionOutput:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """vLLM's: when a request arrived, got its first generated token (None: it generated none) and finished, in
+    seconds of time.time() (the server's latency histograms read them)."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+
+
+@dataclass(frozen=True)
 class PlaceholderRange:
     """vLLM's: `length` prompt positions from `offset` that an image's rows fill (an image's tokens, consecutive)."""
 
@@ -59,6 +69,7 @@ class RequestOutput:
     # activations can be picked from out.activations by activation_positions
     multi_modal_placeholders: dict[str, list[PlaceholderRange]] = field(default_factory=dict)
     num_cached_tokens: int | None = None  # vLLM's: prompt tokens the prefix cache gave (of the sample that computed it)
+    metrics: RequestMetrics | None = None  # vLLM's: its arrival, first token and end
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,7 +34,7 @@ from vlens.engine.sequence import Sequence, Status
 from vlens.engine.structured import Grammars
 from vlens.images import PromptImages
 from vlens.inputs import truncated
-from vlens.outputs import CompletionOutput, PlaceholderRange, RequestDelta, RequestOutput
+from vlens.outputs import CompletionOutput, PlaceholderRange, RequestDelta, RequestMetrics, RequestOutput
 from vlens.sampling_params import SamplingParams
 
 log = logging.getLogger("vlens.engine")
@@ -348,12 +349,14 @@ class LLMEngine:
             self._pending = (out.plan, out.collection)
         if out.prompt_logprobs is not None:
             out.prompt_rows.deliver(out.prompt_logprobs, self.token_text)
-        deltas, generated = [], 0
+        deltas, generated, now = [], 0, time.time()
         for i, (seq, token) in enumerate(zip(out.sampled, tokens)):
             if seq.status is not running:  # ended before this step, which was queued ahead
                 continue
             generated += 1
             seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             if seq.logprobs_k is not None:
                 seq.logprobs.append(entry(out.logprobs, i, token, seq.logprobs_k, self.token_text))
             finished = self._check_stop(seq, token)
@@ -499,9 +502,10 @@ class LLMEngine:
             for i, seq in enumerate(group.returned())
         ]
         seq = group.seqs[0]  # the one that computed the prompt's log-probabilities; a capture has only it
+        first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)
         out = RequestOutput(
             group.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], completions, seq.prompt_logprobs,
-            num_cached_tokens=seq.num_cached,
+            num_cached_tokens=seq.num_cached, metrics=RequestMetrics(seq.arrival_time, first, time.time()),
         )
         if seq.images is not None:
             out.multi_modal_placeholders = {"image": [PlaceholderRange(*run) for run in seq.images.placeholders()]}

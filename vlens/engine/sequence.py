@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,7 @@ class Sequence:
         order: tuple[int, int] = (0, 0),
     ):
         self.request_id, self.prompt = request_id, prompt
+        self.arrival_time, self.first_token_time = time.time(), None  # (RequestOutput.metrics)
         self.order = order  # (priority, arrival): its place in the queue under scheduling_policy="priority"
         self.salt = salt  # vLLM's cache_salt: only sequences with the same one share cached prefixes
         self.lora = lora  # the LoRA adapter it runs under (vlens.engine.lora), and the slot that holds it

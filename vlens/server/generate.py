@@ -377,7 +377,11 @@ class Generator:
                 gone = True
                 collecting.cancel()
                 self._abort(submission)
-        return None if gone else collecting.result()
+        if gone:
+            return None
+        for out in collecting.result():
+            self.metrics.observe(out)
+        return collecting.result()
 
     async def _response(self, outputs: list[RequestOutput], prepared: Prepared) -> dict[str, Any]:
         shape = prepared.shape
@@ -429,6 +433,7 @@ class Generator:
             if delta.finished:
                 remaining -= 1
                 out = delta.output
+                self.metrics.observe(out)
                 prompt_tokens += len(out.prompt_token_ids)
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
                 cached += out.num_cached_tokens or 0

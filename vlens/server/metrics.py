@@ -12,13 +12,14 @@ from collections import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlens.engine.llm_engine import EngineStats
+from vlens.outputs import RequestOutput
 from vlens.server.activations import ActivationStore
 from vlens.server.admission import Admission
 
 ROUTES = (
     "/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/saes", "/v1/steering_vectors", "/v1/completions",
-    "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json",
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/tokenizer_info",
+    "/openapi.json", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 )  # fmt: skip
 ACTIVATIONS_ROUTE = "/v1/activations/{id}"
 
@@ -40,18 +41,54 @@ def route_label(path: str) -> str:
     return ACTIVATIONS_ROUTE if path.startswith("/v1/activations/") else "other"
 
 
+# vLLM's buckets for these histograms (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class Histogram:
+    """Prometheus's cumulative buckets, their sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def samples(self) -> list[tuple[str, float]]:
+        buckets = [(f'_bucket{{le="{bound}"}}', n) for bound, n in zip(self.bounds, self.counts)]
+        return [*buckets, ('_bucket{le="+Inf"}', self.count), ("_sum", self.sum), ("_count", self.count)]
+
+
 class Metrics:
     def __init__(self) -> None:
         self.http: Counter[tuple[str, int]] = Counter()
         self.captured_bytes = 0
         self.aborted = 0
+        self.ttft, self.e2e = Histogram(TTFT_BUCKETS), Histogram(E2E_BUCKETS)
+        self.finished: Counter[str] = Counter()  # requests' samples by finish reason
+
+    def observe(self, output: RequestOutput) -> None:
+        """A finished engine request's latencies (vLLM's histograms) and its samples' finish reasons."""
+        times = output.metrics
+        if times is not None:
+            if times.first_token_time is not None:
+                self.ttft.observe(times.first_token_time - times.arrival_time)
+            self.e2e.observe(times.finished_time - times.arrival_time)
+        self.finished.update(c.finish_reason or "abort" for c in output.outputs)
 
     def render(self, stats: EngineStats, store: ActivationStore, admission: Admission) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-            lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+            lines.extend(f"{name}{suffix} {value}" for suffix, value in samples)  # (labels, or a histogram's parts)
 
         http = [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.http.items())]
         metric("vlens_http_requests_total", "counter", "HTTP requests by route and status code.", http)
@@ -71,6 +108,12 @@ class Metrics:
             "Requests aborted because the client went away.",
             [("", self.aborted)],
         )
+        metric("vlens_time_to_first_token_seconds", "histogram", "Seconds from a request's arrival in the engine to "
+               "its first generated token.", self.ttft.samples())  # fmt: skip
+        metric("vlens_e2e_request_latency_seconds", "histogram", "Seconds from a request's arrival in the engine to "
+               "its end.", self.e2e.samples())  # fmt: skip
+        metric("vlens_request_success_total", "counter", "Samples finished, by finish reason.",
+               [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])  # fmt: skip
         metric("vlens_requests_running", "gauge", "Requests in the running batch.", [("", stats.running)])
         metric("vlens_requests_waiting", "gauge", "Requests queued for admission.", [("", stats.waiting)])
         metric(
