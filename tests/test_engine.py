@@ -3,6 +3,8 @@ prefill and prefix caching that never change a token or a captured row."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -254,6 +256,21 @@ def test_seed_gives_same_sample_whatever_the_batch(smol4):
         for s in range(4)
     ]
     assert len({tuple(d.outputs[0].token_ids) for d in different}) > 1
+
+
+def test_request_metrics_are_in_order(smol4):
+    """vLLM's RequestOutput.metrics: arrival, first generated token, end (no first token without one)."""
+    started = time.time()
+    long, short, prefill = smol4.generate(
+        ["Hello there", "Why", "The sky"],
+        [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=1), SamplingParams(max_tokens=0, prompt_logprobs=1)],
+        use_tqdm=False,
+    )  # fmt: skip
+    for out in (long, short):
+        m = out.metrics
+        assert started <= m.arrival_time <= m.first_token_time <= m.finished_time <= time.time()
+    assert long.metrics.finished_time > long.metrics.first_token_time  # (seven more steps)
+    assert prefill.metrics.first_token_time is None and prefill.metrics.finished_time >= prefill.metrics.arrival_time
 
 
 def test_stops_logprobs_and_hidden_states(smol):
