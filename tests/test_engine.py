@@ -263,7 +263,8 @@ def test_request_metrics_are_in_order(smol4):
     started = time.time()
     long, short, prefill = smol4.generate(
         ["Hello there", "Why", "The sky"],
-        [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=1), SamplingParams(max_tokens=0, prompt_logprobs=1)],
+        [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=1),
+         SamplingParams(max_tokens=0, prompt_logprobs=1)],
         use_tqdm=False,
     )  # fmt: skip
     for out in (long, short):
