@@ -6,6 +6,7 @@ the KV cache); trace() runs one cache-less packed forward per batch of texts.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -24,11 +25,14 @@ from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.lora import LoRARequest
 from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
+from vlens.generation_config import sampling_defaults
 from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
 from vlens.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
+
+log = logging.getLogger("vlens")
 
 
 class LLM:
@@ -52,6 +56,14 @@ class LLM:
                                 latent_kv_cache=config.latent_kv_cache)  # fmt: skip
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
+        self.sampling_defaults = sampling_defaults(config.generation_config, loaded.path)  # (vlens.generation_config)
+        if self.sampling_defaults:
+            try:
+                SamplingParams(**self.sampling_defaults)
+            except ValueError as e:
+                raise ValueError(f"generation_config: its sampling defaults are refused: {e}") from None
+            log.info("sampling defaults from the generation config: %s (generation_config='vllm' for none)",
+                     self.sampling_defaults)  # fmt: skip
         self.adapter_path = loaded.adapter  # (a LoRA adapter's directory as the model: the adapter merged in)
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
@@ -86,6 +98,10 @@ class LLM:
     def hook_names(self) -> dict[str, tuple[int, ...]]:
         """Every hook name this model has, in forward order, with its per-token shape."""
         return hook_shapes(self.config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what a request without sampling params runs with, the generation config's defaults among them."""
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self):
         """The model's HF tokenizer (None for a checkpoint without tokenizer files), as vLLM's LLM gives it."""
@@ -177,7 +193,7 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.engine
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(token_lists) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params: got {len(params)} for {len(token_lists)} prompts; give one, or one per prompt")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlens.attention import BACKENDS
+from vlens.generation_config import source_problem
 from vlens.loader import DEFAULT_MODEL, device_problem, dtype_problem
 from vlens.settings import from_kwargs, setting, validate
 
@@ -45,6 +46,11 @@ class EngineConfig:
         True, "reuse the KV of identical prompt prefixes", flag="--no-prefix-caching", invert=True
     )
     seed: int = setting(0, "seed of the samples of requests that give none")
+    generation_config: str = setting(
+        "auto", "sampling defaults of requests that leave them out: auto (the model's generation_config.json: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (none: SamplingParams' own) or "
+        "a folder holding such a file", check=source_problem,
+    )  # fmt: skip
     scheduling_policy: str = setting(
         "fcfs", "fcfs (first come, first served) or priority (vLLM's: a request's `priority`, lower first, then "
         "arrival, orders the waiting queue, and when the KV cache runs out the running sequence that comes last by it "

@@ -106,6 +106,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         extension,
         admission,
         llm.image_encoder,
+        llm.sampling_defaults,
     )
     tokens = Tokens(generator.tokenizer, llm.config.vocab_size, model_name, engine.max_model_len, steering_vectors,
                     loras, generator.templates)  # fmt: skip

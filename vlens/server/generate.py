@@ -86,6 +86,7 @@ class Generator:
         extension: ExtensionContext,
         admission: Admission,
         image_encoder: Callable[[str], ImageEncoder],
+        sampling_defaults: dict[str, Any],
     ):
         self.config, self.engine, self.tokenizer, self.cfg = config, engine, tokenizer, cfg
         self.image_encoder = image_encoder  # (the served LLM's, built at the first image)
@@ -94,6 +95,7 @@ class Generator:
         self.token_text = TokenText(tokenizer)
         self.extension = extension  # (what requests may name: SAEs, the tuned lens, steering vectors)
         self.templates = ChatTemplates(config.chat_template_text(), config.trust_request_chat_template)
+        self.sampling_defaults = sampling_defaults  # (the generation config's, for fields a body leaves out)
 
     def steers_of(self, model: str | None) -> list[Steer]:
         """What a request's `model` adds: a steering vector's name is the served model steered by it (as vLLM serves
@@ -259,8 +261,8 @@ class Generator:
         if body.echo and (logprobs is not None or max_tokens == 0):
             # echo shows the prompt's log-probabilities with `logprobs`; a prefill-only request must read something
             prompt_logprobs = max(prompt_logprobs or 0, logprobs or 0)
-        if max_tokens is None:
-            max_tokens = room
+        if max_tokens is None:  # (the generation config's max_new_tokens where it has one: vlens.generation_config)
+            max_tokens = min(room, self.sampling_defaults.get("max_tokens", room))
         elif max_tokens > room:
             field = "max_tokens" if getattr(body, "max_completion_tokens", None) is None else "max_completion_tokens"
             raise APIError(
@@ -272,6 +274,8 @@ class Generator:
             )
         try:
             given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
+            given |= {name: value for name, value in self.sampling_defaults.items()
+                      if name in given and name not in body.model_fields_set}  # fmt: skip
             params = SamplingParams(
                 max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 structured_outputs=body.structure(), **given, **extension,

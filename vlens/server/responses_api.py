@@ -156,10 +156,12 @@ class ResponsesRequest(BaseModel):
                            "input (the earlier output items included)", param="previous_response_id")  # fmt: skip
         fields: dict[str, Any] = {
             "model": self.model, "messages": self.messages(), "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "seed": self.seed,
-            "top_k": self.top_k, "priority": self.priority, "cache_salt": self.cache_salt, "vlens": self.vlens,
-            "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
+            "stream": self.stream, "seed": self.seed, "priority": self.priority, "cache_salt": self.cache_salt,
+            "vlens": self.vlens, "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
         }  # fmt: skip
+        # (only those given: the chat request takes the others from the generation config, vlens.generation_config)
+        fields |= {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")
+                   if name in self.model_fields_set}  # fmt: skip
         if self.stream:
             fields["stream_options"] = {"include_usage": True}  # (the usage the last event's response holds)
         if self.tools is not None:
