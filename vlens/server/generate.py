@@ -162,6 +162,7 @@ class Generator:
     async def respond(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API: the body run as the chat completion it is, its reply presented as a Response."""
         chat = body.to_chat()
+
         def count(text: str) -> int:
             return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
