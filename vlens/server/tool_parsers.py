@@ -130,4 +130,6 @@ class Pythonic:
         return 0 if head.startswith(("[", self.START)) or self.START.startswith(head) else len(text)
 
 
-PARSERS: dict[str, ToolParser] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "pythonic": Pythonic()}
+# vLLM's names (its llama4_* parsers read these formats: Llama 4's JSON and pythonic calls)
+PARSERS: dict[str, ToolParser] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "llama4_json": Llama3Json(),
+                                  "pythonic": Pythonic(), "llama4_pythonic": Pythonic()}  # fmt: skip
