@@ -17,7 +17,7 @@ from server_helpers import decode_activations, running_server
 from vlens import Capture, SamplingParams, StructuredOutputsParams
 from vlens.server.config import ServerConfig
 from vlens.server.protocol import APIError
-from vlens.server.responses_api import ResponsesRequest
+from vlens.server.responses_api import ResponseForm, ResponsesRequest
 
 INSTRUCTIONS = "Answer in one short sentence."
 QUESTION = "What is the capital of France?"
@@ -136,3 +136,45 @@ def test_what_has_no_chat_form_is_refused_by_name(server, fields, status, param,
     assert out.status_code == status, out.text
     error = out.json()["error"]
     assert error["param"].startswith(param) and message in error["message"], error
+
+
+def test_a_stream_of_thinking_text_and_calls_becomes_items_in_order():
+    """The events of a chat stream that thinks, says something and calls two tools (as a reasoning and a tool-call
+    parser read it): each item opened, filled and closed before the next, the last event's response holding them."""
+    import asyncio
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    deltas = [{"role": "assistant"}, {"reasoning": "Think"}, {"reasoning": "ing."}, {"content": "Calling."},
+              {"content": "", "tool_calls": [{"index": 0, **call}, {"index": 1, **call, "id": "c2"}]}]  # fmt: skip
+    chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks[-1]["choices"][0]["finish_reason"] = "tool_calls"
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}})
+
+    async def events() -> list[dict]:
+        async def source():
+            for chunk in chunks:
+                yield chunk
+
+        form = ResponseForm(ResponsesRequest(input="hi"), "m", lambda text: len(text.split()))
+        lines = [line async for line in form.events(source())]
+        return [json.loads(line.split("data: ", 1)[1]) for line in lines]
+
+    got = asyncio.run(events())
+    kinds = [e["type"] for e in got]
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        *["response.output_item.added", "response.function_call_arguments.delta",
+          "response.function_call_arguments.done", "response.output_item.done"] * 2,
+        "response.completed"]  # fmt: skip
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    response = got[-1]["response"]
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert [item["content"][0]["text"] for item in response["output"][:2]] == ["Thinking.", "Calling."]
+    assert [item.get("call_id") for item in response["output"][2:]] == ["c1", "c2"]
+    assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [0, 1, 2, 3]
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 1 and response["status"] == "completed"
