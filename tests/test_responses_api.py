@@ -6,6 +6,7 @@ messages; what has no chat form refused by name (a reasoning model's thinking as
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -141,8 +142,6 @@ def test_what_has_no_chat_form_is_refused_by_name(server, fields, status, param,
 def test_a_stream_of_thinking_text_and_calls_becomes_items_in_order():
     """The events of a chat stream that thinks, says something and calls two tools (as a reasoning and a tool-call
     parser read it): each item opened, filled and closed before the next, the last event's response holding them."""
-    import asyncio
-
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     deltas = [{"role": "assistant"}, {"reasoning": "Think"}, {"reasoning": "ing."}, {"content": "Calling."},
               {"content": "", "tool_calls": [{"index": 0, **call}, {"index": 1, **call, "id": "c2"}]}]  # fmt: skip
