@@ -259,7 +259,7 @@ def test_seed_gives_same_sample_whatever_the_batch(smol4):
 
 
 def test_request_metrics_are_in_order(smol4):
-    """vLLM's RequestOutput.metrics: arrival, first generated token, end (no first token without one)."""
+    """vLLM's RequestOutput.metrics: arrival, first step, first generated token, end (no first token without one)."""
     started = time.time()
     long, short, prefill = smol4.generate(
         ["Hello there", "Why", "The sky"],
@@ -267,9 +267,11 @@ def test_request_metrics_are_in_order(smol4):
          SamplingParams(max_tokens=0, prompt_logprobs=1)],
         use_tqdm=False,
     )  # fmt: skip
-    for out in (long, short):
+    for out, n in ((long, 8), (short, 1)):
         m = out.metrics
-        assert started <= m.arrival_time <= m.first_token_time <= m.finished_time <= time.time()
+        assert started <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.finished_time <= time.time()
+        assert m.num_generated_tokens == n
     assert long.metrics.finished_time > long.metrics.first_token_time  # (seven more steps)
     assert prefill.metrics.first_token_time is None and prefill.metrics.finished_time >= prefill.metrics.arrival_time
 

@@ -35,12 +35,15 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """vLLM's: when a request arrived, got its first generated token (None: it generated none) and finished, in
-    seconds of time.time() (the server's latency histograms read them)."""
+    """vLLM's: when a request arrived, was first scheduled, got its first generated token (None: it generated
+    none) and finished, in seconds of time.time(), and the tokens of its longest sample (the server's latency
+    histograms read them)."""
 
     arrival_time: float
+    first_scheduled_time: float
     first_token_time: float | None
     finished_time: float
+    num_generated_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -503,9 +503,11 @@ class LLMEngine:
         ]
         seq = group.seqs[0]  # the one that computed the prompt's log-probabilities; a capture has only it
         first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)
+        times = RequestMetrics(seq.arrival_time, seq.first_scheduled_time or seq.arrival_time, first, time.time(),
+                               max(s.num_generated for s in group.seqs))  # fmt: skip
         out = RequestOutput(
             group.request_id, seq.prompt, seq.token_ids[: seq.num_prompt], completions, seq.prompt_logprobs,
-            num_cached_tokens=seq.num_cached, metrics=RequestMetrics(seq.arrival_time, first, time.time()),
+            num_cached_tokens=seq.num_cached, metrics=times,
         )
         if seq.images is not None:
             out.multi_modal_placeholders = {"image": [PlaceholderRange(*run) for run in seq.images.placeholders()]}

@@ -18,6 +18,7 @@ the prefix they share, its state kept, and the later prompt waits a step to star
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -152,6 +153,8 @@ class Scheduler:
                 lenders.setdefault(_key(seq), []).append((seq, seq.num_computed + n))
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:  # (RequestOutput.metrics: the end of its first wait)
+                seq.first_scheduled_time = time.time()
             self.running.append(seq)
             scheduled.append((seq, n))
             self.prefix_queries += len(seq.token_ids)

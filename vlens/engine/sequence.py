@@ -58,7 +58,9 @@ class Sequence:
         order: tuple[int, int] = (0, 0),
     ):
         self.request_id, self.prompt = request_id, prompt
-        self.arrival_time, self.first_token_time = time.time(), None  # (RequestOutput.metrics)
+        self.arrival_time = time.time()  # (RequestOutput.metrics, with the two below)
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.order = order  # (priority, arrival): its place in the queue under scheduling_policy="priority"
         self.salt = salt  # vLLM's cache_salt: only sequences with the same one share cached prefixes
         self.lora = lora  # the LoRA adapter it runs under (vlens.engine.lora), and the slot that holds it

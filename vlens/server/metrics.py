@@ -12,7 +12,7 @@ from collections import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlens.engine.llm_engine import EngineStats
-from vlens.outputs import RequestOutput
+from vlens.outputs import RequestMetrics, RequestOutput
 from vlens.server.activations import ActivationStore
 from vlens.server.admission import Admission
 
@@ -46,6 +46,30 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)  # fmt: skip
+# vLLM's per-request latency histograms: name -> (what it times, its buckets)
+LATENCIES = {
+    "time_to_first_token": ("from a request's arrival in the engine to its first generated token", TTFT_BUCKETS),
+    "e2e_request_latency": ("from a request's arrival in the engine to its end", E2E_BUCKETS),
+    "request_queue_time": ("a request waited before its first step", E2E_BUCKETS),
+    "request_prefill_time": ("from a request's first step to its first generated token", E2E_BUCKETS),
+    "request_decode_time": ("from a request's first generated token to its end", E2E_BUCKETS),
+    "request_time_per_output_token": ("a request's mean time between its generated tokens", TPOT_BUCKETS),
+}
+
+
+def latencies(m: RequestMetrics) -> dict[str, float | None]:
+    """A finished request's LATENCIES, in seconds (None: what a request that generated too little lacks)."""
+    first, n = m.first_token_time, m.num_generated_tokens
+    return {
+        "time_to_first_token": None if first is None else first - m.arrival_time,
+        "e2e_request_latency": m.finished_time - m.arrival_time,
+        "request_queue_time": m.first_scheduled_time - m.arrival_time,
+        "request_prefill_time": None if first is None else first - m.first_scheduled_time,
+        "request_decode_time": None if first is None else m.finished_time - first,
+        "request_time_per_output_token": None if first is None or n < 2 else (m.finished_time - first) / (n - 1),
+    }
 
 
 class Histogram:
@@ -71,16 +95,15 @@ class Metrics:
         self.http: Counter[tuple[str, int]] = Counter()
         self.captured_bytes = 0
         self.aborted = 0
-        self.ttft, self.e2e = Histogram(TTFT_BUCKETS), Histogram(E2E_BUCKETS)
+        self.latencies = {name: Histogram(buckets) for name, (_, buckets) in LATENCIES.items()}
         self.finished: Counter[str] = Counter()  # requests' samples by finish reason
 
     def observe(self, output: RequestOutput) -> None:
         """A finished engine request's latencies (vLLM's histograms) and its samples' finish reasons."""
-        times = output.metrics
-        if times is not None:
-            if times.first_token_time is not None:
-                self.ttft.observe(times.first_token_time - times.arrival_time)
-            self.e2e.observe(times.finished_time - times.arrival_time)
+        if output.metrics is not None:
+            for name, seconds in latencies(output.metrics).items():
+                if seconds is not None:
+                    self.latencies[name].observe(seconds)
         self.finished.update(c.finish_reason or "abort" for c in output.outputs)
 
     def render(self, stats: EngineStats, store: ActivationStore, admission: Admission) -> str:
@@ -108,10 +131,8 @@ class Metrics:
             "Requests aborted because the client went away.",
             [("", self.aborted)],
         )
-        metric("vlens_time_to_first_token_seconds", "histogram", "Seconds from a request's arrival in the engine to "
-               "its first generated token.", self.ttft.samples())  # fmt: skip
-        metric("vlens_e2e_request_latency_seconds", "histogram", "Seconds from a request's arrival in the engine to "
-               "its end.", self.e2e.samples())  # fmt: skip
+        for name, (help_, _) in LATENCIES.items():
+            metric(f"vlens_{name}_seconds", "histogram", f"Seconds {help_}.", self.latencies[name].samples())
         metric("vlens_request_success_total", "counter", "Samples finished, by finish reason.",
                [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])  # fmt: skip
         metric("vlens_requests_running", "gauge", "Requests in the running batch.", [("", stats.running)])
