@@ -37,6 +37,15 @@ CASES = [
     ("pythonic", "[os.system(a='x')]", None),
     ("pythonic", "[]", None),
     ("pythonic", "The answer is [f(a=1)]", None),
+    # Mistral: from v11 each call after [TOOL_CALLS], its arguments as written (vLLM's); before v11 one JSON array
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     Parsed("Checking.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
+    ("mistral", '[TOOL_CALLS]f{"a": ', Parsed(None, [("f", '{"a": ')])),  # (cut short: still a call, as vLLM's)
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g"}]',
+     Parsed(None, [("f", '{"a": 1}'), ("g", "{}")])),
+    ("mistral", "[TOOL_CALLS] [{\"name\": 3}]", None),
+    ("mistral", "[TOOL_CALLS]no arguments", None),
+    ("mistral", "Sunny [TOOL CALLS] today.", None),
 ]
 
 
@@ -49,7 +58,8 @@ def test_parsers_read_calls_as_vllms_do(name, text, want):
     ("name", "reply"),
     [("hermes", 'Sure.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'), ("hermes", "Sure, a <b>tag</b>."),
      ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}'), ("llama3_json", "Hello there"),
-     ("pythonic", '  [f(a="x")]'), ("pythonic", "<|python_start|>[f(a=1)]<|python_end|>"), ("pythonic", "No calls")],
+     ("pythonic", '  [f(a="x")]'), ("pythonic", "<|python_start|>[f(a=1)]<|python_end|>"), ("pythonic", "No calls"),
+     ("mistral", 'Sure.[TOOL_CALLS]f{"a": 1}'), ("mistral", "A [TOOL] of sorts.")],
 )
 def test_what_streams_as_content_is_never_part_of_a_call(name, reply):
     """Grown a character at a time, the content a parser lets out only grows, and ends as the parsed content (or
@@ -74,4 +84,4 @@ def test_auto_needs_the_servers_flags():
     with pytest.raises(ValueError, match="^enable_auto_tool_choice: needs a tool_call_parser, one of hermes, "):
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="^tool_call_parser: "):
-        ServerConfig(enable_auto_tool_choice=True, tool_call_parser="mistral")
+        ServerConfig(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")

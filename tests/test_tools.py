@@ -200,6 +200,26 @@ def test_auto_without_calls_is_the_reply_text(llm, server):
     assert "".join(d.get("content") or "" for d in deltas) == text and not any(d.get("tool_calls") for d in deltas)
 
 
+def test_mistrals_parser_keeps_the_special_tokens_its_calls_start_with(smol4):
+    """Mistral's [TOOL_CALLS] is a special token, which the text must keep for the parser to see it: a request with
+    tools on a server with the mistral parser runs with skip_special_tokens false (vLLM's), unless it says; its calls
+    are read as vLLM reads them. (SmolLM2 has no [TOOL_CALLS]: its own special token <|im_start|> stands for one, the
+    only token a request allows; a regex writes the calls.)"""
+    special = smol4.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    config = ServerConfig(served_model_name="smol", enable_auto_tool_choice=True, tool_call_parser="mistral")
+    only_special = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2, "allowed_token_ids": [special]}
+    calling = {"messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 40,
+               "structured_outputs": {"regex": r'\[TOOL_CALLS\]get_weather\{"city": "(Paris|Rome)"\}'}}  # fmt: skip
+    with running_server(smol4, config) as url:
+        kept, skipped, called = (
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+            for body in (only_special, only_special | {"skip_special_tokens": True}, calling))  # fmt: skip
+    assert (kept["content"], skipped["content"]) == ("<|im_start|>" * 2, "")
+    [call] = called["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in (
+        "Paris", "Rome")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [

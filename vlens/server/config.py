@@ -164,7 +164,8 @@ class ServerConfig:
     )  # fmt: skip
     tool_call_parser: str | None = setting(
         None, "the format of the model's tool calls, as its chat template teaches it: hermes (Hermes, Qwen), "
-        "llama3_json (Llama 3.1, 3.2; llama4_json the same), pythonic (Llama 3.2, 4; llama4_pythonic the same)",
+        "llama3_json (Llama 3.1, 3.2; llama4_json the same), pythonic (Llama 3.2, 4; llama4_pythonic the same), "
+        "mistral (Mistral Small 3.1 on, Ministral 3, Mistral 7B v0.3)",
         choices=tuple(PARSERS),
     )  # fmt: skip
 

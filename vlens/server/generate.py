@@ -192,6 +192,9 @@ class Generator:
         images: PromptImages | None = None,
     ) -> Prepared:  # fmt: skip
         tools = body.tool_reply(self.config.tool_parser()) if chat else None
+        if tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens:
+            if "skip_special_tokens" not in body.model_fields_set:  # (as vLLM's parser adjusts the request)
+                body.skip_special_tokens = False
         steers = self.steers_of(body.model)
         extension = parse_extension(body.vlens, self.extension)
         if steers:

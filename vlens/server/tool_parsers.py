@@ -13,7 +13,7 @@ import ast
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,18 @@ class Parsed:
     calls: list[tuple[str, str]]
 
 
-class ToolParser(Protocol):
+class ToolParser:
+    # the format's markers are special tokens, which the reply's text must keep (the request's skip_special_tokens
+    # is then false unless it says otherwise, as vLLM's parser sets it)
+    keeps_special_tokens: ClassVar[bool] = False
+
     def parse(self, text: str) -> Parsed | None:
         """The reply's calls, or None where it makes none (or none that can be read)."""
-        ...
+        raise NotImplementedError
 
     def content_end(self, text: str) -> int:
         """The length of the prefix of a reply so far that is text whatever follows."""
-        ...
+        raise NotImplementedError
 
 
 def _call(name: Any, arguments: Any) -> tuple[str, str]:
@@ -40,6 +44,12 @@ def _call(name: Any, arguments: Any) -> tuple[str, str]:
     if not isinstance(name, str):
         raise TypeError(name)
     return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def before_marker(text: str, marker: str) -> int:
+    """How much of `text` comes before `marker`: up to where it starts, or else to a suffix that may grow into it."""
+    start = text.find(marker)
+    return start if start >= 0 else unmatched_tail(text, marker)
 
 
 def unmatched_tail(text: str, marker: str) -> int:
@@ -50,7 +60,7 @@ def unmatched_tail(text: str, marker: str) -> int:
     return len(text)
 
 
-class Hermes:
+class Hermes(ToolParser):
     """Hermes' and Qwen's format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, after text or not;
     the last call may lack its closing tag (the reply ended at the stop token)."""
 
@@ -69,11 +79,10 @@ class Hermes:
         return Parsed(text[:start] or None, calls)
 
     def content_end(self, text: str) -> int:
-        start = text.find(self.START)
-        return start if start >= 0 else unmatched_tail(text, self.START)
+        return before_marker(text, self.START)
 
 
-class Llama3Json:
+class Llama3Json(ToolParser):
     """Llama 3.1's and 3.2's JSON format: the whole reply is `{"name": ..., "parameters": {...}}` objects (or
     "arguments"), separated by "; ", after `<|python_tag|>` where the text keeps special tokens."""
 
@@ -97,7 +106,7 @@ class Llama3Json:
         return 0 if text.startswith(("{", self.TAG)) or self.TAG.startswith(text) else len(text)
 
 
-class Pythonic:
+class Pythonic(ToolParser):
     """Llama 3.2's and 4's pythonic format: the whole reply is a Python list of calls with literal keyword
     arguments, `[get_weather(city="Paris"), get_time()]`, between `<|python_start|>` and `<|python_end|>` where the
     text keeps special tokens."""
@@ -130,6 +139,36 @@ class Pythonic:
         return 0 if head.startswith(("[", self.START)) or self.START.startswith(head) else len(text)
 
 
+class Mistral(ToolParser):
+    """Mistral's format, after text or not, the calls after its special token `[TOOL_CALLS]`: each
+    `[TOOL_CALLS]name{...}` (or `name[ARGS]{...}`) with tokenizers from v11 (Mistral Small 3.1 on, Ministral 3), or
+    one JSON array of {"name", "arguments"} objects before (Mistral 7B v0.3). As vLLM's, a v11 call's arguments are
+    returned as written, JSON or not."""
+
+    START: ClassVar[str] = "[TOOL_CALLS]"
+    keeps_special_tokens: ClassVar[bool] = True
+
+    def parse(self, text: str) -> Parsed | None:
+        content, *raw = text.split(self.START)
+        if not raw:
+            return None
+        try:
+            if raw[0].lstrip().startswith("["):  # (before v11: one array)
+                listed, _ = json.JSONDecoder().raw_decode(raw[0].strip())
+                calls = [_call(call["name"], call.get("arguments", {})) for call in listed]
+            else:
+                calls = [(name.replace("[ARGS]", ""), "{" + arguments)
+                         for name, _, arguments in (call.partition("{") for call in raw if "{" in call)]  # fmt: skip
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+        return Parsed(content or None, calls) if calls else None
+
+    def content_end(self, text: str) -> int:
+        return before_marker(text, self.START)
+
+
 # vLLM's names (its llama4_* parsers read these formats: Llama 4's JSON and pythonic calls)
-PARSERS: dict[str, ToolParser] = {"hermes": Hermes(), "llama3_json": Llama3Json(), "llama4_json": Llama3Json(),
-                                  "pythonic": Pythonic(), "llama4_pythonic": Pythonic()}  # fmt: skip
+PARSERS: dict[str, ToolParser] = {
+    "hermes": Hermes(), "llama3_json": Llama3Json(), "llama4_json": Llama3Json(), "pythonic": Pythonic(),
+    "llama4_pythonic": Pythonic(), "mistral": Mistral(),
+}  # fmt: skip
