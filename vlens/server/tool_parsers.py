@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,18 +26,18 @@ class Parsed:
     calls: list[tuple[str, str]]
 
 
-class ToolParser:
+class ToolParser(ABC):
     # the format's markers are special tokens, which the reply's text must keep (the request's skip_special_tokens
     # is then false unless it says otherwise, as vLLM's parser sets it)
     keeps_special_tokens: ClassVar[bool] = False
 
+    @abstractmethod
     def parse(self, text: str) -> Parsed | None:
         """The reply's calls, or None where it makes none (or none that can be read)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def content_end(self, text: str) -> int:
         """The length of the prefix of a reply so far that is text whatever follows."""
-        raise NotImplementedError
 
 
 def _call(name: Any, arguments: Any) -> tuple[str, str]:
