@@ -72,7 +72,7 @@ class RequestOutput:
     # activations can be picked from out.activations by activation_positions
     multi_modal_placeholders: dict[str, list[PlaceholderRange]] = field(default_factory=dict)
     num_cached_tokens: int | None = None  # vLLM's: prompt tokens the prefix cache gave (of the sample that computed it)
-    metrics: RequestMetrics | None = None  # vLLM's: its arrival, first token and end
+    metrics: RequestMetrics | None = None  # vLLM's: when it arrived, first ran, first generated and ended
 
     @property
     def finished(self) -> bool:
