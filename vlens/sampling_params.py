@@ -28,6 +28,11 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None  # the text is one of these
     grammar: str | None = None  # EBNF, as xgrammar reads it (GBNF's dialect)
     json_object: bool | None = None  # any JSON object
+    # vLLM's structural tag (xgrammar's, as a dict or its JSON text): free text in which each segment that opens with
+    # a trigger is held to its own structure, e.g. a tool call's arguments to the tool's schema between its tags;
+    # {"type": "structural_tag", "format": {...}}, or vLLM's older {"structures": [{"begin", "schema", "end"}, ...],
+    # "triggers": [...]}
+    structural_tag: str | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in STRUCTURES if getattr(self, name) not in (None, False)]
@@ -42,10 +47,12 @@ class StructuredOutputsParams:
             "choice": bool(self.choice) and all(isinstance(c, str) and c for c in self.choice or ()),
             "grammar": isinstance(self.grammar, str),
             "json_object": self.json_object is True,
+            "structural_tag": isinstance(self.structural_tag, (str, Mapping)),
         }
         if not checks[given[0]]:
             allowed = {"json": "a JSON schema (a dict or its text)", "choice": "a list of non-empty strings",
-                       "json_object": "True"}.get(given[0], "a string")  # fmt: skip
+                       "json_object": "True", "structural_tag": "a structural tag (a dict or its JSON text)"
+                       }.get(given[0], "a string")  # fmt: skip
             raise ValueError(f"structured_outputs.{given[0]}: {getattr(self, given[0])!r} is not allowed; "
                              f"expected {allowed}")  # fmt: skip
 
@@ -54,7 +61,7 @@ class StructuredOutputsParams:
         return next(name for name in STRUCTURES if getattr(self, name) not in (None, False))
 
 
-STRUCTURES = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURES = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass

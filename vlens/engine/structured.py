@@ -1,5 +1,6 @@
 """vLLM's structured outputs: a request's text held to a JSON schema, to any JSON object, to a regular expression,
-to one of a list of choices or to a grammar (EBNF), by banning, before each sample, every token that would leave it.
+to one of a list of choices, to a grammar (EBNF) or to a structural tag (free text with structured segments), by
+banning, before each sample, every token that would leave it.
 
 xgrammar does the work, as in vLLM: its compiler turns the request's structure into a grammar over the tokenizer's
 tokens (cached, so requests with one schema compile it once), and a matcher per sequence keeps where its text is in
@@ -13,6 +14,8 @@ never loads it.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,6 +23,8 @@ import torch
 from vlens.sampling_params import StructuredOutputsParams
 
 BITS = 32  # tokens per bitmask word
+# xgrammar's errors open with its C++ log line's time, file and failed check: not for the client
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
 class Grammars:
@@ -51,9 +56,25 @@ class Grammars:
             if spec.choice is not None:
                 choices = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
                 return compiler.compile_grammar(f"root ::= {choices}")
-            return compiler.compile_grammar(spec.grammar)
+            if spec.grammar is not None:
+                return compiler.compile_grammar(spec.grammar)
+            return self._structural_tag(spec.structural_tag)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"structured_outputs.{spec.kind}: {str(e).strip()}") from None
+            raise ValueError(f"structured_outputs.{spec.kind}: {_LOG_PREFIX.sub('', str(e).strip())}") from None
+
+    def _structural_tag(self, tag: str | Mapping[str, Any]) -> Any:
+        """vLLM's two forms: xgrammar's own structural tag, or the older list of structures (each a schema between
+        a begin and an end string) with the triggers that start them, which xgrammar still compiles."""
+        tag = json.loads(tag) if isinstance(tag, str) else tag
+        if not isinstance(tag, Mapping) or "structures" not in tag:
+            return self.compiler.compile_structural_tag(json.dumps(tag))
+        try:
+            items = [self.xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]  # fmt: skip
+            return self.compiler.compile_structural_tag(items, tag["triggers"])
+        except (KeyError, TypeError):
+            raise ValueError("expected structures (a list of objects with begin, schema and end) and triggers "
+                             "(a list of strings)") from None
 
     def matcher(self, compiled: Any) -> Grammar:
         return Grammar(self.xgrammar.GrammarMatcher(compiled), self.vocab_size)

@@ -115,12 +115,51 @@ class JSONSchemaFormat(BaseModel):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: text (no structure), any JSON object, or JSON of a schema."""
+class StructuralTagItem(BaseModel):
+    """One structure of vLLM's older structural tag: the text between `begin` and `end` is JSON of `schema`."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema"]
+    begin: StrictStr
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: StrictStr
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no structure), any JSON object, or JSON of a schema; or vLLM's structural tag:
+    xgrammar's `format`, or the older `structures` with the `triggers` that open them."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[StrictStr] | None = None
+
+    def structure(self) -> dict[str, Any] | None:
+        """StructuredOutputsParams' fields for it (None for text); a 400 naming a field its type lacks or refuses."""
+
+        def refuse(name: str, why: str) -> APIError:
+            return APIError(400, f"response_format.{name}: {why}", param=f"response_format.{name}")
+
+        older = {"structures": self.structures, "triggers": self.triggers}  # (vLLM's older structural tag)
+        if self.type != "structural_tag":
+            if given := [name for name, v in {"format": self.format, **older}.items() if v is not None]:
+                raise refuse(given[0], f"only with type structural_tag, not {self.type}")
+            if self.type == "json_schema" and self.json_schema is None:
+                raise refuse("json_schema", "required with type json_schema")
+            if self.type == "text":
+                return None
+            return dict(json=self.json_schema.schema_) if self.json_schema is not None else dict(json_object=True)
+        if self.json_schema is not None:
+            raise refuse("json_schema", "not with type structural_tag (its schemas are in its format)")
+        if self.format is not None:
+            if given := [name for name, v in older.items() if v is not None]:
+                raise refuse(given[0], "not with format: a structural tag takes one form or the other")
+        elif self.structures is None and self.triggers is None:
+            raise refuse("format", "required with type structural_tag (or structures and triggers)")
+        elif missing := [name for name, v in older.items() if v is None]:
+            raise refuse(missing[0], "required with " + ("triggers" if missing[0] == "structures" else "structures"))
+        return dict(structural_tag=self.model_dump(by_alias=True, exclude_none=True))
 
 
 class StructuredOutputs(BaseModel):
@@ -132,6 +171,7 @@ class StructuredOutputs(BaseModel):
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
+    structural_tag: dict[str, Any] | StrictStr | None = None
 
 
 class StreamOptions(BaseModel):
@@ -280,12 +320,8 @@ class _GenerationRequest(BaseModel):
     def _structures(self) -> dict[str, dict[str, Any]]:
         """Each field that asks for a structure -> StructuredOutputsParams' fields for it."""
         given = {}
-        if self.response_format is not None and self.response_format.type != "text":
-            schema = self.response_format.json_schema
-            if self.response_format.type == "json_schema" and schema is None:
-                raise APIError(400, "response_format.json_schema: required with type json_schema",
-                               param="response_format.json_schema")  # fmt: skip
-            given["response_format"] = dict(json=schema.schema_) if schema is not None else dict(json_object=True)
+        if self.response_format is not None and (fields := self.response_format.structure()) is not None:
+            given["response_format"] = fields
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         for name in ("json", "regex", "choice", "grammar"):
