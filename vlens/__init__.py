@@ -10,7 +10,14 @@ from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the funct
 from vlens.hooked import HookedLM
 from vlens.llm import LLM
 from vlens.loader import load_model
-from vlens.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestDelta, RequestOutput
+from vlens.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestDelta,
+    RequestOutput,
+)
 from vlens.sae import SAE
 from vlens.sampling_params import SamplingParams, StructuredOutputsParams
 from vlens.version import __version__
@@ -37,6 +44,7 @@ __all__ = [
     "RequestDelta",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
     "Logprob",
     "load_model",
     "harvest",

@@ -1589,7 +1589,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # a multimodal checkpoint's names for the text model's model.* and lm_head.* (TEXT_MODELS); None: those names
     stored_as: tuple[str, str] | None = None
+    # a sequence classifier's classes, in order (HF's *ForSequenceClassification: the causal LM's decoder, and a head,
+    # `score`, over its final norm's last row, in place of the unembedding; vlens.classify); () for a causal LM
+    classifier_labels: tuple[str, ...] = ()
     parallel: Parallel = SINGLE  # this process's share of a tensor-parallel model (vlens.distributed)
+
+    @property
+    def classifier_name(self) -> str:
+        """A sequence classifier's architecture, as its checkpoint names it (the causal LM's in `architecture`)."""
+        named = [name for name, decoder in CLASSIFIER_DECODERS.items() if decoder == self.architecture]
+        return named[0] if named else self.architecture.removesuffix("ForCausalLM") + CLASSIFIER
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -1711,7 +1720,21 @@ class ModelConfig:
         fields |= flags
         if spec.read is not None:
             fields |= spec.read(hf)
+        if (getattr(hf, "architectures", None) or [""])[0].endswith(CLASSIFIER):
+            # (its unembedding is the embedding, tied: a placeholder taking no memory, which nothing reads: a
+            # classifier has no token logits, DecoderLM.logits)
+            labels = tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
+            fields |= dict(classifier_labels=labels, tie_word_embeddings=True)
         return cls(**fields)
+
+
+CLASSIFIER = "ForSequenceClassification"  # HF's sequence classifiers: a causal LM's decoder under a `score` head
+# the classifiers whose decoder's causal LM is not named {family}ForCausalLM
+CLASSIFIER_DECODERS = {"GPT2ForSequenceClassification": "GPT2LMHeadModel",
+                       "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}  # fmt: skip
+# what a classifier's requests for token logits are told (its unembedding is a placeholder: vlens.classify)
+NO_TOKEN_LOGITS = ("a classifier has no token logits; its classes come from LLM.classify (or the server's "
+                   "/classify), and its taps from prefill-only requests (max_tokens=0)")
 
 
 def supported_architecture(architectures: list[str] | None, model_type: str | None) -> str:
@@ -1720,11 +1743,14 @@ def supported_architecture(architectures: list[str] | None, model_type: str | No
     arch = (architectures or [None])[0]
     if arch is None:
         arch = MODEL_TYPES.get(model_type)
+    elif arch.endswith(CLASSIFIER):  # (its decoder: vlens.classify)
+        decoder = CLASSIFIER_DECODERS.get(arch, arch.removesuffix(CLASSIFIER) + "ForCausalLM")
+        arch = decoder if decoder in ARCHITECTURES else arch
     if arch not in ARCHITECTURES and arch not in TEXT_MODELS:
         supported = ", ".join(sorted([*ARCHITECTURES, *TEXT_MODELS]))
         raise UnsupportedModelError(
             f"architecture {arch!r} (model_type {model_type!r}) is not supported by vlens; "
-            f"supported architectures: {supported}"
+            f"supported architectures: {supported}; and the {CLASSIFIER} of each ...ForCausalLM"
         )
     return arch
 

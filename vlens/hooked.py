@@ -44,7 +44,7 @@ from vlens.capture.names import (
     resolve_hooks,
 )
 from vlens.capture.rows import widen
-from vlens.config import ModelConfig
+from vlens.config import NO_TOKEN_LOGITS, ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.hook_points import DIRECTIONS, Hook, HookFn, HookPoint, PatternGrads, TapHooks
 from vlens.hooked_saes import SAEMethods, Splice
@@ -695,6 +695,8 @@ class HookedLM(ModelWeights, SAEMethods):
             output = f"blocks.{stop_at_layer}.hook_resid_pre" if stop_at_layer < n else f"blocks.{n - 1}.hook_resid_post"
         else:
             output = LOGITS if return_type is not None else None
+        if output == LOGITS:
+            self._check_token_logits("return_type")
         # A forward that keeps a graph returns the value leaving the output's tap; else it is captured like any tap.
         grad = self._keeps_graph(incl_bwd)
         steps = self._sae_steps()
@@ -757,10 +759,16 @@ class HookedLM(ModelWeights, SAEMethods):
             return True
         return bool(self._hooks) and self.llm.runner.model.executor is None
 
+    def _check_token_logits(self, field: str) -> None:
+        if self.cfg.classifier_labels:
+            raise ValueError(f"{field}: {self.cfg.classifier_name}: {NO_TOKEN_LOGITS}; HookedLM runs its forward "
+                             "with return_type=None")  # fmt: skip
+
     def _last_logits(self, seqs: list[list[int]], images: Images = None) -> torch.Tensor:
         """[batch, vocab]: each sequence's logits at its last position, with the hook functions in force run over
         the batch left-padded, as TransformerLens lays out a batch it generates for (`value[:, -1]` is each
         sequence's last token)."""
+        self._check_token_logits("generate")
         last = [torch.tensor([len(s) - 1]) for s in seqs]
         hooks = self._tap_hooks(Padding.left(list(map(len, seqs))), seqs)
         captured = self.llm.runner.packed(seqs, [LOGITS], rows=last, hooks=hooks, images=images)

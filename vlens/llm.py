@@ -16,8 +16,10 @@ from tqdm.auto import tqdm
 
 from vlens.attention import check_backend, make_backend
 from vlens.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from vlens.capture.interventions import Intervention
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.chat import ChatOptions
+from vlens.classify import ClassifierHead, classification_params, last_rows
 from vlens.distributed.executor import Executor
 from vlens.embedding import DEFAULT_HOOK, embedding_of, embedding_params
 from vlens.engine.config import EngineConfig
@@ -29,7 +31,7 @@ from vlens.generation_config import sampling_defaults
 from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
-from vlens.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from vlens.outputs import ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
 
 log = logging.getLogger("vlens")
@@ -67,6 +69,8 @@ class LLM:
         self.adapter_path = loaded.adapter  # (a LoRA adapter's directory as the model: the adapter merged in)
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
+        self.classifier = ClassifierHead.load(self.model_path, self.config, self.device, self.dtype) \
+            if self.config.classifier_labels else None  # fmt: skip
         kinds = {attn.kind for attn in self.model.attention_layers()}
         self.backend = make_backend(
             config.attention_backend, self.device, not config.enforce_eager, kinds, self.dtype, config.block_size
@@ -253,6 +257,22 @@ class LLM:
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding_of(o, hook, normalize)),
                                        o.prompt_token_ids) for o in outputs]  # fmt: skip
+
+    def classify(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None, interventions: Sequence[Intervention] = (),
+    ) -> list[ClassificationRequestOutput]:  # fmt: skip
+        """vLLM's classify, for a sequence classifier's checkpoint (HF's ...ForSequenceClassification): each prompt's
+        class probabilities, from its head over the final norm's last row (vlens.classify); `interventions`: the
+        classes of the model they steer (a reward model's score under a steer, say)."""
+        if self.classifier is None:
+            raise ValueError(f"classify: {self.config.architecture} is a causal LM, without the head (score) of a "
+                             "sequence classifier's checkpoint (...ForSequenceClassification)")  # fmt: skip
+        params = classification_params(self.config, interventions, truncate_prompt_tokens)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request)
+        classes = self.classifier.classify(last_rows(outputs))
+        return [ClassificationRequestOutput(o.request_id, c, o.prompt_token_ids) for o, c in zip(outputs, classes)]
 
     @torch.inference_mode()
     def trace(

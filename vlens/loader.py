@@ -281,7 +281,7 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
     )
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -319,7 +319,7 @@ def load_weights(model: DecoderLM, path: Path) -> None:
     loaded: set[str] = set()
     with contextlib.ExitStack() as files:
         stored: dict[str, Any] = {}  # tensor name -> its open file
-        for file in _weight_files(path):
+        for file in weight_files(path):
             f = files.enter_context(safe_open(file, framework="pt", device="cpu"))
             stored |= dict.fromkeys(f.keys(), f)
         for key, slot in layout.items():

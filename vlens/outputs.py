@@ -97,6 +97,26 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per class, summing to 1 (vLLM's)
+    label: str  # the likeliest class's name (the checkpoint's id2label)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's output of LLM.classify."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class RequestDelta:
     """What one step added to one request. Its texts add up to the final text: a streamed request (or
     one with stop strings) gets text as it becomes final, any other the whole text on its last delta."""

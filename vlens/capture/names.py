@@ -209,7 +209,8 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
         for hook in layer_hooks(cfg, layer, optional):
             shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
     shapes.update(dict(zip(FINAL_NORM_TAPS, [(1,), (d,), (d,)])))
-    shapes[LOGITS] = (cfg.vocab_size,)
+    if not cfg.classifier_labels:  # (a classifier has no token logits: NO_TOKEN_LOGITS)
+        shapes[LOGITS] = (cfg.vocab_size,)
     for i in range(cfg.num_layers + 1):
         shapes[f"hidden_states.{i}"] = (d,)
     return shapes

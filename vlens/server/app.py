@@ -25,13 +25,13 @@ from vlens.server.activations import ActivationStore, Download, owner_of
 from vlens.server.admission import Admission
 from vlens.server.auth import BearerAuth, presented_key
 from vlens.server.config import ServerConfig
-from vlens.server.embeddings import Embedder, EmbeddingRequest
 from vlens.server.engine_loop import EngineLoop
 from vlens.server.extension import ExtensionContext
 from vlens.server.generate import Generator
 from vlens.server.limits import BodyLimit
 from vlens.server.loras import LoraAdapterRequest, load_adapter, load_loras, unload_adapter
 from vlens.server.metrics import CountRequests, Metrics
+from vlens.server.pooling import ClassificationRequest, EmbeddingRequest, Pooler
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.responses_api import ResponsesRequest
 from vlens.server.saes import describe, load_saes
@@ -63,7 +63,7 @@ class Served:
     loop: EngineLoop
     admission: Admission
     generator: Generator
-    embedder: Embedder
+    pooler: Pooler
     tokens: Tokens
     lens_page: str
     created: int
@@ -112,7 +112,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                     loras, generator.templates)  # fmt: skip
     served = Served(
         config, model_name, engine.max_model_len, shapes, hook_shapes(llm.config), saes, tuned_lens, steering_vectors,
-        store, metrics, loop, admission, generator, Embedder(generator), tokens, page_html(None), int(time.time()),
+        store, metrics, loop, admission, generator, Pooler(generator, llm.classifier), tokens, page_html(None), int(time.time()),
     )  # fmt: skip
 
     app = FastAPI(title="vlens", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None)
@@ -277,7 +277,12 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 
 @routes.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    return await _served(request).embedder.embeddings(body, request)
+    return await _served(request).pooler.embeddings(body, request)
+
+
+@routes.post("/classify")
+async def classify(body: ClassificationRequest, request: Request) -> Response:
+    return await _served(request).pooler.classify(body, request)
 
 
 @routes.post("/v1/load_lora_adapter")

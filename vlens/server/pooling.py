@@ -1,12 +1,16 @@
-"""`POST /v1/embeddings`: one vector per input, read from a hook and pooled on the device (vlens.embedding, as
-`LLM.embed` reads it). The hook and pooling come from the request's `vlens` object, else from `vlens serve
---embedding-hook/--embedding-pooling`.
-OpenAI's `encoding_format`: "float" (a JSON list) or "base64" (little-endian float32 bytes).
+"""vLLM's pooling routes: `POST /v1/embeddings`, one vector per input, read from a hook and pooled on the device
+(vlens.embedding, as `LLM.embed` reads it), and `POST /classify`, a sequence classifier's class probabilities per input
+(vlens.classify, as `LLM.classify`). Both are prefill-only engine requests under the requested model's steering or
+adapter. An embedding's hook and pooling come from the request's `vlens` object, else from `vlens serve
+--embedding-hook/--embedding-pooling`; OpenAI's `encoding_format`: "float" (a JSON list) or "base64" (little-endian
+float32 bytes).
 """
 
 from __future__ import annotations
 
 import base64
+import time
+import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
@@ -14,9 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from vlens.classify import ClassifierHead, classification_params, last_rows
 from vlens.embedding import check_hook, embedding_of, embedding_params
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import truncated
+from vlens.outputs import RequestOutput
+from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
 from vlens.server.protocol import APIError, DocumentedAs, refuse_unknown, schema_error
 from vlens.server.responses import usage
@@ -51,9 +58,22 @@ def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
-class Embedder:
-    def __init__(self, generator: Generator):
-        self.generator = generator
+class ClassificationRequest(BaseModel):
+    """vLLM's /classify body."""
+
+    model_config = ConfigDict(extra="allow")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,)}
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    user: StrictStr | None = None
+    add_special_tokens: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    priority: StrictInt = 0
+
+
+class Pooler:
+    def __init__(self, generator: Generator, classifier: ClassifierHead | None):
+        self.generator, self.classifier = generator, classifier
         g = generator
         try:  # a bad server default fails at start-up, not in every request
             check_hook(g.config.embedding_hook, g.cfg)
@@ -74,30 +94,16 @@ class Embedder:
         return hook, options.pooling or self.config.embedding_pooling
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
-        g = self.generator
         refuse_unknown(body.model_extra, EmbeddingRequest.NEUTRAL)
-        # (a steered model's embeddings are read with its steering, an adapter's under it)
-        steers, lora = g.steers_of(body.model), g.lora_of(body.model)
         if body.dimensions is not None:
             raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
         hook, pooling = self._options(body.vlens)
-        token_lists = [truncated(ids, body.truncate_prompt_tokens)
-                       for ids in g.tokenize(body.input, "input", body.add_special_tokens)]  # fmt: skip
-        for i, ids in enumerate(token_lists):
-            if len(ids) >= g.max_model_len:
-                raise APIError(
-                    400, f"input[{i}]: {len(ids)} tokens; this server's context is {g.max_model_len}", f"input[{i}]",
-                    code="context_length_exceeded",
-                )  # fmt: skip
-        params = embedding_params(hook, pooling, self.cfg, steers)
-        ticket = g.admission.admit(len(token_lists), 0, "input")  # a vector per input, JSON: no capture bytes to hold
-        try:
-            requests = [NewRequest(ids, params, lora=lora, priority=body.priority) for ids in token_lists]
-            outputs = await g.outputs(requests, request)
-        finally:
-            g.admission.release(ticket)
-        if outputs is None:
+        # (a steered model's embeddings are read with its steering, an adapter's under it)
+        params = embedding_params(hook, pooling, self.cfg, self.generator.steers_of(body.model))
+        run = await self._run(body, params, request)
+        if run is None:
             return Response(status_code=CLIENT_CLOSED)
+        outputs, tokens = run
         data = [
             {
                 "object": "embedding",
@@ -106,6 +112,43 @@ class Embedder:
             }
             for i, out in enumerate(outputs)
         ]
-        tokens = sum(len(ids) for ids in token_lists)
-        model = body.model or g.model_name
+        model = body.model or self.generator.model_name
         return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage(tokens, 0)})
+
+    async def classify(self, body: ClassificationRequest, request: Request) -> Response:
+        g = self.generator
+        refuse_unknown(body.model_extra, ClassificationRequest.NEUTRAL)
+        if self.classifier is None:
+            raise APIError(400, f"model: {g.model_name!r} is a causal LM ({self.cfg.architecture}), without the head "
+                           "of a sequence classifier's checkpoint (...ForSequenceClassification)", "model")  # fmt: skip
+        run = await self._run(body, classification_params(self.cfg, g.steers_of(body.model)), request)
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED)
+        outputs, tokens = run
+        data = [{"index": i, "label": c.label, "probs": c.probs, "num_classes": c.num_classes}
+                for i, c in enumerate(self.classifier.classify(last_rows(outputs)))]  # fmt: skip
+        return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
+
+    async def _run(
+        self, body: EmbeddingRequest | ClassificationRequest, params: SamplingParams, request: Request
+    ) -> tuple[list[RequestOutput], int] | None:
+        """Each input's prefill-only request under the body's model's adapter: the outputs, in input order, and the
+        inputs' tokens; None when the client went away."""
+        g = self.generator
+        token_lists = [truncated(ids, body.truncate_prompt_tokens)
+                       for ids in g.tokenize(body.input, "input", body.add_special_tokens)]  # fmt: skip
+        for i, ids in enumerate(token_lists):
+            if len(ids) >= g.max_model_len:
+                raise APIError(
+                    400, f"input[{i}]: {len(ids)} tokens; this server's context is {g.max_model_len}", f"input[{i}]",
+                    code="context_length_exceeded",
+                )  # fmt: skip
+        lora = g.lora_of(body.model)
+        ticket = g.admission.admit(len(token_lists), 0, "input")  # a row per input, JSON: no capture bytes to hold
+        try:
+            requests = [NewRequest(ids, params, lora=lora, priority=body.priority) for ids in token_lists]
+            outputs = await g.outputs(requests, request)
+        finally:
+            g.admission.release(ticket)
+        return None if outputs is None else (outputs, sum(len(ids) for ids in token_lists))

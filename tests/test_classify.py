@@ -1,0 +1,166 @@
+"""Sequence classifiers (HF's *ForSequenceClassification, vLLM's LLM.classify and /classify): tiny random checkpoints
+of five families, their class probabilities for prompts of several lengths packed in one batch equal to HF's, one
+prompt at a time; under a steer, equal to HF's under the same addition by a forward hook; the server's /classify equal
+to LLM.classify; two ranks' classes as one process's; a classifier's taps as any model's (HookedLM's too); what would
+read token logits refused by name before any work."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import transformers
+from conftest import rel_err
+from server_helpers import running_server
+from transformers import GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+from vlens import LLM, Capture, HookedLM, SamplingParams, Steer
+from vlens.server.config import ServerConfig
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+SIZES = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+CONFIGS = {  # family -> its classifier's config (pad_token_id: HF's classifiers find a prompt's last token by it)
+    "llama": LlamaConfig(**SIZES, num_key_value_heads=2),
+    "qwen2": Qwen2Config(**SIZES, num_key_value_heads=2),
+    "gemma": GemmaConfig(**SIZES, num_key_value_heads=1, head_dim=16),
+    "gpt2": GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+    "gpt_neox": GPTNeoXConfig(**SIZES),
+}
+PROMPTS = [[5, 17, 33, 2, 9, 101, 4], [44], [7, 7, 190, 3]]
+
+
+def _classifier(config, path) -> torch.nn.Module:
+    """Random weights for `config` as a three-class classifier, saved like a real checkpoint; HF's model."""
+    config.num_labels, config.id2label, config.label2id = 3, LABELS, {v: k for k, v in LABELS.items()}
+    config.pad_token_id = 0
+    torch.manual_seed(0)
+    name = {"gpt2": "GPT2", "gpt_neox": "GPTNeoX", "qwen2": "Qwen2"}.get(config.model_type, config.model_type.title())
+    hf = getattr(transformers, f"{name}ForSequenceClassification")(config).eval()
+    with torch.no_grad():  # (HF starts the head at a small scale: probabilities near uniform would test little)
+        hf.score.weight.normal_(0, 1)
+    hf.save_pretrained(path)
+    return hf
+
+
+def _hf_probs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float().softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[LLM, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("llama_classifier")
+    hf = _classifier(CONFIGS["llama"], path)
+    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20), hf
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_probabilities_equal_hf(family, tmp_path):
+    hf = _classifier(CONFIGS[family], tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    outputs = llm.classify(PROMPTS, use_tqdm=False)
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        want = _hf_probs(hf, ids)
+        probs = torch.tensor(out.outputs.probs)
+        assert out.prompt_token_ids == ids and out.outputs.num_classes == 3
+        assert rel_err(probs, want) < 1e-5 and out.outputs.label == LABELS[int(want.argmax())]
+    assert len({out.outputs.label for out in outputs}) > 1  # (the prompts are told apart)
+
+
+def test_steered_classes_equal_hf_under_the_same_addition(llama):
+    """A steer on a layer's output moves the classes as the same vector added by a forward hook moves HF's."""
+    llm, hf = llama
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 4
+    steered = llm.classify(PROMPTS, use_tqdm=False, interventions=[Steer("blocks.0.hook_resid_post", vector)])
+    handle = hf.model.layers[0].register_forward_hook(lambda m, a, out: out + vector)
+    try:
+        for ids, out in zip(PROMPTS, steered, strict=True):
+            assert rel_err(torch.tensor(out.outputs.probs), _hf_probs(hf, ids)) < 1e-5
+    finally:
+        handle.remove()
+    plain = llm.classify(PROMPTS, use_tqdm=False)
+    assert all(rel_err(torch.tensor(p.outputs.probs), torch.tensor(s.outputs.probs)) > 1e-3
+               for p, s in zip(plain, steered))  # fmt: skip
+
+
+def test_a_classifiers_taps_are_a_causal_lms(llama):
+    llm, hf = llama
+    hook = "blocks.0.hook_resid_post"  # (HF's hidden_states[1]; its last is past the final norm)
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=0, capture=Capture(hook)), use_tqdm=False)
+    with torch.inference_mode():
+        hidden = hf(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states
+    assert rel_err(out.activations[hook], hidden[1][0]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [(lambda llm: llm.generate(PROMPTS, use_tqdm=False), "^max_tokens: LlamaForSequenceClassification: a classifier has "
+                                                         "no token logits; its classes come from LLM.classify"),
+     (lambda llm: llm.generate(PROMPTS, SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False),
+      "^prompt_logprobs: LlamaForSequenceClassification"),
+     (lambda llm: llm.generate(PROMPTS, SamplingParams(max_tokens=0, capture=Capture(
+         "blocks.0.hook_resid_post", logit_lens=3)), use_tqdm=False), "^capture.logit_lens: LlamaForSequenceClass"),
+     (lambda llm: llm.trace(PROMPTS, "unembed.hook_out"), "'unembed.hook_out' matches no hook")],
+)  # fmt: skip
+def test_what_reads_token_logits_is_refused_before_any_work(llama, call, message):
+    llm, _ = llama
+    with pytest.raises(ValueError, match=message):
+        call(llm)
+    assert not llm.engine.has_work()
+
+
+def test_hooked_lm_runs_a_classifier_without_token_logits(llama, tmp_path):
+    llm, _ = llama
+    path = tmp_path / "hooked"
+    _classifier(CONFIGS["llama"], path)
+    model = HookedLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    with pytest.raises(ValueError, match="^return_type: LlamaForSequenceClassification: a classifier has no token"):
+        model(torch.tensor([PROMPTS[0]]))
+    _, cache = model.run_with_cache(torch.tensor([PROMPTS[0]]), return_type=None, names_filter="ln_final.hook_out")
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=0, capture=Capture("ln_final.hook_out")),
+                         use_tqdm=False)  # fmt: skip
+    assert rel_err(cache["ln_final.hook_out"][0], out.activations["ln_final.hook_out"]) < 1e-6
+
+
+def test_two_ranks_classify_as_one(llama, tmp_path):
+    """Under tensor parallelism the head, on rank 0, reads the row the ranks' decoder computed together."""
+    llm, _ = llama
+    path = tmp_path / "ranks"
+    _classifier(CONFIGS["llama"], path)
+    with LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20, tensor_parallel_size=2) as two:
+        for a, b in zip(llm.classify(PROMPTS, use_tqdm=False), two.classify(PROMPTS, use_tqdm=False), strict=True):
+            assert rel_err(torch.tensor(b.outputs.probs), torch.tensor(a.outputs.probs)) < 1e-5
+
+
+def test_a_causal_lm_has_no_classes(smol4):
+    with pytest.raises(ValueError, match=r"^classify: LlamaForCausalLM is a causal LM, without the head \(score\)"):
+        smol4.classify("Hi", use_tqdm=False)
+
+
+def test_the_servers_classify_equals_llm_classify(llama, tmp_path):
+    llm, hf = llama
+    path = tmp_path / "served"
+    _classifier(CONFIGS["llama"], path)
+    offline = llm.classify(PROMPTS, use_tqdm=False)
+    served = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    with running_server(served, ServerConfig(served_model_name="judge")) as url:
+        r = httpx.post(url + "/classify", json={"model": "judge", "input": PROMPTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and body["id"].startswith("classify-") and body["model"] == "judge"
+        assert body["usage"]["prompt_tokens"] == sum(map(len, PROMPTS)) and body["usage"]["completion_tokens"] == 0
+        for i, (d, o) in enumerate(zip(body["data"], offline, strict=True)):
+            assert (d["index"], d["label"], d["num_classes"]) == (i, o.outputs.label, 3)
+            assert rel_err(torch.tensor(d["probs"]), torch.tensor(o.outputs.probs)) < 1e-6
+        one = httpx.post(url + "/classify", json={"input": PROMPTS[1]}, timeout=60).json()["data"]
+        assert len(one) == 1 and rel_err(torch.tensor(one[0]["probs"]), torch.tensor(body["data"][1]["probs"])) < 1e-5
+        completion = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
+        assert completion.status_code == 400 and completion.json()["error"]["param"] == "max_tokens", completion.text
+        bad = httpx.post(url + "/classify", json={"input": PROMPTS, "truncate_prompt_tokens": 0}, timeout=60)
+        assert bad.status_code == 422 and bad.json()["error"]["param"] == "truncate_prompt_tokens", bad.text
+
+
+def test_a_causal_lms_server_refuses_classify(served_smol):
+    with running_server(served_smol, ServerConfig(served_model_name="smol")) as url:
+        r = httpx.post(url + "/classify", json={"input": "Hi"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "causal LM" in r.text, r.text

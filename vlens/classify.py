@@ -1,0 +1,67 @@
+"""Sequence classifiers (HF's *ForSequenceClassification; vLLM's LLM.classify and the server's /classify): a causal
+LM's decoder under a head, `score`, that reads the final norm's row at a prompt's last token, in place of the
+unembedding. The decoder runs in the engine as any model's, in a prefill-only request that captures that one row (as
+LLM.embed reads a hook); the head, a [classes, d] matrix, is applied here to the rows that come back. So a
+classifier's taps, steering, adapters and the rest are a causal LM's, and its classes are read under them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from vlens.capture.interventions import Intervention
+from vlens.capture.names import FINAL_NORM
+from vlens.config import ModelConfig
+from vlens.embedding import embedding_params
+from vlens.loader import ModelLoadError, weight_files
+from vlens.outputs import ClassificationOutput, RequestOutput
+from vlens.sampling_params import SamplingParams
+
+HEAD = "score"  # every HF sequence classifier's head, beside the causal LM's own names for the decoder
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    weight: torch.Tensor  # [classes, d], the model's device and dtype
+    bias: torch.Tensor | None
+    labels: tuple[str, ...]  # the config's id2label, in class order
+
+    @classmethod
+    def load(cls, path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ClassifierHead:
+        found: dict[str, torch.Tensor] = {}
+        for file in weight_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                found |= {key: f.get_tensor(key) for key in (f"{HEAD}.weight", f"{HEAD}.bias") if key in f.keys()}  # noqa: SIM118
+        weight = found.get(f"{HEAD}.weight")
+        if weight is None or tuple(weight.shape) != (len(cfg.classifier_labels), cfg.hidden_size):
+            got = "none" if weight is None else f"shape {tuple(weight.shape)}"
+            raise ModelLoadError(f"model: {cfg.classifier_name}'s head {HEAD}.weight should be "
+                                 f"{len(cfg.classifier_labels)} x {cfg.hidden_size} (num_labels x hidden_size); "
+                                 f"{str(path)!r} has {got}")  # fmt: skip
+        bias = found.get(f"{HEAD}.bias")
+        bias = None if bias is None else bias.to(device, dtype)
+        return cls(weight.to(device, dtype), bias, cfg.classifier_labels)
+
+    def classify(self, rows: torch.Tensor) -> list[ClassificationOutput]:
+        """[n, d] final-norm rows -> each row's class probabilities: the head's logits in the model's dtype (as HF
+        computes them), then a softmax in float32 (as vLLM's classify gives them)."""
+        logits = torch.nn.functional.linear(rows.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
+        probs = logits.float().softmax(-1).cpu()
+        return [ClassificationOutput(p.tolist(), self.labels[int(p.argmax())]) for p in probs]
+
+
+def classification_params(
+    cfg: ModelConfig, interventions: Sequence[Intervention] = (), truncate_prompt_tokens: int | None = None
+) -> SamplingParams:
+    """The request that reads what the head reads: the final norm's last prompt row."""
+    return embedding_params(FINAL_NORM, "last", cfg, interventions, truncate_prompt_tokens)
+
+
+def last_rows(outputs: list[RequestOutput]) -> torch.Tensor:
+    """[n, d]: each classification request's row, as classification_params read it."""
+    return torch.stack([output.activations[FINAL_NORM][0] for output in outputs])
