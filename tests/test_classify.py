@@ -1,8 +1,9 @@
-"""Sequence classifiers (HF's *ForSequenceClassification, vLLM's LLM.classify and /classify): tiny random checkpoints
-of five families, their class probabilities for prompts of several lengths packed in one batch equal to HF's, one
-prompt at a time; under a steer, equal to HF's under the same addition by a forward hook; the server's /classify equal
-to LLM.classify; two ranks' classes as one process's; a classifier's taps as any model's (HookedLM's too); what would
-read token logits refused by name before any work."""
+"""Sequence classifiers (HF's *ForSequenceClassification, vLLM's LLM.classify and /classify): tiny random checkpoints of
+seven families (a multimodal checkpoint's text model and a hybrid of linear attention among them), their class
+probabilities for prompts of several lengths packed in one batch equal to HF's, one prompt at a time; under a steer,
+equal to HF's under the same addition by a forward hook; the server's /classify equal to LLM.classify; two ranks'
+classes as one process's; a classifier's taps as any model's (HookedLM's too); what would read token logits refused
+by name before any work."""
 
 from __future__ import annotations
 
@@ -12,30 +13,46 @@ import torch
 import transformers
 from conftest import rel_err
 from server_helpers import running_server
-from transformers import GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+from transformers import (
+    Gemma3Config,
+    GemmaConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3_5TextConfig,
+)
 
 from vlens import LLM, Capture, HookedLM, SamplingParams, Steer
 from vlens.server.config import ServerConfig
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 SIZES = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
-CONFIGS = {  # family -> its classifier's config (pad_token_id: HF's classifiers find a prompt's last token by it)
-    "llama": LlamaConfig(**SIZES, num_key_value_heads=2),
-    "qwen2": Qwen2Config(**SIZES, num_key_value_heads=2),
-    "gemma": GemmaConfig(**SIZES, num_key_value_heads=1, head_dim=16),
-    "gpt2": GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=64),
-    "gpt_neox": GPTNeoXConfig(**SIZES),
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                     patch_size=8)  # fmt: skip
+CONFIGS = {  # HF's classifier -> its config (pad_token_id: HF's classifiers find a prompt's last token by it)
+    "LlamaForSequenceClassification": LlamaConfig(**SIZES, num_key_value_heads=2),
+    "Qwen2ForSequenceClassification": Qwen2Config(**SIZES, num_key_value_heads=2),
+    "GemmaForSequenceClassification": GemmaConfig(**SIZES, num_key_value_heads=1, head_dim=16),
+    "GPT2ForSequenceClassification": GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+    "GPTNeoXForSequenceClassification": GPTNeoXConfig(**SIZES),
+    # (a multimodal checkpoint's text model; a hybrid of linear and full attention layers)
+    "Gemma3ForSequenceClassification": Gemma3Config(text_config=SIZES | dict(num_key_value_heads=1, head_dim=16),
+                                                    vision_config=GEMMA3_VISION, mm_tokens_per_image=4),
+    "Qwen3_5TextForSequenceClassification": Qwen3_5TextConfig(**SIZES | dict(num_hidden_layers=4), head_dim=16,
+                                                              num_key_value_heads=1),
 }
+LLAMA = "LlamaForSequenceClassification"
 PROMPTS = [[5, 17, 33, 2, 9, 101, 4], [44], [7, 7, 190, 3]]
 
 
-def _classifier(config, path) -> torch.nn.Module:
-    """Random weights for `config` as a three-class classifier, saved like a real checkpoint; HF's model."""
+def _classifier(name: str, path) -> torch.nn.Module:
+    """Random weights for HF's classifier `name` as a three-class one, saved like a real checkpoint; HF's model."""
+    config = CONFIGS[name]
     config.num_labels, config.id2label, config.label2id = 3, LABELS, {v: k for k, v in LABELS.items()}
     config.pad_token_id = 0
     torch.manual_seed(0)
-    name = {"gpt2": "GPT2", "gpt_neox": "GPTNeoX", "qwen2": "Qwen2"}.get(config.model_type, config.model_type.title())
-    hf = getattr(transformers, f"{name}ForSequenceClassification")(config).eval()
+    hf = getattr(transformers, name)(config).eval()
     with torch.no_grad():  # (HF starts the head at a small scale: probabilities near uniform would test little)
         hf.score.weight.normal_(0, 1)
     hf.save_pretrained(path)
@@ -50,14 +67,14 @@ def _hf_probs(hf, ids: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> tuple[LLM, torch.nn.Module]:
     path = tmp_path_factory.mktemp("llama_classifier")
-    hf = _classifier(CONFIGS["llama"], path)
+    hf = _classifier(LLAMA, path)
     return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20), hf
 
 
-@pytest.mark.parametrize("family", CONFIGS)
-def test_probabilities_equal_hf(family, tmp_path):
-    hf = _classifier(CONFIGS[family], tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_probabilities_equal_hf(name, tmp_path):
+    hf = _classifier(name, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20)  # (Qwen 3.5's states)
     outputs = llm.classify(PROMPTS, use_tqdm=False)
     for ids, out in zip(PROMPTS, outputs, strict=True):
         want = _hf_probs(hf, ids)
@@ -112,7 +129,7 @@ def test_what_reads_token_logits_is_refused_before_any_work(llama, call, message
 def test_hooked_lm_runs_a_classifier_without_token_logits(llama, tmp_path):
     llm, _ = llama
     path = tmp_path / "hooked"
-    _classifier(CONFIGS["llama"], path)
+    _classifier(LLAMA, path)
     model = HookedLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
     with pytest.raises(ValueError, match="^return_type: LlamaForSequenceClassification: a classifier has no token"):
         model(torch.tensor([PROMPTS[0]]))
@@ -126,7 +143,7 @@ def test_two_ranks_classify_as_one(llama, tmp_path):
     """Under tensor parallelism the head, on rank 0, reads the row the ranks' decoder computed together."""
     llm, _ = llama
     path = tmp_path / "ranks"
-    _classifier(CONFIGS["llama"], path)
+    _classifier(LLAMA, path)
     with LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20, tensor_parallel_size=2) as two:
         for a, b in zip(llm.classify(PROMPTS, use_tqdm=False), two.classify(PROMPTS, use_tqdm=False), strict=True):
             assert rel_err(torch.tensor(b.outputs.probs), torch.tensor(a.outputs.probs)) < 1e-5
@@ -140,7 +157,7 @@ def test_a_causal_lm_has_no_classes(smol4):
 def test_the_servers_classify_equals_llm_classify(llama, tmp_path):
     llm, hf = llama
     path = tmp_path / "served"
-    _classifier(CONFIGS["llama"], path)
+    _classifier(LLAMA, path)
     offline = llm.classify(PROMPTS, use_tqdm=False)
     served = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
     with running_server(served, ServerConfig(served_model_name="judge")) as url:

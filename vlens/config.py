@@ -1592,13 +1592,8 @@ class ModelConfig:
     # a sequence classifier's classes, in order (HF's *ForSequenceClassification: the causal LM's decoder, and a head,
     # `score`, over its final norm's last row, in place of the unembedding; vlens.classify); () for a causal LM
     classifier_labels: tuple[str, ...] = ()
+    classifier_name: str = ""  # its architecture, as the checkpoint names it (the decoder's is `architecture`)
     parallel: Parallel = SINGLE  # this process's share of a tensor-parallel model (vlens.distributed)
-
-    @property
-    def classifier_name(self) -> str:
-        """A sequence classifier's architecture, as its checkpoint names it (the causal LM's in `architecture`)."""
-        named = [name for name, decoder in CLASSIFIER_DECODERS.items() if decoder == self.architecture]
-        return named[0] if named else self.architecture.removesuffix("ForCausalLM") + CLASSIFIER
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -1677,8 +1672,8 @@ class ModelConfig:
             eos = _token_ids(getattr(hf, "eos_token_id", None)) or text.eos_token_ids
             tied = bool(getattr(hf, "tie_word_embeddings", text.tie_word_embeddings))
             deep = len(getattr(getattr(hf, "vision_config", None), "deepstack_visual_indexes", None) or ())
-            return dataclasses.replace(text, stored_as=TEXT_MODELS[arch], eos_token_ids=eos, tie_word_embeddings=tied,
-                                       deepstack_layers=deep)  # fmt: skip
+            return dataclasses.replace(text, stored_as=TEXT_MODELS[arch], eos_token_ids=eos, deepstack_layers=deep,
+                                       **{"tie_word_embeddings": tied} | _classifier(hf))  # fmt: skip
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
         if "qkv_bias" not in flags:
@@ -1720,21 +1715,23 @@ class ModelConfig:
         fields |= flags
         if spec.read is not None:
             fields |= spec.read(hf)
-        if (getattr(hf, "architectures", None) or [""])[0].endswith(CLASSIFIER):
-            # (its unembedding is the embedding, tied: a placeholder taking no memory, which nothing reads: a
-            # classifier has no token logits, DecoderLM.logits)
-            labels = tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
-            fields |= dict(classifier_labels=labels, tie_word_embeddings=True)
-        return cls(**fields)
+        return cls(**fields | _classifier(hf))
 
 
 CLASSIFIER = "ForSequenceClassification"  # HF's sequence classifiers: a causal LM's decoder under a `score` head
-# the classifiers whose decoder's causal LM is not named {family}ForCausalLM
-CLASSIFIER_DECODERS = {"GPT2ForSequenceClassification": "GPT2LMHeadModel",
-                       "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}  # fmt: skip
 # what a classifier's requests for token logits are told (its unembedding is a placeholder: vlens.classify)
 NO_TOKEN_LOGITS = ("a classifier has no token logits; its classes come from LLM.classify (or the server's "
                    "/classify), and its taps from prefill-only requests (max_tokens=0)")
+
+
+def _classifier(hf: Any) -> dict[str, Any]:
+    """A sequence classifier's fields (none for a causal LM). Its unembedding is the embedding, tied: a placeholder
+    taking no memory, which nothing reads (a classifier has no token logits: DecoderLM.logits)."""
+    arch = (getattr(hf, "architectures", None) or [""])[0]
+    if not arch.endswith(CLASSIFIER):
+        return {}
+    labels = tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
+    return dict(classifier_labels=labels, classifier_name=arch, tie_word_embeddings=True)
 
 
 def supported_architecture(architectures: list[str] | None, model_type: str | None) -> str:
@@ -1743,9 +1740,8 @@ def supported_architecture(architectures: list[str] | None, model_type: str | No
     arch = (architectures or [None])[0]
     if arch is None:
         arch = MODEL_TYPES.get(model_type)
-    elif arch.endswith(CLASSIFIER):  # (its decoder: vlens.classify)
-        decoder = CLASSIFIER_DECODERS.get(arch, arch.removesuffix(CLASSIFIER) + "ForCausalLM")
-        arch = decoder if decoder in ARCHITECTURES else arch
+    elif arch.endswith(CLASSIFIER) and model_type in MODEL_TYPES:  # (its decoder, its model type's: vlens.classify)
+        arch = MODEL_TYPES[model_type]
     if arch not in ARCHITECTURES and arch not in TEXT_MODELS:
         supported = ", ".join(sorted([*ARCHITECTURES, *TEXT_MODELS]))
         raise UnsupportedModelError(
