@@ -85,6 +85,9 @@ def test_a_forced_function_call_is_a_function_call_item(client, smol):
                                           tool_choice=named, stream=True))  # fmt: skip
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert (done.name, done.arguments) == ("get_weather", want)
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 5 and "".join(pieces) == want  # (as they come)
+    assert events[-1].response.output[0].arguments == want
 
 
 def test_activations_come_through_the_vlens_extension(server, smol):

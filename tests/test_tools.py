@@ -117,11 +117,14 @@ def test_a_named_function_s_call_is_the_structured_reply(llm, server):
     assert set(json.loads(call.function.arguments)) == {"city", "unit"}
     streamed = list(client.chat.completions.create(model="smol", messages=MESSAGES, tools=TOOLS, tool_choice=named,
                                                    stream=True, **GREEDY))  # fmt: skip
+    # streamed, the arguments go out as they come (vLLM's): the call opens with its id and name, then its pieces
     assert streamed[0].choices[0].delta.role == "assistant"
-    [last] = [c for c in streamed if c.choices and c.choices[0].finish_reason]
-    [delta] = last.choices[0].delta.tool_calls
-    assert (delta.index, delta.function.name, delta.function.arguments) == (0, "get_weather", call.function.arguments)
-    assert not any(c.choices[0].delta.tool_calls for c in streamed if c is not last)
+    pieces = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert pieces[0].id.startswith("chatcmpl-tool-") and pieces[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in pieces[1:]) and len(pieces) > 5
+    assert "".join(d.function.arguments for d in pieces) == call.function.arguments
+    assert not any(c.choices[0].delta.content for c in streamed if c.choices)
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
 
 
 def test_required_calls_are_read_from_their_json_array(llm, server):

@@ -27,6 +27,7 @@ class _Stream:
     text: str = ""
     reasoning: int = 0
     content: int = 0
+    arguments: int | None = None  # how much of a named function's arguments went out (None: its call not opened)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
@@ -170,7 +171,14 @@ class Shape:
             message["reasoning"] = message["reasoning_content"] = reasoning[stream.reasoning:]
             stream.reasoning = len(reasoning)
         calls = None
-        if self.tools is not None and content is not None:
+        if self.tools is not None and self.tools.named is not None and delta and content is not None:
+            # (a named function's arguments go out as they come, as vLLM streams them: the reply is all arguments)
+            if len(content) > (stream.arguments or 0) or (done and stream.arguments is None):
+                message["tool_calls"] = [self.tools.arguments_delta(content[stream.arguments or 0:],
+                                                                    opened=stream.arguments is not None)]  # fmt: skip
+                stream.arguments = len(content)
+            content = None
+        elif self.tools is not None and content is not None:
             if done:
                 content, calls = self.tools.read(content)
             else:

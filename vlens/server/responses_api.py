@@ -321,10 +321,10 @@ class ResponseForm:
 
 @dataclass
 class _Open:
-    kind: str  # "reasoning" or "message"
+    kind: str  # "reasoning", "message" or "function_call"
     item: dict[str, Any]
     index: int
-    text: str = ""
+    text: str = ""  # so far (a call's: its arguments)
 
 
 class _Events:
@@ -363,24 +363,32 @@ class _Events:
                         output_index=self.open.index, content_index=0, delta=delta, **extra)  # fmt: skip
 
     def call(self, call: dict[str, Any]) -> Iterator[str]:
-        """A function call, whole (the chat stream gives each at the reply's end)."""
-        yield from self.close("completed")
-        item, index = _call_item(call), len(self.output)
-        opened = item | {"arguments": "", "status": "in_progress"}
-        yield self.send("response.output_item.added", output_index=index, item=opened)
-        yield self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                        delta=item["arguments"])  # fmt: skip
-        yield self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                        name=item["name"], arguments=item["arguments"])  # fmt: skip
-        yield self.send("response.output_item.done", output_index=index, item=item)
-        self.output.append(item)
+        """A function call's piece: one with an id opens its item (the chat stream gives a named function's arguments
+        as they come, other calls whole at the reply's end), one without adds to the open call's arguments."""
+        if "id" in call:
+            yield from self.close("completed")
+            item = _call_item(call) | {"arguments": "", "status": "in_progress"}
+            self.open = _Open("function_call", item, len(self.output))
+            yield self.send("response.output_item.added", output_index=self.open.index, item=item)
+        if arguments := call["function"].get("arguments"):
+            self.open.text += arguments
+            yield self.send("response.function_call_arguments.delta", item_id=self.open.item["id"],
+                            output_index=self.open.index, delta=arguments)  # fmt: skip
 
     def close(self, status: str) -> Iterator[str]:
         """The open item's last events, `status` its own."""
         if self.open is None:
             return
         kind, item, index, text = self.open.kind, self.open.item, self.open.index, self.open.text
-        part, self.open = self._part(kind, text), None
+        self.open = None
+        if kind == "function_call":  # (a call is whole when its item closes)
+            item = item | {"arguments": text, "status": "completed"}
+            yield self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=text)  # fmt: skip
+            yield self.send("response.output_item.done", output_index=index, item=item)
+            self.output.append(item)
+            return
+        part = self._part(kind, text)
         extra = {"logprobs": []} if kind == "message" else {}
         yield self.send(f"response.{self._PART[kind]}.done", item_id=item["id"], output_index=index, content_index=0,
                         text=text, **extra)  # fmt: skip

@@ -62,6 +62,12 @@ class ToolReply:
         except (ValueError, TypeError, KeyError):
             return text, None
 
+    def arguments_delta(self, arguments: str, opened: bool) -> dict[str, Any]:
+        """A streamed named function's call: opened with its id and name, then each later piece of its arguments."""
+        if opened:
+            return {"index": 0, "function": {"arguments": arguments}}
+        return {"index": 0, **_call(self.named, arguments)}
+
     def content_end(self, text: str) -> int:
         """How much of a streamed reply so far goes out as content before its end: under "auto", the text the
         parser knows is no call; otherwise none (the whole reply is the calls)."""
