@@ -51,8 +51,12 @@ def _classifier(name: str, path) -> torch.nn.Module:
     config = CONFIGS[name]
     config.num_labels, config.id2label, config.label2id = 3, LABELS, {v: k for k, v in LABELS.items()}
     config.pad_token_id = 0
+    return _saved(getattr(transformers, name), config, path)
+
+
+def _saved(cls: type, config, path) -> torch.nn.Module:
     torch.manual_seed(0)
-    hf = getattr(transformers, name)(config).eval()
+    hf = cls(config).eval()
     with torch.no_grad():  # (HF starts the head at a small scale: probabilities near uniform would test little)
         hf.score.weight.normal_(0, 1)
     hf.save_pretrained(path)
@@ -81,7 +85,29 @@ def test_probabilities_equal_hf(name, tmp_path):
         probs = torch.tensor(out.outputs.probs)
         assert out.prompt_token_ids == ids and out.outputs.num_classes == 3
         assert rel_err(probs, want) < 1e-5 and out.outputs.label == LABELS[int(want.argmax())]
+        assert torch.allclose(torch.tensor(out.outputs.logits).softmax(-1), probs, atol=1e-6)
     assert len({out.outputs.label for out in outputs}) > 1  # (the prompts are told apart)
+
+
+@pytest.mark.parametrize(
+    "labels, problem_type, activation",
+    [({0: "score"}, None, torch.sigmoid),  # (a reward model: one logit, its score)
+     ({0: "a", 1: "b"}, "multi_label_classification", torch.sigmoid),
+     ({0: "x", 1: "y"}, "regression", lambda z: z)],
+)  # fmt: skip
+def test_probabilities_follow_the_problem_type_as_vllms(labels, problem_type, activation, tmp_path):
+    """vLLM's activations: a sigmoid for one class or for multi-label ones, none for a regression; the logits are
+    HF's either way."""
+    config = LlamaConfig(**SIZES, num_key_value_heads=2, num_labels=len(labels), id2label=labels, pad_token_id=0,
+                         label2id={v: k for k, v in labels.items()}, problem_type=problem_type)  # fmt: skip
+    hf = _saved(transformers.LlamaForSequenceClassification, config, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    for ids, out in zip(PROMPTS, llm.classify(PROMPTS, use_tqdm=False), strict=True):
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids])).logits[0]
+        assert rel_err(torch.tensor(out.outputs.logits), logits) < 1e-5
+        assert rel_err(torch.tensor(out.outputs.probs), activation(logits)) < 1e-5
+        assert out.outputs.label == labels[int(activation(logits).argmax())]
 
 
 def test_steered_classes_equal_hf_under_the_same_addition(llama):
@@ -168,6 +194,7 @@ def test_the_servers_classify_equals_llm_classify(llama, tmp_path):
         assert body["usage"]["prompt_tokens"] == sum(map(len, PROMPTS)) and body["usage"]["completion_tokens"] == 0
         for i, (d, o) in enumerate(zip(body["data"], offline, strict=True)):
             assert (d["index"], d["label"], d["num_classes"]) == (i, o.outputs.label, 3)
+            assert rel_err(torch.tensor(d["logits"]), torch.tensor(o.outputs.logits)) < 1e-6
             assert rel_err(torch.tensor(d["probs"]), torch.tensor(o.outputs.probs)) < 1e-6
         one = httpx.post(url + "/classify", json={"input": PROMPTS[1]}, timeout=60).json()["data"]
         assert len(one) == 1 and rel_err(torch.tensor(one[0]["probs"]), torch.tensor(body["data"][1]["probs"])) < 1e-5

@@ -25,11 +25,15 @@ from vlens.sampling_params import SamplingParams
 HEAD = "score"  # every HF sequence classifier's head, beside the causal LM's own names for the decoder
 
 
+ACTIVATIONS = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid, "identity": lambda x: x}
+
+
 @dataclass(frozen=True)
 class ClassifierHead:
     weight: torch.Tensor  # [classes, d], the model's device and dtype
     bias: torch.Tensor | None
     labels: tuple[str, ...]  # the config's id2label, in class order
+    activation: str  # ModelConfig.classifier_activation
 
     @classmethod
     def load(cls, path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ClassifierHead:
@@ -45,14 +49,16 @@ class ClassifierHead:
                                  f"{str(path)!r} has {got}")  # fmt: skip
         bias = found.get(f"{HEAD}.bias")
         bias = None if bias is None else bias.to(device, dtype)
-        return cls(weight.to(device, dtype), bias, cfg.classifier_labels)
+        return cls(weight.to(device, dtype), bias, cfg.classifier_labels, cfg.classifier_activation)
 
     def classify(self, rows: torch.Tensor) -> list[ClassificationOutput]:
-        """[n, d] final-norm rows -> each row's class probabilities: the head's logits in the model's dtype (as HF
-        computes them), then a softmax in float32 (as vLLM's classify gives them)."""
+        """[n, d] final-norm rows -> each row's classes: the head's logits in the model's dtype (as HF computes them),
+        and their probabilities in float32 through the config's activation (as vLLM's classify gives them)."""
         logits = torch.nn.functional.linear(rows.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
-        probs = logits.float().softmax(-1).cpu()
-        return [ClassificationOutput(p.tolist(), self.labels[int(p.argmax())]) for p in probs]
+        logits = logits.float()
+        probs = ACTIVATIONS[self.activation](logits).cpu()
+        return [ClassificationOutput(p.tolist(), self.labels[int(p.argmax())], z.tolist())
+                for p, z in zip(probs, logits.cpu())]  # fmt: skip
 
 
 def classification_params(

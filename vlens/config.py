@@ -1593,6 +1593,9 @@ class ModelConfig:
     # `score`, over its final norm's last row, in place of the unembedding; vlens.classify); () for a causal LM
     classifier_labels: tuple[str, ...] = ()
     classifier_name: str = ""  # its architecture, as the checkpoint names it (the decoder's is `architecture`)
+    # what turns its logits into `probs` (vLLM's, after the config's problem_type): "softmax" over two or more
+    # classes, "sigmoid" for one (a reward model's) or for multi-label ones, "identity" for a regression
+    classifier_activation: str = "softmax"
     parallel: Parallel = SINGLE  # this process's share of a tensor-parallel model (vlens.distributed)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -1731,7 +1734,11 @@ def _classifier(hf: Any) -> dict[str, Any]:
     if not arch.endswith(CLASSIFIER):
         return {}
     labels = tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
-    return dict(classifier_labels=labels, classifier_name=arch, tie_word_embeddings=True)
+    problem = getattr(hf, "problem_type", None)
+    activation = "identity" if problem == "regression" else \
+        "sigmoid" if problem == "multi_label_classification" or len(labels) < 2 else "softmax"  # fmt: skip
+    return dict(classifier_labels=labels, classifier_name=arch, classifier_activation=activation,
+                tie_word_embeddings=True)  # fmt: skip
 
 
 def supported_architecture(architectures: list[str] | None, model_type: str | None) -> str:

@@ -98,8 +98,9 @@ class EmbeddingRequestOutput:
 
 @dataclass
 class ClassificationOutput:
-    probs: list[float]  # one per class, summing to 1 (vLLM's)
+    probs: list[float]  # one per class (vLLM's): a softmax's; a sigmoid's for one class (classifier_activation)
     label: str  # the likeliest class's name (the checkpoint's id2label)
+    logits: list[float]  # the head's own outputs: a reward model's score is its one logit
 
     @property
     def num_classes(self) -> int:

@@ -125,7 +125,7 @@ class Pooler:
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
         outputs, tokens = run
-        data = [{"index": i, "label": c.label, "probs": c.probs, "num_classes": c.num_classes}
+        data = [{"index": i, "label": c.label, "probs": c.probs, "num_classes": c.num_classes, "logits": c.logits}
                 for i, c in enumerate(self.classifier.classify(last_rows(outputs)))]  # fmt: skip
         return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
