@@ -1,0 +1,93 @@
+"""Benchmark: scoring documents with a reward model (a sequence classifier with one class), vlens against HF Transformers
+in the same run.
+
+The model: SmolLM2 as a `LlamaForSequenceClassification` with one label, its head seeded at random (a reward model's
+shape: what is timed is the decoder, and the head's one row). Documents: the paragraphs of bench_harvest.py's
+`shakespeare` corpus (its first N of 20 characters or more), each cut to CONTEXT tokens.
+  vlens          LLM.classify: the documents packed end to end in each forward (no padding), the final norm's last
+                 row of each taken on the device, the head applied to those rows alone
+  HF             batches of B documents in source order, right-padded, the classifier's forward (its head over every
+                 position, the last non-pad row's logit kept)
+  HF sorted      the same with the documents sorted by length first (less padding: what a careful user does)
+The script checks the scores agree and prints the times and ratios.
+
+Run:  .venv/bin/python benchmarks/bench_classify.py [--documents 512] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_embeddings import CONTEXT, paragraphs
+from transformers import LlamaForSequenceClassification
+
+from vlens import LLM
+from vlens.loader import resolve_model_path
+
+
+def reward_model(smol: Path, out: Path) -> LlamaForSequenceClassification:
+    """SmolLM2's decoder under a one-label head (seeded), saved with its tokenizer to `out`."""
+    torch.manual_seed(0)
+    hf = LlamaForSequenceClassification.from_pretrained(smol, num_labels=1, id2label={0: "reward"},
+                                                        dtype=torch.float32)  # fmt: skip
+    hf.config.pad_token_id = hf.config.eos_token_id  # (HF finds a document's last token by it; no paragraph has it)
+    hf.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol / name, out / name)
+    return hf.eval()
+
+
+def hf_scores(model, docs: list[list[int]], batch: int, order: list[int]) -> torch.Tensor:
+    """HF's way, batches taken in `order`; the scores come back in document order."""
+    pad = model.config.pad_token_id
+    scores = torch.empty(len(docs))
+    with torch.inference_mode():
+        for start in range(0, len(docs), batch):
+            picked = order[start : start + batch]
+            width = max(len(docs[j]) for j in picked)
+            ids = torch.tensor([docs[j] + [pad] * (width - len(docs[j])) for j in picked])
+            mask = torch.tensor([[1] * len(docs[j]) + [0] * (width - len(docs[j])) for j in picked])
+            scores[picked] = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    return scores
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--documents", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=32, help="HF's documents per forward")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = reward_model(resolve_model_path(None), Path(tmp))  # (the default model's converted checkpoint)
+        llm = LLM(tmp, dtype="float32", device="cpu")
+    texts = paragraphs(args.documents)
+    docs = [llm.tokenizer(t, add_special_tokens=False)["input_ids"][:CONTEXT] for t in texts]
+    lengths = torch.tensor([len(d) for d in docs]).float()
+    print(f"{len(docs)} documents of {lengths.min():.0f}-{lengths.max():.0f} tokens (mean {lengths.mean():.0f}), "
+          f"{int(lengths.sum()):,} tokens; {torch.get_num_threads()} torch threads")  # fmt: skip
+    by_length = sorted(range(len(docs)), key=lambda j: len(docs[j]))
+    hf_scores(hf, docs[: args.batch], args.batch, list(range(args.batch)))  # warm-ups
+    llm.classify(docs[: args.batch], use_tqdm=False)
+    seconds, scores = {}, {}
+    for name in ("vlens", "HF", "HF sorted"):
+        start = time.perf_counter()
+        if name == "vlens":
+            scores[name] = torch.tensor([o.outputs.logits[0] for o in llm.classify(docs, use_tqdm=False)])
+        else:
+            scores[name] = hf_scores(hf, docs, args.batch, by_length if name == "HF sorted" else list(range(len(docs))))
+        seconds[name] = time.perf_counter() - start
+    gap = (scores["vlens"] - scores["HF"]).norm() / scores["HF"].norm()
+    worst = (scores["vlens"] - scores["HF"]).abs().max() / scores["HF"].abs().max()
+    print(f"scores agree: relative gap {gap:.1e}, worst score's {worst:.1e} of the largest (float32)")
+    for name, s in seconds.items():
+        print(f"{name:<10} {s:7.2f} s   {lengths.sum() / s:8,.0f} tokens/s")
+    print(f"vlens speed: {seconds['HF'] / seconds['vlens']:.2f}x HF, {seconds['HF sorted'] / seconds['vlens']:.2f}x "
+          "HF sorted by length")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
