@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_embeddings import CONTEXT, paragraphs
+from bench_embeddings import report, tokenized_paragraphs
 from transformers import LlamaForSequenceClassification
 
 from vlens import LLM
@@ -64,14 +64,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf = reward_model(resolve_model_path(None), Path(tmp))  # (the default model's converted checkpoint)
         llm = LLM(tmp, dtype="float32", device="cpu")
-    texts = paragraphs(args.documents)
-    docs = [llm.tokenizer(t, add_special_tokens=False)["input_ids"][:CONTEXT] for t in texts]
-    lengths = torch.tensor([len(d) for d in docs]).float()
-    print(f"{len(docs)} documents of {lengths.min():.0f}-{lengths.max():.0f} tokens (mean {lengths.mean():.0f}), "
-          f"{int(lengths.sum()):,} tokens; {torch.get_num_threads()} torch threads")  # fmt: skip
+    docs = tokenized_paragraphs(args.documents, llm.tokenizer)
     by_length = sorted(range(len(docs)), key=lambda j: len(docs[j]))
-    hf_scores(hf, docs[: args.batch], args.batch, list(range(args.batch)))  # warm-ups
-    llm.classify(docs[: args.batch], use_tqdm=False)
+    warm = docs[: args.batch]
+    hf_scores(hf, warm, args.batch, list(range(len(warm))))  # warm-ups
+    llm.classify(warm, use_tqdm=False)
     seconds, scores = {}, {}
     for name in ("vlens", "HF", "HF sorted"):
         start = time.perf_counter()
@@ -83,10 +80,7 @@ def main() -> None:
     gap = (scores["vlens"] - scores["HF"]).norm() / scores["HF"].norm()
     worst = (scores["vlens"] - scores["HF"]).abs().max() / scores["HF"].abs().max()
     print(f"scores agree: relative gap {gap:.1e}, worst score's {worst:.1e} of the largest (float32)")
-    for name, s in seconds.items():
-        print(f"{name:<10} {s:7.2f} s   {lengths.sum() / s:8,.0f} tokens/s")
-    print(f"vlens speed: {seconds['HF'] / seconds['vlens']:.2f}x HF, {seconds['HF sorted'] / seconds['vlens']:.2f}x "
-          "HF sorted by length")  # fmt: skip
+    report(seconds, sum(map(len, docs)))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,23 @@ def paragraphs(n: int) -> list[str]:
     return out
 
 
+def tokenized_paragraphs(n: int, tokenizer) -> list[list[int]]:
+    """paragraphs(n), tokenized and cut to CONTEXT tokens; their lengths printed."""
+    docs = [tokenizer(t, add_special_tokens=False)["input_ids"][:CONTEXT] for t in paragraphs(n)]
+    lengths = torch.tensor([len(d) for d in docs]).float()
+    print(f"{len(docs)} documents of {lengths.min():.0f}-{lengths.max():.0f} tokens (mean {lengths.mean():.0f}), "
+          f"{int(lengths.sum()):,} tokens; {torch.get_num_threads()} torch threads")  # fmt: skip
+    return docs
+
+
+def report(seconds: dict[str, float], tokens: int) -> None:
+    """Each way's time and speed, and vlens's against HF's two orders."""
+    for name, s in seconds.items():
+        print(f"{name:<10} {s:7.2f} s   {tokens / s:8,.0f} tokens/s")
+    print(f"vlens speed: {seconds['HF'] / seconds['vlens']:.2f}x HF, {seconds['HF sorted'] / seconds['vlens']:.2f}x "
+          "HF sorted by length")  # fmt: skip
+
+
 def hf_means(model, docs: list[list[int]], batch: int, out: Path, order: list[int]) -> torch.Tensor:
     """HF's way, batches taken in `order`; the rows come back in document order."""
     rows = [None] * len(docs)
@@ -67,10 +84,7 @@ def main() -> None:
     llm = LLM(dtype="float32", device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=torch.float32).eval()
     texts = paragraphs(args.documents)
-    docs = [llm.tokenizer(t, add_special_tokens=False)["input_ids"][:CONTEXT] for t in texts]
-    lengths = torch.tensor([len(d) for d in docs]).float()
-    print(f"{len(docs)} documents of {lengths.min():.0f}-{lengths.max():.0f} tokens (mean {lengths.mean():.0f}), "
-          f"{int(lengths.sum()):,} tokens; {torch.get_num_threads()} torch threads")  # fmt: skip
+    docs = tokenized_paragraphs(args.documents, llm.tokenizer)
     by_length = sorted(range(len(docs)), key=lambda j: len(docs[j]))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -93,10 +107,7 @@ def main() -> None:
         ours = ActivationDataset(root / "vlens" / "out", HOOK)[:].float()
     gap = ((ours - reference.to(torch.bfloat16).float()).norm(dim=1) / reference.norm(dim=1)).max()
     print(f"rows agree: worst relative gap {gap:.1e} (bf16 storage)")
-    for name, s in seconds.items():
-        print(f"{name:<10} {s:7.2f} s   {lengths.sum() / s:8,.0f} tokens/s")
-    print(f"vlens speed: {seconds['HF'] / seconds['vlens']:.2f}x HF, {seconds['HF sorted'] / seconds['vlens']:.2f}x "
-          "HF sorted by length")  # fmt: skip
+    report(seconds, sum(map(len, docs)))
 
 
 if __name__ == "__main__":
