@@ -3,9 +3,14 @@ seven families (a multimodal checkpoint's text model and a hybrid of linear atte
 probabilities for prompts of several lengths packed in one batch equal to HF's, one prompt at a time; under a steer,
 equal to HF's under the same addition by a forward hook; the server's /classify equal to LLM.classify; two ranks'
 classes as one process's; a classifier's taps as any model's (HookedLM's too); what would read token logits refused
-by name before any work."""
+by name before any work; probabilities after the config's problem_type, as vLLM's; a one-class classifier as a
+cross-encoder (LLM.score, /score, /rerank) scoring pairs as HF's."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -54,11 +59,11 @@ def _classifier(name: str, path) -> torch.nn.Module:
     return _saved(getattr(transformers, name), config, path)
 
 
-def _saved(cls: type, config, path) -> torch.nn.Module:
+def _saved(cls: type, config, path, scale: float = 1.0) -> torch.nn.Module:
     torch.manual_seed(0)
     hf = cls(config).eval()
     with torch.no_grad():  # (HF starts the head at a small scale: probabilities near uniform would test little)
-        hf.score.weight.normal_(0, 1)
+        hf.score.weight.normal_(0, scale)
     hf.save_pretrained(path)
     return hf
 
@@ -208,3 +213,80 @@ def test_a_causal_lms_server_refuses_classify(served_smol):
     with running_server(served_smol, ServerConfig(served_model_name="smol")) as url:
         r = httpx.post(url + "/classify", json={"input": "Hi"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "causal LM" in r.text, r.text
+
+
+# -- cross-encoders: a classifier of one class scoring pairs of texts (vLLM's LLM.score, /score, /rerank) -----------
+
+QUERY = "What is the capital of France?"
+DOCUMENTS = ["The capital of Brazil is Brasilia.", "Paris is the capital of France.", "Cats sleep a lot.",
+             "France's capital city is Paris, on the Seine."]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reranker(smol_path, tmp_path_factory) -> tuple[Path, torch.nn.Module, Any]:
+    """A one-class Llama classifier over SmolLM2's tokenizer (its vocabulary), saved with it."""
+    path = tmp_path_factory.mktemp("reranker")
+    config = LlamaConfig(**SIZES | dict(vocab_size=49152), num_key_value_heads=2, num_labels=1, id2label={0: "score"},
+                         pad_token_id=0)  # fmt: skip
+    hf = _saved(transformers.LlamaForSequenceClassification, config, path, scale=0.1)  # (sigmoids short of 0 or 1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_path / name, path / name)
+    return path, hf, transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _hf_score(hf, tokenizer, a: str, b: str) -> float:
+    with torch.inference_mode():
+        return torch.sigmoid(hf(torch.tensor([tokenizer(a, b)["input_ids"]])).logits[0, 0]).item()
+
+
+def test_llm_score_pairs_texts_as_hf(reranker):
+    path, hf, tokenizer = reranker
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    one_to_many = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    item_by_item = llm.score([QUERY, DOCUMENTS[0]], DOCUMENTS[:2], use_tqdm=False)
+    for out, (a, b) in zip(one_to_many + item_by_item, [(QUERY, d) for d in DOCUMENTS] +
+                           [(QUERY, DOCUMENTS[0]), (DOCUMENTS[0], DOCUMENTS[1])], strict=True):  # fmt: skip
+        assert out.prompt_token_ids == tokenizer(a, b)["input_ids"]
+        assert abs(out.outputs.score - _hf_score(hf, tokenizer, a, b)) < 1e-6
+    assert len({round(o.outputs.score, 4) for o in one_to_many}) == len(DOCUMENTS)
+    for args, message in [((QUERY, []), "^data_2: expected a non-empty text"),
+                          (([QUERY, QUERY], DOCUMENTS), "^data_2: 4 texts for data_1's 2")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            llm.score(*args)
+
+
+def test_only_a_one_class_classifier_scores(llama, smol4):
+    with pytest.raises(ValueError, match="^score: .*LlamaForSequenceClassification has 3 classes"):
+        llama[0].score(QUERY, DOCUMENTS)
+    with pytest.raises(ValueError, match="^score: .*LlamaForCausalLM is a causal LM"):
+        smol4.score(QUERY, DOCUMENTS)
+
+
+def test_the_servers_score_and_rerank_equal_llm_score(reranker, llama):
+    path, hf, tokenizer = reranker
+    offline = [_hf_score(hf, tokenizer, QUERY, d) for d in DOCUMENTS]
+    served = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    with running_server(served, ServerConfig(served_model_name="ranker")) as url:
+        for route in ("/score", "/v1/score"):
+            body = httpx.post(url + route, json={"model": "ranker", "text_1": QUERY, "text_2": DOCUMENTS},
+                              timeout=60).json()  # fmt: skip
+            assert body["object"] == "list" and body["id"].startswith("score-") and body["model"] == "ranker"
+            assert [d["index"] for d in body["data"]] == list(range(4)) and body["usage"]["completion_tokens"] == 0
+            assert all(abs(d["score"] - want) < 1e-6 for d, want in zip(body["data"], offline, strict=True))
+        ranked = sorted(range(4), key=lambda i: -offline[i])
+        for route in ("/rerank", "/v1/rerank"):
+            body = httpx.post(url + route, json={"query": QUERY, "documents": DOCUMENTS, "top_n": 3},
+                              timeout=60).json()  # fmt: skip
+            assert [r["index"] for r in body["results"]] == ranked[:3] and body["id"].startswith("rerank-")
+            assert [r["document"]["text"] for r in body["results"]] == [DOCUMENTS[i] for i in ranked[:3]]
+            assert all(abs(r["relevance_score"] - offline[r["index"]]) < 1e-6 for r in body["results"])
+        bare = httpx.post(url + "/rerank", json={"query": QUERY, "documents": DOCUMENTS, "return_documents": False},
+                          timeout=60).json()["results"]  # fmt: skip
+        assert len(bare) == 4 and "document" not in bare[0]
+        for route, fields, param in [("/score", {"text_1": [QUERY] * 2, "text_2": DOCUMENTS}, "text_2"),
+                                     ("/score", {"text_1": QUERY, "text_2": []}, "text_2")]:  # fmt: skip
+            r = httpx.post(url + route, json=fields, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with running_server(llama[0], ServerConfig()) as url:
+        r = httpx.post(url + "/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "3 classes" in r.text, r.text

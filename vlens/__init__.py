@@ -17,6 +17,7 @@ from vlens.outputs import (
     Logprob,
     RequestDelta,
     RequestOutput,
+    ScoringRequestOutput,
 )
 from vlens.sae import SAE
 from vlens.sampling_params import SamplingParams, StructuredOutputsParams
@@ -45,6 +46,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "ClassificationRequestOutput",
+    "ScoringRequestOutput",
     "Logprob",
     "load_model",
     "harvest",

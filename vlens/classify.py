@@ -1,8 +1,10 @@
 """Sequence classifiers (HF's *ForSequenceClassification; vLLM's LLM.classify and the server's /classify): a causal
 LM's decoder under a head, `score`, that reads the final norm's row at a prompt's last token, in place of the
-unembedding. The decoder runs in the engine as any model's, in a prefill-only request that captures that one row (as
-LLM.embed reads a hook); the head, a [classes, d] matrix, is applied here to the rows that come back. So a
-classifier's taps, steering, adapters and the rest are a causal LM's, and its classes are read under them.
+unembedding. One of a single class that reads two texts as one prompt is a cross-encoder (a reranker: vLLM's
+LLM.score, /score and /rerank): a pair's score is its class's probability. The decoder runs in the engine as any
+model's, in a prefill-only request that captures that one row (as LLM.embed reads a hook); the head, a [classes, d]
+matrix, is applied here to the rows that come back. So a classifier's taps, steering, adapters and the rest are a
+causal LM's, and its classes are read under them.
 """
 
 from __future__ import annotations
@@ -71,3 +73,32 @@ def classification_params(
 def last_rows(outputs: list[RequestOutput]) -> torch.Tensor:
     """[n, d]: each classification request's row, as classification_params read it."""
     return torch.stack([output.activations[FINAL_NORM][0] for output in outputs])
+
+
+def pairs(
+    data_1: str | Sequence[str], data_2: str | Sequence[str], fields: tuple[str, str] = ("data_1", "data_2")
+) -> list[tuple[str, str]]:
+    """vLLM's pairing of LLM.score's texts: one text with each of the others (1:N), or two lists item by item (N:N);
+    a ValueError naming the field (`fields`: the two's names) otherwise."""
+    def texts(data: str | Sequence[str], field: str) -> list[str]:
+        listed = [data] if isinstance(data, str) else list(data) if isinstance(data, Sequence) else None
+        if not listed or not all(isinstance(t, str) and t for t in listed):
+            raise ValueError(f"{field}: expected a non-empty text or a non-empty list of them, got {data!r}")
+        return listed
+
+    first, second = texts(data_1, fields[0]), texts(data_2, fields[1])
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"{fields[1]}: {len(second)} texts for {fields[0]}'s {len(first)}; give one text and many, or "
+                         "as many of each")  # fmt: skip
+    return list(zip(first, second))
+
+
+def check_cross_encoder(cfg: ModelConfig, field: str) -> None:
+    """Raise unless the model scores pairs: a classifier of one class (vLLM's rule)."""
+    if len(cfg.classifier_labels) != 1:
+        what = f"{cfg.classifier_name} has {len(cfg.classifier_labels)} classes" if cfg.classifier_labels else \
+            f"{cfg.architecture} is a causal LM"  # fmt: skip
+        raise ValueError(f"{field}: scores pairs with a cross-encoder (a sequence classifier of one class, as vLLM); "
+                         f"{what}")  # fmt: skip

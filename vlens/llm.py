@@ -19,7 +19,7 @@ from vlens.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from vlens.capture.interventions import Intervention
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.chat import ChatOptions
-from vlens.classify import ClassifierHead, classification_params, last_rows
+from vlens.classify import ClassifierHead, check_cross_encoder, classification_params, last_rows, pairs
 from vlens.distributed.executor import Executor
 from vlens.embedding import DEFAULT_HOOK, embedding_of, embedding_params
 from vlens.engine.config import EngineConfig
@@ -31,7 +31,14 @@ from vlens.generation_config import sampling_defaults
 from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
-from vlens.outputs import ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from vlens.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from vlens.sampling_params import SamplingParams
 
 log = logging.getLogger("vlens")
@@ -273,6 +280,21 @@ class LLM:
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
         classes = self.classifier.classify(last_rows(outputs))
         return [ClassificationRequestOutput(o.request_id, c, o.prompt_token_ids) for o, c in zip(outputs, classes)]
+
+    def score(
+        self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None, truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:  # fmt: skip
+        """vLLM's score, for a cross-encoder (a sequence classifier of one class: a reranker): each pair's relevance,
+        the pair tokenized as the tokenizer joins two texts (vlens.classify.pairs: one text with each of the others,
+        or two lists item by item)."""
+        check_cross_encoder(self.config, "score")
+        if self.tokenizer is None:
+            raise ValueError("score: this checkpoint has no tokenizer files to join the texts with")
+        token_lists = [self.tokenizer(a, b)["input_ids"] for a, b in pairs(data_1, data_2)]
+        outputs = self.classify(token_lists, use_tqdm, lora_request, truncate_prompt_tokens)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
+                for o in outputs]  # fmt: skip
 
     @torch.inference_mode()
     def trace(

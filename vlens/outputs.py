@@ -118,6 +118,21 @@ class ClassificationRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's relevance of one pair: its one class's probability (a sigmoid of its logit)
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's output of LLM.score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class RequestDelta:
     """What one step added to one request. Its texts add up to the final text: a streamed request (or
     one with stop strings) gets text as it becomes final, any other the whole text on its last delta."""

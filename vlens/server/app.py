@@ -31,7 +31,7 @@ from vlens.server.generate import Generator
 from vlens.server.limits import BodyLimit
 from vlens.server.loras import LoraAdapterRequest, load_adapter, load_loras, unload_adapter
 from vlens.server.metrics import CountRequests, Metrics
-from vlens.server.pooling import ClassificationRequest, EmbeddingRequest, Pooler
+from vlens.server.pooling import ClassificationRequest, EmbeddingRequest, Pooler, RerankRequest, ScoreRequest
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.responses_api import ResponsesRequest
 from vlens.server.saes import describe, load_saes
@@ -284,6 +284,18 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 @routes.post("/classify")
 async def classify(body: ClassificationRequest, request: Request) -> Response:
     return await _served(request).pooler.classify(body, request)
+
+
+@routes.post("/score")
+@routes.post("/v1/score")
+async def score(body: ScoreRequest, request: Request) -> Response:
+    return await _served(request).pooler.score(body, request)
+
+
+@routes.post("/rerank")
+@routes.post("/v1/rerank")
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    return await _served(request).pooler.rerank(body, request)
 
 
 @routes.post("/v1/load_lora_adapter")

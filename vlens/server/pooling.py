@@ -1,6 +1,7 @@
 """vLLM's pooling routes: `POST /v1/embeddings`, one vector per input, read from a hook and pooled on the device
-(vlens.embedding, as `LLM.embed` reads it), and `POST /classify`, a sequence classifier's class probabilities per input
-(vlens.classify, as `LLM.classify`). Both are prefill-only engine requests under the requested model's steering or
+(vlens.embedding, as `LLM.embed` reads it); `POST /classify`, a sequence classifier's class probabilities per input
+(vlens.classify, as `LLM.classify`); and a cross-encoder's `POST /score` of pairs of texts and `POST /rerank` of
+documents by a query (as `LLM.score`). All are prefill-only engine requests under the requested model's steering or
 adapter. An embedding's hook and pooling come from the request's `vlens` object, else from `vlens serve
 --embedding-hook/--embedding-pooling`; OpenAI's `encoding_format`: "float" (a JSON list) or "base64" (little-endian
 float32 bytes).
@@ -18,14 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vlens.classify import ClassifierHead, classification_params, last_rows
+from vlens.classify import ClassifierHead, check_cross_encoder, classification_params, last_rows, pairs
 from vlens.embedding import check_hook, embedding_of, embedding_params
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import truncated
-from vlens.outputs import RequestOutput
+from vlens.outputs import ClassificationOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
-from vlens.server.protocol import APIError, DocumentedAs, refuse_unknown, schema_error
+from vlens.server.protocol import APIError, DocumentedAs, from_value_error, refuse_unknown, schema_error
 from vlens.server.responses import usage
 
 
@@ -71,6 +72,34 @@ class ClassificationRequest(BaseModel):
     priority: StrictInt = 0
 
 
+class ScoreRequest(BaseModel):
+    """vLLM's /score body: pairs of texts (one with each of the others, or two lists item by item)."""
+
+    model_config = ConfigDict(extra="allow")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,)}
+    model: StrictStr | None = None
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    priority: StrictInt = 0
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank body (Jina's and Cohere's form): documents ranked by their relevance to the query."""
+
+    model_config = ConfigDict(extra="allow")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,)}
+    model: StrictStr | None = None
+    query: StrictStr = Field(min_length=1)
+    documents: list[Annotated[StrictStr, Field(min_length=1)]] = Field(min_length=1)
+    top_n: StrictInt | None = Field(None, ge=1)  # the best this many (None: all)
+    return_documents: StrictBool = True
+    user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    priority: StrictInt = 0
+
+
 class Pooler:
     def __init__(self, generator: Generator, classifier: ClassifierHead | None):
         self.generator, self.classifier = generator, classifier
@@ -94,13 +123,15 @@ class Pooler:
         return hook, options.pooling or self.config.embedding_pooling
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        g = self.generator
         refuse_unknown(body.model_extra, EmbeddingRequest.NEUTRAL)
         if body.dimensions is not None:
             raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
         hook, pooling = self._options(body.vlens)
         # (a steered model's embeddings are read with its steering, an adapter's under it)
-        params = embedding_params(hook, pooling, self.cfg, self.generator.steers_of(body.model))
-        run = await self._run(body, params, request)
+        params = embedding_params(hook, pooling, self.cfg, g.steers_of(body.model))
+        token_lists = g.tokenize(body.input, "input", body.add_special_tokens)
+        run = await self._run(token_lists, "input", body, params, request)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
         outputs, tokens = run
@@ -112,8 +143,8 @@ class Pooler:
             }
             for i, out in enumerate(outputs)
         ]
-        model = body.model or self.generator.model_name
-        return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage(tokens, 0)})
+        return JSONResponse({"object": "list", "data": data, "model": body.model or g.model_name,
+                             "usage": usage(tokens, 0)})  # fmt: skip
 
     async def classify(self, body: ClassificationRequest, request: Request) -> Response:
         g = self.generator
@@ -121,31 +152,77 @@ class Pooler:
         if self.classifier is None:
             raise APIError(400, f"model: {g.model_name!r} is a causal LM ({self.cfg.architecture}), without the head "
                            "of a sequence classifier's checkpoint (...ForSequenceClassification)", "model")  # fmt: skip
-        run = await self._run(body, classification_params(self.cfg, g.steers_of(body.model)), request)
+        run = await self._classes(g.tokenize(body.input, "input", body.add_special_tokens), "input", body, request)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
-        outputs, tokens = run
+        classes, tokens = run
         data = [{"index": i, "label": c.label, "probs": c.probs, "num_classes": c.num_classes, "logits": c.logits}
-                for i, c in enumerate(self.classifier.classify(last_rows(outputs)))]  # fmt: skip
+                for i, c in enumerate(classes)]  # fmt: skip
         return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
 
-    async def _run(
-        self, body: EmbeddingRequest | ClassificationRequest, params: SamplingParams, request: Request
-    ) -> tuple[list[RequestOutput], int] | None:
-        """Each input's prefill-only request under the body's model's adapter: the outputs, in input order, and the
-        inputs' tokens; None when the client went away."""
+    async def score(self, body: ScoreRequest, request: Request) -> Response:
+        refuse_unknown(body.model_extra, ScoreRequest.NEUTRAL)
+        try:
+            joined = pairs(body.text_1, body.text_2, ("text_1", "text_2"))
+        except ValueError as e:
+            raise from_value_error(e) from None
+        run = await self._scores(joined, "text_2", body, request)
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED)
+        scores, tokens = run
+        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+        return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": body.model or self.generator.model_name, "data": data,
+                             "usage": usage(tokens, 0)})  # fmt: skip
+
+    async def rerank(self, body: RerankRequest, request: Request) -> Response:
+        refuse_unknown(body.model_extra, RerankRequest.NEUTRAL)
+        run = await self._scores([(body.query, d) for d in body.documents], "documents", body, request)
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED)
+        scores, tokens = run
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
+        results = [{"index": i, "relevance_score": scores[i]}
+                   | ({"document": {"text": body.documents[i]}} if body.return_documents else {})
+                   for i in ranked]  # fmt: skip
+        return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": body.model or self.generator.model_name,
+                             "usage": {"total_tokens": tokens}, "results": results})  # fmt: skip
+
+    async def _scores(
+        self, joined: list[tuple[str, str]], field: str, body: ScoreRequest | RerankRequest, request: Request
+    ) -> tuple[list[float], int] | None:
+        """Each pair's relevance, the pair tokenized as the tokenizer joins two texts (LLM.score's)."""
+        try:
+            check_cross_encoder(self.cfg, "model")
+        except ValueError as e:
+            raise from_value_error(e) from None
+        token_lists = [self.generator.tokenizer(a, b)["input_ids"] for a, b in joined]
+        run = await self._classes(token_lists, field, body, request)
+        return None if run is None else ([c.probs[0] for c in run[0]], run[1])
+
+    async def _classes(
+        self, token_lists: list[list[int]], field: str, body: ClassificationRequest | ScoreRequest | RerankRequest,
+        request: Request,
+    ) -> tuple[list[ClassificationOutput], int] | None:  # fmt: skip
+        run = await self._run(token_lists, field, body, classification_params(self.cfg, self.generator.steers_of(
+            body.model)), request)  # fmt: skip
+        return None if run is None else (self.classifier.classify(last_rows(run[0])), run[1])
+
+    async def _run(self, token_lists: list[list[int]], field: str, body: Any, params: SamplingParams,
+                   request: Request) -> tuple[list[RequestOutput], int] | None:  # fmt: skip
+        """Each input's prefill-only request (cut to the body's truncate_prompt_tokens) under the body's model's
+        adapter: the outputs, in input order, and the inputs' tokens; None when the client went away. `field`: what
+        a too long input's 400 names."""
         g = self.generator
-        token_lists = [truncated(ids, body.truncate_prompt_tokens)
-                       for ids in g.tokenize(body.input, "input", body.add_special_tokens)]  # fmt: skip
+        token_lists = [truncated(ids, body.truncate_prompt_tokens) for ids in token_lists]
         for i, ids in enumerate(token_lists):
             if len(ids) >= g.max_model_len:
-                raise APIError(
-                    400, f"input[{i}]: {len(ids)} tokens; this server's context is {g.max_model_len}", f"input[{i}]",
-                    code="context_length_exceeded",
-                )  # fmt: skip
+                where = f"{field}[{i}]"
+                raise APIError(400, f"{where}: {len(ids)} tokens; this server's context is {g.max_model_len}", where,
+                               code="context_length_exceeded")  # fmt: skip
         lora = g.lora_of(body.model)
-        ticket = g.admission.admit(len(token_lists), 0, "input")  # a row per input, JSON: no capture bytes to hold
+        ticket = g.admission.admit(len(token_lists), 0, field)  # a row per input, JSON: no capture bytes to hold
         try:
             requests = [NewRequest(ids, params, lora=lora, priority=body.priority) for ids in token_lists]
             outputs = await g.outputs(requests, request)
