@@ -229,7 +229,7 @@ def reranker(smol_path, tmp_path_factory) -> tuple[Path, torch.nn.Module, Any]:
     config = LlamaConfig(**SIZES | dict(vocab_size=49152), num_key_value_heads=2, num_labels=1, id2label={0: "score"},
                          pad_token_id=0)  # fmt: skip
     hf = _saved(transformers.LlamaForSequenceClassification, config, path, scale=0.1)  # (sigmoids short of 0 or 1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smol_path / name, path / name)
     return path, hf, transformers.AutoTokenizer.from_pretrained(path)
 
@@ -262,7 +262,7 @@ def test_only_a_one_class_classifier_scores(llama, smol4):
         smol4.score(QUERY, DOCUMENTS)
 
 
-def test_the_servers_score_and_rerank_equal_llm_score(reranker, llama):
+def test_the_servers_score_rerank_and_chat_classify_equal_hf(reranker, llama):
     path, hf, tokenizer = reranker
     offline = [_hf_score(hf, tokenizer, QUERY, d) for d in DOCUMENTS]
     served = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
@@ -283,6 +283,17 @@ def test_the_servers_score_and_rerank_equal_llm_score(reranker, llama):
         bare = httpx.post(url + "/rerank", json={"query": QUERY, "documents": DOCUMENTS, "return_documents": False},
                           timeout=60).json()["results"]  # fmt: skip
         assert len(bare) == 4 and "document" not in bare[0]
+        # /classify's chat form: a whole conversation through the template (a reward model's reading of it)
+        chat = [{"role": "user", "content": QUERY}, {"role": "assistant", "content": DOCUMENTS[1]}]
+        ids = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            logit = hf(torch.tensor([ids])).logits[0, 0].item()
+        [d] = httpx.post(url + "/classify", json={"messages": chat}, timeout=60).json()["data"]
+        assert abs(d["logits"][0] - logit) < 1e-5 and abs(d["probs"][0] - torch.sigmoid(torch.tensor(logit))) < 1e-6
+        raw = httpx.post(url + "/classify", json={"messages": chat, "use_activation": False}, timeout=60).json()
+        assert raw["data"][0]["probs"] == raw["data"][0]["logits"] and raw["usage"]["prompt_tokens"] == len(ids)
+        both = httpx.post(url + "/classify", json={"messages": chat, "input": "x"}, timeout=60)
+        assert both.status_code == 400 and both.json()["error"]["param"] == "input", both.text
         for route, fields, param in [("/score", {"text_1": [QUERY] * 2, "text_2": DOCUMENTS}, "text_2"),
                                      ("/score", {"text_1": QUERY, "text_2": []}, "text_2")]:  # fmt: skip
             r = httpx.post(url + route, json=fields, timeout=60)

@@ -26,8 +26,9 @@ from vlens.inputs import truncated
 from vlens.outputs import ClassificationOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
 from vlens.server.generate import CLIENT_CLOSED, Generator
-from vlens.server.protocol import APIError, DocumentedAs, from_value_error, refuse_unknown, schema_error
+from vlens.server.protocol import APIError, ChatMessage, DocumentedAs, from_value_error, refuse_unknown, schema_error
 from vlens.server.responses import usage
+from vlens.server.tokens import render_chat
 
 
 class EmbeddingOptions(BaseModel):
@@ -60,16 +61,24 @@ def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
 
 
 class ClassificationRequest(BaseModel):
-    """vLLM's /classify body."""
+    """vLLM's /classify body, in its two forms: `input` (texts or token lists; special tokens added by default), or a
+    chat's `messages` (through the chat template, which holds the special tokens; no generation prompt by default: a
+    reward model reads a whole conversation)."""
 
     model_config = ConfigDict(extra="allow")
     NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,)}
     model: StrictStr | None = None
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: StrictStr | None = None  # (as a chat completion's: vlens.server.protocol.ChatTemplates)
     user: StrictStr | None = None
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # default: True for input, False for messages
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     priority: StrictInt = 0
+    use_activation: StrictBool | None = None  # vLLM's: false, probs are the head's logits as they are
 
 
 class ScoreRequest(BaseModel):
@@ -152,12 +161,19 @@ class Pooler:
         if self.classifier is None:
             raise APIError(400, f"model: {g.model_name!r} is a causal LM ({self.cfg.architecture}), without the head "
                            "of a sequence classifier's checkpoint (...ForSequenceClassification)", "model")  # fmt: skip
-        run = await self._classes(g.tokenize(body.input, "input", body.add_special_tokens), "input", body, request)
+        if (body.input is None) == (body.messages is None):
+            raise APIError(400, "input: give either input (texts or token lists) or messages (a conversation)", "input")
+        if body.messages is not None:
+            text = render_chat(g.tokenizer, body.messages, g.templates.options(body))
+            token_lists = g.tokenize(text, "messages", bool(body.add_special_tokens))
+        else:
+            token_lists = g.tokenize(body.input, "input", body.add_special_tokens is not False)
+        run = await self._classes(token_lists, "input" if body.messages is None else "messages", body, request)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
         classes, tokens = run
-        data = [{"index": i, "label": c.label, "probs": c.probs, "num_classes": c.num_classes, "logits": c.logits}
-                for i, c in enumerate(classes)]  # fmt: skip
+        data = [{"index": i, "label": c.label, "probs": c.probs if body.use_activation is not False else c.logits,
+                 "num_classes": c.num_classes, "logits": c.logits} for i, c in enumerate(classes)]  # fmt: skip
         return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
 

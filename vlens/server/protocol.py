@@ -425,8 +425,10 @@ class ChatMessage(BaseModel):
 
 def chat_options(body: Any, template: str | None = None) -> ChatOptions:
     """A body's chat-template fields (vLLM's: add_generation_prompt, continue_final_message, chat_template_kwargs;
-    OpenAI's tools) with `template` in place of the checkpoint's (None: the checkpoint's); a 400 naming the field."""
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    OpenAI's tools, where the body has them) with `template` in place of the checkpoint's (None: the checkpoint's); a
+    400 naming the field."""
+    given = getattr(body, "tools", None)
+    tools = [tool.model_dump(exclude_none=True) for tool in given] if given else None
     try:
         return ChatOptions(body.add_generation_prompt, body.continue_final_message, template, body.chat_template_kwargs,
                            tools)  # fmt: skip
