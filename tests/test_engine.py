@@ -329,6 +329,22 @@ def test_a_vllm_script_ports_unchanged(smol, hf_smol):
         smol.generate([{"prompt": "hi", "multi_modal_data": {}}], params, use_tqdm=False)
 
 
+def test_a_prompt_dicts_cache_salt_keeps_its_prefix_apart(smol4):
+    """vLLM's TextPrompt / TokensPrompt cache_salt: a prompt's cached blocks serve only prompts with its salt; the
+    tokens are the same either way."""
+    prompt = "The history of the Roman Empire, told briefly: " * 8
+    params = SamplingParams(max_tokens=3, temperature=0)
+    smol4.reset_prefix_cache()
+    runs = [smol4.generate(p, params, use_tqdm=False)[0]
+            for p in ({"prompt": prompt, "cache_salt": "a"}, {"prompt": prompt, "cache_salt": "a"},
+                      {"prompt": prompt, "cache_salt": "b"}, prompt)]  # fmt: skip
+    assert [o.num_cached_tokens for o in runs][0] == 0 and runs[1].num_cached_tokens > 0
+    assert runs[2].num_cached_tokens == runs[3].num_cached_tokens == 0
+    assert len({tuple(o.outputs[0].token_ids) for o in runs}) == 1
+    with pytest.raises(ValueError, match=r"^prompts\[0\]\.cache_salt: '' is not allowed; expected a non-empty"):
+        smol4.generate([{"prompt": prompt, "cache_salt": ""}], params, use_tqdm=False)
+
+
 def test_chat_uses_the_template(smol):
     messages = [{"role": "user", "content": "Say hi"}]
     [out] = smol.chat(messages, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)

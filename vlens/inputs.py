@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt dicts
+# ... and what else they may hold: vLLM's cache_salt (LLM.generate's requests share cached prefixes only with those of
+# the same salt; a forward outside the engine's cache, LLM.trace's, has none to share)
+PROMPT_OPTIONS = ("cache_salt",)
 
 
 @dataclass(frozen=True)
@@ -64,17 +67,32 @@ def prompt_list(prompts: Any, field: str = "prompts") -> list[Any]:
             out[i] = _image_prompt(p, f"{field}[{i}]")
         elif isinstance(p, Mapping):
             keys = [k for k in PROMPT_KEYS if k in p]
-            if len(keys) != 1 or len(p) != 1:
-                raise ValueError(f"{field}[{i}]: a prompt dict holds one of {', '.join(PROMPT_KEYS)} and nothing else; "
-                                 f"got the keys {sorted(map(str, p))}")  # fmt: skip
+            if len(keys) != 1 or not set(p) <= {*keys, *PROMPT_OPTIONS}:
+                raise ValueError(f"{field}[{i}]: a prompt dict holds one of {', '.join(PROMPT_KEYS)} (and optionally "
+                                 f"{', '.join(PROMPT_OPTIONS)}); got the keys {sorted(map(str, p))}")  # fmt: skip
+            _check_salt(p, f"{field}[{i}]")
             out[i] = p[keys[0]]
     return out
 
 
+def cache_salts(prompts: Any) -> list[str | None]:
+    """Each prompt's vLLM cache_salt (None where a prompt is not a dict with one), in prompt_list's order."""
+    listed = [prompts] if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts) else list(prompts)
+    return [p.get("cache_salt") if isinstance(p, Mapping) else None for p in listed]
+
+
+def _check_salt(p: Mapping, field: str) -> None:
+    salt = p.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"{field}.cache_salt: {salt!r} is not allowed; expected a non-empty string")
+
+
 def _image_prompt(p: Mapping, field: str) -> ImagePrompt:
-    if set(p) != {"prompt", "multi_modal_data"} or not isinstance(p["prompt"], str) or not p["prompt"]:
+    if not {"prompt", "multi_modal_data"} <= set(p) <= {"prompt", "multi_modal_data", *PROMPT_OPTIONS} or \
+            not isinstance(p["prompt"], str) or not p["prompt"]:  # fmt: skip
         raise ValueError(f"{field}: a prompt with multi_modal_data gives its text as 'prompt' (a non-empty string) "
-                         f"and nothing else; got the keys {sorted(map(str, p))}")  # fmt: skip
+                         f"and nothing else but {', '.join(PROMPT_OPTIONS)}; got the keys {sorted(map(str, p))}")
+    _check_salt(p, field)
     data = p["multi_modal_data"]
     if not isinstance(data, Mapping) or set(data) != {"image"}:
         kinds = sorted(map(str, data)) if isinstance(data, Mapping) else type(data).__name__

@@ -29,7 +29,7 @@ from vlens.engine.model_runner import ModelRunner
 from vlens.engine.packed import token_batches
 from vlens.generation_config import sampling_defaults
 from vlens.images import ImageEncoder, PromptImages, chat_images
-from vlens.inputs import ImagePrompt, prompt_list, to_token_lists
+from vlens.inputs import ImagePrompt, cache_salts, prompt_list, to_token_lists
 from vlens.loader import load_model, resolve_device
 from vlens.outputs import (
     ClassificationRequestOutput,
@@ -131,10 +131,10 @@ class LLM:
         `priority`: one per prompt, lower first (vLLM's; an engine made with scheduling_policy="priority").
 
         Every request is validated before any runs, so a bad one fails the call without side effects."""
-        prompts = prompt_list(prompts)
+        salts, prompts = cache_salts(prompts), prompt_list(prompts)
         token_lists, images = self._tokens(prompts, "prompts")
         texts = [p.text if isinstance(p, ImagePrompt) else p if isinstance(p, str) else None for p in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request, priority)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request, priority, salts)
 
     def chat(
         self,
@@ -200,8 +200,9 @@ class LLM:
         return self._images_encoder
 
     def _run(
-        self, token_lists, texts, sampling_params, use_tqdm: bool, images=None, lora_request=None, priority=None
-    ) -> list[RequestOutput]:
+        self, token_lists, texts, sampling_params, use_tqdm: bool, images=None, lora_request=None, priority=None,
+        salts=None,
+    ) -> list[RequestOutput]:  # fmt: skip
         engine = self.engine
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -217,10 +218,10 @@ class LLM:
         if len(priorities) != len(token_lists) or not all(isinstance(p, int) and not isinstance(p, bool)
                                                          for p in priorities):  # fmt: skip
             raise ValueError(f"priority: got {priority!r} for {len(token_lists)} prompts; give one int per prompt")
-        images = images or [None] * len(token_lists)
-        requests = zip(token_lists, params, texts, images, loras, priorities)
-        ids = engine.add_requests([NewRequest(t, p, text, images=i, lora=lora, priority=rank)
-                                   for t, p, text, i, lora, rank in requests])  # fmt: skip
+        images, salts = images or [None] * len(token_lists), salts or [None] * len(token_lists)
+        requests = zip(token_lists, params, texts, images, loras, priorities, salts)
+        ids = engine.add_requests([NewRequest(t, p, text, images=i, lora=lora, priority=rank, cache_salt=salt)
+                                   for t, p, text, i, lora, rank, salt in requests])  # fmt: skip
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         try:
