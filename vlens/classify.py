@@ -25,8 +25,7 @@ from vlens.outputs import ClassificationOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
 
 HEAD = "score"  # every HF sequence classifier's head, beside the causal LM's own names for the decoder
-
-
+# ModelConfig.classifier_activation -> what it does to the head's logits
 ACTIVATIONS = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid, "identity": lambda x: x}
 
 

@@ -221,8 +221,9 @@ class Pooler:
         self, token_lists: list[list[int]], field: str, body: ClassificationRequest | ScoreRequest | RerankRequest,
         request: Request,
     ) -> tuple[list[ClassificationOutput], int] | None:  # fmt: skip
-        run = await self._run(token_lists, field, body, classification_params(self.cfg, self.generator.steers_of(
-            body.model)), request)  # fmt: skip
+        """Each input's classes, read under the body's model's steering: as _run's outputs."""
+        params = classification_params(self.cfg, self.generator.steers_of(body.model))
+        run = await self._run(token_lists, field, body, params, request)
         return None if run is None else (self.classifier.classify(last_rows(run[0])), run[1])
 
     async def _run(self, token_lists: list[list[int]], field: str, body: Any, params: SamplingParams,
