@@ -2,7 +2,9 @@
 split of reply texts, streamed replies read a piece at a time (with tool calls after the thinking), and SmolLM2
 served with the qwen3 parser, which a few worked examples teach to think inside <think></think> first: the message's
 reasoning and content are its offline reply's two parts, streamed and not; a reply cut short while thinking, one
-with enable_thinking false, and a structured one; through the Responses API, a reasoning item."""
+with enable_thinking false, and a structured one; through the Responses API, a reasoning item. An engine with a
+reasoning parser lets a structured request think first: its structure holds only the text after </think>, its tokens
+there HF's under xgrammar's processor, offline and served (the reply split into its thinking and its structure)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 from server_helpers import running_server
 
-from vlens import SamplingParams
+from vlens import LLM, SamplingParams, StructuredOutputsParams
+from vlens.reasoning import PARSERS, ThinkingEnd
 from vlens.server.config import ServerConfig
-from vlens.server.reasoning import PARSERS, split
+from vlens.server.reasoning import split
 from vlens.server.responses import Shape
 from vlens.server.tool_parsers import PARSERS as TOOL_PARSERS
 from vlens.server.tools import ToolReply
@@ -152,3 +156,66 @@ def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(server, smol):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
     assert events[-1].type == "response.completed"
+
+
+# -- an engine with a reasoning parser: a structured request thinks first (vlens.reasoning) ------------------------
+
+CHOICE = StructuredOutputsParams(choice=["seven", "eight"])  # (its own answer, "10" or so, is neither)
+# The reply opened with <think> in the prompt, as DeepSeek-R1's template opens it (SHOTS' earlier turns keep their
+# thinking, which a prompt without the open tag after them reads as thinking already done: vLLM's rule)
+OPENED = dict(continue_final_message=True, add_generation_prompt=False)
+THINKING = [*SHOTS, {"role": "assistant", "content": "<think>"}]
+
+
+@pytest.fixture(scope="module")
+def thinker(smol_path) -> LLM:
+    return LLM(str(smol_path), dtype="float32", device="cpu", kv_cache_memory=64 << 20, reasoning_parser="deepseek_r1")
+
+
+def _after_thinking(ids: list[int], end: tuple[int, ...]) -> int:
+    """Where the tokens after the first `end` start."""
+    return next(i + len(end) for i in range(len(ids)) if tuple(ids[i : i + len(end)]) == end)
+
+
+def test_a_structured_request_thinks_first_then_keeps_to_its_structure(thinker, smol, hf_smol):
+    import xgrammar
+
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=CHOICE)
+    [plain] = smol.chat(THINKING, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False, **OPENED)
+    [held] = smol.chat(THINKING, params, use_tqdm=False, **OPENED)  # (no parser: the structure from the first token)
+    [out] = thinker.chat(THINKING, params, use_tqdm=False, **OPENED)
+    c = out.outputs[0]
+    thought, _, answer = c.text.partition("</think>")
+    assert thought == plain.outputs[0].text.partition("</think>")[0] and len(thought) > 10
+    assert answer in ("seven", "eight") and c.finish_reason == "stop" and held.outputs[0].text in ("seven", "eight")
+    [history] = thinker.chat(SHOTS, params, use_tqdm=False)  # (earlier turns' </think> last: thinking done)
+    assert history.outputs[0].token_ids == smol.chat(SHOTS, params, use_tqdm=False)[0].outputs[0].token_ids
+    # after the thinking, the tokens are HF's under xgrammar's processor, from the prompt and the thought
+    k = _after_thinking(c.token_ids, ThinkingEnd.of(thinker.tokenizer).end)
+    compiled = thinker.engine.grammars.compile(CHOICE)
+    ids = torch.tensor([out.prompt_token_ids + c.token_ids[:k]])
+    eos = sorted(thinker.engine.eos_ids)
+    with torch.inference_mode():
+        ref = hf_smol.generate(ids, max_new_tokens=40 - k, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                               logits_processor=[xgrammar.contrib.hf.LogitsProcessor(compiled)])  # fmt: skip
+    assert c.token_ids[k:] == ref[0, ids.shape[1] :].tolist()
+
+
+def test_a_prompt_that_ends_its_thinking_is_held_at_once(thinker, smol):
+    """Qwen3's template with thinking off writes <think></think> into the prompt: the structure starts at once."""
+    [plain] = smol.chat(SHOTS, SamplingParams(max_tokens=1), use_tqdm=False)
+    prompt = plain.prompt_token_ids + thinker.tokenizer.encode("<think>Easy.</think>", add_special_tokens=False)
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=CHOICE)
+    [out], [held] = thinker.generate([prompt], params, use_tqdm=False), smol.generate([prompt], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == held.outputs[0].token_ids and out.outputs[0].text in ("seven", "eight")
+
+
+def test_served_the_structured_reply_is_its_thinking_and_its_structure(thinker, smol):
+    [offline] = thinker.chat(THINKING, SamplingParams(max_tokens=40, temperature=0, structured_outputs=CHOICE),
+                             use_tqdm=False, **OPENED)  # fmt: skip
+    thought, _, answer = offline.outputs[0].text.partition("</think>")
+    fields = dict(messages=THINKING, structured_outputs={"choice": ["seven", "eight"]}, **OPENED)
+    with running_server(thinker, ServerConfig(served_model_name="smol", reasoning_parser="deepseek_r1")) as url:
+        message, chunks = _reply(url, **fields)["message"], _chunks(url, **fields)
+    assert (message["reasoning"], message["content"]) == (thought, answer)
+    assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (thought, answer)

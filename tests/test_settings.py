@@ -10,11 +10,11 @@ import pytest
 
 import vlens.llm
 from vlens import LLM, EngineConfig, HarvestConfig, harvest
-from vlens.cli import main
+from vlens.cli import _parser, main
 from vlens.harvest import model as harvest_model
 from vlens.server.cli import SHARED
 from vlens.server.config import ServerConfig
-from vlens.settings import flag_name
+from vlens.settings import flag_name, from_args
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +126,12 @@ def test_serve_help_lists_every_server_and_engine_setting(capsys):
     fields = [*dataclasses.fields(ServerConfig), *(f for f in dataclasses.fields(EngineConfig) if f.name not in SHARED)]
     missing = [flag_name(f) for f in fields if not _listed(flag_name(f), shown)]
     assert not missing
-    assert SHARED == {"enable_capture"}  # given by the server's --enable-capture, off by default
+    # given by the server's flags: --enable-capture (off by default; the engine itself always can), and
+    # --reasoning-parser, the server's reading of replies and the engine's structured requests alike
+    assert SHARED == {"enable_capture", "reasoning_parser"}
     assert ServerConfig().enable_capture is False
+    args = _parser().parse_args(["serve", "--reasoning-parser", "qwen3"])
+    assert from_args(EngineConfig, args).reasoning_parser == from_args(ServerConfig, args).reasoning_parser == "qwen3"
 
 
 def test_harvest_help_lists_every_option(capsys):

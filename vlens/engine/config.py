@@ -9,6 +9,7 @@ from typing import Any
 from vlens.attention import BACKENDS
 from vlens.generation_config import source_problem
 from vlens.loader import DEFAULT_MODEL, device_problem, dtype_problem
+from vlens.reasoning import PARSERS as REASONING_PARSERS
 from vlens.settings import from_kwargs, setting, validate
 
 MODEL_HELP = f"HF checkpoint directory, .gguf file or hub id (default: the embedded {DEFAULT_MODEL})"
@@ -50,6 +51,11 @@ class EngineConfig:
         "auto", "sampling defaults of requests that leave them out: auto (the model's generation_config.json: "
         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (none: SamplingParams' own) or "
         "a folder holding such a file", check=source_problem,
+    )  # fmt: skip
+    reasoning_parser: str | None = setting(
+        None, "a reasoning model's (vLLM's): deepseek_r1 or qwen3; a structured request thinks first, its structure "
+        "holding the text only after the thinking's </think> (at once where the prompt ends its thinking)",
+        choices=tuple(REASONING_PARSERS),
     )  # fmt: skip
     scheduling_policy: str = setting(
         "fcfs", "fcfs (first come, first served) or priority (vLLM's: a request's `priority`, lower first, then "

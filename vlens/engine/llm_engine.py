@@ -36,6 +36,7 @@ from vlens.engine.structured import Grammars
 from vlens.images import PromptImages
 from vlens.inputs import truncated
 from vlens.outputs import CompletionOutput, PlaceholderRange, RequestDelta, RequestMetrics, RequestOutput
+from vlens.reasoning import ThinkingEnd
 from vlens.sampling_params import SamplingParams
 
 log = logging.getLogger("vlens.engine")
@@ -145,6 +146,8 @@ class LLMEngine:
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
         )
         self.grammars: Grammars | None = None  # (requests' structured outputs: made at the first)
+        # a reasoning model's: its structured requests think first (vlens.reasoning)
+        self.thinking_end = None if config.reasoning_parser is None else ThinkingEnd.of(tokenizer)
         self._next_id = 0
         self._requests: dict[str, SampleGroup] = {}
         self._pending: tuple[StepPlan, Collection] | None = None  # a step's rows still on their way to the host
@@ -254,13 +257,15 @@ class LLMEngine:
         self._next_id += 1
         first = params.seed if params.seed is not None else None
         structure = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
+        thinks = structure is not None and self.thinking_end is not None and not self.thinking_end.ended(prompt_ids)
+        after = self.thinking_end.end if thinks else None
         seqs = []
         for i in range(params.samples):
             seed = _int64(first + i) if first is not None else self.rng.randrange(2**31)
             seqs.append(self._sequence(r, request_id, i, seed))
             seqs[-1].bad_words_ids = bad_words
             if structure is not None:
-                seqs[-1].grammar = self.grammars.matcher(structure)
+                seqs[-1].grammar = self.grammars.matcher(structure, after)
         return SampleGroup(request_id, seqs, held=seqs[1:])
 
     def _grammars(self) -> Grammars:

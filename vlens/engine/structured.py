@@ -76,23 +76,31 @@ class Grammars:
             raise ValueError("expected structures (a list of objects with begin, schema and end) and triggers "
                              "(a list of strings)") from None
 
-    def matcher(self, compiled: Any) -> Grammar:
-        return Grammar(self.xgrammar.GrammarMatcher(compiled), self.vocab_size)
+    def matcher(self, compiled: Any, after: tuple[int, ...] | None = None) -> Grammar:
+        return Grammar(self.xgrammar.GrammarMatcher(compiled), self.vocab_size, after)
 
 
 class Grammar:
-    """Where one sequence's text is in its structure."""
+    """Where one sequence's text is in its structure; with `after` (a reasoning model's `</think>` tokens:
+    vlens.reasoning), a structure that holds only the text after them: until they come, every token is allowed."""
 
-    def __init__(self, matcher: Any, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: Any, vocab_size: int, after: tuple[int, ...] | None = None):
+        self.matcher, self.vocab_size, self.after = matcher, vocab_size, after
+        self.recent: tuple[int, ...] = ()  # (while waiting: the last tokens, as many as `after` has)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of a [B, words] int32 bitmask: the tokens that may come next."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.after is None:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         """Take the sampled token; False when the structure is over (its EOS taken) or the token left it (a ban of
         another option that left no token of the structure's)."""
+        if self.after is not None:
+            self.recent = (*self.recent, token)[-len(self.after) :]
+            if self.recent == self.after:
+                self.after = None  # (the structure starts with the next token)
+            return True
         return self.matcher.accept_token(token) and not self.matcher.is_terminated()
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from vlens.server.reasoning import PARSERS as REASONING_PARSERS
-from vlens.server.reasoning import ThinkTags
+from vlens.reasoning import PARSERS as REASONING_PARSERS
+from vlens.reasoning import ThinkTags
 from vlens.server.tool_parsers import PARSERS, ToolParser
 from vlens.settings import positive, setting, validate
 
@@ -172,7 +172,8 @@ class ServerConfig:
     reasoning_parser: str | None = setting(
         None, "read chat replies as a reasoning model's: the thinking inside <think>...</think> as the message's "
         "reasoning, the answer after it as its content: deepseek_r1 (DeepSeek-R1, QwQ), qwen3 (Qwen3; its "
-        "enable_thinking=false leaves the reply content)", choices=tuple(REASONING_PARSERS),
+        "enable_thinking=false leaves the reply content); the engine's too (a structured request thinks first)",
+        choices=tuple(REASONING_PARSERS),
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -233,9 +233,11 @@ class Generator:
 
     def _thinking(self, body: ChatRequest) -> bool:
         """Whether the reply is read as a reasoning model's: a server with a reasoning parser, thinking asked for
-        (Qwen3's enable_thinking), no structure holding the reply from its first token."""
+        (Qwen3's enable_thinking), no structure holding the reply from its first token (an engine with a reasoning
+        parser lets a structured request think first: vlens.reasoning)."""
         tags = self.config.think_tags()
-        return tags is not None and tags.thinking(body.chat_template_kwargs) and body.structure_field() is None
+        held = body.structure_field() is not None and self.engine.engine.thinking_end is None
+        return tags is not None and tags.thinking(body.chat_template_kwargs) and not held
 
     def _request(
         self,
