@@ -239,7 +239,7 @@ def _hf_score(hf, tokenizer, a: str, b: str) -> float:
         return torch.sigmoid(hf(torch.tensor([tokenizer(a, b)["input_ids"]])).logits[0, 0]).item()
 
 
-def test_llm_score_pairs_texts_as_hf(reranker):
+def test_llm_score_pairs_texts_as_hf_and_classify_chat_reads_conversations(reranker):
     path, hf, tokenizer = reranker
     llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
     one_to_many = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
@@ -249,6 +249,15 @@ def test_llm_score_pairs_texts_as_hf(reranker):
         assert out.prompt_token_ids == tokenizer(a, b)["input_ids"]
         assert abs(out.outputs.score - _hf_score(hf, tokenizer, a, b)) < 1e-6
     assert len({round(o.outputs.score, 4) for o in one_to_many}) == len(DOCUMENTS)
+    # a reward model's reading of a whole conversation: rendered by the template, no generation prompt unless asked
+    chat = [{"role": "user", "content": QUERY}, {"role": "assistant", "content": DOCUMENTS[1]}]
+    for opened in (False, True):
+        [out] = llm.classify_chat(chat, use_tqdm=False, add_generation_prompt=opened)
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=opened)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            logit = hf(torch.tensor([ids])).logits[0, 0].item()
+        assert out.prompt_token_ids == ids and abs(out.outputs.logits[0] - logit) < 1e-5
     for args, message in [((QUERY, []), "^data_2: expected a non-empty text"),
                           (([QUERY, QUERY], DOCUMENTS), "^data_2: 4 texts for data_1's 2")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):

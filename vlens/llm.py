@@ -156,6 +156,13 @@ class LLM:
         `continue_final_message=True, add_generation_prompt=False` to have the reply continue a last assistant
         message (an answer's start written for the model)."""
         options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs, tools)
+        prompts = self._rendered(messages, options)
+        token_lists, images = self._tokens(prompts, "messages", add_special_tokens=False)  # (the template holds them)
+        texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
+        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request, priority)
+
+    def _rendered(self, messages: Sequence[dict] | Sequence[Sequence[dict]], options: ChatOptions) -> list:
+        """Each conversation as the text its template renders (an ImagePrompt where its contents hold images)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages: expected a conversation (list of {'role', 'content'} dicts) or a list of them")
@@ -169,9 +176,7 @@ class LLM:
                 prompts.append(options.render(self.tokenizer, conversation, field))
             else:
                 prompts.append(ImagePrompt(self.image_encoder(field).render_chat(found[0], field, options), found[1]))
-        token_lists, images = self._tokens(prompts, "messages", add_special_tokens=False)  # (the template holds them)
-        texts = [p.text if isinstance(p, ImagePrompt) else p for p in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request, priority)
+        return prompts
 
     def _tokens(
         self, prompts, field: str, add_special_tokens: bool = True
@@ -281,6 +286,22 @@ class LLM:
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
         classes = self.classifier.classify(last_rows(outputs))
         return [ClassificationRequestOutput(o.request_id, c, o.prompt_token_ids) for o, c in zip(outputs, classes)]
+
+    def classify_chat(
+        self, messages: Sequence[dict] | Sequence[Sequence[dict]], use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, chat_template: str | None = None,
+        add_generation_prompt: bool = False, continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None, interventions: Sequence[Intervention] = (),
+    ) -> list[ClassificationRequestOutput]:  # fmt: skip
+        """A reward model's reading of whole conversations (the server's /classify chat form, offline): each rendered
+        with the chat template, with no generation prompt unless asked, then classified as classify() does."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs)
+        prompts = self._rendered(messages, options)
+        if any(isinstance(p, ImagePrompt) for p in prompts):
+            raise ValueError("messages: classify_chat reads texts; a conversation with images goes to chat()")
+        token_lists = to_token_lists(prompts, self.tokenizer, self.config.vocab_size, "messages",
+                                     add_special_tokens=False)  # fmt: skip
+        return self.classify(token_lists, use_tqdm, lora_request, interventions=interventions)
 
     def score(
         self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
