@@ -57,8 +57,7 @@ def prompt_list(prompts: Any, field: str = "prompts") -> list[Any]:
     """The prompts as a list of texts and token-id lists: one prompt becomes a list of one, and vLLM's prompt
     dicts, {"prompt": text} and {"prompt_token_ids": ids}, their text or ids (so a vLLM script that passes
     TextPrompt or TokensPrompt runs unchanged); a text with images, an ImagePrompt."""
-    if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
-        prompts = [prompts]
+    prompts = _one_or_many(prompts)
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"{field}: expected a string, a list of strings or a list of token-id lists, got {prompts!r}")
     out = list(prompts)
@@ -76,9 +75,14 @@ def prompt_list(prompts: Any, field: str = "prompts") -> list[Any]:
 
 
 def cache_salts(prompts: Any) -> list[str | None]:
-    """Each prompt's vLLM cache_salt (None where a prompt is not a dict with one), in prompt_list's order."""
-    listed = [prompts] if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts) else list(prompts)
-    return [p.get("cache_salt") if isinstance(p, Mapping) else None for p in listed]
+    """Each prompt's vLLM cache_salt (None where a prompt is not a dict with one), in prompt_list's order (prompts
+    prompt_list has taken)."""
+    return [p.get("cache_salt") if isinstance(p, Mapping) else None for p in _one_or_many(prompts)]
+
+
+def _one_or_many(prompts: Any) -> Any:
+    """One prompt (a text, a dict, a token-id list) as a list of one; anything else as it is."""
+    return [prompts] if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts) else prompts
 
 
 def _check_salt(p: Mapping, field: str) -> None:

@@ -131,7 +131,8 @@ class LLM:
         `priority`: one per prompt, lower first (vLLM's; an engine made with scheduling_policy="priority").
 
         Every request is validated before any runs, so a bad one fails the call without side effects."""
-        salts, prompts = cache_salts(prompts), prompt_list(prompts)
+        listed = prompt_list(prompts)  # (checks them first)
+        salts, prompts = cache_salts(prompts), listed
         token_lists, images = self._tokens(prompts, "prompts")
         texts = [p.text if isinstance(p, ImagePrompt) else p if isinstance(p, str) else None for p in prompts]
         return self._run(token_lists, texts, sampling_params, use_tqdm, images, lora_request, priority, salts)
