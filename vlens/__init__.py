@@ -4,6 +4,7 @@ from vlens import viz  # vlens.viz.logit_lens(output) and the other views
 from vlens.activation_cache import ActivationCache
 from vlens.beam_search import BeamSearchParams
 from vlens.capture import Ablate, Capture, Clamp, Patch, Positions, Steer, TunedLens
+from vlens.encode import PoolingParams
 from vlens.engine.config import EngineConfig
 from vlens.engine.lora import LoRARequest
 from vlens.harvest import ActivationDataset, HarvestConfig, harvest  # the function shadows its subpackage
@@ -15,6 +16,7 @@ from vlens.outputs import (
     CompletionOutput,
     EmbeddingRequestOutput,
     Logprob,
+    PoolingRequestOutput,
     RequestDelta,
     RequestOutput,
     ScoringRequestOutput,
@@ -28,6 +30,7 @@ __all__ = [
     "HookedLM",
     "ActivationCache",
     "SamplingParams",
+    "PoolingParams",
     "BeamSearchParams",
     "StructuredOutputsParams",
     "Capture",
@@ -47,6 +50,7 @@ __all__ = [
     "EmbeddingRequestOutput",
     "ClassificationRequestOutput",
     "ScoringRequestOutput",
+    "PoolingRequestOutput",
     "Logprob",
     "load_model",
     "harvest",

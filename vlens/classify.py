@@ -52,12 +52,20 @@ class ClassifierHead:
         bias = None if bias is None else bias.to(device, dtype)
         return cls(weight.to(device, dtype), bias, cfg.classifier_labels, cfg.classifier_activation)
 
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, d] final-norm rows -> the head's [n, classes] logits, computed in the model's dtype (as HF computes
+        them), as float32."""
+        rows = rows.to(self.weight.device, self.weight.dtype)
+        return torch.nn.functional.linear(rows, self.weight, self.bias).float()
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits through the config's activation (as vLLM's classify gives them)."""
+        return ACTIVATIONS[self.activation](logits)
+
     def classify(self, rows: torch.Tensor) -> list[ClassificationOutput]:
-        """[n, d] final-norm rows -> each row's classes: the head's logits in the model's dtype (as HF computes them),
-        and their probabilities in float32 through the config's activation (as vLLM's classify gives them)."""
-        logits = torch.nn.functional.linear(rows.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
-        logits = logits.float()
-        probs = ACTIVATIONS[self.activation](logits).cpu()
+        """[n, d] final-norm rows -> each row's classes: its logits and probabilities."""
+        logits = self.logits(rows)
+        probs = self.probs(logits).cpu()
         return [ClassificationOutput(p.tolist(), self.labels[int(p.argmax())], z.tolist())
                 for p, z in zip(probs, logits.cpu())]  # fmt: skip
 

@@ -22,6 +22,7 @@ from vlens.chat import ChatOptions
 from vlens.classify import ClassifierHead, check_cross_encoder, classification_params, last_rows, pairs
 from vlens.distributed.executor import Executor
 from vlens.embedding import DEFAULT_HOOK, embedding_of, embedding_params
+from vlens.encode import PoolingParams, check_task, pooled, pooling_request
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.lora import LoRARequest
@@ -35,6 +36,8 @@ from vlens.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -318,6 +321,38 @@ class LLM:
         outputs = self.classify(token_lists, use_tqdm, lora_request, truncate_prompt_tokens)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
                 for o in outputs]  # fmt: skip
+
+    def encode(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict],
+        pooling_params: PoolingParams | None = None, *, pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        interventions: Sequence[Intervention] = (),
+    ) -> list[PoolingRequestOutput]:  # fmt: skip
+        """vLLM's encode: each prompt's tensor for `pooling_task` (required, as vLLM's: "token_embed",
+        "token_classify", "embed" or "classify"; vlens.encode says what each reads), under `interventions` where
+        given."""
+        task = check_task(pooling_task, self.config)
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params: expected a PoolingParams, got {type(params).__name__}")
+        params.check(task)
+        outputs = self.generate(prompts, pooling_request(task, interventions, truncate_prompt_tokens), use_tqdm,
+                                lora_request)  # fmt: skip
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(pooled(task, o, params, self.classifier)),
+                                     o.prompt_token_ids) for o in outputs]  # fmt: skip
+
+    def reward(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], *,
+        pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        interventions: Sequence[Intervention] = (),
+    ) -> list[PoolingRequestOutput]:  # fmt: skip
+        """vLLM's reward: a reward model's (a classifier's) output at every prompt token, [tokens, classes]:
+        encode's "token_classify"."""
+        return self.encode(prompts, pooling_params, pooling_task="token_classify", use_tqdm=use_tqdm,
+                           truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request,
+                           interventions=interventions)  # fmt: skip
 
     @torch.inference_mode()
     def trace(

@@ -133,6 +133,21 @@ class ScoringRequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    data: torch.Tensor  # float32: a pooling task's tensor (vlens.encode), [tokens, ...] for a token task
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's output of LLM.encode and LLM.reward."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class RequestDelta:
     """What one step added to one request. Its texts add up to the final text: a streamed request (or
     one with stop strings) gets text as it becomes final, any other the whole text on its last delta."""

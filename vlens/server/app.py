@@ -31,7 +31,14 @@ from vlens.server.generate import Generator
 from vlens.server.limits import BodyLimit
 from vlens.server.loras import LoraAdapterRequest, load_adapter, load_loras, unload_adapter
 from vlens.server.metrics import CountRequests, Metrics
-from vlens.server.pooling import ClassificationRequest, EmbeddingRequest, Pooler, RerankRequest, ScoreRequest
+from vlens.server.pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    Pooler,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from vlens.server.protocol import APIError, ChatRequest, CompletionRequest, schema_error
 from vlens.server.responses_api import ResponsesRequest
 from vlens.server.saes import describe, load_saes
@@ -284,6 +291,11 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 @routes.post("/classify")
 async def classify(body: ClassificationRequest, request: Request) -> Response:
     return await _served(request).pooler.classify(body, request)
+
+
+@routes.post("/pooling")
+async def pooling(body: PoolingRequest, request: Request) -> Response:
+    return await _served(request).pooler.pooling(body, request)
 
 
 @routes.post("/score")

@@ -18,8 +18,8 @@ from vlens.server.admission import Admission
 
 ROUTES = (
     "/health", "/metrics", "/v1/models", "/v1/hooks", "/v1/saes", "/v1/steering_vectors", "/v1/completions",
-    "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/classify", "/score", "/v1/score", "/rerank",
-    "/v1/rerank", "/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json", "/v1/load_lora_adapter",
+    "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/classify", "/pooling", "/score", "/v1/score",
+    "/rerank", "/v1/rerank", "/tokenize", "/detokenize", "/tokenizer_info", "/openapi.json", "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
 )  # fmt: skip
 ACTIVATIONS_ROUTE = "/v1/activations/{id}"

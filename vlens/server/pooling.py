@@ -1,10 +1,11 @@
 """vLLM's pooling routes: `POST /v1/embeddings`, one vector per input, read from a hook and pooled on the device
 (vlens.embedding, as `LLM.embed` reads it); `POST /classify`, a sequence classifier's class probabilities per input
-(vlens.classify, as `LLM.classify`); and a cross-encoder's `POST /score` of pairs of texts and `POST /rerank` of
-documents by a query (as `LLM.score`). All are prefill-only engine requests under the requested model's steering or
-adapter. An embedding's hook and pooling come from the request's `vlens` object, else from `vlens serve
---embedding-hook/--embedding-pooling`; OpenAI's `encoding_format`: "float" (a JSON list) or "base64" (little-endian
-float32 bytes).
+(vlens.classify, as `LLM.classify`); a cross-encoder's `POST /score` of pairs of texts and `POST /rerank` of
+documents by a query (as `LLM.score`); and `POST /pooling`, a pooling task's tensor per input (vlens.encode, as
+`LLM.encode`: every token's last hidden state, a reward model's score at every token). All are prefill-only engine
+requests under the requested model's steering or adapter. An embedding's hook and pooling come from the request's
+`vlens` object, else from `vlens serve --embedding-hook/--embedding-pooling`; OpenAI's `encoding_format`: "float" (a
+JSON list) or "base64" (little-endian float32 bytes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from vlens.classify import ClassifierHead, check_cross_encoder, classification_params, last_rows, pairs
 from vlens.embedding import check_hook, embedding_of, embedding_params
+from vlens.encode import POOLING_TASKS, PoolingParams, check_task, pooled, pooling_request
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import truncated
 from vlens.outputs import ClassificationOutput, RequestOutput
@@ -54,7 +56,8 @@ class EmbeddingRequest(BaseModel):
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
 
 
-def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+def _encoded(vector: torch.Tensor, encoding_format: str) -> list | str:
+    """A float tensor as OpenAI's encoding_format says: nested JSON lists, or base64 of its float32 values."""
     if encoding_format == "base64":
         return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
@@ -79,6 +82,29 @@ class ClassificationRequest(BaseModel):
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
     priority: StrictInt = 0
     use_activation: StrictBool | None = None  # vLLM's: false, probs are the head's logits as they are
+
+
+class PoolingRequest(BaseModel):
+    """vLLM's /pooling body: `input` or a chat's `messages` (as /classify's), the pooling `task` (required, as vLLM's)
+    and its PoolingParams' fields."""
+
+    model_config = ConfigDict(extra="allow")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,)}
+    model: StrictStr | None = None
+    task: Literal[POOLING_TASKS] | None = None  # type: ignore[valid-type]
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: StrictStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: StrictStr | None = None
+    add_special_tokens: StrictBool | None = None  # default: True for input, False for messages
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    priority: StrictInt = 0
+    normalize: StrictBool | None = None  # (embedding tasks)
+    use_activation: StrictBool | None = None  # (classifying tasks)
 
 
 class ScoreRequest(BaseModel):
@@ -161,14 +187,8 @@ class Pooler:
         if self.classifier is None:
             raise APIError(400, f"model: {g.model_name!r} is a causal LM ({self.cfg.architecture}), without the head "
                            "of a sequence classifier's checkpoint (...ForSequenceClassification)", "model")  # fmt: skip
-        if (body.input is None) == (body.messages is None):
-            raise APIError(400, "input: give either input (texts or token lists) or messages (a conversation)", "input")
-        if body.messages is not None:
-            text = render_chat(g.tokenizer, body.messages, g.templates.options(body))
-            token_lists = g.tokenize(text, "messages", bool(body.add_special_tokens))
-        else:
-            token_lists = g.tokenize(body.input, "input", body.add_special_tokens is not False)
-        run = await self._classes(token_lists, "input" if body.messages is None else "messages", body, request)
+        token_lists, field = self._inputs(body)
+        run = await self._classes(token_lists, field, body, request)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
         classes, tokens = run
@@ -176,6 +196,37 @@ class Pooler:
                  "num_classes": c.num_classes, "logits": c.logits} for i, c in enumerate(classes)]  # fmt: skip
         return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
+
+    async def pooling(self, body: PoolingRequest, request: Request) -> Response:
+        g = self.generator
+        refuse_unknown(body.model_extra, PoolingRequest.NEUTRAL)
+        try:
+            task = check_task(body.task, self.cfg, "task")
+            params = PoolingParams(body.normalize, body.use_activation)
+            params.check(task, prefix="")
+        except ValueError as e:
+            raise from_value_error(e) from None
+        token_lists, field = self._inputs(body)
+        run = await self._run(token_lists, field, body, pooling_request(task, g.steers_of(body.model)), request)
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED)
+        outputs, tokens = run
+        data = [{"index": i, "object": "pooling",
+                 "data": _encoded(pooled(task, out, params, self.classifier), body.encoding_format)}
+                for i, out in enumerate(outputs)]  # fmt: skip
+        return JSONResponse({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
+
+    def _inputs(self, body: ClassificationRequest | PoolingRequest) -> tuple[list[list[int]], str]:
+        """The token lists of a body of `input` (special tokens added by default) or of a chat's `messages` (through
+        the chat template, which holds them), and the field they came from."""
+        g = self.generator
+        if (body.input is None) == (body.messages is None):
+            raise APIError(400, "input: give either input (texts or token lists) or messages (a conversation)", "input")
+        if body.messages is not None:
+            text = render_chat(g.tokenizer, body.messages, g.templates.options(body))
+            return g.tokenize(text, "messages", bool(body.add_special_tokens)), "messages"
+        return g.tokenize(body.input, "input", body.add_special_tokens is not False), "input"
 
     async def score(self, body: ScoreRequest, request: Request) -> Response:
         refuse_unknown(body.model_extra, ScoreRequest.NEUTRAL)

@@ -1,0 +1,177 @@
+"""vLLM's pooling tasks (LLM.encode, LLM.reward): a causal LM's per-token last hidden states ("token_embed") and its
+last one ("embed"), each of unit length unless asked otherwise, equal to HF's final hidden states; a reward model's
+(a sequence classifier's) head at every prompt token ("token_classify", LLM.reward) and at the last ("classify")
+equal to HF's head on its hidden states, with and without the activation, also under a steer; the server's /pooling
+equal to LLM.encode (and to HF); every refusal naming its field before any work."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import rel_err
+from server_helpers import running_server
+from test_classify import LABELS, PROMPTS, SIZES, _saved
+from transformers import LlamaConfig
+
+from vlens import LLM, PoolingParams, PoolingRequestOutput, Steer
+from vlens.server.config import ServerConfig
+
+TEXTS = ["The capital of France is", "Hi", "Activations, at every token of a prompt, as vLLM users read them."]
+normalize = torch.nn.functional.normalize
+
+
+@pytest.fixture(scope="module")
+def hf_last_hidden(smol4_path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smol4_path, dtype=torch.float32).eval()
+
+    def last_hidden(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():  # (transformers 5: the last hidden state is past the final norm)
+            return hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+
+    return last_hidden
+
+
+def test_token_embed_and_embed_are_hfs_last_hidden_states(smol4, hf_last_hidden):
+    """Prompts of several lengths packed in one batch, each against HF alone: every token's row (unit length by
+    default, vLLM's), and the last one."""
+    tokens = smol4.encode(TEXTS, pooling_task="token_embed", use_tqdm=False)
+    raw = smol4.encode(TEXTS, PoolingParams(normalize=False), pooling_task="token_embed", use_tqdm=False)
+    last = smol4.encode(TEXTS, pooling_task="embed", use_tqdm=False)
+    last_raw = smol4.encode(TEXTS, PoolingParams(normalize=False), pooling_task="embed", use_tqdm=False)
+    for t, r, e, er in zip(tokens, raw, last, last_raw, strict=True):
+        assert isinstance(t, PoolingRequestOutput) and t.prompt_token_ids == r.prompt_token_ids == e.prompt_token_ids
+        want = hf_last_hidden(t.prompt_token_ids)
+        assert t.outputs.data.shape == (len(t.prompt_token_ids), 576) and t.outputs.data.dtype == torch.float32
+        assert rel_err(r.outputs.data, want) < 1e-5 and rel_err(t.outputs.data, normalize(want, dim=-1)) < 1e-5
+        assert e.outputs.data.shape == (576,) and rel_err(e.outputs.data, normalize(want[-1], dim=0)) < 1e-5
+        assert rel_err(er.outputs.data, want[-1]) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory) -> tuple[LLM, torch.nn.Module]:
+    """A one-class Llama classifier (a reward model: its score is its logit) with random weights."""
+    path = tmp_path_factory.mktemp("reward_model")
+    config = LlamaConfig(**SIZES, num_key_value_heads=2, num_labels=1, id2label={0: "score"}, pad_token_id=0)
+    hf = _saved(transformers.LlamaForSequenceClassification, config, path)
+    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20), hf
+
+
+def _hf_token_logits(hf, ids: list[int]) -> torch.Tensor:
+    """HF's head on every token's hidden state (its classifier pools the last of them)."""
+    with torch.inference_mode():
+        return hf.score(hf.model(torch.tensor([ids])).last_hidden_state)[0]
+
+
+def test_reward_is_the_heads_score_at_every_token_as_hfs(reward_model):
+    """LLM.reward (token_classify): [tokens, 1], the sigmoid of HF's head at each token (vLLM's activation for one
+    class) or, without the activation, the scores themselves; its last row is classify's."""
+    llm, hf = reward_model
+    rewards = llm.reward(PROMPTS, use_tqdm=False)
+    scores = llm.reward(PROMPTS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+    classified = llm.encode(PROMPTS, pooling_task="classify", use_tqdm=False)
+    for ids, r, s, c in zip(PROMPTS, rewards, scores, classified, strict=True):
+        want = _hf_token_logits(hf, ids)
+        assert r.outputs.data.shape == (len(ids), 1) and r.prompt_token_ids == ids
+        assert rel_err(s.outputs.data, want) < 1e-5 and rel_err(r.outputs.data, torch.sigmoid(want)) < 1e-5
+        assert rel_err(c.outputs.data, torch.sigmoid(want[-1])) < 1e-5
+        with torch.inference_mode():
+            assert rel_err(s.outputs.data[-1], hf(torch.tensor([ids])).logits[0]) < 1e-5  # (HF's classifier)
+    assert len({round(x, 4) for x in scores[0].outputs.data[:, 0].tolist()}) == len(PROMPTS[0])  # (tokens told apart)
+
+
+def test_a_steered_reward_is_hfs_under_the_same_addition(reward_model):
+    llm, hf = reward_model
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 4
+    steer = Steer("blocks.0.hook_resid_post", vector)
+    steered = llm.reward(PROMPTS, pooling_params=PoolingParams(use_activation=False), interventions=[steer],
+                         use_tqdm=False)  # fmt: skip
+    handle = hf.model.layers[0].register_forward_hook(lambda m, a, out: out + vector)
+    try:
+        for ids, out in zip(PROMPTS, steered, strict=True):
+            assert rel_err(out.outputs.data, _hf_token_logits(hf, ids)) < 1e-5
+    finally:
+        handle.remove()
+    assert rel_err(steered[0].outputs.data, _hf_token_logits(hf, PROMPTS[0])) > 1e-3
+
+
+def test_token_classify_gives_each_tokens_classes(tmp_path):
+    """A three-class classifier at every token: the softmax of HF's head, per token."""
+    config = LlamaConfig(**SIZES, num_key_value_heads=2, num_labels=3, id2label=LABELS, pad_token_id=0)
+    hf = _saved(transformers.LlamaForSequenceClassification, config, tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    for ids, out in zip(PROMPTS, llm.encode(PROMPTS, pooling_task="token_classify", use_tqdm=False), strict=True):
+        assert out.outputs.data.shape == (len(ids), 3)
+        assert rel_err(out.outputs.data, _hf_token_logits(hf, ids).softmax(-1)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [(lambda llm: llm.encode(TEXTS), "^pooling_task: None is not allowed; expected one of token_embed, "
+                                     "token_classify, embed, classify$"),
+     (lambda llm: llm.encode(TEXTS, pooling_task="encode"), "^pooling_task: 'encode' is not allowed"),
+     (lambda llm: llm.reward(TEXTS), "^pooling_task: 'token_classify' needs a classifier's head .*LlamaForCausalLM "
+                                     "is a causal LM"),
+     (lambda llm: llm.encode(TEXTS, PoolingParams(use_activation=False), pooling_task="token_embed"),
+      "^pooling_params.use_activation: 'token_embed' does not read it; normalize is its field"),
+     (lambda llm: llm.encode(TEXTS, {"normalize": False}, pooling_task="embed"),
+      "^pooling_params: expected a PoolingParams, got dict"),
+     (lambda llm: PoolingParams(normalize="no"), r"^pooling_params.normalize: 'no' is not allowed; expected a bool")],
+)  # fmt: skip
+def test_refusals_name_their_field_before_any_work(smol4, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(smol4)
+    assert not smol4.engine.has_work()
+
+
+def test_a_classifier_refuses_normalize(reward_model):
+    with pytest.raises(ValueError, match="^pooling_params.normalize: 'token_classify' does not read it"):
+        reward_model[0].reward(PROMPTS, pooling_params=PoolingParams(normalize=True))
+
+
+def test_the_servers_pooling_equals_llm_encode(smol, served_smol):
+    """/pooling (vLLM's): each input's tensor as nested lists or base64 float32, equal to LLM.encode's; the chat
+    form through the template; refusals as 400s naming the field."""
+    offline = smol.encode(TEXTS, pooling_task="token_embed", use_tqdm=False)
+    with running_server(served_smol, ServerConfig(served_model_name="smol")) as url:
+        body = httpx.post(url + "/pooling", json={"model": "smol", "input": TEXTS, "task": "token_embed"},
+                          timeout=60).json()  # fmt: skip
+        assert body["object"] == "list" and body["id"].startswith("pool-") and body["model"] == "smol"
+        assert body["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in offline)
+        for i, (d, o) in enumerate(zip(body["data"], offline, strict=True)):
+            assert (d["index"], d["object"]) == (i, "pooling")
+            assert rel_err(torch.tensor(d["data"]), o.outputs.data) < 1e-6
+        packed = httpx.post(url + "/pooling", json={"input": TEXTS[0], "task": "embed", "normalize": False,
+                                                    "encoding_format": "base64"}, timeout=60).json()  # fmt: skip
+        [last] = smol.encode(TEXTS[0], PoolingParams(normalize=False), pooling_task="embed", use_tqdm=False)
+        vector = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), dtype="<f4")
+        assert rel_err(torch.from_numpy(vector.copy()), last.outputs.data) < 1e-6
+        chat = [{"role": "user", "content": TEXTS[0]}]
+        ids = smol.tokenizer(smol.tokenizer.apply_chat_template(chat, tokenize=False),
+                             add_special_tokens=False)["input_ids"]  # fmt: skip
+        [d] = httpx.post(url + "/pooling", json={"messages": chat, "task": "token_embed"}, timeout=60).json()["data"]
+        [want] = smol.encode([ids], pooling_task="token_embed", use_tqdm=False)
+        assert rel_err(torch.tensor(d["data"]), want.outputs.data) < 1e-6
+        for fields, status, param in [({"input": "x"}, 400, "task"), ({"input": "x", "task": "encode"}, 422, "task"),
+                                      ({"input": "x", "task": "token_classify"}, 400, "task"),
+                                      ({"input": "x", "task": "embed", "use_activation": True}, 400, "use_activation"),
+                                      ({"task": "embed"}, 400, "input")]:  # fmt: skip
+            r = httpx.post(url + "/pooling", json=fields, timeout=60)
+            assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_servers_pooling_gives_a_reward_models_scores_at_every_token(tmp_path):
+    config = LlamaConfig(**SIZES, num_key_value_heads=2, num_labels=1, id2label={0: "score"}, pad_token_id=0)
+    hf = _saved(transformers.LlamaForSequenceClassification, config, tmp_path)
+    served = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    with running_server(served, ServerConfig()) as url:
+        body = httpx.post(url + "/pooling", json={"input": PROMPTS, "task": "token_classify", "use_activation": False},
+                          timeout=60).json()  # fmt: skip
+        for ids, d in zip(PROMPTS, body["data"], strict=True):
+            assert rel_err(torch.tensor(d["data"]), _hf_token_logits(hf, ids)) < 1e-5
+        r = httpx.post(url + "/pooling", json={"input": PROMPTS, "task": "classify", "normalize": True}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "normalize", r.text

@@ -1,0 +1,87 @@
+"""vLLM's pooling tasks (LLM.encode, LLM.reward, the server's /pooling): one tensor per prompt, read from the final
+norm's rows as vLLM's poolers read a pooling model's last hidden states.
+
+- "token_embed": every prompt token's row, each of unit length unless `normalize=False` ([tokens, d]): what vLLM
+  users call for a causal LM's per-token hidden states.
+- "token_classify": a classifier's head on every prompt token's row, through its activation unless
+  `use_activation=False` ([tokens, classes]): LLM.reward's per-token rewards, where in a reply a reward model's score
+  moves.
+- "embed": the last row, of unit length unless `normalize=False` ([d]; vLLM's pooler for a decoder: LLM.embed reads
+  any hook, mean-pooled by default).
+- "classify": a classifier's head on the last row ([classes]; LLM.classify's probabilities, or its logits).
+
+Each is a prefill-only engine request that captures the rows it reads (vlens.embedding's), so interventions steer
+it as any request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlens.capture import Capture
+from vlens.capture.interventions import Intervention
+from vlens.capture.names import FINAL_NORM
+from vlens.classify import ClassifierHead
+from vlens.config import ModelConfig
+from vlens.outputs import RequestOutput
+from vlens.sampling_params import SamplingParams
+
+POOLING_TASKS = ("token_embed", "token_classify", "embed", "classify")
+CLASSIFYING = ("token_classify", "classify")  # the tasks that need a classifier's head
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """vLLM's PoolingParams: `normalize` (embedding tasks) and `use_activation` (classifying tasks); None is the
+    task's default (True), and a field the task does not read is refused."""
+
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("normalize", "use_activation"):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected a bool or None")
+
+    def check(self, task: str, prefix: str = "pooling_params.") -> None:
+        """Raise naming the field (after `prefix`) that `task` does not read (vLLM refuses it too)."""
+        unread = "normalize" if task in CLASSIFYING else "use_activation"
+        if getattr(self, unread) is not None:
+            raise ValueError(f"{prefix}{unread}: {task!r} does not read it; "
+                             f"{'use_activation' if task in CLASSIFYING else 'normalize'} is its field")  # fmt: skip
+
+
+def check_task(task: object, cfg: ModelConfig, field: str = "pooling_task") -> str:
+    """`task` if this model can run it; a ValueError naming `field` and the allowed values otherwise."""
+    if task not in POOLING_TASKS:
+        raise ValueError(f"{field}: {task!r} is not allowed; expected one of {', '.join(POOLING_TASKS)}")
+    if task in CLASSIFYING and not cfg.classifier_labels:
+        raise ValueError(f"{field}: {task!r} needs a classifier's head (a ...ForSequenceClassification checkpoint); "
+                         f"{cfg.architecture} is a causal LM: token_embed or embed read its rows")  # fmt: skip
+    return task
+
+
+def pooling_request(
+    task: str, interventions: Sequence[Intervention] = (), truncate_prompt_tokens: int | None = None
+) -> SamplingParams:
+    """The prefill-only request that reads `task`'s rows: the final norm's at every prompt token, or its last."""
+    positions = "prompt" if task.startswith("token_") else "last"
+    return SamplingParams(max_tokens=0, capture=Capture(hooks=FINAL_NORM, positions=positions),
+                          interventions=interventions, truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
+
+
+def pooled(task: str, output: RequestOutput, params: PoolingParams, head: ClassifierHead | None) -> torch.Tensor:
+    """What `task` returns for one request read by pooling_request: float32, [tokens, ...] for a token task."""
+    rows = output.activations[FINAL_NORM]
+    if task in CLASSIFYING:
+        assert head is not None  # (check_task)
+        data = head.logits(rows)
+        data = data if params.use_activation is False else head.probs(data)
+    else:
+        data = rows.float()
+        data = data if params.normalize is False else torch.nn.functional.normalize(data, dim=-1)
+    return data.cpu() if task.startswith("token_") else data[0].cpu()
