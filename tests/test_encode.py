@@ -1,8 +1,9 @@
 """vLLM's pooling tasks (LLM.encode, LLM.reward): a causal LM's per-token last hidden states ("token_embed") and its
 last one ("embed"), each of unit length unless asked otherwise, equal to HF's final hidden states; a reward model's
 (a sequence classifier's) head at every prompt token ("token_classify", LLM.reward) and at the last ("classify")
-equal to HF's head on its hidden states, with and without the activation, also under a steer; the server's /pooling
-equal to LLM.encode (and to HF); every refusal naming its field before any work."""
+equal to HF's head on its hidden states, with and without the activation, also under a steer; a token classifier's
+(*ForTokenClassification) classes at every token equal to HF's; the server's /pooling equal to LLM.encode (and to
+HF); every refusal naming its field before any work."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import transformers
 from conftest import rel_err
 from server_helpers import running_server
 from test_classify import LABELS, PROMPTS, SIZES, _saved
-from transformers import LlamaConfig
+from transformers import GPTNeoXConfig, LlamaConfig
 
 from vlens import LLM, PoolingParams, PoolingRequestOutput, Steer
 from vlens.server.config import ServerConfig
@@ -107,6 +108,36 @@ def test_token_classify_gives_each_tokens_classes(tmp_path):
     for ids, out in zip(PROMPTS, llm.encode(PROMPTS, pooling_task="token_classify", use_tqdm=False), strict=True):
         assert out.outputs.data.shape == (len(ids), 3)
         assert rel_err(out.outputs.data, _hf_token_logits(hf, ids).softmax(-1)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [("LlamaForTokenClassification", LlamaConfig(**SIZES, num_key_value_heads=2)),  # (its head: score, with a bias)
+     ("GPTNeoXForTokenClassification", GPTNeoXConfig(**SIZES))],  # (its head: classifier)
+)  # fmt: skip
+def test_a_token_classifiers_classes_at_every_token_are_hfs(name, config, tmp_path):
+    """HF's token classifiers: the head on every token's last hidden state, softmax'd; classify, which reads a whole
+    prompt, refused naming the task that reads it."""
+    config.num_labels, config.id2label, config.pad_token_id = 3, LABELS, 0
+    torch.manual_seed(0)
+    hf = getattr(transformers, name)(config).eval()
+    head = hf.score if hasattr(hf, "score") else hf.classifier
+    with torch.no_grad():
+        head.weight.normal_(0, 1)
+        head.bias.normal_(0, 1)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    for ids, out in zip(PROMPTS, llm.encode(PROMPTS, pooling_task="token_classify", use_tqdm=False), strict=True):
+        with torch.inference_mode():
+            want = hf(torch.tensor([ids])).logits[0]
+        assert out.outputs.data.shape == (len(ids), 3) and rel_err(out.outputs.data, want.softmax(-1)) < 1e-5
+    with pytest.raises(ValueError, match=f"^pooling_task: 'classify' reads a whole prompt; {name} classifies every"):
+        llm.encode(PROMPTS, pooling_task="classify")
+    with pytest.raises(ValueError, match=f"^classify: {name} classifies every token, not a whole prompt"):
+        llm.classify(PROMPTS)
+    with running_server(llm, ServerConfig()) as url:
+        r = httpx.post(url + "/classify", json={"input": PROMPTS}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "every token" in r.text, r.text
 
 
 @pytest.mark.parametrize(

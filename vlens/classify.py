@@ -1,10 +1,11 @@
 """Sequence classifiers (HF's *ForSequenceClassification; vLLM's LLM.classify and the server's /classify): a causal
 LM's decoder under a head, `score`, that reads the final norm's row at a prompt's last token, in place of the
-unembedding. One of a single class that reads two texts as one prompt is a cross-encoder (a reranker: vLLM's
-LLM.score, /score and /rerank): a pair's score is its class's probability. The decoder runs in the engine as any
-model's, in a prefill-only request that captures that one row (as LLM.embed reads a hook); the head, a [classes, d]
-matrix, is applied here to the rows that come back. So a classifier's taps, steering, adapters and the rest are a
-causal LM's, and its classes are read under them.
+unembedding. A token classifier (*ForTokenClassification) has the same head (`classifier` in some families) over
+every row: vlens.encode's "token_classify" reads it. One of a single class that reads two texts as one prompt is a
+cross-encoder (a reranker: vLLM's LLM.score, /score and /rerank): a pair's score is its class's probability. The
+decoder runs in the engine as any model's, in a prefill-only request that captures that one row (as LLM.embed reads a
+hook); the head, a [classes, d] matrix, is applied here to the rows that come back. So a classifier's taps, steering,
+adapters and the rest are a causal LM's, and its classes are read under them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from vlens.loader import ModelLoadError, weight_files
 from vlens.outputs import ClassificationOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
 
-HEAD = "score"  # every HF sequence classifier's head, beside the causal LM's own names for the decoder
+# the head's names in HF's classifiers, beside the causal LM's own names for the decoder: every sequence classifier's,
+# and most token classifiers' (GPT-NeoX's, Falcon's, Bloom's and a few more name theirs `classifier`)
+HEADS = ("score", "classifier")
 # ModelConfig.classifier_activation -> what it does to the head's logits
 ACTIVATIONS = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid, "identity": lambda x: x}
 
@@ -41,14 +44,15 @@ class ClassifierHead:
         found: dict[str, torch.Tensor] = {}
         for file in weight_files(path):
             with safe_open(file, framework="pt", device="cpu") as f:
-                found |= {key: f.get_tensor(key) for key in (f"{HEAD}.weight", f"{HEAD}.bias") if key in f.keys()}  # noqa: SIM118
-        weight = found.get(f"{HEAD}.weight")
+                found |= {key: f.get_tensor(key) for key in f.keys() if key.split(".")[0] in HEADS}  # noqa: SIM118
+        head = next((name for name in HEADS if f"{name}.weight" in found), HEADS[0])
+        weight = found.get(f"{head}.weight")
         if weight is None or tuple(weight.shape) != (len(cfg.classifier_labels), cfg.hidden_size):
             got = "none" if weight is None else f"shape {tuple(weight.shape)}"
-            raise ModelLoadError(f"model: {cfg.classifier_name}'s head {HEAD}.weight should be "
+            raise ModelLoadError(f"model: {cfg.classifier_name}'s head {head}.weight should be "
                                  f"{len(cfg.classifier_labels)} x {cfg.hidden_size} (num_labels x hidden_size); "
                                  f"{str(path)!r} has {got}")  # fmt: skip
-        bias = found.get(f"{HEAD}.bias")
+        bias = found.get(f"{head}.bias")
         bias = None if bias is None else bias.to(device, dtype)
         return cls(weight.to(device, dtype), bias, cfg.classifier_labels, cfg.classifier_activation)
 
@@ -102,8 +106,20 @@ def pairs(
     return list(zip(first, second))
 
 
+def check_sequence_classifier(cfg: ModelConfig, field: str) -> None:
+    """Raise unless the model classifies whole prompts: a sequence classifier's checkpoint."""
+    if not cfg.classifier_labels:
+        raise ValueError(f"{field}: {cfg.architecture} is a causal LM, without the head ({HEADS[0]}) of a sequence "
+                         "classifier's checkpoint (...ForSequenceClassification)")  # fmt: skip
+    if cfg.classifier_per_token:
+        raise ValueError(f"{field}: {cfg.classifier_name} classifies every token, not a whole prompt; "
+                         "LLM.encode(..., pooling_task='token_classify') (the server's /pooling) reads its classes")
+
+
 def check_cross_encoder(cfg: ModelConfig, field: str) -> None:
-    """Raise unless the model scores pairs: a classifier of one class (vLLM's rule)."""
+    """Raise unless the model scores pairs: a sequence classifier of one class (vLLM's rule)."""
+    if cfg.classifier_per_token:
+        check_sequence_classifier(cfg, field)
     if len(cfg.classifier_labels) != 1:
         what = f"{cfg.classifier_name} has {len(cfg.classifier_labels)} classes" if cfg.classifier_labels else \
             f"{cfg.architecture} is a causal LM"  # fmt: skip

@@ -1593,6 +1593,7 @@ class ModelConfig:
     # `score`, over its final norm's last row, in place of the unembedding; vlens.classify); () for a causal LM
     classifier_labels: tuple[str, ...] = ()
     classifier_name: str = ""  # its architecture, as the checkpoint names it (the decoder's is `architecture`)
+    classifier_per_token: bool = False  # a token classifier's (*ForTokenClassification): its head reads every row
     # what turns its logits into `probs` (vLLM's, after the config's problem_type): "softmax" over two or more
     # classes, "sigmoid" for one (a reward model's) or for multi-label ones, "identity" for a regression
     classifier_activation: str = "softmax"
@@ -1721,24 +1722,27 @@ class ModelConfig:
         return cls(**fields | _classifier(hf))
 
 
-CLASSIFIER = "ForSequenceClassification"  # HF's sequence classifiers: a causal LM's decoder under a `score` head
+# HF's sequence and token classifiers: a causal LM's decoder under a head (`score`, or some families' token
+# classifiers' `classifier`) that reads the final norm's last row, or every row
+CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification")
 # what a classifier's requests for token logits are told (its unembedding is a placeholder: vlens.classify)
 NO_TOKEN_LOGITS = ("a classifier has no token logits; its classes come from LLM.classify (or the server's "
-                   "/classify), and its taps from prefill-only requests (max_tokens=0)")
+                   "/classify; a token classifier's from LLM.encode and /pooling), and its taps from prefill-only "
+                   "requests (max_tokens=0)")
 
 
 def _classifier(hf: Any) -> dict[str, Any]:
-    """A sequence classifier's fields (none for a causal LM). Its unembedding is the embedding, tied: a placeholder
-    taking no memory, which nothing reads (a classifier has no token logits: DecoderLM.logits)."""
+    """A sequence or token classifier's fields (none for a causal LM). Its unembedding is the embedding, tied: a
+    placeholder taking no memory, which nothing reads (a classifier has no token logits: DecoderLM.logits)."""
     arch = (getattr(hf, "architectures", None) or [""])[0]
-    if not arch.endswith(CLASSIFIER):
+    if not arch.endswith(CLASSIFIERS):
         return {}
     labels = tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
     problem = getattr(hf, "problem_type", None)
     activation = "identity" if problem == "regression" else \
         "sigmoid" if problem == "multi_label_classification" or len(labels) < 2 else "softmax"  # fmt: skip
     return dict(classifier_labels=labels, classifier_name=arch, classifier_activation=activation,
-                tie_word_embeddings=True)  # fmt: skip
+                classifier_per_token=arch.endswith(CLASSIFIERS[1]), tie_word_embeddings=True)  # fmt: skip
 
 
 def supported_architecture(architectures: list[str] | None, model_type: str | None) -> str:
@@ -1747,13 +1751,13 @@ def supported_architecture(architectures: list[str] | None, model_type: str | No
     arch = (architectures or [None])[0]
     if arch is None:
         arch = MODEL_TYPES.get(model_type)
-    elif arch.endswith(CLASSIFIER) and model_type in MODEL_TYPES:  # (its decoder, its model type's: vlens.classify)
+    elif arch.endswith(CLASSIFIERS) and model_type in MODEL_TYPES:  # (its decoder, its model type's: vlens.classify)
         arch = MODEL_TYPES[model_type]
     if arch not in ARCHITECTURES and arch not in TEXT_MODELS:
         supported = ", ".join(sorted([*ARCHITECTURES, *TEXT_MODELS]))
         raise UnsupportedModelError(
             f"architecture {arch!r} (model_type {model_type!r}) is not supported by vlens; "
-            f"supported architectures: {supported}; and the {CLASSIFIER} of each ...ForCausalLM"
+            f"supported architectures: {supported}; and the {' and '.join(CLASSIFIERS)} of each ...ForCausalLM"
         )
     return arch
 

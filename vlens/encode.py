@@ -62,6 +62,9 @@ def check_task(task: object, cfg: ModelConfig, field: str = "pooling_task") -> s
     if task in CLASSIFYING and not cfg.classifier_labels:
         raise ValueError(f"{field}: {task!r} needs a classifier's head (a ...ForSequenceClassification checkpoint); "
                          f"{cfg.architecture} is a causal LM: token_embed or embed read its rows")  # fmt: skip
+    if task == "classify" and cfg.classifier_per_token:
+        raise ValueError(f"{field}: 'classify' reads a whole prompt; {cfg.classifier_name} classifies every token: "
+                         "token_classify reads its classes")  # fmt: skip
     return task
 
 

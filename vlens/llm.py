@@ -19,7 +19,14 @@ from vlens.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from vlens.capture.interventions import Intervention
 from vlens.capture.names import hook_shapes, resolve_hooks
 from vlens.chat import ChatOptions
-from vlens.classify import ClassifierHead, check_cross_encoder, classification_params, last_rows, pairs
+from vlens.classify import (
+    ClassifierHead,
+    check_cross_encoder,
+    check_sequence_classifier,
+    classification_params,
+    last_rows,
+    pairs,
+)
 from vlens.distributed.executor import Executor
 from vlens.embedding import DEFAULT_HOOK, embedding_of, embedding_params
 from vlens.encode import PoolingParams, check_task, pooled, pooling_request
@@ -283,9 +290,7 @@ class LLM:
         """vLLM's classify, for a sequence classifier's checkpoint (HF's ...ForSequenceClassification): each prompt's
         class probabilities, from its head over the final norm's last row (vlens.classify); `interventions`: the
         classes of the model they steer (a reward model's score under a steer, say)."""
-        if self.classifier is None:
-            raise ValueError(f"classify: {self.config.architecture} is a causal LM, without the head (score) of a "
-                             "sequence classifier's checkpoint (...ForSequenceClassification)")  # fmt: skip
+        check_sequence_classifier(self.config, "classify")
         params = classification_params(self.config, interventions, truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
         classes = self.classifier.classify(last_rows(outputs))

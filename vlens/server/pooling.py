@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vlens.classify import ClassifierHead, check_cross_encoder, classification_params, last_rows, pairs
+from vlens.classify import (
+    ClassifierHead,
+    check_cross_encoder,
+    check_sequence_classifier,
+    classification_params,
+    last_rows,
+    pairs,
+)
 from vlens.embedding import check_hook, embedding_of, embedding_params
 from vlens.encode import POOLING_TASKS, PoolingParams, check_task, pooled, pooling_request
 from vlens.engine.llm_engine import NewRequest
@@ -184,9 +191,10 @@ class Pooler:
     async def classify(self, body: ClassificationRequest, request: Request) -> Response:
         g = self.generator
         refuse_unknown(body.model_extra, ClassificationRequest.NEUTRAL)
-        if self.classifier is None:
-            raise APIError(400, f"model: {g.model_name!r} is a causal LM ({self.cfg.architecture}), without the head "
-                           "of a sequence classifier's checkpoint (...ForSequenceClassification)", "model")  # fmt: skip
+        try:
+            check_sequence_classifier(self.cfg, "model")
+        except ValueError as e:
+            raise from_value_error(e) from None
         token_lists, field = self._inputs(body)
         run = await self._classes(token_lists, field, body, request)
         if run is None:
