@@ -9,9 +9,12 @@ shape: what is timed is the decoder, and the head's one row). Documents: the par
   HF             batches of B documents in source order, right-padded, the classifier's forward (its head over every
                  position, the last non-pad row's logit kept)
   HF sorted      the same with the documents sorted by length first (less padding: what a careful user does)
+With --per-token, a score at every token of each document (where in it the reward model's score moves):
+  vlens          LLM.reward: every final-norm row captured on the device, the head applied to them
+  HF             the classifier's decoder and its head, every non-pad position kept
 The script checks the scores agree and prints the times and ratios.
 
-Run:  .venv/bin/python benchmarks/bench_classify.py [--documents 512] [--batch 32]
+Run:  .venv/bin/python benchmarks/bench_classify.py [--documents 512] [--batch 32] [--per-token]
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import torch
 from bench_embeddings import report, tokenized_paragraphs
 from transformers import LlamaForSequenceClassification
 
-from vlens import LLM
+from vlens import LLM, PoolingParams
 from vlens.loader import resolve_model_path
+
+RAW = PoolingParams(use_activation=False)  # (a reward model's scores are its logits)
 
 
 def reward_model(smol: Path, out: Path) -> LlamaForSequenceClassification:
@@ -42,24 +47,39 @@ def reward_model(smol: Path, out: Path) -> LlamaForSequenceClassification:
     return hf.eval()
 
 
-def hf_scores(model, docs: list[list[int]], batch: int, order: list[int]) -> torch.Tensor:
-    """HF's way, batches taken in `order`; the scores come back in document order."""
+def hf_scores(model, docs: list[list[int]], batch: int, order: list[int], per_token: bool) -> torch.Tensor:
+    """HF's way, batches taken in `order`; the scores come back in document order, each document's one score or (per
+    token) its scores at every token, end to end."""
     pad = model.config.pad_token_id
-    scores = torch.empty(len(docs))
+    scores: list[torch.Tensor] = [torch.empty(0)] * len(docs)
     with torch.inference_mode():
         for start in range(0, len(docs), batch):
             picked = order[start : start + batch]
             width = max(len(docs[j]) for j in picked)
             ids = torch.tensor([docs[j] + [pad] * (width - len(docs[j])) for j in picked])
             mask = torch.tensor([[1] * len(docs[j]) + [0] * (width - len(docs[j])) for j in picked])
-            scores[picked] = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-    return scores
+            if per_token:
+                rows = model.score(model.model(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0].float()
+                for k, j in enumerate(picked):
+                    scores[j] = rows[k, : len(docs[j])]
+            else:
+                logits = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+                for k, j in enumerate(picked):
+                    scores[j] = logits[k : k + 1]
+    return torch.cat(scores)
+
+
+def vlens_scores(llm: LLM, docs: list[list[int]], per_token: bool) -> torch.Tensor:
+    if per_token:
+        return torch.cat([o.outputs.data[:, 0] for o in llm.reward(docs, pooling_params=RAW, use_tqdm=False)])
+    return torch.tensor([o.outputs.logits[0] for o in llm.classify(docs, use_tqdm=False)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--documents", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32, help="HF's documents per forward")
+    parser.add_argument("--per-token", action="store_true", help="a score at every token (LLM.reward)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hf = reward_model(resolve_model_path(None), Path(tmp))  # (the default model's converted checkpoint)
@@ -67,15 +87,16 @@ def main() -> None:
     docs = tokenized_paragraphs(args.documents, llm.tokenizer)
     by_length = sorted(range(len(docs)), key=lambda j: len(docs[j]))
     warm = docs[: args.batch]
-    hf_scores(hf, warm, args.batch, list(range(len(warm))))  # warm-ups
-    llm.classify(warm, use_tqdm=False)
+    hf_scores(hf, warm, args.batch, list(range(len(warm))), args.per_token)  # warm-ups
+    vlens_scores(llm, warm, args.per_token)
     seconds, scores = {}, {}
     for name in ("vlens", "HF", "HF sorted"):
         start = time.perf_counter()
         if name == "vlens":
-            scores[name] = torch.tensor([o.outputs.logits[0] for o in llm.classify(docs, use_tqdm=False)])
+            scores[name] = vlens_scores(llm, docs, args.per_token)
         else:
-            scores[name] = hf_scores(hf, docs, args.batch, by_length if name == "HF sorted" else list(range(len(docs))))
+            order = by_length if name == "HF sorted" else list(range(len(docs)))
+            scores[name] = hf_scores(hf, docs, args.batch, order, args.per_token)
         seconds[name] = time.perf_counter() - start
     gap = (scores["vlens"] - scores["HF"]).norm() / scores["HF"].norm()
     worst = (scores["vlens"] - scores["HF"]).abs().max() / scores["HF"].abs().max()
