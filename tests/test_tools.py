@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from server_helpers import running_server
+from test_stream_reading import _joined
 
 from vlens import LLM, SamplingParams, StructuredOutputsParams
 from vlens.server.config import ServerConfig
@@ -137,11 +138,12 @@ def test_required_calls_are_read_from_their_json_array(llm, server):
     got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
     assert got == want and got[0][0] == "get_weather" and choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == ""
-    chunks = [json.loads(line[6:]) for line in httpx.post(server + "/v1/chat/completions", json=body | {"stream": True},
-              timeout=120).text.splitlines() if line.startswith("data: {")]  # fmt: skip
-    calls = [call for chunk in chunks for call in chunk["choices"][0]["delta"].get("tool_calls", [])]
-    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        (i, name, parameters) for i, (name, parameters) in enumerate(want)]  # fmt: skip
+    # streamed, each call opens with its name, then its arguments go out as they are written (vLLM's)
+    chunks = _chunks(server, body)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    joined = _joined(deltas)
+    assert joined == [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert len([d for d in deltas if d.get("tool_calls")]) > 5  # (not whole at the end)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # MESSAGES's reply is three calls (the weather in Paris twice, then in Rome); parallel_tool_calls false: one
     one = body | {"messages": MESSAGES, "parallel_tool_calls": False}
@@ -181,13 +183,12 @@ def test_auto_reads_the_calls_the_model_makes_in_its_own_format(llm, server):
     [got] = choice["message"]["tool_calls"]
     assert (got["function"]["name"], json.loads(got["function"]["arguments"])) == ("get_weather", call["arguments"])
     assert (choice["message"]["content"], choice["finish_reason"]) == (said, "tool_calls")
-    # streamed: the sentence as content deltas (never a piece of the call), the call whole at the end
+    # streamed: the sentence as content deltas (never a piece of the call), then the call as it is written
     chunks = _chunks(server, body)
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == said
-    [calls] = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
-    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        (0, "get_weather", got["function"]["arguments"])]  # fmt: skip
+    assert _joined(deltas) == [("get_weather", got["function"]["arguments"])]
+    assert len([d for d in deltas if d.get("tool_calls")]) > 5  # (not whole at the end)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 

@@ -27,7 +27,7 @@ class _Stream:
     text: str = ""
     reasoning: int = 0
     content: int = 0
-    arguments: int | None = None  # how much of a named function's arguments went out (None: its call not opened)
+    calls: list[int] = field(default_factory=list)  # per call opened, how much of its arguments went out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
@@ -158,10 +158,11 @@ class Shape:
         self, choice: dict, index: int, text: str, finish_reason: str | None, delta: bool, first: bool
     ) -> str | None:  # fmt: skip
         """A reply read as a reasoning model's (its reasoning apart) and as tool calls (its content): its message,
-        or streamed, the reasoning and the text its content surely has before any call as deltas as they come, and
-        at its end the rest, every call whole. Text that is no calls ("required"'s JSON cut short, an "auto" reply
-        without calls) stays content (content "" beside "required"'s or a named function's calls, as vLLM's).
-        Returns the finish reason (vLLM's "tool_calls" where calls were made)."""
+        or streamed, the reasoning, the text its content surely has before any call and the calls as they are written
+        (vlens.server.tools; a format that cannot stream them, every call whole at the end) as deltas, and at its end
+        the rest. Text that is no calls ("required"'s JSON cut short, an "auto" reply without calls) stays content
+        (content "" beside "required"'s or a named function's calls, as vLLM's; streamed, the calls' pieces that
+        went out stay out). Returns the finish reason (vLLM's "tool_calls" where calls were made)."""
         message: dict[str, Any] = {"role": "assistant"} if first or not delta else {}
         done = not delta or finish_reason is not None
         stream = self.streams.setdefault(index, _Stream()) if delta else _Stream()
@@ -170,25 +171,23 @@ class Shape:
         if reasoning is not None and self.include_reasoning and (len(reasoning) > stream.reasoning or not delta):
             message["reasoning"] = message["reasoning_content"] = reasoning[stream.reasoning:]
             stream.reasoning = len(reasoning)
-        calls = None
-        if self.tools is not None and self.tools.named is not None and delta and content is not None:
-            # (a named function's arguments go out as they come, as vLLM streams them: the reply is all arguments)
-            if len(content) > (stream.arguments or 0) or (done and stream.arguments is None):
-                message["tool_calls"] = [self.tools.arguments_delta(content[stream.arguments or 0:],
-                                                                    opened=stream.arguments is not None)]  # fmt: skip
-                stream.arguments = len(content)
-            content = None
-        elif self.tools is not None and content is not None:
+        calls, pieces = None, None
+        if self.tools is not None and content is not None:
+            reply = content
             if done:
-                content, calls = self.tools.read(content)
+                content, calls = self.tools.read(reply)
             else:
-                content = content[: self.tools.content_end(content)]
-        if content is not None and (len(content) > stream.content or not delta or calls is not None):
+                content = reply[: self.tools.content_end(reply)]
+            pieces = self.tools.call_deltas(reply, stream.calls, done) if delta else None
+        whole = calls is not None and pieces is None  # (calls that go out at the end, whole)
+        if content is not None and (len(content) > stream.content or not delta or whole):
             message["content"] = content[stream.content:]
             stream.content = len(content)
         elif not delta:
             message["content"] = content
-        if calls is not None:
+        if pieces:
+            message["tool_calls"] = pieces
+        elif whole:
             message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)] if delta else calls
         choice["delta" if delta else "message"] = message
         return finish_reason if self.tools is None else self.tools.finish(finish_reason, calls is not None)

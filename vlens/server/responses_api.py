@@ -363,8 +363,9 @@ class _Events:
                         output_index=self.open.index, content_index=0, delta=delta, **extra)  # fmt: skip
 
     def call(self, call: dict[str, Any]) -> Iterator[str]:
-        """A function call's piece: one with an id opens its item (the chat stream gives a named function's arguments
-        as they come, other calls whole at the reply's end), one without adds to the open call's arguments."""
+        """A function call's piece: one with an id opens its item (the chat stream gives a call's arguments as they
+        are written, one call after another; a format that cannot stream them, each whole at the reply's end), one
+        without adds to the open call's arguments."""
         if "id" in call:
             yield from self.close("completed")
             item = _call_item(call) | {"arguments": "", "status": "in_progress"}

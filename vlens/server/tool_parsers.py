@@ -4,7 +4,10 @@ Under "auto" the model decides whether to call a tool and writes the call in the
 it; a parser per format (`vlens serve --enable-auto-tool-choice --tool-call-parser NAME`, vLLM's flags and names)
 finds the calls and the text around them. A reply it cannot read as calls (no call, or a malformed one) stays text,
 as vLLM leaves it. While a reply streams, `content_end` says how much of it is surely text: that much streams as
-content, the rest waits for the end of the reply, where the calls go out whole.
+content. A format whose calls are JSON objects (Hermes', Llama 3's) says where each call's arguments lie in the text
+so far (`spans`), so that they stream as they are written, each call opened once its name is whole, as vLLM streams
+them; their arguments are the text the model wrote, streamed or not. The other formats' calls go out whole at the
+reply's end.
 """
 
 from __future__ import annotations
@@ -15,6 +18,97 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class CallSpan:
+    """A call in a reply so far: its name (None until its string is whole), and where the JSON text of its arguments
+    starts and ends in the reply (None: not yet)."""
+
+    name: str | None
+    start: int | None
+    end: int | None
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
+def json_end(text: str, at: int) -> int | None:
+    """Where the JSON value that starts at `at` ends (just past it); None where the text ends first (or a scalar may
+    still grow)."""
+    if at >= len(text):
+        return None
+    if text[at] == '"':
+        i = at + 1
+        while i < len(text):
+            if text[i] == "\\":
+                i += 2
+            elif text[i] == '"':
+                return i + 1
+            else:
+                i += 1
+        return None
+    if text[at] in "{[":
+        depth, i = 0, at
+        while i < len(text):
+            if text[i] == '"':
+                end = json_end(text, i)
+                if end is None:
+                    return None
+                i = end
+                continue
+            depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(text[i], 0)
+            i += 1
+            if depth == 0:
+                return i
+        return None
+    end = at
+    while end < len(text) and text[end] not in ",}] \t\r\n":
+        end += 1
+    return end if end < len(text) else None
+
+
+def call_object(text: str, at: int, keys: tuple[str, ...]) -> tuple[CallSpan, int | None]:
+    """The call whose JSON object starts at `at` (its "name", its arguments under one of `keys`, members in any
+    order) as far as the text goes, and where the object ends (None: not yet, or not an object)."""
+    name = start = end = None
+    i = _skip_space(text, at)
+    if i >= len(text) or text[i] != "{":
+        return CallSpan(None, None, None), None
+    i += 1
+    while True:
+        i = _skip_space(text, i)
+        if i >= len(text) or text[i] not in '"},':
+            return CallSpan(name, start, end), None
+        if text[i] == "}":
+            return CallSpan(name, start, end), i + 1
+        if text[i] == ",":
+            i += 1
+            continue
+        key_end = json_end(text, i)
+        colon = len(text) if key_end is None else _skip_space(text, key_end)
+        if colon >= len(text) or text[colon] != ":":
+            return CallSpan(name, start, end), None
+        key, i = json.loads(text[i:key_end]), _skip_space(text, colon + 1)
+        value_end = json_end(text, i)
+        if key == "name" and value_end is not None and text[i] == '"':
+            name = json.loads(text[i:value_end])
+        elif key in keys and i < len(text):
+            start, end = i, value_end
+        if value_end is None:
+            return CallSpan(name, start, end), None
+        i = value_end
+
+
+def raw_arguments(calls: list[tuple[str, str]], spans: list[CallSpan], text: str) -> list[tuple[str, str]]:
+    """Calls read whole, each with its arguments as the model wrote them (the text their spans hold, as they
+    streamed); ValueError where the spans are not those calls'."""
+    if len(spans) != len(calls) or any(span.start is None or span.end is None for span in spans):
+        raise ValueError("the calls' spans do not match them")
+    return [(name, text[span.start : span.end]) for (name, _), span in zip(calls, spans)]
 
 
 @dataclass(frozen=True)
@@ -38,6 +132,10 @@ class ToolParser(ABC):
     @abstractmethod
     def content_end(self, text: str) -> int:
         """The length of the prefix of a reply so far that is text whatever follows."""
+
+    def spans(self, text: str) -> list[CallSpan] | None:
+        """The calls in a reply so far, for a format whose calls stream (None: they go out whole at its end)."""
+        return None
 
 
 def _call(name: Any, arguments: Any) -> tuple[str, str]:
@@ -74,7 +172,7 @@ class Hermes(ToolParser):
             return None
         try:
             found = [json.loads(closed or open_) for closed, open_ in self._CALL.findall(text)]
-            calls = [_call(call["name"], call["arguments"]) for call in found]
+            calls = raw_arguments([_call(call["name"], call["arguments"]) for call in found], self.spans(text), text)
         except (ValueError, TypeError, KeyError):
             return None
         return Parsed(text[:start] or None, calls)
@@ -82,12 +180,18 @@ class Hermes(ToolParser):
     def content_end(self, text: str) -> int:
         return before_marker(text, self.START)
 
+    def spans(self, text: str) -> list[CallSpan]:
+        starts = [m.end() for m in re.finditer(re.escape(self.START), text)]
+        return [call_object(text, at, ("arguments",))[0] for at in starts]
+
 
 class Llama3Json(ToolParser):
     """Llama 3.1's and 3.2's JSON format: the whole reply is `{"name": ..., "parameters": {...}}` objects (or
     "arguments"), separated by "; ", after `<|python_tag|>` where the text keeps special tokens."""
 
     TAG: ClassVar[str] = "<|python_tag|>"
+
+    KEYS: ClassVar[tuple[str, str]] = ("arguments", "parameters")
 
     def parse(self, text: str) -> Parsed | None:
         at = len(self.TAG) if text.startswith(self.TAG) else 0
@@ -99,12 +203,23 @@ class Llama3Json(ToolParser):
                 call, end = decoder.raw_decode(text, at)
                 calls.append(_call(call["name"], call["arguments"] if "arguments" in call else call["parameters"]))
                 at = end + len("; ")
+            calls = raw_arguments(calls, self.spans(text), text)
         except (ValueError, TypeError, KeyError):
             return None
         return Parsed(None, calls)
 
     def content_end(self, text: str) -> int:
         return 0 if text.startswith(("{", self.TAG)) or self.TAG.startswith(text) else len(text)
+
+    def spans(self, text: str) -> list[CallSpan]:
+        at, spans = len(self.TAG) if text.startswith(self.TAG) else 0, []
+        while at < len(text):
+            span, end = call_object(text, at, self.KEYS)
+            spans.append(span)
+            if end is None or not text.startswith("; ", end):
+                break
+            at = end + len("; ")
+        return spans
 
 
 class Pythonic(ToolParser):

@@ -6,6 +6,9 @@ makes the reply a structured output (vlens.engine.structured): a named function'
 {"name", "parameters"} objects, one of the tools each; the text is read back as `tool_calls` (vLLM's layout, finish
 reasons and schema). "auto" leaves the choice to the model, whose calls in its own format the server's tool-call
 parser finds (vlens.server.tool_parsers; without one, "auto" is a 400 naming the flags). "none" leaves the text.
+Streamed, calls go out as they are written (vLLM's): each opens with its id and name once its name is whole, then its
+arguments come piece by piece, the text the model writes (its arguments, streamed or not); a parser's format whose
+calls are not JSON objects sends them whole at the reply's end.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from vlens.server.tool_parsers import ToolParser
+from vlens.server.tool_parsers import CallSpan, ToolParser, call_object, raw_arguments
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -57,16 +60,41 @@ class ToolReply:
         if self.named is not None:
             return "", [_call(self.named, text)]
         try:
-            listed = json.loads(text)
-            return "", [_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in listed]
+            listed = [(call["name"], "") for call in json.loads(text)]
+            return "", [_call(*call) for call in raw_arguments(listed, _array_spans(text), text)]
         except (ValueError, TypeError, KeyError):
             return text, None
 
-    def arguments_delta(self, arguments: str, opened: bool) -> dict[str, Any]:
-        """A streamed named function's call: opened with its id and name, then each later piece of its arguments."""
-        if opened:
-            return {"index": 0, "function": {"arguments": arguments}}
-        return {"index": 0, **_call(self.named, arguments)}
+    def call_deltas(self, text: str, sent: list[int], done: bool) -> list[dict[str, Any]] | None:
+        """What a streamed reply's text so far adds to its calls: a call's opening piece (its index, id, name and the
+        arguments written so far) once its name is whole and its arguments have started (or at the reply's end), then
+        each later piece of its arguments; `sent` (updated): per opened call, how much of its arguments went out.
+        None for a format whose calls go out whole at the end."""
+        spans = self._spans(text)
+        if spans is None:
+            return None
+        deltas = []
+        for i, span in enumerate(spans):
+            if span.name is None or (span.start is None and not done):
+                break
+            start = len(text) if span.start is None else span.start
+            written = text[start : len(text) if span.end is None else span.end]
+            if i == len(sent):
+                if not (written or done):  # (a named function's call opens with the first of its reply)
+                    break
+                deltas.append({"index": i, **_call(span.name, written)})
+                sent.append(len(written))
+            elif len(written) > sent[i]:
+                deltas.append({"index": i, "function": {"arguments": written[sent[i] :]}})
+                sent[i] = len(written)
+        return deltas
+
+    def _spans(self, text: str) -> list[CallSpan] | None:
+        if self.parser is not None:
+            return self.parser.spans(text)
+        if self.named is not None:  # (the reply is its arguments)
+            return [CallSpan(self.named, 0, None)]
+        return _array_spans(text)
 
     def content_end(self, text: str) -> int:
         """How much of a streamed reply so far goes out as content before its end: under "auto", the text the
@@ -79,6 +107,23 @@ class ToolReply:
         if not called:
             return reason
         return "tool_calls" if self.parser is not None or (self.named is None and reason == "stop") else reason
+
+
+def _array_spans(text: str) -> list[CallSpan]:
+    """"required"'s calls so far: a JSON array of {"name", "parameters"} objects."""
+    at, spans = len(text) - len(text.lstrip()), []
+    if not text.startswith("[", at):
+        return spans
+    at += 1
+    while True:
+        span, end = call_object(text, at, ("parameters",))
+        if span == CallSpan(None, None, None) and end is None:
+            return spans
+        spans.append(span)
+        rest = text[end:].lstrip() if end is not None else ""
+        if not rest.startswith(","):
+            return spans
+        at = len(text) - len(rest) + 1
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
