@@ -171,13 +171,16 @@ def test_hooked_lm_runs_a_classifier_without_token_logits(llama, tmp_path):
 
 
 def test_two_ranks_classify_as_one(llama, tmp_path):
-    """Under tensor parallelism the head, on rank 0, reads the row the ranks' decoder computed together."""
+    """Under tensor parallelism the head, on rank 0, reads the rows the ranks' decoder computed together (the last
+    one, or every one: LLM.reward)."""
     llm, _ = llama
     path = tmp_path / "ranks"
     _classifier(LLAMA, path)
     with LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20, tensor_parallel_size=2) as two:
         for a, b in zip(llm.classify(PROMPTS, use_tqdm=False), two.classify(PROMPTS, use_tqdm=False), strict=True):
             assert rel_err(torch.tensor(b.outputs.probs), torch.tensor(a.outputs.probs)) < 1e-5
+        for a, b in zip(llm.reward(PROMPTS, use_tqdm=False), two.reward(PROMPTS, use_tqdm=False), strict=True):
+            assert b.outputs.data.shape == (len(b.prompt_token_ids), 3) and rel_err(b.outputs.data, a.outputs.data) < 1e-5
 
 
 def test_a_causal_lm_has_no_classes(smol4):
