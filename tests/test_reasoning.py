@@ -52,6 +52,19 @@ def test_enable_thinking_false_turns_qwen3s_thinking_off():
     assert PARSERS["deepseek_r1"].thinking({"enable_thinking": False})  # (DeepSeek-R1 always thinks)
 
 
+def test_deepseek_v3s_thinking_is_off_unless_asked():
+    """DeepSeek-V3.1 (vLLM's deepseek_v3): a reply is content unless chat_template_kwargs turns thinking on."""
+    v3 = PARSERS["deepseek_v3"]
+    assert not v3.thinking(None) and not v3.thinking({"thinking": False}) and not v3.thinking({"enable_thinking": 0})
+    assert v3.thinking({"thinking": True}) and v3.thinking({"enable_thinking": True})
+    text = "<think>Hm.</think>Yes."
+    for kwargs, want in [(None, (None, text)), ({"thinking": True}, ("Hm.", "Yes."))]:
+        thinking = v3.thinking(kwargs)
+        message = Shape(chat=True, model="m", logprobs=None, text=str, thinking=thinking).choice(
+            0, text, [], [], "stop")["message"]  # fmt: skip
+        assert (message.get("reasoning"), message["content"]) == want
+
+
 def _streamed(shape: Shape, text: str) -> tuple[list[dict], str | None]:
     """`text` through a streaming Shape a character at a time: each delta, and the last one's finish reason."""
     deltas = [shape.choice(0, ch, [], [], None, delta=True, first=i == 0)["delta"] for i, ch in enumerate(text)]

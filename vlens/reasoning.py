@@ -1,5 +1,6 @@
-"""A reasoning model's thinking: DeepSeek-R1's and Qwen3's replies think inside `<think>...</think>` (the opening tag
-often in the prompt, put there by the chat template) and answer after it; vLLM's reasoning parsers name them.
+"""A reasoning model's thinking: DeepSeek-R1's, Qwen3's and DeepSeek-V3.1's replies think inside `<think>...</think>`
+(the opening tag often in the prompt, put there by the chat template) and answer after it; vLLM's reasoning parsers
+name them.
 
 An engine made with a parser (`LLM(..., reasoning_parser=...)`, `vlens serve --reasoning-parser`) lets a structured
 request think first, as vLLM's: its structure holds the text only after the thinking's end (ThinkingEnd); the server
@@ -16,16 +17,25 @@ START, END = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class ThinkTags:
-    """`<think>...</think>` replies; `switchable`: the request's enable_thinking=False (Qwen3's template variable)
-    turns the thinking off, and the reply is all content."""
+    """`<think>...</think>` replies, thinking `by_default` unless a request's `switches` (its chat template's
+    variables, in chat_template_kwargs) say otherwise: a thinking model's false turns it off (Qwen3's
+    enable_thinking=False), a switchable one's true on (DeepSeek-V3.1's thinking=True); off, the reply is all
+    content."""
 
-    switchable: bool
+    switches: tuple[str, ...] = ()
+    by_default: bool = True
 
     def thinking(self, chat_template_kwargs: dict[str, Any] | None) -> bool:
-        return not self.switchable or (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        given = chat_template_kwargs or {}
+        if self.by_default:
+            return all(given.get(switch, True) is not False for switch in self.switches)
+        return any(bool(given.get(switch)) for switch in self.switches)
 
 
-PARSERS = {"deepseek_r1": ThinkTags(switchable=False), "qwen3": ThinkTags(switchable=True)}
+# vLLM's names: DeepSeek-R1 (and QwQ) always thinks; Qwen3 unless enable_thinking is false; DeepSeek-V3.1 only when
+# thinking (or enable_thinking, as vLLM reads it too) is true
+PARSERS = {"deepseek_r1": ThinkTags(), "qwen3": ThinkTags(("enable_thinking",)),
+           "deepseek_v3": ThinkTags(("thinking", "enable_thinking"), by_default=False)}  # fmt: skip
 
 
 @dataclass(frozen=True)
