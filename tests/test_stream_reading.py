@@ -16,7 +16,7 @@ from vlens.server.tools import ToolReply
 
 PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}', "; ",
           '{"name": "g", "parameters": {}}', "<|python_tag|>", "[f(a=1)]", "[g()]", "[TOOL_CALLS]", "[ARGS]", "Sure.",
-          " ", "\n", "<", "think", "tool", "{", "[", "}", "]", "é"]  # fmt: skip
+          " ", "\n", "<", "think", "tool", "{", "[", "}", "]", "é", ", "]  # fmt: skip
 TOOLS = [None, ToolReply(None, PARSERS["hermes"]), ToolReply(None, PARSERS["llama3_json"]),
          ToolReply(None, PARSERS["pythonic"]), ToolReply(None, PARSERS["mistral"]), ToolReply(None),
          ToolReply("f")]  # fmt: skip

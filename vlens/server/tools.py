@@ -60,8 +60,11 @@ class ToolReply:
         if self.named is not None:
             return "", [_call(self.named, text)]
         try:
-            listed = [(call["name"], "") for call in json.loads(text)]
-            return "", [_call(*call) for call in raw_arguments(listed, _array_spans(text), text)]
+            listed = json.loads(text)
+            if not (isinstance(listed, list) and listed):  # (no calls: the schema's array has one at least)
+                return text, None
+            named = [(call["name"], "") for call in listed]
+            return "", [_call(*call) for call in raw_arguments(named, _array_spans(text), text)]
         except (ValueError, TypeError, KeyError):
             return text, None
 
