@@ -2,12 +2,15 @@
 last one ("embed"), each of unit length unless asked otherwise, equal to HF's final hidden states; a reward model's
 (a sequence classifier's) head at every prompt token ("token_classify", LLM.reward) and at the last ("classify")
 equal to HF's head on its hidden states, with and without the activation, also under a steer; a token classifier's
-(*ForTokenClassification) classes at every token equal to HF's; the server's /pooling equal to LLM.encode (and to
-HF); every refusal naming its field before any work."""
+(*ForTokenClassification) classes at every token equal to HF's; a base model's checkpoint (HF's *Model, an embedding
+model's) read as HF's last hidden states, pooled and normalised as its sentence-transformers modules say; the server's
+/pooling equal to LLM.encode (and to HF); every refusal naming
+its field before any work."""
 
 from __future__ import annotations
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -17,9 +20,9 @@ import transformers
 from conftest import rel_err
 from server_helpers import running_server
 from test_classify import LABELS, PROMPTS, SIZES, _saved
-from transformers import GPTNeoXConfig, LlamaConfig
+from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-from vlens import LLM, PoolingParams, PoolingRequestOutput, Steer
+from vlens import LLM, Capture, PoolingParams, PoolingRequestOutput, SamplingParams, Steer
 from vlens.server.config import ServerConfig
 
 TEXTS = ["The capital of France is", "Hi", "Activations, at every token of a prompt, as vLLM users read them."]
@@ -138,6 +141,65 @@ def test_a_token_classifiers_classes_at_every_token_are_hfs(name, config, tmp_pa
     with running_server(llm, ServerConfig()) as url:
         r = httpx.post(url + "/classify", json={"input": PROMPTS}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "every token" in r.text, r.text
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [("LlamaModel", LlamaConfig(**SIZES, num_key_value_heads=2)),
+     ("Qwen2Model", Qwen2Config(**SIZES, num_key_value_heads=2)),
+     ("GPTNeoXModel", GPTNeoXConfig(**SIZES)),  # (its causal LM's decoder is gpt_neox.*; GPT-2's transformer.*)
+     ("GPT2Model", GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=64))],
+)  # fmt: skip
+def test_a_base_models_checkpoint_gives_hfs_last_hidden_states(name, config, tmp_path):
+    """HF's base models (an embedding model's checkpoint: the decoder alone, stored without its prefix): every token's
+    last hidden state and the taps as HF's, the embeddings read from them; generating refused by name."""
+    torch.manual_seed(0)
+    hf = getattr(transformers, name)(config).eval()
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    rows = llm.encode(PROMPTS, PoolingParams(normalize=False), pooling_task="token_embed", use_tqdm=False)
+    for ids, out, traced in zip(PROMPTS, rows, llm.trace(PROMPTS, "blocks.0.hook_resid_post"), strict=True):
+        with torch.inference_mode():
+            want = hf(torch.tensor([ids]), output_hidden_states=True)
+        assert rel_err(out.outputs.data, want.last_hidden_state[0]) < 1e-5
+        assert rel_err(traced["blocks.0.hook_resid_post"], want.hidden_states[1][0]) < 1e-5
+    [embedded] = llm.embed([PROMPTS[0]], pooling="last", use_tqdm=False)
+    assert rel_err(embedded.outputs.embedding, rows[0].outputs.data[-1]) < 1e-6
+    with pytest.raises(ValueError, match=f"^max_tokens: {name}: a base model's checkpoint has no LM head"):
+        llm.generate(PROMPTS, use_tqdm=False)
+    with pytest.raises(ValueError, match=f"^capture.logit_lens: {name}: a base model's"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=0, capture=Capture("blocks.0.hook_resid_post", logit_lens=2)))
+    assert "unembed.hook_out" not in llm.hook_names()
+
+
+@pytest.mark.parametrize("mode, normalized", [("pooling_mode_lasttoken", True), ("pooling_mode_mean_tokens", False)])
+def test_an_embedding_models_sentence_transformers_modules_set_its_defaults(mode, normalized, tmp_path):
+    """An embedding model's checkpoint with sentence-transformers modules (e5-mistral's: the last token, normalised):
+    LLM.embed, encode's "embed" and the server's /v1/embeddings read it so unless asked otherwise, as vLLM does."""
+    torch.manual_seed(0)
+    hf = transformers.LlamaModel(LlamaConfig(**SIZES, num_key_value_heads=2)).eval()
+    hf.save_pretrained(tmp_path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalized:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, mode: True}))
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    with torch.inference_mode():
+        hidden = [hf(torch.tensor([ids])).last_hidden_state[0] for ids in PROMPTS]
+    pooled = [h[-1] if mode == "pooling_mode_lasttoken" else h.mean(0) for h in hidden]
+    want = [normalize(v, dim=0) if normalized else v for v in pooled]
+    embedded = llm.embed(PROMPTS, use_tqdm=False)
+    encoded = llm.encode(PROMPTS, pooling_task="embed", use_tqdm=False)
+    for e, c, w, raw in zip(embedded, encoded, want, pooled, strict=True):
+        assert rel_err(e.outputs.embedding, w) < 1e-5 and rel_err(c.outputs.data, w) < 1e-5
+    assert rel_err(llm.embed(PROMPTS[:1], normalize=False, pooling="last", use_tqdm=False)[0].outputs.embedding,
+                   hidden[0][-1]) < 1e-5  # (a request's own say first)
+    with running_server(llm, ServerConfig()) as url:
+        body = httpx.post(url + "/v1/embeddings", json={"input": PROMPTS}, timeout=60).json()
+    assert all(rel_err(torch.tensor(d["embedding"]), w) < 1e-5 for d, w in zip(body["data"], want, strict=True))
 
 
 @pytest.mark.parametrize(

@@ -1594,6 +1594,9 @@ class ModelConfig:
     classifier_labels: tuple[str, ...] = ()
     classifier_name: str = ""  # its architecture, as the checkpoint names it (the decoder's is `architecture`)
     classifier_per_token: bool = False  # a token classifier's (*ForTokenClassification): its head reads every row
+    # a base model's checkpoint (HF's *Model, an embedding model's: the decoder alone, stored without its prefix) names
+    # its architecture; "" for any other
+    base_model: str = ""
     # what turns its logits into `probs` (vLLM's, after the config's problem_type): "softmax" over two or more
     # classes, "sigmoid" for one (a reward model's) or for multi-label ones, "identity" for a regression
     classifier_activation: str = "softmax"
@@ -1656,6 +1659,14 @@ class ModelConfig:
         """The leading dims of each of the layer's heads that rotate: the same fraction of every layer's heads."""
         return self.rotary_dim * self.head_dim_at(layer) // self.head_dim
 
+    @property
+    def no_token_logits(self) -> str | None:
+        """Why this checkpoint has no token logits, to refuse what reads them with (a classifier's head or a base
+        model's last hidden states stand where the unembedding would); None where it has them."""
+        if self.classifier_labels:
+            return f"{self.classifier_name}: {NO_TOKEN_LOGITS}"
+        return f"{self.base_model}: {NO_LM_HEAD}" if self.base_model else None
+
     # TransformerLens's names for the same numbers: ported notebooks read `model.cfg.n_layers` (HookedLM.cfg)
     n_layers = property(lambda self: self.num_layers)
     d_model = property(lambda self: self.hidden_size)
@@ -1677,7 +1688,7 @@ class ModelConfig:
             tied = bool(getattr(hf, "tie_word_embeddings", text.tie_word_embeddings))
             deep = len(getattr(getattr(hf, "vision_config", None), "deepstack_visual_indexes", None) or ())
             return dataclasses.replace(text, stored_as=TEXT_MODELS[arch], eos_token_ids=eos, deepstack_layers=deep,
-                                       **{"tie_word_embeddings": tied} | _classifier(hf))  # fmt: skip
+                                       **{"tie_word_embeddings": tied} | _headless(hf))  # fmt: skip
         spec = ARCHITECTURES[arch]
         flags = dict(spec.flags)
         if "qkv_bias" not in flags:
@@ -1719,7 +1730,7 @@ class ModelConfig:
         fields |= flags
         if spec.read is not None:
             fields |= spec.read(hf)
-        return cls(**fields | _classifier(hf))
+        return cls(**fields | _headless(hf))
 
 
 # HF's sequence and token classifiers: a causal LM's decoder under a head (`score`, or some families' token
@@ -1729,12 +1740,27 @@ CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification")
 NO_TOKEN_LOGITS = ("a classifier has no token logits; its classes come from LLM.classify (or the server's "
                    "/classify; a token classifier's from LLM.encode and /pooling), and its taps from prefill-only "
                    "requests (max_tokens=0)")
+BASE = "Model"  # HF's base models (LlamaModel, Qwen2Model, ...: embedding models' checkpoints), the decoder alone
+NO_LM_HEAD = ("a base model's checkpoint has no LM head, so no token logits; its last hidden states come from "
+              "LLM.embed and LLM.encode (the server's /v1/embeddings and /pooling), and its taps from prefill-only "
+              "requests (max_tokens=0)")
 
 
-def _classifier(hf: Any) -> dict[str, Any]:
-    """A sequence or token classifier's fields (none for a causal LM). Its unembedding is the embedding, tied: a
-    placeholder taking no memory, which nothing reads (a classifier has no token logits: DecoderLM.logits)."""
+def _base_of(arch: str, model_type: str | None) -> str | None:
+    """The causal LM whose decoder a base model's architecture is (LlamaModel: LlamaForCausalLM; by its model type, as
+    a classifier's), if vlens runs it."""
+    if not arch.endswith(BASE) or arch in ARCHITECTURES or arch in TEXT_MODELS:
+        return None
+    causal = MODEL_TYPES.get(model_type)
+    return causal if causal in ARCHITECTURES else None
+
+
+def _headless(hf: Any) -> dict[str, Any]:
+    """A classifier's or a base model's fields (none for a causal LM). Its unembedding is the embedding, tied: a
+    placeholder taking no memory, which nothing reads (it has no token logits: ModelConfig.no_token_logits)."""
     arch = (getattr(hf, "architectures", None) or [""])[0]
+    if _base_of(arch, getattr(hf, "model_type", None)) is not None:
+        return dict(base_model=arch, tie_word_embeddings=True)
     if not arch.endswith(CLASSIFIERS):
         return {}
     labels = tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
@@ -1753,11 +1779,14 @@ def supported_architecture(architectures: list[str] | None, model_type: str | No
         arch = MODEL_TYPES.get(model_type)
     elif arch.endswith(CLASSIFIERS) and model_type in MODEL_TYPES:  # (its decoder, its model type's: vlens.classify)
         arch = MODEL_TYPES[model_type]
+    elif _base_of(arch, model_type) is not None:
+        arch = _base_of(arch, model_type)
     if arch not in ARCHITECTURES and arch not in TEXT_MODELS:
         supported = ", ".join(sorted([*ARCHITECTURES, *TEXT_MODELS]))
         raise UnsupportedModelError(
             f"architecture {arch!r} (model_type {model_type!r}) is not supported by vlens; "
-            f"supported architectures: {supported}; and the {' and '.join(CLASSIFIERS)} of each ...ForCausalLM"
+            f"supported architectures: {supported}; and the {' and '.join(CLASSIFIERS)} and the base {BASE} of each "
+            "...ForCausalLM"
         )
     return arch
 

@@ -2,12 +2,17 @@
 
 A prompt's embedding is a prefill-only engine request capturing one hook: `pooling="mean"` is the capture's mean
 readout over every prompt row (summed on the device step by step), `"last"` the last row. A batch of such requests
-stops its forward after the hook's layer.
+stops its forward after the hook's layer. An embedding model's checkpoint may say how it is read (a
+sentence-transformers folder: its Pooling module's mode, a Normalize module), as vLLM reads it: EmbeddingDefaults.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,8 +23,39 @@ from vlens.config import ModelConfig
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
+log = logging.getLogger("vlens")
 DEFAULT_HOOK = FINAL_NORM  # the final norm's output: what the unembedding reads
 POOLINGS = {"mean": "prompt", "last": "last"}  # pooling -> the rows it reads
+# a sentence-transformers Pooling module's modes -> vlens's pooling (the others, CLS or max, a decoder's checkpoints
+# do not use)
+ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}
+
+
+@dataclass(frozen=True)
+class EmbeddingDefaults:
+    """How a checkpoint's embeddings are read where a request does not say: its sentence-transformers modules'
+    pooling and normalisation (modules.json, as vLLM reads them); None where it says nothing."""
+
+    pooling: str | None = None
+    normalize: bool | None = None
+
+    @classmethod
+    def of(cls, path: Path) -> EmbeddingDefaults:
+        try:
+            modules = json.loads((path / "modules.json").read_text())
+        except (OSError, ValueError):
+            return cls()
+        pooling = None
+        for module in modules:
+            if not str(module.get("type", "")).endswith(".Pooling"):
+                continue
+            config = json.loads((path / module.get("path", "") / "config.json").read_text())
+            pooling = next((ours for mode, ours in ST_MODES.items() if config.get(mode)), None)
+            if pooling is None:
+                modes = [mode for mode, on in config.items() if mode.startswith("pooling_mode") and on]
+                log.warning("%s pools by %s, which vlens does not; embeddings are the mean unless asked", path, modes)
+        normalize = any(str(module.get("type", "")).endswith(".Normalize") for module in modules)
+        return cls(pooling, normalize)
 
 
 def check_hook(hook: str, cfg: ModelConfig) -> None:

@@ -8,6 +8,8 @@ norm's rows as vLLM's poolers read a pooling model's last hidden states.
   moves.
 - "embed": the last row, of unit length unless `normalize=False` ([d]; vLLM's pooler for a decoder: LLM.embed reads
   any hook, mean-pooled by default).
+An embedding model's sentence-transformers modules, where the checkpoint has them, set the embedding tasks' defaults
+as vLLM's: "embed"'s pooling (the mean or the last row) and whether both normalise (vlens.embedding.EmbeddingDefaults).
 - "classify": a classifier's head on the last row ([classes]; LLM.classify's probabilities, or its logits).
 
 Each is a prefill-only engine request that captures the rows it reads (vlens.embedding's), so interventions steer
@@ -17,7 +19,7 @@ it as any request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +28,7 @@ from vlens.capture.interventions import Intervention
 from vlens.capture.names import FINAL_NORM
 from vlens.classify import ClassifierHead
 from vlens.config import ModelConfig
+from vlens.embedding import POOLINGS, EmbeddingDefaults
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -46,6 +49,12 @@ class PoolingParams:
             value = getattr(self, field)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected a bool or None")
+
+    def resolved(self, task: str, defaults: EmbeddingDefaults) -> PoolingParams:
+        """These with `normalize` set for an embedding task: the checkpoint's where it says, else vLLM's (True)."""
+        if task in CLASSIFYING or self.normalize is not None:
+            return self
+        return replace(self, normalize=defaults.normalize is not False)
 
     def check(self, task: str, prefix: str = "pooling_params.") -> None:
         """Raise naming the field (after `prefix`) that `task` does not read (vLLM refuses it too)."""
@@ -69,16 +78,24 @@ def check_task(task: object, cfg: ModelConfig, field: str = "pooling_task") -> s
 
 
 def pooling_request(
-    task: str, interventions: Sequence[Intervention] = (), truncate_prompt_tokens: int | None = None
-) -> SamplingParams:
-    """The prefill-only request that reads `task`'s rows: the final norm's at every prompt token, or its last."""
-    positions = "prompt" if task.startswith("token_") else "last"
-    return SamplingParams(max_tokens=0, capture=Capture(hooks=FINAL_NORM, positions=positions),
-                          interventions=interventions, truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
+    task: str, defaults: EmbeddingDefaults, interventions: Sequence[Intervention] = (),
+    truncate_prompt_tokens: int | None = None,
+) -> SamplingParams:  # fmt: skip
+    """The prefill-only request that reads `task`'s rows: the final norm's at every prompt token, or its last (its
+    mean, for "embed" where the checkpoint pools so)."""
+    if task.startswith("token_"):
+        capture = Capture(hooks=FINAL_NORM, positions="prompt")
+    elif task == "embed" and defaults.pooling == "mean":
+        capture = Capture(hooks=FINAL_NORM, positions=POOLINGS["mean"], reduce="mean")
+    else:
+        capture = Capture(hooks=FINAL_NORM, positions="last")
+    return SamplingParams(max_tokens=0, capture=capture, interventions=interventions,
+                          truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
 
 
 def pooled(task: str, output: RequestOutput, params: PoolingParams, head: ClassifierHead | None) -> torch.Tensor:
-    """What `task` returns for one request read by pooling_request: float32, [tokens, ...] for a token task."""
+    """What `task` returns for one request read by pooling_request, under `params` resolved for the checkpoint
+    (PoolingParams.resolved): float32, [tokens, ...] for a token task."""
     rows = output.activations[FINAL_NORM]
     if task in CLASSIFYING:
         assert head is not None  # (check_task)
@@ -86,5 +103,5 @@ def pooled(task: str, output: RequestOutput, params: PoolingParams, head: Classi
         data = data if params.use_activation is False else head.probs(data)
     else:
         data = rows.float()
-        data = data if params.normalize is False else torch.nn.functional.normalize(data, dim=-1)
+        data = torch.nn.functional.normalize(data, dim=-1) if params.normalize else data
     return data.cpu() if task.startswith("token_") else data[0].cpu()

@@ -44,7 +44,7 @@ from vlens.capture.names import (
     resolve_hooks,
 )
 from vlens.capture.rows import widen
-from vlens.config import NO_TOKEN_LOGITS, ModelConfig
+from vlens.config import ModelConfig
 from vlens.engine.sampler import SamplingBatch, sample
 from vlens.hook_points import DIRECTIONS, Hook, HookFn, HookPoint, PatternGrads, TapHooks
 from vlens.hooked_saes import SAEMethods, Splice
@@ -760,9 +760,8 @@ class HookedLM(ModelWeights, SAEMethods):
         return bool(self._hooks) and self.llm.runner.model.executor is None
 
     def _check_token_logits(self, field: str) -> None:
-        if self.cfg.classifier_labels:
-            raise ValueError(f"{field}: {self.cfg.classifier_name}: {NO_TOKEN_LOGITS}; HookedLM runs its forward "
-                             "with return_type=None")  # fmt: skip
+        if self.cfg.no_token_logits:
+            raise ValueError(f"{field}: {self.cfg.no_token_logits}; HookedLM runs its forward with return_type=None")
 
     def _last_logits(self, seqs: list[list[int]], images: Images = None) -> torch.Tensor:
         """[batch, vocab]: each sequence's logits at its last position, with the hook functions in force run over

@@ -28,7 +28,7 @@ from vlens.classify import (
     pairs,
 )
 from vlens.distributed.executor import Executor
-from vlens.embedding import DEFAULT_HOOK, embedding_of, embedding_params
+from vlens.embedding import DEFAULT_HOOK, EmbeddingDefaults, embedding_of, embedding_params
 from vlens.encode import PoolingParams, check_task, pooled, pooling_request
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
@@ -88,6 +88,7 @@ class LLM:
         self.dtype = loaded.model.lm_head.weight.dtype
         self.classifier = ClassifierHead.load(self.model_path, self.config, self.device, self.dtype) \
             if self.config.classifier_labels else None  # fmt: skip
+        self.embedding_defaults = EmbeddingDefaults.of(self.model_path)
         kinds = {attn.kind for attn in self.model.attention_layers()}
         self.backend = make_backend(
             config.attention_backend, self.device, not config.enforce_eager, kinds, self.dtype, config.block_size
@@ -269,14 +270,18 @@ class LLM:
 
     def embed(
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hook: str = DEFAULT_HOOK,
-        pooling: str = "mean", truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool = False,
+        pooling: str | None = None, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool | None = None,
     ) -> list[EmbeddingRequestOutput]:  # fmt: skip
         """vLLM's embed, for any model: one vector per prompt, `hook`'s rows pooled on the device ("mean" over the
         prompt, or the "last" row), as vlens serve's /v1/embeddings gives them (vlens.embedding); `normalize`: of
-        unit length. Prefill-only requests: a batch of them stops after the hook's layer."""
-        if not isinstance(normalize, bool):
+        unit length. Unset, both are what the checkpoint's sentence-transformers modules say (an embedding model's),
+        else the mean, as the hook has it. Prefill-only requests: a batch of them stops after the hook's layer."""
+        if normalize is not None and not isinstance(normalize, bool):
             raise ValueError(f"normalize: {normalize!r} is not allowed; expected a bool")
+        defaults = self.embedding_defaults
+        pooling = pooling or defaults.pooling or "mean"
+        normalize = bool(defaults.normalize) if normalize is None else normalize
         params = embedding_params(hook, pooling, self.config, truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding_of(o, hook, normalize)),
@@ -342,8 +347,9 @@ class LLM:
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params: expected a PoolingParams, got {type(params).__name__}")
         params.check(task)
-        outputs = self.generate(prompts, pooling_request(task, interventions, truncate_prompt_tokens), use_tqdm,
-                                lora_request)  # fmt: skip
+        request = pooling_request(task, self.embedding_defaults, interventions, truncate_prompt_tokens)
+        outputs = self.generate(prompts, request, use_tqdm, lora_request)
+        params = params.resolved(task, self.embedding_defaults)
         return [PoolingRequestOutput(o.request_id, PoolingOutput(pooled(task, o, params, self.classifier)),
                                      o.prompt_token_ids) for o in outputs]  # fmt: skip
 

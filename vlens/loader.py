@@ -304,7 +304,10 @@ def checkpoint_layout(model: DecoderLM) -> dict[str, Slot]:
 
 def stored_name(key: str, cfg: ModelConfig) -> str:
     """The checkpoint's name of vlens's tensor `key`: itself, but in a multimodal checkpoint, whose text model's
-    model.* and lm_head.* are stored under other prefixes (ModelConfig.stored_as)."""
+    model.* and lm_head.* are stored under other prefixes (ModelConfig.stored_as), and in a base model's, which stores
+    the decoder without its prefix (model., transformer., gpt_neox., ...)."""
+    if cfg.base_model:
+        return key.partition(".")[2]
     if cfg.stored_as is None:
         return key
     for prefix, stored in zip(("model.", "lm_head."), cfg.stored_as):

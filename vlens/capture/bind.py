@@ -31,7 +31,7 @@ from vlens.capture.positions import Positions
 from vlens.capture.readouts import logit_lens, project
 from vlens.capture.rows import RowStream
 from vlens.capture.spec import Capture
-from vlens.config import NO_TOKEN_LOGITS, ModelConfig
+from vlens.config import ModelConfig
 from vlens.sae.clamp import clamp_rows
 from vlens.sae.model import SAE
 from vlens.sae.readout import SAEReadout, sae_parts
@@ -220,8 +220,8 @@ def _capture_stream(capture: Capture, prompt_len: int, model: DecoderLM, shapes:
         b = None if b is None else b.to(weight.device, weight.dtype)
         readout = partial(project, w=w.to(weight.device, weight.dtype), b=b)
     if capture.logit_lens is not None:
-        if cfg.classifier_labels:
-            raise ValueError(f"capture.logit_lens: {cfg.classifier_name}: {NO_TOKEN_LOGITS}")
+        if cfg.no_token_logits:
+            raise ValueError(f"capture.logit_lens: {cfg.no_token_logits}")
         # (the final norm's output has been through the norm the lens applies: its top tokens are the logits')
         bad = [t for t, s in shapes.items() if s != (cfg.hidden_size,) or t in (LOGITS, FINAL_NORM)]
         if bad:

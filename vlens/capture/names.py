@@ -209,7 +209,7 @@ def hook_shapes(cfg: ModelConfig, optional: Collection[str] = ()) -> dict[str, t
         for hook in layer_hooks(cfg, layer, optional):
             shapes[f"blocks.{layer}.{hook}"] = per_layer.get(hook, (d,))
     shapes.update(dict(zip(FINAL_NORM_TAPS, [(1,), (d,), (d,)])))
-    if not cfg.classifier_labels:  # (a classifier has no token logits: NO_TOKEN_LOGITS)
+    if not cfg.no_token_logits:  # (a classifier or a base model has none)
         shapes[LOGITS] = (cfg.vocab_size,)
     for i in range(cfg.num_layers + 1):
         shapes[f"hidden_states.{i}"] = (d,)

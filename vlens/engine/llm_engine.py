@@ -20,7 +20,6 @@ from vlens.capture.names import FINAL_NORM, request_shapes
 from vlens.capture.plan import StepPlan
 from vlens.capture.positions import rows_of
 from vlens.capture.runtime import Collection
-from vlens.config import NO_TOKEN_LOGITS
 from vlens.engine.block_manager import BlockManager
 from vlens.engine.config import EngineConfig
 from vlens.engine.detokenizer import Detokenizer, text_of
@@ -222,9 +221,9 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
-        if self.cfg.classifier_labels and (params.max_tokens or params.prompt_logprobs is not None):
+        if self.cfg.no_token_logits and (params.max_tokens or params.prompt_logprobs is not None):
             field = "max_tokens" if params.max_tokens else "prompt_logprobs"
-            raise ValueError(f"{field}: {self.cfg.classifier_name}: {NO_TOKEN_LOGITS}")
+            raise ValueError(f"{field}: {self.cfg.no_token_logits}")
         if self.tokenizer is None and (r.stream or params.stop_list or params.bad_words or params.structured_outputs):
             field = next(name for name, used in [("stream", r.stream), ("stop", params.stop_list),
                                                  ("bad_words", params.bad_words), ("structured_outputs", True)] if used)

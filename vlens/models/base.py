@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlens.capture.names import LOGITS, post_norm_names
-from vlens.config import NO_TOKEN_LOGITS, ModelConfig
+from vlens.config import ModelConfig
 from vlens.context import ForwardContext, get_context, tap, tap_widened, tapped
 from vlens.distributed.parallel import all_reduce
 from vlens.layers import fused
@@ -483,8 +483,8 @@ class DecoderLM(nn.Module):
         return self._unembed(self.final_norm(residual))
 
     def _unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        if self.cfg.classifier_labels:
-            raise ValueError(f"{self.cfg.classifier_name}: {NO_TOKEN_LOGITS}")
+        if self.cfg.no_token_logits:
+            raise ValueError(self.cfg.no_token_logits)
         logits = self.lm_head(normed)
         if self.cfg.logit_scale != 1.0:  # (Cohere)
             logits = logits * self.cfg.logit_scale

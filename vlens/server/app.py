@@ -119,8 +119,8 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
                     loras, generator.templates)  # fmt: skip
     served = Served(
         config, model_name, engine.max_model_len, shapes, hook_shapes(llm.config), saes, tuned_lens, steering_vectors,
-        store, metrics, loop, admission, generator, Pooler(generator, llm.classifier), tokens, page_html(None),
-        int(time.time()),
+        store, metrics, loop, admission, generator, Pooler(generator, llm.classifier, llm.embedding_defaults), tokens,
+        page_html(None), int(time.time()),
     )  # fmt: skip
 
     app = FastAPI(title="vlens", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None)

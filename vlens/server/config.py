@@ -144,9 +144,9 @@ class ServerConfig:
     max_n: int = setting(16, "most samples of one prompt a request may ask for (n, best_of)", minimum=1)
     # /v1/embeddings: a hook read at every prompt position, pooled on the device into one vector per input.
     embedding_hook: str = setting("ln_final.hook_out", "the hook /v1/embeddings reads unless a request names another")
-    embedding_pooling: str = setting(
-        "mean", "how /v1/embeddings pools the hook's rows unless a request says: the mean, or the last row",
-        choices=("mean", "last"),
+    embedding_pooling: str | None = setting(
+        None, "how /v1/embeddings pools the hook's rows unless a request says: the mean, or the last row (unset: as "
+        "the checkpoint's sentence-transformers modules say, else the mean)", choices=("mean", "last"),
     )  # fmt: skip
     # Chat templates: the server's in place of the checkpoint's, and whether a request may bring its own.
     chat_template: str | None = setting(

@@ -28,7 +28,7 @@ from vlens.classify import (
     last_rows,
     pairs,
 )
-from vlens.embedding import check_hook, embedding_of, embedding_params
+from vlens.embedding import EmbeddingDefaults, check_hook, embedding_of, embedding_params
 from vlens.encode import POOLING_TASKS, PoolingParams, check_task, pooled, pooling_request
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import truncated
@@ -58,7 +58,7 @@ class EmbeddingRequest(BaseModel):
     user: StrictStr | None = None
     add_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)  # vLLM's: each input's last this many tokens
-    normalize: StrictBool | None = None  # vLLM's: true, vectors of unit length (None, false: as the hook has them)
+    normalize: StrictBool | None = None  # vLLM's: true, vectors of unit length (None: as the checkpoint says, else not)
     priority: StrictInt = 0  # vLLM's: lower first, on a server run with --scheduling-policy priority
     vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
 
@@ -143,8 +143,8 @@ class RerankRequest(BaseModel):
 
 
 class Pooler:
-    def __init__(self, generator: Generator, classifier: ClassifierHead | None):
-        self.generator, self.classifier = generator, classifier
+    def __init__(self, generator: Generator, classifier: ClassifierHead | None, defaults: EmbeddingDefaults):
+        self.generator, self.classifier, self.defaults = generator, classifier, defaults
         g = generator
         try:  # a bad server default fails at start-up, not in every request
             check_hook(g.config.embedding_hook, g.cfg)
@@ -162,7 +162,7 @@ class Pooler:
             check_hook(hook, self.cfg)
         except ValueError as e:
             raise APIError(400, f"vlens.hook: {' '.join(str(e).split())}", param="vlens.hook") from None
-        return hook, options.pooling or self.config.embedding_pooling
+        return hook, options.pooling or self.config.embedding_pooling or self.defaults.pooling or "mean"
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         g = self.generator
@@ -177,11 +177,12 @@ class Pooler:
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
         outputs, tokens = run
+        normalize = bool(self.defaults.normalize) if body.normalize is None else body.normalize
         data = [
             {
                 "object": "embedding",
                 "index": i,
-                "embedding": _encoded(embedding_of(out, hook, bool(body.normalize)), body.encoding_format),
+                "embedding": _encoded(embedding_of(out, hook, normalize), body.encoding_format),
             }
             for i, out in enumerate(outputs)
         ]
@@ -215,7 +216,9 @@ class Pooler:
         except ValueError as e:
             raise from_value_error(e) from None
         token_lists, field = self._inputs(body)
-        run = await self._run(token_lists, field, body, pooling_request(task, g.steers_of(body.model)), request)
+        params = params.resolved(task, self.defaults)
+        run = await self._run(token_lists, field, body, pooling_request(task, self.defaults, g.steers_of(body.model)),
+                              request)  # fmt: skip
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
         outputs, tokens = run
