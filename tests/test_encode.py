@@ -88,6 +88,25 @@ def test_reward_is_the_heads_score_at_every_token_as_hfs(reward_model):
     assert len({round(x, 4) for x in scores[0].outputs.data[:, 0].tolist()}) == len(PROMPTS[0])  # (tokens told apart)
 
 
+def test_embed_and_classify_take_vllms_pooling_params(reward_model, smol4, hf_last_hidden):
+    """vLLM's `pooling_params=` on LLM.embed (normalize) and LLM.classify (use_activation=False: probs are the
+    logits)."""
+    llm, hf = reward_model
+    raw = llm.classify(PROMPTS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+    for ids, out in zip(PROMPTS, raw, strict=True):
+        with torch.inference_mode():
+            logit = hf(torch.tensor([ids])).logits[0]
+        assert out.outputs.probs == out.outputs.logits and rel_err(torch.tensor(out.outputs.probs), logit) < 1e-5
+    [unit] = smol4.embed(TEXTS[:1], pooling="last", pooling_params=PoolingParams(normalize=True), use_tqdm=False)
+    assert rel_err(unit.outputs.embedding, normalize(hf_last_hidden(unit.prompt_token_ids)[-1], dim=0)) < 1e-5
+    with pytest.raises(ValueError, match="^normalize: give it once"):
+        smol4.embed(TEXTS, normalize=True, pooling_params=PoolingParams(normalize=True))
+    with pytest.raises(ValueError, match="^pooling_params.use_activation: 'embed' does not read it"):
+        smol4.embed(TEXTS, pooling_params=PoolingParams(use_activation=True))
+    with pytest.raises(ValueError, match="^pooling_params.normalize: 'classify' does not read it"):
+        llm.classify(PROMPTS, pooling_params=PoolingParams(normalize=True))
+
+
 def test_a_steered_reward_is_hfs_under_the_same_addition(reward_model):
     llm, hf = reward_model
     vector = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 4

@@ -6,6 +6,7 @@ the KV cache); trace() runs one cache-less packed forward per batch of texts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -272,13 +273,20 @@ class LLM:
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], hook: str = DEFAULT_HOOK,
         pooling: str | None = None, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, normalize: bool | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EmbeddingRequestOutput]:  # fmt: skip
         """vLLM's embed, for any model: one vector per prompt, `hook`'s rows pooled on the device ("mean" over the
-        prompt, or the "last" row), as vlens serve's /v1/embeddings gives them (vlens.embedding); `normalize`: of
-        unit length. Unset, both are what the checkpoint's sentence-transformers modules say (an embedding model's),
-        else the mean, as the hook has it. Prefill-only requests: a batch of them stops after the hook's layer."""
+        prompt, or the "last" row), as vlens serve's /v1/embeddings gives them (vlens.embedding); `normalize` (or
+        vLLM's pooling_params.normalize): of unit length. Unset, both are what the checkpoint's sentence-transformers
+        modules say (an embedding model's), else the mean, as the hook has it. Prefill-only requests: a batch of them
+        stops after the hook's layer."""
         if normalize is not None and not isinstance(normalize, bool):
             raise ValueError(f"normalize: {normalize!r} is not allowed; expected a bool")
+        if pooling_params is not None:
+            _check_pooling_params(pooling_params, "embed")
+            if normalize is not None and pooling_params.normalize is not None:
+                raise ValueError("normalize: give it once, here or in pooling_params")
+            normalize = pooling_params.normalize if normalize is None else normalize
         defaults = self.embedding_defaults
         pooling = pooling or defaults.pooling or "mean"
         normalize = bool(defaults.normalize) if normalize is None else normalize
@@ -291,14 +299,20 @@ class LLM:
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | dict | Sequence[dict], use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         truncate_prompt_tokens: int | None = None, interventions: Sequence[Intervention] = (),
+        pooling_params: PoolingParams | None = None,
     ) -> list[ClassificationRequestOutput]:  # fmt: skip
         """vLLM's classify, for a sequence classifier's checkpoint (HF's ...ForSequenceClassification): each prompt's
-        class probabilities, from its head over the final norm's last row (vlens.classify); `interventions`: the
-        classes of the model they steer (a reward model's score under a steer, say)."""
+        class probabilities, from its head over the final norm's last row (vlens.classify; vLLM's
+        pooling_params.use_activation=False: the logits themselves); `interventions`: the classes of the model they
+        steer (a reward model's score under a steer, say)."""
         check_sequence_classifier(self.config, "classify")
+        if pooling_params is not None:
+            _check_pooling_params(pooling_params, "classify")
         params = classification_params(self.config, interventions, truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
         classes = self.classifier.classify(last_rows(outputs))
+        if pooling_params is not None and pooling_params.use_activation is False:
+            classes = [dataclasses.replace(c, probs=c.logits) for c in classes]
         return [ClassificationRequestOutput(o.request_id, c, o.prompt_token_ids) for o, c in zip(outputs, classes)]
 
     def classify_chat(
@@ -344,9 +358,7 @@ class LLM:
         given."""
         task = check_task(pooling_task, self.config)
         params = PoolingParams() if pooling_params is None else pooling_params
-        if not isinstance(params, PoolingParams):
-            raise ValueError(f"pooling_params: expected a PoolingParams, got {type(params).__name__}")
-        params.check(task)
+        _check_pooling_params(params, task)
         request = pooling_request(task, self.embedding_defaults, interventions, truncate_prompt_tokens)
         outputs = self.generate(prompts, request, use_tqdm, lora_request)
         params = params.resolved(task, self.embedding_defaults)
@@ -414,3 +426,10 @@ class LLM:
         for i, ids in enumerate(token_lists):
             if len(ids) > limit:
                 raise ValueError(f"{field}[{i}]: {len(ids)} tokens exceed this model's length, max_model_len={limit}")
+
+
+def _check_pooling_params(params: object, task: str) -> None:
+    """Raise naming pooling_params unless it is one `task` reads (vlens.encode)."""
+    if not isinstance(params, PoolingParams):
+        raise ValueError(f"pooling_params: expected a PoolingParams, got {type(params).__name__}")
+    params.check(task)
