@@ -91,27 +91,13 @@ class ClassificationRequest(BaseModel):
     use_activation: StrictBool | None = None  # vLLM's: false, probs are the head's logits as they are
 
 
-class PoolingRequest(BaseModel):
-    """vLLM's /pooling body: `input` or a chat's `messages` (as /classify's), the pooling `task` (required, as vLLM's)
-    and its PoolingParams' fields."""
+class PoolingRequest(ClassificationRequest):
+    """vLLM's /pooling body: /classify's (`input` or a chat's `messages`; `use_activation` for the classifying tasks),
+    the pooling `task` (required, as vLLM's), `normalize` for the embedding tasks, and the data's encoding."""
 
-    model_config = ConfigDict(extra="allow")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,)}
-    model: StrictStr | None = None
     task: Literal[POOLING_TASKS] | None = None  # type: ignore[valid-type]
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_generation_prompt: StrictBool = False
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    chat_template: StrictStr | None = None
+    normalize: StrictBool | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    user: StrictStr | None = None
-    add_special_tokens: StrictBool | None = None  # default: True for input, False for messages
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
-    priority: StrictInt = 0
-    normalize: StrictBool | None = None  # (embedding tasks)
-    use_activation: StrictBool | None = None  # (classifying tasks)
 
 
 class ScoreRequest(BaseModel):
@@ -228,7 +214,7 @@ class Pooler:
         return JSONResponse({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
 
-    def _inputs(self, body: ClassificationRequest | PoolingRequest) -> tuple[list[list[int]], str]:
+    def _inputs(self, body: ClassificationRequest) -> tuple[list[list[int]], str]:
         """The token lists of a body of `input` (special tokens added by default) or of a chat's `messages` (through
         the chat template, which holds them), and the field they came from."""
         g = self.generator
