@@ -3,14 +3,15 @@ last one ("embed"), each of unit length unless asked otherwise, equal to HF's fi
 (a sequence classifier's) head at every prompt token ("token_classify", LLM.reward) and at the last ("classify")
 equal to HF's head on its hidden states, with and without the activation, also under a steer; a token classifier's
 (*ForTokenClassification) classes at every token equal to HF's; a base model's checkpoint (HF's *Model, an embedding
-model's) read as HF's last hidden states, pooled and normalised as its sentence-transformers modules say; the server's
-/pooling equal to LLM.encode (and to HF); every refusal naming
+model's) read as HF's last hidden states, pooled and normalised as its sentence-transformers modules say, and scoring
+pairs of texts as a bi-encoder; the server's /pooling equal to LLM.encode (and to HF); every refusal naming
 its field before any work."""
 
 from __future__ import annotations
 
 import base64
 import json
+import shutil
 
 import httpx
 import numpy as np
@@ -219,6 +220,34 @@ def test_an_embedding_models_sentence_transformers_modules_set_its_defaults(mode
     with running_server(llm, ServerConfig()) as url:
         body = httpx.post(url + "/v1/embeddings", json={"input": PROMPTS}, timeout=60).json()
     assert all(rel_err(torch.tensor(d["embedding"]), w) < 1e-5 for d, w in zip(body["data"], want, strict=True))
+
+
+def test_an_embedding_model_scores_pairs_by_the_cosine_of_their_embeddings(smol_path, tmp_path):
+    """vLLM's bi-encoder scoring: LLM.score, /score and /rerank on a base model's checkpoint (over SmolLM2's
+    tokenizer) give each pair the cosine of its two texts' last hidden states at their last tokens, as HF's."""
+    from test_classify import DOCUMENTS, QUERY
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaModel(LlamaConfig(**SIZES | dict(vocab_size=49152), num_key_value_heads=2)).eval()
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_path / name, tmp_path / name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+
+    def last(text: str) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf(torch.tensor([tokenizer(text)["input_ids"]])).last_hidden_state[0, -1]
+
+    want = [torch.nn.functional.cosine_similarity(last(QUERY), last(d), dim=0).item() for d in DOCUMENTS]
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    scores = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    assert all(abs(o.outputs.score - w) < 1e-5 for o, w in zip(scores, want, strict=True))
+    assert scores[0].prompt_token_ids == tokenizer(QUERY)["input_ids"] + tokenizer(DOCUMENTS[0])["input_ids"]
+    with running_server(llm, ServerConfig()) as url:
+        body = httpx.post(url + "/score", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60).json()
+        ranked = httpx.post(url + "/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60).json()
+    assert all(abs(d["score"] - w) < 1e-5 for d, w in zip(body["data"], want, strict=True))
+    assert [r["index"] for r in ranked["results"]] == sorted(range(len(want)), key=lambda i: -want[i])
 
 
 @pytest.mark.parametrize(

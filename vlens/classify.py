@@ -109,19 +109,20 @@ def pairs(
 def check_sequence_classifier(cfg: ModelConfig, field: str) -> None:
     """Raise unless the model classifies whole prompts: a sequence classifier's checkpoint."""
     if not cfg.classifier_labels:
-        raise ValueError(f"{field}: {cfg.architecture} is a causal LM, without the head ({HEADS[0]}) of a sequence "
-                         "classifier's checkpoint (...ForSequenceClassification)")  # fmt: skip
+        raise ValueError(f"{field}: {cfg.headless_kind}, without the head ({HEADS[0]}) of a sequence classifier's "
+                         "checkpoint (...ForSequenceClassification)")  # fmt: skip
     if cfg.classifier_per_token:
         raise ValueError(f"{field}: {cfg.classifier_name} classifies every token, not a whole prompt; "
                          "LLM.encode(..., pooling_task='token_classify') (the server's /pooling) reads its classes")
 
 
 def check_cross_encoder(cfg: ModelConfig, field: str) -> None:
-    """Raise unless the model scores pairs: a sequence classifier of one class (vLLM's rule)."""
+    """Raise unless the model scores pairs read as one prompt: a sequence classifier of one class (vLLM's rule; an
+    embedding model scores them as a bi-encoder instead: vlens.encode.bi_encoder)."""
     if cfg.classifier_per_token:
         check_sequence_classifier(cfg, field)
     if len(cfg.classifier_labels) != 1:
         what = f"{cfg.classifier_name} has {len(cfg.classifier_labels)} classes" if cfg.classifier_labels else \
-            f"{cfg.architecture} is a causal LM"  # fmt: skip
-        raise ValueError(f"{field}: scores pairs with a cross-encoder (a sequence classifier of one class, as vLLM); "
-                         f"{what}")  # fmt: skip
+            cfg.headless_kind  # fmt: skip
+        raise ValueError(f"{field}: scores pairs with a cross-encoder (a sequence classifier of one class, as vLLM) or "
+                         f"an embedding model (a base model's or a sentence-transformers checkpoint); {what}")  # fmt: skip

@@ -1660,6 +1660,11 @@ class ModelConfig:
         return self.rotary_dim * self.head_dim_at(layer) // self.head_dim
 
     @property
+    def headless_kind(self) -> str:
+        """What a refusal of a head this checkpoint lacks calls it: a base model, or a causal LM."""
+        return f"{self.base_model} is a base model" if self.base_model else f"{self.architecture} is a causal LM"
+
+    @property
     def no_token_logits(self) -> str | None:
         """Why this checkpoint has no token logits, to refuse what reads them with (a classifier's head or a base
         model's last hidden states stand where the unembedding would); None where it has them."""

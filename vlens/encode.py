@@ -70,7 +70,7 @@ def check_task(task: object, cfg: ModelConfig, field: str = "pooling_task") -> s
         raise ValueError(f"{field}: {task!r} is not allowed; expected one of {', '.join(POOLING_TASKS)}")
     if task in CLASSIFYING and not cfg.classifier_labels:
         raise ValueError(f"{field}: {task!r} needs a classifier's head (a ...ForSequenceClassification checkpoint); "
-                         f"{cfg.architecture} is a causal LM: token_embed or embed read its rows")  # fmt: skip
+                         f"{cfg.headless_kind}: token_embed or embed read its rows")  # fmt: skip
     if task == "classify" and cfg.classifier_per_token:
         raise ValueError(f"{field}: 'classify' reads a whole prompt; {cfg.classifier_name} classifies every token: "
                          "token_classify reads its classes")  # fmt: skip
@@ -105,3 +105,14 @@ def pooled(task: str, output: RequestOutput, params: PoolingParams, head: Classi
         data = rows.float()
         data = torch.nn.functional.normalize(data, dim=-1) if params.normalize else data
     return data.cpu() if task.startswith("token_") else data[0].cpu()
+
+
+def bi_encoder(cfg: ModelConfig, defaults: EmbeddingDefaults) -> bool:
+    """Whether LLM.score and the server's /score and /rerank score pairs with this model as a bi-encoder, each text
+    embedded ("embed") and a pair's score the cosine of its two vectors (vLLM's for embedding models): a checkpoint
+    made to embed, a base model's or one with sentence-transformers modules, that is no classifier."""
+    return not cfg.classifier_labels and (bool(cfg.base_model) or defaults.pooling is not None)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()

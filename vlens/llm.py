@@ -30,7 +30,7 @@ from vlens.classify import (
 )
 from vlens.distributed.executor import Executor
 from vlens.embedding import DEFAULT_HOOK, EmbeddingDefaults, embedding_of, embedding_params
-from vlens.encode import PoolingParams, check_task, pooled, pooling_request
+from vlens.encode import PoolingParams, bi_encoder, check_task, cosine, pooled, pooling_request
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
 from vlens.engine.lora import LoRARequest
@@ -337,7 +337,18 @@ class LLM:
     ) -> list[ScoringRequestOutput]:  # fmt: skip
         """vLLM's score, for a cross-encoder (a sequence classifier of one class: a reranker): each pair's relevance,
         the pair tokenized as the tokenizer joins two texts (vlens.classify.pairs: one text with each of the others,
-        or two lists item by item)."""
+        or two lists item by item); for an embedding model (vlens.encode.bi_encoder), the cosine of the pair's two
+        embeddings, each text embedded once."""
+        if bi_encoder(self.config, self.embedding_defaults):
+            joined = pairs(data_1, data_2)
+            texts = list(dict.fromkeys(text for pair in joined for text in pair))
+            embedded = dict(zip(texts, self.encode(texts, pooling_task="embed", use_tqdm=use_tqdm,
+                                                   lora_request=lora_request,
+                                                   truncate_prompt_tokens=truncate_prompt_tokens)))  # fmt: skip
+            return [ScoringRequestOutput(f"{embedded[a].request_id}-{embedded[b].request_id}",
+                                         ScoringOutput(cosine(embedded[a].outputs.data, embedded[b].outputs.data)),
+                                         embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
+                    for a, b in joined]  # fmt: skip
         check_cross_encoder(self.config, "score")
         if self.tokenizer is None:
             raise ValueError("score: this checkpoint has no tokenizer files to join the texts with")

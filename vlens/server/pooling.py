@@ -29,7 +29,7 @@ from vlens.classify import (
     pairs,
 )
 from vlens.embedding import EmbeddingDefaults, check_hook, embedding_of, embedding_params
-from vlens.encode import POOLING_TASKS, PoolingParams, check_task, pooled, pooling_request
+from vlens.encode import POOLING_TASKS, PoolingParams, bi_encoder, check_task, cosine, pooled, pooling_request
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import truncated
 from vlens.outputs import ClassificationOutput, RequestOutput
@@ -256,7 +256,17 @@ class Pooler:
     async def _scores(
         self, joined: list[tuple[str, str]], field: str, body: ScoreRequest | RerankRequest, request: Request
     ) -> tuple[list[float], int] | None:
-        """Each pair's relevance, the pair tokenized as the tokenizer joins two texts (LLM.score's)."""
+        """Each pair's relevance, the pair tokenized as the tokenizer joins two texts, or an embedding model's cosine
+        of the two texts' embeddings (LLM.score's)."""
+        if bi_encoder(self.cfg, self.defaults):
+            texts = list(dict.fromkeys(text for pair in joined for text in pair))
+            g, params = self.generator, PoolingParams().resolved("embed", self.defaults)
+            request_ = pooling_request("embed", self.defaults, g.steers_of(body.model))
+            run = await self._run(g.tokenize(texts, field, True), field, body, request_, request)
+            if run is None:
+                return None
+            embedded = dict(zip(texts, (pooled("embed", out, params, None) for out in run[0])))
+            return [cosine(embedded[a], embedded[b]) for a, b in joined], run[1]
         try:
             check_cross_encoder(self.cfg, "model")
         except ValueError as e:
