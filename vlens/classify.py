@@ -124,5 +124,6 @@ def check_cross_encoder(cfg: ModelConfig, field: str) -> None:
     if len(cfg.classifier_labels) != 1:
         what = f"{cfg.classifier_name} has {len(cfg.classifier_labels)} classes" if cfg.classifier_labels else \
             cfg.headless_kind  # fmt: skip
-        raise ValueError(f"{field}: scores pairs with a cross-encoder (a sequence classifier of one class, as vLLM) or "
-                         f"an embedding model (a base model's or a sentence-transformers checkpoint); {what}")  # fmt: skip
+        raise ValueError(f"{field}: scores pairs with a cross-encoder (a sequence classifier of one class, as vLLM) "
+                         "or an embedding model (a base model's or a sentence-transformers checkpoint); "
+                         f"{what}")  # fmt: skip
