@@ -39,6 +39,11 @@ class EmbeddingDefaults:
     pooling: str | None = None
     normalize: bool | None = None
 
+    @property
+    def declared(self) -> bool:
+        """Whether the checkpoint has sentence-transformers modules (it is made to embed)."""
+        return self.normalize is not None
+
     @classmethod
     def of(cls, path: Path) -> EmbeddingDefaults:
         try:
@@ -49,7 +54,12 @@ class EmbeddingDefaults:
         for module in modules:
             if not str(module.get("type", "")).endswith(".Pooling"):
                 continue
-            config = json.loads((path / module.get("path", "") / "config.json").read_text())
+            where = path / module.get("path", "") / "config.json"
+            try:
+                config = json.loads(where.read_text())
+            except (OSError, ValueError) as e:
+                log.warning("%s: unreadable (%s); embeddings are the mean unless asked", where, e)
+                continue
             pooling = next((ours for mode, ours in ST_MODES.items() if config.get(mode)), None)
             if pooling is None:
                 modes = [mode for mode, on in config.items() if mode.startswith("pooling_mode") and on]

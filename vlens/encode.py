@@ -8,12 +8,12 @@ norm's rows as vLLM's poolers read a pooling model's last hidden states.
   moves.
 - "embed": the last row, of unit length unless `normalize=False` ([d]; vLLM's pooler for a decoder: LLM.embed reads
   any hook, mean-pooled by default).
-An embedding model's sentence-transformers modules, where the checkpoint has them, set the embedding tasks' defaults
-as vLLM's: "embed"'s pooling (the mean or the last row) and whether both normalise (vlens.embedding.EmbeddingDefaults).
 - "classify": a classifier's head on the last row ([classes]; LLM.classify's probabilities, or its logits).
 
-Each is a prefill-only engine request that captures the rows it reads (vlens.embedding's), so interventions steer
-it as any request.
+An embedding model's sentence-transformers modules, where the checkpoint has them, set the embedding tasks' defaults
+as vLLM's: "embed"'s pooling (the mean or the last row) and whether both normalise (vlens.embedding.EmbeddingDefaults).
+Each task is a prefill-only engine request that captures the rows it reads (vlens.embedding's), so interventions
+steer it as any request. An embedding model also scores pairs of texts, as a bi-encoder (LLM.score).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def bi_encoder(cfg: ModelConfig, defaults: EmbeddingDefaults) -> bool:
     """Whether LLM.score and the server's /score and /rerank score pairs with this model as a bi-encoder, each text
     embedded ("embed") and a pair's score the cosine of its two vectors (vLLM's for embedding models): a checkpoint
     made to embed, a base model's or one with sentence-transformers modules, that is no classifier."""
-    return not cfg.classifier_labels and (bool(cfg.base_model) or defaults.pooling is not None)
+    return not cfg.classifier_labels and (bool(cfg.base_model) or defaults.declared)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
