@@ -205,7 +205,7 @@ def test_a_structured_request_thinks_first_then_keeps_to_its_structure(thinker, 
     [history] = thinker.chat(SHOTS, params, use_tqdm=False)  # (earlier turns' </think> last: thinking done)
     assert history.outputs[0].token_ids == smol.chat(SHOTS, params, use_tqdm=False)[0].outputs[0].token_ids
     # after the thinking, the tokens are HF's under xgrammar's processor, from the prompt and the thought
-    k = _after_thinking(c.token_ids, ThinkingEnd.of(thinker.tokenizer).end)
+    k = _after_thinking(c.token_ids, ThinkingEnd.of(thinker.tokenizer, PARSERS["deepseek_r1"]).end)
     compiled = thinker.engine.grammars.compile(CHOICE)
     ids = torch.tensor([out.prompt_token_ids + c.token_ids[:k]])
     eos = sorted(thinker.engine.eos_ids)
@@ -222,6 +222,26 @@ def test_a_prompt_that_ends_its_thinking_is_held_at_once(thinker, smol):
     params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=CHOICE)
     [out], [held] = thinker.generate([prompt], params, use_tqdm=False), smol.generate([prompt], params, use_tqdm=False)
     assert out.outputs[0].token_ids == held.outputs[0].token_ids and out.outputs[0].text in ("seven", "eight")
+
+
+def test_deepseek_v3s_structure_waits_only_for_a_thinking_its_prompt_opens(smol_path, smol):
+    """A switchable model (DeepSeek-V3.1, off by default) thinks only where its prompt opens a thinking (its
+    template's thinking mode ends the prompt with <think>): elsewhere a structure holds the reply from its first token,
+    as vLLM's parser (identity when thinking is off) lets it; after <think> it waits for </think>."""
+    v3 = LLM(str(smol_path), dtype="float32", device="cpu", kv_cache_memory=16 << 20, reasoning_parser="deepseek_v3")
+    [plain] = smol.chat(SHOTS, SamplingParams(max_tokens=1), use_tqdm=False)
+    opened = plain.prompt_token_ids + smol.tokenizer.encode("<think>", add_special_tokens=False)
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=CHOICE)
+    [out], [held] = v3.generate([plain.prompt_token_ids], params, use_tqdm=False), smol.generate(
+        [plain.prompt_token_ids], params, use_tqdm=False)  # fmt: skip
+    assert out.outputs[0].token_ids == held.outputs[0].token_ids and out.outputs[0].text in ("seven", "eight")
+    [thinking] = v3.generate([opened], params, use_tqdm=False)  # (8 tokens of thinking: no </think>, no structure)
+    [free] = smol.generate([opened], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert thinking.outputs[0].token_ids == free.outputs[0].token_ids
+    end = ThinkingEnd((9,), (10,), by_default=False)
+    assert not end.thinks([1, 2]) and end.thinks([9, 3]) and not end.thinks([9, 3, 10])
+    default = ThinkingEnd((9,), (10,))
+    assert default.thinks([1, 2]) and default.thinks([9, 3]) and not default.thinks([9, 3, 10])
 
 
 def test_served_the_structured_reply_is_its_thinking_and_its_structure(thinker, smol):

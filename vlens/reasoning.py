@@ -40,22 +40,28 @@ PARSERS = {"deepseek_r1": ThinkTags(), "qwen3": ThinkTags(("enable_thinking",)),
 
 @dataclass(frozen=True)
 class ThinkingEnd:
-    """The tags as the model's tokenizer spells them (one special token each in DeepSeek-R1's and Qwen3's)."""
+    """The tags as the model's tokenizer spells them (one special token each in DeepSeek-R1's and Qwen3's), and
+    whether the parser's model thinks unless its prompt says otherwise (ThinkTags.by_default)."""
 
     start: tuple[int, ...]
     end: tuple[int, ...]
+    by_default: bool = True
 
     @classmethod
-    def of(cls, tokenizer: Any) -> ThinkingEnd:
+    def of(cls, tokenizer: Any, tags: ThinkTags) -> ThinkingEnd:
         if tokenizer is None:
             raise ValueError("reasoning_parser: needs the checkpoint's tokenizer, to find where the thinking ends")
-        return cls(*(tuple(tokenizer.encode(tag, add_special_tokens=False)) for tag in (START, END)))
+        start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False)) for tag in (START, END))
+        return cls(start, end, tags.by_default)
 
-    def ended(self, ids: list[int]) -> bool:
-        """Whether a prompt's thinking is over before the reply starts, by vLLM's rule: its last `</think>` after its
-        last `<think>` (Qwen3's template with thinking off writes both; DeepSeek-R1's ends the prompt with `<think>`;
-        templates drop earlier turns' thinking, and a prompt that keeps one's reads as thinking already done)."""
-        return _last(ids, self.end) > _last(ids, self.start)
+    def thinks(self, ids: list[int]) -> bool:
+        """Whether a reply to this prompt starts by thinking, by vLLM's rules. A thinking model's does unless the
+        prompt's thinking is over: its last `</think>` after its last `<think>` (Qwen3's template with thinking off
+        writes both; DeepSeek-R1's ends the prompt with `<think>`; templates drop earlier turns' thinking, and a
+        prompt that keeps one's reads as thinking already done). A switchable one's (DeepSeek-V3.1's) only where the
+        prompt opens a thinking it does not close (its template's thinking mode ends the prompt with `<think>`)."""
+        opened, closed = _last(ids, self.start), _last(ids, self.end)
+        return not closed > opened if self.by_default else opened > closed
 
 
 def _last(ids: list[int], tag: tuple[int, ...]) -> int:

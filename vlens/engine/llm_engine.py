@@ -35,6 +35,7 @@ from vlens.engine.structured import Grammars
 from vlens.images import PromptImages
 from vlens.inputs import truncated
 from vlens.outputs import CompletionOutput, PlaceholderRange, RequestDelta, RequestMetrics, RequestOutput
+from vlens.reasoning import PARSERS as REASONING_PARSERS
 from vlens.reasoning import ThinkingEnd
 from vlens.sampling_params import SamplingParams
 
@@ -146,7 +147,8 @@ class LLMEngine:
         )
         self.grammars: Grammars | None = None  # (requests' structured outputs: made at the first)
         # a reasoning model's: its structured requests think first (vlens.reasoning)
-        self.thinking_end = None if config.reasoning_parser is None else ThinkingEnd.of(tokenizer)
+        self.thinking_end = None if config.reasoning_parser is None else \
+            ThinkingEnd.of(tokenizer, REASONING_PARSERS[config.reasoning_parser])  # fmt: skip
         self._next_id = 0
         self._requests: dict[str, SampleGroup] = {}
         self._pending: tuple[StepPlan, Collection] | None = None  # a step's rows still on their way to the host
@@ -256,7 +258,7 @@ class LLMEngine:
         self._next_id += 1
         first = params.seed if params.seed is not None else None
         structure = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
-        thinks = structure is not None and self.thinking_end is not None and not self.thinking_end.ended(prompt_ids)
+        thinks = structure is not None and self.thinking_end is not None and self.thinking_end.thinks(prompt_ids)
         after = self.thinking_end.end if thinks else None
         seqs = []
         for i in range(params.samples):
