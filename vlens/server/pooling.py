@@ -260,7 +260,7 @@ class Pooler:
         of the two texts' embeddings (LLM.score's)."""
         if bi_encoder(self.cfg, self.defaults):
             texts = list(dict.fromkeys(text for pair in joined for text in pair))
-            g, params = self.generator, PoolingParams().resolved("embed", self.defaults)
+            g, params = self.generator, PoolingParams(normalize=False)  # (a cosine needs no unit vectors)
             request_ = pooling_request("embed", self.defaults, g.steers_of(body.model))
             run = await self._run(g.tokenize(texts, field, True), field, body, request_, request)
             if run is None:
