@@ -258,7 +258,7 @@ def test_an_embedding_model_scores_pairs_by_the_cosine_of_their_embeddings(smol_
      (lambda llm: llm.reward(TEXTS), "^pooling_task: 'token_classify' needs a classifier's head .*LlamaForCausalLM "
                                      "is a causal LM"),
      (lambda llm: llm.encode(TEXTS, PoolingParams(use_activation=False), pooling_task="token_embed"),
-      "^pooling_params.use_activation: 'token_embed' does not read it; normalize is its field"),
+      "^pooling_params.use_activation: 'token_embed' does not read it; it reads normalize, dimensions"),
      (lambda llm: llm.encode(TEXTS, {"normalize": False}, pooling_task="embed"),
       "^pooling_params: expected a PoolingParams, got dict"),
      (lambda llm: PoolingParams(normalize="no"), r"^pooling_params.normalize: 'no' is not allowed; expected a bool")],

@@ -5,14 +5,15 @@ every row: vlens.encode's "token_classify" reads it. One of a single class that 
 cross-encoder (a reranker: vLLM's LLM.score, /score and /rerank): a pair's score is its class's probability. The
 decoder runs in the engine as any model's, in a prefill-only request that captures that one row (as LLM.embed reads a
 hook); the head, a [classes, d] matrix, is applied here to the rows that come back. So a classifier's taps, steering,
-adapters and the rest are a causal LM's, and its classes are read under them.
+adapters and the rest are a causal LM's, and its classes are read under them. A causal LM's checkpoint read as a
+classifier (vLLM's classifier_from_token, set by hf_overrides: Qwen3-Reranker) has a head made of its unembedding's
+rows of some tokens (token_rows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -21,7 +22,8 @@ from vlens.capture.interventions import Intervention
 from vlens.capture.names import FINAL_NORM
 from vlens.config import ModelConfig
 from vlens.embedding import embedding_params
-from vlens.loader import ModelLoadError, weight_files
+from vlens.layers.checkpoint import checkpoint_slots
+from vlens.loader import LoadedModel, ModelLoadError, stored_name, weight_files
 from vlens.outputs import ClassificationOutput, RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -40,7 +42,15 @@ class ClassifierHead:
     activation: str  # ModelConfig.classifier_activation
 
     @classmethod
-    def load(cls, path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ClassifierHead:
+    def load(cls, loaded: LoadedModel) -> ClassifierHead:
+        """The head of `loaded`'s classifier, in its model's device and dtype: its checkpoint's, or made of tokens'
+        unembedding rows (ModelConfig.classifier_tokens)."""
+        path, cfg, weight = loaded.path, loaded.config, loaded.model.lm_head.weight
+        device, dtype = weight.device, weight.dtype
+        if cfg.classifier_tokens:
+            rows = token_rows(loaded).float()
+            head = rows[1:] - rows[:1] if cfg.classifier_two_way else rows  # (in float32, as vLLM subtracts them)
+            return cls(head.to(device, dtype), None, cfg.classifier_labels, cfg.classifier_activation)
         found: dict[str, torch.Tensor] = {}
         for file in weight_files(path):
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -72,6 +82,33 @@ class ClassifierHead:
         probs = self.probs(logits).cpu()
         return [ClassificationOutput(p.tolist(), self.labels[int(p.argmax())], z.tolist())
                 for p, z in zip(probs, logits.cpu())]  # fmt: skip
+
+
+def token_rows(loaded: LoadedModel) -> torch.Tensor:
+    """[tokens, d]: the unembedding's rows of the config's classifier tokens, as the checkpoint stores them: its
+    lm_head's, or where the causal LM ties it, its embedding's (a headless model's lm_head is a placeholder)."""
+    cfg, tokenizer = loaded.config, loaded.tokenizer
+    ids = []
+    for token in cfg.classifier_tokens:
+        id = tokenizer.convert_tokens_to_ids(token)
+        if id is None or (id == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ModelLoadError(f"classifier_from_token: {token!r} is no token of the model's vocabulary (a token as "
+                                 "the tokenizer spells it: convert_tokens_to_ids)")  # fmt: skip
+        ids.append(id)
+    embedding = loaded.model.embed_tokens.weight  # (tied to the placeholder: both slots name it, the head's first)
+    keys = [key for key, slot in checkpoint_slots(loaded.model).items() if slot.param is embedding]
+    names = [stored_name(key, cfg) for key in sorted(keys, key=lambda key: not key.startswith("lm_head."))]
+    files = {}  # name -> the file holding it (a sharded checkpoint's lm_head and embedding may lie apart)
+    for file in weight_files(loaded.path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            files |= {name: file for name in names if name in f.keys()}  # noqa: SIM118
+    name = next((name for name in names if name in files), None)
+    if name is None:
+        raise ModelLoadError(f"model: {str(loaded.path)!r} has no unembedding ({' or '.join(names)}) to read "
+                             "classifier_from_token's rows from")  # fmt: skip
+    with safe_open(files[name], framework="pt", device="cpu") as f:
+        stored = f.get_slice(name)
+        return torch.cat([stored[i : i + 1] for i in ids])
 
 
 def classification_params(

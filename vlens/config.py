@@ -1600,6 +1600,16 @@ class ModelConfig:
     # what turns its logits into `probs` (vLLM's, after the config's problem_type): "softmax" over two or more
     # classes, "sigmoid" for one (a reward model's) or for multi-label ones, "identity" for a regression
     classifier_activation: str = "softmax"
+    # a causal LM read as a classifier (vLLM's classifier_from_token, set by hf_overrides: Qwen3-Reranker's, bge-
+    # reranker-v2-gemma's): its head is the unembedding's rows of these tokens, one class each, or with
+    # `classifier_two_way`, the second's row less the first's, one class whose sigmoid is the two tokens' softmax
+    # (vLLM's "from_2_way_softmax": P(yes) of a yes/no reranker)
+    classifier_tokens: tuple[str, ...] = ()
+    classifier_two_way: bool = False
+    # an embedding model trained so that its vectors' first dims embed too (matryoshka; vLLM's is_matryoshka): an
+    # embedding may be cut to any width (PoolingParams.dimensions), or only to one of `matryoshka_dimensions`
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
     parallel: Parallel = SINGLE  # this process's share of a tensor-parallel model (vlens.distributed)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -1761,19 +1771,48 @@ def _base_of(arch: str, model_type: str | None) -> str | None:
 
 
 def _headless(hf: Any) -> dict[str, Any]:
-    """A classifier's or a base model's fields (none for a causal LM). Its unembedding is the embedding, tied: a
-    placeholder taking no memory, which nothing reads (it has no token logits: ModelConfig.no_token_logits)."""
+    """A classifier's or a base model's fields (a causal LM has none), and the widths its embeddings may be cut to
+    (ModelConfig.matryoshka). A headless model's unembedding is the embedding, tied: a placeholder taking no memory,
+    which nothing reads (it has no token logits: ModelConfig.no_token_logits)."""
     arch = (getattr(hf, "architectures", None) or [""])[0]
+    dims = tuple(getattr(hf, "matryoshka_dimensions", None) or ())
+    matryoshka = dict(matryoshka=bool(dims) or bool(getattr(hf, "is_matryoshka", False)), matryoshka_dimensions=dims)
     if _base_of(arch, getattr(hf, "model_type", None)) is not None:
-        return dict(base_model=arch, tie_word_embeddings=True)
+        return dict(base_model=arch, tie_word_embeddings=True) | matryoshka
     if not arch.endswith(CLASSIFIERS):
-        return {}
-    labels = tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
+        return matryoshka
+    tokens, two_way = _classifier_tokens(hf)
+    labels = tokens[1:] if two_way else tokens or tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
     problem = getattr(hf, "problem_type", None)
     activation = "identity" if problem == "regression" else \
         "sigmoid" if problem == "multi_label_classification" or len(labels) < 2 else "softmax"  # fmt: skip
     return dict(classifier_labels=labels, classifier_name=arch, classifier_activation=activation,
-                classifier_per_token=arch.endswith(CLASSIFIERS[1]), tie_word_embeddings=True)  # fmt: skip
+                classifier_per_token=arch.endswith(CLASSIFIERS[1]), tie_word_embeddings=True,
+                classifier_tokens=tokens, classifier_two_way=two_way)  # fmt: skip
+
+
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")  # vLLM's, for a head made of tokens' rows
+
+
+def _classifier_tokens(hf: Any) -> tuple[tuple[str, ...], bool]:
+    """(the tokens whose unembedding rows make a classifier's head, whether by two-way softmax): vLLM's
+    classifier_from_token and method (Qwen3-Reranker's is_original_qwen3_reranker: from_2_way_softmax); ((), False)
+    for a head of its own."""
+    tokens = getattr(hf, "classifier_from_token", None)
+    method = getattr(hf, "method", None)
+    if method is None and getattr(hf, "is_original_qwen3_reranker", False):
+        method = CLASSIFIER_METHODS[0]
+    if method is None:
+        return (), False
+    if method not in CLASSIFIER_METHODS:
+        raise UnsupportedModelError(f"method: {method!r} is not allowed; expected one of "
+                                    f"{', '.join(CLASSIFIER_METHODS)} (vLLM's heads of classifier_from_token's rows)")
+    wanted = 2 if method == CLASSIFIER_METHODS[0] else None
+    if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, str) for t in tokens) \
+            or (wanted is not None and len(tokens) != wanted):  # fmt: skip
+        raise UnsupportedModelError(f"classifier_from_token: {tokens!r} is not allowed; {method} reads "
+                                    f"{'two tokens (the no and the yes)' if wanted else 'a list of tokens'}")
+    return tuple(tokens), method == CLASSIFIER_METHODS[0]
 
 
 def supported_architecture(architectures: list[str] | None, model_type: str | None) -> str:

@@ -78,6 +78,27 @@ def check_hook(hook: str, cfg: ModelConfig) -> None:
                          "embed a hook of fixed width")  # fmt: skip
 
 
+def check_dimensions(dimensions: object, cfg: ModelConfig, hook: str = DEFAULT_HOOK, field: str = "dimensions") -> None:
+    """Raise naming `field` unless an embedding of `hook` may be cut to its first `dimensions` (None: not cut), by
+    vLLM's rule: only a matryoshka model's (ModelConfig.matryoshka; any other's first dims embed poorly), to a width
+    it was trained for; and here only its embedding (the final norm's rows), not another hook's."""
+    if dimensions is None:
+        return
+    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= cfg.hidden_size:
+        raise ValueError(f"{field}: {dimensions!r} is not allowed; expected a width from 1 to the embedding's "
+                         f"{cfg.hidden_size}")  # fmt: skip
+    if not cfg.matryoshka:
+        raise ValueError(f"{field}: the model was not trained for shorter embeddings (matryoshka), so its first "
+                         "dims alone would embed poorly (vLLM refuses them too); where it was, say so: "
+                         "hf_overrides={\"is_matryoshka\": true}")  # fmt: skip
+    if cfg.matryoshka_dimensions and dimensions not in cfg.matryoshka_dimensions:
+        raise ValueError(f"{field}: {dimensions} is not allowed; the model was trained for widths "
+                         f"{', '.join(map(str, cfg.matryoshka_dimensions))}")  # fmt: skip
+    if set(resolve_hooks(hook, cfg).values()) != {FINAL_NORM}:
+        raise ValueError(f"{field}: cuts the model's embedding (the final norm's rows, {FINAL_NORM}); "
+                         f"{hook!r} is another hook")  # fmt: skip
+
+
 def embedding_params(
     hook: str, pooling: str, cfg: ModelConfig, interventions: Sequence[Intervention] = (),
     truncate_prompt_tokens: int | None = None,
@@ -94,8 +115,17 @@ def embedding_params(
                           truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
 
 
-def embedding_of(output: RequestOutput, hook: str, normalize: bool = False) -> torch.Tensor:
-    """The vector an embedding request read: [d] (a hook with several dims per row, flattened); `normalize`: scaled
-    to unit length (vLLM's normalize, for cosine similarities by dot products)."""
-    vector = output.activations[hook][0].flatten()
+def embedding_of(
+    output: RequestOutput, hook: str, normalize: bool = False, dimensions: int | None = None
+) -> torch.Tensor:
+    """The vector an embedding request read: [d] (a hook with several dims per row, flattened); `dimensions`: its
+    first ones alone (check_dimensions); `normalize`: then scaled to unit length (vLLM's normalize, for cosine
+    similarities by dot products)."""
+    vector = cut(output.activations[hook][0].flatten(), dimensions)
     return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+def cut(rows: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+    """A matryoshka embedding's rows cut to their first `dimensions` (None: whole), before any normalising, as vLLM
+    cuts them."""
+    return rows if dimensions is None else rows[..., :dimensions]

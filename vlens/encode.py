@@ -28,7 +28,7 @@ from vlens.capture.interventions import Intervention
 from vlens.capture.names import FINAL_NORM
 from vlens.classify import ClassifierHead
 from vlens.config import ModelConfig
-from vlens.embedding import POOLINGS, EmbeddingDefaults
+from vlens.embedding import POOLINGS, EmbeddingDefaults, check_dimensions, cut
 from vlens.outputs import RequestOutput
 from vlens.sampling_params import SamplingParams
 
@@ -38,17 +38,22 @@ CLASSIFYING = ("token_classify", "classify")  # the tasks that need a classifier
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's PoolingParams: `normalize` (embedding tasks) and `use_activation` (classifying tasks); None is the
-    task's default (True), and a field the task does not read is refused."""
+    """vLLM's PoolingParams: `normalize` and `dimensions` (embedding tasks: a matryoshka model's vectors cut to their
+    first dims, vlens.embedding.check_dimensions) and `use_activation` (classifying tasks); None is the task's
+    default (True; the whole vector), and a field the task does not read is refused."""
 
     normalize: bool | None = None
     use_activation: bool | None = None
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("normalize", "use_activation"):
             value = getattr(self, field)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected a bool or None")
+        dims = self.dimensions
+        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
+            raise ValueError(f"pooling_params.dimensions: {dims!r} is not allowed; expected a width >= 1 or None")
 
     def resolved(self, task: str, defaults: EmbeddingDefaults) -> PoolingParams:
         """These with `normalize` set for an embedding task: the checkpoint's where it says, else vLLM's (True)."""
@@ -56,12 +61,15 @@ class PoolingParams:
             return self
         return replace(self, normalize=defaults.normalize is not False)
 
-    def check(self, task: str, prefix: str = "pooling_params.") -> None:
-        """Raise naming the field (after `prefix`) that `task` does not read (vLLM refuses it too)."""
-        unread = "normalize" if task in CLASSIFYING else "use_activation"
-        if getattr(self, unread) is not None:
-            raise ValueError(f"{prefix}{unread}: {task!r} does not read it; "
-                             f"{'use_activation' if task in CLASSIFYING else 'normalize'} is its field")  # fmt: skip
+    def check(self, task: str, cfg: ModelConfig, prefix: str = "pooling_params.") -> None:
+        """Raise naming the field (after `prefix`) that `task` does not read (vLLM refuses it too), or a width this
+        model's embeddings may not be cut to."""
+        reads, unread = (("use_activation",), ("normalize", "dimensions")) if task in CLASSIFYING else \
+            (("normalize", "dimensions"), ("use_activation",))  # fmt: skip
+        for field in unread:
+            if getattr(self, field) is not None:
+                raise ValueError(f"{prefix}{field}: {task!r} does not read it; it reads {', '.join(reads)}")
+        check_dimensions(self.dimensions, cfg, field=f"{prefix}dimensions")
 
 
 def check_task(task: object, cfg: ModelConfig, field: str = "pooling_task") -> str:
@@ -102,7 +110,7 @@ def pooled(task: str, output: RequestOutput, params: PoolingParams, head: Classi
         data = head.logits(rows)
         data = data if params.use_activation is False else head.probs(data)
     else:
-        data = rows.float()
+        data = cut(rows.float(), params.dimensions)
         data = torch.nn.functional.normalize(data, dim=-1) if params.normalize else data
     return data.cpu() if task.startswith("token_") else data[0].cpu()
 

@@ -29,7 +29,7 @@ from vlens.classify import (
     pairs,
 )
 from vlens.distributed.executor import Executor
-from vlens.embedding import DEFAULT_HOOK, EmbeddingDefaults, embedding_of, embedding_params
+from vlens.embedding import DEFAULT_HOOK, EmbeddingDefaults, check_dimensions, embedding_of, embedding_params
 from vlens.encode import PoolingParams, bi_encoder, check_task, cosine, pooled, pooling_request
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
@@ -70,10 +70,11 @@ class LLM:
                 model, config.dtype, device, config.tensor_parallel_size,
                 config.attention_backend, config.distributed_executor_backend, compiled=not config.enforce_eager,
                 block_size=config.block_size, revision=config.revision, latent_kv_cache=config.latent_kv_cache,
+                hf_overrides=config.hf_overrides,
             ).loaded  # fmt: skip
         else:
             loaded = load_model(model, dtype=config.dtype, device=config.device, revision=config.revision,
-                                latent_kv_cache=config.latent_kv_cache)  # fmt: skip
+                                latent_kv_cache=config.latent_kv_cache, hf_overrides=config.hf_overrides)  # fmt: skip
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.model_name = loaded.path, loaded.name
         self.sampling_defaults = sampling_defaults(config.generation_config, loaded.path)  # (vlens.generation_config)
@@ -87,8 +88,7 @@ class LLM:
         self.adapter_path = loaded.adapter  # (a LoRA adapter's directory as the model: the adapter merged in)
         self.device = loaded.model.lm_head.weight.device
         self.dtype = loaded.model.lm_head.weight.dtype
-        self.classifier = ClassifierHead.load(self.model_path, self.config, self.device, self.dtype) \
-            if self.config.classifier_labels else None  # fmt: skip
+        self.classifier = ClassifierHead.load(loaded) if self.config.classifier_labels else None
         self.embedding_defaults = EmbeddingDefaults.of(self.model_path)
         kinds = {attn.kind for attn in self.model.attention_layers()}
         self.backend = make_backend(
@@ -282,17 +282,20 @@ class LLM:
         stops after the hook's layer."""
         if normalize is not None and not isinstance(normalize, bool):
             raise ValueError(f"normalize: {normalize!r} is not allowed; expected a bool")
+        dimensions = None
         if pooling_params is not None:
-            _check_pooling_params(pooling_params, "embed")
+            self._check_pooling_params(pooling_params, "embed")
             if normalize is not None and pooling_params.normalize is not None:
                 raise ValueError("normalize: give it once, here or in pooling_params")
             normalize = pooling_params.normalize if normalize is None else normalize
+            dimensions = pooling_params.dimensions
+            check_dimensions(dimensions, self.config, hook, "pooling_params.dimensions")
         defaults = self.embedding_defaults
         pooling = pooling or defaults.pooling or "mean"
         normalize = bool(defaults.normalize) if normalize is None else normalize
         params = embedding_params(hook, pooling, self.config, truncate_prompt_tokens=truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding_of(o, hook, normalize)),
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding_of(o, hook, normalize, dimensions)),
                                        o.prompt_token_ids) for o in outputs]  # fmt: skip
 
     def classify(
@@ -307,7 +310,7 @@ class LLM:
         steer (a reward model's score under a steer, say)."""
         check_sequence_classifier(self.config, "classify")
         if pooling_params is not None:
-            _check_pooling_params(pooling_params, "classify")
+            self._check_pooling_params(pooling_params, "classify")
         params = classification_params(self.config, interventions, truncate_prompt_tokens)
         outputs = self.generate(prompts, params, use_tqdm, lora_request)
         classes = self.classifier.classify(last_rows(outputs))
@@ -369,7 +372,7 @@ class LLM:
         given."""
         task = check_task(pooling_task, self.config)
         params = PoolingParams() if pooling_params is None else pooling_params
-        _check_pooling_params(params, task)
+        self._check_pooling_params(params, task)
         request = pooling_request(task, self.embedding_defaults, interventions, truncate_prompt_tokens)
         outputs = self.generate(prompts, request, use_tqdm, lora_request)
         params = params.resolved(task, self.embedding_defaults)
@@ -429,6 +432,12 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _check_pooling_params(self, params: object, task: str) -> None:
+        """Raise naming pooling_params unless it is one `task` reads on this model (vlens.encode)."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params: expected a PoolingParams, got {type(params).__name__}")
+        params.check(task, self.config)
+
     def check_fits(self, token_lists: list[list[int]], field: str) -> None:
         """A cache-less forward (trace, HookedLM) of texts within the model's length, as a prompt must be: past
         it a learned position embedding has no row (an IndexError inside the forward), and rotary positions
@@ -437,10 +446,3 @@ class LLM:
         for i, ids in enumerate(token_lists):
             if len(ids) > limit:
                 raise ValueError(f"{field}[{i}]: {len(ids)} tokens exceed this model's length, max_model_len={limit}")
-
-
-def _check_pooling_params(params: object, task: str) -> None:
-    """Raise naming pooling_params unless it is one `task` reads (vlens.encode)."""
-    if not isinstance(params, PoolingParams):
-        raise ValueError(f"pooling_params: expected a PoolingParams, got {type(params).__name__}")
-    params.check(task)

@@ -251,17 +251,32 @@ def checkpoint_of(path: Path) -> tuple[Path, Path | None]:
     return (path, None) if base is None else (resolve_model_path(base), path)
 
 
-def read_config(path: Path) -> ModelConfig:
+def read_config(path: Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
     """The description of the checkpoint in `path` (a LoRA adapter's: of its base model), its architecture checked in
     config.json first: for a model type it does not know, AutoConfig advises upgrading transformers, or (custom
-    code) asks on stdin whether to run it and then to pass trust_remote_code, which vlens has no use for."""
+    code) asks on stdin whether to run it and then to pass trust_remote_code, which vlens has no use for.
+    `hf_overrides`: names set on the config first (EngineConfig's)."""
     from transformers import AutoConfig
 
     path = checkpoint_of(path)[0]
-    raw = json.loads((path / "config.json").read_text())
+    raw = json.loads((path / "config.json").read_text()) | (hf_overrides or {})
     supported_architecture(raw.get("architectures"), raw.get("model_type"))
     fp8_block(raw)  # (a quantisation vlens does not read: refused before transformers parses anything)
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    return ModelConfig.from_hf(overridden(AutoConfig.from_pretrained(path), hf_overrides or {}))
+
+
+def overridden(hf: Any, overrides: dict[str, Any]) -> Any:
+    """`hf` (a transformers config) with each of `overrides` set on it, as vLLM's hf_overrides: a sub-config's
+    (text_config's, ...) name by name where the value is a dict."""
+    from transformers import PretrainedConfig
+
+    for name, value in overrides.items():
+        current = getattr(hf, name, None)
+        if isinstance(current, PretrainedConfig) and isinstance(value, dict):
+            overridden(current, value)
+        else:
+            setattr(hf, name, value)
+    return hf
 
 
 def fp8_block(raw: dict) -> tuple[int, int] | None:
@@ -440,14 +455,15 @@ def check_latent_kv_cache(cfg: ModelConfig, latent_kv_cache: bool) -> None:
 def load_model(
     model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", device: str = "auto",
     parallel: Parallel = SINGLE, revision: str | None = None, latent_kv_cache: bool = False,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load model, config and tokenizer from any source vlens accepts (see module doc; `revision`: of a hub
-    model); with `parallel`, only that rank's shard of the weights (vlens.distributed); `latent_kv_cache`:
-    EngineConfig's."""
+    model); with `parallel`, only that rank's shard of the weights (vlens.distributed); `latent_kv_cache`,
+    `hf_overrides`: EngineConfig's."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path, adapter = checkpoint_of(resolve_model_path(model, revision))
-    cfg = read_config(path)
+    cfg = read_config(path, hf_overrides)
     check_latent_kv_cache(cfg, latent_kv_cache)
     cfg = dataclasses.replace(cfg, parallel=parallel, latent_kv_cache=latent_kv_cache)
     with torch.device("meta"):

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-_BASE_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+# (a dict setting is given as a JSON object on the command line, and may be from Python: `--hf-overrides '{...}'`)
+_BASE_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict}
 REQUIRED: Any = dataclasses.MISSING  # the default of a setting that must be given (a required flag)
 
 
@@ -67,7 +69,7 @@ def _kind(f: dataclasses.Field) -> tuple[type | None, bool, bool]:
     many = base.startswith(("list[", "tuple["))
     if many:
         base = base[base.index("[") + 1 : -1].split(",")[0].strip()
-    return _BASE_TYPES.get(base), many, optional
+    return _BASE_TYPES.get(base.partition("[")[0]), many, optional
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -89,6 +91,12 @@ def validate(config: Any) -> None:
         if many:
             value = tuple(value) if isinstance(value, Iterable) and not isinstance(value, str) else (value,)
             object.__setattr__(config, f.name, value)
+        if base is dict and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"{f.name}: {value!r} is not JSON ({e}); expected a JSON object") from None
+            object.__setattr__(config, f.name, value)
         for item in value if many else [value]:
             problem = _problem(item, base, meta)
             if problem:
@@ -104,6 +112,9 @@ def _problem(value: Any, base: type | None, meta: dict) -> str | None:
         return None if value in meta["choices"] else f"{value!r} is not one of {', '.join(map(str, meta['choices']))}"
     if base is bool:
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if base is dict:
+        return None if isinstance(value, dict) and all(isinstance(k, str) for k in value) else \
+            f"expected a dict of names (a JSON object), got {value!r}"  # fmt: skip
     if base not in (int, float):
         return None
     is_int = isinstance(value, int) and not isinstance(value, bool)
@@ -158,7 +169,7 @@ def add_flags(
             kwargs.update(action="store_const", const=meta["const"])
             kwargs["help"] = f"{f.name} {meta['const']!r} instead of {default!r}: {meta['help']}"
         else:
-            kwargs["type"] = base or str
+            kwargs["type"] = str if base in (None, dict) else base
             if many and meta["repeat"]:
                 kwargs["action"] = "append"
             elif many:

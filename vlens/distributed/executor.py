@@ -80,15 +80,17 @@ def _free_port() -> int:
 class Executor:
     """Rank 0's handle on the group: `launch` a forward on the other ranks, `close` them. `backend`: "mp"
     (worker processes on this machine) or "ray" (Ray actors, one device each, on any machine of the cluster).
-    `attention_backend`, `compiled`, `block_size`: what every rank makes its attention backend of, as
-    rank 0 does (vlens.attention.make_backend), so that "auto" picks the same one everywhere."""
+    `hf_overrides`: EngineConfig's, read on every rank; `attention_backend`, `compiled`, `block_size`: what every
+    rank makes its attention backend of, as rank 0 does (vlens.attention.make_backend), so that "auto" picks the same
+    one everywhere."""
 
     def __init__(
         self, model, dtype, device: torch.device, size: int, attention_backend: str, backend: str = "mp",
         compiled: bool = False, block_size: int = 16, revision: str | None = None, latent_kv_cache: bool = False,
+        hf_overrides: dict | None = None,
     ):  # fmt: skip
         path = resolve_model_path(model, revision)  # converted or downloaded once, here, for every rank
-        cfg = read_config(path)
+        cfg = read_config(path, hf_overrides)
         check_parallel(cfg, size, device, local=backend != "ray")
         check_latent_kv_cache(cfg, latent_kv_cache)
         if dist.is_initialized():  # torch.distributed has one default group per process
@@ -101,7 +103,7 @@ class Executor:
             device = torch.device("cuda", 0)
         spec = {
             "model": str(path), "dtype": dtype, "device": device.type, "backend": attention_backend, "compiled": compiled,
-            "block_size": block_size, "latent_kv_cache": latent_kv_cache,
+            "block_size": block_size, "latent_kv_cache": latent_kv_cache, "hf_overrides": hf_overrides,
             "group": "nccl" if device.type == "cuda" else "gloo", "threads": torch.get_num_threads(),
         }  # fmt: skip
         if backend == "ray":
@@ -114,7 +116,7 @@ class Executor:
             self._join(spec["group"], size)
             parallel = Parallel(0, size)
             self.loaded = load_model(model, dtype=dtype, device=str(device), parallel=parallel, revision=revision,
-                                     latent_kv_cache=latent_kv_cache)  # fmt: skip
+                                     latent_kv_cache=latent_kv_cache, hf_overrides=hf_overrides)  # fmt: skip
             self.ranks.wait_ready(time.monotonic() + STARTUP_S)
         except BaseException:
             self.close()

@@ -232,7 +232,7 @@ def start(rank: int, size: int, init: str, spec: dict) -> Worker:
         torch.cuda.set_device(device)
     dist.init_process_group(spec["group"], init_method=init, rank=rank, world_size=size, timeout=TIMEOUT)
     loaded = load_model(spec["model"], dtype=spec["dtype"], device=str(device), parallel=Parallel(rank, size),
-                        latent_kv_cache=spec["latent_kv_cache"])  # fmt: skip
+                        latent_kv_cache=spec["latent_kv_cache"], hf_overrides=spec["hf_overrides"])  # fmt: skip
     kinds = {attn.kind for attn in loaded.model.attention_layers()}  # every rank's: the same heads per rank
     backend = make_backend(spec["backend"], device, spec["compiled"], kinds, loaded.model.lm_head.weight.dtype,
                            spec["block_size"])  # fmt: skip

@@ -13,6 +13,12 @@ from vlens.reasoning import PARSERS as REASONING_PARSERS
 from vlens.settings import from_kwargs, setting, validate
 
 MODEL_HELP = f"HF checkpoint directory, .gguf file or hub id (default: the embedded {DEFAULT_MODEL})"
+HF_OVERRIDES_HELP = (
+    "names set on the checkpoint's HF config before vlens reads it (vLLM's), a JSON object: {\"is_matryoshka\": "
+    "true} for an embedding model trained to be cut short (PoolingParams.dimensions), {\"architectures\": "
+    "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+    "\"is_original_qwen3_reranker\": true} to read a causal LM as the classifier its tokens make (vlens.classify)"
+)
 REVISION_HELP = "branch, tag or commit of a hub model, e.g. a training checkpoint (Pythia's step1000)"
 
 
@@ -20,6 +26,7 @@ REVISION_HELP = "branch, tag or commit of a hub model, e.g. a training checkpoin
 class EngineConfig:
     model: str | None = setting(None, MODEL_HELP)
     revision: str | None = setting(None, REVISION_HELP)
+    hf_overrides: dict[str, Any] | None = setting(None, HF_OVERRIDES_HELP)
     dtype: str = setting(
         "auto", "auto (bfloat16 on CUDA, else float32), float32, float16 or bfloat16", check=dtype_problem
     )

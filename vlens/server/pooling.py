@@ -28,7 +28,7 @@ from vlens.classify import (
     last_rows,
     pairs,
 )
-from vlens.embedding import EmbeddingDefaults, check_hook, embedding_of, embedding_params
+from vlens.embedding import EmbeddingDefaults, check_dimensions, check_hook, embedding_of, embedding_params
 from vlens.encode import POOLING_TASKS, PoolingParams, bi_encoder, check_task, cosine, pooled, pooling_request
 from vlens.engine.llm_engine import NewRequest
 from vlens.inputs import truncated
@@ -54,7 +54,7 @@ class EmbeddingRequest(BaseModel):
     model: StrictStr | None = None
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    dimensions: StrictInt | None = None  # OpenAI's: a matryoshka model's vectors cut to their first dims
     user: StrictStr | None = None
     add_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)  # vLLM's: each input's last this many tokens
@@ -93,10 +93,12 @@ class ClassificationRequest(BaseModel):
 
 class PoolingRequest(ClassificationRequest):
     """vLLM's /pooling body: /classify's (`input` or a chat's `messages`; `use_activation` for the classifying tasks),
-    the pooling `task` (required, as vLLM's), `normalize` for the embedding tasks, and the data's encoding."""
+    the pooling `task` (required, as vLLM's), `normalize` and `dimensions` for the embedding tasks, and the data's
+    encoding."""
 
     task: Literal[POOLING_TASKS] | None = None  # type: ignore[valid-type]
     normalize: StrictBool | None = None
+    dimensions: StrictInt | None = None
     encoding_format: Literal["float", "base64"] = "float"
 
 
@@ -153,9 +155,11 @@ class Pooler:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         g = self.generator
         refuse_unknown(body.model_extra, EmbeddingRequest.NEUTRAL)
-        if body.dimensions is not None:
-            raise APIError(400, "dimensions: not supported; an embedding has the width of its hook", "dimensions")
         hook, pooling = self._options(body.vlens)
+        try:
+            check_dimensions(body.dimensions, self.cfg, hook)
+        except ValueError as e:
+            raise from_value_error(e) from None
         # (a steered model's embeddings are read with its steering, an adapter's under it)
         params = embedding_params(hook, pooling, self.cfg, g.steers_of(body.model))
         token_lists = g.tokenize(body.input, "input", body.add_special_tokens)
@@ -168,7 +172,7 @@ class Pooler:
             {
                 "object": "embedding",
                 "index": i,
-                "embedding": _encoded(embedding_of(out, hook, normalize), body.encoding_format),
+                "embedding": _encoded(embedding_of(out, hook, normalize, body.dimensions), body.encoding_format),
             }
             for i, out in enumerate(outputs)
         ]
@@ -197,8 +201,8 @@ class Pooler:
         refuse_unknown(body.model_extra, PoolingRequest.NEUTRAL)
         try:
             task = check_task(body.task, self.cfg, "task")
-            params = PoolingParams(body.normalize, body.use_activation)
-            params.check(task, prefix="")
+            params = PoolingParams(body.normalize, body.use_activation, body.dimensions)
+            params.check(task, self.cfg, prefix="")
         except ValueError as e:
             raise from_value_error(e) from None
         token_lists, field = self._inputs(body)
