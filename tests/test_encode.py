@@ -297,6 +297,12 @@ def test_the_servers_pooling_equals_llm_encode(smol, served_smol):
         [d] = httpx.post(url + "/pooling", json={"messages": chat, "task": "token_embed"}, timeout=60).json()["data"]
         [want] = smol.encode([ids], pooling_task="token_embed", use_tqdm=False)
         assert rel_err(torch.tensor(d["data"]), want.outputs.data) < 1e-6
+        # (/v1/embeddings' chat form, vLLM's: the conversation's embedding, as LLM.embed reads its rendered tokens)
+        [e] = httpx.post(url + "/v1/embeddings", json={"messages": chat}, timeout=60).json()["data"]
+        [want] = smol.embed([ids], use_tqdm=False)
+        assert rel_err(torch.tensor(e["embedding"]), want.outputs.embedding) < 1e-6
+        both = httpx.post(url + "/v1/embeddings", json={"messages": chat, "input": "x"}, timeout=60)
+        assert both.status_code == 400 and both.json()["error"]["param"] == "input"
         for fields, status, param in [({"input": "x"}, 400, "task"), ({"input": "x", "task": "encode"}, 422, "task"),
                                       ({"input": "x", "task": "token_classify"}, 400, "task"),
                                       ({"input": "x", "task": "embed", "use_activation": True}, 400, "use_activation"),

@@ -48,32 +48,10 @@ class EmbeddingOptions(BaseModel):
     pooling: Literal["mean", "last"] | None = None
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,), "additional_data": (None,)}
-    model: StrictStr | None = None
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None  # OpenAI's: a matryoshka model's vectors cut to their first dims
-    user: StrictStr | None = None
-    add_special_tokens: StrictBool = True
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)  # vLLM's: each input's last this many tokens
-    normalize: StrictBool | None = None  # vLLM's: true, vectors of unit length (None: as the checkpoint says, else not)
-    priority: StrictInt = 0  # vLLM's: lower first, on a server run with --scheduling-policy priority
-    vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
-
-
-def _encoded(vector: torch.Tensor, encoding_format: str) -> list | str:
-    """A float tensor as OpenAI's encoding_format says: nested JSON lists, or base64 of its float32 values."""
-    if encoding_format == "base64":
-        return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
-    return vector.tolist()
-
-
-class ClassificationRequest(BaseModel):
-    """vLLM's /classify body, in its two forms: `input` (texts or token lists; special tokens added by default), or a
-    chat's `messages` (through the chat template, which holds the special tokens; no generation prompt by default: a
-    reward model reads a whole conversation)."""
+class PromptsRequest(BaseModel):
+    """The inputs of vLLM's pooling routes, in their two forms: `input` (texts or token lists; special tokens added by
+    default), or a chat's `messages` (through the chat template, which holds the special tokens; no generation prompt
+    by default: an embedding or a reward model reads a whole conversation)."""
 
     model_config = ConfigDict(extra="allow")
     NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,)}
@@ -86,8 +64,30 @@ class ClassificationRequest(BaseModel):
     chat_template: StrictStr | None = None  # (as a chat completion's: vlens.server.protocol.ChatTemplates)
     user: StrictStr | None = None
     add_special_tokens: StrictBool | None = None  # default: True for input, False for messages
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
-    priority: StrictInt = 0
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)  # vLLM's: each input's last this many tokens
+    priority: StrictInt = 0  # vLLM's: lower first, on a server run with --scheduling-policy priority
+
+
+class EmbeddingRequest(PromptsRequest):
+    """OpenAI's /v1/embeddings body, and vLLM's chat form of it (`messages`)."""
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"request_id": (None,), "additional_data": (None,)}
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None  # OpenAI's: a matryoshka model's vectors cut to their first dims
+    normalize: StrictBool | None = None  # vLLM's: true, vectors of unit length (None: as the checkpoint says, else not)
+    vlens: Annotated[dict[str, Any] | None, DocumentedAs(EmbeddingOptions)] = None
+
+
+def _encoded(vector: torch.Tensor, encoding_format: str) -> list | str:
+    """A float tensor as OpenAI's encoding_format says: nested JSON lists, or base64 of its float32 values."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+class ClassificationRequest(PromptsRequest):
+    """vLLM's /classify body, in its two forms (PromptsRequest)."""
+
     use_activation: StrictBool | None = None  # vLLM's: false, probs are the head's logits as they are
 
 
@@ -162,8 +162,8 @@ class Pooler:
             raise from_value_error(e) from None
         # (a steered model's embeddings are read with its steering, an adapter's under it)
         params = embedding_params(hook, pooling, self.cfg, g.steers_of(body.model))
-        token_lists = g.tokenize(body.input, "input", body.add_special_tokens)
-        run = await self._run(token_lists, "input", body, params, request)
+        token_lists, field = self._inputs(body)
+        run = await self._run(token_lists, field, body, params, request)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
         outputs, tokens = run
@@ -218,7 +218,7 @@ class Pooler:
         return JSONResponse({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                              "model": body.model or g.model_name, "data": data, "usage": usage(tokens, 0)})  # fmt: skip
 
-    def _inputs(self, body: ClassificationRequest) -> tuple[list[list[int]], str]:
+    def _inputs(self, body: PromptsRequest) -> tuple[list[list[int]], str]:
         """The token lists of a body of `input` (special tokens added by default) or of a chat's `messages` (through
         the chat template, which holds them), and the field they came from."""
         g = self.generator
