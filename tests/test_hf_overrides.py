@@ -56,8 +56,8 @@ def _hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
 
 def test_qwen3_reranker_scores_are_hfs_two_way_softmax(causal_lm, smol4_path):
     """Qwen3-Reranker's recipe: a pair's score is P(yes) of the softmax over the last token's "no" and "yes" logits
-    (the model card's), as LLM.score and the server's /score and /rerank give it; the head is the unembedding's yes
-    row less its no row (the lm_head's, or the embedding's where they are tied)."""
+    (the model card's), as LLM.score and the server's /score and /rerank give it, each pair one text (vLLM's); the head
+    is the unembedding's yes row less its no row (the lm_head's, or the embedding's where they are tied)."""
     path, hf = causal_lm
     llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20, hf_overrides=RERANKER)
     assert llm.config.classifier_labels == ("yes",) and llm.config.classifier_activation == "sigmoid"
@@ -65,7 +65,10 @@ def test_qwen3_reranker_scores_are_hfs_two_way_softmax(causal_lm, smol4_path):
     no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
     scores = llm.score(QUERIES, DOCUMENTS, use_tqdm=False)
     for query, document, out in zip(QUERIES, DOCUMENTS, scores, strict=True):
-        logits = _hf_last_logits(hf, tokenizer(query, document)["input_ids"])
+        # (vLLM's LLM as a reranker reads the two as one text, not the tokenizer's pair: " The" is one token here)
+        ids = tokenizer(query + document)["input_ids"]
+        assert ids != tokenizer(query, document)["input_ids"] and out.prompt_token_ids == ids
+        logits = _hf_last_logits(hf, ids)
         want = logits[[no, yes]].softmax(-1)[1].item()
         assert abs(out.outputs.score - want) < 1e-5 and 0.01 < want < 0.99
     with running_server(llm, ServerConfig()) as url:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -141,6 +142,13 @@ def pairs(
         raise ValueError(f"{fields[1]}: {len(second)} texts for {fields[0]}'s {len(first)}; give one text and many, or "
                          "as many of each")  # fmt: skip
     return list(zip(first, second))
+
+
+def pair_tokens(tokenizer: Any, cfg: ModelConfig, first: str, second: str) -> list[int]:
+    """A cross-encoder's prompt of a pair, as vLLM tokenizes it: the tokenizer's pair of texts (its separators), or
+    where the model reads them joined (ModelConfig.pairs_joined: an LLM as a reranker), the two as one text."""
+    encoded = tokenizer(first + second) if cfg.pairs_joined else tokenizer(first, second)
+    return encoded["input_ids"]
 
 
 def check_sequence_classifier(cfg: ModelConfig, field: str) -> None:

@@ -1606,6 +1606,9 @@ class ModelConfig:
     # (vLLM's "from_2_way_softmax": P(yes) of a yes/no reranker)
     classifier_tokens: tuple[str, ...] = ()
     classifier_two_way: bool = False
+    # a cross-encoder that reads a pair as one text, the two joined (vLLM's use_pad_token false, the default of a
+    # classifier made of tokens: an LLM as a reranker), not as the tokenizer's pair of texts
+    pairs_joined: bool = False
     # an embedding model trained so that its vectors' first dims embed too (matryoshka; vLLM's is_matryoshka): an
     # embedding may be cut to any width (PoolingParams.dimensions), or only to one of `matryoshka_dimensions`
     matryoshka: bool = False
@@ -1788,7 +1791,8 @@ def _headless(hf: Any) -> dict[str, Any]:
         "sigmoid" if problem == "multi_label_classification" or len(labels) < 2 else "softmax"  # fmt: skip
     return dict(classifier_labels=labels, classifier_name=arch, classifier_activation=activation,
                 classifier_per_token=arch.endswith(CLASSIFIERS[1]), tie_word_embeddings=True,
-                classifier_tokens=tokens, classifier_two_way=two_way)  # fmt: skip
+                classifier_tokens=tokens, classifier_two_way=two_way,
+                pairs_joined=not getattr(hf, "use_pad_token", not tokens))  # fmt: skip
 
 
 CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")  # vLLM's, for a head made of tokens' rows

@@ -26,6 +26,7 @@ from vlens.classify import (
     check_sequence_classifier,
     classification_params,
     last_rows,
+    pair_tokens,
     pairs,
 )
 from vlens.distributed.executor import Executor
@@ -355,7 +356,7 @@ class LLM:
         check_cross_encoder(self.config, "score")
         if self.tokenizer is None:
             raise ValueError("score: this checkpoint has no tokenizer files to join the texts with")
-        token_lists = [self.tokenizer(a, b)["input_ids"] for a, b in pairs(data_1, data_2)]
+        token_lists = [pair_tokens(self.tokenizer, self.config, a, b) for a, b in pairs(data_1, data_2)]
         outputs = self.classify(token_lists, use_tqdm, lora_request, truncate_prompt_tokens)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
                 for o in outputs]  # fmt: skip

@@ -26,6 +26,7 @@ from vlens.classify import (
     check_sequence_classifier,
     classification_params,
     last_rows,
+    pair_tokens,
     pairs,
 )
 from vlens.embedding import EmbeddingDefaults, check_dimensions, check_hook, embedding_of, embedding_params
@@ -275,7 +276,7 @@ class Pooler:
             check_cross_encoder(self.cfg, "model")
         except ValueError as e:
             raise from_value_error(e) from None
-        token_lists = [self.generator.tokenizer(a, b)["input_ids"] for a, b in joined]
+        token_lists = [pair_tokens(self.generator.tokenizer, self.cfg, a, b) for a, b in joined]
         run = await self._classes(token_lists, field, body, request)
         return None if run is None else ([c.probs[0] for c in run[0]], run[1])
 
