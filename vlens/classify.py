@@ -41,6 +41,9 @@ class ClassifierHead:
     bias: torch.Tensor | None
     labels: tuple[str, ...]  # the config's id2label, in class order
     activation: str  # ModelConfig.classifier_activation
+    # a reward model's head is two layers (Qwen's: `score.0`, a ReLU, `score.2`): the first's weight [d, d] and bias,
+    # before `weight` and `bias`; None for one layer
+    hidden: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @classmethod
     def load(cls, loaded: LoadedModel) -> ClassifierHead:
@@ -56,21 +59,20 @@ class ClassifierHead:
         for file in weight_files(path):
             with safe_open(file, framework="pt", device="cpu") as f:
                 found |= {key: f.get_tensor(key) for key in f.keys() if key.split(".")[0] in HEADS}  # noqa: SIM118
-        head = next((name for name in HEADS if f"{name}.weight" in found), HEADS[0])
-        weight = found.get(f"{head}.weight")
-        if weight is None or tuple(weight.shape) != (len(cfg.classifier_labels), cfg.hidden_size):
-            got = "none" if weight is None else f"shape {tuple(weight.shape)}"
-            raise ModelLoadError(f"model: {cfg.classifier_name}'s head {head}.weight should be "
-                                 f"{len(cfg.classifier_labels)} x {cfg.hidden_size} (num_labels x hidden_size); "
-                                 f"{str(path)!r} has {got}")  # fmt: skip
-        bias = found.get(f"{head}.bias")
-        bias = None if bias is None else bias.to(device, dtype)
-        return cls(weight.to(device, dtype), bias, cfg.classifier_labels, cfg.classifier_activation)
+        head = next((name for name in HEADS if f"{name}.weight" in found or f"{name}.0.weight" in found), HEADS[0])
+        hidden = None
+        if f"{head}.0.weight" in found:  # (a reward model's two layers)
+            hidden = _layer(found, f"{head}.0", "hidden_size", cfg, path, device, dtype)
+            head = f"{head}.2"
+        weight, bias = _layer(found, head, "num_labels", cfg, path, device, dtype)
+        return cls(weight, bias, cfg.classifier_labels, cfg.classifier_activation, hidden)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, d] final-norm rows -> the head's [n, classes] logits, computed in the model's dtype (as HF computes
         them), as float32."""
         rows = rows.to(self.weight.device, self.weight.dtype)
+        if self.hidden is not None:
+            rows = torch.relu(torch.nn.functional.linear(rows, *self.hidden))
         return torch.nn.functional.linear(rows, self.weight, self.bias).float()
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -83,6 +85,20 @@ class ClassifierHead:
         probs = self.probs(logits).cpu()
         return [ClassificationOutput(p.tolist(), self.labels[int(p.argmax())], z.tolist())
                 for p, z in zip(probs, logits.cpu())]  # fmt: skip
+
+
+def _layer(
+    found: dict[str, torch.Tensor], name: str, outputs: str, cfg: ModelConfig, path, device, dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A head layer's weight ([`outputs` (num_labels or hidden_size), d]) and bias (None where it has none), on the
+    model's device and dtype."""
+    weight, bias = found.get(f"{name}.weight"), found.get(f"{name}.bias")
+    shape = (len(cfg.classifier_labels) if outputs == "num_labels" else cfg.hidden_size, cfg.hidden_size)
+    if weight is None or tuple(weight.shape) != shape:
+        got = "none" if weight is None else f"shape {tuple(weight.shape)}"
+        raise ModelLoadError(f"model: {cfg.classifier_name}'s head {name}.weight should be {shape[0]} x {shape[1]} "
+                             f"({outputs} x hidden_size); {str(path)!r} has {got}")  # fmt: skip
+    return weight.to(device, dtype), None if bias is None else bias.to(device, dtype)
 
 
 def token_rows(loaded: LoadedModel) -> torch.Tensor:

@@ -1751,9 +1751,14 @@ class ModelConfig:
         return cls(**fields | _headless(hf))
 
 
-# HF's sequence and token classifiers: a causal LM's decoder under a head (`score`, or some families' token
-# classifiers' `classifier`) that reads the final norm's last row, or every row
-CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification")
+# HF's sequence and token classifiers, and Qwen's outcome and process reward models (Qwen2.5-Math-RM and -PRM: remote
+# code that vLLM runs): a causal LM's decoder under a head (`score`, or some families' token classifiers'
+# `classifier`; a reward model's a Linear, ReLU, Linear) that reads the final norm's last row, or every row
+CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification", "ForRewardModel", "ForProcessRewardModel")
+PER_TOKEN = CLASSIFIERS[1:]
+# a reward model's classes, whatever its config says (vLLM's): an outcome model's score; a process model's step wrong
+# or right
+REWARD_CLASSES = {"ForRewardModel": 1, "ForProcessRewardModel": 2}
 # what a classifier's requests for token logits are told (its unembedding is a placeholder: vlens.classify)
 NO_TOKEN_LOGITS = ("a classifier has no token logits; its classes come from LLM.classify (or the server's "
                    "/classify; a token classifier's from LLM.encode and /pooling), and its taps from prefill-only "
@@ -1767,8 +1772,8 @@ NO_LM_HEAD = ("a base model's checkpoint has no LM head, so no token logits; its
 def _base_of(arch: str, model_type: str | None) -> str | None:
     """The causal LM whose decoder a base model's architecture is (LlamaModel: LlamaForCausalLM; by its model type, as
     a classifier's), if vlens runs it."""
-    if not arch.endswith(BASE) or arch in ARCHITECTURES or arch in TEXT_MODELS:
-        return None
+    if not arch.endswith(BASE) or arch.endswith(CLASSIFIERS) or arch in ARCHITECTURES or arch in TEXT_MODELS:
+        return None  # (Qwen's ...ForRewardModel is a classifier)
     causal = MODEL_TYPES.get(model_type)
     return causal if causal in ARCHITECTURES else None
 
@@ -1785,12 +1790,13 @@ def _headless(hf: Any) -> dict[str, Any]:
     if not arch.endswith(CLASSIFIERS):
         return matryoshka
     tokens, two_way = _classifier_tokens(hf)
-    labels = tokens[1:] if two_way else tokens or tuple(str(hf.id2label[i]) for i in range(hf.num_labels))
+    classes = next((n for suffix, n in REWARD_CLASSES.items() if arch.endswith(suffix)), hf.num_labels)
+    labels = tokens[1:] if two_way else tokens or tuple(str(hf.id2label.get(i, f"LABEL_{i}")) for i in range(classes))
     problem = getattr(hf, "problem_type", None)
     activation = "identity" if problem == "regression" else \
         "sigmoid" if problem == "multi_label_classification" or len(labels) < 2 else "softmax"  # fmt: skip
     return dict(classifier_labels=labels, classifier_name=arch, classifier_activation=activation,
-                classifier_per_token=arch.endswith(CLASSIFIERS[1]), tie_word_embeddings=True,
+                classifier_per_token=arch.endswith(PER_TOKEN), tie_word_embeddings=True,
                 classifier_tokens=tokens, classifier_two_way=two_way,
                 pairs_joined=not getattr(hf, "use_pad_token", not tokens))  # fmt: skip
 

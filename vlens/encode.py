@@ -5,7 +5,7 @@ norm's rows as vLLM's poolers read a pooling model's last hidden states.
   users call for a causal LM's per-token hidden states.
 - "token_classify": a classifier's head on every prompt token's row, through its activation unless
   `use_activation=False` ([tokens, classes]): LLM.reward's per-token rewards, where in a reply a reward model's score
-  moves.
+  moves; with vLLM's step pooling, the rows of a step tag alone (a process reward model's score of each step).
 - "embed": the last row, of unit length unless `normalize=False` ([d]; vLLM's pooler for a decoder: LLM.embed reads
   any hook, mean-pooled by default).
 - "classify": a classifier's head on the last row ([classes]; LLM.classify's probabilities, or its logits).
@@ -36,24 +36,45 @@ POOLING_TASKS = ("token_embed", "token_classify", "embed", "classify")
 CLASSIFYING = ("token_classify", "classify")  # the tasks that need a classifier's head
 
 
+# the PoolingParams fields each task reads (vLLM refuses the others too)
+READS = {"token_embed": ("normalize", "dimensions"), "embed": ("normalize", "dimensions"),
+         "token_classify": ("use_activation", "step_tag_id", "returned_token_ids"), "classify": ("use_activation",)}
+
+
 @dataclass(frozen=True)
 class PoolingParams:
     """vLLM's PoolingParams: `normalize` and `dimensions` (embedding tasks: a matryoshka model's vectors cut to their
-    first dims, vlens.embedding.check_dimensions) and `use_activation` (classifying tasks); None is the task's
-    default (True; the whole vector), and a field the task does not read is refused."""
+    first dims, vlens.embedding.check_dimensions), `use_activation` (classifying tasks), and vLLM's step pooling for
+    "token_classify": `returned_token_ids`, the head's classes kept (before the activation, as vLLM keeps them),
+    `step_tag_id`, the rows kept, those of the prompt's step tags (a process reward model's score at each step's end).
+    None is the task's default (True; the whole vector; every class and row), and a field the task does not read is
+    refused."""
 
     normalize: bool | None = None
     use_activation: bool | None = None
     dimensions: int | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for field in ("normalize", "use_activation"):
             value = getattr(self, field)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected a bool or None")
-        dims = self.dimensions
-        if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
-            raise ValueError(f"pooling_params.dimensions: {dims!r} is not allowed; expected a width >= 1 or None")
+        for field in ("dimensions", "step_tag_id"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0 or
+                                      (field == "dimensions" and value < 1)):  # fmt: skip
+                at_least = 1 if field == "dimensions" else 0
+                raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected an integer >= "
+                                 f"{at_least} or None")  # fmt: skip
+        ids = self.returned_token_ids
+        if ids is not None:
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids or \
+                    not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):  # fmt: skip
+                raise ValueError(f"pooling_params.returned_token_ids: {ids!r} is not allowed; expected a non-empty "
+                                 "list of class indices or None")  # fmt: skip
+            object.__setattr__(self, "returned_token_ids", tuple(ids))
 
     def resolved(self, task: str, defaults: EmbeddingDefaults) -> PoolingParams:
         """These with `normalize` set for an embedding task: the checkpoint's where it says, else vLLM's (True)."""
@@ -62,14 +83,17 @@ class PoolingParams:
         return replace(self, normalize=defaults.normalize is not False)
 
     def check(self, task: str, cfg: ModelConfig, prefix: str = "pooling_params.") -> None:
-        """Raise naming the field (after `prefix`) that `task` does not read (vLLM refuses it too), or a width this
-        model's embeddings may not be cut to."""
-        reads, unread = (("use_activation",), ("normalize", "dimensions")) if task in CLASSIFYING else \
-            (("normalize", "dimensions"), ("use_activation",))  # fmt: skip
-        for field in unread:
-            if getattr(self, field) is not None:
-                raise ValueError(f"{prefix}{field}: {task!r} does not read it; it reads {', '.join(reads)}")
+        """Raise naming the field (after `prefix`) that `task` does not read (vLLM refuses it too), a width this
+        model's embeddings may not be cut to, or a class its head does not have."""
+        for field in ("normalize", "use_activation", "dimensions", "step_tag_id", "returned_token_ids"):
+            if getattr(self, field) is not None and field not in READS[task]:
+                raise ValueError(f"{prefix}{field}: {task!r} does not read it; it reads {', '.join(READS[task])}")
         check_dimensions(self.dimensions, cfg, field=f"{prefix}dimensions")
+        classes = len(cfg.classifier_labels)
+        for i in self.returned_token_ids or ():
+            if not 0 <= i < classes:
+                raise ValueError(f"{prefix}returned_token_ids: {i} is not allowed; the head's classes are 0 to "
+                                 f"{classes - 1}")  # fmt: skip
 
 
 def check_task(task: object, cfg: ModelConfig, field: str = "pooling_task") -> str:
@@ -108,7 +132,11 @@ def pooled(task: str, output: RequestOutput, params: PoolingParams, head: Classi
     if task in CLASSIFYING:
         assert head is not None  # (check_task)
         data = head.logits(rows)
+        if params.returned_token_ids is not None:
+            data = data[:, list(params.returned_token_ids)]
         data = data if params.use_activation is False else head.probs(data)
+        if params.step_tag_id is not None:
+            data = data[torch.tensor(output.prompt_token_ids) == params.step_tag_id]
     else:
         data = cut(rows.float(), params.dimensions)
         data = torch.nn.functional.normalize(data, dim=-1) if params.normalize else data
