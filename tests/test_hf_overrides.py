@@ -172,7 +172,7 @@ def test_dimensions_refused_by_name(matryoshka, smol4, smol4_path):
     within the embedding's, the embedding's own rows, an embedding task's field."""
     cases = [
         (smol4, "embed", 64, "pooling_params.dimensions: the model was not trained for shorter embeddings"),
-        (matryoshka, "embed", 0, "pooling_params.dimensions: 0 is not allowed; expected a width >= 1"),
+        (matryoshka, "embed", 0, "pooling_params.dimensions: 0 is not allowed; expected an integer >= 1"),
         (matryoshka, "embed", 577, "pooling_params.dimensions: 577 is not allowed; expected a width from 1 to the "
                                    "embedding's 576"),
     ]
