@@ -6,8 +6,8 @@ finds the calls and the text around them. A reply it cannot read as calls (no ca
 as vLLM leaves it. While a reply streams, `content_end` says how much of it is surely text: that much streams as
 content. A format whose calls are JSON objects (Hermes', Llama 3's) says where each call's arguments lie in the text
 so far (`spans`), so that they stream as they are written, each call opened once its name is whole, as vLLM streams
-them; their arguments are the text the model wrote, streamed or not. The other formats' calls go out whole at the
-reply's end.
+them; their arguments are the text the model wrote, streamed or not. So do Mistral's calls from its v11 tokenizers
+on; the other formats' calls go out whole at the reply's end.
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ class ToolParser(ABC):
     def content_end(self, text: str) -> int:
         """The length of the prefix of a reply so far that is text whatever follows."""
 
-    def spans(self, text: str) -> list[CallSpan] | None:
-        """The calls in a reply so far, for a format whose calls stream (None: they go out whole at its end)."""
+    def spans(self, text: str, done: bool = True) -> list[CallSpan] | None:
+        """The calls in a reply so far (`done`: the whole reply), for a format whose calls stream (None: they go out
+        whole at its end)."""
         return None
 
 
@@ -180,7 +181,7 @@ class Hermes(ToolParser):
     def content_end(self, text: str) -> int:
         return before_marker(text, self.START)
 
-    def spans(self, text: str) -> list[CallSpan]:
+    def spans(self, text: str, done: bool = True) -> list[CallSpan]:
         starts = [m.end() for m in re.finditer(re.escape(self.START), text)]
         return [call_object(text, at, ("arguments",))[0] for at in starts]
 
@@ -211,7 +212,7 @@ class Llama3Json(ToolParser):
     def content_end(self, text: str) -> int:
         return 0 if text.startswith(("{", self.TAG)) or self.TAG.startswith(text) else len(text)
 
-    def spans(self, text: str) -> list[CallSpan]:
+    def spans(self, text: str, done: bool = True) -> list[CallSpan]:
         at, spans = len(self.TAG) if text.startswith(self.TAG) else 0, []
         while at < len(text):
             span, end = call_object(text, at, self.KEYS)
@@ -281,6 +282,23 @@ class Mistral(ToolParser):
 
     def content_end(self, text: str) -> int:
         return before_marker(text, self.START)
+
+    def spans(self, text: str, done: bool = True) -> list[CallSpan] | None:
+        """From v11, each call once its name is whole (at its arguments' "{"), its arguments the text up to the next
+        call's marker (the last's, before the reply's end, short of a marker that may be being written); calls
+        without arguments are no calls, as parse reads them. A pre-v11 array goes out whole at the end."""
+        content, *raw = text.split(self.START)
+        if raw and raw[0].lstrip().startswith("["):
+            return None
+        spans, at = [], len(content)
+        for i, call in enumerate(raw):
+            at += len(self.START)
+            brace = call.find("{")
+            if brace >= 0:
+                end = at + len(call) if i < len(raw) - 1 else len(text) if done else unmatched_tail(text, self.START)
+                spans.append(CallSpan(call[:brace].replace("[ARGS]", ""), at + brace, end))
+            at += len(call)
+        return spans
 
 
 # vLLM's names (its llama4_* parsers read these formats: Llama 4's JSON and pythonic calls)

@@ -73,7 +73,7 @@ class ToolReply:
         arguments written so far) once its name is whole and its arguments have started (or at the reply's end), then
         each later piece of its arguments; `sent` (updated): per opened call, how much of its arguments went out.
         None for a format whose calls go out whole at the end."""
-        spans = self._spans(text)
+        spans = self._spans(text, done)
         if spans is None:
             return None
         deltas = []
@@ -92,9 +92,9 @@ class ToolReply:
                 sent[i] = len(written)
         return deltas
 
-    def _spans(self, text: str) -> list[CallSpan] | None:
+    def _spans(self, text: str, done: bool) -> list[CallSpan] | None:
         if self.parser is not None:
-            return self.parser.spans(text)
+            return self.parser.spans(text, done)
         if self.named is not None:  # (the reply is its arguments)
             return [CallSpan(self.named, 0, None)]
         return _array_spans(text)
