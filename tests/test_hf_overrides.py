@@ -16,7 +16,7 @@ from conftest import rel_err
 from server_helpers import running_server
 from transformers import Qwen3Config
 
-from vlens import LLM, PoolingParams
+from vlens import LLM, HookedLM, PoolingParams
 from vlens.engine.config import EngineConfig
 from vlens.server.config import ServerConfig
 
@@ -104,6 +104,26 @@ def test_tokens_without_post_processing_are_hfs_token_logits(causal_lm):
     with pytest.raises(ValueError, match="^pooling_params.dimensions: 'classify' does not read it; it reads "
                                          "use_activation"):  # fmt: skip
         one.classify(DOCUMENTS, pooling_params=PoolingParams(dimensions=8))
+
+
+def test_a_rerankers_yes_is_the_sum_of_its_components_shares(causal_lm):
+    """Direct logit attribution on a classifier: `cache.logit_attrs` of the class "yes" is each component's share of
+    its logit, here yes less no at the last token, and summed over the residual stream's pieces it is HF's logit
+    difference; a class that is not one is refused by name."""
+    path, hf = causal_lm
+    model = HookedLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20, hf_overrides=RERANKER)
+    ids = model.tokenizer(QUERIES[0] + DOCUMENTS[0])["input_ids"]
+    _, cache = model.run_with_cache(torch.tensor([ids]), return_type=None)
+    stack, labels = cache.decompose_resid(return_labels=True)
+    shares = cache.logit_attrs(stack, "yes")[:, 0, -1]
+    assert shares.shape == (len(labels),) and torch.equal(shares, cache.logit_attrs(stack, 0)[:, 0, -1])
+    logits = _hf_last_logits(hf, ids)
+    no, yes = model.tokenizer.convert_tokens_to_ids(["no", "yes"])
+    assert abs(shares.sum().item() - (logits[yes] - logits[no]).item()) < 1e-4
+    with pytest.raises(ValueError, match="^tokens: 'no' is no class of this classifier; its classes: yes"):
+        cache.logit_attrs(stack, "no")
+    with pytest.raises(ValueError, match=r"^tokens: class indices must be in 0\.\.0 \(this model's classes\)"):
+        cache.logit_attrs(stack, 1)
 
 
 def test_two_ranks_read_the_head_from_the_whole_unembedding(causal_lm):

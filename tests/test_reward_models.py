@@ -15,7 +15,7 @@ from conftest import rel_err
 from safetensors.torch import save_file
 from transformers import Qwen2Config
 
-from vlens import LLM, PoolingParams
+from vlens import LLM, HookedLM, PoolingParams
 
 SIZES = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)  # fmt: skip
@@ -69,6 +69,15 @@ def test_a_process_reward_models_steps_are_its_softmax_at_the_step_tags(prm):
         assert torch.equal(k.outputs.data, torch.ones(int(at.sum()), 1))  # (one class kept: the softmax of one)
     with pytest.raises(ValueError, match="^pooling_task: 'classify' reads a whole prompt"):
         llm.encode(PROMPTS, pooling_task="classify")
+
+
+def test_a_two_layer_heads_logits_are_not_attributed(prm):
+    """Direct logit attribution needs a linear head: a reward model's ReLU between its layers is refused by name."""
+    llm, _, _ = prm
+    model = HookedLM(str(llm.model_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    _, cache = model.run_with_cache(torch.tensor([PROMPTS[0]]), return_type=None)
+    with pytest.raises(ValueError, match="^tokens: Qwen2ForProcessRewardModel's head is two layers with a ReLU"):
+        cache.logit_attrs(cache.decompose_resid(), 1)
 
 
 def test_an_outcome_reward_models_score_at_every_token(tmp_path):

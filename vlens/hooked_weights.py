@@ -455,14 +455,26 @@ class ModelWeights:
         return self._residual_directions(tokens, "tokens")
 
     def _residual_directions(self, tokens: Tokens, field: str) -> torch.Tensor:
+        """The rows the final norm's output is dotted with: the unembedding's of token ids, or a classifier's head's
+        of class indices (or one class's label): so on a classifier `cache.logit_attrs` gives each component's share
+        of a class's logit (a reward model's score, a yes/no reranker's yes less no)."""
+        head = self.llm.classifier
+        if head is not None and head.hidden is not None:
+            raise ValueError(f"{field}: {self.llm.config.classifier_name}'s head is two layers with a ReLU between, "
+                             "so its logits are no sum of the components' shares")  # fmt: skip
         if isinstance(tokens, str):
-            tokens = self.to_single_token(tokens)
+            if head is not None and tokens not in head.labels:
+                raise ValueError(f"{field}: {tokens!r} is no class of this classifier; its classes: "
+                                 f"{', '.join(head.labels)}")  # fmt: skip
+            tokens = head.labels.index(tokens) if head is not None else self.to_single_token(tokens)
         ids = torch.as_tensor(tokens)
-        vocab = self._model().cfg.vocab_size
+        what = "class indices" if head is not None else "token ids"
+        count = len(head.labels) if head is not None else self._model().cfg.vocab_size
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise ValueError(f"{field}: token ids are integers; got a tensor of {ids.dtype}")
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
-            raise ValueError(f"{field}: token ids must be in 0..{vocab - 1} (this model's vocabulary); got "
+            raise ValueError(f"{field}: {what} are integers; got a tensor of {ids.dtype}")
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < count):
+            raise ValueError(f"{field}: {what} must be in 0..{count - 1} (this model's "
+                             f"{'classes' if head is not None else 'vocabulary'}); got "
                              f"{int(ids.min())}..{int(ids.max())}")  # fmt: skip
-        rows = self._model().lm_head.weight.detach()
+        rows = head.weight if head is not None else self._model().lm_head.weight.detach()
         return rows[int(ids.reshape(()))] if ids.numel() == 1 else rows[ids.to(rows.device)]
