@@ -23,7 +23,7 @@ from server_helpers import running_server
 from test_classify import LABELS, PROMPTS, SIZES, _saved
 from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-from vlens import LLM, Capture, PoolingParams, PoolingRequestOutput, SamplingParams, Steer
+from vlens import LLM, Capture, HookedLM, PoolingParams, PoolingRequestOutput, SamplingParams, Steer
 from vlens.server.config import ServerConfig
 
 TEXTS = ["The capital of France is", "Hi", "Activations, at every token of a prompt, as vLLM users read them."]
@@ -190,6 +190,9 @@ def test_a_base_models_checkpoint_gives_hfs_last_hidden_states(name, config, tmp
     with pytest.raises(ValueError, match=f"^capture.logit_lens: {name}: a base model's"):
         llm.generate(PROMPTS, SamplingParams(max_tokens=0, capture=Capture("blocks.0.hook_resid_post", logit_lens=2)))
     assert "unembed.hook_out" not in llm.hook_names()
+    hooked = HookedLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    with pytest.raises(ValueError, match=f"^tokens: {name}: a base model's checkpoint has no LM head"):
+        hooked.tokens_to_residual_directions(0)  # (what logit attributions read)
 
 
 @pytest.mark.parametrize("mode, normalized", [("pooling_mode_lasttoken", True), ("pooling_mode_mean_tokens", False)])

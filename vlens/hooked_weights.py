@@ -459,6 +459,8 @@ class ModelWeights:
         of class indices (or one class's label): so on a classifier `cache.logit_attrs` gives each component's share
         of a class's logit (a reward model's score, a yes/no reranker's yes less no)."""
         head = self.llm.classifier
+        if head is None and self.llm.config.no_token_logits:  # (a base model's: no head, no unembedding)
+            raise ValueError(f"{field}: {self.llm.config.no_token_logits}")
         if head is not None and head.hidden is not None:
             raise ValueError(f"{field}: {self.llm.config.classifier_name}'s head is two layers with a ReLU between, "
                              "so its logits are no sum of the components' shares")  # fmt: skip
