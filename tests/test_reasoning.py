@@ -17,13 +17,14 @@ import torch
 from server_helpers import running_server
 
 from vlens import LLM, SamplingParams, StructuredOutputsParams
-from vlens.reasoning import PARSERS, ThinkingEnd
+from vlens.reasoning import HARMONY_END, PARSERS, ThinkingEnd
 from vlens.server.config import ServerConfig
 from vlens.server.reasoning import split
 from vlens.server.responses import Shape
 from vlens.server.tool_parsers import PARSERS as TOOL_PARSERS
 from vlens.server.tools import ToolReply
 
+THINK = PARSERS["deepseek_r1"]  # (<think>...</think>)
 SHOTS = [
     {"role": "system", "content": "Think first inside <think></think>, then answer."},
     {"role": "user", "content": "What is 2 + 2?"},
@@ -43,7 +44,42 @@ SHOTS = [
      ("</think>Answer", ("", "Answer"))],
 )  # fmt: skip
 def test_a_reply_splits_at_the_end_of_its_thinking(text, want):
-    assert split(text, done=True) == want
+    assert split(text, True, THINK) == want
+
+
+HARMONY = "<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final<|message|>7"
+
+
+def test_gpt_oss_replies_split_at_the_final_channel():
+    """vLLM's openai_gptoss: a harmony reply's analysis message is the reasoning and its final one the content,
+    whole and streamed a character at a time (no delta carries a piece of a channel's header); cut short in the
+    analysis, all reasoning. Its tags are special tokens, so the server keeps them in the reply's text."""
+    gptoss = PARSERS["openai_gptoss"]
+    assert gptoss.special and gptoss.thinking(None) and not THINK.special
+    assert split(HARMONY, True, gptoss) == ("Add them.", "7")
+    assert split(HARMONY[:40], True, gptoss) == (HARMONY[len(gptoss.start):40], None)
+    deltas, finish = _streamed(Shape(chat=True, model="m", logprobs=None, text=str, thinking=gptoss), HARMONY)
+    assert (_joined(deltas, "reasoning"), _joined(deltas, "content"), finish) == ("Add them.", "7", "stop")
+    assert not any("<|" in (d.get("reasoning") or "") + (d.get("content") or "") for d in deltas)
+
+
+def test_gpt_oss_thinks_where_its_prompt_opens_a_reply():
+    """The engine's end of gpt-oss's thinking is the final channel's header, as vLLM's: a prompt that ends with an
+    assistant's turn to write thinks first; one whose last final message follows nothing thought is past it (vLLM
+    reads a conversation's earlier final answers so too)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {w: i for i, w in enumerate(["user", "assistant", "analysis", "final", "hi", "yes"])}
+    inner = Tokenizer(models.WordLevel(words, unk_token="hi"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start|>", "<|end|>", "<|channel|>", "<|message|>"]})
+    end = ThinkingEnd.of(tokenizer, PARSERS["openai_gptoss"])
+    prompt = tokenizer.encode("<|start|>user<|message|>hi<|end|><|start|>assistant", add_special_tokens=False)
+    assert end.end == tuple(tokenizer.encode(HARMONY_END, add_special_tokens=False)) and end.thinks(prompt)
+    answered = prompt + tokenizer.encode("<|channel|>final<|message|>yes<|end|>", add_special_tokens=False)
+    assert not end.thinks(answered + prompt[-2:])
 
 
 def test_enable_thinking_false_turns_qwen3s_thinking_off():
@@ -59,7 +95,7 @@ def test_deepseek_v3s_thinking_is_off_unless_asked():
     assert v3.thinking({"thinking": True}) and v3.thinking({"enable_thinking": True})
     text = "<think>Hm.</think>Yes."
     for kwargs, want in [(None, (None, text)), ({"thinking": True}, ("Hm.", "Yes."))]:
-        thinking = v3.thinking(kwargs)
+        thinking = v3 if v3.thinking(kwargs) else None
         message = Shape(chat=True, model="m", logprobs=None, text=str, thinking=thinking).choice(
             0, text, [], [], "stop")["message"]  # fmt: skip
         assert (message.get("reasoning"), message["content"]) == want
@@ -84,12 +120,12 @@ def _joined(deltas: list[dict], key: str) -> str:
 def test_streamed_thinking_comes_in_order_and_whole(text):
     """Joined, the deltas are the reply's two parts; no delta before the last carries a piece of a tag (what may be
     one waits: at the end, "<thin" is text)."""
-    reasoning, content = split(text, done=True)
-    deltas, finish = _streamed(Shape(chat=True, model="m", logprobs=None, text=str, thinking=True), text)
+    reasoning, content = split(text, True, THINK)
+    deltas, finish = _streamed(Shape(chat=True, model="m", logprobs=None, text=str, thinking=THINK), text)
     assert (_joined(deltas, "reasoning"), _joined(deltas, "content") or None, finish) == (reasoning, content, "stop")
     assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)  # (vLLM's older name, kept)
     assert not any("<" in (d.get("reasoning") or "") + (d.get("content") or "") for d in deltas[:-1])
-    hidden = Shape(chat=True, model="m", logprobs=None, text=str, thinking=True, include_reasoning=False)
+    hidden = Shape(chat=True, model="m", logprobs=None, text=str, thinking=THINK, include_reasoning=False)
     assert not any("reasoning" in d for d in _streamed(hidden, text)[0])
 
 
@@ -97,13 +133,13 @@ def test_tool_calls_after_the_thinking():
     """With a tool parser too, the calls are read from the content (the text after the thinking)."""
     text = '<think>Need the weather.</think>Checking.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
     tools = ToolReply(None, TOOL_PARSERS["hermes"])
-    shape = Shape(chat=True, model="m", logprobs=None, text=str, tools=tools, thinking=True)
+    shape = Shape(chat=True, model="m", logprobs=None, text=str, tools=tools, thinking=THINK)
     full = shape.choice(0, text, [], [], "stop")
     message = full["message"]
     assert (message["reasoning"], message["content"], full["finish_reason"]) == (
         "Need the weather.", "Checking.", "tool_calls")  # fmt: skip
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("f", '{"a": 1}')]
-    deltas, finish = _streamed(Shape(chat=True, model="m", logprobs=None, text=str, tools=tools, thinking=True), text)
+    deltas, finish = _streamed(Shape(chat=True, model="m", logprobs=None, text=str, tools=tools, thinking=THINK), text)
     assert (_joined(deltas, "reasoning"), _joined(deltas, "content"), finish) == (
         "Need the weather.", "Checking.", "tool_calls")  # fmt: skip
     pieces = [c for d in deltas for c in d.get("tool_calls") or ()]

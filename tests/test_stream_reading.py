@@ -10,13 +10,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vlens.reasoning import PARSERS as REASONING
 from vlens.server.responses import Shape
 from vlens.server.tool_parsers import PARSERS
 from vlens.server.tools import ToolReply
 
 PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}', "; ",
           '{"name": "g", "parameters": {}}', "<|python_tag|>", "[f(a=1)]", "[g()]", "[TOOL_CALLS]", "[ARGS]", "Sure.",
-          " ", "\n", "<", "think", "tool", "{", "[", "}", "]", "é", ", "]  # fmt: skip
+          " ", "\n", "<", "think", "tool", "{", "[", "}", "]", "é", ", ", "<|channel|>analysis<|message|>", "<|end|>",
+          "<|start|>assistant<|channel|>final<|message|>", "<|"]  # fmt: skip
 TOOLS = [None, ToolReply(None, PARSERS["hermes"]), ToolReply(None, PARSERS["llama3_json"]),
          ToolReply(None, PARSERS["pythonic"]), ToolReply(None, PARSERS["mistral"]), ToolReply(None),
          ToolReply("f")]  # fmt: skip
@@ -44,12 +46,12 @@ def _joined(deltas: list[dict]) -> list[tuple[str, str]] | None:
     pieces=st.lists(st.sampled_from(PIECES), max_size=12),
     cuts=st.lists(st.integers(0, 200), max_size=8),
     tools=st.sampled_from(TOOLS),
-    thinking=st.booleans(),
+    thinking=st.sampled_from([None, REASONING["deepseek_r1"], REASONING["openai_gptoss"]]),
     reason=st.sampled_from(["stop", "length"]),
 )
 def test_a_streamed_reply_says_what_the_whole_reply_says(pieces, cuts, tools, thinking, reason):
     text = "".join(pieces)
-    if tools is None and not thinking:
+    if tools is None and thinking is None:
         return  # (neither parser: the plain path, not read)
     whole = Shape(chat=True, model="m", logprobs=None, text=str, tools=tools, thinking=thinking).choice(
         0, text, [], [], reason)  # fmt: skip

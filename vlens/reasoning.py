@@ -1,6 +1,6 @@
 """A reasoning model's thinking: DeepSeek-R1's, Qwen3's and DeepSeek-V3.1's replies think inside `<think>...</think>`
-(the opening tag often in the prompt, put there by the chat template) and answer after it; vLLM's reasoning parsers
-name them.
+(the opening tag often in the prompt, put there by the chat template) and answer after it; gpt-oss's (OpenAI's harmony
+format) in its analysis channel, its answer in the final channel after it. vLLM's reasoning parsers name them.
 
 An engine made with a parser (`LLM(..., reasoning_parser=...)`, `vlens serve --reasoning-parser`) lets a structured
 request think first, as vLLM's: its structure holds the text only after the thinking's end (ThinkingEnd); the server
@@ -13,17 +13,25 @@ from dataclasses import dataclass
 from typing import Any
 
 START, END = "<think>", "</think>"
+# gpt-oss: a reply opens its analysis channel (the prompt ends with `<|start|>assistant`), ends that message and opens
+# the final channel's; special tokens all, which a reply's text keeps only with skip_special_tokens false
+HARMONY_START = "<|channel|>analysis<|message|>"
+HARMONY_END = "<|end|><|start|>assistant<|channel|>final<|message|>"
 
 
 @dataclass(frozen=True)
 class ThinkTags:
-    """`<think>...</think>` replies, thinking `by_default` unless a request's `switches` (its chat template's
-    variables, in chat_template_kwargs) say otherwise: a thinking model's false turns it off (Qwen3's
-    enable_thinking=False), a switchable one's true on (DeepSeek-V3.1's thinking=True); off, the reply is all
-    content."""
+    """Replies that think between `start` and `end` (`<think>...</think>`), thinking `by_default` unless a request's
+    `switches` (its chat template's variables, in chat_template_kwargs) say otherwise: a thinking model's false turns
+    it off (Qwen3's enable_thinking=False), a switchable one's true on (DeepSeek-V3.1's thinking=True); off, the reply
+    is all content. `special`: the tags are special tokens (gpt-oss's), so the server reads replies with
+    skip_special_tokens false unless a request says."""
 
     switches: tuple[str, ...] = ()
     by_default: bool = True
+    start: str = START
+    end: str = END
+    special: bool = False
 
     def thinking(self, chat_template_kwargs: dict[str, Any] | None) -> bool:
         given = chat_template_kwargs or {}
@@ -33,15 +41,17 @@ class ThinkTags:
 
 
 # vLLM's names: DeepSeek-R1 (and QwQ) always thinks; Qwen3 unless enable_thinking is false; DeepSeek-V3.1 only when
-# thinking (or enable_thinking, as vLLM reads it too) is true
+# thinking (or enable_thinking, as vLLM reads it too) is true; gpt-oss always (its reasoning_effort sets how long)
 PARSERS = {"deepseek_r1": ThinkTags(), "qwen3": ThinkTags(("enable_thinking",)),
-           "deepseek_v3": ThinkTags(("thinking", "enable_thinking"), by_default=False)}  # fmt: skip
+           "deepseek_v3": ThinkTags(("thinking", "enable_thinking"), by_default=False),
+           "openai_gptoss": ThinkTags(start=HARMONY_START, end=HARMONY_END, special=True)}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ThinkingEnd:
-    """The tags as the model's tokenizer spells them (one special token each in DeepSeek-R1's and Qwen3's), and
-    whether the parser's model thinks unless its prompt says otherwise (ThinkTags.by_default)."""
+    """The tags as the model's tokenizer spells them (one special token each in DeepSeek-R1's and Qwen3's; gpt-oss's
+    end is its final channel's header), and whether the parser's model thinks unless its prompt says otherwise
+    (ThinkTags.by_default)."""
 
     start: tuple[int, ...]
     end: tuple[int, ...]
@@ -51,7 +61,7 @@ class ThinkingEnd:
     def of(cls, tokenizer: Any, tags: ThinkTags) -> ThinkingEnd:
         if tokenizer is None:
             raise ValueError("reasoning_parser: needs the checkpoint's tokenizer, to find where the thinking ends")
-        start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False)) for tag in (START, END))
+        start, end = (tuple(tokenizer.encode(tag, add_special_tokens=False)) for tag in (tags.start, tags.end))
         return cls(start, end, tags.by_default)
 
     def thinks(self, ids: list[int]) -> bool:

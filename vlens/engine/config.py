@@ -60,8 +60,9 @@ class EngineConfig:
         "a folder holding such a file", check=source_problem,
     )  # fmt: skip
     reasoning_parser: str | None = setting(
-        None, "a reasoning model's (vLLM's): deepseek_r1, qwen3 or deepseek_v3; a structured request thinks first, its "
-        "structure holding the text only after the thinking's </think> (at once where the prompt ends its thinking)",
+        None, "a reasoning model's (vLLM's): deepseek_r1, qwen3, deepseek_v3 or openai_gptoss; a structured request "
+        "thinks first, its structure holding the text only after the thinking's end (</think>, gpt-oss's final "
+        "channel; at once where the prompt ends its thinking)",
         choices=tuple(REASONING_PARSERS),
     )  # fmt: skip
     scheduling_policy: str = setting(

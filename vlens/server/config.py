@@ -173,7 +173,8 @@ class ServerConfig:
         None, "read chat replies as a reasoning model's: the thinking inside <think>...</think> as the message's "
         "reasoning, the answer after it as its content: deepseek_r1 (DeepSeek-R1, QwQ), qwen3 (Qwen3; its "
         "enable_thinking=false leaves the reply content), deepseek_v3 (DeepSeek-V3.1: content unless "
-        "chat_template_kwargs thinking=true); the engine's too (a structured request thinks first)",
+        "chat_template_kwargs thinking=true), openai_gptoss (gpt-oss: its analysis channel the reasoning, its final "
+        "channel the content); the engine's too (a structured request thinks first)",
         choices=tuple(REASONING_PARSERS),
     )  # fmt: skip
 

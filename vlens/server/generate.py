@@ -26,6 +26,7 @@ from vlens.engine.lora import LoRARequest
 from vlens.images import ImageEncoder, PromptImages, chat_images
 from vlens.inputs import ImagePrompt, to_token_lists, truncated
 from vlens.outputs import RequestOutput
+from vlens.reasoning import ThinkTags
 from vlens.sampling_params import SamplingParams
 from vlens.server.activations import ActivationStore, capture_bound, encode, owner_of, present
 from vlens.server.admission import Admission
@@ -192,9 +193,11 @@ class Generator:
         images: PromptImages | None = None,
     ) -> Prepared:  # fmt: skip
         tools = body.tool_reply(self.config.tool_parser()) if chat else None
-        if tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens:
-            if "skip_special_tokens" not in body.model_fields_set:  # (as vLLM's parser adjusts the request)
-                body.skip_special_tokens = False
+        thinking = self._thinking(body) if chat else None
+        keeps = (tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens) or \
+            (thinking is not None and thinking.special)  # fmt: skip
+        if keeps and "skip_special_tokens" not in body.model_fields_set:  # (as vLLM's parsers adjust the request)
+            body.skip_special_tokens = False
         steers = self.steers_of(body.model)
         extension = parse_extension(body.vlens, self.extension)
         if steers:
@@ -217,7 +220,7 @@ class Generator:
             requests=list(requests),
             shape=Shape(chat=chat, model=body.model or self.model_name, logprobs=logprobs,
                         text=_token_id_text if body.return_tokens_as_token_ids else self.token_text,
-                        tools=tools, thinking=chat and self._thinking(body),
+                        tools=tools, thinking=thinking,
                         include_reasoning=not chat or body.include_reasoning),
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
@@ -231,13 +234,13 @@ class Generator:
             structure_field=body.structure_field(),
         )
 
-    def _thinking(self, body: ChatRequest) -> bool:
-        """Whether the reply is read as a reasoning model's: a server with a reasoning parser, thinking asked for
+    def _thinking(self, body: ChatRequest) -> ThinkTags | None:
+        """The tags the reply is read by as a reasoning model's: a server with a reasoning parser, thinking asked for
         (Qwen3's enable_thinking), no structure holding the reply from its first token (an engine with a reasoning
-        parser lets a structured request think first: vlens.reasoning)."""
+        parser lets a structured request think first: vlens.reasoning); None where it is not."""
         tags = self.config.think_tags()
         held = body.structure_field() is not None and self.engine.engine.thinking_end is None
-        return tags is not None and tags.thinking(body.chat_template_kwargs) and not held
+        return tags if tags is not None and tags.thinking(body.chat_template_kwargs) and not held else None
 
     def _request(
         self,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlens.outputs import Logprob
+from vlens.reasoning import ThinkTags
 from vlens.server.reasoning import split
 from vlens.server.tools import ToolReply
 
@@ -111,7 +112,7 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' text_offset per choice
     tools: ToolReply | None = None  # a chat's reply read back as tool calls (vlens.server.tools)
-    thinking: bool = False  # a chat's reply read as a reasoning model's (vlens.server.reasoning)
+    thinking: ThinkTags | None = None  # a chat's reply read as a reasoning model's, its tags (vlens.server.reasoning)
     include_reasoning: bool = True  # ... its reasoning in the response (vLLM's include_reasoning)
     streams: dict[int, _Stream] = field(default_factory=dict)  # each streamed choice's, read so (by index)
 
@@ -167,7 +168,7 @@ class Shape:
         done = not delta or finish_reason is not None
         stream = self.streams.setdefault(index, _Stream()) if delta else _Stream()
         stream.text += text
-        reasoning, content = split(stream.text, done) if self.thinking else (None, stream.text)
+        reasoning, content = split(stream.text, done, self.thinking) if self.thinking else (None, stream.text)
         if reasoning is not None and self.include_reasoning and (len(reasoning) > stream.reasoning or not delta):
             message["reasoning"] = message["reasoning_content"] = reasoning[stream.reasoning:]
             stream.reasoning = len(reasoning)
