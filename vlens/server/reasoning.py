@@ -5,9 +5,9 @@ With a parser, a chat reply's message carries the thinking as `reasoning` (and `
 vLLM keeps both) and the answer as `content`; streamed, each goes out in its own deltas as it comes. A reply that
 stops while still thinking is all reasoning; Qwen3's with `chat_template_kwargs: {"enable_thinking": false}` (no
 thinking asked for) is all content. gpt-oss's (openai_gptoss) is its analysis channel's message and its final
-channel's, read with the special tokens that mark them. A structured reply (response_format, a forced tool choice) is split so where its
-engine lets it think first (the engine's own reasoning_parser, which `vlens serve --reasoning-parser` sets too);
-elsewhere its structure holds it from its first token, and it is content.
+channel's, read with the special tokens that mark them. A structured reply (response_format, a forced tool choice)
+is split so where its engine lets it think first (the engine's own reasoning_parser, which `vlens serve
+--reasoning-parser` sets too); elsewhere its structure holds it from its first token, and it is content.
 """
 
 from __future__ import annotations
