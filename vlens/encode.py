@@ -61,13 +61,11 @@ class PoolingParams:
             value = getattr(self, field)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected a bool or None")
-        for field in ("dimensions", "step_tag_id"):
+        for field, least in (("dimensions", 1), ("step_tag_id", 0)):
             value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0 or
-                                      (field == "dimensions" and value < 1)):  # fmt: skip
-                at_least = 1 if field == "dimensions" else 0
-                raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected an integer >= "
-                                 f"{at_least} or None")  # fmt: skip
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ValueError(f"pooling_params.{field}: {value!r} is not allowed; expected an integer >= {least} "
+                                 "or None")  # fmt: skip
         ids = self.returned_token_ids
         if ids is not None:
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids or \
