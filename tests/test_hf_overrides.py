@@ -6,7 +6,9 @@ hidden state cut, then normalised; every refusal naming its field before any wor
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +28,7 @@ DOCUMENTS = ["The capital of China is Beijing.", "Gravity is a force that attrac
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
             "is_original_qwen3_reranker": True}  # fmt: skip (vLLM's recipe for Qwen/Qwen3-Reranker-*)
 normalize = torch.nn.functional.normalize
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _causal_lm(path, tokenizer_from, tied: bool) -> torch.nn.Module:
@@ -124,6 +127,22 @@ def test_a_rerankers_yes_is_the_sum_of_its_components_shares(causal_lm):
         cache.logit_attrs(stack, "no")
     with pytest.raises(ValueError, match=r"^tokens: class indices must be in 0\.\.0 \(this model's classes\)"):
         cache.logit_attrs(stack, 1)
+
+
+def test_the_reranker_attribution_example(causal_lm):
+    """examples/reranker_attribution.py on a random Qwen3 read as a reranker: its ranking is LLM.score's, and the
+    best document's direct shares sum to the logit whose sigmoid is its score."""
+    spec = importlib.util.spec_from_file_location("reranker_attribution", EXAMPLES / "reranker_attribution.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    path, _ = causal_lm
+    model = HookedLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20, hf_overrides=RERANKER)
+    found = example.rank_and_attribute(model, example.QUERY, example.DOCUMENTS, top=3)
+    scores = [p[1] for p in found["ranked"]]
+    assert sorted(p[0] for p in found["ranked"]) == sorted(example.DOCUMENTS) and scores == sorted(scores)[::-1]
+    assert abs(torch.sigmoid(torch.tensor(found["yes_less_no"])).item() - scores[0]) < 1e-5
+    assert len(found["parts"]) == len(found["heads"]) == 3
+    assert all(label.startswith("L") and "H" in label for label, _ in found["heads"])
 
 
 def test_two_ranks_read_the_head_from_the_whole_unembedding(causal_lm):
