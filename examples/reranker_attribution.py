@@ -46,6 +46,6 @@ if __name__ == "__main__":
     found = rank_and_attribute(HookedLM(hf_overrides=RERANKER, dtype="float32", device="cpu"), QUERY, DOCUMENTS)
     for document, score in found["ranked"]:
         print(f"P(yes) {score:.3f}  {document}")
-    print(f"the best document's yes less no at its last token: {found['yes_less_no']:+.3f}, whose largest direct shares")
+    print(f"the best document's yes less no at its last token: {found['yes_less_no']:+.3f}; its largest shares")
     for label, share in found["parts"] + found["heads"]:
         print(f"  {label:<12} {share:+.3f}")

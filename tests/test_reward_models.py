@@ -132,9 +132,10 @@ def test_step_pooling_refused_by_name(prm):
         with pytest.raises(ValueError) as e:
             llm.encode(PROMPTS, params, pooling_task=task)
         assert message in str(e.value)
-    for bad, message in [(dict(step_tag_id=-1), "pooling_params.step_tag_id: -1 is not allowed"),
-                         (dict(returned_token_ids=[]), "pooling_params.returned_token_ids: [] is not allowed"),
-                         (dict(returned_token_ids="1"), "pooling_params.returned_token_ids: '1' is not allowed")]:  # fmt: skip
+    bad_fields = [(dict(step_tag_id=-1), "pooling_params.step_tag_id: -1 is not allowed"),
+                  (dict(returned_token_ids=[]), "pooling_params.returned_token_ids: [] is not allowed"),
+                  (dict(returned_token_ids="1"), "pooling_params.returned_token_ids: '1' is not allowed")]  # fmt: skip
+    for bad, message in bad_fields:
         with pytest.raises(ValueError) as e:
             PoolingParams(**bad)
         assert message in str(e.value)
