@@ -103,10 +103,21 @@ def test_hooks_lists_every_name_with_its_shape(smol):
     assert listed == {name: str(shape) for name, shape in smol.hook_names().items()}
 
 
+def test_hooks_read_the_config_under_hf_overrides(smol4_path):
+    """--hf-overrides (vLLM's) changes the config whose hooks are listed: two of smol4's four layers; read as a
+    classifier, no unembedding's hook."""
+    overrides = '{"num_hidden_layers": 2, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}'
+    status, stdout = run_main(["hooks", "--model", str(smol4_path), "--hf-overrides", overrides])
+    listed = dict(line.split(None, 1) for line in stdout.splitlines())
+    assert status == 0 and "blocks.1.hook_resid_post" in listed and "blocks.2.hook_resid_post" not in listed
+    assert "unembed.hook_out" not in listed and "ln_final.hook_out" in listed
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["trace", "x", "--hooks", "hook_embed", "--dtype", "int8"], "dtype: 'int8' is not one of auto, float32"),
+        (["hooks", "--hf-overrides", "[1]"], "hf_overrides: expected a dict of names (a JSON object), got [1]"),
         (["trace", "x", "--hooks", "hook_embed", "--device", "tpu"], "device: 'tpu' is not one of auto, cpu, cuda"),
         (["hooks", "--model", "{tmp}/missing"], "/missing' does not exist (expected a directory, .gguf file"),
         (["hooks", "--model", "{tmp}"], "has no config.json; is it a HF checkpoint?"),

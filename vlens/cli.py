@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from vlens.capture import Capture, Positions, TunedLens
 from vlens.capture.names import hook_shapes, is_pattern
 from vlens.capture.rows import widen
+from vlens.config import ModelConfig
 from vlens.engine.config import EngineConfig
 from vlens.harvest import cli as harvest_cli
 from vlens.harvest.dataset import difference_of_means
@@ -34,7 +35,7 @@ from vlens.server import cli as server_cli
 from vlens.settings import add_flags, from_args, values
 from vlens.steering import AGGREGATORS, SteeringVector, train_steering_vector
 
-MODEL_FLAGS = {"model", "revision"}  # what names the model, in every command that loads one
+MODEL_FLAGS = {"model", "revision", "hf_overrides"}  # what names the model, in every command that loads one
 TRACE_ABOUT = "Run the texts through the model and print, per text, each hook's shape, dtype and mean row norm."
 TRACE_FILE = (
     "--out writes one safetensors file with the texts packed back to back, one row per token: a tensor "
@@ -67,7 +68,7 @@ LENS_ABOUT = (
 
 def _cmd_hooks(args: argparse.Namespace) -> int:
     # Only the config is read: listing the hooks of a large model should not load its weights.
-    shapes = hook_shapes(model_config(args.model, args.revision))
+    shapes = hook_shapes(_model_config(args))
     width = max(map(len, shapes))
     for name, shape in shapes.items():
         print(f"{name:<{width}}  {shape}")
@@ -215,7 +216,7 @@ def _cmd_lens(args: argparse.Namespace) -> int:
     sae = None if args.sae is None else SAE.load(args.sae, hook=args.sae_hook)  # before the model loads
     tuned = None if args.tuned_lens is None else TunedLens.load(args.tuned_lens)
     if args.attention_layers:
-        layers = model_config(args.model, args.revision).num_layers
+        layers = _model_config(args).num_layers
         for layer in args.attention_layers:
             if not 0 <= layer < layers:
                 raise ValueError(f"--attention-layers: {layer} is not a layer of this model (0 .. {layers - 1})")
@@ -252,6 +253,12 @@ def _at_least(flag: str, value: int, minimum: int) -> None:
     """A count flag checked before the model loads (the request it becomes is built only after)."""
     if value < minimum:
         raise ValueError(f"{flag}: must be an integer >= {minimum}, got {value}")
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    """The config of the model the command's flags name (MODEL_FLAGS, validated as the engine's settings)."""
+    named = from_args(EngineConfig, args)
+    return model_config(named.model, named.revision, named.hf_overrides)
 
 
 def _llm(args: argparse.Namespace) -> LLM:

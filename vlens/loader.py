@@ -232,12 +232,14 @@ def _is_hub_id(model: str | os.PathLike | None) -> bool:
     return str(model).count("/") == 1 and not str(model).startswith((".", "/", "~"))
 
 
-def model_config(model: str | os.PathLike | None, revision: str | None = None) -> ModelConfig:
+def model_config(
+    model: str | os.PathLike | None, revision: str | None = None, hf_overrides: dict[str, Any] | None = None
+) -> ModelConfig:
     """The description of `model` without its weights: of a hub model only config.json is fetched (listing the
     hooks of a 70B model downloads no weight)."""
     if _is_hub_id(model):
-        return read_config(_hub_snapshot(str(model), revision, ["config.json"]))
-    return read_config(resolve_model_path(model, revision))
+        return read_config(_hub_snapshot(str(model), revision, ["config.json"]), hf_overrides)
+    return read_config(resolve_model_path(model, revision), hf_overrides)
 
 
 def checkpoint_of(path: Path) -> tuple[Path, Path | None]:
