@@ -80,13 +80,13 @@ class PoolingParams:
             return self
         return replace(self, normalize=defaults.normalize is not False)
 
-    def check(self, task: str, cfg: ModelConfig, prefix: str = "pooling_params.") -> None:
+    def check(self, task: str, cfg: ModelConfig, prefix: str = "pooling_params.", hook: str = FINAL_NORM) -> None:
         """Raise naming the field (after `prefix`) that `task` does not read (vLLM refuses it too), a width this
-        model's embeddings may not be cut to, or a class its head does not have."""
+        model's embeddings (of `hook`: LLM.embed reads any) may not be cut to, or a class its head does not have."""
         for field in ("normalize", "use_activation", "dimensions", "step_tag_id", "returned_token_ids"):
             if getattr(self, field) is not None and field not in READS[task]:
                 raise ValueError(f"{prefix}{field}: {task!r} does not read it; it reads {', '.join(READS[task])}")
-        check_dimensions(self.dimensions, cfg, field=f"{prefix}dimensions")
+        check_dimensions(self.dimensions, cfg, hook, f"{prefix}dimensions")
         classes = len(cfg.classifier_labels)
         for i in self.returned_token_ids or ():
             if not 0 <= i < classes:

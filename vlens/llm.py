@@ -30,7 +30,7 @@ from vlens.classify import (
     pairs,
 )
 from vlens.distributed.executor import Executor
-from vlens.embedding import DEFAULT_HOOK, EmbeddingDefaults, check_dimensions, embedding_of, embedding_params
+from vlens.embedding import DEFAULT_HOOK, EmbeddingDefaults, embedding_of, embedding_params
 from vlens.encode import PoolingParams, bi_encoder, check_task, cosine, pooled, pooling_request
 from vlens.engine.config import EngineConfig
 from vlens.engine.llm_engine import EngineStats, LLMEngine, NewRequest
@@ -285,12 +285,11 @@ class LLM:
             raise ValueError(f"normalize: {normalize!r} is not allowed; expected a bool")
         dimensions = None
         if pooling_params is not None:
-            self._check_pooling_params(pooling_params, "embed")
+            self._check_pooling_params(pooling_params, "embed", hook)
             if normalize is not None and pooling_params.normalize is not None:
                 raise ValueError("normalize: give it once, here or in pooling_params")
             normalize = pooling_params.normalize if normalize is None else normalize
             dimensions = pooling_params.dimensions
-            check_dimensions(dimensions, self.config, hook, "pooling_params.dimensions")
         defaults = self.embedding_defaults
         pooling = pooling or defaults.pooling or "mean"
         normalize = bool(defaults.normalize) if normalize is None else normalize
@@ -433,11 +432,11 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_pooling_params(self, params: object, task: str) -> None:
-        """Raise naming pooling_params unless it is one `task` reads on this model (vlens.encode)."""
+    def _check_pooling_params(self, params: object, task: str, hook: str = DEFAULT_HOOK) -> None:
+        """Raise naming pooling_params unless it is one `task` reads on this model, of `hook` (vlens.encode)."""
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params: expected a PoolingParams, got {type(params).__name__}")
-        params.check(task, self.config)
+        params.check(task, self.config, hook=hook)
 
     def check_fits(self, token_lists: list[list[int]], field: str) -> None:
         """A cache-less forward (trace, HookedLM) of texts within the model's length, as a prompt must be: past
